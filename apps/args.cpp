@@ -1,0 +1,129 @@
+#include "apps/args.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+#include "moecore/core/error.h"
+
+namespace moecore::apps {
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+Args& Args::option(const std::string& name, const std::string& def, const std::string& help) {
+  specs_[name] = {def, help, false};
+  order_.push_back(name);
+  return *this;
+}
+
+Args& Args::flag(const std::string& name, const std::string& help) {
+  specs_[name] = {"", help, true};
+  order_.push_back(name);
+  return *this;
+}
+
+Args& Args::positional(const std::string& name, const std::string& help) {
+  pos_specs_.emplace_back(name, help);
+  return *this;
+}
+
+std::string Args::help() const {
+  std::string s = "usage: moecore " + program_;
+  for (const auto& [n, h] : pos_specs_) s += " <" + n + ">";
+  s += " [options]\n";
+  for (const auto& [n, h] : pos_specs_) s += "  <" + n + ">\n      " + h + "\n";
+  for (const auto& n : order_) {
+    const Spec& sp = specs_.at(n);
+    s += "  " + n + (sp.is_flag ? "" : " VALUE") + "\n      " + sp.help;
+    if (!sp.is_flag && !sp.def.empty()) s += " (default: " + sp.def + ")";
+    s += "\n";
+  }
+  return s;
+}
+
+bool Args::parse(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(help().c_str(), stdout);
+      return false;
+    }
+    if (a.rfind("--", 0) != 0) {
+      pos_values_.push_back(a);
+      continue;
+    }
+    std::string value;
+    const size_t eq = a.find('=');
+    if (eq != std::string::npos) {
+      value = a.substr(eq + 1);
+      a = a.substr(0, eq);
+    }
+    auto it = specs_.find(a);
+    if (it == specs_.end()) {
+      std::string best;
+      size_t best_d = ~size_t{0};
+      for (const auto& [n, sp] : specs_) {
+        const size_t d = edit_distance(a, n);
+        if (d < best_d) best_d = d, best = n;
+      }
+      MOECORE_FAIL("unknown flag '", a, "'", best.empty() ? "" : "; did you mean '" + best + "'?",
+                   " (see moecore ", program_, " --help)");
+    }
+    if (it->second.is_flag) {
+      if (eq != std::string::npos) MOECORE_FAIL("flag '", a, "' takes no value");
+      values_[a] = "1";
+      continue;
+    }
+    if (eq == std::string::npos) {
+      if (i + 1 >= argc) MOECORE_FAIL("flag '", a, "' needs a value");
+      value = argv[++i];
+    }
+    values_[a] = value;
+  }
+  if (pos_values_.size() > pos_specs_.size())
+    MOECORE_FAIL("unexpected argument '", pos_values_[pos_specs_.size()], "' (see moecore ", program_, " --help)");
+  return true;
+}
+
+bool Args::given(const std::string& name) const { return values_.count(name) > 0; }
+
+std::string Args::str(const std::string& name) const {
+  auto it = values_.find(name);
+  if (it != values_.end()) return it->second;
+  auto sp = specs_.find(name);
+  MOECORE_CHECK(sp != specs_.end(), "flag ", name, " was not declared");
+  return sp->second.def;
+}
+
+int64_t Args::i64(const std::string& name) const {
+  const std::string v = str(name);
+  char* end = nullptr;
+  const long long x = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end) MOECORE_FAIL("flag '", name, "' expects an integer, got '", v, "'");
+  return x;
+}
+
+double Args::f64(const std::string& name) const {
+  const std::string v = str(name);
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end) MOECORE_FAIL("flag '", name, "' expects a number, got '", v, "'");
+  return x;
+}
+
+bool Args::on(const std::string& name) const { return given(name); }
+
+}  // namespace moecore::apps

@@ -1,0 +1,74 @@
+// `moecore bench <what>`: benchmark lines as JSON objects, one per line, on stdout.
+#include <cstdio>
+#include <string>
+
+#include "apps/args.h"
+#include "apps/commands.h"
+#include "apps/model_flags.h"
+#include "bench/attention_bench.h"
+#include "bench/gemm_bench.h"
+#include "bench/train_step_bench.h"
+
+namespace moecore::apps {
+namespace {
+
+void print_lines(const std::vector<std::string>& lines) {
+  for (const auto& l : lines) std::printf("%s\n", l.c_str());
+  std::fflush(stdout);
+}
+
+model::ModelConfig gpt2_small() {
+  model::ModelConfig c;
+  c.num_layers = 12;
+  c.hidden_size = 768;
+  c.num_attention_heads = 12;
+  c.vocab_size = 50257;
+  c.seq_length = 1024;
+  return c;
+}
+
+}  // namespace
+
+int bench_main(int argc, char** argv) {
+  const std::string what = argc >= 2 ? argv[1] : "";
+  if (what == "gemm") {
+    Args a("bench gemm");
+    if (!a.parse(argc - 1, argv + 1)) return 0;
+    print_lines(bench::bench_gemm_lines());
+    return 0;
+  }
+  if (what == "attention") {
+    Args a("bench attention");
+    a.option("--micro-batch-size", "1", "batch B")
+        .option("--seq-length", "1024", "sequence length S")
+        .option("--num-attention-heads", "12", "query heads")
+        .option("--num-query-groups", "12", "key/value heads")
+        .option("--kv-channels", "64", "head dim D")
+        .option("--iters", "3", "timed iterations (best is reported)")
+        .flag("--bf16", "bf16 inputs (f32 math)");
+    if (!a.parse(argc - 1, argv + 1)) return 0;
+    print_lines(bench::bench_attention_lines(a.i64("--micro-batch-size"), a.i64("--seq-length"),
+                                             a.i64("--num-attention-heads"), a.i64("--num-query-groups"),
+                                             a.i64("--kv-channels"), a.on("--bf16") ? DType::bf16 : DType::f32,
+                                             static_cast<int>(a.i64("--iters"))));
+    return 0;
+  }
+  if (what == "train-step") {
+    Args a("bench train-step");
+    add_model_flags(a, gpt2_small());
+    a.option("--micro-batch-size", "1", "sequences per step").option("--steps", "3", "timed steps");
+    if (!a.parse(argc - 1, argv + 1)) return 0;
+    print_lines(bench::bench_train_step(model_config_from(a), a.i64("--micro-batch-size"),
+                                        static_cast<int>(a.i64("--steps"))));
+    return 0;
+  }
+  std::fprintf(what.empty() || what == "--help" ? stdout : stderr,
+               "usage: moecore bench <gemm|attention|train-step> [options]\n"
+               "  gemm        GEMM sweep (square and GPT-2-small shapes), f32 and bf16\n"
+               "  attention   causal attention forward+backward\n"
+               "  train-step  one training step of a dense GPT (default: GPT-2 small, S=1024)\n"
+               "Each prints JSON lines with gflops, the in-run GEMM peak_gflops and their ratio.\n");
+  return what.empty() || what == "--help" ? 0 : 2;
+}
+
+}  // namespace moecore::apps

@@ -1,0 +1,7 @@
+// Entry points of the subcommands; each takes (argc, argv) with argv[0] = the subcommand name.
+#pragma once
+
+namespace moecore::apps {
+int train_main(int argc, char** argv);
+int bench_main(int argc, char** argv);
+}  // namespace moecore::apps

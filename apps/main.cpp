@@ -1,0 +1,39 @@
+// The moecore command-line program: one binary, one subcommand per job.
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "apps/commands.h"
+#include "moecore/core/error.h"
+
+namespace {
+void usage(std::FILE* out) {
+  std::fprintf(out,
+               "usage: moecore <command> [options]\n\n"
+               "commands:\n"
+               "  train   train a GPT model (see moecore train --help)\n"
+               "  bench   benchmarks: gemm, attention, train-step (see moecore bench --help)\n");
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string cmd = argv[1];
+  try {
+    if (cmd == "train") return moecore::apps::train_main(argc - 1, argv + 1);
+    if (cmd == "bench") return moecore::apps::bench_main(argc - 1, argv + 1);
+  } catch (const moecore::Error& e) {
+    std::fprintf(stderr, "moecore %s: error: %s\n", cmd.c_str(), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moecore %s: internal error: %s\n", cmd.c_str(), e.what());
+    return 3;
+  }
+  std::fprintf(stderr, "moecore: unknown command '%s'\n", cmd.c_str());
+  usage(stderr);
+  return 2;
+}

@@ -1,0 +1,9 @@
+// Megatron's model flags, shared by every subcommand that builds a model.
+#pragma once
+#include "apps/args.h"
+#include "moecore/model/config.h"
+
+namespace moecore::apps {
+void add_model_flags(Args& args, const model::ModelConfig& defaults);
+model::ModelConfig model_config_from(const Args& args);  // validated
+}  // namespace moecore::apps

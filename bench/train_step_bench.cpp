@@ -1,0 +1,72 @@
+#include "bench/train_step_bench.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "bench/bench_util.h"
+#include "moecore/core/rng.h"
+#include "moecore/model/gpt.h"
+#include "moecore/optim/adamw.h"
+
+namespace moecore::bench {
+
+std::vector<std::string> bench_train_step(const model::ModelConfig& cfg, int64_t micro_batch, int steps) {
+  const int64_t rss_before = memory_resident_bytes();
+  model::GptModel gpt(cfg, micro_batch, 1234);
+  optim::AdamW opt(gpt.params(), optim::AdamWConfig{});
+  const model::MemoryPlan plan = gpt.memory_plan(opt.state_bytes_per_param());
+  std::fprintf(stderr, "train-step: %s, micro-batch %lld, %lld parameters\n%s", cfg.summary().c_str(),
+               static_cast<long long>(micro_batch), static_cast<long long>(gpt.num_parameters()),
+               plan.format().c_str());
+  const int64_t N = micro_batch * cfg.seq_length;
+  Tensor tokens = Tensor::empty({micro_batch, cfg.seq_length}, DType::i32, MemCategory::other);
+  Tensor labels = Tensor::empty({micro_batch, cfg.seq_length}, DType::i32, MemCategory::other);
+  for (int64_t i = 0; i < N; ++i) {
+    tokens.data<int32_t>()[i] = static_cast<int32_t>(philox_uniform(philox_key(1, "bench.tokens"), i) * cfg.vocab_size);
+    labels.data<int32_t>()[i] = static_cast<int32_t>(philox_uniform(philox_key(1, "bench.labels"), i) * cfg.vocab_size);
+  }
+  auto one_step = [&] {
+    gpt.zero_grad();
+    const auto r = gpt.forward_backward(tokens, labels, 1.0f);
+    opt.step(1e-4f);
+    gpt.refresh_compute_weights();
+    return r.mean();
+  };
+  double loss = one_step();  // warm-up: primitive creation, first touch of every buffer
+  double best = 1e30, total = 0;
+  for (int s = 0; s < steps; ++s) {
+    const double t0 = now_seconds();
+    loss = one_step();
+    const double dt = now_seconds() - t0;
+    best = std::min(best, dt);
+    total += dt;
+  }
+  const double flops = gpt.flops_per_step();
+  const double peak = gemm_peak_gflops(cfg.compute_dtype);
+  const double achieved = flops / best / 1e9;
+  const int64_t hwm = memory_resident_peak_bytes();
+  const MemoryStats ms = memory_stats();
+  JsonLine line;
+  line.add("name", "train_step")
+      .add("dtype", std::string(dtype_name(cfg.compute_dtype)))
+      .add("layers", cfg.num_layers)
+      .add("hidden", cfg.hidden_size)
+      .add("seq", cfg.seq_length)
+      .add("micro_batch", micro_batch)
+      .add("model_gflop_per_step", flops / 1e9)
+      .add("step_seconds_best", best)
+      .add("step_seconds_mean", total / std::max(steps, 1))
+      .add("tokens_per_s", static_cast<double>(N) / best)
+      .add("gflops", achieved)
+      .add("peak_gflops", peak)
+      .add("ratio", achieved / peak)
+      .add("loss", loss)
+      .add("plan_bytes", plan.total())
+      .add("tracked_peak_bytes", ms.total_peak)
+      .add("rss_peak_bytes", hwm)
+      .add("rss_before_model_bytes", rss_before)
+      .add("rss_peak_over_plan", static_cast<double>(hwm) / static_cast<double>(plan.total()));
+  return {line.str()};
+}
+
+}  // namespace moecore::bench

@@ -1,0 +1,226 @@
+// Tensor views and the few whole-tensor helpers (fill, copy with conversion). Heavy math lives in
+// kernels/; these helpers exist so that tests, I/O and set-up code need no kernel calls.
+#include "moecore/core/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "moecore/core/backend_hooks.h"
+
+namespace moecore {
+
+Shape::Shape(std::initializer_list<int64_t> dims) {
+  MOECORE_CHECK(dims.size() <= kMaxDims, "tensor rank ", dims.size(), " exceeds ", kMaxDims);
+  for (int64_t v : dims) d[ndim++] = v;
+}
+
+int64_t Shape::numel() const {
+  int64_t n = 1;
+  for (int i = 0; i < ndim; ++i) n *= d[i];
+  return n;
+}
+
+bool Shape::operator==(const Shape& o) const {
+  if (ndim != o.ndim) return false;
+  for (int i = 0; i < ndim; ++i)
+    if (d[i] != o.d[i]) return false;
+  return true;
+}
+
+std::string Shape::str() const {
+  std::string s = "[";
+  for (int i = 0; i < ndim; ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+Storage::Storage(int64_t nbytes, Device dev, MemCategory cat) : bytes(nbytes), device(dev), category(cat) {
+  MOECORE_CHECK(nbytes >= 0, "negative allocation ", nbytes);
+  if (dev == Device::cpu) {
+    const size_t rounded = (static_cast<size_t>(nbytes) + 63) / 64 * 64;
+    data = std::aligned_alloc(64, rounded ? rounded : 64);
+    if (!data) throw Error("tensor: out of host memory allocating " + memory_format_bytes(nbytes));
+  } else {
+    data = device_alloc(nbytes);
+  }
+  memory_record_alloc(cat, nbytes);
+}
+
+Storage::~Storage() {
+  memory_record_free(category, bytes);
+  if (device == Device::cpu) std::free(data);
+  else device_free(data);
+}
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, MemCategory category, Device device) {
+  for (int i = 0; i < shape.ndim; ++i)
+    MOECORE_CHECK(shape[i] >= 0, "tensor: negative dimension in shape ", shape.str());
+  Tensor t;
+  t.storage_ = std::make_shared<Storage>(shape.numel() * static_cast<int64_t>(dtype_size(dtype)), device, category);
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  int64_t s = 1;
+  for (int i = shape.ndim - 1; i >= 0; --i) {
+    t.strides_[i] = s;
+    s *= shape[i];
+  }
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype, MemCategory category, Device device) {
+  Tensor t = empty(shape, dtype, category, device);
+  t.zero_();
+  return t;
+}
+
+bool Tensor::is_contiguous() const {
+  int64_t s = 1;
+  for (int i = shape_.ndim - 1; i >= 0; --i) {
+    if (shape_[i] != 1 && strides_[i] != s) return false;
+    s *= shape_[i];
+  }
+  return true;
+}
+
+Tensor Tensor::view(const Shape& shape) const {
+  MOECORE_CHECK(is_contiguous(), "tensor.view: tensor ", str(), " is not contiguous");
+  MOECORE_CHECK(shape.numel() == numel(), "tensor.view: cannot view ", str(), " as ", shape.str());
+  Tensor t = *this;
+  t.shape_ = shape;
+  int64_t s = 1;
+  for (int i = shape.ndim - 1; i >= 0; --i) {
+    t.strides_[i] = s;
+    s *= shape[i];
+  }
+  return t;
+}
+
+Tensor Tensor::slice(int d, int64_t start, int64_t end) const {
+  if (d < 0) d += shape_.ndim;
+  MOECORE_CHECK(d >= 0 && d < shape_.ndim, "tensor.slice: dim ", d, " out of range for ", str());
+  MOECORE_CHECK(0 <= start && start <= end && end <= shape_[d], "tensor.slice: [", start, ", ", end,
+                ") out of range for dim ", d, " of ", str());
+  Tensor t = *this;
+  t.offset_ += start * strides_[d];
+  t.shape_[d] = end - start;
+  return t;
+}
+
+Tensor Tensor::select(int d, int64_t index) const {
+  if (d < 0) d += shape_.ndim;
+  Tensor t = slice(d, index, index + 1);
+  for (int i = d; i + 1 < t.shape_.ndim; ++i) {
+    t.shape_[i] = t.shape_[i + 1];
+    t.strides_[i] = t.strides_[i + 1];
+  }
+  --t.shape_.ndim;
+  return t;
+}
+
+Tensor Tensor::flatten_to_2d() const {
+  MOECORE_CHECK(shape_.ndim >= 1, "tensor.flatten_to_2d: scalar tensor");
+  const int64_t last = shape_[shape_.ndim - 1];
+  return view(Shape{last ? numel() / last : 0, last});
+}
+
+namespace {
+// Calls fn(element_offset) for every element of a strided tensor, in row-major order.
+template <class Fn>
+void for_each_offset(const Shape& shape, const int64_t* strides, Fn&& fn) {
+  int64_t idx[kMaxDims] = {};
+  const int64_t n = shape.numel();
+  for (int64_t k = 0; k < n; ++k) {
+    int64_t off = 0;
+    for (int i = 0; i < shape.ndim; ++i) off += idx[i] * strides[i];
+    fn(k, off);
+    for (int i = shape.ndim - 1; i >= 0; --i) {
+      if (++idx[i] < shape[i]) break;
+      idx[i] = 0;
+    }
+  }
+}
+}  // namespace
+
+void Tensor::zero_() {
+  if (!defined()) return;
+  if (device() != Device::cpu) {
+    MOECORE_CHECK(is_contiguous(), "tensor.zero_: strided device tensors are not supported");
+    device_memset(raw(), 0, nbytes());
+    return;
+  }
+  if (is_contiguous()) {
+    std::memset(raw(), 0, nbytes());
+    return;
+  }
+  const size_t es = dtype_size(dtype_);
+  char* base = static_cast<char*>(raw());
+  for_each_offset(shape_, strides_, [&](int64_t, int64_t off) { std::memset(base + off * es, 0, es); });
+}
+
+void Tensor::fill_(float value) {
+  MOECORE_CHECK(dtype_is_float(dtype_) && device() == Device::cpu, "tensor.fill_: needs a float CPU tensor, got ",
+                str());
+  char* base = static_cast<char*>(raw());
+  const size_t es = dtype_size(dtype_);
+  for_each_offset(shape_, strides_,
+                  [&](int64_t, int64_t off) { convert(base + off * es, dtype_, &value, DType::f32, 1); });
+}
+
+void Tensor::copy_from(const Tensor& src) {
+  MOECORE_CHECK(src.shape() == shape_, "tensor.copy_from: shape ", src.str(), " into ", str());
+  if (device() != Device::cpu || src.device() != Device::cpu) {
+    MOECORE_CHECK(is_contiguous() && src.is_contiguous() && dtype_ == src.dtype_,
+                  "tensor.copy_from: device copies need contiguous tensors of one dtype: ", src.str(), " into ",
+                  str());
+    device_copy(raw(), device() == Device::cuda, src.raw(), src.device() == Device::cuda, nbytes());
+    return;
+  }
+  if (is_contiguous() && src.is_contiguous()) {
+    convert(raw(), dtype_, src.raw(), src.dtype_, static_cast<size_t>(numel()));
+    return;
+  }
+  if (dim() >= 1 && stride(-1) == 1 && src.stride(-1) == 1) {  // row-wise: rows are contiguous on both sides
+    const int64_t cols = size(-1), rows = cols ? numel() / cols : 0;
+    const size_t des = dtype_size(dtype_), ses = dtype_size(src.dtype_);
+    Shape outer = shape_;
+    outer[outer.ndim - 1] = 1;
+    std::vector<int64_t> doff, soff;
+    doff.reserve(static_cast<size_t>(rows));
+    soff.reserve(static_cast<size_t>(rows));
+    for_each_offset(outer, strides_, [&](int64_t, int64_t off) { doff.push_back(off); });
+    for_each_offset(outer, src.strides_, [&](int64_t, int64_t off) { soff.push_back(off); });
+    char* d = static_cast<char*>(raw());
+    const char* s = static_cast<const char*>(src.raw());
+#pragma omp parallel for schedule(static) if (rows * cols > 65536)
+    for (int64_t r = 0; r < rows; ++r)
+      convert(d + doff[r] * des, dtype_, s + soff[r] * ses, src.dtype_, static_cast<size_t>(cols));
+    return;
+  }
+  Tensor c = src.is_contiguous() ? src : src.clone();
+  const char* s = static_cast<const char*>(c.raw());
+  char* d = static_cast<char*>(raw());
+  const size_t ses = dtype_size(c.dtype_), des = dtype_size(dtype_);
+  for_each_offset(shape_, strides_,
+                  [&](int64_t k, int64_t off) { convert(d + off * des, dtype_, s + k * ses, c.dtype_, 1); });
+}
+
+Tensor Tensor::clone(MemCategory category) const { return to(dtype_, category); }
+
+Tensor Tensor::to(DType dtype, MemCategory category) const {
+  Tensor t = empty(shape_, dtype, category, device());
+  if (is_contiguous() || device() != Device::cpu) {
+    t.copy_from(*this);
+    return t;
+  }
+  const char* s = static_cast<const char*>(raw());
+  char* d = static_cast<char*>(t.raw());
+  const size_t ses = dtype_size(dtype_), des = dtype_size(dtype);
+  for_each_offset(shape_, strides_,
+                  [&](int64_t k, int64_t off) { convert(d + k * des, dtype, s + off * ses, dtype_, 1); });
+  return t;
+}
+
+std::string Tensor::str() const { return shape_.str() + " " + std::string(dtype_name(dtype_)); }
+
+}  // namespace moecore

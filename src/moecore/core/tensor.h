@@ -1,0 +1,99 @@
+// Tensor: a typed, strided view of reference-counted storage on one device.
+// Storage is allocated once and tagged with a memory category for accounting; views (view, slice,
+// select) share it. Tensors carry no autograd: forward/backward are explicit functions (STYLE.md).
+// This header knows no CUDA: device memory is allocated through a backend hook.
+#pragma once
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+
+#include "moecore/core/dtype.h"
+#include "moecore/core/error.h"
+#include "moecore/core/memory.h"
+
+namespace moecore {
+
+enum class Device : uint8_t { cpu, cuda };
+
+inline constexpr int kMaxDims = 6;
+
+struct Shape {
+  int64_t d[kMaxDims] = {};
+  int ndim = 0;
+  Shape() = default;
+  Shape(std::initializer_list<int64_t> dims);
+  int64_t operator[](int i) const { return d[i]; }
+  int64_t& operator[](int i) { return d[i]; }
+  int64_t numel() const;
+  bool operator==(const Shape& o) const;
+  std::string str() const;  // "[2, 3]"
+};
+
+// Owning allocation. 64-byte aligned on the CPU.
+struct Storage {
+  void* data = nullptr;
+  int64_t bytes = 0;
+  Device device = Device::cpu;
+  MemCategory category = MemCategory::other;
+  Storage(int64_t bytes, Device device, MemCategory category);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+};
+
+class Tensor {
+ public:
+  Tensor() = default;
+  static Tensor empty(const Shape& shape, DType dtype, MemCategory category = MemCategory::activations,
+                      Device device = Device::cpu);
+  static Tensor zeros(const Shape& shape, DType dtype, MemCategory category = MemCategory::activations,
+                      Device device = Device::cpu);
+
+  bool defined() const { return storage_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  int64_t size(int i) const { return shape_.d[axis(i)]; }
+  int64_t stride(int i) const { return strides_[axis(i)]; }
+  int dim() const { return shape_.ndim; }
+  int64_t numel() const { return shape_.numel(); }
+  DType dtype() const { return dtype_; }
+  Device device() const { return storage_ ? storage_->device : Device::cpu; }
+  MemCategory category() const { return storage_ ? storage_->category : MemCategory::other; }
+  int64_t nbytes() const { return numel() * static_cast<int64_t>(dtype_size(dtype_)); }
+  bool is_contiguous() const;
+
+  void* raw() const { return static_cast<char*>(storage_->data) + offset_ * dtype_size(dtype_); }
+  template <class T>
+  T* data() const {
+    MOECORE_CHECK(dtype_of<T>() == dtype_, "tensor of dtype ", dtype_name(dtype_), " read as ",
+                  dtype_name(dtype_of<T>()));
+    return static_cast<T*>(raw());
+  }
+
+  Tensor view(const Shape& shape) const;                        // contiguous only; same numel
+  Tensor slice(int dim, int64_t start, int64_t end) const;      // [start, end) along dim
+  Tensor select(int dim, int64_t index) const;                  // drops dim
+  Tensor flatten_to_2d() const;                                 // [prod(leading), last], contiguous only
+
+  void zero_();                          // contiguous or not
+  void fill_(float value);               // float dtypes only
+  void copy_from(const Tensor& src);     // same shape; converts dtype
+  Tensor clone(MemCategory category = MemCategory::other) const;
+  Tensor to(DType dtype, MemCategory category = MemCategory::other) const;
+
+  std::string str() const;  // "[2, 3] f32"
+
+ private:
+  int axis(int i) const {  // negative axes count from the end
+    const int k = i < 0 ? i + shape_.ndim : i;
+    MOECORE_CHECK(k >= 0 && k < shape_.ndim, "axis ", i, " out of range for tensor ", str());
+    return k;
+  }
+  std::shared_ptr<Storage> storage_;
+  int64_t offset_ = 0;  // in elements
+  Shape shape_;
+  int64_t strides_[kMaxDims] = {};
+  DType dtype_ = DType::f32;
+};
+
+}  // namespace moecore

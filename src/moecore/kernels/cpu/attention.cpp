@@ -1,0 +1,427 @@
+// CPU causal attention on Megatron's interleaved qkv (ops.h): a flash-attention forward (Dao 2022) with an
+// online softmax over 64 x 64 blocks, and a backward that recomputes P block by block from the saved lse.
+// Results are deterministic: every sum runs in an order fixed by the shapes, never by threads or timing.
+// Not here: rotary embeddings (rope.cpp), dropout, non-causal or padding masks, and CUDA.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "moecore/kernels/cpu/attention_blocks.h"
+#include "moecore/kernels/cpu/cpu_util.h"
+#include "moecore/kernels/ops.h"
+
+namespace moecore::ops {
+namespace {
+
+using cpu::attn::block_gemm;
+using cpu::attn::kBk;
+using cpu::attn::kBq;
+using cpu::attn::kNR;
+using cpu::attn::round_up;
+
+// Sizes shared by the forward and backward passes. Packed tiles are f32 with the head dim padded to Dp
+// and keys padded to Sk, both with zeros, so block GEMMs see only whole micro-tiles.
+struct Layout {
+  int64_t B, S, G, R, D, H, W;  // H query heads, W = qkv row width
+  int64_t Dp, Sk, nqb, nkb;     // padded head dim, padded key count, query and key block counts
+  float scale;                  // 1 / sqrt(D)
+  explicit Layout(const QkvDims& d)
+      : B(d.B), S(d.S), G(d.G), R(d.R), D(d.D), H(d.q_heads()), W(d.width()),
+        Dp(round_up(d.D, kNR)), Sk(round_up(d.S, kBk)), nqb((d.S + kBq - 1) / kBq), nkb((d.S + kBk - 1) / kBk),
+        scale(1.0f / std::sqrt(static_cast<float>(d.D))) {}
+  int64_t q_col(int64_t h) const { return ((h / R) * (R + 2) + h % R) * D; }
+  int64_t k_col(int64_t g) const { return (g * (R + 2) + R) * D; }
+  int64_t v_col(int64_t g) const { return k_col(g) + D; }
+};
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <class T>
+void load_row(float* dst, const T* src, int64_t D, int64_t Dp, float factor) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = cpu::ld(src[d]) * factor;
+  for (int64_t d = D; d < Dp; ++d) dst[d] = 0.0f;
+}
+
+template <class T>
+void store_row(T* dst, const float* src, int64_t D, float factor) {
+  for (int64_t d = 0; d < D; ++d) cpu::st(dst[d], src[d] * factor);
+}
+
+// Columns k0 + j > q of a score block are in the future of query q.
+void mask_future(float* s, int64_t rows, int64_t q0, int64_t k0) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = std::max<int64_t>(0, q0 + r - k0 + 1); j < kBk; ++j) s[r * kBk + j] = kNegInf;
+  }
+}
+
+// Turns a score block into P in place and rescales the running output rows; m, l are the running row max
+// and row sum of exp(score - m) (online softmax).
+void online_softmax(float* s, float* o, float* m, float* l, int64_t rows, int64_t Dp) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * kBk;
+    const float m_new = std::max(m[r], cpu::attn::row_max(sr, kBk));
+    const float alpha = cpu::exp_f32(m[r] - m_new);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < kBk; ++j) {
+      const float p = cpu::exp_f32(sr[j] - m_new);
+      sr[j] = p;
+      sum += p;
+    }
+    l[r] = l[r] * alpha + sum;
+    m[r] = m_new;
+    if (alpha != 1.0f) {
+      float* orow = o + r * Dp;
+#pragma omp simd
+      for (int64_t d = 0; d < Dp; ++d) orow[d] *= alpha;
+    }
+  }
+}
+
+// Packs one (batch, key block) for every kv head: K^T as one contiguous [Dp, kBk] tile per key block (a
+// plain [Dp, Sk] K^T has a 4 KiB row stride at S = 1024, which maps a block's rows onto a few L1 sets) and
+// V rows [kBk, Dp]. Rows outermost so qkv is read front to back.
+template <class T>
+void pack_kv_block(float* kt_all, float* v_all, const T* qkv, const Layout& L, int64_t b, int64_t kb) {
+  const int64_t k0 = kb * kBk, kn = std::min(kBk, L.S - k0), head_elems = L.Dp * L.Sk;
+  float* kt0 = kt_all + b * L.G * head_elems + kb * L.Dp * kBk;
+  float* v0 = v_all + b * L.G * head_elems + k0 * L.Dp;
+  if (kn < kBk || L.D < L.Dp) {
+    for (int64_t g = 0; g < L.G; ++g) {
+      std::fill(kt0 + g * head_elems, kt0 + g * head_elems + L.Dp * kBk, 0.0f);
+      std::fill(v0 + g * head_elems + kn * L.Dp, v0 + g * head_elems + kBk * L.Dp, 0.0f);
+    }
+  }
+  for (int64_t j = 0; j < kn; ++j) {
+    const T* row = qkv + (b * L.S + k0 + j) * L.W;
+    for (int64_t g = 0; g < L.G; ++g) {
+      load_row(v0 + g * head_elems + j * L.Dp, row + L.v_col(g), L.D, L.Dp, 1.0f);
+      float* kt = kt0 + g * head_elems + j;
+      for (int64_t d = 0; d < L.D; ++d) kt[d * kBk] = cpu::ld(row[L.k_col(g) + d]);
+    }
+  }
+}
+
+// One (batch, query head, query block) of the forward: scan key blocks up to the diagonal.
+template <class T>
+void forward_block(T* out, float* lse, const T* qkv, const float* kt, const float* v, float* buf, const Layout& L,
+                   int64_t b, int64_t h, int64_t i) {
+  const int64_t q0 = i * kBq, qn = std::min(kBq, L.S - q0);
+  float* q = buf;            // [qn, Dp], pre-scaled by 1/sqrt(D)
+  float* s = q + kBq * L.Dp;  // [qn, kBk] scores, then P
+  float* o = s + kBq * kBk;   // [qn, Dp] unnormalised output
+  float* m = o + kBq * L.Dp;
+  float* l = m + kBq;
+  for (int64_t r = 0; r < qn; ++r) {
+    load_row(q + r * L.Dp, qkv + (b * L.S + q0 + r) * L.W + L.q_col(h), L.D, L.Dp, L.scale);
+    std::fill(o + r * L.Dp, o + (r + 1) * L.Dp, 0.0f);
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+  }
+  for (int64_t k0 = 0; k0 < q0 + qn; k0 += kBk) {
+    block_gemm<false>(qn, kBk, L.Dp, q, L.Dp, kt + k0 * L.Dp, kBk, s, kBk, false);
+    if (k0 + kBk - 1 > q0) mask_future(s, qn, q0, k0);
+    online_softmax(s, o, m, l, qn, L.Dp);
+    block_gemm<false>(qn, L.Dp, std::min(kBk, L.S - k0), s, kBk, v + k0 * L.Dp, L.Dp, o, L.Dp, true);
+  }
+  for (int64_t r = 0; r < qn; ++r) {
+    store_row(out + (b * L.S + q0 + r) * L.H * L.D + h * L.D, o + r * L.Dp, L.D, 1.0f / l[r]);
+    lse[(b * L.H + h) * L.S + q0 + r] = m[r] + std::log(l[r]);
+  }
+}
+
+template <class T>
+void forward_impl(T* out, float* lse, const T* qkv, const Layout& L) {
+  const int64_t BG = L.B * L.G, head_elems = L.Dp * L.Sk;
+  float* kt_all = cpu::scratch<float, 0>(static_cast<size_t>(2 * BG * head_elems));
+  float* v_all = kt_all + BG * head_elems;
+#pragma omp parallel for schedule(static)
+  for (int64_t bk = 0; bk < L.B * L.nkb; ++bk) pack_kv_block(kt_all, v_all, qkv, L, bk / L.nkb, bk % L.nkb);
+  const int64_t BH = L.B * L.H, ntasks = BH * L.nqb;
+#pragma omp parallel
+  {
+    float* buf = cpu::scratch<float, 1>(static_cast<size_t>(2 * kBq * L.Dp + kBq * kBk + 2 * kBq));
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < ntasks; ++t) {
+      // Last query blocks first: under causality they scan the most keys, so the tail of the schedule
+      // is made of short tasks.
+      const int64_t i = L.nqb - 1 - t / BH, bh = t % BH, b = bh / L.H, h = bh % L.H;
+      const int64_t bg = b * L.G + h / L.R;
+      forward_block(out, lse, qkv, kt_all + bg * head_elems, v_all + bg * head_elems, buf, L, b, h, i);
+    }
+  }
+}
+
+// ---- backward ------------------------------------------------------------------------------------
+// A task owns one (batch, kv head, chunk of key blocks): it alone writes that chunk's dK and dV, summing
+// over the R query heads of its group in a fixed order. dQ sums over key blocks: each chunk accumulates
+// its share in key order into its own buffer, and the buffers are added in chunk order afterwards. The
+// chunking depends on the shapes only, so results do not depend on the number of threads.
+constexpr int64_t kTargetTasks = 8;
+
+struct Chunks {
+  std::vector<int64_t> bounds;      // key-block boundaries, count() + 1 entries
+  std::vector<int64_t> q0;          // first query row a chunk's keys are visible to (block aligned)
+  std::vector<int64_t> row_offset;  // start of chunk c's rows q0[c]..S-1 in a head's dQ buffer; back() = total
+  std::vector<int64_t> order;       // chunks by decreasing work, scheduled first so the tail is short
+  int64_t count() const { return static_cast<int64_t>(bounds.size()) - 1; }
+};
+
+// Cuts key blocks into chunks of about equal causal work (key block j is seen by nqb - j*kBk/kBq query
+// blocks), rounding each cut to the nearer block boundary.
+Chunks key_chunks(const Layout& L) {
+  const int64_t want = std::clamp<int64_t>((kTargetTasks + L.B * L.G - 1) / (L.B * L.G), 1, L.nkb);
+  std::vector<int64_t> cum(L.nkb + 1, 0);
+  for (int64_t j = 0; j < L.nkb; ++j) cum[j + 1] = cum[j] + L.nqb - j * kBk / kBq;
+  Chunks ch;
+  ch.bounds = {0};
+  for (int64_t c = 1; c < want; ++c) {
+    const double target = static_cast<double>(c) * static_cast<double>(cum.back()) / static_cast<double>(want);
+    int64_t x = std::lower_bound(cum.begin(), cum.end(), target) - cum.begin();
+    if (x > 0 && target - cum[x - 1] < cum[x] - target) --x;
+    if (x > ch.bounds.back() && x < L.nkb) ch.bounds.push_back(x);
+  }
+  ch.bounds.push_back(L.nkb);
+  ch.row_offset = {0};
+  for (int64_t c = 0; c < ch.count(); ++c) {
+    ch.q0.push_back(ch.bounds[c] * kBk / kBq * kBq);
+    ch.row_offset.push_back(ch.row_offset.back() + L.S - ch.q0.back());
+    ch.order.push_back(c);
+  }
+  std::stable_sort(ch.order.begin(), ch.order.end(), [&](int64_t a, int64_t b) {
+    return cum[ch.bounds[a + 1]] - cum[ch.bounds[a]] > cum[ch.bounds[b + 1]] - cum[ch.bounds[b]];
+  });
+  return ch;
+}
+
+// f32 copies shared by all tasks: query and dout rows per head, delta = rowsum(dO * O) (Dao 2022's D_i),
+// and every chunk's dQ accumulator.
+struct BwdPacked {
+  float *q, *dout;  // [B*H, S, Dp]
+  float* delta;     // [B*H, S]
+  float* dq;        // [B*H, rows, Dp], rows = Chunks::row_offset.back()
+  int64_t rows;
+  static size_t floats(const Layout& L, int64_t rows) {
+    return static_cast<size_t>(L.B * L.H * (2 * L.S * L.Dp + L.S + rows * L.Dp));
+  }
+  BwdPacked(float* f, const Layout& L, int64_t dq_rows) : rows(dq_rows) {
+    const int64_t n = L.B * L.H * L.S * L.Dp;
+    q = f, dout = q + n, delta = dout + n, dq = delta + L.B * L.H * L.S;
+  }
+};
+
+// Per-thread tiles of one key block: K [kBk, Dp], scale * K^T and V^T [Dp, kBk], dK and dV [kBk, Dp],
+// P and dS [kBq, kBk].
+struct BwdTile {
+  float *k, *kt, *vt, *dk, *dv, *p, *ds;
+  static size_t floats(const Layout& L) { return static_cast<size_t>(5 * kBk * L.Dp + 2 * kBq * kBk); }
+  BwdTile(float* f, const Layout& L) {
+    k = f, kt = k + kBk * L.Dp, vt = kt + kBk * L.Dp, dk = vt + kBk * L.Dp, dv = dk + kBk * L.Dp;
+    p = dv + kBk * L.Dp, ds = p + kBq * kBk;
+  }
+};
+
+// Rows of one head lie a whole qkv row apart (kilobytes) and hardware prefetchers stop at page
+// boundaries, so the key-block packing asks for rows a few iterations ahead itself.
+constexpr int64_t kPrefetchRows = 8;
+
+template <class T>
+void prefetch(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
+}
+
+// Rows s0..s1 of batch b, all heads; rows outermost so qkv, dout and out are read front to back.
+template <class T>
+void pack_query_rows(const BwdPacked& pk, const T* qkv, const T* dout, const T* out, const Layout& L, int64_t b,
+                     int64_t s0, int64_t s1) {
+  const int64_t HD = L.H * L.D;
+  for (int64_t s = s0; s < s1; ++s) {
+    const T* go = dout + (b * L.S + s) * HD;
+    const T* o = out + (b * L.S + s) * HD;
+    for (int64_t h = 0; h < L.H; ++h) {
+      const int64_t row = (b * L.H + h) * L.S + s;
+      load_row(pk.q + row * L.Dp, qkv + (b * L.S + s) * L.W + L.q_col(h), L.D, L.Dp, 1.0f);
+      load_row(pk.dout + row * L.Dp, go + h * L.D, L.D, L.Dp, 1.0f);
+      float delta = 0.0f;
+      for (int64_t d = 0; d < L.D; ++d) delta += cpu::ld(go[h * L.D + d]) * cpu::ld(o[h * L.D + d]);
+      pk.delta[row] = delta;
+    }
+  }
+}
+
+// K, scale * K^T and V^T of key rows k0..k0+kn of kv head g, zero padded.
+template <class T>
+void pack_key_block(BwdTile& t, const T* qkv, const Layout& L, int64_t b, int64_t g, int64_t k0, int64_t kn) {
+  std::fill(t.k, t.k + kBk * L.Dp, 0.0f);
+  std::fill(t.kt, t.kt + 2 * kBk * L.Dp, 0.0f);  // kt and vt are adjacent
+  for (int64_t j = 0; j < kn; ++j) {
+    const T* row = qkv + (b * L.S + k0 + j) * L.W;
+    if (j + kPrefetchRows < kn) prefetch(row + kPrefetchRows * L.W + L.k_col(g), 2 * L.D);
+    load_row(t.k + j * L.Dp, row + L.k_col(g), L.D, L.Dp, 1.0f);
+    for (int64_t d = 0; d < L.D; ++d) {
+      t.kt[d * kBk + j] = t.k[j * L.Dp + d] * L.scale;
+      t.vt[d * kBk + j] = cpu::ld(row[L.v_col(g) + d]);
+    }
+  }
+}
+
+// P and dS = P * (dP - delta) * scale of one (query block, key block) pair, from scores in t.p and dP in
+// t.ds. Future keys get P = 0, which also covers the zero-padded keys past S.
+void softmax_grad_block(BwdTile& t, int64_t qn, int64_t i0, int64_t k0, const float* lse, const float* delta,
+                        float scale) {
+  for (int64_t r = 0; r < qn; ++r) {
+    float* pr = t.p + r * kBk;
+    float* dsr = t.ds + r * kBk;
+    const float lr = lse[r], dr = delta[r];
+    const int64_t q = i0 + r;
+#pragma omp simd
+    for (int64_t j = 0; j < kBk; ++j) {
+      const float p = cpu::select_f32(k0 + j > q, 0.0f, cpu::exp_f32(pr[j] - lr));
+      pr[j] = p;
+      dsr[j] = p * (dsr[j] - dr) * scale;
+    }
+  }
+}
+
+template <class T>
+void backward_task(T* dqkv, const T* qkv, const float* lse, const BwdPacked& pk, const Layout& L,
+                   const Chunks& ch, BwdTile& t, int64_t b, int64_t g, int64_t c) {
+  const int64_t k_begin = ch.bounds[c] * kBk, k_end = std::min(ch.bounds[c + 1] * kBk, L.S), q0 = ch.q0[c];
+  for (int64_t k0 = k_begin; k0 < k_end; k0 += kBk) {
+    const int64_t kn = std::min(kBk, L.S - k0);
+    pack_key_block(t, qkv, L, b, g, k0, kn);
+    std::fill(t.dk, t.dk + 2 * kBk * L.Dp, 0.0f);  // dk and dv are adjacent
+    for (int64_t h = g * L.R; h < (g + 1) * L.R; ++h) {
+      const int64_t bh = b * L.H + h;
+      for (int64_t i0 = k0 / kBq * kBq; i0 < L.S; i0 += kBq) {
+        const int64_t qn = std::min(kBq, L.S - i0), row = bh * L.S + i0;
+        const float* qi = pk.q + row * L.Dp;
+        const float* doi = pk.dout + row * L.Dp;
+        float* dqi = pk.dq + (bh * pk.rows + ch.row_offset[c] + i0 - q0) * L.Dp;
+        block_gemm<false>(qn, kBk, L.Dp, qi, L.Dp, t.kt, kBk, t.p, kBk, false);    // S = Q K^T * scale
+        block_gemm<false>(qn, kBk, L.Dp, doi, L.Dp, t.vt, kBk, t.ds, kBk, false);  // dP = dO V^T
+        softmax_grad_block(t, qn, i0, k0, lse + row, pk.delta + row, L.scale);
+        block_gemm<true>(kn, L.Dp, qn, t.p, kBk, doi, L.Dp, t.dv, L.Dp, true);   // dV += P^T dO
+        block_gemm<true>(kn, L.Dp, qn, t.ds, kBk, qi, L.Dp, t.dk, L.Dp, true);   // dK += dS^T Q
+        // dQ += dS K; the chunk's first key block reaches all of its query rows and initialises them.
+        block_gemm<false>(qn, L.Dp, kn, t.ds, kBk, t.k, L.Dp, dqi, L.Dp, k0 != k_begin);
+      }
+    }
+    for (int64_t j = 0; j < kn; ++j) {
+      T* row = dqkv + (b * L.S + k0 + j) * L.W;
+      store_row(row + L.k_col(g), t.dk + j * L.Dp, L.D, 1.0f);
+      store_row(row + L.v_col(g), t.dv + j * L.Dp, L.D, 1.0f);
+    }
+  }
+  if (ch.count() > 1) return;
+  for (int64_t h = g * L.R; h < (g + 1) * L.R; ++h)
+    for (int64_t s = 0; s < L.S; ++s)
+      store_row(dqkv + (b * L.S + s) * L.W + L.q_col(h), pk.dq + ((b * L.H + h) * pk.rows + s) * L.Dp, L.D, 1.0f);
+}
+
+// dQ = sum of the chunks' buffers in chunk order; chunk c holds rows q0[c]..S-1.
+template <class T>
+void reduce_dq(T* dqkv, const BwdPacked& pk, const Layout& L, const Chunks& ch) {
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t bh = 0; bh < L.B * L.H; ++bh) {
+    for (int64_t s = 0; s < L.S; ++s) {
+      float acc[512];
+      for (int64_t d0 = 0; d0 < L.D; d0 += 512) {
+        const int64_t dn = std::min<int64_t>(512, L.D - d0);
+        std::fill(acc, acc + dn, 0.0f);
+        for (int64_t c = 0; c < ch.count() && ch.q0[c] <= s; ++c) {
+          const float* src = pk.dq + (bh * pk.rows + ch.row_offset[c] + s - ch.q0[c]) * L.Dp + d0;
+          for (int64_t d = 0; d < dn; ++d) acc[d] += src[d];
+        }
+        const int64_t b = bh / L.H, h = bh % L.H;
+        store_row(dqkv + (b * L.S + s) * L.W + L.q_col(h) + d0, acc, dn, 1.0f);
+      }
+    }
+  }
+}
+
+template <class T>
+void backward_impl(T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse, const Layout& L) {
+  const Chunks ch = key_chunks(L);
+  const BwdPacked pk(cpu::scratch<float, 0>(BwdPacked::floats(L, ch.row_offset.back())), L, ch.row_offset.back());
+  const int64_t BG = L.B * L.G, ntasks = BG * ch.count(), nrb = (L.S + kBq - 1) / kBq;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t bs = 0; bs < L.B * nrb; ++bs) {
+      const int64_t b = bs / nrb, s0 = bs % nrb * kBq;
+      pack_query_rows(pk, qkv, dout, out, L, b, s0, std::min(s0 + kBq, L.S));
+    }
+    BwdTile tile(cpu::scratch<float, 1>(BwdTile::floats(L)), L);
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < ntasks; ++task) {
+      const int64_t c = ch.order[task / BG], bg = task % BG;
+      backward_task(dqkv, qkv, lse, pk, L, ch, tile, bg / L.G, bg % L.G, c);
+    }
+  }
+  if (ch.count() > 1) reduce_dq(dqkv, pk, L, ch);
+}
+
+void check_dims(const cpu::Checker& ck, const QkvDims& d) {
+  if (d.B < 0 || d.S < 0 || d.G < 1 || d.R < 1 || d.D < 2 || d.D % 2 != 0) {
+    ck.fail("dims must have B, S >= 0, G, R >= 1 and an even D >= 2; got B=", d.B, " S=", d.S, " G=", d.G,
+            " R=", d.R, " D=", d.D);
+  }
+}
+
+// A [B, S, cols] tensor of the activation dtype; the message spells out where the expected width comes from.
+void check_rows(const cpu::Checker& ck, const char* name, const QkvDims& d, int64_t cols, const char* what) {
+  const Tensor& t = ck.get(name);
+  if (!(t.shape() == Shape{d.B, d.S, cols})) {
+    ck.fail(name, " must have shape [B, S, ", what, "] = ", Shape{d.B, d.S, cols}.str(), " for dims B=", d.B,
+            " S=", d.S, " G=", d.G, " R=", d.R, " D=", d.D, ", got ", t.shape().str());
+  }
+  ck.contiguous(name);
+}
+
+}  // namespace
+
+void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDims& dims, const Context& ctx) {
+  const cpu::Checker ck("attention_forward", ctx, {{"out", &out}, {"lse", &lse}, {"qkv", &qkv}});
+  check_dims(ck, dims);
+  ck.float_dtype("qkv");
+  ck.same_dtype("out", "qkv");
+  ck.dtype("lse", DType::f32);
+  check_rows(ck, "qkv", dims, dims.width(), "G*(R+2)*D");
+  check_rows(ck, "out", dims, dims.q_heads() * dims.D, "G*R*D");
+  ck.shape("lse", Shape{dims.B, dims.q_heads(), dims.S});
+  ck.contiguous("lse");
+  if (dims.B == 0 || dims.S == 0) return;
+  const Layout L(dims);
+  cpu::with_float_type(qkv.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    forward_impl(out.data<T>(), lse.data<float>(), qkv.data<T>(), L);
+  });
+}
+
+void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                        const QkvDims& dims, const Context& ctx) {
+  const cpu::Checker ck("attention_backward", ctx,
+                        {{"dqkv", &dqkv}, {"dout", &dout}, {"qkv", &qkv}, {"out", &out}, {"lse", &lse}});
+  check_dims(ck, dims);
+  ck.float_dtype("qkv");
+  for (const char* name : {"dqkv", "dout", "out"}) ck.same_dtype(name, "qkv");
+  ck.dtype("lse", DType::f32);
+  check_rows(ck, "qkv", dims, dims.width(), "G*(R+2)*D");
+  check_rows(ck, "dqkv", dims, dims.width(), "G*(R+2)*D");
+  check_rows(ck, "out", dims, dims.q_heads() * dims.D, "G*R*D");
+  check_rows(ck, "dout", dims, dims.q_heads() * dims.D, "G*R*D");
+  ck.shape("lse", Shape{dims.B, dims.q_heads(), dims.S});
+  ck.contiguous("lse");
+  if (dims.B == 0 || dims.S == 0) return;
+  if (dqkv.raw() == qkv.raw() || dqkv.raw() == dout.raw()) ck.fail("dqkv must not share memory with qkv or dout");
+  const Layout L(dims);
+  cpu::with_float_type(qkv.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    backward_impl(dqkv.data<T>(), dout.data<T>(), qkv.data<T>(), out.data<T>(), lse.data<float>(), L);
+  });
+}
+
+}  // namespace moecore::ops

@@ -1,0 +1,176 @@
+// Private helpers of the CPU backend: f32|bf16 element load/store, branch-free exp/erfc that GCC
+// vectorises inside `omp simd` loops, entry checks that raise moecore::Error naming the op and every
+// argument, and a grow-only per-thread scratch buffer. Only kernels/cpu/*.cpp include this; it holds
+// no kernels. Written without intrinsics so it builds on any -march (AVX2 and AVX-512 both vectorise).
+#pragma once
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moecore/kernels/ops.h"
+
+namespace moecore::ops::cpu {
+
+// Below this many elements an op runs on the calling thread: a parallel region costs a few microseconds.
+inline constexpr int64_t kParallelWork = 1 << 15;
+
+inline float ld(float v) {
+  return v;
+}
+inline float ld(bf16 v) {
+  return bf16_to_float(v);
+}
+
+inline void st(float& dst, float v) {
+  dst = v;
+}
+// Round to nearest even. float_to_bf16's early NaN return has no arithmetic, so GCC still vectorises it.
+inline void st(bf16& dst, float v) {
+  dst = float_to_bf16(v);
+}
+
+// c ? a : b without a branch. GCC keeps FP trapping semantics (-ftrapping-math), so it will not
+// if-convert a ternary whose arms do arithmetic, and such a loop stays scalar; a bit-mask select does not.
+inline float select_f32(bool c, float a, float b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return std::bit_cast<float>((std::bit_cast<uint32_t>(a) & m) | (std::bit_cast<uint32_t>(b) & ~m));
+}
+
+// e^x within ~1 ulp (Cephes expf polynomial); 0 below -87, clamped to e^88 above, NaN stays NaN.
+// libm's expf does not vectorise without -ffast-math, and exp dominates softmax, silu and gelu.
+// Forced inline: a call in a loop body stops GCC from vectorising it.
+[[gnu::always_inline]] inline float exp_f32(float x) {
+  float xc = x < -87.0f ? -87.0f : x;
+  xc = xc > 88.0f ? 88.0f : xc;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: the sum's low mantissa bits hold round(x / ln 2)
+  const float j = std::fma(xc, 1.44269504088896341f, kRound);
+  const float n = j - kRound;
+  float r = std::fma(n, -0.693359375f, xc);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float er = std::fma(p, r * r, r) + 1.0f;
+  const uint32_t scale_bits = (std::bit_cast<uint32_t>(j) - 0x4B400000u + 127u) << 23;
+  const float res = er * std::bit_cast<float>(scale_bits);
+  return select_f32(x < -87.0f, 0.0f, res);
+}
+
+// erfc(x) with relative error ~1e-6 for |x| < 4 and ~4e-6 out to 9 (Numerical Recipes' Chebyshev fit,
+// 1.2e-7 in exact arithmetic). Relative accuracy in the tails is what GeLU's Phi = erfc(-x/sqrt2)/2 needs.
+[[gnu::always_inline]] inline float erfc_f32(float x) {
+  const float z = std::fabs(x);
+  const float t = 1.0f / std::fma(0.5f, z, 1.0f);
+  float p = 0.17087277f;
+  p = std::fma(p, t, -0.82215223f);
+  p = std::fma(p, t, 1.48851587f);
+  p = std::fma(p, t, -1.13520398f);
+  p = std::fma(p, t, 0.27886807f);
+  p = std::fma(p, t, -0.18628806f);
+  p = std::fma(p, t, 0.09678418f);
+  p = std::fma(p, t, 0.37409196f);
+  p = std::fma(p, t, 1.00002368f);
+  p = std::fma(p, t, -1.26551223f);
+  const float ans = t * exp_f32(std::fma(-z, z, p));
+  return select_f32(x >= 0.0f, ans, 2.0f - ans);
+}
+
+inline bool is_f32_or_bf16(DType t) {
+  return t == DType::f32 || t == DType::bf16;
+}
+
+// Calls fn(T{}) with T = float or bf16 for a dtype already checked to be one of them.
+template <class Fn>
+decltype(auto) with_float_type(DType t, Fn&& fn) {
+  if (t == DType::bf16) return fn(bf16{});
+  return fn(float{});
+}
+
+// Entry checks of one op call. Every failure message names the op, the failed rule and all arguments
+// with their shapes and dtypes, e.g. "rmsnorm_forward: w must have shape [8], got [9]; arguments:
+// y [4, 8] f32, rstd [4] f32, x [4, 8] f32, w [9] f32".
+class Checker {
+ public:
+  using Arg = std::pair<const char*, const Tensor*>;
+  Checker(const char* op, const Context& ctx, std::initializer_list<Arg> args) : op_(op), args_(args) {
+    if (ctx.device != Device::cpu) fail("called with a CUDA context, but this op has only the CPU backend");
+    for (const Arg& a : args_) {
+      if (!a.second->defined()) fail(a.first, " is an undefined tensor");
+      if (a.second->device() != Device::cpu) fail(a.first, " is not on the CPU");
+    }
+  }
+
+  template <class... Args>
+  [[noreturn]] void fail(Args&&... msg) const {
+    std::string all;
+    for (const Arg& a : args_) {
+      all += all.empty() ? "" : ", ";
+      all += std::string(a.first) + " " + (a.second->defined() ? a.second->str() : "undefined");
+    }
+    MOECORE_FAIL(op_, ": ", std::forward<Args>(msg)..., "; arguments: ", all);
+  }
+
+  const Tensor& get(const char* name) const {
+    for (const Arg& a : args_)
+      if (std::string_view(a.first) == name) return *a.second;
+    fail("internal: no argument named ", name);
+  }
+  void dtype(const char* name, DType t) const {
+    if (get(name).dtype() != t)
+      fail(name, " must be ", dtype_name(t), ", got ", dtype_name(get(name).dtype()));
+  }
+  void float_dtype(const char* name) const {
+    if (!is_f32_or_bf16(get(name).dtype()))
+      fail(name, " must be f32 or bf16, got ", dtype_name(get(name).dtype()));
+  }
+  void same_dtype(const char* name, const char* other) const {
+    if (get(name).dtype() != get(other).dtype()) fail(name, " and ", other, " must share one dtype");
+  }
+  void rank(const char* name, int r) const {
+    if (get(name).dim() != r) fail(name, " must be ", r, "-D, got ", get(name).shape().str());
+  }
+  void shape(const char* name, const Shape& s) const {
+    if (!(get(name).shape() == s))
+      fail(name, " must have shape ", s.str(), ", got ", get(name).shape().str());
+  }
+  void same_shape(const char* name, const char* other) const {
+    if (!(get(name).shape() == get(other).shape())) fail(name, " and ", other, " must have the same shape");
+  }
+  void contiguous(const char* name) const {
+    if (!get(name).is_contiguous()) fail(name, " must be contiguous");
+  }
+
+ private:
+  const char* op_;
+  std::vector<Arg> args_;
+};
+
+// fn(row, c0, c1) over rows x column blocks, in parallel when the work is large. For ops whose output
+// element depends only on its own row position, so any split gives the same bits.
+template <class Fn>
+void parallel_rows(int64_t rows, int64_t cols, Fn&& fn) {
+  constexpr int64_t kBlock = 4096;
+  const int64_t nb = cols > 0 ? (cols + kBlock - 1) / kBlock : 0;
+#pragma omp parallel for collapse(2) schedule(static) if (rows * cols > kParallelWork)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) fn(r, b * kBlock, std::min(cols, (b + 1) * kBlock));
+}
+
+// Grow-only buffer owned by the calling thread; filled before a parallel region and read inside it.
+// Kernels run every step with fixed shapes, so after the first step this never allocates.
+template <class T, int Slot = 0>
+T* scratch(size_t n) {
+  thread_local std::vector<T> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+}  // namespace moecore::ops::cpu

@@ -1,0 +1,142 @@
+// CPU token embedding (gather forward, deterministic scatter-add backward) and the fused softmax
+// cross-entropy, which overwrites the logits with their gradient so no probability tensor exists.
+// Ids and labels are validated before any parallel region (an exception cannot leave one).
+// Not here: vocab-parallel embedding or loss (the parallel/ floor splits V and reduces across ranks).
+#include <limits>
+
+#include "moecore/kernels/cpu/cpu_util.h"
+
+namespace moecore::ops {
+namespace {
+
+using cpu::ld;
+using cpu::st;
+
+void check_ids(const cpu::Checker& c, const char* what, const int32_t* ids, int64_t N, int64_t V,
+               bool allow_negative) {
+  for (int64_t n = 0; n < N; ++n) {
+    const int32_t id = ids[n];
+    if (id >= V || (id < 0 && !allow_negative))
+      c.fail(what, " ", id, " at position ", n, " is outside [0, V) with V = ", V,
+             allow_negative ? " (negative labels mean ignored)" : "", "; check the tokenizer's vocab size");
+  }
+}
+
+template <class TO>
+void embedding_forward_kernel(TO* out, const int32_t* ids, const float* table, int64_t N, int64_t H) {
+#pragma omp parallel for schedule(static) if (N * H > cpu::kParallelWork)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* src = table + static_cast<int64_t>(ids[n]) * H;
+    TO* dst = out + n * H;
+#pragma omp simd
+    for (int64_t h = 0; h < H; ++h) st(dst[h], src[h]);
+  }
+}
+
+// Threads own disjoint column blocks and each walks all tokens in order, so every dtable element
+// receives its contributions in token order whatever the split: deterministic with no sorting.
+void embedding_backward_kernel(float* dtable, const int32_t* ids, const float* dout, int64_t N, int64_t H) {
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (H + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (N * H > cpu::kParallelWork)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t h0 = b * kBlock, h1 = std::min(H, h0 + kBlock);
+    for (int64_t n = 0; n < N; ++n) {
+      float* dst = dtable + static_cast<int64_t>(ids[n]) * H;
+      const float* src = dout + n * H;
+#pragma omp simd
+      for (int64_t h = h0; h < h1; ++h) dst[h] += src[h];
+    }
+  }
+}
+
+// One row: max, then e = exp(z - max) summed (and kept in place when the gradient is wanted), then
+// the gradient grad_scale * (e / sum - onehot). The row stays in cache between the passes.
+float softmax_cross_entropy_row(float* z, int64_t V, int32_t label, float grad_scale, bool compute_grad) {
+  if (label < 0) {
+    if (compute_grad) std::fill(z, z + V, 0.0f);
+    return 0.0f;
+  }
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t v = 0; v < V; ++v) m = z[v] > m ? z[v] : m;  // std::max here does not vectorise (GCC 12)
+  const float z_label = z[label];
+  float s = 0.0f;
+  if (compute_grad) {
+#pragma omp simd reduction(+ : s)
+    for (int64_t v = 0; v < V; ++v) {
+      const float e = cpu::exp_f32(z[v] - m);
+      z[v] = e;
+      s += e;
+    }
+    const float k = grad_scale / s;
+#pragma omp simd
+    for (int64_t v = 0; v < V; ++v) z[v] *= k;
+    z[label] -= grad_scale;
+  } else {
+#pragma omp simd reduction(+ : s)
+    for (int64_t v = 0; v < V; ++v) s += cpu::exp_f32(z[v] - m);
+  }
+  return (m - z_label) + std::log(s);  // m + log(s) first would round at |m|'s scale (6e-5 at 1000)
+}
+
+}  // namespace
+
+void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table, const Context& ctx) {
+  const cpu::Checker c("embedding_forward", ctx, {{"out", &out}, {"ids", &ids}, {"table", &table}});
+  c.rank("ids", 1);
+  c.dtype("ids", DType::i32);
+  c.rank("table", 2);
+  c.dtype("table", DType::f32);
+  c.float_dtype("out");
+  const int64_t N = ids.size(0), V = table.size(0), H = table.size(1);
+  c.shape("out", Shape{N, H});
+  for (const char* name : {"out", "ids", "table"}) c.contiguous(name);
+  check_ids(c, "id", ids.data<int32_t>(), N, V, false);
+  cpu::with_float_type(out.dtype(), [&](auto t) {
+    embedding_forward_kernel(static_cast<decltype(t)*>(out.raw()), ids.data<int32_t>(), table.data<float>(),
+                             N, H);
+  });
+}
+
+void embedding_backward(Tensor& dtable, const Tensor& ids, const Tensor& dout, const Context& ctx) {
+  const cpu::Checker c("embedding_backward", ctx, {{"dtable", &dtable}, {"ids", &ids}, {"dout", &dout}});
+  c.rank("ids", 1);
+  c.dtype("ids", DType::i32);
+  c.rank("dtable", 2);
+  c.dtype("dtable", DType::f32);
+  c.dtype("dout", DType::f32);
+  const int64_t N = ids.size(0), V = dtable.size(0), H = dtable.size(1);
+  c.shape("dout", Shape{N, H});
+  for (const char* name : {"dtable", "ids", "dout"}) c.contiguous(name);
+  check_ids(c, "id", ids.data<int32_t>(), N, V, false);
+  embedding_backward_kernel(dtable.data<float>(), ids.data<int32_t>(), dout.data<float>(), N, H);
+}
+
+void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, float grad_scale,
+                           bool compute_grad, const Context& ctx) {
+  const cpu::Checker c("softmax_cross_entropy", ctx,
+                       {{"loss", &loss}, {"logits", &logits}, {"labels", &labels}});
+  c.rank("logits", 2);
+  c.dtype("logits", DType::f32);
+  c.dtype("labels", DType::i32);
+  c.dtype("loss", DType::f32);
+  const int64_t N = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  if (N > 0 && V > 0 && (logits.stride(1) != 1 || ld < V))
+    c.fail("logits needs unit column stride and a row stride >= V, got strides [", ld, ", ", logits.stride(1),
+           "]");
+  if (V == 0 && N > 0) c.fail("logits has an empty vocab dim");
+  c.shape("labels", Shape{N});
+  c.shape("loss", Shape{N});
+  c.contiguous("labels");
+  c.contiguous("loss");
+  const int32_t* lab = labels.data<int32_t>();
+  check_ids(c, "label", lab, N, V, true);
+  float* z = logits.data<float>();
+  float* out = loss.data<float>();
+#pragma omp parallel for schedule(static) if (N * V > cpu::kParallelWork / 4)
+  for (int64_t n = 0; n < N; ++n)
+    out[n] = softmax_cross_entropy_row(z + n * ld, V, lab[n], grad_scale, compute_grad);
+}
+
+}  // namespace moecore::ops

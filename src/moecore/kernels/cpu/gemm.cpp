@@ -1,0 +1,187 @@
+// CPU GEMM on oneDNN matmul primitives (f32 or bf16 inputs, f32 accumulation, f32 or bf16 output).
+// Primitive creation costs far more than a small matmul, so primitives are cached per (shape, strides,
+// dtypes, alpha, beta) and reused; model shapes are fixed after the first step, so the cache stays small.
+// bf16 operands run natively where oneDNN has a bf16 matmul (AVX-512 bf16 / AMX). Elsewhere (e.g. AVX2-only
+// hosts) they are widened to f32 in reused scratch buffers and multiplied in f32: bf16 then saves memory,
+// not time, and the result is the exact f32 product of the bf16 values.
+#include <map>
+#include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <tuple>
+
+#include "moecore/kernels/ops.h"
+
+namespace moecore::ops {
+namespace {
+
+using dnnl::memory;
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  return eng;
+}
+
+memory::data_type dnnl_type(DType t) { return t == DType::bf16 ? memory::data_type::bf16 : memory::data_type::f32; }
+
+// A logical [G, rows, cols] operand: element (g, i, j) lives at g*sg + i*si + j*sj.
+struct Operand {
+  int64_t rows, cols, sg, si, sj;
+};
+
+// op(x) of a 2-D or 3-D tensor whose last dim is contiguous.
+Operand operand_of(const Tensor& x, bool trans) {
+  const int d = x.dim();
+  const int64_t r = x.size(d - 2), c = x.size(d - 1), ld = x.stride(d - 2);
+  const int64_t sg = d == 3 ? x.stride(0) : 0;
+  return trans ? Operand{c, r, sg, 1, ld} : Operand{r, c, sg, ld, 1};
+}
+
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, int64_t, int64_t, int, int, float, float>;
+
+struct Entry {
+  dnnl::matmul prim;
+  memory::desc a, b, c;
+};
+
+struct Cache {
+  std::mutex mu;
+  std::map<Key, Entry> prims;
+};
+
+Cache& cache() {
+  static Cache c;
+  return c;
+}
+
+Entry get_primitive(int64_t G, const Operand& a, const Operand& b, const Operand& c, DType in, DType out,
+                           float alpha, float beta) {
+  const Key key{G, a.rows, a.cols, b.cols, a.sg, a.si, a.sj, b.sg, b.si, b.sj, c.sg, c.si, c.sj,
+                static_cast<int>(in), static_cast<int>(out), alpha, beta};
+  Cache& cc = cache();
+  std::lock_guard<std::mutex> lock(cc.mu);
+  auto it = cc.prims.find(key);
+  if (it != cc.prims.end()) return it->second;
+  auto md = [&](const Operand& o, DType t) {
+    if (G > 1) return memory::desc({G, o.rows, o.cols}, dnnl_type(t), {o.sg, o.si, o.sj});
+    return memory::desc({o.rows, o.cols}, dnnl_type(t), {o.si, o.sj});
+  };
+  dnnl::primitive_attr attr;
+  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
+  if (beta != 0.0f) {
+    dnnl::post_ops po;
+    po.append_sum(beta);
+    attr.set_post_ops(po);
+  }
+  Entry e{{}, md(a, in), md(b, in), md(c, out)};
+  e.prim = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(e.a, e.b, e.c), attr, cpu_engine()));
+  cc.prims.emplace(key, e);
+  return e;
+}
+
+void check_operands(const char* op, const Tensor& c, const Tensor& a, const Tensor& b, int rank) {
+  const bool ok_rank = a.dim() == rank && b.dim() == rank && c.dim() == rank;
+  const bool ok_dtype = a.dtype() == b.dtype() && (a.dtype() == DType::f32 || a.dtype() == DType::bf16) &&
+                        (c.dtype() == DType::f32 || c.dtype() == DType::bf16);
+  const bool ok_dev = a.device() == Device::cpu && b.device() == Device::cpu && c.device() == Device::cpu;
+  const bool ok_inner = ok_rank && a.stride(-1) == 1 && b.stride(-1) == 1 && c.stride(-1) == 1;
+  if (!(ok_rank && ok_dtype && ok_dev && ok_inner)) {
+    MOECORE_FAIL(op, ": expected ", rank, "-D CPU operands with a unit last stride, a and b of one dtype (f32|bf16), c "
+                 "f32|bf16; got c ", c.str(), ", a ", a.str(), ", b ", b.str());
+  }
+}
+
+void run(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha, float beta, int64_t G,
+         const char* op) {
+  const Operand oa = operand_of(a, ta), ob = operand_of(b, tb), oc = operand_of(c, false);
+  if (oa.cols != ob.rows || oa.rows != oc.rows || ob.cols != oc.cols) {
+    MOECORE_FAIL(op, ": shapes do not match: c ", c.str(), " = op(a ", a.str(), (ta ? "^T" : ""), ") @ op(b ",
+                 b.str(), (tb ? "^T" : ""), ")");
+  }
+  if (oc.rows == 0 || oc.cols == 0 || G == 0) return;
+  if (oa.cols == 0) {  // empty reduction: c = beta * c
+    Tensor cc = c;
+    if (beta == 0.0f) cc.zero_();
+    else MOECORE_CHECK(beta == 1.0f, op, ": K = 0 with beta ", beta, " is not supported");
+    return;
+  }
+  const Entry e = get_primitive(G, oa, ob, oc, a.dtype(), c.dtype(), alpha, beta);
+  memory ma(e.a, cpu_engine(), a.raw());
+  memory mb(e.b, cpu_engine(), b.raw());
+  memory mc(e.c, cpu_engine(), c.raw());
+  dnnl::stream strm(cpu_engine());
+  e.prim.execute(strm, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  strm.wait();
+}
+
+// Reused f32 scratch for widened bf16 operands (grown on demand, never shrunk).
+Tensor& scratch(int slot, int64_t elems) {
+  static thread_local Tensor bufs[3];
+  Tensor& t = bufs[slot];
+  if (!t.defined() || t.numel() < elems) t = Tensor::empty({elems}, DType::f32, MemCategory::workspace);
+  return t;
+}
+
+bool native_bf16() {
+  static const bool ok = [] {
+    try {
+      const memory::desc md({16, 16}, memory::data_type::bf16, {16, 1});
+      const memory::desc out({16, 16}, memory::data_type::f32, {16, 1});
+      dnnl::matmul::primitive_desc(dnnl::matmul::desc(md, md, out), cpu_engine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return ok;
+}
+
+// A contiguous f32 copy of a bf16 2-D or 3-D operand, in its stored (untransposed) layout.
+Tensor widen(const Tensor& x, int slot) {
+  Tensor w = scratch(slot, x.numel()).slice(0, 0, x.numel()).view(x.shape());
+  w.copy_from(x);
+  return w;
+}
+
+void run_widened(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha, float beta, int64_t G,
+                 const char* op) {
+  const Tensor a32 = widen(a, 0), b32 = widen(b, 1);
+  if (c.dtype() == DType::f32) {
+    run(c, a32, ta, b32, tb, alpha, beta, G, op);
+    return;
+  }
+  Tensor c32 = scratch(2, c.numel()).slice(0, 0, c.numel()).view(c.shape());
+  if (beta != 0.0f) c32.copy_from(c);
+  run(c32, a32, ta, b32, tb, alpha, beta, G, op);
+  c.copy_from(c32);
+}
+
+void dispatch(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha, float beta, int64_t G,
+              const char* op) {
+  if (a.dtype() == DType::bf16 && !native_bf16()) run_widened(c, a, ta, b, tb, alpha, beta, G, op);
+  else run(c, a, ta, b, tb, alpha, beta, G, op);
+}
+
+}  // namespace
+
+void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
+          const Context& ctx) {
+  check_operands("gemm", c, a, b, 2);
+  dispatch(c, a, trans_a, b, trans_b, alpha, beta, 1, "gemm");
+}
+
+void gemm_batched(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
+                  const Context& ctx) {
+  check_operands("gemm_batched", c, a, b, 3);
+  if (a.size(0) != c.size(0) || b.size(0) != c.size(0)) {
+    MOECORE_FAIL("gemm_batched: batch sizes differ: c ", c.str(), ", a ", a.str(), ", b ", b.str());
+  }
+  if (c.size(0) == 1) {
+    Tensor c2 = c.select(0, 0);
+    dispatch(c2, a.select(0, 0), trans_a, b.select(0, 0), trans_b, alpha, beta, 1, "gemm_batched");
+    return;
+  }
+  dispatch(c, a, trans_a, b, trans_b, alpha, beta, c.size(0), "gemm_batched");
+}
+
+}  // namespace moecore::ops

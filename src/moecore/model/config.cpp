@@ -1,0 +1,39 @@
+#include "moecore/model/config.h"
+
+#include "moecore/core/error.h"
+
+namespace moecore::model {
+
+void ModelConfig::validate() const {
+  auto positive = [](const char* name, int64_t v) {
+    if (v <= 0) MOECORE_FAIL("model config: ", name, " (", v, ") must be positive");
+  };
+  positive("num_layers", num_layers);
+  positive("hidden_size", hidden_size);
+  positive("num_attention_heads", num_attention_heads);
+  positive("vocab_size", vocab_size);
+  positive("seq_length", seq_length);
+  if (num_query_groups < 0 || kv_channels < 0 || ffn_hidden_size < 0)
+    MOECORE_FAIL("model config: num_query_groups (", num_query_groups, "), kv_channels (", kv_channels,
+                 ") and ffn_hidden_size (", ffn_hidden_size, ") must not be negative");
+  if (num_attention_heads % query_groups() != 0)
+    MOECORE_FAIL("model config: num_attention_heads (", num_attention_heads,
+                 ") must be divisible by num_query_groups (", query_groups(), ")");
+  if (!kv_channels && hidden_size % num_attention_heads != 0)
+    MOECORE_FAIL("model config: hidden_size (", hidden_size, ") must be divisible by num_attention_heads (",
+                 num_attention_heads, ") unless kv_channels is set");
+  if (head_dim() % 2 != 0) MOECORE_FAIL("model config: head dim kv_channels (", head_dim(), ") must be even for RoPE");
+  if (compute_dtype != DType::f32 && compute_dtype != DType::bf16)
+    MOECORE_FAIL("model config: compute dtype ", dtype_name(compute_dtype), " is not supported (use f32 or bf16)");
+  if (!(norm_epsilon > 0.0f)) MOECORE_FAIL("model config: norm_epsilon (", norm_epsilon, ") must be positive");
+}
+
+std::string ModelConfig::summary() const {
+  return detail::str_cat("layers ", num_layers, ", hidden ", hidden_size, ", heads ", num_attention_heads, " (kv ",
+                         query_groups(), ", dim ", head_dim(), "), ffn ", ffn(), swiglu ? " swiglu" : " gelu",
+                         ", vocab ", vocab_size, ", seq ", seq_length,
+                         untie_embeddings_and_output_weights ? ", untied" : ", tied", ", ",
+                         dtype_name(compute_dtype));
+}
+
+}  // namespace moecore::model

@@ -1,0 +1,81 @@
+// The dense GPT decoder: parameters (named as Megatron-Core names them), their initialisation, the
+// activation caches for one micro-batch shape, and explicit forward/backward over the whole model.
+// Shapes are fixed at construction (micro_batch_size x seq_length): every buffer is allocated then, and
+// the step loop allocates nothing. Not here: the optimizer (optim/) and the training loop (train/).
+#pragma once
+#include <string>
+#include <vector>
+
+#include "moecore/core/param.h"
+#include "moecore/model/config.h"
+#include "moecore/nn/dense_layer.h"
+#include "moecore/nn/lm_head.h"
+
+namespace moecore::model {
+
+struct LossResult {
+  double loss_sum = 0;   // summed cross-entropy over counted tokens
+  int64_t tokens = 0;    // labels >= 0
+  double mean() const { return tokens ? loss_sum / static_cast<double>(tokens) : 0.0; }
+};
+
+// Bytes by memory category, computed from the configuration before anything is allocated.
+struct MemoryPlan {
+  int64_t bytes[kNumMemCategories] = {};
+  int64_t total() const;
+  std::string format() const;  // a printable table
+};
+
+class GptModel {
+ public:
+  // Initialises every parameter from (seed, name): N(0, std^2) for weights, with Megatron's scaled init
+  // std / sqrt(2 * num_layers) for the output projections of each block; norm weights are 1.
+  GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed);
+
+  const ModelConfig& config() const { return cfg_; }
+  int64_t micro_batch_size() const { return B_; }
+  std::vector<Param>& params() { return params_; }
+  const std::vector<Param>& params() const { return params_; }
+  Param& param(const std::string& name);  // throws Error when absent
+  int64_t num_parameters() const;
+
+  void zero_grad();
+  void refresh_compute_weights();  // after the masters change (optimizer step, loading)
+
+  // tokens, labels [B, S] i32 (label < 0: not counted). Adds grad_scale * d(mean loss)/d(param) to every
+  // gradient and returns the loss. The mean is over this micro-batch's counted tokens.
+  LossResult forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale);
+  LossResult evaluate(const Tensor& tokens, const Tensor& labels);
+  // logits [B*S, V] f32 for the given tokens (generation, tests).
+  void forward_logits(Tensor& logits, const Tensor& tokens);
+
+  // The plan for this model's own buffers plus optimizer_state_bytes_per_param * num_parameters().
+  MemoryPlan memory_plan(int64_t optimizer_state_bytes_per_param) const;
+  // Model FLOPs of one forward+backward over B*S tokens (Megatron's formula: 3x forward GEMMs and
+  // causal attention counted at full S^2 as Megatron does).
+  double flops_per_step() const;
+
+ private:
+  void forward_trunk(const Tensor& tokens);
+
+  ModelConfig cfg_;
+  int64_t B_;
+  nn::DenseLayerDims dims_;
+  std::vector<Param> params_;
+  Param* embedding_ = nullptr;
+  Param* final_norm_ = nullptr;
+  Param* output_ = nullptr;  // the embedding when tied
+  std::vector<nn::DenseLayerWeights> layer_w_;
+  std::vector<nn::DenseLayerGrads> layer_g_;
+  std::vector<nn::DenseLayerCache> caches_;
+  std::vector<Tensor> residual_;  // L+1 tensors [N, H] f32: embedding output, then each layer's output
+  Tensor final_rstd_;             // [N] f32
+  Tensor final_h_;                // [N, H] compute
+  Tensor rope_;                   // [S, D] f32
+  nn::DenseLayerWorkspace ws_;
+  nn::LmHeadWorkspace head_ws_;
+  Tensor dres_, dh_;              // [N, H] f32
+  Tensor ids_, labels_;           // [N] i32 flat copies
+};
+
+}  // namespace moecore::model

@@ -1,0 +1,110 @@
+// Dense transformer layer: forward and backward as straight-line sequences of ops.
+// Linear layers follow the y = x @ W^T convention (W is [out, in], as in Megatron and PyTorch):
+//   forward  y = x @ W^T;  backward  dx = dy @ W,  dW += dy^T @ x.
+#include "moecore/nn/dense_layer.h"
+
+namespace moecore::nn {
+namespace {
+
+Tensor act_tensor(Shape s, DType t) { return Tensor::empty(s, t, MemCategory::activations); }
+Tensor work_tensor(Shape s, DType t) { return Tensor::empty(s, t, MemCategory::workspace); }
+
+// [N, W] activations as the [B, S, W] tensors the attention ops take.
+Tensor bsw(const Tensor& t, const DenseLayerDims& d) { return t.view({d.qkv.B, d.qkv.S, t.size(1)}); }
+
+// The residual gradient in the dtype of the weight-gradient GEMM's other operand.
+const Tensor& residual_grad_for_gemm(const Tensor& dres, DenseLayerWorkspace& ws, DType compute) {
+  if (compute == DType::f32) return dres;
+  ws.dres_c.copy_from(dres);
+  return ws.dres_c;
+}
+
+}  // namespace
+
+DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d) {
+  const DType c = d.compute;
+  const auto& q = d.qkv;
+  DenseLayerCache k;
+  k.rstd1 = act_tensor({d.N}, DType::f32);
+  k.h1 = act_tensor({d.N, d.H}, c);
+  k.qkv = act_tensor({d.N, q.width()}, c);
+  k.attn = act_tensor({d.N, q.q_heads() * q.D}, c);
+  k.lse = act_tensor({q.B, q.q_heads(), q.S}, DType::f32);
+  k.x_mid = act_tensor({d.N, d.H}, DType::f32);
+  k.rstd2 = act_tensor({d.N}, DType::f32);
+  k.h2 = act_tensor({d.N, d.H}, c);
+  k.fc1 = act_tensor({d.N, d.fc1_rows()}, c);
+  k.act = act_tensor({d.N, d.F}, c);
+  return k;
+}
+
+int64_t dense_layer_cache_bytes(const DenseLayerDims& d) {
+  const int64_t c = static_cast<int64_t>(dtype_size(d.compute));
+  const auto& q = d.qkv;
+  return d.N * 4 * 2 + d.N * d.H * 4 + q.B * q.q_heads() * q.S * 4 +
+         c * d.N * (2 * d.H + q.width() + q.q_heads() * q.D + d.fc1_rows() + d.F);
+}
+
+DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d) {
+  const DType c = d.compute;
+  DenseLayerWorkspace w;
+  w.dh = work_tensor({d.N, d.H}, DType::f32);
+  if (c != DType::f32) w.dres_c = work_tensor({d.N, d.H}, c);
+  w.dqkv = work_tensor({d.N, d.qkv.width()}, c);
+  w.dattn = work_tensor({d.N, d.qkv.q_heads() * d.qkv.D}, c);
+  w.dfc1 = work_tensor({d.N, d.fc1_rows()}, c);
+  w.dact = work_tensor({d.N, d.F}, c);
+  return w;
+}
+
+int64_t dense_layer_workspace_bytes(const DenseLayerDims& d) {
+  const int64_t c = static_cast<int64_t>(dtype_size(d.compute));
+  const int64_t cast = d.compute == DType::f32 ? 0 : c * d.N * d.H;
+  return d.N * d.H * 4 + cast +
+         c * d.N * (d.qkv.width() + d.qkv.q_heads() * d.qkv.D + d.fc1_rows() + d.F);
+}
+
+void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k,
+                         const Tensor& rope, const DenseLayerDims& d, const ops::Context& ctx) {
+  // Attention block.
+  ops::rmsnorm_forward(k.h1, k.rstd1, x, w.input_norm, d.eps, ctx);
+  ops::gemm(k.qkv, k.h1, false, w.qkv, true, 1.0f, 0.0f, ctx);
+  Tensor qkv = bsw(k.qkv, d), attn = bsw(k.attn, d);
+  ops::rope_forward(qkv, rope, d.qkv, ctx);
+  ops::attention_forward(attn, k.lse, qkv, d.qkv, ctx);
+  k.x_mid.copy_from(x);
+  ops::gemm(k.x_mid, k.attn, false, w.proj, true, 1.0f, 1.0f, ctx);
+  // MLP block.
+  ops::rmsnorm_forward(k.h2, k.rstd2, k.x_mid, w.mlp_norm, d.eps, ctx);
+  ops::gemm(k.fc1, k.h2, false, w.fc1, true, 1.0f, 0.0f, ctx);
+  if (d.swiglu) ops::swiglu_forward(k.act, k.fc1, ctx);
+  else ops::gelu_forward(k.act, k.fc1, ctx);
+  y.copy_from(k.x_mid);
+  ops::gemm(y, k.act, false, w.fc2, true, 1.0f, 1.0f, ctx);
+}
+
+void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
+                          const DenseLayerCache& k, DenseLayerWorkspace& ws, const Tensor& rope,
+                          const DenseLayerDims& d, const ops::Context& ctx) {
+  // MLP block, in reverse: dres is dL/dy here.
+  const Tensor& dy_c = residual_grad_for_gemm(dres, ws, d.compute);
+  ops::gemm(ws.dact, dy_c, false, w.fc2, false, 1.0f, 0.0f, ctx);
+  ops::gemm(g.fc2, dy_c, true, k.act, false, 1.0f, 1.0f, ctx);
+  if (d.swiglu) ops::swiglu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
+  else ops::gelu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
+  ops::gemm(g.fc1, ws.dfc1, true, k.h2, false, 1.0f, 1.0f, ctx);
+  ops::gemm(ws.dh, ws.dfc1, false, w.fc1, false, 1.0f, 0.0f, ctx);
+  ops::rmsnorm_backward(dres, g.mlp_norm, ws.dh, k.x_mid, w.mlp_norm, k.rstd2, true, ctx);
+  // Attention block, in reverse: dres is dL/dx_mid here.
+  const Tensor& dmid_c = residual_grad_for_gemm(dres, ws, d.compute);
+  ops::gemm(ws.dattn, dmid_c, false, w.proj, false, 1.0f, 0.0f, ctx);
+  ops::gemm(g.proj, dmid_c, true, k.attn, false, 1.0f, 1.0f, ctx);
+  Tensor dqkv = bsw(ws.dqkv, d);
+  ops::attention_backward(dqkv, bsw(ws.dattn, d), bsw(k.qkv, d), bsw(k.attn, d), k.lse, d.qkv, ctx);
+  ops::rope_backward(dqkv, rope, d.qkv, ctx);
+  ops::gemm(g.qkv, ws.dqkv, true, k.h1, false, 1.0f, 1.0f, ctx);
+  ops::gemm(ws.dh, ws.dqkv, false, w.qkv, false, 1.0f, 0.0f, ctx);
+  ops::rmsnorm_backward(dres, g.input_norm, ws.dh, x, w.input_norm, k.rstd1, true, ctx);
+}
+
+}  // namespace moecore::nn

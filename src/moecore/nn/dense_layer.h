@@ -1,0 +1,78 @@
+// One pre-norm transformer layer with a dense MLP: explicit forward and backward (no autograd).
+//   x_mid = x + proj(attention(rope(qkv(norm1(x)))));  y = x_mid + fc2(act(fc1(norm2(x_mid))))
+// Norms are RMSNorm; act is SwiGLU (fc1 = [gate; up]) or GeLU. Linear layers carry no bias.
+// Not here: parameter ownership and initialisation (model/), the MoE variant of the MLP (moe/).
+//
+// Gradient contract: weight gradients accumulate (+=); the residual-stream gradient is updated in place
+// (dy in, dx out) because the residual fans out.
+// dtypes: the residual stream (x, y, dres) and norm statistics are f32; every GEMM operand (norm outputs,
+// qkv, attention output, MLP activations, weights) is in the compute dtype, f32 or bf16.
+#pragma once
+#include "moecore/kernels/ops.h"
+
+namespace moecore::nn {
+
+struct DenseLayerDims {
+  int64_t N = 0;            // tokens in the micro-batch (B*S)
+  int64_t H = 0;            // hidden size
+  int64_t F = 0;            // MLP hidden size
+  ops::QkvDims qkv;         // attention geometry (B, S, G, R, D)
+  float eps = 1e-5f;        // RMSNorm epsilon
+  bool swiglu = true;       // SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
+  DType compute = DType::f32;
+  int64_t fc1_rows() const { return swiglu ? 2 * F : F; }
+};
+
+// Views of one layer's weights. Norm weights are the f32 masters; GEMM weights are in the compute dtype.
+struct DenseLayerWeights {
+  Tensor input_norm;  // [H] f32
+  Tensor qkv;         // [G*(R+2)*D, H]
+  Tensor proj;        // [H, G*R*D]
+  Tensor mlp_norm;    // [H] f32
+  Tensor fc1;         // [fc1_rows, H]
+  Tensor fc2;         // [H, F]
+};
+
+// f32 gradients, same shapes as the weights; accumulated.
+struct DenseLayerGrads {
+  Tensor input_norm, qkv, proj, mlp_norm, fc1, fc2;
+};
+
+// Activations saved by forward for backward. Dropping and refilling this struct is recompute.
+struct DenseLayerCache {
+  Tensor rstd1;  // [N] f32
+  Tensor h1;     // [N, H] compute: norm1 output
+  Tensor qkv;    // [N, G*(R+2)*D] compute: after RoPE
+  Tensor attn;   // [N, G*R*D] compute: attention output
+  Tensor lse;    // [B, G*R, S] f32
+  Tensor x_mid;  // [N, H] f32: residual after the attention block
+  Tensor rstd2;  // [N] f32
+  Tensor h2;     // [N, H] compute: norm2 output
+  Tensor fc1;    // [N, fc1_rows] compute
+  Tensor act;    // [N, F] compute
+};
+
+// Backward scratch, shared by all layers.
+struct DenseLayerWorkspace {
+  Tensor dh;       // [N, H] f32: gradient of a norm output
+  Tensor dres_c;   // [N, H] compute: the residual gradient cast for weight-gradient GEMMs (bf16 only)
+  Tensor dqkv;     // [N, G*(R+2)*D] compute
+  Tensor dattn;    // [N, G*R*D] compute
+  Tensor dfc1;     // [N, fc1_rows] compute
+  Tensor dact;     // [N, F] compute
+};
+
+DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d);
+DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d);
+int64_t dense_layer_cache_bytes(const DenseLayerDims& d);
+int64_t dense_layer_workspace_bytes(const DenseLayerDims& d);
+
+// y [N, H] f32 from x [N, H] f32. rope [S, D] f32 is the rotary table.
+void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& cache,
+                         const Tensor& rope, const DenseLayerDims& d, const ops::Context& ctx);
+// dres [N, H] f32: dL/dy on entry, dL/dx on return.
+void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
+                          const DenseLayerCache& cache, DenseLayerWorkspace& ws, const Tensor& rope,
+                          const DenseLayerDims& d, const ops::Context& ctx);
+
+}  // namespace moecore::nn

@@ -1,0 +1,52 @@
+#include "moecore/nn/lm_head.h"
+
+#include <algorithm>
+
+namespace moecore::nn {
+
+namespace {
+int64_t chunk_tokens(int64_t N, int64_t V) {
+  return std::clamp<int64_t>((int64_t{16} << 20) / std::max<int64_t>(V, 1), 1, std::max<int64_t>(N, 1));
+}
+}  // namespace
+
+LmHeadWorkspace lm_head_workspace_alloc(int64_t N, int64_t V, DType compute) {
+  LmHeadWorkspace ws;
+  ws.chunk = chunk_tokens(N, V);
+  ws.logits = Tensor::empty({ws.chunk, V}, DType::f32, MemCategory::workspace);
+  if (compute != DType::f32) ws.dlogits_c = Tensor::empty({ws.chunk, V}, compute, MemCategory::workspace);
+  ws.loss = Tensor::empty({ws.chunk}, DType::f32, MemCategory::workspace);
+  return ws;
+}
+
+int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute) {
+  const int64_t c = chunk_tokens(N, V);
+  return c * V * 4 + (compute != DType::f32 ? c * V * static_cast<int64_t>(dtype_size(compute)) : 0) + c * 4;
+}
+
+double lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels,
+                    float grad_scale, LmHeadWorkspace& ws, const ops::Context& ctx) {
+  const int64_t N = h.size(0);
+  double total = 0;
+  for (int64_t t0 = 0; t0 < N; t0 += ws.chunk) {
+    const int64_t n = std::min(ws.chunk, N - t0);
+    const Tensor hc = h.slice(0, t0, t0 + n);
+    Tensor logits = ws.logits.slice(0, 0, n), loss = ws.loss.slice(0, 0, n);
+    ops::gemm(logits, hc, false, w, true, 1.0f, 0.0f, ctx);
+    ops::softmax_cross_entropy(loss, logits, labels.slice(0, t0, t0 + n), grad_scale, dh != nullptr, ctx);
+    const float* lp = loss.data<float>();
+    for (int64_t i = 0; i < n; ++i) total += lp[i];
+    if (!dh) continue;
+    Tensor dlogits = logits;
+    if (ws.dlogits_c.defined()) {
+      dlogits = ws.dlogits_c.slice(0, 0, n);
+      dlogits.copy_from(logits);
+    }
+    Tensor dhc = dh->slice(0, t0, t0 + n);
+    ops::gemm(dhc, dlogits, false, w, false, 1.0f, 0.0f, ctx);
+    ops::gemm(*dw, dlogits, true, hc, false, 1.0f, 1.0f, ctx);
+  }
+  return total;
+}
+
+}  // namespace moecore::nn

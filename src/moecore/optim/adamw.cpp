@@ -1,0 +1,56 @@
+#include "moecore/optim/adamw.h"
+
+#include <cmath>
+
+#include "moecore/kernels/ops.h"
+
+namespace moecore::optim {
+
+void AdamWConfig::validate() const {
+  if (!(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1))
+    MOECORE_FAIL("optimizer: adam_beta1 (", beta1, ") and adam_beta2 (", beta2, ") must lie in [0, 1)");
+  if (!(eps > 0)) MOECORE_FAIL("optimizer: adam_eps (", eps, ") must be positive");
+  if (weight_decay < 0 || clip_grad < 0)
+    MOECORE_FAIL("optimizer: weight_decay (", weight_decay, ") and clip_grad (", clip_grad, ") must not be negative");
+  if (state_dtype != DType::f32 && state_dtype != DType::bf16)
+    MOECORE_FAIL("optimizer: state dtype ", dtype_name(state_dtype), " is not supported (use f32 or bf16)");
+}
+
+AdamW::AdamW(std::vector<Param>& params, const AdamWConfig& cfg) : params_(params), cfg_(cfg) {
+  cfg_.validate();
+  for (const auto& p : params_) {
+    m_.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::optimizer_state));
+    v_.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::optimizer_state));
+  }
+}
+
+double global_grad_norm(const std::vector<Param>& params) {
+  double s = 0;
+  for (const auto& p : params) s += ops::sum_squares(p.grad, {});
+  return std::sqrt(s);
+}
+
+StepStats AdamW::step(float lr) {
+  StepStats st;
+  st.grad_norm = global_grad_norm(params_);
+  // Megatron/torch clip rule: scale = clip / (norm + 1e-6), applied when below 1.
+  if (cfg_.clip_grad > 0) {
+    const double scale = cfg_.clip_grad / (st.grad_norm + 1e-6);
+    if (scale < 1.0) st.clip_scale = static_cast<float>(scale);
+  }
+  ++step_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    ops::AdamWParams p;
+    p.lr = lr;
+    p.beta1 = cfg_.beta1;
+    p.beta2 = cfg_.beta2;
+    p.eps = cfg_.eps;
+    p.weight_decay = params_[i].weight_decay ? cfg_.weight_decay : 0.0f;
+    p.step = step_;
+    p.grad_scale = st.clip_scale;
+    ops::adamw_step(params_[i].value, params_[i].grad, m_[i], v_[i], p, {});
+  }
+  return st;
+}
+
+}  // namespace moecore::optim

@@ -1,0 +1,47 @@
+// AdamW with fp32 master weights, global-norm gradient clipping and optional bf16 optimizer states.
+// Decoupled weight decay applies only to parameters marked weight_decay (2-D weights). Not here: LR
+// schedules (optim/lr_schedule.h) and sharding over data-parallel ranks (the distributed optimizer).
+#pragma once
+#include <vector>
+
+#include "moecore/core/param.h"
+
+namespace moecore::optim {
+
+struct AdamWConfig {
+  float beta1 = 0.9f;             // --adam-beta1
+  float beta2 = 0.999f;           // --adam-beta2
+  float eps = 1e-8f;              // --adam-eps
+  float weight_decay = 0.01f;     // --weight-decay, decoupled, 2-D weights only
+  float clip_grad = 1.0f;         // --clip-grad: max global L2 norm; 0 disables clipping
+  DType state_dtype = DType::f32; // exp_avg / exp_avg_sq dtype: f32, or bf16 to halve optimizer memory
+  void validate() const;
+};
+
+struct StepStats {
+  double grad_norm = 0;  // global L2 norm of all gradients before clipping
+  float clip_scale = 1;  // factor applied to the gradients (1 when not clipped)
+};
+
+class AdamW {
+ public:
+  AdamW(std::vector<Param>& params, const AdamWConfig& cfg);
+  // One update with learning rate lr. Gradients are read, not modified.
+  StepStats step(float lr);
+  int64_t steps_taken() const { return step_; }
+  void set_steps_taken(int64_t s) { step_ = s; }
+  std::vector<Tensor>& exp_avg() { return m_; }
+  std::vector<Tensor>& exp_avg_sq() { return v_; }
+  int64_t state_bytes_per_param() const { return 2 * static_cast<int64_t>(dtype_size(cfg_.state_dtype)); }
+
+ private:
+  std::vector<Param>& params_;
+  AdamWConfig cfg_;
+  std::vector<Tensor> m_, v_;
+  int64_t step_ = 0;
+};
+
+// sqrt(sum over params of sum(grad^2)), accumulated in double in parameter order.
+double global_grad_norm(const std::vector<Param>& params);
+
+}  // namespace moecore::optim

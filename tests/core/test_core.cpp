@@ -1,0 +1,361 @@
+// Tests of the core floor: dtype conversions (bf16 ties, fp16, fp8 saturation / NaN / subnormals with
+// exact known codes), Tensor views and copies, Philox known-answer vectors and the named-stream fillers,
+// and memory accounting by category. No kernels here: tests/kernels covers ops.h.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "moecore/core/dtype.h"
+#include "moecore/core/memory.h"
+#include "moecore/core/rng.h"
+#include "moecore/core/tensor.h"
+
+namespace moecore {
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+float from_bits(uint32_t u) {
+  return std::bit_cast<float>(u);
+}
+
+TEST(DType, SizesAndNames) {
+  EXPECT_EQ(dtype_size(DType::f32), 4u);
+  EXPECT_EQ(dtype_size(DType::bf16), 2u);
+  EXPECT_EQ(dtype_size(DType::f8e4m3), 1u);
+  EXPECT_EQ(dtype_size(DType::i64), 8u);
+  EXPECT_EQ(dtype_name(DType::bf16), "bf16");
+  EXPECT_EQ(dtype_name(DType::f8e5m2), "f8e5m2");
+  EXPECT_TRUE(dtype_is_float(DType::f8e5m2));
+  EXPECT_FALSE(dtype_is_float(DType::i32));
+  EXPECT_FALSE(dtype_is_float(DType::boolean));
+}
+
+TEST(DType, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(float_to_bf16(1.0f).bits, 0x3f80);
+  // 1 + 2^-8 lies exactly between 0x3f80 and 0x3f81: the tie goes to the even code 0x3f80.
+  EXPECT_EQ(float_to_bf16(1.00390625f).bits, 0x3f80);
+  // 1 + 3 * 2^-8 lies between 0x3f81 and 0x3f82: the tie goes to 0x3f82.
+  EXPECT_EQ(float_to_bf16(1.01171875f).bits, 0x3f82);
+  EXPECT_EQ(float_to_bf16(from_bits(0x3f808001)).bits, 0x3f81);  // just above the tie rounds up
+  EXPECT_EQ(float_to_bf16(from_bits(0x3f807fff)).bits, 0x3f80);  // just below rounds down
+  EXPECT_EQ(float_to_bf16(-2.0f).bits, 0xc000);
+  EXPECT_EQ(float_to_bf16(kInf).bits, 0x7f80);
+  EXPECT_EQ(float_to_bf16(std::numeric_limits<float>::max()).bits, 0x7f80);  // beyond bf16's max: inf
+  EXPECT_EQ(float_to_bf16(from_bits(0x7f7f7fff)).bits, 0x7f7f);              // bf16's max stays finite
+  const bf16 nan = float_to_bf16(from_bits(0x7f800001));                     // signalling NaN
+  EXPECT_TRUE(std::isnan(bf16_to_float(nan)));
+  EXPECT_EQ(nan.bits & 0x40, 0x40);                              // quiet
+  EXPECT_EQ(float_to_bf16(from_bits(0x00010000)).bits, 0x0001);  // subnormals keep their top bits
+  for (uint32_t code = 0; code < 0x10000; ++code) {
+    const bf16 h{static_cast<uint16_t>(code)};
+    if (std::isnan(bf16_to_float(h))) continue;
+    ASSERT_EQ(float_to_bf16(bf16_to_float(h)).bits, code);
+  }
+}
+
+TEST(DType, Fp16KnownValues) {
+  EXPECT_EQ(float_to_f16(1.0f).bits, 0x3c00);
+  EXPECT_EQ(float_to_f16(-2.0f).bits, 0xc000);
+  EXPECT_EQ(float_to_f16(65504.0f).bits, 0x7bff);               // max finite
+  EXPECT_EQ(float_to_f16(65519.0f).bits, 0x7bff);               // below the midpoint to 2^16
+  EXPECT_EQ(float_to_f16(65520.0f).bits, 0x7c00);               // the midpoint rounds (to even) to infinity
+  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -24)).bits, 0x0001);  // smallest subnormal
+  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -25)).bits, 0x0000);  // half of it: tie to even (0)
+  EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -26)).bits, 0x0001);  // 0.75 of it rounds up
+  EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -25)).bits, 0x0002);  // 1.5 of it: tie to even (2)
+  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -14)).bits, 0x0400);  // smallest normal
+  EXPECT_EQ(float_to_f16(1.0f + std::ldexp(1.0f, -11)).bits, 0x3c00);  // tie to even
+  EXPECT_EQ(float_to_f16(-kInf).bits, 0xfc00);
+  EXPECT_TRUE(std::isnan(f16_to_float(float_to_f16(kNaN))));
+  EXPECT_EQ(f16_to_float(f16{0x7bff}), 65504.0f);
+  for (uint32_t code = 0; code < 0x10000; ++code) {
+    const f16 h{static_cast<uint16_t>(code)};
+    if (std::isnan(f16_to_float(h))) continue;
+    ASSERT_EQ(float_to_f16(f16_to_float(h)).bits, code);
+  }
+}
+
+TEST(DType, Fp8E4m3KnownValues) {
+  EXPECT_EQ(float_to_f8e4m3(1.0f).bits, 0x38);
+  EXPECT_EQ(float_to_f8e4m3(448.0f).bits, 0x7e);  // max finite
+  EXPECT_EQ(float_to_f8e4m3(464.0f).bits, 0x7e);  // saturates rather than rounding into the NaN code
+  EXPECT_EQ(float_to_f8e4m3(1e6f).bits, 0x7e);
+  EXPECT_EQ(float_to_f8e4m3(-1e6f).bits, 0xfe);
+  EXPECT_EQ(float_to_f8e4m3(kInf).bits, 0x7e);  // e4m3fn has no infinity
+  EXPECT_EQ(float_to_f8e4m3(-kInf).bits, 0xfe);
+  EXPECT_EQ(float_to_f8e4m3(kNaN).bits & 0x7f, 0x7f);
+  EXPECT_EQ(float_to_f8e4m3(0.001953125f).bits, 0x01);           // 2^-9, the smallest subnormal
+  EXPECT_EQ(float_to_f8e4m3(std::ldexp(1.0f, -10)).bits, 0x00);  // half of it: tie to even
+  EXPECT_EQ(float_to_f8e4m3(std::ldexp(3.0f, -11)).bits, 0x01);  // 0.75 of it rounds up
+  EXPECT_EQ(float_to_f8e4m3(std::ldexp(1.0f, -6)).bits, 0x08);   // smallest normal
+  EXPECT_EQ(float_to_f8e4m3(std::ldexp(7.0f, -9)).bits, 0x07);   // largest subnormal
+  EXPECT_EQ(float_to_f8e4m3(1.0625f).bits, 0x38);                // 1 + 2^-4: tie to even
+  EXPECT_EQ(float_to_f8e4m3(-0.0f).bits, 0x80);
+  EXPECT_EQ(f8e4m3_to_float(f8e4m3{0x7e}), 448.0f);
+  EXPECT_EQ(f8e4m3_to_float(f8e4m3{0x01}), 0.001953125f);
+  EXPECT_TRUE(std::isnan(f8e4m3_to_float(f8e4m3{0x7f})));
+  EXPECT_TRUE(std::isnan(f8e4m3_to_float(f8e4m3{0xff})));
+  for (uint32_t code = 0; code < 256; ++code) {
+    const f8e4m3 v{static_cast<uint8_t>(code)};
+    if (std::isnan(f8e4m3_to_float(v))) continue;
+    ASSERT_EQ(float_to_f8e4m3(f8e4m3_to_float(v)).bits, code);
+  }
+}
+
+TEST(DType, Fp8E5m2KnownValues) {
+  EXPECT_EQ(float_to_f8e5m2(1.0f).bits, 0x3c);
+  EXPECT_EQ(float_to_f8e5m2(57344.0f).bits, 0x7b);  // max finite
+  EXPECT_EQ(float_to_f8e5m2(60000.0f).bits, 0x7b);  // finite overflow saturates
+  EXPECT_EQ(float_to_f8e5m2(-1e9f).bits, 0xfb);
+  EXPECT_EQ(float_to_f8e5m2(kInf).bits, 0x7c);  // infinities stay infinite
+  EXPECT_EQ(float_to_f8e5m2(-kInf).bits, 0xfc);
+  EXPECT_EQ(float_to_f8e5m2(std::ldexp(1.0f, -16)).bits, 0x01);  // smallest subnormal
+  EXPECT_EQ(float_to_f8e5m2(std::ldexp(1.0f, -17)).bits, 0x00);  // half of it: tie to even
+  EXPECT_EQ(float_to_f8e5m2(std::ldexp(1.0f, -14)).bits, 0x04);  // smallest normal
+  EXPECT_EQ(float_to_f8e5m2(1.125f).bits, 0x3c);                 // 1 + 2^-3: tie to even
+  EXPECT_EQ(float_to_f8e5m2(1.375f).bits, 0x3e);                 // 1 + 3 * 2^-3: tie to even
+  EXPECT_TRUE(std::isnan(f8e5m2_to_float(float_to_f8e5m2(kNaN))));
+  EXPECT_EQ(f8e5m2_to_float(f8e5m2{0x7b}), 57344.0f);
+  EXPECT_EQ(f8e5m2_to_float(f8e5m2{0x7c}), kInf);
+  for (uint32_t code = 0; code < 256; ++code) {
+    const f8e5m2 v{static_cast<uint8_t>(code)};
+    if (std::isnan(f8e5m2_to_float(v))) continue;
+    ASSERT_EQ(float_to_f8e5m2(f8e5m2_to_float(v)).bits, code);
+  }
+}
+
+TEST(DType, ConvertBetweenTypes) {
+  const float src[4] = {1.5f, -2.0f, 3.0f, 448.0f};
+  int32_t i32[4];
+  convert(i32, DType::i32, src, DType::f32, 4);
+  EXPECT_EQ(i32[0], 1);
+  EXPECT_EQ(i32[1], -2);
+  int64_t i64[4];
+  convert(i64, DType::i64, i32, DType::i32, 4);
+  EXPECT_EQ(i64[3], 448);
+  bf16 h[4];
+  convert(h, DType::bf16, src, DType::f32, 4);
+  f8e4m3 e[4];
+  convert(e, DType::f8e4m3, h, DType::bf16, 4);
+  float back[4];
+  convert(back, DType::f32, e, DType::f8e4m3, 4);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(back[i], src[i]);  // all four are exact in e4m3
+  bool b[4];
+  convert(b, DType::boolean, src, DType::f32, 4);
+  EXPECT_TRUE(b[0]);
+}
+
+// Base tensor [2, 3, 4] holding 0..23.
+Tensor iota_tensor() {
+  Tensor t = Tensor::empty(Shape{2, 3, 4}, DType::f32, MemCategory::other);
+  for (int i = 0; i < 24; ++i) t.data<float>()[i] = static_cast<float>(i);
+  return t;
+}
+
+std::vector<float> values(const Tensor& t) {
+  Tensor c = t.to(DType::f32);
+  return std::vector<float>(c.data<float>(), c.data<float>() + c.numel());
+}
+
+TEST(Tensor, ShapeStridesAndStr) {
+  Tensor t = iota_tensor();
+  EXPECT_EQ(t.dim(), 3);
+  EXPECT_EQ(t.numel(), 24);
+  EXPECT_EQ(t.stride(0), 12);
+  EXPECT_EQ(t.stride(-1), 1);
+  EXPECT_EQ(t.size(-2), 3);
+  EXPECT_TRUE(t.is_contiguous());
+  EXPECT_EQ(t.str(), "[2, 3, 4] f32");
+  EXPECT_EQ(t.nbytes(), 96);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(t.raw()) % 64, 0u);
+  EXPECT_THROW(t.data<bf16>(), Error);
+}
+
+TEST(Tensor, ViewsShareStorage) {
+  Tensor t = iota_tensor();
+  Tensor v = t.view(Shape{6, 4});
+  EXPECT_EQ(v.str(), "[6, 4] f32");
+  v.data<float>()[5] = 100.0f;
+  EXPECT_EQ(t.data<float>()[5], 100.0f);
+  EXPECT_EQ(t.flatten_to_2d().shape(), (Shape{6, 4}));
+  EXPECT_THROW(t.view(Shape{5, 5}), Error);
+
+  Tensor s = t.slice(1, 1, 3);  // [2, 2, 4], rows 1..2 of each batch
+  EXPECT_FALSE(s.is_contiguous());
+  EXPECT_EQ(values(s), (std::vector<float>{4, 100, 6, 7, 8, 9, 10, 11, 16, 17, 18, 19, 20, 21, 22, 23}));
+  EXPECT_THROW(s.view(Shape{16}), Error);
+  EXPECT_THROW(t.slice(1, 2, 4), Error);
+
+  Tensor row = t.select(0, 1);  // [3, 4], contiguous
+  EXPECT_TRUE(row.is_contiguous());
+  EXPECT_EQ(row.shape(), (Shape{3, 4}));
+  EXPECT_EQ(values(row)[0], 12.0f);
+
+  Tensor col = t.select(2, 1);  // [2, 3], strides [12, 4]
+  EXPECT_EQ(col.shape(), (Shape{2, 3}));
+  EXPECT_EQ(col.stride(0), 12);
+  EXPECT_EQ(col.stride(1), 4);
+  EXPECT_EQ(values(col), (std::vector<float>{1, 100, 9, 13, 17, 21}));  // 5 was overwritten above
+}
+
+TEST(Tensor, CopyConvertFillZero) {
+  Tensor t = iota_tensor();
+  Tensor col = t.select(2, 3);  // non-contiguous destination
+  Tensor src = Tensor::empty(Shape{2, 3}, DType::bf16, MemCategory::other);
+  src.fill_(-1.5f);
+  col.copy_from(src);
+  EXPECT_EQ(values(t)[3], -1.5f);
+  EXPECT_EQ(values(t)[23], -1.5f);
+  EXPECT_EQ(values(t)[22], 22.0f);
+
+  Tensor h = t.to(DType::bf16);
+  EXPECT_EQ(h.dtype(), DType::bf16);
+  EXPECT_EQ(values(h), values(t));  // small integers and -1.5 are exact in bf16
+  Tensor c = t.slice(0, 1, 2).clone();
+  EXPECT_TRUE(c.is_contiguous());
+  EXPECT_EQ(values(c)[0], 12.0f);
+  c.data<float>()[0] = 7.0f;
+  EXPECT_EQ(t.data<float>()[12], 12.0f);  // clone owns its storage
+
+  t.slice(1, 0, 1).zero_();  // zeroes rows 0 of both batches only
+  const auto v = values(t);
+  EXPECT_EQ(v[0], 0.0f);
+  EXPECT_EQ(v[3], 0.0f);
+  EXPECT_EQ(v[4], 4.0f);
+  EXPECT_EQ(v[12], 0.0f);
+  EXPECT_EQ(v[16], 16.0f);
+
+  Tensor z = Tensor::zeros(Shape{3}, DType::f16, MemCategory::other);
+  EXPECT_EQ(values(z), (std::vector<float>{0, 0, 0}));
+  EXPECT_THROW(z.copy_from(t), Error);
+  Tensor ints = Tensor::empty(Shape{2}, DType::i32, MemCategory::other);
+  EXPECT_THROW(ints.fill_(1.0f), Error);
+}
+
+// Philox-4x32-10 written independently from Random123's description: round = two 32x32->64 products,
+// key bumped by the Weyl constants between rounds.
+std::array<uint32_t, 4> philox_reference(std::array<uint32_t, 4> x, std::array<uint32_t, 2> k) {
+  for (int r = 0; r < 10; ++r) {
+    if (r > 0) {
+      k[0] += 0x9E3779B9u;
+      k[1] += 0xBB67AE85u;
+    }
+    const uint64_t a = uint64_t{0xD2511F53u} * x[0];
+    const uint64_t b = uint64_t{0xCD9E8D57u} * x[2];
+    x = {uint32_t(b >> 32) ^ x[1] ^ k[0], uint32_t(b), uint32_t(a >> 32) ^ x[3] ^ k[1], uint32_t(a)};
+  }
+  return x;
+}
+
+TEST(Rng, PhiloxKnownAnswers) {
+  // Random123's kat_vectors for philox4x32 with 10 rounds.
+  using A4 = std::array<uint32_t, 4>;
+  EXPECT_EQ(philox4x32_10({0, 0, 0, 0}, {0, 0}), (A4{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
+  EXPECT_EQ(philox4x32_10({~0u, ~0u, ~0u, ~0u}, {~0u, ~0u}),
+            (A4{0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}));
+  EXPECT_EQ(philox4x32_10({0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344}, {0xa4093822, 0x299f31d0}),
+            (A4{0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}));
+  for (uint32_t i = 0; i < 64; ++i) {
+    const A4 c{i * 2654435761u, i, ~i, i << 7};
+    const std::array<uint32_t, 2> k{i * 40503u, 0xdeadbeefu ^ i};
+    ASSERT_EQ(philox4x32_10(c, k), philox_reference(c, k));
+  }
+}
+
+TEST(Rng, KeysDependOnSeedAndName) {
+  EXPECT_EQ(philox_key(1, "w"), philox_key(1, "w"));
+  EXPECT_NE(philox_key(1, "w"), philox_key(2, "w"));
+  EXPECT_NE(philox_key(1, "w"), philox_key(1, "v"));
+}
+
+TEST(Rng, UniformStaysInsideTheOpenInterval) {
+  // Philox word 0xffffff91 (key {0, 0}, element 43231112, found by search) used to round to exactly 1.0f.
+  EXPECT_LT(philox_uniform({0, 0}, 43231112), 1.0f);
+  EXPECT_GT(philox_uniform({0, 0}, 43231112), 0.99999f);
+  for (uint64_t i = 0; i < 1000; ++i) {
+    const float u = philox_uniform({1, 2}, i);
+    ASSERT_TRUE(u > 0.0f && u < 1.0f) << i;
+  }
+}
+
+TEST(Rng, FillIsLayoutIndependent) {
+  Tensor full = Tensor::empty(Shape{1000}, DType::f32, MemCategory::other);
+  rng_fill_normal(full, 42, "layer.0.w", 0.5f, 2.0f);
+  Tensor part = Tensor::empty(Shape{300}, DType::f32, MemCategory::other);
+  rng_fill_normal(part, 42, "layer.0.w", 0.5f, 2.0f, 413);  // odd start: not aligned to a Philox block
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(part.data<float>()[i], full.data<float>()[413 + i]) << i;
+  Tensor part16 = Tensor::empty(Shape{300}, DType::bf16, MemCategory::other);
+  rng_fill_normal(part16, 42, "layer.0.w", 0.5f, 2.0f, 413);
+  for (int i = 0; i < 300; ++i)
+    ASSERT_EQ(part16.data<bf16>()[i].bits, float_to_bf16(full.data<float>()[413 + i]).bits);
+
+  Tensor u = Tensor::empty(Shape{1000}, DType::f32, MemCategory::other);
+  rng_fill_uniform(u, 42, "u", -1.0f, 3.0f);
+  Tensor u2 = Tensor::empty(Shape{10}, DType::f32, MemCategory::other);
+  rng_fill_uniform(u2, 42, "u", -1.0f, 3.0f, 990);
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(u2.data<float>()[i], u.data<float>()[990 + i]);
+}
+
+TEST(Rng, SampleMoments) {
+  constexpr int n = 200000;
+  Tensor t = Tensor::empty(Shape{n}, DType::f32, MemCategory::other);
+  rng_fill_normal(t, 7, "moments", 1.0f, 3.0f);
+  double s = 0, ss = 0;
+  for (int i = 0; i < n; ++i) {
+    s += t.data<float>()[i];
+    ss += double(t.data<float>()[i]) * t.data<float>()[i];
+  }
+  const double mean = s / n, std = std::sqrt(ss / n - mean * mean);
+  // Standard errors: 3 / sqrt(n) = 0.0067 for the mean, ~3 / sqrt(2n) = 0.0047 for the std; allow ~4 sigma.
+  EXPECT_NEAR(mean, 1.0, 0.03);
+  EXPECT_NEAR(std, 3.0, 0.02);
+
+  rng_fill_uniform(t, 7, "uniform", -2.0f, 2.0f);
+  double us = 0;
+  for (int i = 0; i < n; ++i) {
+    const float v = t.data<float>()[i];
+    ASSERT_TRUE(v > -2.0f && v < 2.0f);
+    us += v;
+  }
+  EXPECT_NEAR(us / n, 0.0, 0.02);  // std 2/sqrt(3), standard error 0.0026
+}
+
+TEST(Memory, CurrentAndPeakByCategory) {
+  const int opt = static_cast<int>(MemCategory::optimizer_state);
+  const int grads = static_cast<int>(MemCategory::gradients);
+  const MemoryStats before = memory_stats();
+  {
+    Tensor a = Tensor::empty(Shape{1024, 256}, DType::f32, MemCategory::optimizer_state);  // 1 MiB
+    Tensor b = Tensor::empty(Shape{1024, 256}, DType::bf16, MemCategory::gradients);       // 0.5 MiB
+    const MemoryStats during = memory_stats();
+    EXPECT_EQ(during.current[opt] - before.current[opt], 1 << 20);
+    EXPECT_EQ(during.current[grads] - before.current[grads], 1 << 19);
+    EXPECT_EQ(during.total_current - before.total_current, (1 << 20) + (1 << 19));
+    EXPECT_GE(during.peak[opt], during.current[opt]);
+    Tensor view = a.slice(0, 0, 10);  // views allocate nothing
+    EXPECT_EQ(memory_stats().current[opt], during.current[opt]);
+    EXPECT_EQ(view.category(), MemCategory::optimizer_state);
+  }
+  const MemoryStats after = memory_stats();
+  EXPECT_EQ(after.current[opt], before.current[opt]);
+  EXPECT_EQ(after.current[grads], before.current[grads]);
+
+  memory_reset_peaks();
+  EXPECT_EQ(memory_stats().peak[opt], after.current[opt]);
+  { Tensor big = Tensor::empty(Shape{2 << 20}, DType::f32, MemCategory::optimizer_state); }  // 8 MiB
+  const MemoryStats end = memory_stats();
+  EXPECT_EQ(end.current[opt], after.current[opt]);
+  EXPECT_EQ(end.peak[opt], after.current[opt] + (8 << 20));
+  EXPECT_GE(end.total_peak, end.total_current + (8 << 20));
+  EXPECT_EQ(memory_format_bytes(3 << 20), "3.0 MiB");
+  EXPECT_EQ(memory_format_bytes(512), "512 B");
+  EXPECT_STREQ(mem_category_name(MemCategory::optimizer_state), "optimizer_state");
+}
+
+}  // namespace
+}  // namespace moecore

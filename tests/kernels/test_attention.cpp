@@ -1,0 +1,320 @@
+// Tests of rope_table / rope_forward / rope_backward and attention_forward / attention_backward on the CPU:
+// against naive references in double (full S x S softmax), central finite differences, the bf16 path
+// against f32, determinism across thread counts, and entry checks. No timing here (see bench/).
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "moecore/kernels/ops.h"
+#include "test_util.h"
+
+namespace moecore {
+namespace {
+
+using ops::QkvDims;
+using testing::randn;
+using testing::to_vector;
+
+Tensor from_doubles(const Shape& shape, const std::vector<double>& v) {
+  Tensor t = Tensor::empty(shape, DType::f32, MemCategory::other);
+  for (size_t i = 0; i < v.size(); ++i) t.data<float>()[i] = static_cast<float>(v[i]);
+  return t;
+}
+
+Shape qkv_shape(const QkvDims& d) { return {d.B, d.S, d.width()}; }
+Shape out_shape(const QkvDims& d) { return {d.B, d.S, d.q_heads() * d.D}; }
+Shape lse_shape(const QkvDims& d) { return {d.B, d.q_heads(), d.S}; }
+
+// Naive causal attention in double: the full score row per query, then the textbook gradients.
+struct Reference {
+  std::vector<double> out, lse, dqkv;
+};
+
+Reference reference(const Tensor& qkv_t, const Tensor* dout_t, const QkvDims& d) {
+  const auto x = to_vector(qkv_t);
+  const std::vector<float> dout = dout_t ? to_vector(*dout_t) : std::vector<float>();
+  const int64_t W = d.width(), H = d.q_heads(), OW = H * d.D;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.D));
+  auto q_at = [&](int64_t b, int64_t s, int64_t h) { return (b * d.S + s) * W + ((h / d.R) * (d.R + 2) + h % d.R) * d.D; };
+  auto k_at = [&](int64_t b, int64_t s, int64_t g) { return (b * d.S + s) * W + (g * (d.R + 2) + d.R) * d.D; };
+  Reference ref{std::vector<double>(d.B * d.S * OW), std::vector<double>(d.B * H * d.S),
+                std::vector<double>(dout_t ? d.B * d.S * W : 0)};
+  std::vector<double> p(d.S), dp(d.S);
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t q = 0; q < d.S; ++q) {
+        const int64_t g = h / d.R, qo = q_at(b, q, h), oo = (b * d.S + q) * OW + h * d.D;
+        double mx = -INFINITY, sum = 0;
+        for (int64_t k = 0; k <= q; ++k) {
+          double dot = 0;
+          for (int64_t e = 0; e < d.D; ++e) dot += double(x[qo + e]) * x[k_at(b, k, g) + e];
+          p[k] = dot * scale;
+          mx = std::max(mx, p[k]);
+        }
+        for (int64_t k = 0; k <= q; ++k) sum += (p[k] = std::exp(p[k] - mx));
+        ref.lse[(b * H + h) * d.S + q] = mx + std::log(sum);
+        for (int64_t k = 0; k <= q; ++k) {
+          p[k] /= sum;
+          for (int64_t e = 0; e < d.D; ++e) ref.out[oo + e] += p[k] * x[k_at(b, k, g) + d.D + e];
+        }
+        if (!dout_t) continue;
+        double delta = 0;
+        for (int64_t k = 0; k <= q; ++k) {
+          dp[k] = 0;
+          for (int64_t e = 0; e < d.D; ++e) dp[k] += double(dout[oo + e]) * x[k_at(b, k, g) + d.D + e];
+          delta += p[k] * dp[k];
+        }
+        for (int64_t k = 0; k <= q; ++k) {
+          const double ds = p[k] * (dp[k] - delta) * scale;
+          const int64_t ko = k_at(b, k, g);
+          for (int64_t e = 0; e < d.D; ++e) {
+            ref.dqkv[qo + e] += ds * x[ko + e];
+            ref.dqkv[ko + e] += ds * x[qo + e];
+            ref.dqkv[ko + d.D + e] += p[k] * dout[oo + e];
+          }
+        }
+      }
+  return ref;
+}
+
+struct Fwd {
+  Tensor out, lse;
+};
+
+Fwd run_forward(const Tensor& qkv, const QkvDims& d) {
+  Fwd f{Tensor::empty(out_shape(d), qkv.dtype(), MemCategory::other),
+        Tensor::empty(lse_shape(d), DType::f32, MemCategory::other)};
+  ops::attention_forward(f.out, f.lse, qkv, d, {});
+  return f;
+}
+
+Tensor run_backward(const Tensor& dout, const Tensor& qkv, const Fwd& f, const QkvDims& d) {
+  Tensor dqkv = Tensor::empty(qkv_shape(d), qkv.dtype(), MemCategory::other);
+  dqkv.fill_(NAN);  // every element must be written
+  ops::attention_backward(dqkv, dout, qkv, f.out, f.lse, d, {});
+  return dqkv;
+}
+
+std::string name_of(const QkvDims& d) {
+  return "B" + std::to_string(d.B) + "_S" + std::to_string(d.S) + "_G" + std::to_string(d.G) + "_R" +
+         std::to_string(d.R) + "_D" + std::to_string(d.D);
+}
+
+// S = 1, 7 (one partial block), 64 (exactly one), 100, 130 (partial last blocks), 200 (several key
+// chunks in backward); GQA (R = 2, 4), MHA (R = 1), B = 2, and head dims that are not multiples of 16.
+const QkvDims kShapes[] = {{1, 1, 1, 1, 8},  {1, 7, 2, 2, 8},   {2, 64, 1, 1, 16}, {1, 100, 2, 2, 16},
+                           {2, 130, 1, 1, 6}, {1, 130, 1, 4, 64}, {1, 200, 2, 1, 24}};
+
+// f32 kernel vs double reference: only f32 rounding of dot products and sums over <= 200 terms (observed
+// ~3e-6 relative), so 2e-5 relative / 2e-6 absolute for out and lse; gradients chain one more product
+// and accumulate over more terms: 2e-4 / 2e-5.
+TEST(AttentionForward, MatchesNaiveReference) {
+  for (const QkvDims& d : kShapes) {
+    SCOPED_TRACE(name_of(d));
+    Tensor qkv = randn(qkv_shape(d), "qkv");
+    const Fwd f = run_forward(qkv, d);
+    const Reference ref = reference(qkv, nullptr, d);
+    EXPECT_TENSOR_NEAR(f.out, from_doubles(out_shape(d), ref.out), 2e-5, 2e-6);
+    EXPECT_TENSOR_NEAR(f.lse, from_doubles(lse_shape(d), ref.lse), 2e-5, 2e-6);
+  }
+}
+
+// Zero queries give uniform attention: lse[q] = log(q + 1) and out[q] = mean of v[0..q].
+TEST(AttentionForward, LseOfUniformScoresIsLogCount) {
+  const QkvDims d{1, 150, 1, 1, 16};
+  Tensor qkv = randn(qkv_shape(d), "qkv");
+  for (int64_t s = 0; s < d.S; ++s)
+    for (int64_t e = 0; e < d.D; ++e) qkv.data<float>()[s * d.width() + e] = 0.0f;
+  const Fwd f = run_forward(qkv, d);
+  std::vector<double> expect(d.S);
+  for (int64_t s = 0; s < d.S; ++s) expect[s] = std::log(static_cast<double>(s + 1));
+  EXPECT_TENSOR_NEAR(f.lse, from_doubles(lse_shape(d), expect), 1e-6, 1e-6);
+  const Reference ref = reference(qkv, nullptr, d);
+  EXPECT_TENSOR_NEAR(f.out, from_doubles(out_shape(d), ref.out), 1e-5, 1e-6);
+}
+
+TEST(AttentionBackward, MatchesReferenceGradient) {
+  for (const QkvDims& d : kShapes) {
+    SCOPED_TRACE(name_of(d));
+    Tensor qkv = randn(qkv_shape(d), "qkv");
+    Tensor dout = randn(out_shape(d), "dout");
+    const Fwd f = run_forward(qkv, d);
+    const Tensor dqkv = run_backward(dout, qkv, f, d);
+    const Reference ref = reference(qkv, &dout, d);
+    EXPECT_TENSOR_NEAR(dqkv, from_doubles(qkv_shape(d), ref.dqkv), 2e-4, 2e-5);
+  }
+}
+
+// Central differences of sum(out * w) in float with h = 1e-2: truncation ~h^2 and rounding noise
+// ~1e-6 / h (observed ~1e-4), so 3e-3 relative and 3e-4 absolute on gradients of order one.
+TEST(AttentionBackward, MatchesFiniteDifferences) {
+  for (const QkvDims& d : {QkvDims{1, 5, 1, 2, 4}, QkvDims{2, 3, 2, 1, 2}}) {
+    SCOPED_TRACE(name_of(d));
+    Tensor qkv = randn(qkv_shape(d), "qkv");
+    const Tensor w = randn(out_shape(d), "weights");
+    auto loss = [&] { return testing::weighted_sum(run_forward(qkv, d).out, w); };
+    const Tensor numeric = testing::numerical_gradient(loss, qkv);
+    const Tensor analytic = run_backward(w, qkv, run_forward(qkv, d), d);
+    EXPECT_TENSOR_NEAR(analytic, numeric, 3e-3, 3e-4);
+  }
+}
+
+// Same bits with 1 and 2 threads, including a shape whose backward splits keys into several chunks.
+TEST(AttentionBackward, DeterministicAcrossThreadCounts) {
+  const QkvDims d{1, 300, 1, 2, 16};
+  Tensor qkv = randn(qkv_shape(d), "qkv");
+  Tensor dout = randn(out_shape(d), "dout");
+  const int saved = omp_get_max_threads();
+  std::vector<std::vector<float>> runs;
+  for (int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    const Fwd f = run_forward(qkv, d);
+    std::vector<float> all = to_vector(f.out);
+    for (float v : to_vector(f.lse)) all.push_back(v);
+    for (float v : to_vector(run_backward(dout, qkv, f, d))) all.push_back(v);
+    runs.push_back(all);
+  }
+  omp_set_num_threads(saved);
+  ASSERT_EQ(runs[0].size(), runs[1].size());
+  EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)));
+}
+
+// bf16 activations vs the f32 kernel on the same (bf16-rounded) inputs. Forward: both do the same f32
+// math, so only the output rounding differs (2^-8 relative). Backward: out and dout enter delta rounded
+// to bf16, moving dS by ~2^-8 of |dP|, and the result is rounded again: 2e-2 relative, 2e-2 absolute.
+TEST(AttentionBf16, MatchesF32Path) {
+  for (const QkvDims& d : {QkvDims{1, 100, 2, 2, 16}, QkvDims{2, 70, 1, 1, 64}}) {
+    SCOPED_TRACE(name_of(d));
+    const Tensor qkv16 = randn(qkv_shape(d), "qkv").to(DType::bf16);
+    const Tensor dout16 = randn(out_shape(d), "dout").to(DType::bf16);
+    const Tensor qkv32 = qkv16.to(DType::f32), dout32 = dout16.to(DType::f32);
+    const Fwd f16 = run_forward(qkv16, d), f32 = run_forward(qkv32, d);
+    EXPECT_EQ(f16.out.dtype(), DType::bf16);
+    EXPECT_TENSOR_NEAR(f16.out, f32.out, 8e-3, 1e-4);
+    EXPECT_TENSOR_NEAR(f16.lse, f32.lse, 1e-6, 1e-6);
+    EXPECT_TENSOR_NEAR(run_backward(dout16, qkv16, f16, d), run_backward(dout32, qkv32, f32, d), 2e-2, 2e-2);
+  }
+}
+
+TEST(AttentionForward, RejectsBadInputs) {
+  const QkvDims d{1, 8, 2, 2, 8};
+  Tensor out = Tensor::empty(out_shape(d), DType::f32), lse = Tensor::empty(lse_shape(d), DType::f32);
+  auto expect_error = [](auto&& fn, const char* op, const char* detail) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error for " << detail;
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(op), std::string::npos) << msg;
+      EXPECT_NE(msg.find(detail), std::string::npos) << msg;
+    }
+  };
+  const Tensor wide = Tensor::zeros({1, 8, d.width() + 8}, DType::f32);
+  expect_error([&] { ops::attention_forward(out, lse, wide, d, {}); }, "attention_forward", "[1, 8, 72] f32");
+  const Tensor qkv16 = Tensor::zeros(qkv_shape(d), DType::bf16);
+  expect_error([&] { ops::attention_forward(out, lse, qkv16, d, {}); }, "attention_forward", "bf16");
+  const Tensor qkv = Tensor::zeros(qkv_shape(d), DType::f32);
+  Tensor bad_lse = Tensor::empty({1, 2, 8}, DType::f32);
+  expect_error([&] { ops::attention_forward(out, bad_lse, qkv, d, {}); }, "attention_forward", "lse");
+  Tensor dqkv = Tensor::empty(qkv_shape(d), DType::f32);
+  const Tensor dout16 = Tensor::zeros(out_shape(d), DType::bf16);
+  expect_error([&] { ops::attention_backward(dqkv, dout16, qkv, out, lse, d, {}); }, "attention_backward",
+               "dout");
+  const QkvDims odd{1, 8, 2, 2, 7};
+  expect_error([&] { ops::attention_forward(out, lse, qkv, odd, {}); }, "attention_forward", "D=7");
+  EXPECT_THROW(ops::attention_backward(dqkv, out, wide, out, lse, d, {}), Error);
+  Tensor rope = Tensor::empty({8, 8}, DType::f32);
+  Tensor wide_copy = wide.clone();
+  expect_error([&] { ops::rope_forward(wide_copy, rope, d, {}); }, "rope_forward", "qkv");
+  Tensor short_rope = Tensor::empty({4, 8}, DType::f32);
+  Tensor qkv_copy = qkv.clone();
+  expect_error([&] { ops::rope_backward(qkv_copy, short_rope, d, {}); }, "rope_backward", "rope");
+}
+
+// ---- RoPE ----------------------------------------------------------------------------------------
+
+Tensor make_rope(int64_t S, int64_t D, float base = 10000.0f) {
+  Tensor rope = Tensor::empty({S, D}, DType::f32, MemCategory::other);
+  ops::rope_table(rope, base, {});
+  return rope;
+}
+
+// The table is cos/sin of f32-rounded double angles: 2e-7 absolute.
+TEST(RopeTable, MatchesFormula) {
+  const int64_t S = 300, D = 12;
+  const Tensor rope = make_rope(S, D, 500.0f);
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t j = 0; j < D / 2; ++j) {
+      const double a = s * std::pow(500.0, -2.0 * j / D);
+      EXPECT_NEAR(rope.data<float>()[s * D + j], std::cos(a), 2e-7);
+      EXPECT_NEAR(rope.data<float>()[s * D + D / 2 + j], std::sin(a), 2e-7);
+    }
+}
+
+// Query and key slots rotated by the rotate-half formula, value slots untouched: 1e-6 (f32 rounding).
+TEST(RopeForward, MatchesNaiveFormula) {
+  const QkvDims d{2, 9, 2, 2, 8};
+  const Tensor rope = make_rope(12, d.D);  // longer table than S is allowed
+  const Tensor x = randn(qkv_shape(d), "x");
+  Tensor y = x.clone();
+  ops::rope_forward(y, rope, d, {});
+  const auto xv = to_vector(x), rv = to_vector(rope);
+  std::vector<double> expect(xv.begin(), xv.end());
+  const int64_t half = d.D / 2;
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t s = 0; s < d.S; ++s)
+      for (int64_t g = 0; g < d.G; ++g)
+        for (int64_t slot = 0; slot <= d.R; ++slot) {
+          const int64_t o = (b * d.S + s) * d.width() + (g * (d.R + 2) + slot) * d.D;
+          for (int64_t j = 0; j < half; ++j) {
+            const double c = rv[s * d.D + j], sn = rv[s * d.D + half + j];
+            expect[o + j] = xv[o + j] * c - xv[o + j + half] * sn;
+            expect[o + j + half] = xv[o + j + half] * c + xv[o + j] * sn;
+          }
+        }
+  EXPECT_TENSOR_NEAR(y, from_doubles(qkv_shape(d), expect), 1e-6, 1e-6);
+}
+
+TEST(RopeBackward, InvertsForward) {
+  const QkvDims d{1, 40, 3, 1, 16};
+  const Tensor rope = make_rope(d.S, d.D);
+  const Tensor x = randn(qkv_shape(d), "x");
+  Tensor y = x.clone();
+  ops::rope_forward(y, rope, d, {});
+  ops::rope_backward(y, rope, d, {});
+  EXPECT_TENSOR_NEAR(y, x, 1e-6, 1e-6);
+}
+
+// rope is linear, so central differences are exact up to rounding: 1e-3 relative / absolute.
+TEST(RopeBackward, IsTransposeOfForward) {
+  const QkvDims d{1, 4, 1, 2, 6};
+  const Tensor rope = make_rope(d.S, d.D, 100.0f);
+  Tensor x = randn(qkv_shape(d), "x");
+  const Tensor w = randn(qkv_shape(d), "w");
+  auto loss = [&] {
+    Tensor y = x.clone();
+    ops::rope_forward(y, rope, d, {});
+    return testing::weighted_sum(y, w);
+  };
+  const Tensor numeric = testing::numerical_gradient(loss, x);
+  Tensor analytic = w.clone();
+  ops::rope_backward(analytic, rope, d, {});
+  EXPECT_TENSOR_NEAR(analytic, numeric, 1e-3, 1e-3);
+}
+
+// bf16 rotates in f32 and rounds once: 2^-8 relative to the f32 result.
+TEST(RopeForward, Bf16MatchesF32) {
+  const QkvDims d{1, 20, 2, 2, 8};
+  const Tensor rope = make_rope(d.S, d.D);
+  Tensor x16 = randn(qkv_shape(d), "x").to(DType::bf16);
+  Tensor x32 = x16.to(DType::f32);
+  ops::rope_forward(x16, rope, d, {});
+  ops::rope_forward(x32, rope, d, {});
+  EXPECT_TENSOR_NEAR(x16, x32, 4e-3, 1e-5);
+}
+
+}  // namespace
+}  // namespace moecore

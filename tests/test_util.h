@@ -1,0 +1,82 @@
+// Shared helpers for the GoogleTest suite: random tensors, comparisons with stated tolerances, and a
+// central finite-difference gradient check. Header-only so each test binary stays self-contained.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moecore/core/rng.h"
+#include "moecore/core/tensor.h"
+
+namespace moecore::testing {
+
+// A contiguous f32 tensor filled with N(0, std^2) from a named stream.
+inline Tensor randn(const Shape& shape, const char* name, float std = 1.0f, uint64_t seed = 7) {
+  Tensor t = Tensor::empty(shape, DType::f32, MemCategory::other);
+  rng_fill_normal(t, seed, name, 0.0f, std);
+  return t;
+}
+
+inline std::vector<float> to_vector(const Tensor& t) {
+  Tensor f = t.to(DType::f32);
+  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
+}
+
+// Largest |a - b| / (atol + rtol * |b|) over elements; <= 1 means "within tolerance".
+inline double tolerance_ratio(const Tensor& a, const Tensor& b, double rtol, double atol) {
+  const auto va = to_vector(a), vb = to_vector(b);
+  double worst = 0;
+  for (size_t i = 0; i < va.size(); ++i) {
+    const double r = std::fabs(double(va[i]) - double(vb[i])) / (atol + rtol * std::fabs(double(vb[i])));
+    if (!(r <= worst)) worst = std::isnan(r) ? INFINITY : r;
+  }
+  return worst;
+}
+
+#define EXPECT_TENSOR_NEAR(a, b, rtol, atol)                                                           \
+  do {                                                                                                \
+    ASSERT_EQ((a).shape(), (b).shape()) << (a).str() << " vs " << (b).str();                          \
+    EXPECT_LE(::moecore::testing::tolerance_ratio((a), (b), (rtol), (atol)), 1.0)                      \
+        << #a " vs " #b " (rtol " << (rtol) << ", atol " << (atol) << ")";                             \
+  } while (0)
+
+// Central finite differences of a scalar function with respect to every element of x (f32, contiguous).
+// Evaluated in float with step h; compare against analytic gradients with a tolerance of ~1e-2 relative.
+inline Tensor numerical_gradient(const std::function<double()>& loss, Tensor& x, float h = 1e-2f) {
+  Tensor g = Tensor::zeros(x.shape(), DType::f32, MemCategory::other);
+  float* xp = x.data<float>();
+  float* gp = g.data<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const float orig = xp[i];
+    xp[i] = orig + h;
+    const double lp = loss();
+    xp[i] = orig - h;
+    const double lm = loss();
+    xp[i] = orig;
+    gp[i] = static_cast<float>((lp - lm) / (2.0 * h));
+  }
+  return g;
+}
+
+// sum(out * weights) in double: the scalar whose gradient with respect to out is `weights`.
+inline double weighted_sum(const Tensor& out, const Tensor& weights) {
+  const auto a = to_vector(out), b = to_vector(weights);
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += double(a[i]) * double(b[i]);
+  return s;
+}
+
+// ../shared/data relative to the source tree, or "" when absent (tests then GTEST_SKIP with a message).
+inline std::string shared_data_dir() {
+  for (const char* p : {MOECORE_SOURCE_DIR "/../shared/data", "../shared/data", "../../shared/data"}) {
+    if (std::filesystem::is_directory(p)) return p;
+  }
+  return "";
+}
+
+}  // namespace moecore::testing
