@@ -18,10 +18,9 @@ void add_model_flags(Args& a, const model::ModelConfig& d) {
       .option("--norm-epsilon", std::to_string(d.norm_epsilon), "RMSNorm epsilon")
       .option("--rotary-base", std::to_string(d.rotary_base), "RoPE base")
       .option("--init-method-std", std::to_string(d.init_method_std), "std of the normal weight init")
-      .flag("--swiglu", "SwiGLU MLP (the default here)")
-      .flag("--gelu", "GeLU MLP instead of SwiGLU")
-      .flag("--untie-embeddings-and-output-weights", "separate output layer (the default here)")
-      .flag("--tie-embeddings", "share the embedding table with the output layer")
+      .option("--normalization", "RMSNorm", "RMSNorm (LayerNorm: kernel only, not yet in the model)")
+      .flag("--swiglu", "SwiGLU MLP (without it: GeLU, as in Megatron)")
+      .flag("--untie-embeddings-and-output-weights", "separate output layer (without it the embedding is shared)")
       .flag("--bf16", "bf16 compute with fp32 master weights");
 }
 
@@ -38,11 +37,11 @@ model::ModelConfig model_config_from(const Args& a) {
   c.norm_epsilon = static_cast<float>(a.f64("--norm-epsilon"));
   c.rotary_base = static_cast<float>(a.f64("--rotary-base"));
   c.init_method_std = static_cast<float>(a.f64("--init-method-std"));
-  if (a.on("--gelu") && a.on("--swiglu")) MOECORE_FAIL("flags --gelu and --swiglu exclude each other");
-  c.swiglu = !a.on("--gelu");
-  if (a.on("--tie-embeddings") && a.on("--untie-embeddings-and-output-weights"))
-    MOECORE_FAIL("flags --tie-embeddings and --untie-embeddings-and-output-weights exclude each other");
-  c.untie_embeddings_and_output_weights = !a.on("--tie-embeddings");
+  if (a.str("--normalization") != "RMSNorm")
+    MOECORE_FAIL("--normalization ", a.str("--normalization"),
+                 " is not supported by the model yet; use --normalization RMSNorm");
+  c.swiglu = a.on("--swiglu");
+  c.untie_embeddings_and_output_weights = a.on("--untie-embeddings-and-output-weights");
   c.compute_dtype = a.on("--bf16") ? DType::bf16 : DType::f32;
   c.validate();
   return c;

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <string>
+#include <tuple>
 
 #include "bench/bench_util.h"
 #include "moecore/core/rng.h"
@@ -61,7 +63,7 @@ std::vector<std::string> bench_attention_lines(int64_t B, int64_t S, int64_t hea
   Tensor dqkv = Tensor::empty(qkv.shape(), dtype, MemCategory::workspace);
 
   double peak = dnnl_peak_gflops(dtype);
-  const char* peak_dtype = dtype_name(dtype).data();
+  std::string peak_dtype(dtype_name(dtype));
   if (peak == 0.0) {
     peak = dnnl_peak_gflops(DType::f32);
     peak_dtype = "f32";

@@ -8,4 +8,4 @@ corpus=build/fortunes.txt
 if [ ! -s "$corpus" ]; then
   find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' | sort | xargs cat >"$corpus"
 fi
-exec ./build/apps/moecore train --data-path "$corpus" "$@"
+exec ./build/apps/moecore train --data-path "$corpus" --swiglu --untie-embeddings-and-output-weights "$@"

@@ -19,8 +19,8 @@ struct ModelConfig {
   int64_t seq_length = 128;           // --seq-length: S, tokens per sample
   float norm_epsilon = 1e-5f;         // --norm-epsilon
   float rotary_base = 10000.0f;       // --rotary-base
-  bool swiglu = true;                 // --swiglu (else GeLU MLP)
-  bool untie_embeddings_and_output_weights = true;  // --untie-embeddings-and-output-weights
+  bool swiglu = true;                 // --swiglu (else GeLU MLP, Megatron's default)
+  bool untie_embeddings_and_output_weights = true;  // --untie-embeddings-and-output-weights (else tied)
   float init_method_std = 0.02f;      // --init-method-std: N(0, std^2) for weights
   DType compute_dtype = DType::f32;   // --bf16 selects bf16 compute (fp32 master weights)
 

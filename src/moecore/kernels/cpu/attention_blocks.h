@@ -1,7 +1,7 @@
 // Private building blocks of the CPU flash attention (attention.cpp): a register-tiled f32 GEMM for the
-// small dense blocks (scores, P @ V and the five backward products) and the block sizes they assume.
-// Operands are packed f32 tiles padded with zeros to whole micro-tiles, so the kernel has no column
-// tails. No softmax and no tensor code here; AVX2+FMA intrinsics with a portable scalar fallback.
+// small dense blocks (scores, P @ V and the five backward products), a row max, and the block sizes they
+// assume. Operands are packed f32 tiles padded with zeros to whole micro-tiles, so the kernel has no
+// column tails. No softmax logic and no tensor code here; AVX2+FMA intrinsics with a scalar fallback.
 #pragma once
 #include <cstdint>
 

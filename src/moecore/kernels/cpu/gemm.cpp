@@ -4,6 +4,7 @@
 // bf16 operands run natively where oneDNN has a bf16 matmul (AVX-512 bf16 / AMX). Elsewhere (e.g. AVX2-only
 // hosts) they are widened to f32 in reused scratch buffers and multiplied in f32: bf16 then saves memory,
 // not time, and the result is the exact f32 product of the bf16 values.
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -143,23 +144,61 @@ Tensor widen(const Tensor& x, int slot) {
   return w;
 }
 
-void run_widened(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha, float beta, int64_t G,
+// Widens one bf16 product tile by tile (M, N and K tiles), so that scratch stays within kWidenBudget
+// elements per operand whatever the GEMM's size, and every bf16 element is widened about once.
+constexpr int64_t kWidenBudget = int64_t{4} << 20;
+
+void run_widened(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha, float beta,
                  const char* op) {
-  const Tensor a32 = widen(a, 0), b32 = widen(b, 1);
-  if (c.dtype() == DType::f32) {
-    run(c, a32, ta, b32, tb, alpha, beta, G, op);
+  const int64_t M = c.size(0), N = c.size(1), K = ta ? a.size(0) : a.size(1);
+  if (M == 0 || N == 0 || K == 0) {  // nothing to widen; run() handles the empty cases
+    run(c, a, ta, b, tb, alpha, beta, 1, op);
     return;
   }
-  Tensor c32 = scratch(2, c.numel()).slice(0, 0, c.numel()).view(c.shape());
-  if (beta != 0.0f) c32.copy_from(c);
-  run(c32, a32, ta, b32, tb, alpha, beta, G, op);
-  c.copy_from(c32);
+  auto tile = [](int64_t want, int64_t extent) { return std::min(extent, std::max<int64_t>(want, 64)); };
+  const int64_t kc = std::min<int64_t>(K, 2048);
+  const int64_t mc = tile(kWidenBudget / kc, M);
+  int64_t nc = tile(kWidenBudget / kc, N);
+  if (c.dtype() != DType::f32) nc = std::min(nc, tile(kWidenBudget / mc, N));
+  for (int64_t m0 = 0; m0 < M; m0 += mc) {
+    const int64_t m1 = std::min(M, m0 + mc);
+    for (int64_t n0 = 0; n0 < N; n0 += nc) {
+      const int64_t n1 = std::min(N, n0 + nc);
+      Tensor ct = c.slice(0, m0, m1).slice(1, n0, n1);
+      Tensor acc = ct;
+      if (c.dtype() != DType::f32) {
+        acc = scratch(2, ct.numel()).slice(0, 0, ct.numel()).view(ct.shape());
+        if (beta != 0.0f) acc.copy_from(ct);
+      }
+      for (int64_t k0 = 0; k0 < K; k0 += kc) {
+        const int64_t k1 = std::min(K, k0 + kc);
+        const Tensor at = ta ? a.slice(0, k0, k1).slice(1, m0, m1) : a.slice(0, m0, m1).slice(1, k0, k1);
+        const Tensor bt = tb ? b.slice(0, n0, n1).slice(1, k0, k1) : b.slice(0, k0, k1).slice(1, n0, n1);
+        const Tensor a32 = widen(at, 0), b32 = widen(bt, 1);
+        run(acc, a32, ta, b32, tb, alpha, k0 == 0 ? beta : 1.0f, 1, op);
+      }
+      if (c.dtype() != DType::f32) ct.copy_from(acc);
+    }
+  }
 }
 
 void dispatch(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha, float beta, int64_t G,
               const char* op) {
-  if (a.dtype() == DType::bf16 && !native_bf16()) run_widened(c, a, ta, b, tb, alpha, beta, G, op);
-  else run(c, a, ta, b, tb, alpha, beta, G, op);
+  if (a.dtype() == DType::f32 && c.dtype() == DType::bf16) {  // oneDNN has no f32 x f32 -> bf16 matmul
+    Tensor c32 = scratch(2, c.numel()).slice(0, 0, c.numel()).view(c.shape());
+    if (beta != 0.0f) c32.copy_from(c);
+    run(c32, a, ta, b, tb, alpha, beta, G, op);
+    c.copy_from(c32);
+  } else if (a.dtype() != DType::bf16 || native_bf16()) {
+    run(c, a, ta, b, tb, alpha, beta, G, op);
+  } else if (G == 1) {
+    run_widened(c, a, ta, b, tb, alpha, beta, op);
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      Tensor cg = c.select(0, g);
+      run_widened(cg, a.select(0, g), ta, b.select(0, g), tb, alpha, beta, op);
+    }
+  }
 }
 
 }  // namespace
