@@ -24,9 +24,15 @@ Tensor from_doubles(const Shape& shape, const std::vector<double>& v) {
   return t;
 }
 
-Shape qkv_shape(const QkvDims& d) { return {d.B, d.S, d.width()}; }
-Shape out_shape(const QkvDims& d) { return {d.B, d.S, d.q_heads() * d.D}; }
-Shape lse_shape(const QkvDims& d) { return {d.B, d.q_heads(), d.S}; }
+Shape qkv_shape(const QkvDims& d) {
+  return {d.B, d.S, d.width()};
+}
+Shape out_shape(const QkvDims& d) {
+  return {d.B, d.S, d.q_heads() * d.D};
+}
+Shape lse_shape(const QkvDims& d) {
+  return {d.B, d.q_heads(), d.S};
+}
 
 // Naive causal attention in double: the full score row per query, then the textbook gradients.
 struct Reference {
@@ -38,8 +44,12 @@ Reference reference(const Tensor& qkv_t, const Tensor* dout_t, const QkvDims& d)
   const std::vector<float> dout = dout_t ? to_vector(*dout_t) : std::vector<float>();
   const int64_t W = d.width(), H = d.q_heads(), OW = H * d.D;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.D));
-  auto q_at = [&](int64_t b, int64_t s, int64_t h) { return (b * d.S + s) * W + ((h / d.R) * (d.R + 2) + h % d.R) * d.D; };
-  auto k_at = [&](int64_t b, int64_t s, int64_t g) { return (b * d.S + s) * W + (g * (d.R + 2) + d.R) * d.D; };
+  auto q_at = [&](int64_t b, int64_t s, int64_t h) {
+    return (b * d.S + s) * W + ((h / d.R) * (d.R + 2) + h % d.R) * d.D;
+  };
+  auto k_at = [&](int64_t b, int64_t s, int64_t g) {
+    return (b * d.S + s) * W + (g * (d.R + 2) + d.R) * d.D;
+  };
   Reference ref{std::vector<double>(d.B * d.S * OW), std::vector<double>(d.B * H * d.S),
                 std::vector<double>(dout_t ? d.B * d.S * W : 0)};
   std::vector<double> p(d.S), dp(d.S);
@@ -105,7 +115,7 @@ std::string name_of(const QkvDims& d) {
 
 // S = 1, 7 (one partial block), 64 (exactly one), 100, 130 (partial last blocks), 200 (several key
 // chunks in backward); GQA (R = 2, 4), MHA (R = 1), B = 2, and head dims that are not multiples of 16.
-const QkvDims kShapes[] = {{1, 1, 1, 1, 8},  {1, 7, 2, 2, 8},   {2, 64, 1, 1, 16}, {1, 100, 2, 2, 16},
+const QkvDims kShapes[] = {{1, 1, 1, 1, 8},   {1, 7, 2, 2, 8},    {2, 64, 1, 1, 16}, {1, 100, 2, 2, 16},
                            {2, 130, 1, 1, 6}, {1, 130, 1, 4, 64}, {1, 200, 2, 1, 24}};
 
 // f32 kernel vs double reference: only f32 rounding of dot products and sums over <= 200 terms (observed

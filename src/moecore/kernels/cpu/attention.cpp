@@ -27,8 +27,17 @@ struct Layout {
   int64_t Dp, Sk, nqb, nkb;     // padded head dim, padded key count, query and key block counts
   float scale;                  // 1 / sqrt(D)
   explicit Layout(const QkvDims& d)
-      : B(d.B), S(d.S), G(d.G), R(d.R), D(d.D), H(d.q_heads()), W(d.width()),
-        Dp(round_up(d.D, kNR)), Sk(round_up(d.S, kBk)), nqb((d.S + kBq - 1) / kBq), nkb((d.S + kBk - 1) / kBk),
+      : B(d.B),
+        S(d.S),
+        G(d.G),
+        R(d.R),
+        D(d.D),
+        H(d.q_heads()),
+        W(d.width()),
+        Dp(round_up(d.D, kNR)),
+        Sk(round_up(d.S, kBk)),
+        nqb((d.S + kBq - 1) / kBq),
+        nkb((d.S + kBk - 1) / kBk),
         scale(1.0f / std::sqrt(static_cast<float>(d.D))) {}
   int64_t q_col(int64_t h) const { return ((h / R) * (R + 2) + h % R) * D; }
   int64_t k_col(int64_t g) const { return (g * (R + 2) + R) * D; }
@@ -105,10 +114,10 @@ void pack_kv_block(float* kt_all, float* v_all, const T* qkv, const Layout& L, i
 
 // One (batch, query head, query block) of the forward: scan key blocks up to the diagonal.
 template <class T>
-void forward_block(T* out, float* lse, const T* qkv, const float* kt, const float* v, float* buf, const Layout& L,
-                   int64_t b, int64_t h, int64_t i) {
+void forward_block(T* out, float* lse, const T* qkv, const float* kt, const float* v, float* buf,
+                   const Layout& L, int64_t b, int64_t h, int64_t i) {
   const int64_t q0 = i * kBq, qn = std::min(kBq, L.S - q0);
-  float* q = buf;            // [qn, Dp], pre-scaled by 1/sqrt(D)
+  float* q = buf;             // [qn, Dp], pre-scaled by 1/sqrt(D)
   float* s = q + kBq * L.Dp;  // [qn, kBk] scores, then P
   float* o = s + kBq * kBk;   // [qn, Dp] unnormalised output
   float* m = o + kBq * L.Dp;
@@ -161,10 +170,11 @@ void forward_impl(T* out, float* lse, const T* qkv, const Layout& L) {
 constexpr int64_t kTargetTasks = 8;
 
 struct Chunks {
-  std::vector<int64_t> bounds;      // key-block boundaries, count() + 1 entries
-  std::vector<int64_t> q0;          // first query row a chunk's keys are visible to (block aligned)
-  std::vector<int64_t> row_offset;  // start of chunk c's rows q0[c]..S-1 in a head's dQ buffer; back() = total
-  std::vector<int64_t> order;       // chunks by decreasing work, scheduled first so the tail is short
+  std::vector<int64_t> bounds;  // key-block boundaries, count() + 1 entries
+  std::vector<int64_t> q0;      // first query row a chunk's keys are visible to (block aligned)
+  std::vector<int64_t>
+      row_offset;              // start of chunk c's rows q0[c]..S-1 in a head's dQ buffer; back() = total
+  std::vector<int64_t> order;  // chunks by decreasing work, scheduled first so the tail is short
   int64_t count() const { return static_cast<int64_t>(bounds.size()) - 1; }
 };
 
@@ -177,7 +187,8 @@ Chunks key_chunks(const Layout& L) {
   Chunks ch;
   ch.bounds = {0};
   for (int64_t c = 1; c < want; ++c) {
-    const double target = static_cast<double>(c) * static_cast<double>(cum.back()) / static_cast<double>(want);
+    const double target =
+        static_cast<double>(c) * static_cast<double>(cum.back()) / static_cast<double>(want);
     int64_t x = std::lower_bound(cum.begin(), cum.end(), target) - cum.begin();
     if (x > 0 && target - cum[x - 1] < cum[x] - target) --x;
     if (x > ch.bounds.back() && x < L.nkb) ch.bounds.push_back(x);
@@ -196,7 +207,8 @@ Chunks key_chunks(const Layout& L) {
 }
 
 // f32 copies shared by all tasks: query and dout rows per head, delta = rowsum(dO * O) (Dao 2022's D_i),
-// and every chunk's dQ accumulator.
+// and every chunk's dQ accumulator. About (2 + rows / S) times the f32 size of dQ; rows = S unless
+// B * G < kTargetTasks, and at most ~5.6 S (8 chunks). Kept by cpu::scratch for the next step.
 struct BwdPacked {
   float *q, *dout;  // [B*H, S, Dp]
   float* delta;     // [B*H, S]
@@ -234,8 +246,8 @@ void prefetch(const T* p, int64_t n) {
 
 // Rows s0..s1 of batch b, all heads; rows outermost so qkv, dout and out are read front to back.
 template <class T>
-void pack_query_rows(const BwdPacked& pk, const T* qkv, const T* dout, const T* out, const Layout& L, int64_t b,
-                     int64_t s0, int64_t s1) {
+void pack_query_rows(const BwdPacked& pk, const T* qkv, const T* dout, const T* out, const Layout& L,
+                     int64_t b, int64_t s0, int64_t s1) {
   const int64_t HD = L.H * L.D;
   for (int64_t s = s0; s < s1; ++s) {
     const T* go = dout + (b * L.S + s) * HD;
@@ -303,8 +315,8 @@ void backward_task(T* dqkv, const T* qkv, const float* lse, const BwdPacked& pk,
         block_gemm<false>(qn, kBk, L.Dp, qi, L.Dp, t.kt, kBk, t.p, kBk, false);    // S = Q K^T * scale
         block_gemm<false>(qn, kBk, L.Dp, doi, L.Dp, t.vt, kBk, t.ds, kBk, false);  // dP = dO V^T
         softmax_grad_block(t, qn, i0, k0, lse + row, pk.delta + row, L.scale);
-        block_gemm<true>(kn, L.Dp, qn, t.p, kBk, doi, L.Dp, t.dv, L.Dp, true);   // dV += P^T dO
-        block_gemm<true>(kn, L.Dp, qn, t.ds, kBk, qi, L.Dp, t.dk, L.Dp, true);   // dK += dS^T Q
+        block_gemm<true>(kn, L.Dp, qn, t.p, kBk, doi, L.Dp, t.dv, L.Dp, true);  // dV += P^T dO
+        block_gemm<true>(kn, L.Dp, qn, t.ds, kBk, qi, L.Dp, t.dk, L.Dp, true);  // dK += dS^T Q
         // dQ += dS K; the chunk's first key block reaches all of its query rows and initialises them.
         block_gemm<false>(qn, L.Dp, kn, t.ds, kBk, t.k, L.Dp, dqi, L.Dp, k0 != k_begin);
       }
@@ -318,7 +330,8 @@ void backward_task(T* dqkv, const T* qkv, const float* lse, const BwdPacked& pk,
   if (ch.count() > 1) return;
   for (int64_t h = g * L.R; h < (g + 1) * L.R; ++h)
     for (int64_t s = 0; s < L.S; ++s)
-      store_row(dqkv + (b * L.S + s) * L.W + L.q_col(h), pk.dq + ((b * L.H + h) * pk.rows + s) * L.Dp, L.D, 1.0f);
+      store_row(dqkv + (b * L.S + s) * L.W + L.q_col(h), pk.dq + ((b * L.H + h) * pk.rows + s) * L.Dp, L.D,
+                1.0f);
 }
 
 // dQ = sum of the chunks' buffers in chunk order; chunk c holds rows q0[c]..S-1.
@@ -345,7 +358,8 @@ void reduce_dq(T* dqkv, const BwdPacked& pk, const Layout& L, const Chunks& ch) 
 template <class T>
 void backward_impl(T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse, const Layout& L) {
   const Chunks ch = key_chunks(L);
-  const BwdPacked pk(cpu::scratch<float, 0>(BwdPacked::floats(L, ch.row_offset.back())), L, ch.row_offset.back());
+  const BwdPacked pk(cpu::scratch<float, 0>(BwdPacked::floats(L, ch.row_offset.back())), L,
+                     ch.row_offset.back());
   const int64_t BG = L.B * L.G, ntasks = BG * ch.count(), nrb = (L.S + kBq - 1) / kBq;
 #pragma omp parallel
   {
@@ -401,8 +415,8 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDim
   });
 }
 
-void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
-                        const QkvDims& dims, const Context& ctx) {
+void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                        const Tensor& lse, const QkvDims& dims, const Context& ctx) {
   const cpu::Checker ck("attention_backward", ctx,
                         {{"dqkv", &dqkv}, {"dout", &dout}, {"qkv", &qkv}, {"out", &out}, {"lse", &lse}});
   check_dims(ck, dims);
@@ -416,7 +430,8 @@ void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, con
   ck.shape("lse", Shape{dims.B, dims.q_heads(), dims.S});
   ck.contiguous("lse");
   if (dims.B == 0 || dims.S == 0) return;
-  if (dqkv.raw() == qkv.raw() || dqkv.raw() == dout.raw()) ck.fail("dqkv must not share memory with qkv or dout");
+  if (dqkv.raw() == qkv.raw() || dqkv.raw() == dout.raw())
+    ck.fail("dqkv must not share memory with qkv or dout");
   const Layout L(dims);
   cpu::with_float_type(qkv.dtype(), [&](auto tag) {
     using T = decltype(tag);

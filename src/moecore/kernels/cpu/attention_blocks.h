@@ -16,7 +16,9 @@ inline constexpr int64_t kBk = 64;  // keys per block
 inline constexpr int64_t kMR = 6;   // micro-tile rows: 6 x 16 keeps 12 accumulators in 16 ymm registers
 inline constexpr int64_t kNR = 16;  // micro-tile columns; packed widths are multiples of this
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
 
 // C[MR, kNR] (+)= op(A) B for one micro-tile. With TA, row r of op(A) is column r of A stored [K, M];
 // both layouts feed the same broadcast, which is why transposed products need no transposed copies.
@@ -64,12 +66,24 @@ template <bool TA>
 inline void micro_rows(int64_t rows, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
                        float* C, int64_t ldc, bool accumulate) {
   switch (rows) {
-    case 6: micro_tile<6, TA>(K, A, lda, B, ldb, C, ldc, accumulate); break;
-    case 5: micro_tile<5, TA>(K, A, lda, B, ldb, C, ldc, accumulate); break;
-    case 4: micro_tile<4, TA>(K, A, lda, B, ldb, C, ldc, accumulate); break;
-    case 3: micro_tile<3, TA>(K, A, lda, B, ldb, C, ldc, accumulate); break;
-    case 2: micro_tile<2, TA>(K, A, lda, B, ldb, C, ldc, accumulate); break;
-    default: micro_tile<1, TA>(K, A, lda, B, ldb, C, ldc, accumulate); break;
+    case 6:
+      micro_tile<6, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
+      break;
+    case 5:
+      micro_tile<5, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
+      break;
+    case 4:
+      micro_tile<4, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
+      break;
+    case 3:
+      micro_tile<3, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
+      break;
+    case 2:
+      micro_tile<2, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
+      break;
+    default:
+      micro_tile<1, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
+      break;
   }
 }
 
@@ -77,8 +91,8 @@ inline void micro_rows(int64_t rows, int64_t K, const float* A, int64_t lda, con
 // trans_a the transpose of A stored [K, M] (row stride lda). B [K, N], row stride ldb. N % kNR == 0.
 // Column panels outermost: a K x 16 panel of B stays in L1 while every row tile of A streams past it.
 template <bool TA>
-inline void block_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                       float* C, int64_t ldc, bool accumulate) {
+inline void block_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                       int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   for (int64_t n0 = 0; n0 < N; n0 += kNR) {
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       const int64_t rows = M - m0 < kMR ? M - m0 : kMR;

@@ -47,15 +47,16 @@ void rope_apply(const char* op, const char* name, Tensor& qkv, const Tensor& rop
   ck.float_dtype(name);
   ck.contiguous(name);
   if (!(qkv.shape() == Shape{d.B, d.S, d.width()})) {
-    ck.fail(name, " must have shape [B, S, G*(R+2)*D] = ", Shape{d.B, d.S, d.width()}.str(), " for dims B=", d.B,
-            " S=", d.S, " G=", d.G, " R=", d.R, " D=", d.D, ", got ", qkv.shape().str());
+    ck.fail(name, " must have shape [B, S, G*(R+2)*D] = ", Shape{d.B, d.S, d.width()}.str(),
+            " for dims B=", d.B, " S=", d.S, " G=", d.G, " R=", d.R, " D=", d.D, ", got ", qkv.shape().str());
   }
   ck.dtype("rope", DType::f32);
   ck.rank("rope", 2);
   ck.contiguous("rope");
   // A table built once for the longest sequence serves every shorter one.
   if (rope.size(0) < d.S || rope.size(1) != d.D) {
-    ck.fail("rope must have shape [S', D] with S' >= S = ", d.S, " and D = ", d.D, ", got ", rope.shape().str());
+    ck.fail("rope must have shape [S', D] with S' >= S = ", d.S, " and D = ", d.D, ", got ",
+            rope.shape().str());
   }
   cpu::with_float_type(qkv.dtype(), [&](auto tag) {
     using T = decltype(tag);

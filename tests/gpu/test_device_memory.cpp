@@ -1,0 +1,36 @@
+// GPU tests (ctest label "gpu"): device memory through the core seam. Each test skips cleanly when moecore
+// was built without CUDA or no GPU is present, so the label is safe to run anywhere.
+#include <cstring>
+
+#include "moecore/core/backend_hooks.h"
+#include "test_util.h"
+
+namespace moecore {
+namespace {
+
+TEST(DeviceMemory, RoundTripThroughTheGpu) {
+  if (!device_available()) GTEST_SKIP() << "no CUDA device (or built without CUDA): GPU test skipped";
+  const Tensor host = testing::randn({3, 5}, "host");
+  Tensor dev = Tensor::empty({3, 5}, DType::f32, MemCategory::other, Device::cuda);
+  dev.copy_from(host);
+  Tensor back = Tensor::zeros({3, 5}, DType::f32);
+  back.copy_from(dev);
+  EXPECT_EQ(std::memcmp(back.raw(), host.raw(), static_cast<size_t>(host.nbytes())), 0);
+  dev.zero_();
+  back.copy_from(dev);
+  EXPECT_EQ(back.data<float>()[7], 0.0f);
+}
+
+TEST(DeviceMemory, WithoutAGpuDeviceTensorsFailWithAClearError) {
+  if (device_available()) GTEST_SKIP() << "a GPU is present: the no-GPU error path is not reachable";
+  try {
+    Tensor::empty({4}, DType::f32, MemCategory::other, Device::cuda);
+    FAIL() << "expected Error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_TRUE(m.find("without CUDA") != std::string::npos || m.find("cuda") != std::string::npos) << m;
+  }
+}
+
+}  // namespace
+}  // namespace moecore
