@@ -18,7 +18,7 @@ void add_model_flags(Args& a, const model::ModelConfig& d) {
       .option("--norm-epsilon", std::to_string(d.norm_epsilon), "RMSNorm epsilon")
       .option("--rotary-base", std::to_string(d.rotary_base), "RoPE base")
       .option("--init-method-std", std::to_string(d.init_method_std), "std of the normal weight init")
-      .option("--normalization", "RMSNorm", "RMSNorm (LayerNorm: kernel only, not yet in the model)")
+      .option("--normalization", "RMSNorm", "RMSNorm or LayerNorm (Megatron's default is LayerNorm)")
       .flag("--swiglu", "SwiGLU MLP (without it: GeLU, as in Megatron)")
       .flag("--untie-embeddings-and-output-weights", "separate output layer (without it the embedding is shared)")
       .flag("--bf16", "bf16 compute with fp32 master weights");
@@ -37,9 +37,10 @@ model::ModelConfig model_config_from(const Args& a) {
   c.norm_epsilon = static_cast<float>(a.f64("--norm-epsilon"));
   c.rotary_base = static_cast<float>(a.f64("--rotary-base"));
   c.init_method_std = static_cast<float>(a.f64("--init-method-std"));
-  if (a.str("--normalization") != "RMSNorm")
-    MOECORE_FAIL("--normalization ", a.str("--normalization"),
-                 " is not supported by the model yet; use --normalization RMSNorm");
+  const std::string norm = a.str("--normalization");
+  if (norm != "RMSNorm" && norm != "LayerNorm")
+    MOECORE_FAIL("--normalization '", norm, "' is not one of RMSNorm, LayerNorm");
+  c.normalization = norm == "LayerNorm" ? model::Normalization::layernorm : model::Normalization::rmsnorm;
   c.swiglu = a.on("--swiglu");
   c.untie_embeddings_and_output_weights = a.on("--untie-embeddings-and-output-weights");
   c.compute_dtype = a.on("--bf16") ? DType::bf16 : DType::f32;

@@ -1,11 +1,14 @@
 #!/usr/bin/python3
 """Golden reference for moecore's dense GPT decoder (Megatron-Core semantics).
 
-Produces tests/golden/gpt_tiny.safetensors (untied embeddings) and, with
---tied, tests/golden/gpt_tiny_tied.safetensors (output layer reuses
-embedding.word_embeddings.weight). Everything is computed in float64 with
-torch autograd on CPU from weights initialized here with a fixed-seed
-torch.Generator, and stored as F32 (I32 for the integer inputs).
+Produces three golden files in tests/golden/ (variant names in brackets):
+  gpt_tiny.safetensors          [untied]   RMSNorm + SwiGLU, untied output layer
+  gpt_tiny_tied.safetensors     [tied]     RMSNorm + SwiGLU, output layer reuses
+                                           embedding.word_embeddings.weight
+  gpt_tiny_gelu_ln.safetensors  [gelu_ln]  LayerNorm + GeLU MLP, tied
+Everything is computed in float64 with torch autograd on CPU from weights
+initialized here with a fixed-seed torch.Generator, and stored as F32 (I32 for
+the integer inputs).
 
 Model (B=2, S=16, H=32, nh=4, nkv=2, D=8, F=48, V=64, 2 layers, no biases):
   x = word_embeddings[tokens]                         (no position embedding)
@@ -22,16 +25,25 @@ Model (B=2, S=16, H=32, nh=4, nkv=2, D=8, F=48, V=64, 2 layers, no biases):
   loss = mean cross-entropy over positions with label != -1 (labels[1, 13:] = -1)
 Init: embedding ~ N(0, 1), linear weights ~ N(0, 0.02^2), norms = 1 + 0.1*N(0,1).
 
+Variant gelu_ln differs only in (same sizes, inputs, attention and optimizer):
+  every norm is LayerNorm with weight and bias <norm>.weight, <norm>.bias [H]:
+    LayerNorm(x) = (x - mean(x)) / sqrt(var(x) + eps) * w + b  (biased variance)
+    init: weight = 1 + 0.1*N(0,1), bias = 0.1*N(0,1)
+  MLP: linear_fc1.weight is [F, H];  x = x + gelu(h @ fc1^T) @ linear_fc2.weight^T
+    with exact gelu(u) = u * 0.5 * (1 + erf(u / sqrt(2)))
+  embeddings tied (no output_layer.weight), embedding init as in [tied].
+
 Then 10 AdamW steps on the same batch (explicit float64 implementation): global
 L2 grad-norm clipping (grads *= clip/(norm+1e-6) when that factor is < 1, as in
 torch clip_grad_norm_ / Megatron), decoupled weight decay on 2-D weights only
-(p -= lr*wd*p), bias-corrected Adam update p -= lr*mhat/(sqrt(vhat)+eps).
+(p -= lr*wd*p; norm weights and biases are not decayed), bias-corrected Adam
+update p -= lr*mhat/(sqrt(vhat)+eps).
 
 Tensors: input.tokens, input.labels, param.<name>, out.logits, out.loss (shape
 []), grad.<name>, traj.loss [10] (loss before each step), traj.grad_norm [10]
 (pre-clip norm), final.param.<name>. Config is in __metadata__ (strings).
 
-Regenerate both golden files:   /usr/bin/python3 tools/gpt_reference.py
+Regenerate all golden files:    /usr/bin/python3 tools/gpt_reference.py
 Verify (round trip + recompute): /usr/bin/python3 tools/gpt_reference.py --check
 """
 import argparse
@@ -52,26 +64,37 @@ OPT = dict(lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay
 SEED = 1234
 GOLDEN_DIR = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden"))
 DT = torch.float64
+VARIANTS = {  # name -> (golden file, tied embeddings, normalization, activation)
+    "untied": dict(file="gpt_tiny.safetensors", tied=False, norm="RMSNorm", act="swiglu"),
+    "tied": dict(file="gpt_tiny_tied.safetensors", tied=True, norm="RMSNorm", act="swiglu"),
+    "gelu_ln": dict(file="gpt_tiny_gelu_ln.safetensors", tied=True, norm="LayerNorm", act="gelu"),
+}
 
 
-def init_params(tied):
-    c, gen = CFG, torch.Generator().manual_seed(SEED)
+def init_params(var):
+    c, gen, ln = CFG, torch.Generator().manual_seed(SEED), var["norm"] == "LayerNorm"
     H, F_, V = c["hidden_size"], c["ffn_hidden_size"], c["vocab_size"]
     nh, nkv, D = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
     normal = lambda *shape, std: torch.randn(*shape, generator=gen, dtype=DT) * std
-    norm_w = lambda: 1.0 + normal(H, std=0.1)
     p = {"embedding.word_embeddings.weight": normal(V, H, std=1.0)}
+
+    def add_norm(prefix):  # draw order: weight, then (LayerNorm only) bias
+        p[prefix + ".weight"] = 1.0 + normal(H, std=0.1)
+        if ln:
+            p[prefix + ".bias"] = normal(H, std=0.1)
+
     for i in range(c["num_layers"]):
         pre = f"decoder.layers.{i}."
-        p[pre + "input_layernorm.weight"] = norm_w()
+        add_norm(pre + "input_layernorm")
         p[pre + "self_attention.linear_qkv.weight"] = normal((nh + 2 * nkv) * D, H, std=0.02)
         p[pre + "self_attention.linear_proj.weight"] = normal(H, nh * D, std=0.02)
-        p[pre + "pre_mlp_layernorm.weight"] = norm_w()
-        p[pre + "mlp.linear_fc1.weight"] = normal(2 * F_, H, std=0.02)
+        add_norm(pre + "pre_mlp_layernorm")
+        fc1_rows = 2 * F_ if var["act"] == "swiglu" else F_
+        p[pre + "mlp.linear_fc1.weight"] = normal(fc1_rows, H, std=0.02)
         p[pre + "mlp.linear_fc2.weight"] = normal(H, F_, std=0.02)
-    p["decoder.final_layernorm.weight"] = norm_w()
-    out_w = normal(V, H, std=0.02)  # always drawn so both variants share the other weights
-    if not tied:
+    add_norm("decoder.final_layernorm")
+    out_w = normal(V, H, std=0.02)  # always drawn so untied/tied share the other weights
+    if not var["tied"]:
         p["output_layer.weight"] = out_w
     return p
 
@@ -87,6 +110,27 @@ def make_batch():
 
 def rms_norm(x, w):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + CFG["norm_epsilon"]) * w
+
+
+def layer_norm(x, w, b):
+    d = x - x.mean(-1, keepdim=True)
+    return d / torch.sqrt(d.pow(2).mean(-1, keepdim=True) + CFG["norm_epsilon"]) * w + b
+
+
+def norm(p, prefix, x):
+    if prefix + ".bias" in p:
+        return layer_norm(x, p[prefix + ".weight"], p[prefix + ".bias"])
+    return rms_norm(x, p[prefix + ".weight"])
+
+
+def mlp(p, pre, h):  # SwiGLU when fc1 has 2F rows, else exact (erf) GeLU
+    u = h @ p[pre + "mlp.linear_fc1.weight"].T
+    Fh = CFG["ffn_hidden_size"]
+    if u.shape[-1] == 2 * Fh:
+        a = F.silu(u[..., :Fh]) * u[..., Fh:]
+    else:
+        a = u * 0.5 * (1.0 + torch.erf(u / math.sqrt(2.0)))
+    return a @ p[pre + "mlp.linear_fc2.weight"].T
 
 
 def rope(x):  # x: [B, S, heads, D]
@@ -117,17 +161,15 @@ def attention(h, w_qkv, w_proj):
 
 
 def forward(p, tokens, labels):
+    """Variant is implied by the parameter names/shapes (norm biases, fc1 rows, output_layer)."""
     x = p["embedding.word_embeddings.weight"][tokens]
-    Fh = CFG["ffn_hidden_size"]
     for i in range(CFG["num_layers"]):
         pre = f"decoder.layers.{i}."
-        h = rms_norm(x, p[pre + "input_layernorm.weight"])
+        h = norm(p, pre + "input_layernorm", x)
         x = x + attention(h, p[pre + "self_attention.linear_qkv.weight"],
                           p[pre + "self_attention.linear_proj.weight"])
-        h = rms_norm(x, p[pre + "pre_mlp_layernorm.weight"])
-        u = h @ p[pre + "mlp.linear_fc1.weight"].T
-        x = x + (F.silu(u[..., :Fh]) * u[..., Fh:]) @ p[pre + "mlp.linear_fc2.weight"].T
-    x = rms_norm(x, p["decoder.final_layernorm.weight"])
+        x = x + mlp(p, pre, norm(p, pre + "pre_mlp_layernorm", x))
+    x = norm(p, "decoder.final_layernorm", x)
     logits = x @ p.get("output_layer.weight", p["embedding.word_embeddings.weight"]).T
     logp = torch.log_softmax(logits, dim=-1)
     mask = labels != -1
@@ -158,7 +200,7 @@ def train(p, tokens, labels):
             for n, t in p.items():
                 g = grads[n] * coef if coef < 1.0 else grads[n]
                 t.requires_grad_(False)
-                if t.dim() == 2:                                   # no decay on norm weights
+                if t.dim() == 2:                        # no decay on norm weights/biases
                     t.mul_(1.0 - o["lr"] * o["weight_decay"])
                 m[n] = o["adam_beta1"] * m[n] + (1 - o["adam_beta1"]) * g
                 v[n] = o["adam_beta2"] * v[n] + (1 - o["adam_beta2"]) * g * g
@@ -200,13 +242,14 @@ def load_safetensors(path):
     return out, meta
 
 
-def golden_path(tied):
-    return os.path.join(GOLDEN_DIR, "gpt_tiny_tied.safetensors" if tied else "gpt_tiny.safetensors")
+def golden_path(name):
+    return os.path.join(GOLDEN_DIR, VARIANTS[name]["file"])
 
 
-def generate(tied):
+def generate(name):
     torch.set_num_threads(1)
-    p, (tokens, labels) = init_params(tied), make_batch()
+    var = VARIANTS[name]
+    p, (tokens, labels) = init_params(var), make_batch()
     init = {n: t.clone() for n, t in p.items()}
     logits, loss, grads, losses, norms = train(p, tokens, labels)
     f32 = lambda t: t.detach().numpy().astype(np.float32)
@@ -218,17 +261,17 @@ def generate(tied):
     for n in init:
         out["param." + n], out["grad." + n], out["final.param." + n] = f32(init[n]), f32(grads[n]), f32(p[n])
     meta = {"format": "pt", "seed": str(SEED), "compute_dtype": "float64",
-            "untie_embeddings_and_output_weights": "false" if tied else "true",
-            "normalization": "RMSNorm", "activation": "swiglu", "position_embedding": "rope",
+            "untie_embeddings_and_output_weights": "false" if var["tied"] else "true",
+            "normalization": var["norm"], "activation": var["act"], "position_embedding": "rope",
             "add_bias_linear": "false", "ignore_index": "-1", "decay_params": "2-D weights only",
             **{k: str(val) for k, val in {**CFG, **OPT}.items()}}
     os.makedirs(GOLDEN_DIR, exist_ok=True)
-    save_safetensors(golden_path(tied), out, meta)
+    save_safetensors(golden_path(name), out, meta)
     return out
 
 
-def check(tied):
-    path = golden_path(tied)
+def check(name):
+    var, path = VARIANTS[name], golden_path(name)
     t, meta = load_safetensors(path)
     p = {n[6:]: torch.from_numpy(a.astype(np.float64)).requires_grad_() for n, a in t.items()
          if n.startswith("param.")}  # recompute from the stored float32 params
@@ -242,8 +285,15 @@ def check(tied):
         assert np.allclose(w.grad.numpy(), g, atol=1e-5 + 1e-3 * np.abs(g).max()), n
     tl = t["traj.loss"]
     assert tl[0] == t["out.loss"] and tl[-1] < tl[0], "trajectory does not decrease"
-    assert meta["untie_embeddings_and_output_weights"] == ("false" if tied else "true")
-    assert ("param.output_layer.weight" in t) != tied and t["out.loss"].shape == ()
+    assert meta["untie_embeddings_and_output_weights"] == ("false" if var["tied"] else "true")
+    assert meta["normalization"] == var["norm"] and meta["activation"] == var["act"]
+    assert ("param.output_layer.weight" in t) != var["tied"] and t["out.loss"].shape == ()
+    ln, H, Fh = var["norm"] == "LayerNorm", CFG["hidden_size"], CFG["ffn_hidden_size"]
+    assert ("param.decoder.final_layernorm.bias" in t) == ln
+    assert all(("param." + n[:-len("weight")] + "bias" in t) == ln
+               for n in p if n.endswith("layernorm.weight")), "norm bias presence"
+    assert t["param.decoder.layers.0.mlp.linear_fc1.weight"].shape == \
+        ((2 * Fh if var["act"] == "swiglu" else Fh), H)
     print(f"{path}: {os.path.getsize(path)} bytes, {len(t)} tensors, ok")
     print("  traj.loss      =", " ".join(f"{x:.6f}" for x in tl))
     print("  traj.grad_norm =", " ".join(f"{x:.6f}" for x in t["traj.grad_norm"]))
@@ -253,12 +303,14 @@ def check(tied):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tied", action="store_true", help="only the tied-embedding variant")
+    ap.add_argument("--variant", choices=list(VARIANTS), action="append",
+                    help="only these variants (repeatable; default: all)")
     ap.add_argument("--check", action="store_true", help="verify existing golden files")
     args = ap.parse_args()
-    variants = [True] if args.tied else [False, True]
-    for tied in variants:
+    names = (args.variant or []) + (["tied"] if args.tied else []) or list(VARIANTS)
+    for name in names:
         if args.check:
-            check(tied)
+            check(name)
         else:
-            generate(tied)
-            print("wrote", golden_path(tied))
+            generate(name)
+            print("wrote", golden_path(name))

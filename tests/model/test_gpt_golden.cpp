@@ -40,6 +40,9 @@ Golden load_golden(const std::string& file) {
   g.cfg.norm_epsilon = static_cast<float>(g.meta("norm_epsilon"));
   g.cfg.rotary_base = static_cast<float>(g.meta("rotary_base"));
   g.cfg.untie_embeddings_and_output_weights = g.file.metadata.at("untie_embeddings_and_output_weights") == "true";
+  g.cfg.swiglu = g.file.metadata.at("activation") == "swiglu";
+  g.cfg.normalization = g.file.metadata.at("normalization") == "LayerNorm" ? model::Normalization::layernorm
+                                                                            : model::Normalization::rmsnorm;
   g.batch = i("micro_batch_size");
   return g;
 }
@@ -125,9 +128,17 @@ TEST_P(GptGolden, Bf16ComputeTracksReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Files, GptGolden, ::testing::Values("gpt_tiny.safetensors", "gpt_tiny_tied.safetensors"),
-                         [](const auto& info) { return std::string(info.param).find("tied") != std::string::npos
-                                                       ? std::string("tied") : std::string("untied"); });
+// untied: RMSNorm + SwiGLU + separate output layer; tied: the same with a shared embedding; gelu_ln:
+// LayerNorm (with biases) + exact GeLU + tied embeddings.
+INSTANTIATE_TEST_SUITE_P(Files, GptGolden,
+                         ::testing::Values("gpt_tiny.safetensors", "gpt_tiny_tied.safetensors",
+                                           "gpt_tiny_gelu_ln.safetensors"),
+                         [](const auto& info) {
+                           const std::string f = info.param;
+                           return f.find("gelu_ln") != std::string::npos ? std::string("gelu_ln")
+                                  : f.find("tied") != std::string::npos  ? std::string("tied")
+                                                                         : std::string("untied");
+                         });
 
 }  // namespace
 }  // namespace moecore

@@ -49,9 +49,11 @@ TEST(GptModel, BackwardTwiceDoublesParameterGradients) {
 }
 
 TEST(GptModel, MemoryPlanEqualsTrackedAllocations) {
-  for (DType dt : {DType::f32, DType::bf16}) {
+  for (DType dt : {DType::f32, DType::bf16})
+  for (auto norm : {model::Normalization::rmsnorm, model::Normalization::layernorm}) {
     model::ModelConfig c = tiny_config();
     c.compute_dtype = dt;
+    c.normalization = norm;
     const MemoryStats before = memory_stats();
     model::GptModel m(c, 2, 5);
     optim::AdamW opt(m.params(), optim::AdamWConfig{});

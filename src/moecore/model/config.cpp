@@ -29,7 +29,7 @@ void ModelConfig::validate() const {
 }
 
 std::string ModelConfig::summary() const {
-  return detail::str_cat("layers ", num_layers, ", hidden ", hidden_size, ", heads ", num_attention_heads, " (kv ",
+  return detail::str_cat(normalization == Normalization::layernorm ? "LayerNorm" : "RMSNorm", ", layers ", num_layers, ", hidden ", hidden_size, ", heads ", num_attention_heads, " (kv ",
                          query_groups(), ", dim ", head_dim(), "), ffn ", ffn(), swiglu ? " swiglu" : " gelu",
                          ", vocab ", vocab_size, ", seq ", seq_length,
                          untie_embeddings_and_output_weights ? ", untied" : ", tied", ", ",

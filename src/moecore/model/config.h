@@ -8,6 +8,8 @@
 
 namespace moecore::model {
 
+enum class Normalization : uint8_t { rmsnorm, layernorm };
+
 struct ModelConfig {
   int64_t num_layers = 2;             // --num-layers: transformer layers, e.g. 12
   int64_t hidden_size = 64;           // --hidden-size: H, e.g. 768
@@ -18,6 +20,7 @@ struct ModelConfig {
   int64_t vocab_size = 256;           // --vocab-size (padded): V
   int64_t seq_length = 128;           // --seq-length: S, tokens per sample
   float norm_epsilon = 1e-5f;         // --norm-epsilon
+  Normalization normalization = Normalization::rmsnorm;  // --normalization RMSNorm | LayerNorm
   float rotary_base = 10000.0f;       // --rotary-base
   bool swiglu = true;                 // --swiglu (else GeLU MLP, Megatron's default)
   bool untie_embeddings_and_output_weights = true;  // --untie-embeddings-and-output-weights (else tied)

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "moecore/core/rng.h"
+#include "moecore/nn/norm.h"
 
 namespace moecore::model {
 int64_t MemoryPlan::total() const {
@@ -34,44 +35,64 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   const int64_t L = cfg_.num_layers, H = cfg_.hidden_size, V = cfg_.vocab_size, S = cfg_.seq_length;
   const int64_t N = B_ * S, D = cfg_.head_dim(), G = cfg_.query_groups(), R = cfg_.num_attention_heads / G;
   const DType c = cfg_.compute_dtype;
-  dims_ = {N, H, cfg_.ffn(), {B_, S, G, R, D}, cfg_.norm_epsilon, cfg_.swiglu, c};
+  dims_.N = N;
+  dims_.H = H;
+  dims_.F = cfg_.ffn();
+  dims_.qkv = {B_, S, G, R, D};
+  dims_.eps = cfg_.norm_epsilon;
+  dims_.layernorm = cfg_.normalization == Normalization::layernorm;
+  dims_.swiglu = cfg_.swiglu;
+  dims_.compute = c;
 
+  const bool ln = dims_.layernorm;
   const float std_w = cfg_.init_method_std;
   const float std_out = std_w / std::sqrt(2.0f * static_cast<float>(L));
-  params_.reserve(static_cast<size_t>(3 + 6 * L));
-  auto add = [&](std::string name, Shape shape, float std) {
+  enum class Init { normal, ones, zeros };
+  // Pointers into params_ stay valid: the vector is reserved for its final size first.
+  params_.reserve(static_cast<size_t>(2 + (ln ? 8 : 6) * L + (ln ? 1 : 0) + (cfg_.untie_embeddings_and_output_weights ? 1 : 0)));
+  auto add = [&](std::string name, Shape shape, Init init, float std = 0.0f) {
     Param p;
     p.name = std::move(name);
     p.value = Tensor::empty(shape, DType::f32, MemCategory::parameters);
     p.grad = Tensor::zeros(shape, DType::f32, MemCategory::gradients);
     p.weight_decay = shape.ndim >= 2;
-    if (std > 0) rng_fill_normal(p.value, seed, p.name, 0.0f, std);
-    else p.value.fill_(1.0f);
+    if (init == Init::normal) rng_fill_normal(p.value, seed, p.name, 0.0f, std);
+    else p.value.fill_(init == Init::ones ? 1.0f : 0.0f);
     p.compute = (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters);
+    MOECORE_CHECK(params_.size() < params_.capacity(), "parameter table larger than reserved");
     params_.push_back(std::move(p));
     return &params_.back();
   };
-  embedding_ = add("embedding.word_embeddings.weight", {V, H}, std_w);
+  auto add_norm = [&](const std::string& prefix, Param*& bias) {
+    Param* w = add(prefix + ".weight", {H}, Init::ones);
+    bias = ln ? add(prefix + ".bias", {H}, Init::zeros) : nullptr;
+    return w;
+  };
+  auto value = [](Param* p) { return p ? p->value : Tensor(); };
+  auto grad = [](Param* p) { return p ? p->grad : Tensor(); };
+  embedding_ = add("embedding.word_embeddings.weight", {V, H}, Init::normal, std_w);
   for (int64_t l = 0; l < L; ++l) {
     const std::string pre = "decoder.layers." + std::to_string(l) + ".";
-    add(pre + "input_layernorm.weight", {H}, 0);
-    add(pre + "self_attention.linear_qkv.weight", {dims_.qkv.width(), H}, std_w);
-    add(pre + "self_attention.linear_proj.weight", {H, dims_.qkv.q_heads() * D}, std_out);
-    add(pre + "pre_mlp_layernorm.weight", {H}, 0);
-    add(pre + "mlp.linear_fc1.weight", {dims_.fc1_rows(), H}, std_w);
-    add(pre + "mlp.linear_fc2.weight", {H, dims_.F}, std_out);
-  }
-  final_norm_ = add("decoder.final_layernorm.weight", {H}, 0);
-  output_ = cfg_.untie_embeddings_and_output_weights ? add("output_layer.weight", {V, H}, std_w) : embedding_;
-
-  for (int64_t l = 0; l < L; ++l) {
-    Param* p = &params_[static_cast<size_t>(1 + 6 * l)];
-    layer_w_.push_back({p[0].value, p[1].compute, p[2].compute, p[3].value, p[4].compute, p[5].compute});
-    layer_g_.push_back({p[0].grad, p[1].grad, p[2].grad, p[3].grad, p[4].grad, p[5].grad});
+    Param *in_b, *mlp_b;
+    Param* in_w = add_norm(pre + "input_layernorm", in_b);
+    Param* qkv = add(pre + "self_attention.linear_qkv.weight", {dims_.qkv.width(), H}, Init::normal, std_w);
+    Param* proj = add(pre + "self_attention.linear_proj.weight", {H, dims_.qkv.q_heads() * D}, Init::normal, std_out);
+    Param* mlp_w = add_norm(pre + "pre_mlp_layernorm", mlp_b);
+    Param* fc1 = add(pre + "mlp.linear_fc1.weight", {dims_.fc1_rows(), H}, Init::normal, std_w);
+    Param* fc2 = add(pre + "mlp.linear_fc2.weight", {H, dims_.F}, Init::normal, std_out);
+    layer_w_.push_back({in_w->value, value(in_b), qkv->compute, proj->compute, mlp_w->value, value(mlp_b),
+                        fc1->compute, fc2->compute});
+    layer_g_.push_back({in_w->grad, grad(in_b), qkv->grad, proj->grad, mlp_w->grad, grad(mlp_b), fc1->grad,
+                        fc2->grad});
     caches_.push_back(nn::dense_layer_cache_alloc(dims_));
   }
+  final_norm_ = add_norm("decoder.final_layernorm", final_norm_bias_);
+  output_ = cfg_.untie_embeddings_and_output_weights ? add("output_layer.weight", {V, H}, Init::normal, std_w)
+                                                     : embedding_;
+
   for (int64_t l = 0; l <= L; ++l) residual_.push_back(Tensor::empty({N, H}, DType::f32, MemCategory::activations));
   final_rstd_ = Tensor::empty({N}, DType::f32, MemCategory::activations);
+  if (ln) final_mean_ = Tensor::empty({N}, DType::f32, MemCategory::activations);
   final_h_ = Tensor::empty({N, H}, c, MemCategory::activations);
   rope_ = Tensor::empty({S, D}, DType::f32, MemCategory::workspace);
   ops::rope_table(rope_, cfg_.rotary_base, {});
@@ -114,7 +135,8 @@ void GptModel::forward_trunk(const Tensor& tokens) {
   ops::embedding_forward(residual_[0], ids_, embedding_->value, ctx);
   for (size_t l = 0; l < caches_.size(); ++l)
     nn::dense_layer_forward(residual_[l + 1], residual_[l], layer_w_[l], caches_[l], rope_, dims_, ctx);
-  ops::rmsnorm_forward(final_h_, final_rstd_, residual_.back(), final_norm_->value, cfg_.norm_epsilon, ctx);
+  nn::norm_forward(final_h_, final_mean_, final_rstd_, residual_.back(), final_norm_->value,
+                   final_norm_bias_ ? final_norm_bias_->value : Tensor(), cfg_.norm_epsilon, ctx);
 }
 
 LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale) {
@@ -129,7 +151,10 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
   for (int64_t i = 0; i < N; ++i) r.tokens += lp[i] >= 0;
   const float token_scale = r.tokens ? grad_scale / static_cast<float>(r.tokens) : 0.0f;
   r.loss_sum = nn::lm_head_loss(&dh_, &output_->grad, final_h_, output_->compute, labels_, token_scale, head_ws_, ctx);
-  ops::rmsnorm_backward(dres_, final_norm_->grad, dh_, residual_.back(), final_norm_->value, final_rstd_, false, ctx);
+  Tensor no_grad;
+  nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, dh_,
+                    residual_.back(), final_norm_->value, final_norm_bias_ ? final_norm_bias_->value : Tensor(),
+                    final_mean_, final_rstd_, false, ctx);
   for (size_t l = caches_.size(); l-- > 0;)
     nn::dense_layer_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, ctx);
   ops::embedding_backward(embedding_->grad, ids_, dres_, ctx);
@@ -163,7 +188,7 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   at(MemCategory::optimizer_state) = optimizer_state_bytes_per_param * num_parameters();
   const int64_t N = dims_.N, H = dims_.H;
   at(MemCategory::activations) = cfg_.num_layers * nn::dense_layer_cache_bytes(dims_) +
-                                 (cfg_.num_layers + 1) * N * H * 4 + N * 4 +
+                                 (cfg_.num_layers + 1) * N * H * 4 + N * 4 * (final_mean_.defined() ? 2 : 1) +
                                  N * H * static_cast<int64_t>(dtype_size(cfg_.compute_dtype));
   at(MemCategory::workspace) = nn::dense_layer_workspace_bytes(dims_) +
                                nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype) + 2 * N * H * 4 +

@@ -29,7 +29,7 @@ struct MemoryPlan {
 class GptModel {
  public:
   // Initialises every parameter from (seed, name): N(0, std^2) for weights, with Megatron's scaled init
-  // std / sqrt(2 * num_layers) for the output projections of each block; norm weights are 1.
+  // std / sqrt(2 * num_layers) for the output projections of each block; norm weights 1, norm biases 0.
   GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed);
 
   const ModelConfig& config() const { return cfg_; }
@@ -64,12 +64,13 @@ class GptModel {
   std::vector<Param> params_;
   Param* embedding_ = nullptr;
   Param* final_norm_ = nullptr;
+  Param* final_norm_bias_ = nullptr;  // LayerNorm only
   Param* output_ = nullptr;  // the embedding when tied
   std::vector<nn::DenseLayerWeights> layer_w_;
   std::vector<nn::DenseLayerGrads> layer_g_;
   std::vector<nn::DenseLayerCache> caches_;
   std::vector<Tensor> residual_;  // L+1 tensors [N, H] f32: embedding output, then each layer's output
-  Tensor final_rstd_;             // [N] f32
+  Tensor final_mean_, final_rstd_; // [N] f32 (mean: LayerNorm only)
   Tensor final_h_;                // [N, H] compute
   Tensor rope_;                   // [S, D] f32
   nn::DenseLayerWorkspace ws_;

@@ -3,6 +3,8 @@
 //   forward  y = x @ W^T;  backward  dx = dy @ W,  dW += dy^T @ x.
 #include "moecore/nn/dense_layer.h"
 
+#include "moecore/nn/norm.h"
+
 namespace moecore::nn {
 namespace {
 
@@ -25,6 +27,8 @@ DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d) {
   const DType c = d.compute;
   const auto& q = d.qkv;
   DenseLayerCache k;
+  if (d.layernorm) k.mean1 = act_tensor({d.N}, DType::f32);
+  if (d.layernorm) k.mean2 = act_tensor({d.N}, DType::f32);
   k.rstd1 = act_tensor({d.N}, DType::f32);
   k.h1 = act_tensor({d.N, d.H}, c);
   k.qkv = act_tensor({d.N, q.width()}, c);
@@ -41,7 +45,7 @@ DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d) {
 int64_t dense_layer_cache_bytes(const DenseLayerDims& d) {
   const int64_t c = static_cast<int64_t>(dtype_size(d.compute));
   const auto& q = d.qkv;
-  return d.N * 4 * 2 + d.N * d.H * 4 + q.B * q.q_heads() * q.S * 4 +
+  return d.N * 4 * (d.layernorm ? 4 : 2) + d.N * d.H * 4 + q.B * q.q_heads() * q.S * 4 +
          c * d.N * (2 * d.H + q.width() + q.q_heads() * q.D + d.fc1_rows() + d.F);
 }
 
@@ -67,7 +71,7 @@ int64_t dense_layer_workspace_bytes(const DenseLayerDims& d) {
 void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k,
                          const Tensor& rope, const DenseLayerDims& d, const ops::Context& ctx) {
   // Attention block.
-  ops::rmsnorm_forward(k.h1, k.rstd1, x, w.input_norm, d.eps, ctx);
+  norm_forward(k.h1, k.mean1, k.rstd1, x, w.input_norm, w.input_norm_bias, d.eps, ctx);
   ops::gemm(k.qkv, k.h1, false, w.qkv, true, 1.0f, 0.0f, ctx);
   Tensor qkv = bsw(k.qkv, d), attn = bsw(k.attn, d);
   ops::rope_forward(qkv, rope, d.qkv, ctx);
@@ -75,7 +79,7 @@ void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w,
   k.x_mid.copy_from(x);
   ops::gemm(k.x_mid, k.attn, false, w.proj, true, 1.0f, 1.0f, ctx);
   // MLP block.
-  ops::rmsnorm_forward(k.h2, k.rstd2, k.x_mid, w.mlp_norm, d.eps, ctx);
+  norm_forward(k.h2, k.mean2, k.rstd2, k.x_mid, w.mlp_norm, w.mlp_norm_bias, d.eps, ctx);
   ops::gemm(k.fc1, k.h2, false, w.fc1, true, 1.0f, 0.0f, ctx);
   if (d.swiglu) ops::swiglu_forward(k.act, k.fc1, ctx);
   else ops::gelu_forward(k.act, k.fc1, ctx);
@@ -94,7 +98,8 @@ void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, con
   else ops::gelu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
   ops::gemm(g.fc1, ws.dfc1, true, k.h2, false, 1.0f, 1.0f, ctx);
   ops::gemm(ws.dh, ws.dfc1, false, w.fc1, false, 1.0f, 0.0f, ctx);
-  ops::rmsnorm_backward(dres, g.mlp_norm, ws.dh, k.x_mid, w.mlp_norm, k.rstd2, true, ctx);
+  norm_backward(dres, g.mlp_norm, g.mlp_norm_bias, ws.dh, k.x_mid, w.mlp_norm, w.mlp_norm_bias, k.mean2, k.rstd2,
+                true, ctx);
   // Attention block, in reverse: dres is dL/dx_mid here.
   const Tensor& dmid_c = residual_grad_for_gemm(dres, ws, d.compute);
   ops::gemm(ws.dattn, dmid_c, false, w.proj, false, 1.0f, 0.0f, ctx);
@@ -104,7 +109,8 @@ void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, con
   ops::rope_backward(dqkv, rope, d.qkv, ctx);
   ops::gemm(g.qkv, ws.dqkv, true, k.h1, false, 1.0f, 1.0f, ctx);
   ops::gemm(ws.dh, ws.dqkv, false, w.qkv, false, 1.0f, 0.0f, ctx);
-  ops::rmsnorm_backward(dres, g.input_norm, ws.dh, x, w.input_norm, k.rstd1, true, ctx);
+  norm_backward(dres, g.input_norm, g.input_norm_bias, ws.dh, x, w.input_norm, w.input_norm_bias, k.mean1,
+                k.rstd1, true, ctx);
 }
 
 }  // namespace moecore::nn

@@ -1,6 +1,7 @@
 // One pre-norm transformer layer with a dense MLP: explicit forward and backward (no autograd).
 //   x_mid = x + proj(attention(rope(qkv(norm1(x)))));  y = x_mid + fc2(act(fc1(norm2(x_mid))))
-// Norms are RMSNorm; act is SwiGLU (fc1 = [gate; up]) or GeLU. Linear layers carry no bias.
+// Norms are RMSNorm or LayerNorm (with bias); act is SwiGLU (fc1 = [gate; up]) or GeLU. Linear layers
+// carry no bias.
 // Not here: parameter ownership and initialisation (model/), the MoE variant of the MLP (moe/).
 //
 // Gradient contract: weight gradients accumulate (+=); the residual-stream gradient is updated in place
@@ -17,7 +18,8 @@ struct DenseLayerDims {
   int64_t H = 0;            // hidden size
   int64_t F = 0;            // MLP hidden size
   ops::QkvDims qkv;         // attention geometry (B, S, G, R, D)
-  float eps = 1e-5f;        // RMSNorm epsilon
+  float eps = 1e-5f;        // norm epsilon
+  bool layernorm = false;   // LayerNorm (weight and bias) or RMSNorm (weight only)
   bool swiglu = true;       // SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
   DType compute = DType::f32;
   int64_t fc1_rows() const { return swiglu ? 2 * F : F; }
@@ -26,26 +28,30 @@ struct DenseLayerDims {
 // Views of one layer's weights. Norm weights are the f32 masters; GEMM weights are in the compute dtype.
 struct DenseLayerWeights {
   Tensor input_norm;  // [H] f32
+  Tensor input_norm_bias;  // [H] f32, LayerNorm only
   Tensor qkv;         // [G*(R+2)*D, H]
   Tensor proj;        // [H, G*R*D]
   Tensor mlp_norm;    // [H] f32
+  Tensor mlp_norm_bias;  // [H] f32, LayerNorm only
   Tensor fc1;         // [fc1_rows, H]
   Tensor fc2;         // [H, F]
 };
 
 // f32 gradients, same shapes as the weights; accumulated.
 struct DenseLayerGrads {
-  Tensor input_norm, qkv, proj, mlp_norm, fc1, fc2;
+  Tensor input_norm, input_norm_bias, qkv, proj, mlp_norm, mlp_norm_bias, fc1, fc2;
 };
 
 // Activations saved by forward for backward. Dropping and refilling this struct is recompute.
 struct DenseLayerCache {
+  Tensor mean1;  // [N] f32, LayerNorm only
   Tensor rstd1;  // [N] f32
   Tensor h1;     // [N, H] compute: norm1 output
   Tensor qkv;    // [N, G*(R+2)*D] compute: after RoPE
   Tensor attn;   // [N, G*R*D] compute: attention output
   Tensor lse;    // [B, G*R, S] f32
   Tensor x_mid;  // [N, H] f32: residual after the attention block
+  Tensor mean2;  // [N] f32, LayerNorm only
   Tensor rstd2;  // [N] f32
   Tensor h2;     // [N, H] compute: norm2 output
   Tensor fc1;    // [N, fc1_rows] compute
