@@ -58,14 +58,18 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, MemCategory category, Devi
     MOECORE_CHECK(shape[i] >= 0, "tensor: negative dimension in shape ", shape.str());
   Tensor t;
   t.storage_ = std::make_shared<Storage>(shape.numel() * static_cast<int64_t>(dtype_size(dtype)), device, category);
-  t.shape_ = shape;
   t.dtype_ = dtype;
+  t.set_contiguous_shape(shape);
+  return t;
+}
+
+void Tensor::set_contiguous_shape(const Shape& shape) {
+  shape_ = shape;
   int64_t s = 1;
   for (int i = shape.ndim - 1; i >= 0; --i) {
-    t.strides_[i] = s;
+    strides_[i] = s;
     s *= shape[i];
   }
-  return t;
 }
 
 Tensor Tensor::zeros(const Shape& shape, DType dtype, MemCategory category, Device device) {
@@ -87,12 +91,7 @@ Tensor Tensor::view(const Shape& shape) const {
   MOECORE_CHECK(is_contiguous(), "tensor.view: tensor ", str(), " is not contiguous");
   MOECORE_CHECK(shape.numel() == numel(), "tensor.view: cannot view ", str(), " as ", shape.str());
   Tensor t = *this;
-  t.shape_ = shape;
-  int64_t s = 1;
-  for (int i = shape.ndim - 1; i >= 0; --i) {
-    t.strides_[i] = s;
-    s *= shape[i];
-  }
+  t.set_contiguous_shape(shape);
   return t;
 }
 

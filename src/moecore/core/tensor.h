@@ -84,6 +84,7 @@ class Tensor {
   std::string str() const;  // "[2, 3] f32"
 
  private:
+  void set_contiguous_shape(const Shape& shape);  // shape with row-major strides
   int axis(int i) const {  // negative axes count from the end
     const int k = i < 0 ? i + shape_.ndim : i;
     MOECORE_CHECK(k >= 0 && k < shape_.ndim, "axis ", i, " out of range for tensor ", str());
