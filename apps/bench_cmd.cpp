@@ -7,6 +7,7 @@
 #include "apps/model_flags.h"
 #include "bench/attention_bench.h"
 #include "bench/gemm_bench.h"
+#include "bench/moe_layer_bench.h"
 #include "bench/train_step_bench.h"
 
 namespace moecore::apps {
@@ -53,6 +54,25 @@ int bench_main(int argc, char** argv) {
                                              static_cast<int>(a.i64("--iters"))));
     return 0;
   }
+  if (what == "moe-layer") {
+    Args a("bench moe-layer");
+    a.option("--tokens", "4096", "tokens N")
+        .option("--hidden-size", "1024", "hidden size H")
+        .option("--moe-ffn-hidden-size", "1408", "expert ffn size F")
+        .option("--num-experts", "8", "experts E")
+        .option("--moe-router-topk", "2", "top-k K")
+        .option("--iters", "3", "timed iterations (best is reported)")
+        .flag("--bf16", "bf16 compute")
+        .flag("--preset-coarse", "N=4096 H=1024 F=1408 E=8 K=2 (the default shape)")
+        .flag("--preset-fine", "N=4096 H=1024 F=256 E=64 K=8");
+    if (!a.parse(argc - 1, argv + 1)) return 0;
+    const bool fine = a.on("--preset-fine");
+    print_lines(bench::bench_moe_layer(a.i64("--tokens"), a.i64("--hidden-size"),
+                                       fine ? 256 : a.i64("--moe-ffn-hidden-size"), fine ? 64 : a.i64("--num-experts"),
+                                       fine ? 8 : a.i64("--moe-router-topk"), a.on("--bf16") ? DType::bf16 : DType::f32,
+                                       static_cast<int>(a.i64("--iters"))));
+    return 0;
+  }
   if (what == "train-step") {
     Args a("bench train-step");
     add_model_flags(a, gpt2_small());
@@ -63,10 +83,11 @@ int bench_main(int argc, char** argv) {
     return 0;
   }
   std::fprintf(what.empty() || what == "--help" ? stdout : stderr,
-               "usage: moecore bench <gemm|attention|train-step> [options]\n"
+               "usage: moecore bench <gemm|attention|train-step|moe-layer> [options]\n"
                "  gemm        GEMM sweep (square and GPT-2-small shapes), f32 and bf16\n"
                "  attention   causal attention forward+backward\n"
                "  train-step  one training step of a dense GPT (default: GPT-2 small, S=1024)\n"
+               "  moe-layer   one MoE layer forward+backward (router, dispatch, grouped experts)\n"
                "Each prints JSON lines with gflops, the in-run GEMM peak_gflops and their ratio.\n");
   return what.empty() || what == "--help" ? 0 : 2;
 }

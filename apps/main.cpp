@@ -13,7 +13,8 @@ void usage(std::FILE* out) {
                "usage: moecore <command> [options]\n\n"
                "commands:\n"
                "  train   train a GPT model (see moecore train --help)\n"
-               "  bench   benchmarks: gemm, attention, train-step (see moecore bench --help)\n");
+               "  bench   benchmarks: gemm, attention, train-step, moe-layer (see moecore bench --help)\n"
+               "  moe-layer  forward+backward of one MoE layer on given tensors (golden comparisons)\n");
 }
 }  // namespace
 
@@ -26,6 +27,7 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "train") return moecore::apps::train_main(argc - 1, argv + 1);
     if (cmd == "bench") return moecore::apps::bench_main(argc - 1, argv + 1);
+    if (cmd == "moe-layer") return moecore::apps::moe_layer_main(argc - 1, argv + 1);
   } catch (const moecore::Error& e) {
     std::fprintf(stderr, "moecore %s: error: %s\n", cmd.c_str(), e.what());
     return 1;

@@ -6,4 +6,7 @@
 namespace moecore::apps {
 void add_model_flags(Args& args, const model::ModelConfig& defaults);
 model::ModelConfig model_config_from(const Args& args);  // validated
+// The MoE flags alone (also used by `moecore moe-layer`); swiglu is the experts' activation.
+void add_moe_flags(Args& args);
+moe::MoeConfig moe_config_from(const Args& args, bool swiglu);
 }  // namespace moecore::apps

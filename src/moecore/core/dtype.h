@@ -1,4 +1,4 @@
-// Element types and their conversions: fp32, bf16, fp16, fp8 (e4m3fn, e5m2), int32, int64, bool.
+// Element types and their conversions: fp32, bf16, fp16, fp8 (e4m3fn, e5m2), fp64, int32, int64, bool.
 // Narrowing float conversions round to nearest even; fp8 saturates to the largest finite value as the
 // OCP FP8 spec allows for training (NaN stays NaN; e5m2 keeps its infinities only for inf inputs).
 // No tensor code here: this header is included by every kernel.
@@ -10,7 +10,7 @@
 
 namespace moecore {
 
-enum class DType : uint8_t { f32, bf16, f16, f8e4m3, f8e5m2, i32, i64, boolean };
+enum class DType : uint8_t { f32, bf16, f16, f8e4m3, f8e5m2, i32, i64, boolean, f64 };
 
 size_t dtype_size(DType t);
 std::string_view dtype_name(DType t);  // "f32", "bf16", ...
@@ -38,6 +38,7 @@ f8e5m2 float_to_f8e5m2(float f);  // saturating: finite |f| > 57344 -> ±57344
 
 template <class T> constexpr DType dtype_of();
 template <> constexpr DType dtype_of<float>() { return DType::f32; }
+template <> constexpr DType dtype_of<double>() { return DType::f64; }
 template <> constexpr DType dtype_of<bf16>() { return DType::bf16; }
 template <> constexpr DType dtype_of<f16>() { return DType::f16; }
 template <> constexpr DType dtype_of<f8e4m3>() { return DType::f8e4m3; }
@@ -46,7 +47,7 @@ template <> constexpr DType dtype_of<int32_t>() { return DType::i32; }
 template <> constexpr DType dtype_of<int64_t>() { return DType::i64; }
 template <> constexpr DType dtype_of<bool>() { return DType::boolean; }
 
-// Converts n elements between any two dtypes (floats through float; ints exactly).
+// Converts n elements between any two dtypes (floats through double; ints exactly).
 void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n);
 
 }  // namespace moecore

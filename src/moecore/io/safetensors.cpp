@@ -22,7 +22,7 @@ struct DtypeEntry {
 constexpr DtypeEntry kDtypes[] = {
     {"BOOL", DType::boolean, 0}, {"F8_E5M2", DType::f8e5m2, 6}, {"F8_E4M3", DType::f8e4m3, 7},
     {"F16", DType::f16, 13},     {"BF16", DType::bf16, 14},     {"I32", DType::i32, 15},
-    {"F32", DType::f32, 17},     {"I64", DType::i64, 20},
+    {"F32", DType::f32, 17},     {"F64", DType::f64, 19},       {"I64", DType::i64, 20},
 };
 
 const DtypeEntry& entry_of(DType t) {

@@ -9,6 +9,7 @@
 // except where an op says so.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "moecore/core/tensor.h"
 
@@ -30,6 +31,17 @@ void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_
 // The same per batch entry g: c[g] = alpha * op(a[g]) @ op(b[g]) + beta * c[g]; 3-D operands [G, ., .].
 void gemm_batched(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
                   const Context& ctx);
+
+// Grouped GEMM over contiguous row segments (MoE experts): group g owns rows [o_g, o_g + group_rows[g]) of
+// a and c, with o_g the prefix sum. Groups with zero rows are allowed.
+//   c[seg_g] = a[seg_g] @ op(b[g]) + beta * c[seg_g]
+// a [R, K] f32|bf16; b [G, N, K] (trans_b) or [G, K, N], same dtype as a; c [R, N] f32|bf16.
+void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, const std::vector<int64_t>& group_rows,
+                  float beta, const Context& ctx);
+// Weight gradient of the above: c[g] = a[seg_g]^T @ b[seg_g] + beta * c[g].
+// a [R, M], b [R, N] one dtype f32|bf16; c [G, M, N] f32. A group with no rows gets c[g] = beta * c[g].
+void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const std::vector<int64_t>& group_rows,
+                        float beta, const Context& ctx);
 
 // ---- Embedding ---------------------------------------------------------------------------------
 // out[n, :] = table[ids[n], :].  out [N, H] f32|bf16, ids [N] i32, table [V, H] f32.

@@ -26,6 +26,17 @@ void ModelConfig::validate() const {
   if (compute_dtype != DType::f32 && compute_dtype != DType::bf16)
     MOECORE_FAIL("model config: compute dtype ", dtype_name(compute_dtype), " is not supported (use f32 or bf16)");
   if (!(norm_epsilon > 0.0f)) MOECORE_FAIL("model config: norm_epsilon (", norm_epsilon, ") must be positive");
+  moe.validate();
+  if (moe.enabled()) {
+    (void)moe_layers();  // validates --moe-layer-freq against num_layers
+    if (moe.swiglu != swiglu)
+      MOECORE_FAIL("model config: the experts' activation must match the model's (--swiglu applies to both)");
+  }
+}
+
+std::vector<bool> ModelConfig::moe_layers() const {
+  if (!moe.enabled()) return std::vector<bool>(static_cast<size_t>(num_layers), false);
+  return moe::moe_layer_pattern(moe_layer_freq, num_layers);
 }
 
 std::string ModelConfig::summary() const {
@@ -33,7 +44,10 @@ std::string ModelConfig::summary() const {
                          query_groups(), ", dim ", head_dim(), "), ffn ", ffn(), swiglu ? " swiglu" : " gelu",
                          ", vocab ", vocab_size, ", seq ", seq_length,
                          untie_embeddings_and_output_weights ? ", untied" : ", tied", ", ",
-                         dtype_name(compute_dtype));
+                         dtype_name(compute_dtype),
+                         moe.enabled() ? detail::str_cat(", MoE ", moe.num_experts, " experts top-", moe.router_topk,
+                                                         " ffn ", moe_ffn(), " layer-freq ", moe_layer_freq)
+                                       : std::string());
 }
 
 }  // namespace moecore::model

@@ -3,8 +3,10 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "moecore/core/dtype.h"
+#include "moecore/moe/config.h"
 
 namespace moecore::model {
 
@@ -26,10 +28,14 @@ struct ModelConfig {
   bool untie_embeddings_and_output_weights = true;  // --untie-embeddings-and-output-weights (else tied)
   float init_method_std = 0.02f;      // --init-method-std: N(0, std^2) for weights
   DType compute_dtype = DType::f32;   // --bf16 selects bf16 compute (fp32 master weights)
+  moe::MoeConfig moe;                 // MoE flags; moe.num_experts == 0 keeps every layer dense
+  std::string moe_layer_freq = "1";   // --moe-layer-freq: integer N or a 0/1 list of num_layers entries
 
   int64_t query_groups() const { return num_query_groups ? num_query_groups : num_attention_heads; }
   int64_t head_dim() const { return kv_channels ? kv_channels : hidden_size / num_attention_heads; }
   int64_t ffn() const { return ffn_hidden_size ? ffn_hidden_size : 4 * hidden_size; }
+  int64_t moe_ffn() const { return moe.ffn_hidden_size ? moe.ffn_hidden_size : ffn(); }
+  std::vector<bool> moe_layers() const;  // which layers are MoE (all false for a dense model)
   void validate() const;  // throws Error naming the offending fields and values
   std::string summary() const;
 };

@@ -43,13 +43,20 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   dims_.layernorm = cfg_.normalization == Normalization::layernorm;
   dims_.swiglu = cfg_.swiglu;
   dims_.compute = c;
+  moe_dims_ = {N, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
 
   const bool ln = dims_.layernorm;
   const float std_w = cfg_.init_method_std;
   const float std_out = std_w / std::sqrt(2.0f * static_cast<float>(L));
   enum class Init { normal, ones, zeros };
   // Pointers into params_ stay valid: the vector is reserved for its final size first.
-  params_.reserve(static_cast<size_t>(2 + (ln ? 8 : 6) * L + (ln ? 1 : 0) + (cfg_.untie_embeddings_and_output_weights ? 1 : 0)));
+  const std::vector<bool> moe_layers = cfg_.moe_layers();
+  const moe::MoeConfig& mc = cfg_.moe;
+  const int64_t Fm = cfg_.moe_ffn(), Fs = mc.shared_expert_intermediate_size;
+  int64_t count = 2 + (ln ? 1 : 0) + (cfg_.untie_embeddings_and_output_weights ? 1 : 0);
+  for (bool is_moe : moe_layers)
+    count += (ln ? 6 : 4) + (is_moe ? 3 + (Fs > 0 ? 2 : 0) + (mc.shared_expert_gate ? 1 : 0) : 2);
+  params_.reserve(static_cast<size_t>(count));
   auto add = [&](std::string name, Shape shape, Init init, float std = 0.0f) {
     Param p;
     p.name = std::move(name);
@@ -78,13 +85,41 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     Param* qkv = add(pre + "self_attention.linear_qkv.weight", {dims_.qkv.width(), H}, Init::normal, std_w);
     Param* proj = add(pre + "self_attention.linear_proj.weight", {H, dims_.qkv.q_heads() * D}, Init::normal, std_out);
     Param* mlp_w = add_norm(pre + "pre_mlp_layernorm", mlp_b);
-    Param* fc1 = add(pre + "mlp.linear_fc1.weight", {dims_.fc1_rows(), H}, Init::normal, std_w);
-    Param* fc2 = add(pre + "mlp.linear_fc2.weight", {H, dims_.F}, Init::normal, std_out);
-    layer_w_.push_back({in_w->value, value(in_b), qkv->compute, proj->compute, mlp_w->value, value(mlp_b),
-                        fc1->compute, fc2->compute});
-    layer_g_.push_back({in_w->grad, grad(in_b), qkv->grad, proj->grad, mlp_w->grad, grad(mlp_b), fc1->grad,
-                        fc2->grad});
-    caches_.push_back(nn::dense_layer_cache_alloc(dims_));
+    if (!moe_layers[static_cast<size_t>(l)]) {
+      Param* fc1 = add(pre + "mlp.linear_fc1.weight", {dims_.fc1_rows(), H}, Init::normal, std_w);
+      Param* fc2 = add(pre + "mlp.linear_fc2.weight", {H, dims_.F}, Init::normal, std_out);
+      layer_w_.push_back({in_w->value, value(in_b), qkv->compute, proj->compute, mlp_w->value, value(mlp_b),
+                          fc1->compute, fc2->compute});
+      layer_g_.push_back({in_w->grad, grad(in_b), qkv->grad, proj->grad, mlp_w->grad, grad(mlp_b), fc1->grad,
+                          fc2->grad});
+      caches_.push_back(nn::dense_layer_cache_alloc(dims_));
+      moe_.push_back(nullptr);
+      continue;
+    }
+    layer_w_.push_back({in_w->value, value(in_b), qkv->compute, proj->compute, mlp_w->value, value(mlp_b), {}, {}});
+    layer_g_.push_back({in_w->grad, grad(in_b), qkv->grad, proj->grad, mlp_w->grad, grad(mlp_b), {}, {}});
+    caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/false));
+    auto m = std::make_unique<MoeBlock>();
+    const int64_t fc1_rows = mc.swiglu ? 2 * Fm : Fm;
+    Param* router = add(pre + "mlp.router.weight", {mc.num_experts, H}, Init::normal, std_w);
+    Param* efc1 = add(pre + "mlp.experts.linear_fc1.weight", {mc.num_experts, fc1_rows, H}, Init::normal, std_w);
+    Param* efc2 = add(pre + "mlp.experts.linear_fc2.weight", {mc.num_experts, H, Fm}, Init::normal, std_out);
+    m->w.router = {router->value, router->compute};
+    m->w.experts = {efc1->compute, efc2->compute};
+    m->g.router = router->grad;
+    m->g.experts = {efc1->grad, efc2->grad};
+    if (Fs > 0) {
+      Param* sfc1 = add(pre + "mlp.shared_experts.linear_fc1.weight", {mc.swiglu ? 2 * Fs : Fs, H}, Init::normal, std_w);
+      Param* sfc2 = add(pre + "mlp.shared_experts.linear_fc2.weight", {H, Fs}, Init::normal, std_out);
+      Param* gate = mc.shared_expert_gate ? add(pre + "mlp.shared_experts.gate_weight", {1, H}, Init::normal, std_w)
+                                          : nullptr;
+      m->w.shared = {sfc1->compute, sfc2->compute, value(gate)};
+      m->g.shared = {sfc1->grad, sfc2->grad, grad(gate)};
+    }
+    m->state = moe::router_state_init(mc);
+    m->state.stream = static_cast<uint64_t>(l);
+    m->cache = moe::moe_layer_cache_alloc(moe_dims_, mc);
+    moe_.push_back(std::move(m));
   }
   final_norm_ = add_norm("decoder.final_layernorm", final_norm_bias_);
   output_ = cfg_.untie_embeddings_and_output_weights ? add("output_layer.weight", {V, H}, Init::normal, std_w)
@@ -99,10 +134,26 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   ws_ = nn::dense_layer_workspace_alloc(dims_);
   head_ws_ = nn::lm_head_workspace_alloc(N, V, c);
   dres_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
+  if (cfg_.moe.enabled()) moe_out_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
   dh_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
   ids_ = Tensor::empty({N}, DType::i32, MemCategory::workspace);
   labels_ = Tensor::empty({N}, DType::i32, MemCategory::workspace);
   refresh_compute_weights();
+}
+
+void GptModel::finish_step() {
+  for (auto& m : moe_)
+    if (m) moe::router_finish_step(m->state, cfg_.moe);
+}
+
+const moe::RouterStats* GptModel::moe_stats(int64_t layer) const {
+  const auto& m = moe_.at(static_cast<size_t>(layer));
+  return m ? &m->cache.stats : nullptr;
+}
+
+moe::RouterState* GptModel::router_state(int64_t layer) {
+  auto& m = moe_.at(static_cast<size_t>(layer));
+  return m ? &m->state : nullptr;
 }
 
 Param& GptModel::param(const std::string& name) {
@@ -126,22 +177,32 @@ void GptModel::refresh_compute_weights() {
     if (p.compute.raw() != p.value.raw()) p.compute.copy_from(p.value);
 }
 
-void GptModel::forward_trunk(const Tensor& tokens) {
+void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   const ops::Context ctx;
   const int64_t N = B_ * cfg_.seq_length;
   if (tokens.dtype() != DType::i32 || tokens.numel() != N)
     MOECORE_FAIL("model: tokens must be i32 [", B_, ", ", cfg_.seq_length, "], got ", tokens.str());
   ids_.copy_from(tokens.view({N}));
   ops::embedding_forward(residual_[0], ids_, embedding_->value, ctx);
-  for (size_t l = 0; l < caches_.size(); ++l)
-    nn::dense_layer_forward(residual_[l + 1], residual_[l], layer_w_[l], caches_[l], rope_, dims_, ctx);
+  for (size_t l = 0; l < caches_.size(); ++l) {
+    if (!moe_[l]) {
+      nn::dense_layer_forward(residual_[l + 1], residual_[l], layer_w_[l], caches_[l], rope_, dims_, ctx);
+      continue;
+    }
+    MoeBlock& m = *moe_[l];
+    nn::attention_block_forward(residual_[l], layer_w_[l], caches_[l], rope_, dims_, ctx);
+    nn::mlp_norm_forward(layer_w_[l], caches_[l], dims_, ctx);
+    moe::moe_layer_forward(moe_out_, caches_[l].h2, Tensor(), m.w, m.state, m.cache, dispatcher_, moe_dims_, cfg_.moe,
+                           training, ctx);
+    ops::add(residual_[l + 1], caches_[l].x_mid, moe_out_, ctx);
+  }
   nn::norm_forward(final_h_, final_mean_, final_rstd_, residual_.back(), final_norm_->value,
                    final_norm_bias_ ? final_norm_bias_->value : Tensor(), cfg_.norm_epsilon, ctx);
 }
 
 LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale) {
   const ops::Context ctx;
-  forward_trunk(tokens);
+  forward_trunk(tokens, true);
   const int64_t N = B_ * cfg_.seq_length;
   if (labels.dtype() != DType::i32 || labels.numel() != N)
     MOECORE_FAIL("model: labels must be i32 [", B_, ", ", cfg_.seq_length, "], got ", labels.str());
@@ -155,15 +216,25 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
   nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, dh_,
                     residual_.back(), final_norm_->value, final_norm_bias_ ? final_norm_bias_->value : Tensor(),
                     final_mean_, final_rstd_, false, ctx);
-  for (size_t l = caches_.size(); l-- > 0;)
-    nn::dense_layer_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, ctx);
+  for (size_t l = caches_.size(); l-- > 0;) {
+    if (!moe_[l]) {
+      nn::dense_layer_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, ctx);
+      continue;
+    }
+    // dres is dL/d(layer output) = dL/d(MoE output) = dL/dx_mid through the residual.
+    MoeBlock& m = *moe_[l];
+    moe::moe_layer_backward(ws_.dh, m.g, dres_, caches_[l].h2, m.w, m.cache, dispatcher_, moe_dims_, cfg_.moe,
+                            grad_scale, ctx);
+    nn::mlp_norm_backward(dres_, layer_g_[l], ws_.dh, layer_w_[l], caches_[l], dims_, ctx);
+    nn::attention_block_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, ctx);
+  }
   ops::embedding_backward(embedding_->grad, ids_, dres_, ctx);
   return r;
 }
 
 LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
   const ops::Context ctx;
-  forward_trunk(tokens);
+  forward_trunk(tokens, false);
   const int64_t N = B_ * cfg_.seq_length;
   labels_.copy_from(labels.view({N}));
   LossResult r;
@@ -174,7 +245,7 @@ LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
 }
 
 void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
-  forward_trunk(tokens);
+  forward_trunk(tokens, false);
   ops::gemm(logits, final_h_, false, output_->compute, true, 1.0f, 0.0f, {});
 }
 
@@ -187,12 +258,18 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   }
   at(MemCategory::optimizer_state) = optimizer_state_bytes_per_param * num_parameters();
   const int64_t N = dims_.N, H = dims_.H;
-  at(MemCategory::activations) = cfg_.num_layers * nn::dense_layer_cache_bytes(dims_) +
+  int64_t layer_cache = 0, moe_cache = 0;
+  for (const auto& m : moe_) {
+    layer_cache += nn::dense_layer_cache_bytes(dims_, m == nullptr);
+    if (m) moe_cache += moe::moe_layer_cache_bytes(m->cache);
+  }
+  // MoE caches mix saved activations and backward scratch; the plan counts them as activations.
+  at(MemCategory::activations) = layer_cache + moe_cache +
                                  (cfg_.num_layers + 1) * N * H * 4 + N * 4 * (final_mean_.defined() ? 2 : 1) +
                                  N * H * static_cast<int64_t>(dtype_size(cfg_.compute_dtype));
   at(MemCategory::workspace) = nn::dense_layer_workspace_bytes(dims_) +
                                nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype) + 2 * N * H * 4 +
-                               2 * N * 4 + cfg_.seq_length * dims_.qkv.D * 4;
+                               2 * N * 4 + cfg_.seq_length * dims_.qkv.D * 4 + (moe_out_.defined() ? N * H * 4 : 0);
   return plan;
 }
 
@@ -203,8 +280,12 @@ double GptModel::flops_per_step() const {
   const double kv = static_cast<double>(dims_.qkv.G * dims_.qkv.D);
   const double ffn_mult = cfg_.swiglu ? 3.0 : 2.0;
   const double p_attn = h * (q + 2 * kv) + q * h;
-  return T * (6 * h * ffn_mult * static_cast<double>(dims_.F) * L + L * 6 * p_attn +
-              6 * h * static_cast<double>(cfg_.vocab_size)) +
+  double n_moe = 0;
+  for (const auto& m : moe_) n_moe += m ? 1.0 : 0.0;
+  const double mlp = ffn_mult * (static_cast<double>(dims_.F) * (L - n_moe) +
+                                 static_cast<double>(cfg_.moe_ffn() * cfg_.moe.router_topk) * n_moe +
+                                 static_cast<double>(cfg_.moe.shared_expert_intermediate_size) * n_moe);
+  return T * (6 * h * mlp + L * 6 * p_attn + 6 * h * static_cast<double>(cfg_.vocab_size)) +
          static_cast<double>(B_) * S * S * 6 * q * L;
 }
 

@@ -3,11 +3,13 @@
 // Shapes are fixed at construction (micro_batch_size x seq_length): every buffer is allocated then, and
 // the step loop allocates nothing. Not here: the optimizer (optim/) and the training loop (train/).
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "moecore/core/param.h"
 #include "moecore/model/config.h"
+#include "moecore/moe/moe_layer.h"
 #include "moecore/nn/dense_layer.h"
 #include "moecore/nn/lm_head.h"
 
@@ -40,6 +42,12 @@ class GptModel {
   int64_t num_parameters() const;
 
   void zero_grad();
+  // Once per optimizer step, after the update: expert-bias updates and MoE counter resets.
+  void finish_step();
+  // Router statistics of the last forward of layer l; nullptr for dense layers.
+  const moe::RouterStats* moe_stats(int64_t layer) const;
+  bool is_moe_layer(int64_t layer) const { return moe_[static_cast<size_t>(layer)] != nullptr; }
+  moe::RouterState* router_state(int64_t layer);  // nullptr for dense layers
   void refresh_compute_weights();  // after the masters change (optimizer step, loading)
 
   // tokens, labels [B, S] i32 (label < 0: not counted). Adds grad_scale * d(mean loss)/d(param) to every
@@ -56,7 +64,8 @@ class GptModel {
   double flops_per_step() const;
 
  private:
-  void forward_trunk(const Tensor& tokens);
+  void forward_trunk(const Tensor& tokens, bool training);
+
 
   ModelConfig cfg_;
   int64_t B_;
@@ -69,6 +78,16 @@ class GptModel {
   std::vector<nn::DenseLayerWeights> layer_w_;
   std::vector<nn::DenseLayerGrads> layer_g_;
   std::vector<nn::DenseLayerCache> caches_;
+  struct MoeBlock {
+    moe::MoeLayerWeights w;
+    moe::MoeLayerGrads g;
+    moe::RouterState state;
+    moe::MoeLayerCache cache;
+  };
+  std::vector<std::unique_ptr<MoeBlock>> moe_;  // per layer; null for dense layers
+  moe::MoeLayerDims moe_dims_;
+  moe::LocalDispatcher dispatcher_;
+  Tensor moe_out_;                // [N, H] f32: MoE output before the residual add
   std::vector<Tensor> residual_;  // L+1 tensors [N, H] f32: embedding output, then each layer's output
   Tensor final_mean_, final_rstd_; // [N] f32 (mean: LayerNorm only)
   Tensor final_h_;                // [N, H] compute

@@ -23,7 +23,7 @@ const Tensor& residual_grad_for_gemm(const Tensor& dres, DenseLayerWorkspace& ws
 
 }  // namespace
 
-DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d) {
+DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp) {
   const DType c = d.compute;
   const auto& q = d.qkv;
   DenseLayerCache k;
@@ -37,16 +37,18 @@ DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d) {
   k.x_mid = act_tensor({d.N, d.H}, DType::f32);
   k.rstd2 = act_tensor({d.N}, DType::f32);
   k.h2 = act_tensor({d.N, d.H}, c);
-  k.fc1 = act_tensor({d.N, d.fc1_rows()}, c);
-  k.act = act_tensor({d.N, d.F}, c);
+  if (with_mlp) {
+    k.fc1 = act_tensor({d.N, d.fc1_rows()}, c);
+    k.act = act_tensor({d.N, d.F}, c);
+  }
   return k;
 }
 
-int64_t dense_layer_cache_bytes(const DenseLayerDims& d) {
+int64_t dense_layer_cache_bytes(const DenseLayerDims& d, bool with_mlp) {
   const int64_t c = static_cast<int64_t>(dtype_size(d.compute));
   const auto& q = d.qkv;
   return d.N * 4 * (d.layernorm ? 4 : 2) + d.N * d.H * 4 + q.B * q.q_heads() * q.S * 4 +
-         c * d.N * (2 * d.H + q.width() + q.q_heads() * q.D + d.fc1_rows() + d.F);
+         c * d.N * (2 * d.H + q.width() + q.q_heads() * q.D + (with_mlp ? d.fc1_rows() + d.F : 0));
 }
 
 DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d) {
@@ -68,9 +70,8 @@ int64_t dense_layer_workspace_bytes(const DenseLayerDims& d) {
          c * d.N * (d.qkv.width() + d.qkv.q_heads() * d.qkv.D + d.fc1_rows() + d.F);
 }
 
-void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k,
-                         const Tensor& rope, const DenseLayerDims& d, const ops::Context& ctx) {
-  // Attention block.
+void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k, const Tensor& rope,
+                             const DenseLayerDims& d, const ops::Context& ctx) {
   norm_forward(k.h1, k.mean1, k.rstd1, x, w.input_norm, w.input_norm_bias, d.eps, ctx);
   ops::gemm(k.qkv, k.h1, false, w.qkv, true, 1.0f, 0.0f, ctx);
   Tensor qkv = bsw(k.qkv, d), attn = bsw(k.attn, d);
@@ -78,13 +79,43 @@ void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w,
   ops::attention_forward(attn, k.lse, qkv, d.qkv, ctx);
   k.x_mid.copy_from(x);
   ops::gemm(k.x_mid, k.attn, false, w.proj, true, 1.0f, 1.0f, ctx);
-  // MLP block.
+}
+
+void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& k, const DenseLayerDims& d,
+                      const ops::Context& ctx) {
   norm_forward(k.h2, k.mean2, k.rstd2, k.x_mid, w.mlp_norm, w.mlp_norm_bias, d.eps, ctx);
+}
+
+void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k,
+                         const Tensor& rope, const DenseLayerDims& d, const ops::Context& ctx) {
+  attention_block_forward(x, w, k, rope, d, ctx);
+  mlp_norm_forward(w, k, d, ctx);
   ops::gemm(k.fc1, k.h2, false, w.fc1, true, 1.0f, 0.0f, ctx);
   if (d.swiglu) ops::swiglu_forward(k.act, k.fc1, ctx);
   else ops::gelu_forward(k.act, k.fc1, ctx);
   y.copy_from(k.x_mid);
   ops::gemm(y, k.act, false, w.fc2, true, 1.0f, 1.0f, ctx);
+}
+
+void mlp_norm_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& dh2, const DenseLayerWeights& w,
+                       const DenseLayerCache& k, const DenseLayerDims& d, const ops::Context& ctx) {
+  norm_backward(dres, g.mlp_norm, g.mlp_norm_bias, dh2, k.x_mid, w.mlp_norm, w.mlp_norm_bias, k.mean2, k.rstd2, true,
+                ctx);
+}
+
+void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
+                              const DenseLayerCache& k, DenseLayerWorkspace& ws, const Tensor& rope,
+                              const DenseLayerDims& d, const ops::Context& ctx) {
+  const Tensor& dmid_c = residual_grad_for_gemm(dres, ws, d.compute);
+  ops::gemm(ws.dattn, dmid_c, false, w.proj, false, 1.0f, 0.0f, ctx);
+  ops::gemm(g.proj, dmid_c, true, k.attn, false, 1.0f, 1.0f, ctx);
+  Tensor dqkv = bsw(ws.dqkv, d);
+  ops::attention_backward(dqkv, bsw(ws.dattn, d), bsw(k.qkv, d), bsw(k.attn, d), k.lse, d.qkv, ctx);
+  ops::rope_backward(dqkv, rope, d.qkv, ctx);
+  ops::gemm(g.qkv, ws.dqkv, true, k.h1, false, 1.0f, 1.0f, ctx);
+  ops::gemm(ws.dh, ws.dqkv, false, w.qkv, false, 1.0f, 0.0f, ctx);
+  norm_backward(dres, g.input_norm, g.input_norm_bias, ws.dh, x, w.input_norm, w.input_norm_bias, k.mean1, k.rstd1,
+                true, ctx);
 }
 
 void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
@@ -98,19 +129,9 @@ void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, con
   else ops::gelu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
   ops::gemm(g.fc1, ws.dfc1, true, k.h2, false, 1.0f, 1.0f, ctx);
   ops::gemm(ws.dh, ws.dfc1, false, w.fc1, false, 1.0f, 0.0f, ctx);
-  norm_backward(dres, g.mlp_norm, g.mlp_norm_bias, ws.dh, k.x_mid, w.mlp_norm, w.mlp_norm_bias, k.mean2, k.rstd2,
-                true, ctx);
+  mlp_norm_backward(dres, g, ws.dh, w, k, d, ctx);
   // Attention block, in reverse: dres is dL/dx_mid here.
-  const Tensor& dmid_c = residual_grad_for_gemm(dres, ws, d.compute);
-  ops::gemm(ws.dattn, dmid_c, false, w.proj, false, 1.0f, 0.0f, ctx);
-  ops::gemm(g.proj, dmid_c, true, k.attn, false, 1.0f, 1.0f, ctx);
-  Tensor dqkv = bsw(ws.dqkv, d);
-  ops::attention_backward(dqkv, bsw(ws.dattn, d), bsw(k.qkv, d), bsw(k.attn, d), k.lse, d.qkv, ctx);
-  ops::rope_backward(dqkv, rope, d.qkv, ctx);
-  ops::gemm(g.qkv, ws.dqkv, true, k.h1, false, 1.0f, 1.0f, ctx);
-  ops::gemm(ws.dh, ws.dqkv, false, w.qkv, false, 1.0f, 0.0f, ctx);
-  norm_backward(dres, g.input_norm, g.input_norm_bias, ws.dh, x, w.input_norm, w.input_norm_bias, k.mean1,
-                k.rstd1, true, ctx);
+  attention_block_backward(dres, g, x, w, k, ws, rope, d, ctx);
 }
 
 }  // namespace moecore::nn

@@ -68,10 +68,25 @@ struct DenseLayerWorkspace {
   Tensor dact;     // [N, F] compute
 };
 
-DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d);
+// with_mlp=false allocates no fc1/act (layers whose MLP is an MoE layer).
+DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp = true);
 DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d);
-int64_t dense_layer_cache_bytes(const DenseLayerDims& d);
+int64_t dense_layer_cache_bytes(const DenseLayerDims& d, bool with_mlp = true);
 int64_t dense_layer_workspace_bytes(const DenseLayerDims& d);
+
+// The two halves, for layers that replace the MLP (MoE): the attention block writes cache.x_mid; the MLP
+// norm writes cache.h2 (and its statistics). The backward halves update dres in place.
+void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& cache, const Tensor& rope,
+                             const DenseLayerDims& d, const ops::Context& ctx);
+void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& cache, const DenseLayerDims& d,
+                      const ops::Context& ctx);
+// dres: dL/dx_mid on entry, dL/dx on return.
+void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
+                              const DenseLayerCache& cache, DenseLayerWorkspace& ws, const Tensor& rope,
+                              const DenseLayerDims& d, const ops::Context& ctx);
+// dres += the MLP norm's input gradient, given dh2 [N, H] f32 = dL/d(norm output).
+void mlp_norm_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& dh2, const DenseLayerWeights& w,
+                       const DenseLayerCache& cache, const DenseLayerDims& d, const ops::Context& ctx);
 
 // y [N, H] f32 from x [N, H] f32. rope [S, D] f32 is the rotary table.
 void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& cache,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <string>
 
 #include "moecore/core/rng.h"
 
@@ -47,6 +48,37 @@ double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& bat
   return total.mean();
 }
 
+namespace {
+// Adds this micro-batch's router statistics of every MoE layer into acc; returns the number of MoE layers.
+int64_t accumulate_moe_losses(const model::GptModel& gpt, MoeStepLosses& acc) {
+  int64_t n = 0;
+  for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
+    const moe::RouterStats* st = gpt.moe_stats(l);
+    if (!st) continue;
+    ++n;
+    acc.aux_loss += st->aux_loss;
+    acc.seq_aux_loss += st->seq_aux_loss;
+    acc.global_aux_loss += st->global_aux_loss;
+    acc.z_loss += st->z_loss;
+  }
+  return n;
+}
+
+std::string format_moe_losses(const moe::MoeConfig& mc, const MoeStepLosses& l) {
+  std::string s;
+  char buf[64];
+  auto add = [&](const char* name, double v) {
+    std::snprintf(buf, sizeof buf, " | %s %.4f", name, v);
+    s += buf;
+  };
+  if (mc.uses(moe::LoadBalancing::aux_loss)) add("load_balancing_loss", l.aux_loss);
+  if (mc.uses(moe::LoadBalancing::seq_aux_loss)) add("seq_load_balancing_loss", l.seq_aux_loss);
+  if (mc.uses(moe::LoadBalancing::global_aux_loss)) add("global_load_balancing_loss", l.global_aux_loss);
+  if (mc.z_loss_coeff > 0) add("z_loss", l.z_loss);
+  return s;
+}
+}  // namespace
+
 TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches,
                std::FILE* log) {
   cfg.validate();
@@ -64,15 +96,25 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
   for (int64_t it = 0; it < cfg.train_iters; ++it) {
     gpt.zero_grad();
     double step_loss = 0;
+    MoeStepLosses moe_losses;
+    int64_t moe_layers = 0;
     for (int64_t mb = 0; mb < micro; ++mb) {
       batches(tokens, labels, false, it * micro + mb);
       step_loss += gpt.forward_backward(tokens, labels, 1.0f / static_cast<float>(micro)).mean();
+      moe_layers = accumulate_moe_losses(gpt, moe_losses);
     }
     step_loss /= static_cast<double>(micro);
+    if (moe_layers > 0) {
+      const double div = static_cast<double>(micro * moe_layers);
+      moe_losses = {moe_losses.aux_loss / div, moe_losses.seq_aux_loss / div, moe_losses.global_aux_loss / div,
+                    moe_losses.z_loss / div};
+    }
     const float lr = lr_at(cfg, it);
     const optim::StepStats st = opt.step(lr);
     gpt.refresh_compute_weights();
+    gpt.finish_step();
     out.train_loss.push_back(step_loss);
+    out.moe_losses.push_back(moe_losses);
     out.grad_norm.push_back(st.grad_norm);
     loss_acc += step_loss;
     if ((it + 1) % cfg.log_interval == 0 && log) {
@@ -82,11 +124,12 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
       const double tokens_per_s =
           static_cast<double>(cfg.global_batch_size * m.seq_length) / std::max(dt, 1e-9);
       std::fprintf(log,
-                   " iteration %6lld/%6lld | consumed tokens %10lld | lr %.3e | lm loss %.4f | grad norm %.3f | "
+                   " iteration %6lld/%6lld | consumed tokens %10lld | lr %.3e | lm loss %.4f%s | grad norm %.3f | "
                    "%.0f tokens/s | %.1f GFLOP/s\n",
                    static_cast<long long>(it + 1), static_cast<long long>(cfg.train_iters),
                    static_cast<long long>((it + 1) * cfg.global_batch_size * m.seq_length), lr,
-                   loss_acc / static_cast<double>(cfg.log_interval), st.grad_norm, tokens_per_s,
+                   loss_acc / static_cast<double>(cfg.log_interval),
+                   format_moe_losses(gpt.config().moe, moe_losses).c_str(), st.grad_norm, tokens_per_s,
                    flops_per_step / dt / 1e9);
       std::fflush(log);
       loss_acc = 0;

@@ -35,9 +35,16 @@ float lr_at(const TrainConfig& cfg, int64_t it);
 // Supplies micro-batch `index` of the training (valid=false) or validation split into tokens/labels [B, S].
 using BatchFn = std::function<void(Tensor& tokens, Tensor& labels, bool valid, int64_t index)>;
 
+// MoE balancing losses of one step as Megatron logs them: the coefficient-free value of each configured
+// loss, averaged over micro-batches and MoE layers.
+struct MoeStepLosses {
+  double aux_loss = 0, seq_aux_loss = 0, global_aux_loss = 0, z_loss = 0;
+};
+
 struct TrainLog {
   std::vector<double> train_loss;   // per step, mean over its micro-batches
   std::vector<double> grad_norm;    // per step, before clipping
+  std::vector<MoeStepLosses> moe_losses;  // per step (zeros for dense models)
   std::vector<std::pair<int64_t, double>> valid_loss;  // (step, loss)
 };
 

@@ -1,0 +1,165 @@
+#include "moecore/model/moe_layer_case.h"
+
+#include <nlohmann/json.hpp>
+#include <set>
+
+namespace moecore::model {
+namespace {
+
+using nlohmann::json;
+
+std::vector<std::string> as_strings(const json& v) {
+  if (v.is_array()) return v.get<std::vector<std::string>>();
+  return {v.get<std::string>()};
+}
+std::vector<float> as_floats(const json& v) {
+  if (v.is_array()) return v.get<std::vector<float>>();
+  return {v.get<float>()};
+}
+
+const Tensor& need(const std::map<std::string, Tensor>& in, const std::string& name, const Shape& shape) {
+  auto it = in.find(name);
+  if (it == in.end()) MOECORE_FAIL("moe-layer: input tensor '", name, "' is missing (expected ", shape.str(), ")");
+  if (!(it->second.shape() == shape))
+    MOECORE_FAIL("moe-layer: input tensor '", name, "' has shape ", it->second.shape().str(), ", expected ", shape.str());
+  return it->second;
+}
+
+Tensor scalar_f64(double v) {
+  Tensor t = Tensor::empty(Shape{}, DType::f64, MemCategory::other);
+  t.data<double>()[0] = v;
+  return t;
+}
+
+}  // namespace
+
+MoeLayerCase moe_layer_case_parse(const std::string& text) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    MOECORE_FAIL("moe-layer: config is not valid JSON: ", e.what());
+  }
+  static const std::set<std::string> known = {
+      "hidden_size", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "micro_batch_size",
+      "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_score_function",
+      "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_router_num_groups",
+      "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_expert_capacity_factor", "moe_token_drop_policy",
+      "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+      "gated_linear_unit", "params_dtype", "aux_grad_scale", "moe_input_jitter_eps"};
+  for (const auto& [k, v] : j.items())
+    if (!known.count(k)) MOECORE_FAIL("moe-layer: unknown config key '", k, "'");
+  MoeLayerCase c;
+  moe::MoeConfig& m = c.cfg;
+  auto get = [&](const char* k, auto def) { return j.contains(k) && !j[k].is_null() ? j[k].get<decltype(def)>() : def; };
+  c.H = get("hidden_size", int64_t{0});
+  m.num_experts = get("num_moe_experts", int64_t{0});
+  c.F = get("moe_ffn_hidden_size", int64_t{0});
+  m.ffn_hidden_size = c.F;
+  m.router_topk = get("moe_router_topk", int64_t{2});
+  c.B = get("micro_batch_size", int64_t{1});
+  if (j.contains("moe_router_load_balancing_type")) {
+    m.load_balancing_type.clear();
+    for (const auto& t : as_strings(j["moe_router_load_balancing_type"]))
+      m.load_balancing_type.push_back(moe::parse_load_balancing(t));
+  }
+  if (j.contains("moe_aux_loss_coeff")) m.aux_loss_coeff = as_floats(j["moe_aux_loss_coeff"]);
+  m.z_loss_coeff = get("moe_z_loss_coeff", 0.0f);
+  m.input_jitter_eps = get("moe_input_jitter_eps", 0.0f);
+  m.score_function = moe::parse_score_function(get("moe_router_score_function", std::string("softmax")));
+  m.pre_softmax = get("moe_router_pre_softmax", false);
+  m.topk_scaling_factor = get("moe_router_topk_scaling_factor", 0.0f);
+  const std::string rd = get("moe_router_dtype", std::string("fp32"));
+  if (rd != "fp32" && rd != "fp64") MOECORE_FAIL("moe-layer: moe_router_dtype '", rd, "' is not fp32 or fp64");
+  m.router_dtype = rd == "fp64" ? DType::f64 : DType::f32;
+  m.num_groups = get("moe_router_num_groups", int64_t{0});
+  m.group_topk = get("moe_router_group_topk", int64_t{0});
+  m.enable_expert_bias = get("moe_router_enable_expert_bias", false);
+  m.capacity_factor = get("moe_expert_capacity_factor", 0.0f);
+  const std::string pol = get("moe_token_drop_policy", std::string("probs"));
+  if (pol != "probs" && pol != "position") MOECORE_FAIL("moe-layer: moe_token_drop_policy '", pol, "'");
+  m.drop_policy = pol == "position" ? moe::DropPolicy::position : moe::DropPolicy::probs;
+  m.pad_expert_input_to_capacity = get("moe_pad_expert_input_to_capacity", false);
+  c.Fs = get("moe_shared_expert_intermediate_size", int64_t{0});
+  m.shared_expert_intermediate_size = c.Fs;
+  m.shared_expert_gate = get("moe_shared_expert_gate", false);
+  m.swiglu = get("gated_linear_unit", false);  // Megatron default: no GLU
+  const std::string pd = get("params_dtype", std::string("fp32"));
+  if (pd != "fp32" && pd != "bf16") MOECORE_FAIL("moe-layer: params_dtype '", pd, "' is not fp32 or bf16");
+  c.compute = pd == "bf16" ? DType::bf16 : DType::f32;
+  c.aux_grad_scale = get("aux_grad_scale", 1.0f);
+  if (c.H <= 0 || c.F <= 0) MOECORE_FAIL("moe-layer: hidden_size (", c.H, ") and moe_ffn_hidden_size (", c.F, ") must be set");
+  m.validate();
+  if (!m.enabled()) MOECORE_FAIL("moe-layer: num_moe_experts must be positive");
+  return c;
+}
+
+std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const std::map<std::string, Tensor>& in) {
+  const moe::MoeConfig& m = c.cfg;
+  auto hit = in.find("input.hidden");
+  if (hit == in.end()) MOECORE_FAIL("moe-layer: input tensor 'input.hidden' is missing");
+  const int64_t T = hit->second.size(0), H = c.H, E = m.num_experts, F = c.F, Fs = c.Fs;
+  if (T % c.B != 0) MOECORE_FAIL("moe-layer: ", T, " tokens are not divisible by micro_batch_size ", c.B);
+  const int64_t fc1 = m.swiglu ? 2 * F : F, sfc1 = m.swiglu ? 2 * Fs : Fs;
+  auto compute = [&](const Tensor& t) { return t.to(c.compute, MemCategory::parameters); };
+  auto f32 = [&](const Tensor& t) { return t.to(DType::f32, MemCategory::parameters); };
+  const Tensor x = compute(need(in, "input.hidden", {T, H}));
+  const Tensor dy = f32(need(in, "input.output_grad", {T, H}));
+  Tensor mask;
+  if (in.count("input.padding_mask")) mask = need(in, "input.padding_mask", {T}).to(DType::boolean);
+
+  moe::MoeLayerWeights w;
+  const Tensor router = f32(need(in, "param.router.weight", {E, H}));
+  w.router = {router, compute(router)};
+  w.experts = {compute(need(in, "param.experts.linear_fc1.weight", {E, fc1, H})),
+               compute(need(in, "param.experts.linear_fc2.weight", {E, H, F}))};
+  if (Fs > 0) {
+    w.shared.fc1 = compute(need(in, "param.shared_experts.linear_fc1.weight", {sfc1, H}));
+    w.shared.fc2 = compute(need(in, "param.shared_experts.linear_fc2.weight", {H, Fs}));
+    if (m.shared_expert_gate) w.shared.gate = f32(need(in, "param.shared_experts.gate_weight", {1, H}));
+  }
+  moe::RouterState st = moe::router_state_init(m);
+  if (m.enable_expert_bias) st.expert_bias.copy_from(need(in, "param.router.expert_bias", {E}));
+
+  moe::MoeLayerGrads g;
+  g.router = Tensor::zeros({E, H}, DType::f32, MemCategory::gradients);
+  g.experts = {Tensor::zeros({E, fc1, H}, DType::f32, MemCategory::gradients),
+               Tensor::zeros({E, H, F}, DType::f32, MemCategory::gradients)};
+  if (Fs > 0) {
+    g.shared.fc1 = Tensor::zeros({sfc1, H}, DType::f32, MemCategory::gradients);
+    g.shared.fc2 = Tensor::zeros({H, Fs}, DType::f32, MemCategory::gradients);
+    if (m.shared_expert_gate) g.shared.gate = Tensor::zeros({1, H}, DType::f32, MemCategory::gradients);
+  }
+  const moe::MoeLayerDims d{T, c.B, H, F, Fs, c.compute};
+  moe::MoeLayerCache cache = moe::moe_layer_cache_alloc(d, m);
+  moe::LocalDispatcher dispatcher;
+  Tensor y = Tensor::empty({T, H}, DType::f32, MemCategory::activations);
+  Tensor dx = Tensor::empty({T, H}, DType::f32, MemCategory::activations);
+  moe::moe_layer_forward(y, x, mask, w, st, cache, dispatcher, d, m, /*training=*/true, {});
+  std::map<std::string, Tensor> out;
+  out["out.output"] = y.clone();
+  out["routing.map"] = cache.map.clone();
+  out["routing.probs"] = cache.probs.clone();
+  Tensor tpe = Tensor::empty({E}, DType::i64, MemCategory::other);
+  for (int64_t e = 0; e < E; ++e) tpe.data<int64_t>()[e] = cache.stats.tokens_per_expert[static_cast<size_t>(e)];
+  out["routing.tokens_per_expert"] = tpe;
+  if (m.uses(moe::LoadBalancing::aux_loss)) out["loss.aux_loss"] = scalar_f64(cache.stats.aux_loss);
+  if (m.uses(moe::LoadBalancing::seq_aux_loss)) out["loss.seq_aux_loss"] = scalar_f64(cache.stats.seq_aux_loss);
+  if (m.uses(moe::LoadBalancing::global_aux_loss))
+    out["loss.global_aux_loss"] = scalar_f64(cache.stats.global_aux_loss);
+  if (m.z_loss_coeff > 0) out["loss.z_loss"] = scalar_f64(cache.stats.z_loss);
+
+  moe::moe_layer_backward(dx, g, dy, x, w, cache, dispatcher, d, m, c.aux_grad_scale, {});
+  out["grad.input.hidden"] = dx;
+  out["grad.param.router.weight"] = g.router;
+  out["grad.param.experts.linear_fc1.weight"] = g.experts.fc1;
+  out["grad.param.experts.linear_fc2.weight"] = g.experts.fc2;
+  if (Fs > 0) {
+    out["grad.param.shared_experts.linear_fc1.weight"] = g.shared.fc1;
+    out["grad.param.shared_experts.linear_fc2.weight"] = g.shared.fc2;
+    if (m.shared_expert_gate) out["grad.param.shared_experts.gate_weight"] = g.shared.gate;
+  }
+  return out;
+}
+
+}  // namespace moecore::model

@@ -1,0 +1,24 @@
+// One MoE layer run as a self-contained case, for comparing moecore with other implementations
+// (`moecore moe-layer`, docs/moe-layer-golden.md): a Megatron-style JSON config plus named input tensors in,
+// the output, routing decisions, losses and every gradient out.
+#pragma once
+#include <map>
+#include <string>
+
+#include "moecore/moe/moe_layer.h"
+
+namespace moecore::model {
+
+struct MoeLayerCase {
+  moe::MoeConfig cfg;
+  int64_t H = 0, F = 0, Fs = 0, B = 1;
+  DType compute = DType::f32;
+  float aux_grad_scale = 1.0f;
+};
+
+// Parses layer.json (keys as in docs/moe-layer-golden.md); unknown keys are rejected by name.
+MoeLayerCase moe_layer_case_parse(const std::string& json_text);
+// Runs forward and backward; returns out.*, routing.*, loss.* and grad.* tensors (CPU, f32 / bool / i64 / f64).
+std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const std::map<std::string, Tensor>& in);
+
+}  // namespace moecore::model

@@ -1,0 +1,114 @@
+#include "moecore/moe/moe_layer.h"
+
+namespace moecore::moe {
+namespace {
+
+RouterDims router_dims(const MoeLayerDims& d, const MoeConfig& cfg) {
+  return {d.T, d.B, d.H, cfg.num_experts, cfg.router_topk};
+}
+
+ExpertDims expert_dims(const MoeLayerDims& d, const MoeConfig& cfg, int64_t max_rows) {
+  ExpertDims e;
+  e.E = cfg.num_experts;
+  e.H = d.H;
+  e.F = d.F;
+  e.swiglu = cfg.swiglu;
+  e.max_rows = max_rows;
+  e.compute = d.compute;
+  return e;
+}
+
+int64_t max_rows_of(const MoeLayerDims& d, const MoeConfig& cfg) {
+  const int64_t cap = cfg.capacity_factor > 0 ? expert_capacity(d.T * cfg.router_topk, cfg.num_experts,
+                                                                cfg.capacity_factor)
+                                              : 0;
+  return dispatch_max_rows(d.T, cfg.num_experts, cfg.router_topk, cap, cfg.pad_expert_input_to_capacity,
+                           cfg.router_padding_alignment);
+}
+
+int64_t bytes_of(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
+
+}  // namespace
+
+MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg) {
+  const int64_t E = cfg.num_experts, rows = max_rows_of(d, cfg);
+  MoeLayerCache c;
+  c.router = router_cache_alloc(router_dims(d, cfg), cfg, d.compute);
+  c.probs = Tensor::empty({d.T, E}, DType::f32, MemCategory::activations);
+  c.map = Tensor::empty({d.T, E}, DType::boolean, MemCategory::activations);
+  c.dprobs = Tensor::empty({d.T, E}, DType::f32, MemCategory::workspace);
+  c.dispatch = dispatch_buffers_alloc(d.T, d.H, E, rows, d.compute);
+  const ExpertDims ed = expert_dims(d, cfg, rows);
+  c.experts = expert_cache_alloc(ed);
+  c.expert_ws = expert_workspace_alloc(ed);
+  if (d.Fs > 0) c.shared = shared_expert_cache_alloc(d.T, d.H, d.Fs, cfg.swiglu, cfg.shared_expert_gate, d.compute);
+  return c;
+}
+
+int64_t moe_layer_cache_bytes(const MoeLayerCache& c) {
+  const auto& r = c.router;
+  const auto& b = c.dispatch;
+  const auto& s = c.shared;
+  int64_t n = 0;
+  for (const Tensor* t : {&r.x_jittered, &r.jitter, &r.logits, &r.scores, &r.topk_idx, &r.topk_w, &r.topk_kept, &r.work, &r.dlogits_loss,
+                          &r.dlogits, &c.probs, &c.map, &c.dprobs, &b.plan.row_token, &b.plan.token_rows,
+                          &b.permuted_x, &b.permuted_probs, &b.expert_out, &b.dpermuted, &b.dexpert_in,
+                          &b.dpermuted_probs, &c.experts.h, &c.experts.act, &c.expert_ws.a, &c.expert_ws.da,
+                          &c.expert_ws.dh, &s.h, &s.act, &s.out, &s.gate_s, &s.dact, &s.dh, &s.dout_c})
+    n += bytes_of(*t);
+  return n;
+}
+
+void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, const MoeLayerWeights& w,
+                       RouterState& st, MoeLayerCache& c, Dispatcher& dispatcher, const MoeLayerDims& d,
+                       const MoeConfig& cfg, bool training, const ops::Context& ctx) {
+  // route
+  router_forward(c.probs, c.map, c.stats, x, padding_mask, w.router, st, c.router, router_dims(d, cfg), cfg, training,
+                 ctx);
+  // dispatch
+  DispatchBuffers& b = c.dispatch;
+  dispatcher.dispatch_prepare(b, x, c.probs, c.map, ctx);
+  dispatcher.dispatch(b, ctx);
+  // experts
+  const int64_t R = b.plan.rows();
+  Tensor xin = b.permuted_x.slice(0, 0, R), pin = b.permuted_probs.slice(0, 0, R);
+  Tensor out = b.expert_out.slice(0, 0, R);
+  const ExpertDims ed = expert_dims(d, cfg, b.permuted_x.size(0));
+  if (cfg.grouped_gemm)
+    experts_forward(out, xin, pin, b.plan.tokens_per_expert, w.experts, c.experts, c.expert_ws, ed, ctx);
+  else
+    experts_forward_sequential(out, xin, pin, b.plan.tokens_per_expert, w.experts, c.experts, c.expert_ws, ed, ctx);
+  // combine
+  dispatcher.combine_prepare(b, ctx);
+  dispatcher.combine(b, ctx);
+  dispatcher.combine_finish(b, y, ctx);
+  if (d.Fs > 0) shared_expert_forward(y, x, w.shared, c.shared, cfg.swiglu, ctx);
+}
+
+void moe_layer_backward(Tensor& dx, MoeLayerGrads& g, const Tensor& dy, const Tensor& x, const MoeLayerWeights& w,
+                        MoeLayerCache& c, Dispatcher& dispatcher, const MoeLayerDims& d, const MoeConfig& cfg,
+                        float aux_grad_scale, const ops::Context& ctx) {
+  DispatchBuffers& b = c.dispatch;
+  // combine, in reverse
+  dispatcher.combine_backward(b, dy, ctx);
+  // experts, in reverse
+  const int64_t R = b.plan.rows();
+  Tensor dout = b.dpermuted.slice(0, 0, R), din = b.dexpert_in.slice(0, 0, R);
+  Tensor dpin = b.dpermuted_probs.slice(0, 0, R);
+  const Tensor xin = b.permuted_x.slice(0, 0, R), pin = b.permuted_probs.slice(0, 0, R);
+  const ExpertDims ed = expert_dims(d, cfg, b.permuted_x.size(0));
+  if (cfg.grouped_gemm)
+    experts_backward(din, dpin, g.experts, dout, xin, pin, b.plan.tokens_per_expert, w.experts, c.experts, c.expert_ws,
+                     ed, ctx);
+  else
+    experts_backward_sequential(din, dpin, g.experts, dout, xin, pin, b.plan.tokens_per_expert, w.experts, c.experts,
+                                c.expert_ws, ed, ctx);
+  // dispatch, in reverse: dx gets the experts' input gradient, dprobs the routing-weight gradient
+  dx.zero_();
+  dispatcher.dispatch_backward(b, dx, c.dprobs, ctx);
+  // route, in reverse
+  router_backward(dx, g.router, c.dprobs, x, w.router, c.router, router_dims(d, cfg), cfg, aux_grad_scale, ctx);
+  if (d.Fs > 0) shared_expert_backward(dx, g.shared, dy, x, w.shared, c.shared, cfg.swiglu, ctx);
+}
+
+}  // namespace moecore::moe

@@ -1,0 +1,61 @@
+// The MoE layer as named stages (STYLE.md, spec §9):
+//   route -> dispatch_prepare -> dispatch -> experts -> combine_prepare -> combine -> combine_finish
+// plus the shared expert on every token. Forward and backward are explicit; the dispatcher is passed in, so
+// the same layer runs with the local, all-to-all or all-gather dispatcher.
+// Gradient contract: parameter gradients accumulate (+=); the input gradient dx is written.
+#pragma once
+#include <vector>
+
+#include "moecore/moe/dispatcher.h"
+#include "moecore/moe/experts.h"
+#include "moecore/moe/router.h"
+
+namespace moecore::moe {
+
+struct MoeLayerDims {
+  int64_t T = 0;   // tokens of the micro-batch (B * S)
+  int64_t B = 1;   // sequences
+  int64_t H = 0;   // hidden size
+  int64_t F = 0;   // expert ffn size
+  int64_t Fs = 0;  // shared expert ffn size (0: none)
+  DType compute = DType::f32;
+};
+
+struct MoeLayerWeights {
+  RouterWeights router;
+  ExpertWeights experts;
+  SharedExpertWeights shared;  // undefined tensors without a shared expert
+};
+struct MoeLayerGrads {
+  Tensor router;               // [E, H] f32
+  ExpertGrads experts;
+  SharedExpertGrads shared;
+};
+
+// Everything one layer keeps between forward and backward, allocated once.
+struct MoeLayerCache {
+  RouterCache router;
+  Tensor probs;                // [T, E] f32
+  Tensor map;                  // [T, E] bool
+  Tensor dprobs;               // [T, E] f32 (backward)
+  DispatchBuffers dispatch;
+  ExpertCache experts;
+  ExpertWorkspace expert_ws;
+  SharedExpertCache shared;
+  RouterStats stats;           // of the last forward
+};
+MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg);
+// Bytes the cache holds (the model's memory plan).
+int64_t moe_layer_cache_bytes(const MoeLayerCache& c);
+
+// x [T, H] compute dtype (the pre-MLP norm output); padding_mask [T] bool or undefined; y [T, H] f32
+// written with the routed plus shared expert output.
+void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, const MoeLayerWeights& w,
+                       RouterState& st, MoeLayerCache& cache, Dispatcher& dispatcher, const MoeLayerDims& d,
+                       const MoeConfig& cfg, bool training, const ops::Context& ctx);
+// dy [T, H] f32; dx [T, H] f32 written. aux_grad_scale: Megatron's main_loss_backward_scale.
+void moe_layer_backward(Tensor& dx, MoeLayerGrads& g, const Tensor& dy, const Tensor& x, const MoeLayerWeights& w,
+                        MoeLayerCache& cache, Dispatcher& dispatcher, const MoeLayerDims& d, const MoeConfig& cfg,
+                        float aux_grad_scale, const ops::Context& ctx);
+
+}  // namespace moecore::moe

@@ -1,0 +1,656 @@
+// Router routing tests: hand-worked 3-token x 4-expert cases for every score function (numbers from the
+// spec's formulas, computed independently), tie-breaking, group limits, sinkhorn, capacity policies,
+// pad-to-capacity, routing-map padding, expert-bias counting and update, config validation, entry errors,
+// bf16 input and thread-count independence. Losses and gradients: test_router_losses.cpp.
+#include <omp.h>
+
+#include <cstring>
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "moecore/moe/router.h"
+#include "test_util.h"
+
+namespace moecore::moe {
+namespace {
+
+const ops::Context kCpu;
+
+// One router with its weights, state, cache and outputs. H == E with an identity weight makes the
+// logits equal to x, so a test states logits directly.
+struct Router {
+  MoeConfig cfg;
+  RouterDims d;
+  RouterWeights w;
+  RouterState st;
+  RouterCache cache;
+  Tensor x, probs, map, pad;
+  RouterStats stats;
+  Router(const MoeConfig& c, int64_t T, int64_t H, int64_t B = 1, DType xdt = DType::f32) : cfg(c) {
+    d = {T, B, H, cfg.num_experts, cfg.router_topk};
+    w.weight = Tensor::zeros({d.E, H}, DType::f32, MemCategory::other);
+    st = router_state_init(cfg);
+    cache = router_cache_alloc(d, cfg, xdt);
+    x = Tensor::zeros({T, H}, xdt, MemCategory::other);
+    probs = Tensor::empty({T, d.E}, DType::f32, MemCategory::other);
+    map = Tensor::empty({T, d.E}, DType::boolean, MemCategory::other);
+    sync();
+  }
+  void sync() { w.weight_compute = x.dtype() == DType::f32 ? w.weight : w.weight.to(x.dtype()); }
+  void set_logits(const std::vector<std::vector<float>>& z) {
+    w.weight.zero_();
+    for (int64_t e = 0; e < d.E; ++e) w.weight.data<float>()[e * d.H + e] = 1.0f;
+    for (size_t t = 0; t < z.size(); ++t)
+      for (size_t e = 0; e < z[t].size(); ++e) x.data<float>()[t * d.H + e] = z[t][e];
+    sync();
+  }
+  void randomize(uint64_t seed, float wstd = 1.0f) {
+    rng_fill_normal(w.weight, seed, "test.router.w", 0.0f, wstd);
+    Tensor xf = testing::randn(x.shape(), "test.router.x", 1.0f, seed);
+    x.copy_from(xf);
+    sync();
+  }
+  void forward(bool training = true) {
+    router_forward(probs, map, stats, x, pad, w, st, cache, d, cfg, training, kCpu);
+  }
+  float p(int64_t t, int64_t e) const { return probs.data<float>()[t * d.E + e]; }
+  bool m(int64_t t, int64_t e) const { return map.data<bool>()[t * d.E + e]; }
+  int64_t column(int64_t e) const {
+    int64_t n = 0;
+    for (int64_t t = 0; t < d.T; ++t) n += m(t, e);
+    return n;
+  }
+};
+
+MoeConfig base_config(int64_t E = 4, int64_t K = 2) {
+  MoeConfig c;
+  c.num_experts = E;
+  c.router_topk = K;
+  c.load_balancing_type = {LoadBalancing::none};
+  return c;
+}
+
+const std::vector<std::vector<float>> kLogits = {
+    {1.0f, 2.0f, 0.5f, -1.0f}, {0.0f, -0.5f, 3.0f, 2.5f}, {1.5f, 1.5f, -2.0f, 0.25f}};
+
+struct Expect {
+  int expert;
+  double prob;
+};
+// Each row lists the routed experts and their probabilities; all other entries must be unrouted and 0.
+void expect_routing(const Router& r, const std::vector<std::vector<Expect>>& rows, double tol = 2e-7) {
+  for (size_t t = 0; t < rows.size(); ++t) {
+    std::set<int> routed;
+    for (const Expect& x : rows[t]) {
+      routed.insert(x.expert);
+      EXPECT_TRUE(r.m(t, x.expert)) << "token " << t << " expert " << x.expert;
+      EXPECT_NEAR(r.p(t, x.expert), x.prob, tol) << "token " << t << " expert " << x.expert;
+    }
+    for (int e = 0; e < r.d.E; ++e)
+      if (!routed.count(e)) {
+        EXPECT_FALSE(r.m(t, e)) << "token " << t << " expert " << e;
+        EXPECT_EQ(r.p(t, e), 0.0f) << "token " << t << " expert " << e;
+      }
+  }
+}
+
+// Runs fn for both router dtypes: the math is the same, only the precision differs.
+void for_router_dtypes(const std::function<void(DType)>& fn) {
+  for (DType t : {DType::f32, DType::f64}) {
+    SCOPED_TRACE(std::string(dtype_name(t)));
+    fn(t);
+  }
+}
+
+TEST(Router, WorkedSoftmaxAfterTopk) {
+  for_router_dtypes([](DType rd) {
+    MoeConfig c = base_config();
+    c.router_dtype = rd;
+    Router r(c, 3, 4);
+    r.set_logits(kLogits);
+    r.forward();
+    // softmax over the two selected logits; token 2 ties 1.5 = 1.5 and takes the lower experts 0, 1.
+    expect_routing(r, {{{1, 0.7310585786}, {0, 0.2689414214}},
+                       {{2, 0.6224593312}, {3, 0.3775406688}},
+                       {{0, 0.5}, {1, 0.5}}});
+  });
+}
+
+TEST(Router, WorkedPreSoftmaxWithScalingFactor) {
+  for_router_dtypes([](DType rd) {
+    MoeConfig c = base_config();
+    c.router_dtype = rd;
+    c.pre_softmax = true;
+    Router r(c, 3, 4);
+    r.set_logits(kLogits);
+    r.forward();
+    // softmax over all four experts, not renormalized after top-k
+    expect_routing(r, {{{1, 0.6094600376}, {0, 0.2242078180}},
+                       {{2, 0.5929386539}, {3, 0.3596354729}},
+                       {{0, 0.4316480593}, {1, 0.4316480593}}});
+    r.cfg.topk_scaling_factor = 2.5f;
+    r.forward();
+    expect_routing(r,
+                   {{{1, 2.5 * 0.6094600376}, {0, 2.5 * 0.2242078180}},
+                    {{2, 2.5 * 0.5929386539}, {3, 2.5 * 0.3596354729}},
+                    {{0, 2.5 * 0.4316480593}, {1, 2.5 * 0.4316480593}}},
+                   5e-7);
+  });
+}
+
+TEST(Router, WorkedSigmoidWithExpertBias) {
+  for_router_dtypes([](DType rd) {
+    MoeConfig c = base_config();
+    c.router_dtype = rd;
+    c.score_function = ScoreFunction::sigmoid;
+    c.enable_expert_bias = true;
+    Router r(c, 3, 4);
+    r.set_logits(kLogits);
+    const float bias[4] = {0.0f, -0.3f, 0.0f, 0.6f};
+    std::memcpy(r.st.expert_bias.data<float>(), bias, sizeof bias);
+    r.forward();
+    // selection on sigmoid + bias; weights are the unbiased sigmoids renormalized over the selected pair
+    // (token 0: sigmoid(-1) + sigmoid(1) = 1, so the weights are the sigmoids themselves).
+    expect_routing(r, {{{3, 0.2689414214}, {0, 0.7310585786}},
+                       {{3, 0.4924249839}, {2, 0.5075750161}},
+                       {{3, 0.4074478005}, {0, 0.5925521995}}});
+  });
+}
+
+TEST(Router, WorkedSqrtSoftplus) {
+  for_router_dtypes([](DType rd) {
+    MoeConfig c = base_config();
+    c.router_dtype = rd;
+    c.score_function = ScoreFunction::sqrtsoftplus;
+    Router r(c, 3, 4);
+    r.set_logits(kLogits);
+    r.forward();
+    expect_routing(r, {{{1, 0.5599803737}, {0, 0.4400196263}},
+                       {{2, 0.5209027287}, {3, 0.4790972713}},
+                       {{0, 0.5}, {1, 0.5}}});
+  });
+}
+
+TEST(Router, WorkedSigmoidTopOneIsNotRenormalized) {
+  MoeConfig c = base_config(4, 1);
+  c.score_function = ScoreFunction::sigmoid;
+  Router r(c, 3, 4);
+  r.set_logits(kLogits);
+  r.forward();
+  expect_routing(r, {{{1, 0.8807970780}}, {{2, 0.9525741268}}, {{0, 0.8175744762}}});
+}
+
+TEST(Router, WorkedGroupLimited) {
+  for_router_dtypes([](DType rd) {
+    MoeConfig c = base_config();
+    c.router_dtype = rd;
+    c.num_groups = 2;  // groups {0, 1} and {2, 3}; a group scores the sum of its top K / g = 2 logits
+    c.group_topk = 1;
+    Router r(c, 3, 4);
+    r.set_logits({{3.0f, -2.0f, 2.0f, 1.5f}, {1.0f, 2.0f, 0.5f, -1.0f}, {0.5f, 0.5f, 0.5f, 0.5f}});
+    r.forward();
+    // token 0: plain top-2 would be {0, 2}; group scores 1.0 vs 3.5 keep group 1 only.
+    expect_routing(r, {{{2, 0.6224593312}, {3, 0.3775406688}},
+                       {{1, 0.7310585786}, {0, 0.2689414214}},
+                       {{0, 0.5}, {1, 0.5}}});
+  });
+}
+
+TEST(Router, GroupLimitedTouchesAtMostGroupTopkGroups) {
+  for (ScoreFunction sf : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
+    for (bool pre : {false, true}) {
+      MoeConfig c = base_config(16, 4);
+      c.score_function = sf;
+      c.pre_softmax = pre;
+      c.num_groups = 4;
+      c.group_topk = 2;
+      Router r(c, 40, 8);
+      r.randomize(3);
+      r.forward();
+      for (int64_t t = 0; t < r.d.T; ++t) {
+        std::set<int64_t> groups;
+        int64_t n = 0;
+        for (int64_t e = 0; e < 16; ++e)
+          if (r.m(t, e)) groups.insert(e / 4), ++n;
+        EXPECT_EQ(n, 4);
+        EXPECT_LE(groups.size(), 2u);
+      }
+    }
+  }
+}
+
+TEST(Router, WorkedSinkhorn) {
+  for_router_dtypes([](DType rd) {
+    MoeConfig c = base_config();
+    c.router_dtype = rd;
+    c.load_balancing_type = {LoadBalancing::sinkhorn};
+    Router r(c, 3, 4);
+    r.set_logits({{3.0f, 2.0f, 0.0f, 0.5f}, {3.0f, 2.5f, 0.0f, -1.0f}, {2.5f, 0.0f, 1.0f, 0.0f}});
+    // Training: experts chosen on the sinkhorn-balanced matrix; weights softmax(z) there, not renormalized.
+    r.forward(true);
+    expect_routing(r, {{{3, 0.0547323995}, {0, 0.6667771258}},
+                       {{1, 0.3621871340}, {0, 0.5971456318}},
+                       {{2, 0.1608376954}, {3, 0.0591688815}}});
+    // Evaluation: plain top-k of softmax(z).
+    r.forward(false);
+    expect_routing(r, {{{0, 0.6667771258}, {1, 0.2452935964}},
+                       {{0, 0.5971456318}, {1, 0.3621871340}},
+                       {{0, 0.7208245416}, {2, 0.1608376954}}});
+  });
+  MoeConfig c = base_config(4, 1);  // k == 1: the activation is a sigmoid
+  c.load_balancing_type = {LoadBalancing::sinkhorn};
+  Router r(c, 3, 4);
+  r.set_logits(kLogits);
+  r.forward(false);
+  expect_routing(r, {{{1, 0.8807970780}}, {{2, 0.9525741268}}, {{0, 0.8175744762}}});
+}
+
+TEST(Router, TiesBreakTowardsLowerIndex) {
+  for (ScoreFunction sf : {ScoreFunction::softmax, ScoreFunction::sigmoid, ScoreFunction::sqrtsoftplus}) {
+    for (bool groups : {false, true}) {
+      MoeConfig c = base_config(6, 2);
+      c.score_function = sf;
+      c.pre_softmax = true;
+      if (groups) c.num_groups = 3, c.group_topk = 2;
+      Router r(c, 4, 6);  // zero weight: every logit is 0
+      r.forward();
+      for (int64_t t = 0; t < 4; ++t)
+        for (int64_t e = 0; e < 6; ++e) EXPECT_EQ(r.m(t, e), e < 2) << "token " << t << " expert " << e;
+    }
+  }
+}
+
+// Capacity case: sigmoid, K = 1, T = 8, E = 4, cf = 1 => capacity ceil(8 / 4 * 1) = 2. Expert 0 is the
+// choice of tokens 0, 2, 3, 5, 6 (logits rising with t except token 6), expert 1 of tokens 1, 7,
+// expert 2 of token 4, expert 3 of nobody.
+Router capacity_router(DropPolicy policy, bool pad) {
+  MoeConfig c = base_config(4, 1);
+  c.score_function = ScoreFunction::sigmoid;
+  c.capacity_factor = 1.0f;
+  c.drop_policy = policy;
+  c.pad_expert_input_to_capacity = pad;
+  Router r(c, 8, 4);
+  r.set_logits({{1.0f, 0, 0, 0},
+                {0, 1.0f, 0, 0},
+                {2.0f, 0, 0, 0},
+                {3.0f, 0, 0, 0},
+                {0, 0, 1.0f, 0},
+                {4.0f, 0, 0, 0},
+                {0.5f, 0, 0, 0},
+                {0, 2.0f, 0, 0}});
+  r.forward();
+  return r;
+}
+
+std::vector<int64_t> column_tokens(const Router& r, int64_t e) {
+  std::vector<int64_t> out;
+  for (int64_t t = 0; t < r.d.T; ++t)
+    if (r.m(t, e)) out.push_back(t);
+  return out;
+}
+
+TEST(Router, CapacityDropsByProbsAndByPosition) {
+  Router rp = capacity_router(DropPolicy::probs, false);
+  EXPECT_EQ(rp.stats.dropped, 3);
+  EXPECT_EQ(column_tokens(rp, 0), (std::vector<int64_t>{3, 5}));  // the two largest probabilities
+  EXPECT_EQ(column_tokens(rp, 1), (std::vector<int64_t>{1, 7}));
+  EXPECT_EQ(rp.stats.tokens_per_expert, (std::vector<int64_t>{2, 2, 1, 0}));
+  EXPECT_EQ(rp.p(0, 0), 0.0f);
+  EXPECT_NEAR(rp.p(5, 0), 0.98201379, 1e-7);
+
+  Router rq = capacity_router(DropPolicy::position, false);
+  EXPECT_EQ(rq.stats.dropped, 3);
+  EXPECT_EQ(column_tokens(rq, 0), (std::vector<int64_t>{0, 2}));  // the two earliest
+  EXPECT_EQ(rq.stats.tokens_per_expert, (std::vector<int64_t>{2, 2, 1, 0}));
+  EXPECT_NEAR(rq.p(0, 0), 0.7310585786, 1e-7);
+  EXPECT_EQ(rq.p(5, 0), 0.0f);
+  // topk_kept marks exactly the surviving selected pairs
+  int64_t kept = 0;
+  for (int64_t i = 0; i < 8; ++i) kept += rq.cache.topk_kept.data<bool>()[i];
+  EXPECT_EQ(kept, 5);
+}
+
+TEST(Router, PadToCapacityFillsEveryColumnExactly) {
+  for (DropPolicy policy : {DropPolicy::probs, DropPolicy::position}) {
+    Router r = capacity_router(policy, true);
+    EXPECT_EQ(r.stats.dropped, 3);
+    EXPECT_EQ(r.stats.tokens_per_expert, (std::vector<int64_t>{2, 2, 2, 2}));
+    // Fillers are real tokens with weight 0; an empty column takes the lowest token indices.
+    EXPECT_EQ(column_tokens(r, 3), (std::vector<int64_t>{0, 1}));
+    for (int64_t t : {0, 1}) EXPECT_EQ(r.p(t, 3), 0.0f);
+    EXPECT_EQ(column_tokens(r, 0),
+              policy == DropPolicy::probs ? (std::vector<int64_t>{3, 5}) : (std::vector<int64_t>{0, 2}));
+    EXPECT_EQ(column_tokens(r, 2), (std::vector<int64_t>{0, 4}));  // routed token 4, then filler 0
+    EXPECT_EQ(r.p(0, 2), 0.0f);
+    EXPECT_NEAR(r.p(4, 2), 0.7310585786, 1e-7);
+  }
+}
+
+TEST(Router, NoDroppingWhenCapacityExceedsTokens) {
+  // capacity = ceil(8 / 4 * 5) = 10 > T: nothing dropped; capacity = 8 = T (cf 4): the top-T keep is a no-op.
+  for (float cf : {5.0f, 4.0f}) {
+    MoeConfig c = base_config(4, 1);
+    c.score_function = ScoreFunction::sigmoid;
+    c.capacity_factor = cf;
+    Router r(c, 8, 4);
+    r.randomize(5);
+    r.forward();
+    EXPECT_EQ(r.stats.dropped, 0);
+    int64_t total = 0;
+    for (int64_t n : r.stats.tokens_per_expert) total += n;
+    EXPECT_EQ(total, 8);
+  }
+}
+
+TEST(Router, DroplessCountsSumToTokensTimesK) {
+  MoeConfig c = base_config(6, 2);
+  c.pre_softmax = true;
+  Router r(c, 37, 9);
+  r.randomize(11);
+  r.forward();
+  int64_t total = 0;
+  for (int64_t n : r.stats.tokens_per_expert) total += n;
+  EXPECT_EQ(total, 37 * 2);
+  EXPECT_EQ(r.stats.dropped, 0);
+}
+
+TEST(Router, RoutingMapPaddingAlignsColumnsAndKeepsProbs) {
+  MoeConfig c = base_config(6, 2);
+  c.score_function = ScoreFunction::sigmoid;
+  Router plain(c, 23, 7);
+  plain.randomize(13);
+  plain.forward();
+  c.router_padding_alignment = 4;
+  Router padded(c, 23, 7);
+  padded.randomize(13);
+  padded.forward();
+  EXPECT_EQ(std::memcmp(plain.probs.raw(), padded.probs.raw(), plain.probs.nbytes()), 0);
+  for (int64_t e = 0; e < 6; ++e) {
+    EXPECT_EQ(padded.column(e) % 4, 0) << "expert " << e;
+    EXPECT_EQ(padded.stats.tokens_per_expert[e], padded.column(e));
+    // the added slots are the lowest-index unrouted tokens of the column
+    int64_t need = (4 - plain.column(e) % 4) % 4;
+    for (int64_t t = 0; t < 23; ++t) {
+      if (plain.m(t, e)) {
+        EXPECT_TRUE(padded.m(t, e));
+      } else {
+        EXPECT_EQ(padded.m(t, e), need > 0) << "token " << t << " expert " << e;
+        need -= padded.m(t, e) ? 1 : 0;
+      }
+    }
+  }
+}
+
+TEST(Router, ExpertBiasCountsValidTokensOnlyInTraining) {
+  MoeConfig c = base_config(6, 2);
+  c.score_function = ScoreFunction::sigmoid;
+  c.enable_expert_bias = true;
+  Router r(c, 10, 5);
+  r.randomize(17);
+  r.pad = Tensor::zeros({10}, DType::boolean, MemCategory::other);
+  for (int t : {3, 8}) r.pad.data<bool>()[t] = true;
+  r.forward();
+  int64_t total = 0;
+  for (int64_t e = 0; e < 6; ++e) {
+    int64_t valid = 0;
+    for (int64_t t = 0; t < 10; ++t) valid += r.m(t, e) && t != 3 && t != 8;
+    EXPECT_EQ(r.st.local_tokens_per_expert[e], valid);
+    total += r.st.local_tokens_per_expert[e];
+  }
+  EXPECT_EQ(total, 8 * 2);
+  const std::vector<int64_t> before = r.st.local_tokens_per_expert;
+  r.forward(false);  // evaluation counts nothing
+  EXPECT_EQ(r.st.local_tokens_per_expert, before);
+}
+
+TEST(Router, ExpertBiasUpdateSignRule) {
+  MoeConfig c = base_config(4, 2);
+  c.score_function = ScoreFunction::sigmoid;
+  c.enable_expert_bias = true;
+  c.bias_update_rate = 0.25f;
+  RouterState st = router_state_init(c);
+  st.local_tokens_per_expert = {3, 5, 4, 4};  // mean 4: under-loaded, over-loaded, exactly mean twice
+  st.global_tokens_per_expert = {1, 2, 3, 4};
+  st.global_aux_steps = 2;
+  router_finish_step(st, c);
+  const float* b = st.expert_bias.data<float>();
+  EXPECT_EQ(b[0], 0.25f);
+  EXPECT_EQ(b[1], -0.25f);
+  EXPECT_EQ(b[2], 0.0f);
+  EXPECT_EQ(b[3], 0.0f);
+  EXPECT_EQ(st.local_tokens_per_expert, (std::vector<int64_t>{0, 0, 0, 0}));
+  EXPECT_EQ(st.global_tokens_per_expert, (std::vector<int64_t>{0, 0, 0, 0}));
+  EXPECT_EQ(st.global_aux_steps, 0);
+  st.local_tokens_per_expert = {1, 1, 1, 2};  // mean 1.25: not an integer, no tie
+  router_finish_step(st, c);
+  EXPECT_EQ(b[0], 0.5f);
+  EXPECT_EQ(b[3], -0.25f);
+}
+
+void expect_config_error(const MoeConfig& c, std::initializer_list<std::string> needles, bool fp8 = false) {
+  try {
+    c.validate(fp8);
+    ADD_FAILURE() << "validate accepted a bad config; expected " << *needles.begin();
+  } catch (const Error& e) {
+    for (const std::string& n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+  }
+}
+
+TEST(Router, ConfigValidationNamesFlagsAndValues) {
+  MoeConfig ok = base_config(8, 2);
+  EXPECT_NO_THROW(ok.validate());
+  MoeConfig c = ok;
+  c.router_topk = 9;
+  expect_config_error(c, {"--moe-router-topk (9)", "--num-experts (8)"});
+  c = ok;
+  c.num_groups = 3, c.group_topk = 1;
+  expect_config_error(c, {"--num-experts (8)", "--moe-router-num-groups (3)"});
+  c = ok;
+  c.load_balancing_type = {LoadBalancing::sinkhorn};
+  c.capacity_factor = 1.5f;
+  expect_config_error(c, {"--moe-expert-capacity-factor (1.5)", "sinkhorn"});
+  c = ok;
+  c.enable_expert_bias = true;
+  expect_config_error(c, {"--moe-router-enable-expert-bias", "softmax"});
+  c = ok;
+  c.router_padding_alignment = 16;
+  expect_config_error(c, {"--moe-router-padding-for-fp8", "16"});
+  EXPECT_NO_THROW(c.validate(true));
+  c = ok;
+  c.router_topk = 1;
+  expect_config_error(c, {"--moe-router-topk 1", "--moe-router-pre-softmax"});
+  c = ok;
+  c.pad_expert_input_to_capacity = true;
+  expect_config_error(c, {"--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor"});
+}
+
+void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error thrown; expected one mentioning " << *needles.begin();
+  } catch (const Error& e) {
+    for (const std::string& n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+  }
+}
+
+TEST(Router, EntryChecksNameOpShapesAndDtypes) {
+  Router r(base_config(4, 2), 5, 3);
+  Tensor bad_x = Tensor::zeros({5, 4}, DType::f32, MemCategory::other);
+  expect_error(
+      [&] {
+        router_forward(r.probs, r.map, r.stats, bad_x, r.pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCpu);
+      },
+      {"router_forward", "x must have shape [5, 3]", "got [5, 4]"});
+  Tensor bad_map = Tensor::zeros({5, 4}, DType::f32, MemCategory::other);
+  expect_error(
+      [&] {
+        router_forward(r.probs, bad_map, r.stats, r.x, r.pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCpu);
+      },
+      {"router_forward", "map must be bool", "got f32"});
+  Tensor bad_pad = Tensor::zeros({4}, DType::boolean, MemCategory::other);
+  expect_error(
+      [&] {
+        router_forward(r.probs, r.map, r.stats, r.x, bad_pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCpu);
+      },
+      {"router_forward", "padding_mask", "[5]"});
+  MoeConfig f64 = r.cfg;
+  f64.router_dtype = DType::f64;  // the cache was allocated for f32
+  expect_error(
+      [&] { router_forward(r.probs, r.map, r.stats, r.x, r.pad, r.w, r.st, r.cache, r.d, f64, true, kCpu); },
+      {"router_forward", "cache.logits must be f64"});
+  r.forward();
+  Tensor dx = Tensor::zeros({5, 3}, DType::f32, MemCategory::other);
+  Tensor dw = Tensor::zeros({4, 3}, DType::f32, MemCategory::other);
+  Tensor bad_dp = Tensor::zeros({5, 4}, DType::bf16, MemCategory::other);
+  expect_error([&] { router_backward(dx, dw, bad_dp, r.x, r.w, r.cache, r.d, r.cfg, 1.0f, kCpu); },
+               {"router_backward", "dprobs must be f32", "got bf16"});
+  RouterDims bad_d = r.d;
+  bad_d.K = 3;
+  expect_error([&] { router_backward(dx, dw, r.probs, r.x, r.w, r.cache, bad_d, r.cfg, 1.0f, kCpu); },
+               {"router_backward", "K=3", "--moe-router-topk (2)"});
+}
+
+TEST(Router, EvaluationSkipsLossesAndCountersButAppliesJitter) {
+  MoeConfig c = base_config(6, 2);
+  c.score_function = ScoreFunction::sigmoid;
+  c.enable_expert_bias = true;
+  c.load_balancing_type = {LoadBalancing::aux_loss};
+  c.aux_loss_coeff = {0.1f};
+  c.z_loss_coeff = 1e-3f;
+  c.input_jitter_eps = 0.05f;
+  Router r(c, 6, 5);
+  r.randomize(23);
+  r.forward(false);
+  EXPECT_EQ(r.stats.aux_loss, 0.0);
+  EXPECT_EQ(r.stats.z_loss, 0.0);
+  EXPECT_EQ(r.stats.weighted_loss, 0.0);
+  EXPECT_EQ(r.st.local_tokens_per_expert, (std::vector<int64_t>(6, 0)));
+  EXPECT_EQ(r.st.calls, 1);
+  for (float v : testing::to_vector(r.cache.dlogits_loss)) EXPECT_EQ(v, 0.0f);
+  const auto xj = testing::to_vector(r.cache.x_jittered), x = testing::to_vector(r.x),
+             u = testing::to_vector(r.cache.jitter);
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_GE(u[i], 0.95f);
+    EXPECT_LE(u[i], 1.05f);
+    EXPECT_EQ(xj[i], x[i] * u[i]);
+  }
+  EXPECT_NE(u[0], u[1]);
+  r.forward(true);  // the next call draws fresh noise
+  EXPECT_NE(testing::to_vector(r.cache.jitter)[0], u[0]);
+  EXPECT_GT(r.stats.aux_loss, 0.0);
+  EXPECT_GT(r.stats.z_loss, 0.0);
+}
+
+TEST(Router, ForcedBalancingUsesRandomLogitsWithStraightThroughGradient) {
+  MoeConfig c = base_config(8, 2);
+  c.pre_softmax = true;
+  Router r(c, 64, 4);
+  r.randomize(29, 0.01f);  // nearly uniform real logits
+  r.cfg.force_load_balancing = true;
+  r.forward();
+  int64_t lo = 64, hi = 0;
+  for (int64_t n : r.stats.tokens_per_expert) lo = std::min(lo, n), hi = std::max(hi, n);
+  EXPECT_GT(lo, 4);  // random logits spread 128 routes over 8 experts
+  EXPECT_LT(hi, 32);
+  for (int64_t i = 0; i < 64 * 8; i += 37)
+    EXPECT_EQ(r.cache.logits.data<float>()[i],
+              philox_normal(philox_key(c.seed, "router.force_load_balancing"), i));
+  Tensor dx = Tensor::zeros({64, 4}, DType::f32, MemCategory::other);
+  Tensor dw = Tensor::zeros({8, 4}, DType::f32, MemCategory::other);
+  Tensor dp = testing::randn({64, 8}, "test.router.dp");
+  router_backward(dx, dw, dp, r.x, r.w, r.cache, r.d, r.cfg, 1.0f, kCpu);
+  EXPECT_GT(ops::sum_squares(dw, kCpu), 0.0);
+  EXPECT_GT(ops::sum_squares(dx, kCpu), 0.0);
+}
+
+// bf16 x with the fp32 router: logits are the f32-accumulated products of the bf16 values; the weight
+// gradient widens x chunk by chunk (T > 1024 covers two chunks) and matches a double reference.
+TEST(Router, Bf16InputWithFp32Router) {
+  MoeConfig c = base_config(4, 2);
+  c.load_balancing_type = {LoadBalancing::aux_loss};
+  c.aux_loss_coeff = {0.01f};
+  c.input_jitter_eps = 0.01f;
+  Router r(c, 1100, 8, 1, DType::bf16);
+  r.randomize(31, 0.5f);
+  r.forward();
+  const auto xj = testing::to_vector(r.cache.x_jittered), wc = testing::to_vector(r.w.weight_compute),
+             lg = testing::to_vector(r.cache.logits);
+  for (int64_t t = 0; t < 1100; t += 97)
+    for (int64_t e = 0; e < 4; ++e) {
+      double ref = 0;
+      for (int64_t h = 0; h < 8; ++h) ref += double(xj[t * 8 + h]) * double(wc[e * 8 + h]);
+      EXPECT_NEAR(lg[t * 4 + e], ref, 1e-5);
+    }
+  Tensor dx = Tensor::zeros({1100, 8}, DType::f32, MemCategory::other);
+  Tensor dw = Tensor::zeros({4, 8}, DType::f32, MemCategory::other);
+  Tensor dp = testing::randn({1100, 4}, "test.router.dp");
+  router_backward(dx, dw, dp, r.x, r.w, r.cache, r.d, r.cfg, 0.5f, kCpu);
+  const auto dl = testing::to_vector(r.cache.dlogits), w = testing::to_vector(r.w.weight),
+             u = testing::to_vector(r.cache.jitter), gw = testing::to_vector(dw), gx = testing::to_vector(dx);
+  for (int64_t e = 0; e < 4; ++e)
+    for (int64_t h = 0; h < 8; ++h) {
+      double ref = 0;
+      for (int64_t t = 0; t < 1100; ++t) ref += double(dl[t * 4 + e]) * double(xj[t * 8 + h]);
+      EXPECT_NEAR(gw[e * 8 + h], ref, 1e-4 * (1 + std::fabs(ref)));
+    }
+  for (int64_t t = 0; t < 1100; t += 53)
+    for (int64_t h = 0; h < 8; ++h) {
+      double ref = 0;
+      for (int64_t e = 0; e < 4; ++e) ref += double(dl[t * 4 + e]) * double(w[e * 8 + h]);
+      EXPECT_NEAR(gx[t * 8 + h], ref * u[t * 8 + h], 1e-5);
+    }
+}
+
+// Outputs are bit-identical with one and two threads (router passes go parallel above 16k [T, E]
+// elements). The fp64 router is checked end to end. ops::gemm (oneDNN) is itself not thread-count
+// invariant, so the fp32 case takes its logits from forced balancing and leaves out dx and dweight.
+TEST(Router, ResultsDoNotDependOnThreadCount) {
+  for_router_dtypes([](DType rd) {
+    MoeConfig c = base_config(16, 2);
+    c.router_dtype = rd;
+    c.score_function = ScoreFunction::sigmoid;
+    c.enable_expert_bias = true;
+    c.num_groups = 4, c.group_topk = 2;
+    c.load_balancing_type = {LoadBalancing::aux_loss, LoadBalancing::seq_aux_loss};
+    c.aux_loss_coeff = {0.01f, 0.02f};
+    c.z_loss_coeff = 1e-3f;
+    c.capacity_factor = 1.0f;
+    c.router_padding_alignment = 8;
+    c.input_jitter_eps = 0.01f;
+    c.force_load_balancing = rd == DType::f32;
+    std::vector<std::vector<char>> outs;
+    const int saved = omp_get_max_threads();
+    for (int threads : {1, 2}) {
+      omp_set_num_threads(threads);
+      Router r(c, 2048, 16, 4);
+      r.randomize(37);
+      rng_fill_normal(r.st.expert_bias, 1, "test.router.bias", 0.0f, 0.1f);
+      r.forward();
+      Tensor dx = Tensor::zeros({2048, 16}, DType::f32, MemCategory::other);
+      Tensor dw = Tensor::zeros({16, 16}, DType::f32, MemCategory::other);
+      router_backward(dx, dw, testing::randn({2048, 16}, "test.router.dp"), r.x, r.w, r.cache, r.d, r.cfg,
+                      1.0f, kCpu);
+      std::vector<const Tensor*> checked = {
+          &r.probs, &r.map, &r.cache.logits, &r.cache.x_jittered, &r.cache.dlogits_loss, &r.cache.dlogits};
+      if (rd == DType::f64) checked.insert(checked.end(), {&dx, &dw});
+      std::vector<char> all;
+      for (const Tensor* t : checked) {
+        const char* p = static_cast<const char*>(t->raw());
+        all.insert(all.end(), p, p + t->nbytes());
+      }
+      const double wl = r.stats.weighted_loss;
+      all.insert(all.end(), reinterpret_cast<const char*>(&wl),
+                 reinterpret_cast<const char*>(&wl) + sizeof wl);
+      outs.push_back(all);
+    }
+    omp_set_num_threads(saved);
+    EXPECT_TRUE(outs[0] == outs[1]);
+  });
+}
+
+}  // namespace
+}  // namespace moecore::moe
