@@ -6,6 +6,7 @@
 #include "apps/commands.h"
 #include "apps/model_flags.h"
 #include "bench/attention_bench.h"
+#include "bench/experts_bench.h"
 #include "bench/gemm_bench.h"
 #include "bench/moe_layer_bench.h"
 #include "bench/train_step_bench.h"
@@ -54,6 +55,20 @@ int bench_main(int argc, char** argv) {
                                              static_cast<int>(a.i64("--iters"))));
     return 0;
   }
+  if (what == "experts") {
+    Args a("bench experts");
+    a.option("--tokens", "4096", "tokens N")
+        .option("--hidden-size", "1024", "hidden size H")
+        .option("--moe-ffn-hidden-size", "1408", "expert ffn size F")
+        .option("--num-experts", "8", "experts E")
+        .option("--moe-router-topk", "2", "top-k K")
+        .flag("--bf16", "bf16 compute");
+    if (!a.parse(argc - 1, argv + 1)) return 0;
+    print_lines(bench::bench_experts_lines(a.i64("--tokens"), a.i64("--hidden-size"), a.i64("--moe-ffn-hidden-size"),
+                                           a.i64("--num-experts"), a.i64("--moe-router-topk"),
+                                           a.on("--bf16") ? DType::bf16 : DType::f32));
+    return 0;
+  }
   if (what == "moe-layer") {
     Args a("bench moe-layer");
     a.option("--tokens", "4096", "tokens N")
@@ -83,11 +98,12 @@ int bench_main(int argc, char** argv) {
     return 0;
   }
   std::fprintf(what.empty() || what == "--help" ? stdout : stderr,
-               "usage: moecore bench <gemm|attention|train-step|moe-layer> [options]\n"
+               "usage: moecore bench <gemm|attention|train-step|moe-layer|experts> [options]\n"
                "  gemm        GEMM sweep (square and GPT-2-small shapes), f32 and bf16\n"
                "  attention   causal attention forward+backward\n"
                "  train-step  one training step of a dense GPT (default: GPT-2 small, S=1024)\n"
                "  moe-layer   one MoE layer forward+backward (router, dispatch, grouped experts)\n"
+               "  experts     the grouped experts alone, forward+backward\n"
                "Each prints JSON lines with gflops, the in-run GEMM peak_gflops and their ratio.\n");
   return what.empty() || what == "--help" ? 0 : 2;
 }

@@ -38,6 +38,7 @@ int train_main(int argc, char** argv) {
       .option("--eval-interval", "50", "steps between validations")
       .option("--eval-iters", "8", "validation batches")
       .option("--seed", "1234", "random seed (weights, data order)")
+      .flag("--moe-per-layer-logging", "log tokens per expert, load, drops and losses of every MoE layer")
       .option("--generate-tokens", "300", "tokens sampled after training (0: none)")
       .option("--prompt", "ROMEO:\n", "text the sample starts from");
   if (!a.parse(argc, argv)) return 0;
@@ -57,6 +58,7 @@ int train_main(int argc, char** argv) {
   tcfg.eval_interval = a.i64("--eval-interval");
   tcfg.eval_iters = a.i64("--eval-iters");
   tcfg.seed = static_cast<uint64_t>(a.i64("--seed"));
+  tcfg.moe_per_layer_logging = a.on("--moe-per-layer-logging");
   tcfg.validate();
   optim::AdamWConfig ocfg;
   ocfg.beta1 = static_cast<float>(a.f64("--adam-beta1"));

@@ -153,6 +153,7 @@ void store_double(void* p, DType t, size_t i, double d) {
 }  // namespace
 
 void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n) {
+  if (n == 0) return;  // empty tensors may carry null pointers
   if (dst_type == src_type) {
     std::memcpy(dst, src, n * dtype_size(dst_type));
     return;

@@ -118,7 +118,10 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     }
     m->state = moe::router_state_init(mc);
     m->state.stream = static_cast<uint64_t>(l);
-    m->cache = moe::moe_layer_cache_alloc(moe_dims_, mc);
+    const MoeBlock* first = nullptr;
+    for (const auto& prev : moe_)
+      if (prev && !first) first = prev.get();
+    m->cache = moe::moe_layer_cache_alloc(moe_dims_, mc, first ? &first->cache : nullptr);
     moe_.push_back(std::move(m));
   }
   final_norm_ = add_norm("decoder.final_layernorm", final_norm_bias_);

@@ -97,7 +97,7 @@ DispatchBuffers dispatch_buffers_alloc(int64_t T, int64_t H, int64_t E, int64_t 
   b.plan.token_rows = Tensor::empty({T, E}, DType::i32, act);
   b.permuted_x = Tensor::empty({max_rows, H}, x_dtype, act);
   b.permuted_probs = Tensor::empty({max_rows}, DType::f32, act);
-  b.expert_out = Tensor::empty({max_rows, H}, x_dtype, act);
+  b.expert_out = Tensor::empty({max_rows, H}, x_dtype, work);  // forward scratch, not kept for backward
   b.dpermuted = Tensor::empty({max_rows, H}, x_dtype, work);
   b.dexpert_in = Tensor::empty({max_rows, H}, DType::f32, work);
   b.dpermuted_probs = Tensor::empty({max_rows}, DType::f32, work);
@@ -218,16 +218,12 @@ void LocalDispatcher::dispatch_prepare(DispatchBuffers& buf, const Tensor& x, co
   permute_tokens(buf.permuted_x, buf.permuted_probs, x, probs, buf.plan, ctx);
 }
 
-void LocalDispatcher::combine_prepare(DispatchBuffers& buf, const ops::Context& ctx) {
-  const int64_t T = buf.plan.T, H = buf.expert_out.size(1);
-  if (!combined_.defined() || !(combined_.shape() == Shape{T, H}))
-    combined_ = Tensor::empty({T, H}, DType::f32, MemCategory::workspace);
-  unpermute_tokens(combined_, buf.expert_out, buf.plan, false, ctx);
-}
+// With one process the rows never leave: the unpermute-sum (the all-to-all dispatcher's last local step)
+// writes the output directly.
+void LocalDispatcher::combine_prepare(DispatchBuffers&, const ops::Context&) {}
 
 void LocalDispatcher::combine_finish(DispatchBuffers& buf, Tensor& y, const ops::Context& ctx) {
-  MOECORE_CHECK(combined_.defined(), "LocalDispatcher: combine_finish before combine_prepare");
-  y.copy_from(combined_);
+  unpermute_tokens(y, buf.expert_out.slice(0, 0, buf.plan.rows()), buf.plan, false, ctx);
 }
 
 void LocalDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& dy, const ops::Context& ctx) {

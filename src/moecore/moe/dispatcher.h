@@ -48,7 +48,7 @@ class Dispatcher {
   virtual void dispatch_prepare(DispatchBuffers& buf, const Tensor& x, const Tensor& probs, const Tensor& map,
                                 const ops::Context& ctx) = 0;
   virtual void dispatch(DispatchBuffers& buf, const ops::Context& ctx) = 0;
-  // After the experts wrote buf.expert_out: y [T, H] f32 is written with the per-token sum.
+  // After the experts wrote buf.expert_out; combine_finish writes y [T, H] f32 with the per-token sum.
   virtual void combine_prepare(DispatchBuffers& buf, const ops::Context& ctx) = 0;
   virtual void combine(DispatchBuffers& buf, const ops::Context& ctx) = 0;
   virtual void combine_finish(DispatchBuffers& buf, Tensor& y, const ops::Context& ctx) = 0;
@@ -66,14 +66,11 @@ class LocalDispatcher final : public Dispatcher {
   void dispatch_prepare(DispatchBuffers& buf, const Tensor& x, const Tensor& probs, const Tensor& map,
                         const ops::Context& ctx) override;
   void dispatch(DispatchBuffers&, const ops::Context&) override {}
-  void combine_prepare(DispatchBuffers& buf, const ops::Context& ctx) override;
+  void combine_prepare(DispatchBuffers& buf, const ops::Context& ctx) override;  // nothing to do locally
   void combine(DispatchBuffers&, const ops::Context&) override {}
   void combine_finish(DispatchBuffers& buf, Tensor& y, const ops::Context& ctx) override;
   void combine_backward(DispatchBuffers& buf, const Tensor& dy, const ops::Context& ctx) override;
   void dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) override;
-
- private:
-  Tensor combined_;  // [T, H] f32 written by combine_prepare, copied out by combine_finish
 };
 
 // The building blocks, also used by other dispatchers and by tests.

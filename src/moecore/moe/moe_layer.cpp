@@ -30,7 +30,24 @@ int64_t bytes_of(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
 
 }  // namespace
 
-MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg) {
+namespace {
+// The scratch tensors of a cache, by address, so they can be aliased and counted in one place.
+std::vector<Tensor*> scratch_tensors(MoeLayerCache& c) {
+  return {&c.dprobs, &c.router.dlogits, &c.router.work, &c.dispatch.expert_out, &c.dispatch.dpermuted,
+          &c.dispatch.dexpert_in, &c.dispatch.dpermuted_probs, &c.expert_ws.a, &c.expert_ws.da, &c.expert_ws.dh,
+          &c.shared.dact, &c.shared.dh, &c.shared.dout_c};
+}
+std::vector<const Tensor*> saved_tensors(const MoeLayerCache& c) {
+  const auto& r = c.router;
+  const auto& b = c.dispatch;
+  const auto& s = c.shared;
+  return {&r.x_jittered, &r.jitter, &r.logits, &r.scores, &r.topk_idx, &r.topk_w, &r.topk_kept, &r.dlogits_loss,
+          &c.probs, &c.map, &b.plan.row_token, &b.plan.token_rows, &b.permuted_x, &b.permuted_probs,
+          &c.experts.h, &c.experts.act, &s.h, &s.act, &s.out, &s.gate_s};
+}
+}  // namespace
+
+MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg, const MoeLayerCache* share) {
   const int64_t E = cfg.num_experts, rows = max_rows_of(d, cfg);
   MoeLayerCache c;
   c.router = router_cache_alloc(router_dims(d, cfg), cfg, d.compute);
@@ -42,20 +59,26 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg)
   c.experts = expert_cache_alloc(ed);
   c.expert_ws = expert_workspace_alloc(ed);
   if (d.Fs > 0) c.shared = shared_expert_cache_alloc(d.T, d.H, d.Fs, cfg.swiglu, cfg.shared_expert_gate, d.compute);
+  if (share) {
+    // Replacing the freshly allocated scratch by the donor's frees it again; allocation is once per model.
+    auto mine = scratch_tensors(c);
+    auto theirs = scratch_tensors(const_cast<MoeLayerCache&>(*share));
+    for (size_t i = 0; i < mine.size(); ++i) {
+      MOECORE_CHECK(mine[i]->defined() == theirs[i]->defined() &&
+                        (!mine[i]->defined() || mine[i]->shape() == theirs[i]->shape()),
+                    "moe_layer_cache_alloc: scratch donor has different shapes");
+      *mine[i] = *theirs[i];
+    }
+    c.owns_scratch = false;
+  }
   return c;
 }
 
 int64_t moe_layer_cache_bytes(const MoeLayerCache& c) {
-  const auto& r = c.router;
-  const auto& b = c.dispatch;
-  const auto& s = c.shared;
   int64_t n = 0;
-  for (const Tensor* t : {&r.x_jittered, &r.jitter, &r.logits, &r.scores, &r.topk_idx, &r.topk_w, &r.topk_kept, &r.work, &r.dlogits_loss,
-                          &r.dlogits, &c.probs, &c.map, &c.dprobs, &b.plan.row_token, &b.plan.token_rows,
-                          &b.permuted_x, &b.permuted_probs, &b.expert_out, &b.dpermuted, &b.dexpert_in,
-                          &b.dpermuted_probs, &c.experts.h, &c.experts.act, &c.expert_ws.a, &c.expert_ws.da,
-                          &c.expert_ws.dh, &s.h, &s.act, &s.out, &s.gate_s, &s.dact, &s.dh, &s.dout_c})
-    n += bytes_of(*t);
+  for (const Tensor* t : saved_tensors(c)) n += bytes_of(*t);
+  if (c.owns_scratch)
+    for (Tensor* t : scratch_tensors(const_cast<MoeLayerCache&>(c))) n += bytes_of(*t);
   return n;
 }
 

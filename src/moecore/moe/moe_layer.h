@@ -32,7 +32,9 @@ struct MoeLayerGrads {
   SharedExpertGrads shared;
 };
 
-// Everything one layer keeps between forward and backward, allocated once.
+// Everything one layer keeps between forward and backward, allocated once. Scratch that is dead between
+// a layer's forward and its backward (the experts' output rows, backward buffers) is shared by all layers
+// of a model: see moe_layer_cache_alloc's `share_scratch_with`.
 struct MoeLayerCache {
   RouterCache router;
   Tensor probs;                // [T, E] f32
@@ -43,9 +45,12 @@ struct MoeLayerCache {
   ExpertWorkspace expert_ws;
   SharedExpertCache shared;
   RouterStats stats;           // of the last forward
+  bool owns_scratch = true;    // false when the scratch tensors alias another layer's
 };
-MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg);
-// Bytes the cache holds (the model's memory plan).
+// With share_scratch_with (a cache of the same shapes), the scratch tensors alias that cache's.
+MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
+                                    const MoeLayerCache* share_scratch_with = nullptr);
+// Bytes this cache allocated itself (the model's memory plan): saved tensors, plus scratch when owned.
 int64_t moe_layer_cache_bytes(const MoeLayerCache& c);
 
 // x [T, H] compute dtype (the pre-MLP norm output); padding_mask [T] bool or undefined; y [T, H] f32

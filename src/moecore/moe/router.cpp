@@ -256,6 +256,13 @@ void router_detail::check_cache(const ArgCheck& chk, const RouterCache& c, const
     chk.tensor("cache.work", c.work, Shape{std::min(d.T, kWorkRows), d.H}, DType::f32);
 }
 
+double RouterStats::max_over_mean_load() const {
+  int64_t sum = 0, mx = 0;
+  for (int64_t c : tokens_per_expert) sum += c, mx = std::max(mx, c);
+  if (sum == 0) return 0.0;
+  return static_cast<double>(mx) * static_cast<double>(tokens_per_expert.size()) / static_cast<double>(sum);
+}
+
 RouterState router_state_init(const MoeConfig& cfg) {
   RouterState st;
   const int64_t E = cfg.num_experts;

@@ -50,6 +50,8 @@ struct RouterStats {
   double weighted_loss = 0;                  // sum of coeff * value over configured losses (what is optimized)
   std::vector<int64_t> tokens_per_expert;   // [E] routed (token, expert) pairs after capacity, padding included
   int64_t dropped = 0;                      // pairs removed by the capacity
+  // max over experts of tokens_per_expert / its mean (1 = perfectly balanced; 0 without tokens).
+  double max_over_mean_load() const;
 };
 
 // Saved for backward. Tensors in router dtype R (f32 or f64) unless stated.

@@ -77,6 +77,20 @@ std::string format_moe_losses(const moe::MoeConfig& mc, const MoeStepLosses& l) 
   if (mc.z_loss_coeff > 0) add("z_loss", l.z_loss);
   return s;
 }
+// Per-layer router statistics of the last micro-batch: tokens per expert, max/mean load, drops and losses.
+void log_moe_layers(const model::GptModel& gpt, std::FILE* log) {
+  for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
+    const moe::RouterStats* st = gpt.moe_stats(l);
+    if (!st) continue;
+    std::string tpe;
+    for (size_t e = 0; e < st->tokens_per_expert.size(); ++e)
+      tpe += (e ? "," : "") + std::to_string(st->tokens_per_expert[e]);
+    std::fprintf(log, "   moe layer %lld | max/mean load %.3f | dropped %lld | aux %.4f seq %.4f global %.4f z %.4f | "
+                 "tokens per expert [%s]\n",
+                 static_cast<long long>(l), st->max_over_mean_load(), static_cast<long long>(st->dropped),
+                 st->aux_loss, st->seq_aux_loss, st->global_aux_loss, st->z_loss, tpe.c_str());
+  }
+}
 }  // namespace
 
 TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches,
@@ -131,6 +145,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
                    loss_acc / static_cast<double>(cfg.log_interval),
                    format_moe_losses(gpt.config().moe, moe_losses).c_str(), st.grad_norm, tokens_per_s,
                    flops_per_step / dt / 1e9);
+      if (cfg.moe_per_layer_logging) log_moe_layers(gpt, log);
       std::fflush(log);
       loss_acc = 0;
     }

@@ -25,6 +25,7 @@ struct TrainConfig {
   int64_t eval_interval = 0;        // --eval-interval: steps between validations (0: only at the end)
   int64_t eval_iters = 4;           // --eval-iters: validation batches per evaluation
   uint64_t seed = 1234;             // --seed
+  bool moe_per_layer_logging = false;  // --moe-per-layer-logging: a line per MoE layer at each log
   void validate() const;
   int64_t micro_batches() const { return global_batch_size / micro_batch_size; }
 };
