@@ -6,6 +6,7 @@
 #include <string>
 
 #include "moecore/core/dtype.h"
+#include "moecore/train/gemm_peak.h"
 
 namespace moecore::bench {
 
@@ -13,10 +14,8 @@ inline double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Best GFLOP/s of a dense [M, K] x [K, N] GEMM (oneDNN through ops::gemm) over `reps` timed runs.
-double gemm_gflops(DType dtype, int64_t M, int64_t N, int64_t K, int reps = 5);
-// The in-run peak: the best of a few large square GEMMs of this dtype.
-double gemm_peak_gflops(DType dtype);
+using train::gemm_gflops;       // dense GEMM GFLOP/s of one shape (moecore/train/gemm_peak.h)
+using train::gemm_peak_gflops;  // the in-run peak: best of a few large square GEMMs of this dtype
 
 // Incremental builder of one JSON object on one line.
 class JsonLine {

@@ -144,9 +144,9 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   refresh_compute_weights();
 }
 
-void GptModel::finish_step() {
+void GptModel::finish_step(bool update) {
   for (auto& m : moe_)
-    if (m) moe::router_finish_step(m->state, cfg_.moe);
+    if (m) moe::router_finish_step(m->state, cfg_.moe, update);
 }
 
 const moe::RouterStats* GptModel::moe_stats(int64_t layer) const {
@@ -156,6 +156,11 @@ const moe::RouterStats* GptModel::moe_stats(int64_t layer) const {
 
 moe::RouterState* GptModel::router_state(int64_t layer) {
   auto& m = moe_.at(static_cast<size_t>(layer));
+  return m ? &m->state : nullptr;
+}
+
+const moe::RouterState* GptModel::router_state(int64_t layer) const {
+  const auto& m = moe_.at(static_cast<size_t>(layer));
   return m ? &m->state : nullptr;
 }
 

@@ -42,12 +42,14 @@ class GptModel {
   int64_t num_parameters() const;
 
   void zero_grad();
-  // Once per optimizer step, after the update: expert-bias updates and MoE counter resets.
-  void finish_step();
+  // Once per optimizer step, after the update: expert-bias updates and MoE counter resets. A skipped step
+  // (non-finite gradients) passes update=false: counters reset, expert biases untouched.
+  void finish_step(bool update = true);
   // Router statistics of the last forward of layer l; nullptr for dense layers.
   const moe::RouterStats* moe_stats(int64_t layer) const;
   bool is_moe_layer(int64_t layer) const { return moe_[static_cast<size_t>(layer)] != nullptr; }
   moe::RouterState* router_state(int64_t layer);  // nullptr for dense layers
+  const moe::RouterState* router_state(int64_t layer) const;
   void refresh_compute_weights();  // after the masters change (optimizer step, loading)
 
   // tokens, labels [B, S] i32 (label < 0: not counted). Adds grad_scale * d(mean loss)/d(param) to every

@@ -272,9 +272,9 @@ RouterState router_state_init(const MoeConfig& cfg) {
   return st;
 }
 
-void router_finish_step(RouterState& st, const MoeConfig& cfg) {
+void router_finish_step(RouterState& st, const MoeConfig& cfg, bool update_bias) {
   const int64_t E = static_cast<int64_t>(st.local_tokens_per_expert.size());
-  if (cfg.enable_expert_bias && st.expert_bias.defined()) {
+  if (update_bias && cfg.enable_expert_bias && st.expert_bias.defined()) {
     MOECORE_CHECK(st.expert_bias.numel() == E && st.expert_bias.dtype() == DType::f32,
                   "router_finish_step: expert_bias ", st.expert_bias.str(), " for ", E, " experts");
     int64_t total = 0;

@@ -42,7 +42,8 @@ struct RouterState {
 RouterState router_state_init(const MoeConfig& cfg);
 // Once per optimizer step: expert_bias += rate * sign(mean(c) - c) from the exact counts c, then reset the
 // counters (expert bias and global_aux_loss). Counts are summed over data-parallel ranks by the caller.
-void router_finish_step(RouterState& st, const MoeConfig& cfg);
+// update_bias=false only resets the counters (a skipped step leaves the bias bit-identical).
+void router_finish_step(RouterState& st, const MoeConfig& cfg, bool update_bias = true);
 
 struct RouterStats {
   // Coefficient-free values as Megatron logs them (loss / coeff; z_loss = mean lse^2), 0 when not configured.

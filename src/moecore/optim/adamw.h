@@ -32,6 +32,8 @@ class AdamW {
   void set_steps_taken(int64_t s) { step_ = s; }
   std::vector<Tensor>& exp_avg() { return m_; }
   std::vector<Tensor>& exp_avg_sq() { return v_; }
+  const std::vector<Tensor>& exp_avg() const { return m_; }
+  const std::vector<Tensor>& exp_avg_sq() const { return v_; }
   int64_t state_bytes_per_param() const { return 2 * static_cast<int64_t>(dtype_size(cfg_.state_dtype)); }
 
  private:

@@ -3,9 +3,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <memory>
 #include <string>
 
 #include "moecore/core/rng.h"
+#include "moecore/io/checkpoint.h"
+#include "moecore/io/metrics.h"
+#include "moecore/train/checkpointing.h"
+#include "moecore/train/signals.h"
 
 namespace moecore::train {
 
@@ -14,23 +19,52 @@ void TrainConfig::validate() const {
     MOECORE_FAIL("training: global_batch_size (", global_batch_size, ") must be a positive multiple of ",
                  "micro_batch_size (", micro_batch_size, ")");
   if (train_iters <= 0) MOECORE_FAIL("training: train_iters (", train_iters, ") must be positive");
-  if (lr_decay_style != "constant" && lr_decay_style != "linear" && lr_decay_style != "cosine")
-    MOECORE_FAIL("training: lr_decay_style '", lr_decay_style, "' is not one of constant, linear, cosine");
+  if (lr_decay_style != "constant" && lr_decay_style != "linear" && lr_decay_style != "cosine" &&
+      lr_decay_style != "WSD")
+    MOECORE_FAIL("--lr-decay-style '", lr_decay_style, "' is not one of constant, linear, cosine, WSD");
+  if (lr_decay_style == "WSD") {
+    const std::string& w = lr_wsd_decay_style;
+    if (w != "exponential" && w != "linear" && w != "cosine" && w != "minus_sqrt")
+      MOECORE_FAIL("--lr-wsd-decay-style '", w, "' is not one of exponential, linear, cosine, minus_sqrt");
+    if (lr_wsd_decay_iters <= 0) MOECORE_FAIL("--lr-decay-style WSD needs --lr-wsd-decay-iters > 0");
+  }
+  if (lr_decay_iters < 0) MOECORE_FAIL("--lr-decay-iters (", lr_decay_iters, ") must not be negative");
   if (!(lr >= 0) || !(min_lr >= 0) || min_lr > lr)
     MOECORE_FAIL("training: need 0 <= min_lr (", min_lr, ") <= lr (", lr, ")");
   if (log_interval <= 0 || eval_iters <= 0 || eval_interval < 0 || lr_warmup_iters < 0)
     MOECORE_FAIL("training: log_interval (", log_interval, ") and eval_iters (", eval_iters,
                  ") must be positive; eval_interval (", eval_interval, ") and lr_warmup_iters (",
                  lr_warmup_iters, ") must not be negative");
+  if (nan_action != "stop" && nan_action != "skip")
+    MOECORE_FAIL("--nan-action '", nan_action, "' is not one of stop, skip");
+  if (save_interval < 0 || keep_last < 0)
+    MOECORE_FAIL("--save-interval (", save_interval, ") and --keep-last-checkpoints (", keep_last,
+                 ") must not be negative");
+  if (save_interval > 0 && save.empty()) MOECORE_FAIL("--save-interval needs --save DIR");
+  if (exit_interval < 0) MOECORE_FAIL("--exit-interval (", exit_interval, ") must not be negative");
 }
 
 float lr_at(const TrainConfig& c, int64_t it) {
   if (c.lr_warmup_iters > 0 && it < c.lr_warmup_iters)
     return c.lr * static_cast<float>(it + 1) / static_cast<float>(c.lr_warmup_iters);
   if (c.lr_decay_style == "constant") return c.lr;
-  const int64_t decay_steps = std::max<int64_t>(c.train_iters - c.lr_warmup_iters, 1);
-  const double ratio = std::min(1.0, static_cast<double>(it - c.lr_warmup_iters) / static_cast<double>(decay_steps));
-  const double coeff = c.lr_decay_style == "linear" ? 1.0 - ratio : 0.5 * (std::cos(M_PI * ratio) + 1.0);
+  const int64_t end = c.lr_decay_iters > 0 ? c.lr_decay_iters : c.train_iters;
+  if (it >= end) return c.min_lr;
+  double coeff;
+  if (c.lr_decay_style == "WSD") {
+    const int64_t anneal_start = end - c.lr_wsd_decay_iters;
+    if (it < anneal_start) return c.lr;
+    const double r = static_cast<double>(it - anneal_start) / static_cast<double>(std::max<int64_t>(c.lr_wsd_decay_iters, 1));
+    const std::string& w = c.lr_wsd_decay_style;
+    coeff = w == "linear" ? 1.0 - r
+            : w == "cosine" ? 0.5 * (std::cos(M_PI * r) + 1.0)
+            : w == "minus_sqrt" ? 1.0 - std::sqrt(r)
+                                : 2.0 * std::pow(0.5, r) - 1.0;  // exponential
+  } else {
+    const int64_t decay_steps = std::max<int64_t>(end - c.lr_warmup_iters, 1);
+    const double r = static_cast<double>(it - c.lr_warmup_iters) / static_cast<double>(decay_steps);
+    coeff = c.lr_decay_style == "linear" ? 1.0 - r : 0.5 * (std::cos(M_PI * r) + 1.0);
+  }
   return static_cast<float>(c.min_lr + coeff * (c.lr - c.min_lr));
 }
 
@@ -93,21 +127,116 @@ void log_moe_layers(const model::GptModel& gpt, std::FILE* log) {
 }
 }  // namespace
 
+namespace {
+
+// The first parameter gradient that is not finite, or "" when all are.
+std::string first_nonfinite_gradient(const model::GptModel& gpt) {
+  for (const auto& p : gpt.params())
+    if (!ops::all_finite(p.grad, {})) return p.name;
+  return "";
+}
+
+std::string format_duration(double seconds) {
+  const auto s = static_cast<int64_t>(seconds);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", static_cast<long long>(s / 3600),
+                static_cast<long long>(s / 60 % 60), static_cast<long long>(s % 60));
+  return buf;
+}
+
+std::string progress_bar(int64_t done, int64_t total) {
+  constexpr int kWidth = 20;
+  const int filled = total > 0 ? static_cast<int>(kWidth * done / total) : kWidth;
+  return "[" + std::string(static_cast<size_t>(filled), '#') + std::string(static_cast<size_t>(kWidth - filled), '.') +
+         "]";
+}
+
+// Writers for --metrics-jsonl and --tensorboard-dir, opened once per run.
+struct MetricSinks {
+  std::unique_ptr<io::JsonlMetricsWriter> jsonl;
+  std::unique_ptr<io::TensorBoardWriter> tb;
+};
+
+void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, double loss, double lr,
+                  double grad_norm, double tokens_per_s, double tflops, const MoeStepLosses& moe_losses,
+                  bool per_layer) {
+  const moe::MoeConfig& mc = gpt.config().moe;
+  std::vector<std::pair<std::string, double>> scalars = {{"lm loss", loss},
+                                                         {"learning-rate", lr},
+                                                         {"grad-norm", grad_norm},
+                                                         {"throughput/tokens_per_s", tokens_per_s},
+                                                         {"throughput/tflops", tflops}};
+  if (mc.uses(moe::LoadBalancing::aux_loss)) scalars.emplace_back("load_balancing_loss", moe_losses.aux_loss);
+  if (mc.uses(moe::LoadBalancing::seq_aux_loss)) scalars.emplace_back("seq_load_balancing_loss", moe_losses.seq_aux_loss);
+  if (mc.uses(moe::LoadBalancing::global_aux_loss))
+    scalars.emplace_back("global_load_balancing_loss", moe_losses.global_aux_loss);
+  if (mc.z_loss_coeff > 0) scalars.emplace_back("z_loss", moe_losses.z_loss);
+  if (per_layer) {
+    for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
+      const moe::RouterStats* st = gpt.moe_stats(l);
+      if (!st) continue;
+      const std::string sfx = "_layer_" + std::to_string(l);
+      scalars.emplace_back("moe/load_balancing_loss" + sfx, st->aux_loss);
+      scalars.emplace_back("moe/max_over_mean_load" + sfx, st->max_over_mean_load());
+      scalars.emplace_back("moe/dropped_tokens" + sfx, static_cast<double>(st->dropped));
+      for (size_t e = 0; e < st->tokens_per_expert.size(); ++e)
+        scalars.emplace_back("moe/tokens_per_expert" + sfx + "_expert_" + std::to_string(e),
+                             static_cast<double>(st->tokens_per_expert[e]));
+    }
+  }
+  if (sinks.tb) {
+    sinks.tb->add_scalars(step, scalars);
+    sinks.tb->flush();
+  }
+  if (sinks.jsonl) {
+    io::MetricFields f = {{"iteration", step},   {"lm_loss", loss},
+                          {"grad_norm", grad_norm}, {"lr", lr},
+                          {"tokens_per_s", tokens_per_s}, {"tflops", tflops}};
+    for (size_t i = 5; i < scalars.size(); ++i) f.emplace_back(scalars[i].first, scalars[i].second);
+    sinks.jsonl->write(f);
+  }
+}
+
+}  // namespace
+
 TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches,
-               std::FILE* log) {
+               std::FILE* log, const StepObserver& observer) {
   cfg.validate();
   const auto& m = gpt.config();
   if (gpt.micro_batch_size() != cfg.micro_batch_size)
     MOECORE_FAIL("training: the model was built for micro-batch ", gpt.micro_batch_size(), ", not ",
                  cfg.micro_batch_size);
+  TrainProgress progress;
+  if (!cfg.load.empty()) {
+    const auto dir = io::checkpoint_find_latest(cfg.load);
+    if (!dir) MOECORE_FAIL("--load ", cfg.load, ": no committed checkpoint found");
+    progress = load_training_checkpoint(*dir, gpt, opt, cfg.seed);
+    if (log) std::fprintf(log, " loaded checkpoint %s at iteration %lld\n", dir->c_str(),
+                          static_cast<long long>(progress.iteration));
+  }
+  std::unique_ptr<ExitSignalGuard> signals;
+  if (cfg.exit_signal_handler) signals = std::make_unique<ExitSignalGuard>();
+  MetricSinks sinks;
+  if (!cfg.metrics_jsonl.empty()) sinks.jsonl = std::make_unique<io::JsonlMetricsWriter>(cfg.metrics_jsonl);
+  if (!cfg.tensorboard_dir.empty()) sinks.tb = std::make_unique<io::TensorBoardWriter>(cfg.tensorboard_dir);
+
   Tensor tokens = Tensor::empty({cfg.micro_batch_size, m.seq_length}, DType::i32, MemCategory::workspace);
   Tensor labels = Tensor::empty({cfg.micro_batch_size, m.seq_length}, DType::i32, MemCategory::workspace);
   const int64_t micro = cfg.micro_batches();
   const double flops_per_step = gpt.flops_per_step() * static_cast<double>(micro);
   TrainLog out;
-  auto t_last = std::chrono::steady_clock::now();
+  out.first_iteration = progress.iteration;
+  const auto t_start = std::chrono::steady_clock::now();
+  auto t_last = t_start;
   double loss_acc = 0;
-  for (int64_t it = 0; it < cfg.train_iters; ++it) {
+  int64_t logged_steps = 0;
+  auto save = [&]() {
+    if (cfg.save.empty()) return;
+    save_training_checkpoint(cfg.save, gpt, opt, progress, cfg.seed, cfg.keep_last);
+    if (log) std::fprintf(log, " saved checkpoint at iteration %lld to %s\n", static_cast<long long>(progress.iteration),
+                          cfg.save.c_str());
+  };
+  for (int64_t it = progress.iteration; it < cfg.train_iters; ++it) {
     gpt.zero_grad();
     double step_loss = 0;
     MoeStepLosses moe_losses;
@@ -123,31 +252,65 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
       moe_losses = {moe_losses.aux_loss / div, moe_losses.seq_aux_loss / div, moe_losses.global_aux_loss / div,
                     moe_losses.z_loss / div};
     }
+    bool skip = false;
+    if (cfg.check_for_nan) {
+      const std::string bad = std::isfinite(step_loss) ? first_nonfinite_gradient(gpt) : std::string("lm loss");
+      if (!bad.empty()) {
+        if (cfg.nan_action == "stop")
+          MOECORE_FAIL("training: non-finite value in ", bad, " at iteration ", it + 1,
+                       " (use --nan-action skip to drop such steps)");
+        skip = true;
+        ++out.skipped_steps;
+        if (log) std::fprintf(log, " iteration %lld: non-finite value in %s, step skipped\n",
+                              static_cast<long long>(it + 1), bad.c_str());
+      }
+    }
     const float lr = lr_at(cfg, it);
-    const optim::StepStats st = opt.step(lr);
-    gpt.refresh_compute_weights();
-    gpt.finish_step();
+    optim::StepStats st;
+    if (!skip) {
+      st = opt.step(lr);
+      gpt.refresh_compute_weights();
+    }
+    gpt.finish_step(/*update=*/!skip);
+    progress.iteration = it + 1;
+    progress.consumed_samples += cfg.global_batch_size;
     out.train_loss.push_back(step_loss);
-    out.moe_losses.push_back(moe_losses);
     out.grad_norm.push_back(st.grad_norm);
-    loss_acc += step_loss;
-    if ((it + 1) % cfg.log_interval == 0 && log) {
+    out.moe_losses.push_back(moe_losses);
+    if (observer) observer(it, step_loss, skip);
+    loss_acc += skip ? 0.0 : step_loss;
+    logged_steps += skip ? 0 : 1;
+    if ((it + 1) % cfg.log_interval == 0) {
       const auto now = std::chrono::steady_clock::now();
       const double dt = std::chrono::duration<double>(now - t_last).count() / static_cast<double>(cfg.log_interval);
+      const double elapsed = std::chrono::duration<double>(now - t_start).count();
       t_last = now;
-      const double tokens_per_s =
-          static_cast<double>(cfg.global_batch_size * m.seq_length) / std::max(dt, 1e-9);
-      std::fprintf(log,
-                   " iteration %6lld/%6lld | consumed tokens %10lld | lr %.3e | lm loss %.4f%s | grad norm %.3f | "
-                   "%.0f tokens/s | %.1f GFLOP/s\n",
-                   static_cast<long long>(it + 1), static_cast<long long>(cfg.train_iters),
-                   static_cast<long long>((it + 1) * cfg.global_batch_size * m.seq_length), lr,
-                   loss_acc / static_cast<double>(cfg.log_interval),
-                   format_moe_losses(gpt.config().moe, moe_losses).c_str(), st.grad_norm, tokens_per_s,
-                   flops_per_step / dt / 1e9);
-      if (cfg.moe_per_layer_logging) log_moe_layers(gpt, log);
-      std::fflush(log);
+      const double tokens_per_s = static_cast<double>(cfg.global_batch_size * m.seq_length) / std::max(dt, 1e-9);
+      const double tflops = flops_per_step / std::max(dt, 1e-9) / 1e12;
+      const double mean_loss = logged_steps ? loss_acc / static_cast<double>(logged_steps) : NAN;
+      const double eta = elapsed / static_cast<double>(it + 1 - out.first_iteration) *
+                         static_cast<double>(cfg.train_iters - it - 1);
+      if (log) {
+        std::string mfu;
+        if (cfg.peak_gflops > 0) {
+          char b[32];
+          std::snprintf(b, sizeof b, " | MFU %.1f%%", 100.0 * tflops * 1e3 / cfg.peak_gflops);
+          mfu = b;
+        }
+        std::fprintf(log,
+                     " iteration %6lld/%6lld | consumed tokens %10lld | lr %.3e | lm loss %.4f%s | grad norm %.3f | "
+                     "%.0f tokens/s | %.3f TFLOP/s%s | ETA %s %s\n",
+                     static_cast<long long>(it + 1), static_cast<long long>(cfg.train_iters),
+                     static_cast<long long>(progress.consumed_samples * m.seq_length), lr, mean_loss,
+                     format_moe_losses(m.moe, moe_losses).c_str(), st.grad_norm, tokens_per_s, tflops, mfu.c_str(),
+                     format_duration(eta).c_str(), progress_bar(it + 1, cfg.train_iters).c_str());
+        if (cfg.moe_per_layer_logging) log_moe_layers(gpt, log);
+        std::fflush(log);
+      }
+      emit_metrics(sinks, gpt, it + 1, mean_loss, lr, st.grad_norm, tokens_per_s, tflops, moe_losses,
+                   cfg.moe_per_layer_logging);
       loss_acc = 0;
+      logged_steps = 0;
     }
     const bool last = it + 1 == cfg.train_iters;
     if (last || (cfg.eval_interval > 0 && (it + 1) % cfg.eval_interval == 0)) {
@@ -158,8 +321,24 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
                      std::exp(v));
         std::fflush(log);
       }
+      if (sinks.tb) sinks.tb->add_scalar("lm loss validation", it + 1, v);
+      if (sinks.jsonl) sinks.jsonl->write({{"iteration", it + 1}, {"valid_lm_loss", v}});
     }
+    if (signals && ExitSignalGuard::requested()) {
+      if (log) std::fprintf(log, " received signal %d: saving and stopping at iteration %lld\n",
+                            ExitSignalGuard::signal(), static_cast<long long>(it + 1));
+      save();
+      out.stopped_by_signal = true;
+      return out;
+    }
+    if (!last && cfg.exit_interval > 0 && (it + 1) % cfg.exit_interval == 0) {
+      if (log) std::fprintf(log, " exiting at iteration %lld (--exit-interval)\n", static_cast<long long>(it + 1));
+      save();
+      return out;
+    }
+    if (!last && cfg.save_interval > 0 && (it + 1) % cfg.save_interval == 0) save();
   }
+  save();
   return out;
 }
 

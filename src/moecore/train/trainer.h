@@ -1,6 +1,7 @@
-// The training loop for one process: micro-batches with gradient accumulation, AdamW with a warmup +
-// cosine (or constant) learning-rate schedule, periodic validation and Megatron-style log lines.
-// Not here (later issues): checkpoints, .bin/.idx datasets, metrics files, multi-process runs.
+// The training loop for one process: micro-batches with gradient accumulation, AdamW with Megatron's LR
+// schedules, NaN/Inf detection (skip or stop), periodic validation, crash-safe checkpoints with bitwise
+// resume, graceful stop on SIGTERM/SIGINT, Megatron-style log lines with MFU and ETA, and JSONL /
+// TensorBoard metrics. Not here: data sources (data/), the command line (apps/), multi-process runs.
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -20,17 +21,32 @@ struct TrainConfig {
   float lr = 1e-3f;                 // --lr: peak learning rate
   float min_lr = 0.0f;              // --min-lr: floor of the decay
   int64_t lr_warmup_iters = 0;      // --lr-warmup-iters: linear warmup from 0
-  std::string lr_decay_style = "cosine";  // --lr-decay-style: constant | linear | cosine
+  std::string lr_decay_style = "cosine";  // --lr-decay-style: constant | linear | cosine | WSD
+  int64_t lr_decay_iters = 0;       // --lr-decay-iters: end of the decay (0: train_iters)
+  int64_t lr_wsd_decay_iters = 0;   // --lr-wsd-decay-iters: length of WSD's final decay phase
+  std::string lr_wsd_decay_style = "exponential";  // --lr-wsd-decay-style: exponential | linear | cosine | minus_sqrt
   int64_t log_interval = 10;        // --log-interval: steps between log lines
   int64_t eval_interval = 0;        // --eval-interval: steps between validations (0: only at the end)
   int64_t eval_iters = 4;           // --eval-iters: validation batches per evaluation
   uint64_t seed = 1234;             // --seed
   bool moe_per_layer_logging = false;  // --moe-per-layer-logging: a line per MoE layer at each log
+  std::string save;                 // --save: checkpoint root ("" = no checkpoints)
+  std::string load;                 // --load: checkpoint root or iteration directory to resume from
+  int64_t save_interval = 0;        // --save-interval: steps between checkpoints (0: only at the end)
+  int64_t exit_interval = 0;        // --exit-interval: stop (after saving) when the iteration is a multiple
+  int keep_last = 0;                // --keep-last-checkpoints: newest N kept (0: all)
+  bool exit_signal_handler = true;  // --exit-signal-handler: SIGTERM/SIGINT save a checkpoint and stop
+  bool check_for_nan = true;        // --check-for-nan-in-loss-and-grad
+  std::string nan_action = "stop";  // --nan-action: stop (raise an error) | skip (drop the step)
+  std::string metrics_jsonl;        // --metrics-jsonl: one JSON object per logged iteration
+  std::string tensorboard_dir;      // --tensorboard-dir: TensorBoard event files
+  double peak_gflops = 0;           // GEMM peak measured at start (0: no MFU on the log line)
   void validate() const;
   int64_t micro_batches() const { return global_batch_size / micro_batch_size; }
 };
 
-// Learning rate at (0-based) step `it`, Megatron's OptimizerParamScheduler semantics for these styles.
+// Learning rate at (0-based) step `it`, Megatron's OptimizerParamScheduler formulas for these styles
+// (warmup reaches lr at step lr_warmup_iters - 1; decay runs from the end of warmup to lr_decay_iters).
 float lr_at(const TrainConfig& cfg, int64_t it);
 
 // Supplies micro-batch `index` of the training (valid=false) or validation split into tokens/labels [B, S].
@@ -43,14 +59,21 @@ struct MoeStepLosses {
 };
 
 struct TrainLog {
+  int64_t first_iteration = 0;      // steps already done when this run started (resume)
+  bool stopped_by_signal = false;   // SIGTERM/SIGINT arrived; a checkpoint was saved when --save is set
+  int64_t skipped_steps = 0;        // steps dropped for non-finite loss or gradients
   std::vector<double> train_loss;   // per step, mean over its micro-batches
   std::vector<double> grad_norm;    // per step, before clipping
   std::vector<MoeStepLosses> moe_losses;  // per step (zeros for dense models)
   std::vector<std::pair<int64_t, double>> valid_loss;  // (step, loss)
 };
 
+// Called after every step with its 0-based iteration (tests, tools).
+using StepObserver = std::function<void(int64_t iteration, double loss, bool skipped)>;
+
+// Runs (or resumes, with cfg.load) training until cfg.train_iters steps are done or a stop signal arrives.
 TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches,
-               std::FILE* log);
+               std::FILE* log, const StepObserver& observer = {});
 
 // Mean validation loss over cfg.eval_iters batches.
 double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches);

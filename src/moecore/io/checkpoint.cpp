@@ -1,0 +1,442 @@
+// Checkpoint directories: staging, fsync ordering, the COMMIT manifest, the tracker, retention and
+// verified loading. The protocol and its crash guarantees are documented in checkpoint.h; this file
+// keeps to that order (data durable -> rename -> COMMIT -> tracker -> deletes) and says why where needed.
+#include "moecore/io/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "moecore/core/error.h"
+#include "moecore/io/crc32c.h"
+#include "moecore/io/file_util.h"
+
+namespace moecore::io {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr const char* kFormatMagic = "moecore-checkpoint";
+
+struct FileEntry {
+  uint64_t bytes = 0;
+  uint32_t crc = 0;
+};
+struct Manifest {
+  int64_t iteration = 0;
+  std::map<std::string, FileEntry> files;  // includes state.json
+};
+
+[[noreturn]] void sys_fail(const std::string& what, const std::string& path) {
+  MOECORE_FAIL("checkpoint: ", what, " '", path, "': ", std::strerror(errno),
+               " (check free space and permissions of the checkpoint directory)");
+}
+
+void warn(const std::string& msg) {
+  std::cerr << "moecore: warning: checkpoint: " << msg << "\n";
+}
+
+// An Error's message without its "checkpoint: " prefix, for embedding in a warning.
+std::string reason_of(const Error& e) {
+  const std::string m = e.what();
+  return m.rfind("checkpoint: ", 0) == 0 ? m.substr(12) : m;
+}
+
+std::string hex8(uint32_t v) {
+  char buf[9];
+  std::snprintf(buf, sizeof buf, "%08x", v);
+  return buf;
+}
+
+std::string iter_name(int64_t iteration) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "iter_%07lld", static_cast<long long>(iteration));
+  return buf;
+}
+
+// Only the exact names we write (iter_%07d) count, so staging dirs and look-alikes are never picked up.
+std::optional<int64_t> parse_iter_name(const std::string& name) {
+  if (name.size() < 12 || name.size() > 24 || name.compare(0, 5, "iter_") != 0) return std::nullopt;
+  int64_t v = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+    if (v > (INT64_MAX - 9) / 10) return std::nullopt;
+    v = v * 10 + (name[i] - '0');
+  }
+  if (iter_name(v) != name) return std::nullopt;
+  return v;
+}
+
+bool is_staging_name(const std::string& name) {
+  const size_t dot = name.find('.');
+  if (dot == std::string::npos || !parse_iter_name(name.substr(0, dot))) return false;
+  const std::string rest = name.substr(dot);
+  return rest.rfind(".tmp-", 0) == 0 || rest.rfind(".old-", 0) == 0;
+}
+
+bool is_plain_name(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+         name.find('\0') == std::string::npos;
+}
+
+void check_file_name(const std::string& name) {
+  if (!is_plain_name(name))
+    MOECORE_FAIL("checkpoint: file name '", name,
+                 "' is not a plain file name (no '/', not empty, not . or ..)");
+  if (name == kCheckpointCommitFile || name == kCheckpointStateFile)
+    MOECORE_FAIL("checkpoint: file name '", name, "' is reserved; choose another name for these tensors");
+}
+
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) sys_fail("cannot open directory", dir);
+  // Some filesystems cannot fsync directories (EINVAL); their renames are then as durable as they get.
+  if (::fsync(fd) != 0 && errno != EINVAL) {
+    const int e = errno;
+    ::close(fd);
+    errno = e;
+    sys_fail("cannot fsync directory", dir);
+  }
+  ::close(fd);
+}
+
+void write_fsync(const std::string& path, std::string_view bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) sys_fail("cannot create", path);
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int e = errno;
+      ::close(fd);
+      errno = e;
+      sys_fail("cannot write", path);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    const int e = errno;
+    ::close(fd);
+    errno = e;
+    sys_fail("cannot fsync", path);
+  }
+  if (::close(fd) != 0) sys_fail("cannot close", path);
+}
+
+// Streams the file so multi-GB shards are checksummed without holding them in memory.
+FileEntry file_entry_of(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) sys_fail("cannot open", path);
+  std::vector<char> buf(size_t{4} << 20);
+  FileEntry e;
+  while (f) {
+    f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    const auto got = static_cast<size_t>(f.gcount());
+    e.crc = crc32c_extend(e.crc, buf.data(), got);
+    e.bytes += got;
+  }
+  if (f.bad()) sys_fail("cannot read", path);
+  return e;
+}
+
+std::string manifest_json(const Manifest& m) {
+  nlohmann::ordered_json j;
+  j["format"] = kFormatMagic;
+  j["version"] = kCheckpointFormatVersion;
+  j["iteration"] = m.iteration;
+  j["files"] = nlohmann::ordered_json::object();
+  for (const auto& [name, e] : m.files) j["files"][name] = {{"bytes", e.bytes}, {"crc32c", hex8(e.crc)}};
+  return j.dump(1) + "\n";
+}
+
+// Reads and validates <dir>/COMMIT. `expect_iteration` comes from the directory name when it has one.
+Manifest read_manifest(const std::string& dir, std::optional<int64_t> expect_iteration) {
+  const std::string path = (fs::path(dir) / kCheckpointCommitFile).string();
+  std::error_code ec;
+  if (!fs::exists(path, ec))
+    MOECORE_FAIL("checkpoint: '", dir, "' has no COMMIT marker: the save did not finish or the marker was ",
+                 "deleted; resume from an earlier iteration");
+  const std::string text = read_file(path);
+  auto bad = [&](const std::string& why) -> Manifest {
+    MOECORE_FAIL("checkpoint: '", path, "' is not a valid COMMIT marker: ", why);
+  };
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception&) {
+    return bad("not valid JSON (a damaged marker)");
+  }
+  if (!j.is_object() || !j.contains("format") || !j["format"].is_string())
+    return bad("bad magic: no \"format\" string");
+  if (j["format"] != kFormatMagic)
+    return bad("bad magic '" + j["format"].get<std::string>() + "' (expected '" + kFormatMagic + "')");
+  if (!j.contains("version") || !j["version"].is_number_integer()) return bad("no integer \"version\"");
+  if (j["version"].get<int64_t>() != kCheckpointFormatVersion)
+    return bad("unsupported version " + j["version"].dump() + " (this build reads version " +
+               std::to_string(kCheckpointFormatVersion) + "); use a matching moecore build");
+  if (!j.contains("iteration") || !j["iteration"].is_number_integer()) return bad("no integer \"iteration\"");
+  Manifest m;
+  m.iteration = j["iteration"].get<int64_t>();
+  if (expect_iteration && *expect_iteration != m.iteration)
+    return bad("it records iteration " + std::to_string(m.iteration) + " but the directory is named for " +
+               std::to_string(*expect_iteration));
+  if (!j.contains("files") || !j["files"].is_object()) return bad("no \"files\" object");
+  for (const auto& [name, e] : j["files"].items()) {
+    if (!is_plain_name(name) || name == kCheckpointCommitFile)
+      return bad("file name '" + name + "' is not allowed");
+    if (!e.is_object() || !e.contains("bytes") || !e["bytes"].is_number_unsigned() || !e.contains("crc32c") ||
+        !e["crc32c"].is_string())
+      return bad("entry for '" + name + "' lacks \"bytes\" or \"crc32c\"");
+    const std::string crc = e["crc32c"].get<std::string>();
+    if (crc.size() != 8 || crc.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos)
+      return bad("entry for '" + name + "' has crc32c '" + crc + "', not 8 hex digits");
+    m.files[name] = {e["bytes"].get<uint64_t>(), static_cast<uint32_t>(std::stoul(crc, nullptr, 16))};
+  }
+  if (!m.files.count(kCheckpointStateFile)) return bad("it does not list state.json");
+  return m;
+}
+
+// Directories named iter_%07d under root, by iteration.
+std::map<int64_t, std::string> iteration_dirs(const std::string& root) {
+  std::map<int64_t, std::string> out;
+  std::error_code ec;
+  for (const auto& de : fs::directory_iterator(root, ec)) {
+    if (!de.is_directory(ec)) continue;
+    if (auto it = parse_iter_name(de.path().filename().string())) out[*it] = de.path().string();
+  }
+  return out;
+}
+
+// Removes a committed directory so that no crash can leave it looking committed with files missing:
+// the marker goes first (durably), then the rest.
+void remove_checkpoint_dir(const std::string& dir) {
+  std::error_code ec;
+  fs::remove(fs::path(dir) / kCheckpointCommitFile, ec);
+  if (!ec) fsync_dir(dir);
+  fs::remove_all(dir, ec);
+  if (ec) warn("could not remove '" + dir + "': " + ec.message());
+}
+
+// Steps 1-2 of the protocol. Returns the final directory and the manifest to commit.
+std::pair<std::string, Manifest> stage_and_publish(const std::string& root,
+                                                   const CheckpointWriteRequest& req) {
+  if (req.iteration < 0) MOECORE_FAIL("checkpoint: iteration (", req.iteration, ") must be >= 0");
+  for (const auto& [name, tensors] : req.files) check_file_name(name);
+  if (!json::accept(req.state_json))
+    MOECORE_FAIL("checkpoint: state_json for iteration ", req.iteration, " is not valid JSON (",
+                 req.state_json.size(), " bytes); pass \"{}\" when there is no state");
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) MOECORE_FAIL("checkpoint: cannot create directory '", root, "': ", ec.message());
+
+  const std::string final_dir = checkpoint_iteration_dir(root, req.iteration);
+  const std::string pid = std::to_string(::getpid());
+  const std::string staging = final_dir + ".tmp-" + pid;
+  fs::remove_all(staging, ec);
+  if (!fs::create_directory(staging, ec) || ec)
+    MOECORE_FAIL("checkpoint: cannot create directory '", staging, "': ", ec.message());
+
+  Manifest m;
+  m.iteration = req.iteration;
+  try {
+    for (const auto& [name, tensors] : req.files) {
+      const std::string bytes = safetensors_serialize(tensors);
+      write_fsync((fs::path(staging) / name).string(), bytes);
+      m.files[name] = {bytes.size(), crc32c(bytes)};
+    }
+    write_fsync((fs::path(staging) / kCheckpointStateFile).string(), req.state_json);
+    m.files[kCheckpointStateFile] = {req.state_json.size(), crc32c(req.state_json)};
+    fsync_dir(staging);
+
+    // rename(2) cannot replace a non-empty directory: move an old copy of this iteration aside first.
+    // A crash between the two renames leaves no iter dir for this iteration, which discovery tolerates.
+    const std::string aside = final_dir + ".old-" + pid;
+    const bool replacing = fs::exists(final_dir, ec);
+    if (replacing) {
+      fs::remove_all(aside, ec);
+      if (std::rename(final_dir.c_str(), aside.c_str()) != 0) sys_fail("cannot move aside", final_dir);
+    }
+    if (std::rename(staging.c_str(), final_dir.c_str()) != 0) {
+      const int e = errno;
+      if (replacing) std::rename(aside.c_str(), final_dir.c_str());
+      errno = e;
+      sys_fail("cannot rename staging directory into place", final_dir);
+    }
+    fsync_dir(root);
+    if (replacing) fs::remove_all(aside, ec);
+  } catch (...) {
+    fs::remove_all(staging, ec);
+    throw;
+  }
+  return {final_dir, m};
+}
+
+void apply_retention(const std::string& root, int64_t just_written, int keep_last) {
+  if (keep_last <= 0) return;
+  std::vector<int64_t> others;
+  for (int64_t it : checkpoint_list_committed(root))
+    if (it != just_written) others.push_back(it);
+  const size_t keep_others = static_cast<size_t>(keep_last - 1);
+  if (others.size() <= keep_others) return;
+  for (size_t i = 0; i < others.size() - keep_others; ++i)
+    remove_checkpoint_dir(checkpoint_iteration_dir(root, others[i]));
+}
+
+// Staging dirs of earlier crashed saves. Safe because a root has a single writer (checkpoint.h).
+void remove_stale_staging(const std::string& root) {
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (const auto& de : fs::directory_iterator(root, ec))
+    if (de.is_directory(ec) && is_staging_name(de.path().filename().string())) stale.push_back(de.path());
+  for (const auto& p : stale) fs::remove_all(p, ec);
+}
+
+}  // namespace
+
+std::string checkpoint_iteration_dir(const std::string& root, int64_t iteration) {
+  return (fs::path(root) / iter_name(iteration)).string();
+}
+
+std::optional<int64_t> checkpoint_read_tracker(const std::string& root) {
+  const fs::path path = fs::path(root) / kCheckpointTrackerFile;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return std::nullopt;
+  std::string text = read_file(path.string());
+  const size_t b = text.find_first_not_of(" \t\r\n"), e = text.find_last_not_of(" \t\r\n");
+  if (b == std::string::npos) return std::nullopt;
+  text = text.substr(b, e - b + 1);
+  if (text.size() > 18 || text.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::stoll(text);
+}
+
+std::vector<int64_t> checkpoint_list_committed(const std::string& root) {
+  std::vector<int64_t> out;
+  for (const auto& [it, dir] : iteration_dirs(root)) {
+    try {
+      read_manifest(dir, it);
+      out.push_back(it);
+    } catch (const Error&) {
+    }
+  }
+  return out;
+}
+
+std::string checkpoint_write_uncommitted(const std::string& root, const CheckpointWriteRequest& request) {
+  return stage_and_publish(root, request).first;
+}
+
+void checkpoint_save(const std::string& root, const CheckpointWriteRequest& request, int keep_last) {
+  if (keep_last < 0) MOECORE_FAIL("checkpoint: keep_last (", keep_last, ") must be >= 0 (0 keeps all)");
+  const auto [dir, manifest] = stage_and_publish(root, request);
+  write_file_atomic((fs::path(dir) / kCheckpointCommitFile).string(), manifest_json(manifest));
+  write_file_atomic((fs::path(root) / kCheckpointTrackerFile).string(), std::to_string(request.iteration));
+  apply_retention(root, request.iteration, keep_last);
+  remove_stale_staging(root);
+}
+
+std::optional<std::string> checkpoint_find_latest(const std::string& root) {
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return std::nullopt;
+  const fs::path norm = fs::path(root).lexically_normal();
+  const std::string base = (norm.has_filename() ? norm : norm.parent_path()).filename().string();
+  if (parse_iter_name(base) || fs::exists(norm / kCheckpointCommitFile, ec)) return root;
+
+  const auto dirs = iteration_dirs(root);
+  const auto tracker = checkpoint_read_tracker(root);
+  if (!tracker && fs::exists(fs::path(root) / kCheckpointTrackerFile, ec))
+    warn("'" + (fs::path(root) / kCheckpointTrackerFile).string() +
+         "' does not hold an iteration number; falling back to the newest committed directory");
+  if (tracker) {
+    const auto found = dirs.find(*tracker);
+    if (found == dirs.end()) {
+      warn("the tracker names iteration " + std::to_string(*tracker) + " but '" +
+           checkpoint_iteration_dir(root, *tracker) +
+           "' does not exist; using the newest committed directory");
+    } else {
+      try {
+        read_manifest(found->second, *tracker);
+        for (auto it = dirs.upper_bound(*tracker); it != dirs.end(); ++it) {
+          const bool committed = fs::exists(fs::path(it->second) / kCheckpointCommitFile, ec);
+          warn("ignoring '" + it->second + "': newer than the tracker's iteration " +
+               std::to_string(*tracker) +
+               (committed
+                    ? " (committed, but the tracker was not updated: an interrupted save or a rewound run)"
+                    : " (no COMMIT marker: an unfinished save)"));
+        }
+        return found->second;
+      } catch (const Error& e) {
+        warn("skipping '" + found->second + "' although the tracker names it: " + reason_of(e));
+      }
+    }
+  }
+  for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) {
+    if (tracker && it->first == *tracker) continue;  // already reported above
+    try {
+      read_manifest(it->second, it->first);
+      return it->second;
+    } catch (const Error& e) {
+      warn("skipping '" + it->second + "': " + reason_of(e));
+    }
+  }
+  return std::nullopt;
+}
+
+LoadedCheckpoint checkpoint_load(const std::string& dir) {
+  const fs::path norm = fs::path(dir).lexically_normal();
+  const auto named = parse_iter_name((norm.has_filename() ? norm : norm.parent_path()).filename().string());
+  const Manifest m = read_manifest(dir, named);
+
+  std::vector<std::string> problems;
+  for (const auto& [name, want] : m.files) {
+    const std::string path = (fs::path(dir) / name).string();
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec)) {
+      problems.push_back("'" + path + "': missing file (COMMIT lists it with " + std::to_string(want.bytes) +
+                         " bytes)");
+      continue;
+    }
+    const uint64_t size = fs::file_size(path, ec);
+    if (ec || size != want.bytes) {
+      problems.push_back("'" + path + "': size mismatch: " + std::to_string(size) +
+                         " bytes on disk, COMMIT records " + std::to_string(want.bytes) +
+                         (size < want.bytes ? " (truncated)" : " (overwritten)"));
+      continue;
+    }
+    const FileEntry got = file_entry_of(path);
+    if (got.bytes != want.bytes || got.crc != want.crc)
+      problems.push_back("'" + path + "': checksum mismatch: crc32c " + hex8(got.crc) +
+                         " on disk, COMMIT records " + hex8(want.crc) + " (a flipped or overwritten byte)");
+  }
+  if (!problems.empty()) {
+    std::string msg;
+    for (const auto& p : problems) msg += (msg.empty() ? "" : "; ") + p;
+    MOECORE_FAIL("checkpoint: '", dir, "' (iteration ", m.iteration,
+                 ") fails verification against COMMIT: ", msg,
+                 ". Restore the files or resume from an earlier iteration");
+  }
+
+  LoadedCheckpoint out;
+  out.iteration = m.iteration;
+  out.dir = dir;
+  for (const auto& [name, entry] : m.files) {
+    const std::string path = (fs::path(dir) / name).string();
+    if (name == kCheckpointStateFile)
+      out.state_json = read_file(path);
+    else
+      out.files[name] = safetensors_load(path);
+  }
+  return out;
+}
+
+}  // namespace moecore::io

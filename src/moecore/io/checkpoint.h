@@ -1,0 +1,92 @@
+// Crash-safe checkpoint directories: named safetensors files + state.json + a COMMIT manifest written
+// last, Megatron's tracker file, keep-last-N retention, discovery of the newest committed iteration, and
+// a verifying loader. Generic: which tensors go in which file is the trainer's business, not this file's.
+// Single writer per root (rank 0 or one process). Not here: resharding, async saves, multi-rank commit.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moecore/core/tensor.h"
+#include "moecore/io/safetensors.h"
+
+namespace moecore::io {
+
+// ---- Layout ---------------------------------------------------------------------------------------
+//   <root>/latest_checkpointed_iteration.txt   the iteration number as text, no newline (Megatron's tracker)
+//   <root>/iter_0000200/model.safetensors       one file per CheckpointWriteRequest::files entry
+//   <root>/iter_0000200/optimizer.safetensors
+//   <root>/iter_0000200/state.json              the caller's JSON text
+//   <root>/iter_0000200/COMMIT                  manifest; its presence is what makes the directory valid
+// COMMIT is JSON: {"format":"moecore-checkpoint","version":1,"iteration":200,
+//                  "files":{"<name>":{"bytes":<size>,"crc32c":"<8 hex digits>"},...}}  (state.json included)
+//
+// ---- Save protocol (checkpoint_save) ---------------------------------------------------------------
+//   1. write every data file and state.json into <root>/iter_XXXXXXX.tmp-<pid>/, fsync each, fsync the dir;
+//   2. rename the staging dir to iter_XXXXXXX (an existing one of that iteration is first renamed aside
+//      to iter_XXXXXXX.old-<pid> and removed after), fsync <root>;
+//   3. write COMMIT (temporary file, fsync, rename, fsync dir)  <- the commit point;
+//   4. rewrite the tracker atomically (temporary file, fsync, rename);
+//   5. retention, then removal of stale *.tmp-* / *.old-* staging dirs left by earlier crashes.
+// A crash at any point leaves for that iteration: nothing (only a staging dir, which discovery never
+// looks at), a directory without COMMIT (ignored by discovery, refused by checkpoint_load), or a
+// complete committed directory. Data files are durable before COMMIT exists; COMMIT before the tracker.
+// A failed save (ENOSPC, EIO) throws Error naming the file and removes its staging directory.
+//
+// ---- Discovery (checkpoint_find_latest) -------------------------------------------------------------
+// The tracker is the pointer, COMMIT the proof of completeness: when the tracker names a committed
+// directory, that one is returned (as in Megatron; this honours runs rewound to an older iteration).
+// Otherwise (no tracker, unparsable, or naming a missing/uncommitted directory) the newest directory
+// with a valid COMMIT is returned. Skipped directories are reported on stderr with the reason.
+// Discovery validates COMMIT (present, JSON, magic, version, iteration) but reads no data: checksums are
+// verified by checkpoint_load, so a damaged newest checkpoint fails loudly instead of silently resuming
+// from an older one; callers wanting a fallback use checkpoint_list_committed.
+
+struct CheckpointWriteRequest {
+  int64_t iteration = 0;  // >= 0; names the directory iter_%07d
+  // file name -> tensors (CPU), e.g. "model.safetensors", "optimizer.safetensors",
+  // "model-rank00003.safetensors"
+  std::map<std::string, std::map<std::string, Tensor>> files;
+  std::string state_json = "{}";  // free-form JSON text, stored as state.json
+};
+
+struct LoadedCheckpoint {
+  int64_t iteration = 0;
+  std::map<std::string, SafetensorsFile> files;  // every data file of the request, verified
+  std::string state_json;
+  std::string dir;
+};
+
+inline constexpr const char* kCheckpointTrackerFile = "latest_checkpointed_iteration.txt";
+inline constexpr const char* kCheckpointCommitFile = "COMMIT";
+inline constexpr const char* kCheckpointStateFile = "state.json";
+inline constexpr int kCheckpointFormatVersion = 1;
+
+// Saves, commits, updates the tracker, then keeps the `keep_last` committed iterations with the largest
+// numbers (0 = keep all). Never deletes the iteration just written, nor uncommitted directories.
+// File names must be plain names (no '/'), not "COMMIT" or "state.json". Throws Error on bad input or I/O.
+void checkpoint_save(const std::string& root, const CheckpointWriteRequest& request, int keep_last);
+
+// FOR TESTS (crash simulation): steps 1-2 of checkpoint_save only, leaving <root>/iter_XXXXXXX without
+// COMMIT and the tracker untouched, as a crash just before the commit point would. Returns the directory.
+std::string checkpoint_write_uncommitted(const std::string& root, const CheckpointWriteRequest& request);
+
+// The directory to resume from, per the discovery rule above; nullopt when there is none (the root is
+// missing or holds no committed iteration). If `root` is itself an iteration directory (named iter_N or
+// holding a COMMIT), it is returned unchanged so that checkpoint_load reports any problem with it.
+std::optional<std::string> checkpoint_find_latest(const std::string& root);
+
+// Reads COMMIT, checks every listed file's existence, byte size and CRC32C, then parses the files.
+// Throws Error naming the directory, each failing file and the reason: missing COMMIT marker, bad
+// magic/version, missing file, size mismatch (truncated), checksum mismatch (flipped byte).
+LoadedCheckpoint checkpoint_load(const std::string& dir);
+
+// Helpers for trainers and tools.
+std::string checkpoint_iteration_dir(const std::string& root, int64_t iteration);  // <root>/iter_%07d
+std::optional<int64_t> checkpoint_read_tracker(const std::string& root);  // nullopt if absent/unparsable
+// Iterations under root whose COMMIT is valid, ascending. Quiet (no warnings); reads no data files.
+std::vector<int64_t> checkpoint_list_committed(const std::string& root);
+
+}  // namespace moecore::io

@@ -1,0 +1,13 @@
+// The machine's dense GEMM peak, measured in-process: the reference for MFU on the training log line and for
+// every benchmark ratio (machines here are noisy, so speed is always reported against a same-run peak).
+#pragma once
+#include <cstdint>
+
+#include "moecore/core/dtype.h"
+
+namespace moecore::train {
+// Best GFLOP/s of a dense [M, K] x [K, N] GEMM through ops::gemm over `reps` timed runs (after a warm-up).
+double gemm_gflops(DType dtype, int64_t M, int64_t N, int64_t K, int reps = 5);
+// The best of a few large square GEMMs of this dtype (about a second on 2 cores).
+double gemm_peak_gflops(DType dtype);
+}  // namespace moecore::train

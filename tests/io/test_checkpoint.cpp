@@ -1,0 +1,339 @@
+// Checkpoint directories: round trip, the tracker file, discovery (several iterations, uncommitted and
+// damaged directories, rewound runs), keep-last-N retention, and verified loading that names the file
+// and the reason for each corruption (missing marker, flipped byte, truncation, missing file, bad magic).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+
+#include "moecore/io/checkpoint.h"
+#include "moecore/io/crc32c.h"
+#include "moecore/io/file_util.h"
+#include "test_util.h"
+
+namespace moecore {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A fresh directory per test, so ctest may run the cases in parallel.
+class Checkpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    root_ = (fs::temp_directory_path() /
+             ("moecore_ckpt_" + std::string(info->name()) + "_" + std::to_string(::getpid())))
+                .string();
+    fs::remove_all(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+  std::string dir(int64_t it) const { return io::checkpoint_iteration_dir(root_, it); }
+  std::string root_;
+};
+
+io::CheckpointWriteRequest make_request(int64_t iteration) {
+  io::CheckpointWriteRequest r;
+  r.iteration = iteration;
+  const uint64_t seed = static_cast<uint64_t>(iteration) + 1;
+  r.files["model.safetensors"] = {{"decoder.w", testing::randn({4, 3}, "w", 1.0f, seed)},
+                                  {"decoder.b", testing::randn({3}, "b", 1.0f, seed).to(DType::bf16)}};
+  r.files["optimizer.safetensors"] = {{"exp_avg.decoder.w", testing::randn({4, 3}, "m", 1.0f, seed)},
+                                      {"step", Tensor::zeros({}, DType::i64)}};
+  r.state_json = R"({"iteration": )" + std::to_string(iteration) + R"(, "consumed_samples": 1024})";
+  return r;
+}
+
+bool same_bytes(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
+         std::memcmp(a.raw(), b.raw(), static_cast<size_t>(a.nbytes())) == 0;
+}
+
+// Runs fn, expects an Error whose message contains every one of `parts`; returns the message.
+std::string expect_error(const std::function<void()>& fn, std::initializer_list<std::string> parts) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+    return msg;
+  }
+  ADD_FAILURE() << "no error thrown";
+  return "";
+}
+
+void overwrite(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << bytes;
+}
+
+std::vector<std::string> names_in(const std::string& root) {
+  std::vector<std::string> out;
+  for (const auto& de : fs::directory_iterator(root)) out.push_back(de.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST_F(Checkpoint, RoundTripsTensorsAndState) {
+  const auto req = make_request(200);
+  io::checkpoint_save(root_, req, 0);
+  const auto latest = io::checkpoint_find_latest(root_);
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(*latest, dir(200));
+  EXPECT_EQ(fs::path(*latest).filename(), "iter_0000200");
+  const io::LoadedCheckpoint ck = io::checkpoint_load(*latest);
+  EXPECT_EQ(ck.iteration, 200);
+  EXPECT_EQ(ck.dir, *latest);
+  EXPECT_EQ(ck.state_json, req.state_json);
+  ASSERT_EQ(ck.files.size(), req.files.size());
+  for (const auto& [file, tensors] : req.files) {
+    const auto& got = ck.files.at(file).tensors;
+    ASSERT_EQ(got.size(), tensors.size()) << file;
+    for (const auto& [name, t] : tensors) EXPECT_TRUE(same_bytes(got.at(name), t)) << file << ": " << name;
+  }
+  EXPECT_EQ(names_in(*latest),
+            (std::vector<std::string>{"COMMIT", "model.safetensors", "optimizer.safetensors", "state.json"}));
+}
+
+TEST_F(Checkpoint, CommitRecordsSizeAndCrcOfEveryFile) {
+  io::checkpoint_save(root_, make_request(3), 0);
+  const auto j = nlohmann::json::parse(io::read_file(dir(3) + "/COMMIT"));
+  EXPECT_EQ(j["format"], "moecore-checkpoint");
+  EXPECT_EQ(j["version"], 1);
+  EXPECT_EQ(j["iteration"], 3);
+  ASSERT_EQ(j["files"].size(), 3u);
+  for (const char* name : {"model.safetensors", "optimizer.safetensors", "state.json"}) {
+    const std::string bytes = io::read_file(dir(3) + "/" + name);
+    EXPECT_EQ(j["files"][name]["bytes"].get<uint64_t>(), bytes.size()) << name;
+    char crc[9];
+    std::snprintf(crc, sizeof crc, "%08x", io::crc32c(bytes));
+    EXPECT_EQ(j["files"][name]["crc32c"], crc) << name;
+  }
+}
+
+TEST_F(Checkpoint, TrackerFileHoldsTheLastSavedIteration) {
+  for (int64_t it : {10, 20, 30}) io::checkpoint_save(root_, make_request(it), 0);
+  EXPECT_EQ(io::read_file(root_ + "/latest_checkpointed_iteration.txt"), "30");  // Megatron: str(iteration)
+  EXPECT_EQ(io::checkpoint_read_tracker(root_), 30);
+  overwrite(root_ + "/latest_checkpointed_iteration.txt", " 20\n");
+  EXPECT_EQ(io::checkpoint_read_tracker(root_), 20);
+  overwrite(root_ + "/latest_checkpointed_iteration.txt", "release");
+  EXPECT_EQ(io::checkpoint_read_tracker(root_), std::nullopt);
+}
+
+TEST_F(Checkpoint, FindsTheNewestOfSeveralIterations) {
+  EXPECT_EQ(io::checkpoint_find_latest(root_), std::nullopt);  // root does not exist yet
+  for (int64_t it : {10, 20, 30}) io::checkpoint_save(root_, make_request(it), 0);
+  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(30));
+  EXPECT_EQ(io::checkpoint_list_committed(root_), (std::vector<int64_t>{10, 20, 30}));
+  fs::remove(root_ + "/latest_checkpointed_iteration.txt");  // without a tracker: newest committed
+  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(30));
+  EXPECT_EQ(io::checkpoint_load(*io::checkpoint_find_latest(root_)).iteration, 30);
+}
+
+TEST_F(Checkpoint, TrackerWinsOverNewerDirectoriesOfARewoundRun) {
+  for (int64_t it : {10, 20, 30}) io::checkpoint_save(root_, make_request(it), 0);
+  io::checkpoint_save(root_, make_request(15), 0);  // the run was rewound to 10 and saved again at 15
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(15));
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("iter_0000020"), std::string::npos) << err;
+  EXPECT_NE(err.find("iter_0000030"), std::string::npos) << err;
+}
+
+TEST_F(Checkpoint, IterationDirectoryAsRootIsUsedAsIs) {
+  io::checkpoint_save(root_, make_request(10), 0);
+  io::checkpoint_save(root_, make_request(20), 0);
+  EXPECT_EQ(io::checkpoint_find_latest(dir(10)), dir(10));
+  EXPECT_EQ(io::checkpoint_find_latest(dir(10) + "/"), dir(10) + "/");
+  EXPECT_EQ(io::checkpoint_load(dir(10) + "/").iteration, 10);
+}
+
+TEST_F(Checkpoint, RetentionKeepsTheLastN) {
+  io::checkpoint_write_uncommitted(root_, make_request(5));  // never counted, never deleted
+  for (int64_t it : {10, 20, 30, 40, 50}) io::checkpoint_save(root_, make_request(it), 2);
+  EXPECT_EQ(io::checkpoint_list_committed(root_), (std::vector<int64_t>{40, 50}));
+  EXPECT_EQ(names_in(root_), (std::vector<std::string>{"iter_0000005", "iter_0000040", "iter_0000050",
+                                                       "latest_checkpointed_iteration.txt"}));
+  io::checkpoint_save(root_, make_request(60), 1);
+  EXPECT_EQ(io::checkpoint_list_committed(root_), (std::vector<int64_t>{60}));
+  io::checkpoint_save(root_, make_request(70), 0);  // 0 keeps all
+  EXPECT_EQ(io::checkpoint_list_committed(root_), (std::vector<int64_t>{60, 70}));
+}
+
+TEST_F(Checkpoint, RetentionNeverDeletesTheIterationJustWritten) {
+  for (int64_t it : {10, 20, 30}) io::checkpoint_save(root_, make_request(it), 0);
+  io::checkpoint_save(root_, make_request(5), 1);  // the oldest by number, but the one being written
+  EXPECT_EQ(io::checkpoint_list_committed(root_), (std::vector<int64_t>{5}));
+  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(5));
+}
+
+TEST_F(Checkpoint, CrashBeforeTheMarkerLeavesThePreviousOneSelected) {
+  io::checkpoint_save(root_, make_request(10), 0);
+  const std::string partial = io::checkpoint_write_uncommitted(root_, make_request(20));
+  EXPECT_EQ(partial, dir(20));
+  EXPECT_TRUE(fs::exists(partial + "/model.safetensors"));
+  EXPECT_FALSE(fs::exists(partial + "/COMMIT"));
+  EXPECT_EQ(io::checkpoint_read_tracker(root_), 10);
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(10));
+  std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("iter_0000020"), std::string::npos) << err;
+  EXPECT_NE(err.find("COMMIT"), std::string::npos) << err;
+
+  fs::remove(root_ + "/latest_checkpointed_iteration.txt");  // discovery by scanning skips it too
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(10));
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("skipping '" + dir(20) + "'"), std::string::npos) << err;
+
+  expect_error([&] { io::checkpoint_load(partial); }, {partial, "COMMIT"});
+  io::checkpoint_save(root_, make_request(20), 0);  // the retried save replaces the partial directory
+  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(20));
+  EXPECT_EQ(io::checkpoint_load(dir(20)).iteration, 20);
+}
+
+TEST_F(Checkpoint, OnlyUncommittedDirectoriesMeansNothingToResume) {
+  io::checkpoint_write_uncommitted(root_, make_request(10));
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(io::checkpoint_find_latest(root_), std::nullopt);
+  ::testing::internal::GetCapturedStderr();
+}
+
+TEST_F(Checkpoint, FlippedByteIsAChecksumErrorNamingTheFile) {
+  io::checkpoint_save(root_, make_request(10), 0);
+  const std::string shard = dir(10) + "/model.safetensors";
+  std::string bytes = io::read_file(shard);
+  bytes[bytes.size() - 3] ^= 0x10;
+  overwrite(shard, bytes);
+  expect_error([&] { io::checkpoint_load(dir(10)); }, {shard, "checksum mismatch"});
+}
+
+TEST_F(Checkpoint, FlippedByteInStateJsonIsCaughtToo) {
+  io::checkpoint_save(root_, make_request(10), 0);
+  const std::string state = dir(10) + "/state.json";
+  std::string bytes = io::read_file(state);
+  bytes[1] = 'X';
+  overwrite(state, bytes);
+  expect_error([&] { io::checkpoint_load(dir(10)); }, {state, "checksum"});
+}
+
+TEST_F(Checkpoint, TruncatedShardIsASizeErrorNamingTheFile) {
+  io::checkpoint_save(root_, make_request(10), 0);
+  const std::string shard = dir(10) + "/optimizer.safetensors";
+  const auto size = fs::file_size(shard);
+  fs::resize_file(shard, size - 4);
+  expect_error([&] { io::checkpoint_load(dir(10)); },
+               {shard, "size mismatch", std::to_string(size - 4), std::to_string(size), "truncated"});
+}
+
+TEST_F(Checkpoint, MissingFileIsNamed) {
+  io::checkpoint_save(root_, make_request(10), 0);
+  const std::string shard = dir(10) + "/optimizer.safetensors";
+  fs::remove(shard);
+  expect_error([&] { io::checkpoint_load(dir(10)); }, {shard, "missing file"});
+}
+
+TEST_F(Checkpoint, EveryDamagedFileIsReportedInOneMessage) {
+  io::checkpoint_save(root_, make_request(10), 0);
+  fs::remove(dir(10) + "/optimizer.safetensors");
+  fs::resize_file(dir(10) + "/model.safetensors", 16);
+  expect_error([&] { io::checkpoint_load(dir(10)); },
+               {"optimizer.safetensors': missing", "model.safetensors': size mismatch"});
+}
+
+TEST_F(Checkpoint, BadMagicVersionOrMarkerAreRefused) {
+  io::checkpoint_save(root_, make_request(10), 0);
+  io::checkpoint_save(root_, make_request(20), 0);
+  const std::string commit = dir(20) + "/COMMIT";
+  const std::string good = io::read_file(commit);
+  auto j = nlohmann::json::parse(good);
+
+  j["format"] = "some-other-format";
+  overwrite(commit, j.dump());
+  expect_error([&] { io::checkpoint_load(dir(20)); }, {commit, "bad magic", "some-other-format"});
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(10));  // the tracker names 20, but it is damaged
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(dir(20)), std::string::npos) << err;
+  EXPECT_NE(err.find("bad magic"), std::string::npos) << err;
+
+  j = nlohmann::json::parse(good);
+  j["version"] = 2;
+  overwrite(commit, j.dump());
+  expect_error([&] { io::checkpoint_load(dir(20)); }, {commit, "unsupported version 2"});
+
+  j = nlohmann::json::parse(good);
+  j["iteration"] = 21;
+  overwrite(commit, j.dump());
+  expect_error([&] { io::checkpoint_load(dir(20)); }, {commit, "iteration 21"});
+
+  overwrite(commit, good.substr(0, good.size() / 2));
+  expect_error([&] { io::checkpoint_load(dir(20)); }, {commit, "not valid JSON"});
+
+  j = nlohmann::json::parse(good);
+  j["files"]["../../etc/passwd"] = {{"bytes", 1}, {"crc32c", "00000000"}};
+  overwrite(commit, j.dump());
+  expect_error([&] { io::checkpoint_load(dir(20)); }, {commit, "not allowed"});
+}
+
+TEST_F(Checkpoint, SavingAnIterationAgainReplacesIt) {
+  io::checkpoint_save(root_, make_request(10), 0);
+  auto second = make_request(10);
+  second.files.erase("optimizer.safetensors");
+  second.state_json = R"({"second": true})";
+  io::checkpoint_save(root_, second, 0);
+  const auto ck = io::checkpoint_load(dir(10));
+  EXPECT_EQ(ck.state_json, second.state_json);
+  EXPECT_EQ(ck.files.size(), 1u);
+  EXPECT_EQ(names_in(root_), (std::vector<std::string>{"iter_0000010", "latest_checkpointed_iteration.txt"}));
+}
+
+TEST_F(Checkpoint, StaleStagingDirectoriesAreRemovedByTheNextSave) {
+  fs::create_directories(root_ + "/iter_0000007.tmp-99999");
+  fs::create_directories(root_ + "/iter_0000007.old-99999");
+  overwrite(root_ + "/iter_0000007.tmp-99999/model.safetensors", "partial");
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(io::checkpoint_find_latest(root_), std::nullopt);  // never looked at
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  io::checkpoint_save(root_, make_request(10), 0);
+  EXPECT_EQ(names_in(root_), (std::vector<std::string>{"iter_0000010", "latest_checkpointed_iteration.txt"}));
+}
+
+TEST_F(Checkpoint, ManyShardsPerIteration) {
+  io::CheckpointWriteRequest r;
+  r.iteration = 12345678;  // more than 7 digits
+  for (int rank = 0; rank < 4; ++rank) {
+    char name[64];
+    std::snprintf(name, sizeof name, "model-rank%05d.safetensors", rank);
+    r.files[name] = {{"expert", testing::randn({2, 2}, "e", 1.0f, static_cast<uint64_t>(rank))}};
+  }
+  io::checkpoint_save(root_, r, 0);
+  EXPECT_EQ(io::checkpoint_find_latest(root_), root_ + "/iter_12345678");
+  const auto ck = io::checkpoint_load(root_ + "/iter_12345678");
+  EXPECT_EQ(ck.files.size(), 4u);
+  EXPECT_TRUE(same_bytes(ck.files.at("model-rank00003.safetensors").tensors.at("expert"),
+                         r.files.at("model-rank00003.safetensors").at("expert")));
+  EXPECT_EQ(ck.state_json, "{}");
+}
+
+TEST_F(Checkpoint, BadRequestsAreRejectedBeforeAnythingIsWritten) {
+  auto r = make_request(10);
+  r.files["sub/model.safetensors"] = {};
+  expect_error([&] { io::checkpoint_save(root_, r, 0); }, {"sub/model.safetensors", "plain file name"});
+  r = make_request(10);
+  r.files["COMMIT"] = {};
+  expect_error([&] { io::checkpoint_save(root_, r, 0); }, {"COMMIT", "reserved"});
+  r = make_request(10);
+  r.state_json = "{not json";
+  expect_error([&] { io::checkpoint_save(root_, r, 0); }, {"state_json", "not valid JSON"});
+  r = make_request(-1);
+  expect_error([&] { io::checkpoint_save(root_, r, 0); }, {"iteration (-1)"});
+  expect_error([&] { io::checkpoint_save(root_, make_request(10), -2); }, {"keep_last (-2)"});
+  EXPECT_EQ(io::checkpoint_find_latest(root_), std::nullopt);
+}
+
+}  // namespace
+}  // namespace moecore
