@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include <yaml-cpp/yaml.h>
+
 #include "moecore/core/error.h"
 
 namespace moecore::apps {
@@ -35,6 +37,12 @@ Args& Args::flag(const std::string& name, const std::string& help) {
   return *this;
 }
 
+Args& Args::list_option(const std::string& name, const std::string& help) {
+  specs_[name] = {"", help, false, true};
+  order_.push_back(name);
+  return *this;
+}
+
 Args& Args::positional(const std::string& name, const std::string& help) {
   pos_specs_.emplace_back(name, help);
   return *this;
@@ -47,14 +55,28 @@ std::string Args::help() const {
   for (const auto& [n, h] : pos_specs_) s += "  <" + n + ">\n      " + h + "\n";
   for (const auto& n : order_) {
     const Spec& sp = specs_.at(n);
-    s += "  " + n + (sp.is_flag ? "" : " VALUE") + "\n      " + sp.help;
+    s += "  " + n + (sp.is_flag ? "" : sp.is_list ? " VALUE..." : " VALUE") + "\n      " + sp.help;
     if (!sp.is_flag && !sp.def.empty()) s += " (default: " + sp.def + ")";
     s += "\n";
   }
   return s;
 }
 
+const Args::Spec& Args::spec_or_suggest(const std::string& a, const char* where) const {
+  auto it = specs_.find(a);
+  if (it != specs_.end()) return it->second;
+  std::string best;
+  size_t best_d = ~size_t{0};
+  for (const auto& [n, sp] : specs_) {
+    const size_t d = edit_distance(a, n);
+    if (d < best_d) best_d = d, best = n;
+  }
+  MOECORE_FAIL("unknown flag '", a, "'", where, best.empty() ? "" : "; did you mean '" + best + "'?",
+               " (see moecore ", program_, " --help)");
+}
+
 bool Args::parse(int argc, char** argv) {
+  std::string config;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -71,19 +93,26 @@ bool Args::parse(int argc, char** argv) {
       value = a.substr(eq + 1);
       a = a.substr(0, eq);
     }
-    auto it = specs_.find(a);
-    if (it == specs_.end()) {
-      std::string best;
-      size_t best_d = ~size_t{0};
-      for (const auto& [n, sp] : specs_) {
-        const size_t d = edit_distance(a, n);
-        if (d < best_d) best_d = d, best = n;
+    if (a == "--config") {
+      if (eq == std::string::npos) {
+        if (i + 1 >= argc) MOECORE_FAIL("flag '--config' needs a file");
+        value = argv[++i];
       }
-      MOECORE_FAIL("unknown flag '", a, "'", best.empty() ? "" : "; did you mean '" + best + "'?",
-                   " (see moecore ", program_, " --help)");
+      config = value;
+      continue;
     }
-    if (it->second.is_flag) {
+    const Spec& sp = spec_or_suggest(a, "");
+    if (sp.is_flag) {
       if (eq != std::string::npos) MOECORE_FAIL("flag '", a, "' takes no value");
+      values_[a] = "1";
+      continue;
+    }
+    if (sp.is_list) {
+      auto& vals = lists_[a];
+      vals.clear();
+      if (eq != std::string::npos) vals.push_back(value);
+      while (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) vals.push_back(argv[++i]);
+      if (vals.empty()) MOECORE_FAIL("flag '", a, "' needs at least one value");
       values_[a] = "1";
       continue;
     }
@@ -95,7 +124,51 @@ bool Args::parse(int argc, char** argv) {
   }
   if (pos_values_.size() > pos_specs_.size())
     MOECORE_FAIL("unexpected argument '", pos_values_[pos_specs_.size()], "' (see moecore ", program_, " --help)");
+  if (!config.empty()) merge_config(config);
   return true;
+}
+
+// Command-line flags win: a config entry only fills flags the command line left unset.
+void Args::merge_config(const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    MOECORE_FAIL("--config ", path, ": cannot parse as YAML/JSON: ", e.what());
+  }
+  if (!root.IsMap()) MOECORE_FAIL("--config ", path, ": the top level must be a mapping of flag names to values");
+  const std::string where = " in --config " + path;
+  for (const auto& kv : root) {
+    std::string name = kv.first.as<std::string>();
+    for (char& ch : name)
+      if (ch == '_') ch = '-';
+    if (name.rfind("--", 0) != 0) name = "--" + name;
+    const Spec& sp = spec_or_suggest(name, where.c_str());
+    if (values_.count(name)) continue;
+    const YAML::Node& v = kv.second;
+    if (sp.is_flag) {
+      if (!v.IsScalar()) MOECORE_FAIL("--config ", path, ": ", name, " must be true or false");
+      if (v.as<bool>()) values_[name] = "1";
+    } else if (sp.is_list) {
+      auto& vals = lists_[name];
+      if (v.IsSequence())
+        for (const auto& e : v) vals.push_back(e.as<std::string>());
+      else
+        vals.push_back(v.as<std::string>());
+      values_[name] = "1";
+    } else if (v.IsSequence()) {
+      std::string joined;
+      for (const auto& e : v) joined += (joined.empty() ? "" : ",") + e.as<std::string>();
+      values_[name] = joined;
+    } else {
+      values_[name] = v.as<std::string>();
+    }
+  }
+}
+
+std::vector<std::string> Args::list(const std::string& name) const {
+  auto it = lists_.find(name);
+  return it == lists_.end() ? std::vector<std::string>{} : it->second;
 }
 
 bool Args::given(const std::string& name) const { return values_.count(name) > 0; }

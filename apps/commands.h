@@ -5,4 +5,6 @@ namespace moecore::apps {
 int train_main(int argc, char** argv);
 int bench_main(int argc, char** argv);
 int moe_layer_main(int argc, char** argv);
+int preprocess_main(int argc, char** argv);
+int generate_main(int argc, char** argv);
 }  // namespace moecore::apps

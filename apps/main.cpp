@@ -12,9 +12,11 @@ void usage(std::FILE* out) {
   std::fprintf(out,
                "usage: moecore <command> [options]\n\n"
                "commands:\n"
-               "  train   train a GPT model (see moecore train --help)\n"
-               "  bench   benchmarks: gemm, attention, train-step, moe-layer (see moecore bench --help)\n"
-               "  moe-layer  forward+backward of one MoE layer on given tensors (golden comparisons)\n");
+               "  train       train a GPT model, dense or MoE (see moecore train --help)\n"
+               "  preprocess  text or JSONL -> Megatron .bin/.idx\n"
+               "  generate    sample text from a checkpoint\n"
+               "  bench       benchmarks: gemm, attention, train-step, moe-layer, experts\n"
+               "  moe-layer   forward+backward of one MoE layer on given tensors (golden comparisons)\n");
 }
 }  // namespace
 
@@ -28,6 +30,8 @@ int main(int argc, char** argv) {
     if (cmd == "train") return moecore::apps::train_main(argc - 1, argv + 1);
     if (cmd == "bench") return moecore::apps::bench_main(argc - 1, argv + 1);
     if (cmd == "moe-layer") return moecore::apps::moe_layer_main(argc - 1, argv + 1);
+    if (cmd == "preprocess") return moecore::apps::preprocess_main(argc - 1, argv + 1);
+    if (cmd == "generate") return moecore::apps::generate_main(argc - 1, argv + 1);
   } catch (const moecore::Error& e) {
     std::fprintf(stderr, "moecore %s: error: %s\n", cmd.c_str(), e.what());
     return 1;

@@ -14,7 +14,7 @@ void add_model_flags(Args& a, const model::ModelConfig& d) {
       .option("--num-query-groups", std::to_string(d.num_query_groups), "key/value heads (GQA); 0 = heads")
       .option("--kv-channels", std::to_string(d.kv_channels), "head dim; 0 = hidden / heads")
       .option("--ffn-hidden-size", std::to_string(d.ffn_hidden_size), "MLP hidden size; 0 = 4 * hidden")
-      .option("--vocab-size", std::to_string(d.vocab_size), "vocabulary size")
+      .option("--vocab-size", std::to_string(d.vocab_size), "vocabulary size (0: the tokenizer's, padded)")
       .option("--seq-length", std::to_string(d.seq_length), "tokens per sample")
       .option("--norm-epsilon", std::to_string(d.norm_epsilon), "RMSNorm epsilon")
       .option("--rotary-base", std::to_string(d.rotary_base), "RoPE base")
@@ -111,7 +111,7 @@ moe::MoeConfig moe_config_from(const Args& a, bool swiglu) {
   return m;
 }
 
-model::ModelConfig model_config_from(const Args& a) {
+model::ModelConfig model_config_from(const Args& a, int64_t tokenizer_vocab) {
   model::ModelConfig c;
   c.num_layers = a.i64("--num-layers");
   c.hidden_size = a.i64("--hidden-size");
@@ -120,6 +120,9 @@ model::ModelConfig model_config_from(const Args& a) {
   c.kv_channels = a.i64("--kv-channels");
   c.ffn_hidden_size = a.i64("--ffn-hidden-size");
   c.vocab_size = a.i64("--vocab-size");
+  if (c.vocab_size == 0) c.vocab_size = tokenizer_vocab;
+  if (tokenizer_vocab > 0 && c.vocab_size < tokenizer_vocab)
+    MOECORE_FAIL("--vocab-size (", c.vocab_size, ") is smaller than the tokenizer's vocabulary (", tokenizer_vocab, ")");
   c.seq_length = a.i64("--seq-length");
   c.norm_epsilon = static_cast<float>(a.f64("--norm-epsilon"));
   c.rotary_base = static_cast<float>(a.f64("--rotary-base"));

@@ -1,15 +1,116 @@
-// `moecore train`: trains a GPT on a text file (byte-level tokens), logs Megatron-style lines, validates,
-// and prints a generated sample at the end.
+// `moecore train`: Megatron-style training of a GPT (dense or MoE) on .bin/.idx data made by
+// `moecore preprocess` or Megatron's own tools, with checkpoints, metrics and a generated sample at the end.
 #include <cstdio>
 #include <string>
 
 #include "apps/args.h"
 #include "apps/commands.h"
+#include "moecore/core/error.h"
+#include "apps/data_flags.h"
 #include "apps/model_flags.h"
-#include "moecore/data/byte_corpus.h"
+#include "moecore/data/gpt_dataset.h"
+#include "moecore/train/gemm_peak.h"
 #include "moecore/train/trainer.h"
 
 namespace moecore::apps {
+namespace {
+
+void add_training_flags(Args& a) {
+  a.list_option("--data-path", "dataset prefixes (.bin/.idx), optionally weighted: \"w1 p1 w2 p2 ...\"")
+      .option("--split", "969,30,1", "train,valid,test proportions")
+      .flag("--eod-mask-loss", "no loss on end-of-document tokens")
+      .option("--micro-batch-size", "8", "sequences per forward/backward")
+      .option("--global-batch-size", "8", "sequences per optimizer step")
+      .option("--train-iters", "200", "optimizer steps")
+      .option("--lr", "3e-3", "peak learning rate")
+      .option("--min-lr", "3e-4", "final learning rate of the decay")
+      .option("--lr-warmup-iters", "20", "linear warmup steps")
+      .option("--lr-decay-style", "cosine", "constant | linear | cosine | WSD")
+      .option("--lr-decay-iters", "0", "end of the decay (0: --train-iters)")
+      .option("--lr-wsd-decay-iters", "0", "WSD: length of the final decay")
+      .option("--lr-wsd-decay-style", "exponential", "WSD: exponential | linear | cosine | minus_sqrt")
+      .option("--weight-decay", "0.1", "decoupled weight decay on 2-D weights")
+      .option("--adam-beta1", "0.9", "AdamW beta1")
+      .option("--adam-beta2", "0.95", "AdamW beta2")
+      .option("--adam-eps", "1e-8", "AdamW epsilon")
+      .option("--clip-grad", "1.0", "global gradient-norm clip (0: off)")
+      .flag("--use-precision-aware-optimizer", "allow reduced-precision optimizer states (--exp-avg-dtype)")
+      .option("--exp-avg-dtype", "fp32", "fp32 | bf16 (with --use-precision-aware-optimizer)")
+      .option("--exp-avg-sq-dtype", "fp32", "fp32 | bf16 (with --use-precision-aware-optimizer)")
+      .option("--seed", "1234", "random seed (weights, data order, router noise)")
+      .option("--log-interval", "10", "steps between log lines")
+      .option("--eval-interval", "50", "steps between validations")
+      .option("--eval-iters", "8", "validation batches per evaluation")
+      .option("--metrics-jsonl", "", "write one JSON object per logged iteration to this file")
+      .option("--tensorboard-dir", "", "write TensorBoard event files here")
+      .flag("--moe-per-layer-logging", "log tokens per expert, load, drops and losses of every MoE layer")
+      .option("--save", "", "checkpoint directory")
+      .option("--load", "", "resume from the newest committed checkpoint under this directory")
+      .option("--save-interval", "0", "steps between checkpoints (0: only at the end)")
+      .option("--exit-interval", "0", "stop (after saving) at multiples of this iteration")
+      .option("--keep-last-checkpoints", "0", "keep only the newest N checkpoints (0: all)")
+      .flag("--exit-signal-handler", "save and stop on SIGTERM/SIGINT (the default here)")
+      .flag("--no-exit-signal-handler", "let SIGTERM/SIGINT kill the process")
+      .flag("--no-check-for-nan-in-loss-and-grad", "do not check loss and gradients for NaN/Inf")
+      .option("--nan-action", "stop", "on NaN/Inf: stop (error naming the tensor) | skip (drop the step)")
+      .option("--generate-tokens", "200", "tokens sampled after training (0: none)")
+      .option("--prompt", "The ", "text the sample starts from");
+}
+
+DType state_dtype(const Args& a, const char* flag) {
+  const std::string v = a.str(flag);
+  if (v != "fp32" && v != "bf16") MOECORE_FAIL(flag, " '", v, "' is not one of fp32, bf16");
+  if (v == "bf16" && !a.on("--use-precision-aware-optimizer"))
+    MOECORE_FAIL(flag, " bf16 requires --use-precision-aware-optimizer");
+  return v == "bf16" ? DType::bf16 : DType::f32;
+}
+
+train::TrainConfig train_config_from(const Args& a) {
+  train::TrainConfig t;
+  t.micro_batch_size = a.i64("--micro-batch-size");
+  t.global_batch_size = a.i64("--global-batch-size");
+  t.train_iters = a.i64("--train-iters");
+  t.lr = static_cast<float>(a.f64("--lr"));
+  t.min_lr = static_cast<float>(a.f64("--min-lr"));
+  t.lr_warmup_iters = a.i64("--lr-warmup-iters");
+  t.lr_decay_style = a.str("--lr-decay-style");
+  t.lr_decay_iters = a.i64("--lr-decay-iters");
+  t.lr_wsd_decay_iters = a.i64("--lr-wsd-decay-iters");
+  t.lr_wsd_decay_style = a.str("--lr-wsd-decay-style");
+  t.log_interval = a.i64("--log-interval");
+  t.eval_interval = a.i64("--eval-interval");
+  t.eval_iters = a.i64("--eval-iters");
+  t.seed = static_cast<uint64_t>(a.i64("--seed"));
+  t.moe_per_layer_logging = a.on("--moe-per-layer-logging");
+  t.save = a.str("--save");
+  t.load = a.str("--load");
+  t.save_interval = a.i64("--save-interval");
+  t.exit_interval = a.i64("--exit-interval");
+  t.keep_last = static_cast<int>(a.i64("--keep-last-checkpoints"));
+  t.exit_signal_handler = !a.on("--no-exit-signal-handler");
+  t.check_for_nan = !a.on("--no-check-for-nan-in-loss-and-grad");
+  t.nan_action = a.str("--nan-action");
+  t.metrics_jsonl = a.str("--metrics-jsonl");
+  t.tensorboard_dir = a.str("--tensorboard-dir");
+  t.validate();
+  return t;
+}
+
+optim::AdamWConfig optimizer_config_from(const Args& a) {
+  optim::AdamWConfig o;
+  o.beta1 = static_cast<float>(a.f64("--adam-beta1"));
+  o.beta2 = static_cast<float>(a.f64("--adam-beta2"));
+  o.eps = static_cast<float>(a.f64("--adam-eps"));
+  o.weight_decay = static_cast<float>(a.f64("--weight-decay"));
+  o.clip_grad = static_cast<float>(a.f64("--clip-grad"));
+  const DType m = state_dtype(a, "--exp-avg-dtype"), v = state_dtype(a, "--exp-avg-sq-dtype");
+  if (m != v) MOECORE_FAIL("--exp-avg-dtype and --exp-avg-sq-dtype must be equal");
+  o.state_dtype = m;
+  o.validate();
+  return o;
+}
+
+}  // namespace
 
 int train_main(int argc, char** argv) {
   Args a("train");
@@ -17,75 +118,61 @@ int train_main(int argc, char** argv) {
   defaults.num_layers = 4;
   defaults.hidden_size = 128;
   defaults.num_attention_heads = 4;
-  defaults.vocab_size = 256;
+  defaults.vocab_size = 0;
   defaults.seq_length = 128;
   add_model_flags(a, defaults);
-  a.option("--data-path", "", "text file to train on (byte-level tokens, vocabulary 256)")
-      .option("--split-valid-fraction", "0.05", "share of the file held out for validation")
-      .option("--micro-batch-size", "8", "sequences per forward/backward")
-      .option("--global-batch-size", "8", "sequences per optimizer step")
-      .option("--train-iters", "200", "optimizer steps")
-      .option("--lr", "3e-3", "peak learning rate")
-      .option("--min-lr", "3e-4", "final learning rate of the decay")
-      .option("--lr-warmup-iters", "20", "linear warmup steps")
-      .option("--lr-decay-style", "cosine", "constant | linear | cosine")
-      .option("--weight-decay", "0.1", "decoupled weight decay on 2-D weights")
-      .option("--adam-beta1", "0.9", "AdamW beta1")
-      .option("--adam-beta2", "0.95", "AdamW beta2")
-      .option("--adam-eps", "1e-8", "AdamW epsilon")
-      .option("--clip-grad", "1.0", "global gradient-norm clip (0: off)")
-      .option("--log-interval", "10", "steps between log lines")
-      .option("--eval-interval", "50", "steps between validations")
-      .option("--eval-iters", "8", "validation batches")
-      .option("--seed", "1234", "random seed (weights, data order)")
-      .flag("--moe-per-layer-logging", "log tokens per expert, load, drops and losses of every MoE layer")
-      .option("--generate-tokens", "300", "tokens sampled after training (0: none)")
-      .option("--prompt", "ROMEO:\n", "text the sample starts from");
+  add_tokenizer_flags(a);
+  add_training_flags(a);
   if (!a.parse(argc, argv)) return 0;
-  if (a.str("--data-path").empty()) MOECORE_FAIL("train: --data-path is required");
-  const model::ModelConfig mcfg = model_config_from(a);
-  if (mcfg.vocab_size < 256) MOECORE_FAIL("train: byte-level data needs --vocab-size >= 256, got ", mcfg.vocab_size);
+  const std::vector<std::string> data_path = a.list("--data-path");
+  if (data_path.empty()) MOECORE_FAIL("train: --data-path is required (prefixes made by moecore preprocess)");
+  const auto tok = tokenizer_from(a);
+  const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a));
+  train::TrainConfig tcfg = train_config_from(a);
 
-  train::TrainConfig tcfg;
-  tcfg.micro_batch_size = a.i64("--micro-batch-size");
-  tcfg.global_batch_size = a.i64("--global-batch-size");
-  tcfg.train_iters = a.i64("--train-iters");
-  tcfg.lr = static_cast<float>(a.f64("--lr"));
-  tcfg.min_lr = static_cast<float>(a.f64("--min-lr"));
-  tcfg.lr_warmup_iters = a.i64("--lr-warmup-iters");
-  tcfg.lr_decay_style = a.str("--lr-decay-style");
-  tcfg.log_interval = a.i64("--log-interval");
-  tcfg.eval_interval = a.i64("--eval-interval");
-  tcfg.eval_iters = a.i64("--eval-iters");
-  tcfg.seed = static_cast<uint64_t>(a.i64("--seed"));
-  tcfg.moe_per_layer_logging = a.on("--moe-per-layer-logging");
-  tcfg.validate();
-  optim::AdamWConfig ocfg;
-  ocfg.beta1 = static_cast<float>(a.f64("--adam-beta1"));
-  ocfg.beta2 = static_cast<float>(a.f64("--adam-beta2"));
-  ocfg.eps = static_cast<float>(a.f64("--adam-eps"));
-  ocfg.weight_decay = static_cast<float>(a.f64("--weight-decay"));
-  ocfg.clip_grad = static_cast<float>(a.f64("--clip-grad"));
+  data::GptDataSourceConfig dcfg;
+  dcfg.data_path = data_path;
+  dcfg.split = a.str("--split");
+  const auto n = data::gpt_split_num_samples(tcfg.train_iters, tcfg.global_batch_size, tcfg.eval_interval,
+                                             tcfg.eval_iters);
+  for (int s = 0; s < 3; ++s) dcfg.num_samples[static_cast<size_t>(s)] = n[static_cast<size_t>(s)];
+  dcfg.dataset.seq_length = mcfg.seq_length;
+  dcfg.dataset.seed = static_cast<uint32_t>(tcfg.seed);
+  dcfg.dataset.pad_id = tok->pad();
+  dcfg.dataset.eod_id = tok->eod();
+  dcfg.dataset.eod_mask_loss = a.on("--eod-mask-loss");
+  const data::GptDataSource source(dcfg);
+  if (!source.train()) MOECORE_FAIL("train: --split ", dcfg.split, " leaves no training data");
+  tcfg.has_validation = source.valid() != nullptr;
 
-  const data::ByteCorpus corpus(a.str("--data-path"), a.f64("--split-valid-fraction"));
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed);
-  optim::AdamW opt(gpt.params(), ocfg);
-  std::printf("moecore train: %s\n  %lld parameters; corpus %lld train / %lld validation tokens\n%s",
-              mcfg.summary().c_str(), static_cast<long long>(gpt.num_parameters()),
-              static_cast<long long>(corpus.train_tokens()), static_cast<long long>(corpus.valid_tokens()),
-              gpt.memory_plan(opt.state_bytes_per_param()).format().c_str());
-  const train::BatchFn batches = [&](Tensor& t, Tensor& l, bool valid, int64_t i) {
-    corpus.batch(t, l, valid, tcfg.seed, i);
+  optim::AdamW opt(gpt.params(), optimizer_config_from(a));
+  tcfg.peak_gflops = train::gemm_peak_gflops(mcfg.compute_dtype);
+  std::printf("moecore train: %s\n  %lld parameters, tokenizer %s (vocab %lld, padded to %lld), GEMM peak %.1f "
+              "GFLOP/s\n%s%s",
+              mcfg.summary().c_str(), static_cast<long long>(gpt.num_parameters()), tok->name().c_str(),
+              static_cast<long long>(tok->vocab_size()), static_cast<long long>(mcfg.vocab_size), tcfg.peak_gflops,
+              source.summary().c_str(), gpt.memory_plan(opt.state_bytes_per_param()).format().c_str());
+  const int64_t B = tcfg.micro_batch_size, S = mcfg.seq_length;
+  std::vector<float> mask(static_cast<size_t>(S));
+  const train::BatchFn batches = [&](Tensor& t, Tensor& l, bool valid, int64_t index) {
+    const data::GptSampleSource* src = valid ? source.valid() : source.train();
+    int32_t* tp = t.data<int32_t>();
+    int32_t* lp = l.data<int32_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t i = (index * B + b) % static_cast<int64_t>(src->size());
+      src->get(i, tp + b * S, lp + b * S, mask.data());
+      for (int64_t s = 0; s < S; ++s)
+        if (mask[static_cast<size_t>(s)] == 0.0f) lp[b * S + s] = -1;
+    }
   };
-  const double v0 = train::evaluate(gpt, tcfg, batches);
-  std::printf(" validation loss before training: %.4f\n", v0);
-  train::train(gpt, opt, tcfg, batches, stdout);
-  const int64_t n = a.i64("--generate-tokens");
-  if (n > 0) {
+  const train::TrainLog log = train::train(gpt, opt, tcfg, batches, stdout);
+  if (log.stopped_by_signal) return 0;
+  const int64_t count = a.i64("--generate-tokens");
+  if (count > 0) {
     const std::string prompt = a.str("--prompt");
-    const std::vector<int32_t> ids(prompt.begin(), prompt.end());
-    const auto out = train::generate(gpt, ids, n, 0.8f, tcfg.seed);
-    std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), data::ByteCorpus::decode(out).c_str());
+    const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed);
+    std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());
   }
   return 0;
 }

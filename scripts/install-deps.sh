@@ -8,7 +8,7 @@ packages=(
   libdnnl-dev libomp-dev
   libgtest-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
-  nlohmann-json3-dev
+  nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev sentencepiece
   python3 python3-numpy
   fortunes
 )

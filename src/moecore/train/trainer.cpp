@@ -313,7 +313,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
       logged_steps = 0;
     }
     const bool last = it + 1 == cfg.train_iters;
-    if (last || (cfg.eval_interval > 0 && (it + 1) % cfg.eval_interval == 0)) {
+    if (cfg.has_validation && (last || (cfg.eval_interval > 0 && (it + 1) % cfg.eval_interval == 0))) {
       const double v = evaluate(gpt, cfg, batches);
       out.valid_loss.emplace_back(it + 1, v);
       if (log) {

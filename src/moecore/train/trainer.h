@@ -28,6 +28,7 @@ struct TrainConfig {
   int64_t log_interval = 10;        // --log-interval: steps between log lines
   int64_t eval_interval = 0;        // --eval-interval: steps between validations (0: only at the end)
   int64_t eval_iters = 4;           // --eval-iters: validation batches per evaluation
+  bool has_validation = true;       // false when the data has no validation split (no evaluation)
   uint64_t seed = 1234;             // --seed
   bool moe_per_layer_logging = false;  // --moe-per-layer-logging: a line per MoE layer at each log
   std::string save;                 // --save: checkpoint root ("" = no checkpoints)

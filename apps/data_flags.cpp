@@ -1,0 +1,34 @@
+#include "apps/data_flags.h"
+
+#include "moecore/core/error.h"
+
+namespace moecore::apps {
+
+void add_tokenizer_flags(Args& a) {
+  a.option("--tokenizer-type", "",
+           "GPT2BPETokenizer | HuggingFaceTokenizer | SentencePieceTokenizer | Llama2Tokenizer | ByteLevel")
+      .option("--vocab-file", "", "GPT-2 vocab.json, or a HF tokenizer.json")
+      .option("--merge-file", "", "GPT-2 merges.txt")
+      .option("--tokenizer-model", "", "SentencePiece .model, or a HF tokenizer.json")
+      .option("--make-vocab-size-divisible-by", "128", "pad the vocabulary to a multiple of this");
+}
+
+std::unique_ptr<data::Tokenizer> tokenizer_from(const Args& a) {
+  if (a.str("--tokenizer-type").empty())
+    MOECORE_FAIL("--tokenizer-type is required (GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, "
+                 "Llama2Tokenizer or ByteLevel)");
+  data::TokenizerOptions o;
+  o.type = a.str("--tokenizer-type");
+  o.vocab_file = a.str("--vocab-file");
+  o.merge_file = a.str("--merge-file");
+  o.tokenizer_model = a.str("--tokenizer-model");
+  return data::make_tokenizer(o);
+}
+
+int64_t padded_vocab_size(const data::Tokenizer& tok, const Args& a) {
+  const int64_t d = a.i64("--make-vocab-size-divisible-by");
+  if (d <= 0) MOECORE_FAIL("--make-vocab-size-divisible-by (", d, ") must be positive");
+  return (tok.vocab_size() + d - 1) / d * d;
+}
+
+}  // namespace moecore::apps

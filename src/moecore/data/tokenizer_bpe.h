@@ -1,0 +1,98 @@
+// Internal to the data floor: the pieces shared by the byte-level BPE tokenizers (GPT-2 files and HF
+// tokenizer.json) and the per-format constructors that make_tokenizer dispatches to. Not a public API;
+// tests include it to check the pre-tokenizers and the byte map directly.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "moecore/data/tokenizer.h"
+
+namespace moecore::data::detail {
+
+// GPT-2's byte -> character map (formats.md §6.1): printable Latin-1 bytes map to themselves, the other 68
+// bytes to U+0100.. in byte order.
+const std::array<char32_t, 256>& byte_to_char();
+// The byte a character stands for, or -1 when it is not in the 256-character alphabet.
+int char_to_byte(char32_t c);
+// The vocab spelling of raw bytes: each byte mapped through byte_to_char, UTF-8 encoded.
+std::string bytes_to_token(std::string_view bytes);
+
+// The hand-written pre-tokenizer regexes (std::regex has no \p{L}). Each splits a text into consecutive
+// pieces covering it exactly, as the regex's leftmost-first matches do:
+//  gpt2:   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+//  llama3: (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
+//          \s*[\r\n]+|\s+(?!\S)|\s+
+//  qwen2:  as llama3 with \p{N} (one digit per piece) in place of \p{N}{1,3}
+enum class Pattern { gpt2, llama3, qwen2 };
+// Appends the pieces of `text` (views into it) to `out`.
+void pretokenize(Pattern pattern, std::string_view text, std::vector<std::string_view>& out);
+// The Pattern whose regex source is `regex` (as written in a tokenizer.json), or false.
+bool pattern_from_regex(std::string_view regex, Pattern* pattern);
+
+struct BpeOptions {
+  bool ignore_merges = false;  // a whole pre-token found in the vocab is emitted as is (Llama-3)
+  int32_t unk_id = -1;         // id for a byte whose character is not in the vocab; -1 drops it (HF)
+  bool fuse_unk = false;       // consecutive unknown bytes give one unk id
+};
+
+// A byte-level BPE model: vocab (token spelling -> id) and merges in rank order. encode_word is const and
+// thread-safe; results for short words are cached in a sharded, locked map.
+class BpeModel {
+ public:
+  // `source` (type and file names) starts error messages. A merge whose parts or result are not in the vocab
+  // is an error (as in HF tokenizers); a repeated merge keeps its last rank (as in both references).
+  BpeModel(std::unordered_map<std::string, int32_t> vocab,
+           const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions opts,
+           const std::string& source);
+  // Appends the ids of one pre-token given as raw bytes.
+  void encode_word(std::string_view word, std::vector<int32_t>& out) const;
+  // Appends the bytes token `id` stands for; false when `id` is not in the vocab.
+  bool decode_token(int32_t id, std::string& out) const;
+  int32_t token_id(std::string_view spelling) const;                         // -1 when absent
+  int64_t id_end() const { return static_cast<int64_t>(id_bytes_.size()); }  // 1 + the largest id
+
+ private:
+  struct Merge {
+    int32_t rank, new_id;
+  };
+  struct Hash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  using WordMap = std::unordered_map<std::string, std::vector<int32_t>, Hash, std::equal_to<>>;
+  struct CacheShard {
+    mutable std::shared_mutex mu;
+    WordMap words;
+  };
+  static constexpr int kShards = 64;
+  static constexpr size_t kMaxCachedWordBytes = 256, kMaxCachedWordsPerShard = 4096;
+
+  void merge_word(std::string_view word, std::vector<int32_t>& out) const;
+
+  std::unordered_map<std::string, int32_t, Hash, std::equal_to<>> vocab_;
+  std::unordered_map<uint64_t, Merge> merges_;  // key: (left id << 32) | right id
+  std::array<int32_t, 256> byte_id_{};          // vocab id of each single-byte token, -1 if absent
+  std::vector<std::string> id_bytes_;           // decoded bytes per id
+  std::vector<uint8_t> id_known_;               // 1 where the id is in the vocab
+  BpeOptions opts_;
+  mutable std::array<CacheShard, kShards> cache_;
+};
+
+// make_tokenizer's per-format constructors.
+std::unique_ptr<Tokenizer> make_gpt2_bpe_tokenizer(const std::string& vocab_file,
+                                                   const std::string& merge_file);
+std::unique_ptr<Tokenizer> make_hf_tokenizer(const std::string& path);
+std::unique_ptr<Tokenizer> make_sentencepiece_tokenizer(const std::string& model_file, bool llama2);
+
+// Reads a whole file; Error naming the component (tokenizer type), `what` and the path when it cannot.
+std::string read_text_file(const std::string& path, const char* component, const char* what);
+
+}  // namespace moecore::data::detail

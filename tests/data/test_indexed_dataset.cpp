@@ -1,0 +1,340 @@
+// Megatron .bin/.idx: the formats.md §1.5 test vector byte for byte, round trips in every dtype, reader
+// errors that name the file and reason, merging; and preprocess_run (JSONL and text input, worker-count
+// independence, --append-eod) with the ByteLevel tokenizer.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moecore/core/error.h"
+#include "moecore/data/indexed_dataset.h"
+#include "moecore/data/preprocess.h"
+
+namespace moecore::data {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag)
+      : path_(fs::temp_directory_path() / ("moecore_" + tag + "_" + std::to_string(::getpid()))) {
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << bytes;
+}
+
+std::string hex(const std::string& s) {
+  static const char* d = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s) out += d[c >> 4], out += d[c & 15];
+  return out;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+const char* kBinHex = "0a000b0050c4140050c4";
+const char* kIdxHex =
+    "4d4d49444944580000"
+    "0100000000000000"
+    "08"
+    "0200000000000000"
+    "0300000000000000"
+    "03000000"
+    "02000000"
+    "0000000000000000"
+    "0600000000000000"
+    "0000000000000000"
+    "0100000000000000"
+    "0200000000000000";
+
+void write_test_vector(const std::string& prefix) {
+  IndexedDatasetBuilder b(indexed_bin_path(prefix), TokenDType::u16);
+  b.add_document(std::vector<int32_t>{10, 11, 50256});
+  b.add_document(std::vector<int32_t>{20, 50256});
+  b.finalize(indexed_idx_path(prefix));
+}
+
+TEST(IndexedDataset, TestVectorBytes) {
+  TempDir dir("idx_vector");
+  const std::string prefix = dir / "vec_text_document";
+  write_test_vector(prefix);
+  EXPECT_EQ(hex(read_bytes(prefix + ".bin")), kBinHex);
+  const std::string idx = read_bytes(prefix + ".idx");
+  EXPECT_EQ(idx.size(), 82u);
+  EXPECT_EQ(hex(idx), kIdxHex);
+  const std::vector<int32_t> lengths{3, 2};
+  const std::vector<int64_t> docs{0, 1, 2};
+  EXPECT_EQ(hex(indexed_idx_serialize(TokenDType::u16, lengths, docs)), kIdxHex);
+  EXPECT_FALSE(fs::exists(prefix + ".bin.tmp." + std::to_string(::getpid())));
+}
+
+TEST(IndexedDataset, TestVectorReadBack) {
+  TempDir dir("idx_read");
+  const std::string prefix = dir / "vec";
+  write_test_vector(prefix);
+  IndexedDataset ds(prefix);
+  EXPECT_EQ(ds.dtype(), TokenDType::u16);
+  EXPECT_EQ(ds.num_sequences(), 2);
+  EXPECT_EQ(ds.num_documents(), 2);
+  EXPECT_EQ(ds.sequence_length(0), 3);
+  EXPECT_EQ(ds.sequence_length(1), 2);
+  EXPECT_EQ(ds.sequence_pointer(1), 6);
+  EXPECT_EQ(ds.document_index(2), 2);
+  EXPECT_EQ(ds.get(0), (std::vector<int32_t>{10, 11, 50256}));
+  EXPECT_EQ(ds.get(1), (std::vector<int32_t>{20, 50256}));
+  EXPECT_EQ(ds.get(0, 1, 2), (std::vector<int32_t>{11, 50256}));
+  EXPECT_EQ(ds.sequence_lengths(0, 2), (std::vector<int32_t>{3, 2}));
+  EXPECT_THROW(ds.get(0, 2, 2), Error);
+}
+
+TEST(IndexedDataset, DtypeTable) {
+  EXPECT_EQ(token_dtype_optimal(50257), TokenDType::u16);
+  EXPECT_EQ(token_dtype_optimal(65499), TokenDType::u16);
+  EXPECT_EQ(token_dtype_optimal(65500), TokenDType::i32);
+  EXPECT_EQ(token_dtype_optimal(151936), TokenDType::i32);
+  const int sizes[9] = {0, 1, 1, 2, 4, 8, 8, 4, 2};
+  const char* names[9] = {"", "uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16"};
+  for (int c = 1; c <= 8; ++c) {
+    EXPECT_EQ(token_dtype_size(static_cast<TokenDType>(c)), sizes[c]) << c;
+    EXPECT_STREQ(token_dtype_name(static_cast<TokenDType>(c)), names[c]);
+  }
+  EXPECT_FALSE(token_dtype_valid(0));
+  EXPECT_FALSE(token_dtype_valid(9));
+}
+
+TEST(IndexedDataset, RoundTripEveryDtype) {
+  TempDir dir("idx_dtypes");
+  const std::vector<int32_t> tokens{0, 1, 2, 100, 127, 5, 7};
+  for (int c = 1; c <= 8; ++c) {
+    const auto t = static_cast<TokenDType>(c);
+    const std::string prefix = dir / ("d" + std::to_string(c));
+    IndexedDatasetBuilder b(indexed_bin_path(prefix), t);
+    b.add_document(tokens, std::vector<int32_t>{3, 4});  // one document, two sentences
+    b.add_item(std::vector<int32_t>{9});
+    b.end_document();
+    b.add_document(std::vector<int32_t>{});  // empty document: a boundary, no sequence
+    b.finalize(indexed_idx_path(prefix));
+    IndexedDataset ds(prefix);
+    EXPECT_EQ(ds.dtype(), t);
+    ASSERT_EQ(ds.num_sequences(), 3);
+    ASSERT_EQ(ds.num_documents(), 3);
+    EXPECT_EQ(ds.document_index(1), 2);
+    EXPECT_EQ(ds.document_index(2), 3);
+    EXPECT_EQ(ds.document_index(3), 3);
+    EXPECT_EQ(ds.sequence_pointer(2), 7 * token_dtype_size(t));
+    EXPECT_EQ(ds.get(0), (std::vector<int32_t>{0, 1, 2}));
+    EXPECT_EQ(ds.get(1), (std::vector<int32_t>{100, 127, 5, 7}));
+    EXPECT_EQ(ds.get(2), (std::vector<int32_t>{9}));
+  }
+}
+
+TEST(IndexedDataset, WriterRejectsOutOfRangeAndMismatchedLengths) {
+  TempDir dir("idx_range");
+  IndexedDatasetBuilder b(dir / "r.bin", TokenDType::u16);
+  const std::string msg = error_of([&] { b.add_document(std::vector<int32_t>{70000}); });
+  EXPECT_NE(msg.find("70000"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("uint16"), std::string::npos) << msg;
+  EXPECT_THROW(b.add_document(std::vector<int32_t>{1, 2}, std::vector<int32_t>{3}), Error);
+}
+
+TEST(IndexedDataset, UnfinalizedBuilderLeavesNothing) {
+  TempDir dir("idx_abort");
+  {
+    IndexedDatasetBuilder b(dir / "x.bin", TokenDType::u16);
+    b.add_document(std::vector<int32_t>{1, 2, 3});
+  }
+  EXPECT_TRUE(fs::is_empty(dir / ""));
+}
+
+TEST(IndexedDataset, ReaderErrorsNameFileAndReason) {
+  TempDir dir("idx_errors");
+  const std::string good = dir / "good";
+  write_test_vector(good);
+  const std::string idx = read_bytes(good + ".idx"), bin = read_bytes(good + ".bin");
+  struct Case {
+    const char* name;
+    std::string idx, bin, reason;
+  };
+  std::string bad_magic = idx, bad_version = idx, bad_dtype = idx;
+  bad_magic[0] = 'X';
+  bad_version[9] = 2;
+  bad_dtype[17] = 9;
+  const std::vector<Case> cases = {
+      {"magic", bad_magic, bin, "bad magic"},
+      {"version", bad_version, bin, "unsupported version 2"},
+      {"dtype", bad_dtype, bin, "unknown dtype code 9"},
+      {"header", idx.substr(0, 20), bin, "truncated index"},
+      {"arrays", idx.substr(0, 60), bin, "truncated index"},
+      {"bin", idx, bin.substr(0, 8), "truncated"},
+  };
+  for (const auto& c : cases) {
+    const std::string prefix = dir / c.name;
+    write_bytes(prefix + ".idx", c.idx);
+    write_bytes(prefix + ".bin", c.bin);
+    const std::string msg = error_of([&] { IndexedDataset ds(prefix); });
+    EXPECT_NE(msg.find(prefix), std::string::npos) << c.name << ": " << msg;
+    EXPECT_NE(msg.find(c.reason), std::string::npos) << c.name << ": " << msg;
+  }
+  const std::string missing = error_of([&] { IndexedDataset ds(dir / "nope"); });
+  EXPECT_NE(missing.find("nope.idx"), std::string::npos) << missing;
+}
+
+TEST(IndexedDataset, MergeWithAddIndex) {
+  TempDir dir("idx_merge");
+  const std::string a = dir / "a", b = dir / "b", m = dir / "m";
+  write_test_vector(a);
+  {
+    IndexedDatasetBuilder w(indexed_bin_path(b), TokenDType::u16);
+    w.add_document(std::vector<int32_t>{1, 2}, std::vector<int32_t>{1, 1});
+    w.finalize(indexed_idx_path(b));
+  }
+  IndexedDatasetBuilder w(indexed_bin_path(m), TokenDType::u16);
+  w.add_index(a);
+  w.add_index(b);
+  w.finalize(indexed_idx_path(m));
+  IndexedDataset ds(m);
+  ASSERT_EQ(ds.num_sequences(), 4);
+  ASSERT_EQ(ds.num_documents(), 3);
+  EXPECT_EQ(ds.document_index(3), 4);
+  EXPECT_EQ(ds.get(1), (std::vector<int32_t>{20, 50256}));
+  EXPECT_EQ(ds.get(3), (std::vector<int32_t>{2}));
+  IndexedDatasetBuilder wrong(dir / "w.bin", TokenDType::i32);
+  EXPECT_THROW(wrong.add_index(a), Error);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// preprocess_run
+
+PreprocessOptions byte_level(const std::string& input, const std::string& out, int workers) {
+  PreprocessOptions o;
+  o.input = input;
+  o.output_prefix = out;
+  o.tokenizer.type = "ByteLevel";
+  o.workers = workers;
+  o.batch_documents = 2;  // several rounds even on a small file
+  return o;
+}
+
+TEST(Preprocess, JsonlWorkersGiveIdenticalBytes) {
+  TempDir dir("pre_jsonl");
+  const std::string input = dir / "in.jsonl";
+  std::string text;
+  for (int i = 0; i < 23; ++i) {
+    text += "{\"id\": " + std::to_string(i) + ", \"text\": \"doc " + std::to_string(i) + " \\u00e9\\n" +
+            std::string(static_cast<size_t>(i % 5), 'x') + "\"}\n";
+    if (i == 7) text += "{\"text\": \"\"}\n\n";  // an empty document, then a blank line (skipped)
+  }
+  write_bytes(input, text);
+  auto o1 = byte_level(input, dir / "one", 1);
+  o1.append_eod = true;
+  auto o2 = o1;
+  o2.output_prefix = dir / "two";
+  o2.workers = 2;
+  const PreprocessStats s1 = preprocess_run(o1, nullptr);
+  const PreprocessStats s2 = preprocess_run(o2, nullptr);
+  ASSERT_EQ(s1.output_prefixes, std::vector<std::string>{dir / "one_text_document"});
+  EXPECT_EQ(s1.documents, 24);
+  EXPECT_EQ(s1.tokens, s2.tokens);
+  EXPECT_EQ(s1.input_bytes, static_cast<int64_t>(text.size()));
+  for (const char* ext : {".bin", ".idx"}) {
+    EXPECT_EQ(read_bytes(dir / (std::string("one_text_document") + ext)),
+              read_bytes(dir / (std::string("two_text_document") + ext)))
+        << ext;
+  }
+  IndexedDataset ds(dir / "one_text_document");
+  EXPECT_EQ(ds.dtype(), TokenDType::u16);  // ByteLevel vocab 257 < 65500
+  EXPECT_EQ(ds.num_documents(), 24);
+  EXPECT_EQ(ds.num_sequences(), 23);  // the empty document has no sequence (and no EOD)
+  const std::string doc3 = "doc 3 \xc3\xa9\nxxx";
+  std::vector<int32_t> want(doc3.begin(), doc3.end());
+  for (auto& v : want) v &= 0xff;
+  want.push_back(256);  // EOD
+  EXPECT_EQ(ds.get(3), want);
+  EXPECT_EQ(ds.document_index(8), 8);
+  EXPECT_EQ(ds.document_index(9), 8);  // document 8 is the empty one
+}
+
+TEST(Preprocess, ListValuesAreSentencesAndEodClosesTheLast) {
+  TempDir dir("pre_list");
+  const std::string input = dir / "in.jsonl";
+  write_bytes(input, "{\"text\": [\"ab\", \"\", \"c\"], \"title\": \"T\"}\n");
+  auto o = byte_level(input, dir / "out", 1);
+  o.append_eod = true;
+  o.json_keys = {"text", "title"};
+  const auto stats = preprocess_run(o, nullptr);
+  ASSERT_EQ(stats.output_prefixes.size(), 2u);
+  IndexedDataset text(stats.output_prefixes[0]), title(stats.output_prefixes[1]);
+  ASSERT_EQ(text.num_sequences(), 2);
+  EXPECT_EQ(text.get(0), (std::vector<int32_t>{'a', 'b'}));
+  EXPECT_EQ(text.get(1), (std::vector<int32_t>{'c', 256}));
+  EXPECT_EQ(text.num_documents(), 1);
+  EXPECT_EQ(title.get(0), (std::vector<int32_t>{'T', 256}));
+}
+
+TEST(Preprocess, TextInputLinesAndParagraphs) {
+  TempDir dir("pre_text");
+  const std::string input = dir / "in.txt";
+  write_bytes(input, "first line\r\n\nsecond\nthird\n  \nlast");
+  auto lines = byte_level(input, dir / "lines", 2);
+  preprocess_run(lines, nullptr);
+  IndexedDataset a(dir / "lines_text_document");
+  ASSERT_EQ(a.num_documents(), 4);
+  EXPECT_EQ(a.get(0).size(), 10u);  // "first line" without "\r\n"
+  EXPECT_EQ(a.get(2).size(), 5u);   // "third"
+  auto paragraphs = byte_level(input, dir / "paras", 2);
+  paragraphs.documents_by_blank_line = true;
+  preprocess_run(paragraphs, nullptr);
+  IndexedDataset b(dir / "paras_text_document");
+  ASSERT_EQ(b.num_documents(), 3);
+  const auto mid = b.get(1);
+  EXPECT_EQ(std::string(mid.begin(), mid.end()), "second\nthird");
+}
+
+TEST(Preprocess, ErrorsNameTheInput) {
+  TempDir dir("pre_err");
+  const std::string input = dir / "bad.jsonl";
+  write_bytes(input, "{\"text\": \"ok\"}\n{\"body\": \"no text key\"}\n");
+  const std::string missing = error_of([&] { preprocess_run(byte_level(input, dir / "o", 2), nullptr); });
+  EXPECT_NE(missing.find("line 2"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("\"text\""), std::string::npos) << missing;
+  EXPECT_FALSE(fs::exists(dir / "o_text_document.idx"));
+  write_bytes(input, "{\"text\": \"ok\"\n");
+  const std::string broken = error_of([&] { preprocess_run(byte_level(input, dir / "o", 1), nullptr); });
+  EXPECT_NE(broken.find("not valid JSON"), std::string::npos) << broken;
+  const std::string absent =
+      error_of([&] { preprocess_run(byte_level(dir / "none.jsonl", dir / "o", 1), nullptr); });
+  EXPECT_NE(absent.find("none.jsonl"), std::string::npos) << absent;
+  auto zero = byte_level(input, dir / "o", 0);
+  EXPECT_THROW(preprocess_run(zero, nullptr), Error);
+}
+
+}  // namespace
+}  // namespace moecore::data
