@@ -135,7 +135,9 @@ int train_main(int argc, char** argv) {
   dcfg.split = a.str("--split");
   const auto n = data::gpt_split_num_samples(tcfg.train_iters, tcfg.global_batch_size, tcfg.eval_interval,
                                              tcfg.eval_iters);
-  for (int s = 0; s < 3; ++s) dcfg.num_samples[static_cast<size_t>(s)] = n[static_cast<size_t>(s)];
+  dcfg.num_samples[0] = n[0];
+  dcfg.num_samples[1] = n[1];
+  dcfg.num_samples[2] = 0;  // the test split is not used by training
   dcfg.dataset.seq_length = mcfg.seq_length;
   dcfg.dataset.seed = static_cast<uint32_t>(tcfg.seed);
   dcfg.dataset.pad_id = tok->pad();

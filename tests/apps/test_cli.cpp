@@ -1,0 +1,113 @@
+// System tests of the `moecore` program as a user runs it: preprocess -> train with checkpoints -> generate,
+// resume after SIGTERM in a real child process, and bad flags failing with a clear message.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "moecore/io/checkpoint.h"
+#include "test_util.h"
+
+namespace moecore {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Result {
+  int status;
+  std::string output;
+};
+
+Result run(const std::string& args) {
+  const std::string cmd = std::string(MOECORE_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  const int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("moecore_cli_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ofstream f(dir_ / "corpus.jsonl");
+    for (int i = 0; i < 400; ++i)
+      f << "{\"text\": \"document " << i << ": the quick brown fox jumps over the lazy dog " << i % 7 << "\"}\n";
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string p(const char* name) const { return (dir_ / name).string(); }
+  std::string train_args(int iters) const {
+    return "train --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel --num-layers 2 --hidden-size 32 "
+           "--num-attention-heads 2 --seq-length 32 --swiglu --num-experts 4 --moe-router-topk 2 "
+           "--moe-aux-loss-coeff 1e-2 --micro-batch-size 2 --global-batch-size 4 --log-interval 5 --eval-interval 5 "
+           "--eval-iters 2 --generate-tokens 0 --save " + p("ckpt") + " --train-iters " + std::to_string(iters);
+  }
+  fs::path dir_;
+};
+
+TEST_F(Cli, PreprocessTrainResumeGenerate) {
+  Result r = run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
+                 " --tokenizer-type ByteLevel --append-eod --workers 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run(train_args(10) + " --exit-interval 5");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("saved checkpoint at iteration 5"), std::string::npos) << r.output;
+  r = run(train_args(10) + " --load " + p("ckpt"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("loaded checkpoint"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("iteration     10/    10"), std::string::npos) << r.output;
+  r = run("generate --load " + p("ckpt") + " --tokenizer-type ByteLevel --num-layers 2 --hidden-size 32 "
+          "--num-attention-heads 2 --seq-length 32 --swiglu --num-experts 4 --moe-router-topk 2 --prompt doc "
+          "--max-new-tokens 8");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.rfind("doc", 0), 0u) << r.output;
+}
+
+TEST_F(Cli, SigtermLeavesALoadableCheckpoint) {
+  ASSERT_EQ(run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
+                " --tokenizer-type ByteLevel --append-eod").status, 0);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const std::string cmd = std::string(MOECORE_BINARY) + " " + train_args(100000) + " > " + p("log.txt") + " 2>&1";
+    execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  // Wait until training is under way, then ask it to stop.
+  for (int i = 0; i < 600; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::ifstream f(p("log.txt"));
+    std::string s((std::istreambuf_iterator<char>(f)), {});
+    if (s.find("iteration") != std::string::npos) break;
+  }
+  kill(pid, SIGTERM);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  std::ifstream f(p("log.txt"));
+  const std::string log((std::istreambuf_iterator<char>(f)), {});
+  ASSERT_TRUE(WIFEXITED(st)) << log;
+  EXPECT_EQ(WEXITSTATUS(st), 0) << log;
+  EXPECT_NE(log.find("received signal"), std::string::npos) << log;
+  const auto latest = io::checkpoint_find_latest(p("ckpt"));
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_NO_THROW(io::checkpoint_load(*latest));
+}
+
+TEST_F(Cli, BadFlagsFailWithAClearMessage) {
+  Result r = run("train --num-expert 4");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("did you mean '--num-experts'"), std::string::npos) << r.output;
+  r = run("train --data-path x --tokenizer-type ByteLevel --num-experts 6 --moe-router-topk 8");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--moe-router-topk (8)"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace moecore
