@@ -29,6 +29,12 @@ inline bf16 float_to_bf16(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
   return bf16{static_cast<uint16_t>(u >> 16)};
 }
+// Overloads for code templated on the element type (f32 or bf16 storage, f32 math).
+inline float to_float(float v) { return v; }
+inline float to_float(bf16 v) { return bf16_to_float(v); }
+inline void from_float(float& d, float v) { d = v; }
+inline void from_float(bf16& d, float v) { d = float_to_bf16(v); }
+
 float f16_to_float(f16 h);
 f16 float_to_f16(float f);
 float f8e4m3_to_float(f8e4m3 v);

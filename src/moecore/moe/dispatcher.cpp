@@ -10,18 +10,6 @@
 namespace moecore::moe {
 namespace {
 
-inline float ld(float v) {
-  return v;
-}
-inline float ld(bf16 v) {
-  return bf16_to_float(v);
-}
-inline void st(float& d, float v) {
-  d = v;
-}
-inline void st(bf16& d, float v) {
-  d = float_to_bf16(v);
-}
 
 template <class Fn>
 decltype(auto) with_float(DType t, Fn&& fn) {
@@ -54,7 +42,7 @@ void gather_rows(TD* dst, int64_t dst_ld, const TS* src, int64_t src_ld, int64_t
     const TS* s = src + t * src_ld;
     TD* d = dst + r * dst_ld;
 #pragma omp simd
-    for (int64_t j = 0; j < H; ++j) st(d[j], ld(s[j]));
+    for (int64_t j = 0; j < H; ++j) from_float(d[j], to_float(s[j]));
     if (pp) {
       const int64_t e = std::upper_bound(off, off + E + 1, r) - off - 1;
       pp[r] = probs[t * E + e];
@@ -198,10 +186,10 @@ void unpermute_tokens(Tensor& y, const Tensor& rows, const DispatchPlan& plan, b
         const T_* src = rp + r * ldr;
         if (first) {
 #pragma omp simd
-          for (int64_t j = 0; j < H; ++j) yt[j] = ld(src[j]);
+          for (int64_t j = 0; j < H; ++j) yt[j] = to_float(src[j]);
         } else {
 #pragma omp simd
-          for (int64_t j = 0; j < H; ++j) yt[j] += ld(src[j]);
+          for (int64_t j = 0; j < H; ++j) yt[j] += to_float(src[j]);
         }
         first = false;
       }

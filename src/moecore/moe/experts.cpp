@@ -8,18 +8,6 @@
 namespace moecore::moe {
 namespace {
 
-inline float ld(float v) {
-  return v;
-}
-inline float ld(bf16 v) {
-  return bf16_to_float(v);
-}
-inline void st(float& d, float v) {
-  d = v;
-}
-inline void st(bf16& d, float v) {
-  d = float_to_bf16(v);
-}
 
 constexpr int64_t kParallelWork = 1 << 15;
 
@@ -31,7 +19,7 @@ void scale_rows_kernel(T* a, const T* act, const float* p, int64_t R, int64_t F)
   for (int64_t r = 0; r < R; ++r) {
     const float pr = p[r];
 #pragma omp simd
-    for (int64_t j = 0; j < F; ++j) st(a[r * F + j], ld(act[r * F + j]) * pr);
+    for (int64_t j = 0; j < F; ++j) from_float(a[r * F + j], to_float(act[r * F + j]) * pr);
   }
 }
 
@@ -48,10 +36,10 @@ void probs_backward_kernel(float* dprobs, T* da, T* a, const T* act, const float
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t j = 0; j < F; ++j) {
-      const float v = ld(actr[j]), g = ld(dar[j]);
+      const float v = to_float(actr[j]), g = to_float(dar[j]);
       dot += v * g;
-      st(dar[j], g * pr);
-      st(ar[j], v * pr);
+      from_float(dar[j], g * pr);
+      from_float(ar[j], v * pr);
     }
     dprobs[r] = dot;
   }

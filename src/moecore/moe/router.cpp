@@ -16,19 +16,6 @@ namespace {
 
 constexpr int64_t kWorkRows = 1024;  // rows of cache.work: a chunk of x widened to f32, or of dlogits @ W
 
-inline float ld(float v) {
-  return v;
-}
-inline float ld(bf16 v) {
-  return bf16_to_float(v);
-}
-inline void st_val(float& d, float v) {
-  d = v;
-}
-inline void st_val(bf16& d, float v) {
-  d = float_to_bf16(v);
-}
-
 template <class Fn>
 decltype(auto) with_x_type(DType t, Fn&& fn) {
   if (t == DType::bf16) return fn(bf16{});
@@ -44,7 +31,7 @@ void jitter_forward(X* xj, float* u, const X* x, int64_t n, uint64_t seed, uint6
   for (int64_t i = 0; i < n; ++i) {
     const float r = (1.0f - eps) + 2.0f * eps * philox_uniform(key, first + static_cast<uint64_t>(i));
     u[i] = r;
-    st_val(xj[i], ld(x[i]) * r);
+    from_float(xj[i], to_float(x[i]) * r);
   }
 }
 
@@ -54,7 +41,7 @@ void gating_f64(double* logits, const X* x, const float* w, int64_t T, int64_t H
 #pragma omp parallel for schedule(static) if (T * E * H > kParallelWork)
   for (int64_t t = 0; t < T; ++t) {
     double* xr = scratch<double, 30>(static_cast<size_t>(H));
-    for (int64_t h = 0; h < H; ++h) xr[h] = ld(x[t * H + h]);
+    for (int64_t h = 0; h < H; ++h) xr[h] = to_float(x[t * H + h]);
     for (int64_t e = 0; e < E; ++e) {
       const float* wr = w + e * H;
       double acc = 0;
@@ -81,7 +68,7 @@ void gating_backward_f64(float* dx, float* dw, const double* dl, const X* xj, co
     std::fill(acc, acc + ne * H, 0.0);
     for (int64_t t0 = 0; t0 < T; t0 += 4) {
       const int64_t nt = std::min<int64_t>(4, T - t0);
-      for (int64_t i = 0; i < 4 * H; ++i) xr[i] = i < nt * H ? static_cast<double>(ld(xj[t0 * H + i])) : 0.0;
+      for (int64_t i = 0; i < 4 * H; ++i) xr[i] = i < nt * H ? static_cast<double>(to_float(xj[t0 * H + i])) : 0.0;
       for (int64_t k = 0; k < ne; ++k) {
         double a[4] = {};
         for (int64_t j = 0; j < nt; ++j) a[j] = dl[(t0 + j) * E + e0 + k];

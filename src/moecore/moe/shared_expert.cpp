@@ -12,18 +12,6 @@
 namespace moecore::moe {
 namespace {
 
-inline float ld(float v) {
-  return v;
-}
-inline float ld(bf16 v) {
-  return bf16_to_float(v);
-}
-inline void st(float& d, float v) {
-  d = v;
-}
-inline void st(bf16& d, float v) {
-  d = float_to_bf16(v);
-}
 
 constexpr int64_t kParallelWork = 1 << 15;
 
@@ -40,7 +28,7 @@ void gate_forward_kernel(float* y, float* s, const T* x, const float* g, const f
     const T* xt = x + t * H;
     float z = 0.0f;
 #pragma omp simd reduction(+ : z)
-    for (int64_t j = 0; j < H; ++j) z += ld(xt[j]) * g[j];
+    for (int64_t j = 0; j < H; ++j) z += to_float(xt[j]) * g[j];
     const float st_ = sigmoid(z);
     s[t] = st_;
     float* yt = y + t * H;
@@ -68,7 +56,7 @@ void gate_backward_rows(T* dout_c, float* dz, float* dx, const float* dy, const 
     float* dxt = dx + t * H;
 #pragma omp simd
     for (int64_t j = 0; j < H; ++j) {
-      st(dct[j], dyt[j] * st_);
+      from_float(dct[j], dyt[j] * st_);
       dxt[j] += dzt * g[j];
     }
   }
@@ -87,7 +75,7 @@ void gate_weight_grad(float* dg, const float* dz, const T* x, int64_t N, int64_t
       const T* xt = x + t * H;
       const float d = dz[t];
 #pragma omp simd
-      for (int64_t j = j0; j < j1; ++j) acc[j - j0] += d * ld(xt[j]);
+      for (int64_t j = j0; j < j1; ++j) acc[j - j0] += d * to_float(xt[j]);
     }
     for (int64_t j = j0; j < j1; ++j) dg[j] += acc[j - j0];
   }
