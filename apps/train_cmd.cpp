@@ -173,7 +173,7 @@ int train_main(int argc, char** argv) {
   const int64_t count = a.i64("--generate-tokens");
   if (count > 0) {
     const std::string prompt = a.str("--prompt");
-    const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed);
+    const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed, tok->eod());
     std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());
   }
   return 0;

@@ -347,7 +347,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
 }
 
 std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& prompt, int64_t count,
-                              float temperature, uint64_t seed) {
+                              float temperature, uint64_t seed, int32_t stop_token) {
   const auto& m = gpt.config();
   const int64_t B = gpt.micro_batch_size(), S = m.seq_length, V = m.vocab_size;
   Tensor tokens = Tensor::zeros({B, S}, DType::i32, MemCategory::workspace);
@@ -370,6 +370,7 @@ std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& 
     double u = philox_uniform(key, static_cast<uint64_t>(t)) * z;
     int64_t pick = 0;
     while (pick + 1 < k && (u -= p[pick]) > 0) ++pick;
+    if (cand[pick].second == stop_token) break;
     ctx.push_back(cand[pick].second);
     out.push_back(cand[pick].second);
   }
