@@ -9,6 +9,9 @@
 #include "apps/data_flags.h"
 #include "apps/model_flags.h"
 #include "moecore/data/gpt_dataset.h"
+#include "moecore/io/checkpoint.h"
+#include "moecore/model/upcycling.h"
+#include "moecore/train/checkpointing.h"
 #include "moecore/train/gemm_peak.h"
 #include "moecore/train/trainer.h"
 
@@ -53,6 +56,8 @@ void add_training_flags(Args& a) {
       .flag("--no-exit-signal-handler", "let SIGTERM/SIGINT kill the process")
       .flag("--no-check-for-nan-in-loss-and-grad", "do not check loss and gradients for NaN/Inf")
       .option("--nan-action", "stop", "on NaN/Inf: stop (error naming the tensor) | skip (drop the step)")
+      .flag("--moe-use-upcycling", "start the MoE model from the dense checkpoint given by --load")
+      .option("--moe-upcycling-granularity", "1", "experts per dense MLP copy: dense ffn = g * moe ffn")
       .option("--generate-tokens", "200", "tokens sampled after training (0: none)")
       .option("--prompt", "The ", "text the sample starts from");
 }
@@ -110,6 +115,29 @@ optim::AdamWConfig optimizer_config_from(const Args& a) {
   return o;
 }
 
+// --moe-use-upcycling: the dense model of the same flags (without experts) is loaded from --load and
+// converted (spec §10); the MoE model then trains from iteration 0 with a fresh optimizer.
+void upcycle_from_dense(model::GptModel& gpt, const Args& a, const train::TrainConfig& tcfg) {
+  const model::ModelConfig& mc = gpt.config();
+  if (!mc.moe.enabled()) MOECORE_FAIL("--moe-use-upcycling needs --num-experts");
+  if (tcfg.load.empty()) MOECORE_FAIL("--moe-use-upcycling needs --load with the dense checkpoint");
+  const int64_t g = a.i64("--moe-upcycling-granularity");
+  if (g <= 0 || mc.ffn() != g * mc.moe_ffn())
+    MOECORE_FAIL("--moe-upcycling-granularity (", g, ") must equal --ffn-hidden-size (", mc.ffn(),
+                 ") / --moe-ffn-hidden-size (", mc.moe_ffn(), ")");
+  model::ModelConfig dc = mc;
+  dc.moe = moe::MoeConfig{};
+  dc.moe.swiglu = mc.swiglu;
+  model::GptModel dense(dc, 1, tcfg.seed);
+  optim::AdamW dense_opt(dense.params(), optim::AdamWConfig{});
+  const auto dir = io::checkpoint_find_latest(tcfg.load);
+  if (!dir) MOECORE_FAIL("--load ", tcfg.load, ": no committed checkpoint to upcycle");
+  train::load_training_checkpoint(*dir, dense, dense_opt, tcfg.seed);
+  model::upcycle_dense_to_moe(dense, gpt);
+  std::printf(" upcycled the dense checkpoint %s into %lld experts (granularity %lld)\n", dir->c_str(),
+              static_cast<long long>(mc.moe.num_experts), static_cast<long long>(g));
+}
+
 }  // namespace
 
 int train_main(int argc, char** argv) {
@@ -149,6 +177,10 @@ int train_main(int argc, char** argv) {
 
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed);
   optim::AdamW opt(gpt.params(), optimizer_config_from(a));
+  if (a.on("--moe-use-upcycling")) {
+    upcycle_from_dense(gpt, a, tcfg);
+    tcfg.load.clear();  // the run starts at iteration 0 from the upcycled weights, as in Megatron
+  }
   tcfg.peak_gflops = train::gemm_peak_gflops(mcfg.compute_dtype);
   std::printf("moecore train: %s\n  %lld parameters, tokenizer %s (vocab %lld, padded to %lld), GEMM peak %.1f "
               "GFLOP/s\n%s%s",

@@ -100,6 +100,25 @@ TEST_F(Cli, SigtermLeavesALoadableCheckpoint) {
   EXPECT_NO_THROW(io::checkpoint_load(*latest));
 }
 
+TEST_F(Cli, UpcyclesADenseCheckpointIntoAnMoe) {
+  ASSERT_EQ(run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
+                " --tokenizer-type ByteLevel --append-eod").status, 0);
+  const std::string model = " --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel --num-layers 2 "
+                            "--hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu --ffn-hidden-size 64 "
+                            "--micro-batch-size 2 --global-batch-size 2 --log-interval 2 --eval-iters 1 "
+                            "--generate-tokens 0 --train-iters 2";
+  Result r = run("train" + model + " --save " + p("dense"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run("train" + model + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-use-upcycling "
+          "--moe-upcycling-granularity 2 --load " + p("dense") + " --save " + p("moe"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("upcycled the dense checkpoint"), std::string::npos) << r.output;
+  r = run("train" + model + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-use-upcycling "
+          "--moe-upcycling-granularity 3 --load " + p("dense"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--moe-upcycling-granularity (3)"), std::string::npos) << r.output;
+}
+
 TEST_F(Cli, BadFlagsFailWithAClearMessage) {
   Result r = run("train --num-expert 4");
   EXPECT_NE(r.status, 0);
