@@ -101,6 +101,7 @@ int64_t accumulate_moe_losses(const model::GptModel& gpt, MoeStepLosses& acc) {
 
 std::string format_moe_losses(const moe::MoeConfig& mc, const MoeStepLosses& l) {
   std::string s;
+  if (!mc.enabled()) return s;
   char buf[64];
   auto add = [&](const char* name, double v) {
     std::snprintf(buf, sizeof buf, " | %s %.4f", name, v);
@@ -167,11 +168,13 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
                                                          {"grad-norm", grad_norm},
                                                          {"throughput/tokens_per_s", tokens_per_s},
                                                          {"throughput/tflops", tflops}};
-  if (mc.uses(moe::LoadBalancing::aux_loss)) scalars.emplace_back("load_balancing_loss", moe_losses.aux_loss);
-  if (mc.uses(moe::LoadBalancing::seq_aux_loss)) scalars.emplace_back("seq_load_balancing_loss", moe_losses.seq_aux_loss);
-  if (mc.uses(moe::LoadBalancing::global_aux_loss))
+  if (mc.enabled() && mc.uses(moe::LoadBalancing::aux_loss))
+    scalars.emplace_back("load_balancing_loss", moe_losses.aux_loss);
+  if (mc.enabled() && mc.uses(moe::LoadBalancing::seq_aux_loss))
+    scalars.emplace_back("seq_load_balancing_loss", moe_losses.seq_aux_loss);
+  if (mc.enabled() && mc.uses(moe::LoadBalancing::global_aux_loss))
     scalars.emplace_back("global_load_balancing_loss", moe_losses.global_aux_loss);
-  if (mc.z_loss_coeff > 0) scalars.emplace_back("z_loss", moe_losses.z_loss);
+  if (mc.enabled() && mc.z_loss_coeff > 0) scalars.emplace_back("z_loss", moe_losses.z_loss);
   if (per_layer) {
     for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
       const moe::RouterStats* st = gpt.moe_stats(l);
