@@ -1,0 +1,65 @@
+// Internal seam between parallel/comm.h and its backends: parallel/mpi/ (MPI), parallel/local/ (one
+// process, no library) and later parallel/nccl/. Exactly one backend is linked (a link-time seam, like
+// kernels/cuda/no_device.cpp). Only parallel/*.cpp include this; the deterministic algorithms, argument
+// checks and debug-mode checks live in comm.cpp/collectives.cpp and use these primitives only.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moecore/core/dtype.h"
+
+namespace moecore::detail {
+
+struct BackendComm;  // one communicator; defined by the backend
+
+// Who calls what: everything a timeout or backend error message must name.
+struct CallInfo {
+  std::string_view op;       // "all_reduce_sum", "all_to_all_v (debug check)", ...
+  const std::string& group;  // group name
+  int rank = 0;              // index in the group
+  int world_rank = 0;
+  uint64_t seq = 0;      // call number on this communicator
+  double timeout_s = 0;  // <= 0: wait forever
+};
+
+// "comm: <op> on group <name> timed out after N s on rank R (world rank W) ..." (shared wording).
+[[noreturn]] void throw_timeout(const CallInfo& call);
+// "comm: <op> on group <name> on rank R (world rank W): <what>"
+[[noreturn]] void throw_backend_error(const CallInfo& call, const std::string& what);
+
+const char* backend_name();
+bool backend_multi_process();
+void backend_init(int& argc, char**& argv);
+void backend_finalize();
+bool backend_initialized();
+int backend_world_size();
+int backend_world_rank();
+std::shared_ptr<BackendComm> backend_world();
+// Collective over parent: members with equal color form a communicator, ordered by key.
+std::shared_ptr<BackendComm> backend_split(BackendComm& parent, int color, int key, const CallInfo& call);
+
+// Counts and displacements are in elements, one per group rank. All wait with call.timeout_s.
+void backend_all_gather(void* out, const void* in, int64_t n, DType t, BackendComm& c, const CallInfo& call);
+void backend_all_gather_v(void* out, const int64_t* counts, const int64_t* displs, const void* in, DType t,
+                          BackendComm& c, const CallInfo& call);
+void backend_all_to_all_v(void* out, const int64_t* recv_counts, const int64_t* recv_displs, const void* in,
+                          const int64_t* send_counts, const int64_t* send_displs, DType t, BackendComm& c,
+                          const CallInfo& call);
+void backend_broadcast(void* buf, int64_t n, DType t, int root, BackendComm& c, const CallInfo& call);
+void backend_barrier(BackendComm& c, const CallInfo& call);
+[[noreturn]] void backend_abort(int code);
+
+// Shared by every copy of a ProcessGroup (comm.cpp and collectives.cpp; backends never see it).
+struct GroupState {
+  std::shared_ptr<BackendComm> comm;  // null for size-1 groups: their collectives are plain copies
+  uint64_t seq = 0;                   // collectives issued on this communicator (debug mode compares it)
+  std::string broken;                 // non-empty once a timeout or backend error left peers stuck
+  std::vector<std::byte> scratch;     // grow-only workspace of the deterministic reductions
+  std::vector<int64_t> counts;        // grow-only workspace for counts and displacements
+};
+
+}  // namespace moecore::detail

@@ -1,0 +1,306 @@
+// comm.h, part 1: options, world start-up, process-group construction and splitting, the Tensor forms of
+// the collectives, and the shared error wording. The collectives themselves live in collectives.cpp;
+// nothing here knows which backend is linked.
+#include "moecore/parallel/comm.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <optional>
+#include <utility>
+
+#include "moecore/core/error.h"
+#include "moecore/parallel/backend.h"
+
+namespace moecore {
+namespace detail {
+
+void debug_check_split(const ProcessGroup& parent, GroupState& st, const CallInfo& call,
+                       const std::vector<std::vector<int>>& partition);  // collectives.cpp
+
+[[noreturn]] void throw_timeout(const CallInfo& call) {
+  MOECORE_FAIL(
+      "comm: ", call.op, " on group ", call.group, " timed out after ", call.timeout_s, " s on rank ",
+      call.rank, " (world rank ", call.world_rank, "): call #", call.seq,
+      " on this group; a peer never reached it (a rank skipped or reordered a collective, or is stuck "
+      "or dead). The group is unusable now: end the job with comm_abort(). MOECORE_COMM_DEBUG=1 checks "
+      "that ranks call matching collectives; MOECORE_COMM_TIMEOUT_S sets the limit.");
+}
+
+[[noreturn]] void throw_backend_error(const CallInfo& call, const std::string& what) {
+  MOECORE_FAIL("comm: ", call.op, " on group ", call.group, " on rank ", call.rank, " (world rank ",
+               call.world_rank, "), call #", call.seq, ": ", what,
+               " (if ranks may disagree on sizes, rerun with MOECORE_COMM_DEBUG=1)");
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::GroupState;
+
+// Read from the environment on first use unless comm_init or comm_set_options set them first.
+std::optional<CommOptions>& options_slot() {
+  static std::optional<CommOptions> options;
+  return options;
+}
+
+std::shared_ptr<GroupState>& world_state() {
+  static std::shared_ptr<GroupState> state;
+  return state;
+}
+
+std::string lower(std::string s) {
+  for (char& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return s;
+}
+
+void check_tensor(const Tensor& t, const char* op, const ProcessGroup& g, const char* which) {
+  if (!t.defined())
+    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor is undefined");
+  if (t.device() != Device::cpu)
+    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(),
+                 " lives on the GPU; the ", comm_backend_name(),
+                 " backend moves CPU memory only (device tensors need the NCCL backend, not built yet)");
+  if (!t.is_contiguous())
+    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(),
+                 " is not contiguous; pass a contiguous tensor (e.g. clone())");
+}
+
+void check_same_dtype(const Tensor& out, const Tensor& in, const char* op, const ProcessGroup& g) {
+  if (out.dtype() != in.dtype())
+    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": output ", out.str(), " and input ", in.str(),
+                 " differ in dtype");
+}
+
+int64_t row_elems(const Tensor& t, const char* op, const ProcessGroup& g) {
+  if (t.dim() == 0)
+    MOECORE_FAIL("comm: ", op, " on group ", g.name(),
+                 ": counts are rows of dim 0 but the tensor is a scalar");
+  int64_t e = 1;
+  for (int i = 1; i < t.dim(); ++i) e *= t.size(i);
+  return e;
+}
+
+std::vector<int64_t> rows_to_elems(std::span<const int64_t> rows, int64_t row) {
+  std::vector<int64_t> out(rows.begin(), rows.end());
+  for (int64_t& v : out) v *= row;
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// Options and world
+// ---------------------------------------------------------------------------------------------------
+
+CommOptions comm_options_from_env() {
+  CommOptions o;
+  if (const char* v = std::getenv("MOECORE_COMM_DEBUG")) {
+    const std::string s = lower(v);
+    if (s == "1" || s == "true" || s == "on" || s == "yes")
+      o.debug = true;
+    else if (s.empty() || s == "0" || s == "false" || s == "off" || s == "no")
+      o.debug = false;
+    else
+      MOECORE_FAIL("comm: MOECORE_COMM_DEBUG=", v, " is not a boolean; use 1 or 0");
+  }
+  if (const char* v = std::getenv("MOECORE_COMM_TIMEOUT_S")) {
+    char* end = nullptr;
+    const double t = std::strtod(v, &end);
+    if (end == v || *end != '\0' || !std::isfinite(t))
+      MOECORE_FAIL("comm: MOECORE_COMM_TIMEOUT_S=", v,
+                   " is not a number of seconds (e.g. 600; 0 waits forever)");
+    o.timeout_s = t;
+  }
+  return o;
+}
+
+void comm_init(int& argc, char**& argv) {
+  comm_init(argc, argv, comm_options_from_env());
+}
+
+void comm_init(int& argc, char**& argv, const CommOptions& options) {
+  detail::backend_init(argc, argv);
+  options_slot() = options;
+}
+
+void comm_finalize() {
+  world_state().reset();
+  detail::backend_finalize();
+}
+
+bool comm_initialized() {
+  return detail::backend_initialized();
+}
+bool comm_available() {
+  return detail::backend_multi_process();
+}
+const char* comm_backend_name() {
+  return detail::backend_name();
+}
+const CommOptions& comm_options() {
+  auto& slot = options_slot();
+  if (!slot) slot = comm_options_from_env();
+  return *slot;
+}
+void comm_set_options(const CommOptions& options) {
+  options_slot() = options;
+}
+void comm_abort(int code) {
+  detail::backend_abort(code);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Process groups
+// ---------------------------------------------------------------------------------------------------
+
+ProcessGroup::ProcessGroup(std::string name, std::vector<int> ranks, int rank,
+                           std::shared_ptr<GroupState> state)
+    : name_(std::move(name)), ranks_(std::move(ranks)), rank_(rank), state_(std::move(state)) {
+  MOECORE_CHECK(rank_ >= 0 && rank_ < static_cast<int>(ranks_.size()), "group ", name_, ": index ", rank_,
+                " outside ", ranks_.size(), " ranks");
+}
+
+GroupState& ProcessGroup::state() const {
+  MOECORE_CHECK(state_ != nullptr, "use of a default-constructed ProcessGroup");
+  return *state_;
+}
+
+ProcessGroup ProcessGroup::renamed(std::string name) const {
+  ProcessGroup g = *this;
+  g.name_ = std::move(name);
+  return g;
+}
+
+ProcessGroup comm_world() {
+  if (!detail::backend_initialized())
+    MOECORE_FAIL("comm: comm_world() called before comm_init(argc, argv) (backend ", comm_backend_name(),
+                 "); call comm_init first, or use comm_single() for a one-process group");
+  auto& st = world_state();
+  if (!st) {
+    st = std::make_shared<GroupState>();
+    st->comm = detail::backend_world();
+  }
+  const int n = detail::backend_world_size();
+  std::vector<int> ranks(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) ranks[static_cast<size_t>(i)] = i;
+  return ProcessGroup("world", std::move(ranks), detail::backend_world_rank(), st);
+}
+
+ProcessGroup comm_single(std::string name) {
+  const int me = detail::backend_initialized() ? detail::backend_world_rank() : 0;
+  return ProcessGroup(std::move(name), {me}, 0, std::make_shared<GroupState>());
+}
+
+ProcessGroup group_split(const ProcessGroup& parent, std::string name,
+                         const std::vector<std::vector<int>>& partition) {
+  if (!parent.valid())
+    MOECORE_FAIL("comm: group_split(", name, ") of a default-constructed ProcessGroup; split comm_world()");
+  GroupState& pst = parent.state();
+  if (!pst.broken.empty())
+    MOECORE_FAIL("comm: group_split(", name, ") of group ", parent.name(),
+                 ", which is unusable after an earlier failure (", pst.broken, ")");
+  // Every rank of the parent in exactly one group, and nothing else: identical checks on every rank.
+  std::vector<int> seen(parent.ranks());
+  std::sort(seen.begin(), seen.end());
+  std::vector<int> count(seen.size(), 0);
+  int color = -1, key = -1;
+  bool all_single = true;
+  for (size_t gi = 0; gi < partition.size(); ++gi) {
+    if (partition[gi].empty())
+      MOECORE_FAIL("comm: group_split(", name, "): group ", gi, " of the partition is empty");
+    all_single = all_single && partition[gi].size() == 1;
+    for (size_t k = 0; k < partition[gi].size(); ++k) {
+      const int r = partition[gi][k];
+      auto it = std::lower_bound(seen.begin(), seen.end(), r);
+      if (it == seen.end() || *it != r)
+        MOECORE_FAIL("comm: group_split(", name, "): world rank ", r, " in group ", gi,
+                     " is not a member of group ", parent.name(), " (size ", parent.size(), ")");
+      if (++count[static_cast<size_t>(it - seen.begin())] > 1)
+        MOECORE_FAIL("comm: group_split(", name, "): world rank ", r, " appears in more than one group");
+      if (r == parent.world_rank()) {
+        color = static_cast<int>(gi);
+        key = static_cast<int>(k);
+      }
+    }
+  }
+  for (size_t i = 0; i < seen.size(); ++i)
+    if (count[i] == 0)
+      MOECORE_FAIL("comm: group_split(", name, "): world rank ", seen[i], " of group ", parent.name(),
+                   " is in no group of the partition");
+  const std::vector<int>& mine = partition[static_cast<size_t>(color)];
+  auto st = std::make_shared<GroupState>();
+  if (parent.size() > 1 && !all_single) {
+    ++pst.seq;
+    const std::string op = "group_split(" + name + ")";
+    const detail::CallInfo call{op,      parent.name(),           parent.rank(), parent.world_rank(),
+                                pst.seq, comm_options().timeout_s};
+    detail::debug_check_split(parent, pst, call, partition);
+    try {
+      auto comm = detail::backend_split(*pst.comm, color, key, call);
+      if (mine.size() > 1) st->comm = std::move(comm);
+    } catch (const Error& e) {
+      pst.broken = e.what();
+      throw;
+    }
+  }
+  return ProcessGroup(std::move(name), mine, key, std::move(st));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Tensor forms
+// ---------------------------------------------------------------------------------------------------
+
+void all_reduce_sum(const Tensor& buf, const ProcessGroup& g) {
+  check_tensor(buf, "all_reduce_sum", g, "buffer");
+  detail::all_reduce_sum_raw(buf.raw(), buf.numel(), buf.dtype(), g);
+}
+
+void all_gather(const Tensor& out, const Tensor& in, const ProcessGroup& g) {
+  check_tensor(out, "all_gather", g, "output");
+  check_tensor(in, "all_gather", g, "input");
+  check_same_dtype(out, in, "all_gather", g);
+  detail::all_gather_raw(out.raw(), out.numel(), in.raw(), in.numel(), in.dtype(), g);
+}
+
+void all_gather_v(const Tensor& out, const Tensor& in, std::span<const int64_t> rows, const ProcessGroup& g) {
+  check_tensor(out, "all_gather_v", g, "output");
+  check_tensor(in, "all_gather_v", g, "input");
+  check_same_dtype(out, in, "all_gather_v", g);
+  const int64_t row = row_elems(in, "all_gather_v", g);
+  if (row_elems(out, "all_gather_v", g) != row)
+    MOECORE_FAIL("comm: all_gather_v on group ", g.name(), ": output ", out.str(), " and input ", in.str(),
+                 " differ in their trailing dims");
+  const auto counts = rows_to_elems(rows, row);
+  detail::all_gather_v_raw(out.raw(), out.numel(), in.raw(), in.numel(), counts, in.dtype(), g);
+}
+
+void reduce_scatter_sum(const Tensor& out, const Tensor& in, const ProcessGroup& g) {
+  check_tensor(out, "reduce_scatter_sum", g, "output");
+  check_tensor(in, "reduce_scatter_sum", g, "input");
+  check_same_dtype(out, in, "reduce_scatter_sum", g);
+  detail::reduce_scatter_sum_raw(out.raw(), out.numel(), in.raw(), in.numel(), in.dtype(), g);
+}
+
+void all_to_all_v(const Tensor& out, std::span<const int64_t> recv_rows, const Tensor& in,
+                  std::span<const int64_t> send_rows, const ProcessGroup& g) {
+  check_tensor(out, "all_to_all_v", g, "output");
+  check_tensor(in, "all_to_all_v", g, "input");
+  check_same_dtype(out, in, "all_to_all_v", g);
+  const int64_t row = row_elems(in, "all_to_all_v", g);
+  if (row_elems(out, "all_to_all_v", g) != row)
+    MOECORE_FAIL("comm: all_to_all_v on group ", g.name(), ": output ", out.str(), " and input ", in.str(),
+                 " differ in their trailing dims");
+  const auto recv = rows_to_elems(recv_rows, row);
+  const auto send = rows_to_elems(send_rows, row);
+  detail::all_to_all_v_raw(out.raw(), out.numel(), recv, in.raw(), in.numel(), send, in.dtype(), g);
+}
+
+void broadcast(const Tensor& buf, int root, const ProcessGroup& g) {
+  check_tensor(buf, "broadcast", g, "buffer");
+  detail::broadcast_raw(buf.raw(), buf.numel(), buf.dtype(), root, g);
+}
+
+}  // namespace moecore

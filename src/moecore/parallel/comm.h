@@ -1,0 +1,164 @@
+// The communication face: process groups and deterministic collectives on CPU memory.
+// Backends sit behind it (parallel/mpi/ today, parallel/nccl/ later, parallel/local/ for size-1 builds);
+// nothing above parallel/ sees MPI. This header does not build the training layout (process_groups.h does)
+// and does not move device memory.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "moecore/core/dtype.h"
+#include "moecore/core/tensor.h"
+
+namespace moecore {
+
+// Start-up options; every rank must use the same values.
+struct CommOptions {
+  bool debug = false;        // MOECORE_COMM_DEBUG=1: before each collective the ranks check they call the
+                             // same op with matching dtype and sizes, and throw naming both sides if not
+  double timeout_s = 600.0;  // MOECORE_COMM_TIMEOUT_S: seconds a collective waits for its peers (e.g. 600);
+                             // <= 0 waits forever
+};
+
+CommOptions comm_options_from_env();  // defaults overridden by the environment; Error on bad values
+// Starts the world (MPI_Init_thread with MPI_THREAD_FUNNELED under MPI; nothing for the local backend).
+// Idempotent; if MPI was already initialized by the caller, comm_finalize() leaves it running.
+void comm_init(int& argc, char**& argv);
+void comm_init(int& argc, char**& argv, const CommOptions& options);
+void comm_finalize();
+bool comm_initialized();
+bool comm_available();            // true when a multi-process backend (MPI) is built in
+const char* comm_backend_name();  // "mpi" or "local"
+const CommOptions& comm_options();
+void comm_set_options(const CommOptions& options);  // collective in spirit: all ranks set the same values
+// Ends every rank of the job. The way out after a timeout: peers are stuck inside the collective.
+[[noreturn]] void comm_abort(int code);
+
+namespace detail {
+struct GroupState;  // communicator handle, call counter and workspace; defined in comm.cpp
+}
+
+// A set of ranks that communicate together. Copies share one communicator. Collectives are called by
+// every member, in the same order, from the thread that called comm_init (not thread-safe).
+class ProcessGroup {
+ public:
+  ProcessGroup() = default;
+  const std::string& name() const { return name_; }         // "dp", "ep", ... (used in errors)
+  const std::vector<int>& ranks() const { return ranks_; }  // world ranks, in group order
+  int rank() const { return rank_; }                        // this process's index in ranks()
+  int size() const { return static_cast<int>(ranks_.size()); }
+  int world_rank() const { return ranks_.empty() ? -1 : ranks_[rank_]; }
+  bool valid() const { return state_ != nullptr; }
+  // The same communicator under another name (one communicator can serve several identical groups).
+  ProcessGroup renamed(std::string name) const;
+
+  // Internal: used by parallel/*.cpp only.
+  ProcessGroup(std::string name, std::vector<int> ranks, int rank, std::shared_ptr<detail::GroupState> state);
+  detail::GroupState& state() const;
+
+ private:
+  std::string name_;
+  std::vector<int> ranks_;
+  int rank_ = 0;
+  std::shared_ptr<detail::GroupState> state_;
+};
+
+ProcessGroup comm_world();  // every rank; under MPI it needs comm_init first
+// A size-1 group of this process alone; it never touches a backend (unit tests, single-rank runs).
+ProcessGroup comm_single(std::string name = "single");
+// Collective over `parent`: `partition` lists groups of world ranks (every rank of parent in exactly one
+// group, identical on every rank); returns the group holding this rank, ranks in the listed order.
+ProcessGroup group_split(const ProcessGroup& parent, std::string name,
+                         const std::vector<std::vector<int>>& partition);
+
+// ---------------------------------------------------------------------------------------------------
+// Collectives. P = group size, r = this rank's index. Blocks are laid out in rank order.
+// Reductions are deterministic: the result is ((x_0 + x_1) + x_2) + ... in group-rank order, computed in
+// the element type, bitwise identical on every rank and across runs regardless of timing (MPI's own
+// reductions may reorder floating-point sums, so none is used). Reductions take f32, f64 and i64;
+// data movement takes any fixed-size element type. Size-1 groups are identities (plain copies).
+// On a size mismatch, a timeout or a backend error the call throws moecore::Error naming the op, the
+// group and the rank. After a timeout the group is unusable and peers are stuck: end with comm_abort().
+// Input and output buffers must not overlap.
+//
+//   all_reduce_sum      buf[n] (in place)               buf = Σ_r buf_r
+//   all_gather          out[P·n] <- in[n]               out[r·n : (r+1)·n] = in_r
+//   all_gather_v        out[Σc] <- in[c_r], counts c[P] blocks of c_r elements, in rank order
+//   reduce_scatter_sum  out[n] <- in[P·n]               out_r = Σ_q in_q[r·n : (r+1)·n]
+//   all_to_all_v        out[Σ recv] <- in[Σ send]       block j of in goes to rank j; block j of out came
+//                                                       from rank j; send_counts[j] on rank i must equal
+//                                                       recv_counts[i] on rank j (zeros allowed)
+//   broadcast           buf[n] (in place)               buf = buf_root (root is a group index)
+//   barrier             returns once every member has entered it
+// ---------------------------------------------------------------------------------------------------
+namespace detail {
+void all_reduce_sum_raw(void* buf, int64_t n, DType t, const ProcessGroup& g);
+void all_gather_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DType t, const ProcessGroup& g);
+void all_gather_v_raw(void* out, int64_t out_n, const void* in, int64_t in_n, std::span<const int64_t> counts,
+                      DType t, const ProcessGroup& g);
+void reduce_scatter_sum_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DType t,
+                            const ProcessGroup& g);
+void all_to_all_v_raw(void* out, int64_t out_n, std::span<const int64_t> recv_counts, const void* in,
+                      int64_t in_n, std::span<const int64_t> send_counts, DType t, const ProcessGroup& g);
+void broadcast_raw(void* buf, int64_t n, DType t, int root, const ProcessGroup& g);
+template <class S>
+int64_t ssize(const S& s) {
+  return static_cast<int64_t>(s.size());
+}
+}  // namespace detail
+
+#define MOECORE_COMM_REDUCE_OVERLOADS(T)                                                           \
+  inline void all_reduce_sum(std::span<T> buf, const ProcessGroup& g) {                            \
+    detail::all_reduce_sum_raw(buf.data(), detail::ssize(buf), dtype_of<T>(), g);                  \
+  }                                                                                                \
+  inline void reduce_scatter_sum(std::span<T> out, std::span<const T> in, const ProcessGroup& g) { \
+    detail::reduce_scatter_sum_raw(out.data(), detail::ssize(out), in.data(), detail::ssize(in),   \
+                                   dtype_of<T>(), g);                                              \
+  }
+#define MOECORE_COMM_MOVE_OVERLOADS(T)                                                                      \
+  inline void all_gather(std::span<T> out, std::span<const T> in, const ProcessGroup& g) {                  \
+    detail::all_gather_raw(out.data(), detail::ssize(out), in.data(), detail::ssize(in), dtype_of<T>(), g); \
+  }                                                                                                         \
+  inline void all_gather_v(std::span<T> out, std::span<const T> in, std::span<const int64_t> counts,        \
+                           const ProcessGroup& g) {                                                         \
+    detail::all_gather_v_raw(out.data(), detail::ssize(out), in.data(), detail::ssize(in), counts,          \
+                             dtype_of<T>(), g);                                                             \
+  }                                                                                                         \
+  inline void all_to_all_v(std::span<T> out, std::span<const int64_t> recv_counts, std::span<const T> in,   \
+                           std::span<const int64_t> send_counts, const ProcessGroup& g) {                   \
+    detail::all_to_all_v_raw(out.data(), detail::ssize(out), recv_counts, in.data(), detail::ssize(in),     \
+                             send_counts, dtype_of<T>(), g);                                                \
+  }                                                                                                         \
+  inline void broadcast(std::span<T> buf, int root, const ProcessGroup& g) {                                \
+    detail::broadcast_raw(buf.data(), detail::ssize(buf), dtype_of<T>(), root, g);                          \
+  }
+
+MOECORE_COMM_REDUCE_OVERLOADS(float)
+MOECORE_COMM_REDUCE_OVERLOADS(double)
+MOECORE_COMM_REDUCE_OVERLOADS(int64_t)
+MOECORE_COMM_MOVE_OVERLOADS(float)
+MOECORE_COMM_MOVE_OVERLOADS(double)
+MOECORE_COMM_MOVE_OVERLOADS(int64_t)
+MOECORE_COMM_MOVE_OVERLOADS(int32_t)
+MOECORE_COMM_MOVE_OVERLOADS(bf16)
+MOECORE_COMM_MOVE_OVERLOADS(f16)
+#undef MOECORE_COMM_REDUCE_OVERLOADS
+#undef MOECORE_COMM_MOVE_OVERLOADS
+
+void barrier(const ProcessGroup& g);
+
+// Tensor forms: contiguous CPU tensors; `*_v` counts are rows of dim 0 (a row = the trailing dims).
+// Reductions need f32/f64/i64. The tensors are handles: outputs are written through them.
+void all_reduce_sum(const Tensor& buf, const ProcessGroup& g);  // in place, any shape
+void all_gather(const Tensor& out, const Tensor& in,
+                const ProcessGroup& g);  // out [P·n0, ...] <- in [n0, ...]
+void all_gather_v(const Tensor& out, const Tensor& in, std::span<const int64_t> rows, const ProcessGroup& g);
+void reduce_scatter_sum(const Tensor& out, const Tensor& in,
+                        const ProcessGroup& g);  // out [n0, ...] <- in [P·n0, ...]
+void all_to_all_v(const Tensor& out, std::span<const int64_t> recv_rows, const Tensor& in,
+                  std::span<const int64_t> send_rows, const ProcessGroup& g);  // [Σ rows, ...] both sides
+void broadcast(const Tensor& buf, int root, const ProcessGroup& g);
+
+}  // namespace moecore
