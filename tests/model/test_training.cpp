@@ -99,6 +99,15 @@ TEST(Training, ResumeIsBitIdentical) {
   fs::remove_all(dir);
 }
 
+TEST(Training, EmptyLoadDirectoryStartsFromScratch) {
+  const fs::path dir = fresh_dir("empty_load");
+  const RunResult fresh = run(train_config(3));
+  const RunResult with_load = run(train_config(3), dir, dir);  // first launch of an auto-resuming command
+  EXPECT_EQ(with_load.losses, fresh.losses);
+  EXPECT_TRUE(io::checkpoint_find_latest(dir.string()).has_value());
+  fs::remove_all(dir);
+}
+
 TEST(Training, SigtermSavesALoadableCheckpointAndStops) {
   const fs::path dir = fresh_dir("sigterm");
   train::TrainConfig t = train_config(10);

@@ -212,11 +212,16 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
                  cfg.micro_batch_size);
   TrainProgress progress;
   if (!cfg.load.empty()) {
+    // As in Megatron, an empty --load directory starts from scratch, so one command serves the first launch
+    // and every restart.
     const auto dir = io::checkpoint_find_latest(cfg.load);
-    if (!dir) MOECORE_FAIL("--load ", cfg.load, ": no committed checkpoint found");
-    progress = load_training_checkpoint(*dir, gpt, opt, cfg.seed);
-    if (log) std::fprintf(log, " loaded checkpoint %s at iteration %lld\n", dir->c_str(),
-                          static_cast<long long>(progress.iteration));
+    if (dir) {
+      progress = load_training_checkpoint(*dir, gpt, opt, cfg.seed);
+      if (log) std::fprintf(log, " loaded checkpoint %s at iteration %lld\n", dir->c_str(),
+                            static_cast<long long>(progress.iteration));
+    } else if (log) {
+      std::fprintf(log, " no committed checkpoint under --load %s: training from scratch\n", cfg.load.c_str());
+    }
   }
   std::unique_ptr<ExitSignalGuard> signals;
   if (cfg.exit_signal_handler) signals = std::make_unique<ExitSignalGuard>();
