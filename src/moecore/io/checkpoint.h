@@ -24,9 +24,9 @@ namespace moecore::io {
 //                  "files":{"<name>":{"bytes":<size>,"crc32c":"<8 hex digits>"},...}}  (state.json included)
 //
 // ---- Save protocol (checkpoint_save) ---------------------------------------------------------------
-//   1. write every data file and state.json into <root>/iter_XXXXXXX.tmp-<pid>/, fsync each, fsync the dir;
-//   2. rename the staging dir to iter_XXXXXXX (an existing one of that iteration is first renamed aside
-//      to iter_XXXXXXX.old-<pid> and removed after), fsync <root>;
+//   1. write every data file and state.json into <root>/iter_NNNNNNN.tmp-<pid>/, fsync each, fsync the dir;
+//   2. rename the staging dir to iter_NNNNNNN (an existing one of that iteration is first renamed aside
+//      to iter_NNNNNNN.old-<pid> and removed after), fsync <root>;
 //   3. write COMMIT (temporary file, fsync, rename, fsync dir)  <- the commit point;
 //   4. rewrite the tracker atomically (temporary file, fsync, rename);
 //   5. retention, then removal of stale *.tmp-* / *.old-* staging dirs left by earlier crashes.
@@ -69,7 +69,7 @@ inline constexpr int kCheckpointFormatVersion = 1;
 // File names must be plain names (no '/'), not "COMMIT" or "state.json". Throws Error on bad input or I/O.
 void checkpoint_save(const std::string& root, const CheckpointWriteRequest& request, int keep_last);
 
-// FOR TESTS (crash simulation): steps 1-2 of checkpoint_save only, leaving <root>/iter_XXXXXXX without
+// FOR TESTS (crash simulation): steps 1-2 of checkpoint_save only, leaving <root>/iter_NNNNNNN without
 // COMMIT and the tracker untouched, as a crash just before the commit point would. Returns the directory.
 std::string checkpoint_write_uncommitted(const std::string& root, const CheckpointWriteRequest& request);
 
