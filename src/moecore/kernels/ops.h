@@ -6,7 +6,8 @@
 // Gradient contract: parameter gradients accumulate (+=); activation gradients are written unless the
 // op says otherwise (e.g. rmsnorm_backward's accumulate_dx for the residual stream).
 // Threading: CPU ops use OpenMP over the calling thread's team; results do not depend on thread count
-// except where an op says so.
+// except where an op says so (gemm, gemm_batched and the grouped GEMMs run oneDNN, whose last bits can
+// change with the number of threads; they are deterministic for a fixed thread count).
 #pragma once
 #include <cstdint>
 #include <vector>
