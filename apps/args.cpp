@@ -93,7 +93,7 @@ bool Args::parse(int argc, char** argv) {
       value = a.substr(eq + 1);
       a = a.substr(0, eq);
     }
-    if (a == "--config") {
+    if (a == "--config" && !specs_.count("--config")) {  // a command may declare its own --config
       if (eq == std::string::npos) {
         if (i + 1 >= argc) MOECORE_FAIL("flag '--config' needs a file");
         value = argv[++i];

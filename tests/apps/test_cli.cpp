@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "moecore/io/checkpoint.h"
+#include "moecore/io/safetensors.h"
 #include "test_util.h"
 
 namespace moecore {
@@ -117,6 +118,26 @@ TEST_F(Cli, UpcyclesADenseCheckpointIntoAnMoe) {
           "--moe-upcycling-granularity 3 --load " + p("dense"));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("--moe-upcycling-granularity (3)"), std::string::npos) << r.output;
+}
+
+// `moecore moe-layer` on one golden case: the documented command reproduces the reference output.
+TEST_F(Cli, MoeLayerCommandReproducesAGoldenCase) {
+  const io::SafetensorsFile g =
+      io::safetensors_load(std::string(MOECORE_SOURCE_DIR) + "/tests/golden/moe_shared_gate.safetensors");
+  std::map<std::string, Tensor> inputs;
+  for (const auto& [name, t] : g.tensors)
+    if (name.rfind("input.", 0) == 0 || name.rfind("param.", 0) == 0) inputs[name] = t;
+  io::safetensors_save(p("in.safetensors"), inputs);
+  std::ofstream(p("layer.json")) << g.metadata.at("config");
+  const Result r = run("moe-layer --config " + p("layer.json") + " --inputs " + p("in.safetensors") + " --out " +
+                       p("out.safetensors"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const io::SafetensorsFile out = io::safetensors_load(p("out.safetensors"));
+  for (const char* name : {"out.output", "grad.input.hidden", "grad.param.shared_experts.gate_weight"}) {
+    ASSERT_TRUE(out.tensors.count(name)) << name;
+    EXPECT_LE(testing::tolerance_ratio(out.tensors.at(name), g.tensors.at(name), 1e-3, 1e-5), 1.0) << name;
+  }
+  EXPECT_EQ(out.tensors.at("routing.map").nbytes(), g.tensors.at("routing.map").nbytes());
 }
 
 TEST_F(Cli, BadFlagsFailWithAClearMessage) {
