@@ -1,11 +1,13 @@
 // The moecore command-line program: one binary, one subcommand per job.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <string>
 
 #include "apps/commands.h"
 #include "moecore/core/error.h"
+#include "moecore/parallel/comm.h"
 
 namespace {
 void usage(std::FILE* out) {
@@ -26,7 +28,19 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const std::string cmd = argv[1];
+  // Under mpirun every rank joins the world; a plain launch stays a single process without MPI.
+  const bool under_mpirun = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE");
+  struct CommScope {
+    bool on;
+    ~CommScope() {
+      if (on) moecore::comm_finalize();
+    }
+  } comm{false};
   try {
+    if (under_mpirun && moecore::comm_available()) {
+      moecore::comm_init(argc, argv);
+      comm.on = true;
+    }
     if (cmd == "train") return moecore::apps::train_main(argc - 1, argv + 1);
     if (cmd == "bench") return moecore::apps::bench_main(argc - 1, argv + 1);
     if (cmd == "moe-layer") return moecore::apps::moe_layer_main(argc - 1, argv + 1);

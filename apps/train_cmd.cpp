@@ -11,6 +11,7 @@
 #include "moecore/data/gpt_dataset.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/model/upcycling.h"
+#include "moecore/parallel/comm.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/gemm_peak.h"
 #include "moecore/train/trainer.h"
@@ -56,6 +57,11 @@ void add_training_flags(Args& a) {
       .flag("--no-exit-signal-handler", "let SIGTERM/SIGINT kill the process")
       .flag("--no-check-for-nan-in-loss-and-grad", "do not check loss and gradients for NaN/Inf")
       .option("--nan-action", "stop", "on NaN/Inf: stop (error naming the tensor) | skip (drop the step)")
+      .option("--tensor-model-parallel-size", "1", "TP (only 1 in this version)")
+      .option("--pipeline-model-parallel-size", "1", "PP (only 1 in this version)")
+      .option("--context-parallel-size", "1", "CP (only 1 in this version)")
+      .option("--expert-model-parallel-size", "1", "EP (only 1 in this version)")
+      .option("--expert-tensor-parallel-size", "1", "ETP (only 1 in this version)")
       .flag("--moe-use-upcycling", "start the MoE model from the dense checkpoint given by --load")
       .option("--moe-upcycling-granularity", "1", "experts per dense MLP copy: dense ffn = g * moe ffn")
       .option("--generate-tokens", "200", "tokens sampled after training (0: none)")
@@ -175,6 +181,15 @@ int train_main(int argc, char** argv) {
   if (!source.train()) MOECORE_FAIL("train: --split ", dcfg.split, " leaves no training data");
   tcfg.has_validation = source.valid() != nullptr;
 
+  // Data parallelism over every process of the run (mpirun -np P); the other layouts come later.
+  for (const char* f : {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                        "--expert-model-parallel-size", "--expert-tensor-parallel-size"})
+    if (a.i64(f) != 1)
+      MOECORE_FAIL(f, " (", a.i64(f), ") is not supported yet: this version runs data-parallel only, over all ",
+                   "mpirun ranks");
+  const ProcessGroup dp =
+      comm_initialized() ? comm_world().renamed("dp") : comm_single("dp");
+  std::FILE* out = dp.rank() == 0 ? stdout : nullptr;
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed);
   optim::AdamW opt(gpt.params(), optimizer_config_from(a));
   if (a.on("--moe-use-upcycling")) {
@@ -182,7 +197,7 @@ int train_main(int argc, char** argv) {
     tcfg.load.clear();  // the run starts at iteration 0 from the upcycled weights, as in Megatron
   }
   tcfg.peak_gflops = train::gemm_peak_gflops(mcfg.compute_dtype);
-  std::printf("moecore train: %s\n  %lld parameters, tokenizer %s (vocab %lld, padded to %lld), GEMM peak %.1f "
+  if (out) std::printf("moecore train: %s\n  %lld parameters, tokenizer %s (vocab %lld, padded to %lld), GEMM peak %.1f "
               "GFLOP/s\n%s%s",
               mcfg.summary().c_str(), static_cast<long long>(gpt.num_parameters()), tok->name().c_str(),
               static_cast<long long>(tok->vocab_size()), static_cast<long long>(mcfg.vocab_size), tcfg.peak_gflops,
@@ -200,10 +215,10 @@ int train_main(int argc, char** argv) {
         if (mask[static_cast<size_t>(s)] == 0.0f) lp[b * S + s] = -1;
     }
   };
-  const train::TrainLog log = train::train(gpt, opt, tcfg, batches, stdout);
+  const train::TrainLog log = train::train(gpt, opt, tcfg, batches, out, {}, &dp);
   if (log.stopped_by_signal) return 0;
   const int64_t count = a.i64("--generate-tokens");
-  if (count > 0) {
+  if (count > 0 && dp.rank() == 0) {
     const std::string prompt = a.str("--prompt");
     const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed, tok->eod());
     std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());

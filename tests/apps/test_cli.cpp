@@ -140,6 +140,45 @@ TEST_F(Cli, MoeLayerCommandReproducesAGoldenCase) {
   EXPECT_EQ(out.tensors.at("routing.map").nbytes(), g.tensors.at("routing.map").nbytes());
 }
 
+// Data parallelism under mpirun: two ranks reproduce the single-process run (same global batch); the
+// summation order of the gradient all-reduce differs, so losses agree to 1e-6 relative, not bitwise.
+TEST_F(Cli, DataParallelTwoRanksMatchOneProcess) {
+#ifndef MOECORE_HAVE_MPI
+  GTEST_SKIP() << "built without MPI";
+#else
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
+  ASSERT_EQ(run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
+                " --tokenizer-type ByteLevel --append-eod").status, 0);
+  const std::string args = " train --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel "
+                           "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu "
+                           "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --micro-batch-size 2 "
+                           "--global-batch-size 8 --train-iters 5 --log-interval 1 --eval-iters 1 "
+                           "--generate-tokens 0 --metrics-jsonl ";
+  ASSERT_EQ(run(args.substr(1) + p("one.jsonl")).status, 0);
+  const std::string mpi = "mpirun --oversubscribe --allow-run-as-root -np 2 " + std::string(MOECORE_BINARY) + args +
+                          p("two.jsonl") + " 2>&1";
+  FILE* f = popen(mpi.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, f)) out.append(buf, n);
+  ASSERT_EQ(pclose(f), 0) << out;
+  auto losses = [](const std::string& path) {
+    std::vector<double> v;
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto k = line.find("\"lm_loss\":");
+      if (k != std::string::npos) v.push_back(std::stod(line.substr(k + 10)));
+    }
+    return v;
+  };
+  const auto one = losses(p("one.jsonl")), two = losses(p("two.jsonl"));
+  ASSERT_EQ(one.size(), 5u);
+  ASSERT_EQ(two.size(), 5u) << out;
+  for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(two[i], one[i], 1e-6 * std::fabs(one[i])) << i;
+#endif
+}
+
 TEST_F(Cli, BadFlagsFailWithAClearMessage) {
   Result r = run("train --num-expert 4");
   EXPECT_NE(r.status, 0);

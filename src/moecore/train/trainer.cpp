@@ -203,9 +203,29 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
 
 }  // namespace
 
+namespace {
+// Sums every gradient, the step's losses and the router counts over the data-parallel group.
+void reduce_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses& moe_losses,
+                    const ProcessGroup& dp) {
+  for (auto& p : gpt.params())
+    all_reduce_sum(std::span<float>(p.grad.data<float>(), static_cast<size_t>(p.grad.numel())), dp);
+  double v[5] = {step_loss, moe_losses.aux_loss, moe_losses.seq_aux_loss, moe_losses.global_aux_loss,
+                 moe_losses.z_loss};
+  all_reduce_sum(std::span<double>(v, 5), dp);
+  const double inv = 1.0 / dp.size();
+  step_loss = v[0] * inv;
+  moe_losses = {v[1] * inv, v[2] * inv, v[3] * inv, v[4] * inv};
+  for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
+    moe::RouterState* st = gpt.router_state(l);
+    if (st) all_reduce_sum(std::span<int64_t>(st->local_tokens_per_expert), dp);
+  }
+}
+}  // namespace
+
 TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches,
-               std::FILE* log, const StepObserver& observer) {
+               std::FILE* log, const StepObserver& observer, const ProcessGroup* dp) {
   cfg.validate();
+  const int dp_size = dp ? dp->size() : 1, dp_rank = dp ? dp->rank() : 0;
   const auto& m = gpt.config();
   if (gpt.micro_batch_size() != cfg.micro_batch_size)
     MOECORE_FAIL("training: the model was built for micro-batch ", gpt.micro_batch_size(), ", not ",
@@ -225,13 +245,19 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
   }
   std::unique_ptr<ExitSignalGuard> signals;
   if (cfg.exit_signal_handler) signals = std::make_unique<ExitSignalGuard>();
-  MetricSinks sinks;
-  if (!cfg.metrics_jsonl.empty()) sinks.jsonl = std::make_unique<io::JsonlMetricsWriter>(cfg.metrics_jsonl);
-  if (!cfg.tensorboard_dir.empty()) sinks.tb = std::make_unique<io::TensorBoardWriter>(cfg.tensorboard_dir);
+  MetricSinks sinks;  // written by data-parallel rank 0 only: every rank holds the same reduced values
+  if (dp_rank == 0 && !cfg.metrics_jsonl.empty())
+    sinks.jsonl = std::make_unique<io::JsonlMetricsWriter>(cfg.metrics_jsonl);
+  if (dp_rank == 0 && !cfg.tensorboard_dir.empty())
+    sinks.tb = std::make_unique<io::TensorBoardWriter>(cfg.tensorboard_dir);
 
   Tensor tokens = Tensor::empty({cfg.micro_batch_size, m.seq_length}, DType::i32, MemCategory::workspace);
   Tensor labels = Tensor::empty({cfg.micro_batch_size, m.seq_length}, DType::i32, MemCategory::workspace);
   const int64_t micro = cfg.micro_batches();
+  if (micro % dp_size != 0)
+    MOECORE_FAIL("training: global_batch_size (", cfg.global_batch_size, ") must be divisible by micro_batch_size (",
+                 cfg.micro_batch_size, ") x data-parallel size (", dp_size, ")");
+  const int64_t micro_local = micro / dp_size;
   const double flops_per_step = gpt.flops_per_step() * static_cast<double>(micro);
   TrainLog out;
   out.first_iteration = progress.iteration;
@@ -241,7 +267,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
   double loss_acc = 0;
   int64_t logged_steps = 0;
   auto save = [&]() {
-    if (cfg.save.empty()) return;
+    if (cfg.save.empty() || dp_rank != 0) return;
     save_training_checkpoint(cfg.save, gpt, opt, progress, cfg.seed, cfg.keep_last);
     if (log) std::fprintf(log, " saved checkpoint at iteration %lld to %s\n", static_cast<long long>(progress.iteration),
                           cfg.save.c_str());
@@ -251,17 +277,18 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
     double step_loss = 0;
     MoeStepLosses moe_losses;
     int64_t moe_layers = 0;
-    for (int64_t mb = 0; mb < micro; ++mb) {
-      batches(tokens, labels, false, it * micro + mb);
+    for (int64_t mb = 0; mb < micro_local; ++mb) {
+      batches(tokens, labels, false, it * micro + dp_rank * micro_local + mb);
       step_loss += gpt.forward_backward(tokens, labels, 1.0f / static_cast<float>(micro)).mean();
       moe_layers = accumulate_moe_losses(gpt, moe_losses);
     }
-    step_loss /= static_cast<double>(micro);
+    step_loss /= static_cast<double>(micro_local);
     if (moe_layers > 0) {
-      const double div = static_cast<double>(micro * moe_layers);
+      const double div = static_cast<double>(micro_local * moe_layers);
       moe_losses = {moe_losses.aux_loss / div, moe_losses.seq_aux_loss / div, moe_losses.global_aux_loss / div,
                     moe_losses.z_loss / div};
     }
+    if (dp_size > 1) reduce_over_dp(gpt, step_loss, moe_losses, *dp);
     bool skip = false;
     if (cfg.check_for_nan) {
       const std::string bad = std::isfinite(step_loss) ? first_nonfinite_gradient(gpt) : std::string("lm loss");
@@ -336,7 +363,13 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
       if (sinks.tb) sinks.tb->add_scalar("lm loss validation", it + 1, v);
       if (sinks.jsonl) sinks.jsonl->write({{"iteration", it + 1}, {"valid_lm_loss", v}});
     }
-    if (signals && ExitSignalGuard::requested()) {
+    bool stop = signals && ExitSignalGuard::requested();
+    if (dp_size > 1) {  // every rank stops at the same step, or the others would wait in a collective
+      int64_t flag = stop ? 1 : 0;
+      all_reduce_sum(std::span<int64_t>(&flag, 1), *dp);
+      stop = flag > 0;
+    }
+    if (stop) {
       if (log) std::fprintf(log, " received signal %d: saving and stopping at iteration %lld\n",
                             ExitSignalGuard::signal(), static_cast<long long>(it + 1));
       save();

@@ -11,6 +11,7 @@
 
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
+#include "moecore/parallel/comm.h"
 
 namespace moecore::train {
 
@@ -73,8 +74,11 @@ struct TrainLog {
 using StepObserver = std::function<void(int64_t iteration, double loss, bool skipped)>;
 
 // Runs (or resumes, with cfg.load) training until cfg.train_iters steps are done or a stop signal arrives.
+// With a data-parallel group `dp` of P ranks, each rank runs its 1/P share of every global batch's
+// micro-batches (rank r takes the r-th consecutive block), gradients and router counts are summed over the
+// group with deterministic collectives, the stop decision is agreed on, and only group rank 0 saves.
 TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches,
-               std::FILE* log, const StepObserver& observer = {});
+               std::FILE* log, const StepObserver& observer = {}, const ProcessGroup* dp = nullptr);
 
 // Mean validation loss over cfg.eval_iters batches.
 double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches);
