@@ -407,7 +407,14 @@ std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& 
     std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), std::greater<>());
     double z = 0;
     std::vector<double> p(static_cast<size_t>(k));
-    for (int64_t i = 0; i < k; ++i) z += p[i] = std::exp((cand[i].first - cand[0].first) / std::max(temperature, 1e-4f));
+    // The stop token may end the sample only after a quarter of the requested tokens (no empty samples).
+    const bool may_stop = 4 * t >= count;
+    for (int64_t i = 0; i < k; ++i) {
+      p[i] = (!may_stop && cand[i].second == stop_token)
+                 ? 0.0
+                 : std::exp((cand[i].first - cand[0].first) / std::max(temperature, 1e-4f));
+      z += p[i];
+    }
     double u = philox_uniform(key, static_cast<uint64_t>(t)) * z;
     int64_t pick = 0;
     while (pick + 1 < k && (u -= p[pick]) > 0) ++pick;

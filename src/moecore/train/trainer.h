@@ -84,8 +84,8 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
 double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches);
 
 // Samples up to `count` tokens after `prompt` (temperature sampling, top-k 40) with the model's fixed
-// sequence window, stopping after stop_token (e.g. the tokenizer's end-of-document; -1: never); returns the
-// new tokens without the stop token.
+// sequence window, stopping at stop_token (e.g. the tokenizer's end-of-document; -1: never) once a quarter of
+// `count` tokens exist; returns the new tokens without the stop token.
 std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& prompt, int64_t count,
                               float temperature, uint64_t seed, int32_t stop_token = -1);
 
