@@ -5,10 +5,10 @@
 #include <cstring>
 #include <filesystem>
 
-#include "moecore/data/byte_corpus.h"
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
 #include "moecore/train/trainer.h"
+#include "model/shakespeare_run.h"
 #include "test_util.h"
 
 namespace moecore {
@@ -103,35 +103,11 @@ TEST(GptModel, BadConfigsNameTheFields) {
 TEST(GptModel, LearnsTinyShakespeare) {
   const std::string dir = testing::shared_data_dir();
   if (dir.empty()) GTEST_SKIP() << "../shared/data is absent: tinyshakespeare is not available here";
-  const data::ByteCorpus corpus(dir + "/tinyshakespeare/input.txt", 0.1);
-  model::ModelConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.vocab_size = 256;
-  c.seq_length = 64;
-  train::TrainConfig t;
-  t.micro_batch_size = 16;
-  t.global_batch_size = 16;
-  t.train_iters = 300;
-  t.lr = 1e-2f;
-  t.min_lr = 1e-3f;
-  t.lr_warmup_iters = 20;
-  t.eval_iters = 8;
-  model::GptModel m(c, t.micro_batch_size, 1234);
-  optim::AdamWConfig o;
-  o.beta2 = 0.95f;
-  o.weight_decay = 0.1f;
-  optim::AdamW opt(m.params(), o);
-  const train::BatchFn batches = [&](Tensor& tok, Tensor& lab, bool valid, int64_t i) {
-    corpus.batch(tok, lab, valid, t.seed, i);
-  };
-  const double before = train::evaluate(m, t, batches);
-  EXPECT_NEAR(before, std::log(256.0), 0.3);
-  const train::TrainLog log = train::train(m, opt, t, batches, nullptr);
-  ASSERT_FALSE(log.valid_loss.empty());
-  const double after = log.valid_loss.back().second;
-  std::printf("tinyshakespeare validation loss: %.4f -> %.4f\n", before, after);
+  const testing::ShakespeareRun r = testing::run_shakespeare(testing::shakespeare_config(), dir);
+  EXPECT_NEAR(r.valid_before, std::log(256.0), 0.3);
+  ASSERT_FALSE(r.log.valid_loss.empty());
+  const double after = r.log.valid_loss.back().second;
+  std::printf("tinyshakespeare validation loss: %.4f -> %.4f\n", r.valid_before, after);
   EXPECT_LT(after, 2.5);
 }
 

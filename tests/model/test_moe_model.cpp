@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "moecore/data/byte_corpus.h"
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
 #include "moecore/train/trainer.h"
+#include "model/shakespeare_run.h"
 #include "test_util.h"
 
 namespace moecore {
@@ -107,33 +107,13 @@ TEST(MoeModel, ExpertBiasMovesOncePerOptimizerStep) {
 TEST(MoeModel, LearnsTinyShakespeare) {
   const std::string dir = testing::shared_data_dir();
   if (dir.empty()) GTEST_SKIP() << "../shared/data is absent: tinyshakespeare is not available here";
-  const data::ByteCorpus corpus(dir + "/tinyshakespeare/input.txt", 0.1);
-  model::ModelConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.vocab_size = 256;
-  c.seq_length = 64;
+  model::ModelConfig c = testing::shakespeare_config();
   c.moe.num_experts = 8;
   c.moe.router_topk = 2;
   c.moe.ffn_hidden_size = 128;
   c.moe.aux_loss_coeff = {1e-2f};
-  train::TrainConfig t;
-  t.micro_batch_size = 16;
-  t.global_batch_size = 16;
-  t.train_iters = 300;
-  t.lr = 1e-2f;
-  t.min_lr = 1e-3f;
-  t.lr_warmup_iters = 20;
-  model::GptModel m(c, t.micro_batch_size, 1234);
-  optim::AdamWConfig o;
-  o.beta2 = 0.95f;
-  o.weight_decay = 0.1f;
-  optim::AdamW opt(m.params(), o);
-  const train::BatchFn batches = [&](Tensor& tok, Tensor& lab, bool valid, int64_t i) {
-    corpus.batch(tok, lab, valid, t.seed, i);
-  };
-  const train::TrainLog log = train::train(m, opt, t, batches, nullptr);
+  const train::TrainLog log = testing::run_shakespeare(c, dir).log;
+  ASSERT_FALSE(log.valid_loss.empty());
   const double after = log.valid_loss.back().second;
   std::printf("tinyshakespeare MoE validation loss: %.4f, final load_balancing_loss %.4f\n", after,
               log.moe_losses.back().aux_loss);
