@@ -92,6 +92,91 @@ DispatchBuffers dispatch_buffers_alloc(int64_t T, int64_t H, int64_t E, int64_t 
   return b;
 }
 
+DispatcherKind parse_dispatcher_kind(const std::string& s) {
+  if (s == "alltoall") return DispatcherKind::alltoall;
+  if (s == "allgather") return DispatcherKind::allgather;
+  MOECORE_FAIL("--moe-token-dispatcher-type: '", s, "' is not supported (use alltoall or allgather)");
+}
+
+const char* dispatcher_kind_name(DispatcherKind k) {
+  switch (k) {
+    case DispatcherKind::local: return "local";
+    case DispatcherKind::alltoall: return "alltoall";
+    case DispatcherKind::allgather: return "allgather";
+  }
+  return "?";
+}
+
+int64_t dispatch_max_rows_ep(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity,
+                             int64_t alignment, int64_t ep) {
+  if (ep <= 0 || E % ep != 0)
+    MOECORE_FAIL("dispatch_max_rows_ep: the number of experts (", E, ") must be divisible by the expert-parallel size (",
+                 ep, ")");
+  if (ep == 1) return dispatch_max_rows(T, E, K, capacity, pad_to_capacity, alignment);
+  if (alignment > 1)
+    MOECORE_FAIL("dispatch_max_rows_ep: router padding (alignment ", alignment,
+                 ") is not supported with expert parallelism yet");
+  const int64_t El = E / ep;
+  // Rows one source rank sends to one destination: a token meets each of the El experts at most once.
+  int64_t per_source = dispatch_max_rows(T, E, K, 0, false, 0);
+  per_source = std::min(per_source, T * std::min(K, El));
+  if (capacity > 0) {
+    const int64_t per_expert = std::min(capacity, T);
+    per_source = pad_to_capacity ? El * per_expert : std::min(per_source, El * per_expert);
+  }
+  return ep * per_source;
+}
+
+DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_t H, int64_t E, int64_t ep,
+                                          int64_t max_send, int64_t max_rows, DType x_dtype) {
+  if (kind == DispatcherKind::local || ep == 1) return dispatch_buffers_alloc(T, H, E, max_rows, x_dtype);
+  if (ep <= 0 || E % ep != 0)
+    MOECORE_FAIL("dispatch buffers: the number of experts (", E, ") must be divisible by the expert-parallel size (",
+                 ep, ")");
+  const int64_t El = E / ep;
+  const auto act = MemCategory::activations, work = MemCategory::workspace;
+  // The expert side: El local experts; the token side of the plan depends on the kind.
+  const int64_t plan_tokens = kind == DispatcherKind::allgather ? ep * T : 0;
+  DispatchBuffers b = dispatch_buffers_alloc(plan_tokens, H, El, max_rows, x_dtype);
+  EpBuffers& p = b.ep;
+  p.ep = ep;
+  p.local_experts = El;
+  if (kind == DispatcherKind::alltoall) {
+    b.plan.row_token = Tensor();  // the expert side needs only the counts
+    b.plan.token_rows = Tensor();
+    p.send_plan.T = T;
+    p.send_plan.E = E;
+    p.send_plan.row_token = Tensor::empty({max_send}, DType::i32, act);
+    p.send_plan.token_rows = Tensor::empty({T, E}, DType::i32, act);
+    p.counts.assign(static_cast<size_t>(E), 0);
+    p.send_rows.assign(static_cast<size_t>(ep), 0);
+    p.recv_rows.assign(static_cast<size_t>(ep), 0);
+    p.el_blocks.assign(static_cast<size_t>(ep), El);
+    p.send_x = Tensor::empty({max_send, H}, x_dtype, work);
+    p.send_f = Tensor::empty({max_send, H}, DType::f32, work);
+    p.send_p = Tensor::empty({max_send}, DType::f32, work);
+    p.stage_x = Tensor::empty({max_rows, H}, x_dtype, work);
+    p.stage_f = Tensor::empty({max_rows, H}, DType::f32, work);
+    p.stage_p = Tensor::empty({max_rows}, DType::f32, work);
+  } else {
+    p.gmap = Tensor::empty({ep * T, E}, DType::boolean, act);
+    p.lmap = Tensor::empty({ep * T, El}, DType::boolean, act);
+    p.lprobs = Tensor::empty({ep * T, El}, DType::f32, act);
+    p.gx = Tensor::empty({ep * T, H}, x_dtype, work);
+    p.gprobs = Tensor::empty({ep * T, E}, DType::f32, work);
+    p.gy = Tensor::empty({ep * T, H}, DType::f32, work);
+    p.gdprobs = Tensor::empty({ep * T, E}, DType::f32, work);
+    p.ty = Tensor::empty({T, H}, DType::f32, work);
+  }
+  return b;
+}
+
+std::vector<Tensor*> dispatch_scratch_tensors(DispatchBuffers& b) {
+  EpBuffers& p = b.ep;
+  return {&b.expert_out, &b.dpermuted, &b.dexpert_in, &b.dpermuted_probs, &p.send_x, &p.send_f, &p.send_p,
+          &p.stage_x, &p.stage_f, &p.stage_p, &p.gx, &p.gprobs, &p.gy, &p.gdprobs, &p.ty};
+}
+
 // Serial on purpose: two sweeps over a [T, E] bool map are ~0.1% of the layer, and the token-major sweep
 // hands out rows per expert in ascending token order without any cross-thread bookkeeping.
 void dispatch_plan_build(DispatchPlan& plan, const Tensor& map, const ops::Context& ctx) {
@@ -214,19 +299,22 @@ void LocalDispatcher::combine_finish(DispatchBuffers& buf, Tensor& y, const ops:
   unpermute_tokens(y, buf.expert_out.slice(0, 0, buf.plan.rows()), buf.plan, false, ctx);
 }
 
-void LocalDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& dy, const ops::Context& ctx) {
-  const DispatchPlan& plan = buf.plan;
-  check_cpu("combine_backward", {&dy, &buf.dpermuted});
-  check_plan("combine_backward", plan);
-  Tensor& dp = buf.dpermuted;
-  if (dy.dtype() != DType::f32 || dy.dim() != 2 || dy.size(0) != plan.T || dy.stride(1) != 1 ||
-      dy.size(1) != dp.size(1) || dp.size(0) < plan.rows())
-    MOECORE_FAIL("combine_backward: need dy [T=", plan.T, ", H] f32 matching dpermuted ", dp.str(), ", got ",
-                 dy.str());
-  with_float(dp.dtype(), [&](auto td) {
+void gather_token_rows(Tensor& rows, const Tensor& src, const DispatchPlan& plan, const ops::Context&) {
+  check_cpu("gather_token_rows", {&src, &rows});
+  check_plan("gather_token_rows", plan);
+  check_float("gather_token_rows", "rows", rows);
+  if (src.dtype() != DType::f32 || src.dim() != 2 || src.size(0) != plan.T || src.stride(1) != 1 ||
+      rows.dim() != 2 || src.size(1) != rows.size(1) || rows.size(0) < plan.rows() || rows.stride(1) != 1)
+    MOECORE_FAIL("gather_token_rows: need src [T=", plan.T, ", H] f32 matching rows ", rows.str(), ", got ",
+                 src.str());
+  with_float(rows.dtype(), [&](auto td) {
     using TD = decltype(td);
-    gather_rows(static_cast<TD*>(dp.raw()), dp.stride(0), dy.data<float>(), dy.stride(0), dy.size(1), plan);
+    gather_rows(static_cast<TD*>(rows.raw()), rows.stride(0), src.data<float>(), src.stride(0), src.size(1), plan);
   });
+}
+
+void LocalDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& dy, const ops::Context& ctx) {
+  gather_token_rows(buf.dpermuted, dy, buf.plan, ctx);
 }
 
 void LocalDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs,

@@ -2,7 +2,7 @@
 // interface every dispatcher implements (STYLE.md): dispatch_prepare (local) -> dispatch (communication)
 // -> [experts] -> combine_prepare (local) -> combine (communication) -> combine_finish, and the same stages
 // in reverse for backward. LocalDispatcher serves one process; all-to-all and all-gather dispatchers
-// implement the same interface over process groups.
+// implement the same interface over process groups (the EP group).
 //
 // Permutation contract (Megatron §5.1): rows are grouped by expert (ascending), and within an expert by
 // ascending source token. For routed pair (t, e): row = token_rows[t, e]; row_token[row] = t.
@@ -10,9 +10,11 @@
 //   y[t] = sum over e ascending with token_rows[t, e] >= 0 of expert_out[token_rows[t, e]]   (f32 sum, one rounding)
 // Probabilities are not applied by the combine: experts multiply them after the activation.
 #pragma once
+#include <string>
 #include <vector>
 
 #include "moecore/kernels/ops.h"
+#include "moecore/parallel/comm.h"
 
 namespace moecore::moe {
 
@@ -25,9 +27,31 @@ struct DispatchPlan {
   int64_t rows() const { return expert_offset.empty() ? 0 : expert_offset.back(); }
 };
 
+// The expert-parallel dispatchers' part of a layer's buffers (empty for the local dispatcher). EP ranks
+// own contiguous expert blocks: rank r of the EP group holds experts [r*El, (r+1)*El), El = E / EP.
+struct EpBuffers {
+  int64_t ep = 1;                         // EP group size
+  int64_t local_experts = 0;              // El
+  // alltoall, kept from forward to backward:
+  DispatchPlan send_plan;                 // this rank's T tokens over all E experts (rows grouped by EP rank)
+  std::vector<int64_t> counts;            // [EP * El] rows received from source rank s for local expert le
+  std::vector<int64_t> send_rows, recv_rows;  // [EP] rows to / from each rank
+  std::vector<int64_t> el_blocks;         // [EP] all El: the count exchange's block sizes
+  // allgather, kept from forward to backward:
+  Tensor gmap;                            // [EP*T, E] bool: the gathered routing map
+  Tensor lmap, lprobs;                    // [EP*T, El] bool / f32: its local expert columns
+  // Scratch (dead between a layer's forward and its backward; shared by all layers of a model):
+  Tensor send_x, send_f, send_p;          // alltoall: [max_send, H] x dtype / [max_send, H] f32 / [max_send] f32
+  Tensor stage_x, stage_f, stage_p;       // alltoall: [max_rows, H] x dtype / f32, [max_rows] f32 (recv layout)
+  Tensor gx, gprobs, gy, gdprobs;         // allgather: [EP*T, H] x dtype, [EP*T, E] f32, [EP*T, H] f32, [EP*T, E] f32
+  Tensor ty;                              // allgather: [T, H] f32 (the reduce-scattered input gradient)
+  Tensor in_x, in_probs, in_map;          // allgather: handles to the forward inputs (set by dispatch_prepare)
+};
+
 // Buffers of one layer's dispatch, sized once for the largest row count the config allows.
 struct DispatchBuffers {
-  DispatchPlan plan;
+  DispatchPlan plan;       // the expert side: rows per local expert (and, for local/allgather, the token map)
+  EpBuffers ep;
   Tensor permuted_x;      // [max_rows, H] dtype of x
   Tensor permuted_probs;  // [max_rows] f32
   Tensor expert_out;      // [max_rows, H] dtype of x: written by the experts
@@ -39,6 +63,21 @@ struct DispatchBuffers {
 int64_t dispatch_max_rows(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity,
                           int64_t alignment);
 DispatchBuffers dispatch_buffers_alloc(int64_t T, int64_t H, int64_t E, int64_t max_rows, DType x_dtype);
+
+enum class DispatcherKind : uint8_t { local, alltoall, allgather };
+DispatcherKind parse_dispatcher_kind(const std::string& s);  // "alltoall" | "allgather" (Error otherwise)
+const char* dispatcher_kind_name(DispatcherKind k);
+
+// Expert-side rows bound under EP: each of the EP source ranks sends at most T*min(K, El) rows to one rank
+// (a token meets an expert once), fewer with a capacity. With ep == 1 it equals dispatch_max_rows.
+int64_t dispatch_max_rows_ep(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity,
+                             int64_t alignment, int64_t ep);
+// The buffers of an EP dispatcher of `kind` (local: as dispatch_buffers_alloc). E: all experts; T: this
+// rank's tokens; max_send: dispatch_max_rows for the local tokens; max_rows: dispatch_max_rows_ep.
+DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_t H, int64_t E, int64_t ep,
+                                          int64_t max_send, int64_t max_rows, DType x_dtype);
+// The scratch tensors of the buffers (for sharing them between layers and for memory accounting).
+std::vector<Tensor*> dispatch_scratch_tensors(DispatchBuffers& b);
 
 class Dispatcher {
  public:
@@ -73,6 +112,48 @@ class LocalDispatcher final : public Dispatcher {
   void dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) override;
 };
 
+// Expert parallelism by all-to-all (Megatron's MoEAlltoAllTokenDispatcher, spec §6.2) over the EP group:
+// permute this rank's tokens expert-major over all E experts (so grouped by destination rank), exchange the
+// per-expert counts, all-to-all-v the rows and their probabilities, sort the received chunks from
+// [source rank][local expert] to [local expert][source rank], run the experts, and the reverse. Within one
+// local expert rows are ordered by source rank, then ascending source token. Every stage is deterministic.
+class AllToAllDispatcher final : public Dispatcher {
+ public:
+  explicit AllToAllDispatcher(ProcessGroup ep) : ep_(std::move(ep)) {}
+  const ProcessGroup& group() const { return ep_; }
+  void dispatch_prepare(DispatchBuffers& buf, const Tensor& x, const Tensor& probs, const Tensor& map,
+                        const ops::Context& ctx) override;
+  void dispatch(DispatchBuffers& buf, const ops::Context& ctx) override;
+  void combine_prepare(DispatchBuffers& buf, const ops::Context& ctx) override;
+  void combine(DispatchBuffers& buf, const ops::Context& ctx) override;
+  void combine_finish(DispatchBuffers& buf, Tensor& y, const ops::Context& ctx) override;
+  void combine_backward(DispatchBuffers& buf, const Tensor& dy, const ops::Context& ctx) override;
+  void dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) override;
+
+ private:
+  ProcessGroup ep_;
+};
+
+// Expert parallelism by all-gather (Megatron's MoEAllGatherTokenDispatcher, spec §6.1): every rank gathers
+// all EP*T tokens with their probabilities and routing map, keeps the columns of its local experts, permutes
+// and runs them; the combine unpermutes into [EP*T, H] f32 and reduce-scatters (deterministic rank order).
+class AllGatherDispatcher final : public Dispatcher {
+ public:
+  explicit AllGatherDispatcher(ProcessGroup ep) : ep_(std::move(ep)) {}
+  const ProcessGroup& group() const { return ep_; }
+  void dispatch_prepare(DispatchBuffers& buf, const Tensor& x, const Tensor& probs, const Tensor& map,
+                        const ops::Context& ctx) override;
+  void dispatch(DispatchBuffers& buf, const ops::Context& ctx) override;
+  void combine_prepare(DispatchBuffers& buf, const ops::Context& ctx) override;
+  void combine(DispatchBuffers& buf, const ops::Context& ctx) override;
+  void combine_finish(DispatchBuffers& buf, Tensor& y, const ops::Context& ctx) override;
+  void combine_backward(DispatchBuffers& buf, const Tensor& dy, const ops::Context& ctx) override;
+  void dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) override;
+
+ private:
+  ProcessGroup ep_;
+};
+
 // The building blocks, also used by other dispatchers and by tests.
 void dispatch_plan_build(DispatchPlan& plan, const Tensor& map, const ops::Context& ctx);
 // permuted_x [R, H] = x rows; permuted_probs [R] = probs entries, per the plan (one fused pass).
@@ -81,5 +162,7 @@ void permute_tokens(Tensor& permuted_x, Tensor& permuted_probs, const Tensor& x,
 // y [T, H] f32 = per-token sum of rows (accumulate=false) or y += (accumulate=true); rows any float dtype.
 void unpermute_tokens(Tensor& y, const Tensor& rows, const DispatchPlan& plan, bool accumulate,
                       const ops::Context& ctx);
+// rows [>= R, H] (f32 or bf16) = src [T, H] f32 rows per the plan: rows[r] = src[row_token[r]].
+void gather_token_rows(Tensor& rows, const Tensor& src, const DispatchPlan& plan, const ops::Context& ctx);
 
 }  // namespace moecore::moe

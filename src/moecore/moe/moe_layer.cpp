@@ -9,7 +9,7 @@ RouterDims router_dims(const MoeLayerDims& d, const MoeConfig& cfg) {
 
 ExpertDims expert_dims(const MoeLayerDims& d, const MoeConfig& cfg, int64_t max_rows) {
   ExpertDims e;
-  e.E = cfg.num_experts;
+  e.E = cfg.num_experts / d.ep;  // local experts
   e.H = d.H;
   e.F = d.F;
   e.swiglu = cfg.swiglu;
@@ -18,12 +18,19 @@ ExpertDims expert_dims(const MoeLayerDims& d, const MoeConfig& cfg, int64_t max_
   return e;
 }
 
-int64_t max_rows_of(const MoeLayerDims& d, const MoeConfig& cfg) {
-  const int64_t cap = cfg.capacity_factor > 0 ? expert_capacity(d.T * cfg.router_topk, cfg.num_experts,
-                                                                cfg.capacity_factor)
-                                              : 0;
-  return dispatch_max_rows(d.T, cfg.num_experts, cfg.router_topk, cap, cfg.pad_expert_input_to_capacity,
+int64_t capacity_of(const MoeLayerDims& d, const MoeConfig& cfg) {
+  return cfg.capacity_factor > 0 ? expert_capacity(d.T * cfg.router_topk, cfg.num_experts, cfg.capacity_factor) : 0;
+}
+// Rows this rank's tokens produce (over all E experts).
+int64_t max_send_of(const MoeLayerDims& d, const MoeConfig& cfg) {
+  return dispatch_max_rows(d.T, cfg.num_experts, cfg.router_topk, capacity_of(d, cfg), cfg.pad_expert_input_to_capacity,
                            cfg.router_padding_alignment);
+}
+// Rows this rank's local experts can receive.
+int64_t max_rows_of(const MoeLayerDims& d, const MoeConfig& cfg) {
+  if (d.ep == 1 || d.dispatcher == DispatcherKind::local) return max_send_of(d, cfg);
+  return dispatch_max_rows_ep(d.T, cfg.num_experts, cfg.router_topk, capacity_of(d, cfg),
+                              cfg.pad_expert_input_to_capacity, cfg.router_padding_alignment, d.ep);
 }
 
 int64_t bytes_of(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
@@ -33,9 +40,10 @@ int64_t bytes_of(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
 namespace {
 // The scratch tensors of a cache, by address, so they can be aliased and counted in one place.
 std::vector<Tensor*> scratch_tensors(MoeLayerCache& c) {
-  return {&c.dprobs, &c.router.dlogits, &c.router.work, &c.dispatch.expert_out, &c.dispatch.dpermuted,
-          &c.dispatch.dexpert_in, &c.dispatch.dpermuted_probs, &c.expert_ws.a, &c.expert_ws.da, &c.expert_ws.dh,
-          &c.shared.dact, &c.shared.dh, &c.shared.dout_c};
+  std::vector<Tensor*> v = {&c.dprobs, &c.router.dlogits, &c.router.work, &c.expert_ws.a, &c.expert_ws.da,
+                            &c.expert_ws.dh, &c.shared.dact, &c.shared.dh, &c.shared.dout_c};
+  for (Tensor* t : dispatch_scratch_tensors(c.dispatch)) v.push_back(t);
+  return v;
 }
 std::vector<const Tensor*> saved_tensors(const MoeLayerCache& c) {
   const auto& r = c.router;
@@ -43,18 +51,24 @@ std::vector<const Tensor*> saved_tensors(const MoeLayerCache& c) {
   const auto& s = c.shared;
   return {&r.x_jittered, &r.jitter, &r.logits, &r.scores, &r.topk_idx, &r.topk_w, &r.topk_kept, &r.dlogits_loss,
           &c.probs, &c.map, &b.plan.row_token, &b.plan.token_rows, &b.permuted_x, &b.permuted_probs,
-          &c.experts.h, &c.experts.act, &s.h, &s.act, &s.out, &s.gate_s};
+          &c.experts.h, &c.experts.act, &s.h, &s.act, &s.out, &s.gate_s, &b.ep.send_plan.row_token,
+          &b.ep.send_plan.token_rows, &b.ep.gmap, &b.ep.lmap, &b.ep.lprobs};
 }
 }  // namespace
 
 MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg, const MoeLayerCache* share) {
-  const int64_t E = cfg.num_experts, rows = max_rows_of(d, cfg);
+  const int64_t E = cfg.num_experts;
+  if (d.ep <= 0 || E % d.ep != 0)
+    MOECORE_FAIL("MoE layer: --num-experts (", E, ") must be divisible by --expert-model-parallel-size (", d.ep, ")");
+  if (d.ep > 1 && d.dispatcher == DispatcherKind::local)
+    MOECORE_FAIL("MoE layer: expert-parallel size ", d.ep, " needs the alltoall or allgather dispatcher");
+  const int64_t rows = max_rows_of(d, cfg);
   MoeLayerCache c;
   c.router = router_cache_alloc(router_dims(d, cfg), cfg, d.compute);
   c.probs = Tensor::empty({d.T, E}, DType::f32, MemCategory::activations);
   c.map = Tensor::empty({d.T, E}, DType::boolean, MemCategory::activations);
   c.dprobs = Tensor::empty({d.T, E}, DType::f32, MemCategory::workspace);
-  c.dispatch = dispatch_buffers_alloc(d.T, d.H, E, rows, d.compute);
+  c.dispatch = dispatch_buffers_alloc_ep(d.dispatcher, d.T, d.H, E, d.ep, max_send_of(d, cfg), rows, d.compute);
   const ExpertDims ed = expert_dims(d, cfg, rows);
   c.experts = expert_cache_alloc(ed);
   c.expert_ws = expert_workspace_alloc(ed);

@@ -19,6 +19,8 @@ struct MoeLayerDims {
   int64_t F = 0;   // expert ffn size
   int64_t Fs = 0;  // shared expert ffn size (0: none)
   DType compute = DType::f32;
+  int64_t ep = 1;  // expert-parallel size: this rank holds experts [r*E/ep, (r+1)*E/ep) of the EP group
+  DispatcherKind dispatcher = DispatcherKind::local;  // which dispatcher the buffers are sized for
 };
 
 struct MoeLayerWeights {
