@@ -30,14 +30,20 @@ double global_grad_norm(const std::vector<Param>& params) {
   return std::sqrt(s);
 }
 
+float clip_scale_for(double grad_norm, float clip_grad) {
+  if (!(clip_grad > 0)) return 1.0f;
+  const double scale = clip_grad / (grad_norm + 1e-6);
+  return scale < 1.0 ? static_cast<float>(scale) : 1.0f;
+}
+
 StepStats AdamW::step(float lr) {
+  return step(lr, global_grad_norm(params_));
+}
+
+StepStats AdamW::step(float lr, double grad_norm) {
   StepStats st;
-  st.grad_norm = global_grad_norm(params_);
-  // Megatron/torch clip rule: scale = clip / (norm + 1e-6), applied when below 1.
-  if (cfg_.clip_grad > 0) {
-    const double scale = cfg_.clip_grad / (st.grad_norm + 1e-6);
-    if (scale < 1.0) st.clip_scale = static_cast<float>(scale);
-  }
+  st.grad_norm = grad_norm;
+  st.clip_scale = clip_scale_for(grad_norm, cfg_.clip_grad);
   ++step_;
   for (size_t i = 0; i < params_.size(); ++i) {
     ops::AdamWParams p;

@@ -1,6 +1,6 @@
 // AdamW with fp32 master weights, global-norm gradient clipping and optional bf16 optimizer states.
 // Decoupled weight decay applies only to parameters marked weight_decay (2-D weights). Not here: LR
-// schedules (optim/lr_schedule.h) and sharding over data-parallel ranks (the distributed optimizer).
+// schedules (optim/lr_schedule.h) and sharding over data-parallel ranks (optim/distributed_adamw.h).
 #pragma once
 #include <vector>
 
@@ -26,8 +26,12 @@ struct StepStats {
 class AdamW {
  public:
   AdamW(std::vector<Param>& params, const AdamWConfig& cfg);
-  // One update with learning rate lr. Gradients are read, not modified.
+  // One update with learning rate lr, clipping by the global norm of these parameters' gradients.
+  // Gradients are read, not modified.
   StepStats step(float lr);
+  // The same with an externally computed global norm (gradients reduced over several groups, e.g. dense
+  // and expert parameters): the clip scale is clip_scale_for(grad_norm, clip_grad). step(lr) calls this.
+  StepStats step(float lr, double grad_norm);
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t s) { step_ = s; }
   std::vector<Tensor>& exp_avg() { return m_; }
@@ -45,5 +49,8 @@ class AdamW {
 
 // sqrt(sum over params of sum(grad^2)), accumulated in double in parameter order.
 double global_grad_norm(const std::vector<Param>& params);
+// Megatron/torch clip rule: clip_grad / (grad_norm + 1e-6) when that is below 1, else 1. clip_grad 0
+// disables clipping (scale 1); a NaN norm gives 1, an infinite one 0.
+float clip_scale_for(double grad_norm, float clip_grad);
 
 }  // namespace moecore::optim

@@ -1,0 +1,259 @@
+// The distributed optimizer. Every rank already holds the f32 masters in Param::value, so the owner
+// updates its slice in place (ops::adamw_step on 1-D views, hence the same bits as optim::AdamW) and the
+// all-gather overwrites everyone's copy; no separate master shard is kept. One staging buffer sized to the
+// largest bucket serves both the reduce-scatter input and the all-gather output.
+#include "moecore/optim/distributed_adamw.h"
+
+#include <algorithm>
+#include <cstring>
+#include <span>
+#include <utility>
+
+#include "moecore/kernels/ops.h"
+
+namespace moecore::optim {
+namespace {
+
+int64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return static_cast<int64_t>(h >> 1);
+}
+
+Tensor flat(const Tensor& t) {
+  return t.view(Shape{t.numel()});
+}
+
+float* f32_at(const Tensor& t, int64_t offset) {
+  return t.data<float>() + offset;
+}
+
+}  // namespace
+
+DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig& cfg,
+                                   const ProcessGroup& group, DistributedAdamWOptions opt)
+    : params_(std::move(params)), cfg_(cfg), group_(group) {
+  if (!group_.valid()) MOECORE_FAIL("distributed optimizer: the process group is not initialized");
+  // The cross-rank check comes before any local one, so a local error cannot leave peers waiting in it.
+  check_same_params_across_ranks();
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!params_[i]) MOECORE_FAIL("distributed optimizer: parameter ", i, " is a null pointer");
+  cfg_.validate();
+  if (opt.bucket_elems < 1)
+    MOECORE_FAIL("distributed optimizer: bucket_elems (", opt.bucket_elems, ") must be at least 1");
+  for (const Param* p : params_) {
+    if (!p->value.defined() || p->value.dtype() != DType::f32 || !p->value.is_contiguous() ||
+        p->value.device() != Device::cpu)
+      MOECORE_FAIL("distributed optimizer: parameter '", p->name, "' has value ",
+                   p->value.defined() ? p->value.str() : std::string("(undefined)"),
+                   "; it needs a contiguous f32 CPU tensor");
+  }
+  plan_layout(opt.bucket_elems);
+  int64_t max_padded = 0;
+  for (const Bucket& b : buckets_) max_padded = std::max(max_padded, b.shard * group_.size());
+  staging_ = Tensor::zeros(Shape{max_padded}, DType::f32, MemCategory::workspace);
+  shard_param_ = Tensor::zeros(Shape{max_padded / group_.size()}, DType::f32, MemCategory::workspace);
+  shard_grad_ = Tensor::zeros(Shape{shard_elems_}, DType::f32, MemCategory::gradients);
+  exp_avg_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state);
+  exp_avg_sq_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state);
+}
+
+void DistributedAdamW::check_same_params_across_ranks() const {
+  const int P = group_.size();
+  if (P == 1) return;
+  std::vector<int64_t> count = {static_cast<int64_t>(params_.size())};
+  std::vector<int64_t> counts(static_cast<size_t>(P));
+  all_gather(std::span<int64_t>(counts), std::span<const int64_t>(count), group_);
+  for (int r = 1; r < P; ++r)
+    if (counts[static_cast<size_t>(r)] != counts[0])
+      MOECORE_FAIL("distributed optimizer (group '", group_.name(), "'): rank 0 passes ", counts[0],
+                   " parameters but rank ", r, " passes ", counts[static_cast<size_t>(r)],
+                   "; every rank of the group must pass the same parameters in the same order");
+  // Two words per parameter: its element count and a hash of its name and shape.
+  const size_t n = params_.size();
+  std::vector<int64_t> mine(2 * n), all(2 * n * static_cast<size_t>(P));
+  for (size_t i = 0; i < n; ++i) {
+    const Param* p = params_[i];
+    mine[2 * i] = p ? p->value.numel() : -1;
+    mine[2 * i + 1] = p ? fnv1a(p->name + '\0' + p->value.shape().str()) : 0;
+  }
+  all_gather(std::span<int64_t>(all), std::span<const int64_t>(mine), group_);
+  for (size_t i = 0; i < n; ++i) {
+    for (int r = 1; r < P; ++r) {
+      const int64_t* a = &all[2 * i];
+      const int64_t* b = &all[2 * n * static_cast<size_t>(r) + 2 * i];
+      if (a[0] == b[0] && a[1] == b[1]) continue;
+      const Param* p = params_[i];
+      MOECORE_FAIL("distributed optimizer (group '", group_.name(), "'): parameter ", i, " ('",
+                   p ? p->name : std::string("null"), "', ", p ? p->value.shape().str() : std::string("-"),
+                   " on group rank ", group_.rank(), ") differs between rank 0 (", a[0],
+                   " elements) and rank ", r, " (", b[0], " elements",
+                   a[0] == b[0] ? ", another name or shape" : "",
+                   "); every rank of the group must pass the same parameters in the same order");
+    }
+  }
+}
+
+void DistributedAdamW::plan_layout(int64_t bucket_elems) {
+  const int64_t P = group_.size(), r = group_.rank();
+  param_offsets_.assign(params_.size(), 0);
+  param_elems_.clear();
+  for (const Param* p : params_) param_elems_.push_back(p->value.numel());
+  auto close = [&](Bucket& b, size_t end) {
+    b.end_param = end;
+    b.shard = (b.elems + P - 1) / P;
+    b.shard_offset = shard_elems_;
+    b.first_segment = segments_.size();
+    const int64_t lo = r * b.shard, hi = lo + b.shard;  // this rank's owned range, bucket-local
+    for (size_t i = b.first_param; i < b.end_param; ++i) {
+      const int64_t start = std::max(lo, param_offsets_[i]);
+      const int64_t end_elem = std::min(hi, param_offsets_[i] + param_elems_[i]);
+      if (start < end_elem)
+        segments_.push_back({i, start - param_offsets_[i], b.shard_offset + (start - lo), end_elem - start});
+    }
+    b.end_segment = segments_.size();
+    shard_elems_ += b.shard;
+    buckets_.push_back(b);
+  };
+  Bucket cur;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t n = param_elems_[i];
+    if (cur.elems > 0 && cur.elems + n > bucket_elems) {
+      close(cur, i);
+      cur = Bucket{};
+      cur.first_param = i;
+    }
+    param_offsets_[i] = cur.elems;
+    cur.elems += n;
+  }
+  if (cur.elems > 0) close(cur, params_.size());
+}
+
+void DistributedAdamW::reduce_scatter_grads() {
+  const int P = group_.size();
+  for (const Bucket& b : buckets_) {
+    for (size_t i = b.first_param; i < b.end_param; ++i) {
+      const Param& p = *params_[i];
+      if (!p.grad.defined() || p.grad.dtype() != DType::f32 || !p.grad.is_contiguous() ||
+          p.grad.device() != Device::cpu || p.grad.numel() != param_elems_[i])
+        MOECORE_FAIL("distributed optimizer: gradient of '", p.name, "' is ",
+                     p.grad.defined() ? p.grad.str() : std::string("undefined"),
+                     "; it needs a contiguous f32 CPU tensor of ", param_elems_[i],
+                     " elements like the value");
+      std::memcpy(f32_at(staging_, param_offsets_[i]), p.grad.raw(), static_cast<size_t>(p.grad.nbytes()));
+    }
+    const int64_t padded = b.shard * P;
+    std::fill(f32_at(staging_, b.elems), f32_at(staging_, padded), 0.0f);
+    reduce_scatter_sum(std::span<float>(f32_at(shard_grad_, b.shard_offset), static_cast<size_t>(b.shard)),
+                       std::span<const float>(f32_at(staging_, 0), static_cast<size_t>(padded)), group_);
+  }
+}
+
+double DistributedAdamW::shard_grad_sq() const {
+  double s = 0;
+  for (const Segment& g : segments_)
+    s += ops::sum_squares(shard_grad_.slice(0, g.shard_offset, g.shard_offset + g.elems), {});
+  return s;
+}
+
+std::string DistributedAdamW::first_nonfinite_grad() const {
+  for (const Segment& g : segments_)
+    if (!ops::all_finite(shard_grad_.slice(0, g.shard_offset, g.shard_offset + g.elems), {}))
+      return params_[g.param]->name;
+  return "";
+}
+
+void DistributedAdamW::apply_segment(const Segment& s, float lr, float clip_scale) {
+  const Param& p = *params_[s.param];
+  ops::AdamWParams ap;
+  ap.lr = lr;
+  ap.beta1 = cfg_.beta1;
+  ap.beta2 = cfg_.beta2;
+  ap.eps = cfg_.eps;
+  ap.weight_decay = p.weight_decay ? cfg_.weight_decay : 0.0f;
+  ap.step = step_;
+  ap.grad_scale = clip_scale;
+  Tensor value = flat(p.value).slice(0, s.param_offset, s.param_offset + s.elems);
+  const Tensor grad = shard_grad_.slice(0, s.shard_offset, s.shard_offset + s.elems);
+  Tensor m = exp_avg_.slice(0, s.shard_offset, s.shard_offset + s.elems);
+  Tensor v = exp_avg_sq_.slice(0, s.shard_offset, s.shard_offset + s.elems);
+  ops::adamw_step(value, grad, m, v, ap, {});
+}
+
+void DistributedAdamW::step(float lr, float clip_scale) {
+  const int P = group_.size();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& v = params_[i]->value;
+    if (!v.is_contiguous() || v.dtype() != DType::f32 || v.device() != Device::cpu ||
+        v.numel() != param_elems_[i])
+      MOECORE_FAIL("distributed optimizer: parameter '", params_[i]->name, "' has value ", v.str(),
+                   "; it needs a contiguous f32 CPU tensor of ", param_elems_[i], " elements");
+  }
+  ++step_;
+  for (const Segment& s : segments_) apply_segment(s, lr, clip_scale);
+  for (const Bucket& b : buckets_) {
+    // Pack the owned range (parameters, then zeros for the padding) and gather every rank's.
+    float* packed = f32_at(shard_param_, 0);
+    std::fill(packed, packed + b.shard, 0.0f);
+    for (size_t k = b.first_segment; k < b.end_segment; ++k) {
+      const Segment& s = segments_[k];
+      std::memcpy(packed + (s.shard_offset - b.shard_offset), f32_at(params_[s.param]->value, s.param_offset),
+                  static_cast<size_t>(s.elems) * sizeof(float));
+    }
+    all_gather(std::span<float>(f32_at(staging_, 0), static_cast<size_t>(b.shard * P)),
+               std::span<const float>(packed, static_cast<size_t>(b.shard)), group_);
+    for (size_t i = b.first_param; i < b.end_param; ++i) {
+      const Tensor& v = params_[i]->value;
+      std::memcpy(v.raw(), f32_at(staging_, param_offsets_[i]), static_cast<size_t>(v.nbytes()));
+    }
+  }
+}
+
+void DistributedAdamW::gather_state(std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq) const {
+  const int P = group_.size();
+  int64_t max_padded = 0;
+  for (const Bucket& b : buckets_) max_padded = std::max(max_padded, b.shard * P);
+  const Tensor buf = Tensor::empty(Shape{max_padded}, cfg_.state_dtype, MemCategory::workspace);
+  for (std::vector<Tensor>* out : {&exp_avg, &exp_avg_sq}) {
+    const Tensor& shard = out == &exp_avg ? exp_avg_ : exp_avg_sq_;
+    out->clear();
+    for (const Param* p : params_)
+      out->push_back(Tensor::empty(p->value.shape(), cfg_.state_dtype, MemCategory::other));
+    for (const Bucket& b : buckets_) {
+      all_gather(buf.slice(0, 0, b.shard * P), shard.slice(0, b.shard_offset, b.shard_offset + b.shard),
+                 group_);
+      for (size_t i = b.first_param; i < b.end_param; ++i) {
+        const int64_t n = param_elems_[i];
+        flat((*out)[i]).copy_from(buf.slice(0, param_offsets_[i], param_offsets_[i] + n));
+      }
+    }
+  }
+}
+
+void DistributedAdamW::load_state(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq) {
+  for (const std::vector<Tensor>* in : {&exp_avg, &exp_avg_sq}) {
+    if (in->size() != params_.size())
+      MOECORE_FAIL("distributed optimizer: load_state got ", in->size(), " moment tensors for ",
+                   params_.size(), " parameters");
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (!(*in)[i].defined() || !((*in)[i].shape() == params_[i]->value.shape()))
+        MOECORE_FAIL("distributed optimizer: load_state: moment of '", params_[i]->name, "' is ",
+                     (*in)[i].defined() ? (*in)[i].str() : std::string("undefined"), " but the parameter is ",
+                     params_[i]->value.str());
+  }
+  for (const Segment& s : segments_) {
+    for (int k = 0; k < 2; ++k) {
+      const Tensor& full = (k == 0 ? exp_avg : exp_avg_sq)[s.param];
+      const Tensor src = full.is_contiguous() ? full : full.clone();
+      (k == 0 ? exp_avg_ : exp_avg_sq_)
+          .slice(0, s.shard_offset, s.shard_offset + s.elems)
+          .copy_from(flat(src).slice(0, s.param_offset, s.param_offset + s.elems));
+    }
+  }
+}
+
+int64_t DistributedAdamW::state_bytes() const {
+  return 2 * shard_elems_ * static_cast<int64_t>(dtype_size(cfg_.state_dtype));
+}
+
+}  // namespace moecore::optim

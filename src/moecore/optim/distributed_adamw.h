@@ -1,0 +1,106 @@
+// The distributed optimizer (ZeRO-1, Megatron's --use-distributed-optimizer): AdamW whose moments are
+// sharded over a process group. Gradients are reduce-scattered bucket by bucket, each rank updates the
+// slice of the parameters it owns, and the updated f32 masters are all-gathered back into every rank's
+// Param::value. Not here: the global norm over several groups (the caller all-reduces shard_grad_sq()),
+// bf16 compute copies (Param::compute is left to the caller) and overlap with backward.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moecore/core/param.h"
+#include "moecore/optim/adamw.h"
+#include "moecore/parallel/comm.h"
+
+namespace moecore::optim {
+
+struct DistributedAdamWOptions {
+  int64_t bucket_elems = 10'000'000;  // elements per gradient bucket, e.g. 10M (a larger parameter is alone)
+};
+
+// Layout. The parameters sit in one flat index space in `params` order, cut into buckets of whole
+// parameters holding about bucket_elems elements. Bucket b of n_b elements is padded to
+// N_b = ceil(n_b / P) * P and rank r owns its elements [r * N_b / P, (r + 1) * N_b / P). A rank's
+// shard is the concatenation of its owned ranges over the buckets (shard_elems() in all); padding is
+// never updated and never reaches a parameter.
+//
+// Bitwise contract: step(lr, s) leaves every Param::value bitwise equal to optim::AdamW::step on the
+// group-summed gradients ((g_0 + g_1) + g_2) + ... with clip scale s, provided every rank starts from
+// the same values (AdamW is elementwise; the sums are moecore's deterministic rank-ordered ones).
+//
+// Every member of the group calls the collective methods in the same order (comm.h rules). Not
+// thread-safe. The Param pointers stay owned by the caller and must outlive this object; their value
+// and grad are contiguous f32 CPU tensors and may be replaced by tensors of the same shape.
+class DistributedAdamW {
+ public:
+  // Collective (checks that every rank passes parameters with identical names, shapes and order, and
+  // throws moecore::Error naming the first differing parameter and ranks otherwise). Allocates the
+  // moments (MemCategory::optimizer_state) and all flat buffers once.
+  DistributedAdamW(std::vector<Param*> params, const AdamWConfig& cfg, const ProcessGroup& group,
+                   DistributedAdamWOptions opt = {});
+
+  // Collective. Bucketed reduce-scatter of the gradients: afterwards this rank's shard holds the group
+  // SUM of the gradients. The params' .grad tensors are read (they may be modified afterwards).
+  void reduce_scatter_grads();
+  // Sum of squares of this rank's reduced-gradient shard, in double. All-reduced over the group (and
+  // over other groups' shares) it is the squared global gradient norm.
+  double shard_grad_sq() const;
+  // Name of the first parameter with a non-finite element in this rank's shard, "" if none. Local.
+  std::string first_nonfinite_grad() const;
+  // Collective. One AdamW update of this rank's shard (learning rate lr, gradients times clip_scale,
+  // weight decay for params with weight_decay, bias correction with the step count), then all-gather of
+  // the updated f32 masters into every param's .value, bucket by bucket. Does not refresh Param::compute.
+  void step(float lr, float clip_scale);
+
+  int64_t steps_taken() const { return step_; }
+  void set_steps_taken(int64_t s) { step_ = s; }
+
+  // Checkpoints. Collective: every rank receives the full moments of every parameter, shaped like the
+  // parameter, in cfg.state_dtype (freshly allocated, MemCategory::other).
+  void gather_state(std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq) const;
+  // Local: from full moments (one per parameter, same shapes, any float dtype; converted to
+  // cfg.state_dtype), each rank keeps its own shard.
+  void load_state(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq);
+
+  int64_t shard_elems() const { return shard_elems_; }  // optimizer-state elements on this rank, per moment
+  int64_t state_bytes() const;                          // bytes of both moments on this rank
+  int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+  const ProcessGroup& group() const { return group_; }
+  const AdamWConfig& config() const { return cfg_; }
+
+ private:
+  struct Bucket {
+    size_t first_param = 0, end_param = 0;      // params [first_param, end_param)
+    int64_t elems = 0;                          // n_b, unpadded
+    int64_t shard = 0;                          // N_b / P
+    int64_t shard_offset = 0;                   // where this bucket's owned range starts in the rank's shard
+    size_t first_segment = 0, end_segment = 0;  // its pieces in segments_
+  };
+  // A piece of one parameter inside this rank's owned range of one bucket.
+  struct Segment {
+    size_t param = 0;
+    int64_t param_offset = 0;  // first element within the parameter
+    int64_t shard_offset = 0;  // first element within this rank's shard
+    int64_t elems = 0;
+  };
+  void check_same_params_across_ranks() const;
+  void plan_layout(int64_t bucket_elems);
+  void apply_segment(const Segment& s, float lr, float clip_scale);
+
+  std::vector<Param*> params_;
+  std::vector<int64_t> param_offsets_;  // each parameter's first element within its bucket
+  std::vector<int64_t> param_elems_;    // each parameter's element count, fixed at construction
+  AdamWConfig cfg_;
+  ProcessGroup group_;
+  std::vector<Bucket> buckets_;
+  std::vector<Segment> segments_;  // in parameter order
+  int64_t shard_elems_ = 0;
+  int64_t step_ = 0;
+  Tensor staging_;      // [max N_b] f32: gradients to reduce-scatter, then gathered masters
+  Tensor shard_grad_;   // [shard_elems] f32: this rank's share of the summed gradients
+  Tensor shard_param_;  // [max N_b / P] f32: updated masters of one bucket, to all-gather
+  Tensor exp_avg_;      // [shard_elems] state_dtype
+  Tensor exp_avg_sq_;   // [shard_elems] state_dtype
+};
+
+}  // namespace moecore::optim

@@ -1,0 +1,351 @@
+// Multi-rank tests of optim::DistributedAdamW, run under mpirun with 2 and 4 ranks: every rank's parameters
+// stay bitwise equal to a plain AdamW on the rank-ordered gradient sum (f32 and bf16 states, several bucket
+// sizes), the sharded squared norm, gathered/loaded moments, non-finite detection, mismatched parameters
+// across ranks, and the 1/P state memory. Own main like tests/parallel/mpi_collectives_test.cpp.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+#include "moecore/core/error.h"
+#include "moecore/optim/distributed_adamw.h"
+#include "moecore/parallel/comm.h"
+
+namespace moecore {
+namespace {
+
+using optim::AdamW;
+using optim::AdamWConfig;
+using optim::DistributedAdamW;
+using optim::DistributedAdamWOptions;
+
+#define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg)
+
+// Every test fails on every rank when it fails on any: rank 0's report is then the whole story.
+class Mpi : public ::testing::Test {
+ protected:
+  ProcessGroup world = comm_world();
+  int P = world.size();
+  int me = world.rank();
+  void TearDown() override {
+    std::vector<int64_t> failed = {HasFailure() ? int64_t{1} << world.rank() : 0};
+    all_reduce_sum(failed, world);
+    if (failed[0] && !HasFailure()) ADD_FAILURE() << "failed on other ranks (bit mask " << failed[0] << ")";
+  }
+  int64_t sum_over_ranks(int64_t x) const {
+    std::vector<int64_t> v = {x};
+    all_reduce_sum(v, world);
+    return v[0];
+  }
+};
+
+uint64_t mix(uint64_t x) {  // splitmix64
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Exact floats over several magnitudes (up to ~4), so the summation order changes the rounding.
+float value_at(uint64_t seed, int64_t i) {
+  const uint64_t h = mix(seed * 1000003u + static_cast<uint64_t>(i));
+  const auto mantissa = static_cast<int64_t>(h >> 40) - (int64_t{1} << 23);
+  return std::ldexp(static_cast<float>(mantissa), static_cast<int>(h % 10) - 8 - 23 + 2);
+}
+float grad_at(int rank, int step, size_t param, int64_t i) {
+  return value_at(mix(static_cast<uint64_t>(rank) * 131 + static_cast<uint64_t>(step) * 7 + param + 1), i);
+}
+
+struct Spec {
+  std::string name;
+  Shape shape;
+  bool weight_decay;
+};
+
+// Assorted sizes: not divisible by 2 or 4, one larger than a 64-element bucket, a single element.
+std::vector<Spec> assorted() {
+  return {{"embedding.word_embeddings.weight", {10, 15}, true},
+          {"decoder.layers.0.input_layernorm.weight", {7}, false},
+          {"decoder.layers.0.router.scale", {1}, false},
+          {"decoder.layers.0.self_attention.linear_qkv.weight", {3, 5}, true},
+          {"decoder.layers.0.self_attention.linear_qkv.bias", {13}, false},
+          {"decoder.layers.0.mlp.linear_fc1.weight", {4, 8}, true},
+          {"decoder.final_layernorm.weight", {33}, false}};
+}
+
+std::vector<Param> make_params(const std::vector<Spec>& specs) {
+  std::vector<Param> ps;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    Param p;
+    p.name = specs[i].name;
+    p.value = Tensor::empty(specs[i].shape, DType::f32, MemCategory::parameters);
+    p.grad = Tensor::zeros(specs[i].shape, DType::f32, MemCategory::gradients);
+    p.weight_decay = specs[i].weight_decay;
+    float* v = p.value.data<float>();
+    for (int64_t k = 0; k < p.value.numel(); ++k) v[k] = value_at(9000 + i, k);
+    p.compute = p.value;
+    ps.push_back(std::move(p));
+  }
+  return ps;
+}
+
+std::vector<Param*> pointers(std::vector<Param>& ps) {
+  std::vector<Param*> out;
+  for (Param& p : ps) out.push_back(&p);
+  return out;
+}
+
+// "" when a and b hold the same bits, else where they first differ.
+std::string bitwise_diff(const Tensor& a, const Tensor& b) {
+  if (!(a.shape() == b.shape()) || a.dtype() != b.dtype()) return "shape/dtype " + a.str() + " vs " + b.str();
+  const size_t es = dtype_size(a.dtype());
+  const auto* x = static_cast<const unsigned char*>(a.raw());
+  const auto* y = static_cast<const unsigned char*>(b.raw());
+  for (int64_t i = 0; i < a.numel(); ++i)
+    if (std::memcmp(x + i * es, y + i * es, es) != 0)
+      return "element " + std::to_string(i) + " of " + std::to_string(a.numel()) + " differs";
+  return "";
+}
+
+// One distributed optimizer and, on every rank, the plain AdamW it must reproduce. Not movable: AdamW keeps
+// a reference to `ref`.
+class Harness {
+ public:
+  Harness(const ProcessGroup& g, const AdamWConfig& cfg, int64_t bucket, const std::vector<Spec>& specs)
+      : g_(g), cfg_(cfg), dist_(make_params(specs)), ref_(make_params(specs)), plain_(ref_, cfg) {
+    opt_ = std::make_unique<DistributedAdamW>(pointers(dist_), cfg, g, DistributedAdamWOptions{bucket});
+  }
+  Harness(const Harness&) = delete;
+
+  // This rank's gradients into the distributed params; their rank-ordered sum into the reference.
+  void set_grads(int step) {
+    for (size_t i = 0; i < dist_.size(); ++i) {
+      float* d = dist_[i].grad.data<float>();
+      float* r = ref_[i].grad.data<float>();
+      for (int64_t k = 0; k < dist_[i].grad.numel(); ++k) {
+        d[k] = grad_at(g_.rank(), step, i, k);
+        float acc = grad_at(0, step, i, k);
+        for (int q = 1; q < g_.size(); ++q) acc += grad_at(q, step, i, k);
+        r[k] = acc;
+      }
+    }
+  }
+  // The trainer's sequence: reduce-scatter, global norm from the shards, clip scale, both updates.
+  double step(int step, float lr) {
+    set_grads(step);
+    opt_->reduce_scatter_grads();
+    std::vector<double> sq = {opt_->shard_grad_sq()};
+    all_reduce_sum(sq, g_);
+    const double norm = std::sqrt(sq[0]);
+    opt_->step(lr, optim::clip_scale_for(norm, cfg_.clip_grad));
+    plain_.step(lr, norm);
+    return norm;
+  }
+  void expect_params_match(const std::string& when) const {
+    for (size_t i = 0; i < dist_.size(); ++i)
+      EXPECT_EQ(bitwise_diff(dist_[i].value, ref_[i].value), "") << when << ": " << dist_[i].name;
+  }
+
+  ProcessGroup g_;
+  AdamWConfig cfg_;
+  std::vector<Param> dist_, ref_;
+  AdamW plain_;
+  std::unique_ptr<DistributedAdamW> opt_;
+};
+
+constexpr int64_t kDefaultBucket = DistributedAdamWOptions{}.bucket_elems;
+
+AdamWConfig clipped_config() {
+  AdamWConfig c;
+  c.weight_decay = 0.1f;
+  c.clip_grad = 1.0f;  // the assorted gradients have norm > 10: every step clips
+  return c;
+}
+
+TEST_F(Mpi, ParamsBitwiseEqualPlainAdamWOnSummedGradients) {
+  for (int64_t bucket : {int64_t{1}, int64_t{64}, kDefaultBucket}) {
+    Harness h(world, clipped_config(), bucket, assorted());
+    for (int s = 1; s <= 3; ++s) {
+      const double norm = h.step(s, 1e-2f);
+      EXPECT_LT(optim::clip_scale_for(norm, 1.0f), 1.0f) << "the test should exercise clipping";
+      h.expect_params_match("bucket " + std::to_string(bucket) + ", step " + std::to_string(s));
+    }
+    EXPECT_EQ(h.opt_->steps_taken(), 3);
+    const int64_t want_buckets = bucket == 1 ? 7 : bucket == 64 ? 4 : 1;  // 150 | 7+1+15+13 | 32 | 33
+    EXPECT_EQ(h.opt_->num_buckets(), want_buckets) << "bucket " << bucket;
+  }
+}
+
+TEST_F(Mpi, ShardSquaresSumToGlobalNorm) {
+  for (int64_t bucket : {int64_t{1}, int64_t{64}, kDefaultBucket}) {
+    Harness h(world, clipped_config(), bucket, assorted());
+    h.set_grads(1);
+    h.opt_->reduce_scatter_grads();
+    std::vector<double> sq = {h.opt_->shard_grad_sq()};
+    all_reduce_sum(sq, world);
+    const double want = std::pow(optim::global_grad_norm(h.ref_), 2);
+    EXPECT_LE(std::abs(sq[0] - want), 1e-12 * want) << "bucket " << bucket << ": " << sq[0] << " vs " << want;
+  }
+}
+
+TEST_F(Mpi, Bf16StateBitwiseEqualPlainAdamW) {
+  AdamWConfig cfg = clipped_config();
+  cfg.state_dtype = DType::bf16;
+  for (float clip : {1.0f, 0.0f}) {
+    cfg.clip_grad = clip;
+    Harness h(world, cfg, 64, assorted());
+    for (int s = 1; s <= 3; ++s) {
+      h.step(s, 1e-2f);
+      h.expect_params_match("clip " + std::to_string(clip) + ", step " + std::to_string(s));
+    }
+  }
+}
+
+TEST_F(Mpi, GatheredStateEqualsPlainMomentsAndLoadsIntoFreshInstance) {
+  for (DType state : {DType::f32, DType::bf16}) {
+    AdamWConfig cfg = clipped_config();
+    cfg.state_dtype = state;
+    Harness h(world, cfg, 64, assorted());
+    for (int s = 1; s <= 3; ++s) h.step(s, 1e-2f);
+    std::vector<Tensor> m, v;
+    h.opt_->gather_state(m, v);
+    ASSERT_EQ(m.size(), h.ref_.size());
+    ASSERT_EQ(v.size(), h.ref_.size());
+    for (size_t i = 0; i < m.size(); ++i) {
+      EXPECT_EQ(bitwise_diff(m[i], h.plain_.exp_avg()[i]), "")
+          << dtype_name(state) << " exp_avg " << h.ref_[i].name;
+      EXPECT_EQ(bitwise_diff(v[i], h.plain_.exp_avg_sq()[i]), "")
+          << dtype_name(state) << " exp_avg_sq " << h.ref_[i].name;
+    }
+
+    // A restart: fresh parameters holding the saved values, a fresh optimizer loading the moments.
+    std::vector<Param> fresh = make_params(assorted());
+    for (size_t i = 0; i < fresh.size(); ++i) fresh[i].value.copy_from(h.dist_[i].value);
+    DistributedAdamW opt(pointers(fresh), cfg, world, DistributedAdamWOptions{64});
+    opt.load_state(m, v);
+    opt.set_steps_taken(h.opt_->steps_taken());
+    h.set_grads(4);
+    for (size_t i = 0; i < fresh.size(); ++i) fresh[i].grad.copy_from(h.dist_[i].grad);
+    opt.reduce_scatter_grads();
+    std::vector<double> sq = {opt.shard_grad_sq()};
+    all_reduce_sum(sq, world);
+    const double norm = std::sqrt(sq[0]);
+    opt.step(1e-2f, optim::clip_scale_for(norm, cfg.clip_grad));
+    h.plain_.step(1e-2f, norm);
+    for (size_t i = 0; i < fresh.size(); ++i)
+      EXPECT_EQ(bitwise_diff(fresh[i].value, h.ref_[i].value), "")
+          << dtype_name(state) << " " << fresh[i].name;
+  }
+}
+
+TEST_F(Mpi, FirstNonfiniteGradNamesTheParam) {
+  Harness h(world, clipped_config(), 64, assorted());
+  h.set_grads(1);
+  h.opt_->reduce_scatter_grads();
+  EXPECT_EQ(h.opt_->first_nonfinite_grad(), "");
+  const size_t bad = 4;  // decoder.layers.0.self_attention.linear_qkv.bias
+  for (float poison : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    h.set_grads(1);
+    if (me == P - 1) h.dist_[bad].grad.data<float>()[5] = poison;
+    h.opt_->reduce_scatter_grads();
+    const std::string name = h.opt_->first_nonfinite_grad();
+    // The element lives in exactly one rank's shard; an all-reduced flag lets every rank agree to skip.
+    EXPECT_EQ(sum_over_ranks(name.empty() ? 0 : 1), 1);
+    EXPECT_EQ(sum_over_ranks(name == h.dist_[bad].name ? 1 : 0), 1)
+        << "rank " << me << " named '" << name << "'";
+  }
+}
+
+TEST_F(Mpi, MismatchedParamsThrowOnEveryRankNamingTheParam) {
+  auto expect_throw = [&](std::vector<Spec> specs, const std::string& part) {
+    std::vector<Param> ps = make_params(specs);
+    try {
+      DistributedAdamW opt(pointers(ps), clipped_config(), world);
+      ADD_FAILURE() << "no error; expected one mentioning " << part;
+    } catch (const Error& e) {
+      EXPECT_HAS(std::string(e.what()), part);
+      EXPECT_HAS(std::string(e.what()), "rank");
+    }
+  };
+  std::vector<Spec> transposed = assorted();
+  if (me == 1) transposed[3].shape = {5, 3};  // same element count, another shape
+  expect_throw(transposed, "decoder.layers.0.self_attention.linear_qkv.weight");
+  std::vector<Spec> longer = assorted();
+  if (me == P - 1) longer[4].shape = {14};
+  expect_throw(longer, "decoder.layers.0.self_attention.linear_qkv.bias");
+  std::vector<Spec> fewer = assorted();
+  if (me == 0) fewer.pop_back();
+  expect_throw(fewer, "parameters");
+  // The group is still usable afterwards.
+  Harness h(world, clipped_config(), 64, assorted());
+  h.step(1, 1e-2f);
+  h.expect_params_match("after the mismatches");
+}
+
+TEST_F(Mpi, StateBytesAreAboutOneOverP) {
+  const std::vector<Spec> specs = {{"w1", {100, 100}, true}, {"b1", {100}, false}, {"w2", {64, 99}, true}};
+  for (DType state : {DType::f32, DType::bf16}) {
+    AdamWConfig cfg;
+    cfg.state_dtype = state;
+    std::vector<Param> ref = make_params(specs), dist = make_params(specs);
+    const int64_t before = memory_stats().current[static_cast<int>(MemCategory::optimizer_state)];
+    AdamW plain(ref, cfg);
+    const int64_t plain_bytes =
+        memory_stats().current[static_cast<int>(MemCategory::optimizer_state)] - before;
+    int64_t numel = 0;
+    for (const Param& p : ref) numel += p.value.numel();
+    EXPECT_EQ(plain_bytes, numel * plain.state_bytes_per_param());
+    DistributedAdamW opt(pointers(dist), cfg, world);
+    const int64_t dist_bytes =
+        memory_stats().current[static_cast<int>(MemCategory::optimizer_state)] - before - plain_bytes;
+    EXPECT_EQ(dist_bytes, opt.state_bytes()) << "moments must be accounted as optimizer_state";
+    EXPECT_EQ(opt.state_bytes(), 2 * opt.shard_elems() * static_cast<int64_t>(dtype_size(state)));
+    // At most one padding element per rank and bucket on top of the exact 1/P share.
+    EXPECT_GE(opt.state_bytes() * P, plain_bytes);
+    EXPECT_LE(opt.state_bytes() * P, plain_bytes + opt.num_buckets() * P * plain.state_bytes_per_param());
+    EXPECT_EQ(sum_over_ranks(opt.shard_elems()), P * opt.shard_elems()) << "every rank holds an equal share";
+  }
+}
+
+// Non-zero ranks print only their failures, prefixed with the rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
+                   r.line_number(), r.summary());
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+}  // namespace moecore
+
+int main(int argc, char** argv) {
+  using namespace moecore;
+  CommOptions options = comm_options_from_env();
+  if (!std::getenv("MOECORE_COMM_TIMEOUT_S")) options.timeout_s = 30;  // a failing test must not hang
+  comm_init(argc, argv, options);
+  ::testing::InitGoogleTest(&argc, argv);
+  int failed = 0;
+  {
+    const ProcessGroup world = comm_world();
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    if (world.rank() != 0) {
+      delete listeners.Release(listeners.default_result_printer());
+      listeners.Append(new RankFailurePrinter(world.rank()));
+    }
+    std::vector<int64_t> any = {RUN_ALL_TESTS() != 0 ? 1 : 0};
+    all_reduce_sum(any, world);
+    failed = any[0] != 0;
+  }
+  comm_finalize();
+  return failed;
+}
