@@ -12,6 +12,7 @@
 #include "moecore/io/checkpoint.h"
 #include "moecore/model/upcycling.h"
 #include "moecore/parallel/comm.h"
+#include "moecore/parallel/process_groups.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/gemm_peak.h"
 #include "moecore/train/trainer.h"
@@ -60,7 +61,8 @@ void add_training_flags(Args& a) {
       .option("--tensor-model-parallel-size", "1", "TP (only 1 in this version)")
       .option("--pipeline-model-parallel-size", "1", "PP (only 1 in this version)")
       .option("--context-parallel-size", "1", "CP (only 1 in this version)")
-      .option("--expert-model-parallel-size", "1", "EP (only 1 in this version)")
+      .option("--expert-model-parallel-size", "1", "EP: ranks the routed experts are spread over (mpirun -np a multiple)")
+      .option("--moe-token-dispatcher-type", "allgather", "token dispatcher under EP: allgather | alltoall")
       .option("--expert-tensor-parallel-size", "1", "ETP (only 1 in this version)")
       .flag("--moe-use-upcycling", "start the MoE model from the dense checkpoint given by --load")
       .option("--moe-upcycling-granularity", "1", "experts per dense MLP copy: dense ffn = g * moe ffn")
@@ -181,16 +183,34 @@ int train_main(int argc, char** argv) {
   if (!source.train()) MOECORE_FAIL("train: --split ", dcfg.split, " leaves no training data");
   tcfg.has_validation = source.valid() != nullptr;
 
-  // Data parallelism over every process of the run (mpirun -np P); the other layouts come later.
+  // The layout over every process of the run (mpirun -np P): data parallel, expert parallel (folded into
+  // data parallel for the attention layers) and expert data parallel. Validated before any collective, so a
+  // bad layout fails the same way on every rank.
   for (const char* f : {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-                        "--expert-model-parallel-size", "--expert-tensor-parallel-size"})
+                        "--expert-tensor-parallel-size"})
     if (a.i64(f) != 1)
-      MOECORE_FAIL(f, " (", a.i64(f), ") is not supported yet: this version runs data-parallel only, over all ",
-                   "mpirun ranks");
-  const ProcessGroup dp =
-      comm_initialized() ? comm_world().renamed("dp") : comm_single("dp");
-  std::FILE* out = dp.rank() == 0 ? stdout : nullptr;
-  model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed);
+      MOECORE_FAIL(f, " (", a.i64(f), ") is not supported yet: this version runs data and expert parallel only");
+  ParallelConfig pcfg;
+  pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
+  pcfg.expert_tensor_parallel_size = 1;
+  const int world_size = comm_initialized() ? comm_world().size() : 1;
+  (void)pcfg.validate(world_size, static_cast<int>(mcfg.moe.num_experts));
+  train::TrainGroups groups;
+  model::ExpertParallel ep;
+  ep.dispatcher = moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type"));
+  if (comm_initialized()) {
+    const ProcessGroups pg = make_process_groups(pcfg, static_cast<int>(mcfg.moe.num_experts), comm_world());
+    groups.dp = pg.dp();
+    groups.ep = pg.ep();
+    groups.edp = pg.edp();
+    ep.group = pg.ep();
+  }
+  const ProcessGroup& dp = groups.dp;
+  if (ep.group.size() > 1 && a.on("--moe-use-upcycling"))
+    MOECORE_FAIL("--moe-use-upcycling with --expert-model-parallel-size ", ep.group.size(),
+                 " is not supported yet: upcycle at EP 1, save, and load the checkpoint at any EP");
+  std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
+  model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep);
   optim::AdamW opt(gpt.params(), optimizer_config_from(a));
   if (a.on("--moe-use-upcycling")) {
     upcycle_from_dense(gpt, a, tcfg);
@@ -215,13 +235,14 @@ int train_main(int argc, char** argv) {
         if (mask[static_cast<size_t>(s)] == 0.0f) lp[b * S + s] = -1;
     }
   };
-  const train::TrainLog log = train::train(gpt, opt, tcfg, batches, out, {}, &dp);
+  const train::TrainLog log = train::train(gpt, opt, tcfg, batches, out, {}, &groups);
   if (log.stopped_by_signal) return 0;
   const int64_t count = a.i64("--generate-tokens");
-  if (count > 0 && dp.rank() == 0) {
+  // Under EP every rank takes part in the forward passes (the experts are spread); rank 0 prints.
+  if (count > 0 && (dp.rank() == 0 || ep.group.size() > 1)) {
     const std::string prompt = a.str("--prompt");
     const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed, tok->eod());
-    std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());
+    if (out) std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());
   }
   return 0;
 }

@@ -14,6 +14,10 @@ struct Param {
   Tensor grad;        // f32 gradient, accumulated by backward
   Tensor compute;     // the copy GEMMs read: value itself in f32 compute, a bf16 copy otherwise
   bool weight_decay;  // 2-D weights decay; norm weights and biases do not (Megatron's default)
+  // Routed-expert weight sharded over the expert-parallel group along dim 0: this rank holds experts
+  // [ep_rank * n, (ep_rank + 1) * n) of the global [E, ...] tensor, n = value.size(0). Its gradient is
+  // reduced over the expert-data-parallel group, every other parameter's over the data-parallel group.
+  bool expert_parallel = false;
 };
 
 }  // namespace moecore

@@ -29,9 +29,18 @@ std::string MemoryPlan::format() const {
   return s + line;
 }
 
-GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed) : cfg_(cfg), B_(micro_batch_size) {
+GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed, const ExpertParallel& ep)
+    : cfg_(cfg), B_(micro_batch_size), ep_(ep) {
   cfg_.validate();
   if (B_ <= 0) MOECORE_FAIL("model: micro_batch_size (", B_, ") must be positive");
+  const int64_t EP = ep_.group.size();
+  if (EP > 1 && !cfg_.moe.enabled())
+    MOECORE_FAIL("model: --expert-model-parallel-size ", EP, " needs routed experts (--num-experts)");
+  if (cfg_.moe.enabled() && cfg_.moe.num_experts % EP != 0)
+    MOECORE_FAIL("model: --num-experts (", cfg_.moe.num_experts, ") must be divisible by --expert-model-parallel-size (",
+                 EP, ")");
+  if (EP > 1 && ep_.dispatcher == moe::DispatcherKind::local)
+    MOECORE_FAIL("model: expert parallelism needs the alltoall or allgather dispatcher");
   const int64_t L = cfg_.num_layers, H = cfg_.hidden_size, V = cfg_.vocab_size, S = cfg_.seq_length;
   const int64_t N = B_ * S, D = cfg_.head_dim(), G = cfg_.query_groups(), R = cfg_.num_attention_heads / G;
   const DType c = cfg_.compute_dtype;
@@ -44,6 +53,14 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   dims_.swiglu = cfg_.swiglu;
   dims_.compute = c;
   moe_dims_ = {N, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
+  moe_dims_.ep = EP;
+  moe_dims_.dispatcher = EP > 1 ? ep_.dispatcher : moe::DispatcherKind::local;
+  if (EP > 1 && ep_.dispatcher == moe::DispatcherKind::alltoall)
+    dispatcher_ = std::make_unique<moe::AllToAllDispatcher>(ep_.group);
+  else if (EP > 1)
+    dispatcher_ = std::make_unique<moe::AllGatherDispatcher>(ep_.group);
+  else
+    dispatcher_ = std::make_unique<moe::LocalDispatcher>();
 
   const bool ln = dims_.layernorm;
   const float std_w = cfg_.init_method_std;
@@ -57,13 +74,18 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   for (bool is_moe : moe_layers)
     count += (ln ? 6 : 4) + (is_moe ? 3 + (Fs > 0 ? 2 : 0) + (mc.shared_expert_gate ? 1 : 0) : 2);
   params_.reserve(static_cast<size_t>(count));
-  auto add = [&](std::string name, Shape shape, Init init, float std = 0.0f) {
+  // Expert weights are [E/EP, ...] shards of the global [E, ...] tensor, filled with the same values the
+  // global tensor has at those positions (initialisation depends on (seed, name, global element index)).
+  const int64_t El = mc.enabled() ? mc.num_experts / EP : 0;
+  auto add = [&](std::string name, Shape shape, Init init, float std = 0.0f, bool expert = false) {
     Param p;
     p.name = std::move(name);
     p.value = Tensor::empty(shape, DType::f32, MemCategory::parameters);
     p.grad = Tensor::zeros(shape, DType::f32, MemCategory::gradients);
     p.weight_decay = shape.ndim >= 2;
-    if (init == Init::normal) rng_fill_normal(p.value, seed, p.name, 0.0f, std);
+    p.expert_parallel = expert;
+    const uint64_t first = expert ? static_cast<uint64_t>(ep_.group.rank() * shape.numel()) : 0;
+    if (init == Init::normal) rng_fill_normal(p.value, seed, p.name, 0.0f, std, first);
     else p.value.fill_(init == Init::ones ? 1.0f : 0.0f);
     p.compute = (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters);
     MOECORE_CHECK(params_.size() < params_.capacity(), "parameter table larger than reserved");
@@ -102,8 +124,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     auto m = std::make_unique<MoeBlock>();
     const int64_t fc1_rows = mc.swiglu ? 2 * Fm : Fm;
     Param* router = add(pre + "mlp.router.weight", {mc.num_experts, H}, Init::normal, std_w);
-    Param* efc1 = add(pre + "mlp.experts.linear_fc1.weight", {mc.num_experts, fc1_rows, H}, Init::normal, std_w);
-    Param* efc2 = add(pre + "mlp.experts.linear_fc2.weight", {mc.num_experts, H, Fm}, Init::normal, std_out);
+    Param* efc1 = add(pre + "mlp.experts.linear_fc1.weight", {El, fc1_rows, H}, Init::normal, std_w, true);
+    Param* efc2 = add(pre + "mlp.experts.linear_fc2.weight", {El, H, Fm}, Init::normal, std_out, true);
     m->w.router = {router->value, router->compute};
     m->w.experts = {efc1->compute, efc2->compute};
     m->g.router = router->grad;
@@ -200,7 +222,7 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
     MoeBlock& m = *moe_[l];
     nn::attention_block_forward(residual_[l], layer_w_[l], caches_[l], rope_, dims_, ctx);
     nn::mlp_norm_forward(layer_w_[l], caches_[l], dims_, ctx);
-    moe::moe_layer_forward(moe_out_, caches_[l].h2, Tensor(), m.w, m.state, m.cache, dispatcher_, moe_dims_, cfg_.moe,
+    moe::moe_layer_forward(moe_out_, caches_[l].h2, Tensor(), m.w, m.state, m.cache, *dispatcher_, moe_dims_, cfg_.moe,
                            training, ctx);
     ops::add(residual_[l + 1], caches_[l].x_mid, moe_out_, ctx);
   }
@@ -231,7 +253,7 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
     }
     // dres is dL/d(layer output) = dL/d(MoE output) = dL/dx_mid through the residual.
     MoeBlock& m = *moe_[l];
-    moe::moe_layer_backward(ws_.dh, m.g, dres_, caches_[l].h2, m.w, m.cache, dispatcher_, moe_dims_, cfg_.moe,
+    moe::moe_layer_backward(ws_.dh, m.g, dres_, caches_[l].h2, m.w, m.cache, *dispatcher_, moe_dims_, cfg_.moe,
                             grad_scale, ctx);
     nn::mlp_norm_backward(dres_, layer_g_[l], ws_.dh, layer_w_[l], caches_[l], dims_, ctx);
     nn::attention_block_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, ctx);

@@ -12,6 +12,7 @@
 #include "moecore/moe/moe_layer.h"
 #include "moecore/nn/dense_layer.h"
 #include "moecore/nn/lm_head.h"
+#include "moecore/parallel/comm.h"
 
 namespace moecore::model {
 
@@ -28,11 +29,20 @@ struct MemoryPlan {
   std::string format() const;  // a printable table
 };
 
+// Expert parallelism of the MoE layers: the EP group (this rank holds experts [r*E/EP, (r+1)*E/EP) of each
+// layer) and the token dispatcher. A size-1 group (the default) keeps every expert local.
+struct ExpertParallel {
+  ProcessGroup group = comm_single("ep");
+  moe::DispatcherKind dispatcher = moe::DispatcherKind::alltoall;  // --moe-token-dispatcher-type
+};
+
 class GptModel {
  public:
   // Initialises every parameter from (seed, name): N(0, std^2) for weights, with Megatron's scaled init
   // std / sqrt(2 * num_layers) for the output projections of each block; norm weights 1, norm biases 0.
-  GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed);
+  GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed, const ExpertParallel& ep = {});
+  int64_t ep_size() const { return ep_.group.size(); }
+  int64_t ep_rank() const { return ep_.group.rank(); }
 
   const ModelConfig& config() const { return cfg_; }
   int64_t micro_batch_size() const { return B_; }
@@ -88,7 +98,8 @@ class GptModel {
   };
   std::vector<std::unique_ptr<MoeBlock>> moe_;  // per layer; null for dense layers
   moe::MoeLayerDims moe_dims_;
-  moe::LocalDispatcher dispatcher_;
+  ExpertParallel ep_;
+  std::unique_ptr<moe::Dispatcher> dispatcher_;
   Tensor moe_out_;                // [N, H] f32: MoE output before the residual add
   std::vector<Tensor> residual_;  // L+1 tensors [N, H] f32: embedding output, then each layer's output
   Tensor final_mean_, final_rstd_; // [N] f32 (mean: LayerNorm only)

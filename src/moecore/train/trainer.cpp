@@ -204,11 +204,9 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
 }  // namespace
 
 namespace {
-// Sums every gradient, the step's losses and the router counts over the data-parallel group.
-void reduce_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses& moe_losses,
-                    const ProcessGroup& dp) {
-  for (auto& p : gpt.params())
-    all_reduce_sum(std::span<float>(p.grad.data<float>(), static_cast<size_t>(p.grad.numel())), dp);
+// Sums the step's losses and the router counts over the data-parallel group (the losses are then averaged).
+void reduce_stats_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses& moe_losses,
+                          const ProcessGroup& dp) {
   double v[5] = {step_loss, moe_losses.aux_loss, moe_losses.seq_aux_loss, moe_losses.global_aux_loss,
                  moe_losses.z_loss};
   all_reduce_sum(std::span<double>(v, 5), dp);
@@ -220,12 +218,37 @@ void reduce_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses& moe_
     if (st) all_reduce_sum(std::span<int64_t>(st->local_tokens_per_expert), dp);
   }
 }
+
+// Sums gradients over their groups: expert shards over edp, everything else over dp.
+void reduce_grads(model::GptModel& gpt, const TrainGroups& g) {
+  for (auto& p : gpt.params()) {
+    const ProcessGroup& grp = p.expert_parallel ? g.edp : g.dp;
+    if (grp.size() > 1) all_reduce_sum(p.grad, grp);
+  }
+}
+
+// The global L2 norm of the reduced gradients, every parameter counted once: the replicated parameters'
+// squares are identical on every rank; the expert shards' squares are summed over the EP group.
+double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g) {
+  double sq[2] = {0, 0};
+  for (const auto& p : gpt.params()) sq[p.expert_parallel ? 1 : 0] += ops::sum_squares(p.grad, {});
+  if (g.ep.size() > 1) all_reduce_sum(std::span<double>(sq + 1, 1), g.ep);
+  return std::sqrt(sq[0] + sq[1]);
+}
 }  // namespace
 
 TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches,
-               std::FILE* log, const StepObserver& observer, const ProcessGroup* dp) {
+               std::FILE* log, const StepObserver& observer, const TrainGroups* groups_in) {
   cfg.validate();
-  const int dp_size = dp ? dp->size() : 1, dp_rank = dp ? dp->rank() : 0;
+  const TrainGroups groups = groups_in ? *groups_in : TrainGroups{};
+  const ProcessGroup* dp = &groups.dp;
+  const int dp_size = dp->size(), dp_rank = dp->rank();
+  if (groups.ep.size() != gpt.ep_size())
+    MOECORE_FAIL("training: the model was built for expert-parallel size ", gpt.ep_size(), " but the ep group has ",
+                 groups.ep.size(), " ranks");
+  if (groups.ep.size() * groups.edp.size() != dp_size)
+    MOECORE_FAIL("training: expert-parallel (", groups.ep.size(), ") x expert-data-parallel (", groups.edp.size(),
+                 ") must equal the data-parallel size (", dp_size, ") when TP = CP = PP = 1");
   const auto& m = gpt.config();
   if (gpt.micro_batch_size() != cfg.micro_batch_size)
     MOECORE_FAIL("training: the model was built for micro-batch ", gpt.micro_batch_size(), ", not ",
@@ -288,10 +311,18 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
       moe_losses = {moe_losses.aux_loss / div, moe_losses.seq_aux_loss / div, moe_losses.global_aux_loss / div,
                     moe_losses.z_loss / div};
     }
-    if (dp_size > 1) reduce_over_dp(gpt, step_loss, moe_losses, *dp);
+    if (dp_size > 1) {
+      reduce_stats_over_dp(gpt, step_loss, moe_losses, *dp);
+      reduce_grads(gpt, groups);
+    }
     bool skip = false;
     if (cfg.check_for_nan) {
-      const std::string bad = std::isfinite(step_loss) ? first_nonfinite_gradient(gpt) : std::string("lm loss");
+      std::string bad = std::isfinite(step_loss) ? first_nonfinite_gradient(gpt) : std::string("lm loss");
+      if (dp_size > 1) {  // expert shards differ between ranks: every rank must take the same decision
+        int64_t flag = bad.empty() ? 0 : 1;
+        all_reduce_sum(std::span<int64_t>(&flag, 1), *dp);
+        if (flag > 0 && bad.empty()) bad = "a gradient on another rank";
+      }
       if (!bad.empty()) {
         if (cfg.nan_action == "stop")
           MOECORE_FAIL("training: non-finite value in ", bad, " at iteration ", it + 1,
@@ -305,7 +336,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
     const float lr = lr_at(cfg, it);
     optim::StepStats st;
     if (!skip) {
-      st = opt.step(lr);
+      st = opt.step(lr, grad_norm_over_groups(gpt, groups));
       gpt.refresh_compute_weights();
     }
     gpt.finish_step(/*update=*/!skip);

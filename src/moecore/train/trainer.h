@@ -73,12 +73,24 @@ struct TrainLog {
 // Called after every step with its 0-based iteration (tests, tools).
 using StepObserver = std::function<void(int64_t iteration, double loss, bool skipped)>;
 
+// The process groups of a multi-process run (TP = CP = PP = 1). Megatron's semantics: the data-parallel
+// group `dp` splits every global batch (with EP it contains the EP ranks: expert parallelism folds into
+// data parallelism for the attention layers); `ep` is the model's expert-parallel group; `edp` holds the
+// ranks with the same experts. Non-expert gradients are summed over dp, expert gradients over edp.
+struct TrainGroups {
+  ProcessGroup dp = comm_single("dp");
+  ProcessGroup ep = comm_single("ep");
+  ProcessGroup edp = comm_single("edp");
+};
+
 // Runs (or resumes, with cfg.load) training until cfg.train_iters steps are done or a stop signal arrives.
-// With a data-parallel group `dp` of P ranks, each rank runs its 1/P share of every global batch's
-// micro-batches (rank r takes the r-th consecutive block), gradients and router counts are summed over the
-// group with deterministic collectives, the stop decision is agreed on, and only group rank 0 saves.
+// With groups whose dp has P ranks, each rank runs its 1/P share of every global batch's micro-batches
+// (rank r takes the r-th consecutive block), gradients are summed over dp / edp and router counts and
+// losses over dp with deterministic collectives, the gradient norm counts every parameter once (expert
+// shards summed over ep), the non-finite and stop decisions are agreed on, and checkpoints are written by
+// the ranks that hold each part (see checkpointing.h).
 TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches,
-               std::FILE* log, const StepObserver& observer = {}, const ProcessGroup* dp = nullptr);
+               std::FILE* log, const StepObserver& observer = {}, const TrainGroups* groups = nullptr);
 
 // Mean validation loss over cfg.eval_iters batches.
 double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches);

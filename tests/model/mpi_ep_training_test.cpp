@@ -1,0 +1,187 @@
+// Multi-rank training equivalence (issue: EP/DP runs match the single-process run), under mpirun with 2 and
+// 4 ranks. Every rank also trains the single-process reference itself (same config, seed, global batch),
+// then the same model under each layout this world size allows: DP=P, EP=P, and EP=2 x DP=2 at 4 ranks,
+// with both token dispatchers. Checked: step-1 loss (1e-6 rel), the global grad norm (1e-6 rel), every
+// parameter's reduced gradient after step 1 (expert shards against their slice of the reference; rtol 1e-5
+// of the tensor's largest value), 20-step losses (rtol 1e-5), and bitwise-identical losses across two
+// identical multi-rank runs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "moecore/core/error.h"
+#include "moecore/core/rng.h"
+#include "moecore/parallel/process_groups.h"
+#include "moecore/train/trainer.h"
+
+namespace moecore {
+namespace {
+
+class Mpi : public ::testing::Test {
+ protected:
+  ProcessGroup world = comm_world();
+  int P = world.size();
+  void TearDown() override {
+    std::vector<int64_t> failed = {HasFailure() ? int64_t{1} << world.rank() : 0};
+    all_reduce_sum(failed, world);
+    if (failed[0] && !HasFailure()) ADD_FAILURE() << "failed on other ranks (bit mask " << failed[0] << ")";
+  }
+};
+
+model::ModelConfig moe_model(bool expert_bias) {
+  model::ModelConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 32;
+  c.num_attention_heads = 4;
+  c.num_query_groups = 2;
+  c.ffn_hidden_size = 48;
+  c.vocab_size = 64;
+  c.seq_length = 16;
+  c.moe.num_experts = 8;
+  c.moe.router_topk = 2;
+  c.moe.ffn_hidden_size = 24;
+  c.moe.aux_loss_coeff = {1e-2f};
+  c.moe.z_loss_coeff = 1e-3f;
+  if (expert_bias) {
+    c.moe.score_function = moe::ScoreFunction::sigmoid;
+    c.moe.enable_expert_bias = true;
+    c.moe.bias_update_rate = 1e-2f;
+  }
+  c.moe_layer_freq = "[0,1]";
+  return c;
+}
+
+void synthetic_batch(Tensor& tok, Tensor& lab, bool valid, int64_t index) {
+  const int64_t n = tok.numel();
+  const PhiloxKey key = philox_key(valid ? 2 : 1, "synthetic");
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t v = static_cast<int32_t>(philox_uniform(key, static_cast<uint64_t>(index * n + i)) * 61);
+    tok.data<int32_t>()[i] = v;
+    lab.data<int32_t>()[i] = (v * 7 + 3) % 64;
+  }
+}
+
+train::TrainConfig train_config(int64_t iters) {
+  train::TrainConfig t;
+  t.micro_batch_size = 2;
+  t.global_batch_size = 8;  // four micro-batches: one per rank at DP 4, two at DP 2
+  t.train_iters = iters;
+  t.lr = 5e-3f;
+  t.lr_warmup_iters = 2;
+  t.eval_iters = 1;
+  t.has_validation = false;
+  return t;
+}
+
+struct Result {
+  std::vector<double> loss, grad_norm;
+  std::map<std::string, Tensor> grads;  // after the last step (reduced)
+  int64_t ep_rank = 0, ep_size = 1;
+};
+
+Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int64_t iters, bool expert_bias,
+           bool distributed) {
+  const model::ModelConfig mc = moe_model(expert_bias);
+  train::TrainGroups groups;
+  model::ExpertParallel ep;
+  ep.dispatcher = kind;
+  if (distributed) {
+    ParallelConfig pc;
+    pc.expert_model_parallel_size = ep_size;
+    pc.expert_tensor_parallel_size = 1;
+    const ProcessGroups pg = make_process_groups(pc, static_cast<int>(mc.moe.num_experts), world);
+    groups = {pg.dp(), pg.ep(), pg.edp()};
+    ep.group = pg.ep();
+  }
+  model::GptModel gpt(mc, 2, 42, ep);
+  optim::AdamW opt(gpt.params(), {});
+  const train::TrainConfig tc = train_config(iters);
+  const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, distributed ? &groups : nullptr);
+  Result r;
+  r.loss = log.train_loss;
+  r.grad_norm = log.grad_norm;
+  for (const auto& p : gpt.params()) r.grads[p.name] = p.grad.clone();
+  r.ep_rank = gpt.ep_rank();
+  r.ep_size = gpt.ep_size();
+  return r;
+}
+
+double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-30); }
+
+void expect_grads_match(const Result& got, const Result& ref) {
+  for (const auto& [name, g] : got.grads) {
+    Tensor r = ref.grads.at(name);
+    if (g.numel() != r.numel()) {  // an expert shard: this rank's slice of the global tensor
+      const int64_t n = g.size(0);
+      r = r.slice(0, got.ep_rank * n, (got.ep_rank + 1) * n).clone();
+    }
+    ASSERT_EQ(g.numel(), r.numel()) << name;
+    const float* a = g.data<float>();
+    const float* b = r.data<float>();
+    double maxref = 0;
+    for (int64_t i = 0; i < r.numel(); ++i) maxref = std::max(maxref, std::fabs(static_cast<double>(b[i])));
+    for (int64_t i = 0; i < r.numel(); ++i)
+      ASSERT_NEAR(a[i], b[i], 1e-5 * maxref + 1e-30) << name << " element " << i;
+  }
+}
+
+void check_layout(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, bool expert_bias) {
+  SCOPED_TRACE("EP " + std::to_string(ep_size) + " x DP " + std::to_string(world.size() / ep_size) + ", " +
+               moe::dispatcher_kind_name(kind) + (expert_bias ? ", expert bias" : ""));
+  // Step 1: loss, grad norm and every gradient.
+  const Result ref1 = run(world, 1, kind, 1, expert_bias, false);
+  const Result got1 = run(world, ep_size, kind, 1, expert_bias, true);
+  EXPECT_LE(rel(got1.loss[0], ref1.loss[0]), 1e-6) << got1.loss[0] << " vs " << ref1.loss[0];
+  EXPECT_LE(rel(got1.grad_norm[0], ref1.grad_norm[0]), 1e-6) << got1.grad_norm[0] << " vs " << ref1.grad_norm[0];
+  expect_grads_match(got1, ref1);
+  // 20 steps: losses, and a second identical run is bitwise identical.
+  const Result ref = run(world, 1, kind, 20, expert_bias, false);
+  const Result got = run(world, ep_size, kind, 20, expert_bias, true);
+  const Result again = run(world, ep_size, kind, 20, expert_bias, true);
+  ASSERT_EQ(got.loss.size(), 20u);
+  for (size_t i = 0; i < 20; ++i) {
+    EXPECT_LE(rel(got.loss[i], ref.loss[i]), 1e-5) << "step " << i + 1 << ": " << got.loss[i] << " vs " << ref.loss[i];
+    EXPECT_EQ(std::memcmp(&got.loss[i], &again.loss[i], sizeof(double)), 0) << "step " << i + 1 << " not bitwise";
+  }
+}
+
+TEST_F(Mpi, DataParallelMatchesOneProcess) { check_layout(world, 1, moe::DispatcherKind::alltoall, false); }
+TEST_F(Mpi, ExpertParallelAllToAllMatchesOneProcess) {
+  check_layout(world, P, moe::DispatcherKind::alltoall, false);
+}
+TEST_F(Mpi, ExpertParallelAllGatherMatchesOneProcess) {
+  check_layout(world, P, moe::DispatcherKind::allgather, false);
+}
+TEST_F(Mpi, ExpertParallelTimesDataParallelMatchesOneProcess) {
+  if (P != 4) GTEST_SKIP() << "needs 4 ranks";
+  check_layout(world, 2, moe::DispatcherKind::alltoall, false);
+}
+TEST_F(Mpi, ExpertBiasCountsAreReducedOverDataParallel) {
+  check_layout(world, P, moe::DispatcherKind::alltoall, true);
+}
+
+}  // namespace
+}  // namespace moecore
+
+int main(int argc, char** argv) {
+  using namespace moecore;
+  CommOptions options = comm_options_from_env();
+  if (!std::getenv("MOECORE_COMM_TIMEOUT_S")) options.timeout_s = 60;  // a failing test must not hang
+  comm_init(argc, argv, options);
+  ::testing::InitGoogleTest(&argc, argv);
+  int failed = 0;
+  {
+    const ProcessGroup world = comm_world();
+    if (world.rank() != 0) {
+      auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+      delete listeners.Release(listeners.default_result_printer());
+    }
+    std::vector<int64_t> any = {RUN_ALL_TESTS() != 0 ? 1 : 0};
+    all_reduce_sum(any, world);
+    failed = any[0] != 0;
+  }
+  comm_finalize();
+  return failed;
+}
