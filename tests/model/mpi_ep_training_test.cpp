@@ -10,10 +10,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <unistd.h>
 
 #include "moecore/core/error.h"
 #include "moecore/core/rng.h"
 #include "moecore/parallel/process_groups.h"
+#include "moecore/train/checkpointing.h"
 #include "moecore/train/trainer.h"
 
 namespace moecore {
@@ -77,12 +80,13 @@ train::TrainConfig train_config(int64_t iters) {
 
 struct Result {
   std::vector<double> loss, grad_norm;
-  std::map<std::string, Tensor> grads;  // after the last step (reduced)
+  std::map<std::string, Tensor> grads;   // after the last step (reduced)
+  std::map<std::string, Tensor> values;  // parameters at the end
   int64_t ep_rank = 0, ep_size = 1;
 };
 
 Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int64_t iters, bool expert_bias,
-           bool distributed) {
+           bool distributed, const std::string& save = "", const std::string& load = "", int64_t exit_at = 0) {
   const model::ModelConfig mc = moe_model(expert_bias);
   train::TrainGroups groups;
   model::ExpertParallel ep;
@@ -97,12 +101,18 @@ Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int
   }
   model::GptModel gpt(mc, 2, 42, ep);
   optim::AdamW opt(gpt.params(), {});
-  const train::TrainConfig tc = train_config(iters);
+  train::TrainConfig tc = train_config(iters);
+  tc.save = save;
+  tc.load = load;
+  tc.exit_interval = exit_at;  // same schedule as the full run, stopped (and saved) early
   const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, distributed ? &groups : nullptr);
   Result r;
   r.loss = log.train_loss;
   r.grad_norm = log.grad_norm;
-  for (const auto& p : gpt.params()) r.grads[p.name] = p.grad.clone();
+  for (const auto& p : gpt.params()) {
+    r.grads[p.name] = p.grad.clone();
+    r.values[p.name] = p.value.clone();
+  }
   r.ep_rank = gpt.ep_rank();
   r.ep_size = gpt.ep_size();
   return r;
@@ -160,6 +170,72 @@ TEST_F(Mpi, ExpertParallelTimesDataParallelMatchesOneProcess) {
 }
 TEST_F(Mpi, ExpertBiasCountsAreReducedOverDataParallel) {
   check_layout(world, P, moe::DispatcherKind::alltoall, true);
+}
+
+// A directory every rank of this job sees, named after rank 0's pid.
+std::string shared_dir(const ProcessGroup& world, const std::string& what) {
+  std::vector<int64_t> pid = {world.rank() == 0 ? static_cast<int64_t>(::getpid()) : 0};
+  broadcast(std::span<int64_t>(pid), 0, world);
+  const std::string dir = "/tmp/moecore_mpi_ckpt_" + std::to_string(pid[0]) + "_" + what;
+  barrier(world);
+  return dir;
+}
+
+// Every parameter of `got` equals its slice of the single-process model's parameter, bitwise.
+void expect_same_parameters(const Result& got, const std::map<std::string, Tensor>& full, const std::string& what) {
+  for (const auto& [name, v] : got.values) {
+    Tensor f = full.at(name);
+    if (f.numel() != v.numel()) f = f.slice(0, got.ep_rank * v.size(0), (got.ep_rank + 1) * v.size(0)).clone();
+    ASSERT_EQ(f.nbytes(), v.nbytes()) << what << ": " << name;
+    EXPECT_EQ(std::memcmp(f.raw(), v.raw(), static_cast<size_t>(v.nbytes())), 0) << what << ": " << name;
+  }
+}
+
+// Saved at EP = P (or EP 2 x DP 2 at 4 ranks), loaded at another EP/DP layout and at 1 rank: identical
+// parameters, and training continues with the losses of an uninterrupted run.
+TEST_F(Mpi, CheckpointReshardsAcrossLayouts) {
+  const int save_ep = P == 4 ? 2 : P;
+  const auto kind = moe::DispatcherKind::alltoall;
+  const std::string dir = shared_dir(world, "reshard");
+  const Result straight = run(world, save_ep, kind, 8, true, true);
+  const Result saved = run(world, save_ep, kind, 8, true, true, dir, "", 4);
+  // The single-process model loaded from the checkpoint is the reference for every layout.
+  model::GptModel hub(moe_model(true), 2, 42);
+  optim::AdamW hub_opt(hub.params(), {});
+  const std::string iter_dir = dir + "/iter_0000004";
+  train::load_training_checkpoint(iter_dir, hub, hub_opt, 1234);
+  std::map<std::string, Tensor> full;
+  for (const auto& p : hub.params()) full[p.name] = p.value;
+  expect_same_parameters(saved, full, "saved at EP " + std::to_string(save_ep));
+  // Resume at every other layout of this world size, and at 1 rank.
+  for (int ep : {1, 2, 4}) {
+    if (ep > P || ep == save_ep) continue;
+    const Result resumed = run(world, ep, kind, 8, true, true, "", dir);
+    ASSERT_EQ(resumed.loss.size(), 4u) << "EP " << ep;
+    for (size_t i = 0; i < 4; ++i)
+      EXPECT_LE(rel(resumed.loss[i], straight.loss[4 + i]), 1e-5) << "EP " << ep << " step " << 5 + i;
+  }
+  const Result single = run(world, 1, kind, 8, true, false, "", dir);
+  ASSERT_EQ(single.loss.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_LE(rel(single.loss[i], straight.loss[4 + i]), 1e-5) << "1 rank, step " << 5 + i;
+  // Parameters right after loading at EP = P (every rank holds a different expert block).
+  {
+    model::ExpertParallel ep;
+    ParallelConfig pc;
+    pc.expert_model_parallel_size = P;
+    pc.expert_tensor_parallel_size = 1;
+    const ProcessGroups pg = make_process_groups(pc, 8, world);
+    ep.group = pg.ep();
+    model::GptModel m(moe_model(true), 2, 42, ep);
+    optim::AdamW o(m.params(), {});
+    train::load_training_checkpoint(iter_dir, m, o, 1234);
+    Result r;
+    for (const auto& p : m.params()) r.values[p.name] = p.value.clone();
+    r.ep_rank = m.ep_rank();
+    expect_same_parameters(r, full, "loaded at EP " + std::to_string(P));
+  }
+  barrier(world);
+  if (world.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -228,9 +228,12 @@ void remove_checkpoint_dir(const std::string& dir) {
   if (ec) warn("could not remove '" + dir + "': " + ec.message());
 }
 
-// Steps 1-2 of the protocol. Returns the final directory and the manifest to commit.
-std::pair<std::string, Manifest> stage_and_publish(const std::string& root,
-                                                   const CheckpointWriteRequest& req) {
+// Steps 1-2 of the protocol. Returns the final directory and the manifest to commit. With a token the
+// staging directory <final>.tmp-<token> already exists (made by checkpoint_staging_begin) and holds the files
+// of `others`, written by other ranks; they join the manifest after their sizes are checked.
+std::pair<std::string, Manifest> stage_and_publish(const std::string& root, const CheckpointWriteRequest& req,
+                                                   const std::string& token = "",
+                                                   const std::map<std::string, CheckpointFileInfo>& others = {}) {
   if (req.iteration < 0) MOECORE_FAIL("checkpoint: iteration (", req.iteration, ") must be >= 0");
   for (const auto& [name, tensors] : req.files) check_file_name(name);
   if (!json::accept(req.state_json))
@@ -242,14 +245,28 @@ std::pair<std::string, Manifest> stage_and_publish(const std::string& root,
 
   const std::string final_dir = checkpoint_iteration_dir(root, req.iteration);
   const std::string pid = std::to_string(::getpid());
-  const std::string staging = final_dir + ".tmp-" + pid;
-  fs::remove_all(staging, ec);
-  if (!fs::create_directory(staging, ec) || ec)
-    MOECORE_FAIL("checkpoint: cannot create directory '", staging, "': ", ec.message());
+  const std::string staging = final_dir + ".tmp-" + (token.empty() ? pid : token);
+  if (token.empty()) {
+    fs::remove_all(staging, ec);
+    if (!fs::create_directory(staging, ec) || ec)
+      MOECORE_FAIL("checkpoint: cannot create directory '", staging, "': ", ec.message());
+  } else if (!fs::is_directory(staging, ec)) {
+    MOECORE_FAIL("checkpoint: the shared staging directory '", staging, "' is missing");
+  }
 
   Manifest m;
   m.iteration = req.iteration;
   try {
+    for (const auto& [name, info] : others) {
+      check_file_name(name);
+      if (req.files.count(name)) MOECORE_FAIL("checkpoint: file '", name, "' is written by two ranks");
+      const std::string path = (fs::path(staging) / name).string();
+      const auto size = fs::file_size(path, ec);
+      if (ec || size != info.bytes)
+        MOECORE_FAIL("checkpoint: '", path, "' written by another rank is ", ec ? "missing" : "of the wrong size",
+                     " (expected ", info.bytes, " bytes)");
+      m.files[name] = {info.bytes, info.crc32c};
+    }
     for (const auto& [name, tensors] : req.files) {
       const std::string bytes = safetensors_serialize(tensors);
       write_fsync((fs::path(staging) / name).string(), bytes);
@@ -330,6 +347,37 @@ std::vector<int64_t> checkpoint_list_committed(const std::string& root) {
     }
   }
   return out;
+}
+
+std::string checkpoint_staging_begin(const std::string& root, int64_t iteration, const std::string& token) {
+  if (token.empty() || !is_plain_name(token)) MOECORE_FAIL("checkpoint: staging token '", token, "' is not a plain name");
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) MOECORE_FAIL("checkpoint: cannot create directory '", root, "': ", ec.message());
+  const std::string staging = checkpoint_iteration_dir(root, iteration) + ".tmp-" + token;
+  fs::remove_all(staging, ec);
+  if (!fs::create_directory(staging, ec) || ec)
+    MOECORE_FAIL("checkpoint: cannot create directory '", staging, "': ", ec.message());
+  return staging;
+}
+
+CheckpointFileInfo checkpoint_staging_write(const std::string& staging_dir, const std::string& name,
+                                            const std::map<std::string, Tensor>& tensors) {
+  check_file_name(name);
+  const std::string bytes = safetensors_serialize(tensors);
+  write_fsync((fs::path(staging_dir) / name).string(), bytes);
+  return {bytes.size(), crc32c(bytes)};
+}
+
+void checkpoint_staging_commit(const std::string& root, const CheckpointWriteRequest& request, const std::string& token,
+                               const std::map<std::string, CheckpointFileInfo>& written_by_others, int keep_last) {
+  if (keep_last < 0) MOECORE_FAIL("checkpoint: keep_last (", keep_last, ") must be >= 0 (0 keeps all)");
+  if (token.empty()) MOECORE_FAIL("checkpoint: checkpoint_staging_commit needs the token of checkpoint_staging_begin");
+  const auto [dir, manifest] = stage_and_publish(root, request, token, written_by_others);
+  write_file_atomic((fs::path(dir) / kCheckpointCommitFile).string(), manifest_json(manifest));
+  write_file_atomic((fs::path(root) / kCheckpointTrackerFile).string(), std::to_string(request.iteration));
+  apply_retention(root, request.iteration, keep_last);
+  remove_stale_staging(root);
 }
 
 std::string checkpoint_write_uncommitted(const std::string& root, const CheckpointWriteRequest& request) {

@@ -1,7 +1,8 @@
 // Crash-safe checkpoint directories: named safetensors files + state.json + a COMMIT manifest written
 // last, Megatron's tracker file, keep-last-N retention, discovery of the newest committed iteration, and
 // a verifying loader. Generic: which tensors go in which file is the trainer's business, not this file's.
-// Single writer per root (rank 0 or one process). Not here: resharding, async saves, multi-rank commit.
+// One job writes a root: a single process, or the ranks of one job through the staging functions below.
+// Not here: resharding (the trainer's business) and async saves.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -68,6 +69,27 @@ inline constexpr int kCheckpointFormatVersion = 1;
 // numbers (0 = keep all). Never deletes the iteration just written, nor uncommitted directories.
 // File names must be plain names (no '/'), not "COMMIT" or "state.json". Throws Error on bad input or I/O.
 void checkpoint_save(const std::string& root, const CheckpointWriteRequest& request, int keep_last);
+
+// ---- Multi-rank saves (the ranks of one job on a filesystem they all see) -------------------------
+// Each rank writes its own files into one shared staging directory; one rank (the committer) then
+// publishes and commits them with the protocol above. The caller orders the steps with barriers:
+//   committer: checkpoint_staging_begin(root, it, token)                    -> barrier
+//   writers:   checkpoint_staging_write(dir, name, tensors) -> info (gathered to the committer) -> barrier
+//   committer: checkpoint_staging_commit(root, request, token, infos of the others' files, keep_last)
+// The token (e.g. the committer's pid) names the staging directory <root>/iter_N.tmp-<token>; a crash
+// before the commit leaves only that directory, which discovery ignores and the next save removes.
+struct CheckpointFileInfo {
+  uint64_t bytes = 0;
+  uint32_t crc32c = 0;
+};
+std::string checkpoint_staging_begin(const std::string& root, int64_t iteration, const std::string& token);
+CheckpointFileInfo checkpoint_staging_write(const std::string& staging_dir, const std::string& name,
+                                            const std::map<std::string, Tensor>& tensors);
+// The committer's own files come in `request` (written here), the others' are listed with their infos.
+void checkpoint_staging_commit(const std::string& root, const CheckpointWriteRequest& request,
+                               const std::string& token,
+                               const std::map<std::string, CheckpointFileInfo>& written_by_others,
+                               int keep_last);
 
 // FOR TESTS (crash simulation): steps 1-2 of checkpoint_save only, leaving <root>/iter_NNNNNNN without
 // COMMIT and the tracker untouched, as a crash just before the commit point would. Returns the directory.

@@ -290,8 +290,8 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
   double loss_acc = 0;
   int64_t logged_steps = 0;
   auto save = [&]() {
-    if (cfg.save.empty() || dp_rank != 0) return;
-    save_training_checkpoint(cfg.save, gpt, opt, progress, cfg.seed, cfg.keep_last);
+    if (cfg.save.empty()) return;
+    save_training_checkpoint(cfg.save, gpt, opt, progress, cfg.seed, cfg.keep_last, &groups);
     if (log) std::fprintf(log, " saved checkpoint at iteration %lld to %s\n", static_cast<long long>(progress.iteration),
                           cfg.save.c_str());
   };

@@ -12,6 +12,7 @@
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
 #include "moecore/parallel/comm.h"
+#include "moecore/train/train_groups.h"
 
 namespace moecore::train {
 
@@ -72,16 +73,6 @@ struct TrainLog {
 
 // Called after every step with its 0-based iteration (tests, tools).
 using StepObserver = std::function<void(int64_t iteration, double loss, bool skipped)>;
-
-// The process groups of a multi-process run (TP = CP = PP = 1). Megatron's semantics: the data-parallel
-// group `dp` splits every global batch (with EP it contains the EP ranks: expert parallelism folds into
-// data parallelism for the attention layers); `ep` is the model's expert-parallel group; `edp` holds the
-// ranks with the same experts. Non-expert gradients are summed over dp, expert gradients over edp.
-struct TrainGroups {
-  ProcessGroup dp = comm_single("dp");
-  ProcessGroup ep = comm_single("ep");
-  ProcessGroup edp = comm_single("edp");
-};
 
 // Runs (or resumes, with cfg.load) training until cfg.train_iters steps are done or a stop signal arrives.
 // With groups whose dp has P ranks, each rank runs its 1/P share of every global batch's micro-batches
