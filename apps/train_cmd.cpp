@@ -62,6 +62,8 @@ void add_training_flags(Args& a) {
       .option("--pipeline-model-parallel-size", "1", "PP (only 1 in this version)")
       .option("--context-parallel-size", "1", "CP (only 1 in this version)")
       .option("--expert-model-parallel-size", "1", "EP: ranks the routed experts are spread over (mpirun -np a multiple)")
+      .flag("--use-distributed-optimizer", "ZeRO-1: optimizer state sharded over data-parallel ranks (experts: expert-DP)")
+      .option("--ddp-bucket-size", "40000000", "gradient elements per reduce-scatter bucket (distributed optimizer)")
       .option("--moe-token-dispatcher-type", "allgather", "token dispatcher under EP: allgather | alltoall")
       .option("--expert-tensor-parallel-size", "1", "ETP (only 1 in this version)")
       .flag("--moe-use-upcycling", "start the MoE model from the dense checkpoint given by --load")
@@ -103,6 +105,9 @@ train::TrainConfig train_config_from(const Args& a) {
   t.exit_signal_handler = !a.on("--no-exit-signal-handler");
   t.check_for_nan = !a.on("--no-check-for-nan-in-loss-and-grad");
   t.nan_action = a.str("--nan-action");
+  t.use_distributed_optimizer = a.on("--use-distributed-optimizer");
+  t.ddp_bucket_size = a.i64("--ddp-bucket-size");
+  if (t.ddp_bucket_size <= 0) MOECORE_FAIL("--ddp-bucket-size (", t.ddp_bucket_size, ") must be positive");
   t.metrics_jsonl = a.str("--metrics-jsonl");
   t.tensorboard_dir = a.str("--tensorboard-dir");
   t.validate();
@@ -211,7 +216,7 @@ int train_main(int argc, char** argv) {
                  " is not supported yet: upcycle at EP 1, save, and load the checkpoint at any EP");
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep);
-  optim::AdamW opt(gpt.params(), optimizer_config_from(a));
+  optim::AdamW opt(gpt.params(), optimizer_config_from(a), /*allocate_state=*/!tcfg.use_distributed_optimizer);
   if (a.on("--moe-use-upcycling")) {
     upcycle_from_dense(gpt, a, tcfg);
     tcfg.load.clear();  // the run starts at iteration 0 from the upcycled weights, as in Megatron

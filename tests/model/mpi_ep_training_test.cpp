@@ -86,7 +86,8 @@ struct Result {
 };
 
 Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int64_t iters, bool expert_bias,
-           bool distributed, const std::string& save = "", const std::string& load = "", int64_t exit_at = 0) {
+           bool distributed, const std::string& save = "", const std::string& load = "", int64_t exit_at = 0,
+           bool zero = false) {
   const model::ModelConfig mc = moe_model(expert_bias);
   train::TrainGroups groups;
   model::ExpertParallel ep;
@@ -100,8 +101,10 @@ Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int
     ep.group = pg.ep();
   }
   model::GptModel gpt(mc, 2, 42, ep);
-  optim::AdamW opt(gpt.params(), {});
+  optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!zero);
   train::TrainConfig tc = train_config(iters);
+  tc.use_distributed_optimizer = zero;
+  tc.ddp_bucket_size = 3000;  // several buckets
   tc.save = save;
   tc.load = load;
   tc.exit_interval = exit_at;  // same schedule as the full run, stopped (and saved) early
@@ -234,6 +237,31 @@ TEST_F(Mpi, CheckpointReshardsAcrossLayouts) {
     r.ep_rank = m.ep_rank();
     expect_same_parameters(r, full, "loaded at EP " + std::to_string(P));
   }
+  barrier(world);
+  if (world.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// ZeRO-1 (--use-distributed-optimizer): the same losses and grad norms as the single-process run, over DP
+// only and over EP (x DP); a checkpoint it saves at EP = P resumes with the plain optimizer at 1 rank and
+// with ZeRO over DP.
+TEST_F(Mpi, DistributedOptimizerMatchesOneProcess) {
+  const auto kind = moe::DispatcherKind::alltoall;
+  const Result ref = run(world, 1, kind, 20, true, false);
+  for (int ep : {1, 2, P}) {
+    const Result got = run(world, ep, kind, 20, true, true, "", "", 0, /*zero=*/true);
+    ASSERT_EQ(got.loss.size(), 20u);
+    EXPECT_LE(rel(got.grad_norm[0], ref.grad_norm[0]), 1e-6) << "EP " << ep;
+    for (size_t i = 0; i < 20; ++i)
+      EXPECT_LE(rel(got.loss[i], ref.loss[i]), 1e-5) << "EP " << ep << " step " << i + 1;
+  }
+  const std::string dir = shared_dir(world, "zero");
+  run(world, P, kind, 20, true, true, dir, "", 10, /*zero=*/true);
+  const Result single = run(world, 1, kind, 20, true, false, "", dir);
+  ASSERT_EQ(single.loss.size(), 10u);
+  for (size_t i = 0; i < 10; ++i) EXPECT_LE(rel(single.loss[i], ref.loss[10 + i]), 1e-5) << "step " << 11 + i;
+  const Result zero_dp = run(world, 1, kind, 20, true, true, "", dir, 0, /*zero=*/true);
+  ASSERT_EQ(zero_dp.loss.size(), 10u);
+  for (size_t i = 0; i < 10; ++i) EXPECT_LE(rel(zero_dp.loss[i], ref.loss[10 + i]), 1e-5) << "DP, step " << 11 + i;
   barrier(world);
   if (world.rank() == 0) std::filesystem::remove_all(dir);
 }

@@ -16,8 +16,10 @@ void AdamWConfig::validate() const {
     MOECORE_FAIL("optimizer: state dtype ", dtype_name(state_dtype), " is not supported (use f32 or bf16)");
 }
 
-AdamW::AdamW(std::vector<Param>& params, const AdamWConfig& cfg) : params_(params), cfg_(cfg) {
+AdamW::AdamW(std::vector<Param>& params, const AdamWConfig& cfg, bool allocate_state)
+    : params_(params), cfg_(cfg) {
   cfg_.validate();
+  if (!allocate_state) return;
   for (const auto& p : params_) {
     m_.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::optimizer_state));
     v_.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::optimizer_state));
@@ -41,6 +43,8 @@ StepStats AdamW::step(float lr) {
 }
 
 StepStats AdamW::step(float lr, double grad_norm) {
+  if (m_.size() != params_.size())
+    MOECORE_FAIL("optimizer: this AdamW holds no state (built for the distributed optimizer, which steps instead)");
   StepStats st;
   st.grad_norm = grad_norm;
   st.clip_scale = clip_scale_for(grad_norm, cfg_.clip_grad);

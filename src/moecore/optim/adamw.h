@@ -25,7 +25,10 @@ struct StepStats {
 
 class AdamW {
  public:
-  AdamW(std::vector<Param>& params, const AdamWConfig& cfg);
+  // allocate_state=false: no moments (the distributed optimizer holds them; step() then throws).
+  AdamW(std::vector<Param>& params, const AdamWConfig& cfg, bool allocate_state = true);
+  const AdamWConfig& config() const { return cfg_; }
+  bool has_state() const { return m_.size() == params_.size(); }
   // One update with learning rate lr, clipping by the global norm of these parameters' gradients.
   // Gradients are read, not modified.
   StepStats step(float lr);

@@ -9,6 +9,7 @@
 #include "moecore/core/rng.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/metrics.h"
+#include "moecore/optim/distributed_adamw.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/gemm_peak.h"
 #include "moecore/train/signals.h"
@@ -235,6 +236,76 @@ double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g) {
   if (g.ep.size() > 1) all_reduce_sum(std::span<double>(sq + 1, 1), g.ep);
   return std::sqrt(sq[0] + sq[1]);
 }
+// The distributed optimizer (ZeRO-1) of a run: non-expert parameters sharded over dp, expert parameters
+// over edp. Gradients are reduce-scattered in buckets; the masters are all-gathered after each step.
+struct ZeroOptimizers {
+  std::unique_ptr<optim::DistributedAdamW> dense, expert;
+  std::vector<size_t> dense_idx, expert_idx;  // parameter indices of each instance, in model order
+
+  ZeroOptimizers(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& g, int64_t bucket) {
+    std::vector<Param*> d, e;
+    auto& params = gpt.params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      (params[i].expert_parallel ? e : d).push_back(&params[i]);
+      (params[i].expert_parallel ? expert_idx : dense_idx).push_back(i);
+    }
+    dense = std::make_unique<optim::DistributedAdamW>(d, cfg, g.dp, optim::DistributedAdamWOptions{bucket});
+    if (!e.empty())
+      expert = std::make_unique<optim::DistributedAdamW>(e, cfg, g.edp, optim::DistributedAdamWOptions{bucket});
+  }
+  void reduce_scatter_grads() {
+    dense->reduce_scatter_grads();
+    if (expert) expert->reduce_scatter_grads();
+  }
+  std::string first_nonfinite_grad() const {
+    std::string s = dense->first_nonfinite_grad();
+    return s.empty() && expert ? expert->first_nonfinite_grad() : s;
+  }
+  // Every shard once: dense shards over dp and expert shards over edp x ep both sum over the world.
+  double grad_norm(const ProcessGroup& dp) const {
+    double sq = dense->shard_grad_sq() + (expert ? expert->shard_grad_sq() : 0.0);
+    if (dp.size() > 1) all_reduce_sum(std::span<double>(&sq, 1), dp);
+    return std::sqrt(sq);
+  }
+  void step(float lr, float clip) {
+    dense->step(lr, clip);
+    if (expert) expert->step(lr, clip);
+  }
+  int64_t state_bytes() const { return dense->state_bytes() + (expert ? expert->state_bytes() : 0); }
+  // Collective: the full moments of every parameter this rank holds (for checkpoints).
+  OptimizerState gather(size_t n) const {
+    OptimizerState st;
+    st.exp_avg.resize(n);
+    st.exp_avg_sq.resize(n);
+    auto take = [&](const optim::DistributedAdamW* o, const std::vector<size_t>& idx) {
+      if (!o) return;
+      std::vector<Tensor> m, v;
+      o->gather_state(m, v);
+      for (size_t k = 0; k < idx.size(); ++k) {
+        st.exp_avg[idx[k]] = m[k];
+        st.exp_avg_sq[idx[k]] = v[k];
+      }
+    };
+    take(dense.get(), dense_idx);
+    take(expert.get(), expert_idx);
+    st.steps = dense->steps_taken();
+    return st;
+  }
+  void load(const OptimizerState& st) {
+    auto put = [&](optim::DistributedAdamW* o, const std::vector<size_t>& idx) {
+      if (!o) return;
+      std::vector<Tensor> m, v;
+      for (size_t i : idx) {
+        m.push_back(st.exp_avg[i]);
+        v.push_back(st.exp_avg_sq[i]);
+      }
+      o->load_state(m, v);
+      o->set_steps_taken(st.steps);
+    };
+    put(dense.get(), dense_idx);
+    put(expert.get(), expert_idx);
+  }
+};
 }  // namespace
 
 TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches,
@@ -253,12 +324,32 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
   if (gpt.micro_batch_size() != cfg.micro_batch_size)
     MOECORE_FAIL("training: the model was built for micro-batch ", gpt.micro_batch_size(), ", not ",
                  cfg.micro_batch_size);
+  std::unique_ptr<ZeroOptimizers> zero;
+  if (cfg.use_distributed_optimizer) {
+    zero = std::make_unique<ZeroOptimizers>(gpt, opt.config(), groups, cfg.ddp_bucket_size);
+    if (log)
+      std::fprintf(log, " distributed optimizer: %s of optimizer state on this rank (%s unsharded)\n",
+                   memory_format_bytes(zero->state_bytes()).c_str(),
+                   memory_format_bytes(opt.state_bytes_per_param() * gpt.num_parameters()).c_str());
+  } else if (!opt.has_state()) {
+    MOECORE_FAIL("training: the optimizer holds no state; build it with state or set use_distributed_optimizer");
+  }
   TrainProgress progress;
   if (!cfg.load.empty()) {
     // As in Megatron, an empty --load directory starts from scratch, so one command serves the first launch
     // and every restart.
     const auto dir = io::checkpoint_find_latest(cfg.load);
-    if (dir) {
+    if (dir && zero) {
+      OptimizerState st;
+      for (const auto& p : gpt.params()) {
+        st.exp_avg.push_back(Tensor::zeros(p.value.shape(), opt.config().state_dtype, MemCategory::workspace));
+        st.exp_avg_sq.push_back(Tensor::zeros(p.value.shape(), opt.config().state_dtype, MemCategory::workspace));
+      }
+      progress = load_training_checkpoint(*dir, gpt, st, cfg.seed);
+      zero->load(st);
+      if (log) std::fprintf(log, " loaded checkpoint %s at iteration %lld\n", dir->c_str(),
+                            static_cast<long long>(progress.iteration));
+    } else if (dir) {
       progress = load_training_checkpoint(*dir, gpt, opt, cfg.seed);
       if (log) std::fprintf(log, " loaded checkpoint %s at iteration %lld\n", dir->c_str(),
                             static_cast<long long>(progress.iteration));
@@ -291,7 +382,11 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
   int64_t logged_steps = 0;
   auto save = [&]() {
     if (cfg.save.empty()) return;
-    save_training_checkpoint(cfg.save, gpt, opt, progress, cfg.seed, cfg.keep_last, &groups);
+    if (zero)
+      save_training_checkpoint(cfg.save, gpt, zero->gather(gpt.params().size()), progress, cfg.seed, cfg.keep_last,
+                               &groups);
+    else
+      save_training_checkpoint(cfg.save, gpt, opt, progress, cfg.seed, cfg.keep_last, &groups);
     if (log) std::fprintf(log, " saved checkpoint at iteration %lld to %s\n", static_cast<long long>(progress.iteration),
                           cfg.save.c_str());
   };
@@ -311,13 +406,14 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
       moe_losses = {moe_losses.aux_loss / div, moe_losses.seq_aux_loss / div, moe_losses.global_aux_loss / div,
                     moe_losses.z_loss / div};
     }
-    if (dp_size > 1) {
-      reduce_stats_over_dp(gpt, step_loss, moe_losses, *dp);
-      reduce_grads(gpt, groups);
-    }
+    if (dp_size > 1) reduce_stats_over_dp(gpt, step_loss, moe_losses, *dp);
+    if (zero) zero->reduce_scatter_grads();
+    else if (dp_size > 1) reduce_grads(gpt, groups);
     bool skip = false;
     if (cfg.check_for_nan) {
-      std::string bad = std::isfinite(step_loss) ? first_nonfinite_gradient(gpt) : std::string("lm loss");
+      std::string bad = !std::isfinite(step_loss) ? std::string("lm loss")
+                        : zero                    ? zero->first_nonfinite_grad()
+                                                  : first_nonfinite_gradient(gpt);
       if (dp_size > 1) {  // expert shards differ between ranks: every rank must take the same decision
         int64_t flag = bad.empty() ? 0 : 1;
         all_reduce_sum(std::span<int64_t>(&flag, 1), *dp);
@@ -335,7 +431,12 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
     }
     const float lr = lr_at(cfg, it);
     optim::StepStats st;
-    if (!skip) {
+    if (!skip && zero) {
+      st.grad_norm = zero->grad_norm(*dp);
+      st.clip_scale = optim::clip_scale_for(st.grad_norm, opt.config().clip_grad);
+      zero->step(lr, st.clip_scale);
+      gpt.refresh_compute_weights();
+    } else if (!skip) {
       st = opt.step(lr, grad_norm_over_groups(gpt, groups));
       gpt.refresh_compute_weights();
     }
