@@ -209,6 +209,7 @@ int train_main(int argc, char** argv) {
     groups.ep = pg.ep();
     groups.edp = pg.edp();
     ep.group = pg.ep();
+    ep.dp = pg.dp();
   }
   const ProcessGroup& dp = groups.dp;
   if (ep.group.size() > 1 && a.on("--moe-use-upcycling"))

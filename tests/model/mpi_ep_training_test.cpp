@@ -99,6 +99,7 @@ Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int
     const ProcessGroups pg = make_process_groups(pc, static_cast<int>(mc.moe.num_experts), world);
     groups = {pg.dp(), pg.ep(), pg.edp()};
     ep.group = pg.ep();
+    ep.dp = pg.dp();
   }
   model::GptModel gpt(mc, 2, 42, ep);
   optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!zero);

@@ -206,6 +206,52 @@ TEST_F(Mpi, BuffersForAnotherLayoutAreRejected) {
   }
 }
 
+// global_aux_loss under data parallelism (spec §3.3): each rank's loss uses the counts and token count
+// summed over the group, so the ranks' losses and router gradients add up to the single-process loss and
+// gradient over all their tokens.
+TEST_F(Mpi, GlobalAuxLossCountsAreSummedOverTheGroup) {
+  const int64_t T = 24, H = 16, E = 8, K = 2;
+  MoeConfig cfg;
+  cfg.num_experts = E;
+  cfg.router_topk = K;
+  cfg.load_balancing_type = {LoadBalancing::global_aux_loss};
+  cfg.aux_loss_coeff = {1e-2f};
+  Tensor w = Tensor::empty({E, H}, DType::f32, MemCategory::parameters);
+  rng_fill_normal(w, 3, "router", 0.0f, 0.5f);
+  Tensor x_all = Tensor::empty({P * T, H}, DType::f32, MemCategory::activations);
+  rng_fill_normal(x_all, 3, "x", 0.0f, 1.0f);
+  const Tensor x = x_all.slice(0, me * T, (me + 1) * T).clone();
+  const RouterWeights rw{w, w};
+  auto route = [&](const Tensor& xs, int64_t n, const ProcessGroup* g, double& loss, Tensor& dw) {
+    const RouterDims d{n, 1, H, E, K, g};
+    RouterCache c = router_cache_alloc(d, cfg, DType::f32);
+    RouterState st = router_state_init(cfg);
+    Tensor probs = Tensor::empty({n, E}, DType::f32), map = Tensor::empty({n, E}, DType::boolean);
+    RouterStats stats;
+    router_forward(probs, map, stats, xs, Tensor(), rw, st, c, d, cfg, true, {});
+    loss = stats.global_aux_loss;
+    Tensor dprobs = Tensor::zeros({n, E}, DType::f32), dx = Tensor::zeros({n, H}, DType::f32);
+    dw = Tensor::zeros({E, H}, DType::f32);
+    router_backward(dx, dw, dprobs, xs, rw, c, d, cfg, 1.0f, {});
+  };
+  double loss_all = 0, loss_mine = 0;
+  Tensor dw_all, dw_mine;
+  route(x_all, P * T, nullptr, loss_all, dw_all);
+  route(x, T, &world, loss_mine, dw_mine);
+  std::vector<double> sum = {loss_mine};
+  all_reduce_sum(sum, world);
+  all_reduce_sum(dw_mine, world);
+  EXPECT_NEAR(sum[0], loss_all, 1e-12 * loss_all);
+  expect_close(dw_mine, dw_all, 1e-6, "router weight gradient of the global aux loss");
+  // Without the group each rank normalises by its own counts: the sum is a different number.
+  double alone = 0;
+  Tensor dw_alone;
+  route(x, T, nullptr, alone, dw_alone);
+  std::vector<double> sum_alone = {alone};
+  all_reduce_sum(sum_alone, world);
+  EXPECT_GT(std::fabs(sum_alone[0] - loss_all), 1e-6 * loss_all);
+}
+
 }  // namespace
 }  // namespace moecore::moe
 

@@ -213,6 +213,7 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   if (tokens.dtype() != DType::i32 || tokens.numel() != N)
     MOECORE_FAIL("model: tokens must be i32 [", B_, ", ", cfg_.seq_length, "], got ", tokens.str());
   ids_.copy_from(tokens.view({N}));
+  moe_dims_.global_aux_group = &ep_.dp;  // set here: a pointer into this object stays valid across moves
   ops::embedding_forward(residual_[0], ids_, embedding_->value, ctx);
   for (size_t l = 0; l < caches_.size(); ++l) {
     if (!moe_[l]) {

@@ -29,11 +29,12 @@ struct MemoryPlan {
   std::string format() const;  // a printable table
 };
 
-// Expert parallelism of the MoE layers: the EP group (this rank holds experts [r*E/EP, (r+1)*E/EP) of each
-// layer) and the token dispatcher. A size-1 group (the default) keeps every expert local.
+// The parallel layout the MoE layers see: the EP group (this rank holds experts [r*E/EP, (r+1)*E/EP) of each
+// layer), the token dispatcher, and the data-parallel group. Size-1 groups (the default): one process.
 struct ExpertParallel {
   ProcessGroup group = comm_single("ep");
   moe::DispatcherKind dispatcher = moe::DispatcherKind::alltoall;  // --moe-token-dispatcher-type
+  ProcessGroup dp = comm_single("dp");  // the data-parallel group: global_aux_loss counts are summed over it
 };
 
 class GptModel {

@@ -14,6 +14,7 @@
 
 #include "moecore/kernels/ops.h"
 #include "moecore/moe/config.h"
+#include "moecore/parallel/comm.h"
 
 namespace moecore::moe {
 
@@ -23,6 +24,9 @@ struct RouterDims {
   int64_t H = 0;  // hidden size
   int64_t E = 0;  // experts
   int64_t K = 0;  // top-k
+  // global_aux_loss: the group its token counts are summed over (Megatron's TP x DP x CP; here the
+  // data-parallel group). Null or size 1: this rank's counts alone.
+  const ProcessGroup* global_aux_group = nullptr;
 };
 
 struct RouterWeights {

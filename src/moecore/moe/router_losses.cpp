@@ -114,8 +114,18 @@ void router_losses(RouterStats& stats, RouterState& st, RouterCache& c, const bo
     }
     const double N = static_cast<double>(n_valid);
     const double kN2 = N > 0 ? static_cast<double>(E) / (static_cast<double>(K) * N * N) : 0.0;
+    double Ng = N, kNg2 = kN2;
     if (cg > 0) {
-      for (int64_t e = 0; e < E; ++e) st.global_tokens_per_expert[e] += static_cast<int64_t>(ct[e]);
+      // Counts (and the valid-token count) of this micro-batch summed over the data-parallel group (spec
+      // §3.3: TP x DP x CP); each rank's partial P with the global counts and N adds up to the full loss.
+      int64_t* cg_local = scratch<int64_t, 28>(static_cast<size_t>(E + 1));
+      for (int64_t e = 0; e < E; ++e) cg_local[e] = static_cast<int64_t>(ct[e]);
+      cg_local[E] = n_valid;
+      if (d.global_aux_group && d.global_aux_group->size() > 1)
+        all_reduce_sum(std::span<int64_t>(cg_local, static_cast<size_t>(E + 1)), *d.global_aux_group);
+      Ng = static_cast<double>(cg_local[E]);
+      kNg2 = Ng > 0 ? static_cast<double>(E) / (static_cast<double>(K) * Ng * Ng) : 0.0;
+      for (int64_t e = 0; e < E; ++e) st.global_tokens_per_expert[e] += cg_local[e];
       st.global_aux_steps += 1;
       for (int64_t e = 0; e < E; ++e)
         cavg[e] =
@@ -130,7 +140,7 @@ void router_losses(RouterStats& stats, RouterState& st, RouterCache& c, const bo
       for (int64_t b = 0; b < B; ++b) acc += switch_loss(P + b * E, cnt + b * E, E, K, Ns);
       stats.seq_aux_loss = acc / static_cast<double>(B);
     }
-    if (cg > 0) stats.global_aux_loss = switch_loss(Pt, cavg, E, K, N);
+    if (cg > 0) stats.global_aux_loss = switch_loss(Pt, cavg, E, K, Ng);
     // dL/ds[t, e] for a token of sequence b (the counts are constants).
     double* g = scratch<double, 26>(static_cast<size_t>(B * E));
     for (int64_t b = 0; b < B; ++b)
@@ -138,7 +148,7 @@ void router_losses(RouterStats& stats, RouterState& st, RouterCache& c, const bo
         double v = 0;
         if (ca > 0) v += ca * kN2 * ct[e];
         if (cs > 0) v += cs * kNs2 * cnt[b * E + e] / static_cast<double>(B);
-        if (cg > 0) v += cg * kN2 * cavg[e];
+        if (cg > 0) v += cg * kNg2 * cavg[e];
         g[b * E + e] = v;
       }
     aux_scores_backward(dll, logits, g, padding, T, S, E, cfg.score_function);

@@ -213,7 +213,8 @@ void reduce_stats_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses
   all_reduce_sum(std::span<double>(v, 5), dp);
   const double inv = 1.0 / dp.size();
   step_loss = v[0] * inv;
-  moe_losses = {v[1] * inv, v[2] * inv, v[3] * inv, v[4] * inv};
+  // global_load_balancing_loss is logged as the sum over DP (its ranks' parts add up to the full loss).
+  moe_losses = {v[1] * inv, v[2] * inv, v[3], v[4] * inv};
   for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
     moe::RouterState* st = gpt.router_state(l);
     if (st) all_reduce_sum(std::span<int64_t>(st->local_tokens_per_expert), dp);
