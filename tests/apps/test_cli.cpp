@@ -179,6 +179,90 @@ TEST_F(Cli, DataParallelTwoRanksMatchOneProcess) {
 #endif
 }
 
+// Bad parallel layouts fail on every rank, before any collective (so quickly, without a timeout), with a
+// message naming the values.
+TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
+#ifndef MOECORE_HAVE_MPI
+  GTEST_SKIP() << "built without MPI";
+#else
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
+  ASSERT_EQ(run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
+                " --tokenizer-type ByteLevel --append-eod").status, 0);
+  const std::string args = " train --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel "
+                           "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+                           "--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --generate-tokens 0 ";
+  auto mpirun = [&](int np, const std::string& extra) {
+    const std::string cmd = "MOECORE_COMM_TIMEOUT_S=30 mpirun --oversubscribe --allow-run-as-root -np " +
+                            std::to_string(np) + " " + std::string(MOECORE_BINARY) + args + extra + " 2>&1";
+    FILE* f = popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof buf, f)) out.append(buf, n);
+    const int status = pclose(f);
+    return std::make_pair(status, out);
+  };
+  auto count = [](const std::string& s, const std::string& what) {
+    size_t n = 0;
+    for (size_t k = s.find(what); k != std::string::npos; k = s.find(what, k + 1)) ++n;
+    return n;
+  };
+  auto [st1, out1] = mpirun(2, "--num-experts 3 --expert-model-parallel-size 2");
+  EXPECT_NE(st1, 0);
+  EXPECT_EQ(count(out1, "num_experts (3) must be divisible by expert_model_parallel_size (2)"), 2u) << out1;
+  auto [st2, out2] = mpirun(3, "--num-experts 4 --expert-model-parallel-size 2");
+  EXPECT_NE(st2, 0);
+  EXPECT_EQ(count(out2, "world_size (3) must be divisible by"), 3u) << out2;
+  auto [st3, out3] = mpirun(2, "--num-experts 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type ring");
+  EXPECT_NE(st3, 0);
+  EXPECT_NE(out3.find("'ring' is not supported (use alltoall or allgather)"), std::string::npos) << out3;
+#endif
+}
+
+// Expert parallelism from the command line: EP 2 (both dispatchers) and EP 2 with the distributed optimizer
+// reproduce the single-process losses.
+TEST_F(Cli, ExpertParallelTwoRanksMatchOneProcess) {
+#ifndef MOECORE_HAVE_MPI
+  GTEST_SKIP() << "built without MPI";
+#else
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
+  ASSERT_EQ(run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
+                " --tokenizer-type ByteLevel --append-eod").status, 0);
+  const std::string args = " train --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel "
+                           "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu "
+                           "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --micro-batch-size 2 "
+                           "--global-batch-size 8 --train-iters 5 --log-interval 1 --eval-iters 1 "
+                           "--generate-tokens 0 --metrics-jsonl ";
+  ASSERT_EQ(run(args.substr(1) + p("one.jsonl")).status, 0);
+  auto losses = [](const std::string& path) {
+    std::vector<double> v;
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto k = line.find("\"lm_loss\":");
+      if (k != std::string::npos) v.push_back(std::stod(line.substr(k + 10)));
+    }
+    return v;
+  };
+  const auto one = losses(p("one.jsonl"));
+  ASSERT_EQ(one.size(), 5u);
+  for (const std::string extra : {" --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
+                                  " --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
+                                  " --expert-model-parallel-size 2 --use-distributed-optimizer"}) {
+    const std::string cmd = "OMP_NUM_THREADS=1 mpirun --oversubscribe --allow-run-as-root -np 2 " +
+                            std::string(MOECORE_BINARY) + args + p("ep.jsonl") + extra + " 2>&1";
+    std::filesystem::remove(p("ep.jsonl"));
+    FILE* f = popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof buf, f)) out.append(buf, n);
+    ASSERT_EQ(pclose(f), 0) << out;
+    const auto ep = losses(p("ep.jsonl"));
+    ASSERT_EQ(ep.size(), 5u) << extra << "\n" << out;
+    for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(ep[i], one[i], 1e-5 * std::fabs(one[i])) << extra << " " << i;
+  }
+#endif
+}
+
 TEST_F(Cli, BadFlagsFailWithAClearMessage) {
   Result r = run("train --num-expert 4");
   EXPECT_NE(r.status, 0);
