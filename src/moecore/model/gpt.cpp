@@ -166,6 +166,12 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   refresh_compute_weights();
 }
 
+const char* GptModel::dispatcher_name() const {
+  return moe_dims_.dispatcher == moe::DispatcherKind::alltoall    ? "all-to-all"
+         : moe_dims_.dispatcher == moe::DispatcherKind::allgather ? "all-gather"
+                                                                   : "local";
+}
+
 void GptModel::finish_step(bool update) {
   for (auto& m : moe_)
     if (m) moe::router_finish_step(m->state, cfg_.moe, update);

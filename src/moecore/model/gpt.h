@@ -62,6 +62,11 @@ class GptModel {
   moe::RouterState* router_state(int64_t layer);  // nullptr for dense layers
   const moe::RouterState* router_state(int64_t layer) const;
   void refresh_compute_weights();  // after the masters change (optimizer step, loading)
+  // Seconds the MoE token dispatcher spent in collectives since the last reset (0 without EP).
+  double dispatcher_comm_seconds() const { return dispatcher_->comm_seconds(); }
+  void reset_dispatcher_comm_seconds() { dispatcher_->reset_comm_seconds(); }
+  // "all-to-all", "all-gather" or "local" (for log lines).
+  const char* dispatcher_name() const;
 
   // tokens, labels [B, S] i32 (label < 0: not counted). Adds grad_scale * d(mean loss)/d(param) to every
   // gradient and returns the loss. The mean is over this micro-batch's counted tokens.

@@ -97,6 +97,14 @@ class Dispatcher {
   // Backward of the dispatch: dx [T, H] f32 += the sum of buf.dexpert_in over each token's rows;
   // dprobs [T, E] f32 is written (buf.dpermuted_probs scattered back, 0 where not routed).
   virtual void dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) = 0;
+
+  // Wall seconds spent inside this dispatcher's collectives (all-to-all, all-gather, reduce-scatter,
+  // including the wait for slower peers) since the last reset: the step-time share the trainer logs.
+  double comm_seconds() const { return comm_seconds_; }
+  void reset_comm_seconds() { comm_seconds_ = 0; }
+
+ protected:
+  double comm_seconds_ = 0;
 };
 
 // One process: communication stages are no-ops; permute and unpermute are single fused passes.

@@ -4,6 +4,7 @@
 // sums in group-rank order). CPU memory only, like the local dispatcher.
 // Not here: routing (the router runs on each rank's own tokens, capacity included, before dispatch).
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "moecore/moe/dispatcher.h"
@@ -60,6 +61,19 @@ void set_expert_counts(DispatchPlan& plan, const std::vector<int64_t>& counts, i
   for (int64_t le = 0; le < El; ++le) plan.expert_offset[le + 1] = plan.expert_offset[le] + plan.tokens_per_expert[le];
 }
 
+// Adds the wall time of its scope to a dispatcher's communication counter.
+class CommTimer {
+ public:
+  explicit CommTimer(double& acc) : acc_(acc), t0_(std::chrono::steady_clock::now()) {}
+  ~CommTimer() { acc_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
+  CommTimer(const CommTimer&) = delete;
+  CommTimer& operator=(const CommTimer&) = delete;
+
+ private:
+  double& acc_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
 void add_into(const Tensor& dst, const Tensor& src) {
   float* d = dst.data<float>();
   const float* s = src.data<float>();
@@ -85,8 +99,11 @@ void AllToAllDispatcher::dispatch_prepare(DispatchBuffers& buf, const Tensor& x,
     for (int64_t le = 0; le < El; ++le) p.send_rows[j] += p.send_plan.tokens_per_expert[j * El + le];
   }
   // Count exchange: rank j receives my counts for its experts; counts[s*El + le] = rows from s for le.
-  all_to_all_v(std::span<int64_t>(p.counts), p.el_blocks, std::span<const int64_t>(p.send_plan.tokens_per_expert),
-               p.el_blocks, ep_);
+  {
+    CommTimer timer(comm_seconds_);
+    all_to_all_v(std::span<int64_t>(p.counts), p.el_blocks, std::span<const int64_t>(p.send_plan.tokens_per_expert),
+                 p.el_blocks, ep_);
+  }
   for (int64_t s = 0; s < P; ++s) {
     p.recv_rows[s] = 0;
     for (int64_t le = 0; le < El; ++le) p.recv_rows[s] += p.counts[s * El + le];
@@ -100,8 +117,11 @@ void AllToAllDispatcher::dispatch_prepare(DispatchBuffers& buf, const Tensor& x,
 void AllToAllDispatcher::dispatch(DispatchBuffers& buf, const ops::Context&) {
   EpBuffers& p = buf.ep;
   const int64_t Rs = p.send_plan.rows(), Rr = buf.plan.rows();
-  all_to_all_v(p.stage_x.slice(0, 0, Rr), p.recv_rows, p.send_x.slice(0, 0, Rs), p.send_rows, ep_);
-  all_to_all_v(p.stage_p.slice(0, 0, Rr), p.recv_rows, p.send_p.slice(0, 0, Rs), p.send_rows, ep_);
+  {
+    CommTimer timer(comm_seconds_);
+    all_to_all_v(p.stage_x.slice(0, 0, Rr), p.recv_rows, p.send_x.slice(0, 0, Rs), p.send_rows, ep_);
+    all_to_all_v(p.stage_p.slice(0, 0, Rr), p.recv_rows, p.send_p.slice(0, 0, Rs), p.send_rows, ep_);
+  }
   // Permutation 2: [source][local expert] -> [local expert][source].
   sort_chunks(buf.permuted_x, p.stage_x, p.counts, p.ep, p.local_experts, true);
   sort_chunks(buf.permuted_probs, p.stage_p, p.counts, p.ep, p.local_experts, true);
@@ -114,6 +134,7 @@ void AllToAllDispatcher::combine_prepare(DispatchBuffers& buf, const ops::Contex
 void AllToAllDispatcher::combine(DispatchBuffers& buf, const ops::Context&) {
   EpBuffers& p = buf.ep;
   const int64_t Rs = p.send_plan.rows(), Rr = buf.plan.rows();
+  CommTimer timer(comm_seconds_);
   all_to_all_v(p.send_x.slice(0, 0, Rs), p.send_rows, p.stage_x.slice(0, 0, Rr), p.recv_rows, ep_);
 }
 
@@ -125,7 +146,10 @@ void AllToAllDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& dy
   EpBuffers& p = buf.ep;
   const int64_t Rs = p.send_plan.rows(), Rr = buf.plan.rows();
   gather_token_rows(p.send_x, dy, p.send_plan, ctx);
-  all_to_all_v(p.stage_x.slice(0, 0, Rr), p.recv_rows, p.send_x.slice(0, 0, Rs), p.send_rows, ep_);
+  {
+    CommTimer timer(comm_seconds_);
+    all_to_all_v(p.stage_x.slice(0, 0, Rr), p.recv_rows, p.send_x.slice(0, 0, Rs), p.send_rows, ep_);
+  }
   sort_chunks(buf.dpermuted, p.stage_x, p.counts, p.ep, p.local_experts, true);
 }
 
@@ -137,8 +161,11 @@ void AllToAllDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Ten
     MOECORE_FAIL("alltoall dispatcher: dprobs must be a contiguous [", T, ", ", E, "] f32 tensor, got ", dprobs.str());
   sort_chunks(buf.dexpert_in, p.stage_f, p.counts, p.ep, p.local_experts, false);
   sort_chunks(buf.dpermuted_probs, p.stage_p, p.counts, p.ep, p.local_experts, false);
-  all_to_all_v(p.send_f.slice(0, 0, Rs), p.send_rows, p.stage_f.slice(0, 0, Rr), p.recv_rows, ep_);
-  all_to_all_v(p.send_p.slice(0, 0, Rs), p.send_rows, p.stage_p.slice(0, 0, Rr), p.recv_rows, ep_);
+  {
+    CommTimer timer(comm_seconds_);
+    all_to_all_v(p.send_f.slice(0, 0, Rs), p.send_rows, p.stage_f.slice(0, 0, Rr), p.recv_rows, ep_);
+    all_to_all_v(p.send_p.slice(0, 0, Rs), p.send_rows, p.stage_p.slice(0, 0, Rr), p.recv_rows, ep_);
+  }
   unpermute_tokens(dx, p.send_f, p.send_plan, true, ctx);
   const int32_t* tr = p.send_plan.token_rows.data<int32_t>();
   const float* sp = p.send_p.data<float>();
@@ -159,9 +186,12 @@ void AllGatherDispatcher::dispatch_prepare(DispatchBuffers& buf, const Tensor& x
 
 void AllGatherDispatcher::dispatch(DispatchBuffers& buf, const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
-  all_gather(p.gx, p.in_x, ep_);
-  all_gather(p.gprobs, p.in_probs, ep_);
-  all_gather(p.gmap, p.in_map, ep_);
+  {
+    CommTimer timer(comm_seconds_);
+    all_gather(p.gx, p.in_x, ep_);
+    all_gather(p.gprobs, p.in_probs, ep_);
+    all_gather(p.gmap, p.in_map, ep_);
+  }
   // Keep this rank's expert columns, then permute the gathered tokens among the local experts.
   const int64_t N = p.gmap.size(0), E = p.gmap.size(1), El = p.local_experts, first = ep_.rank() * El;
   const bool* gm = p.gmap.data<bool>();
@@ -184,11 +214,15 @@ void AllGatherDispatcher::combine_prepare(DispatchBuffers& buf, const ops::Conte
 void AllGatherDispatcher::combine(DispatchBuffers&, const ops::Context&) {}
 
 void AllGatherDispatcher::combine_finish(DispatchBuffers& buf, Tensor& y, const ops::Context&) {
+  CommTimer timer(comm_seconds_);
   reduce_scatter_sum(y, buf.ep.gy, ep_);  // the sum over the EP ranks' experts, in rank order
 }
 
 void AllGatherDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& dy, const ops::Context& ctx) {
-  all_gather(buf.ep.gy, dy, ep_);
+  {
+    CommTimer timer(comm_seconds_);
+    all_gather(buf.ep.gy, dy, ep_);
+  }
   gather_token_rows(buf.dpermuted, buf.ep.gy, buf.plan, ctx);
 }
 
@@ -196,7 +230,10 @@ void AllGatherDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Te
                                             const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
   unpermute_tokens(p.gy, buf.dexpert_in.slice(0, 0, buf.plan.rows()), buf.plan, false, ctx);
-  reduce_scatter_sum(p.ty, p.gy, ep_);
+  {
+    CommTimer timer(comm_seconds_);
+    reduce_scatter_sum(p.ty, p.gy, ep_);
+  }
   add_into(dx, p.ty);
   const int64_t N = p.gdprobs.size(0), E = p.gdprobs.size(1), El = p.local_experts, first = ep_.rank() * El;
   float* gd = p.gdprobs.data<float>();
@@ -208,6 +245,7 @@ void AllGatherDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Te
       const int32_t r = tr[t * El + le];
       if (r >= 0) gd[t * E + first + le] = dpp[r];
     }
+  CommTimer timer(comm_seconds_);
   reduce_scatter_sum(dprobs, p.gdprobs, ep_);  // one non-zero contribution per entry: exact
 }
 

@@ -162,7 +162,7 @@ struct MetricSinks {
 
 void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, double loss, double lr,
                   double grad_norm, double tokens_per_s, double tflops, const MoeStepLosses& moe_losses,
-                  bool per_layer) {
+                  bool per_layer, double comm_share) {
   const moe::MoeConfig& mc = gpt.config().moe;
   std::vector<std::pair<std::string, double>> scalars = {{"lm loss", loss},
                                                          {"learning-rate", lr},
@@ -176,6 +176,7 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
   if (mc.enabled() && mc.uses(moe::LoadBalancing::global_aux_loss))
     scalars.emplace_back("global_load_balancing_loss", moe_losses.global_aux_loss);
   if (mc.enabled() && mc.z_loss_coeff > 0) scalars.emplace_back("z_loss", moe_losses.z_loss);
+  if (comm_share >= 0) scalars.emplace_back("moe/dispatcher_comm_share", comm_share);
   if (per_layer) {
     for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
       const moe::RouterStats* st = gpt.moe_stats(l);
@@ -456,12 +457,22 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
       const double elapsed = std::chrono::duration<double>(now - t_start).count();
       t_last = now;
       const double tokens_per_s = static_cast<double>(cfg.global_batch_size * m.seq_length) / std::max(dt, 1e-9);
+      // Expert parallelism: the share of step time inside the dispatcher's collectives on this rank.
+      const double comm_share =
+          gpt.ep_size() > 1 ? gpt.dispatcher_comm_seconds() / std::max(dt * static_cast<double>(cfg.log_interval), 1e-9)
+                            : -1.0;
+      gpt.reset_dispatcher_comm_seconds();
       const double tflops = flops_per_step / std::max(dt, 1e-9) / 1e12;
       const double mean_loss = logged_steps ? loss_acc / static_cast<double>(logged_steps) : NAN;
       const double eta = elapsed / static_cast<double>(it + 1 - out.first_iteration) *
                          static_cast<double>(cfg.train_iters - it - 1);
       if (log) {
-        std::string mfu;
+        std::string mfu, comm;
+        if (comm_share >= 0) {
+          char b[48];
+          std::snprintf(b, sizeof b, " | %s %.1f%%", gpt.dispatcher_name(), 100.0 * comm_share);
+          comm = b;
+        }
         if (peak_gflops > 0) {
           // Above 100% the start-up peak was measured on a busy machine: measure again, keep the best.
           if (tflops * 1e3 > peak_gflops) peak_gflops = std::max(peak_gflops, gemm_peak_gflops(m.compute_dtype));
@@ -471,22 +482,26 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
         }
         std::fprintf(log,
                      " iteration %6lld/%6lld | consumed tokens %10lld | lr %.3e | lm loss %.4f%s | grad norm %.3f | "
-                     "%.0f tokens/s | %.3f TFLOP/s%s | ETA %s %s\n",
+                     "%.0f tokens/s | %.3f TFLOP/s%s%s | ETA %s %s\n",
                      static_cast<long long>(it + 1), static_cast<long long>(cfg.train_iters),
                      static_cast<long long>(progress.consumed_samples * m.seq_length), lr, mean_loss,
                      format_moe_losses(m.moe, moe_losses).c_str(), st.grad_norm, tokens_per_s, tflops, mfu.c_str(),
-                     format_duration(eta).c_str(), progress_bar(it + 1, cfg.train_iters).c_str());
+                     comm.c_str(), format_duration(eta).c_str(), progress_bar(it + 1, cfg.train_iters).c_str());
         if (cfg.moe_per_layer_logging) log_moe_layers(gpt, log);
         std::fflush(log);
       }
       emit_metrics(sinks, gpt, it + 1, mean_loss, lr, st.grad_norm, tokens_per_s, tflops, moe_losses,
-                   cfg.moe_per_layer_logging);
+                   cfg.moe_per_layer_logging, comm_share);
       loss_acc = 0;
       logged_steps = 0;
     }
     const bool last = it + 1 == cfg.train_iters;
     if (cfg.has_validation && (last || (cfg.eval_interval > 0 && (it + 1) % cfg.eval_interval == 0))) {
+      const auto t_eval = std::chrono::steady_clock::now();
       const double v = evaluate(gpt, cfg, batches);
+      // Evaluation time (and its dispatcher traffic) stays out of the next interval's throughput.
+      t_last += std::chrono::steady_clock::now() - t_eval;
+      gpt.reset_dispatcher_comm_seconds();
       out.valid_loss.emplace_back(it + 1, v);
       if (log) {
         std::fprintf(log, " validation loss at iteration %lld: %.4f (ppl %.2f)\n", static_cast<long long>(it + 1), v,
