@@ -63,7 +63,7 @@ void add_training_flags(Args& a) {
       .option("--context-parallel-size", "1", "CP (only 1 in this version)")
       .option("--expert-model-parallel-size", "1", "EP: ranks the routed experts are spread over (mpirun -np a multiple)")
       .flag("--use-distributed-optimizer", "ZeRO-1: optimizer state sharded over data-parallel ranks (experts: expert-DP)")
-      .option("--ddp-bucket-size", "40000000", "gradient elements per reduce-scatter bucket (distributed optimizer)")
+      .option("--ddp-bucket-size", "40000000", "gradient elements per all-reduce (or reduce-scatter) bucket")
       .option("--moe-token-dispatcher-type", "allgather", "token dispatcher under EP: allgather | alltoall")
       .option("--expert-tensor-parallel-size", "1", "ETP (only 1 in this version)")
       .flag("--moe-use-upcycling", "start the MoE model from the dense checkpoint given by --load")

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -223,12 +224,59 @@ void reduce_stats_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses
 }
 
 // Sums gradients over their groups: expert shards over edp, everything else over dp.
-void reduce_grads(model::GptModel& gpt, const TrainGroups& g) {
-  for (auto& p : gpt.params()) {
-    const ProcessGroup& grp = p.expert_parallel ? g.edp : g.dp;
-    if (grp.size() > 1) all_reduce_sum(p.grad, grp);
+// Gradients are packed into buckets of up to `bucket` elements (whole parameters; a larger one goes alone),
+// one all-reduce per bucket. The reduction is element-wise in rank order, so bucketing changes no bit.
+class GradBuckets {
+ public:
+  GradBuckets(const model::GptModel& gpt, const TrainGroups& g, int64_t bucket) : g_(g) {
+    int64_t total[2] = {0, 0};
+    for (const auto& p : gpt.params()) total[p.expert_parallel ? 1 : 0] += p.grad.numel();
+    const int64_t n = std::min(std::max(total[0], total[1]), bucket);
+    if (g.dp.size() > 1 || g.edp.size() > 1) flat_ = Tensor::empty({n}, DType::f32, MemCategory::workspace);
   }
-}
+  void all_reduce(model::GptModel& gpt) {
+    for (int kind = 0; kind < 2; ++kind) {
+      const ProcessGroup& grp = kind == 1 ? g_.edp : g_.dp;
+      if (grp.size() <= 1) continue;
+      std::vector<Param*> pending;
+      int64_t used = 0;
+      auto flush = [&]() {
+        if (pending.empty()) return;
+        float* f = flat_.data<float>();
+        int64_t o = 0;
+        for (Param* p : pending) {
+          std::memcpy(f + o, p->grad.data<float>(), static_cast<size_t>(p->grad.numel()) * sizeof(float));
+          o += p->grad.numel();
+        }
+        all_reduce_sum(std::span<float>(f, static_cast<size_t>(o)), grp);
+        o = 0;
+        for (Param* p : pending) {
+          std::memcpy(p->grad.data<float>(), f + o, static_cast<size_t>(p->grad.numel()) * sizeof(float));
+          o += p->grad.numel();
+        }
+        pending.clear();
+        used = 0;
+      };
+      for (auto& p : gpt.params()) {
+        if (p.expert_parallel != (kind == 1)) continue;
+        const int64_t n = p.grad.numel();
+        if (n > flat_.numel()) {  // wider than a bucket: reduced in place
+          flush();
+          all_reduce_sum(p.grad, grp);
+          continue;
+        }
+        if (used + n > flat_.numel()) flush();
+        pending.push_back(&p);
+        used += n;
+      }
+      flush();
+    }
+  }
+
+ private:
+  const TrainGroups& g_;
+  Tensor flat_;
+};
 
 // The global L2 norm of the reduced gradients, every parameter counted once: the replicated parameters'
 // squares are identical on every rank; the expert shards' squares are summed over the EP group.
@@ -336,6 +384,8 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
   } else if (!opt.has_state()) {
     MOECORE_FAIL("training: the optimizer holds no state; build it with state or set use_distributed_optimizer");
   }
+  std::unique_ptr<GradBuckets> buckets;
+  if (!zero && dp_size > 1) buckets = std::make_unique<GradBuckets>(gpt, groups, cfg.ddp_bucket_size);
   TrainProgress progress;
   if (!cfg.load.empty()) {
     // As in Megatron, an empty --load directory starts from scratch, so one command serves the first launch
@@ -410,7 +460,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
     }
     if (dp_size > 1) reduce_stats_over_dp(gpt, step_loss, moe_losses, *dp);
     if (zero) zero->reduce_scatter_grads();
-    else if (dp_size > 1) reduce_grads(gpt, groups);
+    else if (dp_size > 1) buckets->all_reduce(gpt);
     bool skip = false;
     if (cfg.check_for_nan) {
       std::string bad = !std::isfinite(step_loss) ? std::string("lm loss")
