@@ -525,9 +525,11 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
         }
         if (peak_gflops > 0) {
           // Above 100% the start-up peak was measured on a busy machine: measure again, keep the best.
-          if (tflops * 1e3 > peak_gflops) peak_gflops = std::max(peak_gflops, gemm_peak_gflops(m.compute_dtype));
+          // The peak is one rank's: the run's is dp_size times that (every rank measured its own threads).
+          const double run_peak = peak_gflops * dp_size;
+          if (tflops * 1e3 > run_peak) peak_gflops = std::max(peak_gflops, gemm_peak_gflops(m.compute_dtype));
           char b[32];
-          std::snprintf(b, sizeof b, " | MFU %.1f%%", 100.0 * tflops * 1e3 / peak_gflops);
+          std::snprintf(b, sizeof b, " | MFU %.1f%%", 100.0 * tflops * 1e3 / (peak_gflops * dp_size));
           mfu = b;
         }
         std::fprintf(log,

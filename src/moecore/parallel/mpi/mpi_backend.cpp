@@ -96,8 +96,10 @@ int comm_size(MPI_Comm c) {
   return n;
 }
 
-// Polls the request: yields first (low latency), then naps with growing back-off up to 1 ms so that
-// oversubscribed ranks leave the cores to the peers they are waiting for.
+// Polls the request: yields for the first 50 ms, then naps with growing back-off up to 1 ms so that
+// oversubscribed ranks leave the cores to the peers they are waiting for. Open MPI moves the data of a
+// nonblocking collective only inside MPI_Test, fragment by fragment: a transfer still moving must be
+// polled without naps (napping after 100 polls made multi-megabyte all-to-alls crawl: ~1 ms per fragment).
 void wait(MPI_Request& req, const CallInfo& call) {
   if (call.timeout_s <= 0) {
     check(MPI_Wait(&req, MPI_STATUS_IGNORE), "MPI_Wait", call);
@@ -107,14 +109,15 @@ void wait(MPI_Request& req, const CallInfo& call) {
   const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
                                            std::chrono::duration<double>(call.timeout_s));
   auto nap = std::chrono::microseconds(10);
-  for (int polls = 0;; ++polls) {
+  const auto busy_until = clock::now() + std::chrono::milliseconds(50);
+  for (;;) {
     int done = 0;
     check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test", call);
     if (done) return;
     // The request stays pending: peers may still complete it, so it cannot be freed (MPI forbids
     // MPI_Request_free on collectives). The group is marked broken by the caller.
     if (clock::now() >= deadline) throw_timeout(call);
-    if (polls < 100) {
+    if (clock::now() < busy_until) {
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(nap);
