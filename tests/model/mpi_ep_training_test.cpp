@@ -73,13 +73,14 @@ train::TrainConfig train_config(int64_t iters) {
   t.train_iters = iters;
   t.lr = 5e-3f;
   t.lr_warmup_iters = 2;
-  t.eval_iters = 1;
-  t.has_validation = false;
+  t.eval_iters = 3;  // not a multiple of the rank count: the evaluation split has uneven shares
+  t.has_validation = true;
   return t;
 }
 
 struct Result {
   std::vector<double> loss, grad_norm;
+  double valid = 0;                      // validation loss after the last step
   std::map<std::string, Tensor> grads;   // after the last step (reduced)
   std::map<std::string, Tensor> values;  // parameters at the end
   int64_t ep_rank = 0, ep_size = 1;
@@ -113,6 +114,7 @@ Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int
   Result r;
   r.loss = log.train_loss;
   r.grad_norm = log.grad_norm;
+  if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
   for (const auto& p : gpt.params()) {
     r.grads[p.name] = p.grad.clone();
     r.values[p.name] = p.value.clone();
@@ -159,6 +161,7 @@ void check_layout(const ProcessGroup& world, int ep_size, moe::DispatcherKind ki
     EXPECT_LE(rel(got.loss[i], ref.loss[i]), 1e-5) << "step " << i + 1 << ": " << got.loss[i] << " vs " << ref.loss[i];
     EXPECT_EQ(std::memcmp(&got.loss[i], &again.loss[i], sizeof(double)), 0) << "step " << i + 1 << " not bitwise";
   }
+  EXPECT_LE(rel(got.valid, ref.valid), 1e-5) << "validation loss " << got.valid << " vs " << ref.valid;
 }
 
 TEST_F(Mpi, DataParallelMatchesOneProcess) { check_layout(world, 1, moe::DispatcherKind::alltoall, false); }

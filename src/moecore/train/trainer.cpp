@@ -71,18 +71,25 @@ float lr_at(const TrainConfig& c, int64_t it) {
   return static_cast<float>(c.min_lr + coeff * (c.lr - c.min_lr));
 }
 
-double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches) {
+double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches, const ProcessGroup* dp) {
   const auto& m = gpt.config();
   Tensor tokens = Tensor::empty({gpt.micro_batch_size(), m.seq_length}, DType::i32, MemCategory::workspace);
   Tensor labels = Tensor::empty({gpt.micro_batch_size(), m.seq_length}, DType::i32, MemCategory::workspace);
-  model::LossResult total;
-  for (int64_t i = 0; i < cfg.eval_iters; ++i) {
-    batches(tokens, labels, true, i);
-    const auto r = gpt.evaluate(tokens, labels);
-    total.loss_sum += r.loss_sum;
-    total.tokens += r.tokens;
+  const int64_t P = dp ? dp->size() : 1, r = dp ? dp->rank() : 0;
+  // Rank r takes batches r, r + P, ...; every rank runs the same number of forwards (the EP dispatchers
+  // communicate in each), the surplus ones uncounted.
+  const int64_t rounds = (cfg.eval_iters + P - 1) / P;
+  double sums[2] = {0, 0};  // loss sum, counted tokens
+  for (int64_t k = 0; k < rounds; ++k) {
+    const int64_t i = k * P + r;
+    batches(tokens, labels, true, std::min(i, cfg.eval_iters - 1));
+    const auto res = gpt.evaluate(tokens, labels);
+    if (i >= cfg.eval_iters) continue;
+    sums[0] += res.loss_sum;
+    sums[1] += static_cast<double>(res.tokens);
   }
-  return total.mean();
+  if (P > 1) all_reduce_sum(std::span<double>(sums, 2), *dp);
+  return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
 }
 
 namespace {
@@ -550,7 +557,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
     const bool last = it + 1 == cfg.train_iters;
     if (cfg.has_validation && (last || (cfg.eval_interval > 0 && (it + 1) % cfg.eval_interval == 0))) {
       const auto t_eval = std::chrono::steady_clock::now();
-      const double v = evaluate(gpt, cfg, batches);
+      const double v = evaluate(gpt, cfg, batches, dp);
       // Evaluation time (and its dispatcher traffic) stays out of the next interval's throughput.
       t_last += std::chrono::steady_clock::now() - t_eval;
       gpt.reset_dispatcher_comm_seconds();

@@ -85,8 +85,9 @@ using StepObserver = std::function<void(int64_t iteration, double loss, bool ski
 TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches,
                std::FILE* log, const StepObserver& observer = {}, const TrainGroups* groups = nullptr);
 
-// Mean validation loss over cfg.eval_iters batches.
-double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches);
+// Mean validation loss over cfg.eval_iters batches; with a data-parallel group the batches are split over
+// its ranks and the sums reduced (collective).
+double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches, const ProcessGroup* dp = nullptr);
 
 // Samples up to `count` tokens after `prompt` (temperature sampling, top-k 40) with the model's fixed
 // sequence window, stopping at stop_token (e.g. the tokenizer's end-of-document; -1: never) once a quarter of
