@@ -8,6 +8,8 @@
 // multi-rank runs.
 #include <gtest/gtest.h>
 
+#include "mpi_test_support.h"
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -23,16 +25,7 @@
 namespace moecore {
 namespace {
 
-class Mpi : public ::testing::Test {
- protected:
-  ProcessGroup world = comm_world();
-  int P = world.size();
-  void TearDown() override {
-    std::vector<int64_t> failed = {HasFailure() ? int64_t{1} << world.rank() : 0};
-    all_reduce_sum(failed, world);
-    if (failed[0] && !HasFailure()) ADD_FAILURE() << "failed on other ranks (bit mask " << failed[0] << ")";
-  }
-};
+using Mpi = testing_mpi::MpiTest;
 
 model::ModelConfig moe_model(bool expert_bias) {
   model::ModelConfig c;
@@ -274,23 +267,4 @@ TEST_F(Mpi, DistributedOptimizerMatchesOneProcess) {
 }  // namespace
 }  // namespace moecore
 
-int main(int argc, char** argv) {
-  using namespace moecore;
-  CommOptions options = comm_options_from_env();
-  if (!std::getenv("MOECORE_COMM_TIMEOUT_S")) options.timeout_s = 60;  // a failing test must not hang
-  comm_init(argc, argv, options);
-  ::testing::InitGoogleTest(&argc, argv);
-  int failed = 0;
-  {
-    const ProcessGroup world = comm_world();
-    if (world.rank() != 0) {
-      auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-      delete listeners.Release(listeners.default_result_printer());
-    }
-    std::vector<int64_t> any = {RUN_ALL_TESTS() != 0 ? 1 : 0};
-    all_reduce_sum(any, world);
-    failed = any[0] != 0;
-  }
-  comm_finalize();
-  return failed;
-}
+int main(int argc, char** argv) { return moecore::testing_mpi::run_mpi_tests(argc, argv, 60); }

@@ -7,6 +7,8 @@
 // nothing to other ranks, capacity dropping and pad-to-capacity.
 #include <gtest/gtest.h>
 
+#include "mpi_test_support.h"
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -20,17 +22,7 @@
 namespace moecore::moe {
 namespace {
 
-class Mpi : public ::testing::Test {
- protected:
-  ProcessGroup world = comm_world();
-  int P = world.size();
-  int me = world.rank();
-  void TearDown() override {
-    std::vector<int64_t> failed = {HasFailure() ? int64_t{1} << world.rank() : 0};
-    all_reduce_sum(failed, world);
-    if (failed[0] && !HasFailure()) ADD_FAILURE() << "failed on other ranks (bit mask " << failed[0] << ")";
-  }
-};
+using Mpi = testing_mpi::MpiTest;
 
 enum class Routing { random, one_expert, own_rank };
 
@@ -255,24 +247,4 @@ TEST_F(Mpi, GlobalAuxLossCountsAreSummedOverTheGroup) {
 }  // namespace
 }  // namespace moecore::moe
 
-int main(int argc, char** argv) {
-  using namespace moecore;
-  CommOptions options = comm_options_from_env();
-  options.debug = true;  // every collective is also checked for matching op and sizes across ranks
-  if (!std::getenv("MOECORE_COMM_TIMEOUT_S")) options.timeout_s = 30;  // a failing test must not hang
-  comm_init(argc, argv, options);
-  ::testing::InitGoogleTest(&argc, argv);
-  int failed = 0;
-  {
-    const ProcessGroup world = comm_world();
-    if (world.rank() != 0) {  // other ranks report through the TearDown's all-reduce
-      auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-      delete listeners.Release(listeners.default_result_printer());
-    }
-    std::vector<int64_t> any = {RUN_ALL_TESTS() != 0 ? 1 : 0};
-    all_reduce_sum(any, world);
-    failed = any[0] != 0;
-  }
-  comm_finalize();
-  return failed;
-}
+int main(int argc, char** argv) { return moecore::testing_mpi::run_mpi_tests(argc, argv, 30, /*debug=*/true); }

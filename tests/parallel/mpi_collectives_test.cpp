@@ -4,6 +4,8 @@
 // Own main: comm_init/comm_finalize, only rank 0 prints the gtest report, other ranks print failures.
 #include <gtest/gtest.h>
 
+#include "mpi_test_support.h"
+
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -22,17 +24,8 @@ namespace {
 
 #define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg)
 
-// Every test fails on every rank when it fails on any: rank 0's report is then the whole story.
-class Mpi : public ::testing::Test {
+class Mpi : public testing_mpi::MpiTest {
  protected:
-  ProcessGroup world = comm_world();
-  int P = world.size();
-  int me = world.rank();
-  void TearDown() override {
-    std::vector<int64_t> failed = {HasFailure() ? int64_t{1} << world.rank() : 0};
-    all_reduce_sum(failed, world);
-    if (failed[0] && !HasFailure()) ADD_FAILURE() << "failed on other ranks (bit mask " << failed[0] << ")";
-  }
   ProcessGroup dup(const std::string& name) const { return group_split(world, name, {world.ranks()}); }
 };
 
@@ -289,41 +282,8 @@ TEST_F(Mpi, TimeoutNamesOpGroupAndRank) {
   barrier(world);
 }
 
-// Non-zero ranks print only their failures, prefixed with the rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                   r.line_number(), r.summary());
-  }
-
- private:
-  int rank_;
-};
 
 }  // namespace
 }  // namespace moecore
 
-int main(int argc, char** argv) {
-  using namespace moecore;
-  CommOptions options = comm_options_from_env();
-  if (!std::getenv("MOECORE_COMM_TIMEOUT_S")) options.timeout_s = 30;  // a failing test must not hang
-  comm_init(argc, argv, options);
-  ::testing::InitGoogleTest(&argc, argv);
-  int failed = 0;
-  {
-    const ProcessGroup world = comm_world();
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    if (world.rank() != 0) {
-      delete listeners.Release(listeners.default_result_printer());
-      listeners.Append(new RankFailurePrinter(world.rank()));
-    }
-    std::vector<int64_t> any = {RUN_ALL_TESTS() != 0 ? 1 : 0};
-    all_reduce_sum(any, world);
-    failed = any[0] != 0;
-  }
-  comm_finalize();
-  return failed;
-}
+int main(int argc, char** argv) { return moecore::testing_mpi::run_mpi_tests(argc, argv, 30); }
