@@ -23,14 +23,33 @@ struct Result {
   std::string output;
 };
 
-Result run(const std::string& args) {
-  const std::string cmd = std::string(MOECORE_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
+Result run_shell(const std::string& cmd) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
   std::string out;
   char buf[4096];
   while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
   const int st = pclose(p);
   return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+Result run(const std::string& args) { return run_shell(std::string(MOECORE_BINARY) + " " + args); }
+
+// `moecore ARGS` on np ranks, one OpenMP thread each (the ranks share the machine's cores). Unused without MPI.
+[[maybe_unused]] Result run_mpi(int np, const std::string& args, const std::string& env = "") {
+  return run_shell(env + " OMP_NUM_THREADS=1 mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(np) +
+                   " " + std::string(MOECORE_BINARY) + " " + args);
+}
+
+// The lm_loss of every line of a --metrics-jsonl file.
+[[maybe_unused]] std::vector<double> jsonl_losses(const std::string& path) {
+  std::vector<double> v;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto k = line.find("\"lm_loss\":");
+    if (k != std::string::npos) v.push_back(std::stod(line.substr(k + 10)));
+  }
+  return v;
 }
 
 class Cli : public ::testing::Test {
@@ -155,24 +174,10 @@ TEST_F(Cli, DataParallelTwoRanksMatchOneProcess) {
                            "--global-batch-size 8 --train-iters 5 --log-interval 1 --eval-iters 1 "
                            "--generate-tokens 0 --metrics-jsonl ";
   ASSERT_EQ(run(args.substr(1) + p("one.jsonl")).status, 0);
-  const std::string mpi = "mpirun --oversubscribe --allow-run-as-root -np 2 " + std::string(MOECORE_BINARY) + args +
-                          p("two.jsonl") + " 2>&1";
-  FILE* f = popen(mpi.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, f)) out.append(buf, n);
-  ASSERT_EQ(pclose(f), 0) << out;
-  auto losses = [](const std::string& path) {
-    std::vector<double> v;
-    std::ifstream in(path);
-    std::string line;
-    while (std::getline(in, line)) {
-      const auto k = line.find("\"lm_loss\":");
-      if (k != std::string::npos) v.push_back(std::stod(line.substr(k + 10)));
-    }
-    return v;
-  };
-  const auto one = losses(p("one.jsonl")), two = losses(p("two.jsonl"));
+  const Result r = run_mpi(2, args.substr(1) + p("two.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string out = r.output;
+  const auto one = jsonl_losses(p("one.jsonl")), two = jsonl_losses(p("two.jsonl"));
   ASSERT_EQ(one.size(), 5u);
   ASSERT_EQ(two.size(), 5u) << out;
   for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(two[i], one[i], 1e-6 * std::fabs(one[i])) << i;
@@ -192,14 +197,8 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
                            "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
                            "--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --generate-tokens 0 ";
   auto mpirun = [&](int np, const std::string& extra) {
-    const std::string cmd = "MOECORE_COMM_TIMEOUT_S=30 mpirun --oversubscribe --allow-run-as-root -np " +
-                            std::to_string(np) + " " + std::string(MOECORE_BINARY) + args + extra + " 2>&1";
-    FILE* f = popen(cmd.c_str(), "r");
-    std::string out;
-    char buf[4096];
-    while (size_t n = fread(buf, 1, sizeof buf, f)) out.append(buf, n);
-    const int status = pclose(f);
-    return std::make_pair(status, out);
+    const Result r = run_mpi(np, args.substr(1) + extra, "MOECORE_COMM_TIMEOUT_S=30");
+    return std::make_pair(r.status, r.output);
   };
   auto count = [](const std::string& s, const std::string& what) {
     size_t n = 0;
@@ -233,30 +232,16 @@ TEST_F(Cli, ExpertParallelTwoRanksMatchOneProcess) {
                            "--global-batch-size 8 --train-iters 5 --log-interval 1 --eval-iters 1 "
                            "--generate-tokens 0 --metrics-jsonl ";
   ASSERT_EQ(run(args.substr(1) + p("one.jsonl")).status, 0);
-  auto losses = [](const std::string& path) {
-    std::vector<double> v;
-    std::ifstream in(path);
-    std::string line;
-    while (std::getline(in, line)) {
-      const auto k = line.find("\"lm_loss\":");
-      if (k != std::string::npos) v.push_back(std::stod(line.substr(k + 10)));
-    }
-    return v;
-  };
-  const auto one = losses(p("one.jsonl"));
+  const auto one = jsonl_losses(p("one.jsonl"));
   ASSERT_EQ(one.size(), 5u);
   for (const std::string extra : {" --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
                                   " --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
                                   " --expert-model-parallel-size 2 --use-distributed-optimizer"}) {
-    const std::string cmd = "OMP_NUM_THREADS=1 mpirun --oversubscribe --allow-run-as-root -np 2 " +
-                            std::string(MOECORE_BINARY) + args + p("ep.jsonl") + extra + " 2>&1";
     std::filesystem::remove(p("ep.jsonl"));
-    FILE* f = popen(cmd.c_str(), "r");
-    std::string out;
-    char buf[4096];
-    while (size_t n = fread(buf, 1, sizeof buf, f)) out.append(buf, n);
-    ASSERT_EQ(pclose(f), 0) << out;
-    const auto ep = losses(p("ep.jsonl"));
+    const Result r = run_mpi(2, args.substr(1) + p("ep.jsonl") + extra);
+    ASSERT_EQ(r.status, 0) << r.output;
+    const std::string out = r.output;
+    const auto ep = jsonl_losses(p("ep.jsonl"));
     ASSERT_EQ(ep.size(), 5u) << extra << "\n" << out;
     for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(ep[i], one[i], 1e-5 * std::fabs(one[i])) << extra << " " << i;
   }
