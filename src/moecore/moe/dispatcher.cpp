@@ -152,6 +152,8 @@ DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_
     p.send_rows.assign(static_cast<size_t>(ep), 0);
     p.recv_rows.assign(static_cast<size_t>(ep), 0);
     p.el_blocks.assign(static_cast<size_t>(ep), El);
+    p.recv_off.assign(static_cast<size_t>(E), 0);
+    p.exp_off.assign(static_cast<size_t>(E), 0);
     p.send_x = Tensor::empty({max_send, H}, x_dtype, work);
     p.send_f = Tensor::empty({max_send, H}, DType::f32, work);
     p.send_p = Tensor::empty({max_send}, DType::f32, work);

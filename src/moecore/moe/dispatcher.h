@@ -37,6 +37,7 @@ struct EpBuffers {
   std::vector<int64_t> counts;            // [EP * El] rows received from source rank s for local expert le
   std::vector<int64_t> send_rows, recv_rows;  // [EP] rows to / from each rank
   std::vector<int64_t> el_blocks;         // [EP] all El: the count exchange's block sizes
+  std::vector<int64_t> recv_off, exp_off; // [EP * El] chunk offsets in the receive and expert layouts
   // allgather, kept from forward to backward:
   Tensor gmap;                            // [EP*T, E] bool: the gathered routing map
   Tensor lmap, lprobs;                    // [EP*T, El] bool / f32: its local expert columns

@@ -22,8 +22,9 @@ void check_layout(const char* who, const DispatchBuffers& buf, const ProcessGrou
 
 // Row copies between the receive layout (chunks ordered [source rank s][local expert le]) and the expert
 // layout ([le][s]); counts[s*El + le] rows per chunk. to_expert: expert <- receive; else receive <- expert.
-void sort_chunks(const Tensor& expert, const Tensor& recv, const std::vector<int64_t>& counts, int64_t P,
-                 int64_t El, bool to_expert) {
+void sort_chunks(const Tensor& expert, const Tensor& recv, EpBuffers& p, bool to_expert) {
+  const std::vector<int64_t>& counts = p.counts;
+  const int64_t P = p.ep, El = p.local_experts;
   MOECORE_CHECK(expert.dtype() == recv.dtype() && expert.is_contiguous() && recv.is_contiguous(),
                 "sort_chunks: the two layouts differ in dtype or are not contiguous");
   const int64_t row_bytes =
@@ -31,7 +32,8 @@ void sort_chunks(const Tensor& expert, const Tensor& recv, const std::vector<int
   auto* e = static_cast<char*>(expert.raw());
   auto* r = static_cast<char*>(recv.raw());
   // Chunk (s, le) starts at recv_off[s*El+le] in the receive layout and at exp_off[s*El+le] in the expert one.
-  std::vector<int64_t> recv_off(static_cast<size_t>(P * El)), exp_off(static_cast<size_t>(P * El));
+  std::vector<int64_t>& recv_off = p.recv_off;
+  std::vector<int64_t>& exp_off = p.exp_off;
   int64_t o = 0;
   for (int64_t i = 0; i < P * El; ++i) {
     recv_off[i] = o;
@@ -123,12 +125,12 @@ void AllToAllDispatcher::dispatch(DispatchBuffers& buf, const ops::Context&) {
     all_to_all_v(p.stage_p.slice(0, 0, Rr), p.recv_rows, p.send_p.slice(0, 0, Rs), p.send_rows, ep_);
   }
   // Permutation 2: [source][local expert] -> [local expert][source].
-  sort_chunks(buf.permuted_x, p.stage_x, p.counts, p.ep, p.local_experts, true);
-  sort_chunks(buf.permuted_probs, p.stage_p, p.counts, p.ep, p.local_experts, true);
+  sort_chunks(buf.permuted_x, p.stage_x, buf.ep, true);
+  sort_chunks(buf.permuted_probs, p.stage_p, buf.ep, true);
 }
 
 void AllToAllDispatcher::combine_prepare(DispatchBuffers& buf, const ops::Context&) {
-  sort_chunks(buf.expert_out, buf.ep.stage_x, buf.ep.counts, buf.ep.ep, buf.ep.local_experts, false);
+  sort_chunks(buf.expert_out, buf.ep.stage_x, buf.ep, false);
 }
 
 void AllToAllDispatcher::combine(DispatchBuffers& buf, const ops::Context&) {
@@ -150,7 +152,7 @@ void AllToAllDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& dy
     CommTimer timer(comm_seconds_);
     all_to_all_v(p.stage_x.slice(0, 0, Rr), p.recv_rows, p.send_x.slice(0, 0, Rs), p.send_rows, ep_);
   }
-  sort_chunks(buf.dpermuted, p.stage_x, p.counts, p.ep, p.local_experts, true);
+  sort_chunks(buf.dpermuted, p.stage_x, buf.ep, true);
 }
 
 void AllToAllDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs,
@@ -159,8 +161,8 @@ void AllToAllDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Ten
   const int64_t Rs = p.send_plan.rows(), Rr = buf.plan.rows(), T = p.send_plan.T, E = p.send_plan.E;
   if (dprobs.dtype() != DType::f32 || !(dprobs.shape() == Shape{T, E}) || !dprobs.is_contiguous())
     MOECORE_FAIL("alltoall dispatcher: dprobs must be a contiguous [", T, ", ", E, "] f32 tensor, got ", dprobs.str());
-  sort_chunks(buf.dexpert_in, p.stage_f, p.counts, p.ep, p.local_experts, false);
-  sort_chunks(buf.dpermuted_probs, p.stage_p, p.counts, p.ep, p.local_experts, false);
+  sort_chunks(buf.dexpert_in, p.stage_f, buf.ep, false);
+  sort_chunks(buf.dpermuted_probs, p.stage_p, buf.ep, false);
   {
     CommTimer timer(comm_seconds_);
     all_to_all_v(p.send_f.slice(0, 0, Rs), p.send_rows, p.stage_f.slice(0, 0, Rr), p.recv_rows, ep_);
