@@ -64,6 +64,12 @@ class Cli : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
   std::string p(const char* name) const { return (dir_ / name).string(); }
+  // The corpus as byte-level .bin/.idx under the prefix p("c") (data path p("c_text_document")).
+  void preprocess_corpus() const {
+    const Result r = run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
+                         " --tokenizer-type ByteLevel --append-eod");
+    ASSERT_EQ(r.status, 0) << r.output;
+  }
   std::string train_args(int iters) const {
     return "train --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel --num-layers 2 --hidden-size 32 "
            "--num-attention-heads 2 --seq-length 32 --swiglu --num-experts 4 --moe-router-topk 2 "
@@ -92,8 +98,8 @@ TEST_F(Cli, PreprocessTrainResumeGenerate) {
 }
 
 TEST_F(Cli, SigtermLeavesALoadableCheckpoint) {
-  ASSERT_EQ(run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
-                " --tokenizer-type ByteLevel --append-eod").status, 0);
+  preprocess_corpus();
+  if (HasFatalFailure()) return;
   const pid_t pid = fork();
   if (pid == 0) {
     const std::string cmd = std::string(MOECORE_BINARY) + " " + train_args(100000) + " > " + p("log.txt") + " 2>&1";
@@ -121,8 +127,8 @@ TEST_F(Cli, SigtermLeavesALoadableCheckpoint) {
 }
 
 TEST_F(Cli, UpcyclesADenseCheckpointIntoAnMoe) {
-  ASSERT_EQ(run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
-                " --tokenizer-type ByteLevel --append-eod").status, 0);
+  preprocess_corpus();
+  if (HasFatalFailure()) return;
   const std::string model = " --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel --num-layers 2 "
                             "--hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu --ffn-hidden-size 64 "
                             "--micro-batch-size 2 --global-batch-size 2 --log-interval 2 --eval-iters 1 "
@@ -159,31 +165,6 @@ TEST_F(Cli, MoeLayerCommandReproducesAGoldenCase) {
   EXPECT_EQ(out.tensors.at("routing.map").nbytes(), g.tensors.at("routing.map").nbytes());
 }
 
-// Data parallelism under mpirun: two ranks reproduce the single-process run (same global batch); the
-// summation order of the gradient all-reduce differs, so losses agree to 1e-6 relative, not bitwise.
-TEST_F(Cli, DataParallelTwoRanksMatchOneProcess) {
-#ifndef MOECORE_HAVE_MPI
-  GTEST_SKIP() << "built without MPI";
-#else
-  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
-  ASSERT_EQ(run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
-                " --tokenizer-type ByteLevel --append-eod").status, 0);
-  const std::string args = " train --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel "
-                           "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu "
-                           "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --micro-batch-size 2 "
-                           "--global-batch-size 8 --train-iters 5 --log-interval 1 --eval-iters 1 "
-                           "--generate-tokens 0 --metrics-jsonl ";
-  ASSERT_EQ(run(args.substr(1) + p("one.jsonl")).status, 0);
-  const Result r = run_mpi(2, args.substr(1) + p("two.jsonl"));
-  ASSERT_EQ(r.status, 0) << r.output;
-  const std::string out = r.output;
-  const auto one = jsonl_losses(p("one.jsonl")), two = jsonl_losses(p("two.jsonl"));
-  ASSERT_EQ(one.size(), 5u);
-  ASSERT_EQ(two.size(), 5u) << out;
-  for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(two[i], one[i], 1e-6 * std::fabs(one[i])) << i;
-#endif
-}
-
 // Bad parallel layouts fail on every rank, before any collective (so quickly, without a timeout), with a
 // message naming the values.
 TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
@@ -191,8 +172,8 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
   GTEST_SKIP() << "built without MPI";
 #else
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
-  ASSERT_EQ(run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
-                " --tokenizer-type ByteLevel --append-eod").status, 0);
+  preprocess_corpus();
+  if (HasFatalFailure()) return;
   const std::string args = " train --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel "
                            "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
                            "--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --generate-tokens 0 ";
@@ -217,15 +198,16 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
 #endif
 }
 
-// Expert parallelism from the command line: EP 2 (both dispatchers) and EP 2 with the distributed optimizer
-// reproduce the single-process losses.
-TEST_F(Cli, ExpertParallelTwoRanksMatchOneProcess) {
+// Two ranks under mpirun reproduce the single-process run (same global batch): data parallel, EP 2 with both
+// dispatchers, and EP 2 with the distributed optimizer. Summation orders differ, so losses agree to 1e-5
+// relative, not bitwise.
+TEST_F(Cli, TwoRanksMatchOneProcess) {
 #ifndef MOECORE_HAVE_MPI
   GTEST_SKIP() << "built without MPI";
 #else
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
-  ASSERT_EQ(run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
-                " --tokenizer-type ByteLevel --append-eod").status, 0);
+  preprocess_corpus();
+  if (HasFatalFailure()) return;
   const std::string args = " train --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel "
                            "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu "
                            "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --micro-batch-size 2 "
@@ -234,16 +216,16 @@ TEST_F(Cli, ExpertParallelTwoRanksMatchOneProcess) {
   ASSERT_EQ(run(args.substr(1) + p("one.jsonl")).status, 0);
   const auto one = jsonl_losses(p("one.jsonl"));
   ASSERT_EQ(one.size(), 5u);
-  for (const std::string extra : {" --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
+  for (const char* extra : {"",  // data parallel
+                                  " --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
                                   " --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
                                   " --expert-model-parallel-size 2 --use-distributed-optimizer"}) {
-    std::filesystem::remove(p("ep.jsonl"));
-    const Result r = run_mpi(2, args.substr(1) + p("ep.jsonl") + extra);
+    std::filesystem::remove(p("two.jsonl"));
+    const Result r = run_mpi(2, args.substr(1) + p("two.jsonl") + std::string(extra));
     ASSERT_EQ(r.status, 0) << r.output;
-    const std::string out = r.output;
-    const auto ep = jsonl_losses(p("ep.jsonl"));
-    ASSERT_EQ(ep.size(), 5u) << extra << "\n" << out;
-    for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(ep[i], one[i], 1e-5 * std::fabs(one[i])) << extra << " " << i;
+    const auto two = jsonl_losses(p("two.jsonl"));
+    ASSERT_EQ(two.size(), 5u) << extra << "\n" << r.output;
+    for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(two[i], one[i], 1e-5 * std::fabs(one[i])) << extra << " " << i;
   }
 #endif
 }

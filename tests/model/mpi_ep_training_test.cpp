@@ -8,6 +8,7 @@
 // multi-rank runs.
 #include <gtest/gtest.h>
 
+#include "model/synthetic_training.h"
 #include "mpi_test_support.h"
 
 #include <cmath>
@@ -28,37 +29,17 @@ namespace {
 using Mpi = testing_mpi::MpiTest;
 
 model::ModelConfig moe_model(bool expert_bias) {
-  model::ModelConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 32;
-  c.num_attention_heads = 4;
-  c.num_query_groups = 2;
-  c.ffn_hidden_size = 48;
-  c.vocab_size = 64;
-  c.seq_length = 16;
-  c.moe.num_experts = 8;
-  c.moe.router_topk = 2;
-  c.moe.ffn_hidden_size = 24;
-  c.moe.aux_loss_coeff = {1e-2f};
+  model::ModelConfig c = testing::small_moe_model(8);
   c.moe.z_loss_coeff = 1e-3f;
   if (expert_bias) {
     c.moe.score_function = moe::ScoreFunction::sigmoid;
     c.moe.enable_expert_bias = true;
     c.moe.bias_update_rate = 1e-2f;
   }
-  c.moe_layer_freq = "[0,1]";
   return c;
 }
 
-void synthetic_batch(Tensor& tok, Tensor& lab, bool valid, int64_t index) {
-  const int64_t n = tok.numel();
-  const PhiloxKey key = philox_key(valid ? 2 : 1, "synthetic");
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t v = static_cast<int32_t>(philox_uniform(key, static_cast<uint64_t>(index * n + i)) * 61);
-    tok.data<int32_t>()[i] = v;
-    lab.data<int32_t>()[i] = (v * 7 + 3) % 64;
-  }
-}
+using testing::synthetic_batch;
 
 train::TrainConfig train_config(int64_t iters) {
   train::TrainConfig t;

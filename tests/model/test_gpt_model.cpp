@@ -41,10 +41,11 @@ TEST(GptModel, BackwardTwiceDoublesParameterGradients) {
   std::vector<Tensor> once;
   for (auto& p : m.params()) once.push_back(p.grad.clone());
   m.forward_backward(tok, lab, 1.0f);
+  const std::vector<Param>& weights = m.params();
   for (size_t i = 0; i < once.size(); ++i) {
     Tensor twice = once[i].clone();
     ops::scale(twice, 2.0f, {});
-    EXPECT_TENSOR_NEAR(m.params()[i].grad, twice, 1e-6, 1e-9);
+    EXPECT_TENSOR_NEAR(weights[i].grad, twice, 1e-6, 1e-9);
   }
 }
 

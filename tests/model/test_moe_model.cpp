@@ -74,10 +74,11 @@ TEST(MoeModel, BackwardTwiceDoublesGradientsIncludingRouterAndExperts) {
   std::vector<Tensor> once;
   for (auto& p : m.params()) once.push_back(p.grad.clone());
   m.forward_backward(tok, lab, 1.0f);
+  const std::vector<Param>& weights = m.params();
   for (size_t i = 0; i < once.size(); ++i) {
     Tensor twice = once[i].clone();
     ops::scale(twice, 2.0f, {});
-    EXPECT_LE(testing::tolerance_ratio(m.params()[i].grad, twice, 1e-5, 1e-9), 1.0) << m.params()[i].name;
+    EXPECT_LE(testing::tolerance_ratio(weights[i].grad, twice, 1e-5, 1e-9), 1.0) << weights[i].name;
   }
   EXPECT_GT(ops::sum_squares(m.param("decoder.layers.0.mlp.router.weight").grad, {}), 0.0);
 }

@@ -9,6 +9,7 @@
 #include "moecore/io/checkpoint.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/trainer.h"
+#include "synthetic_training.h"
 #include "test_util.h"
 
 namespace moecore {
@@ -17,36 +18,15 @@ namespace {
 namespace fs = std::filesystem;
 
 model::ModelConfig moe_model() {
-  model::ModelConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 32;
-  c.num_attention_heads = 4;
-  c.num_query_groups = 2;
-  c.ffn_hidden_size = 48;
-  c.vocab_size = 64;
-  c.seq_length = 16;
-  c.moe.num_experts = 4;
-  c.moe.router_topk = 2;
-  c.moe.ffn_hidden_size = 24;
+  model::ModelConfig c = testing::small_moe_model(4);
   c.moe.score_function = moe::ScoreFunction::sigmoid;
   c.moe.enable_expert_bias = true;
   c.moe.bias_update_rate = 1e-2f;
-  c.moe.aux_loss_coeff = {1e-2f};
   c.moe.input_jitter_eps = 1e-2f;  // exercises the noise-stream position in the checkpoint
-  c.moe_layer_freq = "[0,1]";
   return c;
 }
 
-// Deterministic synthetic data: batch `index` depends on the index alone, like the real samplers.
-void synthetic_batch(Tensor& tok, Tensor& lab, bool valid, int64_t index) {
-  const int64_t n = tok.numel();
-  const PhiloxKey key = philox_key(valid ? 2 : 1, "synthetic");
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t v = static_cast<int32_t>(philox_uniform(key, static_cast<uint64_t>(index * n + i)) * 61);
-    tok.data<int32_t>()[i] = v;
-    lab.data<int32_t>()[i] = (v * 7 + 3) % 64;  // a learnable mapping
-  }
-}
+using testing::synthetic_batch;
 
 train::TrainConfig train_config(int64_t iters) {
   train::TrainConfig t;
