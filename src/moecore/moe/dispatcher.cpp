@@ -319,19 +319,24 @@ void LocalDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& dy, c
   gather_token_rows(buf.dpermuted, dy, buf.plan, ctx);
 }
 
+void unpermute_backward(Tensor& dx, Tensor& dprobs, const Tensor& drows, const Tensor& dprob_rows,
+                        const DispatchPlan& plan, const ops::Context& ctx) {
+  check_cpu("unpermute_backward", {&dprobs, &dprob_rows});
+  const int64_t T = plan.T, E = plan.E;
+  if (dprobs.dtype() != DType::f32 || !(dprobs.shape() == Shape{T, E}) || !dprobs.is_contiguous() ||
+      dprob_rows.dtype() != DType::f32 || dprob_rows.numel() < plan.rows())
+    MOECORE_FAIL("unpermute_backward: need dprobs, a contiguous [", T, ", ", E, "] f32 tensor, and f32 values for ",
+                 plan.rows(), " rows; got ", dprobs.str(), " and ", dprob_rows.str());
+  unpermute_tokens(dx, drows, plan, true, ctx);
+  const int32_t* tr = plan.token_rows.data<int32_t>();
+  const float* v = dprob_rows.data<float>();
+  float* dp = dprobs.data<float>();
+  for (int64_t i = 0; i < T * E; ++i) dp[i] = tr[i] >= 0 ? v[tr[i]] : 0.0f;
+}
+
 void LocalDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs,
                                         const ops::Context& ctx) {
-  const DispatchPlan& plan = buf.plan;
-  check_cpu("dispatch_backward", {&dprobs, &buf.dpermuted_probs});
-  const int64_t T = plan.T, E = plan.E;
-  if (dprobs.dtype() != DType::f32 || !(dprobs.shape() == Shape{T, E}) || !dprobs.is_contiguous())
-    MOECORE_FAIL("dispatch_backward: dprobs must be a contiguous [", T, ", ", E, "] f32 tensor, got ",
-                 dprobs.str());
-  unpermute_tokens(dx, buf.dexpert_in, plan, true, ctx);
-  const int32_t* tr = plan.token_rows.data<int32_t>();
-  const float* dpp = buf.dpermuted_probs.data<float>();
-  float* dp = dprobs.data<float>();
-  for (int64_t i = 0; i < T * E; ++i) dp[i] = tr[i] >= 0 ? dpp[tr[i]] : 0.0f;
+  unpermute_backward(dx, dprobs, buf.dexpert_in, buf.dpermuted_probs, buf.plan, ctx);
 }
 
 }  // namespace moecore::moe

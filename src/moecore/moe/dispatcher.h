@@ -171,6 +171,10 @@ void permute_tokens(Tensor& permuted_x, Tensor& permuted_probs, const Tensor& x,
 // y [T, H] f32 = per-token sum of rows (accumulate=false) or y += (accumulate=true); rows any float dtype.
 void unpermute_tokens(Tensor& y, const Tensor& rows, const DispatchPlan& plan, bool accumulate,
                       const ops::Context& ctx);
+// The local dispatch backward: dx [T, H] f32 += per-token sum of drows; dprobs [T, E] f32 written,
+// dprobs[t, e] = dprob_rows[token_rows[t, e]] (0 where not routed).
+void unpermute_backward(Tensor& dx, Tensor& dprobs, const Tensor& drows, const Tensor& dprob_rows,
+                        const DispatchPlan& plan, const ops::Context& ctx);
 // rows [>= R, H] (f32 or bf16) = src [T, H] f32 rows per the plan: rows[r] = src[row_token[r]].
 void gather_token_rows(Tensor& rows, const Tensor& src, const DispatchPlan& plan, const ops::Context& ctx);
 

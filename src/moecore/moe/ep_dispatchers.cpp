@@ -76,14 +76,6 @@ class CommTimer {
   std::chrono::steady_clock::time_point t0_;
 };
 
-void add_into(const Tensor& dst, const Tensor& src) {
-  float* d = dst.data<float>();
-  const float* s = src.data<float>();
-  const int64_t n = dst.numel();
-#pragma omp parallel for simd schedule(static) if (n > (1 << 16))
-  for (int64_t i = 0; i < n; ++i) d[i] += s[i];
-}
-
 }  // namespace
 
 // ---- AllToAllDispatcher -------------------------------------------------------------------------------
@@ -158,9 +150,7 @@ void AllToAllDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& dy
 void AllToAllDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs,
                                            const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
-  const int64_t Rs = p.send_plan.rows(), Rr = buf.plan.rows(), T = p.send_plan.T, E = p.send_plan.E;
-  if (dprobs.dtype() != DType::f32 || !(dprobs.shape() == Shape{T, E}) || !dprobs.is_contiguous())
-    MOECORE_FAIL("alltoall dispatcher: dprobs must be a contiguous [", T, ", ", E, "] f32 tensor, got ", dprobs.str());
+  const int64_t Rs = p.send_plan.rows(), Rr = buf.plan.rows();
   sort_chunks(buf.dexpert_in, p.stage_f, buf.ep, false);
   sort_chunks(buf.dpermuted_probs, p.stage_p, buf.ep, false);
   {
@@ -168,11 +158,7 @@ void AllToAllDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Ten
     all_to_all_v(p.send_f.slice(0, 0, Rs), p.send_rows, p.stage_f.slice(0, 0, Rr), p.recv_rows, ep_);
     all_to_all_v(p.send_p.slice(0, 0, Rs), p.send_rows, p.stage_p.slice(0, 0, Rr), p.recv_rows, ep_);
   }
-  unpermute_tokens(dx, p.send_f, p.send_plan, true, ctx);
-  const int32_t* tr = p.send_plan.token_rows.data<int32_t>();
-  const float* sp = p.send_p.data<float>();
-  float* dp = dprobs.data<float>();
-  for (int64_t i = 0; i < T * E; ++i) dp[i] = tr[i] >= 0 ? sp[tr[i]] : 0.0f;
+  unpermute_backward(dx, dprobs, p.send_f, p.send_p, p.send_plan, ctx);
 }
 
 // ---- AllGatherDispatcher ------------------------------------------------------------------------------
@@ -236,7 +222,7 @@ void AllGatherDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Te
     CommTimer timer(comm_seconds_);
     reduce_scatter_sum(p.ty, p.gy, ep_);
   }
-  add_into(dx, p.ty);
+  ops::add(dx, dx, p.ty, ctx);
   const int64_t N = p.gdprobs.size(0), E = p.gdprobs.size(1), El = p.local_experts, first = ep_.rank() * El;
   float* gd = p.gdprobs.data<float>();
   std::fill(gd, gd + N * E, 0.0f);
