@@ -59,10 +59,12 @@ std::string expert_shard_file(int64_t r, int64_t ep) {
   return b;
 }
 
-// Collective over dp (size > 1): every rank's files into one staging directory, committed by dp rank 0.
+// Collective over dp (size > 1): rank 0 writes committer_req, ranks with shard_index >= 0 write expert shard
+// shard_index of num_shards, all into one staging directory; dp rank 0 commits.
 // A failure on any rank fails the save on every rank (no rank waits forever for a peer that gave up).
 void save_collective(const std::string& root, const io::CheckpointWriteRequest& committer_req,
-                     const std::string& shard_name, const std::map<std::string, Tensor>& shard, int keep_last,
+                     int64_t shard_index, int64_t num_shards, const std::map<std::string, Tensor>& shard,
+                     int keep_last,
                      const ProcessGroup& dp) {
   std::vector<int64_t> token = {dp.rank() == 0 ? static_cast<int64_t>(::getpid()) : 0};
   broadcast(std::span<int64_t>(token), 0, dp);
@@ -79,30 +81,24 @@ void save_collective(const std::string& root, const io::CheckpointWriteRequest& 
   }
   broadcast(std::span<int64_t>(ok), 0, dp);
   if (!ok[0]) MOECORE_FAIL(dp.rank() == 0 ? error : "checkpoint: rank 0 could not create the staging directory");
-  // {status (1 written, 0 nothing, -1 failed), bytes, crc} per rank.
-  std::vector<int64_t> mine = {0, 0, 0}, all(static_cast<size_t>(3 * dp.size()));
-  if (!shard_name.empty()) {
+  // {status (1 written, 0 nothing, -1 failed), shard index, bytes, crc} per rank.
+  constexpr int kFields = 4;
+  std::vector<int64_t> mine = {0, shard_index, 0, 0}, all(static_cast<size_t>(kFields * dp.size()));
+  if (shard_index >= 0) {
     try {
       const std::string staging = io::checkpoint_iteration_dir(root, committer_req.iteration) + ".tmp-" + tok;
-      const io::CheckpointFileInfo info = io::checkpoint_staging_write(staging, shard_name, shard);
-      mine = {1, static_cast<int64_t>(info.bytes), static_cast<int64_t>(info.crc32c)};
+      const io::CheckpointFileInfo info =
+          io::checkpoint_staging_write(staging, expert_shard_file(shard_index, num_shards), shard);
+      mine = {1, shard_index, static_cast<int64_t>(info.bytes), static_cast<int64_t>(info.crc32c)};
     } catch (const Error& e) {
       error = e.what();
-      mine = {-1, 0, 0};
+      mine[0] = -1;
     }
   }
-  // The shard names are gathered too (rank r's name is known only to rank r).
   all_gather(std::span<int64_t>(all), std::span<const int64_t>(mine), dp);
-  std::vector<int64_t> names_len = {static_cast<int64_t>(shard_name.size())}, lens(static_cast<size_t>(dp.size()));
-  all_gather(std::span<int64_t>(lens), std::span<const int64_t>(names_len), dp);
-  std::vector<int64_t> name_chars(shard_name.begin(), shard_name.end()), all_chars;
-  int64_t total = 0;
-  for (int64_t l : lens) total += l;
-  all_chars.resize(static_cast<size_t>(total));
-  all_gather_v(std::span<int64_t>(all_chars), std::span<const int64_t>(name_chars), lens, dp);
   int failed_rank = -1;
   for (int r = 0; r < dp.size() && failed_rank < 0; ++r)
-    if (all[3 * r] < 0) failed_rank = r;
+    if (all[kFields * r] < 0) failed_rank = r;
   if (failed_rank >= 0)
     MOECORE_FAIL(failed_rank == dp.rank() ? error
                                           : "checkpoint: rank " + std::to_string(failed_rank) +
@@ -110,12 +106,10 @@ void save_collective(const std::string& root, const io::CheckpointWriteRequest& 
   ok[0] = 1;
   if (dp.rank() == 0) {
     std::map<std::string, io::CheckpointFileInfo> others;
-    int64_t off = 0;
     for (int r = 0; r < dp.size(); ++r) {
-      const std::string name(all_chars.begin() + off, all_chars.begin() + off + lens[r]);
-      off += lens[r];
-      if (all[3 * r] == 1)
-        others[name] = {static_cast<uint64_t>(all[3 * r + 1]), static_cast<uint32_t>(all[3 * r + 2])};
+      const int64_t* f = all.data() + kFields * r;
+      if (f[0] == 1)
+        others[expert_shard_file(f[1], num_shards)] = {static_cast<uint64_t>(f[2]), static_cast<uint32_t>(f[3])};
     }
     try {
       io::checkpoint_staging_commit(root, committer_req, tok, others, keep_last);
@@ -173,7 +167,7 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
     return;
   }
   const bool writes_shard = EP > 1 && g.edp.rank() == 0;
-  save_collective(root, req, writes_shard ? expert_shard_file(g.ep.rank(), EP) : "", shard, keep_last, g.dp);
+  save_collective(root, req, writes_shard ? g.ep.rank() : -1, EP, shard, keep_last, g.dp);
 }
 
 void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const optim::AdamW& opt,
