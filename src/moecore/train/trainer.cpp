@@ -240,12 +240,13 @@ class GradBuckets {
     for (const auto& p : gpt.params()) total[p.expert_parallel ? 1 : 0] += p.grad.numel();
     const int64_t n = std::min(std::max(total[0], total[1]), bucket);
     if (g.dp.size() > 1 || g.edp.size() > 1) flat_ = Tensor::empty({n}, DType::f32, MemCategory::workspace);
+    pending_.reserve(gpt.params().size());
   }
   void all_reduce(model::GptModel& gpt) {
     for (int kind = 0; kind < 2; ++kind) {
       const ProcessGroup& grp = kind == 1 ? g_.edp : g_.dp;
       if (grp.size() <= 1) continue;
-      std::vector<Param*> pending;
+      std::vector<Param*>& pending = pending_;  // capacity kept across steps: no allocation per step
       int64_t used = 0;
       auto flush = [&]() {
         if (pending.empty()) return;
@@ -283,6 +284,7 @@ class GradBuckets {
  private:
   const TrainGroups& g_;
   Tensor flat_;
+  std::vector<Param*> pending_;
 };
 
 // The global L2 norm of the reduced gradients, every parameter counted once: the replicated parameters'
