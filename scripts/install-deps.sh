@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Installs every Debian package moecore needs to build, test and run its main job (Debian 12, as root).
+# ocl-icd-opencl-dev: Debian's oneDNN CMake config calls find_package(OpenCL REQUIRED).
 # The CUDA toolkit is optional: when nvcc is present the CUDA backend is built too.
 # Regenerating golden files additionally needs python3-torch (see tools/).
 set -euo pipefail
 packages=(
   build-essential cmake ninja-build ccache pkg-config
-  libdnnl-dev libomp-dev
+  libdnnl-dev libomp-dev ocl-icd-opencl-dev opencl-headers
   libgtest-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
   nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev sentencepiece
-  python3 python3-numpy
+  python3 python3-numpy python3-venv python3-matplotlib
+  clang-format
   fortunes
 )
 missing=()
