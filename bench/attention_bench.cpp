@@ -69,14 +69,14 @@ std::vector<std::string> bench_attention_lines(int64_t B, int64_t S, int64_t hea
     peak_dtype = "f32";
   }
   // Warm-up: grows the kernels' scratch buffers and the OpenMP team.
-  ops::attention_forward(out, lse, qkv, dims, {});
-  ops::attention_backward(dqkv, dout, qkv, out, lse, dims, {});
+  ops::attention_forward(out, lse, qkv, dims, ops::Dropout{}, {});
+  ops::attention_backward(dqkv, dout, qkv, out, lse, dims, ops::Dropout{}, {});
   double fwd = 1e30, bwd = 1e30, both = 1e30;
   for (int it = 0; it < std::max(iters, 1); ++it) {
     const double t0 = now_seconds();
-    ops::attention_forward(out, lse, qkv, dims, {});
+    ops::attention_forward(out, lse, qkv, dims, ops::Dropout{}, {});
     const double t1 = now_seconds();
-    ops::attention_backward(dqkv, dout, qkv, out, lse, dims, {});
+    ops::attention_backward(dqkv, dout, qkv, out, lse, dims, ops::Dropout{}, {});
     const double t2 = now_seconds();
     fwd = std::min(fwd, t1 - t0);
     bwd = std::min(bwd, t2 - t1);

@@ -1,6 +1,7 @@
-// Tests of rope_table / rope_forward / rope_backward and attention_forward / attention_backward on the CPU:
-// against naive references in double (full S x S softmax), central finite differences, the bf16 path
-// against f32, determinism across thread counts, and entry checks. No timing here (see bench/).
+// Tests of rope_table / rope_forward / rope_backward (whole and partial rotary dims) and attention_forward /
+// attention_backward (with and without dropout) on the CPU: against naive references in double (full S x S
+// softmax, the dropout mask from philox_uniform), central finite differences, the bf16 path against f32,
+// determinism across thread counts, and entry checks. No timing here (see bench/).
 #include <omp.h>
 
 #include <cmath>
@@ -14,6 +15,7 @@
 namespace moecore {
 namespace {
 
+using ops::Dropout;
 using ops::QkvDims;
 using testing::randn;
 using testing::to_vector;
@@ -34,12 +36,14 @@ Shape lse_shape(const QkvDims& d) {
   return {d.B, d.q_heads(), d.S};
 }
 
-// Naive causal attention in double: the full score row per query, then the textbook gradients.
+// Naive causal attention in double: the full score row per query, then the textbook gradients. With
+// dropout, Pd = P * M / (1 - p) multiplies V (M from philox_uniform at ((b*Hq + h)*S + q)*S + k), dP is
+// masked the same way and delta = sum_k P dP = rowsum(dO * out).
 struct Reference {
   std::vector<double> out, lse, dqkv;
 };
 
-Reference reference(const Tensor& qkv_t, const Tensor* dout_t, const QkvDims& d) {
+Reference reference(const Tensor& qkv_t, const Tensor* dout_t, const QkvDims& d, const Dropout& drop = {}) {
   const auto x = to_vector(qkv_t);
   const std::vector<float> dout = dout_t ? to_vector(*dout_t) : std::vector<float>();
   const int64_t W = d.width(), H = d.q_heads(), OW = H * d.D;
@@ -52,7 +56,7 @@ Reference reference(const Tensor& qkv_t, const Tensor* dout_t, const QkvDims& d)
   };
   Reference ref{std::vector<double>(d.B * d.S * OW), std::vector<double>(d.B * H * d.S),
                 std::vector<double>(dout_t ? d.B * d.S * W : 0)};
-  std::vector<double> p(d.S), dp(d.S);
+  std::vector<double> p(d.S), dp(d.S), keep(d.S, 1.0);
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t q = 0; q < d.S; ++q) {
@@ -66,15 +70,20 @@ Reference reference(const Tensor& qkv_t, const Tensor* dout_t, const QkvDims& d)
         }
         for (int64_t k = 0; k <= q; ++k) sum += (p[k] = std::exp(p[k] - mx));
         ref.lse[(b * H + h) * d.S + q] = mx + std::log(sum);
+        for (int64_t k = 0; k <= q && drop.active(); ++k) {
+          const uint64_t i = static_cast<uint64_t>(((b * H + h) * d.S + q) * d.S + k);
+          keep[k] = philox_uniform(drop.key, i) >= drop.p ? 1.0 / (1.0 - drop.p) : 0.0;
+        }
         for (int64_t k = 0; k <= q; ++k) {
           p[k] /= sum;
-          for (int64_t e = 0; e < d.D; ++e) ref.out[oo + e] += p[k] * x[k_at(b, k, g) + d.D + e];
+          for (int64_t e = 0; e < d.D; ++e) ref.out[oo + e] += p[k] * keep[k] * x[k_at(b, k, g) + d.D + e];
         }
         if (!dout_t) continue;
         double delta = 0;
         for (int64_t k = 0; k <= q; ++k) {
           dp[k] = 0;
           for (int64_t e = 0; e < d.D; ++e) dp[k] += double(dout[oo + e]) * x[k_at(b, k, g) + d.D + e];
+          dp[k] *= keep[k];
           delta += p[k] * dp[k];
         }
         for (int64_t k = 0; k <= q; ++k) {
@@ -83,7 +92,7 @@ Reference reference(const Tensor& qkv_t, const Tensor* dout_t, const QkvDims& d)
           for (int64_t e = 0; e < d.D; ++e) {
             ref.dqkv[qo + e] += ds * x[ko + e];
             ref.dqkv[ko + e] += ds * x[qo + e];
-            ref.dqkv[ko + d.D + e] += p[k] * dout[oo + e];
+            ref.dqkv[ko + d.D + e] += p[k] * keep[k] * dout[oo + e];
           }
         }
       }
@@ -94,17 +103,17 @@ struct Fwd {
   Tensor out, lse;
 };
 
-Fwd run_forward(const Tensor& qkv, const QkvDims& d) {
+Fwd run_forward(const Tensor& qkv, const QkvDims& d, const Dropout& drop = {}) {
   Fwd f{Tensor::empty(out_shape(d), qkv.dtype(), MemCategory::other),
         Tensor::empty(lse_shape(d), DType::f32, MemCategory::other)};
-  ops::attention_forward(f.out, f.lse, qkv, d, {});
+  ops::attention_forward(f.out, f.lse, qkv, d, drop, {});
   return f;
 }
 
-Tensor run_backward(const Tensor& dout, const Tensor& qkv, const Fwd& f, const QkvDims& d) {
+Tensor run_backward(const Tensor& dout, const Tensor& qkv, const Fwd& f, const QkvDims& d, const Dropout& drop = {}) {
   Tensor dqkv = Tensor::empty(qkv_shape(d), qkv.dtype(), MemCategory::other);
   dqkv.fill_(NAN);  // every element must be written
-  ops::attention_backward(dqkv, dout, qkv, f.out, f.lse, d, {});
+  ops::attention_backward(dqkv, dout, qkv, f.out, f.lse, d, drop, {});
   return dqkv;
 }
 
@@ -211,6 +220,75 @@ TEST(AttentionBf16, MatchesF32Path) {
   }
 }
 
+// ---- Attention dropout ---------------------------------------------------------------------------
+
+Dropout attn_dropout(float p, const char* name = "attn") {
+  return Dropout{p, philox_key(3, name)};
+}
+
+// Same tolerances as without dropout: the mask only zeroes terms and scales the rest by 1/(1-p).
+TEST(AttentionDropout, MatchesNaiveReference) {
+  const Dropout drop = attn_dropout(0.3f);
+  for (const QkvDims& d : {QkvDims{1, 7, 2, 2, 8}, QkvDims{2, 130, 1, 2, 6}, QkvDims{1, 200, 2, 1, 24}}) {
+    SCOPED_TRACE(name_of(d));
+    Tensor qkv = randn(qkv_shape(d), "qkv");
+    Tensor dout = randn(out_shape(d), "dout");
+    const Fwd f = run_forward(qkv, d, drop);
+    const Reference ref = reference(qkv, &dout, d, drop);
+    EXPECT_TENSOR_NEAR(f.out, from_doubles(out_shape(d), ref.out), 2e-5, 2e-6);
+    EXPECT_TENSOR_NEAR(f.lse, from_doubles(lse_shape(d), ref.lse), 2e-5, 2e-6);
+    EXPECT_TENSOR_NEAR(run_backward(dout, qkv, f, d, drop), from_doubles(qkv_shape(d), ref.dqkv), 2e-4, 2e-5);
+  }
+}
+
+// lse is that of the undropped scores: bitwise the lse without dropout. Dropout changes out.
+TEST(AttentionDropout, LseIsTheUndroppedOne) {
+  const QkvDims d{1, 100, 1, 2, 16};
+  Tensor qkv = randn(qkv_shape(d), "qkv");
+  const Fwd plain = run_forward(qkv, d), dropped = run_forward(qkv, d, attn_dropout(0.5f));
+  EXPECT_EQ(0, std::memcmp(plain.lse.raw(), dropped.lse.raw(), plain.lse.nbytes()));
+  EXPECT_NE(0, std::memcmp(plain.out.raw(), dropped.out.raw(), plain.out.nbytes()));
+}
+
+// The mask is fixed by the key, so sum(out * w) is smooth in qkv; same tolerances as without dropout.
+TEST(AttentionDropout, MatchesFiniteDifferences) {
+  const Dropout drop = attn_dropout(0.3f, "fd");
+  for (const QkvDims& d : {QkvDims{1, 5, 1, 2, 4}, QkvDims{2, 3, 2, 1, 2}}) {
+    SCOPED_TRACE(name_of(d));
+    Tensor qkv = randn(qkv_shape(d), "qkv");
+    const Tensor w = randn(out_shape(d), "weights");
+    auto loss = [&] { return testing::weighted_sum(run_forward(qkv, d, drop).out, w); };
+    const Tensor numeric = testing::numerical_gradient(loss, qkv);
+    const Tensor analytic = run_backward(w, qkv, run_forward(qkv, d, drop), d, drop);
+    EXPECT_TENSOR_NEAR(analytic, numeric, 3e-3, 3e-4);
+  }
+}
+
+// p = 0 skips the mask entirely: any key gives the bits of Dropout{} (which the tests above pin to the
+// reference); nonzero p with the same key gives the same bits run after run, with 1 and 2 threads.
+TEST(AttentionDropout, ZeroProbabilityIgnoresKeyAndMaskIsDeterministic) {
+  const QkvDims d{1, 300, 1, 2, 16};
+  Tensor qkv = randn(qkv_shape(d), "qkv");
+  Tensor dout = randn(out_shape(d), "dout");
+  auto run = [&](const Dropout& drop, int threads) {
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    const Fwd f = run_forward(qkv, d, drop);
+    std::vector<float> all = to_vector(f.out);
+    for (float v : to_vector(f.lse)) all.push_back(v);
+    for (float v : to_vector(run_backward(dout, qkv, f, d, drop))) all.push_back(v);
+    omp_set_num_threads(saved);
+    return all;
+  };
+  auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  EXPECT_TRUE(same(run(Dropout{}, 2), run(Dropout{0.0f, philox_key(5, "any")}, 2)));
+  const Dropout drop = attn_dropout(0.2f);
+  EXPECT_TRUE(same(run(drop, 1), run(drop, 2)));
+  EXPECT_FALSE(same(run(drop, 2), run(attn_dropout(0.2f, "other"), 2)));
+}
+
 TEST(AttentionForward, RejectsBadInputs) {
   const QkvDims d{1, 8, 2, 2, 8};
   Tensor out = Tensor::empty(out_shape(d), DType::f32), lse = Tensor::empty(lse_shape(d), DType::f32);
@@ -225,19 +303,24 @@ TEST(AttentionForward, RejectsBadInputs) {
     }
   };
   const Tensor wide = Tensor::zeros({1, 8, d.width() + 8}, DType::f32);
-  expect_error([&] { ops::attention_forward(out, lse, wide, d, {}); }, "attention_forward", "[1, 8, 72] f32");
+  const Dropout none;
+  expect_error([&] { ops::attention_forward(out, lse, wide, d, none, {}); }, "attention_forward", "[1, 8, 72] f32");
   const Tensor qkv16 = Tensor::zeros(qkv_shape(d), DType::bf16);
-  expect_error([&] { ops::attention_forward(out, lse, qkv16, d, {}); }, "attention_forward", "bf16");
+  expect_error([&] { ops::attention_forward(out, lse, qkv16, d, none, {}); }, "attention_forward", "bf16");
   const Tensor qkv = Tensor::zeros(qkv_shape(d), DType::f32);
   Tensor bad_lse = Tensor::empty({1, 2, 8}, DType::f32);
-  expect_error([&] { ops::attention_forward(out, bad_lse, qkv, d, {}); }, "attention_forward", "lse");
+  expect_error([&] { ops::attention_forward(out, bad_lse, qkv, d, none, {}); }, "attention_forward", "lse");
   Tensor dqkv = Tensor::empty(qkv_shape(d), DType::f32);
   const Tensor dout16 = Tensor::zeros(out_shape(d), DType::bf16);
-  expect_error([&] { ops::attention_backward(dqkv, dout16, qkv, out, lse, d, {}); }, "attention_backward",
+  expect_error([&] { ops::attention_backward(dqkv, dout16, qkv, out, lse, d, none, {}); }, "attention_backward",
                "dout");
   const QkvDims odd{1, 8, 2, 2, 7};
-  expect_error([&] { ops::attention_forward(out, lse, qkv, odd, {}); }, "attention_forward", "D=7");
-  EXPECT_THROW(ops::attention_backward(dqkv, out, wide, out, lse, d, {}), Error);
+  expect_error([&] { ops::attention_forward(out, lse, qkv, odd, none, {}); }, "attention_forward", "D=7");
+  EXPECT_THROW(ops::attention_backward(dqkv, out, wide, out, lse, d, none, {}), Error);
+  const auto p_one = [&] { ops::attention_forward(out, lse, qkv, d, Dropout{1.0f, {}}, {}); };
+  expect_error(p_one, "attention_forward", "p must be in [0, 1), got 1");
+  const auto p_negative = [&] { ops::attention_backward(dqkv, out, qkv, out, lse, d, Dropout{-0.25f, {}}, {}); };
+  expect_error(p_negative, "attention_backward", "-0.25");
   Tensor rope = Tensor::empty({8, 8}, DType::f32);
   Tensor wide_copy = wide.clone();
   expect_error([&] { ops::rope_forward(wide_copy, rope, d, {}); }, "rope_forward", "qkv");
@@ -254,40 +337,114 @@ Tensor make_rope(int64_t S, int64_t D, float base = 10000.0f) {
   return rope;
 }
 
-// The table is cos/sin of f32-rounded double angles: 2e-7 absolute.
+// The table is cos/sin of f32-rounded double angles: 2e-7 absolute. Dr = 12 is a whole head of 12 or the
+// rotary part of a wider head; the frequencies depend on Dr only.
 TEST(RopeTable, MatchesFormula) {
-  const int64_t S = 300, D = 12;
-  const Tensor rope = make_rope(S, D, 500.0f);
+  const int64_t S = 300, Dr = 12;
+  const Tensor rope = make_rope(S, Dr, 500.0f);
   for (int64_t s = 0; s < S; ++s)
-    for (int64_t j = 0; j < D / 2; ++j) {
-      const double a = s * std::pow(500.0, -2.0 * j / D);
-      EXPECT_NEAR(rope.data<float>()[s * D + j], std::cos(a), 2e-7);
-      EXPECT_NEAR(rope.data<float>()[s * D + D / 2 + j], std::sin(a), 2e-7);
+    for (int64_t j = 0; j < Dr / 2; ++j) {
+      const double a = s * std::pow(500.0, -2.0 * j / Dr);
+      EXPECT_NEAR(rope.data<float>()[s * Dr + j], std::cos(a), 2e-7);
+      EXPECT_NEAR(rope.data<float>()[s * Dr + Dr / 2 + j], std::sin(a), 2e-7);
     }
 }
 
-// Query and key slots rotated by the rotate-half formula, value slots untouched: 1e-6 (f32 rounding).
-TEST(RopeForward, MatchesNaiveFormula) {
-  const QkvDims d{2, 9, 2, 2, 8};
-  const Tensor rope = make_rope(12, d.D);  // longer table than S is allowed
-  const Tensor x = randn(qkv_shape(d), "x");
-  Tensor y = x.clone();
-  ops::rope_forward(y, rope, d, {});
+// Query and key slots: pairs (j, j + Dr/2) of the first Dr channels rotated by the rotate-half formula;
+// channels Dr..D-1 and value slots stay as they are.
+std::vector<double> rope_reference(const Tensor& x, const Tensor& rope, const QkvDims& d) {
   const auto xv = to_vector(x), rv = to_vector(rope);
   std::vector<double> expect(xv.begin(), xv.end());
-  const int64_t half = d.D / 2;
+  const int64_t Dr = rope.size(1), half = Dr / 2;
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t s = 0; s < d.S; ++s)
       for (int64_t g = 0; g < d.G; ++g)
         for (int64_t slot = 0; slot <= d.R; ++slot) {
           const int64_t o = (b * d.S + s) * d.width() + (g * (d.R + 2) + slot) * d.D;
           for (int64_t j = 0; j < half; ++j) {
-            const double c = rv[s * d.D + j], sn = rv[s * d.D + half + j];
+            const double c = rv[s * Dr + j], sn = rv[s * Dr + half + j];
             expect[o + j] = xv[o + j] * c - xv[o + j + half] * sn;
             expect[o + j + half] = xv[o + j + half] * c + xv[o + j] * sn;
           }
         }
-  EXPECT_TENSOR_NEAR(y, from_doubles(qkv_shape(d), expect), 1e-6, 1e-6);
+  return expect;
+}
+
+// 1e-6 (f32 rounding).
+TEST(RopeForward, MatchesNaiveFormula) {
+  const QkvDims d{2, 9, 2, 2, 8};
+  const Tensor rope = make_rope(12, d.D);  // longer table than S is allowed
+  const Tensor x = randn(qkv_shape(d), "x");
+  Tensor y = x.clone();
+  ops::rope_forward(y, rope, d, {});
+  EXPECT_TENSOR_NEAR(y, from_doubles(qkv_shape(d), rope_reference(x, rope, d)), 1e-6, 1e-6);
+}
+
+// Partial rotary (Megatron's --rotary-percent): Dr = 6 and 2 of D = 16. Rotated channels match the
+// reference to 1e-6; every other element (pass-through channels, value slots) keeps its bits, also in bf16.
+TEST(RopeForward, PartialRotaryRotatesOnlyFirstDrChannels) {
+  const QkvDims d{2, 9, 2, 2, 16};
+  for (const int64_t Dr : {int64_t{6}, int64_t{2}}) {
+    for (DType t : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE("Dr " + std::to_string(Dr) + " " + std::string(dtype_name(t)));
+      const Tensor rope = make_rope(d.S, Dr);
+      const Tensor x = randn(qkv_shape(d), "x").to(t);
+      Tensor y = x.clone();
+      ops::rope_forward(y, rope, d, {});
+      EXPECT_TENSOR_NEAR(y, from_doubles(qkv_shape(d), rope_reference(x, rope, d)), t == DType::f32 ? 1e-6 : 4e-3,
+                         1e-6);
+      const size_t esize = dtype_size(t);
+      int64_t changed = 0;
+      for (int64_t row = 0; row < d.B * d.S; ++row)
+        for (int64_t slot = 0; slot < d.G * (d.R + 2); ++slot) {
+          const bool rotated = slot % (d.R + 2) <= d.R;
+          const int64_t first = rotated ? Dr : 0, o = row * d.width() + slot * d.D;
+          const char* a = static_cast<const char*>(x.raw()) + (o + first) * esize;
+          const char* b = static_cast<const char*>(y.raw()) + (o + first) * esize;
+          changed += std::memcmp(a, b, (d.D - first) * esize) != 0;
+        }
+      EXPECT_EQ(changed, 0);
+      Tensor back = y.clone();
+      ops::rope_backward(back, rope, d, {});
+      if (t == DType::f32) EXPECT_TENSOR_NEAR(back, x, 1e-6, 1e-6);
+    }
+  }
+}
+
+// rope_backward is the transpose (= inverse) of the partial rotation: central differences, 1e-3.
+TEST(RopeBackward, PartialRotaryIsTransposeOfForward) {
+  const QkvDims d{1, 3, 1, 1, 8};
+  const Tensor rope = make_rope(d.S, 4, 100.0f);
+  Tensor x = randn(qkv_shape(d), "x");
+  const Tensor w = randn(qkv_shape(d), "w");
+  auto loss = [&] {
+    Tensor y = x.clone();
+    ops::rope_forward(y, rope, d, {});
+    return testing::weighted_sum(y, w);
+  };
+  const Tensor numeric = testing::numerical_gradient(loss, x);
+  Tensor analytic = w.clone();
+  ops::rope_backward(analytic, rope, d, {});
+  EXPECT_TENSOR_NEAR(analytic, numeric, 1e-3, 1e-3);
+}
+
+TEST(RopeForward, RejectsBadRotaryDim) {
+  const QkvDims d{1, 4, 1, 1, 8};
+  Tensor qkv = randn(qkv_shape(d), "x");
+  auto expect_error = [](auto&& fn, const char* op, const char* detail) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error for " << detail;
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(op), std::string::npos) << msg;
+      EXPECT_NE(msg.find(detail), std::string::npos) << msg;
+    }
+  };
+  Tensor odd = Tensor::zeros({4, 5}, DType::f32), wide = Tensor::zeros({4, 10}, DType::f32);
+  expect_error([&] { ops::rope_table(odd, 10000.0f, {}); }, "rope_table", "Dr = 5");
+  expect_error([&] { ops::rope_forward(qkv, odd, d, {}); }, "rope_forward", "Dr = 5");
+  expect_error([&] { ops::rope_backward(qkv, wide, d, {}); }, "rope_backward", "Dr = 10 and D = 8");
 }
 
 TEST(RopeBackward, InvertsForward) {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moecore/core/rng.h"
 #include "moecore/core/tensor.h"
 
 namespace moecore::ops {
@@ -20,6 +21,18 @@ namespace moecore::ops {
 struct Context {
   Device device = Device::cpu;
   void* stream = nullptr;  // cudaStream_t on the CUDA backend
+};
+
+// Counter-based dropout. Element i of the op's logical tensor (its flat row-major index; each op below
+// states it) is KEPT iff philox_uniform(key, i) >= p, and kept values are multiplied by s = 1 / (1 - p),
+// computed once in f32. Nothing is saved: backward regenerates the same mask from (key, i), so callers
+// keep only the key (one fresh key per call site and step, e.g. philox_key(seed, "layer3.attn.step42")).
+// The mask depends on (key, i) alone: not on threads, blocking or device. p = 0 is the identity and
+// draws no random numbers. An op given p outside [0, 1) raises Error naming p.
+struct Dropout {
+  float p = 0.0f;   // drop probability in [0, 1); 0 = identity
+  PhiloxKey key{};  // Philox key of this mask
+  bool active() const { return p > 0.0f; }
 };
 
 // ---- GEMM --------------------------------------------------------------------------------------
@@ -78,22 +91,30 @@ struct QkvDims {
   int64_t q_heads() const { return G * R; }
 };
 
-// Rotary table for positions 0..S-1: rope [S, D] f32, cos(pos * inv_freq_j) in column j and
-// sin(...) in column D/2 + j, inv_freq_j = base^(-2j/D), j < D/2.
+// Rotary table for positions 0..S-1 over the rotary dim Dr = rope.size(1) (Megatron's --rotary-percent:
+// Dr = D * percent; even, 2 <= Dr <= D): rope [S, Dr] f32, cos(pos * inv_freq_j) in column j and
+// sin(...) in column Dr/2 + j, inv_freq_j = base^(-2j/Dr), j < Dr/2.
 void rope_table(Tensor& rope, float base, const Context& ctx);
-// Rotates the query and key slots of qkv in place (rotate-half convention: pairs (j, j + D/2)).
-// qkv [B, S, G*(R+2)*D] f32|bf16. rope_backward applies the inverse rotation to a gradient in place.
+// Rotates the first Dr channels of every query and key head of qkv in place (rotate-half convention:
+// pairs (j, j + Dr/2), j < Dr/2); channels Dr..D-1 and the value heads are untouched. Dr = D rotates whole
+// heads. qkv [B, S, G*(R+2)*D] f32|bf16; rope [S', Dr] with S' >= S. rope_backward applies the inverse
+// rotation to a gradient in place. An odd Dr or Dr > D raises Error naming Dr and D.
 void rope_forward(Tensor& qkv, const Tensor& rope, const QkvDims& dims, const Context& ctx);
 void rope_backward(Tensor& dqkv, const Tensor& rope, const QkvDims& dims, const Context& ctx);
 
 // Causal softmax attention with scale 1/sqrt(D); query head h reads key/value head h / R.
-// out [B, S, G*R*D] (head-major columns), lse [B, G*R, S] f32 = log-sum-exp of each scaled score row,
-// saved for backward. No [S, S] tensor is kept: backward recomputes scores block by block.
-// qkv, out, dout and dqkv share one dtype, f32 or bf16; math is f32.
-void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDims& dims, const Context& ctx);
-// dqkv [B, S, G*(R+2)*D] written (query, key and value slots).
+//   P = softmax(QK^T / sqrt(D), causal);  out = (P o M * s) V   (o: elementwise; s = 1 / (1 - p))
+// M is the dropout keep mask (see Dropout) of element ((b*Hq + h)*S + i)*S + j, Hq = G*R query heads,
+// i the query and j the key position; with p = 0 there is no mask and no mask work.
+// out [B, S, G*R*D] (head-major columns), lse [B, G*R, S] f32 = log-sum-exp of each scaled score row
+// (of the undropped scores), saved for backward. No [S, S] tensor is kept: backward recomputes scores
+// and the mask block by block. qkv, out, dout and dqkv share one dtype, f32 or bf16; math is f32.
+void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDims& dims, const Dropout& dropout,
+                       const Context& ctx);
+// dqkv [B, S, G*(R+2)*D] written (query, key and value slots). dropout must be the forward's. With
+// Pd = P o M * s: dV = Pd^T dO, dP = (dO V^T) o M * s, dS = P o (dP - rowsum(dO o out)), dQ, dK from dS.
 void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
-                        const QkvDims& dims, const Context& ctx);
+                        const QkvDims& dims, const Dropout& dropout, const Context& ctx);
 
 // ---- Activations -------------------------------------------------------------------------------
 // SwiGLU on Megatron's fused fc1 output: gate_up [N, 2F] = [gate | up]; out [N, F] = silu(gate) * up.
@@ -112,6 +133,46 @@ void gelu_backward(Tensor& dx, const Tensor& dout, const Tensor& x, const Contex
 // no probability tensor is kept (callers chunk over tokens and reuse one logits buffer).
 void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, float grad_scale, bool compute_grad,
                            const Context& ctx);
+
+// ---- Dropout and biases ------------------------------------------------------------------------
+// y = dropout(x): y[i] = x[i] * M[i] * s, i the flat index. y, x contiguous, same shape and dtype (f32 or
+// bf16); y may alias x. dropout_backward applies the same mask to a gradient: dx = dy * M * s (written;
+// dx may alias dy).
+void dropout_forward(Tensor& y, const Tensor& x, const Dropout& d, const Context& ctx);
+void dropout_backward(Tensor& dx, const Tensor& dy, const Dropout& d, const Context& ctx);
+// Megatron's bias-dropout-add: y[n, :] = residual[n, :] + dropout(x[n, :] + bias), mask index n*H + h.
+// y, residual [N, H] f32 (y may alias residual); x [N, H] f32|bf16; bias [H] f32, or an undefined
+// Tensor for no bias. All contiguous.
+void bias_dropout_add(Tensor& y, const Tensor& residual, const Tensor& x, const Tensor& bias, const Dropout& d,
+                      const Context& ctx);
+// dx [N, H] f32|bf16 = dy * M * s (written); dbias [H] f32 += column sums of that dx, taken in double
+// from the unrounded f32 values in an order fixed by the shapes; an undefined dbias skips them.
+// dy [N, H] f32. The residual's gradient is dy itself: the caller passes it on.
+void bias_dropout_add_backward(Tensor& dx, Tensor& dbias, const Tensor& dy, const Dropout& d, const Context& ctx);
+
+// Linear-layer biases. y, dy [N, W] (or [R, W]) f32|bf16 with a unit last stride; the row stride may be
+// larger (views of wider tensors). Biases and their gradients are contiguous f32. Column sums run in
+// double over fixed row chunks in an order fixed by the shapes, so they do not depend on threads.
+// y[n, :] += bias [W].
+void bias_add(Tensor& y, const Tensor& bias, const Context& ctx);
+// dbias[w] += sum_n dy[n, w].
+void bias_grad(Tensor& dbias, const Tensor& dy, const Context& ctx);
+// Grouped versions for MoE experts, rows in contiguous segments as in gemm_grouped: group g owns rows
+// [o_g, o_g + group_rows[g]) of y/dy, o_g the prefix sum; groups may be empty. Rows past the sum of
+// group_rows (padding) are neither written nor read. bias, dbias [G, W] f32.
+//   bias_add_grouped:   y[r, :] += bias[g(r), :]
+//   bias_grad_grouped:  dbias[g, :] += sum_{r in g} dy[r, :]
+void bias_add_grouped(Tensor& y, const Tensor& bias, const std::vector<int64_t>& group_rows, const Context& ctx);
+void bias_grad_grouped(Tensor& dbias, const Tensor& dy, const std::vector<int64_t>& group_rows, const Context& ctx);
+// The fc2 bias of MoE experts weighted by routing probabilities, row_scale [R] f32:
+//   bias_add_grouped_scaled:   y[r, :] += row_scale[r] * bias[g(r), :]
+//   bias_grad_grouped_scaled:  dbias[g, :] += sum_{r in g} row_scale[r] * dy[r, :]    (+=)
+//                              drow_scale[r] = dy[r, :] . bias[g(r), :]               (written, not +=;
+//                              0 on padding rows; an undefined drow_scale is skipped)
+void bias_add_grouped_scaled(Tensor& y, const Tensor& bias, const Tensor& row_scale,
+                             const std::vector<int64_t>& group_rows, const Context& ctx);
+void bias_grad_grouped_scaled(Tensor& dbias, Tensor& drow_scale, const Tensor& dy, const Tensor& bias,
+                              const Tensor& row_scale, const std::vector<int64_t>& group_rows, const Context& ctx);
 
 // ---- Elementwise -------------------------------------------------------------------------------
 // out = a + b (out may alias a or b); all the same shape; f32 or bf16, any mix.

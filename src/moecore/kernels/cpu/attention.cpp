@@ -1,14 +1,17 @@
 // CPU causal attention on Megatron's interleaved qkv (ops.h): a flash-attention forward (Dao 2022) with an
 // online softmax over 64 x 64 blocks, and a backward that recomputes P block by block from the saved lse.
-// Results are deterministic: every sum runs in an order fixed by the shapes, never by threads or timing.
-// Not here: rotary embeddings (rope.cpp), dropout, non-causal or padding masks, and CUDA.
+// Dropout on P regenerates its mask per block from (key, element index) (dropout_mask.h); p = 0 runs none
+// of that code. Results are deterministic: every sum runs in an order fixed by the shapes, never by
+// threads or timing. Not here: rotary embeddings (rope.cpp), non-causal or padding masks, and CUDA.
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "moecore/kernels/cpu/attention_blocks.h"
 #include "moecore/kernels/cpu/cpu_util.h"
+#include "moecore/kernels/cpu/dropout_mask.h"
 #include "moecore/kernels/ops.h"
 
 namespace moecore::ops {
@@ -42,7 +45,20 @@ struct Layout {
   int64_t q_col(int64_t h) const { return ((h / R) * (R + 2) + h % R) * D; }
   int64_t k_col(int64_t g) const { return (g * (R + 2) + R) * D; }
   int64_t v_col(int64_t g) const { return k_col(g) + D; }
+  // Dropout index of (batch b, query head h, query q, key k): ((b*H + h)*S + q)*S + k.
+  uint64_t mask_index(int64_t b, int64_t h, int64_t q, int64_t k) const {
+    return static_cast<uint64_t>(((b * H + h) * S + q) * S + k);
+  }
 };
+
+// Keep factors of the visible keys k0 .. min(k0 + kn, q + 1) - 1 of query q into f[0..kBk); 0 elsewhere,
+// so that a factor is always finite where P is 0.
+void dropout_row(float* f, const cpu::DropoutMask& mask, const Layout& L, int64_t b, int64_t h, int64_t q, int64_t k0,
+                 int64_t kn) {
+  const int64_t nvis = std::clamp<int64_t>(q - k0 + 1, 0, kn);
+  mask.factors(f, L.mask_index(b, h, q, k0), nvis);
+  std::fill(f + nvis, f + kBk, 0.0f);
+}
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -114,8 +130,8 @@ void pack_kv_block(float* kt_all, float* v_all, const T* qkv, const Layout& L, i
 
 // One (batch, query head, query block) of the forward: scan key blocks up to the diagonal.
 template <class T>
-void forward_block(T* out, float* lse, const T* qkv, const float* kt, const float* v, float* buf,
-                   const Layout& L, int64_t b, int64_t h, int64_t i) {
+void forward_block(T* out, float* lse, const T* qkv, const float* kt, const float* v, float* buf, const Layout& L,
+                   const cpu::DropoutMask* mask, int64_t b, int64_t h, int64_t i) {
   const int64_t q0 = i * kBq, qn = std::min(kBq, L.S - q0);
   float* q = buf;             // [qn, Dp], pre-scaled by 1/sqrt(D)
   float* s = q + kBq * L.Dp;  // [qn, kBk] scores, then P
@@ -132,6 +148,14 @@ void forward_block(T* out, float* lse, const T* qkv, const float* kt, const floa
     block_gemm<false>(qn, kBk, L.Dp, q, L.Dp, kt + k0 * L.Dp, kBk, s, kBk, false);
     if (k0 + kBk - 1 > q0) mask_future(s, qn, q0, k0);
     online_softmax(s, o, m, l, qn, L.Dp);
+    if (mask) {  // l keeps the undropped sum: only what flows into the output is dropped
+      alignas(64) float f[kBk];
+      for (int64_t r = 0; r < qn; ++r) {
+        dropout_row(f, *mask, L, b, h, q0 + r, k0, std::min(kBk, L.S - k0));
+#pragma omp simd
+        for (int64_t j = 0; j < kBk; ++j) s[r * kBk + j] *= f[j];
+      }
+    }
     block_gemm<false>(qn, L.Dp, std::min(kBk, L.S - k0), s, kBk, v + k0 * L.Dp, L.Dp, o, L.Dp, true);
   }
   for (int64_t r = 0; r < qn; ++r) {
@@ -141,7 +165,7 @@ void forward_block(T* out, float* lse, const T* qkv, const float* kt, const floa
 }
 
 template <class T>
-void forward_impl(T* out, float* lse, const T* qkv, const Layout& L) {
+void forward_impl(T* out, float* lse, const T* qkv, const Layout& L, const cpu::DropoutMask* mask) {
   const int64_t BG = L.B * L.G, head_elems = L.Dp * L.Sk;
   float* kt_all = cpu::scratch<float, 0>(static_cast<size_t>(2 * BG * head_elems));
   float* v_all = kt_all + BG * head_elems;
@@ -157,7 +181,7 @@ void forward_impl(T* out, float* lse, const T* qkv, const Layout& L) {
       // is made of short tasks.
       const int64_t i = L.nqb - 1 - t / BH, bh = t % BH, b = bh / L.H, h = bh % L.H;
       const int64_t bg = b * L.G + h / L.R;
-      forward_block(out, lse, qkv, kt_all + bg * head_elems, v_all + bg * head_elems, buf, L, b, h, i);
+      forward_block(out, lse, qkv, kt_all + bg * head_elems, v_all + bg * head_elems, buf, L, mask, b, h, i);
     }
   }
 }
@@ -224,13 +248,13 @@ struct BwdPacked {
 };
 
 // Per-thread tiles of one key block: K [kBk, Dp], scale * K^T and V^T [Dp, kBk], dK and dV [kBk, Dp],
-// P and dS [kBq, kBk].
+// P, dS and the dropout factors [kBq, kBk].
 struct BwdTile {
-  float *k, *kt, *vt, *dk, *dv, *p, *ds;
-  static size_t floats(const Layout& L) { return static_cast<size_t>(5 * kBk * L.Dp + 2 * kBq * kBk); }
-  BwdTile(float* f, const Layout& L) {
-    k = f, kt = k + kBk * L.Dp, vt = kt + kBk * L.Dp, dk = vt + kBk * L.Dp, dv = dk + kBk * L.Dp;
-    p = dv + kBk * L.Dp, ds = p + kBq * kBk;
+  float *k, *kt, *vt, *dk, *dv, *p, *ds, *f;
+  static size_t floats(const Layout& L) { return static_cast<size_t>(5 * kBk * L.Dp + 3 * kBq * kBk); }
+  BwdTile(float* buf, const Layout& L) {
+    k = buf, kt = k + kBk * L.Dp, vt = kt + kBk * L.Dp, dk = vt + kBk * L.Dp, dv = dk + kBk * L.Dp;
+    p = dv + kBk * L.Dp, ds = p + kBq * kBk, f = ds + kBq * kBk;
   }
 };
 
@@ -297,9 +321,28 @@ void softmax_grad_block(BwdTile& t, int64_t qn, int64_t i0, int64_t k0, const fl
   }
 }
 
+// The same with dropout factors f in t.f: P becomes Pd = P * f (what dV needs) and
+// dS = P * (dP * f - delta) * scale.
+void softmax_grad_block_dropout(BwdTile& t, int64_t qn, int64_t i0, int64_t k0, const float* lse, const float* delta,
+                                float scale) {
+  for (int64_t r = 0; r < qn; ++r) {
+    float* pr = t.p + r * kBk;
+    float* dsr = t.ds + r * kBk;
+    const float* fr = t.f + r * kBk;
+    const float lr = lse[r], dr = delta[r];
+    const int64_t q = i0 + r;
+#pragma omp simd
+    for (int64_t j = 0; j < kBk; ++j) {
+      const float p = cpu::select_f32(k0 + j > q, 0.0f, cpu::exp_f32(pr[j] - lr));
+      pr[j] = p * fr[j];
+      dsr[j] = p * (dsr[j] * fr[j] - dr) * scale;
+    }
+  }
+}
+
 template <class T>
-void backward_task(T* dqkv, const T* qkv, const float* lse, const BwdPacked& pk, const Layout& L,
-                   const Chunks& ch, BwdTile& t, int64_t b, int64_t g, int64_t c) {
+void backward_task(T* dqkv, const T* qkv, const float* lse, const BwdPacked& pk, const Layout& L, const Chunks& ch,
+                   const cpu::DropoutMask* mask, BwdTile& t, int64_t b, int64_t g, int64_t c) {
   const int64_t k_begin = ch.bounds[c] * kBk, k_end = std::min(ch.bounds[c + 1] * kBk, L.S), q0 = ch.q0[c];
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kBk) {
     const int64_t kn = std::min(kBk, L.S - k0);
@@ -314,8 +357,13 @@ void backward_task(T* dqkv, const T* qkv, const float* lse, const BwdPacked& pk,
         float* dqi = pk.dq + (bh * pk.rows + ch.row_offset[c] + i0 - q0) * L.Dp;
         block_gemm<false>(qn, kBk, L.Dp, qi, L.Dp, t.kt, kBk, t.p, kBk, false);    // S = Q K^T * scale
         block_gemm<false>(qn, kBk, L.Dp, doi, L.Dp, t.vt, kBk, t.ds, kBk, false);  // dP = dO V^T
-        softmax_grad_block(t, qn, i0, k0, lse + row, pk.delta + row, L.scale);
-        block_gemm<true>(kn, L.Dp, qn, t.p, kBk, doi, L.Dp, t.dv, L.Dp, true);  // dV += P^T dO
+        if (mask) {
+          for (int64_t r = 0; r < qn; ++r) dropout_row(t.f + r * kBk, *mask, L, b, h, i0 + r, k0, kn);
+          softmax_grad_block_dropout(t, qn, i0, k0, lse + row, pk.delta + row, L.scale);
+        } else {
+          softmax_grad_block(t, qn, i0, k0, lse + row, pk.delta + row, L.scale);
+        }
+        block_gemm<true>(kn, L.Dp, qn, t.p, kBk, doi, L.Dp, t.dv, L.Dp, true);  // dV += Pd^T dO
         block_gemm<true>(kn, L.Dp, qn, t.ds, kBk, qi, L.Dp, t.dk, L.Dp, true);  // dK += dS^T Q
         // dQ += dS K; the chunk's first key block reaches all of its query rows and initialises them.
         block_gemm<false>(qn, L.Dp, kn, t.ds, kBk, t.k, L.Dp, dqi, L.Dp, k0 != k_begin);
@@ -356,7 +404,8 @@ void reduce_dq(T* dqkv, const BwdPacked& pk, const Layout& L, const Chunks& ch) 
 }
 
 template <class T>
-void backward_impl(T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse, const Layout& L) {
+void backward_impl(T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse, const Layout& L,
+                   const cpu::DropoutMask* mask) {
   const Chunks ch = key_chunks(L);
   const BwdPacked pk(cpu::scratch<float, 0>(BwdPacked::floats(L, ch.row_offset.back())), L,
                      ch.row_offset.back());
@@ -372,7 +421,7 @@ void backward_impl(T* dqkv, const T* dout, const T* qkv, const T* out, const flo
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < ntasks; ++task) {
       const int64_t c = ch.order[task / BG], bg = task % BG;
-      backward_task(dqkv, qkv, lse, pk, L, ch, tile, bg / L.G, bg % L.G, c);
+      backward_task(dqkv, qkv, lse, pk, L, ch, mask, tile, bg / L.G, bg % L.G, c);
     }
   }
   if (ch.count() > 1) reduce_dq(dqkv, pk, L, ch);
@@ -397,9 +446,11 @@ void check_rows(const cpu::Checker& ck, const char* name, const QkvDims& d, int6
 
 }  // namespace
 
-void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDims& dims, const Context& ctx) {
+void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDims& dims, const Dropout& dropout,
+                       const Context& ctx) {
   const cpu::Checker ck("attention_forward", ctx, {{"out", &out}, {"lse", &lse}, {"qkv", &qkv}});
   check_dims(ck, dims);
+  cpu::check_dropout(ck, dropout);
   ck.float_dtype("qkv");
   ck.same_dtype("out", "qkv");
   ck.dtype("lse", DType::f32);
@@ -409,17 +460,20 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDim
   ck.contiguous("lse");
   if (dims.B == 0 || dims.S == 0) return;
   const Layout L(dims);
+  std::optional<cpu::DropoutMask> mask;
+  if (dropout.active()) mask.emplace(dropout);
   cpu::with_float_type(qkv.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    forward_impl(out.data<T>(), lse.data<float>(), qkv.data<T>(), L);
+    forward_impl(out.data<T>(), lse.data<float>(), qkv.data<T>(), L, mask ? &*mask : nullptr);
   });
 }
 
-void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                        const Tensor& lse, const QkvDims& dims, const Context& ctx) {
+void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                        const QkvDims& dims, const Dropout& dropout, const Context& ctx) {
   const cpu::Checker ck("attention_backward", ctx,
                         {{"dqkv", &dqkv}, {"dout", &dout}, {"qkv", &qkv}, {"out", &out}, {"lse", &lse}});
   check_dims(ck, dims);
+  cpu::check_dropout(ck, dropout);
   ck.float_dtype("qkv");
   for (const char* name : {"dqkv", "dout", "out"}) ck.same_dtype(name, "qkv");
   ck.dtype("lse", DType::f32);
@@ -433,9 +487,12 @@ void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, con
   if (dqkv.raw() == qkv.raw() || dqkv.raw() == dout.raw())
     ck.fail("dqkv must not share memory with qkv or dout");
   const Layout L(dims);
+  std::optional<cpu::DropoutMask> mask;
+  if (dropout.active()) mask.emplace(dropout);
   cpu::with_float_type(qkv.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    backward_impl(dqkv.data<T>(), dout.data<T>(), qkv.data<T>(), out.data<T>(), lse.data<float>(), L);
+    backward_impl(dqkv.data<T>(), dout.data<T>(), qkv.data<T>(), out.data<T>(), lse.data<float>(), L,
+                  mask ? &*mask : nullptr);
   });
 }
 

@@ -1,6 +1,7 @@
-// CPU rotary position embeddings (rotate-half over the whole head dim) on the query and key slots of
-// Megatron's interleaved qkv, in place, plus the cos/sin table. Value slots are never touched.
-// Not here: partial rotary dims, position offsets or scaling variants (YaRN, NTK), and CUDA.
+// CPU rotary position embeddings (rotate-half over the first Dr channels of each head; Dr = D rotates the
+// whole head) on the query and key slots of Megatron's interleaved qkv, in place, plus the cos/sin table.
+// Value slots and channels Dr..D-1 are never touched.
+// Not here: position offsets or scaling variants (YaRN, NTK), and CUDA.
 #include <cmath>
 
 #include "moecore/kernels/cpu/cpu_util.h"
@@ -9,16 +10,16 @@
 namespace moecore::ops {
 namespace {
 
-// Rotates each (x[j], x[j + D/2]) pair by +angle (forward) or -angle (backward: the transpose of a
+// Rotates each (x[j], x[j + Dr/2]) pair by +angle (forward) or -angle (backward: the transpose of a
 // rotation is its inverse, so the gradient goes back through the same table).
 template <class T>
-void rotate_slots(T* qkv, const float* rope, const QkvDims& d, bool inverse) {
-  const int64_t half = d.D / 2, width = d.width();
+void rotate_slots(T* qkv, const float* rope, int64_t Dr, const QkvDims& d, bool inverse) {
+  const int64_t half = Dr / 2, width = d.width();
   const float sign = inverse ? -1.0f : 1.0f;
 #pragma omp parallel for collapse(2) schedule(static) if (d.B * d.S * width > cpu::kParallelWork)
   for (int64_t b = 0; b < d.B; ++b) {
     for (int64_t s = 0; s < d.S; ++s) {
-      const float* cosv = rope + s * d.D;
+      const float* cosv = rope + s * Dr;
       const float* sinv = cosv + half;
       T* row = qkv + (b * d.S + s) * width;
       for (int64_t g = 0; g < d.G; ++g) {
@@ -54,13 +55,16 @@ void rope_apply(const char* op, const char* name, Tensor& qkv, const Tensor& rop
   ck.rank("rope", 2);
   ck.contiguous("rope");
   // A table built once for the longest sequence serves every shorter one.
-  if (rope.size(0) < d.S || rope.size(1) != d.D) {
-    ck.fail("rope must have shape [S', D] with S' >= S = ", d.S, " and D = ", d.D, ", got ",
-            rope.shape().str());
+  const int64_t Dr = rope.size(1);
+  if (Dr < 2 || Dr % 2 != 0 || Dr > d.D) {
+    ck.fail("the rotary dim Dr = rope.size(1) must be even with 2 <= Dr <= D, got Dr = ", Dr, " and D = ", d.D);
+  }
+  if (rope.size(0) < d.S) {
+    ck.fail("rope must have shape [S', Dr] with S' >= S = ", d.S, ", got ", rope.shape().str());
   }
   cpu::with_float_type(qkv.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    rotate_slots(qkv.data<T>(), rope.data<float>(), d, inverse);
+    rotate_slots(qkv.data<T>(), rope.data<float>(), Dr, d, inverse);
   });
 }
 
@@ -71,18 +75,18 @@ void rope_table(Tensor& rope, float base, const Context& ctx) {
   ck.dtype("rope", DType::f32);
   ck.rank("rope", 2);
   ck.contiguous("rope");
-  const int64_t S = rope.size(0), D = rope.size(1);
-  if (D < 2 || D % 2 != 0) ck.fail("rope's head dim must be even and >= 2, got ", D);
+  const int64_t S = rope.size(0), Dr = rope.size(1);
+  if (Dr < 2 || Dr % 2 != 0) ck.fail("the rotary dim Dr = rope.size(1) must be even and >= 2, got Dr = ", Dr);
   if (!(base > 0.0f) || !std::isfinite(base)) ck.fail("base must be a positive finite number, got ", base);
   float* t = rope.data<float>();
   // Angles in double: at positions in the thousands an f32 angle is already off by ~1e-4 rad.
-#pragma omp parallel for schedule(static) if (S * D > cpu::kParallelWork)
+#pragma omp parallel for schedule(static) if (S * Dr > cpu::kParallelWork)
   for (int64_t s = 0; s < S; ++s) {
-    for (int64_t j = 0; j < D / 2; ++j) {
-      const double inv_freq = std::pow(static_cast<double>(base), -2.0 * static_cast<double>(j) / D);
+    for (int64_t j = 0; j < Dr / 2; ++j) {
+      const double inv_freq = std::pow(static_cast<double>(base), -2.0 * static_cast<double>(j) / Dr);
       const double angle = static_cast<double>(s) * inv_freq;
-      t[s * D + j] = static_cast<float>(std::cos(angle));
-      t[s * D + D / 2 + j] = static_cast<float>(std::sin(angle));
+      t[s * Dr + j] = static_cast<float>(std::cos(angle));
+      t[s * Dr + Dr / 2 + j] = static_cast<float>(std::sin(angle));
     }
   }
 }
