@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -39,7 +40,80 @@ const Tensor& need(const io::SafetensorsFile& f, const std::string& file, const 
   return it->second;
 }
 
+json scheduler_to_json(const OptParamSchedulerState& s) {
+  return {{"max_lr", static_cast<double>(s.max_lr)},
+          {"min_lr", static_cast<double>(s.min_lr)},
+          {"lr_warmup_steps", s.lr_warmup_steps},
+          {"lr_decay_steps", s.lr_decay_steps},
+          {"lr_decay_style", s.lr_decay_style},
+          {"wsd_decay_steps", s.wsd_decay_steps},
+          {"lr_wsd_decay_style", s.lr_wsd_decay_style},
+          {"num_steps", s.num_steps}};
+}
+
+OptParamSchedulerState scheduler_from_json(const json& j, const std::string& dir) {
+  try {
+    OptParamSchedulerState s;
+    s.max_lr = static_cast<float>(j.at("max_lr").get<double>());
+    s.min_lr = static_cast<float>(j.at("min_lr").get<double>());
+    s.lr_warmup_steps = j.at("lr_warmup_steps").get<int64_t>();
+    s.lr_decay_steps = j.at("lr_decay_steps").get<int64_t>();
+    s.lr_decay_style = j.at("lr_decay_style").get<std::string>();
+    s.wsd_decay_steps = j.at("wsd_decay_steps").get<int64_t>();
+    s.lr_wsd_decay_style = j.at("lr_wsd_decay_style").get<std::string>();
+    s.num_steps = j.at("num_steps").get<int64_t>();
+    if (s.num_steps < 0)
+      MOECORE_FAIL("checkpoint: ", dir, "/state.json has opt_param_scheduler.num_steps ", s.num_steps);
+    return s;
+  } catch (const json::exception& e) {
+    MOECORE_FAIL("checkpoint: ", dir, "/state.json has a malformed opt_param_scheduler: ", e.what());
+  }
+}
+
+// Shortest text that reads back as the same value (two learning rates that differ never print alike).
+std::string value_text(float v) {
+  char b[32];
+  const auto r = std::to_chars(b, b + sizeof b, v);
+  return std::string(b, r.ptr);
+}
+std::string value_text(int64_t v) { return std::to_string(v); }
+std::string value_text(const std::string& v) { return v; }
+
 }  // namespace
+
+OptParamSchedulerState opt_param_scheduler_resolve(const OptParamSchedulerState& run,
+                                                   const OptParamSchedulerState& saved, int64_t iteration,
+                                                   bool override_opt_param_scheduler,
+                                                   bool use_checkpoint_opt_param_scheduler, const std::string& dir) {
+  if (override_opt_param_scheduler && use_checkpoint_opt_param_scheduler)
+    MOECORE_FAIL("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other ",
+                 "(both override and use-checkpoint are set)");
+  if (override_opt_param_scheduler) {
+    OptParamSchedulerState s = run;
+    s.num_steps = iteration;
+    return s;
+  }
+  if (use_checkpoint_opt_param_scheduler) return saved;
+  auto check = [&](const auto& cls, const auto& sd, const char* name, const char* flag) {
+    if (cls == sd) return;
+    MOECORE_FAIL("OptimizerParamScheduler: class input value ", value_text(cls), " and checkpoint value ",
+                 value_text(sd), " for ", name, " (", flag, ") do not match (checkpoint ", dir,
+                 "); pass --override-opt_param-scheduler to use the command-line values or ",
+                 "--use-checkpoint-opt_param-scheduler to use the checkpoint's");
+  };
+  // Megatron's order and names; the WSD fields (which Megatron does not save) only where they shape the LR.
+  check(run.max_lr, saved.max_lr, "learning rate", "--lr");
+  check(run.min_lr, saved.min_lr, "minimum learning rate", "--min-lr");
+  check(run.lr_warmup_steps, saved.lr_warmup_steps, "warmup iterations", "--lr-warmup-iters");
+  check(run.lr_decay_steps, saved.lr_decay_steps, "total number of iterations",
+        "--lr-decay-iters, or --train-iters when that is 0");
+  check(run.lr_decay_style, saved.lr_decay_style, "learning rate decay style", "--lr-decay-style");
+  if (run.lr_decay_style == "WSD") {
+    check(run.wsd_decay_steps, saved.wsd_decay_steps, "WSD decay iterations", "--lr-wsd-decay-iters");
+    check(run.lr_wsd_decay_style, saved.lr_wsd_decay_style, "WSD decay style", "--lr-wsd-decay-style");
+  }
+  return saved;
+}
 
 uint64_t parameter_hash(const model::GptModel& gpt) {
   uint64_t h = 0xCBF29CE484222325ull;
@@ -125,23 +199,24 @@ void save_collective(const std::string& root, const io::CheckpointWriteRequest& 
 }  // namespace
 
 void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const OptimizerState& opt,
-                              const TrainProgress& progress, uint64_t seed, int keep_last, const TrainGroups* groups) {
+                              const TrainProgress& progress, uint64_t seed, int keep_last, const TrainGroups* groups,
+                              const CheckpointSaveOptions& options) {
   const TrainGroups g = groups ? *groups : TrainGroups{};
   const auto& params = gpt.params();
-  if (opt.exp_avg.size() != params.size() || opt.exp_avg_sq.size() != params.size())
+  if (options.save_optim && (opt.exp_avg.size() != params.size() || opt.exp_avg_sq.size() != params.size()))
     MOECORE_FAIL("checkpoint: the optimizer state has ", opt.exp_avg.size(), " moments for ", params.size(),
                  " parameters");
   const int64_t EP = gpt.ep_size();
   io::CheckpointWriteRequest req;
   req.iteration = progress.iteration;
   auto& model = req.files[kModelFile];
-  auto& optim = req.files[kOptimizerFile];
+  std::map<std::string, Tensor>* optim = options.save_optim ? &req.files[kOptimizerFile] : nullptr;
   std::map<std::string, Tensor> shard;
   for (size_t i = 0; i < params.size(); ++i) {
     const bool sharded = EP > 1 && params[i].expert_parallel;
-    auto& m = sharded ? shard : model;
-    auto& o = sharded ? shard : optim;
-    m[params[i].name] = params[i].value;
+    (sharded ? shard : model)[params[i].name] = params[i].value;
+    if (!optim) continue;
+    auto& o = sharded ? shard : *optim;
     o["exp_avg." + params[i].name] = opt.exp_avg[i];
     o["exp_avg_sq." + params[i].name] = opt.exp_avg_sq[i];
   }
@@ -151,16 +226,20 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
     calls.push_back(st ? st->calls : 0);
     if (st && st->expert_bias.defined()) model[bias_name(l)] = st->expert_bias;
   }
-  const json state = {{"format", "moecore-train-state"},
-                      {"version", 1},
-                      {"iteration", progress.iteration},
-                      {"consumed_samples", progress.consumed_samples},
-                      {"optimizer_steps", opt.steps},
-                      {"seed", seed},
-                      {"router_calls", calls},
-                      {"expert_model_parallel_size", EP},
-                      {"data_parallel_size", g.dp.size()},
-                      {"model", model_fingerprint(gpt.config())}};
+  // A part saved without (--no-save-optim, --no-save-rng) is an absent key, so old checkpoints read as complete.
+  json state = {{"format", "moecore-train-state"},
+                {"version", 1},
+                {"iteration", progress.iteration},
+                {"consumed_samples", progress.consumed_samples},
+                {"seed", seed},
+                {"expert_model_parallel_size", EP},
+                {"data_parallel_size", g.dp.size()},
+                {"model", model_fingerprint(gpt.config())}};
+  if (options.save_optim) {
+    state["optimizer_steps"] = opt.steps;
+    if (options.scheduler) state["opt_param_scheduler"] = scheduler_to_json(*options.scheduler);
+  }
+  if (options.save_rng) state["router_calls"] = calls;
   req.state_json = state.dump(1);
   if (g.dp.size() == 1) {
     io::checkpoint_save(root, req, keep_last);
@@ -171,9 +250,10 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
 }
 
 void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const optim::AdamW& opt,
-                              const TrainProgress& progress, uint64_t seed, int keep_last, const TrainGroups* groups) {
+                              const TrainProgress& progress, uint64_t seed, int keep_last, const TrainGroups* groups,
+                              const CheckpointSaveOptions& options) {
   const OptimizerState st{opt.exp_avg(), opt.exp_avg_sq(), opt.steps_taken()};
-  save_training_checkpoint(root, gpt, st, progress, seed, keep_last, groups);
+  save_training_checkpoint(root, gpt, st, progress, seed, keep_last, groups, options);
 }
 
 namespace {
@@ -182,6 +262,7 @@ namespace {
 void load_expert_rows(Tensor& dst, const io::LoadedCheckpoint& ck, const std::string& whole_file,
                       const std::string& name, int64_t first, int64_t saved_ep, int64_t num_experts) {
   const int64_t n = dst.size(0), per_row = dst.numel() / std::max<int64_t>(n, 1);
+  const int64_t row_bytes = per_row * static_cast<int64_t>(dtype_size(dst.dtype()));
   auto copy_rows = [&](const Tensor& src, int64_t src_first, const std::string& file) {
     const int64_t m = src.size(0);
     if (src.dim() != dst.dim() || src.numel() / std::max<int64_t>(m, 1) != per_row)
@@ -189,9 +270,8 @@ void load_expert_rows(Tensor& dst, const io::LoadedCheckpoint& ck, const std::st
                    " which does not hold rows of ", dst.shape().str());
     const int64_t lo = std::max(first, src_first), hi = std::min(first + n, src_first + m);
     for (int64_t r = lo; r < hi; ++r)
-      std::memcpy(static_cast<char*>(dst.raw()) + (r - first) * per_row * static_cast<int64_t>(dtype_size(dst.dtype())),
-                  static_cast<const char*>(src.raw()) + (r - src_first) * per_row * static_cast<int64_t>(dtype_size(src.dtype())),
-                  static_cast<size_t>(per_row) * dtype_size(dst.dtype()));
+      std::memcpy(static_cast<char*>(dst.raw()) + (r - first) * row_bytes,
+                  static_cast<const char*>(src.raw()) + (r - src_first) * row_bytes, static_cast<size_t>(row_bytes));
   };
   if (saved_ep <= 1) {
     auto f = ck.files.find(whole_file);
@@ -220,8 +300,11 @@ void load_expert_rows(Tensor& dst, const io::LoadedCheckpoint& ck, const std::st
 }
 }  // namespace
 
-TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& gpt, OptimizerState& opt,
-                                       uint64_t seed) {
+LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, OptimizerState& opt,
+                                        uint64_t seed, const CheckpointLoadOptions& options) {
+  // Megatron: --finetune implies neither the optimizer nor the rng state, whatever the other switches say.
+  const bool load_optim = options.load_optim && !options.finetune;
+  const bool load_rng = options.load_rng && !options.finetune;
   const io::LoadedCheckpoint ck = io::checkpoint_load(dir);
   json state;
   try {
@@ -238,16 +321,26 @@ TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& 
                    state["model"].contains(k) ? state["model"][k].dump() : std::string("(absent)"),
                    " but the model has ", k, " = ", v.dump());
   }
-  if (state.value("seed", uint64_t{0}) != seed)
+  if (load_rng && state.value("seed", uint64_t{0}) != seed)
     std::fprintf(stderr, "checkpoint: warning: %s was saved with --seed %llu, resuming with --seed %llu\n",
                  ck.dir.c_str(), static_cast<unsigned long long>(state.value("seed", uint64_t{0})),
                  static_cast<unsigned long long>(seed));
-  for (const char* f : {kModelFile, kOptimizerFile})
-    if (!ck.files.count(f)) MOECORE_FAIL("checkpoint: ", ck.dir, " has no ", f);
+  if (!ck.files.count(kModelFile)) MOECORE_FAIL("checkpoint: ", ck.dir, " has no ", kModelFile);
+  if (load_optim && !state.contains("optimizer_steps"))
+    MOECORE_FAIL("checkpoint: unable to load the optimizer state from ", ck.dir,
+                 ": it was saved with --no-save-optim (no moments, step count or scheduler state); specify ",
+                 "--no-load-optim or --finetune to load it without the optimizer state");
+  if (load_optim && !ck.files.count(kOptimizerFile))
+    MOECORE_FAIL("checkpoint: unable to load the optimizer state from ", ck.dir, ": it has no ", kOptimizerFile,
+                 "; specify --no-load-optim or --finetune to load it without the optimizer state");
+  if (load_rng && !state.contains("router_calls"))
+    MOECORE_FAIL("checkpoint: unable to load the rng state from ", ck.dir,
+                 ": it was saved with --no-save-rng (no router noise-stream positions); specify --no-load-rng or ",
+                 "--finetune to load it with the noise streams restarting as in a fresh run");
   const io::SafetensorsFile& model = ck.files.at(kModelFile);
-  const io::SafetensorsFile& optim = ck.files.at(kOptimizerFile);
+  const io::SafetensorsFile* optim = load_optim ? &ck.files.at(kOptimizerFile) : nullptr;
   auto& params = gpt.params();
-  if (opt.exp_avg.size() != params.size() || opt.exp_avg_sq.size() != params.size())
+  if (load_optim && (opt.exp_avg.size() != params.size() || opt.exp_avg_sq.size() != params.size()))
     MOECORE_FAIL("checkpoint: the optimizer state has ", opt.exp_avg.size(), " moments for ", params.size(),
                  " parameters");
   const int64_t saved_ep = state.value("expert_model_parallel_size", int64_t{1});
@@ -260,33 +353,56 @@ TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& 
     if (p.expert_parallel) {  // resharding: this rank's experts out of whichever files hold them
       const int64_t first = gpt.ep_rank() * p.value.size(0);
       load_expert_rows(p.value, ck, kModelFile, p.name, first, saved_ep, E);
+      if (!optim) continue;
       load_expert_rows(opt.exp_avg[i], ck, kOptimizerFile, "exp_avg." + p.name, first, saved_ep, E);
       load_expert_rows(opt.exp_avg_sq[i], ck, kOptimizerFile, "exp_avg_sq." + p.name, first, saved_ep, E);
       continue;
     }
     p.value.copy_from(need(model, kModelFile, p.name, p.value));
-    opt.exp_avg[i].copy_from(need(optim, kOptimizerFile, "exp_avg." + p.name, opt.exp_avg[i]));
-    opt.exp_avg_sq[i].copy_from(need(optim, kOptimizerFile, "exp_avg_sq." + p.name, opt.exp_avg_sq[i]));
+    if (!optim) continue;
+    opt.exp_avg[i].copy_from(need(*optim, kOptimizerFile, "exp_avg." + p.name, opt.exp_avg[i]));
+    opt.exp_avg_sq[i].copy_from(need(*optim, kOptimizerFile, "exp_avg_sq." + p.name, opt.exp_avg_sq[i]));
   }
-  const json& calls = state["router_calls"];
+  if (!load_optim) {  // a fresh optimizer, whatever the tensors held before
+    for (auto* moments : {&opt.exp_avg, &opt.exp_avg_sq})
+      for (Tensor& t : *moments)
+        if (t.defined()) t.zero_();
+  }
   for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
     moe::RouterState* st = gpt.router_state(l);
     if (!st) continue;
-    st->calls = calls.at(static_cast<size_t>(l)).get<int64_t>();
+    st->calls = load_rng ? state["router_calls"].at(static_cast<size_t>(l)).get<int64_t>() : 0;
     if (st->expert_bias.defined()) st->expert_bias.copy_from(need(model, kModelFile, bias_name(l), st->expert_bias));
   }
   gpt.refresh_compute_weights();
   gpt.zero_grad();
-  opt.steps = state.at("optimizer_steps").get<int64_t>();
-  return {state.at("iteration").get<int64_t>(), state.at("consumed_samples").get<int64_t>()};
+  LoadedTrainingState out;
+  out.optimizer_loaded = load_optim;
+  out.rng_loaded = load_rng;
+  opt.steps = load_optim ? state.at("optimizer_steps").get<int64_t>() : 0;
+  if (load_optim && state.contains("opt_param_scheduler"))
+    out.scheduler = scheduler_from_json(state["opt_param_scheduler"], ck.dir);
+  if (!options.finetune)
+    out.progress = {state.at("iteration").get<int64_t>(), state.at("consumed_samples").get<int64_t>()};
+  return out;
+}
+
+LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt,
+                                        uint64_t seed, const CheckpointLoadOptions& options) {
+  OptimizerState st{opt.exp_avg(), opt.exp_avg_sq(), 0};  // handles: loading writes through them
+  const LoadedTrainingState loaded = load_training_state(dir, gpt, st, seed, options);
+  opt.set_steps_taken(st.steps);
+  return loaded;
+}
+
+TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& gpt, OptimizerState& opt,
+                                       uint64_t seed) {
+  return load_training_state(dir, gpt, opt, seed, CheckpointLoadOptions{}).progress;
 }
 
 TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt,
                                        uint64_t seed) {
-  OptimizerState st{opt.exp_avg(), opt.exp_avg_sq(), 0};  // handles: loading writes through them
-  const TrainProgress p = load_training_checkpoint(dir, gpt, st, seed);
-  opt.set_steps_taken(st.steps);
-  return p;
+  return load_training_state(dir, gpt, opt, seed, CheckpointLoadOptions{}).progress;
 }
 
 }  // namespace moecore::train

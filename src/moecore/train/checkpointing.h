@@ -1,7 +1,9 @@
 // Training state <-> checkpoint directories (io/checkpoint.h): the model's f32 master weights, the router
-// states (expert bias, noise-stream positions), the optimizer moments and step count, and the data
-// position. Everything needed for a bit-identical resume; nothing else (activations are recomputed).
+// states (expert bias, noise-stream positions), the optimizer moments and step count with the LR-scheduler
+// state, and the data position. Everything needed for a bit-identical resume; nothing else (activations are
+// recomputed). Megatron's partial saves and loads (--no-save-optim, --no-load-rng, --finetune, ...) select parts.
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,23 +26,82 @@ struct OptimizerState {
   int64_t steps = 0;
 };
 
+// Megatron's OptimizerParamScheduler state (its state_dict keys, in state.json "opt_param_scheduler"), counted
+// in optimizer steps where Megatron counts samples. Weight decay has no schedule here (AdamWConfig holds it).
+struct OptParamSchedulerState {
+  float max_lr = 0;                 // --lr
+  float min_lr = 0;                 // --min-lr
+  int64_t lr_warmup_steps = 0;      // --lr-warmup-iters
+  int64_t lr_decay_steps = 0;       // end of the decay: --lr-decay-iters, or --train-iters when that is 0
+  std::string lr_decay_style;       // --lr-decay-style
+  int64_t wsd_decay_steps = 0;      // --lr-wsd-decay-iters (compared only for WSD)
+  std::string lr_wsd_decay_style;   // --lr-wsd-decay-style (compared only for WSD)
+  int64_t num_steps = 0;            // steps the schedule has advanced: the iteration, unless it restarted
+};
+
+// The values a resumed run continues with (Megatron's OptimizerParamScheduler.load_state_dict):
+// override_opt_param_scheduler: the run's values, no check; use_checkpoint_opt_param_scheduler: the saved
+// values; neither: each saved value must equal the run's, else Error "OptimizerParamScheduler: class input value
+// X and checkpoint value Y for <name> (<flag>) do not match ...". num_steps is the saved one except with
+// override, where the schedule position is the iteration (Megatron resets num_steps to the consumed samples).
+// `dir` only names the checkpoint in the error.
+OptParamSchedulerState opt_param_scheduler_resolve(const OptParamSchedulerState& run,
+                                                   const OptParamSchedulerState& saved, int64_t iteration,
+                                                   bool override_opt_param_scheduler,
+                                                   bool use_checkpoint_opt_param_scheduler, const std::string& dir);
+
+// The parts a save writes besides the weights, the expert biases and the progress.
+struct CheckpointSaveOptions {
+  bool save_optim = true;  // false (--no-save-optim): no moments, step count or scheduler state
+  bool save_rng = true;    // false (--no-save-rng): no router noise-stream positions
+  std::optional<OptParamSchedulerState> scheduler;  // saved with the optimizer state when given
+};
+
+// The parts a load restores. Without the optimizer state the moments are zeroed and the step count is 0 (as a
+// fresh optimizer); without the rng state every router noise stream restarts at position 0 (as a fresh run:
+// moecore's randomness is counter-based Philox keyed by --seed and a name, so the streams' positions are
+// the only rng state a run has).
+struct CheckpointLoadOptions {
+  bool load_optim = true;  // false (--no-load-optim): moments, step count and scheduler state not read
+  bool load_rng = true;    // false (--no-load-rng): router noise streams restart at 0; no --seed warning
+  bool finetune = false;   // --finetune: weights only; iteration and consumed samples 0 (no optim, no rng)
+};
+
+// What a load restored.
+struct LoadedTrainingState {
+  TrainProgress progress;             // {0, 0} with finetune
+  bool optimizer_loaded = false;      // moments and step count read
+  bool rng_loaded = false;            // router noise-stream positions read
+  std::optional<OptParamSchedulerState> scheduler;  // saved scheduler, when the optimizer was read and had one
+};
+
 // Writes <root>/iter_<iteration>/ committed atomically; keeps the newest keep_last checkpoints (0: all).
 // Files: model.safetensors (parameters by Megatron name, expert biases), optimizer.safetensors (moments),
-// state.json (progress, router noise positions, the model fingerprint, the expert-parallel size). With
-// expert parallelism (EP > 1) the routed experts live in experts-ep<r>-of-<EP>.safetensors instead, each
-// written by the EP rank r that holds them (its expert-data-parallel rank 0), with their moments; rank 0
-// of dp commits. Collective over groups->dp when given (every rank calls it).
+// state.json (progress, router noise positions, scheduler state, the model fingerprint, the expert-parallel
+// size). With expert parallelism (EP > 1) the routed experts live in experts-ep<r>-of-<EP>.safetensors
+// instead, each written by the EP rank r that holds them (its expert-data-parallel rank 0), with their moments;
+// rank 0 of dp commits. Collective over groups->dp when given (every rank calls it). With save_optim false,
+// opt may be empty (no moments) and no optimizer.safetensors, optimizer_steps or opt_param_scheduler is written;
+// with save_rng false state.json has no router_calls.
 void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const OptimizerState& opt,
                               const TrainProgress& progress, uint64_t seed, int keep_last,
-                              const TrainGroups* groups = nullptr);
+                              const TrainGroups* groups = nullptr, const CheckpointSaveOptions& options = {});
 void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const optim::AdamW& opt,
                               const TrainProgress& progress, uint64_t seed, int keep_last,
-                              const TrainGroups* groups = nullptr);
+                              const TrainGroups* groups = nullptr, const CheckpointSaveOptions& options = {});
 
-// Loads a committed checkpoint directory into gpt and the optimizer state (whose tensors must exist with
-// this rank's shapes) and returns the progress. Resharding: a checkpoint saved at any EP loads at any other
-// EP dividing the number of experts (each rank copies its experts' rows out of whichever shards hold them).
-// Throws Error naming the file, tensor or field and the reason.
+// Loads the parts `options` selects of a committed checkpoint directory into gpt and the optimizer state (whose
+// tensors must exist with this rank's shapes). Resharding: a checkpoint saved at any EP loads at any other EP
+// dividing the number of experts (each rank copies its experts' rows out of whichever shards hold them).
+// Throws Error naming the file, tensor or field and the reason; a part the checkpoint was saved without
+// (--no-save-optim, --no-save-rng) names the flag that loads without it (--no-load-optim / --no-load-rng, or
+// --finetune).
+LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, OptimizerState& opt,
+                                        uint64_t seed, const CheckpointLoadOptions& options);
+LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt,
+                                        uint64_t seed, const CheckpointLoadOptions& options);
+
+// A full resume (every part): load_training_state with default options, returning the progress.
 TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& gpt, OptimizerState& opt,
                                        uint64_t seed);
 TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt,

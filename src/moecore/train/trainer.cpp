@@ -45,6 +45,9 @@ void TrainConfig::validate() const {
                  ") must not be negative");
   if (save_interval > 0 && save.empty()) MOECORE_FAIL("--save-interval needs --save DIR");
   if (exit_interval < 0) MOECORE_FAIL("--exit-interval (", exit_interval, ") must not be negative");
+  if (override_opt_param_scheduler && use_checkpoint_opt_param_scheduler)
+    MOECORE_FAIL("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other ",
+                 "(both override and use-checkpoint are set): keep the command line's LR schedule or the checkpoint's");
 }
 
 float lr_at(const TrainConfig& c, int64_t it) {
@@ -57,7 +60,8 @@ float lr_at(const TrainConfig& c, int64_t it) {
   if (c.lr_decay_style == "WSD") {
     const int64_t anneal_start = end - c.lr_wsd_decay_iters;
     if (it < anneal_start) return c.lr;
-    const double r = static_cast<double>(it - anneal_start) / static_cast<double>(std::max<int64_t>(c.lr_wsd_decay_iters, 1));
+    const double r =
+        static_cast<double>(it - anneal_start) / static_cast<double>(std::max<int64_t>(c.lr_wsd_decay_iters, 1));
     const std::string& w = c.lr_wsd_decay_style;
     coeff = w == "linear" ? 1.0 - r
             : w == "cosine" ? 0.5 * (std::cos(M_PI * r) + 1.0)
@@ -365,11 +369,54 @@ struct ZeroOptimizers {
     put(expert.get(), expert_idx);
   }
 };
+
+OptParamSchedulerState opt_param_scheduler_of(const TrainConfig& c, int64_t num_steps) {
+  return {c.lr,
+          c.min_lr,
+          c.lr_warmup_iters,
+          c.lr_decay_iters > 0 ? c.lr_decay_iters : c.train_iters,
+          c.lr_decay_style,
+          c.lr_wsd_decay_iters,
+          c.lr_wsd_decay_style,
+          num_steps};
+}
+
+// After a load: settles the LR schedule the run continues with (written into cfg) and returns the iteration at
+// which its step 0 falls (lr_at(cfg, it - start)).
+int64_t lr_schedule_resume(TrainConfig& cfg, const LoadedTrainingState& loaded, const std::string& dir,
+                           std::FILE* log) {
+  const int64_t it = loaded.progress.iteration;
+  if (!loaded.optimizer_loaded) {  // Megatron's scheduler is saved and loaded with the optimizer: it restarts
+    if (it > 0 && log)
+      std::fprintf(log, " optimizer state not loaded: fresh moments; the LR schedule restarts at iteration %lld\n",
+                   static_cast<long long>(it));
+    return it;
+  }
+  if (!loaded.scheduler) return 0;  // saved before the scheduler state was: nothing to check, step = iteration
+  const OptParamSchedulerState s =
+      opt_param_scheduler_resolve(opt_param_scheduler_of(cfg, it), *loaded.scheduler, it,
+                                  cfg.override_opt_param_scheduler, cfg.use_checkpoint_opt_param_scheduler, dir);
+  cfg.lr = s.max_lr;
+  cfg.min_lr = s.min_lr;
+  cfg.lr_warmup_iters = s.lr_warmup_steps;
+  cfg.lr_decay_iters = s.lr_decay_steps;
+  cfg.lr_decay_style = s.lr_decay_style;
+  cfg.lr_wsd_decay_iters = s.wsd_decay_steps;
+  cfg.lr_wsd_decay_style = s.lr_wsd_decay_style;
+  cfg.validate();
+  if (log && cfg.use_checkpoint_opt_param_scheduler)
+    std::fprintf(log, " using the checkpoint's LR schedule: lr %.3e, min lr %.3e, warmup %lld, %s decay to %lld\n",
+                 static_cast<double>(cfg.lr), static_cast<double>(cfg.min_lr),
+                 static_cast<long long>(cfg.lr_warmup_iters), cfg.lr_decay_style.c_str(),
+                 static_cast<long long>(cfg.lr_decay_iters));
+  return it - s.num_steps;
+}
 }  // namespace
 
-TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches,
+TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& config, const BatchFn& batches,
                std::FILE* log, const StepObserver& observer, const TrainGroups* groups_in) {
-  cfg.validate();
+  config.validate();
+  TrainConfig cfg = config;  // the LR schedule may come from the checkpoint (--use-checkpoint-opt_param-scheduler)
   const TrainGroups groups = groups_in ? *groups_in : TrainGroups{};
   const ProcessGroup* dp = &groups.dp;
   const int dp_size = dp->size(), dp_rank = dp->rank();
@@ -396,26 +443,36 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
   std::unique_ptr<GradBuckets> buckets;
   if (!zero && dp_size > 1) buckets = std::make_unique<GradBuckets>(gpt, groups, cfg.ddp_bucket_size);
   TrainProgress progress;
+  int64_t schedule_start = 0;  // the iteration at which the LR schedule's step 0 falls
   if (!cfg.load.empty()) {
     // As in Megatron, an empty --load directory starts from scratch, so one command serves the first launch
     // and every restart.
     const auto dir = io::checkpoint_find_latest(cfg.load);
+    const CheckpointLoadOptions parts{cfg.load_optim, cfg.load_rng, cfg.finetune};
+    LoadedTrainingState loaded;
     if (dir && zero) {
-      OptimizerState st;
-      for (const auto& p : gpt.params()) {
-        st.exp_avg.push_back(Tensor::zeros(p.value.shape(), opt.config().state_dtype, MemCategory::workspace));
-        st.exp_avg_sq.push_back(Tensor::zeros(p.value.shape(), opt.config().state_dtype, MemCategory::workspace));
+      OptimizerState st;  // stays empty without the optimizer state: the fresh shards are kept as they are
+      if (parts.load_optim && !parts.finetune) {
+        for (const auto& p : gpt.params()) {
+          st.exp_avg.push_back(Tensor::zeros(p.value.shape(), opt.config().state_dtype, MemCategory::workspace));
+          st.exp_avg_sq.push_back(Tensor::zeros(p.value.shape(), opt.config().state_dtype, MemCategory::workspace));
+        }
       }
-      progress = load_training_checkpoint(*dir, gpt, st, cfg.seed);
-      zero->load(st);
-      if (log) std::fprintf(log, " loaded checkpoint %s at iteration %lld\n", dir->c_str(),
-                            static_cast<long long>(progress.iteration));
+      loaded = load_training_state(*dir, gpt, st, cfg.seed, parts);
+      if (loaded.optimizer_loaded) zero->load(st);
     } else if (dir) {
-      progress = load_training_checkpoint(*dir, gpt, opt, cfg.seed);
-      if (log) std::fprintf(log, " loaded checkpoint %s at iteration %lld\n", dir->c_str(),
-                            static_cast<long long>(progress.iteration));
+      loaded = load_training_state(*dir, gpt, opt, cfg.seed, parts);
     } else if (log) {
       std::fprintf(log, " no committed checkpoint under --load %s: training from scratch\n", cfg.load.c_str());
+    }
+    if (dir) {
+      progress = loaded.progress;
+      if (log)
+        std::fprintf(log, " loaded checkpoint %s at iteration %lld%s%s%s\n", dir->c_str(),
+                     static_cast<long long>(progress.iteration), cfg.finetune ? " (--finetune: weights only)" : "",
+                     !cfg.finetune && !loaded.optimizer_loaded ? " without the optimizer state" : "",
+                     !cfg.finetune && !loaded.rng_loaded ? " without the rng state" : "");
+      schedule_start = lr_schedule_resume(cfg, loaded, *dir, log);
     }
   }
   std::unique_ptr<ExitSignalGuard> signals;
@@ -443,13 +500,16 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
   int64_t logged_steps = 0;
   auto save = [&]() {
     if (cfg.save.empty()) return;
-    if (zero)
-      save_training_checkpoint(cfg.save, gpt, zero->gather(gpt.params().size()), progress, cfg.seed, cfg.keep_last,
-                               &groups);
+    const CheckpointSaveOptions parts{cfg.save_optim, cfg.save_rng,
+                                      opt_param_scheduler_of(cfg, progress.iteration - schedule_start)};
+    if (zero)  // the gather is collective: every rank skips it alike (same flags)
+      save_training_checkpoint(cfg.save, gpt, cfg.save_optim ? zero->gather(gpt.params().size()) : OptimizerState{},
+                               progress, cfg.seed, cfg.keep_last, &groups, parts);
     else
-      save_training_checkpoint(cfg.save, gpt, opt, progress, cfg.seed, cfg.keep_last, &groups);
-    if (log) std::fprintf(log, " saved checkpoint at iteration %lld to %s\n", static_cast<long long>(progress.iteration),
-                          cfg.save.c_str());
+      save_training_checkpoint(cfg.save, gpt, opt, progress, cfg.seed, cfg.keep_last, &groups, parts);
+    if (log)
+      std::fprintf(log, " saved checkpoint at iteration %lld to %s\n", static_cast<long long>(progress.iteration),
+                   cfg.save.c_str());
   };
   for (int64_t it = progress.iteration; it < cfg.train_iters; ++it) {
     gpt.zero_grad();
@@ -458,6 +518,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
     int64_t moe_layers = 0;
     for (int64_t mb = 0; mb < micro_local; ++mb) {
       batches(tokens, labels, false, it * micro + dp_rank * micro_local + mb);
+      gpt.set_dropout_step(it, dp_rank * micro_local + mb);
       step_loss += gpt.forward_backward(tokens, labels, 1.0f / static_cast<float>(micro)).mean();
       moe_layers = accumulate_moe_losses(gpt, moe_losses);
     }
@@ -490,7 +551,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
                               static_cast<long long>(it + 1), bad.c_str());
       }
     }
-    const float lr = lr_at(cfg, it);
+    const float lr = lr_at(cfg, it - schedule_start);
     optim::StepStats st;
     if (!skip && zero) {
       st.grad_norm = zero->grad_norm(*dp);
@@ -506,6 +567,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
     progress.consumed_samples += cfg.global_batch_size;
     out.train_loss.push_back(step_loss);
     out.grad_norm.push_back(st.grad_norm);
+    out.lr.push_back(lr);
     out.moe_losses.push_back(moe_losses);
     if (observer) observer(it, step_loss, skip);
     loss_acc += skip ? 0.0 : step_loss;

@@ -1,7 +1,8 @@
 // The training loop for one process: micro-batches with gradient accumulation, AdamW with Megatron's LR
 // schedules, NaN/Inf detection (skip or stop), periodic validation, crash-safe checkpoints with bitwise
-// resume, graceful stop on SIGTERM/SIGINT, Megatron-style log lines with MFU and ETA, and JSONL /
-// TensorBoard metrics. Not here: data sources (data/), the command line (apps/), multi-process runs.
+// resume and Megatron's partial loads/saves (--finetune, --no-load-optim, ...), graceful stop on SIGTERM/SIGINT,
+// Megatron-style log lines with MFU and ETA, and JSONL / TensorBoard metrics. Not here: data sources (data/),
+// the command line (apps/), multi-process runs.
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -38,6 +39,21 @@ struct TrainConfig {
   int64_t save_interval = 0;        // --save-interval: steps between checkpoints (0: only at the end)
   int64_t exit_interval = 0;        // --exit-interval: stop (after saving) when the iteration is a multiple
   int keep_last = 0;                // --keep-last-checkpoints: newest N kept (0: all)
+  // Megatron's partial saves and loads (checkpointing.h says what each part holds).
+  bool save_optim = true;           // false: --no-save-optim (checkpoints without moments, step count, LR scheduler)
+  bool save_rng = true;             // false: --no-save-rng (checkpoints without the router noise-stream positions)
+  bool load_optim = true;           // false: --no-load-optim (fresh moments and step count; as in Megatron, whose
+                                    // scheduler is saved with the optimizer, the LR schedule restarts at the
+                                    // loaded iteration: warmup again)
+  bool load_rng = true;             // false: --no-load-rng (router noise streams restart at 0, as in a fresh run)
+  bool finetune = false;            // --finetune: load only the weights; iteration and consumed samples start at 0,
+                                    // no optimizer state, no rng state (whatever load_optim / load_rng say)
+  bool override_opt_param_scheduler = false;        // --override-opt_param-scheduler: on load, this config's LR
+                                                    // schedule wins over the checkpoint's, unchecked
+  bool use_checkpoint_opt_param_scheduler = false;  // --use-checkpoint-opt_param-scheduler: on load, the
+                                                    // checkpoint's LR schedule (lr, min_lr, warmup, decay end and
+                                                    // style, WSD) replaces this config's; with neither flag they
+                                                    // must match (Error naming the field otherwise)
   bool exit_signal_handler = true;  // --exit-signal-handler: SIGTERM/SIGINT save a checkpoint and stop
   bool check_for_nan = true;        // --check-for-nan-in-loss-and-grad
   std::string nan_action = "stop";  // --nan-action: stop (raise an error) | skip (drop the step)
@@ -45,13 +61,15 @@ struct TrainConfig {
   std::string tensorboard_dir;      // --tensorboard-dir: TensorBoard event files
   double peak_gflops = 0;           // GEMM peak measured at start (0: no MFU on the log line)
   bool use_distributed_optimizer = false;  // --use-distributed-optimizer: ZeRO-1 over dp (experts: over edp)
-  int64_t ddp_bucket_size = 40'000'000;    // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter bucket
+  int64_t ddp_bucket_size = 40'000'000;    // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
+                                           // bucket
   void validate() const;
   int64_t micro_batches() const { return global_batch_size / micro_batch_size; }
 };
 
-// Learning rate at (0-based) step `it`, Megatron's OptimizerParamScheduler formulas for these styles
+// Learning rate at (0-based) schedule step `it`, Megatron's OptimizerParamScheduler formulas for these styles
 // (warmup reaches lr at step lr_warmup_iters - 1; decay runs from the end of warmup to lr_decay_iters).
+// The schedule step is the iteration, unless the schedule restarted (a load without the optimizer state).
 float lr_at(const TrainConfig& cfg, int64_t it);
 
 // Supplies micro-batch `index` of the training (valid=false) or validation split into tokens/labels [B, S].
@@ -69,6 +87,7 @@ struct TrainLog {
   int64_t skipped_steps = 0;        // steps dropped for non-finite loss or gradients
   std::vector<double> train_loss;   // per step, mean over its micro-batches
   std::vector<double> grad_norm;    // per step, before clipping
+  std::vector<float> lr;            // per step, the learning rate applied
   std::vector<MoeStepLosses> moe_losses;  // per step (zeros for dense models)
   std::vector<std::pair<int64_t, double>> valid_loss;  // (step, loss)
 };
@@ -77,6 +96,9 @@ struct TrainLog {
 using StepObserver = std::function<void(int64_t iteration, double loss, bool skipped)>;
 
 // Runs (or resumes, with cfg.load) training until cfg.train_iters steps are done or a stop signal arrives.
+// A resume reads the parts of the checkpoint that cfg's load switches select; with the optimizer state it
+// resolves the saved LR schedule against cfg's (opt_param_scheduler_resolve in checkpointing.h) and continues
+// with the result for the rest of the run (and writes it into the next checkpoints).
 // With groups whose dp has P ranks, each rank runs its 1/P share of every global batch's micro-batches
 // (rank r takes the r-th consecutive block), gradients are summed over dp / edp and router counts and
 // losses over dp with deterministic collectives, the gradient norm counts every parameter once (expert
