@@ -1,15 +1,22 @@
 #!/usr/bin/python3
-"""Float64 PyTorch reference of ONE Megatron-Core MoE layer (router, token dropping, experts, shared expert).
+"""Float64 PyTorch reference of ONE Megatron-Core MoE layer (router, token dropping, experts, shared expert, biases).
 
 Interface (layer.json keys, tensor names, dtypes): docs/moe-layer-golden.md.  Semantics: the Megatron MoE
 spec (router §2, losses §3, capacity §4, permutation §5, experts §7, shared expert §8), with moecore's
 choices where the spec leaves one open:
-  * token t = b*S + s (batch-major, S = T / micro_batch_size); seq_aux_loss sequence b = tokens [b*S, (b+1)*S)
+  * tokens in Megatron's order: the layer input is [S, B, H] flattened sequence-major, token t = s*B + b
+    (S = T / micro_batch_size); seq_aux_loss views the [T, E] scores as [S, B*E] (Megatron's reshape), so
+    sequence b is the tokens t % B == b; the padding mask follows the same order
   * every top-k is a stable descending sort: largest first, ties to the lower index (group choice too)
   * sinkhorn selection is computed in float64 here (Megatron: fp32), tol 1e-4, eps 1e-8
   * capacity = ceil((T*K/E) * cf), no dropping when capacity > T; policy `probs` keeps per expert the
     `capacity` routed tokens with the largest prob (ties: lower token), then non-routed tokens by ascending
-    index; policy `position` keeps routed tokens in token order, then non-routed ones (pad fillers)
+    index; policy `position` keeps routed tokens in token order (= the earliest positions across all
+    sequences), then non-routed ones (pad fillers)
+  * add_bias_linear (default false here; Megatron's default is true): router logits + router.bias, expert
+    fc1 bias added before the activation, expert fc2 bias times the routing probability, so an expert's
+    output is p * (act(x W1^T + b1) W2^T + b2) (experts.py TEGroupedMLP._apply_bias / MLP.forward with
+    per_token_scale); shared experts refuse biases (shared_experts.py asserts add_bias_linear == False)
   * aux losses with one process: N = valid tokens (seq_aux_loss: valid tokens / B); global_aux_loss of a
     single micro-batch = aux_loss; loss.* hold coefficient-free values, z_loss = mean valid lse(z)^2
 Everything runs in float64 on the float32 inputs (upcast exactly); outputs are rounded once to F32.
@@ -29,7 +36,8 @@ Mode (b), regenerate the golden files (deterministic: a rerun writes identical b
   Before writing, gradients are checked by central finite differences, intended drops are asserted and the
   routing margins (gaps at every top-k cut: selection, groups, sinkhorn, aux map, drop ranking) must
   exceed MIN_MARGIN so a float32 implementation routes identically.  Sizes: T = 24 (B = 2, S = 12), H = 16,
-  F = 12, E = 8; init N(0, std^2): router 0.2, expert/shared 0.1, gate 0.2, expert_bias 0.1, hidden/grad 1.
+  F = 12, E = 8; init N(0, std^2): router weight/bias 0.2, expert/shared weights and biases 0.1, gate 0.2,
+  expert_bias 0.1, hidden/grad 1.
 """
 import argparse
 import json
@@ -55,7 +63,7 @@ DEFAULTS = dict(  # Megatron TransformerConfig defaults for the keys of docs/moe
     moe_router_group_topk=None, moe_router_enable_expert_bias=False, moe_expert_capacity_factor=None,
     moe_token_drop_policy="probs", moe_pad_expert_input_to_capacity=False,
     moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False, gated_linear_unit=False,
-    params_dtype="fp32", aux_grad_scale=1.0)
+    params_dtype="fp32", aux_grad_scale=1.0, add_bias_linear=False)
 
 
 # ----------------------------------------------------------------------------- safetensors I/O
@@ -116,6 +124,8 @@ def load_config(cfg):
     assert c["cf"] is not None or not c["moe_pad_expert_input_to_capacity"], "pad to capacity needs cf"
     assert c["cf"] is None or not c["sinkhorn"], "capacity is not allowed with sinkhorn"
     assert c["moe_token_drop_policy"] in ("probs", "position")
+    assert not (c["add_bias_linear"] and c["moe_shared_expert_intermediate_size"]), \
+        "shared experts do not support add_bias_linear (Megatron: use --disable-bias-linear)"
     return c
 
 
@@ -231,9 +241,10 @@ def aux_losses(z, c, pad, info):
             return E / (K * N * N) * (s_.sum(0) * c_.sum(0)).sum()
 
         for t in c["coeffs"]:
-            if t == "seq_aux_loss":   # N = (average) valid tokens per sequence
-                out[t] = sum(switch(s[b * S:(b + 1) * S], cnt[b * S:(b + 1) * S], nvalid / B)
-                             for b in range(B)) / B
+            if t == "seq_aux_loss":   # Megatron's view [S*B, E] -> [S, B*E]: column b*E + e = expert e of
+                N = nvalid / B        # sequence b; N = (average) valid tokens per sequence
+                Ps, cs = s.reshape(S, B * E).sum(0), cnt.reshape(S, B * E).sum(0)
+                out[t] = E / (K * N * N) * (Ps * cs).sum() / B
             else:                     # aux_loss; global_aux_loss = aux_loss on one micro-batch
                 out[t] = switch(s, cnt, nvalid)
     if c["zc"] > 0:
@@ -243,9 +254,11 @@ def aux_losses(z, c, pad, info):
 
 
 # ----------------------------------------------------------------------------- layer
-def mlp(x, w1, w2, glu, scale=None):
-    """fc1 -> SwiGLU ([gate; up]) or exact GeLU -> optional per-row prob -> fc2."""
+def mlp(x, w1, w2, glu, scale=None, b1=None, b2=None):
+    """fc1 (+ b1) -> SwiGLU ([gate; up]) or exact GeLU -> optional per-row prob -> fc2 (+ prob * b2)."""
     h = x @ w1.T
+    if b1 is not None:
+        h = h + b1
     if glu:
         f = h.shape[-1] // 2
         a = F.silu(h[:, :f]) * h[:, f:]
@@ -253,11 +266,16 @@ def mlp(x, w1, w2, glu, scale=None):
         a = h * 0.5 * (1.0 + torch.erf(h / math.sqrt(2.0)))
     if scale is not None:
         a = a * scale[:, None]
-    return a @ w2.T
+    y = a @ w2.T
+    if b2 is not None:
+        y = y + (b2[None, :] if scale is None else scale[:, None] * b2[None, :])
+    return y
 
 
 def forward(c, x, p, pad, info):
     z = x @ p["router.weight"].T
+    if c["add_bias_linear"]:
+        z = z + p["router.bias"]
     bias = p["router.expert_bias"] if c["moe_router_enable_expert_bias"] else None
     probs, rmap = route(z, c, bias, info)
     info["dropped"] = 0
@@ -268,8 +286,10 @@ def forward(c, x, p, pad, info):
     for e in range(c["num_moe_experts"]):
         tok = rmap[:, e].nonzero()[:, 0]
         if tok.numel():
+            b1, b2 = ((p["experts.linear_fc1.bias"][e], p["experts.linear_fc2.bias"][e]) if c["add_bias_linear"]
+                      else (None, None))
             y = mlp(x[tok], p["experts.linear_fc1.weight"][e], p["experts.linear_fc2.weight"][e],
-                    c["gated_linear_unit"], probs[tok, e])
+                    c["gated_linear_unit"], probs[tok, e], b1, b2)
             out = out.index_add(0, tok, y)
     if c["moe_shared_expert_intermediate_size"]:
         sh = mlp(x, p["shared_experts.linear_fc1.weight"], p["shared_experts.linear_fc2.weight"],
@@ -291,6 +311,10 @@ def expected_params(c):
     H, E, Fe, g = c["hidden_size"], c["num_moe_experts"], c["moe_ffn_hidden_size"], c["gated_linear_unit"]
     shapes = {"router.weight": (E, H), "experts.linear_fc1.weight": (E, 2 * Fe if g else Fe, H),
               "experts.linear_fc2.weight": (E, H, Fe)}
+    if c["add_bias_linear"]:
+        shapes["router.bias"] = (E,)
+        shapes["experts.linear_fc1.bias"] = (E, 2 * Fe if g else Fe)
+        shapes["experts.linear_fc2.bias"] = (E, H)
     if c["moe_router_enable_expert_bias"]:
         shapes["router.expert_bias"] = (E,)
     Fs = c["moe_shared_expert_intermediate_size"]
@@ -351,6 +375,11 @@ VARIANTS = {  # name -> (layer.json overrides of BASE, generation extras)
     "gelu_fp64_multi": (dict(gated_linear_unit=False, moe_router_dtype="fp64",
                              moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
                              moe_aux_loss_coeff=[0.01, 0.02], aux_grad_scale=0.5), {}),
+    "bias_dropless": (dict(add_bias_linear=True, moe_router_load_balancing_type="seq_aux_loss",
+                           moe_aux_loss_coeff=0.01), {}),
+    "bias_capacity_gelu": (dict(add_bias_linear=True, gated_linear_unit=False, moe_expert_capacity_factor=1.0,
+                                moe_token_drop_policy="probs", moe_pad_expert_input_to_capacity=True, **AUX),
+                           {"skew": 0.3, "drops": True}),
 }
 T_GOLDEN = 24
 
@@ -369,15 +398,16 @@ def make_case(index, name):
     shapes = expected_params(c)
     arrays = {"input.hidden": normal(T, H, std=1.0), "input.output_grad": normal(T, H, std=1.0)}
     for n, shape in shapes.items():   # draw order = expected_params order
-        std = 0.2 if n in ("router.weight", "shared_experts.gate_weight") else 0.1
+        std = 0.2 if n in ("router.weight", "router.bias", "shared_experts.gate_weight") else 0.1
         arrays["param." + n] = normal(*shape, std=std)
     if extra.get("skew"):             # make expert 0 popular so that capacity drops happen
         arrays["param.router.weight"][0] += extra["skew"]
     arrays = {n: t.numpy().astype(np.float32) for n, t in arrays.items()}
-    if extra.get("pad_last"):         # the last tokens of sequence 1 are padding
-        S, mask = T // c["micro_batch_size"], np.zeros(T, dtype=bool)
-        mask[2 * S - extra["pad_last"]:2 * S] = True
-        arrays["input.padding_mask"] = mask
+    if extra.get("pad_last"):         # the last positions of sequence 1 are padding ([S, B], t = s*B + b)
+        B = c["micro_batch_size"]
+        mask = np.zeros((T // B, B), dtype=bool)
+        mask[T // B - extra["pad_last"]:, 1] = True
+        arrays["input.padding_mask"] = mask.reshape(T)
     return cfg, arrays, extra
 
 

@@ -4,7 +4,8 @@
 // reproduce); expert and router gradients of the reference are summed over the ranks. The EP layer holds
 // only its E/EP experts. Outputs, input gradients and every gradient must match; two EP runs must be
 // bitwise identical. Edge cases: an expert with no tokens, every token to one expert, a rank that sends
-// nothing to other ranks, capacity dropping and pad-to-capacity.
+// nothing to other ranks, capacity dropping and pad-to-capacity, linear biases (each rank holds its experts'
+// bias rows [E/EP, ...]; the router bias is replicated).
 #include <gtest/gtest.h>
 
 #include "mpi_test_support.h"
@@ -30,6 +31,7 @@ struct LayerCase {
   int64_t T = 24, H = 16, F = 12, E = 8, K = 2;
   MoeConfig cfg;
   Routing routing = Routing::random;
+  bool bias = false;  // Megatron's add_bias_linear: router and expert biases
 };
 
 struct Run {
@@ -45,8 +47,7 @@ void expect_close(const Tensor& a, const Tensor& b, double rtol, const std::stri
   const float* pb = fb.data<float>();
   double maxref = 0;
   for (int64_t i = 0; i < a.numel(); ++i) maxref = std::max(maxref, std::fabs(static_cast<double>(pb[i])));
-  for (int64_t i = 0; i < a.numel(); ++i)
-    ASSERT_NEAR(pa[i], pb[i], rtol * maxref + 1e-30) << what << " element " << i;
+  for (int64_t i = 0; i < a.numel(); ++i) ASSERT_NEAR(pa[i], pb[i], rtol * maxref + 1e-30) << what << " element " << i;
 }
 
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
@@ -65,6 +66,15 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
   rng_fill_normal(router, 7, "router", 0.0f, 0.5f);
   rng_fill_normal(fc1, 7, "fc1", 0.0f, 0.2f);
   rng_fill_normal(fc2, 7, "fc2", 0.0f, 0.2f);
+  Tensor rbias, b1, b2;
+  if (s.bias) {
+    rbias = Tensor::empty({E}, DType::f32, MemCategory::parameters);
+    b1 = Tensor::empty({E, 2 * F}, DType::f32, MemCategory::parameters);
+    b2 = Tensor::empty({E, H}, DType::f32, MemCategory::parameters);
+    rng_fill_normal(rbias, 7, "router_bias", 0.0f, 0.5f);
+    rng_fill_normal(b1, 7, "fc1_bias", 0.0f, 0.2f);
+    rng_fill_normal(b2, 7, "fc2_bias", 0.0f, 0.2f);
+  }
   // This rank's tokens and output gradient.
   Tensor x = Tensor::empty({T, H}, DType::f32, MemCategory::activations);
   Tensor dy = Tensor::empty({T, H}, DType::f32, MemCategory::activations);
@@ -90,6 +100,14 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
   out.g.router = Tensor::zeros({E, H}, DType::f32, MemCategory::gradients);
   out.g.experts = {Tensor::zeros({El, 2 * F, H}, DType::f32, MemCategory::gradients),
                    Tensor::zeros({El, H, F}, DType::f32, MemCategory::gradients)};
+  if (s.bias) {
+    w.router.bias = rbias;
+    w.experts.fc1_bias = b1.slice(0, first, first + El).clone(MemCategory::parameters);
+    w.experts.fc2_bias = b2.slice(0, first, first + El).clone(MemCategory::parameters);
+    out.g.router_bias = Tensor::zeros({E}, DType::f32, MemCategory::gradients);
+    out.g.experts.fc1_bias = Tensor::zeros({El, 2 * F}, DType::f32, MemCategory::gradients);
+    out.g.experts.fc2_bias = Tensor::zeros({El, H}, DType::f32, MemCategory::gradients);
+  }
   MoeLayerDims d{T, 1, H, F, 0, DType::f32};
   d.ep = ep;
   d.dispatcher = ep == 1 ? DispatcherKind::local : kind;
@@ -101,8 +119,9 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
   LocalDispatcher local;
   AllToAllDispatcher a2a(ep_group);
   AllGatherDispatcher ag(ep_group);
-  Dispatcher* disp = ep == 1 ? static_cast<Dispatcher*>(&local)
-                             : kind == DispatcherKind::alltoall ? static_cast<Dispatcher*>(&a2a) : &ag;
+  Dispatcher* disp = ep == 1                            ? static_cast<Dispatcher*>(&local)
+                     : kind == DispatcherKind::alltoall ? static_cast<Dispatcher*>(&a2a)
+                                                        : &ag;
   moe_layer_forward(out.y, x, Tensor(), w, st, cache, *disp, d, s.cfg, true, {});
   out.stats = cache.stats;
   moe_layer_backward(out.dx, out.g, dy, x, w, cache, *disp, d, s.cfg, 1.0f, {});
@@ -116,8 +135,21 @@ void check_against_reference(const LayerCase& s, const ProcessGroup& world, Disp
   all_reduce_sum(ref.g.router, world);
   all_reduce_sum(ref.g.experts.fc1, world);
   all_reduce_sum(ref.g.experts.fc2, world);
+  if (s.bias) {
+    all_reduce_sum(ref.g.router_bias, world);
+    all_reduce_sum(ref.g.experts.fc1_bias, world);
+    all_reduce_sum(ref.g.experts.fc2_bias, world);
+  }
   Run ep = run_layer(s, world, P, kind);
   all_reduce_sum(ep.g.router, world);
+  if (s.bias) {
+    all_reduce_sum(ep.g.router_bias, world);
+    expect_close(ep.g.router_bias, ref.g.router_bias, 1e-5, "router bias gradient");
+    expect_close(ep.g.experts.fc1_bias, ref.g.experts.fc1_bias.slice(0, first, first + El).clone(), 1e-5,
+                 "fc1 bias gradient");
+    expect_close(ep.g.experts.fc2_bias, ref.g.experts.fc2_bias.slice(0, first, first + El).clone(), 1e-5,
+                 "fc2 bias gradient");
+  }
   expect_close(ep.y, ref.y, 1e-5, "output");
   expect_close(ep.dx, ref.dx, 1e-5, "input gradient");
   expect_close(ep.g.router, ref.g.router, 1e-5, "router gradient");
@@ -144,8 +176,12 @@ LayerCase base() {
   return s;
 }
 
-TEST_F(Mpi, AllToAllDroplessMatchesLocal) { check_against_reference(base(), world, DispatcherKind::alltoall); }
-TEST_F(Mpi, AllGatherDroplessMatchesLocal) { check_against_reference(base(), world, DispatcherKind::allgather); }
+TEST_F(Mpi, AllToAllDroplessMatchesLocal) {
+  check_against_reference(base(), world, DispatcherKind::alltoall);
+}
+TEST_F(Mpi, AllGatherDroplessMatchesLocal) {
+  check_against_reference(base(), world, DispatcherKind::allgather);
+}
 
 TEST_F(Mpi, CapacityDroppingUnderEp) {
   for (auto kind : {DispatcherKind::alltoall, DispatcherKind::allgather}) {
@@ -154,6 +190,17 @@ TEST_F(Mpi, CapacityDroppingUnderEp) {
     check_against_reference(s, world, kind);
     s.cfg.drop_policy = DropPolicy::position;
     check_against_reference(s, world, kind);
+  }
+}
+
+TEST_F(Mpi, LinearBiasesUnderEp) {
+  for (auto kind : {DispatcherKind::alltoall, DispatcherKind::allgather}) {
+    LayerCase s = base();
+    s.bias = true;
+    check_against_reference(s, world, kind);  // dropless
+    s.cfg.capacity_factor = 1.0f;
+    s.cfg.pad_expert_input_to_capacity = true;
+    check_against_reference(s, world, kind);  // zero-probability filler rows carry the fc1 bias, weight 0
   }
 }
 
@@ -247,4 +294,6 @@ TEST_F(Mpi, GlobalAuxLossCountsAreSummedOverTheGroup) {
 }  // namespace
 }  // namespace moecore::moe
 
-int main(int argc, char** argv) { return moecore::testing_mpi::run_mpi_tests(argc, argv, 30, /*debug=*/true); }
+int main(int argc, char** argv) {
+  return moecore::testing_mpi::run_mpi_tests(argc, argv, 30, /*debug=*/true);
+}

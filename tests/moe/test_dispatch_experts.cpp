@@ -1,6 +1,7 @@
 // Dispatch and experts: permutation layout against a naive reference, round trips with identity experts,
 // fused equals unfused, adjoint checks of the dispatch backward, grouped GEMM against per-group GEMMs,
-// grouped experts against the sequential reference, finite differences of the experts and the shared expert.
+// grouped experts against the sequential reference (with and without linear biases), finite differences of the
+// experts and the shared expert.
 // Tolerances are stated per test; f32 GEMM results are compared with rtol/atol ~1e-5, bf16 with ~2e-2.
 #include <algorithm>
 #include <cmath>
@@ -30,8 +31,7 @@ Tensor random_map(int64_t T, int64_t E, int64_t K, uint64_t seed) {
   for (int64_t t = 0; t < T; ++t) {
     std::iota(perm.begin(), perm.end(), 0);
     for (int64_t k = 0; k < K; ++k) {
-      const int64_t j =
-          k + std::min<int64_t>(E - k - 1, int64_t(philox_uniform(key, t * K + k) * float(E - k)));
+      const int64_t j = k + std::min<int64_t>(E - k - 1, int64_t(philox_uniform(key, t * K + k) * float(E - k)));
       std::swap(perm[k], perm[j]);
       map.data<bool>()[t * E + perm[k]] = true;
     }
@@ -44,8 +44,8 @@ Tensor probs_for(const Tensor& map, float value_or_negative_for_random) {
   const Tensor r = randn(map.shape(), "probs");
   for (int64_t i = 0; i < map.numel(); ++i)
     if (map.data<bool>()[i])
-      p.data<float>()[i] = value_or_negative_for_random >= 0 ? value_or_negative_for_random
-                                                             : 0.1f + std::fabs(r.data<float>()[i]);
+      p.data<float>()[i] =
+          value_or_negative_for_random >= 0 ? value_or_negative_for_random : 0.1f + std::fabs(r.data<float>()[i]);
   return p;
 }
 
@@ -93,8 +93,7 @@ TEST(Dispatch, PlanAndPermuteMatchNaiveExpertMajorLayout) {
 TEST(Dispatch, DroplessTokensPerExpertSumToTK) {
   for (int64_t K : {1, 2, 4}) {
     const DispatchPlan plan = plan_for(random_map(50, 8, K, 2));
-    EXPECT_EQ(std::accumulate(plan.tokens_per_expert.begin(), plan.tokens_per_expert.end(), int64_t{0}),
-              50 * K);
+    EXPECT_EQ(std::accumulate(plan.tokens_per_expert.begin(), plan.tokens_per_expert.end(), int64_t{0}), 50 * K);
     EXPECT_EQ(moe::dispatch_max_rows(50, 8, K, 0, false, 0), 50 * K);
   }
   EXPECT_EQ(moe::dispatch_max_rows(50, 8, 2, 10, true, 0), 80);    // E * capacity
@@ -183,8 +182,7 @@ TEST(Dispatch, BackwardStagesAreAdjointsOfTheForward) {
   buf.dpermuted_probs.slice(0, 0, R).copy_from(q);
   Tensor dx = Tensor::zeros({T, H}, DType::f32), dprobs = Tensor::empty({T, E}, DType::f32);
   disp.dispatch_backward(buf, dx, dprobs, kCpu);
-  const double lhs_x = testing::weighted_sum(buf.permuted_x.slice(0, 0, R), r),
-               rhs_x = testing::weighted_sum(x, dx);
+  const double lhs_x = testing::weighted_sum(buf.permuted_x.slice(0, 0, R), r), rhs_x = testing::weighted_sum(x, dx);
   const double lhs_p = testing::weighted_sum(buf.permuted_probs.slice(0, 0, R), q);
   const double rhs_p = testing::weighted_sum(probs, dprobs);
   EXPECT_NEAR(lhs_x, rhs_x, 1e-5 * (1 + std::fabs(lhs_x)));
@@ -196,8 +194,7 @@ TEST(Dispatch, BackwardStagesAreAdjointsOfTheForward) {
   disp.combine_prepare(buf, kCpu);
   disp.combine_finish(buf, y, kCpu);
   disp.combine_backward(buf, dy, kCpu);
-  const double lhs_c = testing::weighted_sum(y, dy),
-               rhs_c = testing::weighted_sum(eo, buf.dpermuted.slice(0, 0, R));
+  const double lhs_c = testing::weighted_sum(y, dy), rhs_c = testing::weighted_sum(eo, buf.dpermuted.slice(0, 0, R));
   EXPECT_NEAR(lhs_c, rhs_c, 1e-5 * (1 + std::fabs(lhs_c)));
 }
 
@@ -226,8 +223,8 @@ int64_t total(const std::vector<int64_t>& g) {
 }
 
 // c per group through ops::gemm on row slices (the reference).
-void gemm_per_group(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b,
-                    const std::vector<int64_t>& groups, float beta) {
+void gemm_per_group(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, const std::vector<int64_t>& groups,
+                    float beta) {
   int64_t o = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
     if (groups[g] > 0) {
@@ -253,8 +250,8 @@ void check_grouped(const std::vector<int64_t>& groups, int64_t N, int64_t K, DTy
       gemm_per_group(ref, a, b, tb, groups, beta);
       const double rtol = out == DType::bf16 ? 8e-3 : 1e-5;
       EXPECT_LE(testing::tolerance_ratio(c, ref, rtol, 1e-5 * std::sqrt(double(K))), 1.0)
-          << dtype_name(in) << "->" << dtype_name(out) << " trans_b " << tb << " beta " << beta << " N " << N
-          << " K " << K;
+          << dtype_name(in) << "->" << dtype_name(out) << " trans_b " << tb << " beta " << beta << " N " << N << " K "
+          << K;
     }
 }
 
@@ -326,7 +323,7 @@ struct ExpertCase {
   Tensor x, probs, dy;  // x, dy [R, H] compute; probs [R] f32
 };
 
-ExpertCase make_case(bool swiglu, DType dt, std::vector<int64_t> tpe, int64_t H, int64_t F) {
+ExpertCase make_case(bool swiglu, DType dt, std::vector<int64_t> tpe, int64_t H, int64_t F, bool bias = false) {
   ExpertCase c;
   const int64_t E = int64_t(tpe.size()), R = total(tpe);
   c.d.E = E;
@@ -338,6 +335,10 @@ ExpertCase make_case(bool swiglu, DType dt, std::vector<int64_t> tpe, int64_t H,
   c.tpe = tpe;
   c.w.fc1 = randn({E, c.d.fc1_rows(), H}, "fc1", 1.0f / std::sqrt(float(H))).to(dt);
   c.w.fc2 = randn({E, H, F}, "fc2", 1.0f / std::sqrt(float(F))).to(dt);
+  if (bias) {
+    c.w.fc1_bias = randn({E, c.d.fc1_rows()}, "fc1_bias", 0.5f);
+    c.w.fc2_bias = randn({E, H}, "fc2_bias", 0.5f);
+  }
   if (R == 0) {  // core's rng/convert pass null pointers to memcpy for empty tensors (UBSan)
     c.x = Tensor::empty({0, H}, dt);
     c.dy = Tensor::empty({0, H}, dt);
@@ -347,8 +348,7 @@ ExpertCase make_case(bool swiglu, DType dt, std::vector<int64_t> tpe, int64_t H,
   c.x = randn({R, H}, "x").to(dt);
   c.dy = randn({R, H}, "dy").to(dt);
   c.probs = randn({R}, "p");
-  for (int64_t r = 0; r < R; ++r)
-    c.probs.data<float>()[r] = 0.2f + 0.5f * std::fabs(c.probs.data<float>()[r]);
+  for (int64_t r = 0; r < R; ++r) c.probs.data<float>()[r] = 0.2f + 0.5f * std::fabs(c.probs.data<float>()[r]);
   return c;
 }
 
@@ -363,11 +363,14 @@ ExpertResult run_experts(const ExpertCase& c, bool grouped, int backward_calls =
   moe::ExpertCache cache = moe::expert_cache_alloc(c.d);
   moe::ExpertWorkspace ws = moe::expert_workspace_alloc(c.d);
   for (Tensor* t : {&cache.h, &cache.act, &ws.a, &ws.da, &ws.dh}) t->fill_(kNaN);
-  ExpertResult r{
-      Tensor::empty({R, H}, c.d.compute),
-      Tensor::empty({R, H}, DType::f32),
-      Tensor::empty({R}, DType::f32),
-      {Tensor::zeros({E, c.d.fc1_rows(), H}, DType::f32), Tensor::zeros({E, H, c.d.F}, DType::f32)}};
+  ExpertResult r{Tensor::empty({R, H}, c.d.compute),
+                 Tensor::empty({R, H}, DType::f32),
+                 Tensor::empty({R}, DType::f32),
+                 {Tensor::zeros({E, c.d.fc1_rows(), H}, DType::f32), Tensor::zeros({E, H, c.d.F}, DType::f32)}};
+  if (c.w.fc1_bias.defined()) {
+    r.g.fc1_bias = Tensor::zeros({E, c.d.fc1_rows()}, DType::f32);
+    r.g.fc2_bias = Tensor::zeros({E, H}, DType::f32);
+  }
   for (Tensor* t : {&r.y, &r.dx, &r.dprobs}) t->fill_(kNaN);
   if (grouped)
     moe::experts_forward(r.y, c.x, c.probs, c.tpe, c.w, cache, ws, c.d, kCpu);
@@ -377,8 +380,7 @@ ExpertResult run_experts(const ExpertCase& c, bool grouped, int backward_calls =
     if (grouped)
       moe::experts_backward(r.dx, r.dprobs, r.g, c.dy, c.x, c.probs, c.tpe, c.w, cache, ws, c.d, kCpu);
     else
-      moe::experts_backward_sequential(r.dx, r.dprobs, r.g, c.dy, c.x, c.probs, c.tpe, c.w, cache, ws, c.d,
-                                       kCpu);
+      moe::experts_backward_sequential(r.dx, r.dprobs, r.g, c.dy, c.x, c.probs, c.tpe, c.w, cache, ws, c.d, kCpu);
   }
   return r;
 }
@@ -410,10 +412,94 @@ TEST(Experts, GroupedEqualsSequentialWithZeroTokenExperts) {
     }
 }
 
+// With Megatron's add_bias_linear: h = x W1^T + b1, y = p (act(h) W2^T + b2). Grouped equals sequential (same
+// tolerances as above), and against a naive per-row reference in f32 (rtol/atol 1e-5).
+TEST(Experts, BiasesGroupedEqualsSequentialAndNaive) {
+  for (bool swiglu : {true, false})
+    for (DType dt : {DType::f32, DType::bf16}) {
+      const ExpertCase c = make_case(swiglu, dt, {7, 0, 13, 1, 9}, 32, 24, true);
+      const ExpertResult a = run_experts(c, true), b = run_experts(c, false);
+      const double rtol = dt == DType::f32 ? 1e-5 : 2e-2, atol = dt == DType::f32 ? 1e-5 : 2e-2;
+      SCOPED_TRACE(std::string(swiglu ? "swiglu " : "gelu ") + std::string(dtype_name(dt)));
+      EXPECT_TENSOR_NEAR(a.y, b.y, rtol, atol);
+      EXPECT_TENSOR_NEAR(a.dx, b.dx, rtol, atol);
+      EXPECT_TENSOR_NEAR(a.dprobs, b.dprobs, rtol, atol);
+      for (auto [ga, gb] : {std::pair{&a.g.fc1, &b.g.fc1},
+                            {&a.g.fc2, &b.g.fc2},
+                            {&a.g.fc1_bias, &b.g.fc1_bias},
+                            {&a.g.fc2_bias, &b.g.fc2_bias}})
+        EXPECT_TENSOR_NEAR(*ga, *gb, rtol, 2.5 * atol);
+      EXPECT_EQ(ops::sum_squares(a.g.fc1_bias.select(0, 1), kCpu), 0.0);  // the expert with no tokens
+      EXPECT_EQ(ops::sum_squares(a.g.fc2_bias.select(0, 1), kCpu), 0.0);
+      if (dt != DType::f32) continue;
+      // Naive reference of y: per row r of expert e, fc1 + b1, activation, times p, fc2, plus p * b2.
+      const int64_t H = c.d.H, F = c.d.F, F1 = c.d.fc1_rows();
+      std::vector<float> yref;
+      for (int64_t e = 0, r = 0; e < c.d.E; ++e)
+        for (int64_t i = 0; i < c.tpe[e]; ++i, ++r) {
+          std::vector<double> h(F1), act(F);
+          for (int64_t j = 0; j < F1; ++j) {
+            h[j] = c.w.fc1_bias.data<float>()[e * F1 + j];
+            for (int64_t k = 0; k < H; ++k)
+              h[j] += double(c.x.data<float>()[r * H + k]) * c.w.fc1.data<float>()[(e * F1 + j) * H + k];
+          }
+          for (int64_t j = 0; j < F; ++j) {
+            const double g = h[j];
+            act[j] = swiglu ? g / (1 + std::exp(-g)) * h[F + j] : 0.5 * g * (1 + std::erf(g / std::sqrt(2.0)));
+          }
+          const double p = c.probs.data<float>()[r];
+          for (int64_t k = 0; k < H; ++k) {
+            double acc = 0;
+            for (int64_t j = 0; j < F; ++j) acc += act[j] * p * c.w.fc2.data<float>()[(e * H + k) * F + j];
+            yref.push_back(float(acc + p * c.w.fc2_bias.data<float>()[e * H + k]));
+          }
+        }
+      const auto y = to_vector(a.y);
+      ASSERT_EQ(y.size(), yref.size());
+      for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y[i], yref[i], 1e-5 + 1e-5 * std::fabs(yref[i])) << i;
+    }
+}
+
+// Zero biases give exactly the bias-free result (the bias-free path never touches the bias ops).
+TEST(Experts, ZeroBiasesEqualNoBiases) {
+  const ExpertCase plain = make_case(true, DType::f32, {4, 0, 6}, 16, 8);
+  ExpertCase zero = plain;
+  zero.w.fc1_bias = Tensor::zeros({3, 16}, DType::f32);
+  zero.w.fc2_bias = Tensor::zeros({3, 16}, DType::f32);
+  const ExpertResult a = run_experts(plain, true), b = run_experts(zero, true);
+  EXPECT_EQ(to_vector(a.y), to_vector(b.y));
+  EXPECT_EQ(to_vector(a.dx), to_vector(b.dx));
+  EXPECT_EQ(to_vector(a.dprobs), to_vector(b.dprobs));
+  EXPECT_EQ(to_vector(a.g.fc1), to_vector(b.g.fc1));
+  EXPECT_EQ(to_vector(a.g.fc2), to_vector(b.g.fc2));
+  EXPECT_FALSE(a.g.fc1_bias.defined());
+}
+
+TEST(Experts, MissingBiasGradientsAreRejected) {
+  const ExpertCase c = make_case(true, DType::f32, {2, 3}, 8, 4, true);
+  ExpertCase half = c;
+  half.w.fc2_bias = Tensor();
+  EXPECT_THROW(run_experts(half, true), Error);  // fc1 bias without fc2 bias
+  moe::ExpertCache cache = moe::expert_cache_alloc(c.d);
+  moe::ExpertWorkspace ws = moe::expert_workspace_alloc(c.d);
+  Tensor y = Tensor::empty({5, 8}, DType::f32), dx = Tensor::empty({5, 8}, DType::f32);
+  Tensor dp = Tensor::empty({5}, DType::f32);
+  moe::ExpertGrads g{Tensor::zeros({2, 8, 8}, DType::f32), Tensor::zeros({2, 8, 4}, DType::f32)};
+  moe::experts_forward(y, c.x, c.probs, c.tpe, c.w, cache, ws, c.d, kCpu);
+  EXPECT_THROW(moe::experts_backward(dx, dp, g, c.dy, c.x, c.probs, c.tpe, c.w, cache, ws, c.d, kCpu), Error);
+}
+
 TEST(Experts, NoRowsAtAll) {
-  const ExpertCase c = make_case(true, DType::f32, {0, 0, 0}, 8, 4);
-  const ExpertResult r = run_experts(c, true);
-  EXPECT_EQ(ops::sum_squares(r.g.fc1, kCpu) + ops::sum_squares(r.g.fc2, kCpu), 0.0);
+  for (bool bias : {false, true}) {
+    const ExpertCase c = make_case(true, DType::f32, {0, 0, 0}, 8, 4, bias);
+    for (bool grouped : {true, false}) {
+      const ExpertResult r = run_experts(c, grouped);
+      EXPECT_EQ(ops::sum_squares(r.g.fc1, kCpu) + ops::sum_squares(r.g.fc2, kCpu), 0.0);
+      if (bias) {
+        EXPECT_EQ(ops::sum_squares(r.g.fc1_bias, kCpu) + ops::sum_squares(r.g.fc2_bias, kCpu), 0.0);
+      }
+    }
+  }
 }
 
 // Calling backward twice doubles the weight gradients (+=) and rewrites dx and dprobs identically.
@@ -433,22 +519,27 @@ TEST(Experts, BackwardTwiceDoublesWeightGrads) {
 // Central differences (f32, step 1e-2) of L = sum(y * dy) against the analytic gradients: rtol 1e-2, atol
 // 2e-3.
 TEST(Experts, FiniteDifferences) {
-  for (bool swiglu : {true, false}) {
-    SCOPED_TRACE(swiglu ? "swiglu" : "gelu");
-    ExpertCase c = make_case(swiglu, DType::f32, {3, 0, 2}, 6, 4);
-    const ExpertResult r = run_experts(c, true);
-    moe::ExpertCache cache = moe::expert_cache_alloc(c.d);
-    moe::ExpertWorkspace ws = moe::expert_workspace_alloc(c.d);
-    Tensor y = Tensor::empty(c.x.shape(), DType::f32);
-    auto loss = [&] {
-      moe::experts_forward(y, c.x, c.probs, c.tpe, c.w, cache, ws, c.d, kCpu);
-      return testing::weighted_sum(y, c.dy);
-    };
-    EXPECT_TENSOR_NEAR(r.dx, testing::numerical_gradient(loss, c.x), 1e-2, 2e-3);
-    EXPECT_TENSOR_NEAR(r.dprobs, testing::numerical_gradient(loss, c.probs), 1e-2, 2e-3);
-    EXPECT_TENSOR_NEAR(r.g.fc1, testing::numerical_gradient(loss, c.w.fc1), 1e-2, 2e-3);
-    EXPECT_TENSOR_NEAR(r.g.fc2, testing::numerical_gradient(loss, c.w.fc2), 1e-2, 2e-3);
-  }
+  for (bool swiglu : {true, false})
+    for (bool bias : {false, true}) {
+      SCOPED_TRACE(std::string(swiglu ? "swiglu" : "gelu") + (bias ? " biased" : ""));
+      ExpertCase c = make_case(swiglu, DType::f32, {3, 0, 2}, 6, 4, bias);
+      const ExpertResult r = run_experts(c, true);
+      moe::ExpertCache cache = moe::expert_cache_alloc(c.d);
+      moe::ExpertWorkspace ws = moe::expert_workspace_alloc(c.d);
+      Tensor y = Tensor::empty(c.x.shape(), DType::f32);
+      auto loss = [&] {
+        moe::experts_forward(y, c.x, c.probs, c.tpe, c.w, cache, ws, c.d, kCpu);
+        return testing::weighted_sum(y, c.dy);
+      };
+      EXPECT_TENSOR_NEAR(r.dx, testing::numerical_gradient(loss, c.x), 1e-2, 2e-3);
+      EXPECT_TENSOR_NEAR(r.dprobs, testing::numerical_gradient(loss, c.probs), 1e-2, 2e-3);
+      EXPECT_TENSOR_NEAR(r.g.fc1, testing::numerical_gradient(loss, c.w.fc1), 1e-2, 2e-3);
+      EXPECT_TENSOR_NEAR(r.g.fc2, testing::numerical_gradient(loss, c.w.fc2), 1e-2, 2e-3);
+      if (bias) {
+        EXPECT_TENSOR_NEAR(r.g.fc1_bias, testing::numerical_gradient(loss, c.w.fc1_bias), 1e-2, 2e-3);
+        EXPECT_TENSOR_NEAR(r.g.fc2_bias, testing::numerical_gradient(loss, c.w.fc2_bias), 1e-2, 2e-3);
+      }
+    }
 }
 
 // ---- Shared expert -----------------------------------------------------------------------------

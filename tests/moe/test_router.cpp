@@ -112,9 +112,8 @@ TEST(Router, WorkedSoftmaxAfterTopk) {
     r.set_logits(kLogits);
     r.forward();
     // softmax over the two selected logits; token 2 ties 1.5 = 1.5 and takes the lower experts 0, 1.
-    expect_routing(r, {{{1, 0.7310585786}, {0, 0.2689414214}},
-                       {{2, 0.6224593312}, {3, 0.3775406688}},
-                       {{0, 0.5}, {1, 0.5}}});
+    expect_routing(
+        r, {{{1, 0.7310585786}, {0, 0.2689414214}}, {{2, 0.6224593312}, {3, 0.3775406688}}, {{0, 0.5}, {1, 0.5}}});
   });
 }
 
@@ -167,9 +166,8 @@ TEST(Router, WorkedSqrtSoftplus) {
     Router r(c, 3, 4);
     r.set_logits(kLogits);
     r.forward();
-    expect_routing(r, {{{1, 0.5599803737}, {0, 0.4400196263}},
-                       {{2, 0.5209027287}, {3, 0.4790972713}},
-                       {{0, 0.5}, {1, 0.5}}});
+    expect_routing(
+        r, {{{1, 0.5599803737}, {0, 0.4400196263}}, {{2, 0.5209027287}, {3, 0.4790972713}}, {{0, 0.5}, {1, 0.5}}});
   });
 }
 
@@ -192,9 +190,8 @@ TEST(Router, WorkedGroupLimited) {
     r.set_logits({{3.0f, -2.0f, 2.0f, 1.5f}, {1.0f, 2.0f, 0.5f, -1.0f}, {0.5f, 0.5f, 0.5f, 0.5f}});
     r.forward();
     // token 0: plain top-2 would be {0, 2}; group scores 1.0 vs 3.5 keep group 1 only.
-    expect_routing(r, {{{2, 0.6224593312}, {3, 0.3775406688}},
-                       {{1, 0.7310585786}, {0, 0.2689414214}},
-                       {{0, 0.5}, {1, 0.5}}});
+    expect_routing(
+        r, {{{2, 0.6224593312}, {3, 0.3775406688}}, {{1, 0.7310585786}, {0, 0.2689414214}}, {{0, 0.5}, {1, 0.5}}});
   });
 }
 
@@ -310,6 +307,34 @@ TEST(Router, CapacityDropsByProbsAndByPosition) {
   int64_t kept = 0;
   for (int64_t i = 0; i < 8; ++i) kept += rq.cache.topk_kept.data<bool>()[i];
   EXPECT_EQ(kept, 5);
+}
+
+// Megatron's token order with B = 2 sequences of S = 4: token t = s * B + b. Every token picks expert 0 (K = 1,
+// sigmoid), its logit rising with the position; capacity = ceil(8 / 4 * 1) = 2. The position policy keeps the
+// earliest positions across all sequences, position 0 of both (tokens 0 and 1); batch-major order would have
+// kept positions 0 and 1 of sequence 0. The probs policy keeps the last position of both sequences.
+TEST(Router, PositionPolicyKeepsTheEarliestPositionsOfEverySequence) {
+  const int64_t B = 2, S = 4;
+  for (DropPolicy policy : {DropPolicy::position, DropPolicy::probs}) {
+    MoeConfig c = base_config(4, 1);
+    c.score_function = ScoreFunction::sigmoid;
+    c.capacity_factor = 1.0f;
+    c.drop_policy = policy;
+    Router r(c, B * S, 4, B);
+    std::vector<std::vector<float>> z(B * S, std::vector<float>(4, 0.0f));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < S; ++s) z[s * B + b][0] = 1.0f + 0.5f * float(s) + 0.1f * float(b);
+    r.set_logits(z);
+    r.forward();
+    std::vector<std::pair<int64_t, int64_t>> kept;  // (sequence, position)
+    for (int64_t t : column_tokens(r, 0)) kept.push_back({t % B, t / B});
+    using Kept = std::vector<std::pair<int64_t, int64_t>>;
+    if (policy == DropPolicy::position)
+      EXPECT_EQ(kept, (Kept{{0, 0}, {1, 0}}));
+    else
+      EXPECT_EQ(kept, (Kept{{0, 3}, {1, 3}}));
+    EXPECT_EQ(r.stats.dropped, 6);
+  }
 }
 
 TEST(Router, PadToCapacityFillsEveryColumnExactly) {
@@ -434,8 +459,7 @@ void expect_config_error(const MoeConfig& c, std::initializer_list<std::string> 
     c.validate(fp8);
     ADD_FAILURE() << "validate accepted a bad config; expected " << *needles.begin();
   } catch (const Error& e) {
-    for (const std::string& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+    for (const std::string& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
   }
 }
 
@@ -472,8 +496,7 @@ void expect_error(const std::function<void()>& fn, std::initializer_list<std::st
     fn();
     ADD_FAILURE() << "no error thrown; expected one mentioning " << *needles.begin();
   } catch (const Error& e) {
-    for (const std::string& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+    for (const std::string& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
   }
 }
 
@@ -481,27 +504,20 @@ TEST(Router, EntryChecksNameOpShapesAndDtypes) {
   Router r(base_config(4, 2), 5, 3);
   Tensor bad_x = Tensor::zeros({5, 4}, DType::f32, MemCategory::other);
   expect_error(
-      [&] {
-        router_forward(r.probs, r.map, r.stats, bad_x, r.pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCpu);
-      },
+      [&] { router_forward(r.probs, r.map, r.stats, bad_x, r.pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCpu); },
       {"router_forward", "x must have shape [5, 3]", "got [5, 4]"});
   Tensor bad_map = Tensor::zeros({5, 4}, DType::f32, MemCategory::other);
   expect_error(
-      [&] {
-        router_forward(r.probs, bad_map, r.stats, r.x, r.pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCpu);
-      },
+      [&] { router_forward(r.probs, bad_map, r.stats, r.x, r.pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCpu); },
       {"router_forward", "map must be bool", "got f32"});
   Tensor bad_pad = Tensor::zeros({4}, DType::boolean, MemCategory::other);
   expect_error(
-      [&] {
-        router_forward(r.probs, r.map, r.stats, r.x, bad_pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCpu);
-      },
+      [&] { router_forward(r.probs, r.map, r.stats, r.x, bad_pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCpu); },
       {"router_forward", "padding_mask", "[5]"});
   MoeConfig f64 = r.cfg;
   f64.router_dtype = DType::f64;  // the cache was allocated for f32
-  expect_error(
-      [&] { router_forward(r.probs, r.map, r.stats, r.x, r.pad, r.w, r.st, r.cache, r.d, f64, true, kCpu); },
-      {"router_forward", "cache.logits must be f64"});
+  expect_error([&] { router_forward(r.probs, r.map, r.stats, r.x, r.pad, r.w, r.st, r.cache, r.d, f64, true, kCpu); },
+               {"router_forward", "cache.logits must be f64"});
   r.forward();
   Tensor dx = Tensor::zeros({5, 3}, DType::f32, MemCategory::other);
   Tensor dw = Tensor::zeros({4, 3}, DType::f32, MemCategory::other);
@@ -557,8 +573,7 @@ TEST(Router, ForcedBalancingUsesRandomLogitsWithStraightThroughGradient) {
   EXPECT_GT(lo, 4);  // random logits spread 128 routes over 8 experts
   EXPECT_LT(hi, 32);
   for (int64_t i = 0; i < 64 * 8; i += 37)
-    EXPECT_EQ(r.cache.logits.data<float>()[i],
-              philox_normal(philox_key(c.seed, "router.force_load_balancing"), i));
+    EXPECT_EQ(r.cache.logits.data<float>()[i], philox_normal(philox_key(c.seed, "router.force_load_balancing"), i));
   Tensor dx = Tensor::zeros({64, 4}, DType::f32, MemCategory::other);
   Tensor dw = Tensor::zeros({8, 4}, DType::f32, MemCategory::other);
   Tensor dp = testing::randn({64, 8}, "test.router.dp");
@@ -632,8 +647,7 @@ TEST(Router, ResultsDoNotDependOnThreadCount) {
       r.forward();
       Tensor dx = Tensor::zeros({2048, 16}, DType::f32, MemCategory::other);
       Tensor dw = Tensor::zeros({16, 16}, DType::f32, MemCategory::other);
-      router_backward(dx, dw, testing::randn({2048, 16}, "test.router.dp"), r.x, r.w, r.cache, r.d, r.cfg,
-                      1.0f, kCpu);
+      router_backward(dx, dw, testing::randn({2048, 16}, "test.router.dp"), r.x, r.w, r.cache, r.d, r.cfg, 1.0f, kCpu);
       std::vector<const Tensor*> checked = {
           &r.probs, &r.map, &r.cache.logits, &r.cache.x_jittered, &r.cache.dlogits_loss, &r.cache.dlogits};
       if (rd == DType::f64) checked.insert(checked.end(), {&dx, &dw});
@@ -643,8 +657,7 @@ TEST(Router, ResultsDoNotDependOnThreadCount) {
         all.insert(all.end(), p, p + t->nbytes());
       }
       const double wl = r.stats.weighted_loss;
-      all.insert(all.end(), reinterpret_cast<const char*>(&wl),
-                 reinterpret_cast<const char*>(&wl) + sizeof wl);
+      all.insert(all.end(), reinterpret_cast<const char*>(&wl), reinterpret_cast<const char*>(&wl) + sizeof wl);
       outs.push_back(all);
     }
     omp_set_num_threads(saved);

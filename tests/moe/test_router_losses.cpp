@@ -46,8 +46,8 @@ struct Router {
   }
 };
 
-MoeConfig loss_config(std::vector<LoadBalancing> types, std::vector<float> coeffs, int64_t E = 6,
-                      int64_t K = 2, DType rd = DType::f64) {
+MoeConfig loss_config(std::vector<LoadBalancing> types, std::vector<float> coeffs, int64_t E = 6, int64_t K = 2,
+                      DType rd = DType::f64) {
   MoeConfig c;
   c.num_experts = E;
   c.router_topk = K;
@@ -61,6 +61,14 @@ MoeConfig loss_config(std::vector<LoadBalancing> types, std::vector<float> coeff
 void copy_rows(Router& dst, const Router& src, int64_t t0) {
   dst.w.weight.copy_from(src.w.weight);
   dst.x.copy_from(src.x.slice(0, t0, t0 + dst.d.T));
+}
+
+// Copies the first dst.T positions of sequence b of src (tokens are sequence-major: t = s * B + b, so the
+// sequence is the rows b, b + B, b + 2B, ...) into a one-sequence router with the same weight.
+void copy_sequence(Router& dst, const Router& src, int64_t b) {
+  dst.w.weight.copy_from(src.w.weight);
+  for (int64_t s = 0; s < dst.d.T; ++s)
+    dst.x.slice(0, s, s + 1).copy_from(src.x.slice(0, s * src.d.B + b, s * src.d.B + b + 1));
 }
 
 TEST(RouterLosses, WorkedAuxAndZLoss) {
@@ -81,9 +89,8 @@ TEST(RouterLosses, WorkedAuxAndZLoss) {
 
 TEST(RouterLosses, UniformRouterGivesExactlyOne) {
   for (ScoreFunction sf : {ScoreFunction::softmax, ScoreFunction::sigmoid, ScoreFunction::sqrtsoftplus}) {
-    MoeConfig c =
-        loss_config({LoadBalancing::aux_loss, LoadBalancing::seq_aux_loss, LoadBalancing::global_aux_loss},
-                    {1.0f, 2.0f, 3.0f}, 8, 2, DType::f32);
+    MoeConfig c = loss_config({LoadBalancing::aux_loss, LoadBalancing::seq_aux_loss, LoadBalancing::global_aux_loss},
+                              {1.0f, 2.0f, 3.0f}, 8, 2, DType::f32);
     c.score_function = sf;
     c.pre_softmax = true;
     c.z_loss_coeff = 1e-3f;
@@ -130,13 +137,15 @@ TEST(RouterLosses, SeqAuxIsMeanOfPerSequenceAux) {
   s.randomize(5);
   s.forward();
   double mean = 0;
-  std::vector<double> grad;
+  std::vector<double> grad(8 * 6);
   for (int64_t b = 0; b < 2; ++b) {
     Router a(ca, 4, 5);
-    copy_rows(a, s, 4 * b);
+    copy_sequence(a, s, b);  // sequence b = tokens b, b + 2, b + 4, b + 6 (Megatron's [S, B] order)
     a.forward();
     mean += a.stats.aux_loss / 2;
-    for (double g : a.dlogits_loss()) grad.push_back(g / 2);  // each sequence's loss enters with weight 1/B
+    const std::vector<double> ga = a.dlogits_loss();
+    for (int64_t pos = 0; pos < 4; ++pos)  // each sequence's loss enters with weight 1/B
+      for (int64_t e = 0; e < 6; ++e) grad[(pos * 2 + b) * 6 + e] = ga[pos * 6 + e] / 2;
   }
   EXPECT_NEAR(s.stats.seq_aux_loss, mean, 1e-14);
   const std::vector<double> got = s.dlogits_loss();
@@ -198,9 +207,8 @@ TEST(RouterLosses, GlobalAuxAccumulatesAcrossMicroBatchesAndResets) {
 
 TEST(RouterLosses, PaddingEqualsTruncation) {
   for (DType rd : {DType::f64, DType::f32}) {
-    MoeConfig c =
-        loss_config({LoadBalancing::aux_loss, LoadBalancing::seq_aux_loss, LoadBalancing::global_aux_loss},
-                    {0.5f, 1.0f, 2.0f}, 6, 2, rd);
+    MoeConfig c = loss_config({LoadBalancing::aux_loss, LoadBalancing::seq_aux_loss, LoadBalancing::global_aux_loss},
+                              {0.5f, 1.0f, 2.0f}, 6, 2, rd);
     c.score_function = ScoreFunction::sigmoid;
     c.z_loss_coeff = 0.1f;
     Router full(c, 8, 5), cut(c, 5, 5);
@@ -226,12 +234,12 @@ TEST(RouterLosses, SeqAuxWithPaddingUsesAverageValidLength) {
   Router r(c, 8, 5, 2);
   r.randomize(10);
   r.pad = Tensor::zeros({8}, DType::boolean, MemCategory::other);
-  r.pad.data<bool>()[3] = true;  // sequence 0 has 3 valid tokens, sequence 1 has 4: N = 3.5 for both
+  r.pad.data<bool>()[6] = true;  // position 3 of sequence 0 (t = 3 * B + 0): 3 and 4 valid tokens, N = 3.5
   r.forward();
   double expect = 0;
   for (int64_t b = 0; b < 2; ++b) {
     Router one(loss_config({LoadBalancing::aux_loss}, {1.0f}), b == 0 ? 3 : 4, 5);
-    copy_rows(one, r, 4 * b);
+    copy_sequence(one, r, b);
     one.forward();
     std::vector<double> P, cnt;
     aux_pieces(one, P, cnt);
@@ -310,12 +318,13 @@ struct FdHarness {
   }
 };
 
-void fd_check(const MoeConfig& cfg, bool padding, const std::string& label, float h = 1e-3f,
-              double rtol = 1e-4, double atol = 1e-6) {
+void fd_check(const MoeConfig& cfg, bool padding, const std::string& label, float h = 1e-3f, double rtol = 1e-4,
+              double atol = 1e-6, bool router_bias = false) {
   SCOPED_TRACE(label);
   const int64_t T = 6, H = 5, B = 2;
   Router r(cfg, T, H, B);
   r.randomize(41);
+  if (router_bias) r.w.bias = testing::randn({cfg.num_experts}, "test.router.linear_bias", 0.5f);
   if (cfg.enable_expert_bias) rng_fill_normal(r.st.expert_bias, 42, "test.router.bias", 0.0f, 0.3f);
   if (padding) {
     r.pad = Tensor::zeros({T}, DType::boolean, MemCategory::other);
@@ -331,10 +340,12 @@ void fd_check(const MoeConfig& cfg, bool padding, const std::string& label, floa
   fd.objective(nullptr);
   Tensor dx = Tensor::zeros({T, H}, DType::f32, MemCategory::other);
   Tensor dw = Tensor::zeros({cfg.num_experts, H}, DType::f32, MemCategory::other);
-  router_backward(dx, dw, fd.Rm, r.x, r.w, r.cache, r.d, r.cfg, fd.scale, kCpu);
+  Tensor db = router_bias ? Tensor::zeros({cfg.num_experts}, DType::f32, MemCategory::other) : Tensor();
+  router_backward(dx, dw, db, fd.Rm, r.x, r.w, r.cache, r.d, r.cfg, fd.scale, kCpu);
   EXPECT_GT(ops::sum_squares(dw, kCpu), 0.0);
   fd.check(r.x, dx, "dx", h, rtol, atol);
   fd.check(r.w.weight, dw, "dweight", h, rtol, atol);
+  if (router_bias) fd.check(r.w.bias, db, "dbias", h, rtol, atol);
 }
 
 struct Variant {
@@ -346,14 +357,11 @@ const Variant kRouting[] = {
     {"softmax_pre", [](MoeConfig& c) { c.pre_softmax = true; }},
     {"softmax_post_groups", [](MoeConfig& c) { c.num_groups = 3, c.group_topk = 2; }},
     {"softmax_pre_groups_scaled",
-     [](MoeConfig& c) {
-       c.pre_softmax = true, c.num_groups = 3, c.group_topk = 2, c.topk_scaling_factor = 2.5f;
-     }},
+     [](MoeConfig& c) { c.pre_softmax = true, c.num_groups = 3, c.group_topk = 2, c.topk_scaling_factor = 2.5f; }},
     {"sigmoid", [](MoeConfig& c) { c.score_function = ScoreFunction::sigmoid; }},
     {"sigmoid_bias_groups",
      [](MoeConfig& c) {
-       c.score_function = ScoreFunction::sigmoid, c.enable_expert_bias = true, c.num_groups = 2,
-       c.group_topk = 1;
+       c.score_function = ScoreFunction::sigmoid, c.enable_expert_bias = true, c.num_groups = 2, c.group_topk = 1;
      }},
     {"sigmoid_k1", [](MoeConfig& c) { c.score_function = ScoreFunction::sigmoid, c.router_topk = 1; }},
     {"sqrtsoftplus_bias",
@@ -365,8 +373,7 @@ const Variant kRouting[] = {
     {"softmax_pre_capacity_probs", [](MoeConfig& c) { c.pre_softmax = true, c.capacity_factor = 0.6f; }},
     {"sigmoid_pad_capacity_position_aligned",
      [](MoeConfig& c) {
-       c.score_function = ScoreFunction::sigmoid, c.capacity_factor = 0.6f,
-       c.drop_policy = DropPolicy::position;
+       c.score_function = ScoreFunction::sigmoid, c.capacity_factor = 0.6f, c.drop_policy = DropPolicy::position;
        c.pad_expert_input_to_capacity = true, c.router_padding_alignment = 4;
      }},
 };
@@ -408,6 +415,47 @@ TEST(RouterGradients, FiniteDifferencesSinkhorn) {
       MoeConfig c = loss_config({LoadBalancing::sinkhorn}, {0.0f}, 6, K);
       c.z_loss_coeff = z;
       fd_check(c, z > 0, "sinkhorn k=" + std::to_string(K) + " z=" + std::to_string(z));
+    }
+  }
+}
+
+// The router's linear bias (Megatron's add_bias_linear): logits = x W^T + b, dbias = column sums of dlogits.
+TEST(RouterGradients, FiniteDifferencesWithLinearBias) {
+  MoeConfig c = loss_config({LoadBalancing::aux_loss, LoadBalancing::seq_aux_loss}, {0.3f, 0.5f});
+  c.z_loss_coeff = 0.05f;
+  fd_check(c, true, "softmax + aux + seq_aux + z, biased", 1e-3f, 1e-4, 1e-6, true);
+  c.score_function = ScoreFunction::sigmoid;
+  c.enable_expert_bias = true;
+  c.capacity_factor = 0.6f;
+  fd_check(c, false, "sigmoid + expert bias + capacity, biased", 1e-3f, 1e-4, 1e-6, true);
+}
+
+// A bias shifts the logits: routing x with bias b equals routing with a weight column that reads a constant
+// input feature set to 1 (fp32 and fp64 routers; fp32 sums may round differently: 1e-6).
+TEST(RouterGradients, LinearBiasEqualsAConstantInputFeature) {
+  for (DType rd : {DType::f64, DType::f32}) {
+    MoeConfig c = loss_config({LoadBalancing::aux_loss}, {0.3f}, 6, 2, rd);
+    Router a(c, 7, 5), b(c, 7, 6);
+    a.randomize(45);
+    a.w.bias = testing::randn({6}, "test.router.linear_bias", 0.5f);
+    for (int64_t t = 0; t < 7; ++t)
+      for (int64_t j = 0; j < 6; ++j) b.x.data<float>()[t * 6 + j] = j < 5 ? a.x.data<float>()[t * 5 + j] : 1.0f;
+    for (int64_t e = 0; e < 6; ++e)
+      for (int64_t j = 0; j < 6; ++j)
+        b.w.weight.data<float>()[e * 6 + j] = j < 5 ? a.w.weight.data<float>()[e * 5 + j] : a.w.bias.data<float>()[e];
+    a.forward();
+    b.forward();
+    EXPECT_TENSOR_NEAR(a.probs, b.probs, 1e-6, 1e-7);
+    EXPECT_NEAR(a.stats.aux_loss, b.stats.aux_loss, 1e-6);
+    Tensor dp = testing::randn({7, 6}, "test.router.dp");
+    Tensor dxa = Tensor::zeros({7, 5}, DType::f32), dwa = Tensor::zeros({6, 5}, DType::f32);
+    Tensor dba = Tensor::zeros({6}, DType::f32);
+    Tensor dxb = Tensor::zeros({7, 6}, DType::f32), dwb = Tensor::zeros({6, 6}, DType::f32);
+    router_backward(dxa, dwa, dba, dp, a.x, a.w, a.cache, a.d, a.cfg, 1.0f, kCpu);
+    router_backward(dxb, dwb, dp, b.x, b.w, b.cache, b.d, b.cfg, 1.0f, kCpu);
+    for (int64_t e = 0; e < 6; ++e) {
+      EXPECT_NEAR(dba.data<float>()[e], dwb.data<float>()[e * 6 + 5], 1e-6) << e;
+      for (int64_t j = 0; j < 5; ++j) EXPECT_NEAR(dwa.data<float>()[e * 5 + j], dwb.data<float>()[e * 6 + j], 1e-6);
     }
   }
 }

@@ -21,7 +21,8 @@ const Tensor& need(const std::map<std::string, Tensor>& in, const std::string& n
   auto it = in.find(name);
   if (it == in.end()) MOECORE_FAIL("moe-layer: input tensor '", name, "' is missing (expected ", shape.str(), ")");
   if (!(it->second.shape() == shape))
-    MOECORE_FAIL("moe-layer: input tensor '", name, "' has shape ", it->second.shape().str(), ", expected ", shape.str());
+    MOECORE_FAIL("moe-layer: input tensor '", name, "' has shape ", it->second.shape().str(), ", expected ",
+                 shape.str());
   return it->second;
 }
 
@@ -40,18 +41,38 @@ MoeLayerCase moe_layer_case_parse(const std::string& text) {
   } catch (const json::exception& e) {
     MOECORE_FAIL("moe-layer: config is not valid JSON: ", e.what());
   }
-  static const std::set<std::string> known = {
-      "hidden_size", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "micro_batch_size",
-      "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_score_function",
-      "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_router_num_groups",
-      "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_expert_capacity_factor", "moe_token_drop_policy",
-      "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-      "gated_linear_unit", "params_dtype", "aux_grad_scale", "moe_input_jitter_eps"};
+  static const std::set<std::string> known = {"hidden_size",
+                                              "num_moe_experts",
+                                              "moe_ffn_hidden_size",
+                                              "moe_router_topk",
+                                              "micro_batch_size",
+                                              "moe_router_load_balancing_type",
+                                              "moe_aux_loss_coeff",
+                                              "moe_z_loss_coeff",
+                                              "moe_router_score_function",
+                                              "moe_router_pre_softmax",
+                                              "moe_router_topk_scaling_factor",
+                                              "moe_router_dtype",
+                                              "moe_router_num_groups",
+                                              "moe_router_group_topk",
+                                              "moe_router_enable_expert_bias",
+                                              "moe_expert_capacity_factor",
+                                              "moe_token_drop_policy",
+                                              "moe_pad_expert_input_to_capacity",
+                                              "moe_shared_expert_intermediate_size",
+                                              "moe_shared_expert_gate",
+                                              "gated_linear_unit",
+                                              "params_dtype",
+                                              "aux_grad_scale",
+                                              "moe_input_jitter_eps",
+                                              "add_bias_linear"};
   for (const auto& [k, v] : j.items())
     if (!known.count(k)) MOECORE_FAIL("moe-layer: unknown config key '", k, "'");
   MoeLayerCase c;
   moe::MoeConfig& m = c.cfg;
-  auto get = [&](const char* k, auto def) { return j.contains(k) && !j[k].is_null() ? j[k].get<decltype(def)>() : def; };
+  auto get = [&](const char* k, auto def) {
+    return j.contains(k) && !j[k].is_null() ? j[k].get<decltype(def)>() : def;
+  };
   c.H = get("hidden_size", int64_t{0});
   m.num_experts = get("num_moe_experts", int64_t{0});
   c.F = get("moe_ffn_hidden_size", int64_t{0});
@@ -88,7 +109,14 @@ MoeLayerCase moe_layer_case_parse(const std::string& text) {
   if (pd != "fp32" && pd != "bf16") MOECORE_FAIL("moe-layer: params_dtype '", pd, "' is not fp32 or bf16");
   c.compute = pd == "bf16" ? DType::bf16 : DType::f32;
   c.aux_grad_scale = get("aux_grad_scale", 1.0f);
-  if (c.H <= 0 || c.F <= 0) MOECORE_FAIL("moe-layer: hidden_size (", c.H, ") and moe_ffn_hidden_size (", c.F, ") must be set");
+  c.add_bias_linear = get("add_bias_linear", false);
+  if (c.add_bias_linear && c.Fs > 0)
+    MOECORE_FAIL(
+        "moe-layer: add_bias_linear is not supported with shared experts (Megatron's SharedExpertMLP "
+        "asserts add_bias_linear == False); unset moe_shared_expert_intermediate_size (",
+        c.Fs, ")");
+  if (c.H <= 0 || c.F <= 0)
+    MOECORE_FAIL("moe-layer: hidden_size (", c.H, ") and moe_ffn_hidden_size (", c.F, ") must be set");
   m.validate();
   if (!m.enabled()) MOECORE_FAIL("moe-layer: num_moe_experts must be positive");
   return c;
@@ -113,6 +141,11 @@ std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const st
   w.router = {router, compute(router)};
   w.experts = {compute(need(in, "param.experts.linear_fc1.weight", {E, fc1, H})),
                compute(need(in, "param.experts.linear_fc2.weight", {E, H, F}))};
+  if (c.add_bias_linear) {
+    w.router.bias = f32(need(in, "param.router.bias", {E}));
+    w.experts.fc1_bias = f32(need(in, "param.experts.linear_fc1.bias", {E, fc1}));
+    w.experts.fc2_bias = f32(need(in, "param.experts.linear_fc2.bias", {E, H}));
+  }
   if (Fs > 0) {
     w.shared.fc1 = compute(need(in, "param.shared_experts.linear_fc1.weight", {sfc1, H}));
     w.shared.fc2 = compute(need(in, "param.shared_experts.linear_fc2.weight", {H, Fs}));
@@ -125,6 +158,11 @@ std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const st
   g.router = Tensor::zeros({E, H}, DType::f32, MemCategory::gradients);
   g.experts = {Tensor::zeros({E, fc1, H}, DType::f32, MemCategory::gradients),
                Tensor::zeros({E, H, F}, DType::f32, MemCategory::gradients)};
+  if (c.add_bias_linear) {
+    g.router_bias = Tensor::zeros({E}, DType::f32, MemCategory::gradients);
+    g.experts.fc1_bias = Tensor::zeros({E, fc1}, DType::f32, MemCategory::gradients);
+    g.experts.fc2_bias = Tensor::zeros({E, H}, DType::f32, MemCategory::gradients);
+  }
   if (Fs > 0) {
     g.shared.fc1 = Tensor::zeros({sfc1, H}, DType::f32, MemCategory::gradients);
     g.shared.fc2 = Tensor::zeros({H, Fs}, DType::f32, MemCategory::gradients);
@@ -154,6 +192,11 @@ std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const st
   out["grad.param.router.weight"] = g.router;
   out["grad.param.experts.linear_fc1.weight"] = g.experts.fc1;
   out["grad.param.experts.linear_fc2.weight"] = g.experts.fc2;
+  if (c.add_bias_linear) {
+    out["grad.param.router.bias"] = g.router_bias;
+    out["grad.param.experts.linear_fc1.bias"] = g.experts.fc1_bias;
+    out["grad.param.experts.linear_fc2.bias"] = g.experts.fc2_bias;
+  }
   if (Fs > 0) {
     out["grad.param.shared_experts.linear_fc1.weight"] = g.shared.fc1;
     out["grad.param.shared_experts.linear_fc2.weight"] = g.shared.fc2;

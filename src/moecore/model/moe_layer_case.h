@@ -1,6 +1,6 @@
 // One MoE layer run as a self-contained case, for comparing moecore with other implementations
 // (`moecore moe-layer`, docs/moe-layer-golden.md): a Megatron-style JSON config plus named input tensors in,
-// the output, routing decisions, losses and every gradient out.
+// the output, routing decisions, losses and every gradient out. Tokens are in Megatron's order, t = s * B + b.
 #pragma once
 #include <map>
 #include <string>
@@ -14,6 +14,7 @@ struct MoeLayerCase {
   int64_t H = 0, F = 0, Fs = 0, B = 1;
   DType compute = DType::f32;
   float aux_grad_scale = 1.0f;
+  bool add_bias_linear = false;  // router, fc1 and fc2 biases (Megatron's add_bias_linear; false by default here)
 };
 
 // Parses layer.json (keys as in docs/moe-layer-golden.md); unknown keys are rejected by name.

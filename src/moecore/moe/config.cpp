@@ -12,11 +12,16 @@ namespace moecore::moe {
 
 const char* load_balancing_name(LoadBalancing t) {
   switch (t) {
-    case LoadBalancing::aux_loss: return "aux_loss";
-    case LoadBalancing::seq_aux_loss: return "seq_aux_loss";
-    case LoadBalancing::global_aux_loss: return "global_aux_loss";
-    case LoadBalancing::sinkhorn: return "sinkhorn";
-    case LoadBalancing::none: return "none";
+    case LoadBalancing::aux_loss:
+      return "aux_loss";
+    case LoadBalancing::seq_aux_loss:
+      return "seq_aux_loss";
+    case LoadBalancing::global_aux_loss:
+      return "global_aux_loss";
+    case LoadBalancing::sinkhorn:
+      return "sinkhorn";
+    case LoadBalancing::none:
+      return "none";
   }
   return "?";
 }
@@ -56,8 +61,9 @@ void MoeConfig::validate(bool fp8) const {
     MOECORE_FAIL("--moe-router-topk (", router_topk, ") must lie in [1, --num-experts (", num_experts, ")]");
   if (load_balancing_type.empty()) MOECORE_FAIL("--moe-router-load-balancing-type needs at least one type");
   if (aux_loss_coeff.size() != 1 && aux_loss_coeff.size() != load_balancing_type.size())
-    MOECORE_FAIL("--moe-aux-loss-coeff has ", aux_loss_coeff.size(), " values but --moe-router-load-balancing-type has ",
-                 load_balancing_type.size(), " types (give one coefficient, or one per type)");
+    MOECORE_FAIL("--moe-aux-loss-coeff has ", aux_loss_coeff.size(),
+                 " values but --moe-router-load-balancing-type has ", load_balancing_type.size(),
+                 " types (give one coefficient, or one per type)");
   for (float c : aux_loss_coeff)
     if (c < 0) MOECORE_FAIL("--moe-aux-loss-coeff (", c, ") must not be negative");
   if (z_loss_coeff < 0) MOECORE_FAIL("--moe-z-loss-coeff (", z_loss_coeff, ") must not be negative");
@@ -79,8 +85,9 @@ void MoeConfig::validate(bool fp8) const {
                    ", --moe-router-enable-expert-bias or --moe-router-num-groups");
   }
   if (router_topk == 1 && score_function == ScoreFunction::softmax && !pre_softmax && !sinkhorn)
-    MOECORE_FAIL("--moe-router-topk 1 with softmax after top-k gives every token weight 1; use "
-                 "--moe-router-pre-softmax (as Megatron requires)");
+    MOECORE_FAIL(
+        "--moe-router-topk 1 with softmax after top-k gives every token weight 1; use "
+        "--moe-router-pre-softmax (as Megatron requires)");
   if (num_groups > 0 || group_topk > 0) {
     if (num_groups <= 0 || group_topk <= 0)
       MOECORE_FAIL("--moe-router-num-groups (", num_groups, ") and --moe-router-group-topk (", group_topk,
@@ -97,11 +104,11 @@ void MoeConfig::validate(bool fp8) const {
                    ") groups of ", num_experts / num_groups);
   }
   if (enable_expert_bias && score_function == ScoreFunction::softmax)
-    MOECORE_FAIL("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or sqrtsoftplus, "
-                 "not softmax");
+    MOECORE_FAIL(
+        "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or sqrtsoftplus, "
+        "not softmax");
   if (bias_update_rate < 0) MOECORE_FAIL("--moe-router-bias-update-rate (", bias_update_rate, ") must not be negative");
-  if (router_dtype != DType::f32 && router_dtype != DType::f64)
-    MOECORE_FAIL("--moe-router-dtype must be fp32 or fp64");
+  if (router_dtype != DType::f32 && router_dtype != DType::f64) MOECORE_FAIL("--moe-router-dtype must be fp32 or fp64");
   if (pad_expert_input_to_capacity && capacity_factor <= 0)
     MOECORE_FAIL("--moe-pad-expert-input-to-capacity requires --moe-expert-capacity-factor");
   if (router_padding_alignment > 0 && !fp8)
@@ -132,7 +139,8 @@ std::vector<bool> moe_layer_pattern(const std::string& freq, int64_t num_layers)
     std::stringstream ss(s.substr(1, s.size() - 2));
     std::string item;
     while (std::getline(ss, item, ',')) {
-      if (item != "0" && item != "1") MOECORE_FAIL("--moe-layer-freq '", freq, "': list entries must be 0 or 1, got '", item, "'");
+      if (item != "0" && item != "1")
+        MOECORE_FAIL("--moe-layer-freq '", freq, "': list entries must be 0 or 1, got '", item, "'");
       out.push_back(item == "1");
     }
     if (static_cast<int64_t>(out.size()) != num_layers)
@@ -141,7 +149,8 @@ std::vector<bool> moe_layer_pattern(const std::string& freq, int64_t num_layers)
   }
   char* end = nullptr;
   const long n = std::strtol(s.c_str(), &end, 10);
-  if (s.empty() || *end || n <= 0) MOECORE_FAIL("--moe-layer-freq '", freq, "' must be a positive integer or a 0/1 list");
+  if (s.empty() || *end || n <= 0)
+    MOECORE_FAIL("--moe-layer-freq '", freq, "' must be a positive integer or a 0/1 list");
   for (int64_t i = 0; i < num_layers; ++i) out.push_back(i % n == 0);
   return out;
 }

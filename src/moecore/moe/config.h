@@ -15,40 +15,40 @@ enum class LoadBalancing : uint8_t { aux_loss, seq_aux_loss, global_aux_loss, si
 enum class DropPolicy : uint8_t { probs, position };
 
 struct MoeConfig {
-  int64_t num_experts = 0;              // --num-experts: E routed experts (0: dense model)
-  int64_t ffn_hidden_size = 0;          // --moe-ffn-hidden-size: F per expert (0: the model's ffn size)
-  int64_t router_topk = 2;              // --moe-router-topk: K experts per token
+  int64_t num_experts = 0;      // --num-experts: E routed experts (0: dense model)
+  int64_t ffn_hidden_size = 0;  // --moe-ffn-hidden-size: F per expert (0: the model's ffn size)
+  int64_t router_topk = 2;      // --moe-router-topk: K experts per token
   std::vector<LoadBalancing> load_balancing_type{LoadBalancing::aux_loss};  // --moe-router-load-balancing-type
-  std::vector<float> aux_loss_coeff{0.0f};  // --moe-aux-loss-coeff: one per type, or one for all
-  float z_loss_coeff = 0.0f;            // --moe-z-loss-coeff (0: off; 1e-3 is typical)
-  float input_jitter_eps = 0.0f;        // --moe-input-jitter-eps: x *= U(1-eps, 1+eps) (0: off)
+  std::vector<float> aux_loss_coeff{0.0f};                // --moe-aux-loss-coeff: one per type, or one for all
+  float z_loss_coeff = 0.0f;                              // --moe-z-loss-coeff (0: off; 1e-3 is typical)
+  float input_jitter_eps = 0.0f;                          // --moe-input-jitter-eps: x *= U(1-eps, 1+eps) (0: off)
   ScoreFunction score_function = ScoreFunction::softmax;  // --moe-router-score-function
-  bool pre_softmax = false;             // --moe-router-pre-softmax: softmax over all E before top-k
-  float topk_scaling_factor = 0.0f;     // --moe-router-topk-scaling-factor (0: none)
-  DType router_dtype = DType::f32;      // --moe-router-dtype fp32|fp64: logits and probs precision
-  int64_t num_groups = 0;               // --moe-router-num-groups: expert groups for group-limited top-k (0: off)
-  int64_t group_topk = 0;               // --moe-router-group-topk: groups each token may use
-  bool enable_expert_bias = false;      // --moe-router-enable-expert-bias (aux-loss-free balancing)
-  float bias_update_rate = 1e-3f;       // --moe-router-bias-update-rate
-  bool force_load_balancing = false;    // --moe-router-force-load-balancing: random logits (benchmarks)
-  float capacity_factor = 0.0f;         // --moe-expert-capacity-factor (<= 0: dropless)
-  DropPolicy drop_policy = DropPolicy::probs;  // --moe-token-drop-policy
-  bool pad_expert_input_to_capacity = false;   // --moe-pad-expert-input-to-capacity
-  int64_t router_padding_alignment = 0; // --moe-router-padding-for-fp8 sets 16 (32 for MXFP8); 0: off
-  bool grouped_gemm = true;             // --moe-grouped-gemm (false: the sequential per-expert reference)
+  bool pre_softmax = false;                               // --moe-router-pre-softmax: softmax over all E before top-k
+  float topk_scaling_factor = 0.0f;                       // --moe-router-topk-scaling-factor (0: none)
+  DType router_dtype = DType::f32;                        // --moe-router-dtype fp32|fp64: logits and probs precision
+  int64_t num_groups = 0;             // --moe-router-num-groups: expert groups for group-limited top-k (0: off)
+  int64_t group_topk = 0;             // --moe-router-group-topk: groups each token may use
+  bool enable_expert_bias = false;    // --moe-router-enable-expert-bias (aux-loss-free balancing)
+  float bias_update_rate = 1e-3f;     // --moe-router-bias-update-rate
+  bool force_load_balancing = false;  // --moe-router-force-load-balancing: random logits (benchmarks)
+  float capacity_factor = 0.0f;       // --moe-expert-capacity-factor (<= 0: dropless)
+  DropPolicy drop_policy = DropPolicy::probs;   // --moe-token-drop-policy
+  bool pad_expert_input_to_capacity = false;    // --moe-pad-expert-input-to-capacity
+  int64_t router_padding_alignment = 0;         // --moe-router-padding-for-fp8 sets 16 (32 for MXFP8); 0: off
+  bool grouped_gemm = true;                     // --moe-grouped-gemm (false: the sequential per-expert reference)
   int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0: none)
-  bool shared_expert_gate = false;      // --moe-shared-expert-gate: sigmoid(x . g) scales the shared output
-  bool swiglu = true;                   // expert activation: SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
-  uint64_t seed = 1234;                 // jitter / forced-balancing stream seed
+  bool shared_expert_gate = false;              // --moe-shared-expert-gate: sigmoid(x . g) scales the shared output
+  bool swiglu = true;                           // expert activation: SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
+  uint64_t seed = 1234;                         // jitter / forced-balancing stream seed
 
   bool enabled() const { return num_experts > 0; }
   bool uses(LoadBalancing t) const;
-  float coeff(LoadBalancing t) const;   // the coefficient of type t (0 when t is not configured)
+  float coeff(LoadBalancing t) const;  // the coefficient of type t (0 when t is not configured)
   // Throws Error naming the flags and values. fp8 tells whether FP8 training is on (router padding needs it).
   void validate(bool fp8 = false) const;
 };
 
-const char* load_balancing_name(LoadBalancing t);   // "aux_loss", ...
+const char* load_balancing_name(LoadBalancing t);  // "aux_loss", ...
 LoadBalancing parse_load_balancing(const std::string& s);
 ScoreFunction parse_score_function(const std::string& s);
 

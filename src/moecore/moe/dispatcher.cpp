@@ -10,7 +10,6 @@
 namespace moecore::moe {
 namespace {
 
-
 template <class Fn>
 decltype(auto) with_float(DType t, Fn&& fn) {
   if (t == DType::bf16) return fn(bf16{});
@@ -58,8 +57,7 @@ void check_plan(const char* op, const DispatchPlan& plan) {
 
 }  // namespace
 
-int64_t dispatch_max_rows(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity,
-                          int64_t alignment) {
+int64_t dispatch_max_rows(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity, int64_t alignment) {
   if (T < 0 || E <= 0 || K <= 0 || K > E)
     MOECORE_FAIL("dispatch_max_rows: need T >= 0 and 0 < K <= E, got T ", T, ", E ", E, ", K ", K);
   // A token meets an expert at most once, so no expert holds more than T rows.
@@ -100,18 +98,21 @@ DispatcherKind parse_dispatcher_kind(const std::string& s) {
 
 const char* dispatcher_kind_name(DispatcherKind k) {
   switch (k) {
-    case DispatcherKind::local: return "local";
-    case DispatcherKind::alltoall: return "alltoall";
-    case DispatcherKind::allgather: return "allgather";
+    case DispatcherKind::local:
+      return "local";
+    case DispatcherKind::alltoall:
+      return "alltoall";
+    case DispatcherKind::allgather:
+      return "allgather";
   }
   return "?";
 }
 
-int64_t dispatch_max_rows_ep(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity,
-                             int64_t alignment, int64_t ep) {
+int64_t dispatch_max_rows_ep(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity, int64_t alignment,
+                             int64_t ep) {
   if (ep <= 0 || E % ep != 0)
-    MOECORE_FAIL("dispatch_max_rows_ep: the number of experts (", E, ") must be divisible by the expert-parallel size (",
-                 ep, ")");
+    MOECORE_FAIL("dispatch_max_rows_ep: the number of experts (", E,
+                 ") must be divisible by the expert-parallel size (", ep, ")");
   if (ep == 1) return dispatch_max_rows(T, E, K, capacity, pad_to_capacity, alignment);
   if (alignment > 1)
     MOECORE_FAIL("dispatch_max_rows_ep: router padding (alignment ", alignment,
@@ -175,8 +176,8 @@ DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_
 
 std::vector<Tensor*> dispatch_scratch_tensors(DispatchBuffers& b) {
   EpBuffers& p = b.ep;
-  return {&b.expert_out, &b.dpermuted, &b.dexpert_in, &b.dpermuted_probs, &p.send_x, &p.send_f, &p.send_p,
-          &p.stage_x, &p.stage_f, &p.stage_p, &p.gx, &p.gprobs, &p.gy, &p.gdprobs, &p.ty};
+  return {&b.expert_out, &b.dpermuted, &b.dexpert_in, &b.dpermuted_probs, &p.send_x, &p.send_f,  &p.send_p, &p.stage_x,
+          &p.stage_f,    &p.stage_p,   &p.gx,         &p.gprobs,          &p.gy,     &p.gdprobs, &p.ty};
 }
 
 // Serial on purpose: two sweeps over a [T, E] bool map are ~0.1% of the layer, and the token-major sweep
@@ -193,16 +194,14 @@ void dispatch_plan_build(DispatchPlan& plan, const Tensor& map, const ops::Conte
   for (int64_t t = 0; t < T; ++t)
     for (int64_t e = 0; e < E; ++e) plan.tokens_per_expert[e] += m[t * E + e];
   plan.expert_offset.assign(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e)
-    plan.expert_offset[e + 1] = plan.expert_offset[e] + plan.tokens_per_expert[e];
+  for (int64_t e = 0; e < E; ++e) plan.expert_offset[e + 1] = plan.expert_offset[e] + plan.tokens_per_expert[e];
   const int64_t R = plan.rows();
   if (!plan.token_rows.defined() || !(plan.token_rows.shape() == Shape{T, E}))
     plan.token_rows = Tensor::empty({T, E}, DType::i32, MemCategory::activations);
   if (!plan.row_token.defined()) plan.row_token = Tensor::empty({R}, DType::i32, MemCategory::activations);
   if (R > plan.row_token.numel())
-    MOECORE_FAIL("dispatch_plan_build: the routing map has ", R,
-                 " routed pairs but the dispatch buffers hold ", plan.row_token.numel(),
-                 " rows; size them with dispatch_max_rows for this T, E, K and capacity");
+    MOECORE_FAIL("dispatch_plan_build: the routing map has ", R, " routed pairs but the dispatch buffers hold ",
+                 plan.row_token.numel(), " rows; size them with dispatch_max_rows for this T, E, K and capacity");
   int32_t* tr = plan.token_rows.data<int32_t>();
   int32_t* rt = plan.row_token.data<int32_t>();
   std::vector<int64_t>& cursor = plan.tokens_per_expert;  // reused as the next free row, restored below
@@ -230,13 +229,13 @@ void permute_tokens(Tensor& permuted_x, Tensor& permuted_probs, const Tensor& x,
   const int64_t R = plan.rows(), T = plan.T, E = plan.E;
   if (x.dim() != 2 || x.size(0) != T || x.stride(1) != 1 || permuted_x.dim() != 2 || permuted_x.size(0) < R ||
       permuted_x.size(1) != x.size(1) || permuted_x.stride(1) != 1)
-    MOECORE_FAIL("permute_tokens: need x [T=", T, ", H] and permuted_x [>= ", R,
-                 ", H] with unit last strides, got x ", x.str(), ", permuted_x ", permuted_x.str());
+    MOECORE_FAIL("permute_tokens: need x [T=", T, ", H] and permuted_x [>= ", R, ", H] with unit last strides, got x ",
+                 x.str(), ", permuted_x ", permuted_x.str());
   if (probs.dtype() != DType::f32 || !(probs.shape() == Shape{T, E}) || !probs.is_contiguous() ||
       permuted_probs.dtype() != DType::f32 || permuted_probs.dim() != 1 || permuted_probs.size(0) < R ||
       !permuted_probs.is_contiguous())
-    MOECORE_FAIL("permute_tokens: need probs [", T, ", ", E, "] f32 and permuted_probs [>= ", R,
-                 "] f32, got probs ", probs.str(), ", permuted_probs ", permuted_probs.str());
+    MOECORE_FAIL("permute_tokens: need probs [", T, ", ", E, "] f32 and permuted_probs [>= ", R, "] f32, got probs ",
+                 probs.str(), ", permuted_probs ", permuted_probs.str());
   with_float(permuted_x.dtype(), [&](auto td) {
     with_float(x.dtype(), [&](auto ts) {
       using TD = decltype(td);
@@ -255,8 +254,8 @@ void unpermute_tokens(Tensor& y, const Tensor& rows, const DispatchPlan& plan, b
   const int64_t T = plan.T, E = plan.E, R = plan.rows();
   if (y.dtype() != DType::f32 || y.dim() != 2 || y.size(0) != T || y.stride(1) != 1 || rows.dim() != 2 ||
       rows.size(0) < R || rows.size(1) != y.size(1) || rows.stride(1) != 1)
-    MOECORE_FAIL("unpermute_tokens: need y [T=", T, ", H] f32 and rows [>= ", R,
-                 ", H] with unit last strides, got y ", y.str(), ", rows ", rows.str());
+    MOECORE_FAIL("unpermute_tokens: need y [T=", T, ", H] f32 and rows [>= ", R, ", H] with unit last strides, got y ",
+                 y.str(), ", rows ", rows.str());
   const int64_t H = y.size(1), ldy = y.stride(0), ldr = rows.stride(0);
   const int32_t* tr = plan.token_rows.data<int32_t>();
   float* yp = y.data<float>();
@@ -287,8 +286,8 @@ void unpermute_tokens(Tensor& y, const Tensor& rows, const DispatchPlan& plan, b
 
 // ---- LocalDispatcher ----------------------------------------------------------------------------------
 
-void LocalDispatcher::dispatch_prepare(DispatchBuffers& buf, const Tensor& x, const Tensor& probs,
-                                       const Tensor& map, const ops::Context& ctx) {
+void LocalDispatcher::dispatch_prepare(DispatchBuffers& buf, const Tensor& x, const Tensor& probs, const Tensor& map,
+                                       const ops::Context& ctx) {
   dispatch_plan_build(buf.plan, map, ctx);
   permute_tokens(buf.permuted_x, buf.permuted_probs, x, probs, buf.plan, ctx);
 }
@@ -305,10 +304,9 @@ void gather_token_rows(Tensor& rows, const Tensor& src, const DispatchPlan& plan
   check_cpu("gather_token_rows", {&src, &rows});
   check_plan("gather_token_rows", plan);
   check_float("gather_token_rows", "rows", rows);
-  if (src.dtype() != DType::f32 || src.dim() != 2 || src.size(0) != plan.T || src.stride(1) != 1 ||
-      rows.dim() != 2 || src.size(1) != rows.size(1) || rows.size(0) < plan.rows() || rows.stride(1) != 1)
-    MOECORE_FAIL("gather_token_rows: need src [T=", plan.T, ", H] f32 matching rows ", rows.str(), ", got ",
-                 src.str());
+  if (src.dtype() != DType::f32 || src.dim() != 2 || src.size(0) != plan.T || src.stride(1) != 1 || rows.dim() != 2 ||
+      src.size(1) != rows.size(1) || rows.size(0) < plan.rows() || rows.stride(1) != 1)
+    MOECORE_FAIL("gather_token_rows: need src [T=", plan.T, ", H] f32 matching rows ", rows.str(), ", got ", src.str());
   with_float(rows.dtype(), [&](auto td) {
     using TD = decltype(td);
     gather_rows(static_cast<TD*>(rows.raw()), rows.stride(0), src.data<float>(), src.stride(0), src.size(1), plan);
@@ -334,8 +332,7 @@ void unpermute_backward(Tensor& dx, Tensor& dprobs, const Tensor& drows, const T
   for (int64_t i = 0; i < T * E; ++i) dp[i] = tr[i] >= 0 ? v[tr[i]] : 0.0f;
 }
 
-void LocalDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs,
-                                        const ops::Context& ctx) {
+void LocalDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) {
   unpermute_backward(dx, dprobs, buf.dexpert_in, buf.dpermuted_probs, buf.plan, ctx);
 }
 

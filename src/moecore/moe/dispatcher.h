@@ -30,39 +30,38 @@ struct DispatchPlan {
 // The expert-parallel dispatchers' part of a layer's buffers (empty for the local dispatcher). EP ranks
 // own contiguous expert blocks: rank r of the EP group holds experts [r*El, (r+1)*El), El = E / EP.
 struct EpBuffers {
-  int64_t ep = 1;                         // EP group size
-  int64_t local_experts = 0;              // El
+  int64_t ep = 1;             // EP group size
+  int64_t local_experts = 0;  // El
   // alltoall, kept from forward to backward:
-  DispatchPlan send_plan;                 // this rank's T tokens over all E experts (rows grouped by EP rank)
-  std::vector<int64_t> counts;            // [EP * El] rows received from source rank s for local expert le
+  DispatchPlan send_plan;                     // this rank's T tokens over all E experts (rows grouped by EP rank)
+  std::vector<int64_t> counts;                // [EP * El] rows received from source rank s for local expert le
   std::vector<int64_t> send_rows, recv_rows;  // [EP] rows to / from each rank
-  std::vector<int64_t> el_blocks;         // [EP] all El: the count exchange's block sizes
-  std::vector<int64_t> recv_off, exp_off; // [EP * El] chunk offsets in the receive and expert layouts
+  std::vector<int64_t> el_blocks;             // [EP] all El: the count exchange's block sizes
+  std::vector<int64_t> recv_off, exp_off;     // [EP * El] chunk offsets in the receive and expert layouts
   // allgather, kept from forward to backward:
-  Tensor gmap;                            // [EP*T, E] bool: the gathered routing map
-  Tensor lmap, lprobs;                    // [EP*T, El] bool / f32: its local expert columns
+  Tensor gmap;          // [EP*T, E] bool: the gathered routing map
+  Tensor lmap, lprobs;  // [EP*T, El] bool / f32: its local expert columns
   // Scratch (dead between a layer's forward and its backward; shared by all layers of a model):
-  Tensor send_x, send_f, send_p;          // alltoall: [max_send, H] x dtype / [max_send, H] f32 / [max_send] f32
-  Tensor stage_x, stage_f, stage_p;       // alltoall: [max_rows, H] x dtype / f32, [max_rows] f32 (recv layout)
-  Tensor gx, gprobs, gy, gdprobs;         // allgather: [EP*T, H] x dtype, [EP*T, E] f32, [EP*T, H] f32, [EP*T, E] f32
-  Tensor ty;                              // allgather: [T, H] f32 (the reduce-scattered input gradient)
-  Tensor in_x, in_probs, in_map;          // allgather: handles to the forward inputs (set by dispatch_prepare)
+  Tensor send_x, send_f, send_p;     // alltoall: [max_send, H] x dtype / [max_send, H] f32 / [max_send] f32
+  Tensor stage_x, stage_f, stage_p;  // alltoall: [max_rows, H] x dtype / f32, [max_rows] f32 (recv layout)
+  Tensor gx, gprobs, gy, gdprobs;    // allgather: [EP*T, H] x dtype, [EP*T, E] f32, [EP*T, H] f32, [EP*T, E] f32
+  Tensor ty;                         // allgather: [T, H] f32 (the reduce-scattered input gradient)
+  Tensor in_x, in_probs, in_map;     // allgather: handles to the forward inputs (set by dispatch_prepare)
 };
 
 // Buffers of one layer's dispatch, sized once for the largest row count the config allows.
 struct DispatchBuffers {
-  DispatchPlan plan;       // the expert side: rows per local expert (and, for local/allgather, the token map)
+  DispatchPlan plan;  // the expert side: rows per local expert (and, for local/allgather, the token map)
   EpBuffers ep;
-  Tensor permuted_x;      // [max_rows, H] dtype of x
-  Tensor permuted_probs;  // [max_rows] f32
-  Tensor expert_out;      // [max_rows, H] dtype of x: written by the experts
-  Tensor dpermuted;       // [max_rows, H] dtype of x: backward (dy gathered to rows)
-  Tensor dexpert_in;      // [max_rows, H] f32: backward (experts' input gradient)
-  Tensor dpermuted_probs; // [max_rows] f32: backward
+  Tensor permuted_x;       // [max_rows, H] dtype of x
+  Tensor permuted_probs;   // [max_rows] f32
+  Tensor expert_out;       // [max_rows, H] dtype of x: written by the experts
+  Tensor dpermuted;        // [max_rows, H] dtype of x: backward (dy gathered to rows)
+  Tensor dexpert_in;       // [max_rows, H] f32: backward (experts' input gradient)
+  Tensor dpermuted_probs;  // [max_rows] f32: backward
 };
 // max_rows: T*K dropless; E*capacity with pad-to-capacity; plus E*(alignment-1) with router padding.
-int64_t dispatch_max_rows(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity,
-                          int64_t alignment);
+int64_t dispatch_max_rows(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity, int64_t alignment);
 DispatchBuffers dispatch_buffers_alloc(int64_t T, int64_t H, int64_t E, int64_t max_rows, DType x_dtype);
 
 enum class DispatcherKind : uint8_t { local, alltoall, allgather };
@@ -71,8 +70,8 @@ const char* dispatcher_kind_name(DispatcherKind k);
 
 // Expert-side rows bound under EP: each of the EP source ranks sends at most T*min(K, El) rows to one rank
 // (a token meets an expert once), fewer with a capacity. With ep == 1 it equals dispatch_max_rows.
-int64_t dispatch_max_rows_ep(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity,
-                             int64_t alignment, int64_t ep);
+int64_t dispatch_max_rows_ep(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity, int64_t alignment,
+                             int64_t ep);
 // The buffers of an EP dispatcher of `kind` (local: as dispatch_buffers_alloc). E: all experts; T: this
 // rank's tokens; max_send: dispatch_max_rows for the local tokens; max_rows: dispatch_max_rows_ep.
 DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_t H, int64_t E, int64_t ep,

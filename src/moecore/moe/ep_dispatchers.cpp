@@ -49,8 +49,10 @@ void sort_chunks(const Tensor& expert, const Tensor& recv, EpBuffers& p, bool to
     if (counts[i] == 0) continue;
     char* ep = e + exp_off[i] * row_bytes;
     char* rp = r + recv_off[i] * row_bytes;
-    if (to_expert) std::memcpy(ep, rp, static_cast<size_t>(counts[i] * row_bytes));
-    else std::memcpy(rp, ep, static_cast<size_t>(counts[i] * row_bytes));
+    if (to_expert)
+      std::memcpy(ep, rp, static_cast<size_t>(counts[i] * row_bytes));
+    else
+      std::memcpy(rp, ep, static_cast<size_t>(counts[i] * row_bytes));
   }
 }
 
@@ -80,8 +82,8 @@ class CommTimer {
 
 // ---- AllToAllDispatcher -------------------------------------------------------------------------------
 
-void AllToAllDispatcher::dispatch_prepare(DispatchBuffers& buf, const Tensor& x, const Tensor& probs,
-                                          const Tensor& map, const ops::Context& ctx) {
+void AllToAllDispatcher::dispatch_prepare(DispatchBuffers& buf, const Tensor& x, const Tensor& probs, const Tensor& map,
+                                          const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
   check_layout("alltoall dispatcher", buf, ep_, map.size(1));
   const int64_t P = p.ep, El = p.local_experts;
@@ -147,8 +149,7 @@ void AllToAllDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& dy
   sort_chunks(buf.dpermuted, p.stage_x, buf.ep, true);
 }
 
-void AllToAllDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs,
-                                           const ops::Context& ctx) {
+void AllToAllDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
   const int64_t Rs = p.send_plan.rows(), Rr = buf.plan.rows();
   sort_chunks(buf.dexpert_in, p.stage_f, buf.ep, false);
@@ -214,8 +215,7 @@ void AllGatherDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& d
   gather_token_rows(buf.dpermuted, buf.ep.gy, buf.plan, ctx);
 }
 
-void AllGatherDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs,
-                                            const ops::Context& ctx) {
+void AllGatherDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
   unpermute_tokens(p.gy, buf.dexpert_in.slice(0, 0, buf.plan.rows()), buf.plan, false, ctx);
   {

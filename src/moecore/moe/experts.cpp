@@ -1,13 +1,12 @@
 // Routed experts, grouped (one grouped GEMM per projection) and sequential (plain GEMMs per expert), with the
-// routing probability applied after the activation. Both versions share the row-wise steps below, so they
-// differ only in how the GEMMs are issued.
+// routing probability applied after the activation and the optional biases (the fc2 bias weighted by the
+// probability). Both versions share the row-wise steps below, so they differ only in how the GEMMs are issued.
 // The probability steps are local CPU loops (ops.h has no row-scaling op yet); the rest goes through ops.
 // Not here: the shared expert (shared_expert.cpp), the permutation (dispatcher.cpp).
 #include "moecore/moe/experts.h"
 
 namespace moecore::moe {
 namespace {
-
 
 constexpr int64_t kParallelWork = 1 << 15;
 
@@ -23,10 +22,12 @@ void scale_rows_kernel(T* a, const T* act, const float* p, int64_t R, int64_t F)
   }
 }
 
-// With da = dL/da (a = act * p) on entry: dprobs[r] = sum_j act[r, j] * da[r, j]; da becomes dL/dact = da *
-// p; a = act * p is recomputed for the fc2 weight gradient. One sweep over act and da.
+// With da = dL/da (a = act * p) on entry: dprobs[r] = sum_j act[r, j] * da[r, j] (added to dprobs[r] when
+// accumulate: the fc2 bias term is already there); da becomes dL/dact = da * p; a = act * p is recomputed for
+// the fc2 weight gradient. One sweep over act and da.
 template <class T>
-void probs_backward_kernel(float* dprobs, T* da, T* a, const T* act, const float* p, int64_t R, int64_t F) {
+void probs_backward_kernel(float* dprobs, T* da, T* a, const T* act, const float* p, int64_t R, int64_t F,
+                           bool accumulate) {
 #pragma omp parallel for schedule(static) if (R * F > kParallelWork)
   for (int64_t r = 0; r < R; ++r) {
     const float pr = p[r];
@@ -41,7 +42,7 @@ void probs_backward_kernel(float* dprobs, T* da, T* a, const T* act, const float
       from_float(dar[j], g * pr);
       from_float(ar[j], v * pr);
     }
-    dprobs[r] = dot;
+    dprobs[r] = accumulate ? dprobs[r] + dot : dot;
   }
 }
 
@@ -52,13 +53,13 @@ void scale_rows(Tensor& a, const Tensor& act, const Tensor& p) {
     scale_rows_kernel(a.data<float>(), act.data<float>(), p.data<float>(), a.size(0), a.size(1));
 }
 
-void probs_backward(Tensor& dprobs, Tensor& da, Tensor& a, const Tensor& act, const Tensor& p) {
+void probs_backward(Tensor& dprobs, Tensor& da, Tensor& a, const Tensor& act, const Tensor& p, bool accumulate) {
   if (da.dtype() == DType::bf16)
-    probs_backward_kernel(dprobs.data<float>(), da.data<bf16>(), a.data<bf16>(), act.data<bf16>(),
-                          p.data<float>(), da.size(0), da.size(1));
+    probs_backward_kernel(dprobs.data<float>(), da.data<bf16>(), a.data<bf16>(), act.data<bf16>(), p.data<float>(),
+                          da.size(0), da.size(1), accumulate);
   else
-    probs_backward_kernel(dprobs.data<float>(), da.data<float>(), a.data<float>(), act.data<float>(),
-                          p.data<float>(), da.size(0), da.size(1));
+    probs_backward_kernel(dprobs.data<float>(), da.data<float>(), a.data<float>(), act.data<float>(), p.data<float>(),
+                          da.size(0), da.size(1), accumulate);
 }
 
 void act_forward(Tensor& act, const Tensor& h, bool swiglu, const ops::Context& ctx) {
@@ -89,8 +90,7 @@ RowViews row_views(const ExpertCache& cache, const ExpertWorkspace& ws, int64_t 
 }
 
 bool has_shape(const Tensor& t, const Shape& s, DType dtype) {
-  return t.defined() && t.shape() == s && t.dtype() == dtype && t.is_contiguous() &&
-         t.device() == Device::cpu;
+  return t.defined() && t.shape() == s && t.dtype() == dtype && t.is_contiguous() && t.device() == Device::cpu;
 }
 bool has_rows(const Tensor& t, int64_t min_rows, int64_t cols, DType dtype) {
   return t.defined() && t.dim() == 2 && t.size(0) >= min_rows && t.size(1) == cols && t.dtype() == dtype &&
@@ -99,8 +99,8 @@ bool has_rows(const Tensor& t, int64_t min_rows, int64_t cols, DType dtype) {
 
 // Entry checks shared by all four entry points; R is the row count of x.
 void check_experts(const char* op, const Tensor& x, const Tensor& probs, const std::vector<int64_t>& tpe,
-                   const ExpertWeights& w, const ExpertCache& cache, const ExpertWorkspace& ws,
-                   const ExpertDims& d, bool backward) {
+                   const ExpertWeights& w, const ExpertCache& cache, const ExpertWorkspace& ws, const ExpertDims& d,
+                   bool backward) {
   const int64_t R = x.defined() && x.dim() == 2 ? x.size(0) : -1, F1 = d.fc1_rows();
   const DType c = d.compute;
   int64_t sum = 0;
@@ -113,17 +113,22 @@ void check_experts(const char* op, const Tensor& x, const Tensor& probs, const s
     MOECORE_FAIL(op, ": tokens_per_expert must hold E = ", d.E, " non-negative counts summing to the ", R,
                  " rows of x; got ", tpe.size(), " counts summing to ", sum);
   if (!has_shape(x, {R, d.H}, c) || !has_shape(probs, {R}, DType::f32))
-    MOECORE_FAIL(op, ": need x [R, H=", d.H, "] ", dtype_name(c), " and probs [R] f32 on the CPU, got x ",
-                 x.str(), ", probs ", probs.str());
+    MOECORE_FAIL(op, ": need x [R, H=", d.H, "] ", dtype_name(c), " and probs [R] f32 on the CPU, got x ", x.str(),
+                 ", probs ", probs.str());
   if (!has_shape(w.fc1, {d.E, F1, d.H}, c) || !has_shape(w.fc2, {d.E, d.H, d.F}, c))
-    MOECORE_FAIL(op, ": weights must be fc1 [", d.E, ", ", F1, ", ", d.H, "] and fc2 [", d.E, ", ", d.H, ", ",
-                 d.F, "] ", dtype_name(c), ", got fc1 ", w.fc1.str(), ", fc2 ", w.fc2.str());
-  const bool cache_ok = has_rows(cache.h, R, F1, c) && has_rows(cache.act, R, d.F, c) &&
-                        has_rows(ws.a, R, d.F, c) &&
+    MOECORE_FAIL(op, ": weights must be fc1 [", d.E, ", ", F1, ", ", d.H, "] and fc2 [", d.E, ", ", d.H, ", ", d.F,
+                 "] ", dtype_name(c), ", got fc1 ", w.fc1.str(), ", fc2 ", w.fc2.str());
+  const bool b1 = w.fc1_bias.defined(), b2 = w.fc2_bias.defined();
+  if (b1 != b2 ||
+      (b1 && (!has_shape(w.fc1_bias, {d.E, F1}, DType::f32) || !has_shape(w.fc2_bias, {d.E, d.H}, DType::f32))))
+    MOECORE_FAIL(op, ": biases must be both undefined or fc1_bias [", d.E, ", ", F1, "] and fc2_bias [", d.E, ", ", d.H,
+                 "] f32, got fc1_bias ", b1 ? w.fc1_bias.str() : "undefined", ", fc2_bias ",
+                 b2 ? w.fc2_bias.str() : "undefined");
+  const bool cache_ok = has_rows(cache.h, R, F1, c) && has_rows(cache.act, R, d.F, c) && has_rows(ws.a, R, d.F, c) &&
                         (!backward || (has_rows(ws.da, R, d.F, c) && has_rows(ws.dh, R, F1, c)));
   if (!cache_ok)
-    MOECORE_FAIL(op, ": cache/workspace too small or of the wrong dtype for ", R, " rows (h ", cache.h.str(),
-                 ", act ", cache.act.str(), ", a ", ws.a.str(), "); allocate them with max_rows >= ", R);
+    MOECORE_FAIL(op, ": cache/workspace too small or of the wrong dtype for ", R, " rows (h ", cache.h.str(), ", act ",
+                 cache.act.str(), ", a ", ws.a.str(), "); allocate them with max_rows >= ", R);
 }
 
 void check_forward_out(const char* op, const Tensor& y, const Tensor& x, const ExpertDims& d) {
@@ -132,17 +137,20 @@ void check_forward_out(const char* op, const Tensor& y, const Tensor& x, const E
 }
 
 void check_backward_io(const char* op, const Tensor& dx, const Tensor& dprobs, const ExpertGrads& g,
-                       const Tensor& dy, const Tensor& x, const ExpertDims& d) {
+                       const ExpertWeights& w, const Tensor& dy, const Tensor& x, const ExpertDims& d) {
   const int64_t R = x.size(0);
   if (!has_shape(dy, x.shape(), d.compute) || !has_shape(dx, x.shape(), DType::f32) ||
       !has_shape(dprobs, {R}, DType::f32))
     MOECORE_FAIL(op, ": need dy ", x.shape().str(), " ", dtype_name(d.compute), ", dx ", x.shape().str(),
-                 " f32, dprobs [", R, "] f32; got dy ", dy.str(), ", dx ", dx.str(), ", dprobs ",
-                 dprobs.str());
-  if (!has_shape(g.fc1, {d.E, d.fc1_rows(), d.H}, DType::f32) ||
-      !has_shape(g.fc2, {d.E, d.H, d.F}, DType::f32))
-    MOECORE_FAIL(op, ": gradients must be f32 with the weights' shapes, got fc1 ", g.fc1.str(), ", fc2 ",
-                 g.fc2.str());
+                 " f32, dprobs [", R, "] f32; got dy ", dy.str(), ", dx ", dx.str(), ", dprobs ", dprobs.str());
+  if (!has_shape(g.fc1, {d.E, d.fc1_rows(), d.H}, DType::f32) || !has_shape(g.fc2, {d.E, d.H, d.F}, DType::f32))
+    MOECORE_FAIL(op, ": gradients must be f32 with the weights' shapes, got fc1 ", g.fc1.str(), ", fc2 ", g.fc2.str());
+  if (w.fc1_bias.defined() && (!has_shape(g.fc1_bias, w.fc1_bias.shape(), DType::f32) ||
+                               !has_shape(g.fc2_bias, w.fc2_bias.shape(), DType::f32)))
+    MOECORE_FAIL(op, ": the weights have biases, so the gradients need fc1_bias ", w.fc1_bias.shape().str(),
+                 " and fc2_bias ", w.fc2_bias.shape().str(), " f32, got ",
+                 g.fc1_bias.defined() ? g.fc1_bias.str() : "undefined", ", ",
+                 g.fc2_bias.defined() ? g.fc2_bias.str() : "undefined");
 }
 
 }  // namespace
@@ -162,40 +170,46 @@ ExpertWorkspace expert_workspace_alloc(const ExpertDims& d) {
   return w;
 }
 
-void experts_forward(Tensor& y, const Tensor& x, const Tensor& probs,
-                     const std::vector<int64_t>& tokens_per_expert, const ExpertWeights& w,
-                     ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d, const ops::Context& ctx) {
+void experts_forward(Tensor& y, const Tensor& x, const Tensor& probs, const std::vector<int64_t>& tokens_per_expert,
+                     const ExpertWeights& w, ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d,
+                     const ops::Context& ctx) {
   check_experts("experts_forward", x, probs, tokens_per_expert, w, cache, ws, d, false);
   check_forward_out("experts_forward", y, x, d);
   RowViews v = row_views(cache, ws, x.size(0), false);
+  const bool bias = w.fc1_bias.defined();
   ops::gemm_grouped(v.h, x, w.fc1, true, tokens_per_expert, 0.0f, ctx);
+  if (bias) ops::bias_add_grouped(v.h, w.fc1_bias, tokens_per_expert, ctx);
   act_forward(v.act, v.h, d.swiglu, ctx);
   scale_rows(v.a, v.act, probs);
   ops::gemm_grouped(y, v.a, w.fc2, true, tokens_per_expert, 0.0f, ctx);
+  if (bias) ops::bias_add_grouped_scaled(y, w.fc2_bias, probs, tokens_per_expert, ctx);
 }
 
 void experts_backward(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& dy, const Tensor& x,
-                      const Tensor& probs, const std::vector<int64_t>& tokens_per_expert,
-                      const ExpertWeights& w, const ExpertCache& cache, ExpertWorkspace& ws,
-                      const ExpertDims& d, const ops::Context& ctx) {
+                      const Tensor& probs, const std::vector<int64_t>& tokens_per_expert, const ExpertWeights& w,
+                      const ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d, const ops::Context& ctx) {
   check_experts("experts_backward", x, probs, tokens_per_expert, w, cache, ws, d, true);
-  check_backward_io("experts_backward", dx, dprobs, g, dy, x, d);
+  check_backward_io("experts_backward", dx, dprobs, g, w, dy, x, d);
   RowViews v = row_views(cache, ws, x.size(0), true);
+  const bool bias = w.fc1_bias.defined();
   ops::gemm_grouped(v.da, dy, w.fc2, false, tokens_per_expert, 0.0f, ctx);
-  probs_backward(dprobs, v.da, v.a, v.act, probs);
+  // dprobs = dy . b2 first (written), then the activation term is added to it.
+  if (bias) ops::bias_grad_grouped_scaled(g.fc2_bias, dprobs, dy, w.fc2_bias, probs, tokens_per_expert, ctx);
+  probs_backward(dprobs, v.da, v.a, v.act, probs, bias);
   ops::gemm_grouped_wgrad(g.fc2, dy, v.a, tokens_per_expert, 1.0f, ctx);
   act_backward(v.dh, v.da, v.h, d.swiglu, ctx);
+  if (bias) ops::bias_grad_grouped(g.fc1_bias, v.dh, tokens_per_expert, ctx);
   ops::gemm_grouped_wgrad(g.fc1, v.dh, x, tokens_per_expert, 1.0f, ctx);
   ops::gemm_grouped(dx, v.dh, w.fc1, false, tokens_per_expert, 0.0f, ctx);
 }
 
 void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs,
                                 const std::vector<int64_t>& tokens_per_expert, const ExpertWeights& w,
-                                ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d,
-                                const ops::Context& ctx) {
+                                ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d, const ops::Context& ctx) {
   check_experts("experts_forward_sequential", x, probs, tokens_per_expert, w, cache, ws, d, false);
   check_forward_out("experts_forward_sequential", y, x, d);
   const RowViews v = row_views(cache, ws, x.size(0), false);
+  const bool bias = w.fc1_bias.defined();
   int64_t o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
     const int64_t n = tokens_per_expert[e];
@@ -203,21 +217,25 @@ void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs,
     Tensor h = v.h.slice(0, o, o + n), act = v.act.slice(0, o, o + n), a = v.a.slice(0, o, o + n);
     Tensor ye = y.slice(0, o, o + n);
     ops::gemm(h, x.slice(0, o, o + n), false, w.fc1.select(0, e), true, 1.0f, 0.0f, ctx);
+    if (bias) ops::bias_add(h, w.fc1_bias.select(0, e), ctx);
     act_forward(act, h, d.swiglu, ctx);
     scale_rows(a, act, probs.slice(0, o, o + n));
     ops::gemm(ye, a, false, w.fc2.select(0, e), true, 1.0f, 0.0f, ctx);
     o += n;
   }
+  // Row-wise, so one pass over all experts' rows equals a pass per expert (and allocates no group list).
+  if (bias) ops::bias_add_grouped_scaled(y, w.fc2_bias, probs, tokens_per_expert, ctx);
 }
 
-void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& dy,
-                                 const Tensor& x, const Tensor& probs,
-                                 const std::vector<int64_t>& tokens_per_expert, const ExpertWeights& w,
-                                 const ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d,
-                                 const ops::Context& ctx) {
+void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& dy, const Tensor& x,
+                                 const Tensor& probs, const std::vector<int64_t>& tokens_per_expert,
+                                 const ExpertWeights& w, const ExpertCache& cache, ExpertWorkspace& ws,
+                                 const ExpertDims& d, const ops::Context& ctx) {
   check_experts("experts_backward_sequential", x, probs, tokens_per_expert, w, cache, ws, d, true);
-  check_backward_io("experts_backward_sequential", dx, dprobs, g, dy, x, d);
+  check_backward_io("experts_backward_sequential", dx, dprobs, g, w, dy, x, d);
   const RowViews v = row_views(cache, ws, x.size(0), true);
+  const bool bias = w.fc1_bias.defined();
+  if (bias) ops::bias_grad_grouped_scaled(g.fc2_bias, dprobs, dy, w.fc2_bias, probs, tokens_per_expert, ctx);
   int64_t o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
     const int64_t n = tokens_per_expert[e];
@@ -227,9 +245,13 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
     Tensor dpe = dprobs.slice(0, o, o + n), dxe = dx.slice(0, o, o + n);
     Tensor g1 = g.fc1.select(0, e), g2 = g.fc2.select(0, e);
     ops::gemm(da, dye, false, w.fc2.select(0, e), false, 1.0f, 0.0f, ctx);
-    probs_backward(dpe, da, a, v.act.slice(0, o, o + n), probs.slice(0, o, o + n));
+    probs_backward(dpe, da, a, v.act.slice(0, o, o + n), probs.slice(0, o, o + n), bias);
     ops::gemm(g2, dye, true, a, false, 1.0f, 1.0f, ctx);
     act_backward(dh, da, h, d.swiglu, ctx);
+    if (bias) {
+      Tensor gb1 = g.fc1_bias.select(0, e);
+      ops::bias_grad(gb1, dh, ctx);
+    }
     ops::gemm(g1, dh, true, xe, false, 1.0f, 1.0f, ctx);
     ops::gemm(dxe, dh, false, w.fc1.select(0, e), false, 1.0f, 0.0f, ctx);
     o += n;

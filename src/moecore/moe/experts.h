@@ -1,6 +1,8 @@
 // Routed experts: SwiGLU (or GeLU) MLPs over expert-major rows, with the routing probability applied after
 // the activation (Megatron's memory-efficient path, spec §5.3/§7.1):
-//   h = x W1_e^T;  a = act(h) * p;  y = a W2_e^T          for the rows of expert e
+//   h = x W1_e^T (+ b1_e);  a = act(h) * p;  y = a W2_e^T (+ p * b2_e)          for the rows of expert e
+// The optional biases are Megatron's add_bias_linear: the fc2 bias is weighted by the routing probability, so
+// y = p * (act(h) W2_e^T + b2_e) (TEGroupedMLP._apply_bias, MLP.forward with per_token_scale).
 // The grouped version runs one grouped GEMM per projection over variable row counts (experts with zero
 // rows allowed); the sequential version loops over experts with plain GEMMs and is the test reference.
 // Saved for backward: x (the dispatcher's permuted input), h and the unscaled activation; never the output.
@@ -13,31 +15,36 @@
 namespace moecore::moe {
 
 struct ExpertDims {
-  int64_t E = 0;          // local experts
-  int64_t H = 0;          // hidden size
-  int64_t F = 0;          // expert ffn size
-  bool swiglu = true;     // fc1 rows: 2F (SwiGLU, [gate; up]) or F (GeLU)
-  int64_t max_rows = 0;   // rows the caches are sized for
+  int64_t E = 0;         // local experts
+  int64_t H = 0;         // hidden size
+  int64_t F = 0;         // expert ffn size
+  bool swiglu = true;    // fc1 rows: 2F (SwiGLU, [gate; up]) or F (GeLU)
+  int64_t max_rows = 0;  // rows the caches are sized for
   DType compute = DType::f32;
   int64_t fc1_rows() const { return swiglu ? 2 * F : F; }
 };
 
+// Biases are optional (undefined: none, bitwise the bias-free layer); give both or neither.
 struct ExpertWeights {
-  Tensor fc1;  // [E, fc1_rows, H] compute dtype (one contiguous tensor for all experts)
-  Tensor fc2;  // [E, H, F] compute dtype
+  Tensor fc1;         // [E, fc1_rows, H] compute dtype (one contiguous tensor for all experts)
+  Tensor fc2;         // [E, H, F] compute dtype
+  Tensor fc1_bias{};  // [E, fc1_rows] f32, added before the activation
+  Tensor fc2_bias{};  // [E, H] f32, added times the routing probability
 };
 struct ExpertGrads {
-  Tensor fc1;  // [E, fc1_rows, H] f32
-  Tensor fc2;  // [E, H, F] f32
+  Tensor fc1;         // [E, fc1_rows, H] f32
+  Tensor fc2;         // [E, H, F] f32
+  Tensor fc1_bias{};  // [E, fc1_rows] f32 (defined iff the weights have biases)
+  Tensor fc2_bias{};  // [E, H] f32
 };
 struct ExpertCache {
   Tensor h;    // [max_rows, fc1_rows] compute: fc1 output
   Tensor act;  // [max_rows, F] compute: act(h), unscaled
 };
 struct ExpertWorkspace {
-  Tensor a;    // [max_rows, F] compute: act * p (forward and backward)
-  Tensor da;   // [max_rows, F] compute
-  Tensor dh;   // [max_rows, fc1_rows] compute
+  Tensor a;   // [max_rows, F] compute: act * p (forward and backward)
+  Tensor da;  // [max_rows, F] compute
+  Tensor dh;  // [max_rows, fc1_rows] compute
 };
 ExpertCache expert_cache_alloc(const ExpertDims& d);
 ExpertWorkspace expert_workspace_alloc(const ExpertDims& d);
@@ -46,7 +53,8 @@ ExpertWorkspace expert_workspace_alloc(const ExpertDims& d);
 void experts_forward(Tensor& y, const Tensor& x, const Tensor& probs, const std::vector<int64_t>& tokens_per_expert,
                      const ExpertWeights& w, ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d,
                      const ops::Context& ctx);
-// dy [R, H] compute. dx [R, H] f32 and dprobs [R] f32 written; grads +=.
+// dy [R, H] compute. dx [R, H] f32 and dprobs [R] f32 written (dprobs includes the fc2 bias term dy . b2_e);
+// grads +=.
 void experts_backward(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& dy, const Tensor& x,
                       const Tensor& probs, const std::vector<int64_t>& tokens_per_expert, const ExpertWeights& w,
                       const ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d, const ops::Context& ctx);
@@ -61,6 +69,7 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
                                  const ExpertDims& d, const ops::Context& ctx);
 
 // Shared expert (spec §8): a dense MLP on every token, optionally scaled per token by sigmoid(x . gate).
+// No biases: Megatron's SharedExpertMLP asserts add_bias_linear == False, and its gate is bias-free.
 struct SharedExpertWeights {
   Tensor fc1;   // [fc1_rows(Fs), H] compute
   Tensor fc2;   // [H, Fs] compute
@@ -70,10 +79,10 @@ struct SharedExpertGrads {
   Tensor fc1, fc2, gate;  // f32, same shapes (gate undefined without the gate)
 };
 struct SharedExpertCache {
-  Tensor h;       // [T, fc1_rows] compute
-  Tensor act;     // [T, Fs] compute
-  Tensor out;     // [T, H] f32: ungated output (gate backward)
-  Tensor gate_s;  // [T] f32: sigmoid(x . gate)
+  Tensor h;                 // [T, fc1_rows] compute
+  Tensor act;               // [T, Fs] compute
+  Tensor out;               // [T, H] f32: ungated output (gate backward)
+  Tensor gate_s;            // [T] f32: sigmoid(x . gate)
   Tensor dact, dh, dout_c;  // backward workspace
 };
 SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bool swiglu, bool gate, DType compute);

@@ -33,15 +33,17 @@ int64_t max_rows_of(const MoeLayerDims& d, const MoeConfig& cfg) {
                               cfg.pad_expert_input_to_capacity, cfg.router_padding_alignment, d.ep);
 }
 
-int64_t bytes_of(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
+int64_t bytes_of(const Tensor& t) {
+  return t.defined() ? t.nbytes() : 0;
+}
 
 }  // namespace
 
 namespace {
 // The scratch tensors of a cache, by address, so they can be aliased and counted in one place.
 std::vector<Tensor*> scratch_tensors(MoeLayerCache& c) {
-  std::vector<Tensor*> v = {&c.dprobs, &c.router.dlogits, &c.router.work, &c.expert_ws.a, &c.expert_ws.da,
-                            &c.expert_ws.dh, &c.shared.dact, &c.shared.dh, &c.shared.dout_c};
+  std::vector<Tensor*> v = {&c.dprobs,       &c.router.dlogits, &c.router.work, &c.expert_ws.a,  &c.expert_ws.da,
+                            &c.expert_ws.dh, &c.shared.dact,    &c.shared.dh,   &c.shared.dout_c};
   for (Tensor* t : dispatch_scratch_tensors(c.dispatch)) v.push_back(t);
   return v;
 }
@@ -49,10 +51,31 @@ std::vector<const Tensor*> saved_tensors(const MoeLayerCache& c) {
   const auto& r = c.router;
   const auto& b = c.dispatch;
   const auto& s = c.shared;
-  return {&r.x_jittered, &r.jitter, &r.logits, &r.scores, &r.topk_idx, &r.topk_w, &r.topk_kept, &r.dlogits_loss,
-          &c.probs, &c.map, &b.plan.row_token, &b.plan.token_rows, &b.permuted_x, &b.permuted_probs,
-          &c.experts.h, &c.experts.act, &s.h, &s.act, &s.out, &s.gate_s, &b.ep.send_plan.row_token,
-          &b.ep.send_plan.token_rows, &b.ep.gmap, &b.ep.lmap, &b.ep.lprobs};
+  return {&r.x_jittered,
+          &r.jitter,
+          &r.logits,
+          &r.scores,
+          &r.topk_idx,
+          &r.topk_w,
+          &r.topk_kept,
+          &r.dlogits_loss,
+          &c.probs,
+          &c.map,
+          &b.plan.row_token,
+          &b.plan.token_rows,
+          &b.permuted_x,
+          &b.permuted_probs,
+          &c.experts.h,
+          &c.experts.act,
+          &s.h,
+          &s.act,
+          &s.out,
+          &s.gate_s,
+          &b.ep.send_plan.row_token,
+          &b.ep.send_plan.token_rows,
+          &b.ep.gmap,
+          &b.ep.lmap,
+          &b.ep.lprobs};
 }
 }  // namespace
 
@@ -78,9 +101,9 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
     auto mine = scratch_tensors(c);
     auto theirs = scratch_tensors(const_cast<MoeLayerCache&>(*share));
     for (size_t i = 0; i < mine.size(); ++i) {
-      MOECORE_CHECK(mine[i]->defined() == theirs[i]->defined() &&
-                        (!mine[i]->defined() || mine[i]->shape() == theirs[i]->shape()),
-                    "moe_layer_cache_alloc: scratch donor has different shapes");
+      MOECORE_CHECK(
+          mine[i]->defined() == theirs[i]->defined() && (!mine[i]->defined() || mine[i]->shape() == theirs[i]->shape()),
+          "moe_layer_cache_alloc: scratch donor has different shapes");
       *mine[i] = *theirs[i];
     }
     c.owns_scratch = false;
@@ -99,6 +122,12 @@ int64_t moe_layer_cache_bytes(const MoeLayerCache& c) {
 void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, const MoeLayerWeights& w,
                        RouterState& st, MoeLayerCache& c, Dispatcher& dispatcher, const MoeLayerDims& d,
                        const MoeConfig& cfg, bool training, const ops::Context& ctx) {
+  if (d.Fs > 0 && (w.experts.fc1_bias.defined() || w.router.bias.defined()))
+    MOECORE_FAIL(
+        "MoE layer: linear biases (add_bias_linear) are not supported with a shared expert, as in Megatron "
+        "(SharedExpertMLP asserts add_bias_linear == False); use --disable-bias-linear or drop "
+        "--moe-shared-expert-intermediate-size (",
+        d.Fs, ")");
   // route
   router_forward(c.probs, c.map, c.stats, x, padding_mask, w.router, st, c.router, router_dims(d, cfg), cfg, training,
                  ctx);
@@ -144,7 +173,8 @@ void moe_layer_backward(Tensor& dx, MoeLayerGrads& g, const Tensor& dy, const Te
   dx.zero_();
   dispatcher.dispatch_backward(b, dx, c.dprobs, ctx);
   // route, in reverse
-  router_backward(dx, g.router, c.dprobs, x, w.router, c.router, router_dims(d, cfg), cfg, aux_grad_scale, ctx);
+  router_backward(dx, g.router, g.router_bias, c.dprobs, x, w.router, c.router, router_dims(d, cfg), cfg,
+                  aux_grad_scale, ctx);
   if (d.Fs > 0) shared_expert_backward(dx, g.shared, dy, x, w.shared, c.shared, cfg.swiglu, ctx);
 }
 

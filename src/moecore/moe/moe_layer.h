@@ -3,6 +3,8 @@
 // plus the shared expert on every token. Forward and backward are explicit; the dispatcher is passed in, so
 // the same layer runs with the local, all-to-all or all-gather dispatcher.
 // Gradient contract: parameter gradients accumulate (+=); the input gradient dx is written.
+// Token order: Megatron's. The layer sees [S, B, H] activations flattened sequence-major, token t = s * B + b
+// (a [B, S, H] model transposes around the layer); seq_aux_loss and the "position" drop policy depend on it.
 #pragma once
 #include <vector>
 
@@ -13,7 +15,7 @@
 namespace moecore::moe {
 
 struct MoeLayerDims {
-  int64_t T = 0;   // tokens of the micro-batch (B * S)
+  int64_t T = 0;   // tokens of the micro-batch (S * B, t = s * B + b)
   int64_t B = 1;   // sequences
   int64_t H = 0;   // hidden size
   int64_t F = 0;   // expert ffn size
@@ -24,15 +26,18 @@ struct MoeLayerDims {
   const ProcessGroup* global_aux_group = nullptr;     // global_aux_loss counts are summed over it (DP)
 };
 
+// Megatron's add_bias_linear gives the router and the routed experts biases (router.bias, experts.fc1_bias,
+// experts.fc2_bias); with a shared expert it is an error, as in Megatron (SharedExpertMLP has no biases).
 struct MoeLayerWeights {
   RouterWeights router;
   ExpertWeights experts;
   SharedExpertWeights shared;  // undefined tensors without a shared expert
 };
 struct MoeLayerGrads {
-  Tensor router;               // [E, H] f32
+  Tensor router;  // [E, H] f32
   ExpertGrads experts;
   SharedExpertGrads shared;
+  Tensor router_bias{};  // [E] f32, defined iff the router has a bias
 };
 
 // Everything one layer keeps between forward and backward, allocated once. Scratch that is dead between
@@ -40,15 +45,15 @@ struct MoeLayerGrads {
 // of a model: see moe_layer_cache_alloc's `share_scratch_with`.
 struct MoeLayerCache {
   RouterCache router;
-  Tensor probs;                // [T, E] f32
-  Tensor map;                  // [T, E] bool
-  Tensor dprobs;               // [T, E] f32 (backward)
+  Tensor probs;   // [T, E] f32
+  Tensor map;     // [T, E] bool
+  Tensor dprobs;  // [T, E] f32 (backward)
   DispatchBuffers dispatch;
   ExpertCache experts;
   ExpertWorkspace expert_ws;
   SharedExpertCache shared;
-  RouterStats stats;           // of the last forward
-  bool owns_scratch = true;    // false when the scratch tensors alias another layer's
+  RouterStats stats;         // of the last forward
+  bool owns_scratch = true;  // false when the scratch tensors alias another layer's
 };
 // With share_scratch_with (a cache of the same shapes), the scratch tensors alias that cache's.
 MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
@@ -56,7 +61,7 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
 // Bytes this cache allocated itself (the model's memory plan): saved tensors, plus scratch when owned.
 int64_t moe_layer_cache_bytes(const MoeLayerCache& c);
 
-// x [T, H] compute dtype (the pre-MLP norm output); padding_mask [T] bool or undefined; y [T, H] f32
+// x [T, H] compute dtype (the pre-MLP norm output, t = s * B + b); padding_mask [T] bool or undefined; y [T, H] f32
 // written with the routed plus shared expert output.
 void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, const MoeLayerWeights& w,
                        RouterState& st, MoeLayerCache& cache, Dispatcher& dispatcher, const MoeLayerDims& d,

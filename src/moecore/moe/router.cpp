@@ -1,7 +1,7 @@
 // The router's entry points (router.h): state, cache, entry checks, input jitter, the gating linear
 // (ops::gemm for the fp32 router, a plain double loop for fp64) and its backward, and the order of the
 // forward stages (spec §2.2). Routing itself lives in router_topk.cpp, the losses in router_losses.cpp.
-// Gradient contract: dweight and dx accumulate (+=); cache.dlogits is rewritten by every backward.
+// Gradient contract: dweight, dbias and dx accumulate (+=); cache.dlogits is rewritten by every backward.
 #include <algorithm>
 #include <type_traits>
 
@@ -35,9 +35,9 @@ void jitter_forward(X* xj, float* u, const X* x, int64_t n, uint64_t seed, uint6
   }
 }
 
-// logits[t, e] = sum_h x[t, h] w[e, h] in double (fp64 router; the f32 master weight is widened).
+// logits[t, e] = sum_h x[t, h] w[e, h] (+ b[e]) in double (fp64 router; the f32 master weight is widened).
 template <class X>
-void gating_f64(double* logits, const X* x, const float* w, int64_t T, int64_t H, int64_t E) {
+void gating_f64(double* logits, const X* x, const float* w, const float* b, int64_t T, int64_t H, int64_t E) {
 #pragma omp parallel for schedule(static) if (T * E * H > kParallelWork)
   for (int64_t t = 0; t < T; ++t) {
     double* xr = scratch<double, 30>(static_cast<size_t>(H));
@@ -47,7 +47,7 @@ void gating_f64(double* logits, const X* x, const float* w, int64_t T, int64_t H
       double acc = 0;
 #pragma omp simd reduction(+ : acc)
       for (int64_t h = 0; h < H; ++h) acc += xr[h] * static_cast<double>(wr[h]);
-      logits[t * E + e] = acc;
+      logits[t * E + e] = b ? acc + static_cast<double>(b[e]) : acc;
     }
   }
 }
@@ -56,8 +56,8 @@ void gating_f64(double* logits, const X* x, const float* w, int64_t T, int64_t H
 // dweight takes experts in blocks of 8 so x_j streams through once per block; both products fold four
 // terms per accumulator update (a load-store per FMA would bound the loop).
 template <class X>
-void gating_backward_f64(float* dx, float* dw, const double* dl, const X* xj, const float* w, const float* u,
-                         int64_t T, int64_t H, int64_t E) {
+void gating_backward_f64(float* dx, float* dw, const double* dl, const X* xj, const float* w, const float* u, int64_t T,
+                         int64_t H, int64_t E) {
   constexpr int64_t kEb = 8;
   const int64_t blocks = (E + kEb - 1) / kEb;
 #pragma omp parallel for schedule(static) if (T * E * H > kParallelWork)
@@ -91,8 +91,8 @@ void gating_backward_f64(float* dx, float* dw, const double* dl, const X* xj, co
       const float *w0 = w + e * H, *w1 = w0 + H, *w2 = w1 + H, *w3 = w2 + H;
 #pragma omp simd
       for (int64_t h = 0; h < H; ++h)
-        acc[h] += a0 * static_cast<double>(w0[h]) + a1 * static_cast<double>(w1[h]) +
-                  a2 * static_cast<double>(w2[h]) + a3 * static_cast<double>(w3[h]);
+        acc[h] += a0 * static_cast<double>(w0[h]) + a1 * static_cast<double>(w1[h]) + a2 * static_cast<double>(w2[h]) +
+                  a3 * static_cast<double>(w3[h]);
     }
     for (; e < E; ++e) {
       const double a = dl[t * E + e];
@@ -103,6 +103,15 @@ void gating_backward_f64(float* dx, float* dw, const double* dl, const X* xj, co
     for (int64_t h = 0; h < H; ++h)
       dx[t * H + h] += static_cast<float>(u ? acc[h] * static_cast<double>(u[t * H + h]) : acc[h]);
   }
+}
+
+// dbias[e] += sum_t dl[t, e], in double and token order (fp64 router; the fp32 one uses ops::bias_grad).
+void gating_bias_grad_f64(float* db, const double* dl, int64_t T, int64_t E) {
+  double* acc = scratch<double, 34>(static_cast<size_t>(E));
+  std::fill(acc, acc + E, 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e) acc[e] += dl[t * E + e];
+  for (int64_t e = 0; e < E; ++e) db[e] += static_cast<float>(acc[e]);
 }
 
 // fp32 router: the same two products on ops::gemm. A bf16 x_j is widened chunk by chunk into cache.work
@@ -144,8 +153,7 @@ void gating_backward_f32(Tensor& dx, Tensor& dweight, const Tensor& xj, const Te
 // Checks shared by forward and backward; returns the weight the fp32 gating GEMM multiplies x by.
 const Tensor& check_common(const ArgCheck& chk, const Tensor& x, const RouterWeights& w, const RouterDims& d,
                            const MoeConfig& cfg, const ops::Context& ctx) {
-  if (ctx.device != Device::cpu)
-    chk.fail("called with a CUDA context, but the router has only the CPU backend");
+  if (ctx.device != Device::cpu) chk.fail("called with a CUDA context, but the router has only the CPU backend");
   if (cfg.router_dtype != DType::f32 && cfg.router_dtype != DType::f64)
     chk.fail("router dtype (--moe-router-dtype) must be f32 or f64, got ", dtype_name(cfg.router_dtype));
   if (d.T <= 0 || d.H <= 0 || d.E <= 0 || d.K <= 0 || d.K > d.E || d.B <= 0 || d.T % d.B != 0)
@@ -159,6 +167,7 @@ const Tensor& check_common(const ArgCheck& chk, const Tensor& x, const RouterWei
     chk.fail("x must be f32 or bf16, got ", dtype_name(x.dtype()));
   chk.tensor("x", x, Shape{d.T, d.H}, x.dtype());
   chk.tensor("weight", w.weight, Shape{d.E, d.H}, DType::f32);
+  if (w.bias.defined()) chk.tensor("bias", w.bias, Shape{d.E}, DType::f32);
   if (cfg.router_dtype != DType::f32) return w.weight;
   if (!w.weight_compute.defined()) {
     if (x.dtype() != DType::f32) chk.fail("weight_compute is undefined but x is ", dtype_name(x.dtype()));
@@ -170,8 +179,8 @@ const Tensor& check_common(const ArgCheck& chk, const Tensor& x, const RouterWei
 
 template <class R>
 void forward_impl(Tensor& probs, Tensor& map, RouterStats& stats, const Tensor& x, const bool* padding,
-                  const Tensor& wc, const RouterWeights& w, RouterState& st, RouterCache& c,
-                  const RouterDims& d, const MoeConfig& cfg, bool training, const ops::Context& ctx) {
+                  const Tensor& wc, const RouterWeights& w, RouterState& st, RouterCache& c, const RouterDims& d,
+                  const MoeConfig& cfg, bool training, const ops::Context& ctx) {
   const int64_t T = d.T, H = d.H, E = d.E;
   const uint64_t calls = static_cast<uint64_t>(st.calls);
   // Each layer draws its own noise: the stream id (the layer number) is folded into the seed.
@@ -195,17 +204,18 @@ void forward_impl(Tensor& probs, Tensor& map, RouterStats& stats, const Tensor& 
     for (int64_t i = 0; i < T * E; ++i) lp[i] = R(philox_normal(key, first + static_cast<uint64_t>(i)));
   } else if constexpr (std::is_same_v<R, float>) {
     ops::gemm(c.logits, *xj, false, wc, true, 1.0f, 0.0f, ctx);
+    if (w.bias.defined()) ops::bias_add(c.logits, w.bias, ctx);
   } else {
     with_x_type(x.dtype(), [&](auto tag) {
       using X = decltype(tag);
-      gating_f64(c.logits.data<double>(), xj->data<X>(), w.weight.data<float>(), T, H, E);
+      gating_f64(c.logits.data<double>(), xj->data<X>(), w.weight.data<float>(),
+                 w.bias.defined() ? w.bias.data<float>() : nullptr, T, H, E);
     });
   }
   route_tokens<R>(c, map, st, d, cfg, training);
   stats.dropped = route_capacity<R>(probs, map, c, d, cfg);
   // Expert-bias counts see the map after capacity and before the dispatcher-level alignment padding.
-  if (training && cfg.enable_expert_bias)
-    map_column_counts(st.local_tokens_per_expert.data(), map, padding, T, E);
+  if (training && cfg.enable_expert_bias) map_column_counts(st.local_tokens_per_expert.data(), map, padding, T, E);
   if (cfg.router_padding_alignment > 0) pad_routing_map(map, T, E, cfg.router_padding_alignment);
   stats.tokens_per_expert.assign(static_cast<size_t>(E), 0);
   map_column_counts(stats.tokens_per_expert.data(), map, nullptr, T, E);
@@ -224,8 +234,8 @@ bool router_detail::router_needs_work(const MoeConfig& cfg, DType x_dtype) {
   return cfg.router_dtype == DType::f32 && (x_dtype == DType::bf16 || cfg.input_jitter_eps > 0);
 }
 
-void router_detail::check_cache(const ArgCheck& chk, const RouterCache& c, const RouterDims& d,
-                                const MoeConfig& cfg, DType x_dtype) {
+void router_detail::check_cache(const ArgCheck& chk, const RouterCache& c, const RouterDims& d, const MoeConfig& cfg,
+                                DType x_dtype) {
   const DType R = cfg.router_dtype;
   const Shape te{d.T, d.E}, tk{d.T, d.K}, th{d.T, d.H};
   chk.tensor("cache.logits", c.logits, te, R);
@@ -282,8 +292,7 @@ void router_finish_step(RouterState& st, const MoeConfig& cfg, bool update_bias)
 RouterCache router_cache_alloc(const RouterDims& d, const MoeConfig& cfg, DType x_dtype) {
   const DType R = cfg.router_dtype;
   if (R != DType::f32 && R != DType::f64)
-    MOECORE_FAIL("router_cache_alloc: router dtype (--moe-router-dtype) must be f32 or f64, got ",
-                 dtype_name(R));
+    MOECORE_FAIL("router_cache_alloc: router dtype (--moe-router-dtype) must be f32 or f64, got ", dtype_name(R));
   if (x_dtype != DType::f32 && x_dtype != DType::bf16)
     MOECORE_FAIL("router_cache_alloc: x dtype must be f32 or bf16, got ", dtype_name(x_dtype));
   const MemCategory act = MemCategory::activations, ws = MemCategory::workspace;
@@ -299,14 +308,13 @@ RouterCache router_cache_alloc(const RouterDims& d, const MoeConfig& cfg, DType 
     c.x_jittered = Tensor::empty({d.T, d.H}, x_dtype, act);
     c.jitter = Tensor::empty({d.T, d.H}, DType::f32, act);
   }
-  if (router_needs_work(cfg, x_dtype))
-    c.work = Tensor::empty({std::min(d.T, kWorkRows), d.H}, DType::f32, ws);
+  if (router_needs_work(cfg, x_dtype)) c.work = Tensor::empty({std::min(d.T, kWorkRows), d.H}, DType::f32, ws);
   return c;
 }
 
-void router_forward(Tensor& probs, Tensor& map, RouterStats& stats, const Tensor& x,
-                    const Tensor& padding_mask, const RouterWeights& w, RouterState& st, RouterCache& cache,
-                    const RouterDims& d, const MoeConfig& cfg, bool training, const ops::Context& ctx) {
+void router_forward(Tensor& probs, Tensor& map, RouterStats& stats, const Tensor& x, const Tensor& padding_mask,
+                    const RouterWeights& w, RouterState& st, RouterCache& cache, const RouterDims& d,
+                    const MoeConfig& cfg, bool training, const ops::Context& ctx) {
   const ArgCheck chk("router_forward", {{"probs", &probs},
                                         {"map", &map},
                                         {"x", &x},
@@ -321,8 +329,7 @@ void router_forward(Tensor& probs, Tensor& map, RouterStats& stats, const Tensor
   if (static_cast<int64_t>(st.local_tokens_per_expert.size()) != d.E ||
       static_cast<int64_t>(st.global_tokens_per_expert.size()) != d.E)
     chk.fail("router state counters have ", st.local_tokens_per_expert.size(), " / ",
-             st.global_tokens_per_expert.size(), " entries for E=", d.E,
-             " (create the state with router_state_init)");
+             st.global_tokens_per_expert.size(), " entries for E=", d.E, " (create the state with router_state_init)");
   check_cache(chk, cache, d, cfg, x.dtype());
   const bool* padding = padding_mask.defined() ? padding_mask.data<bool>() : nullptr;
   if (cfg.router_dtype == DType::f64)
@@ -331,7 +338,7 @@ void router_forward(Tensor& probs, Tensor& map, RouterStats& stats, const Tensor
     forward_impl<float>(probs, map, stats, x, padding, wc, w, st, cache, d, cfg, training, ctx);
 }
 
-void router_backward(Tensor& dx, Tensor& dweight, const Tensor& dprobs, const Tensor& x,
+void router_backward(Tensor& dx, Tensor& dweight, Tensor& dbias, const Tensor& dprobs, const Tensor& x,
                      const RouterWeights& w, RouterCache& cache, const RouterDims& d, const MoeConfig& cfg,
                      float aux_grad_scale, const ops::Context& ctx) {
   const ArgCheck chk("router_backward", {{"dx", &dx},
@@ -344,6 +351,7 @@ void router_backward(Tensor& dx, Tensor& dweight, const Tensor& dprobs, const Te
   chk.tensor("dx", dx, Shape{d.T, d.H}, DType::f32);
   chk.tensor("dweight", dweight, Shape{d.E, d.H}, DType::f32);
   chk.tensor("dprobs", dprobs, Shape{d.T, d.E}, DType::f32);
+  if (w.bias.defined()) chk.tensor("dbias", dbias, Shape{d.E}, DType::f32);
   check_cache(chk, cache, d, cfg, x.dtype());
   const bool jitter = cfg.input_jitter_eps > 0;
   const Tensor& xj = jitter ? cache.x_jittered : x;
@@ -352,12 +360,13 @@ void router_backward(Tensor& dx, Tensor& dweight, const Tensor& dprobs, const Te
     with_x_type(x.dtype(), [&](auto tag) {
       using X = decltype(tag);
       gating_backward_f64(dx.data<float>(), dweight.data<float>(), cache.dlogits.data<double>(), xj.data<X>(),
-                          w.weight.data<float>(), jitter ? cache.jitter.data<float>() : nullptr, d.T, d.H,
-                          d.E);
+                          w.weight.data<float>(), jitter ? cache.jitter.data<float>() : nullptr, d.T, d.H, d.E);
     });
+    if (w.bias.defined()) gating_bias_grad_f64(dbias.data<float>(), cache.dlogits.data<double>(), d.T, d.E);
   } else {
     route_backward<float>(cache, dprobs, d, cfg, aux_grad_scale);
     gating_backward_f32(dx, dweight, xj, w.weight, cache, jitter, ctx);
+    if (w.bias.defined()) ops::bias_grad(dbias, cache.dlogits, ctx);
   }
 }
 

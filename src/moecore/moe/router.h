@@ -1,13 +1,14 @@
-// The MoE router (Megatron's TopKRouter, ../shared/docs/megatron-moe-spec.md §2-§4): gating linear in
-// fp32 or fp64, input jitter, score functions, (group-limited) top-k, expert bias, sinkhorn, forced
-// balancing, capacity dropping and routing-map padding, plus every load-balancing loss and the z-loss.
-// Not here: permutation (dispatcher.h) and expert compute (experts.h).
+// The MoE router (Megatron's TopKRouter, ../shared/docs/megatron-moe-spec.md §2-§4): gating linear (with an
+// optional bias, Megatron's add_bias_linear) in fp32 or fp64, input jitter, score functions, (group-limited) top-k,
+// expert bias, sinkhorn, forced balancing, capacity dropping and routing-map padding, plus every load-balancing loss
+// and the z-loss. Not here: permutation (dispatcher.h) and expert compute (experts.h).
 //
 // Loss gradients: forward computes each loss and the gradient of their sum with respect to the logits
 // (cache.dlogits_loss); router_backward adds it, times aux_grad_scale, to the gradient coming from the
 // routing probabilities. Nothing is threaded through the model's return values.
-// Token order: t = b * S + s (batch-major; Megatron flattens sequence-major). It matters for seq_aux_loss
-// (sequence b = tokens [b*S, (b+1)*S)) and for which tokens the "position" drop policy keeps.
+// Token order: Megatron's sequence-major flattening of [S, B]: token t = s * B + b. It matters for seq_aux_loss
+// (sequence b = the tokens t with t % B == b) and for the "position" drop policy, which keeps the lowest token
+// indices, i.e. the earliest positions across all sequences (position s of every sequence before s + 1).
 // Ties in every top-k break towards the lower expert (or token) index, deterministically.
 #pragma once
 #include <vector>
@@ -19,8 +20,8 @@
 namespace moecore::moe {
 
 struct RouterDims {
-  int64_t T = 0;  // tokens (B * S)
-  int64_t B = 1;  // sequences in the micro-batch (seq_aux_loss)
+  int64_t T = 0;  // tokens (S * B, sequence-major: t = s * B + b)
+  int64_t B = 1;  // sequences in the micro-batch (seq_aux_loss: sequence b = tokens t % B == b)
   int64_t H = 0;  // hidden size
   int64_t E = 0;  // experts
   int64_t K = 0;  // top-k
@@ -32,16 +33,17 @@ struct RouterDims {
 struct RouterWeights {
   Tensor weight;          // [E, H] f32 master (used for fp32/fp64 routing math)
   Tensor weight_compute;  // [E, H] in the dtype of x (aliases weight in fp32 models)
+  Tensor bias{};          // [E] f32: logits += bias (Megatron's add_bias_linear); undefined: none
 };
 
 // Per-layer state that outlives one micro-batch.
 struct RouterState {
-  Tensor expert_bias;                       // [E] f32, aux-loss-free bias (checkpointed); undefined when off
+  Tensor expert_bias;                             // [E] f32, aux-loss-free bias (checkpointed); undefined when off
   std::vector<int64_t> local_tokens_per_expert;   // [E] exact counts since the last optimizer step (bias update)
   std::vector<int64_t> global_tokens_per_expert;  // [E] global_aux_loss accumulator over micro-batches
-  int64_t global_aux_steps = 0;             // micro-batches accumulated in global_tokens_per_expert
-  int64_t calls = 0;                        // forward calls (jitter / forced-balancing noise stream)
-  uint64_t stream = 0;                      // noise stream id, distinct per layer (the layer number)
+  int64_t global_aux_steps = 0;                   // micro-batches accumulated in global_tokens_per_expert
+  int64_t calls = 0;                              // forward calls (jitter / forced-balancing noise stream)
+  uint64_t stream = 0;                            // noise stream id, distinct per layer (the layer number)
 };
 RouterState router_state_init(const MoeConfig& cfg);
 // Once per optimizer step: expert_bias += rate * sign(mean(c) - c) from the exact counts c, then reset the
@@ -52,9 +54,9 @@ void router_finish_step(RouterState& st, const MoeConfig& cfg, bool update_bias 
 struct RouterStats {
   // Coefficient-free values as Megatron logs them (loss / coeff; z_loss = mean lse^2), 0 when not configured.
   double aux_loss = 0, seq_aux_loss = 0, global_aux_loss = 0, z_loss = 0;
-  double weighted_loss = 0;                  // sum of coeff * value over configured losses (what is optimized)
-  std::vector<int64_t> tokens_per_expert;   // [E] routed (token, expert) pairs after capacity, padding included
-  int64_t dropped = 0;                      // pairs removed by the capacity
+  double weighted_loss = 0;                // sum of coeff * value over configured losses (what is optimized)
+  std::vector<int64_t> tokens_per_expert;  // [E] routed (token, expert) pairs after capacity, padding included
+  int64_t dropped = 0;                     // pairs removed by the capacity
   // max over experts of tokens_per_expert / its mean (1 = perfectly balanced; 0 without tokens).
   double max_over_mean_load() const;
 };
@@ -74,19 +76,27 @@ struct RouterCache {
 };
 RouterCache router_cache_alloc(const RouterDims& d, const MoeConfig& cfg, DType x_dtype);
 
-// x [T, H] f32|bf16 (the pre-MLP norm output); padding_mask [T] bool (true = padding, excluded from losses
-// and counts) or undefined. Outputs: probs [T, E] f32 (0 where not routed) and map [T, E] bool (routed,
-// including zero-weight padding slots). training=false skips losses and counters (evaluation).
+// x [T, H] f32|bf16 (the pre-MLP norm output, token t = s * B + b); padding_mask [T] bool in the same order
+// (true = padding, excluded from losses and counts) or undefined. Outputs: probs [T, E] f32 (0 where not
+// routed) and map [T, E] bool (routed, including zero-weight padding slots). training=false skips losses and
+// counters (evaluation).
 void router_forward(Tensor& probs, Tensor& map, RouterStats& stats, const Tensor& x, const Tensor& padding_mask,
                     const RouterWeights& w, RouterState& st, RouterCache& cache, const RouterDims& d,
                     const MoeConfig& cfg, bool training, const ops::Context& ctx);
 
 // dprobs [T, E] f32: gradient of the objective w.r.t. probs. Only live selected pairs are read: the zero-weight
 // slots of pad-to-capacity and alignment padding, and dropped pairs, carry constant probs and are ignored.
-// dx [T, H] f32 += router input gradient; dweight [E, H] f32 += weight gradient.
+// dx [T, H] f32 += router input gradient; dweight [E, H] f32 += weight gradient; dbias [E] f32 += bias gradient
+// (required iff w.bias is defined; the overload without it is for bias-free routers).
 // aux_grad_scale multiplies the loss gradients (Megatron's main_loss_backward_scale: 1 / micro-batches).
-void router_backward(Tensor& dx, Tensor& dweight, const Tensor& dprobs, const Tensor& x, const RouterWeights& w,
-                     RouterCache& cache, const RouterDims& d, const MoeConfig& cfg, float aux_grad_scale,
-                     const ops::Context& ctx);
+void router_backward(Tensor& dx, Tensor& dweight, Tensor& dbias, const Tensor& dprobs, const Tensor& x,
+                     const RouterWeights& w, RouterCache& cache, const RouterDims& d, const MoeConfig& cfg,
+                     float aux_grad_scale, const ops::Context& ctx);
+inline void router_backward(Tensor& dx, Tensor& dweight, const Tensor& dprobs, const Tensor& x, const RouterWeights& w,
+                            RouterCache& cache, const RouterDims& d, const MoeConfig& cfg, float aux_grad_scale,
+                            const ops::Context& ctx) {
+  Tensor none;
+  router_backward(dx, dweight, none, dprobs, x, w, cache, d, cfg, aux_grad_scale, ctx);
+}
 
 }  // namespace moecore::moe

@@ -122,16 +122,15 @@ class ArgCheck {
 };
 
 // Checks every cache tensor the config needs (op names the caller).
-void check_cache(const ArgCheck& chk, const RouterCache& c, const RouterDims& d, const MoeConfig& cfg,
-                 DType x_dtype);
+void check_cache(const ArgCheck& chk, const RouterCache& c, const RouterDims& d, const MoeConfig& cfg, DType x_dtype);
 bool router_needs_work(const MoeConfig& cfg, DType x_dtype);
 
 // ---- router_topk.cpp ----
 // From cache.logits: scores, topk_idx, topk_w; sparse weights (scaled, before dropping) into cache.dlogits
 // (R, used as forward workspace) and the selection into map.
 template <class R>
-void route_tokens(RouterCache& c, Tensor& map, const RouterState& st, const RouterDims& d,
-                  const MoeConfig& cfg, bool training);
+void route_tokens(RouterCache& c, Tensor& map, const RouterState& st, const RouterDims& d, const MoeConfig& cfg,
+                  bool training);
 // Capacity dropping from the sparse weights in cache.dlogits: writes probs (f32), map and topk_kept;
 // returns the number of dropped (token, expert) pairs.
 template <class R>
@@ -149,7 +148,7 @@ void route_backward(RouterCache& c, const Tensor& dprobs, const RouterDims& d, c
 // Training only: z-loss and the aux losses from cache.logits; fills stats' loss fields, cache.dlogits_loss
 // and the global_aux_loss accumulators. Uses cache.dlogits as workspace.
 template <class R>
-void router_losses(RouterStats& stats, RouterState& st, RouterCache& c, const bool* padding,
-                   const RouterDims& d, const MoeConfig& cfg);
+void router_losses(RouterStats& stats, RouterState& st, RouterCache& c, const bool* padding, const RouterDims& d,
+                   const MoeConfig& cfg);
 
 }  // namespace moecore::moe::router_detail

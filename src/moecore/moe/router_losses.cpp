@@ -20,8 +20,7 @@ double switch_loss(const double* P, const double* c, int64_t E, int64_t K, doubl
 // Aux scores (softmax, or normalized sigmoid / sqrtsoftplus) of the valid rows into s, their top-k map
 // (1/0) into m; padding rows are zero in both.
 template <class R>
-void aux_scores(R* s, R* m, const R* logits, const bool* padding, int64_t T, int64_t E, int64_t K,
-                ScoreFunction sf) {
+void aux_scores(R* s, R* m, const R* logits, const bool* padding, int64_t T, int64_t E, int64_t K, ScoreFunction sf) {
 #pragma omp parallel for schedule(static) if (T * E > kParallelWork)
   for (int64_t t = 0; t < T; ++t) {
     R* st = s + t * E;
@@ -45,16 +44,17 @@ void aux_scores(R* s, R* m, const R* logits, const bool* padding, int64_t T, int
   }
 }
 
-// Overwrites the aux scores in s with dL/dz for valid rows, where dL/ds[t, e] = g[b(t) * E + e]:
+// Overwrites the aux scores in s with dL/dz for valid rows, where dL/ds[t, e] = g[b(t) * E + e] and b(t) = t % B
+// is the sequence of token t (sequence-major tokens, t = s * B + b):
 // softmax: dz = s (ds - <s, ds>); normalized f: dz = f'(z) (ds - <s, ds>) / (sum f + 1e-20).
 template <class R>
-void aux_scores_backward(R* s, const R* logits, const double* g, const bool* padding, int64_t T, int64_t S,
-                         int64_t E, ScoreFunction sf) {
+void aux_scores_backward(R* s, const R* logits, const double* g, const bool* padding, int64_t T, int64_t B, int64_t E,
+                         ScoreFunction sf) {
 #pragma omp parallel for schedule(static) if (T * E > kParallelWork)
   for (int64_t t = 0; t < T; ++t) {
     R* st = s + t * E;
     if (padding && padding[t]) continue;  // already zero
-    const double* gt = g + (t / S) * E;
+    const double* gt = g + (t % B) * E;
     const R* z = logits + t * E;
     R dot = 0;
     for (int64_t e = 0; e < E; ++e) dot += st[e] * R(gt[e]);
@@ -75,9 +75,9 @@ void aux_scores_backward(R* s, const R* logits, const double* g, const bool* pad
 }  // namespace
 
 template <class R>
-void router_losses(RouterStats& stats, RouterState& st, RouterCache& c, const bool* padding,
-                   const RouterDims& d, const MoeConfig& cfg) {
-  const int64_t T = d.T, E = d.E, K = d.K, B = d.B, S = d.T / d.B;
+void router_losses(RouterStats& stats, RouterState& st, RouterCache& c, const bool* padding, const RouterDims& d,
+                   const MoeConfig& cfg) {
+  const int64_t T = d.T, E = d.E, K = d.K, B = d.B;
   const R* logits = c.logits.data<R>();
   R* dll = c.dlogits_loss.data<R>();
   int64_t n_valid = 0;
@@ -89,15 +89,17 @@ void router_losses(RouterStats& stats, RouterState& st, RouterCache& c, const bo
   if (any_aux) {
     R* m = c.dlogits.data<R>();  // the backward workspace is free during forward
     aux_scores(dll, m, logits, padding, T, E, K, cfg.score_function);
-    // Per sequence b and expert e: P = sum of scores, cnt = routed count (valid tokens only). Rows in
-    // order, contiguous over experts: a column-wise walk would touch a new cache line per element.
+    // Per sequence b and expert e: P = sum of scores, cnt = routed count (valid tokens only). Tokens are
+    // sequence-major (t = s * B + b, Megatron's [S, B] flattening), so token t belongs to sequence t % B
+    // (Megatron's [S*B, E] -> [S, B*E] view). Rows in order, contiguous over experts: a column-wise walk
+    // would touch a new cache line per element.
     double* P = scratch<double, 21>(static_cast<size_t>(B * E));
     double* cnt = scratch<double, 22>(static_cast<size_t>(B * E));
     std::fill(P, P + B * E, 0.0);
     std::fill(cnt, cnt + B * E, 0.0);
     for (int64_t t = 0; t < T; ++t) {
-      double* Pb = P + (t / S) * E;
-      double* cb = cnt + (t / S) * E;
+      double* Pb = P + (t % B) * E;
+      double* cb = cnt + (t % B) * E;
       const R* srow = dll + t * E;
       const R* mrow = m + t * E;
       for (int64_t e = 0; e < E; ++e) {
@@ -128,8 +130,7 @@ void router_losses(RouterStats& stats, RouterState& st, RouterCache& c, const bo
       for (int64_t e = 0; e < E; ++e) st.global_tokens_per_expert[e] += cg_local[e];
       st.global_aux_steps += 1;
       for (int64_t e = 0; e < E; ++e)
-        cavg[e] =
-            static_cast<double>(st.global_tokens_per_expert[e]) / static_cast<double>(st.global_aux_steps);
+        cavg[e] = static_cast<double>(st.global_tokens_per_expert[e]) / static_cast<double>(st.global_aux_steps);
     }
     // With padding every sequence is normalized by the average valid length (Megatron §3.3).
     const double Ns = N / static_cast<double>(B);
@@ -151,7 +152,7 @@ void router_losses(RouterStats& stats, RouterState& st, RouterCache& c, const bo
         if (cg > 0) v += cg * kNg2 * cavg[e];
         g[b * E + e] = v;
       }
-    aux_scores_backward(dll, logits, g, padding, T, S, E, cfg.score_function);
+    aux_scores_backward(dll, logits, g, padding, T, B, E, cfg.score_function);
   } else {
     std::fill(dll, dll + T * E, R(0));
   }
@@ -176,8 +177,7 @@ void router_losses(RouterStats& stats, RouterState& st, RouterCache& c, const bo
       for (int64_t e = 0; e < E; ++e) dl[e] += a * std::exp(z[e] - lse[t]);
     }
   }
-  stats.weighted_loss =
-      ca * stats.aux_loss + cs * stats.seq_aux_loss + cg * stats.global_aux_loss + cz * stats.z_loss;
+  stats.weighted_loss = ca * stats.aux_loss + cs * stats.seq_aux_loss + cg * stats.global_aux_loss + cz * stats.z_loss;
 }
 
 template void router_losses<float>(RouterStats&, RouterState&, RouterCache&, const bool*, const RouterDims&,

@@ -76,8 +76,8 @@ void sinkhorn_balance(R* out, const R* z, int64_t T, int64_t E) {
 }  // namespace
 
 template <class R>
-void route_tokens(RouterCache& c, Tensor& map, const RouterState& st, const RouterDims& d,
-                  const MoeConfig& cfg, bool training) {
+void route_tokens(RouterCache& c, Tensor& map, const RouterState& st, const RouterDims& d, const MoeConfig& cfg,
+                  bool training) {
   const int64_t T = d.T, E = d.E, K = d.K, G = cfg.num_groups, g = cfg.group_topk;
   const R* logits = c.logits.data<R>();
   R* scores = c.scores.data<R>();
@@ -137,8 +137,7 @@ void route_tokens(RouterCache& c, Tensor& map, const RouterState& st, const Rout
 }
 
 template <class R>
-int64_t route_capacity(Tensor& probs, Tensor& map, RouterCache& c, const RouterDims& d,
-                       const MoeConfig& cfg) {
+int64_t route_capacity(Tensor& probs, Tensor& map, RouterCache& c, const RouterDims& d, const MoeConfig& cfg) {
   const int64_t T = d.T, E = d.E, K = d.K;
   const R* sparse = c.dlogits.data<R>();
   float* pp = probs.data<float>();
@@ -168,7 +167,8 @@ int64_t route_capacity(Tensor& probs, Tensor& map, RouterCache& c, const RouterD
         return va > vb || (va == vb && a < b);
       });
       for (int64_t i = 0; i < cap; ++i) keep[order[i]] = 1;
-    } else {  // the earliest routed tokens, then (only matters when padding) the earliest unrouted ones
+    } else {  // the earliest routed tokens (t = s * B + b: earliest positions), then (only matters when
+              // padding) the earliest unrouted ones
       int64_t n = 0;
       for (int64_t t = 0; t < T && n < cap; ++t)
         if (mp[t * E + e]) keep[t] = 1, ++n;
@@ -270,10 +270,9 @@ void route_backward(RouterCache& c, const Tensor& dprobs, const RouterDims& d, c
   }
 }
 
-#define MOECORE_ROUTER_INSTANTIATE(R)                                                                      \
-  template void route_tokens<R>(RouterCache&, Tensor&, const RouterState&, const RouterDims&,              \
-                                const MoeConfig&, bool);                                                   \
-  template int64_t route_capacity<R>(Tensor&, Tensor&, RouterCache&, const RouterDims&, const MoeConfig&); \
+#define MOECORE_ROUTER_INSTANTIATE(R)                                                                                  \
+  template void route_tokens<R>(RouterCache&, Tensor&, const RouterState&, const RouterDims&, const MoeConfig&, bool); \
+  template int64_t route_capacity<R>(Tensor&, Tensor&, RouterCache&, const RouterDims&, const MoeConfig&);             \
   template void route_backward<R>(RouterCache&, const Tensor&, const RouterDims&, const MoeConfig&, float);
 MOECORE_ROUTER_INSTANTIATE(float)
 MOECORE_ROUTER_INSTANTIATE(double)

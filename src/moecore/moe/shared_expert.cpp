@@ -12,7 +12,6 @@
 namespace moecore::moe {
 namespace {
 
-
 constexpr int64_t kParallelWork = 1 << 15;
 
 inline float sigmoid(float z) {
@@ -21,8 +20,7 @@ inline float sigmoid(float z) {
 
 // s[t] = sigmoid(x[t] . g); y[t] += s[t] * out[t].
 template <class T>
-void gate_forward_kernel(float* y, float* s, const T* x, const float* g, const float* out, int64_t N,
-                         int64_t H) {
+void gate_forward_kernel(float* y, float* s, const T* x, const float* g, const float* out, int64_t N, int64_t H) {
 #pragma omp parallel for schedule(static) if (N * H > kParallelWork)
   for (int64_t t = 0; t < N; ++t) {
     const T* xt = x + t * H;
@@ -110,22 +108,20 @@ void check_shared(const char* op, const Tensor& x, const SharedExpertWeights& w,
   const int64_t Fs = w.fc2.defined() && w.fc2.dim() == 2 ? w.fc2.size(1) : -1, F1 = swiglu ? 2 * Fs : Fs;
   const DType dt = x.defined() ? x.dtype() : DType::f32;
   bool ok = ok_x && w.fc1.defined() && w.fc1.shape() == Shape{F1, H} && w.fc1.dtype() == dt &&
-            w.fc2.shape() == Shape{H, Fs} && w.fc2.dtype() == dt && c.h.defined() &&
-            c.h.shape() == Shape{T, F1} && c.act.defined() && c.act.shape() == Shape{T, Fs};
+            w.fc2.shape() == Shape{H, Fs} && w.fc2.dtype() == dt && c.h.defined() && c.h.shape() == Shape{T, F1} &&
+            c.act.defined() && c.act.shape() == Shape{T, Fs};
   if (gate)
     ok = ok && w.gate.shape() == Shape{1, H} && w.gate.dtype() == DType::f32 && c.out.defined() &&
          c.out.shape() == Shape{T, H} && c.gate_s.defined() && c.gate_s.shape() == Shape{T};
   if (!ok)
-    MOECORE_FAIL(op, ": inconsistent shared-expert tensors (swiglu ", swiglu, ", gate ", gate, "): x ",
-                 x.str(), ", fc1 ", w.fc1.str(), ", fc2 ", w.fc2.str(), ", gate ",
-                 gate ? w.gate.str() : "none", ", cache h ", c.h.str(), ", act ", c.act.str(),
-                 "; allocate the cache with shared_expert_cache_alloc");
+    MOECORE_FAIL(op, ": inconsistent shared-expert tensors (swiglu ", swiglu, ", gate ", gate, "): x ", x.str(),
+                 ", fc1 ", w.fc1.str(), ", fc2 ", w.fc2.str(), ", gate ", gate ? w.gate.str() : "none", ", cache h ",
+                 c.h.str(), ", act ", c.act.str(), "; allocate the cache with shared_expert_cache_alloc");
 }
 
 }  // namespace
 
-SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bool swiglu, bool gate,
-                                            DType compute) {
+SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bool swiglu, bool gate, DType compute) {
   const int64_t F1 = swiglu ? 2 * Fs : Fs;
   const auto act = MemCategory::activations, work = MemCategory::workspace;
   SharedExpertCache c;
@@ -145,8 +141,7 @@ void shared_expert_forward(Tensor& y, const Tensor& x, const SharedExpertWeights
                            bool swiglu, const ops::Context& ctx) {
   check_shared("shared_expert_forward", x, w, cache, swiglu);
   if (!(y.shape() == x.shape()) || y.dtype() != DType::f32 || !y.is_contiguous())
-    MOECORE_FAIL("shared_expert_forward: y must be a contiguous ", x.shape().str(), " f32 tensor, got ",
-                 y.str());
+    MOECORE_FAIL("shared_expert_forward: y must be a contiguous ", x.shape().str(), " f32 tensor, got ", y.str());
   ops::gemm(cache.h, x, false, w.fc1, true, 1.0f, 0.0f, ctx);
   act_forward(cache.act, cache.h, swiglu, ctx);
   if (!w.gate.defined()) {
@@ -168,10 +163,10 @@ void shared_expert_backward(Tensor& dx, SharedExpertGrads& g, const Tensor& dy, 
                             const ops::Context& ctx) {
   check_shared("shared_expert_backward", x, w, cache, swiglu);
   const int64_t T = x.size(0), H = x.size(1);
-  if (!(dy.shape() == x.shape()) || dy.dtype() != DType::f32 || !dy.is_contiguous() ||
-      !(dx.shape() == x.shape()) || dx.dtype() != DType::f32 || !dx.is_contiguous())
-    MOECORE_FAIL("shared_expert_backward: dy and dx must be contiguous ", x.shape().str(), " f32, got dy ",
-                 dy.str(), ", dx ", dx.str());
+  if (!(dy.shape() == x.shape()) || dy.dtype() != DType::f32 || !dy.is_contiguous() || !(dx.shape() == x.shape()) ||
+      dx.dtype() != DType::f32 || !dx.is_contiguous())
+    MOECORE_FAIL("shared_expert_backward: dy and dx must be contiguous ", x.shape().str(), " f32, got dy ", dy.str(),
+                 ", dx ", dx.str());
   const Tensor* dout = &dy;
   if (w.gate.defined()) {
     if (!g.gate.defined() || !(g.gate.shape() == Shape{1, H}) || g.gate.dtype() != DType::f32)
@@ -179,12 +174,12 @@ void shared_expert_backward(Tensor& dx, SharedExpertGrads& g, const Tensor& dy, 
                    g.gate.defined() ? g.gate.str() : "undefined");
     float* dz = dz_scratch(T);
     if (x.dtype() == DType::bf16) {
-      gate_backward_rows(cache.dout_c.data<bf16>(), dz, dx.data<float>(), dy.data<float>(),
-                         cache.out.data<float>(), cache.gate_s.data<float>(), w.gate.data<float>(), T, H);
+      gate_backward_rows(cache.dout_c.data<bf16>(), dz, dx.data<float>(), dy.data<float>(), cache.out.data<float>(),
+                         cache.gate_s.data<float>(), w.gate.data<float>(), T, H);
       gate_weight_grad(g.gate.data<float>(), dz, x.data<bf16>(), T, H);
     } else {
-      gate_backward_rows(cache.dout_c.data<float>(), dz, dx.data<float>(), dy.data<float>(),
-                         cache.out.data<float>(), cache.gate_s.data<float>(), w.gate.data<float>(), T, H);
+      gate_backward_rows(cache.dout_c.data<float>(), dz, dx.data<float>(), dy.data<float>(), cache.out.data<float>(),
+                         cache.gate_s.data<float>(), w.gate.data<float>(), T, H);
       gate_weight_grad(g.gate.data<float>(), dz, x.data<float>(), T, H);
     }
     dout = &cache.dout_c;

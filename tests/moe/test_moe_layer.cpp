@@ -1,0 +1,127 @@
+// The MoE layer as a whole (local dispatcher): linear biases (Megatron's add_bias_linear) against the
+// bias-free layer and against finite differences, and the shared-expert restriction. Per-op math lives in
+// test_router*.cpp and test_dispatch_experts.cpp; the reference comparison in tests/model/test_moe_layer_golden.cpp.
+#include <cmath>
+#include <string>
+
+#include "moecore/moe/moe_layer.h"
+#include "test_util.h"
+
+namespace moecore::moe {
+namespace {
+
+using testing::randn;
+using testing::to_vector;
+
+const ops::Context kCpu{};
+
+struct Layer {
+  MoeConfig cfg;
+  MoeLayerDims d;
+  MoeLayerWeights w;
+  MoeLayerGrads g;
+  Tensor x, dy, y, dx;
+  RouterState st;
+  MoeLayerCache cache;
+  LocalDispatcher disp;
+
+  // T = 12 tokens (B = 2), H = 8, F = 6, E = 4, K = 2, SwiGLU, aux + seq_aux loss; with a capacity when cf > 0.
+  Layer(bool bias, float cf = 0.0f, int64_t Fs = 0) {
+    cfg.num_experts = 4;
+    cfg.router_topk = 2;
+    cfg.load_balancing_type = {LoadBalancing::aux_loss, LoadBalancing::seq_aux_loss};
+    cfg.aux_loss_coeff = {0.1f, 0.2f};
+    cfg.capacity_factor = cf;
+    cfg.pad_expert_input_to_capacity = cf > 0;
+    d = {12, 2, 8, 6, Fs, DType::f32};
+    const int64_t E = 4, H = 8, F = 6;
+    Tensor router = randn({E, H}, "layer.router", 0.5f);
+    w.router = {router, router};
+    w.experts = {randn({E, 2 * F, H}, "layer.fc1", 0.3f), randn({E, H, F}, "layer.fc2", 0.3f)};
+    g.router = Tensor::zeros({E, H}, DType::f32);
+    g.experts = {Tensor::zeros({E, 2 * F, H}, DType::f32), Tensor::zeros({E, H, F}, DType::f32)};
+    if (bias) {
+      w.router.bias = randn({E}, "layer.router_bias", 0.5f);
+      w.experts.fc1_bias = randn({E, 2 * F}, "layer.fc1_bias", 0.3f);
+      w.experts.fc2_bias = randn({E, H}, "layer.fc2_bias", 0.3f);
+      g.router_bias = Tensor::zeros({E}, DType::f32);
+      g.experts.fc1_bias = Tensor::zeros({E, 2 * F}, DType::f32);
+      g.experts.fc2_bias = Tensor::zeros({E, H}, DType::f32);
+    }
+    if (Fs > 0) {
+      w.shared.fc1 = randn({2 * Fs, H}, "layer.sfc1", 0.3f);
+      w.shared.fc2 = randn({H, Fs}, "layer.sfc2", 0.3f);
+      g.shared.fc1 = Tensor::zeros({2 * Fs, H}, DType::f32);
+      g.shared.fc2 = Tensor::zeros({H, Fs}, DType::f32);
+    }
+    x = randn({12, H}, "layer.x");
+    dy = randn({12, H}, "layer.dy");
+    y = Tensor::empty({12, H}, DType::f32);
+    dx = Tensor::empty({12, H}, DType::f32);
+    st = router_state_init(cfg);
+    cache = moe_layer_cache_alloc(d, cfg);
+  }
+  double forward() {
+    moe_layer_forward(y, x, Tensor(), w, st, cache, disp, d, cfg, true, kCpu);
+    return testing::weighted_sum(y, dy) + cache.stats.weighted_loss;
+  }
+  void backward() { moe_layer_backward(dx, g, dy, x, w, cache, disp, d, cfg, 1.0f, kCpu); }
+};
+
+// Zero biases give the bias-free layer bit for bit (adding +0 is exact); nonzero ones change the output.
+TEST(MoeLayer, ZeroBiasesEqualNoBiases) {
+  Layer plain(false), zero(true), biased(true);
+  for (Tensor* t : {&zero.w.router.bias, &zero.w.experts.fc1_bias, &zero.w.experts.fc2_bias}) t->zero_();
+  plain.forward();
+  zero.forward();
+  biased.forward();
+  plain.backward();
+  zero.backward();
+  EXPECT_EQ(to_vector(plain.y), to_vector(zero.y));
+  EXPECT_EQ(to_vector(plain.dx), to_vector(zero.dx));
+  EXPECT_EQ(to_vector(plain.g.router), to_vector(zero.g.router));
+  EXPECT_EQ(to_vector(plain.g.experts.fc1), to_vector(zero.g.experts.fc1));
+  EXPECT_EQ(to_vector(plain.g.experts.fc2), to_vector(zero.g.experts.fc2));
+  EXPECT_NE(to_vector(plain.y), to_vector(biased.y));
+}
+
+// Central differences (f32, step 1e-2) of sum(y * dy) + weighted aux losses with respect to every bias, and to
+// the input (the fc2 bias reaches the router through dprobs = dy . b2): rtol 1e-2, atol 2e-3. Dropless and
+// with pad-to-capacity; elements whose step flips a routing decision would show as outliers, so the weights
+// are drawn with clear margins at this size.
+TEST(MoeLayer, BiasGradientsMatchFiniteDifferences) {
+  for (float cf : {0.0f, 1.0f}) {
+    SCOPED_TRACE(cf > 0 ? "capacity 1.0, padded" : "dropless");
+    Layer l(true, cf);
+    l.forward();
+    l.backward();
+    if (cf > 0) {
+      EXPECT_GT(l.cache.stats.dropped, 0);
+    }
+    auto loss = [&] {
+      l.st = router_state_init(l.cfg);
+      return l.forward();
+    };
+    EXPECT_TENSOR_NEAR(l.g.router_bias, testing::numerical_gradient(loss, l.w.router.bias), 1e-2, 2e-3);
+    EXPECT_TENSOR_NEAR(l.g.experts.fc1_bias, testing::numerical_gradient(loss, l.w.experts.fc1_bias), 1e-2, 2e-3);
+    EXPECT_TENSOR_NEAR(l.g.experts.fc2_bias, testing::numerical_gradient(loss, l.w.experts.fc2_bias), 1e-2, 2e-3);
+    EXPECT_TENSOR_NEAR(l.dx, testing::numerical_gradient(loss, l.x), 1e-2, 2e-3);
+  }
+}
+
+// Megatron's SharedExpertMLP asserts add_bias_linear == False: the layer refuses biases with a shared expert.
+TEST(MoeLayer, BiasesWithASharedExpertAreRejected) {
+  Layer l(true, 0.0f, 5);
+  try {
+    l.forward();
+    ADD_FAILURE() << "biases with a shared expert were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("add_bias_linear"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("shared expert"), std::string::npos) << e.what();
+  }
+  Layer ok(false, 0.0f, 5);
+  EXPECT_NO_THROW(ok.forward());
+}
+
+}  // namespace
+}  // namespace moecore::moe
