@@ -43,6 +43,23 @@ Args& Args::list_option(const std::string& name, const std::string& help) {
   return *this;
 }
 
+Args& Args::accepted(const std::string& name, const std::string& help) {
+  return flag(name, help + " (accepted for Megatron scripts; does not change numerics here)");
+}
+
+Args& Args::unsupported_switch(const std::string& name, const std::string& what) {
+  specs_[name] = {"", "not supported yet: " + what, true, false, true};
+  order_.push_back(name);
+  return *this;
+}
+
+Args& Args::unsupported(const std::string& name, const std::string& allowed, const std::string& what) {
+  specs_[name] = {allowed, "not supported yet: " + what + (allowed.empty() ? "" : " (only " + allowed + ")"), false,
+                  false, true};
+  order_.push_back(name);
+  return *this;
+}
+
 Args& Args::positional(const std::string& name, const std::string& help) {
   pos_specs_.emplace_back(name, help);
   return *this;
@@ -56,7 +73,7 @@ std::string Args::help() const {
   for (const auto& n : order_) {
     const Spec& sp = specs_.at(n);
     s += "  " + n + (sp.is_flag ? "" : sp.is_list ? " VALUE..." : " VALUE") + "\n      " + sp.help;
-    if (!sp.is_flag && !sp.def.empty()) s += " (default: " + sp.def + ")";
+    if (!sp.is_flag && !sp.def.empty() && !sp.unsupported) s += " (default: " + sp.def + ")";
     s += "\n";
   }
   return s;
@@ -71,7 +88,9 @@ const Args::Spec& Args::spec_or_suggest(const std::string& a, const char* where)
     const size_t d = edit_distance(a, n);
     if (d < best_d) best_d = d, best = n;
   }
-  MOECORE_FAIL("unknown flag '", a, "'", where, best.empty() ? "" : "; did you mean '" + best + "'?",
+  // Only a near miss (a typo) earns a suggestion; a far one would mislead.
+  const bool close = !best.empty() && best_d <= std::max<size_t>(2, a.size() / 5);
+  MOECORE_FAIL("unknown flag '", a, "'", where, close ? "; did you mean '" + best + "'?" : "",
                " (see moecore ", program_, " --help)");
 }
 
@@ -81,6 +100,10 @@ bool Args::parse(int argc, char** argv) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") {
       std::fputs(help().c_str(), stdout);
+      return false;
+    }
+    if (a == "--list-flags") {
+      std::fputs(list_flags().c_str(), stdout);
       return false;
     }
     if (a.rfind("--", 0) != 0) {
@@ -125,7 +148,30 @@ bool Args::parse(int argc, char** argv) {
   if (pos_values_.size() > pos_specs_.size())
     MOECORE_FAIL("unexpected argument '", pos_values_[pos_specs_.size()], "' (see moecore ", program_, " --help)");
   if (!config.empty()) merge_config(config);
+  check_unsupported();
   return true;
+}
+
+void Args::check_unsupported() const {
+  for (const auto& [name, v] : values_) {
+    const Spec& sp = specs_.at(name);
+    if (!sp.unsupported) continue;
+    if (sp.is_flag) MOECORE_FAIL(name, " is ", sp.help);
+    if (sp.def.empty() || v != sp.def) MOECORE_FAIL(name, " ", v, " is ", sp.help);
+  }
+}
+
+std::string Args::list_flags() const {
+  std::string s;
+  for (const auto& n : order_) {
+    const Spec& sp = specs_.at(n);
+    const char* kind = sp.unsupported ? (sp.is_flag ? "unsupported-switch" : "unsupported-value")
+                       : sp.is_flag       ? "switch"
+                       : sp.is_list       ? "list"
+                                          : "value";
+    s += n + "\t" + kind + "\t" + sp.def + "\t" + sp.help + "\n";
+  }
+  return s;
 }
 
 // Command-line flags win: a config entry only fills flags the command line left unset.
@@ -198,5 +244,9 @@ double Args::f64(const std::string& name) const {
 }
 
 bool Args::on(const std::string& name) const { return given(name); }
+
+int64_t Args::i64_or(const std::string& name, int64_t unset) const { return str(name).empty() ? unset : i64(name); }
+
+double Args::f64_or(const std::string& name, double unset) const { return str(name).empty() ? unset : f64(name); }
 
 }  // namespace moecore::apps

@@ -1,5 +1,7 @@
 // `moecore train`: Megatron-style training of a GPT (dense or MoE) on .bin/.idx data made by
 // `moecore preprocess` or Megatron's own tools, with checkpoints, metrics and a generated sample at the end.
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <string>
 
@@ -20,56 +22,85 @@
 namespace moecore::apps {
 namespace {
 
+// Defaults are Megatron's (megatron/training/arguments.py); "" is Megatron's None (unset).
 void add_training_flags(Args& a) {
+  const std::string req = " (Megatron: required)";
   a.list_option("--data-path", "dataset prefixes (.bin/.idx), optionally weighted: \"w1 p1 w2 p2 ...\"")
-      .option("--split", "969,30,1", "train,valid,test proportions")
+      .option("--split", "969,30,1", "train,valid,test proportions (Megatron: unset = 969,30,1)")
       .flag("--eod-mask-loss", "no loss on end-of-document tokens")
-      .option("--micro-batch-size", "8", "sequences per forward/backward")
-      .option("--global-batch-size", "8", "sequences per optimizer step")
-      .option("--train-iters", "200", "optimizer steps")
-      .option("--lr", "3e-3", "peak learning rate")
-      .option("--min-lr", "3e-4", "final learning rate of the decay")
-      .option("--lr-warmup-iters", "20", "linear warmup steps")
-      .option("--lr-decay-style", "cosine", "constant | linear | cosine | WSD")
-      .option("--lr-decay-iters", "0", "end of the decay (0: --train-iters)")
-      .option("--lr-wsd-decay-iters", "0", "WSD: length of the final decay")
+      .option("--micro-batch-size", "8", "sequences per forward/backward" + req)
+      .option("--global-batch-size", "", "sequences per optimizer step (unset: micro-batch x data-parallel size)")
+      .option("--train-iters", "200", "optimizer steps" + req)
+      .option("--lr", "3e-3", "peak learning rate" + req)
+      .option("--min-lr", "0.0", "final learning rate of the decay")
+      .option("--lr-warmup-iters", "0", "linear warmup steps")
+      .option("--lr-decay-style", "linear", "constant | linear | cosine | WSD")
+      .option("--lr-decay-iters", "", "end of the decay (unset: --train-iters)")
+      .option("--lr-wsd-decay-iters", "", "WSD: length of the final decay")
       .option("--lr-wsd-decay-style", "exponential", "WSD: exponential | linear | cosine | minus_sqrt")
-      .option("--weight-decay", "0.1", "decoupled weight decay on 2-D weights")
+      .option("--weight-decay", "0.01", "decoupled weight decay on weight matrices (not norms or biases)")
       .option("--adam-beta1", "0.9", "AdamW beta1")
-      .option("--adam-beta2", "0.95", "AdamW beta2")
-      .option("--adam-eps", "1e-8", "AdamW epsilon")
+      .option("--adam-beta2", "0.999", "AdamW beta2")
+      .option("--adam-eps", "1e-08", "AdamW epsilon")
       .option("--clip-grad", "1.0", "global gradient-norm clip (0: off)")
+      .option("--optimizer", "adam", "adam (AdamW, Megatron's adam); sgd is not supported yet")
       .flag("--use-precision-aware-optimizer", "allow reduced-precision optimizer states (--exp-avg-dtype)")
       .option("--exp-avg-dtype", "fp32", "fp32 | bf16 (with --use-precision-aware-optimizer)")
       .option("--exp-avg-sq-dtype", "fp32", "fp32 | bf16 (with --use-precision-aware-optimizer)")
-      .option("--seed", "1234", "random seed (weights, data order, router noise)")
-      .option("--log-interval", "10", "steps between log lines")
-      .option("--eval-interval", "50", "steps between validations")
-      .option("--eval-iters", "8", "validation batches per evaluation")
-      .option("--metrics-jsonl", "", "write one JSON object per logged iteration to this file")
+      .option("--seed", "1234", "random seed (weights, data order, dropout, router noise)")
+      .option("--log-interval", "100", "steps between log lines")
+      .option("--eval-interval", "",
+              "steps between validations (Megatron: required for validation; unset here: only at the end)")
+      .option("--eval-iters", "100", "validation batches per evaluation")
+      .option("--metrics-jsonl", "", "write one JSON object per logged iteration to this file (moecore)")
       .option("--tensorboard-dir", "", "write TensorBoard event files here")
+      .accepted("--log-throughput", "throughput on the log line (always shown here)")
+      .accepted("--log-timers-to-tensorboard", "timers in TensorBoard")
+      .accepted("--log-validation-ppl-to-tensorboard", "validation perplexity in TensorBoard")
       .flag("--moe-per-layer-logging", "log tokens per expert, load, drops and losses of every MoE layer")
       .option("--save", "", "checkpoint directory")
       .option("--load", "", "resume from the newest committed checkpoint under this directory")
-      .option("--save-interval", "0", "steps between checkpoints (0: only at the end)")
-      .option("--exit-interval", "0", "stop (after saving) at multiples of this iteration")
-      .option("--keep-last-checkpoints", "0", "keep only the newest N checkpoints (0: all)")
-      .flag("--exit-signal-handler", "save and stop on SIGTERM/SIGINT (the default here)")
-      .flag("--no-exit-signal-handler", "let SIGTERM/SIGINT kill the process")
+      .option("--save-interval", "", "steps between checkpoints (unset: only at the end)")
+      .option("--exit-interval", "", "stop (after saving) at multiples of this iteration")
+      .option("--keep-last-checkpoints", "0", "keep only the newest N checkpoints (0: all; moecore)")
+      .flag("--no-load-optim", "load weights and progress, not the optimizer state")
+      .flag("--no-load-rng", "do not restore the random state (router noise positions)")
+      .flag("--no-save-optim", "checkpoints without the optimizer state")
+      .flag("--no-save-rng", "checkpoints without the random state")
+      .flag("--finetune", "load only the weights: iteration 0, fresh optimizer and random state")
+      .flag("--override-opt_param-scheduler", "the command line's LR schedule wins over the checkpoint's")
+      .flag("--override-opt-param-scheduler", "the same as --override-opt_param-scheduler")
+      .flag("--use-checkpoint-opt_param-scheduler", "the checkpoint's LR schedule wins over the command line's")
+      .flag("--use-checkpoint-opt-param-scheduler", "the same as --use-checkpoint-opt_param-scheduler")
+      .flag("--exit-signal-handler", "on SIGTERM/SIGINT save a checkpoint and stop (without it the signal kills)")
       .flag("--no-check-for-nan-in-loss-and-grad", "do not check loss and gradients for NaN/Inf")
-      .option("--nan-action", "stop", "on NaN/Inf: stop (error naming the tensor) | skip (drop the step)")
-      .option("--tensor-model-parallel-size", "1", "TP (only 1 in this version)")
-      .option("--pipeline-model-parallel-size", "1", "PP (only 1 in this version)")
-      .option("--context-parallel-size", "1", "CP (only 1 in this version)")
+      .option("--nan-action", "stop", "on NaN/Inf: stop (error naming the tensor) | skip (drop the step; moecore)")
+      .unsupported("--tensor-model-parallel-size", "1", "tensor parallelism")
+      .unsupported("--pipeline-model-parallel-size", "1", "pipeline parallelism")
+      .unsupported("--context-parallel-size", "1", "context parallelism")
+      .unsupported("--expert-tensor-parallel-size", "1", "expert tensor parallelism")
+      .unsupported_switch("--sequence-parallel", "sequence parallelism (it needs tensor parallelism)")
+      .unsupported("--num-layers-per-virtual-pipeline-stage", "", "interleaved pipeline parallelism")
+      .unsupported("--decoder-first-pipeline-num-layers", "", "pipeline parallelism")
+      .unsupported("--decoder-last-pipeline-num-layers", "", "pipeline parallelism")
+      .unsupported_switch("--overlap-grad-reduce", "overlapping gradient reduction with backward")
+      .unsupported_switch("--overlap-param-gather", "overlapping the parameter all-gather with forward")
+      .unsupported_switch("--tp-comm-overlap", "tensor-parallel communication overlap")
+      .unsupported("--train-samples", "", "sample-based schedules (use --train-iters)")
+      .unsupported("--lr-warmup-fraction", "", "a warmup fraction (use --lr-warmup-iters)")
+      .unsupported("--lr-warmup-samples", "0", "sample-based warmup (use --lr-warmup-iters)")
+      .unsupported_switch("--calculate-per-token-loss", "per-token loss averaging across micro-batches")
+      .unsupported("--wandb-project", "", "Weights & Biases logging (use --tensorboard-dir or --metrics-jsonl)")
+      .unsupported("--wandb-exp-name", "", "Weights & Biases logging (use --tensorboard-dir or --metrics-jsonl)")
       .option("--expert-model-parallel-size", "1", "EP: ranks the routed experts are spread over (mpirun -np a multiple)")
       .flag("--use-distributed-optimizer", "ZeRO-1: optimizer state sharded over data-parallel ranks (experts: expert-DP)")
-      .option("--ddp-bucket-size", "40000000", "gradient elements per all-reduce (or reduce-scatter) bucket")
+      .option("--ddp-bucket-size", "",
+              "gradient elements per all-reduce / reduce-scatter bucket (unset: max(40000000, 1000000 x DP))")
       .option("--moe-token-dispatcher-type", "allgather", "token dispatcher under EP: allgather | alltoall")
-      .option("--expert-tensor-parallel-size", "1", "ETP (only 1 in this version)")
       .flag("--moe-use-upcycling", "start the MoE model from the dense checkpoint given by --load")
       .option("--moe-upcycling-granularity", "1", "experts per dense MLP copy: dense ffn = g * moe ffn")
-      .option("--generate-tokens", "200", "tokens sampled after training (0: none)")
-      .option("--prompt", "The ", "text the sample starts from");
+      .option("--generate-tokens", "200", "tokens sampled after training (0: none; moecore)")
+      .option("--prompt", "The ", "text the sample starts from (moecore)");
 }
 
 DType state_dtype(const Args& a, const char* flag) {
@@ -80,33 +111,41 @@ DType state_dtype(const Args& a, const char* flag) {
   return v == "bf16" ? DType::bf16 : DType::f32;
 }
 
-train::TrainConfig train_config_from(const Args& a) {
+train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   train::TrainConfig t;
   t.micro_batch_size = a.i64("--micro-batch-size");
-  t.global_batch_size = a.i64("--global-batch-size");
+  t.global_batch_size = a.i64_or("--global-batch-size", t.micro_batch_size * dp_size);
   t.train_iters = a.i64("--train-iters");
   t.lr = static_cast<float>(a.f64("--lr"));
   t.min_lr = static_cast<float>(a.f64("--min-lr"));
   t.lr_warmup_iters = a.i64("--lr-warmup-iters");
   t.lr_decay_style = a.str("--lr-decay-style");
-  t.lr_decay_iters = a.i64("--lr-decay-iters");
-  t.lr_wsd_decay_iters = a.i64("--lr-wsd-decay-iters");
+  t.lr_decay_iters = a.i64_or("--lr-decay-iters", 0);
+  t.lr_wsd_decay_iters = a.i64_or("--lr-wsd-decay-iters", 0);
   t.lr_wsd_decay_style = a.str("--lr-wsd-decay-style");
   t.log_interval = a.i64("--log-interval");
-  t.eval_interval = a.i64("--eval-interval");
+  t.eval_interval = a.i64_or("--eval-interval", 0);
   t.eval_iters = a.i64("--eval-iters");
   t.seed = static_cast<uint64_t>(a.i64("--seed"));
   t.moe_per_layer_logging = a.on("--moe-per-layer-logging");
   t.save = a.str("--save");
   t.load = a.str("--load");
-  t.save_interval = a.i64("--save-interval");
-  t.exit_interval = a.i64("--exit-interval");
+  t.save_interval = a.i64_or("--save-interval", 0);
+  t.exit_interval = a.i64_or("--exit-interval", 0);
   t.keep_last = static_cast<int>(a.i64("--keep-last-checkpoints"));
-  t.exit_signal_handler = !a.on("--no-exit-signal-handler");
+  t.exit_signal_handler = a.on("--exit-signal-handler");
+  t.load_optim = !a.on("--no-load-optim");
+  t.load_rng = !a.on("--no-load-rng");
+  t.save_optim = !a.on("--no-save-optim");
+  t.save_rng = !a.on("--no-save-rng");
+  t.finetune = a.on("--finetune");
+  t.override_opt_param_scheduler = a.on("--override-opt_param-scheduler") || a.on("--override-opt-param-scheduler");
+  t.use_checkpoint_opt_param_scheduler =
+      a.on("--use-checkpoint-opt_param-scheduler") || a.on("--use-checkpoint-opt-param-scheduler");
   t.check_for_nan = !a.on("--no-check-for-nan-in-loss-and-grad");
   t.nan_action = a.str("--nan-action");
   t.use_distributed_optimizer = a.on("--use-distributed-optimizer");
-  t.ddp_bucket_size = a.i64("--ddp-bucket-size");
+  t.ddp_bucket_size = a.i64_or("--ddp-bucket-size", std::max<int64_t>(40'000'000, 1'000'000 * dp_size));
   if (t.ddp_bucket_size <= 0) MOECORE_FAIL("--ddp-bucket-size (", t.ddp_bucket_size, ") must be positive");
   t.metrics_jsonl = a.str("--metrics-jsonl");
   t.tensorboard_dir = a.str("--tensorboard-dir");
@@ -121,6 +160,8 @@ optim::AdamWConfig optimizer_config_from(const Args& a) {
   o.eps = static_cast<float>(a.f64("--adam-eps"));
   o.weight_decay = static_cast<float>(a.f64("--weight-decay"));
   o.clip_grad = static_cast<float>(a.f64("--clip-grad"));
+  if (a.str("--optimizer") != "adam")
+    MOECORE_FAIL("--optimizer ", a.str("--optimizer"), " is not supported yet: only adam (AdamW)");
   const DType m = state_dtype(a, "--exp-avg-dtype"), v = state_dtype(a, "--exp-avg-sq-dtype");
   if (m != v) MOECORE_FAIL("--exp-avg-dtype and --exp-avg-sq-dtype must be equal");
   o.state_dtype = m;
@@ -151,6 +192,33 @@ void upcycle_from_dense(model::GptModel& gpt, const Args& a, const train::TrainC
               static_cast<long long>(mc.moe.num_experts), static_cast<long long>(g));
 }
 
+// The closing lines of a run: what was trained, how long it took, where the validation loss went, and where
+// the checkpoint and the metrics are.
+void print_summary(std::FILE* out, const train::TrainLog& log, const train::TrainConfig& t, int64_t seq_length,
+                   double seconds) {
+  const auto steps = static_cast<int64_t>(log.train_loss.size());
+  const double tokens = static_cast<double>(steps * t.global_batch_size * seq_length);
+  std::fprintf(out, "\n---- summary ----\ntrained %lld steps (iterations %lld -> %lld%s): %.0f tokens in %.0f s "
+               "(%.0f tokens/s)\n",
+               static_cast<long long>(steps), static_cast<long long>(log.first_iteration),
+               static_cast<long long>(log.first_iteration + steps), log.stopped_by_signal ? ", stopped by a signal" : "",
+               tokens, seconds, seconds > 0 ? tokens / seconds : 0.0);
+  if (!log.train_loss.empty())
+    std::fprintf(out, "training loss %.4f (first step) -> %.4f (last step)\n", log.train_loss.front(),
+                 log.train_loss.back());
+  if (!log.valid_loss.empty())
+    std::fprintf(out, "validation loss %.4f (iteration %lld) -> %.4f (iteration %lld)\n", log.valid_loss.front().second,
+                 static_cast<long long>(log.valid_loss.front().first), log.valid_loss.back().second,
+                 static_cast<long long>(log.valid_loss.back().first));
+  if (!t.save.empty()) {
+    const auto dir = io::checkpoint_find_latest(t.save);
+    std::fprintf(out, "checkpoint: %s\n", dir ? dir->c_str() : "(none committed)");
+  }
+  if (!t.metrics_jsonl.empty()) std::fprintf(out, "metrics: %s\n", t.metrics_jsonl.c_str());
+  if (!t.tensorboard_dir.empty()) std::fprintf(out, "TensorBoard: %s\n", t.tensorboard_dir.c_str());
+  std::fflush(out);
+}
+
 }  // namespace
 
 int train_main(int argc, char** argv) {
@@ -169,12 +237,15 @@ int train_main(int argc, char** argv) {
   if (data_path.empty()) MOECORE_FAIL("train: --data-path is required (prefixes made by moecore preprocess)");
   const auto tok = tokenizer_from(a);
   const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a));
-  train::TrainConfig tcfg = train_config_from(a);
+  const int world_size = comm_initialized() ? comm_world().size() : 1;
+  train::TrainConfig tcfg = train_config_from(a, world_size);
 
   data::GptDataSourceConfig dcfg;
   dcfg.data_path = data_path;
   dcfg.split = a.str("--split");
-  const auto n = data::gpt_split_num_samples(tcfg.train_iters, tcfg.global_batch_size, tcfg.eval_interval,
+  // Without --eval-interval the only validation is the one at the end: size the split as for one interval.
+  const auto n = data::gpt_split_num_samples(tcfg.train_iters, tcfg.global_batch_size,
+                                             tcfg.eval_interval > 0 ? tcfg.eval_interval : tcfg.train_iters,
                                              tcfg.eval_iters);
   dcfg.num_samples[0] = n[0];
   dcfg.num_samples[1] = n[1];
@@ -191,14 +262,10 @@ int train_main(int argc, char** argv) {
   // The layout over every process of the run (mpirun -np P): data parallel, expert parallel (folded into
   // data parallel for the attention layers) and expert data parallel. Validated before any collective, so a
   // bad layout fails the same way on every rank.
-  for (const char* f : {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-                        "--expert-tensor-parallel-size"})
-    if (a.i64(f) != 1)
-      MOECORE_FAIL(f, " (", a.i64(f), ") is not supported yet: this version runs data and expert parallel only");
+  // (Tensor, pipeline, context and expert-tensor parallel sizes other than 1 were refused by the parser.)
   ParallelConfig pcfg;
   pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
   pcfg.expert_tensor_parallel_size = 1;
-  const int world_size = comm_initialized() ? comm_world().size() : 1;
   (void)pcfg.validate(world_size, static_cast<int>(mcfg.moe.num_experts));
   train::TrainGroups groups;
   model::ExpertParallel ep;
@@ -241,7 +308,10 @@ int train_main(int argc, char** argv) {
         if (mask[static_cast<size_t>(s)] == 0.0f) lp[b * S + s] = -1;
     }
   };
+  const auto t0 = std::chrono::steady_clock::now();
   const train::TrainLog log = train::train(gpt, opt, tcfg, batches, out, {}, &groups);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (out) print_summary(out, log, tcfg, mcfg.seq_length, seconds);
   if (log.stopped_by_signal) return 0;
   const int64_t count = a.i64("--generate-tokens");
   // Under EP every rank takes part in the forward passes (the experts are spread); rank 0 prints.

@@ -102,7 +102,8 @@ TEST_F(Cli, SigtermLeavesALoadableCheckpoint) {
   if (HasFatalFailure()) return;
   const pid_t pid = fork();
   if (pid == 0) {
-    const std::string cmd = std::string(MOECORE_BINARY) + " " + train_args(100000) + " > " + p("log.txt") + " 2>&1";
+    const std::string cmd =
+        std::string(MOECORE_BINARY) + " " + train_args(100000) + " --exit-signal-handler > " + p("log.txt") + " 2>&1";
     execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
@@ -130,7 +131,7 @@ TEST_F(Cli, UpcyclesADenseCheckpointIntoAnMoe) {
   preprocess_corpus();
   if (HasFatalFailure()) return;
   const std::string model = " --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel --num-layers 2 "
-                            "--hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu --ffn-hidden-size 64 "
+                            "--hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu --ffn-hidden-size 64 --disable-bias-linear "
                             "--micro-batch-size 2 --global-batch-size 2 --log-interval 2 --eval-iters 1 "
                             "--generate-tokens 0 --train-iters 2";
   Result r = run("train" + model + " --save " + p("dense"));

@@ -179,6 +179,9 @@ void bias_grad_grouped_scaled(Tensor& dbias, Tensor& drow_scale, const Tensor& d
 void add(Tensor& out, const Tensor& a, const Tensor& b, const Context& ctx);
 // x *= alpha, f32.
 void scale(Tensor& x, float alpha, const Context& ctx);
+// out [B, A, W] = in [A, B, W] with the leading two dimensions swapped (batch-major [B, S, H] <-> Megatron's
+// sequence-major [S, B, H]); one float dtype, contiguous, out must not alias in.
+void transpose_01(Tensor& out, const Tensor& in, const Context& ctx);
 // Sum of squares of a float tensor, accumulated in double (for the global gradient norm).
 double sum_squares(const Tensor& x, const Context& ctx);
 // True when every element is finite.

@@ -1,6 +1,7 @@
 #include "moecore/model/config.h"
 
 #include "moecore/core/error.h"
+#include "moecore/model/layer_pattern.h"
 
 namespace moecore::model {
 
@@ -22,7 +23,18 @@ void ModelConfig::validate() const {
   if (!kv_channels && hidden_size % num_attention_heads != 0)
     MOECORE_FAIL("model config: hidden_size (", hidden_size, ") must be divisible by num_attention_heads (",
                  num_attention_heads, ") unless kv_channels is set");
-  if (head_dim() % 2 != 0) MOECORE_FAIL("model config: head dim kv_channels (", head_dim(), ") must be even for RoPE");
+  if (!(rotary_percent > 0.0f && rotary_percent <= 1.0f))
+    MOECORE_FAIL("model config: --rotary-percent (", rotary_percent, ") must be in (0, 1]");
+  if (rope() && (rotary_dim() < 2 || rotary_dim() % 2 != 0))
+    MOECORE_FAIL("model config: RoPE rotates int(head dim ", head_dim(), " x --rotary-percent ", rotary_percent,
+                 ") = ", rotary_dim(), " channels per head; that must be even and at least 2");
+  for (auto [name, p] : {std::pair{"--hidden-dropout", hidden_dropout}, {"--attention-dropout", attention_dropout}})
+    if (!(p >= 0.0f && p < 1.0f)) MOECORE_FAIL("model config: ", name, " (", p, ") must be in [0, 1)");
+  if (max_position_embeddings < 0)
+    MOECORE_FAIL("model config: --max-position-embeddings (", max_position_embeddings, ") must not be negative");
+  if (max_positions() < seq_length)  // Megatron asserts this for every position-embedding type
+    MOECORE_FAIL("model config: --max-position-embeddings (", max_position_embeddings, ") must be at least --seq-length (",
+                 seq_length, ")");
   if (compute_dtype != DType::f32 && compute_dtype != DType::bf16)
     MOECORE_FAIL("model config: compute dtype ", dtype_name(compute_dtype), " is not supported (use f32 or bf16)");
   if (!(norm_epsilon > 0.0f)) MOECORE_FAIL("model config: norm_epsilon (", norm_epsilon, ") must be positive");
@@ -36,11 +48,21 @@ void ModelConfig::validate() const {
 
 std::vector<bool> ModelConfig::moe_layers() const {
   if (!moe.enabled()) return std::vector<bool>(static_cast<size_t>(num_layers), false);
-  return moe::moe_layer_pattern(moe_layer_freq, num_layers);
+  return parse_layer_pattern(moe_layer_freq, num_layers, "--moe-layer-freq");
 }
 
 std::string ModelConfig::summary() const {
-  return detail::str_cat(normalization == Normalization::layernorm ? "LayerNorm" : "RMSNorm", ", layers ", num_layers, ", hidden ", hidden_size, ", heads ", num_attention_heads, " (kv ",
+  const char* pos = position_embedding_type == PositionEmbedding::rope               ? ", rope"
+                    : position_embedding_type == PositionEmbedding::learned_absolute ? ", learned positions"
+                                                                                      : ", no positions";
+  return detail::str_cat(normalization == Normalization::layernorm ? "LayerNorm" : "RMSNorm", pos,
+                         rope() && rotary_percent < 1.0f ? detail::str_cat(" (", rotary_dim(), " of ", head_dim(), " ch)")
+                                                         : std::string(),
+                         qkv_bias() ? (add_bias_linear ? ", biases" : ", qkv bias") : "",
+                         hidden_dropout > 0 || attention_dropout > 0
+                             ? detail::str_cat(", dropout ", hidden_dropout, "/", attention_dropout)
+                             : std::string(),
+                         ", layers ", num_layers, ", hidden ", hidden_size, ", heads ", num_attention_heads, " (kv ",
                          query_groups(), ", dim ", head_dim(), "), ffn ", ffn(), swiglu ? " swiglu" : " gelu",
                          ", vocab ", vocab_size, ", seq ", seq_length,
                          untie_embeddings_and_output_weights ? ", untied" : ", tied", ", ",

@@ -30,7 +30,7 @@ std::string MemoryPlan::format() const {
 }
 
 GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed, const ExpertParallel& ep)
-    : cfg_(cfg), B_(micro_batch_size), ep_(ep) {
+    : cfg_(cfg), B_(micro_batch_size), seed_(seed), ep_(ep) {
   cfg_.validate();
   if (B_ <= 0) MOECORE_FAIL("model: micro_batch_size (", B_, ") must be positive");
   const int64_t EP = ep_.group.size();
@@ -51,6 +51,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   dims_.eps = cfg_.norm_epsilon;
   dims_.layernorm = cfg_.normalization == Normalization::layernorm;
   dims_.swiglu = cfg_.swiglu;
+  dims_.rope = cfg_.rope();
+  dims_.dropout = cfg_.hidden_dropout > 0.0f;
   dims_.compute = c;
   moe_dims_ = {N, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
   moe_dims_.ep = EP;
@@ -70,9 +72,11 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   const std::vector<bool> moe_layers = cfg_.moe_layers();
   const moe::MoeConfig& mc = cfg_.moe;
   const int64_t Fm = cfg_.moe_ffn(), Fs = mc.shared_expert_intermediate_size;
-  int64_t count = 2 + (ln ? 1 : 0) + (cfg_.untie_embeddings_and_output_weights ? 1 : 0);
+  const bool bias = cfg_.add_bias_linear;
+  int64_t count = 3 + (ln ? 1 : 0) + (cfg_.untie_embeddings_and_output_weights ? 1 : 0);
   for (bool is_moe : moe_layers)
-    count += (ln ? 6 : 4) + (is_moe ? 3 + (Fs > 0 ? 2 : 0) + (mc.shared_expert_gate ? 1 : 0) : 2);
+    count += (ln ? 6 : 4) + (is_moe ? 3 + (Fs > 0 ? 2 : 0) + (mc.shared_expert_gate ? 1 : 0) : 2) +
+             (bias ? 5 : cfg_.add_qkv_bias ? 1 : 0);
   params_.reserve(static_cast<size_t>(count));
   // Expert weights are [E/EP, ...] shards of the global [E, ...] tensor, filled with the same values the
   // global tensor has at those positions (initialisation depends on (seed, name, global element index)).
@@ -82,7 +86,9 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     p.name = std::move(name);
     p.value = Tensor::empty(shape, DType::f32, MemCategory::parameters);
     p.grad = Tensor::zeros(shape, DType::f32, MemCategory::gradients);
-    p.weight_decay = shape.ndim >= 2;
+    // Megatron decays weights only: norms and biases (of any rank, e.g. experts' [E, W]) are not decayed.
+    const bool is_bias = p.name.size() >= 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
+    p.weight_decay = shape.ndim >= 2 && !is_bias;
     p.expert_parallel = expert;
     const uint64_t first = expert ? static_cast<uint64_t>(ep_.group.rank() * shape.numel()) : 0;
     if (init == Init::normal) rng_fill_normal(p.value, seed, p.name, 0.0f, std, first);
@@ -99,27 +105,39 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   };
   auto value = [](Param* p) { return p ? p->value : Tensor(); };
   auto grad = [](Param* p) { return p ? p->grad : Tensor(); };
+  // Linear-layer biases start at zero, as Megatron initialises them.
+  auto add_bias = [&](const std::string& name, int64_t width, bool on) {
+    return on ? add(name, {width}, Init::zeros) : nullptr;
+  };
   embedding_ = add("embedding.word_embeddings.weight", {V, H}, Init::normal, std_w);
+  if (cfg_.position_embedding_type == PositionEmbedding::learned_absolute)
+    position_embedding_ = add("embedding.position_embeddings.weight", {cfg_.max_positions(), H}, Init::normal, std_w);
   for (int64_t l = 0; l < L; ++l) {
     const std::string pre = "decoder.layers." + std::to_string(l) + ".";
     Param *in_b, *mlp_b;
     Param* in_w = add_norm(pre + "input_layernorm", in_b);
     Param* qkv = add(pre + "self_attention.linear_qkv.weight", {dims_.qkv.width(), H}, Init::normal, std_w);
     Param* proj = add(pre + "self_attention.linear_proj.weight", {H, dims_.qkv.q_heads() * D}, Init::normal, std_out);
+    Param* qkv_b = add_bias(pre + "self_attention.linear_qkv.bias", dims_.qkv.width(), cfg_.qkv_bias());
+    Param* proj_b = add_bias(pre + "self_attention.linear_proj.bias", H, bias);
     Param* mlp_w = add_norm(pre + "pre_mlp_layernorm", mlp_b);
     if (!moe_layers[static_cast<size_t>(l)]) {
       Param* fc1 = add(pre + "mlp.linear_fc1.weight", {dims_.fc1_rows(), H}, Init::normal, std_w);
       Param* fc2 = add(pre + "mlp.linear_fc2.weight", {H, dims_.F}, Init::normal, std_out);
+      Param* fc1_b = add_bias(pre + "mlp.linear_fc1.bias", dims_.fc1_rows(), bias);
+      Param* fc2_b = add_bias(pre + "mlp.linear_fc2.bias", H, bias);
       layer_w_.push_back({in_w->value, value(in_b), qkv->compute, proj->compute, mlp_w->value, value(mlp_b),
-                          fc1->compute, fc2->compute});
+                          fc1->compute, fc2->compute, value(qkv_b), value(proj_b), value(fc1_b), value(fc2_b)});
       layer_g_.push_back({in_w->grad, grad(in_b), qkv->grad, proj->grad, mlp_w->grad, grad(mlp_b), fc1->grad,
-                          fc2->grad});
+                          fc2->grad, grad(qkv_b), grad(proj_b), grad(fc1_b), grad(fc2_b)});
       caches_.push_back(nn::dense_layer_cache_alloc(dims_));
       moe_.push_back(nullptr);
       continue;
     }
-    layer_w_.push_back({in_w->value, value(in_b), qkv->compute, proj->compute, mlp_w->value, value(mlp_b), {}, {}});
-    layer_g_.push_back({in_w->grad, grad(in_b), qkv->grad, proj->grad, mlp_w->grad, grad(mlp_b), {}, {}});
+    layer_w_.push_back({in_w->value, value(in_b), qkv->compute, proj->compute, mlp_w->value, value(mlp_b), {}, {},
+                        value(qkv_b), value(proj_b), {}, {}});
+    layer_g_.push_back({in_w->grad, grad(in_b), qkv->grad, proj->grad, mlp_w->grad, grad(mlp_b), {}, {},
+                        grad(qkv_b), grad(proj_b), {}, {}});
     caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/false));
     auto m = std::make_unique<MoeBlock>();
     const int64_t fc1_rows = mc.swiglu ? 2 * Fm : Fm;
@@ -130,6 +148,17 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     m->w.experts = {efc1->compute, efc2->compute};
     m->g.router = router->grad;
     m->g.experts = {efc1->grad, efc2->grad};
+    if (bias) {  // Megatron: the router's bias starts like a weight, the experts' biases at zero
+      Param* router_b = add(pre + "mlp.router.bias", {mc.num_experts}, Init::normal, std_w);
+      Param* efc1_b = add(pre + "mlp.experts.linear_fc1.bias", {El, fc1_rows}, Init::zeros, 0.0f, true);
+      Param* efc2_b = add(pre + "mlp.experts.linear_fc2.bias", {El, H}, Init::zeros, 0.0f, true);
+      m->w.router.bias = router_b->value;
+      m->g.router_bias = router_b->grad;
+      m->w.experts.fc1_bias = efc1_b->value;
+      m->w.experts.fc2_bias = efc2_b->value;
+      m->g.experts.fc1_bias = efc1_b->grad;
+      m->g.experts.fc2_bias = efc2_b->grad;
+    }
     if (Fs > 0) {
       Param* sfc1 = add(pre + "mlp.shared_experts.linear_fc1.weight", {mc.swiglu ? 2 * Fs : Fs, H}, Init::normal, std_w);
       Param* sfc2 = add(pre + "mlp.shared_experts.linear_fc2.weight", {H, Fs}, Init::normal, std_out);
@@ -154,12 +183,23 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   final_rstd_ = Tensor::empty({N}, DType::f32, MemCategory::activations);
   if (ln) final_mean_ = Tensor::empty({N}, DType::f32, MemCategory::activations);
   final_h_ = Tensor::empty({N, H}, c, MemCategory::activations);
-  rope_ = Tensor::empty({S, D}, DType::f32, MemCategory::workspace);
-  ops::rope_table(rope_, cfg_.rotary_base, {});
+  if (cfg_.rope()) {
+    rope_ = Tensor::empty({S, cfg_.rotary_dim()}, DType::f32, MemCategory::workspace);
+    ops::rope_table(rope_, cfg_.rotary_base, {});
+  }
+  if (position_embedding_) {  // token b*S + s sits at position s (positions restart with each sample)
+    positions_ = Tensor::empty({N}, DType::i32, MemCategory::workspace);
+    int32_t* pos = positions_.data<int32_t>();
+    for (int64_t i = 0; i < N; ++i) pos[i] = static_cast<int32_t>(i % S);
+  }
+  drops_.resize(static_cast<size_t>(L));
   ws_ = nn::dense_layer_workspace_alloc(dims_);
   head_ws_ = nn::lm_head_workspace_alloc(N, V, c);
   dres_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
-  if (cfg_.moe.enabled()) moe_out_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
+  if (cfg_.moe.enabled()) {
+    moe_x_ = Tensor::empty({N, H}, c, MemCategory::workspace);
+    moe_out_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
+  }
   dh_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
   ids_ = Tensor::empty({N}, DType::i32, MemCategory::workspace);
   labels_ = Tensor::empty({N}, DType::i32, MemCategory::workspace);
@@ -213,6 +253,24 @@ void GptModel::refresh_compute_weights() {
     if (p.compute.raw() != p.value.raw()) p.compute.copy_from(p.value);
 }
 
+void GptModel::set_dropout_keys(bool training) {
+  const std::string step = "dropout/it" + std::to_string(dropout_iteration_) + "/mb" +
+                           std::to_string(dropout_micro_batch_) + "/";
+  auto key = [&](float p, const std::string& site) {
+    ops::Dropout d;
+    if (!training || p <= 0.0f) return d;
+    d.p = p;
+    d.key = philox_key(seed_, step + site);
+    return d;
+  };
+  embedding_drop_ = key(cfg_.hidden_dropout, "embedding");
+  for (size_t l = 0; l < drops_.size(); ++l) {
+    const std::string layer = "layer" + std::to_string(l) + "/";
+    drops_[l] = {key(cfg_.attention_dropout, layer + "attention"), key(cfg_.hidden_dropout, layer + "attn_out"),
+                 key(cfg_.hidden_dropout, layer + "mlp_out")};
+  }
+}
+
 void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   const ops::Context ctx;
   const int64_t N = B_ * cfg_.seq_length;
@@ -220,18 +278,31 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
     MOECORE_FAIL("model: tokens must be i32 [", B_, ", ", cfg_.seq_length, "], got ", tokens.str());
   ids_.copy_from(tokens.view({N}));
   moe_dims_.global_aux_group = &ep_.dp;  // set here: a pointer into this object stays valid across moves
+  set_dropout_keys(training);
   ops::embedding_forward(residual_[0], ids_, embedding_->value, ctx);
+  if (position_embedding_) {
+    ops::embedding_forward(ws_.dh, positions_, position_embedding_->value, ctx);
+    ops::add(residual_[0], residual_[0], ws_.dh, ctx);
+  }
+  if (embedding_drop_.active()) ops::dropout_forward(residual_[0], residual_[0], embedding_drop_, ctx);
+  const int64_t S = cfg_.seq_length, H = cfg_.hidden_size;
   for (size_t l = 0; l < caches_.size(); ++l) {
     if (!moe_[l]) {
-      nn::dense_layer_forward(residual_[l + 1], residual_[l], layer_w_[l], caches_[l], rope_, dims_, ctx);
+      nn::dense_layer_forward(residual_[l + 1], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l],
+                              ctx);
       continue;
     }
     MoeBlock& m = *moe_[l];
-    nn::attention_block_forward(residual_[l], layer_w_[l], caches_[l], rope_, dims_, ctx);
+    nn::attention_block_forward(residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l], ctx);
     nn::mlp_norm_forward(layer_w_[l], caches_[l], dims_, ctx);
-    moe::moe_layer_forward(moe_out_, caches_[l].h2, Tensor(), m.w, m.state, m.cache, *dispatcher_, moe_dims_, cfg_.moe,
+    // The MoE layer takes Megatron's sequence-major token order (token s*B + b): it decides which tokens the
+    // "position" drop policy keeps and which tokens form a sequence for seq_aux_loss.
+    Tensor x_sb = moe_x_.view({S, B_, H}), out_sb = moe_out_.view({S, B_, H}), out_bs = ws_.dh.view({B_, S, H});
+    ops::transpose_01(x_sb, caches_[l].h2.view({B_, S, H}), ctx);
+    moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, m.cache, *dispatcher_, moe_dims_, cfg_.moe,
                            training, ctx);
-    ops::add(residual_[l + 1], caches_[l].x_mid, moe_out_, ctx);
+    ops::transpose_01(out_bs, out_sb, ctx);
+    ops::bias_dropout_add(residual_[l + 1], caches_[l].x_mid, ws_.dh, Tensor(), drops_[l].mlp_out, ctx);
   }
   nn::norm_forward(final_h_, final_mean_, final_rstd_, residual_.back(), final_norm_->value,
                    final_norm_bias_ ? final_norm_bias_->value : Tensor(), cfg_.norm_epsilon, ctx);
@@ -240,7 +311,7 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
 LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale) {
   const ops::Context ctx;
   forward_trunk(tokens, true);
-  const int64_t N = B_ * cfg_.seq_length;
+  const int64_t N = B_ * cfg_.seq_length, S = cfg_.seq_length, H = cfg_.hidden_size;
   if (labels.dtype() != DType::i32 || labels.numel() != N)
     MOECORE_FAIL("model: labels must be i32 [", B_, ", ", cfg_.seq_length, "], got ", labels.str());
   labels_.copy_from(labels.view({N}));
@@ -255,17 +326,28 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
                     final_mean_, final_rstd_, false, ctx);
   for (size_t l = caches_.size(); l-- > 0;) {
     if (!moe_[l]) {
-      nn::dense_layer_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, ctx);
+      nn::dense_layer_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_,
+                               drops_[l], ctx);
       continue;
     }
-    // dres is dL/d(layer output) = dL/d(MoE output) = dL/dx_mid through the residual.
+    // dres is dL/d(layer output); through the residual it is also dL/dx_mid. The MoE output's gradient goes
+    // through the dropout and into sequence-major order; the input gradient comes back batch-major in ws_.dh.
     MoeBlock& m = *moe_[l];
-    moe::moe_layer_backward(ws_.dh, m.g, dres_, caches_[l].h2, m.w, m.cache, *dispatcher_, moe_dims_, cfg_.moe,
-                            grad_scale, ctx);
+    Tensor dout_sb = moe_out_.view({S, B_, H}), dx_sb = dh_.view({S, B_, H}), dh2 = ws_.dh.view({B_, S, H});
+    Tensor x_sb = moe_x_.view({S, B_, H}), no_bias;
+    ops::bias_dropout_add_backward(ws_.dh, no_bias, dres_, drops_[l].mlp_out, ctx);
+    ops::transpose_01(dout_sb, dh2, ctx);
+    ops::transpose_01(x_sb, caches_[l].h2.view({B_, S, H}), ctx);
+    moe::moe_layer_backward(dh_, m.g, moe_out_, moe_x_, m.w, m.cache, *dispatcher_, moe_dims_, cfg_.moe, grad_scale,
+                            ctx);
+    ops::transpose_01(dh2, dx_sb, ctx);
     nn::mlp_norm_backward(dres_, layer_g_[l], ws_.dh, layer_w_[l], caches_[l], dims_, ctx);
-    nn::attention_block_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, ctx);
+    nn::attention_block_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_,
+                                 drops_[l], ctx);
   }
+  if (embedding_drop_.active()) ops::dropout_backward(dres_, dres_, embedding_drop_, ctx);
   ops::embedding_backward(embedding_->grad, ids_, dres_, ctx);
+  if (position_embedding_) ops::embedding_backward(position_embedding_->grad, positions_, dres_, ctx);
   return r;
 }
 
@@ -306,7 +388,9 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
                                  N * H * static_cast<int64_t>(dtype_size(cfg_.compute_dtype));
   at(MemCategory::workspace) = nn::dense_layer_workspace_bytes(dims_) +
                                nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype) + 2 * N * H * 4 +
-                               2 * N * 4 + cfg_.seq_length * dims_.qkv.D * 4 + (moe_out_.defined() ? N * H * 4 : 0);
+                               2 * N * 4 + (rope_.defined() ? rope_.nbytes() : 0) +
+                               (positions_.defined() ? positions_.nbytes() : 0) +
+                               (moe_out_.defined() ? N * H * (4 + static_cast<int64_t>(dtype_size(cfg_.compute_dtype))) : 0);
   return plan;
 }
 

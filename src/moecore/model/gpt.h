@@ -68,6 +68,14 @@ class GptModel {
   // "all-to-all", "all-gather" or "local" (for log lines).
   const char* dispatcher_name() const;
 
+  // Keys the dropout masks of the next forward_backward (counter-based: a mask depends only on the seed, the
+  // optimizer step, the micro-batch's global index within the step, the layer and the site). The trainer sets
+  // it before every micro-batch, so resumed and multi-rank runs draw the same masks as one uninterrupted rank.
+  void set_dropout_step(int64_t iteration, int64_t micro_batch) {
+    dropout_iteration_ = iteration;
+    dropout_micro_batch_ = micro_batch;
+  }
+
   // tokens, labels [B, S] i32 (label < 0: not counted). Adds grad_scale * d(mean loss)/d(param) to every
   // gradient and returns the loss. The mean is over this micro-batch's counted tokens.
   LossResult forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale);
@@ -83,19 +91,24 @@ class GptModel {
 
  private:
   void forward_trunk(const Tensor& tokens, bool training);
-
+  void set_dropout_keys(bool training);  // fills drops_ / embedding_drop_ (p = 0 when not training)
 
   ModelConfig cfg_;
   int64_t B_;
   nn::DenseLayerDims dims_;
   std::vector<Param> params_;
+  uint64_t seed_;
+  int64_t dropout_iteration_ = 0, dropout_micro_batch_ = 0;
   Param* embedding_ = nullptr;
+  Param* position_embedding_ = nullptr;  // learned absolute positions only
   Param* final_norm_ = nullptr;
   Param* final_norm_bias_ = nullptr;  // LayerNorm only
   Param* output_ = nullptr;  // the embedding when tied
   std::vector<nn::DenseLayerWeights> layer_w_;
   std::vector<nn::DenseLayerGrads> layer_g_;
   std::vector<nn::DenseLayerCache> caches_;
+  std::vector<nn::LayerDropout> drops_;  // per layer, this forward's masks
+  ops::Dropout embedding_drop_;
   struct MoeBlock {
     moe::MoeLayerWeights w;
     moe::MoeLayerGrads g;
@@ -106,11 +119,13 @@ class GptModel {
   moe::MoeLayerDims moe_dims_;
   ExpertParallel ep_;
   std::unique_ptr<moe::Dispatcher> dispatcher_;
-  Tensor moe_out_;                // [N, H] f32: MoE output before the residual add
+  Tensor moe_x_;                  // [S*B, H] compute: the MoE input in Megatron's sequence-major token order
+  Tensor moe_out_;                // [S*B, H] f32: MoE output (sequence-major); in backward its gradient
   std::vector<Tensor> residual_;  // L+1 tensors [N, H] f32: embedding output, then each layer's output
   Tensor final_mean_, final_rstd_; // [N] f32 (mean: LayerNorm only)
   Tensor final_h_;                // [N, H] compute
-  Tensor rope_;                   // [S, D] f32
+  Tensor rope_;                   // [S, Dr] f32 (RoPE only; Dr = rotary dim)
+  Tensor positions_;              // [N] i32: position of each token (learned absolute positions only)
   nn::DenseLayerWorkspace ws_;
   nn::LmHeadWorkspace head_ws_;
   Tensor dres_, dh_;              // [N, H] f32

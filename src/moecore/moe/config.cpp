@@ -129,30 +129,4 @@ int64_t expert_capacity(int64_t num_tokens, int64_t num_experts, float capacity_
                                         static_cast<double>(capacity_factor)));
 }
 
-std::vector<bool> moe_layer_pattern(const std::string& freq, int64_t num_layers) {
-  std::string s;
-  for (char ch : freq)
-    if (!std::isspace(static_cast<unsigned char>(ch))) s.push_back(ch);
-  std::vector<bool> out;
-  if (!s.empty() && s.front() == '[') {
-    if (s.back() != ']') MOECORE_FAIL("--moe-layer-freq '", freq, "': a list must end with ']'");
-    std::stringstream ss(s.substr(1, s.size() - 2));
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-      if (item != "0" && item != "1")
-        MOECORE_FAIL("--moe-layer-freq '", freq, "': list entries must be 0 or 1, got '", item, "'");
-      out.push_back(item == "1");
-    }
-    if (static_cast<int64_t>(out.size()) != num_layers)
-      MOECORE_FAIL("--moe-layer-freq lists ", out.size(), " layers but --num-layers is ", num_layers);
-    return out;
-  }
-  char* end = nullptr;
-  const long n = std::strtol(s.c_str(), &end, 10);
-  if (s.empty() || *end || n <= 0)
-    MOECORE_FAIL("--moe-layer-freq '", freq, "' must be a positive integer or a 0/1 list");
-  for (int64_t i = 0; i < num_layers; ++i) out.push_back(i % n == 0);
-  return out;
-}
-
 }  // namespace moecore::moe

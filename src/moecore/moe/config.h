@@ -55,7 +55,4 @@ ScoreFunction parse_score_function(const std::string& s);
 // Expert capacity per Megatron: ceil(num_tokens / E * capacity_factor), num_tokens = T * K.
 int64_t expert_capacity(int64_t num_tokens, int64_t num_experts, float capacity_factor);
 
-// --moe-layer-freq: an integer N (layer i is MoE iff i % N == 0) or a 0/1 list of length num_layers.
-std::vector<bool> moe_layer_pattern(const std::string& freq, int64_t num_layers);
-
 }  // namespace moecore::moe

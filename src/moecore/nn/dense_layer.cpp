@@ -14,13 +14,6 @@ Tensor work_tensor(Shape s, DType t) { return Tensor::empty(s, t, MemCategory::w
 // [N, W] activations as the [B, S, W] tensors the attention ops take.
 Tensor bsw(const Tensor& t, const DenseLayerDims& d) { return t.view({d.qkv.B, d.qkv.S, t.size(1)}); }
 
-// The residual gradient in the dtype of the weight-gradient GEMM's other operand.
-const Tensor& residual_grad_for_gemm(const Tensor& dres, DenseLayerWorkspace& ws, DType compute) {
-  if (compute == DType::f32) return dres;
-  ws.dres_c.copy_from(dres);
-  return ws.dres_c;
-}
-
 }  // namespace
 
 DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp) {
@@ -55,7 +48,7 @@ DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d) {
   const DType c = d.compute;
   DenseLayerWorkspace w;
   w.dh = work_tensor({d.N, d.H}, DType::f32);
-  if (c != DType::f32) w.dres_c = work_tensor({d.N, d.H}, c);
+  if (c != DType::f32 || d.dropout) w.dres_c = work_tensor({d.N, d.H}, c);
   w.dqkv = work_tensor({d.N, d.qkv.width()}, c);
   w.dattn = work_tensor({d.N, d.qkv.q_heads() * d.qkv.D}, c);
   w.dfc1 = work_tensor({d.N, d.fc1_rows()}, c);
@@ -65,20 +58,51 @@ DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d) {
 
 int64_t dense_layer_workspace_bytes(const DenseLayerDims& d) {
   const int64_t c = static_cast<int64_t>(dtype_size(d.compute));
-  const int64_t cast = d.compute == DType::f32 ? 0 : c * d.N * d.H;
+  const int64_t cast = d.compute == DType::f32 && !d.dropout ? 0 : c * d.N * d.H;
   return d.N * d.H * 4 + cast +
          c * d.N * (d.qkv.width() + d.qkv.q_heads() * d.qkv.D + d.fc1_rows() + d.F);
 }
 
-void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k, const Tensor& rope,
-                             const DenseLayerDims& d, const ops::Context& ctx) {
+void linear_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight, const Tensor& bias,
+                             Tensor& out_f32, const ops::Dropout& drop, const ops::Context& ctx) {
+  if (drop.active()) {
+    ops::gemm(out_f32, a, false, weight, true, 1.0f, 0.0f, ctx);
+    ops::bias_dropout_add(y, x, out_f32, bias, drop, ctx);
+    return;
+  }
+  if (y.raw() != x.raw()) y.copy_from(x);
+  if (bias.defined()) ops::bias_add(y, bias, ctx);
+  ops::gemm(y, a, false, weight, true, 1.0f, 1.0f, ctx);
+}
+
+void linear_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const Tensor& dy, Tensor& dy_c,
+                              const Tensor& a, const Tensor& weight, const ops::Dropout& drop,
+                              const ops::Context& ctx) {
+  const Tensor* g = &dy;
+  if (drop.active()) {
+    ops::bias_dropout_add_backward(dy_c, dbias, dy, drop, ctx);
+    g = &dy_c;
+  } else {
+    if (dbias.defined()) ops::bias_grad(dbias, dy, ctx);
+    if (a.dtype() != DType::f32) {
+      dy_c.copy_from(dy);
+      g = &dy_c;
+    }
+  }
+  ops::gemm(da, *g, false, weight, false, 1.0f, 0.0f, ctx);
+  ops::gemm(dweight, *g, true, a, false, 1.0f, 1.0f, ctx);
+}
+
+void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerWorkspace& ws,
+                             const Tensor& rope, const DenseLayerDims& d, const LayerDropout& drop,
+                             const ops::Context& ctx) {
   norm_forward(k.h1, k.mean1, k.rstd1, x, w.input_norm, w.input_norm_bias, d.eps, ctx);
   ops::gemm(k.qkv, k.h1, false, w.qkv, true, 1.0f, 0.0f, ctx);
+  if (w.qkv_bias.defined()) ops::bias_add(k.qkv, w.qkv_bias, ctx);
   Tensor qkv = bsw(k.qkv, d), attn = bsw(k.attn, d);
-  ops::rope_forward(qkv, rope, d.qkv, ctx);
-  ops::attention_forward(attn, k.lse, qkv, d.qkv, ctx);
-  k.x_mid.copy_from(x);
-  ops::gemm(k.x_mid, k.attn, false, w.proj, true, 1.0f, 1.0f, ctx);
+  if (d.rope) ops::rope_forward(qkv, rope, d.qkv, ctx);
+  ops::attention_forward(attn, k.lse, qkv, d.qkv, drop.attention, ctx);
+  linear_residual_forward(k.x_mid, x, k.attn, w.proj, w.proj_bias, ws.dh, drop.attn_out, ctx);
 }
 
 void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& k, const DenseLayerDims& d,
@@ -87,14 +111,15 @@ void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& k, const Dens
 }
 
 void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k,
-                         const Tensor& rope, const DenseLayerDims& d, const ops::Context& ctx) {
-  attention_block_forward(x, w, k, rope, d, ctx);
+                         DenseLayerWorkspace& ws, const Tensor& rope, const DenseLayerDims& d,
+                         const LayerDropout& drop, const ops::Context& ctx) {
+  attention_block_forward(x, w, k, ws, rope, d, drop, ctx);
   mlp_norm_forward(w, k, d, ctx);
   ops::gemm(k.fc1, k.h2, false, w.fc1, true, 1.0f, 0.0f, ctx);
+  if (w.fc1_bias.defined()) ops::bias_add(k.fc1, w.fc1_bias, ctx);
   if (d.swiglu) ops::swiglu_forward(k.act, k.fc1, ctx);
   else ops::gelu_forward(k.act, k.fc1, ctx);
-  y.copy_from(k.x_mid);
-  ops::gemm(y, k.act, false, w.fc2, true, 1.0f, 1.0f, ctx);
+  linear_residual_forward(y, k.x_mid, k.act, w.fc2, w.fc2_bias, ws.dh, drop.mlp_out, ctx);
 }
 
 void mlp_norm_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& dh2, const DenseLayerWeights& w,
@@ -105,13 +130,12 @@ void mlp_norm_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& dh2, cons
 
 void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
                               const DenseLayerCache& k, DenseLayerWorkspace& ws, const Tensor& rope,
-                              const DenseLayerDims& d, const ops::Context& ctx) {
-  const Tensor& dmid_c = residual_grad_for_gemm(dres, ws, d.compute);
-  ops::gemm(ws.dattn, dmid_c, false, w.proj, false, 1.0f, 0.0f, ctx);
-  ops::gemm(g.proj, dmid_c, true, k.attn, false, 1.0f, 1.0f, ctx);
+                              const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
+  linear_residual_backward(ws.dattn, g.proj, g.proj_bias, dres, ws.dres_c, k.attn, w.proj, drop.attn_out, ctx);
   Tensor dqkv = bsw(ws.dqkv, d);
-  ops::attention_backward(dqkv, bsw(ws.dattn, d), bsw(k.qkv, d), bsw(k.attn, d), k.lse, d.qkv, ctx);
-  ops::rope_backward(dqkv, rope, d.qkv, ctx);
+  ops::attention_backward(dqkv, bsw(ws.dattn, d), bsw(k.qkv, d), bsw(k.attn, d), k.lse, d.qkv, drop.attention, ctx);
+  if (d.rope) ops::rope_backward(dqkv, rope, d.qkv, ctx);
+  if (g.qkv_bias.defined()) ops::bias_grad(g.qkv_bias, ws.dqkv, ctx);
   ops::gemm(g.qkv, ws.dqkv, true, k.h1, false, 1.0f, 1.0f, ctx);
   ops::gemm(ws.dh, ws.dqkv, false, w.qkv, false, 1.0f, 0.0f, ctx);
   norm_backward(dres, g.input_norm, g.input_norm_bias, ws.dh, x, w.input_norm, w.input_norm_bias, k.mean1, k.rstd1,
@@ -120,18 +144,17 @@ void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x,
 
 void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
                           const DenseLayerCache& k, DenseLayerWorkspace& ws, const Tensor& rope,
-                          const DenseLayerDims& d, const ops::Context& ctx) {
+                          const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
   // MLP block, in reverse: dres is dL/dy here.
-  const Tensor& dy_c = residual_grad_for_gemm(dres, ws, d.compute);
-  ops::gemm(ws.dact, dy_c, false, w.fc2, false, 1.0f, 0.0f, ctx);
-  ops::gemm(g.fc2, dy_c, true, k.act, false, 1.0f, 1.0f, ctx);
+  linear_residual_backward(ws.dact, g.fc2, g.fc2_bias, dres, ws.dres_c, k.act, w.fc2, drop.mlp_out, ctx);
   if (d.swiglu) ops::swiglu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
   else ops::gelu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
+  if (g.fc1_bias.defined()) ops::bias_grad(g.fc1_bias, ws.dfc1, ctx);
   ops::gemm(g.fc1, ws.dfc1, true, k.h2, false, 1.0f, 1.0f, ctx);
   ops::gemm(ws.dh, ws.dfc1, false, w.fc1, false, 1.0f, 0.0f, ctx);
   mlp_norm_backward(dres, g, ws.dh, w, k, d, ctx);
   // Attention block, in reverse: dres is dL/dx_mid here.
-  attention_block_backward(dres, g, x, w, k, ws, rope, d, ctx);
+  attention_block_backward(dres, g, x, w, k, ws, rope, d, drop, ctx);
 }
 
 }  // namespace moecore::nn

@@ -1,7 +1,8 @@
 // One pre-norm transformer layer with a dense MLP: explicit forward and backward (no autograd).
-//   x_mid = x + proj(attention(rope(qkv(norm1(x)))));  y = x_mid + fc2(act(fc1(norm2(x_mid))))
-// Norms are RMSNorm or LayerNorm (with bias); act is SwiGLU (fc1 = [gate; up]) or GeLU. Linear layers
-// carry no bias.
+//   x_mid = x + dropout(proj(attention(rope(qkv(norm1(x))))));  y = x_mid + dropout(fc2(act(fc1(norm2(x_mid)))))
+// as Megatron's bias-dropout-add. Norms are RMSNorm or LayerNorm (with bias); act is SwiGLU (fc1 = [gate; up])
+// or GeLU. Linear layers carry a bias when its tensor is defined; RoPE (full or partial, by the rope table's
+// width) is skipped when the model has no rotary positions; attention may drop probabilities.
 // Not here: parameter ownership and initialisation (model/), the MoE variant of the MLP (moe/).
 //
 // Gradient contract: weight gradients accumulate (+=); the residual-stream gradient is updated in place
@@ -21,6 +22,8 @@ struct DenseLayerDims {
   float eps = 1e-5f;        // norm epsilon
   bool layernorm = false;   // LayerNorm (weight and bias) or RMSNorm (weight only)
   bool swiglu = true;       // SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
+  bool dropout = false;     // hidden dropout may be on (allocates the masked-gradient buffer dres_c)
+  bool rope = true;         // rotate q and k (the table [S, Dr] gives the rotary width); false: no RoPE
   DType compute = DType::f32;
   int64_t fc1_rows() const { return swiglu ? 2 * F : F; }
 };
@@ -35,11 +38,23 @@ struct DenseLayerWeights {
   Tensor mlp_norm_bias;  // [H] f32, LayerNorm only
   Tensor fc1;         // [fc1_rows, H]
   Tensor fc2;         // [H, F]
+  Tensor qkv_bias;    // [G*(R+2)*D] f32, or undefined (no bias); likewise the three below
+  Tensor proj_bias;   // [H] f32
+  Tensor fc1_bias;    // [fc1_rows] f32
+  Tensor fc2_bias;    // [H] f32
 };
 
 // f32 gradients, same shapes as the weights; accumulated.
 struct DenseLayerGrads {
   Tensor input_norm, input_norm_bias, qkv, proj, mlp_norm, mlp_norm_bias, fc1, fc2;
+  Tensor qkv_bias, proj_bias, fc1_bias, fc2_bias;
+};
+
+// The dropout masks of one layer's forward (p = 0: off, as in evaluation). Backward must get the same keys.
+struct LayerDropout {
+  ops::Dropout attention;  // attention probabilities (--attention-dropout)
+  ops::Dropout attn_out;   // the attention block's bias-dropout-add (--hidden-dropout)
+  ops::Dropout mlp_out;    // the MLP (or MoE) block's bias-dropout-add (--hidden-dropout)
 };
 
 // Activations saved by forward for backward. Dropping and refilling this struct is recompute.
@@ -58,10 +73,10 @@ struct DenseLayerCache {
   Tensor act;    // [N, F] compute
 };
 
-// Backward scratch, shared by all layers.
+// Scratch shared by all layers (forward uses dh for the bias-dropout-add input).
 struct DenseLayerWorkspace {
-  Tensor dh;       // [N, H] f32: gradient of a norm output
-  Tensor dres_c;   // [N, H] compute: the residual gradient cast for weight-gradient GEMMs (bf16 only)
+  Tensor dh;       // [N, H] f32: gradient of a norm output; in forward, a linear output before dropout
+  Tensor dres_c;   // [N, H] compute: the residual gradient (cast, or through dropout) for the GEMMs
   Tensor dqkv;     // [N, G*(R+2)*D] compute
   Tensor dattn;    // [N, G*R*D] compute
   Tensor dfc1;     // [N, fc1_rows] compute
@@ -76,24 +91,35 @@ int64_t dense_layer_workspace_bytes(const DenseLayerDims& d);
 
 // The two halves, for layers that replace the MLP (MoE): the attention block writes cache.x_mid; the MLP
 // norm writes cache.h2 (and its statistics). The backward halves update dres in place.
-void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& cache, const Tensor& rope,
-                             const DenseLayerDims& d, const ops::Context& ctx);
+void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& cache,
+                             DenseLayerWorkspace& ws, const Tensor& rope, const DenseLayerDims& d,
+                             const LayerDropout& drop, const ops::Context& ctx);
 void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& cache, const DenseLayerDims& d,
                       const ops::Context& ctx);
 // dres: dL/dx_mid on entry, dL/dx on return.
 void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
                               const DenseLayerCache& cache, DenseLayerWorkspace& ws, const Tensor& rope,
-                              const DenseLayerDims& d, const ops::Context& ctx);
+                              const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx);
 // dres += the MLP norm's input gradient, given dh2 [N, H] f32 = dL/d(norm output).
 void mlp_norm_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& dh2, const DenseLayerWeights& w,
                        const DenseLayerCache& cache, const DenseLayerDims& d, const ops::Context& ctx);
 
-// y [N, H] f32 from x [N, H] f32. rope [S, D] f32 is the rotary table.
+// y [N, H] f32 from x [N, H] f32. rope [S, Dr] f32 is the rotary table (unused without RoPE).
 void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& cache,
-                         const Tensor& rope, const DenseLayerDims& d, const ops::Context& ctx);
+                         DenseLayerWorkspace& ws, const Tensor& rope, const DenseLayerDims& d,
+                         const LayerDropout& drop, const ops::Context& ctx);
 // dres [N, H] f32: dL/dy on entry, dL/dx on return.
 void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
                           const DenseLayerCache& cache, DenseLayerWorkspace& ws, const Tensor& rope,
-                          const DenseLayerDims& d, const ops::Context& ctx);
+                          const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx);
+
+// The residual update of a block, Megatron's bias-dropout-add: y = x + dropout(a @ W^T + b). out_f32 [N, H]
+// is scratch (used only with dropout). Backward: dW += da_in^T a, da = da_in @ W, db += sums of da_in, with
+// da_in = dropout'(dy) in the compute dtype (written into dy_c, or dy itself when no cast is needed).
+void linear_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight, const Tensor& bias,
+                             Tensor& out_f32, const ops::Dropout& drop, const ops::Context& ctx);
+void linear_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const Tensor& dy, Tensor& dy_c,
+                              const Tensor& a, const Tensor& weight, const ops::Dropout& drop,
+                              const ops::Context& ctx);
 
 }  // namespace moecore::nn
