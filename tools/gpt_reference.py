@@ -1,11 +1,17 @@
 #!/usr/bin/python3
 """Golden reference for moecore's dense GPT decoder (Megatron-Core semantics).
 
-Produces three golden files in tests/golden/ (variant names in brackets):
+Produces six golden files in tests/golden/ (variant names in brackets):
   gpt_tiny.safetensors          [untied]   RMSNorm + SwiGLU, untied output layer
   gpt_tiny_tied.safetensors     [tied]     RMSNorm + SwiGLU, output layer reuses
                                            embedding.word_embeddings.weight
   gpt_tiny_gelu_ln.safetensors  [gelu_ln]  LayerNorm + GeLU MLP, tied
+  gpt_tiny_bias_learned.safetensors         [bias_learned]  LayerNorm + GeLU,
+        untied, add_bias_linear, learned absolute positions (no RoPE)
+  gpt_tiny_qkvbias_partial_rope.safetensors [qkvbias_partial_rope]  RMSNorm +
+        SwiGLU, untied, add_qkv_bias only, RoPE on half of each head
+  gpt_tiny_bias_swiglu_nopos.safetensors    [bias_swiglu_nopos]  RMSNorm +
+        SwiGLU, tied, add_bias_linear, no position embedding at all
 Everything is computed in float64 with torch autograd on CPU from weights
 initialized here with a fixed-seed torch.Generator, and stored as F32 (I32 for
 the integer inputs).
@@ -33,11 +39,54 @@ Variant gelu_ln differs only in (same sizes, inputs, attention and optimizer):
     with exact gelu(u) = u * 0.5 * (1 + erf(u / sqrt(2)))
   embeddings tied (no output_layer.weight), embedding init as in [tied].
 
+Variants with linear biases / other position embeddings (Megatron semantics,
+dropout 0; same sizes, inputs and optimizer; the base parameters are drawn
+exactly as above, the new ones afterwards from a second generator, seed+2, in
+the order: embedding.position_embeddings.weight, then per layer qkv, proj,
+fc1, fc2 biases; init: position embeddings ~ N(0, 0.5^2), biases ~ N(0, 0.1^2)):
+  add_bias_linear: biases on all four linear layers of each layer (prefix
+    decoder.layers.{i}.): self_attention.linear_qkv.bias [(nh+2*nkv)*D] in the
+    same interleaved [nkv, r+2, D] layout as the weight rows, added right after
+    the GEMM (before RoPE); self_attention.linear_proj.bias [H] and
+    mlp.linear_fc2.bias [H] added to the block output before the residual add
+    (x = x + (attn @ proj^T + b_proj)); mlp.linear_fc1.bias [2F SwiGLU, as
+    [gate; up] like the weight rows | F GeLU] added before the activation.
+  add_qkv_bias (without add_bias_linear): only linear_qkv.bias.
+  learned_absolute: embedding.position_embeddings.weight [P, H] with
+    P = max_position_embeddings = S + 8 (rows S..P-1 unused: zero gradient);
+    x = word_embeddings[tokens] + position_embeddings[s], s = 0..S-1 per sample;
+    no RoPE.
+  none: no position information at all (no table, no RoPE).
+  rotary_percent < 1: RoPE rotates only the first Dr = int(D * rotary_percent)
+    channels of each q/k head (pairs (j, j + Dr/2), inv_freq_j =
+    base^(-2j/Dr), j < Dr/2); channels Dr..D-1 pass unchanged.
+  [bias_learned]          LayerNorm, GeLU, untied, add_bias_linear, learned_absolute
+  [qkvbias_partial_rope]  RMSNorm, SwiGLU, untied, add_qkv_bias, rope, rotary_percent 0.5
+  [bias_swiglu_nopos]     RMSNorm, SwiGLU, tied, add_bias_linear, none
+(qkvbias_partial_rope is untied because, tied, its steep first steps (loss 32
+-> 6) amplify float32 noise past the final-parameter tolerance even in PyTorch
+float32.) The key slot of linear_qkv.bias in the channels RoPE does not rotate
+(all D channels without RoPE) shifts every score of a query by the same amount,
+which softmax cancels: its gradient is identically zero (here ~1e-21, far below
+adam_eps; as a 1-D bias it is not decayed, so it ends where it starts). An fp32
+implementation sees rounding noise there (~1e-10), which Adam's normalised
+step turns into moves of up to lr per step; consumers compare those entries'
+final values with atol train_iters * lr.
+These variants compute everything from the float32-rounded initial values
+(exactly the stored param.* tensors, where an fp32 implementation starts; the
+first three files start from the float64 draws). Their files carry the extra
+metadata keys add_qkv_bias, max_position_embeddings (0 = seq_length),
+rotary_percent, hidden_dropout, attention_dropout; the first three files do
+not (readers default them: no qkv bias, P = S, 1.0, 0, 0), so they regenerate
+byte for byte.
+
 Then 10 AdamW steps on the same batch (explicit float64 implementation): global
 L2 grad-norm clipping (grads *= clip/(norm+1e-6) when that factor is < 1, as in
 torch clip_grad_norm_ / Megatron), decoupled weight decay on 2-D weights only
 (p -= lr*wd*p; norm weights and biases are not decayed), bias-corrected Adam
-update p -= lr*mhat/(sqrt(vhat)+eps).
+update p -= lr*mhat/(sqrt(vhat)+eps). Linear biases are 1-D and so are not
+decayed either; embedding.position_embeddings.weight (2-D) is (Megatron's
+rule: no decay for names ending in .bias or 1-D parameters).
 
 Tensors: input.tokens, input.labels, param.<name>, out.logits, out.loss (shape
 []), grad.<name>, traj.loss [10] (loss before each step), traj.grad_norm [10]
@@ -64,11 +113,26 @@ OPT = dict(lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay
 SEED = 1234
 GOLDEN_DIR = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden"))
 DT = torch.float64
-VARIANTS = {  # name -> (golden file, tied embeddings, normalization, activation)
+# name -> golden file, tied embeddings, normalization, activation and (optional, the defaults of the first three)
+# bias: "none" | "qkv" | "all", pos: "rope" | "learned_absolute" | "none", rotary_percent, max_pos (0 = S)
+VARIANTS = {
     "untied": dict(file="gpt_tiny.safetensors", tied=False, norm="RMSNorm", act="swiglu"),
     "tied": dict(file="gpt_tiny_tied.safetensors", tied=True, norm="RMSNorm", act="swiglu"),
     "gelu_ln": dict(file="gpt_tiny_gelu_ln.safetensors", tied=True, norm="LayerNorm", act="gelu"),
+    "bias_learned": dict(file="gpt_tiny_bias_learned.safetensors", tied=False, norm="LayerNorm", act="gelu",
+                         bias="all", pos="learned_absolute", max_pos=CFG["seq_length"] + 8),
+    "qkvbias_partial_rope": dict(file="gpt_tiny_qkvbias_partial_rope.safetensors", tied=False, norm="RMSNorm",
+                                 act="swiglu", bias="qkv", pos="rope", rotary_percent=0.5),
+    "bias_swiglu_nopos": dict(file="gpt_tiny_bias_swiglu_nopos.safetensors", tied=True, norm="RMSNorm",
+                              act="swiglu", bias="all", pos="none"),
 }
+EXTENDED = ("bias", "pos", "rotary_percent", "max_pos")  # keys only the later variants set
+
+
+def feat(var):
+    """The variant's features with defaults filled in."""
+    return dict(bias=var.get("bias", "none"), pos=var.get("pos", "rope"),
+                rotary_percent=var.get("rotary_percent", 1.0), max_pos=var.get("max_pos", 0))
 
 
 def init_params(var):
@@ -96,6 +160,18 @@ def init_params(var):
     out_w = normal(V, H, std=0.02)  # always drawn so untied/tied share the other weights
     if not var["tied"]:
         p["output_layer.weight"] = out_w
+    f, gen2 = feat(var), torch.Generator().manual_seed(SEED + 2)  # new tensors: the draws above stay as they were
+    extra = lambda *shape, std: torch.randn(*shape, generator=gen2, dtype=DT) * std
+    if f["pos"] == "learned_absolute":
+        p["embedding.position_embeddings.weight"] = extra(f["max_pos"] or c["seq_length"], H, std=0.5)
+    for i in range(c["num_layers"]):
+        pre = f"decoder.layers.{i}."
+        if f["bias"] != "none":
+            p[pre + "self_attention.linear_qkv.bias"] = extra((nh + 2 * nkv) * D, std=0.1)
+        if f["bias"] == "all":
+            p[pre + "self_attention.linear_proj.bias"] = extra(H, std=0.1)
+            p[pre + "mlp.linear_fc1.bias"] = extra(2 * F_ if var["act"] == "swiglu" else F_, std=0.1)
+            p[pre + "mlp.linear_fc2.bias"] = extra(H, std=0.1)
     return p
 
 
@@ -123,33 +199,40 @@ def norm(p, prefix, x):
     return rms_norm(x, p[prefix + ".weight"])
 
 
+def linear(p, name, x):  # x @ W^T (+ b when the variant has this bias)
+    y = x @ p[name + ".weight"].T
+    return y + p[name + ".bias"] if name + ".bias" in p else y
+
+
 def mlp(p, pre, h):  # SwiGLU when fc1 has 2F rows, else exact (erf) GeLU
-    u = h @ p[pre + "mlp.linear_fc1.weight"].T
+    u = linear(p, pre + "mlp.linear_fc1", h)
     Fh = CFG["ffn_hidden_size"]
     if u.shape[-1] == 2 * Fh:
         a = F.silu(u[..., :Fh]) * u[..., Fh:]
     else:
         a = u * 0.5 * (1.0 + torch.erf(u / math.sqrt(2.0)))
-    return a @ p[pre + "mlp.linear_fc2.weight"].T
+    return linear(p, pre + "mlp.linear_fc2", a)
 
 
-def rope(x):  # x: [B, S, heads, D]
+def rope(x, rotary_percent=1.0):  # x: [B, S, heads, D]; rotates channels [0, Dr), Dr = int(D * rotary_percent)
     S, D = x.shape[1], x.shape[-1]
-    inv_freq = CFG["rotary_base"] ** (-torch.arange(0, D, 2, dtype=DT) / D)   # [D/2]
-    ang = torch.arange(S, dtype=DT)[:, None] * inv_freq[None, :]              # [S, D/2]
+    Dr = int(D * rotary_percent)
+    inv_freq = CFG["rotary_base"] ** (-torch.arange(0, Dr, 2, dtype=DT) / Dr)  # [Dr/2]
+    ang = torch.arange(S, dtype=DT)[:, None] * inv_freq[None, :]               # [S, Dr/2]
     cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
-    x1, x2 = x[..., : D // 2], x[..., D // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2, rest = x[..., : Dr // 2], x[..., Dr // 2:Dr], x[..., Dr:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
-def attention(h, w_qkv, w_proj):
+def attention(p, pre, h, f):
     c = CFG
     B, S, _ = h.shape
     nh, nkv, D = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
     r = nh // nkv
-    qkv = (h @ w_qkv.T).view(B, S, nkv, r + 2, D)
-    q = rope(qkv[:, :, :, :r, :].reshape(B, S, nh, D))
-    k = rope(qkv[:, :, :, r, :])                                  # [B, S, nkv, D]
+    pe = (lambda t: rope(t, f["rotary_percent"])) if f["pos"] == "rope" else (lambda t: t)
+    qkv = linear(p, pre + "self_attention.linear_qkv", h).view(B, S, nkv, r + 2, D)  # bias before RoPE
+    q = pe(qkv[:, :, :, :r, :].reshape(B, S, nh, D))
+    k = pe(qkv[:, :, :, r, :])                                    # [B, S, nkv, D]
     v = qkv[:, :, :, r + 1, :]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))              # [B, heads, S, D]
     k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
@@ -157,17 +240,19 @@ def attention(h, w_qkv, w_proj):
     causal = torch.ones(S, S, dtype=torch.bool).triu(1)
     probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
     out = (probs @ v).transpose(1, 2).reshape(B, S, nh * D)       # head-major columns
-    return out @ w_proj.T
+    return linear(p, pre + "self_attention.linear_proj", out)
 
 
-def forward(p, tokens, labels):
-    """Variant is implied by the parameter names/shapes (norm biases, fc1 rows, output_layer)."""
+def forward(p, tokens, labels, var):
+    """Norm biases, linear biases, fc1 rows, output_layer and the position table follow from the parameter
+    names/shapes; the variant gives the position embedding type and rotary_percent."""
+    f = feat(var)
     x = p["embedding.word_embeddings.weight"][tokens]
+    if f["pos"] == "learned_absolute":
+        x = x + p["embedding.position_embeddings.weight"][torch.arange(tokens.shape[1])][None]
     for i in range(CFG["num_layers"]):
         pre = f"decoder.layers.{i}."
-        h = norm(p, pre + "input_layernorm", x)
-        x = x + attention(h, p[pre + "self_attention.linear_qkv.weight"],
-                          p[pre + "self_attention.linear_proj.weight"])
+        x = x + attention(p, pre, norm(p, pre + "input_layernorm", x), f)
         x = x + mlp(p, pre, norm(p, pre + "pre_mlp_layernorm", x))
     x = norm(p, "decoder.final_layernorm", x)
     logits = x @ p.get("output_layer.weight", p["embedding.word_embeddings.weight"]).T
@@ -177,7 +262,7 @@ def forward(p, tokens, labels):
     return logits, (nll * mask).sum() / mask.sum()
 
 
-def train(p, tokens, labels):
+def train(p, tokens, labels, var):
     """Runs the AdamW steps in place; returns (logits0, loss0, grads0, losses, norms)."""
     o = OPT
     m = {n: torch.zeros_like(t) for n, t in p.items()}
@@ -187,7 +272,7 @@ def train(p, tokens, labels):
         for t in p.values():
             t.requires_grad_(True)
             t.grad = None
-        logits, loss = forward(p, tokens, labels)
+        logits, loss = forward(p, tokens, labels, var)
         loss.backward()
         grads = {n: t.grad.detach().clone() for n, t in p.items()}
         if first is None:
@@ -200,7 +285,7 @@ def train(p, tokens, labels):
             for n, t in p.items():
                 g = grads[n] * coef if coef < 1.0 else grads[n]
                 t.requires_grad_(False)
-                if t.dim() == 2:                        # no decay on norm weights/biases
+                if t.dim() == 2:                        # no decay on norm weights or any bias
                     t.mul_(1.0 - o["lr"] * o["weight_decay"])
                 m[n] = o["adam_beta1"] * m[n] + (1 - o["adam_beta1"]) * g
                 v[n] = o["adam_beta2"] * v[n] + (1 - o["adam_beta2"]) * g * g
@@ -249,9 +334,12 @@ def golden_path(name):
 def generate(name):
     torch.set_num_threads(1)
     var = VARIANTS[name]
+    f = feat(var)
     p, (tokens, labels) = init_params(var), make_batch()
+    if any(k in var for k in EXTENDED):  # start from exactly the float32 values stored in param.*
+        p = {n: t.float().double() for n, t in p.items()}
     init = {n: t.clone() for n, t in p.items()}
-    logits, loss, grads, losses, norms = train(p, tokens, labels)
+    logits, loss, grads, losses, norms = train(p, tokens, labels, var)
     f32 = lambda t: t.detach().numpy().astype(np.float32)
     out = {"input.tokens": tokens.numpy().astype(np.int32),
            "input.labels": labels.numpy().astype(np.int32),
@@ -262,9 +350,12 @@ def generate(name):
         out["param." + n], out["grad." + n], out["final.param." + n] = f32(init[n]), f32(grads[n]), f32(p[n])
     meta = {"format": "pt", "seed": str(SEED), "compute_dtype": "float64",
             "untie_embeddings_and_output_weights": "false" if var["tied"] else "true",
-            "normalization": var["norm"], "activation": var["act"], "position_embedding": "rope",
-            "add_bias_linear": "false", "ignore_index": "-1", "decay_params": "2-D weights only",
-            **{k: str(val) for k, val in {**CFG, **OPT}.items()}}
+            "normalization": var["norm"], "activation": var["act"], "position_embedding": f["pos"],
+            "add_bias_linear": "true" if f["bias"] == "all" else "false", "ignore_index": "-1",
+            "decay_params": "2-D weights only", **{k: str(val) for k, val in {**CFG, **OPT}.items()}}
+    if any(k in var for k in EXTENDED):
+        meta.update(add_qkv_bias="true" if f["bias"] == "qkv" else "false", max_position_embeddings=str(f["max_pos"]),
+                    rotary_percent=str(f["rotary_percent"]), hidden_dropout="0", attention_dropout="0")
     os.makedirs(GOLDEN_DIR, exist_ok=True)
     save_safetensors(golden_path(name), out, meta)
     return out
@@ -276,7 +367,7 @@ def check(name):
     p = {n[6:]: torch.from_numpy(a.astype(np.float64)).requires_grad_() for n, a in t.items()
          if n.startswith("param.")}  # recompute from the stored float32 params
     tok, lab = (torch.from_numpy(t[k].astype(np.int64)) for k in ("input.tokens", "input.labels"))
-    logits, loss = forward(p, tok, lab)
+    logits, loss = forward(p, tok, lab, var)
     assert np.allclose(logits.detach().numpy(), t["out.logits"], atol=1e-4), "logits mismatch"
     assert abs(loss.item() - float(t["out.loss"])) < 1e-4, "loss mismatch"
     loss.backward()
@@ -294,6 +385,26 @@ def check(name):
                for n in p if n.endswith("layernorm.weight")), "norm bias presence"
     assert t["param.decoder.layers.0.mlp.linear_fc1.weight"].shape == \
         ((2 * Fh if var["act"] == "swiglu" else Fh), H)
+    f, S = feat(var), CFG["seq_length"]
+    assert meta["position_embedding"] == f["pos"]
+    assert meta["add_bias_linear"] == ("true" if f["bias"] == "all" else "false")
+    assert float(meta.get("rotary_percent", "1.0")) == f["rotary_percent"]
+    assert meta.get("add_qkv_bias", "false") == ("true" if f["bias"] == "qkv" else "false")
+    assert ("param.decoder.layers.0.self_attention.linear_qkv.bias" in t) == (f["bias"] != "none")
+    for b in ("self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"):
+        assert ("param.decoder.layers.1." + b + ".bias" in t) == (f["bias"] == "all"), b
+    pos = "embedding.position_embeddings.weight"
+    assert ("param." + pos in t) == (f["pos"] == "learned_absolute")
+    if f["pos"] == "learned_absolute":
+        assert t["param." + pos].shape == (f["max_pos"], CFG["hidden_size"]) and f["max_pos"] > S
+        assert not t["grad." + pos][S:].any() and t["grad." + pos][:S].all(), "position-table gradient rows"
+    if f["bias"] != "none":  # the softmax-cancelled key-bias channels: zero gradient, never moved
+        nh, nkv, D = CFG["num_attention_heads"], CFG["num_query_groups"], CFG["kv_channels"]
+        Dr = int(D * f["rotary_percent"]) if f["pos"] == "rope" else 0
+        for i in range(CFG["num_layers"]):
+            n = f"decoder.layers.{i}.self_attention.linear_qkv.bias"
+            dead = lambda k: t[k + n].reshape(nkv, nh // nkv + 2, D)[:, nh // nkv, Dr:]
+            assert np.abs(dead("grad.")).max() < 1e-12 and (dead("final.param.") == dead("param.")).all(), n
     print(f"{path}: {os.path.getsize(path)} bytes, {len(t)} tensors, ok")
     print("  traj.loss      =", " ".join(f"{x:.6f}" for x in tl))
     print("  traj.grad_norm =", " ".join(f"{x:.6f}" for x in t["traj.grad_norm"]))
