@@ -20,7 +20,8 @@ args=(train --data-path "$out/corpus_text_document" --tokenizer-type ByteLevel -
   --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --swiglu
   --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 512 --moe-aux-loss-coeff 1e-2
   --micro-batch-size 4 --global-batch-size 16 --train-iters "$iters" --lr 1e-3 --log-interval 10
-  --generate-tokens 0)
+  --normalization RMSNorm --position-embedding-type rope --disable-bias-linear --attention-dropout 0.0
+  --hidden-dropout 0.0 --generate-tokens 0)
 # The machine is noisy: the two layouts alternate, REPEATS times each, and each layout's best run counts.
 for r in $(seq 1 "${REPEATS:-2}"); do
   OMP_NUM_THREADS=2 "$bin" "${args[@]}" --metrics-jsonl "$out/one_rank_$r.jsonl" >"$out/one_rank_$r.log"
