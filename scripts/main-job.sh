@@ -19,7 +19,7 @@ if [ ! -s "$work/fortunes_text_document.idx" ]; then
   ./build/apps/moecore preprocess --input "$work/fortunes.jsonl" --output-prefix "$work/fortunes" \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$work/fortunes_sp.model" --append-eod --workers 2
 fi
-exec ./build/apps/moecore train --data-path "$work/fortunes_text_document" --split 95,5,0 \
+./build/apps/moecore train --data-path "$work/fortunes_text_document" --split 95,5,0 \
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$work/fortunes_sp.model" \
   --num-layers 4 --hidden-size 192 --num-attention-heads 6 --num-query-groups 2 --seq-length 128 \
   --swiglu --untie-embeddings-and-output-weights \
@@ -29,3 +29,9 @@ exec ./build/apps/moecore train --data-path "$work/fortunes_text_document" --spl
   --save "$work/checkpoints" --save-interval 400 --keep-last-checkpoints 2 \
   --metrics-jsonl "$work/metrics.jsonl" --tensorboard-dir "$work/tensorboard" \
   --prompt "A wise man " "$@"
+# 5. The loss curves from the metrics JSONL (training loss per logged iteration, validation loss) as a PNG.
+if [ -s "$work/metrics.jsonl" ]; then
+  /usr/bin/python3 tools/plot_curves.py --title "main job: MoE GPT on Debian's fortunes" \
+    "$work/loss.png" "$work/metrics.jsonl" >/dev/null
+  echo "Loss curve: $work/loss.png (training and validation loss from $work/metrics.jsonl)"
+fi

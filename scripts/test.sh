@@ -1,8 +1,38 @@
 #!/usr/bin/env bash
 # Builds moecore and runs the default test suite (everything except the "long" label).
 # GPU tests carry the "gpu" label and skip themselves when no GPU is present.
+# Test-time Python tools come from PyPI into a virtual environment, build/test-venv (Debian's python3-venv),
+# created once and reused while it works; its interpreter is exported as MOECORE_TEST_PYTHON, which
+# TensorBoard.PythonTensorboardReadsOurFiles runs (unset, that test skips). No PyPI, no test run: this fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+venv=build/test-venv
+tensorboard_req="tensorboard==2.21.0"
+venv_ok() {
+  [ -x "$venv/bin/python3" ] && "$venv/bin/python3" - "${tensorboard_req#tensorboard==}" <<'EOF' >/dev/null 2>&1
+import sys
+import tensorboard
+from tensorboard.backend.event_processing import event_accumulator  # noqa: F401
+sys.exit(tensorboard.__version__ != sys.argv[1])
+EOF
+}
+if venv_ok; then
+  echo "test.sh: reusing $venv ($tensorboard_req)"
+else
+  echo "test.sh: creating $venv and installing $tensorboard_req from PyPI"
+  rm -rf "$venv"
+  mkdir -p build
+  /usr/bin/python3 -m venv "$venv"
+  if ! "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check "$tensorboard_req" || ! venv_ok; then
+    echo "test.sh: ERROR: could not install $tensorboard_req into $venv (is PyPI reachable?)." >&2
+    echo "test.sh: TensorBoard.PythonTensorboardReadsOurFiles needs it; refusing to run the suite without it." >&2
+    rm -rf "$venv"
+    exit 1
+  fi
+fi
+export MOECORE_TEST_PYTHON="$PWD/$venv/bin/python3"
+
 bash scripts/build.sh
 cd build
 ctest --output-on-failure -j "$(nproc)" -LE long --timeout 900

@@ -1,10 +1,12 @@
 // Metrics writers and CRC32C: the formats.md §5 test vectors byte for byte, TensorBoard event files read
 // back by a small TFRecord/protobuf parser (CRCs verified, tag/step/value decoded), an optional cross-check
-// with the Python `tensorboard` package when installed, and JSONL read back line by line.
+// with the Python `tensorboard` package (the interpreter named by MOECORE_TEST_PYTHON), and JSONL read back
+// line by line.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -274,9 +276,17 @@ TEST(TensorBoard, WritersStartedInTheSameSecondGetDistinctFiles) {
   fs::remove_all(dir);
 }
 
+// The real reader: scripts/test.sh installs `tensorboard` into a test-time virtual environment
+// (build/test-venv) and exports its interpreter as MOECORE_TEST_PYTHON. Unset (one binary run by hand), the
+// test skips; set, an interpreter without `tensorboard` is a failure, not a skip.
 TEST(TensorBoard, PythonTensorboardReadsOurFiles) {
-  if (std::system("/usr/bin/python3 -c 'import tensorboard' >/dev/null 2>&1") != 0)
-    GTEST_SKIP() << "/usr/bin/python3 has no `tensorboard` package; the C++ reader above covers the format";
+  const char* python_env = std::getenv("MOECORE_TEST_PYTHON");
+  if (!python_env || !*python_env)
+    GTEST_SKIP() << "MOECORE_TEST_PYTHON is unset: scripts/test.sh sets it to a Python with `tensorboard`";
+  ASSERT_EQ(std::string(python_env).find('\''), std::string::npos) << "MOECORE_TEST_PYTHON=" << python_env;
+  const std::string python = std::string("'") + python_env + "'";
+  ASSERT_EQ(std::system((python + " -c 'import tensorboard'").c_str()), 0)
+      << "MOECORE_TEST_PYTHON=" << python_env << " cannot import `tensorboard` (pip install tensorboard)";
   const std::string dir = temp_dir("tb_py");
   {
     io::TensorBoardWriter w(dir);
@@ -291,7 +301,7 @@ TEST(TensorBoard, PythonTensorboardReadsOurFiles) {
                            "with open(sys.argv[2], 'w') as f:\n"
                            "    for tag in sorted(acc.Tags()['scalars']):\n"
                            "        for e in acc.Scalars(tag): f.write(f'{tag}|{e.step}|{e.value:.9g}\\n')\n";
-  ASSERT_EQ(std::system(("/usr/bin/python3 " + script + " " + dir + " " + out).c_str()), 0);
+  ASSERT_EQ(std::system((python + " " + script + " " + dir + " " + out).c_str()), 0);
   EXPECT_EQ(io::read_file(out), "grad-norm|2|0\nlm loss|1|2.5\nlm loss|2|0.125\n");
   fs::remove_all(dir);
 }
