@@ -21,11 +21,13 @@ if [ ! -s "$work/fortunes_text_document.idx" ]; then
 fi
 ./build/apps/moecore train --data-path "$work/fortunes_text_document" --split 95,5,0 \
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$work/fortunes_sp.model" \
-  --num-layers 4 --hidden-size 192 --num-attention-heads 6 --num-query-groups 2 --seq-length 128 \
-  --swiglu --untie-embeddings-and-output-weights \
+  --num-layers 4 --hidden-size 192 --num-attention-heads 6 --group-query-attention --num-query-groups 2 \
+  --seq-length 128 --max-position-embeddings 128 --position-embedding-type rope --normalization RMSNorm \
+  --swiglu --untie-embeddings-and-output-weights --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0 \
   --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 384 --moe-aux-loss-coeff 1e-2 \
   --micro-batch-size 8 --global-batch-size 16 --train-iters 1200 --lr 2e-3 --min-lr 2e-4 \
-  --lr-warmup-iters 100 --log-interval 50 --eval-interval 200 --eval-iters 8 \
+  --lr-decay-style cosine --lr-warmup-iters 100 --weight-decay 0.1 --adam-beta2 0.95 --exit-signal-handler \
+  --log-interval 50 --eval-interval 200 --eval-iters 8 \
   --save "$work/checkpoints" --save-interval 400 --keep-last-checkpoints 2 \
   --metrics-jsonl "$work/metrics.jsonl" --tensorboard-dir "$work/tensorboard" \
   --prompt "A wise man " "$@"

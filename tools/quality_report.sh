@@ -29,5 +29,6 @@ common=(--data-path "$out/shakespeare_text_document" --split 90,10,0 --tokenizer
   --metrics-jsonl "$out/dense.jsonl" | tee "$out/dense.log"
 ./build/apps/moecore train "${common[@]}" --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256 \
   --moe-aux-loss-coeff 1e-3 --moe-router-topk-scaling-factor 2 --metrics-jsonl "$out/moe.jsonl" | tee "$out/moe.log"
-/usr/bin/python3 tools/plot_curves.py docs/moe_vs_dense.png "dense (ffn 512)=$out/dense.jsonl" \
+/usr/bin/python3 tools/plot_curves.py --title "tinyshakespeare, GPT-2 tokenizer: MoE vs dense at equal active parameters" \
+  --xlabel "iteration (16 x 128 tokens each)" docs/moe_vs_dense.png "dense (ffn 512)=$out/dense.jsonl" \
   "MoE 8 experts top-2 (expert ffn 256, scaling 2)=$out/moe.jsonl"
