@@ -7,9 +7,9 @@
 
 #include "apps/args.h"
 #include "apps/commands.h"
-#include "moecore/core/error.h"
 #include "apps/data_flags.h"
 #include "apps/model_flags.h"
+#include "moecore/core/error.h"
 #include "moecore/data/gpt_dataset.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/model/upcycling.h"
@@ -92,8 +92,10 @@ void add_training_flags(Args& a) {
       .unsupported_switch("--calculate-per-token-loss", "per-token loss averaging across micro-batches")
       .unsupported("--wandb-project", "", "Weights & Biases logging (use --tensorboard-dir or --metrics-jsonl)")
       .unsupported("--wandb-exp-name", "", "Weights & Biases logging (use --tensorboard-dir or --metrics-jsonl)")
-      .option("--expert-model-parallel-size", "1", "EP: ranks the routed experts are spread over (mpirun -np a multiple)")
-      .flag("--use-distributed-optimizer", "ZeRO-1: optimizer state sharded over data-parallel ranks (experts: expert-DP)")
+      .option("--expert-model-parallel-size", "1",
+              "EP: ranks the routed experts are spread over (mpirun -np a multiple)")
+      .flag("--use-distributed-optimizer",
+            "ZeRO-1: optimizer state sharded over data-parallel ranks (experts: expert-DP)")
       .option("--ddp-bucket-size", "",
               "gradient elements per all-reduce / reduce-scatter bucket (unset: max(40000000, 1000000 x DP))")
       .option("--moe-token-dispatcher-type", "allgather", "token dispatcher under EP: allgather | alltoall")
@@ -198,11 +200,13 @@ void print_summary(std::FILE* out, const train::TrainLog& log, const train::Trai
                    double seconds) {
   const auto steps = static_cast<int64_t>(log.train_loss.size());
   const double tokens = static_cast<double>(steps * t.global_batch_size * seq_length);
-  std::fprintf(out, "\n---- summary ----\ntrained %lld steps (iterations %lld -> %lld%s): %.0f tokens in %.0f s "
+  std::fprintf(out,
+               "\n---- summary ----\ntrained %lld steps (iterations %lld -> %lld%s): %.0f tokens in %.0f s "
                "(%.0f tokens/s)\n",
                static_cast<long long>(steps), static_cast<long long>(log.first_iteration),
-               static_cast<long long>(log.first_iteration + steps), log.stopped_by_signal ? ", stopped by a signal" : "",
-               tokens, seconds, seconds > 0 ? tokens / seconds : 0.0);
+               static_cast<long long>(log.first_iteration + steps),
+               log.stopped_by_signal ? ", stopped by a signal" : "", tokens, seconds,
+               seconds > 0 ? tokens / seconds : 0.0);
   if (!log.train_loss.empty())
     std::fprintf(out, "training loss %.4f (first step) -> %.4f (last step)\n", log.train_loss.front(),
                  log.train_loss.back());
@@ -244,9 +248,9 @@ int train_main(int argc, char** argv) {
   dcfg.data_path = data_path;
   dcfg.split = a.str("--split");
   // Without --eval-interval the only validation is the one at the end: size the split as for one interval.
-  const auto n = data::gpt_split_num_samples(tcfg.train_iters, tcfg.global_batch_size,
-                                             tcfg.eval_interval > 0 ? tcfg.eval_interval : tcfg.train_iters,
-                                             tcfg.eval_iters);
+  const auto n =
+      data::gpt_split_num_samples(tcfg.train_iters, tcfg.global_batch_size,
+                                  tcfg.eval_interval > 0 ? tcfg.eval_interval : tcfg.train_iters, tcfg.eval_iters);
   dcfg.num_samples[0] = n[0];
   dcfg.num_samples[1] = n[1];
   dcfg.num_samples[2] = 0;  // the test split is not used by training
@@ -290,11 +294,13 @@ int train_main(int argc, char** argv) {
     tcfg.load.clear();  // the run starts at iteration 0 from the upcycled weights, as in Megatron
   }
   tcfg.peak_gflops = train::gemm_peak_gflops(mcfg.compute_dtype);
-  if (out) std::printf("moecore train: %s\n  %lld parameters, tokenizer %s (vocab %lld, padded to %lld), GEMM peak %.1f "
-              "GFLOP/s\n%s%s",
-              mcfg.summary().c_str(), static_cast<long long>(gpt.num_parameters()), tok->name().c_str(),
-              static_cast<long long>(tok->vocab_size()), static_cast<long long>(mcfg.vocab_size), tcfg.peak_gflops,
-              source.summary().c_str(), gpt.memory_plan(opt.state_bytes_per_param()).format().c_str());
+  if (out)
+    std::printf(
+        "moecore train: %s\n  %lld parameters, tokenizer %s (vocab %lld, padded to %lld), GEMM peak %.1f "
+        "GFLOP/s\n%s%s",
+        mcfg.summary().c_str(), static_cast<long long>(gpt.num_parameters()), tok->name().c_str(),
+        static_cast<long long>(tok->vocab_size()), static_cast<long long>(mcfg.vocab_size), tcfg.peak_gflops,
+        source.summary().c_str(), gpt.memory_plan(opt.state_bytes_per_param()).format().c_str());
   const int64_t B = tcfg.micro_batch_size, S = mcfg.seq_length;
   std::vector<float> mask(static_cast<size_t>(S));
   const train::BatchFn batches = [&](Tensor& t, Tensor& l, bool valid, int64_t index) {
@@ -311,8 +317,10 @@ int train_main(int argc, char** argv) {
   const auto t0 = std::chrono::steady_clock::now();
   const train::TrainLog log = train::train(gpt, opt, tcfg, batches, out, {}, &groups);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (out) print_summary(out, log, tcfg, mcfg.seq_length, seconds);
-  if (log.stopped_by_signal) return 0;
+  if (log.stopped_by_signal) {
+    if (out) print_summary(out, log, tcfg, mcfg.seq_length, seconds);
+    return 0;
+  }
   const int64_t count = a.i64("--generate-tokens");
   // Under EP every rank takes part in the forward passes (the experts are spread); rank 0 prints.
   if (count > 0 && (dp.rank() == 0 || ep.group.size() > 1)) {
@@ -320,6 +328,7 @@ int train_main(int argc, char** argv) {
     const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed, tok->eod());
     if (out) std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());
   }
+  if (out) print_summary(out, log, tcfg, mcfg.seq_length, seconds);
   return 0;
 }
 
