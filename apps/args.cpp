@@ -90,8 +90,8 @@ const Args::Spec& Args::spec_or_suggest(const std::string& a, const char* where)
   }
   // Only a near miss (a typo) earns a suggestion; a far one would mislead.
   const bool close = !best.empty() && best_d <= std::max<size_t>(2, a.size() / 5);
-  MOECORE_FAIL("unknown flag '", a, "'", where, close ? "; did you mean '" + best + "'?" : "",
-               " (see moecore ", program_, " --help)");
+  MOECORE_FAIL("unknown flag '", a, "'", where, close ? "; did you mean '" + best + "'?" : "", " (see moecore ",
+               program_, " --help)");
 }
 
 bool Args::parse(int argc, char** argv) {
@@ -166,9 +166,9 @@ std::string Args::list_flags() const {
   for (const auto& n : order_) {
     const Spec& sp = specs_.at(n);
     const char* kind = sp.unsupported ? (sp.is_flag ? "unsupported-switch" : "unsupported-value")
-                       : sp.is_flag       ? "switch"
-                       : sp.is_list       ? "list"
-                                          : "value";
+                       : sp.is_flag   ? "switch"
+                       : sp.is_list   ? "list"
+                                      : "value";
     s += n + "\t" + kind + "\t" + sp.def + "\t" + sp.help + "\n";
   }
   return s;
@@ -217,7 +217,9 @@ std::vector<std::string> Args::list(const std::string& name) const {
   return it == lists_.end() ? std::vector<std::string>{} : it->second;
 }
 
-bool Args::given(const std::string& name) const { return values_.count(name) > 0; }
+bool Args::given(const std::string& name) const {
+  return values_.count(name) > 0;
+}
 
 std::string Args::str(const std::string& name) const {
   auto it = values_.find(name);
@@ -243,10 +245,16 @@ double Args::f64(const std::string& name) const {
   return x;
 }
 
-bool Args::on(const std::string& name) const { return given(name); }
+bool Args::on(const std::string& name) const {
+  return given(name);
+}
 
-int64_t Args::i64_or(const std::string& name, int64_t unset) const { return str(name).empty() ? unset : i64(name); }
+int64_t Args::i64_or(const std::string& name, int64_t unset) const {
+  return str(name).empty() ? unset : i64(name);
+}
 
-double Args::f64_or(const std::string& name, double unset) const { return str(name).empty() ? unset : f64(name); }
+double Args::f64_or(const std::string& name, double unset) const {
+  return str(name).empty() ? unset : f64(name);
+}
 
 }  // namespace moecore::apps

@@ -49,10 +49,9 @@ int bench_main(int argc, char** argv) {
         .option("--iters", "3", "timed iterations (best is reported)")
         .flag("--bf16", "bf16 inputs (f32 math)");
     if (!a.parse(argc - 1, argv + 1)) return 0;
-    print_lines(bench::bench_attention_lines(a.i64("--micro-batch-size"), a.i64("--seq-length"),
-                                             a.i64("--num-attention-heads"), a.i64("--num-query-groups"),
-                                             a.i64("--kv-channels"), a.on("--bf16") ? DType::bf16 : DType::f32,
-                                             static_cast<int>(a.i64("--iters"))));
+    print_lines(bench::bench_attention_lines(
+        a.i64("--micro-batch-size"), a.i64("--seq-length"), a.i64("--num-attention-heads"), a.i64("--num-query-groups"),
+        a.i64("--kv-channels"), a.on("--bf16") ? DType::bf16 : DType::f32, static_cast<int>(a.i64("--iters"))));
     return 0;
   }
   if (what == "experts") {
@@ -93,8 +92,8 @@ int bench_main(int argc, char** argv) {
     add_model_flags(a, gpt2_small());
     a.option("--micro-batch-size", "1", "sequences per step").option("--steps", "3", "timed steps");
     if (!a.parse(argc - 1, argv + 1)) return 0;
-    print_lines(bench::bench_train_step(model_config_from(a), a.i64("--micro-batch-size"),
-                                        static_cast<int>(a.i64("--steps"))));
+    print_lines(
+        bench::bench_train_step(model_config_from(a), a.i64("--micro-batch-size"), static_cast<int>(a.i64("--steps"))));
     return 0;
   }
   std::fprintf(what.empty() || what == "--help" ? stdout : stderr,

@@ -15,8 +15,9 @@ void add_tokenizer_flags(Args& a) {
 
 std::unique_ptr<data::Tokenizer> tokenizer_from(const Args& a) {
   if (a.str("--tokenizer-type").empty())
-    MOECORE_FAIL("--tokenizer-type is required (GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, "
-                 "Llama2Tokenizer or ByteLevel)");
+    MOECORE_FAIL(
+        "--tokenizer-type is required (GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, "
+        "Llama2Tokenizer or ByteLevel)");
   data::TokenizerOptions o;
   o.type = a.str("--tokenizer-type");
   o.vocab_file = a.str("--vocab-file");

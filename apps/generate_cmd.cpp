@@ -4,9 +4,9 @@
 
 #include "apps/args.h"
 #include "apps/commands.h"
-#include "moecore/core/error.h"
 #include "apps/data_flags.h"
 #include "apps/model_flags.h"
+#include "moecore/core/error.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/trainer.h"

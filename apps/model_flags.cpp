@@ -162,7 +162,8 @@ moe::MoeConfig moe_config_from(const Args& a, bool swiglu) {
     MOECORE_FAIL("--moe-expert-capacity-factor (", a.str("--moe-expert-capacity-factor"),
                  ") must be positive (leave it unset for dropless)");
   const std::string pol = a.str("--moe-token-drop-policy");
-  if (pol != "probs" && pol != "position") MOECORE_FAIL("--moe-token-drop-policy '", pol, "' is not one of probs, position");
+  if (pol != "probs" && pol != "position")
+    MOECORE_FAIL("--moe-token-drop-policy '", pol, "' is not one of probs, position");
   m.drop_policy = pol == "position" ? moe::DropPolicy::position : moe::DropPolicy::probs;
   m.pad_expert_input_to_capacity = a.on("--moe-pad-expert-input-to-capacity");
   m.router_padding_alignment = a.on("--moe-router-padding-for-fp8") ? 16 : 0;
@@ -186,7 +187,8 @@ model::ModelConfig model_config_from(const Args& a, int64_t tokenizer_vocab) {
   if (a.on("--group-query-attention") && c.num_query_groups <= 0)
     MOECORE_FAIL("--num-query-groups (", c.num_query_groups, ") must be positive with --group-query-attention");
   if (!a.on("--group-query-attention") && a.given("--num-query-groups") && a.i64("--num-query-groups") != 1)
-    std::fprintf(stderr, "warning: --num-query-groups %lld is ignored without --group-query-attention (as in "
+    std::fprintf(stderr,
+                 "warning: --num-query-groups %lld is ignored without --group-query-attention (as in "
                  "Megatron): every attention head has its own key/value head\n",
                  static_cast<long long>(a.i64("--num-query-groups")));
   c.kv_channels = a.i64_or("--kv-channels", 0);
@@ -194,21 +196,27 @@ model::ModelConfig model_config_from(const Args& a, int64_t tokenizer_vocab) {
   c.vocab_size = a.i64_or("--vocab-size", 0);
   if (c.vocab_size == 0) c.vocab_size = tokenizer_vocab;
   if (tokenizer_vocab > 0 && c.vocab_size < tokenizer_vocab)
-    MOECORE_FAIL("--vocab-size (", c.vocab_size, ") is smaller than the tokenizer's vocabulary (", tokenizer_vocab, ")");
+    MOECORE_FAIL("--vocab-size (", c.vocab_size, ") is smaller than the tokenizer's vocabulary (", tokenizer_vocab,
+                 ")");
   c.seq_length = a.i64("--seq-length");
   c.max_position_embeddings = a.i64_or("--max-position-embeddings", 0);
   if (a.given("--max-position-embeddings") && c.max_position_embeddings <= 0)
     MOECORE_FAIL("--max-position-embeddings (", c.max_position_embeddings, ") must be positive");
   const std::string pos = a.str("--position-embedding-type");
-  if (pos == "learned_absolute") c.position_embedding_type = model::PositionEmbedding::learned_absolute;
-  else if (pos == "rope") c.position_embedding_type = model::PositionEmbedding::rope;
-  else if (pos == "none") c.position_embedding_type = model::PositionEmbedding::none;
+  if (pos == "learned_absolute")
+    c.position_embedding_type = model::PositionEmbedding::learned_absolute;
+  else if (pos == "rope")
+    c.position_embedding_type = model::PositionEmbedding::rope;
+  else if (pos == "none")
+    c.position_embedding_type = model::PositionEmbedding::none;
   else if (pos == "mrope" || pos == "relative" || pos == "yarn")
     MOECORE_FAIL("--position-embedding-type ", pos, " is not supported yet (learned_absolute, rope or none)");
-  else MOECORE_FAIL("--position-embedding-type '", pos, "' is not one of learned_absolute, rope, none");
+  else
+    MOECORE_FAIL("--position-embedding-type '", pos, "' is not one of learned_absolute, rope, none");
   if (a.on("--no-position-embedding") && !c.rope())
-    MOECORE_FAIL("--no-position-embedding needs --position-embedding-type rope (as in Megatron); for no position "
-                 "embedding at all use --position-embedding-type none");
+    MOECORE_FAIL(
+        "--no-position-embedding needs --position-embedding-type rope (as in Megatron); for no position "
+        "embedding at all use --position-embedding-type none");
   c.rotary_base = static_cast<float>(a.f64("--rotary-base"));
   c.rotary_percent = static_cast<float>(a.f64("--rotary-percent"));
   if (!(c.rotary_percent > 0.0f && c.rotary_percent <= 1.0f))
@@ -236,8 +244,9 @@ model::ModelConfig model_config_from(const Args& a, int64_t tokenizer_vocab) {
   c.moe = moe_config_from(a, c.swiglu);
   c.moe_layer_freq = a.str("--moe-layer-freq");
   if (c.add_bias_linear && c.moe.enabled() && c.moe.shared_expert_intermediate_size > 0)
-    MOECORE_FAIL("--moe-shared-expert-intermediate-size with linear biases: shared experts carry no biases (as in "
-                 "Megatron); pass --disable-bias-linear");
+    MOECORE_FAIL(
+        "--moe-shared-expert-intermediate-size with linear biases: shared experts carry no biases (as in "
+        "Megatron); pass --disable-bias-linear");
   c.validate();
   return c;
 }

@@ -4,8 +4,8 @@
 
 #include "apps/args.h"
 #include "apps/commands.h"
-#include "moecore/core/error.h"
 #include "apps/data_flags.h"
+#include "moecore/core/error.h"
 #include "moecore/data/preprocess.h"
 
 namespace moecore::apps {

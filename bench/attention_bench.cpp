@@ -25,8 +25,7 @@ double dnnl_peak_gflops(DType dtype) {
   try {
     dnnl::engine eng(dnnl::engine::kind::cpu, 0);
     dnnl::stream strm(eng);
-    const memory::desc a({n, n}, in, memory::format_tag::ab),
-        c({n, n}, memory::data_type::f32, memory::format_tag::ab);
+    const memory::desc a({n, n}, in, memory::format_tag::ab), c({n, n}, memory::data_type::f32, memory::format_tag::ab);
     const dnnl::matmul prim(dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, a, c), eng));
     memory ma(a, eng), mb(a, eng), mc(c, eng);
     std::fill_n(static_cast<char*>(ma.get_data_handle()), a.get_size(), 0);  // bf16/f32 zero bits
@@ -46,8 +45,8 @@ double dnnl_peak_gflops(DType dtype) {
 
 }  // namespace
 
-std::vector<std::string> bench_attention_lines(int64_t B, int64_t S, int64_t heads, int64_t kv_heads,
-                                               int64_t D, DType dtype, int iters) {
+std::vector<std::string> bench_attention_lines(int64_t B, int64_t S, int64_t heads, int64_t kv_heads, int64_t D,
+                                               DType dtype, int iters) {
   if (kv_heads <= 0 || heads % kv_heads != 0) {
     MOECORE_FAIL("bench attention: heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
   }
@@ -84,9 +83,8 @@ std::vector<std::string> bench_attention_lines(int64_t B, int64_t S, int64_t hea
   }
   const double unit = static_cast<double>(B) * heads * static_cast<double>(S) * S * D;  // S^2 D per head
   std::vector<std::string> lines;
-  for (const auto& [name, mults, secs] :
-       {std::tuple{"attention_fwd", 2.0, fwd}, std::tuple{"attention_bwd", 5.0, bwd},
-        std::tuple{"attention_fwd_bwd", 7.0, both}}) {
+  for (const auto& [name, mults, secs] : {std::tuple{"attention_fwd", 2.0, fwd}, std::tuple{"attention_bwd", 5.0, bwd},
+                                          std::tuple{"attention_fwd_bwd", 7.0, both}}) {
     const double gflops = mults * unit / secs / 1e9;
     lines.push_back(JsonLine()
                         .add("name", name)

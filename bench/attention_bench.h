@@ -9,6 +9,6 @@
 
 namespace moecore::bench {
 // heads query heads sharing kv_heads key/value heads (heads % kv_heads == 0), head dim D; best of `iters`.
-std::vector<std::string> bench_attention_lines(int64_t B, int64_t S, int64_t heads, int64_t kv_heads,
-                                               int64_t D, DType dtype, int iters);
+std::vector<std::string> bench_attention_lines(int64_t B, int64_t S, int64_t heads, int64_t kv_heads, int64_t D,
+                                               DType dtype, int iters);
 }  // namespace moecore::bench

@@ -37,8 +37,7 @@ Tensor random_tensor(const Shape& s, DType dtype, const char* name, float std) {
 
 }  // namespace
 
-std::vector<std::string> bench_experts_lines(int64_t N, int64_t H, int64_t F, int64_t E, int64_t K,
-                                             DType dtype) {
+std::vector<std::string> bench_experts_lines(int64_t N, int64_t H, int64_t F, int64_t E, int64_t K, DType dtype) {
   const int64_t R = N * K;
   moe::ExpertDims d;
   d.E = E;

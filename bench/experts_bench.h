@@ -10,6 +10,5 @@
 
 namespace moecore::bench {
 // N tokens, hidden H, expert ffn F, E experts, top-K; R = N*K expert rows.
-std::vector<std::string> bench_experts_lines(int64_t N, int64_t H, int64_t F, int64_t E, int64_t K,
-                                             DType dtype);
+std::vector<std::string> bench_experts_lines(int64_t N, int64_t H, int64_t F, int64_t E, int64_t K, DType dtype);
 }  // namespace moecore::bench

@@ -38,11 +38,11 @@ inline double tolerance_ratio(const Tensor& a, const Tensor& b, double rtol, dou
   return worst;
 }
 
-#define EXPECT_TENSOR_NEAR(a, b, rtol, atol)                                                           \
-  do {                                                                                                \
-    ASSERT_EQ((a).shape(), (b).shape()) << (a).str() << " vs " << (b).str();                          \
-    EXPECT_LE(::moecore::testing::tolerance_ratio((a), (b), (rtol), (atol)), 1.0)                      \
-        << #a " vs " #b " (rtol " << (rtol) << ", atol " << (atol) << ")";                             \
+#define EXPECT_TENSOR_NEAR(a, b, rtol, atol)                                      \
+  do {                                                                            \
+    ASSERT_EQ((a).shape(), (b).shape()) << (a).str() << " vs " << (b).str();      \
+    EXPECT_LE(::moecore::testing::tolerance_ratio((a), (b), (rtol), (atol)), 1.0) \
+        << #a " vs " #b " (rtol " << (rtol) << ", atol " << (atol) << ")";        \
   } while (0)
 
 // Central finite differences of a scalar function with respect to every element of x (f32, contiguous).

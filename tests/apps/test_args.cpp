@@ -23,8 +23,8 @@ std::vector<char*> argv_of(std::vector<std::string>& words) {
 }
 
 TEST(Args, ParsesValuesFlagsAndLists) {
-  std::vector<std::string> w = {"train", "--num-experts", "8", "--bf16", "--data-path", "0.3", "a", "0.7", "b",
-                                "--lr=2e-3"};
+  std::vector<std::string> w = {"train", "--num-experts", "8", "--bf16",   "--data-path", "0.3",
+                                "a",     "0.7",           "b", "--lr=2e-3"};
   auto argv = argv_of(w);
   apps::Args a = make();
   ASSERT_TRUE(a.parse(static_cast<int>(argv.size()), argv.data()));

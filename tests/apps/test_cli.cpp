@@ -32,7 +32,9 @@ Result run_shell(const std::string& cmd) {
   return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
 }
 
-Result run(const std::string& args) { return run_shell(std::string(MOECORE_BINARY) + " " + args); }
+Result run(const std::string& args) {
+  return run_shell(std::string(MOECORE_BINARY) + " " + args);
+}
 
 // `moecore ARGS` on np ranks, one OpenMP thread each (the ranks share the machine's cores). Unused without MPI.
 [[maybe_unused]] Result run_mpi(int np, const std::string& args, const std::string& env = "") {
@@ -71,10 +73,12 @@ class Cli : public ::testing::Test {
     ASSERT_EQ(r.status, 0) << r.output;
   }
   std::string train_args(int iters) const {
-    return "train --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel --num-layers 2 --hidden-size 32 "
+    return "train --data-path " + p("c_text_document") +
+           " --tokenizer-type ByteLevel --num-layers 2 --hidden-size 32 "
            "--num-attention-heads 2 --seq-length 32 --swiglu --num-experts 4 --moe-router-topk 2 "
            "--moe-aux-loss-coeff 1e-2 --micro-batch-size 2 --global-batch-size 4 --log-interval 5 --eval-interval 5 "
-           "--eval-iters 2 --generate-tokens 0 --save " + p("ckpt") + " --train-iters " + std::to_string(iters);
+           "--eval-iters 2 --generate-tokens 0 --save " +
+           p("ckpt") + " --train-iters " + std::to_string(iters);
   }
   fs::path dir_;
 };
@@ -90,7 +94,8 @@ TEST_F(Cli, PreprocessTrainResumeGenerate) {
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("loaded checkpoint"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("iteration     10/    10"), std::string::npos) << r.output;
-  r = run("generate --load " + p("ckpt") + " --tokenizer-type ByteLevel --num-layers 2 --hidden-size 32 "
+  r = run("generate --load " + p("ckpt") +
+          " --tokenizer-type ByteLevel --num-layers 2 --hidden-size 32 "
           "--num-attention-heads 2 --seq-length 32 --swiglu --num-experts 4 --moe-router-topk 2 --prompt doc "
           "--max-new-tokens 8");
   ASSERT_EQ(r.status, 0) << r.output;
@@ -130,18 +135,24 @@ TEST_F(Cli, SigtermLeavesALoadableCheckpoint) {
 TEST_F(Cli, UpcyclesADenseCheckpointIntoAnMoe) {
   preprocess_corpus();
   if (HasFatalFailure()) return;
-  const std::string model = " --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel --num-layers 2 "
-                            "--hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu --ffn-hidden-size 64 --disable-bias-linear "
-                            "--micro-batch-size 2 --global-batch-size 2 --log-interval 2 --eval-iters 1 "
-                            "--generate-tokens 0 --train-iters 2";
+  const std::string model =
+      " --data-path " + p("c_text_document") +
+      " --tokenizer-type ByteLevel --num-layers 2 "
+      "--hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu --ffn-hidden-size 64 --disable-bias-linear "
+      "--micro-batch-size 2 --global-batch-size 2 --log-interval 2 --eval-iters 1 "
+      "--generate-tokens 0 --train-iters 2";
   Result r = run("train" + model + " --save " + p("dense"));
   ASSERT_EQ(r.status, 0) << r.output;
-  r = run("train" + model + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-use-upcycling "
-          "--moe-upcycling-granularity 2 --load " + p("dense") + " --save " + p("moe"));
+  r = run("train" + model +
+          " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-use-upcycling "
+          "--moe-upcycling-granularity 2 --load " +
+          p("dense") + " --save " + p("moe"));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("upcycled the dense checkpoint"), std::string::npos) << r.output;
-  r = run("train" + model + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-use-upcycling "
-          "--moe-upcycling-granularity 3 --load " + p("dense"));
+  r = run("train" + model +
+          " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-use-upcycling "
+          "--moe-upcycling-granularity 3 --load " +
+          p("dense"));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("--moe-upcycling-granularity (3)"), std::string::npos) << r.output;
 }
@@ -175,7 +186,8 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
   preprocess_corpus();
   if (HasFatalFailure()) return;
-  const std::string args = " train --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel "
+  const std::string args = " train --data-path " + p("c_text_document") +
+                           " --tokenizer-type ByteLevel "
                            "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
                            "--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --generate-tokens 0 ";
   auto mpirun = [&](int np, const std::string& extra) {
@@ -209,7 +221,8 @@ TEST_F(Cli, TwoRanksMatchOneProcess) {
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
   preprocess_corpus();
   if (HasFatalFailure()) return;
-  const std::string args = " train --data-path " + p("c_text_document") + " --tokenizer-type ByteLevel "
+  const std::string args = " train --data-path " + p("c_text_document") +
+                           " --tokenizer-type ByteLevel "
                            "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu "
                            "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --micro-batch-size 2 "
                            "--global-batch-size 8 --train-iters 5 --log-interval 1 --eval-iters 1 "
@@ -218,9 +231,9 @@ TEST_F(Cli, TwoRanksMatchOneProcess) {
   const auto one = jsonl_losses(p("one.jsonl"));
   ASSERT_EQ(one.size(), 5u);
   for (const char* extra : {"",  // data parallel
-                                  " --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
-                                  " --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
-                                  " --expert-model-parallel-size 2 --use-distributed-optimizer"}) {
+                            " --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
+                            " --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
+                            " --expert-model-parallel-size 2 --use-distributed-optimizer"}) {
     std::filesystem::remove(p("two.jsonl"));
     const Result r = run_mpi(2, args.substr(1) + p("two.jsonl") + std::string(extra));
     ASSERT_EQ(r.status, 0) << r.output;

@@ -83,15 +83,15 @@ TEST(MegatronFlags, EverySharedFlagHasMegatronsDefault) {
       const std::string action = table[name]["action"], def = table[name]["default"];
       const bool megatron_switch = action == "_StoreTrueAction" || action == "_StoreFalseAction";
       const bool our_switch = ours.kind == "switch" || ours.kind == "unsupported-switch";
-      EXPECT_EQ(megatron_switch, our_switch) << command << " " << name << ": Megatron " << action << ", moecore "
-                                             << ours.kind;
+      EXPECT_EQ(megatron_switch, our_switch)
+          << command << " " << name << ": Megatron " << action << ", moecore " << ours.kind;
       if (megatron_switch) continue;
       if (ours.kind == "unsupported-value") {
         // Not given, the feature is off as in Megatron; given, only Megatron's default value may pass (scripts
         // say --tensor-model-parallel-size 1). Where Megatron's default is None any accepted value is a choice.
         if (def != "None") {
-          EXPECT_TRUE(same_default(def, ours.def)) << command << " " << name << ": accepts '" << ours.def
-                                                   << "', Megatron's default is " << def;
+          EXPECT_TRUE(same_default(def, ours.def))
+              << command << " " << name << ": accepts '" << ours.def << "', Megatron's default is " << def;
         }
         continue;
       }
@@ -177,7 +177,8 @@ std::vector<MegatronExample> megatron_examples() {
        "--num-experts 4 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
        "--moe-grouped-gemm --moe-token-dispatcher-type alltoall "
        "--split 90,8,2 "
-       "--micro-batch-size 1 --global-batch-size 4 --lr 1e-4 --train-iters 2 --lr-decay-iters 2 --lr-decay-style cosine "
+       "--micro-batch-size 1 --global-batch-size 4 --lr 1e-4 --train-iters 2 --lr-decay-iters 2 --lr-decay-style "
+       "cosine "
        "--min-lr 1.0e-5 --weight-decay 0.1 --lr-warmup-iters 1 --clip-grad 1.0 --bf16 "
        "--tensor-model-parallel-size 1 --expert-model-parallel-size 1 --use-distributed-optimizer "
        "--log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --no-load-optim --no-load-rng",
@@ -200,7 +201,8 @@ std::vector<MegatronExample> megatron_examples() {
        "--moe-router-score-function sigmoid --moe-router-bias-update-rate 1e-3 --moe-router-enable-expert-bias "
        "--moe-router-topk 4 --moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-pre-softmax "
        "--moe-router-topk-scaling-factor 2.5 --moe-shared-expert-intermediate-size 16 --moe-aux-loss-coeff 1e-4 "
-       "--moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall --moe-token-drop-policy probs "
+       "--moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall --moe-token-drop-policy "
+       "probs "
        "--seq-length 32 --max-position-embeddings 64 --make-vocab-size-divisible-by 1280 --use-mcore-models "
        "--rotary-base 10000 --rotary-percent 1.0 --mscale 1.0 --global-batch-size 2 --lr 1e-4 --train-iters 2",
        {"--multi-latent-attention", "--kv-lora-rank 16", "--v-head-dim 16", "--q-lora-rank 24", "--qk-head-dim 16",
@@ -222,8 +224,8 @@ TEST(MegatronFlags, MegatronsMoeExamplesRunOrRefuseByName) {
   const CmdResult pre = run_cmd("preprocess --input " + (dir / "corpus.jsonl").string() + " --output-prefix " +
                                 (dir / "c").string() + " --tokenizer-type ByteLevel --append-eod --workers 1");
   ASSERT_EQ(pre.status, 0) << pre.output;
-  const std::string data = " --data-path " + (dir / "c_text_document").string() +
-                           " --tokenizer-type ByteLevel --generate-tokens 0 ";
+  const std::string data =
+      " --data-path " + (dir / "c_text_document").string() + " --tokenizer-type ByteLevel --generate-tokens 0 ";
   for (const MegatronExample& ex : megatron_examples()) {
     const std::string ckpt = (dir / ex.name).string();
     const CmdResult ok = run_cmd("train" + data + ex.flags + " --save " + ckpt + " --load " + ckpt);
@@ -237,7 +239,8 @@ TEST(MegatronFlags, MegatronsMoeExamplesRunOrRefuseByName) {
       EXPECT_NE(r.output.find(name + (f.find(' ') == std::string::npos ? "" : f.substr(f.find(' '))) +
                               " is not supported yet"),
                 std::string::npos)
-          << ex.name << " " << f << "\n" << r.output;
+          << ex.name << " " << f << "\n"
+          << r.output;
     }
   }
   fs::remove_all(dir);

@@ -61,14 +61,14 @@ TEST(DType, Bf16RoundsToNearestEven) {
 TEST(DType, Fp16KnownValues) {
   EXPECT_EQ(float_to_f16(1.0f).bits, 0x3c00);
   EXPECT_EQ(float_to_f16(-2.0f).bits, 0xc000);
-  EXPECT_EQ(float_to_f16(65504.0f).bits, 0x7bff);               // max finite
-  EXPECT_EQ(float_to_f16(65519.0f).bits, 0x7bff);               // below the midpoint to 2^16
-  EXPECT_EQ(float_to_f16(65520.0f).bits, 0x7c00);               // the midpoint rounds (to even) to infinity
-  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -24)).bits, 0x0001);  // smallest subnormal
-  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -25)).bits, 0x0000);  // half of it: tie to even (0)
-  EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -26)).bits, 0x0001);  // 0.75 of it rounds up
-  EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -25)).bits, 0x0002);  // 1.5 of it: tie to even (2)
-  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -14)).bits, 0x0400);  // smallest normal
+  EXPECT_EQ(float_to_f16(65504.0f).bits, 0x7bff);                      // max finite
+  EXPECT_EQ(float_to_f16(65519.0f).bits, 0x7bff);                      // below the midpoint to 2^16
+  EXPECT_EQ(float_to_f16(65520.0f).bits, 0x7c00);                      // the midpoint rounds (to even) to infinity
+  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -24)).bits, 0x0001);         // smallest subnormal
+  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -25)).bits, 0x0000);         // half of it: tie to even (0)
+  EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -26)).bits, 0x0001);         // 0.75 of it rounds up
+  EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -25)).bits, 0x0002);         // 1.5 of it: tie to even (2)
+  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -14)).bits, 0x0400);         // smallest normal
   EXPECT_EQ(float_to_f16(1.0f + std::ldexp(1.0f, -11)).bits, 0x3c00);  // tie to even
   EXPECT_EQ(float_to_f16(-kInf).bits, 0xfc00);
   EXPECT_TRUE(std::isnan(f16_to_float(float_to_f16(kNaN))));
@@ -256,8 +256,7 @@ TEST(Rng, PhiloxKnownAnswers) {
   // Random123's kat_vectors for philox4x32 with 10 rounds.
   using A4 = std::array<uint32_t, 4>;
   EXPECT_EQ(philox4x32_10({0, 0, 0, 0}, {0, 0}), (A4{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
-  EXPECT_EQ(philox4x32_10({~0u, ~0u, ~0u, ~0u}, {~0u, ~0u}),
-            (A4{0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}));
+  EXPECT_EQ(philox4x32_10({~0u, ~0u, ~0u, ~0u}, {~0u, ~0u}), (A4{0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}));
   EXPECT_EQ(philox4x32_10({0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344}, {0xa4093822, 0x299f31d0}),
             (A4{0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}));
   for (uint32_t i = 0; i < 64; ++i) {
@@ -291,8 +290,7 @@ TEST(Rng, FillIsLayoutIndependent) {
   for (int i = 0; i < 300; ++i) ASSERT_EQ(part.data<float>()[i], full.data<float>()[413 + i]) << i;
   Tensor part16 = Tensor::empty(Shape{300}, DType::bf16, MemCategory::other);
   rng_fill_normal(part16, 42, "layer.0.w", 0.5f, 2.0f, 413);
-  for (int i = 0; i < 300; ++i)
-    ASSERT_EQ(part16.data<bf16>()[i].bits, float_to_bf16(full.data<float>()[413 + i]).bits);
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(part16.data<bf16>()[i].bits, float_to_bf16(full.data<float>()[413 + i]).bits);
 
   Tensor u = Tensor::empty(Shape{1000}, DType::f32, MemCategory::other);
   rng_fill_uniform(u, 42, "u", -1.0f, 3.0f);

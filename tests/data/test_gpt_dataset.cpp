@@ -82,11 +82,11 @@ TEST(NumpyRandomState, ShuffleMatchesNumpy) {
   std::vector<int32_t> b(100);  // the same RandomState, continued
   std::iota(b.begin(), b.end(), 0);
   rs.shuffle(std::span<int32_t>(b));
-  const std::vector<int32_t> want_b = {
-      93, 72, 82, 64, 63, 55, 39, 32, 24, 68, 40, 42, 97, 27, 91, 88, 83, 96, 33, 94, 48, 54, 51, 17, 57,
-      1,  59, 29, 78, 35, 81, 9,  20, 23, 74, 25, 52, 4,  70, 10, 53, 15, 5,  79, 36, 7,  84, 66, 86, 85,
-      90, 21, 18, 49, 89, 77, 95, 61, 22, 62, 6,  44, 56, 8,  41, 16, 45, 31, 87, 13, 28, 46, 60, 71, 14,
-      65, 12, 19, 2,  3,  75, 0,  11, 67, 38, 34, 37, 76, 50, 47, 73, 80, 69, 92, 58, 99, 98, 43, 30, 26};
+  const std::vector<int32_t> want_b = {93, 72, 82, 64, 63, 55, 39, 32, 24, 68, 40, 42, 97, 27, 91, 88, 83, 96, 33, 94,
+                                       48, 54, 51, 17, 57, 1,  59, 29, 78, 35, 81, 9,  20, 23, 74, 25, 52, 4,  70, 10,
+                                       53, 15, 5,  79, 36, 7,  84, 66, 86, 85, 90, 21, 18, 49, 89, 77, 95, 61, 22, 62,
+                                       6,  44, 56, 8,  41, 16, 45, 31, 87, 13, 28, 46, 60, 71, 14, 65, 12, 19, 2,  3,
+                                       75, 0,  11, 67, 38, 34, 37, 76, 50, 47, 73, 80, 69, 92, 58, 99, 98, 43, 30, 26};
   EXPECT_EQ(b, want_b);
   NumpyRandomState r0(0);
   std::vector<uint32_t> c(37);
@@ -143,8 +143,7 @@ TEST(GptSplit, ParseAndBookends) {
   EXPECT_EQ(split_parse("train 0.5 / valid .5"), (std::array<double, 3>{0.5, 0.5, 0.0}));
   const SplitBookends m = split_matrix(split_parse("1"));
   EXPECT_TRUE(m[0] && !m[1] && !m[2]);
-  for (const char* bad : {"", "abc", "1,2,3,4", "1..2,3", "0,0,0"})
-    EXPECT_THROW(split_parse(bad), Error) << bad;
+  for (const char* bad : {"", "abc", "1,2,3,4", "1..2,3", "0,0,0"}) EXPECT_THROW(split_parse(bad), Error) << bad;
   for (const auto& c : golden()["split_cases"]) {
     const SplitRanges r = split_ranges(split_matrix(split_parse(c["split"])), c["n"]);
     for (int i = 0; i < 3; ++i) {
@@ -175,8 +174,8 @@ struct GoldenData {
   std::map<std::string, std::string> prefixes;
   GoldenData() {
     for (const auto& [name, d] : golden()["datasets"].items()) {
-      prefixes[name] = write_dataset(dir / name, d["sizes"].get<std::vector<int32_t>>(),
-                                     d["tokens"].get<std::vector<int32_t>>());
+      prefixes[name] =
+          write_dataset(dir / name, d["sizes"].get<std::vector<int32_t>>(), d["tokens"].get<std::vector<int32_t>>());
     }
   }
 };
@@ -192,8 +191,8 @@ TEST(GptDataset, MatchesMegatronReference) {
     const Split split = c["split"] == "valid" ? Split::valid : Split::train;
     std::optional<int64_t> n;
     if (!c["num_samples"].is_null()) n = c["num_samples"].get<int64_t>();
-    GptDataset ds(std::make_shared<IndexedDataset>(data.prefixes.at(c["dataset"])), split, c["begin"],
-                  c["end"], n, cfg);
+    GptDataset ds(std::make_shared<IndexedDataset>(data.prefixes.at(c["dataset"])), split, c["begin"], c["end"], n,
+                  cfg);
     const GptIndices& g = ds.indices();
     EXPECT_EQ(g.num_epochs, c["num_epochs"].get<int>()) << name;
     EXPECT_EQ(g.separate_final_epoch, c["separate_final_epoch"].get<bool>()) << name;
@@ -237,8 +236,7 @@ TEST(GptDataset, SamplesTileTheTokensOfEachEpoch) {
   GptDatasetConfig cfg;
   cfg.seq_length = 16;
   // One epoch; two epochs mixed (n = 5); two epochs with a separate final epoch (n = 4).
-  for (std::optional<int64_t> n :
-       {std::optional<int64_t>{}, std::optional<int64_t>{5}, std::optional<int64_t>{4}}) {
+  for (std::optional<int64_t> n : {std::optional<int64_t>{}, std::optional<int64_t>{5}, std::optional<int64_t>{4}}) {
     GptDataset ds(std::make_shared<IndexedDataset>(p), Split::train, 0, 8, n, cfg);
     const GptIndices& g = ds.indices();
     EXPECT_EQ(g.num_epochs, n ? 2 : 1);
@@ -336,8 +334,7 @@ TEST(GptDataSource, MatchesMegatronBuilder) {
       if (!got) continue;
       EXPECT_EQ(got->weights(), want["weights"].get<std::vector<double>>()) << what;
       EXPECT_EQ(got->indices().dataset_index, want["dataset_index"].get<std::vector<int16_t>>()) << what;
-      EXPECT_EQ(got->indices().dataset_sample_index, want["dataset_sample_index"].get<std::vector<int64_t>>())
-          << what;
+      EXPECT_EQ(got->indices().dataset_sample_index, want["dataset_sample_index"].get<std::vector<int64_t>>()) << what;
       expect_samples(*got, want["samples"], what);
     }
     EXPECT_FALSE(src.summary().empty());
@@ -360,8 +357,8 @@ TEST(GptDataSource, SinglePrefixAndOversampling) {
 
   GptDatasetConfig dc;
   dc.seq_length = 16;
-  auto a = std::make_shared<const GptDataset>(std::make_shared<IndexedDataset>(data.prefixes.at("A")),
-                                              Split::test, 35, 37, std::nullopt, dc);
+  auto a = std::make_shared<const GptDataset>(std::make_shared<IndexedDataset>(data.prefixes.at("A")), Split::test, 35,
+                                              37, std::nullopt, dc);
   std::vector<std::shared_ptr<const GptSampleSource>> parts{a, a};
   EXPECT_THROW(BlendedGptDataset(parts, {0.5, 0.5}, static_cast<int64_t>(4 * a->size())), Error);
   EXPECT_EQ(BlendedGptDataset(parts, {0.5, 0.5}, static_cast<int64_t>(2 * a->size())).size(), 2 * a->size());

@@ -329,8 +329,7 @@ TEST(Preprocess, ErrorsNameTheInput) {
   write_bytes(input, "{\"text\": \"ok\"\n");
   const std::string broken = error_of([&] { preprocess_run(byte_level(input, dir / "o", 1), nullptr); });
   EXPECT_NE(broken.find("not valid JSON"), std::string::npos) << broken;
-  const std::string absent =
-      error_of([&] { preprocess_run(byte_level(dir / "none.jsonl", dir / "o", 1), nullptr); });
+  const std::string absent = error_of([&] { preprocess_run(byte_level(dir / "none.jsonl", dir / "o", 1), nullptr); });
   EXPECT_NE(absent.find("none.jsonl"), std::string::npos) << absent;
   auto zero = byte_level(input, dir / "o", 0);
   EXPECT_THROW(preprocess_run(zero, nullptr), Error);

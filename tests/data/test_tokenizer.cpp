@@ -35,8 +35,8 @@ std::string gpt2_dir() {
 
 // Loaded once per process: parsing the 50k-entry vocab is the slow part of these tests.
 const Tokenizer& gpt2() {
-  static const auto t = make_tokenizer(
-      {"GPT2BPETokenizer", gpt2_dir() + "/gpt2-vocab.json", gpt2_dir() + "/gpt2-merges.txt", ""});
+  static const auto t =
+      make_tokenizer({"GPT2BPETokenizer", gpt2_dir() + "/gpt2-vocab.json", gpt2_dir() + "/gpt2-merges.txt", ""});
   return *t;
 }
 const Tokenizer& hf() {
@@ -58,12 +58,11 @@ class TempDirCleanup : public ::testing::Environment {
  public:
   void TearDown() override {
     std::error_code ec;
-    std::filesystem::remove_all(
-        std::filesystem::temp_directory_path() / ("moecore_tok_" + std::to_string(getpid())), ec);
+    std::filesystem::remove_all(std::filesystem::temp_directory_path() / ("moecore_tok_" + std::to_string(getpid())),
+                                ec);
   }
 };
-[[maybe_unused]] ::testing::Environment* const kCleanup =
-    ::testing::AddGlobalTestEnvironment(new TempDirCleanup);
+[[maybe_unused]] ::testing::Environment* const kCleanup = ::testing::AddGlobalTestEnvironment(new TempDirCleanup);
 
 std::string write_file(const std::string& name, const std::string& content) {
   const std::string path = temp_dir() + "/" + name;
@@ -78,8 +77,7 @@ void expect_error(F&& f, std::initializer_list<std::string> parts) {
     f();
     ADD_FAILURE() << "no Error thrown";
   } catch (const Error& e) {
-    for (const std::string& p : parts)
-      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+    for (const std::string& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
   }
 }
 
@@ -129,17 +127,14 @@ TEST(Gpt2Bpe, EdgeCasesMatchHuggingFaceReference) {
   REQUIRE_SHARED_DATA();
   const std::vector<std::pair<std::string, Ids>> cases = {
       {"Hello   world", {15496, 220, 220, 995}},
-      {"line1\n\nline2\r\n\tindented  \n",
-       {1370, 16, 198, 198, 1370, 17, 201, 198, 197, 521, 4714, 220, 220, 198}},
+      {"line1\n\nline2\r\n\tindented  \n", {1370, 16, 198, 198, 1370, 17, 201, 198, 197, 521, 4714, 220, 220, 198}},
       {"I'm here, you're there; it's John's. We've, they'll, he'd",
-       {40,  1101, 994, 11,   345, 821, 612,  26, 340, 338, 1757,
-        338, 13,   775, 1053, 11,  484, 1183, 11, 339, 1549}},
+       {40, 1101, 994, 11, 345, 821, 612, 26, 340, 338, 1757, 338, 13, 775, 1053, 11, 484, 1183, 11, 339, 1549}},
       {"'S 'RE 'Ll uppercase", {6, 50, 705, 2200, 705, 43, 75, 334, 39921, 589}},
       {"café naïve résumé Zürich", {66, 1878, 2634, 41492, 40560, 16345, 2634, 1168, 9116, 7527}},
       {"cafe\xcc\x81", {66, 8635, 136, 223}},  // decomposed é: no normalization in GPT-2
       {"数字123 and ١٢٣ and x² 1234567",
-       {46763, 108, 27764, 245, 10163, 290, 18923, 94, 149, 95, 149, 96, 290, 2124, 31185, 17031, 2231,
-        3134}},
+       {46763, 108, 27764, 245, 10163, 290, 18923, 94, 149, 95, 149, 96, 290, 2124, 31185, 17031, 2231, 3134}},
       {"emoji 😀👍🏽 family 👨‍👩‍👧 flag 🇫🇷",
        {368,   31370, 30325, 222, 41840, 235, 8582, 237,   121, 1641, 50169, 101, 447, 235,
         41840, 102,   447,   235, 41840, 100, 6056, 12520, 229, 104,  8582,  229, 115}},
@@ -170,8 +165,7 @@ TEST(Gpt2Bpe, ArbitraryBytesRoundTrip) {
   REQUIRE_SHARED_DATA();
   std::string all;
   for (int b = 0; b < 256; ++b) all.push_back(static_cast<char>(b));
-  const std::string bad =
-      std::string("ok \xff\xfe tail \xc3( \xed\xa0\x80 ") + all;  // invalid UTF-8 throughout
+  const std::string bad = std::string("ok \xff\xfe tail \xc3( \xed\xa0\x80 ") + all;  // invalid UTF-8 throughout
   for (const Tokenizer* t : {&gpt2(), &hf()}) {
     EXPECT_EQ(t->decode(t->encode(bad)), bad);
     EXPECT_EQ(t->decode(t->encode(std::string(5000, 'a'))), std::string(5000, 'a'));  // long uncached word
@@ -188,8 +182,8 @@ TEST(Gpt2Bpe, DecodeRejectsUnknownIds) {
 TEST(Gpt2Bpe, ConcurrentEncodeMatchesSerial) {
   REQUIRE_SHARED_DATA();
   const std::string text = tinyshakespeare(40000);
-  const auto fresh = make_tokenizer(
-      {"GPT2BPETokenizer", gpt2_dir() + "/gpt2-vocab.json", gpt2_dir() + "/gpt2-merges.txt", ""});
+  const auto fresh =
+      make_tokenizer({"GPT2BPETokenizer", gpt2_dir() + "/gpt2-vocab.json", gpt2_dir() + "/gpt2-merges.txt", ""});
   const Ids expect = gpt2().encode(text);
   std::vector<Ids> got(8);
   std::vector<std::thread> threads;
@@ -219,14 +213,14 @@ std::vector<std::string> pieces(detail::Pattern p, std::string_view text) {
 TEST(PreTokenizer, MatchesRegexEngine) {
   const std::string s = "Hello  world's 'RE 12345!!\n\n  (x)\tgo  \r\n";
   EXPECT_EQ(pieces(detail::Pattern::gpt2, s),
-            (std::vector<std::string>{"Hello", " ", " world", "'s", " '", "RE", " 12345", "!!", "\n\n ", " (",
-                                      "x", ")", "\t", "go", "  \r\n"}));
+            (std::vector<std::string>{"Hello", " ", " world", "'s", " '", "RE", " 12345", "!!", "\n\n ", " (", "x", ")",
+                                      "\t", "go", "  \r\n"}));
   EXPECT_EQ(pieces(detail::Pattern::llama3, s),
-            (std::vector<std::string>{"Hello", " ", " world", "'s", " '", "RE", " ", "123", "45", "!!\n\n",
-                                      " ", " (", "x", ")", "\tgo", "  \r\n"}));
+            (std::vector<std::string>{"Hello", " ", " world", "'s", " '", "RE", " ", "123", "45", "!!\n\n", " ", " (",
+                                      "x", ")", "\tgo", "  \r\n"}));
   EXPECT_EQ(pieces(detail::Pattern::qwen2, s),
-            (std::vector<std::string>{"Hello", " ", " world", "'s", " '", "RE", " ", "1", "2", "3", "4", "5",
-                                      "!!\n\n", " ", " (", "x", ")", "\tgo", "  \r\n"}));
+            (std::vector<std::string>{"Hello", " ", " world", "'s", " '", "RE", " ", "1", "2", "3", "4", "5", "!!\n\n",
+                                      " ", " (", "x", ")", "\tgo", "  \r\n"}));
   // Case-insensitive contractions only in the Llama-3/Qwen regex; "don" + "'T" vs "don" + "'" + "T".
   EXPECT_EQ(pieces(detail::Pattern::llama3, "DON'T"), (std::vector<std::string>{"DON", "'T"}));
   EXPECT_EQ(pieces(detail::Pattern::gpt2, "DON'T"), (std::vector<std::string>{"DON", "'", "T"}));
@@ -324,8 +318,7 @@ TEST(HuggingFace, ConfigBesideTheFileSetsEodAndPad) {
   std::filesystem::copy_file(gpt2_dir() + "/gpt2-tokenizer.json", temp_dir() + "/hfdir/tokenizer.json",
                              std::filesystem::copy_options::overwrite_existing);
   write_file("hfdir/tokenizer_config.json", R"({"eos_token": {"content": "!"}, "pad_token": "\""})");
-  const auto t =
-      make_tokenizer({"HuggingFaceTokenizer", "", "", temp_dir() + "/hfdir"});  // a folder works too
+  const auto t = make_tokenizer({"HuggingFaceTokenizer", "", "", temp_dir() + "/hfdir"});  // a folder works too
   EXPECT_EQ(t->eod(), 0);
   EXPECT_EQ(t->pad(), 1);
 }
@@ -376,16 +369,8 @@ TEST(Errors, NameTheTypeAndFile) {
         make_tokenizer({"HuggingFaceTokenizer", "", "", wordpiece});
       },
       {wordpiece, "model type", "WordPiece"});
-  expect_error(
-      [&] {
-        make_tokenizer({"HuggingFaceTokenizer", "", "", temp_dir() + "/none.json"});
-      },
-      {"none.json"});
-  expect_error(
-      [&] {
-        make_tokenizer({"SentencePieceTokenizer", "", "", temp_dir() + "/none.model"});
-      },
-      {"none.model"});
+  expect_error([&] { make_tokenizer({"HuggingFaceTokenizer", "", "", temp_dir() + "/none.json"}); }, {"none.json"});
+  expect_error([&] { make_tokenizer({"SentencePieceTokenizer", "", "", temp_dir() + "/none.model"}); }, {"none.model"});
   expect_error([&] { make_tokenizer({"SentencePieceTokenizer", "", "", ""}); }, {"--tokenizer-model"});
 }
 
@@ -422,8 +407,7 @@ TEST(SentencePiece, Llama2TokenizerIsTheLibraryPlusBos) {
   const auto t = make_tokenizer({"Llama2Tokenizer", "", "", model});
   EXPECT_EQ(t->vocab_size(), sp.GetPieceSize());
   EXPECT_EQ(t->eod(), sp.eos_id());
-  for (const std::string text :
-       {"The lazy fox.", "  two  spaces\nand a newline", "emoji 😀 unseen ☃", "12345"}) {
+  for (const std::string text : {"The lazy fox.", "  two  spaces\nand a newline", "emoji 😀 unseen ☃", "12345"}) {
     std::vector<int> ref;
     ASSERT_TRUE(sp.Encode(text, &ref).ok());
     Ids expect{sp.bos_id()};

@@ -24,9 +24,9 @@ class Checkpoint : public ::testing::Test {
  protected:
   void SetUp() override {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    root_ = (fs::temp_directory_path() /
-             ("moecore_ckpt_" + std::string(info->name()) + "_" + std::to_string(::getpid())))
-                .string();
+    root_ =
+        (fs::temp_directory_path() / ("moecore_ckpt_" + std::string(info->name()) + "_" + std::to_string(::getpid())))
+            .string();
     fs::remove_all(root_);
   }
   void TearDown() override { fs::remove_all(root_); }

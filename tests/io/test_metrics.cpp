@@ -83,8 +83,7 @@ TEST(TensorBoard, FileVersionRecordMatchesTheTestVector) {
 }
 
 TEST(TensorBoard, ScalarRecordMatchesTheTestVector) {
-  const std::string rec =
-      io::tfrecord_frame(io::tensorboard_encode_scalar_event(1700000000.5, 10, {{"loss", 2.5f}}));
+  const std::string rec = io::tfrecord_frame(io::tensorboard_encode_scalar_event(1700000000.5, 10, {{"loss", 2.5f}}));
   EXPECT_EQ(rec, from_hex("1a00000000000000129bd82d"
                           "0900002040fc54d941100a2a0d0a0b0a046c6f73731500002040"
                           "3f2e8cb4"));
@@ -205,8 +204,7 @@ DecodedEvent decode_event(const std::string& data) {
 std::vector<std::string> event_files(const std::string& dir) {
   std::vector<std::string> out;
   for (const auto& de : fs::directory_iterator(dir))
-    if (de.path().filename().string().rfind("events.out.tfevents.", 0) == 0)
-      out.push_back(de.path().string());
+    if (de.path().filename().string().rfind("events.out.tfevents.", 0) == 0) out.push_back(de.path().string());
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -320,8 +318,7 @@ TEST(JsonlMetrics, OneObjectPerLineAppendedAndReadBack) {
   }
   {
     io::JsonlMetricsWriter w(path);  // a resumed run appends
-    w.write(
-        {{"iteration", int64_t{3}}, {"lm loss", 1e-300}, {"note", std::string("quote \" and \n newline")}});
+    w.write({{"iteration", int64_t{3}}, {"lm loss", 1e-300}, {"note", std::string("quote \" and \n newline")}});
   }
   std::ifstream f(path);
   std::vector<nlohmann::json> lines;

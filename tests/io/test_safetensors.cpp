@@ -12,7 +12,8 @@ namespace {
 
 std::string from_hex(const std::string& hex) {
   std::string out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  for (size_t i = 0; i + 1 < hex.size(); i += 2)
+    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
   return out;
 }
 
@@ -79,8 +80,9 @@ TEST(Safetensors, RejectsMalformedFiles) {
   expect_rejected(good.substr(0, good.size() - 1), "truncated");
   expect_rejected(good + "x", "trailing");
   std::string dup = good;
-  const std::string hdr = "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
-                          "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}";
+  const std::string hdr =
+      "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+      "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}";
   std::string n(8, '\0');
   const uint64_t len = hdr.size();
   std::memcpy(n.data(), &len, 8);

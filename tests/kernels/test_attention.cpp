@@ -51,9 +51,7 @@ Reference reference(const Tensor& qkv_t, const Tensor* dout_t, const QkvDims& d,
   auto q_at = [&](int64_t b, int64_t s, int64_t h) {
     return (b * d.S + s) * W + ((h / d.R) * (d.R + 2) + h % d.R) * d.D;
   };
-  auto k_at = [&](int64_t b, int64_t s, int64_t g) {
-    return (b * d.S + s) * W + (g * (d.R + 2) + d.R) * d.D;
-  };
+  auto k_at = [&](int64_t b, int64_t s, int64_t g) { return (b * d.S + s) * W + (g * (d.R + 2) + d.R) * d.D; };
   Reference ref{std::vector<double>(d.B * d.S * OW), std::vector<double>(d.B * H * d.S),
                 std::vector<double>(dout_t ? d.B * d.S * W : 0)};
   std::vector<double> p(d.S), dp(d.S), keep(d.S, 1.0);

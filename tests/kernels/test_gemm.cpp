@@ -53,9 +53,9 @@ TEST(Gemm, RowStridedViews) {
     Tensor wide_c = Tensor::zeros({16, 50}, DType::f32);
     Tensor c = wide_c.slice(1, 3, 27);
     ops::gemm(c, a, false, b, true, 1.0f, 0.0f, {});
-    EXPECT_LE(testing::tolerance_ratio(c.clone(), reference(a.clone(), false, b.clone(), true, 1, 0, c.clone()), 1e-4,
-                                       1e-4),
-              1.0);
+    EXPECT_LE(
+        testing::tolerance_ratio(c.clone(), reference(a.clone(), false, b.clone(), true, 1, 0, c.clone()), 1e-4, 1e-4),
+        1.0);
     EXPECT_EQ(wide_c.data<float>()[0], 0.0f);  // columns outside the view are untouched
   }
 }
@@ -67,8 +67,8 @@ TEST(Gemm, BatchedMatchesPerBatch) {
     ops::gemm_batched(c, a, false, b, true, 1.0f, 0.0f, {});
     for (int g = 0; g < 3; ++g) {
       Tensor cg = Tensor::zeros({8, 10}, DType::f32);
-      EXPECT_TENSOR_NEAR(c.select(0, g).clone(), reference(a.select(0, g), false, b.select(0, g), true, 1, 0, cg),
-                         1e-4, 1e-4);
+      EXPECT_TENSOR_NEAR(c.select(0, g).clone(), reference(a.select(0, g), false, b.select(0, g), true, 1, 0, cg), 1e-4,
+                         1e-4);
     }
   }
 }

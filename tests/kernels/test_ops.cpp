@@ -53,8 +53,7 @@ void expect_error(const std::function<void()>& fn, std::initializer_list<std::st
     fn();
     ADD_FAILURE() << "no error thrown; expected one mentioning " << *needles.begin();
   } catch (const Error& e) {
-    for (const std::string& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+    for (const std::string& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
   }
 }
 
@@ -140,17 +139,9 @@ TEST(Embedding, OutOfRangeIdThrows) {
         ops::embedding_forward(out, ids_tensor({0, 5}), table, kCpu);
       },
       {"embedding_forward", "5", "V = 5"});
-  expect_error(
-      [&] {
-        ops::embedding_forward(out, ids_tensor({-1, 0}), table, kCpu);
-      },
-      {"embedding_forward", "-1"});
+  expect_error([&] { ops::embedding_forward(out, ids_tensor({-1, 0}), table, kCpu); }, {"embedding_forward", "-1"});
   Tensor dtable = zeros(Shape{5, 3});
-  expect_error(
-      [&] {
-        ops::embedding_backward(dtable, ids_tensor({7, 0}), out, kCpu);
-      },
-      {"embedding_backward", "7"});
+  expect_error([&] { ops::embedding_backward(dtable, ids_tensor({7, 0}), out, kCpu); }, {"embedding_backward", "7"});
 }
 
 // ---- norms ---------------------------------------------------------------------------------------
@@ -200,8 +191,7 @@ TEST(RmsNorm, AccumulationRules) {
   // GCC may contract the += into an FMA, so allow rounding at the scale of the summands.
   for (size_t i = 0; i < d.size(); ++i)
     ASSERT_NEAR(after[i], before[i] + d[i], 1e-6 * (std::fabs(before[i]) + std::fabs(d[i])));
-  for (int h = 0; h < H; ++h)
-    EXPECT_EQ(dw.data<float>()[h], 2.0f * dw_once.data<float>()[h]);  // s + s is exact
+  for (int h = 0; h < H; ++h) EXPECT_EQ(dw.data<float>()[h], 2.0f * dw_once.data<float>()[h]);  // s + s is exact
 
   // A bf16 dy gives what its f32 image gives, up to FMA contraction differing between the two builds.
   Tensor dy16 = dy.to(DType::bf16), dx16 = empty(Shape{N, H}), dx32 = empty(Shape{N, H});
@@ -432,8 +422,7 @@ TEST(Elementwise, AddEveryDtypeMix) {
         const auto av = to_vector(a), bv = to_vector(b);
         std::vector<float> sum(av.size());
         for (size_t i = 0; i < av.size(); ++i) sum[i] = av[i] + bv[i];
-        EXPECT_TRUE(bitwise_equal(out, from(s, sum).to(to)))
-            << dtype_name(to) << dtype_name(ta) << dtype_name(tb);
+        EXPECT_TRUE(bitwise_equal(out, from(s, sum).to(to))) << dtype_name(to) << dtype_name(ta) << dtype_name(tb);
       }
   Tensor a = a32.clone();  // out aliasing an input
   ops::add(a, a, b32, kCpu);
@@ -549,8 +538,7 @@ void expect_thread_independent(const char* what, const std::function<std::vector
   omp_set_num_threads(2);
   const auto two = fn();
   omp_set_num_threads(saved);
-  for (size_t i = 0; i < one.size(); ++i)
-    EXPECT_TRUE(bitwise_equal(one[i], two[i])) << what << " output " << i;
+  for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(bitwise_equal(one[i], two[i])) << what << " output " << i;
 }
 
 TEST(Determinism, ResultsDoNotDependOnThreadCount) {
@@ -601,11 +589,9 @@ TEST(Errors, BadShapesNameTheOp) {
   Tensor x = randn(Shape{4, 8}, "x"), w = randn(Shape{8}, "w"), w9 = randn(Shape{9}, "w9");
   Tensor y = empty(Shape{4, 8}), r = empty(Shape{4}), y7 = empty(Shape{4, 7}), ids = ids_tensor({0, 1, 2, 3});
   expect_error([&] { ops::rmsnorm_forward(y, r, x, w9, 1e-5f, kCpu); }, {"rmsnorm_forward", "w", "[9] f32"});
-  expect_error([&] { ops::rmsnorm_backward(y7, w, x, x, w, r, false, kCpu); },
-               {"rmsnorm_backward", "[4, 7]"});
+  expect_error([&] { ops::rmsnorm_backward(y7, w, x, x, w, r, false, kCpu); }, {"rmsnorm_backward", "[4, 7]"});
   expect_error([&] { ops::layernorm_forward(y, r, r, x, w, w9, 1e-5f, kCpu); }, {"layernorm_forward", "b"});
-  expect_error([&] { ops::layernorm_backward(y, w, w9, x, x, w, r, r, false, kCpu); },
-               {"layernorm_backward"});
+  expect_error([&] { ops::layernorm_backward(y, w, w9, x, x, w, r, r, false, kCpu); }, {"layernorm_backward"});
   expect_error([&] { ops::embedding_forward(y7, ids, x, kCpu); }, {"embedding_forward", "[4, 7]"});
   expect_error([&] { ops::embedding_backward(x, ids, y7, kCpu); }, {"embedding_backward"});
   expect_error([&] { ops::swiglu_forward(y, x, kCpu); }, {"swiglu_forward", "gate_up"});
@@ -613,8 +599,7 @@ TEST(Errors, BadShapesNameTheOp) {
   expect_error([&] { ops::gelu_forward(y7, x, kCpu); }, {"gelu_forward"});
   expect_error([&] { ops::gelu_backward(y, y7, x, kCpu); }, {"gelu_backward"});
   expect_error([&] { ops::add(y, x, y7, kCpu); }, {"add", "[4, 7] f32"});
-  expect_error([&] { ops::softmax_cross_entropy(w, x, ids, 1.0f, true, kCpu); },
-               {"softmax_cross_entropy", "loss"});
+  expect_error([&] { ops::softmax_cross_entropy(w, x, ids, 1.0f, true, kCpu); }, {"softmax_cross_entropy", "loss"});
   expect_error([&] { ops::adamw_step(x, y7, y, y, ops::AdamWParams{}, kCpu); }, {"adamw_step", "grad"});
   Tensor xi = empty(Shape{4, 8}, DType::i32);
   expect_error([&] { ops::scale(xi, 2.0f, kCpu); }, {"scale", "i32"});

@@ -209,8 +209,7 @@ TEST_F(Mpi, GatheredStateEqualsPlainMomentsAndLoadsIntoFreshInstance) {
     ASSERT_EQ(m.size(), h.ref_.size());
     ASSERT_EQ(v.size(), h.ref_.size());
     for (size_t i = 0; i < m.size(); ++i) {
-      EXPECT_EQ(bitwise_diff(m[i], h.plain_.exp_avg()[i]), "")
-          << dtype_name(state) << " exp_avg " << h.ref_[i].name;
+      EXPECT_EQ(bitwise_diff(m[i], h.plain_.exp_avg()[i]), "") << dtype_name(state) << " exp_avg " << h.ref_[i].name;
       EXPECT_EQ(bitwise_diff(v[i], h.plain_.exp_avg_sq()[i]), "")
           << dtype_name(state) << " exp_avg_sq " << h.ref_[i].name;
     }
@@ -230,8 +229,7 @@ TEST_F(Mpi, GatheredStateEqualsPlainMomentsAndLoadsIntoFreshInstance) {
     opt.step(1e-2f, optim::clip_scale_for(norm, cfg.clip_grad));
     h.plain_.step(1e-2f, norm);
     for (size_t i = 0; i < fresh.size(); ++i)
-      EXPECT_EQ(bitwise_diff(fresh[i].value, h.ref_[i].value), "")
-          << dtype_name(state) << " " << fresh[i].name;
+      EXPECT_EQ(bitwise_diff(fresh[i].value, h.ref_[i].value), "") << dtype_name(state) << " " << fresh[i].name;
   }
 }
 
@@ -248,8 +246,7 @@ TEST_F(Mpi, FirstNonfiniteGradNamesTheParam) {
     const std::string name = h.opt_->first_nonfinite_grad();
     // The element lives in exactly one rank's shard; an all-reduced flag lets every rank agree to skip.
     EXPECT_EQ(sum_over_ranks(name.empty() ? 0 : 1), 1);
-    EXPECT_EQ(sum_over_ranks(name == h.dist_[bad].name ? 1 : 0), 1)
-        << "rank " << me << " named '" << name << "'";
+    EXPECT_EQ(sum_over_ranks(name == h.dist_[bad].name ? 1 : 0), 1) << "rank " << me << " named '" << name << "'";
   }
 }
 
@@ -287,8 +284,7 @@ TEST_F(Mpi, StateBytesAreAboutOneOverP) {
     std::vector<Param> ref = make_params(specs), dist = make_params(specs);
     const int64_t before = memory_stats().current[static_cast<int>(MemCategory::optimizer_state)];
     AdamW plain(ref, cfg);
-    const int64_t plain_bytes =
-        memory_stats().current[static_cast<int>(MemCategory::optimizer_state)] - before;
+    const int64_t plain_bytes = memory_stats().current[static_cast<int>(MemCategory::optimizer_state)] - before;
     int64_t numel = 0;
     for (const Param& p : ref) numel += p.value.numel();
     EXPECT_EQ(plain_bytes, numel * plain.state_bytes_per_param());
@@ -304,8 +300,9 @@ TEST_F(Mpi, StateBytesAreAboutOneOverP) {
   }
 }
 
-
 }  // namespace
 }  // namespace moecore
 
-int main(int argc, char** argv) { return moecore::testing_mpi::run_mpi_tests(argc, argv, 30); }
+int main(int argc, char** argv) {
+  return moecore::testing_mpi::run_mpi_tests(argc, argv, 30);
+}

@@ -11,11 +11,11 @@
 #include "model/synthetic_training.h"
 #include "mpi_test_support.h"
 
+#include <unistd.h>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <unistd.h>
 
 #include "moecore/core/error.h"
 #include "moecore/core/rng.h"
@@ -99,7 +99,9 @@ Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int
   return r;
 }
 
-double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-30); }
+double rel(double a, double b) {
+  return std::fabs(a - b) / std::max(std::fabs(b), 1e-30);
+}
 
 void expect_grads_match(const Result& got, const Result& ref) {
   for (const auto& [name, g] : got.grads) {
@@ -142,7 +144,9 @@ void check_layout(const ProcessGroup& world, int ep_size, moe::DispatcherKind ki
   EXPECT_LE(rel(got.valid, ref.valid), 1e-5) << "validation loss " << got.valid << " vs " << ref.valid;
 }
 
-TEST_F(Mpi, DataParallelMatchesOneProcess) { check_layout(world, 1, moe::DispatcherKind::alltoall, false); }
+TEST_F(Mpi, DataParallelMatchesOneProcess) {
+  check_layout(world, 1, moe::DispatcherKind::alltoall, false);
+}
 TEST_F(Mpi, ExpertParallelAllToAllMatchesOneProcess) {
   check_layout(world, P, moe::DispatcherKind::alltoall, false);
 }
@@ -233,8 +237,7 @@ TEST_F(Mpi, DistributedOptimizerMatchesOneProcess) {
     const Result got = run(world, ep, kind, 20, true, true, "", "", 0, /*zero=*/true);
     ASSERT_EQ(got.loss.size(), 20u);
     EXPECT_LE(rel(got.grad_norm[0], ref.grad_norm[0]), 1e-6) << "EP " << ep;
-    for (size_t i = 0; i < 20; ++i)
-      EXPECT_LE(rel(got.loss[i], ref.loss[i]), 1e-5) << "EP " << ep << " step " << i + 1;
+    for (size_t i = 0; i < 20; ++i) EXPECT_LE(rel(got.loss[i], ref.loss[i]), 1e-5) << "EP " << ep << " step " << i + 1;
   }
   const std::string dir = shared_dir(world, "zero");
   run(world, P, kind, 20, true, true, dir, "", 10, /*zero=*/true);
@@ -251,4 +254,6 @@ TEST_F(Mpi, DistributedOptimizerMatchesOneProcess) {
 }  // namespace
 }  // namespace moecore
 
-int main(int argc, char** argv) { return moecore::testing_mpi::run_mpi_tests(argc, argv, 60); }
+int main(int argc, char** argv) {
+  return moecore::testing_mpi::run_mpi_tests(argc, argv, 60);
+}

@@ -137,7 +137,7 @@ TEST(CheckpointFlags, NoLoadOptimKeepsWeightsAndProgressWithAFreshOptimizer) {
     EXPECT_FLOAT_EQ(resumed.log.lr[0], train::lr_at(t, 0));
     EXPECT_FLOAT_EQ(resumed.log.lr[1], train::lr_at(t, 1));
     EXPECT_EQ(resumed.optimizer_steps, zero ? 0 : 4);  // ZeRO keeps its steps in its shards
-    EXPECT_NE(resumed.hash, straight.hash);  // fresh moments: a different update
+    EXPECT_NE(resumed.hash, straight.hash);            // fresh moments: a different update
   }
   fs::remove_all(dir);
 }
@@ -293,7 +293,8 @@ TEST(CheckpointFlags, SchedulerMismatchFailsNamingTheFieldUnlessOverridden) {
   t.lr = 4e-3f;
   std::string e = resume_error(t);
   EXPECT_NE(e.find("OptimizerParamScheduler: class input value 0.004 and checkpoint value 0.005 for learning rate"),
-            std::string::npos) << e;
+            std::string::npos)
+      << e;
   EXPECT_NE(e.find("--lr"), std::string::npos) << e;
   EXPECT_NE(e.find("--override-opt_param-scheduler"), std::string::npos) << e;
   EXPECT_NE(e.find("--use-checkpoint-opt_param-scheduler"), std::string::npos) << e;

@@ -136,8 +136,7 @@ TEST(DistributedAdamW, SingleRankMatchesAdamWBitwise) {
       const double norm = std::sqrt(again.shard_grad_sq());
       again.step(1e-2f, optim::clip_scale_for(norm, cfg.clip_grad));
       plain.step(1e-2f, norm);
-      for (size_t i = 0; i < ref.size(); ++i)
-        EXPECT_TRUE(same_bits(fresh[i].value, ref[i].value)) << ref[i].name;
+      for (size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(same_bits(fresh[i].value, ref[i].value)) << ref[i].name;
     }
   }
 }

@@ -5,10 +5,10 @@
 #include <cstring>
 #include <filesystem>
 
+#include "model/shakespeare_run.h"
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
 #include "moecore/train/trainer.h"
-#include "model/shakespeare_run.h"
 #include "test_util.h"
 
 namespace moecore {
@@ -51,20 +51,20 @@ TEST(GptModel, BackwardTwiceDoublesParameterGradients) {
 
 TEST(GptModel, MemoryPlanEqualsTrackedAllocations) {
   for (DType dt : {DType::f32, DType::bf16})
-  for (auto norm : {model::Normalization::rmsnorm, model::Normalization::layernorm}) {
-    model::ModelConfig c = tiny_config();
-    c.compute_dtype = dt;
-    c.normalization = norm;
-    const MemoryStats before = memory_stats();
-    model::GptModel m(c, 2, 5);
-    optim::AdamW opt(m.params(), optim::AdamWConfig{});
-    const MemoryStats after = memory_stats();
-    const model::MemoryPlan plan = m.memory_plan(opt.state_bytes_per_param());
-    for (int k = 0; k < kNumMemCategories; ++k) {
-      EXPECT_EQ(after.current[k] - before.current[k], plan.bytes[k])
-          << mem_category_name(static_cast<MemCategory>(k)) << " " << dtype_name(dt);
+    for (auto norm : {model::Normalization::rmsnorm, model::Normalization::layernorm}) {
+      model::ModelConfig c = tiny_config();
+      c.compute_dtype = dt;
+      c.normalization = norm;
+      const MemoryStats before = memory_stats();
+      model::GptModel m(c, 2, 5);
+      optim::AdamW opt(m.params(), optim::AdamWConfig{});
+      const MemoryStats after = memory_stats();
+      const model::MemoryPlan plan = m.memory_plan(opt.state_bytes_per_param());
+      for (int k = 0; k < kNumMemCategories; ++k) {
+        EXPECT_EQ(after.current[k] - before.current[k], plan.bytes[k])
+            << mem_category_name(static_cast<MemCategory>(k)) << " " << dtype_name(dt);
+      }
     }
-  }
 }
 
 TEST(GptModel, InitialisationDependsOnlyOnSeedAndName) {

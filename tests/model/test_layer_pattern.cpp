@@ -24,7 +24,9 @@ void test_expect_error(const std::function<void()>& fn, std::initializer_list<st
   }
 }
 
-std::vector<bool> parse(const std::string& e, int64_t L) { return model::parse_layer_pattern(e, L, "--moe-layer-freq"); }
+std::vector<bool> parse(const std::string& e, int64_t L) {
+  return model::parse_layer_pattern(e, L, "--moe-layer-freq");
+}
 
 TEST(LayerPattern, IntegerEveryNthLayerFromZero) {
   EXPECT_EQ(parse("1", 3), bits({1, 1, 1}));
@@ -50,8 +52,8 @@ TEST(LayerPattern, WrongLengthNamesBothLengths) {
 }
 
 TEST(LayerPattern, JunkIsRefusedWithoutEvaluation) {
-  for (const char* junk : {"import os", "[0]*3+", "[2]", "[0,1", "(([1])", "__import__('os')", "[1]*x", "0",
-                           "-1", "[1]**2", "[1]*3)", ""}) {
+  for (const char* junk : {"import os", "[0]*3+", "[2]", "[0,1", "(([1])", "__import__('os')", "[1]*x", "0", "-1",
+                           "[1]**2", "[1]*3)", ""}) {
     test_expect_error([&] { parse(junk, 3); }, {"--moe-layer-freq"});
   }
 }

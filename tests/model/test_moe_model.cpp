@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cmath>
 
+#include "model/shakespeare_run.h"
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
 #include "moecore/train/trainer.h"
-#include "model/shakespeare_run.h"
 #include "test_util.h"
 
 namespace moecore {
@@ -29,7 +29,8 @@ model::ModelConfig tiny_moe() {
 
 Tensor ids(int64_t n, const char* name, int64_t V) {
   Tensor t = Tensor::empty({2, n / 2}, DType::i32);
-  for (int64_t i = 0; i < n; ++i) t.data<int32_t>()[i] = static_cast<int32_t>(philox_uniform(philox_key(9, name), i) * V);
+  for (int64_t i = 0; i < n; ++i)
+    t.data<int32_t>()[i] = static_cast<int32_t>(philox_uniform(philox_key(9, name), i) * V);
   return t;
 }
 
@@ -148,9 +149,10 @@ TEST(MoeModel, EndToEndGradientMatchesFiniteDifferences) {
   m.zero_grad();
   objective();
   std::vector<std::pair<std::string, Tensor>> grads;
-  for (const char* name : {"decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.1.mlp.router.weight",
-                           "decoder.layers.1.mlp.experts.linear_fc1.weight", "decoder.layers.2.mlp.experts.linear_fc2.weight",
-                           "decoder.layers.2.mlp.shared_experts.gate_weight", "embedding.word_embeddings.weight"})
+  for (const char* name :
+       {"decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.1.mlp.router.weight",
+        "decoder.layers.1.mlp.experts.linear_fc1.weight", "decoder.layers.2.mlp.experts.linear_fc2.weight",
+        "decoder.layers.2.mlp.shared_experts.gate_weight", "embedding.word_embeddings.weight"})
     grads.emplace_back(name, m.param(name).grad.clone());
   for (auto& [name, g] : grads) {
     Param& p = m.param(name);

@@ -57,7 +57,8 @@ RunResult run(train::TrainConfig t, const fs::path& save = {}, const fs::path& l
 }
 
 fs::path fresh_dir(const char* name) {
-  const fs::path p = fs::temp_directory_path() / (std::string("moecore_train_") + name + "_" + std::to_string(::getpid()));
+  const fs::path p =
+      fs::temp_directory_path() / (std::string("moecore_train_") + name + "_" + std::to_string(::getpid()));
   fs::remove_all(p);
   return p;
 }

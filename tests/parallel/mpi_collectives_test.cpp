@@ -81,8 +81,7 @@ void check_all_reduce(const ProcessGroup& world, int64_t n) {
     std::vector<T> every(static_cast<size_t>(n * p));
     all_gather(every, buf, world);
     for (int r = 0; r < p; ++r)
-      ASSERT_EQ(std::memcmp(every.data() + r * n, buf.data(), sizeof(T) * buf.size()), 0)
-          << "rank " << r << " differs";
+      ASSERT_EQ(std::memcmp(every.data() + r * n, buf.data(), sizeof(T) * buf.size()), 0) << "rank " << r << " differs";
   }
 }
 
@@ -102,8 +101,7 @@ TEST_F(Mpi, AllReduceIsRankOrderedAndBitwiseIdentical) {
   // The check has teeth: with 3+ ranks another order rounds differently somewhere.
   if (P >= 3) {
     int differ = 0;
-    for (int64_t i = 0; i < 4099; ++i)
-      differ += rank_ordered_sum<float>(P, i) != rank_ordered_sum<float>(P, i, true);
+    for (int64_t i = 0; i < 4099; ++i) differ += rank_ordered_sum<float>(P, i) != rank_ordered_sum<float>(P, i, true);
     EXPECT_GT(differ, 0);
   }
 }
@@ -160,8 +158,7 @@ TEST_F(Mpi, AllToAllVWithSilentRanks) {
   std::vector<int64_t> ones(static_cast<size_t>(P), 1);
   all_to_all_v(tout, ones, tin, ones, world);
   for (int j = 0; j < P; ++j)
-    for (int h = 0; h < 4; ++h)
-      EXPECT_EQ(bf16_to_float(tout.data<bf16>()[j * 4 + h]), static_cast<float>(j * 8 + h));
+    for (int h = 0; h < 4; ++h) EXPECT_EQ(bf16_to_float(tout.data<bf16>()[j * 4 + h]), static_cast<float>(j * 8 + h));
 }
 
 TEST_F(Mpi, BroadcastFromEveryRoot) {
@@ -208,8 +205,8 @@ TEST_F(Mpi, BadLayoutFailsOnEveryRankBeforeAnyCollective) {
   } catch (const Error& e) {
     msg = e.what();
   }
-  EXPECT_HAS(msg, "num_experts (" + std::to_string(P + 1) +
-                      ") must be divisible by expert_model_parallel_size (" + std::to_string(P) + ")");
+  EXPECT_HAS(msg, "num_experts (" + std::to_string(P + 1) + ") must be divisible by expert_model_parallel_size (" +
+                      std::to_string(P) + ")");
   c.expert_model_parallel_size = 1;
   c.tensor_model_parallel_size = P + 1;
   msg.clear();
@@ -272,8 +269,8 @@ TEST_F(Mpi, TimeoutNamesOpGroupAndRank) {
     const std::string msg = error_of([&] { all_reduce_sum(buf, g); });
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     comm_set_options(saved);
-    EXPECT_HAS(msg, "comm: all_reduce_sum on group tmo timed out after 1 s on rank " +
-                        std::to_string(g.rank()) + " (world rank " + std::to_string(me) + ")");
+    EXPECT_HAS(msg, "comm: all_reduce_sum on group tmo timed out after 1 s on rank " + std::to_string(g.rank()) +
+                        " (world rank " + std::to_string(me) + ")");
     EXPECT_GE(waited, 1.0);
     EXPECT_LT(waited, 30.0);  // it did not hang (the bound is loose on purpose: no timing assertions)
     EXPECT_HAS(error_of([&] { barrier(g); }), "unusable after an earlier failure");
@@ -282,8 +279,9 @@ TEST_F(Mpi, TimeoutNamesOpGroupAndRank) {
   barrier(world);
 }
 
-
 }  // namespace
 }  // namespace moecore
 
-int main(int argc, char** argv) { return moecore::testing_mpi::run_mpi_tests(argc, argv, 30); }
+int main(int argc, char** argv) {
+  return moecore::testing_mpi::run_mpi_tests(argc, argv, 30);
+}

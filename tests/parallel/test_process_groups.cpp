@@ -59,18 +59,15 @@ TEST(RankLayout, FoldingExample1) {
   EXPECT_EQ(l.sizes.dp, 2);
   EXPECT_EQ(l.sizes.edp, 2);
   EXPECT_EQ(G(l, GroupKind::tp), seq_groups(8, 2, 1, 2));
-  EXPECT_EQ(G(l, GroupKind::cp),
-            (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}, {8, 10}, {9, 11}, {12, 14}, {13, 15}}));
-  EXPECT_EQ(G(l, GroupKind::dp),
-            (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}, {8, 12}, {9, 13}, {10, 14}, {11, 15}}));
+  EXPECT_EQ(G(l, GroupKind::cp), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}, {8, 10}, {9, 11}, {12, 14}, {13, 15}}));
+  EXPECT_EQ(G(l, GroupKind::dp), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}, {8, 12}, {9, 13}, {10, 14}, {11, 15}}));
   EXPECT_EQ(G(l, GroupKind::dp_cp), (Groups{{0, 2, 4, 6}, {1, 3, 5, 7}, {8, 10, 12, 14}, {9, 11, 13, 15}}));
   EXPECT_EQ(G(l, GroupKind::tp_cp), seq_groups(4, 4, 1, 4));
   EXPECT_EQ(G(l, GroupKind::pp), seq_groups(8, 2, 8, 1));
   EXPECT_EQ(G(l, GroupKind::etp), singletons(16));
   EXPECT_EQ(G(l, GroupKind::ep), seq_groups(4, 4, 1, 4));
   EXPECT_EQ(G(l, GroupKind::etp_ep), G(l, GroupKind::ep));
-  EXPECT_EQ(G(l, GroupKind::edp),
-            (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}, {8, 12}, {9, 13}, {10, 14}, {11, 15}}));
+  EXPECT_EQ(G(l, GroupKind::edp), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}, {8, 12}, {9, 13}, {10, 14}, {11, 15}}));
   EXPECT_EQ(G(l, GroupKind::etp_ep_pp), (Groups{{0, 1, 2, 3, 8, 9, 10, 11}, {4, 5, 6, 7, 12, 13, 14, 15}}));
   // The point of folding: the EP all-to-all stays inside the attention TP×CP block.
   EXPECT_EQ(G(l, GroupKind::ep), G(l, GroupKind::tp_cp));
@@ -93,11 +90,9 @@ TEST(RankLayout, FoldingExample3) {
   const RankLayout l = rank_layout(cfg(4, 1, 2, 2, 2), 16, 4);
   EXPECT_EQ(G(l, GroupKind::tp), seq_groups(4, 4, 1, 4));
   EXPECT_EQ(G(l, GroupKind::etp), seq_groups(8, 2, 1, 2));
-  EXPECT_EQ(G(l, GroupKind::ep),
-            (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}, {8, 10}, {9, 11}, {12, 14}, {13, 15}}));
+  EXPECT_EQ(G(l, GroupKind::ep), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}, {8, 10}, {9, 11}, {12, 14}, {13, 15}}));
   EXPECT_EQ(G(l, GroupKind::etp_ep), G(l, GroupKind::tp));
-  EXPECT_EQ(G(l, GroupKind::edp),
-            (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}, {8, 12}, {9, 13}, {10, 14}, {11, 15}}));
+  EXPECT_EQ(G(l, GroupKind::edp), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}, {8, 12}, {9, 13}, {10, 14}, {11, 15}}));
   EXPECT_EQ(G(l, GroupKind::pp), seq_groups(8, 2, 8, 1));
 }
 
@@ -123,13 +118,10 @@ TEST(RankLayout, CounterExample4PipelineGroupsDiffer) {
 // size-1 dims missing from the order are appended.
 TEST(RankGenerator, TokenOrderAndAppendedDims) {
   const RankGeneratorSizes s{2, 2, 1, 2, 1};
-  EXPECT_EQ(rank_generator_groups(s, "tp-cp-ep-dp-pp", "dp-cp"),
-            rank_generator_groups(s, "tp-cp-ep-dp-pp", "cp-dp"));
+  EXPECT_EQ(rank_generator_groups(s, "tp-cp-ep-dp-pp", "dp-cp"), rank_generator_groups(s, "tp-cp-ep-dp-pp", "cp-dp"));
   EXPECT_EQ(rank_generator_groups(s, "tp-cp-dp", "dp"), rank_generator_groups(s, "tp-cp-ep-dp-pp", "dp"));
-  EXPECT_EQ(rank_generator_groups({2, 1, 1, 2, 2}, "tp-cp-ep-pp-dp", "dp"),
-            (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
-  EXPECT_EQ(rank_generator_groups({2, 1, 1, 2, 2}, "tp-cp-ep-pp-dp", "pp"),
-            (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
+  EXPECT_EQ(rank_generator_groups({2, 1, 1, 2, 2}, "tp-cp-ep-pp-dp", "dp"), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  EXPECT_EQ(rank_generator_groups({2, 1, 1, 2, 2}, "tp-cp-ep-pp-dp", "pp"), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
 }
 
 // Every layout of every world up to 32 ranks: partitions, sizes, coordinates and the folding invariants.
@@ -162,13 +154,11 @@ TEST(RankLayout, InvariantsOverAllSmallWorlds) {
               for (auto [kind, size] : expect) {
                 std::vector<int> seen(static_cast<size_t>(world), 0);
                 for (const auto& grp : G(l, kind)) {
-                  ASSERT_EQ(static_cast<int>(grp.size()), size)
-                      << group_kind_name(kind) << " world " << world;
+                  ASSERT_EQ(static_cast<int>(grp.size()), size) << group_kind_name(kind) << " world " << world;
                   for (int r : grp) ++seen[static_cast<size_t>(r)];
                 }
                 ASSERT_TRUE(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }))
-                    << group_kind_name(kind) << ": a rank is in zero or several groups (world " << world
-                    << ")";
+                    << group_kind_name(kind) << ": a rank is in zero or several groups (world " << world << ")";
               }
               // Folding: both layouts cover the same ranks per pipeline stage, and share the pp groups.
               const auto moe_stage = rank_generator_groups({etp, 1, ep, s.edp, pp}, s.order, "tp-ep-dp");
@@ -198,8 +188,7 @@ TEST(ParallelConfig, ErrorsNameTheValues) {
              "num_experts (6) must be divisible by expert_model_parallel_size (4)");
   EXPECT_HAS(error_of([] { cfg(1, 1, 1, 2, 1).validate(2, 0); }),
              "expert_model_parallel_size (2) > 1 needs an MoE model");
-  EXPECT_HAS(error_of([] { cfg(0, 1, 1, 1, 1).validate(2, 0); }),
-             "tensor_model_parallel_size (0) must be >= 1");
+  EXPECT_HAS(error_of([] { cfg(0, 1, 1, 1, 1).validate(2, 0); }), "tensor_model_parallel_size (0) must be >= 1");
   EXPECT_HAS(error_of([] { cfg(1, 1, 1, 1, -1).validate(2, 0); }), "expert_tensor_parallel_size (-1)");
   EXPECT_HAS(error_of([] { cfg(1, 1, 1, 1, 1).validate(0, 0); }), "world_size (0) must be >= 1");
   ParallelConfig c = cfg(1, 1, 2, 2, 1);

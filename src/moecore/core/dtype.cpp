@@ -44,36 +44,58 @@ float decode_magnitude(uint32_t code) {
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: case DType::i32: return 4;
-    case DType::bf16: case DType::f16: return 2;
-    case DType::f8e4m3: case DType::f8e5m2: case DType::boolean: return 1;
-    case DType::i64: case DType::f64: return 8;
+    case DType::f32:
+    case DType::i32:
+      return 4;
+    case DType::bf16:
+    case DType::f16:
+      return 2;
+    case DType::f8e4m3:
+    case DType::f8e5m2:
+    case DType::boolean:
+      return 1;
+    case DType::i64:
+    case DType::f64:
+      return 8;
   }
   return 0;
 }
 
 std::string_view dtype_name(DType t) {
   switch (t) {
-    case DType::f32: return "f32";
-    case DType::bf16: return "bf16";
-    case DType::f16: return "f16";
-    case DType::f8e4m3: return "f8e4m3";
-    case DType::f8e5m2: return "f8e5m2";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
-    case DType::boolean: return "bool";
-    case DType::f64: return "f64";
+    case DType::f32:
+      return "f32";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "f16";
+    case DType::f8e4m3:
+      return "f8e4m3";
+    case DType::f8e5m2:
+      return "f8e5m2";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
+    case DType::boolean:
+      return "bool";
+    case DType::f64:
+      return "f64";
   }
   return "?";
 }
 
-bool dtype_is_float(DType t) { return t <= DType::f8e5m2 || t == DType::f64; }
+bool dtype_is_float(DType t) {
+  return t <= DType::f8e5m2 || t == DType::f64;
+}
 
 float f16_to_float(f16 h) {
   const uint32_t s = h.bits >> 15, mag = h.bits & 0x7fff;
   float v;
-  if ((mag >> 10) == 0x1f) v = (mag & 0x3ff) ? NAN : INFINITY;
-  else v = decode_magnitude<5, 10, 15>(mag);
+  if ((mag >> 10) == 0x1f)
+    v = (mag & 0x3ff) ? NAN : INFINITY;
+  else
+    v = decode_magnitude<5, 10, 15>(mag);
   return s ? -v : v;
 }
 
@@ -105,9 +127,12 @@ f8e4m3 float_to_f8e4m3(float f) {
 float f8e5m2_to_float(f8e5m2 v) {
   const uint32_t mag = v.bits & 0x7f;
   float x;
-  if (mag == 0x7c) x = INFINITY;
-  else if (mag > 0x7c) return NAN;
-  else x = decode_magnitude<5, 2, 15>(mag);
+  if (mag == 0x7c)
+    x = INFINITY;
+  else if (mag > 0x7c)
+    return NAN;
+  else
+    x = decode_magnitude<5, 2, 15>(mag);
   return (v.bits & 0x80) ? -x : x;
 }
 
@@ -124,30 +149,57 @@ f8e5m2 float_to_f8e5m2(float f) {
 namespace {
 double load_as_double(const void* p, DType t, size_t i) {
   switch (t) {
-    case DType::f64: return static_cast<const double*>(p)[i];
-    case DType::f32: return static_cast<const float*>(p)[i];
-    case DType::bf16: return bf16_to_float(static_cast<const bf16*>(p)[i]);
-    case DType::f16: return f16_to_float(static_cast<const f16*>(p)[i]);
-    case DType::f8e4m3: return f8e4m3_to_float(static_cast<const f8e4m3*>(p)[i]);
-    case DType::f8e5m2: return f8e5m2_to_float(static_cast<const f8e5m2*>(p)[i]);
-    case DType::i32: return static_cast<const int32_t*>(p)[i];
-    case DType::i64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
-    case DType::boolean: return static_cast<const bool*>(p)[i] ? 1.0 : 0.0;
+    case DType::f64:
+      return static_cast<const double*>(p)[i];
+    case DType::f32:
+      return static_cast<const float*>(p)[i];
+    case DType::bf16:
+      return bf16_to_float(static_cast<const bf16*>(p)[i]);
+    case DType::f16:
+      return f16_to_float(static_cast<const f16*>(p)[i]);
+    case DType::f8e4m3:
+      return f8e4m3_to_float(static_cast<const f8e4m3*>(p)[i]);
+    case DType::f8e5m2:
+      return f8e5m2_to_float(static_cast<const f8e5m2*>(p)[i]);
+    case DType::i32:
+      return static_cast<const int32_t*>(p)[i];
+    case DType::i64:
+      return static_cast<double>(static_cast<const int64_t*>(p)[i]);
+    case DType::boolean:
+      return static_cast<const bool*>(p)[i] ? 1.0 : 0.0;
   }
   return 0.0;
 }
 void store_double(void* p, DType t, size_t i, double d) {
   const float v = static_cast<float>(d);
   switch (t) {
-    case DType::f64: static_cast<double*>(p)[i] = d; break;
-    case DType::f32: static_cast<float*>(p)[i] = v; break;
-    case DType::bf16: static_cast<bf16*>(p)[i] = float_to_bf16(v); break;
-    case DType::f16: static_cast<f16*>(p)[i] = float_to_f16(v); break;
-    case DType::f8e4m3: static_cast<f8e4m3*>(p)[i] = float_to_f8e4m3(v); break;
-    case DType::f8e5m2: static_cast<f8e5m2*>(p)[i] = float_to_f8e5m2(v); break;
-    case DType::i32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(d); break;
-    case DType::i64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(d); break;
-    case DType::boolean: static_cast<bool*>(p)[i] = d != 0.0; break;
+    case DType::f64:
+      static_cast<double*>(p)[i] = d;
+      break;
+    case DType::f32:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case DType::bf16:
+      static_cast<bf16*>(p)[i] = float_to_bf16(v);
+      break;
+    case DType::f16:
+      static_cast<f16*>(p)[i] = float_to_f16(v);
+      break;
+    case DType::f8e4m3:
+      static_cast<f8e4m3*>(p)[i] = float_to_f8e4m3(v);
+      break;
+    case DType::f8e5m2:
+      static_cast<f8e5m2*>(p)[i] = float_to_f8e5m2(v);
+      break;
+    case DType::i32:
+      static_cast<int32_t*>(p)[i] = static_cast<int32_t>(d);
+      break;
+    case DType::i64:
+      static_cast<int64_t*>(p)[i] = static_cast<int64_t>(d);
+      break;
+    case DType::boolean:
+      static_cast<bool*>(p)[i] = d != 0.0;
+      break;
   }
 }
 }  // namespace
@@ -175,11 +227,13 @@ void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t 
   const bool ints = !dtype_is_float(dst_type) && !dtype_is_float(src_type) && dst_type != DType::boolean;
   for (size_t i = 0; i < n; ++i) {
     if (ints) {
-      const int64_t v = src_type == DType::i32 ? static_cast<const int32_t*>(src)[i]
+      const int64_t v = src_type == DType::i32   ? static_cast<const int32_t*>(src)[i]
                         : src_type == DType::i64 ? static_cast<const int64_t*>(src)[i]
                                                  : static_cast<const bool*>(src)[i];
-      if (dst_type == DType::i32) static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v);
-      else static_cast<int64_t*>(dst)[i] = v;
+      if (dst_type == DType::i32)
+        static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v);
+      else
+        static_cast<int64_t*>(dst)[i] = v;
     } else {
       store_double(dst, dst_type, i, load_as_double(src, src_type, i));
     }

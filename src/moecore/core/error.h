@@ -28,9 +28,9 @@ std::string str_cat(Args&&... args) {
 }  // namespace moecore
 
 // MOECORE_CHECK(cond, "op: ", value, ...) throws moecore::Error("file:line: check `cond` failed: op: value").
-#define MOECORE_CHECK(cond, ...)                                                             \
-  do {                                                                                       \
-    if (!(cond)) [[unlikely]]                                                                \
+#define MOECORE_CHECK(cond, ...)                                                                          \
+  do {                                                                                                    \
+    if (!(cond)) [[unlikely]]                                                                             \
       ::moecore::detail::throw_check(__FILE__, __LINE__, #cond, ::moecore::detail::str_cat(__VA_ARGS__)); \
   } while (0)
 

@@ -66,14 +66,22 @@ void memory_reset_peaks() {
 std::string memory_format_bytes(int64_t bytes) {
   char buf[32];
   const double b = static_cast<double>(bytes);
-  if (b >= 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
-  else if (b >= 1024.0 * 1024) std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1024.0 * 1024));
-  else if (b >= 1024.0) std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
-  else std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
+  if (b >= 1024.0 * 1024 * 1024)
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
+  else if (b >= 1024.0 * 1024)
+    std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1024.0 * 1024));
+  else if (b >= 1024.0)
+    std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  else
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
   return buf;
 }
 
-int64_t memory_resident_bytes() { return read_status_kib("VmRSS"); }
-int64_t memory_resident_peak_bytes() { return read_status_kib("VmHWM"); }
+int64_t memory_resident_bytes() {
+  return read_status_kib("VmRSS");
+}
+int64_t memory_resident_peak_bytes() {
+  return read_status_kib("VmHWM");
+}
 
 }  // namespace moecore

@@ -16,8 +16,8 @@ const char* mem_category_name(MemCategory c);
 struct MemoryStats {
   std::array<int64_t, kNumMemCategories> current{};  // bytes live now, by category
   std::array<int64_t, kNumMemCategories> peak{};     // highest value of current[c] so far
-  int64_t total_current = 0;                          // sum over categories
-  int64_t total_peak = 0;                             // highest total_current so far
+  int64_t total_current = 0;                         // sum over categories
+  int64_t total_peak = 0;                            // highest total_current so far
 };
 
 MemoryStats memory_stats();

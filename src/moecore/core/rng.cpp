@@ -61,10 +61,11 @@ float philox_uniform(PhiloxKey key, uint64_t index) {
   return std::min(static_cast<float>((static_cast<double>(r[index % 4]) + 0.5) * 0x1p-32), 0x1.fffffep-1f);
 }
 
-float philox_normal(PhiloxKey key, uint64_t index) { return normals_of_block(key, index / 4)[index % 4]; }
+float philox_normal(PhiloxKey key, uint64_t index) {
+  return normals_of_block(key, index / 4)[index % 4];
+}
 
-void rng_fill_normal(Tensor& t, uint64_t seed, std::string_view name, float mean, float std,
-                     uint64_t first_index) {
+void rng_fill_normal(Tensor& t, uint64_t seed, std::string_view name, float mean, float std, uint64_t first_index) {
   MOECORE_CHECK(t.is_contiguous() && t.device() == Device::cpu && dtype_is_float(t.dtype()),
                 "rng_fill_normal: needs a contiguous float CPU tensor, got ", t.str());
   const PhiloxKey key = philox_key(seed, name);

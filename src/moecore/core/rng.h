@@ -23,9 +23,7 @@ float philox_normal(PhiloxKey key, uint64_t index);
 
 // Fills a contiguous float tensor holding global elements [first_index, first_index + numel) of the
 // named stream with N(mean, std^2), or U(lo, hi). Threaded; the result does not depend on threads.
-void rng_fill_normal(Tensor& t, uint64_t seed, std::string_view name, float mean, float std,
-                     uint64_t first_index = 0);
-void rng_fill_uniform(Tensor& t, uint64_t seed, std::string_view name, float lo, float hi,
-                      uint64_t first_index = 0);
+void rng_fill_normal(Tensor& t, uint64_t seed, std::string_view name, float mean, float std, uint64_t first_index = 0);
+void rng_fill_uniform(Tensor& t, uint64_t seed, std::string_view name, float lo, float hi, uint64_t first_index = 0);
 
 }  // namespace moecore

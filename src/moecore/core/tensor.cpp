@@ -49,8 +49,10 @@ Storage::Storage(int64_t nbytes, Device dev, MemCategory cat) : bytes(nbytes), d
 
 Storage::~Storage() {
   memory_record_free(category, bytes);
-  if (device == Device::cpu) std::free(data);
-  else device_free(data);
+  if (device == Device::cpu)
+    std::free(data);
+  else
+    device_free(data);
 }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, MemCategory category, Device device) {
@@ -170,8 +172,7 @@ void Tensor::copy_from(const Tensor& src) {
   MOECORE_CHECK(src.shape() == shape_, "tensor.copy_from: shape ", src.str(), " into ", str());
   if (device() != Device::cpu || src.device() != Device::cpu) {
     MOECORE_CHECK(is_contiguous() && src.is_contiguous() && dtype_ == src.dtype_,
-                  "tensor.copy_from: device copies need contiguous tensors of one dtype: ", src.str(), " into ",
-                  str());
+                  "tensor.copy_from: device copies need contiguous tensors of one dtype: ", src.str(), " into ", str());
     device_copy(raw(), device() == Device::cuda, src.raw(), src.device() == Device::cuda, nbytes());
     return;
   }
@@ -204,7 +205,9 @@ void Tensor::copy_from(const Tensor& src) {
                   [&](int64_t k, int64_t off) { convert(d + off * des, dtype_, s + k * ses, c.dtype_, 1); });
 }
 
-Tensor Tensor::clone(MemCategory category) const { return to(dtype_, category); }
+Tensor Tensor::clone(MemCategory category) const {
+  return to(dtype_, category);
+}
 
 Tensor Tensor::to(DType dtype, MemCategory category) const {
   Tensor t = empty(shape_, dtype, category, device());
@@ -220,6 +223,8 @@ Tensor Tensor::to(DType dtype, MemCategory category) const {
   return t;
 }
 
-std::string Tensor::str() const { return shape_.str() + " " + std::string(dtype_name(dtype_)); }
+std::string Tensor::str() const {
+  return shape_.str() + " " + std::string(dtype_name(dtype_));
+}
 
 }  // namespace moecore

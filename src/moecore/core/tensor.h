@@ -70,14 +70,14 @@ class Tensor {
     return static_cast<T*>(raw());
   }
 
-  Tensor view(const Shape& shape) const;                        // contiguous only; same numel
-  Tensor slice(int dim, int64_t start, int64_t end) const;      // [start, end) along dim
-  Tensor select(int dim, int64_t index) const;                  // drops dim
-  Tensor flatten_to_2d() const;                                 // [prod(leading), last], contiguous only
+  Tensor view(const Shape& shape) const;                    // contiguous only; same numel
+  Tensor slice(int dim, int64_t start, int64_t end) const;  // [start, end) along dim
+  Tensor select(int dim, int64_t index) const;              // drops dim
+  Tensor flatten_to_2d() const;                             // [prod(leading), last], contiguous only
 
-  void zero_();                          // contiguous or not
-  void fill_(float value);               // float dtypes only
-  void copy_from(const Tensor& src);     // same shape; converts dtype
+  void zero_();                       // contiguous or not
+  void fill_(float value);            // float dtypes only
+  void copy_from(const Tensor& src);  // same shape; converts dtype
   Tensor clone(MemCategory category = MemCategory::other) const;
   Tensor to(DType dtype, MemCategory category = MemCategory::other) const;
 
@@ -85,7 +85,7 @@ class Tensor {
 
  private:
   void set_contiguous_shape(const Shape& shape);  // shape with row-major strides
-  int axis(int i) const {  // negative axes count from the end
+  int axis(int i) const {                         // negative axes count from the end
     const int k = i < 0 ? i + shape_.ndim : i;
     MOECORE_CHECK(k >= 0 && k < shape_.ndim, "axis ", i, " out of range for tensor ", str());
     return k;

@@ -155,8 +155,8 @@ uint64_t NumpyRandomState::random_interval(uint64_t max) {
 
 std::vector<int64_t> gpt_build_sample_index(std::span<const int32_t> sizes, int64_t first_sequence,
                                             std::span<const int32_t> document_index, int64_t seq_length,
-                                            int32_t num_epochs, int64_t tokens_per_epoch,
-                                            bool drop_last_partial, bool add_extra_token) {
+                                            int32_t num_epochs, int64_t tokens_per_epoch, bool drop_last_partial,
+                                            bool add_extra_token) {
   const int64_t x = add_extra_token ? 1 : 0;
   MOECORE_CHECK(!document_index.empty() && seq_length > 1, "build_sample_index: ", document_index.size(),
                 " documents, seq_length ", seq_length);
@@ -169,8 +169,8 @@ std::vector<int64_t> gpt_build_sample_index(std::span<const int32_t> sizes, int6
   }
   auto size_of = [&](int64_t pos) {
     const int64_t seq = document_index[static_cast<size_t>(pos)] - first_sequence;
-    MOECORE_CHECK(seq >= 0 && seq < int64_t(sizes.size()), "document_index entry ", seq + first_sequence,
-                  " outside [", first_sequence, ", ", first_sequence + int64_t(sizes.size()), ")");
+    MOECORE_CHECK(seq >= 0 && seq < int64_t(sizes.size()), "document_index entry ", seq + first_sequence, " outside [",
+                  first_sequence, ", ", first_sequence + int64_t(sizes.size()), ")");
     return int64_t(sizes[static_cast<size_t>(seq)]);
   };
   std::vector<int64_t> out(static_cast<size_t>(2 * (num_samples + 1)));
@@ -188,8 +188,7 @@ std::vector<int64_t> gpt_build_sample_index(std::span<const int32_t> sizes, int6
         remaining = 0;
       } else {
         if (di == last) {
-          MOECORE_CHECK(k == num_samples, "gpt_dataset: documents ran out at sample ", k, " of ",
-                        num_samples);
+          MOECORE_CHECK(k == num_samples, "gpt_dataset: documents ran out at sample ", k, " of ", num_samples);
           offset = size_of(di) - x;
           break;
         }
@@ -203,16 +202,13 @@ std::vector<int64_t> gpt_build_sample_index(std::span<const int32_t> sizes, int6
   return out;
 }
 
-GptIndices gpt_build_indices(std::span<const int32_t> sizes, int64_t first_sequence,
-                             std::optional<int64_t> num_samples, int64_t seq_length, uint32_t seed,
-                             bool add_extra_token, bool drop_last_partial) {
+GptIndices gpt_build_indices(std::span<const int32_t> sizes, int64_t first_sequence, std::optional<int64_t> num_samples,
+                             int64_t seq_length, uint32_t seed, bool add_extra_token, bool drop_last_partial) {
   const int64_t x = add_extra_token ? 1 : 0;
   if (seq_length <= 1) MOECORE_FAIL("gpt_dataset: seq_length (", seq_length, ") must be > 1");
-  if (num_samples && *num_samples < 0)
-    MOECORE_FAIL("gpt_dataset: num_samples (", *num_samples, ") must be >= 0");
-  MOECORE_CHECK(
-      first_sequence >= 0 && first_sequence + int64_t(sizes.size()) <= std::numeric_limits<int32_t>::max(),
-      "sequence ids must fit int32: ", first_sequence, " + ", sizes.size());
+  if (num_samples && *num_samples < 0) MOECORE_FAIL("gpt_dataset: num_samples (", *num_samples, ") must be >= 0");
+  MOECORE_CHECK(first_sequence >= 0 && first_sequence + int64_t(sizes.size()) <= std::numeric_limits<int32_t>::max(),
+                "sequence ids must fit int32: ", first_sequence, " + ", sizes.size());
   GptIndices g;
   for (int32_t s : sizes) g.tokens_per_epoch += s;
   const int64_t t = g.tokens_per_epoch;
@@ -252,8 +248,8 @@ GptIndices gpt_build_indices(std::span<const int32_t> sizes, int64_t first_seque
     append_epochs(1);
   }
 
-  g.sample_index = gpt_build_sample_index(sizes, first_sequence, g.document_index, seq_length, g.num_epochs,
-                                          t, drop_last_partial, add_extra_token);
+  g.sample_index = gpt_build_sample_index(sizes, first_sequence, g.document_index, seq_length, g.num_epochs, t,
+                                          drop_last_partial, add_extra_token);
   const int64_t total = g.num_samples();
   const int64_t first = g.separate_final_epoch ? g.num_samples_sans_final_epoch : total;
   if (!g.separate_final_epoch) g.num_samples_sans_final_epoch = total;
@@ -272,24 +268,23 @@ GptIndices gpt_build_indices(std::span<const int32_t> sizes, int64_t first_seque
 GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> data, Split split, int64_t begin, int64_t end,
                        std::optional<int64_t> num_samples, const GptDatasetConfig& config)
     : data_(std::move(data)), split_(split), num_samples_(num_samples), config_(config) {
-  MOECORE_CHECK(data_ && begin >= 0 && begin <= end && end <= data_->num_sequences(), "split range [", begin,
-                ", ", end, ")");
+  MOECORE_CHECK(data_ && begin >= 0 && begin <= end && end <= data_->num_sequences(), "split range [", begin, ", ", end,
+                ")");
   const std::vector<int32_t> sizes = data_->sequence_lengths(begin, end);
   int64_t tokens = 0;
   for (int32_t s : sizes) tokens += s;
   if (tokens <= 1) {
-    MOECORE_FAIL("gpt_dataset: the ", split_name(split), " split of '", data_->prefix(), "' (sequences [",
-                 begin, ", ", end, ") of ", data_->num_sequences(), ") holds ", tokens,
+    MOECORE_FAIL("gpt_dataset: the ", split_name(split), " split of '", data_->prefix(), "' (sequences [", begin, ", ",
+                 end, ") of ", data_->num_sequences(), ") holds ", tokens,
                  " tokens; at least 2 are needed. Change --split or use more data");
   }
   const bool drop_last = split != Split::valid || config.drop_last_partial_validation;
-  indices_ = gpt_build_indices(sizes, begin, num_samples, config.seq_length, config.seed,
-                               config.add_extra_token, drop_last);
+  indices_ =
+      gpt_build_indices(sizes, begin, num_samples, config.seq_length, config.seed, config.add_extra_token, drop_last);
 }
 
 void GptDataset::get_text(int64_t i, int32_t* text) const {
-  MOECORE_CHECK(i >= 0 && i < static_cast<int64_t>(size()), "gpt_dataset: sample ", i, " out of [0, ", size(),
-                ")");
+  MOECORE_CHECK(i >= 0 && i < static_cast<int64_t>(size()), "gpt_dataset: sample ", i, " out of [0, ", size(), ")");
   const int64_t x = config_.add_extra_token ? 1 : 0, n = config_.seq_length + x;
   const int64_t j = indices_.shuffle_index[static_cast<size_t>(i)];
   const int64_t* row = indices_.sample_index.data() + 2 * j;
@@ -299,8 +294,7 @@ void GptDataset::get_text(int64_t i, int32_t* text) const {
     const int32_t seq = indices_.document_index[static_cast<size_t>(k)];
     const int64_t off = k == b ? ob : 0;
     const int64_t len = k < e ? data_->sequence_length(seq) - off : oe + x - off;
-    MOECORE_CHECK(len >= 0 && filled + len <= n, "gpt_dataset: sample ", j, " spans ", filled + len, " > ",
-                  n);
+    MOECORE_CHECK(len >= 0 && filled + len <= n, "gpt_dataset: sample ", j, " spans ", filled + len, " > ", n);
     data_->read(seq, off, len, text + filled);
     filled += len;
   }
@@ -312,8 +306,7 @@ void GptDataset::get(int64_t i, int32_t* tokens, int32_t* labels, float* loss_ma
   thread_local std::vector<int32_t> text;
   text.resize(static_cast<size_t>(l + 1));
   get_text(i, text.data());
-  if (!config_.add_extra_token)
-    text[static_cast<size_t>(l)] = config_.pad_id;  // torch.roll then labels[-1]=pad
+  if (!config_.add_extra_token) text[static_cast<size_t>(l)] = config_.pad_id;  // torch.roll then labels[-1]=pad
   for (int64_t k = 0; k < l; ++k) {
     const int32_t tk = text[static_cast<size_t>(k)], lb = text[static_cast<size_t>(k + 1)];
     if (loss_mask) {
@@ -395,8 +388,7 @@ DataPathBlend blend_parse(std::span<const std::string> data_path) {
   } else if (parsed == 0) {
     for (const auto& p : data_path) out.prefixes.push_back(strip(p));
   } else {
-    MOECORE_FAIL("gpt_dataset: --data-path mixes weights and prefixes (", parsed, " of ",
-                 data_path.size() / 2,
+    MOECORE_FAIL("gpt_dataset: --data-path mixes weights and prefixes (", parsed, " of ", data_path.size() / 2,
                  " weight positions are numbers); use \"p1 p2 ...\" or \"w1 p1 w2 p2 ...\"");
   }
   for (double w : out.weights) {
@@ -409,12 +401,10 @@ BlendedGptDataset::BlendedGptDataset(std::vector<std::shared_ptr<const GptSample
                                      std::vector<double> weights, std::optional<int64_t> size)
     : datasets_(std::move(datasets)) {
   if (datasets_.empty() || datasets_.size() != weights.size() || datasets_.size() >= 32767) {
-    MOECORE_FAIL("blend: ", datasets_.size(), " datasets with ", weights.size(),
-                 " weights (need 1..32766, equal)");
+    MOECORE_FAIL("blend: ", datasets_.size(), " datasets with ", weights.size(), " weights (need 1..32766, equal)");
   }
   for (size_t d = 0; d < weights.size(); ++d) {
-    if (!(weights[d] > 0))
-      MOECORE_FAIL("blend: weight ", d, " is ", weights[d], "; every weight must be > 0");
+    if (!(weights[d] > 0)) MOECORE_FAIL("blend: weight ", d, " is ", weights[d], "; every weight must be > 0");
     if (datasets_[d]->seq_length() != datasets_[0]->seq_length()) {
       MOECORE_FAIL("blend: dataset ", d, " has seq_length ", datasets_[d]->seq_length(), " vs ",
                    datasets_[0]->seq_length());
@@ -451,8 +441,8 @@ void BlendedGptDataset::get(int64_t i, int32_t* tokens, int32_t* labels, float* 
 // ---------------------------------------------------------------------------------------------------
 // Data source
 
-std::array<int64_t, 3> gpt_split_num_samples(int64_t train_iters, int64_t global_batch_size,
-                                             int64_t eval_interval, int64_t eval_iters) {
+std::array<int64_t, 3> gpt_split_num_samples(int64_t train_iters, int64_t global_batch_size, int64_t eval_interval,
+                                             int64_t eval_iters) {
   MOECORE_CHECK(eval_interval > 0, "eval_interval (", eval_interval, ") must be > 0");
   return {train_iters * global_batch_size, (train_iters / eval_interval + 1) * eval_iters * global_batch_size,
           eval_iters * global_batch_size};
@@ -497,8 +487,7 @@ GptDataSource::GptDataSource(const GptDataSourceConfig& config) {
       continue;
     }
     if (weighted && !want) {
-      MOECORE_FAIL("gpt_dataset: weighted --data-path needs a sample count for the ", split_name(split),
-                   " split");
+      MOECORE_FAIL("gpt_dataset: weighted --data-path needs a sample count for the ", split_name(split), " split");
     }
     std::vector<std::shared_ptr<const GptSampleSource>> mids;
     std::vector<double> blend_weights;

@@ -64,9 +64,9 @@ struct GptDatasetConfig {
   uint32_t seed = 1234;                      // --seed; each split's RandomState starts from it
   bool add_extra_token = true;               // x = 1: a sample reads L+1 tokens (inputs and shifted labels)
   bool drop_last_partial_validation = true;  // false: the valid split keeps a padded final sample
-  int32_t pad_id = -1;         // pad token id; -1 when the tokenizer has none (formats.md §2.8)
-  int32_t eod_id = -1;         // end-of-document id, used by eod_mask_loss
-  bool eod_mask_loss = false;  // --eod-mask-loss: loss_mask = 0 where tokens == eod_id
+  int32_t pad_id = -1;                       // pad token id; -1 when the tokenizer has none (formats.md §2.8)
+  int32_t eod_id = -1;                       // end-of-document id, used by eod_mask_loss
+  bool eod_mask_loss = false;                // --eod-mask-loss: loss_mask = 0 where tokens == eod_id
 };
 
 // The three Megatron index arrays of one split (formats.md §2.5-§2.7).
@@ -83,16 +83,15 @@ struct GptIndices {
 
 // Builds the indices for exposed sequences first_sequence + [0, sizes.size()) with lengths `sizes`.
 // num_samples = nullopt means one epoch (Megatron None). Throws Error when the split holds too few tokens.
-GptIndices gpt_build_indices(std::span<const int32_t> sizes, int64_t first_sequence,
-                             std::optional<int64_t> num_samples, int64_t seq_length, uint32_t seed,
-                             bool add_extra_token, bool drop_last_partial);
+GptIndices gpt_build_indices(std::span<const int32_t> sizes, int64_t first_sequence, std::optional<int64_t> num_samples,
+                             int64_t seq_length, uint32_t seed, bool add_extra_token, bool drop_last_partial);
 
 // helpers.cpp::build_sample_idx: rows [(n + 1) * 2] over a given document_index; sizes are the lengths of
 // sequences first_sequence + [0, sizes.size()). n = (E*T - x) / L, or the float ceil when !drop_last_partial.
 std::vector<int64_t> gpt_build_sample_index(std::span<const int32_t> sizes, int64_t first_sequence,
                                             std::span<const int32_t> document_index, int64_t seq_length,
-                                            int32_t num_epochs, int64_t tokens_per_epoch,
-                                            bool drop_last_partial, bool add_extra_token);
+                                            int32_t num_epochs, int64_t tokens_per_epoch, bool drop_last_partial,
+                                            bool add_extra_token);
 
 // A source of [L] training samples: tokens, labels (tokens shifted by one) and the loss mask, with pads
 // already replaced by 0 and masked. get() is const and thread-safe.
@@ -168,15 +167,15 @@ class BlendedGptDataset : public GptSampleSource {
 
 // Megatron training.py sample counts per split (formats.md §2.2): train = train_iters * gbs,
 // valid = (train_iters / eval_interval + 1) * eval_iters * gbs, test = eval_iters * gbs.
-std::array<int64_t, 3> gpt_split_num_samples(int64_t train_iters, int64_t global_batch_size,
-                                             int64_t eval_interval, int64_t eval_iters);
+std::array<int64_t, 3> gpt_split_num_samples(int64_t train_iters, int64_t global_batch_size, int64_t eval_interval,
+                                             int64_t eval_iters);
 
 struct GptDataSourceConfig {
   std::vector<std::string> data_path;                 // --data-path words: "p1 p2 ..." or "w1 p1 w2 p2 ..."
   std::string split = kLegacySplit;                   // --split, e.g. "99990,8,2"
   std::array<std::optional<int64_t>, 3> num_samples;  // train/valid/test; nullopt = one epoch
   GptDatasetConfig dataset;                           // sequence length, seed, pad/eod handling
-  double mid_level_dataset_surplus = 0.005;  // --mid-level-dataset-surplus: extra samples built per prefix
+  double mid_level_dataset_surplus = 0.005;           // --mid-level-dataset-surplus: extra samples built per prefix
 };
 
 // BlendedMegatronDatasetBuilder for one blend shared by all splits: builds train/valid/test from the

@@ -181,8 +181,7 @@ std::string indexed_idx_serialize(TokenDType dtype, std::span<const int32_t> seq
 
 IndexedDatasetBuilder::IndexedDatasetBuilder(std::string bin_path, TokenDType dtype)
     : bin_path_(std::move(bin_path)), dtype_(dtype) {
-  if (!token_dtype_valid(static_cast<uint8_t>(dtype)))
-    MOECORE_FAIL("indexed_dataset: bad dtype ", int(dtype));
+  if (!token_dtype_valid(static_cast<uint8_t>(dtype))) MOECORE_FAIL("indexed_dataset: bad dtype ", int(dtype));
   tmp_path_ = bin_path_ + ".tmp." + std::to_string(::getpid());
   fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) {
@@ -279,14 +278,12 @@ void IndexedDatasetBuilder::add_document(std::span<const int32_t> tokens, std::s
 
 void IndexedDatasetBuilder::add_document(std::span<const int32_t> tokens) {
   const int32_t len = static_cast<int32_t>(tokens.size());
-  MOECORE_CHECK(tokens.size() <= size_t(std::numeric_limits<int32_t>::max()),
-                "document too long: ", tokens.size());
+  MOECORE_CHECK(tokens.size() <= size_t(std::numeric_limits<int32_t>::max()), "document too long: ", tokens.size());
   add_document(tokens, tokens.empty() ? std::span<const int32_t>() : std::span<const int32_t>(&len, 1));
 }
 
 void IndexedDatasetBuilder::add_item(std::span<const int32_t> tokens) {
-  MOECORE_CHECK(tokens.size() <= size_t(std::numeric_limits<int32_t>::max()),
-                "sequence too long: ", tokens.size());
+  MOECORE_CHECK(tokens.size() <= size_t(std::numeric_limits<int32_t>::max()), "sequence too long: ", tokens.size());
   write_tokens(tokens);
   sequence_lengths_.push_back(static_cast<int32_t>(tokens.size()));
 }
@@ -298,8 +295,8 @@ void IndexedDatasetBuilder::end_document() {
 void IndexedDatasetBuilder::add_index(const std::string& prefix) {
   IndexedDataset other(prefix);
   if (other.dtype() != dtype_) {
-    MOECORE_FAIL("indexed_dataset: cannot merge '", prefix, "' (dtype ", token_dtype_name(other.dtype()),
-                 ") into '", bin_path_, "' (dtype ", token_dtype_name(dtype_), ")");
+    MOECORE_FAIL("indexed_dataset: cannot merge '", prefix, "' (dtype ", token_dtype_name(other.dtype()), ") into '",
+                 bin_path_, "' (dtype ", token_dtype_name(dtype_), ")");
   }
   MOECORE_CHECK(!finalized_, "indexed_dataset: builder for '", bin_path_, "' already finalized");
   const int64_t base = num_sequences();
@@ -308,8 +305,7 @@ void IndexedDatasetBuilder::add_index(const std::string& prefix) {
     sequence_lengths_.push_back(other.sequence_length(i));
     bytes += int64_t(other.sequence_length(i)) * token_dtype_size(dtype_);
   }
-  for (int64_t d = 1; d <= other.num_documents(); ++d)
-    document_indices_.push_back(base + other.document_index(d));
+  for (int64_t d = 1; d <= other.num_documents(); ++d) document_indices_.push_back(base + other.document_index(d));
   // Only the bytes the sequences cover, so trailing bytes in the other .bin cannot shift later pointers.
   if (bytes > other.bin_size_) {
     MOECORE_FAIL("indexed_dataset: '", indexed_bin_path(prefix), "' is shorter than its index says");
@@ -320,18 +316,15 @@ void IndexedDatasetBuilder::add_index(const std::string& prefix) {
 void IndexedDatasetBuilder::finalize(const std::string& idx_path) {
   MOECORE_CHECK(!finalized_, "indexed_dataset: builder for '", bin_path_, "' already finalized");
   flush();
-  if (::fsync(fd_) != 0)
-    MOECORE_FAIL("indexed_dataset: cannot fsync '", tmp_path_, "': ", std::strerror(errno));
-  if (::close(fd_) != 0)
-    MOECORE_FAIL("indexed_dataset: cannot close '", tmp_path_, "': ", std::strerror(errno));
+  if (::fsync(fd_) != 0) MOECORE_FAIL("indexed_dataset: cannot fsync '", tmp_path_, "': ", std::strerror(errno));
+  if (::close(fd_) != 0) MOECORE_FAIL("indexed_dataset: cannot close '", tmp_path_, "': ", std::strerror(errno));
   fd_ = -1;
   // An old .idx must not outlive the .bin it described.
   if (::unlink(idx_path.c_str()) != 0 && errno != ENOENT) {
     MOECORE_FAIL("indexed_dataset: cannot remove old index '", idx_path, "': ", std::strerror(errno));
   }
   if (std::rename(tmp_path_.c_str(), bin_path_.c_str()) != 0) {
-    MOECORE_FAIL("indexed_dataset: cannot rename '", tmp_path_, "' to '", bin_path_,
-                 "': ", std::strerror(errno));
+    MOECORE_FAIL("indexed_dataset: cannot rename '", tmp_path_, "' to '", bin_path_, "': ", std::strerror(errno));
   }
   finalized_ = true;
   io::write_file_atomic(idx_path, indexed_idx_serialize(dtype_, sequence_lengths_, document_indices_));
@@ -346,15 +339,13 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
   try {
     auto fail = [&](const std::string& why) { MOECORE_FAIL("indexed_dataset: '", idx_path, "': ", why); };
     if (idx_size_ < kIdxHeaderBytes) {
-      fail(detail::str_cat("truncated index: ", idx_size_, " bytes, the header alone needs ",
-                           kIdxHeaderBytes));
+      fail(detail::str_cat("truncated index: ", idx_size_, " bytes, the header alone needs ", kIdxHeaderBytes));
     }
     if (std::memcmp(idx_, kIdxMagic, sizeof(kIdxMagic)) != 0) {
       fail("bad magic (expected \"MMIDIDX\\0\\0\"); not a Megatron indexed-dataset index");
     }
     const uint64_t version = load<uint64_t>(idx_ + 9);
-    if (version != kIdxVersion)
-      fail(detail::str_cat("unsupported version ", version, " (only version 1 is read)"));
+    if (version != kIdxVersion) fail(detail::str_cat("unsupported version ", version, " (only version 1 is read)"));
     const uint8_t code = idx_[17];
     if (!token_dtype_valid(code)) fail(detail::str_cat("unknown dtype code ", int(code), " (valid: 1..8)"));
     dtype_ = static_cast<TokenDType>(code);

@@ -95,11 +95,11 @@ class IndexedDataset {
 
   const std::string& prefix() const { return prefix_; }
   TokenDType dtype() const { return dtype_; }
-  int64_t num_sequences() const { return num_sequences_; }  // S
-  int64_t num_documents() const { return num_documents_; }  // D - 1
-  int32_t sequence_length(int64_t i) const;                 // tokens of sequence i
-  int64_t sequence_pointer(int64_t i) const;                // byte offset of sequence i in .bin
-  int64_t document_index(int64_t d) const;                  // boundary d in [0, D]
+  int64_t num_sequences() const { return num_sequences_; }                  // S
+  int64_t num_documents() const { return num_documents_; }                  // D - 1
+  int32_t sequence_length(int64_t i) const;                                 // tokens of sequence i
+  int64_t sequence_pointer(int64_t i) const;                                // byte offset of sequence i in .bin
+  int64_t document_index(int64_t d) const;                                  // boundary d in [0, D]
   std::vector<int32_t> sequence_lengths(int64_t begin, int64_t end) const;  // lengths of [begin, end)
   int64_t bin_bytes() const { return bin_size_; }
 

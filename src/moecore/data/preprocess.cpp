@@ -119,8 +119,7 @@ Encoded encode_document(const RawDoc& doc, bool jsonl, const PreprocessOptions& 
     } catch (const nlohmann::json::exception& e) {
       MOECORE_FAIL("preprocess: '", o.input, "' line ", doc.line, ": not valid JSON (", e.what(), ")");
     }
-    if (!j.is_object())
-      MOECORE_FAIL("preprocess: '", o.input, "' line ", doc.line, ": expected a JSON object");
+    if (!j.is_object()) MOECORE_FAIL("preprocess: '", o.input, "' line ", doc.line, ": expected a JSON object");
     for (size_t k = 0; k < o.json_keys.size(); ++k) {
       auto it = j.find(o.json_keys[k]);
       if (it == j.end()) {
@@ -178,8 +177,8 @@ class Progress {
       std::fprintf(f_, "\rpreprocess [%s] %5.1f%%  %lld docs  %.0f docs/s  %.2f MB/s%s", bar, 100.0 * frac,
                    static_cast<long long>(docs), docs_s, mb_s, final ? "\n" : "");
     } else {
-      std::fprintf(f_, "preprocess: %lld documents (%.1f docs/s, %.2f MB/s)%s\n",
-                   static_cast<long long>(docs), docs_s, mb_s, final ? ", done" : "");
+      std::fprintf(f_, "preprocess: %lld documents (%.1f docs/s, %.2f MB/s)%s\n", static_cast<long long>(docs), docs_s,
+                   mb_s, final ? ", done" : "");
     }
     std::fflush(f_);
   }
@@ -205,8 +204,7 @@ PreprocessStats preprocess_run(const PreprocessOptions& o, std::FILE* progress_f
   if (o.output_prefix.empty()) MOECORE_FAIL("preprocess: --output-prefix is required");
   if (o.workers < 1) MOECORE_FAIL("preprocess: --workers (", o.workers, ") must be >= 1");
   if (o.json_keys.empty()) MOECORE_FAIL("preprocess: --json-keys needs at least one key");
-  if (o.batch_documents < 1)
-    MOECORE_FAIL("preprocess: batch_documents (", o.batch_documents, ") must be >= 1");
+  if (o.batch_documents < 1) MOECORE_FAIL("preprocess: batch_documents (", o.batch_documents, ") must be >= 1");
   const bool jsonl = resolve_jsonl(o);
   if (!jsonl && o.json_keys.size() != 1) {
     MOECORE_FAIL("preprocess: text input has one field; got ", o.json_keys.size(), " --json-keys");
@@ -279,8 +277,7 @@ PreprocessStats preprocess_run(const PreprocessOptions& o, std::FILE* progress_f
     progress.update(stats.documents, stats.input_bytes, reader.total_bytes(), false);
     cur = std::move(following);
   }
-  for (size_t k = 0; k < builders.size(); ++k)
-    builders[k]->finalize(indexed_idx_path(stats.output_prefixes[k]));
+  for (size_t k = 0; k < builders.size(); ++k) builders[k]->finalize(indexed_idx_path(stats.output_prefixes[k]));
   stats.input_bytes = reader.bytes_read();
   stats.seconds = progress.elapsed();
   progress.update(stats.documents, stats.input_bytes, reader.total_bytes(), true);

@@ -41,15 +41,13 @@ std::unique_ptr<Tokenizer> make_tokenizer(const TokenizerOptions& o) {
   if (o.type == "HuggingFaceTokenizer")
     return detail::make_hf_tokenizer(o.tokenizer_model.empty() ? o.vocab_file : o.tokenizer_model);
   if (o.type == "SentencePieceTokenizer" || o.type == "Llama2Tokenizer") {
-    if (o.tokenizer_model.empty())
-      MOECORE_FAIL(o.type, ": needs --tokenizer-model (a SentencePiece .model file)");
+    if (o.tokenizer_model.empty()) MOECORE_FAIL(o.type, ": needs --tokenizer-model (a SentencePiece .model file)");
     return detail::make_sentencepiece_tokenizer(o.tokenizer_model, o.type == "Llama2Tokenizer");
   }
   if (o.type == "ByteLevel") return std::make_unique<ByteLevelTokenizer>();
-  MOECORE_FAIL(
-      "tokenizer: unknown --tokenizer-type '", o.type,
-      "'; valid types: GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, Llama2Tokenizer, "
-      "ByteLevel");
+  MOECORE_FAIL("tokenizer: unknown --tokenizer-type '", o.type,
+               "'; valid types: GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, Llama2Tokenizer, "
+               "ByteLevel");
 }
 
 }  // namespace moecore::data

@@ -87,8 +87,8 @@ BpeModel::BpeModel(std::unordered_map<std::string, int32_t> vocab,
     const int32_t ia = token_id(a), ib = token_id(b), ic = token_id(a + b);
     if (ia < 0 || ib < 0 || ic < 0) {
       const std::string missing = ia < 0 ? a : ib < 0 ? b : a + b;
-      MOECORE_FAIL(source, ": merge ", rank, " '", a, " ", b, "' uses a token missing from the vocab ('",
-                   missing, "'); the vocab and merges do not belong together");
+      MOECORE_FAIL(source, ": merge ", rank, " '", a, " ", b, "' uses a token missing from the vocab ('", missing,
+                   "'); the vocab and merges do not belong together");
     }
     merges_[(uint64_t(uint32_t(ia)) << 32) | uint32_t(ib)] = Merge{static_cast<int32_t>(rank), ic};
   }
@@ -206,8 +206,7 @@ class Gpt2BpeTokenizer final : public Tokenizer {
     std::string out;
     for (int32_t id : ids) {
       if (!model_->decode_token(id, out))
-        MOECORE_FAIL("GPT2BPETokenizer: decode: id ", id, " is not in the vocabulary (size ", vocab_size(),
-                     ")");
+        MOECORE_FAIL("GPT2BPETokenizer: decode: id ", id, " is not in the vocabulary (size ", vocab_size(), ")");
     }
     return out;
   }
@@ -222,12 +221,10 @@ class Gpt2BpeTokenizer final : public Tokenizer {
 
 }  // namespace
 
-std::unique_ptr<Tokenizer> make_gpt2_bpe_tokenizer(const std::string& vocab_file,
-                                                   const std::string& merge_file) {
+std::unique_ptr<Tokenizer> make_gpt2_bpe_tokenizer(const std::string& vocab_file, const std::string& merge_file) {
   if (vocab_file.empty() || merge_file.empty())
-    MOECORE_FAIL(
-        "GPT2BPETokenizer: needs --vocab-file (vocab.json) and --merge-file (merges.txt); got vocab '",
-        vocab_file, "', merges '", merge_file, "'");
+    MOECORE_FAIL("GPT2BPETokenizer: needs --vocab-file (vocab.json) and --merge-file (merges.txt); got vocab '",
+                 vocab_file, "', merges '", merge_file, "'");
   const std::string vocab_text = read_text_file(vocab_file, "GPT2BPETokenizer", "vocab file (--vocab-file)");
   std::unordered_map<std::string, int32_t> vocab;
   try {

@@ -50,8 +50,7 @@ class BpeModel {
   // `source` (type and file names) starts error messages. A merge whose parts or result are not in the vocab
   // is an error (as in HF tokenizers); a repeated merge keeps its last rank (as in both references).
   BpeModel(std::unordered_map<std::string, int32_t> vocab,
-           const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions opts,
-           const std::string& source);
+           const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions opts, const std::string& source);
   // Appends the ids of one pre-token given as raw bytes.
   void encode_word(std::string_view word, std::vector<int32_t>& out) const;
   // Appends the bytes token `id` stands for; false when `id` is not in the vocab.
@@ -87,8 +86,7 @@ class BpeModel {
 };
 
 // make_tokenizer's per-format constructors.
-std::unique_ptr<Tokenizer> make_gpt2_bpe_tokenizer(const std::string& vocab_file,
-                                                   const std::string& merge_file);
+std::unique_ptr<Tokenizer> make_gpt2_bpe_tokenizer(const std::string& vocab_file, const std::string& merge_file);
 std::unique_ptr<Tokenizer> make_hf_tokenizer(const std::string& path);
 std::unique_ptr<Tokenizer> make_sentencepiece_tokenizer(const std::string& model_file, bool llama2);
 

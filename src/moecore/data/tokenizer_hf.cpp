@@ -149,8 +149,7 @@ class HfTokenizer final : public Tokenizer {
       if (id >= 0 && id < id_end_ && added_by_id_[id] >= 0) {
         out += cfg_.added[added_by_id_[id]].content;
       } else if (!model_->decode_token(id, out)) {
-        MOECORE_FAIL("HuggingFaceTokenizer: decode: id ", id, " is not in the vocabulary (size ", id_end_,
-                     ")");
+        MOECORE_FAIL("HuggingFaceTokenizer: decode: id ", id, " is not in the vocabulary (size ", id_end_, ")");
       }
     }
     return out;
@@ -189,10 +188,9 @@ class HfTokenizer final : public Tokenizer {
 };
 
 [[noreturn]] void unsupported(const std::string& path, const std::string& what, const json& j) {
-  MOECORE_FAIL(
-      "HuggingFaceTokenizer: '", path, "': unsupported ", what, " ", j.dump().substr(0, 300),
-      "; supported: byte-level BPE tokenizer.json files (GPT-2, Llama-3, Qwen2/3 styles). For "
-      "SentencePiece models (Llama-2, Mistral) use --tokenizer-type SentencePieceTokenizer with the .model");
+  MOECORE_FAIL("HuggingFaceTokenizer: '", path, "': unsupported ", what, " ", j.dump().substr(0, 300),
+               "; supported: byte-level BPE tokenizer.json files (GPT-2, Llama-3, Qwen2/3 styles). For "
+               "SentencePiece models (Llama-2, Mistral) use --tokenizer-type SentencePieceTokenizer with the .model");
 }
 
 void parse_normalizer(const json& n, const std::string& path, HfConfig& cfg) {
@@ -212,15 +210,13 @@ void parse_pre_tokenizer(const json& p, const std::string& path, HfConfig& cfg) 
   if (type == "Sequence") {
     for (const json& x : p.at("pretokenizers")) parse_pre_tokenizer(x, path, cfg);
   } else if (type == "ByteLevel") {
-    cfg.steps.push_back(
-        {true, p.value("add_prefix_space", false), p.value("use_regex", true), Pattern::gpt2});
+    cfg.steps.push_back({true, p.value("add_prefix_space", false), p.value("use_regex", true), Pattern::gpt2});
   } else if (type == "Split") {
     Pattern pattern;
     const json& pat = p.at("pattern");
     if (!pat.contains("Regex") || !pattern_from_regex(pat["Regex"].get<std::string>(), &pattern) ||
         p.value("behavior", "") != "Isolated" || p.value("invert", false))
-      unsupported(path, "Split pre-tokenizer (only the GPT-2/Llama-3/Qwen2 regexes, Isolated, not inverted)",
-                  p);
+      unsupported(path, "Split pre-tokenizer (only the GPT-2/Llama-3/Qwen2 regexes, Isolated, not inverted)", p);
     cfg.steps.push_back({false, false, true, pattern});
   } else {
     unsupported(path, "pre_tokenizer", p);
@@ -273,8 +269,7 @@ std::vector<std::pair<std::string, std::string>> parse_merges(const json& merges
       const std::string s = m.get<std::string>();
       const size_t sp = s.find(' ');
       if (sp == std::string::npos || sp == 0 || sp + 1 == s.size())
-        MOECORE_FAIL("HuggingFaceTokenizer: '", path, "': merge ", out.size(), " is '", s,
-                     "', expected \"A B\"");
+        MOECORE_FAIL("HuggingFaceTokenizer: '", path, "': merge ", out.size(), " is '", s, "', expected \"A B\"");
       out.emplace_back(s.substr(0, sp), s.substr(sp + 1));
     } else if (m.is_array() && m.size() == 2) {  // ["A", "B"]
       out.emplace_back(m[0].get<std::string>(), m[1].get<std::string>());
@@ -299,11 +294,9 @@ std::unique_ptr<BpeModel> parse_model(const json& m, const std::string& path) {
   opts.ignore_merges = m.value("ignore_merges", false);
   opts.fuse_unk = m.value("fuse_unk", false);
   if (m.contains("unk_token") && m["unk_token"].is_string()) {
-    if (const auto it = vocab.find(m["unk_token"].get<std::string>()); it != vocab.end())
-      opts.unk_id = it->second;
+    if (const auto it = vocab.find(m["unk_token"].get<std::string>()); it != vocab.end()) opts.unk_id = it->second;
   }
-  return std::make_unique<BpeModel>(std::move(vocab), parse_merges(m.at("merges"), path), opts,
-                                    "'" + path + "'");
+  return std::make_unique<BpeModel>(std::move(vocab), parse_merges(m.at("merges"), path), opts, "'" + path + "'");
 }
 
 // HF re-adds these on load: a content already in the model vocab takes the vocab's id.
@@ -313,8 +306,7 @@ void parse_added_tokens(const json& list, const BpeModel& model, const std::stri
                  t.value("single_word", false),      t.value("lstrip", false),
                  t.value("rstrip", false),           t.value("normalized", !t.value("special", false))};
     if (const int32_t vid = model.token_id(a.content); vid >= 0) a.id = vid;
-    if (a.id < 0)
-      MOECORE_FAIL("HuggingFaceTokenizer: '", path, "': negative id for added token '", a.content, "'");
+    if (a.id < 0) MOECORE_FAIL("HuggingFaceTokenizer: '", path, "': negative id for added token '", a.content, "'");
     cfg.added.push_back(std::move(a));
   }
 }
@@ -334,8 +326,7 @@ json read_tokenizer_config(const std::string& path) {
 
 std::unique_ptr<Tokenizer> make_hf_tokenizer(const std::string& given) {
   if (given.empty())
-    MOECORE_FAIL(
-        "HuggingFaceTokenizer: needs a tokenizer.json (or its folder) in --tokenizer-model or --vocab-file");
+    MOECORE_FAIL("HuggingFaceTokenizer: needs a tokenizer.json (or its folder) in --tokenizer-model or --vocab-file");
   std::string path = given;
   if (std::filesystem::is_directory(path)) path = (std::filesystem::path(path) / "tokenizer.json").string();
   const std::string text = read_text_file(path, "HuggingFaceTokenizer", "tokenizer.json");

@@ -102,8 +102,7 @@ class SpTokenizer final : public Tokenizer {
   void sp_encode(std::string_view text, std::vector<int32_t>& ids) const {
     if (text.empty()) return;
     std::vector<int> out;
-    if (const auto st = sp_.Encode(text, &out); !st.ok())
-      MOECORE_FAIL(type(), ": encode failed: ", st.ToString());
+    if (const auto st = sp_.Encode(text, &out); !st.ok()) MOECORE_FAIL(type(), ": encode failed: ", st.ToString());
     ids.insert(ids.end(), out.begin(), out.end());
   }
   std::string sp_decode(const std::vector<int>& ids) const {
@@ -113,8 +112,7 @@ class SpTokenizer final : public Tokenizer {
       if (id >= pieces_)
         MOECORE_FAIL(type(), ": decode: id ", id, " is not a piece of the model (", pieces_, " pieces)");
     }
-    if (const auto st = sp_.Decode(ids, &out); !st.ok())
-      MOECORE_FAIL(type(), ": decode failed: ", st.ToString());
+    if (const auto st = sp_.Decode(ids, &out); !st.ok()) MOECORE_FAIL(type(), ": decode failed: ", st.ToString());
     return out;
   }
 

@@ -11,13 +11,11 @@ namespace moecore::data::unicode {
 namespace {
 
 constexpr char32_t kSBase = 0xAC00, kLBase = 0x1100, kVBase = 0x1161, kTBase = 0x11A7;
-constexpr char32_t kLCount = 19, kVCount = 21, kTCount = 28, kNCount = kVCount * kTCount,
-                   kSCount = kLCount * kNCount;
+constexpr char32_t kLCount = 19, kVCount = 21, kTCount = 28, kNCount = kVCount * kTCount, kSCount = kLCount * kNCount;
 
 uint8_t range_lookup(const tables::ClassRange* r, int n, char32_t cp) {
   const tables::ClassRange* end = r + n;
-  const auto* it =
-      std::upper_bound(r, end, cp, [](char32_t c, const tables::ClassRange& x) { return c < x.lo; });
+  const auto* it = std::upper_bound(r, end, cp, [](char32_t c, const tables::ClassRange& x) { return c < x.lo; });
   if (it == r) return 0;
   --it;
   return cp <= it->hi ? it->v : 0;
@@ -39,23 +37,21 @@ void decompose_into(char32_t cp, std::vector<char32_t>& out) {
     out.push_back(cp);
     return;
   }
-  out.insert(out.end(), tables::kDecompositionPool + it->offset,
-             tables::kDecompositionPool + it->offset + it->length);
+  out.insert(out.end(), tables::kDecompositionPool + it->offset, tables::kDecompositionPool + it->offset + it->length);
 }
 
 // The primary composite of (a, b), or 0.
 char32_t compose_pair(char32_t a, char32_t b) {
   if (a >= kLBase && a < kLBase + kLCount && b >= kVBase && b < kVBase + kVCount)
     return kSBase + ((a - kLBase) * kVCount + (b - kVBase)) * kTCount;
-  if (a >= kSBase && a < kSBase + kSCount && (a - kSBase) % kTCount == 0 && b > kTBase &&
-      b < kTBase + kTCount)
+  if (a >= kSBase && a < kSBase + kSCount && (a - kSBase) % kTCount == 0 && b > kTBase && b < kTBase + kTCount)
     return a + (b - kTBase);
   const auto* begin = tables::kCompositions;
   const auto* end = begin + tables::kNumCompositions;
-  const auto* it = std::lower_bound(begin, end, std::pair{a, b},
-                                    [](const tables::Composition& c, std::pair<char32_t, char32_t> k) {
-                                      return c.a < k.first || (c.a == k.first && c.b < k.second);
-                                    });
+  const auto* it =
+      std::lower_bound(begin, end, std::pair{a, b}, [](const tables::Composition& c, std::pair<char32_t, char32_t> k) {
+        return c.a < k.first || (c.a == k.first && c.b < k.second);
+      });
   return (it != end && it->a == a && it->b == b) ? it->c : 0;
 }
 

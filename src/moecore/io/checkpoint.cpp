@@ -91,8 +91,7 @@ bool is_plain_name(const std::string& name) {
 
 void check_file_name(const std::string& name) {
   if (!is_plain_name(name))
-    MOECORE_FAIL("checkpoint: file name '", name,
-                 "' is not a plain file name (no '/', not empty, not . or ..)");
+    MOECORE_FAIL("checkpoint: file name '", name, "' is not a plain file name (no '/', not empty, not . or ..)");
   if (name == kCheckpointCommitFile || name == kCheckpointStateFile)
     MOECORE_FAIL("checkpoint: file name '", name, "' is reserved; choose another name for these tensors");
 }
@@ -193,8 +192,7 @@ Manifest read_manifest(const std::string& dir, std::optional<int64_t> expect_ite
                std::to_string(*expect_iteration));
   if (!j.contains("files") || !j["files"].is_object()) return bad("no \"files\" object");
   for (const auto& [name, e] : j["files"].items()) {
-    if (!is_plain_name(name) || name == kCheckpointCommitFile)
-      return bad("file name '" + name + "' is not allowed");
+    if (!is_plain_name(name) || name == kCheckpointCommitFile) return bad("file name '" + name + "' is not allowed");
     if (!e.is_object() || !e.contains("bytes") || !e["bytes"].is_number_unsigned() || !e.contains("crc32c") ||
         !e["crc32c"].is_string())
       return bad("entry for '" + name + "' lacks \"bytes\" or \"crc32c\"");
@@ -237,8 +235,8 @@ std::pair<std::string, Manifest> stage_and_publish(const std::string& root, cons
   if (req.iteration < 0) MOECORE_FAIL("checkpoint: iteration (", req.iteration, ") must be >= 0");
   for (const auto& [name, tensors] : req.files) check_file_name(name);
   if (!json::accept(req.state_json))
-    MOECORE_FAIL("checkpoint: state_json for iteration ", req.iteration, " is not valid JSON (",
-                 req.state_json.size(), " bytes); pass \"{}\" when there is no state");
+    MOECORE_FAIL("checkpoint: state_json for iteration ", req.iteration, " is not valid JSON (", req.state_json.size(),
+                 " bytes); pass \"{}\" when there is no state");
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) MOECORE_FAIL("checkpoint: cannot create directory '", root, "': ", ec.message());
@@ -350,7 +348,8 @@ std::vector<int64_t> checkpoint_list_committed(const std::string& root) {
 }
 
 std::string checkpoint_staging_begin(const std::string& root, int64_t iteration, const std::string& token) {
-  if (token.empty() || !is_plain_name(token)) MOECORE_FAIL("checkpoint: staging token '", token, "' is not a plain name");
+  if (token.empty() || !is_plain_name(token))
+    MOECORE_FAIL("checkpoint: staging token '", token, "' is not a plain name");
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) MOECORE_FAIL("checkpoint: cannot create directory '", root, "': ", ec.message());
@@ -409,18 +408,15 @@ std::optional<std::string> checkpoint_find_latest(const std::string& root) {
     const auto found = dirs.find(*tracker);
     if (found == dirs.end()) {
       warn("the tracker names iteration " + std::to_string(*tracker) + " but '" +
-           checkpoint_iteration_dir(root, *tracker) +
-           "' does not exist; using the newest committed directory");
+           checkpoint_iteration_dir(root, *tracker) + "' does not exist; using the newest committed directory");
     } else {
       try {
         read_manifest(found->second, *tracker);
         for (auto it = dirs.upper_bound(*tracker); it != dirs.end(); ++it) {
           const bool committed = fs::exists(fs::path(it->second) / kCheckpointCommitFile, ec);
-          warn("ignoring '" + it->second + "': newer than the tracker's iteration " +
-               std::to_string(*tracker) +
-               (committed
-                    ? " (committed, but the tracker was not updated: an interrupted save or a rewound run)"
-                    : " (no COMMIT marker: an unfinished save)"));
+          warn("ignoring '" + it->second + "': newer than the tracker's iteration " + std::to_string(*tracker) +
+               (committed ? " (committed, but the tracker was not updated: an interrupted save or a rewound run)"
+                          : " (no COMMIT marker: an unfinished save)"));
         }
         return found->second;
       } catch (const Error& e) {
@@ -456,21 +452,19 @@ LoadedCheckpoint checkpoint_load(const std::string& dir) {
     }
     const uint64_t size = fs::file_size(path, ec);
     if (ec || size != want.bytes) {
-      problems.push_back("'" + path + "': size mismatch: " + std::to_string(size) +
-                         " bytes on disk, COMMIT records " + std::to_string(want.bytes) +
-                         (size < want.bytes ? " (truncated)" : " (overwritten)"));
+      problems.push_back("'" + path + "': size mismatch: " + std::to_string(size) + " bytes on disk, COMMIT records " +
+                         std::to_string(want.bytes) + (size < want.bytes ? " (truncated)" : " (overwritten)"));
       continue;
     }
     const FileEntry got = file_entry_of(path);
     if (got.bytes != want.bytes || got.crc != want.crc)
-      problems.push_back("'" + path + "': checksum mismatch: crc32c " + hex8(got.crc) +
-                         " on disk, COMMIT records " + hex8(want.crc) + " (a flipped or overwritten byte)");
+      problems.push_back("'" + path + "': checksum mismatch: crc32c " + hex8(got.crc) + " on disk, COMMIT records " +
+                         hex8(want.crc) + " (a flipped or overwritten byte)");
   }
   if (!problems.empty()) {
     std::string msg;
     for (const auto& p : problems) msg += (msg.empty() ? "" : "; ") + p;
-    MOECORE_FAIL("checkpoint: '", dir, "' (iteration ", m.iteration,
-                 ") fails verification against COMMIT: ", msg,
+    MOECORE_FAIL("checkpoint: '", dir, "' (iteration ", m.iteration, ") fails verification against COMMIT: ", msg,
                  ". Restore the files or resume from an earlier iteration");
   }
 

@@ -86,10 +86,8 @@ std::string checkpoint_staging_begin(const std::string& root, int64_t iteration,
 CheckpointFileInfo checkpoint_staging_write(const std::string& staging_dir, const std::string& name,
                                             const std::map<std::string, Tensor>& tensors);
 // The committer's own files come in `request` (written here), the others' are listed with their infos.
-void checkpoint_staging_commit(const std::string& root, const CheckpointWriteRequest& request,
-                               const std::string& token,
-                               const std::map<std::string, CheckpointFileInfo>& written_by_others,
-                               int keep_last);
+void checkpoint_staging_commit(const std::string& root, const CheckpointWriteRequest& request, const std::string& token,
+                               const std::map<std::string, CheckpointFileInfo>& written_by_others, int keep_last);
 
 // FOR TESTS (crash simulation): steps 1-2 of checkpoint_save only, leaving <root>/iter_NNNNNNN without
 // COMMIT and the tracker untouched, as a crash just before the commit point would. Returns the directory.
@@ -107,7 +105,7 @@ LoadedCheckpoint checkpoint_load(const std::string& dir);
 
 // Helpers for trainers and tools.
 std::string checkpoint_iteration_dir(const std::string& root, int64_t iteration);  // <root>/iter_%07d
-std::optional<int64_t> checkpoint_read_tracker(const std::string& root);  // nullopt if absent/unparsable
+std::optional<int64_t> checkpoint_read_tracker(const std::string& root);           // nullopt if absent/unparsable
 // Iterations under root whose COMMIT is valid, ascending. Quiet (no warnings); reads no data files.
 std::vector<int64_t> checkpoint_list_committed(const std::string& root);
 

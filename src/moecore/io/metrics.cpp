@@ -143,8 +143,7 @@ void TensorBoardWriter::Closer::operator()(std::FILE* f) const {
   if (f) std::fclose(f);  // flushes
 }
 
-TensorBoardWriter::TensorBoardWriter(const std::string& log_dir, const std::string& filename_suffix,
-                                     int flush_every)
+TensorBoardWriter::TensorBoardWriter(const std::string& log_dir, const std::string& filename_suffix, int flush_every)
     : flush_every_(flush_every < 1 ? 1 : flush_every) {
   create_parent_dirs(log_dir, "tensorboard");
   const double now = unix_now();
@@ -155,8 +154,8 @@ TensorBoardWriter::TensorBoardWriter(const std::string& log_dir, const std::stri
   const std::string base = (fs::path(log_dir) / "events.out.tfevents.").string() + stamp + "." + host;
   // O_EXCL: two writers started in the same second (a restarted run) must not share a file.
   for (int attempt = 0; attempt < 1000 && !file_; ++attempt) {
-    path_ = base + (attempt == 0 ? "" : "." + std::to_string(::getpid()) + "." + std::to_string(attempt)) +
-            filename_suffix;
+    path_ =
+        base + (attempt == 0 ? "" : "." + std::to_string(::getpid()) + "." + std::to_string(attempt)) + filename_suffix;
     const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0) {
       if (errno == EEXIST) continue;
@@ -192,8 +191,7 @@ void TensorBoardWriter::write_record(const std::string& event) {
 }
 
 void TensorBoardWriter::flush() {
-  if (std::fflush(file_.get()) != 0)
-    MOECORE_FAIL("tensorboard: cannot write to '", path_, "': ", std::strerror(errno));
+  if (std::fflush(file_.get()) != 0) MOECORE_FAIL("tensorboard: cannot write to '", path_, "': ", std::strerror(errno));
   pending_ = 0;
 }
 

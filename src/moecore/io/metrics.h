@@ -40,8 +40,7 @@ class JsonlMetricsWriter {
 // record flushes automatically. Not thread-safe.
 class TensorBoardWriter {
  public:
-  explicit TensorBoardWriter(const std::string& log_dir, const std::string& filename_suffix = "",
-                             int flush_every = 16);
+  explicit TensorBoardWriter(const std::string& log_dir, const std::string& filename_suffix = "", int flush_every = 16);
   void add_scalar(const std::string& tag, int64_t step, double value);
   // Several scalars of one step in one Event (one record).
   void add_scalars(int64_t step, const std::vector<std::pair<std::string, double>>& values);

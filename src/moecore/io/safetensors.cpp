@@ -40,8 +40,10 @@ json parse_header(const std::string& path, std::string_view text) {
   std::vector<std::vector<std::string>> stack;
   std::string dup;
   auto cb = [&](int depth, json::parse_event_t ev, json& parsed) {
-    if (ev == json::parse_event_t::object_start) stack.emplace_back();
-    else if (ev == json::parse_event_t::object_end) stack.pop_back();
+    if (ev == json::parse_event_t::object_start)
+      stack.emplace_back();
+    else if (ev == json::parse_event_t::object_end)
+      stack.pop_back();
     else if (ev == json::parse_event_t::key && !stack.empty()) {
       auto& keys = stack.back();
       const std::string k = parsed.get<std::string>();
@@ -64,7 +66,9 @@ json parse_header(const std::string& path, std::string_view text) {
 
 }  // namespace
 
-const char* safetensors_dtype_name(DType t) { return entry_of(t).name; }
+const char* safetensors_dtype_name(DType t) {
+  return entry_of(t).name;
+}
 
 SafetensorsFile safetensors_load(const std::string& path) {
   const std::string bytes = read_file(path);

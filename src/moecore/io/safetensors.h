@@ -11,8 +11,8 @@
 namespace moecore::io {
 
 struct SafetensorsFile {
-  std::map<std::string, Tensor> tensors;           // CPU tensors, contiguous
-  std::map<std::string, std::string> metadata;     // "__metadata__" (string -> string)
+  std::map<std::string, Tensor> tensors;        // CPU tensors, contiguous
+  std::map<std::string, std::string> metadata;  // "__metadata__" (string -> string)
 };
 
 // Throws Error naming the file and the reason (bad header, offsets that do not tile, unsupported dtype...).

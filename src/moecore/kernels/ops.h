@@ -54,8 +54,8 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
                   float beta, const Context& ctx);
 // Weight gradient of the above: c[g] = a[seg_g]^T @ b[seg_g] + beta * c[g].
 // a [R, M], b [R, N] one dtype f32|bf16; c [G, M, N] f32. A group with no rows gets c[g] = beta * c[g].
-void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const std::vector<int64_t>& group_rows,
-                        float beta, const Context& ctx);
+void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const std::vector<int64_t>& group_rows, float beta,
+                        const Context& ctx);
 
 // ---- Embedding ---------------------------------------------------------------------------------
 // out[n, :] = table[ids[n], :].  out [N, H] f32|bf16, ids [N] i32, table [V, H] f32.
@@ -189,13 +189,13 @@ bool all_finite(const Tensor& x, const Context& ctx);
 
 // ---- Optimizer ---------------------------------------------------------------------------------
 struct AdamWParams {
-  float lr = 1e-3f;            // learning rate for this step
-  float beta1 = 0.9f;          // first-moment decay
-  float beta2 = 0.999f;        // second-moment decay
-  float eps = 1e-8f;           // denominator term
-  float weight_decay = 0.0f;   // decoupled decay (0 for norms and biases)
-  int64_t step = 1;            // 1-based step for bias correction
-  float grad_scale = 1.0f;     // multiplies the gradient first (gradient clipping, loss scaling)
+  float lr = 1e-3f;           // learning rate for this step
+  float beta1 = 0.9f;         // first-moment decay
+  float beta2 = 0.999f;       // second-moment decay
+  float eps = 1e-8f;          // denominator term
+  float weight_decay = 0.0f;  // decoupled decay (0 for norms and biases)
+  int64_t step = 1;           // 1-based step for bias correction
+  float grad_scale = 1.0f;    // multiplies the gradient first (gradient clipping, loss scaling)
 };
 // param, grad [*] f32; exp_avg, exp_avg_sq [*] f32 or bf16 (bf16 optimizer states).
 // param -= lr*wd*param; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;

@@ -33,8 +33,8 @@ void ModelConfig::validate() const {
   if (max_position_embeddings < 0)
     MOECORE_FAIL("model config: --max-position-embeddings (", max_position_embeddings, ") must not be negative");
   if (max_positions() < seq_length)  // Megatron asserts this for every position-embedding type
-    MOECORE_FAIL("model config: --max-position-embeddings (", max_position_embeddings, ") must be at least --seq-length (",
-                 seq_length, ")");
+    MOECORE_FAIL("model config: --max-position-embeddings (", max_position_embeddings,
+                 ") must be at least --seq-length (", seq_length, ")");
   if (compute_dtype != DType::f32 && compute_dtype != DType::bf16)
     MOECORE_FAIL("model config: compute dtype ", dtype_name(compute_dtype), " is not supported (use f32 or bf16)");
   if (!(norm_epsilon > 0.0f)) MOECORE_FAIL("model config: norm_epsilon (", norm_epsilon, ") must be positive");
@@ -54,22 +54,20 @@ std::vector<bool> ModelConfig::moe_layers() const {
 std::string ModelConfig::summary() const {
   const char* pos = position_embedding_type == PositionEmbedding::rope               ? ", rope"
                     : position_embedding_type == PositionEmbedding::learned_absolute ? ", learned positions"
-                                                                                      : ", no positions";
-  return detail::str_cat(normalization == Normalization::layernorm ? "LayerNorm" : "RMSNorm", pos,
-                         rope() && rotary_percent < 1.0f ? detail::str_cat(" (", rotary_dim(), " of ", head_dim(), " ch)")
-                                                         : std::string(),
-                         qkv_bias() ? (add_bias_linear ? ", biases" : ", qkv bias") : "",
-                         hidden_dropout > 0 || attention_dropout > 0
-                             ? detail::str_cat(", dropout ", hidden_dropout, "/", attention_dropout)
-                             : std::string(),
-                         ", layers ", num_layers, ", hidden ", hidden_size, ", heads ", num_attention_heads, " (kv ",
-                         query_groups(), ", dim ", head_dim(), "), ffn ", ffn(), swiglu ? " swiglu" : " gelu",
-                         ", vocab ", vocab_size, ", seq ", seq_length,
-                         untie_embeddings_and_output_weights ? ", untied" : ", tied", ", ",
-                         dtype_name(compute_dtype),
-                         moe.enabled() ? detail::str_cat(", MoE ", moe.num_experts, " experts top-", moe.router_topk,
-                                                         " ffn ", moe_ffn(), " layer-freq ", moe_layer_freq)
-                                       : std::string());
+                                                                                     : ", no positions";
+  return detail::str_cat(
+      normalization == Normalization::layernorm ? "LayerNorm" : "RMSNorm", pos,
+      rope() && rotary_percent < 1.0f ? detail::str_cat(" (", rotary_dim(), " of ", head_dim(), " ch)") : std::string(),
+      qkv_bias() ? (add_bias_linear ? ", biases" : ", qkv bias") : "",
+      hidden_dropout > 0 || attention_dropout > 0
+          ? detail::str_cat(", dropout ", hidden_dropout, "/", attention_dropout)
+          : std::string(),
+      ", layers ", num_layers, ", hidden ", hidden_size, ", heads ", num_attention_heads, " (kv ", query_groups(),
+      ", dim ", head_dim(), "), ffn ", ffn(), swiglu ? " swiglu" : " gelu", ", vocab ", vocab_size, ", seq ",
+      seq_length, untie_embeddings_and_output_weights ? ", untied" : ", tied", ", ", dtype_name(compute_dtype),
+      moe.enabled() ? detail::str_cat(", MoE ", moe.num_experts, " experts top-", moe.router_topk, " ffn ", moe_ffn(),
+                                      " layer-freq ", moe_layer_freq)
+                    : std::string());
 }
 
 }  // namespace moecore::model

@@ -17,31 +17,31 @@ enum class Normalization : uint8_t { rmsnorm, layernorm };
 enum class PositionEmbedding : uint8_t { learned_absolute, rope, none };
 
 struct ModelConfig {
-  int64_t num_layers = 2;             // --num-layers: transformer layers, e.g. 12
-  int64_t hidden_size = 64;           // --hidden-size: H, e.g. 768
-  int64_t num_attention_heads = 4;    // --num-attention-heads: query heads, e.g. 12
-  int64_t num_query_groups = 0;       // --num-query-groups: key/value heads (GQA); 0 = num_attention_heads
-  int64_t kv_channels = 0;            // --kv-channels: head dim D; 0 = hidden_size / num_attention_heads
-  int64_t ffn_hidden_size = 0;        // --ffn-hidden-size: F; 0 = 4 * hidden_size
-  int64_t vocab_size = 256;           // --vocab-size (padded): V
-  int64_t seq_length = 128;           // --seq-length: S, tokens per sample
-  float norm_epsilon = 1e-5f;         // --norm-epsilon
-  Normalization normalization = Normalization::rmsnorm;  // --normalization RMSNorm | LayerNorm
+  int64_t num_layers = 2;           // --num-layers: transformer layers, e.g. 12
+  int64_t hidden_size = 64;         // --hidden-size: H, e.g. 768
+  int64_t num_attention_heads = 4;  // --num-attention-heads: query heads, e.g. 12
+  int64_t num_query_groups = 0;     // --num-query-groups: key/value heads (GQA); 0 = num_attention_heads
+  int64_t kv_channels = 0;          // --kv-channels: head dim D; 0 = hidden_size / num_attention_heads
+  int64_t ffn_hidden_size = 0;      // --ffn-hidden-size: F; 0 = 4 * hidden_size
+  int64_t vocab_size = 256;         // --vocab-size (padded): V
+  int64_t seq_length = 128;         // --seq-length: S, tokens per sample
+  float norm_epsilon = 1e-5f;       // --norm-epsilon
+  Normalization normalization = Normalization::rmsnorm;                 // --normalization RMSNorm | LayerNorm
   PositionEmbedding position_embedding_type = PositionEmbedding::rope;  // --position-embedding-type
   int64_t max_position_embeddings = 0;  // --max-position-embeddings: rows of the learned table; 0 = seq_length
-  float rotary_base = 10000.0f;       // --rotary-base
-  float rotary_percent = 1.0f;        // --rotary-percent: share of each head's channels RoPE rotates, (0, 1]
-  bool add_bias_linear = false;       // Megatron's add_bias_linear (--disable-bias-linear clears it): biases on
-                                      // linear_qkv, linear_proj, linear_fc1, linear_fc2 and the experts' fc1/fc2
-  bool add_qkv_bias = false;          // --add-qkv-bias: a bias on linear_qkv only (Qwen2-style)
-  float hidden_dropout = 0.0f;        // --hidden-dropout: embedding output and both bias-dropout-adds, [0, 1)
-  float attention_dropout = 0.0f;     // --attention-dropout: on the attention probabilities, [0, 1)
-  bool swiglu = true;                 // --swiglu (else GeLU MLP, Megatron's default)
+  float rotary_base = 10000.0f;         // --rotary-base
+  float rotary_percent = 1.0f;          // --rotary-percent: share of each head's channels RoPE rotates, (0, 1]
+  bool add_bias_linear = false;         // Megatron's add_bias_linear (--disable-bias-linear clears it): biases on
+                                        // linear_qkv, linear_proj, linear_fc1, linear_fc2 and the experts' fc1/fc2
+  bool add_qkv_bias = false;            // --add-qkv-bias: a bias on linear_qkv only (Qwen2-style)
+  float hidden_dropout = 0.0f;          // --hidden-dropout: embedding output and both bias-dropout-adds, [0, 1)
+  float attention_dropout = 0.0f;       // --attention-dropout: on the attention probabilities, [0, 1)
+  bool swiglu = true;                   // --swiglu (else GeLU MLP, Megatron's default)
   bool untie_embeddings_and_output_weights = true;  // --untie-embeddings-and-output-weights (else tied)
-  float init_method_std = 0.02f;      // --init-method-std: N(0, std^2) for weights
-  DType compute_dtype = DType::f32;   // --bf16 selects bf16 compute (fp32 master weights)
-  moe::MoeConfig moe;                 // MoE flags; moe.num_experts == 0 keeps every layer dense
-  std::string moe_layer_freq = "1";   // --moe-layer-freq: integer N or a list expression ("[0]*3+[1]*58")
+  float init_method_std = 0.02f;                    // --init-method-std: N(0, std^2) for weights
+  DType compute_dtype = DType::f32;                 // --bf16 selects bf16 compute (fp32 master weights)
+  moe::MoeConfig moe;                               // MoE flags; moe.num_experts == 0 keeps every layer dense
+  std::string moe_layer_freq = "1";                 // --moe-layer-freq: integer N or a list expression ("[0]*3+[1]*58")
 
   int64_t query_groups() const { return num_query_groups ? num_query_groups : num_attention_heads; }
   int64_t head_dim() const { return kv_channels ? kv_channels : hidden_size / num_attention_heads; }
@@ -53,7 +53,7 @@ struct ModelConfig {
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim()) * rotary_percent); }
   bool qkv_bias() const { return add_bias_linear || add_qkv_bias; }
   std::vector<bool> moe_layers() const;  // which layers are MoE (all false for a dense model)
-  void validate() const;  // throws Error naming the offending fields and values
+  void validate() const;                 // throws Error naming the offending fields and values
   std::string summary() const;
 };
 

@@ -37,8 +37,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   if (EP > 1 && !cfg_.moe.enabled())
     MOECORE_FAIL("model: --expert-model-parallel-size ", EP, " needs routed experts (--num-experts)");
   if (cfg_.moe.enabled() && cfg_.moe.num_experts % EP != 0)
-    MOECORE_FAIL("model: --num-experts (", cfg_.moe.num_experts, ") must be divisible by --expert-model-parallel-size (",
-                 EP, ")");
+    MOECORE_FAIL("model: --num-experts (", cfg_.moe.num_experts,
+                 ") must be divisible by --expert-model-parallel-size (", EP, ")");
   if (EP > 1 && ep_.dispatcher == moe::DispatcherKind::local)
     MOECORE_FAIL("model: expert parallelism needs the alltoall or allgather dispatcher");
   const int64_t L = cfg_.num_layers, H = cfg_.hidden_size, V = cfg_.vocab_size, S = cfg_.seq_length;
@@ -76,7 +76,9 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   int64_t count = 3 + (ln ? 1 : 0) + (cfg_.untie_embeddings_and_output_weights ? 1 : 0);
   for (bool is_moe : moe_layers)
     count += (ln ? 6 : 4) + (is_moe ? 3 + (Fs > 0 ? 2 : 0) + (mc.shared_expert_gate ? 1 : 0) : 2) +
-             (bias ? 5 : cfg_.add_qkv_bias ? 1 : 0);
+             (bias                ? 5
+              : cfg_.add_qkv_bias ? 1
+                                  : 0);
   params_.reserve(static_cast<size_t>(count));
   // Expert weights are [E/EP, ...] shards of the global [E, ...] tensor, filled with the same values the
   // global tensor has at those positions (initialisation depends on (seed, name, global element index)).
@@ -91,8 +93,10 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     p.weight_decay = shape.ndim >= 2 && !is_bias;
     p.expert_parallel = expert;
     const uint64_t first = expert ? static_cast<uint64_t>(ep_.group.rank() * shape.numel()) : 0;
-    if (init == Init::normal) rng_fill_normal(p.value, seed, p.name, 0.0f, std, first);
-    else p.value.fill_(init == Init::ones ? 1.0f : 0.0f);
+    if (init == Init::normal)
+      rng_fill_normal(p.value, seed, p.name, 0.0f, std, first);
+    else
+      p.value.fill_(init == Init::ones ? 1.0f : 0.0f);
     p.compute = (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters);
     MOECORE_CHECK(params_.size() < params_.capacity(), "parameter table larger than reserved");
     params_.push_back(std::move(p));
@@ -128,16 +132,36 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       Param* fc2_b = add_bias(pre + "mlp.linear_fc2.bias", H, bias);
       layer_w_.push_back({in_w->value, value(in_b), qkv->compute, proj->compute, mlp_w->value, value(mlp_b),
                           fc1->compute, fc2->compute, value(qkv_b), value(proj_b), value(fc1_b), value(fc2_b)});
-      layer_g_.push_back({in_w->grad, grad(in_b), qkv->grad, proj->grad, mlp_w->grad, grad(mlp_b), fc1->grad,
-                          fc2->grad, grad(qkv_b), grad(proj_b), grad(fc1_b), grad(fc2_b)});
+      layer_g_.push_back({in_w->grad, grad(in_b), qkv->grad, proj->grad, mlp_w->grad, grad(mlp_b), fc1->grad, fc2->grad,
+                          grad(qkv_b), grad(proj_b), grad(fc1_b), grad(fc2_b)});
       caches_.push_back(nn::dense_layer_cache_alloc(dims_));
       moe_.push_back(nullptr);
       continue;
     }
-    layer_w_.push_back({in_w->value, value(in_b), qkv->compute, proj->compute, mlp_w->value, value(mlp_b), {}, {},
-                        value(qkv_b), value(proj_b), {}, {}});
-    layer_g_.push_back({in_w->grad, grad(in_b), qkv->grad, proj->grad, mlp_w->grad, grad(mlp_b), {}, {},
-                        grad(qkv_b), grad(proj_b), {}, {}});
+    layer_w_.push_back({in_w->value,
+                        value(in_b),
+                        qkv->compute,
+                        proj->compute,
+                        mlp_w->value,
+                        value(mlp_b),
+                        {},
+                        {},
+                        value(qkv_b),
+                        value(proj_b),
+                        {},
+                        {}});
+    layer_g_.push_back({in_w->grad,
+                        grad(in_b),
+                        qkv->grad,
+                        proj->grad,
+                        mlp_w->grad,
+                        grad(mlp_b),
+                        {},
+                        {},
+                        grad(qkv_b),
+                        grad(proj_b),
+                        {},
+                        {}});
     caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/false));
     auto m = std::make_unique<MoeBlock>();
     const int64_t fc1_rows = mc.swiglu ? 2 * Fm : Fm;
@@ -160,10 +184,11 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       m->g.experts.fc2_bias = efc2_b->grad;
     }
     if (Fs > 0) {
-      Param* sfc1 = add(pre + "mlp.shared_experts.linear_fc1.weight", {mc.swiglu ? 2 * Fs : Fs, H}, Init::normal, std_w);
+      Param* sfc1 =
+          add(pre + "mlp.shared_experts.linear_fc1.weight", {mc.swiglu ? 2 * Fs : Fs, H}, Init::normal, std_w);
       Param* sfc2 = add(pre + "mlp.shared_experts.linear_fc2.weight", {H, Fs}, Init::normal, std_out);
-      Param* gate = mc.shared_expert_gate ? add(pre + "mlp.shared_experts.gate_weight", {1, H}, Init::normal, std_w)
-                                          : nullptr;
+      Param* gate =
+          mc.shared_expert_gate ? add(pre + "mlp.shared_experts.gate_weight", {1, H}, Init::normal, std_w) : nullptr;
       m->w.shared = {sfc1->compute, sfc2->compute, value(gate)};
       m->g.shared = {sfc1->grad, sfc2->grad, grad(gate)};
     }
@@ -176,8 +201,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     moe_.push_back(std::move(m));
   }
   final_norm_ = add_norm("decoder.final_layernorm", final_norm_bias_);
-  output_ = cfg_.untie_embeddings_and_output_weights ? add("output_layer.weight", {V, H}, Init::normal, std_w)
-                                                     : embedding_;
+  output_ =
+      cfg_.untie_embeddings_and_output_weights ? add("output_layer.weight", {V, H}, Init::normal, std_w) : embedding_;
 
   for (int64_t l = 0; l <= L; ++l) residual_.push_back(Tensor::empty({N, H}, DType::f32, MemCategory::activations));
   final_rstd_ = Tensor::empty({N}, DType::f32, MemCategory::activations);
@@ -209,7 +234,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
 const char* GptModel::dispatcher_name() const {
   return moe_dims_.dispatcher == moe::DispatcherKind::alltoall    ? "all-to-all"
          : moe_dims_.dispatcher == moe::DispatcherKind::allgather ? "all-gather"
-                                                                   : "local";
+                                                                  : "local";
 }
 
 void GptModel::finish_step(bool update) {
@@ -254,8 +279,8 @@ void GptModel::refresh_compute_weights() {
 }
 
 void GptModel::set_dropout_keys(bool training) {
-  const std::string step = "dropout/it" + std::to_string(dropout_iteration_) + "/mb" +
-                           std::to_string(dropout_micro_batch_) + "/";
+  const std::string step =
+      "dropout/it" + std::to_string(dropout_iteration_) + "/mb" + std::to_string(dropout_micro_batch_) + "/";
   auto key = [&](float p, const std::string& site) {
     ops::Dropout d;
     if (!training || p <= 0.0f) return d;
@@ -326,8 +351,8 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
                     final_mean_, final_rstd_, false, ctx);
   for (size_t l = caches_.size(); l-- > 0;) {
     if (!moe_[l]) {
-      nn::dense_layer_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_,
-                               drops_[l], ctx);
+      nn::dense_layer_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l],
+                               ctx);
       continue;
     }
     // dres is dL/d(layer output); through the residual it is also dL/dx_mid. The MoE output's gradient goes
@@ -383,14 +408,14 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
     if (m) moe_cache += moe::moe_layer_cache_bytes(m->cache);
   }
   // MoE caches mix saved activations and backward scratch; the plan counts them as activations.
-  at(MemCategory::activations) = layer_cache + moe_cache +
-                                 (cfg_.num_layers + 1) * N * H * 4 + N * 4 * (final_mean_.defined() ? 2 : 1) +
+  at(MemCategory::activations) = layer_cache + moe_cache + (cfg_.num_layers + 1) * N * H * 4 +
+                                 N * 4 * (final_mean_.defined() ? 2 : 1) +
                                  N * H * static_cast<int64_t>(dtype_size(cfg_.compute_dtype));
-  at(MemCategory::workspace) = nn::dense_layer_workspace_bytes(dims_) +
-                               nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype) + 2 * N * H * 4 +
-                               2 * N * 4 + (rope_.defined() ? rope_.nbytes() : 0) +
-                               (positions_.defined() ? positions_.nbytes() : 0) +
-                               (moe_out_.defined() ? N * H * (4 + static_cast<int64_t>(dtype_size(cfg_.compute_dtype))) : 0);
+  at(MemCategory::workspace) =
+      nn::dense_layer_workspace_bytes(dims_) + nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype) +
+      2 * N * H * 4 + 2 * N * 4 + (rope_.defined() ? rope_.nbytes() : 0) +
+      (positions_.defined() ? positions_.nbytes() : 0) +
+      (moe_out_.defined() ? N * H * (4 + static_cast<int64_t>(dtype_size(cfg_.compute_dtype))) : 0);
   return plan;
 }
 

@@ -17,8 +17,8 @@
 namespace moecore::model {
 
 struct LossResult {
-  double loss_sum = 0;   // summed cross-entropy over counted tokens
-  int64_t tokens = 0;    // labels >= 0
+  double loss_sum = 0;  // summed cross-entropy over counted tokens
+  int64_t tokens = 0;   // labels >= 0
   double mean() const { return tokens ? loss_sum / static_cast<double>(tokens) : 0.0; }
 };
 
@@ -103,7 +103,7 @@ class GptModel {
   Param* position_embedding_ = nullptr;  // learned absolute positions only
   Param* final_norm_ = nullptr;
   Param* final_norm_bias_ = nullptr;  // LayerNorm only
-  Param* output_ = nullptr;  // the embedding when tied
+  Param* output_ = nullptr;           // the embedding when tied
   std::vector<nn::DenseLayerWeights> layer_w_;
   std::vector<nn::DenseLayerGrads> layer_g_;
   std::vector<nn::DenseLayerCache> caches_;
@@ -119,17 +119,17 @@ class GptModel {
   moe::MoeLayerDims moe_dims_;
   ExpertParallel ep_;
   std::unique_ptr<moe::Dispatcher> dispatcher_;
-  Tensor moe_x_;                  // [S*B, H] compute: the MoE input in Megatron's sequence-major token order
-  Tensor moe_out_;                // [S*B, H] f32: MoE output (sequence-major); in backward its gradient
-  std::vector<Tensor> residual_;  // L+1 tensors [N, H] f32: embedding output, then each layer's output
-  Tensor final_mean_, final_rstd_; // [N] f32 (mean: LayerNorm only)
-  Tensor final_h_;                // [N, H] compute
-  Tensor rope_;                   // [S, Dr] f32 (RoPE only; Dr = rotary dim)
-  Tensor positions_;              // [N] i32: position of each token (learned absolute positions only)
+  Tensor moe_x_;                    // [S*B, H] compute: the MoE input in Megatron's sequence-major token order
+  Tensor moe_out_;                  // [S*B, H] f32: MoE output (sequence-major); in backward its gradient
+  std::vector<Tensor> residual_;    // L+1 tensors [N, H] f32: embedding output, then each layer's output
+  Tensor final_mean_, final_rstd_;  // [N] f32 (mean: LayerNorm only)
+  Tensor final_h_;                  // [N, H] compute
+  Tensor rope_;                     // [S, Dr] f32 (RoPE only; Dr = rotary dim)
+  Tensor positions_;                // [N] i32: position of each token (learned absolute positions only)
   nn::DenseLayerWorkspace ws_;
   nn::LmHeadWorkspace head_ws_;
-  Tensor dres_, dh_;              // [N, H] f32
-  Tensor ids_, labels_;           // [N] i32 flat copies
+  Tensor dres_, dh_;     // [N, H] f32
+  Tensor ids_, labels_;  // [N] i32 flat copies
 };
 
 }  // namespace moecore::model

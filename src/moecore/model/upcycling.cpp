@@ -23,8 +23,7 @@ void upcycle_dense_to_moe(const GptModel& dense, GptModel& moe) {
   const ModelConfig& dc = dense.config();
   const ModelConfig& mc = moe.config();
   const moe::MoeConfig& m = mc.moe;
-  if (!m.enabled() || dc.moe.enabled())
-    MOECORE_FAIL("upcycling: needs a dense source model and an MoE target model");
+  if (!m.enabled() || dc.moe.enabled()) MOECORE_FAIL("upcycling: needs a dense source model and an MoE target model");
   const int64_t Fd = dc.ffn(), F = mc.moe_ffn(), E = m.num_experts, H = mc.hidden_size, K = m.router_topk;
   if (Fd % F != 0)
     MOECORE_FAIL("upcycling: the dense ffn_hidden_size (", Fd, ") must be a multiple of moe_ffn_hidden_size (", F, ")");
@@ -61,7 +60,7 @@ void upcycle_dense_to_moe(const GptModel& dense, GptModel& moe) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t s = e % g;
       float* e1 = fc1 + e * fc1_rows * H;
-      copy_rows(e1, d1 + s * F * H, F, H, wscale);  // gate (or the whole fc1 without GLU)
+      copy_rows(e1, d1 + s * F * H, F, H, wscale);                                // gate (or the whole fc1 without GLU)
       if (mc.swiglu) copy_rows(e1 + F * H, d1 + (Fd + s * F) * H, F, H, wscale);  // up
       float* e2 = fc2 + e * H * F;
       for (int64_t h = 0; h < H; ++h)

@@ -8,11 +8,17 @@
 namespace moecore::nn {
 namespace {
 
-Tensor act_tensor(Shape s, DType t) { return Tensor::empty(s, t, MemCategory::activations); }
-Tensor work_tensor(Shape s, DType t) { return Tensor::empty(s, t, MemCategory::workspace); }
+Tensor act_tensor(Shape s, DType t) {
+  return Tensor::empty(s, t, MemCategory::activations);
+}
+Tensor work_tensor(Shape s, DType t) {
+  return Tensor::empty(s, t, MemCategory::workspace);
+}
 
 // [N, W] activations as the [B, S, W] tensors the attention ops take.
-Tensor bsw(const Tensor& t, const DenseLayerDims& d) { return t.view({d.qkv.B, d.qkv.S, t.size(1)}); }
+Tensor bsw(const Tensor& t, const DenseLayerDims& d) {
+  return t.view({d.qkv.B, d.qkv.S, t.size(1)});
+}
 
 }  // namespace
 
@@ -59,8 +65,7 @@ DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d) {
 int64_t dense_layer_workspace_bytes(const DenseLayerDims& d) {
   const int64_t c = static_cast<int64_t>(dtype_size(d.compute));
   const int64_t cast = d.compute == DType::f32 && !d.dropout ? 0 : c * d.N * d.H;
-  return d.N * d.H * 4 + cast +
-         c * d.N * (d.qkv.width() + d.qkv.q_heads() * d.qkv.D + d.fc1_rows() + d.F);
+  return d.N * d.H * 4 + cast + c * d.N * (d.qkv.width() + d.qkv.q_heads() * d.qkv.D + d.fc1_rows() + d.F);
 }
 
 void linear_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight, const Tensor& bias,
@@ -111,14 +116,16 @@ void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& k, const Dens
 }
 
 void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k,
-                         DenseLayerWorkspace& ws, const Tensor& rope, const DenseLayerDims& d,
-                         const LayerDropout& drop, const ops::Context& ctx) {
+                         DenseLayerWorkspace& ws, const Tensor& rope, const DenseLayerDims& d, const LayerDropout& drop,
+                         const ops::Context& ctx) {
   attention_block_forward(x, w, k, ws, rope, d, drop, ctx);
   mlp_norm_forward(w, k, d, ctx);
   ops::gemm(k.fc1, k.h2, false, w.fc1, true, 1.0f, 0.0f, ctx);
   if (w.fc1_bias.defined()) ops::bias_add(k.fc1, w.fc1_bias, ctx);
-  if (d.swiglu) ops::swiglu_forward(k.act, k.fc1, ctx);
-  else ops::gelu_forward(k.act, k.fc1, ctx);
+  if (d.swiglu)
+    ops::swiglu_forward(k.act, k.fc1, ctx);
+  else
+    ops::gelu_forward(k.act, k.fc1, ctx);
   linear_residual_forward(y, k.x_mid, k.act, w.fc2, w.fc2_bias, ws.dh, drop.mlp_out, ctx);
 }
 
@@ -147,8 +154,10 @@ void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, con
                           const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
   // MLP block, in reverse: dres is dL/dy here.
   linear_residual_backward(ws.dact, g.fc2, g.fc2_bias, dres, ws.dres_c, k.act, w.fc2, drop.mlp_out, ctx);
-  if (d.swiglu) ops::swiglu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
-  else ops::gelu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
+  if (d.swiglu)
+    ops::swiglu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
+  else
+    ops::gelu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
   if (g.fc1_bias.defined()) ops::bias_grad(g.fc1_bias, ws.dfc1, ctx);
   ops::gemm(g.fc1, ws.dfc1, true, k.h2, false, 1.0f, 1.0f, ctx);
   ops::gemm(ws.dh, ws.dfc1, false, w.fc1, false, 1.0f, 0.0f, ctx);

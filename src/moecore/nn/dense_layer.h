@@ -15,33 +15,33 @@
 namespace moecore::nn {
 
 struct DenseLayerDims {
-  int64_t N = 0;            // tokens in the micro-batch (B*S)
-  int64_t H = 0;            // hidden size
-  int64_t F = 0;            // MLP hidden size
-  ops::QkvDims qkv;         // attention geometry (B, S, G, R, D)
-  float eps = 1e-5f;        // norm epsilon
-  bool layernorm = false;   // LayerNorm (weight and bias) or RMSNorm (weight only)
-  bool swiglu = true;       // SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
-  bool dropout = false;     // hidden dropout may be on (allocates the masked-gradient buffer dres_c)
-  bool rope = true;         // rotate q and k (the table [S, Dr] gives the rotary width); false: no RoPE
+  int64_t N = 0;           // tokens in the micro-batch (B*S)
+  int64_t H = 0;           // hidden size
+  int64_t F = 0;           // MLP hidden size
+  ops::QkvDims qkv;        // attention geometry (B, S, G, R, D)
+  float eps = 1e-5f;       // norm epsilon
+  bool layernorm = false;  // LayerNorm (weight and bias) or RMSNorm (weight only)
+  bool swiglu = true;      // SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
+  bool dropout = false;    // hidden dropout may be on (allocates the masked-gradient buffer dres_c)
+  bool rope = true;        // rotate q and k (the table [S, Dr] gives the rotary width); false: no RoPE
   DType compute = DType::f32;
   int64_t fc1_rows() const { return swiglu ? 2 * F : F; }
 };
 
 // Views of one layer's weights. Norm weights are the f32 masters; GEMM weights are in the compute dtype.
 struct DenseLayerWeights {
-  Tensor input_norm;  // [H] f32
+  Tensor input_norm;       // [H] f32
   Tensor input_norm_bias;  // [H] f32, LayerNorm only
-  Tensor qkv;         // [G*(R+2)*D, H]
-  Tensor proj;        // [H, G*R*D]
-  Tensor mlp_norm;    // [H] f32
-  Tensor mlp_norm_bias;  // [H] f32, LayerNorm only
-  Tensor fc1;         // [fc1_rows, H]
-  Tensor fc2;         // [H, F]
-  Tensor qkv_bias;    // [G*(R+2)*D] f32, or undefined (no bias); likewise the three below
-  Tensor proj_bias;   // [H] f32
-  Tensor fc1_bias;    // [fc1_rows] f32
-  Tensor fc2_bias;    // [H] f32
+  Tensor qkv;              // [G*(R+2)*D, H]
+  Tensor proj;             // [H, G*R*D]
+  Tensor mlp_norm;         // [H] f32
+  Tensor mlp_norm_bias;    // [H] f32, LayerNorm only
+  Tensor fc1;              // [fc1_rows, H]
+  Tensor fc2;              // [H, F]
+  Tensor qkv_bias;         // [G*(R+2)*D] f32, or undefined (no bias); likewise the three below
+  Tensor proj_bias;        // [H] f32
+  Tensor fc1_bias;         // [fc1_rows] f32
+  Tensor fc2_bias;         // [H] f32
 };
 
 // f32 gradients, same shapes as the weights; accumulated.
@@ -75,12 +75,12 @@ struct DenseLayerCache {
 
 // Scratch shared by all layers (forward uses dh for the bias-dropout-add input).
 struct DenseLayerWorkspace {
-  Tensor dh;       // [N, H] f32: gradient of a norm output; in forward, a linear output before dropout
-  Tensor dres_c;   // [N, H] compute: the residual gradient (cast, or through dropout) for the GEMMs
-  Tensor dqkv;     // [N, G*(R+2)*D] compute
-  Tensor dattn;    // [N, G*R*D] compute
-  Tensor dfc1;     // [N, fc1_rows] compute
-  Tensor dact;     // [N, F] compute
+  Tensor dh;      // [N, H] f32: gradient of a norm output; in forward, a linear output before dropout
+  Tensor dres_c;  // [N, H] compute: the residual gradient (cast, or through dropout) for the GEMMs
+  Tensor dqkv;    // [N, G*(R+2)*D] compute
+  Tensor dattn;   // [N, G*R*D] compute
+  Tensor dfc1;    // [N, fc1_rows] compute
+  Tensor dact;    // [N, F] compute
 };
 
 // with_mlp=false allocates no fc1/act (layers whose MLP is an MoE layer).
@@ -106,8 +106,8 @@ void mlp_norm_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& dh2, cons
 
 // y [N, H] f32 from x [N, H] f32. rope [S, Dr] f32 is the rotary table (unused without RoPE).
 void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& cache,
-                         DenseLayerWorkspace& ws, const Tensor& rope, const DenseLayerDims& d,
-                         const LayerDropout& drop, const ops::Context& ctx);
+                         DenseLayerWorkspace& ws, const Tensor& rope, const DenseLayerDims& d, const LayerDropout& drop,
+                         const ops::Context& ctx);
 // dres [N, H] f32: dL/dy on entry, dL/dx on return.
 void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
                           const DenseLayerCache& cache, DenseLayerWorkspace& ws, const Tensor& rope,
@@ -119,7 +119,6 @@ void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, con
 void linear_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight, const Tensor& bias,
                              Tensor& out_f32, const ops::Dropout& drop, const ops::Context& ctx);
 void linear_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const Tensor& dy, Tensor& dy_c,
-                              const Tensor& a, const Tensor& weight, const ops::Dropout& drop,
-                              const ops::Context& ctx);
+                              const Tensor& a, const Tensor& weight, const ops::Dropout& drop, const ops::Context& ctx);
 
 }  // namespace moecore::nn

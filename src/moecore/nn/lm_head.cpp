@@ -24,8 +24,8 @@ int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute) {
   return c * V * 4 + (compute != DType::f32 ? c * V * static_cast<int64_t>(dtype_size(compute)) : 0) + c * 4;
 }
 
-double lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels,
-                    float grad_scale, LmHeadWorkspace& ws, const ops::Context& ctx) {
+double lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels, float grad_scale,
+                    LmHeadWorkspace& ws, const ops::Context& ctx) {
   const int64_t N = h.size(0);
   double total = 0;
   for (int64_t t0 = 0; t0 < N; t0 += ws.chunk) {

@@ -20,7 +20,7 @@ int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute);
 // Returns the summed loss over labels >= 0. h [N, H] compute, w [V, H] compute, labels [N] i32.
 // When dh is given: dh [N, H] f32 is written with d(grad_scale * sum loss)/dh and dw [V, H] f32 += the
 // weight gradient. Without dh the call is forward-only (evaluation).
-double lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels,
-                    float grad_scale, LmHeadWorkspace& ws, const ops::Context& ctx);
+double lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels, float grad_scale,
+                    LmHeadWorkspace& ws, const ops::Context& ctx);
 
 }  // namespace moecore::nn

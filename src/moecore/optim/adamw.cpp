@@ -16,8 +16,7 @@ void AdamWConfig::validate() const {
     MOECORE_FAIL("optimizer: state dtype ", dtype_name(state_dtype), " is not supported (use f32 or bf16)");
 }
 
-AdamW::AdamW(std::vector<Param>& params, const AdamWConfig& cfg, bool allocate_state)
-    : params_(params), cfg_(cfg) {
+AdamW::AdamW(std::vector<Param>& params, const AdamWConfig& cfg, bool allocate_state) : params_(params), cfg_(cfg) {
   cfg_.validate();
   if (!allocate_state) return;
   for (const auto& p : params_) {

@@ -9,12 +9,12 @@
 namespace moecore::optim {
 
 struct AdamWConfig {
-  float beta1 = 0.9f;             // --adam-beta1
-  float beta2 = 0.999f;           // --adam-beta2
-  float eps = 1e-8f;              // --adam-eps
-  float weight_decay = 0.01f;     // --weight-decay, decoupled, 2-D weights only
-  float clip_grad = 1.0f;         // --clip-grad: max global L2 norm; 0 disables clipping
-  DType state_dtype = DType::f32; // exp_avg / exp_avg_sq dtype: f32, or bf16 to halve optimizer memory
+  float beta1 = 0.9f;              // --adam-beta1
+  float beta2 = 0.999f;            // --adam-beta2
+  float eps = 1e-8f;               // --adam-eps
+  float weight_decay = 0.01f;      // --weight-decay, decoupled, 2-D weights only
+  float clip_grad = 1.0f;          // --clip-grad: max global L2 norm; 0 disables clipping
+  DType state_dtype = DType::f32;  // exp_avg / exp_avg_sq dtype: f32, or bf16 to halve optimizer memory
   void validate() const;
 };
 

@@ -30,8 +30,8 @@ float* f32_at(const Tensor& t, int64_t offset) {
 
 }  // namespace
 
-DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig& cfg,
-                                   const ProcessGroup& group, DistributedAdamWOptions opt)
+DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig& cfg, const ProcessGroup& group,
+                                   DistributedAdamWOptions opt)
     : params_(std::move(params)), cfg_(cfg), group_(group) {
   if (!group_.valid()) MOECORE_FAIL("distributed optimizer: the process group is not initialized");
   // The cross-rank check comes before any local one, so a local error cannot leave peers waiting in it.
@@ -86,9 +86,8 @@ void DistributedAdamW::check_same_params_across_ranks() const {
       const Param* p = params_[i];
       MOECORE_FAIL("distributed optimizer (group '", group_.name(), "'): parameter ", i, " ('",
                    p ? p->name : std::string("null"), "', ", p ? p->value.shape().str() : std::string("-"),
-                   " on group rank ", group_.rank(), ") differs between rank 0 (", a[0],
-                   " elements) and rank ", r, " (", b[0], " elements",
-                   a[0] == b[0] ? ", another name or shape" : "",
+                   " on group rank ", group_.rank(), ") differs between rank 0 (", a[0], " elements) and rank ", r,
+                   " (", b[0], " elements", a[0] == b[0] ? ", another name or shape" : "",
                    "); every rank of the group must pass the same parameters in the same order");
     }
   }
@@ -138,8 +137,7 @@ void DistributedAdamW::reduce_scatter_grads() {
           p.grad.device() != Device::cpu || p.grad.numel() != param_elems_[i])
         MOECORE_FAIL("distributed optimizer: gradient of '", p.name, "' is ",
                      p.grad.defined() ? p.grad.str() : std::string("undefined"),
-                     "; it needs a contiguous f32 CPU tensor of ", param_elems_[i],
-                     " elements like the value");
+                     "; it needs a contiguous f32 CPU tensor of ", param_elems_[i], " elements like the value");
       std::memcpy(f32_at(staging_, param_offsets_[i]), p.grad.raw(), static_cast<size_t>(p.grad.nbytes()));
     }
     const int64_t padded = b.shard * P;
@@ -184,8 +182,7 @@ void DistributedAdamW::step(float lr, float clip_scale) {
   const int P = group_.size();
   for (size_t i = 0; i < params_.size(); ++i) {
     const Tensor& v = params_[i]->value;
-    if (!v.is_contiguous() || v.dtype() != DType::f32 || v.device() != Device::cpu ||
-        v.numel() != param_elems_[i])
+    if (!v.is_contiguous() || v.dtype() != DType::f32 || v.device() != Device::cpu || v.numel() != param_elems_[i])
       MOECORE_FAIL("distributed optimizer: parameter '", params_[i]->name, "' has value ", v.str(),
                    "; it needs a contiguous f32 CPU tensor of ", param_elems_[i], " elements");
   }
@@ -220,8 +217,7 @@ void DistributedAdamW::gather_state(std::vector<Tensor>& exp_avg, std::vector<Te
     for (const Param* p : params_)
       out->push_back(Tensor::empty(p->value.shape(), cfg_.state_dtype, MemCategory::other));
     for (const Bucket& b : buckets_) {
-      all_gather(buf.slice(0, 0, b.shard * P), shard.slice(0, b.shard_offset, b.shard_offset + b.shard),
-                 group_);
+      all_gather(buf.slice(0, 0, b.shard * P), shard.slice(0, b.shard_offset, b.shard_offset + b.shard), group_);
       for (size_t i = b.first_param; i < b.end_param; ++i) {
         const int64_t n = param_elems_[i];
         flat((*out)[i]).copy_from(buf.slice(0, param_offsets_[i], param_offsets_[i] + n));
@@ -233,8 +229,8 @@ void DistributedAdamW::gather_state(std::vector<Tensor>& exp_avg, std::vector<Te
 void DistributedAdamW::load_state(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq) {
   for (const std::vector<Tensor>* in : {&exp_avg, &exp_avg_sq}) {
     if (in->size() != params_.size())
-      MOECORE_FAIL("distributed optimizer: load_state got ", in->size(), " moment tensors for ",
-                   params_.size(), " parameters");
+      MOECORE_FAIL("distributed optimizer: load_state got ", in->size(), " moment tensors for ", params_.size(),
+                   " parameters");
     for (size_t i = 0; i < params_.size(); ++i)
       if (!(*in)[i].defined() || !((*in)[i].shape() == params_[i]->value.shape()))
         MOECORE_FAIL("distributed optimizer: load_state: moment of '", params_[i]->name, "' is ",

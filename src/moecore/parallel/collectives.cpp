@@ -100,14 +100,13 @@ struct Call {
                    "group_split() or make_process_groups()");
     GroupState& st = group.state();
     if (!st.broken.empty())
-      MOECORE_FAIL("comm: ", op_name, " on group ", group.name(),
-                   ": the group is unusable after an earlier failure (", st.broken,
-                   "); end the job with comm_abort()");
+      MOECORE_FAIL("comm: ", op_name, " on group ", group.name(), ": the group is unusable after an earlier failure (",
+                   st.broken, "); end the job with comm_abort()");
     return st;
   }
   [[noreturn]] void fail(const std::string& what) const {
-    MOECORE_FAIL("comm: ", op, " on group ", g.name(), " (size ", g.size(), ") on rank ", g.rank(),
-                 " (world rank ", g.world_rank(), "): ", what);
+    MOECORE_FAIL("comm: ", op, " on group ", g.name(), " (size ", g.size(), ") on rank ", g.rank(), " (world rank ",
+                 g.world_rank(), "): ", what);
   }
   // Backend failures leave peers mid-collective: the communicator cannot be trusted any more.
   template <class F>
@@ -130,8 +129,7 @@ struct Call {
 
 void check_counts(Call& c, std::span<const int64_t> counts, const char* what) {
   if (static_cast<int>(counts.size()) != c.g.size())
-    c.fail(
-        detail::str_cat(what, " has ", counts.size(), " entries but the group has ", c.g.size(), " ranks"));
+    c.fail(detail::str_cat(what, " has ", counts.size(), " entries but the group has ", c.g.size(), " ranks"));
   for (size_t i = 0; i < counts.size(); ++i)
     if (counts[i] < 0) c.fail(detail::str_cat(what, "[", i, "] = ", counts[i], " is negative"));
 }
@@ -200,10 +198,10 @@ void debug_check(Call& c, OpDesc d) {
   c.guarded([&] { backend_all_gather(all.data(), &d, kDescWords, DType::i64, *c.st.comm, info); });
   for (int j = 0; j < p; ++j) {
     if (all[static_cast<size_t>(j)] == d) continue;
-    MOECORE_FAIL("comm debug: collective mismatch on group ", c.g.name(), " (size ", p, ") seen on rank ",
-                 c.g.rank(), " (world rank ", c.g.world_rank(), "): rank ", c.g.rank(), " (world rank ",
-                 c.g.world_rank(), ") calls ", describe(d), " but rank ", j, " (world rank ",
-                 c.g.ranks()[static_cast<size_t>(j)], ") calls ", describe(all[static_cast<size_t>(j)]));
+    MOECORE_FAIL("comm debug: collective mismatch on group ", c.g.name(), " (size ", p, ") seen on rank ", c.g.rank(),
+                 " (world rank ", c.g.world_rank(), "): rank ", c.g.rank(), " (world rank ", c.g.world_rank(),
+                 ") calls ", describe(d), " but rank ", j, " (world rank ", c.g.ranks()[static_cast<size_t>(j)],
+                 ") calls ", describe(all[static_cast<size_t>(j)]));
   }
 }
 
@@ -211,16 +209,15 @@ void debug_check(Call& c, OpDesc d) {
 void debug_check_pairs(Call& c, std::span<const int64_t> send, std::span<const int64_t> recv) {
   if (!comm_options().debug || c.single()) return;
   const int p = c.g.size();
-  std::vector<int64_t> ones(static_cast<size_t>(p), 1), idx(static_cast<size_t>(p)),
-      got(static_cast<size_t>(p));
+  std::vector<int64_t> ones(static_cast<size_t>(p), 1), idx(static_cast<size_t>(p)), got(static_cast<size_t>(p));
   for (int j = 0; j < p; ++j) idx[static_cast<size_t>(j)] = j;
   const std::string label = std::string(c.op) + " (debug check of counts)";
   CallInfo info = c.info;
   info.op = label;
   int64_t bad[3] = {-1, 0, 0};  // peer, what it sends me, what I expect
   c.guarded([&] {
-    backend_all_to_all_v(got.data(), ones.data(), idx.data(), send.data(), ones.data(), idx.data(),
-                         DType::i64, *c.st.comm, info);
+    backend_all_to_all_v(got.data(), ones.data(), idx.data(), send.data(), ones.data(), idx.data(), DType::i64,
+                         *c.st.comm, info);
     for (int j = 0; j < p && bad[0] < 0; ++j)
       if (got[static_cast<size_t>(j)] != recv[static_cast<size_t>(j)])
         bad[0] = j, bad[1] = got[static_cast<size_t>(j)], bad[2] = recv[static_cast<size_t>(j)];
@@ -233,10 +230,9 @@ void debug_check_pairs(Call& c, std::span<const int64_t> send, std::span<const i
     if (j < 0) continue;
     const auto& ranks = c.g.ranks();
     MOECORE_FAIL("comm debug: all_to_all_v count mismatch on group ", c.g.name(), " (call #", c.info.seq,
-                 ") seen on rank ", c.g.rank(), " (world rank ", c.g.world_rank(), "): rank ", j,
-                 " (world rank ", ranks[static_cast<size_t>(j)], ") sends ",
-                 got[static_cast<size_t>(3 * i + 1)], " elements to rank ", i, " (world rank ",
-                 ranks[static_cast<size_t>(i)], ") but rank ", i, " expects ",
+                 ") seen on rank ", c.g.rank(), " (world rank ", c.g.world_rank(), "): rank ", j, " (world rank ",
+                 ranks[static_cast<size_t>(j)], ") sends ", got[static_cast<size_t>(3 * i + 1)], " elements to rank ",
+                 i, " (world rank ", ranks[static_cast<size_t>(i)], ") but rank ", i, " expects ",
                  got[static_cast<size_t>(3 * i + 2)]);
   }
 }
@@ -264,10 +260,10 @@ void debug_check_split(const ProcessGroup& parent, GroupState& st, const CallInf
   }
   for (int j = 0; j < parent.size(); ++j)
     if (!(all[static_cast<size_t>(j)] == d))
-      MOECORE_FAIL("comm debug: collective mismatch on group ", parent.name(), " seen on rank ",
-                   parent.rank(), " (world rank ", parent.world_rank(), "): rank ", parent.rank(), " calls ",
-                   describe(d), " but rank ", j, " (world rank ", parent.ranks()[static_cast<size_t>(j)],
-                   ") calls ", describe(all[static_cast<size_t>(j)]));
+      MOECORE_FAIL("comm debug: collective mismatch on group ", parent.name(), " seen on rank ", parent.rank(),
+                   " (world rank ", parent.world_rank(), "): rank ", parent.rank(), " calls ", describe(d),
+                   " but rank ", j, " (world rank ", parent.ranks()[static_cast<size_t>(j)], ") calls ",
+                   describe(all[static_cast<size_t>(j)]));
 }
 
 void all_reduce_sum_raw(void* buf, int64_t n, DType t, const ProcessGroup& g) {
@@ -298,13 +294,12 @@ void all_reduce_sum_raw(void* buf, int64_t n, DType t, const ProcessGroup& g) {
   }
 }
 
-void reduce_scatter_sum_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DType t,
-                            const ProcessGroup& g) {
+void reduce_scatter_sum_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DType t, const ProcessGroup& g) {
   Call c(g, "reduce_scatter_sum");
   check_reducible(c, t);
   if (in_n != out_n * g.size())
-    c.fail(detail::str_cat("input has ", in_n, " elements but must hold group size × output = ", g.size(),
-                           " × ", out_n, " = ", out_n * g.size()));
+    c.fail(detail::str_cat("input has ", in_n, " elements but must hold group size × output = ", g.size(), " × ", out_n,
+                           " = ", out_n * g.size()));
   check_disjoint(c, out, out_n, in, in_n, t);
   const int64_t es = static_cast<int64_t>(dtype_size(t));
   if (c.single()) {
@@ -323,8 +318,8 @@ void reduce_scatter_sum_raw(void* out, int64_t out_n, const void* in, int64_t in
 void all_gather_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DType t, const ProcessGroup& g) {
   Call c(g, "all_gather");
   if (out_n != in_n * g.size())
-    c.fail(detail::str_cat("output has ", out_n, " elements but must hold group size × input = ", g.size(),
-                           " × ", in_n, " = ", in_n * g.size()));
+    c.fail(detail::str_cat("output has ", out_n, " elements but must hold group size × input = ", g.size(), " × ", in_n,
+                           " = ", in_n * g.size()));
   check_disjoint(c, out, out_n, in, in_n, t);
   if (c.single()) {
     if (in_n > 0) std::memcpy(out, in, static_cast<size_t>(in_n) * dtype_size(t));
@@ -334,31 +329,29 @@ void all_gather_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DTyp
   c.guarded([&] { backend_all_gather(out, in, in_n, t, *c.st.comm, c.info); });
 }
 
-void all_gather_v_raw(void* out, int64_t out_n, const void* in, int64_t in_n, std::span<const int64_t> counts,
-                      DType t, const ProcessGroup& g) {
+void all_gather_v_raw(void* out, int64_t out_n, const void* in, int64_t in_n, std::span<const int64_t> counts, DType t,
+                      const ProcessGroup& g) {
   Call c(g, "all_gather_v");
   check_counts(c, counts, "counts");
   const int64_t total = sum(counts);
   if (in_n != counts[static_cast<size_t>(g.rank())])
     c.fail(detail::str_cat("input has ", in_n, " elements but counts[", g.rank(),
                            "] = ", counts[static_cast<size_t>(g.rank())]));
-  if (out_n != total)
-    c.fail(detail::str_cat("output has ", out_n, " elements but the counts sum to ", total));
+  if (out_n != total) c.fail(detail::str_cat("output has ", out_n, " elements but the counts sum to ", total));
   check_disjoint(c, out, out_n, in, in_n, t);
   if (c.single()) {
     if (in_n > 0) std::memcpy(out, in, static_cast<size_t>(in_n) * dtype_size(t));
     return;
   }
-  debug_check(c, {static_cast<int64_t>(OpId::all_gather_v), static_cast<int64_t>(t), total, 0,
-                  hash_words(counts), 0});
+  debug_check(c, {static_cast<int64_t>(OpId::all_gather_v), static_cast<int64_t>(t), total, 0, hash_words(counts), 0});
   const int p = g.size();
   int64_t* displ = counts_ws(c.st, p);
   for (int r = 0; r < p; ++r) displ[r] = r ? displ[r - 1] + counts[static_cast<size_t>(r - 1)] : 0;
   c.guarded([&] { backend_all_gather_v(out, counts.data(), displ, in, t, *c.st.comm, c.info); });
 }
 
-void all_to_all_v_raw(void* out, int64_t out_n, std::span<const int64_t> recv_counts, const void* in,
-                      int64_t in_n, std::span<const int64_t> send_counts, DType t, const ProcessGroup& g) {
+void all_to_all_v_raw(void* out, int64_t out_n, std::span<const int64_t> recv_counts, const void* in, int64_t in_n,
+                      std::span<const int64_t> send_counts, DType t, const ProcessGroup& g) {
   Call c(g, "all_to_all_v");
   check_counts(c, send_counts, "send_counts");
   check_counts(c, recv_counts, "recv_counts");
@@ -384,8 +377,7 @@ void all_to_all_v_raw(void* out, int64_t out_n, std::span<const int64_t> recv_co
     rdispl[r] = r ? rdispl[r - 1] + recv_counts[static_cast<size_t>(r - 1)] : 0;
   }
   c.guarded([&] {
-    backend_all_to_all_v(out, recv_counts.data(), rdispl, in, send_counts.data(), sdispl, t, *c.st.comm,
-                         c.info);
+    backend_all_to_all_v(out, recv_counts.data(), rdispl, in, send_counts.data(), sdispl, t, *c.st.comm, c.info);
   });
 }
 

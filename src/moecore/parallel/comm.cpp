@@ -20,18 +20,16 @@ void debug_check_split(const ProcessGroup& parent, GroupState& st, const CallInf
                        const std::vector<std::vector<int>>& partition);  // collectives.cpp
 
 [[noreturn]] void throw_timeout(const CallInfo& call) {
-  MOECORE_FAIL(
-      "comm: ", call.op, " on group ", call.group, " timed out after ", call.timeout_s, " s on rank ",
-      call.rank, " (world rank ", call.world_rank, "): call #", call.seq,
-      " on this group; a peer never reached it (a rank skipped or reordered a collective, or is stuck "
-      "or dead). The group is unusable now: end the job with comm_abort(). MOECORE_COMM_DEBUG=1 checks "
-      "that ranks call matching collectives; MOECORE_COMM_TIMEOUT_S sets the limit.");
+  MOECORE_FAIL("comm: ", call.op, " on group ", call.group, " timed out after ", call.timeout_s, " s on rank ",
+               call.rank, " (world rank ", call.world_rank, "): call #", call.seq,
+               " on this group; a peer never reached it (a rank skipped or reordered a collective, or is stuck "
+               "or dead). The group is unusable now: end the job with comm_abort(). MOECORE_COMM_DEBUG=1 checks "
+               "that ranks call matching collectives; MOECORE_COMM_TIMEOUT_S sets the limit.");
 }
 
 [[noreturn]] void throw_backend_error(const CallInfo& call, const std::string& what) {
-  MOECORE_FAIL("comm: ", call.op, " on group ", call.group, " on rank ", call.rank, " (world rank ",
-               call.world_rank, "), call #", call.seq, ": ", what,
-               " (if ranks may disagree on sizes, rerun with MOECORE_COMM_DEBUG=1)");
+  MOECORE_FAIL("comm: ", call.op, " on group ", call.group, " on rank ", call.rank, " (world rank ", call.world_rank,
+               "), call #", call.seq, ": ", what, " (if ranks may disagree on sizes, rerun with MOECORE_COMM_DEBUG=1)");
 }
 
 }  // namespace detail
@@ -57,11 +55,10 @@ std::string lower(std::string s) {
 }
 
 void check_tensor(const Tensor& t, const char* op, const ProcessGroup& g, const char* which) {
-  if (!t.defined())
-    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor is undefined");
+  if (!t.defined()) MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor is undefined");
   if (t.device() != Device::cpu)
-    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(),
-                 " lives on the GPU; the ", comm_backend_name(),
+    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(), " lives on the GPU; the ",
+                 comm_backend_name(),
                  " backend moves CPU memory only (device tensors need the NCCL backend, not built yet)");
   if (!t.is_contiguous())
     MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(),
@@ -76,8 +73,7 @@ void check_same_dtype(const Tensor& out, const Tensor& in, const char* op, const
 
 int64_t row_elems(const Tensor& t, const char* op, const ProcessGroup& g) {
   if (t.dim() == 0)
-    MOECORE_FAIL("comm: ", op, " on group ", g.name(),
-                 ": counts are rows of dim 0 but the tensor is a scalar");
+    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": counts are rows of dim 0 but the tensor is a scalar");
   int64_t e = 1;
   for (int i = 1; i < t.dim(); ++i) e *= t.size(i);
   return e;
@@ -110,8 +106,7 @@ CommOptions comm_options_from_env() {
     char* end = nullptr;
     const double t = std::strtod(v, &end);
     if (end == v || *end != '\0' || !std::isfinite(t))
-      MOECORE_FAIL("comm: MOECORE_COMM_TIMEOUT_S=", v,
-                   " is not a number of seconds (e.g. 600; 0 waits forever)");
+      MOECORE_FAIL("comm: MOECORE_COMM_TIMEOUT_S=", v, " is not a number of seconds (e.g. 600; 0 waits forever)");
     o.timeout_s = t;
   }
   return o;
@@ -156,11 +151,10 @@ void comm_abort(int code) {
 // Process groups
 // ---------------------------------------------------------------------------------------------------
 
-ProcessGroup::ProcessGroup(std::string name, std::vector<int> ranks, int rank,
-                           std::shared_ptr<GroupState> state)
+ProcessGroup::ProcessGroup(std::string name, std::vector<int> ranks, int rank, std::shared_ptr<GroupState> state)
     : name_(std::move(name)), ranks_(std::move(ranks)), rank_(rank), state_(std::move(state)) {
-  MOECORE_CHECK(rank_ >= 0 && rank_ < static_cast<int>(ranks_.size()), "group ", name_, ": index ", rank_,
-                " outside ", ranks_.size(), " ranks");
+  MOECORE_CHECK(rank_ >= 0 && rank_ < static_cast<int>(ranks_.size()), "group ", name_, ": index ", rank_, " outside ",
+                ranks_.size(), " ranks");
 }
 
 GroupState& ProcessGroup::state() const {
@@ -194,8 +188,7 @@ ProcessGroup comm_single(std::string name) {
   return ProcessGroup(std::move(name), {me}, 0, std::make_shared<GroupState>());
 }
 
-ProcessGroup group_split(const ProcessGroup& parent, std::string name,
-                         const std::vector<std::vector<int>>& partition) {
+ProcessGroup group_split(const ProcessGroup& parent, std::string name, const std::vector<std::vector<int>>& partition) {
   if (!parent.valid())
     MOECORE_FAIL("comm: group_split(", name, ") of a default-constructed ProcessGroup; split comm_world()");
   GroupState& pst = parent.state();
@@ -209,15 +202,14 @@ ProcessGroup group_split(const ProcessGroup& parent, std::string name,
   int color = -1, key = -1;
   bool all_single = true;
   for (size_t gi = 0; gi < partition.size(); ++gi) {
-    if (partition[gi].empty())
-      MOECORE_FAIL("comm: group_split(", name, "): group ", gi, " of the partition is empty");
+    if (partition[gi].empty()) MOECORE_FAIL("comm: group_split(", name, "): group ", gi, " of the partition is empty");
     all_single = all_single && partition[gi].size() == 1;
     for (size_t k = 0; k < partition[gi].size(); ++k) {
       const int r = partition[gi][k];
       auto it = std::lower_bound(seen.begin(), seen.end(), r);
       if (it == seen.end() || *it != r)
-        MOECORE_FAIL("comm: group_split(", name, "): world rank ", r, " in group ", gi,
-                     " is not a member of group ", parent.name(), " (size ", parent.size(), ")");
+        MOECORE_FAIL("comm: group_split(", name, "): world rank ", r, " in group ", gi, " is not a member of group ",
+                     parent.name(), " (size ", parent.size(), ")");
       if (++count[static_cast<size_t>(it - seen.begin())] > 1)
         MOECORE_FAIL("comm: group_split(", name, "): world rank ", r, " appears in more than one group");
       if (r == parent.world_rank()) {

@@ -70,8 +70,7 @@ ProcessGroup comm_world();  // every rank; under MPI it needs comm_init first
 ProcessGroup comm_single(std::string name = "single");
 // Collective over `parent`: `partition` lists groups of world ranks (every rank of parent in exactly one
 // group, identical on every rank); returns the group holding this rank, ranks in the listed order.
-ProcessGroup group_split(const ProcessGroup& parent, std::string name,
-                         const std::vector<std::vector<int>>& partition);
+ProcessGroup group_split(const ProcessGroup& parent, std::string name, const std::vector<std::vector<int>>& partition);
 
 // ---------------------------------------------------------------------------------------------------
 // Collectives. P = group size, r = this rank's index. Blocks are laid out in rank order.
@@ -96,12 +95,11 @@ ProcessGroup group_split(const ProcessGroup& parent, std::string name,
 namespace detail {
 void all_reduce_sum_raw(void* buf, int64_t n, DType t, const ProcessGroup& g);
 void all_gather_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DType t, const ProcessGroup& g);
-void all_gather_v_raw(void* out, int64_t out_n, const void* in, int64_t in_n, std::span<const int64_t> counts,
-                      DType t, const ProcessGroup& g);
-void reduce_scatter_sum_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DType t,
-                            const ProcessGroup& g);
-void all_to_all_v_raw(void* out, int64_t out_n, std::span<const int64_t> recv_counts, const void* in,
-                      int64_t in_n, std::span<const int64_t> send_counts, DType t, const ProcessGroup& g);
+void all_gather_v_raw(void* out, int64_t out_n, const void* in, int64_t in_n, std::span<const int64_t> counts, DType t,
+                      const ProcessGroup& g);
+void reduce_scatter_sum_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DType t, const ProcessGroup& g);
+void all_to_all_v_raw(void* out, int64_t out_n, std::span<const int64_t> recv_counts, const void* in, int64_t in_n,
+                      std::span<const int64_t> send_counts, DType t, const ProcessGroup& g);
 void broadcast_raw(void* buf, int64_t n, DType t, int root, const ProcessGroup& g);
 template <class S>
 int64_t ssize(const S& s) {
@@ -109,30 +107,28 @@ int64_t ssize(const S& s) {
 }
 }  // namespace detail
 
-#define MOECORE_COMM_REDUCE_OVERLOADS(T)                                                           \
-  inline void all_reduce_sum(std::span<T> buf, const ProcessGroup& g) {                            \
-    detail::all_reduce_sum_raw(buf.data(), detail::ssize(buf), dtype_of<T>(), g);                  \
-  }                                                                                                \
-  inline void reduce_scatter_sum(std::span<T> out, std::span<const T> in, const ProcessGroup& g) { \
-    detail::reduce_scatter_sum_raw(out.data(), detail::ssize(out), in.data(), detail::ssize(in),   \
-                                   dtype_of<T>(), g);                                              \
+#define MOECORE_COMM_REDUCE_OVERLOADS(T)                                                                            \
+  inline void all_reduce_sum(std::span<T> buf, const ProcessGroup& g) {                                             \
+    detail::all_reduce_sum_raw(buf.data(), detail::ssize(buf), dtype_of<T>(), g);                                   \
+  }                                                                                                                 \
+  inline void reduce_scatter_sum(std::span<T> out, std::span<const T> in, const ProcessGroup& g) {                  \
+    detail::reduce_scatter_sum_raw(out.data(), detail::ssize(out), in.data(), detail::ssize(in), dtype_of<T>(), g); \
   }
-#define MOECORE_COMM_MOVE_OVERLOADS(T)                                                                      \
-  inline void all_gather(std::span<T> out, std::span<const T> in, const ProcessGroup& g) {                  \
-    detail::all_gather_raw(out.data(), detail::ssize(out), in.data(), detail::ssize(in), dtype_of<T>(), g); \
-  }                                                                                                         \
-  inline void all_gather_v(std::span<T> out, std::span<const T> in, std::span<const int64_t> counts,        \
-                           const ProcessGroup& g) {                                                         \
-    detail::all_gather_v_raw(out.data(), detail::ssize(out), in.data(), detail::ssize(in), counts,          \
-                             dtype_of<T>(), g);                                                             \
-  }                                                                                                         \
-  inline void all_to_all_v(std::span<T> out, std::span<const int64_t> recv_counts, std::span<const T> in,   \
-                           std::span<const int64_t> send_counts, const ProcessGroup& g) {                   \
-    detail::all_to_all_v_raw(out.data(), detail::ssize(out), recv_counts, in.data(), detail::ssize(in),     \
-                             send_counts, dtype_of<T>(), g);                                                \
-  }                                                                                                         \
-  inline void broadcast(std::span<T> buf, int root, const ProcessGroup& g) {                                \
-    detail::broadcast_raw(buf.data(), detail::ssize(buf), dtype_of<T>(), root, g);                          \
+#define MOECORE_COMM_MOVE_OVERLOADS(T)                                                                                \
+  inline void all_gather(std::span<T> out, std::span<const T> in, const ProcessGroup& g) {                            \
+    detail::all_gather_raw(out.data(), detail::ssize(out), in.data(), detail::ssize(in), dtype_of<T>(), g);           \
+  }                                                                                                                   \
+  inline void all_gather_v(std::span<T> out, std::span<const T> in, std::span<const int64_t> counts,                  \
+                           const ProcessGroup& g) {                                                                   \
+    detail::all_gather_v_raw(out.data(), detail::ssize(out), in.data(), detail::ssize(in), counts, dtype_of<T>(), g); \
+  }                                                                                                                   \
+  inline void all_to_all_v(std::span<T> out, std::span<const int64_t> recv_counts, std::span<const T> in,             \
+                           std::span<const int64_t> send_counts, const ProcessGroup& g) {                             \
+    detail::all_to_all_v_raw(out.data(), detail::ssize(out), recv_counts, in.data(), detail::ssize(in), send_counts,  \
+                             dtype_of<T>(), g);                                                                       \
+  }                                                                                                                   \
+  inline void broadcast(std::span<T> buf, int root, const ProcessGroup& g) {                                          \
+    detail::broadcast_raw(buf.data(), detail::ssize(buf), dtype_of<T>(), root, g);                                    \
   }
 
 MOECORE_COMM_REDUCE_OVERLOADS(float)

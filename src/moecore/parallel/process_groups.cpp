@@ -37,23 +37,22 @@ std::vector<Dim> parse_order(const RankGeneratorSizes& s, std::string_view order
   for (const Dim& d : all) {
     if (std::any_of(dims.begin(), dims.end(), [&](const Dim& x) { return x.name == d.name; })) continue;
     if (d.size != 1)
-      MOECORE_FAIL("parallel config: order \"", order, "\" leaves out ", d.name, ", whose size is ", d.size,
-                   " in the ", what, " layout; every dim of size > 1 must appear in the order");
+      MOECORE_FAIL("parallel config: order \"", order, "\" leaves out ", d.name, ", whose size is ", d.size, " in the ",
+                   what, " layout; every dim of size > 1 must appear in the order");
     dims.push_back(d);
   }
   return dims;
 }
 
-std::vector<std::vector<int>> generate(const std::vector<Dim>& dims, std::string_view order,
-                                       std::string_view token) {
+std::vector<std::vector<int>> generate(const std::vector<Dim>& dims, std::string_view order, std::string_view token) {
   std::vector<bool> mask(dims.size(), false);
   size_t pos = 0;
   while (pos <= token.size()) {
     const size_t end = std::min(token.find('-', pos), token.size());
     const std::string_view tok = token.substr(pos, end - pos);
     auto it = std::find_if(dims.begin(), dims.end(), [&](const Dim& x) { return x.name == tok; });
-    MOECORE_CHECK(it != dims.end(), "rank generator: token \"", token, "\" names \"", tok,
-                  "\", not a dim of \"", order, "\"");
+    MOECORE_CHECK(it != dims.end(), "rank generator: token \"", token, "\" names \"", tok, "\", not a dim of \"", order,
+                  "\"");
     mask[static_cast<size_t>(it - dims.begin())] = true;
     pos = end + 1;
   }
@@ -97,12 +96,10 @@ std::string groups_str(const std::vector<std::vector<int>>& groups) {  // "[0,2]
   return s;
 }
 
-constexpr std::string_view kNames[kNumGroupKinds] = {"tp",    "cp",     "dp",        "pp", "dp_cp",
-                                                     "tp_cp", "tp_dp",  "tp_dp_cp",  "mp", "etp",
-                                                     "ep",    "etp_ep", "etp_ep_pp", "edp"};
-constexpr std::string_view kTokens[kNumGroupKinds] = {"tp",    "cp",    "dp",       "pp",    "dp-cp",
-                                                      "tp-cp", "tp-dp", "tp-dp-cp", "tp-pp", "tp",
-                                                      "ep",    "tp-ep", "tp-ep-pp", "dp"};
+constexpr std::string_view kNames[kNumGroupKinds] = {"tp",       "cp", "dp",  "pp", "dp_cp",  "tp_cp",     "tp_dp",
+                                                     "tp_dp_cp", "mp", "etp", "ep", "etp_ep", "etp_ep_pp", "edp"};
+constexpr std::string_view kTokens[kNumGroupKinds] = {"tp",       "cp",    "dp", "pp", "dp-cp", "tp-cp",    "tp-dp",
+                                                      "tp-dp-cp", "tp-pp", "tp", "ep", "tp-ep", "tp-ep-pp", "dp"};
 
 }  // namespace
 
@@ -139,8 +136,7 @@ ParallelSizes ParallelConfig::validate(int world_size, int num_experts) const {
   if (expert_tensor_parallel_size < 0)
     MOECORE_FAIL("parallel config: expert_tensor_parallel_size (", expert_tensor_parallel_size,
                  ") must be >= 1, or 0 for \"same as tensor_model_parallel_size\"");
-  if (num_experts < 0)
-    MOECORE_FAIL("parallel config: num_experts (", num_experts, ") must be >= 0 (0 = dense model)");
+  if (num_experts < 0) MOECORE_FAIL("parallel config: num_experts (", num_experts, ") must be >= 0 (0 = dense model)");
 
   ParallelSizes s;
   s.world = world_size;
@@ -152,50 +148,46 @@ ParallelSizes ParallelConfig::validate(int world_size, int num_experts) const {
   s.order = order;
   const int64_t attn = int64_t{s.tp} * s.cp * s.pp;
   if (world_size % attn != 0)
-    MOECORE_FAIL("parallel config: world_size (", world_size,
-                 ") must be divisible by tensor_model_parallel_size (", s.tp, ") x context_parallel_size (",
-                 s.cp, ") x pipeline_model_parallel_size (", s.pp, ") = ", attn,
+    MOECORE_FAIL("parallel config: world_size (", world_size, ") must be divisible by tensor_model_parallel_size (",
+                 s.tp, ") x context_parallel_size (", s.cp, ") x pipeline_model_parallel_size (", s.pp, ") = ", attn,
                  ", since the data-parallel size is their quotient; launch a multiple of ", attn,
                  " ranks or change the sizes");
   s.dp = static_cast<int>(world_size / attn);
   const int64_t moe = int64_t{s.etp} * s.ep * s.pp;
   if (world_size % moe != 0)
-    MOECORE_FAIL(
-        "parallel config: world_size (", world_size, ") must be divisible by expert_tensor_parallel_size (",
-        s.etp, expert_tensor_parallel_size == 0 ? ", from tensor_model_parallel_size" : "",
-        ") x expert_model_parallel_size (", s.ep, ") x pipeline_model_parallel_size (", s.pp, ") = ", moe,
-        ", since the expert data-parallel size is their quotient; launch a multiple of ", moe,
-        " ranks or change the sizes");
+    MOECORE_FAIL("parallel config: world_size (", world_size, ") must be divisible by expert_tensor_parallel_size (",
+                 s.etp, expert_tensor_parallel_size == 0 ? ", from tensor_model_parallel_size" : "",
+                 ") x expert_model_parallel_size (", s.ep, ") x pipeline_model_parallel_size (", s.pp, ") = ", moe,
+                 ", since the expert data-parallel size is their quotient; launch a multiple of ", moe,
+                 " ranks or change the sizes");
   s.edp = static_cast<int>(world_size / moe);
   if (num_experts == 0 && s.ep > 1)
     MOECORE_FAIL("parallel config: expert_model_parallel_size (", s.ep,
                  ") > 1 needs an MoE model, but num_experts is 0 (dense)");
   if (num_experts > 0 && num_experts % s.ep != 0)
-    MOECORE_FAIL("parallel config: num_experts (", num_experts,
-                 ") must be divisible by expert_model_parallel_size (", s.ep, ")");
+    MOECORE_FAIL("parallel config: num_experts (", num_experts, ") must be divisible by expert_model_parallel_size (",
+                 s.ep, ")");
 
   const RankGeneratorSizes dec{s.tp, s.cp, 1, s.dp, s.pp}, exp{s.etp, 1, s.ep, s.edp, s.pp};
   const auto dec_dims = parse_order(dec, order, "attention");
   const auto exp_dims = parse_order(exp, order, "expert");
   const bool pp_last = order.size() >= 2 && order.compare(order.size() - 2, 2, "pp") == 0;
   if (!pp_last && s.pp > 1 && s.edp != s.dp)
-    MOECORE_FAIL(
-        "parallel config: order \"", order, "\" does not end in pp, so with pipeline_model_parallel_size (",
-        s.pp, ") > 1 the attention data-parallel size DP (", s.dp,
-        ") must equal the expert data-parallel size EDP (", s.edp, "); put pp last (\"tp-cp-ep-dp-pp\")");
+    MOECORE_FAIL("parallel config: order \"", order, "\" does not end in pp, so with pipeline_model_parallel_size (",
+                 s.pp, ") > 1 the attention data-parallel size DP (", s.dp,
+                 ") must equal the expert data-parallel size EDP (", s.edp, "); put pp last (\"tp-cp-ep-dp-pp\")");
   const auto dec_pp = generate(dec_dims, order, "pp");
   const auto exp_pp = generate(exp_dims, order, "pp");
   if (dec_pp != exp_pp)
     MOECORE_FAIL("parallel config: order \"", order, "\" gives different pipeline groups to attention (",
-                 groups_str(dec_pp), ") and MoE layers (", groups_str(exp_pp),
-                 ") with tensor_model_parallel_size ", s.tp, ", expert_tensor_parallel_size ", s.etp,
-                 ", expert_model_parallel_size ", s.ep,
+                 groups_str(dec_pp), ") and MoE layers (", groups_str(exp_pp), ") with tensor_model_parallel_size ",
+                 s.tp, ", expert_tensor_parallel_size ", s.etp, ", expert_model_parallel_size ", s.ep,
                  "; a stage must hold both halves of its layers: put pp last "
                  "(\"tp-cp-ep-dp-pp\")");
   const int inst = num_distributed_optimizer_instances;
   if ((s.dp * s.cp) % inst != 0)
-    MOECORE_FAIL("parallel config: data-parallel size x context_parallel_size (", s.dp, " x ", s.cp, " = ",
-                 s.dp * s.cp, ") must be divisible by num_distributed_optimizer_instances (", inst, ")");
+    MOECORE_FAIL("parallel config: data-parallel size x context_parallel_size (", s.dp, " x ", s.cp, " = ", s.dp * s.cp,
+                 ") must be divisible by num_distributed_optimizer_instances (", inst, ")");
   if (s.edp % inst != 0)
     MOECORE_FAIL("parallel config: expert data-parallel size (", s.edp,
                  ") must be divisible by num_distributed_optimizer_instances (", inst, ")");
@@ -204,15 +196,13 @@ ParallelSizes ParallelConfig::validate(int world_size, int num_experts) const {
 
 const std::vector<int>& RankLayout::group(GroupKind k, int rank) const {
   const auto& w = where[static_cast<size_t>(k)];
-  MOECORE_CHECK(rank >= 0 && rank < static_cast<int>(w.size()), "rank ", rank, " outside world of ",
-                w.size());
+  MOECORE_CHECK(rank >= 0 && rank < static_cast<int>(w.size()), "rank ", rank, " outside world of ", w.size());
   return groups[static_cast<size_t>(k)][static_cast<size_t>(w[static_cast<size_t>(rank)][0])];
 }
 
 int RankLayout::index_in_group(GroupKind k, int rank) const {
   const auto& w = where[static_cast<size_t>(k)];
-  MOECORE_CHECK(rank >= 0 && rank < static_cast<int>(w.size()), "rank ", rank, " outside world of ",
-                w.size());
+  MOECORE_CHECK(rank >= 0 && rank < static_cast<int>(w.size()), "rank ", rank, " outside world of ", w.size());
   return w[static_cast<size_t>(rank)][1];
 }
 
@@ -249,8 +239,7 @@ RankLayout rank_layout(const ParallelConfig& config, int world_size, int num_exp
 }
 
 ProcessGroups make_process_groups(const ParallelConfig& config, int num_experts, const ProcessGroup& world) {
-  if (!world.valid())
-    MOECORE_FAIL("make_process_groups: the world group is default-constructed; pass comm_world()");
+  if (!world.valid()) MOECORE_FAIL("make_process_groups: the world group is default-constructed; pass comm_world()");
   ProcessGroups pg;
   try {
     pg.layout = rank_layout(config, world.size(), num_experts);

@@ -19,17 +19,24 @@ constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 
 json model_fingerprint(const model::ModelConfig& c) {
-  return {{"num_layers", c.num_layers},       {"hidden_size", c.hidden_size},
-          {"num_attention_heads", c.num_attention_heads}, {"num_query_groups", c.query_groups()},
-          {"kv_channels", c.head_dim()},     {"ffn_hidden_size", c.ffn()},
-          {"vocab_size", c.vocab_size},      {"num_experts", c.moe.num_experts},
+  return {{"num_layers", c.num_layers},
+          {"hidden_size", c.hidden_size},
+          {"num_attention_heads", c.num_attention_heads},
+          {"num_query_groups", c.query_groups()},
+          {"kv_channels", c.head_dim()},
+          {"ffn_hidden_size", c.ffn()},
+          {"vocab_size", c.vocab_size},
+          {"num_experts", c.moe.num_experts},
           {"moe_ffn_hidden_size", c.moe.enabled() ? c.moe_ffn() : 0},
-          {"moe_layer_freq", c.moe_layer_freq}, {"swiglu", c.swiglu},
+          {"moe_layer_freq", c.moe_layer_freq},
+          {"swiglu", c.swiglu},
           {"normalization", c.normalization == model::Normalization::layernorm ? "LayerNorm" : "RMSNorm"},
           {"untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights}};
 }
 
-std::string bias_name(int64_t layer) { return "router_state." + std::to_string(layer) + ".expert_bias"; }
+std::string bias_name(int64_t layer) {
+  return "router_state." + std::to_string(layer) + ".expert_bias";
+}
 
 const Tensor& need(const io::SafetensorsFile& f, const std::string& file, const std::string& name, const Tensor& like) {
   auto it = f.tensors.find(name);
@@ -41,14 +48,10 @@ const Tensor& need(const io::SafetensorsFile& f, const std::string& file, const 
 }
 
 json scheduler_to_json(const OptParamSchedulerState& s) {
-  return {{"max_lr", static_cast<double>(s.max_lr)},
-          {"min_lr", static_cast<double>(s.min_lr)},
-          {"lr_warmup_steps", s.lr_warmup_steps},
-          {"lr_decay_steps", s.lr_decay_steps},
-          {"lr_decay_style", s.lr_decay_style},
-          {"wsd_decay_steps", s.wsd_decay_steps},
-          {"lr_wsd_decay_style", s.lr_wsd_decay_style},
-          {"num_steps", s.num_steps}};
+  return {{"max_lr", static_cast<double>(s.max_lr)},    {"min_lr", static_cast<double>(s.min_lr)},
+          {"lr_warmup_steps", s.lr_warmup_steps},       {"lr_decay_steps", s.lr_decay_steps},
+          {"lr_decay_style", s.lr_decay_style},         {"wsd_decay_steps", s.wsd_decay_steps},
+          {"lr_wsd_decay_style", s.lr_wsd_decay_style}, {"num_steps", s.num_steps}};
 }
 
 OptParamSchedulerState scheduler_from_json(const json& j, const std::string& dir) {
@@ -76,8 +79,12 @@ std::string value_text(float v) {
   const auto r = std::to_chars(b, b + sizeof b, v);
   return std::string(b, r.ptr);
 }
-std::string value_text(int64_t v) { return std::to_string(v); }
-std::string value_text(const std::string& v) { return v; }
+std::string value_text(int64_t v) {
+  return std::to_string(v);
+}
+std::string value_text(const std::string& v) {
+  return v;
+}
 
 }  // namespace
 
@@ -136,9 +143,8 @@ std::string expert_shard_file(int64_t r, int64_t ep) {
 // Collective over dp (size > 1): rank 0 writes committer_req, ranks with shard_index >= 0 write expert shard
 // shard_index of num_shards, all into one staging directory; dp rank 0 commits.
 // A failure on any rank fails the save on every rank (no rank waits forever for a peer that gave up).
-void save_collective(const std::string& root, const io::CheckpointWriteRequest& committer_req,
-                     int64_t shard_index, int64_t num_shards, const std::map<std::string, Tensor>& shard,
-                     int keep_last,
+void save_collective(const std::string& root, const io::CheckpointWriteRequest& committer_req, int64_t shard_index,
+                     int64_t num_shards, const std::map<std::string, Tensor>& shard, int keep_last,
                      const ProcessGroup& dp) {
   std::vector<int64_t> token = {dp.rank() == 0 ? static_cast<int64_t>(::getpid()) : 0};
   broadcast(std::span<int64_t>(token), 0, dp);
@@ -175,8 +181,8 @@ void save_collective(const std::string& root, const io::CheckpointWriteRequest& 
     if (all[kFields * r] < 0) failed_rank = r;
   if (failed_rank >= 0)
     MOECORE_FAIL(failed_rank == dp.rank() ? error
-                                          : "checkpoint: rank " + std::to_string(failed_rank) +
-                                                " of group '" + dp.name() + "' failed to write its shard");
+                                          : "checkpoint: rank " + std::to_string(failed_rank) + " of group '" +
+                                                dp.name() + "' failed to write its shard");
   ok[0] = 1;
   if (dp.rank() == 0) {
     std::map<std::string, io::CheckpointFileInfo> others;
@@ -279,8 +285,8 @@ void load_expert_rows(Tensor& dst, const io::LoadedCheckpoint& ck, const std::st
     auto it = f->second.tensors.find(name);
     if (it == f->second.tensors.end()) MOECORE_FAIL("checkpoint: ", whole_file, " has no tensor '", name, "'");
     if (it->second.size(0) != num_experts || it->second.dtype() != dst.dtype())
-      MOECORE_FAIL("checkpoint: ", whole_file, " tensor '", name, "' is ", it->second.str(), ", expected ",
-                   num_experts, " experts of ", dst.str());
+      MOECORE_FAIL("checkpoint: ", whole_file, " tensor '", name, "' is ", it->second.str(), ", expected ", num_experts,
+                   " experts of ", dst.str());
     copy_rows(it->second, 0, whole_file);
     return;
   }
@@ -387,8 +393,8 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
   return out;
 }
 
-LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt,
-                                        uint64_t seed, const CheckpointLoadOptions& options) {
+LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt, uint64_t seed,
+                                        const CheckpointLoadOptions& options) {
   OptimizerState st{opt.exp_avg(), opt.exp_avg_sq(), 0};  // handles: loading writes through them
   const LoadedTrainingState loaded = load_training_state(dir, gpt, st, seed, options);
   opt.set_steps_taken(st.steps);
@@ -400,8 +406,7 @@ TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& 
   return load_training_state(dir, gpt, opt, seed, CheckpointLoadOptions{}).progress;
 }
 
-TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt,
-                                       uint64_t seed) {
+TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt, uint64_t seed) {
   return load_training_state(dir, gpt, opt, seed, CheckpointLoadOptions{}).progress;
 }
 

@@ -29,14 +29,14 @@ struct OptimizerState {
 // Megatron's OptimizerParamScheduler state (its state_dict keys, in state.json "opt_param_scheduler"), counted
 // in optimizer steps where Megatron counts samples. Weight decay has no schedule here (AdamWConfig holds it).
 struct OptParamSchedulerState {
-  float max_lr = 0;                 // --lr
-  float min_lr = 0;                 // --min-lr
-  int64_t lr_warmup_steps = 0;      // --lr-warmup-iters
-  int64_t lr_decay_steps = 0;       // end of the decay: --lr-decay-iters, or --train-iters when that is 0
-  std::string lr_decay_style;       // --lr-decay-style
-  int64_t wsd_decay_steps = 0;      // --lr-wsd-decay-iters (compared only for WSD)
-  std::string lr_wsd_decay_style;   // --lr-wsd-decay-style (compared only for WSD)
-  int64_t num_steps = 0;            // steps the schedule has advanced: the iteration, unless it restarted
+  float max_lr = 0;                // --lr
+  float min_lr = 0;                // --min-lr
+  int64_t lr_warmup_steps = 0;     // --lr-warmup-iters
+  int64_t lr_decay_steps = 0;      // end of the decay: --lr-decay-iters, or --train-iters when that is 0
+  std::string lr_decay_style;      // --lr-decay-style
+  int64_t wsd_decay_steps = 0;     // --lr-wsd-decay-iters (compared only for WSD)
+  std::string lr_wsd_decay_style;  // --lr-wsd-decay-style (compared only for WSD)
+  int64_t num_steps = 0;           // steps the schedule has advanced: the iteration, unless it restarted
 };
 
 // The values a resumed run continues with (Megatron's OptimizerParamScheduler.load_state_dict):
@@ -69,9 +69,9 @@ struct CheckpointLoadOptions {
 
 // What a load restored.
 struct LoadedTrainingState {
-  TrainProgress progress;             // {0, 0} with finetune
-  bool optimizer_loaded = false;      // moments and step count read
-  bool rng_loaded = false;            // router noise-stream positions read
+  TrainProgress progress;                           // {0, 0} with finetune
+  bool optimizer_loaded = false;                    // moments and step count read
+  bool rng_loaded = false;                          // router noise-stream positions read
   std::optional<OptParamSchedulerState> scheduler;  // saved scheduler, when the optimizer was read and had one
 };
 
@@ -98,14 +98,13 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
 // --finetune).
 LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, OptimizerState& opt,
                                         uint64_t seed, const CheckpointLoadOptions& options);
-LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt,
-                                        uint64_t seed, const CheckpointLoadOptions& options);
+LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt, uint64_t seed,
+                                        const CheckpointLoadOptions& options);
 
 // A full resume (every part): load_training_state with default options, returning the progress.
 TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& gpt, OptimizerState& opt,
                                        uint64_t seed);
-TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt,
-                                       uint64_t seed);
+TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt, uint64_t seed);
 
 // A hash of every master weight's bytes (resume tests and log lines).
 uint64_t parameter_hash(const model::GptModel& gpt);

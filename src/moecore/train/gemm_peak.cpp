@@ -8,7 +8,9 @@
 
 namespace moecore::train {
 namespace {
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 }  // namespace
 
 double gemm_gflops(DType dtype, int64_t M, int64_t N, int64_t K, int reps) {

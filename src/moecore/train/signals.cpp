@@ -6,7 +6,9 @@ namespace moecore::train {
 namespace {
 volatile std::sig_atomic_t g_signal = 0;
 struct sigaction g_old_term, g_old_int;
-extern "C" void on_exit_signal(int sig) { g_signal = sig; }
+extern "C" void on_exit_signal(int sig) {
+  g_signal = sig;
+}
 }  // namespace
 
 ExitSignalGuard::ExitSignalGuard() {
@@ -23,7 +25,11 @@ ExitSignalGuard::~ExitSignalGuard() {
   sigaction(SIGINT, &g_old_int, nullptr);
 }
 
-bool ExitSignalGuard::requested() { return g_signal != 0; }
-int ExitSignalGuard::signal() { return static_cast<int>(g_signal); }
+bool ExitSignalGuard::requested() {
+  return g_signal != 0;
+}
+int ExitSignalGuard::signal() {
+  return static_cast<int>(g_signal);
+}
 
 }  // namespace moecore::train

@@ -36,8 +36,8 @@ void TrainConfig::validate() const {
     MOECORE_FAIL("training: need 0 <= min_lr (", min_lr, ") <= lr (", lr, ")");
   if (log_interval <= 0 || eval_iters <= 0 || eval_interval < 0 || lr_warmup_iters < 0)
     MOECORE_FAIL("training: log_interval (", log_interval, ") and eval_iters (", eval_iters,
-                 ") must be positive; eval_interval (", eval_interval, ") and lr_warmup_iters (",
-                 lr_warmup_iters, ") must not be negative");
+                 ") must be positive; eval_interval (", eval_interval, ") and lr_warmup_iters (", lr_warmup_iters,
+                 ") must not be negative");
   if (nan_action != "stop" && nan_action != "skip")
     MOECORE_FAIL("--nan-action '", nan_action, "' is not one of stop, skip");
   if (save_interval < 0 || keep_last < 0)
@@ -63,8 +63,8 @@ float lr_at(const TrainConfig& c, int64_t it) {
     const double r =
         static_cast<double>(it - anneal_start) / static_cast<double>(std::max<int64_t>(c.lr_wsd_decay_iters, 1));
     const std::string& w = c.lr_wsd_decay_style;
-    coeff = w == "linear" ? 1.0 - r
-            : w == "cosine" ? 0.5 * (std::cos(M_PI * r) + 1.0)
+    coeff = w == "linear"       ? 1.0 - r
+            : w == "cosine"     ? 0.5 * (std::cos(M_PI * r) + 1.0)
             : w == "minus_sqrt" ? 1.0 - std::sqrt(r)
                                 : 2.0 * std::pow(0.5, r) - 1.0;  // exponential
   } else {
@@ -134,10 +134,11 @@ void log_moe_layers(const model::GptModel& gpt, std::FILE* log) {
     std::string tpe;
     for (size_t e = 0; e < st->tokens_per_expert.size(); ++e)
       tpe += (e ? "," : "") + std::to_string(st->tokens_per_expert[e]);
-    std::fprintf(log, "   moe layer %lld | max/mean load %.3f | dropped %lld | aux %.4f seq %.4f global %.4f z %.4f | "
+    std::fprintf(log,
+                 "   moe layer %lld | max/mean load %.3f | dropped %lld | aux %.4f seq %.4f global %.4f z %.4f | "
                  "tokens per expert [%s]\n",
-                 static_cast<long long>(l), st->max_over_mean_load(), static_cast<long long>(st->dropped),
-                 st->aux_loss, st->seq_aux_loss, st->global_aux_loss, st->z_loss, tpe.c_str());
+                 static_cast<long long>(l), st->max_over_mean_load(), static_cast<long long>(st->dropped), st->aux_loss,
+                 st->seq_aux_loss, st->global_aux_loss, st->z_loss, tpe.c_str());
   }
 }
 }  // namespace
@@ -173,8 +174,8 @@ struct MetricSinks {
 };
 
 void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, double loss, double lr,
-                  double grad_norm, double tokens_per_s, double tflops, const MoeStepLosses& moe_losses,
-                  bool per_layer, double comm_share) {
+                  double grad_norm, double tokens_per_s, double tflops, const MoeStepLosses& moe_losses, bool per_layer,
+                  double comm_share) {
   const moe::MoeConfig& mc = gpt.config().moe;
   std::vector<std::pair<std::string, double>> scalars = {{"lm loss", loss},
                                                          {"learning-rate", lr},
@@ -207,9 +208,9 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
     sinks.tb->flush();
   }
   if (sinks.jsonl) {
-    io::MetricFields f = {{"iteration", step},   {"lm_loss", loss},
-                          {"grad_norm", grad_norm}, {"lr", lr},
-                          {"tokens_per_s", tokens_per_s}, {"tflops", tflops}};
+    io::MetricFields f = {
+        {"iteration", step}, {"lm_loss", loss}, {"grad_norm", grad_norm}, {"lr", lr}, {"tokens_per_s", tokens_per_s},
+        {"tflops", tflops}};
     for (size_t i = 5; i < scalars.size(); ++i) f.emplace_back(scalars[i].first, scalars[i].second);
     sinks.jsonl->write(f);
   }
@@ -219,8 +220,7 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
 
 namespace {
 // Sums the step's losses and the router counts over the data-parallel group (the losses are then averaged).
-void reduce_stats_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses& moe_losses,
-                          const ProcessGroup& dp) {
+void reduce_stats_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses& moe_losses, const ProcessGroup& dp) {
   double v[5] = {step_loss, moe_losses.aux_loss, moe_losses.seq_aux_loss, moe_losses.global_aux_loss,
                  moe_losses.z_loss};
   all_reduce_sum(std::span<double>(v, 5), dp);
@@ -529,8 +529,10 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
                     moe_losses.z_loss / div};
     }
     if (dp_size > 1) reduce_stats_over_dp(gpt, step_loss, moe_losses, *dp);
-    if (zero) zero->reduce_scatter_grads();
-    else if (dp_size > 1) buckets->all_reduce(gpt);
+    if (zero)
+      zero->reduce_scatter_grads();
+    else if (dp_size > 1)
+      buckets->all_reduce(gpt);
     bool skip = false;
     if (cfg.check_for_nan) {
       std::string bad = !std::isfinite(step_loss) ? std::string("lm loss")
@@ -547,8 +549,9 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
                        " (use --nan-action skip to drop such steps)");
         skip = true;
         ++out.skipped_steps;
-        if (log) std::fprintf(log, " iteration %lld: non-finite value in %s, step skipped\n",
-                              static_cast<long long>(it + 1), bad.c_str());
+        if (log)
+          std::fprintf(log, " iteration %lld: non-finite value in %s, step skipped\n", static_cast<long long>(it + 1),
+                       bad.c_str());
       }
     }
     const float lr = lr_at(cfg, it - schedule_start);
@@ -585,8 +588,8 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
       gpt.reset_dispatcher_comm_seconds();
       const double tflops = flops_per_step / std::max(dt, 1e-9) / 1e12;
       const double mean_loss = logged_steps ? loss_acc / static_cast<double>(logged_steps) : NAN;
-      const double eta = elapsed / static_cast<double>(it + 1 - out.first_iteration) *
-                         static_cast<double>(cfg.train_iters - it - 1);
+      const double eta =
+          elapsed / static_cast<double>(it + 1 - out.first_iteration) * static_cast<double>(cfg.train_iters - it - 1);
       if (log) {
         std::string mfu, comm;
         if (comm_share >= 0) {
@@ -641,8 +644,9 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
       stop = flag > 0;
     }
     if (stop) {
-      if (log) std::fprintf(log, " received signal %d: saving and stopping at iteration %lld\n",
-                            ExitSignalGuard::signal(), static_cast<long long>(it + 1));
+      if (log)
+        std::fprintf(log, " received signal %d: saving and stopping at iteration %lld\n", ExitSignalGuard::signal(),
+                     static_cast<long long>(it + 1));
       save();
       out.stopped_by_signal = true;
       return out;

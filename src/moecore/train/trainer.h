@@ -18,51 +18,51 @@
 namespace moecore::train {
 
 struct TrainConfig {
-  int64_t micro_batch_size = 4;     // --micro-batch-size: sequences per forward/backward
-  int64_t global_batch_size = 4;    // --global-batch-size: sequences per optimizer step
-  int64_t train_iters = 100;        // --train-iters: optimizer steps
-  float lr = 1e-3f;                 // --lr: peak learning rate
-  float min_lr = 0.0f;              // --min-lr: floor of the decay
-  int64_t lr_warmup_iters = 0;      // --lr-warmup-iters: linear warmup from 0
-  std::string lr_decay_style = "cosine";  // --lr-decay-style: constant | linear | cosine | WSD
-  int64_t lr_decay_iters = 0;       // --lr-decay-iters: end of the decay (0: train_iters)
-  int64_t lr_wsd_decay_iters = 0;   // --lr-wsd-decay-iters: length of WSD's final decay phase
+  int64_t micro_batch_size = 4;                    // --micro-batch-size: sequences per forward/backward
+  int64_t global_batch_size = 4;                   // --global-batch-size: sequences per optimizer step
+  int64_t train_iters = 100;                       // --train-iters: optimizer steps
+  float lr = 1e-3f;                                // --lr: peak learning rate
+  float min_lr = 0.0f;                             // --min-lr: floor of the decay
+  int64_t lr_warmup_iters = 0;                     // --lr-warmup-iters: linear warmup from 0
+  std::string lr_decay_style = "cosine";           // --lr-decay-style: constant | linear | cosine | WSD
+  int64_t lr_decay_iters = 0;                      // --lr-decay-iters: end of the decay (0: train_iters)
+  int64_t lr_wsd_decay_iters = 0;                  // --lr-wsd-decay-iters: length of WSD's final decay phase
   std::string lr_wsd_decay_style = "exponential";  // --lr-wsd-decay-style: exponential | linear | cosine | minus_sqrt
-  int64_t log_interval = 10;        // --log-interval: steps between log lines
-  int64_t eval_interval = 0;        // --eval-interval: steps between validations (0: only at the end)
-  int64_t eval_iters = 4;           // --eval-iters: validation batches per evaluation
-  bool has_validation = true;       // false when the data has no validation split (no evaluation)
-  uint64_t seed = 1234;             // --seed
-  bool moe_per_layer_logging = false;  // --moe-per-layer-logging: a line per MoE layer at each log
-  std::string save;                 // --save: checkpoint root ("" = no checkpoints)
-  std::string load;                 // --load: checkpoint root or iteration directory to resume from
-  int64_t save_interval = 0;        // --save-interval: steps between checkpoints (0: only at the end)
-  int64_t exit_interval = 0;        // --exit-interval: stop (after saving) when the iteration is a multiple
-  int keep_last = 0;                // --keep-last-checkpoints: newest N kept (0: all)
+  int64_t log_interval = 10;                       // --log-interval: steps between log lines
+  int64_t eval_interval = 0;                       // --eval-interval: steps between validations (0: only at the end)
+  int64_t eval_iters = 4;                          // --eval-iters: validation batches per evaluation
+  bool has_validation = true;                      // false when the data has no validation split (no evaluation)
+  uint64_t seed = 1234;                            // --seed
+  bool moe_per_layer_logging = false;              // --moe-per-layer-logging: a line per MoE layer at each log
+  std::string save;                                // --save: checkpoint root ("" = no checkpoints)
+  std::string load;                                // --load: checkpoint root or iteration directory to resume from
+  int64_t save_interval = 0;                       // --save-interval: steps between checkpoints (0: only at the end)
+  int64_t exit_interval = 0;  // --exit-interval: stop (after saving) when the iteration is a multiple
+  int keep_last = 0;          // --keep-last-checkpoints: newest N kept (0: all)
   // Megatron's partial saves and loads (checkpointing.h says what each part holds).
-  bool save_optim = true;           // false: --no-save-optim (checkpoints without moments, step count, LR scheduler)
-  bool save_rng = true;             // false: --no-save-rng (checkpoints without the router noise-stream positions)
-  bool load_optim = true;           // false: --no-load-optim (fresh moments and step count; as in Megatron, whose
-                                    // scheduler is saved with the optimizer, the LR schedule restarts at the
-                                    // loaded iteration: warmup again)
-  bool load_rng = true;             // false: --no-load-rng (router noise streams restart at 0, as in a fresh run)
-  bool finetune = false;            // --finetune: load only the weights; iteration and consumed samples start at 0,
-                                    // no optimizer state, no rng state (whatever load_optim / load_rng say)
+  bool save_optim = true;  // false: --no-save-optim (checkpoints without moments, step count, LR scheduler)
+  bool save_rng = true;    // false: --no-save-rng (checkpoints without the router noise-stream positions)
+  bool load_optim = true;  // false: --no-load-optim (fresh moments and step count; as in Megatron, whose
+                           // scheduler is saved with the optimizer, the LR schedule restarts at the
+                           // loaded iteration: warmup again)
+  bool load_rng = true;    // false: --no-load-rng (router noise streams restart at 0, as in a fresh run)
+  bool finetune = false;   // --finetune: load only the weights; iteration and consumed samples start at 0,
+                           // no optimizer state, no rng state (whatever load_optim / load_rng say)
   bool override_opt_param_scheduler = false;        // --override-opt_param-scheduler: on load, this config's LR
                                                     // schedule wins over the checkpoint's, unchecked
   bool use_checkpoint_opt_param_scheduler = false;  // --use-checkpoint-opt_param-scheduler: on load, the
                                                     // checkpoint's LR schedule (lr, min_lr, warmup, decay end and
                                                     // style, WSD) replaces this config's; with neither flag they
                                                     // must match (Error naming the field otherwise)
-  bool exit_signal_handler = true;  // --exit-signal-handler: SIGTERM/SIGINT save a checkpoint and stop
-  bool check_for_nan = true;        // --check-for-nan-in-loss-and-grad
-  std::string nan_action = "stop";  // --nan-action: stop (raise an error) | skip (drop the step)
-  std::string metrics_jsonl;        // --metrics-jsonl: one JSON object per logged iteration
-  std::string tensorboard_dir;      // --tensorboard-dir: TensorBoard event files
-  double peak_gflops = 0;           // GEMM peak measured at start (0: no MFU on the log line)
-  bool use_distributed_optimizer = false;  // --use-distributed-optimizer: ZeRO-1 over dp (experts: over edp)
-  int64_t ddp_bucket_size = 40'000'000;    // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
-                                           // bucket
+  bool exit_signal_handler = true;                  // --exit-signal-handler: SIGTERM/SIGINT save a checkpoint and stop
+  bool check_for_nan = true;                        // --check-for-nan-in-loss-and-grad
+  std::string nan_action = "stop";                  // --nan-action: stop (raise an error) | skip (drop the step)
+  std::string metrics_jsonl;                        // --metrics-jsonl: one JSON object per logged iteration
+  std::string tensorboard_dir;                      // --tensorboard-dir: TensorBoard event files
+  double peak_gflops = 0;                           // GEMM peak measured at start (0: no MFU on the log line)
+  bool use_distributed_optimizer = false;           // --use-distributed-optimizer: ZeRO-1 over dp (experts: over edp)
+  int64_t ddp_bucket_size = 40'000'000;  // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
+                                         // bucket
   void validate() const;
   int64_t micro_batches() const { return global_batch_size / micro_batch_size; }
 };
@@ -82,12 +82,12 @@ struct MoeStepLosses {
 };
 
 struct TrainLog {
-  int64_t first_iteration = 0;      // steps already done when this run started (resume)
-  bool stopped_by_signal = false;   // SIGTERM/SIGINT arrived; a checkpoint was saved when --save is set
-  int64_t skipped_steps = 0;        // steps dropped for non-finite loss or gradients
-  std::vector<double> train_loss;   // per step, mean over its micro-batches
-  std::vector<double> grad_norm;    // per step, before clipping
-  std::vector<float> lr;            // per step, the learning rate applied
+  int64_t first_iteration = 0;            // steps already done when this run started (resume)
+  bool stopped_by_signal = false;         // SIGTERM/SIGINT arrived; a checkpoint was saved when --save is set
+  int64_t skipped_steps = 0;              // steps dropped for non-finite loss or gradients
+  std::vector<double> train_loss;         // per step, mean over its micro-batches
+  std::vector<double> grad_norm;          // per step, before clipping
+  std::vector<float> lr;                  // per step, the learning rate applied
   std::vector<MoeStepLosses> moe_losses;  // per step (zeros for dense models)
   std::vector<std::pair<int64_t, double>> valid_loss;  // (step, loss)
 };
@@ -104,8 +104,8 @@ using StepObserver = std::function<void(int64_t iteration, double loss, bool ski
 // losses over dp with deterministic collectives, the gradient norm counts every parameter once (expert
 // shards summed over ep), the non-finite and stop decisions are agreed on, and checkpoints are written by
 // the ranks that hold each part (see checkpointing.h).
-TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches,
-               std::FILE* log, const StepObserver& observer = {}, const TrainGroups* groups = nullptr);
+TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches, std::FILE* log,
+               const StepObserver& observer = {}, const TrainGroups* groups = nullptr);
 
 // Mean validation loss over cfg.eval_iters batches; with a data-parallel group the batches are split over
 // its ranks and the sums reduced (collective).

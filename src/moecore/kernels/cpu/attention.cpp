@@ -194,11 +194,10 @@ void forward_impl(T* out, float* lse, const T* qkv, const Layout& L, const cpu::
 constexpr int64_t kTargetTasks = 8;
 
 struct Chunks {
-  std::vector<int64_t> bounds;  // key-block boundaries, count() + 1 entries
-  std::vector<int64_t> q0;      // first query row a chunk's keys are visible to (block aligned)
-  std::vector<int64_t>
-      row_offset;              // start of chunk c's rows q0[c]..S-1 in a head's dQ buffer; back() = total
-  std::vector<int64_t> order;  // chunks by decreasing work, scheduled first so the tail is short
+  std::vector<int64_t> bounds;      // key-block boundaries, count() + 1 entries
+  std::vector<int64_t> q0;          // first query row a chunk's keys are visible to (block aligned)
+  std::vector<int64_t> row_offset;  // start of chunk c's rows q0[c]..S-1 in a head's dQ buffer; back() = total
+  std::vector<int64_t> order;       // chunks by decreasing work, scheduled first so the tail is short
   int64_t count() const { return static_cast<int64_t>(bounds.size()) - 1; }
 };
 
@@ -211,8 +210,7 @@ Chunks key_chunks(const Layout& L) {
   Chunks ch;
   ch.bounds = {0};
   for (int64_t c = 1; c < want; ++c) {
-    const double target =
-        static_cast<double>(c) * static_cast<double>(cum.back()) / static_cast<double>(want);
+    const double target = static_cast<double>(c) * static_cast<double>(cum.back()) / static_cast<double>(want);
     int64_t x = std::lower_bound(cum.begin(), cum.end(), target) - cum.begin();
     if (x > 0 && target - cum[x - 1] < cum[x] - target) --x;
     if (x > ch.bounds.back() && x < L.nkb) ch.bounds.push_back(x);
@@ -270,8 +268,8 @@ void prefetch(const T* p, int64_t n) {
 
 // Rows s0..s1 of batch b, all heads; rows outermost so qkv, dout and out are read front to back.
 template <class T>
-void pack_query_rows(const BwdPacked& pk, const T* qkv, const T* dout, const T* out, const Layout& L,
-                     int64_t b, int64_t s0, int64_t s1) {
+void pack_query_rows(const BwdPacked& pk, const T* qkv, const T* dout, const T* out, const Layout& L, int64_t b,
+                     int64_t s0, int64_t s1) {
   const int64_t HD = L.H * L.D;
   for (int64_t s = s0; s < s1; ++s) {
     const T* go = dout + (b * L.S + s) * HD;
@@ -378,8 +376,7 @@ void backward_task(T* dqkv, const T* qkv, const float* lse, const BwdPacked& pk,
   if (ch.count() > 1) return;
   for (int64_t h = g * L.R; h < (g + 1) * L.R; ++h)
     for (int64_t s = 0; s < L.S; ++s)
-      store_row(dqkv + (b * L.S + s) * L.W + L.q_col(h), pk.dq + ((b * L.H + h) * pk.rows + s) * L.Dp, L.D,
-                1.0f);
+      store_row(dqkv + (b * L.S + s) * L.W + L.q_col(h), pk.dq + ((b * L.H + h) * pk.rows + s) * L.Dp, L.D, 1.0f);
 }
 
 // dQ = sum of the chunks' buffers in chunk order; chunk c holds rows q0[c]..S-1.
@@ -407,8 +404,7 @@ template <class T>
 void backward_impl(T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse, const Layout& L,
                    const cpu::DropoutMask* mask) {
   const Chunks ch = key_chunks(L);
-  const BwdPacked pk(cpu::scratch<float, 0>(BwdPacked::floats(L, ch.row_offset.back())), L,
-                     ch.row_offset.back());
+  const BwdPacked pk(cpu::scratch<float, 0>(BwdPacked::floats(L, ch.row_offset.back())), L, ch.row_offset.back());
   const int64_t BG = L.B * L.G, ntasks = BG * ch.count(), nrb = (L.S + kBq - 1) / kBq;
 #pragma omp parallel
   {
@@ -429,8 +425,8 @@ void backward_impl(T* dqkv, const T* dout, const T* qkv, const T* out, const flo
 
 void check_dims(const cpu::Checker& ck, const QkvDims& d) {
   if (d.B < 0 || d.S < 0 || d.G < 1 || d.R < 1 || d.D < 2 || d.D % 2 != 0) {
-    ck.fail("dims must have B, S >= 0, G, R >= 1 and an even D >= 2; got B=", d.B, " S=", d.S, " G=", d.G,
-            " R=", d.R, " D=", d.D);
+    ck.fail("dims must have B, S >= 0, G, R >= 1 and an even D >= 2; got B=", d.B, " S=", d.S, " G=", d.G, " R=", d.R,
+            " D=", d.D);
   }
 }
 
@@ -484,8 +480,7 @@ void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, con
   ck.shape("lse", Shape{dims.B, dims.q_heads(), dims.S});
   ck.contiguous("lse");
   if (dims.B == 0 || dims.S == 0) return;
-  if (dqkv.raw() == qkv.raw() || dqkv.raw() == dout.raw())
-    ck.fail("dqkv must not share memory with qkv or dout");
+  if (dqkv.raw() == qkv.raw() || dqkv.raw() == dout.raw()) ck.fail("dqkv must not share memory with qkv or dout");
   const Layout L(dims);
   std::optional<cpu::DropoutMask> mask;
   if (dropout.active()) mask.emplace(dropout);

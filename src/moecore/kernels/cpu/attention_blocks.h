@@ -23,8 +23,8 @@ inline int64_t round_up(int64_t x, int64_t m) {
 // C[MR, kNR] (+)= op(A) B for one micro-tile. With TA, row r of op(A) is column r of A stored [K, M];
 // both layouts feed the same broadcast, which is why transposed products need no transposed copies.
 template <int MR, bool TA>
-inline void micro_tile(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-                       int64_t ldc, bool accumulate) {
+inline void micro_tile(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                       bool accumulate) {
 #if defined(__AVX2__) && defined(__FMA__)
   // Fully unrolled row loops let GCC keep the accumulator arrays in registers instead of on the stack.
   __m256 c0[MR], c1[MR];
@@ -63,8 +63,8 @@ inline void micro_tile(int64_t K, const float* A, int64_t lda, const float* B, i
 }
 
 template <bool TA>
-inline void micro_rows(int64_t rows, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                       float* C, int64_t ldc, bool accumulate) {
+inline void micro_rows(int64_t rows, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                       int64_t ldc, bool accumulate) {
   switch (rows) {
     case 6:
       micro_tile<6, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
@@ -91,8 +91,8 @@ inline void micro_rows(int64_t rows, int64_t K, const float* A, int64_t lda, con
 // trans_a the transpose of A stored [K, M] (row stride lda). B [K, N], row stride ldb. N % kNR == 0.
 // Column panels outermost: a K x 16 panel of B stays in L1 while every row tile of A streams past it.
 template <bool TA>
-inline void block_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                       int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+inline void block_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                       float* C, int64_t ldc, bool accumulate) {
   for (int64_t n0 = 0; n0 < N; n0 += kNR) {
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       const int64_t rows = M - m0 < kMR ? M - m0 : kMR;

@@ -124,12 +124,10 @@ class Checker {
     fail("internal: no argument named ", name);
   }
   void dtype(const char* name, DType t) const {
-    if (get(name).dtype() != t)
-      fail(name, " must be ", dtype_name(t), ", got ", dtype_name(get(name).dtype()));
+    if (get(name).dtype() != t) fail(name, " must be ", dtype_name(t), ", got ", dtype_name(get(name).dtype()));
   }
   void float_dtype(const char* name) const {
-    if (!is_f32_or_bf16(get(name).dtype()))
-      fail(name, " must be f32 or bf16, got ", dtype_name(get(name).dtype()));
+    if (!is_f32_or_bf16(get(name).dtype())) fail(name, " must be f32 or bf16, got ", dtype_name(get(name).dtype()));
   }
   void same_dtype(const char* name, const char* other) const {
     if (get(name).dtype() != get(other).dtype()) fail(name, " and ", other, " must share one dtype");
@@ -138,8 +136,7 @@ class Checker {
     if (get(name).dim() != r) fail(name, " must be ", r, "-D, got ", get(name).shape().str());
   }
   void shape(const char* name, const Shape& s) const {
-    if (!(get(name).shape() == s))
-      fail(name, " must have shape ", s.str(), ", got ", get(name).shape().str());
+    if (!(get(name).shape() == s)) fail(name, " must have shape ", s.str(), ", got ", get(name).shape().str());
   }
   void same_shape(const char* name, const char* other) const {
     if (!(get(name).shape() == get(other).shape())) fail(name, " and ", other, " must have the same shape");

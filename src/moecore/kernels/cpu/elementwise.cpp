@@ -158,9 +158,8 @@ double sum_squares(const Tensor& x, const Context& ctx) {
   const cpu::Checker c("sum_squares", ctx, {{"x", &x}});
   c.float_dtype("x");
   c.contiguous("x");
-  return cpu::with_float_type(x.dtype(), [&](auto t) {
-    return sum_squares_kernel(static_cast<const decltype(t)*>(x.raw()), x.numel());
-  });
+  return cpu::with_float_type(
+      x.dtype(), [&](auto t) { return sum_squares_kernel(static_cast<const decltype(t)*>(x.raw()), x.numel()); });
 }
 
 bool all_finite(const Tensor& x, const Context& ctx) {
@@ -182,8 +181,7 @@ void swiglu_forward(Tensor& out, const Tensor& gate_up, const Context& ctx) {
 }
 
 void swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up, const Context& ctx) {
-  const cpu::Checker c("swiglu_backward", ctx,
-                       {{"dgate_up", &dgate_up}, {"dout", &dout}, {"gate_up", &gate_up}});
+  const cpu::Checker c("swiglu_backward", ctx, {{"dgate_up", &dgate_up}, {"dout", &dout}, {"gate_up", &gate_up}});
   check_swiglu(c, "dout", "gate_up");
   c.same_shape("dgate_up", "gate_up");
   c.same_dtype("dgate_up", "gate_up");
@@ -220,8 +218,8 @@ void gelu_backward(Tensor& dx, const Tensor& dout, const Tensor& x, const Contex
   c.contiguous("x");
   cpu::with_float_type(x.dtype(), [&](auto t) {
     using T = decltype(t);
-    gelu_backward_kernel(static_cast<T*>(dx.raw()), static_cast<const T*>(dout.raw()),
-                         static_cast<const T*>(x.raw()), x.numel());
+    gelu_backward_kernel(static_cast<T*>(dx.raw()), static_cast<const T*>(dout.raw()), static_cast<const T*>(x.raw()),
+                         x.numel());
   });
 }
 

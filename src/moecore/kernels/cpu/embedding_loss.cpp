@@ -12,8 +12,7 @@ namespace {
 using cpu::ld;
 using cpu::st;
 
-void check_ids(const cpu::Checker& c, const char* what, const int32_t* ids, int64_t N, int64_t V,
-               bool allow_negative) {
+void check_ids(const cpu::Checker& c, const char* what, const int32_t* ids, int64_t N, int64_t V, bool allow_negative) {
   for (int64_t n = 0; n < N; ++n) {
     const int32_t id = ids[n];
     if (id >= V || (id < 0 && !allow_negative))
@@ -94,8 +93,7 @@ void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table, cons
   for (const char* name : {"out", "ids", "table"}) c.contiguous(name);
   check_ids(c, "id", ids.data<int32_t>(), N, V, false);
   cpu::with_float_type(out.dtype(), [&](auto t) {
-    embedding_forward_kernel(static_cast<decltype(t)*>(out.raw()), ids.data<int32_t>(), table.data<float>(),
-                             N, H);
+    embedding_forward_kernel(static_cast<decltype(t)*>(out.raw()), ids.data<int32_t>(), table.data<float>(), N, H);
   });
 }
 
@@ -113,18 +111,16 @@ void embedding_backward(Tensor& dtable, const Tensor& ids, const Tensor& dout, c
   embedding_backward_kernel(dtable.data<float>(), ids.data<int32_t>(), dout.data<float>(), N, H);
 }
 
-void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, float grad_scale,
-                           bool compute_grad, const Context& ctx) {
-  const cpu::Checker c("softmax_cross_entropy", ctx,
-                       {{"loss", &loss}, {"logits", &logits}, {"labels", &labels}});
+void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, float grad_scale, bool compute_grad,
+                           const Context& ctx) {
+  const cpu::Checker c("softmax_cross_entropy", ctx, {{"loss", &loss}, {"logits", &logits}, {"labels", &labels}});
   c.rank("logits", 2);
   c.dtype("logits", DType::f32);
   c.dtype("labels", DType::i32);
   c.dtype("loss", DType::f32);
   const int64_t N = logits.size(0), V = logits.size(1), ld = logits.stride(0);
   if (N > 0 && V > 0 && (logits.stride(1) != 1 || ld < V))
-    c.fail("logits needs unit column stride and a row stride >= V, got strides [", ld, ", ", logits.stride(1),
-           "]");
+    c.fail("logits needs unit column stride and a row stride >= V, got strides [", ld, ", ", logits.stride(1), "]");
   if (V == 0 && N > 0) c.fail("logits has an empty vocab dim");
   c.shape("labels", Shape{N});
   c.shape("loss", Shape{N});
@@ -135,8 +131,7 @@ void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, f
   float* z = logits.data<float>();
   float* out = loss.data<float>();
 #pragma omp parallel for schedule(static) if (N * V > cpu::kParallelWork / 4)
-  for (int64_t n = 0; n < N; ++n)
-    out[n] = softmax_cross_entropy_row(z + n * ld, V, lab[n], grad_scale, compute_grad);
+  for (int64_t n = 0; n < N; ++n) out[n] = softmax_cross_entropy_row(z + n * ld, V, lab[n], grad_scale, compute_grad);
 }
 
 }  // namespace moecore::ops

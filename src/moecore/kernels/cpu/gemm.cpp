@@ -22,7 +22,9 @@ dnnl::engine& cpu_engine() {
   return eng;
 }
 
-memory::data_type dnnl_type(DType t) { return t == DType::bf16 ? memory::data_type::bf16 : memory::data_type::f32; }
+memory::data_type dnnl_type(DType t) {
+  return t == DType::bf16 ? memory::data_type::bf16 : memory::data_type::f32;
+}
 
 // A logical [G, rows, cols] operand: element (g, i, j) lives at g*sg + i*si + j*sj.
 struct Operand {
@@ -55,10 +57,25 @@ Cache& cache() {
   return c;
 }
 
-Entry get_primitive(int64_t G, const Operand& a, const Operand& b, const Operand& c, DType in, DType out,
-                           float alpha, float beta) {
-  const Key key{G, a.rows, a.cols, b.cols, a.sg, a.si, a.sj, b.sg, b.si, b.sj, c.sg, c.si, c.sj,
-                static_cast<int>(in), static_cast<int>(out), alpha, beta};
+Entry get_primitive(int64_t G, const Operand& a, const Operand& b, const Operand& c, DType in, DType out, float alpha,
+                    float beta) {
+  const Key key{G,
+                a.rows,
+                a.cols,
+                b.cols,
+                a.sg,
+                a.si,
+                a.sj,
+                b.sg,
+                b.si,
+                b.sj,
+                c.sg,
+                c.si,
+                c.sj,
+                static_cast<int>(in),
+                static_cast<int>(out),
+                alpha,
+                beta};
   Cache& cc = cache();
   std::lock_guard<std::mutex> lock(cc.mu);
   auto it = cc.prims.find(key);
@@ -87,8 +104,10 @@ void check_operands(const char* op, const Tensor& c, const Tensor& a, const Tens
   const bool ok_dev = a.device() == Device::cpu && b.device() == Device::cpu && c.device() == Device::cpu;
   const bool ok_inner = ok_rank && a.stride(-1) == 1 && b.stride(-1) == 1 && c.stride(-1) == 1;
   if (!(ok_rank && ok_dtype && ok_dev && ok_inner)) {
-    MOECORE_FAIL(op, ": expected ", rank, "-D CPU operands with a unit last stride, a and b of one dtype (f32|bf16), c "
-                 "f32|bf16; got c ", c.str(), ", a ", a.str(), ", b ", b.str());
+    MOECORE_FAIL(op, ": expected ", rank,
+                 "-D CPU operands with a unit last stride, a and b of one dtype (f32|bf16), c "
+                 "f32|bf16; got c ",
+                 c.str(), ", a ", a.str(), ", b ", b.str());
   }
 }
 
@@ -96,14 +115,16 @@ void run(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float al
          const char* op) {
   const Operand oa = operand_of(a, ta), ob = operand_of(b, tb), oc = operand_of(c, false);
   if (oa.cols != ob.rows || oa.rows != oc.rows || ob.cols != oc.cols) {
-    MOECORE_FAIL(op, ": shapes do not match: c ", c.str(), " = op(a ", a.str(), (ta ? "^T" : ""), ") @ op(b ",
-                 b.str(), (tb ? "^T" : ""), ")");
+    MOECORE_FAIL(op, ": shapes do not match: c ", c.str(), " = op(a ", a.str(), (ta ? "^T" : ""), ") @ op(b ", b.str(),
+                 (tb ? "^T" : ""), ")");
   }
   if (oc.rows == 0 || oc.cols == 0 || G == 0) return;
   if (oa.cols == 0) {  // empty reduction: c = beta * c
     Tensor cc = c;
-    if (beta == 0.0f) cc.zero_();
-    else MOECORE_CHECK(beta == 1.0f, op, ": K = 0 with beta ", beta, " is not supported");
+    if (beta == 0.0f)
+      cc.zero_();
+    else
+      MOECORE_CHECK(beta == 1.0f, op, ": K = 0 with beta ", beta, " is not supported");
     return;
   }
   const Entry e = get_primitive(G, oa, ob, oc, a.dtype(), c.dtype(), alpha, beta);

@@ -68,25 +68,24 @@ void scale_block(float* c, int64_t ldc, int64_t rows, int64_t cols, float beta) 
 }
 
 // Row-major C[M, N] = op(A) @ op(B) + beta * C, f32.
-void sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-           int64_t ldb, float beta, float* C, int64_t ldc) {
+void sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+           float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   if (K == 0) {
     scale_block(C, ldc, M, N, beta);
     return;
   }
-  const dnnl_status_t s =
-      dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
-  MOECORE_CHECK(s == dnnl_success, "dnnl_sgemm failed with status ", static_cast<int>(s), " for M ", M, " N ",
-                N, " K ", K, " lda ", lda, " ldb ", ldb, " ldc ", ldc);
+  const dnnl_status_t s = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+  MOECORE_CHECK(s == dnnl_success, "dnnl_sgemm failed with status ", static_cast<int>(s), " for M ", M, " N ", N, " K ",
+                K, " lda ", lda, " ldb ", ldb, " ldc ", ldc);
 }
 
 // One group of gemm_grouped: C[n, N] = A[n, K] @ op(Bg) + beta * C, any mix of f32/bf16 operands.
 // Operands that are not f32 are widened tile by tile: B per N tile (once per group when it fits the
 // budget), A per row tile, and a bf16 C through an f32 accumulator tile.
 template <class TA, class TC>
-void group_product(TC* c, int64_t ldc, const TA* a, int64_t lda, const TA* b, int64_t bs0, int64_t bs1,
-                   bool trans_b, int64_t n, int64_t N, int64_t K, float beta) {
+void group_product(TC* c, int64_t ldc, const TA* a, int64_t lda, const TA* b, int64_t bs0, int64_t bs1, bool trans_b,
+                   int64_t n, int64_t N, int64_t K, float beta) {
   constexpr bool a_f32 = std::is_same_v<TA, float>, c_f32 = std::is_same_v<TC, float>;
   if constexpr (a_f32 && c_f32) {
     sgemm(false, trans_b, n, N, K, a, lda, b, bs0, beta, c, ldc);
@@ -143,8 +142,8 @@ void group_product(TC* c, int64_t ldc, const TA* a, int64_t lda, const TA* b, in
 // f32 operands go straight to sgemm unless A's stride hits the aliasing case above; then A (and, for bf16,
 // both operands) is copied in row chunks to padded scratch and the chunks accumulate into C.
 template <class T>
-void group_wgrad(float* c, int64_t ldc, const T* a, int64_t lda, const T* b, int64_t ldb, int64_t n,
-                 int64_t M, int64_t N, float beta) {
+void group_wgrad(float* c, int64_t ldc, const T* a, int64_t lda, const T* b, int64_t ldb, int64_t n, int64_t M,
+                 int64_t N, float beta) {
   constexpr bool f32 = std::is_same_v<T, float>;
   const bool pad_a = !f32 || (lda % 128 == 0 && std::min(M, N) < 512);
   if (!pad_a) {
@@ -225,14 +224,13 @@ void for_each_group(const std::vector<int64_t>& group_rows, Fn&& fn) {
 
 void check_unit_last_stride(const cpu::Checker& chk, std::initializer_list<const char*> names) {
   for (const char* name : names)
-    if (chk.get(name).numel() > 0 && chk.get(name).stride(-1) != 1)
-      chk.fail(name, " needs a unit last stride");
+    if (chk.get(name).numel() > 0 && chk.get(name).stride(-1) != 1) chk.fail(name, " needs a unit last stride");
 }
 
 }  // namespace
 
-void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b,
-                  const std::vector<int64_t>& group_rows, float beta, const Context& ctx) {
+void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, const std::vector<int64_t>& group_rows,
+                  float beta, const Context& ctx) {
   const cpu::Checker chk("gemm_grouped", ctx, {{"c", &c}, {"a", &a}, {"b", &b}});
   chk.rank("c", 2);
   chk.rank("a", 2);
@@ -254,15 +252,15 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b,
       const TA* bp = static_cast<const TA*>(b.raw());
       TC* cp = static_cast<TC*>(c.raw());
       for_each_group(group_rows, [&](int64_t g, int64_t o) {
-        group_product(cp + o * c.stride(0), c.stride(0), ap + o * a.stride(0), a.stride(0),
-                      bp + g * b.stride(0), b.stride(1), 1, trans_b, group_rows[g], N, K, beta);
+        group_product(cp + o * c.stride(0), c.stride(0), ap + o * a.stride(0), a.stride(0), bp + g * b.stride(0),
+                      b.stride(1), 1, trans_b, group_rows[g], N, K, beta);
       });
     });
   });
 }
 
-void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const std::vector<int64_t>& group_rows,
-                        float beta, const Context& ctx) {
+void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const std::vector<int64_t>& group_rows, float beta,
+                        const Context& ctx) {
   const cpu::Checker chk("gemm_grouped_wgrad", ctx, {{"c", &c}, {"a", &a}, {"b", &b}});
   chk.rank("c", 3);
   chk.rank("a", 2);

@@ -19,7 +19,7 @@ void transpose_01(Tensor& out, const Tensor& in, const Context& ctx) {
   const size_t row = static_cast<size_t>(in.size(2)) * dtype_size(in.dtype());
   const auto* src = static_cast<const char*>(in.raw());
   auto* dst = static_cast<char*>(out.raw());
-#pragma omp parallel for schedule(static) if (A * B * static_cast<int64_t>(row) > cpu::kParallelWork)
+#pragma omp parallel for schedule(static) if (A * B * static_cast <int64_t>(row) > cpu::kParallelWork)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t a = 0; a < A; ++a) std::memcpy(dst + (b * A + a) * row, src + (a * B + b) * row, row);
 }

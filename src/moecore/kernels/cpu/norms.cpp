@@ -39,8 +39,7 @@ void reduce_partials(float* dst, const float* partial, int64_t chunks, int64_t H
 }
 
 template <class TY>
-void rmsnorm_forward_kernel(TY* y, float* rstd, const float* x, const float* w, float eps, int64_t N,
-                            int64_t H) {
+void rmsnorm_forward_kernel(TY* y, float* rstd, const float* x, const float* w, float eps, int64_t N, int64_t H) {
 #pragma omp parallel for schedule(static) if (N * H > cpu::kParallelWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = x + n * H;
@@ -66,8 +65,8 @@ inline void put(float& dst, float v) {
 
 // dx = rstd * (g - xhat * mean(g * xhat)), g = w * dy, xhat = x * rstd;  dw += sum_n dy * xhat.
 template <bool AccumulateDx, class TD>
-void rmsnorm_backward_kernel(float* dx, float* dw, const TD* dy, const float* x, const float* w,
-                             const float* rstd, int64_t N, int64_t H) {
+void rmsnorm_backward_kernel(float* dx, float* dw, const TD* dy, const float* x, const float* w, const float* rstd,
+                             int64_t N, int64_t H) {
   const RowChunks chunks(N);
   float* partial = cpu::scratch<float>(static_cast<size_t>(chunks.count * H));
   const float inv_h = 1.0f / static_cast<float>(H);
@@ -192,34 +191,32 @@ void check_dx(const cpu::Checker& c) {
 
 }  // namespace
 
-void rmsnorm_forward(Tensor& y, Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
-                     const Context& ctx) {
+void rmsnorm_forward(Tensor& y, Tensor& rstd, const Tensor& x, const Tensor& w, float eps, const Context& ctx) {
   const cpu::Checker c("rmsnorm_forward", ctx, {{"y", &y}, {"rstd", &rstd}, {"x", &x}, {"w", &w}});
   const auto [N, H] = check_norm(c, {"y"}, {"rstd"}, {"w"});
   c.float_dtype("y");
   cpu::with_float_type(y.dtype(), [&](auto t) {
-    rmsnorm_forward_kernel(static_cast<decltype(t)*>(y.raw()), rstd.data<float>(), x.data<float>(),
-                           w.data<float>(), eps, N, H);
+    rmsnorm_forward_kernel(static_cast<decltype(t)*>(y.raw()), rstd.data<float>(), x.data<float>(), w.data<float>(),
+                           eps, N, H);
   });
 }
 
-void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w,
-                      const Tensor& rstd, bool accumulate_dx, const Context& ctx) {
+void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                      bool accumulate_dx, const Context& ctx) {
   const cpu::Checker c("rmsnorm_backward", ctx,
                        {{"dx", &dx}, {"dw", &dw}, {"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd", &rstd}});
   const auto [N, H] = check_norm(c, {"dx", "dy"}, {"rstd"}, {"w", "dw"});
   check_dx(c);
   cpu::with_float_type(dy.dtype(), [&](auto t) {
     const auto* dyp = static_cast<const decltype(t)*>(dy.raw());
-    auto* kernel = accumulate_dx ? rmsnorm_backward_kernel<true, decltype(t)>
-                                 : rmsnorm_backward_kernel<false, decltype(t)>;
-    kernel(dx.data<float>(), dw.data<float>(), dyp, x.data<float>(), w.data<float>(), rstd.data<float>(), N,
-           H);
+    auto* kernel =
+        accumulate_dx ? rmsnorm_backward_kernel<true, decltype(t)> : rmsnorm_backward_kernel<false, decltype(t)>;
+    kernel(dx.data<float>(), dw.data<float>(), dyp, x.data<float>(), w.data<float>(), rstd.data<float>(), N, H);
   });
 }
 
-void layernorm_forward(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, const Tensor& w,
-                       const Tensor& b, float eps, const Context& ctx) {
+void layernorm_forward(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b,
+                       float eps, const Context& ctx) {
   const cpu::Checker c("layernorm_forward", ctx,
                        {{"y", &y}, {"mean", &mean}, {"rstd", &rstd}, {"x", &x}, {"w", &w}, {"b", &b}});
   const auto [N, H] = check_norm(c, {"y"}, {"mean", "rstd"}, {"w", "b"});
@@ -230,24 +227,17 @@ void layernorm_forward(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, c
   });
 }
 
-void layernorm_backward(Tensor& dx, Tensor& dw, Tensor& db, const Tensor& dy, const Tensor& x,
-                        const Tensor& w, const Tensor& mean, const Tensor& rstd, bool accumulate_dx,
-                        const Context& ctx) {
-  const cpu::Checker c("layernorm_backward", ctx,
-                       {{"dx", &dx},
-                        {"dw", &dw},
-                        {"db", &db},
-                        {"dy", &dy},
-                        {"x", &x},
-                        {"w", &w},
-                        {"mean", &mean},
-                        {"rstd", &rstd}});
+void layernorm_backward(Tensor& dx, Tensor& dw, Tensor& db, const Tensor& dy, const Tensor& x, const Tensor& w,
+                        const Tensor& mean, const Tensor& rstd, bool accumulate_dx, const Context& ctx) {
+  const cpu::Checker c(
+      "layernorm_backward", ctx,
+      {{"dx", &dx}, {"dw", &dw}, {"db", &db}, {"dy", &dy}, {"x", &x}, {"w", &w}, {"mean", &mean}, {"rstd", &rstd}});
   const auto [N, H] = check_norm(c, {"dx", "dy"}, {"mean", "rstd"}, {"w", "dw", "db"});
   check_dx(c);
   cpu::with_float_type(dy.dtype(), [&](auto t) {
     const auto* dyp = static_cast<const decltype(t)*>(dy.raw());
-    auto* kernel = accumulate_dx ? layernorm_backward_kernel<true, decltype(t)>
-                                 : layernorm_backward_kernel<false, decltype(t)>;
+    auto* kernel =
+        accumulate_dx ? layernorm_backward_kernel<true, decltype(t)> : layernorm_backward_kernel<false, decltype(t)>;
     kernel(dx.data<float>(), dw.data<float>(), db.data<float>(), dyp, x.data<float>(), w.data<float>(),
            mean.data<float>(), rstd.data<float>(), N, H);
   });

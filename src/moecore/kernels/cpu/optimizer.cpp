@@ -31,8 +31,7 @@ struct AdamWConsts {
 };
 
 template <class TM, class TV>
-void adamw_kernel(float* param, const float* grad, TM* exp_avg, TV* exp_avg_sq, const AdamWConsts& k,
-                  int64_t n) {
+void adamw_kernel(float* param, const float* grad, TM* exp_avg, TV* exp_avg_sq, const AdamWConsts& k, int64_t n) {
 #pragma omp parallel for simd schedule(static) if (n > cpu::kParallelWork)
   for (int64_t i = 0; i < n; ++i) {
     const float g = grad[i] * k.grad_scale;
@@ -49,9 +48,8 @@ void adamw_kernel(float* param, const float* grad, TM* exp_avg, TV* exp_avg_sq, 
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWParams& p,
                 const Context& ctx) {
-  const cpu::Checker c(
-      "adamw_step", ctx,
-      {{"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
+  const cpu::Checker c("adamw_step", ctx,
+                       {{"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
   c.dtype("param", DType::f32);
   c.dtype("grad", DType::f32);
   c.float_dtype("exp_avg");

@@ -38,18 +38,18 @@ void rotate_slots(T* qkv, const float* rope, int64_t Dr, const QkvDims& d, bool 
   }
 }
 
-void rope_apply(const char* op, const char* name, Tensor& qkv, const Tensor& rope, const QkvDims& d,
-                const Context& ctx, bool inverse) {
+void rope_apply(const char* op, const char* name, Tensor& qkv, const Tensor& rope, const QkvDims& d, const Context& ctx,
+                bool inverse) {
   const cpu::Checker ck(op, ctx, {{name, &qkv}, {"rope", &rope}});
   if (d.B < 0 || d.S < 0 || d.G < 1 || d.R < 1 || d.D < 2 || d.D % 2 != 0) {
-    ck.fail("dims must have B, S >= 0, G, R >= 1 and an even D >= 2; got B=", d.B, " S=", d.S, " G=", d.G,
-            " R=", d.R, " D=", d.D);
+    ck.fail("dims must have B, S >= 0, G, R >= 1 and an even D >= 2; got B=", d.B, " S=", d.S, " G=", d.G, " R=", d.R,
+            " D=", d.D);
   }
   ck.float_dtype(name);
   ck.contiguous(name);
   if (!(qkv.shape() == Shape{d.B, d.S, d.width()})) {
-    ck.fail(name, " must have shape [B, S, G*(R+2)*D] = ", Shape{d.B, d.S, d.width()}.str(),
-            " for dims B=", d.B, " S=", d.S, " G=", d.G, " R=", d.R, " D=", d.D, ", got ", qkv.shape().str());
+    ck.fail(name, " must have shape [B, S, G*(R+2)*D] = ", Shape{d.B, d.S, d.width()}.str(), " for dims B=", d.B,
+            " S=", d.S, " G=", d.G, " R=", d.R, " D=", d.D, ", got ", qkv.shape().str());
   }
   ck.dtype("rope", DType::f32);
   ck.rank("rope", 2);

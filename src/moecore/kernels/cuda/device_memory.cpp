@@ -17,7 +17,9 @@ void* device_alloc(int64_t bytes) {
   check(cudaMalloc(&p, static_cast<size_t>(bytes > 0 ? bytes : 1)), "cudaMalloc", bytes);
   return p;
 }
-void device_free(void* p) { cudaFree(p); }
+void device_free(void* p) {
+  cudaFree(p);
+}
 void device_memset(void* p, int value, int64_t bytes) {
   check(cudaMemset(p, value, static_cast<size_t>(bytes)), "cudaMemset", bytes);
 }

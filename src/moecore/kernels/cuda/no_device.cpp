@@ -8,9 +8,17 @@ namespace {
   throw Error(std::string(what) + ": moecore was built without CUDA (configure with -DMOECORE_CUDA=ON)");
 }
 }  // namespace
-void* device_alloc(int64_t) { no_cuda("device_alloc"); }
+void* device_alloc(int64_t) {
+  no_cuda("device_alloc");
+}
 void device_free(void*) {}
-void device_memset(void*, int, int64_t) { no_cuda("device_memset"); }
-void device_copy(void*, bool, const void*, bool, int64_t) { no_cuda("device_copy"); }
-bool device_available() { return false; }
+void device_memset(void*, int, int64_t) {
+  no_cuda("device_memset");
+}
+void device_copy(void*, bool, const void*, bool, int64_t) {
+  no_cuda("device_copy");
+}
+bool device_available() {
+  return false;
+}
 }  // namespace moecore

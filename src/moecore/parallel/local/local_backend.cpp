@@ -56,8 +56,7 @@ void backend_all_to_all_v(void* out, const int64_t* recv_counts, const int64_t* 
                           const int64_t* send_counts, const int64_t* send_displs, DType t, BackendComm&,
                           const CallInfo& call) {
   if (send_counts[0] != recv_counts[0])
-    throw_backend_error(
-        call, str_cat("sends ", send_counts[0], " elements to itself but expects ", recv_counts[0]));
+    throw_backend_error(call, str_cat("sends ", send_counts[0], " elements to itself but expects ", recv_counts[0]));
   const int64_t es = static_cast<int64_t>(dtype_size(t));
   copy(static_cast<char*>(out) + recv_displs[0] * es, static_cast<const char*>(in) + send_displs[0] * es,
        send_counts[0], t);

@@ -76,8 +76,8 @@ MPI_Datatype mpi_type(DType t) {
 
 int to_int(int64_t v, const CallInfo& call, const char* what) {
   if (v < 0 || v > INT_MAX)
-    throw_backend_error(call, str_cat(what, " = ", v, " is outside MPI's int range (0 .. ", INT_MAX,
-                                      " elements); split the message"));
+    throw_backend_error(
+        call, str_cat(what, " = ", v, " is outside MPI's int range (0 .. ", INT_MAX, " elements); split the message"));
   return static_cast<int>(v);
 }
 
@@ -106,8 +106,8 @@ void wait(MPI_Request& req, const CallInfo& call) {
     return;
   }
   using clock = std::chrono::steady_clock;
-  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
-                                           std::chrono::duration<double>(call.timeout_s));
+  const auto deadline =
+      clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(call.timeout_s));
   auto nap = std::chrono::microseconds(10);
   const auto busy_until = clock::now() + std::chrono::milliseconds(50);
   for (;;) {
@@ -146,9 +146,8 @@ void backend_init(int& argc, char**& argv) {
     check_setup(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
     g_we_initialized = true;
     if (provided < MPI_THREAD_FUNNELED)
-      MOECORE_FAIL("comm (mpi): MPI provides thread level ", provided,
-                   " but moecore needs MPI_THREAD_FUNNELED (", MPI_THREAD_FUNNELED,
-                   "): OpenMP threads run beside the communicating thread");
+      MOECORE_FAIL("comm (mpi): MPI provides thread level ", provided, " but moecore needs MPI_THREAD_FUNNELED (",
+                   MPI_THREAD_FUNNELED, "): OpenMP threads run beside the communicating thread");
     // Errors of nonblocking collectives surface in MPI_Test, which Open MPI reports on MPI_COMM_WORLD's
     // handler: make it return too, so they become Errors (when MPI is ours to configure).
     check_setup(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
@@ -202,8 +201,7 @@ void backend_all_gather(void* out, const void* in, int64_t n, DType t, BackendCo
   const int count = to_int(n, call, "element count");
   to_int(n * comm_size(c.comm), call, "gathered element count");
   MPI_Request req = MPI_REQUEST_NULL;
-  check(MPI_Iallgather(in, count, mpi_type(t), out, count, mpi_type(t), c.comm, &req), "MPI_Iallgather",
-        call);
+  check(MPI_Iallgather(in, count, mpi_type(t), out, count, mpi_type(t), c.comm, &req), "MPI_Iallgather", call);
   wait(req, call);
 }
 
@@ -213,9 +211,8 @@ void backend_all_gather_v(void* out, const int64_t* counts, const int64_t* displ
   const int* icounts = to_ints(c, 0, counts, p, call, "count");
   const int* idispls = to_ints(c, 1, displs, p, call, "displacement");
   MPI_Request req = MPI_REQUEST_NULL;
-  check(
-      MPI_Iallgatherv(in, icounts[call.rank], mpi_type(t), out, icounts, idispls, mpi_type(t), c.comm, &req),
-      "MPI_Iallgatherv", call);
+  check(MPI_Iallgatherv(in, icounts[call.rank], mpi_type(t), out, icounts, idispls, mpi_type(t), c.comm, &req),
+        "MPI_Iallgatherv", call);
   wait(req, call);
 }
 
@@ -228,15 +225,13 @@ void backend_all_to_all_v(void* out, const int64_t* recv_counts, const int64_t* 
   const int* rc = to_ints(c, 2, recv_counts, p, call, "receive count");
   const int* rd = to_ints(c, 3, recv_displs, p, call, "receive displacement");
   MPI_Request req = MPI_REQUEST_NULL;
-  check(MPI_Ialltoallv(in, sc, sd, mpi_type(t), out, rc, rd, mpi_type(t), c.comm, &req), "MPI_Ialltoallv",
-        call);
+  check(MPI_Ialltoallv(in, sc, sd, mpi_type(t), out, rc, rd, mpi_type(t), c.comm, &req), "MPI_Ialltoallv", call);
   wait(req, call);
 }
 
 void backend_broadcast(void* buf, int64_t n, DType t, int root, BackendComm& c, const CallInfo& call) {
   MPI_Request req = MPI_REQUEST_NULL;
-  check(MPI_Ibcast(buf, to_int(n, call, "element count"), mpi_type(t), root, c.comm, &req), "MPI_Ibcast",
-        call);
+  check(MPI_Ibcast(buf, to_int(n, call, "element count"), mpi_type(t), root, c.comm, &req), "MPI_Ibcast", call);
   wait(req, call);
 }
 
