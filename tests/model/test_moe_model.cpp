@@ -34,6 +34,28 @@ Tensor ids(int64_t n, const char* name, int64_t V) {
   return t;
 }
 
+// The MoE layers see Megatron's sequence-major token order (token s*B + b), so seq_aux_loss's sequence b is sample
+// b: the B = 2 model's loss is the mean of the two single-sample models' losses. Fed batch-major, the layer's
+// "sequences" t % B would mix the two samples' tokens and the values would not match.
+TEST(MoeModel, MoeLayersSeeMegatronsSequenceMajorTokenOrder) {
+  model::ModelConfig c = tiny_moe();
+  c.moe.load_balancing_type = {moe::LoadBalancing::seq_aux_loss};
+  const Tensor tok = ids(32, "order", 64), lab = ids(32, "order_labels", 64);
+  model::GptModel both(c, 2, 11);
+  both.forward_backward(tok, lab, 1.0f);
+  std::vector<std::vector<double>> single(2);
+  for (int64_t b = 0; b < 2; ++b) {
+    model::GptModel one(c, 1, 11);
+    one.forward_backward(tok.slice(0, b, b + 1).clone(), lab.slice(0, b, b + 1).clone(), 1.0f);
+    for (int64_t l = 0; l < c.num_layers; ++l) single[b].push_back(one.moe_stats(l)->seq_aux_loss);
+  }
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const double s0 = single[0][l], s1 = single[1][l];
+    EXPECT_GT(std::fabs(s0 - s1), 1e-4) << "layer " << l << ": the samples must route differently for this test";
+    EXPECT_NEAR(both.moe_stats(l)->seq_aux_loss, 0.5 * (s0 + s1), 1e-6 * (s0 + s1)) << "layer " << l;
+  }
+}
+
 TEST(MoeModel, LayerFreqSelectsMoeLayers) {
   model::ModelConfig c = tiny_moe();
   c.moe_layer_freq = "2";
