@@ -125,43 +125,42 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     Param* qkv_b = add_bias(pre + "self_attention.linear_qkv.bias", dims_.qkv.width(), cfg_.qkv_bias());
     Param* proj_b = add_bias(pre + "self_attention.linear_proj.bias", H, bias);
     Param* mlp_w = add_norm(pre + "pre_mlp_layernorm", mlp_b);
+    // The attention half (and the norms) of every layer; the MLP half only for dense layers.
+    nn::DenseLayerWeights& w = layer_w_.emplace_back();
+    nn::DenseLayerGrads& g = layer_g_.emplace_back();
+    w.input_norm = in_w->value;
+    w.input_norm_bias = value(in_b);
+    w.mlp_norm = mlp_w->value;
+    w.mlp_norm_bias = value(mlp_b);
+    w.qkv = qkv->compute;
+    w.proj = proj->compute;
+    w.qkv_bias = value(qkv_b);
+    w.proj_bias = value(proj_b);
+    g.input_norm = in_w->grad;
+    g.input_norm_bias = grad(in_b);
+    g.mlp_norm = mlp_w->grad;
+    g.mlp_norm_bias = grad(mlp_b);
+    g.qkv = qkv->grad;
+    g.proj = proj->grad;
+    g.qkv_bias = grad(qkv_b);
+    g.proj_bias = grad(proj_b);
     if (!moe_layers[static_cast<size_t>(l)]) {
       Param* fc1 = add(pre + "mlp.linear_fc1.weight", {dims_.fc1_rows(), H}, Init::normal, std_w);
       Param* fc2 = add(pre + "mlp.linear_fc2.weight", {H, dims_.F}, Init::normal, std_out);
       Param* fc1_b = add_bias(pre + "mlp.linear_fc1.bias", dims_.fc1_rows(), bias);
       Param* fc2_b = add_bias(pre + "mlp.linear_fc2.bias", H, bias);
-      layer_w_.push_back({in_w->value, value(in_b), qkv->compute, proj->compute, mlp_w->value, value(mlp_b),
-                          fc1->compute, fc2->compute, value(qkv_b), value(proj_b), value(fc1_b), value(fc2_b)});
-      layer_g_.push_back({in_w->grad, grad(in_b), qkv->grad, proj->grad, mlp_w->grad, grad(mlp_b), fc1->grad, fc2->grad,
-                          grad(qkv_b), grad(proj_b), grad(fc1_b), grad(fc2_b)});
+      w.fc1 = fc1->compute;
+      w.fc2 = fc2->compute;
+      w.fc1_bias = value(fc1_b);
+      w.fc2_bias = value(fc2_b);
+      g.fc1 = fc1->grad;
+      g.fc2 = fc2->grad;
+      g.fc1_bias = grad(fc1_b);
+      g.fc2_bias = grad(fc2_b);
       caches_.push_back(nn::dense_layer_cache_alloc(dims_));
       moe_.push_back(nullptr);
       continue;
     }
-    layer_w_.push_back({in_w->value,
-                        value(in_b),
-                        qkv->compute,
-                        proj->compute,
-                        mlp_w->value,
-                        value(mlp_b),
-                        {},
-                        {},
-                        value(qkv_b),
-                        value(proj_b),
-                        {},
-                        {}});
-    layer_g_.push_back({in_w->grad,
-                        grad(in_b),
-                        qkv->grad,
-                        proj->grad,
-                        mlp_w->grad,
-                        grad(mlp_b),
-                        {},
-                        {},
-                        grad(qkv_b),
-                        grad(proj_b),
-                        {},
-                        {}});
     caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/false));
     auto m = std::make_unique<MoeBlock>();
     const int64_t fc1_rows = mc.swiglu ? 2 * Fm : Fm;
@@ -278,21 +277,24 @@ void GptModel::refresh_compute_weights() {
     if (p.compute.raw() != p.value.raw()) p.compute.copy_from(p.value);
 }
 
+// Keys are named "dropout/it<i>/mb<m>/layer<l>/<site>" (formatted on the stack: the step allocates nothing).
 void GptModel::set_dropout_keys(bool training) {
-  const std::string step =
-      "dropout/it" + std::to_string(dropout_iteration_) + "/mb" + std::to_string(dropout_micro_batch_) + "/";
-  auto key = [&](float p, const std::string& site) {
+  auto key = [&](float p, int64_t layer, const char* site) {
     ops::Dropout d;
     if (!training || p <= 0.0f) return d;
+    char name[96];
+    const int n = std::snprintf(name, sizeof name, "dropout/it%lld/mb%lld/layer%lld/%s",
+                                static_cast<long long>(dropout_iteration_),
+                                static_cast<long long>(dropout_micro_batch_), static_cast<long long>(layer), site);
     d.p = p;
-    d.key = philox_key(seed_, step + site);
+    d.key = philox_key(seed_, std::string_view(name, static_cast<size_t>(n)));
     return d;
   };
-  embedding_drop_ = key(cfg_.hidden_dropout, "embedding");
+  embedding_drop_ = key(cfg_.hidden_dropout, -1, "embedding");
   for (size_t l = 0; l < drops_.size(); ++l) {
-    const std::string layer = "layer" + std::to_string(l) + "/";
-    drops_[l] = {key(cfg_.attention_dropout, layer + "attention"), key(cfg_.hidden_dropout, layer + "attn_out"),
-                 key(cfg_.hidden_dropout, layer + "mlp_out")};
+    const auto i = static_cast<int64_t>(l);
+    drops_[l] = {key(cfg_.attention_dropout, i, "attention"), key(cfg_.hidden_dropout, i, "attn_out"),
+                 key(cfg_.hidden_dropout, i, "mlp_out")};
   }
 }
 
