@@ -186,6 +186,8 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
   preprocess_corpus();
   if (HasFatalFailure()) return;
+  // Megatron's defaults (LayerNorm, learned positions, linear biases in every layer and expert, dropout 0.1):
+  // the counter-based dropout masks make each layout draw the single-process masks.
   const std::string args = " train --data-path " + p("c_text_document") +
                            " --tokenizer-type ByteLevel "
                            "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
@@ -221,6 +223,8 @@ TEST_F(Cli, TwoRanksMatchOneProcess) {
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
   preprocess_corpus();
   if (HasFatalFailure()) return;
+  // Megatron's defaults (LayerNorm, learned positions, linear biases in every layer and expert, dropout 0.1):
+  // the counter-based dropout masks make each layout draw the single-process masks.
   const std::string args = " train --data-path " + p("c_text_document") +
                            " --tokenizer-type ByteLevel "
                            "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu "
