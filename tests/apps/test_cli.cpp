@@ -257,5 +257,16 @@ TEST_F(Cli, BadFlagsFailWithAClearMessage) {
   EXPECT_NE(r.output.find("--moe-router-topk (8)"), std::string::npos) << r.output;
 }
 
+// `moecore bench train-step` builds its model from the model flags (GPT-2 small's sizes by default, Megatron's
+// defaults for the rest) and reports against the GEMM peak of the same run.
+TEST_F(Cli, BenchTrainStepRunsWithMegatronsDefaults) {
+  const Result r =
+      run("bench train-step --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+          "--steps 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("LayerNorm, learned positions, biases, dropout 0.1/0.1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("\"ratio\":"), std::string::npos) << r.output;
+}
+
 }  // namespace
 }  // namespace moecore

@@ -74,18 +74,31 @@ TEST(MoeModel, LayerFreqSelectsMoeLayers) {
 }
 
 TEST(MoeModel, MemoryPlanTotalEqualsTrackedAllocations) {
-  model::ModelConfig c = tiny_moe();
-  c.moe.shared_expert_intermediate_size = 16;
-  c.moe.shared_expert_gate = true;
-  const MemoryStats before = memory_stats();
-  model::GptModel m(c, 2, 5);
-  optim::AdamW opt(m.params(), optim::AdamWConfig{});
-  const MemoryStats after = memory_stats();
-  const model::MemoryPlan plan = m.memory_plan(opt.state_bytes_per_param());
-  EXPECT_EQ(after.total_current - before.total_current, plan.total());
-  for (MemCategory k : {MemCategory::parameters, MemCategory::gradients, MemCategory::optimizer_state}) {
-    const int i = static_cast<int>(k);
-    EXPECT_EQ(after.current[i] - before.current[i], plan.bytes[i]) << mem_category_name(k);
+  model::ModelConfig shared = tiny_moe();
+  shared.moe.shared_expert_intermediate_size = 16;
+  shared.moe.shared_expert_gate = true;
+  // Megatron's defaults: LayerNorm, learned positions, biases everywhere, dropout.
+  model::ModelConfig megatron = tiny_moe();
+  megatron.normalization = model::Normalization::layernorm;
+  megatron.position_embedding_type = model::PositionEmbedding::learned_absolute;
+  megatron.max_position_embeddings = 24;
+  megatron.add_bias_linear = true;
+  megatron.hidden_dropout = megatron.attention_dropout = 0.1f;
+  // Partial RoPE with a qkv bias only.
+  model::ModelConfig partial = tiny_moe();
+  partial.rotary_percent = 0.5f;
+  partial.add_qkv_bias = true;
+  for (const model::ModelConfig& c : {shared, megatron, partial}) {
+    const MemoryStats before = memory_stats();
+    model::GptModel m(c, 2, 5);
+    optim::AdamW opt(m.params(), optim::AdamWConfig{});
+    const MemoryStats after = memory_stats();
+    const model::MemoryPlan plan = m.memory_plan(opt.state_bytes_per_param());
+    EXPECT_EQ(after.total_current - before.total_current, plan.total()) << c.summary();
+    for (MemCategory k : {MemCategory::parameters, MemCategory::gradients, MemCategory::optimizer_state}) {
+      const int i = static_cast<int>(k);
+      EXPECT_EQ(after.current[i] - before.current[i], plan.bytes[i]) << mem_category_name(k) << " " << c.summary();
+    }
   }
 }
 
