@@ -9,7 +9,7 @@ packages=(
   libdnnl-dev libomp-dev ocl-icd-opencl-dev opencl-headers
   libgtest-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
-  nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev sentencepiece
+  nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev sentencepiece libpcre2-dev
   python3 python3-numpy python3-venv python3-matplotlib
   clang-format
   fortunes

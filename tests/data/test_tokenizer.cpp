@@ -1,6 +1,7 @@
 // Tokenizers: the formats.md §6 test vectors, GPT2BPETokenizer vs HuggingFaceTokenizer parity on
-// tinyshakespeare, edge cases with ids from HF tokenizers 0.23 (an independent reference), the hand-written
-// pre-tokenizer regexes, NFC, SentencePiece on a model trained here, and errors that name the file.
+// tinyshakespeare, edge cases with ids from HF tokenizers 0.23 (an independent reference), the PCRE2 pre-tokenizer
+// regexes and Split behaviours against HF's pieces, NFC, SentencePiece on a model trained here, and errors that name
+// the file. The Qwen3 / DeepSeek-V3 goldens are in test_hf_tokenizers.cpp.
 // Tests needing ../shared/data skip with a message when it is absent.
 #include <nlohmann/json.hpp>
 
@@ -203,29 +204,63 @@ TEST(ByteMap, MatchesFormatsTable) {
   EXPECT_EQ(detail::bytes_to_token(" hi\n"), "\xc4\xa0hi\xc4\x8a");  // "Ġhi" + "Ċ"
 }
 
-std::vector<std::string> pieces(detail::Pattern p, std::string_view text) {
+// The Llama-3 and Qwen2/3 Split regexes as their tokenizer.json files spell them.
+const std::string kLlama3Regex = R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|)"
+                                 R"( ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+const std::string kQwen2Regex = R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|)"
+                                R"( ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+std::vector<std::string> pieces(const detail::SplitRegex& re, std::string_view text,
+                                detail::SplitBehavior b = detail::SplitBehavior::isolated, bool invert = false) {
   std::vector<std::string_view> v;
-  detail::pretokenize(p, text, v);
+  re.split(text, b, invert, v);
   return {v.begin(), v.end()};
 }
 
 // Expected pieces from HF tokenizers' Split(Regex(...), "isolated") (Oniguruma).
 TEST(PreTokenizer, MatchesRegexEngine) {
+  const detail::SplitRegex& gpt2 = detail::SplitRegex::gpt2();
+  const detail::SplitRegex llama3(kLlama3Regex, false, "test"), qwen2(kQwen2Regex, false, "test");
   const std::string s = "Hello  world's 'RE 12345!!\n\n  (x)\tgo  \r\n";
-  EXPECT_EQ(pieces(detail::Pattern::gpt2, s),
-            (std::vector<std::string>{"Hello", " ", " world", "'s", " '", "RE", " 12345", "!!", "\n\n ", " (", "x", ")",
-                                      "\t", "go", "  \r\n"}));
-  EXPECT_EQ(pieces(detail::Pattern::llama3, s),
-            (std::vector<std::string>{"Hello", " ", " world", "'s", " '", "RE", " ", "123", "45", "!!\n\n", " ", " (",
-                                      "x", ")", "\tgo", "  \r\n"}));
-  EXPECT_EQ(pieces(detail::Pattern::qwen2, s),
-            (std::vector<std::string>{"Hello", " ", " world", "'s", " '", "RE", " ", "1", "2", "3", "4", "5", "!!\n\n",
-                                      " ", " (", "x", ")", "\tgo", "  \r\n"}));
+  EXPECT_EQ(pieces(gpt2, s), (std::vector<std::string>{"Hello", " ", " world", "'s", " '", "RE", " 12345", "!!",
+                                                       "\n\n ", " (", "x", ")", "\t", "go", "  \r\n"}));
+  EXPECT_EQ(pieces(llama3, s), (std::vector<std::string>{"Hello", " ", " world", "'s", " '", "RE", " ", "123", "45",
+                                                         "!!\n\n", " ", " (", "x", ")", "\tgo", "  \r\n"}));
+  EXPECT_EQ(pieces(qwen2, s), (std::vector<std::string>{"Hello", " ", " world", "'s", " '", "RE", " ", "1", "2", "3",
+                                                        "4", "5", "!!\n\n", " ", " (", "x", ")", "\tgo", "  \r\n"}));
   // Case-insensitive contractions only in the Llama-3/Qwen regex; "don" + "'T" vs "don" + "'" + "T".
-  EXPECT_EQ(pieces(detail::Pattern::llama3, "DON'T"), (std::vector<std::string>{"DON", "'T"}));
-  EXPECT_EQ(pieces(detail::Pattern::gpt2, "DON'T"), (std::vector<std::string>{"DON", "'", "T"}));
-  EXPECT_EQ(pieces(detail::Pattern::gpt2, "a\xff\xfe b"), (std::vector<std::string>{"a", "\xff\xfe", " b"}));
-  EXPECT_TRUE(pieces(detail::Pattern::gpt2, "").empty());
+  EXPECT_EQ(pieces(llama3, "DON'T"), (std::vector<std::string>{"DON", "'T"}));
+  EXPECT_EQ(pieces(llama3, "it'\xc5\xbf"), (std::vector<std::string>{"it", "'\xc5\xbf"}));  // ſ case-folds to s
+  EXPECT_EQ(pieces(gpt2, "DON'T"), (std::vector<std::string>{"DON", "'", "T"}));
+  EXPECT_EQ(pieces(gpt2, "a\xff\xfe b"), (std::vector<std::string>{"a", "\xff\xfe", " b"}));
+  EXPECT_TRUE(pieces(gpt2, "").empty());
+  // U+180E (Mongolian vowel separator) is no White_Space: PCRE2's own \s would take it, Oniguruma's does not.
+  EXPECT_EQ(pieces(gpt2, "x!\xe1\xa0\x8e!"), (std::vector<std::string>{"x", "!\xe1\xa0\x8e!"}));
+  EXPECT_EQ(pieces(gpt2, "a \xc2\x85 b"), (std::vector<std::string>{"a", " \xc2\x85", " b"}));  // NEL is
+  // Long runs neither overflow the JIT stack nor go quadratic.
+  const std::string spaces(200000, ' ');
+  EXPECT_EQ(pieces(gpt2, spaces + "x"), (std::vector<std::string>{std::string(199999, ' '), " x"}));
+  EXPECT_EQ(pieces(gpt2, std::string(200000, 'a')).size(), 1u);
+}
+
+// Split behaviours and invert, as HF's SplitDelimiterBehavior defines them (pieces from HF tokenizers 0.23).
+TEST(PreTokenizer, SplitBehaviours) {
+  const detail::SplitRegex dash("-", false, "test"), lit("a.", true, "test"), empty("x*", false, "test");
+  using B = detail::SplitBehavior;
+  const std::string s = "the-final--countdown-";
+  using V = std::vector<std::string>;
+  EXPECT_EQ(pieces(dash, s, B::isolated), (V{"the", "-", "final", "-", "-", "countdown", "-"}));
+  EXPECT_EQ(pieces(dash, s, B::removed), (V{"the", "final", "countdown"}));
+  EXPECT_EQ(pieces(dash, s, B::merged_with_previous), (V{"the-", "final-", "-", "countdown-"}));
+  EXPECT_EQ(pieces(dash, s, B::merged_with_next), (V{"the", "-final", "-", "-countdown", "-"}));
+  EXPECT_EQ(pieces(dash, s, B::contiguous), (V{"the", "-", "final", "--", "countdown", "-"}));
+  EXPECT_EQ(pieces(dash, s, B::removed, true), (V{"-", "-", "-", "-"}));
+  EXPECT_EQ(pieces(lit, "ba.a.ab", B::isolated), (V{"b", "a.", "a.", "ab"}));  // a String pattern is literal
+  EXPECT_EQ(pieces(empty, "axxb", B::isolated), (V{"a", "xx", "b"}));
+  EXPECT_EQ(pieces(dash, s, B::merged_with_previous, true), (V{"the", "-final", "-", "-countdown", "-"}));
+  EXPECT_EQ(pieces(empty, "axxbc", B::contiguous), (V{"a", "xx", "b", "c"}));  // empty matches between b and c
+  EXPECT_EQ(pieces(empty, "axxbc", B::merged_with_next), (V{"a", "xxb", "c"}));
+  expect_error([] { detail::SplitRegex bad("(?<", false, "my.json"); }, {"my.json", "(?<", "does not compile"});
 }
 
 TEST(Unicode, ClassesAndNfc) {

@@ -44,6 +44,18 @@ std::string bytes_to_token(std::string_view bytes) {
   return s;
 }
 
+std::string token_to_bytes(std::string_view spelling) {
+  std::string bytes;
+  for (size_t i = 0; i < spelling.size();) {
+    char32_t cp;
+    i += unicode::utf8_decode(spelling, i, &cp);
+    const int b = char_to_byte(cp);
+    if (b < 0) return std::string(spelling);
+    bytes.push_back(static_cast<char>(b));
+  }
+  return bytes;
+}
+
 std::string read_text_file(const std::string& path, const char* component, const char* what) {
   std::ifstream f(path, std::ios::binary);
   if (!f) MOECORE_FAIL(component, ": cannot open ", what, " '", path, "'; check the path and permissions");
@@ -66,19 +78,7 @@ BpeModel::BpeModel(std::unordered_map<std::string, int32_t> vocab,
   id_known_.assign(end, 0);
   for (const auto& [tok, id] : vocab_) {
     id_known_[id] = 1;
-    // HF's ByteLevel decoder: a token with a character outside the byte alphabet decodes as its UTF-8.
-    std::string bytes;
-    bool all_mapped = true;
-    for (size_t i = 0; i < tok.size() && all_mapped;) {
-      char32_t cp;
-      i += unicode::utf8_decode(tok, i, &cp);
-      const int b = char_to_byte(cp);
-      if (b < 0)
-        all_mapped = false;
-      else
-        bytes.push_back(static_cast<char>(b));
-    }
-    id_bytes_[id] = all_mapped ? bytes : tok;
+    id_bytes_[id] = token_to_bytes(tok);
   }
   for (int b = 0; b < 256; ++b) byte_id_[b] = token_id(bytes_to_token(std::string(1, static_cast<char>(b))));
   merges_.reserve(merges.size());
@@ -196,7 +196,7 @@ class Gpt2BpeTokenizer final : public Tokenizer {
   Gpt2BpeTokenizer(std::unique_ptr<BpeModel> model, int32_t eod) : model_(std::move(model)), eod_(eod) {}
   std::vector<int32_t> encode(std::string_view text) const override {
     std::vector<std::string_view> pieces;
-    pretokenize(Pattern::gpt2, text, pieces);
+    SplitRegex::gpt2().split(text, SplitBehavior::isolated, false, pieces);
     std::vector<int32_t> ids;
     ids.reserve(text.size() / 3 + 1);
     for (std::string_view p : pieces) model_->encode_word(p, ids);

@@ -24,18 +24,40 @@ const std::array<char32_t, 256>& byte_to_char();
 int char_to_byte(char32_t c);
 // The vocab spelling of raw bytes: each byte mapped through byte_to_char, UTF-8 encoded.
 std::string bytes_to_token(std::string_view bytes);
+// The bytes a token spelling decodes to, as HF's ByteLevel decoder does it: each character through char_to_byte,
+// or the spelling's own UTF-8 when one of its characters is outside the 256-character alphabet.
+std::string token_to_bytes(std::string_view spelling);
 
-// The hand-written pre-tokenizer regexes (std::regex has no \p{L}). Each splits a text into consecutive
-// pieces covering it exactly, as the regex's leftmost-first matches do:
-//  gpt2:   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-//  llama3: (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
-//          \s*[\r\n]+|\s+(?!\S)|\s+
-//  qwen2:  as llama3 with \p{N} (one digit per piece) in place of \p{N}{1,3}
-enum class Pattern { gpt2, llama3, qwen2 };
-// Appends the pieces of `text` (views into it) to `out`.
-void pretokenize(Pattern pattern, std::string_view text, std::vector<std::string_view>& out);
-// The Pattern whose regex source is `regex` (as written in a tokenizer.json), or false.
-bool pattern_from_regex(std::string_view regex, Pattern* pattern);
+// How a Split pre-tokenizer turns matches into pieces (HF tokenizers' SplitDelimiterBehavior): isolated keeps
+// matches and the text between them as separate pieces; removed drops the matches; merged_with_previous /
+// merged_with_next glue each match to the piece before / after it; contiguous joins runs of matches.
+enum class SplitBehavior { isolated, removed, merged_with_previous, merged_with_next, contiguous };
+
+// The GPT-2 pre-tokenizer regex (ByteLevel's use_regex): 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+|...
+extern const std::string_view kGpt2Regex;
+
+// A compiled pre-tokenizer pattern: PCRE2 (8-bit, UTF + UCP, JIT when the library has it), so the pieces equal
+// the Oniguruma engine's in HF tokenizers. \s means Unicode White_Space as in Oniguruma (PCRE2 10.42's \s also
+// takes U+180E). Invalid UTF-8 bytes match no pattern item, so they end up in the gaps between matches.
+// split is const and thread-safe.
+class SplitRegex {
+ public:
+  // `source` (the file and component) starts the Error raised when the pattern does not compile.
+  // `literal`: the pattern is a plain string (HF's {"String": ...} pattern), not a regex.
+  SplitRegex(std::string_view pattern, bool literal, const std::string& source);
+  ~SplitRegex();
+  SplitRegex(const SplitRegex&) = delete;
+  SplitRegex& operator=(const SplitRegex&) = delete;
+  // Appends the pieces of `text` (views into it) to `out`; `invert` swaps matches and gaps first (HF's invert).
+  // Empty pieces are dropped.
+  void split(std::string_view text, SplitBehavior behavior, bool invert, std::vector<std::string_view>& out) const;
+  // The compiled GPT-2 regex, shared.
+  static const SplitRegex& gpt2();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 struct BpeOptions {
   bool ignore_merges = false;  // a whole pre-token found in the vocab is emitted as is (Llama-3)

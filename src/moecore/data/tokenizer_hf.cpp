@@ -1,7 +1,8 @@
-// HuggingFaceTokenizer: a tokenizer.json whose model is byte-level BPE (GPT-2, Llama-3, Qwen2/3 styles).
-// Supported: added tokens (leftmost-longest, lstrip/rstrip/single_word), normalizer null/NFC, pre-tokenizers
-// ByteLevel and Split with the known regexes, post-processors ByteLevel/TemplateProcessing. Anything else
-// (WordPiece, Unigram, Metaspace, ...) is rejected with an Error naming the component.
+// HuggingFaceTokenizer: a tokenizer.json whose model is byte-level BPE (GPT-2, Llama-3, Qwen2/3, DeepSeek-V3 styles).
+// Supported: added tokens (leftmost-longest, lstrip/rstrip/single_word/normalized), normalizer null/NFC/Sequence,
+// pre-tokenizers ByteLevel, Split (any PCRE2-compatible Regex or String pattern, every behaviour, invert) and Digits
+// in a Sequence, post-processors ByteLevel/TemplateProcessing. Anything else (WordPiece, Unigram, Metaspace, ...) is
+// rejected with an Error naming the component.
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -24,17 +25,19 @@ struct AddedToken {
 };
 
 struct PreStep {
-  bool byte_level;        // ByteLevel (else Split)
-  bool add_prefix_space;  // ByteLevel only
-  bool split;             // ByteLevel with use_regex, or Split
-  Pattern pattern;
+  bool byte_level;          // ByteLevel (else Split or Digits)
+  bool add_prefix_space;    // ByteLevel only
+  const SplitRegex* regex;  // null: no split (ByteLevel with use_regex false)
+  SplitBehavior behavior;
+  bool invert;
 };
 
 struct HfConfig {
   std::vector<AddedToken> added;
   bool nfc = false;
   std::vector<PreStep> steps;
-  std::vector<int32_t> prefix, suffix;  // post-processor template tokens around the sequence
+  std::vector<std::unique_ptr<SplitRegex>> regexes;  // owned by the steps above
+  std::vector<int32_t> prefix, suffix;               // post-processor template tokens around the sequence
 };
 
 // The code point ending at byte `end` (> 0) of s.
@@ -128,7 +131,12 @@ class HfTokenizer final : public Tokenizer {
     raw_.finish();
     normalized_.finish();
     added_by_id_.assign(id_end_, -1);
-    for (size_t i = 0; i < cfg_.added.size(); ++i) added_by_id_[cfg_.added[i].id] = static_cast<int32_t>(i);
+    for (size_t i = 0; i < cfg_.added.size(); ++i) {
+      const AddedToken& t = cfg_.added[i];
+      added_by_id_[t.id] = static_cast<int32_t>(i);
+      // HF decodes an added token from its normalized content, through the ByteLevel decoder like any token.
+      added_bytes_.push_back(token_to_bytes(t.normalized && cfg_.nfc ? unicode::nfc(t.content) : t.content));
+    }
   }
 
   std::vector<int32_t> encode(std::string_view text) const override {
@@ -147,7 +155,7 @@ class HfTokenizer final : public Tokenizer {
     std::string out;
     for (int32_t id : ids) {
       if (id >= 0 && id < id_end_ && added_by_id_[id] >= 0) {
-        out += cfg_.added[added_by_id_[id]].content;
+        out += added_bytes_[added_by_id_[id]];
       } else if (!model_->decode_token(id, out)) {
         MOECORE_FAIL("HuggingFaceTokenizer: decode: id ", id, " is not in the vocabulary (size ", id_end_, ")");
       }
@@ -169,8 +177,8 @@ class HfTokenizer final : public Tokenizer {
       next.clear();
       for (std::string_view p : pieces) {
         if (step.add_prefix_space && !p.starts_with(' ')) p = owned.emplace_back(" " + std::string(p));
-        if (step.split)
-          pretokenize(step.pattern, p, next);
+        if (step.regex != nullptr)
+          step.regex->split(p, step.behavior, step.invert, next);
         else
           next.push_back(p);
       }
@@ -185,11 +193,12 @@ class HfTokenizer final : public Tokenizer {
   int64_t id_end_ = 0;
   AddedMatcher raw_, normalized_;
   std::vector<int32_t> added_by_id_;
+  std::vector<std::string> added_bytes_;  // decoded bytes per added token
 };
 
 [[noreturn]] void unsupported(const std::string& path, const std::string& what, const json& j) {
   MOECORE_FAIL("HuggingFaceTokenizer: '", path, "': unsupported ", what, " ", j.dump().substr(0, 300),
-               "; supported: byte-level BPE tokenizer.json files (GPT-2, Llama-3, Qwen2/3 styles). For "
+               "; supported: byte-level BPE tokenizer.json files (GPT-2, Llama-3, Qwen2/3, DeepSeek-V3 styles). For "
                "SentencePiece models (Llama-2, Mistral) use --tokenizer-type SentencePieceTokenizer with the .model");
 }
 
@@ -205,19 +214,40 @@ void parse_normalizer(const json& n, const std::string& path, HfConfig& cfg) {
   }
 }
 
+// A Split's "behavior" (HF spells them Isolated, Removed, MergedWithPrevious, MergedWithNext, Contiguous).
+SplitBehavior split_behavior(const json& p, const std::string& path) {
+  static const std::pair<const char*, SplitBehavior> kNames[] = {
+      {"Isolated", SplitBehavior::isolated},
+      {"Removed", SplitBehavior::removed},
+      {"MergedWithPrevious", SplitBehavior::merged_with_previous},
+      {"MergedWithNext", SplitBehavior::merged_with_next},
+      {"Contiguous", SplitBehavior::contiguous}};
+  const std::string name = p.value("behavior", "");
+  for (const auto& [n, b] : kNames) {
+    if (name == n) return b;
+  }
+  unsupported(path, "Split behavior '" + name + "'", p);
+}
+
 void parse_pre_tokenizer(const json& p, const std::string& path, HfConfig& cfg) {
   const std::string type = p.is_null() ? "" : p.value("type", "");
   if (type == "Sequence") {
     for (const json& x : p.at("pretokenizers")) parse_pre_tokenizer(x, path, cfg);
   } else if (type == "ByteLevel") {
-    cfg.steps.push_back({true, p.value("add_prefix_space", false), p.value("use_regex", true), Pattern::gpt2});
+    const SplitRegex* gpt2 = p.value("use_regex", true) ? &SplitRegex::gpt2() : nullptr;
+    cfg.steps.push_back({true, p.value("add_prefix_space", false), gpt2, SplitBehavior::isolated, false});
   } else if (type == "Split") {
-    Pattern pattern;
     const json& pat = p.at("pattern");
-    if (!pat.contains("Regex") || !pattern_from_regex(pat["Regex"].get<std::string>(), &pattern) ||
-        p.value("behavior", "") != "Isolated" || p.value("invert", false))
-      unsupported(path, "Split pre-tokenizer (only the GPT-2/Llama-3/Qwen2 regexes, Isolated, not inverted)", p);
-    cfg.steps.push_back({false, false, true, pattern});
+    const bool literal = pat.contains("String");
+    if (!literal && !pat.contains("Regex")) unsupported(path, "Split pattern (expected Regex or String)", p);
+    const std::string source = "HuggingFaceTokenizer: '" + path + "'";
+    cfg.regexes.push_back(
+        std::make_unique<SplitRegex>(pat[literal ? "String" : "Regex"].get<std::string>(), literal, source));
+    cfg.steps.push_back({false, false, cfg.regexes.back().get(), split_behavior(p, path), p.value("invert", false)});
+  } else if (type == "Digits") {  // HF splits on char::is_numeric, i.e. \p{N}: each digit, or runs of them
+    const bool each = p.value("individual_digits", false);
+    cfg.regexes.push_back(std::make_unique<SplitRegex>(each ? "\\p{N}" : "\\p{N}+", false, "Digits pre-tokenizer"));
+    cfg.steps.push_back({false, false, cfg.regexes.back().get(), SplitBehavior::isolated, false});
   } else {
     unsupported(path, "pre_tokenizer", p);
   }
