@@ -29,6 +29,7 @@ void add_model_flags(Args& a, const model::ModelConfig& d) {
       .option("--rotary-base", "10000", "RoPE base")
       .option("--rotary-percent", "1.0", "share of each head's channels RoPE rotates, (0, 1]")
       .flag("--disable-bias-linear", "no biases on the linear layers (Megatron adds them by default)")
+      .flag("--qk-layernorm", "QK-norm: the --normalization norm over each query and key head before RoPE")
       .flag("--add-qkv-bias", "a bias on linear_qkv only (Qwen2-style), with --disable-bias-linear")
       .option("--hidden-dropout", "0.1", "dropout on the embedding output and both residual branches, [0, 1)")
       .option("--attention-dropout", "0.1", "dropout on the attention probabilities, [0, 1)")
@@ -55,7 +56,6 @@ void add_model_flags(Args& a, const model::ModelConfig& d) {
       .unsupported("--qk-head-dim", "128", "multi-latent attention (MLA)")
       .unsupported("--qk-pos-emb-head-dim", "64", "multi-latent attention (MLA)")
       .unsupported("--v-head-dim", "128", "multi-latent attention (MLA)")
-      .unsupported_switch("--qk-layernorm", "QK-norm")
       .unsupported_switch("--qk-l2-norm", "QK L2-norm")
       .unsupported("--rope-type", "", "RoPE variants (yarn) other than the plain one")
       .unsupported("--rotary-scaling-factor", "1.0", "RoPE scaling (yarn)")
@@ -223,6 +223,7 @@ model::ModelConfig model_config_from(const Args& a, int64_t tokenizer_vocab) {
     MOECORE_FAIL("--rotary-percent (", a.str("--rotary-percent"), ") must be in (0, 1]");
   c.add_bias_linear = !a.on("--disable-bias-linear");
   c.add_qkv_bias = a.on("--add-qkv-bias");
+  c.qk_layernorm = a.on("--qk-layernorm");
   for (const char* f : {"--hidden-dropout", "--attention-dropout"}) {
     const double p = a.f64(f);
     if (!(p >= 0.0 && p < 1.0)) MOECORE_FAIL(f, " (", a.str(f), ") must be in [0, 1)");

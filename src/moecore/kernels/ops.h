@@ -182,6 +182,14 @@ void scale(Tensor& x, float alpha, const Context& ctx);
 // out [B, A, W] = in [A, B, W] with the leading two dimensions swapped (batch-major [B, S, H] <-> Megatron's
 // sequence-major [S, B, H]); one float dtype, contiguous, out must not alias in.
 void transpose_01(Tensor& out, const Tensor& in, const Context& ctx);
+// The query or key slots of the fused QKV activation as rows of one head (QK-norm):
+//   packed [T*G*count, D], row (t*G + g)*count + j  <->  qkv [T, G*(R+2)*D], slot `slot + j` of group g,
+// for every token t (qkv may be [B, S, width]). Slots 0..R-1 are the queries, slot R the key. Any float dtypes;
+// values convert. Contiguous tensors.
+void qkv_slots_gather(Tensor& packed, const Tensor& qkv, const QkvDims& dims, int64_t slot, int64_t count,
+                      const Context& ctx);
+void qkv_slots_scatter(Tensor& qkv, const Tensor& packed, const QkvDims& dims, int64_t slot, int64_t count,
+                       const Context& ctx);
 // Sum of squares of a float tensor, accumulated in double (for the global gradient norm).
 double sum_squares(const Tensor& x, const Context& ctx);
 // True when every element is finite.

@@ -58,7 +58,7 @@ std::string ModelConfig::summary() const {
   return detail::str_cat(
       normalization == Normalization::layernorm ? "LayerNorm" : "RMSNorm", pos,
       rope() && rotary_percent < 1.0f ? detail::str_cat(" (", rotary_dim(), " of ", head_dim(), " ch)") : std::string(),
-      qkv_bias() ? (add_bias_linear ? ", biases" : ", qkv bias") : "",
+      qkv_bias() ? (add_bias_linear ? ", biases" : ", qkv bias") : "", qk_layernorm ? ", qk-norm" : "",
       hidden_dropout > 0 || attention_dropout > 0
           ? detail::str_cat(", dropout ", hidden_dropout, "/", attention_dropout)
           : std::string(),

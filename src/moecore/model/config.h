@@ -34,6 +34,7 @@ struct ModelConfig {
   bool add_bias_linear = false;         // Megatron's add_bias_linear (--disable-bias-linear clears it): biases on
                                         // linear_qkv, linear_proj, linear_fc1, linear_fc2 and the experts' fc1/fc2
   bool add_qkv_bias = false;            // --add-qkv-bias: a bias on linear_qkv only (Qwen2-style)
+  bool qk_layernorm = false;            // --qk-layernorm: the model's norm over each query and key head before RoPE
   float hidden_dropout = 0.0f;          // --hidden-dropout: embedding output and both bias-dropout-adds, [0, 1)
   float attention_dropout = 0.0f;       // --attention-dropout: on the attention probabilities, [0, 1)
   bool swiglu = true;                   // --swiglu (else GeLU MLP, Megatron's default)

@@ -52,6 +52,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   dims_.layernorm = cfg_.normalization == Normalization::layernorm;
   dims_.swiglu = cfg_.swiglu;
   dims_.rope = cfg_.rope();
+  dims_.qk_norm = cfg_.qk_layernorm;
   dims_.dropout = cfg_.hidden_dropout > 0.0f;
   dims_.compute = c;
   moe_dims_ = {N, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
@@ -75,7 +76,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   const bool bias = cfg_.add_bias_linear;
   int64_t count = 3 + (ln ? 1 : 0) + (cfg_.untie_embeddings_and_output_weights ? 1 : 0);
   for (bool is_moe : moe_layers)
-    count += (ln ? 6 : 4) + (is_moe ? 3 + (Fs > 0 ? 2 : 0) + (mc.shared_expert_gate ? 1 : 0) : 2) +
+    count += (ln ? 6 : 4) + (cfg_.qk_layernorm ? (ln ? 4 : 2) : 0) +
+             (is_moe ? 3 + (Fs > 0 ? 2 : 0) + (mc.shared_expert_gate ? 1 : 0) : 2) +
              (bias                ? 5
               : cfg_.add_qkv_bias ? 1
                                   : 0);
@@ -102,11 +104,12 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     params_.push_back(std::move(p));
     return &params_.back();
   };
-  auto add_norm = [&](const std::string& prefix, Param*& bias) {
-    Param* w = add(prefix + ".weight", {H}, Init::ones);
-    bias = ln ? add(prefix + ".bias", {H}, Init::zeros) : nullptr;
+  auto add_norm_of = [&](const std::string& prefix, int64_t width, Param*& bias) {
+    Param* w = add(prefix + ".weight", {width}, Init::ones);
+    bias = ln ? add(prefix + ".bias", {width}, Init::zeros) : nullptr;
     return w;
   };
+  auto add_norm = [&](const std::string& prefix, Param*& bias) { return add_norm_of(prefix, H, bias); };
   auto value = [](Param* p) { return p ? p->value : Tensor(); };
   auto grad = [](Param* p) { return p ? p->grad : Tensor(); };
   // Linear-layer biases start at zero, as Megatron initialises them.
@@ -144,6 +147,19 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     g.proj = proj->grad;
     g.qkv_bias = grad(qkv_b);
     g.proj_bias = grad(proj_b);
+    if (cfg_.qk_layernorm) {  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
+      Param *qn_b, *kn_b;
+      Param* qn = add_norm_of(pre + "self_attention.q_layernorm", D, qn_b);
+      Param* kn = add_norm_of(pre + "self_attention.k_layernorm", D, kn_b);
+      w.q_norm = qn->value;
+      w.q_norm_bias = value(qn_b);
+      w.k_norm = kn->value;
+      w.k_norm_bias = value(kn_b);
+      g.q_norm = qn->grad;
+      g.q_norm_bias = grad(qn_b);
+      g.k_norm = kn->grad;
+      g.k_norm_bias = grad(kn_b);
+    }
     if (!moe_layers[static_cast<size_t>(l)]) {
       Param* fc1 = add(pre + "mlp.linear_fc1.weight", {dims_.fc1_rows(), H}, Init::normal, std_w);
       Param* fc2 = add(pre + "mlp.linear_fc2.weight", {H, dims_.F}, Init::normal, std_out);

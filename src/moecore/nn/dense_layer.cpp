@@ -31,6 +31,14 @@ DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp) 
   k.rstd1 = act_tensor({d.N}, DType::f32);
   k.h1 = act_tensor({d.N, d.H}, c);
   k.qkv = act_tensor({d.N, q.width()}, c);
+  if (d.qk_norm) {
+    k.q_in = act_tensor({d.N * q.q_heads(), q.D}, DType::f32);
+    k.k_in = act_tensor({d.N * q.G, q.D}, DType::f32);
+    k.q_rstd = act_tensor({d.N * q.q_heads()}, DType::f32);
+    k.k_rstd = act_tensor({d.N * q.G}, DType::f32);
+    if (d.layernorm) k.q_mean = act_tensor({d.N * q.q_heads()}, DType::f32);
+    if (d.layernorm) k.k_mean = act_tensor({d.N * q.G}, DType::f32);
+  }
   k.attn = act_tensor({d.N, q.q_heads() * q.D}, c);
   k.lse = act_tensor({q.B, q.q_heads(), q.S}, DType::f32);
   k.x_mid = act_tensor({d.N, d.H}, DType::f32);
@@ -46,7 +54,9 @@ DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp) 
 int64_t dense_layer_cache_bytes(const DenseLayerDims& d, bool with_mlp) {
   const int64_t c = static_cast<int64_t>(dtype_size(d.compute));
   const auto& q = d.qkv;
-  return d.N * 4 * (d.layernorm ? 4 : 2) + d.N * d.H * 4 + q.B * q.q_heads() * q.S * 4 +
+  const int64_t qk_rows = d.qk_norm ? d.N * (q.q_heads() + q.G) : 0;  // QK-norm inputs and statistics
+  return qk_rows * (q.D + (d.layernorm ? 2 : 1)) * 4 + d.N * 4 * (d.layernorm ? 4 : 2) + d.N * d.H * 4 +
+         q.B * q.q_heads() * q.S * 4 +
          c * d.N * (2 * d.H + q.width() + q.q_heads() * q.D + (with_mlp ? d.fc1_rows() + d.F : 0));
 }
 
@@ -59,13 +69,18 @@ DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d) {
   w.dattn = work_tensor({d.N, d.qkv.q_heads() * d.qkv.D}, c);
   w.dfc1 = work_tensor({d.N, d.fc1_rows()}, c);
   w.dact = work_tensor({d.N, d.F}, c);
+  if (d.qk_norm) {
+    w.qk_y = work_tensor({d.N * d.qkv.q_heads(), d.qkv.D}, c);
+    w.qk_dx = work_tensor({d.N * d.qkv.q_heads(), d.qkv.D}, DType::f32);
+  }
   return w;
 }
 
 int64_t dense_layer_workspace_bytes(const DenseLayerDims& d) {
   const int64_t c = static_cast<int64_t>(dtype_size(d.compute));
   const int64_t cast = d.compute == DType::f32 && !d.dropout ? 0 : c * d.N * d.H;
-  return d.N * d.H * 4 + cast + c * d.N * (d.qkv.width() + d.qkv.q_heads() * d.qkv.D + d.fc1_rows() + d.F);
+  const int64_t qk = d.qk_norm ? d.N * d.qkv.q_heads() * d.qkv.D * (c + 4) : 0;
+  return d.N * d.H * 4 + cast + qk + c * d.N * (d.qkv.width() + d.qkv.q_heads() * d.qkv.D + d.fc1_rows() + d.F);
 }
 
 void linear_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight, const Tensor& bias,
@@ -98,12 +113,42 @@ void linear_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const 
   ops::gemm(dweight, *g, true, a, false, 1.0f, 1.0f, ctx);
 }
 
+// QK-norm: the query heads (slots 0..R-1 of each group) and the key head (slot R) go through the layer's norm as
+// rows of D, with one weight per kind, and back into the fused activation.
+void qk_norm_forward(DenseLayerCache& k, const DenseLayerWeights& w, DenseLayerWorkspace& ws, const DenseLayerDims& d,
+                     const ops::Context& ctx) {
+  const ops::QkvDims& q = d.qkv;
+  Tensor yk = ws.qk_y.slice(0, 0, k.k_in.size(0));
+  ops::qkv_slots_gather(k.q_in, k.qkv, q, 0, q.R, ctx);
+  norm_forward(ws.qk_y, k.q_mean, k.q_rstd, k.q_in, w.q_norm, w.q_norm_bias, d.eps, ctx);
+  ops::qkv_slots_scatter(k.qkv, ws.qk_y, q, 0, q.R, ctx);
+  ops::qkv_slots_gather(k.k_in, k.qkv, q, q.R, 1, ctx);
+  norm_forward(yk, k.k_mean, k.k_rstd, k.k_in, w.k_norm, w.k_norm_bias, d.eps, ctx);
+  ops::qkv_slots_scatter(k.qkv, yk, q, q.R, 1, ctx);
+}
+
+// dqkv's query and key slots: dL/d(norm output) on entry, dL/d(norm input) on return.
+void qk_norm_backward(Tensor& dqkv, DenseLayerGrads& g, const DenseLayerCache& k, const DenseLayerWeights& w,
+                      DenseLayerWorkspace& ws, const DenseLayerDims& d, const ops::Context& ctx) {
+  const ops::QkvDims& q = d.qkv;
+  const int64_t kr = k.k_in.size(0);
+  Tensor dyk = ws.qk_y.slice(0, 0, kr), dxk = ws.qk_dx.slice(0, 0, kr);
+  ops::qkv_slots_gather(ws.qk_y, dqkv, q, 0, q.R, ctx);
+  norm_backward(ws.qk_dx, g.q_norm, g.q_norm_bias, ws.qk_y, k.q_in, w.q_norm, w.q_norm_bias, k.q_mean, k.q_rstd, false,
+                ctx);
+  ops::qkv_slots_scatter(dqkv, ws.qk_dx, q, 0, q.R, ctx);
+  ops::qkv_slots_gather(dyk, dqkv, q, q.R, 1, ctx);
+  norm_backward(dxk, g.k_norm, g.k_norm_bias, dyk, k.k_in, w.k_norm, w.k_norm_bias, k.k_mean, k.k_rstd, false, ctx);
+  ops::qkv_slots_scatter(dqkv, dxk, q, q.R, 1, ctx);
+}
+
 void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerWorkspace& ws,
                              const Tensor& rope, const DenseLayerDims& d, const LayerDropout& drop,
                              const ops::Context& ctx) {
   norm_forward(k.h1, k.mean1, k.rstd1, x, w.input_norm, w.input_norm_bias, d.eps, ctx);
   ops::gemm(k.qkv, k.h1, false, w.qkv, true, 1.0f, 0.0f, ctx);
   if (w.qkv_bias.defined()) ops::bias_add(k.qkv, w.qkv_bias, ctx);
+  if (d.qk_norm) qk_norm_forward(k, w, ws, d, ctx);
   Tensor qkv = bsw(k.qkv, d), attn = bsw(k.attn, d);
   if (d.rope) ops::rope_forward(qkv, rope, d.qkv, ctx);
   ops::attention_forward(attn, k.lse, qkv, d.qkv, drop.attention, ctx);
@@ -142,6 +187,7 @@ void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x,
   Tensor dqkv = bsw(ws.dqkv, d);
   ops::attention_backward(dqkv, bsw(ws.dattn, d), bsw(k.qkv, d), bsw(k.attn, d), k.lse, d.qkv, drop.attention, ctx);
   if (d.rope) ops::rope_backward(dqkv, rope, d.qkv, ctx);
+  if (d.qk_norm) qk_norm_backward(ws.dqkv, g, k, w, ws, d, ctx);
   if (g.qkv_bias.defined()) ops::bias_grad(g.qkv_bias, ws.dqkv, ctx);
   ops::gemm(g.qkv, ws.dqkv, true, k.h1, false, 1.0f, 1.0f, ctx);
   ops::gemm(ws.dh, ws.dqkv, false, w.qkv, false, 1.0f, 0.0f, ctx);

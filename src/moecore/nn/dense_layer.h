@@ -1,8 +1,9 @@
 // One pre-norm transformer layer with a dense MLP: explicit forward and backward (no autograd).
 //   x_mid = x + dropout(proj(attention(rope(qkv(norm1(x))))));  y = x_mid + dropout(fc2(act(fc1(norm2(x_mid)))))
 // as Megatron's bias-dropout-add. Norms are RMSNorm or LayerNorm (with bias); act is SwiGLU (fc1 = [gate; up])
-// or GeLU. Linear layers carry a bias when its tensor is defined; RoPE (full or partial, by the rope table's
-// width) is skipped when the model has no rotary positions; attention may drop probabilities.
+// or GeLU. Linear layers carry a bias when its tensor is defined; QK-norm (Megatron's --qk-layernorm) normalises
+// each query and key head before RoPE; RoPE (full or partial, by the rope table's width) is skipped when the
+// model has no rotary positions; attention may drop probabilities.
 // Not here: parameter ownership and initialisation (model/), the MoE variant of the MLP (moe/).
 //
 // Gradient contract: weight gradients accumulate (+=); the residual-stream gradient is updated in place
@@ -23,6 +24,7 @@ struct DenseLayerDims {
   bool layernorm = false;  // LayerNorm (weight and bias) or RMSNorm (weight only)
   bool swiglu = true;      // SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
   bool dropout = false;    // hidden dropout may be on (allocates the masked-gradient buffer dres_c)
+  bool qk_norm = false;    // QK-norm: the layer's norm over each q and k head (weights [D])
   bool rope = true;        // rotate q and k (the table [S, Dr] gives the rotary width); false: no RoPE
   DType compute = DType::f32;
   int64_t fc1_rows() const { return swiglu ? 2 * F : F; }
@@ -30,24 +32,27 @@ struct DenseLayerDims {
 
 // Views of one layer's weights. Norm weights are the f32 masters; GEMM weights are in the compute dtype.
 struct DenseLayerWeights {
-  Tensor input_norm;       // [H] f32
-  Tensor input_norm_bias;  // [H] f32, LayerNorm only
-  Tensor qkv;              // [G*(R+2)*D, H]
-  Tensor proj;             // [H, G*R*D]
-  Tensor mlp_norm;         // [H] f32
-  Tensor mlp_norm_bias;    // [H] f32, LayerNorm only
-  Tensor fc1;              // [fc1_rows, H]
-  Tensor fc2;              // [H, F]
-  Tensor qkv_bias;         // [G*(R+2)*D] f32, or undefined (no bias); likewise the three below
-  Tensor proj_bias;        // [H] f32
-  Tensor fc1_bias;         // [fc1_rows] f32
-  Tensor fc2_bias;         // [H] f32
+  Tensor input_norm;           // [H] f32
+  Tensor input_norm_bias;      // [H] f32, LayerNorm only
+  Tensor qkv;                  // [G*(R+2)*D, H]
+  Tensor proj;                 // [H, G*R*D]
+  Tensor mlp_norm;             // [H] f32
+  Tensor mlp_norm_bias;        // [H] f32, LayerNorm only
+  Tensor fc1;                  // [fc1_rows, H]
+  Tensor fc2;                  // [H, F]
+  Tensor qkv_bias;             // [G*(R+2)*D] f32, or undefined (no bias); likewise the three below
+  Tensor proj_bias;            // [H] f32
+  Tensor fc1_bias;             // [fc1_rows] f32
+  Tensor fc2_bias;             // [H] f32
+  Tensor q_norm, q_norm_bias;  // [D] f32: QK-norm of the query heads (bias: LayerNorm only), or undefined
+  Tensor k_norm, k_norm_bias;  // [D] f32: QK-norm of the key heads
 };
 
 // f32 gradients, same shapes as the weights; accumulated.
 struct DenseLayerGrads {
   Tensor input_norm, input_norm_bias, qkv, proj, mlp_norm, mlp_norm_bias, fc1, fc2;
   Tensor qkv_bias, proj_bias, fc1_bias, fc2_bias;
+  Tensor q_norm, q_norm_bias, k_norm, k_norm_bias;
 };
 
 // The dropout masks of one layer's forward (p = 0: off, as in evaluation). Backward must get the same keys.
@@ -59,18 +64,21 @@ struct LayerDropout {
 
 // Activations saved by forward for backward. Dropping and refilling this struct is recompute.
 struct DenseLayerCache {
-  Tensor mean1;  // [N] f32, LayerNorm only
-  Tensor rstd1;  // [N] f32
-  Tensor h1;     // [N, H] compute: norm1 output
-  Tensor qkv;    // [N, G*(R+2)*D] compute: after RoPE
-  Tensor attn;   // [N, G*R*D] compute: attention output
-  Tensor lse;    // [B, G*R, S] f32
-  Tensor x_mid;  // [N, H] f32: residual after the attention block
-  Tensor mean2;  // [N] f32, LayerNorm only
-  Tensor rstd2;  // [N] f32
-  Tensor h2;     // [N, H] compute: norm2 output
-  Tensor fc1;    // [N, fc1_rows] compute
-  Tensor act;    // [N, F] compute
+  Tensor mean1;           // [N] f32, LayerNorm only
+  Tensor rstd1;           // [N] f32
+  Tensor h1;              // [N, H] compute: norm1 output
+  Tensor qkv;             // [N, G*(R+2)*D] compute: after QK-norm and RoPE
+  Tensor q_in, k_in;      // [N*G*R, D], [N*G, D] f32: query / key heads before QK-norm (QK-norm only)
+  Tensor q_mean, q_rstd;  // [N*G*R] f32 (mean: LayerNorm only)
+  Tensor k_mean, k_rstd;  // [N*G] f32
+  Tensor attn;            // [N, G*R*D] compute: attention output
+  Tensor lse;             // [B, G*R, S] f32
+  Tensor x_mid;           // [N, H] f32: residual after the attention block
+  Tensor mean2;           // [N] f32, LayerNorm only
+  Tensor rstd2;           // [N] f32
+  Tensor h2;              // [N, H] compute: norm2 output
+  Tensor fc1;             // [N, fc1_rows] compute
+  Tensor act;             // [N, F] compute
 };
 
 // Scratch shared by all layers (forward uses dh for the bias-dropout-add input).
@@ -81,6 +89,8 @@ struct DenseLayerWorkspace {
   Tensor dattn;   // [N, G*R*D] compute
   Tensor dfc1;    // [N, fc1_rows] compute
   Tensor dact;    // [N, F] compute
+  Tensor qk_y;    // [N*G*R, D] compute: QK-norm output (forward), its gradient (backward); QK-norm only
+  Tensor qk_dx;   // [N*G*R, D] f32: QK-norm input gradient
 };
 
 // with_mlp=false allocates no fc1/act (layers whose MLP is an MoE layer).

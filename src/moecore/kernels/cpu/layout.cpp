@@ -1,5 +1,6 @@
-// CPU layout ops: swap the two leading dimensions of a [A, B, W] tensor (batch-major <-> Megatron's
-// sequence-major token order). A pure copy: rows of W elements move whole, in either float dtype.
+// CPU layout ops, pure copies (with a float dtype conversion where the op allows one): swap the two leading
+// dimensions of a [A, B, W] tensor (batch-major <-> Megatron's sequence-major token order), and gather /
+// scatter the query or key slots of the fused QKV activation (QK-norm works on rows of one head).
 #include <cstring>
 
 #include "moecore/kernels/cpu/cpu_util.h"
@@ -22,6 +23,64 @@ void transpose_01(Tensor& out, const Tensor& in, const Context& ctx) {
 #pragma omp parallel for schedule(static) if (A * B * static_cast <int64_t>(row) > cpu::kParallelWork)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t a = 0; a < A; ++a) std::memcpy(dst + (b * A + a) * row, src + (a * B + b) * row, row);
+}
+
+namespace {
+
+// Calls fn(row of qkv, row of the packed tensor) for slot j of group g of token n, row (n*G + g)*count + j.
+template <class F>
+void for_each_qkv_slot(const QkvDims& d, int64_t tokens, int64_t slot, int64_t count, F&& fn) {
+  const int64_t rows = tokens * d.G * count;
+#pragma omp parallel for schedule(static) if (rows * d.D > cpu::kParallelWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t j = r % count, ng = r / count;  // ng = n*G + g
+    fn((ng * (d.R + 2) + slot + j) * d.D, r * d.D);
+  }
+}
+
+void check_slots(const cpu::Checker& c, const Tensor& qkv, const Tensor& packed, const QkvDims& d, int64_t slot,
+                 int64_t count) {
+  c.float_dtype("qkv");
+  c.float_dtype("packed");
+  c.contiguous("qkv");
+  c.contiguous("packed");
+  if (slot < 0 || count <= 0 || slot + count > d.R + 2) c.fail("slots [", slot, ", ", slot + count, ") of ", d.R + 2);
+  if (qkv.dim() < 2 || qkv.size(-1) != d.width()) c.fail("qkv's last dim must be G*(R+2)*D = ", d.width());
+  const int64_t tokens = qkv.numel() / d.width();
+  if (packed.dim() != 2 || packed.size(0) != tokens * d.G * count || packed.size(1) != d.D)
+    c.fail("packed must be [", tokens * d.G * count, ", ", d.D, "]");
+}
+
+}  // namespace
+
+void qkv_slots_gather(Tensor& packed, const Tensor& qkv, const QkvDims& d, int64_t slot, int64_t count,
+                      const Context& ctx) {
+  const cpu::Checker c("qkv_slots_gather", ctx, {{"packed", &packed}, {"qkv", &qkv}});
+  check_slots(c, qkv, packed, d, slot, count);
+  cpu::with_float_type(packed.dtype(), [&](auto to) {
+    cpu::with_float_type(qkv.dtype(), [&](auto ti) {
+      auto* out = static_cast<decltype(to)*>(packed.raw());
+      const auto* in = static_cast<const decltype(ti)*>(qkv.raw());
+      for_each_qkv_slot(d, qkv.numel() / d.width(), slot, count, [&](int64_t src, int64_t dst) {
+        for (int64_t i = 0; i < d.D; ++i) cpu::st(out[dst + i], cpu::ld(in[src + i]));
+      });
+    });
+  });
+}
+
+void qkv_slots_scatter(Tensor& qkv, const Tensor& packed, const QkvDims& d, int64_t slot, int64_t count,
+                       const Context& ctx) {
+  const cpu::Checker c("qkv_slots_scatter", ctx, {{"qkv", &qkv}, {"packed", &packed}});
+  check_slots(c, qkv, packed, d, slot, count);
+  cpu::with_float_type(qkv.dtype(), [&](auto to) {
+    cpu::with_float_type(packed.dtype(), [&](auto ti) {
+      auto* out = static_cast<decltype(to)*>(qkv.raw());
+      const auto* in = static_cast<const decltype(ti)*>(packed.raw());
+      for_each_qkv_slot(d, qkv.numel() / d.width(), slot, count, [&](int64_t dst, int64_t src) {
+        for (int64_t i = 0; i < d.D; ++i) cpu::st(out[dst + i], cpu::ld(in[src + i]));
+      });
+    });
+  });
 }
 
 }  // namespace moecore::ops
