@@ -1,5 +1,6 @@
 // Text tokenizers under Megatron's --tokenizer-type names: GPT2BPETokenizer (vocab.json + merges.txt),
-// HuggingFaceTokenizer (tokenizer.json with a byte-level BPE model: GPT-2, Llama-3 and Qwen styles),
+// HuggingFaceTokenizer (tokenizer.json with a byte-level BPE model; pre-tokenizer regexes such as GPT-2's,
+// Llama-3's, Qwen's and DeepSeek-V3's run on PCRE2),
 // SentencePieceTokenizer / Llama2Tokenizer (a .model file, through libsentencepiece) and ByteLevel
 // (moecore's file-free tokenizer). Encoding matches the reference implementations id for id; there is no
 // training, no truncation/padding and no chat templates here.
