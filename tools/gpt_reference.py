@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Golden reference for moecore's dense GPT decoder (Megatron-Core semantics).
 
-Produces six golden files in tests/golden/ (variant names in brackets):
+Produces eight golden files in tests/golden/ (variant names in brackets):
   gpt_tiny.safetensors          [untied]   RMSNorm + SwiGLU, untied output layer
   gpt_tiny_tied.safetensors     [tied]     RMSNorm + SwiGLU, output layer reuses
                                            embedding.word_embeddings.weight
@@ -12,6 +12,10 @@ Produces six golden files in tests/golden/ (variant names in brackets):
         SwiGLU, untied, add_qkv_bias only, RoPE on half of each head
   gpt_tiny_bias_swiglu_nopos.safetensors    [bias_swiglu_nopos]  RMSNorm +
         SwiGLU, tied, add_bias_linear, no position embedding at all
+  gpt_tiny_qknorm.safetensors               [qknorm]  RMSNorm + SwiGLU,
+        untied, RoPE, qk_layernorm (Qwen3-MoE's attention)
+  gpt_tiny_qknorm_ln.safetensors            [qknorm_ln]  LayerNorm + GeLU,
+        untied, RoPE, add_qkv_bias, qk_layernorm with biases
 Everything is computed in float64 with torch autograd on CPU from weights
 initialized here with a fixed-seed torch.Generator, and stored as F32 (I32 for
 the integer inputs).
@@ -63,6 +67,19 @@ fc1, fc2 biases; init: position embeddings ~ N(0, 0.5^2), biases ~ N(0, 0.1^2)):
   [bias_learned]          LayerNorm, GeLU, untied, add_bias_linear, learned_absolute
   [qkvbias_partial_rope]  RMSNorm, SwiGLU, untied, add_qkv_bias, rope, rotary_percent 0.5
   [bias_swiglu_nopos]     RMSNorm, SwiGLU, tied, add_bias_linear, none
+  [qknorm]                RMSNorm, SwiGLU, untied, no bias, rope, qk_layernorm
+  [qknorm_ln]             LayerNorm, GeLU, untied, add_qkv_bias, rope, qk_layernorm
+qk_layernorm (Megatron's --qk-layernorm, attention.py: q_layernorm / k_layernorm
+applied to query [sq, b, np, hn] and key [sq, b, ng, hn] over hn, after the
+qkv GEMM and its bias, before apply_rotary_pos_emb): every query head and every
+key head (a row of D channels) goes through the model's norm with
+decoder.layers.{i}.self_attention.q_layernorm.weight [D] (shared by all query
+heads) and ...k_layernorm.weight [D] (all key heads), plus .bias [D] each under
+LayerNorm; epsilon as for the other norms; value heads untouched. Init (second
+generator, per layer after that layer's linear biases, in the order q weight,
+q bias, k weight, k bias): weight = 1 + 0.1*N(0,1), bias = 0.1*N(0,1). These
+1-D parameters are not decayed. With qk_layernorm the key bias is no longer
+softmax-cancelled (it passes through the norm), so no entry is dead.
 (qkvbias_partial_rope is untied because, tied, its steep first steps (loss 32
 -> 6) amplify float32 noise past the final-parameter tolerance even in PyTorch
 float32.) The key slot of linear_qkv.bias in the channels RoPE does not rotate
@@ -78,7 +95,8 @@ first three files start from the float64 draws). Their files carry the extra
 metadata keys add_qkv_bias, max_position_embeddings (0 = seq_length),
 rotary_percent, hidden_dropout, attention_dropout; the first three files do
 not (readers default them: no qkv bias, P = S, 1.0, 0, 0), so they regenerate
-byte for byte.
+byte for byte. The qk variants add the key qk_layernorm = "true"; the files
+before them lack it (readers default it to false).
 
 Then 10 AdamW steps on the same batch (explicit float64 implementation): global
 L2 grad-norm clipping (grads *= clip/(norm+1e-6) when that factor is < 1, as in
@@ -114,7 +132,8 @@ SEED = 1234
 GOLDEN_DIR = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden"))
 DT = torch.float64
 # name -> golden file, tied embeddings, normalization, activation and (optional, the defaults of the first three)
-# bias: "none" | "qkv" | "all", pos: "rope" | "learned_absolute" | "none", rotary_percent, max_pos (0 = S)
+# bias: "none" | "qkv" | "all", pos: "rope" | "learned_absolute" | "none", rotary_percent, max_pos (0 = S),
+# qk (qk_layernorm: the model's norm over each query / key head before RoPE)
 VARIANTS = {
     "untied": dict(file="gpt_tiny.safetensors", tied=False, norm="RMSNorm", act="swiglu"),
     "tied": dict(file="gpt_tiny_tied.safetensors", tied=True, norm="RMSNorm", act="swiglu"),
@@ -125,14 +144,18 @@ VARIANTS = {
                                  act="swiglu", bias="qkv", pos="rope", rotary_percent=0.5),
     "bias_swiglu_nopos": dict(file="gpt_tiny_bias_swiglu_nopos.safetensors", tied=True, norm="RMSNorm",
                               act="swiglu", bias="all", pos="none"),
+    "qknorm": dict(file="gpt_tiny_qknorm.safetensors", tied=False, norm="RMSNorm", act="swiglu", pos="rope",
+                   rotary_percent=1.0, qk=True),
+    "qknorm_ln": dict(file="gpt_tiny_qknorm_ln.safetensors", tied=False, norm="LayerNorm", act="gelu", bias="qkv",
+                      pos="rope", qk=True),
 }
-EXTENDED = ("bias", "pos", "rotary_percent", "max_pos")  # keys only the later variants set
+EXTENDED = ("bias", "pos", "rotary_percent", "max_pos", "qk")  # keys only the later variants set
 
 
 def feat(var):
     """The variant's features with defaults filled in."""
     return dict(bias=var.get("bias", "none"), pos=var.get("pos", "rope"),
-                rotary_percent=var.get("rotary_percent", 1.0), max_pos=var.get("max_pos", 0))
+                rotary_percent=var.get("rotary_percent", 1.0), max_pos=var.get("max_pos", 0), qk=var.get("qk", False))
 
 
 def init_params(var):
@@ -172,6 +195,10 @@ def init_params(var):
             p[pre + "self_attention.linear_proj.bias"] = extra(H, std=0.1)
             p[pre + "mlp.linear_fc1.bias"] = extra(2 * F_ if var["act"] == "swiglu" else F_, std=0.1)
             p[pre + "mlp.linear_fc2.bias"] = extra(H, std=0.1)
+        for qk in ("q_layernorm", "k_layernorm") if f["qk"] else ():  # weight, then (LayerNorm) bias, per head dim
+            p[pre + f"self_attention.{qk}.weight"] = 1.0 + extra(D, std=0.1)
+            if ln:
+                p[pre + f"self_attention.{qk}.bias"] = extra(D, std=0.1)
     return p
 
 
@@ -231,8 +258,9 @@ def attention(p, pre, h, f):
     r = nh // nkv
     pe = (lambda t: rope(t, f["rotary_percent"])) if f["pos"] == "rope" else (lambda t: t)
     qkv = linear(p, pre + "self_attention.linear_qkv", h).view(B, S, nkv, r + 2, D)  # bias before RoPE
-    q = pe(qkv[:, :, :, :r, :].reshape(B, S, nh, D))
-    k = pe(qkv[:, :, :, r, :])                                    # [B, S, nkv, D]
+    qn = (lambda n, t: norm(p, pre + f"self_attention.{n}", t)) if f["qk"] else (lambda n, t: t)
+    q = pe(qn("q_layernorm", qkv[:, :, :, :r, :].reshape(B, S, nh, D)))  # QK-norm over D, before RoPE
+    k = pe(qn("k_layernorm", qkv[:, :, :, r, :]))                 # [B, S, nkv, D]
     v = qkv[:, :, :, r + 1, :]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))              # [B, heads, S, D]
     k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
@@ -356,6 +384,8 @@ def generate(name):
     if any(k in var for k in EXTENDED):
         meta.update(add_qkv_bias="true" if f["bias"] == "qkv" else "false", max_position_embeddings=str(f["max_pos"]),
                     rotary_percent=str(f["rotary_percent"]), hidden_dropout="0", attention_dropout="0")
+    if f["qk"]:
+        meta["qk_layernorm"] = "true"
     os.makedirs(GOLDEN_DIR, exist_ok=True)
     save_safetensors(golden_path(name), out, meta)
     return out
@@ -383,9 +413,16 @@ def check(name):
     assert ("param.decoder.final_layernorm.bias" in t) == ln
     assert all(("param." + n[:-len("weight")] + "bias" in t) == ln
                for n in p if n.endswith("layernorm.weight")), "norm bias presence"
+    f, D = feat(var), CFG["kv_channels"]
+    assert meta.get("qk_layernorm", "false") == ("true" if f["qk"] else "false")
+    for i in range(CFG["num_layers"]):
+        for qk in ("q_layernorm", "k_layernorm"):
+            n = f"param.decoder.layers.{i}.self_attention.{qk}."
+            assert (n + "weight" in t) == f["qk"] and (n + "bias" in t) == (f["qk"] and ln), n
+            assert not f["qk"] or t[n + "weight"].shape == (D,), n
     assert t["param.decoder.layers.0.mlp.linear_fc1.weight"].shape == \
         ((2 * Fh if var["act"] == "swiglu" else Fh), H)
-    f, S = feat(var), CFG["seq_length"]
+    S = CFG["seq_length"]
     assert meta["position_embedding"] == f["pos"]
     assert meta["add_bias_linear"] == ("true" if f["bias"] == "all" else "false")
     assert float(meta.get("rotary_percent", "1.0")) == f["rotary_percent"]
@@ -398,7 +435,7 @@ def check(name):
     if f["pos"] == "learned_absolute":
         assert t["param." + pos].shape == (f["max_pos"], CFG["hidden_size"]) and f["max_pos"] > S
         assert not t["grad." + pos][S:].any() and t["grad." + pos][:S].all(), "position-table gradient rows"
-    if f["bias"] != "none":  # the softmax-cancelled key-bias channels: zero gradient, never moved
+    if f["bias"] != "none" and not f["qk"]:  # the softmax-cancelled key-bias channels: zero gradient, never moved
         nh, nkv, D = CFG["num_attention_heads"], CFG["num_query_groups"], CFG["kv_channels"]
         Dr = int(D * f["rotary_percent"]) if f["pos"] == "rope" else 0
         for i in range(CFG["num_layers"]):

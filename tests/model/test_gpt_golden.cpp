@@ -1,6 +1,6 @@
 // Layer-3 tests: the dense GPT against golden tensors written by tools/gpt_reference.py (PyTorch autograd in
 // float64): logits, loss, every parameter gradient, and a 10-step AdamW trajectory (clipping included), for
-// six variants (norms, activations, tied output, linear biases, learned / rotary / no positions).
+// eight variants (norms, activations, tied output, linear biases, learned / rotary / no positions, QK-norm).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -67,6 +67,7 @@ Golden load_golden(const std::string& file) {
   g.cfg.rotary_percent = std::stof(g.meta_or("rotary_percent", "1.0"));
   g.cfg.hidden_dropout = std::stof(g.meta_or("hidden_dropout", "0"));
   g.cfg.attention_dropout = std::stof(g.meta_or("attention_dropout", "0"));
+  g.cfg.qk_layernorm = g.meta_or("qk_layernorm", "false") == "true";
   g.batch = i("micro_batch_size");
   return g;
 }
@@ -88,8 +89,9 @@ optim::AdamWConfig golden_optimizer(const Golden& g) {
 
 // Entry k of linear_qkv.bias [G*(R+2)*D] lies in a key slot and in a channel RoPE leaves alone (every channel
 // without RoPE): it shifts all scores of a query by the same amount, which softmax cancels, so its gradient is
-// identically zero.
+// identically zero. With QK-norm the key passes through a norm first, so no entry is dead.
 bool dead_key_bias(const model::ModelConfig& c, int64_t k) {
+  if (c.qk_layernorm) return false;
   const int64_t D = c.head_dim(), R = c.num_attention_heads / c.query_groups();
   const int64_t Dr = c.rope() ? c.rotary_dim() : 0;
   return (k / D) % (R + 2) == R && k % D >= Dr;
@@ -210,12 +212,15 @@ TEST_P(GptGolden, DropoutChangesTrainingButNotEvaluation) {
 // LayerNorm (with biases) + exact GeLU + tied embeddings; bias_learned: LayerNorm + GeLU + untied, biases on
 // every linear layer, learned absolute positions (table longer than S); qkvbias_partial_rope: RMSNorm +
 // SwiGLU + untied, qkv bias only, RoPE on half of each head; bias_swiglu_nopos: RMSNorm + SwiGLU + tied,
-// biases on every linear layer (fc1's as [gate; up]), no position embedding.
+// biases on every linear layer (fc1's as [gate; up]), no position embedding; qknorm: RMSNorm + SwiGLU + untied,
+// RoPE, QK-norm (Qwen3-MoE's attention); qknorm_ln: LayerNorm + GeLU + untied, qkv bias, RoPE, QK-norm with
+// biases (the qkv bias precedes the norm).
 INSTANTIATE_TEST_SUITE_P(Files, GptGolden,
                          ::testing::Values("gpt_tiny.safetensors", "gpt_tiny_tied.safetensors",
                                            "gpt_tiny_gelu_ln.safetensors", "gpt_tiny_bias_learned.safetensors",
                                            "gpt_tiny_qkvbias_partial_rope.safetensors",
-                                           "gpt_tiny_bias_swiglu_nopos.safetensors"),
+                                           "gpt_tiny_bias_swiglu_nopos.safetensors", "gpt_tiny_qknorm.safetensors",
+                                           "gpt_tiny_qknorm_ln.safetensors"),
                          [](const auto& info) {
                            std::string f = info.param;  // gpt_tiny[_<variant>].safetensors -> <variant>
                            f = f.substr(0, f.find('.'));
