@@ -185,7 +185,7 @@ void transpose_01(Tensor& out, const Tensor& in, const Context& ctx);
 // The query or key slots of the fused QKV activation as rows of one head (QK-norm):
 //   packed [T*G*count, D], row (t*G + g)*count + j  <->  qkv [T, G*(R+2)*D], slot `slot + j` of group g,
 // for every token t (qkv may be [B, S, width]). Slots 0..R-1 are the queries, slot R the key. Any float dtypes;
-// values convert. Contiguous tensors.
+// values convert. Contiguous tensors that do not overlap.
 void qkv_slots_gather(Tensor& packed, const Tensor& qkv, const QkvDims& dims, int64_t slot, int64_t count,
                       const Context& ctx);
 void qkv_slots_scatter(Tensor& qkv, const Tensor& packed, const QkvDims& dims, int64_t slot, int64_t count,

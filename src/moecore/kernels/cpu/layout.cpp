@@ -46,6 +46,9 @@ void check_slots(const cpu::Checker& c, const Tensor& qkv, const Tensor& packed,
   c.contiguous("packed");
   if (slot < 0 || count <= 0 || slot + count > d.R + 2) c.fail("slots [", slot, ", ", slot + count, ") of ", d.R + 2);
   if (qkv.dim() < 2 || qkv.size(-1) != d.width()) c.fail("qkv's last dim must be G*(R+2)*D = ", d.width());
+  const auto* q0 = static_cast<const char*>(qkv.raw());
+  const auto* p0 = static_cast<const char*>(packed.raw());
+  if (p0 < q0 + qkv.nbytes() && q0 < p0 + packed.nbytes()) c.fail("packed must not overlap qkv");
   const int64_t tokens = qkv.numel() / d.width();
   if (packed.dim() != 2 || packed.size(0) != tokens * d.G * count || packed.size(1) != d.D)
     c.fail("packed must be [", tokens * d.G * count, ", ", d.D, "]");
