@@ -1,0 +1,517 @@
+// HF checkpoint directories, streamed. Files are read with pread (not mmap: mapped pages would count as resident
+// memory) and written through a per-shard spill file, so no step holds more than one tensor. The header rules
+// repeat io/safetensors.cpp's on purpose: that reader loads whole files, this one must validate from headers alone.
+#include "moecore/io/hf_checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "moecore/io/file_util.h"
+
+namespace moecore::io {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr uint64_t kChunkBytes = 8ull << 20;  // conversion and copy buffer
+
+struct DtypeEntry {
+  const char* name;
+  int bits;
+  int rank;  // the reference writer's alignment order: larger first
+  std::optional<DType> type;
+};
+// Every dtype of formats.md §3.2, so that a header with any of them lists; only those with a DType are read.
+const DtypeEntry kDtypes[] = {
+    {"BOOL", 8, 0, DType::boolean},      {"F4", 4, 1, std::nullopt},           {"F6_E2M3", 6, 2, std::nullopt},
+    {"F6_E3M2", 6, 3, std::nullopt},     {"U8", 8, 4, std::nullopt},           {"I8", 8, 5, std::nullopt},
+    {"F8_E5M2", 8, 6, DType::f8e5m2},    {"F8_E4M3", 8, 7, DType::f8e4m3},     {"F8_E8M0", 8, 8, std::nullopt},
+    {"F8_E4M3FNUZ", 8, 9, std::nullopt}, {"F8_E5M2FNUZ", 8, 10, std::nullopt}, {"I16", 16, 11, std::nullopt},
+    {"U16", 16, 12, std::nullopt},       {"F16", 16, 13, DType::f16},          {"BF16", 16, 14, DType::bf16},
+    {"I32", 32, 15, DType::i32},         {"U32", 32, 16, std::nullopt},        {"F32", 32, 17, DType::f32},
+    {"C64", 64, 18, std::nullopt},       {"F64", 64, 19, DType::f64},          {"I64", 64, 20, DType::i64},
+    {"U64", 64, 21, std::nullopt},
+};
+
+const DtypeEntry* entry_by_name(const std::string& name) {
+  for (const auto& e : kDtypes)
+    if (name == e.name) return &e;
+  return nullptr;
+}
+const DtypeEntry& entry_of(DType t) {
+  for (const auto& e : kDtypes)
+    if (e.type == t) return e;
+  MOECORE_FAIL("hf checkpoint: dtype ", dtype_name(t), " has no safetensors name");
+}
+
+bool convertible(DType from, DType to) {
+  if (from == to) return true;
+  return dtype_is_float(from) && dtype_is_float(to);
+}
+
+[[noreturn]] void sys_fail(const std::string& what, const std::string& path) {
+  MOECORE_FAIL("hf checkpoint: ", what, " '", path, "': ", std::strerror(errno));
+}
+
+void pread_full(int fd, void* dst, uint64_t n, uint64_t off, const std::string& path) {
+  auto* p = static_cast<char*>(dst);
+  while (n > 0) {
+    const ssize_t r = ::pread(fd, p, n, static_cast<off_t>(off));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) sys_fail("cannot read", path);
+    if (r == 0) MOECORE_FAIL("hf checkpoint: '", path, "' ends at byte ", off, " but ", n, " more bytes were expected");
+    p += r, n -= static_cast<uint64_t>(r), off += static_cast<uint64_t>(r);
+  }
+}
+
+void write_full(int fd, const void* src, uint64_t n, const std::string& path) {
+  const auto* p = static_cast<const char*>(src);
+  while (n > 0) {
+    const ssize_t r = ::write(fd, p, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) sys_fail("cannot write", path);
+    p += r, n -= static_cast<uint64_t>(r);
+  }
+}
+
+// Copies [off, off + n) of `in` to the current position of `out`, in the kernel when it can.
+void copy_range(int in, uint64_t off, int out, uint64_t n, const std::string& path) {
+  auto pos = static_cast<loff_t>(off);
+  while (n > 0) {
+    const ssize_t r = ::copy_file_range(in, &pos, out, nullptr, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;  // unsupported here (EXDEV, ENOSYS, ...): fall back to pread/write
+    n -= static_cast<uint64_t>(r);
+  }
+  std::vector<char> buf(n ? std::min(n, kChunkBytes) : 0);
+  while (n > 0) {
+    const uint64_t k = std::min<uint64_t>(n, buf.size());
+    pread_full(in, buf.data(), k, static_cast<uint64_t>(pos), path);
+    write_full(out, buf.data(), k, path);
+    pos += static_cast<loff_t>(k), n -= k;
+  }
+}
+
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+// Strict parse: nlohmann keeps the last of duplicate keys, so reject them while parsing.
+json parse_strict(const std::string& path, std::string_view text, const char* what) {
+  std::vector<std::vector<std::string>> stack;
+  std::string dup;
+  auto cb = [&](int, json::parse_event_t ev, json& parsed) {
+    if (ev == json::parse_event_t::object_start) {
+      stack.emplace_back();
+    } else if (ev == json::parse_event_t::object_end) {
+      stack.pop_back();
+    } else if (ev == json::parse_event_t::key && !stack.empty()) {
+      auto& keys = stack.back();
+      const std::string k = parsed.get<std::string>();
+      if (dup.empty() && std::find(keys.begin(), keys.end(), k) != keys.end()) dup = k;
+      keys.push_back(k);
+    }
+    return true;
+  };
+  json h;
+  try {
+    h = json::parse(text.begin(), text.end(), cb);
+  } catch (const json::exception& e) {
+    MOECORE_FAIL("hf checkpoint: '", path, "': ", what, " is not valid JSON: ", e.what());
+  }
+  if (!dup.empty()) MOECORE_FAIL("hf checkpoint: '", path, "': duplicate name '", dup, "' in the ", what);
+  if (!h.is_object()) MOECORE_FAIL("hf checkpoint: '", path, "': ", what, " is not a JSON object");
+  return h;
+}
+
+// The header of one shard, validated as the reference reader does (formats.md §3.4) from the header and the
+// file size alone.
+std::vector<HfTensorInfo> read_shard_header(int fd, const std::string& path, const std::string& shard) {
+  auto bad = [&](const std::string& why) {
+    MOECORE_FAIL("hf checkpoint: '", path, "' is not a valid safetensors file: ", why);
+  };
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) sys_fail("cannot stat", path);
+  const auto size = static_cast<uint64_t>(st.st_size);
+  if (size < 8) bad("file is shorter than 8 bytes (" + std::to_string(size) + ")");
+  uint64_t n = 0;
+  pread_full(fd, &n, 8, 0, path);
+  if (n > 100000000ull) bad("header length " + std::to_string(n) + " exceeds 100000000");
+  if (8 + n > size)
+    bad("header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(size) + " bytes)");
+  std::string text(n, '\0');
+  pread_full(fd, text.data(), n, 8, path);
+  const json h = parse_strict(path, text, "header");
+  const uint64_t base = 8 + n, buffer_len = size - base;
+  std::vector<HfTensorInfo> out;
+  std::vector<std::pair<uint64_t, uint64_t>> spans;  // (begin, index into out)
+  for (const auto& [name, v] : h.items()) {
+    if (name == "__metadata__") {
+      if (!v.is_object()) bad("__metadata__ is not an object");
+      for (const auto& [k, s] : v.items())
+        if (!s.is_string()) bad("__metadata__['" + k + "'] is not a string");
+      continue;
+    }
+    const std::string where = "tensor '" + name + "'";
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
+      bad(where + " lacks dtype, shape or data_offsets");
+    if (!v["dtype"].is_string()) bad(where + " has a dtype that is not a string");
+    HfTensorInfo t;
+    t.name = name;
+    t.shard = shard;
+    t.dtype_name = v["dtype"].get<std::string>();
+    const DtypeEntry* e = entry_by_name(t.dtype_name);
+    if (!e) bad(where + " has dtype '" + t.dtype_name + "', which is not a safetensors dtype");
+    t.type = e->type;
+    if (!v["shape"].is_array()) bad(where + " has a shape that is not an array");
+    uint64_t numel = 1;
+    for (const auto& d : v["shape"]) {
+      if (t.shape.ndim == kMaxDims) bad(where + " has more than 6 dims");
+      if (!d.is_number_unsigned()) bad(where + " has a shape entry that is not a non-negative integer");
+      const uint64_t k = d.get<uint64_t>();
+      if (k > (1ull << 62) || (k && numel > (1ull << 62) / k)) bad(where + " has a shape that overflows");
+      numel *= k;
+      t.shape[t.shape.ndim++] = static_cast<int64_t>(k);
+    }
+    const auto& off = v["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+      bad(where + " data_offsets is not [begin, end]");
+    const uint64_t b = off[0].get<uint64_t>(), en = off[1].get<uint64_t>();
+    if (numel * e->bits % 8)
+      bad(where + " has " + std::to_string(numel) + " elements of " + std::to_string(e->bits) +
+          " bits, not a whole number of bytes");
+    const uint64_t expect = numel * e->bits / 8;
+    if (en < b || en - b != expect)
+      bad(where + " spans " + std::to_string(en - b) + " bytes but its shape " + t.shape.str() + " of " + t.dtype_name +
+          " needs " + std::to_string(expect));
+    t.offset = base + b;
+    t.nbytes = expect;
+    spans.emplace_back(b, out.size());
+    out.push_back(std::move(t));
+  }
+  std::sort(spans.begin(), spans.end());
+  uint64_t pos = 0;
+  for (const auto& [b, i] : spans) {
+    if (b != pos)
+      bad("tensor '" + out[i].name + "' starts at " + std::to_string(b) + " but the previous one ends at " +
+          std::to_string(pos) + " (InvalidOffset)");
+    pos = b + out[i].nbytes;
+  }
+  if (pos != buffer_len)
+    bad("tensors cover " + std::to_string(pos) + " bytes but the buffer holds " + std::to_string(buffer_len) +
+        " (truncated file or trailing bytes)");
+  return out;
+}
+
+std::string shard_file_name(int i, int n) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "model-%05d-of-%05d.safetensors", i, n);
+  return buf;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// Reader
+
+HfCheckpointReader::HfCheckpointReader(const std::string& dir) : dir_(dir) {
+  const fs::path d(dir);
+  const fs::path index_path = d / "model.safetensors.index.json", single = d / "model.safetensors";
+  std::map<std::string, std::string> weight_map;  // tensor -> shard
+  std::vector<std::string> shards;
+  if (fs::exists(index_path)) {
+    sharded_ = true;
+    const std::string ip = index_path.string();
+    const json idx = parse_strict(ip, read_file(ip), "index");
+    if (!idx.contains("weight_map") || !idx["weight_map"].is_object())
+      MOECORE_FAIL("hf checkpoint: index '", ip, "' has no \"weight_map\" object");
+    for (const auto& [name, f] : idx["weight_map"].items()) {
+      if (!f.is_string())
+        MOECORE_FAIL("hf checkpoint: index '", ip, "' maps tensor '", name, "' to ", f.dump(), ", not a file name");
+      weight_map[name] = f.get<std::string>();
+    }
+    std::map<std::string, std::string> first_tensor;  // shard -> a tensor naming it, for the error message
+    for (const auto& [name, f] : weight_map) first_tensor.emplace(f, name);
+    for (const auto& [f, name] : first_tensor) {
+      if (!fs::is_regular_file(d / f))
+        MOECORE_FAIL("hf checkpoint: index '", ip, "' names shard '", f, "' (for tensor '", name, "'), but the file '",
+                     (d / f).string(), "' is not there; hint: copy every shard the index lists");
+      shards.push_back(f);
+    }
+  } else if (fs::exists(single)) {
+    shards.push_back("model.safetensors");
+  } else {
+    MOECORE_FAIL("hf checkpoint: directory '", dir,
+                 "' has neither model.safetensors.index.json nor model.safetensors; hint: pass the directory that "
+                 "holds the Hugging Face model files");
+  }
+  std::map<std::string, std::string> found;  // tensor -> shard whose header holds it
+  try {
+    for (const auto& f : shards) {
+      const std::string path = (d / f).string();
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) sys_fail("cannot open shard", path);
+      shard_fds_[f] = fd;
+      std::vector<HfTensorInfo> ts = read_shard_header(fd, path, f);
+      for (auto& t : ts) {
+        if (auto it = found.find(t.name); it != found.end())
+          MOECORE_FAIL("hf checkpoint: tensor '", t.name, "' appears twice: in '", (d / it->second).string(),
+                       "' and in '", path, "'");
+        if (sharded_) {
+          auto w = weight_map.find(t.name);
+          if (w == weight_map.end())
+            MOECORE_FAIL("hf checkpoint: shard '", path, "' holds tensor '", t.name,
+                         "', which the index model.safetensors.index.json does not list");
+          if (w->second != f)
+            MOECORE_FAIL("hf checkpoint: tensor '", t.name, "' is in shard '", path, "' but the index expects it in '",
+                         w->second, "'");
+        }
+        found[t.name] = f;
+        tensors_.push_back(std::move(t));
+      }
+    }
+    for (const auto& [name, f] : weight_map)
+      if (!found.count(name)) {
+        size_t held = 0;
+        for (const auto& t : tensors_) held += t.shard == f;
+        MOECORE_FAIL("hf checkpoint: the index lists tensor '", name, "' in shard '", (d / f).string(),
+                     "', but that shard's header does not have it (it holds ", held, " tensors)");
+      }
+  } catch (...) {
+    for (const auto& [f, fd] : shard_fds_) ::close(fd);
+    throw;
+  }
+  std::sort(tensors_.begin(), tensors_.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
+}
+
+HfCheckpointReader::~HfCheckpointReader() {
+  for (const auto& [f, fd] : shard_fds_) ::close(fd);
+}
+
+const HfTensorInfo& HfCheckpointReader::info(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end())
+    MOECORE_FAIL("hf checkpoint: no tensor '", name, "' in '", dir_, "' (", tensors_.size(), " tensors)");
+  return tensors_[it->second];
+}
+
+uint64_t HfCheckpointReader::total_bytes() const {
+  uint64_t s = 0;
+  for (const auto& t : tensors_) s += t.nbytes;
+  return s;
+}
+
+Tensor HfCheckpointReader::read(const std::string& name, std::optional<DType> dtype) const {
+  const HfTensorInfo& t = info(name);
+  const std::string path = (fs::path(dir_) / t.shard).string();
+  if (!t.type)
+    MOECORE_FAIL("hf checkpoint: tensor '", name, "' in '", path, "' has dtype ", t.dtype_name,
+                 ", which moecore cannot read");
+  const DType from = *t.type, to = dtype.value_or(from);
+  if (!convertible(from, to))
+    MOECORE_FAIL("hf checkpoint: tensor '", name, "' in '", path, "' is ", t.dtype_name, " and cannot be converted to ",
+                 dtype_name(to), " (float dtypes convert among themselves, integers only to themselves)");
+  Tensor out = Tensor::empty(t.shape, to, MemCategory::other);
+  const int fd = shard_fds_.at(t.shard);
+  if (from == to) {
+    pread_full(fd, out.raw(), t.nbytes, t.offset, path);
+    return out;
+  }
+  const size_t in_size = dtype_size(from), out_size = dtype_size(to);
+  const uint64_t per_chunk = kChunkBytes / in_size, n = static_cast<uint64_t>(t.shape.numel());
+  std::vector<char> buf(std::min(n, per_chunk) * in_size);
+  for (uint64_t i = 0; i < n; i += per_chunk) {
+    const uint64_t k = std::min(per_chunk, n - i);
+    pread_full(fd, buf.data(), k * in_size, t.offset + i * in_size, path);
+    convert(static_cast<char*>(out.raw()) + i * out_size, to, buf.data(), from, k);
+  }
+  return out;
+}
+
+Tensor HfCheckpointReader::read_dequantized(const std::string& name, int64_t block_rows, int64_t block_cols) const {
+  if (!block_scaled(name)) return read(name, DType::f32);
+  MOECORE_CHECK(block_rows > 0 && block_cols > 0, "block sizes ", block_rows, "x", block_cols);
+  const std::string sname = name + "_scale_inv";
+  const HfTensorInfo& w = info(name);
+  const HfTensorInfo& s = info(sname);
+  const std::string path = (fs::path(dir_) / w.shard).string();
+  if (w.dtype_name != "F8_E4M3" || w.shape.ndim != 2)
+    MOECORE_FAIL("hf checkpoint: tensor '", name, "' in '", path, "' has a block scale '", sname,
+                 "' so it must be a 2-D F8_E4M3 weight, but it is ", w.dtype_name, " ", w.shape.str());
+  const int64_t rows = w.shape[0], cols = w.shape[1];
+  const Shape expect{(rows + block_rows - 1) / block_rows, (cols + block_cols - 1) / block_cols};
+  if (!(s.shape == expect) || !s.type || !dtype_is_float(*s.type))
+    MOECORE_FAIL("hf checkpoint: scale '", sname, "' in '", (fs::path(dir_) / s.shard).string(), "' is ", s.dtype_name,
+                 " ", s.shape.str(), " but weight '", name, "' ", w.shape.str(), " with ", block_rows, "x", block_cols,
+                 " blocks needs a float scale of shape ", expect.str());
+  const Tensor scale = read(sname, DType::f32);
+  Tensor out = read(name, DType::f32);
+  const float* sc = scale.data<float>();
+  float* o = out.data<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* srow = sc + (r / block_rows) * expect[1];
+    float* orow = o + r * cols;
+    for (int64_t c = 0; c < cols; ++c) orow[c] *= srow[c / block_cols];
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Writer
+
+HfCheckpointWriter::HfCheckpointWriter(std::string out_dir, uint64_t max_shard_bytes, bool index_for_one_shard)
+    : out_dir_(std::move(out_dir)), max_shard_bytes_(max_shard_bytes), index_for_one_shard_(index_for_one_shard) {
+  while (out_dir_.size() > 1 && out_dir_.back() == '/') out_dir_.pop_back();
+  MOECORE_CHECK(!out_dir_.empty() && max_shard_bytes_ > 0, "out_dir '", out_dir_, "', max_shard_bytes ",
+                max_shard_bytes_);
+  std::error_code ec;
+  if (fs::exists(out_dir_) && !(fs::is_directory(out_dir_) && fs::is_empty(out_dir_, ec)))
+    MOECORE_FAIL("hf checkpoint: output '", out_dir_,
+                 "' already exists and is not an empty directory; hint: choose a new directory or remove it");
+  const fs::path parent = fs::absolute(out_dir_).parent_path();
+  fs::create_directories(parent, ec);
+  static std::atomic<int> counter{0};
+  stage_dir_ = out_dir_ + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+  fs::remove_all(stage_dir_, ec);
+  if (!fs::create_directory(stage_dir_, ec))
+    MOECORE_FAIL("hf checkpoint: cannot create staging directory '", stage_dir_, "': ", ec.message());
+}
+
+HfCheckpointWriter::~HfCheckpointWriter() {
+  if (spill_fd_ >= 0) ::close(spill_fd_);
+  if (!finished_) {
+    std::error_code ec;
+    fs::remove_all(stage_dir_, ec);
+  }
+}
+
+void HfCheckpointWriter::add(const std::string& name, const Tensor& t, std::optional<DType> out_dtype) {
+  MOECORE_CHECK(!finished_, "hf checkpoint: add('", name, "') after finish()");
+  if (name.empty() || name == "__metadata__")
+    MOECORE_FAIL("hf checkpoint: tensor name '", name, "' is not allowed in '", out_dir_, "'");
+  if (weight_map_.count(name)) MOECORE_FAIL("hf checkpoint: tensor '", name, "' added twice to '", out_dir_, "'");
+  if (t.device() != Device::cpu) MOECORE_FAIL("hf checkpoint: tensor '", name, "' is not on the CPU");
+  const DType to = out_dtype.value_or(t.dtype());
+  entry_of(to);
+  if (!convertible(t.dtype(), to))
+    MOECORE_FAIL("hf checkpoint: tensor '", name, "' is ", dtype_name(t.dtype()), " and cannot be written as ",
+                 dtype_name(to));
+  const uint64_t nbytes = static_cast<uint64_t>(t.numel()) * dtype_size(to);
+  if (!open_.empty() && open_bytes_ + nbytes > max_shard_bytes_) close_shard();
+  const std::string spill = stage_dir_ + "/shard-" + std::to_string(shards_ + 1) + ".spill";
+  if (spill_fd_ < 0) {
+    spill_fd_ = ::open(spill.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (spill_fd_ < 0) sys_fail("cannot create", spill);
+  }
+  const Tensor src = t.is_contiguous() ? t : t.clone();
+  if (to == t.dtype()) {
+    if (nbytes) write_full(spill_fd_, src.raw(), nbytes, spill);
+  } else {
+    const uint64_t n = static_cast<uint64_t>(t.numel()), per_chunk = kChunkBytes / dtype_size(to);
+    std::vector<char> buf(std::min(n, per_chunk) * dtype_size(to));
+    for (uint64_t i = 0; i < n; i += per_chunk) {
+      const uint64_t k = std::min(per_chunk, n - i);
+      convert(buf.data(), to, static_cast<const char*>(src.raw()) + i * dtype_size(t.dtype()), t.dtype(), k);
+      write_full(spill_fd_, buf.data(), k * dtype_size(to), spill);
+    }
+  }
+  open_.push_back({name, to, t.shape(), open_bytes_, nbytes});
+  open_bytes_ += nbytes;
+  total_bytes_ += nbytes;
+  weight_map_[name] = shards_ + 1;
+}
+
+void HfCheckpointWriter::close_shard() {
+  const int k = ++shards_;
+  std::vector<const Entry*> order;
+  for (const auto& e : open_) order.push_back(&e);
+  std::stable_sort(order.begin(), order.end(), [](const Entry* a, const Entry* b) {
+    const int ra = entry_of(a->type).rank, rb = entry_of(b->type).rank;
+    return ra != rb ? ra > rb : a->name < b->name;
+  });
+  // The header exactly as safetensors_serialize builds it (ordered_json: __metadata__ first, offset order).
+  nlohmann::ordered_json h;
+  h["__metadata__"] = std::map<std::string, std::string>{{"format", "pt"}};
+  uint64_t offset = 0;
+  for (const Entry* e : order) {
+    std::vector<int64_t> shape(e->shape.d, e->shape.d + e->shape.ndim);
+    h[e->name] = {{"dtype", entry_of(e->type).name}, {"shape", shape}, {"data_offsets", {offset, offset + e->nbytes}}};
+    offset += e->nbytes;
+  }
+  std::string header = h.dump();
+  header.append((8 - header.size() % 8) % 8, ' ');
+  const uint64_t n = header.size();
+  const std::string path = stage_dir_ + "/shard-" + std::to_string(k) + ".safetensors";
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) sys_fail("cannot create", path);
+  try {
+    write_full(fd, &n, 8, path);
+    write_full(fd, header.data(), n, path);
+    for (const Entry* e : order) copy_range(spill_fd_, e->spill_offset, fd, e->nbytes, path);
+    if (::fsync(fd) != 0) sys_fail("cannot fsync", path);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  if (::close(fd) != 0) sys_fail("cannot close", path);
+  if (spill_fd_ >= 0) {
+    ::close(spill_fd_);
+    spill_fd_ = -1;
+    std::error_code ec;
+    fs::remove(stage_dir_ + "/shard-" + std::to_string(k) + ".spill", ec);
+  }
+  open_.clear();
+  open_bytes_ = 0;
+}
+
+void HfCheckpointWriter::add_text_file(const std::string& file_name, std::string text) {
+  MOECORE_CHECK(!finished_, "hf checkpoint: add_text_file('", file_name, "') after finish()");
+  if (file_name.empty() || file_name.find('/') != std::string::npos || file_name.ends_with(".safetensors") ||
+      file_name == "model.safetensors.index.json")
+    MOECORE_FAIL("hf checkpoint: '", file_name, "' is not allowed as an extra file of '", out_dir_,
+                 "' (a plain file name, not a shard or the index)");
+  write_file_atomic(stage_dir_ + "/" + file_name, text);
+}
+
+int HfCheckpointWriter::finish() {
+  MOECORE_CHECK(!finished_, "hf checkpoint: finish() called twice for '", out_dir_, "'");
+  if (!open_.empty() || shards_ == 0) close_shard();
+  const int n = shards_;
+  if (n == 1 && !index_for_one_shard_) {
+    fs::rename(stage_dir_ + "/shard-1.safetensors", stage_dir_ + "/model.safetensors");
+  } else {
+    for (int i = 1; i <= n; ++i)
+      fs::rename(stage_dir_ + "/shard-" + std::to_string(i) + ".safetensors", stage_dir_ + "/" + shard_file_name(i, n));
+    json idx;
+    idx["metadata"] = {{"total_size", total_bytes_}};
+    json wm = json::object();
+    for (const auto& [name, i] : weight_map_) wm[name] = shard_file_name(i, n);
+    idx["weight_map"] = std::move(wm);
+    write_file_atomic(stage_dir_ + "/model.safetensors.index.json", idx.dump(2) + "\n");
+  }
+  fsync_dir(stage_dir_);
+  std::error_code ec;
+  if (fs::exists(out_dir_)) fs::remove(out_dir_, ec);  // an empty directory (checked at construction)
+  if (std::rename(stage_dir_.c_str(), out_dir_.c_str()) != 0)
+    sys_fail("cannot rename the staging directory to", out_dir_);
+  fsync_dir(fs::absolute(out_dir_).parent_path().string());
+  finished_ = true;
+  return n;
+}
+
+}  // namespace moecore::io
