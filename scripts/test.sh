@@ -3,7 +3,9 @@
 # GPU tests carry the "gpu" label and skip themselves when no GPU is present.
 # Test-time Python tools come from PyPI into a virtual environment, build/test-venv (Debian's python3-venv),
 # created once and reused while it works; its interpreter is exported as MOECORE_TEST_PYTHON, which
-# TensorBoard.PythonTensorboardReadsOurFiles runs (unset, that test skips). No PyPI, no test run: this fails.
+# TensorBoard.PythonTensorboardReadsOurFiles runs (unset, that test skips). A machine that cannot reach PyPI
+# (offline, or behind a TLS proxy whose certificate it does not trust) cannot run that one test: the suite then
+# runs without it and says so loudly at the start and the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +19,7 @@ from tensorboard.backend.event_processing import event_accumulator  # noqa: F401
 sys.exit(tensorboard.__version__ != sys.argv[1])
 EOF
 }
+no_pypi=""
 if venv_ok; then
   echo "test.sh: reusing $venv ($tensorboard_req)"
 else
@@ -24,15 +27,19 @@ else
   rm -rf "$venv"
   mkdir -p build
   /usr/bin/python3 -m venv "$venv"
-  if ! "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check "$tensorboard_req" || ! venv_ok; then
-    echo "test.sh: ERROR: could not install $tensorboard_req into $venv (is PyPI reachable?)." >&2
-    echo "test.sh: TensorBoard.PythonTensorboardReadsOurFiles needs it; refusing to run the suite without it." >&2
+  if ! "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check --retries 2 --timeout 60 \
+      "$tensorboard_req" || ! venv_ok; then
     rm -rf "$venv"
-    exit 1
+    no_pypi="test.sh: WARNING: could not install $tensorboard_req from PyPI into $venv: this machine cannot run
+test.sh: WARNING: TensorBoard.PythonTensorboardReadsOurFiles (it will be SKIPPED; the C++ reader tests still run)."
+    echo "$no_pypi" >&2
   fi
 fi
-export MOECORE_TEST_PYTHON="$PWD/$venv/bin/python3"
+[ -n "$no_pypi" ] || export MOECORE_TEST_PYTHON="$PWD/$venv/bin/python3"
 
 bash scripts/build.sh
 cd build
-ctest --output-on-failure -j "$(nproc)" -LE long --timeout 900
+status=0
+ctest --output-on-failure -j "$(nproc)" -LE long --timeout 900 || status=$?
+[ -z "$no_pypi" ] || echo "$no_pypi" >&2
+exit $status
