@@ -1,6 +1,6 @@
 // HF checkpoint directories, streamed. Files are read with pread (not mmap: mapped pages would count as resident
-// memory) and written through a per-shard spill file, so no step holds more than one tensor. The header rules
-// repeat io/safetensors.cpp's on purpose: that reader loads whole files, this one must validate from headers alone.
+// memory) and written through a per-shard spill file, so no step holds more than one tensor. Header validation,
+// the dtype table, header serialization and the index parse are io/safetensors.h's, applied to headers alone.
 #include "moecore/io/hf_checkpoint.h"
 
 #include <fcntl.h>
@@ -13,9 +13,9 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
-#include <set>
 
 #include "moecore/io/file_util.h"
+#include "moecore/io/safetensors.h"
 
 namespace moecore::io {
 namespace {
@@ -24,35 +24,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr uint64_t kChunkBytes = 8ull << 20;  // conversion and copy buffer
-
-struct DtypeEntry {
-  const char* name;
-  int bits;
-  int rank;  // the reference writer's alignment order: larger first
-  std::optional<DType> type;
-};
-// Every dtype of formats.md §3.2, so that a header with any of them lists; only those with a DType are read.
-const DtypeEntry kDtypes[] = {
-    {"BOOL", 8, 0, DType::boolean},      {"F4", 4, 1, std::nullopt},           {"F6_E2M3", 6, 2, std::nullopt},
-    {"F6_E3M2", 6, 3, std::nullopt},     {"U8", 8, 4, std::nullopt},           {"I8", 8, 5, std::nullopt},
-    {"F8_E5M2", 8, 6, DType::f8e5m2},    {"F8_E4M3", 8, 7, DType::f8e4m3},     {"F8_E8M0", 8, 8, std::nullopt},
-    {"F8_E4M3FNUZ", 8, 9, std::nullopt}, {"F8_E5M2FNUZ", 8, 10, std::nullopt}, {"I16", 16, 11, std::nullopt},
-    {"U16", 16, 12, std::nullopt},       {"F16", 16, 13, DType::f16},          {"BF16", 16, 14, DType::bf16},
-    {"I32", 32, 15, DType::i32},         {"U32", 32, 16, std::nullopt},        {"F32", 32, 17, DType::f32},
-    {"C64", 64, 18, std::nullopt},       {"F64", 64, 19, DType::f64},          {"I64", 64, 20, DType::i64},
-    {"U64", 64, 21, std::nullopt},
-};
-
-const DtypeEntry* entry_by_name(const std::string& name) {
-  for (const auto& e : kDtypes)
-    if (name == e.name) return &e;
-  return nullptr;
-}
-const DtypeEntry& entry_of(DType t) {
-  for (const auto& e : kDtypes)
-    if (e.type == t) return e;
-  MOECORE_FAIL("hf checkpoint: dtype ", dtype_name(t), " has no safetensors name");
-}
 
 bool convertible(DType from, DType to) {
   if (from == to) return true;
@@ -110,110 +81,22 @@ void fsync_dir(const std::string& dir) {
   }
 }
 
-// Strict parse: nlohmann keeps the last of duplicate keys, so reject them while parsing.
-json parse_strict(const std::string& path, std::string_view text, const char* what) {
-  std::vector<std::vector<std::string>> stack;
-  std::string dup;
-  auto cb = [&](int, json::parse_event_t ev, json& parsed) {
-    if (ev == json::parse_event_t::object_start) {
-      stack.emplace_back();
-    } else if (ev == json::parse_event_t::object_end) {
-      stack.pop_back();
-    } else if (ev == json::parse_event_t::key && !stack.empty()) {
-      auto& keys = stack.back();
-      const std::string k = parsed.get<std::string>();
-      if (dup.empty() && std::find(keys.begin(), keys.end(), k) != keys.end()) dup = k;
-      keys.push_back(k);
-    }
-    return true;
-  };
-  json h;
-  try {
-    h = json::parse(text.begin(), text.end(), cb);
-  } catch (const json::exception& e) {
-    MOECORE_FAIL("hf checkpoint: '", path, "': ", what, " is not valid JSON: ", e.what());
-  }
-  if (!dup.empty()) MOECORE_FAIL("hf checkpoint: '", path, "': duplicate name '", dup, "' in the ", what);
-  if (!h.is_object()) MOECORE_FAIL("hf checkpoint: '", path, "': ", what, " is not a JSON object");
-  return h;
-}
-
 // The header of one shard, validated as the reference reader does (formats.md §3.4) from the header and the
 // file size alone.
 std::vector<HfTensorInfo> read_shard_header(int fd, const std::string& path, const std::string& shard) {
-  auto bad = [&](const std::string& why) {
-    MOECORE_FAIL("hf checkpoint: '", path, "' is not a valid safetensors file: ", why);
-  };
   struct stat st {};
   if (::fstat(fd, &st) != 0) sys_fail("cannot stat", path);
   const auto size = static_cast<uint64_t>(st.st_size);
-  if (size < 8) bad("file is shorter than 8 bytes (" + std::to_string(size) + ")");
-  uint64_t n = 0;
-  pread_full(fd, &n, 8, 0, path);
-  if (n > 100000000ull) bad("header length " + std::to_string(n) + " exceeds 100000000");
-  if (8 + n > size)
-    bad("header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(size) + " bytes)");
+  char head[8] = {};
+  if (size >= 8) pread_full(fd, head, 8, 0, path);
+  const uint64_t n = safetensors_header_size(path, std::string_view(head, size >= 8 ? 8 : 0), size);
   std::string text(n, '\0');
   pread_full(fd, text.data(), n, 8, path);
-  const json h = parse_strict(path, text, "header");
-  const uint64_t base = 8 + n, buffer_len = size - base;
+  const SafetensorsHeader h = safetensors_parse_header(path, text, size - 8 - n);
   std::vector<HfTensorInfo> out;
-  std::vector<std::pair<uint64_t, uint64_t>> spans;  // (begin, index into out)
-  for (const auto& [name, v] : h.items()) {
-    if (name == "__metadata__") {
-      if (!v.is_object()) bad("__metadata__ is not an object");
-      for (const auto& [k, s] : v.items())
-        if (!s.is_string()) bad("__metadata__['" + k + "'] is not a string");
-      continue;
-    }
-    const std::string where = "tensor '" + name + "'";
-    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
-      bad(where + " lacks dtype, shape or data_offsets");
-    if (!v["dtype"].is_string()) bad(where + " has a dtype that is not a string");
-    HfTensorInfo t;
-    t.name = name;
-    t.shard = shard;
-    t.dtype_name = v["dtype"].get<std::string>();
-    const DtypeEntry* e = entry_by_name(t.dtype_name);
-    if (!e) bad(where + " has dtype '" + t.dtype_name + "', which is not a safetensors dtype");
-    t.type = e->type;
-    if (!v["shape"].is_array()) bad(where + " has a shape that is not an array");
-    uint64_t numel = 1;
-    for (const auto& d : v["shape"]) {
-      if (t.shape.ndim == kMaxDims) bad(where + " has more than 6 dims");
-      if (!d.is_number_unsigned()) bad(where + " has a shape entry that is not a non-negative integer");
-      const uint64_t k = d.get<uint64_t>();
-      if (k > (1ull << 62) || (k && numel > (1ull << 62) / k)) bad(where + " has a shape that overflows");
-      numel *= k;
-      t.shape[t.shape.ndim++] = static_cast<int64_t>(k);
-    }
-    const auto& off = v["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
-      bad(where + " data_offsets is not [begin, end]");
-    const uint64_t b = off[0].get<uint64_t>(), en = off[1].get<uint64_t>();
-    if (numel * e->bits % 8)
-      bad(where + " has " + std::to_string(numel) + " elements of " + std::to_string(e->bits) +
-          " bits, not a whole number of bytes");
-    const uint64_t expect = numel * e->bits / 8;
-    if (en < b || en - b != expect)
-      bad(where + " spans " + std::to_string(en - b) + " bytes but its shape " + t.shape.str() + " of " + t.dtype_name +
-          " needs " + std::to_string(expect));
-    t.offset = base + b;
-    t.nbytes = expect;
-    spans.emplace_back(b, out.size());
-    out.push_back(std::move(t));
-  }
-  std::sort(spans.begin(), spans.end());
-  uint64_t pos = 0;
-  for (const auto& [b, i] : spans) {
-    if (b != pos)
-      bad("tensor '" + out[i].name + "' starts at " + std::to_string(b) + " but the previous one ends at " +
-          std::to_string(pos) + " (InvalidOffset)");
-    pos = b + out[i].nbytes;
-  }
-  if (pos != buffer_len)
-    bad("tensors cover " + std::to_string(pos) + " bytes but the buffer holds " + std::to_string(buffer_len) +
-        " (truncated file or trailing bytes)");
+  out.reserve(h.tensors.size());
+  for (const SafetensorsEntry& e : h.tensors)
+    out.push_back({e.name, e.dtype_name, e.type, e.shape, shard, 8 + n + e.begin, e.end - e.begin});
   return out;
 }
 
@@ -236,14 +119,7 @@ HfCheckpointReader::HfCheckpointReader(const std::string& dir) : dir_(dir) {
   if (fs::exists(index_path)) {
     sharded_ = true;
     const std::string ip = index_path.string();
-    const json idx = parse_strict(ip, read_file(ip), "index");
-    if (!idx.contains("weight_map") || !idx["weight_map"].is_object())
-      MOECORE_FAIL("hf checkpoint: index '", ip, "' has no \"weight_map\" object");
-    for (const auto& [name, f] : idx["weight_map"].items()) {
-      if (!f.is_string())
-        MOECORE_FAIL("hf checkpoint: index '", ip, "' maps tensor '", name, "' to ", f.dump(), ", not a file name");
-      weight_map[name] = f.get<std::string>();
-    }
+    weight_map = safetensors_index_parse(ip, read_file(ip));
     std::map<std::string, std::string> first_tensor;  // shard -> a tensor naming it, for the error message
     for (const auto& [name, f] : weight_map) first_tensor.emplace(f, name);
     for (const auto& [f, name] : first_tensor) {
@@ -407,7 +283,7 @@ void HfCheckpointWriter::add(const std::string& name, const Tensor& t, std::opti
   if (weight_map_.count(name)) MOECORE_FAIL("hf checkpoint: tensor '", name, "' added twice to '", out_dir_, "'");
   if (t.device() != Device::cpu) MOECORE_FAIL("hf checkpoint: tensor '", name, "' is not on the CPU");
   const DType to = out_dtype.value_or(t.dtype());
-  entry_of(to);
+  safetensors_dtype_of(to);  // throws for a dtype safetensors cannot name
   if (!convertible(t.dtype(), to))
     MOECORE_FAIL("hf checkpoint: tensor '", name, "' is ", dtype_name(t.dtype()), " and cannot be written as ",
                  dtype_name(to));
@@ -438,31 +314,15 @@ void HfCheckpointWriter::add(const std::string& name, const Tensor& t, std::opti
 
 void HfCheckpointWriter::close_shard() {
   const int k = ++shards_;
-  std::vector<const Entry*> order;
-  for (const auto& e : open_) order.push_back(&e);
-  std::stable_sort(order.begin(), order.end(), [](const Entry* a, const Entry* b) {
-    const int ra = entry_of(a->type).rank, rb = entry_of(b->type).rank;
-    return ra != rb ? ra > rb : a->name < b->name;
-  });
-  // The header exactly as safetensors_serialize builds it (ordered_json: __metadata__ first, offset order).
-  nlohmann::ordered_json h;
-  h["__metadata__"] = std::map<std::string, std::string>{{"format", "pt"}};
-  uint64_t offset = 0;
-  for (const Entry* e : order) {
-    std::vector<int64_t> shape(e->shape.d, e->shape.d + e->shape.ndim);
-    h[e->name] = {{"dtype", entry_of(e->type).name}, {"shape", shape}, {"data_offsets", {offset, offset + e->nbytes}}};
-    offset += e->nbytes;
-  }
-  std::string header = h.dump();
-  header.append((8 - header.size() % 8) % 8, ' ');
-  const uint64_t n = header.size();
+  std::vector<SafetensorsTensorSpec> specs;
+  for (const auto& e : open_) specs.push_back({e.name, e.type, e.shape});
+  const SafetensorsLayout layout = safetensors_serialize_header(specs);  // safetensors_serialize's bytes
   const std::string path = stage_dir_ + "/shard-" + std::to_string(k) + ".safetensors";
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) sys_fail("cannot create", path);
   try {
-    write_full(fd, &n, 8, path);
-    write_full(fd, header.data(), n, path);
-    for (const Entry* e : order) copy_range(spill_fd_, e->spill_offset, fd, e->nbytes, path);
+    write_full(fd, layout.header.data(), layout.header.size(), path);
+    for (size_t i : layout.order) copy_range(spill_fd_, open_[i].spill_offset, fd, open_[i].nbytes, path);
     if (::fsync(fd) != 0) sys_fail("cannot fsync", path);
   } catch (...) {
     ::close(fd);

@@ -1,6 +1,7 @@
 // safetensors reader and writer. The reader enforces the reference reader's rules (formats.md §3.4):
 // header size bounds, string-only metadata, no duplicate names, offsets that tile the buffer exactly,
-// byte sizes that match shapes, and no trailing bytes.
+// byte sizes that match shapes, and no trailing bytes. io/hf_checkpoint streams files through the same
+// header functions, so these rules live only here.
 #include "moecore/io/safetensors.h"
 
 #include <algorithm>
@@ -14,79 +15,120 @@ namespace {
 
 using nlohmann::json;
 
-struct DtypeEntry {
-  const char* name;
-  DType type;
-  int rank;  // the reference writer's alignment order: larger first
+// Every dtype of formats.md §3.2 in the Rust enum order, so that a header with any of them lists.
+const SafetensorsDtype kDtypes[] = {
+    {"BOOL", 8, 0, DType::boolean},      {"F4", 4, 1, std::nullopt},           {"F6_E2M3", 6, 2, std::nullopt},
+    {"F6_E3M2", 6, 3, std::nullopt},     {"U8", 8, 4, std::nullopt},           {"I8", 8, 5, std::nullopt},
+    {"F8_E5M2", 8, 6, DType::f8e5m2},    {"F8_E4M3", 8, 7, DType::f8e4m3},     {"F8_E8M0", 8, 8, std::nullopt},
+    {"F8_E4M3FNUZ", 8, 9, std::nullopt}, {"F8_E5M2FNUZ", 8, 10, std::nullopt}, {"I16", 16, 11, std::nullopt},
+    {"U16", 16, 12, std::nullopt},       {"F16", 16, 13, DType::f16},          {"BF16", 16, 14, DType::bf16},
+    {"I32", 32, 15, DType::i32},         {"U32", 32, 16, std::nullopt},        {"F32", 32, 17, DType::f32},
+    {"C64", 64, 18, std::nullopt},       {"F64", 64, 19, DType::f64},          {"I64", 64, 20, DType::i64},
+    {"U64", 64, 21, std::nullopt},
 };
-constexpr DtypeEntry kDtypes[] = {
-    {"BOOL", DType::boolean, 0}, {"F8_E5M2", DType::f8e5m2, 6}, {"F8_E4M3", DType::f8e4m3, 7},
-    {"F16", DType::f16, 13},     {"BF16", DType::bf16, 14},     {"I32", DType::i32, 15},
-    {"F32", DType::f32, 17},     {"F64", DType::f64, 19},       {"I64", DType::i64, 20},
-};
-
-const DtypeEntry& entry_of(DType t) {
-  for (const auto& e : kDtypes)
-    if (e.type == t) return e;
-  MOECORE_FAIL("safetensors: dtype ", dtype_name(t), " has no safetensors name");
-}
 
 [[noreturn]] void bad(const std::string& path, const std::string& why) {
   MOECORE_FAIL("safetensors: '", path, "' is not a valid safetensors file: ", why);
 }
 
-// Strict parse: nlohmann keeps the last of duplicate keys, so reject them while parsing.
-json parse_header(const std::string& path, std::string_view text) {
+// Strict parse: nlohmann keeps the last of duplicate keys, so reject them while parsing. `fail` throws.
+template <class Fail>
+json parse_strict(std::string_view text, const char* what, Fail fail) {
   std::vector<std::vector<std::string>> stack;
   std::string dup;
-  auto cb = [&](int depth, json::parse_event_t ev, json& parsed) {
-    if (ev == json::parse_event_t::object_start)
+  auto cb = [&](int, json::parse_event_t ev, json& parsed) {
+    if (ev == json::parse_event_t::object_start) {
       stack.emplace_back();
-    else if (ev == json::parse_event_t::object_end)
+    } else if (ev == json::parse_event_t::object_end) {
       stack.pop_back();
-    else if (ev == json::parse_event_t::key && !stack.empty()) {
+    } else if (ev == json::parse_event_t::key && !stack.empty()) {
       auto& keys = stack.back();
       const std::string k = parsed.get<std::string>();
-      if (std::find(keys.begin(), keys.end(), k) != keys.end()) dup = k;
+      if (dup.empty() && std::find(keys.begin(), keys.end(), k) != keys.end()) dup = k;
       keys.push_back(k);
     }
-    (void)depth;
     return true;
   };
   json h;
   try {
     h = json::parse(text.begin(), text.end(), cb);
   } catch (const json::exception& e) {
-    bad(path, std::string("header is not valid JSON: ") + e.what());
+    fail(std::string(what) + " is not valid JSON: " + e.what());
   }
-  if (!dup.empty()) bad(path, "duplicate key '" + dup + "' in the header");
-  if (!h.is_object()) bad(path, "header is not a JSON object");
+  if (!dup.empty()) fail("duplicate name '" + dup + "' in the " + what + " (duplicate keys are not allowed)");
+  if (!h.is_object()) fail(std::string(what) + " is not a JSON object");
   return h;
+}
+
+SafetensorsEntry parse_entry(const std::string& path, const std::string& name, const json& v) {
+  const std::string where = "tensor '" + name + "'";
+  if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
+    bad(path, where + " lacks dtype, shape or data_offsets");
+  if (!v["dtype"].is_string()) bad(path, where + " has a dtype that is not a string");
+  SafetensorsEntry t;
+  t.name = name;
+  t.dtype_name = v["dtype"].get<std::string>();
+  const SafetensorsDtype* e = safetensors_dtype_find(t.dtype_name);
+  if (!e) bad(path, where + " has dtype '" + t.dtype_name + "', which is not a safetensors dtype");
+  t.type = e->type;
+  if (!v["shape"].is_array()) bad(path, where + " has a shape that is not an array");
+  uint64_t numel = 1;
+  for (const auto& d : v["shape"]) {
+    if (t.shape.ndim == kMaxDims) bad(path, where + " has more than 6 dims");
+    if (!d.is_number_unsigned()) bad(path, where + " has a shape entry that is not a non-negative integer");
+    const uint64_t k = d.get<uint64_t>();
+    if (k > (1ull << 62) || (k && numel > (1ull << 62) / k)) bad(path, where + " has a shape that overflows");
+    numel *= k;
+    t.shape[t.shape.ndim++] = static_cast<int64_t>(k);
+  }
+  const auto& off = v["data_offsets"];
+  if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+    bad(path, where + " data_offsets is not [begin, end]");
+  t.begin = off[0].get<uint64_t>();
+  t.end = off[1].get<uint64_t>();
+  if (numel * e->bits % 8)
+    bad(path, where + " has " + std::to_string(numel) + " elements of " + std::to_string(e->bits) +
+                  " bits, not a whole number of bytes");
+  const uint64_t expect = numel * e->bits / 8;
+  if (t.end < t.begin || t.end - t.begin != expect)
+    bad(path, where + " spans " + std::to_string(t.end - t.begin) + " bytes but its shape " + t.shape.str() + " of " +
+                  t.dtype_name + " needs " + std::to_string(expect));
+  return t;
 }
 
 }  // namespace
 
-const char* safetensors_dtype_name(DType t) {
-  return entry_of(t).name;
+const SafetensorsDtype* safetensors_dtype_find(std::string_view name) {
+  for (const auto& e : kDtypes)
+    if (name == e.name) return &e;
+  return nullptr;
 }
 
-SafetensorsFile safetensors_load(const std::string& path) {
-  const std::string bytes = read_file(path);
-  if (bytes.size() < 8) bad(path, "file is shorter than 8 bytes (" + std::to_string(bytes.size()) + ")");
-  uint64_t n = 0;
-  std::memcpy(&n, bytes.data(), 8);
-  if (n > 100000000ull) bad(path, "header length " + std::to_string(n) + " exceeds 100000000");
-  if (8 + n > bytes.size()) bad(path, "header length " + std::to_string(n) + " runs past the end of the file");
-  const json h = parse_header(path, std::string_view(bytes).substr(8, n));
-  const uint64_t buffer_len = bytes.size() - 8 - n;
-  const char* buffer = bytes.data() + 8 + n;
+const SafetensorsDtype& safetensors_dtype_of(DType t) {
+  for (const auto& e : kDtypes)
+    if (e.type == t) return e;
+  MOECORE_FAIL("safetensors: dtype ", dtype_name(t), " has no safetensors name");
+}
 
-  SafetensorsFile out;
-  struct Span {
-    uint64_t begin, end;
-    std::string name;
-  };
-  std::vector<Span> spans;
+const char* safetensors_dtype_name(DType t) {
+  return safetensors_dtype_of(t).name;
+}
+
+uint64_t safetensors_header_size(const std::string& path, std::string_view head, uint64_t file_size) {
+  if (file_size < 8) bad(path, "file is shorter than 8 bytes (" + std::to_string(file_size) + ")");
+  MOECORE_CHECK(head.size() >= 8, "safetensors: ", head.size(), " head bytes of '", path, "'");
+  uint64_t n = 0;
+  std::memcpy(&n, head.data(), 8);
+  if (n > 100000000ull) bad(path, "header length " + std::to_string(n) + " exceeds 100000000");
+  if (8 + n > file_size)
+    bad(path, "header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(file_size) +
+                  " bytes)");
+  return n;
+}
+
+SafetensorsHeader safetensors_parse_header(const std::string& path, std::string_view header_json, uint64_t data_bytes) {
+  const json h = parse_strict(header_json, "header", [&](const std::string& why) { bad(path, why); });
+  SafetensorsHeader out;
   for (const auto& [name, v] : h.items()) {
     if (name == "__metadata__") {
       if (!v.is_object()) bad(path, "__metadata__ is not an object");
@@ -96,71 +138,103 @@ SafetensorsFile safetensors_load(const std::string& path) {
       }
       continue;
     }
-    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
-      bad(path, "tensor '" + name + "' lacks dtype, shape or data_offsets");
-    const std::string dt = v["dtype"].get<std::string>();
-    const DtypeEntry* e = nullptr;
-    for (const auto& cand : kDtypes)
-      if (dt == cand.name) e = &cand;
-    if (!e) bad(path, "tensor '" + name + "' has dtype " + dt + ", which moecore does not read");
-    Shape shape;
-    for (const auto& d : v["shape"]) {
-      if (shape.ndim == kMaxDims) bad(path, "tensor '" + name + "' has more than 6 dims");
-      shape[shape.ndim++] = d.get<int64_t>();
-    }
-    const auto& off = v["data_offsets"];
-    if (!off.is_array() || off.size() != 2) bad(path, "tensor '" + name + "' data_offsets is not [begin, end]");
-    const uint64_t b = off[0].get<uint64_t>(), en = off[1].get<uint64_t>();
-    const uint64_t expect = static_cast<uint64_t>(shape.numel()) * dtype_size(e->type);
-    if (en < b || en - b != expect)
-      bad(path, "tensor '" + name + "' spans " + std::to_string(en - b) + " bytes but its shape " + shape.str() +
-                    " needs " + std::to_string(expect));
-    spans.push_back({b, en, name});
-    Tensor t = Tensor::empty(shape, e->type, MemCategory::other);
-    out.tensors[name] = t;
+    out.tensors.push_back(parse_entry(path, name, v));
   }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  std::vector<const SafetensorsEntry*> spans;
+  for (const auto& t : out.tensors) spans.push_back(&t);
+  std::stable_sort(spans.begin(), spans.end(), [](const auto* a, const auto* b) { return a->begin < b->begin; });
   uint64_t pos = 0;
-  for (const auto& s : spans) {
-    if (s.begin != pos) bad(path, "tensor '" + s.name + "' does not start where the previous one ends (InvalidOffset)");
-    pos = s.end;
+  for (const auto* t : spans) {
+    if (t->begin != pos)
+      bad(path, "tensor '" + t->name + "' starts at " + std::to_string(t->begin) + " but the previous one ends at " +
+                    std::to_string(pos) + " (InvalidOffset)");
+    pos = t->end;
   }
-  if (pos != buffer_len)
-    bad(path, "tensors cover " + std::to_string(pos) + " bytes but the buffer holds " + std::to_string(buffer_len) +
+  if (pos != data_bytes)
+    bad(path, "tensors cover " + std::to_string(pos) + " bytes but the buffer holds " + std::to_string(data_bytes) +
                   " (truncated file or trailing bytes)");
-  for (const auto& s : spans) std::memcpy(out.tensors[s.name].raw(), buffer + s.begin, s.end - s.begin);
+  std::sort(out.tensors.begin(), out.tensors.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  return out;
+}
+
+SafetensorsLayout safetensors_serialize_header(const std::vector<SafetensorsTensorSpec>& tensors,
+                                               std::map<std::string, std::string> metadata) {
+  if (!metadata.count("format")) metadata["format"] = "pt";
+  SafetensorsLayout out;
+  for (size_t i = 0; i < tensors.size(); ++i) out.order.push_back(i);
+  std::stable_sort(out.order.begin(), out.order.end(), [&](size_t a, size_t b) {
+    const int ra = safetensors_dtype_of(tensors[a].type).rank, rb = safetensors_dtype_of(tensors[b].type).rank;
+    return ra != rb ? ra > rb : tensors[a].name < tensors[b].name;
+  });
+  // Compact JSON with __metadata__ first and tensors in offset order (nlohmann's ordered_json keeps order).
+  nlohmann::ordered_json h;
+  h["__metadata__"] = metadata;
+  for (size_t i : out.order) {
+    const SafetensorsTensorSpec& t = tensors[i];
+    std::vector<int64_t> shape(t.shape.d, t.shape.d + t.shape.ndim);
+    const uint64_t nb = static_cast<uint64_t>(t.shape.numel()) * dtype_size(t.type);
+    out.begin.push_back(out.data_bytes);
+    h[t.name] = {{"dtype", safetensors_dtype_of(t.type).name},
+                 {"shape", shape},
+                 {"data_offsets", {out.data_bytes, out.data_bytes + nb}}};
+    out.data_bytes += nb;
+  }
+  std::string json_text = h.dump();
+  json_text.append((8 - json_text.size() % 8) % 8, ' ');
+  out.header.assign(8, '\0');
+  const uint64_t n = json_text.size();
+  std::memcpy(out.header.data(), &n, 8);
+  out.header += json_text;
+  return out;
+}
+
+std::map<std::string, std::string> safetensors_index_parse(const std::string& path, std::string_view text) {
+  const json idx = parse_strict(text, "index", [&](const std::string& why) {
+    MOECORE_FAIL("safetensors: '", path, "' is not a valid safetensors index: ", why);
+  });
+  if (!idx.contains("weight_map") || !idx["weight_map"].is_object())
+    MOECORE_FAIL("safetensors: index '", path, "' has no \"weight_map\" object");
+  std::map<std::string, std::string> weight_map;
+  for (const auto& [name, f] : idx["weight_map"].items()) {
+    if (!f.is_string())
+      MOECORE_FAIL("safetensors: index '", path, "' maps tensor '", name, "' to ", f.dump(), ", not a file name");
+    weight_map[name] = f.get<std::string>();
+  }
+  return weight_map;
+}
+
+SafetensorsFile safetensors_load(const std::string& path) {
+  const std::string bytes = read_file(path);
+  const uint64_t n = safetensors_header_size(path, bytes, bytes.size());
+  const uint64_t buffer_len = bytes.size() - 8 - n;
+  SafetensorsHeader h = safetensors_parse_header(path, std::string_view(bytes).substr(8, n), buffer_len);
+  const char* buffer = bytes.data() + 8 + n;
+  SafetensorsFile out;
+  out.metadata = std::move(h.metadata);
+  for (const auto& e : h.tensors)
+    if (!e.type) bad(path, "tensor '" + e.name + "' has dtype " + e.dtype_name + ", which moecore does not read");
+  for (const auto& e : h.tensors) {
+    Tensor t = Tensor::empty(e.shape, *e.type, MemCategory::other);
+    std::memcpy(t.raw(), buffer + e.begin, e.end - e.begin);
+    out.tensors[e.name] = t;
+  }
   return out;
 }
 
 std::string safetensors_serialize(const std::map<std::string, Tensor>& tensors,
                                   std::map<std::string, std::string> metadata) {
-  if (!metadata.count("format")) metadata["format"] = "pt";
-  std::vector<std::pair<std::string, const Tensor*>> order;
-  for (const auto& [name, t] : tensors) order.emplace_back(name, &t);
-  std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
-    const int ra = entry_of(a.second->dtype()).rank, rb = entry_of(b.second->dtype()).rank;
-    return ra != rb ? ra > rb : a.first < b.first;
-  });
-  // Compact JSON with __metadata__ first and tensors in offset order (nlohmann's ordered_json keeps order).
-  nlohmann::ordered_json h;
-  h["__metadata__"] = metadata;
-  uint64_t offset = 0;
-  for (const auto& [name, t] : order) {
-    MOECORE_CHECK(t->device() == Device::cpu, "safetensors: tensor '", name, "' is not on the CPU");
-    std::vector<int64_t> shape(t->shape().d, t->shape().d + t->dim());
-    const uint64_t nb = static_cast<uint64_t>(t->nbytes());
-    h[name] = {{"dtype", entry_of(t->dtype()).name}, {"shape", shape}, {"data_offsets", {offset, offset + nb}}};
-    offset += nb;
+  std::vector<SafetensorsTensorSpec> specs;
+  std::vector<const Tensor*> ts;
+  for (const auto& [name, t] : tensors) {
+    MOECORE_CHECK(t.device() == Device::cpu, "safetensors: tensor '", name, "' is not on the CPU");
+    specs.push_back({name, t.dtype(), t.shape()});
+    ts.push_back(&t);
   }
-  std::string header = h.dump();
-  header.append((8 - header.size() % 8) % 8, ' ');
-  std::string out(8, '\0');
-  const uint64_t n = header.size();
-  std::memcpy(out.data(), &n, 8);
-  out += header;
-  out.reserve(out.size() + offset);
-  for (const auto& [name, t] : order) {
-    Tensor c = t->is_contiguous() ? *t : t->clone();
+  const SafetensorsLayout layout = safetensors_serialize_header(specs, std::move(metadata));
+  std::string out = layout.header;
+  out.reserve(out.size() + layout.data_bytes);
+  for (size_t i : layout.order) {
+    Tensor c = ts[i]->is_contiguous() ? *ts[i] : ts[i]->clone();
     out.append(static_cast<const char*>(c.raw()), static_cast<size_t>(c.nbytes()));
   }
   return out;
