@@ -417,11 +417,8 @@ void streaming_check(const std::string& label, int count, int64_t tensor_mb) {
   EXPECT_LT(growth_mb, 0.25 * total_mb);
 }
 
-TEST(HfCheckpoint, StreamsSixtyMegabytesInBoundedMemory) {
-  streaming_check("stream60", 14, 5);
-}
-
-// ~600 MB in tensors of 50 MB: about 2.5 s here, so it stays in the default suite (no "long" label).
+// ~600 MB in tensors of 50 MB: about 2.5 s here, so it stays in the default suite (no "long" label). A smaller
+// checkpoint (60 MB in 5 MB tensors) proved too close to malloc's own noise: it failed once in a loaded full run.
 TEST(HfCheckpoint, StreamsSixHundredMegabytesInBoundedMemory) {
   streaming_check("stream600", 14, 50);
 }
