@@ -212,6 +212,14 @@ void Args::merge_config(const std::string& path) {
   }
 }
 
+void Args::fill_unset(const std::string& name, const std::string& value, const std::string& where) {
+  const Spec& sp = spec_or_suggest(name, where.c_str());
+  if (values_.count(name)) return;
+  if (sp.is_list) lists_[name] = {value};
+  values_[name] = sp.is_flag || sp.is_list ? "1" : value;
+  check_unsupported();
+}
+
 std::vector<std::string> Args::list(const std::string& name) const {
   auto it = lists_.find(name);
   return it == lists_.end() ? std::vector<std::string>{} : it->second;

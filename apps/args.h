@@ -32,6 +32,10 @@ class Args {
   // --list-flags prints one tab-separated line per flag: name, kind (switch | value | list |
   // unsupported-switch | unsupported-value), default, help.
   bool parse(int argc, char** argv);
+  // After parse: sets `name` to `value` ("" for a switch: on) unless the command line or --config gave it;
+  // `where` names the source in errors ("in --hf-config FILE"). Unsupported values are refused as on the
+  // command line.
+  void fill_unset(const std::string& name, const std::string& value, const std::string& where);
 
   std::string str(const std::string& name) const;
   int64_t i64(const std::string& name) const;

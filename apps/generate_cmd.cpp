@@ -5,6 +5,7 @@
 #include "apps/args.h"
 #include "apps/commands.h"
 #include "apps/data_flags.h"
+#include "apps/hf_config.h"
 #include "apps/model_flags.h"
 #include "moecore/core/error.h"
 #include "moecore/io/checkpoint.h"
@@ -23,12 +24,14 @@ int generate_main(int argc, char** argv) {
   defaults.seq_length = 128;
   add_model_flags(a, defaults);
   add_tokenizer_flags(a);
+  add_hf_config_flag(a);
   a.option("--load", "", "checkpoint directory (the newest committed checkpoint is used)")
       .option("--prompt", "The ", "text to continue")
       .option("--max-new-tokens", "200", "tokens to sample")
       .option("--temperature", "0.8", "sampling temperature (top-k 40)")
       .option("--seed", "1234", "sampling seed");
   if (!a.parse(argc, argv)) return 0;
+  hf_config_apply(a);
   if (a.str("--load").empty()) MOECORE_FAIL("generate: --load is required");
   const auto tok = tokenizer_from(a);
   const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a));

@@ -8,6 +8,7 @@
 #include "apps/args.h"
 #include "apps/commands.h"
 #include "apps/data_flags.h"
+#include "apps/hf_config.h"
 #include "apps/model_flags.h"
 #include "moecore/core/error.h"
 #include "moecore/data/gpt_dataset.h"
@@ -235,8 +236,10 @@ int train_main(int argc, char** argv) {
   defaults.seq_length = 128;
   add_model_flags(a, defaults);
   add_tokenizer_flags(a);
+  add_hf_config_flag(a);
   add_training_flags(a);
   if (!a.parse(argc, argv)) return 0;
+  hf_config_apply(a);
   const std::vector<std::string> data_path = a.list("--data-path");
   if (data_path.empty()) MOECORE_FAIL("train: --data-path is required (prefixes made by moecore preprocess)");
   const auto tok = tokenizer_from(a);

@@ -1,0 +1,224 @@
+// `--hf-config`: the config.json -> Megatron flag translation checked flag by flag on the shared real configs
+// (Mixtral-8x7B, Qwen3-30B-A3B) and a Qwen2-MoE one written here, refusals naming the key, the value or the path,
+// and `moecore train` building the model from each real config shrunk by flags (command-line flags win).
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/hf_config.h"
+#include "moecore/core/error.h"
+#include "test_util.h"
+
+namespace moecore {
+namespace {
+
+using nlohmann::json;
+
+std::string shared_config(const std::string& name) {
+  const std::string dir = testing::shared_data_dir();
+  if (dir.empty()) return "";
+  const std::string p = dir + "/hf_configs/" + name + ".config.json";
+  return std::filesystem::exists(p) ? p : "";
+}
+
+std::map<std::string, std::string> flags_of(const json& cfg) {
+  std::map<std::string, std::string> m;
+  for (const auto& [f, v] : apps::hf_config_flags(cfg)) m[f] = v;
+  return m;
+}
+
+std::string error_of(const json& cfg) {
+  try {
+    apps::hf_config_flags(cfg);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+json qwen2_moe_config() {
+  return json::parse(R"({"architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "decoder_sparse_step": 2, "eos_token_id": 1, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+    "intermediate_size": 96, "max_position_embeddings": 8192, "max_window_layers": 21, "model_type": "qwen2_moe",
+    "moe_intermediate_size": 32, "norm_topk_prob": false, "num_attention_heads": 4, "num_experts": 8,
+    "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_key_value_heads": 4, "output_router_logits": false,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 48, "sliding_window": 32768, "tie_word_embeddings": false,
+    "torch_dtype": "bfloat16", "transformers_version": "4.40.0", "use_cache": true, "use_sliding_window": false,
+    "vocab_size": 512, "mlp_only_layers": [3]})");
+}
+
+void expect_flags(const std::map<std::string, std::string>& got, const std::map<std::string, std::string>& want) {
+  for (const auto& [f, v] : want) {
+    ASSERT_TRUE(got.count(f)) << f;
+    EXPECT_EQ(got.at(f), v) << f;
+  }
+}
+
+TEST(HfConfig, MixtralTranslatesToMegatronFlags) {
+  const std::string path = shared_config("mixtral-8x7b");
+  if (path.empty()) GTEST_SKIP() << "../shared/data/hf_configs not found";
+  const auto f = flags_of(apps::hf_config_load(path));
+  expect_flags(f, {{"--num-layers", "32"},
+                   {"--hidden-size", "4096"},
+                   {"--num-attention-heads", "32"},
+                   {"--group-query-attention", ""},
+                   {"--num-query-groups", "8"},
+                   {"--ffn-hidden-size", "14336"},
+                   {"--num-experts", "8"},
+                   {"--moe-router-topk", "2"},
+                   {"--moe-aux-loss-coeff", "0.02"},
+                   {"--moe-router-load-balancing-type", "aux_loss"},
+                   {"--rotary-base", "1000000"},
+                   {"--position-embedding-type", "rope"},
+                   {"--normalization", "RMSNorm"},
+                   {"--norm-epsilon", "1e-05"},
+                   {"--max-position-embeddings", "32768"},
+                   {"--vocab-size", "32000"},
+                   {"--swiglu", ""},
+                   {"--disable-bias-linear", ""},
+                   {"--untie-embeddings-and-output-weights", ""},
+                   {"--attention-dropout", "0"},
+                   {"--hidden-dropout", "0"},
+                   {"--init-method-std", "0.02"}});
+  for (const char* absent : {"--qk-layernorm", "--moe-router-pre-softmax", "--kv-channels", "--add-qkv-bias",
+                             "--moe-layer-freq", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"})
+    EXPECT_FALSE(f.count(absent)) << absent;
+}
+
+TEST(HfConfig, Qwen3MoeTranslatesToMegatronFlags) {
+  const std::string path = shared_config("qwen3-30b-a3b");
+  if (path.empty()) GTEST_SKIP() << "../shared/data/hf_configs not found";
+  const auto f = flags_of(apps::hf_config_load(path));
+  expect_flags(f, {{"--num-layers", "48"},
+                   {"--hidden-size", "2048"},
+                   {"--num-attention-heads", "32"},
+                   {"--num-query-groups", "4"},
+                   {"--kv-channels", "128"},
+                   {"--qk-layernorm", ""},
+                   {"--ffn-hidden-size", "6144"},
+                   {"--moe-ffn-hidden-size", "768"},
+                   {"--num-experts", "128"},
+                   {"--moe-router-topk", "8"},
+                   {"--moe-aux-loss-coeff", "0.001"},
+                   {"--norm-epsilon", "1e-06"},
+                   {"--rotary-base", "1000000"},
+                   {"--vocab-size", "151936"}});
+  // norm_topk_prob true is Megatron's default (softmax over the top k); every layer is MoE (Megatron's default).
+  for (const char* absent : {"--moe-router-pre-softmax", "--moe-layer-freq", "--add-qkv-bias"})
+    EXPECT_FALSE(f.count(absent)) << absent;
+}
+
+TEST(HfConfig, Qwen2MoeSharedExpertQkvBiasAndLayerPattern) {
+  const auto f = flags_of(qwen2_moe_config());
+  expect_flags(f, {{"--add-qkv-bias", ""},
+                   {"--moe-router-pre-softmax", ""},
+                   {"--moe-shared-expert-intermediate-size", "48"},
+                   {"--moe-shared-expert-gate", ""},
+                   {"--moe-layer-freq", "[0]*1+[1]*1+[0]*2"}});  // (i + 1) % 2 == 0, minus mlp_only_layers [3]
+  EXPECT_FALSE(f.count("--qk-layernorm"));
+}
+
+TEST(HfConfig, RefusalsNameTheKeyAndValue) {
+  const std::string ds = shared_config("deepseek-v3");
+  if (!ds.empty()) {
+    const std::string e = error_of(apps::hf_config_load(ds));
+    EXPECT_NE(e.find("model_type 'deepseek_v3'"), std::string::npos) << e;
+    EXPECT_NE(e.find("multi-latent attention (MLA) is not supported yet"), std::string::npos) << e;
+  }
+  json c = qwen2_moe_config();
+  c["rope_scaling"] = json::parse(R"({"type": "yarn", "factor": 4.0})");
+  std::string e = error_of(c);
+  EXPECT_NE(e.find("'rope_scaling'"), std::string::npos) << e;
+  EXPECT_NE(e.find("yarn"), std::string::npos) << e;
+  c = qwen2_moe_config();
+  c["frobnicate"] = 3;
+  e = error_of(c);
+  EXPECT_NE(e.find("unknown config.json key 'frobnicate' for model_type qwen2_moe"), std::string::npos) << e;
+  c = qwen2_moe_config();
+  c["use_sliding_window"] = true;
+  EXPECT_NE(error_of(c).find("'use_sliding_window' = true"), std::string::npos) << error_of(c);
+  c = qwen2_moe_config();
+  c["hidden_act"] = "gelu";
+  EXPECT_NE(error_of(c).find("'hidden_act' = \"gelu\""), std::string::npos) << error_of(c);
+  c = qwen2_moe_config();
+  c.erase("hidden_size");
+  EXPECT_NE(error_of(c).find("lacks 'hidden_size'"), std::string::npos) << error_of(c);
+  c = qwen2_moe_config();
+  c["attention_bias"] = true;  // a Qwen3-MoE key only
+  EXPECT_NE(error_of(c).find("unknown config.json key 'attention_bias'"), std::string::npos) << error_of(c);
+  try {
+    apps::hf_config_load("/nonexistent/moecore-hf");
+    ADD_FAILURE() << "no error for a bad path";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("--hf-config /nonexistent/moecore-hf"), std::string::npos) << err.what();
+  }
+}
+
+struct CmdResult {
+  int status;
+  std::string output;
+};
+
+CmdResult run_cmd(const std::string& args) {
+  FILE* p = popen((std::string(MOECORE_BINARY) + " " + args + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  const int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+TEST(HfConfig, TrainBuildsTheModelAndCommandLineFlagsWin) {
+  namespace fs = std::filesystem;
+  const std::string mixtral = shared_config("mixtral-8x7b"), qwen3 = shared_config("qwen3-30b-a3b");
+  if (mixtral.empty() || qwen3.empty()) GTEST_SKIP() << "../shared/data/hf_configs not found";
+  const fs::path dir = fs::temp_directory_path() / ("moecore_hf_config_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    std::ofstream corpus(dir / "corpus.jsonl");
+    for (int i = 0; i < 100; ++i) corpus << "{\"text\": \"Document " << i << ": the quick brown fox.\"}\n";
+  }
+  const CmdResult pre = run_cmd("preprocess --input " + (dir / "corpus.jsonl").string() + " --output-prefix " +
+                                (dir / "c").string() + " --tokenizer-type ByteLevel --append-eod --workers 1");
+  ASSERT_EQ(pre.status, 0) << pre.output;
+  const std::string common = " --data-path " + (dir / "c_text_document").string() +
+                             " --tokenizer-type ByteLevel --generate-tokens 0 --seq-length 32 --micro-batch-size 1 "
+                             "--global-batch-size 2 --train-iters 1 --num-layers 2 --hidden-size 64 "
+                             "--num-attention-heads 4 --num-query-groups 2 --ffn-hidden-size 96 --vocab-size 512 ";
+  CmdResult r = run_cmd("train --hf-config " + mixtral + common + "--num-experts 4");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("moecore train: RMSNorm, rope, layers 2, hidden 64, heads 4 (kv 2, dim 16), ffn 96 swiglu, "
+                          "vocab 512, seq 32, untied, f32, MoE 4 experts top-2 ffn 96 layer-freq 1"),
+            std::string::npos)
+      << r.output;
+  // A model directory holding config.json, and the head dim and expert count from config.json kept.
+  fs::create_directories(dir / "qwen3");
+  fs::copy_file(qwen3, dir / "qwen3" / "config.json");
+  r = run_cmd("train --hf-config " + (dir / "qwen3").string() + common + "--moe-ffn-hidden-size 32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("moecore train: RMSNorm, rope, qk-norm, layers 2, hidden 64, heads 4 (kv 2, dim 128), ffn "
+                          "96 swiglu, vocab 512, seq 32, untied, f32, MoE 128 experts top-8 ffn 32 layer-freq 1"),
+            std::string::npos)
+      << r.output;
+  const std::string ds = shared_config("deepseek-v3");
+  if (!ds.empty()) {
+    r = run_cmd("generate --hf-config " + ds + " --load " + dir.string());
+    EXPECT_NE(r.status, 0);
+    EXPECT_NE(r.output.find("model_type 'deepseek_v3' is not supported yet"), std::string::npos) << r.output;
+  }
+  r = run_cmd("train --hf-config " + (dir / "missing").string() + common);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--hf-config " + (dir / "missing").string() + ": no such file"), std::string::npos)
+      << r.output;
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace moecore
