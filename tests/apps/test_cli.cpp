@@ -9,6 +9,7 @@
 #include <fstream>
 #include <thread>
 
+#include "apps/cli_support.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/safetensors.h"
 #include "test_util.h"
@@ -18,23 +19,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int status;
-  std::string output;
-};
-
-Result run_shell(const std::string& cmd) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  const int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
-
-Result run(const std::string& args) {
-  return run_shell(std::string(MOECORE_BINARY) + " " + args);
-}
+using Result = testing::CmdResult;
+using testing::run_shell;
+const auto run = testing::run_moecore;
 
 // `moecore ARGS` on np ranks, one OpenMP thread each (the ranks share the machine's cores). Unused without MPI.
 [[maybe_unused]] Result run_mpi(int np, const std::string& args, const std::string& env = "") {

@@ -1,7 +1,6 @@
 // `--hf-config`: the config.json -> Megatron flag translation checked flag by flag on the shared real configs
 // (Mixtral-8x7B, Qwen3-30B-A3B) and a Qwen2-MoE one written here, refusals naming the key, the value or the path,
 // and `moecore train` building the model from each real config shrunk by flags (command-line flags win).
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -10,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "apps/cli_support.h"
 #include "apps/hf_config.h"
 #include "moecore/core/error.h"
 #include "test_util.h"
@@ -160,19 +160,8 @@ TEST(HfConfig, RefusalsNameTheKeyAndValue) {
   }
 }
 
-struct CmdResult {
-  int status;
-  std::string output;
-};
-
-CmdResult run_cmd(const std::string& args) {
-  FILE* p = popen((std::string(MOECORE_BINARY) + " " + args + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  const int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
+using testing::CmdResult;
+const auto run_cmd = testing::run_moecore;
 
 TEST(HfConfig, TrainBuildsTheModelAndCommandLineFlagsWin) {
   namespace fs = std::filesystem;
@@ -181,13 +170,8 @@ TEST(HfConfig, TrainBuildsTheModelAndCommandLineFlagsWin) {
   const fs::path dir = fs::temp_directory_path() / ("moecore_hf_config_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
-  {
-    std::ofstream corpus(dir / "corpus.jsonl");
-    for (int i = 0; i < 100; ++i) corpus << "{\"text\": \"Document " << i << ": the quick brown fox.\"}\n";
-  }
-  const CmdResult pre = run_cmd("preprocess --input " + (dir / "corpus.jsonl").string() + " --output-prefix " +
-                                (dir / "c").string() + " --tokenizer-type ByteLevel --append-eod --workers 1");
-  ASSERT_EQ(pre.status, 0) << pre.output;
+  testing::write_byte_corpus(dir, 100, "Document: the quick brown fox.");
+  if (HasFatalFailure()) return;
   const std::string common = " --data-path " + (dir / "c_text_document").string() +
                              " --tokenizer-type ByteLevel --generate-tokens 0 --seq-length 32 --micro-batch-size 1 "
                              "--global-batch-size 2 --train-iters 1 --num-layers 2 --hidden-size 64 "

@@ -2,7 +2,6 @@
 // Megatron has Megatron's default (the table ../shared/data/megatron/flags-<commit>.json was produced by
 // Megatron's own argument parser), switches stay switches, and the flags of Megatron's own MoE example scripts
 // are either honoured or refused by name as "not supported yet".
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -13,24 +12,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "apps/cli_support.h"
 #include "test_util.h"
 
 namespace moecore {
 namespace {
 
-struct CmdResult {
-  int status;
-  std::string output;
-};
-
-CmdResult run_cmd(const std::string& args) {
-  FILE* p = popen((std::string(MOECORE_BINARY) + " " + args + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  const int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
+using testing::CmdResult;
+const auto run_cmd = testing::run_moecore;
 
 struct FlagLine {
   std::string kind, def, help;
@@ -217,14 +206,8 @@ TEST(MegatronFlags, MegatronsMoeExamplesRunOrRefuseByName) {
   const fs::path dir = fs::temp_directory_path() / ("moecore_megatron_examples_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
-  {
-    std::ofstream corpus(dir / "corpus.jsonl");
-    for (int i = 0; i < 300; ++i)
-      corpus << "{\"text\": \"Example document " << i << ": the quick brown fox jumps over the lazy dog.\"}\n";
-  }
-  const CmdResult pre = run_cmd("preprocess --input " + (dir / "corpus.jsonl").string() + " --output-prefix " +
-                                (dir / "c").string() + " --tokenizer-type ByteLevel --append-eod --workers 1");
-  ASSERT_EQ(pre.status, 0) << pre.output;
+  testing::write_byte_corpus(dir, 300, "Example document: the quick brown fox jumps over the lazy dog.");
+  if (HasFatalFailure()) return;
   const std::string data =
       " --data-path " + (dir / "c_text_document").string() + " --tokenizer-type ByteLevel --generate-tokens 0 ";
   for (const MegatronExample& ex : megatron_examples()) {
