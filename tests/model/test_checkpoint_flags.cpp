@@ -260,10 +260,7 @@ TEST(CheckpointFlags, NoSaveRngCheckpointNeedsNoLoadRng) {
 
 TEST(CheckpointFlags, SchedulerStateIsSavedWithTheOptimizer) {
   const fs::path dir = fresh_dir("sched_saved");
-  train::TrainConfig t = train_config(8);
-  t.exit_interval = 3;
-  t.save = dir.string();
-  run(t);
+  save_after(dir, 3);
   const nlohmann::json s = state_of(dir / "iter_0000003")["opt_param_scheduler"];
   EXPECT_FLOAT_EQ(s["max_lr"].get<float>(), 5e-3f);
   EXPECT_FLOAT_EQ(s["min_lr"].get<float>(), 5e-4f);
@@ -276,10 +273,7 @@ TEST(CheckpointFlags, SchedulerStateIsSavedWithTheOptimizer) {
 
 TEST(CheckpointFlags, SchedulerMismatchFailsNamingTheFieldUnlessOverridden) {
   const fs::path dir = fresh_dir("sched_mismatch");
-  train::TrainConfig first = train_config(8);
-  first.exit_interval = 3;
-  first.save = dir.string();
-  run(first);
+  save_after(dir, 3);
   auto resume_error = [&](const train::TrainConfig& t) -> std::string {
     try {
       run(t);
@@ -315,10 +309,7 @@ TEST(CheckpointFlags, SchedulerMismatchFailsNamingTheFieldUnlessOverridden) {
 
 TEST(CheckpointFlags, UseCheckpointSchedulerReplacesTheConfigsSchedule) {
   const fs::path dir = fresh_dir("sched_use_ckpt");
-  train::TrainConfig first = train_config(8);
-  first.exit_interval = 3;
-  first.save = dir.string();
-  run(first);
+  save_after(dir, 3);
   train::TrainConfig t = train_config(10);  // other lr, min_lr, warmup, style and end: all from the checkpoint
   t.lr = 1e-3f;
   t.min_lr = 0.0f;
