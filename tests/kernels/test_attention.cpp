@@ -409,23 +409,6 @@ TEST(RopeForward, PartialRotaryRotatesOnlyFirstDrChannels) {
   }
 }
 
-// rope_backward is the transpose (= inverse) of the partial rotation: central differences, 1e-3.
-TEST(RopeBackward, PartialRotaryIsTransposeOfForward) {
-  const QkvDims d{1, 3, 1, 1, 8};
-  const Tensor rope = make_rope(d.S, 4, 100.0f);
-  Tensor x = randn(qkv_shape(d), "x");
-  const Tensor w = randn(qkv_shape(d), "w");
-  auto loss = [&] {
-    Tensor y = x.clone();
-    ops::rope_forward(y, rope, d, {});
-    return testing::weighted_sum(y, w);
-  };
-  const Tensor numeric = testing::numerical_gradient(loss, x);
-  Tensor analytic = w.clone();
-  ops::rope_backward(analytic, rope, d, {});
-  EXPECT_TENSOR_NEAR(analytic, numeric, 1e-3, 1e-3);
-}
-
 TEST(RopeForward, RejectsBadRotaryDim) {
   const QkvDims d{1, 4, 1, 1, 8};
   Tensor qkv = randn(qkv_shape(d), "x");
@@ -455,21 +438,25 @@ TEST(RopeBackward, InvertsForward) {
   EXPECT_TENSOR_NEAR(y, x, 1e-6, 1e-6);
 }
 
-// rope is linear, so central differences are exact up to rounding: 1e-3 relative / absolute.
+// rope is linear, so central differences are exact up to rounding: 1e-3 relative / absolute. Full rotation and
+// partial rotation (Dr = 4 of D = 8).
 TEST(RopeBackward, IsTransposeOfForward) {
-  const QkvDims d{1, 4, 1, 2, 6};
-  const Tensor rope = make_rope(d.S, d.D, 100.0f);
-  Tensor x = randn(qkv_shape(d), "x");
-  const Tensor w = randn(qkv_shape(d), "w");
-  auto loss = [&] {
-    Tensor y = x.clone();
-    ops::rope_forward(y, rope, d, {});
-    return testing::weighted_sum(y, w);
-  };
-  const Tensor numeric = testing::numerical_gradient(loss, x);
-  Tensor analytic = w.clone();
-  ops::rope_backward(analytic, rope, d, {});
-  EXPECT_TENSOR_NEAR(analytic, numeric, 1e-3, 1e-3);
+  for (const auto& [d, Dr] :
+       {std::pair{QkvDims{1, 4, 1, 2, 6}, int64_t{6}}, std::pair{QkvDims{1, 3, 1, 1, 8}, int64_t{4}}}) {
+    const Tensor rope = make_rope(d.S, Dr, 100.0f);
+    Tensor x = randn(qkv_shape(d), "x");
+    const Tensor w = randn(qkv_shape(d), "w");
+    auto loss = [&] {
+      Tensor y = x.clone();
+      ops::rope_forward(y, rope, d, {});
+      return testing::weighted_sum(y, w);
+    };
+    const Tensor numeric = testing::numerical_gradient(loss, x);
+    Tensor analytic = w.clone();
+    ops::rope_backward(analytic, rope, d, {});
+    SCOPED_TRACE("Dr = " + std::to_string(Dr));
+    EXPECT_TENSOR_NEAR(analytic, numeric, 1e-3, 1e-3);
+  }
 }
 
 // bf16 rotates in f32 and rounds once: 2^-8 relative to the f32 result.
