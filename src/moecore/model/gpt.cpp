@@ -112,6 +112,12 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   auto add_norm = [&](const std::string& prefix, Param*& bias) { return add_norm_of(prefix, H, bias); };
   auto value = [](Param* p) { return p ? p->value : Tensor(); };
   auto grad = [](Param* p) { return p ? p->grad : Tensor(); };
+  // Points a module's weight view and gradient at a parameter (undefined for nullptr): the weight in the compute
+  // dtype, which is the f32 master itself for norms and biases.
+  auto bind = [](Tensor& weight, Tensor& gradient, Param* p) {
+    weight = p ? p->compute : Tensor();
+    gradient = p ? p->grad : Tensor();
+  };
   // Linear-layer biases start at zero, as Megatron initialises them.
   auto add_bias = [&](const std::string& name, int64_t width, bool on) {
     return on ? add(name, {width}, Init::zeros) : nullptr;
@@ -131,48 +137,32 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     // The attention half (and the norms) of every layer; the MLP half only for dense layers.
     nn::DenseLayerWeights& w = layer_w_.emplace_back();
     nn::DenseLayerGrads& g = layer_g_.emplace_back();
-    w.input_norm = in_w->value;
-    w.input_norm_bias = value(in_b);
-    w.mlp_norm = mlp_w->value;
-    w.mlp_norm_bias = value(mlp_b);
-    w.qkv = qkv->compute;
-    w.proj = proj->compute;
-    w.qkv_bias = value(qkv_b);
-    w.proj_bias = value(proj_b);
-    g.input_norm = in_w->grad;
-    g.input_norm_bias = grad(in_b);
-    g.mlp_norm = mlp_w->grad;
-    g.mlp_norm_bias = grad(mlp_b);
-    g.qkv = qkv->grad;
-    g.proj = proj->grad;
-    g.qkv_bias = grad(qkv_b);
-    g.proj_bias = grad(proj_b);
+    bind(w.input_norm, g.input_norm, in_w);
+    bind(w.input_norm_bias, g.input_norm_bias, in_b);
+    bind(w.mlp_norm, g.mlp_norm, mlp_w);
+    bind(w.mlp_norm_bias, g.mlp_norm_bias, mlp_b);
+    bind(w.qkv, g.qkv, qkv);
+    bind(w.proj, g.proj, proj);
+    bind(w.qkv_bias, g.qkv_bias, qkv_b);
+    bind(w.proj_bias, g.proj_bias, proj_b);
     if (cfg_.qk_layernorm) {  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
       Param *qn_b, *kn_b;
       Param* qn = add_norm_of(pre + "self_attention.q_layernorm", D, qn_b);
       Param* kn = add_norm_of(pre + "self_attention.k_layernorm", D, kn_b);
-      w.q_norm = qn->value;
-      w.q_norm_bias = value(qn_b);
-      w.k_norm = kn->value;
-      w.k_norm_bias = value(kn_b);
-      g.q_norm = qn->grad;
-      g.q_norm_bias = grad(qn_b);
-      g.k_norm = kn->grad;
-      g.k_norm_bias = grad(kn_b);
+      bind(w.q_norm, g.q_norm, qn);
+      bind(w.q_norm_bias, g.q_norm_bias, qn_b);
+      bind(w.k_norm, g.k_norm, kn);
+      bind(w.k_norm_bias, g.k_norm_bias, kn_b);
     }
     if (!moe_layers[static_cast<size_t>(l)]) {
       Param* fc1 = add(pre + "mlp.linear_fc1.weight", {dims_.fc1_rows(), H}, Init::normal, std_w);
       Param* fc2 = add(pre + "mlp.linear_fc2.weight", {H, dims_.F}, Init::normal, std_out);
       Param* fc1_b = add_bias(pre + "mlp.linear_fc1.bias", dims_.fc1_rows(), bias);
       Param* fc2_b = add_bias(pre + "mlp.linear_fc2.bias", H, bias);
-      w.fc1 = fc1->compute;
-      w.fc2 = fc2->compute;
-      w.fc1_bias = value(fc1_b);
-      w.fc2_bias = value(fc2_b);
-      g.fc1 = fc1->grad;
-      g.fc2 = fc2->grad;
-      g.fc1_bias = grad(fc1_b);
-      g.fc2_bias = grad(fc2_b);
+      bind(w.fc1, g.fc1, fc1);
+      bind(w.fc2, g.fc2, fc2);
+      bind(w.fc1_bias, g.fc1_bias, fc1_b);
+      bind(w.fc2_bias, g.fc2_bias, fc2_b);
       caches_.push_back(nn::dense_layer_cache_alloc(dims_));
       moe_.push_back(nullptr);
       continue;
@@ -191,12 +181,9 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       Param* router_b = add(pre + "mlp.router.bias", {mc.num_experts}, Init::normal, std_w);
       Param* efc1_b = add(pre + "mlp.experts.linear_fc1.bias", {El, fc1_rows}, Init::zeros, 0.0f, true);
       Param* efc2_b = add(pre + "mlp.experts.linear_fc2.bias", {El, H}, Init::zeros, 0.0f, true);
-      m->w.router.bias = router_b->value;
-      m->g.router_bias = router_b->grad;
-      m->w.experts.fc1_bias = efc1_b->value;
-      m->w.experts.fc2_bias = efc2_b->value;
-      m->g.experts.fc1_bias = efc1_b->grad;
-      m->g.experts.fc2_bias = efc2_b->grad;
+      bind(m->w.router.bias, m->g.router_bias, router_b);
+      bind(m->w.experts.fc1_bias, m->g.experts.fc1_bias, efc1_b);
+      bind(m->w.experts.fc2_bias, m->g.experts.fc2_bias, efc2_b);
     }
     if (Fs > 0) {
       Param* sfc1 =
