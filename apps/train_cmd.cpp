@@ -250,10 +250,8 @@ int train_main(int argc, char** argv) {
   data::GptDataSourceConfig dcfg;
   dcfg.data_path = data_path;
   dcfg.split = a.str("--split");
-  // Without --eval-interval the only validation is the one at the end: size the split as for one interval.
   const auto n =
-      data::gpt_split_num_samples(tcfg.train_iters, tcfg.global_batch_size,
-                                  tcfg.eval_interval > 0 ? tcfg.eval_interval : tcfg.train_iters, tcfg.eval_iters);
+      data::gpt_split_num_samples(tcfg.train_iters, tcfg.global_batch_size, tcfg.eval_interval, tcfg.eval_iters);
   dcfg.num_samples[0] = n[0];
   dcfg.num_samples[1] = n[1];
   dcfg.num_samples[2] = 0;  // the test split is not used by training

@@ -364,5 +364,11 @@ TEST(GptDataSource, SinglePrefixAndOversampling) {
   EXPECT_EQ(BlendedGptDataset(parts, {0.5, 0.5}, static_cast<int64_t>(2 * a->size())).size(), 2 * a->size());
 }
 
+// Megatron's sample counts per split; without --eval-interval (0) one validation, at the end.
+TEST(GptSplit, NumSamplesPerSplit) {
+  EXPECT_EQ(gpt_split_num_samples(100, 8, 25, 3), (std::array<int64_t, 3>{800, 5 * 3 * 8, 3 * 8}));
+  EXPECT_EQ(gpt_split_num_samples(100, 8, 0, 3), (std::array<int64_t, 3>{800, 3 * 8, 3 * 8}));
+}
+
 }  // namespace
 }  // namespace moecore::data

@@ -443,8 +443,9 @@ void BlendedGptDataset::get(int64_t i, int32_t* tokens, int32_t* labels, float* 
 
 std::array<int64_t, 3> gpt_split_num_samples(int64_t train_iters, int64_t global_batch_size, int64_t eval_interval,
                                              int64_t eval_iters) {
-  MOECORE_CHECK(eval_interval > 0, "eval_interval (", eval_interval, ") must be > 0");
-  return {train_iters * global_batch_size, (train_iters / eval_interval + 1) * eval_iters * global_batch_size,
+  MOECORE_CHECK(eval_interval >= 0, "eval_interval (", eval_interval, ") must not be negative");
+  const int64_t evaluations = eval_interval > 0 ? train_iters / eval_interval + 1 : 1;  // 0: only at the end
+  return {train_iters * global_batch_size, evaluations * eval_iters * global_batch_size,
           eval_iters * global_batch_size};
 }
 

@@ -166,7 +166,8 @@ class BlendedGptDataset : public GptSampleSource {
 };
 
 // Megatron training.py sample counts per split (formats.md §2.2): train = train_iters * gbs,
-// valid = (train_iters / eval_interval + 1) * eval_iters * gbs, test = eval_iters * gbs.
+// valid = (train_iters / eval_interval + 1) * eval_iters * gbs, test = eval_iters * gbs. eval_interval 0 (no
+// --eval-interval: one validation, at the end) sizes the valid split for one evaluation.
 std::array<int64_t, 3> gpt_split_num_samples(int64_t train_iters, int64_t global_batch_size, int64_t eval_interval,
                                              int64_t eval_iters);
 
