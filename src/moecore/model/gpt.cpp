@@ -4,8 +4,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 
 #include "moecore/core/rng.h"
+#include "moecore/model/param_specs.h"
 #include "moecore/nn/norm.h"
 
 namespace moecore::model {
@@ -65,135 +67,87 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   else
     dispatcher_ = std::make_unique<moe::LocalDispatcher>();
 
-  const bool ln = dims_.layernorm;
-  const float std_w = cfg_.init_method_std;
-  const float std_out = std_w / std::sqrt(2.0f * static_cast<float>(L));
-  enum class Init { normal, ones, zeros };
-  // Pointers into params_ stay valid: the vector is reserved for its final size first.
-  const std::vector<bool> moe_layers = cfg_.moe_layers();
-  const moe::MoeConfig& mc = cfg_.moe;
-  const int64_t Fm = cfg_.moe_ffn(), Fs = mc.shared_expert_intermediate_size;
-  const bool bias = cfg_.add_bias_linear;
-  int64_t count = 3 + (ln ? 1 : 0) + (cfg_.untie_embeddings_and_output_weights ? 1 : 0);
-  for (bool is_moe : moe_layers)
-    count += (ln ? 6 : 4) + (cfg_.qk_layernorm ? (ln ? 4 : 2) : 0) +
-             (is_moe ? 3 + (Fs > 0 ? 2 : 0) + (mc.shared_expert_gate ? 1 : 0) : 2) +
-             (bias                ? 5
-              : cfg_.add_qkv_bias ? 1
-                                  : 0);
-  params_.reserve(static_cast<size_t>(count));
-  // Expert weights are [E/EP, ...] shards of the global [E, ...] tensor, filled with the same values the
-  // global tensor has at those positions (initialisation depends on (seed, name, global element index)).
-  const int64_t El = mc.enabled() ? mc.num_experts / EP : 0;
-  auto add = [&](std::string name, Shape shape, Init init, float std = 0.0f, bool expert = false) {
-    Param p;
-    p.name = std::move(name);
+  // Allocation from the parameter table. Expert weights are [E/EP, ...] shards of the global [E, ...] tensor,
+  // filled with the values the global tensor has at those positions (initialisation depends on (seed, name,
+  // global element index)). Pointers into params_ stay valid: the vector is reserved for its final size first.
+  const std::vector<ParamSpec> specs = parameter_specs(cfg_);
+  params_.reserve(specs.size());
+  std::map<std::string, Param*> by_name;
+  for (const ParamSpec& s : specs) {
+    Param& p = params_.emplace_back();
+    p.name = s.name;
+    Shape shape = s.shape;
+    if (s.expert) shape[0] /= EP;
     p.value = Tensor::empty(shape, DType::f32, MemCategory::parameters);
     p.grad = Tensor::zeros(shape, DType::f32, MemCategory::gradients);
     // Megatron decays weights only: norms and biases (of any rank, e.g. experts' [E, W]) are not decayed.
-    const bool is_bias = p.name.size() >= 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
-    p.weight_decay = shape.ndim >= 2 && !is_bias;
-    p.expert_parallel = expert;
-    const uint64_t first = expert ? static_cast<uint64_t>(ep_.group.rank() * shape.numel()) : 0;
-    if (init == Init::normal)
-      rng_fill_normal(p.value, seed, p.name, 0.0f, std, first);
+    p.weight_decay = shape.ndim >= 2 && !p.name.ends_with(".bias");
+    p.expert_parallel = s.expert;
+    const uint64_t first = s.expert ? static_cast<uint64_t>(ep_.group.rank() * shape.numel()) : 0;
+    if (s.init == ParamInit::normal)
+      rng_fill_normal(p.value, seed, p.name, 0.0f, s.std, first);
     else
-      p.value.fill_(init == Init::ones ? 1.0f : 0.0f);
+      p.value.fill_(s.init == ParamInit::ones ? 1.0f : 0.0f);
     p.compute = (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters);
-    MOECORE_CHECK(params_.size() < params_.capacity(), "parameter table larger than reserved");
-    params_.push_back(std::move(p));
-    return &params_.back();
+    by_name[p.name] = &p;
+  }
+  auto find = [&](const std::string& name) -> Param* {
+    auto it = by_name.find(name);
+    return it == by_name.end() ? nullptr : it->second;
   };
-  auto add_norm_of = [&](const std::string& prefix, int64_t width, Param*& bias) {
-    Param* w = add(prefix + ".weight", {width}, Init::ones);
-    bias = ln ? add(prefix + ".bias", {width}, Init::zeros) : nullptr;
-    return w;
-  };
-  auto add_norm = [&](const std::string& prefix, Param*& bias) { return add_norm_of(prefix, H, bias); };
-  auto value = [](Param* p) { return p ? p->value : Tensor(); };
-  auto grad = [](Param* p) { return p ? p->grad : Tensor(); };
-  // Points a module's weight view and gradient at a parameter (undefined for nullptr): the weight in the compute
-  // dtype, which is the f32 master itself for norms and biases.
-  auto bind = [](Tensor& weight, Tensor& gradient, Param* p) {
+  // Points a module's weight view and gradient at a parameter (undefined when the model has none of that name):
+  // the weight in the compute dtype, which is the f32 master itself for norms and biases.
+  auto bind = [&](Tensor& weight, Tensor& gradient, const std::string& name) {
+    Param* p = find(name);
     weight = p ? p->compute : Tensor();
     gradient = p ? p->grad : Tensor();
   };
-  // Linear-layer biases start at zero, as Megatron initialises them.
-  auto add_bias = [&](const std::string& name, int64_t width, bool on) {
-    return on ? add(name, {width}, Init::zeros) : nullptr;
-  };
-  embedding_ = add("embedding.word_embeddings.weight", {V, H}, Init::normal, std_w);
-  if (cfg_.position_embedding_type == PositionEmbedding::learned_absolute)
-    position_embedding_ = add("embedding.position_embeddings.weight", {cfg_.max_positions(), H}, Init::normal, std_w);
+  embedding_ = find("embedding.word_embeddings.weight");
+  position_embedding_ = find("embedding.position_embeddings.weight");
+  const std::vector<bool> moe_layers = cfg_.moe_layers();
+  const moe::MoeConfig& mc = cfg_.moe;
   for (int64_t l = 0; l < L; ++l) {
     const std::string pre = "decoder.layers." + std::to_string(l) + ".";
-    Param *in_b, *mlp_b;
-    Param* in_w = add_norm(pre + "input_layernorm", in_b);
-    Param* qkv = add(pre + "self_attention.linear_qkv.weight", {dims_.qkv.width(), H}, Init::normal, std_w);
-    Param* proj = add(pre + "self_attention.linear_proj.weight", {H, dims_.qkv.q_heads() * D}, Init::normal, std_out);
-    Param* qkv_b = add_bias(pre + "self_attention.linear_qkv.bias", dims_.qkv.width(), cfg_.qkv_bias());
-    Param* proj_b = add_bias(pre + "self_attention.linear_proj.bias", H, bias);
-    Param* mlp_w = add_norm(pre + "pre_mlp_layernorm", mlp_b);
     // The attention half (and the norms) of every layer; the MLP half only for dense layers.
     nn::DenseLayerWeights& w = layer_w_.emplace_back();
     nn::DenseLayerGrads& g = layer_g_.emplace_back();
-    bind(w.input_norm, g.input_norm, in_w);
-    bind(w.input_norm_bias, g.input_norm_bias, in_b);
-    bind(w.mlp_norm, g.mlp_norm, mlp_w);
-    bind(w.mlp_norm_bias, g.mlp_norm_bias, mlp_b);
-    bind(w.qkv, g.qkv, qkv);
-    bind(w.proj, g.proj, proj);
-    bind(w.qkv_bias, g.qkv_bias, qkv_b);
-    bind(w.proj_bias, g.proj_bias, proj_b);
-    if (cfg_.qk_layernorm) {  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
-      Param *qn_b, *kn_b;
-      Param* qn = add_norm_of(pre + "self_attention.q_layernorm", D, qn_b);
-      Param* kn = add_norm_of(pre + "self_attention.k_layernorm", D, kn_b);
-      bind(w.q_norm, g.q_norm, qn);
-      bind(w.q_norm_bias, g.q_norm_bias, qn_b);
-      bind(w.k_norm, g.k_norm, kn);
-      bind(w.k_norm_bias, g.k_norm_bias, kn_b);
-    }
+    bind(w.input_norm, g.input_norm, pre + "input_layernorm.weight");
+    bind(w.input_norm_bias, g.input_norm_bias, pre + "input_layernorm.bias");
+    bind(w.mlp_norm, g.mlp_norm, pre + "pre_mlp_layernorm.weight");
+    bind(w.mlp_norm_bias, g.mlp_norm_bias, pre + "pre_mlp_layernorm.bias");
+    bind(w.qkv, g.qkv, pre + "self_attention.linear_qkv.weight");
+    bind(w.proj, g.proj, pre + "self_attention.linear_proj.weight");
+    bind(w.qkv_bias, g.qkv_bias, pre + "self_attention.linear_qkv.bias");
+    bind(w.proj_bias, g.proj_bias, pre + "self_attention.linear_proj.bias");
+    bind(w.q_norm, g.q_norm, pre + "self_attention.q_layernorm.weight");
+    bind(w.q_norm_bias, g.q_norm_bias, pre + "self_attention.q_layernorm.bias");
+    bind(w.k_norm, g.k_norm, pre + "self_attention.k_layernorm.weight");
+    bind(w.k_norm_bias, g.k_norm_bias, pre + "self_attention.k_layernorm.bias");
     if (!moe_layers[static_cast<size_t>(l)]) {
-      Param* fc1 = add(pre + "mlp.linear_fc1.weight", {dims_.fc1_rows(), H}, Init::normal, std_w);
-      Param* fc2 = add(pre + "mlp.linear_fc2.weight", {H, dims_.F}, Init::normal, std_out);
-      Param* fc1_b = add_bias(pre + "mlp.linear_fc1.bias", dims_.fc1_rows(), bias);
-      Param* fc2_b = add_bias(pre + "mlp.linear_fc2.bias", H, bias);
-      bind(w.fc1, g.fc1, fc1);
-      bind(w.fc2, g.fc2, fc2);
-      bind(w.fc1_bias, g.fc1_bias, fc1_b);
-      bind(w.fc2_bias, g.fc2_bias, fc2_b);
+      bind(w.fc1, g.fc1, pre + "mlp.linear_fc1.weight");
+      bind(w.fc2, g.fc2, pre + "mlp.linear_fc2.weight");
+      bind(w.fc1_bias, g.fc1_bias, pre + "mlp.linear_fc1.bias");
+      bind(w.fc2_bias, g.fc2_bias, pre + "mlp.linear_fc2.bias");
       caches_.push_back(nn::dense_layer_cache_alloc(dims_));
       moe_.push_back(nullptr);
       continue;
     }
     caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/false));
     auto m = std::make_unique<MoeBlock>();
-    const int64_t fc1_rows = mc.swiglu ? 2 * Fm : Fm;
-    Param* router = add(pre + "mlp.router.weight", {mc.num_experts, H}, Init::normal, std_w);
-    Param* efc1 = add(pre + "mlp.experts.linear_fc1.weight", {El, fc1_rows, H}, Init::normal, std_w, true);
-    Param* efc2 = add(pre + "mlp.experts.linear_fc2.weight", {El, H, Fm}, Init::normal, std_out, true);
+    Param* router = find(pre + "mlp.router.weight");
     m->w.router = {router->value, router->compute};
-    m->w.experts = {efc1->compute, efc2->compute};
     m->g.router = router->grad;
-    m->g.experts = {efc1->grad, efc2->grad};
-    if (bias) {  // Megatron: the router's bias starts like a weight, the experts' biases at zero
-      Param* router_b = add(pre + "mlp.router.bias", {mc.num_experts}, Init::normal, std_w);
-      Param* efc1_b = add(pre + "mlp.experts.linear_fc1.bias", {El, fc1_rows}, Init::zeros, 0.0f, true);
-      Param* efc2_b = add(pre + "mlp.experts.linear_fc2.bias", {El, H}, Init::zeros, 0.0f, true);
-      bind(m->w.router.bias, m->g.router_bias, router_b);
-      bind(m->w.experts.fc1_bias, m->g.experts.fc1_bias, efc1_b);
-      bind(m->w.experts.fc2_bias, m->g.experts.fc2_bias, efc2_b);
-    }
-    if (Fs > 0) {
-      Param* sfc1 =
-          add(pre + "mlp.shared_experts.linear_fc1.weight", {mc.swiglu ? 2 * Fs : Fs, H}, Init::normal, std_w);
-      Param* sfc2 = add(pre + "mlp.shared_experts.linear_fc2.weight", {H, Fs}, Init::normal, std_out);
-      Param* gate =
-          mc.shared_expert_gate ? add(pre + "mlp.shared_experts.gate_weight", {1, H}, Init::normal, std_w) : nullptr;
-      m->w.shared = {sfc1->compute, sfc2->compute, value(gate)};
-      m->g.shared = {sfc1->grad, sfc2->grad, grad(gate)};
-    }
+    bind(m->w.router.bias, m->g.router_bias, pre + "mlp.router.bias");
+    bind(m->w.experts.fc1, m->g.experts.fc1, pre + "mlp.experts.linear_fc1.weight");
+    bind(m->w.experts.fc2, m->g.experts.fc2, pre + "mlp.experts.linear_fc2.weight");
+    bind(m->w.experts.fc1_bias, m->g.experts.fc1_bias, pre + "mlp.experts.linear_fc1.bias");
+    bind(m->w.experts.fc2_bias, m->g.experts.fc2_bias, pre + "mlp.experts.linear_fc2.bias");
+    bind(m->w.shared.fc1, m->g.shared.fc1, pre + "mlp.shared_experts.linear_fc1.weight");
+    bind(m->w.shared.fc2, m->g.shared.fc2, pre + "mlp.shared_experts.linear_fc2.weight");
+    // The gate is read in f32 (its master), as before.
+    Param* gate = find(pre + "mlp.shared_experts.gate_weight");
+    m->w.shared.gate = gate ? gate->value : Tensor();
+    m->g.shared.gate = gate ? gate->grad : Tensor();
     m->state = moe::router_state_init(mc);
     m->state.stream = static_cast<uint64_t>(l);
     const MoeBlock* first = nullptr;
@@ -202,13 +156,13 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     m->cache = moe::moe_layer_cache_alloc(moe_dims_, mc, first ? &first->cache : nullptr);
     moe_.push_back(std::move(m));
   }
-  final_norm_ = add_norm("decoder.final_layernorm", final_norm_bias_);
-  output_ =
-      cfg_.untie_embeddings_and_output_weights ? add("output_layer.weight", {V, H}, Init::normal, std_w) : embedding_;
+  final_norm_ = find("decoder.final_layernorm.weight");
+  final_norm_bias_ = find("decoder.final_layernorm.bias");
+  output_ = cfg_.untie_embeddings_and_output_weights ? find("output_layer.weight") : embedding_;
 
   for (int64_t l = 0; l <= L; ++l) residual_.push_back(Tensor::empty({N, H}, DType::f32, MemCategory::activations));
   final_rstd_ = Tensor::empty({N}, DType::f32, MemCategory::activations);
-  if (ln) final_mean_ = Tensor::empty({N}, DType::f32, MemCategory::activations);
+  if (dims_.layernorm) final_mean_ = Tensor::empty({N}, DType::f32, MemCategory::activations);
   final_h_ = Tensor::empty({N, H}, c, MemCategory::activations);
   if (cfg_.rope()) {
     rope_ = Tensor::empty({S, cfg_.rotary_dim()}, DType::f32, MemCategory::workspace);

@@ -1,0 +1,68 @@
+#include "moecore/model/param_specs.h"
+
+#include <cmath>
+
+namespace moecore::model {
+
+std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
+  const int64_t L = cfg.num_layers, H = cfg.hidden_size, V = cfg.vocab_size, D = cfg.head_dim();
+  const int64_t G = cfg.query_groups(), Hq = cfg.num_attention_heads, qkv_rows = (Hq + 2 * G) * D;
+  const bool ln = cfg.normalization == Normalization::layernorm, bias = cfg.add_bias_linear;
+  const float std_w = cfg.init_method_std, std_out = std_w / std::sqrt(2.0f * static_cast<float>(L));
+  const moe::MoeConfig& mc = cfg.moe;
+  const int64_t Fm = cfg.moe_ffn(), Fs = mc.shared_expert_intermediate_size;
+  auto glu = [&](int64_t f) { return cfg.swiglu ? 2 * f : f; };
+  std::vector<ParamSpec> out;
+  auto add = [&](std::string name, Shape shape, ParamInit init, float std = 0.0f, bool expert = false) {
+    out.push_back({std::move(name), shape, init, std, expert});
+  };
+  auto norm = [&](const std::string& prefix, int64_t width) {
+    add(prefix + ".weight", {width}, ParamInit::ones);
+    if (ln) add(prefix + ".bias", {width}, ParamInit::zeros);
+  };
+  add("embedding.word_embeddings.weight", {V, H}, ParamInit::normal, std_w);
+  if (cfg.position_embedding_type == PositionEmbedding::learned_absolute)
+    add("embedding.position_embeddings.weight", {cfg.max_positions(), H}, ParamInit::normal, std_w);
+  const std::vector<bool> moe_layers = cfg.moe_layers();
+  for (int64_t l = 0; l < L; ++l) {
+    const std::string pre = "decoder.layers." + std::to_string(l) + ".";
+    norm(pre + "input_layernorm", H);
+    add(pre + "self_attention.linear_qkv.weight", {qkv_rows, H}, ParamInit::normal, std_w);
+    add(pre + "self_attention.linear_proj.weight", {H, Hq * D}, ParamInit::normal, std_out);
+    if (cfg.qkv_bias()) add(pre + "self_attention.linear_qkv.bias", {qkv_rows}, ParamInit::zeros);
+    if (bias) add(pre + "self_attention.linear_proj.bias", {H}, ParamInit::zeros);
+    norm(pre + "pre_mlp_layernorm", H);
+    if (cfg.qk_layernorm) {  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
+      norm(pre + "self_attention.q_layernorm", D);
+      norm(pre + "self_attention.k_layernorm", D);
+    }
+    if (!moe_layers[static_cast<size_t>(l)]) {
+      add(pre + "mlp.linear_fc1.weight", {glu(cfg.ffn()), H}, ParamInit::normal, std_w);
+      add(pre + "mlp.linear_fc2.weight", {H, cfg.ffn()}, ParamInit::normal, std_out);
+      if (bias) {
+        add(pre + "mlp.linear_fc1.bias", {glu(cfg.ffn())}, ParamInit::zeros);
+        add(pre + "mlp.linear_fc2.bias", {H}, ParamInit::zeros);
+      }
+      continue;
+    }
+    const int64_t E = mc.num_experts;
+    add(pre + "mlp.router.weight", {E, H}, ParamInit::normal, std_w);
+    add(pre + "mlp.experts.linear_fc1.weight", {E, glu(Fm), H}, ParamInit::normal, std_w, true);
+    add(pre + "mlp.experts.linear_fc2.weight", {E, H, Fm}, ParamInit::normal, std_out, true);
+    if (bias) {
+      add(pre + "mlp.router.bias", {E}, ParamInit::normal, std_w);
+      add(pre + "mlp.experts.linear_fc1.bias", {E, glu(Fm)}, ParamInit::zeros, 0.0f, true);
+      add(pre + "mlp.experts.linear_fc2.bias", {E, H}, ParamInit::zeros, 0.0f, true);
+    }
+    if (Fs > 0) {
+      add(pre + "mlp.shared_experts.linear_fc1.weight", {glu(Fs), H}, ParamInit::normal, std_w);
+      add(pre + "mlp.shared_experts.linear_fc2.weight", {H, Fs}, ParamInit::normal, std_out);
+      if (mc.shared_expert_gate) add(pre + "mlp.shared_experts.gate_weight", {1, H}, ParamInit::normal, std_w);
+    }
+  }
+  norm("decoder.final_layernorm", H);
+  if (cfg.untie_embeddings_and_output_weights) add("output_layer.weight", {V, H}, ParamInit::normal, std_w);
+  return out;
+}
+
+}  // namespace moecore::model

@@ -1,0 +1,30 @@
+// The parameter table of a GPT decoder, derived from its configuration alone: every parameter's Megatron name,
+// global shape, initialisation and expert sharding, in the model's order. GptModel allocates from it; the HF
+// weight map (hf_weights.h) and checkpoint conversion read it without allocating a model.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "moecore/core/tensor.h"
+#include "moecore/model/config.h"
+
+namespace moecore::model {
+
+enum class ParamInit : uint8_t { normal, ones, zeros };
+
+struct ParamSpec {
+  std::string name;  // Megatron name, e.g. "decoder.layers.0.mlp.linear_fc1.weight"
+  Shape shape;       // global shape; routed-expert weights [E, ...]
+  ParamInit init = ParamInit::normal;
+  float std = 0.0f;     // N(0, std^2) for ParamInit::normal
+  bool expert = false;  // dim 0 is the expert index, sharded over the expert-parallel group
+};
+
+// Order: embeddings; per layer the input norm, linear_qkv (+bias), linear_proj (+bias), the MLP norm, QK-norms,
+// then the dense MLP or the MoE block (router, experts, biases, shared experts); the final norm; the output layer
+// (absent when tied). Weights start at N(0, init_method_std^2), the output projections of each block at
+// std / sqrt(2 * num_layers) (Megatron's scaled init); norm weights at 1, norm and linear biases at 0, the
+// router's bias like a weight (as Megatron).
+std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg);
+
+}  // namespace moecore::model
