@@ -111,12 +111,15 @@ std::string shard_file_name(int i, int n) {
 // ---------------------------------------------------------------------------------------------------------------
 // Reader
 
-HfCheckpointReader::HfCheckpointReader(const std::string& dir) : dir_(dir) {
+HfCheckpointReader::HfCheckpointReader(const std::string& dir, const std::string& file) : dir_(dir) {
   const fs::path d(dir);
   const fs::path index_path = d / "model.safetensors.index.json", single = d / "model.safetensors";
   std::map<std::string, std::string> weight_map;  // tensor -> shard
   std::vector<std::string> shards;
-  if (fs::exists(index_path)) {
+  if (!file.empty()) {
+    if (!fs::is_regular_file(d / file)) MOECORE_FAIL("hf checkpoint: no file '", (d / file).string(), "'");
+    shards.push_back(file);
+  } else if (fs::exists(index_path)) {
     sharded_ = true;
     const std::string ip = index_path.string();
     weight_map = safetensors_index_parse(ip, read_file(ip));
@@ -192,30 +195,56 @@ uint64_t HfCheckpointReader::total_bytes() const {
   return s;
 }
 
-Tensor HfCheckpointReader::read(const std::string& name, std::optional<DType> dtype) const {
-  const HfTensorInfo& t = info(name);
+// Elements [first, first + n) of tensor t, converted to `to`, into dst.
+void HfCheckpointReader::read_range(const HfTensorInfo& t, uint64_t first, uint64_t n, DType to, void* dst) const {
   const std::string path = (fs::path(dir_) / t.shard).string();
   if (!t.type)
-    MOECORE_FAIL("hf checkpoint: tensor '", name, "' in '", path, "' has dtype ", t.dtype_name,
+    MOECORE_FAIL("hf checkpoint: tensor '", t.name, "' in '", path, "' has dtype ", t.dtype_name,
                  ", which moecore cannot read");
-  const DType from = *t.type, to = dtype.value_or(from);
+  const DType from = *t.type;
   if (!convertible(from, to))
-    MOECORE_FAIL("hf checkpoint: tensor '", name, "' in '", path, "' is ", t.dtype_name, " and cannot be converted to ",
-                 dtype_name(to), " (float dtypes convert among themselves, integers only to themselves)");
-  Tensor out = Tensor::empty(t.shape, to, MemCategory::other);
+    MOECORE_FAIL("hf checkpoint: tensor '", t.name, "' in '", path, "' is ", t.dtype_name,
+                 " and cannot be converted to ", dtype_name(to),
+                 " (float dtypes convert among themselves, integers only to themselves)");
   const int fd = shard_fds_.at(t.shard);
-  if (from == to) {
-    pread_full(fd, out.raw(), t.nbytes, t.offset, path);
-    return out;
-  }
   const size_t in_size = dtype_size(from), out_size = dtype_size(to);
-  const uint64_t per_chunk = kChunkBytes / in_size, n = static_cast<uint64_t>(t.shape.numel());
+  const uint64_t offset = t.offset + first * in_size;
+  if (from == to) {
+    pread_full(fd, dst, n * in_size, offset, path);
+    return;
+  }
+  const uint64_t per_chunk = kChunkBytes / in_size;
   std::vector<char> buf(std::min(n, per_chunk) * in_size);
   for (uint64_t i = 0; i < n; i += per_chunk) {
     const uint64_t k = std::min(per_chunk, n - i);
-    pread_full(fd, buf.data(), k * in_size, t.offset + i * in_size, path);
-    convert(static_cast<char*>(out.raw()) + i * out_size, to, buf.data(), from, k);
+    pread_full(fd, buf.data(), k * in_size, offset + i * in_size, path);
+    convert(static_cast<char*>(dst) + i * out_size, to, buf.data(), from, k);
   }
+}
+
+Tensor HfCheckpointReader::read(const std::string& name, std::optional<DType> dtype) const {
+  const HfTensorInfo& t = info(name);
+  const DType to = dtype.value_or(t.type.value_or(DType::f32));
+  Tensor out = Tensor::empty(t.shape, to, MemCategory::other);
+  read_range(t, 0, static_cast<uint64_t>(t.shape.numel()), to, out.raw());
+  return out;
+}
+
+int64_t hf_row_width(const Shape& shape) {
+  return shape.ndim >= 2 ? shape[shape.ndim - 1] : 1;
+}
+
+Tensor HfCheckpointReader::read_rows(const std::string& name, int64_t first_row, int64_t rows,
+                                     std::optional<DType> dtype) const {
+  const HfTensorInfo& t = info(name);
+  const int64_t width = hf_row_width(t.shape), total = width ? t.shape.numel() / width : 0;
+  if (first_row < 0 || rows < 0 || first_row + rows > total)
+    MOECORE_FAIL("hf checkpoint: rows [", first_row, ", ", first_row + rows, ") of tensor '", name, "' ", t.shape.str(),
+                 " in '", (fs::path(dir_) / t.shard).string(), "' are out of range (", total, " rows)");
+  const DType to = dtype.value_or(t.type.value_or(DType::f32));
+  Tensor out = t.shape.ndim >= 2 ? Tensor::empty({rows, width}, to, MemCategory::other)
+                                 : Tensor::empty({rows}, to, MemCategory::other);
+  read_range(t, static_cast<uint64_t>(first_row * width), static_cast<uint64_t>(rows * width), to, out.raw());
   return out;
 }
 
@@ -250,6 +279,90 @@ Tensor HfCheckpointReader::read_dequantized(const std::string& name, int64_t blo
 // ---------------------------------------------------------------------------------------------------------------
 // Writer
 
+SafetensorsStreamWriter::SafetensorsStreamWriter(std::string path) : path_(std::move(path)) {
+  spill_path_ = path_ + ".spill";
+  spill_fd_ = ::open(spill_path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (spill_fd_ < 0) sys_fail("cannot create", spill_path_);
+}
+
+SafetensorsStreamWriter::~SafetensorsStreamWriter() {
+  if (spill_fd_ >= 0) ::close(spill_fd_);
+  std::error_code ec;
+  fs::remove(spill_path_, ec);
+  if (!finished_) fs::remove(path_, ec);
+}
+
+void SafetensorsStreamWriter::begin(const std::string& name, DType dtype, const Shape& shape) {
+  MOECORE_CHECK(!finished_, "safetensors: begin('", name, "') after finish()");
+  if (pending_ > 0)
+    MOECORE_FAIL("safetensors: tensor '", entries_.back().name, "' of '", path_, "' lacks ", pending_,
+                 " elements before '", name, "' begins");
+  if (name.empty() || name == "__metadata__")
+    MOECORE_FAIL("safetensors: tensor name '", name, "' is not allowed in '", path_, "'");
+  if (!names_.insert(name).second) MOECORE_FAIL("safetensors: tensor '", name, "' added twice to '", path_, "'");
+  safetensors_dtype_of(dtype);  // throws for a dtype safetensors cannot name
+  const uint64_t nbytes = static_cast<uint64_t>(shape.numel()) * dtype_size(dtype);
+  entries_.push_back({name, dtype, shape, bytes_, nbytes});
+  bytes_ += nbytes;
+  pending_ = static_cast<uint64_t>(shape.numel());
+}
+
+void SafetensorsStreamWriter::append(const Tensor& part) {
+  MOECORE_CHECK(!entries_.empty() && !finished_, "safetensors: append() without begin()");
+  const Entry& e = entries_.back();
+  if (part.device() != Device::cpu) MOECORE_FAIL("safetensors: tensor '", e.name, "' is not on the CPU");
+  const auto n = static_cast<uint64_t>(part.numel());
+  if (n > pending_)
+    MOECORE_FAIL("safetensors: tensor '", e.name, "' ", e.shape.str(), " of '", path_, "' receives ", n,
+                 " more elements but lacks only ", pending_);
+  if (!convertible(part.dtype(), e.type))
+    MOECORE_FAIL("safetensors: tensor '", e.name, "' is ", dtype_name(part.dtype()), " and cannot be written as ",
+                 dtype_name(e.type));
+  const Tensor src = part.is_contiguous() ? part : part.clone();
+  if (part.dtype() == e.type) {
+    if (n) write_full(spill_fd_, src.raw(), n * dtype_size(e.type), spill_path_);
+  } else {
+    const uint64_t per_chunk = kChunkBytes / dtype_size(e.type);
+    std::vector<char> buf(std::min(n, per_chunk) * dtype_size(e.type));
+    for (uint64_t i = 0; i < n; i += per_chunk) {
+      const uint64_t k = std::min(per_chunk, n - i);
+      convert(buf.data(), e.type, static_cast<const char*>(src.raw()) + i * dtype_size(part.dtype()), part.dtype(), k);
+      write_full(spill_fd_, buf.data(), k * dtype_size(e.type), spill_path_);
+    }
+  }
+  pending_ -= n;
+}
+
+void SafetensorsStreamWriter::add(const std::string& name, const Tensor& t, std::optional<DType> dtype) {
+  begin(name, dtype.value_or(t.dtype()), t.shape());
+  append(t);
+}
+
+void SafetensorsStreamWriter::finish() {
+  MOECORE_CHECK(!finished_, "safetensors: finish() called twice for '", path_, "'");
+  if (pending_ > 0)
+    MOECORE_FAIL("safetensors: tensor '", entries_.back().name, "' of '", path_, "' lacks ", pending_, " elements");
+  std::vector<SafetensorsTensorSpec> specs;
+  for (const auto& e : entries_) specs.push_back({e.name, e.type, e.shape});
+  const SafetensorsLayout layout = safetensors_serialize_header(specs);  // safetensors_serialize's bytes
+  const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) sys_fail("cannot create", path_);
+  try {
+    write_full(fd, layout.header.data(), layout.header.size(), path_);
+    for (size_t i : layout.order) copy_range(spill_fd_, entries_[i].spill_offset, fd, entries_[i].nbytes, path_);
+    if (::fsync(fd) != 0) sys_fail("cannot fsync", path_);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  if (::close(fd) != 0) sys_fail("cannot close", path_);
+  ::close(spill_fd_);
+  spill_fd_ = -1;
+  std::error_code ec;
+  fs::remove(spill_path_, ec);
+  finished_ = true;
+}
+
 HfCheckpointWriter::HfCheckpointWriter(std::string out_dir, uint64_t max_shard_bytes, bool index_for_one_shard)
     : out_dir_(std::move(out_dir)), max_shard_bytes_(max_shard_bytes), index_for_one_shard_(index_for_one_shard) {
   while (out_dir_.size() > 1 && out_dir_.back() == '/') out_dir_.pop_back();
@@ -269,74 +382,47 @@ HfCheckpointWriter::HfCheckpointWriter(std::string out_dir, uint64_t max_shard_b
 }
 
 HfCheckpointWriter::~HfCheckpointWriter() {
-  if (spill_fd_ >= 0) ::close(spill_fd_);
+  shard_.reset();
   if (!finished_) {
     std::error_code ec;
     fs::remove_all(stage_dir_, ec);
   }
 }
 
-void HfCheckpointWriter::add(const std::string& name, const Tensor& t, std::optional<DType> out_dtype) {
-  MOECORE_CHECK(!finished_, "hf checkpoint: add('", name, "') after finish()");
-  if (name.empty() || name == "__metadata__")
-    MOECORE_FAIL("hf checkpoint: tensor name '", name, "' is not allowed in '", out_dir_, "'");
+void HfCheckpointWriter::begin(const std::string& name, DType dtype, const Shape& shape) {
+  MOECORE_CHECK(!finished_, "hf checkpoint: begin('", name, "') after finish()");
   if (weight_map_.count(name)) MOECORE_FAIL("hf checkpoint: tensor '", name, "' added twice to '", out_dir_, "'");
-  if (t.device() != Device::cpu) MOECORE_FAIL("hf checkpoint: tensor '", name, "' is not on the CPU");
-  const DType to = out_dtype.value_or(t.dtype());
-  safetensors_dtype_of(to);  // throws for a dtype safetensors cannot name
-  if (!convertible(t.dtype(), to))
-    MOECORE_FAIL("hf checkpoint: tensor '", name, "' is ", dtype_name(t.dtype()), " and cannot be written as ",
-                 dtype_name(to));
-  const uint64_t nbytes = static_cast<uint64_t>(t.numel()) * dtype_size(to);
-  if (!open_.empty() && open_bytes_ + nbytes > max_shard_bytes_) close_shard();
-  const std::string spill = stage_dir_ + "/shard-" + std::to_string(shards_ + 1) + ".spill";
-  if (spill_fd_ < 0) {
-    spill_fd_ = ::open(spill.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (spill_fd_ < 0) sys_fail("cannot create", spill);
-  }
-  const Tensor src = t.is_contiguous() ? t : t.clone();
-  if (to == t.dtype()) {
-    if (nbytes) write_full(spill_fd_, src.raw(), nbytes, spill);
-  } else {
-    const uint64_t n = static_cast<uint64_t>(t.numel()), per_chunk = kChunkBytes / dtype_size(to);
-    std::vector<char> buf(std::min(n, per_chunk) * dtype_size(to));
-    for (uint64_t i = 0; i < n; i += per_chunk) {
-      const uint64_t k = std::min(per_chunk, n - i);
-      convert(buf.data(), to, static_cast<const char*>(src.raw()) + i * dtype_size(t.dtype()), t.dtype(), k);
-      write_full(spill_fd_, buf.data(), k * dtype_size(to), spill);
-    }
-  }
-  open_.push_back({name, to, t.shape(), open_bytes_, nbytes});
-  open_bytes_ += nbytes;
+  const uint64_t nbytes = static_cast<uint64_t>(shape.numel()) * dtype_size(dtype);
+  if (shard_ && !shard_->empty() && shard_->bytes() + nbytes > max_shard_bytes_) close_shard();
+  if (!shard_)
+    shard_ = std::make_unique<SafetensorsStreamWriter>(stage_dir_ + "/shard-" + std::to_string(shards_ + 1) +
+                                                       ".safetensors");
+  shard_->begin(name, dtype, shape);
   total_bytes_ += nbytes;
   weight_map_[name] = shards_ + 1;
 }
 
+void HfCheckpointWriter::append(const Tensor& part) {
+  MOECORE_CHECK(shard_ != nullptr, "hf checkpoint: append() without begin()");
+  shard_->append(part);
+}
+
+void HfCheckpointWriter::add(const std::string& name, const Tensor& t, std::optional<DType> out_dtype) {
+  const DType to = out_dtype.value_or(t.dtype());
+  if (!convertible(t.dtype(), to))  // checked before the tensor is listed
+    MOECORE_FAIL("hf checkpoint: tensor '", name, "' is ", dtype_name(t.dtype()), " and cannot be written as ",
+                 dtype_name(to));
+  begin(name, to, t.shape());
+  append(t);
+}
+
 void HfCheckpointWriter::close_shard() {
-  const int k = ++shards_;
-  std::vector<SafetensorsTensorSpec> specs;
-  for (const auto& e : open_) specs.push_back({e.name, e.type, e.shape});
-  const SafetensorsLayout layout = safetensors_serialize_header(specs);  // safetensors_serialize's bytes
-  const std::string path = stage_dir_ + "/shard-" + std::to_string(k) + ".safetensors";
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) sys_fail("cannot create", path);
-  try {
-    write_full(fd, layout.header.data(), layout.header.size(), path);
-    for (size_t i : layout.order) copy_range(spill_fd_, open_[i].spill_offset, fd, open_[i].nbytes, path);
-    if (::fsync(fd) != 0) sys_fail("cannot fsync", path);
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  if (::close(fd) != 0) sys_fail("cannot close", path);
-  if (spill_fd_ >= 0) {
-    ::close(spill_fd_);
-    spill_fd_ = -1;
-    std::error_code ec;
-    fs::remove(stage_dir_ + "/shard-" + std::to_string(k) + ".spill", ec);
-  }
-  open_.clear();
-  open_bytes_ = 0;
+  if (!shard_)
+    shard_ = std::make_unique<SafetensorsStreamWriter>(stage_dir_ + "/shard-" + std::to_string(shards_ + 1) +
+                                                       ".safetensors");
+  shard_->finish();
+  shard_.reset();
+  ++shards_;
 }
 
 void HfCheckpointWriter::add_text_file(const std::string& file_name, std::string text) {
@@ -350,7 +436,7 @@ void HfCheckpointWriter::add_text_file(const std::string& file_name, std::string
 
 int HfCheckpointWriter::finish() {
   MOECORE_CHECK(!finished_, "hf checkpoint: finish() called twice for '", out_dir_, "'");
-  if (!open_.empty() || shards_ == 0) close_shard();
+  if (shard_ || shards_ == 0) close_shard();
   const int n = shards_;
   if (n == 1 && !index_for_one_shard_) {
     fs::rename(stage_dir_ + "/shard-1.safetensors", stage_dir_ + "/model.safetensors");

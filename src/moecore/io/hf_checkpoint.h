@@ -12,7 +12,9 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -31,6 +33,10 @@ struct HfTensorInfo {
   uint64_t nbytes = 0;  // byte length of the data
 };
 
+// The row width of a tensor in the [rows, width] view of read_rows and of the HF weight map: the last dim
+// (1 for 1-D tensors).
+int64_t hf_row_width(const Shape& shape);
+
 // Reads an HF model directory. Construction opens every shard and validates every header as the reference
 // reader does (formats.md §3.4: tiling offsets, byte sizes, no trailing bytes, no duplicate names) and checks
 // the index against the headers: a shard the index names must exist, every tensor the index lists must be in
@@ -38,7 +44,8 @@ struct HfTensorInfo {
 // expected vs found values. Reads are const and use pread only, so one reader may serve several threads.
 class HfCheckpointReader {
  public:
-  explicit HfCheckpointReader(const std::string& dir);
+  // `file` set: read that one safetensors file of `dir` (e.g. one file of a moecore checkpoint), no index.
+  explicit HfCheckpointReader(const std::string& dir, const std::string& file = "");
   ~HfCheckpointReader();
   HfCheckpointReader(const HfCheckpointReader&) = delete;
   HfCheckpointReader& operator=(const HfCheckpointReader&) = delete;
@@ -53,6 +60,10 @@ class HfCheckpointReader {
   // One tensor as a contiguous CPU tensor of `dtype` (its stored dtype when omitted). Float dtypes convert to
   // float dtypes (round to nearest even; fp8 saturates); integer dtypes only to themselves.
   Tensor read(const std::string& name, std::optional<DType> dtype = std::nullopt) const;
+  // Rows [first_row, first_row + rows) of the tensor viewed as [rows, width] (hf_row_width: the last dim; 1-D
+  // tensors are rows of one element): a [rows, width] tensor (1-D: [rows]). Reads only those bytes.
+  Tensor read_rows(const std::string& name, int64_t first_row, int64_t rows,
+                   std::optional<DType> dtype = std::nullopt) const;
 
   // DeepSeek-V3 block-scaled FP8: when `<name>_scale_inv` exists, `name` must be a 2-D F8_E4M3 [R, C] weight and
   // the scale a float [ceil(R/block_rows), ceil(C/block_cols)] tensor; returns f32 w[r, c] =
@@ -62,11 +73,49 @@ class HfCheckpointReader {
   bool block_scaled(const std::string& name) const { return contains(name + "_scale_inv"); }
 
  private:
+  void read_range(const HfTensorInfo& t, uint64_t first, uint64_t n, DType to, void* dst) const;
+
   std::string dir_;
   bool sharded_ = false;
   std::vector<HfTensorInfo> tensors_;
   std::map<std::string, size_t> index_;   // name -> position in tensors_
   std::map<std::string, int> shard_fds_;  // shard file name -> open descriptor
+};
+
+// Writes one safetensors file tensor by tensor, each tensor in one piece (add) or in parts (begin, then append
+// until its elements are all there). The data goes to `<path>.spill` as it arrives; finish() writes the header and
+// copies the data behind it in sorted order (copy_file_range, no user-space buffer), so the bytes are exactly
+// safetensors_serialize()'s of the same tensors. Memory: one 8 MiB conversion chunk plus the header entries.
+// The destructor removes the spill file, and the output when finish() was not reached. Not thread-safe.
+class SafetensorsStreamWriter {
+ public:
+  explicit SafetensorsStreamWriter(std::string path);
+  ~SafetensorsStreamWriter();
+  SafetensorsStreamWriter(const SafetensorsStreamWriter&) = delete;
+  SafetensorsStreamWriter& operator=(const SafetensorsStreamWriter&) = delete;
+
+  void begin(const std::string& name, DType dtype, const Shape& shape);
+  void append(const Tensor& part);  // the open tensor's next part.numel() elements, converted (float <-> float)
+  void add(const std::string& name, const Tensor& t, std::optional<DType> dtype = std::nullopt);
+  void finish();
+  uint64_t bytes() const { return bytes_; }  // data bytes of the tensors begun so far
+  bool empty() const { return entries_.empty(); }
+  const std::string& path() const { return path_; }
+
+ private:
+  struct Entry {
+    std::string name;
+    DType type;
+    Shape shape;
+    uint64_t spill_offset, nbytes;
+  };
+  std::string path_, spill_path_;
+  int spill_fd_ = -1;
+  std::vector<Entry> entries_;  // in arrival order
+  std::set<std::string> names_;
+  uint64_t bytes_ = 0;
+  uint64_t pending_ = 0;  // elements the open tensor still lacks
+  bool finished_ = false;
 };
 
 // Writes an HF model directory tensor by tensor. Tensors go to shards in the order they are added: a new shard
@@ -91,6 +140,9 @@ class HfCheckpointWriter {
 
   // Appends one CPU tensor, converted to out_dtype (its own dtype when omitted; float <-> float only).
   void add(const std::string& name, const Tensor& t, std::optional<DType> out_dtype = std::nullopt);
+  // The same in parts: begin(), then append() parts (converted to dtype) until the tensor is complete.
+  void begin(const std::string& name, DType dtype, const Shape& shape);
+  void append(const Tensor& part);
   void set_config_json(std::string text) { add_text_file("config.json", std::move(text)); }
   void add_text_file(const std::string& file_name, std::string text);  // e.g. generation_config.json
   // Closes the last shard, renames shards to their final names, writes the index, fsyncs, and renames the
@@ -99,23 +151,15 @@ class HfCheckpointWriter {
   uint64_t total_bytes() const { return total_bytes_; }
 
  private:
-  struct Entry {
-    std::string name;
-    DType type;
-    Shape shape;
-    uint64_t spill_offset, nbytes;
-  };
   void close_shard();
 
   std::string out_dir_, stage_dir_;
   uint64_t max_shard_bytes_;
   bool index_for_one_shard_;
   bool finished_ = false;
-  std::vector<Entry> open_;  // tensors of the open shard, in arrival order
-  uint64_t open_bytes_ = 0;
-  int spill_fd_ = -1;
-  int shards_ = 0;                         // closed shards
-  std::map<std::string, int> weight_map_;  // name -> shard number (1-based)
+  std::unique_ptr<SafetensorsStreamWriter> shard_;  // the open shard
+  int shards_ = 0;                                  // closed shards
+  std::map<std::string, int> weight_map_;           // name -> shard number (1-based)
   uint64_t total_bytes_ = 0;
 };
 
