@@ -7,4 +7,5 @@ int bench_main(int argc, char** argv);
 int moe_layer_main(int argc, char** argv);
 int preprocess_main(int argc, char** argv);
 int generate_main(int argc, char** argv);
+int model_step_main(int argc, char** argv);
 }  // namespace moecore::apps

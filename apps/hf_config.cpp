@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "apps/model_flags.h"
 #include "moecore/core/error.h"
 
 namespace moecore::apps {
@@ -134,6 +135,33 @@ void moe_layer_freq(const Row& r, const json& v, const json& cfg, Flags& out) {
   out.emplace_back(r.flag, expr);
 }
 
+// transformers 5 writes {"rope_type": "default", "rope_theta": ...} as rope_parameters; older files rope_theta.
+void rope_theta(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (v.is_null()) {
+    if (!cfg.contains("rope_parameters") || cfg["rope_parameters"].is_null())
+      MOECORE_FAIL("config.json lacks 'rope_theta' (or 'rope_parameters'), required for model_type ", model_of(cfg));
+    return;
+  }
+  to_number(r, v, cfg, out);
+}
+
+void rope_parameters(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (v.is_null()) return;
+  if (!v.is_object()) refuse(r, v, cfg, "expected an object");
+  for (const auto& [k, x] : v.items()) {
+    if (k == "rope_type") {
+      if (x != json("default"))
+        refuse(r, v, cfg, "not supported yet: rope_type " + x.dump() + " (only \"default\", plain RoPE)");
+    } else if (k != "rope_theta") {
+      refuse(r, v, cfg, "not supported yet: key '" + k + "' (only rope_type \"default\" and rope_theta)");
+    }
+  }
+  if (!v.contains("rope_theta")) refuse(r, v, cfg, "it has no rope_theta");
+  if (cfg.contains("rope_theta") && !cfg["rope_theta"].is_null() && cfg["rope_theta"] != v["rope_theta"])
+    refuse(r, v, cfg, "its rope_theta differs from the top-level rope_theta " + cfg["rope_theta"].dump());
+  if (!cfg.contains("rope_theta") || cfg["rope_theta"].is_null()) to_number(r, v["rope_theta"], cfg, out);
+}
+
 void shared_expert(const Row& r, const json& v, const json& cfg, Flags& out) {
   if (v == json(0)) return;
   to_int(r, v, cfg, out);
@@ -161,7 +189,8 @@ constexpr Row kRows[] = {
     {"router_jitter_noise", kMixtral, "router jitter on the experts' input", must_be_zero, "0"},
     {"hidden_act", kAll, "--swiglu", hidden_act, "\"silu\""},
     {"rms_norm_eps", kAll, "--norm-epsilon", to_number, nullptr},
-    {"rope_theta", kAll, "--rotary-base", to_number, nullptr},
+    {"rope_theta", kAll, "--rotary-base", rope_theta, "null"},
+    {"rope_parameters", kAll, "--rotary-base", rope_parameters, "null"},
     {"rope_scaling", kAll, "RoPE scaling (--rope-type yarn, ...)", must_be_null, "null"},
     {"max_position_embeddings", kAll, "--max-position-embeddings", to_int, nullptr},
     {"use_sliding_window", kQwen, "sliding-window attention", must_be_false, "false"},
@@ -275,6 +304,24 @@ void hf_config_apply(Args& a) {
     MOECORE_FAIL("--hf-config ", path, ": ", e.what());
   }
   for (const auto& [flag, value] : flags) a.fill_unset(flag, value, " in --hf-config " + path);
+}
+
+model::ModelConfig hf_model_config(const std::string& path,
+                                   const std::vector<std::pair<std::string, std::string>>& flags) {
+  Args a("hf");
+  const model::ModelConfig defaults;
+  add_model_flags(a, defaults);
+  add_hf_config_flag(a);
+  std::vector<std::string> words = {"hf", "--hf-config", path};
+  for (const auto& [flag, value] : flags) {
+    words.push_back(flag);
+    if (!value.empty()) words.push_back(value);
+  }
+  std::vector<char*> argv;
+  for (auto& w : words) argv.push_back(w.data());
+  a.parse(static_cast<int>(argv.size()), argv.data());
+  hf_config_apply(a);
+  return model_config_from(a, /*tokenizer_vocab=*/0);
 }
 
 }  // namespace moecore::apps

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/args.h"
+#include "moecore/model/config.h"
 
 namespace moecore::apps {
 
@@ -20,6 +21,11 @@ std::vector<std::pair<std::string, std::string>> hf_config_flags(const nlohmann:
 
 // `path` is a config.json or a directory holding one; throws Error naming the path when neither.
 nlohmann::json hf_config_load(const std::string& path);
+
+// The model of an HF config.json (file or directory) with Megatron flags `flags` ({"--seq-length", "16"}, switches
+// with "") taking precedence, as `moecore train --hf-config PATH <flags>` would build it.
+model::ModelConfig hf_model_config(const std::string& path,
+                                   const std::vector<std::pair<std::string, std::string>>& flags);
 
 // Declares --hf-config on a command.
 void add_hf_config_flag(Args& args);

@@ -18,7 +18,8 @@ void usage(std::FILE* out) {
                "  preprocess  text or JSONL -> Megatron .bin/.idx\n"
                "  generate    sample text from a checkpoint\n"
                "  bench       benchmarks: gemm, attention, train-step, moe-layer, experts\n"
-               "  moe-layer   forward+backward of one MoE layer on given tensors (golden comparisons)\n");
+               "  moe-layer   forward+backward of one MoE layer on given tensors (golden comparisons)\n"
+               "  model-step  forward+backward of a Hugging Face model on given tokens (golden comparisons)\n");
 }
 }  // namespace
 
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
     if (cmd == "moe-layer") return moecore::apps::moe_layer_main(argc - 1, argv + 1);
     if (cmd == "preprocess") return moecore::apps::preprocess_main(argc - 1, argv + 1);
     if (cmd == "generate") return moecore::apps::generate_main(argc - 1, argv + 1);
+    if (cmd == "model-step") return moecore::apps::model_step_main(argc - 1, argv + 1);
   } catch (const moecore::Error& e) {
     std::fprintf(stderr, "moecore %s: error: %s\n", cmd.c_str(), e.what());
     return 1;

@@ -1,0 +1,79 @@
+// `moecore model-step`: forward and backward of a whole Hugging Face model on given tokens, with the logits, the
+// loss and every parameter's gradient written under the Hugging Face names (docs/model-step.md). This is how
+// moecore is compared with transformers.
+#include <cstdio>
+
+#include "apps/args.h"
+#include "apps/commands.h"
+#include "apps/hf_config.h"
+#include "moecore/io/hf_checkpoint.h"
+#include "moecore/io/safetensors.h"
+#include "moecore/model/gpt.h"
+#include "moecore/model/hf_weights.h"
+
+namespace moecore::apps {
+
+int model_step_main(int argc, char** argv) {
+  Args a("model-step");
+  a.option("--hf", "", "Hugging Face model directory (config.json and safetensors weights)")
+      .option("--tokens", "", "safetensors file with 'tokens' I32 [B, S]")
+      .option("--out", "", "safetensors file to write logits, loss and grad.<HF name> to");
+  if (!a.parse(argc, argv)) return 0;
+  for (const char* f : {"--hf", "--tokens", "--out"})
+    if (a.str(f).empty()) MOECORE_FAIL("model-step: ", f, " is required (see moecore model-step --help)");
+  const io::SafetensorsFile in = io::safetensors_load(a.str("--tokens"));
+  auto it = in.tensors.find("tokens");
+  if (it == in.tensors.end() || it->second.dtype() != DType::i32 || it->second.shape().ndim != 2)
+    MOECORE_FAIL("model-step: ", a.str("--tokens"), " must hold 'tokens' I32 [B, S]",
+                 it == in.tensors.end() ? std::string(" (absent)") : ", found " + it->second.str());
+  const Tensor& tokens = it->second;
+  const int64_t B = tokens.size(0), S = tokens.size(1);
+  // Dropout off and no auxiliary losses: the gradient is that of the mean next-token cross-entropy alone, as
+  // transformers computes it with output_router_logits false.
+  const model::ModelConfig cfg = hf_model_config(a.str("--hf"), {{"--seq-length", std::to_string(S)},
+                                                                 {"--attention-dropout", "0"},
+                                                                 {"--hidden-dropout", "0"},
+                                                                 {"--moe-router-load-balancing-type", "none"},
+                                                                 {"--moe-aux-loss-coeff", "0"}});
+  const model::HfFamily family = model::hf_family_parse(hf_config_load(a.str("--hf")).value("model_type", ""));
+  const model::HfWeightMap map = model::hf_weight_map(cfg, family);
+  const io::HfCheckpointReader hf(a.str("--hf"));
+  model::hf_check_tensors(map, hf);
+  model::GptModel gpt(cfg, B, /*seed=*/0);
+  model::hf_import(map, hf, gpt.params(), 0);
+  gpt.refresh_compute_weights();
+  const int32_t* tp = tokens.data<int32_t>();
+  for (int64_t i = 0; i < B * S; ++i)
+    if (tp[i] < 0 || tp[i] >= cfg.vocab_size)
+      MOECORE_FAIL("model-step: token ", tp[i], " at [", i / S, ", ", i % S, "] is outside the vocabulary [0, ",
+                   cfg.vocab_size, ")");
+  Tensor labels = Tensor::empty({B, S}, DType::i32);
+  int32_t* lp = labels.data<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s) lp[b * S + s] = s + 1 < S ? tp[b * S + s + 1] : -1;
+  gpt.zero_grad();
+  const model::LossResult r = gpt.forward_backward(tokens, labels, 1.0f);
+  std::map<std::string, Tensor> out;
+  Tensor logits = Tensor::empty({B * S, cfg.vocab_size}, DType::f32);
+  gpt.forward_logits(logits, tokens);
+  out["logits"] = logits.view({B, S, cfg.vocab_size});
+  Tensor loss = Tensor::empty({}, DType::f64);
+  *loss.data<double>() = r.mean();
+  out["loss"] = loss;
+  const auto& params = gpt.params();
+  for (const model::HfTensorSpec& t : map.tensors)
+    out["grad." + t.name] = model::hf_gather(map, t, [&](size_t p, int64_t first, int64_t rows) {
+      const int64_t w = map.params[p].width;
+      return params[p]
+          .grad.view({params[p].grad.numel() / w, w})
+          .slice(0, first, first + rows)
+          .view(map.params[p].shape.ndim >= 2 ? Shape{rows, w} : Shape{rows});
+    });
+  io::safetensors_save(a.str("--out"), out, {{"producer", "moecore model-step"}});
+  std::printf("model-step: %s (%s), tokens [%lld, %lld], loss %.6f; wrote %zu tensors to %s\n", a.str("--hf").c_str(),
+              model::hf_family_name(family), static_cast<long long>(B), static_cast<long long>(S), r.mean(), out.size(),
+              a.str("--out").c_str());
+  return 0;
+}
+
+}  // namespace moecore::apps

@@ -1,0 +1,292 @@
+#include "moecore/model/hf_weights.h"
+
+#include <algorithm>
+#include <map>
+
+#include "moecore/core/error.h"
+#include "moecore/model/param_specs.h"
+
+namespace moecore::model {
+
+HfFamily hf_family_parse(const std::string& model_type) {
+  for (HfFamily f : {HfFamily::mixtral, HfFamily::qwen2_moe, HfFamily::qwen3_moe})
+    if (model_type == hf_family_name(f)) return f;
+  MOECORE_FAIL("Hugging Face model_type '", model_type,
+               "' is not supported (supported: mixtral, qwen2_moe, qwen3_moe)");
+}
+
+const char* hf_family_name(HfFamily family) {
+  switch (family) {
+    case HfFamily::mixtral:
+      return "mixtral";
+    case HfFamily::qwen2_moe:
+      return "qwen2_moe";
+    case HfFamily::qwen3_moe:
+      return "qwen3_moe";
+  }
+  return "?";
+}
+
+HfFamily hf_family_of(const ModelConfig& cfg) {
+  if (cfg.qk_layernorm) return HfFamily::qwen3_moe;
+  if (cfg.add_qkv_bias || cfg.moe.shared_expert_intermediate_size > 0) return HfFamily::qwen2_moe;
+  return HfFamily::mixtral;
+}
+
+namespace {
+
+void require(bool ok, HfFamily f, const char* what) {
+  if (!ok) MOECORE_FAIL("Hugging Face ", hf_family_name(f), " models cannot hold this model: ", what);
+}
+
+void check_family(const ModelConfig& c, HfFamily f) {
+  const bool qwen2 = f == HfFamily::qwen2_moe, qwen3 = f == HfFamily::qwen3_moe;
+  require(c.normalization == Normalization::rmsnorm, f, "--normalization LayerNorm (it uses RMSNorm)");
+  require(c.rope() && c.rotary_percent == 1.0f, f, "positions other than RoPE over whole heads");
+  require(c.swiglu, f, "a GeLU MLP (it uses SwiGLU: pass --swiglu)");
+  require(!c.add_bias_linear, f, "linear-layer biases (pass --disable-bias-linear)");
+  require(qwen2 == c.add_qkv_bias, f,
+          qwen2 ? "no QKV bias (Qwen2-MoE's q/k/v projections always have one: --add-qkv-bias)"
+                : "--add-qkv-bias (only qwen2_moe has q/k/v biases)");
+  require(qwen3 == c.qk_layernorm, f,
+          qwen3 ? "no QK-norm (Qwen3-MoE always normalises q and k: --qk-layernorm)"
+                : "--qk-layernorm (only qwen3_moe has q_norm / k_norm)");
+  require(c.moe.enabled(), f, "no routed experts (--num-experts)");
+  const int64_t Fs = c.moe.shared_expert_intermediate_size;
+  require(Fs == 0 || (qwen2 && c.moe.shared_expert_gate), f,
+          qwen2 ? "a shared expert without --moe-shared-expert-gate (Qwen2-MoE gates it)"
+                : "a shared expert (only qwen2_moe has one)");
+  require(!c.moe.enable_expert_bias, f, "--moe-router-enable-expert-bias (no expert-bias tensor in this family)");
+  if (f == HfFamily::mixtral) {
+    const std::vector<bool> moe = c.moe_layers();
+    require(std::all_of(moe.begin(), moe.end(), [](bool m) { return m; }), f,
+            "dense layers (every Mixtral layer is MoE: --moe-layer-freq 1)");
+    require(c.moe_ffn() == c.ffn(), f,
+            "--moe-ffn-hidden-size different from --ffn-hidden-size (Mixtral's experts use intermediate_size)");
+  }
+}
+
+}  // namespace
+
+HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family) {
+  cfg.validate();
+  check_family(cfg, family);
+  HfWeightMap m;
+  m.family = family;
+  const int64_t H = cfg.hidden_size, D = cfg.head_dim(), G = cfg.query_groups(), R = cfg.num_attention_heads / G;
+  const int64_t E = cfg.moe.num_experts, Fm = cfg.moe_ffn(), Fs = cfg.moe.shared_expert_intermediate_size;
+  const bool mixtral = family == HfFamily::mixtral;
+  std::map<std::string, size_t> tensor_index;
+  auto tensor = [&](const std::string& name, Shape shape) {
+    tensor_index[name] = m.tensors.size();
+    m.tensors.push_back({name, shape, {}});
+  };
+  // HF tensors in transformers' module order, with their shapes.
+  tensor("model.embed_tokens.weight", {cfg.vocab_size, H});
+  const std::vector<bool> moe_layers = cfg.moe_layers();
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    tensor(pre + "self_attn.q_proj.weight", {G * R * D, H});
+    tensor(pre + "self_attn.k_proj.weight", {G * D, H});
+    tensor(pre + "self_attn.v_proj.weight", {G * D, H});
+    if (cfg.add_qkv_bias) {
+      tensor(pre + "self_attn.q_proj.bias", {G * R * D});
+      tensor(pre + "self_attn.k_proj.bias", {G * D});
+      tensor(pre + "self_attn.v_proj.bias", {G * D});
+    }
+    tensor(pre + "self_attn.o_proj.weight", {H, G * R * D});
+    if (cfg.qk_layernorm) {
+      tensor(pre + "self_attn.q_norm.weight", {D});
+      tensor(pre + "self_attn.k_norm.weight", {D});
+    }
+    const std::string moe = pre + (mixtral ? "block_sparse_moe." : "mlp.");
+    if (moe_layers[static_cast<size_t>(l)]) {
+      tensor(moe + "gate.weight", {E, H});
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string ex = moe + "experts." + std::to_string(e) + ".";
+        tensor(ex + (mixtral ? "w1.weight" : "gate_proj.weight"), {Fm, H});
+        tensor(ex + (mixtral ? "w2.weight" : "down_proj.weight"), {H, Fm});
+        tensor(ex + (mixtral ? "w3.weight" : "up_proj.weight"), {Fm, H});
+      }
+      if (Fs > 0) {
+        tensor(moe + "shared_expert.gate_proj.weight", {Fs, H});
+        tensor(moe + "shared_expert.up_proj.weight", {Fs, H});
+        tensor(moe + "shared_expert.down_proj.weight", {H, Fs});
+        tensor(moe + "shared_expert_gate.weight", {1, H});
+      }
+    } else {
+      tensor(pre + "mlp.gate_proj.weight", {cfg.ffn(), H});
+      tensor(pre + "mlp.up_proj.weight", {cfg.ffn(), H});
+      tensor(pre + "mlp.down_proj.weight", {H, cfg.ffn()});
+    }
+    tensor(pre + "input_layernorm.weight", {H});
+    tensor(pre + "post_attention_layernorm.weight", {H});
+  }
+  tensor("model.norm.weight", {H});
+  if (cfg.untie_embeddings_and_output_weights) tensor("lm_head.weight", {cfg.vocab_size, H});
+
+  // Each parameter's runs.
+  for (const ParamSpec& s : parameter_specs(cfg)) {
+    HfParamMap p;
+    p.param = s.name;
+    p.shape = s.shape;
+    p.width = io::hf_row_width(s.shape);
+    p.expert = s.expert;
+    int64_t row = 0;
+    auto run = [&](const std::string& hf, int64_t hf_row, int64_t rows) {
+      p.runs.push_back({hf, hf_row, row, rows});
+      row += rows;
+    };
+    auto whole = [&](const std::string& hf) {
+      const Shape& t = m.tensors.at(tensor_index.at(hf)).shape;
+      run(hf, 0, t.numel() / io::hf_row_width(t));
+    };
+    const std::string& n = s.name;
+    auto ends = [&](const char* suffix) { return n.ends_with(suffix); };
+    std::string layer, hpre, moe;
+    if (n.starts_with("decoder.layers.")) {
+      layer = n.substr(15, n.find('.', 15) - 15);
+      hpre = "model.layers." + layer + ".";
+      moe = hpre + (mixtral ? "block_sparse_moe." : "mlp.");
+    }
+    if (n == "embedding.word_embeddings.weight") {
+      whole("model.embed_tokens.weight");
+    } else if (n == "decoder.final_layernorm.weight") {
+      whole("model.norm.weight");
+    } else if (n == "output_layer.weight") {
+      whole("lm_head.weight");
+    } else if (ends(".input_layernorm.weight")) {
+      whole(hpre + "input_layernorm.weight");
+    } else if (ends(".pre_mlp_layernorm.weight")) {
+      whole(hpre + "post_attention_layernorm.weight");
+    } else if (ends(".self_attention.linear_qkv.weight") || ends(".self_attention.linear_qkv.bias")) {
+      const std::string kind = ends(".weight") ? ".weight" : ".bias";
+      for (int64_t g = 0; g < G; ++g) {  // per group: R query heads, its key head, its value head
+        run(hpre + "self_attn.q_proj" + kind, g * R * D, R * D);
+        run(hpre + "self_attn.k_proj" + kind, g * D, D);
+        run(hpre + "self_attn.v_proj" + kind, g * D, D);
+      }
+    } else if (ends(".self_attention.linear_proj.weight")) {
+      whole(hpre + "self_attn.o_proj.weight");
+    } else if (ends(".self_attention.q_layernorm.weight")) {
+      whole(hpre + "self_attn.q_norm.weight");
+    } else if (ends(".self_attention.k_layernorm.weight")) {
+      whole(hpre + "self_attn.k_norm.weight");
+    } else if (ends(".mlp.linear_fc1.weight")) {
+      whole(hpre + "mlp.gate_proj.weight");
+      whole(hpre + "mlp.up_proj.weight");
+    } else if (ends(".mlp.linear_fc2.weight")) {
+      whole(hpre + "mlp.down_proj.weight");
+    } else if (ends(".mlp.router.weight")) {
+      whole(moe + "gate.weight");
+    } else if (ends(".mlp.experts.linear_fc1.weight")) {
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string ex = moe + "experts." + std::to_string(e) + ".";
+        whole(ex + (mixtral ? "w1.weight" : "gate_proj.weight"));
+        whole(ex + (mixtral ? "w3.weight" : "up_proj.weight"));
+      }
+    } else if (ends(".mlp.experts.linear_fc2.weight")) {
+      for (int64_t e = 0; e < E; ++e)
+        whole(moe + "experts." + std::to_string(e) + "." + (mixtral ? "w2.weight" : "down_proj.weight"));
+    } else if (ends(".mlp.shared_experts.linear_fc1.weight")) {
+      whole(moe + "shared_expert.gate_proj.weight");
+      whole(moe + "shared_expert.up_proj.weight");
+    } else if (ends(".mlp.shared_experts.linear_fc2.weight")) {
+      whole(moe + "shared_expert.down_proj.weight");
+    } else if (ends(".mlp.shared_experts.gate_weight")) {
+      whole(moe + "shared_expert_gate.weight");
+    } else {
+      MOECORE_FAIL("Hugging Face ", hf_family_name(family), ": no HF tensor for parameter '", n, "'");
+    }
+    MOECORE_CHECK(row == p.rows(), "HF map of '", n, "' covers ", row, " of ", p.rows(), " rows");
+    m.params.push_back(std::move(p));
+  }
+  for (size_t i = 0; i < m.params.size(); ++i)
+    for (size_t r = 0; r < m.params[i].runs.size(); ++r) {
+      HfTensorSpec& t = m.tensors.at(tensor_index.at(m.params[i].runs[r].hf));
+      MOECORE_CHECK(io::hf_row_width(t.shape) == m.params[i].width, "width of ", t.name, " vs ", m.params[i].param);
+      t.sources.emplace_back(i, r);
+    }
+  for (HfTensorSpec& t : m.tensors) {
+    std::sort(t.sources.begin(), t.sources.end(), [&](const auto& a, const auto& b) {
+      return m.params[a.first].runs[a.second].hf_row < m.params[b.first].runs[b.second].hf_row;
+    });
+    int64_t covered = 0;
+    for (const auto& [pi, ri] : t.sources) covered += m.params[pi].runs[ri].rows;
+    MOECORE_CHECK(covered * io::hf_row_width(t.shape) == t.shape.numel(), "HF tensor ", t.name, " covered ", covered);
+  }
+  return m;
+}
+
+void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf) {
+  std::map<std::string, const HfTensorSpec*> want;
+  for (const HfTensorSpec& t : map.tensors) want[t.name] = &t;
+  for (const io::HfTensorInfo& t : hf.tensors()) {
+    auto it = want.find(t.name);
+    if (it == want.end())
+      MOECORE_FAIL("hf checkpoint '", hf.dir(), "': tensor '", t.name, "' (in '", t.shard, "') is not part of a ",
+                   hf_family_name(map.family),
+                   " model with this config; hint: check config.json against the weights (layers, experts, "
+                   "tie_word_embeddings, mlp_only_layers)");
+    if (!(t.shape == it->second->shape))
+      MOECORE_FAIL("hf checkpoint '", hf.dir(), "': tensor '", t.name, "' in '", t.shard, "' has shape ", t.shape.str(),
+                   " but config.json implies ", it->second->shape.str());
+    if (!t.type || !dtype_is_float(*t.type))
+      MOECORE_FAIL("hf checkpoint '", hf.dir(), "': tensor '", t.name, "' in '", t.shard, "' has dtype ", t.dtype_name,
+                   ", expected a float dtype (F32, BF16, F16)");
+  }
+  for (const HfTensorSpec& t : map.tensors)
+    if (!hf.contains(t.name))
+      MOECORE_FAIL("hf checkpoint '", hf.dir(), "' lacks tensor '", t.name, "' ", t.shape.str(), " of the ",
+                   hf_family_name(map.family), " model its config.json describes");
+}
+
+void hf_read_param_rows(const HfParamMap& map, const io::HfCheckpointReader& hf, int64_t first_row, int64_t last_row,
+                        const std::function<void(const Tensor& part)>& sink) {
+  MOECORE_CHECK(0 <= first_row && first_row <= last_row && last_row <= map.rows(), "rows [", first_row, ", ", last_row,
+                ") of ", map.param);
+  for (const HfRowRun& r : map.runs) {
+    const int64_t a = std::max(first_row, r.param_row), b = std::min(last_row, r.param_row + r.rows);
+    if (a >= b) continue;
+    sink(hf.read_rows(r.hf, r.hf_row + (a - r.param_row), b - a, DType::f32));
+  }
+}
+
+void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, std::vector<Param>& params, int64_t ep_rank) {
+  MOECORE_CHECK(params.size() == map.params.size(), params.size(), " parameters for a map of ", map.params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const HfParamMap& m = map.params[i];
+    Tensor& v = params[i].value;
+    MOECORE_CHECK(params[i].name == m.param, "parameter ", params[i].name, " vs map ", m.param);
+    const int64_t local_rows = v.numel() / m.width, first = m.expert ? ep_rank * local_rows : 0;
+    int64_t at = 0;
+    float* dst = v.data<float>();
+    hf_read_param_rows(m, hf, first, first + local_rows, [&](const Tensor& part) {
+      std::copy_n(part.data<float>(), part.numel(), dst + at);
+      at += part.numel();
+    });
+  }
+}
+
+void hf_gather_parts(const HfWeightMap& map, const HfTensorSpec& tensor,
+                     const std::function<Tensor(size_t param, int64_t first_row, int64_t rows)>& rows,
+                     const std::function<void(const Tensor& part)>& sink) {
+  for (const auto& [pi, ri] : tensor.sources) {
+    const HfRowRun& r = map.params[pi].runs[ri];
+    sink(rows(pi, r.param_row, r.rows));
+  }
+}
+
+Tensor hf_gather(const HfWeightMap& map, const HfTensorSpec& tensor,
+                 const std::function<Tensor(size_t param, int64_t first_row, int64_t rows)>& rows) {
+  Tensor out = Tensor::empty(tensor.shape, DType::f32, MemCategory::other);
+  int64_t at = 0;
+  hf_gather_parts(map, tensor, rows, [&](const Tensor& part) {
+    MOECORE_CHECK(part.dtype() == DType::f32 && part.is_contiguous(), "hf_gather parts are contiguous f32");
+    std::copy_n(part.data<float>(), part.numel(), out.data<float>() + at);
+    at += part.numel();
+  });
+  return out;
+}
+
+}  // namespace moecore::model

@@ -1,0 +1,80 @@
+// Hugging Face <-> Megatron parameter layouts of the model families moecore imports and exports: Mixtral,
+// Qwen2-MoE and Qwen3-MoE (transformers' hub checkpoint names, one tensor per expert). Every moecore parameter is
+// a concatenation of row runs of HF tensors, both viewed as [rows, width] with the same width (the last dim;
+// 1-D tensors: width 1): linear_qkv interleaves q_proj, k_proj and v_proj per query group (Megatron's
+// [G, R + 2, D] layout), linear_fc1 stacks gate_proj over up_proj (SwiGLU's [gate; up]), and the experts' fc1/fc2
+// stack the experts. Copies are exact (no arithmetic), so HF -> moecore -> HF returns the same bytes.
+// Not here: config.json keys (apps/hf_config), file formats (io/hf_checkpoint).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moecore/core/param.h"
+#include "moecore/io/hf_checkpoint.h"
+#include "moecore/model/config.h"
+
+namespace moecore::model {
+
+enum class HfFamily : uint8_t { mixtral, qwen2_moe, qwen3_moe };
+HfFamily hf_family_parse(const std::string& model_type);  // config.json's model_type; throws naming the supported
+const char* hf_family_name(HfFamily family);              // "mixtral", ...
+// The family whose modeling code computes what cfg computes: qwen3_moe with QK-norm, qwen2_moe with a QKV bias
+// or a shared expert, else mixtral. Throws (via hf_weight_map) when none can.
+HfFamily hf_family_of(const ModelConfig& cfg);
+
+// Rows [param_row, param_row + rows) of a parameter are rows [hf_row, hf_row + rows) of HF tensor `hf`.
+struct HfRowRun {
+  std::string hf;
+  int64_t hf_row = 0, param_row = 0, rows = 0;
+};
+
+struct HfParamMap {
+  std::string param;           // Megatron name
+  Shape shape;                 // global shape
+  int64_t width = 1;           // row width of the parameter and of its HF tensors
+  bool expert = false;         // dim 0 indexes experts (sharded over EP)
+  std::vector<HfRowRun> runs;  // ascending param_row, covering every row once
+  int64_t rows() const { return shape.numel() / width; }
+};
+
+struct HfTensorSpec {
+  std::string name;
+  Shape shape;
+  std::vector<std::pair<size_t, size_t>> sources;  // (parameter, run) pairs filling it, ascending hf_row
+};
+
+struct HfWeightMap {
+  HfFamily family = HfFamily::mixtral;
+  std::vector<HfParamMap> params;     // parameter_specs(cfg) order
+  std::vector<HfTensorSpec> tensors;  // every HF tensor of the model, in transformers' module order
+};
+
+// Throws Error naming the setting when cfg has something the family's modeling code lacks (LayerNorm, learned
+// positions, linear biases, GeLU, a dense layer in Mixtral, QK-norm outside Qwen3, ...).
+HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family);
+
+// Calls sink(rows [first_row, first_row + n) of the parameter) in ascending order, each part a [k, width] (1-D:
+// [k]) f32 tensor read from the HF checkpoint, until rows [first_row, last_row) are delivered. Memory: one part.
+void hf_read_param_rows(const HfParamMap& map, const io::HfCheckpointReader& hf, int64_t first_row, int64_t last_row,
+                        const std::function<void(const Tensor& part)>& sink);
+
+// Checks that the checkpoint holds exactly the map's tensors with the map's shapes and float dtypes; throws naming
+// the directory, the tensor and expected vs found (an extra tensor is refused: it would be silently dropped).
+void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf);
+
+// Fills this rank's parameters (params[i] belongs to map.params[i]; expert parameters hold experts
+// [ep_rank * n, (ep_rank + 1) * n)) from the checkpoint, after hf_check_tensors.
+void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, std::vector<Param>& params, int64_t ep_rank);
+
+// One HF tensor assembled from parameter rows: rows(param index, first_row, n) returns those rows of the global
+// parameter as a [n, width] (1-D: [n]) tensor. Export walks map.tensors and writes each.
+Tensor hf_gather(const HfWeightMap& map, const HfTensorSpec& tensor,
+                 const std::function<Tensor(size_t param, int64_t first_row, int64_t rows)>& rows);
+// The same in parts, for streaming writers: sink gets the tensor's row runs in order.
+void hf_gather_parts(const HfWeightMap& map, const HfTensorSpec& tensor,
+                     const std::function<Tensor(size_t param, int64_t first_row, int64_t rows)>& rows,
+                     const std::function<void(const Tensor& part)>& sink);
+
+}  // namespace moecore::model
