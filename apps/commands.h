@@ -8,4 +8,5 @@ int moe_layer_main(int argc, char** argv);
 int preprocess_main(int argc, char** argv);
 int generate_main(int argc, char** argv);
 int model_step_main(int argc, char** argv);
+int convert_main(int argc, char** argv);
 }  // namespace moecore::apps

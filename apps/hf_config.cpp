@@ -135,6 +135,31 @@ void moe_layer_freq(const Row& r, const json& v, const json& cfg, Flags& out) {
   out.emplace_back(r.flag, expr);
 }
 
+// Qwen: num_experts (transformers 5 may write num_local_experts for Qwen3-MoE); exactly one must be given.
+void num_experts(const Row& r, const json& v, const json& cfg, Flags& out) {
+  const bool a = cfg.contains("num_experts") && !cfg["num_experts"].is_null();
+  const bool b = cfg.contains("num_local_experts") && !cfg["num_local_experts"].is_null();
+  if (!a && !b) MOECORE_FAIL("config.json lacks 'num_experts', required for model_type ", model_of(cfg));
+  if (a && b && cfg["num_experts"] != cfg["num_local_experts"])
+    refuse(r, v, cfg, "differs from num_local_experts " + cfg["num_local_experts"].dump());
+  if (!v.is_null() && (std::string(r.key) == "num_experts" || !a)) to_int(r, v, cfg, out);
+}
+
+// Qwen2-MoE's q/k/v projections carry a bias unless qkv_bias is false (transformers 5).
+void qkv_bias(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (v != json(true)) refuse(r, v, cfg, "not supported yet: Qwen2-MoE without q/k/v biases (only true)");
+  out.emplace_back(r.flag, "");
+}
+
+// transformers 5 lists each layer's attention kind; only full attention is supported.
+void layer_types(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (v.is_null()) return;
+  if (!v.is_array()) refuse(r, v, cfg, "expected a list");
+  for (const json& t : v)
+    if (t != json("full_attention"))
+      refuse(r, v, cfg, "not supported yet: layer type " + t.dump() + " (only \"full_attention\")");
+}
+
 // transformers 5 writes {"rope_type": "default", "rope_theta": ...} as rope_parameters; older files rope_theta.
 void rope_theta(const Row& r, const json& v, const json& cfg, Flags& out) {
   if (v.is_null()) {
@@ -180,7 +205,10 @@ constexpr Row kRows[] = {
     {"moe_intermediate_size", kQwen, "--moe-ffn-hidden-size", to_int, nullptr},
     {"shared_expert_intermediate_size", kQwen2, "--moe-shared-expert-intermediate-size", shared_expert, nullptr},
     {"num_local_experts", kMixtral, "--num-experts", to_int, nullptr},
-    {"num_experts", kQwen, "--num-experts", to_int, nullptr},
+    {"qkv_bias", kQwen2, "--add-qkv-bias", qkv_bias, "true"},
+    {"layer_types", kQwen, "sliding-window attention", layer_types, "null"},
+    {"num_experts", kQwen, "--num-experts", num_experts, "null"},
+    {"num_local_experts", kQwen3, "--num-experts", num_experts, "null"},  // transformers 5's alias for num_experts
     {"num_experts_per_tok", kAll, "--moe-router-topk", to_int, nullptr},
     {"norm_topk_prob", kQwen, "--moe-router-pre-softmax", norm_topk_prob, "false"},
     {"decoder_sparse_step", kQwen, "--moe-layer-freq", moe_layer_freq, "1"},
@@ -226,7 +254,6 @@ constexpr Fixed kFixed[] = {
     {kAll, "--disable-bias-linear", ""},
     {kAll, "--hidden-dropout", "0"},  // no residual/embedding dropout in these models
     {kAll, "--moe-router-load-balancing-type", "aux_loss"},
-    {kQwen2, "--add-qkv-bias", ""},  // Qwen2-MoE's q/k/v projections always carry a bias, o_proj none
     {kQwen3, "--qk-layernorm", ""},  // RMSNorm over each q and k head before RoPE
 };
 
@@ -269,7 +296,7 @@ Flags hf_config_flags(const json& cfg) {
   return out;
 }
 
-json hf_config_load(const std::string& path) {
+std::string hf_config_path(const std::string& path) {
   namespace fs = std::filesystem;
   fs::path p(path);
   if (fs::is_directory(p)) {
@@ -278,13 +305,22 @@ json hf_config_load(const std::string& path) {
   } else if (!fs::is_regular_file(p)) {
     MOECORE_FAIL("--hf-config ", path, ": no such file or directory");
   }
-  std::ifstream f(p);
-  if (!f) MOECORE_FAIL("--hf-config ", p.string(), ": cannot open");
+  return p.string();
+}
+
+json hf_config_parse(const std::string& text, const std::string& where) {
   try {
-    return json::parse(f);
+    return json::parse(text);
   } catch (const json::exception& e) {
-    MOECORE_FAIL("--hf-config ", p.string(), ": not valid JSON: ", e.what());
+    MOECORE_FAIL(where, ": not valid JSON: ", e.what());
   }
+}
+
+json hf_config_load(const std::string& path) {
+  const std::string p = hf_config_path(path);
+  std::ifstream f(p);
+  if (!f) MOECORE_FAIL("--hf-config ", p, ": cannot open");
+  return hf_config_parse(std::string(std::istreambuf_iterator<char>(f), {}), "--hf-config " + p);
 }
 
 void add_hf_config_flag(Args& a) {
@@ -293,26 +329,27 @@ void add_hf_config_flag(Args& a) {
            "qwen3_moe; its model flags fill those not given (moecore only)");
 }
 
-void hf_config_apply(Args& a) {
-  const std::string path = a.str("--hf-config");
-  if (path.empty()) return;
-  const json cfg = hf_config_load(path);
+void hf_config_fill(Args& a, const json& cfg, const std::string& where) {
   Flags flags;
   try {
     flags = hf_config_flags(cfg);
   } catch (const Error& e) {
-    MOECORE_FAIL("--hf-config ", path, ": ", e.what());
+    MOECORE_FAIL(where, ": ", e.what());
   }
-  for (const auto& [flag, value] : flags) a.fill_unset(flag, value, " in --hf-config " + path);
+  for (const auto& [flag, value] : flags) a.fill_unset(flag, value, " in " + where);
 }
 
-model::ModelConfig hf_model_config(const std::string& path,
+void hf_config_apply(Args& a) {
+  const std::string path = a.str("--hf-config");
+  if (!path.empty()) hf_config_fill(a, hf_config_load(path), "--hf-config " + path);
+}
+
+model::ModelConfig hf_model_config(const json& config, const std::string& where,
                                    const std::vector<std::pair<std::string, std::string>>& flags) {
   Args a("hf");
   const model::ModelConfig defaults;
   add_model_flags(a, defaults);
-  add_hf_config_flag(a);
-  std::vector<std::string> words = {"hf", "--hf-config", path};
+  std::vector<std::string> words = {"hf"};
   for (const auto& [flag, value] : flags) {
     words.push_back(flag);
     if (!value.empty()) words.push_back(value);
@@ -320,7 +357,7 @@ model::ModelConfig hf_model_config(const std::string& path,
   std::vector<char*> argv;
   for (auto& w : words) argv.push_back(w.data());
   a.parse(static_cast<int>(argv.size()), argv.data());
-  hf_config_apply(a);
+  hf_config_fill(a, config, where);
   return model_config_from(a, /*tokenizer_vocab=*/0);
 }
 

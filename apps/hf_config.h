@@ -20,12 +20,18 @@ namespace moecore::apps {
 std::vector<std::pair<std::string, std::string>> hf_config_flags(const nlohmann::json& config);
 
 // `path` is a config.json or a directory holding one; throws Error naming the path when neither.
+std::string hf_config_path(const std::string& path);  // the config.json file itself
+std::string hf_config_path(const std::string& path);  // the config.json file itself
 nlohmann::json hf_config_load(const std::string& path);
+nlohmann::json hf_config_parse(const std::string& text, const std::string& where);  // `where` names it in errors
+nlohmann::json hf_config_parse(const std::string& text, const std::string& where);  // `where` names it in errors
 
-// The model of an HF config.json (file or directory) with Megatron flags `flags` ({"--seq-length", "16"}, switches
-// with "") taking precedence, as `moecore train --hf-config PATH <flags>` would build it.
-model::ModelConfig hf_model_config(const std::string& path,
-                                   const std::vector<std::pair<std::string, std::string>>& flags);
+// The model of an HF config.json with Megatron flags `flags` ({"--seq-length", "16"}, switches with "") taking
+// precedence, as `moecore train --hf-config PATH <flags>` would build it. `where` names the config in errors.
+model::ModelConfig hf_model_config(const nlohmann::json& config, const std::string& where,
+                                   const std::vector<std::pair<std::string, std::string>>& flags = {});
+// Fills every flag of `args` still unset from the config's translation.
+void hf_config_fill(Args& args, const nlohmann::json& config, const std::string& where);
 
 // Declares --hf-config on a command.
 void add_hf_config_flag(Args& args);

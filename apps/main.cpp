@@ -19,6 +19,7 @@ void usage(std::FILE* out) {
                "  generate    sample text from a checkpoint\n"
                "  bench       benchmarks: gemm, attention, train-step, moe-layer, experts\n"
                "  moe-layer   forward+backward of one MoE layer on given tensors (golden comparisons)\n"
+               "  convert     Hugging Face checkpoints in (--from-hf) and out (--to-hf)\n"
                "  model-step  forward+backward of a Hugging Face model on given tokens (golden comparisons)\n");
 }
 }  // namespace
@@ -47,6 +48,7 @@ int main(int argc, char** argv) {
     if (cmd == "moe-layer") return moecore::apps::moe_layer_main(argc - 1, argv + 1);
     if (cmd == "preprocess") return moecore::apps::preprocess_main(argc - 1, argv + 1);
     if (cmd == "generate") return moecore::apps::generate_main(argc - 1, argv + 1);
+    if (cmd == "convert") return moecore::apps::convert_main(argc - 1, argv + 1);
     if (cmd == "model-step") return moecore::apps::model_step_main(argc - 1, argv + 1);
   } catch (const moecore::Error& e) {
     std::fprintf(stderr, "moecore %s: error: %s\n", cmd.c_str(), e.what());

@@ -30,12 +30,14 @@ int model_step_main(int argc, char** argv) {
   const int64_t B = tokens.size(0), S = tokens.size(1);
   // Dropout off and no auxiliary losses: the gradient is that of the mean next-token cross-entropy alone, as
   // transformers computes it with output_router_logits false.
-  const model::ModelConfig cfg = hf_model_config(a.str("--hf"), {{"--seq-length", std::to_string(S)},
-                                                                 {"--attention-dropout", "0"},
-                                                                 {"--hidden-dropout", "0"},
-                                                                 {"--moe-router-load-balancing-type", "none"},
-                                                                 {"--moe-aux-loss-coeff", "0"}});
-  const model::HfFamily family = model::hf_family_parse(hf_config_load(a.str("--hf")).value("model_type", ""));
+  const nlohmann::json config = hf_config_load(a.str("--hf"));
+  const model::ModelConfig cfg = hf_model_config(config, "--hf " + a.str("--hf"),
+                                                 {{"--seq-length", std::to_string(S)},
+                                                  {"--attention-dropout", "0"},
+                                                  {"--hidden-dropout", "0"},
+                                                  {"--moe-router-load-balancing-type", "none"},
+                                                  {"--moe-aux-loss-coeff", "0"}});
+  const model::HfFamily family = model::hf_family_parse(config.value("model_type", ""));
   const model::HfWeightMap map = model::hf_weight_map(cfg, family);
   const io::HfCheckpointReader hf(a.str("--hf"));
   model::hf_check_tensors(map, hf);

@@ -13,6 +13,9 @@
 #include "moecore/core/error.h"
 #include "moecore/data/gpt_dataset.h"
 #include "moecore/io/checkpoint.h"
+#include "moecore/io/file_util.h"
+#include "moecore/io/hf_checkpoint.h"
+#include "moecore/model/hf_weights.h"
 #include "moecore/model/upcycling.h"
 #include "moecore/parallel/comm.h"
 #include "moecore/parallel/process_groups.h"
@@ -61,6 +64,9 @@ void add_training_flags(Args& a) {
       .flag("--moe-per-layer-logging", "log tokens per expert, load, drops and losses of every MoE layer")
       .option("--save", "", "checkpoint directory")
       .option("--load", "", "resume from the newest committed checkpoint under this directory")
+      .option("--load-hf", "",
+              "start from a Hugging Face model directory's weights (its config.json fills the model flags as "
+              "--hf-config); a committed checkpoint under --load takes precedence, so restarts resume (moecore only)")
       .option("--save-interval", "", "steps between checkpoints (unset: only at the end)")
       .option("--exit-interval", "", "stop (after saving) at multiples of this iteration")
       .option("--keep-last-checkpoints", "0", "keep only the newest N checkpoints (0: all; moecore)")
@@ -133,6 +139,7 @@ train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   t.moe_per_layer_logging = a.on("--moe-per-layer-logging");
   t.save = a.str("--save");
   t.load = a.str("--load");
+  if (!a.str("--hf-config").empty()) t.hf_config_json = io::read_file(hf_config_path(a.str("--hf-config")));
   t.save_interval = a.i64_or("--save-interval", 0);
   t.exit_interval = a.i64_or("--exit-interval", 0);
   t.keep_last = static_cast<int>(a.i64("--keep-last-checkpoints"));
@@ -239,6 +246,7 @@ int train_main(int argc, char** argv) {
   add_hf_config_flag(a);
   add_training_flags(a);
   if (!a.parse(argc, argv)) return 0;
+  if (!a.str("--load-hf").empty()) a.fill_unset("--hf-config", a.str("--load-hf"), " by --load-hf");
   hf_config_apply(a);
   const std::vector<std::string> data_path = a.list("--data-path");
   if (data_path.empty()) MOECORE_FAIL("train: --data-path is required (prefixes made by moecore preprocess)");
@@ -290,6 +298,22 @@ int train_main(int argc, char** argv) {
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep);
   optim::AdamW opt(gpt.params(), optimizer_config_from(a), /*allocate_state=*/!tcfg.use_distributed_optimizer);
+  if (!a.str("--load-hf").empty()) {
+    if (a.on("--moe-use-upcycling")) MOECORE_FAIL("--load-hf and --moe-use-upcycling exclude each other");
+    if (tcfg.load.empty() || !io::checkpoint_find_latest(tcfg.load)) {
+      const std::string dir = a.str("--load-hf");
+      const model::HfFamily family =
+          model::hf_family_parse(hf_config_load(a.str("--hf-config")).value("model_type", ""));
+      const model::HfWeightMap map = model::hf_weight_map(mcfg, family);
+      const io::HfCheckpointReader hf(dir);
+      model::hf_check_tensors(map, hf);
+      model::hf_import(map, hf, gpt.params(), gpt.ep_rank());
+      gpt.refresh_compute_weights();
+      if (out)
+        std::printf("moecore train: weights of %s (%s) loaded (--load-hf)\n", dir.c_str(),
+                    model::hf_family_name(family));
+    }
+  }
   if (a.on("--moe-use-upcycling")) {
     upcycle_from_dense(gpt, a, tcfg);
     tcfg.load.clear();  // the run starts at iteration 0 from the upcycled weights, as in Megatron

@@ -436,7 +436,7 @@ std::optional<std::string> checkpoint_find_latest(const std::string& root) {
   return std::nullopt;
 }
 
-LoadedCheckpoint checkpoint_load(const std::string& dir) {
+VerifiedCheckpoint checkpoint_verify(const std::string& dir) {
   const fs::path norm = fs::path(dir).lexically_normal();
   const auto named = parse_iter_name((norm.has_filename() ? norm : norm.parent_path()).filename().string());
   const Manifest m = read_manifest(dir, named);
@@ -468,17 +468,31 @@ LoadedCheckpoint checkpoint_load(const std::string& dir) {
                  ". Restore the files or resume from an earlier iteration");
   }
 
-  LoadedCheckpoint out;
+  VerifiedCheckpoint out;
   out.iteration = m.iteration;
   out.dir = dir;
   for (const auto& [name, entry] : m.files) {
-    const std::string path = (fs::path(dir) / name).string();
     if (name == kCheckpointStateFile)
-      out.state_json = read_file(path);
+      out.state_json = read_file((fs::path(dir) / name).string());
     else
-      out.files[name] = safetensors_load(path);
+      out.files.push_back(name);
   }
   return out;
+}
+
+LoadedCheckpoint checkpoint_load(const std::string& dir) {
+  const VerifiedCheckpoint v = checkpoint_verify(dir);
+  LoadedCheckpoint out;
+  out.iteration = v.iteration;
+  out.dir = v.dir;
+  out.state_json = v.state_json;
+  for (const auto& name : v.files) out.files[name] = safetensors_load((fs::path(dir) / name).string());
+  return out;
+}
+
+CheckpointFileInfo checkpoint_file_info(const std::string& path) {
+  const FileEntry e = file_entry_of(path);
+  return {e.bytes, e.crc};
 }
 
 }  // namespace moecore::io

@@ -82,6 +82,8 @@ struct CheckpointFileInfo {
   uint64_t bytes = 0;
   uint32_t crc32c = 0;
 };
+// Byte size and CRC32C of a file, streamed (for files written into a staging directory by other means).
+CheckpointFileInfo checkpoint_file_info(const std::string& path);
 std::string checkpoint_staging_begin(const std::string& root, int64_t iteration, const std::string& token);
 CheckpointFileInfo checkpoint_staging_write(const std::string& staging_dir, const std::string& name,
                                             const std::map<std::string, Tensor>& tensors);
@@ -102,6 +104,14 @@ std::optional<std::string> checkpoint_find_latest(const std::string& root);
 // Throws Error naming the directory, each failing file and the reason: missing COMMIT marker, bad
 // magic/version, missing file, size mismatch (truncated), checksum mismatch (flipped byte).
 LoadedCheckpoint checkpoint_load(const std::string& dir);
+// The same checks, streaming (no file is held in memory), and no parse: the data files' names and state.json.
+struct VerifiedCheckpoint {
+  int64_t iteration = 0;
+  std::vector<std::string> files;  // data files (state.json excluded), sorted
+  std::string state_json;
+  std::string dir;
+};
+VerifiedCheckpoint checkpoint_verify(const std::string& dir);
 
 // Helpers for trainers and tools.
 std::string checkpoint_iteration_dir(const std::string& root, int64_t iteration);  // <root>/iter_%07d

@@ -15,7 +15,7 @@ namespace moecore::train {
 namespace {
 
 using nlohmann::json;
-constexpr const char* kModelFile = "model.safetensors";
+constexpr const char* kModelFile = kCheckpointModelFile;
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 
 json model_fingerprint(const model::ModelConfig& c) {
@@ -133,13 +133,6 @@ uint64_t parameter_hash(const model::GptModel& gpt) {
 
 namespace {
 
-std::string expert_shard_file(int64_t r, int64_t ep) {
-  char b[96];
-  std::snprintf(b, sizeof b, "experts-ep%03lld-of-%03lld.safetensors", static_cast<long long>(r),
-                static_cast<long long>(ep));
-  return b;
-}
-
 // Collective over dp (size > 1): rank 0 writes committer_req, ranks with shard_index >= 0 write expert shard
 // shard_index of num_shards, all into one staging directory; dp rank 0 commits.
 // A failure on any rank fails the save on every rank (no rank waits forever for a peer that gave up).
@@ -168,7 +161,7 @@ void save_collective(const std::string& root, const io::CheckpointWriteRequest& 
     try {
       const std::string staging = io::checkpoint_iteration_dir(root, committer_req.iteration) + ".tmp-" + tok;
       const io::CheckpointFileInfo info =
-          io::checkpoint_staging_write(staging, expert_shard_file(shard_index, num_shards), shard);
+          io::checkpoint_staging_write(staging, checkpoint_expert_file(shard_index, num_shards), shard);
       mine = {1, shard_index, static_cast<int64_t>(info.bytes), static_cast<int64_t>(info.crc32c)};
     } catch (const Error& e) {
       error = e.what();
@@ -189,7 +182,7 @@ void save_collective(const std::string& root, const io::CheckpointWriteRequest& 
     for (int r = 0; r < dp.size(); ++r) {
       const int64_t* f = all.data() + kFields * r;
       if (f[0] == 1)
-        others[expert_shard_file(f[1], num_shards)] = {static_cast<uint64_t>(f[2]), static_cast<uint32_t>(f[3])};
+        others[checkpoint_expert_file(f[1], num_shards)] = {static_cast<uint64_t>(f[2]), static_cast<uint32_t>(f[3])};
     }
     try {
       io::checkpoint_staging_commit(root, committer_req, tok, others, keep_last);
@@ -203,6 +196,44 @@ void save_collective(const std::string& root, const io::CheckpointWriteRequest& 
 }
 
 }  // namespace
+
+std::string checkpoint_expert_file(int64_t ep_rank, int64_t ep) {
+  char b[96];
+  std::snprintf(b, sizeof b, "experts-ep%03lld-of-%03lld.safetensors", static_cast<long long>(ep_rank),
+                static_cast<long long>(ep));
+  return b;
+}
+
+std::string weights_only_state_json(const model::ModelConfig& cfg, int64_t ep, const std::string& hf_config_json) {
+  json state = {{"format", "moecore-train-state"},
+                {"version", 1},
+                {"iteration", 0},
+                {"consumed_samples", 0},
+                {"seed", 0},
+                {"expert_model_parallel_size", ep},
+                {"data_parallel_size", 1},
+                {"model", model_fingerprint(cfg)}};
+  if (!hf_config_json.empty()) state["hf_config_json"] = hf_config_json;
+  return state.dump(1);
+}
+
+void check_checkpoint_model(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir) {
+  json state;
+  try {
+    state = json::parse(state_json);
+  } catch (const json::exception& e) {
+    MOECORE_FAIL("checkpoint: ", dir, "/state.json is not valid JSON: ", e.what());
+  }
+  if (state.value("format", "") != "moecore-train-state" || state.value("version", 0) != 1)
+    MOECORE_FAIL("checkpoint: ", dir, "/state.json is not a moecore training state (format/version)");
+  const json want = model_fingerprint(cfg);
+  for (const auto& [k, v] : want.items()) {
+    if (!state["model"].contains(k) || state["model"][k] != v)
+      MOECORE_FAIL("checkpoint: ", dir, " was saved with ", k, " = ",
+                   state["model"].contains(k) ? state["model"][k].dump() : std::string("(absent)"),
+                   " but the model has ", k, " = ", v.dump());
+  }
+}
 
 void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const OptimizerState& opt,
                               const TrainProgress& progress, uint64_t seed, int keep_last, const TrainGroups* groups,
@@ -246,6 +277,7 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
     if (options.scheduler) state["opt_param_scheduler"] = scheduler_to_json(*options.scheduler);
   }
   if (options.save_rng) state["router_calls"] = calls;
+  if (!options.hf_config_json.empty()) state["hf_config_json"] = options.hf_config_json;
   req.state_json = state.dump(1);
   if (g.dp.size() == 1) {
     io::checkpoint_save(root, req, keep_last);
@@ -293,7 +325,7 @@ void load_expert_rows(Tensor& dst, const io::LoadedCheckpoint& ck, const std::st
   const int64_t per_shard = num_experts / saved_ep;
   for (int64_t j = 0; j < saved_ep; ++j) {
     if ((j + 1) * per_shard <= first || j * per_shard >= first + n) continue;
-    const std::string file = expert_shard_file(j, saved_ep);
+    const std::string file = checkpoint_expert_file(j, saved_ep);
     auto f = ck.files.find(file);
     if (f == ck.files.end()) MOECORE_FAIL("checkpoint: ", ck.dir, " has no ", file, " (saved at EP ", saved_ep, ")");
     auto it = f->second.tensors.find(name);
@@ -312,21 +344,8 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
   const bool load_optim = options.load_optim && !options.finetune;
   const bool load_rng = options.load_rng && !options.finetune;
   const io::LoadedCheckpoint ck = io::checkpoint_load(dir);
-  json state;
-  try {
-    state = json::parse(ck.state_json);
-  } catch (const json::exception& e) {
-    MOECORE_FAIL("checkpoint: ", ck.dir, "/state.json is not valid JSON: ", e.what());
-  }
-  if (state.value("format", "") != "moecore-train-state" || state.value("version", 0) != 1)
-    MOECORE_FAIL("checkpoint: ", ck.dir, "/state.json is not a moecore training state (format/version)");
-  const json want = model_fingerprint(gpt.config());
-  for (const auto& [k, v] : want.items()) {
-    if (!state["model"].contains(k) || state["model"][k] != v)
-      MOECORE_FAIL("checkpoint: ", ck.dir, " was saved with ", k, " = ",
-                   state["model"].contains(k) ? state["model"][k].dump() : std::string("(absent)"),
-                   " but the model has ", k, " = ", v.dump());
-  }
+  check_checkpoint_model(ck.state_json, gpt.config(), ck.dir);
+  const json state = json::parse(ck.state_json);
   if (load_rng && state.value("seed", uint64_t{0}) != seed)
     std::fprintf(stderr, "checkpoint: warning: %s was saved with --seed %llu, resuming with --seed %llu\n",
                  ck.dir.c_str(), static_cast<unsigned long long>(state.value("seed", uint64_t{0})),

@@ -55,6 +55,7 @@ struct CheckpointSaveOptions {
   bool save_optim = true;  // false (--no-save-optim): no moments, step count or scheduler state
   bool save_rng = true;    // false (--no-save-rng): no router noise-stream positions
   std::optional<OptParamSchedulerState> scheduler;  // saved with the optimizer state when given
+  std::string hf_config_json;  // the Hugging Face config.json the model came from (kept for export), or ""
 };
 
 // The parts a load restores. Without the optimizer state the moments are zeroed and the step count is 0 (as a
@@ -105,6 +106,17 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
 TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& gpt, OptimizerState& opt,
                                        uint64_t seed);
 TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt, uint64_t seed);
+
+// ---- For converters (moecore convert) --------------------------------------------------------------
+inline constexpr const char* kCheckpointModelFile = "model.safetensors";
+// The file of EP rank r's routed experts in a checkpoint saved at expert-parallel size ep > 1.
+std::string checkpoint_expert_file(int64_t ep_rank, int64_t ep);
+// state.json of a weights-only checkpoint at iteration 0 (as saved with --no-save-optim --no-save-rng: it loads
+// with --finetune, or --no-load-optim --no-load-rng), for a model whose experts are in ep files.
+std::string weights_only_state_json(const model::ModelConfig& cfg, int64_t ep, const std::string& hf_config_json);
+// Throws Error naming the directory and the field when state.json is not a training state or its model
+// fingerprint (layers, sizes, experts, ...) differs from cfg's.
+void check_checkpoint_model(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir);
 
 // A hash of every master weight's bytes (resume tests and log lines).
 uint64_t parameter_hash(const model::GptModel& gpt);

@@ -501,7 +501,8 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   auto save = [&]() {
     if (cfg.save.empty()) return;
     const CheckpointSaveOptions parts{cfg.save_optim, cfg.save_rng,
-                                      opt_param_scheduler_of(cfg, progress.iteration - schedule_start)};
+                                      opt_param_scheduler_of(cfg, progress.iteration - schedule_start),
+                                      cfg.hf_config_json};
     if (zero)  // the gather is collective: every rank skips it alike (same flags)
       save_training_checkpoint(cfg.save, gpt, cfg.save_optim ? zero->gather(gpt.params().size()) : OptimizerState{},
                                progress, cfg.seed, cfg.keep_last, &groups, parts);

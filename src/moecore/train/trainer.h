@@ -37,8 +37,9 @@ struct TrainConfig {
   std::string save;                                // --save: checkpoint root ("" = no checkpoints)
   std::string load;                                // --load: checkpoint root or iteration directory to resume from
   int64_t save_interval = 0;                       // --save-interval: steps between checkpoints (0: only at the end)
-  int64_t exit_interval = 0;  // --exit-interval: stop (after saving) when the iteration is a multiple
-  int keep_last = 0;          // --keep-last-checkpoints: newest N kept (0: all)
+  int64_t exit_interval = 0;   // --exit-interval: stop (after saving) when the iteration is a multiple
+  int keep_last = 0;           // --keep-last-checkpoints: newest N kept (0: all)
+  std::string hf_config_json;  // --hf-config's config.json text, saved in checkpoints for `moecore convert --to-hf`
   // Megatron's partial saves and loads (checkpointing.h says what each part holds).
   bool save_optim = true;  // false: --no-save-optim (checkpoints without moments, step count, LR scheduler)
   bool save_rng = true;    // false: --no-save-rng (checkpoints without the router noise-stream positions)

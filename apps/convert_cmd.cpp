@@ -1,0 +1,197 @@
+// `moecore convert`: Hugging Face checkpoints in and out (docs/convert.md).
+//   --from-hf HF_DIR --save ROOT   writes ROOT/iter_0000000, a weights-only moecore checkpoint (any EP layout)
+//   --load ROOT --to-hf OUT_DIR    writes OUT_DIR: sharded safetensors, model.safetensors.index.json, config.json
+// Both stream: one row run of at most kPartElements elements (plus an 8 MiB conversion chunk and the shard headers)
+// is in memory at a time, whatever the model's size. Copies are exact, so an export of an import is bit-identical.
+// Output appears only when complete: the checkpoint through the commit protocol (io/checkpoint.h), the HF
+// directory through a staging directory renamed into place.
+#include <unistd.h>
+
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "apps/args.h"
+#include "apps/commands.h"
+#include "apps/hf_config.h"
+#include "moecore/io/checkpoint.h"
+#include "moecore/io/file_util.h"
+#include "moecore/io/hf_checkpoint.h"
+#include "moecore/model/hf_weights.h"
+#include "moecore/train/checkpointing.h"
+
+namespace moecore::apps {
+namespace {
+
+using nlohmann::json;
+
+// Conversion reads no activations: the sequence length only has to pass validation against the position limit.
+const std::vector<std::pair<std::string, std::string>> kWeightsOnly = {{"--seq-length", "1"}};
+
+// "5GB", "500MB", "2GiB", "1000000" -> bytes (HF's units: GB = 10^9, GiB = 2^30).
+uint64_t parse_size(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) ++i;
+  const std::string unit = s.substr(i);
+  double mult = 0;
+  if (unit.empty() || unit == "B") mult = 1;
+  if (unit == "KB") mult = 1e3;
+  if (unit == "MB") mult = 1e6;
+  if (unit == "GB") mult = 1e9;
+  if (unit == "KiB") mult = 1024.0;
+  if (unit == "MiB") mult = 1048576.0;
+  if (unit == "GiB") mult = 1073741824.0;
+  double v = 0;
+  try {
+    v = i ? std::stod(s.substr(0, i)) : 0;
+  } catch (...) {
+    v = 0;
+  }
+  if (mult == 0 || !(v > 0))
+    MOECORE_FAIL("--max-shard-size '", s, "' is not a positive size (e.g. 5GB, 500MB, 2GiB, or bytes)");
+  return static_cast<uint64_t>(v * mult);
+}
+
+DType parse_dtype(const std::string& s, const std::string& where) {
+  if (s == "bf16" || s == "bfloat16") return DType::bf16;
+  if (s == "fp16" || s == "f16" || s == "float16") return DType::f16;
+  if (s == "fp32" || s == "f32" || s == "float32") return DType::f32;
+  MOECORE_FAIL(where, " '", s, "' is not one of bf16, fp16, fp32");
+}
+
+void import_hf(const Args& a) {
+  const std::string src = a.str("--from-hf"), root = a.str("--save");
+  const int64_t ep = a.i64("--expert-model-parallel-size");
+  const std::string config_text = io::read_file(hf_config_path(src));
+  const json config = hf_config_parse(config_text, src + "/config.json");
+  const model::ModelConfig cfg = hf_model_config(config, "--from-hf " + src, kWeightsOnly);
+  const model::HfFamily family = model::hf_family_parse(config.value("model_type", ""));
+  const model::HfWeightMap map = model::hf_weight_map(cfg, family);
+  if (ep < 1 || cfg.moe.num_experts % ep != 0)
+    MOECORE_FAIL("--expert-model-parallel-size (", ep, ") must divide the number of experts (", cfg.moe.num_experts,
+                 ")");
+  const io::HfCheckpointReader hf(src);
+  model::hf_check_tensors(map, hf);
+  if (!io::checkpoint_list_committed(root).empty())
+    MOECORE_FAIL("--save ", root, " already holds a checkpoint; hint: convert into a new directory");
+  const std::string token = "convert" + std::to_string(::getpid());
+  const std::string staging = io::checkpoint_staging_begin(root, 0, token);
+  std::map<std::string, io::CheckpointFileInfo> infos;
+  {
+    std::vector<std::unique_ptr<io::SafetensorsStreamWriter>> files;  // [0]: model; [1 + r]: EP rank r's experts
+    files.push_back(std::make_unique<io::SafetensorsStreamWriter>(staging + "/" + train::kCheckpointModelFile));
+    for (int64_t r = 0; ep > 1 && r < ep; ++r)
+      files.push_back(
+          std::make_unique<io::SafetensorsStreamWriter>(staging + "/" + train::checkpoint_expert_file(r, ep)));
+    for (const model::HfParamMap& p : map.params) {
+      const int64_t shards = p.expert && ep > 1 ? ep : 1, rows = p.rows() / shards;
+      for (int64_t r = 0; r < shards; ++r) {
+        io::SafetensorsStreamWriter& w = *files[shards > 1 ? 1 + r : 0];
+        Shape shape = p.shape;
+        shape[0] /= shards;
+        w.begin(p.param, DType::f32, shape);
+        model::hf_read_param_rows(p, hf, r * rows, (r + 1) * rows, [&](const Tensor& part) { w.append(part); });
+      }
+    }
+    for (auto& f : files) {
+      f->finish();
+      infos[f->path().substr(staging.size() + 1)] = io::checkpoint_file_info(f->path());
+    }
+  }
+  io::CheckpointWriteRequest req;
+  req.iteration = 0;
+  req.state_json = train::weights_only_state_json(cfg, ep, config_text);
+  io::checkpoint_staging_commit(root, req, token, infos, /*keep_last=*/0);
+  std::printf(
+      "convert: %s (%s, %zu tensors, %.1f MB) -> %s/iter_0000000 (%zu parameters, expert-parallel size %lld); "
+      "train from it with --load %s --finetune (or --no-load-optim --no-load-rng)\n",
+      src.c_str(), model::hf_family_name(family), hf.tensors().size(), static_cast<double>(hf.total_bytes()) / 1e6,
+      root.c_str(), map.params.size(), static_cast<long long>(ep), root.c_str());
+}
+
+void export_hf(const Args& a) {
+  const std::string root = a.str("--load"), out = a.str("--to-hf");
+  const auto dir = io::checkpoint_find_latest(root);
+  if (!dir) MOECORE_FAIL("--load ", root, ": no committed checkpoint");
+  const io::VerifiedCheckpoint ck = io::checkpoint_verify(*dir);
+  const json state = json::parse(ck.state_json);
+  std::string config_text;
+  std::string where;
+  if (!a.str("--hf-config").empty()) {
+    where = hf_config_path(a.str("--hf-config"));
+    config_text = io::read_file(where);
+  } else if (state.contains("hf_config_json")) {
+    config_text = state["hf_config_json"].get<std::string>();
+    where = *dir + "/state.json (hf_config_json)";
+  } else {
+    MOECORE_FAIL("--load ", *dir,
+                 " records no Hugging Face config.json (it was not trained with --hf-config); pass --hf-config "
+                 "with the config.json of the model to write");
+  }
+  const json config = hf_config_parse(config_text, where);
+  const model::ModelConfig cfg = hf_model_config(config, where, kWeightsOnly);
+  train::check_checkpoint_model(ck.state_json, cfg, ck.dir);
+  const model::HfFamily family = model::hf_family_parse(config.value("model_type", ""));
+  const model::HfWeightMap map = model::hf_weight_map(cfg, family);
+  const int64_t ep = state.value("expert_model_parallel_size", int64_t{1});
+  if (ep < 1 || (ep > 1 && cfg.moe.num_experts % ep != 0))
+    MOECORE_FAIL("checkpoint ", ck.dir, ": expert_model_parallel_size ", ep, " does not divide ", cfg.moe.num_experts,
+                 " experts");
+  const io::HfCheckpointReader model_file(ck.dir, train::kCheckpointModelFile);
+  std::vector<std::unique_ptr<io::HfCheckpointReader>> expert_files;
+  for (int64_t r = 0; ep > 1 && r < ep; ++r)
+    expert_files.push_back(std::make_unique<io::HfCheckpointReader>(ck.dir, train::checkpoint_expert_file(r, ep)));
+  std::string dtype_text = a.str("--hf-dtype");
+  if (dtype_text.empty()) dtype_text = config.value("dtype", config.value("torch_dtype", std::string("bfloat16")));
+  const DType dtype = parse_dtype(dtype_text, a.str("--hf-dtype").empty() ? "config.json dtype" : "--hf-dtype");
+  io::HfCheckpointWriter writer(out, parse_size(a.str("--max-shard-size")));
+  auto rows = [&](size_t p, int64_t first, int64_t n) {
+    const model::HfParamMap& m = map.params[p];
+    if (!m.expert || ep == 1) return model_file.read_rows(m.param, first, n, DType::f32);
+    const int64_t per = m.rows() / ep, r = first / per;
+    MOECORE_CHECK((first + n - 1) / per == r, "a run of ", m.param, " spans expert shards");
+    return expert_files[static_cast<size_t>(r)]->read_rows(m.param, first - r * per, n, DType::f32);
+  };
+  for (const model::HfTensorSpec& t : map.tensors) {
+    writer.begin(t.name, dtype, t.shape);
+    model::hf_gather_parts(map, t, rows, [&](const Tensor& part) { writer.append(part); });
+  }
+  writer.set_config_json(config_text);
+  const int shards = writer.finish();
+  std::printf("convert: %s (iteration %lld) -> %s (%s, %zu tensors in %d shard%s, %s, %.1f MB)\n", ck.dir.c_str(),
+              static_cast<long long>(ck.iteration), out.c_str(), model::hf_family_name(family), map.tensors.size(),
+              shards, shards == 1 ? "" : "s", std::string(dtype_name(dtype)).c_str(),
+              static_cast<double>(writer.total_bytes()) / 1e6);
+}
+
+}  // namespace
+
+int convert_main(int argc, char** argv) {
+  Args a("convert");
+  a.option("--from-hf", "", "import: Hugging Face model directory (config.json, safetensors shards and index)")
+      .option("--save", "", "import: checkpoint root to write (iteration 0, weights only)")
+      .option("--expert-model-parallel-size", "1", "import: expert-parallel size of the written checkpoint's layout")
+      .option("--load", "", "export: checkpoint root (its newest committed iteration) or iteration directory")
+      .option("--to-hf", "", "export: Hugging Face model directory to write (must not exist, or be empty)")
+      .option("--hf-config", "",
+              "export: config.json (or a directory holding one) of the model; default: the one recorded in the "
+              "checkpoint (by convert --from-hf, or train --hf-config / --load-hf)")
+      .option("--hf-dtype", "", "export: bf16 | fp16 | fp32 (default: config.json's dtype / torch_dtype, else bf16)")
+      .option("--max-shard-size", "5GB", "export: largest shard file (HF units: 5GB = 5e9 bytes)");
+  if (!a.parse(argc, argv)) return 0;
+  const bool in = !a.str("--from-hf").empty() || !a.str("--save").empty();
+  const bool out = !a.str("--load").empty() || !a.str("--to-hf").empty();
+  if (in == out)
+    MOECORE_FAIL("convert: give either --from-hf HF_DIR --save ROOT (import) or --load ROOT --to-hf OUT_DIR (export)");
+  if (in && (a.str("--from-hf").empty() || a.str("--save").empty()))
+    MOECORE_FAIL("convert: an import needs both --from-hf and --save");
+  if (out && (a.str("--load").empty() || a.str("--to-hf").empty()))
+    MOECORE_FAIL("convert: an export needs both --load and --to-hf");
+  if (in)
+    import_hf(a);
+  else
+    export_hf(a);
+  return 0;
+}
+
+}  // namespace moecore::apps

@@ -1,0 +1,476 @@
+#!/usr/bin/env python3
+"""Golden files for moecore's Hugging Face MoE checkpoint import (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+Uses Hugging Face transformers' own modeling code (written against transformers 5.23.0, torch 2.x, CPU) to build
+tiny random models, saves each with `save_pretrained` (float32, hub tensor names: per-expert tensors such as
+`model.layers.0.block_sparse_moe.experts.0.w1.weight` or `model.layers.0.mlp.experts.0.gate_proj.weight`, even though
+transformers 5.x keeps experts fused in memory as `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`), reloads the
+saved checkpoint with `from_pretrained`, and records the forward/backward of a next-token cross-entropy on random ids.
+
+Per case, <out>/<case>/ holds exactly:
+  config.json         written by save_pretrained (generation_config.json is deleted)
+  model.safetensors   written by save_pretrained: float32 weights, hub names, the values the golden uses
+  tokens.safetensors  `tokens` int32 [2, 12], random ids in [0, vocab)
+  golden.safetensors  `logits` F32 [2, 12, vocab]; `loss` F64 [] = model(input_ids=tokens, labels=tokens).loss
+                      (mean cross-entropy, position s predicts token s+1, last position ignored, no router aux loss);
+                      `grad.<name>` F32 for every tensor <name> of model.safetensors: d loss / d that tensor.
+Cases (hidden 32, vocab 96):
+  mixtral         2 layers, 4 experts top-2 (softmax, top-k renormalised), GQA 4/2.
+  qwen2_moe       3 layers, layer 1 dense (mlp_only_layers=[1]), 6 experts top-2 without renormalisation,
+                  sigmoid-gated shared expert, q/k/v biases.
+  qwen3_moe       2 layers, 8 experts top-3 with norm_topk_prob, head_dim 16 != hidden/heads, q/k RMSNorm.
+  qwen3_moe_tied  qwen3_moe with tie_word_embeddings, norm_topk_prob false, layer 0 dense (mlp_only_layers=[0]).
+
+How:
+  * Weights are re-initialised (std 0.2 linear, 0.5 router, 0.3 embedding, norms 1 + 0.1*randn, biases 0.1*randn)
+    so that no norm weight is 1 and routing is not degenerate; the model is then saved.
+  * The golden runs the reloaded model in float64 (`.double()`, attn_implementation="eager",
+    experts_implementation="eager", train() mode, every dropout 0, router jitter 0). HF hard-codes float32 islands
+    (RMSNorm `.to(torch.float32)`, router softmax, eager-attention softmax, RoPE cos/sin, the loss `logits.float()`);
+    a TorchFunctionMode maps those float32 requests to float64 and RoPE's inv_freq is recomputed in float64, so the
+    golden is float64 throughout. The plain HF float64 run (with its float32 islands) and the plain float32 run are
+    computed too and must agree closely and pick the same experts.
+  * Gradients of the fused in-memory parameters are mapped back to hub names without assuming the layout: every
+    saved tensor is located (exact equality) among the in-memory parameters and their per-expert slices
+    (row/column blocks, strided rows, transposes); each must match exactly one slice and the slices must cover every
+    parameter element exactly once. The grad of a hub tensor is the same slice of the parameter's grad.
+  * Routing margin: for every token and MoE layer the gap between the k-th and (k+1)-th largest router probability
+    must be >= 1e-3 * the largest probability, so a float32 implementation picks the same experts. Otherwise the
+    seed is bumped (base, base+1, ...); the seed used is printed and stored in golden.safetensors' metadata
+    (key `reference`, a JSON object).
+  * Self-checks: loss == cross-entropy recomputed from the float64 logits; central finite differences agree with one
+    gradient entry of every tensor kind; layout / name sets as above.
+
+Regenerate (all cases, or one with --case NAME):
+  python3 -m venv V && V/bin/pip install torch transformers safetensors numpy
+  V/bin/python tools/hf_model_reference.py --out tests/golden/hf_models
+Verify the committed files (recomputes from the committed model.safetensors + tokens, compares with the golden):
+  V/bin/python tools/hf_model_reference.py --out tests/golden/hf_models --check
+"""
+import argparse
+import copy
+import json
+import os
+import re
+import shutil
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.overrides import TorchFunctionMode
+
+import transformers
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+BATCH, SEQ = 2, 12
+MARGIN = 1e-3  # required (p_k - p_{k+1}) / p_1 for every token and MoE layer
+MAX_TRIES = 50
+FILES = ["config.json", "golden.safetensors", "model.safetensors", "tokens.safetensors"]
+
+COMMON = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, attention_dropout=0.0)
+CASES = {
+    "mixtral": (MixtralConfig, 100, dict(
+        COMMON, intermediate_size=40, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        router_jitter_noise=0.0)),
+    "qwen2_moe": (Qwen2MoeConfig, 200, dict(
+        COMMON, intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        num_hidden_layers=3, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+        mlp_only_layers=[1], rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False)),
+    "qwen3_moe": (Qwen3MoeConfig, 300, dict(
+        COMMON, intermediate_size=48, moe_intermediate_size=20, num_hidden_layers=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=False)),
+    "qwen3_moe_tied": (Qwen3MoeConfig, 400, dict(
+        COMMON, intermediate_size=48, moe_intermediate_size=20, num_hidden_layers=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[0],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True)),
+}
+LOAD_KW = dict(attn_implementation="eager", experts_implementation="eager")
+
+
+class Float64Mode(TorchFunctionMode):
+    """Turns HF's explicit float32 upcasts (x.float(), x.to(torch.float32), softmax(dtype=torch.float32), ...) into
+    float64 and makes float64 the default dtype, so a .double() model computes in float64 throughout."""
+
+    def __enter__(self):
+        self._old_default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self._old_default)
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.float:
+            func = torch.Tensor.double
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        kwargs = {k: (torch.float64 if v is torch.float32 else v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model construction
+
+
+def make_config(case):
+    cls, _, kw = CASES[case]
+    return cls(**kw)
+
+
+def reinit_(model, gen):
+    """Deterministic, non-degenerate weights (std well above HF's 0.02, norm weights not 1, biases not 0)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            randn = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * randn)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * randn)
+            elif "embed_tokens" in name:  # also the output projection when tied
+                p.copy_(0.3 * randn)
+            elif name.endswith("mlp.gate.weight"):  # router
+                p.copy_(0.5 * randn)
+            else:
+                p.copy_(0.2 * randn)
+
+
+def load(case_dir):
+    model = AutoModelForCausalLM.from_pretrained(case_dir, dtype=torch.float32, **LOAD_KW)
+    assert model.config._attn_implementation == "eager" and model.config._experts_implementation == "eager"
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# hub tensor <-> in-memory parameter layout
+
+
+def _views(t):
+    """(description, view-function) for slices of a parameter that a hub tensor may be."""
+    out = [("", lambda x: x)]
+    if t.dim() == 3:
+        for e in range(t.shape[0]):
+            out.append((f"[{e}]", lambda x, e=e: x[e]))
+    res = []
+    for desc, fn in out:
+        base = fn(t)
+        res.append((desc, fn))
+        if base.dim() != 2:
+            continue
+        res.append((desc + ".T", lambda x, fn=fn: fn(x).transpose(0, 1)))
+        for tdesc, tfn in (("", lambda x, fn=fn: fn(x)), (".T", lambda x, fn=fn: fn(x).transpose(0, 1))):
+            b = tfn(t)
+            for n in range(2, b.shape[0] + 1):
+                if b.shape[0] % n:
+                    continue
+                rows = b.shape[0] // n
+                for c in range(n):
+                    res.append((f"{desc}{tdesc}[{c * rows}:{(c + 1) * rows}]",
+                                lambda x, tfn=tfn, c=c, rows=rows: tfn(x)[c * rows:(c + 1) * rows]))
+                    res.append((f"{desc}{tdesc}[{c}::{n}]", lambda x, tfn=tfn, c=c, n=n: tfn(x)[c::n]))
+    return res
+
+
+def find_layout(model, hub):
+    """Map each hub tensor name to (param name, slice description, view fn) by exact value equality."""
+    params = dict(model.named_parameters())
+    cands = {pn: _views(p.detach()) for pn, p in params.items()}
+    layout = {}
+    for hn, ht in hub.items():
+        hits = []
+        for pn, p in params.items():
+            if p.numel() < ht.numel():
+                continue
+            for desc, fn in cands[pn]:
+                v = fn(p.detach())
+                if v.shape == ht.shape and torch.equal(v, ht):
+                    hits.append((pn, desc, fn))
+        assert len(hits) == 1, f"hub tensor {hn}: {len(hits)} matching parameter slices {[h[:2] for h in hits]}"
+        layout[hn] = hits[0]
+    for pn, p in params.items():  # every element of every parameter saved exactly once
+        cover = torch.zeros(p.shape, dtype=torch.int32)
+        for hpn, _, fn in layout.values():
+            if hpn == pn:
+                fn(cover).add_(1)
+        assert bool((cover == 1).all()), f"parameter {pn} not covered exactly once by the saved tensors"
+    return layout
+
+
+def layout_summary(layout):
+    """Distinct non-identity mappings with layer index -> L and (matching) expert index -> E, e.g.
+    'model.layers.L.mlp.experts.gate_up_proj[E][0:40] -> model.layers.L.block_sparse_moe.experts.E.w1.weight'."""
+    lines = set()
+    for hn, (pn, desc, _) in layout.items():
+        if pn == hn and not desc:
+            continue
+        lay = re.search(r"layers\.(\d+)\.", hn)
+        exp = re.search(r"experts\.(\d+)\.", hn)
+        if lay and re.search(rf"layers\.{lay.group(1)}\.", pn):
+            hn, pn = (re.sub(r"layers\.\d+\.", "layers.L.", x, count=1) for x in (hn, pn))
+        if exp and desc.startswith(f"[{exp.group(1)}]"):
+            hn = re.sub(r"experts\.\d+\.", "experts.E.", hn, count=1)
+            desc = "[E]" + desc[len(exp.group(1)) + 2:]
+        lines.add(f"{pn}{desc} -> {hn}")
+    return sorted(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward / backward
+
+
+def _router_modules(model):
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def run(model, tokens, backward):
+    """Forward (train mode) with labels; returns logits, loss, per-router (logits, chosen indices)."""
+    routers = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: routers.append((n, out[0].detach(), out[2].detach(),
+                                                                                  mod.top_k)))
+             for n, m in _router_modules(model)]
+    try:
+        model.train()
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=tokens, labels=tokens, output_router_logits=False, use_cache=False)
+        if backward:
+            out.loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return out.logits.detach(), out.loss.detach(), routers
+
+
+def to_fp64(model32):
+    """Deep copy in float64 with RoPE inverse frequencies recomputed in float64."""
+    model = copy.deepcopy(model32).double()
+    for m in model.modules():
+        if hasattr(m, "inv_freq") and hasattr(m, "compute_default_rope_parameters"):
+            assert m.rope_type == "default"
+            with Float64Mode():
+                inv, scale = m.compute_default_rope_parameters(model.config)
+            assert inv.dtype == torch.float64 and scale == 1.0
+            assert torch.allclose(inv, m.inv_freq, rtol=1e-6, atol=0)
+            m.inv_freq = inv
+            m.original_inv_freq = inv.clone()
+    return model
+
+
+def check_train_setup(model):
+    cfg = model.config
+    assert getattr(cfg, "attention_dropout", 0.0) == 0.0 and getattr(cfg, "router_jitter_noise", 0.0) == 0.0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            assert m.p == 0.0
+        if hasattr(m, "attention_dropout"):
+            assert m.attention_dropout == 0.0
+
+
+def routing_margins(routers):
+    """min over tokens/layers of (p_k - p_{k+1}) / p_1, and min logit gap; probabilities from float64 logits."""
+    rel, gap = float("inf"), float("inf")
+    for _, logits, idx, k in routers:
+        probs = torch.softmax(logits.double(), dim=-1)
+        top = torch.topk(probs, k + 1, dim=-1)
+        assert torch.equal(top.indices[:, :k].sort(-1).values, idx.sort(-1).values), "router picked other experts"
+        rel = min(rel, float(((top.values[:, k - 1] - top.values[:, k]) / top.values[:, 0]).min()))
+        lg = torch.topk(logits.double(), k + 1, dim=-1).values
+        gap = min(gap, float((lg[:, k - 1] - lg[:, k]).min()))
+    return rel, gap
+
+
+def compute(case_dir, tokens, fd_checks=True):
+    """Golden for the checkpoint in case_dir; returns (golden tensors, report dict). Asserts all self-checks."""
+    tok = tokens.long()
+    model32 = load(case_dir)
+    check_train_setup(model32)
+    hub = {}
+    with safe_open(os.path.join(case_dir, "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            hub[k] = f.get_tensor(k)
+    assert all(t.dtype == torch.float32 for t in hub.values())
+    layout = find_layout(model32, hub)
+
+    # float64 golden
+    model = to_fp64(model32)
+    with Float64Mode():
+        logits, loss, routers = run(model, tok, backward=True)
+    assert logits.dtype == torch.float64 and loss.dtype == torch.float64
+    params = dict(model.named_parameters())
+    grads = {}
+    for hn, (pn, _, fn) in layout.items():
+        g = params[pn].grad
+        assert g is not None and g.dtype == torch.float64, f"no float64 grad for {pn}"
+        grads[hn] = fn(g)
+    assert set(grads) == set(hub), "grad names != saved tensor names"
+    for hn in hub:
+        assert grads[hn].shape == hub[hn].shape
+
+    # loss == cross-entropy recomputed from the logits (position s predicts token s+1)
+    V = logits.shape[-1]
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, V), tok[:, 1:].reshape(-1))
+    assert abs(float(ce) - float(loss)) < 1e-12, (float(ce), float(loss))
+
+    rel, gap = routing_margins(routers)
+    n_moe = len({r[0] for r in routers})
+    sel64 = [r[2] for r in routers]
+
+    # plain HF float64 (its own float32 islands) and plain float32: close, same experts
+    with torch.no_grad():
+        hf_logits, hf_loss, _ = run(copy.deepcopy(model32).double(), tok, backward=False)
+        l32, loss32, routers32 = run(model32, tok, backward=False)
+    assert all(torch.equal(a, r[2]) for a, r in zip(sel64, routers32)), "float32 run picked other experts"
+    rep = dict(loss=float(loss), min_rel_margin=rel, min_logit_gap=gap, moe_layers=n_moe,
+               diff_hf64=float((hf_logits - logits).abs().max()), diff_hf64_loss=abs(float(hf_loss - loss)),
+               diff_fp32=float((l32.double() - logits).abs().max()), diff_fp32_loss=abs(float(loss32) - float(loss)),
+               logits_std=float(logits.std()), layout=layout_summary(layout))
+    assert rep["diff_hf64"] < 1e-4 and rep["diff_fp32"] < 1e-3, rep
+
+    if fd_checks:  # central differences on a few entries of the hub tensors, through the fused parameters
+        names = sorted(hub)
+        kinds = {}
+        for n in names:  # one tensor of every kind (layer / expert indices ignored)
+            kinds.setdefault(re.sub(r"\.\d+\.", ".#.", n), n)
+        picks = sorted(kinds.values())
+        gen = torch.Generator().manual_seed(0)
+        worst = 0.0
+        for hn in picks:
+            pn, _, fn = layout[hn]
+            view = fn(params[pn].data)
+            i = int(torch.randint(view.numel(), (1,), generator=gen))
+            idx = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), view.shape))
+            h, orig = 1e-5, float(view[idx])
+            vals = []
+            for s in (1, -1):
+                view[idx] = orig + s * h
+                with torch.no_grad(), Float64Mode():
+                    vals.append(float(run(model, tok, backward=False)[1]))
+            view[idx] = orig
+            fd, an = (vals[0] - vals[1]) / (2 * h), float(grads[hn][idx])
+            err = abs(fd - an) / (1e-6 + abs(an))
+            assert abs(fd - an) < 1e-8 + 1e-5 * abs(an), (hn, idx, fd, an)
+            worst = max(worst, err)
+        rep["fd_checked"] = len(picks)
+        rep["fd_worst_rel_err"] = worst
+
+    golden = {"logits": logits.float().contiguous(), "loss": loss.double().reshape(())}
+    for hn, g in grads.items():
+        golden["grad." + hn] = g.float().contiguous()
+    return golden, rep
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generate / check
+
+
+def generate(case, out_root):
+    _, base_seed, _ = CASES[case]
+    os.makedirs(out_root, exist_ok=True)
+    for seed in range(base_seed, base_seed + MAX_TRIES):
+        gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        cfg = make_config(case)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **LOAD_KW)
+        reinit_(model, gen)
+        tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen, dtype=torch.int64).to(torch.int32)
+        with torch.no_grad(), Float64Mode():  # cheap early routing-margin test on the in-memory model
+            margin = routing_margins(run(to_fp64(model), tokens.long(), backward=False)[2])[0]
+        if margin < MARGIN:
+            print(f"[{case}] seed {seed}: routing margin {margin:.2e} < {MARGIN}, next seed")
+            continue
+        tmp = tempfile.mkdtemp(prefix=f".{case}.", dir=out_root)
+        try:
+            model.save_pretrained(tmp)
+            gc = os.path.join(tmp, "generation_config.json")
+            if os.path.exists(gc):
+                os.remove(gc)
+            # the reloaded checkpoint must hold exactly the in-memory values
+            re = dict(load(tmp).named_parameters())
+            for n, p in model.named_parameters():
+                assert torch.equal(re[n].detach(), p.detach()), f"reload differs: {n}"
+            save_file({"tokens": tokens.contiguous()}, os.path.join(tmp, "tokens.safetensors"))
+            golden, rep = compute(tmp, tokens, fd_checks=False)
+            if rep["min_rel_margin"] < MARGIN:
+                print(f"[{case}] seed {seed}: routing margin {rep['min_rel_margin']:.2e} < {MARGIN}, next seed")
+                shutil.rmtree(tmp)
+                continue
+            golden, rep = compute(tmp, tokens, fd_checks=True)
+            meta = {"case": case, "seed": str(seed), "transformers": transformers.__version__,
+                    "torch": torch.__version__, "min_rel_routing_margin": f"{rep['min_rel_margin']:.6g}"}
+            # one metadata key: safetensors writes a multi-key metadata map in a nondeterministic order
+            save_file(golden, os.path.join(tmp, "golden.safetensors"),
+                      metadata={"reference": json.dumps(meta, sort_keys=True)})
+            assert sorted(os.listdir(tmp)) == FILES, os.listdir(tmp)
+            os.chmod(tmp, 0o755)
+            for f in FILES:
+                os.chmod(os.path.join(tmp, f), 0o644)
+            final = os.path.join(out_root, case)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        report(case, final, seed, rep)
+        return
+    raise RuntimeError(f"{case}: no seed in [{base_seed}, {base_seed + MAX_TRIES}) gives routing margin {MARGIN}")
+
+
+def report(case, case_dir, seed, rep):
+    cfg = json.load(open(os.path.join(case_dir, "config.json")))
+    sizes = {f: os.path.getsize(os.path.join(case_dir, f)) for f in sorted(os.listdir(case_dir))}
+    print(f"== {case}: seed {seed}, loss {rep['loss']:.12f}, {rep['moe_layers']} MoE layers, "
+          f"min routing margin (p_k-p_k+1)/p_1 {rep['min_rel_margin']:.3e}, min logit gap {rep['min_logit_gap']:.3e}")
+    print(f"   logits std {rep['logits_std']:.3f}; max|logits - HF-as-is float64| {rep['diff_hf64']:.2e} "
+          f"(loss {rep['diff_hf64_loss']:.2e}); max|logits - float32| {rep['diff_fp32']:.2e} "
+          f"(loss {rep['diff_fp32_loss']:.2e}); float32 picks the same experts")
+    if "fd_checked" in rep:
+        print(f"   finite differences: {rep['fd_checked']} entries, worst rel err {rep['fd_worst_rel_err']:.2e}")
+    print(f"   files: {sizes} total {sum(sizes.values())} bytes")
+    print(f"   config.json: {json.dumps(cfg, sort_keys=True)}")
+    print("   non-identity hub <- in-memory mappings (L = layer, E = expert):")
+    for line in rep["layout"]:
+        print("     " + line)
+
+
+def check(case, out_root):
+    case_dir = os.path.join(out_root, case)
+    assert sorted(os.listdir(case_dir)) == FILES, f"{case_dir}: {sorted(os.listdir(case_dir))}"
+    tokens = load_file(os.path.join(case_dir, "tokens.safetensors"))["tokens"]
+    assert tokens.dtype == torch.int32 and tuple(tokens.shape) == (BATCH, SEQ)
+    committed = load_file(os.path.join(case_dir, "golden.safetensors"))
+    with safe_open(os.path.join(case_dir, "golden.safetensors"), "pt") as f:
+        seed = json.loads((f.metadata() or {}).get("reference", "{}")).get("seed", "?")
+    golden, rep = compute(case_dir, tokens, fd_checks=True)
+    assert rep["min_rel_margin"] >= MARGIN, rep["min_rel_margin"]
+    assert set(committed) == set(golden), set(committed) ^ set(golden)
+    worst = 0.0
+    for k, ref in committed.items():
+        new = golden[k]
+        assert ref.dtype == new.dtype and ref.shape == new.shape, k
+        d = float((ref.double() - new.double()).abs().max()) if ref.numel() else 0.0
+        tol = 1e-12 if k == "loss" else 1e-6 * max(1.0, float(ref.abs().max()))
+        assert d <= tol, f"{case}: {k} differs by {d}"
+        worst = max(worst, d)
+    report(case, case_dir, seed, rep)
+    print(f"   check OK: {len(committed)} tensors, max abs diff {worst:.2e}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="tests/golden/hf_models")
+    ap.add_argument("--case", choices=sorted(CASES), action="append", help="only this case (repeatable)")
+    ap.add_argument("--check", action="store_true", help="verify committed files instead of writing")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    for case in args.case or list(CASES):
+        (check if args.check else generate)(case, args.out)
+
+
+if __name__ == "__main__":
+    main()
