@@ -14,6 +14,7 @@
 #include "apps/args.h"
 #include "apps/commands.h"
 #include "apps/hf_config.h"
+#include "moecore/core/memory.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/file_util.h"
 #include "moecore/io/hf_checkpoint.h"
@@ -104,9 +105,10 @@ void import_hf(const Args& a) {
   io::checkpoint_staging_commit(root, req, token, infos, /*keep_last=*/0);
   std::printf(
       "convert: %s (%s, %zu tensors, %.1f MB) -> %s/iter_0000000 (%zu parameters, expert-parallel size %lld); "
-      "train from it with --load %s --finetune (or --no-load-optim --no-load-rng)\n",
+      "peak resident memory %.1f MB; train from it with --load %s --finetune (or --no-load-optim --no-load-rng)\n",
       src.c_str(), model::hf_family_name(family), hf.tensors().size(), static_cast<double>(hf.total_bytes()) / 1e6,
-      root.c_str(), map.params.size(), static_cast<long long>(ep), root.c_str());
+      root.c_str(), map.params.size(), static_cast<long long>(ep),
+      static_cast<double>(memory_resident_peak_bytes()) / 1e6, root.c_str());
 }
 
 void export_hf(const Args& a) {
@@ -158,10 +160,12 @@ void export_hf(const Args& a) {
   }
   writer.set_config_json(config_text);
   const int shards = writer.finish();
-  std::printf("convert: %s (iteration %lld) -> %s (%s, %zu tensors in %d shard%s, %s, %.1f MB)\n", ck.dir.c_str(),
-              static_cast<long long>(ck.iteration), out.c_str(), model::hf_family_name(family), map.tensors.size(),
-              shards, shards == 1 ? "" : "s", std::string(dtype_name(dtype)).c_str(),
-              static_cast<double>(writer.total_bytes()) / 1e6);
+  std::printf(
+      "convert: %s (iteration %lld) -> %s (%s, %zu tensors in %d shard%s, %s, %.1f MB); peak resident memory %.1f "
+      "MB\n",
+      ck.dir.c_str(), static_cast<long long>(ck.iteration), out.c_str(), model::hf_family_name(family),
+      map.tensors.size(), shards, shards == 1 ? "" : "s", std::string(dtype_name(dtype)).c_str(),
+      static_cast<double>(writer.total_bytes()) / 1e6, static_cast<double>(memory_resident_peak_bytes()) / 1e6);
 }
 
 }  // namespace

@@ -241,14 +241,22 @@ void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf) 
                    hf_family_name(map.family), " model its config.json describes");
 }
 
+namespace {
+// Rows per part: at most kHfPartElements elements (at least one row).
+int64_t part_rows(int64_t width) {
+  return std::max<int64_t>(1, kHfPartElements / std::max<int64_t>(width, 1));
+}
+}  // namespace
+
 void hf_read_param_rows(const HfParamMap& map, const io::HfCheckpointReader& hf, int64_t first_row, int64_t last_row,
                         const std::function<void(const Tensor& part)>& sink) {
   MOECORE_CHECK(0 <= first_row && first_row <= last_row && last_row <= map.rows(), "rows [", first_row, ", ", last_row,
                 ") of ", map.param);
+  const int64_t step = part_rows(map.width);
   for (const HfRowRun& r : map.runs) {
     const int64_t a = std::max(first_row, r.param_row), b = std::min(last_row, r.param_row + r.rows);
-    if (a >= b) continue;
-    sink(hf.read_rows(r.hf, r.hf_row + (a - r.param_row), b - a, DType::f32));
+    for (int64_t x = a; x < b; x += step)
+      sink(hf.read_rows(r.hf, r.hf_row + (x - r.param_row), std::min(step, b - x), DType::f32));
   }
 }
 
@@ -273,7 +281,8 @@ void hf_gather_parts(const HfWeightMap& map, const HfTensorSpec& tensor,
                      const std::function<void(const Tensor& part)>& sink) {
   for (const auto& [pi, ri] : tensor.sources) {
     const HfRowRun& r = map.params[pi].runs[ri];
-    sink(rows(pi, r.param_row, r.rows));
+    const int64_t step = part_rows(map.params[pi].width);
+    for (int64_t x = 0; x < r.rows; x += step) sink(rows(pi, r.param_row + x, std::min(step, r.rows - x)));
   }
 }
 

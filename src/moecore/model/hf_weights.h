@@ -55,8 +55,12 @@ struct HfWeightMap {
 // positions, linear biases, GeLU, a dense layer in Mixtral, QK-norm outside Qwen3, ...).
 HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family);
 
+// Parts are at most this many elements (32 MiB in f32) whatever the tensor's size: the streaming bound.
+inline constexpr int64_t kHfPartElements = int64_t{8} << 20;
+
 // Calls sink(rows [first_row, first_row + n) of the parameter) in ascending order, each part a [k, width] (1-D:
-// [k]) f32 tensor read from the HF checkpoint, until rows [first_row, last_row) are delivered. Memory: one part.
+// [k]) f32 tensor of at most kHfPartElements elements (or one row) read from the HF checkpoint, until rows
+// [first_row, last_row) are delivered. Memory: one part.
 void hf_read_param_rows(const HfParamMap& map, const io::HfCheckpointReader& hf, int64_t first_row, int64_t last_row,
                         const std::function<void(const Tensor& part)>& sink);
 
@@ -72,7 +76,8 @@ void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, std::ve
 // parameter as a [n, width] (1-D: [n]) tensor. Export walks map.tensors and writes each.
 Tensor hf_gather(const HfWeightMap& map, const HfTensorSpec& tensor,
                  const std::function<Tensor(size_t param, int64_t first_row, int64_t rows)>& rows);
-// The same in parts, for streaming writers: sink gets the tensor's row runs in order.
+// The same in parts, for streaming writers: sink gets the tensor's rows in order, at most kHfPartElements
+// elements (or one row) at a time, each part from one rows() call.
 void hf_gather_parts(const HfWeightMap& map, const HfTensorSpec& tensor,
                      const std::function<Tensor(size_t param, int64_t first_row, int64_t rows)>& rows,
                      const std::function<void(const Tensor& part)>& sink);
