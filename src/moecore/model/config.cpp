@@ -1,5 +1,7 @@
 #include "moecore/model/config.h"
 
+#include <cmath>
+
 #include "moecore/core/error.h"
 #include "moecore/model/layer_pattern.h"
 
@@ -20,7 +22,7 @@ void ModelConfig::validate() const {
   if (num_attention_heads % query_groups() != 0)
     MOECORE_FAIL("model config: num_attention_heads (", num_attention_heads,
                  ") must be divisible by num_query_groups (", query_groups(), ")");
-  if (!kv_channels && hidden_size % num_attention_heads != 0)
+  if (!kv_channels && !multi_latent_attention && hidden_size % num_attention_heads != 0)
     MOECORE_FAIL("model config: hidden_size (", hidden_size, ") must be divisible by num_attention_heads (",
                  num_attention_heads, ") unless kv_channels is set");
   if (!(rotary_percent > 0.0f && rotary_percent <= 1.0f))
@@ -38,12 +40,45 @@ void ModelConfig::validate() const {
   if (compute_dtype != DType::f32 && compute_dtype != DType::bf16)
     MOECORE_FAIL("model config: compute dtype ", dtype_name(compute_dtype), " is not supported (use f32 or bf16)");
   if (!(norm_epsilon > 0.0f)) MOECORE_FAIL("model config: norm_epsilon (", norm_epsilon, ") must be positive");
+  if (multi_latent_attention) {
+    if (!rope())
+      MOECORE_FAIL(
+          "model config: --multi-latent-attention applies RoPE to its q/k RoPE channels; pass "
+          "--position-embedding-type rope");
+    if (q_lora_rank < 0 || kv_lora_rank <= 0 || qk_head_dim <= 0 || v_head_dim <= 0 || qk_pos_emb_head_dim < 2 ||
+        qk_pos_emb_head_dim % 2 != 0)
+      MOECORE_FAIL("model config: MLA needs --q-lora-rank >= 0 (", q_lora_rank, "), --kv-lora-rank (", kv_lora_rank,
+                   "), --qk-head-dim (", qk_head_dim, ") and --v-head-dim (", v_head_dim,
+                   ") positive and --qk-pos-emb-head-dim (", qk_pos_emb_head_dim, ") even and at least 2");
+    if (rotary_percent != 1.0f)
+      MOECORE_FAIL("model config: --rotary-percent (", rotary_percent, ") is not supported with MLA (only 1.0)");
+    if (add_bias_linear || add_qkv_bias)
+      MOECORE_FAIL("model config: linear biases in MLA are not supported yet; pass --disable-bias-linear");
+  }
+  if (yarn) {
+    if (!multi_latent_attention)
+      MOECORE_FAIL(
+          "model config: --rope-type yarn is supported with --multi-latent-attention only (as Megatron's MLA)");
+    const YarnConfig& y = yarn_config;
+    if (!(y.scaling_factor > 0.0f) || y.original_max_position_embeddings <= 0 || !(y.beta_fast > 0.0f) ||
+        !(y.beta_slow > 0.0f))
+      MOECORE_FAIL("model config: YaRN needs --rotary-scaling-factor (", y.scaling_factor,
+                   "), --yarn-original-max-position-embeddings (", y.original_max_position_embeddings,
+                   "), --yarn-beta-fast (", y.beta_fast, ") and --yarn-beta-slow (", y.beta_slow, ") positive");
+  }
   moe.validate();
   if (moe.enabled()) {
     (void)moe_layers();  // validates --moe-layer-freq against num_layers
     if (moe.swiglu != swiglu)
       MOECORE_FAIL("model config: the experts' activation must match the model's (--swiglu applies to both)");
   }
+}
+
+float ModelConfig::mla_softmax_scale_mult() const {
+  if (!yarn) return 1.0f;
+  const double s = yarn_config.scaling_factor, m = yarn_config.mscale_all_dim;
+  const double ms = s <= 1.0 ? 1.0 : 0.1 * m * std::log(s) + 1.0;  // Megatron's _yarn_get_mscale
+  return static_cast<float>(ms * ms);
 }
 
 std::vector<bool> ModelConfig::moe_layers() const {
@@ -62,9 +97,14 @@ std::string ModelConfig::summary() const {
       hidden_dropout > 0 || attention_dropout > 0
           ? detail::str_cat(", dropout ", hidden_dropout, "/", attention_dropout)
           : std::string(),
-      ", layers ", num_layers, ", hidden ", hidden_size, ", heads ", num_attention_heads, " (kv ", query_groups(),
-      ", dim ", head_dim(), "), ffn ", ffn(), swiglu ? " swiglu" : " gelu", ", vocab ", vocab_size, ", seq ",
-      seq_length, untie_embeddings_and_output_weights ? ", untied" : ", tied", ", ", dtype_name(compute_dtype),
+      ", layers ", num_layers, ", hidden ", hidden_size, ", heads ", num_attention_heads,
+      multi_latent_attention
+          ? detail::str_cat(" (MLA: q_lora ", q_lora_rank, ", kv_lora ", kv_lora_rank, ", qk ", qk_head_dim, "+",
+                            qk_pos_emb_head_dim, ", v ", v_head_dim,
+                            yarn ? detail::str_cat(", yarn x", yarn_config.scaling_factor) : std::string(), ")")
+          : detail::str_cat(" (kv ", query_groups(), ", dim ", head_dim(), ")"),
+      ", ffn ", ffn(), swiglu ? " swiglu" : " gelu", ", vocab ", vocab_size, ", seq ", seq_length,
+      untie_embeddings_and_output_weights ? ", untied" : ", tied", ", ", dtype_name(compute_dtype),
       moe.enabled() ? detail::str_cat(", MoE ", moe.num_experts, " experts top-", moe.router_topk, " ffn ", moe_ffn(),
                                       " layer-freq ", moe_layer_freq)
                     : std::string());

@@ -16,6 +16,17 @@ enum class Normalization : uint8_t { rmsnorm, layernorm };
 // --position-embedding-type: learned_absolute (Megatron's default), rope, none.
 enum class PositionEmbedding : uint8_t { learned_absolute, rope, none };
 
+// YaRN scaling of the rotary frequencies (Megatron's YarnRotaryEmbedding; --rope-type yarn, MLA only).
+struct YarnConfig {
+  float scaling_factor = 1.0f;                      // --rotary-scaling-factor
+  float mscale = 1.0f;                              // --mscale
+  float mscale_all_dim = 0.0f;                      // --mscale-all-dim
+  int64_t original_max_position_embeddings = 4096;  // --yarn-original-max-position-embeddings
+  float beta_fast = 32.0f;                          // --yarn-beta-fast
+  float beta_slow = 1.0f;                           // --yarn-beta-slow
+  bool correction_range_round_to_int = true;        // --no-yarn-correction-range-round-to-int clears it
+};
+
 struct ModelConfig {
   int64_t num_layers = 2;           // --num-layers: transformer layers, e.g. 12
   int64_t hidden_size = 64;         // --hidden-size: H, e.g. 768
@@ -35,9 +46,18 @@ struct ModelConfig {
                                         // linear_qkv, linear_proj, linear_fc1, linear_fc2 and the experts' fc1/fc2
   bool add_qkv_bias = false;            // --add-qkv-bias: a bias on linear_qkv only (Qwen2-style)
   bool qk_layernorm = false;            // --qk-layernorm: the model's norm over each query and key head before RoPE
-  float hidden_dropout = 0.0f;          // --hidden-dropout: embedding output and both bias-dropout-adds, [0, 1)
-  float attention_dropout = 0.0f;       // --attention-dropout: on the attention probabilities, [0, 1)
-  bool swiglu = true;                   // --swiglu (else GeLU MLP, Megatron's default)
+  // Multi-latent attention (DeepSeek-V2/V3). With it, --qk-layernorm puts a norm on the q and kv latents.
+  bool multi_latent_attention = false;  // --multi-latent-attention
+  int64_t q_lora_rank = 0;              // --q-lora-rank: 0 (Megatron's None) projects q directly from the input
+  int64_t kv_lora_rank = 32;            // --kv-lora-rank
+  int64_t qk_head_dim = 128;            // --qk-head-dim: q/k channels per head without RoPE
+  int64_t qk_pos_emb_head_dim = 64;     // --qk-pos-emb-head-dim: q/k channels per head with RoPE
+  int64_t v_head_dim = 128;             // --v-head-dim
+  bool yarn = false;                    // --rope-type yarn (Megatron's default with MLA)
+  YarnConfig yarn_config;
+  float hidden_dropout = 0.0f;     // --hidden-dropout: embedding output and both bias-dropout-adds, [0, 1)
+  float attention_dropout = 0.0f;  // --attention-dropout: on the attention probabilities, [0, 1)
+  bool swiglu = true;              // --swiglu (else GeLU MLP, Megatron's default)
   bool untie_embeddings_and_output_weights = true;  // --untie-embeddings-and-output-weights (else tied)
   float init_method_std = 0.02f;                    // --init-method-std: N(0, std^2) for weights
   DType compute_dtype = DType::f32;                 // --bf16 selects bf16 compute (fp32 master weights)
@@ -50,8 +70,14 @@ struct ModelConfig {
   int64_t moe_ffn() const { return moe.ffn_hidden_size ? moe.ffn_hidden_size : ffn(); }
   int64_t max_positions() const { return max_position_embeddings ? max_position_embeddings : seq_length; }
   bool rope() const { return position_embedding_type == PositionEmbedding::rope; }
-  // Channels RoPE rotates per head: int(head_dim * rotary_percent), as Megatron's RotaryEmbedding.
-  int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim()) * rotary_percent); }
+  // Channels RoPE rotates per head: int(head_dim * rotary_percent), as Megatron's RotaryEmbedding; MLA: the
+  // q/k channels with RoPE.
+  int64_t rotary_dim() const {
+    return multi_latent_attention ? qk_pos_emb_head_dim
+                                  : static_cast<int64_t>(static_cast<double>(head_dim()) * rotary_percent);
+  }
+  // The MLA softmax scale is this / sqrt(qk_head_dim + qk_pos_emb_head_dim): YaRN's mscale(factor, mscale_all_dim)^2.
+  float mla_softmax_scale_mult() const;
   bool qkv_bias() const { return add_bias_linear || add_qkv_bias; }
   std::vector<bool> moe_layers() const;  // which layers are MoE (all false for a dense model)
   void validate() const;                 // throws Error naming the offending fields and values

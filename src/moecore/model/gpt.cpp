@@ -8,6 +8,7 @@
 
 #include "moecore/core/rng.h"
 #include "moecore/model/param_specs.h"
+#include "moecore/model/rope_table.h"
 #include "moecore/nn/norm.h"
 
 namespace moecore::model {
@@ -57,6 +58,21 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   dims_.qk_norm = cfg_.qk_layernorm;
   dims_.dropout = cfg_.hidden_dropout > 0.0f;
   dims_.compute = c;
+  const bool mla = cfg_.multi_latent_attention;
+  if (mla) {
+    mla_dims_ = {B_,
+                 S,
+                 H,
+                 cfg_.num_attention_heads,
+                 cfg_.q_lora_rank,
+                 cfg_.kv_lora_rank,
+                 cfg_.qk_head_dim,
+                 cfg_.qk_pos_emb_head_dim,
+                 cfg_.v_head_dim,
+                 cfg_.qk_layernorm,
+                 cfg_.mla_softmax_scale_mult()};
+    dims_.qk_norm = false;  // with MLA, --qk-layernorm is the latent norms
+  }
   moe_dims_ = {N, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
   moe_dims_.ep = EP;
   moe_dims_.dispatcher = EP > 1 ? ep_.dispatcher : moe::DispatcherKind::local;
@@ -119,20 +135,36 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     bind(w.proj, g.proj, pre + "self_attention.linear_proj.weight");
     bind(w.qkv_bias, g.qkv_bias, pre + "self_attention.linear_qkv.bias");
     bind(w.proj_bias, g.proj_bias, pre + "self_attention.linear_proj.bias");
-    bind(w.q_norm, g.q_norm, pre + "self_attention.q_layernorm.weight");
-    bind(w.q_norm_bias, g.q_norm_bias, pre + "self_attention.q_layernorm.bias");
-    bind(w.k_norm, g.k_norm, pre + "self_attention.k_layernorm.weight");
-    bind(w.k_norm_bias, g.k_norm_bias, pre + "self_attention.k_layernorm.bias");
+    if (mla) {
+      nn::MlaWeights& mw = mla_w_.emplace_back();
+      nn::MlaGrads& mg = mla_g_.emplace_back();
+      const std::string sa = pre + "self_attention.";
+      bind(mw.q, mg.q, sa + "linear_q_proj.weight");
+      bind(mw.q_down, mg.q_down, sa + "linear_q_down_proj.weight");
+      bind(mw.q_up, mg.q_up, sa + "linear_q_up_proj.weight");
+      bind(mw.q_norm, mg.q_norm, sa + "q_layernorm.weight");
+      bind(mw.q_norm_bias, mg.q_norm_bias, sa + "q_layernorm.bias");
+      bind(mw.kv_down, mg.kv_down, sa + "linear_kv_down_proj.weight");
+      bind(mw.kv_up, mg.kv_up, sa + "linear_kv_up_proj.weight");
+      bind(mw.kv_norm, mg.kv_norm, sa + "kv_layernorm.weight");
+      bind(mw.kv_norm_bias, mg.kv_norm_bias, sa + "kv_layernorm.bias");
+      mla_caches_.push_back(nn::mla_cache_alloc(mla_dims_, c, dims_.layernorm));
+    } else {
+      bind(w.q_norm, g.q_norm, pre + "self_attention.q_layernorm.weight");
+      bind(w.q_norm_bias, g.q_norm_bias, pre + "self_attention.q_layernorm.bias");
+      bind(w.k_norm, g.k_norm, pre + "self_attention.k_layernorm.weight");
+      bind(w.k_norm_bias, g.k_norm_bias, pre + "self_attention.k_layernorm.bias");
+    }
     if (!moe_layers[static_cast<size_t>(l)]) {
       bind(w.fc1, g.fc1, pre + "mlp.linear_fc1.weight");
       bind(w.fc2, g.fc2, pre + "mlp.linear_fc2.weight");
       bind(w.fc1_bias, g.fc1_bias, pre + "mlp.linear_fc1.bias");
       bind(w.fc2_bias, g.fc2_bias, pre + "mlp.linear_fc2.bias");
-      caches_.push_back(nn::dense_layer_cache_alloc(dims_));
+      caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/true, /*with_attention=*/!mla));
       moe_.push_back(nullptr);
       continue;
     }
-    caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/false));
+    caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/false, /*with_attention=*/!mla));
     auto m = std::make_unique<MoeBlock>();
     Param* router = find(pre + "mlp.router.weight");
     m->w.router = {router->value, router->compute};
@@ -166,7 +198,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   final_h_ = Tensor::empty({N, H}, c, MemCategory::activations);
   if (cfg_.rope()) {
     rope_ = Tensor::empty({S, cfg_.rotary_dim()}, DType::f32, MemCategory::workspace);
-    ops::rope_table(rope_, cfg_.rotary_base, {});
+    fill_rope_table(rope_, cfg_);
   }
   if (position_embedding_) {  // token b*S + s sits at position s (positions restart with each sample)
     positions_ = Tensor::empty({N}, DType::i32, MemCategory::workspace);
@@ -174,7 +206,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     for (int64_t i = 0; i < N; ++i) pos[i] = static_cast<int32_t>(i % S);
   }
   drops_.resize(static_cast<size_t>(L));
-  ws_ = nn::dense_layer_workspace_alloc(dims_);
+  ws_ = nn::dense_layer_workspace_alloc(dims_, /*with_attention=*/!mla);
+  if (mla) mla_ws_ = nn::mla_workspace_alloc(mla_dims_, c);
   head_ws_ = nn::lm_head_workspace_alloc(N, V, c);
   dres_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
   if (cfg_.moe.enabled()) {
@@ -269,33 +302,56 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
     ops::add(residual_[0], residual_[0], ws_.dh, ctx);
   }
   if (embedding_drop_.active()) ops::dropout_forward(residual_[0], residual_[0], embedding_drop_, ctx);
-  const int64_t S = cfg_.seq_length, H = cfg_.hidden_size;
   for (size_t l = 0; l < caches_.size(); ++l) {
+    if (mla_w_.empty())
+      nn::attention_block_forward(residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l], ctx);
+    else
+      nn::mla_block_forward(residual_[l], layer_w_[l], mla_w_[l], caches_[l], mla_caches_[l], ws_, mla_ws_, rope_,
+                            dims_, mla_dims_, drops_[l], ctx);
     if (!moe_[l]) {
-      nn::dense_layer_forward(residual_[l + 1], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l],
-                              ctx);
+      nn::mlp_block_forward(residual_[l + 1], layer_w_[l], caches_[l], ws_, dims_, drops_[l], ctx);
       continue;
     }
-    MoeBlock& m = *moe_[l];
-    nn::attention_block_forward(residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l], ctx);
-    nn::mlp_norm_forward(layer_w_[l], caches_[l], dims_, ctx);
-    // The MoE layer takes Megatron's sequence-major token order (token s*B + b): it decides which tokens the
-    // "position" drop policy keeps and which tokens form a sequence for seq_aux_loss.
-    Tensor x_sb = moe_x_.view({S, B_, H}), out_sb = moe_out_.view({S, B_, H}), out_bs = ws_.dh.view({B_, S, H});
-    ops::transpose_01(x_sb, caches_[l].h2.view({B_, S, H}), ctx);
-    moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, m.cache, *dispatcher_, moe_dims_, cfg_.moe,
-                           training, ctx);
-    ops::transpose_01(out_bs, out_sb, ctx);
-    ops::bias_dropout_add(residual_[l + 1], caches_[l].x_mid, ws_.dh, Tensor(), drops_[l].mlp_out, ctx);
+    moe_mlp_forward(l, training, ctx);
   }
   nn::norm_forward(final_h_, final_mean_, final_rstd_, residual_.back(), final_norm_->value,
                    final_norm_bias_ ? final_norm_bias_->value : Tensor(), cfg_.norm_epsilon, ctx);
 }
 
+// The MoE half of layer l: y = x_mid + dropout(moe(norm2(x_mid))). The MoE layer takes Megatron's sequence-major
+// token order (token s*B + b): it decides which tokens the "position" drop policy keeps and which tokens form a
+// sequence for seq_aux_loss.
+void GptModel::moe_mlp_forward(size_t l, bool training, const ops::Context& ctx) {
+  const int64_t S = cfg_.seq_length, H = cfg_.hidden_size;
+  MoeBlock& m = *moe_[l];
+  nn::mlp_norm_forward(layer_w_[l], caches_[l], dims_, ctx);
+  Tensor x_sb = moe_x_.view({S, B_, H}), out_sb = moe_out_.view({S, B_, H}), out_bs = ws_.dh.view({B_, S, H});
+  ops::transpose_01(x_sb, caches_[l].h2.view({B_, S, H}), ctx);
+  moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, m.cache, *dispatcher_, moe_dims_, cfg_.moe, training,
+                         ctx);
+  ops::transpose_01(out_bs, out_sb, ctx);
+  ops::bias_dropout_add(residual_[l + 1], caches_[l].x_mid, ws_.dh, Tensor(), drops_[l].mlp_out, ctx);
+}
+
+// dres is dL/d(layer output) on entry, dL/dx_mid on return. The MoE output's gradient goes through the dropout and
+// into sequence-major order; the input gradient comes back batch-major in ws_.dh.
+void GptModel::moe_mlp_backward(size_t l, float grad_scale, const ops::Context& ctx) {
+  const int64_t S = cfg_.seq_length, H = cfg_.hidden_size;
+  MoeBlock& m = *moe_[l];
+  Tensor dout_sb = moe_out_.view({S, B_, H}), dx_sb = dh_.view({S, B_, H}), dh2 = ws_.dh.view({B_, S, H});
+  Tensor x_sb = moe_x_.view({S, B_, H}), no_bias;
+  ops::bias_dropout_add_backward(ws_.dh, no_bias, dres_, drops_[l].mlp_out, ctx);
+  ops::transpose_01(dout_sb, dh2, ctx);
+  ops::transpose_01(x_sb, caches_[l].h2.view({B_, S, H}), ctx);
+  moe::moe_layer_backward(dh_, m.g, moe_out_, moe_x_, m.w, m.cache, *dispatcher_, moe_dims_, cfg_.moe, grad_scale, ctx);
+  ops::transpose_01(dh2, dx_sb, ctx);
+  nn::mlp_norm_backward(dres_, layer_g_[l], ws_.dh, layer_w_[l], caches_[l], dims_, ctx);
+}
+
 LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale) {
   const ops::Context ctx;
   forward_trunk(tokens, true);
-  const int64_t N = B_ * cfg_.seq_length, S = cfg_.seq_length, H = cfg_.hidden_size;
+  const int64_t N = B_ * cfg_.seq_length;
   if (labels.dtype() != DType::i32 || labels.numel() != N)
     MOECORE_FAIL("model: labels must be i32 [", B_, ", ", cfg_.seq_length, "], got ", labels.str());
   labels_.copy_from(labels.view({N}));
@@ -309,25 +365,17 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
                     residual_.back(), final_norm_->value, final_norm_bias_ ? final_norm_bias_->value : Tensor(),
                     final_mean_, final_rstd_, false, ctx);
   for (size_t l = caches_.size(); l-- > 0;) {
-    if (!moe_[l]) {
-      nn::dense_layer_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l],
-                               ctx);
-      continue;
-    }
-    // dres is dL/d(layer output); through the residual it is also dL/dx_mid. The MoE output's gradient goes
-    // through the dropout and into sequence-major order; the input gradient comes back batch-major in ws_.dh.
-    MoeBlock& m = *moe_[l];
-    Tensor dout_sb = moe_out_.view({S, B_, H}), dx_sb = dh_.view({S, B_, H}), dh2 = ws_.dh.view({B_, S, H});
-    Tensor x_sb = moe_x_.view({S, B_, H}), no_bias;
-    ops::bias_dropout_add_backward(ws_.dh, no_bias, dres_, drops_[l].mlp_out, ctx);
-    ops::transpose_01(dout_sb, dh2, ctx);
-    ops::transpose_01(x_sb, caches_[l].h2.view({B_, S, H}), ctx);
-    moe::moe_layer_backward(dh_, m.g, moe_out_, moe_x_, m.w, m.cache, *dispatcher_, moe_dims_, cfg_.moe, grad_scale,
-                            ctx);
-    ops::transpose_01(dh2, dx_sb, ctx);
-    nn::mlp_norm_backward(dres_, layer_g_[l], ws_.dh, layer_w_[l], caches_[l], dims_, ctx);
-    nn::attention_block_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_,
-                                 drops_[l], ctx);
+    if (moe_[l])
+      moe_mlp_backward(l, grad_scale, ctx);
+    else
+      nn::mlp_block_backward(dres_, layer_g_[l], layer_w_[l], caches_[l], ws_, dims_, drops_[l], ctx);
+    // dres is dL/dx_mid here.
+    if (mla_w_.empty())
+      nn::attention_block_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_,
+                                   drops_[l], ctx);
+    else
+      nn::mla_block_backward(dres_, layer_g_[l], mla_g_[l], residual_[l], layer_w_[l], mla_w_[l], caches_[l],
+                             mla_caches_[l], ws_, mla_ws_, rope_, dims_, mla_dims_, drops_[l], ctx);
   }
   if (embedding_drop_.active()) ops::dropout_backward(dres_, dres_, embedding_drop_, ctx);
   ops::embedding_backward(embedding_->grad, ids_, dres_, ctx);

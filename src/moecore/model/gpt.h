@@ -12,6 +12,7 @@
 #include "moecore/moe/moe_layer.h"
 #include "moecore/nn/dense_layer.h"
 #include "moecore/nn/lm_head.h"
+#include "moecore/nn/mla.h"
 #include "moecore/parallel/comm.h"
 
 namespace moecore::model {
@@ -91,7 +92,10 @@ class GptModel {
 
  private:
   void forward_trunk(const Tensor& tokens, bool training);
-  void set_dropout_keys(bool training);  // fills drops_ / embedding_drop_ (p = 0 when not training)
+  void set_dropout_keys(bool training);
+  void moe_mlp_forward(size_t layer, bool training, const ops::Context& ctx);
+  void moe_mlp_backward(size_t layer, float grad_scale,
+                        const ops::Context& ctx);  // fills drops_ / embedding_drop_ (p = 0 when not training)
 
   ModelConfig cfg_;
   int64_t B_;
@@ -107,6 +111,12 @@ class GptModel {
   std::vector<nn::DenseLayerWeights> layer_w_;
   std::vector<nn::DenseLayerGrads> layer_g_;
   std::vector<nn::DenseLayerCache> caches_;
+  // MLA (--multi-latent-attention): every layer's attention; empty otherwise.
+  nn::MlaDims mla_dims_;
+  std::vector<nn::MlaWeights> mla_w_;
+  std::vector<nn::MlaGrads> mla_g_;
+  std::vector<nn::MlaCache> mla_caches_;
+  nn::MlaWorkspace mla_ws_;
   std::vector<nn::LayerDropout> drops_;  // per layer, this forward's masks
   ops::Dropout embedding_drop_;
   struct MoeBlock {

@@ -27,14 +27,34 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
   for (int64_t l = 0; l < L; ++l) {
     const std::string pre = "decoder.layers." + std::to_string(l) + ".";
     norm(pre + "input_layernorm", H);
-    add(pre + "self_attention.linear_qkv.weight", {qkv_rows, H}, ParamInit::normal, std_w);
-    add(pre + "self_attention.linear_proj.weight", {H, Hq * D}, ParamInit::normal, std_out);
-    if (cfg.qkv_bias()) add(pre + "self_attention.linear_qkv.bias", {qkv_rows}, ParamInit::zeros);
-    if (bias) add(pre + "self_attention.linear_proj.bias", {H}, ParamInit::zeros);
-    norm(pre + "pre_mlp_layernorm", H);
-    if (cfg.qk_layernorm) {  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
-      norm(pre + "self_attention.q_layernorm", D);
-      norm(pre + "self_attention.k_layernorm", D);
+    if (cfg.multi_latent_attention) {  // Megatron's MLASelfAttention (local spec names)
+      const int64_t qr = cfg.q_lora_rank, kvr = cfg.kv_lora_rank, dr = cfg.qk_pos_emb_head_dim;
+      const int64_t q_rows = Hq * (cfg.qk_head_dim + dr);
+      if (qr) {
+        add(pre + "self_attention.linear_q_down_proj.weight", {qr, H}, ParamInit::normal, std_w);
+        add(pre + "self_attention.linear_q_up_proj.weight", {q_rows, qr}, ParamInit::normal, std_w);
+      } else {
+        add(pre + "self_attention.linear_q_proj.weight", {q_rows, H}, ParamInit::normal, std_w);
+      }
+      add(pre + "self_attention.linear_kv_down_proj.weight", {kvr + dr, H}, ParamInit::normal, std_w);
+      add(pre + "self_attention.linear_kv_up_proj.weight", {Hq * (cfg.qk_head_dim + cfg.v_head_dim), kvr},
+          ParamInit::normal, std_w);
+      add(pre + "self_attention.linear_proj.weight", {H, Hq * cfg.v_head_dim}, ParamInit::normal, std_out);
+      norm(pre + "pre_mlp_layernorm", H);
+      if (cfg.qk_layernorm) {  // with MLA, --qk-layernorm normalises the q and kv latents
+        if (qr) norm(pre + "self_attention.q_layernorm", qr);
+        norm(pre + "self_attention.kv_layernorm", kvr);
+      }
+    } else {
+      add(pre + "self_attention.linear_qkv.weight", {qkv_rows, H}, ParamInit::normal, std_w);
+      add(pre + "self_attention.linear_proj.weight", {H, Hq * D}, ParamInit::normal, std_out);
+      if (cfg.qkv_bias()) add(pre + "self_attention.linear_qkv.bias", {qkv_rows}, ParamInit::zeros);
+      if (bias) add(pre + "self_attention.linear_proj.bias", {H}, ParamInit::zeros);
+      norm(pre + "pre_mlp_layernorm", H);
+      if (cfg.qk_layernorm) {  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
+        norm(pre + "self_attention.q_layernorm", D);
+        norm(pre + "self_attention.k_layernorm", D);
+      }
     }
     if (!moe_layers[static_cast<size_t>(l)]) {
       add(pre + "mlp.linear_fc1.weight", {glu(cfg.ffn()), H}, ParamInit::normal, std_w);

@@ -20,11 +20,12 @@ struct ParamSpec {
   bool expert = false;  // dim 0 is the expert index, sharded over the expert-parallel group
 };
 
-// Order: embeddings; per layer the input norm, linear_qkv (+bias), linear_proj (+bias), the MLP norm, QK-norms,
-// then the dense MLP or the MoE block (router, experts, biases, shared experts); the final norm; the output layer
-// (absent when tied). Weights start at N(0, init_method_std^2), the output projections of each block at
-// std / sqrt(2 * num_layers) (Megatron's scaled init); norm weights at 1, norm and linear biases at 0, the
-// router's bias like a weight (as Megatron).
+// Order: embeddings; per layer the input norm, linear_qkv (+bias), linear_proj (+bias), the MLP norm, QK-norms
+// (MLA: linear_q_proj or linear_q_down_proj + linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj,
+// linear_proj, the MLP norm, the latent norms q_layernorm / kv_layernorm), then the dense MLP or the MoE block (router,
+// experts, biases, shared experts); the final norm; the output layer (absent when tied). Weights start at N(0,
+// init_method_std^2), the output projections of each block at std / sqrt(2 * num_layers) (Megatron's scaled init); norm
+// weights at 1, norm and linear biases at 0, the router's bias like a weight (as Megatron).
 std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg);
 
 }  // namespace moecore::model

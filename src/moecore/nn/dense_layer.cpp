@@ -22,7 +22,7 @@ Tensor bsw(const Tensor& t, const DenseLayerDims& d) {
 
 }  // namespace
 
-DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp) {
+DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp, bool with_attention) {
   const DType c = d.compute;
   const auto& q = d.qkv;
   DenseLayerCache k;
@@ -30,6 +30,14 @@ DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp) 
   if (d.layernorm) k.mean2 = act_tensor({d.N}, DType::f32);
   k.rstd1 = act_tensor({d.N}, DType::f32);
   k.h1 = act_tensor({d.N, d.H}, c);
+  k.x_mid = act_tensor({d.N, d.H}, DType::f32);
+  k.rstd2 = act_tensor({d.N}, DType::f32);
+  k.h2 = act_tensor({d.N, d.H}, c);
+  if (with_mlp) {
+    k.fc1 = act_tensor({d.N, d.fc1_rows()}, c);
+    k.act = act_tensor({d.N, d.F}, c);
+  }
+  if (!with_attention) return k;
   k.qkv = act_tensor({d.N, q.width()}, c);
   if (d.qk_norm) {
     k.q_in = act_tensor({d.N * q.q_heads(), q.D}, DType::f32);
@@ -41,46 +49,43 @@ DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp) 
   }
   k.attn = act_tensor({d.N, q.q_heads() * q.D}, c);
   k.lse = act_tensor({q.B, q.q_heads(), q.S}, DType::f32);
-  k.x_mid = act_tensor({d.N, d.H}, DType::f32);
-  k.rstd2 = act_tensor({d.N}, DType::f32);
-  k.h2 = act_tensor({d.N, d.H}, c);
-  if (with_mlp) {
-    k.fc1 = act_tensor({d.N, d.fc1_rows()}, c);
-    k.act = act_tensor({d.N, d.F}, c);
-  }
   return k;
 }
 
-int64_t dense_layer_cache_bytes(const DenseLayerDims& d, bool with_mlp) {
+int64_t dense_layer_cache_bytes(const DenseLayerDims& d, bool with_mlp, bool with_attention) {
   const int64_t c = static_cast<int64_t>(dtype_size(d.compute));
   const auto& q = d.qkv;
-  const int64_t qk_rows = d.qk_norm ? d.N * (q.q_heads() + q.G) : 0;  // QK-norm inputs and statistics
-  return qk_rows * (q.D + (d.layernorm ? 2 : 1)) * 4 + d.N * 4 * (d.layernorm ? 4 : 2) + d.N * d.H * 4 +
-         q.B * q.q_heads() * q.S * 4 +
-         c * d.N * (2 * d.H + q.width() + q.q_heads() * q.D + (with_mlp ? d.fc1_rows() + d.F : 0));
+  const int64_t qk_rows = d.qk_norm && with_attention ? d.N * (q.q_heads() + q.G) : 0;  // QK-norm inputs, stats
+  const int64_t attention =
+      with_attention ? q.B * q.q_heads() * q.S * 4 + c * d.N * (q.width() + q.q_heads() * q.D) : 0;
+  return qk_rows * (q.D + (d.layernorm ? 2 : 1)) * 4 + d.N * 4 * (d.layernorm ? 4 : 2) + d.N * d.H * 4 + attention +
+         c * d.N * (2 * d.H + (with_mlp ? d.fc1_rows() + d.F : 0));
 }
 
-DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d) {
+DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d, bool with_attention) {
   const DType c = d.compute;
   DenseLayerWorkspace w;
   w.dh = work_tensor({d.N, d.H}, DType::f32);
   if (c != DType::f32 || d.dropout) w.dres_c = work_tensor({d.N, d.H}, c);
-  w.dqkv = work_tensor({d.N, d.qkv.width()}, c);
-  w.dattn = work_tensor({d.N, d.qkv.q_heads() * d.qkv.D}, c);
+  if (with_attention) {
+    w.dqkv = work_tensor({d.N, d.qkv.width()}, c);
+    w.dattn = work_tensor({d.N, d.qkv.q_heads() * d.qkv.D}, c);
+  }
   w.dfc1 = work_tensor({d.N, d.fc1_rows()}, c);
   w.dact = work_tensor({d.N, d.F}, c);
-  if (d.qk_norm) {
+  if (d.qk_norm && with_attention) {
     w.qk_y = work_tensor({d.N * d.qkv.q_heads(), d.qkv.D}, c);
     w.qk_dx = work_tensor({d.N * d.qkv.q_heads(), d.qkv.D}, DType::f32);
   }
   return w;
 }
 
-int64_t dense_layer_workspace_bytes(const DenseLayerDims& d) {
+int64_t dense_layer_workspace_bytes(const DenseLayerDims& d, bool with_attention) {
   const int64_t c = static_cast<int64_t>(dtype_size(d.compute));
   const int64_t cast = d.compute == DType::f32 && !d.dropout ? 0 : c * d.N * d.H;
-  const int64_t qk = d.qk_norm ? d.N * d.qkv.q_heads() * d.qkv.D * (c + 4) : 0;
-  return d.N * d.H * 4 + cast + qk + c * d.N * (d.qkv.width() + d.qkv.q_heads() * d.qkv.D + d.fc1_rows() + d.F);
+  const int64_t qk = d.qk_norm && with_attention ? d.N * d.qkv.q_heads() * d.qkv.D * (c + 4) : 0;
+  const int64_t attention = with_attention ? d.qkv.width() + d.qkv.q_heads() * d.qkv.D : 0;
+  return d.N * d.H * 4 + cast + qk + c * d.N * (attention + d.fc1_rows() + d.F);
 }
 
 void linear_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight, const Tensor& bias,
@@ -164,6 +169,11 @@ void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w,
                          DenseLayerWorkspace& ws, const Tensor& rope, const DenseLayerDims& d, const LayerDropout& drop,
                          const ops::Context& ctx) {
   attention_block_forward(x, w, k, ws, rope, d, drop, ctx);
+  mlp_block_forward(y, w, k, ws, d, drop, ctx);
+}
+
+void mlp_block_forward(Tensor& y, const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerWorkspace& ws,
+                       const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
   mlp_norm_forward(w, k, d, ctx);
   ops::gemm(k.fc1, k.h2, false, w.fc1, true, 1.0f, 0.0f, ctx);
   if (w.fc1_bias.defined()) ops::bias_add(k.fc1, w.fc1_bias, ctx);
@@ -198,6 +208,14 @@ void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x,
 void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
                           const DenseLayerCache& k, DenseLayerWorkspace& ws, const Tensor& rope,
                           const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
+  mlp_block_backward(dres, g, w, k, ws, d, drop, ctx);
+  // Attention block, in reverse: dres is dL/dx_mid here.
+  attention_block_backward(dres, g, x, w, k, ws, rope, d, drop, ctx);
+}
+
+void mlp_block_backward(Tensor& dres, DenseLayerGrads& g, const DenseLayerWeights& w, const DenseLayerCache& k,
+                        DenseLayerWorkspace& ws, const DenseLayerDims& d, const LayerDropout& drop,
+                        const ops::Context& ctx) {
   // MLP block, in reverse: dres is dL/dy here.
   linear_residual_backward(ws.dact, g.fc2, g.fc2_bias, dres, ws.dres_c, k.act, w.fc2, drop.mlp_out, ctx);
   if (d.swiglu)
@@ -208,8 +226,6 @@ void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, con
   ops::gemm(g.fc1, ws.dfc1, true, k.h2, false, 1.0f, 1.0f, ctx);
   ops::gemm(ws.dh, ws.dfc1, false, w.fc1, false, 1.0f, 0.0f, ctx);
   mlp_norm_backward(dres, g, ws.dh, w, k, d, ctx);
-  // Attention block, in reverse: dres is dL/dx_mid here.
-  attention_block_backward(dres, g, x, w, k, ws, rope, d, drop, ctx);
 }
 
 }  // namespace moecore::nn

@@ -93,11 +93,12 @@ struct DenseLayerWorkspace {
   Tensor qk_dx;   // [N*G*R, D] f32: QK-norm input gradient
 };
 
-// with_mlp=false allocates no fc1/act (layers whose MLP is an MoE layer).
-DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp = true);
-DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d);
-int64_t dense_layer_cache_bytes(const DenseLayerDims& d, bool with_mlp = true);
-int64_t dense_layer_workspace_bytes(const DenseLayerDims& d);
+// with_mlp=false allocates no fc1/act (layers whose MLP is an MoE layer); with_attention=false no qkv, attention
+// output or QK-norm tensors (layers whose attention is MLA, nn/mla.h).
+DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp = true, bool with_attention = true);
+DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d, bool with_attention = true);
+int64_t dense_layer_cache_bytes(const DenseLayerDims& d, bool with_mlp = true, bool with_attention = true);
+int64_t dense_layer_workspace_bytes(const DenseLayerDims& d, bool with_attention = true);
 
 // The two halves, for layers that replace the MLP (MoE): the attention block writes cache.x_mid; the MLP
 // norm writes cache.h2 (and its statistics). The backward halves update dres in place.
@@ -113,6 +114,14 @@ void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x,
 // dres += the MLP norm's input gradient, given dh2 [N, H] f32 = dL/d(norm output).
 void mlp_norm_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& dh2, const DenseLayerWeights& w,
                        const DenseLayerCache& cache, const DenseLayerDims& d, const ops::Context& ctx);
+
+// The dense MLP half: y = x_mid + dropout(fc2(act(fc1(norm2(x_mid))))), x_mid from the cache (written by the
+// attention half). Backward: dres is dL/dy on entry, dL/dx_mid on return.
+void mlp_block_forward(Tensor& y, const DenseLayerWeights& w, DenseLayerCache& cache, DenseLayerWorkspace& ws,
+                       const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx);
+void mlp_block_backward(Tensor& dres, DenseLayerGrads& g, const DenseLayerWeights& w, const DenseLayerCache& cache,
+                        DenseLayerWorkspace& ws, const DenseLayerDims& d, const LayerDropout& drop,
+                        const ops::Context& ctx);
 
 // y [N, H] f32 from x [N, H] f32. rope [S, Dr] f32 is the rotary table (unused without RoPE).
 void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& cache,

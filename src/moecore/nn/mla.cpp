@@ -1,0 +1,189 @@
+// MLA forward and backward as straight-line sequences of ops (layouts in mla.h). Linear layers: y = x @ W^T.
+#include "moecore/nn/mla.h"
+
+#include "moecore/nn/norm.h"
+
+namespace moecore::nn {
+namespace {
+
+Tensor act(Shape s, DType t) {
+  return Tensor::empty(s, t, MemCategory::activations);
+}
+Tensor work(Shape s, DType t) {
+  return Tensor::empty(s, t, MemCategory::workspace);
+}
+Tensor bsw(const Tensor& t, const MlaDims& d) {
+  return t.view({d.B, d.S, t.size(1)});
+}
+// The kernel's [N, nh, 3, D] view of the fused activation; slot 0 query, 1 key, 2 value.
+Tensor slot(const Tensor& qkv, const MlaDims& d, int64_t s) {
+  return qkv.view({d.N(), d.heads, 3, d.D()}).slice(2, s, s + 1);
+}
+// A [N, nh * w] tensor as [N, nh, 1, w].
+Tensor heads4(const Tensor& t, const MlaDims& d, int64_t w) {
+  return t.view({d.N(), d.heads, 1, w});
+}
+// The first n * w elements of a latent scratch buffer as a contiguous [n, w] tensor.
+Tensor first(const Tensor& buf, int64_t n, int64_t w) {
+  return buf.view({buf.numel()}).slice(0, 0, n * w).view({n, w});
+}
+// The latent norm (or a plain cast without --qk-layernorm): y (compute) from x (f32).
+void latent_norm_forward(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b,
+                         bool on, float eps, const ops::Context& ctx) {
+  if (on)
+    norm_forward(y, mean, rstd, x, w, b, eps, ctx);
+  else
+    y.copy_from(x);
+}
+// dx_c (compute): the gradient of the latent from dy = dL/dy (compute); dx_f32 is scratch.
+void latent_norm_backward(Tensor& dx_c, Tensor& dx_f32, Tensor& dw, Tensor& db, const Tensor& dy, const Tensor& x,
+                          const Tensor& w, const Tensor& b, const Tensor& mean, const Tensor& rstd, bool on,
+                          const ops::Context& ctx) {
+  if (!on) {
+    dx_c.copy_from(dy);
+    return;
+  }
+  norm_backward(dx_f32, dw, db, dy, x, w, b, mean, rstd, false, ctx);
+  dx_c.copy_from(dx_f32);
+}
+
+}  // namespace
+
+MlaCache mla_cache_alloc(const MlaDims& d, DType c, bool layernorm) {
+  const int64_t N = d.N();
+  MlaCache k;
+  if (d.q_lora) {
+    k.qa = act({N, d.q_lora}, DType::f32);
+    k.qa_n = act({N, d.q_lora}, c);
+    k.qa_rstd = act({N}, DType::f32);
+    if (layernorm) k.qa_mean = act({N}, DType::f32);
+  }
+  k.c = act({N, d.kv_lora}, DType::f32);
+  k.c_n = act({N, d.kv_lora}, c);
+  k.c_rstd = act({N}, DType::f32);
+  if (layernorm) k.c_mean = act({N}, DType::f32);
+  k.qkv = Tensor::zeros({N, d.heads * 3 * d.D()}, c, MemCategory::activations);  // v's padding stays 0
+  k.attn = act({N, d.heads * d.D()}, c);
+  k.attn_v = act({N, d.heads * d.dv}, c);
+  k.lse = act({d.B, d.heads, d.S}, DType::f32);
+  return k;
+}
+
+int64_t mla_cache_bytes(const MlaDims& d, DType c, bool layernorm) {
+  const int64_t N = d.N(), cs = static_cast<int64_t>(dtype_size(c)), stats = layernorm ? 2 : 1;
+  const int64_t q = d.q_lora ? N * d.q_lora * (4 + cs) + N * 4 * stats : 0;
+  return q + N * d.kv_lora * (4 + cs) + N * 4 * stats + cs * N * d.heads * (3 * d.D() + d.D() + d.dv) +
+         d.B * d.heads * d.S * 4;
+}
+
+MlaWorkspace mla_workspace_alloc(const MlaDims& d, DType c) {
+  const int64_t N = d.N();
+  MlaWorkspace w;
+  w.q = work({N, d.q_width()}, c);
+  w.kv = work({N, d.kv_width()}, c);
+  w.k_pe = work({N, d.dr}, c);
+  w.dqkv = work({N, d.heads * 3 * d.D()}, c);
+  w.dattn = Tensor::zeros({N, d.heads * d.D()}, c, MemCategory::workspace);  // padding columns stay 0
+  w.dattn_v = work({N, d.heads * d.dv}, c);
+  const int64_t lat = std::max(d.q_lora, d.kv_lora);
+  w.dlat_f32 = work({N, lat}, DType::f32);
+  w.dlat_n = work({N, lat}, c);
+  w.dlat_c = work({N, lat}, c);
+  w.pe_f32 = work({N, d.dr}, DType::f32);
+  w.pe_sum = work({N, d.dr}, DType::f32);
+  return w;
+}
+
+int64_t mla_workspace_bytes(const MlaDims& d, DType c) {
+  const int64_t N = d.N(), cs = static_cast<int64_t>(dtype_size(c)), lat = std::max(d.q_lora, d.kv_lora);
+  return cs * N * (d.q_width() + d.kv_width() + d.dr + d.heads * (3 * d.D() + d.D() + d.dv) + 2 * lat) +
+         4 * N * (lat + 2 * d.dr);
+}
+
+void mla_block_forward(const Tensor& x, const DenseLayerWeights& w, const MlaWeights& m, DenseLayerCache& k,
+                       MlaCache& mc, DenseLayerWorkspace& ws, MlaWorkspace& mw, const Tensor& rope,
+                       const DenseLayerDims& d, const MlaDims& md, const LayerDropout& drop, const ops::Context& ctx) {
+  const int64_t kvr = md.kv_lora, dr = md.dr, dn = md.dn, dv = md.dv, D = md.D();
+  const float mult = md.softmax_scale_mult;  // folded into q: the kernel's scale is 1 / sqrt(D)
+  norm_forward(k.h1, k.mean1, k.rstd1, x, w.input_norm, w.input_norm_bias, d.eps, ctx);
+  if (md.q_lora) {
+    ops::gemm(mc.qa, k.h1, false, m.q_down, true, 1.0f, 0.0f, ctx);
+    latent_norm_forward(mc.qa_n, mc.qa_mean, mc.qa_rstd, mc.qa, m.q_norm, m.q_norm_bias, md.latent_norm, d.eps, ctx);
+    ops::gemm(mw.q, mc.qa_n, false, m.q_up, true, mult, 0.0f, ctx);
+  } else {
+    ops::gemm(mw.q, k.h1, false, m.q, true, mult, 0.0f, ctx);
+  }
+  ops::gemm(mc.c, k.h1, false, m.kv_down.slice(0, 0, kvr), true, 1.0f, 0.0f, ctx);
+  latent_norm_forward(mc.c_n, mc.c_mean, mc.c_rstd, mc.c, m.kv_norm, m.kv_norm_bias, md.latent_norm, d.eps, ctx);
+  ops::gemm(mw.k_pe, k.h1, false, m.kv_down.slice(0, kvr, kvr + dr), true, 1.0f, 0.0f, ctx);
+  ops::gemm(mw.kv, mc.c_n, false, m.kv_up, true, 1.0f, 0.0f, ctx);
+  // The kernel's heads: [q_pe | q_nope], [k_pe | k_nope] (k_pe broadcast over the heads), [v | 0].
+  Tensor Q = slot(mc.qkv, md, 0), K = slot(mc.qkv, md, 1), V = slot(mc.qkv, md, 2);
+  const Tensor q4 = heads4(mw.q, md, dn + dr), kv4 = heads4(mw.kv, md, dn + dv);
+  Q.slice(3, 0, dr).copy_from(q4.slice(3, dn, dn + dr));
+  Q.slice(3, dr, D).copy_from(q4.slice(3, 0, dn));
+  K.slice(3, dr, D).copy_from(kv4.slice(3, 0, dn));
+  const Tensor pe = mw.k_pe.view({md.N(), 1, 1, dr});
+  for (int64_t h = 0; h < md.heads; ++h) K.slice(1, h, h + 1).slice(3, 0, dr).copy_from(pe);
+  V.slice(3, 0, dv).copy_from(kv4.slice(3, dn, dn + dv));
+  Tensor qkv = bsw(mc.qkv, md), attn = bsw(mc.attn, md);
+  ops::rope_forward(qkv, rope, md.qkv(), ctx);
+  ops::attention_forward(attn, mc.lse, qkv, md.qkv(), drop.attention, ctx);
+  mc.attn_v.view({md.N(), md.heads, dv}).copy_from(mc.attn.view({md.N(), md.heads, D}).slice(2, 0, dv));
+  linear_residual_forward(k.x_mid, x, mc.attn_v, w.proj, w.proj_bias, ws.dh, drop.attn_out, ctx);
+}
+
+void mla_block_backward(Tensor& dres, DenseLayerGrads& g, MlaGrads& mg, const Tensor& x, const DenseLayerWeights& w,
+                        const MlaWeights& m, const DenseLayerCache& k, const MlaCache& mc, DenseLayerWorkspace& ws,
+                        MlaWorkspace& mw, const Tensor& rope, const DenseLayerDims& d, const MlaDims& md,
+                        const LayerDropout& drop, const ops::Context& ctx) {
+  const int64_t kvr = md.kv_lora, dr = md.dr, dn = md.dn, dv = md.dv, D = md.D(), N = md.N();
+  const float mult = md.softmax_scale_mult;
+  linear_residual_backward(mw.dattn_v, g.proj, g.proj_bias, dres, ws.dres_c, mc.attn_v, w.proj, drop.attn_out, ctx);
+  mw.dattn.view({N, md.heads, D}).slice(2, 0, dv).copy_from(mw.dattn_v.view({N, md.heads, dv}));
+  Tensor dqkv = bsw(mw.dqkv, md);
+  ops::attention_backward(dqkv, bsw(mw.dattn, md), bsw(mc.qkv, md), bsw(mc.attn, md), mc.lse, md.qkv(), drop.attention,
+                          ctx);
+  ops::rope_backward(dqkv, rope, md.qkv(), ctx);
+  const Tensor dQ = slot(mw.dqkv, md, 0), dK = slot(mw.dqkv, md, 1), dV = slot(mw.dqkv, md, 2);
+  Tensor q4 = heads4(mw.q, md, dn + dr), kv4 = heads4(mw.kv, md, dn + dv);
+  q4.slice(3, dn, dn + dr).copy_from(dQ.slice(3, 0, dr));
+  q4.slice(3, 0, dn).copy_from(dQ.slice(3, dr, D));
+  kv4.slice(3, 0, dn).copy_from(dK.slice(3, dr, D));
+  kv4.slice(3, dn, dn + dv).copy_from(dV.slice(3, 0, dv));
+  mw.pe_sum.zero_();  // dk_pe: k_pe feeds every head
+  for (int64_t h = 0; h < md.heads; ++h) {
+    mw.pe_f32.view({N, 1, 1, dr}).copy_from(dK.slice(1, h, h + 1).slice(3, 0, dr));
+    ops::add(mw.pe_sum, mw.pe_sum, mw.pe_f32, ctx);
+  }
+  mw.k_pe.copy_from(mw.pe_sum);
+  // kv path: dkv -> kv_up, the kv latent (and its norm), kv_down (latent rows and k_pe rows).
+  ops::gemm(mg.kv_up, mw.kv, true, mc.c_n, false, 1.0f, 1.0f, ctx);
+  Tensor lat_n = first(mw.dlat_n, N, kvr), lat_f = first(mw.dlat_f32, N, kvr), lat_c = first(mw.dlat_c, N, kvr);
+  ops::gemm(lat_n, mw.kv, false, m.kv_up, false, 1.0f, 0.0f, ctx);
+  latent_norm_backward(lat_c, lat_f, mg.kv_norm, mg.kv_norm_bias, lat_n, mc.c, m.kv_norm, m.kv_norm_bias, mc.c_mean,
+                       mc.c_rstd, md.latent_norm, ctx);
+  Tensor g_kv_lat = mg.kv_down.slice(0, 0, kvr), g_kv_pe = mg.kv_down.slice(0, kvr, kvr + dr);
+  ops::gemm(g_kv_lat, lat_c, true, k.h1, false, 1.0f, 1.0f, ctx);
+  ops::gemm(g_kv_pe, mw.k_pe, true, k.h1, false, 1.0f, 1.0f, ctx);
+  ops::gemm(ws.dh, lat_c, false, m.kv_down.slice(0, 0, kvr), false, 1.0f, 0.0f, ctx);
+  ops::gemm(ws.dh, mw.k_pe, false, m.kv_down.slice(0, kvr, kvr + dr), false, 1.0f, 1.0f, ctx);
+  // q path (dq is the gradient of the scaled q).
+  if (md.q_lora) {
+    const int64_t qr = md.q_lora;
+    Tensor qn = first(mw.dlat_n, N, qr), qf = first(mw.dlat_f32, N, qr), qc = first(mw.dlat_c, N, qr);
+    ops::gemm(mg.q_up, mw.q, true, mc.qa_n, false, mult, 1.0f, ctx);
+    ops::gemm(qn, mw.q, false, m.q_up, false, mult, 0.0f, ctx);
+    latent_norm_backward(qc, qf, mg.q_norm, mg.q_norm_bias, qn, mc.qa, m.q_norm, m.q_norm_bias, mc.qa_mean, mc.qa_rstd,
+                         md.latent_norm, ctx);
+    ops::gemm(mg.q_down, qc, true, k.h1, false, 1.0f, 1.0f, ctx);
+    ops::gemm(ws.dh, qc, false, m.q_down, false, 1.0f, 1.0f, ctx);
+  } else {
+    ops::gemm(mg.q, mw.q, true, k.h1, false, mult, 1.0f, ctx);
+    ops::gemm(ws.dh, mw.q, false, m.q, false, mult, 1.0f, ctx);
+  }
+  norm_backward(dres, g.input_norm, g.input_norm_bias, ws.dh, x, w.input_norm, w.input_norm_bias, k.mean1, k.rstd1,
+                true, ctx);
+}
+
+}  // namespace moecore::nn
