@@ -66,8 +66,8 @@ void import_hf(const Args& a) {
   const std::string config_text = io::read_file(hf_config_path(src));
   const json config = hf_config_parse(config_text, src + "/config.json");
   const model::ModelConfig cfg = hf_model_config(config, "--from-hf " + src, kWeightsOnly);
-  const model::HfFamily family = model::hf_family_parse(config.value("model_type", ""));
-  const model::HfWeightMap map = model::hf_weight_map(cfg, family);
+  const model::HfWeightMap map = hf_config_weight_map(config, cfg);
+  const model::HfFamily family = map.family;
   if (ep < 1 || cfg.moe.num_experts % ep != 0)
     MOECORE_FAIL("--expert-model-parallel-size (", ep, ") must divide the number of experts (", cfg.moe.num_experts,
                  ")");
@@ -94,6 +94,9 @@ void import_hf(const Args& a) {
         model::hf_read_param_rows(p, hf, r * rows, (r + 1) * rows, [&](const Tensor& part) { w.append(part); });
       }
     }
+    for (const model::HfTensorSpec& t : map.tensors)  // DeepSeek-V3's e_score_correction_bias: the expert bias
+      if (t.expert_bias_layer >= 0)
+        files[0]->add(train::checkpoint_expert_bias_name(t.expert_bias_layer), hf.read(t.name, DType::f32));
     for (auto& f : files) {
       f->finish();
       infos[f->path().substr(staging.size() + 1)] = io::checkpoint_file_info(f->path());
@@ -133,8 +136,8 @@ void export_hf(const Args& a) {
   const json config = hf_config_parse(config_text, where);
   const model::ModelConfig cfg = hf_model_config(config, where, kWeightsOnly);
   train::check_checkpoint_model(ck.state_json, cfg, ck.dir);
-  const model::HfFamily family = model::hf_family_parse(config.value("model_type", ""));
-  const model::HfWeightMap map = model::hf_weight_map(cfg, family);
+  const model::HfWeightMap map = hf_config_weight_map(config, cfg);
+  const model::HfFamily family = map.family;
   const int64_t ep = state.value("expert_model_parallel_size", int64_t{1});
   if (ep < 1 || (ep > 1 && cfg.moe.num_experts % ep != 0))
     MOECORE_FAIL("checkpoint ", ck.dir, ": expert_model_parallel_size ", ep, " does not divide ", cfg.moe.num_experts,
@@ -155,6 +158,10 @@ void export_hf(const Args& a) {
     return expert_files[static_cast<size_t>(r)]->read_rows(m.param, first - r * per, n, DType::f32);
   };
   for (const model::HfTensorSpec& t : map.tensors) {
+    if (t.expert_bias_layer >= 0) {  // e_score_correction_bias: F32 as DeepSeek-V3 keeps it
+      writer.add(t.name, model_file.read(train::checkpoint_expert_bias_name(t.expert_bias_layer), DType::f32));
+      continue;
+    }
     writer.begin(t.name, dtype, t.shape);
     model::hf_gather_parts(map, t, rows, [&](const Tensor& part) { writer.append(part); });
   }

@@ -18,8 +18,16 @@ namespace {
 using json = nlohmann::json;
 using Flags = std::vector<std::pair<std::string, std::string>>;
 
-enum Model : unsigned { kMixtral = 1, kQwen2 = 2, kQwen3 = 4, kQwen = kQwen2 | kQwen3, kAll = 7 };
-constexpr const char* kModelNames[] = {"mixtral", "qwen2_moe", "qwen3_moe"};
+enum Model : unsigned {
+  kMixtral = 1,
+  kQwen2 = 2,
+  kQwen3 = 4,
+  kDeepSeek = 8,
+  kQwen = kQwen2 | kQwen3,
+  kAll = kMixtral | kQwen,  // the three GQA families
+  kAny = kAll | kDeepSeek,
+};
+constexpr const char* kModelNames[] = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"};
 
 struct Row;
 using Convert = void (*)(const Row& row, const json& v, const json& cfg, Flags& out);
@@ -193,15 +201,174 @@ void shared_expert(const Row& r, const json& v, const json& cfg, Flags& out) {
   out.emplace_back("--moe-shared-expert-gate", "");  // Qwen2-MoE: sigmoid(Linear(H, 1)) * shared_expert(x)
 }
 
+// ---- DeepSeek-V3 -------------------------------------------------------------------------------------------
+
+int64_t int_key(const json& cfg, const char* key, int64_t def) {
+  const json v = cfg.value(key, json(def));
+  return v.is_number_integer() ? v.get<int64_t>() : def;
+}
+
+constexpr const char kRopeHeadDim[] = "qk_rope_head_dim";
+
+// A key transformers derives from another one: it must agree (or be null).
+template <const char* Other>
+void same_as_key(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (!v.is_null() && v != cfg.value(Other, json()))
+    refuse(r, v, cfg, std::string("must equal ") + Other + " (" + cfg.value(Other, json()).dump() + ")");
+}
+
+void mla_qk_head_dim(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (!v.is_null() && v.get<int64_t>() != int_key(cfg, "qk_nope_head_dim", -1) + int_key(cfg, "qk_rope_head_dim", -1))
+    refuse(r, v, cfg, "must equal qk_nope_head_dim + qk_rope_head_dim");
+}
+
+void mla_kv_heads(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (!v.is_null() && v != cfg.value("num_attention_heads", json()))
+    refuse(r, v, cfg, "MLA gives every query head its own key and value: must equal num_attention_heads");
+}
+
+void must_be_one(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (v != json(1)) refuse(r, v, cfg, std::string("not supported yet: ") + r.flag + " (only 1)");
+}
+
+void optional_positive_int(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (v.is_null() || v == json(0)) return;
+  to_int(r, v, cfg, out);
+}
+
+// n_shared_experts shared experts of moe_intermediate_size each are one MLP of their summed width (transformers'
+// DeepseekV3MLP(intermediate_size = moe_intermediate_size * n_shared_experts)), ungated.
+void deepseek_shared(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (v.is_null() || v == json(0)) return;
+  const int64_t n = positive_int(r, v, cfg), f = int_key(cfg, "moe_intermediate_size", 0);
+  out.emplace_back(r.flag, std::to_string(n * f));
+}
+
+// Layers [0, first_k_dense_replace) are dense, the rest MoE.
+void deepseek_layer_freq(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (!v.is_number_integer() || v.get<int64_t>() < 0) refuse(r, v, cfg, "expected a non-negative integer");
+  const int64_t k = v.get<int64_t>(), layers = int_key(cfg, "num_hidden_layers", 0);
+  if (k >= layers) refuse(r, v, cfg, "leaves no MoE layer (num_hidden_layers " + std::to_string(layers) + ")");
+  if (k > 0) out.emplace_back(r.flag, "[0]*" + std::to_string(k) + "+[1]*" + std::to_string(layers - k));
+}
+
+void scoring_func(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (v != json("sigmoid")) refuse(r, v, cfg, "not supported yet: only \"sigmoid\" (DeepSeek-V3's router)");
+  out.emplace_back("--moe-router-score-function", "sigmoid");
+}
+
+void topk_method(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (v != json("noaux_tc"))
+    refuse(r, v, cfg, "not supported yet: only \"noaux_tc\" (group-limited routing with e_score_correction_bias)");
+  out.emplace_back(r.flag, "");
+}
+
+// transformers scores each group by the sum of its top-2 biased scores; Megatron by its top-(k / group_topk).
+// They agree when k / topk_group == 2 (DeepSeek-V3: 8 / 4); other shapes are refused rather than routed differently.
+void deepseek_groups(const Row& r, const json& v, const json& cfg, Flags& out) {
+  const int64_t groups = positive_int(r, v, cfg);
+  if (groups == 1) return;
+  const int64_t topk_group = int_key(cfg, "topk_group", 0), k = int_key(cfg, "num_experts_per_tok", 0);
+  if (topk_group <= 0 || topk_group > groups)
+    MOECORE_FAIL("config.json key 'topk_group' = ", cfg.value("topk_group", json()).dump(),
+                 " must be in [1, n_group = ", groups, "]");
+  if (k / topk_group != 2)
+    refuse(r, v, cfg,
+           "not supported yet: num_experts_per_tok / topk_group = " + std::to_string(k) + " / " +
+               std::to_string(topk_group) +
+               " != 2 (transformers scores a group by its top-2 experts, Megatron by its top-(k / topk_group))");
+  out.emplace_back(r.flag, std::to_string(groups));
+  out.emplace_back("--moe-router-group-topk", std::to_string(topk_group));
+}
+
+void deepseek_norm_topk(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (v == json(false) && int_key(cfg, "num_experts_per_tok", 0) > 1)
+    refuse(r, v, cfg, "not supported: Megatron always renormalises sigmoid top-k weights (k > 1)");
+}
+
+// DeepSeek's own config: a sequence-wise (seq_aux, default) or batch-wise aux loss of weight aux_loss_alpha.
+void deepseek_aux_loss(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (v.is_null()) {
+    out.emplace_back("--moe-router-load-balancing-type", "none");
+    return;
+  }
+  to_number(r, v, cfg, out);
+  out.emplace_back("--moe-router-load-balancing-type", cfg.value("seq_aux", true) ? "seq_aux_loss" : "aux_loss");
+}
+
+void fp8_quantization(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (v.is_null()) return;
+  if (v.value("quant_method", "") != "fp8" || v.value("fmt", "e4m3") != "e4m3" ||
+      v.value("weight_block_size", json::array({128, 128})) != json::array({128, 128}))
+    refuse(r, v, cfg, "not supported: only fp8 e4m3 with 128x128 weight blocks (dequantised on import)");
+}
+
+// Plain RoPE, or YaRN (rope_scaling in the hub's files, rope_parameters in transformers 5).
+void deepseek_rope(const Row& r, const json& v, const json& cfg, Flags& out) {
+  const bool params = std::string(r.key) == "rope_parameters";
+  if (v.is_null()) {
+    if (params && !cfg.contains("rope_theta"))
+      MOECORE_FAIL("config.json lacks 'rope_theta' (or 'rope_parameters'), required for model_type deepseek_v3");
+    if (!params && (!cfg.contains("rope_parameters") || cfg["rope_parameters"].is_null()))
+      out.emplace_back("--rope-type", "rope");
+    return;
+  }
+  if (!v.is_object()) refuse(r, v, cfg, "expected an object");
+  if (params && cfg.contains("rope_scaling") && !cfg["rope_scaling"].is_null())
+    refuse(r, v, cfg, "give rope_parameters or rope_scaling, not both");
+  const std::string type = v.value("rope_type", v.value("type", std::string("default")));
+  if (v.contains("rope_theta")) {
+    if (cfg.contains("rope_theta") && cfg["rope_theta"] != v["rope_theta"])
+      refuse(r, v, cfg, "its rope_theta differs from the top-level rope_theta " + cfg["rope_theta"].dump());
+    if (!cfg.contains("rope_theta")) {
+      if (!v["rope_theta"].is_number() || v["rope_theta"].get<double>() <= 0)
+        refuse(r, v, cfg, "rope_theta must be a positive number");
+      out.emplace_back("--rotary-base", number_text(v["rope_theta"].get<double>()));
+    }
+  }
+  if (type == "default") {
+    for (const auto& [k, x] : v.items())
+      if (k != "rope_type" && k != "type" && k != "rope_theta")
+        refuse(r, v, cfg, "not supported yet: key '" + k + "' with plain RoPE");
+    out.emplace_back("--rope-type", "rope");
+    return;
+  }
+  if (type != "yarn") refuse(r, v, cfg, "not supported yet: rope type \"" + type + "\" (only default and yarn)");
+  static const char* const known[] = {
+      "rope_type", "type",      "rope_theta", "factor",         "original_max_position_embeddings",
+      "beta_fast", "beta_slow", "mscale",     "mscale_all_dim", "truncate"};
+  for (const auto& [k, x] : v.items())
+    if (std::none_of(std::begin(known), std::end(known), [&](const char* n) { return k == n; }))
+      refuse(r, v, cfg, "not supported yet: YaRN key '" + k + "'");
+  if (!v.contains("factor") || !v.contains("original_max_position_embeddings"))
+    refuse(r, v, cfg, "YaRN needs factor and original_max_position_embeddings");
+  // transformers scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim) only when both are given
+  // (else by mscale(factor, 1)), Megatron always: a lone one would be read differently.
+  const bool ms = v.contains("mscale"), msa = v.contains("mscale_all_dim");
+  if (ms != msa) refuse(r, v, cfg, "give both mscale and mscale_all_dim, or neither");
+  out.emplace_back("--rope-type", "yarn");
+  out.emplace_back("--rotary-scaling-factor", number_text(v["factor"].get<double>()));
+  out.emplace_back("--yarn-original-max-position-embeddings",
+                   std::to_string(v["original_max_position_embeddings"].get<int64_t>()));
+  out.emplace_back("--yarn-beta-fast", number_text(v.value("beta_fast", 32.0)));
+  out.emplace_back("--yarn-beta-slow", number_text(v.value("beta_slow", 1.0)));
+  if (ms) {
+    out.emplace_back("--mscale", number_text(v["mscale"].get<double>()));
+    out.emplace_back("--mscale-all-dim", number_text(v["mscale_all_dim"].get<double>()));
+  }
+  if (v.contains("truncate") && v["truncate"] == json(false))
+    out.emplace_back("--no-yarn-correction-range-round-to-int", "");
+}
+
 // The one table. Flags that no key carries (RMSNorm, RoPE, no linear biases, ...) are in kFixed below.
 constexpr Row kRows[] = {
-    {"model_type", kAll, "", ignore, nullptr},
-    {"num_hidden_layers", kAll, "--num-layers", to_int, nullptr},
-    {"hidden_size", kAll, "--hidden-size", to_int, nullptr},
-    {"num_attention_heads", kAll, "--num-attention-heads", to_int, nullptr},
+    {"model_type", kAny, "", ignore, nullptr},
+    {"num_hidden_layers", kAny, "--num-layers", to_int, nullptr},
+    {"hidden_size", kAny, "--hidden-size", to_int, nullptr},
+    {"num_attention_heads", kAny, "--num-attention-heads", to_int, nullptr},
     {"num_key_value_heads", kAll, "--num-query-groups", kv_heads, nullptr},
     {"head_dim", kMixtral | kQwen3, "--kv-channels", optional_int, "null"},
-    {"intermediate_size", kAll, "--ffn-hidden-size", to_int, nullptr},
+    {"intermediate_size", kAny, "--ffn-hidden-size", to_int, nullptr},
     {"moe_intermediate_size", kQwen, "--moe-ffn-hidden-size", to_int, nullptr},
     {"shared_expert_intermediate_size", kQwen2, "--moe-shared-expert-intermediate-size", shared_expert, nullptr},
     {"num_local_experts", kMixtral, "--num-experts", to_int, nullptr},
@@ -209,37 +376,69 @@ constexpr Row kRows[] = {
     {"layer_types", kQwen, "sliding-window attention", layer_types, "null"},
     {"num_experts", kQwen, "--num-experts", num_experts, "null"},
     {"num_local_experts", kQwen3, "--num-experts", num_experts, "null"},  // transformers 5's alias for num_experts
-    {"num_experts_per_tok", kAll, "--moe-router-topk", to_int, nullptr},
+    {"num_experts_per_tok", kAny, "--moe-router-topk", to_int, nullptr},
     {"norm_topk_prob", kQwen, "--moe-router-pre-softmax", norm_topk_prob, "false"},
     {"decoder_sparse_step", kQwen, "--moe-layer-freq", moe_layer_freq, "1"},
     {"mlp_only_layers", kQwen, "(read with decoder_sparse_step)", ignore, "[]"},
     {"router_aux_loss_coef", kAll, "--moe-aux-loss-coeff", to_number, "0.001"},
     {"router_jitter_noise", kMixtral, "router jitter on the experts' input", must_be_zero, "0"},
-    {"hidden_act", kAll, "--swiglu", hidden_act, "\"silu\""},
-    {"rms_norm_eps", kAll, "--norm-epsilon", to_number, nullptr},
-    {"rope_theta", kAll, "--rotary-base", rope_theta, "null"},
+    {"hidden_act", kAny, "--swiglu", hidden_act, "\"silu\""},
+    {"rms_norm_eps", kAny, "--norm-epsilon", to_number, nullptr},
+    {"rope_theta", kAny, "--rotary-base", rope_theta, "null"},
     {"rope_parameters", kAll, "--rotary-base", rope_parameters, "null"},
     {"rope_scaling", kAll, "RoPE scaling (--rope-type yarn, ...)", must_be_null, "null"},
-    {"max_position_embeddings", kAll, "--max-position-embeddings", to_int, nullptr},
+    // DeepSeek-V3 (transformers' DeepseekV3Config and the hub's configuration_deepseek.py).
+    {"rope_parameters", kDeepSeek, "--rotary-base, --rope-type", deepseek_rope, "null"},
+    {"rope_scaling", kDeepSeek, "--rope-type yarn", deepseek_rope, "null"},
+    {"num_key_value_heads", kDeepSeek, "(MLA: one key per head)", mla_kv_heads, "null"},
+    {"q_lora_rank", kDeepSeek, "--q-lora-rank", optional_int, "null"},
+    {"kv_lora_rank", kDeepSeek, "--kv-lora-rank", to_int, nullptr},
+    {"qk_nope_head_dim", kDeepSeek, "--qk-head-dim", to_int, nullptr},
+    {"qk_rope_head_dim", kDeepSeek, "--qk-pos-emb-head-dim", to_int, nullptr},
+    {"v_head_dim", kDeepSeek, "--v-head-dim", to_int, nullptr},
+    {"head_dim", kDeepSeek, "(transformers 5: qk_rope_head_dim)", same_as_key<kRopeHeadDim>, "null"},
+    {"qk_head_dim", kDeepSeek, "(qk_nope_head_dim + qk_rope_head_dim)", mla_qk_head_dim, "null"},
+    {"moe_intermediate_size", kDeepSeek, "--moe-ffn-hidden-size", to_int, nullptr},
+    {"n_routed_experts", kDeepSeek, "--num-experts", to_int, nullptr},
+    {"n_shared_experts", kDeepSeek, "--moe-shared-expert-intermediate-size", deepseek_shared, "null"},
+    {"first_k_dense_replace", kDeepSeek, "--moe-layer-freq", deepseek_layer_freq, "0"},
+    {"moe_layer_freq", kDeepSeek, "(every layer after first_k_dense_replace is MoE)", must_be_one, "1"},
+    {"routed_scaling_factor", kDeepSeek, "--moe-router-topk-scaling-factor", to_number, "1.0"},
+    {"scoring_func", kDeepSeek, "--moe-router-score-function sigmoid", scoring_func, "\"sigmoid\""},
+    {"topk_method", kDeepSeek, "--moe-router-enable-expert-bias", topk_method, "\"noaux_tc\""},
+    {"n_group", kDeepSeek, "--moe-router-num-groups", deepseek_groups, "1"},
+    {"topk_group", kDeepSeek, "--moe-router-group-topk (read with n_group)", ignore, "1"},
+    {"norm_topk_prob", kDeepSeek, "(Megatron renormalises sigmoid top-k weights)", deepseek_norm_topk, "true"},
+    {"aux_loss_alpha", kDeepSeek, "--moe-aux-loss-coeff", deepseek_aux_loss, "null"},
+    {"seq_aux", kDeepSeek, "(read with aux_loss_alpha)", ignore, "true"},
+    {"num_nextn_predict_layers", kDeepSeek, "--mtp-num-layers", optional_positive_int, "0"},
+    {"rope_interleave", kDeepSeek, "(the weight layout: interleaved RoPE channels are de-interleaved on import)",
+     ignore, "true"},
+    {"attention_bias", kDeepSeek, "q/kv/o projection biases", must_be_false, "false"},
+    {"pretraining_tp", kDeepSeek, "(tensor-parallel pretraining slices; only 1)", must_be_one, "1"},
+    {"ep_size", kDeepSeek, "", ignore, "1"},
+    {"quantization_config", kDeepSeek, "(FP8 weights)", fp8_quantization, "null"},
+    {"auto_map", kDeepSeek, "", ignore, "null"},
+    {"max_position_embeddings", kAny, "--max-position-embeddings", to_int, nullptr},
     {"use_sliding_window", kQwen, "sliding-window attention", must_be_false, "false"},
     {"sliding_window", kAll, "sliding-window attention", sliding_window, "null"},
     {"max_window_layers", kQwen, "(sliding-window layers; read only with use_sliding_window)", ignore, "null"},
     {"attention_bias", kQwen3, "q/k/v/o projection biases", must_be_false, "false"},
-    {"vocab_size", kAll, "--vocab-size", to_int, nullptr},
-    {"tie_word_embeddings", kAll, "--untie-embeddings-and-output-weights", switch_if_false, "false"},
-    {"attention_dropout", kAll, "--attention-dropout", to_number, "0.0"},
-    {"initializer_range", kAll, "--init-method-std", to_number, "0.02"},
+    {"vocab_size", kAny, "--vocab-size", to_int, nullptr},
+    {"tie_word_embeddings", kAny, "--untie-embeddings-and-output-weights", switch_if_false, "false"},
+    {"attention_dropout", kAny, "--attention-dropout", to_number, "0.0"},
+    {"initializer_range", kAny, "--init-method-std", to_number, "0.02"},
     // Harmless: token ids (the tokenizer's business), inference and bookkeeping keys.
-    {"output_router_logits", kAll, "(HF adds the aux loss only with it; see router_aux_loss_coef)", ignore, "false"},
-    {"bos_token_id", kAll, "", ignore, "null"},
-    {"eos_token_id", kAll, "", ignore, "null"},
-    {"pad_token_id", kAll, "", ignore, "null"},
-    {"torch_dtype", kAll, "", ignore, "null"},
-    {"dtype", kAll, "", ignore, "null"},
-    {"use_cache", kAll, "", ignore, "true"},
-    {"transformers_version", kAll, "", ignore, "null"},
-    {"architectures", kAll, "", ignore, "null"},
-    {"_name_or_path", kAll, "", ignore, "null"},
+    {"output_router_logits", kAny, "(HF adds the aux loss only with it; see router_aux_loss_coef)", ignore, "false"},
+    {"bos_token_id", kAny, "", ignore, "null"},
+    {"eos_token_id", kAny, "", ignore, "null"},
+    {"pad_token_id", kAny, "", ignore, "null"},
+    {"torch_dtype", kAny, "", ignore, "null"},
+    {"dtype", kAny, "", ignore, "null"},
+    {"use_cache", kAny, "", ignore, "true"},
+    {"transformers_version", kAny, "", ignore, "null"},
+    {"architectures", kAny, "", ignore, "null"},
+    {"_name_or_path", kAny, "", ignore, "null"},
 };
 
 struct Fixed {
@@ -254,21 +453,24 @@ constexpr Fixed kFixed[] = {
     {kAll, "--disable-bias-linear", ""},
     {kAll, "--hidden-dropout", "0"},  // no residual/embedding dropout in these models
     {kAll, "--moe-router-load-balancing-type", "aux_loss"},
-    {kQwen3, "--qk-layernorm", ""},  // RMSNorm over each q and k head before RoPE
+    {kDeepSeek, "--normalization", "RMSNorm"},
+    {kDeepSeek, "--position-embedding-type", "rope"},
+    {kDeepSeek, "--disable-bias-linear", ""},
+    {kDeepSeek, "--hidden-dropout", "0"},
+    {kDeepSeek, "--multi-latent-attention", ""},
+    {kDeepSeek, "--qk-layernorm", ""},  // with MLA: the q_a / kv_a latent RMSNorms
+    {kQwen3, "--qk-layernorm", ""},     // RMSNorm over each q and k head before RoPE
 };
 
 unsigned model_bit(const json& cfg) {
   if (!cfg.is_object()) MOECORE_FAIL("config.json: the top level must be an object");
   if (!cfg.contains("model_type") || !cfg["model_type"].is_string())
-    MOECORE_FAIL("config.json has no string 'model_type' (supported: mixtral, qwen2_moe, qwen3_moe)");
+    MOECORE_FAIL("config.json has no string 'model_type' (supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v3)");
   const std::string m = model_of(cfg);
-  for (unsigned i = 0; i < 3; ++i)
+  for (unsigned i = 0; i < 4; ++i)
     if (m == kModelNames[i]) return 1u << i;
-  if (m.rfind("deepseek", 0) == 0)
-    MOECORE_FAIL("config.json model_type '", m,
-                 "' is not supported yet: multi-latent attention (MLA) is not supported yet (supported: mixtral, "
-                 "qwen2_moe, qwen3_moe)");
-  MOECORE_FAIL("config.json model_type '", m, "' is not supported (supported: mixtral, qwen2_moe, qwen3_moe)");
+  MOECORE_FAIL("config.json model_type '", m,
+               "' is not supported (supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v3)");
 }
 
 }  // namespace
@@ -359,6 +561,14 @@ model::ModelConfig hf_model_config(const json& config, const std::string& where,
   a.parse(static_cast<int>(argv.size()), argv.data());
   hf_config_fill(a, config, where);
   return model_config_from(a, /*tokenizer_vocab=*/0);
+}
+
+model::HfWeightMap hf_config_weight_map(const json& config, const model::ModelConfig& cfg) {
+  const model::HfFamily family = model::hf_family_parse(config.value("model_type", ""));
+  const json interleave = config.value("rope_interleave", json(true));
+  if (!interleave.is_boolean())
+    MOECORE_FAIL("config.json key 'rope_interleave' = ", interleave.dump(), ": expected true or false");
+  return model::hf_weight_map(cfg, family, interleave.get<bool>());
 }
 
 }  // namespace moecore::apps

@@ -12,6 +12,7 @@
 
 #include "apps/args.h"
 #include "moecore/model/config.h"
+#include "moecore/model/hf_weights.h"
 
 namespace moecore::apps {
 
@@ -30,6 +31,9 @@ nlohmann::json hf_config_parse(const std::string& text, const std::string& where
 // precedence, as `moecore train --hf-config PATH <flags>` would build it. `where` names the config in errors.
 model::ModelConfig hf_model_config(const nlohmann::json& config, const std::string& where,
                                    const std::vector<std::pair<std::string, std::string>>& flags = {});
+// The HF <-> moecore weight map of a model built from `config` (its model_type and, for deepseek_v3,
+// rope_interleave).
+model::HfWeightMap hf_config_weight_map(const nlohmann::json& config, const model::ModelConfig& cfg);
 // Fills every flag of `args` still unset from the config's translation.
 void hf_config_fill(Args& args, const nlohmann::json& config, const std::string& where);
 

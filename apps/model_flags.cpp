@@ -50,17 +50,24 @@ void add_model_flags(Args& a, const model::ModelConfig& d) {
       .accepted("--no-gradient-accumulation-fusion", "unfused weight-gradient accumulation")
       .accepted("--cross-entropy-loss-fusion", "fused cross-entropy (the loss here is always fused)")
       .accepted("--use-flash-attn", "flash attention (the attention here is always flash-style)")
-      .unsupported_switch("--multi-latent-attention", "multi-latent attention (MLA)")
-      .unsupported("--q-lora-rank", "", "multi-latent attention (MLA)")
-      .unsupported("--kv-lora-rank", "32", "multi-latent attention (MLA)")
-      .unsupported("--qk-head-dim", "128", "multi-latent attention (MLA)")
-      .unsupported("--qk-pos-emb-head-dim", "64", "multi-latent attention (MLA)")
-      .unsupported("--v-head-dim", "128", "multi-latent attention (MLA)")
+      .flag("--multi-latent-attention",
+            "multi-latent attention (MLA, DeepSeek-V2/V3); --qk-layernorm then norms the "
+            "q and kv latents")
+      .option("--q-lora-rank", "", "MLA: rank of the q down-projection (unset: q projected directly, as V2-Lite)")
+      .option("--kv-lora-rank", "32", "MLA: rank of the kv down-projection")
+      .option("--qk-head-dim", "128", "MLA: q/k channels per head without RoPE")
+      .option("--qk-pos-emb-head-dim", "64", "MLA: q/k channels per head with RoPE")
+      .option("--v-head-dim", "128", "MLA: value channels per head")
       .unsupported_switch("--qk-l2-norm", "QK L2-norm")
-      .unsupported("--rope-type", "", "RoPE variants (yarn) other than the plain one")
-      .unsupported("--rotary-scaling-factor", "1.0", "RoPE scaling (yarn)")
-      .unsupported("--mscale", "1.0", "RoPE scaling (yarn)")
-      .unsupported("--mscale-all-dim", "0.0", "RoPE scaling (yarn)")
+      .option("--rope-type", "", "rope | yarn (unset: yarn with MLA, as Megatron's MLATransformerConfig; else rope)")
+      .option("--rotary-scaling-factor", "1.0", "YaRN: context extension factor")
+      .option("--mscale", "1.0", "YaRN: mscale (cos/sin scale mscale(factor, mscale) / mscale(factor, all-dim))")
+      .option("--mscale-all-dim", "0.0", "YaRN: mscale_all_dim (also scales the MLA softmax by its mscale^2)")
+      .option("--yarn-original-max-position-embeddings", "", "YaRN: the original context (unset: 4096)")
+      .option("--yarn-beta-fast", "", "YaRN: beta_fast (unset: 32)")
+      .option("--yarn-beta-slow", "", "YaRN: beta_slow (unset: 1)")
+      .flag("--yarn-correction-range-round-to-int", "YaRN: floor/ceil the correction range (the default)")
+      .flag("--no-yarn-correction-range-round-to-int", "YaRN: keep the correction range fractional")
       .unsupported_switch("--rotary-interleaved", "interleaved RoPE")
       .unsupported_switch("--apply-layernorm-1p", "zero-centred (1 + w) LayerNorm")
       .unsupported_switch("--apply-residual-connection-post-layernorm", "post-LayerNorm residuals")
@@ -224,6 +231,29 @@ model::ModelConfig model_config_from(const Args& a, int64_t tokenizer_vocab) {
   c.add_bias_linear = !a.on("--disable-bias-linear");
   c.add_qkv_bias = a.on("--add-qkv-bias");
   c.qk_layernorm = a.on("--qk-layernorm");
+  c.multi_latent_attention = a.on("--multi-latent-attention");
+  c.q_lora_rank = a.i64_or("--q-lora-rank", 0);
+  if (a.given("--q-lora-rank") && c.q_lora_rank <= 0)
+    MOECORE_FAIL("--q-lora-rank (", a.str("--q-lora-rank"), ") must be positive (leave it unset for no q LoRA)");
+  c.kv_lora_rank = a.i64("--kv-lora-rank");
+  c.qk_head_dim = a.i64("--qk-head-dim");
+  c.qk_pos_emb_head_dim = a.i64("--qk-pos-emb-head-dim");
+  c.v_head_dim = a.i64("--v-head-dim");
+  const std::string rope_type = a.str("--rope-type");
+  if (!rope_type.empty() && rope_type != "rope" && rope_type != "yarn")
+    MOECORE_FAIL("--rope-type '", rope_type, "' is not one of rope, yarn");
+  c.yarn = rope_type == "yarn" || (rope_type.empty() && c.multi_latent_attention);
+  c.yarn_config.scaling_factor = static_cast<float>(a.f64("--rotary-scaling-factor"));
+  c.yarn_config.mscale = static_cast<float>(a.f64("--mscale"));
+  c.yarn_config.mscale_all_dim = static_cast<float>(a.f64("--mscale-all-dim"));
+  c.yarn_config.original_max_position_embeddings = a.i64_or("--yarn-original-max-position-embeddings", 4096);
+  c.yarn_config.beta_fast = static_cast<float>(a.f64_or("--yarn-beta-fast", 32.0));
+  c.yarn_config.beta_slow = static_cast<float>(a.f64_or("--yarn-beta-slow", 1.0));
+  if (a.on("--yarn-correction-range-round-to-int") && a.on("--no-yarn-correction-range-round-to-int"))
+    MOECORE_FAIL(
+        "flags --yarn-correction-range-round-to-int and --no-yarn-correction-range-round-to-int exclude "
+        "each other");
+  c.yarn_config.correction_range_round_to_int = !a.on("--no-yarn-correction-range-round-to-int");
   for (const char* f : {"--hidden-dropout", "--attention-dropout"}) {
     const double p = a.f64(f);
     if (!(p >= 0.0 && p < 1.0)) MOECORE_FAIL(f, " (", a.str(f), ") must be in [0, 1)");

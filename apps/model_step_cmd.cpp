@@ -37,13 +37,12 @@ int model_step_main(int argc, char** argv) {
                                                   {"--hidden-dropout", "0"},
                                                   {"--moe-router-load-balancing-type", "none"},
                                                   {"--moe-aux-loss-coeff", "0"}});
-  const model::HfFamily family = model::hf_family_parse(config.value("model_type", ""));
-  const model::HfWeightMap map = model::hf_weight_map(cfg, family);
+  const model::HfWeightMap map = hf_config_weight_map(config, cfg);
+  const model::HfFamily family = map.family;
   const io::HfCheckpointReader hf(a.str("--hf"));
   model::hf_check_tensors(map, hf);
   model::GptModel gpt(cfg, B, /*seed=*/0);
-  model::hf_import(map, hf, gpt.params(), 0);
-  gpt.refresh_compute_weights();
+  model::hf_import(map, hf, gpt);
   const int32_t* tp = tokens.data<int32_t>();
   for (int64_t i = 0; i < B * S; ++i)
     if (tp[i] < 0 || tp[i] >= cfg.vocab_size)
@@ -64,13 +63,14 @@ int model_step_main(int argc, char** argv) {
   out["loss"] = loss;
   const auto& params = gpt.params();
   for (const model::HfTensorSpec& t : map.tensors)
-    out["grad." + t.name] = model::hf_gather(map, t, [&](size_t p, int64_t first, int64_t rows) {
-      const int64_t w = map.params[p].width;
-      return params[p]
-          .grad.view({params[p].grad.numel() / w, w})
-          .slice(0, first, first + rows)
-          .view(map.params[p].shape.ndim >= 2 ? Shape{rows, w} : Shape{rows});
-    });
+    if (t.expert_bias_layer < 0)  // expert biases are not trained by gradients
+      out["grad." + t.name] = model::hf_gather(map, t, [&](size_t p, int64_t first, int64_t rows) {
+        const int64_t w = map.params[p].width;
+        return params[p]
+            .grad.view({params[p].grad.numel() / w, w})
+            .slice(0, first, first + rows)
+            .view(map.params[p].shape.ndim >= 2 ? Shape{rows, w} : Shape{rows});
+      });
   io::safetensors_save(a.str("--out"), out, {{"producer", "moecore model-step"}});
   std::printf("model-step: %s (%s), tokens [%lld, %lld], loss %.6f; wrote %zu tensors to %s\n", a.str("--hf").c_str(),
               model::hf_family_name(family), static_cast<long long>(B), static_cast<long long>(S), r.mean(), out.size(),

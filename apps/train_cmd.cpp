@@ -302,16 +302,13 @@ int train_main(int argc, char** argv) {
     if (a.on("--moe-use-upcycling")) MOECORE_FAIL("--load-hf and --moe-use-upcycling exclude each other");
     if (tcfg.load.empty() || !io::checkpoint_find_latest(tcfg.load)) {
       const std::string dir = a.str("--load-hf");
-      const model::HfFamily family =
-          model::hf_family_parse(hf_config_load(a.str("--hf-config")).value("model_type", ""));
-      const model::HfWeightMap map = model::hf_weight_map(mcfg, family);
+      const model::HfWeightMap map = hf_config_weight_map(hf_config_load(a.str("--hf-config")), mcfg);
       const io::HfCheckpointReader hf(dir);
       model::hf_check_tensors(map, hf);
-      model::hf_import(map, hf, gpt.params(), gpt.ep_rank());
-      gpt.refresh_compute_weights();
+      model::hf_import(map, hf, gpt);
       if (out)
         std::printf("moecore train: weights of %s (%s) loaded (--load-hf)\n", dir.c_str(),
-                    model::hf_family_name(family));
+                    model::hf_family_name(map.family));
     }
   }
   if (a.on("--moe-use-upcycling")) {

@@ -200,20 +200,23 @@ TEST_F(HfModels, ConvertRefusesBadInputAndLeavesNothingHalfWritten) {
 void write_random_hf(const std::string& dir, const nlohmann::json& config, uint64_t seed) {
   const model::ModelConfig cfg = apps::hf_model_config(config, "test config", {{"--seq-length", "1"}});
   model::GptModel gpt(cfg, 1, seed);
-  const model::HfWeightMap map = model::hf_weight_map(cfg, model::hf_family_parse(config["model_type"]));
+  const model::HfWeightMap map = apps::hf_config_weight_map(config, cfg);
   io::HfCheckpointWriter w(dir);
   const auto& params = gpt.params();
   for (const model::HfTensorSpec& t : map.tensors)
-    w.add(t.name,
-          model::hf_gather(map, t,
-                           [&](size_t i, int64_t first, int64_t rows) {
-                             const int64_t width = map.params[i].width;
-                             const Tensor v = params[i].value.view({params[i].value.numel() / width, width});
-                             return v.slice(0, first, first + rows)
-                                 .clone()
-                                 .view(map.params[i].shape.ndim >= 2 ? Shape{rows, width} : Shape{rows});
-                           }),
-          DType::bf16);
+    if (t.expert_bias_layer >= 0)
+      w.add(t.name, gpt.router_state(t.expert_bias_layer)->expert_bias);
+    else
+      w.add(t.name,
+            model::hf_gather(map, t,
+                             [&](size_t i, int64_t first, int64_t rows) {
+                               const int64_t width = map.params[i].width;
+                               const Tensor v = params[i].value.view({params[i].value.numel() / width, width});
+                               return v.slice(0, first, first + rows)
+                                   .clone()
+                                   .view(map.params[i].shape.ndim >= 2 ? Shape{rows, width} : Shape{rows});
+                             }),
+            DType::bf16);
   w.set_config_json(config.dump(2));
   w.finish();
 }

@@ -100,10 +100,11 @@ TEST(MegatronFlags, EverySharedFlagHasMegatronsDefault) {
 }
 
 TEST(MegatronFlags, UnsupportedFlagsAreRefusedByName) {
-  for (const std::string& f : {std::string("--sequence-parallel"), std::string("--pipeline-model-parallel-size 4"),
-                               std::string("--tensor-model-parallel-size 2"), std::string("--multi-latent-attention"),
-                               std::string("--qk-l2-norm"), std::string("--recompute-activations"),
-                               std::string("--overlap-grad-reduce"), std::string("--mtp-num-layers 1")}) {
+  for (const std::string& f :
+       {std::string("--sequence-parallel"), std::string("--pipeline-model-parallel-size 4"),
+        std::string("--tensor-model-parallel-size 2"), std::string("--moe-shared-expert-overlap"),
+        std::string("--qk-l2-norm"), std::string("--recompute-activations"), std::string("--overlap-grad-reduce"),
+        std::string("--mtp-num-layers 1")}) {
     const CmdResult r = run_cmd("train --data-path x " + f);
     EXPECT_NE(r.status, 0) << f;
     const std::string name = f.substr(0, f.find(' '));
@@ -182,7 +183,6 @@ std::vector<MegatronExample> megatron_examples() {
        "--make-vocab-size-divisible-by 1187 --use-mcore-models --rotary-percent 1.0 --rotary-base 1000000 "
        "--no-bias-swiglu-fusion --global-batch-size 2 --lr 1e-4 --train-iters 2",
        {"--sequence-parallel"}},
-      // DeepSeek-R1's --qk-layernorm normalises MLA's latents; with MLA refused it is left out here.
       {"deepseek-r1",
        "--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion --disable-bias-linear "
        "--untie-embeddings-and-output-weights --position-embedding-type rope --no-rope-fusion --normalization RMSNorm "
@@ -194,10 +194,10 @@ std::vector<MegatronExample> megatron_examples() {
        "--moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall --moe-token-drop-policy "
        "probs "
        "--seq-length 32 --max-position-embeddings 64 --make-vocab-size-divisible-by 1280 --use-mcore-models "
-       "--rotary-base 10000 --rotary-percent 1.0 --mscale 1.0 --global-batch-size 2 --lr 1e-4 --train-iters 2",
-       {"--multi-latent-attention", "--kv-lora-rank 16", "--v-head-dim 16", "--q-lora-rank 24", "--qk-head-dim 16",
-        "--qk-pos-emb-head-dim 8", "--moe-shared-expert-overlap", "--rotary-scaling-factor 40", "--mscale-all-dim 1.0",
-        "--recompute-activations", "--moe-layer-recompute", "--sequence-parallel"}},
+       "--rotary-base 10000 --rotary-percent 1.0 --mscale 1.0 --global-batch-size 2 --lr 1e-4 --train-iters 2 "
+       "--multi-latent-attention --kv-lora-rank 16 --v-head-dim 16 --q-lora-rank 24 --qk-head-dim 16 "
+       "--qk-pos-emb-head-dim 8 --qk-layernorm --rotary-scaling-factor 40 --mscale-all-dim 1.0",
+       {"--moe-shared-expert-overlap", "--recompute-activations", "--moe-layer-recompute", "--sequence-parallel"}},
   };
 }
 

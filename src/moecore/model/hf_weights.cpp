@@ -9,10 +9,10 @@
 namespace moecore::model {
 
 HfFamily hf_family_parse(const std::string& model_type) {
-  for (HfFamily f : {HfFamily::mixtral, HfFamily::qwen2_moe, HfFamily::qwen3_moe})
+  for (HfFamily f : {HfFamily::mixtral, HfFamily::qwen2_moe, HfFamily::qwen3_moe, HfFamily::deepseek_v3})
     if (model_type == hf_family_name(f)) return f;
   MOECORE_FAIL("Hugging Face model_type '", model_type,
-               "' is not supported (supported: mixtral, qwen2_moe, qwen3_moe)");
+               "' is not supported (supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v3)");
 }
 
 const char* hf_family_name(HfFamily family) {
@@ -23,11 +23,14 @@ const char* hf_family_name(HfFamily family) {
       return "qwen2_moe";
     case HfFamily::qwen3_moe:
       return "qwen3_moe";
+    case HfFamily::deepseek_v3:
+      return "deepseek_v3";
   }
   return "?";
 }
 
 HfFamily hf_family_of(const ModelConfig& cfg) {
+  if (cfg.multi_latent_attention) return HfFamily::deepseek_v3;
   if (cfg.qk_layernorm) return HfFamily::qwen3_moe;
   if (cfg.add_qkv_bias || cfg.moe.shared_expert_intermediate_size > 0) return HfFamily::qwen2_moe;
   return HfFamily::mixtral;
@@ -40,7 +43,7 @@ void require(bool ok, HfFamily f, const char* what) {
 }
 
 void check_family(const ModelConfig& c, HfFamily f) {
-  const bool qwen2 = f == HfFamily::qwen2_moe, qwen3 = f == HfFamily::qwen3_moe;
+  const bool qwen2 = f == HfFamily::qwen2_moe, qwen3 = f == HfFamily::qwen3_moe, deepseek = f == HfFamily::deepseek_v3;
   require(c.normalization == Normalization::rmsnorm, f, "--normalization LayerNorm (it uses RMSNorm)");
   require(c.rope() && c.rotary_percent == 1.0f, f, "positions other than RoPE over whole heads");
   require(c.swiglu, f, "a GeLU MLP (it uses SwiGLU: pass --swiglu)");
@@ -48,15 +51,26 @@ void check_family(const ModelConfig& c, HfFamily f) {
   require(qwen2 == c.add_qkv_bias, f,
           qwen2 ? "no QKV bias (Qwen2-MoE's q/k/v projections always have one: --add-qkv-bias)"
                 : "--add-qkv-bias (only qwen2_moe has q/k/v biases)");
-  require(qwen3 == c.qk_layernorm, f,
-          qwen3 ? "no QK-norm (Qwen3-MoE always normalises q and k: --qk-layernorm)"
-                : "--qk-layernorm (only qwen3_moe has q_norm / k_norm)");
+  require(deepseek == c.multi_latent_attention, f,
+          deepseek ? "standard attention (DeepSeek-V3 uses --multi-latent-attention)"
+                   : "--multi-latent-attention (only deepseek_v3 has MLA)");
+  require((qwen3 || deepseek) == c.qk_layernorm, f,
+          qwen3      ? "no QK-norm (Qwen3-MoE always normalises q and k: --qk-layernorm)"
+          : deepseek ? "no latent norms (DeepSeek-V3 always normalises its q and kv latents: --qk-layernorm)"
+                     : "--qk-layernorm (only qwen3_moe has q_norm / k_norm)");
   require(c.moe.enabled(), f, "no routed experts (--num-experts)");
   const int64_t Fs = c.moe.shared_expert_intermediate_size;
-  require(Fs == 0 || (qwen2 && c.moe.shared_expert_gate), f,
-          qwen2 ? "a shared expert without --moe-shared-expert-gate (Qwen2-MoE gates it)"
-                : "a shared expert (only qwen2_moe has one)");
-  require(!c.moe.enable_expert_bias, f, "--moe-router-enable-expert-bias (no expert-bias tensor in this family)");
+  if (deepseek) {
+    require(!c.moe.shared_expert_gate, f, "--moe-shared-expert-gate (DeepSeek-V3's shared experts are ungated)");
+    require(c.moe.enable_expert_bias, f,
+            "no expert bias (DeepSeek-V3's router has e_score_correction_bias: --moe-router-enable-expert-bias)");
+  } else {
+    require(Fs == 0 || (qwen2 && c.moe.shared_expert_gate), f,
+            qwen2 ? "a shared expert without --moe-shared-expert-gate (Qwen2-MoE gates it)"
+                  : "a shared expert (only qwen2_moe and deepseek_v3 have one)");
+    require(!c.moe.enable_expert_bias, f,
+            "--moe-router-enable-expert-bias (no expert-bias tensor in this family; DeepSeek-V3 has one)");
+  }
   if (f == HfFamily::mixtral) {
     const std::vector<bool> moe = c.moe_layers();
     require(std::all_of(moe.begin(), moe.end(), [](bool m) { return m; }), f,
@@ -66,16 +80,24 @@ void check_family(const ModelConfig& c, HfFamily f) {
   }
 }
 
+// DeepSeek's interleaved RoPE channel of our (rotate-half) channel j of dr: pairs (2i, 2i + 1) become (i, i + dr/2).
+int64_t deinterleave(int64_t j, int64_t dr, bool interleaved) {
+  if (!interleaved) return j;
+  return j < dr / 2 ? 2 * j : 2 * (j - dr / 2) + 1;
+}
+
 }  // namespace
 
-HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family) {
+HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_interleave) {
   cfg.validate();
   check_family(cfg, family);
   HfWeightMap m;
   m.family = family;
   const int64_t H = cfg.hidden_size, D = cfg.head_dim(), G = cfg.query_groups(), R = cfg.num_attention_heads / G;
   const int64_t E = cfg.moe.num_experts, Fm = cfg.moe_ffn(), Fs = cfg.moe.shared_expert_intermediate_size;
-  const bool mixtral = family == HfFamily::mixtral;
+  const bool mixtral = family == HfFamily::mixtral, deepseek = family == HfFamily::deepseek_v3;
+  const int64_t nh = cfg.num_attention_heads, qr = cfg.q_lora_rank, kvr = cfg.kv_lora_rank;
+  const int64_t dn = cfg.qk_head_dim, dr = cfg.qk_pos_emb_head_dim, dv = cfg.v_head_dim;
   std::map<std::string, size_t> tensor_index;
   auto tensor = [&](const std::string& name, Shape shape) {
     tensor_index[name] = m.tensors.size();
@@ -86,6 +108,42 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family) {
   const std::vector<bool> moe_layers = cfg.moe_layers();
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     const std::string pre = "model.layers." + std::to_string(l) + ".";
+    if (deepseek) {
+      if (qr) {
+        tensor(pre + "self_attn.q_a_proj.weight", {qr, H});
+        tensor(pre + "self_attn.q_a_layernorm.weight", {qr});
+        tensor(pre + "self_attn.q_b_proj.weight", {nh * (dn + dr), qr});
+      } else {
+        tensor(pre + "self_attn.q_proj.weight", {nh * (dn + dr), H});
+      }
+      tensor(pre + "self_attn.kv_a_proj_with_mqa.weight", {kvr + dr, H});
+      tensor(pre + "self_attn.kv_a_layernorm.weight", {kvr});
+      tensor(pre + "self_attn.kv_b_proj.weight", {nh * (dn + dv), kvr});
+      tensor(pre + "self_attn.o_proj.weight", {H, nh * dv});
+      if (moe_layers[static_cast<size_t>(l)]) {
+        tensor(pre + "mlp.gate.weight", {E, H});
+        tensor(pre + "mlp.gate.e_score_correction_bias", {E});
+        m.tensors.back().expert_bias_layer = l;
+        for (int64_t e = 0; e < E; ++e) {
+          const std::string ex = pre + "mlp.experts." + std::to_string(e) + ".";
+          tensor(ex + "gate_proj.weight", {Fm, H});
+          tensor(ex + "up_proj.weight", {Fm, H});
+          tensor(ex + "down_proj.weight", {H, Fm});
+        }
+        if (Fs > 0) {
+          tensor(pre + "mlp.shared_experts.gate_proj.weight", {Fs, H});
+          tensor(pre + "mlp.shared_experts.up_proj.weight", {Fs, H});
+          tensor(pre + "mlp.shared_experts.down_proj.weight", {H, Fs});
+        }
+      } else {
+        tensor(pre + "mlp.gate_proj.weight", {cfg.ffn(), H});
+        tensor(pre + "mlp.up_proj.weight", {cfg.ffn(), H});
+        tensor(pre + "mlp.down_proj.weight", {H, cfg.ffn()});
+      }
+      tensor(pre + "input_layernorm.weight", {H});
+      tensor(pre + "post_attention_layernorm.weight", {H});
+      continue;
+    }
     tensor(pre + "self_attn.q_proj.weight", {G * R * D, H});
     tensor(pre + "self_attn.k_proj.weight", {G * D, H});
     tensor(pre + "self_attn.v_proj.weight", {G * D, H});
@@ -166,6 +224,24 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family) {
         run(hpre + "self_attn.k_proj" + kind, g * D, D);
         run(hpre + "self_attn.v_proj" + kind, g * D, D);
       }
+    } else if (ends(".self_attention.linear_q_proj.weight") || ends(".self_attention.linear_q_up_proj.weight")) {
+      const std::string hf = hpre + (qr ? "self_attn.q_b_proj.weight" : "self_attn.q_proj.weight");
+      for (int64_t h = 0; h < nh; ++h) {  // per head [nope | rope], the rope channels de-interleaved
+        run(hf, h * (dn + dr), dn);
+        for (int64_t j = 0; j < dr; ++j) run(hf, h * (dn + dr) + dn + deinterleave(j, dr, rope_interleave), 1);
+      }
+    } else if (ends(".self_attention.linear_q_down_proj.weight")) {
+      whole(hpre + "self_attn.q_a_proj.weight");
+    } else if (ends(".self_attention.q_layernorm.weight") && deepseek) {
+      whole(hpre + "self_attn.q_a_layernorm.weight");
+    } else if (ends(".self_attention.linear_kv_down_proj.weight")) {
+      const std::string hf = hpre + "self_attn.kv_a_proj_with_mqa.weight";
+      run(hf, 0, kvr);
+      for (int64_t j = 0; j < dr; ++j) run(hf, kvr + deinterleave(j, dr, rope_interleave), 1);
+    } else if (ends(".self_attention.kv_layernorm.weight")) {
+      whole(hpre + "self_attn.kv_a_layernorm.weight");
+    } else if (ends(".self_attention.linear_kv_up_proj.weight")) {
+      whole(hpre + "self_attn.kv_b_proj.weight");
     } else if (ends(".self_attention.linear_proj.weight")) {
       whole(hpre + "self_attn.o_proj.weight");
     } else if (ends(".self_attention.q_layernorm.weight")) {
@@ -189,10 +265,11 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family) {
       for (int64_t e = 0; e < E; ++e)
         whole(moe + "experts." + std::to_string(e) + "." + (mixtral ? "w2.weight" : "down_proj.weight"));
     } else if (ends(".mlp.shared_experts.linear_fc1.weight")) {
-      whole(moe + "shared_expert.gate_proj.weight");
-      whole(moe + "shared_expert.up_proj.weight");
+      const std::string shared = moe + (deepseek ? "shared_experts." : "shared_expert.");
+      whole(shared + "gate_proj.weight");
+      whole(shared + "up_proj.weight");
     } else if (ends(".mlp.shared_experts.linear_fc2.weight")) {
-      whole(moe + "shared_expert.down_proj.weight");
+      whole(moe + (deepseek ? "shared_experts." : "shared_expert.") + "down_proj.weight");
     } else if (ends(".mlp.shared_experts.gate_weight")) {
       whole(moe + "shared_expert_gate.weight");
     } else {
@@ -208,6 +285,7 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family) {
       t.sources.emplace_back(i, r);
     }
   for (HfTensorSpec& t : m.tensors) {
+    if (t.expert_bias_layer >= 0) continue;
     std::sort(t.sources.begin(), t.sources.end(), [&](const auto& a, const auto& b) {
       return m.params[a.first].runs[a.second].hf_row < m.params[b.first].runs[b.second].hf_row;
     });
@@ -260,13 +338,14 @@ void hf_read_param_rows(const HfParamMap& map, const io::HfCheckpointReader& hf,
   }
 }
 
-void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, std::vector<Param>& params, int64_t ep_rank) {
+void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptModel& gpt) {
+  std::vector<Param>& params = gpt.params();
   MOECORE_CHECK(params.size() == map.params.size(), params.size(), " parameters for a map of ", map.params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     const HfParamMap& m = map.params[i];
     Tensor& v = params[i].value;
     MOECORE_CHECK(params[i].name == m.param, "parameter ", params[i].name, " vs map ", m.param);
-    const int64_t local_rows = v.numel() / m.width, first = m.expert ? ep_rank * local_rows : 0;
+    const int64_t local_rows = v.numel() / m.width, first = m.expert ? gpt.ep_rank() * local_rows : 0;
     int64_t at = 0;
     float* dst = v.data<float>();
     hf_read_param_rows(m, hf, first, first + local_rows, [&](const Tensor& part) {
@@ -274,6 +353,13 @@ void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, std::ve
       at += part.numel();
     });
   }
+  for (const HfTensorSpec& t : map.tensors) {
+    if (t.expert_bias_layer < 0) continue;
+    moe::RouterState* st = gpt.router_state(t.expert_bias_layer);
+    MOECORE_CHECK(st && st->expert_bias.defined(), "layer ", t.expert_bias_layer, " has no expert bias");
+    st->expert_bias.copy_from(hf.read(t.name, DType::f32));
+  }
+  gpt.refresh_compute_weights();
 }
 
 void hf_gather_parts(const HfWeightMap& map, const HfTensorSpec& tensor,

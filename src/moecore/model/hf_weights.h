@@ -1,10 +1,12 @@
 // Hugging Face <-> Megatron parameter layouts of the model families moecore imports and exports: Mixtral,
-// Qwen2-MoE and Qwen3-MoE (transformers' hub checkpoint names, one tensor per expert). Every moecore parameter is
-// a concatenation of row runs of HF tensors, both viewed as [rows, width] with the same width (the last dim;
-// 1-D tensors: width 1): linear_qkv interleaves q_proj, k_proj and v_proj per query group (Megatron's
-// [G, R + 2, D] layout), linear_fc1 stacks gate_proj over up_proj (SwiGLU's [gate; up]), and the experts' fc1/fc2
-// stack the experts. Copies are exact (no arithmetic), so HF -> moecore -> HF returns the same bytes.
-// Not here: config.json keys (apps/hf_config), file formats (io/hf_checkpoint).
+// Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (transformers' hub checkpoint names, one tensor per expert). Every moecore
+// parameter is a concatenation of row runs of HF tensors, both viewed as [rows, width] with the same width (the last
+// dim; 1-D tensors: width 1): linear_qkv interleaves q_proj, k_proj and v_proj per query group (Megatron's [G, R + 2,
+// D] layout), linear_fc1 stacks gate_proj over up_proj (SwiGLU's [gate; up]), and the experts' fc1/fc2 stack the
+// experts; DeepSeek-V3's interleaved RoPE channels (rope_interleave) are de-interleaved row by row in q_b_proj / q_proj
+// and kv_a_proj_with_mqa (the scores are unchanged: q and k are permuted alike). DeepSeek-V3's e_score_correction_bias
+// is the router's expert bias (router state, not a parameter). Copies are exact (no arithmetic), so HF -> moecore -> HF
+// returns the same bytes. Not here: config.json keys (apps/hf_config), file formats (io/hf_checkpoint).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -14,14 +16,15 @@
 #include "moecore/core/param.h"
 #include "moecore/io/hf_checkpoint.h"
 #include "moecore/model/config.h"
+#include "moecore/model/gpt.h"
 
 namespace moecore::model {
 
-enum class HfFamily : uint8_t { mixtral, qwen2_moe, qwen3_moe };
+enum class HfFamily : uint8_t { mixtral, qwen2_moe, qwen3_moe, deepseek_v3 };
 HfFamily hf_family_parse(const std::string& model_type);  // config.json's model_type; throws naming the supported
 const char* hf_family_name(HfFamily family);              // "mixtral", ...
-// The family whose modeling code computes what cfg computes: qwen3_moe with QK-norm, qwen2_moe with a QKV bias
-// or a shared expert, else mixtral. Throws (via hf_weight_map) when none can.
+// The family whose modeling code computes what cfg computes: deepseek_v3 with MLA, qwen3_moe with QK-norm,
+// qwen2_moe with a QKV bias or a shared expert, else mixtral. Throws (via hf_weight_map) when none can.
 HfFamily hf_family_of(const ModelConfig& cfg);
 
 // Rows [param_row, param_row + rows) of a parameter are rows [hf_row, hf_row + rows) of HF tensor `hf`.
@@ -43,6 +46,7 @@ struct HfTensorSpec {
   std::string name;
   Shape shape;
   std::vector<std::pair<size_t, size_t>> sources;  // (parameter, run) pairs filling it, ascending hf_row
+  int64_t expert_bias_layer = -1;  // >= 0: the router's expert bias of that layer (no parameter, no gradient)
 };
 
 struct HfWeightMap {
@@ -52,8 +56,9 @@ struct HfWeightMap {
 };
 
 // Throws Error naming the setting when cfg has something the family's modeling code lacks (LayerNorm, learned
-// positions, linear biases, GeLU, a dense layer in Mixtral, QK-norm outside Qwen3, ...).
-HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family);
+// positions, linear biases, GeLU, a dense layer in Mixtral, QK-norm outside Qwen3, MLA outside DeepSeek, ...).
+// rope_interleave: DeepSeek-V3's config.json key (transformers' default true); ignored by the other families.
+HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_interleave = true);
 
 // Parts are at most this many elements (32 MiB in f32) whatever the tensor's size: the streaming bound.
 inline constexpr int64_t kHfPartElements = int64_t{8} << 20;
@@ -68,9 +73,9 @@ void hf_read_param_rows(const HfParamMap& map, const io::HfCheckpointReader& hf,
 // the directory, the tensor and expected vs found (an extra tensor is refused: it would be silently dropped).
 void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf);
 
-// Fills this rank's parameters (params[i] belongs to map.params[i]; expert parameters hold experts
-// [ep_rank * n, (ep_rank + 1) * n)) from the checkpoint, after hf_check_tensors.
-void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, std::vector<Param>& params, int64_t ep_rank);
+// Fills this rank's parameters (expert parameters hold experts [ep_rank * n, (ep_rank + 1) * n)) and the routers'
+// expert biases from the checkpoint, after hf_check_tensors, and refreshes the compute copies.
+void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptModel& gpt);
 
 // One HF tensor assembled from parameter rows: rows(param index, first_row, n) returns those rows of the global
 // parameter as a [n, width] (1-D: [n]) tensor. Export walks map.tensors and writes each.

@@ -34,10 +34,6 @@ json model_fingerprint(const model::ModelConfig& c) {
           {"untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights}};
 }
 
-std::string bias_name(int64_t layer) {
-  return "router_state." + std::to_string(layer) + ".expert_bias";
-}
-
 const Tensor& need(const io::SafetensorsFile& f, const std::string& file, const std::string& name, const Tensor& like) {
   auto it = f.tensors.find(name);
   if (it == f.tensors.end()) MOECORE_FAIL("checkpoint: ", file, " has no tensor '", name, "'");
@@ -197,6 +193,10 @@ void save_collective(const std::string& root, const io::CheckpointWriteRequest& 
 
 }  // namespace
 
+std::string checkpoint_expert_bias_name(int64_t layer) {
+  return "router_state." + std::to_string(layer) + ".expert_bias";
+}
+
 std::string checkpoint_expert_file(int64_t ep_rank, int64_t ep) {
   char b[96];
   std::snprintf(b, sizeof b, "experts-ep%03lld-of-%03lld.safetensors", static_cast<long long>(ep_rank),
@@ -261,7 +261,7 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
   for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
     const moe::RouterState* st = gpt.router_state(l);
     calls.push_back(st ? st->calls : 0);
-    if (st && st->expert_bias.defined()) model[bias_name(l)] = st->expert_bias;
+    if (st && st->expert_bias.defined()) model[checkpoint_expert_bias_name(l)] = st->expert_bias;
   }
   // A part saved without (--no-save-optim, --no-save-rng) is an absent key, so old checkpoints read as complete.
   json state = {{"format", "moecore-train-state"},
@@ -397,7 +397,8 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
     moe::RouterState* st = gpt.router_state(l);
     if (!st) continue;
     st->calls = load_rng ? state["router_calls"].at(static_cast<size_t>(l)).get<int64_t>() : 0;
-    if (st->expert_bias.defined()) st->expert_bias.copy_from(need(model, kModelFile, bias_name(l), st->expert_bias));
+    if (st->expert_bias.defined())
+      st->expert_bias.copy_from(need(model, kModelFile, checkpoint_expert_bias_name(l), st->expert_bias));
   }
   gpt.refresh_compute_weights();
   gpt.zero_grad();

@@ -109,6 +109,8 @@ TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& 
 
 // ---- For converters (moecore convert) --------------------------------------------------------------
 inline constexpr const char* kCheckpointModelFile = "model.safetensors";
+// The name of layer l's router expert bias in model.safetensors.
+std::string checkpoint_expert_bias_name(int64_t layer);
 // The file of EP rank r's routed experts in a checkpoint saved at expert-parallel size ep > 1.
 std::string checkpoint_expert_file(int64_t ep_rank, int64_t ep);
 // state.json of a weights-only checkpoint at iteration 0 (as saved with --no-save-optim --no-save-rng: it loads
