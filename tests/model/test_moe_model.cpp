@@ -88,7 +88,27 @@ TEST(MoeModel, MemoryPlanTotalEqualsTrackedAllocations) {
   model::ModelConfig partial = tiny_moe();
   partial.rotary_percent = 0.5f;
   partial.add_qkv_bias = true;
-  for (const model::ModelConfig& c : {shared, megatron, partial}) {
+  // DeepSeek-style: MLA with q LoRA, latent norms, YaRN, sigmoid group-limited routing with expert bias, first
+  // layer dense; and V2-Lite-style MLA (no q LoRA) in bf16.
+  model::ModelConfig mla = tiny_moe();
+  mla.multi_latent_attention = mla.qk_layernorm = mla.yarn = true;
+  mla.q_lora_rank = 12;
+  mla.kv_lora_rank = 8;
+  mla.qk_head_dim = 6;
+  mla.qk_pos_emb_head_dim = 4;
+  mla.v_head_dim = 5;
+  mla.yarn_config.scaling_factor = 4.0f;
+  mla.yarn_config.original_max_position_embeddings = 8;
+  mla.yarn_config.mscale_all_dim = 1.0f;
+  mla.moe_layer_freq = "[0]+[1]*2";
+  mla.moe.score_function = moe::ScoreFunction::sigmoid;
+  mla.moe.enable_expert_bias = true;
+  mla.moe.shared_expert_intermediate_size = 16;
+  model::ModelConfig lite = mla;
+  lite.q_lora_rank = 0;
+  lite.yarn = false;
+  lite.compute_dtype = DType::bf16;
+  for (const model::ModelConfig& c : {shared, megatron, partial, mla, lite}) {
     const MemoryStats before = memory_stats();
     model::GptModel m(c, 2, 5);
     optim::AdamW opt(m.params(), optim::AdamWConfig{});

@@ -411,7 +411,9 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   const int64_t N = dims_.N, H = dims_.H;
   int64_t layer_cache = 0, moe_cache = 0;
   for (const auto& m : moe_) {
-    layer_cache += nn::dense_layer_cache_bytes(dims_, m == nullptr);
+    if (m && m->state.expert_bias.defined()) at(MemCategory::parameters) += m->state.expert_bias.nbytes();
+    layer_cache += nn::dense_layer_cache_bytes(dims_, m == nullptr, mla_w_.empty());
+    if (!mla_w_.empty()) layer_cache += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
     if (m) moe_cache += moe::moe_layer_cache_bytes(m->cache);
   }
   // MoE caches mix saved activations and backward scratch; the plan counts them as activations.
@@ -419,9 +421,10 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
                                  N * 4 * (final_mean_.defined() ? 2 : 1) +
                                  N * H * static_cast<int64_t>(dtype_size(cfg_.compute_dtype));
   at(MemCategory::workspace) =
-      nn::dense_layer_workspace_bytes(dims_) + nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype) +
-      2 * N * H * 4 + 2 * N * 4 + (rope_.defined() ? rope_.nbytes() : 0) +
-      (positions_.defined() ? positions_.nbytes() : 0) +
+      nn::dense_layer_workspace_bytes(dims_, mla_w_.empty()) +
+      (mla_w_.empty() ? 0 : nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype)) +
+      nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype) + 2 * N * H * 4 + 2 * N * 4 +
+      (rope_.defined() ? rope_.nbytes() : 0) + (positions_.defined() ? positions_.nbytes() : 0) +
       (moe_out_.defined() ? N * H * (4 + static_cast<int64_t>(dtype_size(cfg_.compute_dtype))) : 0);
   return plan;
 }
@@ -432,14 +435,23 @@ double GptModel::flops_per_step() const {
   const double q = static_cast<double>(dims_.qkv.q_heads() * dims_.qkv.D);
   const double kv = static_cast<double>(dims_.qkv.G * dims_.qkv.D);
   const double ffn_mult = cfg_.swiglu ? 3.0 : 2.0;
-  const double p_attn = h * (q + 2 * kv) + q * h;
+  // Attention projections (P_attn) and core (A_core: QK^T and AV, causal halves), echo-folding-perf.md's formula.
+  double p_attn = h * (q + 2 * kv) + q * h, a_core = q;
+  if (cfg_.multi_latent_attention) {
+    const double nh = static_cast<double>(cfg_.num_attention_heads), dqk = static_cast<double>(cfg_.qk_head_dim);
+    const double dr = static_cast<double>(cfg_.qk_pos_emb_head_dim), dv = static_cast<double>(cfg_.v_head_dim);
+    const double qr = static_cast<double>(cfg_.q_lora_rank), kvr = static_cast<double>(cfg_.kv_lora_rank);
+    const double p_q = qr > 0 ? qr * (h + nh * (dqk + dr) + 1) : h * nh * (dqk + dr);
+    p_attn = p_q + kvr * (h + nh * (dqk + dv) + 1) + h * dr + nh * dv * h;
+    a_core = nh * (dqk + dr) / 2 + nh * dv / 2;
+  }
   double n_moe = 0;
   for (const auto& m : moe_) n_moe += m ? 1.0 : 0.0;
   const double mlp = ffn_mult * (static_cast<double>(dims_.F) * (L - n_moe) +
                                  static_cast<double>(cfg_.moe_ffn() * cfg_.moe.router_topk) * n_moe +
                                  static_cast<double>(cfg_.moe.shared_expert_intermediate_size) * n_moe);
   return T * (6 * h * mlp + L * 6 * p_attn + 6 * h * static_cast<double>(cfg_.vocab_size)) +
-         static_cast<double>(B_) * S * S * 6 * q * L;
+         static_cast<double>(B_) * S * S * 6 * a_core * L;
 }
 
 }  // namespace moecore::model
