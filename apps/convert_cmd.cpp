@@ -165,6 +165,13 @@ void export_hf(const Args& a) {
     writer.begin(t.name, dtype, t.shape);
     model::hf_gather_parts(map, t, rows, [&](const Tensor& part) { writer.append(part); });
   }
+  if (config.contains("quantization_config")) {  // FP8 weights were dequantised on import; these are not FP8
+    json plain = config;
+    plain.erase("quantization_config");
+    config_text = plain.dump(2) + "\n";
+    std::printf("convert: the weights are written in %s, so config.json loses its quantization_config\n",
+                std::string(dtype_name(dtype)).c_str());
+  }
   writer.set_config_json(config_text);
   const int shards = writer.finish();
   std::printf(

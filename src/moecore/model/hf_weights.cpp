@@ -301,6 +301,9 @@ void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf) 
   for (const HfTensorSpec& t : map.tensors) want[t.name] = &t;
   for (const io::HfTensorInfo& t : hf.tensors()) {
     auto it = want.find(t.name);
+    if (it == want.end() && t.name.ends_with("_scale_inv") &&
+        want.count(t.name.substr(0, t.name.size() - 10)))  // DeepSeek-V3's FP8 block scales, read with the weight
+      continue;
     if (it == want.end())
       MOECORE_FAIL("hf checkpoint '", hf.dir(), "': tensor '", t.name, "' (in '", t.shard, "') is not part of a ",
                    hf_family_name(map.family),
@@ -310,8 +313,8 @@ void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf) 
       MOECORE_FAIL("hf checkpoint '", hf.dir(), "': tensor '", t.name, "' in '", t.shard, "' has shape ", t.shape.str(),
                    " but config.json implies ", it->second->shape.str());
     if (!t.type || !dtype_is_float(*t.type))
-      MOECORE_FAIL("hf checkpoint '", hf.dir(), "': tensor '", t.name, "' in '", t.shard, "' has dtype ", t.dtype_name,
-                   ", expected a float dtype (F32, BF16, F16)");
+      MOECORE_FAIL("hf checkpoint '", hf.dir(), "': tensor '", t.name, "' in '", t.shard, "' has dtype ",
+                   t.dtype_name, ", expected a float dtype (F32, BF16, F16, or F8_E4M3 with a block scale)");
   }
   for (const HfTensorSpec& t : map.tensors)
     if (!hf.contains(t.name))
@@ -328,13 +331,21 @@ int64_t part_rows(int64_t width) {
 
 void hf_read_param_rows(const HfParamMap& map, const io::HfCheckpointReader& hf, int64_t first_row, int64_t last_row,
                         const std::function<void(const Tensor& part)>& sink) {
-  MOECORE_CHECK(0 <= first_row && first_row <= last_row && last_row <= map.rows(), "rows [", first_row, ", ", last_row,
-                ") of ", map.param);
+  MOECORE_CHECK(0 <= first_row && first_row <= last_row && last_row <= map.rows(), "rows [", first_row, ", ",
+                last_row, ") of ", map.param);
   const int64_t step = part_rows(map.width);
+  std::string scaled_name;  // FP8 block-scaled weights are dequantised whole, once per parameter
+  Tensor scaled;
   for (const HfRowRun& r : map.runs) {
     const int64_t a = std::max(first_row, r.param_row), b = std::min(last_row, r.param_row + r.rows);
-    for (int64_t x = a; x < b; x += step)
-      sink(hf.read_rows(r.hf, r.hf_row + (x - r.param_row), std::min(step, b - x), DType::f32));
+    if (a < b && hf.block_scaled(r.hf) && scaled_name != r.hf) {
+      scaled = hf.read_dequantized(r.hf);
+      scaled_name = r.hf;
+    }
+    for (int64_t x = a; x < b; x += step) {
+      const int64_t first = r.hf_row + (x - r.param_row), n = std::min(step, b - x);
+      sink(scaled_name == r.hf ? scaled.slice(0, first, first + n) : hf.read_rows(r.hf, first, n, DType::f32));
+    }
   }
 }
 

@@ -65,12 +65,14 @@ inline constexpr int64_t kHfPartElements = int64_t{8} << 20;
 
 // Calls sink(rows [first_row, first_row + n) of the parameter) in ascending order, each part a [k, width] (1-D:
 // [k]) f32 tensor of at most kHfPartElements elements (or one row) read from the HF checkpoint, until rows
-// [first_row, last_row) are delivered. Memory: one part.
+// [first_row, last_row) are delivered. Memory: one part; for an FP8 weight with a 128x128 block scale
+// (`<name>_scale_inv`, DeepSeek-V3) the whole dequantised f32 tensor, read once per parameter.
 void hf_read_param_rows(const HfParamMap& map, const io::HfCheckpointReader& hf, int64_t first_row, int64_t last_row,
                         const std::function<void(const Tensor& part)>& sink);
 
-// Checks that the checkpoint holds exactly the map's tensors with the map's shapes and float dtypes; throws naming
-// the directory, the tensor and expected vs found (an extra tensor is refused: it would be silently dropped).
+// Checks that the checkpoint holds exactly the map's tensors (plus `<name>_scale_inv` block scales of FP8 weights)
+// with the map's shapes and float dtypes; throws naming the directory, the tensor and expected vs found (an extra
+// tensor is refused: it would be silently dropped).
 void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf);
 
 // Fills this rank's parameters (expert parameters hold experts [ep_rank * n, (ep_rank + 1) * n)) and the routers'
