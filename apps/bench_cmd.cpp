@@ -4,10 +4,12 @@
 
 #include "apps/args.h"
 #include "apps/commands.h"
+#include "apps/hf_config.h"
 #include "apps/model_flags.h"
 #include "bench/attention_bench.h"
 #include "bench/experts_bench.h"
 #include "bench/gemm_bench.h"
+#include "bench/mla_bench.h"
 #include "bench/moe_layer_bench.h"
 #include "bench/train_step_bench.h"
 
@@ -88,20 +90,45 @@ int bench_main(int argc, char** argv) {
                                        static_cast<int>(a.i64("--iters"))));
     return 0;
   }
+  if (what == "mla") {
+    Args a("bench mla");
+    bench::MlaBenchShape s;
+    a.option("--micro-batch-size", std::to_string(s.B), "sequences")
+        .option("--seq-length", std::to_string(s.S), "tokens per sequence")
+        .option("--hidden-size", std::to_string(s.H), "hidden size")
+        .option("--num-attention-heads", std::to_string(s.heads), "heads")
+        .option("--q-lora-rank", std::to_string(s.q_lora), "q LoRA rank (0: none)")
+        .option("--kv-lora-rank", std::to_string(s.kv_lora), "kv LoRA rank")
+        .option("--qk-head-dim", std::to_string(s.dn), "q/k channels without RoPE")
+        .option("--qk-pos-emb-head-dim", std::to_string(s.dr), "q/k channels with RoPE")
+        .option("--v-head-dim", std::to_string(s.dv), "value channels")
+        .option("--iters", "3", "timed iterations (best is reported)")
+        .flag("--bf16", "bf16 compute");
+    if (!a.parse(argc - 1, argv + 1)) return 0;
+    s = {a.i64("--micro-batch-size"),    a.i64("--seq-length"),          a.i64("--hidden-size"),
+         a.i64("--num-attention-heads"), a.i64("--q-lora-rank"),         a.i64("--kv-lora-rank"),
+         a.i64("--qk-head-dim"),         a.i64("--qk-pos-emb-head-dim"), a.i64("--v-head-dim")};
+    print_lines(
+        bench::bench_mla_lines(s, a.on("--bf16") ? DType::bf16 : DType::f32, static_cast<int>(a.i64("--iters"))));
+    return 0;
+  }
   if (what == "train-step") {
     Args a("bench train-step");
     add_model_flags(a, gpt2_small());
+    add_hf_config_flag(a);
     a.option("--micro-batch-size", "1", "sequences per step").option("--steps", "3", "timed steps");
     if (!a.parse(argc - 1, argv + 1)) return 0;
-    print_lines(bench::bench_train_step(model_config_from(a, /*tokenizer_vocab=*/50257), a.i64("--micro-batch-size"),
+    hf_config_apply(a);
+    print_lines(bench::bench_train_step(model_config_from(a, a.str("--hf-config").empty() ? 50257 : 0), a.i64("--micro-batch-size"),
                                         static_cast<int>(a.i64("--steps"))));
     return 0;
   }
   std::fprintf(what.empty() || what == "--help" ? stdout : stderr,
-               "usage: moecore bench <gemm|attention|train-step|moe-layer|experts> [options]\n"
+               "usage: moecore bench <gemm|attention|mla|train-step|moe-layer|experts> [options]\n"
                "  gemm        GEMM sweep (square and GPT-2-small shapes), f32 and bf16\n"
                "  attention   causal attention forward+backward\n"
-               "  train-step  one training step of a dense GPT (default: GPT-2 small, S=1024)\n"
+               "  mla         multi-latent attention (one layer's) forward+backward\n"
+               "  train-step  one training step (default: GPT-2 small, S=1024; --hf-config FILE with shrinking flags)\n"
                "  moe-layer   one MoE layer forward+backward (router, dispatch, grouped experts)\n"
                "  experts     the grouped experts alone, forward+backward\n"
                "Each prints JSON lines with gflops, the in-run GEMM peak_gflops and their ratio.\n");
