@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden files for moecore's Hugging Face MoE checkpoint import (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""Golden files for moecore's Hugging Face MoE checkpoint import (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3/V2-Lite).
 
 Uses Hugging Face transformers' own modeling code (written against transformers 5.23.0, torch 2.x, CPU) to build
 tiny random models, saves each with `save_pretrained` (float32, hub tensor names: per-expert tensors such as
@@ -13,22 +13,40 @@ Per case, <out>/<case>/ holds exactly:
   tokens.safetensors  `tokens` int32 [2, 12], random ids in [0, vocab)
   golden.safetensors  `logits` F32 [2, 12, vocab]; `loss` F64 [] = model(input_ids=tokens, labels=tokens).loss
                       (mean cross-entropy, position s predicts token s+1, last position ignored, no router aux loss);
-                      `grad.<name>` F32 for every tensor <name> of model.safetensors: d loss / d that tensor.
+                      `grad.<name>` F32 for every tensor <name> of model.safetensors: d loss / d that tensor,
+                      except the DeepSeek router buffers `*.mlp.gate.e_score_correction_bias` (saved, nonzero, used
+                      for expert selection only, not trained by backprop): they have no grad entry.
 Cases (hidden 32, vocab 96):
   mixtral         2 layers, 4 experts top-2 (softmax, top-k renormalised), GQA 4/2.
   qwen2_moe       3 layers, layer 1 dense (mlp_only_layers=[1]), 6 experts top-2 without renormalisation,
                   sigmoid-gated shared expert, q/k/v biases.
   qwen3_moe       2 layers, 8 experts top-3 with norm_topk_prob, head_dim 16 != hidden/heads, q/k RMSNorm.
   qwen3_moe_tied  qwen3_moe with tie_word_embeddings, norm_topk_prob false, layer 0 dense (mlp_only_layers=[0]).
+  deepseek_v3     DeepseekV3ForCausalLM (model_type deepseek_v3), 3 layers, layer 0 dense (first_k_dense_replace=1);
+                  MLA: 4 heads, q_lora_rank 24 (q_a_proj/q_a_layernorm/q_b_proj), kv_lora_rank 16, qk_nope 8,
+                  qk_rope 4 (rope_interleave true, the default), v_head 6; YaRN (factor 4, original 8, mscale =
+                  mscale_all_dim = 1); 16 routed experts (moe_intermediate 12) top-4, n_group 4, topk_group 2, sigmoid
+                  scores + e_score_correction_bias, norm_topk_prob, routed_scaling_factor 2.5, 1 shared expert;
+                  no MTP layer (num_nextn_predict_layers 0). 4 experts per group: the group score is the sum of the
+                  top-2 of the group, top-4 picks among the 8 experts of the 2 kept groups (both choices have margins).
+  deepseek_v2lite same class, 2 layers, layer 0 dense, q_lora_rank null (q_proj), plain RoPE, n_group = topk_group = 1,
+                  top-2 with renormalisation (norm_topk_prob true: Megatron always renormalises sigmoid top-k > 1),
+                  routed_scaling_factor 1.
+  deepseek_v3_mtp deepseek_v3's sizes with 2 layers plus one multi-token-prediction layer model.layers.2.* (hub names,
+                  num_nextn_predict_layers 1), trained as Megatron-Core trains MTP: golden adds `mtp_loss` (F64) and
+                  `mtp_logits` (F32), grads are of loss + 0.1 * mtp_loss. Generated / checked by tools/mtp_reference.py
+                  (see its docstring for the exact formulas and file layout).
 
 How:
   * Weights are re-initialised (std 0.2 linear, 0.5 router, 0.3 embedding, norms 1 + 0.1*randn, biases 0.1*randn)
-    so that no norm weight is 1 and routing is not degenerate; the model is then saved.
+    so that no norm weight is 1 and routing is not degenerate; DeepSeek's e_score_correction_bias buffers are set
+    to 0.05*randn; the model is then saved.
   * The golden runs the reloaded model in float64 (`.double()`, attn_implementation="eager",
     experts_implementation="eager", train() mode, every dropout 0, router jitter 0). HF hard-codes float32 islands
-    (RMSNorm `.to(torch.float32)`, router softmax, eager-attention softmax, RoPE cos/sin, the loss `logits.float()`);
-    a TorchFunctionMode maps those float32 requests to float64 and RoPE's inv_freq is recomputed in float64, so the
-    golden is float64 throughout. The plain HF float64 run (with its float32 islands) and the plain float32 run are
+    (RMSNorm `.to(torch.float32)`, router softmax, DeepSeek's router `F.linear(h.type(torch.float32), ...)`,
+    eager-attention softmax, RoPE cos/sin, the loss `logits.float()`); a TorchFunctionMode maps those float32
+    requests to float64 and RoPE's inv_freq (default or YaRN) is recomputed in float64, so the golden is float64
+    throughout. The plain HF float64 run (with its float32 islands) and the plain float32 run are
     computed too and must agree closely and pick the same experts.
   * Gradients of the fused in-memory parameters are mapped back to hub names without assuming the layout: every
     saved tensor is located (exact equality) among the in-memory parameters and their per-expert slices
@@ -37,9 +55,13 @@ How:
   * Routing margin: for every token and MoE layer the gap between the k-th and (k+1)-th largest router probability
     must be >= 1e-3 * the largest probability, so a float32 implementation picks the same experts. Otherwise the
     seed is bumped (base, base+1, ...); the seed used is printed and stored in golden.safetensors' metadata
-    (key `reference`, a JSON object).
+    (key `reference`, a JSON object). DeepSeek routing (recomputed in float64 from the router logits and checked
+    against HF's choice and weights): both the group choice, (g_{topk_group} - g_{topk_group+1}) / g_1 over the group
+    scores (sum of the top-2 biased scores per group), and the expert choice among the allowed experts,
+    (c_k - c_{k+1}) / c_1 over the biased scores, must be >= 1e-3 (a gap that does not exist is skipped).
   * Self-checks: loss == cross-entropy recomputed from the float64 logits; central finite differences agree with one
-    gradient entry of every tensor kind; layout / name sets as above.
+    gradient entry of every tensor kind; layout / name sets as above (grad names == saved names minus the
+    e_score_correction_bias ones, which must equal the in-memory buffers exactly).
 
 Regenerate (all cases, or one with --case NAME):
   python3 -m venv V && V/bin/pip install torch transformers safetensors numpy
@@ -62,15 +84,23 @@ from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 
 import transformers
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 BATCH, SEQ = 2, 12
-MARGIN = 1e-3  # required (p_k - p_{k+1}) / p_1 for every token and MoE layer
+MARGIN = 1e-3  # required (p_k - p_{k+1}) / p_1 for every token and MoE layer (DeepSeek: see routing_margins)
+NO_GRAD = ".e_score_correction_bias"  # saved router buffers (DeepSeek): not trained by backprop, no grad entry
 MAX_TRIES = 50
 FILES = ["config.json", "golden.safetensors", "model.safetensors", "tokens.safetensors"]
+MTP_CASE = "deepseek_v3_mtp"  # generated / checked by tools/mtp_reference.py
 
 COMMON = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, attention_dropout=0.0)
+DEEPSEEK = dict(  # MLA + sigmoid group-limited routing with e_score_correction_bias; no MTP layer
+    vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, first_k_dense_replace=1,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+    v_head_dim=6, n_routed_experts=8, n_shared_experts=1, max_position_embeddings=64, attention_dropout=0.0,
+    tie_word_embeddings=False, rms_norm_eps=1e-6, num_mtp_layers=0)
 CASES = {
     "mixtral": (MixtralConfig, 100, dict(
         COMMON, intermediate_size=40, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
@@ -89,6 +119,16 @@ CASES = {
         COMMON, intermediate_size=48, moe_intermediate_size=20, num_hidden_layers=2, head_dim=16, num_experts=8,
         num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[0],
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True)),
+    "deepseek_v3": (DeepseekV3Config, 500, dict(
+        DEEPSEEK, num_hidden_layers=3, q_lora_rank=24, n_routed_experts=16, moe_intermediate_size=12, n_group=4,
+        topk_group=2, num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0})),
+    "deepseek_v2lite": (DeepseekV3Config, 600, dict(
+        DEEPSEEK, num_hidden_layers=2, q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=2,
+        routed_scaling_factor=1.0, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 LOAD_KW = dict(attn_implementation="eager", experts_implementation="eager")
 
@@ -138,6 +178,9 @@ def reinit_(model, gen):
                 p.copy_(0.5 * randn)
             else:
                 p.copy_(0.2 * randn)
+        for name, b in model.named_buffers():  # DeepSeek router bias (none in the other models)
+            if name.endswith(NO_GRAD):
+                b.copy_(0.05 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
 
 def load(case_dir):
@@ -223,15 +266,16 @@ def layout_summary(layout):
 # forward / backward
 
 
-def _router_modules(model):
-    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+def _router_modules(model):  # MixtralTopKRouter, Qwen*MoeTopKRouter, DeepseekV3TopkRouter
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")]
 
 
 def run(model, tokens, backward):
-    """Forward (train mode) with labels; returns logits, loss, per-router (logits, chosen indices)."""
+    """Forward (train mode) with labels; returns logits, loss, per-router (name, logits, chosen indices, router
+    module, routing weights)."""
     routers = []
     hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: routers.append((n, out[0].detach(), out[2].detach(),
-                                                                                  mod.top_k)))
+                                                                                  mod, out[1].detach())))
              for n, m in _router_modules(model)]
     try:
         model.train()
@@ -246,14 +290,16 @@ def run(model, tokens, backward):
 
 
 def to_fp64(model32):
-    """Deep copy in float64 with RoPE inverse frequencies recomputed in float64."""
+    """Deep copy in float64 with RoPE inverse frequencies (default or YaRN) recomputed in float64."""
     model = copy.deepcopy(model32).double()
     for m in model.modules():
         if hasattr(m, "inv_freq") and hasattr(m, "compute_default_rope_parameters"):
-            assert m.rope_type == "default"
+            assert m.rope_type in ("default", "yarn"), m.rope_type
+            init_fn = m.compute_default_rope_parameters if m.rope_type == "default" else ROPE_INIT_FUNCTIONS["yarn"]
             with Float64Mode():
-                inv, scale = m.compute_default_rope_parameters(model.config)
-            assert inv.dtype == torch.float64 and scale == 1.0
+                inv, scale = init_fn(model.config)
+            assert inv.dtype == torch.float64 and scale == m.attention_scaling, (inv.dtype, scale)
+            assert m.rope_type != "default" or scale == 1.0
             assert torch.allclose(inv, m.inv_freq, rtol=1e-6, atol=0)
             m.inv_freq = inv
             m.original_inv_freq = inv.clone()
@@ -270,10 +316,48 @@ def check_train_setup(model):
             assert m.attention_dropout == 0.0
 
 
-def routing_margins(routers):
-    """min over tokens/layers of (p_k - p_{k+1}) / p_1, and min logit gap; probabilities from float64 logits."""
+def _deepseek_margins(logits, idx, weights, mod):
+    """DeepSeek-V3 routing recomputed in float64 from the router logits: scores = sigmoid(logits), choice = scores +
+    e_score_correction_bias, group score = sum of the top-2 choice scores of the group, keep the topk_group best groups,
+    top-k choice scores within them; weights = scores of the chosen (renormalised: / (sum + 1e-20)) * scaling.
+    Returns the min over tokens of the relative gaps (group: (g_{topk_group} - g_{topk_group+1}) / g_1; experts, among
+    the allowed ones: (c_k - c_{k+1}) / c_1; a gap that does not exist, e.g. n_group == topk_group, is skipped) and the
+    min absolute gap of the two kinds."""
+    k, G, TG, E = mod.top_k, mod.num_group, mod.topk_group, mod.num_experts
+    scores = torch.sigmoid(logits.double())
+    choice = scores + mod.e_score_correction_bias.detach().double()
+    group = choice.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
     rel, gap = float("inf"), float("inf")
-    for _, logits, idx, k in routers:
+    gs = group.sort(dim=-1, descending=True).values
+    if TG < G:
+        rel = min(rel, float(((gs[:, TG - 1] - gs[:, TG]) / gs[:, 0].abs()).min()))
+        gap = min(gap, float((gs[:, TG - 1] - gs[:, TG]).min()))
+    keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(TG, dim=-1).indices, True)
+    allowed = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
+    top = allowed.topk(min(k + 1, E), dim=-1)
+    assert torch.equal(top.indices[:, :k].sort(-1).values, idx.sort(-1).values), "router picked other experts"
+    if k < TG * (E // G):
+        d = top.values[:, k - 1] - top.values[:, k]
+        rel = min(rel, float((d / top.values[:, 0].abs()).min()))
+        gap = min(gap, float(d.min()))
+    w = scores.gather(1, idx)
+    if mod.norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    w = w * mod.routed_scaling_factor
+    assert torch.allclose(w, weights.double(), rtol=1e-5, atol=0), "routing weights differ"
+    return rel, gap
+
+
+def routing_margins(routers):
+    """min over tokens/layers of (p_k - p_{k+1}) / p_1, and min logit gap; probabilities from float64 logits.
+    DeepSeek routers (sigmoid, group-limited, biased): see _deepseek_margins."""
+    rel, gap = float("inf"), float("inf")
+    for _, logits, idx, mod, weights in routers:
+        if hasattr(mod, "e_score_correction_bias"):
+            r, g = _deepseek_margins(logits, idx, weights, mod)
+            rel, gap = min(rel, r), min(gap, g)
+            continue
+        k = mod.top_k
         probs = torch.softmax(logits.double(), dim=-1)
         top = torch.topk(probs, k + 1, dim=-1)
         assert torch.equal(top.indices[:, :k].sort(-1).values, idx.sort(-1).values), "router picked other experts"
@@ -288,12 +372,16 @@ def compute(case_dir, tokens, fd_checks=True):
     tok = tokens.long()
     model32 = load(case_dir)
     check_train_setup(model32)
-    hub = {}
+    hub, no_grad = {}, {}
     with safe_open(os.path.join(case_dir, "model.safetensors"), "pt") as f:
         for k in f.keys():
-            hub[k] = f.get_tensor(k)
-    assert all(t.dtype == torch.float32 for t in hub.values())
+            (no_grad if k.endswith(NO_GRAD) else hub)[k] = f.get_tensor(k)
+    assert all(t.dtype == torch.float32 for t in list(hub.values()) + list(no_grad.values()))
     layout = find_layout(model32, hub)
+    buffers = dict(model32.named_buffers())  # the saved non-trainable tensors are the in-memory buffers, exactly
+    assert set(no_grad) == {n for n in buffers if n.endswith(NO_GRAD)}, (sorted(no_grad), sorted(buffers))
+    for n, t in no_grad.items():
+        assert buffers[n].dtype == torch.float32 and torch.equal(buffers[n], t), n
 
     # float64 golden
     model = to_fp64(model32)
@@ -306,7 +394,9 @@ def compute(case_dir, tokens, fd_checks=True):
         g = params[pn].grad
         assert g is not None and g.dtype == torch.float64, f"no float64 grad for {pn}"
         grads[hn] = fn(g)
-    assert set(grads) == set(hub), "grad names != saved tensor names"
+    saved = set(hub) | set(no_grad)
+    assert set(grads) == {n for n in saved if not n.endswith(NO_GRAD)}, "grad names != saved names - NO_GRAD ones"
+    assert all(b.dtype == torch.float64 for b in model.buffers())
     for hn in hub:
         assert grads[hn].shape == hub[hn].shape
 
@@ -389,9 +479,14 @@ def generate(case, out_root):
             if os.path.exists(gc):
                 os.remove(gc)
             # the reloaded checkpoint must hold exactly the in-memory values
-            re = dict(load(tmp).named_parameters())
+            reloaded = load(tmp)
+            re = dict(reloaded.named_parameters())
             for n, p in model.named_parameters():
                 assert torch.equal(re[n].detach(), p.detach()), f"reload differs: {n}"
+            re = dict(reloaded.named_buffers())
+            for n, b in model.named_buffers():
+                if n.endswith(NO_GRAD):
+                    assert bool(b.abs().min() > 0) and torch.equal(re[n], b), f"reload differs: {n}"
             save_file({"tokens": tokens.contiguous()}, os.path.join(tmp, "tokens.safetensors"))
             golden, rep = compute(tmp, tokens, fd_checks=False)
             if rep["min_rel_margin"] < MARGIN:
@@ -463,13 +558,18 @@ def check(case, out_root):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="tests/golden/hf_models")
-    ap.add_argument("--case", choices=sorted(CASES), action="append", help="only this case (repeatable)")
+    ap.add_argument("--case", choices=sorted(CASES) + [MTP_CASE], action="append",
+                    help="only this case (repeatable)")
     ap.add_argument("--check", action="store_true", help="verify committed files instead of writing")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
-    for case in args.case or list(CASES):
-        (check if args.check else generate)(case, args.out)
+    for case in args.case or list(CASES) + [MTP_CASE]:
+        if case == MTP_CASE:  # DeepSeek-V3 + multi-token prediction (Megatron-Core semantics): tools/mtp_reference.py
+            import mtp_reference
+            (mtp_reference.check if args.check else mtp_reference.generate)(args.out)
+        else:
+            (check if args.check else generate)(case, args.out)
 
 
 if __name__ == "__main__":
