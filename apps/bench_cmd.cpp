@@ -119,8 +119,8 @@ int bench_main(int argc, char** argv) {
     a.option("--micro-batch-size", "1", "sequences per step").option("--steps", "3", "timed steps");
     if (!a.parse(argc - 1, argv + 1)) return 0;
     hf_config_apply(a);
-    print_lines(bench::bench_train_step(model_config_from(a, a.str("--hf-config").empty() ? 50257 : 0), a.i64("--micro-batch-size"),
-                                        static_cast<int>(a.i64("--steps"))));
+    print_lines(bench::bench_train_step(model_config_from(a, a.str("--hf-config").empty() ? 50257 : 0),
+                                        a.i64("--micro-batch-size"), static_cast<int>(a.i64("--steps"))));
     return 0;
   }
   std::fprintf(what.empty() || what == "--help" ? stdout : stderr,

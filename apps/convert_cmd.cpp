@@ -73,6 +73,7 @@ void import_hf(const Args& a) {
                  ")");
   const io::HfCheckpointReader hf(src);
   model::hf_check_tensors(map, hf);
+  model::hf_check_copies(map, hf);
   if (!io::checkpoint_list_committed(root).empty())
     MOECORE_FAIL("--save ", root, " already holds a checkpoint; hint: convert into a new directory");
   const std::string token = "convert" + std::to_string(::getpid());

@@ -73,8 +73,8 @@ void add_model_flags(Args& a, const model::ModelConfig& d) {
       .unsupported_switch("--apply-residual-connection-post-layernorm", "post-LayerNorm residuals")
       .unsupported_switch("--openai-gelu", "the tanh GeLU approximation")
       .unsupported_switch("--squared-relu", "squared-ReLU MLPs")
-      .unsupported("--mtp-num-layers", "", "multi-token prediction")
-      .unsupported("--mtp-loss-scaling-factor", "0.1", "multi-token prediction")
+      .option("--mtp-num-layers", "", "multi-token prediction depths (unset: none)")
+      .option("--mtp-loss-scaling-factor", "0.1", "weight of the MTP losses, divided by --mtp-num-layers")
       .unsupported_switch("--fp16", "fp16 training (use --bf16)")
       .unsupported("--fp8-format", "", "FP8 training")
       .unsupported("--fp8-recipe", "delayed", "FP8 training")
@@ -232,6 +232,10 @@ model::ModelConfig model_config_from(const Args& a, int64_t tokenizer_vocab) {
   c.add_qkv_bias = a.on("--add-qkv-bias");
   c.qk_layernorm = a.on("--qk-layernorm");
   c.multi_latent_attention = a.on("--multi-latent-attention");
+  c.mtp_num_layers = a.i64_or("--mtp-num-layers", 0);
+  if (a.given("--mtp-num-layers") && c.mtp_num_layers <= 0)
+    MOECORE_FAIL("--mtp-num-layers (", a.str("--mtp-num-layers"), ") must be positive (leave it unset for none)");
+  c.mtp_loss_scaling_factor = static_cast<float>(a.f64("--mtp-loss-scaling-factor"));
   c.q_lora_rank = a.i64_or("--q-lora-rank", 0);
   if (a.given("--q-lora-rank") && c.q_lora_rank <= 0)
     MOECORE_FAIL("--q-lora-rank (", a.str("--q-lora-rank"), ") must be positive (leave it unset for no q LoRA)");

@@ -61,9 +61,16 @@ int model_step_main(int argc, char** argv) {
   Tensor loss = Tensor::empty({}, DType::f64);
   *loss.data<double>() = r.mean();
   out["loss"] = loss;
+  if (cfg.mtp_num_layers > 0) {  // Megatron's mtp loss, averaged over the depths
+    Tensor mtp = Tensor::empty({}, DType::f64);
+    double sum = 0;
+    for (int64_t k = 0; k < cfg.mtp_num_layers; ++k) sum += r.mtp_mean(static_cast<size_t>(k));
+    *mtp.data<double>() = sum / static_cast<double>(cfg.mtp_num_layers);
+    out["mtp_loss"] = mtp;
+  }
   const auto& params = gpt.params();
   for (const model::HfTensorSpec& t : map.tensors)
-    if (t.expert_bias_layer < 0)  // expert biases are not trained by gradients
+    if (t.expert_bias_layer < 0 && t.copy_of.empty())  // no gradients: expert biases, MTP's copies of shared ones
       out["grad." + t.name] = model::hf_gather(map, t, [&](size_t p, int64_t first, int64_t rows) {
         const int64_t w = map.params[p].width;
         return params[p]

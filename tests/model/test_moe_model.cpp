@@ -108,7 +108,9 @@ TEST(MoeModel, MemoryPlanTotalEqualsTrackedAllocations) {
   lite.q_lora_rank = 0;
   lite.yarn = false;
   lite.compute_dtype = DType::bf16;
-  for (const model::ModelConfig& c : {shared, megatron, partial, mla, lite}) {
+  model::ModelConfig mtp = mla;  // with two multi-token-prediction depths
+  mtp.mtp_num_layers = 2;
+  for (const model::ModelConfig& c : {shared, megatron, partial, mla, lite, mtp}) {
     const MemoryStats before = memory_stats();
     model::GptModel m(c, 2, 5);
     optim::AdamW opt(m.params(), optim::AdamWConfig{});

@@ -66,6 +66,12 @@ void ModelConfig::validate() const {
                    "), --yarn-original-max-position-embeddings (", y.original_max_position_embeddings,
                    "), --yarn-beta-fast (", y.beta_fast, ") and --yarn-beta-slow (", y.beta_slow, ") positive");
   }
+  if (mtp_num_layers < 0 || !(mtp_loss_scaling_factor >= 0.0f))
+    MOECORE_FAIL("model config: --mtp-num-layers (", mtp_num_layers, ") and --mtp-loss-scaling-factor (",
+                 mtp_loss_scaling_factor, ") must not be negative");
+  if (mtp_num_layers > 0 && position_embedding_type == PositionEmbedding::learned_absolute)
+    MOECORE_FAIL("model config: --mtp-num-layers with learned absolute positions is not supported yet; pass "
+                 "--position-embedding-type rope");
   moe.validate();
   if (moe.enabled()) {
     (void)moe_layers();  // validates --moe-layer-freq against num_layers
@@ -107,7 +113,8 @@ std::string ModelConfig::summary() const {
       untie_embeddings_and_output_weights ? ", untied" : ", tied", ", ", dtype_name(compute_dtype),
       moe.enabled() ? detail::str_cat(", MoE ", moe.num_experts, " experts top-", moe.router_topk, " ffn ", moe_ffn(),
                                       " layer-freq ", moe_layer_freq)
-                    : std::string());
+                    : std::string(),
+      mtp_num_layers ? detail::str_cat(", MTP ", mtp_num_layers, " x ", mtp_loss_scaling_factor) : std::string());
 }
 
 }  // namespace moecore::model

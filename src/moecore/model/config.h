@@ -55,6 +55,9 @@ struct ModelConfig {
   int64_t v_head_dim = 128;             // --v-head-dim
   bool yarn = false;                    // --rope-type yarn (Megatron's default with MLA)
   YarnConfig yarn_config;
+  // Multi-token prediction (DeepSeek-V3; Megatron's MultiTokenPredictionBlock): depth k predicts token i + 1 + k.
+  int64_t mtp_num_layers = 0;             // --mtp-num-layers (Megatron's None = 0: off)
+  float mtp_loss_scaling_factor = 0.1f;   // --mtp-loss-scaling-factor: the MTP losses weigh this / mtp_num_layers
   float hidden_dropout = 0.0f;     // --hidden-dropout: embedding output and both bias-dropout-adds, [0, 1)
   float attention_dropout = 0.0f;  // --attention-dropout: on the attention probabilities, [0, 1)
   bool swiglu = true;              // --swiglu (else GeLU MLP, Megatron's default)
@@ -79,7 +82,9 @@ struct ModelConfig {
   // The MLA softmax scale is this / sqrt(qk_head_dim + qk_pos_emb_head_dim): YaRN's mscale(factor, mscale_all_dim)^2.
   float mla_softmax_scale_mult() const;
   bool qkv_bias() const { return add_bias_linear || add_qkv_bias; }
-  std::vector<bool> moe_layers() const;  // which layers are MoE (all false for a dense model)
+  std::vector<bool> moe_layers() const;  // which decoder layers are MoE (all false for a dense model)
+  // Decoder layers plus one transformer layer per MTP depth (those follow the decoder's in per-layer arrays).
+  int64_t num_transformer_layers() const { return num_layers + mtp_num_layers; }
   void validate() const;                 // throws Error naming the offending fields and values
   std::string summary() const;
 };

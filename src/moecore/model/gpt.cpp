@@ -122,8 +122,11 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   position_embedding_ = find("embedding.position_embeddings.weight");
   const std::vector<bool> moe_layers = cfg_.moe_layers();
   const moe::MoeConfig& mc = cfg_.moe;
-  for (int64_t l = 0; l < L; ++l) {
-    const std::string pre = "decoder.layers." + std::to_string(l) + ".";
+  const int64_t LT = cfg_.num_transformer_layers();  // decoder layers, then one per MTP depth
+  for (int64_t l = 0; l < LT; ++l) {
+    const std::string pre = l < L ? "decoder.layers." + std::to_string(l) + "."
+                                  : "mtp.layers." + std::to_string(l - L) + ".transformer_layer.";
+    const bool is_moe = l < L ? moe_layers[static_cast<size_t>(l)] : moe_layers.back();
     // The attention half (and the norms) of every layer; the MLP half only for dense layers.
     nn::DenseLayerWeights& w = layer_w_.emplace_back();
     nn::DenseLayerGrads& g = layer_g_.emplace_back();
@@ -155,7 +158,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       bind(w.k_norm, g.k_norm, pre + "self_attention.k_layernorm.weight");
       bind(w.k_norm_bias, g.k_norm_bias, pre + "self_attention.k_layernorm.bias");
     }
-    if (!moe_layers[static_cast<size_t>(l)]) {
+    if (!is_moe) {
       bind(w.fc1, g.fc1, pre + "mlp.linear_fc1.weight");
       bind(w.fc2, g.fc2, pre + "mlp.linear_fc2.weight");
       bind(w.fc1_bias, g.fc1_bias, pre + "mlp.linear_fc1.bias");
@@ -191,6 +194,29 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   final_norm_ = find("decoder.final_layernorm.weight");
   final_norm_bias_ = find("decoder.final_layernorm.bias");
   output_ = cfg_.untie_embeddings_and_output_weights ? find("output_layer.weight") : embedding_;
+  auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations); };
+  for (int64_t k = 0; k < cfg_.mtp_num_layers; ++k) {
+    const std::string pre = "mtp.layers." + std::to_string(k) + ".";
+    MtpDepth& d = mtp_.emplace_back();
+    d.enorm = find(pre + "enorm.weight");
+    d.enorm_b = find(pre + "enorm.bias");
+    d.hnorm = find(pre + "hnorm.weight");
+    d.hnorm_b = find(pre + "hnorm.bias");
+    d.eh = find(pre + "eh_proj.weight");
+    d.fnorm = find(pre + "final_layernorm.weight");
+    d.fnorm_b = find(pre + "final_layernorm.bias");
+    d.ids = act({N}, DType::i32);
+    d.labels = act({N}, DType::i32);
+    for (Tensor* t : {&d.e, &d.hin, &d.x, &d.y}) *t = act({N, H}, DType::f32);
+    for (Tensor* t : {&d.en, &d.hn, &d.h}) *t = act({N, H}, c);
+    for (Tensor* t : {&d.e_rstd, &d.h_rstd, &d.f_rstd}) *t = act({N}, DType::f32);
+    if (dims_.layernorm)
+      for (Tensor* t : {&d.e_mean, &d.h_mean, &d.f_mean}) *t = act({N}, DType::f32);
+  }
+  if (cfg_.mtp_num_layers > 0) {
+    mtp_dx_c_ = Tensor::empty({N, H}, c, MemCategory::workspace);
+    for (Tensor* t : {&mtp_carry_, &mtp_dn_, &mtp_dfn_}) *t = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
+  }
 
   for (int64_t l = 0; l <= L; ++l) residual_.push_back(Tensor::empty({N, H}, DType::f32, MemCategory::activations));
   final_rstd_ = Tensor::empty({N}, DType::f32, MemCategory::activations);
@@ -205,7 +231,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     int32_t* pos = positions_.data<int32_t>();
     for (int64_t i = 0; i < N; ++i) pos[i] = static_cast<int32_t>(i % S);
   }
-  drops_.resize(static_cast<size_t>(L));
+  drops_.resize(static_cast<size_t>(LT));
   ws_ = nn::dense_layer_workspace_alloc(dims_, /*with_attention=*/!mla);
   if (mla) mla_ws_ = nn::mla_workspace_alloc(mla_dims_, c);
   head_ws_ = nn::lm_head_workspace_alloc(N, V, c);
@@ -281,6 +307,8 @@ void GptModel::set_dropout_keys(bool training) {
     return d;
   };
   embedding_drop_ = key(cfg_.hidden_dropout, -1, "embedding");
+  for (size_t j = 0; j < mtp_.size(); ++j)
+    mtp_[j].drop = key(cfg_.hidden_dropout, cfg_.num_layers + static_cast<int64_t>(j), "mtp_embedding");
   for (size_t l = 0; l < drops_.size(); ++l) {
     const auto i = static_cast<int64_t>(l);
     drops_[l] = {key(cfg_.attention_dropout, i, "attention"), key(cfg_.hidden_dropout, i, "attn_out"),
@@ -302,26 +330,113 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
     ops::add(residual_[0], residual_[0], ws_.dh, ctx);
   }
   if (embedding_drop_.active()) ops::dropout_forward(residual_[0], residual_[0], embedding_drop_, ctx);
-  for (size_t l = 0; l < caches_.size(); ++l) {
-    if (mla_w_.empty())
-      nn::attention_block_forward(residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l], ctx);
-    else
-      nn::mla_block_forward(residual_[l], layer_w_[l], mla_w_[l], caches_[l], mla_caches_[l], ws_, mla_ws_, rope_,
-                            dims_, mla_dims_, drops_[l], ctx);
-    if (!moe_[l]) {
-      nn::mlp_block_forward(residual_[l + 1], layer_w_[l], caches_[l], ws_, dims_, drops_[l], ctx);
-      continue;
-    }
-    moe_mlp_forward(l, training, ctx);
-  }
+  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l)
+    layer_forward(l, residual_[l], residual_[l + 1], training, ctx);
   nn::norm_forward(final_h_, final_mean_, final_rstd_, residual_.back(), final_norm_->value,
                    final_norm_bias_ ? final_norm_bias_->value : Tensor(), cfg_.norm_epsilon, ctx);
+}
+
+// Transformer layer l (a decoder layer, or for l >= num_layers an MTP depth's): y from x, both [N, H] f32.
+void GptModel::layer_forward(size_t l, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx) {
+  if (mla_w_.empty())
+    nn::attention_block_forward(x, layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l], ctx);
+  else
+    nn::mla_block_forward(x, layer_w_[l], mla_w_[l], caches_[l], mla_caches_[l], ws_, mla_ws_, rope_, dims_, mla_dims_,
+                          drops_[l], ctx);
+  if (moe_[l])
+    moe_mlp_forward(l, y, training, ctx);
+  else
+    nn::mlp_block_forward(y, layer_w_[l], caches_[l], ws_, dims_, drops_[l], ctx);
+}
+
+// dres_: dL/dy on entry, dL/dx on return.
+void GptModel::layer_backward(size_t l, const Tensor& x, float grad_scale, const ops::Context& ctx) {
+  if (moe_[l])
+    moe_mlp_backward(l, grad_scale, ctx);
+  else
+    nn::mlp_block_backward(dres_, layer_g_[l], layer_w_[l], caches_[l], ws_, dims_, drops_[l], ctx);
+  // dres is dL/dx_mid here.
+  if (mla_w_.empty())
+    nn::attention_block_backward(dres_, layer_g_[l], x, layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l], ctx);
+  else
+    nn::mla_block_backward(dres_, layer_g_[l], mla_g_[l], x, layer_w_[l], mla_w_[l], caches_[l], mla_caches_[l], ws_,
+                           mla_ws_, rope_, dims_, mla_dims_, drops_[l], ctx);
+}
+
+// Megatron's roll_tensor along each sequence: out[b, s] = in[b, s + 1], the last position `fill`.
+void GptModel::roll_left(Tensor& out, const Tensor& in, int32_t fill) const {
+  const int64_t S = cfg_.seq_length;
+  const int32_t* src = in.data<int32_t>();
+  int32_t* dst = out.data<int32_t>();
+  for (int64_t b = 0; b < B_; ++b)
+    for (int64_t s = 0; s < S; ++s) dst[b * S + s] = s + 1 < S ? src[b * S + s + 1] : fill;
+}
+
+// Megatron's MultiTokenPredictionBlock, depth k = j + 1: the input ids and labels rolled once more (vacated last
+// position: id 0, label masked), h_k = final_norm_k(layer(eh_proj([enorm(emb(ids_k)); hnorm(h_{k-1})]))), with h_0 the
+// decoder's output after the final norm; depth k's logits come from the shared output layer.
+void GptModel::mtp_forward(bool training, const ops::Context& ctx) {
+  const int64_t H = cfg_.hidden_size;
+  for (size_t j = 0; j < mtp_.size(); ++j) {
+    MtpDepth& d = mtp_[j];
+    roll_left(d.ids, j ? mtp_[j - 1].ids : ids_, 0);
+    if (training) roll_left(d.labels, j ? mtp_[j - 1].labels : labels_, -1);
+    ops::embedding_forward(d.e, d.ids, embedding_->value, ctx);
+    if (d.drop.active()) ops::dropout_forward(d.e, d.e, d.drop, ctx);
+    nn::norm_forward(d.en, d.e_mean, d.e_rstd, d.e, d.enorm->value, d.enorm_b ? d.enorm_b->value : Tensor(),
+                     cfg_.norm_epsilon, ctx);
+    d.hin.copy_from(j ? mtp_[j - 1].h : final_h_);
+    nn::norm_forward(d.hn, d.h_mean, d.h_rstd, d.hin, d.hnorm->value, d.hnorm_b ? d.hnorm_b->value : Tensor(),
+                     cfg_.norm_epsilon, ctx);
+    ops::gemm(d.x, d.en, false, d.eh->compute.slice(1, 0, H), true, 1.0f, 0.0f, ctx);
+    ops::gemm(d.x, d.hn, false, d.eh->compute.slice(1, H, 2 * H), true, 1.0f, 1.0f, ctx);
+    layer_forward(static_cast<size_t>(cfg_.num_layers) + j, d.x, d.y, training, ctx);
+    nn::norm_forward(d.h, d.f_mean, d.f_rstd, d.y, d.fnorm->value, d.fnorm_b ? d.fnorm_b->value : Tensor(),
+                     cfg_.norm_epsilon, ctx);
+  }
+}
+
+// The MTP losses and their gradients, deepest depth first: each depth's cross-entropy over its rolled labels is
+// weighted mtp_loss_scaling_factor / mtp_num_layers (mean over that depth's counted tokens). Leaves in mtp_carry_
+// the gradient reaching h_0 (the decoder's normed output) through the first depth's hnorm.
+void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context& ctx) {
+  const int64_t H = cfg_.hidden_size, N = B_ * cfg_.seq_length;
+  const float weight = cfg_.mtp_loss_scaling_factor / static_cast<float>(mtp_.size());
+  r.mtp_loss_sum.assign(mtp_.size(), 0.0);
+  r.mtp_tokens.assign(mtp_.size(), 0);
+  Tensor no_grad;
+  auto grad_of = [&](Param* p) -> Tensor& { return p ? p->grad : no_grad; };
+  auto value_of = [](Param* p) { return p ? p->value : Tensor(); };
+  for (size_t j = mtp_.size(); j-- > 0;) {
+    MtpDepth& d = mtp_[j];
+    const int32_t* lp = d.labels.data<int32_t>();
+    for (int64_t i = 0; i < N; ++i) r.mtp_tokens[j] += lp[i] >= 0;
+    const float scale = r.mtp_tokens[j] ? grad_scale * weight / static_cast<float>(r.mtp_tokens[j]) : 0.0f;
+    r.mtp_loss_sum[j] =
+        nn::lm_head_loss(&mtp_dfn_, &output_->grad, d.h, output_->compute, d.labels, scale, head_ws_, ctx);
+    if (j + 1 < mtp_.size()) ops::add(mtp_dfn_, mtp_dfn_, mtp_carry_, ctx);  // depth j + 2 read h_{j+1} too
+    nn::norm_backward(dres_, d.fnorm->grad, grad_of(d.fnorm_b), mtp_dfn_, d.y, d.fnorm->value, value_of(d.fnorm_b),
+                      d.f_mean, d.f_rstd, false, ctx);
+    layer_backward(static_cast<size_t>(cfg_.num_layers) + j, d.x, grad_scale, ctx);
+    mtp_dx_c_.copy_from(dres_);
+    Tensor g_e = d.eh->grad.slice(1, 0, H), g_h = d.eh->grad.slice(1, H, 2 * H);
+    ops::gemm(g_e, mtp_dx_c_, true, d.en, false, 1.0f, 1.0f, ctx);
+    ops::gemm(g_h, mtp_dx_c_, true, d.hn, false, 1.0f, 1.0f, ctx);
+    ops::gemm(mtp_dn_, mtp_dx_c_, false, d.eh->compute.slice(1, 0, H), false, 1.0f, 0.0f, ctx);
+    nn::norm_backward(dres_, d.enorm->grad, grad_of(d.enorm_b), mtp_dn_, d.e, d.enorm->value, value_of(d.enorm_b),
+                      d.e_mean, d.e_rstd, false, ctx);
+    if (d.drop.active()) ops::dropout_backward(dres_, dres_, d.drop, ctx);
+    ops::embedding_backward(embedding_->grad, d.ids, dres_, ctx);
+    ops::gemm(mtp_dn_, mtp_dx_c_, false, d.eh->compute.slice(1, H, 2 * H), false, 1.0f, 0.0f, ctx);
+    nn::norm_backward(mtp_carry_, d.hnorm->grad, grad_of(d.hnorm_b), mtp_dn_, d.hin, d.hnorm->value,
+                      value_of(d.hnorm_b), d.h_mean, d.h_rstd, false, ctx);
+  }
 }
 
 // The MoE half of layer l: y = x_mid + dropout(moe(norm2(x_mid))). The MoE layer takes Megatron's sequence-major
 // token order (token s*B + b): it decides which tokens the "position" drop policy keeps and which tokens form a
 // sequence for seq_aux_loss.
-void GptModel::moe_mlp_forward(size_t l, bool training, const ops::Context& ctx) {
+void GptModel::moe_mlp_forward(size_t l, Tensor& y, bool training, const ops::Context& ctx) {
   const int64_t S = cfg_.seq_length, H = cfg_.hidden_size;
   MoeBlock& m = *moe_[l];
   nn::mlp_norm_forward(layer_w_[l], caches_[l], dims_, ctx);
@@ -330,7 +445,7 @@ void GptModel::moe_mlp_forward(size_t l, bool training, const ops::Context& ctx)
   moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, m.cache, *dispatcher_, moe_dims_, cfg_.moe, training,
                          ctx);
   ops::transpose_01(out_bs, out_sb, ctx);
-  ops::bias_dropout_add(residual_[l + 1], caches_[l].x_mid, ws_.dh, Tensor(), drops_[l].mlp_out, ctx);
+  ops::bias_dropout_add(y, caches_[l].x_mid, ws_.dh, Tensor(), drops_[l].mlp_out, ctx);
 }
 
 // dres is dL/d(layer output) on entry, dL/dx_mid on return. The MoE output's gradient goes through the dropout and
@@ -359,24 +474,17 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
   const int32_t* lp = labels_.data<int32_t>();
   for (int64_t i = 0; i < N; ++i) r.tokens += lp[i] >= 0;
   const float token_scale = r.tokens ? grad_scale / static_cast<float>(r.tokens) : 0.0f;
+  if (!mtp_.empty()) {
+    mtp_forward(true, ctx);
+    mtp_backward(r, grad_scale, ctx);
+  }
   r.loss_sum = nn::lm_head_loss(&dh_, &output_->grad, final_h_, output_->compute, labels_, token_scale, head_ws_, ctx);
+  if (!mtp_.empty()) ops::add(dh_, dh_, mtp_carry_, ctx);  // h_0 also fed the first MTP depth
   Tensor no_grad;
   nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, dh_,
                     residual_.back(), final_norm_->value, final_norm_bias_ ? final_norm_bias_->value : Tensor(),
                     final_mean_, final_rstd_, false, ctx);
-  for (size_t l = caches_.size(); l-- > 0;) {
-    if (moe_[l])
-      moe_mlp_backward(l, grad_scale, ctx);
-    else
-      nn::mlp_block_backward(dres_, layer_g_[l], layer_w_[l], caches_[l], ws_, dims_, drops_[l], ctx);
-    // dres is dL/dx_mid here.
-    if (mla_w_.empty())
-      nn::attention_block_backward(dres_, layer_g_[l], residual_[l], layer_w_[l], caches_[l], ws_, rope_, dims_,
-                                   drops_[l], ctx);
-    else
-      nn::mla_block_backward(dres_, layer_g_[l], mla_g_[l], residual_[l], layer_w_[l], mla_w_[l], caches_[l],
-                             mla_caches_[l], ws_, mla_ws_, rope_, dims_, mla_dims_, drops_[l], ctx);
-  }
+  for (size_t l = static_cast<size_t>(cfg_.num_layers); l-- > 0;) layer_backward(l, residual_[l], grad_scale, ctx);
   if (embedding_drop_.active()) ops::dropout_backward(dres_, dres_, embedding_drop_, ctx);
   ops::embedding_backward(embedding_->grad, ids_, dres_, ctx);
   if (position_embedding_) ops::embedding_backward(position_embedding_->grad, positions_, dres_, ctx);
@@ -420,7 +528,13 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   at(MemCategory::activations) = layer_cache + moe_cache + (cfg_.num_layers + 1) * N * H * 4 +
                                  N * 4 * (final_mean_.defined() ? 2 : 1) +
                                  N * H * static_cast<int64_t>(dtype_size(cfg_.compute_dtype));
-  at(MemCategory::workspace) =
+  for (const MtpDepth& d : mtp_)
+    for (const Tensor* t : {&d.ids, &d.labels, &d.e, &d.hin, &d.x, &d.y, &d.en, &d.hn, &d.h, &d.e_mean, &d.e_rstd,
+                            &d.h_mean, &d.h_rstd, &d.f_mean, &d.f_rstd})
+      if (t->defined()) at(MemCategory::activations) += t->nbytes();
+  for (const Tensor* t : {&mtp_dx_c_, &mtp_carry_, &mtp_dn_, &mtp_dfn_})
+    if (t->defined()) at(MemCategory::workspace) += t->nbytes();
+  at(MemCategory::workspace) +=
       nn::dense_layer_workspace_bytes(dims_, mla_w_.empty()) +
       (mla_w_.empty() ? 0 : nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype)) +
       nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype) + 2 * N * H * 4 + 2 * N * 4 +
@@ -431,7 +545,9 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
 
 double GptModel::flops_per_step() const {
   const double T = static_cast<double>(B_ * cfg_.seq_length), h = static_cast<double>(cfg_.hidden_size);
-  const double L = static_cast<double>(cfg_.num_layers), S = static_cast<double>(cfg_.seq_length);
+  // Every transformer layer, the MTP depths' included; each depth adds its norms + eh_proj and one more logit GEMM.
+  const double L = static_cast<double>(cfg_.num_transformer_layers()), S = static_cast<double>(cfg_.seq_length);
+  const double n_mtp = static_cast<double>(cfg_.mtp_num_layers);
   const double q = static_cast<double>(dims_.qkv.q_heads() * dims_.qkv.D);
   const double kv = static_cast<double>(dims_.qkv.G * dims_.qkv.D);
   const double ffn_mult = cfg_.swiglu ? 3.0 : 2.0;
@@ -445,12 +561,13 @@ double GptModel::flops_per_step() const {
     p_attn = p_q + kvr * (h + nh * (dqk + dv) + 1) + h * dr + nh * dv * h;
     a_core = nh * (dqk + dr) / 2 + nh * dv / 2;
   }
-  double n_moe = 0;
+  double n_moe = 0;  // MoE layers among the decoder's and the MTP depths' (L of them in all)
   for (const auto& m : moe_) n_moe += m ? 1.0 : 0.0;
   const double mlp = ffn_mult * (static_cast<double>(dims_.F) * (L - n_moe) +
                                  static_cast<double>(cfg_.moe_ffn() * cfg_.moe.router_topk) * n_moe +
                                  static_cast<double>(cfg_.moe.shared_expert_intermediate_size) * n_moe);
-  return T * (6 * h * mlp + L * 6 * p_attn + 6 * h * static_cast<double>(cfg_.vocab_size)) +
+  return T * (6 * h * mlp + L * 6 * p_attn + 6 * n_mtp * (3 * h + 2 * h * h) +
+              6 * h * static_cast<double>(cfg_.vocab_size) * (n_mtp + 1)) +
          static_cast<double>(B_) * S * S * 6 * a_core * L;
 }
 

@@ -21,6 +21,12 @@ struct LossResult {
   double loss_sum = 0;  // summed cross-entropy over counted tokens
   int64_t tokens = 0;   // labels >= 0
   double mean() const { return tokens ? loss_sum / static_cast<double>(tokens) : 0.0; }
+  // Per MTP depth (forward_backward only): the cross-entropy over its rolled labels, as Megatron's "mtp_k loss".
+  std::vector<double> mtp_loss_sum;
+  std::vector<int64_t> mtp_tokens;
+  double mtp_mean(size_t depth) const {
+    return mtp_tokens[depth] ? mtp_loss_sum[depth] / static_cast<double>(mtp_tokens[depth]) : 0.0;
+  }
 };
 
 // Bytes by memory category, computed from the configuration before anything is allocated.
@@ -93,9 +99,14 @@ class GptModel {
  private:
   void forward_trunk(const Tensor& tokens, bool training);
   void set_dropout_keys(bool training);
-  void moe_mlp_forward(size_t layer, bool training, const ops::Context& ctx);
-  void moe_mlp_backward(size_t layer, float grad_scale,
-                        const ops::Context& ctx);  // fills drops_ / embedding_drop_ (p = 0 when not training)
+  void layer_forward(size_t layer, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx);
+  void layer_backward(size_t layer, const Tensor& x, float grad_scale, const ops::Context& ctx);
+  void moe_mlp_forward(size_t layer, Tensor& y, bool training, const ops::Context& ctx);
+  void moe_mlp_backward(size_t layer, float grad_scale, const ops::Context& ctx);
+  void roll_left(Tensor& out, const Tensor& in, int32_t fill) const;
+  void mtp_forward(bool training, const ops::Context& ctx);
+  void mtp_backward(LossResult& r, float grad_scale,
+                    const ops::Context& ctx);  // fills drops_ / embedding_drop_ (p = 0 when not training)
 
   ModelConfig cfg_;
   int64_t B_;
@@ -125,7 +136,21 @@ class GptModel {
     moe::RouterState state;
     moe::MoeLayerCache cache;
   };
-  std::vector<std::unique_ptr<MoeBlock>> moe_;  // per layer; null for dense layers
+  std::vector<std::unique_ptr<MoeBlock>> moe_;  // per layer (decoder, then MTP); null for dense layers
+  // One multi-token-prediction depth: its parameters and activations (its transformer layer is layer L + depth of
+  // the per-layer arrays).
+  struct MtpDepth {
+    Param *enorm = nullptr, *enorm_b = nullptr, *hnorm = nullptr, *hnorm_b = nullptr, *eh = nullptr;
+    Param *fnorm = nullptr, *fnorm_b = nullptr;
+    Tensor ids, labels;   // [N] i32: rolled input ids and labels
+    Tensor e, hin, x, y;  // [N, H] f32: embedding, h_{k-1}, layer input (eh_proj output), layer output
+    Tensor en, hn, h;     // [N, H] compute: enorm(e), hnorm(h_{k-1}), final_norm(y) = h_k
+    Tensor e_mean, e_rstd, h_mean, h_rstd, f_mean, f_rstd;  // [N] f32 norm statistics (means: LayerNorm only)
+    ops::Dropout drop;  // the embedding's dropout (Megatron's embedding applies hidden dropout)
+  };
+  std::vector<MtpDepth> mtp_;
+  Tensor mtp_dx_c_;                      // [N, H] compute: a depth's layer-input gradient for the eh_proj GEMMs
+  Tensor mtp_carry_, mtp_dn_, mtp_dfn_;  // [N, H] f32: dL/dh_{k-1}, a norm-output gradient, dL/dh_k
   moe::MoeLayerDims moe_dims_;
   ExpertParallel ep_;
   std::unique_ptr<moe::Dispatcher> dispatcher_;

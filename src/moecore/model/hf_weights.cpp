@@ -1,6 +1,7 @@
 #include "moecore/model/hf_weights.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 
 #include "moecore/core/error.h"
@@ -60,6 +61,7 @@ void check_family(const ModelConfig& c, HfFamily f) {
                      : "--qk-layernorm (only qwen3_moe has q_norm / k_norm)");
   require(c.moe.enabled(), f, "no routed experts (--num-experts)");
   const int64_t Fs = c.moe.shared_expert_intermediate_size;
+  require(deepseek || c.mtp_num_layers == 0, f, "--mtp-num-layers (only deepseek_v3 has MTP layers)");
   if (deepseek) {
     require(!c.moe.shared_expert_gate, f, "--moe-shared-expert-gate (DeepSeek-V3's shared experts are ungated)");
     require(c.moe.enable_expert_bias, f,
@@ -101,47 +103,53 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_int
   std::map<std::string, size_t> tensor_index;
   auto tensor = [&](const std::string& name, Shape shape) {
     tensor_index[name] = m.tensors.size();
-    m.tensors.push_back({name, shape, {}});
+    HfTensorSpec& t = m.tensors.emplace_back();
+    t.name = name;
+    t.shape = shape;
   };
   // HF tensors in transformers' module order, with their shapes.
   tensor("model.embed_tokens.weight", {cfg.vocab_size, H});
   const std::vector<bool> moe_layers = cfg.moe_layers();
+  // One DeepSeek-V3 decoder layer's tensors under `pre` (layer: its index in moecore's per-layer arrays).
+  auto deepseek_layer = [&](const std::string& pre, bool is_moe, int64_t layer) {
+    if (qr) {
+      tensor(pre + "self_attn.q_a_proj.weight", {qr, H});
+      tensor(pre + "self_attn.q_a_layernorm.weight", {qr});
+      tensor(pre + "self_attn.q_b_proj.weight", {nh * (dn + dr), qr});
+    } else {
+      tensor(pre + "self_attn.q_proj.weight", {nh * (dn + dr), H});
+    }
+    tensor(pre + "self_attn.kv_a_proj_with_mqa.weight", {kvr + dr, H});
+    tensor(pre + "self_attn.kv_a_layernorm.weight", {kvr});
+    tensor(pre + "self_attn.kv_b_proj.weight", {nh * (dn + dv), kvr});
+    tensor(pre + "self_attn.o_proj.weight", {H, nh * dv});
+    if (is_moe) {
+      tensor(pre + "mlp.gate.weight", {E, H});
+      tensor(pre + "mlp.gate.e_score_correction_bias", {E});
+      m.tensors.back().expert_bias_layer = layer;
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string ex = pre + "mlp.experts." + std::to_string(e) + ".";
+        tensor(ex + "gate_proj.weight", {Fm, H});
+        tensor(ex + "up_proj.weight", {Fm, H});
+        tensor(ex + "down_proj.weight", {H, Fm});
+      }
+      if (Fs > 0) {
+        tensor(pre + "mlp.shared_experts.gate_proj.weight", {Fs, H});
+        tensor(pre + "mlp.shared_experts.up_proj.weight", {Fs, H});
+        tensor(pre + "mlp.shared_experts.down_proj.weight", {H, Fs});
+      }
+    } else {
+      tensor(pre + "mlp.gate_proj.weight", {cfg.ffn(), H});
+      tensor(pre + "mlp.up_proj.weight", {cfg.ffn(), H});
+      tensor(pre + "mlp.down_proj.weight", {H, cfg.ffn()});
+    }
+    tensor(pre + "input_layernorm.weight", {H});
+    tensor(pre + "post_attention_layernorm.weight", {H});
+  };
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     const std::string pre = "model.layers." + std::to_string(l) + ".";
     if (deepseek) {
-      if (qr) {
-        tensor(pre + "self_attn.q_a_proj.weight", {qr, H});
-        tensor(pre + "self_attn.q_a_layernorm.weight", {qr});
-        tensor(pre + "self_attn.q_b_proj.weight", {nh * (dn + dr), qr});
-      } else {
-        tensor(pre + "self_attn.q_proj.weight", {nh * (dn + dr), H});
-      }
-      tensor(pre + "self_attn.kv_a_proj_with_mqa.weight", {kvr + dr, H});
-      tensor(pre + "self_attn.kv_a_layernorm.weight", {kvr});
-      tensor(pre + "self_attn.kv_b_proj.weight", {nh * (dn + dv), kvr});
-      tensor(pre + "self_attn.o_proj.weight", {H, nh * dv});
-      if (moe_layers[static_cast<size_t>(l)]) {
-        tensor(pre + "mlp.gate.weight", {E, H});
-        tensor(pre + "mlp.gate.e_score_correction_bias", {E});
-        m.tensors.back().expert_bias_layer = l;
-        for (int64_t e = 0; e < E; ++e) {
-          const std::string ex = pre + "mlp.experts." + std::to_string(e) + ".";
-          tensor(ex + "gate_proj.weight", {Fm, H});
-          tensor(ex + "up_proj.weight", {Fm, H});
-          tensor(ex + "down_proj.weight", {H, Fm});
-        }
-        if (Fs > 0) {
-          tensor(pre + "mlp.shared_experts.gate_proj.weight", {Fs, H});
-          tensor(pre + "mlp.shared_experts.up_proj.weight", {Fs, H});
-          tensor(pre + "mlp.shared_experts.down_proj.weight", {H, Fs});
-        }
-      } else {
-        tensor(pre + "mlp.gate_proj.weight", {cfg.ffn(), H});
-        tensor(pre + "mlp.up_proj.weight", {cfg.ffn(), H});
-        tensor(pre + "mlp.down_proj.weight", {H, cfg.ffn()});
-      }
-      tensor(pre + "input_layernorm.weight", {H});
-      tensor(pre + "post_attention_layernorm.weight", {H});
+      deepseek_layer(pre, moe_layers[static_cast<size_t>(l)], l);
       continue;
     }
     tensor(pre + "self_attn.q_proj.weight", {G * R * D, H});
@@ -180,6 +188,22 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_int
     tensor(pre + "input_layernorm.weight", {H});
     tensor(pre + "post_attention_layernorm.weight", {H});
   }
+  // DeepSeek-V3's MTP depths are layers num_layers + k of the checkpoint, with copies of the shared embedding and
+  // output head (one parameter each in moecore, as in Megatron).
+  const std::string head = cfg.untie_embeddings_and_output_weights ? "lm_head.weight" : "model.embed_tokens.weight";
+  for (int64_t k = 0; k < cfg.mtp_num_layers; ++k) {
+    const int64_t l = cfg.num_layers + k;
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    tensor(pre + "embed_tokens.weight", {cfg.vocab_size, H});
+    m.tensors.back().copy_of = "model.embed_tokens.weight";
+    tensor(pre + "enorm.weight", {H});
+    tensor(pre + "hnorm.weight", {H});
+    tensor(pre + "eh_proj.weight", {H, 2 * H});
+    deepseek_layer(pre, moe_layers.back(), l);
+    tensor(pre + "shared_head.norm.weight", {H});
+    tensor(pre + "shared_head.head.weight", {cfg.vocab_size, H});
+    m.tensors.back().copy_of = head;
+  }
   tensor("model.norm.weight", {H});
   if (cfg.untie_embeddings_and_output_weights) tensor("lm_head.weight", {cfg.vocab_size, H});
 
@@ -204,10 +228,23 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_int
     std::string layer, hpre, moe;
     if (n.starts_with("decoder.layers.")) {
       layer = n.substr(15, n.find('.', 15) - 15);
+    } else if (n.starts_with("mtp.layers.")) {  // MTP depth k: checkpoint layer num_layers + k
+      layer = std::to_string(cfg.num_layers + std::stoll(n.substr(11, n.find('.', 11) - 11)));
+    }
+    if (!layer.empty()) {
       hpre = "model.layers." + layer + ".";
       moe = hpre + (mixtral ? "block_sparse_moe." : "mlp.");
     }
-    if (n == "embedding.word_embeddings.weight") {
+    const bool mtp_own = n.starts_with("mtp.layers.") && n.find(".transformer_layer.") == std::string::npos;
+    if (mtp_own && ends(".enorm.weight")) {
+      whole(hpre + "enorm.weight");
+    } else if (mtp_own && ends(".hnorm.weight")) {
+      whole(hpre + "hnorm.weight");
+    } else if (mtp_own && ends(".eh_proj.weight")) {
+      whole(hpre + "eh_proj.weight");
+    } else if (mtp_own && ends(".final_layernorm.weight")) {
+      whole(hpre + "shared_head.norm.weight");
+    } else if (n == "embedding.word_embeddings.weight") {
       whole("model.embed_tokens.weight");
     } else if (n == "decoder.final_layernorm.weight") {
       whole("model.norm.weight");
@@ -285,7 +322,7 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_int
       t.sources.emplace_back(i, r);
     }
   for (HfTensorSpec& t : m.tensors) {
-    if (t.expert_bias_layer >= 0) continue;
+    if (t.expert_bias_layer >= 0 || !t.copy_of.empty()) continue;
     std::sort(t.sources.begin(), t.sources.end(), [&](const auto& a, const auto& b) {
       return m.params[a.first].runs[a.second].hf_row < m.params[b.first].runs[b.second].hf_row;
     });
@@ -313,8 +350,8 @@ void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf) 
       MOECORE_FAIL("hf checkpoint '", hf.dir(), "': tensor '", t.name, "' in '", t.shard, "' has shape ", t.shape.str(),
                    " but config.json implies ", it->second->shape.str());
     if (!t.type || !dtype_is_float(*t.type))
-      MOECORE_FAIL("hf checkpoint '", hf.dir(), "': tensor '", t.name, "' in '", t.shard, "' has dtype ",
-                   t.dtype_name, ", expected a float dtype (F32, BF16, F16, or F8_E4M3 with a block scale)");
+      MOECORE_FAIL("hf checkpoint '", hf.dir(), "': tensor '", t.name, "' in '", t.shard, "' has dtype ", t.dtype_name,
+                   ", expected a float dtype (F32, BF16, F16, or F8_E4M3 with a block scale)");
   }
   for (const HfTensorSpec& t : map.tensors)
     if (!hf.contains(t.name))
@@ -331,8 +368,8 @@ int64_t part_rows(int64_t width) {
 
 void hf_read_param_rows(const HfParamMap& map, const io::HfCheckpointReader& hf, int64_t first_row, int64_t last_row,
                         const std::function<void(const Tensor& part)>& sink) {
-  MOECORE_CHECK(0 <= first_row && first_row <= last_row && last_row <= map.rows(), "rows [", first_row, ", ",
-                last_row, ") of ", map.param);
+  MOECORE_CHECK(0 <= first_row && first_row <= last_row && last_row <= map.rows(), "rows [", first_row, ", ", last_row,
+                ") of ", map.param);
   const int64_t step = part_rows(map.width);
   std::string scaled_name;  // FP8 block-scaled weights are dequantised whole, once per parameter
   Tensor scaled;
@@ -349,7 +386,25 @@ void hf_read_param_rows(const HfParamMap& map, const io::HfCheckpointReader& hf,
   }
 }
 
+void hf_check_copies(const HfWeightMap& map, const io::HfCheckpointReader& hf) {
+  for (const HfTensorSpec& t : map.tensors) {
+    if (t.copy_of.empty()) continue;
+    const int64_t width = io::hf_row_width(t.shape), rows = t.shape.numel() / width;
+    const int64_t step = part_rows(width);
+    for (int64_t r = 0; r < rows; r += step) {
+      const int64_t n = std::min(step, rows - r);
+      const Tensor a = hf.read_rows(t.name, r, n), b = hf.read_rows(t.copy_of, r, n);
+      if (a.dtype() != b.dtype() || std::memcmp(a.raw(), b.raw(), static_cast<size_t>(a.nbytes())) != 0)
+        MOECORE_FAIL("hf checkpoint '", hf.dir(), "': tensor '", t.name, "' differs from '", t.copy_of, "' (rows [", r,
+                     ", ", r + n,
+                     ")); moecore shares one parameter between them, as Megatron's MTP shares the main model's "
+                     "embedding and output layer");
+    }
+  }
+}
+
 void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptModel& gpt) {
+  hf_check_copies(map, hf);
   std::vector<Param>& params = gpt.params();
   MOECORE_CHECK(params.size() == map.params.size(), params.size(), " parameters for a map of ", map.params.size());
   for (size_t i = 0; i < params.size(); ++i) {
@@ -376,6 +431,11 @@ void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptMode
 void hf_gather_parts(const HfWeightMap& map, const HfTensorSpec& tensor,
                      const std::function<Tensor(size_t param, int64_t first_row, int64_t rows)>& rows,
                      const std::function<void(const Tensor& part)>& sink) {
+  if (!tensor.copy_of.empty()) {
+    for (const HfTensorSpec& t : map.tensors)
+      if (t.name == tensor.copy_of) return hf_gather_parts(map, t, rows, sink);
+    MOECORE_CHECK(false, "no tensor ", tensor.copy_of, " to copy into ", tensor.name);
+  }
   for (const auto& [pi, ri] : tensor.sources) {
     const HfRowRun& r = map.params[pi].runs[ri];
     const int64_t step = part_rows(map.params[pi].width);

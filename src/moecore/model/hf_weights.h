@@ -47,6 +47,7 @@ struct HfTensorSpec {
   Shape shape;
   std::vector<std::pair<size_t, size_t>> sources;  // (parameter, run) pairs filling it, ascending hf_row
   int64_t expert_bias_layer = -1;  // >= 0: the router's expert bias of that layer (no parameter, no gradient)
+  std::string copy_of;  // DeepSeek-V3's MTP copies of the embedding / output head: that tensor's (no own gradient)
 };
 
 struct HfWeightMap {
@@ -74,6 +75,9 @@ void hf_read_param_rows(const HfParamMap& map, const io::HfCheckpointReader& hf,
 // with the map's shapes and float dtypes; throws naming the directory, the tensor and expected vs found (an extra
 // tensor is refused: it would be silently dropped).
 void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf);
+
+// Checks that each copy (copy_of) holds the same bytes as its original, streaming; throws naming both.
+void hf_check_copies(const HfWeightMap& map, const io::HfCheckpointReader& hf);
 
 // Fills this rank's parameters (expert parameters hold experts [ep_rank * n, (ep_rank + 1) * n)) and the routers'
 // expert biases from the checkpoint, after hf_check_tensors, and refreshes the compute copies.

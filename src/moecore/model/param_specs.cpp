@@ -24,8 +24,8 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
   if (cfg.position_embedding_type == PositionEmbedding::learned_absolute)
     add("embedding.position_embeddings.weight", {cfg.max_positions(), H}, ParamInit::normal, std_w);
   const std::vector<bool> moe_layers = cfg.moe_layers();
-  for (int64_t l = 0; l < L; ++l) {
-    const std::string pre = "decoder.layers." + std::to_string(l) + ".";
+  // One transformer layer's parameters under `pre` (a decoder layer, or an MTP depth's transformer layer).
+  auto layer = [&](const std::string& pre, bool is_moe) {
     norm(pre + "input_layernorm", H);
     if (cfg.multi_latent_attention) {  // Megatron's MLASelfAttention (local spec names)
       const int64_t qr = cfg.q_lora_rank, kvr = cfg.kv_lora_rank, dr = cfg.qk_pos_emb_head_dim;
@@ -56,16 +56,16 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
         norm(pre + "self_attention.k_layernorm", D);
       }
     }
-    if (!moe_layers[static_cast<size_t>(l)]) {
+    if (!is_moe) {
       add(pre + "mlp.linear_fc1.weight", {glu(cfg.ffn()), H}, ParamInit::normal, std_w);
       add(pre + "mlp.linear_fc2.weight", {H, cfg.ffn()}, ParamInit::normal, std_out);
       if (bias) {
         add(pre + "mlp.linear_fc1.bias", {glu(cfg.ffn())}, ParamInit::zeros);
         add(pre + "mlp.linear_fc2.bias", {H}, ParamInit::zeros);
       }
-      continue;
+      return;
     }
-    const int64_t E = mc.num_experts;
+      const int64_t E = mc.num_experts;
     add(pre + "mlp.router.weight", {E, H}, ParamInit::normal, std_w);
     add(pre + "mlp.experts.linear_fc1.weight", {E, glu(Fm), H}, ParamInit::normal, std_w, true);
     add(pre + "mlp.experts.linear_fc2.weight", {E, H, Fm}, ParamInit::normal, std_out, true);
@@ -79,8 +79,17 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
       add(pre + "mlp.shared_experts.linear_fc2.weight", {H, Fs}, ParamInit::normal, std_out);
       if (mc.shared_expert_gate) add(pre + "mlp.shared_experts.gate_weight", {1, H}, ParamInit::normal, std_w);
     }
-  }
+  };
+  for (int64_t l = 0; l < L; ++l) layer("decoder.layers." + std::to_string(l) + ".", moe_layers[static_cast<size_t>(l)]);
   norm("decoder.final_layernorm", H);
+  for (int64_t k = 0; k < cfg.mtp_num_layers; ++k) {  // Megatron's MultiTokenPredictionLayer
+    const std::string pre = "mtp.layers." + std::to_string(k) + ".";
+    norm(pre + "enorm", H);
+    norm(pre + "hnorm", H);
+    add(pre + "eh_proj.weight", {H, 2 * H}, ParamInit::normal, std_w);
+    layer(pre + "transformer_layer.", moe_layers.back());  // the last decoder layer's kind, as Megatron
+    norm(pre + "final_layernorm", H);
+  }
   if (cfg.untie_embeddings_and_output_weights) add("output_layer.weight", {V, H}, ParamInit::normal, std_w);
   return out;
 }

@@ -18,7 +18,7 @@ using nlohmann::json;
 constexpr const char* kModelFile = kCheckpointModelFile;
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 
-json model_fingerprint(const model::ModelConfig& c) {
+json base_fingerprint(const model::ModelConfig& c) {
   return {{"num_layers", c.num_layers},
           {"hidden_size", c.hidden_size},
           {"num_attention_heads", c.num_attention_heads},
@@ -32,6 +32,14 @@ json model_fingerprint(const model::ModelConfig& c) {
           {"swiglu", c.swiglu},
           {"normalization", c.normalization == model::Normalization::layernorm ? "LayerNorm" : "RMSNorm"},
           {"untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights}};
+}
+
+json model_fingerprint(const model::ModelConfig& c) {
+  json f = base_fingerprint(c);
+  if (c.mtp_num_layers > 0) f["mtp_num_layers"] = c.mtp_num_layers;  // absent otherwise: older checkpoints match
+  if (c.multi_latent_attention)
+    f["mla"] = {c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim};
+  return f;
 }
 
 const Tensor& need(const io::SafetensorsFile& f, const std::string& file, const std::string& name, const Tensor& like) {
@@ -258,7 +266,7 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
     o["exp_avg_sq." + params[i].name] = opt.exp_avg_sq[i];
   }
   json calls = json::array();
-  for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
+  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
     const moe::RouterState* st = gpt.router_state(l);
     calls.push_back(st ? st->calls : 0);
     if (st && st->expert_bias.defined()) model[checkpoint_expert_bias_name(l)] = st->expert_bias;
@@ -393,7 +401,7 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
       for (Tensor& t : *moments)
         if (t.defined()) t.zero_();
   }
-  for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
+  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
     moe::RouterState* st = gpt.router_state(l);
     if (!st) continue;
     st->calls = load_rng ? state["router_calls"].at(static_cast<size_t>(l)).get<int64_t>() : 0;

@@ -100,7 +100,7 @@ namespace {
 // Adds this micro-batch's router statistics of every MoE layer into acc; returns the number of MoE layers.
 int64_t accumulate_moe_losses(const model::GptModel& gpt, MoeStepLosses& acc) {
   int64_t n = 0;
-  for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
+  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
     const moe::RouterStats* st = gpt.moe_stats(l);
     if (!st) continue;
     ++n;
@@ -128,7 +128,7 @@ std::string format_moe_losses(const moe::MoeConfig& mc, const MoeStepLosses& l) 
 }
 // Per-layer router statistics of the last micro-batch: tokens per expert, max/mean load, drops and losses.
 void log_moe_layers(const model::GptModel& gpt, std::FILE* log) {
-  for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
+  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
     const moe::RouterStats* st = gpt.moe_stats(l);
     if (!st) continue;
     std::string tpe;
@@ -175,13 +175,15 @@ struct MetricSinks {
 
 void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, double loss, double lr,
                   double grad_norm, double tokens_per_s, double tflops, const MoeStepLosses& moe_losses, bool per_layer,
-                  double comm_share) {
+                  double comm_share, const std::vector<double>& mtp_losses) {
   const moe::MoeConfig& mc = gpt.config().moe;
   std::vector<std::pair<std::string, double>> scalars = {{"lm loss", loss},
                                                          {"learning-rate", lr},
                                                          {"grad-norm", grad_norm},
                                                          {"throughput/tokens_per_s", tokens_per_s},
                                                          {"throughput/tflops", tflops}};
+  for (size_t k = 0; k < mtp_losses.size(); ++k)  // Megatron's "mtp_<k> loss", one per depth
+    scalars.emplace_back("mtp_" + std::to_string(k + 1) + "_loss", mtp_losses[k]);
   if (mc.enabled() && mc.uses(moe::LoadBalancing::aux_loss))
     scalars.emplace_back("load_balancing_loss", moe_losses.aux_loss);
   if (mc.enabled() && mc.uses(moe::LoadBalancing::seq_aux_loss))
@@ -191,7 +193,7 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
   if (mc.enabled() && mc.z_loss_coeff > 0) scalars.emplace_back("z_loss", moe_losses.z_loss);
   if (comm_share >= 0) scalars.emplace_back("moe/dispatcher_comm_share", comm_share);
   if (per_layer) {
-    for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
+    for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
       const moe::RouterStats* st = gpt.moe_stats(l);
       if (!st) continue;
       const std::string sfx = "_layer_" + std::to_string(l);
@@ -228,7 +230,7 @@ void reduce_stats_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses
   step_loss = v[0] * inv;
   // global_load_balancing_loss is logged as the sum over DP (its ranks' parts add up to the full loss).
   moe_losses = {v[1] * inv, v[2] * inv, v[3], v[4] * inv};
-  for (int64_t l = 0; l < gpt.config().num_layers; ++l) {
+  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
     moe::RouterState* st = gpt.router_state(l);
     if (st) all_reduce_sum(std::span<int64_t>(st->local_tokens_per_expert), dp);
   }
@@ -497,6 +499,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   const auto t_start = std::chrono::steady_clock::now();
   auto t_last = t_start;
   double loss_acc = 0;
+  std::vector<double> mtp_acc(static_cast<size_t>(m.mtp_num_layers), 0.0);  // MTP losses over the log interval
   int64_t logged_steps = 0;
   auto save = [&]() {
     if (cfg.save.empty()) return;
@@ -515,15 +518,22 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   for (int64_t it = progress.iteration; it < cfg.train_iters; ++it) {
     gpt.zero_grad();
     double step_loss = 0;
+    std::vector<double> mtp_loss(static_cast<size_t>(m.mtp_num_layers), 0.0);  // per depth
     MoeStepLosses moe_losses;
     int64_t moe_layers = 0;
     for (int64_t mb = 0; mb < micro_local; ++mb) {
       batches(tokens, labels, false, it * micro + dp_rank * micro_local + mb);
       gpt.set_dropout_step(it, dp_rank * micro_local + mb);
-      step_loss += gpt.forward_backward(tokens, labels, 1.0f / static_cast<float>(micro)).mean();
+      const model::LossResult r = gpt.forward_backward(tokens, labels, 1.0f / static_cast<float>(micro));
+      step_loss += r.mean();
+      for (size_t k = 0; k < mtp_loss.size(); ++k) mtp_loss[k] += r.mtp_mean(k) / static_cast<double>(micro_local);
       moe_layers = accumulate_moe_losses(gpt, moe_losses);
     }
     step_loss /= static_cast<double>(micro_local);
+    if (dp_size > 1 && !mtp_loss.empty()) {
+      all_reduce_sum(std::span<double>(mtp_loss), *dp);
+      for (double& v : mtp_loss) v /= static_cast<double>(dp_size);
+    }
     if (moe_layers > 0) {
       const double div = static_cast<double>(micro_local * moe_layers);
       moe_losses = {moe_losses.aux_loss / div, moe_losses.seq_aux_loss / div, moe_losses.global_aux_loss / div,
@@ -575,6 +585,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
     out.moe_losses.push_back(moe_losses);
     if (observer) observer(it, step_loss, skip);
     loss_acc += skip ? 0.0 : step_loss;
+    for (size_t k = 0; k < mtp_loss.size() && !skip; ++k) mtp_acc[k] += mtp_loss[k];
     logged_steps += skip ? 0 : 1;
     if ((it + 1) % cfg.log_interval == 0) {
       const auto now = std::chrono::steady_clock::now();
@@ -589,6 +600,15 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
       gpt.reset_dispatcher_comm_seconds();
       const double tflops = flops_per_step / std::max(dt, 1e-9) / 1e12;
       const double mean_loss = logged_steps ? loss_acc / static_cast<double>(logged_steps) : NAN;
+      std::vector<double> mtp_mean(mtp_acc.size());
+      std::string mtp_text;
+      for (size_t k = 0; k < mtp_acc.size(); ++k) {
+        mtp_mean[k] = logged_steps ? mtp_acc[k] / static_cast<double>(logged_steps) : NAN;
+        char b[48];
+        std::snprintf(b, sizeof b, " | mtp_%zu loss %.4f", k + 1, mtp_mean[k]);
+        mtp_text += b;
+      }
+      std::fill(mtp_acc.begin(), mtp_acc.end(), 0.0);
       const double eta =
           elapsed / static_cast<double>(it + 1 - out.first_iteration) * static_cast<double>(cfg.train_iters - it - 1);
       if (log) {
@@ -608,17 +628,17 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
           mfu = b;
         }
         std::fprintf(log,
-                     " iteration %6lld/%6lld | consumed tokens %10lld | lr %.3e | lm loss %.4f%s | grad norm %.3f | "
+                     " iteration %6lld/%6lld | consumed tokens %10lld | lr %.3e | lm loss %.4f%s%s | grad norm %.3f | "
                      "%.0f tokens/s | %.3f TFLOP/s%s%s | ETA %s %s\n",
                      static_cast<long long>(it + 1), static_cast<long long>(cfg.train_iters),
-                     static_cast<long long>(progress.consumed_samples * m.seq_length), lr, mean_loss,
+                     static_cast<long long>(progress.consumed_samples * m.seq_length), lr, mean_loss, mtp_text.c_str(),
                      format_moe_losses(m.moe, moe_losses).c_str(), st.grad_norm, tokens_per_s, tflops, mfu.c_str(),
                      comm.c_str(), format_duration(eta).c_str(), progress_bar(it + 1, cfg.train_iters).c_str());
         if (cfg.moe_per_layer_logging) log_moe_layers(gpt, log);
         std::fflush(log);
       }
       emit_metrics(sinks, gpt, it + 1, mean_loss, lr, st.grad_norm, tokens_per_s, tflops, moe_losses,
-                   cfg.moe_per_layer_logging, comm_share);
+                   cfg.moe_per_layer_logging, comm_share, mtp_mean);
       loss_acc = 0;
       logged_steps = 0;
     }
