@@ -104,7 +104,7 @@ TEST(MegatronFlags, UnsupportedFlagsAreRefusedByName) {
        {std::string("--sequence-parallel"), std::string("--pipeline-model-parallel-size 4"),
         std::string("--tensor-model-parallel-size 2"), std::string("--moe-shared-expert-overlap"),
         std::string("--qk-l2-norm"), std::string("--recompute-activations"), std::string("--overlap-grad-reduce"),
-        std::string("--mtp-num-layers 1")}) {
+        std::string("--fp8-format e4m3")}) {
     const CmdResult r = run_cmd("train --data-path x " + f);
     EXPECT_NE(r.status, 0) << f;
     const std::string name = f.substr(0, f.find(' '));

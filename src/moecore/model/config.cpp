@@ -70,8 +70,9 @@ void ModelConfig::validate() const {
     MOECORE_FAIL("model config: --mtp-num-layers (", mtp_num_layers, ") and --mtp-loss-scaling-factor (",
                  mtp_loss_scaling_factor, ") must not be negative");
   if (mtp_num_layers > 0 && position_embedding_type == PositionEmbedding::learned_absolute)
-    MOECORE_FAIL("model config: --mtp-num-layers with learned absolute positions is not supported yet; pass "
-                 "--position-embedding-type rope");
+    MOECORE_FAIL(
+        "model config: --mtp-num-layers with learned absolute positions is not supported yet; pass "
+        "--position-embedding-type rope");
   moe.validate();
   if (moe.enabled()) {
     (void)moe_layers();  // validates --moe-layer-freq against num_layers

@@ -56,11 +56,11 @@ struct ModelConfig {
   bool yarn = false;                    // --rope-type yarn (Megatron's default with MLA)
   YarnConfig yarn_config;
   // Multi-token prediction (DeepSeek-V3; Megatron's MultiTokenPredictionBlock): depth k predicts token i + 1 + k.
-  int64_t mtp_num_layers = 0;             // --mtp-num-layers (Megatron's None = 0: off)
-  float mtp_loss_scaling_factor = 0.1f;   // --mtp-loss-scaling-factor: the MTP losses weigh this / mtp_num_layers
-  float hidden_dropout = 0.0f;     // --hidden-dropout: embedding output and both bias-dropout-adds, [0, 1)
-  float attention_dropout = 0.0f;  // --attention-dropout: on the attention probabilities, [0, 1)
-  bool swiglu = true;              // --swiglu (else GeLU MLP, Megatron's default)
+  int64_t mtp_num_layers = 0;            // --mtp-num-layers (Megatron's None = 0: off)
+  float mtp_loss_scaling_factor = 0.1f;  // --mtp-loss-scaling-factor: the MTP losses weigh this / mtp_num_layers
+  float hidden_dropout = 0.0f;           // --hidden-dropout: embedding output and both bias-dropout-adds, [0, 1)
+  float attention_dropout = 0.0f;        // --attention-dropout: on the attention probabilities, [0, 1)
+  bool swiglu = true;                    // --swiglu (else GeLU MLP, Megatron's default)
   bool untie_embeddings_and_output_weights = true;  // --untie-embeddings-and-output-weights (else tied)
   float init_method_std = 0.02f;                    // --init-method-std: N(0, std^2) for weights
   DType compute_dtype = DType::f32;                 // --bf16 selects bf16 compute (fp32 master weights)
@@ -85,7 +85,7 @@ struct ModelConfig {
   std::vector<bool> moe_layers() const;  // which decoder layers are MoE (all false for a dense model)
   // Decoder layers plus one transformer layer per MTP depth (those follow the decoder's in per-layer arrays).
   int64_t num_transformer_layers() const { return num_layers + mtp_num_layers; }
-  void validate() const;                 // throws Error naming the offending fields and values
+  void validate() const;  // throws Error naming the offending fields and values
   std::string summary() const;
 };
 

@@ -65,7 +65,7 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
       }
       return;
     }
-      const int64_t E = mc.num_experts;
+    const int64_t E = mc.num_experts;
     add(pre + "mlp.router.weight", {E, H}, ParamInit::normal, std_w);
     add(pre + "mlp.experts.linear_fc1.weight", {E, glu(Fm), H}, ParamInit::normal, std_w, true);
     add(pre + "mlp.experts.linear_fc2.weight", {E, H, Fm}, ParamInit::normal, std_out, true);
@@ -80,7 +80,8 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
       if (mc.shared_expert_gate) add(pre + "mlp.shared_experts.gate_weight", {1, H}, ParamInit::normal, std_w);
     }
   };
-  for (int64_t l = 0; l < L; ++l) layer("decoder.layers." + std::to_string(l) + ".", moe_layers[static_cast<size_t>(l)]);
+  for (int64_t l = 0; l < L; ++l)
+    layer("decoder.layers." + std::to_string(l) + ".", moe_layers[static_cast<size_t>(l)]);
   norm("decoder.final_layernorm", H);
   for (int64_t k = 0; k < cfg.mtp_num_layers; ++k) {  // Megatron's MultiTokenPredictionLayer
     const std::string pre = "mtp.layers." + std::to_string(k) + ".";
