@@ -4,6 +4,7 @@
 
 #include "bench/bench_util.h"
 #include "moecore/core/rng.h"
+#include "moecore/model/param_specs.h"
 #include "moecore/nn/mla.h"
 
 namespace moecore::bench {
@@ -79,13 +80,19 @@ std::vector<std::string> bench_mla_lines(const MlaBenchShape& s, DType dtype, in
     fwd = std::min(fwd, t1 - t0);
     both = std::min(both, t2 - t0);
   }
-  const double T = static_cast<double>(N), h = static_cast<double>(H), nh = static_cast<double>(s.heads);
-  const double dqk = static_cast<double>(s.dn), dr = static_cast<double>(s.dr), dv = static_cast<double>(s.dv);
-  const double qr = static_cast<double>(s.q_lora), kvr = static_cast<double>(s.kv_lora);
-  const double p_q = qr > 0 ? qr * (h + nh * (dqk + dr)) : h * nh * (dqk + dr);
-  const double p_attn = p_q + kvr * (h + nh * (dqk + dv)) + h * dr + nh * dv * h;
-  const double a_core = nh * (dqk + dr) / 2 + nh * dv / 2;
-  const double flops_fwd = 2 * T * p_attn + 2 * static_cast<double>(s.B * s.S) * static_cast<double>(s.S) * a_core;
+  model::ModelConfig cfg;  // the shape as a model config, for the model's own FLOPs formula
+  cfg.hidden_size = H;
+  cfg.num_attention_heads = s.heads;
+  cfg.seq_length = s.S;
+  cfg.multi_latent_attention = true;
+  cfg.q_lora_rank = s.q_lora;
+  cfg.kv_lora_rank = s.kv_lora;
+  cfg.qk_head_dim = s.dn;
+  cfg.qk_pos_emb_head_dim = s.dr;
+  cfg.v_head_dim = s.dv;
+  const model::AttentionCost a = model::attention_cost(cfg);
+  const double flops_fwd =
+      2 * static_cast<double>(N) * a.p_attn + 2 * static_cast<double>(s.B * s.S) * static_cast<double>(s.S) * a.a_core;
   std::vector<std::string> lines;
   for (const auto& [name, flops, secs] :
        {std::tuple{"mla_fwd", flops_fwd, fwd}, std::tuple{"mla_fwd_bwd", 3 * flops_fwd, both}}) {

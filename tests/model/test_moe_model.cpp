@@ -5,6 +5,7 @@
 
 #include "model/shakespeare_run.h"
 #include "moecore/model/gpt.h"
+#include "moecore/model/param_specs.h"
 #include "moecore/optim/adamw.h"
 #include "moecore/train/trainer.h"
 #include "test_util.h"
@@ -234,6 +235,46 @@ TEST(MoeModel, EndToEndGradientMatchesFiniteDifferences) {
       EXPECT_NEAR(fd, gp[i], 0.03 * std::fabs(gp[i]) + 3e-5) << name << "[" << i << "]";
     }
   }
+}
+
+}  // namespace
+}  // namespace moecore
+
+namespace moecore {
+namespace {
+
+// Model FLOPs against echo-folding-perf.md's worked split for DeepSeek-V3 at S = 4096 (MLP 57 %, attention
+// projections 27 %, attention core 12 %, logits 4 %, MTP extra < 1 %): the total is the formula's value for
+// V3's config (61 layers, 3 dense, MLA, 256 experts top-8 of 2048, one shared, one MTP depth, vocab 129280).
+TEST(ModelFlops, DeepSeekV3MatchesTheWorkedSplit) {
+  model::ModelConfig c;
+  c.num_layers = 61;
+  c.hidden_size = 7168;
+  c.num_attention_heads = 128;
+  c.ffn_hidden_size = 18432;
+  c.vocab_size = 129280;
+  c.seq_length = 4096;
+  c.swiglu = true;
+  c.multi_latent_attention = c.qk_layernorm = true;
+  c.q_lora_rank = 1536;
+  c.kv_lora_rank = 512;
+  c.qk_head_dim = 128;
+  c.qk_pos_emb_head_dim = 64;
+  c.v_head_dim = 128;
+  c.mtp_num_layers = 1;
+  c.moe.num_experts = 256;
+  c.moe.router_topk = 8;
+  c.moe.ffn_hidden_size = 2048;
+  c.moe.shared_expert_intermediate_size = 2048;
+  c.moe.swiglu = true;
+  c.moe_layer_freq = "[0]*3+[1]*58";
+  const double total = model::model_flops_per_step(c, 1);
+  EXPECT_NEAR(total, 1.064931126411264e15, 1e-9 * total);
+  const model::AttentionCost a = model::attention_cost(c);
+  const double T = 4096, layers = 62;
+  EXPECT_NEAR(T * layers * 6 * a.p_attn / total, 0.27, 0.005);      // attention projections
+  EXPECT_NEAR(T * T * 6 * a.a_core * layers / total, 0.12, 0.005);  // attention core
+  EXPECT_NEAR(T * 6 * 7168.0 * 129280 * 2 / total, 0.043, 0.001);   // logits, main + MTP head
 }
 
 }  // namespace

@@ -544,31 +544,7 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
 }
 
 double GptModel::flops_per_step() const {
-  const double T = static_cast<double>(B_ * cfg_.seq_length), h = static_cast<double>(cfg_.hidden_size);
-  // Every transformer layer, the MTP depths' included; each depth adds its norms + eh_proj and one more logit GEMM.
-  const double L = static_cast<double>(cfg_.num_transformer_layers()), S = static_cast<double>(cfg_.seq_length);
-  const double n_mtp = static_cast<double>(cfg_.mtp_num_layers);
-  const double q = static_cast<double>(dims_.qkv.q_heads() * dims_.qkv.D);
-  const double kv = static_cast<double>(dims_.qkv.G * dims_.qkv.D);
-  const double ffn_mult = cfg_.swiglu ? 3.0 : 2.0;
-  // Attention projections (P_attn) and core (A_core: QK^T and AV, causal halves), echo-folding-perf.md's formula.
-  double p_attn = h * (q + 2 * kv) + q * h, a_core = q;
-  if (cfg_.multi_latent_attention) {
-    const double nh = static_cast<double>(cfg_.num_attention_heads), dqk = static_cast<double>(cfg_.qk_head_dim);
-    const double dr = static_cast<double>(cfg_.qk_pos_emb_head_dim), dv = static_cast<double>(cfg_.v_head_dim);
-    const double qr = static_cast<double>(cfg_.q_lora_rank), kvr = static_cast<double>(cfg_.kv_lora_rank);
-    const double p_q = qr > 0 ? qr * (h + nh * (dqk + dr) + 1) : h * nh * (dqk + dr);
-    p_attn = p_q + kvr * (h + nh * (dqk + dv) + 1) + h * dr + nh * dv * h;
-    a_core = nh * (dqk + dr) / 2 + nh * dv / 2;
-  }
-  double n_moe = 0;  // MoE layers among the decoder's and the MTP depths' (L of them in all)
-  for (const auto& m : moe_) n_moe += m ? 1.0 : 0.0;
-  const double mlp = ffn_mult * (static_cast<double>(dims_.F) * (L - n_moe) +
-                                 static_cast<double>(cfg_.moe_ffn() * cfg_.moe.router_topk) * n_moe +
-                                 static_cast<double>(cfg_.moe.shared_expert_intermediate_size) * n_moe);
-  return T * (6 * h * mlp + L * 6 * p_attn + 6 * n_mtp * (3 * h + 2 * h * h) +
-              6 * h * static_cast<double>(cfg_.vocab_size) * (n_mtp + 1)) +
-         static_cast<double>(B_) * S * S * 6 * a_core * L;
+  return model_flops_per_step(cfg_, B_);
 }
 
 }  // namespace moecore::model

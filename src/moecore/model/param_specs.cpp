@@ -95,4 +95,36 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
   return out;
 }
 
+AttentionCost attention_cost(const ModelConfig& cfg) {
+  const double h = static_cast<double>(cfg.hidden_size);
+  if (cfg.multi_latent_attention) {
+    const double nh = static_cast<double>(cfg.num_attention_heads), dqk = static_cast<double>(cfg.qk_head_dim);
+    const double dr = static_cast<double>(cfg.qk_pos_emb_head_dim), dv = static_cast<double>(cfg.v_head_dim);
+    const double qr = static_cast<double>(cfg.q_lora_rank), kvr = static_cast<double>(cfg.kv_lora_rank);
+    const double p_q = qr > 0 ? qr * (h + nh * (dqk + dr) + 1) : h * nh * (dqk + dr);
+    return {p_q + kvr * (h + nh * (dqk + dv) + 1) + h * dr + nh * dv * h, nh * (dqk + dr) / 2 + nh * dv / 2};
+  }
+  const double q = static_cast<double>(cfg.num_attention_heads * cfg.head_dim());
+  const double kv = static_cast<double>(cfg.query_groups() * cfg.head_dim());
+  return {h * (q + 2 * kv) + q * h, q};
+}
+
+double model_flops_per_step(const ModelConfig& cfg, int64_t micro_batch) {
+  const double S = static_cast<double>(cfg.seq_length), T = static_cast<double>(micro_batch) * S;
+  const double h = static_cast<double>(cfg.hidden_size), L = static_cast<double>(cfg.num_transformer_layers());
+  const double n_mtp = static_cast<double>(cfg.mtp_num_layers);
+  const std::vector<bool> moe = cfg.moe_layers();
+  double n_moe = 0;  // MoE layers among the decoder's and the MTP depths' (L of them in all)
+  for (bool m : moe) n_moe += m ? 1.0 : 0.0;
+  if (!moe.empty() && moe.back()) n_moe += n_mtp;
+  const double ffn_mult = cfg.swiglu ? 3.0 : 2.0;
+  const double mlp = ffn_mult * (static_cast<double>(cfg.ffn()) * (L - n_moe) +
+                                 static_cast<double>(cfg.moe_ffn() * cfg.moe.router_topk) * n_moe +
+                                 static_cast<double>(cfg.moe.shared_expert_intermediate_size) * n_moe);
+  const AttentionCost a = attention_cost(cfg);
+  return T * (6 * h * mlp + L * 6 * a.p_attn + 6 * n_mtp * (3 * h + 2 * h * h) +
+              6 * h * static_cast<double>(cfg.vocab_size) * (n_mtp + 1)) +
+         static_cast<double>(micro_batch) * S * S * 6 * a.a_core * L;
+}
+
 }  // namespace moecore::model

@@ -28,4 +28,15 @@ struct ParamSpec {
 // weights at 1, norm and linear biases at 0, the router's bias like a weight (as Megatron).
 std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg);
 
+// Model FLOPs (echo-folding-perf.md's formula, Megatron's count) derived from the same configuration:
+// per token, the attention projections P_attn (multiply-adds per token per layer) and the attention core A_core
+// (QK^T and AV over the causal half, per token and key position).
+struct AttentionCost {
+  double p_attn = 0, a_core = 0;
+};
+AttentionCost attention_cost(const ModelConfig& cfg);
+// One forward+backward over micro_batch x seq_length tokens: 3x the forward GEMMs, every transformer layer (MTP
+// depths included, with their norms + eh_proj and one more logit GEMM), causal attention counted at full S^2 / 2.
+double model_flops_per_step(const ModelConfig& cfg, int64_t micro_batch);
+
 }  // namespace moecore::model
