@@ -90,7 +90,7 @@ std::vector<std::string> bench_mla_lines(const MlaBenchShape& s, DType dtype, in
   cfg.qk_head_dim = s.dn;
   cfg.qk_pos_emb_head_dim = s.dr;
   cfg.v_head_dim = s.dv;
-  const model::AttentionCost a = model::attention_cost(cfg);
+  const model::AttentionCost a = model::attention_cost(cfg, model::AttentionKind::mla);
   const double flops_fwd =
       2 * static_cast<double>(N) * a.p_attn + 2 * static_cast<double>(s.B * s.S) * static_cast<double>(s.S) * a.a_core;
   std::vector<std::string> lines;

@@ -270,7 +270,7 @@ TEST(ModelFlops, DeepSeekV3MatchesTheWorkedSplit) {
   c.moe_layer_freq = "[0]*3+[1]*58";
   const double total = model::model_flops_per_step(c, 1);
   EXPECT_NEAR(total, 1.064931126411264e15, 1e-9 * total);
-  const model::AttentionCost a = model::attention_cost(c);
+  const model::AttentionCost a = model::attention_cost(c, model::AttentionKind::mla);
   const double T = 4096, layers = 62;
   EXPECT_NEAR(T * layers * 6 * a.p_attn / total, 0.27, 0.005);      // attention projections
   EXPECT_NEAR(T * T * 6 * a.a_core * layers / total, 0.12, 0.005);  // attention core

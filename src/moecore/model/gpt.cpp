@@ -1,6 +1,7 @@
 // GPT decoder assembly: parameter table, initialisation, and the step's forward/backward sequence.
 #include "moecore/model/gpt.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -58,7 +59,11 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   dims_.qk_norm = cfg_.qk_layernorm;
   dims_.dropout = cfg_.hidden_dropout > 0.0f;
   dims_.compute = c;
-  const bool mla = cfg_.multi_latent_attention;
+  layers_ = layer_specs(cfg_);
+  const bool mla =
+      std::any_of(layers_.begin(), layers_.end(), [](const LayerSpec& s) { return s.attention == AttentionKind::mla; });
+  const bool standard = std::any_of(layers_.begin(), layers_.end(),
+                                    [](const LayerSpec& s) { return s.attention == AttentionKind::standard; });
   if (mla) {
     mla_dims_ = {B_,
                  S,
@@ -120,13 +125,11 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   };
   embedding_ = find("embedding.word_embeddings.weight");
   position_embedding_ = find("embedding.position_embeddings.weight");
-  const std::vector<bool> moe_layers = cfg_.moe_layers();
   const moe::MoeConfig& mc = cfg_.moe;
-  const int64_t LT = cfg_.num_transformer_layers();  // decoder layers, then one per MTP depth
-  for (int64_t l = 0; l < LT; ++l) {
-    const std::string pre = l < L ? "decoder.layers." + std::to_string(l) + "."
-                                  : "mtp.layers." + std::to_string(l - L) + ".transformer_layer.";
-    const bool is_moe = l < L ? moe_layers[static_cast<size_t>(l)] : moe_layers.back();
+  for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {  // decoder layers, then one per MTP depth
+    const LayerSpec& spec = layers_[static_cast<size_t>(l)];
+    const std::string& pre = spec.prefix;
+    const bool is_moe = spec.mlp == MlpKind::moe, layer_mla = spec.attention == AttentionKind::mla;
     // The attention half (and the norms) of every layer; the MLP half only for dense layers.
     nn::DenseLayerWeights& w = layer_w_.emplace_back();
     nn::DenseLayerGrads& g = layer_g_.emplace_back();
@@ -138,9 +141,10 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     bind(w.proj, g.proj, pre + "self_attention.linear_proj.weight");
     bind(w.qkv_bias, g.qkv_bias, pre + "self_attention.linear_qkv.bias");
     bind(w.proj_bias, g.proj_bias, pre + "self_attention.linear_proj.bias");
-    if (mla) {
-      nn::MlaWeights& mw = mla_w_.emplace_back();
-      nn::MlaGrads& mg = mla_g_.emplace_back();
+    nn::MlaWeights& mw = mla_w_.emplace_back();  // left empty for standard attention
+    nn::MlaGrads& mg = mla_g_.emplace_back();
+    mla_caches_.emplace_back();
+    if (layer_mla) {
       const std::string sa = pre + "self_attention.";
       bind(mw.q, mg.q, sa + "linear_q_proj.weight");
       bind(mw.q_down, mg.q_down, sa + "linear_q_down_proj.weight");
@@ -151,7 +155,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       bind(mw.kv_up, mg.kv_up, sa + "linear_kv_up_proj.weight");
       bind(mw.kv_norm, mg.kv_norm, sa + "kv_layernorm.weight");
       bind(mw.kv_norm_bias, mg.kv_norm_bias, sa + "kv_layernorm.bias");
-      mla_caches_.push_back(nn::mla_cache_alloc(mla_dims_, c, dims_.layernorm));
+      mla_caches_.back() = nn::mla_cache_alloc(mla_dims_, c, dims_.layernorm);
     } else {
       bind(w.q_norm, g.q_norm, pre + "self_attention.q_layernorm.weight");
       bind(w.q_norm_bias, g.q_norm_bias, pre + "self_attention.q_layernorm.bias");
@@ -163,11 +167,11 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       bind(w.fc2, g.fc2, pre + "mlp.linear_fc2.weight");
       bind(w.fc1_bias, g.fc1_bias, pre + "mlp.linear_fc1.bias");
       bind(w.fc2_bias, g.fc2_bias, pre + "mlp.linear_fc2.bias");
-      caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/true, /*with_attention=*/!mla));
+      caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/true, /*with_attention=*/!layer_mla));
       moe_.push_back(nullptr);
       continue;
     }
-    caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/false, /*with_attention=*/!mla));
+    caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/false, /*with_attention=*/!layer_mla));
     auto m = std::make_unique<MoeBlock>();
     Param* router = find(pre + "mlp.router.weight");
     m->w.router = {router->value, router->compute};
@@ -231,8 +235,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     int32_t* pos = positions_.data<int32_t>();
     for (int64_t i = 0; i < N; ++i) pos[i] = static_cast<int32_t>(i % S);
   }
-  drops_.resize(static_cast<size_t>(LT));
-  ws_ = nn::dense_layer_workspace_alloc(dims_, /*with_attention=*/!mla);
+  drops_.resize(layers_.size());
+  ws_ = nn::dense_layer_workspace_alloc(dims_, /*with_attention=*/standard);
   if (mla) mla_ws_ = nn::mla_workspace_alloc(mla_dims_, c);
   head_ws_ = nn::lm_head_workspace_alloc(N, V, c);
   dres_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
@@ -338,7 +342,7 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
 
 // Transformer layer l (a decoder layer, or for l >= num_layers an MTP depth's): y from x, both [N, H] f32.
 void GptModel::layer_forward(size_t l, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx) {
-  if (mla_w_.empty())
+  if (layers_[l].attention == AttentionKind::standard)
     nn::attention_block_forward(x, layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l], ctx);
   else
     nn::mla_block_forward(x, layer_w_[l], mla_w_[l], caches_[l], mla_caches_[l], ws_, mla_ws_, rope_, dims_, mla_dims_,
@@ -356,7 +360,7 @@ void GptModel::layer_backward(size_t l, const Tensor& x, float grad_scale, const
   else
     nn::mlp_block_backward(dres_, layer_g_[l], layer_w_[l], caches_[l], ws_, dims_, drops_[l], ctx);
   // dres is dL/dx_mid here.
-  if (mla_w_.empty())
+  if (layers_[l].attention == AttentionKind::standard)
     nn::attention_block_backward(dres_, layer_g_[l], x, layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l], ctx);
   else
     nn::mla_block_backward(dres_, layer_g_[l], mla_g_[l], x, layer_w_[l], mla_w_[l], caches_[l], mla_caches_[l], ws_,
@@ -518,10 +522,15 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   at(MemCategory::optimizer_state) = optimizer_state_bytes_per_param * num_parameters();
   const int64_t N = dims_.N, H = dims_.H;
   int64_t layer_cache = 0, moe_cache = 0;
+  size_t l = 0;
+  auto layer_mla = [&](size_t i) { return layers_[i].attention == AttentionKind::mla; };
+  const bool any_standard = std::any_of(layers_.begin(), layers_.end(),
+                                        [](const LayerSpec& s) { return s.attention == AttentionKind::standard; });
   for (const auto& m : moe_) {
     if (m && m->state.expert_bias.defined()) at(MemCategory::parameters) += m->state.expert_bias.nbytes();
-    layer_cache += nn::dense_layer_cache_bytes(dims_, m == nullptr, mla_w_.empty());
-    if (!mla_w_.empty()) layer_cache += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
+    layer_cache += nn::dense_layer_cache_bytes(dims_, m == nullptr, !layer_mla(l));
+    if (layer_mla(l)) layer_cache += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
+    ++l;
     if (m) moe_cache += moe::moe_layer_cache_bytes(m->cache);
   }
   // MoE caches mix saved activations and backward scratch; the plan counts them as activations.
@@ -535,8 +544,8 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   for (const Tensor* t : {&mtp_dx_c_, &mtp_carry_, &mtp_dn_, &mtp_dfn_})
     if (t->defined()) at(MemCategory::workspace) += t->nbytes();
   at(MemCategory::workspace) +=
-      nn::dense_layer_workspace_bytes(dims_, mla_w_.empty()) +
-      (mla_w_.empty() ? 0 : nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype)) +
+      nn::dense_layer_workspace_bytes(dims_, any_standard) +
+      (mla_ws_.q.defined() ? nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype) : 0) +
       nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype) + 2 * N * H * 4 + 2 * N * 4 +
       (rope_.defined() ? rope_.nbytes() : 0) + (positions_.defined() ? positions_.nbytes() : 0) +
       (moe_out_.defined() ? N * H * (4 + static_cast<int64_t>(dtype_size(cfg_.compute_dtype))) : 0);

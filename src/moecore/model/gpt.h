@@ -9,6 +9,7 @@
 
 #include "moecore/core/param.h"
 #include "moecore/model/config.h"
+#include "moecore/model/param_specs.h"
 #include "moecore/moe/moe_layer.h"
 #include "moecore/nn/dense_layer.h"
 #include "moecore/nn/lm_head.h"
@@ -111,6 +112,7 @@ class GptModel {
   ModelConfig cfg_;
   int64_t B_;
   nn::DenseLayerDims dims_;
+  std::vector<LayerSpec> layers_;  // decoder layers, then one per MTP depth: the kinds of every per-layer array
   std::vector<Param> params_;
   uint64_t seed_;
   int64_t dropout_iteration_ = 0, dropout_micro_batch_ = 0;
@@ -122,7 +124,7 @@ class GptModel {
   std::vector<nn::DenseLayerWeights> layer_w_;
   std::vector<nn::DenseLayerGrads> layer_g_;
   std::vector<nn::DenseLayerCache> caches_;
-  // MLA (--multi-latent-attention): every layer's attention; empty otherwise.
+  // MLA (--multi-latent-attention): per layer, empty for standard-attention layers.
   nn::MlaDims mla_dims_;
   std::vector<nn::MlaWeights> mla_w_;
   std::vector<nn::MlaGrads> mla_g_;

@@ -4,6 +4,19 @@
 
 namespace moecore::model {
 
+std::vector<LayerSpec> layer_specs(const ModelConfig& cfg) {
+  const std::vector<bool> moe = cfg.moe_layers();
+  const AttentionKind attention = cfg.multi_latent_attention ? AttentionKind::mla : AttentionKind::standard;
+  std::vector<LayerSpec> out;
+  for (int64_t l = 0; l < cfg.num_layers; ++l)
+    out.push_back({"decoder.layers." + std::to_string(l) + ".", attention, cfg.qk_layernorm,
+                   moe[static_cast<size_t>(l)] ? MlpKind::moe : MlpKind::dense, false});
+  for (int64_t k = 0; k < cfg.mtp_num_layers; ++k)
+    out.push_back({"mtp.layers." + std::to_string(k) + ".transformer_layer.", attention, cfg.qk_layernorm,
+                   moe.back() ? MlpKind::moe : MlpKind::dense, true});
+  return out;
+}
+
 std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
   const int64_t L = cfg.num_layers, H = cfg.hidden_size, V = cfg.vocab_size, D = cfg.head_dim();
   const int64_t G = cfg.query_groups(), Hq = cfg.num_attention_heads, qkv_rows = (Hq + 2 * G) * D;
@@ -23,11 +36,11 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
   add("embedding.word_embeddings.weight", {V, H}, ParamInit::normal, std_w);
   if (cfg.position_embedding_type == PositionEmbedding::learned_absolute)
     add("embedding.position_embeddings.weight", {cfg.max_positions(), H}, ParamInit::normal, std_w);
-  const std::vector<bool> moe_layers = cfg.moe_layers();
-  // One transformer layer's parameters under `pre` (a decoder layer, or an MTP depth's transformer layer).
-  auto layer = [&](const std::string& pre, bool is_moe) {
+  // One transformer layer's parameters (a decoder layer, or an MTP depth's transformer layer).
+  auto layer = [&](const LayerSpec& spec) {
+    const std::string& pre = spec.prefix;
     norm(pre + "input_layernorm", H);
-    if (cfg.multi_latent_attention) {  // Megatron's MLASelfAttention (local spec names)
+    if (spec.attention == AttentionKind::mla) {  // Megatron's MLASelfAttention (local spec names)
       const int64_t qr = cfg.q_lora_rank, kvr = cfg.kv_lora_rank, dr = cfg.qk_pos_emb_head_dim;
       const int64_t q_rows = Hq * (cfg.qk_head_dim + dr);
       if (qr) {
@@ -41,7 +54,7 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
           ParamInit::normal, std_w);
       add(pre + "self_attention.linear_proj.weight", {H, Hq * cfg.v_head_dim}, ParamInit::normal, std_out);
       norm(pre + "pre_mlp_layernorm", H);
-      if (cfg.qk_layernorm) {  // with MLA, --qk-layernorm normalises the q and kv latents
+      if (spec.qk_norm) {  // with MLA, --qk-layernorm normalises the q and kv latents
         if (qr) norm(pre + "self_attention.q_layernorm", qr);
         norm(pre + "self_attention.kv_layernorm", kvr);
       }
@@ -51,12 +64,12 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
       if (cfg.qkv_bias()) add(pre + "self_attention.linear_qkv.bias", {qkv_rows}, ParamInit::zeros);
       if (bias) add(pre + "self_attention.linear_proj.bias", {H}, ParamInit::zeros);
       norm(pre + "pre_mlp_layernorm", H);
-      if (cfg.qk_layernorm) {  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
+      if (spec.qk_norm) {  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
         norm(pre + "self_attention.q_layernorm", D);
         norm(pre + "self_attention.k_layernorm", D);
       }
     }
-    if (!is_moe) {
+    if (spec.mlp == MlpKind::dense) {
       add(pre + "mlp.linear_fc1.weight", {glu(cfg.ffn()), H}, ParamInit::normal, std_w);
       add(pre + "mlp.linear_fc2.weight", {H, cfg.ffn()}, ParamInit::normal, std_out);
       if (bias) {
@@ -80,24 +93,25 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
       if (mc.shared_expert_gate) add(pre + "mlp.shared_experts.gate_weight", {1, H}, ParamInit::normal, std_w);
     }
   };
-  for (int64_t l = 0; l < L; ++l)
-    layer("decoder.layers." + std::to_string(l) + ".", moe_layers[static_cast<size_t>(l)]);
+  const std::vector<LayerSpec> layers = layer_specs(cfg);
+  for (const LayerSpec& spec : layers)
+    if (!spec.mtp) layer(spec);
   norm("decoder.final_layernorm", H);
   for (int64_t k = 0; k < cfg.mtp_num_layers; ++k) {  // Megatron's MultiTokenPredictionLayer
     const std::string pre = "mtp.layers." + std::to_string(k) + ".";
     norm(pre + "enorm", H);
     norm(pre + "hnorm", H);
     add(pre + "eh_proj.weight", {H, 2 * H}, ParamInit::normal, std_w);
-    layer(pre + "transformer_layer.", moe_layers.back());  // the last decoder layer's kind, as Megatron
+    layer(layers[static_cast<size_t>(cfg.num_layers + k)]);
     norm(pre + "final_layernorm", H);
   }
   if (cfg.untie_embeddings_and_output_weights) add("output_layer.weight", {V, H}, ParamInit::normal, std_w);
   return out;
 }
 
-AttentionCost attention_cost(const ModelConfig& cfg) {
+AttentionCost attention_cost(const ModelConfig& cfg, AttentionKind kind) {
   const double h = static_cast<double>(cfg.hidden_size);
-  if (cfg.multi_latent_attention) {
+  if (kind == AttentionKind::mla) {
     const double nh = static_cast<double>(cfg.num_attention_heads), dqk = static_cast<double>(cfg.qk_head_dim);
     const double dr = static_cast<double>(cfg.qk_pos_emb_head_dim), dv = static_cast<double>(cfg.v_head_dim);
     const double qr = static_cast<double>(cfg.q_lora_rank), kvr = static_cast<double>(cfg.kv_lora_rank);
@@ -111,20 +125,20 @@ AttentionCost attention_cost(const ModelConfig& cfg) {
 
 double model_flops_per_step(const ModelConfig& cfg, int64_t micro_batch) {
   const double S = static_cast<double>(cfg.seq_length), T = static_cast<double>(micro_batch) * S;
-  const double h = static_cast<double>(cfg.hidden_size), L = static_cast<double>(cfg.num_transformer_layers());
-  const double n_mtp = static_cast<double>(cfg.mtp_num_layers);
-  const std::vector<bool> moe = cfg.moe_layers();
-  double n_moe = 0;  // MoE layers among the decoder's and the MTP depths' (L of them in all)
-  for (bool m : moe) n_moe += m ? 1.0 : 0.0;
-  if (!moe.empty() && moe.back()) n_moe += n_mtp;
+  const double h = static_cast<double>(cfg.hidden_size), n_mtp = static_cast<double>(cfg.mtp_num_layers);
   const double ffn_mult = cfg.swiglu ? 3.0 : 2.0;
-  const double mlp = ffn_mult * (static_cast<double>(cfg.ffn()) * (L - n_moe) +
-                                 static_cast<double>(cfg.moe_ffn() * cfg.moe.router_topk) * n_moe +
-                                 static_cast<double>(cfg.moe.shared_expert_intermediate_size) * n_moe);
-  const AttentionCost a = attention_cost(cfg);
-  return T * (6 * h * mlp + L * 6 * a.p_attn + 6 * n_mtp * (3 * h + 2 * h * h) +
-              6 * h * static_cast<double>(cfg.vocab_size) * (n_mtp + 1)) +
-         static_cast<double>(micro_batch) * S * S * 6 * a.a_core * L;
+  double per_token = 0, core = 0;  // summed over the layers: 6 x (MLP + projections) per token, 6 x A_core
+  for (const LayerSpec& spec : layer_specs(cfg)) {
+    const double mlp =
+        spec.mlp == MlpKind::dense
+            ? static_cast<double>(cfg.ffn())
+            : static_cast<double>(cfg.moe_ffn() * cfg.moe.router_topk + cfg.moe.shared_expert_intermediate_size);
+    const AttentionCost a = attention_cost(cfg, spec.attention);
+    per_token += 6 * h * ffn_mult * mlp + 6 * a.p_attn;
+    core += 6 * a.a_core;
+  }
+  return T * (per_token + 6 * n_mtp * (3 * h + 2 * h * h) + 6 * h * static_cast<double>(cfg.vocab_size) * (n_mtp + 1)) +
+         static_cast<double>(micro_batch) * S * S * core;
 }
 
 }  // namespace moecore::model

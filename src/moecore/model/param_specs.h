@@ -1,6 +1,8 @@
-// The parameter table of a GPT decoder, derived from its configuration alone: every parameter's Megatron name,
-// global shape, initialisation and expert sharding, in the model's order. GptModel allocates from it; the HF
-// weight map (hf_weights.h) and checkpoint conversion read it without allocating a model.
+// The specs of a GPT decoder, derived from its configuration alone: the list of transformer layers (each layer's
+// attention and MLP variant), the parameter table (every parameter's Megatron name, global shape, initialisation
+// and expert sharding, in the model's order) and the model FLOPs. GptModel builds its layers and allocates its
+// parameters from them; the HF weight map (hf_weights.h) and checkpoint conversion read them without allocating a
+// model. A new model family is new specs here (and their modules), not a new constructor.
 #pragma once
 #include <string>
 #include <vector>
@@ -9,6 +11,20 @@
 #include "moecore/model/config.h"
 
 namespace moecore::model {
+
+// One transformer layer: its attention (Megatron's SelfAttention with GQA/MHA, or MLASelfAttention) and MLP
+// (dense, or MoE with the config's routed and shared experts).
+enum class AttentionKind : uint8_t { standard, mla };
+enum class MlpKind : uint8_t { dense, moe };
+struct LayerSpec {
+  std::string prefix;  // parameter-name prefix: "decoder.layers.3." or "mtp.layers.0.transformer_layer."
+  AttentionKind attention = AttentionKind::standard;
+  bool qk_norm = false;  // standard: the per-head q/k norms; MLA: the q/kv latent norms (Megatron: --qk-layernorm)
+  MlpKind mlp = MlpKind::dense;
+  bool mtp = false;  // the transformer layer of a multi-token-prediction depth (its kind: the last decoder layer's)
+};
+// The decoder's layers, then one per MTP depth: index l of every per-layer array of the model.
+std::vector<LayerSpec> layer_specs(const ModelConfig& cfg);
 
 enum class ParamInit : uint8_t { normal, ones, zeros };
 
@@ -34,7 +50,7 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg);
 struct AttentionCost {
   double p_attn = 0, a_core = 0;
 };
-AttentionCost attention_cost(const ModelConfig& cfg);
+AttentionCost attention_cost(const ModelConfig& cfg, AttentionKind kind);
 // One forward+backward over micro_batch x seq_length tokens: 3x the forward GEMMs, every transformer layer (MTP
 // depths included, with their norms + eh_proj and one more logit GEMM), causal attention counted at full S^2 / 2.
 double model_flops_per_step(const ModelConfig& cfg, int64_t micro_batch);
