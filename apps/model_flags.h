@@ -1,13 +1,12 @@
-// Megatron's model flags, shared by every subcommand that builds a model.
+// Megatron's model and MoE flags, shared by every subcommand that builds a model: one table (model_flags.cpp) of
+// flag, Megatron default, help and the rule reading it into the ModelConfig.
 #pragma once
 #include "apps/args.h"
 #include "moecore/model/config.h"
 
 namespace moecore::apps {
+// Declares every model and MoE flag; the flags Megatron requires default to `defaults`' values.
 void add_model_flags(Args& args, const model::ModelConfig& defaults);
-// Validated. With --vocab-size 0 the vocabulary is tokenizer_vocab (already padded by the caller).
+// Validated. With --vocab-size unset the vocabulary is tokenizer_vocab (already padded by the caller).
 model::ModelConfig model_config_from(const Args& args, int64_t tokenizer_vocab = 0);
-// The MoE flags alone (also used by `moecore moe-layer`); swiglu is the experts' activation.
-void add_moe_flags(Args& args);
-moe::MoeConfig moe_config_from(const Args& args, bool swiglu);
 }  // namespace moecore::apps

@@ -11,6 +11,7 @@
 
 #include "apps/cli_support.h"
 #include "apps/hf_config.h"
+#include "apps/model_flags.h"
 #include "moecore/core/error.h"
 #include "test_util.h"
 
@@ -239,6 +240,34 @@ TEST(HfConfig, TrainBuildsTheModelAndCommandLineFlagsWin) {
   EXPECT_NE(r.output.find("--hf-config " + (dir / "missing").string() + ": no such file"), std::string::npos)
       << r.output;
   fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace moecore
+
+namespace moecore {
+namespace {
+
+// The config.json table and the model-flag table are linked by flag names: every flag a supported config.json
+// translates to is a declared model flag and its value is accepted (an unknown or unsupported one would throw).
+TEST(HfConfig, EveryTranslatedFlagIsAModelFlag) {
+  std::vector<std::string> paths;
+  for (const char* c :
+       {"mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_tied", "deepseek_v3", "deepseek_v2lite", "deepseek_v3_mtp"})
+    paths.push_back(std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/" + c + "/config.json");
+  for (const char* c : {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"})
+    if (!shared_config(c).empty()) paths.push_back(shared_config(c));
+  for (const std::string& p : paths) {
+    apps::Args a("t");
+    const model::ModelConfig defaults;
+    apps::add_model_flags(a, defaults);
+    std::string argv0 = "t";
+    char* argv[] = {argv0.data()};
+    ASSERT_TRUE(a.parse(1, argv));
+    const auto flags = apps::hf_config_flags(apps::hf_config_load(p));
+    EXPECT_GE(flags.size(), 10u) << p;
+    for (const auto& [flag, value] : flags) EXPECT_NO_THROW(a.fill_unset(flag, value, " in " + p)) << p << " " << flag;
+  }
 }
 
 }  // namespace
