@@ -1,6 +1,7 @@
-// The config.json -> Megatron flags table. Semantics are those of transformers' Mixtral, Qwen2-MoE and Qwen3-MoE
-// configuration and modeling files. A key absent from config.json takes the transformers class default written in
-// its row, or is required when the row has none (size keys: a guessed size would be a different model).
+// The config.json -> Megatron flags table. Semantics are those of transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and
+// DeepSeek-V3 configuration and modeling files (and DeepSeek's own configuration_deepseek.py keys). A key absent from
+// config.json takes the transformers class default written in its row, or is required when the row has none (size keys:
+// a guessed size would be a different model).
 #include "apps/hf_config.h"
 
 #include <algorithm>
@@ -527,8 +528,8 @@ json hf_config_load(const std::string& path) {
 
 void add_hf_config_flag(Args& a) {
   a.option("--hf-config", "",
-           "a Hugging Face config.json (or a model directory holding one) of model_type mixtral, qwen2_moe or "
-           "qwen3_moe; its model flags fill those not given (moecore only)");
+           "a Hugging Face config.json (or a model directory holding one) of model_type mixtral, qwen2_moe, "
+           "qwen3_moe or deepseek_v3; its model flags fill those not given (moecore only)");
 }
 
 void hf_config_fill(Args& a, const json& cfg, const std::string& where) {

@@ -1,6 +1,7 @@
 // Configure a model from a Hugging Face config.json (`--hf-config FILE_OR_DIR`): its keys are translated into
 // Megatron flags by one table (hf_config.cpp), and those flags then take the ordinary flag path, filling only
-// flags the command line (or --config) left unset. Supported model_type: mixtral, qwen2_moe, qwen3_moe. Keys that
+// flags the command line (or --config) left unset. Supported model_type: mixtral, qwen2_moe, qwen3_moe,
+// deepseek_v3. Keys that
 // change the math and cannot be honoured, and keys the table does not know, are refused by name; this file does
 // not read weights (that is `convert --from-hf`).
 #pragma once

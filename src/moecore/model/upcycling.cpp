@@ -32,6 +32,8 @@ void upcycle_dense_to_moe(const GptModel& dense, GptModel& moe) {
     MOECORE_FAIL("upcycling: --num-experts (", E, ") must be divisible by the upcycling granularity (", g, ")");
   if (dc.add_bias_linear || mc.add_bias_linear)
     MOECORE_FAIL("upcycling: models with linear-layer biases are not supported yet; pass --disable-bias-linear");
+  if (dc.mtp_num_layers || mc.mtp_num_layers || dc.multi_latent_attention || mc.multi_latent_attention)
+    MOECORE_FAIL("upcycling: models with --mtp-num-layers or --multi-latent-attention are not supported yet");
   if (dc.swiglu != mc.swiglu || dc.hidden_size != H || dc.num_layers != mc.num_layers)
     MOECORE_FAIL("upcycling: dense and MoE models differ in activation, hidden size or layer count");
   const double a = m.pre_softmax ? static_cast<double>(E * g) / static_cast<double>(K) : static_cast<double>(g);
