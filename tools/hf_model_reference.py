@@ -421,29 +421,9 @@ def compute(case_dir, tokens, fd_checks=True):
     assert rep["diff_hf64"] < 1e-4 and rep["diff_fp32"] < 1e-3, rep
 
     if fd_checks:  # central differences on a few entries of the hub tensors, through the fused parameters
-        names = sorted(hub)
-        kinds = {}
-        for n in names:  # one tensor of every kind (layer / expert indices ignored)
-            kinds.setdefault(re.sub(r"\.\d+\.", ".#.", n), n)
-        picks = sorted(kinds.values())
-        gen = torch.Generator().manual_seed(0)
-        worst = 0.0
-        for hn in picks:
-            pn, _, fn = layout[hn]
-            view = fn(params[pn].data)
-            i = int(torch.randint(view.numel(), (1,), generator=gen))
-            idx = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), view.shape))
-            h, orig = 1e-5, float(view[idx])
-            vals = []
-            for s in (1, -1):
-                view[idx] = orig + s * h
-                with torch.no_grad(), Float64Mode():
-                    vals.append(float(run(model, tok, backward=False)[1]))
-            view[idx] = orig
-            fd, an = (vals[0] - vals[1]) / (2 * h), float(grads[hn][idx])
-            err = abs(fd - an) / (1e-6 + abs(an))
-            assert abs(fd - an) < 1e-8 + 1e-5 * abs(an), (hn, idx, fd, an)
-            worst = max(worst, err)
+        picks, worst = finite_difference_check(
+            hub, layout, params, grads, lambda n: re.sub(r"\.\d+\.", ".#.", n),
+            lambda: float(run(model, tok, backward=False)[1]))
         rep["fd_checked"] = len(picks)
         rep["fd_worst_rel_err"] = worst
 
@@ -451,6 +431,34 @@ def compute(case_dir, tokens, fd_checks=True):
     for hn, g in grads.items():
         golden["grad." + hn] = g.float().contiguous()
     return golden, rep
+
+
+def finite_difference_check(hub, layout, params, grads, kind_of, objective):
+    """Central differences (h = 1e-5, float64) of objective() on one random entry of one hub tensor of every kind
+    (kind_of(name) groups names), through the in-memory parameter slice `layout` maps it to; asserts each against
+    the analytic gradient in grads. Returns (the names checked, the worst relative error)."""
+    kinds = {}
+    for n in sorted(hub):
+        kinds.setdefault(kind_of(n), n)
+    picks = sorted(kinds.values())
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for hn in picks:
+        pn, _, fn = layout[hn]
+        view = fn(params[pn].data)
+        i = int(torch.randint(view.numel(), (1,), generator=gen))
+        idx = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), view.shape))
+        h, orig = 1e-5, float(view[idx])
+        vals = []
+        for s in (1, -1):
+            view[idx] = orig + s * h
+            with torch.no_grad(), Float64Mode():
+                vals.append(objective())
+        view[idx] = orig
+        fd, an = (vals[0] - vals[1]) / (2 * h), float(grads[hn][idx])
+        assert abs(fd - an) < 1e-8 + 1e-5 * abs(an), (hn, idx, fd, an)
+        worst = max(worst, abs(fd - an) / (1e-6 + abs(an)))
+    return picks, worst
 
 
 # ----------------------------------------------------------------------------------------------------------------

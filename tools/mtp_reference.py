@@ -301,33 +301,16 @@ def compute(case_dir, tokens, fd_checks=True):
     assert rep["diff_hf64"] < 1e-4 and rep["diff_fp32"] < 1e-3, rep
 
     if fd_checks:  # central differences of the objective on one entry of every tensor kind (MTP layer separately)
-        kinds = {}
-        for n in sorted(hub):
-            key = ("mtp:" if n.startswith(f"model.layers.{L}.") else "") + re.sub(r"\.\d+\.", ".#.", n)
-            kinds.setdefault(key, n)
-        picks = sorted(kinds.values())
-        gen = torch.Generator().manual_seed(0)
-        worst, mtp_checked = 0.0, 0
-        for hn in picks:
-            pn, _, fn = layout[hn]
-            view = fn(params[pn].data)
-            i = int(torch.randint(view.numel(), (1,), generator=gen))
-            idx = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), view.shape))
-            h, orig = 1e-5, float(view[idx])
-            vals = []
-            for s in (1, -1):
-                view[idx] = orig + s * h
-                with torch.no_grad(), H.Float64Mode():
-                    r = run_mtp(main, mtps, tok, backward=False)
-                vals.append(objective(r[1], r[3]))
-            view[idx] = orig
-            fd, an = (vals[0] - vals[1]) / (2 * h), float(grads[hn][idx])
-            err = abs(fd - an) / (1e-6 + abs(an))
-            assert abs(fd - an) < 1e-8 + 1e-5 * abs(an), (hn, idx, fd, an)
-            worst = max(worst, err)
-            mtp_checked += hn.startswith(f"model.layers.{L}.")
+        def objective_now():
+            r = run_mtp(main, mtps, tok, backward=False)
+            return objective(r[1], r[3])
+
+        picks, worst = H.finite_difference_check(
+            hub, layout, params, grads,
+            lambda n: ("mtp:" if n.startswith(f"model.layers.{L}.") else "") + re.sub(r"\.\d+\.", ".#.", n),
+            objective_now)
         rep["fd_checked"] = len(picks)
-        rep["fd_mtp_checked"] = mtp_checked
+        rep["fd_mtp_checked"] = sum(n.startswith(f"model.layers.{L}.") for n in picks)
         rep["fd_worst_rel_err"] = worst
 
     golden = {"logits": logits.float().contiguous(), "loss": loss.double().reshape(()),
