@@ -520,7 +520,7 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
     at(MemCategory::gradients) += p.grad.nbytes();
   }
   at(MemCategory::optimizer_state) = optimizer_state_bytes_per_param * num_parameters();
-  const int64_t N = dims_.N, H = dims_.H;
+  const int64_t N = dims_.N;
   int64_t layer_cache = 0, moe_cache = 0;
   size_t l = 0;
   auto layer_mla = [&](size_t i) { return layers_[i].attention == AttentionKind::mla; };
@@ -534,21 +534,22 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
     if (m) moe_cache += moe::moe_layer_cache_bytes(m->cache);
   }
   // MoE caches mix saved activations and backward scratch; the plan counts them as activations.
-  at(MemCategory::activations) = layer_cache + moe_cache + (cfg_.num_layers + 1) * N * H * 4 +
-                                 N * 4 * (final_mean_.defined() ? 2 : 1) +
-                                 N * H * static_cast<int64_t>(dtype_size(cfg_.compute_dtype));
+  at(MemCategory::activations) = layer_cache + moe_cache;
+  at(MemCategory::workspace) = nn::dense_layer_workspace_bytes(dims_, any_standard) +
+                               (mla_ws_.q.defined() ? nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype) : 0) +
+                               nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype);
+  // The model's own buffers, by the tensors themselves (each is allocated in one place, the constructor).
+  auto count = [&](MemCategory c, std::initializer_list<const Tensor*> ts) {
+    for (const Tensor* t : ts)
+      if (t->defined()) at(c) += t->nbytes();
+  };
+  for (const Tensor& r : residual_) count(MemCategory::activations, {&r});
+  count(MemCategory::activations, {&final_mean_, &final_rstd_, &final_h_});
   for (const MtpDepth& d : mtp_)
-    for (const Tensor* t : {&d.ids, &d.labels, &d.e, &d.hin, &d.x, &d.y, &d.en, &d.hn, &d.h, &d.e_mean, &d.e_rstd,
-                            &d.h_mean, &d.h_rstd, &d.f_mean, &d.f_rstd})
-      if (t->defined()) at(MemCategory::activations) += t->nbytes();
-  for (const Tensor* t : {&mtp_dx_c_, &mtp_carry_, &mtp_dn_, &mtp_dfn_})
-    if (t->defined()) at(MemCategory::workspace) += t->nbytes();
-  at(MemCategory::workspace) +=
-      nn::dense_layer_workspace_bytes(dims_, any_standard) +
-      (mla_ws_.q.defined() ? nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype) : 0) +
-      nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype) + 2 * N * H * 4 + 2 * N * 4 +
-      (rope_.defined() ? rope_.nbytes() : 0) + (positions_.defined() ? positions_.nbytes() : 0) +
-      (moe_out_.defined() ? N * H * (4 + static_cast<int64_t>(dtype_size(cfg_.compute_dtype))) : 0);
+    count(MemCategory::activations, {&d.ids, &d.labels, &d.e, &d.hin, &d.x, &d.y, &d.en, &d.hn, &d.h, &d.e_mean,
+                                     &d.e_rstd, &d.h_mean, &d.h_rstd, &d.f_mean, &d.f_rstd});
+  count(MemCategory::workspace, {&rope_, &positions_, &dres_, &dh_, &ids_, &labels_, &moe_x_, &moe_out_, &mtp_dx_c_,
+                                 &mtp_carry_, &mtp_dn_, &mtp_dfn_});
   return plan;
 }
 

@@ -30,7 +30,8 @@ struct LossResult {
   }
 };
 
-// Bytes by memory category, computed from the configuration before anything is allocated.
+// Bytes by memory category: parameters and the model's own buffers by their tensors; the layers' caches and the
+// shared workspaces by the buffer plans that allocate them (core/buffer_plan.h: each buffer listed once).
 struct MemoryPlan {
   int64_t bytes[kNumMemCategories] = {};
   int64_t total() const;

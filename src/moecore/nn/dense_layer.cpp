@@ -3,17 +3,11 @@
 //   forward  y = x @ W^T;  backward  dx = dy @ W,  dW += dy^T @ x.
 #include "moecore/nn/dense_layer.h"
 
+#include "moecore/core/buffer_plan.h"
 #include "moecore/nn/norm.h"
 
 namespace moecore::nn {
 namespace {
-
-Tensor act_tensor(Shape s, DType t) {
-  return Tensor::empty(s, t, MemCategory::activations);
-}
-Tensor work_tensor(Shape s, DType t) {
-  return Tensor::empty(s, t, MemCategory::workspace);
-}
 
 // [N, W] activations as the [B, S, W] tensors the attention ops take.
 Tensor bsw(const Tensor& t, const DenseLayerDims& d) {
@@ -22,70 +16,79 @@ Tensor bsw(const Tensor& t, const DenseLayerDims& d) {
 
 }  // namespace
 
-DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp, bool with_attention) {
+namespace {
+// The buffers of one layer's cache and of the shared workspace, each listed once (BufferPlan).
+void plan_cache(DenseLayerCache& k, const DenseLayerDims& d, bool with_mlp, bool with_attention, BufferPlan& p) {
   const DType c = d.compute;
   const auto& q = d.qkv;
-  DenseLayerCache k;
-  if (d.layernorm) k.mean1 = act_tensor({d.N}, DType::f32);
-  if (d.layernorm) k.mean2 = act_tensor({d.N}, DType::f32);
-  k.rstd1 = act_tensor({d.N}, DType::f32);
-  k.h1 = act_tensor({d.N, d.H}, c);
-  k.x_mid = act_tensor({d.N, d.H}, DType::f32);
-  k.rstd2 = act_tensor({d.N}, DType::f32);
-  k.h2 = act_tensor({d.N, d.H}, c);
+  if (d.layernorm) p.empty(k.mean1, {d.N}, DType::f32);
+  if (d.layernorm) p.empty(k.mean2, {d.N}, DType::f32);
+  p.empty(k.rstd1, {d.N}, DType::f32);
+  p.empty(k.h1, {d.N, d.H}, c);
+  p.empty(k.x_mid, {d.N, d.H}, DType::f32);
+  p.empty(k.rstd2, {d.N}, DType::f32);
+  p.empty(k.h2, {d.N, d.H}, c);
   if (with_mlp) {
-    k.fc1 = act_tensor({d.N, d.fc1_rows()}, c);
-    k.act = act_tensor({d.N, d.F}, c);
+    p.empty(k.fc1, {d.N, d.fc1_rows()}, c);
+    p.empty(k.act, {d.N, d.F}, c);
   }
-  if (!with_attention) return k;
-  k.qkv = act_tensor({d.N, q.width()}, c);
+  if (!with_attention) return;
+  p.empty(k.qkv, {d.N, q.width()}, c);
   if (d.qk_norm) {
-    k.q_in = act_tensor({d.N * q.q_heads(), q.D}, DType::f32);
-    k.k_in = act_tensor({d.N * q.G, q.D}, DType::f32);
-    k.q_rstd = act_tensor({d.N * q.q_heads()}, DType::f32);
-    k.k_rstd = act_tensor({d.N * q.G}, DType::f32);
-    if (d.layernorm) k.q_mean = act_tensor({d.N * q.q_heads()}, DType::f32);
-    if (d.layernorm) k.k_mean = act_tensor({d.N * q.G}, DType::f32);
+    p.empty(k.q_in, {d.N * q.q_heads(), q.D}, DType::f32);
+    p.empty(k.k_in, {d.N * q.G, q.D}, DType::f32);
+    p.empty(k.q_rstd, {d.N * q.q_heads()}, DType::f32);
+    p.empty(k.k_rstd, {d.N * q.G}, DType::f32);
+    if (d.layernorm) p.empty(k.q_mean, {d.N * q.q_heads()}, DType::f32);
+    if (d.layernorm) p.empty(k.k_mean, {d.N * q.G}, DType::f32);
   }
-  k.attn = act_tensor({d.N, q.q_heads() * q.D}, c);
-  k.lse = act_tensor({q.B, q.q_heads(), q.S}, DType::f32);
+  p.empty(k.attn, {d.N, q.q_heads() * q.D}, c);
+  p.empty(k.lse, {q.B, q.q_heads(), q.S}, DType::f32);
+}
+
+void plan_workspace(DenseLayerWorkspace& w, const DenseLayerDims& d, bool with_attention, BufferPlan& p) {
+  const DType c = d.compute;
+  p.empty(w.dh, {d.N, d.H}, DType::f32);
+  if (c != DType::f32 || d.dropout) p.empty(w.dres_c, {d.N, d.H}, c);
+  if (with_attention) {
+    p.empty(w.dqkv, {d.N, d.qkv.width()}, c);
+    p.empty(w.dattn, {d.N, d.qkv.q_heads() * d.qkv.D}, c);
+  }
+  p.empty(w.dfc1, {d.N, d.fc1_rows()}, c);
+  p.empty(w.dact, {d.N, d.F}, c);
+  if (d.qk_norm && with_attention) {
+    p.empty(w.qk_y, {d.N * d.qkv.q_heads(), d.qkv.D}, c);
+    p.empty(w.qk_dx, {d.N * d.qkv.q_heads(), d.qkv.D}, DType::f32);
+  }
+}
+}  // namespace
+
+DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp, bool with_attention) {
+  DenseLayerCache k;
+  BufferPlan p(MemCategory::activations, true);
+  plan_cache(k, d, with_mlp, with_attention, p);
   return k;
 }
 
 int64_t dense_layer_cache_bytes(const DenseLayerDims& d, bool with_mlp, bool with_attention) {
-  const int64_t c = static_cast<int64_t>(dtype_size(d.compute));
-  const auto& q = d.qkv;
-  const int64_t qk_rows = d.qk_norm && with_attention ? d.N * (q.q_heads() + q.G) : 0;  // QK-norm inputs, stats
-  const int64_t attention =
-      with_attention ? q.B * q.q_heads() * q.S * 4 + c * d.N * (q.width() + q.q_heads() * q.D) : 0;
-  return qk_rows * (q.D + (d.layernorm ? 2 : 1)) * 4 + d.N * 4 * (d.layernorm ? 4 : 2) + d.N * d.H * 4 + attention +
-         c * d.N * (2 * d.H + (with_mlp ? d.fc1_rows() + d.F : 0));
+  DenseLayerCache k;
+  BufferPlan p(MemCategory::activations, false);
+  plan_cache(k, d, with_mlp, with_attention, p);
+  return p.bytes();
 }
 
 DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d, bool with_attention) {
-  const DType c = d.compute;
   DenseLayerWorkspace w;
-  w.dh = work_tensor({d.N, d.H}, DType::f32);
-  if (c != DType::f32 || d.dropout) w.dres_c = work_tensor({d.N, d.H}, c);
-  if (with_attention) {
-    w.dqkv = work_tensor({d.N, d.qkv.width()}, c);
-    w.dattn = work_tensor({d.N, d.qkv.q_heads() * d.qkv.D}, c);
-  }
-  w.dfc1 = work_tensor({d.N, d.fc1_rows()}, c);
-  w.dact = work_tensor({d.N, d.F}, c);
-  if (d.qk_norm && with_attention) {
-    w.qk_y = work_tensor({d.N * d.qkv.q_heads(), d.qkv.D}, c);
-    w.qk_dx = work_tensor({d.N * d.qkv.q_heads(), d.qkv.D}, DType::f32);
-  }
+  BufferPlan p(MemCategory::workspace, true);
+  plan_workspace(w, d, with_attention, p);
   return w;
 }
 
 int64_t dense_layer_workspace_bytes(const DenseLayerDims& d, bool with_attention) {
-  const int64_t c = static_cast<int64_t>(dtype_size(d.compute));
-  const int64_t cast = d.compute == DType::f32 && !d.dropout ? 0 : c * d.N * d.H;
-  const int64_t qk = d.qk_norm && with_attention ? d.N * d.qkv.q_heads() * d.qkv.D * (c + 4) : 0;
-  const int64_t attention = with_attention ? d.qkv.width() + d.qkv.q_heads() * d.qkv.D : 0;
-  return d.N * d.H * 4 + cast + qk + c * d.N * (attention + d.fc1_rows() + d.F);
+  DenseLayerWorkspace w;
+  BufferPlan p(MemCategory::workspace, false);
+  plan_workspace(w, d, with_attention, p);
+  return p.bytes();
 }
 
 void linear_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight, const Tensor& bias,

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "moecore/core/buffer_plan.h"
+
 namespace moecore::nn {
 
 namespace {
@@ -10,18 +12,27 @@ int64_t chunk_tokens(int64_t N, int64_t V) {
 }
 }  // namespace
 
+namespace {
+void plan_workspace(LmHeadWorkspace& ws, int64_t N, int64_t V, DType compute, BufferPlan& p) {
+  ws.chunk = chunk_tokens(N, V);
+  p.empty(ws.logits, {ws.chunk, V}, DType::f32);
+  if (compute != DType::f32) p.empty(ws.dlogits_c, {ws.chunk, V}, compute);
+  p.empty(ws.loss, {ws.chunk}, DType::f32);
+}
+}  // namespace
+
 LmHeadWorkspace lm_head_workspace_alloc(int64_t N, int64_t V, DType compute) {
   LmHeadWorkspace ws;
-  ws.chunk = chunk_tokens(N, V);
-  ws.logits = Tensor::empty({ws.chunk, V}, DType::f32, MemCategory::workspace);
-  if (compute != DType::f32) ws.dlogits_c = Tensor::empty({ws.chunk, V}, compute, MemCategory::workspace);
-  ws.loss = Tensor::empty({ws.chunk}, DType::f32, MemCategory::workspace);
+  BufferPlan p(MemCategory::workspace, true);
+  plan_workspace(ws, N, V, compute, p);
   return ws;
 }
 
 int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute) {
-  const int64_t c = chunk_tokens(N, V);
-  return c * V * 4 + (compute != DType::f32 ? c * V * static_cast<int64_t>(dtype_size(compute)) : 0) + c * 4;
+  LmHeadWorkspace ws;
+  BufferPlan p(MemCategory::workspace, false);
+  plan_workspace(ws, N, V, compute, p);
+  return p.bytes();
 }
 
 double lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels, float grad_scale,

@@ -1,17 +1,14 @@
 // MLA forward and backward as straight-line sequences of ops (layouts in mla.h). Linear layers: y = x @ W^T.
 #include "moecore/nn/mla.h"
 
+#include <algorithm>
+
+#include "moecore/core/buffer_plan.h"
 #include "moecore/nn/norm.h"
 
 namespace moecore::nn {
 namespace {
 
-Tensor act(Shape s, DType t) {
-  return Tensor::empty(s, t, MemCategory::activations);
-}
-Tensor work(Shape s, DType t) {
-  return Tensor::empty(s, t, MemCategory::workspace);
-}
 Tensor bsw(const Tensor& t, const MlaDims& d) {
   return t.view({d.B, d.S, t.size(1)});
 }
@@ -49,55 +46,68 @@ void latent_norm_backward(Tensor& dx_c, Tensor& dx_f32, Tensor& dw, Tensor& db, 
 
 }  // namespace
 
-MlaCache mla_cache_alloc(const MlaDims& d, DType c, bool layernorm) {
+namespace {
+// The buffers of one layer's MLA cache and of the shared MLA workspace, each listed once (BufferPlan).
+void plan_cache(MlaCache& k, const MlaDims& d, DType c, bool layernorm, BufferPlan& p) {
   const int64_t N = d.N();
-  MlaCache k;
   if (d.q_lora) {
-    k.qa = act({N, d.q_lora}, DType::f32);
-    k.qa_n = act({N, d.q_lora}, c);
-    k.qa_rstd = act({N}, DType::f32);
-    if (layernorm) k.qa_mean = act({N}, DType::f32);
+    p.empty(k.qa, {N, d.q_lora}, DType::f32);
+    p.empty(k.qa_n, {N, d.q_lora}, c);
+    p.empty(k.qa_rstd, {N}, DType::f32);
+    if (layernorm) p.empty(k.qa_mean, {N}, DType::f32);
   }
-  k.c = act({N, d.kv_lora}, DType::f32);
-  k.c_n = act({N, d.kv_lora}, c);
-  k.c_rstd = act({N}, DType::f32);
-  if (layernorm) k.c_mean = act({N}, DType::f32);
-  k.qkv = Tensor::zeros({N, d.heads * 3 * d.D()}, c, MemCategory::activations);  // v's padding stays 0
-  k.attn = act({N, d.heads * d.D()}, c);
-  k.attn_v = act({N, d.heads * d.dv}, c);
-  k.lse = act({d.B, d.heads, d.S}, DType::f32);
+  p.empty(k.c, {N, d.kv_lora}, DType::f32);
+  p.empty(k.c_n, {N, d.kv_lora}, c);
+  p.empty(k.c_rstd, {N}, DType::f32);
+  if (layernorm) p.empty(k.c_mean, {N}, DType::f32);
+  p.zeros(k.qkv, {N, d.heads * 3 * d.D()}, c);  // v's padding stays 0
+  p.empty(k.attn, {N, d.heads * d.D()}, c);
+  p.empty(k.attn_v, {N, d.heads * d.dv}, c);
+  p.empty(k.lse, {d.B, d.heads, d.S}, DType::f32);
+}
+
+void plan_workspace(MlaWorkspace& w, const MlaDims& d, DType c, BufferPlan& p) {
+  const int64_t N = d.N(), lat = std::max(d.q_lora, d.kv_lora);
+  p.empty(w.q, {N, d.q_width()}, c);
+  p.empty(w.kv, {N, d.kv_width()}, c);
+  p.empty(w.k_pe, {N, d.dr}, c);
+  p.empty(w.dqkv, {N, d.heads * 3 * d.D()}, c);
+  p.zeros(w.dattn, {N, d.heads * d.D()}, c);  // padding columns stay 0
+  p.empty(w.dattn_v, {N, d.heads * d.dv}, c);
+  p.empty(w.dlat_f32, {N, lat}, DType::f32);
+  p.empty(w.dlat_n, {N, lat}, c);
+  p.empty(w.dlat_c, {N, lat}, c);
+  p.empty(w.pe_f32, {N, d.dr}, DType::f32);
+  p.empty(w.pe_sum, {N, d.dr}, DType::f32);
+}
+}  // namespace
+
+MlaCache mla_cache_alloc(const MlaDims& d, DType c, bool layernorm) {
+  MlaCache k;
+  BufferPlan p(MemCategory::activations, true);
+  plan_cache(k, d, c, layernorm, p);
   return k;
 }
 
 int64_t mla_cache_bytes(const MlaDims& d, DType c, bool layernorm) {
-  const int64_t N = d.N(), cs = static_cast<int64_t>(dtype_size(c)), stats = layernorm ? 2 : 1;
-  const int64_t q = d.q_lora ? N * d.q_lora * (4 + cs) + N * 4 * stats : 0;
-  return q + N * d.kv_lora * (4 + cs) + N * 4 * stats + cs * N * d.heads * (3 * d.D() + d.D() + d.dv) +
-         d.B * d.heads * d.S * 4;
+  MlaCache k;
+  BufferPlan p(MemCategory::activations, false);
+  plan_cache(k, d, c, layernorm, p);
+  return p.bytes();
 }
 
 MlaWorkspace mla_workspace_alloc(const MlaDims& d, DType c) {
-  const int64_t N = d.N();
   MlaWorkspace w;
-  w.q = work({N, d.q_width()}, c);
-  w.kv = work({N, d.kv_width()}, c);
-  w.k_pe = work({N, d.dr}, c);
-  w.dqkv = work({N, d.heads * 3 * d.D()}, c);
-  w.dattn = Tensor::zeros({N, d.heads * d.D()}, c, MemCategory::workspace);  // padding columns stay 0
-  w.dattn_v = work({N, d.heads * d.dv}, c);
-  const int64_t lat = std::max(d.q_lora, d.kv_lora);
-  w.dlat_f32 = work({N, lat}, DType::f32);
-  w.dlat_n = work({N, lat}, c);
-  w.dlat_c = work({N, lat}, c);
-  w.pe_f32 = work({N, d.dr}, DType::f32);
-  w.pe_sum = work({N, d.dr}, DType::f32);
+  BufferPlan p(MemCategory::workspace, true);
+  plan_workspace(w, d, c, p);
   return w;
 }
 
 int64_t mla_workspace_bytes(const MlaDims& d, DType c) {
-  const int64_t N = d.N(), cs = static_cast<int64_t>(dtype_size(c)), lat = std::max(d.q_lora, d.kv_lora);
-  return cs * N * (d.q_width() + d.kv_width() + d.dr + d.heads * (3 * d.D() + d.D() + d.dv) + 2 * lat) +
-         4 * N * (lat + 2 * d.dr);
+  MlaWorkspace w;
+  BufferPlan p(MemCategory::workspace, false);
+  plan_workspace(w, d, c, p);
+  return p.bytes();
 }
 
 void mla_block_forward(const Tensor& x, const DenseLayerWeights& w, const MlaWeights& m, DenseLayerCache& k,
