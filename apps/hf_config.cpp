@@ -264,22 +264,19 @@ void topk_method(const Row& r, const json& v, const json& cfg, Flags& out) {
   out.emplace_back(r.flag, "");
 }
 
-// transformers scores each group by the sum of its top-2 biased scores; Megatron by its top-(k / group_topk).
-// They agree when k / topk_group == 2 (DeepSeek-V3: 8 / 4); other shapes are refused rather than routed differently.
+// transformers scores each group by the sum of its top-2 biased scores; Megatron by its top-(k / group_topk). The
+// import follows transformers (--moe-router-group-score-topk 2): the same routing as Megatron's when k / topk_group
+// is 2 (DeepSeek-V3: 8 / 4), and the checkpoint's own routing otherwise.
 void deepseek_groups(const Row& r, const json& v, const json& cfg, Flags& out) {
   const int64_t groups = positive_int(r, v, cfg);
   if (groups == 1) return;
-  const int64_t topk_group = int_key(cfg, "topk_group", 0), k = int_key(cfg, "num_experts_per_tok", 0);
+  const int64_t topk_group = int_key(cfg, "topk_group", 0);
   if (topk_group <= 0 || topk_group > groups)
     MOECORE_FAIL("config.json key 'topk_group' = ", cfg.value("topk_group", json()).dump(),
                  " must be in [1, n_group = ", groups, "]");
-  if (k / topk_group != 2)
-    refuse(r, v, cfg,
-           "not supported yet: num_experts_per_tok / topk_group = " + std::to_string(k) + " / " +
-               std::to_string(topk_group) +
-               " != 2 (transformers scores a group by its top-2 experts, Megatron by its top-(k / topk_group))");
   out.emplace_back(r.flag, std::to_string(groups));
   out.emplace_back("--moe-router-group-topk", std::to_string(topk_group));
+  out.emplace_back("--moe-router-group-score-topk", "2");
 }
 
 void deepseek_norm_topk(const Row& r, const json& v, const json& cfg, Flags&) {

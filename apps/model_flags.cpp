@@ -315,6 +315,10 @@ const ModelFlag kModelFlags[] = {
    moe_i64_or_unset<&moe::MoeConfig::num_groups>},
   {"--moe-router-group-topk", Kind::value, "", "groups each token may use (unset: none)",
    moe_i64_or_unset<&moe::MoeConfig::group_topk>},
+  {"--moe-router-group-score-topk", Kind::value, "",
+   "scores summed per group for group-limited routing (unset: topk / group-topk, Megatron's; moecore only: "
+   "transformers' DeepSeek-V3 sums 2)",
+   moe_i64_or_unset<&moe::MoeConfig::group_score_topk>},
   {"--moe-router-enable-expert-bias", Kind::flag, "", "aux-loss-free balancing bias (sigmoid / sqrtsoftplus)",
    moe_on<&moe::MoeConfig::enable_expert_bias>},
   {"--moe-router-bias-update-rate", Kind::value, "0.001", "expert-bias step per optimizer step",

@@ -29,6 +29,13 @@ Cases (hidden 32, vocab 96):
                   scores + e_score_correction_bias, norm_topk_prob, routed_scaling_factor 2.5, 1 shared expert;
                   no MTP layer (num_nextn_predict_layers 0). 4 experts per group: the group score is the sum of the
                   top-2 of the group, top-4 picks among the 8 experts of the 2 kept groups (both choices have margins).
+  deepseek_v3_group_top2
+                  deepseek_v3 with 2 layers (layer 0 dense, layer 1 MoE), plain RoPE (theta 10000, no YaRN), no MTP,
+                  and top-2 (num_experts_per_tok 2) of the 16 experts, n_group 4, topk_group 2, so
+                  num_experts_per_tok // topk_group = 1: transformers scores a group by the sum of its top-2 biased
+                  scores, Megatron-Core by the sum of its top-(num_experts_per_tok // topk_group), here the group max.
+                  The golden pins transformers' rule and is chosen so that the rules differ: >= 2 tokens get another
+                  expert set under Megatron-Core's group score (see "Group-score rules" below).
   deepseek_v2lite same class, 2 layers, layer 0 dense, q_lora_rank null (q_proj), plain RoPE, n_group = topk_group = 1,
                   top-2 with renormalisation (norm_topk_prob true: Megatron always renormalises sigmoid top-k > 1),
                   routed_scaling_factor 1.
@@ -59,6 +66,12 @@ How:
     against HF's choice and weights): both the group choice, (g_{topk_group} - g_{topk_group+1}) / g_1 over the group
     scores (sum of the top-2 biased scores per group), and the expert choice among the allowed experts,
     (c_k - c_{k+1}) / c_1 over the biased scores, must be >= 1e-3 (a gap that does not exist is skipped).
+  * Group-score rules (DeepSeek, group-limited routers): the expert sets are also recomputed with Megatron-Core's
+    group score (sum of the top-(num_experts_per_tok // topk_group) biased scores of the group instead of
+    transformers' top-2); the (MoE layer, token) pairs whose set differs are counted (from the float64 router logits,
+    and the same pairs must come out of the float32 run's router logits). Cases in GROUP_RULE_MIN_DIFF need at least
+    that many such pairs (otherwise the seed is bumped); their count is printed and stored in the metadata
+    (`group_rule_diff_tokens`).
   * Self-checks: loss == cross-entropy recomputed from the float64 logits; central finite differences agree with one
     gradient entry of every tensor kind; layout / name sets as above (grad names == saved names minus the
     e_score_correction_bias ones, which must equal the in-memory buffers exactly).
@@ -125,12 +138,20 @@ CASES = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                          "mscale_all_dim": 1.0})),
+    "deepseek_v3_group_top2": (DeepseekV3Config, 800, dict(
+        DEEPSEEK, num_hidden_layers=2, q_lora_rank=24, n_routed_experts=16, moe_intermediate_size=12, n_group=4,
+        topk_group=2, num_experts_per_tok=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "deepseek_v2lite": (DeepseekV3Config, 600, dict(
         DEEPSEEK, num_hidden_layers=2, q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=2,
         routed_scaling_factor=1.0, norm_topk_prob=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 LOAD_KW = dict(attn_implementation="eager", experts_implementation="eager")
+# cases whose golden must tell transformers' DeepSeek group score (sum of the top-2 biased scores of a group) from
+# Megatron-Core's (sum of the top-(num_experts_per_tok // topk_group), here top-1 = the group max): the minimum number
+# of (MoE layer, token) pairs whose expert set differs between the two rules (see group_rule_differences)
+GROUP_RULE_MIN_DIFF = {"deepseek_v3_group_top2": 2}
 
 
 class Float64Mode(TorchFunctionMode):
@@ -348,6 +369,46 @@ def _deepseek_margins(logits, idx, weights, mod):
     return rel, gap
 
 
+def _group_limited_topk(choice, G, TG, k, per_group):
+    """Expert sets (bool [T, E]) of group-limited top-k on the biased scores `choice` [T, E]: group score = sum of the
+    top-`per_group` scores of each of the G groups, keep the TG best groups, top-k among their experts."""
+    T, E = choice.shape
+    group = choice.view(T, G, E // G).topk(per_group, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(TG, dim=-1).indices, True)
+    allowed = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
+    return torch.zeros_like(choice, dtype=torch.bool).scatter_(1, allowed.topk(k, dim=-1).indices, True)
+
+
+def group_rule_differences(routers):
+    """(router name, token) pairs whose DeepSeek expert set under Megatron-Core's group score (sum of the top-
+    (num_experts_per_tok // topk_group) biased scores of a group; top-1 = the group max when that is 1) differs from
+    the set under transformers' (sum of the top-2), computed in the router logits' dtype. The transformers-rule sets
+    are checked against the router's choice. Non-DeepSeek routers and n_group == topk_group contribute nothing."""
+    diffs = []
+    for name, logits, idx, mod, _ in routers:
+        if not hasattr(mod, "e_score_correction_bias"):
+            continue
+        k, G, TG = mod.top_k, mod.num_group, mod.topk_group
+        choice = torch.sigmoid(logits) + mod.e_score_correction_bias.detach().to(logits.dtype)
+        hf = _group_limited_topk(choice, G, TG, k, 2)
+        assert torch.equal(hf, torch.zeros_like(hf).scatter_(1, idx, True)), "router picked other experts"
+        if TG >= G:
+            continue
+        mc = _group_limited_topk(choice, G, TG, k, k // TG)
+        diffs += [(name, int(t)) for t in (hf != mc).any(-1).nonzero().flatten()]
+    return diffs
+
+
+def group_rule_problem(case, rep):
+    """None if the case's golden distinguishes the two group-score rules as GROUP_RULE_MIN_DIFF asks, else why not."""
+    need = GROUP_RULE_MIN_DIFF.get(case, 0)
+    if rep["group_rule_diff"] < need:
+        return f"{rep['group_rule_diff']} tokens differ between the group-score rules < {need}"
+    if not rep["group_rule_same_fp32"]:
+        return "the float32 run's router logits give other group-rule differences"
+    return None
+
+
 def routing_margins(routers):
     """min over tokens/layers of (p_k - p_{k+1}) / p_1, and min logit gap; probabilities from float64 logits.
     DeepSeek routers (sigmoid, group-limited, biased): see _deepseek_margins."""
@@ -419,6 +480,9 @@ def compute(case_dir, tokens, fd_checks=True):
                diff_fp32=float((l32.double() - logits).abs().max()), diff_fp32_loss=abs(float(loss32) - float(loss)),
                logits_std=float(logits.std()), layout=layout_summary(layout))
     assert rep["diff_hf64"] < 1e-4 and rep["diff_fp32"] < 1e-3, rep
+    diffs = group_rule_differences(routers)
+    rep["group_rule_diff"] = len(diffs)
+    rep["group_rule_same_fp32"] = diffs == group_rule_differences(routers32)
 
     if fd_checks:  # central differences on a few entries of the hub tensors, through the fused parameters
         picks, worst = finite_difference_check(
@@ -476,9 +540,14 @@ def generate(case, out_root):
         reinit_(model, gen)
         tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen, dtype=torch.int64).to(torch.int32)
         with torch.no_grad(), Float64Mode():  # cheap early routing-margin test on the in-memory model
-            margin = routing_margins(run(to_fp64(model), tokens.long(), backward=False)[2])[0]
+            routers = run(to_fp64(model), tokens.long(), backward=False)[2]
+            margin, ndiff = routing_margins(routers)[0], len(group_rule_differences(routers))
         if margin < MARGIN:
             print(f"[{case}] seed {seed}: routing margin {margin:.2e} < {MARGIN}, next seed")
+            continue
+        if ndiff < GROUP_RULE_MIN_DIFF.get(case, 0):
+            print(f"[{case}] seed {seed}: {ndiff} tokens differ between the group-score rules "
+                  f"< {GROUP_RULE_MIN_DIFF[case]}, next seed")
             continue
         tmp = tempfile.mkdtemp(prefix=f".{case}.", dir=out_root)
         try:
@@ -501,9 +570,16 @@ def generate(case, out_root):
                 print(f"[{case}] seed {seed}: routing margin {rep['min_rel_margin']:.2e} < {MARGIN}, next seed")
                 shutil.rmtree(tmp)
                 continue
+            why = group_rule_problem(case, rep)
+            if why:
+                print(f"[{case}] seed {seed}: {why}, next seed")
+                shutil.rmtree(tmp)
+                continue
             golden, rep = compute(tmp, tokens, fd_checks=True)
             meta = {"case": case, "seed": str(seed), "transformers": transformers.__version__,
                     "torch": torch.__version__, "min_rel_routing_margin": f"{rep['min_rel_margin']:.6g}"}
+            if case in GROUP_RULE_MIN_DIFF:
+                meta["group_rule_diff_tokens"] = str(rep["group_rule_diff"])
             # one metadata key: safetensors writes a multi-key metadata map in a nondeterministic order
             save_file(golden, os.path.join(tmp, "golden.safetensors"),
                       metadata={"reference": json.dumps(meta, sort_keys=True)})
@@ -531,6 +607,10 @@ def report(case, case_dir, seed, rep):
     print(f"   logits std {rep['logits_std']:.3f}; max|logits - HF-as-is float64| {rep['diff_hf64']:.2e} "
           f"(loss {rep['diff_hf64_loss']:.2e}); max|logits - float32| {rep['diff_fp32']:.2e} "
           f"(loss {rep['diff_fp32_loss']:.2e}); float32 picks the same experts")
+    if case in GROUP_RULE_MIN_DIFF:
+        print(f"   group-score rules: {rep['group_rule_diff']} (MoE layer, token) pairs get another expert set under "
+              f"Megatron-Core's group score (top-(k // topk_group) sum) than under transformers' (top-2 sum); "
+              f"float32 router logits give the same pairs: {rep['group_rule_same_fp32']}")
     if "fd_checked" in rep:
         print(f"   finite differences: {rep['fd_checked']} entries, worst rel err {rep['fd_worst_rel_err']:.2e}")
     print(f"   files: {sizes} total {sum(sizes.values())} bytes")
@@ -550,6 +630,8 @@ def check(case, out_root):
         seed = json.loads((f.metadata() or {}).get("reference", "{}")).get("seed", "?")
     golden, rep = compute(case_dir, tokens, fd_checks=True)
     assert rep["min_rel_margin"] >= MARGIN, rep["min_rel_margin"]
+    why = group_rule_problem(case, rep)
+    assert why is None, f"{case}: {why}"
     assert set(committed) == set(golden), set(committed) ^ set(golden)
     worst = 0.0
     for k, ref in committed.items():

@@ -25,7 +25,8 @@ namespace fs = std::filesystem;
 using testing::run_moecore;
 using testing::run_shell;
 
-const char* const kCases[] = {"mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_tied", "deepseek_v3", "deepseek_v2lite"};
+const char* const kCases[] = {"mixtral",     "qwen2_moe",       "qwen3_moe",       "qwen3_moe_tied",
+                              "deepseek_v3", "deepseek_v2lite", "deepseek_v3_mtp", "deepseek_v3_group_top2"};
 
 std::string golden_dir(const std::string& c) {
   return std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/" + c;

@@ -99,6 +99,9 @@ void MoeConfig::validate(bool fp8) const {
                    ")");
     if (router_topk < group_topk)
       MOECORE_FAIL("--moe-router-topk (", router_topk, ") must be at least --moe-router-group-topk (", group_topk, ")");
+    if (group_score_topk < 0 || group_score_topk > num_experts / num_groups)
+      MOECORE_FAIL("--moe-router-group-score-topk (", group_score_topk, ") must be in [0, experts per group (",
+                   num_experts / num_groups, ")]");
     if (router_topk > group_topk * (num_experts / num_groups))
       MOECORE_FAIL("--moe-router-topk (", router_topk, ") exceeds the experts in --moe-router-group-topk (", group_topk,
                    ") groups of ", num_experts / num_groups);

@@ -26,12 +26,16 @@ struct MoeConfig {
   bool pre_softmax = false;                               // --moe-router-pre-softmax: softmax over all E before top-k
   float topk_scaling_factor = 0.0f;                       // --moe-router-topk-scaling-factor (0: none)
   DType router_dtype = DType::f32;                        // --moe-router-dtype fp32|fp64: logits and probs precision
-  int64_t num_groups = 0;             // --moe-router-num-groups: expert groups for group-limited top-k (0: off)
-  int64_t group_topk = 0;             // --moe-router-group-topk: groups each token may use
-  bool enable_expert_bias = false;    // --moe-router-enable-expert-bias (aux-loss-free balancing)
-  float bias_update_rate = 1e-3f;     // --moe-router-bias-update-rate
-  bool force_load_balancing = false;  // --moe-router-force-load-balancing: random logits (benchmarks)
-  float capacity_factor = 0.0f;       // --moe-expert-capacity-factor (<= 0: dropless)
+  int64_t num_groups = 0;  // --moe-router-num-groups: expert groups for group-limited top-k (0: off)
+  int64_t group_topk = 0;  // --moe-router-group-topk: groups each token may use
+  // --moe-router-group-score-topk (moecore): a group's score sums its top this-many scores; 0 = K / group_topk,
+  // Megatron's rule (transformers' DeepSeek-V3 always sums the top 2)
+  int64_t group_score_topk = 0;
+  int64_t group_score_k() const { return group_score_topk ? group_score_topk : router_topk / group_topk; }
+  bool enable_expert_bias = false;              // --moe-router-enable-expert-bias (aux-loss-free balancing)
+  float bias_update_rate = 1e-3f;               // --moe-router-bias-update-rate
+  bool force_load_balancing = false;            // --moe-router-force-load-balancing: random logits (benchmarks)
+  float capacity_factor = 0.0f;                 // --moe-expert-capacity-factor (<= 0: dropless)
   DropPolicy drop_policy = DropPolicy::probs;   // --moe-token-drop-policy
   bool pad_expert_input_to_capacity = false;    // --moe-pad-expert-input-to-capacity
   int64_t router_padding_alignment = 0;         // --moe-router-padding-for-fp8 sets 16 (32 for MXFP8); 0: off

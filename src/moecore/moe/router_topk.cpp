@@ -10,15 +10,15 @@
 namespace moecore::moe::router_detail {
 namespace {
 
-// Top-k of v, or group-limited top-k: a group scores the sum of its top (K / g) values, the g best
-// groups stay, and the experts of the other groups are out of the race (Megatron masks them to -inf).
+// Top-k of v, or group-limited top-k: a group scores the sum of its top `per` values (Megatron: K / g), the g
+// best groups stay, and the experts of the other groups are out of the race (Megatron masks them to -inf).
 template <class R>
-void select_experts(int32_t* idx, const R* v, int64_t E, int64_t K, int64_t G, int64_t g) {
+void select_experts(int32_t* idx, const R* v, int64_t E, int64_t K, int64_t G, int64_t g, int64_t per) {
   if (G <= 0) {
     topk(idx, v, E, K);
     return;
   }
-  const int64_t Eg = E / G, per = K / g;
+  const int64_t Eg = E / G;
   R* gs = scratch<R, 1>(static_cast<size_t>(G));
   int32_t* tmp = scratch<int32_t, 2>(static_cast<size_t>(per));
   int32_t* gsel = scratch<int32_t, 3>(static_cast<size_t>(g));
@@ -79,6 +79,7 @@ template <class R>
 void route_tokens(RouterCache& c, Tensor& map, const RouterState& st, const RouterDims& d, const MoeConfig& cfg,
                   bool training) {
   const int64_t T = d.T, E = d.E, K = d.K, G = cfg.num_groups, g = cfg.group_topk;
+  const int64_t per = G > 0 ? cfg.group_score_k() : 0;
   const R* logits = c.logits.data<R>();
   R* scores = c.scores.data<R>();
   R* sparse = c.dlogits.data<R>();
@@ -110,10 +111,10 @@ void route_tokens(RouterCache& c, Tensor& map, const RouterState& st, const Rout
       for (int64_t j = 0; j < K; ++j) w[j] = s[idx[j]];
     } else if (sf == ScoreFunction::softmax && cfg.pre_softmax) {
       softmax_row(s, z, E);
-      select_experts(idx, s, E, K, G, g);
+      select_experts(idx, s, E, K, G, g, per);
       for (int64_t j = 0; j < K; ++j) w[j] = s[idx[j]];
     } else if (sf == ScoreFunction::softmax) {
-      select_experts(idx, z, E, K, G, g);
+      select_experts(idx, z, E, K, G, g, per);
       for (int64_t j = 0; j < K; ++j) tmp[j] = z[idx[j]];
       softmax_row(w, tmp, K);
     } else {
@@ -121,7 +122,7 @@ void route_tokens(RouterCache& c, Tensor& map, const RouterState& st, const Rout
       if (bias) {  // the bias steers selection (and group scores) only; weights use the unbiased scores
         for (int64_t e = 0; e < E; ++e) tmp[e] = s[e] + R(bias[e]);
       }
-      select_experts(idx, bias ? tmp : s, E, K, G, g);
+      select_experts(idx, bias ? tmp : s, E, K, G, g, per);
       R sum = 0;
       for (int64_t j = 0; j < K; ++j) sum += (w[j] = s[idx[j]]);
       if (K > 1)
