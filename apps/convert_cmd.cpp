@@ -1,8 +1,9 @@
-// `moecore convert`: Hugging Face checkpoints in and out (docs/convert.md).
+// `moecore convert`: Hugging Face checkpoints in and out (docs/hf-models.md).
 //   --from-hf HF_DIR --save ROOT   writes ROOT/iter_0000000, a weights-only moecore checkpoint (any EP layout)
 //   --load ROOT --to-hf OUT_DIR    writes OUT_DIR: sharded safetensors, model.safetensors.index.json, config.json
-// Both stream: one row run of at most kPartElements elements (plus an 8 MiB conversion chunk and the shard headers)
-// is in memory at a time, whatever the model's size. Copies are exact, so an export of an import is bit-identical.
+// Both stream: one part of at most kHfPartElements elements (plus an 8 MiB conversion chunk and the shard headers;
+// an FP8 weight is dequantised whole) is in memory at a time, whatever the model's size. Copies are exact, so an
+// export of an import is bit-identical.
 // Output appears only when complete: the checkpoint through the commit protocol (io/checkpoint.h), the HF
 // directory through a staging directory renamed into place.
 #include <unistd.h>

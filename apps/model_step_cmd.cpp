@@ -1,5 +1,5 @@
 // `moecore model-step`: forward and backward of a whole Hugging Face model on given tokens, with the logits, the
-// loss and every parameter's gradient written under the Hugging Face names (docs/model-step.md). This is how
+// loss and every parameter's gradient written under the Hugging Face names (docs/hf-models.md). This is how
 // moecore is compared with transformers.
 #include <cstdio>
 
