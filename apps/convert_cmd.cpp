@@ -15,6 +15,7 @@
 #include "apps/args.h"
 #include "apps/commands.h"
 #include "apps/hf_config.h"
+#include "apps/model_flags.h"
 #include "moecore/core/memory.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/file_util.h"
@@ -130,10 +131,15 @@ void export_hf(const Args& a) {
   } else if (state.contains("hf_config_json")) {
     config_text = state["hf_config_json"].get<std::string>();
     where = *dir + "/state.json (hf_config_json)";
-  } else {
-    MOECORE_FAIL("--load ", *dir,
-                 " records no Hugging Face config.json (it was not trained with --hf-config); pass --hf-config "
-                 "with the config.json of the model to write");
+  } else {  // a model trained from Megatron flags: its config.json from the same flags, written by the table
+    const model::ModelConfig flags_cfg = model_config_from(a, 0);
+    const model::HfFamily family = a.str("--hf-model-type").empty() ? model::hf_family_of(flags_cfg)
+                                                                    : model::hf_family_parse(a.str("--hf-model-type"));
+    json generated = hf_config_for_model(flags_cfg, family);
+    config_text = generated.dump(2) + "\n";
+    where = std::string("the config.json written for the model flags (") + model::hf_family_name(family) + ")";
+    std::printf("convert: %s records no config.json; writing one for the model flags (model_type %s)\n", ck.dir.c_str(),
+                model::hf_family_name(family));
   }
   const json config = hf_config_parse(config_text, where);
   const model::ModelConfig cfg = hf_model_config(config, where, kWeightsOnly);
@@ -195,9 +201,15 @@ int convert_main(int argc, char** argv) {
       .option("--to-hf", "", "export: Hugging Face model directory to write (must not exist, or be empty)")
       .option("--hf-config", "",
               "export: config.json (or a directory holding one) of the model; default: the one recorded in the "
-              "checkpoint (by convert --from-hf, or train --hf-config / --load-hf)")
+              "checkpoint (by convert --from-hf, or train --hf-config / --load-hf), else one written for the "
+              "model flags given here (as in training)")
       .option("--hf-dtype", "", "export: bf16 | fp16 | fp32 (default: config.json's dtype / torch_dtype, else bf16)")
-      .option("--max-shard-size", "5GB", "export: largest shard file (HF units: 5GB = 5e9 bytes)");
+      .option("--max-shard-size", "5GB", "export: largest shard file (HF units: 5GB = 5e9 bytes)")
+      .option("--hf-model-type", "",
+              "export without a recorded config.json: mixtral | qwen2_moe | qwen3_moe | deepseek_v3 (unset: the "
+              "family that holds the model flags)");
+  const model::ModelConfig defaults;
+  add_model_flags(a, defaults);  // export without a recorded config.json: the model flags of the training run
   if (!a.parse(argc, argv)) return 0;
   const bool in = !a.str("--from-hf").empty() || !a.str("--save").empty();
   const bool out = !a.str("--load").empty() || !a.str("--to-hf").empty();

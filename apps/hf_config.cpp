@@ -12,6 +12,7 @@
 
 #include "apps/model_flags.h"
 #include "moecore/core/error.h"
+#include "moecore/model/param_specs.h"
 
 namespace moecore::apps {
 namespace {
@@ -32,16 +33,22 @@ constexpr const char* kModelNames[] = {"mixtral", "qwen2_moe", "qwen3_moe", "dee
 
 struct Row;
 using Convert = void (*)(const Row& row, const json& v, const json& cfg, Flags& out);
+// The key's value for a model (export of a model that has no recorded config.json); a discarded value: omitted.
+using Emit = json (*)(const model::ModelConfig& c, unsigned model);
 
 // One config.json key for the model types in `models`: `flag` is the Megatron flag it maps to (or what the
-// conversion emits), `def` the transformers default as JSON text (nullptr: required).
+// conversion emits), `def` the transformers default as JSON text (nullptr: required), `emit` the value written for
+// a model (nullptr: the key is not written).
 struct Row {
   const char* key;
   unsigned models;
   const char* flag;
   Convert convert;
   const char* def;
+  Emit emit = nullptr;
 };
+
+const json kOmit = json(json::value_t::discarded);
 
 std::string model_of(const json& cfg) {
   return cfg.value("model_type", std::string());
@@ -358,84 +365,223 @@ void deepseek_rope(const Row& r, const json& v, const json& cfg, Flags& out) {
     out.emplace_back("--no-yarn-correction-range-round-to-int", "");
 }
 
+// ---- Emitters (model -> config.json) ---------------------------------------------------------------------------
+
+template <int64_t model::ModelConfig::*F>
+json emit_int(const model::ModelConfig& c, unsigned) {
+  return c.*F;
+}
+template <float model::ModelConfig::*F>
+json emit_float(const model::ModelConfig& c, unsigned) {
+  return static_cast<double>(c.*F);
+}
+
+json emit_model_type(const model::ModelConfig&, unsigned m) {
+  return kModelNames[__builtin_ctz(m)];
+}
+json emit_architectures(const model::ModelConfig&, unsigned m) {
+  static const char* const names[] = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                                      "DeepseekV3ForCausalLM"};
+  return json::array({names[__builtin_ctz(m)]});
+}
+json emit_kv_heads(const model::ModelConfig& c, unsigned) {
+  return c.multi_latent_attention ? c.num_attention_heads : c.query_groups();
+}
+json emit_head_dim(const model::ModelConfig& c, unsigned) {
+  return c.head_dim();
+}
+json emit_ffn(const model::ModelConfig& c, unsigned) {
+  return c.ffn();
+}
+json emit_moe_ffn(const model::ModelConfig& c, unsigned) {
+  return c.moe_ffn();
+}
+json emit_experts(const model::ModelConfig& c, unsigned) {
+  return c.moe.num_experts;
+}
+json emit_topk(const model::ModelConfig& c, unsigned) {
+  return c.moe.router_topk;
+}
+json emit_shared(const model::ModelConfig& c, unsigned) {
+  return c.moe.shared_expert_intermediate_size;
+}
+json emit_true(const model::ModelConfig&, unsigned) {
+  return true;
+}
+json emit_false(const model::ModelConfig&, unsigned) {
+  return false;
+}
+json emit_silu(const model::ModelConfig&, unsigned) {
+  return "silu";
+}
+json emit_norm_topk(const model::ModelConfig& c, unsigned) {
+  return !c.moe.pre_softmax;
+}
+// Qwen: every layer MoE (step 1), minus mlp_only_layers.
+json emit_sparse_step(const model::ModelConfig&, unsigned) {
+  return 1;
+}
+json emit_mlp_only(const model::ModelConfig& c, unsigned) {
+  json out = json::array();
+  const std::vector<bool> moe = c.moe_layers();
+  for (size_t i = 0; i < moe.size(); ++i)
+    if (!moe[i]) out.push_back(i);
+  return out;
+}
+json emit_aux_coeff(const model::ModelConfig& c, unsigned) {
+  return c.moe.aux_loss_coeff.empty() ? 0.0 : static_cast<double>(c.moe.aux_loss_coeff[0]);
+}
+json emit_rope_theta(const model::ModelConfig& c, unsigned) {
+  return static_cast<double>(c.rotary_base);
+}
+json emit_tied(const model::ModelConfig& c, unsigned) {
+  return !c.untie_embeddings_and_output_weights;
+}
+json emit_max_positions(const model::ModelConfig& c, unsigned) {
+  return c.max_positions();
+}
+json emit_dtype(const model::ModelConfig& c, unsigned) {
+  return c.compute_dtype == DType::bf16 ? "bfloat16" : "float32";
+}
+json emit_q_lora(const model::ModelConfig& c, unsigned) {
+  return c.q_lora_rank ? json(c.q_lora_rank) : json();
+}
+json emit_deepseek_shared(const model::ModelConfig& c, unsigned) {
+  const int64_t Fs = c.moe.shared_expert_intermediate_size, F = c.moe_ffn();
+  if (Fs % F != 0)
+    MOECORE_FAIL("config.json for deepseek_v3: the shared expert size (", Fs,
+                 ") must be a multiple of --moe-ffn-hidden-size (", F, ") (n_shared_experts)");
+  return Fs / F;
+}
+json emit_first_dense(const model::ModelConfig& c, unsigned) {
+  const std::vector<bool> moe = c.moe_layers();
+  size_t k = 0;
+  while (k < moe.size() && !moe[k]) ++k;
+  for (size_t i = k; i < moe.size(); ++i)
+    if (!moe[i])
+      MOECORE_FAIL("config.json for deepseek_v3: dense layers must come first (first_k_dense_replace); layer ", i,
+                   " is dense after an MoE layer");
+  return k;
+}
+json emit_scaling(const model::ModelConfig& c, unsigned) {
+  return c.moe.topk_scaling_factor > 0 ? static_cast<double>(c.moe.topk_scaling_factor) : 1.0;
+}
+json emit_groups(const model::ModelConfig& c, unsigned) {
+  return c.moe.num_groups ? c.moe.num_groups : 1;
+}
+json emit_group_topk(const model::ModelConfig& c, unsigned) {
+  return c.moe.group_topk ? c.moe.group_topk : 1;
+}
+json emit_mtp(const model::ModelConfig& c, unsigned) {
+  return c.mtp_num_layers;
+}
+json emit_deepseek_rope(const model::ModelConfig& c, unsigned) {
+  if (!c.yarn) return kOmit;  // rope_theta carries plain RoPE
+  const model::YarnConfig& y = c.yarn_config;
+  json r = {{"type", "yarn"},
+            {"factor", static_cast<double>(y.scaling_factor)},
+            {"original_max_position_embeddings", y.original_max_position_embeddings},
+            {"beta_fast", static_cast<double>(y.beta_fast)},
+            {"beta_slow", static_cast<double>(y.beta_slow)},
+            {"mscale", static_cast<double>(y.mscale)},
+            {"mscale_all_dim", static_cast<double>(y.mscale_all_dim)}};
+  if (!y.correction_range_round_to_int) r["truncate"] = false;
+  return r;
+}
+json emit_deepseek_aux(const model::ModelConfig& c, unsigned) {
+  if (c.moe.uses(moe::LoadBalancing::seq_aux_loss) || c.moe.uses(moe::LoadBalancing::aux_loss))
+    return emit_aux_coeff(c, 0);
+  return kOmit;
+}
+json emit_seq_aux(const model::ModelConfig& c, unsigned) {
+  return c.moe.uses(moe::LoadBalancing::seq_aux_loss) ? json(true) : kOmit;
+}
+
 // The one table. Flags that no key carries (RMSNorm, RoPE, no linear biases, ...) are in kFixed below.
 constexpr Row kRows[] = {
-    {"model_type", kAny, "", ignore, nullptr},
-    {"num_hidden_layers", kAny, "--num-layers", to_int, nullptr},
-    {"hidden_size", kAny, "--hidden-size", to_int, nullptr},
-    {"num_attention_heads", kAny, "--num-attention-heads", to_int, nullptr},
-    {"num_key_value_heads", kAll, "--num-query-groups", kv_heads, nullptr},
-    {"head_dim", kMixtral | kQwen3, "--kv-channels", optional_int, "null"},
-    {"intermediate_size", kAny, "--ffn-hidden-size", to_int, nullptr},
-    {"moe_intermediate_size", kQwen, "--moe-ffn-hidden-size", to_int, nullptr},
-    {"shared_expert_intermediate_size", kQwen2, "--moe-shared-expert-intermediate-size", shared_expert, nullptr},
-    {"num_local_experts", kMixtral, "--num-experts", to_int, nullptr},
-    {"qkv_bias", kQwen2, "--add-qkv-bias", qkv_bias, "true"},
+    {"model_type", kAny, "", ignore, nullptr, emit_model_type},
+    {"num_hidden_layers", kAny, "--num-layers", to_int, nullptr, emit_int<&model::ModelConfig::num_layers>},
+    {"hidden_size", kAny, "--hidden-size", to_int, nullptr, emit_int<&model::ModelConfig::hidden_size>},
+    {"num_attention_heads", kAny, "--num-attention-heads", to_int, nullptr,
+     emit_int<&model::ModelConfig::num_attention_heads>},
+    {"num_key_value_heads", kAll, "--num-query-groups", kv_heads, nullptr, emit_kv_heads},
+    {"head_dim", kMixtral | kQwen3, "--kv-channels", optional_int, "null", emit_head_dim},
+    {"intermediate_size", kAny, "--ffn-hidden-size", to_int, nullptr, emit_ffn},
+    {"moe_intermediate_size", kQwen, "--moe-ffn-hidden-size", to_int, nullptr, emit_moe_ffn},
+    {"shared_expert_intermediate_size", kQwen2, "--moe-shared-expert-intermediate-size", shared_expert, nullptr,
+     emit_shared},
+    {"num_local_experts", kMixtral, "--num-experts", to_int, nullptr, emit_experts},
+    {"qkv_bias", kQwen2, "--add-qkv-bias", qkv_bias, "true", emit_true},
     {"layer_types", kQwen, "sliding-window attention", layer_types, "null"},
-    {"num_experts", kQwen, "--num-experts", num_experts, "null"},
+    {"num_experts", kQwen, "--num-experts", num_experts, "null", emit_experts},
     {"num_local_experts", kQwen3, "--num-experts", num_experts, "null"},  // transformers 5's alias for num_experts
-    {"num_experts_per_tok", kAny, "--moe-router-topk", to_int, nullptr},
-    {"norm_topk_prob", kQwen, "--moe-router-pre-softmax", norm_topk_prob, "false"},
-    {"decoder_sparse_step", kQwen, "--moe-layer-freq", moe_layer_freq, "1"},
-    {"mlp_only_layers", kQwen, "(read with decoder_sparse_step)", ignore, "[]"},
-    {"router_aux_loss_coef", kAll, "--moe-aux-loss-coeff", to_number, "0.001"},
+    {"num_experts_per_tok", kAny, "--moe-router-topk", to_int, nullptr, emit_topk},
+    {"norm_topk_prob", kQwen, "--moe-router-pre-softmax", norm_topk_prob, "false", emit_norm_topk},
+    {"decoder_sparse_step", kQwen, "--moe-layer-freq", moe_layer_freq, "1", emit_sparse_step},
+    {"mlp_only_layers", kQwen, "(read with decoder_sparse_step)", ignore, "[]", emit_mlp_only},
+    {"router_aux_loss_coef", kAll, "--moe-aux-loss-coeff", to_number, "0.001", emit_aux_coeff},
     {"router_jitter_noise", kMixtral, "router jitter on the experts' input", must_be_zero, "0"},
-    {"hidden_act", kAny, "--swiglu", hidden_act, "\"silu\""},
-    {"rms_norm_eps", kAny, "--norm-epsilon", to_number, nullptr},
-    {"rope_theta", kAny, "--rotary-base", rope_theta, "null"},
+    {"hidden_act", kAny, "--swiglu", hidden_act, "\"silu\"", emit_silu},
+    {"rms_norm_eps", kAny, "--norm-epsilon", to_number, nullptr, emit_float<&model::ModelConfig::norm_epsilon>},
+    {"rope_theta", kAny, "--rotary-base", rope_theta, "null", emit_rope_theta},
     {"rope_parameters", kAll, "--rotary-base", rope_parameters, "null"},
     {"rope_scaling", kAll, "RoPE scaling (--rope-type yarn, ...)", must_be_null, "null"},
     // DeepSeek-V3 (transformers' DeepseekV3Config and the hub's configuration_deepseek.py).
     {"rope_parameters", kDeepSeek, "--rotary-base, --rope-type", deepseek_rope, "null"},
-    {"rope_scaling", kDeepSeek, "--rope-type yarn", deepseek_rope, "null"},
-    {"num_key_value_heads", kDeepSeek, "(MLA: one key per head)", mla_kv_heads, "null"},
-    {"q_lora_rank", kDeepSeek, "--q-lora-rank", optional_int, "null"},
-    {"kv_lora_rank", kDeepSeek, "--kv-lora-rank", to_int, nullptr},
-    {"qk_nope_head_dim", kDeepSeek, "--qk-head-dim", to_int, nullptr},
-    {"qk_rope_head_dim", kDeepSeek, "--qk-pos-emb-head-dim", to_int, nullptr},
-    {"v_head_dim", kDeepSeek, "--v-head-dim", to_int, nullptr},
+    {"rope_scaling", kDeepSeek, "--rope-type yarn", deepseek_rope, "null", emit_deepseek_rope},
+    {"num_key_value_heads", kDeepSeek, "(MLA: one key per head)", mla_kv_heads, "null", emit_kv_heads},
+    {"q_lora_rank", kDeepSeek, "--q-lora-rank", optional_int, "null", emit_q_lora},
+    {"kv_lora_rank", kDeepSeek, "--kv-lora-rank", to_int, nullptr, emit_int<&model::ModelConfig::kv_lora_rank>},
+    {"qk_nope_head_dim", kDeepSeek, "--qk-head-dim", to_int, nullptr, emit_int<&model::ModelConfig::qk_head_dim>},
+    {"qk_rope_head_dim", kDeepSeek, "--qk-pos-emb-head-dim", to_int, nullptr,
+     emit_int<&model::ModelConfig::qk_pos_emb_head_dim>},
+    {"v_head_dim", kDeepSeek, "--v-head-dim", to_int, nullptr, emit_int<&model::ModelConfig::v_head_dim>},
     {"head_dim", kDeepSeek, "(transformers 5: qk_rope_head_dim)", same_as_key<kRopeHeadDim>, "null"},
     {"qk_head_dim", kDeepSeek, "(qk_nope_head_dim + qk_rope_head_dim)", mla_qk_head_dim, "null"},
-    {"moe_intermediate_size", kDeepSeek, "--moe-ffn-hidden-size", to_int, nullptr},
-    {"n_routed_experts", kDeepSeek, "--num-experts", to_int, nullptr},
-    {"n_shared_experts", kDeepSeek, "--moe-shared-expert-intermediate-size", deepseek_shared, "null"},
-    {"first_k_dense_replace", kDeepSeek, "--moe-layer-freq", deepseek_layer_freq, "0"},
+    {"moe_intermediate_size", kDeepSeek, "--moe-ffn-hidden-size", to_int, nullptr, emit_moe_ffn},
+    {"n_routed_experts", kDeepSeek, "--num-experts", to_int, nullptr, emit_experts},
+    {"n_shared_experts", kDeepSeek, "--moe-shared-expert-intermediate-size", deepseek_shared, "null",
+     emit_deepseek_shared},
+    {"first_k_dense_replace", kDeepSeek, "--moe-layer-freq", deepseek_layer_freq, "0", emit_first_dense},
     {"moe_layer_freq", kDeepSeek, "(every layer after first_k_dense_replace is MoE)", must_be_one, "1"},
-    {"routed_scaling_factor", kDeepSeek, "--moe-router-topk-scaling-factor", to_number, "1.0"},
+    {"routed_scaling_factor", kDeepSeek, "--moe-router-topk-scaling-factor", to_number, "1.0", emit_scaling},
     {"scoring_func", kDeepSeek, "--moe-router-score-function sigmoid", scoring_func, "\"sigmoid\""},
     {"topk_method", kDeepSeek, "--moe-router-enable-expert-bias", topk_method, "\"noaux_tc\""},
-    {"n_group", kDeepSeek, "--moe-router-num-groups", deepseek_groups, "1"},
-    {"topk_group", kDeepSeek, "--moe-router-group-topk (read with n_group)", ignore, "1"},
-    {"norm_topk_prob", kDeepSeek, "(Megatron renormalises sigmoid top-k weights)", deepseek_norm_topk, "true"},
-    {"aux_loss_alpha", kDeepSeek, "--moe-aux-loss-coeff", deepseek_aux_loss, "null"},
-    {"seq_aux", kDeepSeek, "(read with aux_loss_alpha)", ignore, "true"},
-    {"num_nextn_predict_layers", kDeepSeek, "--mtp-num-layers", optional_positive_int, "0"},
+    {"n_group", kDeepSeek, "--moe-router-num-groups", deepseek_groups, "1", emit_groups},
+    {"topk_group", kDeepSeek, "--moe-router-group-topk (read with n_group)", ignore, "1", emit_group_topk},
+    {"norm_topk_prob", kDeepSeek, "(Megatron renormalises sigmoid top-k weights)", deepseek_norm_topk, "true",
+     emit_true},
+    {"aux_loss_alpha", kDeepSeek, "--moe-aux-loss-coeff", deepseek_aux_loss, "null", emit_deepseek_aux},
+    {"seq_aux", kDeepSeek, "(read with aux_loss_alpha)", ignore, "true", emit_seq_aux},
+    {"num_nextn_predict_layers", kDeepSeek, "--mtp-num-layers", optional_positive_int, "0", emit_mtp},
     {"rope_interleave", kDeepSeek, "(the weight layout: interleaved RoPE channels are de-interleaved on import)",
-     ignore, "true"},
+     ignore, "true", emit_false},
     {"attention_bias", kDeepSeek, "q/kv/o projection biases", must_be_false, "false"},
     {"pretraining_tp", kDeepSeek, "(tensor-parallel pretraining slices; only 1)", must_be_one, "1"},
     {"ep_size", kDeepSeek, "", ignore, "1"},
     {"quantization_config", kDeepSeek, "(FP8 weights)", fp8_quantization, "null"},
     {"auto_map", kDeepSeek, "", ignore, "null"},
-    {"max_position_embeddings", kAny, "--max-position-embeddings", to_int, nullptr},
+    {"max_position_embeddings", kAny, "--max-position-embeddings", to_int, nullptr, emit_max_positions},
     {"use_sliding_window", kQwen, "sliding-window attention", must_be_false, "false"},
     {"sliding_window", kAll, "sliding-window attention", sliding_window, "null"},
     {"max_window_layers", kQwen, "(sliding-window layers; read only with use_sliding_window)", ignore, "null"},
     {"attention_bias", kQwen3, "q/k/v/o projection biases", must_be_false, "false"},
-    {"vocab_size", kAny, "--vocab-size", to_int, nullptr},
-    {"tie_word_embeddings", kAny, "--untie-embeddings-and-output-weights", switch_if_false, "false"},
-    {"attention_dropout", kAny, "--attention-dropout", to_number, "0.0"},
-    {"initializer_range", kAny, "--init-method-std", to_number, "0.02"},
+    {"vocab_size", kAny, "--vocab-size", to_int, nullptr, emit_int<&model::ModelConfig::vocab_size>},
+    {"tie_word_embeddings", kAny, "--untie-embeddings-and-output-weights", switch_if_false, "false", emit_tied},
+    {"attention_dropout", kAny, "--attention-dropout", to_number, "0.0",
+     emit_float<&model::ModelConfig::attention_dropout>},
+    {"initializer_range", kAny, "--init-method-std", to_number, "0.02",
+     emit_float<&model::ModelConfig::init_method_std>},
     // Harmless: token ids (the tokenizer's business), inference and bookkeeping keys.
     {"output_router_logits", kAny, "(HF adds the aux loss only with it; see router_aux_loss_coef)", ignore, "false"},
     {"bos_token_id", kAny, "", ignore, "null"},
     {"eos_token_id", kAny, "", ignore, "null"},
     {"pad_token_id", kAny, "", ignore, "null"},
-    {"torch_dtype", kAny, "", ignore, "null"},
+    {"torch_dtype", kAny, "", ignore, "null", emit_dtype},
     {"dtype", kAny, "", ignore, "null"},
     {"use_cache", kAny, "", ignore, "true"},
     {"transformers_version", kAny, "", ignore, "null"},
-    {"architectures", kAny, "", ignore, "null"},
+    {"architectures", kAny, "", ignore, "null", emit_architectures},
     {"_name_or_path", kAny, "", ignore, "null"},
 };
 
@@ -567,6 +713,46 @@ model::HfWeightMap hf_config_weight_map(const json& config, const model::ModelCo
   if (!interleave.is_boolean())
     MOECORE_FAIL("config.json key 'rope_interleave' = ", interleave.dump(), ": expected true or false");
   return model::hf_weight_map(cfg, family, interleave.get<bool>());
+}
+
+json hf_config_for_model(const model::ModelConfig& c, model::HfFamily family) {
+  (void)model::hf_weight_map(c, family);  // refuses, by name, what the family's modeling code lacks (LayerNorm, ...)
+  const unsigned bit = 1u << static_cast<unsigned>(family);
+  json out = json::object();
+  for (const Row& r : kRows) {
+    if (!(r.models & bit) || !r.emit) continue;
+    json v = r.emit(c, bit);
+    if (!v.is_discarded()) out[r.key] = std::move(v);
+  }
+  // The file must stand for this model: read back, it has to give the same parameters and the same routing.
+  const std::string where = std::string("the config.json written for a ") + model::hf_family_name(family) + " model";
+  const model::ModelConfig b = hf_model_config(out, where, {{"--seq-length", std::to_string(c.seq_length)}});
+  auto differs = [&](const char* what) {
+    MOECORE_FAIL("the model cannot be written as a ", model::hf_family_name(family), " config.json: its ", what,
+                 " would read back differently (pass --hf-config with the model's own config.json)");
+  };
+  const auto pa = model::parameter_specs(c), pb = model::parameter_specs(b);
+  if (pa.size() != pb.size()) differs("parameter list");
+  for (size_t i = 0; i < pa.size(); ++i)
+    if (pa[i].name != pb[i].name || !(pa[i].shape == pb[i].shape)) differs(("parameter " + pa[i].name).c_str());
+  const moe::MoeConfig &ma = c.moe, &mb = b.moe;
+  auto scale = [](float f) { return f > 0 ? f : 1.0f; };
+  if (c.position_embedding_type != b.position_embedding_type) differs("position embedding");
+  if (c.rotary_base != b.rotary_base || c.yarn != b.yarn) differs("RoPE");
+  if (c.yarn &&
+      (c.yarn_config.scaling_factor != b.yarn_config.scaling_factor || c.yarn_config.mscale != b.yarn_config.mscale ||
+       c.yarn_config.mscale_all_dim != b.yarn_config.mscale_all_dim ||
+       c.yarn_config.original_max_position_embeddings != b.yarn_config.original_max_position_embeddings ||
+       c.yarn_config.beta_fast != b.yarn_config.beta_fast || c.yarn_config.beta_slow != b.yarn_config.beta_slow ||
+       c.yarn_config.correction_range_round_to_int != b.yarn_config.correction_range_round_to_int))
+    differs("YaRN settings");
+  if (c.norm_epsilon != b.norm_epsilon) differs("norm epsilon");
+  if (ma.router_topk != mb.router_topk || ma.score_function != mb.score_function || ma.pre_softmax != mb.pre_softmax ||
+      scale(ma.topk_scaling_factor) != scale(mb.topk_scaling_factor) ||
+      ma.enable_expert_bias != mb.enable_expert_bias || ma.num_groups != mb.num_groups ||
+      ma.group_topk != mb.group_topk || (ma.num_groups > 0 && ma.group_score_k() != mb.group_score_k()))
+    differs("routing (top-k, score function, pre-softmax, scaling, expert bias, groups)");
+  return out;
 }
 
 }  // namespace moecore::apps

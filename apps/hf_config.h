@@ -35,6 +35,10 @@ model::ModelConfig hf_model_config(const nlohmann::json& config, const std::stri
 // The HF <-> moecore weight map of a model built from `config` (its model_type and, for deepseek_v3,
 // rope_interleave).
 model::HfWeightMap hf_config_weight_map(const nlohmann::json& config, const model::ModelConfig& cfg);
+// The config.json of a model, from the same table (each row's emitter), for an export without a recorded
+// config.json. Throws naming what does not survive the trip (read back, the file must give the same parameters,
+// positions, RoPE/YaRN, norm epsilon and routing) when the family cannot hold the model.
+nlohmann::json hf_config_for_model(const model::ModelConfig& cfg, model::HfFamily family);
 // Fills every flag of `args` still unset from the config's translation.
 void hf_config_fill(Args& args, const nlohmann::json& config, const std::string& where);
 

@@ -497,5 +497,55 @@ TEST_F(HfModels, DeepSeekV3Fp8WeightsAreDequantisedOnImport) {
   EXPECT_NEAR(loss, golden, 0.05 * golden);
 }
 
+// A checkpoint trained from Megatron flags alone (no config.json recorded) exports with a config.json the table
+// writes for those flags: read back it gives the same model (imports, re-exports bit-identically, runs model-step).
+TEST_F(HfModels, ExportsAModelTrainedFromMegatronFlags) {
+  testing::write_byte_corpus(dir_, 40, "Example document: the quick brown fox jumps over the lazy dog.");
+  if (HasFatalFailure()) return;
+  const std::string common =
+      " --normalization RMSNorm --position-embedding-type rope --disable-bias-linear --swiglu "
+      "--untie-embeddings-and-output-weights --num-layers 2 --hidden-size 64 "
+      "--num-attention-heads 4 --ffn-hidden-size 128 --seq-length 32 --vocab-size 384 "
+      "--num-experts 8 --moe-ffn-hidden-size 32 ";
+  const std::vector<std::pair<std::string, std::string>> models = {
+      {"qwen3_moe", common + "--group-query-attention --num-query-groups 2 --kv-channels 16 --qk-layernorm "
+                             "--moe-router-topk 2 --rotary-base 1000000"},
+      {"deepseek_v3", common + "--multi-latent-attention --qk-layernorm --q-lora-rank 24 --kv-lora-rank 16 "
+                               "--qk-head-dim 8 --qk-pos-emb-head-dim 4 --v-head-dim 8 --rotary-scaling-factor 4 "
+                               "--yarn-original-max-position-embeddings 8 --mscale-all-dim 1 --moe-router-topk 4 "
+                               "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                               "--moe-router-num-groups 4 --moe-router-group-topk 2 "
+                               "--moe-router-topk-scaling-factor 2.5 --moe-shared-expert-intermediate-size 32 "
+                               "--moe-layer-freq [0]+[1] --mtp-num-layers 1"}};
+  for (const auto& [family, flags] : models) {
+    auto r = run_moecore("train --data-path " + p("c_text_document") +
+                         " --tokenizer-type ByteLevel --micro-batch-size 2 --train-iters 3 --generate-tokens 0 "
+                         "--save " +
+                         p(family + "_ck") + flags);
+    ASSERT_EQ(r.status, 0) << r.output;
+    r = run_moecore("convert --load " + p(family + "_ck") + " --to-hf " + p(family + "_hf") + flags);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("writing one for the model flags (model_type " + family + ")"), std::string::npos)
+        << r.output;
+    EXPECT_EQ(apps::hf_config_load(p(family + "_hf")).value("model_type", ""), family);
+    r = run_moecore("convert --from-hf " + p(family + "_hf") + " --save " + p(family + "_ck2"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    r = run_moecore("convert --load " + p(family + "_ck2") + " --to-hf " + p(family + "_hf2"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    expect_same_checkpoint(p(family + "_hf"), p(family + "_hf2"));
+    const Tensor tokens = Tensor::zeros({1, 8}, DType::i32);
+    io::safetensors_save(p("tokens.st"), {{"tokens", tokens}});
+    r = run_moecore("model-step --hf " + p(family + "_hf") + " --tokens " + p("tokens.st") + " --out " + p("o.st"));
+    ASSERT_EQ(r.status, 0) << r.output;
+  }
+  // A model no family can hold is refused by name, and nothing is written.
+  const std::string ln = common + "--group-query-attention --num-query-groups 2 --moe-router-topk 2";
+  auto r = run_moecore("convert --load " + p("qwen3_moe_ck") + " --to-hf " + p("bad_hf") + ln +
+                       " --normalization LayerNorm");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("LayerNorm"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("bad_hf")));
+}
+
 }  // namespace
 }  // namespace moecore

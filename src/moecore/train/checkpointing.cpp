@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "moecore/io/checkpoint.h"
+#include "moecore/model/layer_pattern.h"
 
 namespace moecore::train {
 namespace {
@@ -236,6 +237,16 @@ void check_checkpoint_model(const std::string& state_json, const model::ModelCon
     MOECORE_FAIL("checkpoint: ", dir, "/state.json is not a moecore training state (format/version)");
   const json want = model_fingerprint(cfg);
   for (const auto& [k, v] : want.items()) {
+    // A layer pattern compares by the layers it makes MoE, not by its spelling ("[0]+[1]" == "[0]*1+[1]*1").
+    if (k == "moe_layer_freq" && state["model"].contains(k) && state["model"][k].is_string() && cfg.moe.enabled()) {
+      try {
+        if (model::parse_layer_pattern(state["model"][k].get<std::string>(), cfg.num_layers, "moe_layer_freq") ==
+            cfg.moe_layers())
+          continue;
+      } catch (const Error&) {
+        // an unparsable saved pattern differs: reported below
+      }
+    }
     if (!state["model"].contains(k) || state["model"][k] != v)
       MOECORE_FAIL("checkpoint: ", dir, " was saved with ", k, " = ",
                    state["model"].contains(k) ? state["model"][k].dump() : std::string("(absent)"),
