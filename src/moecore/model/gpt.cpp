@@ -62,7 +62,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   layers_ = layer_specs(cfg_);
   const bool mla =
       std::any_of(layers_.begin(), layers_.end(), [](const LayerSpec& s) { return s.attention == AttentionKind::mla; });
-  const bool standard = std::any_of(layers_.begin(), layers_.end(),
+  standard_attention_ = std::any_of(layers_.begin(), layers_.end(),
                                     [](const LayerSpec& s) { return s.attention == AttentionKind::standard; });
   if (mla) {
     mla_dims_ = {B_,
@@ -236,7 +236,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     for (int64_t i = 0; i < N; ++i) pos[i] = static_cast<int32_t>(i % S);
   }
   drops_.resize(layers_.size());
-  ws_ = nn::dense_layer_workspace_alloc(dims_, /*with_attention=*/standard);
+  ws_ = nn::dense_layer_workspace_alloc(dims_, /*with_attention=*/standard_attention_);
   if (mla) mla_ws_ = nn::mla_workspace_alloc(mla_dims_, c);
   head_ws_ = nn::lm_head_workspace_alloc(N, V, c);
   dres_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
@@ -524,8 +524,6 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   int64_t layer_cache = 0, moe_cache = 0;
   size_t l = 0;
   auto layer_mla = [&](size_t i) { return layers_[i].attention == AttentionKind::mla; };
-  const bool any_standard = std::any_of(layers_.begin(), layers_.end(),
-                                        [](const LayerSpec& s) { return s.attention == AttentionKind::standard; });
   for (const auto& m : moe_) {
     if (m && m->state.expert_bias.defined()) at(MemCategory::parameters) += m->state.expert_bias.nbytes();
     layer_cache += nn::dense_layer_cache_bytes(dims_, m == nullptr, !layer_mla(l));
@@ -535,7 +533,7 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   }
   // MoE caches mix saved activations and backward scratch; the plan counts them as activations.
   at(MemCategory::activations) = layer_cache + moe_cache;
-  at(MemCategory::workspace) = nn::dense_layer_workspace_bytes(dims_, any_standard) +
+  at(MemCategory::workspace) = nn::dense_layer_workspace_bytes(dims_, standard_attention_) +
                                (mla_ws_.q.defined() ? nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype) : 0) +
                                nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype);
   // The model's own buffers, by the tensors themselves (each is allocated in one place, the constructor).

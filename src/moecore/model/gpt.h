@@ -113,7 +113,8 @@ class GptModel {
   ModelConfig cfg_;
   int64_t B_;
   nn::DenseLayerDims dims_;
-  std::vector<LayerSpec> layers_;  // decoder layers, then one per MTP depth: the kinds of every per-layer array
+  std::vector<LayerSpec> layers_;   // decoder layers, then one per MTP depth: the kinds of every per-layer array
+  bool standard_attention_ = true;  // some layer has standard attention (the shared workspace holds its buffers)
   std::vector<Param> params_;
   uint64_t seed_;
   int64_t dropout_iteration_ = 0, dropout_micro_batch_ = 0;
