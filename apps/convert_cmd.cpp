@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 
@@ -80,6 +81,15 @@ void import_hf(const Args& a) {
     MOECORE_FAIL("--save ", root, " already holds a checkpoint; hint: convert into a new directory");
   const std::string token = "convert" + std::to_string(::getpid());
   const std::string staging = io::checkpoint_staging_begin(root, 0, token);
+  // A failure leaves nothing behind: the staging directory goes (discovery would ignore it, but it is litter).
+  struct RemoveOnFailure {
+    std::string dir;
+    bool done = false;
+    ~RemoveOnFailure() {
+      std::error_code ec;
+      if (!done) std::filesystem::remove_all(dir, ec);
+    }
+  } cleanup{staging};
   std::map<std::string, io::CheckpointFileInfo> infos;
   {
     std::vector<std::unique_ptr<io::SafetensorsStreamWriter>> files;  // [0]: model; [1 + r]: EP rank r's experts
@@ -109,6 +119,7 @@ void import_hf(const Args& a) {
   req.iteration = 0;
   req.state_json = train::weights_only_state_json(cfg, ep, config_text);
   io::checkpoint_staging_commit(root, req, token, infos, /*keep_last=*/0);
+  cleanup.done = true;
   std::printf(
       "convert: %s (%s, %zu tensors, %.1f MB) -> %s/iter_0000000 (%zu parameters, expert-parallel size %lld); "
       "peak resident memory %.1f MB; train from it with --load %s --finetune (or --no-load-optim --no-load-rng)\n",

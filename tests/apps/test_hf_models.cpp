@@ -175,6 +175,19 @@ TEST_F(HfModels, ConvertRefusesBadInputAndLeavesNothingHalfWritten) {
                            " --save " + p("out5")),
                {q, "I32", "float dtype"});
   for (const char* o : {"out2", "out3", "out4", "out5"}) EXPECT_TRUE(io::checkpoint_list_committed(p(o)).empty()) << o;
+  // A failure in the middle of the stream (an FP8 weight whose block scale has the wrong shape, found when it is
+  // read) leaves no checkpoint and no staging directory behind.
+  expect_fails(run_moecore("convert --from-hf " +
+                           with("scale",
+                                [&](auto& t) {
+                                  t[q + "_scale_inv"] = Tensor::zeros({2, 2}, DType::f32);
+                                  t[q] = t[q].to(DType::f8e4m3);
+                                }) +
+                           " --save " + p("out7")),
+               {q + "_scale_inv", "[2, 2]"});
+  EXPECT_TRUE(io::checkpoint_list_committed(p("out7")).empty());
+  if (fs::exists(p("out7")))
+    for (const auto& e : fs::directory_iterator(p("out7"))) ADD_FAILURE() << "left behind: " << e.path();
   // A sharded checkpoint whose index names a shard that is not there.
   copy_dir(d, p("sharded"));
   fs::rename(p("sharded/model.safetensors"), p("sharded/model-00001-of-00002.safetensors"));
