@@ -36,7 +36,8 @@ void i64(const Args& a, const char* f, ModelConfig& c) {
 template <int64_t ModelConfig::*F>
 void positive_or_unset(const Args& a, const char* f, ModelConfig& c) {
   c.*F = a.i64_or(f, 0);
-  if (a.given(f) && c.*F <= 0) MOECORE_FAIL(f, " (", a.str(f), ") must be positive (leave it unset for none)");
+  if (a.given(f) && c.*F <= 0)
+    MOECORE_FAIL(f, " (", a.str(f), ") must be positive (leave it unset for Megatron's None, its default)");
 }
 template <float ModelConfig::*F>
 void f32(const Args& a, const char* f, ModelConfig& c) {
