@@ -1,4 +1,5 @@
-// GPT decoder assembly: parameter table, initialisation, and the step's forward/backward sequence.
+// GPT decoder assembly from its specs: parameters, initialisation, per-layer modules, and the step's forward/backward
+// sequence (decoder layers, then the multi-token-prediction depths).
 #include "moecore/model/gpt.h"
 
 #include <algorithm>

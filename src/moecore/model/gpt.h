@@ -1,5 +1,6 @@
-// The dense GPT decoder: parameters (named as Megatron-Core names them), their initialisation, the
-// activation caches for one micro-batch shape, and explicit forward/backward over the whole model.
+// The GPT decoder, assembled from its specs (param_specs.h: each layer's attention, standard or MLA, and MLP, dense
+// or MoE, plus multi-token-prediction depths): parameters (named as Megatron-Core names them), their
+// initialisation, the activation caches for one micro-batch shape, and explicit forward/backward over the whole model.
 // Shapes are fixed at construction (micro_batch_size x seq_length): every buffer is allocated then, and
 // the step loop allocates nothing. Not here: the optimizer (optim/) and the training loop (train/).
 #pragma once
