@@ -529,6 +529,22 @@ def finite_difference_check(hub, layout, params, grads, kind_of, objective):
 # generate / check
 
 
+def publish_case(tmp, out_root, case, golden, meta):
+    """Writes golden.safetensors (with meta as its one metadata key: safetensors writes a multi-key metadata map in
+    a nondeterministic order) into the staged case directory tmp, checks it holds exactly FILES, and renames it to
+    out_root/case (replacing an older one). Returns the final path."""
+    save_file(golden, os.path.join(tmp, "golden.safetensors"), metadata={"reference": json.dumps(meta, sort_keys=True)})
+    assert sorted(os.listdir(tmp)) == FILES, os.listdir(tmp)
+    os.chmod(tmp, 0o755)
+    for f in FILES:
+        os.chmod(os.path.join(tmp, f), 0o644)
+    final = os.path.join(out_root, case)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    return final
+
+
 def generate(case, out_root):
     _, base_seed, _ = CASES[case]
     os.makedirs(out_root, exist_ok=True)
@@ -580,17 +596,7 @@ def generate(case, out_root):
                     "torch": torch.__version__, "min_rel_routing_margin": f"{rep['min_rel_margin']:.6g}"}
             if case in GROUP_RULE_MIN_DIFF:
                 meta["group_rule_diff_tokens"] = str(rep["group_rule_diff"])
-            # one metadata key: safetensors writes a multi-key metadata map in a nondeterministic order
-            save_file(golden, os.path.join(tmp, "golden.safetensors"),
-                      metadata={"reference": json.dumps(meta, sort_keys=True)})
-            assert sorted(os.listdir(tmp)) == FILES, os.listdir(tmp)
-            os.chmod(tmp, 0o755)
-            for f in FILES:
-                os.chmod(os.path.join(tmp, f), 0o644)
-            final = os.path.join(out_root, case)
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            final = publish_case(tmp, out_root, case, golden, meta)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

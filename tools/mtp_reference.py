@@ -406,16 +406,7 @@ def generate(out_root):
                     "objective": "loss + mtp_loss_scaling_factor / mtp_num_layers * sum_k mtp_loss_k",
                     "mtp_hidden_input": "main model output after model.norm",
                     "mtp_rolled_fill": 0}
-            save_file(golden, os.path.join(tmp, "golden.safetensors"),
-                      metadata={"reference": json.dumps(meta, sort_keys=True)})
-            assert sorted(os.listdir(tmp)) == H.FILES, os.listdir(tmp)
-            os.chmod(tmp, 0o755)
-            for f in H.FILES:
-                os.chmod(os.path.join(tmp, f), 0o644)
-            final = os.path.join(out_root, CASE)
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            final = H.publish_case(tmp, out_root, CASE, golden, meta)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
