@@ -23,4 +23,20 @@ class BufferPlan {
   int64_t bytes_ = 0;
 };
 
+// The two walks of a plan function plan(Buffers&, BufferPlan&): the allocated buffers, or their bytes.
+template <class Buffers, class Plan>
+Buffers plan_allocate(MemCategory category, Plan&& plan) {
+  Buffers b;
+  BufferPlan p(category, true);
+  plan(b, p);
+  return b;
+}
+template <class Buffers, class Plan>
+int64_t plan_bytes(MemCategory category, Plan&& plan) {
+  Buffers b;
+  BufferPlan p(category, false);
+  plan(b, p);
+  return p.bytes();
+}
+
 }  // namespace moecore

@@ -64,31 +64,25 @@ void plan_workspace(DenseLayerWorkspace& w, const DenseLayerDims& d, bool with_a
 }  // namespace
 
 DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp, bool with_attention) {
-  DenseLayerCache k;
-  BufferPlan p(MemCategory::activations, true);
-  plan_cache(k, d, with_mlp, with_attention, p);
-  return k;
+  return plan_allocate<DenseLayerCache>(MemCategory::activations, [&](DenseLayerCache& k, BufferPlan& p) {
+    plan_cache(k, d, with_mlp, with_attention, p);
+  });
 }
 
 int64_t dense_layer_cache_bytes(const DenseLayerDims& d, bool with_mlp, bool with_attention) {
-  DenseLayerCache k;
-  BufferPlan p(MemCategory::activations, false);
-  plan_cache(k, d, with_mlp, with_attention, p);
-  return p.bytes();
+  return plan_bytes<DenseLayerCache>(MemCategory::activations, [&](DenseLayerCache& k, BufferPlan& p) {
+    plan_cache(k, d, with_mlp, with_attention, p);
+  });
 }
 
 DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d, bool with_attention) {
-  DenseLayerWorkspace w;
-  BufferPlan p(MemCategory::workspace, true);
-  plan_workspace(w, d, with_attention, p);
-  return w;
+  return plan_allocate<DenseLayerWorkspace>(
+      MemCategory::workspace, [&](DenseLayerWorkspace& w, BufferPlan& p) { plan_workspace(w, d, with_attention, p); });
 }
 
 int64_t dense_layer_workspace_bytes(const DenseLayerDims& d, bool with_attention) {
-  DenseLayerWorkspace w;
-  BufferPlan p(MemCategory::workspace, false);
-  plan_workspace(w, d, with_attention, p);
-  return p.bytes();
+  return plan_bytes<DenseLayerWorkspace>(
+      MemCategory::workspace, [&](DenseLayerWorkspace& w, BufferPlan& p) { plan_workspace(w, d, with_attention, p); });
 }
 
 void linear_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight, const Tensor& bias,

@@ -22,17 +22,13 @@ void plan_workspace(LmHeadWorkspace& ws, int64_t N, int64_t V, DType compute, Bu
 }  // namespace
 
 LmHeadWorkspace lm_head_workspace_alloc(int64_t N, int64_t V, DType compute) {
-  LmHeadWorkspace ws;
-  BufferPlan p(MemCategory::workspace, true);
-  plan_workspace(ws, N, V, compute, p);
-  return ws;
+  return plan_allocate<LmHeadWorkspace>(
+      MemCategory::workspace, [&](LmHeadWorkspace& ws, BufferPlan& p) { plan_workspace(ws, N, V, compute, p); });
 }
 
 int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute) {
-  LmHeadWorkspace ws;
-  BufferPlan p(MemCategory::workspace, false);
-  plan_workspace(ws, N, V, compute, p);
-  return p.bytes();
+  return plan_bytes<LmHeadWorkspace>(MemCategory::workspace,
+                                     [&](LmHeadWorkspace& ws, BufferPlan& p) { plan_workspace(ws, N, V, compute, p); });
 }
 
 double lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels, float grad_scale,

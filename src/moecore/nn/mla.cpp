@@ -83,31 +83,23 @@ void plan_workspace(MlaWorkspace& w, const MlaDims& d, DType c, BufferPlan& p) {
 }  // namespace
 
 MlaCache mla_cache_alloc(const MlaDims& d, DType c, bool layernorm) {
-  MlaCache k;
-  BufferPlan p(MemCategory::activations, true);
-  plan_cache(k, d, c, layernorm, p);
-  return k;
+  return plan_allocate<MlaCache>(MemCategory::activations,
+                                 [&](MlaCache& k, BufferPlan& p) { plan_cache(k, d, c, layernorm, p); });
 }
 
 int64_t mla_cache_bytes(const MlaDims& d, DType c, bool layernorm) {
-  MlaCache k;
-  BufferPlan p(MemCategory::activations, false);
-  plan_cache(k, d, c, layernorm, p);
-  return p.bytes();
+  return plan_bytes<MlaCache>(MemCategory::activations,
+                              [&](MlaCache& k, BufferPlan& p) { plan_cache(k, d, c, layernorm, p); });
 }
 
 MlaWorkspace mla_workspace_alloc(const MlaDims& d, DType c) {
-  MlaWorkspace w;
-  BufferPlan p(MemCategory::workspace, true);
-  plan_workspace(w, d, c, p);
-  return w;
+  return plan_allocate<MlaWorkspace>(MemCategory::workspace,
+                                     [&](MlaWorkspace& w, BufferPlan& p) { plan_workspace(w, d, c, p); });
 }
 
 int64_t mla_workspace_bytes(const MlaDims& d, DType c) {
-  MlaWorkspace w;
-  BufferPlan p(MemCategory::workspace, false);
-  plan_workspace(w, d, c, p);
-  return p.bytes();
+  return plan_bytes<MlaWorkspace>(MemCategory::workspace,
+                                  [&](MlaWorkspace& w, BufferPlan& p) { plan_workspace(w, d, c, p); });
 }
 
 void mla_block_forward(const Tensor& x, const DenseLayerWeights& w, const MlaWeights& m, DenseLayerCache& k,
