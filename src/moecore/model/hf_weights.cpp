@@ -223,6 +223,10 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_int
       const Shape& t = m.tensors.at(tensor_index.at(hf)).shape;
       run(hf, 0, t.numel() / io::hf_row_width(t));
     };
+    // DeepSeek's dr RoPE rows starting at HF row `first`, in moecore's rotate-half channel order.
+    auto rope_rows = [&](const std::string& hf, int64_t first) {
+      for (int64_t j = 0; j < dr; ++j) run(hf, first + deinterleave(j, dr, rope_interleave), 1);
+    };
     const std::string& n = s.name;
     auto ends = [&](const char* suffix) { return n.ends_with(suffix); };
     std::string layer, hpre, moe;
@@ -265,7 +269,7 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_int
       const std::string hf = hpre + (qr ? "self_attn.q_b_proj.weight" : "self_attn.q_proj.weight");
       for (int64_t h = 0; h < nh; ++h) {  // per head [nope | rope], the rope channels de-interleaved
         run(hf, h * (dn + dr), dn);
-        for (int64_t j = 0; j < dr; ++j) run(hf, h * (dn + dr) + dn + deinterleave(j, dr, rope_interleave), 1);
+        rope_rows(hf, h * (dn + dr) + dn);
       }
     } else if (ends(".self_attention.linear_q_down_proj.weight")) {
       whole(hpre + "self_attn.q_a_proj.weight");
@@ -274,7 +278,7 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_int
     } else if (ends(".self_attention.linear_kv_down_proj.weight")) {
       const std::string hf = hpre + "self_attn.kv_a_proj_with_mqa.weight";
       run(hf, 0, kvr);
-      for (int64_t j = 0; j < dr; ++j) run(hf, kvr + deinterleave(j, dr, rope_interleave), 1);
+      rope_rows(hf, kvr);
     } else if (ends(".self_attention.kv_layernorm.weight")) {
       whole(hpre + "self_attn.kv_a_layernorm.weight");
     } else if (ends(".self_attention.linear_kv_up_proj.weight")) {
