@@ -1,12 +1,15 @@
 #include "apps/args.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 
 #include <yaml-cpp/yaml.h>
 
 #include "moecore/core/error.h"
+#include "moecore/parallel/comm.h"
 
 namespace moecore::apps {
 
@@ -23,6 +26,61 @@ size_t edit_distance(const std::string& a, const std::string& b) {
     }
   }
   return row[b.size()];
+}
+
+bool parse_number(const std::string& s, double& out) {
+  if (s.empty() || std::isspace(static_cast<unsigned char>(s[0]))) return false;
+  char* end = nullptr;
+  errno = 0;
+  const double x = std::strtod(s.c_str(), &end);
+  if (*end || errno == ERANGE || !std::isfinite(x)) return false;  // also nan, inf and 1e999
+  out = x;
+  return true;
+}
+
+bool parse_integer(const std::string& s, int64_t& out) {
+  if (s.empty() || std::isspace(static_cast<unsigned char>(s[0]))) return false;
+  char* end = nullptr;
+  errno = 0;
+  const long long x = std::strtoll(s.c_str(), &end, 10);
+  if (*end || errno == ERANGE) return false;  // strtoll saturates at 2^63-1 silently otherwise
+  out = x;
+  return true;
+}
+
+namespace {
+std::string fmt_bound(double v) {
+  if (std::isinf(v)) return v < 0 ? "-inf" : "inf";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.15g", v);
+  return buf;
+}
+
+std::vector<std::string> split_numbers(const std::string& s) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (const char ch : s + ",") {
+    if (ch == ',' || ch == '/') {
+      out.push_back(cur);
+      cur.clear();
+    } else if (ch != ' ' && ch != '[' && ch != ']') {
+      cur.push_back(ch);
+    }
+  }
+  return out;
+}
+}  // namespace
+
+std::string FlagDomain::describe() const {
+  if (kind == Kind::choice) {
+    std::string s = "one of ";
+    for (size_t i = 0; i < choices.size(); ++i) s += (i ? ", " : "") + choices[i];
+    return s;
+  }
+  const std::string range = (lo_open ? "(" : "[") + fmt_bound(lo) + ", " + fmt_bound(hi) + (hi_open ? ")" : "]");
+  if (kind == Kind::integer) return "an integer in " + range;
+  if (kind == Kind::number_list) return "numbers separated by ',' each in " + range;
+  return "a number in " + range;
 }
 
 Args& Args::option(const std::string& name, const std::string& def, const std::string& help) {
@@ -58,6 +116,63 @@ Args& Args::unsupported(const std::string& name, const std::string& allowed, con
                   false, true};
   order_.push_back(name);
   return *this;
+}
+
+Args& Args::domain(const std::string& name, FlagDomain d) {
+  auto it = specs_.find(name);
+  MOECORE_CHECK(it != specs_.end() && !it->second.is_flag && !it->second.is_list, "domain for ", name,
+                ", which is not a declared value flag");
+  it->second.domain = std::move(d);
+  return *this;
+}
+
+bool Args::has_domain(const std::string& name) const {
+  auto it = specs_.find(name);
+  return it != specs_.end() && it->second.domain.has_value();
+}
+
+std::vector<std::string> Args::value_flags() const {
+  std::vector<std::string> out;
+  for (const auto& n : order_) {
+    const Spec& sp = specs_.at(n);
+    if (!sp.is_flag && !sp.is_list && !sp.unsupported) out.push_back(n);
+  }
+  return out;
+}
+
+// "" is Megatron's None (unset) and always allowed: the code reading the flag decides what unset means.
+void Args::check_domain(const std::string& name, const std::string& value, const std::string& where) const {
+  const Spec& sp = specs_.at(name);
+  if (!sp.domain || value.empty()) return;
+  const FlagDomain& d = *sp.domain;
+  const auto fail = [&] { MOECORE_FAIL("flag '", name, "'", where, ": '", value, "' is not ", d.describe()); };
+  if (d.kind == FlagDomain::Kind::choice) {
+    if (std::find(d.choices.begin(), d.choices.end(), value) == d.choices.end()) fail();
+    return;
+  }
+  const auto in_range = [&](double x) {
+    return (d.lo_open ? x > d.lo : x >= d.lo) && (d.hi_open ? x < d.hi : x <= d.hi);
+  };
+  if (d.kind == FlagDomain::Kind::integer) {
+    int64_t x = 0;
+    if (!parse_integer(value, x) || !in_range(static_cast<double>(x))) fail();
+    return;
+  }
+  const std::vector<std::string> parts =
+      d.kind == FlagDomain::Kind::number_list ? split_numbers(value) : std::vector<std::string>{value};
+  for (const auto& p : parts) {
+    double x = 0;
+    if (!parse_number(p, x) || !in_range(x)) fail();
+  }
+}
+
+void Args::check_domains() const {
+  for (const auto& n : order_) {
+    const Spec& sp = specs_.at(n);
+    if (!sp.domain) continue;
+    auto it = values_.find(n);
+    check_domain(n, it != values_.end() ? it->second : sp.def, it != values_.end() ? "" : " (its default)");
+  }
 }
 
 Args& Args::positional(const std::string& name, const std::string& help) {
@@ -149,7 +264,35 @@ bool Args::parse(int argc, char** argv) {
     MOECORE_FAIL("unexpected argument '", pos_values_[pos_specs_.size()], "' (see moecore ", program_, " --help)");
   if (!config.empty()) merge_config(config);
   check_unsupported();
+  check_domains();
+  check_same_on_every_rank();
   return true;
+}
+
+void Args::check_same_on_every_rank() const {
+  if (!comm_initialized()) return;
+  const ProcessGroup world = comm_world();
+  if (world.size() == 1) return;
+  std::vector<std::pair<std::string, std::string>> fields;
+  fields.emplace_back("command", program_);
+  for (size_t i = 0; i < pos_values_.size(); ++i)
+    fields.emplace_back("argument " + std::to_string(i + 1), pos_values_[i]);
+  for (const auto& n : order_) {
+    const Spec& sp = specs_.at(n);
+    std::string v;
+    if (sp.is_list) {
+      for (const auto& x : list(n)) v += (v.empty() ? "" : " ") + x;
+    } else if (sp.is_flag) {
+      v = on(n) ? "on" : "off";
+    } else {
+      v = str(n);
+    }
+    fields.emplace_back(n, v);
+  }
+  const CommOptions& o = comm_options();
+  fields.emplace_back("MOECORE_COMM_DEBUG", o.debug ? "1" : "0");
+  fields.emplace_back("MOECORE_COMM_TIMEOUT_S", std::to_string(o.timeout_s));
+  check_same_config(fields, world);
 }
 
 void Args::check_unsupported() const {
@@ -169,7 +312,7 @@ std::string Args::list_flags() const {
                        : sp.is_flag   ? "switch"
                        : sp.is_list   ? "list"
                                       : "value";
-    s += n + "\t" + kind + "\t" + sp.def + "\t" + sp.help + "\n";
+    s += n + "\t" + kind + "\t" + sp.def + "\t" + sp.help + "\t" + (sp.domain ? sp.domain->describe() : "") + "\n";
   }
   return s;
 }
@@ -185,30 +328,41 @@ void Args::merge_config(const std::string& path) {
   if (!root.IsMap()) MOECORE_FAIL("--config ", path, ": the top level must be a mapping of flag names to values");
   const std::string where = " in --config " + path;
   for (const auto& kv : root) {
-    std::string name = kv.first.as<std::string>();
-    for (char& ch : name)
-      if (ch == '_') ch = '-';
-    if (name.rfind("--", 0) != 0) name = "--" + name;
-    const Spec& sp = spec_or_suggest(name, where.c_str());
-    if (values_.count(name)) continue;
-    const YAML::Node& v = kv.second;
-    if (sp.is_flag) {
-      if (!v.IsScalar()) MOECORE_FAIL("--config ", path, ": ", name, " must be true or false");
-      if (v.as<bool>()) values_[name] = "1";
-    } else if (sp.is_list) {
-      auto& vals = lists_[name];
-      if (v.IsSequence())
-        for (const auto& e : v) vals.push_back(e.as<std::string>());
-      else
-        vals.push_back(v.as<std::string>());
-      values_[name] = "1";
-    } else if (v.IsSequence()) {
-      std::string joined;
-      for (const auto& e : v) joined += (joined.empty() ? "" : ",") + e.as<std::string>();
-      values_[name] = joined;
-    } else {
-      values_[name] = v.as<std::string>();
+    std::string key;
+    try {
+      key = kv.first.as<std::string>();
+      merge_config_entry(path, where, key, kv.second);
+    } catch (const YAML::Exception& e) {
+      MOECORE_FAIL("--config ", path, ": entry '", key, "': ", e.what(),
+                   " (values are scalars, or lists of scalars for list flags)");
     }
+  }
+}
+
+void Args::merge_config_entry(const std::string& path, const std::string& where, const std::string& key,
+                              const YAML::Node& v) {
+  std::string name = key;
+  for (char& ch : name)
+    if (ch == '_') ch = '-';
+  if (name.rfind("--", 0) != 0) name = "--" + name;
+  const Spec& sp = spec_or_suggest(name, where.c_str());
+  if (values_.count(name)) return;
+  if (sp.is_flag) {
+    if (!v.IsScalar()) MOECORE_FAIL("--config ", path, ": ", name, " must be true or false");
+    if (v.as<bool>()) values_[name] = "1";
+  } else if (sp.is_list) {
+    auto& vals = lists_[name];
+    if (v.IsSequence())
+      for (const auto& e : v) vals.push_back(e.as<std::string>());
+    else
+      vals.push_back(v.as<std::string>());
+    values_[name] = "1";
+  } else if (v.IsSequence()) {
+    std::string joined;
+    for (const auto& e : v) joined += (joined.empty() ? "" : ",") + e.as<std::string>();
+    values_[name] = joined;
+  } else {
+    values_[name] = v.as<std::string>();
   }
 }
 
@@ -218,6 +372,7 @@ void Args::fill_unset(const std::string& name, const std::string& value, const s
   if (sp.is_list) lists_[name] = {value};
   values_[name] = sp.is_flag || sp.is_list ? "1" : value;
   check_unsupported();
+  check_domain(name, values_[name], where);
 }
 
 std::vector<std::string> Args::list(const std::string& name) const {
@@ -239,17 +394,15 @@ std::string Args::str(const std::string& name) const {
 
 int64_t Args::i64(const std::string& name) const {
   const std::string v = str(name);
-  char* end = nullptr;
-  const long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end) MOECORE_FAIL("flag '", name, "' expects an integer, got '", v, "'");
+  int64_t x = 0;
+  if (!parse_integer(v, x)) MOECORE_FAIL("flag '", name, "' expects an integer (-2^63 .. 2^63-1), got '", v, "'");
   return x;
 }
 
 double Args::f64(const std::string& name) const {
   const std::string v = str(name);
-  char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end) MOECORE_FAIL("flag '", name, "' expects a number, got '", v, "'");
+  double x = 0;
+  if (!parse_number(v, x)) MOECORE_FAIL("flag '", name, "' expects a finite number, got '", v, "'");
   return x;
 }
 

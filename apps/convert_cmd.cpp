@@ -21,6 +21,7 @@
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/file_util.h"
 #include "moecore/io/hf_checkpoint.h"
+#include "moecore/io/json.h"
 #include "moecore/model/hf_weights.h"
 #include "moecore/train/checkpointing.h"
 
@@ -130,16 +131,21 @@ void import_hf(const Args& a) {
 
 void export_hf(const Args& a) {
   const std::string root = a.str("--load"), out = a.str("--to-hf");
-  const auto dir = io::checkpoint_find_latest(root);
+  const auto dir = io::checkpoint_find_latest(
+      root, a.i64_or("--ckpt-step", -1) >= 0 ? std::optional<int64_t>(a.i64("--ckpt-step")) : std::nullopt);
   if (!dir) MOECORE_FAIL("--load ", root, ": no committed checkpoint");
   const io::VerifiedCheckpoint ck = io::checkpoint_verify(*dir);
-  const json state = json::parse(ck.state_json);
+  const train::TrainStateJson parsed = train::train_state_parse(ck.state_json, ck.dir);  // strict: an Error if damaged
+  if (parsed.iteration != ck.iteration)
+    MOECORE_FAIL("checkpoint: '", ck.dir, "/state.json' records iteration ", parsed.iteration, " but COMMIT records ",
+                 ck.iteration, ".", io::checkpoint_recovery_hint(ck.dir));
+  const json state = io::parse_json(ck.state_json, ck.dir + "/state.json");
   std::string config_text;
   std::string where;
   if (!a.str("--hf-config").empty()) {
     where = hf_config_path(a.str("--hf-config"));
     config_text = io::read_file(where);
-  } else if (state.contains("hf_config_json")) {
+  } else if (state.contains("hf_config_json") && state["hf_config_json"].is_string()) {
     config_text = state["hf_config_json"].get<std::string>();
     where = *dir + "/state.json (hf_config_json)";
   } else {  // a model trained from Megatron flags: its config.json from the same flags, written by the table
@@ -157,7 +163,7 @@ void export_hf(const Args& a) {
   train::check_checkpoint_model(ck.state_json, cfg, ck.dir);
   const model::HfWeightMap map = hf_config_weight_map(config, cfg);
   const model::HfFamily family = map.family;
-  const int64_t ep = state.value("expert_model_parallel_size", int64_t{1});
+  const int64_t ep = parsed.expert_model_parallel_size;
   if (ep < 1 || (ep > 1 && cfg.moe.num_experts % ep != 0))
     MOECORE_FAIL("checkpoint ", ck.dir, ": expert_model_parallel_size ", ep, " does not divide ", cfg.moe.num_experts,
                  " experts");
@@ -209,6 +215,7 @@ int convert_main(int argc, char** argv) {
       .option("--save", "", "import: checkpoint root to write (iteration 0, weights only)")
       .option("--expert-model-parallel-size", "1", "import: expert-parallel size of the written checkpoint's layout")
       .option("--load", "", "export: checkpoint root (its newest committed iteration) or iteration directory")
+      .option("--ckpt-step", "", "export: load this iteration of --load instead of the newest")
       .option("--to-hf", "", "export: Hugging Face model directory to write (must not exist, or be empty)")
       .option("--hf-config", "",
               "export: config.json (or a directory holding one) of the model; default: the one recorded in the "
@@ -218,7 +225,9 @@ int convert_main(int argc, char** argv) {
       .option("--max-shard-size", "5GB", "export: largest shard file (HF units: 5GB = 5e9 bytes)")
       .option("--hf-model-type", "",
               "export without a recorded config.json: mixtral | qwen2_moe | qwen3_moe | deepseek_v3 (unset: the "
-              "family that holds the model flags)");
+              "family that holds the model flags)")
+      .domain("--expert-model-parallel-size", FlagDomain::integer(1, 1e6))
+      .domain("--ckpt-step", FlagDomain::integer(0, 1e12));
   const model::ModelConfig defaults;
   add_model_flags(a, defaults);  // export without a recorded config.json: the model flags of the training run
   if (!a.parse(argc, argv)) return 0;

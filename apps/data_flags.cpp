@@ -10,7 +10,8 @@ void add_tokenizer_flags(Args& a) {
       .option("--vocab-file", "", "GPT-2 vocab.json, or a HF tokenizer.json")
       .option("--merge-file", "", "GPT-2 merges.txt")
       .option("--tokenizer-model", "", "SentencePiece .model, or a HF tokenizer.json")
-      .option("--make-vocab-size-divisible-by", "128", "pad the vocabulary to a multiple of this");
+      .option("--make-vocab-size-divisible-by", "128", "pad the vocabulary to a multiple of this")
+      .domain("--make-vocab-size-divisible-by", FlagDomain::integer(1, 1e6));
 }
 
 std::unique_ptr<data::Tokenizer> tokenizer_from(const Args& a) {

@@ -26,16 +26,22 @@ int generate_main(int argc, char** argv) {
   add_tokenizer_flags(a);
   add_hf_config_flag(a);
   a.option("--load", "", "checkpoint directory (the newest committed checkpoint is used)")
+      .option("--ckpt-step", "", "load this iteration of --load instead of the newest")
       .option("--prompt", "The ", "text to continue")
       .option("--max-new-tokens", "200", "tokens to sample")
       .option("--temperature", "0.8", "sampling temperature (top-k 40)")
-      .option("--seed", "1234", "sampling seed");
+      .option("--seed", "1234", "sampling seed")
+      .domain("--ckpt-step", FlagDomain::integer(0, 1e12))
+      .domain("--max-new-tokens", FlagDomain::integer(0, 1e6))
+      .domain("--temperature", FlagDomain::positive_number())
+      .domain("--seed", FlagDomain::integer(0, 4294967295.0));
   if (!a.parse(argc, argv)) return 0;
   hf_config_apply(a);
   if (a.str("--load").empty()) MOECORE_FAIL("generate: --load is required");
   const auto tok = tokenizer_from(a);
   const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a));
-  const auto dir = io::checkpoint_find_latest(a.str("--load"));
+  const int64_t step = a.i64_or("--ckpt-step", -1);
+  const auto dir = io::checkpoint_find_latest(a.str("--load"), step >= 0 ? std::optional<int64_t>(step) : std::nullopt);
   if (!dir) MOECORE_FAIL("generate: no committed checkpoint under ", a.str("--load"));
   model::GptModel gpt(mcfg, 1, 0);
   optim::AdamW opt(gpt.params(), optim::AdamWConfig{});

@@ -12,6 +12,7 @@
 
 #include "apps/model_flags.h"
 #include "moecore/core/error.h"
+#include "moecore/io/json.h"
 #include "moecore/model/param_specs.h"
 
 namespace moecore::apps {
@@ -51,7 +52,8 @@ struct Row {
 const json kOmit = json(json::value_t::discarded);
 
 std::string model_of(const json& cfg) {
-  return cfg.value("model_type", std::string());
+  const json m = cfg.value("model_type", json());
+  return m.is_string() ? m.get<std::string>() : std::string();
 }
 
 [[noreturn]] void refuse(const Row& r, const json& v, const json& cfg, const std::string& why) {
@@ -65,8 +67,39 @@ std::string number_text(double x) {
   return std::string(buf, res.ptr);
 }
 
+// The largest value accepted for a size key: far above any released model, low enough that a hostile file cannot
+// ask for a 2^62-wide tensor or a 10^12-entry layer list before the model's own checks run.
+int64_t size_limit(const char* key) {
+  static const std::pair<const char*, int64_t> kLimits[] = {
+      {"num_hidden_layers", 1 << 12},
+      {"first_k_dense_replace", 1 << 12},
+      {"decoder_sparse_step", 1 << 12},
+      {"num_nextn_predict_layers", 1 << 6},
+      {"hidden_size", 1 << 20},
+      {"num_attention_heads", 1 << 16},
+      {"num_key_value_heads", 1 << 16},
+      {"head_dim", 1 << 16},
+      {"qk_nope_head_dim", 1 << 16},
+      {"qk_rope_head_dim", 1 << 16},
+      {"v_head_dim", 1 << 16},
+      {"num_local_experts", 1 << 20},
+      {"num_experts", 1 << 20},
+      {"n_routed_experts", 1 << 20},
+      {"n_shared_experts", 1 << 10},
+      {"num_experts_per_tok", 1 << 20},
+      {"n_group", 1 << 20},
+      {"topk_group", 1 << 20},
+  };
+  for (const auto& [k, limit] : kLimits)
+    if (std::string_view(key) == k) return limit;
+  return int64_t{1} << 30;  // ffn widths, vocabulary, LoRA ranks, positions
+}
+
 int64_t positive_int(const Row& r, const json& v, const json& cfg) {
-  if (!v.is_number_integer() || v.get<int64_t>() <= 0) refuse(r, v, cfg, "expected a positive integer");
+  const int64_t limit = size_limit(r.key);
+  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(limit)) ||
+      v.get<int64_t>() <= 0 || v.get<int64_t>() > limit)
+    refuse(r, v, cfg, "expected a positive integer of at most " + std::to_string(limit));
   return v.get<int64_t>();
 }
 
@@ -74,12 +107,37 @@ void to_int(const Row& r, const json& v, const json& cfg, Flags& out) {
   out.emplace_back(r.flag, std::to_string(positive_int(r, v, cfg)));
 }
 
+// A finite number in [0, float max] (the model keeps these as float).
+double nonnegative_number(const Row& r, const json& v, const json& cfg) {
+  if (!v.is_number() || !(v.get<double>() >= 0) || !(v.get<double>() <= 3.4e38))
+    refuse(r, v, cfg, "expected a finite non-negative number");
+  return v.get<double>();
+}
+
 void to_number(const Row& r, const json& v, const json& cfg, Flags& out) {
-  if (!v.is_number() || v.get<double>() < 0) refuse(r, v, cfg, "expected a non-negative number");
-  out.emplace_back(r.flag, number_text(v.get<double>()));
+  out.emplace_back(r.flag, number_text(nonnegative_number(r, v, cfg)));
+}
+
+// An integer key read by another row's conversion (its own row checks it): `def` when absent or not an integer.
+int64_t int_key(const json& cfg, const char* key, int64_t def) {
+  const json v = cfg.value(key, json(def));
+  return v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX) ? v.get<int64_t>() : def;
+}
+
+// A boolean key read by another row's conversion: `def` when absent or null, an error naming it when not a boolean.
+bool bool_key(const json& cfg, const char* key, bool def) {
+  const json v = cfg.value(key, json());
+  if (v.is_null()) return def;
+  if (!v.is_boolean()) MOECORE_FAIL("config.json key '", key, "' = ", v.dump(), ": expected true or false");
+  return v.get<bool>();
 }
 
 void ignore(const Row&, const json&, const json&, Flags&) {}
+
+// A boolean another row reads (its type is checked even when that row does not read it).
+void boolean(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (!v.is_boolean()) refuse(r, v, cfg, "expected true or false");
+}
 
 void switch_if_false(const Row& r, const json& v, const json& cfg, Flags& out) {
   if (!v.is_boolean()) refuse(r, v, cfg, "expected true or false");
@@ -117,7 +175,7 @@ void hidden_act(const Row& r, const json& v, const json& cfg, Flags& out) {
 
 // Mixtral applies a sliding window whenever sliding_window is set; Qwen only with use_sliding_window.
 void sliding_window(const Row& r, const json& v, const json& cfg, Flags& out) {
-  if (model_of(cfg) == "mixtral" || cfg.value("use_sliding_window", false)) must_be_null(r, v, cfg, out);
+  if (model_of(cfg) == "mixtral" || bool_key(cfg, "use_sliding_window", false)) must_be_null(r, v, cfg, out);
 }
 
 // HF renormalises the top-k softmax weights with norm_topk_prob true (Megatron's default: softmax after top-k);
@@ -132,8 +190,11 @@ void moe_layer_freq(const Row& r, const json& v, const json& cfg, Flags& out) {
   const int64_t step = positive_int(r, v, cfg);
   const json only = cfg.value("mlp_only_layers", json::array());
   if (!only.is_array()) MOECORE_FAIL("config.json key 'mlp_only_layers' = ", only.dump(), ": expected a list");
-  const int64_t layers = cfg.value("num_hidden_layers", int64_t{0});
-  std::vector<int> moe(static_cast<size_t>(std::max<int64_t>(layers, 0)));
+  const int64_t layers = int_key(cfg, "num_hidden_layers", 0);
+  if (layers <= 0 || layers > size_limit("num_hidden_layers"))
+    MOECORE_FAIL("config.json key 'num_hidden_layers' = ", cfg.value("num_hidden_layers", json()).dump(),
+                 ": expected a positive integer of at most ", size_limit("num_hidden_layers"));
+  std::vector<int> moe(static_cast<size_t>(layers));
   for (int64_t i = 0; i < layers; ++i) moe[i] = (i + 1) % step == 0;
   for (const json& e : only) {
     if (!e.is_number_integer() || e.get<int64_t>() < 0 || e.get<int64_t>() >= layers)
@@ -211,11 +272,6 @@ void shared_expert(const Row& r, const json& v, const json& cfg, Flags& out) {
 
 // ---- DeepSeek-V3 -------------------------------------------------------------------------------------------
 
-int64_t int_key(const json& cfg, const char* key, int64_t def) {
-  const json v = cfg.value(key, json(def));
-  return v.is_number_integer() ? v.get<int64_t>() : def;
-}
-
 constexpr const char kRopeHeadDim[] = "qk_rope_head_dim";
 
 // A key transformers derives from another one: it must agree (or be null).
@@ -226,7 +282,10 @@ void same_as_key(const Row& r, const json& v, const json& cfg, Flags&) {
 }
 
 void mla_qk_head_dim(const Row& r, const json& v, const json& cfg, Flags&) {
-  if (!v.is_null() && v.get<int64_t>() != int_key(cfg, "qk_nope_head_dim", -1) + int_key(cfg, "qk_rope_head_dim", -1))
+  if (v.is_null()) return;
+  const int64_t nope = int_key(cfg, "qk_nope_head_dim", -1), rope = int_key(cfg, "qk_rope_head_dim", -1);
+  int64_t sum = 0;
+  if (!v.is_number_integer() || __builtin_add_overflow(nope, rope, &sum) || v.get<int64_t>() != sum)
     refuse(r, v, cfg, "must equal qk_nope_head_dim + qk_rope_head_dim");
 }
 
@@ -249,7 +308,12 @@ void optional_positive_int(const Row& r, const json& v, const json& cfg, Flags& 
 void deepseek_shared(const Row& r, const json& v, const json& cfg, Flags& out) {
   if (v.is_null() || v == json(0)) return;
   const int64_t n = positive_int(r, v, cfg), f = int_key(cfg, "moe_intermediate_size", 0);
-  out.emplace_back(r.flag, std::to_string(n * f));
+  int64_t width = 0;
+  if (f <= 0 || __builtin_mul_overflow(n, f, &width) || width > size_limit("moe_intermediate_size"))
+    refuse(r, v, cfg,
+           "times moe_intermediate_size (" + std::to_string(f) + ") is not a positive width of at most " +
+               std::to_string(size_limit("moe_intermediate_size")));
+  out.emplace_back(r.flag, std::to_string(width));
 }
 
 // Layers [0, first_k_dense_replace) are dense, the rest MoE.
@@ -298,12 +362,13 @@ void deepseek_aux_loss(const Row& r, const json& v, const json& cfg, Flags& out)
     return;
   }
   to_number(r, v, cfg, out);
-  out.emplace_back("--moe-router-load-balancing-type", cfg.value("seq_aux", true) ? "seq_aux_loss" : "aux_loss");
+  out.emplace_back("--moe-router-load-balancing-type", bool_key(cfg, "seq_aux", true) ? "seq_aux_loss" : "aux_loss");
 }
 
 void fp8_quantization(const Row& r, const json& v, const json& cfg, Flags&) {
   if (v.is_null()) return;
-  if (v.value("quant_method", "") != "fp8" || v.value("fmt", "e4m3") != "e4m3" ||
+  if (!v.is_object() || v.value("quant_method", json()) != json("fp8") ||
+      v.value("fmt", json("e4m3")) != json("e4m3") ||
       v.value("weight_block_size", json::array({128, 128})) != json::array({128, 128}))
     refuse(r, v, cfg, "not supported: only fp8 e4m3 with 128x128 weight blocks (dequantised on import)");
 }
@@ -321,15 +386,22 @@ void deepseek_rope(const Row& r, const json& v, const json& cfg, Flags& out) {
   if (!v.is_object()) refuse(r, v, cfg, "expected an object");
   if (params && cfg.contains("rope_scaling") && !cfg["rope_scaling"].is_null())
     refuse(r, v, cfg, "give rope_parameters or rope_scaling, not both");
-  const std::string type = v.value("rope_type", v.value("type", std::string("default")));
+  const json type_v = v.value("rope_type", v.value("type", json("default")));
+  if (!type_v.is_string()) refuse(r, v, cfg, "its rope_type (or type) " + type_v.dump() + " is not a string");
+  const std::string type = type_v.get<std::string>();
+  // A finite positive (or non-negative) number key of the object (the model keeps these as float).
+  auto positive = [&](const char* k, bool zero_ok = false) {
+    const json& x = v[k];
+    if (!x.is_number() || !(x.get<double>() > 0 || (zero_ok && x.get<double>() == 0)) || !(x.get<double>() <= 3.4e38))
+      refuse(
+          r, v, cfg,
+          std::string(k) + " must be a finite " + (zero_ok ? "non-negative" : "positive") + " number, not " + x.dump());
+    return x.get<double>();
+  };
   if (v.contains("rope_theta")) {
     if (cfg.contains("rope_theta") && cfg["rope_theta"] != v["rope_theta"])
       refuse(r, v, cfg, "its rope_theta differs from the top-level rope_theta " + cfg["rope_theta"].dump());
-    if (!cfg.contains("rope_theta")) {
-      if (!v["rope_theta"].is_number() || v["rope_theta"].get<double>() <= 0)
-        refuse(r, v, cfg, "rope_theta must be a positive number");
-      out.emplace_back("--rotary-base", number_text(v["rope_theta"].get<double>()));
-    }
+    if (!cfg.contains("rope_theta")) out.emplace_back("--rotary-base", number_text(positive("rope_theta")));
   }
   if (type == "default") {
     for (const auto& [k, x] : v.items())
@@ -342,25 +414,34 @@ void deepseek_rope(const Row& r, const json& v, const json& cfg, Flags& out) {
   static const char* const known[] = {
       "rope_type", "type",      "rope_theta", "factor",         "original_max_position_embeddings",
       "beta_fast", "beta_slow", "mscale",     "mscale_all_dim", "truncate"};
-  for (const auto& [k, x] : v.items())
+  for (const auto& item : v.items()) {
+    const std::string& k = item.key();  // not a structured binding: clang 14 cannot capture those
     if (std::none_of(std::begin(known), std::end(known), [&](const char* n) { return k == n; }))
       refuse(r, v, cfg, "not supported yet: YaRN key '" + k + "'");
+  }
   if (!v.contains("factor") || !v.contains("original_max_position_embeddings"))
     refuse(r, v, cfg, "YaRN needs factor and original_max_position_embeddings");
   // transformers scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim) only when both are given
   // (else by mscale(factor, 1)), Megatron always: a lone one would be read differently.
   const bool ms = v.contains("mscale"), msa = v.contains("mscale_all_dim");
   if (ms != msa) refuse(r, v, cfg, "give both mscale and mscale_all_dim, or neither");
+  const json& omax = v["original_max_position_embeddings"];
+  if (!omax.is_number_integer() || omax.get<int64_t>() <= 0 ||
+      omax.get<int64_t>() > size_limit("original_max_position_embeddings"))
+    refuse(r, v, cfg,
+           "original_max_position_embeddings must be a positive integer of at most " +
+               std::to_string(size_limit("original_max_position_embeddings")));
   out.emplace_back("--rope-type", "yarn");
-  out.emplace_back("--rotary-scaling-factor", number_text(v["factor"].get<double>()));
-  out.emplace_back("--yarn-original-max-position-embeddings",
-                   std::to_string(v["original_max_position_embeddings"].get<int64_t>()));
-  out.emplace_back("--yarn-beta-fast", number_text(v.value("beta_fast", 32.0)));
-  out.emplace_back("--yarn-beta-slow", number_text(v.value("beta_slow", 1.0)));
+  out.emplace_back("--rotary-scaling-factor", number_text(positive("factor")));
+  out.emplace_back("--yarn-original-max-position-embeddings", std::to_string(omax.get<int64_t>()));
+  out.emplace_back("--yarn-beta-fast", number_text(v.contains("beta_fast") ? positive("beta_fast") : 32.0));
+  out.emplace_back("--yarn-beta-slow", number_text(v.contains("beta_slow") ? positive("beta_slow") : 1.0));
   if (ms) {
-    out.emplace_back("--mscale", number_text(v["mscale"].get<double>()));
-    out.emplace_back("--mscale-all-dim", number_text(v["mscale_all_dim"].get<double>()));
+    out.emplace_back("--mscale", number_text(positive("mscale", true)));
+    out.emplace_back("--mscale-all-dim", number_text(positive("mscale_all_dim", true)));
   }
+  if (v.contains("truncate") && !v["truncate"].is_boolean())
+    refuse(r, v, cfg, "truncate must be true or false, not " + v["truncate"].dump());
   if (v.contains("truncate") && v["truncate"] == json(false))
     out.emplace_back("--no-yarn-correction-range-round-to-int", "");
 }
@@ -552,7 +633,7 @@ constexpr Row kRows[] = {
     {"norm_topk_prob", kDeepSeek, "(Megatron renormalises sigmoid top-k weights)", deepseek_norm_topk, "true",
      emit_true},
     {"aux_loss_alpha", kDeepSeek, "--moe-aux-loss-coeff", deepseek_aux_loss, "null", emit_deepseek_aux},
-    {"seq_aux", kDeepSeek, "(read with aux_loss_alpha)", ignore, "true", emit_seq_aux},
+    {"seq_aux", kDeepSeek, "(read with aux_loss_alpha)", boolean, "true", emit_seq_aux},
     {"num_nextn_predict_layers", kDeepSeek, "--mtp-num-layers", optional_positive_int, "0", emit_mtp},
     {"rope_interleave", kDeepSeek, "(the weight layout: interleaved RoPE channels are de-interleaved on import)",
      ignore, "true", emit_false},
@@ -622,7 +703,9 @@ unsigned model_bit(const json& cfg) {
 Flags hf_config_flags(const json& cfg) {
   const unsigned bit = model_bit(cfg);
   const std::string m = model_of(cfg);
-  for (const auto& [key, v] : cfg.items()) {
+  for (const auto& item : cfg.items()) {
+    const std::string& key = item.key();  // not a structured binding: clang 14 cannot capture those
+    const json& v = item.value();
     const bool known =
         std::any_of(std::begin(kRows), std::end(kRows), [&](const Row& r) { return (r.models & bit) && key == r.key; });
     if (!known) MOECORE_FAIL("unknown config.json key '", key, "' for model_type ", m, " (value ", v.dump(), ")");
@@ -639,6 +722,16 @@ Flags hf_config_flags(const json& cfg) {
       r.convert(r, json::parse(r.def), cfg, out);
     }
   }
+  // The weight map and the parameter list name every expert of every layer: bound their count (the rows bound
+  // each factor, so the product cannot overflow). Real models stay far below (DeepSeek-V3: 62 x 256).
+  constexpr int64_t kMaxExpertMlps = int64_t{1} << 16;
+  const int64_t layers = int_key(cfg, "num_hidden_layers", 0) + int_key(cfg, "num_nextn_predict_layers", 0);
+  const int64_t experts = std::max(
+      {int_key(cfg, "num_local_experts", 0), int_key(cfg, "num_experts", 0), int_key(cfg, "n_routed_experts", 0)});
+  if (layers * experts > kMaxExpertMlps)
+    MOECORE_FAIL("config.json: num_hidden_layers (plus num_nextn_predict_layers) ", layers, " x ", experts,
+                 " experts = ", layers * experts, " expert MLPs exceeds the ", kMaxExpertMlps,
+                 " this reader accepts; hint: the file is corrupt or not a released MoE model");
   return out;
 }
 
@@ -655,11 +748,7 @@ std::string hf_config_path(const std::string& path) {
 }
 
 json hf_config_parse(const std::string& text, const std::string& where) {
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {
-    MOECORE_FAIL(where, ": not valid JSON: ", e.what());
-  }
+  return io::parse_json(text, where);
 }
 
 json hf_config_load(const std::string& path) {
@@ -708,7 +797,7 @@ model::ModelConfig hf_model_config(const json& config, const std::string& where,
 }
 
 model::HfWeightMap hf_config_weight_map(const json& config, const model::ModelConfig& cfg) {
-  const model::HfFamily family = model::hf_family_parse(config.value("model_type", ""));
+  const model::HfFamily family = model::hf_family_parse(model_of(config));
   const json interleave = config.value("rope_interleave", json(true));
   if (!interleave.is_boolean())
     MOECORE_FAIL("config.json key 'rope_interleave' = ", interleave.dump(), ": expected true or false");

@@ -18,14 +18,14 @@
 namespace moecore::apps {
 
 // The Megatron flags a config.json stands for, in table order: {"--num-layers", "32"}; a switch has the value "".
-// Throws Error naming the key and value for anything refused, or the model_type.
+// Throws Error naming the key and value for anything refused, or the model_type: a value of the wrong JSON type,
+// a non-finite or out-of-float-range number, a size beyond its bound (num_hidden_layers 4096, hidden_size 2^20,
+// ..., layers x experts 2^16), so nothing is sized from a hostile file.
 std::vector<std::pair<std::string, std::string>> hf_config_flags(const nlohmann::json& config);
 
 // `path` is a config.json or a directory holding one; throws Error naming the path when neither.
 std::string hf_config_path(const std::string& path);  // the config.json file itself
-std::string hf_config_path(const std::string& path);  // the config.json file itself
 nlohmann::json hf_config_load(const std::string& path);
-nlohmann::json hf_config_parse(const std::string& text, const std::string& where);  // `where` names it in errors
 nlohmann::json hf_config_parse(const std::string& text, const std::string& where);  // `where` names it in errors
 
 // The model of an HF config.json with Megatron flags `flags` ({"--seq-length", "16"}, switches with "") taking

@@ -22,6 +22,20 @@ void usage(std::FILE* out) {
                "  convert     Hugging Face checkpoints in (--from-hf) and out (--to-hf)\n"
                "  model-step  forward+backward of a Hugging Face model on given tokens (golden comparisons)\n");
 }
+// Prints the error (naming the rank under mpirun) and returns the exit code. In a multi-process job the ranks
+// that fail together finalize together; a rank failing alone ends the whole job (comm_error_exit), so no peer
+// sits in a collective or in MPI_Finalize forever.
+int fail(bool multi, const std::string& cmd, const char* kind, const char* what, int code) {
+  if (multi && moecore::comm_world().size() > 1) {
+    const moecore::ProcessGroup w = moecore::comm_world();
+    std::fprintf(stderr, "moecore %s: %s (rank %d of %d): %s\n", cmd.c_str(), kind, w.rank(), w.size(), what);
+    std::fflush(stderr);
+    return moecore::comm_error_exit(code);
+  }
+  std::fprintf(stderr, "moecore %s: %s: %s\n", cmd.c_str(), kind, what);
+  return code;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -51,11 +65,9 @@ int main(int argc, char** argv) {
     if (cmd == "convert") return moecore::apps::convert_main(argc - 1, argv + 1);
     if (cmd == "model-step") return moecore::apps::model_step_main(argc - 1, argv + 1);
   } catch (const moecore::Error& e) {
-    std::fprintf(stderr, "moecore %s: error: %s\n", cmd.c_str(), e.what());
-    return 1;
+    return fail(comm.on, cmd, "error", e.what(), 1);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "moecore %s: internal error: %s\n", cmd.c_str(), e.what());
-    return 3;
+    return fail(comm.on, cmd, "internal error", e.what(), 3);
   }
   std::fprintf(stderr, "moecore: unknown command '%s'\n", cmd.c_str());
   usage(stderr);

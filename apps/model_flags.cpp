@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "moecore/core/error.h"
+#include "moecore/model/layer_pattern.h"
 
 namespace moecore::apps {
 namespace {
@@ -154,7 +155,11 @@ void load_balancing(const Args& a, const char* f, ModelConfig& c) {
 
 void aux_loss_coeff(const Args& a, const char* f, ModelConfig& c) {
   c.moe.aux_loss_coeff.clear();
-  for (const auto& x : split_list(a.str(f))) c.moe.aux_loss_coeff.push_back(std::stof(x));
+  for (const auto& x : split_list(a.str(f))) {
+    double v = 0;
+    if (!parse_number(x, v) || v < 0) MOECORE_FAIL(f, " '", a.str(f), "': '", x, "' is not a non-negative number");
+    c.moe.aux_loss_coeff.push_back(static_cast<float>(v));
+  }
 }
 
 void router_dtype(const Args& a, const char* f, ModelConfig& c) {
@@ -174,8 +179,6 @@ void drop_policy(const Args& a, const char* f, ModelConfig& c) {
   if (pol != "probs" && pol != "position") MOECORE_FAIL(f, " '", pol, "' is not one of probs, position");
   c.moe.drop_policy = pol == "position" ? moe::DropPolicy::position : moe::DropPolicy::probs;
 }
-
-constexpr const char* kMla = "multi-latent attention (MLA)";
 
 // clang-format off
 const ModelFlag kModelFlags[] = {
@@ -348,13 +351,63 @@ const ModelFlag kModelFlags[] = {
    moe_on<&moe::MoeConfig::shared_expert_gate>},
   {"--moe-layer-freq", Kind::value, "1",
    "MoE layer pattern: N (layer i is MoE when i % N == 0) or a list expression, e.g. '[0]*3+[1]*58'",
-   [](const Args& a, const char* f, ModelConfig& c) { c.moe_layer_freq = a.str(f); }},
+   [](const Args& a, const char* f, ModelConfig& c) {
+     c.moe_layer_freq = a.str(f);
+     (void)model::parse_layer_pattern(c.moe_layer_freq, a.i64("--num-layers"), f);  // checked even for dense models
+   }},
   {"--moe-shared-expert-overlap", Kind::unsupported_switch, "", "overlapping the shared expert with dispatch", nullptr},
   {"--moe-apply-probs-on-input", Kind::unsupported_switch, "", "routing probabilities applied to the expert input",
    nullptr},
   {"--moe-enable-deepep", Kind::unsupported_switch, "", "the DeepEP dispatcher", nullptr},
 };
 // clang-format on
+
+// What each numeric model flag accepts, checked at start-up whether or not the model uses the flag (Args::domain).
+// Enumerations are checked by their readers above, which every command runs; the other value flags are free text
+// with their own parsers (--moe-layer-freq).
+const std::pair<const char*, FlagDomain> kModelFlagDomains[] = {
+    {"--num-layers", FlagDomain::integer(1, 1e5)},
+    {"--hidden-size", FlagDomain::integer(1)},
+    {"--num-attention-heads", FlagDomain::integer(1)},
+    {"--num-query-groups", FlagDomain::integer(1)},
+    {"--kv-channels", FlagDomain::integer(1)},
+    {"--ffn-hidden-size", FlagDomain::integer(1)},
+    {"--vocab-size", FlagDomain::integer(1)},
+    {"--seq-length", FlagDomain::integer(1)},
+    {"--max-position-embeddings", FlagDomain::integer(1)},
+    {"--rotary-base", FlagDomain::positive_number()},
+    {"--rotary-percent", FlagDomain::positive_number(1.0)},
+    {"--hidden-dropout", FlagDomain::fraction()},
+    {"--attention-dropout", FlagDomain::fraction()},
+    {"--norm-epsilon", FlagDomain::positive_number()},
+    {"--init-method-std", FlagDomain::number(0.0)},
+    {"--q-lora-rank", FlagDomain::integer(1)},
+    {"--kv-lora-rank", FlagDomain::integer(1)},
+    {"--qk-head-dim", FlagDomain::integer(1)},
+    {"--qk-pos-emb-head-dim", FlagDomain::integer(1)},
+    {"--v-head-dim", FlagDomain::integer(1)},
+    {"--rotary-scaling-factor", FlagDomain::positive_number()},
+    {"--mscale", FlagDomain::number(0.0)},
+    {"--mscale-all-dim", FlagDomain::number(0.0)},
+    {"--yarn-original-max-position-embeddings", FlagDomain::integer(1)},
+    {"--yarn-beta-fast", FlagDomain::positive_number()},
+    {"--yarn-beta-slow", FlagDomain::positive_number()},
+    {"--mtp-num-layers", FlagDomain::integer(1, 1e6)},
+    {"--mtp-loss-scaling-factor", FlagDomain::number(0.0)},
+    {"--num-experts", FlagDomain::integer(1, 1e6)},
+    {"--moe-ffn-hidden-size", FlagDomain::integer(1)},
+    {"--moe-router-topk", FlagDomain::integer(1, 1e6)},
+    {"--moe-aux-loss-coeff", FlagDomain::numbers(0.0)},
+    {"--moe-z-loss-coeff", FlagDomain::number(0.0)},
+    {"--moe-input-jitter-eps", FlagDomain::fraction()},
+    {"--moe-router-topk-scaling-factor", FlagDomain::positive_number()},
+    {"--moe-router-num-groups", FlagDomain::integer(1, 1e6)},
+    {"--moe-router-group-topk", FlagDomain::integer(1, 1e6)},
+    {"--moe-router-group-score-topk", FlagDomain::integer(1, 1e6)},
+    {"--moe-router-bias-update-rate", FlagDomain::number(0.0)},
+    {"--moe-expert-capacity-factor", FlagDomain::positive_number()},
+    {"--moe-shared-expert-intermediate-size", FlagDomain::integer(1)},
+};
 
 }  // namespace
 
@@ -383,6 +436,7 @@ void add_model_flags(Args& a, const model::ModelConfig& d) {
         break;
     }
   }
+  for (const auto& [name, domain] : kModelFlagDomains) a.domain(name, domain);
 }
 
 model::ModelConfig model_config_from(const Args& a, int64_t tokenizer_vocab) {

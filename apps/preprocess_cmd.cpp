@@ -19,7 +19,10 @@ int preprocess_main(int argc, char** argv) {
       .option("--output-prefix", "", "output prefix: writes {prefix}_{key}_document.bin/.idx")
       .option("--workers", "1", "tokenizer threads")
       .flag("--append-eod", "append the end-of-document token to every document")
-      .option("--log-interval-s", "10", "seconds between progress lines when stderr is not a terminal");
+      .option("--log-interval-s", "10", "seconds between progress lines when stderr is not a terminal")
+      .domain("--input-format", FlagDomain::one_of({"auto", "jsonl", "text"}))
+      .domain("--workers", FlagDomain::integer(1, 1024))
+      .domain("--log-interval-s", FlagDomain::number(0.0));
   add_tokenizer_flags(a);
   if (!a.parse(argc, argv)) return 0;
   data::PreprocessOptions o;

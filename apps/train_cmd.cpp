@@ -1,8 +1,14 @@
 // `moecore train`: Megatron-style training of a GPT (dense or MoE) on .bin/.idx data made by
 // `moecore preprocess` or Megatron's own tools, with checkpoints, metrics and a generated sample at the end.
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <string>
 
 #include "apps/args.h"
@@ -11,11 +17,13 @@
 #include "apps/hf_config.h"
 #include "apps/model_flags.h"
 #include "moecore/core/error.h"
+#include "moecore/core/memory.h"
 #include "moecore/data/gpt_dataset.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/file_util.h"
 #include "moecore/io/hf_checkpoint.h"
 #include "moecore/model/hf_weights.h"
+#include "moecore/model/param_specs.h"
 #include "moecore/model/upcycling.h"
 #include "moecore/parallel/comm.h"
 #include "moecore/parallel/process_groups.h"
@@ -64,6 +72,7 @@ void add_training_flags(Args& a) {
       .flag("--moe-per-layer-logging", "log tokens per expert, load, drops and losses of every MoE layer")
       .option("--save", "", "checkpoint directory")
       .option("--load", "", "resume from the newest committed checkpoint under this directory")
+      .option("--ckpt-step", "", "with --load: load this iteration instead of the newest (Megatron)")
       .option("--load-hf", "",
               "start from a Hugging Face model directory's weights (its config.json fills the model flags as "
               "--hf-config); a committed checkpoint under --load takes precedence, so restarts resume (moecore only)")
@@ -106,10 +115,52 @@ void add_training_flags(Args& a) {
       .option("--ddp-bucket-size", "",
               "gradient elements per all-reduce / reduce-scatter bucket (unset: max(40000000, 1000000 x DP))")
       .option("--moe-token-dispatcher-type", "allgather", "token dispatcher under EP: allgather | alltoall")
+      .option("--distributed-timeout-minutes", "10",
+              "how long a collective waits for its peers before the job is aborted naming the operation "
+              "(MOECORE_COMM_TIMEOUT_S, in seconds, overrides it)")
       .flag("--moe-use-upcycling", "start the MoE model from the dense checkpoint given by --load")
       .option("--moe-upcycling-granularity", "1", "experts per dense MLP copy: dense ffn = g * moe ffn")
       .option("--generate-tokens", "200", "tokens sampled after training (0: none; moecore)")
       .option("--prompt", "The ", "text the sample starts from (moecore)");
+  // What each numeric or enumerated training flag accepts, checked at start-up (Args::domain).
+  using D = FlagDomain;
+  const std::pair<const char*, FlagDomain> domains[] = {
+      {"--split", D::numbers(0.0)},
+      {"--micro-batch-size", D::integer(1)},
+      {"--global-batch-size", D::integer(1)},
+      {"--train-iters", D::integer(0, 1e12)},
+      {"--lr", D::number(0.0)},
+      {"--min-lr", D::number(0.0)},
+      {"--lr-warmup-iters", D::integer(0, 1e12)},
+      {"--lr-decay-style", D::one_of({"constant", "linear", "cosine", "WSD"})},
+      {"--lr-decay-iters", D::integer(1, 1e12)},
+      {"--lr-wsd-decay-iters", D::integer(0, 1e12)},
+      {"--lr-wsd-decay-style", D::one_of({"exponential", "linear", "cosine", "minus_sqrt"})},
+      {"--weight-decay", D::number(0.0)},
+      {"--adam-beta1", D::fraction()},
+      {"--adam-beta2", D::fraction()},
+      {"--adam-eps", D::positive_number()},
+      {"--clip-grad", D::number(0.0)},
+      {"--optimizer", D::one_of({"adam", "sgd"})},
+      {"--exp-avg-dtype", D::one_of({"fp32", "bf16"})},
+      {"--exp-avg-sq-dtype", D::one_of({"fp32", "bf16"})},
+      {"--seed", D::integer(0, 4294967295.0)},
+      {"--log-interval", D::integer(1, 1e12)},
+      {"--eval-interval", D::integer(1, 1e12)},
+      {"--eval-iters", D::integer(0, 1e12)},
+      {"--save-interval", D::integer(1, 1e12)},
+      {"--exit-interval", D::integer(1, 1e12)},
+      {"--keep-last-checkpoints", D::integer(0)},
+      {"--ckpt-step", D::integer(0, 1e12)},
+      {"--nan-action", D::one_of({"stop", "skip"})},
+      {"--expert-model-parallel-size", D::integer(1, 1e6)},
+      {"--ddp-bucket-size", D::integer(1, 1e15)},
+      {"--moe-token-dispatcher-type", D::one_of({"allgather", "alltoall"})},
+      {"--distributed-timeout-minutes", D::integer(1, 1e6)},
+      {"--moe-upcycling-granularity", D::integer(1, 1e6)},
+      {"--generate-tokens", D::integer(0, 1e6)},
+  };
+  for (const auto& [name, domain] : domains) a.domain(name, domain);
 }
 
 DType state_dtype(const Args& a, const char* flag) {
@@ -139,6 +190,7 @@ train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   t.moe_per_layer_logging = a.on("--moe-per-layer-logging");
   t.save = a.str("--save");
   t.load = a.str("--load");
+  t.ckpt_step = a.i64_or("--ckpt-step", -1);
   if (!a.str("--hf-config").empty()) t.hf_config_json = io::read_file(hf_config_path(a.str("--hf-config")));
   t.save_interval = a.i64_or("--save-interval", 0);
   t.exit_interval = a.i64_or("--exit-interval", 0);
@@ -194,12 +246,51 @@ void upcycle_from_dense(model::GptModel& gpt, const Args& a, const train::TrainC
   dc.moe.swiglu = mc.swiglu;
   model::GptModel dense(dc, 1, tcfg.seed);
   optim::AdamW dense_opt(dense.params(), optim::AdamWConfig{});
-  const auto dir = io::checkpoint_find_latest(tcfg.load);
+  const auto dir = io::checkpoint_find_latest(
+      tcfg.load, tcfg.ckpt_step >= 0 ? std::optional<int64_t>(tcfg.ckpt_step) : std::nullopt);
   if (!dir) MOECORE_FAIL("--load ", tcfg.load, ": no committed checkpoint to upcycle");
   train::load_training_checkpoint(*dir, dense, dense_opt, tcfg.seed);
   model::upcycle_dense_to_moe(dense, gpt);
   std::printf(" upcycled the dense checkpoint %s into %lld experts (granularity %lld)\n", dir->c_str(),
               static_cast<long long>(mc.moe.num_experts), static_cast<long long>(g));
+}
+
+// A model whose parameters and gradients alone (fp32, 8 bytes per parameter, before optimizer state and
+// activations) exceed this machine's memory is refused before anything is allocated, instead of swapping or
+// being killed minutes later.
+void check_model_fits(const model::ModelConfig& mc, int ep) {
+  const int64_t params = model::parameters_per_rank(mc, ep), ram = memory_physical_bytes();
+  int64_t need = 0;
+  if (__builtin_mul_overflow(params, int64_t{8}, &need) || (ram > 0 && need > ram))
+    MOECORE_FAIL("train: the model has ", params, " parameters per rank (", mc.summary(), "); their fp32 values and ",
+                 "gradients alone need ", memory_format_bytes(need), ", more than this machine's ",
+                 memory_format_bytes(ram), " of memory: use a smaller model or more expert-parallel ranks");
+}
+
+// --save, --tensorboard-dir and the folder of --metrics-jsonl must be writable before the first step, not at
+// the first save after hours of training: each is created if missing (as Megatron does) and a probe file is
+// written and removed.
+void check_writable_dir(const char* flag, const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) MOECORE_FAIL(flag, " ", dir, ": cannot create the directory: ", ec.message());
+  const std::string probe =
+      (std::filesystem::path(dir) / (".moecore-write-test-" + std::to_string(::getpid()))).string();
+  std::FILE* f = std::fopen(probe.c_str(), "wb");
+  const bool ok = f && std::fputc('x', f) != EOF && std::fflush(f) == 0;
+  const int err = errno;
+  if (f) std::fclose(f);
+  std::filesystem::remove(probe, ec);
+  if (!ok) MOECORE_FAIL(flag, " ", dir, ": cannot write there: ", std::strerror(err));
+}
+
+void check_output_paths(const train::TrainConfig& t) {
+  if (!t.save.empty()) check_writable_dir("--save", t.save);
+  if (!t.tensorboard_dir.empty()) check_writable_dir("--tensorboard-dir", t.tensorboard_dir);
+  if (!t.metrics_jsonl.empty()) {
+    const std::filesystem::path parent = std::filesystem::path(t.metrics_jsonl).parent_path();
+    check_writable_dir("--metrics-jsonl", parent.empty() ? "." : parent.string());
+  }
 }
 
 // The closing lines of a run: what was trained, how long it took, where the validation loss went, and where
@@ -248,12 +339,19 @@ int train_main(int argc, char** argv) {
   if (!a.parse(argc, argv)) return 0;
   if (!a.str("--load-hf").empty()) a.fill_unset("--hf-config", a.str("--load-hf"), " by --load-hf");
   hf_config_apply(a);
+  if (!a.str("--hf-config").empty()) a.check_same_on_every_rank();  // the file's values too
+  if (comm_initialized() && !std::getenv("MOECORE_COMM_TIMEOUT_S")) {
+    CommOptions o = comm_options();
+    o.timeout_s = 60.0 * static_cast<double>(a.i64("--distributed-timeout-minutes"));
+    comm_set_options(o);
+  }
   const std::vector<std::string> data_path = a.list("--data-path");
   if (data_path.empty()) MOECORE_FAIL("train: --data-path is required (prefixes made by moecore preprocess)");
   const auto tok = tokenizer_from(a);
   const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a));
   const int world_size = comm_initialized() ? comm_world().size() : 1;
   train::TrainConfig tcfg = train_config_from(a, world_size);
+  check_output_paths(tcfg);
 
   data::GptDataSourceConfig dcfg;
   dcfg.data_path = data_path;
@@ -268,6 +366,7 @@ int train_main(int argc, char** argv) {
   dcfg.dataset.pad_id = tok->pad();
   dcfg.dataset.eod_id = tok->eod();
   dcfg.dataset.eod_mask_loss = a.on("--eod-mask-loss");
+  dcfg.dataset.vocab_size = mcfg.vocab_size;  // a token id outside the model's vocabulary is an Error naming it
   const data::GptDataSource source(dcfg);
   if (!source.train()) MOECORE_FAIL("train: --split ", dcfg.split, " leaves no training data");
   tcfg.has_validation = source.valid() != nullptr;
@@ -296,11 +395,13 @@ int train_main(int argc, char** argv) {
     MOECORE_FAIL("--moe-use-upcycling with --expert-model-parallel-size ", ep.group.size(),
                  " is not supported yet: upcycle at EP 1, save, and load the checkpoint at any EP");
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
+  check_model_fits(mcfg, std::max(1, ep.group.size()));
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep);
   optim::AdamW opt(gpt.params(), optimizer_config_from(a), /*allocate_state=*/!tcfg.use_distributed_optimizer);
   if (!a.str("--load-hf").empty()) {
     if (a.on("--moe-use-upcycling")) MOECORE_FAIL("--load-hf and --moe-use-upcycling exclude each other");
-    if (tcfg.load.empty() || !io::checkpoint_find_latest(tcfg.load)) {
+    const auto step = tcfg.ckpt_step >= 0 ? std::optional<int64_t>(tcfg.ckpt_step) : std::nullopt;
+    if (tcfg.load.empty() || !io::checkpoint_find_latest(tcfg.load, step)) {
       const std::string dir = a.str("--load-hf");
       const model::HfWeightMap map = hf_config_weight_map(hf_config_load(a.str("--hf-config")), mcfg);
       const io::HfCheckpointReader hf(dir);

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs every Debian package moecore needs to build, test and run its main job (Debian 12, as root).
 # ocl-icd-opencl-dev: Debian's oneDNN CMake config calls find_package(OpenCL REQUIRED).
+# clang, libclang-rt-14-dev (AddressSanitizer, UBSan, libFuzzer runtimes) and llvm-14 (llvm-symbolizer for readable
+# sanitizer reports): the sanitizer and fuzz build of scripts/sanitize.sh.
 # The CUDA toolkit is optional: when nvcc is present the CUDA backend is built too.
 # Regenerating golden files additionally needs python3-torch (see tools/).
 set -euo pipefail
@@ -12,6 +14,7 @@ packages=(
   nlohmann-json3-dev libyaml-cpp-dev libsentencepiece-dev sentencepiece libpcre2-dev
   python3 python3-numpy python3-venv python3-matplotlib
   clang-format
+  clang libclang-rt-14-dev llvm-14
   fortunes
 )
 missing=()

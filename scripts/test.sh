@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds moecore and runs the default test suite (everything except the "long" label).
+# Builds moecore and runs the default test suite (everything except the "long" label), then the sanitizer and
+# fuzz half (scripts/sanitize.sh).
 # GPU tests carry the "gpu" label and skip themselves when no GPU is present.
 # Test-time Python tools come from PyPI into a virtual environment, build/test-venv (Debian's python3-venv),
 # created once and reused while it works; its interpreter is exported as MOECORE_TEST_PYTHON, which
@@ -38,8 +39,10 @@ fi
 [ -n "$no_pypi" ] || export MOECORE_TEST_PYTHON="$PWD/$venv/bin/python3"
 
 bash scripts/build.sh
-cd build
 status=0
-ctest --output-on-failure -j "$(nproc)" -LE long --timeout 900 || status=$?
+(cd build && ctest --output-on-failure -j "$(nproc)" -LE long --timeout 900) || status=$?
+# The hardening half: the unit, module and command-line tests again under AddressSanitizer + UBSan, and every
+# reader's libFuzzer harness for a short fixed budget (scripts/sanitize.sh, its own build in build-san/).
+bash scripts/sanitize.sh || status=$?
 [ -z "$no_pypi" ] || echo "$no_pypi" >&2
 exit $status

@@ -15,6 +15,20 @@
 
 namespace moecore::testing {
 
+// True in the AddressSanitizer build (scripts/sanitize.sh): its allocator keeps freed memory in quarantine and
+// its shadow memory counts in the resident set, so resident-memory measurements do not hold there.
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+inline constexpr bool kAddressSanitizer = true;
+#else
+inline constexpr bool kAddressSanitizer = false;
+#endif
+#else
+inline constexpr bool kAddressSanitizer = false;
+#endif
+
 // A contiguous f32 tensor filled with N(0, std^2) from a named stream.
 inline Tensor randn(const Shape& shape, const char* name, float std = 1.0f, uint64_t seed = 7) {
   Tensor t = Tensor::empty(shape, DType::f32, MemCategory::other);

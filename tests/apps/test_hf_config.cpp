@@ -202,6 +202,121 @@ TEST(HfConfig, RefusalsNameTheKeyAndValue) {
   }
 }
 
+// A small DeepSeek-V3 config.json written here (YaRN, groups, a dense first layer, a shared expert).
+json deepseek_v3_config() {
+  return json::parse(R"({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+    "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": true, "q_lora_rank": 32,
+    "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "hidden_act": "silu",
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000, "vocab_size": 512,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "tie_word_embeddings": false, "num_nextn_predict_layers": 0})");
+}
+
+// Regression (issue 15): a key of the wrong JSON type escaped as nlohmann's type_error ("type must be boolean, but
+// is string"), a float where an integer was read was cast with undefined behaviour, and absurd sizes
+// (hidden_size 2^62, num_hidden_layers 10^12: a 10^12-entry layer list) reached the model. Each is now an Error
+// naming the key, before anything is allocated.
+TEST(HfConfig, HostileValuesAreErrorsNamingTheKey) {
+  auto expect_refused = [](const json& c, const std::string& key) {
+    try {
+      apps::hf_model_config(c, "config.json under test", {{"--seq-length", "1"}});
+      ADD_FAILURE() << "no error for " << key;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'" + key + "'"), std::string::npos) << e.what();
+    }
+  };
+  const json q = qwen2_moe_config(), d = deepseek_v3_config();
+  EXPECT_EQ(apps::hf_model_config(q, "qwen2", {{"--seq-length", "1"}}).hidden_size, 64);
+  EXPECT_EQ(apps::hf_model_config(d, "deepseek", {{"--seq-length", "1"}}).hidden_size, 64);
+  const std::vector<std::pair<std::string, json>> qwen_cases = {
+      {"hidden_size", int64_t{1} << 62},
+      {"hidden_size", "64"},
+      {"hidden_size", 64.5},
+      {"hidden_size", 18446744073709551615ull},
+      {"num_hidden_layers", int64_t{1000000000000}},
+      {"num_hidden_layers", 1e300},
+      {"num_hidden_layers", -4},
+      {"vocab_size", int64_t{1} << 40},
+      {"rms_norm_eps", 1e300},
+      {"rms_norm_eps", -1e-6},
+      {"rms_norm_eps", "1e-6"},
+      {"rope_theta", json::array()},
+      {"use_sliding_window", "no"},
+      {"mlp_only_layers", "3"},
+      {"mlp_only_layers", json::array({int64_t{1} << 40})},
+      {"decoder_sparse_step", 0},
+      {"norm_topk_prob", 0},
+      {"layer_types", json::object()},
+  };
+  for (const auto& [key, value] : qwen_cases) {
+    json c = q;
+    c[key] = value;
+    expect_refused(c, key);
+  }
+  json big_layers = q;  // a huge layer count must fail before the layer pattern is expanded
+  big_layers["num_hidden_layers"] = int64_t{1000000000000};
+  big_layers["decoder_sparse_step"] = 2;
+  expect_refused(big_layers, "num_hidden_layers");
+  const std::vector<std::pair<std::string, json>> deepseek_cases = {
+      {"seq_aux", "yes"},
+      {"qk_head_dim", "24"},
+      {"qk_head_dim", 24.0},
+      {"n_shared_experts", int64_t{1} << 40},
+      {"moe_intermediate_size", int64_t{1} << 62},
+      {"quantization_config", json::array()},
+      {"quantization_config", json::parse(R"({"quant_method": 8})")},
+      {"quantization_config", json::parse(R"({"quant_method": "fp8", "fmt": 1})")},
+      {"rope_scaling", json::parse(R"({"type": 5, "factor": 4})")},
+      {"rope_scaling", json::parse(R"({"type": "yarn", "factor": "4", "original_max_position_embeddings": 64})")},
+      {"rope_scaling", json::parse(R"({"type": "yarn", "factor": 4, "original_max_position_embeddings": 1e300})")},
+      {"rope_scaling", json::parse(R"({"type": "yarn", "factor": 1e300, "original_max_position_embeddings": 64})")},
+      {"rope_scaling", json::parse(R"({"type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
+                                       "beta_fast": "32"})")},
+      {"rope_scaling", json::parse(R"({"type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
+                                       "mscale": [], "mscale_all_dim": 1})")},
+      {"rope_scaling", json::parse(R"({"type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
+                                       "truncate": "no"})")},
+      {"first_k_dense_replace", 1e300},
+      {"n_group", 3.5},
+      {"routed_scaling_factor", 1e39},
+  };
+  for (const auto& [key, value] : deepseek_cases) {
+    json c = d;
+    c[key] = value;
+    expect_refused(c, key);
+  }
+  json wm = q;
+  wm["model_type"] = 5;
+  EXPECT_THROW(apps::hf_config_weight_map(wm, model::ModelConfig{}), Error);
+  // JSON text: overflowing numbers and deep nesting are Errors naming the file.
+  for (const std::string& text : {std::string(R"({"rms_norm_eps": 1e400})"), std::string(100000, '[')}) {
+    try {
+      apps::hf_config_parse(text, "the config under test");
+      ADD_FAILURE() << "no error for " << text.substr(0, 40);
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("the config under test"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// The fuzzer's seeds (fuzz/seeds/hf_config/) must stay valid configs, or the harness explores only error paths.
+TEST(HfConfig, FuzzSeedsAreValidConfigs) {
+  int seen = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(MOECORE_SOURCE_DIR) + "/fuzz/seeds/hf_config")) {
+    std::ifstream f(e.path());
+    const std::string text((std::istreambuf_iterator<char>(f)), {});
+    const json c = apps::hf_config_parse(text, e.path().string());
+    const model::ModelConfig cfg = apps::hf_model_config(c, e.path().string(), {{"--seq-length", "1"}});
+    EXPECT_NO_THROW(apps::hf_config_weight_map(c, cfg)) << e.path();
+    ++seen;
+  }
+  EXPECT_EQ(seen, 4);
+}
+
 using testing::CmdResult;
 const auto run_cmd = testing::run_moecore;
 

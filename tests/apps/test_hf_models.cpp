@@ -449,7 +449,9 @@ TEST_F(HfModels, ImportStreamsAMultiGigabyteCheckpoint) {
   const double peak = std::stod(r.output.substr(at + 21)) * 1e6;
   std::printf("checkpoint %.2f GB, converter peak RSS %.1f MB (%.4f of it)\n", static_cast<double>(total) / 1e9,
               peak / 1e6, peak / static_cast<double>(total));
-  EXPECT_LT(peak, static_cast<double>(total) / 16);
+  if (!testing::kAddressSanitizer) {  // ASan's quarantine and shadow inflate the resident set; Release proves it
+    EXPECT_LT(peak, static_cast<double>(total) / 16);
+  }
   // A sample of the stacked experts is where the HF tensors put it: expert 17's up projection (w3) row 5.
   const io::HfCheckpointReader ck(p("big_ck") + "/iter_0000000", "model.safetensors");
   const Tensor got = ck.read_rows("decoder.layers.0.mlp.experts.linear_fc1.weight", 17 * 2 * 4096 + 4096 + 5, 1);

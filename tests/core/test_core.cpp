@@ -176,6 +176,28 @@ TEST(Tensor, ShapeStridesAndStr) {
   EXPECT_THROW(t.data<bf16>(), Error);
 }
 
+// Regression (issue 15): numel() wrapped around for [2^32, 2^32] (undefined behaviour), so a file could declare a
+// huge tensor that "needed" 0 bytes. Counts that exceed int64 now throw naming the shape.
+TEST(Tensor, NumelAndBytesAreOverflowChecked) {
+  const int64_t big = int64_t{1} << 32;
+  const Shape huge{big, big};
+  try {
+    (void)huge.numel();
+    ADD_FAILURE() << "no error for " << huge.str();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[4294967296, 4294967296]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((void)Shape({int64_t{1} << 61, 2, 2}).numel(), Error);
+  EXPECT_EQ(Shape({int64_t{1} << 61, 2}).numel(), int64_t{1} << 62);
+  EXPECT_THROW((void)Shape({int64_t{1} << 61, 2}).bytes(DType::f32), Error);  // 2^64 bytes
+  EXPECT_EQ(Shape({int64_t{1} << 59, 2}).bytes(DType::f32), int64_t{1} << 62);
+  EXPECT_EQ(Shape({big, big, 0}).numel(), 0);  // a zero dim makes the product 0 whatever the others
+  EXPECT_THROW(Tensor::empty(huge, DType::f32), Error);
+  const Tensor z = Tensor::empty({0, big, big}, DType::f32);  // no storage needed, strides stay defined
+  EXPECT_EQ(z.numel(), 0);
+  EXPECT_EQ(z.nbytes(), 0);
+}
+
 TEST(Tensor, ViewsShareStorage) {
   Tensor t = iota_tensor();
   Tensor v = t.view(Shape{6, 4});

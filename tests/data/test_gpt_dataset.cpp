@@ -222,6 +222,44 @@ TEST(GptDataset, EveryEpochUsesEveryDocumentOnce) {
   EXPECT_TRUE(std::all_of(last.begin(), last.end(), [](int v) { return v == 1; }));
 }
 
+// Issue 15: a token id the model has no embedding row for is an Error naming the data, not undefined behaviour.
+TEST(GptDataset, TokenIdsOutsideTheVocabularyAreErrors) {
+  TempDir dir("gpt_vocab");
+  std::vector<int32_t> tokens(20);
+  std::iota(tokens.begin(), tokens.end(), 0);
+  tokens[13] = 70000;
+  const std::string p = write_dataset(dir / "v", {10, 10}, tokens);
+  GptDatasetConfig cfg;
+  cfg.seq_length = 4;
+  cfg.vocab_size = 50257;
+  GptDataset ds(std::make_shared<IndexedDataset>(p), Split::train, 0, 2, std::nullopt, cfg);
+  std::vector<int32_t> t(4), l(4);
+  std::string msg;
+  for (int64_t i = 0; i < static_cast<int64_t>(ds.size()); ++i) {
+    try {
+      ds.get(i, t.data(), l.data());
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+  }
+  for (const std::string& part :
+       {p + ".bin", std::string("token 3 of sequence 1 is 70000"), std::string("outside the vocabulary [0, 50257)")})
+    EXPECT_NE(msg.find(part), std::string::npos) << msg;
+  tokens[13] = -7;  // negative ids are refused even without a vocabulary size
+  write_dataset(dir / "v", {10, 10}, tokens);
+  cfg.vocab_size = 0;
+  GptDataset neg(std::make_shared<IndexedDataset>(p), Split::train, 0, 2, std::nullopt, cfg);
+  msg.clear();
+  for (int64_t i = 0; i < static_cast<int64_t>(neg.size()); ++i) {
+    try {
+      neg.get(i, t.data(), l.data());
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+  }
+  EXPECT_NE(msg.find("is -7, negative"), std::string::npos) << msg;
+}
+
 // Unique token values: the samples' inputs plus the last sample's final label are exactly the first
 // n * L + 1 tokens of the documents in document_index order (consecutive samples share one boundary token,
 // counted once). With T - 1 = 3 * L, one epoch uses every token exactly once.

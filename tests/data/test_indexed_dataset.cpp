@@ -5,9 +5,11 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -207,6 +209,137 @@ TEST(IndexedDataset, ReaderErrorsNameFileAndReason) {
   EXPECT_NE(missing.find("nope.idx"), std::string::npos) << missing;
 }
 
+// Issue 15 reproducers: corrupt .idx files fail at open with the path, the field, the expected and actual values.
+// Test vector layout (S = 2, D = 3): sizes at 34, pointers at 42, document_indices at 58, 82 bytes in all.
+template <class T>
+std::string with(std::string bytes, size_t at, T v) {
+  std::memcpy(bytes.data() + at, &v, sizeof(T));
+  return bytes;
+}
+
+std::string open_error(const std::string& prefix, const std::string& idx, const std::string& bin) {
+  write_bytes(prefix + ".idx", idx);
+  write_bytes(prefix + ".bin", bin);
+  return error_of([&] { IndexedDataset ds(prefix); });
+}
+
+TEST(IndexedDataset, LastPointerNear2Pow63FailsAtOpen) {
+  // The outside tester's file: the last pointer 2^63 - 4 made pointer + size * 2 wrap below the .bin size.
+  TempDir dir("idx_overflow");
+  write_test_vector(dir / "good");
+  const std::string idx = read_bytes(dir / "good.idx"), bin = read_bytes(dir / "good.bin");
+  const std::string prefix = dir / "bad";
+  const std::string msg = open_error(prefix, with<int64_t>(idx, 50, INT64_MAX - 3), bin);
+  for (const std::string& part : {prefix + ".idx", std::string("pointers[1]"), std::string("expected 6"),
+                                  std::string("found 9223372036854775804")})
+    EXPECT_NE(msg.find(part), std::string::npos) << msg;
+}
+
+TEST(IndexedDataset, WrongDtypeCodeFailsAtOpen) {
+  // dtype 8 (uint16) changed to 1 (uint8): the pointers no longer follow sizes * itemsize.
+  TempDir dir("idx_dtype");
+  write_test_vector(dir / "good");
+  const std::string idx = read_bytes(dir / "good.idx"), bin = read_bytes(dir / "good.bin");
+  const std::string msg = open_error(dir / "bad", with<uint8_t>(idx, 17, 1), bin);
+  for (const char* part : {"bad.idx", "pointers[1]", "expected 3", "uint8", "found 6"})
+    EXPECT_NE(msg.find(part), std::string::npos) << msg;
+  // With one sequence there is no second pointer: the .bin size catches it.
+  {
+    IndexedDatasetBuilder b(indexed_bin_path(dir / "one"), TokenDType::u16);
+    b.add_document(std::vector<int32_t>{1, 2, 3});
+    b.finalize(indexed_idx_path(dir / "one"));
+  }
+  const std::string one =
+      open_error(dir / "one8", with<uint8_t>(read_bytes(dir / "one.idx"), 17, 1), read_bytes(dir / "one.bin"));
+  for (const char* part : {"one8.bin", "size", "expected 3 bytes", "found 6"})
+    EXPECT_NE(one.find(part), std::string::npos) << one;
+}
+
+TEST(IndexedDataset, EveryFieldIsCheckedAtOpen) {
+  TempDir dir("idx_fields");
+  write_test_vector(dir / "good");
+  const std::string idx = read_bytes(dir / "good.idx"), bin = read_bytes(dir / "good.bin");
+  ASSERT_EQ(idx.size(), 82u);
+  struct Case {
+    const char* name;
+    std::string idx, bin;
+    std::vector<std::string> parts;
+  };
+  const std::vector<Case> cases = {
+      {"negative_size", with<int32_t>(idx, 38, -1), bin, {"sizes[1]", "expected >= 0", "found -1"}},
+      {"pointer0", with<int64_t>(idx, 42, 2), bin, {"pointers[0]", "expected 0", "found 2"}},
+      {"pointer1_low", with<int64_t>(idx, 50, 4), bin, {"pointers[1]", "expected 6", "found 4"}},
+      {"pointer1_negative", with<int64_t>(idx, 50, -6), bin, {"pointers[1]", "expected 6", "found -6"}},
+      {"doc0", with<int64_t>(idx, 58, 1), bin, {"document_indices[0]", "expected 0", "found 1"}},
+      {"doc_decreasing",
+       with<int64_t>(with<int64_t>(idx, 66, 2), 74, 1),
+       bin,
+       {"document_indices[2]", "[2, 2]", "found 1"}},
+      {"doc_past_s", with<int64_t>(idx, 66, 7), bin, {"document_indices[1]", "found 7"}},
+      {"doc_last", with<int64_t>(idx, 74, 1), bin, {"document_indices[2]", "expected sequence_count 2", "found 1"}},
+      {"doc_count_0", with<uint64_t>(idx, 26, 0), bin, {"document_count", "found 0"}},
+      {"seq_count_huge",
+       with<uint64_t>(idx, 18, uint64_t(1) << 62),
+       bin,
+       {"size", "sequence_count 4611686018427387904"}},
+      {"doc_count_huge", with<uint64_t>(idx, 26, ~uint64_t(0)), bin, {"size", "document_count 18446744073709551615"}},
+      {"trailing_idx", idx + std::string(8, '\0'), bin, {"size", "need 82 bytes", "the file has 90"}},
+      {"truncated_idx", idx.substr(0, 81), bin, {"truncated index", "the file has 81"}},
+      {"empty_idx", "", bin, {"truncated index: 0 bytes"}},
+      {"long_bin", idx, bin + "xx", {".bin", "expected 10 bytes", "found 12"}},
+      {"short_bin", idx, bin.substr(0, 9), {".bin", "expected 10 bytes", "found 9 (truncated)"}},
+      {"empty_bin", idx, "", {".bin", "expected 10 bytes", "found 0"}},
+  };
+  for (const auto& c : cases) {
+    const std::string prefix = dir / c.name;
+    const std::string msg = open_error(prefix, c.idx, c.bin);
+    EXPECT_NE(msg.find(prefix), std::string::npos) << c.name << ": " << msg;
+    for (const std::string& p : c.parts) EXPECT_NE(msg.find(p), std::string::npos) << c.name << ": " << msg;
+  }
+  // An empty dataset (no sequences, one boundary) with an empty .bin is valid.
+  {
+    IndexedDatasetBuilder b(indexed_bin_path(dir / "empty"), TokenDType::u16);
+    b.finalize(indexed_idx_path(dir / "empty"));
+  }
+  IndexedDataset empty(dir / "empty");
+  EXPECT_EQ(empty.num_sequences(), 0);
+  EXPECT_EQ(empty.num_documents(), 0);
+}
+
+TEST(IndexedDataset, FloatAndWideTokensThatAreNotIdsFail) {
+  // float32 / int64 .bin values that no int32 id equals (NaN, 1e10, 2^40) are Errors, not undefined casts.
+  TempDir dir("idx_float");
+  for (TokenDType t : {TokenDType::f32, TokenDType::f64, TokenDType::i64}) {
+    const std::string prefix = dir / token_dtype_name(t);
+    {
+      IndexedDatasetBuilder b(indexed_bin_path(prefix), t);
+      b.add_document(std::vector<int32_t>{1, 2, 3});
+      b.finalize(indexed_idx_path(prefix));
+    }
+    std::string bin = read_bytes(prefix + ".bin");
+    if (t == TokenDType::f32) bin = with<float>(bin, 4, std::numeric_limits<float>::quiet_NaN());
+    if (t == TokenDType::f64) bin = with<double>(bin, 8, 1e10);
+    if (t == TokenDType::i64) bin = with<int64_t>(bin, 8, int64_t(1) << 40);
+    write_bytes(prefix + ".bin", bin);
+    IndexedDataset ds(prefix);
+    EXPECT_EQ(ds.get(0, 0, 1), std::vector<int32_t>{1});
+    const std::string msg = error_of([&] { (void)ds.get(0); });
+    EXPECT_NE(msg.find(prefix + ".bin"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("not a token id"), std::string::npos) << msg;
+  }
+}
+
+TEST(IndexedDataset, ReadRangeOverflowIsAnError) {
+  TempDir dir("idx_range");
+  write_test_vector(dir / "v");
+  IndexedDataset ds(dir / "v");
+  std::vector<int32_t> out(4);
+  EXPECT_THROW(ds.read(0, INT64_MAX - 1, 2, out.data()), Error);
+  EXPECT_THROW(ds.read(0, 2, INT64_MAX, out.data()), Error);
+  EXPECT_THROW((void)ds.get(0, 5), Error);
+  EXPECT_THROW((void)ds.get(2), Error);
+}
+
 TEST(IndexedDataset, MergeWithAddIndex) {
   TempDir dir("idx_merge");
   const std::string a = dir / "a", b = dir / "b", m = dir / "m";
@@ -331,6 +464,10 @@ TEST(Preprocess, ErrorsNameTheInput) {
   EXPECT_NE(broken.find("not valid JSON"), std::string::npos) << broken;
   const std::string absent = error_of([&] { preprocess_run(byte_level(dir / "none.jsonl", dir / "o", 1), nullptr); });
   EXPECT_NE(absent.find("none.jsonl"), std::string::npos) << absent;
+  write_bytes(input, "{\"text\": \"ok\"}\n" + std::string(200000, '[') + "\n");  // issue 15: no stack overflow
+  const std::string deep = error_of([&] { preprocess_run(byte_level(input, dir / "o", 1), nullptr); });
+  EXPECT_NE(deep.find("line 2"), std::string::npos) << deep;
+  EXPECT_NE(deep.find("nested deeper"), std::string::npos) << deep;
   auto zero = byte_level(input, dir / "o", 0);
   EXPECT_THROW(preprocess_run(zero, nullptr), Error);
 }

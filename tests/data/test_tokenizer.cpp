@@ -409,6 +409,120 @@ TEST(Errors, NameTheTypeAndFile) {
   expect_error([&] { make_tokenizer({"SentencePieceTokenizer", "", "", ""}); }, {"--tokenizer-model"});
 }
 
+// Issue 15 reproducers: ids and nesting from a hostile file must not size allocations or the stack.
+TEST(Errors, Gpt2VocabIdsAreBounded) {
+  const std::string merges = write_file("ids-merges.txt", "#version: 0.2\na b\n");
+  // The outside tester's vocab.json: one id of 2^28 (8.7 GB of id tables); 2^31 - 1 gave std::bad_alloc.
+  for (const std::string id : {"268435456", "2147483647", "1028"}) {
+    const std::string vocab = write_file("ids-vocab.json", R"({"a": 0, "b": 1, "ab": 2, "zz": )" + id + "}");
+    expect_error(
+        [&] {
+          make_tokenizer({"GPT2BPETokenizer", vocab, merges, ""});
+        },
+        {"GPT2BPETokenizer", vocab, "'zz'", "id " + id, "outside [0, 1028)"});
+  }
+  // Not an int32: an Error naming the token, never a wrapped, truncated or undefined conversion.
+  for (const std::string id : {"-1", "4294967296", "1e20", "2.5", "\"7\"", "null"}) {
+    const std::string vocab = write_file("ids-vocab.json", R"({"a": 0, "b": 1, "ab": 2, "zz": )" + id + "}");
+    expect_error(
+        [&] {
+          make_tokenizer({"GPT2BPETokenizer", vocab, merges, ""});
+        },
+        {"GPT2BPETokenizer", vocab, "'zz'", "expected an integer in [0, 2147483647]"});
+  }
+  const std::string dup = write_file("ids-vocab.json", R"({"a": 0, "b": 1, "ab": 2, "ba": 1})");
+  expect_error(
+      [&] {
+        make_tokenizer({"GPT2BPETokenizer", dup, merges, ""});
+      },
+      {dup, "tokens 'b' and 'ba' both have id 1"});
+  // A few holes are fine (ids up to entries + 1024).
+  const std::string holes = write_file("ids-vocab.json", R"({"a": 0, "b": 1, "ab": 2, "zz": 1026})");
+  EXPECT_EQ(make_tokenizer({"GPT2BPETokenizer", holes, merges, ""})->vocab_size(), 1027);
+  for (const char* empty : {"", "{}", "[]", "\"x\""}) {
+    const std::string vocab = write_file("ids-vocab.json", empty);
+    expect_error([&] { make_tokenizer({"GPT2BPETokenizer", vocab, merges, ""}); }, {vocab});
+  }
+}
+
+std::string tiny_hf_json(const std::string& vocab, const std::string& added, const std::string& post = "null") {
+  return R"({"model": {"type": "BPE", "vocab": )" + vocab + R"(, "merges": ["a b"]}, "added_tokens": )" + added +
+         R"(, "pre_tokenizer": {"type": "ByteLevel"}, "post_processor": )" + post + "}";
+}
+
+TEST(Errors, HfIdsAreBounded) {
+  const std::string ok_vocab = R"({"a": 0, "b": 1, "ab": 2})";
+  struct Case {
+    std::string vocab, added, post;
+    std::vector<std::string> parts;
+  };
+  const std::vector<Case> cases = {
+      {R"({"a": 0, "b": 1, "ab": 2, "zz": 268435456})", "[]", "null", {"'zz'", "id 268435456"}},
+      {R"({"a": 0, "b": 1, "ab": 2, "zz": 2.5e9})", "[]", "null", {"'zz'", "expected an integer"}},
+      {ok_vocab, R"([{"id": 268435456, "content": "<x>"}])", "null", {"added token '<x>'", "id 268435456"}},
+      {ok_vocab, R"([{"id": -5, "content": "<x>"}])", "null", {"added token '<x>'", "expected an integer"}},
+      {ok_vocab,
+       R"([{"id": 3, "content": "<x>"}])",
+       R"({"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<x>"}}, {"Sequence": {"id": "A"}}],
+           "special_tokens": {"<x>": {"ids": [99999999]}}})",
+       {"template token id 99999999", "outside the vocabulary (size 4)"}},
+      {ok_vocab, R"({"id": 3})", "null", {"added_tokens is not a list"}},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto& c = cases[i];
+    const std::string path = write_file("ids-tokenizer.json", tiny_hf_json(c.vocab, c.added, c.post));
+    std::vector<std::string> parts = c.parts;
+    expect_error(
+        [&] {
+          make_tokenizer({"HuggingFaceTokenizer", "", "", path});
+        },
+        {"HuggingFaceTokenizer", path, parts.at(0), parts.size() > 1 ? parts[1] : parts[0]});
+  }
+  // Added tokens may fill ids beyond the vocab.
+  const std::string path =
+      write_file("ids-tokenizer.json", tiny_hf_json(ok_vocab, R"([{"id": 3, "content": "<x>", "special": true}])"));
+  const auto t = make_tokenizer({"HuggingFaceTokenizer", "", "", path});
+  EXPECT_EQ(t->encode("ab<x>"), (Ids{2, 3}));
+  EXPECT_EQ(t->vocab_size(), 4);
+}
+
+TEST(Errors, DeeplyNestedJsonIsRefused) {
+  // The outside tester's tokenizer.json nested 200,000 levels deep overflowed the stack.
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  const std::string tok = write_file("deep-tokenizer.json", R"({"model": )" + deep + "}");
+  expect_error([&] { make_tokenizer({"HuggingFaceTokenizer", "", "", tok}); }, {tok, "nested deeper than 128"});
+  const std::string vocab = write_file("deep-vocab.json", deep);
+  const std::string merges = write_file("deep-merges.txt", "a b\n");
+  expect_error([&] { make_tokenizer({"GPT2BPETokenizer", vocab, merges, ""}); }, {vocab, "nested deeper than 128"});
+  std::filesystem::create_directories(temp_dir() + "/deepcfg");
+  write_file("deepcfg/tokenizer.json", tiny_hf_json(R"({"a": 0, "b": 1, "ab": 2})", "[]"));
+  write_file("deepcfg/tokenizer_config.json", R"({"eos_token": )" + deep + "}");
+  expect_error(
+      [&] {
+        make_tokenizer({"HuggingFaceTokenizer", "", "", temp_dir() + "/deepcfg"});
+      },
+      {"tokenizer_config.json", "nested deeper than 128"});
+  // A non-string eos_token content is ignored, not a nlohmann exception.
+  write_file("deepcfg/tokenizer_config.json", R"({"eos_token": {"content": 5}, "pad_token": [1]})");
+  EXPECT_EQ(make_tokenizer({"HuggingFaceTokenizer", "", "", temp_dir() + "/deepcfg"})->pad(), -1);
+}
+
+TEST(Errors, HostileTextFilesAreErrorsOrTokenized) {
+  // Empty files, NUL bytes and invalid UTF-8 in the vocab/merges: an Error naming the file, or a working tokenizer.
+  const std::string vocab =
+      write_file("nul-vocab.json", std::string(R"({"a": 0, "b": 1, "ab": 2, "\u0000": 3, "\u0100": 4})"));
+  const std::string merges = write_file("nul-merges.txt", std::string("#version: 0.2\na b\n\0 \xff\n", 22));
+  expect_error([&] { make_tokenizer({"GPT2BPETokenizer", vocab, merges, ""}); }, {merges});
+  const std::string bad_utf8 = write_file("utf8-vocab.json", "{\"a\xff\": 0}");
+  expect_error([&] { make_tokenizer({"GPT2BPETokenizer", bad_utf8, merges, ""}); }, {bad_utf8, "not valid JSON"});
+  const std::string empty = write_file("empty-merges.txt", "");
+  const auto t = make_tokenizer({"GPT2BPETokenizer", vocab, empty, ""});
+  EXPECT_EQ(t->encode(std::string("ab\0\xff", 4)), (Ids{0, 1, 4}));  // NUL is U+0100; \xff has no token: dropped
+  EXPECT_EQ(t->decode({3, 4}), std::string("\0\0", 2));
+  const std::string empty_tok = write_file("empty-tokenizer.json", "");
+  expect_error([&] { make_tokenizer({"HuggingFaceTokenizer", "", "", empty_tok}); }, {empty_tok});
+}
+
 #ifdef MOECORE_HAVE_SENTENCEPIECE
 
 // Trains a small BPE model with byte fallback once per process; returns the .model path.
@@ -479,6 +593,49 @@ TEST(SentencePiece, MegatronSpecialTokens) {
 TEST(SentencePiece, BadModelFileNamesIt) {
   const std::string junk = write_file("junk.model", "this is not a protobuf");
   expect_error([&] { make_tokenizer({"SentencePieceTokenizer", "", "", junk}); }, {"junk.model"});
+}
+
+// Issue 15 (fuzz_sentencepiece): libsentencepiece 0.1.97 calls std::terminate on a piece holding NUL and reads out
+// of bounds on a corrupt precompiled_charsmap; such models are refused before the library sees them.
+std::string protobuf_bytes_field(int field, const std::string& bytes) {
+  std::string out(1, static_cast<char>(field << 3 | 2));
+  for (size_t n = bytes.size();; n >>= 7) {
+    out += static_cast<char>((n & 0x7F) | (n > 0x7F ? 0x80 : 0));
+    if (n <= 0x7F) break;
+  }
+  return out + bytes;
+}
+
+TEST(SentencePiece, CorruptModelsAreErrorsNotCrashes) {
+  std::ifstream f(tiny_sp_model(), std::ios::binary);
+  const std::string model((std::istreambuf_iterator<char>(f)), {});
+  std::string nul_piece = model;
+  const size_t at = nul_piece.find("<unk>");
+  ASSERT_NE(at, std::string::npos);
+  nul_piece[at] = '\0';
+  const std::string p1 = write_file("nul-piece.model", nul_piece);
+  expect_error(
+      [&] {
+        make_tokenizer({"SentencePieceTokenizer", "", "", p1});
+      },
+      {"SentencePieceTokenizer", p1, "piece 0 is empty or holds a NUL byte"});
+  // A later normalizer_spec merges into the first: its precompiled_charsmap replaces the model's.
+  auto with_charsmap = [&](const std::string& blob) {
+    return model + protobuf_bytes_field(3, protobuf_bytes_field(2, blob));
+  };
+  const std::string p2 = write_file("charsmap-size.model", with_charsmap(std::string("\xff\xff\x00\x00xyz\0", 8)));
+  expect_error(
+      [&] {
+        make_tokenizer({"Llama2Tokenizer", "", "", p2});
+      },
+      {"Llama2Tokenizer", p2, "normalizer_spec.precompiled_charsmap: trie size 65535 exceeds"});
+  const std::string p3 =
+      write_file("charsmap-state.model", with_charsmap(std::string("\x04\0\0\0\0\xfc\xff\xff\0", 9)));
+  expect_error([&] { make_tokenizer({"SentencePieceTokenizer", "", "", p3}); }, {p3, "lies outside its 1 units"});
+  const std::string p4 = write_file("truncated.model", model.substr(0, model.size() / 2));
+  expect_error([&] { make_tokenizer({"SentencePieceTokenizer", "", "", p4}); }, {p4});
+  const std::string p5 = write_file("empty.model", "");
+  expect_error([&] { make_tokenizer({"SentencePieceTokenizer", "", "", p5}); }, {p5});
 }
 
 #endif  // MOECORE_HAVE_SENTENCEPIECE

@@ -1,8 +1,11 @@
 // Checkpoint directories: round trip, the tracker file, discovery (several iterations, uncommitted and
-// damaged directories, rewound runs), keep-last-N retention, and verified loading that names the file
-// and the reason for each corruption (missing marker, flipped byte, truncation, missing file, bad magic).
+// damaged directories, rewound runs, --ckpt-step), keep-last-N retention and the removal of unfinished saves,
+// and verified loading that names the file and the reason for each corruption (missing marker, flipped byte,
+// truncation, missing file, bad magic) and lists the committed alternatives. Damaged newest checkpoints are
+// never silently replaced by older ones. The write-fault hook's parser (the hook itself: tests/apps).
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -152,11 +155,11 @@ TEST_F(Checkpoint, IterationDirectoryAsRootIsUsedAsIs) {
 }
 
 TEST_F(Checkpoint, RetentionKeepsTheLastN) {
-  io::checkpoint_write_uncommitted(root_, make_request(5));  // never counted, never deleted
+  io::checkpoint_write_uncommitted(root_, make_request(5));  // never counted; removed as unfinished
   for (int64_t it : {10, 20, 30, 40, 50}) io::checkpoint_save(root_, make_request(it), 2);
   EXPECT_EQ(io::checkpoint_list_committed(root_), (std::vector<int64_t>{40, 50}));
-  EXPECT_EQ(names_in(root_), (std::vector<std::string>{"iter_0000005", "iter_0000040", "iter_0000050",
-                                                       "latest_checkpointed_iteration.txt"}));
+  EXPECT_EQ(names_in(root_),
+            (std::vector<std::string>{"iter_0000040", "iter_0000050", "latest_checkpointed_iteration.txt"}));
   io::checkpoint_save(root_, make_request(60), 1);
   EXPECT_EQ(io::checkpoint_list_committed(root_), (std::vector<int64_t>{60}));
   io::checkpoint_save(root_, make_request(70), 0);  // 0 keeps all
@@ -178,28 +181,38 @@ TEST_F(Checkpoint, CrashBeforeTheMarkerLeavesThePreviousOneSelected) {
   EXPECT_FALSE(fs::exists(partial + "/COMMIT"));
   EXPECT_EQ(io::checkpoint_read_tracker(root_), 10);
   ::testing::internal::CaptureStderr();
-  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(10));
+  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(10));  // the tracker still names 10
   std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("iter_0000020"), std::string::npos) << err;
   EXPECT_NE(err.find("COMMIT"), std::string::npos) << err;
 
-  fs::remove(root_ + "/latest_checkpointed_iteration.txt");  // discovery by scanning skips it too
-  ::testing::internal::CaptureStderr();
-  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(10));
-  err = ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(err.find("skipping '" + dir(20) + "'"), std::string::npos) << err;
+  // Without the tracker the newest directory is the candidate: an unfinished one is refused, not skipped.
+  const std::string tracker = io::read_file(root_ + "/latest_checkpointed_iteration.txt");
+  fs::remove(root_ + "/latest_checkpointed_iteration.txt");
+  expect_error([&] { io::checkpoint_find_latest(root_); },
+               {partial + "/COMMIT", "missing", "iteration 10", "--ckpt-step 10"});
+  EXPECT_EQ(io::checkpoint_find_latest(root_, 10), dir(10));
+  overwrite(root_ + "/latest_checkpointed_iteration.txt", tracker);
 
-  expect_error([&] { io::checkpoint_load(partial); }, {partial, "COMMIT"});
+  expect_error([&] { io::checkpoint_load(partial); }, {partial, "COMMIT", "--ckpt-step 10"});
   io::checkpoint_save(root_, make_request(20), 0);  // the retried save replaces the partial directory
   EXPECT_EQ(io::checkpoint_find_latest(root_), dir(20));
   EXPECT_EQ(io::checkpoint_load(dir(20)).iteration, 20);
 }
 
-TEST_F(Checkpoint, OnlyUncommittedDirectoriesMeansNothingToResume) {
+TEST_F(Checkpoint, OnlyUncommittedDirectoriesIsAnErrorNotAFreshStart) {
   io::checkpoint_write_uncommitted(root_, make_request(10));
-  ::testing::internal::CaptureStderr();
+  expect_error([&] { io::checkpoint_find_latest(root_); },
+               {dir(10) + "/COMMIT", "missing", "No other committed checkpoint"});
+}
+
+TEST_F(Checkpoint, AbsentOrEmptyRootHasNoCheckpoint) {
   EXPECT_EQ(io::checkpoint_find_latest(root_), std::nullopt);
-  ::testing::internal::GetCapturedStderr();
+  fs::create_directories(root_);
+  overwrite(root_ + "/notes.txt", "not a checkpoint");
+  EXPECT_EQ(io::checkpoint_find_latest(root_), std::nullopt);
+  expect_error([&] { io::checkpoint_find_latest(root_, 10); }, {"--ckpt-step 10", "iter_0000010", "does not exist"});
+  expect_error([&] { io::checkpoint_find_latest(root_ + "/absent", 10); }, {"--ckpt-step 10", "does not exist"});
 }
 
 TEST_F(Checkpoint, FlippedByteIsAChecksumErrorNamingTheFile) {
@@ -254,11 +267,9 @@ TEST_F(Checkpoint, BadMagicVersionOrMarkerAreRefused) {
   j["format"] = "some-other-format";
   overwrite(commit, j.dump());
   expect_error([&] { io::checkpoint_load(dir(20)); }, {commit, "bad magic", "some-other-format"});
-  ::testing::internal::CaptureStderr();
-  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(10));  // the tracker names 20, but it is damaged
-  const std::string err = ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(err.find(dir(20)), std::string::npos) << err;
-  EXPECT_NE(err.find("bad magic"), std::string::npos) << err;
+  // The tracker names 20, which is damaged: an error listing 10, never a silent fall back to it.
+  expect_error([&] { io::checkpoint_find_latest(root_); }, {commit, "bad magic", "iteration 10", "--ckpt-step 10"});
+  EXPECT_EQ(io::checkpoint_find_latest(root_, 10), dir(10));
 
   j = nlohmann::json::parse(good);
   j["version"] = 2;
@@ -333,6 +344,125 @@ TEST_F(Checkpoint, BadRequestsAreRejectedBeforeAnythingIsWritten) {
   expect_error([&] { io::checkpoint_save(root_, r, 0); }, {"iteration (-1)"});
   expect_error([&] { io::checkpoint_save(root_, make_request(10), -2); }, {"keep_last (-2)"});
   EXPECT_EQ(io::checkpoint_find_latest(root_), std::nullopt);
+}
+
+// ---- Regression tests of issue 15 (an outside tester's 65 corrupted checkpoints) ----------------------------
+
+TEST_F(Checkpoint, DamagedNewestCheckpointIsRefusedListingTheOlderOnes) {
+  for (int64_t it : {10, 20, 30}) io::checkpoint_save(root_, make_request(it), 0);
+  const std::string commit = dir(30) + "/COMMIT";
+  std::string bytes = io::read_file(commit);
+  bytes[bytes.find("moecore-checkpoint")] ^= 0x20;  // a flipped byte in COMMIT: 'Moecore-checkpoint'
+  overwrite(commit, bytes);
+  const std::string msg = expect_error([&] { io::checkpoint_find_latest(root_); },
+                                       {commit, "bad magic", "iterations 10, 20", "--ckpt-step 20"});
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;  // one line
+  EXPECT_EQ(io::checkpoint_find_latest(root_, 20), dir(20));
+  EXPECT_EQ(io::checkpoint_load(*io::checkpoint_find_latest(root_, 20)).iteration, 20);
+  expect_error([&] { io::checkpoint_find_latest(root_, 30); }, {commit, "--ckpt-step 30", "iterations 10, 20"});
+  expect_error([&] { io::checkpoint_find_latest(root_, 25); }, {"iter_0000025", "does not exist"});
+
+  fs::remove(commit);  // a deleted COMMIT
+  expect_error([&] { io::checkpoint_find_latest(root_); }, {commit, "missing", "iterations 10, 20"});
+  fs::remove(root_ + "/latest_checkpointed_iteration.txt");  // without the tracker: the highest directory
+  expect_error([&] { io::checkpoint_find_latest(root_); }, {commit, "missing", "no tracker file"});
+}
+
+TEST_F(Checkpoint, DataErrorsOfTheNewestListTheOlderOnes) {
+  for (int64_t it : {10, 20}) io::checkpoint_save(root_, make_request(it), 0);
+  const std::string shard = dir(20) + "/model.safetensors";
+  std::string bytes = io::read_file(shard);
+  bytes[bytes.size() - 1] ^= 0x01;
+  overwrite(shard, bytes);
+  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(20));  // COMMIT is fine: the data is checked by the load
+  const std::string msg = expect_error([&] { io::checkpoint_load(dir(20)); },
+                                       {shard, "checksum mismatch", "iteration 10", "--ckpt-step 10"});
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+}
+
+TEST_F(Checkpoint, TrackerNamingADamagedOrMissingDirectoryIsAnError) {
+  for (int64_t it : {10, 20}) io::checkpoint_save(root_, make_request(it), 0);
+  overwrite(root_ + "/latest_checkpointed_iteration.txt", "40");
+  expect_error([&] { io::checkpoint_find_latest(root_); },
+               {"latest_checkpointed_iteration.txt", "iteration 40", "does not exist", "iterations 10, 20"});
+  overwrite(root_ + "/latest_checkpointed_iteration.txt", "x7");
+  expect_error([&] { io::checkpoint_find_latest(root_); },
+               {"latest_checkpointed_iteration.txt", "does not hold an iteration number", "--ckpt-step 20"});
+  overwrite(root_ + "/latest_checkpointed_iteration.txt", "20");
+  fs::resize_file(dir(20) + "/COMMIT", 10);  // a truncated COMMIT
+  expect_error([&] { io::checkpoint_find_latest(root_); },
+               {dir(20) + "/COMMIT", "latest_checkpointed_iteration.txt", "--ckpt-step 10"});
+}
+
+TEST_F(Checkpoint, OnlyACommitLeftoverIsAnUnfinishedDirectory) {
+  io::checkpoint_save(root_, make_request(10), 0);
+  const std::string partial = io::checkpoint_write_uncommitted(root_, make_request(20));
+  overwrite(partial + "/COMMIT.tmp.4242", "{\"format\": \"moecore-chec");  // a crash while writing COMMIT
+  overwrite(root_ + "/latest_checkpointed_iteration.txt", "20");
+  expect_error([&] { io::checkpoint_find_latest(root_); },
+               {partial + "/COMMIT", "COMMIT.tmp.4242", "interrupted while committing", "--ckpt-step 10"});
+  expect_error([&] { io::checkpoint_load(partial); }, {"COMMIT.tmp.4242", "--ckpt-step 10"});
+}
+
+TEST_F(Checkpoint, NextSaveRemovesUnfinishedSavesButNoCommittedDirectory) {
+  io::checkpoint_save(root_, make_request(10), 0);
+  io::checkpoint_save(root_, make_request(20), 0);
+  io::checkpoint_write_uncommitted(root_, make_request(30));  // crashed before its COMMIT
+  io::checkpoint_write_uncommitted(root_, make_request(40));
+  overwrite(dir(40) + "/COMMIT.tmp.777", "partial");  // crashed while writing its COMMIT
+  overwrite(dir(10) + "/COMMIT.tmp.778", "partial");  // a leftover beside a valid COMMIT
+  overwrite(root_ + "/latest_checkpointed_iteration.txt.tmp.779", "3");
+  fs::create_directories(root_ + "/iter_0000050.tmp-123");
+  fs::create_directories(root_ + "/iter_0000005.old-123");
+  auto bad = nlohmann::json::parse(io::read_file(dir(20) + "/COMMIT"));
+  bad["version"] = 9;  // damaged COMMIT: kept for inspection, never counted
+  overwrite(dir(20) + "/COMMIT", bad.dump());
+  io::checkpoint_save(root_, make_request(25), 2);
+  EXPECT_EQ(names_in(root_), (std::vector<std::string>{"iter_0000010", "iter_0000020", "iter_0000025",
+                                                       "latest_checkpointed_iteration.txt"}));
+  EXPECT_EQ(names_in(dir(10)),
+            (std::vector<std::string>{"COMMIT", "model.safetensors", "optimizer.safetensors", "state.json"}));
+  EXPECT_EQ(io::checkpoint_find_latest(root_), dir(25));
+  EXPECT_EQ(io::checkpoint_load(dir(10)).iteration, 10);
+}
+
+TEST_F(Checkpoint, ManifestParserRejectsHostileValues) {
+  const std::string path = "x/COMMIT";
+  const auto ok = io::checkpoint_parse_manifest(
+      R"({"format":"moecore-checkpoint","version":1,"iteration":3,"files":{"state.json":{"bytes":2,"crc32c":"0000abcd"}}})",
+      path, 3);
+  EXPECT_EQ(ok.iteration, 3);
+  EXPECT_EQ(ok.files.at("state.json").crc32c, 0xabcdu);
+  for (
+      const char* text :
+      {R"({"format":"moecore-checkpoint","version":1,"iteration":-3,"files":{}})",
+       R"({"format":"moecore-checkpoint","version":1,"iteration":3.5,"files":{}})",
+       R"({"format":"moecore-checkpoint","version":1e400,"iteration":3,"files":{}})",
+       R"({"format":"moecore-checkpoint","version":-1,"iteration":3,"files":{}})",
+       R"({"format":"moecore-checkpoint","version":1,"iteration":18446744073709551615,"files":{}})",
+       R"({"format":"moecore-checkpoint","version":1,"iteration":3,"files":{"state.json":{"bytes":-1,"crc32c":"00000000"}}})",
+       R"({"format":"moecore-checkpoint","version":1,"iteration":3,"files":{"state.json":{"bytes":1,"crc32c":"0x000000"}}})",
+       R"({"format":"moecore-checkpoint","version":1,"iteration":3,"files":{"..":{"bytes":1,"crc32c":"00000000"}}})",
+       R"({"format":"moecore-checkpoint","version":1,"iteration":3,"files":{}})", "[[[[[[[[[[[[[[[[[[[[[[[[[[", "",
+       "null", R"({"format":7})"})
+    expect_error([&] { io::checkpoint_parse_manifest(text, path, std::nullopt); }, {path});
+}
+
+TEST(WriteFault, SpecIsParsedStrictly) {
+  const auto f = io::write_fault_parse("model.safetensors:4096:ENOSPC");
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->name, "model.safetensors");
+  EXPECT_EQ(f->offset, 4096u);
+  EXPECT_EQ(f->err, ENOSPC);
+  const auto g = io::write_fault_parse("*:0:EIO");
+  ASSERT_TRUE(g.has_value());
+  EXPECT_EQ(g->name, "*");
+  EXPECT_EQ(g->err, EIO);
+  EXPECT_EQ(io::write_fault_parse("a:b:7:EIO")->name, "a:b");
+  EXPECT_FALSE(io::write_fault_parse("").has_value());
+  for (const char* bad : {"model.safetensors", "model.safetensors:12", ":1:EIO", "x:-1:EIO", "x:1:EPERM", "x::EIO",
+                          "x:99999999999999999999:EIO"})
+    expect_error([&] { io::write_fault_parse(bad); }, {"MOECORE_FAULT_INJECT_WRITE", bad});
 }
 
 }  // namespace

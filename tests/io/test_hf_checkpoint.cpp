@@ -261,6 +261,38 @@ TEST(HfCheckpoint, ErrorsNameFileTensorAndValues) {
                {"'i'", "i64", "f32"});
 }
 
+// Regression (issue 15): the index's weight_map joined its values to the directory as given, so "../x" or an absolute
+// path made the reader open a file outside the checkpoint. Shards must be plain file names beside the index; wrong
+// JSON types and over-deep nesting are Errors naming the index.
+TEST(HfCheckpoint, IndexRefusesShardsOutsideTheDirectoryAndWrongTypes) {
+  TempDir tmp("hostile_index");
+  const std::string d = tmp / "ckpt";
+  fs::create_directories(d);
+  Tensor w = testing::randn({2, 3}, "w");
+  io::safetensors_save(tmp / "outside.safetensors", {{"a", w}});  // a valid shard, but beside the directory
+  io::safetensors_save(d + "/s1.safetensors", {{"a", w}});
+  const std::string idx = d + "/model.safetensors.index.json";
+  for (const std::string& target : {std::string("../outside.safetensors"), tmp / "outside.safetensors",
+                                    std::string("sub/s1.safetensors"), std::string(".."), std::string("")}) {
+    write_index(d, "{\"a\": " + nlohmann::json(target).dump() + "}");
+    expect_error([&] { io::HfCheckpointReader r(d); }, {idx, "'a'", "not a plain file name"});
+  }
+  write_index(d, R"({"a": "s1.safetensors\u0000x"})");
+  expect_error([&] { io::HfCheckpointReader r(d); }, {idx, "not a plain file name"});
+  write_index(d, R"({"a": "missing.safetensors"})");
+  expect_error([&] { io::HfCheckpointReader r(d); }, {"missing.safetensors", "'a'", "not there"});
+  write_index(d, R"({"a": 7})");
+  expect_error([&] { io::HfCheckpointReader r(d); }, {idx, "'a'", "not a file name"});
+  io::write_file_atomic(idx, R"({"weight_map": ["s1.safetensors"]})");
+  expect_error([&] { io::HfCheckpointReader r(d); }, {idx, "weight_map"});
+  io::write_file_atomic(idx, "[1, 2]");
+  expect_error([&] { io::HfCheckpointReader r(d); }, {idx, "not a JSON object"});
+  io::write_file_atomic(idx, "{\"metadata\": " + std::string(100000, '[') + "}");
+  expect_error([&] { io::HfCheckpointReader r(d); }, {idx, "deeper than 128"});
+  write_index(d, R"({"a": "s1.safetensors"})");
+  EXPECT_TRUE(same_bytes(io::HfCheckpointReader(d).read("a"), w));
+}
+
 TEST(HfCheckpoint, FailureMidWayLeavesNoOutput) {
   TempDir tmp("failure");
   const std::string out = tmp / "out";

@@ -441,8 +441,10 @@ TEST(RopeBackward, InvertsForward) {
 // rope is linear, so central differences are exact up to rounding: 1e-3 relative / absolute. Full rotation and
 // partial rotation (Dr = 4 of D = 8).
 TEST(RopeBackward, IsTransposeOfForward) {
-  for (const auto& [d, Dr] :
+  for (const auto& dims :
        {std::pair{QkvDims{1, 4, 1, 2, 6}, int64_t{6}}, std::pair{QkvDims{1, 3, 1, 1, 8}, int64_t{4}}}) {
+    const QkvDims d = dims.first;  // not a structured binding: clang 14 (the fuzz build) cannot capture those
+    const int64_t Dr = dims.second;
     const Tensor rope = make_rope(d.S, Dr, 100.0f);
     Tensor x = randn(qkv_shape(d), "x");
     const Tensor w = randn(qkv_shape(d), "w");

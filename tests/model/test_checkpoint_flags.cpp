@@ -1,13 +1,18 @@
 // Megatron's checkpoint switches: --no-load-optim, --no-load-rng, --no-save-optim, --no-save-rng, --finetune,
 // and the LR-scheduler check on load with --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler.
 // Tiny model, a few steps each; bitwise resume with every switch at its default is Training.ResumeIsBitIdentical.
+// Also the checks after the checksum (issue 15): forged dtypes and shapes, state.json against COMMIT.
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "moecore/io/checkpoint.h"
+#include "moecore/io/crc32c.h"
+#include "moecore/io/file_util.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/trainer.h"
 #include "synthetic_training.h"
@@ -418,6 +423,170 @@ TEST(CheckpointFlags, ScheduleRestartSurvivesTheNextResume) {
   EXPECT_FLOAT_EQ(second.log.lr[1], train::lr_at(b, 3));
   (void)first;
   fs::remove_all(dir);
+}
+
+// ---- Checkpoints that pass their checksums but disagree with COMMIT or the model (issue 15) -----------------
+
+// Rewrites <dir>/COMMIT so that `file`'s size and CRC match its bytes again: a forgery the checksum cannot see.
+void recommit(const fs::path& dir, const std::string& file) {
+  auto j = nlohmann::json::parse(io::read_file((dir / "COMMIT").string()));
+  const std::string bytes = io::read_file((dir / file).string());
+  char crc[9];
+  std::snprintf(crc, sizeof crc, "%08x", io::crc32c(bytes));
+  j["files"][file] = {{"bytes", bytes.size()}, {"crc32c", crc}};
+  std::ofstream((dir / "COMMIT").string(), std::ios::trunc) << j.dump(1);
+}
+
+// Edits the safetensors header of dir/file in place (the edit must keep the header's length: a dtype of the
+// same width, a permuted shape), then fixes COMMIT. `pick` chooses the tensor; returns its name.
+std::string forge_header(const fs::path& dir, const std::string& file,
+                         const std::function<bool(const std::string&, const nlohmann::json&)>& pick,
+                         const std::function<void(nlohmann::json&)>& edit) {
+  std::string bytes = io::read_file((dir / file).string());
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  auto h = nlohmann::ordered_json::parse(bytes.substr(8, n));
+  std::string name;
+  for (auto& [k, v] : h.items())
+    if (k != "__metadata__" && name.empty() && pick(k, nlohmann::json(v))) name = k;
+  EXPECT_FALSE(name.empty()) << file;
+  nlohmann::json entry = h[name];
+  edit(entry);
+  h[name] = entry;
+  std::string text = h.dump();
+  EXPECT_LE(text.size(), n);
+  text.resize(n, ' ');
+  bytes.replace(8, n, text);
+  std::ofstream((dir / file).string(), std::ios::binary | std::ios::trunc) << bytes;
+  recommit(dir, file);
+  return name;
+}
+
+// The load error of dir, checking that the failed load left the model untouched.
+std::string load_error_untouched(const fs::path& iter_dir) {
+  model::GptModel m(moe_model(), 2, 1);
+  optim::AdamW opt(m.params(), optim::AdamWConfig{});
+  const uint64_t before = train::parameter_hash(m);
+  std::string msg;
+  try {
+    train::load_training_state(iter_dir.string(), m, opt, 1234, train::CheckpointLoadOptions{});
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_EQ(train::parameter_hash(m), before) << "a failed load changed the model";
+  EXPECT_TRUE(all_zero(opt.exp_avg()));
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  return msg;
+}
+
+void expect_has(const std::string& msg, std::initializer_list<std::string> parts) {
+  EXPECT_FALSE(msg.empty()) << "no error";
+  for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+}
+
+class ForgedCheckpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    root_ = fresh_dir(info->name());
+    train::TrainConfig t = train_config(8);
+    t.save = root_.string();
+    t.save_interval = 2;
+    t.exit_interval = 4;
+    run(t);  // checkpoints at 2 and 4
+    it4_ = root_ / "iter_0000004";
+  }
+  void TearDown() override { fs::remove_all(root_); }
+  fs::path root_, it4_;
+};
+
+bool is_expert(const std::string& name, const nlohmann::json&) {
+  return name.find("experts") != std::string::npos;
+}
+bool is_dense_matrix(const std::string& name, const nlohmann::json& e) {
+  return name.find("experts") == std::string::npos && e["shape"].size() == 2 && e["shape"][0] != e["shape"][1] &&
+         e["dtype"] == "F32";
+}
+
+TEST_F(ForgedCheckpoint, DtypeChangedWithAMatchingChecksumIsRefused) {
+  const std::string name =
+      forge_header(it4_, "model.safetensors", is_dense_matrix, [](nlohmann::json& e) { e["dtype"] = "I32"; });
+  expect_has(load_error_untouched(it4_),
+             {(it4_ / "model.safetensors").string(), name, "i32", "f32", "iteration 2", "--ckpt-step 2"});
+}
+
+TEST_F(ForgedCheckpoint, DenseShapeChangedWithAMatchingChecksumIsRefused) {
+  const std::string name = forge_header(it4_, "model.safetensors", is_dense_matrix, [](nlohmann::json& e) {
+    e["shape"] = {e["shape"][1], e["shape"][0]};
+  });
+  expect_has(load_error_untouched(it4_), {(it4_ / "model.safetensors").string(), name, "--ckpt-step 2"});
+}
+
+TEST_F(ForgedCheckpoint, ExpertShapeChangedWithAMatchingChecksumIsRefused) {
+  // [E, a, b] -> [E, b, a]: the same rows of the same size, which a size-only check lets through.
+  const std::string name = forge_header(
+      it4_, "model.safetensors",
+      [](const std::string& n, const nlohmann::json& e) {
+        return is_expert(n, e) && e["shape"].size() == 3 && e["shape"][1] != e["shape"][2];
+      },
+      [](nlohmann::json& e) {
+        e["shape"] = {e["shape"][0], e["shape"][2], e["shape"][1]};
+      });
+  expect_has(load_error_untouched(it4_), {(it4_ / "model.safetensors").string(), name, "experts", "--ckpt-step 2"});
+}
+
+TEST_F(ForgedCheckpoint, OptimizerMomentDtypeChangedWithAMatchingChecksumIsRefused) {
+  const std::string name = forge_header(
+      it4_, "optimizer.safetensors",
+      [](const std::string& n, const nlohmann::json& e) {
+        return n.rfind("exp_avg_sq.", 0) == 0 && n.find("experts") != std::string::npos && e["dtype"] == "F32";
+      },
+      [](nlohmann::json& e) { e["dtype"] = "I32"; });
+  expect_has(load_error_untouched(it4_), {(it4_ / "optimizer.safetensors").string(), name, "i32"});
+}
+
+TEST_F(ForgedCheckpoint, StateJsonIterationMustEqualCommits) {
+  auto state = state_of(it4_);
+  state["iteration"] = 3;
+  std::ofstream((it4_ / "state.json").string(), std::ios::trunc) << state.dump(1);
+  recommit(it4_, "state.json");
+  expect_has(load_error_untouched(it4_),
+             {(it4_ / "state.json").string(), "iteration 3", "COMMIT", "4", "--ckpt-step 2"});
+  // Through train(): the run fails instead of resuming from a mixed-up position.
+  train::TrainConfig t = train_config(8);
+  t.load = root_.string();
+  EXPECT_THROW(run(t), Error);
+  t.ckpt_step = 2;  // the older checkpoint, picked explicitly, resumes
+  EXPECT_EQ(run(t).log.first_iteration, 2);
+}
+
+TEST_F(ForgedCheckpoint, HostileStateJsonFieldsAreErrorsNotCrashes) {
+  const std::string dir = it4_.string();
+  const auto good = state_of(it4_);
+  const std::vector<std::pair<std::string, nlohmann::json>> edits = {{"iteration", -4},
+                                                                     {"iteration", 4.5},
+                                                                     {"iteration", "4"},
+                                                                     {"consumed_samples", -1},
+                                                                     {"seed", -1},
+                                                                     {"seed", "x"},
+                                                                     {"router_calls", 3},
+                                                                     {"router_calls", {1, -2}},
+                                                                     {"optimizer_steps", 1e300},
+                                                                     {"expert_model_parallel_size", 0},
+                                                                     {"model", "mixtral"},
+                                                                     {"opt_param_scheduler", {{"max_lr", 1e300}}},
+                                                                     {"iteration", 18446744073709551615ull}};
+  for (const auto& [key, value] : edits) {
+    auto s = good;
+    s[key] = value;
+    EXPECT_THROW(train::train_state_parse(s.dump(), dir), Error) << key << " = " << value.dump();
+  }
+  const auto t = train::train_state_parse(good.dump(), dir);
+  EXPECT_EQ(t.iteration, 4);
+  EXPECT_EQ(t.consumed_samples, 16);
+  EXPECT_TRUE(t.optimizer_steps.has_value());
+  EXPECT_TRUE(t.scheduler.has_value());
+  EXPECT_EQ(t.router_calls->size(), 2u);
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 // never lose a maximum.
 #include "moecore/core/memory.h"
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -84,4 +86,11 @@ int64_t memory_resident_peak_bytes() {
   return read_status_kib("VmHWM");
 }
 
+}  // namespace moecore
+
+namespace moecore {
+int64_t memory_physical_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+}
 }  // namespace moecore

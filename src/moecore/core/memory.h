@@ -27,5 +27,6 @@ void memory_record_free(MemCategory c, int64_t bytes);
 std::string memory_format_bytes(int64_t bytes);  // "12.3 MiB"
 int64_t memory_resident_bytes();                 // this process's resident set (VmRSS), 0 if unknown
 int64_t memory_resident_peak_bytes();            // VmHWM, 0 if unknown
+int64_t memory_physical_bytes();                 // this machine's RAM (sysconf), 0 if unknown
 
 }  // namespace moecore

@@ -10,6 +10,14 @@
 #include "moecore/core/backend_hooks.h"
 
 namespace moecore {
+namespace {
+// Row-major stride products: only a tensor with a zero dim can exceed int64 here (numel() bounds the rest), and
+// its strides are never used to address memory, so saturating keeps them defined.
+int64_t mul_saturating(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return __builtin_mul_overflow(a, b, &r) ? INT64_MAX : r;
+}
+}  // namespace
 
 Shape::Shape(std::initializer_list<int64_t> dims) {
   MOECORE_CHECK(dims.size() <= kMaxDims, "tensor rank ", dims.size(), " exceeds ", kMaxDims);
@@ -18,8 +26,23 @@ Shape::Shape(std::initializer_list<int64_t> dims) {
 
 int64_t Shape::numel() const {
   int64_t n = 1;
-  for (int i = 0; i < ndim; ++i) n *= d[i];
+  bool overflow = false;
+  for (int i = 0; i < ndim; ++i) {
+    if (d[i] == 0) return 0;
+    overflow |= __builtin_mul_overflow(n, d[i], &n);
+  }
+  if (overflow)
+    MOECORE_FAIL("tensor: shape ", str(), " has more elements than a 64-bit count can hold; ",
+                 "hint: the shape comes from a corrupt file or a wrong size flag");
   return n;
+}
+
+int64_t Shape::bytes(DType t) const {
+  int64_t b = 0;
+  if (__builtin_mul_overflow(numel(), static_cast<int64_t>(dtype_size(t)), &b))
+    MOECORE_FAIL("tensor: shape ", str(), " of ", dtype_name(t), " needs more bytes than a 64-bit size can hold; ",
+                 "hint: the shape comes from a corrupt file or a wrong size flag");
+  return b;
 }
 
 bool Shape::operator==(const Shape& o) const {
@@ -59,7 +82,7 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, MemCategory category, Devi
   for (int i = 0; i < shape.ndim; ++i)
     MOECORE_CHECK(shape[i] >= 0, "tensor: negative dimension in shape ", shape.str());
   Tensor t;
-  t.storage_ = std::make_shared<Storage>(shape.numel() * static_cast<int64_t>(dtype_size(dtype)), device, category);
+  t.storage_ = std::make_shared<Storage>(shape.bytes(dtype), device, category);
   t.dtype_ = dtype;
   t.set_contiguous_shape(shape);
   return t;
@@ -70,7 +93,7 @@ void Tensor::set_contiguous_shape(const Shape& shape) {
   int64_t s = 1;
   for (int i = shape.ndim - 1; i >= 0; --i) {
     strides_[i] = s;
-    s *= shape[i];
+    s = mul_saturating(s, shape[i]);
   }
 }
 
@@ -84,7 +107,7 @@ bool Tensor::is_contiguous() const {
   int64_t s = 1;
   for (int i = shape_.ndim - 1; i >= 0; --i) {
     if (shape_[i] != 1 && strides_[i] != s) return false;
-    s *= shape_[i];
+    s = mul_saturating(s, shape_[i]);
   }
   return true;
 }

@@ -25,7 +25,10 @@ struct Shape {
   Shape(std::initializer_list<int64_t> dims);
   int64_t operator[](int i) const { return d[i]; }
   int64_t& operator[](int i) { return d[i]; }
+  // Product of the dims (0 when any dim is 0). Throws Error naming the shape when it exceeds int64, so a
+  // hostile file's shape cannot wrap around into a small allocation.
   int64_t numel() const;
+  int64_t bytes(DType t) const;  // numel() * dtype_size(t), overflow-checked the same way
   bool operator==(const Shape& o) const;
   std::string str() const;  // "[2, 3]"
 };
@@ -59,7 +62,7 @@ class Tensor {
   DType dtype() const { return dtype_; }
   Device device() const { return storage_ ? storage_->device : Device::cpu; }
   MemCategory category() const { return storage_ ? storage_->category : MemCategory::other; }
-  int64_t nbytes() const { return numel() * static_cast<int64_t>(dtype_size(dtype_)); }
+  int64_t nbytes() const { return shape_.bytes(dtype_); }
   bool is_contiguous() const;
 
   void* raw() const { return static_cast<char*>(storage_->data) + offset_ * dtype_size(dtype_); }

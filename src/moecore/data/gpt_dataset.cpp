@@ -296,6 +296,17 @@ void GptDataset::get_text(int64_t i, int32_t* text) const {
     const int64_t len = k < e ? data_->sequence_length(seq) - off : oe + x - off;
     MOECORE_CHECK(len >= 0 && filled + len <= n, "gpt_dataset: sample ", j, " spans ", filled + len, " > ", n);
     data_->read(seq, off, len, text + filled);
+    for (int64_t t = filled; t < filled + len; ++t) {
+      if (text[t] < 0 || (config_.vocab_size > 0 && text[t] >= config_.vocab_size)) [[unlikely]] {
+        const std::string range = config_.vocab_size > 0
+                                      ? detail::str_cat("outside the vocabulary [0, ", config_.vocab_size, ")")
+                                      : std::string("negative");
+        MOECORE_FAIL("gpt_dataset: '", indexed_bin_path(data_->prefix()), "': token ", off + (t - filled),
+                     " of sequence ", seq, " is ", text[t], ", ", range,
+                     "; the data was tokenized with another "
+                     "tokenizer, or the .bin is corrupt");
+      }
+    }
     filled += len;
   }
   std::fill(text + filled, text + n, config_.pad_id);

@@ -67,6 +67,7 @@ struct GptDatasetConfig {
   int32_t pad_id = -1;                       // pad token id; -1 when the tokenizer has none (formats.md §2.8)
   int32_t eod_id = -1;                       // end-of-document id, used by eod_mask_loss
   bool eod_mask_loss = false;                // --eod-mask-loss: loss_mask = 0 where tokens == eod_id
+  int64_t vocab_size = 0;  // token ids read from .bin must lie in [0, vocab_size) (Error otherwise); 0: only >= 0
 };
 
 // The three Megatron index arrays of one split (formats.md §2.5-§2.7).
@@ -100,7 +101,8 @@ class GptSampleSource {
   virtual ~GptSampleSource() = default;
   virtual size_t size() const = 0;
   virtual int64_t seq_length() const = 0;
-  // tokens, labels [L] i32; loss_mask [L] f32 or nullptr. i in [0, size()).
+  // tokens, labels [L] i32; loss_mask [L] f32 or nullptr. i in [0, size()). A token id outside the vocabulary
+  // (GptDatasetConfig::vocab_size) raises Error naming the dataset and sequence.
   virtual void get(int64_t i, int32_t* tokens, int32_t* labels, float* loss_mask) const = 0;
   void get(int64_t i, int32_t* tokens, int32_t* labels) const { get(i, tokens, labels, nullptr); }
 };

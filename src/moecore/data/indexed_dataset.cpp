@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <type_traits>
 
 #include "moecore/core/error.h"
 #include "moecore/io/file_util.h"
@@ -96,6 +97,25 @@ void store_as(const int32_t* in, size_t n, char* out) {
 template <class T>
 void load_as(const unsigned char* in, int64_t n, int32_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(load<T>(in + i * sizeof(T)));
+}
+
+// int64 / float32 / float64 tokens: a value that is not an int32 (NaN, a fraction, 2^40) is an Error, not a
+// silently wrapped id (or, for floats, undefined behaviour).
+template <class T>
+void load_checked(const unsigned char* in, int64_t n, int32_t* out, const std::string& prefix, int64_t seq) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T v = load<T>(in + i * sizeof(T));
+    bool ok;
+    if constexpr (std::is_floating_point_v<T>)  // NaN fails both comparisons; 2^31 is exact in float and double
+      ok = v >= T(-2147483648.0) && v < T(2147483648.0) && v == T(static_cast<int32_t>(v));
+    else
+      ok = v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max();
+    if (!ok) {
+      MOECORE_FAIL("indexed_dataset: '", indexed_bin_path(prefix), "': sequence ", seq, " holds the value ", double(v),
+                   ", which is not a token id (an int32); the .bin is corrupt or its .idx names the wrong dtype");
+    }
+    out[i] = static_cast<int32_t>(v);
+  }
 }
 
 }  // namespace
@@ -337,39 +357,82 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
   const std::string idx_path = indexed_idx_path(prefix), bin_path = indexed_bin_path(prefix);
   idx_ = map_file(idx_path, idx_size_, "index");
   try {
-    auto fail = [&](const std::string& why) { MOECORE_FAIL("indexed_dataset: '", idx_path, "': ", why); };
+    // Every failure names the file, the field, what was expected and what was found.
+    auto fail = [](const std::string& path, const std::string& field, const std::string& why) {
+      MOECORE_FAIL("indexed_dataset: '", path, "': ", field, ": ", why,
+                   "; the file is corrupt, truncated, or the .bin and .idx do not belong together (rebuild them with "
+                   "moecore preprocess)");
+    };
     if (idx_size_ < kIdxHeaderBytes) {
-      fail(detail::str_cat("truncated index: ", idx_size_, " bytes, the header alone needs ", kIdxHeaderBytes));
+      fail(idx_path, "header",
+           detail::str_cat("truncated index: ", idx_size_, " bytes, the header alone needs ", kIdxHeaderBytes));
     }
-    if (std::memcmp(idx_, kIdxMagic, sizeof(kIdxMagic)) != 0) {
-      fail("bad magic (expected \"MMIDIDX\\0\\0\"); not a Megatron indexed-dataset index");
-    }
+    if (std::memcmp(idx_, kIdxMagic, sizeof(kIdxMagic)) != 0)
+      fail(idx_path, "magic", "bad magic (expected \"MMIDIDX\\0\\0\"); not a Megatron indexed-dataset index");
     const uint64_t version = load<uint64_t>(idx_ + 9);
-    if (version != kIdxVersion) fail(detail::str_cat("unsupported version ", version, " (only version 1 is read)"));
+    if (version != kIdxVersion)
+      fail(idx_path, "version", detail::str_cat("unsupported version ", version, " (expected 1, the only one read)"));
     const uint8_t code = idx_[17];
-    if (!token_dtype_valid(code)) fail(detail::str_cat("unknown dtype code ", int(code), " (valid: 1..8)"));
+    if (!token_dtype_valid(code))
+      fail(idx_path, "dtype", detail::str_cat("unknown dtype code ", int(code), " (valid: 1..8)"));
     dtype_ = static_cast<TokenDType>(code);
     const uint64_t s = load<uint64_t>(idx_ + 18), d = load<uint64_t>(idx_ + 26);
-    const uint64_t limit = uint64_t(idx_size_);
-    if (d < 1) fail("document_count is 0 (it is num_documents + 1, at least 1)");
-    if (s > limit / 12 || d > limit / 8 || uint64_t(kIdxHeaderBytes) + 12 * s + 8 * d > limit) {
-      fail(detail::str_cat("truncated index: ", idx_size_, " bytes cannot hold ", s, " sequences and ", d,
-                           " document boundaries (needs ", kIdxHeaderBytes + 12 * s + 8 * d, ")"));
+    if (d < 1) fail(idx_path, "document_count", "expected at least 1 (it is num_documents + 1), found 0");
+    // Both counts are bounded by the file size before any product is formed, so nothing below overflows.
+    const uint64_t room = uint64_t(idx_size_ - kIdxHeaderBytes);
+    if (s > room / 12 || d > room / 8 || 12 * s + 8 * d != room) {
+      const bool small = s <= room / 12 && d <= room / 8;
+      fail(idx_path, "size",
+           detail::str_cat(
+               small && 12 * s + 8 * d > room ? "truncated index: " : "", "sequence_count ", s, " and document_count ",
+               d, " need ",
+               small ? detail::str_cat(kIdxHeaderBytes + 12 * s + 8 * d) : detail::str_cat("more than ", idx_size_),
+               " bytes (34 + 12 * sequence_count + 8 * document_count), the file has ", idx_size_));
     }
     num_sequences_ = static_cast<int64_t>(s);
     num_documents_ = static_cast<int64_t>(d) - 1;
-    if (document_index(0) != 0 || document_index(num_documents_) != num_sequences_) {
-      fail(detail::str_cat("document_indices must start at 0 and end at sequence_count ", s, ", found ",
-                           document_index(0), " ... ", document_index(num_documents_)));
-    }
-    bin_ = map_file(bin_path, bin_size_, "data file");
-    if (num_sequences_ > 0) {
-      const int64_t last = num_sequences_ - 1;
-      const int64_t end = sequence_pointer(last) + int64_t(sequence_length(last)) * token_dtype_size(dtype_);
-      if (sequence_length(last) < 0 || sequence_pointer(last) < 0 || end > bin_size_) {
-        MOECORE_FAIL("indexed_dataset: '", bin_path, "' has ", bin_size_, " bytes but its index '", idx_path,
-                     "' needs ", end, "; the .bin is truncated or belongs to another .idx");
+
+    // Megatron's layout: pointer[0] = 0 and pointer[i] = pointer[i-1] + size[i-1] * itemsize, so a wrong dtype
+    // code, a negative size or a stray pointer shows here rather than as a wild read in the middle of training.
+    const int64_t item = token_dtype_size(dtype_);
+    const unsigned char* sizes = idx_ + kIdxHeaderBytes;
+    const unsigned char* pointers = sizes + 4 * num_sequences_;
+    int64_t expected = 0;
+    for (int64_t i = 0; i < num_sequences_; ++i) {
+      const int32_t len = load<int32_t>(sizes + 4 * i);
+      if (len < 0) fail(idx_path, detail::str_cat("sizes[", i, "]"), detail::str_cat("expected >= 0, found ", len));
+      const int64_t ptr = load<int64_t>(pointers + 8 * i);
+      if (ptr != expected) {
+        fail(idx_path, detail::str_cat("pointers[", i, "]"),
+             detail::str_cat("expected ", expected, " (pointers[i-1] + sizes[i-1] * ", item, " bytes for dtype ",
+                             token_dtype_name(dtype_), "), found ", ptr));
       }
+      if (__builtin_add_overflow(expected, int64_t{len} * item, &expected))
+        fail(idx_path, detail::str_cat("sizes[", i, "]"), "the sequence ends past 2^63 bytes");
+    }
+    const unsigned char* docs = pointers + 8 * num_sequences_;
+    int64_t prev = 0;
+    for (int64_t k = 0; k <= num_documents_; ++k) {
+      const int64_t v = load<int64_t>(docs + 8 * k);
+      if (k == 0 && v != 0) fail(idx_path, "document_indices[0]", detail::str_cat("expected 0, found ", v));
+      if (v < prev || v > num_sequences_) {
+        fail(idx_path, detail::str_cat("document_indices[", k, "]"),
+             detail::str_cat("expected a value in [", prev, ", ", num_sequences_,
+                             "] (non-decreasing, at most sequence_count), found ", v));
+      }
+      prev = v;
+    }
+    if (prev != num_sequences_) {
+      fail(idx_path, detail::str_cat("document_indices[", num_documents_, "]"),
+           detail::str_cat("expected sequence_count ", num_sequences_, ", found ", prev));
+    }
+
+    bin_ = map_file(bin_path, bin_size_, "data file");
+    if (bin_size_ != expected) {
+      fail(bin_path, "size",
+           detail::str_cat("expected ", expected, " bytes (the sequences of '", idx_path, "' in dtype ",
+                           token_dtype_name(dtype_), "), found ", bin_size_,
+                           bin_size_ < expected ? " (truncated)" : ""));
     }
   } catch (...) {
     unmap(idx_, idx_size_);
@@ -408,14 +471,13 @@ std::vector<int32_t> IndexedDataset::sequence_lengths(int64_t begin, int64_t end
 
 void IndexedDataset::read(int64_t i, int64_t offset, int64_t length, int32_t* out) const {
   const int64_t len = sequence_length(i);
-  MOECORE_CHECK(offset >= 0 && length >= 0 && offset + length <= len, "read [", offset, ", ", offset + length,
+  MOECORE_CHECK(offset >= 0 && length >= 0 && offset <= len && length <= len - offset, "read [", offset, ", +", length,
                 ") of sequence ", i, " with ", len, " tokens in '", prefix_, "'");
   const int64_t item = token_dtype_size(dtype_);
+  // The constructor checked that every sequence lies inside .bin; this guards the arithmetic all the same.
   const int64_t at = sequence_pointer(i) + offset * item;
-  if (at < 0 || at + length * item > bin_size_) {
-    MOECORE_FAIL("indexed_dataset: sequence ", i, " of '", prefix_, "' points past the end of its .bin (",
-                 at + length * item, " > ", bin_size_, " bytes)");
-  }
+  MOECORE_CHECK(at >= 0 && at <= bin_size_ && length * item <= bin_size_ - at, "indexed_dataset: sequence ", i, " of '",
+                prefix_, "' points past the end of its .bin (", bin_size_, " bytes)");
   const unsigned char* p = bin_ + at;
   switch (dtype_) {
     case TokenDType::u8:
@@ -434,13 +496,13 @@ void IndexedDataset::read(int64_t i, int64_t offset, int64_t length, int32_t* ou
       load_as<int32_t>(p, length, out);
       break;
     case TokenDType::i64:
-      load_as<int64_t>(p, length, out);
+      load_checked<int64_t>(p, length, out, prefix_, i);
       break;
     case TokenDType::f32:
-      load_as<float>(p, length, out);
+      load_checked<float>(p, length, out, prefix_, i);
       break;
     case TokenDType::f64:
-      load_as<double>(p, length, out);
+      load_checked<double>(p, length, out, prefix_, i);
       break;
   }
 }

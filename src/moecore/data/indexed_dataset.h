@@ -82,10 +82,13 @@ class IndexedDatasetBuilder {
 std::string indexed_idx_serialize(TokenDType dtype, std::span<const int32_t> sequence_lengths,
                                   std::span<const int64_t> document_indices);
 
-// Read-only view of a dataset, both files memory-mapped. The constructor validates the magic, version,
-// dtype code, array sizes against the .idx size, document_indices[0] == 0 and [-1] == S, and that the
-// last sequence lies inside .bin; failures throw Error naming the file and the reason. The .idx arrays
-// are unaligned (offset 34), so accessors copy with memcpy. All methods are const and thread-safe.
+// Read-only view of a dataset, both files memory-mapped. The constructor checks the whole index in one
+// sequential pass (reliability.md §5): magic, version, dtype code; 34 + 12 S + 8 D == the .idx size; sizes >= 0;
+// pointers[0] == 0 and pointers[i] == pointers[i-1] + sizes[i-1] * itemsize (so a wrong dtype code is caught);
+// the bytes they cover == the .bin size; document_indices start at 0, never decrease and end at S. A failure
+// throws Error naming the file, the field, the expected and the actual value. int64/float tokens that are not
+// int32 values raise Error when read. The .idx arrays are unaligned (offset 34), so accessors copy with memcpy.
+// All methods are const and thread-safe.
 class IndexedDataset {
  public:
   explicit IndexedDataset(const std::string& prefix);

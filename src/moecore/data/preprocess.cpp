@@ -9,6 +9,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -17,6 +18,7 @@
 
 #include "moecore/core/error.h"
 #include "moecore/data/indexed_dataset.h"
+#include "moecore/io/json.h"
 
 namespace moecore::data {
 namespace {
@@ -107,18 +109,18 @@ Encoded encode_document(const RawDoc& doc, bool jsonl, const PreprocessOptions& 
   auto add_sequence = [&](size_t k, std::string_view text) {
     std::vector<int32_t> ids = tok.encode(text);
     if (ids.empty()) return;
+    // .idx sizes are int32, and --append-eod adds one more token to the last sequence.
+    if (ids.size() >= size_t(std::numeric_limits<int32_t>::max())) {
+      MOECORE_FAIL("preprocess: '", o.input, "' line ", doc.line, ": a sequence of ", ids.size(),
+                   " tokens does not fit the .idx format (at most 2^31 - 2); split the document");
+    }
     out.ids[k].insert(out.ids[k].end(), ids.begin(), ids.end());
     out.lengths[k].push_back(static_cast<int32_t>(ids.size()));
   };
   if (!jsonl) {
     add_sequence(0, doc.text);
   } else {
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(doc.text);
-    } catch (const nlohmann::json::exception& e) {
-      MOECORE_FAIL("preprocess: '", o.input, "' line ", doc.line, ": not valid JSON (", e.what(), ")");
-    }
+    const nlohmann::json j = io::parse_json(doc.text, detail::str_cat("preprocess: '", o.input, "' line ", doc.line));
     if (!j.is_object()) MOECORE_FAIL("preprocess: '", o.input, "' line ", doc.line, ": expected a JSON object");
     for (size_t k = 0; k < o.json_keys.size(); ++k) {
       auto it = j.find(o.json_keys[k]);

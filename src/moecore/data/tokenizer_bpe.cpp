@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <queue>
 #include <sstream>
 
 #include "moecore/core/error.h"
 #include "moecore/data/tokenizer_bpe.h"
 #include "moecore/data/unicode_text.h"
+#include "moecore/io/json.h"
 
 namespace moecore::data::detail {
 
@@ -56,6 +58,15 @@ std::string token_to_bytes(std::string_view spelling) {
   return bytes;
 }
 
+int32_t json_token_id(const nlohmann::json& v, const std::string& source, const char* what, std::string_view token) {
+  if (v.is_number_unsigned() && v.get<uint64_t>() <= uint64_t(std::numeric_limits<int32_t>::max()))
+    return static_cast<int32_t>(v.get<uint64_t>());
+  if (v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= std::numeric_limits<int32_t>::max())
+    return static_cast<int32_t>(v.get<int64_t>());
+  MOECORE_FAIL(source, ": ", what, " '", token.substr(0, 200), "' has id ", v.dump().substr(0, 100),
+               ", expected an integer in [0, ", std::numeric_limits<int32_t>::max(), "]");
+}
+
 std::string read_text_file(const std::string& path, const char* component, const char* what) {
   std::ifstream f(path, std::ios::binary);
   if (!f) MOECORE_FAIL(component, ": cannot open ", what, " '", path, "'; check the path and permissions");
@@ -68,18 +79,33 @@ BpeModel::BpeModel(std::unordered_map<std::string, int32_t> vocab,
                    const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions opts,
                    const std::string& source)
     : opts_(opts) {
-  for (const auto& [tok, id] : vocab) {
-    if (id < 0) MOECORE_FAIL(source, ": negative id ", id, " for token '", tok, "'");
-    vocab_.emplace(tok, id);
-  }
+  // The id tables below are sized by the largest id, so the ids are bounded by the entry count first.
+  const int64_t limit = static_cast<int64_t>(vocab.size()) + opts.extra_ids + kVocabIdSlack;
   int64_t end = 0;
-  for (const auto& [tok, id] : vocab_) end = std::max<int64_t>(end, int64_t{id} + 1);
+  for (const auto& [tok, id] : vocab) {
+    if (id < 0 || id >= limit) {
+      MOECORE_FAIL(source, ": token '", tok.substr(0, 200), "' has id ", id, ", outside [0, ", limit,
+                   ") for a vocab of ", vocab.size(), " entries (ids may skip at most ", kVocabIdSlack,
+                   " values); the vocabulary file is corrupt");
+    }
+    end = std::max<int64_t>(end, int64_t{id} + 1);
+  }
   id_bytes_.resize(end);
   id_known_.assign(end, 0);
-  for (const auto& [tok, id] : vocab_) {
+  std::vector<const std::string*> spelling(end, nullptr);
+  for (const auto& [tok, id] : vocab) {
+    if (spelling[id] != nullptr) {
+      const bool first = *spelling[id] < tok;  // name the pair in a stable order
+      MOECORE_FAIL(source, ": tokens '", (first ? *spelling[id] : tok).substr(0, 200), "' and '",
+                   (first ? tok : *spelling[id]).substr(0, 200), "' both have id ", id,
+                   "; ids must be unique (the vocabulary file is corrupt)");
+    }
+    spelling[id] = &tok;
     id_known_[id] = 1;
     id_bytes_[id] = token_to_bytes(tok);
   }
+  vocab_.reserve(vocab.size());
+  for (auto& [tok, id] : vocab) vocab_.emplace(tok, id);
   for (int b = 0; b < 256; ++b) byte_id_[b] = token_id(bytes_to_token(std::string(1, static_cast<char>(b))));
   merges_.reserve(merges.size());
   for (size_t rank = 0; rank < merges.size(); ++rank) {
@@ -226,14 +252,14 @@ std::unique_ptr<Tokenizer> make_gpt2_bpe_tokenizer(const std::string& vocab_file
     MOECORE_FAIL("GPT2BPETokenizer: needs --vocab-file (vocab.json) and --merge-file (merges.txt); got vocab '",
                  vocab_file, "', merges '", merge_file, "'");
   const std::string vocab_text = read_text_file(vocab_file, "GPT2BPETokenizer", "vocab file (--vocab-file)");
+  const std::string vocab_source = "GPT2BPETokenizer: vocab file '" + vocab_file + "'";
   std::unordered_map<std::string, int32_t> vocab;
-  try {
-    const auto j = nlohmann::json::parse(vocab_text);
+  {
+    const nlohmann::json j = io::parse_json(vocab_text, vocab_source);
     if (!j.is_object() || j.empty())
-      MOECORE_FAIL("GPT2BPETokenizer: vocab file '", vocab_file, "' is not a JSON object of token -> id");
-    for (const auto& [tok, id] : j.items()) vocab.emplace(tok, id.get<int32_t>());
-  } catch (const nlohmann::json::exception& e) {
-    MOECORE_FAIL("GPT2BPETokenizer: vocab file '", vocab_file, "' is not valid vocab.json: ", e.what());
+      MOECORE_FAIL(vocab_source, " is not a JSON object of token -> id (vocab.json); check --vocab-file");
+    vocab.reserve(j.size());
+    for (const auto& [tok, id] : j.items()) vocab.emplace(tok, json_token_id(id, vocab_source, "token", tok));
   }
   // OpenAI/Megatron read the merges as lines [1:-1] split on whitespace; blank lines are skipped here.
   const std::string text = read_text_file(merge_file, "GPT2BPETokenizer", "merges file (--merge-file)");

@@ -2,6 +2,8 @@
 // tokenizer.json) and the per-format constructors that make_tokenizer dispatches to. Not a public API;
 // tests include it to check the pre-tokenizers and the byte map directly.
 #pragma once
+#include <nlohmann/json_fwd.hpp>
+
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -59,18 +61,28 @@ class SplitRegex {
   std::unique_ptr<Impl> impl_;
 };
 
+// Ids a vocabulary file may skip: every id must be below (number of entries + kVocabIdSlack), so a hostile id
+// (2^28 in a 1 MB vocab.json) cannot size the id tables. Real files are dense (GPT-2, Llama-3, Qwen: no holes).
+inline constexpr int64_t kVocabIdSlack = 1024;
+
+// A token id read from a JSON file: an integer in [0, 2^31 - 1]. Anything else (a string, 1.5, -3, 2^40) is an
+// Error "<source>: <what> '<token>' has id <value>, expected an integer in [0, 2147483647]".
+int32_t json_token_id(const nlohmann::json& v, const std::string& source, const char* what, std::string_view token);
+
 struct BpeOptions {
   bool ignore_merges = false;  // a whole pre-token found in the vocab is emitted as is (Llama-3)
   int32_t unk_id = -1;         // id for a byte whose character is not in the vocab; -1 drops it (HF)
   bool fuse_unk = false;       // consecutive unknown bytes give one unk id
+  int64_t extra_ids = 0;       // ids that another table fills between vocab ids (HF added tokens)
 };
 
 // A byte-level BPE model: vocab (token spelling -> id) and merges in rank order. encode_word is const and
 // thread-safe; results for short words are cached in a sharded, locked map.
 class BpeModel {
  public:
-  // `source` (type and file names) starts error messages. A merge whose parts or result are not in the vocab
-  // is an error (as in HF tokenizers); a repeated merge keeps its last rank (as in both references).
+  // `source` (type and file names) starts error messages. Ids must be unique and below vocab.size() +
+  // opts.extra_ids + kVocabIdSlack. A merge whose parts or result are not in the vocab is an error (as in HF
+  // tokenizers); a repeated merge keeps its last rank (as in both references).
   BpeModel(std::unordered_map<std::string, int32_t> vocab,
            const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions opts, const std::string& source);
   // Appends the ids of one pre-token given as raw bytes.

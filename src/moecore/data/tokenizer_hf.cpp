@@ -12,6 +12,7 @@
 #include "moecore/core/error.h"
 #include "moecore/data/tokenizer_bpe.h"
 #include "moecore/data/unicode_text.h"
+#include "moecore/io/json.h"
 
 namespace moecore::data::detail {
 namespace {
@@ -277,17 +278,18 @@ void parse_post_processor(const json& p, const std::string& path, HfConfig& cfg)
       const std::string name = item["SpecialToken"].at("id").get<std::string>();
       const json& ids = p.at("special_tokens").at(name).at("ids");
       auto& dst = seen_sequence ? cfg.suffix : cfg.prefix;
-      for (const json& id : ids) dst.push_back(id.get<int32_t>());
+      for (const json& id : ids)
+        dst.push_back(json_token_id(id, "HuggingFaceTokenizer: '" + path + "'", "special token", name));
     }
   }
 }
 
 // eos_token / pad_token of a tokenizer_config.json beside the file: a string or {"content": ...}.
 std::string config_token(const json& cfg, const char* key) {
-  if (!cfg.contains(key)) return "";
+  if (!cfg.is_object() || !cfg.contains(key)) return "";
   const json& v = cfg[key];
   if (v.is_string()) return v.get<std::string>();
-  if (v.is_object() && v.contains("content")) return v["content"].get<std::string>();
+  if (v.is_object() && v.contains("content") && v["content"].is_string()) return v["content"].get<std::string>();
   return "";
 }
 
@@ -311,32 +313,48 @@ std::vector<std::pair<std::string, std::string>> parse_merges(const json& merges
   return out;
 }
 
-std::unique_ptr<BpeModel> parse_model(const json& m, const std::string& path) {
+std::unique_ptr<BpeModel> parse_model(const json& m, const std::string& path, int64_t added_count) {
   if (m.value("type", "BPE") != "BPE") unsupported(path, "model type", m["type"]);
   if (m.contains("dropout") && !m["dropout"].is_null() && m["dropout"].get<double>() > 0)
     unsupported(path, "BPE dropout", m["dropout"]);
   for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     if (m.contains(k) && !m[k].is_null() && !m[k].get<std::string>().empty()) unsupported(path, k, m[k]);
   }
+  const std::string source = "HuggingFaceTokenizer: '" + path + "'";
+  const json& v = m.at("vocab");
+  if (!v.is_object()) MOECORE_FAIL(source, ": model.vocab is not an object of token -> id");
   std::unordered_map<std::string, int32_t> vocab;
-  for (const auto& [tok, id] : m.at("vocab").items()) vocab.emplace(tok, id.get<int32_t>());
+  vocab.reserve(v.size());
+  for (const auto& [tok, id] : v.items()) vocab.emplace(tok, json_token_id(id, source, "model.vocab token", tok));
   BpeOptions opts;
+  opts.extra_ids = added_count;
   opts.ignore_merges = m.value("ignore_merges", false);
   opts.fuse_unk = m.value("fuse_unk", false);
   if (m.contains("unk_token") && m["unk_token"].is_string()) {
     if (const auto it = vocab.find(m["unk_token"].get<std::string>()); it != vocab.end()) opts.unk_id = it->second;
   }
-  return std::make_unique<BpeModel>(std::move(vocab), parse_merges(m.at("merges"), path), opts, "'" + path + "'");
+  return std::make_unique<BpeModel>(std::move(vocab), parse_merges(m.at("merges"), path), opts, source);
 }
 
 // HF re-adds these on load: a content already in the model vocab takes the vocab's id.
 void parse_added_tokens(const json& list, const BpeModel& model, const std::string& path, HfConfig& cfg) {
+  const std::string source = "HuggingFaceTokenizer: '" + path + "'";
+  // Added tokens and the model vocab share one id space; both size tables by the largest id.
+  const int64_t limit = model.id_end() + static_cast<int64_t>(list.size()) + kVocabIdSlack;
   for (const json& t : list) {
-    AddedToken a{t.at("content").get<std::string>(), t.at("id").get<int32_t>(),
-                 t.value("single_word", false),      t.value("lstrip", false),
-                 t.value("rstrip", false),           t.value("normalized", !t.value("special", false))};
+    const std::string content = t.at("content").get<std::string>();
+    AddedToken a{content,
+                 json_token_id(t.at("id"), source, "added token", content),
+                 t.value("single_word", false),
+                 t.value("lstrip", false),
+                 t.value("rstrip", false),
+                 t.value("normalized", !t.value("special", false))};
     if (const int32_t vid = model.token_id(a.content); vid >= 0) a.id = vid;
-    if (a.id < 0) MOECORE_FAIL("HuggingFaceTokenizer: '", path, "': negative id for added token '", a.content, "'");
+    if (a.id >= limit) {
+      MOECORE_FAIL(source, ": added token '", a.content.substr(0, 200), "' has id ", a.id, ", beyond ", limit - 1,
+                   " (the model vocab ends at ", model.id_end(), ", and ids may skip at most ", kVocabIdSlack,
+                   " values); the tokenizer.json is corrupt");
+    }
     cfg.added.push_back(std::move(a));
   }
 }
@@ -345,11 +363,8 @@ void parse_added_tokens(const json& list, const BpeModel& model, const std::stri
 json read_tokenizer_config(const std::string& path) {
   const auto cfg_path = (std::filesystem::path(path).parent_path() / "tokenizer_config.json").string();
   if (!std::filesystem::exists(cfg_path)) return json();
-  try {
-    return json::parse(read_text_file(cfg_path, "HuggingFaceTokenizer", "tokenizer_config.json"));
-  } catch (const json::exception& e) {
-    MOECORE_FAIL("HuggingFaceTokenizer: '", cfg_path, "' is not valid JSON: ", e.what());
-  }
+  return io::parse_json(read_text_file(cfg_path, "HuggingFaceTokenizer", "tokenizer_config.json"),
+                        "HuggingFaceTokenizer: '" + cfg_path + "'");
 }
 
 }  // namespace
@@ -363,10 +378,12 @@ std::unique_ptr<Tokenizer> make_hf_tokenizer(const std::string& given) {
   HfConfig cfg;
   std::unique_ptr<BpeModel> model;
   try {
-    const json j = json::parse(text);
+    const json j = io::parse_json(text, "HuggingFaceTokenizer: '" + path + "'");
     if (!j.is_object() || !j.contains("model"))
       MOECORE_FAIL("HuggingFaceTokenizer: '", path, "' has no \"model\"; is it a tokenizer.json?");
-    model = parse_model(j["model"], path);
+    const json added = j.value("added_tokens", json::array());
+    if (!added.is_array()) MOECORE_FAIL("HuggingFaceTokenizer: '", path, "': added_tokens is not a list");
+    model = parse_model(j["model"], path, static_cast<int64_t>(added.size()));
     parse_normalizer(j.value("normalizer", json()), path, cfg);
     parse_pre_tokenizer(j.value("pre_tokenizer", json()), path, cfg);
     if (std::none_of(cfg.steps.begin(), cfg.steps.end(), [](const PreStep& s) { return s.byte_level; }))
@@ -375,8 +392,19 @@ std::unique_ptr<Tokenizer> make_hf_tokenizer(const std::string& given) {
       if (cfg.steps[i].add_prefix_space)
         unsupported(path, "ByteLevel add_prefix_space after a Split", j["pre_tokenizer"]);
     }
-    parse_added_tokens(j.value("added_tokens", json::array()), *model, path, cfg);
+    parse_added_tokens(added, *model, path, cfg);
     parse_post_processor(j.value("post_processor", json()), path, cfg);
+    // Template tokens are emitted by encode, so each must have an embedding row.
+    int64_t id_end = model->id_end();
+    for (const AddedToken& t : cfg.added) id_end = std::max<int64_t>(id_end, int64_t{t.id} + 1);
+    for (const auto* ids : {&cfg.prefix, &cfg.suffix}) {
+      for (int32_t id : *ids) {
+        if (id >= id_end) {
+          MOECORE_FAIL("HuggingFaceTokenizer: '", path, "': post_processor template token id ", id,
+                       " is outside the vocabulary (size ", id_end, "); the tokenizer.json is corrupt");
+        }
+      }
+    }
   } catch (const json::exception& e) {
     MOECORE_FAIL("HuggingFaceTokenizer: '", path, "' is not a valid tokenizer.json: ", e.what());
   }

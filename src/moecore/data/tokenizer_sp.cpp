@@ -7,18 +7,165 @@
 #ifdef MOECORE_HAVE_SENTENCEPIECE
 #include <sentencepiece_processor.h>
 
+#include <cstring>
 #include <filesystem>
+#include <string_view>
 #include <unordered_map>
 
 namespace moecore::data::detail {
 namespace {
+
+// libsentencepiece (0.1.97) trusts parts of a .model that a corrupt file controls: it builds its tries with
+// strlen() (a piece holding NUL throws from a noexcept path: std::terminate), and walks the precompiled_charsmap
+// double-array trie and its string offsets without bounds checks. The protobuf is walked here first, and only a
+// model passing these checks reaches the library.
+class ProtoReader {
+ public:
+  explicit ProtoReader(std::string_view s) : p_(s.data()), end_(s.data() + s.size()) {}
+  bool done() const { return p_ == end_; }
+  // The next field: its number, and for wire type 2 its bytes. False on malformed input.
+  bool next(uint32_t& field, std::string_view& bytes, bool& is_bytes) {
+    uint64_t key, v;
+    if (!varint(key)) return false;
+    field = static_cast<uint32_t>(key >> 3);
+    is_bytes = false;
+    switch (key & 7) {
+      case 0:
+        return varint(v);
+      case 1:
+        return skip(8);
+      case 5:
+        return skip(4);
+      case 2:
+        if (!varint(v) || v > static_cast<uint64_t>(end_ - p_)) return false;
+        bytes = std::string_view(p_, static_cast<size_t>(v));
+        p_ += v;
+        is_bytes = true;
+        return true;
+      default:  // groups (3, 4) are not used by sentencepiece_model.proto
+        return false;
+    }
+  }
+
+ private:
+  bool varint(uint64_t& v) {
+    v = 0;
+    for (int shift = 0; shift < 64 && p_ < end_; shift += 7) {
+      const auto b = static_cast<unsigned char>(*p_++);
+      v |= uint64_t(b & 0x7F) << shift;
+      if ((b & 0x80) == 0) return true;
+    }
+    return false;
+  }
+  bool skip(size_t n) {
+    if (static_cast<size_t>(end_ - p_) < n) return false;
+    p_ += n;
+    return true;
+  }
+  const char* p_;
+  const char* end_;
+};
+
+// The library's reading of a precompiled_charsmap (normalizer.cc, darts.h): <uint32 n><n bytes of double-array
+// units><NUL-terminated replacement strings>; commonPrefixSearch reads unit[s ^ c] for every state s and byte c,
+// and a leaf's value is an offset into the strings. Every state reachable from the root is checked.
+std::string charsmap_problem(std::string_view blob) {
+  if (blob.empty()) return "";
+  uint32_t n = 0;
+  if (blob.size() < 4) return "shorter than its 4-byte header";
+  std::memcpy(&n, blob.data(), 4);
+  if (n > blob.size() - 4)
+    return ::moecore::detail::str_cat("trie size ", n, " exceeds the ", blob.size() - 4, " bytes left");
+  const uint32_t units = n / 4;
+  const std::string_view strings = blob.substr(4 + n);
+  const size_t last_nul = strings.rfind('\0');
+  auto unit = [&](uint32_t i) {
+    uint32_t u;
+    std::memcpy(&u, blob.data() + 4 + 4 * size_t(i), 4);
+    return u;
+  };
+  auto offset = [](uint32_t u) { return (u >> 10) << ((u & (1U << 9)) >> 6); };
+  if (units == 0) return "empty trie";
+  std::vector<uint8_t> seen(units, 0);
+  std::vector<uint32_t> todo{offset(unit(0))};
+  while (!todo.empty()) {
+    const uint32_t s = todo.back();
+    todo.pop_back();
+    if ((s | 0xFFu) >= units)
+      return ::moecore::detail::str_cat("trie state ", s, " lies outside its ", units, " units");
+    if (seen[s]) continue;
+    seen[s] = 1;
+    for (uint32_t c = 0; c < 256; ++c) {
+      const uint32_t u = unit(s ^ c);
+      if ((u & ((1U << 31) | 0xFF)) != c) continue;  // label
+      const uint32_t next = (s ^ c) ^ offset(u);
+      if ((next | 0xFFu) >= units)
+        return ::moecore::detail::str_cat("trie state ", next, " lies outside its ", units, " units");
+      if ((u >> 8) & 1) {  // has_leaf: the value is an offset into the strings
+        const uint32_t value = unit(next) & ((1U << 31) - 1);
+        if (last_nul == std::string_view::npos || value > last_nul)
+          return ::moecore::detail::str_cat("replacement offset ", value, " lies outside its ", strings.size(),
+                                            " bytes");
+      }
+      todo.push_back(next);
+    }
+  }
+  return "";
+}
+
+// Why the library must not load `model` (empty when it may).
+std::string model_problem(std::string_view model) {
+  ProtoReader top(model);
+  uint32_t field;
+  std::string_view bytes;
+  bool is_bytes;
+  int64_t piece_index = 0;
+  std::string_view charsmap[2];  // normalizer_spec (3), denormalizer_spec (5); the last value wins, as in protobuf
+  while (!top.done()) {
+    if (!top.next(field, bytes, is_bytes)) return "not a valid protobuf";
+    if (field == 1 && is_bytes) {  // ModelProto.pieces
+      ProtoReader pr(bytes);
+      std::string_view piece;
+      while (!pr.done()) {
+        std::string_view b;
+        bool ib;
+        uint32_t f;
+        if (!pr.next(f, b, ib)) return ::moecore::detail::str_cat("piece ", piece_index, " is not a valid protobuf");
+        if (f == 1 && ib) piece = b;
+      }
+      if (piece.empty() || piece.find('\0') != std::string_view::npos)
+        return ::moecore::detail::str_cat("piece ", piece_index, " is empty or holds a NUL byte");
+      ++piece_index;
+    } else if ((field == 3 || field == 5) && is_bytes) {
+      ProtoReader nr(bytes);
+      while (!nr.done()) {
+        std::string_view b;
+        bool ib;
+        uint32_t f;
+        if (!nr.next(f, b, ib)) return "normalizer_spec is not a valid protobuf";
+        if (f == 2 && ib) charsmap[field == 3 ? 0 : 1] = b;
+      }
+    }
+  }
+  for (int k = 0; k < 2; ++k) {
+    if (const std::string why = charsmap_problem(charsmap[k]); !why.empty())
+      return ::moecore::detail::str_cat(k == 0 ? "normalizer_spec" : "denormalizer_spec",
+                                        ".precompiled_charsmap: ", why);
+  }
+  return "";
+}
 
 class SpTokenizer final : public Tokenizer {
  public:
   SpTokenizer(const std::string& path, bool llama2) : llama2_(llama2) {
     if (!std::filesystem::is_regular_file(path))
       MOECORE_FAIL(type(), ": cannot open tokenizer model '", path, "' (--tokenizer-model); check the path");
-    if (const auto st = sp_.Load(path); !st.ok())
+    const std::string bytes = read_text_file(path, type(), "tokenizer model");
+    if (const std::string why = model_problem(bytes); !why.empty()) {
+      MOECORE_FAIL(type(), ": '", path, "' is not a usable SentencePiece model: ", why,
+                   "; the file is corrupt (check --tokenizer-model)");
+    }
+    if (const auto st = sp_.LoadFromSerializedProto(bytes); !st.ok())
       MOECORE_FAIL(type(), ": cannot load SentencePiece model '", path, "': ", st.ToString());
     pieces_ = sp_.GetPieceSize();
     vocab_ = pieces_;

@@ -19,6 +19,7 @@
 #include "moecore/core/error.h"
 #include "moecore/io/crc32c.h"
 #include "moecore/io/file_util.h"
+#include "moecore/io/json.h"
 
 namespace moecore::io {
 namespace {
@@ -28,14 +29,8 @@ using nlohmann::json;
 
 constexpr const char* kFormatMagic = "moecore-checkpoint";
 
-struct FileEntry {
-  uint64_t bytes = 0;
-  uint32_t crc = 0;
-};
-struct Manifest {
-  int64_t iteration = 0;
-  std::map<std::string, FileEntry> files;  // includes state.json
-};
+using FileEntry = CheckpointFileInfo;
+using Manifest = CheckpointManifest;
 
 [[noreturn]] void sys_fail(const std::string& what, const std::string& path) {
   MOECORE_FAIL("checkpoint: ", what, " '", path, "': ", std::strerror(errno),
@@ -112,17 +107,11 @@ void fsync_dir(const std::string& dir) {
 void write_fsync(const std::string& path, std::string_view bytes) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) sys_fail("cannot create", path);
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int e = errno;
-      ::close(fd);
-      errno = e;
-      sys_fail("cannot write", path);
-    }
-    done += static_cast<size_t>(n);
+  uint64_t at = 0;
+  if (const int e = write_all(fd, bytes, fs::path(path).filename().string(), at); e != 0) {
+    ::close(fd);
+    errno = e;
+    sys_fail("cannot write byte " + std::to_string(at) + " of " + std::to_string(bytes.size()) + " to", path);
   }
   if (::fsync(fd) != 0) {
     const int e = errno;
@@ -142,7 +131,7 @@ FileEntry file_entry_of(const std::string& path) {
   while (f) {
     f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
     const auto got = static_cast<size_t>(f.gcount());
-    e.crc = crc32c_extend(e.crc, buf.data(), got);
+    e.crc32c = crc32c_extend(e.crc32c, buf.data(), got);
     e.bytes += got;
   }
   if (f.bad()) sys_fail("cannot read", path);
@@ -155,54 +144,77 @@ std::string manifest_json(const Manifest& m) {
   j["version"] = kCheckpointFormatVersion;
   j["iteration"] = m.iteration;
   j["files"] = nlohmann::ordered_json::object();
-  for (const auto& [name, e] : m.files) j["files"][name] = {{"bytes", e.bytes}, {"crc32c", hex8(e.crc)}};
+  for (const auto& [name, e] : m.files) j["files"][name] = {{"bytes", e.bytes}, {"crc32c", hex8(e.crc32c)}};
   return j.dump(1) + "\n";
+}
+
+Manifest parse_manifest(std::string_view text, const std::string& path, std::optional<int64_t> expect_iteration) {
+  auto bad = [&](const std::string& why) -> Manifest {
+    MOECORE_FAIL("checkpoint: '", path, "' is not a valid COMMIT marker: ", why);
+  };
+  json j;
+  try {
+    j = parse_json(text, path);
+  } catch (const Error& e) {
+    return bad(std::string("a damaged marker (") + e.what() + ")");
+  }
+  if (!j.is_object() || !j.contains("format") || !j["format"].is_string())
+    return bad("bad magic: no \"format\" string");
+  if (j["format"] != kFormatMagic)
+    return bad("bad magic '" + j["format"].get<std::string>().substr(0, 64) + "' (expected '" + kFormatMagic + "')");
+  if (!j.contains("version") || !j["version"].is_number_integer()) return bad("no integer \"version\"");
+  if (!j["version"].is_number_unsigned() || j["version"].get<uint64_t>() != kCheckpointFormatVersion)
+    return bad("unsupported version " + j["version"].dump() + " (this build reads version " +
+               std::to_string(kCheckpointFormatVersion) + "); use a matching moecore build");
+  const json& jit = j["iteration"];
+  if (!jit.is_number_unsigned() || jit.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+    return bad("no \"iteration\" that is an integer >= 0");
+  Manifest m;
+  m.iteration = static_cast<int64_t>(jit.get<uint64_t>());
+  if (expect_iteration && *expect_iteration != m.iteration)
+    return bad("it records iteration " + std::to_string(m.iteration) + " but the directory is named for " +
+               std::to_string(*expect_iteration));
+  if (!j.contains("files") || !j["files"].is_object()) return bad("no \"files\" object");
+  for (const auto& [name, e] : j["files"].items()) {
+    const std::string shown = name.substr(0, 128);
+    if (!is_plain_name(name) || name == kCheckpointCommitFile) return bad("file name '" + shown + "' is not allowed");
+    if (!e.is_object() || !e.contains("bytes") || !e["bytes"].is_number_unsigned() || !e.contains("crc32c") ||
+        !e["crc32c"].is_string())
+      return bad("entry for '" + shown + "' lacks \"bytes\" or \"crc32c\"");
+    const std::string crc = e["crc32c"].get<std::string>();
+    if (crc.size() != 8 || crc.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos)
+      return bad("entry for '" + shown + "' has crc32c '" + crc.substr(0, 16) + "', not 8 hex digits");
+    m.files[name] = {e["bytes"].get<uint64_t>(), static_cast<uint32_t>(std::stoul(crc, nullptr, 16))};
+  }
+  if (!m.files.count(kCheckpointStateFile)) return bad("it does not list state.json");
+  return m;
+}
+
+// Leftovers of an interrupted COMMIT write (write_file_atomic's temporary files) in dir.
+std::vector<std::string> commit_leftovers(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  const std::string prefix = std::string(kCheckpointCommitFile) + ".tmp";
+  for (const auto& de : fs::directory_iterator(dir, ec)) {
+    const std::string n = de.path().filename().string();
+    if (n.rfind(prefix, 0) == 0) out.push_back(n);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 // Reads and validates <dir>/COMMIT. `expect_iteration` comes from the directory name when it has one.
 Manifest read_manifest(const std::string& dir, std::optional<int64_t> expect_iteration) {
   const std::string path = (fs::path(dir) / kCheckpointCommitFile).string();
   std::error_code ec;
-  if (!fs::exists(path, ec))
-    MOECORE_FAIL("checkpoint: '", dir, "' has no COMMIT marker: the save did not finish or the marker was ",
-                 "deleted; resume from an earlier iteration");
-  const std::string text = read_file(path);
-  auto bad = [&](const std::string& why) -> Manifest {
-    MOECORE_FAIL("checkpoint: '", path, "' is not a valid COMMIT marker: ", why);
-  };
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception&) {
-    return bad("not valid JSON (a damaged marker)");
+  if (!fs::exists(path, ec)) {
+    const auto tmp = commit_leftovers(dir);
+    if (!tmp.empty())
+      MOECORE_FAIL("checkpoint: '", path, "' is missing, only the leftover '", tmp.front(),
+                   "' exists: the save was interrupted while committing, so the directory is unfinished");
+    MOECORE_FAIL("checkpoint: '", path, "' is missing: the save did not finish or the marker was deleted");
   }
-  if (!j.is_object() || !j.contains("format") || !j["format"].is_string())
-    return bad("bad magic: no \"format\" string");
-  if (j["format"] != kFormatMagic)
-    return bad("bad magic '" + j["format"].get<std::string>() + "' (expected '" + kFormatMagic + "')");
-  if (!j.contains("version") || !j["version"].is_number_integer()) return bad("no integer \"version\"");
-  if (j["version"].get<int64_t>() != kCheckpointFormatVersion)
-    return bad("unsupported version " + j["version"].dump() + " (this build reads version " +
-               std::to_string(kCheckpointFormatVersion) + "); use a matching moecore build");
-  if (!j.contains("iteration") || !j["iteration"].is_number_integer()) return bad("no integer \"iteration\"");
-  Manifest m;
-  m.iteration = j["iteration"].get<int64_t>();
-  if (expect_iteration && *expect_iteration != m.iteration)
-    return bad("it records iteration " + std::to_string(m.iteration) + " but the directory is named for " +
-               std::to_string(*expect_iteration));
-  if (!j.contains("files") || !j["files"].is_object()) return bad("no \"files\" object");
-  for (const auto& [name, e] : j["files"].items()) {
-    if (!is_plain_name(name) || name == kCheckpointCommitFile) return bad("file name '" + name + "' is not allowed");
-    if (!e.is_object() || !e.contains("bytes") || !e["bytes"].is_number_unsigned() || !e.contains("crc32c") ||
-        !e["crc32c"].is_string())
-      return bad("entry for '" + name + "' lacks \"bytes\" or \"crc32c\"");
-    const std::string crc = e["crc32c"].get<std::string>();
-    if (crc.size() != 8 || crc.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos)
-      return bad("entry for '" + name + "' has crc32c '" + crc + "', not 8 hex digits");
-    m.files[name] = {e["bytes"].get<uint64_t>(), static_cast<uint32_t>(std::stoul(crc, nullptr, 16))};
-  }
-  if (!m.files.count(kCheckpointStateFile)) return bad("it does not list state.json");
-  return m;
+  return parse_manifest(read_file(path), path, expect_iteration);
 }
 
 // Directories named iter_%07d under root, by iteration.
@@ -234,9 +246,12 @@ std::pair<std::string, Manifest> stage_and_publish(const std::string& root, cons
                                                    const std::map<std::string, CheckpointFileInfo>& others = {}) {
   if (req.iteration < 0) MOECORE_FAIL("checkpoint: iteration (", req.iteration, ") must be >= 0");
   for (const auto& [name, tensors] : req.files) check_file_name(name);
-  if (!json::accept(req.state_json))
+  try {
+    parse_json(req.state_json, "state_json");
+  } catch (const Error&) {
     MOECORE_FAIL("checkpoint: state_json for iteration ", req.iteration, " is not valid JSON (", req.state_json.size(),
                  " bytes); pass \"{}\" when there is no state");
+  }
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) MOECORE_FAIL("checkpoint: cannot create directory '", root, "': ", ec.message());
@@ -308,13 +323,72 @@ void apply_retention(const std::string& root, int64_t just_written, int keep_las
     remove_checkpoint_dir(checkpoint_iteration_dir(root, others[i]));
 }
 
-// Staging dirs of earlier crashed saves. Safe because a root has a single writer (checkpoint.h).
-void remove_stale_staging(const std::string& root) {
+// What no load can ever use, left by earlier interrupted saves: staging dirs (*.tmp-*, *.old-*), iteration
+// directories without a COMMIT file, and temporary files of COMMIT and the tracker. Run only after this
+// save has committed and the tracker names it, so `just_written` is what a --load now picks. Safe: a
+// directory without COMMIT is refused by checkpoint_load (--ckpt-step included), and a root has a single
+// writer (checkpoint.h) whose only save in flight is this one, so nothing removed here could still become a
+// checkpoint. Directories with a (possibly damaged) COMMIT are kept: retention decides about committed ones,
+// and a damaged one is left for inspection.
+void remove_unfinished(const std::string& root, int64_t just_written) {
   std::error_code ec;
   std::vector<fs::path> stale;
-  for (const auto& de : fs::directory_iterator(root, ec))
-    if (de.is_directory(ec) && is_staging_name(de.path().filename().string())) stale.push_back(de.path());
+  const std::string tracker_tmp = std::string(kCheckpointTrackerFile) + ".tmp";
+  for (const auto& de : fs::directory_iterator(root, ec)) {
+    const std::string name = de.path().filename().string();
+    if (de.is_directory(ec) && is_staging_name(name)) {
+      stale.push_back(de.path());
+    } else if (de.is_directory(ec) && parse_iter_name(name)) {
+      for (const auto& leftover : commit_leftovers(de.path().string())) stale.push_back(de.path() / leftover);
+      if (*parse_iter_name(name) != just_written && !fs::exists(de.path() / kCheckpointCommitFile, ec))
+        stale.push_back(de.path());
+    } else if (name.rfind(tracker_tmp, 0) == 0) {
+      stale.push_back(de.path());
+    }
+  }
   for (const auto& p : stale) fs::remove_all(p, ec);
+}
+
+// Steps 3-5 of the protocol, once the files of `manifest` are in `dir`. A failed COMMIT write removes the
+// uncommitted directory: it could never be loaded, and the tracker still names the previous iteration.
+void commit_and_retain(const std::string& root, const std::string& dir, const Manifest& manifest, int keep_last) {
+  try {
+    write_file_atomic((fs::path(dir) / kCheckpointCommitFile).string(), manifest_json(manifest));
+  } catch (const Error&) {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    throw;
+  }
+  write_file_atomic((fs::path(root) / kCheckpointTrackerFile).string(), std::to_string(manifest.iteration));
+  apply_retention(root, manifest.iteration, keep_last);
+  remove_unfinished(root, manifest.iteration);
+}
+
+// "<root>" and the iteration of a directory <root>/iter_N (nullopt when dir is not named so).
+std::pair<std::string, std::optional<int64_t>> split_iteration_dir(const std::string& dir) {
+  const fs::path norm = fs::path(dir).lexically_normal();
+  const fs::path leaf = norm.has_filename() ? norm : norm.parent_path();
+  const std::string parent = leaf.parent_path().string();
+  return {parent.empty() ? "." : parent, parse_iter_name(leaf.filename().string())};
+}
+
+std::string join_iterations(const std::vector<int64_t>& its) {
+  std::string s;
+  for (int64_t it : its) s += (s.empty() ? "" : ", ") + std::to_string(it);
+  return s;
+}
+
+// The hint for a damaged checkpoint of iteration `failed` (nullopt: none in particular) under root.
+std::string recovery_hint(const std::string& root, std::optional<int64_t> failed) {
+  std::vector<int64_t> others;
+  for (int64_t it : checkpoint_list_committed(root))
+    if (!failed || it != *failed) others.push_back(it);
+  if (others.empty())
+    return " No other committed checkpoint is under '" + root +
+           "': restore the damaged files, or move them out of the directory to train from scratch.";
+  return " Committed checkpoints under '" + root + "': iteration" + (others.size() > 1 ? "s " : " ") +
+         join_iterations(others) + " (newest " + std::to_string(others.back()) + "); load one with --load " + root +
+         " --ckpt-step " + std::to_string(others.back()) + ", or restore the damaged files.";
 }
 
 }  // namespace
@@ -373,10 +447,7 @@ void checkpoint_staging_commit(const std::string& root, const CheckpointWriteReq
   if (keep_last < 0) MOECORE_FAIL("checkpoint: keep_last (", keep_last, ") must be >= 0 (0 keeps all)");
   if (token.empty()) MOECORE_FAIL("checkpoint: checkpoint_staging_commit needs the token of checkpoint_staging_begin");
   const auto [dir, manifest] = stage_and_publish(root, request, token, written_by_others);
-  write_file_atomic((fs::path(dir) / kCheckpointCommitFile).string(), manifest_json(manifest));
-  write_file_atomic((fs::path(root) / kCheckpointTrackerFile).string(), std::to_string(request.iteration));
-  apply_retention(root, request.iteration, keep_last);
-  remove_stale_staging(root);
+  commit_and_retain(root, dir, manifest, keep_last);
 }
 
 std::string checkpoint_write_uncommitted(const std::string& root, const CheckpointWriteRequest& request) {
@@ -386,60 +457,80 @@ std::string checkpoint_write_uncommitted(const std::string& root, const Checkpoi
 void checkpoint_save(const std::string& root, const CheckpointWriteRequest& request, int keep_last) {
   if (keep_last < 0) MOECORE_FAIL("checkpoint: keep_last (", keep_last, ") must be >= 0 (0 keeps all)");
   const auto [dir, manifest] = stage_and_publish(root, request);
-  write_file_atomic((fs::path(dir) / kCheckpointCommitFile).string(), manifest_json(manifest));
-  write_file_atomic((fs::path(root) / kCheckpointTrackerFile).string(), std::to_string(request.iteration));
-  apply_retention(root, request.iteration, keep_last);
-  remove_stale_staging(root);
+  commit_and_retain(root, dir, manifest, keep_last);
 }
 
-std::optional<std::string> checkpoint_find_latest(const std::string& root) {
+std::optional<std::string> checkpoint_find_latest(const std::string& root, std::optional<int64_t> step) {
   std::error_code ec;
-  if (!fs::is_directory(root, ec)) return std::nullopt;
+  const std::string step_flag = step ? "--ckpt-step " + std::to_string(*step) : "";
+  if (!fs::is_directory(root, ec)) {
+    if (step) MOECORE_FAIL("checkpoint: ", step_flag, ": the --load directory '", root, "' does not exist");
+    return std::nullopt;
+  }
   const fs::path norm = fs::path(root).lexically_normal();
-  const std::string base = (norm.has_filename() ? norm : norm.parent_path()).filename().string();
-  if (parse_iter_name(base) || fs::exists(norm / kCheckpointCommitFile, ec)) return root;
+  const auto named = parse_iter_name((norm.has_filename() ? norm : norm.parent_path()).filename().string());
+  if (named || fs::exists(norm / kCheckpointCommitFile, ec)) {
+    if (step && named != step)
+      MOECORE_FAIL("checkpoint: ", step_flag, " does not match --load '", root,
+                   "', which is itself an iteration directory; give the checkpoint root to --load instead");
+    return root;
+  }
+  // Validates COMMIT of the chosen directory; an error names it and lists the alternatives.
+  auto chosen = [&](int64_t it, const std::string& by) -> std::string {
+    const std::string dir = checkpoint_iteration_dir(root, it);
+    if (!fs::is_directory(dir, ec))
+      MOECORE_FAIL("checkpoint: ", by, " names iteration ", it, " but '", dir, "' does not exist.",
+                   recovery_hint(root, it));
+    try {
+      read_manifest(dir, it);
+    } catch (const Error& e) {
+      MOECORE_FAIL("checkpoint: refusing to load iteration ", it, " (named by ", by, "): ", reason_of(e), ".",
+                   recovery_hint(root, it));
+    }
+    return dir;
+  };
+  if (step) return chosen(*step, step_flag);
 
   const auto dirs = iteration_dirs(root);
-  const auto tracker = checkpoint_read_tracker(root);
-  if (!tracker && fs::exists(fs::path(root) / kCheckpointTrackerFile, ec))
-    warn("'" + (fs::path(root) / kCheckpointTrackerFile).string() +
-         "' does not hold an iteration number; falling back to the newest committed directory");
-  if (tracker) {
-    const auto found = dirs.find(*tracker);
-    if (found == dirs.end()) {
-      warn("the tracker names iteration " + std::to_string(*tracker) + " but '" +
-           checkpoint_iteration_dir(root, *tracker) + "' does not exist; using the newest committed directory");
-    } else {
-      try {
-        read_manifest(found->second, *tracker);
-        for (auto it = dirs.upper_bound(*tracker); it != dirs.end(); ++it) {
-          const bool committed = fs::exists(fs::path(it->second) / kCheckpointCommitFile, ec);
-          warn("ignoring '" + it->second + "': newer than the tracker's iteration " + std::to_string(*tracker) +
-               (committed ? " (committed, but the tracker was not updated: an interrupted save or a rewound run)"
-                          : " (no COMMIT marker: an unfinished save)"));
-        }
-        return found->second;
-      } catch (const Error& e) {
-        warn("skipping '" + found->second + "' although the tracker names it: " + reason_of(e));
-      }
+  const fs::path tracker_path = fs::path(root) / kCheckpointTrackerFile;
+  if (fs::exists(tracker_path, ec)) {
+    const auto tracker = checkpoint_read_tracker(root);
+    if (!tracker)
+      MOECORE_FAIL("checkpoint: the tracker '", tracker_path.string(),
+                   "' does not hold an iteration number, so the newest checkpoint is unknown.",
+                   recovery_hint(root, std::nullopt));
+    const std::string dir = chosen(*tracker, "the tracker '" + tracker_path.string() + "'");
+    for (auto it = dirs.upper_bound(*tracker); it != dirs.end(); ++it) {
+      const bool committed = fs::exists(fs::path(it->second) / kCheckpointCommitFile, ec);
+      warn("ignoring '" + it->second + "': newer than the tracker's iteration " + std::to_string(*tracker) +
+           (committed ? " (committed, but the tracker was not updated: an interrupted save or a rewound run)"
+                      : " (no COMMIT marker: an unfinished save)"));
     }
+    return dir;
   }
-  for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) {
-    if (tracker && it->first == *tracker) continue;  // already reported above
-    try {
-      read_manifest(it->second, it->first);
-      return it->second;
-    } catch (const Error& e) {
-      warn("skipping '" + it->second + "': " + reason_of(e));
-    }
-  }
-  return std::nullopt;
+  if (dirs.empty()) return std::nullopt;
+  return chosen(dirs.rbegin()->first, "the highest iteration directory, as there is no tracker file");
+}
+
+std::string checkpoint_recovery_hint(const std::string& dir) {
+  const auto [root, it] = split_iteration_dir(dir);
+  return recovery_hint(root, it);
+}
+
+CheckpointManifest checkpoint_parse_manifest(std::string_view text, const std::string& path,
+                                             std::optional<int64_t> expect_iteration) {
+  return parse_manifest(text, path, expect_iteration);
 }
 
 VerifiedCheckpoint checkpoint_verify(const std::string& dir) {
   const fs::path norm = fs::path(dir).lexically_normal();
   const auto named = parse_iter_name((norm.has_filename() ? norm : norm.parent_path()).filename().string());
-  const Manifest m = read_manifest(dir, named);
+  Manifest m;
+  try {
+    m = read_manifest(dir, named);
+  } catch (const Error& e) {
+    throw Error(std::string(e.what()) + "." + checkpoint_recovery_hint(dir));
+  }
 
   std::vector<std::string> problems;
   for (const auto& [name, want] : m.files) {
@@ -457,15 +548,15 @@ VerifiedCheckpoint checkpoint_verify(const std::string& dir) {
       continue;
     }
     const FileEntry got = file_entry_of(path);
-    if (got.bytes != want.bytes || got.crc != want.crc)
-      problems.push_back("'" + path + "': checksum mismatch: crc32c " + hex8(got.crc) + " on disk, COMMIT records " +
-                         hex8(want.crc) + " (a flipped or overwritten byte)");
+    if (got.bytes != want.bytes || got.crc32c != want.crc32c)
+      problems.push_back("'" + path + "': checksum mismatch: crc32c " + hex8(got.crc32c) + " on disk, COMMIT records " +
+                         hex8(want.crc32c) + " (a flipped or overwritten byte)");
   }
   if (!problems.empty()) {
     std::string msg;
     for (const auto& p : problems) msg += (msg.empty() ? "" : "; ") + p;
-    MOECORE_FAIL("checkpoint: '", dir, "' (iteration ", m.iteration, ") fails verification against COMMIT: ", msg,
-                 ". Restore the files or resume from an earlier iteration");
+    MOECORE_FAIL("checkpoint: '", dir, "' (iteration ", m.iteration, ") fails verification against COMMIT: ", msg, ".",
+                 checkpoint_recovery_hint(dir));
   }
 
   VerifiedCheckpoint out;
@@ -491,8 +582,7 @@ LoadedCheckpoint checkpoint_load(const std::string& dir) {
 }
 
 CheckpointFileInfo checkpoint_file_info(const std::string& path) {
-  const FileEntry e = file_entry_of(path);
-  return {e.bytes, e.crc};
+  return file_entry_of(path);
 }
 
 }  // namespace moecore::io

@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moecore/core/tensor.h"
@@ -28,22 +29,28 @@ namespace moecore::io {
 //   1. write every data file and state.json into <root>/iter_NNNNNNN.tmp-<pid>/, fsync each, fsync the dir;
 //   2. rename the staging dir to iter_NNNNNNN (an existing one of that iteration is first renamed aside
 //      to iter_NNNNNNN.old-<pid> and removed after), fsync <root>;
-//   3. write COMMIT (temporary file, fsync, rename, fsync dir)  <- the commit point;
+//   3. write COMMIT (temporary file COMMIT.tmp.<pid>, fsync, rename, fsync dir)  <- the commit point;
 //   4. rewrite the tracker atomically (temporary file, fsync, rename);
-//   5. retention, then removal of stale *.tmp-* / *.old-* staging dirs left by earlier crashes.
+//   5. retention (keep_last), then removal of what no load can use: staging dirs (*.tmp-*, *.old-*),
+//      iteration directories without a COMMIT file and COMMIT.tmp.* / tracker *.tmp.* leftovers.
 // A crash at any point leaves for that iteration: nothing (only a staging dir, which discovery never
-// looks at), a directory without COMMIT (ignored by discovery, refused by checkpoint_load), or a
-// complete committed directory. Data files are durable before COMMIT exists; COMMIT before the tracker.
-// A failed save (ENOSPC, EIO) throws Error naming the file and removes its staging directory.
+// looks at), a directory without COMMIT (refused by checkpoint_load, skipped by discovery because the
+// tracker still names the previous iteration), or a complete committed directory. Data files are durable
+// before COMMIT exists; COMMIT before the tracker.
+// A failed save (ENOSPC, EIO: Error naming the file, the byte offset and strerror; see the fault hook in
+// io/file_util.h) removes its staging directory, or the uncommitted directory when COMMIT could not be
+// written, and leaves the tracker naming the previous iteration, which stays the one discovery returns.
 //
 // ---- Discovery (checkpoint_find_latest) -------------------------------------------------------------
-// The tracker is the pointer, COMMIT the proof of completeness: when the tracker names a committed
-// directory, that one is returned (as in Megatron; this honours runs rewound to an older iteration).
-// Otherwise (no tracker, unparsable, or naming a missing/uncommitted directory) the newest directory
-// with a valid COMMIT is returned. Skipped directories are reported on stderr with the reason.
-// Discovery validates COMMIT (present, JSON, magic, version, iteration) but reads no data: checksums are
-// verified by checkpoint_load, so a damaged newest checkpoint fails loudly instead of silently resuming
-// from an older one; callers wanting a fallback use checkpoint_list_committed.
+// "The newest checkpoint" is Megatron's: the iteration the tracker names (this honours runs rewound to an
+// older iteration: newer directories are reported on stderr and ignored), or, without a tracker, the
+// highest-numbered iter_N directory; `step` (--ckpt-step) names one instead. It is never silently replaced
+// by an older one: when it is damaged (COMMIT missing, unparsable, of another format/version/iteration,
+// a tracker that is unreadable or names a missing directory), discovery throws an Error naming the file and
+// the reason and listing the committed checkpoints that remain, with how to pick one (--ckpt-step N).
+// A root that is absent, or holds no tracker and no iter_N directory (staging dirs do not count), has no
+// checkpoint: nullopt (a first launch trains from scratch). Discovery validates COMMIT but reads no data:
+// checksums are verified by checkpoint_load, whose errors carry the same list of alternatives.
 
 struct CheckpointWriteRequest {
   int64_t iteration = 0;  // >= 0; names the directory iter_%07d
@@ -66,7 +73,8 @@ inline constexpr const char* kCheckpointStateFile = "state.json";
 inline constexpr int kCheckpointFormatVersion = 1;
 
 // Saves, commits, updates the tracker, then keeps the `keep_last` committed iterations with the largest
-// numbers (0 = keep all). Never deletes the iteration just written, nor uncommitted directories.
+// numbers (0 = keep all) and removes unfinished saves (step 5 above). Never deletes the iteration just
+// written, nor a directory with a COMMIT file (a damaged one is left for inspection).
 // File names must be plain names (no '/'), not "COMMIT" or "state.json". Throws Error on bad input or I/O.
 void checkpoint_save(const std::string& root, const CheckpointWriteRequest& request, int keep_last);
 
@@ -95,14 +103,18 @@ void checkpoint_staging_commit(const std::string& root, const CheckpointWriteReq
 // COMMIT and the tracker untouched, as a crash just before the commit point would. Returns the directory.
 std::string checkpoint_write_uncommitted(const std::string& root, const CheckpointWriteRequest& request);
 
-// The directory to resume from, per the discovery rule above; nullopt when there is none (the root is
-// missing or holds no committed iteration). If `root` is itself an iteration directory (named iter_N or
-// holding a COMMIT), it is returned unchanged so that checkpoint_load reports any problem with it.
-std::optional<std::string> checkpoint_find_latest(const std::string& root);
+// The directory to resume from, per the discovery rule above: the newest checkpoint, or iteration `step`
+// (--ckpt-step) when given. nullopt when the root has none (absent, or no tracker and no iter_N directory;
+// with `step` that is an Error too). Throws Error (file, reason, the committed alternatives) when the
+// chosen one is damaged. If `root` is itself an iteration directory (named iter_N or holding a COMMIT), it
+// is returned unchanged (with `step`, only if it is that iteration) so that checkpoint_load reports any
+// problem with it.
+std::optional<std::string> checkpoint_find_latest(const std::string& root, std::optional<int64_t> step = std::nullopt);
 
 // Reads COMMIT, checks every listed file's existence, byte size and CRC32C, then parses the files.
 // Throws Error naming the directory, each failing file and the reason: missing COMMIT marker, bad
-// magic/version, missing file, size mismatch (truncated), checksum mismatch (flipped byte).
+// magic/version, missing file, size mismatch (truncated), checksum mismatch (flipped byte); the message ends
+// with checkpoint_recovery_hint(dir).
 LoadedCheckpoint checkpoint_load(const std::string& dir);
 // The same checks, streaming (no file is held in memory), and no parse: the data files' names and state.json.
 struct VerifiedCheckpoint {
@@ -118,5 +130,18 @@ std::string checkpoint_iteration_dir(const std::string& root, int64_t iteration)
 std::optional<int64_t> checkpoint_read_tracker(const std::string& root);           // nullopt if absent/unparsable
 // Iterations under root whose COMMIT is valid, ascending. Quiet (no warnings); reads no data files.
 std::vector<int64_t> checkpoint_list_committed(const std::string& root);
+// One sentence for an error about the damaged checkpoint `dir` (<root>/iter_N): the other committed
+// iterations under <root> and how to load one (--load <root> --ckpt-step N), or that there is none.
+std::string checkpoint_recovery_hint(const std::string& dir);
+
+// ---- The COMMIT manifest, parsed (for tools and the fuzz harness) -------------------------------------
+struct CheckpointManifest {
+  int64_t iteration = 0;
+  std::map<std::string, CheckpointFileInfo> files;  // every file, state.json included
+};
+// Validates `text` as a COMMIT manifest (magic, version, iteration = `expect_iteration` when given, plain
+// file names, sizes, 8-hex-digit CRCs, state.json listed). Throws Error naming `path` and the reason.
+CheckpointManifest checkpoint_parse_manifest(std::string_view text, const std::string& path,
+                                             std::optional<int64_t> expect_iteration);
 
 }  // namespace moecore::io

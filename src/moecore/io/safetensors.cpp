@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "moecore/io/file_util.h"
+#include "moecore/io/json.h"
 
 namespace moecore::io {
 namespace {
@@ -31,21 +33,53 @@ const SafetensorsDtype kDtypes[] = {
   MOECORE_FAIL("safetensors: '", path, "' is not a valid safetensors file: ", why);
 }
 
-// Strict parse: nlohmann keeps the last of duplicate keys, so reject them while parsing. `fail` throws.
+// Whether `s` is well-formed UTF-8 (the reference reader decodes the header with str::from_utf8).
+bool valid_utf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    int n = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      n = 1, cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      n = 2, cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      n = 3, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + n >= s.size()) return false;
+    for (int k = 1; k <= n; ++k) {
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if ((b & 0xC0) != 0x80) return false;
+      cp = cp << 6 | (b & 0x3F);
+    }
+    static constexpr uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += n + 1;
+  }
+  return true;
+}
+
+// Strict parse: nlohmann keeps the last of duplicate keys, so reject them while parsing. Nesting is bounded
+// first (the parser and the DOM's destructor recurse). `fail` throws.
 template <class Fail>
 json parse_strict(std::string_view text, const char* what, Fail fail) {
-  std::vector<std::vector<std::string>> stack;
+  if (json_nesting_depth(text) > kMaxJsonDepth)
+    fail(std::string(what) + " nests JSON deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+  std::vector<std::set<std::string>> stack;
   std::string dup;
   auto cb = [&](int, json::parse_event_t ev, json& parsed) {
     if (ev == json::parse_event_t::object_start) {
       stack.emplace_back();
     } else if (ev == json::parse_event_t::object_end) {
-      stack.pop_back();
+      if (!stack.empty()) stack.pop_back();
     } else if (ev == json::parse_event_t::key && !stack.empty()) {
-      auto& keys = stack.back();
-      const std::string k = parsed.get<std::string>();
-      if (dup.empty() && std::find(keys.begin(), keys.end(), k) != keys.end()) dup = k;
-      keys.push_back(k);
+      if (!stack.back().insert(parsed.get<std::string>()).second && dup.empty()) dup = parsed.get<std::string>();
     }
     return true;
   };
@@ -60,6 +94,13 @@ json parse_strict(std::string_view text, const char* what, Fail fail) {
   return h;
 }
 
+// n * k, or nullopt when it does not fit in 63 bits (Shape holds int64 dims and counts).
+std::optional<uint64_t> mul_checked(uint64_t n, uint64_t k) {
+  uint64_t r = 0;
+  if (__builtin_mul_overflow(n, k, &r) || r > static_cast<uint64_t>(INT64_MAX)) return std::nullopt;
+  return r;
+}
+
 SafetensorsEntry parse_entry(const std::string& path, const std::string& name, const json& v) {
   const std::string where = "tensor '" + name + "'";
   if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
@@ -72,25 +113,33 @@ SafetensorsEntry parse_entry(const std::string& path, const std::string& name, c
   if (!e) bad(path, where + " has dtype '" + t.dtype_name + "', which is not a safetensors dtype");
   t.type = e->type;
   if (!v["shape"].is_array()) bad(path, where + " has a shape that is not an array");
-  uint64_t numel = 1;
+  // The reference's checked multiplication, dim by dim in order (ValidationOverflow).
+  std::optional<uint64_t> numel = 1;
   for (const auto& d : v["shape"]) {
-    if (t.shape.ndim == kMaxDims) bad(path, where + " has more than 6 dims");
-    if (!d.is_number_unsigned()) bad(path, where + " has a shape entry that is not a non-negative integer");
+    if (t.shape.ndim == kMaxDims) bad(path, where + " has more than " + std::to_string(kMaxDims) + " dims");
+    if (!d.is_number_unsigned()) bad(path, where + " has a shape entry " + d.dump() + ", not a non-negative integer");
     const uint64_t k = d.get<uint64_t>();
-    if (k > (1ull << 62) || (k && numel > (1ull << 62) / k)) bad(path, where + " has a shape that overflows");
-    numel *= k;
+    numel = mul_checked(*numel, k);
+    if (!numel) bad(path, where + " has a shape whose element count overflows 64 bits (ValidationOverflow)");
     t.shape[t.shape.ndim++] = static_cast<int64_t>(k);
   }
   const auto& off = v["data_offsets"];
   if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
-    bad(path, where + " data_offsets is not [begin, end]");
+    bad(path, where + " data_offsets " + off.dump() + " is not [begin, end] of non-negative integers");
   t.begin = off[0].get<uint64_t>();
   t.end = off[1].get<uint64_t>();
-  if (numel * e->bits % 8)
-    bad(path, where + " has " + std::to_string(numel) + " elements of " + std::to_string(e->bits) +
+  if (t.end < t.begin)
+    bad(path, where + " has data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                  "] that end before they begin (InvalidOffset)");
+  const std::optional<uint64_t> bits = mul_checked(*numel, static_cast<uint64_t>(e->bits));
+  if (!bits)
+    bad(path, where + " has a shape " + t.shape.str() + " of " + t.dtype_name +
+                  " whose bit count overflows 64 bits (ValidationOverflow)");
+  if (*bits % 8)
+    bad(path, where + " has " + std::to_string(*numel) + " elements of " + std::to_string(e->bits) +
                   " bits, not a whole number of bytes");
-  const uint64_t expect = numel * e->bits / 8;
-  if (t.end < t.begin || t.end - t.begin != expect)
+  const uint64_t expect = *bits / 8;
+  if (t.end - t.begin != expect)
     bad(path, where + " spans " + std::to_string(t.end - t.begin) + " bytes but its shape " + t.shape.str() + " of " +
                   t.dtype_name + " needs " + std::to_string(expect));
   return t;
@@ -119,6 +168,7 @@ uint64_t safetensors_header_size(const std::string& path, std::string_view head,
   MOECORE_CHECK(head.size() >= 8, "safetensors: ", head.size(), " head bytes of '", path, "'");
   uint64_t n = 0;
   std::memcpy(&n, head.data(), 8);
+  if (n < 2) bad(path, "header length " + std::to_string(n) + " is below 2 (the smallest header is {})");
   if (n > 100000000ull) bad(path, "header length " + std::to_string(n) + " exceeds 100000000");
   if (8 + n > file_size)
     bad(path, "header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(file_size) +
@@ -127,10 +177,14 @@ uint64_t safetensors_header_size(const std::string& path, std::string_view head,
 }
 
 SafetensorsHeader safetensors_parse_header(const std::string& path, std::string_view header_json, uint64_t data_bytes) {
+  if (header_json.empty() || header_json[0] != '{')
+    bad(path, "the header does not start with '{' (InvalidHeaderStart)");
+  if (!valid_utf8(header_json)) bad(path, "the header is not valid UTF-8");
   const json h = parse_strict(header_json, "header", [&](const std::string& why) { bad(path, why); });
   SafetensorsHeader out;
   for (const auto& [name, v] : h.items()) {
     if (name == "__metadata__") {
+      if (v.is_null()) continue;  // the reference's Option<HashMap<String, String>>
       if (!v.is_object()) bad(path, "__metadata__ is not an object");
       for (const auto& [k, s] : v.items()) {
         if (!s.is_string()) bad(path, "__metadata__['" + k + "'] is not a string");
@@ -142,7 +196,10 @@ SafetensorsHeader safetensors_parse_header(const std::string& path, std::string_
   }
   std::vector<const SafetensorsEntry*> spans;
   for (const auto& t : out.tensors) spans.push_back(&t);
-  std::stable_sort(spans.begin(), spans.end(), [](const auto* a, const auto* b) { return a->begin < b->begin; });
+  // By (begin, end), as the reference does: empty tensors at an offset come before the one that starts there.
+  std::sort(spans.begin(), spans.end(), [](const auto* a, const auto* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end != b->end ? a->end < b->end : a->name < b->name;
+  });
   uint64_t pos = 0;
   for (const auto* t : spans) {
     if (t->begin != pos)
@@ -152,7 +209,7 @@ SafetensorsHeader safetensors_parse_header(const std::string& path, std::string_
   }
   if (pos != data_bytes)
     bad(path, "tensors cover " + std::to_string(pos) + " bytes but the buffer holds " + std::to_string(data_bytes) +
-                  " (truncated file or trailing bytes)");
+                  " (truncated file or trailing bytes; MetadataIncompleteBuffer)");
   std::sort(out.tensors.begin(), out.tensors.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
   return out;
 }
@@ -198,7 +255,15 @@ std::map<std::string, std::string> safetensors_index_parse(const std::string& pa
   for (const auto& [name, f] : idx["weight_map"].items()) {
     if (!f.is_string())
       MOECORE_FAIL("safetensors: index '", path, "' maps tensor '", name, "' to ", f.dump(), ", not a file name");
-    weight_map[name] = f.get<std::string>();
+    const std::string file = f.get<std::string>();
+    // A shard is a file beside the index: a path could read any file the process can open.
+    const bool plain =
+        !file.empty() && file != "." && file != ".." && file.find('/') == std::string::npos &&
+        std::none_of(file.begin(), file.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20; });
+    if (!plain)
+      MOECORE_FAIL("safetensors: index '", path, "' maps tensor '", name, "' to ", f.dump(),
+                   ", which is not a plain file name in the index's directory; hint: shards must sit beside the index");
+    weight_map[name] = file;
   }
   return weight_map;
 }

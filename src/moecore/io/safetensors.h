@@ -56,12 +56,14 @@ struct SafetensorsHeader {
 };
 
 // N, the header length, from the file's first min(8, file_size) bytes `head` and the file size. Checks the
-// size bounds of formats.md §3.4 (at least 8 bytes, N <= 100000000, 8 + N <= file size).
+// size bounds of formats.md §3.4 (at least 8 bytes, 2 <= N <= 100000000, 8 + N <= file size).
 uint64_t safetensors_header_size(const std::string& path, std::string_view head, uint64_t file_size);
 // Parses and validates the JSON header (the N bytes after the length) against a byte buffer of `data_bytes`
-// (file size - 8 - N) with every rule of formats.md §3.4: strict JSON without duplicate keys, string-only
-// __metadata__, known dtypes, shapes and byte sizes that agree, offsets that tile the buffer exactly. Errors
-// name `path` ("safetensors: '<path>' is not a valid safetensors file: <reason>").
+// (file size - 8 - N) with every rule of formats.md §3.4: UTF-8 text starting with '{', strict JSON (nesting at
+// most 128 deep) without duplicate keys, string-only __metadata__ (or null), known dtypes, shapes whose element and
+// byte counts fit in 63 bits (checked multiplication) and agree with begin <= end, offsets that tile the buffer
+// exactly (sorted by (begin, end)). Errors name `path` ("safetensors: '<path>' is not a valid safetensors file:
+// <reason>").
 SafetensorsHeader safetensors_parse_header(const std::string& path, std::string_view header_json, uint64_t data_bytes);
 
 // What a writer needs to lay out one file: name, dtype and shape of each tensor.
@@ -82,7 +84,8 @@ SafetensorsLayout safetensors_serialize_header(const std::vector<SafetensorsTens
                                                std::map<std::string, std::string> metadata = {});
 
 // The weight_map of a sharded checkpoint's model.safetensors.index.json (§3.5): tensor name -> shard file name.
-// Strict JSON as for headers; errors name `path`.
+// Strict JSON as for headers; each shard must be a plain file name beside the index (no '/', "." or "..", no
+// control characters), so an index cannot point outside its directory. Errors name `path`.
 std::map<std::string, std::string> safetensors_index_parse(const std::string& path, std::string_view text);
 
 }  // namespace moecore::io

@@ -1,20 +1,89 @@
 #include "moecore/model/moe_layer_case.h"
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <set>
+
+#include "moecore/io/json.h"
 
 namespace moecore::model {
 namespace {
 
 using nlohmann::json;
 
-std::vector<std::string> as_strings(const json& v) {
-  if (v.is_array()) return v.get<std::vector<std::string>>();
-  return {v.get<std::string>()};
+// Largest accepted size of one dimension (hidden, ffn, experts, batch): far above real layers (H 7168, E 256), and
+// small enough that the products the layer forms ([E, 2F, H], T * K) stay inside int64.
+constexpr int64_t kMaxSize = int64_t{1} << 24;
+
+[[noreturn]] void bad_key(const char* key, const json& v, const std::string& why) {
+  MOECORE_FAIL("moe-layer: config key '", key, "' = ", v.dump(), ": ", why);
 }
-std::vector<float> as_floats(const json& v) {
-  if (v.is_array()) return v.get<std::vector<float>>();
-  return {v.get<float>()};
+
+// The key's value when present and not null, else nullptr.
+const json* find_key(const json& j, const char* key) {
+  auto it = j.find(key);
+  return it == j.end() || it->is_null() ? nullptr : &*it;
+}
+
+int64_t get_int(const json& j, const char* key, int64_t def, int64_t lo, int64_t hi) {
+  const json* v = find_key(j, key);
+  if (!v) return def;
+  if (!v->is_number_integer()) bad_key(key, *v, "expected an integer");
+  // nlohmann stores 0 and every positive literal as unsigned: compare above INT64_MAX first, then both bounds.
+  if ((v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) || v->get<int64_t>() < lo ||
+      v->get<int64_t>() > hi)
+    bad_key(key, *v, "must lie in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  return v->get<int64_t>();
+}
+
+float to_float(const char* key, const json& v, double lo, double hi) {
+  if (!v.is_number()) bad_key(key, v, "expected a number");
+  const double x = v.get<double>();
+  if (!std::isfinite(x) || x < lo || x > hi)
+    bad_key(key, v, detail::str_cat("must be a finite number in [", lo, ", ", hi, "]"));
+  return static_cast<float>(x);
+}
+
+float get_float(const json& j, const char* key, float def, double lo, double hi) {
+  const json* v = find_key(j, key);
+  return v ? to_float(key, *v, lo, hi) : def;
+}
+
+bool get_bool(const json& j, const char* key, bool def) {
+  const json* v = find_key(j, key);
+  if (!v) return def;
+  if (!v->is_boolean()) bad_key(key, *v, "expected true or false");
+  return v->get<bool>();
+}
+
+std::string get_string(const json& j, const char* key, const std::string& def) {
+  const json* v = find_key(j, key);
+  if (!v) return def;
+  if (!v->is_string()) bad_key(key, *v, "expected a string");
+  return v->get<std::string>();
+}
+
+// A string or a list of strings.
+std::vector<std::string> get_strings(const json& j, const char* key) {
+  const json& v = j.at(key);
+  if (v.is_string()) return {v.get<std::string>()};
+  if (!v.is_array() || v.empty()) bad_key(key, v, "expected a string or a non-empty list of strings");
+  std::vector<std::string> out;
+  for (const json& e : v) {
+    if (!e.is_string()) bad_key(key, v, "expected a string or a non-empty list of strings");
+    out.push_back(e.get<std::string>());
+  }
+  return out;
+}
+
+// A number or a list of numbers, each finite and non-negative.
+std::vector<float> get_floats(const json& j, const char* key) {
+  const json& v = j.at(key);
+  if (!v.is_array()) return {to_float(key, v, 0.0, 3.0e38)};
+  if (v.empty()) bad_key(key, v, "expected a number or a non-empty list of numbers");
+  std::vector<float> out;
+  for (const json& e : v) out.push_back(to_float(key, e, 0.0, 3.0e38));
+  return out;
 }
 
 const Tensor& need(const std::map<std::string, Tensor>& in, const std::string& name, const Shape& shape) {
@@ -35,12 +104,8 @@ Tensor scalar_f64(double v) {
 }  // namespace
 
 MoeLayerCase moe_layer_case_parse(const std::string& text) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    MOECORE_FAIL("moe-layer: config is not valid JSON: ", e.what());
-  }
+  const json j = io::parse_json(text, "moe-layer: config");
+  if (!j.is_object()) MOECORE_FAIL("moe-layer: config is ", j.type_name(), ", not a JSON object of config keys");
   static const std::set<std::string> known = {"hidden_size",
                                               "num_moe_experts",
                                               "moe_ffn_hidden_size",
@@ -70,55 +135,58 @@ MoeLayerCase moe_layer_case_parse(const std::string& text) {
     if (!known.count(k)) MOECORE_FAIL("moe-layer: unknown config key '", k, "'");
   MoeLayerCase c;
   moe::MoeConfig& m = c.cfg;
-  auto get = [&](const char* k, auto def) {
-    return j.contains(k) && !j[k].is_null() ? j[k].get<decltype(def)>() : def;
-  };
-  c.H = get("hidden_size", int64_t{0});
-  m.num_experts = get("num_moe_experts", int64_t{0});
-  c.F = get("moe_ffn_hidden_size", int64_t{0});
+  c.H = get_int(j, "hidden_size", 0, 1, kMaxSize);
+  m.num_experts = get_int(j, "num_moe_experts", 0, 1, kMaxSize);
+  c.F = get_int(j, "moe_ffn_hidden_size", 0, 1, kMaxSize);
   m.ffn_hidden_size = c.F;
-  m.router_topk = get("moe_router_topk", int64_t{2});
-  c.B = get("micro_batch_size", int64_t{1});
-  if (j.contains("moe_router_load_balancing_type")) {
+  m.router_topk = get_int(j, "moe_router_topk", 2, 1, kMaxSize);
+  c.B = get_int(j, "micro_batch_size", 1, 1, kMaxSize);
+  if (c.H == 0 || c.F == 0 || m.num_experts == 0)
+    MOECORE_FAIL("moe-layer: hidden_size (", c.H, "), moe_ffn_hidden_size (", c.F, ") and num_moe_experts (",
+                 m.num_experts, ") must be set");
+  if (find_key(j, "moe_router_load_balancing_type")) {
     m.load_balancing_type.clear();
-    for (const auto& t : as_strings(j["moe_router_load_balancing_type"]))
+    for (const auto& t : get_strings(j, "moe_router_load_balancing_type"))
       m.load_balancing_type.push_back(moe::parse_load_balancing(t));
   }
-  if (j.contains("moe_aux_loss_coeff")) m.aux_loss_coeff = as_floats(j["moe_aux_loss_coeff"]);
-  m.z_loss_coeff = get("moe_z_loss_coeff", 0.0f);
-  m.input_jitter_eps = get("moe_input_jitter_eps", 0.0f);
-  m.score_function = moe::parse_score_function(get("moe_router_score_function", std::string("softmax")));
-  m.pre_softmax = get("moe_router_pre_softmax", false);
-  m.topk_scaling_factor = get("moe_router_topk_scaling_factor", 0.0f);
-  const std::string rd = get("moe_router_dtype", std::string("fp32"));
+  if (find_key(j, "moe_aux_loss_coeff")) m.aux_loss_coeff = get_floats(j, "moe_aux_loss_coeff");
+  m.z_loss_coeff = get_float(j, "moe_z_loss_coeff", 0.0f, 0.0, 3.0e38);
+  m.input_jitter_eps = get_float(j, "moe_input_jitter_eps", 0.0f, 0.0, 1.0);
+  m.score_function = moe::parse_score_function(get_string(j, "moe_router_score_function", "softmax"));
+  m.pre_softmax = get_bool(j, "moe_router_pre_softmax", false);
+  m.topk_scaling_factor = get_float(j, "moe_router_topk_scaling_factor", 0.0f, 0.0, 3.0e38);
+  const std::string rd = get_string(j, "moe_router_dtype", "fp32");
   if (rd != "fp32" && rd != "fp64") MOECORE_FAIL("moe-layer: moe_router_dtype '", rd, "' is not fp32 or fp64");
   m.router_dtype = rd == "fp64" ? DType::f64 : DType::f32;
-  m.num_groups = get("moe_router_num_groups", int64_t{0});
-  m.group_topk = get("moe_router_group_topk", int64_t{0});
-  m.enable_expert_bias = get("moe_router_enable_expert_bias", false);
-  m.capacity_factor = get("moe_expert_capacity_factor", 0.0f);
-  const std::string pol = get("moe_token_drop_policy", std::string("probs"));
-  if (pol != "probs" && pol != "position") MOECORE_FAIL("moe-layer: moe_token_drop_policy '", pol, "'");
+  m.num_groups = get_int(j, "moe_router_num_groups", 0, 0, kMaxSize);
+  m.group_topk = get_int(j, "moe_router_group_topk", 0, 0, kMaxSize);
+  m.enable_expert_bias = get_bool(j, "moe_router_enable_expert_bias", false);
+  // Above num_moe_experts the capacity exceeds every routed token (and the padded buffers grow with it).
+  m.capacity_factor = get_float(j, "moe_expert_capacity_factor", 0.0f, 0.0, static_cast<double>(m.num_experts));
+  const std::string pol = get_string(j, "moe_token_drop_policy", "probs");
+  if (pol != "probs" && pol != "position")
+    MOECORE_FAIL("moe-layer: moe_token_drop_policy '", pol, "' is not probs or position");
   m.drop_policy = pol == "position" ? moe::DropPolicy::position : moe::DropPolicy::probs;
-  m.pad_expert_input_to_capacity = get("moe_pad_expert_input_to_capacity", false);
-  c.Fs = get("moe_shared_expert_intermediate_size", int64_t{0});
+  m.pad_expert_input_to_capacity = get_bool(j, "moe_pad_expert_input_to_capacity", false);
+  c.Fs = get_int(j, "moe_shared_expert_intermediate_size", 0, 0, kMaxSize);
   m.shared_expert_intermediate_size = c.Fs;
-  m.shared_expert_gate = get("moe_shared_expert_gate", false);
-  m.swiglu = get("gated_linear_unit", false);  // Megatron default: no GLU
-  const std::string pd = get("params_dtype", std::string("fp32"));
+  m.shared_expert_gate = get_bool(j, "moe_shared_expert_gate", false);
+  m.swiglu = get_bool(j, "gated_linear_unit", false);  // Megatron default: no GLU
+  const std::string pd = get_string(j, "params_dtype", "fp32");
   if (pd != "fp32" && pd != "bf16") MOECORE_FAIL("moe-layer: params_dtype '", pd, "' is not fp32 or bf16");
   c.compute = pd == "bf16" ? DType::bf16 : DType::f32;
-  c.aux_grad_scale = get("aux_grad_scale", 1.0f);
-  c.add_bias_linear = get("add_bias_linear", false);
+  c.aux_grad_scale = get_float(j, "aux_grad_scale", 1.0f, -3.0e38, 3.0e38);
+  c.add_bias_linear = get_bool(j, "add_bias_linear", false);
   if (c.add_bias_linear && c.Fs > 0)
     MOECORE_FAIL(
         "moe-layer: add_bias_linear is not supported with shared experts (Megatron's SharedExpertMLP "
         "asserts add_bias_linear == False); unset moe_shared_expert_intermediate_size (",
         c.Fs, ")");
-  if (c.H <= 0 || c.F <= 0)
-    MOECORE_FAIL("moe-layer: hidden_size (", c.H, ") and moe_ffn_hidden_size (", c.F, ") must be set");
-  m.validate();
-  if (!m.enabled()) MOECORE_FAIL("moe-layer: num_moe_experts must be positive");
+  try {
+    m.validate();
+  } catch (const Error& e) {
+    MOECORE_FAIL("moe-layer: ", e.what(), " (config keys use Megatron's names with '_')");
+  }
   return c;
 }
 
@@ -126,7 +194,14 @@ std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const st
   const moe::MoeConfig& m = c.cfg;
   auto hit = in.find("input.hidden");
   if (hit == in.end()) MOECORE_FAIL("moe-layer: input tensor 'input.hidden' is missing");
+  if (hit->second.dim() != 2)
+    MOECORE_FAIL("moe-layer: input tensor 'input.hidden' has shape ", hit->second.shape().str(), ", expected [T, ", c.H,
+                 "]");
+  if (c.B <= 0 || c.H <= 0 || c.F <= 0 || c.Fs < 0 || m.num_experts <= 0)
+    MOECORE_FAIL("moe-layer: micro_batch_size (", c.B, "), hidden_size (", c.H, "), moe_ffn_hidden_size (", c.F,
+                 ") and num_moe_experts (", m.num_experts, ") must be positive (moe_layer_case_parse checks them)");
   const int64_t T = hit->second.size(0), H = c.H, E = m.num_experts, F = c.F, Fs = c.Fs;
+  if (T <= 0) MOECORE_FAIL("moe-layer: input tensor 'input.hidden' ", hit->second.shape().str(), " holds no tokens");
   if (T % c.B != 0) MOECORE_FAIL("moe-layer: ", T, " tokens are not divisible by micro_batch_size ", c.B);
   const int64_t fc1 = m.swiglu ? 2 * F : F, sfc1 = m.swiglu ? 2 * Fs : Fs;
   auto compute = [&](const Tensor& t) { return t.to(c.compute, MemCategory::parameters); };

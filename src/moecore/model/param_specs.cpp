@@ -17,6 +17,15 @@ std::vector<LayerSpec> layer_specs(const ModelConfig& cfg) {
   return out;
 }
 
+int64_t parameters_per_rank(const ModelConfig& cfg, int ep) {
+  int64_t n = 0;
+  for (const ParamSpec& p : parameter_specs(cfg)) {
+    const int64_t k = p.expert ? p.shape.numel() / ep : p.shape.numel();
+    if (__builtin_add_overflow(n, k, &n)) MOECORE_FAIL("model: more than 2^63 parameters (", cfg.summary(), ")");
+  }
+  return n;
+}
+
 std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
   const int64_t L = cfg.num_layers, H = cfg.hidden_size, V = cfg.vocab_size, D = cfg.head_dim();
   const int64_t G = cfg.query_groups(), Hq = cfg.num_attention_heads, qkv_rows = (Hq + 2 * G) * D;

@@ -92,7 +92,9 @@ struct Call {
   Call(const ProcessGroup& group, const char* op_name)
       : g(group), st(checked_state(group, op_name)), op(op_name), info{op,       g.name(),
                                                                        g.rank(), g.world_rank(),
-                                                                       ++st.seq, comm_options().timeout_s} {}
+                                                                       ++st.seq, comm_options().timeout_s} {
+    note_call(info);
+  }
   static GroupState& checked_state(const ProcessGroup& group, const char* op_name) {
     if (!group.valid())
       MOECORE_FAIL("comm: ", op_name,
@@ -115,6 +117,7 @@ struct Call {
       f();
     } catch (const Error& e) {
       st.broken = e.what();
+      mark_broken();
       // A request left pending may still read the counts or write the workspace: keep both alive for good.
       new Abandoned{std::move(st.scratch), st.comm};
       throw;
@@ -256,6 +259,7 @@ void debug_check_split(const ProcessGroup& parent, GroupState& st, const CallInf
     backend_all_gather(all.data(), &d, kDescWords, DType::i64, *st.comm, call);
   } catch (const Error& e) {
     st.broken = e.what();
+    mark_broken();
     throw;
   }
   for (int j = 0; j < parent.size(); ++j)

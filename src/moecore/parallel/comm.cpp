@@ -3,10 +3,16 @@
 // nothing here knows which backend is linked.
 #include "moecore/parallel/comm.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cmath>
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <utility>
 
@@ -20,9 +26,11 @@ void debug_check_split(const ProcessGroup& parent, GroupState& st, const CallInf
                        const std::vector<std::vector<int>>& partition);  // collectives.cpp
 
 [[noreturn]] void throw_timeout(const CallInfo& call) {
+  const std::string phase = comm_phase();
   MOECORE_FAIL("comm: ", call.op, " on group ", call.group, " timed out after ", call.timeout_s, " s on rank ",
-               call.rank, " (world rank ", call.world_rank, "): call #", call.seq,
-               " on this group; a peer never reached it (a rank skipped or reordered a collective, or is stuck "
+               call.rank, " (world rank ", call.world_rank, "): call #", call.seq, " on this group",
+               phase.empty() ? "" : ", " + phase,
+               "; a peer never reached it (a rank skipped or reordered a collective, or is stuck "
                "or dead). The group is unusable now: end the job with comm_abort(). MOECORE_COMM_DEBUG=1 checks "
                "that ranks call matching collectives; MOECORE_COMM_TIMEOUT_S sets the limit.");
 }
@@ -32,11 +40,112 @@ void debug_check_split(const ProcessGroup& parent, GroupState& st, const CallInf
                "), call #", call.seq, ": ", what, " (if ranks may disagree on sizes, rerun with MOECORE_COMM_DEBUG=1)");
 }
 
+// ---- What this rank is doing: fixed buffers, so a signal handler can read them ----
+namespace {
+char g_last_call[160];
+char g_phase[96];
+std::atomic<bool> g_broken{false};
+int g_world_rank = -1, g_world_size = 0;
+
+void copy_text(char* dst, size_t cap, const std::string& s) {
+  const size_t n = std::min(cap - 1, s.size());
+  std::memcpy(dst, s.data(), n);
+  dst[n] = '\0';
+}
+}  // namespace
+
+void note_call(const CallInfo& call) {
+  std::snprintf(g_last_call, sizeof g_last_call, "%.*s on group %s, call #%llu", static_cast<int>(call.op.size()),
+                call.op.data(), call.group.c_str(), static_cast<unsigned long long>(call.seq));
+}
+
+void mark_broken() {
+  g_broken = true;
+}
+
 }  // namespace detail
+
+void comm_set_phase(const std::string& phase) {
+  detail::copy_text(detail::g_phase, sizeof detail::g_phase, phase);
+}
+std::string comm_phase() {
+  return detail::g_phase;
+}
+std::string comm_last_call() {
+  return detail::g_last_call;
+}
 
 namespace {
 
 using detail::GroupState;
+
+// ---- Fatal signals of a multi-process job: say which rank died doing what, then die as the signal says ----
+void write_err(const char* s) {
+  ssize_t r = ::write(STDERR_FILENO, s, std::strlen(s));
+  (void)r;
+}
+
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGINT:
+      return "SIGINT";
+    case SIGSEGV:
+      return "SIGSEGV";
+    case SIGBUS:
+      return "SIGBUS";
+    case SIGFPE:
+      return "SIGFPE";
+    case SIGILL:
+      return "SIGILL";
+    case SIGABRT:
+      return "SIGABRT";
+    default:
+      return "a signal";
+  }
+}
+
+extern "C" void on_fatal_signal(int sig) {
+  char rank[48];
+  std::snprintf(rank, sizeof rank, "%d of %d", detail::g_world_rank, detail::g_world_size);  // no allocation
+  write_err("moecore: rank ");
+  write_err(rank);
+  write_err(": ");
+  write_err(signal_name(sig));
+  write_err(detail::g_last_call[0] ? " after entering " : " before any collective");
+  write_err(detail::g_last_call);
+  if (detail::g_phase[0]) {
+    write_err(" (");
+    write_err(detail::g_phase);
+    write_err(")");
+  }
+  write_err(sig == SIGTERM || sig == SIGINT ? "; mpirun sends SIGTERM to every rank when one rank fails or dies\n"
+                                            : "\n");
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
+void install_fatal_signal_handlers() {
+  std::vector<int> sigs = {SIGTERM, SIGINT};
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__has_feature)
+  sigs.insert(sigs.end(), {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT});
+#elif defined(__has_feature)
+#if !__has_feature(address_sanitizer)
+  sigs.insert(sigs.end(), {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT});  // the sanitizers report these themselves
+#endif
+#endif
+  for (const int sig : sigs) {
+    struct sigaction old = {};
+    sigaction(sig, nullptr, &old);
+    if (old.sa_handler != SIG_DFL) continue;  // someone else (a debugger, a sanitizer) handles it
+    struct sigaction sa = {};
+    sa.sa_handler = on_fatal_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESETHAND;
+    sigaction(sig, &sa, nullptr);
+  }
+}
 
 // Read from the environment on first use unless comm_init or comm_set_options set them first.
 std::optional<CommOptions>& options_slot() {
@@ -119,6 +228,9 @@ void comm_init(int& argc, char**& argv) {
 void comm_init(int& argc, char**& argv, const CommOptions& options) {
   detail::backend_init(argc, argv);
   options_slot() = options;
+  detail::g_world_rank = detail::backend_world_rank();
+  detail::g_world_size = detail::backend_world_size();
+  if (detail::g_world_size > 1) install_fatal_signal_handlers();
 }
 
 void comm_finalize() {
@@ -145,6 +257,19 @@ void comm_set_options(const CommOptions& options) {
 }
 void comm_abort(int code) {
   detail::backend_abort(code);
+}
+
+int comm_error_exit(int code, double wait_s) {
+  if (!comm_initialized() || detail::backend_world_size() == 1) return code;
+  const bool broken = detail::g_broken;
+  const double wait = comm_options().timeout_s > 0 ? std::min(wait_s, comm_options().timeout_s) : wait_s;
+  if (!broken && detail::backend_all_failed_together(false, wait)) return code;
+  std::fprintf(stderr, "moecore: rank %d of %d ends the job (MPI_Abort, exit code %d): %s; last collective: %s%s%s\n",
+               detail::g_world_rank, detail::g_world_size, code,
+               broken ? "a collective failed, so peers may be stuck in it"
+                      : "the other ranks did not fail with it, so they would wait for it forever",
+               detail::g_last_call[0] ? detail::g_last_call : "none", detail::g_phase[0] ? "; " : "", detail::g_phase);
+  comm_abort(code);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -229,12 +354,14 @@ ProcessGroup group_split(const ProcessGroup& parent, std::string name, const std
     const std::string op = "group_split(" + name + ")";
     const detail::CallInfo call{op,      parent.name(),           parent.rank(), parent.world_rank(),
                                 pst.seq, comm_options().timeout_s};
+    detail::note_call(call);
     detail::debug_check_split(parent, pst, call, partition);
     try {
       auto comm = detail::backend_split(*pst.comm, color, key, call);
       if (mine.size() > 1) st->comm = std::move(comm);
     } catch (const Error& e) {
       pst.broken = e.what();
+      detail::mark_broken();
       throw;
     }
   }

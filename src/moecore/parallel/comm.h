@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moecore/core/dtype.h"
@@ -35,6 +36,19 @@ const CommOptions& comm_options();
 void comm_set_options(const CommOptions& options);  // collective in spirit: all ranks set the same values
 // Ends every rank of the job. The way out after a timeout: peers are stuck inside the collective.
 [[noreturn]] void comm_abort(int code);
+
+// ---- Job-wide safety ----------------------------------------------------------------------------------------
+// The way out of a rank that failed (its error already printed). When every rank of the world reaches this
+// within `wait_s` seconds (they all failed, e.g. the same bad flag) and no collective was left hanging, the
+// ranks finalize together and this returns `code`; otherwise this rank ends the whole job with
+// MPI_Abort(code) after printing which rank gave up, so no peer ever waits forever in a collective.
+// Not initialized, the local backend, or a world of one: returns `code` at once.
+int comm_error_exit(int code, double wait_s = 10.0);
+// What this process is doing ("iteration 12"), named by timeouts, comm_error_exit and fatal signals.
+void comm_set_phase(const std::string& phase);
+std::string comm_phase();
+// The last collective this rank entered ("all_to_all_v on group ep, call #31"; "" before the first).
+std::string comm_last_call();
 
 namespace detail {
 struct GroupState;  // communicator handle, call counter and workspace; defined in comm.cpp
@@ -144,6 +158,12 @@ MOECORE_COMM_MOVE_OVERLOADS(f16)
 #undef MOECORE_COMM_MOVE_OVERLOADS
 
 void barrier(const ProcessGroup& g);
+
+// Every rank of `g` must run the same configuration: checks that all members passed equal `fields` (name,
+// value; e.g. every flag with its effective value) by exchanging a hash, and on a mismatch the differing
+// fields' values, then throws on every rank naming each differing field and its value on each rank.
+// Collective; call it before any other collective of the job, so a disagreement can never reach a dispatcher.
+void check_same_config(const std::vector<std::pair<std::string, std::string>>& fields, const ProcessGroup& g);
 
 // Tensor forms: contiguous CPU tensors; `*_v` counts are rows of dim 0 (a row = the trailing dims).
 // Reductions need f32/f64/i64. The tensors are handles: outputs are written through them.

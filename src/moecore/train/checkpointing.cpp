@@ -4,12 +4,15 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 
 #include "moecore/io/checkpoint.h"
+#include "moecore/io/json.h"
 #include "moecore/model/layer_pattern.h"
 
 namespace moecore::train {
@@ -43,13 +46,45 @@ json model_fingerprint(const model::ModelConfig& c) {
   return f;
 }
 
+// The tensor `name` of `file`, which must have like's dtype and shape. `file` is the path shown in errors.
 const Tensor& need(const io::SafetensorsFile& f, const std::string& file, const std::string& name, const Tensor& like) {
   auto it = f.tensors.find(name);
-  if (it == f.tensors.end()) MOECORE_FAIL("checkpoint: ", file, " has no tensor '", name, "'");
-  if (!(it->second.shape() == like.shape()))
-    MOECORE_FAIL("checkpoint: ", file, " tensor '", name, "' has shape ", it->second.shape().str(),
-                 " but the model expects ", like.shape().str());
+  if (it == f.tensors.end()) MOECORE_FAIL("checkpoint: '", file, "' has no tensor '", name, "'");
+  if (!(it->second.shape() == like.shape()) || it->second.dtype() != like.dtype())
+    MOECORE_FAIL("checkpoint: '", file, "' tensor '", name, "' is ", it->second.str(), " but the model expects ",
+                 like.str());
   return it->second;
+}
+
+// Field readers for state.json: the type and range are checked, so no nlohmann exception and no overflowing
+// conversion can escape.
+[[noreturn]] void bad_field(const std::string& dir, const std::string& key, const std::string& why) {
+  MOECORE_FAIL("checkpoint: '", dir, "/state.json' field \"", key, "\" ", why);
+}
+int64_t int_field(const json& j, const std::string& key, const std::string& dir, int64_t min,
+                  std::optional<int64_t> fallback = std::nullopt) {
+  if (!j.contains(key)) {
+    if (fallback) return *fallback;
+    bad_field(dir, key, "is missing");
+  }
+  const json& v = j[key];
+  if (!v.is_number_integer()) bad_field(dir, key, "is " + std::string(v.type_name()) + ", not an integer");
+  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+    bad_field(dir, key, "is out of range: " + v.dump());
+  const int64_t x = v.get<int64_t>();
+  if (x < min) bad_field(dir, key, "is " + std::to_string(x) + ", less than " + std::to_string(min));
+  return x;
+}
+float float_field(const json& j, const std::string& key, const std::string& dir) {
+  if (!j.contains(key) || !j[key].is_number()) bad_field(dir, key, "is missing or not a number");
+  const double d = j[key].get<double>();
+  if (!std::isfinite(d) || std::fabs(d) > std::numeric_limits<float>::max())
+    bad_field(dir, key, "is " + j[key].dump() + ", not a finite float");
+  return static_cast<float>(d);
+}
+std::string string_field(const json& j, const std::string& key, const std::string& dir) {
+  if (!j.contains(key) || !j[key].is_string()) bad_field(dir, key, "is missing or not a string");
+  return j[key].get<std::string>();
 }
 
 json scheduler_to_json(const OptParamSchedulerState& s) {
@@ -60,22 +95,17 @@ json scheduler_to_json(const OptParamSchedulerState& s) {
 }
 
 OptParamSchedulerState scheduler_from_json(const json& j, const std::string& dir) {
-  try {
-    OptParamSchedulerState s;
-    s.max_lr = static_cast<float>(j.at("max_lr").get<double>());
-    s.min_lr = static_cast<float>(j.at("min_lr").get<double>());
-    s.lr_warmup_steps = j.at("lr_warmup_steps").get<int64_t>();
-    s.lr_decay_steps = j.at("lr_decay_steps").get<int64_t>();
-    s.lr_decay_style = j.at("lr_decay_style").get<std::string>();
-    s.wsd_decay_steps = j.at("wsd_decay_steps").get<int64_t>();
-    s.lr_wsd_decay_style = j.at("lr_wsd_decay_style").get<std::string>();
-    s.num_steps = j.at("num_steps").get<int64_t>();
-    if (s.num_steps < 0)
-      MOECORE_FAIL("checkpoint: ", dir, "/state.json has opt_param_scheduler.num_steps ", s.num_steps);
-    return s;
-  } catch (const json::exception& e) {
-    MOECORE_FAIL("checkpoint: ", dir, "/state.json has a malformed opt_param_scheduler: ", e.what());
-  }
+  if (!j.is_object()) bad_field(dir, "opt_param_scheduler", "is not an object");
+  OptParamSchedulerState s;
+  s.max_lr = float_field(j, "max_lr", dir);
+  s.min_lr = float_field(j, "min_lr", dir);
+  s.lr_warmup_steps = int_field(j, "lr_warmup_steps", dir, 0);
+  s.lr_decay_steps = int_field(j, "lr_decay_steps", dir, 0);
+  s.lr_decay_style = string_field(j, "lr_decay_style", dir);
+  s.wsd_decay_steps = int_field(j, "wsd_decay_steps", dir, 0);
+  s.lr_wsd_decay_style = string_field(j, "lr_wsd_decay_style", dir);
+  s.num_steps = int_field(j, "num_steps", dir, 0);
+  return s;
 }
 
 // Shortest text that reads back as the same value (two learning rates that differ never print alike).
@@ -226,31 +256,63 @@ std::string weights_only_state_json(const model::ModelConfig& cfg, int64_t ep, c
   return state.dump(1);
 }
 
-void check_checkpoint_model(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir) {
-  json state;
-  try {
-    state = json::parse(state_json);
-  } catch (const json::exception& e) {
-    MOECORE_FAIL("checkpoint: ", dir, "/state.json is not valid JSON: ", e.what());
+namespace {
+json parse_state(std::string_view state_json, const std::string& dir) {
+  const json state = io::parse_json(state_json, "checkpoint: '" + dir + "/state.json'");
+  if (!state.is_object() || !state.contains("format") || state["format"] != "moecore-train-state" ||
+      !state.contains("version") || state["version"] != 1)
+    MOECORE_FAIL("checkpoint: '", dir, "/state.json' is not a moecore training state (format/version)");
+  if (!state.contains("model") || !state["model"].is_object())
+    bad_field(dir, "model", "is missing or not an object (the model fingerprint)");
+  return state;
+}
+}  // namespace
+
+TrainStateJson train_state_parse(std::string_view state_json, const std::string& dir) {
+  const json state = parse_state(state_json, dir);
+  TrainStateJson t;
+  t.iteration = int_field(state, "iteration", dir, 0);
+  t.consumed_samples = int_field(state, "consumed_samples", dir, 0);
+  if (state.contains("seed")) {
+    if (!state["seed"].is_number_unsigned()) bad_field(dir, "seed", "is not an integer >= 0");
+    t.seed = state["seed"].get<uint64_t>();
   }
-  if (state.value("format", "") != "moecore-train-state" || state.value("version", 0) != 1)
-    MOECORE_FAIL("checkpoint: ", dir, "/state.json is not a moecore training state (format/version)");
+  t.expert_model_parallel_size = int_field(state, "expert_model_parallel_size", dir, 1, 1);
+  if (state.contains("optimizer_steps")) t.optimizer_steps = int_field(state, "optimizer_steps", dir, 0);
+  if (state.contains("opt_param_scheduler")) t.scheduler = scheduler_from_json(state["opt_param_scheduler"], dir);
+  if (state.contains("router_calls")) {
+    const json& c = state["router_calls"];
+    if (!c.is_array()) bad_field(dir, "router_calls", "is not an array");
+    std::vector<int64_t> calls;
+    for (size_t l = 0; l < c.size(); ++l) {
+      if (!c[l].is_number_unsigned() || c[l].get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+        bad_field(dir, "router_calls", "has an entry " + c[l].dump().substr(0, 32) + " that is not an integer >= 0");
+      calls.push_back(c[l].get<int64_t>());
+    }
+    t.router_calls = std::move(calls);
+  }
+  return t;
+}
+
+void check_checkpoint_model(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir) {
+  const json state = parse_state(state_json, dir);
+  const json& saved = state["model"];
   const json want = model_fingerprint(cfg);
   for (const auto& [k, v] : want.items()) {
     // A layer pattern compares by the layers it makes MoE, not by its spelling ("[0]+[1]" == "[0]*1+[1]*1").
-    if (k == "moe_layer_freq" && state["model"].contains(k) && state["model"][k].is_string() && cfg.moe.enabled()) {
+    if (k == "moe_layer_freq" && saved.contains(k) && saved[k].is_string() && cfg.moe.enabled()) {
       try {
-        if (model::parse_layer_pattern(state["model"][k].get<std::string>(), cfg.num_layers, "moe_layer_freq") ==
+        if (model::parse_layer_pattern(saved[k].get<std::string>(), cfg.num_layers, "moe_layer_freq") ==
             cfg.moe_layers())
           continue;
       } catch (const Error&) {
         // an unparsable saved pattern differs: reported below
       }
     }
-    if (!state["model"].contains(k) || state["model"][k] != v)
+    if (!saved.contains(k) || saved[k] != v)
       MOECORE_FAIL("checkpoint: ", dir, " was saved with ", k, " = ",
-                   state["model"].contains(k) ? state["model"][k].dump() : std::string("(absent)"),
-                   " but the model has ", k, " = ", v.dump());
+                   saved.contains(k) ? saved[k].dump().substr(0, 200) : std::string("(absent)"), " but the model has ",
+                   k, " = ", v.dump());
   }
 }
 
@@ -315,44 +377,41 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
 
 namespace {
 // Copies rows [first, first + dst.size(0)) of the global [E, ...] tensor `name` into dst, from the file that
-// holds it whole (saved at EP 1) or from the EP shards that hold those rows (saved at EP > 1).
+// holds it whole (saved at EP 1: shape [E, ...]) or from the EP shards that hold those rows (saved at EP > 1:
+// shape [E / EP, ...] each). Every source must have dst's dtype and exactly that shape. With copy false only
+// the checks run (a load checks everything before it writes anything).
 void load_expert_rows(Tensor& dst, const io::LoadedCheckpoint& ck, const std::string& whole_file,
-                      const std::string& name, int64_t first, int64_t saved_ep, int64_t num_experts) {
+                      const std::string& name, int64_t first, int64_t saved_ep, int64_t num_experts, bool copy) {
   const int64_t n = dst.size(0), per_row = dst.numel() / std::max<int64_t>(n, 1);
   const int64_t row_bytes = per_row * static_cast<int64_t>(dtype_size(dst.dtype()));
-  auto copy_rows = [&](const Tensor& src, int64_t src_first, const std::string& file) {
-    const int64_t m = src.size(0);
-    if (src.dim() != dst.dim() || src.numel() / std::max<int64_t>(m, 1) != per_row)
-      MOECORE_FAIL("checkpoint: ", file, " tensor '", name, "' has shape ", src.shape().str(),
-                   " which does not hold rows of ", dst.shape().str());
-    const int64_t lo = std::max(first, src_first), hi = std::min(first + n, src_first + m);
+  auto use = [&](const std::string& file, int64_t rows, int64_t src_first) {
+    auto f = ck.files.find(file);
+    if (f == ck.files.end())
+      MOECORE_FAIL("checkpoint: ", ck.dir, " has no ", file, saved_ep > 1 ? " (saved at EP " : "",
+                   saved_ep > 1 ? std::to_string(saved_ep) + ")" : "");
+    const std::string path = ck.dir + "/" + file;
+    auto it = f->second.tensors.find(name);
+    if (it == f->second.tensors.end()) MOECORE_FAIL("checkpoint: '", path, "' has no tensor '", name, "'");
+    const Tensor& src = it->second;
+    Shape want = dst.shape();
+    want[0] = rows;
+    if (!(src.shape() == want) || src.dtype() != dst.dtype())
+      MOECORE_FAIL("checkpoint: '", path, "' tensor '", name, "' is ", src.str(), " but ", want.str(), " ",
+                   dtype_name(dst.dtype()), " is expected (", rows, " experts of ", dst.str(), ")");
+    if (!copy) return;
+    const int64_t lo = std::max(first, src_first), hi = std::min(first + n, src_first + rows);
     for (int64_t r = lo; r < hi; ++r)
       std::memcpy(static_cast<char*>(dst.raw()) + (r - first) * row_bytes,
                   static_cast<const char*>(src.raw()) + (r - src_first) * row_bytes, static_cast<size_t>(row_bytes));
   };
   if (saved_ep <= 1) {
-    auto f = ck.files.find(whole_file);
-    if (f == ck.files.end()) MOECORE_FAIL("checkpoint: ", ck.dir, " has no ", whole_file);
-    auto it = f->second.tensors.find(name);
-    if (it == f->second.tensors.end()) MOECORE_FAIL("checkpoint: ", whole_file, " has no tensor '", name, "'");
-    if (it->second.size(0) != num_experts || it->second.dtype() != dst.dtype())
-      MOECORE_FAIL("checkpoint: ", whole_file, " tensor '", name, "' is ", it->second.str(), ", expected ", num_experts,
-                   " experts of ", dst.str());
-    copy_rows(it->second, 0, whole_file);
+    use(whole_file, num_experts, 0);
     return;
   }
   const int64_t per_shard = num_experts / saved_ep;
   for (int64_t j = 0; j < saved_ep; ++j) {
     if ((j + 1) * per_shard <= first || j * per_shard >= first + n) continue;
-    const std::string file = checkpoint_expert_file(j, saved_ep);
-    auto f = ck.files.find(file);
-    if (f == ck.files.end()) MOECORE_FAIL("checkpoint: ", ck.dir, " has no ", file, " (saved at EP ", saved_ep, ")");
-    auto it = f->second.tensors.find(name);
-    if (it == f->second.tensors.end()) MOECORE_FAIL("checkpoint: ", file, " has no tensor '", name, "'");
-    if (it->second.size(0) != per_shard || it->second.dtype() != dst.dtype())
-      MOECORE_FAIL("checkpoint: ", file, " tensor '", name, "' is ", it->second.str(), ", expected ", per_shard,
-                   " experts of ", dst.str());
-    copy_rows(it->second, j * per_shard, file);
+    use(checkpoint_expert_file(j, saved_ep), per_shard, j * per_shard);
   }
 }
 }  // namespace
@@ -363,72 +422,98 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
   const bool load_optim = options.load_optim && !options.finetune;
   const bool load_rng = options.load_rng && !options.finetune;
   const io::LoadedCheckpoint ck = io::checkpoint_load(dir);
+  // A file that passed its checksum but disagrees with COMMIT or the model was written wrong or forged: the
+  // error says so and lists the checkpoints to fall back on.
+  TrainStateJson state;
+  try {
+    state = train_state_parse(ck.state_json, ck.dir);
+    if (state.iteration != ck.iteration)
+      MOECORE_FAIL("checkpoint: '", ck.dir, "/state.json' records iteration ", state.iteration, " but '", ck.dir,
+                   "/COMMIT' records ", ck.iteration, " (a damaged or mixed-up checkpoint)");
+  } catch (const Error& e) {
+    throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
+  }
   check_checkpoint_model(ck.state_json, gpt.config(), ck.dir);
-  const json state = json::parse(ck.state_json);
-  if (load_rng && state.value("seed", uint64_t{0}) != seed)
+  if (load_rng && state.seed != seed)
     std::fprintf(stderr, "checkpoint: warning: %s was saved with --seed %llu, resuming with --seed %llu\n",
-                 ck.dir.c_str(), static_cast<unsigned long long>(state.value("seed", uint64_t{0})),
-                 static_cast<unsigned long long>(seed));
+                 ck.dir.c_str(), static_cast<unsigned long long>(state.seed), static_cast<unsigned long long>(seed));
   if (!ck.files.count(kModelFile)) MOECORE_FAIL("checkpoint: ", ck.dir, " has no ", kModelFile);
-  if (load_optim && !state.contains("optimizer_steps"))
+  if (load_optim && !state.optimizer_steps)
     MOECORE_FAIL("checkpoint: unable to load the optimizer state from ", ck.dir,
                  ": it was saved with --no-save-optim (no moments, step count or scheduler state); specify ",
                  "--no-load-optim or --finetune to load it without the optimizer state");
   if (load_optim && !ck.files.count(kOptimizerFile))
     MOECORE_FAIL("checkpoint: unable to load the optimizer state from ", ck.dir, ": it has no ", kOptimizerFile,
                  "; specify --no-load-optim or --finetune to load it without the optimizer state");
-  if (load_rng && !state.contains("router_calls"))
+  if (load_rng && !state.router_calls)
     MOECORE_FAIL("checkpoint: unable to load the rng state from ", ck.dir,
                  ": it was saved with --no-save-rng (no router noise-stream positions); specify --no-load-rng or ",
                  "--finetune to load it with the noise streams restarting as in a fresh run");
+  const int64_t layers = gpt.config().num_transformer_layers();
+  if (load_rng && static_cast<int64_t>(state.router_calls->size()) != layers)
+    MOECORE_FAIL("checkpoint: '", ck.dir, "/state.json' has ", state.router_calls->size(), " router_calls entries for ",
+                 layers, " layers.", io::checkpoint_recovery_hint(ck.dir));
   const io::SafetensorsFile& model = ck.files.at(kModelFile);
   const io::SafetensorsFile* optim = load_optim ? &ck.files.at(kOptimizerFile) : nullptr;
+  const std::string model_path = ck.dir + "/" + kModelFile, optim_path = ck.dir + "/" + kOptimizerFile;
   auto& params = gpt.params();
   if (load_optim && (opt.exp_avg.size() != params.size() || opt.exp_avg_sq.size() != params.size()))
     MOECORE_FAIL("checkpoint: the optimizer state has ", opt.exp_avg.size(), " moments for ", params.size(),
                  " parameters");
-  const int64_t saved_ep = state.value("expert_model_parallel_size", int64_t{1});
+  const int64_t saved_ep = state.expert_model_parallel_size;
   const int64_t E = gpt.config().moe.num_experts;
-  if (saved_ep < 1 || (E > 0 && E % saved_ep != 0))
+  if (E > 0 && E % saved_ep != 0)
     MOECORE_FAIL("checkpoint: ", ck.dir, "/state.json has expert_model_parallel_size ", saved_ep, " for ", E,
                  " experts");
-  for (size_t i = 0; i < params.size(); ++i) {
-    Param& p = params[i];
-    if (p.expert_parallel) {  // resharding: this rank's experts out of whichever files hold them
-      const int64_t first = gpt.ep_rank() * p.value.size(0);
-      load_expert_rows(p.value, ck, kModelFile, p.name, first, saved_ep, E);
+  // Two passes: every check first (copy false), so a load that fails leaves the model and optimizer untouched.
+  auto tensors = [&](bool copy) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      Param& p = params[i];
+      if (p.expert_parallel) {  // resharding: this rank's experts out of whichever files hold them
+        const int64_t first = gpt.ep_rank() * p.value.size(0);
+        load_expert_rows(p.value, ck, kModelFile, p.name, first, saved_ep, E, copy);
+        if (!optim) continue;
+        load_expert_rows(opt.exp_avg[i], ck, kOptimizerFile, "exp_avg." + p.name, first, saved_ep, E, copy);
+        load_expert_rows(opt.exp_avg_sq[i], ck, kOptimizerFile, "exp_avg_sq." + p.name, first, saved_ep, E, copy);
+        continue;
+      }
+      const Tensor& w = need(model, model_path, p.name, p.value);
+      if (copy) p.value.copy_from(w);
       if (!optim) continue;
-      load_expert_rows(opt.exp_avg[i], ck, kOptimizerFile, "exp_avg." + p.name, first, saved_ep, E);
-      load_expert_rows(opt.exp_avg_sq[i], ck, kOptimizerFile, "exp_avg_sq." + p.name, first, saved_ep, E);
-      continue;
+      const Tensor& m = need(*optim, optim_path, "exp_avg." + p.name, opt.exp_avg[i]);
+      const Tensor& v = need(*optim, optim_path, "exp_avg_sq." + p.name, opt.exp_avg_sq[i]);
+      if (!copy) continue;
+      opt.exp_avg[i].copy_from(m);
+      opt.exp_avg_sq[i].copy_from(v);
     }
-    p.value.copy_from(need(model, kModelFile, p.name, p.value));
-    if (!optim) continue;
-    opt.exp_avg[i].copy_from(need(*optim, kOptimizerFile, "exp_avg." + p.name, opt.exp_avg[i]));
-    opt.exp_avg_sq[i].copy_from(need(*optim, kOptimizerFile, "exp_avg_sq." + p.name, opt.exp_avg_sq[i]));
+    for (int64_t l = 0; l < layers; ++l) {
+      moe::RouterState* st = gpt.router_state(l);
+      if (!st || !st->expert_bias.defined()) continue;
+      const Tensor& b = need(model, model_path, checkpoint_expert_bias_name(l), st->expert_bias);
+      if (copy) st->expert_bias.copy_from(b);
+    }
+  };
+  try {
+    tensors(false);
+  } catch (const Error& e) {
+    throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
   }
+  tensors(true);
   if (!load_optim) {  // a fresh optimizer, whatever the tensors held before
     for (auto* moments : {&opt.exp_avg, &opt.exp_avg_sq})
       for (Tensor& t : *moments)
         if (t.defined()) t.zero_();
   }
-  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
-    moe::RouterState* st = gpt.router_state(l);
-    if (!st) continue;
-    st->calls = load_rng ? state["router_calls"].at(static_cast<size_t>(l)).get<int64_t>() : 0;
-    if (st->expert_bias.defined())
-      st->expert_bias.copy_from(need(model, kModelFile, checkpoint_expert_bias_name(l), st->expert_bias));
-  }
+  for (int64_t l = 0; l < layers; ++l)
+    if (moe::RouterState* st = gpt.router_state(l)) st->calls = load_rng ? (*state.router_calls)[l] : 0;
   gpt.refresh_compute_weights();
   gpt.zero_grad();
   LoadedTrainingState out;
   out.optimizer_loaded = load_optim;
   out.rng_loaded = load_rng;
-  opt.steps = load_optim ? state.at("optimizer_steps").get<int64_t>() : 0;
-  if (load_optim && state.contains("opt_param_scheduler"))
-    out.scheduler = scheduler_from_json(state["opt_param_scheduler"], ck.dir);
-  if (!options.finetune)
-    out.progress = {state.at("iteration").get<int64_t>(), state.at("consumed_samples").get<int64_t>()};
+  opt.steps = load_optim ? *state.optimizer_steps : 0;
+  if (load_optim) out.scheduler = state.scheduler;
+  if (!options.finetune) out.progress = {state.iteration, state.consumed_samples};
   return out;
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moecore/model/gpt.h"
@@ -92,9 +93,13 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
                               const TrainGroups* groups = nullptr, const CheckpointSaveOptions& options = {});
 
 // Loads the parts `options` selects of a committed checkpoint directory into gpt and the optimizer state (whose
-// tensors must exist with this rank's shapes). Resharding: a checkpoint saved at any EP loads at any other EP
-// dividing the number of experts (each rank copies its experts' rows out of whichever shards hold them).
-// Throws Error naming the file, tensor or field and the reason; a part the checkpoint was saved without
+// tensors must exist with this rank's shapes). Before anything is copied, every file is verified against COMMIT
+// (size, CRC32C), state.json is parsed strictly and its iteration must equal COMMIT's, and every tensor read
+// must have the dtype and the full shape of its destination (expert tensors: [E, ...] saved at EP 1, [E/EP, ...]
+// per shard; the moments: the optimizer's dtype): a failed load leaves gpt and opt untouched. Resharding: a checkpoint
+// saved at any EP loads at any other EP dividing the number of experts (each rank copies its experts' rows out of
+// whichever shards hold them). Throws Error naming the file, tensor or field and the reason; a part the checkpoint was
+// saved without
 // (--no-save-optim, --no-save-rng) names the flag that loads without it (--no-load-optim / --no-load-rng, or
 // --finetune).
 LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, OptimizerState& opt,
@@ -119,6 +124,19 @@ std::string weights_only_state_json(const model::ModelConfig& cfg, int64_t ep, c
 // Throws Error naming the directory and the field when state.json is not a training state or its model
 // fingerprint (layers, sizes, experts, ...) differs from cfg's.
 void check_checkpoint_model(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir);
+
+// state.json of a training checkpoint, every field type- and range-checked (a hostile or damaged file is an
+// Error naming <dir>/state.json and the field, never a crash or a silently wrong value).
+struct TrainStateJson {
+  int64_t iteration = 0;                             // >= 0; must equal COMMIT's (load_training_state checks)
+  int64_t consumed_samples = 0;                      // >= 0
+  uint64_t seed = 0;                                 // --seed of the run that saved it
+  int64_t expert_model_parallel_size = 1;            // >= 1
+  std::optional<int64_t> optimizer_steps;            // >= 0; absent: saved with --no-save-optim
+  std::optional<OptParamSchedulerState> scheduler;   // "opt_param_scheduler", when saved
+  std::optional<std::vector<int64_t>> router_calls;  // per layer, >= 0; absent: saved with --no-save-rng
+};
+TrainStateJson train_state_parse(std::string_view state_json, const std::string& dir);
 
 // A hash of every master weight's bytes (resume tests and log lines).
 uint64_t parameter_hash(const model::GptModel& gpt);

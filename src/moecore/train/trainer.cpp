@@ -45,6 +45,9 @@ void TrainConfig::validate() const {
                  ") must not be negative");
   if (save_interval > 0 && save.empty()) MOECORE_FAIL("--save-interval needs --save DIR");
   if (exit_interval < 0) MOECORE_FAIL("--exit-interval (", exit_interval, ") must not be negative");
+  if (ckpt_step < -1) MOECORE_FAIL("--ckpt-step (", ckpt_step, ") must not be negative");
+  if (ckpt_step >= 0 && load.empty())
+    MOECORE_FAIL("--ckpt-step (", ckpt_step, ") needs --load DIR: it picks which iteration of DIR to load");
   if (override_opt_param_scheduler && use_checkpoint_opt_param_scheduler)
     MOECORE_FAIL("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other ",
                  "(both override and use-checkpoint are set): keep the command line's LR schedule or the checkpoint's");
@@ -448,8 +451,9 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   int64_t schedule_start = 0;  // the iteration at which the LR schedule's step 0 falls
   if (!cfg.load.empty()) {
     // As in Megatron, an empty --load directory starts from scratch, so one command serves the first launch
-    // and every restart.
-    const auto dir = io::checkpoint_find_latest(cfg.load);
+    // and every restart; a directory holding a damaged newest checkpoint is an Error (checkpoint_find_latest).
+    const auto dir =
+        io::checkpoint_find_latest(cfg.load, cfg.ckpt_step >= 0 ? std::optional<int64_t>(cfg.ckpt_step) : std::nullopt);
     const CheckpointLoadOptions parts{cfg.load_optim, cfg.load_rng, cfg.finetune};
     LoadedTrainingState loaded;
     if (dir && zero) {
@@ -506,16 +510,28 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
     const CheckpointSaveOptions parts{cfg.save_optim, cfg.save_rng,
                                       opt_param_scheduler_of(cfg, progress.iteration - schedule_start),
                                       cfg.hf_config_json};
-    if (zero)  // the gather is collective: every rank skips it alike (same flags)
-      save_training_checkpoint(cfg.save, gpt, cfg.save_optim ? zero->gather(gpt.params().size()) : OptimizerState{},
-                               progress, cfg.seed, cfg.keep_last, &groups, parts);
-    else
-      save_training_checkpoint(cfg.save, gpt, opt, progress, cfg.seed, cfg.keep_last, &groups, parts);
+    // A failed save stops the run (Megatron's behaviour): retrying would need free space the job cannot make,
+    // and going on would risk losing more steps than the last committed checkpoint holds.
+    try {
+      if (zero)  // the gather is collective: every rank skips it alike (same flags)
+        save_training_checkpoint(cfg.save, gpt, cfg.save_optim ? zero->gather(gpt.params().size()) : OptimizerState{},
+                                 progress, cfg.seed, cfg.keep_last, &groups, parts);
+      else
+        save_training_checkpoint(cfg.save, gpt, opt, progress, cfg.seed, cfg.keep_last, &groups, parts);
+    } catch (const Error& e) {
+      const auto kept = io::checkpoint_read_tracker(cfg.save);
+      MOECORE_FAIL(e.what(), "; training stops at iteration ", progress.iteration, " without this checkpoint; ",
+                   kept ? "the newest valid checkpoint is still iteration " + std::to_string(*kept) +
+                              " (resume with --load " + cfg.save + ")"
+                        : std::string("no checkpoint was committed under ") + cfg.save,
+                   ", free space or fix the error first");
+    }
     if (log)
       std::fprintf(log, " saved checkpoint at iteration %lld to %s\n", static_cast<long long>(progress.iteration),
                    cfg.save.c_str());
   };
   for (int64_t it = progress.iteration; it < cfg.train_iters; ++it) {
+    comm_set_phase("iteration " + std::to_string(it + 1));  // named by timeouts, aborts and fatal signals
     gpt.zero_grad();
     double step_loss = 0;
     std::vector<double> mtp_loss(static_cast<size_t>(m.mtp_num_layers), 0.0);  // per depth
@@ -645,6 +661,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
     const bool last = it + 1 == cfg.train_iters;
     if (cfg.has_validation && (last || (cfg.eval_interval > 0 && (it + 1) % cfg.eval_interval == 0))) {
       const auto t_eval = std::chrono::steady_clock::now();
+      comm_set_phase("validation after iteration " + std::to_string(it + 1));
       const double v = evaluate(gpt, cfg, batches, dp);
       // Evaluation time (and its dispatcher traffic) stays out of the next interval's throughput.
       t_last += std::chrono::steady_clock::now() - t_eval;

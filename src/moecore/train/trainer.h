@@ -36,6 +36,8 @@ struct TrainConfig {
   bool moe_per_layer_logging = false;              // --moe-per-layer-logging: a line per MoE layer at each log
   std::string save;                                // --save: checkpoint root ("" = no checkpoints)
   std::string load;                                // --load: checkpoint root or iteration directory to resume from
+  int64_t ckpt_step = -1;                          // --ckpt-step: with --load, this iteration instead of the newest
+                                                   // (-1: the newest; a damaged newest is an Error, never skipped)
   int64_t save_interval = 0;                       // --save-interval: steps between checkpoints (0: only at the end)
   int64_t exit_interval = 0;   // --exit-interval: stop (after saving) when the iteration is a multiple
   int keep_last = 0;           // --keep-last-checkpoints: newest N kept (0: all)
@@ -97,6 +99,11 @@ struct TrainLog {
 using StepObserver = std::function<void(int64_t iteration, double loss, bool skipped)>;
 
 // Runs (or resumes, with cfg.load) training until cfg.train_iters steps are done or a stop signal arrives.
+// cfg.load: an absent or empty directory (no tracker, no iter_N) starts from scratch; otherwise the newest
+// checkpoint (or cfg.ckpt_step's) must load, else Error naming the file and the reason and listing the
+// committed alternatives (io/checkpoint.h). A failed save (ENOSPC, EIO) stops the run, as in Megatron: Error
+// naming the file, the byte offset and the errno, and the iteration that stays the newest valid checkpoint;
+// nothing is committed, and the in-memory state is untouched (a save only reads it).
 // A resume reads the parts of the checkpoint that cfg's load switches select; with the optimizer state it
 // resolves the saved LR schedule against cfg's (opt_param_scheduler_resolve in checkpointing.h) and continues
 // with the result for the rest of the run (and writes it into the next checkpoints).

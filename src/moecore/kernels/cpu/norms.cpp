@@ -193,7 +193,8 @@ void check_dx(const cpu::Checker& c) {
 
 void rmsnorm_forward(Tensor& y, Tensor& rstd, const Tensor& x, const Tensor& w, float eps, const Context& ctx) {
   const cpu::Checker c("rmsnorm_forward", ctx, {{"y", &y}, {"rstd", &rstd}, {"x", &x}, {"w", &w}});
-  const auto [N, H] = check_norm(c, {"y"}, {"rstd"}, {"w"});
+  const auto [n_rows, h_cols] = check_norm(c, {"y"}, {"rstd"}, {"w"});
+  const int64_t N = n_rows, H = h_cols;
   c.float_dtype("y");
   cpu::with_float_type(y.dtype(), [&](auto t) {
     rmsnorm_forward_kernel(static_cast<decltype(t)*>(y.raw()), rstd.data<float>(), x.data<float>(), w.data<float>(),
@@ -205,7 +206,8 @@ void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dy, const Tensor& x,
                       bool accumulate_dx, const Context& ctx) {
   const cpu::Checker c("rmsnorm_backward", ctx,
                        {{"dx", &dx}, {"dw", &dw}, {"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd", &rstd}});
-  const auto [N, H] = check_norm(c, {"dx", "dy"}, {"rstd"}, {"w", "dw"});
+  const auto [n_rows, h_cols] = check_norm(c, {"dx", "dy"}, {"rstd"}, {"w", "dw"});
+  const int64_t N = n_rows, H = h_cols;
   check_dx(c);
   cpu::with_float_type(dy.dtype(), [&](auto t) {
     const auto* dyp = static_cast<const decltype(t)*>(dy.raw());
@@ -219,7 +221,8 @@ void layernorm_forward(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, c
                        float eps, const Context& ctx) {
   const cpu::Checker c("layernorm_forward", ctx,
                        {{"y", &y}, {"mean", &mean}, {"rstd", &rstd}, {"x", &x}, {"w", &w}, {"b", &b}});
-  const auto [N, H] = check_norm(c, {"y"}, {"mean", "rstd"}, {"w", "b"});
+  const auto [n_rows, h_cols] = check_norm(c, {"y"}, {"mean", "rstd"}, {"w", "b"});
+  const int64_t N = n_rows, H = h_cols;
   c.float_dtype("y");
   cpu::with_float_type(y.dtype(), [&](auto t) {
     layernorm_forward_kernel(static_cast<decltype(t)*>(y.raw()), mean.data<float>(), rstd.data<float>(),
@@ -232,7 +235,8 @@ void layernorm_backward(Tensor& dx, Tensor& dw, Tensor& db, const Tensor& dy, co
   const cpu::Checker c(
       "layernorm_backward", ctx,
       {{"dx", &dx}, {"dw", &dw}, {"db", &db}, {"dy", &dy}, {"x", &x}, {"w", &w}, {"mean", &mean}, {"rstd", &rstd}});
-  const auto [N, H] = check_norm(c, {"dx", "dy"}, {"mean", "rstd"}, {"w", "dw", "db"});
+  const auto [n_rows, h_cols] = check_norm(c, {"dx", "dy"}, {"mean", "rstd"}, {"w", "dw", "db"});
+  const int64_t N = n_rows, H = h_cols;
   check_dx(c);
   cpu::with_float_type(dy.dtype(), [&](auto t) {
     const auto* dyp = static_cast<const decltype(t)*>(dy.raw());

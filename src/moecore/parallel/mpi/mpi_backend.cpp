@@ -36,6 +36,7 @@ namespace {
 
 bool g_we_initialized = false;
 std::shared_ptr<BackendComm> g_world;
+MPI_Comm g_control = MPI_COMM_NULL;  // only comm_error_exit's agreement runs on it: never mixed with collectives
 
 std::string mpi_error_string(int rc) {
   char buf[MPI_MAX_ERROR_STRING];
@@ -157,12 +158,15 @@ void backend_init(int& argc, char**& argv) {
   check_setup(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "MPI_Comm_dup(MPI_COMM_WORLD)");
   check_setup(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   g_world = std::make_shared<BackendComm>(dup);
+  check_setup(MPI_Comm_dup(MPI_COMM_WORLD, &g_control), "MPI_Comm_dup(MPI_COMM_WORLD)");
+  check_setup(MPI_Comm_set_errhandler(g_control, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
 }
 
 void backend_finalize() {
   g_world.reset();  // frees the duplicate unless a ProcessGroup still holds it
   int finalized = 0;
   MPI_Finalized(&finalized);
+  if (!finalized && g_control != MPI_COMM_NULL) MPI_Comm_free(&g_control);
   if (g_we_initialized && !finalized) check_setup(MPI_Finalize(), "MPI_Finalize");
   g_we_initialized = false;
 }
@@ -239,6 +243,24 @@ void backend_barrier(BackendComm& c, const CallInfo& call) {
   MPI_Request req = MPI_REQUEST_NULL;
   check(MPI_Ibarrier(c.comm, &req), "MPI_Ibarrier", call);
   wait(req, call);
+}
+
+bool backend_all_failed_together(bool broken, double wait_s) {
+  if (g_control == MPI_COMM_NULL) return false;
+  // Each rank contributes 1, or 2 when a collective of its own failed; all arrived and the max is 1: safe.
+  int mine = broken ? 2 : 1, worst = 0;
+  MPI_Request req = MPI_REQUEST_NULL;
+  if (MPI_Iallreduce(&mine, &worst, 1, MPI_INT, MPI_MAX, g_control, &req) != MPI_SUCCESS) return false;
+  using clock = std::chrono::steady_clock;
+  const auto deadline =
+      clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(wait_s));
+  for (;;) {
+    int done = 0;
+    if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
+    if (done) return worst == 1;
+    if (clock::now() >= deadline) return false;  // the request stays pending: the caller aborts
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 void backend_abort(int code) {
