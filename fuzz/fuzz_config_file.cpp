@@ -13,24 +13,12 @@
 #include <vector>
 
 #include "apps/args.h"
+#include "fuzz_support.h"
 #include "moecore/core/error.h"
-
-namespace {
-
-const std::string& temp_dir() {
-  static const std::string dir = [] {
-    const auto d = std::filesystem::temp_directory_path() / ("moecore_fuzz_config_file_" + std::to_string(::getpid()));
-    std::filesystem::create_directories(d);
-    return d.string();
-  }();
-  return dir;
-}
-
-}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
-  const std::string path = temp_dir() + ((data[0] & 1) ? "/config.json" : "/config.yaml");
+  const std::string path = moecore::fuzz::scratch_dir() + ((data[0] & 1) ? "/config.json" : "/config.yaml");
   FILE* f = std::fopen(path.c_str(), "wb");
   if (!f) std::abort();
   if (size > 1) std::fwrite(data + 1, 1, size - 1, f);

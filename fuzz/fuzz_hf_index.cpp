@@ -13,29 +13,10 @@
 #include <string>
 #include <string_view>
 
+#include "fuzz_support.h"
 #include "moecore/io/hf_checkpoint.h"
 
-namespace {
-
 namespace fs = std::filesystem;
-
-const std::string& temp_dir() {
-  static const std::string dir = [] {
-    const auto d = fs::temp_directory_path() / ("moecore_fuzz_hf_index_" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    return d.string();
-  }();
-  return dir;
-}
-
-void write(const std::string& path, std::string_view bytes) {
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) std::abort();
-  if (!bytes.empty()) std::fwrite(bytes.data(), 1, bytes.size(), f);
-  std::fclose(f);
-}
-
-}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const char* const kFiles[] = {"model.safetensors.index.json", "model-00001-of-00002.safetensors",
@@ -43,18 +24,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   constexpr std::string_view kSep = "\n@@@@\n";
   std::string_view in(reinterpret_cast<const char*>(data), size);
   for (const char* name : kFiles) {
-    const std::string path = temp_dir() + "/" + name;
+    const std::string path = moecore::fuzz::scratch_dir() + "/" + name;
     if (in.data() == nullptr) {
       std::error_code ec;
       fs::remove(path, ec);
       continue;
     }
     const size_t cut = in.find(kSep);
-    write(path, in.substr(0, cut));
+    moecore::fuzz::write_bytes(path, in.substr(0, cut));
     in = cut == std::string_view::npos ? std::string_view() : in.substr(cut + kSep.size());
   }
   try {
-    const moecore::io::HfCheckpointReader r(temp_dir());
+    const moecore::io::HfCheckpointReader r(moecore::fuzz::scratch_dir());
     (void)r.total_bytes();
     for (const auto& t : r.tensors()) {
       try {

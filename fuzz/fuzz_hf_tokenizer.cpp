@@ -10,19 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "fuzz_support.h"
 #include "moecore/core/error.h"
 #include "moecore/data/tokenizer.h"
 
 namespace {
-
-const std::string& work_dir() {
-  static const std::string dir = [] {
-    const auto p = std::filesystem::temp_directory_path() / ("moecore_fuzz_hf_" + std::to_string(::getpid()));
-    std::filesystem::create_directories(p);
-    return p.string();
-  }();
-  return dir;
-}
 
 const std::string kText =
     std::string("Hello world's 2024 <|endoftext|>  caf\xc3\xa9\n\t x\xff\xfe ") + std::string(1, '\0') + "\xe2\x82 end";
@@ -31,7 +23,7 @@ const std::string kText =
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace moecore::data;
-  const std::string path = work_dir() + "/tokenizer.json";
+  const std::string path = moecore::fuzz::scratch_dir() + "/tokenizer.json";
   std::ofstream(path, std::ios::binary | std::ios::trunc)
       .write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
   try {

@@ -13,27 +13,10 @@
 #include <memory>
 #include <string>
 
+#include "fuzz_support.h"
 #include "moecore/core/error.h"
 #include "moecore/data/gpt_dataset.h"
 #include "moecore/data/indexed_dataset.h"
-
-namespace {
-
-const std::string& work_dir() {
-  static const std::string dir = [] {
-    const auto p = std::filesystem::temp_directory_path() / ("moecore_fuzz_idx_" + std::to_string(::getpid()));
-    std::filesystem::create_directories(p);
-    return p.string();
-  }();
-  return dir;
-}
-
-void write(const std::string& path, const uint8_t* p, size_t n) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f.write(reinterpret_cast<const char*>(p), static_cast<std::streamsize>(n));
-}
-
-}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace moecore::data;
@@ -41,9 +24,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   uint32_t n;
   std::memcpy(&n, data, 4);
   const size_t idx_bytes = std::min<size_t>(n, size - 4);
-  const std::string prefix = work_dir() + "/d";
-  write(indexed_idx_path(prefix), data + 4, idx_bytes);
-  write(indexed_bin_path(prefix), data + 4 + idx_bytes, size - 4 - idx_bytes);
+  const std::string prefix = moecore::fuzz::scratch_dir() + "/d";
+  moecore::fuzz::write_bytes(indexed_idx_path(prefix),
+                             std::string_view(reinterpret_cast<const char*>(data) + 4, idx_bytes));
+  moecore::fuzz::write_bytes(
+      indexed_bin_path(prefix),
+      std::string_view(reinterpret_cast<const char*>(data) + 4 + idx_bytes, size - 4 - idx_bytes));
   try {
     auto ds = std::make_shared<const IndexedDataset>(prefix);
     int64_t sum = 0;
@@ -55,7 +41,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (int64_t d = 0; d <= ds->num_documents(); ++d) sum += ds->document_index(d);
     sum += static_cast<int64_t>(ds->sequence_lengths(0, ds->num_sequences()).size());
     {
-      IndexedDatasetBuilder merged(work_dir() + "/m.bin", ds->dtype());
+      IndexedDatasetBuilder merged(moecore::fuzz::scratch_dir() + "/m.bin", ds->dtype());
       merged.add_index(prefix);
     }  // not finalized: the temporary .bin is removed
     GptDatasetConfig cfg;

@@ -10,39 +10,20 @@
 #include <filesystem>
 #include <string>
 
+#include "fuzz_support.h"
 #include "moecore/io/hf_checkpoint.h"
 #include "moecore/io/safetensors.h"
 
-namespace {
-
-const std::string& temp_dir() {
-  static const std::string dir = [] {
-    const auto d = std::filesystem::temp_directory_path() / ("moecore_fuzz_safetensors_" + std::to_string(::getpid()));
-    std::filesystem::create_directories(d);
-    return d.string();
-  }();
-  return dir;
-}
-
-void write(const std::string& path, const uint8_t* data, size_t size) {
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) std::abort();
-  if (size) std::fwrite(data, 1, size, f);
-  std::fclose(f);
-}
-
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string path = temp_dir() + "/x.safetensors";
-  write(path, data, size);
+  const std::string path = moecore::fuzz::scratch_dir() + "/x.safetensors";
+  moecore::fuzz::write_bytes(path, std::string_view(reinterpret_cast<const char*>(data), size));
   try {
     const moecore::io::SafetensorsFile f = moecore::io::safetensors_load(path);
     for (const auto& [name, t] : f.tensors) (void)t.nbytes();
   } catch (const moecore::Error&) {
   }
   try {
-    const moecore::io::HfCheckpointReader r(temp_dir(), "x.safetensors");
+    const moecore::io::HfCheckpointReader r(moecore::fuzz::scratch_dir(), "x.safetensors");
     for (const auto& t : r.tensors()) {
       try {
         (void)r.read(t.name);
