@@ -6,9 +6,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
+
+#include "test_util.h"
 
 namespace moecore::testing {
 
@@ -29,6 +34,39 @@ inline CmdResult run_shell(const std::string& cmd) {
 // `moecore ARGS`.
 inline CmdResult run_moecore(const std::string& args) {
   return run_shell(std::string(MOECORE_BINARY) + " " + args);
+}
+
+// The start of a command line that runs np ranks of the built program under mpirun, one OpenMP thread each (the
+// ranks share the machine's cores), as every multi-rank CLI test launches them. In the AddressSanitizer build the
+// ranks run without LeakSanitizer: Open MPI keeps allocations in plugins it unloads at MPI_Finalize, which LSan
+// reports without symbols that a suppression could name; moecore's own leaks are caught by the one-process tests.
+inline std::string mpirun_command(int np) {
+  std::string env = "OMP_NUM_THREADS=1 ";
+  if (kAddressSanitizer) env += "ASAN_OPTIONS=\"${ASAN_OPTIONS}:detect_leaks=0\" ";
+  return env + "mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(np) + " ";
+}
+
+// One line of `moecore <command> --list-flags`: kind, default, help, domain (empty for free text and switches).
+struct FlagLine {
+  std::string kind, def, help, domain;
+};
+
+inline std::map<std::string, FlagLine> list_flags(const std::string& command) {
+  const CmdResult r = run_moecore(command + " --list-flags");
+  EXPECT_EQ(r.status, 0) << r.output;
+  std::map<std::string, FlagLine> flags;
+  std::istringstream in(r.output);
+  std::string line;
+  while (std::getline(in, line)) {
+    std::vector<std::string> f;
+    std::stringstream ls(line);
+    std::string cell;
+    while (std::getline(ls, cell, '\t')) f.push_back(cell);
+    EXPECT_GE(f.size(), 3u) << line;
+    f.resize(5);  // an empty help or domain leaves no trailing cell
+    flags[f[0]] = {f[1], f[2], f[3], f[4]};
+  }
+  return flags;
 }
 
 // Writes `docs` one-line JSONL documents "<text> <i>" under dir and preprocesses them with the ByteLevel

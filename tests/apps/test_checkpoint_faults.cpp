@@ -168,10 +168,8 @@ TEST_F(CheckpointFaults, CorruptNewestIsRefusedUnderMpirunWithExpertParallelism)
 #else
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
   auto mpirun = [&](const std::string& args) {
-    return testing::run_shell(
-        "MOECORE_COMM_TIMEOUT_S=30 OMP_NUM_THREADS=1 mpirun --oversubscribe --allow-run-as-root "
-        "-np 2 " +
-        std::string(MOECORE_BINARY) + " " + args + " --expert-model-parallel-size 2");
+    return testing::run_shell("MOECORE_COMM_TIMEOUT_S=30 " + testing::mpirun_command(2) + std::string(MOECORE_BINARY) +
+                              " " + args + " --expert-model-parallel-size 2");
   };
   CmdResult r = mpirun(train_args(6, "--save " + p("ck") + " --save-interval 2 --exit-interval 4"));
   ASSERT_EQ(r.status, 0) << r.output;

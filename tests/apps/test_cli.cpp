@@ -25,8 +25,7 @@ const auto run = testing::run_moecore;
 
 // `moecore ARGS` on np ranks, one OpenMP thread each (the ranks share the machine's cores). Unused without MPI.
 [[maybe_unused]] Result run_mpi(int np, const std::string& args, const std::string& env = "") {
-  return run_shell(env + " OMP_NUM_THREADS=1 mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(np) +
-                   " " + std::string(MOECORE_BINARY) + " " + args);
+  return run_shell(env + " " + testing::mpirun_command(np) + std::string(MOECORE_BINARY) + " " + args);
 }
 
 // The lm_loss of every line of a --metrics-jsonl file.

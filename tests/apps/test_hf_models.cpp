@@ -352,8 +352,8 @@ void learn_resume_export(HfModels& t, const std::string& data, const nlohmann::j
   const std::string five = base + "--train-iters 5 --metrics-jsonl ";
   r = run_moecore(five + t.p("one.jsonl") + " --micro-batch-size 4");
   ASSERT_EQ(r.status, 0) << r.output;
-  r = run_shell("OMP_NUM_THREADS=1 mpirun --oversubscribe --allow-run-as-root -np 2 " + std::string(MOECORE_BINARY) +
-                " " + five + t.p("two.jsonl") + " --micro-batch-size 4 --expert-model-parallel-size 2");
+  r = run_shell(testing::mpirun_command(2) + std::string(MOECORE_BINARY) + " " + five + t.p("two.jsonl") +
+                " --micro-batch-size 4 --expert-model-parallel-size 2");
   ASSERT_EQ(r.status, 0) << r.output;
   const auto one = jsonl_losses(t.p("one.jsonl")), two = jsonl_losses(t.p("two.jsonl"));
   ASSERT_EQ(one.size(), 5u);

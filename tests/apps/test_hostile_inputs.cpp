@@ -5,7 +5,6 @@
 // message naming the rank (no state in which a job runs forever).
 #include <unistd.h>
 
-#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -24,26 +23,7 @@ using testing::CmdResult;
 using testing::run_moecore;
 using testing::run_shell;
 
-struct Flag {
-  std::string kind, def, domain;
-};
-
-std::map<std::string, Flag> list_flags(const std::string& command) {
-  const CmdResult r = run_moecore(command + " --list-flags");
-  EXPECT_EQ(r.status, 0) << r.output;
-  std::map<std::string, Flag> flags;
-  std::istringstream in(r.output);
-  std::string line;
-  while (std::getline(in, line)) {
-    std::vector<std::string> f;
-    std::stringstream ls(line);
-    std::string cell;
-    while (std::getline(ls, cell, '\t')) f.push_back(cell);
-    f.resize(5);
-    flags[f[0]] = {f[1], f[2], f[4]};
-  }
-  return flags;
-}
+using testing::list_flags;
 
 // Value flags that are free text with their own parsers or checks (paths, names, prompts, tokenizer kinds, the
 // enumerations their readers check on every run, --moe-layer-freq's expression); every other value flag of every
@@ -120,12 +100,10 @@ TEST(HostileFlags, ReportedCasesFailAtStartUpNamingTheFlag) {
       {"--seed -1", "--seed"},
   };
   for (const auto& [flags, name] : cases) {
-    const auto t0 = std::chrono::steady_clock::now();
     const CmdResult r = run_moecore("train --data-path /nonexistent --tokenizer-type ByteLevel " + flags);
     EXPECT_EQ(r.status, 1) << flags << ": " << r.output;
     EXPECT_NE(r.output.find(name), std::string::npos) << flags << ": " << r.output;
     EXPECT_EQ(r.output.find("internal error"), std::string::npos) << flags << ": " << r.output;
-    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10)) << flags;
   }
 }
 
@@ -160,11 +138,9 @@ TEST_F(HostileRun, UnwritableOutputPathsFailBeforeTraining) {
 
 // A model whose parameters and gradients alone exceed the machine's memory is refused before it is built.
 TEST_F(HostileRun, ModelLargerThanMemoryIsRefusedBeforeAllocating) {
-  const auto t0 = std::chrono::steady_clock::now();
   const CmdResult r = run_moecore(train_args() + "--num-layers 100000 --hidden-size 8192 --num-attention-heads 64");
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("more than this machine's"), std::string::npos) << r.output;
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60));
 }
 
 #ifdef MOECORE_HAVE_MPI
@@ -172,13 +148,11 @@ bool have_mpirun() {
   return std::system("command -v mpirun > /dev/null 2>&1") == 0;
 }
 
-// Runs `sh -c SCRIPT` on np ranks (the script sees $OMPI_COMM_WORLD_RANK and ends in `exec moecore ...`), and
-// returns the result with the wall time.
-std::pair<CmdResult, double> run_ranks(int np, const std::string& script, const std::string& env) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const CmdResult r = run_shell(env + " OMP_NUM_THREADS=1 timeout 240 mpirun --oversubscribe --allow-run-as-root -np " +
-                                std::to_string(np) + " sh -c '" + script + "'");
-  return {r, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
+// Runs `sh -c SCRIPT` on np ranks (the script sees $OMPI_COMM_WORLD_RANK and ends in `exec moecore ...`). The
+// outer `timeout 300` only keeps a broken build from hanging the suite: every case below sets a collective timeout
+// or ends by MPI_Abort, and asserts the message of the mechanism that ended it, not a duration.
+CmdResult run_ranks(int np, const std::string& script, const std::string& env) {
+  return run_shell(env + " timeout 300 env " + testing::mpirun_command(np) + "sh -c '" + script + "'");
 }
 
 size_t count(const std::string& s, const std::string& what) {
@@ -194,18 +168,16 @@ TEST_F(HostileRun, MismatchedFlagFailsOnEveryRankNamingIt) {
   const std::string script = "d=allgather; [ $OMPI_COMM_WORLD_RANK = 1 ] && d=alltoall; exec " +
                              std::string(MOECORE_BINARY) + " " + train_args() +
                              "--num-experts 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type $d";
-  const auto [r, seconds] = run_ranks(2, script, "MOECORE_COMM_TIMEOUT_S=120");
+  const CmdResult r = run_ranks(2, script, "MOECORE_COMM_TIMEOUT_S=120");
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_EQ(count(r.output, "ranks disagree on the configuration"), 2u) << r.output;
   EXPECT_EQ(count(r.output, "--moe-token-dispatcher-type: rank 0 'allgather', rank 1 'alltoall'"), 2u) << r.output;
   EXPECT_EQ(r.output.find("AddressSanitizer"), std::string::npos) << r.output;
-  EXPECT_LT(seconds, 60.0) << r.output;
 }
 
 // One rank fails alone (its --data-path, relative to its own working directory, does not exist: as on a node
-// that lacks the files) while the other is healthy: the job ends by MPI_Abort well within the collective
-// timeout, naming the failing rank, instead of the healthy rank waiting forever and the failed one hanging in
-// MPI_Finalize.
+// that lacks the files) while the other is healthy: the job ends by MPI_Abort, naming the failing rank, instead of the
+// healthy rank waiting forever and the failed one hanging in MPI_Finalize.
 TEST_F(HostileRun, RankThatFailsAloneEndsTheJob) {
   if (!have_mpirun()) GTEST_SKIP() << "mpirun not found";
   fs::create_directories(dir_ / "r0");
@@ -216,11 +188,11 @@ TEST_F(HostileRun, RankThatFailsAloneEndsTheJob) {
   args.replace(args.find(p("c_text_document")), p("c_text_document").size(), "c_text_document");
   const std::string script =
       "cd " + dir_.string() + "/r$OMPI_COMM_WORLD_RANK && exec " + std::string(MOECORE_BINARY) + " " + args;
-  const auto [r, seconds] = run_ranks(2, script, "MOECORE_COMM_TIMEOUT_S=120");
+  // The healthy rank's collective would wait 3600 s: only comm_error_exit's abort ends the job.
+  const CmdResult r = run_ranks(2, script, "MOECORE_COMM_TIMEOUT_S=3600");
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("error (rank 1 of 2)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("moecore: rank 1 of 2 ends the job (MPI_Abort"), std::string::npos) << r.output;
-  EXPECT_LT(seconds, 90.0) << "the job did not end well before the 120 s timeout:\n" << r.output;
 }
 
 // A rank stopped with SIGSTOP mid-training: its peer's collective times out (MOECORE_COMM_TIMEOUT_S), the error
@@ -231,12 +203,11 @@ TEST_F(HostileRun, StalledRankIsDetectedByTheTimeout) {
   args.replace(args.find("--train-iters 2"), 15, "--train-iters 1000000");
   const std::string script =
       "[ $OMPI_COMM_WORLD_RANK = 1 ] && (sleep 4; kill -STOP $$) & exec " + std::string(MOECORE_BINARY) + " " + args;
-  const auto [r, seconds] = run_ranks(2, script, "MOECORE_COMM_TIMEOUT_S=6");
+  const CmdResult r = run_ranks(2, script, "MOECORE_COMM_TIMEOUT_S=6");
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("timed out after 6 s on rank 0"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(", iteration "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("moecore: rank 0 of 2 ends the job (MPI_Abort"), std::string::npos) << r.output;
-  EXPECT_LT(seconds, 60.0) << r.output;
 }
 
 // A rank killed with SIGKILL mid-training: mpirun ends the job, and the surviving rank says what it was doing.
@@ -246,9 +217,8 @@ TEST_F(HostileRun, KilledRankEndsTheJobAndTheSurvivorSaysWhere) {
   args.replace(args.find("--train-iters 2"), 15, "--train-iters 1000000");
   const std::string script =
       "[ $OMPI_COMM_WORLD_RANK = 1 ] && (sleep 4; kill -KILL $$) & exec " + std::string(MOECORE_BINARY) + " " + args;
-  const auto [r, seconds] = run_ranks(2, script, "MOECORE_COMM_TIMEOUT_S=120");
+  const CmdResult r = run_ranks(2, script, "MOECORE_COMM_TIMEOUT_S=120");
   EXPECT_NE(r.status, 0) << r.output;
-  EXPECT_LT(seconds, 60.0) << r.output;
   EXPECT_NE(r.output.find("process rank 1"), std::string::npos) << r.output;  // mpirun names the dead rank
   EXPECT_NE(r.output.find("moecore: rank 0 of 2: SIGTERM after entering "), std::string::npos) << r.output;
 }

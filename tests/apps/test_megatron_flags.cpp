@@ -21,27 +21,7 @@ namespace {
 using testing::CmdResult;
 const auto run_cmd = testing::run_moecore;
 
-struct FlagLine {
-  std::string kind, def, help;
-};
-
-std::map<std::string, FlagLine> list_flags(const std::string& command) {
-  const CmdResult r = run_cmd(command + " --list-flags");
-  EXPECT_EQ(r.status, 0) << r.output;
-  std::map<std::string, FlagLine> flags;
-  std::istringstream in(r.output);
-  std::string line;
-  while (std::getline(in, line)) {
-    std::vector<std::string> f;
-    std::stringstream ls(line);
-    std::string cell;
-    while (std::getline(ls, cell, '\t')) f.push_back(cell);
-    if (f.size() == 3) f.emplace_back();
-    EXPECT_TRUE(f.size() == 4u || f.size() == 5u) << line;  // the fifth column, the domain, may be empty
-    if (f.size() >= 4) flags[f[0]] = {f[1], f[2], f[3]};
-  }
-  return flags;
-}
+using testing::list_flags;
 
 // Megatron writes defaults as Python reprs: None, True, 'LayerNorm', 0.999, 1e-05.
 bool same_default(const std::string& megatron, const std::string& ours) {

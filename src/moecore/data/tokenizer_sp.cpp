@@ -87,10 +87,10 @@ std::string charsmap_problem(std::string_view blob) {
   auto offset = [](uint32_t u) { return (u >> 10) << ((u & (1U << 9)) >> 6); };
   if (units == 0) return "empty trie";
   std::vector<uint8_t> seen(units, 0);
-  std::vector<uint32_t> todo{offset(unit(0))};
-  while (!todo.empty()) {
-    const uint32_t s = todo.back();
-    todo.pop_back();
+  std::vector<uint32_t> pending{offset(unit(0))};
+  while (!pending.empty()) {
+    const uint32_t s = pending.back();
+    pending.pop_back();
     if ((s | 0xFFu) >= units)
       return ::moecore::detail::str_cat("trie state ", s, " lies outside its ", units, " units");
     if (seen[s]) continue;
@@ -107,7 +107,7 @@ std::string charsmap_problem(std::string_view blob) {
           return ::moecore::detail::str_cat("replacement offset ", value, " lies outside its ", strings.size(),
                                             " bytes");
       }
-      todo.push_back(next);
+      pending.push_back(next);
     }
   }
   return "";
