@@ -131,7 +131,8 @@ TEST_P(GptGolden, LogitsLossAndEveryGradientMatchReference) {
 }
 
 // Ten AdamW steps on the same batch: loss and gradient norm before each step (rtol 1e-4), and the final
-// parameters (rtol 1e-3, atol 1e-5: Adam's normalised step amplifies float32 noise in tiny gradients). The
+// parameters (rtol 1e-3 of the larger of the final value and the distance travelled, atol 1e-5: Adam's normalised
+// step amplifies float32 noise in tiny gradients). The
 // softmax-cancelled key-bias entries (dead_key_bias) get atol 10 * lr: the float64 reference's gradient there
 // is ~1e-21 and leaves them unmoved, fp32 rounding noise (~1e-10, near adam_eps) moves them by up to lr a step
 // (PyTorch in float32 does the same); they cannot change the output, which the loss trajectory checks.
@@ -151,17 +152,18 @@ TEST_P(GptGolden, TenStepAdamWTrajectoryMatchesReference) {
     EXPECT_NEAR(loss, ref_loss[step], 1e-4 * std::fabs(ref_loss[step])) << "step " << step;
     EXPECT_NEAR(st.grad_norm, ref_norm[step], 1e-4 * ref_norm[step]) << "step " << step;
   }
+  // The relative tolerance scales with how far the element moved (or its final size, if larger): float noise in
+  // a trajectory grows with the path, so an element that travelled from -0.0166 to -0.0022 carries the error of
+  // its 0.0144 path, not of its small end point (clang's and GCC's float32 roundings differ there by 1.5e-5).
   const bool qkv_bias = g.cfg.qkv_bias();
   for (const auto& p : m.params()) {
-    const Tensor& ref = g.at("final.param." + p.name);
-    if (!qkv_bias || p.name.find("linear_qkv.bias") == std::string::npos) {
-      EXPECT_LE(tolerance_ratio(p.value, ref, 1e-3, 1e-5), 1.0) << p.name;
-      continue;
-    }
-    const auto a = testing::to_vector(p.value), b = testing::to_vector(ref);
+    const auto a = testing::to_vector(p.value), b = testing::to_vector(g.at("final.param." + p.name)),
+               start = testing::to_vector(g.at("param." + p.name));
+    const bool bias = qkv_bias && p.name.find("linear_qkv.bias") != std::string::npos;
     double worst = 0;
     for (size_t k = 0; k < a.size(); ++k) {
-      const double tol = dead_key_bias(g.cfg, static_cast<int64_t>(k)) ? 10.0 * lr : 1e-5 + 1e-3 * std::fabs(b[k]);
+      const double scale = std::max(std::fabs(double(b[k])), std::fabs(double(b[k]) - start[k]));
+      const double tol = bias && dead_key_bias(g.cfg, static_cast<int64_t>(k)) ? 10.0 * lr : 1e-5 + 1e-3 * scale;
       worst = std::max(worst, std::fabs(double(a[k]) - b[k]) / tol);
     }
     EXPECT_LE(worst, 1.0) << p.name;
