@@ -126,20 +126,6 @@ Args& Args::domain(const std::string& name, FlagDomain d) {
   return *this;
 }
 
-bool Args::has_domain(const std::string& name) const {
-  auto it = specs_.find(name);
-  return it != specs_.end() && it->second.domain.has_value();
-}
-
-std::vector<std::string> Args::value_flags() const {
-  std::vector<std::string> out;
-  for (const auto& n : order_) {
-    const Spec& sp = specs_.at(n);
-    if (!sp.is_flag && !sp.is_list && !sp.unsupported) out.push_back(n);
-  }
-  return out;
-}
-
 // "" is Megatron's None (unset) and always allowed: the code reading the flag decides what unset means.
 void Args::check_domain(const std::string& name, const std::string& value, const std::string& where) const {
   const Spec& sp = specs_.at(name);

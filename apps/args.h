@@ -73,9 +73,6 @@ class Args {
   // The domain of a declared value flag (see FlagDomain). A value flag without a domain is free text (paths,
   // names, expressions with their own parser); tests/apps list those, so a numeric flag cannot miss one.
   Args& domain(const std::string& name, FlagDomain d);
-  bool has_domain(const std::string& name) const;
-  // Every value flag (not switches, lists or unsupported flags), in declaration order.
-  std::vector<std::string> value_flags() const;
   // Declares positional arguments' help line.
   Args& positional(const std::string& name, const std::string& help);
   // Parses argv[1..]; returns false when --help or --list-flags was asked (already printed). A --config FILE

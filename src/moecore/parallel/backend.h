@@ -52,9 +52,9 @@ void backend_all_to_all_v(void* out, const int64_t* recv_counts, const int64_t* 
 void backend_broadcast(void* buf, int64_t n, DType t, int root, BackendComm& c, const CallInfo& call);
 void backend_barrier(BackendComm& c, const CallInfo& call);
 [[noreturn]] void backend_abort(int code);
-// Waits up to wait_s for every world rank to call this too (on a communicator of its own, never used by
-// collectives); returns true when all arrived and none passed `broken` (then finalizing is safe).
-bool backend_all_failed_together(bool broken, double wait_s);
+// Waits up to wait_s for every world rank to call this too (a barrier on a communicator of its own, never used by
+// collectives); true when all arrived. Ranks whose collective failed never call it: they abort at once.
+bool backend_all_failed_together(double wait_s);
 // Records a collective's description for fatal-signal and error-exit messages (async-signal-safe to read).
 void note_call(const CallInfo& call);
 void mark_broken();  // a collective failed: peers may be stuck in it

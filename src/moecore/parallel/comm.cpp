@@ -46,6 +46,7 @@ char g_last_call[160];
 char g_phase[96];
 std::atomic<bool> g_broken{false};
 int g_world_rank = -1, g_world_size = 0;
+char g_rank_text[48];  // "R of N", formatted at comm_init: the signal handler only writes it
 
 void copy_text(char* dst, size_t cap, const std::string& s) {
   const size_t n = std::min(cap - 1, s.size());
@@ -71,10 +72,6 @@ void comm_set_phase(const std::string& phase) {
 std::string comm_phase() {
   return detail::g_phase;
 }
-std::string comm_last_call() {
-  return detail::g_last_call;
-}
-
 namespace {
 
 using detail::GroupState;
@@ -107,10 +104,8 @@ const char* signal_name(int sig) {
 }
 
 extern "C" void on_fatal_signal(int sig) {
-  char rank[48];
-  std::snprintf(rank, sizeof rank, "%d of %d", detail::g_world_rank, detail::g_world_size);  // no allocation
   write_err("moecore: rank ");
-  write_err(rank);
+  write_err(detail::g_rank_text);
   write_err(": ");
   write_err(signal_name(sig));
   write_err(detail::g_last_call[0] ? " after entering " : " before any collective");
@@ -230,6 +225,8 @@ void comm_init(int& argc, char**& argv, const CommOptions& options) {
   options_slot() = options;
   detail::g_world_rank = detail::backend_world_rank();
   detail::g_world_size = detail::backend_world_size();
+  std::snprintf(detail::g_rank_text, sizeof detail::g_rank_text, "%d of %d", detail::g_world_rank,
+                detail::g_world_size);
   if (detail::g_world_size > 1) install_fatal_signal_handlers();
 }
 
@@ -263,7 +260,7 @@ int comm_error_exit(int code, double wait_s) {
   if (!comm_initialized() || detail::backend_world_size() == 1) return code;
   const bool broken = detail::g_broken;
   const double wait = comm_options().timeout_s > 0 ? std::min(wait_s, comm_options().timeout_s) : wait_s;
-  if (!broken && detail::backend_all_failed_together(false, wait)) return code;
+  if (!broken && detail::backend_all_failed_together(wait)) return code;
   std::fprintf(stderr, "moecore: rank %d of %d ends the job (MPI_Abort, exit code %d): %s; last collective: %s%s%s\n",
                detail::g_world_rank, detail::g_world_size, code,
                broken ? "a collective failed, so peers may be stuck in it"

@@ -47,8 +47,6 @@ int comm_error_exit(int code, double wait_s = 10.0);
 // What this process is doing ("iteration 12"), named by timeouts, comm_error_exit and fatal signals.
 void comm_set_phase(const std::string& phase);
 std::string comm_phase();
-// The last collective this rank entered ("all_to_all_v on group ep, call #31"; "" before the first).
-std::string comm_last_call();
 
 namespace detail {
 struct GroupState;  // communicator handle, call counter and workspace; defined in comm.cpp

@@ -245,19 +245,17 @@ void backend_barrier(BackendComm& c, const CallInfo& call) {
   wait(req, call);
 }
 
-bool backend_all_failed_together(bool broken, double wait_s) {
+bool backend_all_failed_together(double wait_s) {
   if (g_control == MPI_COMM_NULL) return false;
-  // Each rank contributes 1, or 2 when a collective of its own failed; all arrived and the max is 1: safe.
-  int mine = broken ? 2 : 1, worst = 0;
   MPI_Request req = MPI_REQUEST_NULL;
-  if (MPI_Iallreduce(&mine, &worst, 1, MPI_INT, MPI_MAX, g_control, &req) != MPI_SUCCESS) return false;
+  if (MPI_Ibarrier(g_control, &req) != MPI_SUCCESS) return false;
   using clock = std::chrono::steady_clock;
   const auto deadline =
       clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(wait_s));
   for (;;) {
     int done = 0;
     if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
-    if (done) return worst == 1;
+    if (done) return true;
     if (clock::now() >= deadline) return false;  // the request stays pending: the caller aborts
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
