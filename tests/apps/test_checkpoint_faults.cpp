@@ -187,5 +187,34 @@ TEST_F(CheckpointFaults, CorruptNewestIsRefusedUnderMpirunWithExpertParallelism)
 #endif
 }
 
+// ENOSPC on one rank's expert shard during a multi-rank save (EP 2): the job fails naming the file, nothing of
+// the failed iteration is committed, and the previous checkpoint stays the newest and loads.
+TEST_F(CheckpointFaults, EnospcOnOneRankDuringAMultiRankSaveKeepsThePreviousCheckpoint) {
+#ifndef MOECORE_HAVE_MPI
+  GTEST_SKIP() << "built without MPI";
+#else
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
+  auto mpirun = [&](const std::string& env, const std::string& args) {
+    return testing::run_shell("MOECORE_COMM_TIMEOUT_S=60 " + env + " timeout 300 env " + testing::mpirun_command(2) +
+                              std::string(MOECORE_BINARY) + " " + args + " --expert-model-parallel-size 2");
+  };
+  CmdResult r = mpirun("", train_args(4, "--save " + p("ck") + " --exit-interval 2"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string shard = "experts-ep001-of-002.safetensors";  // written by rank 1
+  r = mpirun(std::string(io::kWriteFaultEnv) + "=" + shard + ":100:ENOSPC",
+             train_args(4, "--load " + p("ck") + " --save " + p("ck")));
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find(shard), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("No space left on device"), std::string::npos) << r.output;
+  EXPECT_EQ(io::checkpoint_read_tracker(p("ck")), 2);
+  EXPECT_FALSE(fs::exists(io::checkpoint_iteration_dir(p("ck"), 4)));
+  EXPECT_EQ(io::checkpoint_find_latest(p("ck")), io::checkpoint_iteration_dir(p("ck"), 2));
+  r = mpirun("", train_args(4, "--load " + p("ck") + " --save " + p("ck")));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("loaded checkpoint"), std::string::npos) << r.output;
+  EXPECT_EQ(io::checkpoint_find_latest(p("ck")), io::checkpoint_iteration_dir(p("ck"), 4));
+#endif
+}
+
 }  // namespace
 }  // namespace moecore
