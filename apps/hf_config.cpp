@@ -738,10 +738,11 @@ Flags hf_config_flags(const json& cfg) {
 std::string hf_config_path(const std::string& path) {
   namespace fs = std::filesystem;
   fs::path p(path);
-  if (fs::is_directory(p)) {
+  std::error_code ec;  // a path the filesystem refuses (too long, no permission) is "not there", not an exception
+  if (fs::is_directory(p, ec)) {
     p /= "config.json";
-    if (!fs::is_regular_file(p)) MOECORE_FAIL("--hf-config ", path, ": the directory holds no config.json");
-  } else if (!fs::is_regular_file(p)) {
+    if (!fs::is_regular_file(p, ec)) MOECORE_FAIL("--hf-config ", path, ": the directory holds no config.json");
+  } else if (!fs::is_regular_file(p, ec)) {
     MOECORE_FAIL("--hf-config ", path, ": no such file or directory");
   }
   return p.string();

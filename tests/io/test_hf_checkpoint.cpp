@@ -281,6 +281,10 @@ TEST(HfCheckpoint, IndexRefusesShardsOutsideTheDirectoryAndWrongTypes) {
   expect_error([&] { io::HfCheckpointReader r(d); }, {idx, "not a plain file name"});
   write_index(d, R"({"a": "missing.safetensors"})");
   expect_error([&] { io::HfCheckpointReader r(d); }, {"missing.safetensors", "'a'", "not there"});
+  // A name longer than the filesystem allows (fuzz_hf_index's finding: std::filesystem threw, not an Error).
+  const std::string too_long(300, 'x');
+  write_index(d, "{\"a\": \"" + too_long + "\"}");
+  expect_error([&] { io::HfCheckpointReader r(d); }, {too_long, "'a'", "not there"});
   write_index(d, R"({"a": 7})");
   expect_error([&] { io::HfCheckpointReader r(d); }, {idx, "'a'", "not a file name"});
   io::write_file_atomic(idx, R"({"weight_map": ["s1.safetensors"]})");

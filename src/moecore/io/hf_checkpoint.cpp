@@ -106,6 +106,13 @@ std::string shard_file_name(int i, int n) {
   return buf;
 }
 
+// A regular file at `p`; a path the filesystem refuses (too long, a loop, no permission) is not one, never an
+// exception (fuzz_hf_index found a 300-byte shard name from an index throwing filesystem_error here).
+bool is_file(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_regular_file(p, ec);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -117,21 +124,21 @@ HfCheckpointReader::HfCheckpointReader(const std::string& dir, const std::string
   std::map<std::string, std::string> weight_map;  // tensor -> shard
   std::vector<std::string> shards;
   if (!file.empty()) {
-    if (!fs::is_regular_file(d / file)) MOECORE_FAIL("hf checkpoint: no file '", (d / file).string(), "'");
+    if (!is_file(d / file)) MOECORE_FAIL("hf checkpoint: no file '", (d / file).string(), "'");
     shards.push_back(file);
-  } else if (fs::exists(index_path)) {
+  } else if (is_file(index_path)) {
     sharded_ = true;
     const std::string ip = index_path.string();
     weight_map = safetensors_index_parse(ip, read_file(ip));
     std::map<std::string, std::string> first_tensor;  // shard -> a tensor naming it, for the error message
     for (const auto& [name, f] : weight_map) first_tensor.emplace(f, name);
     for (const auto& [f, name] : first_tensor) {
-      if (!fs::is_regular_file(d / f))
+      if (!is_file(d / f))
         MOECORE_FAIL("hf checkpoint: index '", ip, "' names shard '", f, "' (for tensor '", name, "'), but the file '",
                      (d / f).string(), "' is not there; hint: copy every shard the index lists");
       shards.push_back(f);
     }
-  } else if (fs::exists(single)) {
+  } else if (is_file(single)) {
     shards.push_back("model.safetensors");
   } else {
     MOECORE_FAIL("hf checkpoint: directory '", dir,
@@ -369,7 +376,7 @@ HfCheckpointWriter::HfCheckpointWriter(std::string out_dir, uint64_t max_shard_b
   MOECORE_CHECK(!out_dir_.empty() && max_shard_bytes_ > 0, "out_dir '", out_dir_, "', max_shard_bytes ",
                 max_shard_bytes_);
   std::error_code ec;
-  if (fs::exists(out_dir_) && !(fs::is_directory(out_dir_) && fs::is_empty(out_dir_, ec)))
+  if (fs::exists(out_dir_, ec) && !(fs::is_directory(out_dir_, ec) && fs::is_empty(out_dir_, ec)))
     MOECORE_FAIL("hf checkpoint: output '", out_dir_,
                  "' already exists and is not an empty directory; hint: choose a new directory or remove it");
   const fs::path parent = fs::absolute(out_dir_).parent_path();
