@@ -49,7 +49,7 @@ int generate_main(int argc, char** argv) {
   train::load_training_checkpoint(*dir, gpt, opt, seed);
   const std::string prompt = a.str("--prompt");
   const auto ids = train::generate(gpt, tok->encode(prompt), a.i64("--max-new-tokens"),
-                                   static_cast<float>(a.f64("--temperature")), seed, tok->eod());
+                                   static_cast<float>(a.f64("--temperature")), seed, tok->eod(), tok->vocab_size());
   std::printf("%s%s\n", prompt.c_str(), tok->decode(ids).c_str());
   return 0;
 }

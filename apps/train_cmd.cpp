@@ -16,6 +16,7 @@
 #include "apps/data_flags.h"
 #include "apps/hf_config.h"
 #include "apps/model_flags.h"
+#include "moecore/core/backend_hooks.h"
 #include "moecore/core/error.h"
 #include "moecore/core/memory.h"
 #include "moecore/data/gpt_dataset.h"
@@ -60,6 +61,9 @@ void add_training_flags(Args& a) {
       .option("--exp-avg-dtype", "fp32", "fp32 | bf16 (with --use-precision-aware-optimizer)")
       .option("--exp-avg-sq-dtype", "fp32", "fp32 | bf16 (with --use-precision-aware-optimizer)")
       .option("--seed", "1234", "random seed (weights, data order, dropout, router noise)")
+      .option("--device", "cpu",
+              "cpu | cuda | sim: where parameters, activations and every op live (moecore; sim is the simulated "
+              "device of the test suite: host memory that only ops touch)")
       .option("--log-interval", "100", "steps between log lines")
       .option("--eval-interval", "",
               "steps between validations (Megatron: required for validation; unset here: only at the end)")
@@ -153,6 +157,7 @@ void add_training_flags(Args& a) {
       {"--keep-last-checkpoints", D::integer(0)},
       {"--ckpt-step", D::integer(0, 1e12)},
       {"--nan-action", D::one_of({"stop", "skip"})},
+      {"--device", D::one_of({"cpu", "cuda", "sim"})},
       {"--expert-model-parallel-size", D::integer(1, 1e6)},
       {"--ddp-bucket-size", D::integer(1, 1e15)},
       {"--moe-token-dispatcher-type", D::one_of({"allgather", "alltoall"})},
@@ -258,6 +263,18 @@ void upcycle_from_dense(model::GptModel& gpt, const Args& a, const train::TrainC
 // A model whose parameters and gradients alone (fp32, 8 bytes per parameter, before optimizer state and
 // activations) exceed this machine's memory is refused before anything is allocated, instead of swapping or
 // being killed minutes later.
+// --device: cpu and sim run the CPU kernels; cuda needs a visible GPU and the CUDA kernels, which this build
+// does not have yet, so it fails at start-up, naming what is missing.
+Device device_from_flag(const Args& a) {
+  const Device d = parse_device(a.str("--device"));
+  if (d == Device::cuda)
+    MOECORE_FAIL("--device cuda: ",
+                 device_available() ? "this build has the CUDA runtime but not moecore's CUDA kernels yet"
+                                    : "no CUDA device is visible to this process, or moecore was built without CUDA",
+                 "; use --device cpu");
+  return d;
+}
+
 void check_model_fits(const model::ModelConfig& mc, int ep) {
   const int64_t params = model::parameters_per_rank(mc, ep), ram = memory_physical_bytes();
   int64_t need = 0;
@@ -345,6 +362,7 @@ int train_main(int argc, char** argv) {
     o.timeout_s = 60.0 * static_cast<double>(a.i64("--distributed-timeout-minutes"));
     comm_set_options(o);
   }
+  const Device device = device_from_flag(a);
   const std::vector<std::string> data_path = a.list("--data-path");
   if (data_path.empty()) MOECORE_FAIL("train: --data-path is required (prefixes made by moecore preprocess)");
   const auto tok = tokenizer_from(a);
@@ -396,7 +414,7 @@ int train_main(int argc, char** argv) {
                  " is not supported yet: upcycle at EP 1, save, and load the checkpoint at any EP");
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
   check_model_fits(mcfg, std::max(1, ep.group.size()));
-  model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep);
+  model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep, device);
   optim::AdamW opt(gpt.params(), optimizer_config_from(a), /*allocate_state=*/!tcfg.use_distributed_optimizer);
   if (!a.str("--load-hf").empty()) {
     if (a.on("--moe-use-upcycling")) MOECORE_FAIL("--load-hf and --moe-use-upcycling exclude each other");
@@ -448,7 +466,7 @@ int train_main(int argc, char** argv) {
   // Under EP every rank takes part in the forward passes (the experts are spread); rank 0 prints.
   if (count > 0 && (dp.rank() == 0 || ep.group.size() > 1)) {
     const std::string prompt = a.str("--prompt");
-    const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed, tok->eod());
+    const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed, tok->eod(), tok->vocab_size());
     if (out) std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());
   }
   if (out) print_summary(out, log, tcfg, mcfg.seq_length, seconds);

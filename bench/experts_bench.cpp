@@ -46,7 +46,9 @@ std::vector<std::string> bench_experts_lines(int64_t N, int64_t H, int64_t F, in
   d.swiglu = true;
   d.max_rows = R;
   d.compute = dtype;
-  const std::vector<int64_t> tpe = random_tokens_per_expert(N, E, K);
+  const std::vector<int64_t> tpe_host = random_tokens_per_expert(N, E, K);
+  Tensor tpe = Tensor::empty({E}, DType::i64, MemCategory::workspace);
+  std::copy(tpe_host.begin(), tpe_host.end(), tpe.data<int64_t>());
   const moe::ExpertWeights w{random_tensor({E, d.fc1_rows(), H}, dtype, "bench.fc1", 0.02f),
                              random_tensor({E, H, F}, dtype, "bench.fc2", 0.02f)};
   moe::ExpertGrads g{Tensor::zeros({E, d.fc1_rows(), H}, DType::f32, MemCategory::workspace),
@@ -78,7 +80,7 @@ std::vector<std::string> bench_experts_lines(int64_t N, int64_t H, int64_t F, in
       3.0 * 2.0 * static_cast<double>(R) * static_cast<double>(H) * static_cast<double>(d.fc1_rows() + F);
   const double peak = gemm_peak_gflops(dtype);
   const double gflops = flops / step / 1e9;
-  const auto [mn, mx] = std::minmax_element(tpe.begin(), tpe.end());
+  const auto [mn, mx] = std::minmax_element(tpe_host.begin(), tpe_host.end());
   return {JsonLine()
               .add("name", "experts")
               .add("dtype", std::string(dtype_name(dtype)))

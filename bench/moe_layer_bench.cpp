@@ -60,7 +60,7 @@ std::vector<std::string> bench_moe_layer(int64_t N, int64_t H, int64_t F, int64_
   const double mac_fwd = static_cast<double>(N * K) * static_cast<double>(H) * static_cast<double>(3 * F);
   const double peak = gemm_peak_gflops(dtype);
   const double g_fwd = 2 * mac_fwd / fwd / 1e9, g_both = 6 * mac_fwd / both / 1e9;
-  const int64_t R = cache.dispatch.plan.rows();
+  const int64_t R = cache.dispatch.plan.row_bound;  // dropless: exactly N * K rows
   // Saved for backward per token: router logits/scores/top-k, probs/map, permuted inputs and probs, and the
   // experts' fc1 output and activation (the routed expert output [N*K, H] is not kept).
   const int64_t c = static_cast<int64_t>(dtype_size(dtype));

@@ -5,8 +5,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -36,8 +38,37 @@ inline Tensor randn(const Shape& shape, const char* name, float std = 1.0f, uint
   return t;
 }
 
+// The device the model, MoE and training tests put their tensors on: MOECORE_TEST_DEVICE = cpu (default) or
+// sim (the simulated device, whose data host code cannot read; ctest runs those binaries once more with it).
+inline Device test_device() {
+  const char* v = std::getenv("MOECORE_TEST_DEVICE");
+  return v && *v ? parse_device(v) : Device::cpu;
+}
+// A host copy of any tensor (the explicit transfer tests read device results through).
+inline Tensor host(const Tensor& t) {
+  return t.to_device(Device::cpu);
+}
+// A copy of a host tensor on the test device (the tensor itself on the CPU).
+inline Tensor on_test_device(const Tensor& t) {
+  return t.to_device(test_device());
+}
+
+// A [n] i64 tensor of counts (the group sizes grouped ops take) on `device`.
+inline Tensor counts_tensor(const std::vector<int64_t>& v, Device device = test_device()) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::i64, MemCategory::other);
+  for (size_t i = 0; i < v.size(); ++i) t.data<int64_t>()[i] = v[i];
+  return t.to_device(device);
+}
+// The elements of an i64 tensor on any device.
+inline std::vector<int64_t> to_vector_i64(const Tensor& t) {
+  std::vector<int64_t> v(static_cast<size_t>(t.numel()));
+  t.copy_to_host(v.data(), t.numel());
+  return v;
+}
+
+// The elements of any tensor (any device) as f32.
 inline std::vector<float> to_vector(const Tensor& t) {
-  Tensor f = t.to(DType::f32);
+  Tensor f = host(t).to(DType::f32);
   return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
 }
 
@@ -58,6 +89,16 @@ inline double tolerance_ratio(const Tensor& a, const Tensor& b, double rtol, dou
     EXPECT_LE(::moecore::testing::tolerance_ratio((a), (b), (rtol), (atol)), 1.0) \
         << #a " vs " #b " (rtol " << (rtol) << ", atol " << (atol) << ")";        \
   } while (0)
+
+// fn must raise moecore::Error whose message contains every needle.
+inline void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error thrown; expected one mentioning " << *needles.begin();
+  } catch (const Error& e) {
+    for (const std::string& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+  }
+}
 
 // Central finite differences of a scalar function with respect to every element of x (f32, contiguous).
 // Evaluated in float with step h; compare against analytic gradients with a tolerance of ~1e-2 relative.

@@ -28,16 +28,20 @@ const auto run = testing::run_moecore;
   return run_shell(env + " " + testing::mpirun_command(np) + std::string(MOECORE_BINARY) + " " + args);
 }
 
-// The lm_loss of every line of a --metrics-jsonl file.
-[[maybe_unused]] std::vector<double> jsonl_losses(const std::string& path) {
+// One field (e.g. "lm_loss") of every line of a --metrics-jsonl file that has it.
+[[maybe_unused]] std::vector<double> jsonl_field(const std::string& path, const std::string& field) {
   std::vector<double> v;
   std::ifstream in(path);
   std::string line;
+  const std::string key = "\"" + field + "\":";
   while (std::getline(in, line)) {
-    const auto k = line.find("\"lm_loss\":");
-    if (k != std::string::npos) v.push_back(std::stod(line.substr(k + 10)));
+    const auto k = line.find(key);
+    if (k != std::string::npos) v.push_back(std::stod(line.substr(k + key.size())));
   }
   return v;
+}
+[[maybe_unused]] std::vector<double> jsonl_losses(const std::string& path) {
+  return jsonl_field(path, "lm_loss");
 }
 
 class Cli : public ::testing::Test {
@@ -232,6 +236,62 @@ TEST_F(Cli, TwoRanksMatchOneProcess) {
     for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(two[i], one[i], 1e-5 * std::fabs(one[i])) << extra << " " << i;
   }
 #endif
+}
+
+// The simulated device (host memory that only ops, collectives and explicit transfers may touch) trains exactly
+// like the CPU: Megatron's defaults (LayerNorm, learned positions, biases, dropout) with MoE, MTP, a checkpoint
+// and its resume, and (with MPI) expert parallelism with the distributed optimizer. Bit-for-bit: the same kernels
+// run on the same memory, so any difference is host code reading or writing device data behind the ops' back.
+TEST_F(Cli, SimulatedDeviceTrainsBitForBitLikeTheCpu) {
+  preprocess_corpus();
+  if (HasFatalFailure()) return;
+  const std::string args = "train --data-path " + p("c_text_document") +
+                           " --tokenizer-type ByteLevel "
+                           "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --swiglu "
+                           "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 "
+                           "--micro-batch-size 2 --global-batch-size 4 --train-iters 6 "
+                           "--log-interval 1 --eval-interval 3 --eval-iters 1 --generate-tokens 4 --metrics-jsonl ";
+  // Megatron's defaults (learned positions), then RoPE with a multi-token-prediction depth.
+  for (const std::string variant : {"", " --position-embedding-type rope --mtp-num-layers 1"}) {
+    SCOPED_TRACE(variant);
+    for (const char* device : {"cpu", "sim"}) {
+      const std::string dev = device, jsonl = p(("a_" + dev + ".jsonl").c_str()), ck = p(("ck_" + dev).c_str());
+      std::filesystem::remove(jsonl);
+      std::filesystem::remove_all(ck);
+      Result r = run(args + jsonl + variant + " --device " + dev + " --save " + ck + " --exit-interval 3");
+      ASSERT_EQ(r.status, 0) << r.output;
+      r = run(args + jsonl + variant + " --device " + dev + " --load " + ck);
+      ASSERT_EQ(r.status, 0) << r.output;
+    }
+    for (const char* field : {"lm_loss", "grad_norm", "load_balancing_loss", "z_loss"}) {
+      const auto cpu = jsonl_field(p("a_cpu.jsonl"), field), sim = jsonl_field(p("a_sim.jsonl"), field);
+      EXPECT_EQ(cpu.size(), 6u) << field;
+      EXPECT_EQ(sim, cpu) << field;
+    }
+  }
+#ifdef MOECORE_HAVE_MPI
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) return;
+  const std::string ep = " --expert-model-parallel-size 2 --use-distributed-optimizer --exit-interval 3 --save ";
+  for (const char* device : {"cpu", "sim"}) {
+    const std::string dev = device;
+    const Result r =
+        run_mpi(2, args + p(("e_" + dev + ".jsonl").c_str()) + " --device " + dev + ep + p(("ep_" + dev).c_str()));
+    ASSERT_EQ(r.status, 0) << r.output;
+  }
+  for (const char* field : {"lm_loss", "grad_norm"}) {
+    const auto cpu = jsonl_field(p("e_cpu.jsonl"), field), sim = jsonl_field(p("e_sim.jsonl"), field);
+    EXPECT_EQ(cpu.size(), 3u) << field;
+    EXPECT_EQ(sim, cpu) << field;
+  }
+#endif
+}
+
+// --device cuda on a build or a machine without what it needs fails at start-up, naming the reason.
+TEST_F(Cli, DeviceCudaWithoutItsKernelsFailsAtStartUp) {
+  const Result r = run("train --data-path " + p("none") + " --tokenizer-type ByteLevel --device cuda");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("--device cuda"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("use --device cpu"), std::string::npos) << r.output;
 }
 
 TEST_F(Cli, BadFlagsFailWithAClearMessage) {

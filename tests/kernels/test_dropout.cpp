@@ -31,14 +31,7 @@ uint32_t bits(float v) {
   std::memcpy(&u, &v, 4);
   return u;
 }
-void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> needles) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error thrown; expected one mentioning " << *needles.begin();
-  } catch (const Error& e) {
-    for (const std::string& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 ops::Dropout dropout(float p, const char* name = "mask") {
   return ops::Dropout{p, philox_key(11, name)};

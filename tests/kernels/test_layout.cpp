@@ -22,14 +22,7 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.shape() == b.shape() && a.dtype() == b.dtype() &&
          std::memcmp(a.raw(), b.raw(), static_cast<size_t>(a.nbytes())) == 0;
 }
-void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> needles) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error thrown; expected one mentioning " << *needles.begin();
-  } catch (const Error& e) {
-    for (const std::string& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 Tensor from_floats(const Shape& s, const std::vector<float>& v, DType t) {
   Tensor f = Tensor::empty(s, DType::f32, MemCategory::other);
   std::memcpy(f.raw(), v.data(), v.size() * sizeof(float));

@@ -2,9 +2,12 @@
 // stay bitwise equal to a plain AdamW on the rank-ordered gradient sum (f32 and bf16 states, several bucket
 // sizes), the sharded squared norm, gathered/loaded moments, non-finite detection, mismatched parameters
 // across ranks, and the 1/P state memory. Own main like tests/parallel/mpi_collectives_test.cpp.
+// Parameters (and so both optimizers' states) live on testing::test_device(); values and gradients are written and
+// read through host copies.
 #include <gtest/gtest.h>
 
 #include "mpi_test_support.h"
+#include "test_util.h"
 
 #include <cmath>
 #include <cstdio>
@@ -75,11 +78,13 @@ std::vector<Param> make_params(const std::vector<Spec>& specs) {
   for (size_t i = 0; i < specs.size(); ++i) {
     Param p;
     p.name = specs[i].name;
-    p.value = Tensor::empty(specs[i].shape, DType::f32, MemCategory::parameters);
-    p.grad = Tensor::zeros(specs[i].shape, DType::f32, MemCategory::gradients);
+    Tensor host = Tensor::empty(specs[i].shape, DType::f32, MemCategory::other);
+    float* v = host.data<float>();
+    for (int64_t k = 0; k < host.numel(); ++k) v[k] = value_at(9000 + i, k);
+    p.value = Tensor::empty(specs[i].shape, DType::f32, MemCategory::parameters, testing::test_device());
+    p.value.copy_from(host);
+    p.grad = Tensor::zeros(specs[i].shape, DType::f32, MemCategory::gradients, testing::test_device());
     p.weight_decay = specs[i].weight_decay;
-    float* v = p.value.data<float>();
-    for (int64_t k = 0; k < p.value.numel(); ++k) v[k] = value_at(9000 + i, k);
     p.compute = p.value;
     ps.push_back(std::move(p));
   }
@@ -96,8 +101,9 @@ std::vector<Param*> pointers(std::vector<Param>& ps) {
 std::string bitwise_diff(const Tensor& a, const Tensor& b) {
   if (!(a.shape() == b.shape()) || a.dtype() != b.dtype()) return "shape/dtype " + a.str() + " vs " + b.str();
   const size_t es = dtype_size(a.dtype());
-  const auto* x = static_cast<const unsigned char*>(a.raw());
-  const auto* y = static_cast<const unsigned char*>(b.raw());
+  const Tensor ha = testing::host(a), hb = testing::host(b);
+  const auto* x = static_cast<const unsigned char*>(ha.raw());
+  const auto* y = static_cast<const unsigned char*>(hb.raw());
   for (int64_t i = 0; i < a.numel(); ++i)
     if (std::memcmp(x + i * es, y + i * es, es) != 0)
       return "element " + std::to_string(i) + " of " + std::to_string(a.numel()) + " differs";
@@ -117,14 +123,18 @@ class Harness {
   // This rank's gradients into the distributed params; their rank-ordered sum into the reference.
   void set_grads(int step) {
     for (size_t i = 0; i < dist_.size(); ++i) {
-      float* d = dist_[i].grad.data<float>();
-      float* r = ref_[i].grad.data<float>();
-      for (int64_t k = 0; k < dist_[i].grad.numel(); ++k) {
+      Tensor dh = Tensor::empty(dist_[i].grad.shape(), DType::f32, MemCategory::other);
+      Tensor rh = Tensor::empty(ref_[i].grad.shape(), DType::f32, MemCategory::other);
+      float* d = dh.data<float>();
+      float* r = rh.data<float>();
+      for (int64_t k = 0; k < dh.numel(); ++k) {
         d[k] = grad_at(g_.rank(), step, i, k);
         float acc = grad_at(0, step, i, k);
         for (int q = 1; q < g_.size(); ++q) acc += grad_at(q, step, i, k);
         r[k] = acc;
       }
+      dist_[i].grad.copy_from(dh);
+      ref_[i].grad.copy_from(rh);
     }
   }
   // The trainer's sequence: reduce-scatter, global norm from the shards, clip scale, both updates.
@@ -241,7 +251,11 @@ TEST_F(Mpi, FirstNonfiniteGradNamesTheParam) {
   const size_t bad = 4;  // decoder.layers.0.self_attention.linear_qkv.bias
   for (float poison : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     h.set_grads(1);
-    if (me == P - 1) h.dist_[bad].grad.data<float>()[5] = poison;
+    if (me == P - 1) {
+      Tensor g = testing::host(h.dist_[bad].grad).clone();
+      g.data<float>()[5] = poison;
+      h.dist_[bad].grad.copy_from(g);
+    }
     h.opt_->reduce_scatter_grads();
     const std::string name = h.opt_->first_nonfinite_grad();
     // The element lives in exactly one rank's shard; an all-reduced flag lets every rank agree to skip.

@@ -5,11 +5,12 @@
 // parameter's reduced gradient after step 1 (expert shards against their slice of the reference; element-wise
 // rtol 1e-5 with an absolute floor of 1e-7 x the tensor's largest value for near-zero elements), 20-step
 // losses (rtol 1e-5), the final validation loss, and bitwise-identical losses across two identical
-// multi-rank runs.
+// multi-rank runs. Every model lives on testing::test_device(); results are kept as host copies.
 #include <gtest/gtest.h>
 
 #include "model/synthetic_training.h"
 #include "mpi_test_support.h"
+#include "test_util.h"
 
 #include <unistd.h>
 #include <cmath>
@@ -40,6 +41,11 @@ model::ModelConfig moe_model(bool expert_bias) {
 }
 
 using testing::synthetic_batch;
+
+// A host copy of t that shares no storage with it (on the CPU testing::host returns t itself).
+Tensor host_copy(const Tensor& t) {
+  return testing::host(t).clone();
+}
 
 train::TrainConfig train_config(int64_t iters) {
   train::TrainConfig t;
@@ -77,7 +83,7 @@ Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int
     ep.group = pg.ep();
     ep.dp = pg.dp();
   }
-  model::GptModel gpt(mc, 2, 42, ep);
+  model::GptModel gpt(mc, 2, 42, ep, testing::test_device());
   optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!zero);
   train::TrainConfig tc = train_config(iters);
   tc.use_distributed_optimizer = zero;
@@ -91,8 +97,8 @@ Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int
   r.grad_norm = log.grad_norm;
   if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
   for (const auto& p : gpt.params()) {
-    r.grads[p.name] = p.grad.clone();
-    r.values[p.name] = p.value.clone();
+    r.grads[p.name] = host_copy(p.grad);
+    r.values[p.name] = host_copy(p.value);
   }
   r.ep_rank = gpt.ep_rank();
   r.ep_size = gpt.ep_size();
@@ -189,12 +195,12 @@ TEST_F(Mpi, CheckpointReshardsAcrossLayouts) {
   const Result straight = run(world, save_ep, kind, 8, true, true);
   const Result saved = run(world, save_ep, kind, 8, true, true, dir, "", 4);
   // The single-process model loaded from the checkpoint is the reference for every layout.
-  model::GptModel hub(moe_model(true), 2, 42);
+  model::GptModel hub(moe_model(true), 2, 42, {}, testing::test_device());
   optim::AdamW hub_opt(hub.params(), {});
   const std::string iter_dir = dir + "/iter_0000004";
   train::load_training_checkpoint(iter_dir, hub, hub_opt, 1234);
   std::map<std::string, Tensor> full;
-  for (const auto& p : hub.params()) full[p.name] = p.value;
+  for (const auto& p : hub.params()) full[p.name] = host_copy(p.value);
   expect_same_parameters(saved, full, "saved at EP " + std::to_string(save_ep));
   // Resume at every other layout of this world size, and at 1 rank.
   for (int ep : {1, 2, 4}) {
@@ -215,11 +221,11 @@ TEST_F(Mpi, CheckpointReshardsAcrossLayouts) {
     pc.expert_tensor_parallel_size = 1;
     const ProcessGroups pg = make_process_groups(pc, 8, world);
     ep.group = pg.ep();
-    model::GptModel m(moe_model(true), 2, 42, ep);
+    model::GptModel m(moe_model(true), 2, 42, ep, testing::test_device());
     optim::AdamW o(m.params(), {});
     train::load_training_checkpoint(iter_dir, m, o, 1234);
     Result r;
-    for (const auto& p : m.params()) r.values[p.name] = p.value.clone();
+    for (const auto& p : m.params()) r.values[p.name] = host_copy(p.value);
     r.ep_rank = m.ep_rank();
     expect_same_parameters(r, full, "loaded at EP " + std::to_string(P));
   }

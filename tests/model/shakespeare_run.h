@@ -1,5 +1,6 @@
 // The shared recipe of the "learns tinyshakespeare" tests: a 2-layer byte-level model (dense or MoE, as the
-// caller configures) trained 300 steps on ../shared/data/tinyshakespeare with one fixed optimizer setup.
+// caller configures) trained 300 steps on ../shared/data/tinyshakespeare with one fixed optimizer setup, on
+// testing::test_device().
 #pragma once
 #include <string>
 
@@ -7,6 +8,7 @@
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
 #include "moecore/train/trainer.h"
+#include "test_util.h"
 
 namespace moecore::testing {
 
@@ -36,7 +38,7 @@ inline ShakespeareRun run_shakespeare(const model::ModelConfig& c, const std::st
   t.min_lr = 1e-3f;
   t.lr_warmup_iters = 20;
   t.eval_iters = 8;
-  model::GptModel m(c, t.micro_batch_size, 1234);
+  model::GptModel m(c, t.micro_batch_size, 1234, {}, test_device());
   optim::AdamWConfig o;
   o.beta2 = 0.95f;
   o.weight_decay = 0.1f;

@@ -2,6 +2,7 @@
 // and the LR-scheduler check on load with --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler.
 // Tiny model, a few steps each; bitwise resume with every switch at its default is Training.ResumeIsBitIdentical.
 // Also the checks after the checksum (issue 15): forged dtypes and shapes, state.json against COMMIT.
+// Models live on testing::test_device(); optimizer states are read through host copies.
 #include <unistd.h>
 
 #include <cstring>
@@ -55,7 +56,7 @@ struct RunResult {
 };
 
 RunResult run(const train::TrainConfig& t, bool zero = false) {
-  model::GptModel m(moe_model(), t.micro_batch_size, 77);
+  model::GptModel m(moe_model(), t.micro_batch_size, 77, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{}, /*allocate_state=*/!zero);
   train::TrainConfig c = t;
   c.use_distributed_optimizer = zero;
@@ -90,7 +91,7 @@ RunResult save_after(const fs::path& dir, int64_t iters, bool save_optim = true,
 }
 
 std::string load_error(const fs::path& iter_dir, const train::CheckpointLoadOptions& o) {
-  model::GptModel m(moe_model(), 2, 1);
+  model::GptModel m(moe_model(), 2, 1, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
   try {
     train::load_training_state(iter_dir.string(), m, opt, 1234, o);
@@ -102,15 +103,15 @@ std::string load_error(const fs::path& iter_dir, const train::CheckpointLoadOpti
 
 bool all_zero(const std::vector<Tensor>& ts) {
   for (const Tensor& t : ts)
-    for (int64_t i = 0; i < t.numel(); ++i)
-      if (t.data<float>()[i] != 0.0f) return false;
+    for (float v : testing::to_vector(t))
+      if (v != 0.0f) return false;
   return true;
 }
 
 TEST(CheckpointFlags, NoLoadOptimKeepsWeightsAndProgressWithAFreshOptimizer) {
   const fs::path dir = fresh_dir("no_load_optim");
   const RunResult saved = save_after(dir, 4);
-  model::GptModel m(moe_model(), 2, 1);
+  model::GptModel m(moe_model(), 2, 1, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
   for (Tensor& t : opt.exp_avg()) t.fill_(1.0f);  // whatever the optimizer held is dropped
   opt.set_steps_taken(9);
@@ -151,7 +152,7 @@ TEST(CheckpointFlags, NoLoadRngRestartsTheRouterNoiseStreams) {
   const fs::path dir = fresh_dir("no_load_rng");
   const RunResult saved = save_after(dir, 4);
   ASSERT_GT(saved.router_calls, 0);
-  model::GptModel m(moe_model(), 2, 1);
+  model::GptModel m(moe_model(), 2, 1, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
   train::CheckpointLoadOptions o;
   o.load_rng = false;
@@ -177,7 +178,7 @@ TEST(CheckpointFlags, NoLoadRngRestartsTheRouterNoiseStreams) {
 TEST(CheckpointFlags, FinetuneStartsAtIterationZeroWithTheLoadedWeights) {
   const fs::path dir = fresh_dir("finetune");
   const RunResult saved = save_after(dir, 4);
-  model::GptModel m(moe_model(), 2, 1);
+  model::GptModel m(moe_model(), 2, 1, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
   train::CheckpointLoadOptions o;
   o.finetune = true;  // load_optim / load_rng left true: finetune wins
@@ -338,7 +339,7 @@ TEST(CheckpointFlags, UseCheckpointSchedulerReplacesTheConfigsSchedule) {
 
 TEST(CheckpointFlags, CheckpointWithoutSchedulerStateLoadsUnchecked) {
   const fs::path dir = fresh_dir("sched_old");
-  model::GptModel m(moe_model(), 2, 77);
+  model::GptModel m(moe_model(), 2, 77, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
   // As written before the scheduler state existed: default save options carry no scheduler.
   train::save_training_checkpoint(dir.string(), m, opt, {3, 12}, 1234, 0);
@@ -464,7 +465,7 @@ std::string forge_header(const fs::path& dir, const std::string& file,
 
 // The load error of dir, checking that the failed load left the model untouched.
 std::string load_error_untouched(const fs::path& iter_dir) {
-  model::GptModel m(moe_model(), 2, 1);
+  model::GptModel m(moe_model(), 2, 1, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
   const uint64_t before = train::parameter_hash(m);
   std::string msg;

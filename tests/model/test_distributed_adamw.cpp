@@ -1,7 +1,8 @@
 // Single-rank tests of optim::DistributedAdamW (comm_single(), no backend) and of AdamW's external-norm
 // step: bitwise equal to AdamW over several steps (f32 and bf16 states, several bucket sizes), the clip
 // rule, gather/load of the moments, and clear errors for bad inputs. Multi-rank behaviour lives in
-// mpi_distributed_optimizer_test.cpp.
+// mpi_distributed_optimizer_test.cpp. Parameters (and so the optimizers' states) live on testing::test_device();
+// values and gradients are written and read through host copies.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +12,7 @@
 #include "moecore/core/error.h"
 #include "moecore/optim/distributed_adamw.h"
 #include "moecore/parallel/comm.h"
+#include "test_util.h"
 
 namespace moecore {
 namespace {
@@ -28,6 +30,17 @@ float value_at(uint64_t seed, int64_t i) {  // exact floats of assorted magnitud
   return std::ldexp(static_cast<float>(mantissa), static_cast<int>(h % 10) - 29);
 }
 
+Tensor dev_zeros(const Shape& shape, MemCategory category) {
+  return Tensor::zeros(shape, DType::f32, category, testing::test_device());
+}
+
+// A host f32 tensor of `shape` whose element k is value_at(seed, k).
+Tensor values(const Shape& shape, uint64_t seed) {
+  Tensor t = Tensor::empty(shape, DType::f32, MemCategory::other);
+  for (int64_t k = 0; k < t.numel(); ++k) t.data<float>()[k] = value_at(seed, k);
+  return t;
+}
+
 std::vector<Param> make_params() {
   const std::vector<std::pair<Shape, bool>> specs = {{{10, 15}, true}, {{7}, false},  {{1}, false},
                                                      {{3, 5}, true},   {{13}, false}, {{4, 8}, true}};
@@ -35,10 +48,10 @@ std::vector<Param> make_params() {
   for (size_t i = 0; i < specs.size(); ++i) {
     Param p;
     p.name = "p" + std::to_string(i);
-    p.value = Tensor::empty(specs[i].first, DType::f32, MemCategory::parameters);
-    p.grad = Tensor::zeros(specs[i].first, DType::f32, MemCategory::gradients);
+    p.value = Tensor::empty(specs[i].first, DType::f32, MemCategory::parameters, testing::test_device());
+    p.value.copy_from(values(specs[i].first, 100 + i));
+    p.grad = dev_zeros(specs[i].first, MemCategory::gradients);
     p.weight_decay = specs[i].second;
-    for (int64_t k = 0; k < p.value.numel(); ++k) p.value.data<float>()[k] = value_at(100 + i, k);
     p.compute = p.value;
     ps.push_back(std::move(p));
   }
@@ -46,9 +59,7 @@ std::vector<Param> make_params() {
 }
 
 void set_grads(std::vector<Param>& ps, int step) {
-  for (size_t i = 0; i < ps.size(); ++i)
-    for (int64_t k = 0; k < ps[i].grad.numel(); ++k)
-      ps[i].grad.data<float>()[k] = value_at(1000 * static_cast<uint64_t>(step) + i, k);
+  for (size_t i = 0; i < ps.size(); ++i) ps[i].grad.copy_from(values(ps[i].grad.shape(), 1000 * uint64_t(step) + i));
 }
 
 std::vector<Param*> pointers(std::vector<Param>& ps) {
@@ -58,7 +69,9 @@ std::vector<Param*> pointers(std::vector<Param>& ps) {
 }
 
 bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+  if (!(a.shape() == b.shape()) || a.dtype() != b.dtype()) return false;
+  const Tensor ha = testing::host(a), hb = testing::host(b);
+  return std::memcmp(ha.raw(), hb.raw(), a.nbytes()) == 0;
 }
 
 AdamWConfig config(DType state, float clip) {
@@ -145,8 +158,11 @@ TEST(DistributedAdamW, FirstNonfiniteGradNamesTheParam) {
   std::vector<Param> ps = make_params();
   DistributedAdamW opt(pointers(ps), config(DType::f32, 1.0f), comm_single(), DistributedAdamWOptions{40});
   set_grads(ps, 1);
-  ps[4].grad.data<float>()[12] = std::numeric_limits<float>::quiet_NaN();
-  ps[5].grad.data<float>()[0] = std::numeric_limits<float>::infinity();
+  Tensor g4 = testing::host(ps[4].grad).clone(), g5 = testing::host(ps[5].grad).clone();
+  g4.data<float>()[12] = std::numeric_limits<float>::quiet_NaN();
+  g5.data<float>()[0] = std::numeric_limits<float>::infinity();
+  ps[4].grad.copy_from(g4);
+  ps[5].grad.copy_from(g5);
   opt.reduce_scatter_grads();
   EXPECT_EQ(opt.first_nonfinite_grad(), "p4");
 }
@@ -162,14 +178,14 @@ TEST(DistributedAdamW, BadInputsGiveClearErrors) {
   DistributedAdamW opt(pointers(ps), config(DType::f32, 1.0f), comm_single());
   std::vector<Tensor> m, v;
   opt.gather_state(m, v);
-  v[2] = Tensor::zeros({2}, DType::f32);
+  v[2] = dev_zeros({2}, MemCategory::other);
   try {
     opt.load_state(m, v);
     ADD_FAILURE() << "a wrongly shaped moment was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("p2"), std::string::npos) << e.what();
   }
-  ps[3].grad = Tensor::zeros({4}, DType::f32);
+  ps[3].grad = dev_zeros({4}, MemCategory::gradients);
   try {
     opt.reduce_scatter_grads();
     ADD_FAILURE() << "a wrongly sized gradient was accepted";

@@ -1,6 +1,7 @@
 // Dropout in the GPT model (Megatron's hidden dropout on the embedding and both residual branches, attention
 // dropout on the probabilities): counter-based masks, so evaluation is dropout-free, a run repeats bitwise, a
 // resumed run draws the masks of the uninterrupted one, and the masks change with the step and micro-batch.
+// Models live on testing::test_device(); the batches are host tensors, as the data loader hands them over.
 #include <filesystem>
 
 #include "moecore/train/checkpointing.h"
@@ -22,6 +23,10 @@ model::ModelConfig dropout_model(float hidden, float attention) {
   return c;
 }
 
+model::GptModel make_model(const model::ModelConfig& c, uint64_t seed) {
+  return model::GptModel(c, 2, seed, {}, testing::test_device());
+}
+
 struct Batch {
   Tensor tokens = Tensor::empty({2, 16}, DType::i32, MemCategory::other);
   Tensor labels = Tensor::empty({2, 16}, DType::i32, MemCategory::other);
@@ -30,8 +35,8 @@ struct Batch {
 
 TEST(DropoutModel, EvaluationIsDropoutFreeAndTrainingIsNot) {
   const Batch b;
-  model::GptModel plain(dropout_model(0.0f, 0.0f), 2, 5);
-  model::GptModel drop(dropout_model(0.3f, 0.2f), 2, 5);
+  model::GptModel plain = make_model(dropout_model(0.0f, 0.0f), 5);
+  model::GptModel drop = make_model(dropout_model(0.3f, 0.2f), 5);
   EXPECT_EQ(plain.evaluate(b.tokens, b.labels).loss_sum, drop.evaluate(b.tokens, b.labels).loss_sum);
   const double p = plain.forward_backward(b.tokens, b.labels, 1.0f).loss_sum;
   const double d = drop.forward_backward(b.tokens, b.labels, 1.0f).loss_sum;
@@ -42,7 +47,7 @@ TEST(DropoutModel, EvaluationIsDropoutFreeAndTrainingIsNot) {
 
 TEST(DropoutModel, MasksRepeatForTheSameStepAndChangeWithStepAndMicroBatch) {
   const Batch b;
-  model::GptModel m(dropout_model(0.3f, 0.2f), 2, 5);
+  model::GptModel m = make_model(dropout_model(0.3f, 0.2f), 5);
   auto loss_at = [&](int64_t it, int64_t mb) {
     m.zero_grad();
     m.set_dropout_step(it, mb);
@@ -58,13 +63,13 @@ TEST(DropoutModel, EachSiteChangesTheLossAndATinyPIsNearlyTheIdentity) {
   // Attention dropout alone, then hidden dropout alone, each changes the loss; both at p -> 0 approach the
   // dropout-free loss (the masks keep ~all elements).
   const Batch b;
-  model::GptModel plain(dropout_model(0.0f, 0.0f), 2, 5);
+  model::GptModel plain = make_model(dropout_model(0.0f, 0.0f), 5);
   const double base = plain.forward_backward(b.tokens, b.labels, 1.0f).loss_sum;
   for (auto [h, a] : {std::pair{0.0f, 0.5f}, std::pair{0.5f, 0.0f}}) {
-    model::GptModel m(dropout_model(h, a), 2, 5);
+    model::GptModel m = make_model(dropout_model(h, a), 5);
     EXPECT_NE(m.forward_backward(b.tokens, b.labels, 1.0f).loss_sum, base) << h << " " << a;
   }
-  model::GptModel tiny(dropout_model(1e-6f, 1e-6f), 2, 5);
+  model::GptModel tiny = make_model(dropout_model(1e-6f, 1e-6f), 5);
   EXPECT_NEAR(tiny.forward_backward(b.tokens, b.labels, 1.0f).loss_sum, base, 1e-3 * std::abs(base));
 }
 
@@ -72,7 +77,7 @@ TEST(DropoutModel, ResumeIsBitIdenticalWithDropout) {
   const fs::path dir = fs::temp_directory_path() / ("moecore_dropout_resume_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   auto run = [&](int64_t exit_interval, bool save, bool load) {
-    model::GptModel m(dropout_model(0.2f, 0.1f), 2, 77);
+    model::GptModel m = make_model(dropout_model(0.2f, 0.1f), 77);
     optim::AdamW opt(m.params(), optim::AdamWConfig{});
     train::TrainConfig t;
     t.micro_batch_size = 2;

@@ -1,6 +1,7 @@
 // Layer-3 tests: the dense GPT against golden tensors written by tools/gpt_reference.py (PyTorch autograd in
 // float64): logits, loss, every parameter gradient, and a 10-step AdamW trajectory (clipping included), for
 // eight variants (norms, activations, tied output, linear biases, learned / rotary / no positions, QK-norm).
+// The model lives on testing::test_device(): the golden tensors are uploaded, results read through host copies.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -72,6 +73,13 @@ Golden load_golden(const std::string& file) {
   return g;
 }
 
+model::GptModel make_model(const model::ModelConfig& c, int64_t micro_batch) {
+  return model::GptModel(c, micro_batch, 1, {}, testing::test_device());
+}
+Tensor dev_empty(const Shape& shape) {
+  return Tensor::empty(shape, DType::f32, MemCategory::other, testing::test_device());
+}
+
 void load_params(model::GptModel& m, const Golden& g, const char* prefix) {
   for (auto& p : m.params()) p.value.copy_from(g.at(prefix + p.name));
   m.refresh_compute_weights();
@@ -104,10 +112,10 @@ class GptGolden : public ::testing::TestWithParam<const char*> {};
 // relative precision to cancellation).
 TEST_P(GptGolden, LogitsLossAndEveryGradientMatchReference) {
   const Golden g = load_golden(GetParam());
-  model::GptModel m(g.cfg, g.batch, 1);
+  model::GptModel m = make_model(g.cfg, g.batch);
   ASSERT_EQ(static_cast<int64_t>(m.params().size()), g.num_params()) << "parameter tables differ";
   load_params(m, g, "param.");
-  Tensor logits = Tensor::empty({g.batch * g.cfg.seq_length, g.cfg.vocab_size}, DType::f32);
+  Tensor logits = dev_empty({g.batch * g.cfg.seq_length, g.cfg.vocab_size});
   m.forward_logits(logits, g.at("input.tokens"));
   EXPECT_TENSOR_NEAR(logits, g.at("out.logits").view(logits.shape()), 1e-4, 1e-5);
 
@@ -138,7 +146,7 @@ TEST_P(GptGolden, LogitsLossAndEveryGradientMatchReference) {
 // (PyTorch in float32 does the same); they cannot change the output, which the loss trajectory checks.
 TEST_P(GptGolden, TenStepAdamWTrajectoryMatchesReference) {
   const Golden g = load_golden(GetParam());
-  model::GptModel m(g.cfg, g.batch, 1);
+  model::GptModel m = make_model(g.cfg, g.batch);
   load_params(m, g, "param.");
   optim::AdamW opt(m.params(), golden_optimizer(g));
   const float lr = static_cast<float>(g.meta("lr"));
@@ -175,7 +183,7 @@ TEST_P(GptGolden, TenStepAdamWTrajectoryMatchesReference) {
 TEST_P(GptGolden, Bf16ComputeTracksReference) {
   Golden g = load_golden(GetParam());
   g.cfg.compute_dtype = DType::bf16;
-  model::GptModel m(g.cfg, g.batch, 1);
+  model::GptModel m = make_model(g.cfg, g.batch);
   load_params(m, g, "param.");
   m.zero_grad();
   const auto r = m.forward_backward(g.at("input.tokens"), g.at("input.labels"), 1.0f);
@@ -196,7 +204,7 @@ TEST_P(GptGolden, DropoutChangesTrainingButNotEvaluation) {
   model::ModelConfig with_drop = g.cfg;
   with_drop.hidden_dropout = 0.1f;
   with_drop.attention_dropout = 0.1f;
-  model::GptModel plain(g.cfg, g.batch, 1), drop(with_drop, g.batch, 1);
+  model::GptModel plain = make_model(g.cfg, g.batch), drop = make_model(with_drop, g.batch);
   load_params(plain, g, "param.");
   load_params(drop, g, "param.");
   const Tensor &tokens = g.at("input.tokens"), &labels = g.at("input.labels");
@@ -204,10 +212,11 @@ TEST_P(GptGolden, DropoutChangesTrainingButNotEvaluation) {
             plain.forward_backward(tokens, labels, 1.0f).loss_sum);
   EXPECT_EQ(drop.evaluate(tokens, labels).loss_sum, plain.evaluate(tokens, labels).loss_sum);
   const Shape shape{g.batch * g.cfg.seq_length, g.cfg.vocab_size};
-  Tensor a = Tensor::empty(shape, DType::f32), b = Tensor::empty(shape, DType::f32);
+  Tensor a = dev_empty(shape), b = dev_empty(shape);
   plain.forward_logits(a, tokens);
   drop.forward_logits(b, tokens);
-  EXPECT_EQ(std::memcmp(a.data<float>(), b.data<float>(), static_cast<size_t>(a.nbytes())), 0);
+  const Tensor ha = testing::host(a), hb = testing::host(b);
+  EXPECT_EQ(std::memcmp(ha.data<float>(), hb.data<float>(), static_cast<size_t>(a.nbytes())), 0);
 }
 
 // untied: RMSNorm + SwiGLU + separate output layer; tied: the same with a shared embedding; gelu_ln:

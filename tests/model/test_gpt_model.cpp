@@ -1,6 +1,7 @@
 // Layer-2/4 tests of the dense GPT: invariants (backward twice doubles gradients, the memory plan equals
 // what is allocated, initialisation depends only on (seed, name)), bad configs, and learning on a real
-// corpus (tinyshakespeare, skipped when ../shared is absent).
+// corpus (tinyshakespeare, skipped when ../shared is absent). Models live on testing::test_device(); parameters and
+// gradients are read through host copies.
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -26,6 +27,10 @@ model::ModelConfig tiny_config() {
   return c;
 }
 
+model::GptModel make_model(const model::ModelConfig& c, int64_t micro_batch, uint64_t seed) {
+  return model::GptModel(c, micro_batch, seed, {}, testing::test_device());
+}
+
 Tensor random_ids(int64_t B, int64_t S, int64_t V, const char* name) {
   Tensor t = Tensor::empty({B, S}, DType::i32, MemCategory::other);
   for (int64_t i = 0; i < B * S; ++i)
@@ -34,7 +39,7 @@ Tensor random_ids(int64_t B, int64_t S, int64_t V, const char* name) {
 }
 
 TEST(GptModel, BackwardTwiceDoublesParameterGradients) {
-  model::GptModel m(tiny_config(), 2, 5);
+  model::GptModel m = make_model(tiny_config(), 2, 5);
   const Tensor tok = random_ids(2, 16, 64, "tok"), lab = random_ids(2, 16, 64, "lab");
   m.zero_grad();
   m.forward_backward(tok, lab, 1.0f);
@@ -44,7 +49,7 @@ TEST(GptModel, BackwardTwiceDoublesParameterGradients) {
   const std::vector<Param>& weights = m.params();
   for (size_t i = 0; i < once.size(); ++i) {
     Tensor twice = once[i].clone();
-    ops::scale(twice, 2.0f, {});
+    ops::scale(twice, 2.0f, ops::Context{testing::test_device()});
     EXPECT_TENSOR_NEAR(weights[i].grad, twice, 1e-6, 1e-9);
   }
 }
@@ -56,7 +61,7 @@ TEST(GptModel, MemoryPlanEqualsTrackedAllocations) {
       c.compute_dtype = dt;
       c.normalization = norm;
       const MemoryStats before = memory_stats();
-      model::GptModel m(c, 2, 5);
+      model::GptModel m = make_model(c, 2, 5);
       optim::AdamW opt(m.params(), optim::AdamWConfig{});
       const MemoryStats after = memory_stats();
       const model::MemoryPlan plan = m.memory_plan(opt.state_bytes_per_param());
@@ -69,14 +74,14 @@ TEST(GptModel, MemoryPlanEqualsTrackedAllocations) {
 
 TEST(GptModel, InitialisationDependsOnlyOnSeedAndName) {
   model::ModelConfig c = tiny_config();
-  model::GptModel a(c, 2, 11);
+  model::GptModel a = make_model(c, 2, 11);
   c.num_layers = 3;  // a different model: shared names must still get identical values
-  model::GptModel b(c, 1, 11);
+  model::GptModel b = make_model(c, 1, 11);
   for (const char* name : {"embedding.word_embeddings.weight", "decoder.layers.1.mlp.linear_fc1.weight"}) {
-    const Tensor &x = a.param(name).value, &y = b.param(name).value;
+    const Tensor x = testing::host(a.param(name).value), y = testing::host(b.param(name).value);
     EXPECT_EQ(std::memcmp(x.raw(), y.raw(), static_cast<size_t>(x.nbytes())), 0) << name;
   }
-  model::GptModel other_seed(tiny_config(), 2, 12);
+  model::GptModel other_seed = make_model(tiny_config(), 2, 12);
   EXPECT_GT(testing::tolerance_ratio(a.param("output_layer.weight").value,
                                      other_seed.param("output_layer.weight").value, 0, 1e-6),
             1.0);
@@ -86,14 +91,14 @@ TEST(GptModel, BadConfigsNameTheFields) {
   model::ModelConfig c = tiny_config();
   c.num_query_groups = 3;
   try {
-    model::GptModel m(c, 1, 1);
+    model::GptModel m = make_model(c, 1, 1);
     FAIL() << "expected Error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("num_query_groups (3)"), std::string::npos) << e.what();
   }
   c = tiny_config();
-  EXPECT_THROW(model::GptModel(c, 0, 1), Error);
-  model::GptModel m(tiny_config(), 2, 1);
+  EXPECT_THROW(make_model(c, 0, 1), Error);
+  model::GptModel m = make_model(tiny_config(), 2, 1);
   Tensor bad = random_ids(2, 16, 64, "tok");
   bad.data<int32_t>()[3] = 64;  // outside the vocabulary
   EXPECT_THROW(m.forward_backward(bad, random_ids(2, 16, 64, "lab"), 1.0f), Error);

@@ -52,7 +52,7 @@ TEST(MoeLayerCase, MicroBatchSizeZeroIsAnError) {
   const auto in = inputs_for(c, 4);
   c.B = 0;
   try {
-    model::moe_layer_case_run(c, in);
+    model::moe_layer_case_run(c, in, testing::test_device());
     ADD_FAILURE() << "no error for micro_batch_size 0";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("micro_batch_size (0)"), std::string::npos) << e.what();
@@ -95,10 +95,10 @@ TEST(MoeLayerCase, EveryKeyIsCheckedForTypeAndRange) {
 TEST(MoeLayerCase, InputTensorsMustHaveTheDeclaredShapes) {
   const model::MoeLayerCase c = model::moe_layer_case_parse(with(R"("micro_batch_size": 2)"));
   auto in = inputs_for(c, 6);
-  EXPECT_EQ(model::moe_layer_case_run(c, in).at("out.output").shape(), Shape({6, 8}));
+  EXPECT_EQ(model::moe_layer_case_run(c, in, testing::test_device()).at("out.output").shape(), Shape({6, 8}));
   auto run_error = [&](std::map<std::string, Tensor> bad) -> std::string {
     try {
-      model::moe_layer_case_run(c, bad);
+      model::moe_layer_case_run(c, bad, testing::test_device());
     } catch (const Error& e) {
       return e.what();
     }

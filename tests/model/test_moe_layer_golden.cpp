@@ -1,5 +1,6 @@
 // The MoE layer against golden cases written by tools/moe_reference.py (PyTorch autograd, float64): for each
 // tests/golden/moe_*.safetensors, the output, routing map and probabilities, every loss and every gradient.
+// The layer runs on testing::test_device(); moe_layer_case_run returns host copies.
 #include <filesystem>
 #include <string>
 
@@ -32,7 +33,7 @@ TEST_P(MoeLayerGolden, MatchesReference) {
   std::map<std::string, Tensor> inputs;
   for (const auto& [name, t] : f.tensors)
     if (name.rfind("input.", 0) == 0 || name.rfind("param.", 0) == 0) inputs[name] = t;
-  const auto out = model::moe_layer_case_run(c, inputs);
+  const auto out = model::moe_layer_case_run(c, inputs, testing::test_device());
   int compared = 0;
   for (const auto& [name, ref] : f.tensors) {
     if (name.rfind("input.", 0) == 0 || name.rfind("param.", 0) == 0) continue;

@@ -1,7 +1,9 @@
 // MoE inside the GPT: the layer pattern, the memory plan, gradient accumulation, expert-bias updates once per
-// optimizer step, and learning on tinyshakespeare (skipped when ../shared is absent).
+// optimizer step, and learning on tinyshakespeare (skipped when ../shared is absent). Models live on
+// testing::test_device(); parameters, gradients and router states are read through host copies.
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "model/shakespeare_run.h"
 #include "moecore/model/gpt.h"
@@ -28,6 +30,11 @@ model::ModelConfig tiny_moe() {
   return c;
 }
 
+model::GptModel make_model(const model::ModelConfig& c, int64_t micro_batch, uint64_t seed) {
+  return model::GptModel(c, micro_batch, seed, {}, testing::test_device());
+}
+const ops::Context kDev{testing::test_device()};
+
 Tensor ids(int64_t n, const char* name, int64_t V) {
   Tensor t = Tensor::empty({2, n / 2}, DType::i32);
   for (int64_t i = 0; i < n; ++i)
@@ -42,36 +49,38 @@ TEST(MoeModel, MoeLayersSeeMegatronsSequenceMajorTokenOrder) {
   model::ModelConfig c = tiny_moe();
   c.moe.load_balancing_type = {moe::LoadBalancing::seq_aux_loss};
   const Tensor tok = ids(32, "order", 64), lab = ids(32, "order_labels", 64);
-  model::GptModel both(c, 2, 11);
+  model::GptModel both = make_model(c, 2, 11);
   both.forward_backward(tok, lab, 1.0f);
   std::vector<std::vector<double>> single(2);
   for (int64_t b = 0; b < 2; ++b) {
-    model::GptModel one(c, 1, 11);
+    model::GptModel one = make_model(c, 1, 11);
     one.forward_backward(tok.slice(0, b, b + 1).clone(), lab.slice(0, b, b + 1).clone(), 1.0f);
-    for (int64_t l = 0; l < c.num_layers; ++l) single[b].push_back(one.moe_stats(l)->seq_aux_loss);
+    for (int64_t l = 0; l < c.num_layers; ++l)
+      single[b].push_back(moe::router_stats_host(*one.moe_stats(l)).seq_aux_loss);
   }
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const double s0 = single[0][l], s1 = single[1][l];
     EXPECT_GT(std::fabs(s0 - s1), 1e-4) << "layer " << l << ": the samples must route differently for this test";
-    EXPECT_NEAR(both.moe_stats(l)->seq_aux_loss, 0.5 * (s0 + s1), 1e-6 * (s0 + s1)) << "layer " << l;
+    EXPECT_NEAR(moe::router_stats_host(*both.moe_stats(l)).seq_aux_loss, 0.5 * (s0 + s1), 1e-6 * (s0 + s1))
+        << "layer " << l;
   }
 }
 
 TEST(MoeModel, LayerFreqSelectsMoeLayers) {
   model::ModelConfig c = tiny_moe();
   c.moe_layer_freq = "2";
-  model::GptModel a(c, 2, 1);
+  model::GptModel a = make_model(c, 2, 1);
   EXPECT_TRUE(a.is_moe_layer(0));
   EXPECT_FALSE(a.is_moe_layer(1));
   EXPECT_TRUE(a.is_moe_layer(2));
   c.moe_layer_freq = "[0,1,1]";
-  model::GptModel b(c, 2, 1);
+  model::GptModel b = make_model(c, 2, 1);
   EXPECT_FALSE(b.is_moe_layer(0));
   EXPECT_TRUE(b.is_moe_layer(1));
   EXPECT_NO_THROW(b.param("decoder.layers.0.mlp.linear_fc1.weight"));
   EXPECT_NO_THROW(b.param("decoder.layers.1.mlp.experts.linear_fc1.weight"));
   c.moe_layer_freq = "[0,1]";
-  EXPECT_THROW(model::GptModel(c, 2, 1), Error);  // wrong length names the flag
+  EXPECT_THROW(make_model(c, 2, 1), Error);  // wrong length names the flag
 }
 
 TEST(MoeModel, MemoryPlanTotalEqualsTrackedAllocations) {
@@ -113,7 +122,7 @@ TEST(MoeModel, MemoryPlanTotalEqualsTrackedAllocations) {
   mtp.mtp_num_layers = 2;
   for (const model::ModelConfig& c : {shared, megatron, partial, mla, lite, mtp}) {
     const MemoryStats before = memory_stats();
-    model::GptModel m(c, 2, 5);
+    model::GptModel m = make_model(c, 2, 5);
     optim::AdamW opt(m.params(), optim::AdamWConfig{});
     const MemoryStats after = memory_stats();
     const model::MemoryPlan plan = m.memory_plan(opt.state_bytes_per_param());
@@ -126,7 +135,7 @@ TEST(MoeModel, MemoryPlanTotalEqualsTrackedAllocations) {
 }
 
 TEST(MoeModel, BackwardTwiceDoublesGradientsIncludingRouterAndExperts) {
-  model::GptModel m(tiny_moe(), 2, 5);
+  model::GptModel m = make_model(tiny_moe(), 2, 5);
   const Tensor tok = ids(32, "tok", 64), lab = ids(32, "lab", 64);
   m.zero_grad();
   m.forward_backward(tok, lab, 1.0f);
@@ -136,10 +145,10 @@ TEST(MoeModel, BackwardTwiceDoublesGradientsIncludingRouterAndExperts) {
   const std::vector<Param>& weights = m.params();
   for (size_t i = 0; i < once.size(); ++i) {
     Tensor twice = once[i].clone();
-    ops::scale(twice, 2.0f, {});
+    ops::scale(twice, 2.0f, kDev);
     EXPECT_LE(testing::tolerance_ratio(weights[i].grad, twice, 1e-5, 1e-9), 1.0) << weights[i].name;
   }
-  EXPECT_GT(ops::sum_squares(m.param("decoder.layers.0.mlp.router.weight").grad, {}), 0.0);
+  EXPECT_GT(ops::sum_squares(m.param("decoder.layers.0.mlp.router.weight").grad, kDev), 0.0);
 }
 
 TEST(MoeModel, ExpertBiasMovesOncePerOptimizerStep) {
@@ -147,20 +156,25 @@ TEST(MoeModel, ExpertBiasMovesOncePerOptimizerStep) {
   c.moe.score_function = moe::ScoreFunction::sigmoid;
   c.moe.enable_expert_bias = true;
   c.moe.bias_update_rate = 0.1f;
-  model::GptModel m(c, 2, 5);
+  model::GptModel m = make_model(c, 2, 5);
   const Tensor tok = ids(32, "tok", 64), lab = ids(32, "lab", 64);
   m.forward_backward(tok, lab, 0.5f);
   m.forward_backward(tok, lab, 0.5f);  // two micro-batches: counts add up, the bias does not move yet
   const Tensor bias_before = m.router_state(0)->expert_bias.clone();
-  EXPECT_EQ(ops::sum_squares(bias_before, {}), 0.0);
+  EXPECT_EQ(ops::sum_squares(bias_before, kDev), 0.0);
+  // The counters are device tensors: read through a host copy.
+  auto counts = [&] {
+    const Tensor c = testing::host(m.router_state(0)->local_tokens_per_expert);
+    return std::vector<int64_t>(c.data<int64_t>(), c.data<int64_t>() + c.numel());
+  };
   int64_t total = 0;
-  for (int64_t c_e : m.router_state(0)->local_tokens_per_expert) total += c_e;
+  for (int64_t c_e : counts()) total += c_e;
   EXPECT_EQ(total, 2 * 32 * 2);  // two micro-batches of 32 tokens, top-2
   m.finish_step();
-  const float* b = m.router_state(0)->expert_bias.data<float>();
+  const auto b = testing::to_vector(m.router_state(0)->expert_bias);
   for (int e = 0; e < 4; ++e) EXPECT_TRUE(b[e] == 0.1f || b[e] == -0.1f || b[e] == 0.0f) << b[e];
-  EXPECT_GT(ops::sum_squares(m.router_state(0)->expert_bias, {}), 0.0);
-  for (int64_t c_e : m.router_state(0)->local_tokens_per_expert) EXPECT_EQ(c_e, 0);
+  EXPECT_GT(ops::sum_squares(m.router_state(0)->expert_bias, kDev), 0.0);
+  for (int64_t c_e : counts()) EXPECT_EQ(c_e, 0);
 }
 
 // An 8-expert top-2 byte-level MoE on tinyshakespeare gets below the same bound as the dense model test.
@@ -197,11 +211,11 @@ TEST(MoeModel, EndToEndGradientMatchesFiniteDifferences) {
   c.moe.z_loss_coeff = 1e-3f;
   c.moe.shared_expert_intermediate_size = 8;
   c.moe.shared_expert_gate = true;
-  model::GptModel m(c, 2, 21);
+  model::GptModel m = make_model(c, 2, 21);
   const Tensor tok = ids(32, "fd_tok", 64), lab = ids(32, "fd_lab", 64);
   auto objective = [&]() {
     double obj = m.forward_backward(tok, lab, 1.0f).mean();
-    for (int64_t l = 0; l < c.num_layers; ++l) obj += m.moe_stats(l)->weighted_loss;
+    for (int64_t l = 0; l < c.num_layers; ++l) obj += moe::router_stats_host(*m.moe_stats(l)).weighted_loss;
     return obj;
   };
   m.zero_grad();
@@ -211,7 +225,7 @@ TEST(MoeModel, EndToEndGradientMatchesFiniteDifferences) {
        {"decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.1.mlp.router.weight",
         "decoder.layers.1.mlp.experts.linear_fc1.weight", "decoder.layers.2.mlp.experts.linear_fc2.weight",
         "decoder.layers.2.mlp.shared_experts.gate_weight", "embedding.word_embeddings.weight"})
-    grads.emplace_back(name, m.param(name).grad.clone());
+    grads.emplace_back(name, testing::host(m.param(name).grad).clone());
   for (auto& [name, g] : grads) {
     Param& p = m.param(name);
     std::vector<int64_t> order(static_cast<size_t>(g.numel()));
@@ -219,18 +233,21 @@ TEST(MoeModel, EndToEndGradientMatchesFiniteDifferences) {
     const float* gp = g.data<float>();
     std::partial_sort(order.begin(), order.begin() + 5, order.end(),
                       [&](int64_t a, int64_t b) { return std::fabs(gp[a]) > std::fabs(gp[b]); });
+    // The parameter is perturbed in a host copy and uploaded before each evaluation.
+    Tensor host_value = testing::host(p.value).clone();
+    auto set = [&](int64_t i, float x) {
+      host_value.data<float>()[i] = x;
+      p.value.copy_from(host_value);
+      m.refresh_compute_weights();
+    };
     for (int k = 0; k < 5; ++k) {
       const int64_t i = order[static_cast<size_t>(k)];
-      float* v = p.value.data<float>() + i;
-      const float orig = *v, h = 1e-2f;
-      *v = orig + h;
-      m.refresh_compute_weights();
+      const float orig = host_value.data<float>()[i], h = 1e-2f;
+      set(i, orig + h);
       const double up = objective();
-      *v = orig - h;
-      m.refresh_compute_weights();
+      set(i, orig - h);
       const double down = objective();
-      *v = orig;
-      m.refresh_compute_weights();
+      set(i, orig);
       const double fd = (up - down) / (2 * h);
       EXPECT_NEAR(fd, gp[i], 0.03 * std::fabs(gp[i]) + 3e-5) << name << "[" << i << "]";
     }

@@ -1,6 +1,7 @@
 // System tests of the training loop: bitwise resume (also with gradient accumulation and the expert-bias
 // router), SIGTERM leaving a loadable checkpoint, NaN/Inf skip leaving every state bit-identical, LR schedules,
-// corrupted checkpoints, and the metrics files.
+// corrupted checkpoints, and the metrics files. Models live on testing::test_device(); parameters and optimizer
+// states are written and read through host copies.
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -28,6 +29,13 @@ model::ModelConfig moe_model() {
 
 using testing::synthetic_batch;
 
+// Element i of the f32 tensor t (any device) set to v through a host copy.
+void set_element(Tensor& t, int64_t i, float v) {
+  Tensor h = testing::host(t).clone();
+  h.data<float>()[i] = v;
+  t.copy_from(h);
+}
+
 train::TrainConfig train_config(int64_t iters) {
   train::TrainConfig t;
   t.micro_batch_size = 2;
@@ -45,7 +53,7 @@ struct RunResult {
 };
 
 RunResult run(train::TrainConfig t, const fs::path& save = {}, const fs::path& load = {}) {
-  model::GptModel m(moe_model(), t.micro_batch_size, 77);
+  model::GptModel m(moe_model(), t.micro_batch_size, 77, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
   t.save = save.string();
   t.load = load.string();
@@ -93,7 +101,7 @@ TEST(Training, SigtermSavesALoadableCheckpointAndStops) {
   const fs::path dir = fresh_dir("sigterm");
   train::TrainConfig t = train_config(10);
   t.save = dir.string();
-  model::GptModel m(moe_model(), t.micro_batch_size, 77);
+  model::GptModel m(moe_model(), t.micro_batch_size, 77, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
   const train::BatchFn batches = [&](Tensor& tok, Tensor& lab, bool valid, int64_t i) {
     if (!valid && i == 2 * 3) std::raise(SIGTERM);  // during iteration 4 (1-based)
@@ -104,7 +112,7 @@ TEST(Training, SigtermSavesALoadableCheckpointAndStops) {
   EXPECT_EQ(log.train_loss.size(), 4u);
   const auto latest = io::checkpoint_find_latest(dir.string());
   ASSERT_TRUE(latest.has_value());
-  model::GptModel m2(moe_model(), t.micro_batch_size, 1);
+  model::GptModel m2(moe_model(), t.micro_batch_size, 1, {}, testing::test_device());
   optim::AdamW opt2(m2.params(), optim::AdamWConfig{});
   const auto progress = train::load_training_checkpoint(*latest, m2, opt2, t.seed);
   EXPECT_EQ(progress.iteration, 4);
@@ -115,17 +123,16 @@ TEST(Training, SigtermSavesALoadableCheckpointAndStops) {
 TEST(Training, NonFiniteStepIsSkippedWithEveryStateBitIdentical) {
   train::TrainConfig t = train_config(4);
   t.nan_action = "skip";
-  model::GptModel m(moe_model(), t.micro_batch_size, 77);
+  model::GptModel m(moe_model(), t.micro_batch_size, 77, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
   // Token 63 never occurs in the synthetic data; poisoning its embedding row only affects batches that use it.
-  float* row = m.param("embedding.word_embeddings.weight").value.data<float>() + 63 * 32;
-  row[0] = NAN;
+  set_element(m.param("embedding.word_embeddings.weight").value, 63 * 32, NAN);
   m.refresh_compute_weights();
   uint64_t hash_before = 0, bias_hash_before = 0;
   auto bias_hash = [&] {
-    const Tensor& b = m.router_state(1)->expert_bias;
+    const auto b = testing::to_vector(m.router_state(1)->expert_bias);
     uint64_t h = 0;
-    for (int e = 0; e < 4; ++e) h = h * 31 + std::hash<float>()(b.data<float>()[e]);
+    for (int e = 0; e < 4; ++e) h = h * 31 + std::hash<float>()(b[e]);
     return h;
   };
   std::vector<Tensor> m_before;
@@ -136,7 +143,7 @@ TEST(Training, NonFiniteStepIsSkippedWithEveryStateBitIdentical) {
       hash_before = train::parameter_hash(m);
       bias_hash_before = bias_hash();
       m_before.clear();
-      for (const Tensor& s : opt.exp_avg()) m_before.push_back(s.clone());
+      for (const Tensor& s : opt.exp_avg()) m_before.push_back(testing::host(s).clone());
     }
   };
   bool saw_skip = false;
@@ -147,8 +154,10 @@ TEST(Training, NonFiniteStepIsSkippedWithEveryStateBitIdentical) {
     EXPECT_EQ(train::parameter_hash(m), hash_before);
     EXPECT_EQ(bias_hash(), bias_hash_before);
     EXPECT_EQ(opt.steps_taken(), 2);
-    for (size_t k = 0; k < m_before.size(); ++k)
-      EXPECT_EQ(std::memcmp(m_before[k].raw(), opt.exp_avg()[k].raw(), static_cast<size_t>(m_before[k].nbytes())), 0);
+    for (size_t k = 0; k < m_before.size(); ++k) {
+      const Tensor now = testing::host(opt.exp_avg()[k]);
+      EXPECT_EQ(std::memcmp(m_before[k].raw(), now.raw(), static_cast<size_t>(m_before[k].nbytes())), 0);
+    }
   });
   EXPECT_TRUE(saw_skip);
   EXPECT_EQ(opt.steps_taken(), 3);  // the other three steps ran
@@ -156,9 +165,9 @@ TEST(Training, NonFiniteStepIsSkippedWithEveryStateBitIdentical) {
 
 TEST(Training, NonFiniteStepStopsWithTheTensorNamed) {
   train::TrainConfig t = train_config(2);
-  model::GptModel m(moe_model(), t.micro_batch_size, 77);
+  model::GptModel m(moe_model(), t.micro_batch_size, 77, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
-  m.param("decoder.layers.0.mlp.linear_fc2.weight").value.data<float>()[3] = INFINITY;
+  set_element(m.param("decoder.layers.0.mlp.linear_fc2.weight").value, 3, INFINITY);
   m.refresh_compute_weights();
   try {
     train::train(m, opt, t, synthetic_batch, nullptr);
@@ -176,7 +185,7 @@ TEST(Training, CorruptedCheckpointsFailNamingTheFileAndReason) {
   const fs::path model = it / "model.safetensors";
   ASSERT_TRUE(fs::exists(model));
   auto expect_load_error = [&](const char* what) {
-    model::GptModel m(moe_model(), 2, 1);
+    model::GptModel m(moe_model(), 2, 1, {}, testing::test_device());
     optim::AdamW opt(m.params(), optim::AdamWConfig{});
     try {
       train::load_training_checkpoint(it.string(), m, opt, 1234);
@@ -211,7 +220,7 @@ TEST(Training, CheckpointOfAnotherModelIsRejectedNamingTheField) {
   run(train_config(1), dir);
   model::ModelConfig other = moe_model();
   other.moe.num_experts = 8;
-  model::GptModel m(other, 2, 1);
+  model::GptModel m(other, 2, 1, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
   try {
     train::load_training_checkpoint((dir / "iter_0000001").string(), m, opt, 1234);
@@ -253,7 +262,7 @@ TEST(Training, MetricsJsonlAndTensorBoardAreWritten) {
   t.metrics_jsonl = (dir / "m.jsonl").string();
   t.tensorboard_dir = (dir / "tb").string();
   t.moe_per_layer_logging = true;
-  model::GptModel m(moe_model(), t.micro_batch_size, 77);
+  model::GptModel m(moe_model(), t.micro_batch_size, 77, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
   train::train(m, opt, t, synthetic_batch, nullptr);
   std::ifstream f(t.metrics_jsonl);

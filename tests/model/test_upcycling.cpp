@@ -1,5 +1,6 @@
 // Upcycling (spec §10): a dense model turned into an MoE model computes the same function — exactly for
 // granularity 1 with post-softmax routing, and within Megatron's 0.1 tolerance for granular upcycling.
+// Both models live on testing::test_device(); logits and parameters are read through host copies.
 #include "moecore/model/upcycling.h"
 #include "test_util.h"
 
@@ -17,10 +18,14 @@ model::ModelConfig base_config() {
   return c;
 }
 
+model::GptModel make_model(const model::ModelConfig& c, uint64_t seed) {
+  return model::GptModel(c, 1, seed, {}, testing::test_device());
+}
+
 Tensor logits_of(model::GptModel& m) {
   Tensor tok = Tensor::empty({1, 8}, DType::i32);
   for (int i = 0; i < 8; ++i) tok.data<int32_t>()[i] = (7 * i + 3) % 50;
-  Tensor logits = Tensor::empty({8, 50}, DType::f32);
+  Tensor logits = Tensor::empty({8, 50}, DType::f32, MemCategory::other, testing::test_device());
   m.forward_logits(logits, tok);
   return logits;
 }
@@ -34,28 +39,28 @@ model::ModelConfig moe_config(int64_t E, int64_t F) {
 }
 
 TEST(Upcycling, Granularity1ReproducesTheDenseModel) {
-  model::GptModel dense(base_config(), 1, 3);
-  model::GptModel moe(moe_config(4, 64), 1, 4);
+  model::GptModel dense = make_model(base_config(), 3);
+  model::GptModel moe = make_model(moe_config(4, 64), 4);
   model::upcycle_dense_to_moe(dense, moe);
   // Every expert is the dense MLP and post-softmax top-k weights sum to 1: same function up to float32 sums.
   EXPECT_TENSOR_NEAR(logits_of(moe), logits_of(dense), 1e-4, 1e-5);
 }
 
 TEST(Upcycling, GranularUpcyclingApproximatesTheDenseModel) {
-  model::GptModel dense(base_config(), 1, 3);
-  model::GptModel moe(moe_config(4, 32), 1, 4);  // g = 64 / 32 = 2
+  model::GptModel dense = make_model(base_config(), 3);
+  model::GptModel moe = make_model(moe_config(4, 32), 4);  // g = 64 / 32 = 2
   model::upcycle_dense_to_moe(dense, moe);
   // Megatron's test tolerance for granular upcycling (silu(w z) != w silu(z)).
   EXPECT_TENSOR_NEAR(logits_of(moe), logits_of(dense), 0.1, 0.1);
   // Router rows are tied in blocks of g.
-  const Tensor r = moe.param("decoder.layers.0.mlp.router.weight").value;
+  const Tensor r = testing::host(moe.param("decoder.layers.0.mlp.router.weight").value);
   EXPECT_EQ(r.data<float>()[0 * 32 + 5], r.data<float>()[1 * 32 + 5]);
   EXPECT_EQ(r.data<float>()[2 * 32 + 7], r.data<float>()[3 * 32 + 7]);
 }
 
 TEST(Upcycling, RejectsIndivisibleSizes) {
-  model::GptModel dense(base_config(), 1, 3);
-  model::GptModel moe(moe_config(3, 32), 1, 4);  // g = 2 does not divide 3 experts
+  model::GptModel dense = make_model(base_config(), 3);
+  model::GptModel moe = make_model(moe_config(3, 32), 4);  // g = 2 does not divide 3 experts
   EXPECT_THROW(model::upcycle_dense_to_moe(dense, moe), Error);
 }
 

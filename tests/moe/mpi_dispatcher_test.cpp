@@ -6,9 +6,12 @@
 // bitwise identical. Edge cases: an expert with no tokens, every token to one expert, a rank that sends
 // nothing to other ranks, capacity dropping and pad-to-capacity, linear biases (each rank holds its experts'
 // bias rows [E/EP, ...]; the router bias is replicated).
+// Every layer and router runs on testing::test_device() (MOECORE_TEST_DEVICE); inputs are built on the host and
+// moved there, results are read through host copies.
 #include <gtest/gtest.h>
 
 #include "mpi_test_support.h"
+#include "test_util.h"
 
 #include <cmath>
 #include <cstdio>
@@ -24,6 +27,12 @@ namespace moecore::moe {
 namespace {
 
 using Mpi = testing_mpi::MpiTest;
+using testing::host;
+using testing::on_test_device;
+
+Tensor dev_zeros(const Shape& shape, MemCategory category) {
+  return Tensor::zeros(shape, DType::f32, category, testing::test_device());
+}
 
 enum class Routing { random, one_expert, own_rank };
 
@@ -37,12 +46,12 @@ struct LayerCase {
 struct Run {
   Tensor y, dx;
   MoeLayerGrads g;
-  RouterStats stats;
+  RouterStatsHost stats;
 };
 
 void expect_close(const Tensor& a, const Tensor& b, double rtol, const std::string& what) {
   ASSERT_EQ(a.numel(), b.numel()) << what;
-  const Tensor fa = a.to(DType::f32), fb = b.to(DType::f32);
+  const Tensor fa = host(a).to(DType::f32), fb = host(b).to(DType::f32);
   const float* pa = fa.data<float>();
   const float* pb = fb.data<float>();
   double maxref = 0;
@@ -51,11 +60,13 @@ void expect_close(const Tensor& a, const Tensor& b, double rtol, const std::stri
 }
 
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), static_cast<size_t>(a.nbytes())) == 0;
+  const Tensor ha = host(a), hb = host(b);
+  return a.nbytes() == b.nbytes() && std::memcmp(ha.raw(), hb.raw(), static_cast<size_t>(a.nbytes())) == 0;
 }
 
 // Runs one layer forward+backward. ep == 1: local dispatcher with all E experts; else the given EP dispatcher
-// with this rank's E/ep experts. Weights are the same full tensors on every rank.
+// with this rank's E/ep experts. Weights are the same full tensors on every rank, built on the host and moved to
+// the test device.
 Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, DispatcherKind kind) {
   const int64_t T = s.T, H = s.H, F = s.F, E = s.E, El = E / ep, first = world.rank() % ep * El;
   const int r = world.rank();
@@ -91,30 +102,36 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
       xp[t * H + (e0 + 1) % H] += 10.0f;
     }
   }
+  const Device dev = testing::test_device();
+  // This rank's rows [first, first + El) of a full expert tensor, on the device.
+  auto mine = [&](const Tensor& t) {
+    return on_test_device(t.slice(0, first, first + El).clone(MemCategory::parameters));
+  };
   MoeLayerWeights w;
-  w.router = {router, router};
-  Tensor lfc1 = fc1.slice(0, first, first + El).clone(MemCategory::parameters);
-  Tensor lfc2 = fc2.slice(0, first, first + El).clone(MemCategory::parameters);
-  w.experts = {lfc1, lfc2};
+  const Tensor router_d = on_test_device(router);
+  w.router = {router_d, router_d};
+  w.experts = {mine(fc1), mine(fc2)};
   Run out;
-  out.g.router = Tensor::zeros({E, H}, DType::f32, MemCategory::gradients);
-  out.g.experts = {Tensor::zeros({El, 2 * F, H}, DType::f32, MemCategory::gradients),
-                   Tensor::zeros({El, H, F}, DType::f32, MemCategory::gradients)};
+  out.g.router = dev_zeros({E, H}, MemCategory::gradients);
+  out.g.experts = {dev_zeros({El, 2 * F, H}, MemCategory::gradients), dev_zeros({El, H, F}, MemCategory::gradients)};
   if (s.bias) {
-    w.router.bias = rbias;
-    w.experts.fc1_bias = b1.slice(0, first, first + El).clone(MemCategory::parameters);
-    w.experts.fc2_bias = b2.slice(0, first, first + El).clone(MemCategory::parameters);
-    out.g.router_bias = Tensor::zeros({E}, DType::f32, MemCategory::gradients);
-    out.g.experts.fc1_bias = Tensor::zeros({El, 2 * F}, DType::f32, MemCategory::gradients);
-    out.g.experts.fc2_bias = Tensor::zeros({El, H}, DType::f32, MemCategory::gradients);
+    w.router.bias = on_test_device(rbias);
+    w.experts.fc1_bias = mine(b1);
+    w.experts.fc2_bias = mine(b2);
+    out.g.router_bias = dev_zeros({E}, MemCategory::gradients);
+    out.g.experts.fc1_bias = dev_zeros({El, 2 * F}, MemCategory::gradients);
+    out.g.experts.fc2_bias = dev_zeros({El, H}, MemCategory::gradients);
   }
   MoeLayerDims d{T, 1, H, F, 0, DType::f32};
   d.ep = ep;
   d.dispatcher = ep == 1 ? DispatcherKind::local : kind;
+  d.device = dev;
   MoeLayerCache cache = moe_layer_cache_alloc(d, s.cfg);
-  RouterState st = router_state_init(s.cfg);
-  out.y = Tensor::empty({T, H}, DType::f32, MemCategory::activations);
-  out.dx = Tensor::empty({T, H}, DType::f32, MemCategory::activations);
+  RouterState st = router_state_init(s.cfg, dev);
+  out.y = Tensor::empty({T, H}, DType::f32, MemCategory::activations, dev);
+  out.dx = Tensor::empty({T, H}, DType::f32, MemCategory::activations, dev);
+  const Tensor xd = on_test_device(x), dyd = on_test_device(dy);
+  const ops::Context ctx{dev};
   const ProcessGroup ep_group = ep == 1 ? comm_single("ep") : world.renamed("ep");
   LocalDispatcher local;
   AllToAllDispatcher a2a(ep_group);
@@ -122,9 +139,9 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
   Dispatcher* disp = ep == 1                            ? static_cast<Dispatcher*>(&local)
                      : kind == DispatcherKind::alltoall ? static_cast<Dispatcher*>(&a2a)
                                                         : &ag;
-  moe_layer_forward(out.y, x, Tensor(), w, st, cache, *disp, d, s.cfg, true, {});
-  out.stats = cache.stats;
-  moe_layer_backward(out.dx, out.g, dy, x, w, cache, *disp, d, s.cfg, 1.0f, {});
+  moe_layer_forward(out.y, xd, Tensor(), w, st, cache, *disp, d, s.cfg, true, ctx);
+  out.stats = router_stats_host(cache.stats);
+  moe_layer_backward(out.dx, out.g, dyd, xd, w, cache, *disp, d, s.cfg, 1.0f, ctx);
   return out;
 }
 
@@ -235,6 +252,7 @@ TEST_F(Mpi, BuffersForAnotherLayoutAreRejected) {
   MoeLayerDims d{s.T, 1, s.H, s.F, 0, DType::f32};
   d.ep = 3;
   d.dispatcher = DispatcherKind::alltoall;
+  d.device = testing::test_device();
   try {
     (void)moe_layer_cache_alloc(d, s.cfg);
     ADD_FAILURE() << "8 experts over EP 3 was accepted";
@@ -260,18 +278,23 @@ TEST_F(Mpi, GlobalAuxLossCountsAreSummedOverTheGroup) {
   Tensor x_all = Tensor::empty({P * T, H}, DType::f32, MemCategory::activations);
   rng_fill_normal(x_all, 3, "x", 0.0f, 1.0f);
   const Tensor x = x_all.slice(0, me * T, (me + 1) * T).clone();
-  const RouterWeights rw{w, w};
+  const Device dev = testing::test_device();
+  const ops::Context ctx{dev};
+  const Tensor wd = on_test_device(w);
+  const RouterWeights rw{wd, wd};
   auto route = [&](const Tensor& xs, int64_t n, const ProcessGroup* g, double& loss, Tensor& dw) {
     const RouterDims d{n, 1, H, E, K, g};
-    RouterCache c = router_cache_alloc(d, cfg, DType::f32);
-    RouterState st = router_state_init(cfg);
-    Tensor probs = Tensor::empty({n, E}, DType::f32), map = Tensor::empty({n, E}, DType::boolean);
-    RouterStats stats;
-    router_forward(probs, map, stats, xs, Tensor(), rw, st, c, d, cfg, true, {});
-    loss = stats.global_aux_loss;
-    Tensor dprobs = Tensor::zeros({n, E}, DType::f32), dx = Tensor::zeros({n, H}, DType::f32);
-    dw = Tensor::zeros({E, H}, DType::f32);
-    router_backward(dx, dw, dprobs, xs, rw, c, d, cfg, 1.0f, {});
+    RouterCache c = router_cache_alloc(d, cfg, DType::f32, dev);
+    RouterState st = router_state_init(cfg, dev);
+    Tensor probs = Tensor::empty({n, E}, DType::f32, MemCategory::activations, dev);
+    Tensor map = Tensor::empty({n, E}, DType::boolean, MemCategory::activations, dev);
+    RouterStats stats = router_stats_alloc(E, dev);
+    const Tensor xd = on_test_device(xs);
+    router_forward(probs, map, stats, xd, Tensor(), rw, st, c, d, cfg, true, ctx);
+    loss = router_stats_host(stats).global_aux_loss;
+    Tensor dprobs = dev_zeros({n, E}, MemCategory::other), dx = dev_zeros({n, H}, MemCategory::other);
+    dw = dev_zeros({E, H}, MemCategory::other);
+    router_backward(dx, dw, dprobs, xd, rw, c, d, cfg, 1.0f, ctx);
   };
   double loss_all = 0, loss_mine = 0;
   Tensor dw_all, dw_mine;

@@ -1,6 +1,8 @@
 // The MoE layer as a whole (local dispatcher): linear biases (Megatron's add_bias_linear) against the
 // bias-free layer and against finite differences, and the shared-expert restriction. Per-op math lives in
 // test_router*.cpp and test_dispatch_experts.cpp; the reference comparison in tests/model/test_moe_layer_golden.cpp.
+// The layer lives on testing::test_device() (MOECORE_TEST_DEVICE); inputs are built on the host and moved there,
+// results are read through host copies, and finite differences perturb a host copy that each evaluation uploads.
 #include <cmath>
 #include <string>
 
@@ -10,10 +12,16 @@
 namespace moecore::moe {
 namespace {
 
-using testing::randn;
+using testing::host;
 using testing::to_vector;
 
-const ops::Context kCpu{};
+// N(0, std^2) from a named stream, built on the host and moved to the test device.
+Tensor randn(const Shape& shape, const char* name, float std = 1.0f) {
+  return testing::on_test_device(testing::randn(shape, name, std));
+}
+Tensor zeros(const Shape& shape) {
+  return Tensor::zeros(shape, DType::f32, MemCategory::other, testing::test_device());
+}
 
 struct Layer {
   MoeConfig cfg;
@@ -24,6 +32,7 @@ struct Layer {
   RouterState st;
   MoeLayerCache cache;
   LocalDispatcher disp;
+  ops::Context ctx{testing::test_device()};
 
   // T = 12 tokens (B = 2), H = 8, F = 6, E = 4, K = 2, SwiGLU, aux + seq_aux loss; with a capacity when cf > 0.
   Layer(bool bias, float cf = 0.0f, int64_t Fs = 0) {
@@ -34,38 +43,52 @@ struct Layer {
     cfg.capacity_factor = cf;
     cfg.pad_expert_input_to_capacity = cf > 0;
     d = {12, 2, 8, 6, Fs, DType::f32};
+    d.device = ctx.device;
     const int64_t E = 4, H = 8, F = 6;
     Tensor router = randn({E, H}, "layer.router", 0.5f);
     w.router = {router, router};
     w.experts = {randn({E, 2 * F, H}, "layer.fc1", 0.3f), randn({E, H, F}, "layer.fc2", 0.3f)};
-    g.router = Tensor::zeros({E, H}, DType::f32);
-    g.experts = {Tensor::zeros({E, 2 * F, H}, DType::f32), Tensor::zeros({E, H, F}, DType::f32)};
+    g.router = zeros({E, H});
+    g.experts = {zeros({E, 2 * F, H}), zeros({E, H, F})};
     if (bias) {
       w.router.bias = randn({E}, "layer.router_bias", 0.5f);
       w.experts.fc1_bias = randn({E, 2 * F}, "layer.fc1_bias", 0.3f);
       w.experts.fc2_bias = randn({E, H}, "layer.fc2_bias", 0.3f);
-      g.router_bias = Tensor::zeros({E}, DType::f32);
-      g.experts.fc1_bias = Tensor::zeros({E, 2 * F}, DType::f32);
-      g.experts.fc2_bias = Tensor::zeros({E, H}, DType::f32);
+      g.router_bias = zeros({E});
+      g.experts.fc1_bias = zeros({E, 2 * F});
+      g.experts.fc2_bias = zeros({E, H});
     }
     if (Fs > 0) {
       w.shared.fc1 = randn({2 * Fs, H}, "layer.sfc1", 0.3f);
       w.shared.fc2 = randn({H, Fs}, "layer.sfc2", 0.3f);
-      g.shared.fc1 = Tensor::zeros({2 * Fs, H}, DType::f32);
-      g.shared.fc2 = Tensor::zeros({H, Fs}, DType::f32);
+      g.shared.fc1 = zeros({2 * Fs, H});
+      g.shared.fc2 = zeros({H, Fs});
     }
     x = randn({12, H}, "layer.x");
     dy = randn({12, H}, "layer.dy");
-    y = Tensor::empty({12, H}, DType::f32);
-    dx = Tensor::empty({12, H}, DType::f32);
-    st = router_state_init(cfg);
+    y = Tensor::empty({12, H}, DType::f32, MemCategory::other, ctx.device);
+    dx = Tensor::empty({12, H}, DType::f32, MemCategory::other, ctx.device);
+    st = router_state_init(cfg, ctx.device);
     cache = moe_layer_cache_alloc(d, cfg);
   }
   double forward() {
-    moe_layer_forward(y, x, Tensor(), w, st, cache, disp, d, cfg, true, kCpu);
-    return testing::weighted_sum(y, dy) + cache.stats.weighted_loss;
+    moe_layer_forward(y, x, Tensor(), w, st, cache, disp, d, cfg, true, ctx);
+    return testing::weighted_sum(y, dy) + router_stats_host(cache.stats).weighted_loss;
   }
-  void backward() { moe_layer_backward(dx, g, dy, x, w, cache, disp, d, cfg, 1.0f, kCpu); }
+  void backward() { moe_layer_backward(dx, g, dy, x, w, cache, disp, d, cfg, 1.0f, ctx); }
+  // Central differences of forward() with respect to the device tensor t: a host copy is perturbed and uploaded
+  // before each evaluation (with a fresh router state), and t holds its original values again afterwards.
+  Tensor numerical_gradient(Tensor& t) {
+    Tensor h = host(t).clone();
+    auto loss = [&] {
+      t.copy_from(h);
+      st = router_state_init(cfg, ctx.device);
+      return forward();
+    };
+    Tensor grad = testing::numerical_gradient(loss, h);
+    t.copy_from(h);
+    return grad;
+  }
 };
 
 // Zero biases give the bias-free layer bit for bit (adding +0 is exact); nonzero ones change the output.
@@ -96,16 +119,12 @@ TEST(MoeLayer, BiasGradientsMatchFiniteDifferences) {
     l.forward();
     l.backward();
     if (cf > 0) {
-      EXPECT_GT(l.cache.stats.dropped, 0);
+      EXPECT_GT(router_stats_host(l.cache.stats).dropped, 0);
     }
-    auto loss = [&] {
-      l.st = router_state_init(l.cfg);
-      return l.forward();
-    };
-    EXPECT_TENSOR_NEAR(l.g.router_bias, testing::numerical_gradient(loss, l.w.router.bias), 1e-2, 2e-3);
-    EXPECT_TENSOR_NEAR(l.g.experts.fc1_bias, testing::numerical_gradient(loss, l.w.experts.fc1_bias), 1e-2, 2e-3);
-    EXPECT_TENSOR_NEAR(l.g.experts.fc2_bias, testing::numerical_gradient(loss, l.w.experts.fc2_bias), 1e-2, 2e-3);
-    EXPECT_TENSOR_NEAR(l.dx, testing::numerical_gradient(loss, l.x), 1e-2, 2e-3);
+    EXPECT_TENSOR_NEAR(l.g.router_bias, l.numerical_gradient(l.w.router.bias), 1e-2, 2e-3);
+    EXPECT_TENSOR_NEAR(l.g.experts.fc1_bias, l.numerical_gradient(l.w.experts.fc1_bias), 1e-2, 2e-3);
+    EXPECT_TENSOR_NEAR(l.g.experts.fc2_bias, l.numerical_gradient(l.w.experts.fc2_bias), 1e-2, 2e-3);
+    EXPECT_TENSOR_NEAR(l.dx, l.numerical_gradient(l.x), 1e-2, 2e-3);
   }
 }
 

@@ -1,11 +1,15 @@
 // Router routing tests: hand-worked 3-token x 4-expert cases for every score function (numbers from the
 // spec's formulas, computed independently), tie-breaking, group limits, sinkhorn, capacity policies,
 // pad-to-capacity, routing-map padding, expert-bias counting and update, config validation, entry errors,
-// bf16 input and thread-count independence. Losses and gradients: test_router_losses.cpp.
+// bf16 input and thread-count independence. Inputs are made on the host and moved to the test device
+// (MOECORE_TEST_DEVICE); results are read through host copies, so the suite also runs on the simulated device.
+// Losses and gradients: test_router_losses.cpp.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <set>
 #include <string>
 #include <vector>
@@ -16,10 +20,35 @@
 namespace moecore::moe {
 namespace {
 
-const ops::Context kCpu;
+const ops::Context kCtx{testing::test_device()};
 
-// One router with its weights, state, cache and outputs. H == E with an identity weight makes the
-// logits equal to x, so a test states logits directly.
+// The elements of a tensor on any device, through a host copy.
+template <class T>
+std::vector<T> values(const Tensor& t) {
+  const Tensor h = testing::host(t);
+  return std::vector<T>(h.data<T>(), h.data<T>() + h.numel());
+}
+// A host tensor of the given values moved to `device`.
+Tensor device_i64(const std::vector<int64_t>& v, Device device = testing::test_device()) {
+  Tensor h = Tensor::empty({static_cast<int64_t>(v.size())}, DType::i64, MemCategory::other);
+  std::copy(v.begin(), v.end(), h.data<int64_t>());
+  return h.to_device(device);
+}
+Tensor device_f32(const std::vector<float>& v, Device device = testing::test_device()) {
+  Tensor h = Tensor::empty({static_cast<int64_t>(v.size())}, DType::f32, MemCategory::other);
+  std::copy(v.begin(), v.end(), h.data<float>());
+  return h.to_device(device);
+}
+// A padding mask [T] with the given tokens marked.
+Tensor padding_mask(int64_t T, std::initializer_list<int64_t> padded, Device device = testing::test_device()) {
+  Tensor h = Tensor::zeros({T}, DType::boolean, MemCategory::other);
+  for (int64_t t : padded) h.data<bool>()[t] = true;
+  return h.to_device(device);
+}
+
+// One router with its weights, state, cache and outputs, all on `device`. H == E with an identity weight makes
+// the logits equal to x, so a test states logits directly. forward() leaves host copies of probs, map and the
+// statistics for the checks.
 struct Router {
   MoeConfig cfg;
   RouterDims d;
@@ -27,36 +56,49 @@ struct Router {
   RouterState st;
   RouterCache cache;
   Tensor x, probs, map, pad;
-  RouterStats stats;
-  Router(const MoeConfig& c, int64_t T, int64_t H, int64_t B = 1, DType xdt = DType::f32) : cfg(c) {
+  RouterStats dstats;
+  RouterStatsHost stats;
+  Tensor probs_h, map_h;
+  ops::Context ctx;
+  Router(const MoeConfig& c, int64_t T, int64_t H, int64_t B = 1, DType xdt = DType::f32,
+         Device device = testing::test_device())
+      : cfg(c), ctx{device} {
     d = {T, B, H, cfg.num_experts, cfg.router_topk};
-    w.weight = Tensor::zeros({d.E, H}, DType::f32, MemCategory::other);
-    st = router_state_init(cfg);
-    cache = router_cache_alloc(d, cfg, xdt);
-    x = Tensor::zeros({T, H}, xdt, MemCategory::other);
-    probs = Tensor::empty({T, d.E}, DType::f32, MemCategory::other);
-    map = Tensor::empty({T, d.E}, DType::boolean, MemCategory::other);
+    w.weight = Tensor::zeros({d.E, H}, DType::f32, MemCategory::other, device);
+    st = router_state_init(cfg, device);
+    cache = router_cache_alloc(d, cfg, xdt, device);
+    dstats = router_stats_alloc(d.E, device);
+    x = Tensor::zeros({T, H}, xdt, MemCategory::other, device);
+    probs = Tensor::empty({T, d.E}, DType::f32, MemCategory::other, device);
+    map = Tensor::empty({T, d.E}, DType::boolean, MemCategory::other, device);
     sync();
   }
   void sync() { w.weight_compute = x.dtype() == DType::f32 ? w.weight : w.weight.to(x.dtype()); }
   void set_logits(const std::vector<std::vector<float>>& z) {
-    w.weight.zero_();
-    for (int64_t e = 0; e < d.E; ++e) w.weight.data<float>()[e * d.H + e] = 1.0f;
+    Tensor wh = Tensor::zeros({d.E, d.H}, DType::f32, MemCategory::other);
+    Tensor xh = Tensor::zeros({d.T, d.H}, DType::f32, MemCategory::other);
+    for (int64_t e = 0; e < d.E; ++e) wh.data<float>()[e * d.H + e] = 1.0f;
     for (size_t t = 0; t < z.size(); ++t)
-      for (size_t e = 0; e < z[t].size(); ++e) x.data<float>()[t * d.H + e] = z[t][e];
+      for (size_t e = 0; e < z[t].size(); ++e) xh.data<float>()[t * d.H + e] = z[t][e];
+    w.weight.copy_from(wh);
+    x.copy_from(xh);
     sync();
   }
   void randomize(uint64_t seed, float wstd = 1.0f) {
-    rng_fill_normal(w.weight, seed, "test.router.w", 0.0f, wstd);
-    Tensor xf = testing::randn(x.shape(), "test.router.x", 1.0f, seed);
-    x.copy_from(xf);
+    Tensor wh = Tensor::empty({d.E, d.H}, DType::f32, MemCategory::other);
+    rng_fill_normal(wh, seed, "test.router.w", 0.0f, wstd);
+    w.weight.copy_from(wh);
+    x.copy_from(testing::randn(x.shape(), "test.router.x", 1.0f, seed).to(x.dtype()));
     sync();
   }
   void forward(bool training = true) {
-    router_forward(probs, map, stats, x, pad, w, st, cache, d, cfg, training, kCpu);
+    router_forward(probs, map, dstats, x, pad, w, st, cache, d, cfg, training, ctx);
+    probs_h = testing::host(probs);
+    map_h = testing::host(map);
+    stats = router_stats_host(dstats);
   }
-  float p(int64_t t, int64_t e) const { return probs.data<float>()[t * d.E + e]; }
-  bool m(int64_t t, int64_t e) const { return map.data<bool>()[t * d.E + e]; }
+  float p(int64_t t, int64_t e) const { return probs_h.data<float>()[t * d.E + e]; }
+  bool m(int64_t t, int64_t e) const { return map_h.data<bool>()[t * d.E + e]; }
   int64_t column(int64_t e) const {
     int64_t n = 0;
     for (int64_t t = 0; t < d.T; ++t) n += m(t, e);
@@ -147,8 +189,7 @@ TEST(Router, WorkedSigmoidWithExpertBias) {
     c.enable_expert_bias = true;
     Router r(c, 3, 4);
     r.set_logits(kLogits);
-    const float bias[4] = {0.0f, -0.3f, 0.0f, 0.6f};
-    std::memcpy(r.st.expert_bias.data<float>(), bias, sizeof bias);
+    r.st.expert_bias.copy_from(device_f32({0.0f, -0.3f, 0.0f, 0.6f}));
     r.forward();
     // selection on sigmoid + bias; weights are the unbiased sigmoids renormalized over the selected pair
     // (token 0: sigmoid(-1) + sigmoid(1) = 1, so the weights are the sigmoids themselves).
@@ -305,7 +346,7 @@ TEST(Router, CapacityDropsByProbsAndByPosition) {
   EXPECT_EQ(rq.p(5, 0), 0.0f);
   // topk_kept marks exactly the surviving selected pairs
   int64_t kept = 0;
-  for (int64_t i = 0; i < 8; ++i) kept += rq.cache.topk_kept.data<bool>()[i];
+  for (bool k : values<bool>(rq.cache.topk_kept)) kept += k;
   EXPECT_EQ(kept, 5);
 }
 
@@ -391,7 +432,7 @@ TEST(Router, RoutingMapPaddingAlignsColumnsAndKeepsProbs) {
   Router padded(c, 23, 7);
   padded.randomize(13);
   padded.forward();
-  EXPECT_EQ(std::memcmp(plain.probs.raw(), padded.probs.raw(), plain.probs.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(plain.probs_h.raw(), padded.probs_h.raw(), plain.probs_h.nbytes()), 0);
   for (int64_t e = 0; e < 6; ++e) {
     EXPECT_EQ(padded.column(e) % 4, 0) << "expert " << e;
     EXPECT_EQ(padded.stats.tokens_per_expert[e], padded.column(e));
@@ -414,20 +455,19 @@ TEST(Router, ExpertBiasCountsValidTokensOnlyInTraining) {
   c.enable_expert_bias = true;
   Router r(c, 10, 5);
   r.randomize(17);
-  r.pad = Tensor::zeros({10}, DType::boolean, MemCategory::other);
-  for (int t : {3, 8}) r.pad.data<bool>()[t] = true;
+  r.pad = padding_mask(10, {3, 8});
   r.forward();
+  const std::vector<int64_t> before = values<int64_t>(r.st.local_tokens_per_expert);
   int64_t total = 0;
   for (int64_t e = 0; e < 6; ++e) {
     int64_t valid = 0;
     for (int64_t t = 0; t < 10; ++t) valid += r.m(t, e) && t != 3 && t != 8;
-    EXPECT_EQ(r.st.local_tokens_per_expert[e], valid);
-    total += r.st.local_tokens_per_expert[e];
+    EXPECT_EQ(before[e], valid);
+    total += before[e];
   }
   EXPECT_EQ(total, 8 * 2);
-  const std::vector<int64_t> before = r.st.local_tokens_per_expert;
   r.forward(false);  // evaluation counts nothing
-  EXPECT_EQ(r.st.local_tokens_per_expert, before);
+  EXPECT_EQ(values<int64_t>(r.st.local_tokens_per_expert), before);
 }
 
 TEST(Router, ExpertBiasUpdateSignRule) {
@@ -435,21 +475,22 @@ TEST(Router, ExpertBiasUpdateSignRule) {
   c.score_function = ScoreFunction::sigmoid;
   c.enable_expert_bias = true;
   c.bias_update_rate = 0.25f;
-  RouterState st = router_state_init(c);
-  st.local_tokens_per_expert = {3, 5, 4, 4};  // mean 4: under-loaded, over-loaded, exactly mean twice
-  st.global_tokens_per_expert = {1, 2, 3, 4};
+  RouterState st = router_state_init(c, testing::test_device());
+  st.local_tokens_per_expert.copy_from(device_i64({3, 5, 4, 4}));  // mean 4: under, over, exactly mean twice
+  st.global_tokens_per_expert.copy_from(device_i64({1, 2, 3, 4}));
   st.global_aux_steps = 2;
-  router_finish_step(st, c);
-  const float* b = st.expert_bias.data<float>();
+  router_finish_step(st, c, true, kCtx);
+  std::vector<float> b = values<float>(st.expert_bias);
   EXPECT_EQ(b[0], 0.25f);
   EXPECT_EQ(b[1], -0.25f);
   EXPECT_EQ(b[2], 0.0f);
   EXPECT_EQ(b[3], 0.0f);
-  EXPECT_EQ(st.local_tokens_per_expert, (std::vector<int64_t>{0, 0, 0, 0}));
-  EXPECT_EQ(st.global_tokens_per_expert, (std::vector<int64_t>{0, 0, 0, 0}));
+  EXPECT_EQ(values<int64_t>(st.local_tokens_per_expert), (std::vector<int64_t>{0, 0, 0, 0}));
+  EXPECT_EQ(values<int64_t>(st.global_tokens_per_expert), (std::vector<int64_t>{0, 0, 0, 0}));
   EXPECT_EQ(st.global_aux_steps, 0);
-  st.local_tokens_per_expert = {1, 1, 1, 2};  // mean 1.25: not an integer, no tie
-  router_finish_step(st, c);
+  st.local_tokens_per_expert.copy_from(device_i64({1, 1, 1, 2}));  // mean 1.25: not an integer, no tie
+  router_finish_step(st, c, true, kCtx);
+  b = values<float>(st.expert_bias);
   EXPECT_EQ(b[0], 0.5f);
   EXPECT_EQ(b[3], -0.25f);
 }
@@ -491,43 +532,70 @@ TEST(Router, ConfigValidationNamesFlagsAndValues) {
   expect_config_error(c, {"--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor"});
 }
 
-void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> needles) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error thrown; expected one mentioning " << *needles.begin();
-  } catch (const Error& e) {
-    for (const std::string& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 TEST(Router, EntryChecksNameOpShapesAndDtypes) {
   Router r(base_config(4, 2), 5, 3);
-  Tensor bad_x = Tensor::zeros({5, 4}, DType::f32, MemCategory::other);
+  const Device dev = testing::test_device();
+  Tensor bad_x = Tensor::zeros({5, 4}, DType::f32, MemCategory::other, dev);
   expect_error(
-      [&] { router_forward(r.probs, r.map, r.stats, bad_x, r.pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCpu); },
+      [&] { router_forward(r.probs, r.map, r.dstats, bad_x, r.pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCtx); },
       {"router_forward", "x must have shape [5, 3]", "got [5, 4]"});
-  Tensor bad_map = Tensor::zeros({5, 4}, DType::f32, MemCategory::other);
+  Tensor bad_map = Tensor::zeros({5, 4}, DType::f32, MemCategory::other, dev);
   expect_error(
-      [&] { router_forward(r.probs, bad_map, r.stats, r.x, r.pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCpu); },
+      [&] { router_forward(r.probs, bad_map, r.dstats, r.x, r.pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCtx); },
       {"router_forward", "map must be bool", "got f32"});
-  Tensor bad_pad = Tensor::zeros({4}, DType::boolean, MemCategory::other);
+  Tensor bad_pad = Tensor::zeros({4}, DType::boolean, MemCategory::other, dev);
   expect_error(
-      [&] { router_forward(r.probs, r.map, r.stats, r.x, bad_pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCpu); },
+      [&] { router_forward(r.probs, r.map, r.dstats, r.x, bad_pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCtx); },
       {"router_forward", "padding_mask", "[5]"});
   MoeConfig f64 = r.cfg;
   f64.router_dtype = DType::f64;  // the cache was allocated for f32
-  expect_error([&] { router_forward(r.probs, r.map, r.stats, r.x, r.pad, r.w, r.st, r.cache, r.d, f64, true, kCpu); },
+  expect_error([&] { router_forward(r.probs, r.map, r.dstats, r.x, r.pad, r.w, r.st, r.cache, r.d, f64, true, kCtx); },
                {"router_forward", "cache.logits must be f64"});
+  RouterStats unallocated;
+  expect_error(
+      [&] { router_forward(r.probs, r.map, unallocated, r.x, r.pad, r.w, r.st, r.cache, r.d, r.cfg, true, kCtx); },
+      {"router_forward", "router_stats_alloc"});
   r.forward();
-  Tensor dx = Tensor::zeros({5, 3}, DType::f32, MemCategory::other);
-  Tensor dw = Tensor::zeros({4, 3}, DType::f32, MemCategory::other);
-  Tensor bad_dp = Tensor::zeros({5, 4}, DType::bf16, MemCategory::other);
-  expect_error([&] { router_backward(dx, dw, bad_dp, r.x, r.w, r.cache, r.d, r.cfg, 1.0f, kCpu); },
+  Tensor dx = Tensor::zeros({5, 3}, DType::f32, MemCategory::other, dev);
+  Tensor dw = Tensor::zeros({4, 3}, DType::f32, MemCategory::other, dev);
+  Tensor bad_dp = Tensor::zeros({5, 4}, DType::bf16, MemCategory::other, dev);
+  expect_error([&] { router_backward(dx, dw, bad_dp, r.x, r.w, r.cache, r.d, r.cfg, 1.0f, kCtx); },
                {"router_backward", "dprobs must be f32", "got bf16"});
   RouterDims bad_d = r.d;
   bad_d.K = 3;
-  expect_error([&] { router_backward(dx, dw, r.probs, r.x, r.w, r.cache, bad_d, r.cfg, 1.0f, kCpu); },
+  expect_error([&] { router_backward(dx, dw, r.probs, r.x, r.w, r.cache, bad_d, r.cfg, 1.0f, kCtx); },
                {"router_backward", "K=3", "--moe-router-topk (2)"});
+}
+
+// On the simulated device a host tensor among the arguments is refused with the device mismatch named, before
+// any data is touched: by the router's entry checks and by every op's own checks.
+TEST(Router, SimContextRefusesAHostTensor) {
+  MoeConfig c = base_config(4, 2);
+  c.load_balancing_type = {LoadBalancing::aux_loss};
+  c.aux_loss_coeff = {0.1f};
+  Router r(c, 5, 3, 1, DType::f32, Device::sim);
+  r.randomize(3);
+  const Tensor x_sim = r.x;
+  r.x = testing::host(x_sim);
+  expect_error([&] { r.forward(); }, {"router_forward", "x is on cpu but the router runs on sim"});
+  r.x = x_sim;
+  r.forward();  // all on sim: fine
+  Tensor dx = Tensor::zeros({5, 3}, DType::f32, MemCategory::other, Device::sim);
+  Tensor dw = Tensor::zeros({4, 3}, DType::f32, MemCategory::other, Device::sim);
+  const Tensor dp_host = testing::randn({5, 4}, "test.router.dp");
+  expect_error([&] { router_backward(dx, dw, dp_host, r.x, r.w, r.cache, r.d, r.cfg, 1.0f, r.ctx); },
+               {"router_backward", "dprobs is on cpu but the router runs on sim"});
+  EXPECT_NO_THROW(router_backward(dx, dw, dp_host.to_device(Device::sim), r.x, r.w, r.cache, r.d, r.cfg, 1.0f, r.ctx));
+  // The ops check the same on their own: a host map for the simulated device's counts, and a host padding mask.
+  Tensor counts = Tensor::zeros({4}, DType::i64, MemCategory::other, Device::sim);
+  expect_error([&] { ops::router_map_counts(counts, testing::host(r.map), Tensor(), false, r.ctx); },
+               {"router_map_counts", "map is on cpu but the op runs on sim"});
+  expect_error([&] { ops::router_map_counts(counts, r.map, padding_mask(5, {1}, Device::cpu), false, r.ctx); },
+               {"router_map_counts", "padding", "is on cpu but the op runs on sim"});
+  // A host-side read of a simulated-device tensor is refused too: only ops, collectives and transfers touch it.
+  expect_error([&] { (void)r.probs.data<float>(); }, {"host code addressed the data of a sim tensor"});
 }
 
 TEST(Router, EvaluationSkipsLossesAndCountersButAppliesJitter) {
@@ -544,7 +612,7 @@ TEST(Router, EvaluationSkipsLossesAndCountersButAppliesJitter) {
   EXPECT_EQ(r.stats.aux_loss, 0.0);
   EXPECT_EQ(r.stats.z_loss, 0.0);
   EXPECT_EQ(r.stats.weighted_loss, 0.0);
-  EXPECT_EQ(r.st.local_tokens_per_expert, (std::vector<int64_t>(6, 0)));
+  EXPECT_EQ(values<int64_t>(r.st.local_tokens_per_expert), (std::vector<int64_t>(6, 0)));
   EXPECT_EQ(r.st.calls, 1);
   for (float v : testing::to_vector(r.cache.dlogits_loss)) EXPECT_EQ(v, 0.0f);
   const auto xj = testing::to_vector(r.cache.x_jittered), x = testing::to_vector(r.x),
@@ -572,14 +640,15 @@ TEST(Router, ForcedBalancingUsesRandomLogitsWithStraightThroughGradient) {
   for (int64_t n : r.stats.tokens_per_expert) lo = std::min(lo, n), hi = std::max(hi, n);
   EXPECT_GT(lo, 4);  // random logits spread 128 routes over 8 experts
   EXPECT_LT(hi, 32);
+  const std::vector<float> logits = values<float>(r.cache.logits);
   for (int64_t i = 0; i < 64 * 8; i += 37)
-    EXPECT_EQ(r.cache.logits.data<float>()[i], philox_normal(philox_key(c.seed, "router.force_load_balancing"), i));
-  Tensor dx = Tensor::zeros({64, 4}, DType::f32, MemCategory::other);
-  Tensor dw = Tensor::zeros({8, 4}, DType::f32, MemCategory::other);
-  Tensor dp = testing::randn({64, 8}, "test.router.dp");
-  router_backward(dx, dw, dp, r.x, r.w, r.cache, r.d, r.cfg, 1.0f, kCpu);
-  EXPECT_GT(ops::sum_squares(dw, kCpu), 0.0);
-  EXPECT_GT(ops::sum_squares(dx, kCpu), 0.0);
+    EXPECT_EQ(logits[i], philox_normal(philox_key(c.seed, "router.force_load_balancing"), i));
+  Tensor dx = Tensor::zeros({64, 4}, DType::f32, MemCategory::other, r.ctx.device);
+  Tensor dw = Tensor::zeros({8, 4}, DType::f32, MemCategory::other, r.ctx.device);
+  Tensor dp = testing::on_test_device(testing::randn({64, 8}, "test.router.dp"));
+  router_backward(dx, dw, dp, r.x, r.w, r.cache, r.d, r.cfg, 1.0f, kCtx);
+  EXPECT_GT(ops::sum_squares(dw, kCtx), 0.0);
+  EXPECT_GT(ops::sum_squares(dx, kCtx), 0.0);
 }
 
 // bf16 x with the fp32 router: logits are the f32-accumulated products of the bf16 values; the weight
@@ -600,10 +669,10 @@ TEST(Router, Bf16InputWithFp32Router) {
       for (int64_t h = 0; h < 8; ++h) ref += double(xj[t * 8 + h]) * double(wc[e * 8 + h]);
       EXPECT_NEAR(lg[t * 4 + e], ref, 1e-5);
     }
-  Tensor dx = Tensor::zeros({1100, 8}, DType::f32, MemCategory::other);
-  Tensor dw = Tensor::zeros({4, 8}, DType::f32, MemCategory::other);
-  Tensor dp = testing::randn({1100, 4}, "test.router.dp");
-  router_backward(dx, dw, dp, r.x, r.w, r.cache, r.d, r.cfg, 0.5f, kCpu);
+  Tensor dx = Tensor::zeros({1100, 8}, DType::f32, MemCategory::other, r.ctx.device);
+  Tensor dw = Tensor::zeros({4, 8}, DType::f32, MemCategory::other, r.ctx.device);
+  Tensor dp = testing::on_test_device(testing::randn({1100, 4}, "test.router.dp"));
+  router_backward(dx, dw, dp, r.x, r.w, r.cache, r.d, r.cfg, 0.5f, kCtx);
   const auto dl = testing::to_vector(r.cache.dlogits), w = testing::to_vector(r.w.weight),
              u = testing::to_vector(r.cache.jitter), gw = testing::to_vector(dw), gx = testing::to_vector(dx);
   for (int64_t e = 0; e < 4; ++e)
@@ -643,18 +712,22 @@ TEST(Router, ResultsDoNotDependOnThreadCount) {
       omp_set_num_threads(threads);
       Router r(c, 2048, 16, 4);
       r.randomize(37);
-      rng_fill_normal(r.st.expert_bias, 1, "test.router.bias", 0.0f, 0.1f);
+      Tensor bias = Tensor::empty({16}, DType::f32, MemCategory::other);
+      rng_fill_normal(bias, 1, "test.router.bias", 0.0f, 0.1f);
+      r.st.expert_bias.copy_from(bias.to_device(r.ctx.device));
       r.forward();
-      Tensor dx = Tensor::zeros({2048, 16}, DType::f32, MemCategory::other);
-      Tensor dw = Tensor::zeros({16, 16}, DType::f32, MemCategory::other);
-      router_backward(dx, dw, testing::randn({2048, 16}, "test.router.dp"), r.x, r.w, r.cache, r.d, r.cfg, 1.0f, kCpu);
+      Tensor dx = Tensor::zeros({2048, 16}, DType::f32, MemCategory::other, r.ctx.device);
+      Tensor dw = Tensor::zeros({16, 16}, DType::f32, MemCategory::other, r.ctx.device);
+      router_backward(dx, dw, testing::on_test_device(testing::randn({2048, 16}, "test.router.dp")), r.x, r.w, r.cache,
+                      r.d, r.cfg, 1.0f, kCtx);
       std::vector<const Tensor*> checked = {
           &r.probs, &r.map, &r.cache.logits, &r.cache.x_jittered, &r.cache.dlogits_loss, &r.cache.dlogits};
       if (rd == DType::f64) checked.insert(checked.end(), {&dx, &dw});
       std::vector<char> all;
       for (const Tensor* t : checked) {
-        const char* p = static_cast<const char*>(t->raw());
-        all.insert(all.end(), p, p + t->nbytes());
+        const Tensor h = testing::host(*t);
+        const char* p = static_cast<const char*>(h.raw());
+        all.insert(all.end(), p, p + h.nbytes());
       }
       const double wl = r.stats.weighted_loss;
       all.insert(all.end(), reinterpret_cast<const char*>(&wl), reinterpret_cast<const char*>(&wl) + sizeof wl);

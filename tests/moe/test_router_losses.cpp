@@ -1,9 +1,11 @@
 // Router loss and gradient tests: worked aux/z-loss values, the uniform router (every aux loss is exactly 1),
 // seq_aux_loss == aux_loss for one sequence, global_aux_loss accumulation and reset, padding == truncation,
 // and central finite differences of router_backward (dx and dweight, fp64 router) for every routing
-// variant combined with every loss, plus jitter. Routing itself: test_router.cpp.
+// variant combined with every loss, plus jitter. Inputs are made on the host and moved to the test device
+// (MOECORE_TEST_DEVICE); results are read through host copies. Routing itself: test_router.cpp.
+#include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -13,7 +15,37 @@
 namespace moecore::moe {
 namespace {
 
-const ops::Context kCpu;
+const ops::Context kCtx{testing::test_device()};
+
+// The elements of a tensor on any device, through a host copy.
+template <class T>
+std::vector<T> values(const Tensor& t) {
+  const Tensor h = testing::host(t);
+  return std::vector<T>(h.data<T>(), h.data<T>() + h.numel());
+}
+// Host f32 values into a tensor on any device.
+void upload(Tensor& dst, const std::vector<float>& v) {
+  Tensor h = Tensor::empty(dst.shape(), DType::f32, MemCategory::other);
+  std::copy(v.begin(), v.end(), h.data<float>());
+  dst.copy_from(h.to_device(dst.device()));
+}
+// dst = N(0, 1) from the named stream, drawn on the host.
+void fill_normal(Tensor& dst, uint64_t seed, const char* name, float std = 1.0f) {
+  dst.copy_from(testing::randn(dst.shape(), name, std, seed).to_device(dst.device()));
+}
+// A padding mask [T] with the given tokens marked, on the test device.
+Tensor padding_mask(int64_t T, std::initializer_list<int64_t> padded) {
+  Tensor h = Tensor::zeros({T}, DType::boolean, MemCategory::other);
+  for (int64_t t : padded) h.data<bool>()[t] = true;
+  return testing::on_test_device(h);
+}
+// An independent copy of a router state (copies of the struct share its tensors).
+RouterState clone_state(const RouterState& s) {
+  RouterState c = s;
+  for (Tensor* t : {&c.expert_bias, &c.local_tokens_per_expert, &c.global_tokens_per_expert, &c.global_aux_counts})
+    if (t->defined()) *t = t->clone();
+  return c;
+}
 
 struct Router {
   MoeConfig cfg;
@@ -22,28 +54,29 @@ struct Router {
   RouterState st;
   RouterCache cache;
   Tensor x, probs, map, pad;
-  RouterStats stats;
+  RouterStats dstats;
+  RouterStatsHost stats;
   Router(const MoeConfig& c, int64_t T, int64_t H, int64_t B = 1) : cfg(c) {
+    const Device dev = testing::test_device();
     d = {T, B, H, cfg.num_experts, cfg.router_topk};
-    w.weight = Tensor::zeros({d.E, H}, DType::f32, MemCategory::other);
+    w.weight = Tensor::zeros({d.E, H}, DType::f32, MemCategory::other, dev);
     w.weight_compute = w.weight;
-    st = router_state_init(cfg);
-    cache = router_cache_alloc(d, cfg, DType::f32);
-    x = Tensor::zeros({T, H}, DType::f32, MemCategory::other);
-    probs = Tensor::empty({T, d.E}, DType::f32, MemCategory::other);
-    map = Tensor::empty({T, d.E}, DType::boolean, MemCategory::other);
+    st = router_state_init(cfg, dev);
+    cache = router_cache_alloc(d, cfg, DType::f32, dev);
+    dstats = router_stats_alloc(d.E, dev);
+    x = Tensor::zeros({T, H}, DType::f32, MemCategory::other, dev);
+    probs = Tensor::empty({T, d.E}, DType::f32, MemCategory::other, dev);
+    map = Tensor::empty({T, d.E}, DType::boolean, MemCategory::other, dev);
   }
   void randomize(uint64_t seed) {
-    rng_fill_normal(w.weight, seed, "test.router.w", 0.0f, 1.0f);
-    rng_fill_normal(x, seed, "test.router.x", 0.0f, 1.0f);
+    fill_normal(w.weight, seed, "test.router.w");
+    fill_normal(x, seed, "test.router.x");
   }
   void forward(bool training = true) {
-    router_forward(probs, map, stats, x, pad, w, st, cache, d, cfg, training, kCpu);
+    router_forward(probs, map, dstats, x, pad, w, st, cache, d, cfg, training, kCtx);
+    stats = router_stats_host(dstats);
   }
-  std::vector<double> dlogits_loss() const {
-    Tensor t = cache.dlogits_loss.to(DType::f64);
-    return std::vector<double>(t.data<double>(), t.data<double>() + t.numel());
-  }
+  std::vector<double> dlogits_loss() const { return values<double>(cache.dlogits_loss.to(DType::f64)); }
 };
 
 MoeConfig loss_config(std::vector<LoadBalancing> types, std::vector<float> coeffs, int64_t E = 6, int64_t K = 2,
@@ -75,9 +108,8 @@ TEST(RouterLosses, WorkedAuxAndZLoss) {
   MoeConfig c = loss_config({LoadBalancing::aux_loss}, {0.5f}, 4, 2);
   c.z_loss_coeff = 0.25f;
   Router r(c, 3, 4);
-  const float z[3][4] = {{1.0f, 2.0f, 0.5f, -1.0f}, {0.0f, -0.5f, 3.0f, 2.5f}, {1.5f, 1.5f, -2.0f, 0.25f}};
-  for (int e = 0; e < 4; ++e) r.w.weight.data<float>()[e * 4 + e] = 1.0f;
-  std::memcpy(r.x.data<float>(), z, sizeof z);
+  upload(r.w.weight, {1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1});
+  upload(r.x, {1.0f, 2.0f, 0.5f, -1.0f, 0.0f, -0.5f, 3.0f, 2.5f, 1.5f, 1.5f, -2.0f, 0.25f});
   r.forward();
   // P = column sums of softmax, c = top-2 counts [2, 2, 1, 1], N = 3: E / (K N^2) sum P c.
   EXPECT_NEAR(r.stats.aux_loss, 1.0543088549650248, 1e-14);
@@ -155,7 +187,7 @@ TEST(RouterLosses, SeqAuxIsMeanOfPerSequenceAux) {
 // Aux-loss pieces recomputed from the cached logits: P[e] = sum of softmax scores, c[e] = top-k counts.
 void aux_pieces(const Router& r, std::vector<double>& P, std::vector<double>& c) {
   const int64_t T = r.d.T, E = r.d.E, K = r.d.K;
-  const double* z = r.cache.logits.data<double>();
+  const std::vector<double> z = values<double>(r.cache.logits);
   P.assign(E, 0.0);
   c.assign(E, 0.0);
   for (int64_t t = 0; t < T; ++t) {
@@ -186,18 +218,19 @@ TEST(RouterLosses, GlobalAuxAccumulatesAcrossMicroBatchesAndResets) {
   EXPECT_EQ(g.dlogits_loss(), a.dlogits_loss());
   std::vector<double> P1, c1, P2, c2;
   aux_pieces(g, P1, c1);
-  rng_fill_normal(g.x, 8, "test.router.x", 0.0f, 1.0f);  // second micro-batch
+  fill_normal(g.x, 8, "test.router.x");  // second micro-batch
   g.forward();
   aux_pieces(g, P2, c2);
   EXPECT_EQ(g.st.global_aux_steps, 2);
   double expect = 0;
+  const std::vector<int64_t> global = values<int64_t>(g.st.global_tokens_per_expert);
   for (int64_t e = 0; e < 6; ++e) {
-    EXPECT_EQ(g.st.global_tokens_per_expert[e], static_cast<int64_t>(c1[e] + c2[e]));
+    EXPECT_EQ(global[e], static_cast<int64_t>(c1[e] + c2[e]));
     expect += P2[e] * (c1[e] + c2[e]) / 2;
   }
   expect *= 6.0 / (2.0 * 9 * 9);
   EXPECT_NEAR(g.stats.global_aux_loss, expect, 1e-13);
-  router_finish_step(g.st, g.cfg);
+  router_finish_step(g.st, g.cfg, true, kCtx);
   EXPECT_EQ(g.st.global_aux_steps, 0);
   g.forward();  // after the reset: this micro-batch's aux_loss again
   a.x.copy_from(g.x);
@@ -213,8 +246,7 @@ TEST(RouterLosses, PaddingEqualsTruncation) {
     c.z_loss_coeff = 0.1f;
     Router full(c, 8, 5), cut(c, 5, 5);
     full.randomize(9);
-    full.pad = Tensor::zeros({8}, DType::boolean, MemCategory::other);
-    for (int t = 5; t < 8; ++t) full.pad.data<bool>()[t] = true;
+    full.pad = padding_mask(8, {5, 6, 7});
     copy_rows(cut, full, 0);
     full.forward();
     cut.forward();
@@ -233,8 +265,7 @@ TEST(RouterLosses, SeqAuxWithPaddingUsesAverageValidLength) {
   MoeConfig c = loss_config({LoadBalancing::seq_aux_loss}, {1.0f});
   Router r(c, 8, 5, 2);
   r.randomize(10);
-  r.pad = Tensor::zeros({8}, DType::boolean, MemCategory::other);
-  r.pad.data<bool>()[6] = true;  // position 3 of sequence 0 (t = 3 * B + 0): 3 and 4 valid tokens, N = 3.5
+  r.pad = padding_mask(8, {6});  // position 3 of sequence 0 (t = 3 * B + 0): 3 and 4 valid tokens, N = 3.5
   r.forward();
   double expect = 0;
   for (int64_t b = 0; b < 2; ++b) {
@@ -256,11 +287,12 @@ TEST(RouterLosses, BackwardAccumulatesParameterGradients) {
   Router r(c, 6, 5);
   r.randomize(11);
   r.forward();
-  Tensor dp = testing::randn({6, 6}, "test.router.dp");
-  Tensor dx = Tensor::zeros({6, 5}, DType::f32, MemCategory::other), dw = Tensor::zeros({6, 5}, DType::f32);
-  router_backward(dx, dw, dp, r.x, r.w, r.cache, r.d, r.cfg, 1.0f, kCpu);
+  Tensor dp = testing::on_test_device(testing::randn({6, 6}, "test.router.dp"));
+  Tensor dx = testing::on_test_device(Tensor::zeros({6, 5}, DType::f32, MemCategory::other));
+  Tensor dw = testing::on_test_device(Tensor::zeros({6, 5}, DType::f32));
+  router_backward(dx, dw, dp, r.x, r.w, r.cache, r.d, r.cfg, 1.0f, kCtx);
   const Tensor dx1 = dx.clone(), dw1 = dw.clone();
-  router_backward(dx, dw, dp, r.x, r.w, r.cache, r.d, r.cfg, 1.0f, kCpu);
+  router_backward(dx, dw, dp, r.x, r.w, r.cache, r.d, r.cfg, 1.0f, kCtx);
   const auto a = testing::to_vector(dx), b = testing::to_vector(dx1), p = testing::to_vector(dw),
              q = testing::to_vector(dw1);
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], 2 * b[i]);
@@ -275,37 +307,43 @@ TEST(RouterLosses, BackwardAccumulatesParameterGradients) {
 struct FdHarness {
   Router& r;
   RouterState base;
-  Tensor Rm;
+  Tensor Rm;  // [T, E] f32 on the test device (router_backward's dprobs)
   float scale = 0.7f;
   double objective(std::vector<int32_t>* sel) {
-    r.st = base;
+    r.st = clone_state(base);
     r.forward();
     const int64_t T = r.d.T, E = r.d.E, K = r.d.K;
     const double sf = r.cfg.topk_scaling_factor > 0 ? r.cfg.topk_scaling_factor : 1.0;
-    const int32_t* idx = r.cache.topk_idx.data<int32_t>();
-    const bool* kept = r.cache.topk_kept.data<bool>();
-    const double* w = r.cache.topk_w.data<double>();
-    const float* rm = Rm.data<float>();
+    const std::vector<int32_t> idx = values<int32_t>(r.cache.topk_idx);
+    const std::vector<bool> kept = values<bool>(r.cache.topk_kept);
+    const std::vector<double> w = values<double>(r.cache.topk_w);
+    const std::vector<float> rm = values<float>(Rm);
     double f = scale * r.stats.weighted_loss;
     for (int64_t i = 0; i < T * K; ++i)
       if (kept[i]) f += sf * w[i] * rm[(i / K) * E + idx[i]];
     if (sel) {
-      sel->assign(idx, idx + T * K);
+      sel->assign(idx.begin(), idx.end());
       for (int64_t i = 0; i < T * K; ++i) sel->push_back(kept[i]);
     }
     return f;
   }
+  // Perturbs param (any device) element by element through a host copy.
   void check(Tensor& param, const Tensor& analytic, const char* name, float h, double rtol, double atol) {
-    float* p = param.data<float>();
+    Tensor ph = testing::host(param).clone();
+    float* p = ph.data<float>();
     const auto an = testing::to_vector(analytic);
+    auto eval = [&](std::vector<int32_t>* s) {
+      param.copy_from(ph.to_device(param.device()));
+      return objective(s);
+    };
     int skipped = 0;
     for (int64_t i = 0; i < param.numel(); ++i) {
       const float orig = p[i];
       std::vector<int32_t> s0, s1;
       p[i] = orig + h;
-      const double xp = p[i], fp = objective(&s0);
+      const double xp = p[i], fp = eval(&s0);
       p[i] = orig - h;
-      const double xm = p[i], fm = objective(&s1);
+      const double xm = p[i], fm = eval(&s1);
       p[i] = orig;
       if (s0 != s1) {
         ++skipped;
@@ -314,6 +352,7 @@ struct FdHarness {
       const double fd = (fp - fm) / (xp - xm);
       EXPECT_NEAR(an[i], fd, atol + rtol * std::fabs(fd)) << name << "[" << i << "]";
     }
+    param.copy_from(ph.to_device(param.device()));
     EXPECT_LE(skipped, 2) << name;
   }
 };
@@ -324,25 +363,24 @@ void fd_check(const MoeConfig& cfg, bool padding, const std::string& label, floa
   const int64_t T = 6, H = 5, B = 2;
   Router r(cfg, T, H, B);
   r.randomize(41);
-  if (router_bias) r.w.bias = testing::randn({cfg.num_experts}, "test.router.linear_bias", 0.5f);
-  if (cfg.enable_expert_bias) rng_fill_normal(r.st.expert_bias, 42, "test.router.bias", 0.0f, 0.3f);
-  if (padding) {
-    r.pad = Tensor::zeros({T}, DType::boolean, MemCategory::other);
-    r.pad.data<bool>()[4] = true;
-  }
+  if (router_bias)
+    r.w.bias = testing::on_test_device(testing::randn({cfg.num_experts}, "test.router.linear_bias", 0.5f));
+  if (cfg.enable_expert_bias) fill_normal(r.st.expert_bias, 42, "test.router.bias", 0.3f);
+  if (padding) r.pad = padding_mask(T, {4});
   if (cfg.uses(LoadBalancing::global_aux_loss)) {  // start from an earlier micro-batch's counts
     Tensor x0 = r.x.clone();
-    rng_fill_normal(r.x, 43, "test.router.x", 0.0f, 1.0f);
+    fill_normal(r.x, 43, "test.router.x");
     r.forward();
     r.x.copy_from(x0);
   }
-  FdHarness fd{r, r.st, testing::randn({T, cfg.num_experts}, "test.router.R")};
+  FdHarness fd{r, clone_state(r.st), testing::on_test_device(testing::randn({T, cfg.num_experts}, "test.router.R"))};
   fd.objective(nullptr);
-  Tensor dx = Tensor::zeros({T, H}, DType::f32, MemCategory::other);
-  Tensor dw = Tensor::zeros({cfg.num_experts, H}, DType::f32, MemCategory::other);
-  Tensor db = router_bias ? Tensor::zeros({cfg.num_experts}, DType::f32, MemCategory::other) : Tensor();
-  router_backward(dx, dw, db, fd.Rm, r.x, r.w, r.cache, r.d, r.cfg, fd.scale, kCpu);
-  EXPECT_GT(ops::sum_squares(dw, kCpu), 0.0);
+  const Device dev = testing::test_device();
+  Tensor dx = Tensor::zeros({T, H}, DType::f32, MemCategory::other, dev);
+  Tensor dw = Tensor::zeros({cfg.num_experts, H}, DType::f32, MemCategory::other, dev);
+  Tensor db = router_bias ? Tensor::zeros({cfg.num_experts}, DType::f32, MemCategory::other, dev) : Tensor();
+  router_backward(dx, dw, db, fd.Rm, r.x, r.w, r.cache, r.d, r.cfg, fd.scale, kCtx);
+  EXPECT_GT(ops::sum_squares(dw, kCtx), 0.0);
   fd.check(r.x, dx, "dx", h, rtol, atol);
   fd.check(r.w.weight, dw, "dweight", h, rtol, atol);
   if (router_bias) fd.check(r.w.bias, db, "dbias", h, rtol, atol);
@@ -437,25 +475,29 @@ TEST(RouterGradients, LinearBiasEqualsAConstantInputFeature) {
     MoeConfig c = loss_config({LoadBalancing::aux_loss}, {0.3f}, 6, 2, rd);
     Router a(c, 7, 5), b(c, 7, 6);
     a.randomize(45);
-    a.w.bias = testing::randn({6}, "test.router.linear_bias", 0.5f);
+    a.w.bias = testing::on_test_device(testing::randn({6}, "test.router.linear_bias", 0.5f));
+    const std::vector<float> ax = values<float>(a.x), aw = values<float>(a.w.weight), ab = values<float>(a.w.bias);
+    std::vector<float> bx(7 * 6), bw(6 * 6);
     for (int64_t t = 0; t < 7; ++t)
-      for (int64_t j = 0; j < 6; ++j) b.x.data<float>()[t * 6 + j] = j < 5 ? a.x.data<float>()[t * 5 + j] : 1.0f;
+      for (int64_t j = 0; j < 6; ++j) bx[t * 6 + j] = j < 5 ? ax[t * 5 + j] : 1.0f;
     for (int64_t e = 0; e < 6; ++e)
-      for (int64_t j = 0; j < 6; ++j)
-        b.w.weight.data<float>()[e * 6 + j] = j < 5 ? a.w.weight.data<float>()[e * 5 + j] : a.w.bias.data<float>()[e];
+      for (int64_t j = 0; j < 6; ++j) bw[e * 6 + j] = j < 5 ? aw[e * 5 + j] : ab[e];
+    upload(b.x, bx);
+    upload(b.w.weight, bw);
     a.forward();
     b.forward();
     EXPECT_TENSOR_NEAR(a.probs, b.probs, 1e-6, 1e-7);
     EXPECT_NEAR(a.stats.aux_loss, b.stats.aux_loss, 1e-6);
-    Tensor dp = testing::randn({7, 6}, "test.router.dp");
-    Tensor dxa = Tensor::zeros({7, 5}, DType::f32), dwa = Tensor::zeros({6, 5}, DType::f32);
-    Tensor dba = Tensor::zeros({6}, DType::f32);
-    Tensor dxb = Tensor::zeros({7, 6}, DType::f32), dwb = Tensor::zeros({6, 6}, DType::f32);
-    router_backward(dxa, dwa, dba, dp, a.x, a.w, a.cache, a.d, a.cfg, 1.0f, kCpu);
-    router_backward(dxb, dwb, dp, b.x, b.w, b.cache, b.d, b.cfg, 1.0f, kCpu);
+    auto zeros = [](const Shape& s) { return testing::on_test_device(Tensor::zeros(s, DType::f32)); };
+    Tensor dp = testing::on_test_device(testing::randn({7, 6}, "test.router.dp"));
+    Tensor dxa = zeros({7, 5}), dwa = zeros({6, 5}), dba = zeros({6});
+    Tensor dxb = zeros({7, 6}), dwb = zeros({6, 6});
+    router_backward(dxa, dwa, dba, dp, a.x, a.w, a.cache, a.d, a.cfg, 1.0f, kCtx);
+    router_backward(dxb, dwb, dp, b.x, b.w, b.cache, b.d, b.cfg, 1.0f, kCtx);
+    const std::vector<float> gba = values<float>(dba), gwa = values<float>(dwa), gwb = values<float>(dwb);
     for (int64_t e = 0; e < 6; ++e) {
-      EXPECT_NEAR(dba.data<float>()[e], dwb.data<float>()[e * 6 + 5], 1e-6) << e;
-      for (int64_t j = 0; j < 5; ++j) EXPECT_NEAR(dwa.data<float>()[e * 5 + j], dwb.data<float>()[e * 6 + j], 1e-6);
+      EXPECT_NEAR(gba[e], gwb[e * 6 + 5], 1e-6) << e;
+      for (int64_t j = 0; j < 5; ++j) EXPECT_NEAR(gwa[e * 5 + j], gwb[e * 6 + j], 1e-6);
     }
   }
 }
@@ -482,10 +524,11 @@ TEST(RouterGradients, ProbsMatchCachedWeights) {
   r.randomize(44);
   r.forward();
   std::vector<float> expect(36, 0.0f);
+  const std::vector<bool> kept = values<bool>(r.cache.topk_kept);
+  const std::vector<int32_t> idx = values<int32_t>(r.cache.topk_idx);
+  const std::vector<double> w = values<double>(r.cache.topk_w);
   for (int64_t i = 0; i < 12; ++i)
-    if (r.cache.topk_kept.data<bool>()[i])
-      expect[(i / 2) * 6 + r.cache.topk_idx.data<int32_t>()[i]] =
-          static_cast<float>(2.0 * r.cache.topk_w.data<double>()[i]);
+    if (kept[i]) expect[(i / 2) * 6 + idx[i]] = static_cast<float>(2.0 * w[i]);
   EXPECT_EQ(testing::to_vector(r.probs), expect);
   EXPECT_GT(r.stats.dropped, 0);
 }

@@ -65,26 +65,40 @@ float philox_normal(PhiloxKey key, uint64_t index) {
   return normals_of_block(key, index / 4)[index % 4];
 }
 
+namespace {
+// Writes the drawn f32 values into t: converted in place on the host, or through a host tensor and one
+// transfer for a device tensor (initialisation happens once; the values never depend on the device).
+void store(Tensor& t, const std::vector<float>& vals) {
+  if (t.device() == Device::cpu) {
+    convert(t.raw(), t.dtype(), vals.data(), DType::f32, vals.size());
+    return;
+  }
+  Tensor h = Tensor::empty(t.shape(), t.dtype(), MemCategory::other);
+  convert(h.raw(), h.dtype(), vals.data(), DType::f32, vals.size());
+  t.copy_from(h);
+}
+}  // namespace
+
 void rng_fill_normal(Tensor& t, uint64_t seed, std::string_view name, float mean, float std, uint64_t first_index) {
-  MOECORE_CHECK(t.is_contiguous() && t.device() == Device::cpu && dtype_is_float(t.dtype()),
-                "rng_fill_normal: needs a contiguous float CPU tensor, got ", t.str());
+  MOECORE_CHECK(t.is_contiguous() && dtype_is_float(t.dtype()),
+                "rng_fill_normal: needs a contiguous float tensor, got ", t.str());
   const PhiloxKey key = philox_key(seed, name);
   const int64_t n = t.numel();
   std::vector<float> vals(static_cast<size_t>(n));
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) vals[i] = mean + std * philox_normal(key, first_index + i);
-  convert(t.raw(), t.dtype(), vals.data(), DType::f32, vals.size());
+  store(t, vals);
 }
 
 void rng_fill_uniform(Tensor& t, uint64_t seed, std::string_view name, float lo, float hi, uint64_t first_index) {
-  MOECORE_CHECK(t.is_contiguous() && t.device() == Device::cpu && dtype_is_float(t.dtype()),
-                "rng_fill_uniform: needs a contiguous float CPU tensor, got ", t.str());
+  MOECORE_CHECK(t.is_contiguous() && dtype_is_float(t.dtype()),
+                "rng_fill_uniform: needs a contiguous float tensor, got ", t.str());
   const PhiloxKey key = philox_key(seed, name);
   const int64_t n = t.numel();
   std::vector<float> vals(static_cast<size_t>(n));
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) vals[i] = lo + (hi - lo) * philox_uniform(key, first_index + i);
-  convert(t.raw(), t.dtype(), vals.data(), DType::f32, vals.size());
+  store(t, vals);
 }
 
 }  // namespace moecore

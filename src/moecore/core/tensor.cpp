@@ -2,6 +2,8 @@
 // kernels/; these helpers exist so that tests, I/O and set-up code need no kernel calls.
 #include "moecore/core/tensor.h"
 
+#include <omp.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -11,6 +13,10 @@
 
 namespace moecore {
 namespace {
+thread_local int t_device_access = 0;  // open DeviceAccess scopes on this thread
+bool host_memory(Device d) {           // memory the CPU kernels address: the host's and the simulated device's
+  return d == Device::cpu || d == Device::sim;
+}
 // Row-major stride products: only a tensor with a zero dim can exceed int64 here (numel() bounds the rest), and
 // its strides are never used to address memory, so saturating keeps them defined.
 int64_t mul_saturating(int64_t a, int64_t b) {
@@ -58,9 +64,42 @@ std::string Shape::str() const {
   return s + "]";
 }
 
+const char* device_name(Device d) {
+  switch (d) {
+    case Device::cpu:
+      return "cpu";
+    case Device::cuda:
+      return "cuda";
+    case Device::sim:
+      return "sim";
+  }
+  return "?";
+}
+
+Device parse_device(const std::string& s) {
+  if (s == "cpu") return Device::cpu;
+  if (s == "cuda") return Device::cuda;
+  if (s == "sim") return Device::sim;
+  MOECORE_FAIL("unknown device '", s, "' (expected cpu, cuda or sim)");
+}
+
+DeviceAccess::DeviceAccess() {
+  ++t_device_access;
+}
+DeviceAccess::~DeviceAccess() {
+  --t_device_access;
+}
+
+void Tensor::check_device_access() const {
+  if (t_device_access > 0 || omp_in_parallel()) return;
+  MOECORE_FAIL("host code addressed the data of a ", device_name(device()), " tensor ", str(),
+               ": device tensors are read and written by ops (kernels/ops.h), collectives and explicit transfers "
+               "(Tensor::to_device) only");
+}
+
 Storage::Storage(int64_t nbytes, Device dev, MemCategory cat) : bytes(nbytes), device(dev), category(cat) {
   MOECORE_CHECK(nbytes >= 0, "negative allocation ", nbytes);
-  if (dev == Device::cpu) {
+  if (host_memory(dev)) {
     const size_t rounded = (static_cast<size_t>(nbytes) + 63) / 64 * 64;
     data = std::aligned_alloc(64, rounded ? rounded : 64);
     if (!data) throw Error("tensor: out of host memory allocating " + memory_format_bytes(nbytes));
@@ -72,7 +111,7 @@ Storage::Storage(int64_t nbytes, Device dev, MemCategory cat) : bytes(nbytes), d
 
 Storage::~Storage() {
   memory_record_free(category, bytes);
-  if (device == Device::cpu)
+  if (host_memory(device))
     std::free(data);
   else
     device_free(data);
@@ -168,7 +207,8 @@ void for_each_offset(const Shape& shape, const int64_t* strides, Fn&& fn) {
 
 void Tensor::zero_() {
   if (!defined()) return;
-  if (device() != Device::cpu) {
+  const DeviceAccess access;
+  if (device() == Device::cuda) {
     MOECORE_CHECK(is_contiguous(), "tensor.zero_: strided device tensors are not supported");
     device_memset(raw(), 0, nbytes());
     return;
@@ -183,8 +223,10 @@ void Tensor::zero_() {
 }
 
 void Tensor::fill_(float value) {
-  MOECORE_CHECK(dtype_is_float(dtype_) && device() == Device::cpu, "tensor.fill_: needs a float CPU tensor, got ",
-                str());
+  MOECORE_CHECK(dtype_is_float(dtype_) && host_memory(device()),
+                "tensor.fill_: needs a float tensor in host or simulated-device memory, got ", str(), " on ",
+                device_name(device()));
+  const DeviceAccess access;
   char* base = static_cast<char*>(raw());
   const size_t es = dtype_size(dtype_);
   for_each_offset(shape_, strides_,
@@ -193,9 +235,12 @@ void Tensor::fill_(float value) {
 
 void Tensor::copy_from(const Tensor& src) {
   MOECORE_CHECK(src.shape() == shape_, "tensor.copy_from: shape ", src.str(), " into ", str());
-  if (device() != Device::cpu || src.device() != Device::cpu) {
+  const DeviceAccess access;
+  if (device() != src.device() || device() == Device::cuda)  // a transfer (cudaMemcpy), or a copy on the GPU
     MOECORE_CHECK(is_contiguous() && src.is_contiguous() && dtype_ == src.dtype_,
-                  "tensor.copy_from: device copies need contiguous tensors of one dtype: ", src.str(), " into ", str());
+                  "tensor.copy_from: copies between devices need contiguous tensors of one dtype: ", src.str(), " on ",
+                  device_name(src.device()), " into ", str(), " on ", device_name(device()));
+  if (device() == Device::cuda || src.device() == Device::cuda) {
     device_copy(raw(), device() == Device::cuda, src.raw(), src.device() == Device::cuda, nbytes());
     return;
   }
@@ -234,7 +279,8 @@ Tensor Tensor::clone(MemCategory category) const {
 
 Tensor Tensor::to(DType dtype, MemCategory category) const {
   Tensor t = empty(shape_, dtype, category, device());
-  if (is_contiguous() || device() != Device::cpu) {
+  const DeviceAccess access;
+  if (is_contiguous() || device() == Device::cuda) {
     t.copy_from(*this);
     return t;
   }
@@ -244,6 +290,25 @@ Tensor Tensor::to(DType dtype, MemCategory category) const {
   for_each_offset(shape_, strides_,
                   [&](int64_t k, int64_t off) { convert(d + k * des, dtype, s + off * ses, dtype_, 1); });
   return t;
+}
+
+Tensor Tensor::to_device(Device dev, MemCategory category) const {
+  if (dev == device() && is_contiguous()) return *this;
+  const Tensor src = is_contiguous() ? *this : clone(category);
+  if (dev == src.device()) return src;
+  Tensor t = empty(shape_, dtype_, category, dev);
+  t.copy_from(src);
+  return t;
+}
+
+void Tensor::copy_to_host_bytes(void* dst, int64_t bytes) const {
+  MOECORE_CHECK(is_contiguous() && bytes == nbytes(), "tensor.copy_to_host: ", str(),
+                " must be contiguous and the destination must hold all of its ", nbytes(), " bytes, got ", bytes);
+  const DeviceAccess access;
+  if (device() == Device::cuda)
+    device_copy(dst, false, raw(), true, bytes);
+  else if (bytes > 0)
+    std::memcpy(dst, raw(), static_cast<size_t>(bytes));
 }
 
 std::string Tensor::str() const {

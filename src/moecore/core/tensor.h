@@ -14,7 +14,25 @@
 
 namespace moecore {
 
-enum class Device : uint8_t { cpu, cuda };
+// cpu: host memory. cuda: a CUDA device. sim: the simulated device of the test suite: host memory that
+// host code may not read. Its ops run the CPU kernels; Tensor::data()/raw() on a non-CPU tensor raise
+// Error unless a DeviceAccess scope is open on the calling thread (op bodies, collectives, transfers) or
+// the caller runs inside an OpenMP parallel region (which only op bodies start). So a test suite run on
+// sim proves that no code outside ops, collectives and explicit transfers touches device data.
+enum class Device : uint8_t { cpu, cuda, sim };
+const char* device_name(Device d);  // "cpu", "cuda", "sim"
+// "cpu" | "cuda" | "sim"; anything else raises Error naming the text.
+Device parse_device(const std::string& s);
+
+// Marks the calling thread as running an op body (or a collective or a transfer) for its lifetime:
+// non-CPU tensors may be addressed. Nestable.
+class DeviceAccess {
+ public:
+  DeviceAccess();
+  ~DeviceAccess();
+  DeviceAccess(const DeviceAccess&) = delete;
+  DeviceAccess& operator=(const DeviceAccess&) = delete;
+};
 
 inline constexpr int kMaxDims = 6;
 
@@ -64,8 +82,14 @@ class Tensor {
   MemCategory category() const { return storage_ ? storage_->category : MemCategory::other; }
   int64_t nbytes() const { return shape_.bytes(dtype_); }
   bool is_contiguous() const;
+  // Same storage and first element (an identity test that reads no data, so it works on any device).
+  bool same_data(const Tensor& o) const { return storage_ == o.storage_ && offset_ == o.offset_; }
 
-  void* raw() const { return static_cast<char*>(storage_->data) + offset_ * dtype_size(dtype_); }
+  // The element at the view's offset. For a non-CPU tensor only inside a DeviceAccess scope (see Device).
+  void* raw() const {
+    if (storage_->device != Device::cpu) check_device_access();
+    return static_cast<char*>(storage_->data) + offset_ * dtype_size(dtype_);
+  }
   template <class T>
   T* data() const {
     MOECORE_CHECK(dtype_of<T>() == dtype_, "tensor of dtype ", dtype_name(dtype_), " read as ",
@@ -80,15 +104,28 @@ class Tensor {
 
   void zero_();                       // contiguous or not
   void fill_(float value);            // float dtypes only
-  void copy_from(const Tensor& src);  // same shape; converts dtype
+  void copy_from(const Tensor& src);  // same shape; converts dtype (between devices: contiguous, one dtype)
   Tensor clone(MemCategory category = MemCategory::other) const;
   Tensor to(DType dtype, MemCategory category = MemCategory::other) const;
+  // A contiguous copy on `device` (this tensor itself when it is already there and contiguous): the explicit
+  // transfer between host and device memory.
+  Tensor to_device(Device device, MemCategory category = MemCategory::other) const;
+  // The explicit device-to-host transfer of a contiguous tensor's n = numel() elements of type T (its dtype)
+  // into dst[0, n): every host synchronisation on device data goes through here (or to_device).
+  template <class T>
+  void copy_to_host(T* dst, int64_t n) const {
+    MOECORE_CHECK(dtype_of<T>() == dtype_, "tensor.copy_to_host: tensor of dtype ", dtype_name(dtype_), " read as ",
+                  dtype_name(dtype_of<T>()));
+    copy_to_host_bytes(dst, n * static_cast<int64_t>(sizeof(T)));
+  }
 
   std::string str() const;  // "[2, 3] f32"
 
  private:
   void set_contiguous_shape(const Shape& shape);  // shape with row-major strides
-  int axis(int i) const {                         // negative axes count from the end
+  void check_device_access() const;               // Error unless device memory may be addressed here
+  void copy_to_host_bytes(void* dst, int64_t bytes) const;
+  int axis(int i) const {  // negative axes count from the end
     const int k = i < 0 ? i + shape_.ndim : i;
     MOECORE_CHECK(k >= 0 && k < shape_.ndim, "axis ", i, " out of range for tensor ", str());
     return k;

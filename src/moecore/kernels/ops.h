@@ -1,4 +1,5 @@
-// The whole op vocabulary of moecore. Every module (nn/, moe/, model/) calls these, never a backend.
+// The whole op vocabulary of moecore (with the router's ops in ops_router.h). Every module (nn/, moe/, model/)
+// calls these, never a backend, and never addresses tensor data itself (tests/format/check_device_seam.cmake).
 // Each op dispatches on the device of its tensors: kernels/cpu/ always (the reference), kernels/cuda/
 // when built. Shapes and dtypes are checked on entry; a mismatch raises moecore::Error naming the op,
 // the shapes and the dtypes.
@@ -46,16 +47,67 @@ void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_
 void gemm_batched(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
                   const Context& ctx);
 
-// Grouped GEMM over contiguous row segments (MoE experts): group g owns rows [o_g, o_g + group_rows[g]) of
-// a and c, with o_g the prefix sum. Groups with zero rows are allowed.
+// Grouped GEMM over contiguous row segments (MoE experts): group g owns rows [o_g, o_g + n_g) of a and c,
+// with n = group_rows ([G] i64 on the op's device: the per-expert counts never visit the host) and o_g its
+// prefix sum. Groups with zero rows are allowed; the counts may sum to fewer than R rows (buffers sized for
+// the worst case): rows past the sum are neither read nor written. A negative count or a sum above R raises.
 //   c[seg_g] = a[seg_g] @ op(b[g]) + beta * c[seg_g]
 // a [R, K] f32|bf16; b [G, N, K] (trans_b) or [G, K, N], same dtype as a; c [R, N] f32|bf16.
-void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, const std::vector<int64_t>& group_rows,
-                  float beta, const Context& ctx);
+void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, const Tensor& group_rows, float beta,
+                  const Context& ctx);
 // Weight gradient of the above: c[g] = a[seg_g]^T @ b[seg_g] + beta * c[g].
 // a [R, M], b [R, N] one dtype f32|bf16; c [G, M, N] f32. A group with no rows gets c[g] = beta * c[g].
-void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const std::vector<int64_t>& group_rows, float beta,
+void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tensor& group_rows, float beta,
                         const Context& ctx);
+
+// ---- MoE token permutation (Megatron §5.1) -----------------------------------------------------
+// Rows are grouped by expert (ascending), and within an expert by ascending source token. Every count,
+// offset and index below is a tensor on the op's device: the host never reads them to launch the next op.
+//
+// The plan of a routing map [T, E] bool: counts [E] i64 (rows per expert), offsets [E + 1] i64 (prefix sums),
+// token_rows [T, E] i32 (the row of routed pair (t, e), -1 where not routed), row_token [M] i32 (the token of
+// each row; rows from offsets[E] to M are set to -1). Raises when the routed pairs exceed M rows.
+void moe_plan(Tensor& counts, Tensor& offsets, Tensor& token_rows, Tensor& row_token, const Tensor& map,
+              const Context& ctx);
+// rows[r] = x[row_token[r]] and row_probs[r] = probs[row_token[r], e(r)] (e(r): the expert whose segment of
+// offsets holds r) for r < offsets[E]; later rows are untouched. x [T, H] f32|bf16 and rows [M, H] f32|bf16
+// (any mix; unit last strides); probs [T, E] f32 and row_probs [M] f32, or both undefined (rows only).
+void moe_permute(Tensor& rows, Tensor& row_probs, const Tensor& x, const Tensor& probs, const Tensor& row_token,
+                 const Tensor& offsets, const Context& ctx);
+// y[t] = sum over e ascending with token_rows[t, e] >= 0 of rows[token_rows[t, e]] (f32 sum, one rounding;
+// 0 for a token routed nowhere), or y += that sum with accumulate. y [T, H] f32, rows [M, H] f32|bf16, unit
+// last strides; token_rows [T, E] i32.
+void moe_unpermute(Tensor& y, const Tensor& rows, const Tensor& token_rows, bool accumulate, const Context& ctx);
+// out[t, e] = values[token_rows[t, e]] where routed, else 0. out [T, E] f32 (unit last stride: it may be a
+// column block of a wider tensor), values [M] f32, token_rows [T, E] i32.
+void moe_unpermute_probs(Tensor& out, const Tensor& values, const Tensor& token_rows, const Context& ctx);
+// The all-to-all dispatcher's chunk sort. chunk_counts [P * El] i64 holds the rows of chunk (s, le), source
+// rank s and local expert le. The receive layout orders chunks [s][le], the expert layout [le][s].
+// inverse = false: out (expert layout) <- in (receive layout); true: out (receive layout) <- in (expert).
+// out and in: contiguous, one dtype, rows along dim 0; rows past the chunks are untouched.
+void moe_sort_chunks(Tensor& out, const Tensor& in, const Tensor& chunk_counts, int64_t P, int64_t El, bool inverse,
+                     const Context& ctx);
+// Rows per local expert of the expert layout: counts[le] = sum_s chunk_counts[s * El + le]; offsets [El + 1]
+// their prefix sums. chunk_counts [P * El], counts [El], offsets [El + 1], all i64.
+void moe_chunk_counts(Tensor& counts, Tensor& offsets, const Tensor& chunk_counts, int64_t P, const Context& ctx);
+
+// ---- MoE expert rows ---------------------------------------------------------------------------
+// The routing probability applied after the activation: a[r, :] = act[r, :] * p[r] for r < rows, with rows
+// the sum of group_rows ([G] i64; later rows untouched). a, act [M, F] one dtype f32|bf16, contiguous; p [M] f32.
+void moe_scale_rows(Tensor& a, const Tensor& act, const Tensor& p, const Tensor& group_rows, const Context& ctx);
+// Its backward, fused. With da = dL/da on entry, for r < rows: dp[r] = act[r, :] . da[r, :] (added to dp[r] when
+// accumulate), da[r, :] *= p[r] (becomes dL/dact), and a[r, :] = act[r, :] * p[r] is recomputed bit-identically
+// (the fc2 weight gradient reads it).
+void moe_scale_rows_backward(Tensor& dp, Tensor& da, Tensor& a, const Tensor& act, const Tensor& p,
+                             const Tensor& group_rows, bool accumulate, const Context& ctx);
+// The shared expert's gate: s[t] = sigmoid(x[t, :] . g); y[t, :] += s[t] * out[t, :].
+// y, out [T, H] f32; s [T] f32; x [T, H] f32|bf16; g [H] f32; all contiguous.
+void moe_shared_gate_forward(Tensor& y, Tensor& s, const Tensor& x, const Tensor& g, const Tensor& out,
+                             const Context& ctx);
+// Its backward: dout[t, :] = dy[t, :] * s[t] (written, the dtype of x); with dz[t] = (dy[t] . out[t]) s (1 - s):
+// dx[t, :] += dz[t] * g and dg += sum_t dz[t] x[t, :] (in token order per column: deterministic).
+void moe_shared_gate_backward(Tensor& dout, Tensor& dx, Tensor& dg, const Tensor& dy, const Tensor& x, const Tensor& g,
+                              const Tensor& out, const Tensor& s, const Context& ctx);
 
 // ---- Embedding ---------------------------------------------------------------------------------
 // out[n, :] = table[ids[n], :].  out [N, H] f32|bf16, ids [N] i32, table [V, H] f32.
@@ -133,6 +185,10 @@ void gelu_backward(Tensor& dx, const Tensor& dout, const Tensor& x, const Contex
 // no probability tensor is kept (callers chunk over tokens and reuse one logits buffer).
 void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, float grad_scale, bool compute_grad,
                            const Context& ctx);
+// The loss totals of a chunk, kept on the device: totals[0] += loss[n] for n in order (one running double sum
+// across calls, so chunking does not change the bits) and
+// totals[1] += the number of labels >= 0 (the counted tokens). totals [2] f64, loss [N] f32, labels [N] i32.
+void loss_totals(Tensor& totals, const Tensor& loss, const Tensor& labels, const Context& ctx);
 
 // ---- Dropout and biases ------------------------------------------------------------------------
 // y = dropout(x): y[i] = x[i] * M[i] * s, i the flat index. y, x contiguous, same shape and dtype (f32 or
@@ -157,22 +213,22 @@ void bias_dropout_add_backward(Tensor& dx, Tensor& dbias, const Tensor& dy, cons
 void bias_add(Tensor& y, const Tensor& bias, const Context& ctx);
 // dbias[w] += sum_n dy[n, w].
 void bias_grad(Tensor& dbias, const Tensor& dy, const Context& ctx);
-// Grouped versions for MoE experts, rows in contiguous segments as in gemm_grouped: group g owns rows
-// [o_g, o_g + group_rows[g]) of y/dy, o_g the prefix sum; groups may be empty. Rows past the sum of
-// group_rows (padding) are neither written nor read. bias, dbias [G, W] f32.
+// Grouped versions for MoE experts, rows in contiguous segments as in gemm_grouped (group_rows [G] i64 on
+// the op's device): group g owns rows [o_g, o_g + group_rows[g]) of y/dy, o_g the prefix sum; groups may be
+// empty. Rows past the sum of group_rows (padding) are neither written nor read. bias, dbias [G, W] f32.
 //   bias_add_grouped:   y[r, :] += bias[g(r), :]
 //   bias_grad_grouped:  dbias[g, :] += sum_{r in g} dy[r, :]
-void bias_add_grouped(Tensor& y, const Tensor& bias, const std::vector<int64_t>& group_rows, const Context& ctx);
-void bias_grad_grouped(Tensor& dbias, const Tensor& dy, const std::vector<int64_t>& group_rows, const Context& ctx);
+void bias_add_grouped(Tensor& y, const Tensor& bias, const Tensor& group_rows, const Context& ctx);
+void bias_grad_grouped(Tensor& dbias, const Tensor& dy, const Tensor& group_rows, const Context& ctx);
 // The fc2 bias of MoE experts weighted by routing probabilities, row_scale [R] f32:
 //   bias_add_grouped_scaled:   y[r, :] += row_scale[r] * bias[g(r), :]
 //   bias_grad_grouped_scaled:  dbias[g, :] += sum_{r in g} row_scale[r] * dy[r, :]    (+=)
 //                              drow_scale[r] = dy[r, :] . bias[g(r), :]               (written, not +=;
-//                              0 on padding rows; an undefined drow_scale is skipped)
-void bias_add_grouped_scaled(Tensor& y, const Tensor& bias, const Tensor& row_scale,
-                             const std::vector<int64_t>& group_rows, const Context& ctx);
+//                              padding rows untouched; an undefined drow_scale is skipped)
+void bias_add_grouped_scaled(Tensor& y, const Tensor& bias, const Tensor& row_scale, const Tensor& group_rows,
+                             const Context& ctx);
 void bias_grad_grouped_scaled(Tensor& dbias, Tensor& drow_scale, const Tensor& dy, const Tensor& bias,
-                              const Tensor& row_scale, const std::vector<int64_t>& group_rows, const Context& ctx);
+                              const Tensor& row_scale, const Tensor& group_rows, const Context& ctx);
 
 // ---- Elementwise -------------------------------------------------------------------------------
 // out = a + b (out may alias a or b); all the same shape; f32 or bf16, any mix.

@@ -34,8 +34,9 @@ std::string MemoryPlan::format() const {
   return s + line;
 }
 
-GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed, const ExpertParallel& ep)
-    : cfg_(cfg), B_(micro_batch_size), seed_(seed), ep_(ep) {
+GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed, const ExpertParallel& ep,
+                   Device device)
+    : cfg_(cfg), B_(micro_batch_size), device_(device), seed_(seed), ep_(ep) {
   cfg_.validate();
   if (B_ <= 0) MOECORE_FAIL("model: micro_batch_size (", B_, ") must be positive");
   const int64_t EP = ep_.group.size();
@@ -60,6 +61,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   dims_.qk_norm = cfg_.qk_layernorm;
   dims_.dropout = cfg_.hidden_dropout > 0.0f;
   dims_.compute = c;
+  dims_.device = device_;
   layers_ = layer_specs(cfg_);
   const bool mla =
       std::any_of(layers_.begin(), layers_.end(), [](const LayerSpec& s) { return s.attention == AttentionKind::mla; });
@@ -81,6 +83,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   }
   moe_dims_ = {N, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
   moe_dims_.ep = EP;
+  moe_dims_.device = device_;
   moe_dims_.dispatcher = EP > 1 ? ep_.dispatcher : moe::DispatcherKind::local;
   if (EP > 1 && ep_.dispatcher == moe::DispatcherKind::alltoall)
     dispatcher_ = std::make_unique<moe::AllToAllDispatcher>(ep_.group);
@@ -100,8 +103,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     p.name = s.name;
     Shape shape = s.shape;
     if (s.expert) shape[0] /= EP;
-    p.value = Tensor::empty(shape, DType::f32, MemCategory::parameters);
-    p.grad = Tensor::zeros(shape, DType::f32, MemCategory::gradients);
+    p.value = Tensor::empty(shape, DType::f32, MemCategory::parameters, device_);
+    p.grad = Tensor::zeros(shape, DType::f32, MemCategory::gradients, device_);
     // Megatron decays weights only: norms and biases (of any rank, e.g. experts' [E, W]) are not decayed.
     p.weight_decay = shape.ndim >= 2 && !p.name.ends_with(".bias");
     p.expert_parallel = s.expert;
@@ -110,7 +113,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       rng_fill_normal(p.value, seed, p.name, 0.0f, s.std, first);
     else
       p.value.fill_(s.init == ParamInit::ones ? 1.0f : 0.0f);
-    p.compute = (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters);
+    p.compute =
+        (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters, device_);
     by_name[p.name] = &p;
   }
   auto find = [&](const std::string& name) -> Param* {
@@ -156,7 +160,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       bind(mw.kv_up, mg.kv_up, sa + "linear_kv_up_proj.weight");
       bind(mw.kv_norm, mg.kv_norm, sa + "kv_layernorm.weight");
       bind(mw.kv_norm_bias, mg.kv_norm_bias, sa + "kv_layernorm.bias");
-      mla_caches_.back() = nn::mla_cache_alloc(mla_dims_, c, dims_.layernorm);
+      mla_caches_.back() = nn::mla_cache_alloc(mla_dims_, c, dims_.layernorm, device_);
     } else {
       bind(w.q_norm, g.q_norm, pre + "self_attention.q_layernorm.weight");
       bind(w.q_norm_bias, g.q_norm_bias, pre + "self_attention.q_layernorm.bias");
@@ -188,7 +192,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     Param* gate = find(pre + "mlp.shared_experts.gate_weight");
     m->w.shared.gate = gate ? gate->value : Tensor();
     m->g.shared.gate = gate ? gate->grad : Tensor();
-    m->state = moe::router_state_init(mc);
+    m->state = moe::router_state_init(mc, device_);
     m->state.stream = static_cast<uint64_t>(l);
     const MoeBlock* first = nullptr;
     for (const auto& prev : moe_)
@@ -199,7 +203,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   final_norm_ = find("decoder.final_layernorm.weight");
   final_norm_bias_ = find("decoder.final_layernorm.bias");
   output_ = cfg_.untie_embeddings_and_output_weights ? find("output_layer.weight") : embedding_;
-  auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations); };
+  auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations, device_); };
   for (int64_t k = 0; k < cfg_.mtp_num_layers; ++k) {
     const std::string pre = "mtp.layers." + std::to_string(k) + ".";
     MtpDepth& d = mtp_.emplace_back();
@@ -212,6 +216,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     d.fnorm_b = find(pre + "final_layernorm.bias");
     d.ids = act({N}, DType::i32);
     d.labels = act({N}, DType::i32);
+    d.ids_h = Tensor::empty({N}, DType::i32, MemCategory::workspace);
+    d.labels_h = Tensor::empty({N}, DType::i32, MemCategory::workspace);
     for (Tensor* t : {&d.e, &d.hin, &d.x, &d.y}) *t = act({N, H}, DType::f32);
     for (Tensor* t : {&d.en, &d.hn, &d.h}) *t = act({N, H}, c);
     for (Tensor* t : {&d.e_rstd, &d.h_rstd, &d.f_rstd}) *t = act({N}, DType::f32);
@@ -219,35 +225,40 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       for (Tensor* t : {&d.e_mean, &d.h_mean, &d.f_mean}) *t = act({N}, DType::f32);
   }
   if (cfg_.mtp_num_layers > 0) {
-    mtp_dx_c_ = Tensor::empty({N, H}, c, MemCategory::workspace);
-    for (Tensor* t : {&mtp_carry_, &mtp_dn_, &mtp_dfn_}) *t = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
+    mtp_dx_c_ = Tensor::empty({N, H}, c, MemCategory::workspace, device_);
+    for (Tensor* t : {&mtp_carry_, &mtp_dn_, &mtp_dfn_})
+      *t = Tensor::empty({N, H}, DType::f32, MemCategory::workspace, device_);
   }
 
-  for (int64_t l = 0; l <= L; ++l) residual_.push_back(Tensor::empty({N, H}, DType::f32, MemCategory::activations));
-  final_rstd_ = Tensor::empty({N}, DType::f32, MemCategory::activations);
-  if (dims_.layernorm) final_mean_ = Tensor::empty({N}, DType::f32, MemCategory::activations);
-  final_h_ = Tensor::empty({N, H}, c, MemCategory::activations);
+  for (int64_t l = 0; l <= L; ++l) residual_.push_back(act({N, H}, DType::f32));
+  final_rstd_ = act({N}, DType::f32);
+  if (dims_.layernorm) final_mean_ = act({N}, DType::f32);
+  final_h_ = act({N, H}, c);
+  // Constant tables are computed on the host and uploaded once.
   if (cfg_.rope()) {
-    rope_ = Tensor::empty({S, cfg_.rotary_dim()}, DType::f32, MemCategory::workspace);
-    fill_rope_table(rope_, cfg_);
+    Tensor rope = Tensor::empty({S, cfg_.rotary_dim()}, DType::f32, MemCategory::workspace);
+    fill_rope_table(rope, cfg_);
+    rope_ = rope.to_device(device_, MemCategory::workspace);
   }
   if (position_embedding_) {  // token b*S + s sits at position s (positions restart with each sample)
-    positions_ = Tensor::empty({N}, DType::i32, MemCategory::workspace);
-    int32_t* pos = positions_.data<int32_t>();
+    Tensor positions = Tensor::empty({N}, DType::i32, MemCategory::workspace);
+    int32_t* pos = positions.data<int32_t>();
     for (int64_t i = 0; i < N; ++i) pos[i] = static_cast<int32_t>(i % S);
+    positions_ = positions.to_device(device_, MemCategory::workspace);
   }
   drops_.resize(layers_.size());
   ws_ = nn::dense_layer_workspace_alloc(dims_, /*with_attention=*/standard_attention_);
-  if (mla) mla_ws_ = nn::mla_workspace_alloc(mla_dims_, c);
-  head_ws_ = nn::lm_head_workspace_alloc(N, V, c);
-  dres_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
+  if (mla) mla_ws_ = nn::mla_workspace_alloc(mla_dims_, c, device_);
+  head_ws_ = nn::lm_head_workspace_alloc(N, V, c, device_);
+  auto work = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::workspace, device_); };
+  dres_ = work({N, H}, DType::f32);
   if (cfg_.moe.enabled()) {
-    moe_x_ = Tensor::empty({N, H}, c, MemCategory::workspace);
-    moe_out_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
+    moe_x_ = work({N, H}, c);
+    moe_out_ = work({N, H}, DType::f32);
   }
-  dh_ = Tensor::empty({N, H}, DType::f32, MemCategory::workspace);
-  ids_ = Tensor::empty({N}, DType::i32, MemCategory::workspace);
-  labels_ = Tensor::empty({N}, DType::i32, MemCategory::workspace);
+  dh_ = work({N, H}, DType::f32);
+  ids_ = work({N}, DType::i32);
+  labels_ = work({N}, DType::i32);
   refresh_compute_weights();
 }
 
@@ -259,7 +270,7 @@ const char* GptModel::dispatcher_name() const {
 
 void GptModel::finish_step(bool update) {
   for (auto& m : moe_)
-    if (m) moe::router_finish_step(m->state, cfg_.moe, update);
+    if (m) moe::router_finish_step(m->state, cfg_.moe, update, ops::Context{device_});
 }
 
 const moe::RouterStats* GptModel::moe_stats(int64_t layer) const {
@@ -295,7 +306,7 @@ void GptModel::zero_grad() {
 
 void GptModel::refresh_compute_weights() {
   for (auto& p : params_)
-    if (p.compute.raw() != p.value.raw()) p.compute.copy_from(p.value);
+    if (!p.compute.same_data(p.value)) p.compute.copy_from(p.value);
 }
 
 // Keys are named "dropout/it<i>/mb<m>/layer<l>/<site>" (formatted on the stack: the step allocates nothing).
@@ -322,7 +333,7 @@ void GptModel::set_dropout_keys(bool training) {
 }
 
 void GptModel::forward_trunk(const Tensor& tokens, bool training) {
-  const ops::Context ctx;
+  const ops::Context ctx{device_};
   const int64_t N = B_ * cfg_.seq_length;
   if (tokens.dtype() != DType::i32 || tokens.numel() != N)
     MOECORE_FAIL("model: tokens must be i32 [", B_, ", ", cfg_.seq_length, "], got ", tokens.str());
@@ -368,7 +379,8 @@ void GptModel::layer_backward(size_t l, const Tensor& x, float grad_scale, const
                            mla_ws_, rope_, dims_, mla_dims_, drops_[l], ctx);
 }
 
-// Megatron's roll_tensor along each sequence: out[b, s] = in[b, s + 1], the last position `fill`.
+// Megatron's roll_tensor along each sequence: out[b, s] = in[b, s + 1], the last position `fill`. Host tensors: the
+// batch is prepared on the host, like the data loader's output it comes from.
 void GptModel::roll_left(Tensor& out, const Tensor& in, int32_t fill) const {
   const int64_t S = cfg_.seq_length;
   const int32_t* src = in.data<int32_t>();
@@ -380,12 +392,16 @@ void GptModel::roll_left(Tensor& out, const Tensor& in, int32_t fill) const {
 // Megatron's MultiTokenPredictionBlock, depth k = j + 1: the input ids and labels rolled once more (vacated last
 // position: id 0, label masked), h_k = final_norm_k(layer(eh_proj([enorm(emb(ids_k)); hnorm(h_{k-1})]))), with h_0 the
 // decoder's output after the final norm; depth k's logits come from the shared output layer.
-void GptModel::mtp_forward(bool training, const ops::Context& ctx) {
+void GptModel::mtp_forward(const Tensor& tokens, const Tensor& labels, bool training, const ops::Context& ctx) {
   const int64_t H = cfg_.hidden_size;
   for (size_t j = 0; j < mtp_.size(); ++j) {
     MtpDepth& d = mtp_[j];
-    roll_left(d.ids, j ? mtp_[j - 1].ids : ids_, 0);
-    if (training) roll_left(d.labels, j ? mtp_[j - 1].labels : labels_, -1);
+    roll_left(d.ids_h, j ? mtp_[j - 1].ids_h : tokens, 0);
+    d.ids.copy_from(d.ids_h);
+    if (training) {
+      roll_left(d.labels_h, j ? mtp_[j - 1].labels_h : labels, -1);
+      d.labels.copy_from(d.labels_h);
+    }
     ops::embedding_forward(d.e, d.ids, embedding_->value, ctx);
     if (d.drop.active()) ops::dropout_forward(d.e, d.e, d.drop, ctx);
     nn::norm_forward(d.en, d.e_mean, d.e_rstd, d.e, d.enorm->value, d.enorm_b ? d.enorm_b->value : Tensor(),
@@ -414,11 +430,11 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
   auto value_of = [](Param* p) { return p ? p->value : Tensor(); };
   for (size_t j = mtp_.size(); j-- > 0;) {
     MtpDepth& d = mtp_[j];
-    const int32_t* lp = d.labels.data<int32_t>();
+    const int32_t* lp = d.labels_h.data<int32_t>();
     for (int64_t i = 0; i < N; ++i) r.mtp_tokens[j] += lp[i] >= 0;
     const float scale = r.mtp_tokens[j] ? grad_scale * weight / static_cast<float>(r.mtp_tokens[j]) : 0.0f;
-    r.mtp_loss_sum[j] =
-        nn::lm_head_loss(&mtp_dfn_, &output_->grad, d.h, output_->compute, d.labels, scale, head_ws_, ctx);
+    nn::lm_head_loss(&mtp_dfn_, &output_->grad, d.h, output_->compute, d.labels, scale, head_ws_, ctx);
+    r.mtp_loss_sum[j] = read_loss_sum();
     if (j + 1 < mtp_.size()) ops::add(mtp_dfn_, mtp_dfn_, mtp_carry_, ctx);  // depth j + 2 read h_{j+1} too
     nn::norm_backward(dres_, d.fnorm->grad, grad_of(d.fnorm_b), mtp_dfn_, d.y, d.fnorm->value, value_of(d.fnorm_b),
                       d.f_mean, d.f_rstd, false, ctx);
@@ -468,22 +484,42 @@ void GptModel::moe_mlp_backward(size_t l, float grad_scale, const ops::Context& 
   nn::mlp_norm_backward(dres_, layer_g_[l], ws_.dh, layer_w_[l], caches_[l], dims_, ctx);
 }
 
+namespace {
+// The batch on the host (an explicit transfer when the caller's is on a device), checked: i32 [B*S].
+Tensor host_batch(const Tensor& t, const char* what, int64_t B, int64_t S) {
+  if (t.dtype() != DType::i32 || t.numel() != B * S)
+    MOECORE_FAIL("model: ", what, " must be i32 [", B, ", ", S, "], got ", t.str());
+  return t.to_device(Device::cpu).view({B * S});
+}
+int64_t counted_labels(const Tensor& labels_h) {
+  const int32_t* lp = labels_h.data<int32_t>();
+  int64_t n = 0;
+  for (int64_t i = 0; i < labels_h.numel(); ++i) n += lp[i] >= 0;
+  return n;
+}
+}  // namespace
+
+double GptModel::read_loss_sum() const {
+  double totals[2];
+  head_ws_.totals.copy_to_host(totals, 2);
+  return totals[0];
+}
+
 LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale) {
-  const ops::Context ctx;
-  forward_trunk(tokens, true);
-  const int64_t N = B_ * cfg_.seq_length;
-  if (labels.dtype() != DType::i32 || labels.numel() != N)
-    MOECORE_FAIL("model: labels must be i32 [", B_, ", ", cfg_.seq_length, "], got ", labels.str());
-  labels_.copy_from(labels.view({N}));
+  const ops::Context ctx{device_};
+  const int64_t S = cfg_.seq_length;
+  const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
+  forward_trunk(tokens_h, true);
+  labels_.copy_from(labels_h);
   LossResult r;
-  const int32_t* lp = labels_.data<int32_t>();
-  for (int64_t i = 0; i < N; ++i) r.tokens += lp[i] >= 0;
+  r.tokens = counted_labels(labels_h);
   const float token_scale = r.tokens ? grad_scale / static_cast<float>(r.tokens) : 0.0f;
   if (!mtp_.empty()) {
-    mtp_forward(true, ctx);
+    mtp_forward(tokens_h, labels_h, true, ctx);
     mtp_backward(r, grad_scale, ctx);
   }
-  r.loss_sum = nn::lm_head_loss(&dh_, &output_->grad, final_h_, output_->compute, labels_, token_scale, head_ws_, ctx);
+  nn::lm_head_loss(&dh_, &output_->grad, final_h_, output_->compute, labels_, token_scale, head_ws_, ctx);
+  r.loss_sum = read_loss_sum();
   if (!mtp_.empty()) ops::add(dh_, dh_, mtp_carry_, ctx);  // h_0 also fed the first MTP depth
   Tensor no_grad;
   nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, dh_,
@@ -497,27 +533,28 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
 }
 
 LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
-  const ops::Context ctx;
-  forward_trunk(tokens, false);
-  const int64_t N = B_ * cfg_.seq_length;
-  labels_.copy_from(labels.view({N}));
+  const ops::Context ctx{device_};
+  const int64_t S = cfg_.seq_length;
+  const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
+  forward_trunk(tokens_h, false);
+  labels_.copy_from(labels_h);
   LossResult r;
-  const int32_t* lp = labels_.data<int32_t>();
-  for (int64_t i = 0; i < N; ++i) r.tokens += lp[i] >= 0;
-  r.loss_sum = nn::lm_head_loss(nullptr, nullptr, final_h_, output_->compute, labels_, 1.0f, head_ws_, ctx);
+  r.tokens = counted_labels(labels_h);
+  nn::lm_head_loss(nullptr, nullptr, final_h_, output_->compute, labels_, 1.0f, head_ws_, ctx);
+  r.loss_sum = read_loss_sum();
   return r;
 }
 
 void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
   forward_trunk(tokens, false);
-  ops::gemm(logits, final_h_, false, output_->compute, true, 1.0f, 0.0f, {});
+  ops::gemm(logits, final_h_, false, output_->compute, true, 1.0f, 0.0f, ops::Context{device_});
 }
 
 MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const {
   MemoryPlan plan;
   auto at = [&](MemCategory c) -> int64_t& { return plan.bytes[static_cast<int>(c)]; };
   for (const auto& p : params_) {
-    at(MemCategory::parameters) += p.value.nbytes() + (p.compute.raw() != p.value.raw() ? p.compute.nbytes() : 0);
+    at(MemCategory::parameters) += p.value.nbytes() + (p.compute.same_data(p.value) ? 0 : p.compute.nbytes());
     at(MemCategory::gradients) += p.grad.nbytes();
   }
   at(MemCategory::optimizer_state) = optimizer_state_bytes_per_param * num_parameters();
@@ -527,6 +564,7 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   auto layer_mla = [&](size_t i) { return layers_[i].attention == AttentionKind::mla; };
   for (const auto& m : moe_) {
     if (m && m->state.expert_bias.defined()) at(MemCategory::parameters) += m->state.expert_bias.nbytes();
+    if (m) at(MemCategory::other) += moe::router_state_bytes(m->state);  // the router's device-resident counters
     layer_cache += nn::dense_layer_cache_bytes(dims_, m == nullptr, !layer_mla(l));
     if (layer_mla(l)) layer_cache += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
     ++l;
@@ -544,9 +582,11 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   };
   for (const Tensor& r : residual_) count(MemCategory::activations, {&r});
   count(MemCategory::activations, {&final_mean_, &final_rstd_, &final_h_});
-  for (const MtpDepth& d : mtp_)
+  for (const MtpDepth& d : mtp_) {
     count(MemCategory::activations, {&d.ids, &d.labels, &d.e, &d.hin, &d.x, &d.y, &d.en, &d.hn, &d.h, &d.e_mean,
                                      &d.e_rstd, &d.h_mean, &d.h_rstd, &d.f_mean, &d.f_rstd});
+    count(MemCategory::workspace, {&d.ids_h, &d.labels_h});  // host: the rolled batch before its upload
+  }
   count(MemCategory::workspace, {&rope_, &positions_, &dres_, &dh_, &ids_, &labels_, &moe_x_, &moe_out_, &mtp_dx_c_,
                                  &mtp_carry_, &mtp_dn_, &mtp_dfn_});
   return plan;

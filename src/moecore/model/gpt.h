@@ -51,7 +51,11 @@ class GptModel {
  public:
   // Initialises every parameter from (seed, name): N(0, std^2) for weights, with Megatron's scaled init
   // std / sqrt(2 * num_layers) for the output projections of each block; norm weights 1, norm biases 0.
-  GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed, const ExpertParallel& ep = {});
+  // device: where every parameter, gradient and activation lives (the ops' context device). Initial values
+  // do not depend on it.
+  GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed, const ExpertParallel& ep = {},
+           Device device = Device::cpu);
+  Device device() const { return device_; }
   int64_t ep_size() const { return ep_.group.size(); }
   int64_t ep_rank() const { return ep_.group.rank(); }
 
@@ -86,8 +90,11 @@ class GptModel {
     dropout_micro_batch_ = micro_batch;
   }
 
-  // tokens, labels [B, S] i32 (label < 0: not counted). Adds grad_scale * d(mean loss)/d(param) to every
-  // gradient and returns the loss. The mean is over this micro-batch's counted tokens.
+  // tokens, labels [B, S] i32 (label < 0: not counted), the batch as the data loader hands it over (host memory;
+  // a device batch is copied to the host first): the counted tokens and the MTP depths' rolled ids and labels are
+  // prepared there, then uploaded. Adds grad_scale * d(mean loss)/d(param) to every gradient and returns the
+  // loss: the loss totals are read back once per loss head (the step's host synchronisation for logging).
+  // The mean is over this micro-batch's counted tokens.
   LossResult forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale);
   LossResult evaluate(const Tensor& tokens, const Tensor& labels);
   // logits [B*S, V] f32 for the given tokens (generation, tests).
@@ -106,13 +113,15 @@ class GptModel {
   void layer_backward(size_t layer, const Tensor& x, float grad_scale, const ops::Context& ctx);
   void moe_mlp_forward(size_t layer, Tensor& y, bool training, const ops::Context& ctx);
   void moe_mlp_backward(size_t layer, float grad_scale, const ops::Context& ctx);
-  void roll_left(Tensor& out, const Tensor& in, int32_t fill) const;
-  void mtp_forward(bool training, const ops::Context& ctx);
+  void roll_left(Tensor& out, const Tensor& in, int32_t fill) const;  // host tensors
+  void mtp_forward(const Tensor& tokens, const Tensor& labels, bool training, const ops::Context& ctx);
+  double read_loss_sum() const;  // the last lm_head_loss's sum, read back from the device
   void mtp_backward(LossResult& r, float grad_scale,
                     const ops::Context& ctx);  // fills drops_ / embedding_drop_ (p = 0 when not training)
 
   ModelConfig cfg_;
   int64_t B_;
+  Device device_ = Device::cpu;
   nn::DenseLayerDims dims_;
   std::vector<LayerSpec> layers_;   // decoder layers, then one per MTP depth: the kinds of every per-layer array
   bool standard_attention_ = true;  // some layer has standard attention (the shared workspace holds its buffers)
@@ -147,9 +156,10 @@ class GptModel {
   struct MtpDepth {
     Param *enorm = nullptr, *enorm_b = nullptr, *hnorm = nullptr, *hnorm_b = nullptr, *eh = nullptr;
     Param *fnorm = nullptr, *fnorm_b = nullptr;
-    Tensor ids, labels;   // [N] i32: rolled input ids and labels
-    Tensor e, hin, x, y;  // [N, H] f32: embedding, h_{k-1}, layer input (eh_proj output), layer output
-    Tensor en, hn, h;     // [N, H] compute: enorm(e), hnorm(h_{k-1}), final_norm(y) = h_k
+    Tensor ids, labels;      // [N] i32: rolled input ids and labels
+    Tensor ids_h, labels_h;  // [N] i32 host: the same, prepared on the host from the batch and uploaded
+    Tensor e, hin, x, y;     // [N, H] f32: embedding, h_{k-1}, layer input (eh_proj output), layer output
+    Tensor en, hn, h;        // [N, H] compute: enorm(e), hnorm(h_{k-1}), final_norm(y) = h_k
     Tensor e_mean, e_rstd, h_mean, h_rstd, f_mean, f_rstd;  // [N] f32 norm statistics (means: LayerNorm only)
     ops::Dropout drop;  // the embedding's dropout (Megatron's embedding applies hidden dropout)
   };

@@ -417,9 +417,10 @@ void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptMode
     MOECORE_CHECK(params[i].name == m.param, "parameter ", params[i].name, " vs map ", m.param);
     const int64_t local_rows = v.numel() / m.width, first = m.expert ? gpt.ep_rank() * local_rows : 0;
     int64_t at = 0;
-    float* dst = v.data<float>();
+    const Tensor flat = v.view({v.numel()});
     hf_read_param_rows(m, hf, first, first + local_rows, [&](const Tensor& part) {
-      std::copy_n(part.data<float>(), part.numel(), dst + at);
+      // Host parts into the parameter (a transfer when it lives on a device).
+      flat.slice(0, at, at + part.numel()).copy_from(part.view({part.numel()}));
       at += part.numel();
     });
   }

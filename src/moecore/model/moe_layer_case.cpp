@@ -95,6 +95,11 @@ const Tensor& need(const std::map<std::string, Tensor>& in, const std::string& n
   return it->second;
 }
 
+// A host copy of t that shares no storage with it (outputs are read after the layer moves on).
+Tensor host_copy(const Tensor& t) {
+  return t.device() == Device::cpu ? t.clone() : t.to_device(Device::cpu);
+}
+
 Tensor scalar_f64(double v) {
   Tensor t = Tensor::empty(Shape{}, DType::f64, MemCategory::other);
   t.data<double>()[0] = v;
@@ -190,7 +195,8 @@ MoeLayerCase moe_layer_case_parse(const std::string& text) {
   return c;
 }
 
-std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const std::map<std::string, Tensor>& in) {
+std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const std::map<std::string, Tensor>& in,
+                                                 Device device) {
   const moe::MoeConfig& m = c.cfg;
   auto hit = in.find("input.hidden");
   if (hit == in.end()) MOECORE_FAIL("moe-layer: input tensor 'input.hidden' is missing");
@@ -204,12 +210,16 @@ std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const st
   if (T <= 0) MOECORE_FAIL("moe-layer: input tensor 'input.hidden' ", hit->second.shape().str(), " holds no tokens");
   if (T % c.B != 0) MOECORE_FAIL("moe-layer: ", T, " tokens are not divisible by micro_batch_size ", c.B);
   const int64_t fc1 = m.swiglu ? 2 * F : F, sfc1 = m.swiglu ? 2 * Fs : Fs;
-  auto compute = [&](const Tensor& t) { return t.to(c.compute, MemCategory::parameters); };
-  auto f32 = [&](const Tensor& t) { return t.to(DType::f32, MemCategory::parameters); };
+  auto on_device = [&](const Tensor& t, DType dt) {
+    return t.to(dt, MemCategory::parameters).to_device(device, MemCategory::parameters);
+  };
+  auto compute = [&](const Tensor& t) { return on_device(t, c.compute); };
+  auto f32 = [&](const Tensor& t) { return on_device(t, DType::f32); };
+  auto grad = [&](const Shape& s) { return Tensor::zeros(s, DType::f32, MemCategory::gradients, device); };
   const Tensor x = compute(need(in, "input.hidden", {T, H}));
   const Tensor dy = f32(need(in, "input.output_grad", {T, H}));
   Tensor mask;
-  if (in.count("input.padding_mask")) mask = need(in, "input.padding_mask", {T}).to(DType::boolean);
+  if (in.count("input.padding_mask")) mask = need(in, "input.padding_mask", {T}).to(DType::boolean).to_device(device);
 
   moe::MoeLayerWeights w;
   const Tensor router = f32(need(in, "param.router.weight", {E, H}));
@@ -226,56 +236,56 @@ std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const st
     w.shared.fc2 = compute(need(in, "param.shared_experts.linear_fc2.weight", {H, Fs}));
     if (m.shared_expert_gate) w.shared.gate = f32(need(in, "param.shared_experts.gate_weight", {1, H}));
   }
-  moe::RouterState st = moe::router_state_init(m);
-  if (m.enable_expert_bias) st.expert_bias.copy_from(need(in, "param.router.expert_bias", {E}));
+  moe::RouterState st = moe::router_state_init(m, device);
+  if (m.enable_expert_bias)
+    st.expert_bias.copy_from(need(in, "param.router.expert_bias", {E}).to(st.expert_bias.dtype()));
 
   moe::MoeLayerGrads g;
-  g.router = Tensor::zeros({E, H}, DType::f32, MemCategory::gradients);
-  g.experts = {Tensor::zeros({E, fc1, H}, DType::f32, MemCategory::gradients),
-               Tensor::zeros({E, H, F}, DType::f32, MemCategory::gradients)};
+  g.router = grad({E, H});
+  g.experts = {grad({E, fc1, H}), grad({E, H, F})};
   if (c.add_bias_linear) {
-    g.router_bias = Tensor::zeros({E}, DType::f32, MemCategory::gradients);
-    g.experts.fc1_bias = Tensor::zeros({E, fc1}, DType::f32, MemCategory::gradients);
-    g.experts.fc2_bias = Tensor::zeros({E, H}, DType::f32, MemCategory::gradients);
+    g.router_bias = grad({E});
+    g.experts.fc1_bias = grad({E, fc1});
+    g.experts.fc2_bias = grad({E, H});
   }
   if (Fs > 0) {
-    g.shared.fc1 = Tensor::zeros({sfc1, H}, DType::f32, MemCategory::gradients);
-    g.shared.fc2 = Tensor::zeros({H, Fs}, DType::f32, MemCategory::gradients);
-    if (m.shared_expert_gate) g.shared.gate = Tensor::zeros({1, H}, DType::f32, MemCategory::gradients);
+    g.shared.fc1 = grad({sfc1, H});
+    g.shared.fc2 = grad({H, Fs});
+    if (m.shared_expert_gate) g.shared.gate = grad({1, H});
   }
-  const moe::MoeLayerDims d{T, c.B, H, F, Fs, c.compute};
+  moe::MoeLayerDims d{T, c.B, H, F, Fs, c.compute};
+  d.device = device;
+  const ops::Context ctx{device};
   moe::MoeLayerCache cache = moe::moe_layer_cache_alloc(d, m);
   moe::LocalDispatcher dispatcher;
-  Tensor y = Tensor::empty({T, H}, DType::f32, MemCategory::activations);
-  Tensor dx = Tensor::empty({T, H}, DType::f32, MemCategory::activations);
-  moe::moe_layer_forward(y, x, mask, w, st, cache, dispatcher, d, m, /*training=*/true, {});
+  Tensor y = Tensor::empty({T, H}, DType::f32, MemCategory::activations, device);
+  Tensor dx = Tensor::empty({T, H}, DType::f32, MemCategory::activations, device);
+  moe::moe_layer_forward(y, x, mask, w, st, cache, dispatcher, d, m, /*training=*/true, ctx);
   std::map<std::string, Tensor> out;
-  out["out.output"] = y.clone();
-  out["routing.map"] = cache.map.clone();
-  out["routing.probs"] = cache.probs.clone();
-  Tensor tpe = Tensor::empty({E}, DType::i64, MemCategory::other);
-  for (int64_t e = 0; e < E; ++e) tpe.data<int64_t>()[e] = cache.stats.tokens_per_expert[static_cast<size_t>(e)];
-  out["routing.tokens_per_expert"] = tpe;
-  if (m.uses(moe::LoadBalancing::aux_loss)) out["loss.aux_loss"] = scalar_f64(cache.stats.aux_loss);
-  if (m.uses(moe::LoadBalancing::seq_aux_loss)) out["loss.seq_aux_loss"] = scalar_f64(cache.stats.seq_aux_loss);
-  if (m.uses(moe::LoadBalancing::global_aux_loss))
-    out["loss.global_aux_loss"] = scalar_f64(cache.stats.global_aux_loss);
-  if (m.z_loss_coeff > 0) out["loss.z_loss"] = scalar_f64(cache.stats.z_loss);
+  out["out.output"] = host_copy(y);
+  out["routing.map"] = host_copy(cache.map);
+  out["routing.probs"] = host_copy(cache.probs);
+  out["routing.tokens_per_expert"] = host_copy(cache.stats.tokens_per_expert);
+  const moe::RouterStatsHost stats = moe::router_stats_host(cache.stats);
+  if (m.uses(moe::LoadBalancing::aux_loss)) out["loss.aux_loss"] = scalar_f64(stats.aux_loss);
+  if (m.uses(moe::LoadBalancing::seq_aux_loss)) out["loss.seq_aux_loss"] = scalar_f64(stats.seq_aux_loss);
+  if (m.uses(moe::LoadBalancing::global_aux_loss)) out["loss.global_aux_loss"] = scalar_f64(stats.global_aux_loss);
+  if (m.z_loss_coeff > 0) out["loss.z_loss"] = scalar_f64(stats.z_loss);
 
-  moe::moe_layer_backward(dx, g, dy, x, w, cache, dispatcher, d, m, c.aux_grad_scale, {});
-  out["grad.input.hidden"] = dx;
-  out["grad.param.router.weight"] = g.router;
-  out["grad.param.experts.linear_fc1.weight"] = g.experts.fc1;
-  out["grad.param.experts.linear_fc2.weight"] = g.experts.fc2;
+  moe::moe_layer_backward(dx, g, dy, x, w, cache, dispatcher, d, m, c.aux_grad_scale, ctx);
+  out["grad.input.hidden"] = host_copy(dx);
+  out["grad.param.router.weight"] = host_copy(g.router);
+  out["grad.param.experts.linear_fc1.weight"] = host_copy(g.experts.fc1);
+  out["grad.param.experts.linear_fc2.weight"] = host_copy(g.experts.fc2);
   if (c.add_bias_linear) {
-    out["grad.param.router.bias"] = g.router_bias;
-    out["grad.param.experts.linear_fc1.bias"] = g.experts.fc1_bias;
-    out["grad.param.experts.linear_fc2.bias"] = g.experts.fc2_bias;
+    out["grad.param.router.bias"] = host_copy(g.router_bias);
+    out["grad.param.experts.linear_fc1.bias"] = host_copy(g.experts.fc1_bias);
+    out["grad.param.experts.linear_fc2.bias"] = host_copy(g.experts.fc2_bias);
   }
   if (Fs > 0) {
-    out["grad.param.shared_experts.linear_fc1.weight"] = g.shared.fc1;
-    out["grad.param.shared_experts.linear_fc2.weight"] = g.shared.fc2;
-    if (m.shared_expert_gate) out["grad.param.shared_experts.gate_weight"] = g.shared.gate;
+    out["grad.param.shared_experts.linear_fc1.weight"] = host_copy(g.shared.fc1);
+    out["grad.param.shared_experts.linear_fc2.weight"] = host_copy(g.shared.fc2);
+    if (m.shared_expert_gate) out["grad.param.shared_experts.gate_weight"] = host_copy(g.shared.gate);
   }
   return out;
 }

@@ -20,9 +20,10 @@ struct MoeLayerCase {
 // Parses layer.json (keys as in docs/moe-layer-golden.md); unknown keys are rejected by name, and every key is
 // checked for its JSON type and range (sizes in [1, 2^24], finite numbers) with an Error naming the key.
 MoeLayerCase moe_layer_case_parse(const std::string& json_text);
-// Runs forward and backward; returns out.*, routing.*, loss.* and grad.* tensors (CPU, f32 / bool / i64 / f64).
-// Every input tensor must be present with the shape the case declares (input.hidden: [T, H], T a positive
-// multiple of B); Errors name the tensor and both shapes.
-std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const std::map<std::string, Tensor>& in);
+// Runs forward and backward on `device`; returns out.*, routing.*, loss.* and grad.* tensors (host copies, f32 /
+// bool / i64 / f64). The inputs are host tensors, moved to the device. Every input tensor must be present with the
+// shape the case declares (input.hidden: [T, H], T a positive multiple of B); Errors name the tensor and both shapes.
+std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const std::map<std::string, Tensor>& in,
+                                                 Device device = Device::cpu);
 
 }  // namespace moecore::model

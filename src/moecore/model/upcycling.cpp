@@ -50,14 +50,20 @@ void upcycle_dense_to_moe(const GptModel& dense, GptModel& moe) {
     const Param* dfc2 = find(dense, pre + "linear_fc2.weight");
     if (!dfc1 || !dfc2) MOECORE_FAIL("upcycling: the dense model has no MLP in layer ", l);
     // Router: rows tied in blocks of g (each block of g experts forms one full copy of the dense MLP).
-    Tensor router = moe.param(pre + "router.weight").value;
+    // A one-time conversion on host copies of the weights (the tensors themselves on the CPU), written back below.
+    Tensor& router_p = moe.param(pre + "router.weight").value;
+    Tensor& fc1_p = moe.param(pre + "experts.linear_fc1.weight").value;
+    Tensor& fc2_p = moe.param(pre + "experts.linear_fc2.weight").value;
+    Tensor router = router_p.to_device(Device::cpu), fc1_h = fc1_p.to_device(Device::cpu);
+    Tensor fc2_h = fc2_p.to_device(Device::cpu);
+    const Tensor d1_h = dfc1->value.to_device(Device::cpu), d2_h = dfc2->value.to_device(Device::cpu);
     float* r = router.data<float>();
     for (int64_t e = E - 1; e >= 0; --e) std::memmove(r + e * H, r + (e / g) * H, static_cast<size_t>(H) * 4);
     // Experts: slice e mod g of the scaled dense weights.
-    float* fc1 = moe.param(pre + "experts.linear_fc1.weight").value.data<float>();
-    float* fc2 = moe.param(pre + "experts.linear_fc2.weight").value.data<float>();
-    const float* d1 = dfc1->value.data<float>();
-    const float* d2 = dfc2->value.data<float>();
+    float* fc1 = fc1_h.data<float>();
+    float* fc2 = fc2_h.data<float>();
+    const float* d1 = d1_h.data<float>();
+    const float* d2 = d2_h.data<float>();
     const int64_t fc1_rows = mc.swiglu ? 2 * F : F;
     for (int64_t e = 0; e < E; ++e) {
       const int64_t s = e % g;
@@ -68,6 +74,8 @@ void upcycle_dense_to_moe(const GptModel& dense, GptModel& moe) {
       for (int64_t h = 0; h < H; ++h)
         for (int64_t f = 0; f < F; ++f) e2[h * F + f] = wscale * d2[h * Fd + s * F + f];
     }
+    for (auto [dst, src] : {std::pair<Tensor*, const Tensor*>{&router_p, &router}, {&fc1_p, &fc1_h}, {&fc2_p, &fc2_h}})
+      if (!dst->same_data(*src)) dst->copy_from(*src);
   }
   moe.refresh_compute_weights();
 }

@@ -7,12 +7,14 @@
 #include <vector>
 
 #include "moecore/core/dtype.h"
+#include "moecore/kernels/ops_router.h"
 
 namespace moecore::moe {
 
-enum class ScoreFunction : uint8_t { softmax, sigmoid, sqrtsoftplus };
+// The router ops' enums (kernels/ops_router.h), under the names moe code and the flags use.
+using ScoreFunction = ops::ScoreFunction;
+using DropPolicy = ops::DropPolicy;
 enum class LoadBalancing : uint8_t { aux_loss, seq_aux_loss, global_aux_loss, sinkhorn, none };
-enum class DropPolicy : uint8_t { probs, position };
 
 struct MoeConfig {
   int64_t num_experts = 0;      // --num-experts: E routed experts (0: dense model)

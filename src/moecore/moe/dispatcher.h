@@ -18,26 +18,30 @@
 
 namespace moecore::moe {
 
+// Counts, offsets and indices live on the device of the layer (ops.h's MoE permutation ops read them); the
+// host knows only row_bound, an upper bound on this step's rows that needs no device read.
 struct DispatchPlan {
   int64_t T = 0, E = 0;
-  std::vector<int64_t> tokens_per_expert;  // [E] rows per expert
-  std::vector<int64_t> expert_offset;      // [E + 1] first row of each expert
-  Tensor row_token;                        // [max_rows] i32: source token of each row (first rows() valid)
-  Tensor token_rows;                       // [T, E] i32: row of (t, e), -1 when not routed
-  int64_t rows() const { return expert_offset.empty() ? 0 : expert_offset.back(); }
+  Tensor tokens_per_expert;  // [E] i64: rows per expert
+  Tensor expert_offset;      // [E + 1] i64: first row of each expert (prefix sums)
+  Tensor row_token;          // [max_rows] i32: source token of each row (-1 past the routed rows)
+  Tensor token_rows;         // [T, E] i32: row of (t, e), -1 when not routed
+  // Rows the experts process this step: the buffers' rows (local and all-gather: a static worst case, exact
+  // for dropless and pad-to-capacity routing), or the rows received (all-to-all: the host has those counts).
+  int64_t row_bound = 0;
 };
-
 // The expert-parallel dispatchers' part of a layer's buffers (empty for the local dispatcher). EP ranks
 // own contiguous expert blocks: rank r of the EP group holds experts [r*El, (r+1)*El), El = E / EP.
 struct EpBuffers {
   int64_t ep = 1;             // EP group size
   int64_t local_experts = 0;  // El
   // alltoall, kept from forward to backward:
-  DispatchPlan send_plan;                     // this rank's T tokens over all E experts (rows grouped by EP rank)
-  std::vector<int64_t> counts;                // [EP * El] rows received from source rank s for local expert le
-  std::vector<int64_t> send_rows, recv_rows;  // [EP] rows to / from each rank
+  DispatchPlan send_plan;  // this rank's T tokens over all E experts (rows grouped by EP rank)
+  Tensor chunk_counts;     // [EP * El] i64 (device): rows received from source rank s for local expert le
+  std::vector<int64_t> send_counts_host;      // [E] host copy of send_plan.tokens_per_expert
+  std::vector<int64_t> chunk_counts_host;     // [EP * El] host copy of chunk_counts
+  std::vector<int64_t> send_rows, recv_rows;  // [EP] rows to / from each rank (from the host copies)
   std::vector<int64_t> el_blocks;             // [EP] all El: the count exchange's block sizes
-  std::vector<int64_t> recv_off, exp_off;     // [EP * El] chunk offsets in the receive and expert layouts
   // allgather, kept from forward to backward:
   Tensor gmap;          // [EP*T, E] bool: the gathered routing map
   Tensor lmap, lprobs;  // [EP*T, El] bool / f32: its local expert columns
@@ -62,7 +66,8 @@ struct DispatchBuffers {
 };
 // max_rows: T*K dropless; E*capacity with pad-to-capacity; plus E*(alignment-1) with router padding.
 int64_t dispatch_max_rows(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity, int64_t alignment);
-DispatchBuffers dispatch_buffers_alloc(int64_t T, int64_t H, int64_t E, int64_t max_rows, DType x_dtype);
+DispatchBuffers dispatch_buffers_alloc(int64_t T, int64_t H, int64_t E, int64_t max_rows, DType x_dtype,
+                                       Device device = Device::cpu);
 
 enum class DispatcherKind : uint8_t { local, alltoall, allgather };
 DispatcherKind parse_dispatcher_kind(const std::string& s);  // "alltoall" | "allgather" (Error otherwise)
@@ -75,7 +80,8 @@ int64_t dispatch_max_rows_ep(int64_t T, int64_t E, int64_t K, int64_t capacity, 
 // The buffers of an EP dispatcher of `kind` (local: as dispatch_buffers_alloc). E: all experts; T: this
 // rank's tokens; max_send: dispatch_max_rows for the local tokens; max_rows: dispatch_max_rows_ep.
 DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_t H, int64_t E, int64_t ep,
-                                          int64_t max_send, int64_t max_rows, DType x_dtype);
+                                          int64_t max_send, int64_t max_rows, DType x_dtype,
+                                          Device device = Device::cpu);
 // The scratch tensors of the buffers (for sharing them between layers and for memory accounting).
 std::vector<Tensor*> dispatch_scratch_tensors(DispatchBuffers& b);
 
@@ -83,7 +89,8 @@ class Dispatcher {
  public:
   virtual ~Dispatcher() = default;
   // Forward. x [T, H], probs [T, E] f32, map [T, E] bool. After dispatch, buf.permuted_* hold this rank's
-  // expert inputs and buf.plan.tokens_per_expert the rows per (local) expert.
+  // expert inputs, buf.plan.tokens_per_expert the rows per (local) expert and buf.plan.row_bound a host
+  // bound on their sum.
   virtual void dispatch_prepare(DispatchBuffers& buf, const Tensor& x, const Tensor& probs, const Tensor& map,
                                 const ops::Context& ctx) = 0;
   virtual void dispatch(DispatchBuffers& buf, const ops::Context& ctx) = 0;
@@ -122,7 +129,9 @@ class LocalDispatcher final : public Dispatcher {
 
 // Expert parallelism by all-to-all (Megatron's MoEAlltoAllTokenDispatcher, spec §6.2) over the EP group:
 // permute this rank's tokens expert-major over all E experts (so grouped by destination rank), exchange the
-// per-expert counts, all-to-all-v the rows and their probabilities, sort the received chunks from
+// per-expert counts (a device collective), copy them to the host to size the all-to-all-v (the one host
+// synchronisation of the layer, as in Megatron's dropless all-to-all dispatcher; a static per-rank capacity
+// removes it), all-to-all-v the rows and their probabilities, sort the received chunks from
 // [source rank][local expert] to [local expert][source rank], run the experts, and the reverse. Within one
 // local expert rows are ordered by source rank, then ascending source token. Every stage is deterministic.
 class AllToAllDispatcher final : public Dispatcher {
@@ -162,7 +171,9 @@ class AllGatherDispatcher final : public Dispatcher {
   ProcessGroup ep_;
 };
 
-// The building blocks, also used by other dispatchers and by tests.
+// The building blocks, also used by other dispatchers and by tests (thin wrappers over ops.h's MoE ops on the
+// plan's tensors). A plan for a [T, E] map with room for max_rows rows, its tensors on `device`:
+DispatchPlan dispatch_plan_alloc(int64_t T, int64_t E, int64_t max_rows, Device device = Device::cpu);
 void dispatch_plan_build(DispatchPlan& plan, const Tensor& map, const ops::Context& ctx);
 // permuted_x [R, H] = x rows; permuted_probs [R] = probs entries, per the plan (one fused pass).
 void permute_tokens(Tensor& permuted_x, Tensor& permuted_probs, const Tensor& x, const Tensor& probs,

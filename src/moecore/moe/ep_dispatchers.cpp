@@ -1,11 +1,10 @@
 // The expert-parallel dispatchers (spec §6.1, §6.2): AllToAllDispatcher and AllGatherDispatcher over the EP
-// group. Local steps reuse the permutation building blocks of dispatcher.cpp; communication goes through
-// parallel/comm.h (deterministic: data movement is exact and the all-gather dispatcher's reduce-scatter
-// sums in group-rank order). CPU memory only, like the local dispatcher.
+// group. Local steps are ops (the permutation building blocks of dispatcher.cpp and the chunk sort);
+// communication goes through parallel/comm.h (deterministic: data movement is exact and the all-gather
+// dispatcher's reduce-scatter sums in group-rank order).
 // Not here: routing (the router runs on each rank's own tokens, capacity included, before dispatch).
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 
 #include "moecore/moe/dispatcher.h"
 
@@ -20,49 +19,28 @@ void check_layout(const char* who, const DispatchBuffers& buf, const ProcessGrou
                  " experts (allocate them with dispatch_buffers_alloc_ep for this layout)");
 }
 
-// Row copies between the receive layout (chunks ordered [source rank s][local expert le]) and the expert
-// layout ([le][s]); counts[s*El + le] rows per chunk. to_expert: expert <- receive; else receive <- expert.
-void sort_chunks(const Tensor& expert, const Tensor& recv, EpBuffers& p, bool to_expert) {
-  const std::vector<int64_t>& counts = p.counts;
+// Sizes this step's all-to-all-v on the host: send_rows[j] = rows to rank j (its El experts' counts), and
+// recv_rows[s] = rows from rank s. The counts come to the host here, the layer's one synchronisation.
+void size_exchange(EpBuffers& p) {
   const int64_t P = p.ep, El = p.local_experts;
-  MOECORE_CHECK(expert.dtype() == recv.dtype() && expert.is_contiguous() && recv.is_contiguous(),
-                "sort_chunks: the two layouts differ in dtype or are not contiguous");
-  const int64_t row_bytes =
-      (expert.dim() == 1 ? 1 : expert.stride(0)) * static_cast<int64_t>(dtype_size(expert.dtype()));
-  auto* e = static_cast<char*>(expert.raw());
-  auto* r = static_cast<char*>(recv.raw());
-  // Chunk (s, le) starts at recv_off[s*El+le] in the receive layout and at exp_off[s*El+le] in the expert one.
-  std::vector<int64_t>& recv_off = p.recv_off;
-  std::vector<int64_t>& exp_off = p.exp_off;
-  int64_t o = 0;
-  for (int64_t i = 0; i < P * El; ++i) {
-    recv_off[i] = o;
-    o += counts[i];
-  }
-  o = 0;
-  for (int64_t le = 0; le < El; ++le)
-    for (int64_t s = 0; s < P; ++s) {
-      exp_off[s * El + le] = o;
-      o += counts[s * El + le];
+  p.send_plan.tokens_per_expert.copy_to_host(p.send_counts_host.data(), P * El);
+  p.chunk_counts.copy_to_host(p.chunk_counts_host.data(), P * El);
+  const int64_t* sent = p.send_counts_host.data();
+  const int64_t* recv = p.chunk_counts_host.data();
+  for (int64_t j = 0; j < P; ++j) {
+    p.send_rows[j] = 0;
+    p.recv_rows[j] = 0;
+    for (int64_t le = 0; le < El; ++le) {
+      p.send_rows[j] += sent[j * El + le];
+      p.recv_rows[j] += recv[j * El + le];
     }
-  for (int64_t i = 0; i < P * El; ++i) {
-    if (counts[i] == 0) continue;
-    char* ep = e + exp_off[i] * row_bytes;
-    char* rp = r + recv_off[i] * row_bytes;
-    if (to_expert)
-      std::memcpy(ep, rp, static_cast<size_t>(counts[i] * row_bytes));
-    else
-      std::memcpy(rp, ep, static_cast<size_t>(counts[i] * row_bytes));
   }
 }
 
-void set_expert_counts(DispatchPlan& plan, const std::vector<int64_t>& counts, int64_t P, int64_t El) {
-  plan.E = El;
-  plan.tokens_per_expert.assign(El, 0);
-  for (int64_t s = 0; s < P; ++s)
-    for (int64_t le = 0; le < El; ++le) plan.tokens_per_expert[le] += counts[s * El + le];
-  plan.expert_offset.assign(El + 1, 0);
-  for (int64_t le = 0; le < El; ++le) plan.expert_offset[le + 1] = plan.expert_offset[le] + plan.tokens_per_expert[le];
+int64_t sum(const std::vector<int64_t>& v) {
+  int64_t n = 0;
+  for (int64_t x : v) n += x;
+  return n;
 }
 
 // Adds the wall time of its scope to a dispatcher's communication counter.
@@ -86,74 +64,69 @@ void AllToAllDispatcher::dispatch_prepare(DispatchBuffers& buf, const Tensor& x,
                                           const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
   check_layout("alltoall dispatcher", buf, ep_, map.size(1));
-  const int64_t P = p.ep, El = p.local_experts;
+  const int64_t P = p.ep;
   // Permutation 1: this rank's tokens, expert-major over all E experts (hence grouped by destination rank).
   dispatch_plan_build(p.send_plan, map, ctx);
   permute_tokens(p.send_x, p.send_p, x, probs, p.send_plan, ctx);
-  for (int64_t j = 0; j < P; ++j) {
-    p.send_rows[j] = 0;
-    for (int64_t le = 0; le < El; ++le) p.send_rows[j] += p.send_plan.tokens_per_expert[j * El + le];
-  }
-  // Count exchange: rank j receives my counts for its experts; counts[s*El + le] = rows from s for le.
+  // Count exchange: rank j receives my counts for its experts; chunk_counts[s*El + le] = rows from s for le.
   {
     CommTimer timer(comm_seconds_);
-    all_to_all_v(std::span<int64_t>(p.counts), p.el_blocks, std::span<const int64_t>(p.send_plan.tokens_per_expert),
-                 p.el_blocks, ep_);
+    all_to_all_v(p.chunk_counts, p.el_blocks, p.send_plan.tokens_per_expert, p.el_blocks, ep_);
   }
-  for (int64_t s = 0; s < P; ++s) {
-    p.recv_rows[s] = 0;
-    for (int64_t le = 0; le < El; ++le) p.recv_rows[s] += p.counts[s * El + le];
-  }
-  set_expert_counts(buf.plan, p.counts, P, El);
-  if (buf.plan.rows() > buf.permuted_x.size(0))
-    MOECORE_FAIL("alltoall dispatcher: rank ", ep_.rank(), " of group '", ep_.name(), "' receives ", buf.plan.rows(),
+  ops::moe_chunk_counts(buf.plan.tokens_per_expert, buf.plan.expert_offset, p.chunk_counts, P, ctx);
+  size_exchange(p);
+  p.send_plan.row_bound = sum(p.send_rows);
+  buf.plan.row_bound = sum(p.recv_rows);
+  if (buf.plan.row_bound > buf.permuted_x.size(0))
+    MOECORE_FAIL("alltoall dispatcher: rank ", ep_.rank(), " of group '", ep_.name(), "' receives ", buf.plan.row_bound,
                  " rows but its buffers hold ", buf.permuted_x.size(0));
 }
 
-void AllToAllDispatcher::dispatch(DispatchBuffers& buf, const ops::Context&) {
+void AllToAllDispatcher::dispatch(DispatchBuffers& buf, const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
-  const int64_t Rs = p.send_plan.rows(), Rr = buf.plan.rows();
+  const int64_t Rs = p.send_plan.row_bound, Rr = buf.plan.row_bound, P = p.ep, El = p.local_experts;
   {
     CommTimer timer(comm_seconds_);
     all_to_all_v(p.stage_x.slice(0, 0, Rr), p.recv_rows, p.send_x.slice(0, 0, Rs), p.send_rows, ep_);
     all_to_all_v(p.stage_p.slice(0, 0, Rr), p.recv_rows, p.send_p.slice(0, 0, Rs), p.send_rows, ep_);
   }
   // Permutation 2: [source][local expert] -> [local expert][source].
-  sort_chunks(buf.permuted_x, p.stage_x, buf.ep, true);
-  sort_chunks(buf.permuted_probs, p.stage_p, buf.ep, true);
+  ops::moe_sort_chunks(buf.permuted_x, p.stage_x, p.chunk_counts, P, El, false, ctx);
+  ops::moe_sort_chunks(buf.permuted_probs, p.stage_p, p.chunk_counts, P, El, false, ctx);
 }
 
-void AllToAllDispatcher::combine_prepare(DispatchBuffers& buf, const ops::Context&) {
-  sort_chunks(buf.expert_out, buf.ep.stage_x, buf.ep, false);
+void AllToAllDispatcher::combine_prepare(DispatchBuffers& buf, const ops::Context& ctx) {
+  EpBuffers& p = buf.ep;
+  ops::moe_sort_chunks(p.stage_x, buf.expert_out, p.chunk_counts, p.ep, p.local_experts, true, ctx);
 }
 
 void AllToAllDispatcher::combine(DispatchBuffers& buf, const ops::Context&) {
   EpBuffers& p = buf.ep;
-  const int64_t Rs = p.send_plan.rows(), Rr = buf.plan.rows();
+  const int64_t Rs = p.send_plan.row_bound, Rr = buf.plan.row_bound;
   CommTimer timer(comm_seconds_);
   all_to_all_v(p.send_x.slice(0, 0, Rs), p.send_rows, p.stage_x.slice(0, 0, Rr), p.recv_rows, ep_);
 }
 
 void AllToAllDispatcher::combine_finish(DispatchBuffers& buf, Tensor& y, const ops::Context& ctx) {
-  unpermute_tokens(y, buf.ep.send_x.slice(0, 0, buf.ep.send_plan.rows()), buf.ep.send_plan, false, ctx);
+  unpermute_tokens(y, buf.ep.send_x, buf.ep.send_plan, false, ctx);
 }
 
 void AllToAllDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& dy, const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
-  const int64_t Rs = p.send_plan.rows(), Rr = buf.plan.rows();
+  const int64_t Rs = p.send_plan.row_bound, Rr = buf.plan.row_bound;
   gather_token_rows(p.send_x, dy, p.send_plan, ctx);
   {
     CommTimer timer(comm_seconds_);
     all_to_all_v(p.stage_x.slice(0, 0, Rr), p.recv_rows, p.send_x.slice(0, 0, Rs), p.send_rows, ep_);
   }
-  sort_chunks(buf.dpermuted, p.stage_x, buf.ep, true);
+  ops::moe_sort_chunks(buf.dpermuted, p.stage_x, p.chunk_counts, p.ep, p.local_experts, false, ctx);
 }
 
 void AllToAllDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
-  const int64_t Rs = p.send_plan.rows(), Rr = buf.plan.rows();
-  sort_chunks(buf.dexpert_in, p.stage_f, buf.ep, false);
-  sort_chunks(buf.dpermuted_probs, p.stage_p, buf.ep, false);
+  const int64_t Rs = p.send_plan.row_bound, Rr = buf.plan.row_bound, P = p.ep, El = p.local_experts;
+  ops::moe_sort_chunks(p.stage_f, buf.dexpert_in, p.chunk_counts, P, El, true, ctx);
+  ops::moe_sort_chunks(p.stage_p, buf.dpermuted_probs, p.chunk_counts, P, El, true, ctx);
   {
     CommTimer timer(comm_seconds_);
     all_to_all_v(p.send_f.slice(0, 0, Rs), p.send_rows, p.stage_f.slice(0, 0, Rr), p.recv_rows, ep_);
@@ -182,22 +155,15 @@ void AllGatherDispatcher::dispatch(DispatchBuffers& buf, const ops::Context& ctx
     all_gather(p.gmap, p.in_map, ep_);
   }
   // Keep this rank's expert columns, then permute the gathered tokens among the local experts.
-  const int64_t N = p.gmap.size(0), E = p.gmap.size(1), El = p.local_experts, first = ep_.rank() * El;
-  const bool* gm = p.gmap.data<bool>();
-  const float* gp = p.gprobs.data<float>();
-  bool* lm = p.lmap.data<bool>();
-  float* lp = p.lprobs.data<float>();
-  for (int64_t t = 0; t < N; ++t)
-    for (int64_t le = 0; le < El; ++le) {
-      lm[t * El + le] = gm[t * E + first + le];
-      lp[t * El + le] = gp[t * E + first + le];
-    }
+  const int64_t El = p.local_experts, first = ep_.rank() * El;
+  p.lmap.copy_from(p.gmap.slice(1, first, first + El));
+  p.lprobs.copy_from(p.gprobs.slice(1, first, first + El));
   dispatch_plan_build(buf.plan, p.lmap, ctx);
   permute_tokens(buf.permuted_x, buf.permuted_probs, p.gx, p.lprobs, buf.plan, ctx);
 }
 
 void AllGatherDispatcher::combine_prepare(DispatchBuffers& buf, const ops::Context& ctx) {
-  unpermute_tokens(buf.ep.gy, buf.expert_out.slice(0, 0, buf.plan.rows()), buf.plan, false, ctx);
+  unpermute_tokens(buf.ep.gy, buf.expert_out, buf.plan, false, ctx);
 }
 
 void AllGatherDispatcher::combine(DispatchBuffers&, const ops::Context&) {}
@@ -217,22 +183,17 @@ void AllGatherDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& d
 
 void AllGatherDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
-  unpermute_tokens(p.gy, buf.dexpert_in.slice(0, 0, buf.plan.rows()), buf.plan, false, ctx);
+  unpermute_tokens(p.gy, buf.dexpert_in, buf.plan, false, ctx);
   {
     CommTimer timer(comm_seconds_);
     reduce_scatter_sum(p.ty, p.gy, ep_);
   }
   ops::add(dx, dx, p.ty, ctx);
-  const int64_t N = p.gdprobs.size(0), E = p.gdprobs.size(1), El = p.local_experts, first = ep_.rank() * El;
-  float* gd = p.gdprobs.data<float>();
-  std::fill(gd, gd + N * E, 0.0f);
-  const int32_t* tr = buf.plan.token_rows.data<int32_t>();
-  const float* dpp = buf.dpermuted_probs.data<float>();
-  for (int64_t t = 0; t < N; ++t)
-    for (int64_t le = 0; le < El; ++le) {
-      const int32_t r = tr[t * El + le];
-      if (r >= 0) gd[t * E + first + le] = dpp[r];
-    }
+  // This rank's expert columns of the gathered probability gradient; the other columns are zero.
+  const int64_t El = p.local_experts, first = ep_.rank() * El;
+  p.gdprobs.zero_();
+  Tensor mine = p.gdprobs.slice(1, first, first + El);
+  ops::moe_unpermute_probs(mine, buf.dpermuted_probs, buf.plan.token_rows, ctx);
   CommTimer timer(comm_seconds_);
   reduce_scatter_sum(dprobs, p.gdprobs, ep_);  // one non-zero contribution per entry: exact
 }

@@ -1,66 +1,12 @@
 // Routed experts, grouped (one grouped GEMM per projection) and sequential (plain GEMMs per expert), with the
 // routing probability applied after the activation and the optional biases (the fc2 bias weighted by the
-// probability). Both versions share the row-wise steps below, so they differ only in how the GEMMs are issued.
-// The probability steps are local CPU loops (ops.h has no row-scaling op yet); the rest goes through ops.
+// probability). Both versions share the row-wise steps (ops::moe_scale_rows and its backward), so they differ
+// only in how the GEMMs are issued.
 // Not here: the shared expert (shared_expert.cpp), the permutation (dispatcher.cpp).
 #include "moecore/moe/experts.h"
 
 namespace moecore::moe {
 namespace {
-
-constexpr int64_t kParallelWork = 1 << 15;
-
-// a = act * p, row by row. a is computed from the stored (rounded) act, so that backward's recompute of a
-// for the fc2 weight gradient is bit-identical to the forward's a.
-template <class T>
-void scale_rows_kernel(T* a, const T* act, const float* p, int64_t R, int64_t F) {
-#pragma omp parallel for schedule(static) if (R * F > kParallelWork)
-  for (int64_t r = 0; r < R; ++r) {
-    const float pr = p[r];
-#pragma omp simd
-    for (int64_t j = 0; j < F; ++j) from_float(a[r * F + j], to_float(act[r * F + j]) * pr);
-  }
-}
-
-// With da = dL/da (a = act * p) on entry: dprobs[r] = sum_j act[r, j] * da[r, j] (added to dprobs[r] when
-// accumulate: the fc2 bias term is already there); da becomes dL/dact = da * p; a = act * p is recomputed for
-// the fc2 weight gradient. One sweep over act and da.
-template <class T>
-void probs_backward_kernel(float* dprobs, T* da, T* a, const T* act, const float* p, int64_t R, int64_t F,
-                           bool accumulate) {
-#pragma omp parallel for schedule(static) if (R * F > kParallelWork)
-  for (int64_t r = 0; r < R; ++r) {
-    const float pr = p[r];
-    T* dar = da + r * F;
-    T* ar = a + r * F;
-    const T* actr = act + r * F;
-    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t j = 0; j < F; ++j) {
-      const float v = to_float(actr[j]), g = to_float(dar[j]);
-      dot += v * g;
-      from_float(dar[j], g * pr);
-      from_float(ar[j], v * pr);
-    }
-    dprobs[r] = accumulate ? dprobs[r] + dot : dot;
-  }
-}
-
-void scale_rows(Tensor& a, const Tensor& act, const Tensor& p) {
-  if (a.dtype() == DType::bf16)
-    scale_rows_kernel(a.data<bf16>(), act.data<bf16>(), p.data<float>(), a.size(0), a.size(1));
-  else
-    scale_rows_kernel(a.data<float>(), act.data<float>(), p.data<float>(), a.size(0), a.size(1));
-}
-
-void probs_backward(Tensor& dprobs, Tensor& da, Tensor& a, const Tensor& act, const Tensor& p, bool accumulate) {
-  if (da.dtype() == DType::bf16)
-    probs_backward_kernel(dprobs.data<float>(), da.data<bf16>(), a.data<bf16>(), act.data<bf16>(), p.data<float>(),
-                          da.size(0), da.size(1), accumulate);
-  else
-    probs_backward_kernel(dprobs.data<float>(), da.data<float>(), a.data<float>(), act.data<float>(), p.data<float>(),
-                          da.size(0), da.size(1), accumulate);
-}
 
 void act_forward(Tensor& act, const Tensor& h, bool swiglu, const ops::Context& ctx) {
   if (swiglu)
@@ -89,32 +35,26 @@ RowViews row_views(const ExpertCache& cache, const ExpertWorkspace& ws, int64_t 
   return v;
 }
 
+// (Devices are checked by the ops, which name the tensor on the wrong one.)
 bool has_shape(const Tensor& t, const Shape& s, DType dtype) {
-  return t.defined() && t.shape() == s && t.dtype() == dtype && t.is_contiguous() && t.device() == Device::cpu;
+  return t.defined() && t.shape() == s && t.dtype() == dtype && t.is_contiguous();
 }
 bool has_rows(const Tensor& t, int64_t min_rows, int64_t cols, DType dtype) {
   return t.defined() && t.dim() == 2 && t.size(0) >= min_rows && t.size(1) == cols && t.dtype() == dtype &&
-         t.is_contiguous() && t.device() == Device::cpu;
+         t.is_contiguous();
 }
 
 // Entry checks shared by all four entry points; R is the row count of x.
-void check_experts(const char* op, const Tensor& x, const Tensor& probs, const std::vector<int64_t>& tpe,
-                   const ExpertWeights& w, const ExpertCache& cache, const ExpertWorkspace& ws, const ExpertDims& d,
-                   bool backward) {
+void check_experts(const char* op, const Tensor& x, const Tensor& probs, const Tensor& tpe, const ExpertWeights& w,
+                   const ExpertCache& cache, const ExpertWorkspace& ws, const ExpertDims& d, bool backward) {
   const int64_t R = x.defined() && x.dim() == 2 ? x.size(0) : -1, F1 = d.fc1_rows();
   const DType c = d.compute;
-  int64_t sum = 0;
-  bool tpe_ok = static_cast<int64_t>(tpe.size()) == d.E;
-  for (int64_t n : tpe) {
-    tpe_ok = tpe_ok && n >= 0;
-    sum += n;
-  }
-  if (!tpe_ok || sum != R)
-    MOECORE_FAIL(op, ": tokens_per_expert must hold E = ", d.E, " non-negative counts summing to the ", R,
-                 " rows of x; got ", tpe.size(), " counts summing to ", sum);
+  if (!has_shape(tpe, {d.E}, DType::i64))
+    MOECORE_FAIL(op, ": tokens_per_expert must be a contiguous [E = ", d.E, "] i64 tensor, got ",
+                 tpe.defined() ? tpe.str() : "undefined");
   if (!has_shape(x, {R, d.H}, c) || !has_shape(probs, {R}, DType::f32))
-    MOECORE_FAIL(op, ": need x [R, H=", d.H, "] ", dtype_name(c), " and probs [R] f32 on the CPU, got x ", x.str(),
-                 ", probs ", probs.str());
+    MOECORE_FAIL(op, ": need x [R, H=", d.H, "] ", dtype_name(c), " and probs [R] f32, got x ", x.str(), ", probs ",
+                 probs.str());
   if (!has_shape(w.fc1, {d.E, F1, d.H}, c) || !has_shape(w.fc2, {d.E, d.H, d.F}, c))
     MOECORE_FAIL(op, ": weights must be fc1 [", d.E, ", ", F1, ", ", d.H, "] and fc2 [", d.E, ", ", d.H, ", ", d.F,
                  "] ", dtype_name(c), ", got fc1 ", w.fc1.str(), ", fc2 ", w.fc2.str());
@@ -157,20 +97,20 @@ void check_backward_io(const char* op, const Tensor& dx, const Tensor& dprobs, c
 
 ExpertCache expert_cache_alloc(const ExpertDims& d) {
   ExpertCache c;
-  c.h = Tensor::empty({d.max_rows, d.fc1_rows()}, d.compute, MemCategory::activations);
-  c.act = Tensor::empty({d.max_rows, d.F}, d.compute, MemCategory::activations);
+  c.h = Tensor::empty({d.max_rows, d.fc1_rows()}, d.compute, MemCategory::activations, d.device);
+  c.act = Tensor::empty({d.max_rows, d.F}, d.compute, MemCategory::activations, d.device);
   return c;
 }
 
 ExpertWorkspace expert_workspace_alloc(const ExpertDims& d) {
   ExpertWorkspace w;
-  w.a = Tensor::empty({d.max_rows, d.F}, d.compute, MemCategory::workspace);
-  w.da = Tensor::empty({d.max_rows, d.F}, d.compute, MemCategory::workspace);
-  w.dh = Tensor::empty({d.max_rows, d.fc1_rows()}, d.compute, MemCategory::workspace);
+  w.a = Tensor::empty({d.max_rows, d.F}, d.compute, MemCategory::workspace, d.device);
+  w.da = Tensor::empty({d.max_rows, d.F}, d.compute, MemCategory::workspace, d.device);
+  w.dh = Tensor::empty({d.max_rows, d.fc1_rows()}, d.compute, MemCategory::workspace, d.device);
   return w;
 }
 
-void experts_forward(Tensor& y, const Tensor& x, const Tensor& probs, const std::vector<int64_t>& tokens_per_expert,
+void experts_forward(Tensor& y, const Tensor& x, const Tensor& probs, const Tensor& tokens_per_expert,
                      const ExpertWeights& w, ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d,
                      const ops::Context& ctx) {
   check_experts("experts_forward", x, probs, tokens_per_expert, w, cache, ws, d, false);
@@ -180,13 +120,13 @@ void experts_forward(Tensor& y, const Tensor& x, const Tensor& probs, const std:
   ops::gemm_grouped(v.h, x, w.fc1, true, tokens_per_expert, 0.0f, ctx);
   if (bias) ops::bias_add_grouped(v.h, w.fc1_bias, tokens_per_expert, ctx);
   act_forward(v.act, v.h, d.swiglu, ctx);
-  scale_rows(v.a, v.act, probs);
+  ops::moe_scale_rows(v.a, v.act, probs, tokens_per_expert, ctx);
   ops::gemm_grouped(y, v.a, w.fc2, true, tokens_per_expert, 0.0f, ctx);
   if (bias) ops::bias_add_grouped_scaled(y, w.fc2_bias, probs, tokens_per_expert, ctx);
 }
 
 void experts_backward(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& dy, const Tensor& x,
-                      const Tensor& probs, const std::vector<int64_t>& tokens_per_expert, const ExpertWeights& w,
+                      const Tensor& probs, const Tensor& tokens_per_expert, const ExpertWeights& w,
                       const ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d, const ops::Context& ctx) {
   check_experts("experts_backward", x, probs, tokens_per_expert, w, cache, ws, d, true);
   check_backward_io("experts_backward", dx, dprobs, g, w, dy, x, d);
@@ -195,7 +135,7 @@ void experts_backward(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& 
   ops::gemm_grouped(v.da, dy, w.fc2, false, tokens_per_expert, 0.0f, ctx);
   // dprobs = dy . b2 first (written), then the activation term is added to it.
   if (bias) ops::bias_grad_grouped_scaled(g.fc2_bias, dprobs, dy, w.fc2_bias, probs, tokens_per_expert, ctx);
-  probs_backward(dprobs, v.da, v.a, v.act, probs, bias);
+  ops::moe_scale_rows_backward(dprobs, v.da, v.a, v.act, probs, tokens_per_expert, bias, ctx);
   ops::gemm_grouped_wgrad(g.fc2, dy, v.a, tokens_per_expert, 1.0f, ctx);
   act_backward(v.dh, v.da, v.h, d.swiglu, ctx);
   if (bias) ops::bias_grad_grouped(g.fc1_bias, v.dh, tokens_per_expert, ctx);
@@ -203,58 +143,87 @@ void experts_backward(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& 
   ops::gemm_grouped(dx, v.dh, w.fc1, false, tokens_per_expert, 0.0f, ctx);
 }
 
-void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs,
-                                const std::vector<int64_t>& tokens_per_expert, const ExpertWeights& w,
-                                ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d, const ops::Context& ctx) {
+// The counts on the host (Megatron's SequentialMLP does tokens_per_expert.tolist()): plain GEMMs per expert need
+// their row ranges to launch. Checked against the rows of x.
+const std::vector<int64_t>& host_counts(const char* op, const Tensor& tokens_per_expert, int64_t R) {
+  thread_local std::vector<int64_t> n;
+  n.resize(static_cast<size_t>(tokens_per_expert.numel()));
+  tokens_per_expert.copy_to_host(n.data(), tokens_per_expert.numel());
+  int64_t sum = 0;
+  for (int64_t v : n) {
+    if (v < 0) MOECORE_FAIL(op, ": tokens_per_expert holds a negative count ", v);
+    sum += v;
+  }
+  if (sum > R) MOECORE_FAIL(op, ": tokens_per_expert sum to ", sum, " but x has only ", R, " rows");
+  return n;
+}
+
+void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs, const Tensor& tokens_per_expert,
+                                const ExpertWeights& w, ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d,
+                                const ops::Context& ctx) {
   check_experts("experts_forward_sequential", x, probs, tokens_per_expert, w, cache, ws, d, false);
   check_forward_out("experts_forward_sequential", y, x, d);
-  const RowViews v = row_views(cache, ws, x.size(0), false);
+  const std::vector<int64_t>& n = host_counts("experts_forward_sequential", tokens_per_expert, x.size(0));
+  RowViews v = row_views(cache, ws, x.size(0), false);
   const bool bias = w.fc1_bias.defined();
   int64_t o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
-    const int64_t n = tokens_per_expert[e];
-    if (n == 0) continue;
-    Tensor h = v.h.slice(0, o, o + n), act = v.act.slice(0, o, o + n), a = v.a.slice(0, o, o + n);
-    Tensor ye = y.slice(0, o, o + n);
-    ops::gemm(h, x.slice(0, o, o + n), false, w.fc1.select(0, e), true, 1.0f, 0.0f, ctx);
+    if (n[e] == 0) continue;
+    Tensor h = v.h.slice(0, o, o + n[e]);
+    ops::gemm(h, x.slice(0, o, o + n[e]), false, w.fc1.select(0, e), true, 1.0f, 0.0f, ctx);
     if (bias) ops::bias_add(h, w.fc1_bias.select(0, e), ctx);
-    act_forward(act, h, d.swiglu, ctx);
-    scale_rows(a, act, probs.slice(0, o, o + n));
-    ops::gemm(ye, a, false, w.fc2.select(0, e), true, 1.0f, 0.0f, ctx);
-    o += n;
+    o += n[e];
   }
-  // Row-wise, so one pass over all experts' rows equals a pass per expert (and allocates no group list).
+  // The activation and the probability scaling are row-wise, so one pass over all experts' rows equals a pass
+  // per expert (the same bits).
+  Tensor h = v.h.slice(0, 0, o), act = v.act.slice(0, 0, o);
+  act_forward(act, h, d.swiglu, ctx);
+  ops::moe_scale_rows(v.a, v.act, probs, tokens_per_expert, ctx);
+  o = 0;
+  for (int64_t e = 0; e < d.E; ++e) {
+    if (n[e] == 0) continue;
+    Tensor ye = y.slice(0, o, o + n[e]);
+    ops::gemm(ye, v.a.slice(0, o, o + n[e]), false, w.fc2.select(0, e), true, 1.0f, 0.0f, ctx);
+    o += n[e];
+  }
   if (bias) ops::bias_add_grouped_scaled(y, w.fc2_bias, probs, tokens_per_expert, ctx);
 }
 
 void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& dy, const Tensor& x,
-                                 const Tensor& probs, const std::vector<int64_t>& tokens_per_expert,
-                                 const ExpertWeights& w, const ExpertCache& cache, ExpertWorkspace& ws,
-                                 const ExpertDims& d, const ops::Context& ctx) {
+                                 const Tensor& probs, const Tensor& tokens_per_expert, const ExpertWeights& w,
+                                 const ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d,
+                                 const ops::Context& ctx) {
   check_experts("experts_backward_sequential", x, probs, tokens_per_expert, w, cache, ws, d, true);
   check_backward_io("experts_backward_sequential", dx, dprobs, g, w, dy, x, d);
-  const RowViews v = row_views(cache, ws, x.size(0), true);
+  const std::vector<int64_t>& n = host_counts("experts_backward_sequential", tokens_per_expert, x.size(0));
+  RowViews v = row_views(cache, ws, x.size(0), true);
   const bool bias = w.fc1_bias.defined();
   if (bias) ops::bias_grad_grouped_scaled(g.fc2_bias, dprobs, dy, w.fc2_bias, probs, tokens_per_expert, ctx);
   int64_t o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
-    const int64_t n = tokens_per_expert[e];
-    if (n == 0) continue;
-    const Tensor xe = x.slice(0, o, o + n), dye = dy.slice(0, o, o + n), h = v.h.slice(0, o, o + n);
-    Tensor da = v.da.slice(0, o, o + n), dh = v.dh.slice(0, o, o + n), a = v.a.slice(0, o, o + n);
-    Tensor dpe = dprobs.slice(0, o, o + n), dxe = dx.slice(0, o, o + n);
+    if (n[e] == 0) continue;
+    Tensor da = v.da.slice(0, o, o + n[e]);
+    ops::gemm(da, dy.slice(0, o, o + n[e]), false, w.fc2.select(0, e), false, 1.0f, 0.0f, ctx);
+    o += n[e];
+  }
+  // Row-wise again: dprobs, dL/dact and the recomputed a for all experts' rows in one pass.
+  ops::moe_scale_rows_backward(dprobs, v.da, v.a, v.act, probs, tokens_per_expert, bias, ctx);
+  Tensor dh = v.dh.slice(0, 0, o), da = v.da.slice(0, 0, o), h = v.h.slice(0, 0, o);
+  act_backward(dh, da, h, d.swiglu, ctx);
+  o = 0;
+  for (int64_t e = 0; e < d.E; ++e) {
+    if (n[e] == 0) continue;
+    const Tensor xe = x.slice(0, o, o + n[e]), dye = dy.slice(0, o, o + n[e]), a = v.a.slice(0, o, o + n[e]);
+    Tensor dhe = v.dh.slice(0, o, o + n[e]), dxe = dx.slice(0, o, o + n[e]);
     Tensor g1 = g.fc1.select(0, e), g2 = g.fc2.select(0, e);
-    ops::gemm(da, dye, false, w.fc2.select(0, e), false, 1.0f, 0.0f, ctx);
-    probs_backward(dpe, da, a, v.act.slice(0, o, o + n), probs.slice(0, o, o + n), bias);
     ops::gemm(g2, dye, true, a, false, 1.0f, 1.0f, ctx);
-    act_backward(dh, da, h, d.swiglu, ctx);
     if (bias) {
       Tensor gb1 = g.fc1_bias.select(0, e);
-      ops::bias_grad(gb1, dh, ctx);
+      ops::bias_grad(gb1, dhe, ctx);
     }
-    ops::gemm(g1, dh, true, xe, false, 1.0f, 1.0f, ctx);
-    ops::gemm(dxe, dh, false, w.fc1.select(0, e), false, 1.0f, 0.0f, ctx);
-    o += n;
+    ops::gemm(g1, dhe, true, xe, false, 1.0f, 1.0f, ctx);
+    ops::gemm(dxe, dhe, false, w.fc1.select(0, e), false, 1.0f, 0.0f, ctx);
+    o += n[e];
   }
 }
 

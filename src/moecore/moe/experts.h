@@ -4,7 +4,10 @@
 // The optional biases are Megatron's add_bias_linear: the fc2 bias is weighted by the routing probability, so
 // y = p * (act(h) W2_e^T + b2_e) (TEGroupedMLP._apply_bias, MLP.forward with per_token_scale).
 // The grouped version runs one grouped GEMM per projection over variable row counts (experts with zero
-// rows allowed); the sequential version loops over experts with plain GEMMs and is the test reference.
+// rows allowed) read on the device; the sequential version (Megatron's SequentialMLP) loops over experts with
+// plain GEMMs, so like Megatron's it copies the counts to the host first, and is the test reference.
+// tokens_per_expert is [E] i64 on the layer's device; the rows it covers may be fewer than x's (buffers sized
+// for the worst case): rows past them are neither read nor written.
 // Saved for backward: x (the dispatcher's permuted input), h and the unscaled activation; never the output.
 // Gradient contract: weight gradients accumulate (+=); dx and dprobs are written.
 #pragma once
@@ -21,6 +24,7 @@ struct ExpertDims {
   bool swiglu = true;    // fc1 rows: 2F (SwiGLU, [gate; up]) or F (GeLU)
   int64_t max_rows = 0;  // rows the caches are sized for
   DType compute = DType::f32;
+  Device device = Device::cpu;  // where the caches live
   int64_t fc1_rows() const { return swiglu ? 2 * F : F; }
 };
 
@@ -49,24 +53,24 @@ struct ExpertWorkspace {
 ExpertCache expert_cache_alloc(const ExpertDims& d);
 ExpertWorkspace expert_workspace_alloc(const ExpertDims& d);
 
-// x [R, H] compute; probs [R] f32; tokens_per_expert [E] with sum R; y [R, H] compute (written).
-void experts_forward(Tensor& y, const Tensor& x, const Tensor& probs, const std::vector<int64_t>& tokens_per_expert,
+// x [R, H] compute; probs [R] f32; tokens_per_expert [E] i64 with sum <= R; y [R, H] compute (written).
+void experts_forward(Tensor& y, const Tensor& x, const Tensor& probs, const Tensor& tokens_per_expert,
                      const ExpertWeights& w, ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d,
                      const ops::Context& ctx);
 // dy [R, H] compute. dx [R, H] f32 and dprobs [R] f32 written (dprobs includes the fc2 bias term dy . b2_e);
 // grads +=.
 void experts_backward(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& dy, const Tensor& x,
-                      const Tensor& probs, const std::vector<int64_t>& tokens_per_expert, const ExpertWeights& w,
+                      const Tensor& probs, const Tensor& tokens_per_expert, const ExpertWeights& w,
                       const ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d, const ops::Context& ctx);
 
 // The per-expert reference (plain GEMMs, same math), for tests and --no-moe-grouped-gemm.
-void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs,
-                                const std::vector<int64_t>& tokens_per_expert, const ExpertWeights& w,
-                                ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d, const ops::Context& ctx);
+void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs, const Tensor& tokens_per_expert,
+                                const ExpertWeights& w, ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d,
+                                const ops::Context& ctx);
 void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& dy, const Tensor& x,
-                                 const Tensor& probs, const std::vector<int64_t>& tokens_per_expert,
-                                 const ExpertWeights& w, const ExpertCache& cache, ExpertWorkspace& ws,
-                                 const ExpertDims& d, const ops::Context& ctx);
+                                 const Tensor& probs, const Tensor& tokens_per_expert, const ExpertWeights& w,
+                                 const ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d,
+                                 const ops::Context& ctx);
 
 // Shared expert (spec §8): a dense MLP on every token, optionally scaled per token by sigmoid(x . gate).
 // No biases: Megatron's SharedExpertMLP asserts add_bias_linear == False, and its gate is bias-free.
@@ -85,7 +89,8 @@ struct SharedExpertCache {
   Tensor gate_s;            // [T] f32: sigmoid(x . gate)
   Tensor dact, dh, dout_c;  // backward workspace
 };
-SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bool swiglu, bool gate, DType compute);
+SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bool swiglu, bool gate, DType compute,
+                                            Device device = Device::cpu);
 // y [T, H] f32 += shared expert output of x [T, H] compute.
 void shared_expert_forward(Tensor& y, const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache,
                            bool swiglu, const ops::Context& ctx);

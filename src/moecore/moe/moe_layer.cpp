@@ -15,6 +15,7 @@ ExpertDims expert_dims(const MoeLayerDims& d, const MoeConfig& cfg, int64_t max_
   e.swiglu = cfg.swiglu;
   e.max_rows = max_rows;
   e.compute = d.compute;
+  e.device = d.device;
   return e;
 }
 
@@ -61,6 +62,8 @@ std::vector<const Tensor*> saved_tensors(const MoeLayerCache& c) {
           &r.dlogits_loss,
           &c.probs,
           &c.map,
+          &b.plan.tokens_per_expert,
+          &b.plan.expert_offset,
           &b.plan.row_token,
           &b.plan.token_rows,
           &b.permuted_x,
@@ -71,8 +74,14 @@ std::vector<const Tensor*> saved_tensors(const MoeLayerCache& c) {
           &s.act,
           &s.out,
           &s.gate_s,
+          &b.ep.send_plan.tokens_per_expert,
+          &b.ep.send_plan.expert_offset,
           &b.ep.send_plan.row_token,
           &b.ep.send_plan.token_rows,
+          &b.ep.chunk_counts,
+          &c.stats.tokens_per_expert,
+          &c.stats.losses,
+          &c.stats.dropped,
           &b.ep.gmap,
           &b.ep.lmap,
           &b.ep.lprobs};
@@ -87,15 +96,18 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
     MOECORE_FAIL("MoE layer: expert-parallel size ", d.ep, " needs the alltoall or allgather dispatcher");
   const int64_t rows = max_rows_of(d, cfg);
   MoeLayerCache c;
-  c.router = router_cache_alloc(router_dims(d, cfg), cfg, d.compute);
-  c.probs = Tensor::empty({d.T, E}, DType::f32, MemCategory::activations);
-  c.map = Tensor::empty({d.T, E}, DType::boolean, MemCategory::activations);
-  c.dprobs = Tensor::empty({d.T, E}, DType::f32, MemCategory::workspace);
-  c.dispatch = dispatch_buffers_alloc_ep(d.dispatcher, d.T, d.H, E, d.ep, max_send_of(d, cfg), rows, d.compute);
+  c.router = router_cache_alloc(router_dims(d, cfg), cfg, d.compute, d.device);
+  c.stats = router_stats_alloc(E, d.device);
+  c.probs = Tensor::empty({d.T, E}, DType::f32, MemCategory::activations, d.device);
+  c.map = Tensor::empty({d.T, E}, DType::boolean, MemCategory::activations, d.device);
+  c.dprobs = Tensor::empty({d.T, E}, DType::f32, MemCategory::workspace, d.device);
+  c.dispatch =
+      dispatch_buffers_alloc_ep(d.dispatcher, d.T, d.H, E, d.ep, max_send_of(d, cfg), rows, d.compute, d.device);
   const ExpertDims ed = expert_dims(d, cfg, rows);
   c.experts = expert_cache_alloc(ed);
   c.expert_ws = expert_workspace_alloc(ed);
-  if (d.Fs > 0) c.shared = shared_expert_cache_alloc(d.T, d.H, d.Fs, cfg.swiglu, cfg.shared_expert_gate, d.compute);
+  if (d.Fs > 0)
+    c.shared = shared_expert_cache_alloc(d.T, d.H, d.Fs, cfg.swiglu, cfg.shared_expert_gate, d.compute, d.device);
   if (share) {
     // Replacing the freshly allocated scratch by the donor's frees it again; allocation is once per model.
     auto mine = scratch_tensors(c);
@@ -135,8 +147,8 @@ void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, c
   DispatchBuffers& b = c.dispatch;
   dispatcher.dispatch_prepare(b, x, c.probs, c.map, ctx);
   dispatcher.dispatch(b, ctx);
-  // experts
-  const int64_t R = b.plan.rows();
+  // experts, over the rows the host knows to bound this step's (no device read)
+  const int64_t R = b.plan.row_bound;
   Tensor xin = b.permuted_x.slice(0, 0, R), pin = b.permuted_probs.slice(0, 0, R);
   Tensor out = b.expert_out.slice(0, 0, R);
   const ExpertDims ed = expert_dims(d, cfg, b.permuted_x.size(0));
@@ -158,7 +170,7 @@ void moe_layer_backward(Tensor& dx, MoeLayerGrads& g, const Tensor& dy, const Te
   // combine, in reverse
   dispatcher.combine_backward(b, dy, ctx);
   // experts, in reverse
-  const int64_t R = b.plan.rows();
+  const int64_t R = b.plan.row_bound;
   Tensor dout = b.dpermuted.slice(0, 0, R), din = b.dexpert_in.slice(0, 0, R);
   Tensor dpin = b.dpermuted_probs.slice(0, 0, R);
   const Tensor xin = b.permuted_x.slice(0, 0, R), pin = b.permuted_probs.slice(0, 0, R);

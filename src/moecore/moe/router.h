@@ -1,8 +1,11 @@
 // The MoE router (Megatron's TopKRouter, ../shared/docs/megatron-moe-spec.md §2-§4): gating linear (with an
 // optional bias, Megatron's add_bias_linear) in fp32 or fp64, input jitter, score functions, (group-limited) top-k,
 // expert bias, sinkhorn, forced balancing, capacity dropping and routing-map padding, plus every load-balancing loss
-// and the z-loss. Not here: permutation (dispatcher.h) and expert compute (experts.h).
+// and the z-loss. This file orders the stages; each computation is an op of kernels/ops_router.h (or ops.h), so the
+// router runs on any device whose kernels exist. Not here: permutation (dispatcher.h) and expert compute (experts.h).
 //
+// Device residency: counts, losses and the router state are tensors on the router's device (ctx.device); no stage
+// reads one on the host. router_stats_host is the one explicit transfer of the statistics.
 // Loss gradients: forward computes each loss and the gradient of their sum with respect to the logits
 // (cache.dlogits_loss); router_backward adds it, times aux_grad_scale, to the gradient coming from the
 // routing probabilities. Nothing is threaded through the model's return values.
@@ -13,7 +16,7 @@
 #pragma once
 #include <vector>
 
-#include "moecore/kernels/ops.h"
+#include "moecore/kernels/ops_router.h"
 #include "moecore/moe/config.h"
 #include "moecore/parallel/comm.h"
 
@@ -36,30 +39,47 @@ struct RouterWeights {
   Tensor bias{};          // [E] f32: logits += bias (Megatron's add_bias_linear); undefined: none
 };
 
-// Per-layer state that outlives one micro-batch.
+// Per-layer state that outlives one micro-batch. Tensors live on the router's device; copies of a state share
+// them (clone each tensor for an independent copy).
 struct RouterState {
-  Tensor expert_bias;                             // [E] f32, aux-loss-free bias (checkpointed); undefined when off
-  std::vector<int64_t> local_tokens_per_expert;   // [E] exact counts since the last optimizer step (bias update)
-  std::vector<int64_t> global_tokens_per_expert;  // [E] global_aux_loss accumulator over micro-batches
-  int64_t global_aux_steps = 0;                   // micro-batches accumulated in global_tokens_per_expert
-  int64_t calls = 0;                              // forward calls (jitter / forced-balancing noise stream)
-  uint64_t stream = 0;                            // noise stream id, distinct per layer (the layer number)
+  Tensor expert_bias;               // [E] f32, aux-loss-free bias (checkpointed); undefined when off
+  Tensor local_tokens_per_expert;   // [E] i64 exact counts since the last optimizer step (bias update)
+  Tensor global_tokens_per_expert;  // [E] i64 global_aux_loss accumulator over micro-batches
+  // [E + 1] i64: one micro-batch's aux top-k counts per expert and its valid tokens, all-reduced over
+  // global_aux_group before they join the accumulator (global_aux_loss only; undefined otherwise)
+  Tensor global_aux_counts;
+  int64_t global_aux_steps = 0;  // micro-batches accumulated in global_tokens_per_expert (counts calls, not data)
+  int64_t calls = 0;             // forward calls (jitter / forced-balancing noise stream)
+  uint64_t stream = 0;           // noise stream id, distinct per layer (the layer number)
 };
-RouterState router_state_init(const MoeConfig& cfg);
+RouterState router_state_init(const MoeConfig& cfg, Device device = Device::cpu);
+// Bytes of the state's counter tensors (expert_bias is a parameter and counted with them).
+int64_t router_state_bytes(const RouterState& st);
 // Once per optimizer step: expert_bias += rate * sign(mean(c) - c) from the exact counts c, then reset the
 // counters (expert bias and global_aux_loss). Counts are summed over data-parallel ranks by the caller.
 // update_bias=false only resets the counters (a skipped step leaves the bias bit-identical).
-void router_finish_step(RouterState& st, const MoeConfig& cfg, bool update_bias = true);
+void router_finish_step(RouterState& st, const MoeConfig& cfg, bool update_bias, const ops::Context& ctx);
 
+// Statistics of the last forward, on the router's device. Coefficient-free loss values as Megatron logs them
+// (loss / coeff; z_loss = mean lse^2), 0 when not configured or in evaluation.
 struct RouterStats {
-  // Coefficient-free values as Megatron logs them (loss / coeff; z_loss = mean lse^2), 0 when not configured.
+  Tensor tokens_per_expert;  // [E] i64 routed (token, expert) pairs after capacity, padding included
+  Tensor losses;             // [5] f64: aux, seq_aux, global_aux, z, weighted (ops::router_loss slots)
+  Tensor dropped;            // [1] i64 pairs removed by the capacity
+};
+RouterStats router_stats_alloc(int64_t E, Device device);
+
+// A host snapshot of RouterStats, for logging.
+struct RouterStatsHost {
   double aux_loss = 0, seq_aux_loss = 0, global_aux_loss = 0, z_loss = 0;
   double weighted_loss = 0;                // sum of coeff * value over configured losses (what is optimized)
-  std::vector<int64_t> tokens_per_expert;  // [E] routed (token, expert) pairs after capacity, padding included
-  int64_t dropped = 0;                     // pairs removed by the capacity
+  std::vector<int64_t> tokens_per_expert;  // [E]
+  int64_t dropped = 0;
   // max over experts of tokens_per_expert / its mean (1 = perfectly balanced; 0 without tokens).
   double max_over_mean_load() const;
 };
+// The explicit device-to-host transfer of the statistics: the only place they cross to the host.
+RouterStatsHost router_stats_host(const RouterStats& s);
 
 // Saved for backward. Tensors in router dtype R (f32 or f64) unless stated.
 struct RouterCache {
@@ -74,12 +94,13 @@ struct RouterCache {
   Tensor dlogits;       // [T, E] R: workspace for backward (and for forward's intermediates)
   Tensor work;          // [min(T, 1024), H] f32 workspace, fp32 router with bf16 x or jitter (else undefined)
 };
-RouterCache router_cache_alloc(const RouterDims& d, const MoeConfig& cfg, DType x_dtype);
+// Every tensor on `device`.
+RouterCache router_cache_alloc(const RouterDims& d, const MoeConfig& cfg, DType x_dtype, Device device = Device::cpu);
 
 // x [T, H] f32|bf16 (the pre-MLP norm output, token t = s * B + b); padding_mask [T] bool in the same order
 // (true = padding, excluded from losses and counts) or undefined. Outputs: probs [T, E] f32 (0 where not
-// routed) and map [T, E] bool (routed, including zero-weight padding slots). training=false skips losses and
-// counters (evaluation).
+// routed), map [T, E] bool (routed, including zero-weight padding slots) and stats (router_stats_alloc).
+// training=false skips losses and counters (evaluation). Every tensor must be on ctx.device.
 void router_forward(Tensor& probs, Tensor& map, RouterStats& stats, const Tensor& x, const Tensor& padding_mask,
                     const RouterWeights& w, RouterState& st, RouterCache& cache, const RouterDims& d,
                     const MoeConfig& cfg, bool training, const ops::Context& ctx);

@@ -64,9 +64,9 @@ void plan_workspace(DenseLayerWorkspace& w, const DenseLayerDims& d, bool with_a
 }  // namespace
 
 DenseLayerCache dense_layer_cache_alloc(const DenseLayerDims& d, bool with_mlp, bool with_attention) {
-  return plan_allocate<DenseLayerCache>(MemCategory::activations, [&](DenseLayerCache& k, BufferPlan& p) {
-    plan_cache(k, d, with_mlp, with_attention, p);
-  });
+  return plan_allocate<DenseLayerCache>(
+      MemCategory::activations,
+      [&](DenseLayerCache& k, BufferPlan& p) { plan_cache(k, d, with_mlp, with_attention, p); }, d.device);
 }
 
 int64_t dense_layer_cache_bytes(const DenseLayerDims& d, bool with_mlp, bool with_attention) {
@@ -77,7 +77,8 @@ int64_t dense_layer_cache_bytes(const DenseLayerDims& d, bool with_mlp, bool wit
 
 DenseLayerWorkspace dense_layer_workspace_alloc(const DenseLayerDims& d, bool with_attention) {
   return plan_allocate<DenseLayerWorkspace>(
-      MemCategory::workspace, [&](DenseLayerWorkspace& w, BufferPlan& p) { plan_workspace(w, d, with_attention, p); });
+      MemCategory::workspace, [&](DenseLayerWorkspace& w, BufferPlan& p) { plan_workspace(w, d, with_attention, p); },
+      d.device);
 }
 
 int64_t dense_layer_workspace_bytes(const DenseLayerDims& d, bool with_attention) {
@@ -92,7 +93,7 @@ void linear_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const 
     ops::bias_dropout_add(y, x, out_f32, bias, drop, ctx);
     return;
   }
-  if (y.raw() != x.raw()) y.copy_from(x);
+  if (!y.same_data(x)) y.copy_from(x);
   if (bias.defined()) ops::bias_add(y, bias, ctx);
   ops::gemm(y, a, false, weight, true, 1.0f, 1.0f, ctx);
 }

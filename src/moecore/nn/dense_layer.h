@@ -27,6 +27,7 @@ struct DenseLayerDims {
   bool qk_norm = false;    // QK-norm: the layer's norm over each q and k head (weights [D])
   bool rope = true;        // rotate q and k (the table [S, Dr] gives the rotary width); false: no RoPE
   DType compute = DType::f32;
+  Device device = Device::cpu;  // where the caches and workspaces live
   int64_t fc1_rows() const { return swiglu ? 2 * F : F; }
 };
 

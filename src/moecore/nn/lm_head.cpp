@@ -18,12 +18,14 @@ void plan_workspace(LmHeadWorkspace& ws, int64_t N, int64_t V, DType compute, Bu
   p.empty(ws.logits, {ws.chunk, V}, DType::f32);
   if (compute != DType::f32) p.empty(ws.dlogits_c, {ws.chunk, V}, compute);
   p.empty(ws.loss, {ws.chunk}, DType::f32);
+  p.zeros(ws.totals, {2}, DType::f64);
 }
 }  // namespace
 
-LmHeadWorkspace lm_head_workspace_alloc(int64_t N, int64_t V, DType compute) {
+LmHeadWorkspace lm_head_workspace_alloc(int64_t N, int64_t V, DType compute, Device device) {
   return plan_allocate<LmHeadWorkspace>(
-      MemCategory::workspace, [&](LmHeadWorkspace& ws, BufferPlan& p) { plan_workspace(ws, N, V, compute, p); });
+      MemCategory::workspace, [&](LmHeadWorkspace& ws, BufferPlan& p) { plan_workspace(ws, N, V, compute, p); },
+      device);
 }
 
 int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute) {
@@ -31,18 +33,17 @@ int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute) {
                                      [&](LmHeadWorkspace& ws, BufferPlan& p) { plan_workspace(ws, N, V, compute, p); });
 }
 
-double lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels, float grad_scale,
-                    LmHeadWorkspace& ws, const ops::Context& ctx) {
+void lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels, float grad_scale,
+                  LmHeadWorkspace& ws, const ops::Context& ctx) {
   const int64_t N = h.size(0);
-  double total = 0;
+  ws.totals.zero_();
   for (int64_t t0 = 0; t0 < N; t0 += ws.chunk) {
     const int64_t n = std::min(ws.chunk, N - t0);
     const Tensor hc = h.slice(0, t0, t0 + n);
     Tensor logits = ws.logits.slice(0, 0, n), loss = ws.loss.slice(0, 0, n);
     ops::gemm(logits, hc, false, w, true, 1.0f, 0.0f, ctx);
     ops::softmax_cross_entropy(loss, logits, labels.slice(0, t0, t0 + n), grad_scale, dh != nullptr, ctx);
-    const float* lp = loss.data<float>();
-    for (int64_t i = 0; i < n; ++i) total += lp[i];
+    ops::loss_totals(ws.totals, loss, labels.slice(0, t0, t0 + n), ctx);
     if (!dh) continue;
     Tensor dlogits = logits;
     if (ws.dlogits_c.defined()) {
@@ -53,7 +54,6 @@ double lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, co
     ops::gemm(dhc, dlogits, false, w, false, 1.0f, 0.0f, ctx);
     ops::gemm(*dw, dlogits, true, hc, false, 1.0f, 1.0f, ctx);
   }
-  return total;
 }
 
 }  // namespace moecore::nn

@@ -82,9 +82,9 @@ void plan_workspace(MlaWorkspace& w, const MlaDims& d, DType c, BufferPlan& p) {
 }
 }  // namespace
 
-MlaCache mla_cache_alloc(const MlaDims& d, DType c, bool layernorm) {
-  return plan_allocate<MlaCache>(MemCategory::activations,
-                                 [&](MlaCache& k, BufferPlan& p) { plan_cache(k, d, c, layernorm, p); });
+MlaCache mla_cache_alloc(const MlaDims& d, DType c, bool layernorm, Device device) {
+  return plan_allocate<MlaCache>(
+      MemCategory::activations, [&](MlaCache& k, BufferPlan& p) { plan_cache(k, d, c, layernorm, p); }, device);
 }
 
 int64_t mla_cache_bytes(const MlaDims& d, DType c, bool layernorm) {
@@ -92,9 +92,9 @@ int64_t mla_cache_bytes(const MlaDims& d, DType c, bool layernorm) {
                               [&](MlaCache& k, BufferPlan& p) { plan_cache(k, d, c, layernorm, p); });
 }
 
-MlaWorkspace mla_workspace_alloc(const MlaDims& d, DType c) {
-  return plan_allocate<MlaWorkspace>(MemCategory::workspace,
-                                     [&](MlaWorkspace& w, BufferPlan& p) { plan_workspace(w, d, c, p); });
+MlaWorkspace mla_workspace_alloc(const MlaDims& d, DType c, Device device) {
+  return plan_allocate<MlaWorkspace>(
+      MemCategory::workspace, [&](MlaWorkspace& w, BufferPlan& p) { plan_workspace(w, d, c, p); }, device);
 }
 
 int64_t mla_workspace_bytes(const MlaDims& d, DType c) {

@@ -73,8 +73,8 @@ struct MlaWorkspace {
   Tensor pe_f32, pe_sum;  // [N, dr] f32: one head's dk_pe, and their sum
 };
 
-MlaCache mla_cache_alloc(const MlaDims& d, DType compute, bool layernorm);
-MlaWorkspace mla_workspace_alloc(const MlaDims& d, DType compute);
+MlaCache mla_cache_alloc(const MlaDims& d, DType compute, bool layernorm, Device device = Device::cpu);
+MlaWorkspace mla_workspace_alloc(const MlaDims& d, DType compute, Device device = Device::cpu);
 int64_t mla_cache_bytes(const MlaDims& d, DType compute, bool layernorm);
 int64_t mla_workspace_bytes(const MlaDims& d, DType compute);
 

@@ -20,14 +20,14 @@ AdamW::AdamW(std::vector<Param>& params, const AdamWConfig& cfg, bool allocate_s
   cfg_.validate();
   if (!allocate_state) return;
   for (const auto& p : params_) {
-    m_.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::optimizer_state));
-    v_.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::optimizer_state));
+    m_.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::optimizer_state, p.value.device()));
+    v_.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::optimizer_state, p.value.device()));
   }
 }
 
 double global_grad_norm(const std::vector<Param>& params) {
   double s = 0;
-  for (const auto& p : params) s += ops::sum_squares(p.grad, {});
+  for (const auto& p : params) s += ops::sum_squares(p.grad, ops::Context{p.grad.device()});
   return std::sqrt(s);
 }
 
@@ -57,7 +57,7 @@ StepStats AdamW::step(float lr, double grad_norm) {
     p.weight_decay = params_[i].weight_decay ? cfg_.weight_decay : 0.0f;
     p.step = step_;
     p.grad_scale = st.clip_scale;
-    ops::adamw_step(params_[i].value, params_[i].grad, m_[i], v_[i], p, {});
+    ops::adamw_step(params_[i].value, params_[i].grad, m_[i], v_[i], p, ops::Context{params_[i].value.device()});
   }
   return st;
 }

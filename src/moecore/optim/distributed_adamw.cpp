@@ -24,8 +24,9 @@ Tensor flat(const Tensor& t) {
   return t.view(Shape{t.numel()});
 }
 
-float* f32_at(const Tensor& t, int64_t offset) {
-  return t.data<float>() + offset;
+// Elements [first, first + n) of a 1-D tensor.
+Tensor range(const Tensor& t, int64_t first, int64_t n) {
+  return t.slice(0, first, first + n);
 }
 
 }  // namespace
@@ -41,21 +42,22 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
   cfg_.validate();
   if (opt.bucket_elems < 1)
     MOECORE_FAIL("distributed optimizer: bucket_elems (", opt.bucket_elems, ") must be at least 1");
+  if (!params_.empty() && params_[0]->value.defined()) device_ = params_[0]->value.device();
   for (const Param* p : params_) {
     if (!p->value.defined() || p->value.dtype() != DType::f32 || !p->value.is_contiguous() ||
-        p->value.device() != Device::cpu)
+        p->value.device() != device_)
       MOECORE_FAIL("distributed optimizer: parameter '", p->name, "' has value ",
                    p->value.defined() ? p->value.str() : std::string("(undefined)"),
-                   "; it needs a contiguous f32 CPU tensor");
+                   "; it needs a contiguous f32 tensor on ", device_name(device_), " like the first parameter");
   }
   plan_layout(opt.bucket_elems);
   int64_t max_padded = 0;
   for (const Bucket& b : buckets_) max_padded = std::max(max_padded, b.shard * group_.size());
-  staging_ = Tensor::zeros(Shape{max_padded}, DType::f32, MemCategory::workspace);
-  shard_param_ = Tensor::zeros(Shape{max_padded / group_.size()}, DType::f32, MemCategory::workspace);
-  shard_grad_ = Tensor::zeros(Shape{shard_elems_}, DType::f32, MemCategory::gradients);
-  exp_avg_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state);
-  exp_avg_sq_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state);
+  staging_ = Tensor::zeros(Shape{max_padded}, DType::f32, MemCategory::workspace, device_);
+  shard_param_ = Tensor::zeros(Shape{max_padded / group_.size()}, DType::f32, MemCategory::workspace, device_);
+  shard_grad_ = Tensor::zeros(Shape{shard_elems_}, DType::f32, MemCategory::gradients, device_);
+  exp_avg_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
+  exp_avg_sq_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
 }
 
 void DistributedAdamW::check_same_params_across_ranks() const {
@@ -133,30 +135,29 @@ void DistributedAdamW::reduce_scatter_grads() {
   for (const Bucket& b : buckets_) {
     for (size_t i = b.first_param; i < b.end_param; ++i) {
       const Param& p = *params_[i];
-      if (!p.grad.defined() || p.grad.dtype() != DType::f32 || !p.grad.is_contiguous() ||
-          p.grad.device() != Device::cpu || p.grad.numel() != param_elems_[i])
+      if (!p.grad.defined() || p.grad.dtype() != DType::f32 || !p.grad.is_contiguous() || p.grad.device() != device_ ||
+          p.grad.numel() != param_elems_[i])
         MOECORE_FAIL("distributed optimizer: gradient of '", p.name, "' is ",
-                     p.grad.defined() ? p.grad.str() : std::string("undefined"),
-                     "; it needs a contiguous f32 CPU tensor of ", param_elems_[i], " elements like the value");
-      std::memcpy(f32_at(staging_, param_offsets_[i]), p.grad.raw(), static_cast<size_t>(p.grad.nbytes()));
+                     p.grad.defined() ? p.grad.str() : std::string("undefined"), "; it needs a contiguous f32 ",
+                     device_name(device_), " tensor of ", param_elems_[i], " elements like the value");
+      range(staging_, param_offsets_[i], param_elems_[i]).copy_from(flat(p.grad));
     }
     const int64_t padded = b.shard * P;
-    std::fill(f32_at(staging_, b.elems), f32_at(staging_, padded), 0.0f);
-    reduce_scatter_sum(std::span<float>(f32_at(shard_grad_, b.shard_offset), static_cast<size_t>(b.shard)),
-                       std::span<const float>(f32_at(staging_, 0), static_cast<size_t>(padded)), group_);
+    range(staging_, b.elems, padded - b.elems).zero_();
+    reduce_scatter_sum(range(shard_grad_, b.shard_offset, b.shard), range(staging_, 0, padded), group_);
   }
 }
 
 double DistributedAdamW::shard_grad_sq() const {
   double s = 0;
   for (const Segment& g : segments_)
-    s += ops::sum_squares(shard_grad_.slice(0, g.shard_offset, g.shard_offset + g.elems), {});
+    s += ops::sum_squares(range(shard_grad_, g.shard_offset, g.elems), ops::Context{device_});
   return s;
 }
 
 std::string DistributedAdamW::first_nonfinite_grad() const {
   for (const Segment& g : segments_)
-    if (!ops::all_finite(shard_grad_.slice(0, g.shard_offset, g.shard_offset + g.elems), {}))
+    if (!ops::all_finite(range(shard_grad_, g.shard_offset, g.elems), ops::Context{device_}))
       return params_[g.param]->name;
   return "";
 }
@@ -175,33 +176,32 @@ void DistributedAdamW::apply_segment(const Segment& s, float lr, float clip_scal
   const Tensor grad = shard_grad_.slice(0, s.shard_offset, s.shard_offset + s.elems);
   Tensor m = exp_avg_.slice(0, s.shard_offset, s.shard_offset + s.elems);
   Tensor v = exp_avg_sq_.slice(0, s.shard_offset, s.shard_offset + s.elems);
-  ops::adamw_step(value, grad, m, v, ap, {});
+  ops::adamw_step(value, grad, m, v, ap, ops::Context{device_});
 }
 
 void DistributedAdamW::step(float lr, float clip_scale) {
   const int P = group_.size();
   for (size_t i = 0; i < params_.size(); ++i) {
     const Tensor& v = params_[i]->value;
-    if (!v.is_contiguous() || v.dtype() != DType::f32 || v.device() != Device::cpu || v.numel() != param_elems_[i])
+    if (!v.is_contiguous() || v.dtype() != DType::f32 || v.device() != device_ || v.numel() != param_elems_[i])
       MOECORE_FAIL("distributed optimizer: parameter '", params_[i]->name, "' has value ", v.str(),
-                   "; it needs a contiguous f32 CPU tensor of ", param_elems_[i], " elements");
+                   "; it needs a contiguous f32 ", device_name(device_), " tensor of ", param_elems_[i], " elements");
   }
   ++step_;
   for (const Segment& s : segments_) apply_segment(s, lr, clip_scale);
   for (const Bucket& b : buckets_) {
     // Pack the owned range (parameters, then zeros for the padding) and gather every rank's.
-    float* packed = f32_at(shard_param_, 0);
-    std::fill(packed, packed + b.shard, 0.0f);
+    Tensor packed = range(shard_param_, 0, b.shard);
+    packed.zero_();
     for (size_t k = b.first_segment; k < b.end_segment; ++k) {
       const Segment& s = segments_[k];
-      std::memcpy(packed + (s.shard_offset - b.shard_offset), f32_at(params_[s.param]->value, s.param_offset),
-                  static_cast<size_t>(s.elems) * sizeof(float));
+      range(packed, s.shard_offset - b.shard_offset, s.elems)
+          .copy_from(range(flat(params_[s.param]->value), s.param_offset, s.elems));
     }
-    all_gather(std::span<float>(f32_at(staging_, 0), static_cast<size_t>(b.shard * P)),
-               std::span<const float>(packed, static_cast<size_t>(b.shard)), group_);
+    all_gather(range(staging_, 0, b.shard * P), packed, group_);
     for (size_t i = b.first_param; i < b.end_param; ++i) {
-      const Tensor& v = params_[i]->value;
-      std::memcpy(v.raw(), f32_at(staging_, param_offsets_[i]), static_cast<size_t>(v.nbytes()));
+      Tensor v = flat(params_[i]->value);
+      v.copy_from(range(staging_, param_offsets_[i], param_elems_[i]));
     }
   }
 }
@@ -210,7 +210,7 @@ void DistributedAdamW::gather_state(std::vector<Tensor>& exp_avg, std::vector<Te
   const int P = group_.size();
   int64_t max_padded = 0;
   for (const Bucket& b : buckets_) max_padded = std::max(max_padded, b.shard * P);
-  const Tensor buf = Tensor::empty(Shape{max_padded}, cfg_.state_dtype, MemCategory::workspace);
+  const Tensor buf = Tensor::empty(Shape{max_padded}, cfg_.state_dtype, MemCategory::workspace, device_);
   for (std::vector<Tensor>* out : {&exp_avg, &exp_avg_sq}) {
     const Tensor& shard = out == &exp_avg ? exp_avg_ : exp_avg_sq_;
     out->clear();

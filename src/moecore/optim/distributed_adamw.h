@@ -92,6 +92,7 @@ class DistributedAdamW {
   std::vector<int64_t> param_elems_;    // each parameter's element count, fixed at construction
   AdamWConfig cfg_;
   ProcessGroup group_;
+  Device device_ = Device::cpu;  // where the parameters live (and so the shards and staging buffers)
   std::vector<Bucket> buckets_;
   std::vector<Segment> segments_;  // in parameter order
   int64_t shard_elems_ = 0;

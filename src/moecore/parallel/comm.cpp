@@ -160,10 +160,10 @@ std::string lower(std::string s) {
 
 void check_tensor(const Tensor& t, const char* op, const ProcessGroup& g, const char* which) {
   if (!t.defined()) MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor is undefined");
-  if (t.device() != Device::cpu)
+  if (t.device() == Device::cuda)
     MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(), " lives on the GPU; the ",
                  comm_backend_name(),
-                 " backend moves CPU memory only (device tensors need the NCCL backend, not built yet)");
+                 " backend moves host memory only (device tensors need the NCCL backend, not built yet)");
   if (!t.is_contiguous())
     MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(),
                  " is not contiguous; pass a contiguous tensor (e.g. clone())");
@@ -366,15 +366,17 @@ ProcessGroup group_split(const ProcessGroup& parent, std::string name, const std
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Tensor forms
+// Tensor forms. Host tensors and the simulated device's (whose memory is the host's) take the same path.
 // ---------------------------------------------------------------------------------------------------
 
 void all_reduce_sum(const Tensor& buf, const ProcessGroup& g) {
+  const DeviceAccess access;  // a collective reads and writes device memory, as NCCL does
   check_tensor(buf, "all_reduce_sum", g, "buffer");
   detail::all_reduce_sum_raw(buf.raw(), buf.numel(), buf.dtype(), g);
 }
 
 void all_gather(const Tensor& out, const Tensor& in, const ProcessGroup& g) {
+  const DeviceAccess access;  // a collective reads and writes device memory, as NCCL does
   check_tensor(out, "all_gather", g, "output");
   check_tensor(in, "all_gather", g, "input");
   check_same_dtype(out, in, "all_gather", g);
@@ -382,6 +384,7 @@ void all_gather(const Tensor& out, const Tensor& in, const ProcessGroup& g) {
 }
 
 void all_gather_v(const Tensor& out, const Tensor& in, std::span<const int64_t> rows, const ProcessGroup& g) {
+  const DeviceAccess access;  // a collective reads and writes device memory, as NCCL does
   check_tensor(out, "all_gather_v", g, "output");
   check_tensor(in, "all_gather_v", g, "input");
   check_same_dtype(out, in, "all_gather_v", g);
@@ -394,6 +397,7 @@ void all_gather_v(const Tensor& out, const Tensor& in, std::span<const int64_t> 
 }
 
 void reduce_scatter_sum(const Tensor& out, const Tensor& in, const ProcessGroup& g) {
+  const DeviceAccess access;  // a collective reads and writes device memory, as NCCL does
   check_tensor(out, "reduce_scatter_sum", g, "output");
   check_tensor(in, "reduce_scatter_sum", g, "input");
   check_same_dtype(out, in, "reduce_scatter_sum", g);
@@ -402,6 +406,7 @@ void reduce_scatter_sum(const Tensor& out, const Tensor& in, const ProcessGroup&
 
 void all_to_all_v(const Tensor& out, std::span<const int64_t> recv_rows, const Tensor& in,
                   std::span<const int64_t> send_rows, const ProcessGroup& g) {
+  const DeviceAccess access;  // a collective reads and writes device memory, as NCCL does
   check_tensor(out, "all_to_all_v", g, "output");
   check_tensor(in, "all_to_all_v", g, "input");
   check_same_dtype(out, in, "all_to_all_v", g);
@@ -415,6 +420,7 @@ void all_to_all_v(const Tensor& out, std::span<const int64_t> recv_rows, const T
 }
 
 void broadcast(const Tensor& buf, int root, const ProcessGroup& g) {
+  const DeviceAccess access;  // a collective reads and writes device memory, as NCCL does
   check_tensor(buf, "broadcast", g, "buffer");
   detail::broadcast_raw(buf.raw(), buf.numel(), buf.dtype(), root, g);
 }

@@ -160,7 +160,8 @@ OptParamSchedulerState opt_param_scheduler_resolve(const OptParamSchedulerState&
 uint64_t parameter_hash(const model::GptModel& gpt) {
   uint64_t h = 0xCBF29CE484222325ull;
   for (const auto& p : gpt.params()) {
-    const auto* b = static_cast<const unsigned char*>(p.value.raw());
+    const Tensor host = p.value.to_device(Device::cpu);  // device parameters are hashed from a host copy
+    const auto* b = static_cast<const unsigned char*>(host.raw());
     for (int64_t i = 0; i < p.value.nbytes(); ++i) h = (h ^ b[i]) * 0x100000001B3ull;
   }
   return h;
@@ -332,17 +333,18 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
   std::map<std::string, Tensor> shard;
   for (size_t i = 0; i < params.size(); ++i) {
     const bool sharded = EP > 1 && params[i].expert_parallel;
-    (sharded ? shard : model)[params[i].name] = params[i].value;
+    // The writer reads host memory: device tensors are copied to the host (CPU ones are used as they are).
+    (sharded ? shard : model)[params[i].name] = params[i].value.to_device(Device::cpu);
     if (!optim) continue;
     auto& o = sharded ? shard : *optim;
-    o["exp_avg." + params[i].name] = opt.exp_avg[i];
-    o["exp_avg_sq." + params[i].name] = opt.exp_avg_sq[i];
+    o["exp_avg." + params[i].name] = opt.exp_avg[i].to_device(Device::cpu);
+    o["exp_avg_sq." + params[i].name] = opt.exp_avg_sq[i].to_device(Device::cpu);
   }
   json calls = json::array();
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
     const moe::RouterState* st = gpt.router_state(l);
     calls.push_back(st ? st->calls : 0);
-    if (st && st->expert_bias.defined()) model[checkpoint_expert_bias_name(l)] = st->expert_bias;
+    if (st && st->expert_bias.defined()) model[checkpoint_expert_bias_name(l)] = st->expert_bias.to_device(Device::cpu);
   }
   // A part saved without (--no-save-optim, --no-save-rng) is an absent key, so old checkpoints read as complete.
   json state = {{"format", "moecore-train-state"},
@@ -382,8 +384,7 @@ namespace {
 // the checks run (a load checks everything before it writes anything).
 void load_expert_rows(Tensor& dst, const io::LoadedCheckpoint& ck, const std::string& whole_file,
                       const std::string& name, int64_t first, int64_t saved_ep, int64_t num_experts, bool copy) {
-  const int64_t n = dst.size(0), per_row = dst.numel() / std::max<int64_t>(n, 1);
-  const int64_t row_bytes = per_row * static_cast<int64_t>(dtype_size(dst.dtype()));
+  const int64_t n = dst.size(0);
   auto use = [&](const std::string& file, int64_t rows, int64_t src_first) {
     auto f = ck.files.find(file);
     if (f == ck.files.end())
@@ -400,9 +401,7 @@ void load_expert_rows(Tensor& dst, const io::LoadedCheckpoint& ck, const std::st
                    dtype_name(dst.dtype()), " is expected (", rows, " experts of ", dst.str(), ")");
     if (!copy) return;
     const int64_t lo = std::max(first, src_first), hi = std::min(first + n, src_first + rows);
-    for (int64_t r = lo; r < hi; ++r)
-      std::memcpy(static_cast<char*>(dst.raw()) + (r - first) * row_bytes,
-                  static_cast<const char*>(src.raw()) + (r - src_first) * row_bytes, static_cast<size_t>(row_bytes));
+    if (lo < hi) dst.slice(0, lo - first, hi - first).copy_from(src.slice(0, lo - src_first, hi - src_first));
   };
   if (saved_ep <= 1) {
     use(whole_file, num_experts, 0);

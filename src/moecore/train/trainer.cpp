@@ -101,16 +101,19 @@ double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& bat
 
 namespace {
 // Adds this micro-batch's router statistics of every MoE layer into acc; returns the number of MoE layers.
+// The statistics live on the router's device; one small host snapshot per layer and micro-batch (a few dozen
+// bytes, after the micro-batch's backward) is the price of logging the losses, and no kernel launch waits on it.
 int64_t accumulate_moe_losses(const model::GptModel& gpt, MoeStepLosses& acc) {
   int64_t n = 0;
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
     const moe::RouterStats* st = gpt.moe_stats(l);
     if (!st) continue;
     ++n;
-    acc.aux_loss += st->aux_loss;
-    acc.seq_aux_loss += st->seq_aux_loss;
-    acc.global_aux_loss += st->global_aux_loss;
-    acc.z_loss += st->z_loss;
+    const moe::RouterStatsHost h = moe::router_stats_host(*st);
+    acc.aux_loss += h.aux_loss;
+    acc.seq_aux_loss += h.seq_aux_loss;
+    acc.global_aux_loss += h.global_aux_loss;
+    acc.z_loss += h.z_loss;
   }
   return n;
 }
@@ -132,16 +135,17 @@ std::string format_moe_losses(const moe::MoeConfig& mc, const MoeStepLosses& l) 
 // Per-layer router statistics of the last micro-batch: tokens per expert, max/mean load, drops and losses.
 void log_moe_layers(const model::GptModel& gpt, std::FILE* log) {
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
-    const moe::RouterStats* st = gpt.moe_stats(l);
-    if (!st) continue;
+    const moe::RouterStats* stats = gpt.moe_stats(l);
+    if (!stats) continue;
+    const moe::RouterStatsHost st = moe::router_stats_host(*stats);  // once per logged step
     std::string tpe;
-    for (size_t e = 0; e < st->tokens_per_expert.size(); ++e)
-      tpe += (e ? "," : "") + std::to_string(st->tokens_per_expert[e]);
+    for (size_t e = 0; e < st.tokens_per_expert.size(); ++e)
+      tpe += (e ? "," : "") + std::to_string(st.tokens_per_expert[e]);
     std::fprintf(log,
                  "   moe layer %lld | max/mean load %.3f | dropped %lld | aux %.4f seq %.4f global %.4f z %.4f | "
                  "tokens per expert [%s]\n",
-                 static_cast<long long>(l), st->max_over_mean_load(), static_cast<long long>(st->dropped), st->aux_loss,
-                 st->seq_aux_loss, st->global_aux_loss, st->z_loss, tpe.c_str());
+                 static_cast<long long>(l), st.max_over_mean_load(), static_cast<long long>(st.dropped), st.aux_loss,
+                 st.seq_aux_loss, st.global_aux_loss, st.z_loss, tpe.c_str());
   }
 }
 }  // namespace
@@ -151,7 +155,7 @@ namespace {
 // The first parameter gradient that is not finite, or "" when all are.
 std::string first_nonfinite_gradient(const model::GptModel& gpt) {
   for (const auto& p : gpt.params())
-    if (!ops::all_finite(p.grad, {})) return p.name;
+    if (!ops::all_finite(p.grad, ops::Context{p.grad.device()})) return p.name;
   return "";
 }
 
@@ -197,15 +201,16 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
   if (comm_share >= 0) scalars.emplace_back("moe/dispatcher_comm_share", comm_share);
   if (per_layer) {
     for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
-      const moe::RouterStats* st = gpt.moe_stats(l);
-      if (!st) continue;
+      const moe::RouterStats* stats = gpt.moe_stats(l);
+      if (!stats) continue;
+      const moe::RouterStatsHost st = moe::router_stats_host(*stats);  // once per logged step
       const std::string sfx = "_layer_" + std::to_string(l);
-      scalars.emplace_back("moe/load_balancing_loss" + sfx, st->aux_loss);
-      scalars.emplace_back("moe/max_over_mean_load" + sfx, st->max_over_mean_load());
-      scalars.emplace_back("moe/dropped_tokens" + sfx, static_cast<double>(st->dropped));
-      for (size_t e = 0; e < st->tokens_per_expert.size(); ++e)
+      scalars.emplace_back("moe/load_balancing_loss" + sfx, st.aux_loss);
+      scalars.emplace_back("moe/max_over_mean_load" + sfx, st.max_over_mean_load());
+      scalars.emplace_back("moe/dropped_tokens" + sfx, static_cast<double>(st.dropped));
+      for (size_t e = 0; e < st.tokens_per_expert.size(); ++e)
         scalars.emplace_back("moe/tokens_per_expert" + sfx + "_expert_" + std::to_string(e),
-                             static_cast<double>(st->tokens_per_expert[e]));
+                             static_cast<double>(st.tokens_per_expert[e]));
     }
   }
   if (sinks.tb) {
@@ -235,7 +240,7 @@ void reduce_stats_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses
   moe_losses = {v[1] * inv, v[2] * inv, v[3], v[4] * inv};
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
     moe::RouterState* st = gpt.router_state(l);
-    if (st) all_reduce_sum(std::span<int64_t>(st->local_tokens_per_expert), dp);
+    if (st) all_reduce_sum(st->local_tokens_per_expert, dp);  // a device tensor: the collective moves it
   }
 }
 
@@ -248,7 +253,8 @@ class GradBuckets {
     int64_t total[2] = {0, 0};
     for (const auto& p : gpt.params()) total[p.expert_parallel ? 1 : 0] += p.grad.numel();
     const int64_t n = std::min(std::max(total[0], total[1]), bucket);
-    if (g.dp.size() > 1 || g.edp.size() > 1) flat_ = Tensor::empty({n}, DType::f32, MemCategory::workspace);
+    if (g.dp.size() > 1 || g.edp.size() > 1)
+      flat_ = Tensor::empty({n}, DType::f32, MemCategory::workspace, gpt.device());
     pending_.reserve(gpt.params().size());
   }
   void all_reduce(model::GptModel& gpt) {
@@ -259,17 +265,20 @@ class GradBuckets {
       int64_t used = 0;
       auto flush = [&]() {
         if (pending.empty()) return;
-        float* f = flat_.data<float>();
         int64_t o = 0;
-        for (Param* p : pending) {
-          std::memcpy(f + o, p->grad.data<float>(), static_cast<size_t>(p->grad.numel()) * sizeof(float));
-          o += p->grad.numel();
+        for (Param* p : pending) {  // device copies: the bucket lives where the gradients do
+          const int64_t n = p->grad.numel();
+          Tensor part = flat_.slice(0, o, o + n);
+          part.copy_from(p->grad.view({n}));
+          o += n;
         }
-        all_reduce_sum(std::span<float>(f, static_cast<size_t>(o)), grp);
+        all_reduce_sum(flat_.slice(0, 0, o), grp);
         o = 0;
         for (Param* p : pending) {
-          std::memcpy(p->grad.data<float>(), f + o, static_cast<size_t>(p->grad.numel()) * sizeof(float));
-          o += p->grad.numel();
+          const int64_t n = p->grad.numel();
+          Tensor grad = p->grad.view({n});
+          grad.copy_from(flat_.slice(0, o, o + n));
+          o += n;
         }
         pending.clear();
         used = 0;
@@ -300,7 +309,8 @@ class GradBuckets {
 // squares are identical on every rank; the expert shards' squares are summed over the EP group.
 double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g) {
   double sq[2] = {0, 0};
-  for (const auto& p : gpt.params()) sq[p.expert_parallel ? 1 : 0] += ops::sum_squares(p.grad, {});
+  for (const auto& p : gpt.params())
+    sq[p.expert_parallel ? 1 : 0] += ops::sum_squares(p.grad, ops::Context{p.grad.device()});
   if (g.ep.size() > 1) all_reduce_sum(std::span<double>(sq + 1, 1), g.ep);
   return std::sqrt(sq[0] + sq[1]);
 }
@@ -701,11 +711,15 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
 }
 
 std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& prompt, int64_t count,
-                              float temperature, uint64_t seed, int32_t stop_token) {
+                              float temperature, uint64_t seed, int32_t stop_token, int64_t vocab_limit) {
   const auto& m = gpt.config();
-  const int64_t B = gpt.micro_batch_size(), S = m.seq_length, V = m.vocab_size;
+  const int64_t B = gpt.micro_batch_size(), S = m.seq_length, Vm = m.vocab_size;
+  if (vocab_limit < 0 || vocab_limit > Vm)
+    MOECORE_FAIL("generate: vocab_limit ", vocab_limit, " is outside the model's vocabulary of ", Vm);
+  const int64_t V = vocab_limit > 0 ? vocab_limit : Vm;  // candidates: the first V logits of a row
   Tensor tokens = Tensor::zeros({B, S}, DType::i32, MemCategory::workspace);
-  Tensor logits = Tensor::empty({B * S, V}, DType::f32, MemCategory::workspace);
+  Tensor logits = Tensor::empty({B * S, Vm}, DType::f32, MemCategory::workspace, gpt.device());
+  std::vector<float> row(static_cast<size_t>(Vm));  // the last position's logits, read back to sample from
   std::vector<int32_t> ctx = prompt, out;
   const PhiloxKey key = philox_key(seed, "generate");
   std::vector<std::pair<float, int32_t>> cand(static_cast<size_t>(V));
@@ -714,7 +728,7 @@ std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& 
     int32_t* tp = tokens.data<int32_t>();
     std::copy(ctx.end() - n, ctx.end(), tp);
     gpt.forward_logits(logits, tokens);
-    const float* row = logits.data<float>() + (n - 1) * V;
+    logits.slice(0, n - 1, n).copy_to_host(row.data(), Vm);
     for (int64_t v = 0; v < V; ++v) cand[v] = {row[v], static_cast<int32_t>(v)};
     const int64_t k = std::min<int64_t>(40, V);
     std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), std::greater<>());

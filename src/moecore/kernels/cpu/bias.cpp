@@ -31,17 +31,12 @@ void check_f32(const cpu::Checker& ck, const char* name, const Shape& shape) {
   ck.contiguous(name);
 }
 
-// Prefix sums of group_rows into a per-thread buffer [G + 1]; raises Error unless every count is >= 0
-// and they sum to at most R (the rest is padding).
-const int64_t* group_offsets(const cpu::Checker& ck, const std::vector<int64_t>& group_rows, int64_t R) {
-  const int64_t G = static_cast<int64_t>(group_rows.size());
+// Prefix sums of the op's group_rows (cpu::group_counts) into a per-thread buffer [G + 1].
+const int64_t* group_offsets(const cpu::Checker& ck, int64_t G, int64_t R) {
+  const std::vector<int64_t>& rows = cpu::group_counts(ck, G, R);
   int64_t* off = cpu::scratch<int64_t, 6>(static_cast<size_t>(G + 1));
   off[0] = 0;
-  for (int64_t g = 0; g < G; ++g) {
-    if (group_rows[g] < 0) ck.fail("group_rows[", g, "] = ", group_rows[g], " is negative");
-    off[g + 1] = off[g] + group_rows[g];
-  }
-  if (off[G] > R) ck.fail("group_rows sum to ", off[G], " but there are only ", R, " rows");
+  for (int64_t g = 0; g < G; ++g) off[g + 1] = off[g] + rows[g];
   return off;
 }
 
@@ -87,16 +82,13 @@ void grad_kernel(float* dbias, const T* dy, int64_t ldy, const float* row_scale,
   });
 }
 
-// drow_scale[r] = dy[r, :] . bias[g(r), :] in double, 0 on padding rows.
+// drow_scale[r] = dy[r, :] . bias[g(r), :] in double for the rows the groups cover (padding rows untouched).
 template <class T>
 void row_dot_kernel(float* drow_scale, const T* dy, int64_t ldy, const float* bias, const int64_t* off, int64_t G,
-                    int64_t R, int64_t W) {
+                    int64_t W) {
+  const int64_t R = off[G];
 #pragma omp parallel for schedule(static) if (R * W > cpu::kParallelWork)
   for (int64_t r = 0; r < R; ++r) {
-    if (r >= off[G]) {
-      drow_scale[r] = 0.0f;
-      continue;
-    }
     const float* b = bias + group_of(off, G, r) * W;
     const T* d = dy + r * ldy;
     double s = 0.0;
@@ -135,56 +127,61 @@ void bias_grad(Tensor& dbias, const Tensor& dy, const Context& ctx) {
   grad_dispatch(dbias, dy, nullptr, single_group(dy.size(0)), 1);
 }
 
-void bias_add_grouped(Tensor& y, const Tensor& bias, const std::vector<int64_t>& group_rows, const Context& ctx) {
-  const cpu::Checker ck("bias_add_grouped", ctx, {{"y", &y}, {"bias", &bias}});
+void bias_add_grouped(Tensor& y, const Tensor& bias, const Tensor& group_rows, const Context& ctx) {
+  const cpu::Checker ck("bias_add_grouped", ctx, {{"y", &y}, {"bias", &bias}, {"group_rows", &group_rows}});
   check_rows(ck, "y");
-  const int64_t G = static_cast<int64_t>(group_rows.size());
+  const int64_t G = group_rows.numel();
   check_f32(ck, "bias", Shape{G, y.size(1)});
-  add_dispatch(y, bias, nullptr, group_offsets(ck, group_rows, y.size(0)), G);
+  add_dispatch(y, bias, nullptr, group_offsets(ck, G, y.size(0)), G);
 }
 
-void bias_grad_grouped(Tensor& dbias, const Tensor& dy, const std::vector<int64_t>& group_rows, const Context& ctx) {
-  const cpu::Checker ck("bias_grad_grouped", ctx, {{"dbias", &dbias}, {"dy", &dy}});
+void bias_grad_grouped(Tensor& dbias, const Tensor& dy, const Tensor& group_rows, const Context& ctx) {
+  const cpu::Checker ck("bias_grad_grouped", ctx, {{"dbias", &dbias}, {"dy", &dy}, {"group_rows", &group_rows}});
   check_rows(ck, "dy");
-  const int64_t G = static_cast<int64_t>(group_rows.size());
+  const int64_t G = group_rows.numel();
   check_f32(ck, "dbias", Shape{G, dy.size(1)});
-  grad_dispatch(dbias, dy, nullptr, group_offsets(ck, group_rows, dy.size(0)), G);
+  grad_dispatch(dbias, dy, nullptr, group_offsets(ck, G, dy.size(0)), G);
 }
 
-void bias_add_grouped_scaled(Tensor& y, const Tensor& bias, const Tensor& row_scale,
-                             const std::vector<int64_t>& group_rows, const Context& ctx) {
-  const cpu::Checker ck("bias_add_grouped_scaled", ctx, {{"y", &y}, {"bias", &bias}, {"row_scale", &row_scale}});
+void bias_add_grouped_scaled(Tensor& y, const Tensor& bias, const Tensor& row_scale, const Tensor& group_rows,
+                             const Context& ctx) {
+  const cpu::Checker ck("bias_add_grouped_scaled", ctx,
+                        {{"y", &y}, {"bias", &bias}, {"row_scale", &row_scale}, {"group_rows", &group_rows}});
   check_rows(ck, "y");
-  const int64_t G = static_cast<int64_t>(group_rows.size());
+  const int64_t G = group_rows.numel();
   check_f32(ck, "bias", Shape{G, y.size(1)});
   check_f32(ck, "row_scale", Shape{y.size(0)});
-  add_dispatch(y, bias, row_scale.data<float>(), group_offsets(ck, group_rows, y.size(0)), G);
+  add_dispatch(y, bias, row_scale.data<float>(), group_offsets(ck, G, y.size(0)), G);
 }
 
 void bias_grad_grouped_scaled(Tensor& dbias, Tensor& drow_scale, const Tensor& dy, const Tensor& bias,
-                              const Tensor& row_scale, const std::vector<int64_t>& group_rows, const Context& ctx) {
+                              const Tensor& row_scale, const Tensor& group_rows, const Context& ctx) {
   const char* op = "bias_grad_grouped_scaled";
-  const cpu::Checker ck =
-      drow_scale.defined()
-          ? cpu::Checker(op, ctx,
-                         {{"dbias", &dbias},
-                          {"drow_scale", &drow_scale},
-                          {"dy", &dy},
-                          {"bias", &bias},
-                          {"row_scale", &row_scale}})
-          : cpu::Checker(op, ctx, {{"dbias", &dbias}, {"dy", &dy}, {"bias", &bias}, {"row_scale", &row_scale}});
+  const cpu::Checker ck = drow_scale.defined() ? cpu::Checker(op, ctx,
+                                                              {{"dbias", &dbias},
+                                                               {"drow_scale", &drow_scale},
+                                                               {"dy", &dy},
+                                                               {"bias", &bias},
+                                                               {"row_scale", &row_scale},
+                                                               {"group_rows", &group_rows}})
+                                               : cpu::Checker(op, ctx,
+                                                              {{"dbias", &dbias},
+                                                               {"dy", &dy},
+                                                               {"bias", &bias},
+                                                               {"row_scale", &row_scale},
+                                                               {"group_rows", &group_rows}});
   check_rows(ck, "dy");
-  const int64_t G = static_cast<int64_t>(group_rows.size()), R = dy.size(0), W = dy.size(1);
+  const int64_t G = group_rows.numel(), R = dy.size(0), W = dy.size(1);
   check_f32(ck, "dbias", Shape{G, W});
   check_f32(ck, "bias", Shape{G, W});
   check_f32(ck, "row_scale", Shape{R});
   if (drow_scale.defined()) check_f32(ck, "drow_scale", Shape{R});
-  const int64_t* off = group_offsets(ck, group_rows, R);
+  const int64_t* off = group_offsets(ck, G, R);
   grad_dispatch(dbias, dy, row_scale.data<float>(), off, G);
   if (!drow_scale.defined()) return;
   cpu::with_float_type(dy.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    row_dot_kernel(drow_scale.data<float>(), dy.data<T>(), dy.stride(0), bias.data<float>(), off, G, R, W);
+    row_dot_kernel(drow_scale.data<float>(), dy.data<T>(), dy.stride(0), bias.data<float>(), off, G, W);
   });
 }
 

@@ -94,17 +94,27 @@ decltype(auto) with_float_type(DType t, Fn&& fn) {
   return fn(float{});
 }
 
+// The context check of every CPU kernel: cpu or sim (fail(...) raises naming the op).
+template <class Fail>
+void check_context(const Context& ctx, Fail&& fail) {
+  if (ctx.device != Device::cpu && ctx.device != Device::sim)
+    fail("called with a ", device_name(ctx.device), " context, but this op has only the CPU kernels");
+}
+
 // Entry checks of one op call. Every failure message names the op, the failed rule and all arguments
 // with their shapes and dtypes, e.g. "rmsnorm_forward: w must have shape [8], got [9]; arguments:
 // y [4, 8] f32, rstd [4] f32, x [4, 8] f32, w [9] f32".
 class Checker {
  public:
   using Arg = std::pair<const char*, const Tensor*>;
+  // The CPU kernels serve the host (Device::cpu) and the simulated device (Device::sim); every tensor must
+  // be on the context's device. The checker opens the op body's DeviceAccess scope for its lifetime.
   Checker(const char* op, const Context& ctx, std::initializer_list<Arg> args) : op_(op), args_(args) {
-    if (ctx.device != Device::cpu) fail("called with a CUDA context, but this op has only the CPU backend");
+    check_context(ctx, [&](auto&&... m) { fail(m...); });
     for (const Arg& a : args_) {
       if (!a.second->defined()) fail(a.first, " is an undefined tensor");
-      if (a.second->device() != Device::cpu) fail(a.first, " is not on the CPU");
+      if (a.second->device() != ctx.device)
+        fail(a.first, " is on ", device_name(a.second->device()), " but the op runs on ", device_name(ctx.device));
     }
   }
 
@@ -148,7 +158,27 @@ class Checker {
  private:
   const char* op_;
   std::vector<Arg> args_;
+  DeviceAccess access_;
 };
+
+// The group sizes of a grouped op (group_rows [G] i64 on the op's device, a Checker argument named
+// "group_rows"), read by the kernel into the calling thread's buffer. Raises unless every count is >= 0 and
+// they sum to at most R (rows past the sum are padding, neither read nor written).
+inline const std::vector<int64_t>& group_counts(const Checker& ck, int64_t G, int64_t R) {
+  const Tensor& t = ck.get("group_rows");
+  ck.dtype("group_rows", DType::i64);
+  ck.shape("group_rows", Shape{G});
+  ck.contiguous("group_rows");
+  thread_local std::vector<int64_t> rows;
+  rows.assign(t.data<int64_t>(), t.data<int64_t>() + G);
+  int64_t sum = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    if (rows[g] < 0) ck.fail("group_rows[", g, "] = ", rows[g], " is negative");
+    sum += rows[g];
+  }
+  if (sum > R) ck.fail("group_rows sum to ", sum, " but there are only ", R, " rows");
+  return rows;
+}
 
 // fn(row, c0, c1) over rows x column blocks, in parallel when the work is large. For ops whose output
 // element depends only on its own row position, so any split gives the same bits.

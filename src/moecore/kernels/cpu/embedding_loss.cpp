@@ -134,4 +134,28 @@ void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, f
   for (int64_t n = 0; n < N; ++n) out[n] = softmax_cross_entropy_row(z + n * ld, V, lab[n], grad_scale, compute_grad);
 }
 
+void loss_totals(Tensor& totals, const Tensor& loss, const Tensor& labels, const Context& ctx) {
+  const cpu::Checker c("loss_totals", ctx, {{"totals", &totals}, {"loss", &loss}, {"labels", &labels}});
+  c.dtype("totals", DType::f64);
+  c.shape("totals", Shape{2});
+  c.contiguous("totals");
+  c.dtype("loss", DType::f32);
+  c.rank("loss", 1);
+  c.contiguous("loss");
+  c.dtype("labels", DType::i32);
+  c.shape("labels", loss.shape());
+  c.contiguous("labels");
+  const float* lp = loss.data<float>();
+  const int32_t* yp = labels.data<int32_t>();
+  double* t = totals.data<double>();
+  double sum = t[0];  // one running sum over all chunks: the bits do not depend on the chunking
+  int64_t counted = 0;
+  for (int64_t i = 0; i < loss.numel(); ++i) {
+    sum += lp[i];
+    counted += yp[i] >= 0 ? 1 : 0;
+  }
+  t[0] = sum;
+  t[1] += static_cast<double>(counted);
+}
+
 }  // namespace moecore::ops

@@ -10,6 +10,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
 
+#include "moecore/kernels/cpu/cpu_util.h"
 #include "moecore/kernels/ops.h"
 
 namespace moecore::ops {
@@ -97,17 +98,17 @@ Entry get_primitive(int64_t G, const Operand& a, const Operand& b, const Operand
   return e;
 }
 
-void check_operands(const char* op, const Tensor& c, const Tensor& a, const Tensor& b, int rank) {
+void check_operands(const char* op, const Tensor& c, const Tensor& a, const Tensor& b, int rank, const Context& ctx) {
+  cpu::check_context(ctx, [&](auto&&... m) { MOECORE_FAIL(op, ": ", m...); });
   const bool ok_rank = a.dim() == rank && b.dim() == rank && c.dim() == rank;
   const bool ok_dtype = a.dtype() == b.dtype() && (a.dtype() == DType::f32 || a.dtype() == DType::bf16) &&
                         (c.dtype() == DType::f32 || c.dtype() == DType::bf16);
-  const bool ok_dev = a.device() == Device::cpu && b.device() == Device::cpu && c.device() == Device::cpu;
+  const bool ok_dev = a.device() == ctx.device && b.device() == ctx.device && c.device() == ctx.device;
   const bool ok_inner = ok_rank && a.stride(-1) == 1 && b.stride(-1) == 1 && c.stride(-1) == 1;
   if (!(ok_rank && ok_dtype && ok_dev && ok_inner)) {
-    MOECORE_FAIL(op, ": expected ", rank,
-                 "-D CPU operands with a unit last stride, a and b of one dtype (f32|bf16), c "
-                 "f32|bf16; got c ",
-                 c.str(), ", a ", a.str(), ", b ", b.str());
+    MOECORE_FAIL(op, ": expected ", rank, "-D operands on ", device_name(ctx.device),
+                 " with a unit last stride, a and b of one dtype (f32|bf16), c f32|bf16; got c ", c.str(), ", a ",
+                 a.str(), ", b ", b.str());
   }
 }
 
@@ -226,13 +227,15 @@ void dispatch(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, flo
 
 void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
           const Context& ctx) {
-  check_operands("gemm", c, a, b, 2);
+  const DeviceAccess access;
+  check_operands("gemm", c, a, b, 2, ctx);
   dispatch(c, a, trans_a, b, trans_b, alpha, beta, 1, "gemm");
 }
 
 void gemm_batched(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
                   const Context& ctx) {
-  check_operands("gemm_batched", c, a, b, 3);
+  const DeviceAccess access;
+  check_operands("gemm_batched", c, a, b, 3, ctx);
   if (a.size(0) != c.size(0) || b.size(0) != c.size(0)) {
     MOECORE_FAIL("gemm_batched: batch sizes differ: c ", c.str(), ", a ", a.str(), ", b ", b.str());
   }

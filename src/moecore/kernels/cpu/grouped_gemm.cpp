@@ -171,18 +171,6 @@ void group_wgrad(float* c, int64_t ldc, const T* a, int64_t lda, const T* b, int
   }
 }
 
-// Group sizes: each >= 0, one per weight, summing to the rows of a.
-void check_groups(const cpu::Checker& chk, const std::vector<int64_t>& group_rows, int64_t G, int64_t R) {
-  if (static_cast<int64_t>(group_rows.size()) != G)
-    chk.fail("group_rows has ", group_rows.size(), " entries but there are ", G, " groups");
-  int64_t sum = 0;
-  for (size_t g = 0; g < group_rows.size(); ++g) {
-    if (group_rows[g] < 0) chk.fail("group_rows[", g, "] = ", group_rows[g], " is negative");
-    sum += group_rows[g];
-  }
-  if (sum != R) chk.fail("group_rows sum to ", sum, " but a has ", R, " rows");
-}
-
 // Calls fn(g, first_row) for every non-empty group. With enough groups and none much larger than a thread's
 // share, whole groups go to threads (sgemm then runs single-threaded inside the parallel region): that
 // skips sgemm's per-call thread split and barrier, and dynamic scheduling keeps both cores busy when the
@@ -229,9 +217,9 @@ void check_unit_last_stride(const cpu::Checker& chk, std::initializer_list<const
 
 }  // namespace
 
-void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, const std::vector<int64_t>& group_rows,
-                  float beta, const Context& ctx) {
-  const cpu::Checker chk("gemm_grouped", ctx, {{"c", &c}, {"a", &a}, {"b", &b}});
+void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, const Tensor& group_rows_t, float beta,
+                  const Context& ctx) {
+  const cpu::Checker chk("gemm_grouped", ctx, {{"c", &c}, {"a", &a}, {"b", &b}, {"group_rows", &group_rows_t}});
   chk.rank("c", 2);
   chk.rank("a", 2);
   chk.rank("b", 3);
@@ -243,7 +231,7 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
   const int64_t N = trans_b ? b.size(1) : b.size(2), Kb = trans_b ? b.size(2) : b.size(1);
   if (Kb != K || c.size(0) != R || c.size(1) != N)
     chk.fail("shapes do not match c [R, N] = a [R, K] @ op(b[g]) with trans_b = ", trans_b);
-  check_groups(chk, group_rows, G, R);
+  const std::vector<int64_t>& group_rows = cpu::group_counts(chk, G, R);
   cpu::with_float_type(a.dtype(), [&](auto ta) {
     cpu::with_float_type(c.dtype(), [&](auto tc) {
       using TA = decltype(ta);
@@ -259,9 +247,9 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
   });
 }
 
-void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const std::vector<int64_t>& group_rows, float beta,
+void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tensor& group_rows_t, float beta,
                         const Context& ctx) {
-  const cpu::Checker chk("gemm_grouped_wgrad", ctx, {{"c", &c}, {"a", &a}, {"b", &b}});
+  const cpu::Checker chk("gemm_grouped_wgrad", ctx, {{"c", &c}, {"a", &a}, {"b", &b}, {"group_rows", &group_rows_t}});
   chk.rank("c", 3);
   chk.rank("a", 2);
   chk.rank("b", 2);
@@ -272,7 +260,7 @@ void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const std::
   const int64_t R = a.size(0), M = a.size(1), N = b.size(1), G = c.size(0);
   if (b.size(0) != R || c.size(1) != M || c.size(2) != N)
     chk.fail("shapes do not match c [G, M, N] = a [R, M]^T @ b [R, N] per group");
-  check_groups(chk, group_rows, G, R);
+  const std::vector<int64_t>& group_rows = cpu::group_counts(chk, G, R);
   float* cp = c.data<float>();
   cpu::with_float_type(a.dtype(), [&](auto t) {
     using T = decltype(t);
