@@ -14,6 +14,7 @@
 
 #include "moecore/core/rng.h"
 #include "moecore/core/tensor.h"
+#include "moecore/kernels/ops.h"
 
 namespace moecore::testing {
 
@@ -89,6 +90,23 @@ inline double tolerance_ratio(const Tensor& a, const Tensor& b, double rtol, dou
     EXPECT_LE(::moecore::testing::tolerance_ratio((a), (b), (rtol), (atol)), 1.0) \
         << #a " vs " #b " (rtol " << (rtol) << ", atol " << (atol) << ")";        \
   } while (0)
+
+// The sum of squares of a float tensor on any device (ops::sum_squares into a [1] f64 on its device, read back).
+inline double sum_squares(const Tensor& x) {
+  Tensor acc = Tensor::zeros({1}, DType::f64, MemCategory::other, x.device());
+  ops::sum_squares(acc, x.is_contiguous() ? x : x.clone(), ops::Context{x.device()});
+  double s = 0;
+  acc.copy_to_host(&s, 1);
+  return s;
+}
+// True when every element of a float tensor on any device is finite (ops::flag_nonfinite).
+inline bool all_finite(const Tensor& x) {
+  Tensor flag = Tensor::zeros({1}, DType::i32, MemCategory::other, x.device());
+  ops::flag_nonfinite(flag, x.is_contiguous() ? x : x.clone(), ops::Context{x.device()});
+  int32_t f = 0;
+  flag.copy_to_host(&f, 1);
+  return f == 0;
+}
 
 // fn must raise moecore::Error whose message contains every needle.
 inline void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> needles) {

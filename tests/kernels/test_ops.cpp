@@ -427,24 +427,32 @@ TEST(Elementwise, ScaleSumSquaresAllFinite) {
   const auto xv = to_vector(x);
   double ref = 0;
   for (float v : xv) ref += double(v) * v;
-  EXPECT_NEAR(ops::sum_squares(x, kCpu), ref, 1e-12 * ref);  // double accumulation, ~1e-16 per add
+  EXPECT_NEAR(testing::sum_squares(x), ref, 1e-12 * ref);  // double accumulation, ~1e-16 per add
+  Tensor acc = zeros(Shape{1}, DType::f64);                // the op adds to acc: twice gives twice the sum
+  ops::sum_squares(acc, x, kCpu);
+  ops::sum_squares(acc, x, kCpu);
+  EXPECT_NEAR(acc.data<double>()[0], 2 * ref, 2e-12 * ref);
   const Tensor x16 = x.to(DType::bf16);
   double ref16 = 0;
   for (float v : to_vector(x16)) ref16 += double(v) * v;
-  EXPECT_NEAR(ops::sum_squares(x16, kCpu), ref16, 1e-12 * ref16);
+  EXPECT_NEAR(testing::sum_squares(x16), ref16, 1e-12 * ref16);
 
   ops::scale(x, 0.5f, kCpu);
   EXPECT_EQ(x.data<float>()[17], 0.5f * xv[17]);
 
-  EXPECT_TRUE(ops::all_finite(x, kCpu));
-  EXPECT_TRUE(ops::all_finite(x16, kCpu));
+  EXPECT_TRUE(testing::all_finite(x));
+  EXPECT_TRUE(testing::all_finite(x16));
   for (float bad : {NAN, INFINITY, -INFINITY}) {
     Tensor y = x.clone();
     y.data<float>()[100002] = bad;
-    EXPECT_FALSE(ops::all_finite(y, kCpu));
-    EXPECT_FALSE(ops::all_finite(y.to(DType::bf16), kCpu));
+    EXPECT_FALSE(testing::all_finite(y));
+    EXPECT_FALSE(testing::all_finite(y.to(DType::bf16)));
   }
-  EXPECT_TRUE(ops::all_finite(from(Shape{1}, {3.0e38f}), kCpu));
+  EXPECT_TRUE(testing::all_finite(from(Shape{1}, {3.0e38f})));
+  Tensor flag = zeros(Shape{1}, DType::i32);  // a finite tensor leaves a raised flag raised
+  flag.data<int32_t>()[0] = 1;
+  ops::flag_nonfinite(flag, x, kCpu);
+  EXPECT_EQ(flag.data<int32_t>()[0], 1);
 }
 
 // ---- AdamW ---------------------------------------------------------------------------------------
@@ -567,7 +575,7 @@ TEST(Determinism, ResultsDoNotDependOnThreadCount) {
   });
   expect_thread_independent("elementwise", [&] {
     Tensor ss = empty(Shape{1}, DType::i64);  // all 64 bits of the double
-    ss.data<int64_t>()[0] = std::bit_cast<int64_t>(ops::sum_squares(x, kCpu));
+    ss.data<int64_t>()[0] = std::bit_cast<int64_t>(testing::sum_squares(x));
     Tensor p = x.clone(), m = zeros(Shape{N, H}, DType::bf16), v = zeros(Shape{N, H});
     ops::adamw_step(p, dy, m, v, ops::AdamWParams{}, kCpu);
     Tensor act = empty(Shape{N, H / 2});
@@ -596,8 +604,10 @@ TEST(Errors, BadShapesNameTheOp) {
   expect_error([&] { ops::adamw_step(x, y7, y, y, ops::AdamWParams{}, kCpu); }, {"adamw_step", "grad"});
   Tensor xi = empty(Shape{4, 8}, DType::i32);
   expect_error([&] { ops::scale(xi, 2.0f, kCpu); }, {"scale", "i32"});
-  expect_error([&] { ops::sum_squares(xi, kCpu); }, {"sum_squares"});
-  expect_error([&] { ops::all_finite(x.slice(1, 0, 4), kCpu); }, {"all_finite", "contiguous"});
+  Tensor acc = zeros(Shape{1}, DType::f64), flag = zeros(Shape{1}, DType::i32);
+  expect_error([&] { ops::sum_squares(acc, xi, kCpu); }, {"sum_squares"});
+  expect_error([&] { ops::sum_squares(flag, x, kCpu); }, {"sum_squares", "acc", "f64"});
+  expect_error([&] { ops::flag_nonfinite(flag, x.slice(1, 0, 4), kCpu); }, {"flag_nonfinite", "contiguous"});
   const ops::Context cuda{Device::cuda, nullptr};
   expect_error([&] { ops::scale(x, 2.0f, cuda); }, {"scale", "cuda context", "only the CPU kernels"});
   Tensor x16 = x.to(DType::bf16);

@@ -148,7 +148,7 @@ TEST(MoeModel, BackwardTwiceDoublesGradientsIncludingRouterAndExperts) {
     ops::scale(twice, 2.0f, kDev);
     EXPECT_LE(testing::tolerance_ratio(weights[i].grad, twice, 1e-5, 1e-9), 1.0) << weights[i].name;
   }
-  EXPECT_GT(ops::sum_squares(m.param("decoder.layers.0.mlp.router.weight").grad, kDev), 0.0);
+  EXPECT_GT(testing::sum_squares(m.param("decoder.layers.0.mlp.router.weight").grad), 0.0);
 }
 
 TEST(MoeModel, ExpertBiasMovesOncePerOptimizerStep) {
@@ -161,7 +161,7 @@ TEST(MoeModel, ExpertBiasMovesOncePerOptimizerStep) {
   m.forward_backward(tok, lab, 0.5f);
   m.forward_backward(tok, lab, 0.5f);  // two micro-batches: counts add up, the bias does not move yet
   const Tensor bias_before = m.router_state(0)->expert_bias.clone();
-  EXPECT_EQ(ops::sum_squares(bias_before, kDev), 0.0);
+  EXPECT_EQ(testing::sum_squares(bias_before), 0.0);
   // The counters are device tensors: read through a host copy.
   auto counts = [&] {
     const Tensor c = testing::host(m.router_state(0)->local_tokens_per_expert);
@@ -173,7 +173,7 @@ TEST(MoeModel, ExpertBiasMovesOncePerOptimizerStep) {
   m.finish_step();
   const auto b = testing::to_vector(m.router_state(0)->expert_bias);
   for (int e = 0; e < 4; ++e) EXPECT_TRUE(b[e] == 0.1f || b[e] == -0.1f || b[e] == 0.0f) << b[e];
-  EXPECT_GT(ops::sum_squares(m.router_state(0)->expert_bias, kDev), 0.0);
+  EXPECT_GT(testing::sum_squares(m.router_state(0)->expert_bias), 0.0);
   for (int64_t c_e : counts()) EXPECT_EQ(c_e, 0);
 }
 

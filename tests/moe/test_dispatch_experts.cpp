@@ -69,12 +69,8 @@ std::vector<int32_t> to_vector_i32(const Tensor& t) {
   t.copy_to_host(v.data(), t.numel());
   return v;
 }
-double sum_squares(const Tensor& t) {
-  double s = 0;
-  for (float v : to_vector(t)) s += double(v) * double(v);
-  return s;
-}
-// t's leading elements equal `prefix` bit for bit (finite values) and (with check_tail) every later one is NaN.
+using testing::sum_squares;
+// t's leading elements equal `prefix` bit for bit (finite values) and every later one is NaN.
 void expect_prefix_then_nan(const Tensor& t, const std::vector<float>& prefix, const std::string& what) {
   const auto v = to_vector(t);
   ASSERT_GE(v.size(), prefix.size()) << what;
@@ -640,10 +636,7 @@ ExpertResult run_experts(const ExpertCase& c, bool grouped, int backward_calls =
   return r;
 }
 
-bool all_finite(const Tensor& t) {
-  const auto v = to_vector(t);
-  return std::all_of(v.begin(), v.end(), [](float f) { return std::isfinite(f); });
-}
+using testing::all_finite;
 
 // Same math, GEMMs issued differently. f32: rtol/atol 1e-5. bf16: intermediate roundings may land on the
 // other side of a tie, so rtol 2e-2 with atol 2e-2 (values are O(1)); weight grads sum over rows, atol 5e-2.

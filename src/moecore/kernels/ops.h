@@ -246,10 +246,13 @@ void qkv_slots_gather(Tensor& packed, const Tensor& qkv, const QkvDims& dims, in
                       const Context& ctx);
 void qkv_slots_scatter(Tensor& qkv, const Tensor& packed, const QkvDims& dims, int64_t slot, int64_t count,
                        const Context& ctx);
-// Sum of squares of a float tensor, accumulated in double (for the global gradient norm).
-double sum_squares(const Tensor& x, const Context& ctx);
-// True when every element is finite.
-bool all_finite(const Tensor& x, const Context& ctx);
+// acc [1] f64 += the sum of squares of a float tensor, in double, in an order fixed by x's shape (the bits do not
+// depend on the thread count). acc stays on the device: a caller adds every gradient into it and reads it once (the
+// global gradient norm costs one host read per step, not one per parameter). acc may be a slot of a wider tensor.
+void sum_squares(Tensor& acc, const Tensor& x, const Context& ctx);
+// flag [1] i32 is set to 1 when x holds a NaN or an infinity, and left alone otherwise (one slot per tensor, read
+// once).
+void flag_nonfinite(Tensor& flag, const Tensor& x, const Context& ctx);
 
 // ---- Optimizer ---------------------------------------------------------------------------------
 struct AdamWParams {

@@ -25,9 +25,11 @@ AdamW::AdamW(std::vector<Param>& params, const AdamWConfig& cfg, bool allocate_s
   }
 }
 
-double global_grad_norm(const std::vector<Param>& params) {
+double global_grad_norm(const std::vector<Param>& params, Tensor& acc) {
+  acc.zero_();
+  for (const auto& p : params) ops::sum_squares(acc, p.grad, ops::Context{p.grad.device()});
   double s = 0;
-  for (const auto& p : params) s += ops::sum_squares(p.grad, ops::Context{p.grad.device()});
+  acc.copy_to_host(&s, 1);
   return std::sqrt(s);
 }
 
@@ -38,7 +40,11 @@ float clip_scale_for(double grad_norm, float clip_grad) {
 }
 
 StepStats AdamW::step(float lr) {
-  return step(lr, global_grad_norm(params_));
+  // A [1] accumulator per call: this convenience form serves tests and benches; the trainer computes the norm over
+  // its groups with buffers allocated once and calls step(lr, grad_norm).
+  Tensor acc = Tensor::zeros({1}, DType::f64, MemCategory::workspace,
+                             params_.empty() ? Device::cpu : params_.front().grad.device());
+  return step(lr, global_grad_norm(params_, acc));
 }
 
 StepStats AdamW::step(float lr, double grad_norm) {

@@ -50,8 +50,9 @@ class AdamW {
   int64_t step_ = 0;
 };
 
-// sqrt(sum over params of sum(grad^2)), accumulated in double in parameter order.
-double global_grad_norm(const std::vector<Param>& params);
+// sqrt(sum over params of sum(grad^2)), accumulated in double in parameter order on the device, in acc ([1] f64
+// on the gradients' device, zeroed here), and read back once.
+double global_grad_norm(const std::vector<Param>& params, Tensor& acc);
 // Megatron/torch clip rule: clip_grad / (grad_norm + 1e-6) when that is below 1, else 1. clip_grad 0
 // disables clipping (scale 1); a NaN norm gives 1, an infinite one 0.
 float clip_scale_for(double grad_norm, float clip_grad);

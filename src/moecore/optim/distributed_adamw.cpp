@@ -58,6 +58,9 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
   shard_grad_ = Tensor::zeros(Shape{shard_elems_}, DType::f32, MemCategory::gradients, device_);
   exp_avg_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
   exp_avg_sq_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
+  sq_acc_ = Tensor::zeros(Shape{1}, DType::f64, MemCategory::workspace, device_);
+  nonfinite_ = Tensor::zeros(Shape{std::max<int64_t>(1, static_cast<int64_t>(segments_.size()))}, DType::i32,
+                             MemCategory::workspace, device_);
 }
 
 void DistributedAdamW::check_same_params_across_ranks() const {
@@ -149,16 +152,25 @@ void DistributedAdamW::reduce_scatter_grads() {
 }
 
 double DistributedAdamW::shard_grad_sq() const {
+  Tensor acc = sq_acc_;
+  acc.zero_();
+  for (const Segment& g : segments_) ops::sum_squares(acc, range(shard_grad_, g.shard_offset, g.elems), ctx());
   double s = 0;
-  for (const Segment& g : segments_)
-    s += ops::sum_squares(range(shard_grad_, g.shard_offset, g.elems), ops::Context{device_});
+  acc.copy_to_host(&s, 1);
   return s;
 }
 
 std::string DistributedAdamW::first_nonfinite_grad() const {
-  for (const Segment& g : segments_)
-    if (!ops::all_finite(range(shard_grad_, g.shard_offset, g.elems), ops::Context{device_}))
-      return params_[g.param]->name;
+  Tensor flags = nonfinite_;
+  flags.zero_();
+  for (size_t i = 0; i < segments_.size(); ++i) {
+    Tensor flag = range(flags, static_cast<int64_t>(i), 1);
+    ops::flag_nonfinite(flag, range(shard_grad_, segments_[i].shard_offset, segments_[i].elems), ctx());
+  }
+  std::vector<int32_t> host(static_cast<size_t>(flags.numel()));
+  flags.copy_to_host(host.data(), flags.numel());
+  for (size_t i = 0; i < segments_.size(); ++i)
+    if (host[i]) return params_[segments_[i].param]->name;
   return "";
 }
 
@@ -176,7 +188,7 @@ void DistributedAdamW::apply_segment(const Segment& s, float lr, float clip_scal
   const Tensor grad = shard_grad_.slice(0, s.shard_offset, s.shard_offset + s.elems);
   Tensor m = exp_avg_.slice(0, s.shard_offset, s.shard_offset + s.elems);
   Tensor v = exp_avg_sq_.slice(0, s.shard_offset, s.shard_offset + s.elems);
-  ops::adamw_step(value, grad, m, v, ap, ops::Context{device_});
+  ops::adamw_step(value, grad, m, v, ap, ctx());
 }
 
 void DistributedAdamW::step(float lr, float clip_scale) {

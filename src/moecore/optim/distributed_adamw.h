@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "moecore/core/param.h"
+#include "moecore/kernels/ops.h"
 #include "moecore/optim/adamw.h"
 #include "moecore/parallel/comm.h"
 
@@ -92,11 +93,16 @@ class DistributedAdamW {
   std::vector<int64_t> param_elems_;    // each parameter's element count, fixed at construction
   AdamWConfig cfg_;
   ProcessGroup group_;
-  Device device_ = Device::cpu;  // where the parameters live (and so the shards and staging buffers)
+  Device device_ = Device::cpu;
+  ops::Context ctx() const {
+    return ops::Context{device_};
+  }  // where the parameters live (and so the shards and staging buffers)
   std::vector<Bucket> buckets_;
   std::vector<Segment> segments_;  // in parameter order
   int64_t shard_elems_ = 0;
   int64_t step_ = 0;
+  Tensor sq_acc_;       // [1] f64: the shard's squared gradient norm, summed on the device and read once
+  Tensor nonfinite_;    // [segments] i32: per segment, 1 when its gradient holds a NaN or an infinity
   Tensor staging_;      // [max N_b] f32: gradients to reduce-scatter, then gathered masters
   Tensor shard_grad_;   // [shard_elems] f32: this rank's share of the summed gradients
   Tensor shard_param_;  // [max N_b / P] f32: updated masters of one bucket, to all-gather

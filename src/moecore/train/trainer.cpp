@@ -152,10 +152,30 @@ void log_moe_layers(const model::GptModel& gpt, std::FILE* log) {
 
 namespace {
 
+// Per-step checks of the gradients, on the device, each read back once: the squared norms of the replicated and
+// the expert-parallel parameters, and a non-finite flag per parameter.
+struct GradChecks {
+  Tensor sq;     // [2] f64
+  Tensor flags;  // [params] i32
+  std::vector<int32_t> host_flags;
+  explicit GradChecks(const model::GptModel& gpt)
+      : sq(Tensor::zeros({2}, DType::f64, MemCategory::workspace, gpt.device())),
+        flags(Tensor::zeros({std::max<int64_t>(1, static_cast<int64_t>(gpt.params().size()))}, DType::i32,
+                            MemCategory::workspace, gpt.device())),
+        host_flags(static_cast<size_t>(flags.numel())) {}
+};
+
 // The first parameter gradient that is not finite, or "" when all are.
-std::string first_nonfinite_gradient(const model::GptModel& gpt) {
-  for (const auto& p : gpt.params())
-    if (!ops::all_finite(p.grad, ops::Context{p.grad.device()})) return p.name;
+std::string first_nonfinite_gradient(const model::GptModel& gpt, GradChecks& c) {
+  const auto& params = gpt.params();
+  c.flags.zero_();
+  for (size_t i = 0; i < params.size(); ++i) {
+    Tensor flag = c.flags.slice(0, static_cast<int64_t>(i), static_cast<int64_t>(i) + 1);
+    ops::flag_nonfinite(flag, params[i].grad, ops::Context{gpt.device()});
+  }
+  c.flags.copy_to_host(c.host_flags.data(), c.flags.numel());
+  for (size_t i = 0; i < params.size(); ++i)
+    if (c.host_flags[i]) return params[i].name;
   return "";
 }
 
@@ -307,11 +327,14 @@ class GradBuckets {
 
 // The global L2 norm of the reduced gradients, every parameter counted once: the replicated parameters'
 // squares are identical on every rank; the expert shards' squares are summed over the EP group.
-double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g) {
-  double sq[2] = {0, 0};
+double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, GradChecks& c) {
+  c.sq.zero_();
+  Tensor sq_dense = c.sq.slice(0, 0, 1), sq_expert = c.sq.slice(0, 1, 2);
   for (const auto& p : gpt.params())
-    sq[p.expert_parallel ? 1 : 0] += ops::sum_squares(p.grad, ops::Context{p.grad.device()});
-  if (g.ep.size() > 1) all_reduce_sum(std::span<double>(sq + 1, 1), g.ep);
+    ops::sum_squares(p.expert_parallel ? sq_expert : sq_dense, p.grad, ops::Context{gpt.device()});
+  if (g.ep.size() > 1) all_reduce_sum(sq_expert, g.ep);
+  double sq[2];
+  c.sq.copy_to_host(sq, 2);
   return std::sqrt(sq[0] + sq[1]);
 }
 // The distributed optimizer (ZeRO-1) of a run: non-expert parameters sharded over dp, expert parameters
@@ -457,6 +480,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   }
   std::unique_ptr<GradBuckets> buckets;
   if (!zero && dp_size > 1) buckets = std::make_unique<GradBuckets>(gpt, groups, cfg.ddp_bucket_size);
+  GradChecks checks(gpt);
   TrainProgress progress;
   int64_t schedule_start = 0;  // the iteration at which the LR schedule's step 0 falls
   if (!cfg.load.empty()) {
@@ -574,7 +598,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
     if (cfg.check_for_nan) {
       std::string bad = !std::isfinite(step_loss) ? std::string("lm loss")
                         : zero                    ? zero->first_nonfinite_grad()
-                                                  : first_nonfinite_gradient(gpt);
+                                                  : first_nonfinite_gradient(gpt, checks);
       if (dp_size > 1) {  // expert shards differ between ranks: every rank must take the same decision
         int64_t flag = bad.empty() ? 0 : 1;
         all_reduce_sum(std::span<int64_t>(&flag, 1), *dp);
@@ -599,7 +623,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
       zero->step(lr, st.clip_scale);
       gpt.refresh_compute_weights();
     } else if (!skip) {
-      st = opt.step(lr, grad_norm_over_groups(gpt, groups));
+      st = opt.step(lr, grad_norm_over_groups(gpt, groups, checks));
       gpt.refresh_compute_weights();
     }
     gpt.finish_step(/*update=*/!skip);

@@ -154,20 +154,26 @@ void scale(Tensor& x, float alpha, const Context& ctx) {
   for (int64_t i = 0; i < n; ++i) p[i] *= alpha;
 }
 
-double sum_squares(const Tensor& x, const Context& ctx) {
-  const cpu::Checker c("sum_squares", ctx, {{"x", &x}});
+void sum_squares(Tensor& acc, const Tensor& x, const Context& ctx) {
+  const cpu::Checker c("sum_squares", ctx, {{"acc", &acc}, {"x", &x}});
+  c.dtype("acc", DType::f64);
+  c.shape("acc", Shape{1});
   c.float_dtype("x");
   c.contiguous("x");
-  return cpu::with_float_type(
+  const double s = cpu::with_float_type(
       x.dtype(), [&](auto t) { return sum_squares_kernel(static_cast<const decltype(t)*>(x.raw()), x.numel()); });
+  acc.data<double>()[0] += s;
 }
 
-bool all_finite(const Tensor& x, const Context& ctx) {
-  const cpu::Checker c("all_finite", ctx, {{"x", &x}});
+void flag_nonfinite(Tensor& flag, const Tensor& x, const Context& ctx) {
+  const cpu::Checker c("flag_nonfinite", ctx, {{"flag", &flag}, {"x", &x}});
+  c.dtype("flag", DType::i32);
+  c.shape("flag", Shape{1});
   c.float_dtype("x");
   c.contiguous("x");
-  if (x.dtype() == DType::bf16) return all_finite_bf16(x.data<bf16>(), x.numel());
-  return all_finite_f32(x.data<float>(), x.numel());
+  const bool finite = x.dtype() == DType::bf16 ? all_finite_bf16(x.data<bf16>(), x.numel())
+                                               : all_finite_f32(x.data<float>(), x.numel());
+  if (!finite) flag.data<int32_t>()[0] = 1;
 }
 
 void swiglu_forward(Tensor& out, const Tensor& gate_up, const Context& ctx) {
