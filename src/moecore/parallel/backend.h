@@ -51,6 +51,24 @@ void backend_all_to_all_v(void* out, const int64_t* recv_counts, const int64_t* 
                           const CallInfo& call);
 void backend_broadcast(void* buf, int64_t n, DType t, int root, BackendComm& c, const CallInfo& call);
 void backend_barrier(BackendComm& c, const CallInfo& call);
+
+// ---- Nonblocking point-to-point: what async.cpp builds comm.h's transfers and nonblocking ops on ----
+struct BackendRequest;  // one posted transfer; defined by the backend
+// Posts a send or a receive of n elements to/from group index `peer`, matched by `tag` (0 <= tag <
+// backend_tag_limit()), in posting order among equal (peer, tag). A synchronous send completes only once the
+// receiver has matched it; a plain one may complete as soon as it is buffered. The buffer stays untouched and
+// alive until backend_test says complete. Messages of any length (the backend splits what its counts cannot hold).
+std::shared_ptr<BackendRequest> backend_isend(const void* buf, int64_t n, DType t, int peer, int tag, bool synchronous,
+                                              BackendComm& c, const CallInfo& call);
+std::shared_ptr<BackendRequest> backend_irecv(void* buf, int64_t n, DType t, int peer, int tag, BackendComm& c,
+                                              const CallInfo& call);
+// True once complete. Error on a backend failure, or when a receive got a different element count than posted.
+bool backend_test(BackendRequest& r, const CallInfo& call);
+int backend_tag_limit();  // tags in [0, limit) are valid (at least 32768)
+// Defined in async.cpp: advances every pending nonblocking op one step (tests its transfers, posts its next
+// phase, finishes its reduction); false when none is pending. Backends call it while they poll a blocking
+// collective, so a rank inside a collective still serves the nonblocking ops its peers wait for.
+bool progress_async();
 [[noreturn]] void backend_abort(int code);
 // Waits up to wait_s for every world rank to call this too (a barrier on a communicator of its own, never used by
 // collectives); true when all arrived. Ranks whose collective failed never call it: they abort at once.
@@ -61,11 +79,13 @@ void mark_broken();  // a collective failed: peers may be stuck in it
 
 // Shared by every copy of a ProcessGroup (comm.cpp and collectives.cpp; backends never see it).
 struct GroupState {
-  std::shared_ptr<BackendComm> comm;  // null for size-1 groups: their collectives are plain copies
-  uint64_t seq = 0;                   // collectives issued on this communicator (debug mode compares it)
-  std::string broken;                 // non-empty once a timeout or backend error left peers stuck
-  std::vector<std::byte> scratch;     // grow-only workspace of the deterministic reductions
-  std::vector<int64_t> counts;        // grow-only workspace for counts and displacements
+  std::shared_ptr<BackendComm> comm;     // null for size-1 groups: their collectives are plain copies
+  uint64_t seq = 0;                      // collectives issued on this communicator (debug mode compares it)
+  std::string broken;                    // non-empty once a timeout or backend error left peers stuck
+  std::vector<std::byte> scratch;        // grow-only workspace of the deterministic reductions
+  std::vector<int64_t> counts;           // grow-only workspace for counts and displacements
+  std::vector<uint64_t> sent, received;  // point-to-point messages posted to / from each group index so far
+  std::shared_ptr<void> mailbox;         // async.cpp's unmatched transfers of a size-1 group to itself
 };
 
 }  // namespace moecore::detail

@@ -8,22 +8,10 @@
 #include <string>
 
 #include "moecore/core/error.h"
-#include "moecore/parallel/backend.h"
-#include "moecore/parallel/comm.h"
+#include "moecore/parallel/call.h"
 
 namespace moecore::detail {
 namespace {
-
-enum class OpId : int64_t {
-  all_reduce_sum = 1,
-  all_gather,
-  all_gather_v,
-  reduce_scatter_sum,
-  all_to_all_v,
-  broadcast,
-  barrier,
-  split
-};
 
 const char* op_name(int64_t op) {
   switch (static_cast<OpId>(op)) {
@@ -43,29 +31,18 @@ const char* op_name(int64_t op) {
       return "barrier";
     case OpId::split:
       return "group_split";
+    case OpId::all_reduce_sum_async:
+      return "all_reduce_sum_async";
+    case OpId::all_gather_async:
+      return "all_gather_async";
+    case OpId::reduce_scatter_sum_async:
+      return "reduce_scatter_sum_async";
+    case OpId::all_gather_into:
+      return "all_gather_into";
+    case OpId::reduce_scatter_from:
+      return "reduce_scatter_from";
   }
   return "unknown op";
-}
-
-// What a rank is about to do; debug mode all-gathers these and compares them field by field.
-struct OpDesc {
-  int64_t op = 0, dtype = 0, count = 0, extra = 0, hash = 0, seq = 0;
-  bool operator==(const OpDesc&) const = default;
-};
-constexpr int kDescWords = 6;
-
-std::string describe(const OpDesc& d) {
-  const OpId op = static_cast<OpId>(d.op);
-  std::string s = std::string(op_name(d.op)) + "(";
-  if (op == OpId::split) {
-    s += detail::str_cat(d.count, " groups, partition hash ", d.hash);
-  } else if (op != OpId::barrier) {
-    s += detail::str_cat(dtype_name(static_cast<DType>(d.dtype)));
-    if (op != OpId::all_to_all_v) s += detail::str_cat(", ", d.count, " elements");
-    if (op == OpId::all_gather_v) s += detail::str_cat(", counts hash ", d.hash);
-    if (op == OpId::broadcast) s += detail::str_cat(", root ", d.extra);
-  }
-  return s + detail::str_cat(op == OpId::barrier ? "" : ", ", "call #", d.seq, ")");
 }
 
 uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
@@ -74,61 +51,6 @@ uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
 }
-
-// Order-sensitive hash of the words, kept non-negative. (Plain FNV-1a on whole words collides on
-// swapped -1/1 patterns, e.g. the partitions {{0,1},{2}} and {{0},{1,2}}.)
-int64_t hash_words(std::span<const int64_t> v) {
-  uint64_t h = 0x243f6a8885a308d3ull;
-  for (int64_t x : v) h = mix64(h ^ mix64(static_cast<uint64_t>(x)));
-  return static_cast<int64_t>(h >> 1);
-}
-
-// One collective in flight on one group: the call description and the group's shared state.
-struct Call {
-  const ProcessGroup& g;
-  GroupState& st;
-  const char* op;
-  CallInfo info;
-  Call(const ProcessGroup& group, const char* op_name)
-      : g(group), st(checked_state(group, op_name)), op(op_name), info{op,       g.name(),
-                                                                       g.rank(), g.world_rank(),
-                                                                       ++st.seq, comm_options().timeout_s} {
-    note_call(info);
-  }
-  static GroupState& checked_state(const ProcessGroup& group, const char* op_name) {
-    if (!group.valid())
-      MOECORE_FAIL("comm: ", op_name,
-                   " on a default-constructed ProcessGroup; pass a group from comm_world(), "
-                   "group_split() or make_process_groups()");
-    GroupState& st = group.state();
-    if (!st.broken.empty())
-      MOECORE_FAIL("comm: ", op_name, " on group ", group.name(), ": the group is unusable after an earlier failure (",
-                   st.broken, "); end the job with comm_abort()");
-    return st;
-  }
-  [[noreturn]] void fail(const std::string& what) const {
-    MOECORE_FAIL("comm: ", op, " on group ", g.name(), " (size ", g.size(), ") on rank ", g.rank(), " (world rank ",
-                 g.world_rank(), "): ", what);
-  }
-  // Backend failures leave peers mid-collective: the communicator cannot be trusted any more.
-  template <class F>
-  void guarded(F&& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      st.broken = e.what();
-      mark_broken();
-      // A request left pending may still read the counts or write the workspace: keep both alive for good.
-      new Abandoned{std::move(st.scratch), st.comm};
-      throw;
-    }
-  }
-  struct Abandoned {
-    std::vector<std::byte> scratch;
-    std::shared_ptr<BackendComm> comm;
-  };
-  bool single() const { return g.size() == 1; }
-};
 
 void check_counts(Call& c, std::span<const int64_t> counts, const char* what) {
   if (static_cast<int>(counts.size()) != c.g.size())
@@ -141,6 +63,42 @@ int64_t sum(std::span<const int64_t> v) {
   int64_t s = 0;
   for (int64_t x : v) s += x;
   return s;
+}
+
+// dst[i] = ((src_0[i] + src_1[i]) + src_2[i]) + ...: the rank order fixes the rounding.
+template <class T>
+void sum_rank_order(T* dst, const T* src, int p, int64_t n) {
+  std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
+  for (int r = 1; r < p; ++r) {
+    const T* s = src + static_cast<int64_t>(r) * n;
+    for (int64_t i = 0; i < n; ++i) dst[i] += s[i];
+  }
+}
+
+}  // namespace
+
+std::string describe(const OpDesc& d) {
+  const OpId op = static_cast<OpId>(d.op);
+  std::string s = std::string(op_name(d.op)) + "(";
+  if (op == OpId::split) {
+    s += detail::str_cat(d.count, " groups, partition hash ", d.hash);
+  } else if (op != OpId::barrier) {
+    s += detail::str_cat(dtype_name(static_cast<DType>(d.dtype)));
+    if (op != OpId::all_to_all_v) s += detail::str_cat(", ", d.count, " elements");
+    if (op == OpId::all_gather_v) s += detail::str_cat(", counts hash ", d.hash);
+    if (op == OpId::broadcast) s += detail::str_cat(", root ", d.extra);
+    if (op == OpId::all_gather_into || op == OpId::reduce_scatter_from)
+      s += detail::str_cat(", dim ", d.extra, ", shape hash ", d.hash);
+  }
+  return s + detail::str_cat(op == OpId::barrier ? "" : ", ", "call #", d.seq, ")");
+}
+
+// (Plain FNV-1a on whole words collides on swapped -1/1 patterns, e.g. the partitions {{0,1},{2}} and
+// {{0},{1,2}}.)
+int64_t hash_words(std::span<const int64_t> v) {
+  uint64_t h = 0x243f6a8885a308d3ull;
+  for (int64_t x : v) h = mix64(h ^ mix64(static_cast<uint64_t>(x)));
+  return static_cast<int64_t>(h >> 1);
 }
 
 void check_disjoint(Call& c, const void* out, int64_t out_n, const void* in, int64_t in_n, DType t) {
@@ -161,19 +119,9 @@ void* scratch(GroupState& st, int64_t bytes) {
   return st.scratch.data();
 }
 
-int64_t* counts_ws(GroupState& st, int p) {  // four arrays of p entries
+int64_t* counts_ws(GroupState& st, int p) {
   if (st.counts.size() < static_cast<size_t>(4 * p)) st.counts.resize(static_cast<size_t>(4 * p));
   return st.counts.data();
-}
-
-// dst[i] = ((src_0[i] + src_1[i]) + src_2[i]) + ...: the rank order fixes the rounding.
-template <class T>
-void sum_rank_order(T* dst, const T* src, int p, int64_t n) {
-  std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
-  for (int r = 1; r < p; ++r) {
-    const T* s = src + static_cast<int64_t>(r) * n;
-    for (int64_t i = 0; i < n; ++i) dst[i] += s[i];
-  }
 }
 
 void sum_rank_order(DType t, void* dst, const void* src, int p, int64_t n) {
@@ -189,7 +137,6 @@ void sum_rank_order(DType t, void* dst, const void* src, int p, int64_t n) {
   }
 }
 
-// Debug mode: every rank all-gathers its description; any difference throws on every rank.
 void debug_check(Call& c, OpDesc d) {
   if (!comm_options().debug || c.single()) return;
   d.seq = static_cast<int64_t>(c.info.seq);
@@ -207,6 +154,8 @@ void debug_check(Call& c, OpDesc d) {
                  ") calls ", describe(all[static_cast<size_t>(j)]));
   }
 }
+
+namespace {
 
 // Debug mode for all_to_all_v: send_counts[j] on rank i must equal recv_counts[i] on rank j.
 void debug_check_pairs(Call& c, std::span<const int64_t> send, std::span<const int64_t> recv) {

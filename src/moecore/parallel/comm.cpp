@@ -17,7 +17,7 @@
 #include <utility>
 
 #include "moecore/core/error.h"
-#include "moecore/parallel/backend.h"
+#include "moecore/parallel/call.h"
 
 namespace moecore {
 namespace detail {
@@ -64,6 +64,23 @@ void mark_broken() {
   g_broken = true;
 }
 
+void check_tensor(const Tensor& t, const char* op, const ProcessGroup& g, const char* which) {
+  if (!t.defined()) MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor is undefined");
+  if (t.device() == Device::cuda)
+    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(), " lives on the GPU; the ",
+                 comm_backend_name(),
+                 " backend moves host memory only (device tensors need the NCCL backend, not built yet)");
+  if (!t.is_contiguous())
+    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(),
+                 " is not contiguous; pass a contiguous tensor (e.g. clone())");
+}
+
+void check_same_dtype(const Tensor& out, const Tensor& in, const char* op, const ProcessGroup& g) {
+  if (out.dtype() != in.dtype())
+    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": output ", out.str(), " and input ", in.str(),
+                 " differ in dtype");
+}
+
 }  // namespace detail
 
 void comm_set_phase(const std::string& phase) {
@@ -74,6 +91,8 @@ std::string comm_phase() {
 }
 namespace {
 
+using detail::check_same_dtype;
+using detail::check_tensor;
 using detail::GroupState;
 
 // ---- Fatal signals of a multi-process job: say which rank died doing what, then die as the signal says ----
@@ -156,23 +175,6 @@ std::shared_ptr<GroupState>& world_state() {
 std::string lower(std::string s) {
   for (char& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   return s;
-}
-
-void check_tensor(const Tensor& t, const char* op, const ProcessGroup& g, const char* which) {
-  if (!t.defined()) MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor is undefined");
-  if (t.device() == Device::cuda)
-    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(), " lives on the GPU; the ",
-                 comm_backend_name(),
-                 " backend moves host memory only (device tensors need the NCCL backend, not built yet)");
-  if (!t.is_contiguous())
-    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(),
-                 " is not contiguous; pass a contiguous tensor (e.g. clone())");
-}
-
-void check_same_dtype(const Tensor& out, const Tensor& in, const char* op, const ProcessGroup& g) {
-  if (out.dtype() != in.dtype())
-    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": output ", out.str(), " and input ", in.str(),
-                 " differ in dtype");
 }
 
 int64_t row_elems(const Tensor& t, const char* op, const ProcessGroup& g) {

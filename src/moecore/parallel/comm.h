@@ -1,7 +1,9 @@
-// The communication face: process groups and deterministic collectives on CPU memory.
+// The communication face: process groups, deterministic collectives, point-to-point transfers and the
+// nonblocking forms of both (CommHandle), on host memory.
 // Backends sit behind it (parallel/mpi/ today, parallel/nccl/ later, parallel/local/ for size-1 builds);
-// nothing above parallel/ sees MPI. This header does not build the training layout (process_groups.h does)
-// and does not move device memory.
+// nothing above parallel/ sees MPI. This header does not build the training layout (process_groups.h does).
+// The tensor forms take host tensors and the simulated device's (Device::sim, host memory that only ops and
+// collectives address); CUDA tensors need the NCCL backend, which is not built yet.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -50,7 +52,8 @@ std::string comm_phase();
 
 namespace detail {
 struct GroupState;  // communicator handle, call counter and workspace; defined in comm.cpp
-}
+class AsyncOp;      // one nonblocking operation in flight; defined in async.cpp
+}  // namespace detail
 
 // A set of ranks that communicate together. Copies share one communicator. Collectives are called by
 // every member, in the same order, from the thread that called comm_init (not thread-safe).
@@ -113,6 +116,8 @@ void reduce_scatter_sum_raw(void* out, int64_t out_n, const void* in, int64_t in
 void all_to_all_v_raw(void* out, int64_t out_n, std::span<const int64_t> recv_counts, const void* in, int64_t in_n,
                       std::span<const int64_t> send_counts, DType t, const ProcessGroup& g);
 void broadcast_raw(void* buf, int64_t n, DType t, int root, const ProcessGroup& g);
+void send_raw(const void* buf, int64_t n, DType t, int dst, const ProcessGroup& g);
+void recv_raw(void* buf, int64_t n, DType t, int src, const ProcessGroup& g);
 template <class S>
 int64_t ssize(const S& s) {
   return static_cast<int64_t>(s.size());
@@ -141,6 +146,12 @@ int64_t ssize(const S& s) {
   }                                                                                                                   \
   inline void broadcast(std::span<T> buf, int root, const ProcessGroup& g) {                                          \
     detail::broadcast_raw(buf.data(), detail::ssize(buf), dtype_of<T>(), root, g);                                    \
+  }                                                                                                                   \
+  inline void send(std::span<const T> buf, int dst, const ProcessGroup& g) {                                          \
+    detail::send_raw(buf.data(), detail::ssize(buf), dtype_of<T>(), dst, g);                                          \
+  }                                                                                                                   \
+  inline void recv(std::span<T> buf, int src, const ProcessGroup& g) {                                                \
+    detail::recv_raw(buf.data(), detail::ssize(buf), dtype_of<T>(), src, g);                                          \
   }
 
 MOECORE_COMM_REDUCE_OVERLOADS(float)
@@ -163,7 +174,7 @@ void barrier(const ProcessGroup& g);
 // Collective; call it before any other collective of the job, so a disagreement can never reach a dispatcher.
 void check_same_config(const std::vector<std::pair<std::string, std::string>>& fields, const ProcessGroup& g);
 
-// Tensor forms: contiguous CPU tensors; `*_v` counts are rows of dim 0 (a row = the trailing dims).
+// Tensor forms: contiguous host or sim tensors; `*_v` counts are rows of dim 0 (a row = the trailing dims).
 // Reductions need f32/f64/i64. The tensors are handles: outputs are written through them.
 void all_reduce_sum(const Tensor& buf, const ProcessGroup& g);  // in place, any shape
 void all_gather(const Tensor& out, const Tensor& in,
@@ -174,5 +185,91 @@ void reduce_scatter_sum(const Tensor& out, const Tensor& in,
 void all_to_all_v(const Tensor& out, std::span<const int64_t> recv_rows, const Tensor& in,
                   std::span<const int64_t> send_rows, const ProcessGroup& g);  // [Σ rows, ...] both sides
 void broadcast(const Tensor& buf, int root, const ProcessGroup& g);
+
+// ---------------------------------------------------------------------------------------------------
+// Along a non-leading dim (sequence- and tensor-parallel regions). Contiguous host or sim tensors of equal
+// rank and dtype; `dim` may count from the end; every dim but `dim` equal. Deterministic as above.
+//
+//   all_gather_into      out [.., P·m, ..] <- in [.., m, ..]    out[.., r·m : (r+1)·m, ..] = in_r
+//   reduce_scatter_from  out [.., m, ..] <- in [.., P·m, ..]    out_r = Σ_q in_q[.., r·m : (r+1)·m, ..]
+//                        (f32/f64/i64)
+// dim 0 moves the data directly; other dims go through a contiguous staging buffer of the group.
+// ---------------------------------------------------------------------------------------------------
+void all_gather_into(const Tensor& out, const Tensor& in, int dim, const ProcessGroup& g);
+void reduce_scatter_from(const Tensor& out, const Tensor& in, int dim, const ProcessGroup& g);
+
+// ---------------------------------------------------------------------------------------------------
+// Point-to-point and nonblocking operations. `peer`, `dst` and `src` are group indices. Tensors are contiguous
+// host or sim tensors of any fixed-size dtype; spans are the same for the blocking forms.
+//
+//   send             returns once the receiver has matched the message (a synchronous send: a blocking
+//                    send/recv pair in the wrong order always deadlocks — here: times out — whatever the size,
+//                    never only for large messages; exchanges with both neighbours use batch_send_recv)
+//   recv             returns once the message is in the tensor
+//   batch_send_recv  posts every send and recv of `ops` at once, then completes them all (Megatron's
+//                    batch_isend_irecv): any order of the ops on either side is deadlock-free
+//   isend / irecv    the nonblocking send and recv
+// The k-th message from rank i to rank j on a group is received by rank j's k-th recv from rank i, whatever
+// other traffic runs (each message carries its own tag). The element count and dtype must agree on both
+// sides: a receive of a different count throws on the receiving rank; MOECORE_COMM_DEBUG=1 compares both
+// sides' count and dtype before any data moves and throws on both ranks naming each side, the group still
+// usable. Point-to-point calls are not collective: the other ranks of the group take no part.
+//
+//   all_reduce_sum_async      the nonblocking all_reduce_sum (in place)
+//   all_gather_async          the nonblocking all_gather (dim 0)
+//   reduce_scatter_sum_async  the nonblocking reduce_scatter_sum (dim 0)
+// Collective and called in the same order as the blocking collectives on every rank; their results are
+// bitwise identical to the blocking forms' (the same rank-order sums, computed here on top of point-to-point
+// transfers, never by MPI's reductions). Under MOECORE_COMM_DEBUG=1 the ranks compare the call when it is
+// posted (a blocking check, as for the blocking forms).
+//
+// Each returns a CommHandle. Its buffers must not be read or written until wait(); the handle keeps the
+// tensors alive until then. Progress happens inside comm calls only (wait, test and any blocking
+// collective's polling advance every pending operation, so handles may be waited for in any order, on any
+// rank). wait() waits at most the timeout in force when the operation was posted, counted from the wait; a
+// timeout throws naming the op, the group, the rank and comm_phase(), and leaves the group unusable, as for the
+// blocking forms. Destroying (or assigning over) a handle that was never waited for is a bug: it prints an
+// error naming the op and makes the group unusable (every later call on it throws saying so); the operation
+// still progresses and its buffers stay allocated until it completes (for good if it never does). On a size-1 group
+// every operation is a copy, complete when posted, except a send to itself whose recv is not posted yet: waiting for
+// that one throws at once. Only the thread that called comm_init may call these or a handle's wait/test.
+// ---------------------------------------------------------------------------------------------------
+class CommHandle {
+ public:
+  CommHandle() = default;
+  explicit CommHandle(std::shared_ptr<detail::AsyncOp> op) : op_(std::move(op)) {}
+  CommHandle(CommHandle&& o) noexcept : op_(std::move(o.op_)) {}
+  CommHandle& operator=(CommHandle&& o) noexcept;  // reports this handle first if it was never waited for
+  CommHandle(const CommHandle&) = delete;
+  CommHandle& operator=(const CommHandle&) = delete;
+  ~CommHandle();
+  // Blocks until the operation completes (its outputs are then written); throws what the blocking form would.
+  // A no-op on an empty handle (default-constructed, moved from, or already waited for).
+  void wait();
+  // One round of progress without blocking; true once complete, which counts as wait() (errors throw here).
+  bool test();
+  bool pending() const { return op_ != nullptr; }
+
+ private:
+  std::shared_ptr<detail::AsyncOp> op_;
+};
+
+enum class P2PKind : uint8_t { send, recv };
+struct P2POp {  // one transfer of a batch_send_recv: e.g. {P2PKind::send, activations, next_stage}
+  P2PKind kind = P2PKind::send;
+  Tensor tensor;  // contiguous; read by a send, written by a recv
+  int peer = 0;   // group index of the destination (send) or the source (recv)
+};
+
+void send(const Tensor& t, int dst, const ProcessGroup& g);
+void recv(const Tensor& t, int src, const ProcessGroup& g);
+void batch_send_recv(std::span<const P2POp> ops, const ProcessGroup& g);
+CommHandle batch_send_recv_async(std::span<const P2POp> ops, const ProcessGroup& g);
+CommHandle isend(const Tensor& t, int dst, const ProcessGroup& g);
+CommHandle irecv(const Tensor& t, int src, const ProcessGroup& g);
+CommHandle all_reduce_sum_async(const Tensor& buf, const ProcessGroup& g);                // in place, any shape
+CommHandle all_gather_async(const Tensor& out, const Tensor& in, const ProcessGroup& g);  // as all_gather
+CommHandle reduce_scatter_sum_async(const Tensor& out, const Tensor& in,
+                                    const ProcessGroup& g);  // as reduce_scatter_sum
 
 }  // namespace moecore

@@ -65,6 +65,27 @@ void backend_all_to_all_v(void* out, const int64_t* recv_counts, const int64_t* 
 void backend_broadcast(void*, int64_t, DType, int, BackendComm&, const CallInfo&) {}
 void backend_barrier(BackendComm&, const CallInfo&) {}
 
+// comm.h serves size-1 groups itself (their transfers to themselves are matched in async.cpp), and the
+// local world has no other kind: nothing ever posts a transfer here.
+struct BackendRequest {};
+
+std::shared_ptr<BackendRequest> backend_isend(const void*, int64_t, DType, int, int, bool, BackendComm&,
+                                              const CallInfo& call) {
+  throw_backend_error(call, "the local backend has no peers to send to (built without MPI)");
+}
+
+std::shared_ptr<BackendRequest> backend_irecv(void*, int64_t, DType, int, int, BackendComm&, const CallInfo& call) {
+  throw_backend_error(call, "the local backend has no peers to receive from (built without MPI)");
+}
+
+bool backend_test(BackendRequest&, const CallInfo&) {
+  return true;
+}
+
+int backend_tag_limit() {
+  return 32768;
+}
+
 bool backend_all_failed_together(double) {
   return true;  // one process: it is all of them
 }

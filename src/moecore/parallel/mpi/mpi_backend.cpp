@@ -35,6 +35,7 @@ struct BackendComm {
 namespace {
 
 bool g_we_initialized = false;
+int g_tag_limit = 32768;
 std::shared_ptr<BackendComm> g_world;
 MPI_Comm g_control = MPI_COMM_NULL;  // only comm_error_exit's agreement runs on it: never mixed with collectives
 
@@ -102,7 +103,7 @@ int comm_size(MPI_Comm c) {
 // nonblocking collective only inside MPI_Test, fragment by fragment: a transfer still moving must be
 // polled without naps (napping after 100 polls made multi-megabyte all-to-alls crawl: ~1 ms per fragment).
 void wait(MPI_Request& req, const CallInfo& call) {
-  if (call.timeout_s <= 0) {
+  if (call.timeout_s <= 0 && !progress_async()) {
     check(MPI_Wait(&req, MPI_STATUS_IGNORE), "MPI_Wait", call);
     return;
   }
@@ -115,9 +116,10 @@ void wait(MPI_Request& req, const CallInfo& call) {
     int done = 0;
     check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test", call);
     if (done) return;
+    progress_async();
     // The request stays pending: peers may still complete it, so it cannot be freed (MPI forbids
     // MPI_Request_free on collectives). The group is marked broken by the caller.
-    if (clock::now() >= deadline) throw_timeout(call);
+    if (call.timeout_s > 0 && clock::now() >= deadline) throw_timeout(call);
     if (clock::now() < busy_until) {
       std::this_thread::yield();
     } else {
@@ -160,6 +162,10 @@ void backend_init(int& argc, char**& argv) {
   g_world = std::make_shared<BackendComm>(dup);
   check_setup(MPI_Comm_dup(MPI_COMM_WORLD, &g_control), "MPI_Comm_dup(MPI_COMM_WORLD)");
   check_setup(MPI_Comm_set_errhandler(g_control, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  int* tag_ub = nullptr;
+  int flag = 0;
+  check_setup(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &flag), "MPI_Comm_get_attr(MPI_TAG_UB)");
+  if (flag && tag_ub && *tag_ub >= 32767) g_tag_limit = *tag_ub == INT_MAX ? INT_MAX : *tag_ub + 1;
 }
 
 void backend_finalize() {
@@ -243,6 +249,73 @@ void backend_barrier(BackendComm& c, const CallInfo& call) {
   MPI_Request req = MPI_REQUEST_NULL;
   check(MPI_Ibarrier(c.comm, &req), "MPI_Ibarrier", call);
   wait(req, call);
+}
+
+// One logical message: pieces of at most kPiece elements (MPI counts are ints), posted in order under one tag.
+struct BackendRequest {
+  std::vector<MPI_Request> reqs;
+  std::vector<int64_t> expect;  // receives: elements each piece must bring
+  size_t next = 0;              // pieces before this one are complete
+  int peer = 0;
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+};
+
+namespace {
+constexpr int64_t kPiece = int64_t{1} << 30;
+
+std::shared_ptr<BackendRequest> post(void* buf, int64_t n, DType t, int peer, int tag, int mode, BackendComm& c,
+                                     const CallInfo& call) {
+  auto r = std::make_shared<BackendRequest>();
+  r->peer = peer;
+  r->type = mpi_type(t);
+  const int64_t es = static_cast<int64_t>(dtype_size(t));
+  int64_t at = 0;
+  do {
+    const int len = static_cast<int>(std::min(kPiece, n - at));
+    void* p = static_cast<char*>(buf) + at * es;
+    MPI_Request req = MPI_REQUEST_NULL;
+    if (mode == 0) check(MPI_Irecv(p, len, mpi_type(t), peer, tag, c.comm, &req), "MPI_Irecv", call);
+    if (mode == 1) check(MPI_Isend(p, len, mpi_type(t), peer, tag, c.comm, &req), "MPI_Isend", call);
+    if (mode == 2) check(MPI_Issend(p, len, mpi_type(t), peer, tag, c.comm, &req), "MPI_Issend", call);
+    r->reqs.push_back(req);
+    if (mode == 0) r->expect.push_back(len);
+    at += len;
+  } while (at < n);
+  return r;
+}
+}  // namespace
+
+std::shared_ptr<BackendRequest> backend_isend(const void* buf, int64_t n, DType t, int peer, int tag, bool synchronous,
+                                              BackendComm& c, const CallInfo& call) {
+  return post(const_cast<void*>(buf), n, t, peer, tag, synchronous ? 2 : 1, c, call);
+}
+
+std::shared_ptr<BackendRequest> backend_irecv(void* buf, int64_t n, DType t, int peer, int tag, BackendComm& c,
+                                              const CallInfo& call) {
+  return post(buf, n, t, peer, tag, 0, c, call);
+}
+
+bool backend_test(BackendRequest& r, const CallInfo& call) {
+  while (r.next < r.reqs.size()) {
+    int done = 0;
+    MPI_Status status;
+    check(MPI_Test(&r.reqs[r.next], &done, &status), "MPI_Test", call);
+    if (!done) return false;
+    if (!r.expect.empty()) {  // a shorter message is legal MPI but always a bug here
+      int got = 0;
+      check(MPI_Get_count(&status, r.type, &got), "MPI_Get_count", call);
+      if (got != r.expect[r.next])
+        throw_backend_error(
+            call, str_cat("the message from rank ", r.peer, " has ", got, " elements but the receive expects ",
+                          r.expect[r.next], " (piece ", r.next, ")"));
+    }
+    ++r.next;
+  }
+  return true;
+}
+
+int backend_tag_limit() {
+  return g_tag_limit;
 }
 
 bool backend_all_failed_together(double wait_s) {
