@@ -108,6 +108,16 @@ inline bool all_finite(const Tensor& x) {
   return f == 0;
 }
 
+// The message of the moecore::Error fn raises, or "(no error)".
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
 // fn must raise moecore::Error whose message contains every needle.
 inline void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> needles) {
   try {

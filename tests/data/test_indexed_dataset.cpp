@@ -16,6 +16,7 @@
 #include "moecore/core/error.h"
 #include "moecore/data/indexed_dataset.h"
 #include "moecore/data/preprocess.h"
+#include "test_util.h"
 
 namespace moecore::data {
 namespace {
@@ -53,14 +54,7 @@ std::string hex(const std::string& s) {
   return out;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using testing::error_of;
 
 const char* kBinHex = "0a000b0050c4140050c4";
 const char* kIdxHex =

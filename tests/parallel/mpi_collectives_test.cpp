@@ -18,6 +18,7 @@
 #include "moecore/core/error.h"
 #include "moecore/parallel/comm.h"
 #include "moecore/parallel/process_groups.h"
+#include "test_util.h"
 
 namespace moecore {
 namespace {
@@ -220,14 +221,7 @@ TEST_F(Mpi, BadLayoutFailsOnEveryRankBeforeAnyCollective) {
   barrier(world);  // the world is untouched and still in step
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using testing::error_of;
 
 TEST_F(Mpi, DebugModeNamesMismatchedCollectives) {
   const CommOptions saved = comm_options();

@@ -15,6 +15,7 @@
 
 #include "moecore/core/error.h"
 #include "moecore/parallel/comm.h"
+#include "test_util.h"
 
 namespace moecore {
 namespace {
@@ -59,14 +60,7 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.numel() == b.numel() && std::memcmp(a.raw(), b.raw(), static_cast<size_t>(a.nbytes())) == 0;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using testing::error_of;
 
 TEST_F(P2P, RingExchangeInBothDirectionsDoesNotDeadlock) {
   const int next = (me + 1) % P, prev = (me + P - 1) % P;

@@ -8,20 +8,14 @@
 
 #include "moecore/core/error.h"
 #include "moecore/parallel/comm.h"
+#include "test_util.h"
 
 namespace moecore {
 namespace {
 
 #define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg)
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using testing::error_of;
 
 Tensor iota(const Shape& shape, Device device = Device::cpu) {
   Tensor t = Tensor::empty(shape, DType::f32);

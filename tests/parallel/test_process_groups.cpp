@@ -10,6 +10,7 @@
 #include "moecore/core/error.h"
 #include "moecore/parallel/comm.h"
 #include "moecore/parallel/process_groups.h"
+#include "test_util.h"
 
 namespace moecore {
 namespace {
@@ -42,14 +43,7 @@ ParallelConfig cfg(int tp, int cp, int pp, int ep, int etp) {
   return c;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using testing::error_of;
 
 #define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg)
 
