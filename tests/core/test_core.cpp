@@ -225,6 +225,43 @@ TEST(Tensor, ViewsShareStorage) {
   EXPECT_EQ(values(col), (std::vector<float>{1, 100, 9, 13, 17, 21}));  // 5 was overwritten above
 }
 
+// The simulated device: host memory that only a DeviceAccess scope (op bodies, collectives, transfers) may address.
+TEST(Tensor, SimulatedDeviceRefusesHostAccessOutsideTransfers) {
+  Tensor h = Tensor::empty({3, 4}, DType::f32, MemCategory::other);
+  for (int i = 0; i < 12; ++i) h.data<float>()[i] = static_cast<float>(i);
+  const Tensor view = h.slice(1, 1, 3);  // [3, 2], not contiguous
+  const Tensor d = view.to_device(Device::sim);
+  EXPECT_EQ(d.device(), Device::sim);
+  EXPECT_TRUE(d.is_contiguous());
+  try {
+    (void)d.data<float>();
+    ADD_FAILURE() << "host code read a sim tensor";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("host code addressed the data of a sim tensor [3, 2] f32"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW((void)d.raw(), Error);
+  {
+    const DeviceAccess scope;  // what an op body holds
+    EXPECT_EQ(d.data<float>()[1], 2.0f);
+  }
+  float back[6] = {};
+  d.copy_to_host(back, 6);
+  EXPECT_EQ(std::vector<float>(back, back + 6), (std::vector<float>{1, 2, 5, 6, 9, 10}));
+  EXPECT_THROW(d.copy_to_host(back, 5), Error);                  // the destination must hold every element
+  EXPECT_THROW(d.to(DType::bf16).copy_to_host(back, 6), Error);  // read as the wrong element type
+  const Tensor round = d.to_device(Device::cpu);
+  EXPECT_EQ(round.device(), Device::cpu);
+  EXPECT_EQ(round.data<float>()[5], 10.0f);
+  EXPECT_TRUE(d.to_device(Device::sim).same_data(d));                          // already there: the tensor itself
+  Tensor z = Tensor::zeros({2}, DType::f32, MemCategory::other, Device::sim);  // zero_/fill_ are transfers too
+  z.fill_(1.5f);
+  EXPECT_EQ(z.to_device(Device::cpu).data<float>()[1], 1.5f);
+  EXPECT_THROW(h.copy_from(Tensor::zeros({3, 4}, DType::bf16, MemCategory::other, Device::sim)), Error);  // dtype
+  EXPECT_EQ(parse_device("sim"), Device::sim);
+  EXPECT_THROW(parse_device("gpu"), Error);
+}
+
 TEST(Tensor, CopyConvertFillZero) {
   Tensor t = iota_tensor();
   Tensor col = t.select(2, 3);  // non-contiguous destination
