@@ -185,6 +185,24 @@ void gelu_backward(Tensor& dx, const Tensor& dout, const Tensor& x, const Contex
 // no probability tensor is kept (callers chunk over tokens and reuse one logits buffer).
 void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, float grad_scale, bool compute_grad,
                            const Context& ctx);
+// Vocabulary-parallel softmax cross-entropy (Megatron's VocabParallelCrossEntropy): each rank of a tensor-parallel
+// group holds the logits of vocabulary ids [vocab_start, vocab_start + Vl) of every token, so no [N, V] row exists on
+// any rank. Three local steps around one all-gather of the per-rank row statistics (the caller's):
+//   vocab_parallel_ce_stats   stats [N, 3] f32 = (row max m_r, sum_v exp(z - m_r), z[label] if this rank owns the
+//                             label else 0), logits [N, Vl] f32 (row stride may exceed Vl), labels [N] i32 global ids
+//                             (negative: ignored)
+//   (all_gather of stats over the group: gathered [P, N, 3], rank order)
+//   vocab_parallel_ce_merge   lse [N, 2] f32 = (log-sum-exp over all ranks' rows, merged in rank order from each
+//                             rank's (m_r, s_r); the label's logit, summed over ranks: exactly one is non-zero)
+//   vocab_parallel_ce_finish  loss [N] f32 = lse - z[label] (0 for ignored labels); with compute_grad, logits is
+//                             overwritten by grad_scale * (exp(z - lse) - onehot) on this rank's columns.
+// A label outside [0, V) raises Error in the merge (V = P * Vl), naming the label.
+void vocab_parallel_ce_stats(Tensor& stats, const Tensor& logits, const Tensor& labels, int64_t vocab_start,
+                             const Context& ctx);
+void vocab_parallel_ce_merge(Tensor& lse, const Tensor& gathered, const Tensor& labels, int64_t vocab_size,
+                             const Context& ctx);
+void vocab_parallel_ce_finish(Tensor& loss, Tensor& logits, const Tensor& lse, const Tensor& labels,
+                              int64_t vocab_start, float grad_scale, bool compute_grad, const Context& ctx);
 // The loss totals of a chunk, kept on the device: totals[0] += loss[n] for n in order (one running double sum
 // across calls, so chunking does not change the bits) and
 // totals[1] += the number of labels >= 0 (the counted tokens). totals [2] f64, loss [N] f32, labels [N] i32.

@@ -13,37 +13,54 @@ int64_t chunk_tokens(int64_t N, int64_t V) {
 }  // namespace
 
 namespace {
-void plan_workspace(LmHeadWorkspace& ws, int64_t N, int64_t V, DType compute, BufferPlan& p) {
+void plan_workspace(LmHeadWorkspace& ws, int64_t N, int64_t V, DType compute, int64_t tp, BufferPlan& p) {
   ws.chunk = chunk_tokens(N, V);
   p.empty(ws.logits, {ws.chunk, V}, DType::f32);
   if (compute != DType::f32) p.empty(ws.dlogits_c, {ws.chunk, V}, compute);
   p.empty(ws.loss, {ws.chunk}, DType::f32);
   p.zeros(ws.totals, {2}, DType::f64);
+  if (tp <= 1) return;
+  p.empty(ws.stats, {ws.chunk, 3}, DType::f32);
+  p.empty(ws.gathered, {tp * ws.chunk, 3}, DType::f32);
+  p.empty(ws.lse, {ws.chunk, 2}, DType::f32);
 }
 }  // namespace
 
-LmHeadWorkspace lm_head_workspace_alloc(int64_t N, int64_t V, DType compute, Device device) {
+LmHeadWorkspace lm_head_workspace_alloc(int64_t N, int64_t V, DType compute, Device device, int64_t tp) {
   return plan_allocate<LmHeadWorkspace>(
-      MemCategory::workspace, [&](LmHeadWorkspace& ws, BufferPlan& p) { plan_workspace(ws, N, V, compute, p); },
+      MemCategory::workspace, [&](LmHeadWorkspace& ws, BufferPlan& p) { plan_workspace(ws, N, V, compute, tp, p); },
       device);
 }
 
-int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute) {
-  return plan_bytes<LmHeadWorkspace>(MemCategory::workspace,
-                                     [&](LmHeadWorkspace& ws, BufferPlan& p) { plan_workspace(ws, N, V, compute, p); });
+int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute, int64_t tp) {
+  return plan_bytes<LmHeadWorkspace>(
+      MemCategory::workspace, [&](LmHeadWorkspace& ws, BufferPlan& p) { plan_workspace(ws, N, V, compute, tp, p); });
 }
 
 void lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels, float grad_scale,
-                  LmHeadWorkspace& ws, const ops::Context& ctx) {
-  const int64_t N = h.size(0);
+                  LmHeadWorkspace& ws, const ops::Context& ctx, const ProcessGroup* tp) {
+  const int64_t N = h.size(0), P = tp ? tp->size() : 1, Vl = w.size(0);
+  const int64_t ws_tp = ws.stats.defined() ? ws.gathered.size(0) / ws.stats.size(0) : 1;
+  if (ws_tp != P)
+    MOECORE_FAIL("lm_head_loss: the workspace was allocated for tensor-parallel size ", ws_tp, ", the group '",
+                 tp ? tp->name() : std::string("(none)"), "' has ", P, " ranks");
+  const int64_t vocab_start = P > 1 ? tp->rank() * Vl : 0;
   ws.totals.zero_();
   for (int64_t t0 = 0; t0 < N; t0 += ws.chunk) {
     const int64_t n = std::min(ws.chunk, N - t0);
-    const Tensor hc = h.slice(0, t0, t0 + n);
+    const Tensor hc = h.slice(0, t0, t0 + n), lc = labels.slice(0, t0, t0 + n);
     Tensor logits = ws.logits.slice(0, 0, n), loss = ws.loss.slice(0, 0, n);
     ops::gemm(logits, hc, false, w, true, 1.0f, 0.0f, ctx);
-    ops::softmax_cross_entropy(loss, logits, labels.slice(0, t0, t0 + n), grad_scale, dh != nullptr, ctx);
-    ops::loss_totals(ws.totals, loss, labels.slice(0, t0, t0 + n), ctx);
+    if (P == 1) {
+      ops::softmax_cross_entropy(loss, logits, lc, grad_scale, dh != nullptr, ctx);
+    } else {
+      Tensor stats = ws.stats.slice(0, 0, n), gathered = ws.gathered.slice(0, 0, P * n), lse = ws.lse.slice(0, 0, n);
+      ops::vocab_parallel_ce_stats(stats, logits, lc, vocab_start, ctx);
+      all_gather(gathered, stats, *tp);
+      ops::vocab_parallel_ce_merge(lse, gathered.view({P, n, 3}), lc, P * Vl, ctx);
+      ops::vocab_parallel_ce_finish(loss, logits, lse, lc, vocab_start, grad_scale, dh != nullptr, ctx);
+    }
+    ops::loss_totals(ws.totals, loss, lc, ctx);
     if (!dh) continue;
     Tensor dlogits = logits;
     if (ws.dlogits_c.defined()) {
@@ -54,6 +71,8 @@ void lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, cons
     ops::gemm(dhc, dlogits, false, w, false, 1.0f, 0.0f, ctx);
     ops::gemm(*dw, dlogits, true, hc, false, 1.0f, 1.0f, ctx);
   }
+  // Each rank's dh is the product with its vocabulary rows only: the sum over the group (rank order) is the whole.
+  if (dh && P > 1) all_reduce_sum(*dh, *tp);
 }
 
 }  // namespace moecore::nn

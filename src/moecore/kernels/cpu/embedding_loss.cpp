@@ -158,4 +158,108 @@ void loss_totals(Tensor& totals, const Tensor& loss, const Tensor& labels, const
   t[1] += static_cast<double>(counted);
 }
 
+namespace {
+// The checks the three vocabulary-parallel steps share: logits [N, Vl] f32 with a unit column stride, labels [N] i32.
+void check_vp_logits(const cpu::Checker& c, const Tensor& logits, const Tensor& labels) {
+  c.rank("logits", 2);
+  c.dtype("logits", DType::f32);
+  if (logits.numel() > 0 && (logits.stride(1) != 1 || logits.stride(0) < logits.size(1)))
+    c.fail("logits needs unit column stride and a row stride >= its width");
+  if (logits.size(1) == 0 && logits.size(0) > 0) c.fail("logits has an empty vocab dim");
+  c.dtype("labels", DType::i32);
+  c.shape("labels", Shape{logits.size(0)});
+  c.contiguous("labels");
+}
+}  // namespace
+
+void vocab_parallel_ce_stats(Tensor& stats, const Tensor& logits, const Tensor& labels, int64_t vocab_start,
+                             const Context& ctx) {
+  const cpu::Checker c("vocab_parallel_ce_stats", ctx, {{"stats", &stats}, {"logits", &logits}, {"labels", &labels}});
+  check_vp_logits(c, logits, labels);
+  const int64_t N = logits.size(0), Vl = logits.size(1), ld = logits.stride(0);
+  c.dtype("stats", DType::f32);
+  c.shape("stats", Shape{N, 3});
+  c.contiguous("stats");
+  if (vocab_start < 0) c.fail("vocab_start = ", vocab_start, " is negative");
+  const float* z = logits.data<float>();
+  const int32_t* lab = labels.data<int32_t>();
+  float* st = stats.data<float>();
+#pragma omp parallel for schedule(static) if (N * Vl > cpu::kParallelWork / 4)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* zr = z + n * ld;
+    float m = zr[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t v = 0; v < Vl; ++v) m = zr[v] > m ? zr[v] : m;
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t v = 0; v < Vl; ++v) s += cpu::exp_f32(zr[v] - m);
+    const int64_t local = static_cast<int64_t>(lab[n]) - vocab_start;
+    st[3 * n] = m;
+    st[3 * n + 1] = s;
+    st[3 * n + 2] = lab[n] >= 0 && local >= 0 && local < Vl ? zr[local] : 0.0f;
+  }
+}
+
+void vocab_parallel_ce_merge(Tensor& lse, const Tensor& gathered, const Tensor& labels, int64_t vocab_size,
+                             const Context& ctx) {
+  const cpu::Checker c("vocab_parallel_ce_merge", ctx, {{"lse", &lse}, {"gathered", &gathered}, {"labels", &labels}});
+  c.rank("gathered", 3);
+  c.dtype("gathered", DType::f32);
+  c.contiguous("gathered");
+  const int64_t P = gathered.size(0), N = gathered.size(1);
+  if (gathered.size(2) != 3) c.fail("gathered must be [P, N, 3] (max, sum of exp, label logit per rank)");
+  c.dtype("lse", DType::f32);
+  c.shape("lse", Shape{N, 2});
+  c.contiguous("lse");
+  c.dtype("labels", DType::i32);
+  c.shape("labels", Shape{N});
+  c.contiguous("labels");
+  const int32_t* lab = labels.data<int32_t>();
+  check_ids(c, "label", lab, N, vocab_size, true);
+  const float* g = gathered.data<float>();
+  float* out = lse.data<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    float m = g[3 * n];
+    for (int64_t r = 1; r < P; ++r) m = std::max(m, g[(r * N + n) * 3]);
+    float s = 0.0f, target = 0.0f;
+    for (int64_t r = 0; r < P; ++r) {  // rank order: the same bits on every rank
+      const float* gr = g + (r * N + n) * 3;
+      s += gr[1] * cpu::exp_f32(gr[0] - m);
+      target += gr[2];
+    }
+    out[2 * n] = m + std::log(s);
+    out[2 * n + 1] = target;
+  }
+}
+
+void vocab_parallel_ce_finish(Tensor& loss, Tensor& logits, const Tensor& lse, const Tensor& labels,
+                              int64_t vocab_start, float grad_scale, bool compute_grad, const Context& ctx) {
+  const cpu::Checker c("vocab_parallel_ce_finish", ctx,
+                       {{"loss", &loss}, {"logits", &logits}, {"lse", &lse}, {"labels", &labels}});
+  check_vp_logits(c, logits, labels);
+  const int64_t N = logits.size(0), Vl = logits.size(1), ld = logits.stride(0);
+  c.dtype("loss", DType::f32);
+  c.shape("loss", Shape{N});
+  c.contiguous("loss");
+  c.dtype("lse", DType::f32);
+  c.shape("lse", Shape{N, 2});
+  c.contiguous("lse");
+  float* z = logits.data<float>();
+  const float* l = lse.data<float>();
+  const int32_t* lab = labels.data<int32_t>();
+  float* out = loss.data<float>();
+#pragma omp parallel for schedule(static) if (N * Vl > cpu::kParallelWork / 4)
+  for (int64_t n = 0; n < N; ++n) {
+    float* zr = z + n * ld;
+    const bool counted = lab[n] >= 0;
+    out[n] = counted ? l[2 * n] - l[2 * n + 1] : 0.0f;
+    if (!compute_grad) continue;
+    const float k = counted ? grad_scale : 0.0f, lse_n = l[2 * n];
+#pragma omp simd
+    for (int64_t v = 0; v < Vl; ++v) zr[v] = k * cpu::exp_f32(zr[v] - lse_n);
+    const int64_t local = static_cast<int64_t>(lab[n]) - vocab_start;
+    if (counted && local >= 0 && local < Vl) zr[local] -= grad_scale;
+  }
+}
+
 }  // namespace moecore::ops
