@@ -108,6 +108,14 @@ inline bool all_finite(const Tensor& x) {
   return f == 0;
 }
 
+// splitmix64: a well-mixed 64-bit hash for deterministic test values.
+inline uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
 // The message of the moecore::Error fn raises, or "(no error)".
 inline std::string error_of(const std::function<void()>& fn) {
   try {

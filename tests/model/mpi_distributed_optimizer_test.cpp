@@ -45,12 +45,7 @@ class Mpi : public testing_mpi::MpiTest {
   }
 };
 
-uint64_t mix(uint64_t x) {  // splitmix64
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+using testing::mix;
 
 // Exact floats over several magnitudes (up to ~4), so the summation order changes the rounding.
 float value_at(uint64_t seed, int64_t i) {

@@ -30,12 +30,7 @@ class Mpi : public testing_mpi::MpiTest {
   ProcessGroup dup(const std::string& name) const { return group_split(world, name, {world.ranks()}); }
 };
 
-uint64_t mix(uint64_t x) {  // splitmix64
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+using testing::mix;
 
 // Exact values (signed mantissa × 2^e, no rounding and no multiply the compiler could fuse into an FMA)
 // over many magnitudes, so the summation order changes the rounding.

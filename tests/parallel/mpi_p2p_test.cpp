@@ -33,15 +33,9 @@ class P2P : public testing_mpi::MpiTest {
   Device dev = test_device();
   // A tensor on the test device holding `values` (f32), and the host copy of any tensor.
   Tensor on_dev(const Tensor& host) const { return host.to_device(dev); }
-  static Tensor host(const Tensor& t) { return t.to_device(Device::cpu); }
 };
 
-uint64_t mix(uint64_t x) {  // splitmix64
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+using testing::mix;
 
 // Exact f32 values over many magnitudes, so the summation order changes the rounding.
 float contribution(int rank, int64_t i) {
@@ -80,8 +74,8 @@ TEST_F(P2P, RingExchangeInBothDirectionsDoesNotDeadlock) {
                                                                     {P2PKind::send, to_next, next},
                                                                     {P2PKind::send, to_prev, prev}};
     batch_send_recv(ops, world);
-    EXPECT_TRUE(bitwise_equal(host(from_prev), filled({n}, prev, rep)));
-    EXPECT_TRUE(bitwise_equal(host(from_next), filled({n}, next, rep + 7)));
+    EXPECT_TRUE(bitwise_equal(testing::host(from_prev), filled({n}, prev, rep)));
+    EXPECT_TRUE(bitwise_equal(testing::host(from_next), filled({n}, next, rep + 7)));
   }
 }
 
@@ -102,7 +96,7 @@ TEST_F(P2P, SendRecvEveryDtype) {
       } else if (me == r) {
         Tensor got = Tensor::zeros({n}, t, MemCategory::other, dev);
         recv(got, 0, world);
-        EXPECT_EQ(std::memcmp(host(got).raw(), pattern.data(), bytes), 0) << dtype_name(t);
+        EXPECT_EQ(std::memcmp(testing::host(got).raw(), pattern.data(), bytes), 0) << dtype_name(t);
       }
     }
   }
@@ -128,7 +122,7 @@ TEST_F(P2P, GatherAndReduceScatterAlongDims) {
     big[d] *= P;
     Tensor in = filled(shape, me), out = Tensor::zeros(big, DType::f32, MemCategory::other, dev);
     all_gather_into(out, on_dev(in), dim, world);
-    const Tensor got = host(out);
+    const Tensor got = testing::host(out);
     for (int r = 0; r < P; ++r) {
       const Tensor ref = filled(shape, r);
       for (int64_t a = 0; a < 2; ++a)
@@ -143,7 +137,7 @@ TEST_F(P2P, GatherAndReduceScatterAlongDims) {
     // reduce_scatter_from: out_r[.., j, ..] = Σ_q in_q[.., r·m + j, ..] in rank order, bitwise.
     Tensor rs_out = Tensor::zeros(shape, DType::f32, MemCategory::other, dev);
     reduce_scatter_from(rs_out, on_dev(filled(big, me, 100)), dim, world);
-    const Tensor rs = host(rs_out);
+    const Tensor rs = testing::host(rs_out);
     for (int64_t a = 0; a < 2; ++a)
       for (int64_t b = 0; b < 3; ++b)
         for (int64_t c = 0; c < 4; ++c) {
@@ -164,7 +158,7 @@ TEST_F(P2P, AsyncReductionsAreBitwiseTheBlockingOnes) {
     all_reduce_sum(blocking, world);
     CommHandle h = all_reduce_sum_async(async, world);
     h.wait();
-    EXPECT_TRUE(bitwise_equal(host(blocking), host(async))) << n;
+    EXPECT_TRUE(bitwise_equal(testing::host(blocking), testing::host(async))) << n;
 
     const Tensor big = filled({n * P}, me, 5);
     Tensor rs_b = Tensor::zeros({n}, DType::f32, MemCategory::other, dev);
@@ -172,7 +166,7 @@ TEST_F(P2P, AsyncReductionsAreBitwiseTheBlockingOnes) {
     reduce_scatter_sum(rs_b, on_dev(big), world);
     CommHandle h2 = reduce_scatter_sum_async(rs_a, on_dev(big), world);  // the handle keeps the input alive
     h2.wait();
-    EXPECT_TRUE(bitwise_equal(host(rs_b), host(rs_a))) << n;
+    EXPECT_TRUE(bitwise_equal(testing::host(rs_b), testing::host(rs_a))) << n;
 
     Tensor ag_b = Tensor::zeros({n * P}, DType::f32, MemCategory::other, dev);
     Tensor ag_a = Tensor::zeros({n * P}, DType::f32, MemCategory::other, dev);
@@ -180,7 +174,7 @@ TEST_F(P2P, AsyncReductionsAreBitwiseTheBlockingOnes) {
     CommHandle h3 = all_gather_async(ag_a, on_dev(x), world);
     while (!h3.test()) {
     }
-    EXPECT_TRUE(bitwise_equal(host(ag_b), host(ag_a))) << n;
+    EXPECT_TRUE(bitwise_equal(testing::host(ag_b), testing::host(ag_a))) << n;
   }
 }
 
@@ -202,9 +196,10 @@ TEST_F(P2P, HandlesInFlightCompleteInAnyOrder) {
   for (CommHandle& h : handles) h.wait();
   for (int k = 0; k < 3; ++k) {
     all_reduce_sum(refs[static_cast<size_t>(k)], world);
-    EXPECT_TRUE(bitwise_equal(host(bufs[static_cast<size_t>(k)]), host(refs[static_cast<size_t>(k)]))) << k;
+    EXPECT_TRUE(bitwise_equal(testing::host(bufs[static_cast<size_t>(k)]), testing::host(refs[static_cast<size_t>(k)])))
+        << k;
   }
-  EXPECT_TRUE(bitwise_equal(host(got), filled({n}, prev, 77)));
+  EXPECT_TRUE(bitwise_equal(testing::host(got), filled({n}, prev, 77)));
 }
 
 TEST_F(P2P, DebugModeNamesMismatchedTransfersOnBothRanks) {
@@ -240,7 +235,7 @@ TEST_F(P2P, DebugModeNamesMismatchedTransfersOnBothRanks) {
     Tensor t = on_dev(filled({6}, me));
     Tensor got = Tensor::zeros({6}, DType::f32, MemCategory::other, dev);
     batch_send_recv(std::vector<P2POp>{{P2PKind::send, t, 1 - me}, {P2PKind::recv, got, 1 - me}}, g);
-    EXPECT_TRUE(bitwise_equal(host(got), filled({6}, 1 - me)));
+    EXPECT_TRUE(bitwise_equal(testing::host(got), filled({6}, 1 - me)));
   }
   Tensor ones = on_dev(filled({3}, 0));
   all_reduce_sum_async(ones, g).wait();

@@ -5,7 +5,8 @@
 // router runs on any device whose kernels exist. Not here: permutation (dispatcher.h) and expert compute (experts.h).
 //
 // Device residency: counts, losses and the router state are tensors on the router's device (ctx.device); no stage
-// reads one on the host. router_stats_host is the one explicit transfer of the statistics.
+// reads one on the host. router_stats_host copies all of the statistics to the host (logging, tests); the trainer
+// copies only the losses tensor, once per micro-batch.
 // Loss gradients: forward computes each loss and the gradient of their sum with respect to the logits
 // (cache.dlogits_loss); router_backward adds it, times aux_grad_scale, to the gradient coming from the
 // routing probabilities. Nothing is threaded through the model's return values.

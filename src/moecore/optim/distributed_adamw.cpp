@@ -167,10 +167,10 @@ std::string DistributedAdamW::first_nonfinite_grad() const {
     Tensor flag = range(flags, static_cast<int64_t>(i), 1);
     ops::flag_nonfinite(flag, range(shard_grad_, segments_[i].shard_offset, segments_[i].elems), ctx());
   }
-  std::vector<int32_t> host(static_cast<size_t>(flags.numel()));
-  flags.copy_to_host(host.data(), flags.numel());
+  nonfinite_host_.resize(static_cast<size_t>(flags.numel()));
+  flags.copy_to_host(nonfinite_host_.data(), flags.numel());
   for (size_t i = 0; i < segments_.size(); ++i)
-    if (host[i]) return params_[segments_[i].param]->name;
+    if (nonfinite_host_[i]) return params_[segments_[i].param]->name;
   return "";
 }
 

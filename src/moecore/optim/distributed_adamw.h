@@ -101,13 +101,14 @@ class DistributedAdamW {
   std::vector<Segment> segments_;  // in parameter order
   int64_t shard_elems_ = 0;
   int64_t step_ = 0;
-  Tensor sq_acc_;       // [1] f64: the shard's squared gradient norm, summed on the device and read once
-  Tensor nonfinite_;    // [segments] i32: per segment, 1 when its gradient holds a NaN or an infinity
-  Tensor staging_;      // [max N_b] f32: gradients to reduce-scatter, then gathered masters
-  Tensor shard_grad_;   // [shard_elems] f32: this rank's share of the summed gradients
-  Tensor shard_param_;  // [max N_b / P] f32: updated masters of one bucket, to all-gather
-  Tensor exp_avg_;      // [shard_elems] state_dtype
-  Tensor exp_avg_sq_;   // [shard_elems] state_dtype
+  Tensor sq_acc_;     // [1] f64: the shard's squared gradient norm, summed on the device and read once
+  Tensor nonfinite_;  // [segments] i32: per segment, 1 when its gradient holds a NaN or an infinity
+  mutable std::vector<int32_t> nonfinite_host_;  // its host copy (sized once: the check allocates nothing after)
+  Tensor staging_;                               // [max N_b] f32: gradients to reduce-scatter, then gathered masters
+  Tensor shard_grad_;                            // [shard_elems] f32: this rank's share of the summed gradients
+  Tensor shard_param_;                           // [max N_b / P] f32: updated masters of one bucket, to all-gather
+  Tensor exp_avg_;                               // [shard_elems] state_dtype
+  Tensor exp_avg_sq_;                            // [shard_elems] state_dtype
 };
 
 }  // namespace moecore::optim
