@@ -90,6 +90,14 @@ class Tensor {
     if (storage_->device != Device::cpu) check_device_access();
     return static_cast<char*>(storage_->data) + offset_ * dtype_size(dtype_);
   }
+  // The address of the view's first element in a cuda tensor's device memory, for handing to a CUDA kernel or
+  // library call (which address device memory on the device) and for address comparisons. Host code never
+  // dereferences it, so no DeviceAccess scope is needed; any other device raises (host tensors use raw()).
+  void* device_ptr() const {
+    MOECORE_CHECK(storage_ && storage_->device == Device::cuda, "tensor.device_ptr: tensor ", str(), " is on ",
+                  device_name(device()), ", not cuda");
+    return static_cast<char*>(storage_->data) + offset_ * dtype_size(dtype_);
+  }
   template <class T>
   T* data() const {
     MOECORE_CHECK(dtype_of<T>() == dtype_, "tensor of dtype ", dtype_name(dtype_), " read as ",

@@ -114,43 +114,59 @@ void grad_dispatch(Tensor& dbias, const Tensor& dy, const float* row_scale, cons
 }  // namespace
 
 void bias_add(Tensor& y, const Tensor& bias, const Context& ctx) {
-  const cpu::Checker ck("bias_add", ctx, {{"y", &y}, {"bias", &bias}});
+  const cpu::Checker ck("bias_add", ctx, {{"y", &y}, {"bias", &bias}}, cpu::Backends::cpu_and_cuda);
   check_rows(ck, "y");
   check_f32(ck, "bias", Shape{y.size(1)});
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::bias_add(y, bias, ctx);
   add_dispatch(y, bias, nullptr, single_group(y.size(0)), 1);
 }
 
 void bias_grad(Tensor& dbias, const Tensor& dy, const Context& ctx) {
-  const cpu::Checker ck("bias_grad", ctx, {{"dbias", &dbias}, {"dy", &dy}});
+  const cpu::Checker ck("bias_grad", ctx, {{"dbias", &dbias}, {"dy", &dy}}, cpu::Backends::cpu_and_cuda);
   check_rows(ck, "dy");
   check_f32(ck, "dbias", Shape{dy.size(1)});
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::bias_grad(dbias, dy, ctx);
   grad_dispatch(dbias, dy, nullptr, single_group(dy.size(0)), 1);
 }
 
 void bias_add_grouped(Tensor& y, const Tensor& bias, const Tensor& group_rows, const Context& ctx) {
-  const cpu::Checker ck("bias_add_grouped", ctx, {{"y", &y}, {"bias", &bias}, {"group_rows", &group_rows}});
+  const cpu::Checker ck("bias_add_grouped", ctx, {{"y", &y}, {"bias", &bias}, {"group_rows", &group_rows}},
+                        cpu::Backends::cpu_and_cuda);
   check_rows(ck, "y");
   const int64_t G = group_rows.numel();
   check_f32(ck, "bias", Shape{G, y.size(1)});
+  cpu::check_group_rows(ck, G);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::bias_add_grouped(y, bias, group_rows, ctx);
   add_dispatch(y, bias, nullptr, group_offsets(ck, G, y.size(0)), G);
 }
 
 void bias_grad_grouped(Tensor& dbias, const Tensor& dy, const Tensor& group_rows, const Context& ctx) {
-  const cpu::Checker ck("bias_grad_grouped", ctx, {{"dbias", &dbias}, {"dy", &dy}, {"group_rows", &group_rows}});
+  const cpu::Checker ck("bias_grad_grouped", ctx, {{"dbias", &dbias}, {"dy", &dy}, {"group_rows", &group_rows}},
+                        cpu::Backends::cpu_and_cuda);
   check_rows(ck, "dy");
   const int64_t G = group_rows.numel();
   check_f32(ck, "dbias", Shape{G, dy.size(1)});
+  cpu::check_group_rows(ck, G);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::bias_grad_grouped(dbias, dy, group_rows, ctx);
   grad_dispatch(dbias, dy, nullptr, group_offsets(ck, G, dy.size(0)), G);
 }
 
 void bias_add_grouped_scaled(Tensor& y, const Tensor& bias, const Tensor& row_scale, const Tensor& group_rows,
                              const Context& ctx) {
   const cpu::Checker ck("bias_add_grouped_scaled", ctx,
-                        {{"y", &y}, {"bias", &bias}, {"row_scale", &row_scale}, {"group_rows", &group_rows}});
+                        {{"y", &y}, {"bias", &bias}, {"row_scale", &row_scale}, {"group_rows", &group_rows}},
+                        cpu::Backends::cpu_and_cuda);
   check_rows(ck, "y");
   const int64_t G = group_rows.numel();
   check_f32(ck, "bias", Shape{G, y.size(1)});
   check_f32(ck, "row_scale", Shape{y.size(0)});
+  cpu::check_group_rows(ck, G);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::bias_add_grouped_scaled(y, bias, row_scale, group_rows, ctx);
   add_dispatch(y, bias, row_scale.data<float>(), group_offsets(ck, G, y.size(0)), G);
 }
 
@@ -163,19 +179,25 @@ void bias_grad_grouped_scaled(Tensor& dbias, Tensor& drow_scale, const Tensor& d
                                                                {"dy", &dy},
                                                                {"bias", &bias},
                                                                {"row_scale", &row_scale},
-                                                               {"group_rows", &group_rows}})
+                                                               {"group_rows", &group_rows}},
+                                                              cpu::Backends::cpu_and_cuda)
                                                : cpu::Checker(op, ctx,
                                                               {{"dbias", &dbias},
                                                                {"dy", &dy},
                                                                {"bias", &bias},
                                                                {"row_scale", &row_scale},
-                                                               {"group_rows", &group_rows}});
+                                                               {"group_rows", &group_rows}},
+                                                              cpu::Backends::cpu_and_cuda);
   check_rows(ck, "dy");
   const int64_t G = group_rows.numel(), R = dy.size(0), W = dy.size(1);
   check_f32(ck, "dbias", Shape{G, W});
   check_f32(ck, "bias", Shape{G, W});
   check_f32(ck, "row_scale", Shape{R});
   if (drow_scale.defined()) check_f32(ck, "drow_scale", Shape{R});
+  cpu::check_group_rows(ck, G);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda)
+      return cuda::bias_grad_grouped_scaled(dbias, drow_scale, dy, bias, row_scale, group_rows, ctx);
   const int64_t* off = group_offsets(ck, G, R);
   grad_dispatch(dbias, dy, row_scale.data<float>(), off, G);
   if (!drow_scale.defined()) return;

@@ -1,17 +1,20 @@
 // Private helpers of the CPU backend: f32|bf16 element load/store, branch-free exp/erfc that GCC
 // vectorises inside `omp simd` loops, entry checks that raise moecore::Error naming the op and every
-// argument, and a grow-only per-thread scratch buffer. Only kernels/cpu/*.cpp include this; it holds
-// no kernels. Written without intrinsics so it builds on any -march (AVX2 and AVX-512 both vectorise).
+// argument (shared with the CUDA kernels, which ops dispatch to after them), and a grow-only per-thread
+// scratch buffer. Only kernels/cpu/*.cpp include this; it holds no kernels. Written without intrinsics so
+// it builds on any -march (AVX2 and AVX-512 both vectorise).
 #pragma once
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "moecore/kernels/cuda/ops_cuda.h"
 #include "moecore/kernels/ops.h"
 
 namespace moecore::ops::cpu {
@@ -94,11 +97,37 @@ decltype(auto) with_float_type(DType t, Fn&& fn) {
   return fn(float{});
 }
 
-// The context check of every CPU kernel: cpu or sim (fail(...) raises naming the op).
+// True when the kernels library is built with the CUDA kernels (kernels/cuda/, MOECORE_HAVE_CUDA_KERNELS).
+#ifdef MOECORE_HAVE_CUDA_KERNELS
+inline constexpr bool kCudaKernels = true;
+#else
+inline constexpr bool kCudaKernels = false;
+#endif
+
+// The backends of an op: every op has the CPU kernels; ops with `cpu_and_cuda` also run on a cuda context when the
+// build has the CUDA kernels (kCudaKernels). Such an op dispatches after its entry checks, so both backends share
+// them: `if constexpr (cpu::kCudaKernels) if (ctx.device == Device::cuda) return cuda::<op>(..., ctx);` (the
+// `if constexpr` keeps builds without CUDA from referencing kernels/cuda/ops_cuda.h's functions).
+enum class Backends : uint8_t { cpu, cpu_and_cuda };
+
+// The context check of every op: cpu or sim, or cuda for an op with CUDA kernels in a build that has them
+// (fail(...) raises naming the op).
 template <class Fail>
-void check_context(const Context& ctx, Fail&& fail) {
-  if (ctx.device != Device::cpu && ctx.device != Device::sim)
-    fail("called with a ", device_name(ctx.device), " context, but this op has only the CPU kernels");
+void check_context(const Context& ctx, Fail&& fail, Backends backends = Backends::cpu) {
+  if (ctx.device == Device::cpu || ctx.device == Device::sim) return;
+  if (ctx.device == Device::cuda && backends == Backends::cpu_and_cuda && kCudaKernels) return;
+  if (ctx.device == Device::cuda && backends == Backends::cpu_and_cuda)
+    fail(
+        "called with a cuda context, but this build has only the CPU kernels (configure with -DMOECORE_CUDA=ON on "
+        "a machine with nvcc)");
+  fail("called with a ", device_name(ctx.device),
+       " context, but this op has only the CPU kernels (no CUDA kernel yet)");
+}
+
+// The address of a tensor's first element on any device, for address comparisons in checks only: it never
+// dereferences, and a cuda tensor's address is a device pointer.
+inline const char* address_of(const Tensor& t) {
+  return static_cast<const char*>(t.device() == Device::cuda ? t.device_ptr() : t.raw());
 }
 
 // Entry checks of one op call. Every failure message names the op, the failed rule and all arguments
@@ -107,10 +136,15 @@ void check_context(const Context& ctx, Fail&& fail) {
 class Checker {
  public:
   using Arg = std::pair<const char*, const Tensor*>;
-  // The CPU kernels serve the host (Device::cpu) and the simulated device (Device::sim); every tensor must
-  // be on the context's device. The checker opens the op body's DeviceAccess scope for its lifetime.
-  Checker(const char* op, const Context& ctx, std::initializer_list<Arg> args) : op_(op), args_(args) {
-    check_context(ctx, [&](auto&&... m) { fail(m...); });
+  // The CPU kernels serve the host (Device::cpu) and the simulated device (Device::sim); with `cpu_and_cuda`
+  // (see Backends) a cuda context passes too. Every tensor must be on the context's device. On cpu and sim the
+  // checker opens the op body's DeviceAccess scope for its lifetime; on cuda it opens none, so host code that
+  // addressed cuda tensor data before the dispatch would raise instead of reading device memory.
+  Checker(const char* op, const Context& ctx, std::initializer_list<Arg> args, Backends backends = Backends::cpu)
+      : op_(op), args_(args) {
+    check_context(
+        ctx, [&](auto&&... m) { fail(m...); }, backends);
+    if (ctx.device != Device::cuda) access_.emplace();
     for (const Arg& a : args_) {
       if (!a.second->defined()) fail(a.first, " is an undefined tensor");
       if (a.second->device() != ctx.device)
@@ -158,17 +192,23 @@ class Checker {
  private:
   const char* op_;
   std::vector<Arg> args_;
-  DeviceAccess access_;
+  std::optional<DeviceAccess> access_;
 };
 
-// The group sizes of a grouped op (group_rows [G] i64 on the op's device, a Checker argument named
-// "group_rows"), read by the kernel into the calling thread's buffer. Raises unless every count is >= 0 and
-// they sum to at most R (rows past the sum are padding, neither read nor written).
-inline const std::vector<int64_t>& group_counts(const Checker& ck, int64_t G, int64_t R) {
-  const Tensor& t = ck.get("group_rows");
+// The checks of group_rows that read no counts: [G] i64, contiguous. A CUDA kernel reads the counts on the device.
+inline void check_group_rows(const Checker& ck, int64_t G) {
   ck.dtype("group_rows", DType::i64);
   ck.shape("group_rows", Shape{G});
   ck.contiguous("group_rows");
+}
+
+// The group sizes of a grouped op (group_rows [G] i64 on the op's device, a Checker argument named
+// "group_rows"), read by the CPU kernel into the calling thread's buffer (a host read: the CUDA path never calls
+// this). Raises unless every count is >= 0 and they sum to at most R (rows past the sum are padding, neither read
+// nor written).
+inline const std::vector<int64_t>& group_counts(const Checker& ck, int64_t G, int64_t R) {
+  const Tensor& t = ck.get("group_rows");
+  check_group_rows(ck, G);
   thread_local std::vector<int64_t> rows;
   rows.assign(t.data<int64_t>(), t.data<int64_t>() + G);
   int64_t sum = 0;

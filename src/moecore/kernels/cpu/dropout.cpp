@@ -44,14 +44,17 @@ void dropout_kernel(T* y, const T* x, int64_t n, const DropoutMask& mask) {
 }
 
 void dropout_apply(const char* op, const char* out_name, const char* in_name, Tensor& y, const Tensor& x,
-                   const Dropout& d, const Context& ctx) {
-  const cpu::Checker ck(op, ctx, {{out_name, &y}, {in_name, &x}});
+                   const Dropout& d, const Context& ctx, bool inverse) {
+  const cpu::Checker ck(op, ctx, {{out_name, &y}, {in_name, &x}}, cpu::Backends::cpu_and_cuda);
   cpu::check_dropout(ck, d);
   ck.float_dtype(in_name);
   ck.same_dtype(out_name, in_name);
   ck.same_shape(out_name, in_name);
   ck.contiguous(out_name);
   ck.contiguous(in_name);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda)
+      return inverse ? cuda::dropout_backward(y, x, d, ctx) : cuda::dropout_forward(y, x, d, ctx);
   if (!d.active()) {
     if (y.raw() != x.raw()) std::memcpy(y.raw(), x.raw(), static_cast<size_t>(x.nbytes()));
     return;
@@ -110,19 +113,21 @@ void bias_dropout_add_backward_kernel(TX* dx, float* dbias, const float* dy, int
 }  // namespace
 
 void dropout_forward(Tensor& y, const Tensor& x, const Dropout& d, const Context& ctx) {
-  dropout_apply("dropout_forward", "y", "x", y, x, d, ctx);
+  dropout_apply("dropout_forward", "y", "x", y, x, d, ctx, false);
 }
 
 void dropout_backward(Tensor& dx, const Tensor& dy, const Dropout& d, const Context& ctx) {
-  dropout_apply("dropout_backward", "dx", "dy", dx, dy, d, ctx);
+  dropout_apply("dropout_backward", "dx", "dy", dx, dy, d, ctx, true);
 }
 
 void bias_dropout_add(Tensor& y, const Tensor& residual, const Tensor& x, const Tensor& bias, const Dropout& d,
                       const Context& ctx) {
   const char* op = "bias_dropout_add";
-  const cpu::Checker ck = bias.defined()
-                              ? cpu::Checker(op, ctx, {{"y", &y}, {"residual", &residual}, {"x", &x}, {"bias", &bias}})
-                              : cpu::Checker(op, ctx, {{"y", &y}, {"residual", &residual}, {"x", &x}});
+  const cpu::Checker ck =
+      bias.defined()
+          ? cpu::Checker(op, ctx, {{"y", &y}, {"residual", &residual}, {"x", &x}, {"bias", &bias}},
+                         cpu::Backends::cpu_and_cuda)
+          : cpu::Checker(op, ctx, {{"y", &y}, {"residual", &residual}, {"x", &x}}, cpu::Backends::cpu_and_cuda);
   cpu::check_dropout(ck, d);
   ck.dtype("y", DType::f32);
   ck.dtype("residual", DType::f32);
@@ -137,6 +142,8 @@ void bias_dropout_add(Tensor& y, const Tensor& residual, const Tensor& x, const 
     ck.shape("bias", Shape{H});
     ck.contiguous("bias");
   }
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::bias_dropout_add(y, residual, x, bias, d, ctx);
   std::optional<DropoutMask> mask;
   if (d.active()) mask.emplace(d);
   cpu::with_float_type(x.dtype(), [&](auto tag) {
@@ -148,8 +155,10 @@ void bias_dropout_add(Tensor& y, const Tensor& residual, const Tensor& x, const 
 
 void bias_dropout_add_backward(Tensor& dx, Tensor& dbias, const Tensor& dy, const Dropout& d, const Context& ctx) {
   const char* op = "bias_dropout_add_backward";
-  const cpu::Checker ck = dbias.defined() ? cpu::Checker(op, ctx, {{"dx", &dx}, {"dbias", &dbias}, {"dy", &dy}})
-                                          : cpu::Checker(op, ctx, {{"dx", &dx}, {"dy", &dy}});
+  const cpu::Checker ck =
+      dbias.defined()
+          ? cpu::Checker(op, ctx, {{"dx", &dx}, {"dbias", &dbias}, {"dy", &dy}}, cpu::Backends::cpu_and_cuda)
+          : cpu::Checker(op, ctx, {{"dx", &dx}, {"dy", &dy}}, cpu::Backends::cpu_and_cuda);
   cpu::check_dropout(ck, d);
   ck.float_dtype("dx");
   ck.dtype("dy", DType::f32);
@@ -163,6 +172,8 @@ void bias_dropout_add_backward(Tensor& dx, Tensor& dbias, const Tensor& dy, cons
     ck.shape("dbias", Shape{H});
     ck.contiguous("dbias");
   }
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::bias_dropout_add_backward(dx, dbias, dy, d, ctx);
   std::optional<DropoutMask> mask;
   if (d.active()) mask.emplace(d);
   cpu::with_float_type(dx.dtype(), [&](auto tag) {

@@ -127,13 +127,15 @@ void check_swiglu(const cpu::Checker& c, const char* half, const char* full) {
 }  // namespace
 
 void add(Tensor& out, const Tensor& a, const Tensor& b, const Context& ctx) {
-  const cpu::Checker c("add", ctx, {{"out", &out}, {"a", &a}, {"b", &b}});
+  const cpu::Checker c("add", ctx, {{"out", &out}, {"a", &a}, {"b", &b}}, cpu::Backends::cpu_and_cuda);
   for (const char* name : {"out", "a", "b"}) {
     c.float_dtype(name);
     c.contiguous(name);
   }
   c.same_shape("a", "out");
   c.same_shape("b", "out");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::add(out, a, b, ctx);
   cpu::with_float_type(out.dtype(), [&](auto to) {
     cpu::with_float_type(a.dtype(), [&](auto ta) {
       cpu::with_float_type(b.dtype(), [&](auto tb) {
@@ -145,9 +147,11 @@ void add(Tensor& out, const Tensor& a, const Tensor& b, const Context& ctx) {
 }
 
 void scale(Tensor& x, float alpha, const Context& ctx) {
-  const cpu::Checker c("scale", ctx, {{"x", &x}});
+  const cpu::Checker c("scale", ctx, {{"x", &x}}, cpu::Backends::cpu_and_cuda);
   c.dtype("x", DType::f32);
   c.contiguous("x");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::scale(x, alpha, ctx);
   float* p = x.data<float>();
   const int64_t n = x.numel();
 #pragma omp parallel for simd schedule(static) if (n > cpu::kParallelWork)
@@ -155,30 +159,36 @@ void scale(Tensor& x, float alpha, const Context& ctx) {
 }
 
 void sum_squares(Tensor& acc, const Tensor& x, const Context& ctx) {
-  const cpu::Checker c("sum_squares", ctx, {{"acc", &acc}, {"x", &x}});
+  const cpu::Checker c("sum_squares", ctx, {{"acc", &acc}, {"x", &x}}, cpu::Backends::cpu_and_cuda);
   c.dtype("acc", DType::f64);
   c.shape("acc", Shape{1});
   c.float_dtype("x");
   c.contiguous("x");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::sum_squares(acc, x, ctx);
   const double s = cpu::with_float_type(
       x.dtype(), [&](auto t) { return sum_squares_kernel(static_cast<const decltype(t)*>(x.raw()), x.numel()); });
   acc.data<double>()[0] += s;
 }
 
 void flag_nonfinite(Tensor& flag, const Tensor& x, const Context& ctx) {
-  const cpu::Checker c("flag_nonfinite", ctx, {{"flag", &flag}, {"x", &x}});
+  const cpu::Checker c("flag_nonfinite", ctx, {{"flag", &flag}, {"x", &x}}, cpu::Backends::cpu_and_cuda);
   c.dtype("flag", DType::i32);
   c.shape("flag", Shape{1});
   c.float_dtype("x");
   c.contiguous("x");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::flag_nonfinite(flag, x, ctx);
   const bool finite = x.dtype() == DType::bf16 ? all_finite_bf16(x.data<bf16>(), x.numel())
                                                : all_finite_f32(x.data<float>(), x.numel());
   if (!finite) flag.data<int32_t>()[0] = 1;
 }
 
 void swiglu_forward(Tensor& out, const Tensor& gate_up, const Context& ctx) {
-  const cpu::Checker c("swiglu_forward", ctx, {{"out", &out}, {"gate_up", &gate_up}});
+  const cpu::Checker c("swiglu_forward", ctx, {{"out", &out}, {"gate_up", &gate_up}}, cpu::Backends::cpu_and_cuda);
   check_swiglu(c, "out", "gate_up");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::swiglu_forward(out, gate_up, ctx);
   const int64_t F = out.size(-1), rows = F ? out.numel() / F : 0;
   cpu::with_float_type(out.dtype(), [&](auto t) {
     using T = decltype(t);
@@ -187,11 +197,14 @@ void swiglu_forward(Tensor& out, const Tensor& gate_up, const Context& ctx) {
 }
 
 void swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up, const Context& ctx) {
-  const cpu::Checker c("swiglu_backward", ctx, {{"dgate_up", &dgate_up}, {"dout", &dout}, {"gate_up", &gate_up}});
+  const cpu::Checker c("swiglu_backward", ctx, {{"dgate_up", &dgate_up}, {"dout", &dout}, {"gate_up", &gate_up}},
+                       cpu::Backends::cpu_and_cuda);
   check_swiglu(c, "dout", "gate_up");
   c.same_shape("dgate_up", "gate_up");
   c.same_dtype("dgate_up", "gate_up");
   c.contiguous("dgate_up");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::swiglu_backward(dgate_up, dout, gate_up, ctx);
   const int64_t F = dout.size(-1), rows = F ? dout.numel() / F : 0;
   cpu::with_float_type(dout.dtype(), [&](auto t) {
     using T = decltype(t);
@@ -201,12 +214,14 @@ void swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up
 }
 
 void gelu_forward(Tensor& out, const Tensor& x, const Context& ctx) {
-  const cpu::Checker c("gelu_forward", ctx, {{"out", &out}, {"x", &x}});
+  const cpu::Checker c("gelu_forward", ctx, {{"out", &out}, {"x", &x}}, cpu::Backends::cpu_and_cuda);
   c.float_dtype("x");
   c.same_dtype("out", "x");
   c.same_shape("out", "x");
   c.contiguous("out");
   c.contiguous("x");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::gelu_forward(out, x, ctx);
   cpu::with_float_type(x.dtype(), [&](auto t) {
     using T = decltype(t);
     gelu_forward_kernel(static_cast<T*>(out.raw()), static_cast<const T*>(x.raw()), x.numel());
@@ -214,7 +229,7 @@ void gelu_forward(Tensor& out, const Tensor& x, const Context& ctx) {
 }
 
 void gelu_backward(Tensor& dx, const Tensor& dout, const Tensor& x, const Context& ctx) {
-  const cpu::Checker c("gelu_backward", ctx, {{"dx", &dx}, {"dout", &dout}, {"x", &x}});
+  const cpu::Checker c("gelu_backward", ctx, {{"dx", &dx}, {"dout", &dout}, {"x", &x}}, cpu::Backends::cpu_and_cuda);
   c.float_dtype("x");
   for (const char* name : {"dx", "dout"}) {
     c.same_dtype(name, "x");
@@ -222,6 +237,8 @@ void gelu_backward(Tensor& dx, const Tensor& dout, const Tensor& x, const Contex
     c.contiguous(name);
   }
   c.contiguous("x");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::gelu_backward(dx, dout, x, ctx);
   cpu::with_float_type(x.dtype(), [&](auto t) {
     using T = decltype(t);
     gelu_backward_kernel(static_cast<T*>(dx.raw()), static_cast<const T*>(dout.raw()), static_cast<const T*>(x.raw()),

@@ -82,7 +82,8 @@ float softmax_cross_entropy_row(float* z, int64_t V, int32_t label, float grad_s
 }  // namespace
 
 void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table, const Context& ctx) {
-  const cpu::Checker c("embedding_forward", ctx, {{"out", &out}, {"ids", &ids}, {"table", &table}});
+  const cpu::Checker c("embedding_forward", ctx, {{"out", &out}, {"ids", &ids}, {"table", &table}},
+                       cpu::Backends::cpu_and_cuda);
   c.rank("ids", 1);
   c.dtype("ids", DType::i32);
   c.rank("table", 2);
@@ -91,6 +92,8 @@ void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table, cons
   const int64_t N = ids.size(0), V = table.size(0), H = table.size(1);
   c.shape("out", Shape{N, H});
   for (const char* name : {"out", "ids", "table"}) c.contiguous(name);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::embedding_forward(out, ids, table, ctx);
   check_ids(c, "id", ids.data<int32_t>(), N, V, false);
   cpu::with_float_type(out.dtype(), [&](auto t) {
     embedding_forward_kernel(static_cast<decltype(t)*>(out.raw()), ids.data<int32_t>(), table.data<float>(), N, H);
@@ -98,7 +101,8 @@ void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table, cons
 }
 
 void embedding_backward(Tensor& dtable, const Tensor& ids, const Tensor& dout, const Context& ctx) {
-  const cpu::Checker c("embedding_backward", ctx, {{"dtable", &dtable}, {"ids", &ids}, {"dout", &dout}});
+  const cpu::Checker c("embedding_backward", ctx, {{"dtable", &dtable}, {"ids", &ids}, {"dout", &dout}},
+                       cpu::Backends::cpu_and_cuda);
   c.rank("ids", 1);
   c.dtype("ids", DType::i32);
   c.rank("dtable", 2);
@@ -107,13 +111,16 @@ void embedding_backward(Tensor& dtable, const Tensor& ids, const Tensor& dout, c
   const int64_t N = ids.size(0), V = dtable.size(0), H = dtable.size(1);
   c.shape("dout", Shape{N, H});
   for (const char* name : {"dtable", "ids", "dout"}) c.contiguous(name);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::embedding_backward(dtable, ids, dout, ctx);
   check_ids(c, "id", ids.data<int32_t>(), N, V, false);
   embedding_backward_kernel(dtable.data<float>(), ids.data<int32_t>(), dout.data<float>(), N, H);
 }
 
 void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, float grad_scale, bool compute_grad,
                            const Context& ctx) {
-  const cpu::Checker c("softmax_cross_entropy", ctx, {{"loss", &loss}, {"logits", &logits}, {"labels", &labels}});
+  const cpu::Checker c("softmax_cross_entropy", ctx, {{"loss", &loss}, {"logits", &logits}, {"labels", &labels}},
+                       cpu::Backends::cpu_and_cuda);
   c.rank("logits", 2);
   c.dtype("logits", DType::f32);
   c.dtype("labels", DType::i32);
@@ -126,6 +133,9 @@ void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, f
   c.shape("loss", Shape{N});
   c.contiguous("labels");
   c.contiguous("loss");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda)
+      return cuda::softmax_cross_entropy(loss, logits, labels, grad_scale, compute_grad, ctx);
   const int32_t* lab = labels.data<int32_t>();
   check_ids(c, "label", lab, N, V, true);
   float* z = logits.data<float>();
@@ -135,7 +145,8 @@ void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, f
 }
 
 void loss_totals(Tensor& totals, const Tensor& loss, const Tensor& labels, const Context& ctx) {
-  const cpu::Checker c("loss_totals", ctx, {{"totals", &totals}, {"loss", &loss}, {"labels", &labels}});
+  const cpu::Checker c("loss_totals", ctx, {{"totals", &totals}, {"loss", &loss}, {"labels", &labels}},
+                       cpu::Backends::cpu_and_cuda);
   c.dtype("totals", DType::f64);
   c.shape("totals", Shape{2});
   c.contiguous("totals");
@@ -145,6 +156,8 @@ void loss_totals(Tensor& totals, const Tensor& loss, const Tensor& labels, const
   c.dtype("labels", DType::i32);
   c.shape("labels", loss.shape());
   c.contiguous("labels");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::loss_totals(totals, loss, labels, ctx);
   const float* lp = loss.data<float>();
   const int32_t* yp = labels.data<int32_t>();
   double* t = totals.data<double>();
@@ -174,13 +187,16 @@ void check_vp_logits(const cpu::Checker& c, const Tensor& logits, const Tensor& 
 
 void vocab_parallel_ce_stats(Tensor& stats, const Tensor& logits, const Tensor& labels, int64_t vocab_start,
                              const Context& ctx) {
-  const cpu::Checker c("vocab_parallel_ce_stats", ctx, {{"stats", &stats}, {"logits", &logits}, {"labels", &labels}});
+  const cpu::Checker c("vocab_parallel_ce_stats", ctx, {{"stats", &stats}, {"logits", &logits}, {"labels", &labels}},
+                       cpu::Backends::cpu_and_cuda);
   check_vp_logits(c, logits, labels);
   const int64_t N = logits.size(0), Vl = logits.size(1), ld = logits.stride(0);
   c.dtype("stats", DType::f32);
   c.shape("stats", Shape{N, 3});
   c.contiguous("stats");
   if (vocab_start < 0) c.fail("vocab_start = ", vocab_start, " is negative");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::vocab_parallel_ce_stats(stats, logits, labels, vocab_start, ctx);
   const float* z = logits.data<float>();
   const int32_t* lab = labels.data<int32_t>();
   float* st = stats.data<float>();
@@ -202,7 +218,8 @@ void vocab_parallel_ce_stats(Tensor& stats, const Tensor& logits, const Tensor& 
 
 void vocab_parallel_ce_merge(Tensor& lse, const Tensor& gathered, const Tensor& labels, int64_t vocab_size,
                              const Context& ctx) {
-  const cpu::Checker c("vocab_parallel_ce_merge", ctx, {{"lse", &lse}, {"gathered", &gathered}, {"labels", &labels}});
+  const cpu::Checker c("vocab_parallel_ce_merge", ctx, {{"lse", &lse}, {"gathered", &gathered}, {"labels", &labels}},
+                       cpu::Backends::cpu_and_cuda);
   c.rank("gathered", 3);
   c.dtype("gathered", DType::f32);
   c.contiguous("gathered");
@@ -214,6 +231,8 @@ void vocab_parallel_ce_merge(Tensor& lse, const Tensor& gathered, const Tensor& 
   c.dtype("labels", DType::i32);
   c.shape("labels", Shape{N});
   c.contiguous("labels");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::vocab_parallel_ce_merge(lse, gathered, labels, vocab_size, ctx);
   const int32_t* lab = labels.data<int32_t>();
   check_ids(c, "label", lab, N, vocab_size, true);
   const float* g = gathered.data<float>();
@@ -235,7 +254,8 @@ void vocab_parallel_ce_merge(Tensor& lse, const Tensor& gathered, const Tensor& 
 void vocab_parallel_ce_finish(Tensor& loss, Tensor& logits, const Tensor& lse, const Tensor& labels,
                               int64_t vocab_start, float grad_scale, bool compute_grad, const Context& ctx) {
   const cpu::Checker c("vocab_parallel_ce_finish", ctx,
-                       {{"loss", &loss}, {"logits", &logits}, {"lse", &lse}, {"labels", &labels}});
+                       {{"loss", &loss}, {"logits", &logits}, {"lse", &lse}, {"labels", &labels}},
+                       cpu::Backends::cpu_and_cuda);
   check_vp_logits(c, logits, labels);
   const int64_t N = logits.size(0), Vl = logits.size(1), ld = logits.stride(0);
   c.dtype("loss", DType::f32);
@@ -244,6 +264,9 @@ void vocab_parallel_ce_finish(Tensor& loss, Tensor& logits, const Tensor& lse, c
   c.dtype("lse", DType::f32);
   c.shape("lse", Shape{N, 2});
   c.contiguous("lse");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda)
+      return cuda::vocab_parallel_ce_finish(loss, logits, lse, labels, vocab_start, grad_scale, compute_grad, ctx);
   float* z = logits.data<float>();
   const float* l = lse.data<float>();
   const int32_t* lab = labels.data<int32_t>();

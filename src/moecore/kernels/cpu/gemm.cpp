@@ -99,7 +99,8 @@ Entry get_primitive(int64_t G, const Operand& a, const Operand& b, const Operand
 }
 
 void check_operands(const char* op, const Tensor& c, const Tensor& a, const Tensor& b, int rank, const Context& ctx) {
-  cpu::check_context(ctx, [&](auto&&... m) { MOECORE_FAIL(op, ": ", m...); });
+  cpu::check_context(
+      ctx, [&](auto&&... m) { MOECORE_FAIL(op, ": ", m...); }, cpu::Backends::cpu_and_cuda);
   const bool ok_rank = a.dim() == rank && b.dim() == rank && c.dim() == rank;
   const bool ok_dtype = a.dtype() == b.dtype() && (a.dtype() == DType::f32 || a.dtype() == DType::bf16) &&
                         (c.dtype() == DType::f32 || c.dtype() == DType::bf16);
@@ -112,13 +113,18 @@ void check_operands(const char* op, const Tensor& c, const Tensor& a, const Tens
   }
 }
 
-void run(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha, float beta, int64_t G,
-         const char* op) {
+void check_shapes(const Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, const char* op) {
   const Operand oa = operand_of(a, ta), ob = operand_of(b, tb), oc = operand_of(c, false);
   if (oa.cols != ob.rows || oa.rows != oc.rows || ob.cols != oc.cols) {
     MOECORE_FAIL(op, ": shapes do not match: c ", c.str(), " = op(a ", a.str(), (ta ? "^T" : ""), ") @ op(b ", b.str(),
                  (tb ? "^T" : ""), ")");
   }
+}
+
+void run(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha, float beta, int64_t G,
+         const char* op) {
+  check_shapes(c, a, ta, b, tb, op);
+  const Operand oa = operand_of(a, ta), ob = operand_of(b, tb), oc = operand_of(c, false);
   if (oc.rows == 0 || oc.cols == 0 || G == 0) return;
   if (oa.cols == 0) {  // empty reduction: c = beta * c
     Tensor cc = c;
@@ -227,18 +233,24 @@ void dispatch(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, flo
 
 void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
           const Context& ctx) {
-  const DeviceAccess access;
   check_operands("gemm", c, a, b, 2, ctx);
+  check_shapes(c, a, trans_a, b, trans_b, "gemm");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::gemm(c, a, trans_a, b, trans_b, alpha, beta, ctx);
+  const DeviceAccess access;
   dispatch(c, a, trans_a, b, trans_b, alpha, beta, 1, "gemm");
 }
 
 void gemm_batched(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
                   const Context& ctx) {
-  const DeviceAccess access;
   check_operands("gemm_batched", c, a, b, 3, ctx);
   if (a.size(0) != c.size(0) || b.size(0) != c.size(0)) {
     MOECORE_FAIL("gemm_batched: batch sizes differ: c ", c.str(), ", a ", a.str(), ", b ", b.str());
   }
+  check_shapes(c, a, trans_a, b, trans_b, "gemm_batched");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::gemm_batched(c, a, trans_a, b, trans_b, alpha, beta, ctx);
+  const DeviceAccess access;
   if (c.size(0) == 1) {
     Tensor c2 = c.select(0, 0);
     dispatch(c2, a.select(0, 0), trans_a, b.select(0, 0), trans_b, alpha, beta, 1, "gemm_batched");

@@ -219,7 +219,8 @@ void check_unit_last_stride(const cpu::Checker& chk, std::initializer_list<const
 
 void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, const Tensor& group_rows_t, float beta,
                   const Context& ctx) {
-  const cpu::Checker chk("gemm_grouped", ctx, {{"c", &c}, {"a", &a}, {"b", &b}, {"group_rows", &group_rows_t}});
+  const cpu::Checker chk("gemm_grouped", ctx, {{"c", &c}, {"a", &a}, {"b", &b}, {"group_rows", &group_rows_t}},
+                         cpu::Backends::cpu_and_cuda);
   chk.rank("c", 2);
   chk.rank("a", 2);
   chk.rank("b", 3);
@@ -231,6 +232,9 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
   const int64_t N = trans_b ? b.size(1) : b.size(2), Kb = trans_b ? b.size(2) : b.size(1);
   if (Kb != K || c.size(0) != R || c.size(1) != N)
     chk.fail("shapes do not match c [R, N] = a [R, K] @ op(b[g]) with trans_b = ", trans_b);
+  cpu::check_group_rows(chk, G);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::gemm_grouped(c, a, b, trans_b, group_rows_t, beta, ctx);
   const std::vector<int64_t>& group_rows = cpu::group_counts(chk, G, R);
   cpu::with_float_type(a.dtype(), [&](auto ta) {
     cpu::with_float_type(c.dtype(), [&](auto tc) {
@@ -249,7 +253,8 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
 
 void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tensor& group_rows_t, float beta,
                         const Context& ctx) {
-  const cpu::Checker chk("gemm_grouped_wgrad", ctx, {{"c", &c}, {"a", &a}, {"b", &b}, {"group_rows", &group_rows_t}});
+  const cpu::Checker chk("gemm_grouped_wgrad", ctx, {{"c", &c}, {"a", &a}, {"b", &b}, {"group_rows", &group_rows_t}},
+                         cpu::Backends::cpu_and_cuda);
   chk.rank("c", 3);
   chk.rank("a", 2);
   chk.rank("b", 2);
@@ -260,6 +265,9 @@ void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tenso
   const int64_t R = a.size(0), M = a.size(1), N = b.size(1), G = c.size(0);
   if (b.size(0) != R || c.size(1) != M || c.size(2) != N)
     chk.fail("shapes do not match c [G, M, N] = a [R, M]^T @ b [R, N] per group");
+  cpu::check_group_rows(chk, G);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::gemm_grouped_wgrad(c, a, b, group_rows_t, beta, ctx);
   const std::vector<int64_t>& group_rows = cpu::group_counts(chk, G, R);
   float* cp = c.data<float>();
   cpu::with_float_type(a.dtype(), [&](auto t) {

@@ -8,14 +8,16 @@
 namespace moecore::ops {
 
 void transpose_01(Tensor& out, const Tensor& in, const Context& ctx) {
-  const cpu::Checker c("transpose_01", ctx, {{"out", &out}, {"in", &in}});
+  const cpu::Checker c("transpose_01", ctx, {{"out", &out}, {"in", &in}}, cpu::Backends::cpu_and_cuda);
   c.float_dtype("in");
   c.contiguous("out");
   c.contiguous("in");
   if (in.dim() != 3 || out.dim() != 3 || out.dtype() != in.dtype() || out.size(0) != in.size(1) ||
       out.size(1) != in.size(0) || out.size(2) != in.size(2))
     c.fail("needs in [A, B, W] and out [B, A, W] of one dtype");
-  if (out.raw() == in.raw()) c.fail("out must not alias in");
+  if (cpu::address_of(out) == cpu::address_of(in)) c.fail("out must not alias in");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::transpose_01(out, in, ctx);
   const int64_t A = in.size(0), B = in.size(1);
   const size_t row = static_cast<size_t>(in.size(2)) * dtype_size(in.dtype());
   const auto* src = static_cast<const char*>(in.raw());
@@ -46,8 +48,8 @@ void check_slots(const cpu::Checker& c, const Tensor& qkv, const Tensor& packed,
   c.contiguous("packed");
   if (slot < 0 || count <= 0 || slot + count > d.R + 2) c.fail("slots [", slot, ", ", slot + count, ") of ", d.R + 2);
   if (qkv.dim() < 2 || qkv.size(-1) != d.width()) c.fail("qkv's last dim must be G*(R+2)*D = ", d.width());
-  const auto* q0 = static_cast<const char*>(qkv.raw());
-  const auto* p0 = static_cast<const char*>(packed.raw());
+  const char* q0 = cpu::address_of(qkv);
+  const char* p0 = cpu::address_of(packed);
   if (p0 < q0 + qkv.nbytes() && q0 < p0 + packed.nbytes()) c.fail("packed must not overlap qkv");
   const int64_t tokens = qkv.numel() / d.width();
   if (packed.dim() != 2 || packed.size(0) != tokens * d.G * count || packed.size(1) != d.D)
@@ -58,8 +60,10 @@ void check_slots(const cpu::Checker& c, const Tensor& qkv, const Tensor& packed,
 
 void qkv_slots_gather(Tensor& packed, const Tensor& qkv, const QkvDims& d, int64_t slot, int64_t count,
                       const Context& ctx) {
-  const cpu::Checker c("qkv_slots_gather", ctx, {{"packed", &packed}, {"qkv", &qkv}});
+  const cpu::Checker c("qkv_slots_gather", ctx, {{"packed", &packed}, {"qkv", &qkv}}, cpu::Backends::cpu_and_cuda);
   check_slots(c, qkv, packed, d, slot, count);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::qkv_slots_gather(packed, qkv, d, slot, count, ctx);
   cpu::with_float_type(packed.dtype(), [&](auto to) {
     cpu::with_float_type(qkv.dtype(), [&](auto ti) {
       auto* out = static_cast<decltype(to)*>(packed.raw());
@@ -73,8 +77,10 @@ void qkv_slots_gather(Tensor& packed, const Tensor& qkv, const QkvDims& d, int64
 
 void qkv_slots_scatter(Tensor& qkv, const Tensor& packed, const QkvDims& d, int64_t slot, int64_t count,
                        const Context& ctx) {
-  const cpu::Checker c("qkv_slots_scatter", ctx, {{"qkv", &qkv}, {"packed", &packed}});
+  const cpu::Checker c("qkv_slots_scatter", ctx, {{"qkv", &qkv}, {"packed", &packed}}, cpu::Backends::cpu_and_cuda);
   check_slots(c, qkv, packed, d, slot, count);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::qkv_slots_scatter(qkv, packed, d, slot, count, ctx);
   cpu::with_float_type(qkv.dtype(), [&](auto to) {
     cpu::with_float_type(packed.dtype(), [&](auto ti) {
       auto* out = static_cast<decltype(to)*>(qkv.raw());

@@ -192,10 +192,13 @@ void check_dx(const cpu::Checker& c) {
 }  // namespace
 
 void rmsnorm_forward(Tensor& y, Tensor& rstd, const Tensor& x, const Tensor& w, float eps, const Context& ctx) {
-  const cpu::Checker c("rmsnorm_forward", ctx, {{"y", &y}, {"rstd", &rstd}, {"x", &x}, {"w", &w}});
+  const cpu::Checker c("rmsnorm_forward", ctx, {{"y", &y}, {"rstd", &rstd}, {"x", &x}, {"w", &w}},
+                       cpu::Backends::cpu_and_cuda);
   const auto [n_rows, h_cols] = check_norm(c, {"y"}, {"rstd"}, {"w"});
   const int64_t N = n_rows, H = h_cols;
   c.float_dtype("y");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::rmsnorm_forward(y, rstd, x, w, eps, ctx);
   cpu::with_float_type(y.dtype(), [&](auto t) {
     rmsnorm_forward_kernel(static_cast<decltype(t)*>(y.raw()), rstd.data<float>(), x.data<float>(), w.data<float>(),
                            eps, N, H);
@@ -205,10 +208,13 @@ void rmsnorm_forward(Tensor& y, Tensor& rstd, const Tensor& x, const Tensor& w, 
 void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       bool accumulate_dx, const Context& ctx) {
   const cpu::Checker c("rmsnorm_backward", ctx,
-                       {{"dx", &dx}, {"dw", &dw}, {"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd", &rstd}});
+                       {{"dx", &dx}, {"dw", &dw}, {"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd", &rstd}},
+                       cpu::Backends::cpu_and_cuda);
   const auto [n_rows, h_cols] = check_norm(c, {"dx", "dy"}, {"rstd"}, {"w", "dw"});
   const int64_t N = n_rows, H = h_cols;
   check_dx(c);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::rmsnorm_backward(dx, dw, dy, x, w, rstd, accumulate_dx, ctx);
   cpu::with_float_type(dy.dtype(), [&](auto t) {
     const auto* dyp = static_cast<const decltype(t)*>(dy.raw());
     auto* kernel =
@@ -220,10 +226,13 @@ void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dy, const Tensor& x,
 void layernorm_forward(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b,
                        float eps, const Context& ctx) {
   const cpu::Checker c("layernorm_forward", ctx,
-                       {{"y", &y}, {"mean", &mean}, {"rstd", &rstd}, {"x", &x}, {"w", &w}, {"b", &b}});
+                       {{"y", &y}, {"mean", &mean}, {"rstd", &rstd}, {"x", &x}, {"w", &w}, {"b", &b}},
+                       cpu::Backends::cpu_and_cuda);
   const auto [n_rows, h_cols] = check_norm(c, {"y"}, {"mean", "rstd"}, {"w", "b"});
   const int64_t N = n_rows, H = h_cols;
   c.float_dtype("y");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::layernorm_forward(y, mean, rstd, x, w, b, eps, ctx);
   cpu::with_float_type(y.dtype(), [&](auto t) {
     layernorm_forward_kernel(static_cast<decltype(t)*>(y.raw()), mean.data<float>(), rstd.data<float>(),
                              x.data<float>(), w.data<float>(), b.data<float>(), eps, N, H);
@@ -234,10 +243,14 @@ void layernorm_backward(Tensor& dx, Tensor& dw, Tensor& db, const Tensor& dy, co
                         const Tensor& mean, const Tensor& rstd, bool accumulate_dx, const Context& ctx) {
   const cpu::Checker c(
       "layernorm_backward", ctx,
-      {{"dx", &dx}, {"dw", &dw}, {"db", &db}, {"dy", &dy}, {"x", &x}, {"w", &w}, {"mean", &mean}, {"rstd", &rstd}});
+      {{"dx", &dx}, {"dw", &dw}, {"db", &db}, {"dy", &dy}, {"x", &x}, {"w", &w}, {"mean", &mean}, {"rstd", &rstd}},
+      cpu::Backends::cpu_and_cuda);
   const auto [n_rows, h_cols] = check_norm(c, {"dx", "dy"}, {"mean", "rstd"}, {"w", "dw", "db"});
   const int64_t N = n_rows, H = h_cols;
   check_dx(c);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda)
+      return cuda::layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, accumulate_dx, ctx);
   cpu::with_float_type(dy.dtype(), [&](auto t) {
     const auto* dyp = static_cast<const decltype(t)*>(dy.raw());
     auto* kernel =

@@ -49,7 +49,8 @@ void adamw_kernel(float* param, const float* grad, TM* exp_avg, TV* exp_avg_sq, 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWParams& p,
                 const Context& ctx) {
   const cpu::Checker c("adamw_step", ctx,
-                       {{"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
+                       {{"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}},
+                       cpu::Backends::cpu_and_cuda);
   c.dtype("param", DType::f32);
   c.dtype("grad", DType::f32);
   c.float_dtype("exp_avg");
@@ -61,6 +62,8 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   if (p.step < 1) c.fail("step must be >= 1 (1-based, for bias correction), got ", p.step);
   if (!(p.beta1 >= 0.0f && p.beta1 < 1.0f && p.beta2 >= 0.0f && p.beta2 < 1.0f))
     c.fail("betas must lie in [0, 1), got beta1 = ", p.beta1, ", beta2 = ", p.beta2);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::adamw_step(param, grad, exp_avg, exp_avg_sq, p, ctx);
   const AdamWConsts k(p);
   cpu::with_float_type(exp_avg.dtype(), [&](auto tm) {
     cpu::with_float_type(exp_avg_sq.dtype(), [&](auto tv) {

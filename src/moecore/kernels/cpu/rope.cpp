@@ -40,7 +40,7 @@ void rotate_slots(T* qkv, const float* rope, int64_t Dr, const QkvDims& d, bool 
 
 void rope_apply(const char* op, const char* name, Tensor& qkv, const Tensor& rope, const QkvDims& d, const Context& ctx,
                 bool inverse) {
-  const cpu::Checker ck(op, ctx, {{name, &qkv}, {"rope", &rope}});
+  const cpu::Checker ck(op, ctx, {{name, &qkv}, {"rope", &rope}}, cpu::Backends::cpu_and_cuda);
   if (d.B < 0 || d.S < 0 || d.G < 1 || d.R < 1 || d.D < 2 || d.D % 2 != 0) {
     ck.fail("dims must have B, S >= 0, G, R >= 1 and an even D >= 2; got B=", d.B, " S=", d.S, " G=", d.G, " R=", d.R,
             " D=", d.D);
@@ -62,6 +62,9 @@ void rope_apply(const char* op, const char* name, Tensor& qkv, const Tensor& rop
   if (rope.size(0) < d.S) {
     ck.fail("rope must have shape [S', Dr] with S' >= S = ", d.S, ", got ", rope.shape().str());
   }
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda)
+      return inverse ? cuda::rope_backward(qkv, rope, d, ctx) : cuda::rope_forward(qkv, rope, d, ctx);
   cpu::with_float_type(qkv.dtype(), [&](auto tag) {
     using T = decltype(tag);
     rotate_slots(qkv.data<T>(), rope.data<float>(), Dr, d, inverse);
@@ -71,13 +74,15 @@ void rope_apply(const char* op, const char* name, Tensor& qkv, const Tensor& rop
 }  // namespace
 
 void rope_table(Tensor& rope, float base, const Context& ctx) {
-  const cpu::Checker ck("rope_table", ctx, {{"rope", &rope}});
+  const cpu::Checker ck("rope_table", ctx, {{"rope", &rope}}, cpu::Backends::cpu_and_cuda);
   ck.dtype("rope", DType::f32);
   ck.rank("rope", 2);
   ck.contiguous("rope");
   const int64_t S = rope.size(0), Dr = rope.size(1);
   if (Dr < 2 || Dr % 2 != 0) ck.fail("the rotary dim Dr = rope.size(1) must be even and >= 2, got Dr = ", Dr);
   if (!(base > 0.0f) || !std::isfinite(base)) ck.fail("base must be a positive finite number, got ", base);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::rope_table(rope, base, ctx);
   float* t = rope.data<float>();
   // Angles in double: at positions in the thousands an f32 angle is already off by ~1e-4 rad.
 #pragma omp parallel for schedule(static) if (S * Dr > cpu::kParallelWork)

@@ -1,0 +1,486 @@
+// GPU tests (ctest label "gpu"): every op with CUDA kernels (kernels/cuda/ops_cuda.h) against the CPU backend on
+// fresh seeded random inputs, with odd sizes, strided views, both float dtypes, empty groups and padding rows.
+// Outputs that an op writes start as NaN on both devices (an op that skipped an element shows it); dropout masks,
+// copies and the order-fixed sums must match bit for bit, everything else within the stated tolerances. Every test
+// skips when no CUDA device is present, so the label is safe to run anywhere.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "moecore/core/backend_hooks.h"
+#include "moecore/kernels/ops.h"
+#include "test_util.h"
+
+namespace moecore {
+namespace {
+
+#define SKIP_WITHOUT_GPU() \
+  if (!device_available()) GTEST_SKIP() << "no CUDA device (or built without CUDA): GPU test skipped"
+
+ops::Context ctx_of(bool gpu) {
+  return gpu ? ops::Context{Device::cuda, nullptr} : ops::Context{};
+}
+
+// One tensor on both backends: the CPU reference and its copy on the GPU.
+struct Both {
+  Tensor cpu, gpu;
+  Tensor& on(bool g) { return g ? gpu : cpu; }
+};
+Both both(const Tensor& host) {
+  return {host.clone(), host.to_device(Device::cuda)};
+}
+Both randn(const Shape& s, const char* name, uint64_t seed, DType t = DType::f32, float std = 1.0f) {
+  return both(testing::randn(s, name, std, seed).to(t));
+}
+Both nans(const Shape& s, DType t = DType::f32) {
+  Tensor h = Tensor::empty(s, t, MemCategory::other);
+  h.fill_(std::numeric_limits<float>::quiet_NaN());
+  return both(h);
+}
+Both ints(const std::vector<int32_t>& v) {
+  Tensor h = Tensor::empty({static_cast<int64_t>(v.size())}, DType::i32, MemCategory::other);
+  std::memcpy(h.raw(), v.data(), v.size() * sizeof(int32_t));
+  return both(h);
+}
+Both counts(const std::vector<int64_t>& v) {
+  return both(testing::counts_tensor(v, Device::cpu));
+}
+// Random values in [lo, hi) from a seed.
+std::vector<int32_t> random_ints(int64_t n, int32_t lo, int32_t hi, uint64_t seed) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[i] = lo + static_cast<int32_t>(testing::mix(seed * 1000003 + i) % (hi - lo));
+  return v;
+}
+
+// Tolerances by output dtype: f32 ~1e-5 relative; bf16 about two ulps (a value rounds to either neighbour when the
+// two backends' f32 results differ in the last bits).
+constexpr double kRtolF32 = 1e-5, kRtolBf16 = 8e-3;
+double rtol_of(DType t) {
+  return t == DType::bf16 ? kRtolBf16 : kRtolF32;
+}
+
+void expect_near(const Both& x, double rtol, double atol) {
+  EXPECT_TENSOR_NEAR(testing::host(x.gpu), x.cpu, rtol, atol);
+}
+void expect_bitwise(const Both& x) {
+  const Tensor g = testing::host(x.gpu);
+  ASSERT_EQ(g.shape(), x.cpu.shape());
+  const Tensor c = x.cpu.is_contiguous() ? x.cpu : x.cpu.clone();
+  EXPECT_EQ(std::memcmp(g.raw(), c.raw(), static_cast<size_t>(c.nbytes())), 0) << "GPU and CPU bits differ";
+}
+
+const DType kFloat[] = {DType::f32, DType::bf16};
+
+// ---- GEMM ------------------------------------------------------------------------------------------------------
+TEST(CudaOps, GemmMatchesCpuWithTransposesStridedViewsAndBeta) {
+  SKIP_WITHOUT_GPU();
+  const int64_t M = 37, N = 29, K = 53;
+  uint64_t seed = 100;
+  for (DType tin : kFloat)
+    for (DType tout : kFloat)
+      for (int t = 0; t < 4; ++t)
+        for (float beta : {0.0f, 0.5f}) {
+          const bool ta = t & 1, tb = t & 2;
+          SCOPED_TRACE(::testing::Message() << "in " << dtype_name(tin) << " out " << dtype_name(tout) << " ta " << ta
+                                            << " tb " << tb << " beta " << beta);
+          Both a = randn(ta ? Shape{K, M + 5} : Shape{M, K + 5}, "a", ++seed, tin);
+          Both b = randn(tb ? Shape{N, K} : Shape{K, N}, "b", ++seed, tin);
+          Both c = beta == 0.0f ? nans({M, N + 7}, tout) : randn({M, N + 7}, "c", ++seed, tout);
+          for (bool g : {false, true}) {
+            Tensor cv = c.on(g).slice(1, 0, N);
+            ops::gemm(cv, a.on(g).slice(1, 0, ta ? M : K), ta, b.on(g), tb, 0.7f, beta, ctx_of(g));
+          }
+          // Only c's first N columns are written: compare the view's columns, and the rest must stay as they were.
+          const Tensor gh = testing::host(c.gpu);
+          EXPECT_TENSOR_NEAR(gh.slice(1, 0, N).clone(), c.cpu.slice(1, 0, N).clone(), rtol_of(tout), 2e-6 * K);
+          if (beta != 0.0f) {
+            const Tensor rest_g = gh.slice(1, N, N + 7).clone(), rest_c = c.cpu.slice(1, N, N + 7).clone();
+            EXPECT_EQ(std::memcmp(rest_g.raw(), rest_c.raw(), static_cast<size_t>(rest_c.nbytes())), 0);
+          }
+        }
+}
+
+TEST(CudaOps, GemmBatchedMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t G = 3, M = 17, N = 23, K = 31;
+  uint64_t seed = 200;
+  for (DType tin : kFloat)
+    for (int t = 0; t < 4; ++t) {
+      const bool ta = t & 1, tb = t & 2;
+      Both a = randn(ta ? Shape{G, K, M} : Shape{G, M, K}, "a", ++seed, tin);
+      Both b = randn(tb ? Shape{G, N, K} : Shape{G, K, N}, "b", ++seed, tin);
+      Both c = randn({G, M, N}, "c", ++seed);
+      for (bool g : {false, true}) ops::gemm_batched(c.on(g), a.on(g), ta, b.on(g), tb, 1.3f, 1.0f, ctx_of(g));
+      expect_near(c, kRtolF32, 2e-6 * K);
+    }
+}
+
+// Groups with an empty one and padding rows past the sum; K and N not multiples of the 64 x 64 x 16 tiles.
+TEST(CudaOps, GemmGroupedMatchesCpuWithEmptyGroupsAndPadding) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<int64_t> rows = {13, 0, 131, 9};  // 153 of R = 170 rows
+  const int64_t R = 170, K = 45, N = 33, G = 4, covered = 153;
+  uint64_t seed = 300;
+  for (DType tin : kFloat)
+    for (DType tout : kFloat)
+      for (bool tb : {false, true})
+        for (float beta : {0.0f, 0.5f}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "in " << dtype_name(tin) << " out " << dtype_name(tout) << " tb " << tb << " beta " << beta);
+          Both a = randn({R, K + 3}, "a", ++seed, tin);
+          Both b = randn(tb ? Shape{G, N, K} : Shape{G, K, N}, "b", ++seed, tin);
+          Tensor c0 = testing::randn({R, N + 5}, "c", 1.0f, ++seed).to(tout);
+          if (beta == 0.0f) {  // the covered rows of the view: written without being read
+            Tensor cov = c0.slice(0, 0, covered).slice(1, 0, N);
+            cov.fill_(std::numeric_limits<float>::quiet_NaN());
+          }
+          Both c = both(c0), n = counts(rows);
+          for (bool g : {false, true}) {
+            Tensor cv = c.on(g).slice(1, 0, N);
+            ops::gemm_grouped(cv, a.on(g).slice(1, 0, K), b.on(g), tb, n.on(g), beta, ctx_of(g));
+          }
+          expect_near(c, rtol_of(tout), 2e-6 * K);  // padding rows and the columns past N: untouched on both
+        }
+}
+
+TEST(CudaOps, GemmGroupedWgradMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<int64_t> rows = {130, 0, 77, 1};  // 208 of R = 220 rows
+  const int64_t R = 220, M = 27, N = 70, G = 4;
+  uint64_t seed = 400;
+  for (DType tin : kFloat)
+    for (float beta : {0.0f, 1.0f}) {
+      Both a = randn({R, M + 2}, "a", ++seed, tin);
+      Both b = randn({R, N}, "b", ++seed, tin);
+      Both c = beta == 0.0f ? nans({G, M, N}) : randn({G, M, N}, "c", ++seed);
+      Both n = counts(rows);
+      for (bool g : {false, true})
+        ops::gemm_grouped_wgrad(c.on(g), a.on(g).slice(1, 0, M), b.on(g), n.on(g), beta, ctx_of(g));
+      expect_near(c, kRtolF32, 2e-6 * 130);
+    }
+}
+
+// ---- elementwise -----------------------------------------------------------------------------------------------
+TEST(CudaOps, ElementwiseMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 500;
+  for (DType t : kFloat) {
+    const Shape s{37, 45}, s2{37, 90};
+    Both a = randn(s, "a", ++seed, t), b = randn(s, "b", ++seed, DType::f32), out = nans(s, t);
+    for (bool g : {false, true}) ops::add(out.on(g), a.on(g), b.on(g), ctx_of(g));
+    expect_bitwise(out);
+    Both gu = randn(s2, "gate_up", ++seed, t), dout = randn(s, "dout", ++seed, t);
+    Both y = nans(s, t), dgu = nans(s2, t);
+    for (bool g : {false, true}) {
+      ops::swiglu_forward(y.on(g), gu.on(g), ctx_of(g));
+      ops::swiglu_backward(dgu.on(g), dout.on(g), gu.on(g), ctx_of(g));
+    }
+    expect_near(y, rtol_of(t), 1e-6);
+    expect_near(dgu, rtol_of(t), 1e-6);
+    Both gy = nans(s, t), gdx = nans(s, t);
+    for (bool g : {false, true}) {
+      ops::gelu_forward(gy.on(g), a.on(g), ctx_of(g));
+      ops::gelu_backward(gdx.on(g), dout.on(g), a.on(g), ctx_of(g));
+    }
+    expect_near(gy, rtol_of(t), 1e-6);
+    expect_near(gdx, rtol_of(t), 1e-6);
+  }
+  Both x = randn({1001}, "x", ++seed);
+  for (bool g : {false, true}) ops::scale(x.on(g), -0.37f, ctx_of(g));
+  expect_bitwise(x);
+}
+
+TEST(CudaOps, SumSquaresAndNonfiniteFlagMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : kFloat) {
+    Both x = randn({3 * 8192 + 17}, "x", 600, t);
+    Tensor acc0 = Tensor::empty({1}, DType::f64, MemCategory::other);
+    acc0.data<double>()[0] = 2.5;
+    Both acc = both(acc0);
+    for (bool g : {false, true}) ops::sum_squares(acc.on(g), x.on(g), ctx_of(g));
+    double gv = 0;
+    acc.gpu.copy_to_host(&gv, 1);
+    EXPECT_NEAR(gv, acc.cpu.data<double>()[0], 1e-12 * acc.cpu.data<double>()[0]);
+    Both flag = both(Tensor::zeros({1}, DType::i32, MemCategory::other));
+    for (bool g : {false, true}) ops::flag_nonfinite(flag.on(g), x.on(g), ctx_of(g));
+    expect_bitwise(flag);
+    Tensor bad = testing::randn({1000}, "bad", 1.0f, 601).to(t);
+    bad.slice(0, 777, 778).fill_(std::numeric_limits<float>::infinity());
+    Both xb = both(bad);
+    for (bool g : {false, true}) ops::flag_nonfinite(flag.on(g), xb.on(g), ctx_of(g));
+    int32_t f = 0;
+    flag.gpu.copy_to_host(&f, 1);
+    EXPECT_EQ(f, 1);
+    expect_bitwise(flag);
+  }
+}
+
+// ---- norms -----------------------------------------------------------------------------------------------------
+TEST(CudaOps, RmsNormAndLayerNormMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 700;
+  for (const int64_t N : {37, 1000})
+    for (const int64_t H : {45, 300})
+      for (DType t : kFloat)
+        for (bool acc : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "N " << N << " H " << H << " " << dtype_name(t) << " acc " << acc);
+          Both x = randn({N, H}, "x", ++seed, DType::f32, 2.0f), w = randn({H}, "w", ++seed),
+               b = randn({H}, "b", ++seed);
+          Both y = nans({N, H}, t), rstd = nans({N}), mean = nans({N});
+          for (bool g : {false, true}) ops::rmsnorm_forward(y.on(g), rstd.on(g), x.on(g), w.on(g), 1e-5f, ctx_of(g));
+          expect_near(y, rtol_of(t), 1e-6);
+          expect_near(rstd, kRtolF32, 0);
+          Both dy = randn({N, H}, "dy", ++seed, t), dw = randn({H}, "dw", ++seed), db = randn({H}, "db", ++seed);
+          Both dx = acc ? randn({N, H}, "dx", ++seed) : nans({N, H});
+          for (bool g : {false, true})
+            ops::rmsnorm_backward(dx.on(g), dw.on(g), dy.on(g), x.on(g), w.on(g), rstd.on(g), acc, ctx_of(g));
+          expect_near(dx, 1e-4, 1e-5);
+          expect_near(dw, 1e-4, 1e-5 * std::sqrt(static_cast<double>(N)));
+          for (bool g : {false, true})
+            ops::layernorm_forward(y.on(g), mean.on(g), rstd.on(g), x.on(g), w.on(g), b.on(g), 1e-5f, ctx_of(g));
+          expect_near(y, rtol_of(t), 1e-5);
+          expect_near(mean, kRtolF32, 1e-6);
+          expect_near(rstd, kRtolF32, 0);
+          for (bool g : {false, true})
+            ops::layernorm_backward(dx.on(g), dw.on(g), db.on(g), dy.on(g), x.on(g), w.on(g), mean.on(g), rstd.on(g),
+                                    acc, ctx_of(g));
+          expect_near(dx, 1e-4, 1e-5);
+          expect_near(dw, 1e-4, 1e-5 * std::sqrt(static_cast<double>(N)));
+          expect_near(db, 1e-4, 1e-5 * std::sqrt(static_cast<double>(N)));
+        }
+}
+
+// ---- rotary embeddings and layout --------------------------------------------------------------------------------
+TEST(CudaOps, RopeMatchesCpuForWholeAndPartialRotation) {
+  SKIP_WITHOUT_GPU();
+  const ops::QkvDims d{2, 7, 2, 3, 16};
+  uint64_t seed = 800;
+  for (const int64_t Dr : {int64_t{16}, int64_t{12}})
+    for (DType t : kFloat) {
+      Both table = nans({19, Dr});
+      for (bool g : {false, true}) ops::rope_table(table.on(g), 10000.0f, ctx_of(g));
+      expect_near(table, 1e-6, 1e-7);
+      Both qkv = randn({d.B, d.S, d.width()}, "qkv", ++seed, t);
+      for (bool g : {false, true})
+        ops::rope_forward(qkv.on(g), table.cpu.to_device(g ? Device::cuda : Device::cpu), d, ctx_of(g));
+      expect_near(qkv, rtol_of(t), 1e-6);
+      for (bool g : {false, true})
+        ops::rope_backward(qkv.on(g), table.cpu.to_device(g ? Device::cuda : Device::cpu), d, ctx_of(g));
+      expect_near(qkv, rtol_of(t), 1e-6);
+    }
+}
+
+TEST(CudaOps, LayoutCopiesMatchCpuBitForBit) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : kFloat) {
+    Both in = randn({5, 3, 7}, "in", 900, t), out = nans({3, 5, 7}, t);
+    for (bool g : {false, true}) ops::transpose_01(out.on(g), in.on(g), ctx_of(g));
+    expect_bitwise(out);
+    const ops::QkvDims d{2, 3, 2, 3, 6};
+    Both qkv = randn({d.B, d.S, d.width()}, "qkv", 901);
+    Both packed = nans({d.B * d.S * d.G * 3, d.D}, t);
+    for (bool g : {false, true}) ops::qkv_slots_gather(packed.on(g), qkv.on(g), d, 0, 3, ctx_of(g));
+    expect_bitwise(packed);
+    Both key = randn({d.B * d.S * d.G, d.D}, "key", 902, t);
+    for (bool g : {false, true}) ops::qkv_slots_scatter(qkv.on(g), key.on(g), d, d.R, 1, ctx_of(g));
+    expect_bitwise(qkv);
+  }
+}
+
+// ---- biases and dropout ------------------------------------------------------------------------------------------
+TEST(CudaOps, BiasOpsMatchCpuWithStridedRowsGroupsAndPadding) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<int64_t> rows = {5, 0, 300, 2};  // a group longer than one 256-row chunk; 13 padding rows
+  const int64_t R = 320, W = 45, G = 4;
+  uint64_t seed = 1000;
+  for (DType t : kFloat) {
+    Both y = randn({R, W + 3}, "y", ++seed, t), bias1 = randn({W}, "b1", ++seed), bias = randn({G, W}, "b", ++seed);
+    Both scale = randn({R}, "s", ++seed), n = counts(rows);
+    for (bool g : {false, true}) {
+      Tensor yv = y.on(g).slice(1, 0, W);
+      ops::bias_add(yv, bias1.on(g), ctx_of(g));
+      ops::bias_add_grouped(yv, bias.on(g), n.on(g), ctx_of(g));
+      ops::bias_add_grouped_scaled(yv, bias.on(g), scale.on(g), n.on(g), ctx_of(g));
+    }
+    expect_near(y, rtol_of(t), 1e-6);
+    Both dy = randn({R, W + 3}, "dy", ++seed, t), db1 = randn({W}, "db1", ++seed), db = randn({G, W}, "db", ++seed);
+    Tensor ds0 = testing::randn({R}, "ds", 1.0f, ++seed);
+    ds0.slice(0, 0, 307).fill_(std::numeric_limits<float>::quiet_NaN());  // covered rows written, padding untouched
+    Both ds = both(ds0);
+    for (bool g : {false, true}) {
+      const Tensor dyv = dy.on(g).slice(1, 0, W);
+      Tensor none;
+      ops::bias_grad(db1.on(g), dyv, ctx_of(g));
+      ops::bias_grad_grouped(db.on(g), dyv, n.on(g), ctx_of(g));
+      ops::bias_grad_grouped_scaled(db.on(g), ds.on(g), dyv, bias.on(g), scale.on(g), n.on(g), ctx_of(g));
+      ops::bias_grad_grouped_scaled(db.on(g), none, dyv, bias.on(g), scale.on(g), n.on(g), ctx_of(g));
+    }
+    expect_near(db1, 1e-6, 1e-6);
+    expect_near(db, 1e-6, 1e-6);
+    expect_near(ds, 1e-6, 1e-6);
+  }
+}
+
+TEST(CudaOps, DropoutMasksMatchCpuBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const ops::Dropout d{0.3f, philox_key(11, "cuda.dropout")};
+  for (DType t : kFloat) {
+    Both x = randn({37, 53}, "x", 1100, t), y = nans({37, 53}, t);
+    for (bool g : {false, true}) ops::dropout_forward(y.on(g), x.on(g), d, ctx_of(g));
+    expect_bitwise(y);
+    for (bool g : {false, true}) ops::dropout_backward(x.on(g), x.on(g), d, ctx_of(g));  // in place
+    expect_bitwise(x);
+    for (bool g : {false, true}) ops::dropout_forward(y.on(g), x.on(g), ops::Dropout{}, ctx_of(g));  // p = 0: copy
+    expect_bitwise(y);
+  }
+}
+
+TEST(CudaOps, BiasDropoutAddMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 37, H = 300;
+  uint64_t seed = 1200;
+  for (const float p : {0.0f, 0.25f})
+    for (DType t : kFloat)
+      for (bool with_bias : {false, true}) {
+        const ops::Dropout d{p, philox_key(12, "cuda.bda")};
+        Both x = randn({N, H}, "x", ++seed, t), bias = randn({H}, "b", ++seed);
+        Both residual = both(Tensor::zeros({N, H}, DType::f32, MemCategory::other)), y = nans({N, H});
+        Tensor none;
+        for (bool g : {false, true})
+          ops::bias_dropout_add(y.on(g), residual.on(g), x.on(g), with_bias ? bias.on(g) : none, d, ctx_of(g));
+        expect_near(y, kRtolF32, 1e-6);
+        // The masks exactly: with a zero residual, an element is 0 iff dropped.
+        const auto yg = testing::to_vector(y.gpu), yc = testing::to_vector(y.cpu);
+        for (size_t i = 0; i < yc.size(); ++i) ASSERT_EQ(yg[i] == 0.0f, yc[i] == 0.0f) << "element " << i;
+        Both dy = randn({N, H}, "dy", ++seed), dx = nans({N, H}, t), dbias = randn({H}, "db", ++seed);
+        for (bool g : {false, true})
+          ops::bias_dropout_add_backward(dx.on(g), with_bias ? dbias.on(g) : none, dy.on(g), d, ctx_of(g));
+        expect_bitwise(dx);
+        expect_near(dbias, 1e-6, 1e-6);
+      }
+}
+
+// ---- embedding and losses ----------------------------------------------------------------------------------------
+TEST(CudaOps, EmbeddingMatchesCpuBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 500, V = 13, H = 150;  // every id repeats many times
+  Both ids = ints(random_ints(N, 0, V, 1300)), table = randn({V, H}, "table", 1301);
+  for (DType t : kFloat) {
+    Both out = nans({N, H}, t);
+    for (bool g : {false, true}) ops::embedding_forward(out.on(g), ids.on(g), table.on(g), ctx_of(g));
+    expect_bitwise(out);
+  }
+  Both dout = randn({N, H}, "dout", 1302), dtable = randn({V, H}, "dtable", 1303);
+  for (bool g : {false, true}) ops::embedding_backward(dtable.on(g), ids.on(g), dout.on(g), ctx_of(g));
+  expect_bitwise(dtable);  // the same f32 additions in the same (token) order
+}
+
+TEST(CudaOps, CrossEntropyAndLossTotalsMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 37, V = 1500;
+  std::vector<int32_t> lab = random_ints(N, 0, V, 1400);
+  lab[3] = -1;
+  lab[20] = -1;
+  Both labels = ints(lab);
+  for (bool grad : {false, true}) {
+    Both logits = randn({N, V + 9}, "logits", 1401, DType::f32, 3.0f), loss = nans({N});
+    for (bool g : {false, true}) {
+      Tensor z = logits.on(g).slice(1, 0, V);
+      ops::softmax_cross_entropy(loss.on(g), z, labels.on(g), 0.125f, grad, ctx_of(g));
+    }
+    expect_near(loss, 1e-5, 1e-6);
+    expect_near(logits, 1e-5, 1e-8);
+    Tensor t0 = Tensor::empty({2}, DType::f64, MemCategory::other);
+    t0.data<double>()[0] = 1.25;
+    t0.data<double>()[1] = 3.0;
+    Both totals = both(t0), loss_c = both(loss.cpu);  // the same losses on both: the sums must agree bit for bit
+    for (bool g : {false, true}) ops::loss_totals(totals.on(g), loss_c.on(g), labels.on(g), ctx_of(g));
+    expect_bitwise(totals);
+  }
+}
+
+TEST(CudaOps, VocabParallelCrossEntropyStepsMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 29, Vl = 700, P = 3, start = 700;
+  std::vector<int32_t> lab = random_ints(N, 0, static_cast<int32_t>(P * Vl), 1500);
+  lab[7] = -1;
+  Both labels = ints(lab);
+  Both logits = randn({N, Vl + 4}, "logits", 1501, DType::f32, 2.0f), stats = nans({N, 3});
+  for (bool g : {false, true})
+    ops::vocab_parallel_ce_stats(stats.on(g), logits.on(g).slice(1, 0, Vl), labels.on(g), start, ctx_of(g));
+  expect_near(stats, 1e-5, 1e-6);
+  Tensor gh = testing::randn({P, N, 3}, "gathered", 1.0f, 1502);
+  for (int64_t i = 0; i < P * N; ++i) gh.data<float>()[3 * i + 1] = std::fabs(gh.data<float>()[3 * i + 1]) + 0.5f;
+  Both gathered = both(gh), lse = nans({N, 2});
+  for (bool g : {false, true}) ops::vocab_parallel_ce_merge(lse.on(g), gathered.on(g), labels.on(g), P * Vl, ctx_of(g));
+  expect_near(lse, 1e-5, 1e-6);
+  Both lse_in = both(testing::randn({N, 2}, "lse", 4.0f, 1503)), loss = nans({N});
+  for (bool g : {false, true}) {
+    Tensor z = logits.on(g).slice(1, 0, Vl);
+    ops::vocab_parallel_ce_finish(loss.on(g), z, lse_in.on(g), labels.on(g), start, 0.5f, true, ctx_of(g));
+  }
+  expect_near(loss, 1e-6, 1e-6);
+  expect_near(logits, 1e-5, 1e-8);
+}
+
+// ---- optimizer -------------------------------------------------------------------------------------------------
+TEST(CudaOps, AdamWMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  ops::AdamWParams p;
+  p.lr = 3e-3f;
+  p.weight_decay = 0.1f;
+  p.step = 3;
+  p.grad_scale = 0.5f;
+  for (DType t : kFloat) {
+    Both param = randn({1001}, "p", 1600), grad = randn({1001}, "g", 1601);
+    Tensor v0 = testing::randn({1001}, "v", 0.1f, 1603);
+    for (int64_t i = 0; i < v0.numel(); ++i) v0.data<float>()[i] *= v0.data<float>()[i];  // a second moment: >= 0
+    Both m = randn({1001}, "m", 1602, t, 0.1f), v = both(v0.to(t));
+    for (bool g : {false, true}) ops::adamw_step(param.on(g), grad.on(g), m.on(g), v.on(g), p, ctx_of(g));
+    expect_near(param, 1e-6, 1e-7);
+    expect_near(m, rtol_of(t), 1e-7);
+    expect_near(v, rtol_of(t), 1e-9);
+  }
+}
+
+// ---- determinism and the ops without CUDA kernels -----------------------------------------------------------------
+TEST(CudaOps, ReductionsRepeatBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const ops::Context gpu = ctx_of(true);
+  const Tensor dy = testing::randn({1000, 300}, "dy", 1.0f, 1700).to_device(Device::cuda);
+  const Tensor x = testing::randn({1000, 300}, "x", 1.0f, 1701).to_device(Device::cuda);
+  const Tensor w = testing::randn({300}, "w", 1.0f, 1702).to_device(Device::cuda);
+  std::vector<float> first_db, first_dw;
+  for (int run = 0; run < 2; ++run) {
+    Tensor db = Tensor::zeros({300}, DType::f32, MemCategory::other, Device::cuda);
+    Tensor dw = Tensor::zeros({300}, DType::f32, MemCategory::other, Device::cuda);
+    Tensor y = Tensor::empty({1000, 300}, DType::f32, MemCategory::other, Device::cuda);
+    Tensor dx = Tensor::empty({1000, 300}, DType::f32, MemCategory::other, Device::cuda);
+    Tensor rstd = Tensor::empty({1000}, DType::f32, MemCategory::other, Device::cuda);
+    ops::bias_grad(db, dy, gpu);
+    ops::rmsnorm_forward(y, rstd, x, w, 1e-5f, gpu);
+    ops::rmsnorm_backward(dx, dw, dy, x, w, rstd, false, gpu);
+    if (run == 0) {
+      first_db = testing::to_vector(db);
+      first_dw = testing::to_vector(dw);
+    } else {
+      EXPECT_EQ(std::memcmp(first_db.data(), testing::to_vector(db).data(), 300 * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(first_dw.data(), testing::to_vector(dw).data(), 300 * sizeof(float)), 0);
+    }
+  }
+}
+
+TEST(CudaOps, OpsWithoutCudaKernelsRefuseACudaContextNamingTheOp) {
+  SKIP_WITHOUT_GPU();
+  Tensor map = Tensor::zeros({4, 2}, DType::boolean, MemCategory::other, Device::cuda);
+  Tensor counts_t = Tensor::empty({2}, DType::i64, MemCategory::other, Device::cuda);
+  Tensor offsets = Tensor::empty({3}, DType::i64, MemCategory::other, Device::cuda);
+  Tensor token_rows = Tensor::empty({4, 2}, DType::i32, MemCategory::other, Device::cuda);
+  Tensor row_token = Tensor::empty({8}, DType::i32, MemCategory::other, Device::cuda);
+  testing::expect_error([&] { ops::moe_plan(counts_t, offsets, token_rows, row_token, map, ctx_of(true)); },
+                        {"moe_plan", "cuda context", "no CUDA kernel yet"});
+}
+
+}  // namespace
+}  // namespace moecore
