@@ -27,8 +27,8 @@ std::unique_ptr<data::Tokenizer> tokenizer_from(const Args& a) {
   return data::make_tokenizer(o);
 }
 
-int64_t padded_vocab_size(const data::Tokenizer& tok, const Args& a) {
-  const int64_t d = a.i64("--make-vocab-size-divisible-by");
+int64_t padded_vocab_size(const data::Tokenizer& tok, const Args& a, int64_t tp) {
+  const int64_t d = a.i64("--make-vocab-size-divisible-by") * tp;
   if (d <= 0) MOECORE_FAIL("--make-vocab-size-divisible-by (", d, ") must be positive");
   return (tok.vocab_size() + d - 1) / d * d;
 }

@@ -95,11 +95,12 @@ void add_training_flags(Args& a) {
       .flag("--exit-signal-handler", "on SIGTERM/SIGINT save a checkpoint and stop (without it the signal kills)")
       .flag("--no-check-for-nan-in-loss-and-grad", "do not check loss and gradients for NaN/Inf")
       .option("--nan-action", "stop", "on NaN/Inf: stop (error naming the tensor) | skip (drop the step; moecore)")
-      .unsupported("--tensor-model-parallel-size", "1", "tensor parallelism")
+      .option("--tensor-model-parallel-size", "1",
+              "TP: ranks each attention and dense layer is split over (Megatron's column/row-parallel linears)")
+      .flag("--sequence-parallel", "with TP > 1: norms, dropout and the residual stream split along the sequence")
       .unsupported("--pipeline-model-parallel-size", "1", "pipeline parallelism")
       .unsupported("--context-parallel-size", "1", "context parallelism")
       .unsupported("--expert-tensor-parallel-size", "1", "expert tensor parallelism")
-      .unsupported_switch("--sequence-parallel", "sequence parallelism (it needs tensor parallelism)")
       .unsupported("--num-layers-per-virtual-pipeline-stage", "", "interleaved pipeline parallelism")
       .unsupported("--decoder-first-pipeline-num-layers", "", "pipeline parallelism")
       .unsupported("--decoder-last-pipeline-num-layers", "", "pipeline parallelism")
@@ -159,6 +160,7 @@ void add_training_flags(Args& a) {
       {"--nan-action", D::one_of({"stop", "skip"})},
       {"--device", D::one_of({"cpu", "cuda", "sim"})},
       {"--expert-model-parallel-size", D::integer(1, 1e6)},
+      {"--tensor-model-parallel-size", D::integer(1, 1e6)},
       {"--ddp-bucket-size", D::integer(1, 1e15)},
       {"--moe-token-dispatcher-type", D::one_of({"allgather", "alltoall"})},
       {"--distributed-timeout-minutes", D::integer(1, 1e6)},
@@ -366,9 +368,20 @@ int train_main(int argc, char** argv) {
   const std::vector<std::string> data_path = a.list("--data-path");
   if (data_path.empty()) MOECORE_FAIL("train: --data-path is required (prefixes made by moecore preprocess)");
   const auto tok = tokenizer_from(a);
-  const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a));
   const int world_size = comm_initialized() ? comm_world().size() : 1;
-  train::TrainConfig tcfg = train_config_from(a, world_size);
+  const int64_t tp_size = a.i64("--tensor-model-parallel-size");
+  const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a, tp_size));
+  // The layout over every process of the run (mpirun -np P): tensor parallel, data parallel, expert parallel
+  // (folded into data parallel for the attention layers) and expert data parallel. Validated before any
+  // collective, so a bad layout fails the same way on every rank.
+  // (Pipeline, context and expert-tensor parallel sizes other than 1 were refused by the parser; the experts are
+  // not split, ETP 1, and the model refuses MoE layers under TP for now.)
+  ParallelConfig pcfg;
+  pcfg.tensor_model_parallel_size = static_cast<int>(tp_size);
+  pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
+  pcfg.expert_tensor_parallel_size = 1;
+  const ParallelSizes sizes = pcfg.validate(world_size, static_cast<int>(mcfg.moe.num_experts));
+  train::TrainConfig tcfg = train_config_from(a, sizes.dp);
   check_output_paths(tcfg);
 
   data::GptDataSourceConfig dcfg;
@@ -389,31 +402,27 @@ int train_main(int argc, char** argv) {
   if (!source.train()) MOECORE_FAIL("train: --split ", dcfg.split, " leaves no training data");
   tcfg.has_validation = source.valid() != nullptr;
 
-  // The layout over every process of the run (mpirun -np P): data parallel, expert parallel (folded into
-  // data parallel for the attention layers) and expert data parallel. Validated before any collective, so a
-  // bad layout fails the same way on every rank.
-  // (Tensor, pipeline, context and expert-tensor parallel sizes other than 1 were refused by the parser.)
-  ParallelConfig pcfg;
-  pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
-  pcfg.expert_tensor_parallel_size = 1;
-  (void)pcfg.validate(world_size, static_cast<int>(mcfg.moe.num_experts));
   train::TrainGroups groups;
-  model::ExpertParallel ep;
+  model::ModelParallel ep;
   ep.dispatcher = moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type"));
   if (comm_initialized()) {
     const ProcessGroups pg = make_process_groups(pcfg, static_cast<int>(mcfg.moe.num_experts), comm_world());
     groups.dp = pg.dp();
+    groups.tp = pg.tp();
+    groups.tp_dp = pg.tp_dp();
     groups.ep = pg.ep();
     groups.edp = pg.edp();
-    ep.group = pg.ep();
+    ep.tp = pg.tp();
+    ep.ep = pg.ep();
     ep.dp = pg.dp();
   }
+  ep.sequence_parallel = a.on("--sequence-parallel");
   const ProcessGroup& dp = groups.dp;
-  if (ep.group.size() > 1 && a.on("--moe-use-upcycling"))
-    MOECORE_FAIL("--moe-use-upcycling with --expert-model-parallel-size ", ep.group.size(),
+  if (ep.ep.size() > 1 && a.on("--moe-use-upcycling"))
+    MOECORE_FAIL("--moe-use-upcycling with --expert-model-parallel-size ", ep.ep.size(),
                  " is not supported yet: upcycle at EP 1, save, and load the checkpoint at any EP");
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
-  check_model_fits(mcfg, std::max(1, ep.group.size()));
+  check_model_fits(mcfg, std::max(1, ep.ep.size()));
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep, device);
   optim::AdamW opt(gpt.params(), optimizer_config_from(a), /*allocate_state=*/!tcfg.use_distributed_optimizer);
   if (!a.str("--load-hf").empty()) {
@@ -464,7 +473,7 @@ int train_main(int argc, char** argv) {
   }
   const int64_t count = a.i64("--generate-tokens");
   // Under EP every rank takes part in the forward passes (the experts are spread); rank 0 prints.
-  if (count > 0 && (dp.rank() == 0 || ep.group.size() > 1)) {
+  if (count > 0 && (dp.rank() == 0 || ep.ep.size() > 1)) {
     const std::string prompt = a.str("--prompt");
     const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed, tok->eod(), tok->vocab_size());
     if (out) std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());

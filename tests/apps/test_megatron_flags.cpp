@@ -81,8 +81,8 @@ TEST(MegatronFlags, EverySharedFlagHasMegatronsDefault) {
 
 TEST(MegatronFlags, UnsupportedFlagsAreRefusedByName) {
   for (const std::string& f :
-       {std::string("--sequence-parallel"), std::string("--pipeline-model-parallel-size 4"),
-        std::string("--tensor-model-parallel-size 2"), std::string("--moe-shared-expert-overlap"),
+       {std::string("--context-parallel-size 2"), std::string("--pipeline-model-parallel-size 4"),
+        std::string("--expert-tensor-parallel-size 2"), std::string("--moe-shared-expert-overlap"),
         std::string("--qk-l2-norm"), std::string("--recompute-activations"), std::string("--overlap-grad-reduce"),
         std::string("--fp8-format e4m3")}) {
     const CmdResult r = run_cmd("train --data-path x " + f);
@@ -92,8 +92,8 @@ TEST(MegatronFlags, UnsupportedFlagsAreRefusedByName) {
     EXPECT_NE(r.output.find("not supported yet"), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("unknown flag"), std::string::npos) << r.output;
   }
-  // Megatron's default value of an unsupported flag is accepted (scripts pass --tensor-model-parallel-size 1).
-  const CmdResult ok = run_cmd("train --tensor-model-parallel-size 1 --context-parallel-size 1 --help");
+  // Megatron's default value of an unsupported flag is accepted (scripts pass --context-parallel-size 1).
+  const CmdResult ok = run_cmd("train --pipeline-model-parallel-size 1 --context-parallel-size 1 --help");
   EXPECT_EQ(ok.status, 0) << ok.output;
 }
 
@@ -152,7 +152,7 @@ std::vector<MegatronExample> megatron_examples() {
        "--min-lr 1.0e-5 --weight-decay 0.1 --lr-warmup-iters 1 --clip-grad 1.0 --bf16 "
        "--tensor-model-parallel-size 1 --expert-model-parallel-size 1 --use-distributed-optimizer "
        "--log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --no-load-optim --no-load-rng",
-       {"--overlap-param-gather", "--overlap-grad-reduce", "--pipeline-model-parallel-size 4", "--sequence-parallel"}},
+       {"--overlap-param-gather", "--overlap-grad-reduce", "--pipeline-model-parallel-size 4"}},
       {"qwen3-30b-a3b",
        "--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion --disable-bias-linear "
        "--untie-embeddings-and-output-weights --position-embedding-type rope --no-rope-fusion --normalization RMSNorm "
@@ -161,8 +161,8 @@ std::vector<MegatronExample> megatron_examples() {
        "--moe-router-topk 4 --moe-router-dtype fp32 --moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type alltoall "
        "--moe-router-load-balancing-type aux_loss --seq-length 32 --max-position-embeddings 64 "
        "--make-vocab-size-divisible-by 1187 --use-mcore-models --rotary-percent 1.0 --rotary-base 1000000 "
-       "--no-bias-swiglu-fusion --global-batch-size 2 --lr 1e-4 --train-iters 2",
-       {"--sequence-parallel"}},
+       "--no-bias-swiglu-fusion --global-batch-size 2 --lr 1e-4 --train-iters 2 --sequence-parallel",
+       {}},
       {"deepseek-r1",
        "--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion --disable-bias-linear "
        "--untie-embeddings-and-output-weights --position-embedding-type rope --no-rope-fusion --normalization RMSNorm "
@@ -177,7 +177,7 @@ std::vector<MegatronExample> megatron_examples() {
        "--rotary-base 10000 --rotary-percent 1.0 --mscale 1.0 --global-batch-size 2 --lr 1e-4 --train-iters 2 "
        "--multi-latent-attention --kv-lora-rank 16 --v-head-dim 16 --q-lora-rank 24 --qk-head-dim 16 "
        "--qk-pos-emb-head-dim 8 --qk-layernorm --rotary-scaling-factor 40 --mscale-all-dim 1.0",
-       {"--moe-shared-expert-overlap", "--recompute-activations", "--moe-layer-recompute", "--sequence-parallel"}},
+       {"--moe-shared-expert-overlap", "--recompute-activations", "--moe-layer-recompute"}},
   };
 }
 

@@ -72,7 +72,7 @@ Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int
            bool zero = false) {
   const model::ModelConfig mc = moe_model(expert_bias);
   train::TrainGroups groups;
-  model::ExpertParallel ep;
+  model::ModelParallel ep;
   ep.dispatcher = kind;
   if (distributed) {
     ParallelConfig pc;
@@ -80,7 +80,7 @@ Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int
     pc.expert_tensor_parallel_size = 1;
     const ProcessGroups pg = make_process_groups(pc, static_cast<int>(mc.moe.num_experts), world);
     groups = {pg.dp(), pg.ep(), pg.edp()};
-    ep.group = pg.ep();
+    ep.ep = pg.ep();
     ep.dp = pg.dp();
   }
   model::GptModel gpt(mc, 2, 42, ep, testing::test_device());
@@ -215,12 +215,12 @@ TEST_F(Mpi, CheckpointReshardsAcrossLayouts) {
   for (size_t i = 0; i < 4; ++i) EXPECT_LE(rel(single.loss[i], straight.loss[4 + i]), 1e-5) << "1 rank, step " << 5 + i;
   // Parameters right after loading at EP = P (every rank holds a different expert block).
   {
-    model::ExpertParallel ep;
+    model::ModelParallel ep;
     ParallelConfig pc;
     pc.expert_model_parallel_size = P;
     pc.expert_tensor_parallel_size = 1;
     const ProcessGroups pg = make_process_groups(pc, 8, world);
-    ep.group = pg.ep();
+    ep.ep = pg.ep();
     model::GptModel m(moe_model(true), 2, 42, ep, testing::test_device());
     optim::AdamW o(m.params(), {});
     train::load_training_checkpoint(iter_dir, m, o, 1234);

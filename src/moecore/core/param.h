@@ -4,6 +4,7 @@
 #pragma once
 #include <string>
 
+#include "moecore/core/shard.h"
 #include "moecore/core/tensor.h"
 
 namespace moecore {
@@ -18,6 +19,12 @@ struct Param {
   // [ep_rank * n, (ep_rank + 1) * n) of the global [E, ...] tensor, n = value.size(0). Its gradient is
   // reduced over the expert-data-parallel group, every other parameter's over the data-parallel group.
   bool expert_parallel = false;
+  // Tensor-parallel split (core/shard.h): value, grad and compute hold this rank's shard of the global tensor.
+  TensorShard tp;
+  // Replicated over the tensor-parallel group but fed by a different part of the data on each of its ranks (norms and
+  // row-parallel biases under sequence parallelism, QK-norm weights under TP): the gradient is summed over the group
+  // (Megatron's finalize_model_grads) before the data-parallel reduction.
+  bool tp_grad_sum = false;
 };
 
 }  // namespace moecore

@@ -115,6 +115,16 @@ void moe_shared_gate_backward(Tensor& dout, Tensor& dx, Tensor& dg, const Tensor
 void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table, const Context& ctx);
 // dtable[ids[n], :] += dout[n, :].  dtable [V, H] f32, dout [N, H] f32. Deterministic.
 void embedding_backward(Tensor& dtable, const Tensor& ids, const Tensor& dout, const Context& ctx);
+// The vocabulary-parallel embedding (Megatron's VocabParallelEmbedding): this rank's table holds ids
+// [vocab_start, vocab_start + Vl). out[n, :] = table[ids[n] - vocab_start, :] for ids in that range, 0 otherwise
+// (the sum over the group's ranks is the whole lookup). An id outside [0, vocab_size) raises Error naming it.
+// out [N, H] f32, ids [N] i32, table [Vl, H] f32.
+void embedding_forward_shard(Tensor& out, const Tensor& ids, const Tensor& table, int64_t vocab_start,
+                             int64_t vocab_size, const Context& ctx);
+// dtable[ids[n] - vocab_start, :] += dout[n, :] for ids in this rank's range. dtable [Vl, H] f32, dout [N, H] f32.
+// Deterministic (token order per element).
+void embedding_backward_shard(Tensor& dtable, const Tensor& ids, const Tensor& dout, int64_t vocab_start,
+                              const Context& ctx);
 
 // ---- Norms -------------------------------------------------------------------------------------
 // RMSNorm: rstd[n] = 1 / sqrt(mean_h x[n,h]^2 + eps); y = x * rstd * w.

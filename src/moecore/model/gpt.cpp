@@ -34,26 +34,57 @@ std::string MemoryPlan::format() const {
   return s + line;
 }
 
-GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed, const ExpertParallel& ep,
+// Every size constraint of tensor and sequence parallelism, checked from the configuration alone (no collective),
+// so a bad layout fails identically on every rank.
+void GptModel::check_tensor_parallel() const {
+  const int64_t P = par_.tp.size();
+  if (P == 1) return;
+  auto not_yet = [&](bool on, const char* what) {
+    if (on)
+      MOECORE_FAIL("model: ", what, " with --tensor-model-parallel-size ", P,
+                   " is not supported yet (tensor parallelism covers standard attention and dense MLPs)");
+  };
+  not_yet(cfg_.moe.enabled(), "MoE layers (--num-experts)");
+  not_yet(cfg_.multi_latent_attention, "--multi-latent-attention");
+  not_yet(cfg_.mtp_num_layers > 0, "--mtp-num-layers");
+  auto need = [&](int64_t v, const char* what, const char* why) {
+    if (v % P != 0)
+      MOECORE_FAIL("model: ", what, " (", v, ") must be divisible by --tensor-model-parallel-size (", P, "): ", why);
+  };
+  need(cfg_.num_attention_heads, "--num-attention-heads", "each rank holds whole heads");
+  need(cfg_.query_groups(), "the query groups (--num-query-groups, else --num-attention-heads)",
+       "linear_qkv is split by query group");
+  need(cfg_.ffn(), "--ffn-hidden-size", "linear_fc1 and linear_fc2 are split along it");
+  need(cfg_.vocab_size, "the padded vocabulary size", "the embedding and output layer are split along it");
+  if (par_.sequence_parallel) need(cfg_.seq_length, "--seq-length", "sequence parallelism splits it");
+}
+
+GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed, const ModelParallel& parallel,
                    Device device)
-    : cfg_(cfg), B_(micro_batch_size), device_(device), seed_(seed), ep_(ep) {
+    : cfg_(cfg), B_(micro_batch_size), device_(device), seed_(seed), par_(parallel) {
   cfg_.validate();
   if (B_ <= 0) MOECORE_FAIL("model: micro_batch_size (", B_, ") must be positive");
-  const int64_t EP = ep_.group.size();
+  const int64_t EP = par_.ep.size();
   if (EP > 1 && !cfg_.moe.enabled())
     MOECORE_FAIL("model: --expert-model-parallel-size ", EP, " needs routed experts (--num-experts)");
   if (cfg_.moe.enabled() && cfg_.moe.num_experts % EP != 0)
     MOECORE_FAIL("model: --num-experts (", cfg_.moe.num_experts,
                  ") must be divisible by --expert-model-parallel-size (", EP, ")");
-  if (EP > 1 && ep_.dispatcher == moe::DispatcherKind::local)
+  if (EP > 1 && par_.dispatcher == moe::DispatcherKind::local)
     MOECORE_FAIL("model: expert parallelism needs the alltoall or allgather dispatcher");
+  const int64_t P = par_.tp.size();
+  if (P == 1) par_.sequence_parallel = false;  // as Megatron: sequence parallelism needs TP > 1
+  check_tensor_parallel();
   const int64_t L = cfg_.num_layers, H = cfg_.hidden_size, V = cfg_.vocab_size, S = cfg_.seq_length;
-  const int64_t N = B_ * S, D = cfg_.head_dim(), G = cfg_.query_groups(), R = cfg_.num_attention_heads / G;
+  const int64_t T = B_ * S, D = cfg_.head_dim(), G = cfg_.query_groups(), R = cfg_.num_attention_heads / G;
+  const int64_t N = par_.sequence_parallel ? T / P : T;  // rows of the residual stream on this rank
   const DType c = cfg_.compute_dtype;
   dims_.N = N;
   dims_.H = H;
-  dims_.F = cfg_.ffn();
-  dims_.qkv = {B_, S, G, R, D};
+  dims_.F = cfg_.ffn() / P;
+  dims_.qkv = {B_, S, G / P, R, D};
+  dims_.tp = &par_.tp;
+  dims_.sequence_parallel = par_.sequence_parallel;
   dims_.eps = cfg_.norm_epsilon;
   dims_.layernorm = cfg_.normalization == Normalization::layernorm;
   dims_.swiglu = cfg_.swiglu;
@@ -81,20 +112,21 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
                  cfg_.mla_softmax_scale_mult()};
     dims_.qk_norm = false;  // with MLA, --qk-layernorm is the latent norms
   }
-  moe_dims_ = {N, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
+  moe_dims_ = {T, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
   moe_dims_.ep = EP;
   moe_dims_.device = device_;
-  moe_dims_.dispatcher = EP > 1 ? ep_.dispatcher : moe::DispatcherKind::local;
-  if (EP > 1 && ep_.dispatcher == moe::DispatcherKind::alltoall)
-    dispatcher_ = std::make_unique<moe::AllToAllDispatcher>(ep_.group);
+  moe_dims_.dispatcher = EP > 1 ? par_.dispatcher : moe::DispatcherKind::local;
+  if (EP > 1 && par_.dispatcher == moe::DispatcherKind::alltoall)
+    dispatcher_ = std::make_unique<moe::AllToAllDispatcher>(par_.ep);
   else if (EP > 1)
-    dispatcher_ = std::make_unique<moe::AllGatherDispatcher>(ep_.group);
+    dispatcher_ = std::make_unique<moe::AllGatherDispatcher>(par_.ep);
   else
     dispatcher_ = std::make_unique<moe::LocalDispatcher>();
 
-  // Allocation from the parameter table. Expert weights are [E/EP, ...] shards of the global [E, ...] tensor,
-  // filled with the values the global tensor has at those positions (initialisation depends on (seed, name,
-  // global element index)). Pointers into params_ stay valid: the vector is reserved for its final size first.
+  // Allocation from the parameter table. Expert weights are [E/EP, ...] shards of the global [E, ...] tensor, and
+  // under TP the split weights are this rank's TensorShard; both are filled with the values the global tensor has at
+  // those positions (initialisation depends on (seed, name, global element index)). Pointers into params_ stay
+  // valid: the vector is reserved for its final size first.
   const std::vector<ParamSpec> specs = parameter_specs(cfg_);
   params_.reserve(specs.size());
   std::map<std::string, Param*> by_name;
@@ -103,13 +135,27 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     p.name = s.name;
     Shape shape = s.shape;
     if (s.expert) shape[0] /= EP;
+    if (P > 1 && s.tp_dim >= 0) p.tp = {s.tp_dim, s.tp_parts, par_.tp.rank(), static_cast<int>(P)};
+    shape = p.tp.local_shape(shape);
+    p.tp_grad_sum = P > 1 && !p.tp.sharded() &&
+                    ((par_.sequence_parallel && p.name != "embedding.position_embeddings.weight") ||
+                     p.name.find("self_attention.q_layernorm.") != std::string::npos ||
+                     p.name.find("self_attention.k_layernorm.") != std::string::npos);
     p.value = Tensor::empty(shape, DType::f32, MemCategory::parameters, device_);
     p.grad = Tensor::zeros(shape, DType::f32, MemCategory::gradients, device_);
     // Megatron decays weights only: norms and biases (of any rank, e.g. experts' [E, W]) are not decayed.
     p.weight_decay = shape.ndim >= 2 && !p.name.ends_with(".bias");
     p.expert_parallel = s.expert;
-    const uint64_t first = s.expert ? static_cast<uint64_t>(ep_.group.rank() * shape.numel()) : 0;
-    if (s.init == ParamInit::normal)
+    const uint64_t first = s.expert ? static_cast<uint64_t>(par_.ep.rank() * shape.numel()) : 0;
+    if (s.init == ParamInit::normal && p.tp.sharded()) {  // run by run of the shard, then one upload
+      Tensor host = Tensor::empty(shape, DType::f32, MemCategory::workspace);
+      Tensor flat = host.view({host.numel()});
+      p.tp.for_each_run(s.shape, [&](int64_t lo, int64_t go, int64_t n) {
+        Tensor run = flat.slice(0, lo, lo + n);
+        rng_fill_normal(run, seed, p.name, 0.0f, s.std, static_cast<uint64_t>(go));
+      });
+      p.value.copy_from(host);
+    } else if (s.init == ParamInit::normal)
       rng_fill_normal(p.value, seed, p.name, 0.0f, s.std, first);
     else
       p.value.fill_(s.init == ParamInit::ones ? 1.0f : 0.0f);
@@ -234,6 +280,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   final_rstd_ = act({N}, DType::f32);
   if (dims_.layernorm) final_mean_ = act({N}, DType::f32);
   final_h_ = act({N, H}, c);
+  if (par_.sequence_parallel) final_full_ = act({T, H}, c);
   // Constant tables are computed on the host and uploaded once.
   if (cfg_.rope()) {
     Tensor rope = Tensor::empty({S, cfg_.rotary_dim()}, DType::f32, MemCategory::workspace);
@@ -241,24 +288,31 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     rope_ = rope.to_device(device_, MemCategory::workspace);
   }
   if (position_embedding_) {  // token b*S + s sits at position s (positions restart with each sample)
-    Tensor positions = Tensor::empty({N}, DType::i32, MemCategory::workspace);
+    Tensor positions = Tensor::empty({T}, DType::i32, MemCategory::workspace);
     int32_t* pos = positions.data<int32_t>();
-    for (int64_t i = 0; i < N; ++i) pos[i] = static_cast<int32_t>(i % S);
+    for (int64_t i = 0; i < T; ++i) pos[i] = static_cast<int32_t>(i % S);
     positions_ = positions.to_device(device_, MemCategory::workspace);
+    if (par_.sequence_parallel) {  // this rank's rows b * S/P + s hold positions rank * S/P + s
+      Tensor local = Tensor::empty({N}, DType::i32, MemCategory::workspace);
+      int32_t* lp = local.data<int32_t>();
+      const int64_t Sl = S / P;
+      for (int64_t i = 0; i < N; ++i) lp[i] = static_cast<int32_t>(par_.tp.rank() * Sl + i % Sl);
+      positions_local_ = local.to_device(device_, MemCategory::workspace);
+    }
   }
   drops_.resize(layers_.size());
   ws_ = nn::dense_layer_workspace_alloc(dims_, /*with_attention=*/standard_attention_);
   if (mla) mla_ws_ = nn::mla_workspace_alloc(mla_dims_, c, device_);
-  head_ws_ = nn::lm_head_workspace_alloc(N, V, c, device_);
+  head_ws_ = nn::lm_head_workspace_alloc(T, V / P, c, device_, P);
   auto work = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::workspace, device_); };
   dres_ = work({N, H}, DType::f32);
   if (cfg_.moe.enabled()) {
-    moe_x_ = work({N, H}, c);
-    moe_out_ = work({N, H}, DType::f32);
+    moe_x_ = work({T, H}, c);
+    moe_out_ = work({T, H}, DType::f32);
   }
-  dh_ = work({N, H}, DType::f32);
-  ids_ = work({N}, DType::i32);
-  labels_ = work({N}, DType::i32);
+  dh_ = work({T, H}, DType::f32);
+  ids_ = work({T}, DType::i32);
+  labels_ = work({T}, DType::i32);
   refresh_compute_weights();
 }
 
@@ -304,6 +358,12 @@ void GptModel::zero_grad() {
   for (auto& p : params_) p.grad.zero_();
 }
 
+void GptModel::sum_tensor_parallel_grads() {
+  if (!tensor_parallel()) return;
+  for (auto& p : params_)
+    if (p.tp_grad_sum) all_reduce_sum(p.grad, par_.tp);
+}
+
 void GptModel::refresh_compute_weights() {
   for (auto& p : params_)
     if (!p.compute.same_data(p.value)) p.compute.copy_from(p.value);
@@ -311,45 +371,74 @@ void GptModel::refresh_compute_weights() {
 
 // Keys are named "dropout/it<i>/mb<m>/layer<l>/<site>" (formatted on the stack: the step allocates nothing).
 void GptModel::set_dropout_keys(bool training) {
-  auto key = [&](float p, int64_t layer, const char* site) {
+  // Under TP a mask over data that differs between the group's ranks (attention probabilities of their heads; with
+  // sequence parallelism the hidden dropout of their rows) gets a key of its own per rank, as Megatron's
+  // model-parallel RNG tracker; masks over replicated data stay equal on every rank.
+  const int tp_rank = par_.tp.rank();
+  auto key = [&](float p, int64_t layer, const char* site, bool per_rank) {
     ops::Dropout d;
     if (!training || p <= 0.0f) return d;
-    char name[96];
-    const int n = std::snprintf(name, sizeof name, "dropout/it%lld/mb%lld/layer%lld/%s",
-                                static_cast<long long>(dropout_iteration_),
-                                static_cast<long long>(dropout_micro_batch_), static_cast<long long>(layer), site);
+    char name[112];
+    int n = std::snprintf(name, sizeof name, "dropout/it%lld/mb%lld/layer%lld/%s",
+                          static_cast<long long>(dropout_iteration_), static_cast<long long>(dropout_micro_batch_),
+                          static_cast<long long>(layer), site);
+    if (per_rank && tensor_parallel())
+      n += std::snprintf(name + n, sizeof name - static_cast<size_t>(n), "/tp%d", tp_rank);
     d.p = p;
     d.key = philox_key(seed_, std::string_view(name, static_cast<size_t>(n)));
     return d;
   };
-  embedding_drop_ = key(cfg_.hidden_dropout, -1, "embedding");
+  const bool sp = par_.sequence_parallel;
+  embedding_drop_ = key(cfg_.hidden_dropout, -1, "embedding", sp);
   for (size_t j = 0; j < mtp_.size(); ++j)
-    mtp_[j].drop = key(cfg_.hidden_dropout, cfg_.num_layers + static_cast<int64_t>(j), "mtp_embedding");
+    mtp_[j].drop = key(cfg_.hidden_dropout, cfg_.num_layers + static_cast<int64_t>(j), "mtp_embedding", sp);
   for (size_t l = 0; l < drops_.size(); ++l) {
     const auto i = static_cast<int64_t>(l);
-    drops_[l] = {key(cfg_.attention_dropout, i, "attention"), key(cfg_.hidden_dropout, i, "attn_out"),
-                 key(cfg_.hidden_dropout, i, "mlp_out")};
+    drops_[l] = {key(cfg_.attention_dropout, i, "attention", true), key(cfg_.hidden_dropout, i, "attn_out", sp),
+                 key(cfg_.hidden_dropout, i, "mlp_out", sp)};
   }
 }
 
 void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   const ops::Context ctx{device_};
-  const int64_t N = B_ * cfg_.seq_length;
-  if (tokens.dtype() != DType::i32 || tokens.numel() != N)
+  const int64_t T = B_ * cfg_.seq_length;
+  if (tokens.dtype() != DType::i32 || tokens.numel() != T)
     MOECORE_FAIL("model: tokens must be i32 [", B_, ", ", cfg_.seq_length, "], got ", tokens.str());
-  ids_.copy_from(tokens.view({N}));
-  moe_dims_.global_aux_group = &ep_.dp;  // set here: a pointer into this object stays valid across moves
+  ids_.copy_from(tokens.view({T}));
+  // Set here: pointers into this object stay valid across moves.
+  moe_dims_.global_aux_group = &par_.dp;
+  dims_.tp = &par_.tp;
   set_dropout_keys(training);
-  ops::embedding_forward(residual_[0], ids_, embedding_->value, ctx);
-  if (position_embedding_) {
-    ops::embedding_forward(ws_.dh, positions_, position_embedding_->value, ctx);
-    ops::add(residual_[0], residual_[0], ws_.dh, ctx);
+  Tensor& x0 = residual_[0];
+  if (!tensor_parallel()) {
+    ops::embedding_forward(x0, ids_, embedding_->value, ctx);
+  } else {  // vocabulary-parallel: each rank's rows, summed over the group (reduce-scattered along the sequence)
+    Tensor& part = par_.sequence_parallel ? ws_.dh : x0;
+    ops::embedding_forward_shard(part, ids_, embedding_->value, vocab_start(), cfg_.vocab_size, ctx);
+    if (par_.sequence_parallel)
+      reduce_scatter_from(by_sequence(x0), by_sequence(part), 1, par_.tp);
+    else
+      all_reduce_sum(x0, par_.tp);
   }
-  if (embedding_drop_.active()) ops::dropout_forward(residual_[0], residual_[0], embedding_drop_, ctx);
+  if (position_embedding_) {
+    ops::embedding_forward(dres_, par_.sequence_parallel ? positions_local_ : positions_, position_embedding_->value,
+                           ctx);
+    ops::add(x0, x0, dres_, ctx);
+  }
+  if (embedding_drop_.active()) ops::dropout_forward(x0, x0, embedding_drop_, ctx);
   for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l)
     layer_forward(l, residual_[l], residual_[l + 1], training, ctx);
   nn::norm_forward(final_h_, final_mean_, final_rstd_, residual_.back(), final_norm_->value,
                    final_norm_bias_ ? final_norm_bias_->value : Tensor(), cfg_.norm_epsilon, ctx);
+  if (par_.sequence_parallel) all_gather_into(by_sequence(final_full_), by_sequence(final_h_), 1, par_.tp);
+}
+
+int64_t GptModel::vocab_start() const {
+  return tensor_parallel() ? par_.tp.rank() * (cfg_.vocab_size / par_.tp.size()) : 0;
+}
+
+Tensor GptModel::by_sequence(const Tensor& t) const {
+  return t.view({B_, t.size(0) / B_, t.size(1)});
 }
 
 // Transformer layer l (a decoder layer, or for l >= num_layers an MTP depth's): y from x, both [N, H] f32.
@@ -460,7 +549,7 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
 void GptModel::moe_mlp_forward(size_t l, Tensor& y, bool training, const ops::Context& ctx) {
   const int64_t S = cfg_.seq_length, H = cfg_.hidden_size;
   MoeBlock& m = *moe_[l];
-  nn::mlp_norm_forward(layer_w_[l], caches_[l], dims_, ctx);
+  nn::mlp_norm_forward(layer_w_[l], caches_[l], ws_, dims_, ctx);
   Tensor x_sb = moe_x_.view({S, B_, H}), out_sb = moe_out_.view({S, B_, H}), out_bs = ws_.dh.view({B_, S, H});
   ops::transpose_01(x_sb, caches_[l].h2.view({B_, S, H}), ctx);
   moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, m.cache, *dispatcher_, moe_dims_, cfg_.moe, training,
@@ -518,17 +607,32 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
     mtp_forward(tokens_h, labels_h, true, ctx);
     mtp_backward(r, grad_scale, ctx);
   }
-  nn::lm_head_loss(&dh_, &output_->grad, final_h_, output_->compute, labels_, token_scale, head_ws_, ctx);
+  const bool sp = par_.sequence_parallel;
+  nn::lm_head_loss(&dh_, &output_->grad, head_input(), output_->compute, labels_, token_scale, head_ws_, ctx,
+                   head_group(), /*reduce_dh=*/!sp);
   r.loss_sum = read_loss_sum();
   if (!mtp_.empty()) ops::add(dh_, dh_, mtp_carry_, ctx);  // h_0 also fed the first MTP depth
+  Tensor dfinal = dh_;
+  if (sp) {  // the head's partial input gradients, reduce-scattered to this rank's rows
+    dfinal = ws_.dh_local;
+    reduce_scatter_from(by_sequence(dfinal), by_sequence(dh_), 1, par_.tp);
+  }
   Tensor no_grad;
-  nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, dh_,
+  nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, dfinal,
                     residual_.back(), final_norm_->value, final_norm_bias_ ? final_norm_bias_->value : Tensor(),
                     final_mean_, final_rstd_, false, ctx);
   for (size_t l = static_cast<size_t>(cfg_.num_layers); l-- > 0;) layer_backward(l, residual_[l], grad_scale, ctx);
   if (embedding_drop_.active()) ops::dropout_backward(dres_, dres_, embedding_drop_, ctx);
-  ops::embedding_backward(embedding_->grad, ids_, dres_, ctx);
-  if (position_embedding_) ops::embedding_backward(position_embedding_->grad, positions_, dres_, ctx);
+  Tensor dx0 = dres_;  // the embedding output's gradient for every token (all-gathered under sequence parallelism)
+  if (sp) {
+    dx0 = dh_;
+    all_gather_into(by_sequence(dx0), by_sequence(dres_), 1, par_.tp);
+  }
+  if (tensor_parallel())
+    ops::embedding_backward_shard(embedding_->grad, ids_, dx0, vocab_start(), ctx);
+  else
+    ops::embedding_backward(embedding_->grad, ids_, dx0, ctx);
+  if (position_embedding_) ops::embedding_backward(position_embedding_->grad, positions_, dx0, ctx);
   return r;
 }
 
@@ -540,14 +644,22 @@ LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
   labels_.copy_from(labels_h);
   LossResult r;
   r.tokens = counted_labels(labels_h);
-  nn::lm_head_loss(nullptr, nullptr, final_h_, output_->compute, labels_, 1.0f, head_ws_, ctx);
+  nn::lm_head_loss(nullptr, nullptr, head_input(), output_->compute, labels_, 1.0f, head_ws_, ctx, head_group());
   r.loss_sum = read_loss_sum();
   return r;
 }
 
 void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
+  const ops::Context ctx{device_};
   forward_trunk(tokens, false);
-  ops::gemm(logits, final_h_, false, output_->compute, true, 1.0f, 0.0f, ops::Context{device_});
+  if (!tensor_parallel()) {
+    ops::gemm(logits, final_h_, false, output_->compute, true, 1.0f, 0.0f, ctx);
+    return;
+  }
+  // Each rank's vocabulary columns, gathered along the vocabulary (generation and tests: not the step loop).
+  Tensor part = Tensor::empty({logits.size(0), output_->compute.size(0)}, DType::f32, MemCategory::workspace, device_);
+  ops::gemm(part, head_input(), false, output_->compute, true, 1.0f, 0.0f, ctx);
+  all_gather_into(logits, part, 1, par_.tp);
 }
 
 MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const {
@@ -558,7 +670,6 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
     at(MemCategory::gradients) += p.grad.nbytes();
   }
   at(MemCategory::optimizer_state) = optimizer_state_bytes_per_param * num_parameters();
-  const int64_t N = dims_.N;
   int64_t layer_cache = 0, moe_cache = 0;
   size_t l = 0;
   auto layer_mla = [&](size_t i) { return layers_[i].attention == AttentionKind::mla; };
@@ -572,28 +683,29 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   }
   // MoE caches mix saved activations and backward scratch; the plan counts them as activations.
   at(MemCategory::activations) = layer_cache + moe_cache;
-  at(MemCategory::workspace) = nn::dense_layer_workspace_bytes(dims_, standard_attention_) +
-                               (mla_ws_.q.defined() ? nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype) : 0) +
-                               nn::lm_head_workspace_bytes(N, cfg_.vocab_size, cfg_.compute_dtype);
+  at(MemCategory::workspace) =
+      nn::dense_layer_workspace_bytes(dims_, standard_attention_) +
+      (mla_ws_.q.defined() ? nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype) : 0) +
+      nn::lm_head_workspace_bytes(dims_.tokens(), cfg_.vocab_size / par_.tp.size(), cfg_.compute_dtype, par_.tp.size());
   // The model's own buffers, by the tensors themselves (each is allocated in one place, the constructor).
   auto count = [&](MemCategory c, std::initializer_list<const Tensor*> ts) {
     for (const Tensor* t : ts)
       if (t->defined()) at(c) += t->nbytes();
   };
   for (const Tensor& r : residual_) count(MemCategory::activations, {&r});
-  count(MemCategory::activations, {&final_mean_, &final_rstd_, &final_h_});
+  count(MemCategory::activations, {&final_mean_, &final_rstd_, &final_h_, &final_full_});
   for (const MtpDepth& d : mtp_) {
     count(MemCategory::activations, {&d.ids, &d.labels, &d.e, &d.hin, &d.x, &d.y, &d.en, &d.hn, &d.h, &d.e_mean,
                                      &d.e_rstd, &d.h_mean, &d.h_rstd, &d.f_mean, &d.f_rstd});
     count(MemCategory::workspace, {&d.ids_h, &d.labels_h});  // host: the rolled batch before its upload
   }
-  count(MemCategory::workspace, {&rope_, &positions_, &dres_, &dh_, &ids_, &labels_, &moe_x_, &moe_out_, &mtp_dx_c_,
-                                 &mtp_carry_, &mtp_dn_, &mtp_dfn_});
+  count(MemCategory::workspace, {&rope_, &positions_, &positions_local_, &dres_, &dh_, &ids_, &labels_, &moe_x_,
+                                 &moe_out_, &mtp_dx_c_, &mtp_carry_, &mtp_dn_, &mtp_dfn_});
   return plan;
 }
 
 double GptModel::flops_per_step() const {
-  return model_flops_per_step(cfg_, B_);
+  return model_flops_per_step(cfg_, B_) / static_cast<double>(par_.tp.size());
 }
 
 }  // namespace moecore::model

@@ -39,12 +39,18 @@ struct MemoryPlan {
   std::string format() const;  // a printable table
 };
 
-// The parallel layout the MoE layers see: the EP group (this rank holds experts [r*E/EP, (r+1)*E/EP) of each
-// layer), the token dispatcher, and the data-parallel group. Size-1 groups (the default): one process.
-struct ExpertParallel {
-  ProcessGroup group = comm_single("ep");
-  moe::DispatcherKind dispatcher = moe::DispatcherKind::alltoall;  // --moe-token-dispatcher-type
-  ProcessGroup dp = comm_single("dp");  // the data-parallel group: global_aux_loss counts are summed over it
+// The parallel layout a model is built for (size-1 groups, the default: one process).
+//   tp, sequence_parallel: the tensor-parallel group of the attention and dense layers (--tensor-model-parallel-size)
+//     and --sequence-parallel (nn/dense_layer.h); parameters hold their shards (Param::tp)
+//   ep, dispatcher: the expert-parallel group (this rank holds experts [r*E/EP, (r+1)*E/EP) of each layer) and the
+//     token dispatcher (--moe-token-dispatcher-type)
+//   dp: the data-parallel group: global_aux_loss counts are summed over it
+struct ModelParallel {
+  ProcessGroup tp = comm_single("tp");
+  bool sequence_parallel = false;
+  ProcessGroup ep = comm_single("ep");
+  moe::DispatcherKind dispatcher = moe::DispatcherKind::alltoall;
+  ProcessGroup dp = comm_single("dp");
 };
 
 class GptModel {
@@ -53,11 +59,13 @@ class GptModel {
   // std / sqrt(2 * num_layers) for the output projections of each block; norm weights 1, norm biases 0.
   // device: where every parameter, gradient and activation lives (the ops' context device). Initial values
   // do not depend on it.
-  GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed, const ExpertParallel& ep = {},
+  GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed, const ModelParallel& parallel = {},
            Device device = Device::cpu);
   Device device() const { return device_; }
-  int64_t ep_size() const { return ep_.group.size(); }
-  int64_t ep_rank() const { return ep_.group.rank(); }
+  int64_t ep_size() const { return par_.ep.size(); }
+  int64_t ep_rank() const { return par_.ep.rank(); }
+  int64_t tp_size() const { return par_.tp.size(); }
+  const ModelParallel& parallel() const { return par_; }
 
   const ModelConfig& config() const { return cfg_; }
   int64_t micro_batch_size() const { return B_; }
@@ -67,6 +75,10 @@ class GptModel {
   int64_t num_parameters() const;
 
   void zero_grad();
+  // Sums the gradients of the Param::tp_grad_sum parameters over the tensor-parallel group (Megatron's
+  // finalize_model_grads): once per step after the last micro-batch, before the data-parallel reduction. Collective
+  // over the TP group; nothing without TP.
+  void sum_tensor_parallel_grads();
   // Once per optimizer step, after the update: expert-bias updates and MoE counter resets. A skipped step
   // (non-finite gradients) passes update=false: counters reset, expert biases untouched.
   void finish_step(bool update = true);
@@ -103,10 +115,16 @@ class GptModel {
   // The plan for this model's own buffers plus optimizer_state_bytes_per_param * num_parameters().
   MemoryPlan memory_plan(int64_t optimizer_state_bytes_per_param) const;
   // Model FLOPs of one forward+backward over B*S tokens (Megatron's formula: 3x forward GEMMs and
-  // causal attention counted at full S^2 as Megatron does).
+  // causal attention counted at full S^2 as Megatron does); under TP this rank's share (divided by the group size).
   double flops_per_step() const;
 
  private:
+  void check_tensor_parallel() const;
+  bool tensor_parallel() const { return par_.tp.size() > 1; }
+  int64_t vocab_start() const;  // the first vocabulary id of this rank's embedding / output rows
+  const Tensor& head_input() const { return par_.sequence_parallel ? final_full_ : final_h_; }
+  const ProcessGroup* head_group() const { return tensor_parallel() ? &par_.tp : nullptr; }  // vocab-parallel head
+  Tensor by_sequence(const Tensor& t) const;  // [rows, H] as [B, rows / B, H]
   void forward_trunk(const Tensor& tokens, bool training);
   void set_dropout_keys(bool training);
   void layer_forward(size_t layer, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx);
@@ -167,19 +185,22 @@ class GptModel {
   Tensor mtp_dx_c_;                      // [N, H] compute: a depth's layer-input gradient for the eh_proj GEMMs
   Tensor mtp_carry_, mtp_dn_, mtp_dfn_;  // [N, H] f32: dL/dh_{k-1}, a norm-output gradient, dL/dh_k
   moe::MoeLayerDims moe_dims_;
-  ExpertParallel ep_;
+  ModelParallel par_;
   std::unique_ptr<moe::Dispatcher> dispatcher_;
   Tensor moe_x_;                    // [S*B, H] compute: the MoE input in Megatron's sequence-major token order
   Tensor moe_out_;                  // [S*B, H] f32: MoE output (sequence-major); in backward its gradient
   std::vector<Tensor> residual_;    // L+1 tensors [N, H] f32: embedding output, then each layer's output
   Tensor final_mean_, final_rstd_;  // [N] f32 (mean: LayerNorm only)
-  Tensor final_h_;                  // [N, H] compute
+  Tensor final_h_;                  // [N, H] compute (N: this rank's rows under sequence parallelism)
+  Tensor final_full_;               // [T, H] compute: final_h_ all-gathered (sequence parallelism only)
   Tensor rope_;                     // [S, Dr] f32 (RoPE only; Dr = rotary dim)
-  Tensor positions_;                // [N] i32: position of each token (learned absolute positions only)
+  Tensor positions_;                // [T] i32: position of each token (learned absolute positions only)
+  Tensor positions_local_;          // [N] i32: those of this rank's rows (sequence parallelism only)
   nn::DenseLayerWorkspace ws_;
   nn::LmHeadWorkspace head_ws_;
-  Tensor dres_, dh_;     // [N, H] f32
-  Tensor ids_, labels_;  // [N] i32 flat copies
+  Tensor dres_;          // [N, H] f32
+  Tensor dh_;            // [T, H] f32
+  Tensor ids_, labels_;  // [T] i32 flat copies
 };
 
 }  // namespace moecore::model

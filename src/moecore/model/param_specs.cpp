@@ -38,11 +38,17 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
   auto add = [&](std::string name, Shape shape, ParamInit init, float std = 0.0f, bool expert = false) {
     out.push_back({std::move(name), shape, init, std, expert});
   };
+  auto split = [&](int dim, int parts = 1) {  // the tensor-parallel split of the last parameter added
+    out.back().tp_dim = dim;
+    out.back().tp_parts = parts;
+  };
+  const int glu_parts = cfg.swiglu ? 2 : 1;
   auto norm = [&](const std::string& prefix, int64_t width) {
     add(prefix + ".weight", {width}, ParamInit::ones);
     if (ln) add(prefix + ".bias", {width}, ParamInit::zeros);
   };
   add("embedding.word_embeddings.weight", {V, H}, ParamInit::normal, std_w);
+  split(0);
   if (cfg.position_embedding_type == PositionEmbedding::learned_absolute)
     add("embedding.position_embeddings.weight", {cfg.max_positions(), H}, ParamInit::normal, std_w);
   // One transformer layer's parameters (a decoder layer, or an MTP depth's transformer layer).
@@ -68,9 +74,15 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
         norm(pre + "self_attention.kv_layernorm", kvr);
       }
     } else {
+      // Rows are grouped by query group ([G][R + 2][D]): a split along dim 0 is a split by query group.
       add(pre + "self_attention.linear_qkv.weight", {qkv_rows, H}, ParamInit::normal, std_w);
+      split(0);
       add(pre + "self_attention.linear_proj.weight", {H, Hq * D}, ParamInit::normal, std_out);
-      if (cfg.qkv_bias()) add(pre + "self_attention.linear_qkv.bias", {qkv_rows}, ParamInit::zeros);
+      split(1);
+      if (cfg.qkv_bias()) {
+        add(pre + "self_attention.linear_qkv.bias", {qkv_rows}, ParamInit::zeros);
+        split(0);
+      }
       if (bias) add(pre + "self_attention.linear_proj.bias", {H}, ParamInit::zeros);
       norm(pre + "pre_mlp_layernorm", H);
       if (spec.qk_norm) {  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
@@ -80,9 +92,12 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
     }
     if (spec.mlp == MlpKind::dense) {
       add(pre + "mlp.linear_fc1.weight", {glu(cfg.ffn()), H}, ParamInit::normal, std_w);
+      split(0, glu_parts);
       add(pre + "mlp.linear_fc2.weight", {H, cfg.ffn()}, ParamInit::normal, std_out);
+      split(1);
       if (bias) {
         add(pre + "mlp.linear_fc1.bias", {glu(cfg.ffn())}, ParamInit::zeros);
+        split(0, glu_parts);
         add(pre + "mlp.linear_fc2.bias", {H}, ParamInit::zeros);
       }
       return;
@@ -114,7 +129,10 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
     layer(layers[static_cast<size_t>(cfg.num_layers + k)]);
     norm(pre + "final_layernorm", H);
   }
-  if (cfg.untie_embeddings_and_output_weights) add("output_layer.weight", {V, H}, ParamInit::normal, std_w);
+  if (cfg.untie_embeddings_and_output_weights) {
+    add("output_layer.weight", {V, H}, ParamInit::normal, std_w);
+    split(0);
+  }
   return out;
 }
 

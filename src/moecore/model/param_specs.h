@@ -34,6 +34,11 @@ struct ParamSpec {
   ParamInit init = ParamInit::normal;
   float std = 0.0f;     // N(0, std^2) for ParamInit::normal
   bool expert = false;  // dim 0 is the expert index, sharded over the expert-parallel group
+  // Under tensor parallelism (Megatron's layers): split along tp_dim (-1: replicated) in tp_parts pieces (TensorShard):
+  // column-parallel weights and biases along dim 0 (QKV by query group, SwiGLU's fc1 as its gate and up halves), row-
+  // parallel weights along dim 1, the word embedding and output layer along the vocabulary (dim 0).
+  int tp_dim = -1;
+  int tp_parts = 1;
 };
 
 // Order: embeddings; per layer the input norm, linear_qkv (+bias), linear_proj (+bias), the MLP norm, QK-norms

@@ -21,44 +21,52 @@ namespace {
 void plan_cache(DenseLayerCache& k, const DenseLayerDims& d, bool with_mlp, bool with_attention, BufferPlan& p) {
   const DType c = d.compute;
   const auto& q = d.qkv;
+  const int64_t T = d.tokens();
   if (d.layernorm) p.empty(k.mean1, {d.N}, DType::f32);
   if (d.layernorm) p.empty(k.mean2, {d.N}, DType::f32);
   p.empty(k.rstd1, {d.N}, DType::f32);
-  p.empty(k.h1, {d.N, d.H}, c);
+  p.empty(k.h1, {T, d.H}, c);
   p.empty(k.x_mid, {d.N, d.H}, DType::f32);
   p.empty(k.rstd2, {d.N}, DType::f32);
-  p.empty(k.h2, {d.N, d.H}, c);
+  p.empty(k.h2, {T, d.H}, c);
   if (with_mlp) {
-    p.empty(k.fc1, {d.N, d.fc1_rows()}, c);
-    p.empty(k.act, {d.N, d.F}, c);
+    p.empty(k.fc1, {T, d.fc1_rows()}, c);
+    p.empty(k.act, {T, d.F}, c);
   }
   if (!with_attention) return;
-  p.empty(k.qkv, {d.N, q.width()}, c);
+  p.empty(k.qkv, {T, q.width()}, c);
   if (d.qk_norm) {
-    p.empty(k.q_in, {d.N * q.q_heads(), q.D}, DType::f32);
-    p.empty(k.k_in, {d.N * q.G, q.D}, DType::f32);
-    p.empty(k.q_rstd, {d.N * q.q_heads()}, DType::f32);
-    p.empty(k.k_rstd, {d.N * q.G}, DType::f32);
-    if (d.layernorm) p.empty(k.q_mean, {d.N * q.q_heads()}, DType::f32);
-    if (d.layernorm) p.empty(k.k_mean, {d.N * q.G}, DType::f32);
+    p.empty(k.q_in, {T * q.q_heads(), q.D}, DType::f32);
+    p.empty(k.k_in, {T * q.G, q.D}, DType::f32);
+    p.empty(k.q_rstd, {T * q.q_heads()}, DType::f32);
+    p.empty(k.k_rstd, {T * q.G}, DType::f32);
+    if (d.layernorm) p.empty(k.q_mean, {T * q.q_heads()}, DType::f32);
+    if (d.layernorm) p.empty(k.k_mean, {T * q.G}, DType::f32);
   }
-  p.empty(k.attn, {d.N, q.q_heads() * q.D}, c);
+  p.empty(k.attn, {T, q.q_heads() * q.D}, c);
   p.empty(k.lse, {q.B, q.q_heads(), q.S}, DType::f32);
 }
 
 void plan_workspace(DenseLayerWorkspace& w, const DenseLayerDims& d, bool with_attention, BufferPlan& p) {
   const DType c = d.compute;
-  p.empty(w.dh, {d.N, d.H}, DType::f32);
-  if (c != DType::f32 || d.dropout) p.empty(w.dres_c, {d.N, d.H}, c);
+  const int64_t T = d.tokens();
+  const bool tp = d.tp_size() > 1;
+  p.empty(w.dh, {T, d.H}, DType::f32);
+  if (c != DType::f32 || d.dropout || tp) p.empty(w.dres_c, {d.N, d.H}, c);
   if (with_attention) {
-    p.empty(w.dqkv, {d.N, d.qkv.width()}, c);
-    p.empty(w.dattn, {d.N, d.qkv.q_heads() * d.qkv.D}, c);
+    p.empty(w.dqkv, {T, d.qkv.width()}, c);
+    p.empty(w.dattn, {T, d.qkv.q_heads() * d.qkv.D}, c);
   }
-  p.empty(w.dfc1, {d.N, d.fc1_rows()}, c);
-  p.empty(w.dact, {d.N, d.F}, c);
+  p.empty(w.dfc1, {T, d.fc1_rows()}, c);
+  p.empty(w.dact, {T, d.F}, c);
   if (d.qk_norm && with_attention) {
-    p.empty(w.qk_y, {d.N * d.qkv.q_heads(), d.qkv.D}, c);
-    p.empty(w.qk_dx, {d.N * d.qkv.q_heads(), d.qkv.D}, DType::f32);
+    p.empty(w.qk_y, {T * d.qkv.q_heads(), d.qkv.D}, c);
+    p.empty(w.qk_dx, {T * d.qkv.q_heads(), d.qkv.D}, DType::f32);
+  }
+  if (tp && d.sequence_parallel) {
+    p.empty(w.h_local, {d.N, d.H}, c);
+    p.empty(w.dh_local, {d.N, d.H}, DType::f32);
+    p.empty(w.dres_full, {T, d.H}, c);
   }
 }
 }  // namespace
@@ -116,6 +124,86 @@ void linear_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const 
   ops::gemm(dweight, *g, true, a, false, 1.0f, 1.0f, ctx);
 }
 
+namespace {
+bool tensor_parallel(const DenseLayerDims& d) {
+  return d.tp_size() > 1;
+}
+bool seq_parallel(const DenseLayerDims& d) {
+  return tensor_parallel(d) && d.sequence_parallel;
+}
+// [rows, W] as [B, rows / B, W]: a sequence-parallel slice ([B, S/P, W]) or the whole micro-batch ([B, S, W]).
+Tensor by_sequence(const Tensor& t, const DenseLayerDims& d) {
+  return t.view({d.qkv.B, t.size(0) / d.qkv.B, t.size(1)});
+}
+
+// A norm whose output feeds column-parallel GEMMs: y [T, H] compute from x [N, H] f32 (under sequence parallelism
+// normalised on this rank's rows, then all-gathered).
+void norm_to_gemm_input(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b,
+                        DenseLayerWorkspace& ws, const DenseLayerDims& d, const ops::Context& ctx) {
+  if (!seq_parallel(d)) {
+    norm_forward(y, mean, rstd, x, w, b, d.eps, ctx);
+    return;
+  }
+  norm_forward(ws.h_local, mean, rstd, x, w, b, d.eps, ctx);
+  all_gather_into(by_sequence(y, d), by_sequence(ws.h_local, d), 1, *d.tp);
+}
+
+// The partial sums of a row-parallel GEMM (or of a column-parallel layer's input gradient) in ws.dh [T, H] f32,
+// reduced over the group: all-reduced in place, or reduce-scattered into ws.dh_local under sequence parallelism.
+// Returns this rank's [N, H] rows of the sum.
+Tensor reduce_partial(DenseLayerWorkspace& ws, const DenseLayerDims& d) {
+  if (seq_parallel(d)) {
+    reduce_scatter_from(by_sequence(ws.dh_local, d), by_sequence(ws.dh, d), 1, *d.tp);
+    return ws.dh_local;
+  }
+  all_reduce_sum(ws.dh, *d.tp);
+  return ws.dh;
+}
+
+// A row-parallel linear with its bias-dropout-add: y = x + dropout(reduce(a @ W^T) + b). Without TP, the one-GEMM
+// linear_residual_forward.
+void row_parallel_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight,
+                                   const Tensor& bias, DenseLayerWorkspace& ws, const DenseLayerDims& d,
+                                   const ops::Dropout& drop, const ops::Context& ctx) {
+  if (!tensor_parallel(d)) {
+    linear_residual_forward(y, x, a, weight, bias, ws.dh, drop, ctx);
+    return;
+  }
+  ops::gemm(ws.dh, a, false, weight, true, 1.0f, 0.0f, ctx);
+  ops::bias_dropout_add(y, x, reduce_partial(ws, d), bias, drop, ctx);
+}
+
+// Its backward: dweight += g^T a and da = g @ W with g = dropout'(dy) in the compute dtype (all-gathered under
+// sequence parallelism); dbias += the column sums of this rank's rows of g (the caller sums it over the group).
+void row_parallel_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const Tensor& dy, const Tensor& a,
+                                    const Tensor& weight, DenseLayerWorkspace& ws, const DenseLayerDims& d,
+                                    const ops::Dropout& drop, const ops::Context& ctx) {
+  if (!tensor_parallel(d)) {
+    linear_residual_backward(da, dweight, dbias, dy, ws.dres_c, a, weight, drop, ctx);
+    return;
+  }
+  ops::bias_dropout_add_backward(ws.dres_c, dbias, dy, drop, ctx);
+  const Tensor* g = &ws.dres_c;
+  if (seq_parallel(d)) {
+    all_gather_into(by_sequence(ws.dres_full, d), by_sequence(ws.dres_c, d), 1, *d.tp);
+    g = &ws.dres_full;
+  }
+  ops::gemm(da, *g, false, weight, false, 1.0f, 0.0f, ctx);
+  ops::gemm(dweight, *g, true, a, false, 1.0f, 1.0f, ctx);
+}
+
+// The input gradient of column-parallel GEMMs fed by a norm (dres += norm'(reduce(g @ W))): g [T, out] compute,
+// weight [out, H]; the partial product is reduced over the group first.
+void column_parallel_norm_backward(Tensor& dres, Tensor& dw_norm, Tensor& db_norm, const Tensor& g,
+                                   const Tensor& weight, const Tensor& x, const Tensor& w_norm, const Tensor& b_norm,
+                                   const Tensor& mean, const Tensor& rstd, DenseLayerWorkspace& ws,
+                                   const DenseLayerDims& d, const ops::Context& ctx) {
+  ops::gemm(ws.dh, g, false, weight, false, 1.0f, 0.0f, ctx);
+  const Tensor dnorm = tensor_parallel(d) ? reduce_partial(ws, d) : ws.dh;
+  norm_backward(dres, dw_norm, db_norm, dnorm, x, w_norm, b_norm, mean, rstd, true, ctx);
+}
+}  // namespace
+
 // QK-norm: the query heads (slots 0..R-1 of each group) and the key head (slot R) go through the layer's norm as
 // rows of D, with one weight per kind, and back into the fused activation.
 void qk_norm_forward(DenseLayerCache& k, const DenseLayerWeights& w, DenseLayerWorkspace& ws, const DenseLayerDims& d,
@@ -148,19 +236,19 @@ void qk_norm_backward(Tensor& dqkv, DenseLayerGrads& g, const DenseLayerCache& k
 void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerWorkspace& ws,
                              const Tensor& rope, const DenseLayerDims& d, const LayerDropout& drop,
                              const ops::Context& ctx) {
-  norm_forward(k.h1, k.mean1, k.rstd1, x, w.input_norm, w.input_norm_bias, d.eps, ctx);
+  norm_to_gemm_input(k.h1, k.mean1, k.rstd1, x, w.input_norm, w.input_norm_bias, ws, d, ctx);
   ops::gemm(k.qkv, k.h1, false, w.qkv, true, 1.0f, 0.0f, ctx);
   if (w.qkv_bias.defined()) ops::bias_add(k.qkv, w.qkv_bias, ctx);
   if (d.qk_norm) qk_norm_forward(k, w, ws, d, ctx);
   Tensor qkv = bsw(k.qkv, d), attn = bsw(k.attn, d);
   if (d.rope) ops::rope_forward(qkv, rope, d.qkv, ctx);
   ops::attention_forward(attn, k.lse, qkv, d.qkv, drop.attention, ctx);
-  linear_residual_forward(k.x_mid, x, k.attn, w.proj, w.proj_bias, ws.dh, drop.attn_out, ctx);
+  row_parallel_residual_forward(k.x_mid, x, k.attn, w.proj, w.proj_bias, ws, d, drop.attn_out, ctx);
 }
 
-void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& k, const DenseLayerDims& d,
+void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerWorkspace& ws, const DenseLayerDims& d,
                       const ops::Context& ctx) {
-  norm_forward(k.h2, k.mean2, k.rstd2, k.x_mid, w.mlp_norm, w.mlp_norm_bias, d.eps, ctx);
+  norm_to_gemm_input(k.h2, k.mean2, k.rstd2, k.x_mid, w.mlp_norm, w.mlp_norm_bias, ws, d, ctx);
 }
 
 void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k,
@@ -172,14 +260,14 @@ void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w,
 
 void mlp_block_forward(Tensor& y, const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerWorkspace& ws,
                        const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
-  mlp_norm_forward(w, k, d, ctx);
+  mlp_norm_forward(w, k, ws, d, ctx);
   ops::gemm(k.fc1, k.h2, false, w.fc1, true, 1.0f, 0.0f, ctx);
   if (w.fc1_bias.defined()) ops::bias_add(k.fc1, w.fc1_bias, ctx);
   if (d.swiglu)
     ops::swiglu_forward(k.act, k.fc1, ctx);
   else
     ops::gelu_forward(k.act, k.fc1, ctx);
-  linear_residual_forward(y, k.x_mid, k.act, w.fc2, w.fc2_bias, ws.dh, drop.mlp_out, ctx);
+  row_parallel_residual_forward(y, k.x_mid, k.act, w.fc2, w.fc2_bias, ws, d, drop.mlp_out, ctx);
 }
 
 void mlp_norm_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& dh2, const DenseLayerWeights& w,
@@ -191,16 +279,15 @@ void mlp_norm_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& dh2, cons
 void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
                               const DenseLayerCache& k, DenseLayerWorkspace& ws, const Tensor& rope,
                               const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
-  linear_residual_backward(ws.dattn, g.proj, g.proj_bias, dres, ws.dres_c, k.attn, w.proj, drop.attn_out, ctx);
+  row_parallel_residual_backward(ws.dattn, g.proj, g.proj_bias, dres, k.attn, w.proj, ws, d, drop.attn_out, ctx);
   Tensor dqkv = bsw(ws.dqkv, d);
   ops::attention_backward(dqkv, bsw(ws.dattn, d), bsw(k.qkv, d), bsw(k.attn, d), k.lse, d.qkv, drop.attention, ctx);
   if (d.rope) ops::rope_backward(dqkv, rope, d.qkv, ctx);
   if (d.qk_norm) qk_norm_backward(ws.dqkv, g, k, w, ws, d, ctx);
   if (g.qkv_bias.defined()) ops::bias_grad(g.qkv_bias, ws.dqkv, ctx);
   ops::gemm(g.qkv, ws.dqkv, true, k.h1, false, 1.0f, 1.0f, ctx);
-  ops::gemm(ws.dh, ws.dqkv, false, w.qkv, false, 1.0f, 0.0f, ctx);
-  norm_backward(dres, g.input_norm, g.input_norm_bias, ws.dh, x, w.input_norm, w.input_norm_bias, k.mean1, k.rstd1,
-                true, ctx);
+  column_parallel_norm_backward(dres, g.input_norm, g.input_norm_bias, ws.dqkv, w.qkv, x, w.input_norm,
+                                w.input_norm_bias, k.mean1, k.rstd1, ws, d, ctx);
 }
 
 void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
@@ -215,15 +302,15 @@ void mlp_block_backward(Tensor& dres, DenseLayerGrads& g, const DenseLayerWeight
                         DenseLayerWorkspace& ws, const DenseLayerDims& d, const LayerDropout& drop,
                         const ops::Context& ctx) {
   // MLP block, in reverse: dres is dL/dy here.
-  linear_residual_backward(ws.dact, g.fc2, g.fc2_bias, dres, ws.dres_c, k.act, w.fc2, drop.mlp_out, ctx);
+  row_parallel_residual_backward(ws.dact, g.fc2, g.fc2_bias, dres, k.act, w.fc2, ws, d, drop.mlp_out, ctx);
   if (d.swiglu)
     ops::swiglu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
   else
     ops::gelu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
   if (g.fc1_bias.defined()) ops::bias_grad(g.fc1_bias, ws.dfc1, ctx);
   ops::gemm(g.fc1, ws.dfc1, true, k.h2, false, 1.0f, 1.0f, ctx);
-  ops::gemm(ws.dh, ws.dfc1, false, w.fc1, false, 1.0f, 0.0f, ctx);
-  mlp_norm_backward(dres, g, ws.dh, w, k, d, ctx);
+  column_parallel_norm_backward(dres, g.mlp_norm, g.mlp_norm_bias, ws.dfc1, w.fc1, k.x_mid, w.mlp_norm, w.mlp_norm_bias,
+                                k.mean2, k.rstd2, ws, d, ctx);
 }
 
 }  // namespace moecore::nn

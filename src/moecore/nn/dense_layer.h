@@ -10,16 +10,26 @@
 // (dy in, dx out) because the residual fans out.
 // dtypes: the residual stream (x, y, dres) and norm statistics are f32; every GEMM operand (norm outputs,
 // qkv, attention output, MLP activations, weights) is in the compute dtype, f32 or bf16.
+//
+// Tensor parallelism (Megatron's ColumnParallelLinear / RowParallelLinear, dims.tp of size P > 1): the layer holds the
+// shards of core/shard.h — QKV's query groups and SwiGLU's fc1 rows (gate and up together) split over the group, proj
+// and fc2 split along their input — so attention runs on G / P query groups and the MLP on F / P columns; each
+// row-parallel output's partial sums are all-reduced. With sequence parallelism the residual stream, the norms and
+// the bias-dropout-adds hold this rank's slice of the sequence ([B, S / P, H], rows b * S / P + s); the norm outputs
+// are all-gathered into the GEMMs' [B, S, H] inputs and the row-parallel outputs reduce-scattered back (in backward,
+// the reverse). The layer's own collectives are over dims.tp; gradients of replicated weights that see a part of the
+// data (Param::tp_grad_sum) are the caller's to sum.
 #pragma once
 #include "moecore/kernels/ops.h"
+#include "moecore/parallel/comm.h"
 
 namespace moecore::nn {
 
 struct DenseLayerDims {
-  int64_t N = 0;           // tokens in the micro-batch (B*S)
+  int64_t N = 0;           // rows of the residual stream on this rank: B*S, or B*S/P under sequence parallelism
   int64_t H = 0;           // hidden size
-  int64_t F = 0;           // MLP hidden size
-  ops::QkvDims qkv;        // attention geometry (B, S, G, R, D)
+  int64_t F = 0;           // MLP hidden size (this rank's F / P columns under TP)
+  ops::QkvDims qkv;        // attention geometry (B, S, G, R, D); G: this rank's query groups under TP
   float eps = 1e-5f;       // norm epsilon
   bool layernorm = false;  // LayerNorm (weight and bias) or RMSNorm (weight only)
   bool swiglu = true;      // SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
@@ -27,8 +37,12 @@ struct DenseLayerDims {
   bool qk_norm = false;    // QK-norm: the layer's norm over each q and k head (weights [D])
   bool rope = true;        // rotate q and k (the table [S, Dr] gives the rotary width); false: no RoPE
   DType compute = DType::f32;
-  Device device = Device::cpu;  // where the caches and workspaces live
+  Device device = Device::cpu;       // where the caches and workspaces live
+  const ProcessGroup* tp = nullptr;  // the tensor-parallel group (null or one rank: none)
+  bool sequence_parallel = false;    // --sequence-parallel (needs tp)
   int64_t fc1_rows() const { return swiglu ? 2 * F : F; }
+  int64_t tokens() const { return qkv.B * qkv.S; }  // rows of the GEMMs' activations (the whole micro-batch)
+  int tp_size() const { return tp ? tp->size() : 1; }
 };
 
 // Views of one layer's weights. Norm weights are the f32 masters; GEMM weights are in the compute dtype.
@@ -65,33 +79,39 @@ struct LayerDropout {
 
 // Activations saved by forward for backward. Dropping and refilling this struct is recompute.
 struct DenseLayerCache {
-  Tensor mean1;           // [N] f32, LayerNorm only
-  Tensor rstd1;           // [N] f32
-  Tensor h1;              // [N, H] compute: norm1 output
-  Tensor qkv;             // [N, G*(R+2)*D] compute: after QK-norm and RoPE
-  Tensor q_in, k_in;      // [N*G*R, D], [N*G, D] f32: query / key heads before QK-norm (QK-norm only)
-  Tensor q_mean, q_rstd;  // [N*G*R] f32 (mean: LayerNorm only)
-  Tensor k_mean, k_rstd;  // [N*G] f32
-  Tensor attn;            // [N, G*R*D] compute: attention output
+  Tensor mean1;  // [N] f32, LayerNorm only
+  Tensor rstd1;  // [N] f32
+  // T = dims.tokens(): the rows of the GEMM side (N = T without sequence parallelism).
+  Tensor h1;              // [T, H] compute: norm1 output (all-gathered under sequence parallelism)
+  Tensor qkv;             // [T, G*(R+2)*D] compute: after QK-norm and RoPE
+  Tensor q_in, k_in;      // [T*G*R, D], [T*G, D] f32: query / key heads before QK-norm (QK-norm only)
+  Tensor q_mean, q_rstd;  // [T*G*R] f32 (mean: LayerNorm only)
+  Tensor k_mean, k_rstd;  // [T*G] f32
+  Tensor attn;            // [T, G*R*D] compute: attention output
   Tensor lse;             // [B, G*R, S] f32
   Tensor x_mid;           // [N, H] f32: residual after the attention block
   Tensor mean2;           // [N] f32, LayerNorm only
   Tensor rstd2;           // [N] f32
-  Tensor h2;              // [N, H] compute: norm2 output
-  Tensor fc1;             // [N, fc1_rows] compute
-  Tensor act;             // [N, F] compute
+  Tensor h2;              // [T, H] compute: norm2 output (all-gathered under sequence parallelism)
+  Tensor fc1;             // [T, fc1_rows] compute
+  Tensor act;             // [T, F] compute
 };
 
 // Scratch shared by all layers (forward uses dh for the bias-dropout-add input).
 struct DenseLayerWorkspace {
-  Tensor dh;      // [N, H] f32: gradient of a norm output; in forward, a linear output before dropout
+  Tensor dh;      // [T, H] f32: gradient of a norm output; in forward, a linear output before dropout (under TP:
+                  // the partial sums before their reduction)
   Tensor dres_c;  // [N, H] compute: the residual gradient (cast, or through dropout) for the GEMMs
-  Tensor dqkv;    // [N, G*(R+2)*D] compute
-  Tensor dattn;   // [N, G*R*D] compute
-  Tensor dfc1;    // [N, fc1_rows] compute
-  Tensor dact;    // [N, F] compute
-  Tensor qk_y;    // [N*G*R, D] compute: QK-norm output (forward), its gradient (backward); QK-norm only
-  Tensor qk_dx;   // [N*G*R, D] f32: QK-norm input gradient
+  Tensor dqkv;    // [T, G*(R+2)*D] compute
+  Tensor dattn;   // [T, G*R*D] compute
+  Tensor dfc1;    // [T, fc1_rows] compute
+  Tensor dact;    // [T, F] compute
+  Tensor qk_y;    // [T*G*R, D] compute: QK-norm output (forward), its gradient (backward); QK-norm only
+  Tensor qk_dx;   // [T*G*R, D] f32: QK-norm input gradient
+  // Sequence parallelism only:
+  Tensor h_local;    // [N, H] compute: a norm's output on this rank's rows, before the all-gather
+  Tensor dh_local;   // [N, H] f32: a reduce-scattered row-parallel output (forward) or input gradient (backward)
+  Tensor dres_full;  // [T, H] compute: the all-gathered residual gradient for the row-parallel GEMMs
 };
 
 // with_mlp=false allocates no fc1/act (layers whose MLP is an MoE layer); with_attention=false no qkv, attention
@@ -106,8 +126,8 @@ int64_t dense_layer_workspace_bytes(const DenseLayerDims& d, bool with_attention
 void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& cache,
                              DenseLayerWorkspace& ws, const Tensor& rope, const DenseLayerDims& d,
                              const LayerDropout& drop, const ops::Context& ctx);
-void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& cache, const DenseLayerDims& d,
-                      const ops::Context& ctx);
+void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& cache, DenseLayerWorkspace& ws,
+                      const DenseLayerDims& d, const ops::Context& ctx);
 // dres: dL/dx_mid on entry, dL/dx on return.
 void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
                               const DenseLayerCache& cache, DenseLayerWorkspace& ws, const Tensor& rope,

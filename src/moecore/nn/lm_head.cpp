@@ -38,7 +38,7 @@ int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute, int64_t tp)
 }
 
 void lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels, float grad_scale,
-                  LmHeadWorkspace& ws, const ops::Context& ctx, const ProcessGroup* tp) {
+                  LmHeadWorkspace& ws, const ops::Context& ctx, const ProcessGroup* tp, bool reduce_dh) {
   const int64_t N = h.size(0), P = tp ? tp->size() : 1, Vl = w.size(0);
   const int64_t ws_tp = ws.stats.defined() ? ws.gathered.size(0) / ws.stats.size(0) : 1;
   if (ws_tp != P)
@@ -72,7 +72,7 @@ void lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, cons
     ops::gemm(*dw, dlogits, true, hc, false, 1.0f, 1.0f, ctx);
   }
   // Each rank's dh is the product with its vocabulary rows only: the sum over the group (rank order) is the whole.
-  if (dh && P > 1) all_reduce_sum(*dh, *tp);
+  if (dh && P > 1 && reduce_dh) all_reduce_sum(*dh, *tp);
 }
 
 }  // namespace moecore::nn

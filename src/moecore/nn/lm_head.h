@@ -32,8 +32,10 @@ int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute, int64_t tp 
 // h [N, H] compute, w [V, H] compute, labels [N] i32. When dh is given: dh [N, H] f32 is written with
 // d(grad_scale * sum loss)/dh and dw [V, H] f32 += the weight gradient. Without dh the call is forward-only.
 // tp (null or size 1: one rank holds the whole vocabulary): w and dw are this rank's [V / P, H] rows, labels are
-// global ids, and the loss totals and dh come out equal on every rank of the group (collective over tp).
+// global ids, and the loss totals and dh come out equal on every rank of the group (collective over tp); with
+// reduce_dh = false dh holds this rank's partial sum instead (the caller reduce-scatters it: sequence parallelism).
 void lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels, float grad_scale,
-                  LmHeadWorkspace& ws, const ops::Context& ctx, const ProcessGroup* tp = nullptr);
+                  LmHeadWorkspace& ws, const ops::Context& ctx, const ProcessGroup* tp = nullptr,
+                  bool reduce_dh = true);
 
 }  // namespace moecore::nn

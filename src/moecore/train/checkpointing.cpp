@@ -14,6 +14,7 @@
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/json.h"
 #include "moecore/model/layer_pattern.h"
+#include "moecore/parallel/shards.h"
 
 namespace moecore::train {
 namespace {
@@ -331,14 +332,16 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
   auto& model = req.files[kModelFile];
   std::map<std::string, Tensor>* optim = options.save_optim ? &req.files[kOptimizerFile] : nullptr;
   std::map<std::string, Tensor> shard;
+  // The writer reads host memory: device tensors are copied to the host (CPU ones are used as they are). Tensor-
+  // parallel shards are gathered into the whole tensor (collective over tp): the files do not depend on TP.
+  auto host = [&](const Param& p, const Tensor& t) { return all_gather_shards(t, p.tp, g.tp); };
   for (size_t i = 0; i < params.size(); ++i) {
     const bool sharded = EP > 1 && params[i].expert_parallel;
-    // The writer reads host memory: device tensors are copied to the host (CPU ones are used as they are).
-    (sharded ? shard : model)[params[i].name] = params[i].value.to_device(Device::cpu);
+    (sharded ? shard : model)[params[i].name] = host(params[i], params[i].value);
     if (!optim) continue;
     auto& o = sharded ? shard : *optim;
-    o["exp_avg." + params[i].name] = opt.exp_avg[i].to_device(Device::cpu);
-    o["exp_avg_sq." + params[i].name] = opt.exp_avg_sq[i].to_device(Device::cpu);
+    o["exp_avg." + params[i].name] = host(params[i], opt.exp_avg[i]);
+    o["exp_avg_sq." + params[i].name] = host(params[i], opt.exp_avg_sq[i]);
   }
   json calls = json::array();
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
@@ -353,6 +356,7 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
                 {"consumed_samples", progress.consumed_samples},
                 {"seed", seed},
                 {"expert_model_parallel_size", EP},
+                {"tensor_model_parallel_size", g.tp.size()},
                 {"data_parallel_size", g.dp.size()},
                 {"model", model_fingerprint(gpt.config())}};
   if (options.save_optim) {
@@ -362,12 +366,17 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
   if (options.save_rng) state["router_calls"] = calls;
   if (!options.hf_config_json.empty()) state["hf_config_json"] = options.hf_config_json;
   req.state_json = state.dump(1);
-  if (g.dp.size() == 1) {
+  // Every rank of the run takes part: tp x dp (dp alone without TP).
+  const ProcessGroup& all = g.tp.size() > 1 ? g.tp_dp : g.dp;
+  if (g.tp.size() > 1 && all.size() != g.tp.size() * g.dp.size())
+    MOECORE_FAIL("checkpoint: the tp_dp group has ", all.size(), " ranks, not tp (", g.tp.size(), ") x dp (",
+                 g.dp.size(), ")");
+  if (all.size() == 1) {
     io::checkpoint_save(root, req, keep_last);
     return;
   }
   const bool writes_shard = EP > 1 && g.edp.rank() == 0;
-  save_collective(root, req, writes_shard ? g.ep.rank() : -1, EP, shard, keep_last, g.dp);
+  save_collective(root, req, writes_shard ? g.ep.rank() : -1, EP, shard, keep_last, all);
 }
 
 void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const optim::AdamW& opt,
@@ -476,14 +485,21 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
         load_expert_rows(opt.exp_avg_sq[i], ck, kOptimizerFile, "exp_avg_sq." + p.name, first, saved_ep, E, copy);
         continue;
       }
-      const Tensor& w = need(model, model_path, p.name, p.value);
-      if (copy) p.value.copy_from(w);
+      // The files hold whole tensors: a tensor-parallel rank takes its shard of each (any saved TP).
+      auto take = [&](Tensor& dst, const io::SafetensorsFile& f, const std::string& path, const std::string& name) {
+        if (!p.tp.sharded()) {
+          const Tensor& t = need(f, path, name, dst);
+          if (copy) dst.copy_from(t);
+          return;
+        }
+        const Tensor like = Tensor::empty(p.tp.global_shape(dst.shape()), dst.dtype(), MemCategory::workspace);
+        const Tensor& t = need(f, path, name, like);
+        if (copy) dst.copy_from(shard_slice(t, p.tp));
+      };
+      take(p.value, model, model_path, p.name);
       if (!optim) continue;
-      const Tensor& m = need(*optim, optim_path, "exp_avg." + p.name, opt.exp_avg[i]);
-      const Tensor& v = need(*optim, optim_path, "exp_avg_sq." + p.name, opt.exp_avg_sq[i]);
-      if (!copy) continue;
-      opt.exp_avg[i].copy_from(m);
-      opt.exp_avg_sq[i].copy_from(v);
+      take(opt.exp_avg[i], *optim, optim_path, "exp_avg." + p.name);
+      take(opt.exp_avg_sq[i], *optim, optim_path, "exp_avg_sq." + p.name);
     }
     for (int64_t l = 0; l < layers; ++l) {
       moe::RouterState* st = gpt.router_state(l);

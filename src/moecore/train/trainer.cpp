@@ -156,11 +156,11 @@ namespace {
 // Per-step checks of the gradients, on the device, each read back once: the squared norms of the replicated and
 // the expert-parallel parameters, and a non-finite flag per parameter.
 struct GradChecks {
-  Tensor sq;     // [2] f64
+  Tensor sq;     // [3] f64: squares of the replicated, the expert-parallel and the tensor-parallel gradients
   Tensor flags;  // [params] i32
   std::vector<int32_t> host_flags;
   explicit GradChecks(const model::GptModel& gpt)
-      : sq(Tensor::zeros({2}, DType::f64, MemCategory::workspace, gpt.device())),
+      : sq(Tensor::zeros({3}, DType::f64, MemCategory::workspace, gpt.device())),
         flags(Tensor::zeros({std::max<int64_t>(1, static_cast<int64_t>(gpt.params().size()))}, DType::i32,
                             MemCategory::workspace, gpt.device())),
         host_flags(static_cast<size_t>(flags.numel())) {}
@@ -327,16 +327,21 @@ class GradBuckets {
 };
 
 // The global L2 norm of the reduced gradients, every parameter counted once: the replicated parameters'
-// squares are identical on every rank; the expert shards' squares are summed over the EP group.
+// squares are identical on every rank; the expert shards' squares are summed over the EP group and the
+// tensor-parallel shards' over the TP group.
 double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, GradChecks& c) {
   c.sq.zero_();
-  Tensor sq_dense = c.sq.slice(0, 0, 1), sq_expert = c.sq.slice(0, 1, 2);
+  Tensor sq_dense = c.sq.slice(0, 0, 1), sq_expert = c.sq.slice(0, 1, 2), sq_tp = c.sq.slice(0, 2, 3);
   for (const auto& p : gpt.params())
-    ops::sum_squares(p.expert_parallel ? sq_expert : sq_dense, p.grad, ops::Context{gpt.device()});
+    ops::sum_squares(p.expert_parallel ? sq_expert
+                     : p.tp.sharded()  ? sq_tp
+                                       : sq_dense,
+                     p.grad, ops::Context{gpt.device()});
   if (g.ep.size() > 1) all_reduce_sum(sq_expert, g.ep);
-  double sq[2];
-  c.sq.copy_to_host(sq, 2);
-  return std::sqrt(sq[0] + sq[1]);
+  if (g.tp.size() > 1) all_reduce_sum(sq_tp, g.tp);
+  double sq[3];
+  c.sq.copy_to_host(sq, 3);
+  return std::sqrt(sq[0] + sq[1] + sq[2]);
 }
 // The distributed optimizer (ZeRO-1) of a run: non-expert parameters sharded over dp, expert parameters
 // over edp. Gradients are reduce-scattered in buckets; the masters are all-gathered after each step.
@@ -462,9 +467,16 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   if (groups.ep.size() != gpt.ep_size())
     MOECORE_FAIL("training: the model was built for expert-parallel size ", gpt.ep_size(), " but the ep group has ",
                  groups.ep.size(), " ranks");
-  if (groups.ep.size() * groups.edp.size() != dp_size)
+  if (groups.tp.size() != gpt.tp_size())
+    MOECORE_FAIL("training: the model was built for tensor-parallel size ", gpt.tp_size(), " but the tp group has ",
+                 groups.tp.size(), " ranks");
+  if (groups.ep.size() * groups.edp.size() != dp_size * groups.tp.size())
     MOECORE_FAIL("training: expert-parallel (", groups.ep.size(), ") x expert-data-parallel (", groups.edp.size(),
-                 ") must equal the data-parallel size (", dp_size, ") when TP = CP = PP = 1");
+                 ") must equal tensor-parallel (", groups.tp.size(), ") x data-parallel (", dp_size,
+                 ") when CP = PP = ETP = 1");
+  if (groups.tp.size() > 1 && cfg.use_distributed_optimizer)
+    MOECORE_FAIL("training: --use-distributed-optimizer with --tensor-model-parallel-size ", groups.tp.size(),
+                 " is not supported yet");
   const auto& m = gpt.config();
   if (gpt.micro_batch_size() != cfg.micro_batch_size)
     MOECORE_FAIL("training: the model was built for micro-batch ", gpt.micro_batch_size(), ", not ",
@@ -518,10 +530,12 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   }
   std::unique_ptr<ExitSignalGuard> signals;
   if (cfg.exit_signal_handler) signals = std::make_unique<ExitSignalGuard>();
-  MetricSinks sinks;  // written by data-parallel rank 0 only: every rank holds the same reduced values
-  if (dp_rank == 0 && !cfg.metrics_jsonl.empty())
+  // Written by the first rank only (data- and tensor-parallel rank 0): every rank holds the same reduced values.
+  MetricSinks sinks;
+  const bool writes_metrics = dp_rank == 0 && groups.tp.rank() == 0;
+  if (writes_metrics && !cfg.metrics_jsonl.empty())
     sinks.jsonl = std::make_unique<io::JsonlMetricsWriter>(cfg.metrics_jsonl);
-  if (dp_rank == 0 && !cfg.tensorboard_dir.empty())
+  if (writes_metrics && !cfg.tensorboard_dir.empty())
     sinks.tb = std::make_unique<io::TensorBoardWriter>(cfg.tensorboard_dir);
 
   Tensor tokens = Tensor::empty({cfg.micro_batch_size, m.seq_length}, DType::i32, MemCategory::workspace);
@@ -591,6 +605,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
                     moe_losses.z_loss / div};
     }
     if (dp_size > 1) reduce_stats_over_dp(gpt, step_loss, moe_losses, *dp);
+    gpt.sum_tensor_parallel_grads();
     if (zero)
       zero->reduce_scatter_grads();
     else if (dp_size > 1)
@@ -600,9 +615,10 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
       std::string bad = !std::isfinite(step_loss) ? std::string("lm loss")
                         : zero                    ? zero->first_nonfinite_grad()
                                                   : first_nonfinite_gradient(gpt, checks);
-      if (dp_size > 1) {  // expert shards differ between ranks: every rank must take the same decision
+      if (dp_size > 1 || groups.tp.size() > 1) {  // shards differ between ranks: all must take the same decision
         int64_t flag = bad.empty() ? 0 : 1;
         all_reduce_sum(std::span<int64_t>(&flag, 1), *dp);
+        all_reduce_sum(std::span<int64_t>(&flag, 1), groups.tp);
         if (flag > 0 && bad.empty()) bad = "a gradient on another rank";
       }
       if (!bad.empty()) {
