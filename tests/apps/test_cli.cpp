@@ -200,9 +200,9 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
   auto [st3, out3] = mpirun(2, "--num-experts 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type ring");
   EXPECT_NE(st3, 0);
   EXPECT_EQ(count(out3, "--moe-token-dispatcher-type': 'ring' is not one of allgather, alltoall"), 2u) << out3;
-  auto [st4, out4] = mpirun(2, "--tensor-model-parallel-size 2 --num-experts 4 --sequence-parallel");
+  auto [st4, out4] = mpirun(2, "--tensor-model-parallel-size 2 --num-experts 4");
   EXPECT_NE(st4, 0);
-  EXPECT_EQ(count(out4, "MoE layers (--num-experts) with --tensor-model-parallel-size 2 is not supported yet"), 2u)
+  EXPECT_EQ(count(out4, "MoE layers (--num-experts) with --tensor-model-parallel-size 2 need --sequence-parallel"), 2u)
       << out4;
   auto [st5, out5] = mpirun(3, "--tensor-model-parallel-size 2");
   EXPECT_NE(st5, 0);
@@ -211,9 +211,9 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
 }
 
 // Tensor parallelism from Megatron's flags: two ranks with --tensor-model-parallel-size 2, with and without
-// --sequence-parallel, reproduce the single-process run (Megatron's defaults but dropout 0: under TP the attention
-// dropout draws each rank's heads from its own stream). The vocabulary is padded to 128 x TP, as Megatron: the
-// single-process run pads to the same 256.
+// --sequence-parallel (an MoE model with it, also with --expert-model-parallel-size 2), reproduce the single-process
+// run (Megatron's defaults but dropout 0: under TP the attention dropout draws each rank's heads from its own stream).
+// The vocabulary is padded to 128 x TP, as Megatron: the single-process run pads to the same 256.
 TEST_F(Cli, TensorParallelMatchesOneProcess) {
 #ifndef MOECORE_HAVE_MPI
   GTEST_SKIP() << "built without MPI";
@@ -226,16 +226,28 @@ TEST_F(Cli, TensorParallelMatchesOneProcess) {
                            "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
                            "--hidden-dropout 0 --attention-dropout 0 --micro-batch-size 2 --global-batch-size 4 "
                            "--train-iters 5 --log-interval 1 --eval-iters 1 --generate-tokens 0 --metrics-jsonl ";
-  ASSERT_EQ(run(args + p("one.jsonl") + " --make-vocab-size-divisible-by 256").status, 0);
-  const auto one = jsonl_losses(p("one.jsonl"));
-  ASSERT_EQ(one.size(), 5u);
-  for (const char* extra : {" --tensor-model-parallel-size 2", " --tensor-model-parallel-size 2 --sequence-parallel"}) {
-    std::filesystem::remove(p("two.jsonl"));
-    const Result r = run_mpi(2, args + p("two.jsonl") + std::string(extra));
-    ASSERT_EQ(r.status, 0) << r.output;
-    const auto two = jsonl_losses(p("two.jsonl"));
-    ASSERT_EQ(two.size(), 5u) << extra << "\n" << r.output;
-    for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(two[i], one[i], 1e-5 * std::fabs(one[i])) << extra << " " << i;
+  // A dense model under TP and TP + SP; an MoE model (which needs SP) under TP + SP, alone and with EP 2.
+  const std::string moe = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
+  const std::vector<std::pair<std::string, std::vector<std::string> > > cases = {
+      {"", {" --tensor-model-parallel-size 2", " --tensor-model-parallel-size 2 --sequence-parallel"}},
+      {moe,
+       {" --tensor-model-parallel-size 2 --sequence-parallel",
+        " --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
+        "--moe-token-dispatcher-type alltoall"}}};
+  for (const auto& [model, layouts] : cases) {
+    std::filesystem::remove(p("one.jsonl"));
+    ASSERT_EQ(run(args + p("one.jsonl") + model + " --make-vocab-size-divisible-by 256").status, 0);
+    const auto one = jsonl_losses(p("one.jsonl"));
+    ASSERT_EQ(one.size(), 5u);
+    for (const std::string& extra : layouts) {
+      std::filesystem::remove(p("two.jsonl"));
+      const Result r = run_mpi(2, args + p("two.jsonl") + model + extra);
+      ASSERT_EQ(r.status, 0) << r.output;
+      const auto two = jsonl_losses(p("two.jsonl"));
+      ASSERT_EQ(two.size(), 5u) << model << extra << "\n" << r.output;
+      for (size_t i = 0; i < one.size(); ++i)
+        EXPECT_NEAR(two[i], one[i], 1e-5 * std::fabs(one[i])) << model << extra << " " << i;
+    }
   }
 #endif
 }

@@ -1,7 +1,8 @@
 // Tensor- and sequence-parallel training equivalence (issue 12: each layout matches the single-process run), under
 // mpirun with 2 and 4 ranks. Every rank also trains the single-process reference itself (same config, seed, global
 // batch), then the same model under each layout this world size allows: TP = P, TP = P with sequence parallelism,
-// and at 4 ranks TP 2 x DP 2 (with and without SP). Two dense models: RMSNorm + SwiGLU + RoPE with tied embeddings
+// and at 4 ranks TP 2 x DP 2 (with and without SP). Two dense models and two MoE models (under SP, also with the
+// experts over EP 2: Parallel Folding). The dense models: RMSNorm + SwiGLU + RoPE with tied embeddings
 // and MHA, and LayerNorm + GeLU + linear biases + learned absolute positions + QK-norm with GQA and an untied output
 // layer. Checked: step-1 loss and global grad norm (1e-6 rel), every parameter's reduced gradient after step 1 (the
 // tensor-parallel shards gathered into the whole tensor; element-wise rtol 1e-5 with an absolute floor of 1e-6 x the
@@ -60,6 +61,27 @@ model::ModelConfig gpt2_like() {
   return c;
 }
 
+// The small MoE model (a dense layer, then MoE: 8 experts, top-2) with aux_loss, seq_aux_loss and the z-loss, a
+// gated shared expert; `sigmoid`: sigmoid routing with the aux-loss-free expert bias and global_aux_loss instead.
+model::ModelConfig moe_model(bool sigmoid) {
+  model::ModelConfig c = testing::small_moe_model(8);
+  c.num_query_groups = 4;  // TP up to 4
+  c.moe.z_loss_coeff = 1e-3f;
+  c.moe.shared_expert_intermediate_size = 16;
+  c.moe.shared_expert_gate = true;
+  if (!sigmoid) {
+    c.moe.load_balancing_type = {moe::LoadBalancing::aux_loss, moe::LoadBalancing::seq_aux_loss};
+    c.moe.aux_loss_coeff = {1e-2f, 1e-2f};
+    return c;
+  }
+  c.moe.score_function = moe::ScoreFunction::sigmoid;
+  c.moe.enable_expert_bias = true;
+  c.moe.bias_update_rate = 1e-2f;
+  c.moe.load_balancing_type = {moe::LoadBalancing::global_aux_loss};
+  c.moe.aux_loss_coeff = {1e-2f};
+  return c;
+}
+
 train::TrainConfig train_config(int64_t iters) {
   train::TrainConfig t;
   t.micro_batch_size = 2;
@@ -75,7 +97,10 @@ train::TrainConfig train_config(int64_t iters) {
 struct Layout {
   int tp = 1;
   bool sp = false;
-  std::string name() const { return "TP " + std::to_string(tp) + (sp ? " + SP" : ""); }
+  int ep = 1;  // MoE models: experts over EP x EDP on the same ranks (Parallel Folding, ETP 1)
+  std::string name() const {
+    return "TP " + std::to_string(tp) + (sp ? " + SP" : "") + (ep > 1 ? ", EP " + std::to_string(ep) : "");
+  }
 };
 
 struct Result {
@@ -90,13 +115,14 @@ struct Built {
   train::TrainGroups groups;
   model::ModelParallel par;
 };
-Built build(const ProcessGroup& world, const Layout& l) {
+Built build(const ProcessGroup& world, const Layout& l, int64_t num_experts = 0) {
   Built b;
   if (l.tp == 0) return b;
   ParallelConfig pc;
   pc.tensor_model_parallel_size = l.tp;
+  pc.expert_model_parallel_size = l.ep;
   pc.expert_tensor_parallel_size = 1;
-  const ProcessGroups pg = make_process_groups(pc, 0, world);
+  const ProcessGroups pg = make_process_groups(pc, static_cast<int>(num_experts), world);
   b.groups.dp = pg.dp();
   b.groups.ep = pg.ep();
   b.groups.edp = pg.edp();
@@ -106,15 +132,17 @@ Built build(const ProcessGroup& world, const Layout& l) {
   b.par.sequence_parallel = l.sp;
   b.par.ep = pg.ep();
   b.par.dp = pg.dp();
+  b.par.dispatcher = moe::DispatcherKind::alltoall;
   return b;
 }
 
 Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l, int64_t iters,
-           const std::string& save = "", const std::string& load = "", int64_t exit_at = 0) {
-  const Built b = build(world, l);
+           const std::string& save = "", const std::string& load = "", int64_t exit_at = 0, bool zero = false) {
+  const Built b = build(world, l, mc.moe.num_experts);
   model::GptModel gpt(mc, 2, 42, b.par, testing::test_device());
-  optim::AdamW opt(gpt.params(), {});
+  optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!zero);
   train::TrainConfig tc = train_config(iters);
+  tc.use_distributed_optimizer = zero;
   tc.ddp_bucket_size = 3000;
   tc.save = save;
   tc.load = load;
@@ -125,6 +153,12 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   r.grad_norm = log.grad_norm;
   if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
   for (const auto& p : gpt.params()) {
+    if (p.expert_parallel) {  // expert shards: the whole [E, ...] tensor over the EP group
+      const TensorShard ep{0, 1, static_cast<int>(gpt.ep_rank()), static_cast<int>(gpt.ep_size())};
+      r.grads[p.name] = all_gather_shards(p.grad, ep, b.par.ep).clone();
+      r.values[p.name] = all_gather_shards(p.value, ep, b.par.ep).clone();
+      continue;
+    }
     r.grads[p.name] = all_gather_shards(p.grad, p.tp, b.par.tp).clone();
     r.values[p.name] = all_gather_shards(p.value, p.tp, b.par.tp).clone();
   }
@@ -154,7 +188,7 @@ void expect_close(const std::map<std::string, Tensor>& got, const std::map<std::
 }
 
 void check_layout(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l) {
-  SCOPED_TRACE(l.name() + " x DP " + std::to_string(world.size() / l.tp));
+  SCOPED_TRACE(l.name() + " x DP " + std::to_string(world.size() / l.tp) + (mc.moe.enabled() ? ", MoE" : ""));
   const Result ref1 = run(world, mc, Layout{0, false}, 1);
   const Result got1 = run(world, mc, l, 1);
   EXPECT_LE(rel(got1.loss[0], ref1.loss[0]), 1e-6) << got1.loss[0] << " vs " << ref1.loss[0];
@@ -181,6 +215,18 @@ TEST_F(Mpi, SequenceParallelMatchesOneProcess) {
   check_layout(world, gpt2_like(), {2, true});
 }
 
+// MoE layers under TP + SP (Megatron requires SP): each rank routes its slice of every sequence; the aux,
+// seq-aux, global-aux and z losses over the group's gathered logits; the router and shared expert replicated with
+// their gradients summed over TP; experts over EP x EDP on the same ranks (folding); expert-bias counts over TP x DP.
+TEST_F(Mpi, MoeUnderSequenceParallelMatchesOneProcess) {
+  check_layout(world, moe_model(false), {P, true});
+  check_layout(world, moe_model(false), {2, true});
+  // global_aux_loss averages counts over the micro-batches one rank has seen, so it matches one process only at DP 1.
+  check_layout(world, moe_model(true), {P, true});
+  if (P == 4) check_layout(world, moe_model(false), {2, true, 2});  // attention TP 2 x DP 2, experts EP 2 x EDP 2
+  if (P == 2) check_layout(world, moe_model(true), {2, true, 2});   // attention TP 2, experts EP 2
+}
+
 TEST_F(Mpi, BfloatTensorParallelTracksOneProcess) {
   // bf16 compute: the GEMM operands are rounded, so the layouts agree to bf16 accuracy, not 1e-5.
   model::ModelConfig mc = llama_like();
@@ -188,6 +234,25 @@ TEST_F(Mpi, BfloatTensorParallelTracksOneProcess) {
   const Result ref = run(world, mc, Layout{0, false}, 5);
   const Result got = run(world, mc, Layout{P, true}, 5);
   for (size_t i = 0; i < 5; ++i) EXPECT_LE(rel(got.loss[i], ref.loss[i]), 2e-2) << "step " << i + 1;
+}
+
+// The distributed optimizer (ZeRO-1) under TP: the moments sharded over DP (experts over EDP), the tensor-parallel
+// shards in an instance of their own so the grad norm counts each parameter once; 20-step losses and the step-1
+// grad norm match one process, and a checkpoint it saves under TP resumes at one process with the plain optimizer.
+TEST_F(Mpi, DistributedOptimizerUnderTensorParallelismMatchesOneProcess) {
+  struct Case {
+    model::ModelConfig mc;
+    Layout l;
+  };
+  std::vector<Case> cases = {{gpt2_like(), {2, true}}, {moe_model(false), {2, true, P == 4 ? 2 : 1}}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : ""));
+    const Result ref = run(world, c.mc, Layout{0, false}, 20);
+    const Result got = run(world, c.mc, c.l, 20, "", "", 0, /*zero=*/true);
+    ASSERT_EQ(got.loss.size(), 20u);
+    EXPECT_LE(rel(got.grad_norm[0], ref.grad_norm[0]), 1e-6) << got.grad_norm[0] << " vs " << ref.grad_norm[0];
+    for (size_t i = 0; i < 20; ++i) EXPECT_LE(rel(got.loss[i], ref.loss[i]), 1e-5) << "step " << i + 1;
+  }
 }
 
 std::string shared_dir(const ProcessGroup& world, const std::string& what) {
@@ -198,14 +263,14 @@ std::string shared_dir(const ProcessGroup& world, const std::string& what) {
   return dir;
 }
 
-// Saved under TP 2 + SP (x DP at 4 ranks) at step 4 of 8: one process loads the whole parameters bitwise, and both
-// one process and TP = P resume with the uninterrupted run's losses.
+// Saved under TP 2 + SP (x DP at 4 ranks) with the distributed optimizer at step 4 of 8: one process loads the whole
+// parameters bitwise, and both one process and TP = P (plain AdamW) resume with the uninterrupted run's losses.
 TEST_F(Mpi, CheckpointSavedUnderTensorParallelismLoadsAtAnyLayout) {
   const model::ModelConfig mc = gpt2_like();
   const Layout saved_at{2, true};
   const std::string dir = shared_dir(world, "reshard");
   const Result straight = run(world, mc, saved_at, 8);
-  const Result saved = run(world, mc, saved_at, 8, dir, "", 4);
+  const Result saved = run(world, mc, saved_at, 8, dir, "", 4, /*zero=*/true);  // moments gathered on save
   model::GptModel hub(mc, 2, 42, {}, testing::test_device());
   optim::AdamW hub_opt(hub.params(), {});
   train::load_training_checkpoint(dir + "/iter_0000004", hub, hub_opt, 1234);
@@ -243,8 +308,13 @@ TEST_F(Mpi, BadTensorParallelLayoutsFailNamingTheValues) {
   c = llama_like();
   c.num_query_groups = 1;
   testing::expect_error([&] { make(c); }, {"query groups", "(1)"});
-  c = testing::small_moe_model(4);
-  testing::expect_error([&] { make(c); }, {"MoE layers", "not supported yet"});
+  c = llama_like();
+  c.multi_latent_attention = true;
+  testing::expect_error([&] { make(c); }, {"--multi-latent-attention", "not supported yet"});
+  const Built no_sp = build(world, {P, false});
+  testing::expect_error(
+      [&] { model::GptModel m(testing::small_moe_model(4), 2, 42, no_sp.par, testing::test_device()); },
+      {"MoE layers", "need --sequence-parallel"});
 }
 
 }  // namespace

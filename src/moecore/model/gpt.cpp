@@ -42,9 +42,13 @@ void GptModel::check_tensor_parallel() const {
   auto not_yet = [&](bool on, const char* what) {
     if (on)
       MOECORE_FAIL("model: ", what, " with --tensor-model-parallel-size ", P,
-                   " is not supported yet (tensor parallelism covers standard attention and dense MLPs)");
+                   " is not supported yet (tensor parallelism covers standard attention, dense MLPs and MoE layers)");
   };
-  not_yet(cfg_.moe.enabled(), "MoE layers (--num-experts)");
+  if (cfg_.moe.enabled() && !par_.sequence_parallel)
+    MOECORE_FAIL(
+        "model: MoE layers (--num-experts) with --tensor-model-parallel-size ", P,
+        " need --sequence-parallel (as Megatron: \"when using MoE and tensor parallelism, sequence parallelism "
+        "must be used\")");
   not_yet(cfg_.multi_latent_attention, "--multi-latent-attention");
   not_yet(cfg_.mtp_num_layers > 0, "--mtp-num-layers");
   auto need = [&](int64_t v, const char* what, const char* why) {
@@ -112,7 +116,9 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
                  cfg_.mla_softmax_scale_mult()};
     dims_.qk_norm = false;  // with MLA, --qk-layernorm is the latent norms
   }
-  moe_dims_ = {T, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
+  // The MoE layers take this rank's rows: under sequence parallelism its slice of every sequence.
+  moe_dims_ = {N, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
+  moe_dims_.sequence_group = par_.sequence_parallel ? &par_.tp : nullptr;
   moe_dims_.ep = EP;
   moe_dims_.device = device_;
   moe_dims_.dispatcher = EP > 1 ? par_.dispatcher : moe::DispatcherKind::local;
@@ -137,7 +143,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     if (s.expert) shape[0] /= EP;
     if (P > 1 && s.tp_dim >= 0) p.tp = {s.tp_dim, s.tp_parts, par_.tp.rank(), static_cast<int>(P)};
     shape = p.tp.local_shape(shape);
-    p.tp_grad_sum = P > 1 && !p.tp.sharded() &&
+    // (Expert weights are summed over the expert-data-parallel group, which holds the TP ranks.)
+    p.tp_grad_sum = P > 1 && !p.tp.sharded() && !s.expert &&
                     ((par_.sequence_parallel && p.name != "embedding.position_embeddings.weight") ||
                      p.name.find("self_attention.q_layernorm.") != std::string::npos ||
                      p.name.find("self_attention.k_layernorm.") != std::string::npos);
@@ -239,7 +246,9 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     m->w.shared.gate = gate ? gate->value : Tensor();
     m->g.shared.gate = gate ? gate->grad : Tensor();
     m->state = moe::router_state_init(mc, device_);
-    m->state.stream = static_cast<uint64_t>(l);
+    // The layer's noise stream (jitter, forced balancing); under sequence parallelism each TP rank's tokens draw
+    // from their own.
+    m->state.stream = static_cast<uint64_t>(l) + (par_.sequence_parallel ? (uint64_t{1} << 32) * par_.tp.rank() : 0);
     const MoeBlock* first = nullptr;
     for (const auto& prev : moe_)
       if (prev && !first) first = prev.get();
@@ -307,8 +316,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   auto work = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::workspace, device_); };
   dres_ = work({N, H}, DType::f32);
   if (cfg_.moe.enabled()) {
-    moe_x_ = work({T, H}, c);
-    moe_out_ = work({T, H}, DType::f32);
+    moe_x_ = work({N, H}, c);
+    moe_out_ = work({N, H}, DType::f32);
   }
   dh_ = work({T, H}, DType::f32);
   ids_ = work({T}, DType::i32);
@@ -407,6 +416,7 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   ids_.copy_from(tokens.view({T}));
   // Set here: pointers into this object stay valid across moves.
   moe_dims_.global_aux_group = &par_.dp;
+  if (moe_dims_.sequence_group) moe_dims_.sequence_group = &par_.tp;
   dims_.tp = &par_.tp;
   set_dropout_keys(training);
   Tensor& x0 = residual_[0];
@@ -547,30 +557,32 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
 // token order (token s*B + b): it decides which tokens the "position" drop policy keeps and which tokens form a
 // sequence for seq_aux_loss.
 void GptModel::moe_mlp_forward(size_t l, Tensor& y, bool training, const ops::Context& ctx) {
-  const int64_t S = cfg_.seq_length, H = cfg_.hidden_size;
+  const int64_t S = dims_.N / B_, H = cfg_.hidden_size;  // S: this rank's positions of each sequence
   MoeBlock& m = *moe_[l];
-  nn::mlp_norm_forward(layer_w_[l], caches_[l], ws_, dims_, ctx);
-  Tensor x_sb = moe_x_.view({S, B_, H}), out_sb = moe_out_.view({S, B_, H}), out_bs = ws_.dh.view({B_, S, H});
+  nn::mlp_norm_forward(layer_w_[l], caches_[l], dims_, ctx);
+  Tensor x_sb = moe_x_.view({S, B_, H}), out_sb = moe_out_.view({S, B_, H});
+  Tensor out_bs = ws_.dh.slice(0, 0, dims_.N).view({B_, S, H});
   ops::transpose_01(x_sb, caches_[l].h2.view({B_, S, H}), ctx);
   moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, m.cache, *dispatcher_, moe_dims_, cfg_.moe, training,
                          ctx);
   ops::transpose_01(out_bs, out_sb, ctx);
-  ops::bias_dropout_add(y, caches_[l].x_mid, ws_.dh, Tensor(), drops_[l].mlp_out, ctx);
+  ops::bias_dropout_add(y, caches_[l].x_mid, ws_.dh.slice(0, 0, dims_.N), Tensor(), drops_[l].mlp_out, ctx);
 }
 
 // dres is dL/d(layer output) on entry, dL/dx_mid on return. The MoE output's gradient goes through the dropout and
 // into sequence-major order; the input gradient comes back batch-major in ws_.dh.
 void GptModel::moe_mlp_backward(size_t l, float grad_scale, const ops::Context& ctx) {
-  const int64_t S = cfg_.seq_length, H = cfg_.hidden_size;
+  const int64_t N = dims_.N, S = N / B_, H = cfg_.hidden_size;  // S: this rank's positions of each sequence
   MoeBlock& m = *moe_[l];
-  Tensor dout_sb = moe_out_.view({S, B_, H}), dx_sb = dh_.view({S, B_, H}), dh2 = ws_.dh.view({B_, S, H});
+  Tensor dx = dh_.slice(0, 0, N), dh2_flat = ws_.dh.slice(0, 0, N);
+  Tensor dout_sb = moe_out_.view({S, B_, H}), dx_sb = dx.view({S, B_, H}), dh2 = dh2_flat.view({B_, S, H});
   Tensor x_sb = moe_x_.view({S, B_, H}), no_bias;
-  ops::bias_dropout_add_backward(ws_.dh, no_bias, dres_, drops_[l].mlp_out, ctx);
+  ops::bias_dropout_add_backward(dh2_flat, no_bias, dres_, drops_[l].mlp_out, ctx);
   ops::transpose_01(dout_sb, dh2, ctx);
   ops::transpose_01(x_sb, caches_[l].h2.view({B_, S, H}), ctx);
-  moe::moe_layer_backward(dh_, m.g, moe_out_, moe_x_, m.w, m.cache, *dispatcher_, moe_dims_, cfg_.moe, grad_scale, ctx);
+  moe::moe_layer_backward(dx, m.g, moe_out_, moe_x_, m.w, m.cache, *dispatcher_, moe_dims_, cfg_.moe, grad_scale, ctx);
   ops::transpose_01(dh2, dx_sb, ctx);
-  nn::mlp_norm_backward(dres_, layer_g_[l], ws_.dh, layer_w_[l], caches_[l], dims_, ctx);
+  nn::mlp_norm_backward(dres_, layer_g_[l], dh2_flat, layer_w_[l], caches_[l], dims_, ctx);
 }
 
 namespace {

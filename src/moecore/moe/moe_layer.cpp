@@ -4,7 +4,7 @@ namespace moecore::moe {
 namespace {
 
 RouterDims router_dims(const MoeLayerDims& d, const MoeConfig& cfg) {
-  return {d.T, d.B, d.H, cfg.num_experts, cfg.router_topk, d.global_aux_group};
+  return {d.T, d.B, d.H, cfg.num_experts, cfg.router_topk, d.global_aux_group, d.sequence_group};
 }
 
 ExpertDims expert_dims(const MoeLayerDims& d, const MoeConfig& cfg, int64_t max_rows) {

@@ -24,6 +24,7 @@ struct MoeLayerDims {
   int64_t ep = 1;  // expert-parallel size: this rank holds experts [r*E/ep, (r+1)*E/ep) of the EP group
   DispatcherKind dispatcher = DispatcherKind::local;  // which dispatcher the buffers are sized for
   const ProcessGroup* global_aux_group = nullptr;     // global_aux_loss counts are summed over it (DP)
+  const ProcessGroup* sequence_group = nullptr;       // sequence parallelism: T is this rank's share (RouterDims)
   Device device = Device::cpu;                        // where the caches live (the ops' context device)
 };
 

@@ -249,6 +249,13 @@ RouterCache router_cache_alloc(const RouterDims& d, const MoeConfig& cfg, DType 
     c.jitter = Tensor::empty({d.T, d.H}, DType::f32, act, device);
   }
   if (router_needs_work(cfg, x_dtype)) c.work = Tensor::empty({std::min(d.T, kWorkRows), d.H}, DType::f32, ws, device);
+  if (d.sequence_size() > 1) {
+    const int64_t all = d.sequence_size() * d.T;
+    c.logits_all = Tensor::empty({all, d.E}, R, ws, device);
+    c.dlogits_loss_all = Tensor::empty({all, d.E}, R, ws, device);
+    c.dlogits_all = Tensor::empty({all, d.E}, R, ws, device);
+    c.padding_all = Tensor::empty({all}, DType::boolean, ws, device);
+  }
   return c;
 }
 

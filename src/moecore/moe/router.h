@@ -32,6 +32,14 @@ struct RouterDims {
   // global_aux_loss: the group its token counts are summed over (Megatron's TP x DP x CP; here the
   // data-parallel group). Null or size 1: this rank's counts alone.
   const ProcessGroup* global_aux_group = nullptr;
+  // Sequence parallelism (Megatron's MoE under TP requires it): this rank's T tokens are sequence positions
+  // [r * S/P, (r + 1) * S/P) of every sequence of the group's (P ranks) micro-batch, in the order s * B + b, so the
+  // group's rows concatenated in rank order are the whole micro-batch. The load-balancing and z losses are then
+  // computed over the all-gathered logits, as one rank would (spec §3: counts over TP x CP, each rank's partial P
+  // with the global counts and token count add up to the full loss), and each rank keeps its own rows' gradient;
+  // every rank logs the whole loss. Null or size 1: none.
+  const ProcessGroup* sequence_group = nullptr;
+  int64_t sequence_size() const { return sequence_group ? sequence_group->size() : 1; }
 };
 
 struct RouterWeights {
@@ -94,6 +102,11 @@ struct RouterCache {
   Tensor dlogits_loss;  // [T, E] R: d(sum of configured losses)/d logits
   Tensor dlogits;       // [T, E] R: workspace for backward (and for forward's intermediates)
   Tensor work;          // [min(T, 1024), H] f32 workspace, fp32 router with bf16 x or jitter (else undefined)
+  // Sequence parallelism only (P = d.sequence_size() > 1): the group's rows for the loss stage.
+  Tensor logits_all;        // [P * T, E] R: every rank's logits, in rank order
+  Tensor dlogits_loss_all;  // [P * T, E] R
+  Tensor dlogits_all;       // [P * T, E] R: the loss stage's workspace
+  Tensor padding_all;       // [P * T] bool (allocated with the padding mask's first use: only when given)
 };
 // Every tensor on `device`.
 RouterCache router_cache_alloc(const RouterDims& d, const MoeConfig& cfg, DType x_dtype, Device device = Device::cpu);

@@ -28,7 +28,7 @@ void plan_cache(DenseLayerCache& k, const DenseLayerDims& d, bool with_mlp, bool
   p.empty(k.h1, {T, d.H}, c);
   p.empty(k.x_mid, {d.N, d.H}, DType::f32);
   p.empty(k.rstd2, {d.N}, DType::f32);
-  p.empty(k.h2, {T, d.H}, c);
+  p.empty(k.h2, {with_mlp ? T : d.N, d.H}, c);  // an MoE layer takes this rank's rows as they are
   if (with_mlp) {
     p.empty(k.fc1, {T, d.fc1_rows()}, c);
     p.empty(k.act, {T, d.F}, c);
@@ -246,9 +246,9 @@ void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseL
   row_parallel_residual_forward(k.x_mid, x, k.attn, w.proj, w.proj_bias, ws, d, drop.attn_out, ctx);
 }
 
-void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerWorkspace& ws, const DenseLayerDims& d,
+void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& k, const DenseLayerDims& d,
                       const ops::Context& ctx) {
-  norm_to_gemm_input(k.h2, k.mean2, k.rstd2, k.x_mid, w.mlp_norm, w.mlp_norm_bias, ws, d, ctx);
+  norm_forward(k.h2, k.mean2, k.rstd2, k.x_mid, w.mlp_norm, w.mlp_norm_bias, d.eps, ctx);
 }
 
 void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k,
@@ -260,7 +260,7 @@ void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w,
 
 void mlp_block_forward(Tensor& y, const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerWorkspace& ws,
                        const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
-  mlp_norm_forward(w, k, ws, d, ctx);
+  norm_to_gemm_input(k.h2, k.mean2, k.rstd2, k.x_mid, w.mlp_norm, w.mlp_norm_bias, ws, d, ctx);
   ops::gemm(k.fc1, k.h2, false, w.fc1, true, 1.0f, 0.0f, ctx);
   if (w.fc1_bias.defined()) ops::bias_add(k.fc1, w.fc1_bias, ctx);
   if (d.swiglu)

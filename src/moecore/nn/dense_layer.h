@@ -92,7 +92,8 @@ struct DenseLayerCache {
   Tensor x_mid;           // [N, H] f32: residual after the attention block
   Tensor mean2;           // [N] f32, LayerNorm only
   Tensor rstd2;           // [N] f32
-  Tensor h2;              // [T, H] compute: norm2 output (all-gathered under sequence parallelism)
+  Tensor h2;              // [T, H] compute: norm2 output (all-gathered under sequence parallelism); [N, H] in an
+                          // MoE layer's cache
   Tensor fc1;             // [T, fc1_rows] compute
   Tensor act;             // [T, F] compute
 };
@@ -122,12 +123,13 @@ int64_t dense_layer_cache_bytes(const DenseLayerDims& d, bool with_mlp = true, b
 int64_t dense_layer_workspace_bytes(const DenseLayerDims& d, bool with_attention = true);
 
 // The two halves, for layers that replace the MLP (MoE): the attention block writes cache.x_mid; the MLP
-// norm writes cache.h2 (and its statistics). The backward halves update dres in place.
+// norm writes cache.h2 (and its statistics) for this rank's N rows (under sequence parallelism the MoE layer takes
+// them as they are, no gather). The backward halves update dres in place.
 void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& cache,
                              DenseLayerWorkspace& ws, const Tensor& rope, const DenseLayerDims& d,
                              const LayerDropout& drop, const ops::Context& ctx);
-void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& cache, DenseLayerWorkspace& ws,
-                      const DenseLayerDims& d, const ops::Context& ctx);
+void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& cache, const DenseLayerDims& d,
+                      const ops::Context& ctx);
 // dres: dL/dx_mid on entry, dL/dx on return.
 void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
                               const DenseLayerCache& cache, DenseLayerWorkspace& ws, const Tensor& rope,

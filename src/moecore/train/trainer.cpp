@@ -344,73 +344,94 @@ double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, G
   return std::sqrt(sq[0] + sq[1] + sq[2]);
 }
 // The distributed optimizer (ZeRO-1) of a run: non-expert parameters sharded over dp, expert parameters
-// over edp. Gradients are reduce-scattered in buckets; the masters are all-gathered after each step.
+// over edp. Gradients are reduce-scattered in buckets; the masters are all-gathered after each step. Under TP the
+// tensor-parallel shards get an instance of their own (over dp as well), so the grad norm counts the replicated
+// parameters once and sums the shards over TP.
 struct ZeroOptimizers {
-  std::unique_ptr<optim::DistributedAdamW> dense, expert;
-  std::vector<size_t> dense_idx, expert_idx;  // parameter indices of each instance, in model order
+  enum Kind { replicated, tensor_parallel, expert, kinds };
+  std::unique_ptr<optim::DistributedAdamW> opt[kinds];
+  std::vector<size_t> idx[kinds];  // parameter indices of each instance, in model order
+  const TrainGroups& g;
 
-  ZeroOptimizers(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& g, int64_t bucket) {
-    std::vector<Param*> d, e;
+  ZeroOptimizers(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& groups, int64_t bucket)
+      : g(groups) {
+    std::vector<Param*> p[kinds];
     auto& params = gpt.params();
     for (size_t i = 0; i < params.size(); ++i) {
-      (params[i].expert_parallel ? e : d).push_back(&params[i]);
-      (params[i].expert_parallel ? expert_idx : dense_idx).push_back(i);
+      const Kind k = params[i].expert_parallel ? expert : params[i].tp.sharded() ? tensor_parallel : replicated;
+      p[k].push_back(&params[i]);
+      idx[k].push_back(i);
     }
-    dense = std::make_unique<optim::DistributedAdamW>(d, cfg, g.dp, optim::DistributedAdamWOptions{bucket});
-    if (!e.empty())
-      expert = std::make_unique<optim::DistributedAdamW>(e, cfg, g.edp, optim::DistributedAdamWOptions{bucket});
+    for (int k = 0; k < kinds; ++k)
+      if (k == replicated || !p[k].empty())
+        opt[k] = std::make_unique<optim::DistributedAdamW>(p[k], cfg, k == expert ? g.edp : g.dp,
+                                                           optim::DistributedAdamWOptions{bucket});
+  }
+  template <class Fn>
+  void each(Fn&& fn) const {
+    for (int k = 0; k < kinds; ++k)
+      if (opt[k]) fn(*opt[k], idx[k]);
   }
   void reduce_scatter_grads() {
-    dense->reduce_scatter_grads();
-    if (expert) expert->reduce_scatter_grads();
+    each([](optim::DistributedAdamW& o, const auto&) { o.reduce_scatter_grads(); });
   }
   std::string first_nonfinite_grad() const {
-    std::string s = dense->first_nonfinite_grad();
-    return s.empty() && expert ? expert->first_nonfinite_grad() : s;
+    std::string s;
+    each([&](const optim::DistributedAdamW& o, const auto&) {
+      if (s.empty()) s = o.first_nonfinite_grad();
+    });
+    return s;
   }
-  // Every shard once: dense shards over dp and expert shards over edp x ep both sum over the world.
-  double grad_norm(const ProcessGroup& dp) const {
-    double sq = dense->shard_grad_sq() + (expert ? expert->shard_grad_sq() : 0.0);
-    if (dp.size() > 1) all_reduce_sum(std::span<double>(&sq, 1), dp);
-    return std::sqrt(sq);
+  // Every shard once: replicated shards sum over dp; tensor-parallel shards over dp x tp; expert shards over
+  // edp x ep, which is tp x dp (ETP 1).
+  double grad_norm() const {
+    const double rep = opt[replicated]->shard_grad_sq();
+    double rest = (opt[tensor_parallel] ? opt[tensor_parallel]->shard_grad_sq() : 0.0) +
+                  (opt[expert] ? opt[expert]->shard_grad_sq() : 0.0);
+    if (g.tp.size() == 1) {  // one sum over dp (the layout before TP: unchanged bits)
+      double sq = rep + rest;
+      if (g.dp.size() > 1) all_reduce_sum(std::span<double>(&sq, 1), g.dp);
+      return std::sqrt(sq);
+    }
+    double v[2] = {rep, rest};
+    all_reduce_sum(std::span<double>(v, 2), g.dp);
+    all_reduce_sum(std::span<double>(&v[1], 1), g.tp);
+    return std::sqrt(v[0] + v[1]);
   }
   void step(float lr, float clip) {
-    dense->step(lr, clip);
-    if (expert) expert->step(lr, clip);
+    each([&](optim::DistributedAdamW& o, const auto&) { o.step(lr, clip); });
   }
-  int64_t state_bytes() const { return dense->state_bytes() + (expert ? expert->state_bytes() : 0); }
+  int64_t state_bytes() const {
+    int64_t n = 0;
+    each([&](const optim::DistributedAdamW& o, const auto&) { n += o.state_bytes(); });
+    return n;
+  }
   // Collective: the full moments of every parameter this rank holds (for checkpoints).
   OptimizerState gather(size_t n) const {
     OptimizerState st;
     st.exp_avg.resize(n);
     st.exp_avg_sq.resize(n);
-    auto take = [&](const optim::DistributedAdamW* o, const std::vector<size_t>& idx) {
-      if (!o) return;
+    each([&](const optim::DistributedAdamW& o, const std::vector<size_t>& ix) {
       std::vector<Tensor> m, v;
-      o->gather_state(m, v);
-      for (size_t k = 0; k < idx.size(); ++k) {
-        st.exp_avg[idx[k]] = m[k];
-        st.exp_avg_sq[idx[k]] = v[k];
+      o.gather_state(m, v);
+      for (size_t k = 0; k < ix.size(); ++k) {
+        st.exp_avg[ix[k]] = m[k];
+        st.exp_avg_sq[ix[k]] = v[k];
       }
-    };
-    take(dense.get(), dense_idx);
-    take(expert.get(), expert_idx);
-    st.steps = dense->steps_taken();
+    });
+    st.steps = opt[replicated]->steps_taken();
     return st;
   }
   void load(const OptimizerState& st) {
-    auto put = [&](optim::DistributedAdamW* o, const std::vector<size_t>& idx) {
-      if (!o) return;
+    each([&](optim::DistributedAdamW& o, const std::vector<size_t>& ix) {
       std::vector<Tensor> m, v;
-      for (size_t i : idx) {
+      for (size_t i : ix) {
         m.push_back(st.exp_avg[i]);
         v.push_back(st.exp_avg_sq[i]);
       }
-      o->load_state(m, v);
-      o->set_steps_taken(st.steps);
-    };
-    put(dense.get(), dense_idx);
-    put(expert.get(), expert_idx);
+      o.load_state(m, v);
+      o.set_steps_taken(st.steps);
+    });
   }
 };
 
@@ -474,9 +495,6 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
     MOECORE_FAIL("training: expert-parallel (", groups.ep.size(), ") x expert-data-parallel (", groups.edp.size(),
                  ") must equal tensor-parallel (", groups.tp.size(), ") x data-parallel (", dp_size,
                  ") when CP = PP = ETP = 1");
-  if (groups.tp.size() > 1 && cfg.use_distributed_optimizer)
-    MOECORE_FAIL("training: --use-distributed-optimizer with --tensor-model-parallel-size ", groups.tp.size(),
-                 " is not supported yet");
   const auto& m = gpt.config();
   if (gpt.micro_batch_size() != cfg.micro_batch_size)
     MOECORE_FAIL("training: the model was built for micro-batch ", gpt.micro_batch_size(), ", not ",
@@ -492,7 +510,9 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
     MOECORE_FAIL("training: the optimizer holds no state; build it with state or set use_distributed_optimizer");
   }
   std::unique_ptr<GradBuckets> buckets;
-  if (!zero && dp_size > 1) buckets = std::make_unique<GradBuckets>(gpt, groups, cfg.ddp_bucket_size);
+  // Expert gradients reduce over edp, which also spans the TP ranks (TP 2 x DP 1 has EDP 2 with ETP 1).
+  const bool reduces_grads = dp_size > 1 || groups.edp.size() > 1;
+  if (!zero && reduces_grads) buckets = std::make_unique<GradBuckets>(gpt, groups, cfg.ddp_bucket_size);
   GradChecks checks(gpt);
   TrainProgress progress;
   int64_t schedule_start = 0;  // the iteration at which the LR schedule's step 0 falls
@@ -605,10 +625,13 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
                     moe_losses.z_loss / div};
     }
     if (dp_size > 1) reduce_stats_over_dp(gpt, step_loss, moe_losses, *dp);
+    if (groups.tp.size() > 1)  // the expert-bias counts over TP x DP (spec §2.10): each TP rank routed its own rows
+      for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l)
+        if (moe::RouterState* st = gpt.router_state(l)) all_reduce_sum(st->local_tokens_per_expert, groups.tp);
     gpt.sum_tensor_parallel_grads();
     if (zero)
       zero->reduce_scatter_grads();
-    else if (dp_size > 1)
+    else if (reduces_grads)
       buckets->all_reduce(gpt);
     bool skip = false;
     if (cfg.check_for_nan) {
@@ -635,7 +658,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
     const float lr = lr_at(cfg, it - schedule_start);
     optim::StepStats st;
     if (!skip && zero) {
-      st.grad_norm = zero->grad_norm(*dp);
+      st.grad_norm = zero->grad_norm();
       st.clip_scale = optim::clip_scale_for(st.grad_norm, opt.config().clip_grad);
       zero->step(lr, st.clip_scale);
       gpt.refresh_compute_weights();
