@@ -7,9 +7,10 @@
 // layer. Checked: step-1 loss and global grad norm (1e-6 rel), every parameter's reduced gradient after step 1 (the
 // tensor-parallel shards gathered into the whole tensor; element-wise rtol 1e-5 with an absolute floor of 1e-6 x the
 // tensor's largest value, and 1e-9), 20-step losses (rtol 1e-5), the final validation loss, bitwise-identical losses
-// across two identical runs; a checkpoint saved under TP loads at one process with bitwise-identical parameters and
-// resumes with the uninterrupted run's losses at 1 process and under TP; bad layouts fail at construction naming the
-// values. Every model lives on testing::test_device().
+// across two identical runs; the distributed optimizer under TP (x DP; MoE with EP) matches too; a checkpoint saved
+// under TP with it loads at one process with bitwise-identical parameters and resumes with the uninterrupted run's
+// losses at 1 process and under TP; bad layouts fail at construction naming the values. Every model lives on
+// testing::test_device().
 #include <gtest/gtest.h>
 
 #include "model/synthetic_training.h"
