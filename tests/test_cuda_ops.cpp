@@ -1,77 +1,14 @@
-// GPU tests (ctest label "gpu"): every op with CUDA kernels (kernels/cuda/ops_cuda.h) against the CPU backend on
-// fresh seeded random inputs, with odd sizes, strided views, both float dtypes, empty groups and padding rows.
-// Outputs that an op writes start as NaN on both devices (an op that skipped an element shows it); dropout masks,
-// copies and the order-fixed sums must match bit for bit, everything else within the stated tolerances. Every test
-// skips when no CUDA device is present, so the label is safe to run anywhere.
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <vector>
-
-#include "moecore/core/backend_hooks.h"
-#include "moecore/kernels/ops.h"
-#include "test_util.h"
+// GPU tests (ctest label "gpu"): every dense op with CUDA kernels (kernels/cuda/ops_cuda.h: GEMMs, elementwise, norms,
+// RoPE, layout, biases, dropout, embedding, losses, AdamW) against the CPU backend on fresh seeded random inputs, with
+// odd sizes, strided views, both float dtypes, empty groups and padding rows. Outputs that an op writes start as NaN
+// on both devices (an op that skipped an element shows it); dropout masks, copies and the order-fixed sums must match
+// bit for bit, everything else within the stated tolerances. Every test skips when no CUDA device is present, so the
+// label is safe to run anywhere. The MoE, router and attention ops: test_cuda_moe_ops.cpp.
+#include "cuda_test_util.h"
 
 namespace moecore {
 namespace {
-
-#define SKIP_WITHOUT_GPU() \
-  if (!device_available()) GTEST_SKIP() << "no CUDA device (or built without CUDA): GPU test skipped"
-
-ops::Context ctx_of(bool gpu) {
-  return gpu ? ops::Context{Device::cuda, nullptr} : ops::Context{};
-}
-
-// One tensor on both backends: the CPU reference and its copy on the GPU.
-struct Both {
-  Tensor cpu, gpu;
-  Tensor& on(bool g) { return g ? gpu : cpu; }
-};
-Both both(const Tensor& host) {
-  return {host.clone(), host.to_device(Device::cuda)};
-}
-Both randn(const Shape& s, const char* name, uint64_t seed, DType t = DType::f32, float std = 1.0f) {
-  return both(testing::randn(s, name, std, seed).to(t));
-}
-Both nans(const Shape& s, DType t = DType::f32) {
-  Tensor h = Tensor::empty(s, t, MemCategory::other);
-  h.fill_(std::numeric_limits<float>::quiet_NaN());
-  return both(h);
-}
-Both ints(const std::vector<int32_t>& v) {
-  Tensor h = Tensor::empty({static_cast<int64_t>(v.size())}, DType::i32, MemCategory::other);
-  std::memcpy(h.raw(), v.data(), v.size() * sizeof(int32_t));
-  return both(h);
-}
-Both counts(const std::vector<int64_t>& v) {
-  return both(testing::counts_tensor(v, Device::cpu));
-}
-// Random values in [lo, hi) from a seed.
-std::vector<int32_t> random_ints(int64_t n, int32_t lo, int32_t hi, uint64_t seed) {
-  std::vector<int32_t> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) v[i] = lo + static_cast<int32_t>(testing::mix(seed * 1000003 + i) % (hi - lo));
-  return v;
-}
-
-// Tolerances by output dtype: f32 ~1e-5 relative; bf16 about two ulps (a value rounds to either neighbour when the
-// two backends' f32 results differ in the last bits).
-constexpr double kRtolF32 = 1e-5, kRtolBf16 = 8e-3;
-double rtol_of(DType t) {
-  return t == DType::bf16 ? kRtolBf16 : kRtolF32;
-}
-
-void expect_near(const Both& x, double rtol, double atol) {
-  EXPECT_TENSOR_NEAR(testing::host(x.gpu), x.cpu, rtol, atol);
-}
-void expect_bitwise(const Both& x) {
-  const Tensor g = testing::host(x.gpu);
-  ASSERT_EQ(g.shape(), x.cpu.shape());
-  const Tensor c = x.cpu.is_contiguous() ? x.cpu : x.cpu.clone();
-  EXPECT_EQ(std::memcmp(g.raw(), c.raw(), static_cast<size_t>(c.nbytes())), 0) << "GPU and CPU bits differ";
-}
-
-const DType kFloat[] = {DType::f32, DType::bf16};
-
+using namespace testing_cuda;
 // ---- GEMM ------------------------------------------------------------------------------------------------------
 TEST(CudaOps, GemmMatchesCpuWithTransposesStridedViewsAndBeta) {
   SKIP_WITHOUT_GPU();
@@ -444,7 +381,7 @@ TEST(CudaOps, AdamWMatchesCpu) {
   }
 }
 
-// ---- determinism and the ops without CUDA kernels -----------------------------------------------------------------
+// ---- determinism and refusals -----------------------------------------------------------------
 TEST(CudaOps, ReductionsRepeatBitForBit) {
   SKIP_WITHOUT_GPU();
   const ops::Context gpu = ctx_of(true);
@@ -471,15 +408,23 @@ TEST(CudaOps, ReductionsRepeatBitForBit) {
   }
 }
 
-TEST(CudaOps, OpsWithoutCudaKernelsRefuseACudaContextNamingTheOp) {
+// Every op has CUDA kernels now: a cuda context with a tensor left on the host is refused, naming the op and the
+// tensor, before any kernel runs.
+TEST(CudaOps, CpuTensorWithACudaContextIsRefusedNamingTheOp) {
   SKIP_WITHOUT_GPU();
-  Tensor map = Tensor::zeros({4, 2}, DType::boolean, MemCategory::other, Device::cuda);
+  Tensor map = Tensor::zeros({4, 2}, DType::boolean, MemCategory::other);  // host
   Tensor counts_t = Tensor::empty({2}, DType::i64, MemCategory::other, Device::cuda);
   Tensor offsets = Tensor::empty({3}, DType::i64, MemCategory::other, Device::cuda);
   Tensor token_rows = Tensor::empty({4, 2}, DType::i32, MemCategory::other, Device::cuda);
   Tensor row_token = Tensor::empty({8}, DType::i32, MemCategory::other, Device::cuda);
   testing::expect_error([&] { ops::moe_plan(counts_t, offsets, token_rows, row_token, map, ctx_of(true)); },
-                        {"moe_plan", "cuda context", "no CUDA kernel yet"});
+                        {"moe_plan", "map", "is on cpu", "cuda"});
+  const ops::QkvDims d{1, 3, 1, 1, 4};
+  Tensor qkv = Tensor::zeros({1, 3, d.width()}, DType::f32, MemCategory::other, Device::cuda);
+  Tensor out = Tensor::empty({1, 3, 4}, DType::f32, MemCategory::other, Device::cuda);
+  Tensor lse = Tensor::empty({1, 1, 3}, DType::f32, MemCategory::other);  // host
+  testing::expect_error([&] { ops::attention_forward(out, lse, qkv, d, ops::Dropout{}, ctx_of(true)); },
+                        {"attention_forward", "lse", "is on cpu"});
 }
 
 }  // namespace

@@ -18,6 +18,10 @@
 
 namespace moecore::ops {
 
+// True when this build has the CUDA kernels (kernels/cuda/, built with -DMOECORE_CUDA=ON): every op then runs on a
+// cuda context as well.
+bool cuda_kernels_built();
+
 // Execution context: where and how an op runs. Passed last to every op.
 struct Context {
   Device device = Device::cpu;

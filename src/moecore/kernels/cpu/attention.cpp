@@ -2,7 +2,8 @@
 // online softmax over 64 x 64 blocks, and a backward that recomputes P block by block from the saved lse.
 // Dropout on P regenerates its mask per block from (key, element index) (dropout_mask.h); p = 0 runs none
 // of that code. Results are deterministic: every sum runs in an order fixed by the shapes, never by
-// threads or timing. Not here: rotary embeddings (rope.cpp), non-causal or padding masks, and CUDA.
+// threads or timing. On a cuda context both ops dispatch to kernels/cuda/attention.cu after the checks.
+// Not here: rotary embeddings (rope.cpp), non-causal or padding masks.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -444,7 +445,8 @@ void check_rows(const cpu::Checker& ck, const char* name, const QkvDims& d, int6
 
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDims& dims, const Dropout& dropout,
                        const Context& ctx) {
-  const cpu::Checker ck("attention_forward", ctx, {{"out", &out}, {"lse", &lse}, {"qkv", &qkv}});
+  const cpu::Checker ck("attention_forward", ctx, {{"out", &out}, {"lse", &lse}, {"qkv", &qkv}},
+                        cpu::Backends::cpu_and_cuda);
   check_dims(ck, dims);
   cpu::check_dropout(ck, dropout);
   ck.float_dtype("qkv");
@@ -455,6 +457,8 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDim
   ck.shape("lse", Shape{dims.B, dims.q_heads(), dims.S});
   ck.contiguous("lse");
   if (dims.B == 0 || dims.S == 0) return;
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::attention_forward(out, lse, qkv, dims, dropout, ctx);
   const Layout L(dims);
   std::optional<cpu::DropoutMask> mask;
   if (dropout.active()) mask.emplace(dropout);
@@ -467,7 +471,8 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDim
 void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
                         const QkvDims& dims, const Dropout& dropout, const Context& ctx) {
   const cpu::Checker ck("attention_backward", ctx,
-                        {{"dqkv", &dqkv}, {"dout", &dout}, {"qkv", &qkv}, {"out", &out}, {"lse", &lse}});
+                        {{"dqkv", &dqkv}, {"dout", &dout}, {"qkv", &qkv}, {"out", &out}, {"lse", &lse}},
+                        cpu::Backends::cpu_and_cuda);
   check_dims(ck, dims);
   cpu::check_dropout(ck, dropout);
   ck.float_dtype("qkv");
@@ -480,7 +485,10 @@ void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, con
   ck.shape("lse", Shape{dims.B, dims.q_heads(), dims.S});
   ck.contiguous("lse");
   if (dims.B == 0 || dims.S == 0) return;
-  if (dqkv.raw() == qkv.raw() || dqkv.raw() == dout.raw()) ck.fail("dqkv must not share memory with qkv or dout");
+  if (cpu::address_of(dqkv) == cpu::address_of(qkv) || cpu::address_of(dqkv) == cpu::address_of(dout))
+    ck.fail("dqkv must not share memory with qkv or dout");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::attention_backward(dqkv, dout, qkv, out, lse, dims, dropout, ctx);
   const Layout L(dims);
   std::optional<cpu::DropoutMask> mask;
   if (dropout.active()) mask.emplace(dropout);

@@ -1,5 +1,6 @@
 // The vocabulary-parallel embedding's lookup and gradient (ops.h): the rows of this rank's vocabulary range, zeros
 // (forward) or nothing (backward) for the other ids. Not here: the group's reduction (the caller's collective).
+// On a cuda context both dispatch to kernels/cuda/embedding_loss.cu after the checks that read no ids.
 #include <algorithm>
 
 #include "moecore/kernels/cpu/cpu_util.h"
@@ -8,7 +9,8 @@ namespace moecore::ops {
 
 void embedding_forward_shard(Tensor& out, const Tensor& ids, const Tensor& table, int64_t vocab_start,
                              int64_t vocab_size, const Context& ctx) {
-  const cpu::Checker c("embedding_forward_shard", ctx, {{"out", &out}, {"ids", &ids}, {"table", &table}});
+  const cpu::Checker c("embedding_forward_shard", ctx, {{"out", &out}, {"ids", &ids}, {"table", &table}},
+                       cpu::Backends::cpu_and_cuda);
   c.rank("ids", 1);
   c.dtype("ids", DType::i32);
   c.rank("table", 2);
@@ -20,6 +22,8 @@ void embedding_forward_shard(Tensor& out, const Tensor& ids, const Tensor& table
   if (vocab_start < 0 || vocab_start + Vl > vocab_size)
     c.fail("the table's rows [", vocab_start, ", ", vocab_start + Vl, ") are not inside the vocabulary [0, ",
            vocab_size, ")");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::embedding_forward_shard(out, ids, table, vocab_start, vocab_size, ctx);
   const int32_t* id = ids.data<int32_t>();
   for (int64_t n = 0; n < N; ++n)
     if (id[n] < 0 || id[n] >= vocab_size)
@@ -43,7 +47,8 @@ void embedding_forward_shard(Tensor& out, const Tensor& ids, const Tensor& table
 
 void embedding_backward_shard(Tensor& dtable, const Tensor& ids, const Tensor& dout, int64_t vocab_start,
                               const Context& ctx) {
-  const cpu::Checker c("embedding_backward_shard", ctx, {{"dtable", &dtable}, {"ids", &ids}, {"dout", &dout}});
+  const cpu::Checker c("embedding_backward_shard", ctx, {{"dtable", &dtable}, {"ids", &ids}, {"dout", &dout}},
+                       cpu::Backends::cpu_and_cuda);
   c.rank("ids", 1);
   c.dtype("ids", DType::i32);
   c.rank("dtable", 2);
@@ -52,6 +57,8 @@ void embedding_backward_shard(Tensor& dtable, const Tensor& ids, const Tensor& d
   const int64_t N = ids.size(0), Vl = dtable.size(0), H = dtable.size(1);
   c.shape("dout", Shape{N, H});
   for (const char* name : {"dtable", "ids", "dout"}) c.contiguous(name);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::embedding_backward_shard(dtable, ids, dout, vocab_start, ctx);
   const int32_t* id = ids.data<int32_t>();
   float* dt = dtable.data<float>();
   const float* d = dout.data<float>();

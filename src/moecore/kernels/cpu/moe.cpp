@@ -1,7 +1,8 @@
 // CPU kernels of the MoE token permutation (plan, permute, unpermute, the all-to-all chunk sort) and of the
 // expert-row steps (probability scaling, the shared expert's gate). Counts, offsets and indices are tensors:
 // these kernels read them, the host never does. Every output element has one writer and a fixed summation
-// order, so results do not depend on the thread count.
+// order, so results do not depend on the thread count. On a cuda context each op dispatches to kernels/cuda/moe.cu
+// after the checks that read no tensor data (the data checks below the dispatch are the CPU's own).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -71,7 +72,8 @@ void moe_plan(Tensor& counts, Tensor& offsets, Tensor& token_rows, Tensor& row_t
                          {"offsets", &offsets},
                          {"token_rows", &token_rows},
                          {"row_token", &row_token},
-                         {"map", &map}});
+                         {"map", &map}},
+                        cpu::Backends::cpu_and_cuda);
   ck.dtype("map", DType::boolean);
   ck.rank("map", 2);
   ck.contiguous("map");
@@ -84,6 +86,8 @@ void moe_plan(Tensor& counts, Tensor& offsets, Tensor& token_rows, Tensor& row_t
   ck.dtype("row_token", DType::i32);
   ck.rank("row_token", 1);
   ck.contiguous("row_token");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::moe_plan(counts, offsets, token_rows, row_token, map, ctx);
   const bool* m = map.data<bool>();
   int64_t* n = counts.data<int64_t>();
   int64_t* off = offsets.data<int64_t>();
@@ -124,9 +128,11 @@ void moe_permute(Tensor& rows, Tensor& row_probs, const Tensor& x, const Tensor&
                                  {"x", &x},
                                  {"probs", &probs},
                                  {"row_token", &row_token},
-                                 {"offsets", &offsets}})
+                                 {"offsets", &offsets}},
+                                cpu::Backends::cpu_and_cuda)
                  : cpu::Checker("moe_permute", ctx,
-                                {{"rows", &rows}, {"x", &x}, {"row_token", &row_token}, {"offsets", &offsets}});
+                                {{"rows", &rows}, {"x", &x}, {"row_token", &row_token}, {"offsets", &offsets}},
+                                cpu::Backends::cpu_and_cuda);
   check_rows_operand(ck, "rows");
   check_rows_operand(ck, "x");
   const int64_t T = x.size(0), H = x.size(1), M = rows.size(0);
@@ -137,18 +143,18 @@ void moe_permute(Tensor& rows, Tensor& row_probs, const Tensor& x, const Tensor&
   const int64_t E = offsets.numel() - 1;
   if (E < 1) ck.fail("offsets needs E + 1 >= 2 entries");
   check_vector(ck, "row_token", DType::i32, M);
-  const int64_t* off = offsets.data<int64_t>();
-  if (off[E] > M) ck.fail("offsets end at ", off[E], " rows but rows holds ", M);
-  float* pp = nullptr;
-  const float* prob = nullptr;
   if (with_probs) {
     ck.dtype("probs", DType::f32);
     ck.shape("probs", Shape{T, E});
     ck.contiguous("probs");
     check_vector(ck, "row_probs", DType::f32, M);
-    pp = row_probs.data<float>();
-    prob = probs.data<float>();
   }
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::moe_permute(rows, row_probs, x, probs, row_token, offsets, ctx);
+  const int64_t* off = offsets.data<int64_t>();
+  if (off[E] > M) ck.fail("offsets end at ", off[E], " rows but rows holds ", M);
+  float* pp = with_probs ? row_probs.data<float>() : nullptr;
+  const float* prob = with_probs ? probs.data<float>() : nullptr;
   const int32_t* rt = row_token.data<int32_t>();
   cpu::with_float_type(rows.dtype(), [&](auto td) {
     cpu::with_float_type(x.dtype(), [&](auto ts) {
@@ -161,7 +167,8 @@ void moe_permute(Tensor& rows, Tensor& row_probs, const Tensor& x, const Tensor&
 }
 
 void moe_unpermute(Tensor& y, const Tensor& rows, const Tensor& token_rows, bool accumulate, const Context& ctx) {
-  const cpu::Checker ck("moe_unpermute", ctx, {{"y", &y}, {"rows", &rows}, {"token_rows", &token_rows}});
+  const cpu::Checker ck("moe_unpermute", ctx, {{"y", &y}, {"rows", &rows}, {"token_rows", &token_rows}},
+                        cpu::Backends::cpu_and_cuda);
   check_rows_operand(ck, "y");
   ck.dtype("y", DType::f32);
   check_rows_operand(ck, "rows");
@@ -170,6 +177,8 @@ void moe_unpermute(Tensor& y, const Tensor& rows, const Tensor& token_rows, bool
   ck.contiguous("token_rows");
   const int64_t T = y.size(0), H = y.size(1), E = token_rows.size(1), M = rows.size(0);
   if (token_rows.size(0) != T || rows.size(1) != H) ck.fail("need y [T, H], rows [M, H] and token_rows [T, E]");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::moe_unpermute(y, rows, token_rows, accumulate, ctx);
   const int32_t* tr = token_rows.data<int32_t>();
   for (int64_t i = 0; i < T * E; ++i)
     if (tr[i] >= M) ck.fail("token_rows names row ", tr[i], " but rows holds ", M);
@@ -201,7 +210,8 @@ void moe_unpermute(Tensor& y, const Tensor& rows, const Tensor& token_rows, bool
 }
 
 void moe_unpermute_probs(Tensor& out, const Tensor& values, const Tensor& token_rows, const Context& ctx) {
-  const cpu::Checker ck("moe_unpermute_probs", ctx, {{"out", &out}, {"values", &values}, {"token_rows", &token_rows}});
+  const cpu::Checker ck("moe_unpermute_probs", ctx, {{"out", &out}, {"values", &values}, {"token_rows", &token_rows}},
+                        cpu::Backends::cpu_and_cuda);
   ck.dtype("out", DType::f32);
   ck.rank("out", 2);
   if (out.numel() > 0 && out.stride(1) != 1) ck.fail("out needs a unit last stride");
@@ -211,6 +221,8 @@ void moe_unpermute_probs(Tensor& out, const Tensor& values, const Tensor& token_
   ck.dtype("token_rows", DType::i32);
   ck.shape("token_rows", out.shape());
   ck.contiguous("token_rows");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::moe_unpermute_probs(out, values, token_rows, ctx);
   const int64_t T = out.size(0), E = out.size(1), M = values.numel(), ld = out.stride(0);
   const int32_t* tr = token_rows.data<int32_t>();
   const float* v = values.data<float>();
@@ -225,7 +237,8 @@ void moe_unpermute_probs(Tensor& out, const Tensor& values, const Tensor& token_
 
 void moe_sort_chunks(Tensor& out, const Tensor& in, const Tensor& chunk_counts, int64_t P, int64_t El, bool inverse,
                      const Context& ctx) {
-  const cpu::Checker ck("moe_sort_chunks", ctx, {{"out", &out}, {"in", &in}, {"chunk_counts", &chunk_counts}});
+  const cpu::Checker ck("moe_sort_chunks", ctx, {{"out", &out}, {"in", &in}, {"chunk_counts", &chunk_counts}},
+                        cpu::Backends::cpu_and_cuda);
   if (P < 1 || El < 1) ck.fail("need P >= 1 and El >= 1, got P ", P, ", El ", El);
   ck.same_dtype("out", "in");
   ck.contiguous("out");
@@ -234,6 +247,8 @@ void moe_sort_chunks(Tensor& out, const Tensor& in, const Tensor& chunk_counts, 
   if (out.dim() < 1 || in.dim() != out.dim()) ck.fail("out and in need the same rank >= 1");
   const int64_t row_elems = out.dim() == 1 ? 1 : out.stride(0);
   if ((in.dim() == 1 ? 1 : in.stride(0)) != row_elems) ck.fail("out and in rows differ in width");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::moe_sort_chunks(out, in, chunk_counts, P, El, inverse, ctx);
   const int64_t* n = chunk_counts.data<int64_t>();
   int64_t total = 0;
   for (int64_t i = 0; i < P * El; ++i) {
@@ -268,12 +283,15 @@ void moe_sort_chunks(Tensor& out, const Tensor& in, const Tensor& chunk_counts, 
 
 void moe_chunk_counts(Tensor& counts, Tensor& offsets, const Tensor& chunk_counts, int64_t P, const Context& ctx) {
   const cpu::Checker ck("moe_chunk_counts", ctx,
-                        {{"counts", &counts}, {"offsets", &offsets}, {"chunk_counts", &chunk_counts}});
+                        {{"counts", &counts}, {"offsets", &offsets}, {"chunk_counts", &chunk_counts}},
+                        cpu::Backends::cpu_and_cuda);
   const int64_t El = counts.numel();
   if (P < 1 || El < 1) ck.fail("need P >= 1 and El >= 1");
   check_vector(ck, "counts", DType::i64, El);
   check_vector(ck, "offsets", DType::i64, El + 1);
   check_vector(ck, "chunk_counts", DType::i64, P * El);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::moe_chunk_counts(counts, offsets, chunk_counts, P, ctx);
   const int64_t* c = chunk_counts.data<int64_t>();
   int64_t* n = counts.data<int64_t>();
   int64_t* off = offsets.data<int64_t>();
@@ -286,7 +304,8 @@ void moe_chunk_counts(Tensor& counts, Tensor& offsets, const Tensor& chunk_count
 }
 
 void moe_scale_rows(Tensor& a, const Tensor& act, const Tensor& p, const Tensor& group_rows, const Context& ctx) {
-  const cpu::Checker ck("moe_scale_rows", ctx, {{"a", &a}, {"act", &act}, {"p", &p}, {"group_rows", &group_rows}});
+  const cpu::Checker ck("moe_scale_rows", ctx, {{"a", &a}, {"act", &act}, {"p", &p}, {"group_rows", &group_rows}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("a", 2);
   ck.float_dtype("a");
   ck.same_dtype("act", "a");
@@ -295,6 +314,9 @@ void moe_scale_rows(Tensor& a, const Tensor& act, const Tensor& p, const Tensor&
   ck.contiguous("act");
   const int64_t M = a.size(0), F = a.size(1);
   check_vector(ck, "p", DType::f32, M);
+  cpu::check_group_rows(ck, group_rows.numel());
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::moe_scale_rows(a, act, p, group_rows, ctx);
   const int64_t R = covered_rows(ck, M);
   const float* pp = p.data<float>();
   // a is computed from the stored (rounded) act, so that backward's recompute of a for the fc2 weight
@@ -315,7 +337,8 @@ void moe_scale_rows(Tensor& a, const Tensor& act, const Tensor& p, const Tensor&
 void moe_scale_rows_backward(Tensor& dp, Tensor& da, Tensor& a, const Tensor& act, const Tensor& p,
                              const Tensor& group_rows, bool accumulate, const Context& ctx) {
   const cpu::Checker ck("moe_scale_rows_backward", ctx,
-                        {{"dp", &dp}, {"da", &da}, {"a", &a}, {"act", &act}, {"p", &p}, {"group_rows", &group_rows}});
+                        {{"dp", &dp}, {"da", &da}, {"a", &a}, {"act", &act}, {"p", &p}, {"group_rows", &group_rows}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("a", 2);
   ck.float_dtype("a");
   for (const char* name : {"da", "act"}) {
@@ -327,6 +350,10 @@ void moe_scale_rows_backward(Tensor& dp, Tensor& da, Tensor& a, const Tensor& ac
   const int64_t M = a.size(0), F = a.size(1);
   check_vector(ck, "p", DType::f32, M);
   check_vector(ck, "dp", DType::f32, M);
+  cpu::check_group_rows(ck, group_rows.numel());
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda)
+      return cuda::moe_scale_rows_backward(dp, da, a, act, p, group_rows, accumulate, ctx);
   const int64_t R = covered_rows(ck, M);
   const float* pp = p.data<float>();
   float* dpp = dp.data<float>();
@@ -356,7 +383,8 @@ void moe_scale_rows_backward(Tensor& dp, Tensor& da, Tensor& a, const Tensor& ac
 
 void moe_shared_gate_forward(Tensor& y, Tensor& s, const Tensor& x, const Tensor& g, const Tensor& out,
                              const Context& ctx) {
-  const cpu::Checker ck("moe_shared_gate_forward", ctx, {{"y", &y}, {"s", &s}, {"x", &x}, {"g", &g}, {"out", &out}});
+  const cpu::Checker ck("moe_shared_gate_forward", ctx, {{"y", &y}, {"s", &s}, {"x", &x}, {"g", &g}, {"out", &out}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("x", 2);
   ck.float_dtype("x");
   ck.contiguous("x");
@@ -368,6 +396,8 @@ void moe_shared_gate_forward(Tensor& y, Tensor& s, const Tensor& x, const Tensor
   }
   check_vector(ck, "s", DType::f32, N);
   check_vector(ck, "g", DType::f32, H);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::moe_shared_gate_forward(y, s, x, g, out, ctx);
   float* yp = y.data<float>();
   float* sp = s.data<float>();
   const float* gp = g.data<float>();
@@ -395,7 +425,8 @@ void moe_shared_gate_backward(Tensor& dout, Tensor& dx, Tensor& dg, const Tensor
                               const Tensor& out, const Tensor& s, const Context& ctx) {
   const cpu::Checker ck(
       "moe_shared_gate_backward", ctx,
-      {{"dout", &dout}, {"dx", &dx}, {"dg", &dg}, {"dy", &dy}, {"x", &x}, {"g", &g}, {"out", &out}, {"s", &s}});
+      {{"dout", &dout}, {"dx", &dx}, {"dg", &dg}, {"dy", &dy}, {"x", &x}, {"g", &g}, {"out", &out}, {"s", &s}},
+      cpu::Backends::cpu_and_cuda);
   ck.rank("x", 2);
   ck.float_dtype("x");
   ck.contiguous("x");
@@ -411,6 +442,8 @@ void moe_shared_gate_backward(Tensor& dout, Tensor& dx, Tensor& dg, const Tensor
   check_vector(ck, "s", DType::f32, N);
   check_vector(ck, "g", DType::f32, H);
   check_vector(ck, "dg", DType::f32, H);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::moe_shared_gate_backward(dout, dx, dg, dy, x, g, out, s, ctx);
   float* dz = cpu::scratch<float, 10>(static_cast<size_t>(N));
   const float* dyp = dy.data<float>();
   const float* op = out.data<float>();

@@ -1,6 +1,7 @@
 // CPU router gating (ops_router.h): input jitter and its backward multiply, forced-balancing logits, the fp64
 // gating linear with its backward and bias gradient, and the expert-bias update. Every output element is
-// summed in double in an order fixed by the shapes, so results do not depend on the thread count.
+// summed in double in an order fixed by the shapes, so results do not depend on the thread count. On a cuda context
+// every op dispatches to kernels/cuda/router.cu after its checks.
 // Not here: the fp32 gating linear (ops::gemm), routing (router_topk.cpp) or losses (router_losses.cpp).
 #include "moecore/kernels/cpu/router_util.h"
 
@@ -99,7 +100,7 @@ void check_x(const cpu::Checker& ck, const char* name, int64_t rows, int64_t H) 
 
 void router_jitter_forward(Tensor& xj, Tensor& u, const Tensor& x, float eps, PhiloxKey key, uint64_t first,
                            const Context& ctx) {
-  const cpu::Checker ck("router_jitter_forward", ctx, {{"xj", &xj}, {"u", &u}, {"x", &x}});
+  const cpu::Checker ck("router_jitter_forward", ctx, {{"xj", &xj}, {"u", &u}, {"x", &x}}, cpu::Backends::cpu_and_cuda);
   ck.rank("x", 2);
   const int64_t T = x.size(0), H = x.size(1);
   check_x(ck, "x", T, H);
@@ -107,6 +108,8 @@ void router_jitter_forward(Tensor& xj, Tensor& u, const Tensor& x, float eps, Ph
   ck.same_dtype("xj", "x");
   cpu::router::check_arg(ck, "u", Shape{T, H}, DType::f32);
   if (!(eps >= 0.0f && eps < 1.0f)) ck.fail("eps (--moe-input-jitter-eps) must lie in [0, 1), got ", eps);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::router_jitter_forward(xj, u, x, eps, key, first, ctx);
   cpu::with_float_type(x.dtype(), [&](auto tag) {
     using X = decltype(tag);
     jitter_kernel(xj.data<X>(), u.data<float>(), x.data<X>(), T * H, key, first, eps);
@@ -114,10 +117,13 @@ void router_jitter_forward(Tensor& xj, Tensor& u, const Tensor& x, float eps, Ph
 }
 
 void router_jitter_backward(Tensor& dx, const Tensor& g, const Tensor& u, const Context& ctx) {
-  const cpu::Checker ck("router_jitter_backward", ctx, {{"dx", &dx}, {"g", &g}, {"u", &u}});
+  const cpu::Checker ck("router_jitter_backward", ctx, {{"dx", &dx}, {"g", &g}, {"u", &u}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("dx", 2);
   const Shape s = dx.shape();
   for (const char* name : {"dx", "g", "u"}) cpu::router::check_arg(ck, name, s, DType::f32);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::router_jitter_backward(dx, g, u, ctx);
   const int64_t n = dx.numel();
   float* dxp = dx.data<float>();
   const float* gp = g.data<float>();
@@ -127,9 +133,11 @@ void router_jitter_backward(Tensor& dx, const Tensor& g, const Tensor& u, const 
 }
 
 void router_normal_logits(Tensor& logits, PhiloxKey key, uint64_t first, const Context& ctx) {
-  const cpu::Checker ck("router_normal_logits", ctx, {{"logits", &logits}});
+  const cpu::Checker ck("router_normal_logits", ctx, {{"logits", &logits}}, cpu::Backends::cpu_and_cuda);
   ck.rank("logits", 2);
   const DType rt = cpu::router::router_dtype(ck, "logits", logits.size(0), logits.size(1));
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::router_normal_logits(logits, key, first, ctx);
   const int64_t n = logits.numel();
   cpu::router::with_router_type(rt, [&](auto tag) {
     using R = decltype(tag);
@@ -140,7 +148,8 @@ void router_normal_logits(Tensor& logits, PhiloxKey key, uint64_t first, const C
 }
 
 void router_gating_f64(Tensor& logits, const Tensor& x, const Tensor& w, const Tensor& bias, const Context& ctx) {
-  const cpu::Checker ck("router_gating_f64", ctx, {{"logits", &logits}, {"x", &x}, {"w", &w}});
+  const cpu::Checker ck("router_gating_f64", ctx, {{"logits", &logits}, {"x", &x}, {"w", &w}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("w", 2);
   ck.rank("x", 2);
   const int64_t T = x.size(0), H = x.size(1), E = w.size(0);
@@ -148,6 +157,8 @@ void router_gating_f64(Tensor& logits, const Tensor& x, const Tensor& w, const T
   cpu::router::check_arg(ck, "w", Shape{E, H}, DType::f32);
   cpu::router::check_arg(ck, "logits", Shape{T, E}, DType::f64);
   cpu::router::check_optional(ck, ctx, "bias", bias, Shape{E}, DType::f32);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::router_gating_f64(logits, x, w, bias, ctx);
   cpu::with_float_type(x.dtype(), [&](auto tag) {
     using X = decltype(tag);
     gating_kernel(logits.data<double>(), x.data<X>(), w.data<float>(), bias.defined() ? bias.data<float>() : nullptr, T,
@@ -158,7 +169,8 @@ void router_gating_f64(Tensor& logits, const Tensor& x, const Tensor& w, const T
 void router_gating_f64_backward(Tensor& dx, Tensor& dw, const Tensor& dlogits, const Tensor& x, const Tensor& w,
                                 const Tensor& u, const Context& ctx) {
   const cpu::Checker ck("router_gating_f64_backward", ctx,
-                        {{"dx", &dx}, {"dw", &dw}, {"dlogits", &dlogits}, {"x", &x}, {"w", &w}});
+                        {{"dx", &dx}, {"dw", &dw}, {"dlogits", &dlogits}, {"x", &x}, {"w", &w}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("w", 2);
   ck.rank("x", 2);
   const int64_t T = x.size(0), H = x.size(1), E = w.size(0);
@@ -168,6 +180,8 @@ void router_gating_f64_backward(Tensor& dx, Tensor& dw, const Tensor& dlogits, c
   cpu::router::check_arg(ck, "dx", Shape{T, H}, DType::f32);
   cpu::router::check_arg(ck, "dlogits", Shape{T, E}, DType::f64);
   cpu::router::check_optional(ck, ctx, "u", u, Shape{T, H}, DType::f32);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::router_gating_f64_backward(dx, dw, dlogits, x, w, u, ctx);
   cpu::with_float_type(x.dtype(), [&](auto tag) {
     using X = decltype(tag);
     gating_backward_kernel(dx.data<float>(), dw.data<float>(), dlogits.data<double>(), x.data<X>(), w.data<float>(),
@@ -176,11 +190,14 @@ void router_gating_f64_backward(Tensor& dx, Tensor& dw, const Tensor& dlogits, c
 }
 
 void router_gating_f64_bias_grad(Tensor& dbias, const Tensor& dlogits, const Context& ctx) {
-  const cpu::Checker ck("router_gating_f64_bias_grad", ctx, {{"dbias", &dbias}, {"dlogits", &dlogits}});
+  const cpu::Checker ck("router_gating_f64_bias_grad", ctx, {{"dbias", &dbias}, {"dlogits", &dlogits}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("dlogits", 2);
   const int64_t T = dlogits.size(0), E = dlogits.size(1);
   cpu::router::check_arg(ck, "dlogits", Shape{T, E}, DType::f64);
   cpu::router::check_arg(ck, "dbias", Shape{E}, DType::f32);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::router_gating_f64_bias_grad(dbias, dlogits, ctx);
   const double* dl = dlogits.data<double>();
   float* db = dbias.data<float>();
   double* acc = scratch<double, 34>(static_cast<size_t>(E));
@@ -191,11 +208,14 @@ void router_gating_f64_bias_grad(Tensor& dbias, const Tensor& dlogits, const Con
 }
 
 void router_expert_bias_update(Tensor& expert_bias, const Tensor& counts, float rate, const Context& ctx) {
-  const cpu::Checker ck("router_expert_bias_update", ctx, {{"expert_bias", &expert_bias}, {"counts", &counts}});
+  const cpu::Checker ck("router_expert_bias_update", ctx, {{"expert_bias", &expert_bias}, {"counts", &counts}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("counts", 1);
   const int64_t E = counts.size(0);
   cpu::router::check_arg(ck, "counts", Shape{E}, DType::i64);
   cpu::router::check_arg(ck, "expert_bias", Shape{E}, DType::f32);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::router_expert_bias_update(expert_bias, counts, rate, ctx);
   const int64_t* c = counts.data<int64_t>();
   float* bias = expert_bias.data<float>();
   int64_t total = 0;

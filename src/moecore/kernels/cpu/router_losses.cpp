@@ -1,7 +1,8 @@
 // CPU router losses (ops_router.h, spec §3): aux_loss, seq_aux_loss and global_aux_loss on their own
 // recomputed scores and top-k map (§3.1: no bias, groups, capacity or scaling), the z-loss (§3.5), and the exact
 // gradient of their weighted sum with respect to the logits. Sums over tokens run in token order (in double),
-// so values never depend on the thread count.
+// so values never depend on the thread count. On a cuda context every op dispatches to kernels/cuda/router_losses.cu
+// after its checks.
 // Not here: the all-reduce of global_aux_loss's counts (moe/router_losses.cpp calls it between the ops),
 // calculate_per_token_loss or MTP scaling (moecore does neither).
 #include "moecore/kernels/cpu/router_util.h"
@@ -175,13 +176,18 @@ void check_losses(const cpu::Checker& ck) {
 void router_aux_scores(Tensor& aux_scores, Tensor& aux_map, Tensor& counts, const Tensor& logits, const Tensor& padding,
                        ScoreFunction score_function, int64_t K, const Context& ctx) {
   const cpu::Checker ck("router_aux_scores", ctx,
-                        {{"aux_scores", &aux_scores}, {"aux_map", &aux_map}, {"logits", &logits}});
+                        {{"aux_scores", &aux_scores}, {"aux_map", &aux_map}, {"logits", &logits}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("logits", 2);
   const int64_t T = logits.size(0), E = logits.size(1);
   const DType rt = cpu::router::router_dtype(ck, "logits", T, E);
   for (const char* name : {"aux_scores", "aux_map"}) cpu::router::check_arg(ck, name, Shape{T, E}, rt);
   cpu::router::check_optional(ck, ctx, "counts", counts, Shape{E + 1}, DType::i64);
   if (K < 1 || K > E) ck.fail("top-k K = ", K, " must lie in [1, E = ", E, "]");
+  cpu::router::check_optional(ck, ctx, "padding", padding, Shape{T}, DType::boolean);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda)
+      return cuda::router_aux_scores(aux_scores, aux_map, counts, logits, padding, score_function, K, ctx);
   const bool* pad = cpu::router::padding_of(ck, ctx, padding, T);
   cpu::router::with_router_type(rt, [&](auto tag) {
     using R = decltype(tag);
@@ -201,7 +207,8 @@ void router_aux_losses(Tensor& dlogits_loss, Tensor& losses, Tensor& global_toke
                        const Context& ctx) {
   const cpu::Checker ck(
       "router_aux_losses", ctx,
-      {{"dlogits_loss", &dlogits_loss}, {"losses", &losses}, {"aux_map", &aux_map}, {"logits", &logits}});
+      {{"dlogits_loss", &dlogits_loss}, {"losses", &losses}, {"aux_map", &aux_map}, {"logits", &logits}},
+      cpu::Backends::cpu_and_cuda);
   ck.rank("logits", 2);
   const int64_t T = logits.size(0), E = logits.size(1);
   const DType rt = cpu::router::router_dtype(ck, "logits", T, E);
@@ -218,6 +225,10 @@ void router_aux_losses(Tensor& dlogits_loss, Tensor& losses, Tensor& global_toke
             p.global_steps, ")");
   cpu::router::check_optional(ck, ctx, "counts", counts, Shape{E + 1}, DType::i64);
   cpu::router::check_optional(ck, ctx, "global_tokens", global_tokens, Shape{E}, DType::i64);
+  cpu::router::check_optional(ck, ctx, "padding", padding, Shape{T}, DType::boolean);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda)
+      return cuda::router_aux_losses(dlogits_loss, losses, global_tokens, aux_map, logits, counts, padding, p, ctx);
   const bool* pad = cpu::router::padding_of(ck, ctx, padding, T);
   cpu::router::with_router_type(rt, [&](auto tag) {
     using R = decltype(tag);
@@ -229,13 +240,17 @@ void router_aux_losses(Tensor& dlogits_loss, Tensor& losses, Tensor& global_toke
 void router_z_loss(Tensor& dlogits_loss, Tensor& losses, const Tensor& logits, const Tensor& padding, double coeff,
                    const Context& ctx) {
   const cpu::Checker ck("router_z_loss", ctx,
-                        {{"dlogits_loss", &dlogits_loss}, {"losses", &losses}, {"logits", &logits}});
+                        {{"dlogits_loss", &dlogits_loss}, {"losses", &losses}, {"logits", &logits}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("logits", 2);
   const int64_t T = logits.size(0), E = logits.size(1);
   const DType rt = cpu::router::router_dtype(ck, "logits", T, E);
   cpu::router::check_arg(ck, "dlogits_loss", Shape{T, E}, rt);
   check_losses(ck);
   if (coeff < 0) ck.fail("coeff (--moe-z-loss-coeff) = ", coeff, " is negative");
+  cpu::router::check_optional(ck, ctx, "padding", padding, Shape{T}, DType::boolean);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::router_z_loss(dlogits_loss, losses, logits, padding, coeff, ctx);
   const bool* pad = cpu::router::padding_of(ck, ctx, padding, T);
   cpu::router::with_router_type(rt, [&](auto tag) {
     using R = decltype(tag);
@@ -244,8 +259,10 @@ void router_z_loss(Tensor& dlogits_loss, Tensor& losses, const Tensor& logits, c
 }
 
 void router_loss_weighted(Tensor& losses, const RouterLossCoeffs& c, const Context& ctx) {
-  const cpu::Checker ck("router_loss_weighted", ctx, {{"losses", &losses}});
+  const cpu::Checker ck("router_loss_weighted", ctx, {{"losses", &losses}}, cpu::Backends::cpu_and_cuda);
   check_losses(ck);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::router_loss_weighted(losses, c, ctx);
   double* l = losses.data<double>();
   l[router_loss::weighted] = c.aux * l[router_loss::aux] + c.seq_aux * l[router_loss::seq_aux] +
                              c.global_aux * l[router_loss::global_aux] + c.z * l[router_loss::z];

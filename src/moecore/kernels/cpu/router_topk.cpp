@@ -1,7 +1,8 @@
 // CPU routing kernels (ops_router.h, spec §2.5-§2.7, §4.2, §4.4): score functions, (group-limited) top-k
 // with expert bias, sinkhorn, capacity dropping, routing-map padding and counts, and the Jacobian of the
 // routing weights. Every token row is independent, so rows run in parallel; column passes (capacity, padding,
-// counts) run over experts with tokens in order. Results never depend on the thread count.
+// counts) run over experts with tokens in order. Results never depend on the thread count. On a cuda context every op
+// dispatches to kernels/cuda/router.cu after its checks.
 // Not here: the gating linear and jitter (router_gating.cpp) or any loss (router_losses.cpp).
 #include <numeric>
 
@@ -255,7 +256,8 @@ void router_route(Tensor& scores, Tensor& topk_idx, Tensor& topk_w, Tensor& spar
                          {"topk_w", &topk_w},
                          {"sparse", &sparse},
                          {"map", &map},
-                         {"logits", &logits}});
+                         {"logits", &logits}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("logits", 2);
   ck.rank("topk_idx", 2);
   const int64_t T = logits.size(0), E = logits.size(1), K = topk_idx.size(1);
@@ -266,6 +268,9 @@ void router_route(Tensor& scores, Tensor& topk_idx, Tensor& topk_w, Tensor& spar
   cpu::router::check_arg(ck, "topk_w", Shape{T, K}, rt);
   cpu::router::check_optional(ck, ctx, "expert_bias", expert_bias, Shape{E}, DType::f32);
   check_routing(ck, p, E, K);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda)
+      return cuda::router_route(scores, topk_idx, topk_w, sparse, map, logits, expert_bias, p, ctx);
   const float* bias = expert_bias.defined() ? expert_bias.data<float>() : nullptr;
   cpu::router::with_router_type(rt, [&](auto tag) {
     using R = decltype(tag);
@@ -282,7 +287,8 @@ void router_capacity(Tensor& probs, Tensor& map, Tensor& topk_kept, Tensor& drop
                          {"topk_kept", &topk_kept},
                          {"dropped", &dropped},
                          {"sparse", &sparse},
-                         {"topk_idx", &topk_idx}});
+                         {"topk_idx", &topk_idx}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("sparse", 2);
   ck.rank("topk_idx", 2);
   const int64_t T = sparse.size(0), E = sparse.size(1), K = topk_idx.size(1);
@@ -293,6 +299,9 @@ void router_capacity(Tensor& probs, Tensor& map, Tensor& topk_kept, Tensor& drop
   cpu::router::check_arg(ck, "topk_kept", Shape{T, K}, DType::boolean);
   cpu::router::check_arg(ck, "dropped", Shape{1}, DType::i64);
   if (p.capacity < 0) ck.fail("capacity = ", p.capacity, " is negative (0: dropless)");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda)
+      return cuda::router_capacity(probs, map, topk_kept, dropped, sparse, topk_idx, p, ctx);
   cpu::router::with_router_type(rt, [&](auto tag) {
     using R = decltype(tag);
     dropped.data<int64_t>()[0] = capacity_kernel(probs.data<float>(), map.data<bool>(), topk_kept.data<bool>(),
@@ -301,11 +310,13 @@ void router_capacity(Tensor& probs, Tensor& map, Tensor& topk_kept, Tensor& drop
 }
 
 void router_pad_map(Tensor& map, int64_t alignment, const Context& ctx) {
-  const cpu::Checker ck("router_pad_map", ctx, {{"map", &map}});
+  const cpu::Checker ck("router_pad_map", ctx, {{"map", &map}}, cpu::Backends::cpu_and_cuda);
   ck.rank("map", 2);
   const int64_t T = map.size(0), E = map.size(1);
   cpu::router::check_arg(ck, "map", Shape{T, E}, DType::boolean);
   if (alignment <= 0) ck.fail("alignment = ", alignment, " must be positive");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::router_pad_map(map, alignment, ctx);
   const int64_t A = alignment;
   bool* mp = map.data<bool>();
 #pragma omp parallel for schedule(static) if (T * E > kParallelWork)
@@ -319,11 +330,14 @@ void router_pad_map(Tensor& map, int64_t alignment, const Context& ctx) {
 }
 
 void router_map_counts(Tensor& counts, const Tensor& map, const Tensor& padding, bool accumulate, const Context& ctx) {
-  const cpu::Checker ck("router_map_counts", ctx, {{"counts", &counts}, {"map", &map}});
+  const cpu::Checker ck("router_map_counts", ctx, {{"counts", &counts}, {"map", &map}}, cpu::Backends::cpu_and_cuda);
   ck.rank("map", 2);
   const int64_t T = map.size(0), E = map.size(1);
   cpu::router::check_arg(ck, "map", Shape{T, E}, DType::boolean);
   cpu::router::check_arg(ck, "counts", Shape{E}, DType::i64);
+  cpu::router::check_optional(ck, ctx, "padding", padding, Shape{T}, DType::boolean);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::router_map_counts(counts, map, padding, accumulate, ctx);
   const bool* pad = cpu::router::padding_of(ck, ctx, padding, T);
   const bool* mp = map.data<bool>();
   int64_t* out = counts.data<int64_t>();
@@ -346,7 +360,8 @@ void router_route_backward(Tensor& dlogits, const Tensor& dprobs, const Tensor& 
                          {"topk_idx", &topk_idx},
                          {"topk_w", &topk_w},
                          {"topk_kept", &topk_kept},
-                         {"dlogits_loss", &dlogits_loss}});
+                         {"dlogits_loss", &dlogits_loss}},
+                        cpu::Backends::cpu_and_cuda);
   ck.rank("logits", 2);
   ck.rank("topk_idx", 2);
   const int64_t T = logits.size(0), E = logits.size(1), K = topk_idx.size(1);
@@ -357,6 +372,10 @@ void router_route_backward(Tensor& dlogits, const Tensor& dprobs, const Tensor& 
   cpu::router::check_arg(ck, "topk_w", Shape{T, K}, rt);
   cpu::router::check_arg(ck, "topk_kept", Shape{T, K}, DType::boolean);
   check_routing(ck, p, E, K);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda)
+      return cuda::router_route_backward(dlogits, dprobs, logits, scores, topk_idx, topk_w, topk_kept, dlogits_loss, p,
+                                         loss_scale, ctx);
   cpu::router::with_router_type(rt, [&](auto tag) {
     using R = decltype(tag);
     route_backward_kernel(dlogits.data<R>(), dprobs.data<float>(), logits.data<R>(), scores.data<R>(),

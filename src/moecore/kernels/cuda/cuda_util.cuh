@@ -160,12 +160,14 @@ struct Max {
 };
 
 // ---- Philox-4x32-10 (core/rng.cpp), for dropout masks ---------------------------------------------
-// Word `index % 4` of counter block index / 4 with counter {block, block >> 32, 1, 0}: philox_uniform's word.
+// Word `index % 4` of counter block index / 4 with counter {block, block >> 32, 1, 0}: philox_uniform's word
+// (counter2 = 0: the words of philox_normal's Box-Muller pairs).
 struct PhiloxWords {
   uint32_t w[4];
 };
-__device__ __forceinline__ PhiloxWords philox_block(uint32_t key0, uint32_t key1, uint64_t block) {
-  uint32_t c0 = static_cast<uint32_t>(block), c1 = static_cast<uint32_t>(block >> 32), c2 = 1, c3 = 0;
+__device__ __forceinline__ PhiloxWords philox_block(uint32_t key0, uint32_t key1, uint64_t block,
+                                                    uint32_t counter2 = 1) {
+  uint32_t c0 = static_cast<uint32_t>(block), c1 = static_cast<uint32_t>(block >> 32), c2 = counter2, c3 = 0;
 #pragma unroll
   for (int round = 0; round < 10; ++round) {
     const uint32_t lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);
@@ -196,6 +198,32 @@ DeviceMask device_mask(const Dropout& d);  // host side: the threshold of p, as 
 // Dropped elements are +0 whatever v holds (the CPU's select).
 __device__ __forceinline__ float apply_factor(float v, float f) {
   return f != 0.0f ? v * f : 0.0f;
+}
+
+// philox_uniform(key, index) of core/rng.cpp bit for bit: the word's (w + 0.5) 2^-32 rounded to f32 once, clamped
+// below 1.
+__device__ __forceinline__ float philox_uniform_dev(uint32_t key0, uint32_t key1, uint64_t index) {
+  const uint32_t w = philox_block(key0, key1, index / 4).w[index % 4];
+  return fminf(__double2float_rn((static_cast<double>(w) + 0.5) * 0x1p-32), 0x1.fffffep-1f);
+}
+
+// ---- block-wide integer scans (blockDim.x a multiple of 32) ---------------------------------------------------
+// The number of threads before this one (in thread order) whose flag is set, and in *total the block's count. Every
+// thread of the block must call it; `shared` holds 32 ints and may be reused after the call.
+__device__ __forceinline__ int block_exclusive_count(bool flag, int* shared, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  if (lane == 0) shared[warp] = __popc(ballot);
+  __syncthreads();
+  int before = 0, all = 0;
+  for (int w = 0; w < warps; ++w) {
+    const int c = shared[w];
+    before += w < warp ? c : 0;
+    all += c;
+  }
+  __syncthreads();
+  *total = all;
+  return before + __popc(ballot & ((1u << lane) - 1u));
 }
 
 }  // namespace moecore::ops::cuda

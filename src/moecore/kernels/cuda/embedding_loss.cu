@@ -1,7 +1,7 @@
-// CUDA token embedding and the losses of embedding_loss.cpp: the fused softmax cross-entropy, the three
-// vocabulary-parallel steps and the on-device loss totals. The host never reads ids or labels, so an id outside
-// [0, V) gives a NaN output row (forward) or is skipped (backward), and a label >= V a NaN loss and gradient row,
-// where the CPU raises (ops_cuda.h).
+// CUDA token embedding (whole and vocabulary-parallel, embedding_loss.cpp and embedding_shard.cpp) and the losses of
+// embedding_loss.cpp: the fused softmax cross-entropy, the three vocabulary-parallel steps and the on-device loss
+// totals. The host never reads ids or labels, so an id outside [0, V) gives a NaN output row (forward) or is skipped
+// (backward), and a label >= V a NaN loss and gradient row, where the CPU raises (ops_cuda.h).
 // Deterministic without float atomics: embedding_backward sorts (id, token) pairs with CUB's stable radix sort and
 // lets one thread per (id, column) add the id's token rows in token order onto dtable, the CPU's order, so the bits
 // match the CPU's; loss_totals adds the losses one by one on one thread (the CPU's running double sum, so chunking
@@ -25,6 +25,25 @@ __global__ void embedding_forward_kernel(TO* out, const int32_t* ids, const floa
 
 __global__ void iota_kernel(int32_t* v, int64_t n) {
   MOECORE_GRID_STRIDE(i, n) v[i] = static_cast<int32_t>(i);
+}
+
+// The vocabulary-parallel lookup: the shard's row of an id in [vocab_start, vocab_start + Vl), zeros for the other
+// valid ids, NaN for ids outside [0, vocab_size).
+__global__ void embedding_forward_shard_kernel(float* out, const int32_t* ids, const float* table, int64_t N,
+                                               int64_t Vl, int64_t H, int64_t vocab_start, int64_t vocab_size) {
+  MOECORE_GRID_STRIDE(i, N * H) {
+    const int64_t n = i / H, h = i % H, id = ids[n], row = id - vocab_start;
+    const bool valid = id >= 0 && id < vocab_size;
+    out[i] = !valid ? __int_as_float(0x7fc00000) : (row >= 0 && row < Vl ? table[row * H + h] : 0.0f);
+  }
+}
+
+// Shard rows of the ids, -1 (skipped by the backward) for ids of other shards.
+__global__ void shard_rows_kernel(int32_t* rows, const int32_t* ids, int64_t N, int64_t Vl, int64_t vocab_start) {
+  MOECORE_GRID_STRIDE(n, N) {
+    const int64_t row = static_cast<int64_t>(ids[n]) - vocab_start;
+    rows[n] = row >= 0 && row < Vl ? static_cast<int32_t>(row) : -1;
+  }
 }
 
 // One CTA per sorted position i and column block: the first position of each id walks that id's run (its tokens in
@@ -178,11 +197,15 @@ void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table, cons
   l.launched("embedding_forward_kernel");
 }
 
-void embedding_backward(Tensor& dtable, const Tensor& ids, const Tensor& dout, const Context& ctx) {
-  const Launch l("embedding_backward", ctx, {{"dtable", &dtable}, {"ids", &ids}, {"dout", &dout}});
+namespace {
+// dtable[ids[n], :] += dout[n, :] for ids in [0, V), in token order per element: a stable radix sort of (id, token)
+// pairs, then one thread per (id, column) walks the id's run. With `shard` the ids are first mapped to the rows of the
+// shard starting at vocab_start (other shards' ids skipped).
+void scatter_add_rows(const Launch& l, Tensor& dtable, const Tensor& ids, const Tensor& dout, bool shard,
+                      int64_t vocab_start) {
   const int64_t N = ids.size(0), V = dtable.size(0), H = dtable.size(1);
   if (N == 0 || H == 0) return;
-  MOECORE_CHECK(N <= 0x7fffffff && (H + 127) / 128 <= 65535, "embedding_backward (cuda): N = ", N, ", H = ", H,
+  MOECORE_CHECK(N <= 0x7fffffff && (H + 127) / 128 <= 65535, l.op(), " (cuda): N = ", N, ", H = ", H,
                 " exceed the grid");
   size_t sort_bytes = 0;
   l.check(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const int32_t*>(nullptr),
@@ -190,23 +213,52 @@ void embedding_backward(Tensor& dtable, const Tensor& ids, const Tensor& dout, c
                                           static_cast<int32_t*>(nullptr), N, 0, 32, l.stream()),
           "cub::DeviceRadixSort::SortPairs (size query)");
   WorkspaceCarver w;
-  w.reserve<int32_t>(3 * N);
+  w.reserve<int32_t>((shard ? 4 : 3) * N);
   w.reserve_bytes(sort_bytes);
   w.allocate(l);
   int32_t* tokens = w.take<int32_t>(N);
   int32_t* sorted_ids = w.take<int32_t>(N);
   int32_t* sorted_tokens = w.take<int32_t>(N);
+  int32_t* keys = shard ? w.take<int32_t>(N) : nullptr;
   void* sort_tmp = w.take_bytes(sort_bytes);
   iota_kernel<<<grid_for(N), kThreads, 0, l.stream()>>>(tokens, N);
   l.launched("iota_kernel");
-  // All 32 key bits: negative (invalid) ids must sort somewhere defined too.
-  l.check(cub::DeviceRadixSort::SortPairs(sort_tmp, sort_bytes, Launch::ptr<const int32_t>(ids), sorted_ids, tokens,
-                                          sorted_tokens, N, 0, 32, l.stream()),
+  if (shard) {
+    shard_rows_kernel<<<grid_for(N), kThreads, 0, l.stream()>>>(keys, Launch::ptr<const int32_t>(ids), N, V,
+                                                                vocab_start);
+    l.launched("shard_rows_kernel");
+  }
+  // All 32 key bits: negative (invalid or other shards') ids must sort somewhere defined too.
+  l.check(cub::DeviceRadixSort::SortPairs(sort_tmp, sort_bytes, shard ? keys : Launch::ptr<const int32_t>(ids),
+                                          sorted_ids, tokens, sorted_tokens, N, 0, 32, l.stream()),
           "cub::DeviceRadixSort::SortPairs");
   const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>((H + 127) / 128));
   embedding_backward_kernel<<<grid, 128, 0, l.stream()>>>(Launch::ptr<float>(dtable), sorted_ids, sorted_tokens,
                                                           Launch::ptr<const float>(dout), N, V, H);
   l.launched("embedding_backward_kernel");
+}
+}  // namespace
+
+void embedding_backward(Tensor& dtable, const Tensor& ids, const Tensor& dout, const Context& ctx) {
+  const Launch l("embedding_backward", ctx, {{"dtable", &dtable}, {"ids", &ids}, {"dout", &dout}});
+  scatter_add_rows(l, dtable, ids, dout, false, 0);
+}
+
+void embedding_forward_shard(Tensor& out, const Tensor& ids, const Tensor& table, int64_t vocab_start,
+                             int64_t vocab_size, const Context& ctx) {
+  const Launch l("embedding_forward_shard", ctx, {{"out", &out}, {"ids", &ids}, {"table", &table}});
+  const int64_t N = ids.size(0), Vl = table.size(0), H = table.size(1);
+  if (N * H == 0) return;
+  embedding_forward_shard_kernel<<<grid_for(N * H), kThreads, 0, l.stream()>>>(
+      Launch::ptr<float>(out), Launch::ptr<const int32_t>(ids), Launch::ptr<const float>(table), N, Vl, H, vocab_start,
+      vocab_size);
+  l.launched("embedding_forward_shard_kernel");
+}
+
+void embedding_backward_shard(Tensor& dtable, const Tensor& ids, const Tensor& dout, int64_t vocab_start,
+                              const Context& ctx) {
+  const Launch l("embedding_backward_shard", ctx, {{"dtable", &dtable}, {"ids", &ids}, {"dout", &dout}});
+  scatter_add_rows(l, dtable, ids, dout, true, vocab_start);
 }
 
 void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, float grad_scale, bool compute_grad,

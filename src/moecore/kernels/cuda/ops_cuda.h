@@ -6,11 +6,17 @@
 // Device-side contracts that differ from the CPU kernels, because the host never reads device data:
 //   - counts (group_rows) are read on the device: a negative count counts as 0 and rows past R are ignored
 //     instead of raising;
-//   - embedding ids outside [0, V) give NaN rows (forward) or are skipped (backward), and labels >= V give a NaN
-//     loss (and NaN gradient row), instead of raising.
-// Not here: MoE permutation, router, attention (no CUDA kernel yet; those ops refuse cuda contexts).
+//   - embedding ids outside [0, V) (or outside [0, vocab_size) for the vocabulary-parallel lookup) give NaN rows
+//     (forward) or are skipped (backward), and labels >= V give a NaN loss (and NaN gradient row), instead of raising;
+//   - moe_plan cuts routed pairs beyond row_token's M rows off (the last experts' last tokens get token_rows -1 and
+//     counts / offsets count only the rows given, as if those pairs were dropped) instead of raising; moe_permute
+//     stops at offsets[E] rows, moe_unpermute(_probs) treats a token_rows entry >= M as unrouted, moe_sort_chunks
+//     counts a negative chunk count as 0 and moves no row past the smaller of out and in;
+//   - attention supports head dims D <= 256 (larger raise, naming the op).
+// Every op of ops.h and ops_router.h has a CUDA kernel here.
 #pragma once
 #include "moecore/kernels/ops.h"
+#include "moecore/kernels/ops_router.h"
 
 namespace moecore::ops::cuda {
 
@@ -80,5 +86,63 @@ void vocab_parallel_ce_merge(Tensor& lse, const Tensor& gathered, const Tensor& 
 void vocab_parallel_ce_finish(Tensor& loss, Tensor& logits, const Tensor& lse, const Tensor& labels,
                               int64_t vocab_start, float grad_scale, bool compute_grad, const Context& ctx);
 void loss_totals(Tensor& totals, const Tensor& loss, const Tensor& labels, const Context& ctx);
+void embedding_forward_shard(Tensor& out, const Tensor& ids, const Tensor& table, int64_t vocab_start,
+                             int64_t vocab_size, const Context& ctx);
+void embedding_backward_shard(Tensor& dtable, const Tensor& ids, const Tensor& dout, int64_t vocab_start,
+                              const Context& ctx);
+
+// MoE permutation and expert rows (moe.cu).
+void moe_plan(Tensor& counts, Tensor& offsets, Tensor& token_rows, Tensor& row_token, const Tensor& map,
+              const Context& ctx);
+void moe_permute(Tensor& rows, Tensor& row_probs, const Tensor& x, const Tensor& probs, const Tensor& row_token,
+                 const Tensor& offsets, const Context& ctx);
+void moe_unpermute(Tensor& y, const Tensor& rows, const Tensor& token_rows, bool accumulate, const Context& ctx);
+void moe_unpermute_probs(Tensor& out, const Tensor& values, const Tensor& token_rows, const Context& ctx);
+void moe_sort_chunks(Tensor& out, const Tensor& in, const Tensor& chunk_counts, int64_t P, int64_t El, bool inverse,
+                     const Context& ctx);
+void moe_chunk_counts(Tensor& counts, Tensor& offsets, const Tensor& chunk_counts, int64_t P, const Context& ctx);
+void moe_scale_rows(Tensor& a, const Tensor& act, const Tensor& p, const Tensor& group_rows, const Context& ctx);
+void moe_scale_rows_backward(Tensor& dp, Tensor& da, Tensor& a, const Tensor& act, const Tensor& p,
+                             const Tensor& group_rows, bool accumulate, const Context& ctx);
+void moe_shared_gate_forward(Tensor& y, Tensor& s, const Tensor& x, const Tensor& g, const Tensor& out,
+                             const Context& ctx);
+void moe_shared_gate_backward(Tensor& dout, Tensor& dx, Tensor& dg, const Tensor& dy, const Tensor& x, const Tensor& g,
+                              const Tensor& out, const Tensor& s, const Context& ctx);
+
+// Attention (attention.cu).
+void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDims& dims, const Dropout& dropout,
+                       const Context& ctx);
+void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                        const QkvDims& dims, const Dropout& dropout, const Context& ctx);
+
+// Router gating, routing, capacity and counts (router.cu).
+void router_jitter_forward(Tensor& xj, Tensor& u, const Tensor& x, float eps, PhiloxKey key, uint64_t first,
+                           const Context& ctx);
+void router_jitter_backward(Tensor& dx, const Tensor& g, const Tensor& u, const Context& ctx);
+void router_normal_logits(Tensor& logits, PhiloxKey key, uint64_t first, const Context& ctx);
+void router_gating_f64(Tensor& logits, const Tensor& x, const Tensor& w, const Tensor& bias, const Context& ctx);
+void router_gating_f64_backward(Tensor& dx, Tensor& dw, const Tensor& dlogits, const Tensor& x, const Tensor& w,
+                                const Tensor& u, const Context& ctx);
+void router_gating_f64_bias_grad(Tensor& dbias, const Tensor& dlogits, const Context& ctx);
+void router_expert_bias_update(Tensor& expert_bias, const Tensor& counts, float rate, const Context& ctx);
+void router_route(Tensor& scores, Tensor& topk_idx, Tensor& topk_w, Tensor& sparse, Tensor& map, const Tensor& logits,
+                  const Tensor& expert_bias, const RouterRouting& p, const Context& ctx);
+void router_capacity(Tensor& probs, Tensor& map, Tensor& topk_kept, Tensor& dropped, const Tensor& sparse,
+                     const Tensor& topk_idx, const RouterCapacity& p, const Context& ctx);
+void router_pad_map(Tensor& map, int64_t alignment, const Context& ctx);
+void router_map_counts(Tensor& counts, const Tensor& map, const Tensor& padding, bool accumulate, const Context& ctx);
+void router_route_backward(Tensor& dlogits, const Tensor& dprobs, const Tensor& logits, const Tensor& scores,
+                           const Tensor& topk_idx, const Tensor& topk_w, const Tensor& topk_kept,
+                           const Tensor& dlogits_loss, const RouterRouting& p, float loss_scale, const Context& ctx);
+
+// Router losses (router_losses.cu).
+void router_aux_scores(Tensor& aux_scores, Tensor& aux_map, Tensor& counts, const Tensor& logits, const Tensor& padding,
+                       ScoreFunction score_function, int64_t K, const Context& ctx);
+void router_aux_losses(Tensor& dlogits_loss, Tensor& losses, Tensor& global_tokens, const Tensor& aux_map,
+                       const Tensor& logits, const Tensor& counts, const Tensor& padding, const RouterAuxLoss& p,
+                       const Context& ctx);
+void router_z_loss(Tensor& dlogits_loss, Tensor& losses, const Tensor& logits, const Tensor& padding, double coeff,
+                   const Context& ctx);
+void router_loss_weighted(Tensor& losses, const RouterLossCoeffs& coeffs, const Context& ctx);
 
 }  // namespace moecore::ops::cuda
