@@ -439,15 +439,15 @@ void add_model_flags(Args& a, const model::ModelConfig& d) {
   for (const auto& [name, domain] : kModelFlagDomains) a.domain(name, domain);
 }
 
-model::ModelConfig model_config_from(const Args& a, int64_t tokenizer_vocab) {
+model::ModelConfig model_config_from(const Args& a, int64_t tokenizer_vocab, int64_t tokenizer_ids) {
   model::ModelConfig c;
   for (const ModelFlag& f : kModelFlags)
     if (f.apply) f.apply(a, f.name, c);
   c.vocab_size = a.i64_or("--vocab-size", 0);
   if (c.vocab_size == 0) c.vocab_size = tokenizer_vocab;
-  if (tokenizer_vocab > 0 && c.vocab_size < tokenizer_vocab)
-    MOECORE_FAIL("--vocab-size (", c.vocab_size, ") is smaller than the tokenizer's vocabulary (", tokenizer_vocab,
-                 ")");
+  const int64_t need = tokenizer_ids >= 0 ? tokenizer_ids : tokenizer_vocab;
+  if (need > 0 && c.vocab_size < need)
+    MOECORE_FAIL("--vocab-size (", c.vocab_size, ") is smaller than the tokenizer's vocabulary (", need, ")");
   if (c.add_bias_linear && c.moe.enabled() && c.moe.shared_expert_intermediate_size > 0)
     MOECORE_FAIL(
         "--moe-shared-expert-intermediate-size with linear biases: shared experts carry no biases (as in "

@@ -267,13 +267,20 @@ void upcycle_from_dense(model::GptModel& gpt, const Args& a, const train::TrainC
 // being killed minutes later.
 // --device: cpu and sim run the CPU kernels; cuda needs a visible GPU and the CUDA kernels, which this build
 // does not have yet, so it fails at start-up, naming what is missing.
-Device device_from_flag(const Args& a) {
+// --device cuda needs a build with the CUDA kernels and a visible GPU, and (until the NCCL backend exists) one
+// process: the MPI backend moves host memory only.
+Device device_from_flag(const Args& a, int world_size) {
   const Device d = parse_device(a.str("--device"));
-  if (d == Device::cuda)
-    MOECORE_FAIL("--device cuda: ",
-                 device_available() ? "this build has the CUDA runtime but not moecore's CUDA kernels yet"
-                                    : "no CUDA device is visible to this process, or moecore was built without CUDA",
-                 "; use --device cpu");
+  if (d != Device::cuda) return d;
+  if (!ops::cuda_kernels_built())
+    MOECORE_FAIL(
+        "--device cuda: this build has no CUDA kernels (configure with -DMOECORE_CUDA=ON on a machine with "
+        "nvcc); use --device cpu");
+  if (!device_available()) MOECORE_FAIL("--device cuda: no CUDA device is visible to this process; use --device cpu");
+  if (world_size > 1)
+    MOECORE_FAIL("--device cuda with ", world_size,
+                 " processes: multi-process runs on the GPU need the NCCL backend, not built yet (MPI moves host "
+                 "memory only); run one process, or use --device cpu");
   return d;
 }
 
@@ -364,13 +371,14 @@ int train_main(int argc, char** argv) {
     o.timeout_s = 60.0 * static_cast<double>(a.i64("--distributed-timeout-minutes"));
     comm_set_options(o);
   }
-  const Device device = device_from_flag(a);
+  const int world_size = comm_initialized() ? comm_world().size() : 1;
+  const Device device = device_from_flag(a, world_size);
   const std::vector<std::string> data_path = a.list("--data-path");
   if (data_path.empty()) MOECORE_FAIL("train: --data-path is required (prefixes made by moecore preprocess)");
   const auto tok = tokenizer_from(a);
-  const int world_size = comm_initialized() ? comm_world().size() : 1;
   const int64_t tp_size = a.i64("--tensor-model-parallel-size");
-  const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a, tp_size));
+  // An explicit --vocab-size (an HF config's) needs to cover the tokenizer's ids, not its padding to 128 x TP.
+  const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a, tp_size), tok->vocab_size());
   // The layout over every process of the run (mpirun -np P): tensor parallel, data parallel, expert parallel
   // (folded into data parallel for the attention layers) and expert data parallel. Validated before any
   // collective, so a bad layout fails the same way on every rank.
@@ -421,6 +429,9 @@ int train_main(int argc, char** argv) {
   if (ep.ep.size() > 1 && a.on("--moe-use-upcycling"))
     MOECORE_FAIL("--moe-use-upcycling with --expert-model-parallel-size ", ep.ep.size(),
                  " is not supported yet: upcycle at EP 1, save, and load the checkpoint at any EP");
+  if (ep.tp.size() > 1 && a.on("--moe-use-upcycling"))
+    MOECORE_FAIL("--moe-use-upcycling with --tensor-model-parallel-size ", ep.tp.size(),
+                 " is not supported yet: upcycle at TP 1, save, and load the checkpoint at any TP");
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
   check_model_fits(mcfg, std::max(1, ep.ep.size()));
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep, device);

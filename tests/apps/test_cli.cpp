@@ -10,8 +10,10 @@
 #include <thread>
 
 #include "apps/cli_support.h"
+#include "moecore/core/backend_hooks.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/safetensors.h"
+#include "moecore/kernels/ops.h"
 #include "test_util.h"
 
 namespace moecore {
@@ -247,6 +249,10 @@ TEST_F(Cli, TensorParallelMatchesOneProcess) {
       ASSERT_EQ(two.size(), 5u) << model << extra << "\n" << r.output;
       for (size_t i = 0; i < one.size(); ++i)
         EXPECT_NEAR(two[i], one[i], 1e-5 * std::fabs(one[i])) << model << extra << " " << i;
+      // The share of step time blocked in communication, on every logged step of a multi-process run.
+      const auto share = jsonl_field(p("two.jsonl"), "comm/exposed_share");
+      ASSERT_EQ(share.size(), 5u) << extra;
+      for (double v : share) EXPECT_TRUE(v > 0.0 && v < 1.0) << extra << ": " << v;
     }
   }
 #endif
@@ -336,7 +342,9 @@ TEST_F(Cli, SimulatedDeviceTrainsBitForBitLikeTheCpu) {
 }
 
 // --device cuda on a build or a machine without what it needs fails at start-up, naming the reason.
+// Without a visible GPU (or in a build without the CUDA kernels) --device cuda fails before anything else.
 TEST_F(Cli, DeviceCudaWithoutItsKernelsFailsAtStartUp) {
+  if (device_available() && ops::cuda_kernels_built()) GTEST_SKIP() << "this machine can run --device cuda";
   const Result r = run("train --data-path " + p("none") + " --tokenizer-type ByteLevel --device cuda");
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("--device cuda"), std::string::npos) << r.output;

@@ -83,6 +83,22 @@ model::ModelConfig moe_model(bool sigmoid) {
   return c;
 }
 
+// DeepSeek-style attention: MLA with q LoRA (or, `lite`, without), latent norms and YaRN, on the MoE model (4 heads).
+model::ModelConfig mla_model(bool lite) {
+  model::ModelConfig c = moe_model(false);
+  c.multi_latent_attention = c.qk_layernorm = true;
+  c.yarn = !lite;
+  c.q_lora_rank = lite ? 0 : 12;
+  c.kv_lora_rank = 8;
+  c.qk_head_dim = 6;
+  c.qk_pos_emb_head_dim = 4;
+  c.v_head_dim = 5;
+  c.yarn_config.scaling_factor = 4.0f;
+  c.yarn_config.original_max_position_embeddings = 8;
+  c.yarn_config.mscale_all_dim = 1.0f;
+  return c;
+}
+
 train::TrainConfig train_config(int64_t iters) {
   train::TrainConfig t;
   t.micro_batch_size = 2;
@@ -228,6 +244,18 @@ TEST_F(Mpi, MoeUnderSequenceParallelMatchesOneProcess) {
   if (P == 2) check_layout(world, moe_model(true), {2, true, 2});   // attention TP 2, experts EP 2
 }
 
+// Multi-latent attention under TP: the up-projections split by head, linear_proj row-parallel, the down-projections
+// and latent norms replicated with their head-partial gradients summed over TP; with and without SP, with q LoRA and
+// YaRN, and V2-Lite style (no q LoRA).
+TEST_F(Mpi, MultiLatentAttentionUnderTensorParallelismMatchesOneProcess) {
+  check_layout(world, mla_model(false), {P, true});
+  check_layout(world, mla_model(true), {2, true});
+  model::ModelConfig dense = mla_model(false);  // a dense MLA model without SP
+  dense.moe = {};
+  dense.moe_layer_freq = "1";
+  check_layout(world, dense, {2, false});
+}
+
 TEST_F(Mpi, BfloatTensorParallelTracksOneProcess) {
   // bf16 compute: the GEMM operands are rounded, so the layouts agree to bf16 accuracy, not 1e-5.
   model::ModelConfig mc = llama_like();
@@ -310,8 +338,8 @@ TEST_F(Mpi, BadTensorParallelLayoutsFailNamingTheValues) {
   c.num_query_groups = 1;
   testing::expect_error([&] { make(c); }, {"query groups", "(1)"});
   c = llama_like();
-  c.multi_latent_attention = true;
-  testing::expect_error([&] { make(c); }, {"--multi-latent-attention", "not supported yet"});
+  c.mtp_num_layers = 1;
+  testing::expect_error([&] { make(c); }, {"--mtp-num-layers", "not supported yet"});
   const Built no_sp = build(world, {P, false});
   testing::expect_error(
       [&] { model::GptModel m(testing::small_moe_model(4), 2, 42, no_sp.par, testing::test_device()); },

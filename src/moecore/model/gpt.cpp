@@ -41,15 +41,15 @@ void GptModel::check_tensor_parallel() const {
   if (P == 1) return;
   auto not_yet = [&](bool on, const char* what) {
     if (on)
-      MOECORE_FAIL("model: ", what, " with --tensor-model-parallel-size ", P,
-                   " is not supported yet (tensor parallelism covers standard attention, dense MLPs and MoE layers)");
+      MOECORE_FAIL(
+          "model: ", what, " with --tensor-model-parallel-size ", P,
+          " is not supported yet (tensor parallelism covers standard attention, MLA, dense MLPs and MoE layers)");
   };
   if (cfg_.moe.enabled() && !par_.sequence_parallel)
     MOECORE_FAIL(
         "model: MoE layers (--num-experts) with --tensor-model-parallel-size ", P,
         " need --sequence-parallel (as Megatron: \"when using MoE and tensor parallelism, sequence parallelism "
         "must be used\")");
-  not_yet(cfg_.multi_latent_attention, "--multi-latent-attention");
   not_yet(cfg_.mtp_num_layers > 0, "--mtp-num-layers");
   auto need = [&](int64_t v, const char* what, const char* why) {
     if (v % P != 0)
@@ -106,7 +106,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     mla_dims_ = {B_,
                  S,
                  H,
-                 cfg_.num_attention_heads,
+                 cfg_.num_attention_heads / P,  // this rank's heads under TP
                  cfg_.q_lora_rank,
                  cfg_.kv_lora_rank,
                  cfg_.qk_head_dim,
@@ -145,9 +145,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     shape = p.tp.local_shape(shape);
     // (Expert weights are summed over the expert-data-parallel group, which holds the TP ranks.)
     p.tp_grad_sum = P > 1 && !p.tp.sharded() && !s.expert &&
-                    ((par_.sequence_parallel && p.name != "embedding.position_embeddings.weight") ||
-                     p.name.find("self_attention.q_layernorm.") != std::string::npos ||
-                     p.name.find("self_attention.k_layernorm.") != std::string::npos);
+                    (s.tp_grad == ParamSpec::TpGrad::head_partial ||
+                     (s.tp_grad == ParamSpec::TpGrad::sequence_partial && par_.sequence_parallel));
     p.value = Tensor::empty(shape, DType::f32, MemCategory::parameters, device_);
     p.grad = Tensor::zeros(shape, DType::f32, MemCategory::gradients, device_);
     // Megatron decays weights only: norms and biases (of any rank, e.g. experts' [E, W]) are not decayed.
@@ -717,7 +716,7 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
 }
 
 double GptModel::flops_per_step() const {
-  return model_flops_per_step(cfg_, B_) / static_cast<double>(par_.tp.size());
+  return model_flops_per_step(cfg_, B_);
 }
 
 }  // namespace moecore::model

@@ -115,7 +115,7 @@ class GptModel {
   // The plan for this model's own buffers plus optimizer_state_bytes_per_param * num_parameters().
   MemoryPlan memory_plan(int64_t optimizer_state_bytes_per_param) const;
   // Model FLOPs of one forward+backward over B*S tokens (Megatron's formula: 3x forward GEMMs and
-  // causal attention counted at full S^2 as Megatron does); under TP this rank's share (divided by the group size).
+  // causal attention counted at full S^2 as Megatron does), whatever the layout: the TP ranks share one micro-batch's.
   double flops_per_step() const;
 
  private:

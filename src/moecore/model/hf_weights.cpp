@@ -5,6 +5,7 @@
 #include <map>
 
 #include "moecore/core/error.h"
+#include "moecore/core/shard.h"
 #include "moecore/model/param_specs.h"
 
 namespace moecore::model {
@@ -415,6 +416,18 @@ void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptMode
     const HfParamMap& m = map.params[i];
     Tensor& v = params[i].value;
     MOECORE_CHECK(params[i].name == m.param, "parameter ", params[i].name, " vs map ", m.param);
+    const TensorShard& tp = params[i].tp;
+    if (tp.sharded()) {  // a tensor-parallel shard: the whole tensor on the host, then this rank's part of it
+      Tensor whole = Tensor::empty(tp.global_shape(v.shape()), DType::f32, MemCategory::workspace);
+      const Tensor flat = whole.view({whole.numel()});
+      int64_t at = 0;
+      hf_read_param_rows(m, hf, 0, whole.numel() / m.width, [&](const Tensor& part) {
+        flat.slice(0, at, at + part.numel()).copy_from(part.view({part.numel()}));
+        at += part.numel();
+      });
+      v.copy_from(shard_slice(whole, tp));
+      continue;
+    }
     const int64_t local_rows = v.numel() / m.width, first = m.expert ? gpt.ep_rank() * local_rows : 0;
     int64_t at = 0;
     const Tensor flat = v.view({v.numel()});

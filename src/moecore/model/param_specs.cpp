@@ -42,6 +42,9 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
     out.back().tp_dim = dim;
     out.back().tp_parts = parts;
   };
+  auto head_partial = [&](size_t from) {  // the parameters added since `from` are fed by the rank's heads under TP
+    for (size_t i = from; i < out.size(); ++i) out[i].tp_grad = ParamSpec::TpGrad::head_partial;
+  };
   const int glu_parts = cfg.swiglu ? 2 : 1;
   auto norm = [&](const std::string& prefix, int64_t width) {
     add(prefix + ".weight", {width}, ParamInit::ones);
@@ -49,8 +52,10 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
   };
   add("embedding.word_embeddings.weight", {V, H}, ParamInit::normal, std_w);
   split(0);
-  if (cfg.position_embedding_type == PositionEmbedding::learned_absolute)
+  if (cfg.position_embedding_type == PositionEmbedding::learned_absolute) {
     add("embedding.position_embeddings.weight", {cfg.max_positions(), H}, ParamInit::normal, std_w);
+    out.back().tp_grad = ParamSpec::TpGrad::whole;
+  }
   // One transformer layer's parameters (a decoder layer, or an MTP depth's transformer layer).
   auto layer = [&](const LayerSpec& spec) {
     const std::string& pre = spec.prefix;
@@ -58,20 +63,30 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
     if (spec.attention == AttentionKind::mla) {  // Megatron's MLASelfAttention (local spec names)
       const int64_t qr = cfg.q_lora_rank, kvr = cfg.kv_lora_rank, dr = cfg.qk_pos_emb_head_dim;
       const int64_t q_rows = Hq * (cfg.qk_head_dim + dr);
+      // Under TP the up-projections split by head (rows grouped by head), linear_proj by its input; the
+      // down-projections are replicated (as Megatron's "duplicated" linears).
       if (qr) {
         add(pre + "self_attention.linear_q_down_proj.weight", {qr, H}, ParamInit::normal, std_w);
+        head_partial(out.size() - 1);
         add(pre + "self_attention.linear_q_up_proj.weight", {q_rows, qr}, ParamInit::normal, std_w);
+        split(0);
       } else {
         add(pre + "self_attention.linear_q_proj.weight", {q_rows, H}, ParamInit::normal, std_w);
+        split(0);
       }
       add(pre + "self_attention.linear_kv_down_proj.weight", {kvr + dr, H}, ParamInit::normal, std_w);
+      head_partial(out.size() - 1);
       add(pre + "self_attention.linear_kv_up_proj.weight", {Hq * (cfg.qk_head_dim + cfg.v_head_dim), kvr},
           ParamInit::normal, std_w);
+      split(0);
       add(pre + "self_attention.linear_proj.weight", {H, Hq * cfg.v_head_dim}, ParamInit::normal, std_out);
+      split(1);
       norm(pre + "pre_mlp_layernorm", H);
       if (spec.qk_norm) {  // with MLA, --qk-layernorm normalises the q and kv latents
+        const size_t from = out.size();
         if (qr) norm(pre + "self_attention.q_layernorm", qr);
         norm(pre + "self_attention.kv_layernorm", kvr);
+        head_partial(from);
       }
     } else {
       // Rows are grouped by query group ([G][R + 2][D]): a split along dim 0 is a split by query group.
@@ -86,8 +101,10 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
       if (bias) add(pre + "self_attention.linear_proj.bias", {H}, ParamInit::zeros);
       norm(pre + "pre_mlp_layernorm", H);
       if (spec.qk_norm) {  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
+        const size_t from = out.size();
         norm(pre + "self_attention.q_layernorm", D);
         norm(pre + "self_attention.k_layernorm", D);
+        head_partial(from);
       }
     }
     if (spec.mlp == MlpKind::dense) {

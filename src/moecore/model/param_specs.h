@@ -39,6 +39,12 @@ struct ParamSpec {
   // parallel weights along dim 1, the word embedding and output layer along the vocabulary (dim 0).
   int tp_dim = -1;
   int tp_parts = 1;
+  // A replicated parameter's gradient on each TP rank: a partial sum (summed over TP, Param::tp_grad_sum) under
+  // sequence parallelism when the rank's rows feed it (norms, row-parallel biases, router, shared experts), always
+  // when the rank's heads feed it (QK-norms, MLA's latent norms and down-projections), or whole (the learned positions,
+  // whose gradient comes from the gathered rows).
+  enum class TpGrad : uint8_t { sequence_partial, head_partial, whole };
+  TpGrad tp_grad = TpGrad::sequence_partial;
 };
 
 // Order: embeddings; per layer the input norm, linear_qkv (+bias), linear_proj (+bias), the MLP norm, QK-norms

@@ -135,9 +135,8 @@ bool seq_parallel(const DenseLayerDims& d) {
 Tensor by_sequence(const Tensor& t, const DenseLayerDims& d) {
   return t.view({d.qkv.B, t.size(0) / d.qkv.B, t.size(1)});
 }
+}  // namespace
 
-// A norm whose output feeds column-parallel GEMMs: y [T, H] compute from x [N, H] f32 (under sequence parallelism
-// normalised on this rank's rows, then all-gathered).
 void norm_to_gemm_input(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b,
                         DenseLayerWorkspace& ws, const DenseLayerDims& d, const ops::Context& ctx) {
   if (!seq_parallel(d)) {
@@ -148,10 +147,8 @@ void norm_to_gemm_input(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, 
   all_gather_into(by_sequence(y, d), by_sequence(ws.h_local, d), 1, *d.tp);
 }
 
-// The partial sums of a row-parallel GEMM (or of a column-parallel layer's input gradient) in ws.dh [T, H] f32,
-// reduced over the group: all-reduced in place, or reduce-scattered into ws.dh_local under sequence parallelism.
-// Returns this rank's [N, H] rows of the sum.
 Tensor reduce_partial(DenseLayerWorkspace& ws, const DenseLayerDims& d) {
+  if (!tensor_parallel(d)) return ws.dh;
   if (seq_parallel(d)) {
     reduce_scatter_from(by_sequence(ws.dh_local, d), by_sequence(ws.dh, d), 1, *d.tp);
     return ws.dh_local;
@@ -160,8 +157,6 @@ Tensor reduce_partial(DenseLayerWorkspace& ws, const DenseLayerDims& d) {
   return ws.dh;
 }
 
-// A row-parallel linear with its bias-dropout-add: y = x + dropout(reduce(a @ W^T) + b). Without TP, the one-GEMM
-// linear_residual_forward.
 void row_parallel_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight,
                                    const Tensor& bias, DenseLayerWorkspace& ws, const DenseLayerDims& d,
                                    const ops::Dropout& drop, const ops::Context& ctx) {
@@ -173,8 +168,6 @@ void row_parallel_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, 
   ops::bias_dropout_add(y, x, reduce_partial(ws, d), bias, drop, ctx);
 }
 
-// Its backward: dweight += g^T a and da = g @ W with g = dropout'(dy) in the compute dtype (all-gathered under
-// sequence parallelism); dbias += the column sums of this rank's rows of g (the caller sums it over the group).
 void row_parallel_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const Tensor& dy, const Tensor& a,
                                     const Tensor& weight, DenseLayerWorkspace& ws, const DenseLayerDims& d,
                                     const ops::Dropout& drop, const ops::Context& ctx) {
@@ -192,6 +185,7 @@ void row_parallel_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, 
   ops::gemm(dweight, *g, true, a, false, 1.0f, 1.0f, ctx);
 }
 
+namespace {
 // The input gradient of column-parallel GEMMs fed by a norm (dres += norm'(reduce(g @ W))): g [T, out] compute,
 // weight [out, H]; the partial product is reduced over the group first.
 void column_parallel_norm_backward(Tensor& dres, Tensor& dw_norm, Tensor& db_norm, const Tensor& g,
@@ -199,7 +193,7 @@ void column_parallel_norm_backward(Tensor& dres, Tensor& dw_norm, Tensor& db_nor
                                    const Tensor& mean, const Tensor& rstd, DenseLayerWorkspace& ws,
                                    const DenseLayerDims& d, const ops::Context& ctx) {
   ops::gemm(ws.dh, g, false, weight, false, 1.0f, 0.0f, ctx);
-  const Tensor dnorm = tensor_parallel(d) ? reduce_partial(ws, d) : ws.dh;
+  const Tensor dnorm = reduce_partial(ws, d);
   norm_backward(dres, dw_norm, db_norm, dnorm, x, w_norm, b_norm, mean, rstd, true, ctx);
 }
 }  // namespace

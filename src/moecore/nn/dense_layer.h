@@ -155,6 +155,25 @@ void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, con
                           const DenseLayerCache& cache, DenseLayerWorkspace& ws, const Tensor& rope,
                           const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx);
 
+// Tensor-parallel building blocks (shared with nn/mla). Without TP each is the one-rank computation.
+// A norm whose output feeds column-parallel GEMMs: y [T, H] compute from x [N, H] f32 (under sequence parallelism
+// normalised on this rank's rows into ws.h_local, then all-gathered).
+void norm_to_gemm_input(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b,
+                        DenseLayerWorkspace& ws, const DenseLayerDims& d, const ops::Context& ctx);
+// The partial sums of a row-parallel GEMM (or of column-parallel layers' input gradient) in ws.dh [T, H] f32, reduced
+// over the group: all-reduced in place, or reduce-scattered into ws.dh_local under sequence parallelism. Returns this
+// rank's [N, H] rows of the sum (ws.dh itself without TP).
+Tensor reduce_partial(DenseLayerWorkspace& ws, const DenseLayerDims& d);
+// A row-parallel linear with its bias-dropout-add: y = x + dropout(reduce(a @ W^T) + b) (linear_residual_forward
+// without TP). Backward: dweight += g^T a and da = g @ W with g = dropout'(dy) in the compute dtype (all-gathered
+// under sequence parallelism); dbias += the column sums of this rank's rows of g (the caller sums it over the group).
+void row_parallel_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight,
+                                   const Tensor& bias, DenseLayerWorkspace& ws, const DenseLayerDims& d,
+                                   const ops::Dropout& drop, const ops::Context& ctx);
+void row_parallel_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const Tensor& dy, const Tensor& a,
+                                    const Tensor& weight, DenseLayerWorkspace& ws, const DenseLayerDims& d,
+                                    const ops::Dropout& drop, const ops::Context& ctx);
+
 // The residual update of a block, Megatron's bias-dropout-add: y = x + dropout(a @ W^T + b). out_f32 [N, H]
 // is scratch (used only with dropout). Backward: dW += da_in^T a, da = da_in @ W, db += sums of da_in, with
 // da_in = dropout'(dy) in the compute dtype (written into dy_c, or dy itself when no cast is needed).

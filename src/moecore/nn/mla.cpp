@@ -107,7 +107,7 @@ void mla_block_forward(const Tensor& x, const DenseLayerWeights& w, const MlaWei
                        const DenseLayerDims& d, const MlaDims& md, const LayerDropout& drop, const ops::Context& ctx) {
   const int64_t kvr = md.kv_lora, dr = md.dr, dn = md.dn, dv = md.dv, D = md.D();
   const float mult = md.softmax_scale_mult;  // folded into q: the kernel's scale is 1 / sqrt(D)
-  norm_forward(k.h1, k.mean1, k.rstd1, x, w.input_norm, w.input_norm_bias, d.eps, ctx);
+  norm_to_gemm_input(k.h1, k.mean1, k.rstd1, x, w.input_norm, w.input_norm_bias, ws, d, ctx);
   if (md.q_lora) {
     ops::gemm(mc.qa, k.h1, false, m.q_down, true, 1.0f, 0.0f, ctx);
     latent_norm_forward(mc.qa_n, mc.qa_mean, mc.qa_rstd, mc.qa, m.q_norm, m.q_norm_bias, md.latent_norm, d.eps, ctx);
@@ -132,7 +132,7 @@ void mla_block_forward(const Tensor& x, const DenseLayerWeights& w, const MlaWei
   ops::rope_forward(qkv, rope, md.qkv(), ctx);
   ops::attention_forward(attn, mc.lse, qkv, md.qkv(), drop.attention, ctx);
   mc.attn_v.view({md.N(), md.heads, dv}).copy_from(mc.attn.view({md.N(), md.heads, D}).slice(2, 0, dv));
-  linear_residual_forward(k.x_mid, x, mc.attn_v, w.proj, w.proj_bias, ws.dh, drop.attn_out, ctx);
+  row_parallel_residual_forward(k.x_mid, x, mc.attn_v, w.proj, w.proj_bias, ws, d, drop.attn_out, ctx);
 }
 
 void mla_block_backward(Tensor& dres, DenseLayerGrads& g, MlaGrads& mg, const Tensor& x, const DenseLayerWeights& w,
@@ -141,7 +141,7 @@ void mla_block_backward(Tensor& dres, DenseLayerGrads& g, MlaGrads& mg, const Te
                         const LayerDropout& drop, const ops::Context& ctx) {
   const int64_t kvr = md.kv_lora, dr = md.dr, dn = md.dn, dv = md.dv, D = md.D(), N = md.N();
   const float mult = md.softmax_scale_mult;
-  linear_residual_backward(mw.dattn_v, g.proj, g.proj_bias, dres, ws.dres_c, mc.attn_v, w.proj, drop.attn_out, ctx);
+  row_parallel_residual_backward(mw.dattn_v, g.proj, g.proj_bias, dres, mc.attn_v, w.proj, ws, d, drop.attn_out, ctx);
   mw.dattn.view({N, md.heads, D}).slice(2, 0, dv).copy_from(mw.dattn_v.view({N, md.heads, dv}));
   Tensor dqkv = bsw(mw.dqkv, md);
   ops::attention_backward(dqkv, bsw(mw.dattn, md), bsw(mc.qkv, md), bsw(mc.attn, md), mc.lse, md.qkv(), drop.attention,
@@ -184,8 +184,11 @@ void mla_block_backward(Tensor& dres, DenseLayerGrads& g, MlaGrads& mg, const Te
     ops::gemm(mg.q, mw.q, true, k.h1, false, mult, 1.0f, ctx);
     ops::gemm(ws.dh, mw.q, false, m.q, false, mult, 1.0f, ctx);
   }
-  norm_backward(dres, g.input_norm, g.input_norm_bias, ws.dh, x, w.input_norm, w.input_norm_bias, k.mean1, k.rstd1,
-                true, ctx);
+  // Under TP every gradient from the latents down is this rank's heads' partial sum (norm backward is linear in its
+  // upstream gradient): the input gradient is reduced here, the down-projection and latent-norm weight gradients by
+  // the caller (Param::tp_grad_sum).
+  norm_backward(dres, g.input_norm, g.input_norm_bias, reduce_partial(ws, d), x, w.input_norm, w.input_norm_bias,
+                k.mean1, k.rstd1, true, ctx);
 }
 
 }  // namespace moecore::nn

@@ -10,6 +10,11 @@
 // within the kernel's head the RoPE channels come first ([q_pe | q_nope], which leaves every score unchanged) and v
 // is zero-padded from dv to D.
 // Gradient contract as dense_layer.h: weight gradients accumulate; dres is updated in place (dL/dx_mid in, dL/dx out).
+// Tensor parallelism (DenseLayerDims::tp, MlaDims::heads = this rank's heads): the up-projections (linear_q_proj,
+// linear_q_up_proj, linear_kv_up_proj) split by head and linear_proj row-parallel; the down-projections and latent
+// norms replicated, computed on the whole micro-batch (Megatron computes them on the sequence-parallel rows: the same
+// values, at the cost of the down-projections' FLOPs on every rank); their gradients come out as this rank's heads'
+// partial sums, summed over TP by the caller (Param::tp_grad_sum).
 #pragma once
 #include "moecore/nn/dense_layer.h"
 

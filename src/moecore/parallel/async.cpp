@@ -409,12 +409,14 @@ CommHandle::~CommHandle() {
 
 void CommHandle::wait() {
   if (!op_) return;
+  const detail::BlockedScope blocked;
   const std::shared_ptr<detail::AsyncOp> op = std::move(op_);
   detail::wait_for(*op);
 }
 
 bool CommHandle::test() {
   if (!op_) return true;
+  const detail::BlockedScope blocked;
   detail::progress_async();
   if (!op_->finished()) return false;
   wait();

@@ -41,8 +41,22 @@ std::string describe(const OpDesc& d);
 // Order-sensitive hash of the words, kept non-negative.
 int64_t hash_words(std::span<const int64_t> v);
 
+// Wall-clock time the calling thread spends inside communication (comm_blocked_seconds): a scope opened inside
+// another (a collective built on others, a wait inside a blocking form) is not counted twice.
+class BlockedScope {
+ public:
+  BlockedScope();
+  ~BlockedScope();
+  BlockedScope(const BlockedScope&) = delete;
+  BlockedScope& operator=(const BlockedScope&) = delete;
+
+ private:
+  int64_t start_ns_ = -1;  // -1: nested, not counted
+};
+
 // One collective in flight on one group: the call description and the group's shared state.
 struct Call {
+  BlockedScope blocked;  // first: the checks and the transfer count as communication time
   const ProcessGroup& g;
   GroupState& st;
   const char* op;

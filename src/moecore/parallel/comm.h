@@ -168,6 +168,11 @@ MOECORE_COMM_MOVE_OVERLOADS(f16)
 
 void barrier(const ProcessGroup& g);
 
+// Seconds this process has spent inside communication since it started: blocking collectives, point-to-point
+// calls, and the posting, test() and wait() of nonblocking ones (wall-clock; a call built on others counts once).
+// The growth over a training step is the step's exposed communication: the time computation waited for peers.
+double comm_blocked_seconds();
+
 // Every rank of `g` must run the same configuration: checks that all members passed equal `fields` (name,
 // value; e.g. every flag with its effective value) by exchanging a hash, and on a mismatch the differing
 // fields' values, then throws on every rank naming each differing field and its value on each rank.

@@ -203,7 +203,7 @@ struct MetricSinks {
 
 void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, double loss, double lr,
                   double grad_norm, double tokens_per_s, double tflops, const MoeStepLosses& moe_losses, bool per_layer,
-                  double comm_share, const std::vector<double>& mtp_losses) {
+                  double comm_share, double exposed_comm_share, const std::vector<double>& mtp_losses) {
   const moe::MoeConfig& mc = gpt.config().moe;
   std::vector<std::pair<std::string, double>> scalars = {{"lm loss", loss},
                                                          {"learning-rate", lr},
@@ -220,6 +220,7 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
     scalars.emplace_back("global_load_balancing_loss", moe_losses.global_aux_loss);
   if (mc.enabled() && mc.z_loss_coeff > 0) scalars.emplace_back("z_loss", moe_losses.z_loss);
   if (comm_share >= 0) scalars.emplace_back("moe/dispatcher_comm_share", comm_share);
+  if (exposed_comm_share >= 0) scalars.emplace_back("comm/exposed_share", exposed_comm_share);
   if (per_layer) {
     for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
       const moe::RouterStats* stats = gpt.moe_stats(l);
@@ -571,6 +572,8 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   double peak_gflops = cfg.peak_gflops;
   const auto t_start = std::chrono::steady_clock::now();
   auto t_last = t_start;
+  const int world_size = dp_size * groups.tp.size();  // ranks of the run (CP = PP = 1)
+  double blocked_last = comm_blocked_seconds();
   double loss_acc = 0;
   std::vector<double> mtp_acc(static_cast<size_t>(m.mtp_num_layers), 0.0);  // MTP losses over the log interval
   int64_t logged_steps = 0;
@@ -688,6 +691,11 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
           gpt.ep_size() > 1 ? gpt.dispatcher_comm_seconds() / std::max(dt * static_cast<double>(cfg.log_interval), 1e-9)
                             : -1.0;
       gpt.reset_dispatcher_comm_seconds();
+      // Every collective's blocking time (this rank): the share of the interval the computation waited for peers.
+      const double blocked = comm_blocked_seconds();
+      const double exposed_share =
+          world_size > 1 ? (blocked - blocked_last) / std::max(dt * static_cast<double>(cfg.log_interval), 1e-9) : -1.0;
+      blocked_last = blocked;
       const double tflops = flops_per_step / std::max(dt, 1e-9) / 1e12;
       const double mean_loss = logged_steps ? loss_acc / static_cast<double>(logged_steps) : NAN;
       std::vector<double> mtp_mean(mtp_acc.size());
@@ -708,13 +716,18 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
           std::snprintf(b, sizeof b, " | %s %.1f%%", gpt.dispatcher_name(), 100.0 * comm_share);
           comm = b;
         }
+        if (exposed_share >= 0) {
+          char b[48];
+          std::snprintf(b, sizeof b, " | comm %.1f%%", 100.0 * exposed_share);
+          comm += b;
+        }
         if (peak_gflops > 0) {
           // Above 100% the start-up peak was measured on a busy machine: measure again, keep the best.
-          // The peak is one rank's: the run's is dp_size times that (every rank measured its own threads).
-          const double run_peak = peak_gflops * dp_size;
+          // The peak is one rank's: the run's is world_size times that (every rank measured its own threads).
+          const double run_peak = peak_gflops * world_size;
           if (tflops * 1e3 > run_peak) peak_gflops = std::max(peak_gflops, gemm_peak_gflops(m.compute_dtype));
           char b[32];
-          std::snprintf(b, sizeof b, " | MFU %.1f%%", 100.0 * tflops * 1e3 / (peak_gflops * dp_size));
+          std::snprintf(b, sizeof b, " | MFU %.1f%%", 100.0 * tflops * 1e3 / (peak_gflops * world_size));
           mfu = b;
         }
         std::fprintf(log,
@@ -728,7 +741,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
         std::fflush(log);
       }
       emit_metrics(sinks, gpt, it + 1, mean_loss, lr, st.grad_norm, tokens_per_s, tflops, moe_losses,
-                   cfg.moe_per_layer_logging, comm_share, mtp_mean);
+                   cfg.moe_per_layer_logging, comm_share, exposed_share, mtp_mean);
       loss_acc = 0;
       logged_steps = 0;
     }
@@ -740,6 +753,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
       // Evaluation time (and its dispatcher traffic) stays out of the next interval's throughput.
       t_last += std::chrono::steady_clock::now() - t_eval;
       gpt.reset_dispatcher_comm_seconds();
+      blocked_last = comm_blocked_seconds();
       out.valid_loss.emplace_back(it + 1, v);
       if (log) {
         std::fprintf(log, " validation loss at iteration %lld: %.4f (ppl %.2f)\n", static_cast<long long>(it + 1), v,

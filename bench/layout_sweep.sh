@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Parallel-layout sweep on one machine (issue 12): the same model on the same global batches under each layout, one
+# process with 2 OpenMP threads as the reference, then `mpirun -np 2` with one thread per rank. Prints, per layout,
+# tokens/s relative to 1 rank x 2 threads (mean over the log intervals after the first, which holds start-up; best of
+# REPEATS alternating rounds, default 2) and the share of step time rank 0 spent blocked in communication
+# (comm/exposed_share: every collective, from the trainer's comm_blocked_seconds). Needs an MPI build and mpirun.
+#   dense: GPT with hidden 1024 (16 heads, SwiGLU ffn 2816, 2 layers, seq 256): DP 2, TP 2, TP 2 + SP
+#   moe:   4 layers, hidden 256, 8 experts top-2: EP 2 (alltoall), TP 2 + SP, TP 2 + SP with EP 2
+# Usage: bash bench/layout_sweep.sh [BINARY] [ITERS] [dense|moe|both]   (default build/apps/moecore, 16, both)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-build/apps/moecore}
+iters=${2:-16}
+which=${3:-both}
+out=build/bench-layouts
+mkdir -p "$out"
+text=../shared/data/tinyshakespeare/input.txt
+[ -f "$text" ] || text=/usr/share/games/fortunes/fortunes
+[ -s "$out/corpus_text_document.idx" ] || "$bin" preprocess --input "$text" --input-format text \
+  --documents-by-blank-line --output-prefix "$out/corpus" --tokenizer-type ByteLevel --append-eod >/dev/null
+common=(train --data-path "$out/corpus_text_document" --tokenizer-type ByteLevel --split 100,0,0
+  --train-iters "$iters" --lr 1e-3 --log-interval 4 --normalization RMSNorm --position-embedding-type rope
+  --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0 --generate-tokens 0 --swiglu
+  --make-vocab-size-divisible-by 256)
+dense=(--num-layers 2 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 2816 --seq-length 256
+  --micro-batch-size 2 --global-batch-size 8)
+moe=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --num-experts 8 --moe-router-topk 2
+  --moe-ffn-hidden-size 512 --moe-aux-loss-coeff 1e-2 --micro-batch-size 4 --global-batch-size 16
+  --moe-token-dispatcher-type alltoall)
+run_model() {  # name, model flags array name, then "label|flags" per layout
+  local name=$1 model=$2
+  shift 2
+  local -n flags=$model
+  rm -f "$out/${name}"_*.jsonl  # the metrics writer appends
+  for r in $(seq 1 "${REPEATS:-2}"); do
+    OMP_NUM_THREADS=2 "$bin" "${common[@]}" "${flags[@]}" --metrics-jsonl "$out/${name}_ref_$r.jsonl" \
+      >"$out/${name}_ref_$r.log"
+    local i=0
+    for layout in "$@"; do
+      i=$((i + 1))
+      # shellcheck disable=SC2086
+      OMP_NUM_THREADS=1 mpirun --oversubscribe --allow-run-as-root -np 2 "$bin" "${common[@]}" "${flags[@]}" \
+        ${layout#*|} --metrics-jsonl "$out/${name}_l${i}_$r.jsonl" >"$out/${name}_l${i}_$r.log"
+    done
+  done
+  /usr/bin/python3 - "$out" "$name" "$@" <<'PY'
+import glob, json, sys
+out, name, layouts = sys.argv[1], sys.argv[2], sys.argv[3:]
+def best(tag):
+    res = []
+    for path in sorted(glob.glob(f"{out}/{name}_{tag}_*.jsonl")):
+        rows = [json.loads(l) for l in open(path) if '"tokens_per_s"' in l][1:]  # first interval: start-up
+        tps = sum(r["tokens_per_s"] for r in rows) / len(rows)
+        share = [r["comm/exposed_share"] for r in rows if "comm/exposed_share" in r]
+        res.append((tps, sum(share) / len(share) if share else float("nan")))
+    return max(res)
+ref, _ = best("ref")
+print(f"layout_sweep {name}: 1 rank x 2 threads {ref:.0f} tokens/s (reference)")
+for i, layout in enumerate(layouts, 1):
+    tps, share = best(f"l{i}")
+    print(f"layout_sweep {name}: {layout.split('|')[0]:<24} {tps:8.0f} tokens/s | ratio {tps / ref:.3f} | "
+          f"exposed comm {100 * share:.1f}% of step time")
+PY
+}
+if [ "$which" != moe ]; then
+  run_model dense dense "DP 2|" "TP 2|--tensor-model-parallel-size 2" \
+    "TP 2 + SP|--tensor-model-parallel-size 2 --sequence-parallel"
+fi
+if [ "$which" != dense ]; then
+  run_model moe moe "EP 2|--expert-model-parallel-size 2" \
+    "TP 2 + SP|--tensor-model-parallel-size 2 --sequence-parallel" \
+    "TP 2 + SP, EP 2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2"
+fi
