@@ -4,7 +4,8 @@
 # tokens/s relative to 1 rank x 2 threads (mean over the log intervals after the first, which holds start-up; best of
 # REPEATS alternating rounds, default 2) and the share of step time rank 0 spent blocked in communication
 # (comm/exposed_share: every collective, from the trainer's comm_blocked_seconds). Needs an MPI build and mpirun.
-#   dense: GPT with hidden 1024 (16 heads, SwiGLU ffn 2816, 2 layers, seq 256): DP 2, TP 2, TP 2 + SP
+#   dense: GPT with hidden 1024 (16 heads, SwiGLU ffn 2816, 2 layers, seq 256): DP 2 (one 40M-element bucket, the
+#          default), DP 2 with 2M-element buckets without and with --overlap-grad-reduce, TP 2, TP 2 + SP
 #   moe:   4 layers, hidden 256, 8 experts top-2: EP 2 (alltoall), TP 2 + SP, TP 2 + SP with EP 2
 # Usage: bash bench/layout_sweep.sh [BINARY] [ITERS] [dense|moe|both]   (default build/apps/moecore, 16, both)
 set -euo pipefail
@@ -63,8 +64,9 @@ for i, layout in enumerate(layouts, 1):
 PY
 }
 if [ "$which" != moe ]; then
-  run_model dense dense "DP 2|" "TP 2|--tensor-model-parallel-size 2" \
-    "TP 2 + SP|--tensor-model-parallel-size 2 --sequence-parallel"
+  run_model dense dense "DP 2|" "DP 2, 2M buckets|--ddp-bucket-size 2000000" \
+    "DP 2, 2M buckets, overlap|--ddp-bucket-size 2000000 --overlap-grad-reduce" \
+    "TP 2|--tensor-model-parallel-size 2" "TP 2 + SP|--tensor-model-parallel-size 2 --sequence-parallel"
 fi
 if [ "$which" != dense ]; then
   run_model moe moe "EP 2|--expert-model-parallel-size 2" \

@@ -83,7 +83,7 @@ TEST(MegatronFlags, UnsupportedFlagsAreRefusedByName) {
   for (const std::string& f :
        {std::string("--context-parallel-size 2"), std::string("--pipeline-model-parallel-size 4"),
         std::string("--expert-tensor-parallel-size 2"), std::string("--moe-shared-expert-overlap"),
-        std::string("--qk-l2-norm"), std::string("--recompute-activations"), std::string("--overlap-grad-reduce"),
+        std::string("--qk-l2-norm"), std::string("--recompute-activations"), std::string("--overlap-param-gather"),
         std::string("--fp8-format e4m3")}) {
     const CmdResult r = run_cmd("train --data-path x " + f);
     EXPECT_NE(r.status, 0) << f;

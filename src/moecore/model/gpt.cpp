@@ -39,18 +39,11 @@ std::string MemoryPlan::format() const {
 void GptModel::check_tensor_parallel() const {
   const int64_t P = par_.tp.size();
   if (P == 1) return;
-  auto not_yet = [&](bool on, const char* what) {
-    if (on)
-      MOECORE_FAIL(
-          "model: ", what, " with --tensor-model-parallel-size ", P,
-          " is not supported yet (tensor parallelism covers standard attention, MLA, dense MLPs and MoE layers)");
-  };
   if (cfg_.moe.enabled() && !par_.sequence_parallel)
     MOECORE_FAIL(
         "model: MoE layers (--num-experts) with --tensor-model-parallel-size ", P,
         " need --sequence-parallel (as Megatron: \"when using MoE and tensor parallelism, sequence parallelism "
         "must be used\")");
-  not_yet(cfg_.mtp_num_layers > 0, "--mtp-num-layers");
   auto need = [&](int64_t v, const char* what, const char* why) {
     if (v % P != 0)
       MOECORE_FAIL("model: ", what, " (", v, ") must be divisible by --tensor-model-parallel-size (", P, "): ", why);
@@ -169,6 +162,25 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
         (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters, device_);
     by_name[p.name] = &p;
   }
+  // The backward-order groups of parameters (set_grad_ready): each a contiguous run of the table.
+  auto range_of = [&](const std::string& prefix) {
+    size_t first = params_.size(), end = 0, n = 0;
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (params_[i].name.starts_with(prefix)) {
+        first = std::min(first, i);
+        end = i + 1;
+        ++n;
+      }
+    MOECORE_CHECK(n == 0 || n == end - first, "model: the parameters named ", prefix, "* are not contiguous");
+    return n ? std::make_pair(first, end) : std::make_pair(size_t{0}, size_t{0});
+  };
+  for (int64_t l = 0; l < cfg_.num_layers; ++l)
+    layer_params_.push_back(range_of("decoder.layers." + std::to_string(l) + "."));
+  for (int64_t k = 0; k < cfg_.mtp_num_layers; ++k)
+    layer_params_.push_back(range_of("mtp.layers." + std::to_string(k) + "."));
+  final_norm_params_ = range_of("decoder.final_layernorm.");
+  output_params_ = range_of("output_layer.");
+  embedding_params_ = range_of("embedding.");
   auto find = [&](const std::string& name) -> Param* {
     auto it = by_name.find(name);
     return it == by_name.end() ? nullptr : it->second;
@@ -268,10 +280,10 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     d.eh = find(pre + "eh_proj.weight");
     d.fnorm = find(pre + "final_layernorm.weight");
     d.fnorm_b = find(pre + "final_layernorm.bias");
-    d.ids = act({N}, DType::i32);
-    d.labels = act({N}, DType::i32);
-    d.ids_h = Tensor::empty({N}, DType::i32, MemCategory::workspace);
-    d.labels_h = Tensor::empty({N}, DType::i32, MemCategory::workspace);
+    d.ids = act({T}, DType::i32);  // every token (the vocabulary-parallel embedding and loss need them all)
+    d.labels = act({T}, DType::i32);
+    d.ids_h = Tensor::empty({T}, DType::i32, MemCategory::workspace);
+    d.labels_h = Tensor::empty({T}, DType::i32, MemCategory::workspace);
     for (Tensor* t : {&d.e, &d.hin, &d.x, &d.y}) *t = act({N, H}, DType::f32);
     for (Tensor* t : {&d.en, &d.hn, &d.h}) *t = act({N, H}, c);
     for (Tensor* t : {&d.e_rstd, &d.h_rstd, &d.f_rstd}) *t = act({N}, DType::f32);
@@ -279,6 +291,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       for (Tensor* t : {&d.e_mean, &d.h_mean, &d.f_mean}) *t = act({N}, DType::f32);
   }
   if (cfg_.mtp_num_layers > 0) {
+    if (par_.sequence_parallel) mtp_h_full_ = Tensor::empty({T, H}, c, MemCategory::workspace, device_);
     mtp_dx_c_ = Tensor::empty({N, H}, c, MemCategory::workspace, device_);
     for (Tensor* t : {&mtp_carry_, &mtp_dn_, &mtp_dfn_})
       *t = Tensor::empty({N, H}, DType::f32, MemCategory::workspace, device_);
@@ -366,10 +379,10 @@ void GptModel::zero_grad() {
   for (auto& p : params_) p.grad.zero_();
 }
 
-void GptModel::sum_tensor_parallel_grads() {
+void GptModel::sum_tensor_parallel_grads(size_t first, size_t end) {
   if (!tensor_parallel()) return;
-  for (auto& p : params_)
-    if (p.tp_grad_sum) all_reduce_sum(p.grad, par_.tp);
+  for (size_t i = first; i < std::min(end, params_.size()); ++i)
+    if (params_[i].tp_grad_sum) all_reduce_sum(params_[i].grad, par_.tp);
 }
 
 void GptModel::refresh_compute_weights() {
@@ -419,16 +432,7 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   dims_.tp = &par_.tp;
   set_dropout_keys(training);
   Tensor& x0 = residual_[0];
-  if (!tensor_parallel()) {
-    ops::embedding_forward(x0, ids_, embedding_->value, ctx);
-  } else {  // vocabulary-parallel: each rank's rows, summed over the group (reduce-scattered along the sequence)
-    Tensor& part = par_.sequence_parallel ? ws_.dh : x0;
-    ops::embedding_forward_shard(part, ids_, embedding_->value, vocab_start(), cfg_.vocab_size, ctx);
-    if (par_.sequence_parallel)
-      reduce_scatter_from(by_sequence(x0), by_sequence(part), 1, par_.tp);
-    else
-      all_reduce_sum(x0, par_.tp);
-  }
+  embed(x0, ids_, ctx);
   if (position_embedding_) {
     ops::embedding_forward(dres_, par_.sequence_parallel ? positions_local_ : positions_, position_embedding_->value,
                            ctx);
@@ -440,6 +444,34 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   nn::norm_forward(final_h_, final_mean_, final_rstd_, residual_.back(), final_norm_->value,
                    final_norm_bias_ ? final_norm_bias_->value : Tensor(), cfg_.norm_epsilon, ctx);
   if (par_.sequence_parallel) all_gather_into(by_sequence(final_full_), by_sequence(final_h_), 1, par_.tp);
+}
+
+// out [N, H] f32 (this rank's rows) = the word embeddings of ids [T]. Under TP vocabulary-parallel: each rank's rows,
+// summed over the group (reduce-scattered along the sequence under SP).
+void GptModel::embed(Tensor& out, const Tensor& ids, const ops::Context& ctx) {
+  if (!tensor_parallel()) {
+    ops::embedding_forward(out, ids, embedding_->value, ctx);
+    return;
+  }
+  Tensor& part = par_.sequence_parallel ? ws_.dh : out;
+  ops::embedding_forward_shard(part, ids, embedding_->value, vocab_start(), cfg_.vocab_size, ctx);
+  if (par_.sequence_parallel)
+    reduce_scatter_from(by_sequence(out), by_sequence(part), 1, par_.tp);
+  else
+    all_reduce_sum(out, par_.tp);
+}
+
+// Its backward: dtable += the gradient dx [N, H] of this rank's rows (all-gathered into dh_ under SP) for ids [T].
+void GptModel::embed_backward(const Tensor& dx, const Tensor& ids, const ops::Context& ctx) {
+  Tensor dfull = dx;
+  if (par_.sequence_parallel) {
+    dfull = dh_;
+    all_gather_into(by_sequence(dfull), by_sequence(dx), 1, par_.tp);
+  }
+  if (tensor_parallel())
+    ops::embedding_backward_shard(embedding_->grad, ids, dfull, vocab_start(), ctx);
+  else
+    ops::embedding_backward(embedding_->grad, ids, dfull, ctx);
 }
 
 int64_t GptModel::vocab_start() const {
@@ -500,7 +532,7 @@ void GptModel::mtp_forward(const Tensor& tokens, const Tensor& labels, bool trai
       roll_left(d.labels_h, j ? mtp_[j - 1].labels_h : labels, -1);
       d.labels.copy_from(d.labels_h);
     }
-    ops::embedding_forward(d.e, d.ids, embedding_->value, ctx);
+    embed(d.e, d.ids, ctx);
     if (d.drop.active()) ops::dropout_forward(d.e, d.e, d.drop, ctx);
     nn::norm_forward(d.en, d.e_mean, d.e_rstd, d.e, d.enorm->value, d.enorm_b ? d.enorm_b->value : Tensor(),
                      cfg_.norm_epsilon, ctx);
@@ -531,7 +563,14 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
     const int32_t* lp = d.labels_h.data<int32_t>();
     for (int64_t i = 0; i < N; ++i) r.mtp_tokens[j] += lp[i] >= 0;
     const float scale = r.mtp_tokens[j] ? grad_scale * weight / static_cast<float>(r.mtp_tokens[j]) : 0.0f;
-    nn::lm_head_loss(&mtp_dfn_, &output_->grad, d.h, output_->compute, d.labels, scale, head_ws_, ctx);
+    if (!par_.sequence_parallel) {
+      nn::lm_head_loss(&mtp_dfn_, &output_->grad, d.h, output_->compute, d.labels, scale, head_ws_, ctx, head_group());
+    } else {  // every token's h into the vocabulary-parallel head; its partial gradient reduce-scattered back
+      all_gather_into(by_sequence(mtp_h_full_), by_sequence(d.h), 1, par_.tp);
+      nn::lm_head_loss(&dh_, &output_->grad, mtp_h_full_, output_->compute, d.labels, scale, head_ws_, ctx,
+                       head_group(), /*reduce_dh=*/false);
+      reduce_scatter_from(by_sequence(mtp_dfn_), by_sequence(dh_), 1, par_.tp);
+    }
     r.mtp_loss_sum[j] = read_loss_sum();
     if (j + 1 < mtp_.size()) ops::add(mtp_dfn_, mtp_dfn_, mtp_carry_, ctx);  // depth j + 2 read h_{j+1} too
     nn::norm_backward(dres_, d.fnorm->grad, grad_of(d.fnorm_b), mtp_dfn_, d.y, d.fnorm->value, value_of(d.fnorm_b),
@@ -545,10 +584,11 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
     nn::norm_backward(dres_, d.enorm->grad, grad_of(d.enorm_b), mtp_dn_, d.e, d.enorm->value, value_of(d.enorm_b),
                       d.e_mean, d.e_rstd, false, ctx);
     if (d.drop.active()) ops::dropout_backward(dres_, dres_, d.drop, ctx);
-    ops::embedding_backward(embedding_->grad, d.ids, dres_, ctx);
+    embed_backward(dres_, d.ids, ctx);
     ops::gemm(mtp_dn_, mtp_dx_c_, false, d.eh->compute.slice(1, H, 2 * H), false, 1.0f, 0.0f, ctx);
     nn::norm_backward(mtp_carry_, d.hnorm->grad, grad_of(d.hnorm_b), mtp_dn_, d.hin, d.hnorm->value,
                       value_of(d.hnorm_b), d.h_mean, d.h_rstd, false, ctx);
+    grad_ready(layer_params_[static_cast<size_t>(cfg_.num_layers) + j]);
   }
 }
 
@@ -622,28 +662,27 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
   nn::lm_head_loss(&dh_, &output_->grad, head_input(), output_->compute, labels_, token_scale, head_ws_, ctx,
                    head_group(), /*reduce_dh=*/!sp);
   r.loss_sum = read_loss_sum();
-  if (!mtp_.empty()) ops::add(dh_, dh_, mtp_carry_, ctx);  // h_0 also fed the first MTP depth
+  if (output_ != embedding_) grad_ready(output_params_);
   Tensor dfinal = dh_;
   if (sp) {  // the head's partial input gradients, reduce-scattered to this rank's rows
     dfinal = ws_.dh_local;
     reduce_scatter_from(by_sequence(dfinal), by_sequence(dh_), 1, par_.tp);
   }
+  if (!mtp_.empty()) ops::add(dfinal, dfinal, mtp_carry_, ctx);  // h_0 also fed the first MTP depth
   Tensor no_grad;
   nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, dfinal,
                     residual_.back(), final_norm_->value, final_norm_bias_ ? final_norm_bias_->value : Tensor(),
                     final_mean_, final_rstd_, false, ctx);
-  for (size_t l = static_cast<size_t>(cfg_.num_layers); l-- > 0;) layer_backward(l, residual_[l], grad_scale, ctx);
-  if (embedding_drop_.active()) ops::dropout_backward(dres_, dres_, embedding_drop_, ctx);
-  Tensor dx0 = dres_;  // the embedding output's gradient for every token (all-gathered under sequence parallelism)
-  if (sp) {
-    dx0 = dh_;
-    all_gather_into(by_sequence(dx0), by_sequence(dres_), 1, par_.tp);
+  grad_ready(final_norm_params_);
+  for (size_t l = static_cast<size_t>(cfg_.num_layers); l-- > 0;) {
+    layer_backward(l, residual_[l], grad_scale, ctx);
+    grad_ready(layer_params_[l]);
   }
-  if (tensor_parallel())
-    ops::embedding_backward_shard(embedding_->grad, ids_, dx0, vocab_start(), ctx);
-  else
-    ops::embedding_backward(embedding_->grad, ids_, dx0, ctx);
-  if (position_embedding_) ops::embedding_backward(position_embedding_->grad, positions_, dx0, ctx);
+  if (embedding_drop_.active()) ops::dropout_backward(dres_, dres_, embedding_drop_, ctx);
+  embed_backward(dres_, ids_, ctx);
+  // (embed_backward left every token's gradient in dh_ under SP; learned positions do not combine with MTP)
+  if (position_embedding_) ops::embedding_backward(position_embedding_->grad, positions_, sp ? dh_ : dres_, ctx);
+  grad_ready(embedding_params_);  // (the output layer too when tied: it is the embedding)
   return r;
 }
 
@@ -711,7 +750,7 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
     count(MemCategory::workspace, {&d.ids_h, &d.labels_h});  // host: the rolled batch before its upload
   }
   count(MemCategory::workspace, {&rope_, &positions_, &positions_local_, &dres_, &dh_, &ids_, &labels_, &moe_x_,
-                                 &moe_out_, &mtp_dx_c_, &mtp_carry_, &mtp_dn_, &mtp_dfn_});
+                                 &moe_out_, &mtp_dx_c_, &mtp_carry_, &mtp_dn_, &mtp_dfn_, &mtp_h_full_});
   return plan;
 }
 

@@ -4,6 +4,8 @@
 // Shapes are fixed at construction (micro_batch_size x seq_length): every buffer is allocated then, and
 // the step loop allocates nothing. Not here: the optimizer (optim/) and the training loop (train/).
 #pragma once
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -75,10 +77,17 @@ class GptModel {
   int64_t num_parameters() const;
 
   void zero_grad();
-  // Sums the gradients of the Param::tp_grad_sum parameters over the tensor-parallel group (Megatron's
-  // finalize_model_grads): once per step after the last micro-batch, before the data-parallel reduction. Collective
-  // over the TP group; nothing without TP.
-  void sum_tensor_parallel_grads();
+  // Sums the gradients of the Param::tp_grad_sum parameters among params()[first, end) (default: all) over the
+  // tensor-parallel group (Megatron's finalize_model_grads): once per step after the last micro-batch, before the
+  // data-parallel reduction. Collective over the TP group; nothing without TP.
+  void sum_tensor_parallel_grads(size_t first = 0, size_t end = SIZE_MAX);
+
+  // Backward's progress, for overlapping the gradient reduction with it (--overlap-grad-reduce): while set,
+  // forward_backward calls fn(first, end) each time it has finished adding to the gradients of params()[first, end)
+  // -- each MTP depth, the output layer, the final norm, each layer from the last, then the embeddings -- so that
+  // every parameter is named exactly once per call. An empty function: no calls.
+  using GradReadyFn = std::function<void(size_t first, size_t end)>;
+  void set_grad_ready(GradReadyFn fn) { grad_ready_ = std::move(fn); }
   // Once per optimizer step, after the update: expert-bias updates and MoE counter resets. A skipped step
   // (non-finite gradients) passes update=false: counters reset, expert biases untouched.
   void finish_step(bool update = true);
@@ -122,6 +131,8 @@ class GptModel {
   void check_tensor_parallel() const;
   bool tensor_parallel() const { return par_.tp.size() > 1; }
   int64_t vocab_start() const;  // the first vocabulary id of this rank's embedding / output rows
+  void embed(Tensor& out, const Tensor& ids, const ops::Context& ctx);
+  void embed_backward(const Tensor& dx, const Tensor& ids, const ops::Context& ctx);
   const Tensor& head_input() const { return par_.sequence_parallel ? final_full_ : final_h_; }
   const ProcessGroup* head_group() const { return tensor_parallel() ? &par_.tp : nullptr; }  // vocab-parallel head
   Tensor by_sequence(const Tensor& t) const;  // [rows, H] as [B, rows / B, H]
@@ -184,8 +195,17 @@ class GptModel {
   std::vector<MtpDepth> mtp_;
   Tensor mtp_dx_c_;                      // [N, H] compute: a depth's layer-input gradient for the eh_proj GEMMs
   Tensor mtp_carry_, mtp_dn_, mtp_dfn_;  // [N, H] f32: dL/dh_{k-1}, a norm-output gradient, dL/dh_k
+  Tensor mtp_h_full_;                    // [T, H] compute: a depth's h_k all-gathered (sequence parallelism only)
   moe::MoeLayerDims moe_dims_;
   ModelParallel par_;
+  GradReadyFn grad_ready_;
+  // params_ index ranges [first, end) for the backward-order notifications: per layer (decoder layers, then each MTP
+  // depth with its own norms and eh_proj), the final norm, the output layer (empty when tied), and the embeddings.
+  std::vector<std::pair<size_t, size_t>> layer_params_;
+  std::pair<size_t, size_t> final_norm_params_{0, 0}, output_params_{0, 0}, embedding_params_{0, 0};
+  void grad_ready(std::pair<size_t, size_t> r) const {
+    if (grad_ready_ && r.first < r.second) grad_ready_(r.first, r.second);
+  }
   std::unique_ptr<moe::Dispatcher> dispatcher_;
   Tensor moe_x_;                    // [S*B, H] compute: the MoE input in Megatron's sequence-major token order
   Tensor moe_out_;                  // [S*B, H] f32: MoE output (sequence-major); in backward its gradient

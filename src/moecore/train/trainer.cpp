@@ -266,65 +266,122 @@ void reduce_stats_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses
   }
 }
 
-// Sums gradients over their groups: expert shards over edp, everything else over dp.
-// Gradients are packed into buckets of up to `bucket` elements (whole parameters; a larger one goes alone),
-// one all-reduce per bucket. The reduction is element-wise in rank order, so bucketing changes no bit.
+// Sums gradients over their groups: expert shards over edp, everything else over dp. Gradients are packed into
+// buckets of up to `bucket` elements in backward order (whole parameters; a larger one goes alone and is reduced in
+// place), one all-reduce per bucket. The reduction is element-wise in rank order, so neither bucketing nor overlap
+// changes a bit.
+// Per step: begin(), ready(first, end) as the gradients of params()[first, end) become final, finish(). Without
+// overlap the trainer marks everything ready after the last backward and each bucket is reduced in turn through one
+// bucket-sized buffer; with overlap (--overlap-grad-reduce) a bucket's nonblocking all-reduce is posted as soon as
+// its last parameter is ready, during backward (the model's set_grad_ready), from a buffer holding every bucket,
+// and finish() waits for them all.
 class GradBuckets {
  public:
-  GradBuckets(const model::GptModel& gpt, const TrainGroups& g, int64_t bucket) : g_(g) {
-    int64_t total[2] = {0, 0};
-    for (const auto& p : gpt.params()) total[p.expert_parallel ? 1 : 0] += p.grad.numel();
-    const int64_t n = std::min(std::max(total[0], total[1]), bucket);
-    if (g.dp.size() > 1 || g.edp.size() > 1)
-      flat_ = Tensor::empty({n}, DType::f32, MemCategory::workspace, gpt.device());
-    pending_.reserve(gpt.params().size());
-  }
-  void all_reduce(model::GptModel& gpt) {
+  GradBuckets(const model::GptModel& gpt, const TrainGroups& g, int64_t bucket, bool overlap)
+      : g_(g), overlap_(overlap) {
+    const auto& params = gpt.params();
+    bucket_of_.assign(params.size(), -1);
+    int64_t offset[2] = {0, 0}, widest = 0;
     for (int kind = 0; kind < 2; ++kind) {
-      const ProcessGroup& grp = kind == 1 ? g_.edp : g_.dp;
-      if (grp.size() <= 1) continue;
-      std::vector<Param*>& pending = pending_;  // capacity kept across steps: no allocation per step
-      int64_t used = 0;
-      auto flush = [&]() {
-        if (pending.empty()) return;
-        int64_t o = 0;
-        for (Param* p : pending) {  // device copies: the bucket lives where the gradients do
-          const int64_t n = p->grad.numel();
-          Tensor part = flat_.slice(0, o, o + n);
-          part.copy_from(p->grad.view({n}));
-          o += n;
-        }
-        all_reduce_sum(flat_.slice(0, 0, o), grp);
-        o = 0;
-        for (Param* p : pending) {
-          const int64_t n = p->grad.numel();
-          Tensor grad = p->grad.view({n});
-          grad.copy_from(flat_.slice(0, o, o + n));
-          o += n;
-        }
-        pending.clear();
-        used = 0;
-      };
-      for (auto& p : gpt.params()) {
-        if (p.expert_parallel != (kind == 1)) continue;
-        const int64_t n = p.grad.numel();
-        if (n > flat_.numel()) {  // wider than a bucket: reduced in place
-          flush();
-          all_reduce_sum(p.grad, grp);
-          continue;
-        }
-        if (used + n > flat_.numel()) flush();
-        pending.push_back(&p);
-        used += n;
+      if (group(kind).size() <= 1) continue;
+      for (size_t i = params.size(); i-- > 0;) {  // backward order: the last parameters' gradients are final first
+        if (params[i].expert_parallel != (kind == 1)) continue;
+        const int64_t n = params[i].grad.numel();
+        const bool alone = n > bucket;
+        if (alone || buckets_.empty() || buckets_.back().kind != kind || buckets_.back().alone ||
+            buckets_.back().elems + n > bucket)
+          buckets_.push_back(Bucket{kind, alone, {}, 0, alone ? 0 : offset[kind], 0, {}});
+        Bucket& b = buckets_.back();
+        b.params.push_back(i);
+        b.elems += n;
+        if (!alone) offset[kind] += n;
+        widest = std::max(widest, alone ? 0 : b.elems);
+        bucket_of_[i] = static_cast<int>(buckets_.size() - 1);
       }
-      flush();
+    }
+    for (int kind = 0; kind < 2; ++kind) {
+      const int64_t n = overlap ? offset[kind] : (kind == 0 ? widest : 0);
+      if (n > 0) flat_[kind] = Tensor::empty({n}, DType::f32, MemCategory::workspace, gpt.device());
+    }
+  }
+
+  void begin() {
+    for (Bucket& b : buckets_) {
+      b.pending = static_cast<int64_t>(b.params.size());
+      b.handle = CommHandle();
+    }
+  }
+  void ready(model::GptModel& gpt, size_t first, size_t end) {
+    for (size_t i = first; i < end; ++i) {
+      const int k = bucket_of_[i];
+      if (k >= 0 && --buckets_[static_cast<size_t>(k)].pending == 0) post(gpt, buckets_[static_cast<size_t>(k)]);
+    }
+    if (overlap_)  // progress for the buckets in flight (the comm layer advances them inside comm calls only)
+      for (Bucket& b : buckets_)
+        if (b.pending == 0) b.handle.test();
+  }
+  void finish(model::GptModel& gpt) {
+    for (Bucket& b : buckets_) {
+      MOECORE_CHECK(b.pending == 0, "gradient bucket with ", b.pending, " parameters never marked ready");
+      if (!overlap_) continue;
+      b.handle.wait();
+      if (!b.alone) unpack(gpt, b, flat_[b.kind]);
     }
   }
 
  private:
+  struct Bucket {
+    int kind = 0;        // 0: dense over dp, 1: experts over edp
+    bool alone = false;  // one parameter wider than a bucket: reduced in place
+    std::vector<size_t> params;
+    int64_t elems = 0, offset = 0;  // its elements and, with overlap, where they sit in flat_[kind]
+    int64_t pending = 0;            // parameters not ready yet this step
+    CommHandle handle;
+  };
+  const ProcessGroup& group(int kind) const { return kind == 1 ? g_.edp : g_.dp; }
+  // The bucket's slice of flat (device copies: the buffer lives where the gradients do).
+  void pack(model::GptModel& gpt, const Bucket& b, Tensor& flat) {
+    int64_t o = overlap_ ? b.offset : 0;
+    for (size_t i : b.params) {
+      const Tensor& g = gpt.params()[i].grad;
+      flat.slice(0, o, o + g.numel()).copy_from(g.view({g.numel()}));
+      o += g.numel();
+    }
+  }
+  void unpack(model::GptModel& gpt, const Bucket& b, const Tensor& flat) {
+    int64_t o = overlap_ ? b.offset : 0;
+    for (size_t i : b.params) {
+      Tensor g = gpt.params()[i].grad.view({gpt.params()[i].grad.numel()});
+      g.copy_from(flat.slice(0, o, o + g.numel()));
+      o += g.numel();
+    }
+  }
+  void post(model::GptModel& gpt, Bucket& b) {
+    const ProcessGroup& grp = group(b.kind);
+    if (b.alone) {
+      Tensor& g = gpt.params()[b.params[0]].grad;
+      if (overlap_)
+        b.handle = all_reduce_sum_async(g, grp);
+      else
+        all_reduce_sum(g, grp);
+      return;
+    }
+    Tensor& flat = flat_[overlap_ ? b.kind : 0];
+    pack(gpt, b, flat);
+    const int64_t at = overlap_ ? b.offset : 0;
+    if (overlap_) {
+      b.handle = all_reduce_sum_async(flat.slice(0, at, at + b.elems), grp);
+      return;
+    }
+    all_reduce_sum(flat.slice(0, 0, b.elems), grp);
+    unpack(gpt, b, flat);
+  }
+
   const TrainGroups& g_;
-  Tensor flat_;
-  std::vector<Param*> pending_;
+  bool overlap_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_;  // per parameter, its bucket (-1: its group has one rank)
+  Tensor flat_[2];              // with overlap one buffer per kind holding its buckets; else [0]: one bucket's
 };
 
 // The global L2 norm of the reduced gradients, every parameter counted once: the replicated parameters'
@@ -513,7 +570,12 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   std::unique_ptr<GradBuckets> buckets;
   // Expert gradients reduce over edp, which also spans the TP ranks (TP 2 x DP 1 has EDP 2 with ETP 1).
   const bool reduces_grads = dp_size > 1 || groups.edp.size() > 1;
-  if (!zero && reduces_grads) buckets = std::make_unique<GradBuckets>(gpt, groups, cfg.ddp_bucket_size);
+  if (cfg.overlap_grad_reduce && zero)
+    MOECORE_FAIL(
+        "training: --overlap-grad-reduce is not supported yet with --use-distributed-optimizer (its reduce-scatter "
+        "runs after backward); drop one of them");
+  const bool overlap = cfg.overlap_grad_reduce && reduces_grads;
+  if (!zero && reduces_grads) buckets = std::make_unique<GradBuckets>(gpt, groups, cfg.ddp_bucket_size, overlap);
   GradChecks checks(gpt);
   TrainProgress progress;
   int64_t schedule_start = 0;  // the iteration at which the LR schedule's step 0 falls
@@ -609,9 +671,19 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
     std::vector<double> mtp_loss(static_cast<size_t>(m.mtp_num_layers), 0.0);  // per depth
     MoeStepLosses moe_losses;
     int64_t moe_layers = 0;
+    if (buckets) buckets->begin();
     for (int64_t mb = 0; mb < micro_local; ++mb) {
       batches(tokens, labels, false, it * micro + dp_rank * micro_local + mb);
       gpt.set_dropout_step(it, dp_rank * micro_local + mb);
+      struct HookGuard {  // the hook refers to this scope: never left behind (an exception included)
+        model::GptModel& m;
+        ~HookGuard() { m.set_grad_ready({}); }
+      } hook_guard{gpt};
+      if (overlap && mb + 1 == micro_local)  // the last backward: each bucket is reduced once its gradients are final
+        gpt.set_grad_ready([&](size_t first, size_t end) {
+          gpt.sum_tensor_parallel_grads(first, end);
+          buckets->ready(gpt, first, end);
+        });
       const model::LossResult r = gpt.forward_backward(tokens, labels, 1.0f / static_cast<float>(micro));
       step_loss += r.mean();
       for (size_t k = 0; k < mtp_loss.size(); ++k) mtp_loss[k] += r.mtp_mean(k) / static_cast<double>(micro_local);
@@ -631,11 +703,18 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
     if (groups.tp.size() > 1)  // the expert-bias counts over TP x DP (spec §2.10): each TP rank routed its own rows
       for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l)
         if (moe::RouterState* st = gpt.router_state(l)) all_reduce_sum(st->local_tokens_per_expert, groups.tp);
-    gpt.sum_tensor_parallel_grads();
-    if (zero)
+    if (zero) {
+      gpt.sum_tensor_parallel_grads();
       zero->reduce_scatter_grads();
-    else if (reduces_grads)
-      buckets->all_reduce(gpt);
+    } else if (overlap) {
+      buckets->finish(gpt);  // (the TP sums ran as the gradients became final)
+    } else {
+      gpt.sum_tensor_parallel_grads();
+      if (buckets) {
+        buckets->ready(gpt, 0, gpt.params().size());
+        buckets->finish(gpt);
+      }
+    }
     bool skip = false;
     if (cfg.check_for_nan) {
       std::string bad = !std::isfinite(step_loss) ? std::string("lm loss")

@@ -64,6 +64,7 @@ struct TrainConfig {
   std::string tensorboard_dir;                      // --tensorboard-dir: TensorBoard event files
   double peak_gflops = 0;                           // GEMM peak measured at start (0: no MFU on the log line)
   bool use_distributed_optimizer = false;           // --use-distributed-optimizer: ZeRO-1 over dp (experts: over edp)
+  bool overlap_grad_reduce = false;  // --overlap-grad-reduce: each gradient bucket's all-reduce starts during backward
   int64_t ddp_bucket_size = 40'000'000;  // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
                                          // bucket
   void validate() const;
