@@ -680,7 +680,7 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
   }
   if (embedding_drop_.active()) ops::dropout_backward(dres_, dres_, embedding_drop_, ctx);
   embed_backward(dres_, ids_, ctx);
-  // (embed_backward left every token's gradient in dh_ under SP; learned positions do not combine with MTP)
+  // (under SP embed_backward left every token's gradient in dh_: the positions' table is whole on every rank)
   if (position_embedding_) ops::embedding_backward(position_embedding_->grad, positions_, sp ? dh_ : dres_, ctx);
   grad_ready(embedding_params_);  // (the output layer too when tied: it is the embedding)
   return r;
