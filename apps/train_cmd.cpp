@@ -285,13 +285,13 @@ Device device_from_flag(const Args& a, int world_size) {
   return d;
 }
 
-void check_model_fits(const model::ModelConfig& mc, int ep) {
-  const int64_t params = model::parameters_per_rank(mc, ep), ram = memory_physical_bytes();
+void check_model_fits(const model::ModelConfig& mc, int ep, int tp) {
+  const int64_t params = model::parameters_per_rank(mc, ep, tp), ram = memory_physical_bytes();
   int64_t need = 0;
   if (__builtin_mul_overflow(params, int64_t{8}, &need) || (ram > 0 && need > ram))
     MOECORE_FAIL("train: the model has ", params, " parameters per rank (", mc.summary(), "); their fp32 values and ",
                  "gradients alone need ", memory_format_bytes(need), ", more than this machine's ",
-                 memory_format_bytes(ram), " of memory: use a smaller model or more expert-parallel ranks");
+                 memory_format_bytes(ram), " of memory: use a smaller model or more expert- or tensor-parallel ranks");
 }
 
 // --save, --tensorboard-dir and the folder of --metrics-jsonl must be writable before the first step, not at
@@ -438,7 +438,7 @@ int train_main(int argc, char** argv) {
     MOECORE_FAIL("--moe-use-upcycling with --tensor-model-parallel-size ", ep.tp.size(),
                  " is not supported yet: upcycle at TP 1, save, and load the checkpoint at any TP");
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
-  check_model_fits(mcfg, std::max(1, ep.ep.size()));
+  check_model_fits(mcfg, std::max(1, ep.ep.size()), std::max(1, ep.tp.size()));
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep, device);
   optim::AdamW opt(gpt.params(), optimizer_config_from(a), /*allocate_state=*/!tcfg.use_distributed_optimizer);
   if (!a.str("--load-hf").empty()) {

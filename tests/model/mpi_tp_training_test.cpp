@@ -159,6 +159,9 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
            bool overlap = false) {
   const Built b = build(world, l, mc.moe.num_experts);
   model::GptModel gpt(mc, 2, 42, b.par, testing::test_device());
+  // The start-up memory check's count (apps: check_model_fits) is what this rank allocates.
+  EXPECT_EQ(model::parameters_per_rank(mc, static_cast<int>(gpt.ep_size()), static_cast<int>(gpt.tp_size())),
+            gpt.num_parameters());
   optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!zero);
   train::TrainConfig tc = train_config(iters);
   tc.use_distributed_optimizer = zero;

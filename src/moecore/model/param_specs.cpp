@@ -17,10 +17,10 @@ std::vector<LayerSpec> layer_specs(const ModelConfig& cfg) {
   return out;
 }
 
-int64_t parameters_per_rank(const ModelConfig& cfg, int ep) {
+int64_t parameters_per_rank(const ModelConfig& cfg, int ep, int tp) {
   int64_t n = 0;
   for (const ParamSpec& p : parameter_specs(cfg)) {
-    const int64_t k = p.expert ? p.shape.numel() / ep : p.shape.numel();
+    const int64_t k = p.expert ? p.shape.numel() / ep : p.tp_dim >= 0 ? p.shape.numel() / tp : p.shape.numel();
     if (__builtin_add_overflow(n, k, &n)) MOECORE_FAIL("model: more than 2^63 parameters (", cfg.summary(), ")");
   }
   return n;

@@ -54,9 +54,10 @@ struct ParamSpec {
 // init_method_std^2), the output projections of each block at std / sqrt(2 * num_layers) (Megatron's scaled init); norm
 // weights at 1, norm and linear biases at 0, the router's bias like a weight (as Megatron).
 std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg);
-// Parameters one rank holds: every parameter, the routed experts divided over `ep` expert-parallel ranks (as
-// GptModel allocates them). Overflow-checked: absurd sizes are an Error, before anything is allocated.
-int64_t parameters_per_rank(const ModelConfig& cfg, int ep);
+// Parameters one rank holds: every parameter, the routed experts divided over `ep` expert-parallel ranks and the
+// tensor-parallel splits over `tp` ranks (as GptModel allocates them). Overflow-checked: absurd sizes are an Error,
+// before anything is allocated.
+int64_t parameters_per_rank(const ModelConfig& cfg, int ep, int tp = 1);
 
 // Model FLOPs (echo-folding-perf.md's formula, Megatron's count) derived from the same configuration:
 // per token, the attention projections P_attn (multiply-adds per token per layer) and the attention core A_core
