@@ -48,13 +48,17 @@ json model_fingerprint(const model::ModelConfig& c) {
 }
 
 // The tensor `name` of `file`, which must have like's dtype and shape. `file` is the path shown in errors.
-const Tensor& need(const io::SafetensorsFile& f, const std::string& file, const std::string& name, const Tensor& like) {
+const Tensor& need(const io::SafetensorsFile& f, const std::string& file, const std::string& name, const Shape& shape,
+                   DType dtype) {
   auto it = f.tensors.find(name);
   if (it == f.tensors.end()) MOECORE_FAIL("checkpoint: '", file, "' has no tensor '", name, "'");
-  if (!(it->second.shape() == like.shape()) || it->second.dtype() != like.dtype())
+  if (!(it->second.shape() == shape) || it->second.dtype() != dtype)
     MOECORE_FAIL("checkpoint: '", file, "' tensor '", name, "' is ", it->second.str(), " but the model expects ",
-                 like.str());
+                 shape.str(), " ", dtype_name(dtype));
   return it->second;
+}
+const Tensor& need(const io::SafetensorsFile& f, const std::string& file, const std::string& name, const Tensor& like) {
+  return need(f, file, name, like.shape(), like.dtype());
 }
 
 // Field readers for state.json: the type and range are checked, so no nlohmann exception and no overflowing
@@ -492,8 +496,7 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
           if (copy) dst.copy_from(t);
           return;
         }
-        const Tensor like = Tensor::empty(p.tp.global_shape(dst.shape()), dst.dtype(), MemCategory::workspace);
-        const Tensor& t = need(f, path, name, like);
+        const Tensor& t = need(f, path, name, p.tp.global_shape(dst.shape()), dst.dtype());
         if (copy) dst.copy_from(shard_slice(t, p.tp));
       };
       take(p.value, model, model_path, p.name);
