@@ -1,7 +1,8 @@
 // CPU token embedding (gather forward, deterministic scatter-add backward) and the fused softmax
 // cross-entropy, which overwrites the logits with their gradient so no probability tensor exists.
 // Ids and labels are validated before any parallel region (an exception cannot leave one).
-// Not here: vocab-parallel embedding or loss (the parallel/ floor splits V and reduces across ranks).
+// Also each rank's part of the vocabulary-parallel embedding (the same kernels over a range of table rows).
+// Not here: the group's reductions (the callers' collectives).
 #include <limits>
 
 #include "moecore/kernels/cpu/cpu_util.h"
@@ -21,12 +22,20 @@ void check_ids(const cpu::Checker& c, const char* what, const int32_t* ids, int6
   }
 }
 
+// Rows [first, first + rows) of the vocabulary live in `table` (the whole table: first 0, rows V); an id outside them
+// gives a zero row (forward) or nothing (backward): the vocabulary-parallel embedding's shard.
 template <class TO>
-void embedding_forward_kernel(TO* out, const int32_t* ids, const float* table, int64_t N, int64_t H) {
+void embedding_forward_kernel(TO* out, const int32_t* ids, const float* table, int64_t N, int64_t H, int64_t first,
+                              int64_t rows) {
 #pragma omp parallel for schedule(static) if (N * H > cpu::kParallelWork)
   for (int64_t n = 0; n < N; ++n) {
-    const float* src = table + static_cast<int64_t>(ids[n]) * H;
+    const int64_t row = ids[n] - first;
     TO* dst = out + n * H;
+    if (row < 0 || row >= rows) {
+      for (int64_t h = 0; h < H; ++h) st(dst[h], 0.0f);
+      continue;
+    }
+    const float* src = table + row * H;
 #pragma omp simd
     for (int64_t h = 0; h < H; ++h) st(dst[h], src[h]);
   }
@@ -34,14 +43,17 @@ void embedding_forward_kernel(TO* out, const int32_t* ids, const float* table, i
 
 // Threads own disjoint column blocks and each walks all tokens in order, so every dtable element
 // receives its contributions in token order whatever the split: deterministic with no sorting.
-void embedding_backward_kernel(float* dtable, const int32_t* ids, const float* dout, int64_t N, int64_t H) {
+void embedding_backward_kernel(float* dtable, const int32_t* ids, const float* dout, int64_t N, int64_t H,
+                               int64_t first, int64_t rows) {
   constexpr int64_t kBlock = 64;
   const int64_t blocks = (H + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static) if (N * H > cpu::kParallelWork)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t h0 = b * kBlock, h1 = std::min(H, h0 + kBlock);
     for (int64_t n = 0; n < N; ++n) {
-      float* dst = dtable + static_cast<int64_t>(ids[n]) * H;
+      const int64_t row = ids[n] - first;
+      if (row < 0 || row >= rows) continue;
+      float* dst = dtable + row * H;
       const float* src = dout + n * H;
 #pragma omp simd
       for (int64_t h = h0; h < h1; ++h) dst[h] += src[h];
@@ -96,7 +108,8 @@ void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table, cons
     if (ctx.device == Device::cuda) return cuda::embedding_forward(out, ids, table, ctx);
   check_ids(c, "id", ids.data<int32_t>(), N, V, false);
   cpu::with_float_type(out.dtype(), [&](auto t) {
-    embedding_forward_kernel(static_cast<decltype(t)*>(out.raw()), ids.data<int32_t>(), table.data<float>(), N, H);
+    embedding_forward_kernel(static_cast<decltype(t)*>(out.raw()), ids.data<int32_t>(), table.data<float>(), N, H, 0,
+                             V);
   });
 }
 
@@ -114,7 +127,47 @@ void embedding_backward(Tensor& dtable, const Tensor& ids, const Tensor& dout, c
   if constexpr (cpu::kCudaKernels)
     if (ctx.device == Device::cuda) return cuda::embedding_backward(dtable, ids, dout, ctx);
   check_ids(c, "id", ids.data<int32_t>(), N, V, false);
-  embedding_backward_kernel(dtable.data<float>(), ids.data<int32_t>(), dout.data<float>(), N, H);
+  embedding_backward_kernel(dtable.data<float>(), ids.data<int32_t>(), dout.data<float>(), N, H, 0, V);
+}
+
+// The vocabulary-parallel embedding: this rank's rows of the table, zeros (forward) or nothing (backward) for the
+// other ids. Not here: the group's reduction (the caller's collective).
+void embedding_forward_shard(Tensor& out, const Tensor& ids, const Tensor& table, int64_t vocab_start,
+                             int64_t vocab_size, const Context& ctx) {
+  const cpu::Checker c("embedding_forward_shard", ctx, {{"out", &out}, {"ids", &ids}, {"table", &table}},
+                       cpu::Backends::cpu_and_cuda);
+  c.rank("ids", 1);
+  c.dtype("ids", DType::i32);
+  c.rank("table", 2);
+  c.dtype("table", DType::f32);
+  c.dtype("out", DType::f32);
+  const int64_t N = ids.size(0), Vl = table.size(0), H = table.size(1);
+  c.shape("out", Shape{N, H});
+  for (const char* name : {"out", "ids", "table"}) c.contiguous(name);
+  if (vocab_start < 0 || vocab_start + Vl > vocab_size)
+    c.fail("the table's rows [", vocab_start, ", ", vocab_start + Vl, ") are not inside the vocabulary [0, ",
+           vocab_size, ")");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::embedding_forward_shard(out, ids, table, vocab_start, vocab_size, ctx);
+  check_ids(c, "id", ids.data<int32_t>(), N, vocab_size, false);
+  embedding_forward_kernel(out.data<float>(), ids.data<int32_t>(), table.data<float>(), N, H, vocab_start, Vl);
+}
+
+void embedding_backward_shard(Tensor& dtable, const Tensor& ids, const Tensor& dout, int64_t vocab_start,
+                              const Context& ctx) {
+  const cpu::Checker c("embedding_backward_shard", ctx, {{"dtable", &dtable}, {"ids", &ids}, {"dout", &dout}},
+                       cpu::Backends::cpu_and_cuda);
+  c.rank("ids", 1);
+  c.dtype("ids", DType::i32);
+  c.rank("dtable", 2);
+  c.dtype("dtable", DType::f32);
+  c.dtype("dout", DType::f32);
+  const int64_t N = ids.size(0), Vl = dtable.size(0), H = dtable.size(1);
+  c.shape("dout", Shape{N, H});
+  for (const char* name : {"dtable", "ids", "dout"}) c.contiguous(name);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::embedding_backward_shard(dtable, ids, dout, vocab_start, ctx);
+  embedding_backward_kernel(dtable.data<float>(), ids.data<int32_t>(), dout.data<float>(), N, H, vocab_start, Vl);
 }
 
 void softmax_cross_entropy(Tensor& loss, Tensor& logits, const Tensor& labels, float grad_scale, bool compute_grad,
