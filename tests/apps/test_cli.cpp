@@ -58,6 +58,28 @@ class Cli : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
   std::string p(const char* name) const { return (dir_ / name).string(); }
+  // `moecore <args>` (ending in --metrics-jsonl) on one process with `one_extra`, then on two ranks with each of
+  // `layouts`: every two-rank run logs the single process's 5 losses within 1e-5 relative (summation orders differ),
+  // and the share of step time blocked in communication on every logged step.
+  void expect_two_ranks_match(const std::string& args, const std::string& one_extra,
+                              const std::vector<std::string>& layouts) const {
+    std::filesystem::remove(p("one.jsonl"));
+    ASSERT_EQ(testing::run_moecore(args + p("one.jsonl") + one_extra).status, 0);
+    const auto one = jsonl_losses(p("one.jsonl"));
+    ASSERT_EQ(one.size(), 5u);
+    for (const std::string& extra : layouts) {
+      std::filesystem::remove(p("two.jsonl"));
+      const Result r = run_mpi(2, args + p("two.jsonl") + extra);
+      ASSERT_EQ(r.status, 0) << r.output;
+      const auto two = jsonl_losses(p("two.jsonl"));
+      ASSERT_EQ(two.size(), 5u) << extra << "\n" << r.output;
+      for (size_t i = 0; i < one.size(); ++i)
+        EXPECT_NEAR(two[i], one[i], 1e-5 * std::fabs(one[i])) << extra << " " << i;
+      const auto share = jsonl_field(p("two.jsonl"), "comm/exposed_share");
+      ASSERT_EQ(share.size(), 5u) << extra;
+      for (double v : share) EXPECT_TRUE(v > 0.0 && v < 1.0) << extra << ": " << v;
+    }
+  }
   // The corpus as byte-level .bin/.idx under the prefix p("c") (data path p("c_text_document")).
   void preprocess_corpus() const {
     const Result r = run("preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("c") +
@@ -237,23 +259,9 @@ TEST_F(Cli, TensorParallelMatchesOneProcess) {
         " --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
         "--moe-token-dispatcher-type alltoall"}}};
   for (const auto& [model, layouts] : cases) {
-    std::filesystem::remove(p("one.jsonl"));
-    ASSERT_EQ(run(args + p("one.jsonl") + model + " --make-vocab-size-divisible-by 256").status, 0);
-    const auto one = jsonl_losses(p("one.jsonl"));
-    ASSERT_EQ(one.size(), 5u);
-    for (const std::string& extra : layouts) {
-      std::filesystem::remove(p("two.jsonl"));
-      const Result r = run_mpi(2, args + p("two.jsonl") + model + extra);
-      ASSERT_EQ(r.status, 0) << r.output;
-      const auto two = jsonl_losses(p("two.jsonl"));
-      ASSERT_EQ(two.size(), 5u) << model << extra << "\n" << r.output;
-      for (size_t i = 0; i < one.size(); ++i)
-        EXPECT_NEAR(two[i], one[i], 1e-5 * std::fabs(one[i])) << model << extra << " " << i;
-      // The share of step time blocked in communication, on every logged step of a multi-process run.
-      const auto share = jsonl_field(p("two.jsonl"), "comm/exposed_share");
-      ASSERT_EQ(share.size(), 5u) << extra;
-      for (double v : share) EXPECT_TRUE(v > 0.0 && v < 1.0) << extra << ": " << v;
-    }
+    std::vector<std::string> flags;
+    for (const std::string& l : layouts) flags.push_back(model + l);
+    expect_two_ranks_match(args, model + " --make-vocab-size-divisible-by 256", flags);
   }
 #endif
 }
@@ -276,20 +284,11 @@ TEST_F(Cli, TwoRanksMatchOneProcess) {
                            "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --micro-batch-size 2 "
                            "--global-batch-size 8 --train-iters 5 --log-interval 1 --eval-iters 1 "
                            "--generate-tokens 0 --metrics-jsonl ";
-  ASSERT_EQ(run(args.substr(1) + p("one.jsonl")).status, 0);
-  const auto one = jsonl_losses(p("one.jsonl"));
-  ASSERT_EQ(one.size(), 5u);
-  for (const char* extra : {"",  // data parallel
-                            " --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
-                            " --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
-                            " --expert-model-parallel-size 2 --use-distributed-optimizer"}) {
-    std::filesystem::remove(p("two.jsonl"));
-    const Result r = run_mpi(2, args.substr(1) + p("two.jsonl") + std::string(extra));
-    ASSERT_EQ(r.status, 0) << r.output;
-    const auto two = jsonl_losses(p("two.jsonl"));
-    ASSERT_EQ(two.size(), 5u) << extra << "\n" << r.output;
-    for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(two[i], one[i], 1e-5 * std::fabs(one[i])) << extra << " " << i;
-  }
+  expect_two_ranks_match(args.substr(1), "",
+                         {"",  // data parallel
+                          " --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
+                          " --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
+                          " --expert-model-parallel-size 2 --use-distributed-optimizer"});
 #endif
 }
 
