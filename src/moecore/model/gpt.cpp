@@ -479,7 +479,7 @@ int64_t GptModel::vocab_start() const {
 }
 
 Tensor GptModel::by_sequence(const Tensor& t) const {
-  return t.view({B_, t.size(0) / B_, t.size(1)});
+  return nn::by_sequence(t, B_);
 }
 
 // Transformer layer l (a decoder layer, or for l >= num_layers an MTP depth's): y from x, both [N, H] f32.

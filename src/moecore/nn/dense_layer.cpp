@@ -131,11 +131,14 @@ bool tensor_parallel(const DenseLayerDims& d) {
 bool seq_parallel(const DenseLayerDims& d) {
   return tensor_parallel(d) && d.sequence_parallel;
 }
-// [rows, W] as [B, rows / B, W]: a sequence-parallel slice ([B, S/P, W]) or the whole micro-batch ([B, S, W]).
 Tensor by_sequence(const Tensor& t, const DenseLayerDims& d) {
-  return t.view({d.qkv.B, t.size(0) / d.qkv.B, t.size(1)});
+  return nn::by_sequence(t, d.qkv.B);
 }
 }  // namespace
+
+Tensor by_sequence(const Tensor& t, int64_t B) {
+  return t.view({B, t.size(0) / B, t.size(1)});
+}
 
 void norm_to_gemm_input(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b,
                         DenseLayerWorkspace& ws, const DenseLayerDims& d, const ops::Context& ctx) {

@@ -155,7 +155,10 @@ void dense_layer_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, con
                           const DenseLayerCache& cache, DenseLayerWorkspace& ws, const Tensor& rope,
                           const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx);
 
-// Tensor-parallel building blocks (shared with nn/mla). Without TP each is the one-rank computation.
+// Tensor-parallel building blocks (shared with nn/mla and model/). Without TP each is the one-rank computation.
+// [rows, W] as [B, rows / B, W]: a sequence-parallel slice ([B, S/P, W]) or the whole micro-batch ([B, S, W]), the
+// views the sequence-dim collectives (all_gather_into / reduce_scatter_from along dim 1) take.
+Tensor by_sequence(const Tensor& t, int64_t B);
 // A norm whose output feeds column-parallel GEMMs: y [T, H] compute from x [N, H] f32 (under sequence parallelism
 // normalised on this rank's rows into ws.h_local, then all-gathered).
 void norm_to_gemm_input(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b,
