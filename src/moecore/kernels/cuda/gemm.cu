@@ -9,18 +9,65 @@
 // No host read, no per-group launch. It runs on CUDA cores, far below the tensor-core peak; the next step is a
 // CUTLASS grouped GEMM (Hopper WGMMA) behind the same plan.
 #include <cublas_v2.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <map>
+#include <string>
 
 #include "moecore/kernels/cuda/cuda_util.cuh"
 
 namespace moecore::ops::cuda {
 namespace {
 
+// cuBLAS is opened on the first GEMM on a GPU, not linked: loading libcublasLt relocates ~200 MB of its data, which
+// every process that never touches a GPU (a checkpoint converter, a CPU training run) would otherwise carry in its
+// resident set. Its directory is searched first as the loader would (RUNPATH, LD_LIBRARY_PATH), then where the
+// toolkit that built moecore keeps it.
+struct Cublas {
+  decltype(&::cublasCreate_v2) create;
+  decltype(&::cublasSetStream_v2) set_stream;
+  decltype(&::cublasGemmEx_64) gemm;
+  decltype(&::cublasGemmStridedBatchedEx_64) gemm_batched;
+  decltype(&::cublasGetStatusName) status_name;
+  decltype(&::cublasGetStatusString) status_string;
+};
+
+#define MOECORE_STR2(x) #x
+#define MOECORE_STR(x) MOECORE_STR2(x)
+
+Cublas open_cublas(const Launch& l) {
+  const std::string name = "libcublas.so." MOECORE_STR(CUBLAS_VER_MAJOR);
+  void* lib = ::dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+  std::string why = lib ? "" : ::dlerror();
+#ifdef MOECORE_CUDA_LIBRARY_DIR
+  if (!lib) lib = ::dlopen((std::string(MOECORE_CUDA_LIBRARY_DIR) + "/" + name).c_str(), RTLD_NOW | RTLD_LOCAL);
+#endif
+  if (!lib) l.fail(("dlopen " + name).c_str(), "cuBLAS not found", why.c_str());
+  const auto sym = [&](const char* symbol) {
+    void* f = ::dlsym(lib, symbol);
+    if (!f)
+      l.fail(("dlsym " + name).c_str(), symbol, "symbol missing (a cuBLAS older than the one moecore was built with?)");
+    return f;
+  };
+  Cublas api{};
+  api.create = reinterpret_cast<decltype(api.create)>(sym("cublasCreate_v2"));
+  api.set_stream = reinterpret_cast<decltype(api.set_stream)>(sym("cublasSetStream_v2"));
+  api.gemm = reinterpret_cast<decltype(api.gemm)>(sym("cublasGemmEx_64"));
+  api.gemm_batched = reinterpret_cast<decltype(api.gemm_batched)>(sym("cublasGemmStridedBatchedEx_64"));
+  api.status_name = reinterpret_cast<decltype(api.status_name)>(sym("cublasGetStatusName"));
+  api.status_string = reinterpret_cast<decltype(api.status_string)>(sym("cublasGetStatusString"));
+  return api;  // the library stays open for the process
+}
+
+const Cublas& cublas(const Launch& l) {
+  static const Cublas api = open_cublas(l);  // a failed open throws and is retried by the next caller
+  return api;
+}
+
 void check_cublas(const Launch& l, cublasStatus_t s, const char* call) {
   if (s != CUBLAS_STATUS_SUCCESS) [[unlikely]]
-    l.fail(call, cublasGetStatusName(s), cublasGetStatusString(s));
+    l.fail(call, cublas(l).status_name(s), cublas(l).status_string(s));
 }
 
 // One cuBLAS handle per device and host thread (a handle must not be used by two threads at once), created on first
@@ -30,8 +77,8 @@ cublasHandle_t cublas_handle(const Launch& l) {
   l.check(cudaGetDevice(&device), "cudaGetDevice");
   thread_local std::map<int, cublasHandle_t> handles;
   cublasHandle_t& h = handles[device];
-  if (!h) check_cublas(l, cublasCreate(&h), "cublasCreate");
-  check_cublas(l, cublasSetStream(h, l.stream()), "cublasSetStream");
+  if (!h) check_cublas(l, cublas(l).create(&h), "cublasCreate");
+  check_cublas(l, cublas(l).set_stream(h, l.stream()), "cublasSetStream");
   return h;
 }
 
@@ -85,15 +132,15 @@ void cublas_gemm(const Launch& l, const Mat& c, const Mat& a, bool ta, const Mat
   if (G == 1) {
     check_cublas(
         l,
-        cublasGemmEx_64(h, op_b, op_a, c.cols, c.rows, K, &alpha, b.p, cuda_type(b.t), b.ld, a.p, cuda_type(a.t), a.ld,
-                        &beta, c.p, cuda_type(c.t), c.ld, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        cublas(l).gemm(h, op_b, op_a, c.cols, c.rows, K, &alpha, b.p, cuda_type(b.t), b.ld, a.p, cuda_type(a.t), a.ld,
+                       &beta, c.p, cuda_type(c.t), c.ld, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
         "cublasGemmEx_64");
     return;
   }
   check_cublas(l,
-               cublasGemmStridedBatchedEx_64(h, op_b, op_a, c.cols, c.rows, K, &alpha, b.p, cuda_type(b.t), b.ld,
-                                             b.batch, a.p, cuda_type(a.t), a.ld, a.batch, &beta, c.p, cuda_type(c.t),
-                                             c.ld, c.batch, G, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               cublas(l).gemm_batched(h, op_b, op_a, c.cols, c.rows, K, &alpha, b.p, cuda_type(b.t), b.ld, b.batch, a.p,
+                                      cuda_type(a.t), a.ld, a.batch, &beta, c.p, cuda_type(c.t), c.ld, c.batch, G,
+                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                "cublasGemmStridedBatchedEx_64");
 }
 
