@@ -381,6 +381,41 @@ TEST(CudaOps, AdamWMatchesCpu) {
   }
 }
 
+// ---- attention: queries as the last S of Sk keys -------------------------------------------------------------------
+// Context parallelism's form: q [B, S, W] and kv a dim-1 slice of a longer tensor (batch stride > Sk * W), off = Sk - S
+// not a multiple of the 32-row tiles, GQA, both dtypes, dropout off and on (the masks index the full problem's rows).
+// dq and dkv's parent start random (the same on both): a slot the GPU failed to write, or a column or row outside the
+// slice it wrongly wrote, differs from the CPU's. Tolerances as in test_cuda_moe_ops.cpp's attention test.
+TEST(CudaOps, AttentionWithMoreKeysThanQueriesMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const ops::QkvDims d{2, 37, 2, 2, 16, 75};
+  const int64_t first = 6, S_long = 90, Hq = d.q_heads();
+  uint64_t seed = 2600;
+  for (DType t : kFloat)
+    for (const float p : {0.0f, 0.3f}) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(t) << " p " << p);
+      const ops::Dropout drop{p, philox_key(31, "cuda.attn.keys")};
+      Both q = randn({d.B, d.S, d.width()}, "q", ++seed, t), kv = randn({d.B, S_long, d.width()}, "kv", ++seed, t);
+      Both out = nans({d.B, d.S, Hq * d.D}, t), lse = nans({d.B, Hq, d.S});
+      for (bool g : {false, true})
+        ops::attention_forward(out.on(g), lse.on(g), q.on(g), kv.on(g).slice(1, first, first + d.Sk), d, drop,
+                               ctx_of(g));
+      const double rtol = t == DType::bf16 ? 2e-2 : 1e-4, atol = t == DType::bf16 ? 2e-2 : 1e-5;
+      expect_near(out, rtol, atol);
+      expect_near(lse, 1e-5, 1e-5);
+      Both dout = randn({d.B, d.S, Hq * d.D}, "dout", ++seed, t), dq = randn({d.B, d.S, d.width()}, "dq", ++seed, t);
+      Both dkv = randn({d.B, S_long, d.width()}, "dkv", ++seed, t);
+      for (bool g : {false, true}) {
+        Tensor dkv_view = dkv.on(g).slice(1, first, first + d.Sk);
+        const Device dev = g ? Device::cuda : Device::cpu;
+        ops::attention_backward(dq.on(g), dkv_view, dout.on(g), q.on(g), kv.on(g).slice(1, first, first + d.Sk),
+                                out.cpu.to_device(dev), lse.cpu.to_device(dev), d, drop, ctx_of(g));
+      }
+      expect_near(dq, rtol, t == DType::bf16 ? 5e-2 : 1e-4);
+      expect_near(dkv, rtol, t == DType::bf16 ? 5e-2 : 1e-4);
+    }
+}
+
 // ---- determinism and refusals -----------------------------------------------------------------
 TEST(CudaOps, ReductionsRepeatBitForBit) {
   SKIP_WITHOUT_GPU();

@@ -1,7 +1,8 @@
 // Tests of rope_table / rope_forward / rope_backward (whole and partial rotary dims) and attention_forward /
 // attention_backward (with and without dropout) on the CPU: against naive references in double (full S x S
 // softmax, the dropout mask from philox_uniform), central finite differences, the bf16 path against f32,
-// determinism across thread counts, and entry checks. No timing here (see bench/).
+// determinism across thread counts, and entry checks; queries as the last S of Sk keys (from separate q and kv
+// tensors, kv a slice) against the rows of the full problem. No timing here (see bench/).
 #include <omp.h>
 
 #include <cmath>
@@ -325,6 +326,201 @@ TEST(AttentionForward, RejectsBadInputs) {
   Tensor short_rope = Tensor::empty({4, 8}, DType::f32);
   Tensor qkv_copy = qkv.clone();
   expect_error([&] { ops::rope_backward(qkv_copy, short_rope, d, {}); }, "rope_backward", "rope");
+}
+
+// ---- Queries as the last S of Sk keys (context parallelism) --------------------------------------
+
+Shape kv_shape(const QkvDims& d) {
+  return {d.B, d.keys(), d.width()};
+}
+
+// The full causal problem over all Sk positions of qkv [B, Sk, W].
+QkvDims full_dims(const QkvDims& d) {
+  return {d.B, d.keys(), d.G, d.R, d.D};
+}
+
+Fwd run_forward_kv(const Tensor& q, const Tensor& kv, const QkvDims& d, const Dropout& drop) {
+  Fwd f{Tensor::empty(out_shape(d), q.dtype(), MemCategory::other),
+        Tensor::empty(lse_shape(d), DType::f32, MemCategory::other)};
+  ops::attention_forward(f.out, f.lse, q, kv, d, drop, {});
+  return f;
+}
+
+struct Grads {
+  Tensor dq, dkv;
+};
+
+// dq and dkv start as NaN: the slots the op must write are checked against values, the others must stay NaN.
+Grads run_backward_kv(const Tensor& dout, const Tensor& q, const Tensor& kv, const Fwd& f, const QkvDims& d,
+                      const Dropout& drop) {
+  Grads g{Tensor::empty(qkv_shape(d), q.dtype(), MemCategory::other),
+          Tensor::empty(kv_shape(d), q.dtype(), MemCategory::other)};
+  g.dq.fill_(NAN);
+  g.dkv.fill_(NAN);
+  ops::attention_backward(g.dq, g.dkv, dout, q, kv, f.out, f.lse, d, drop, {});
+  return g;
+}
+
+// Slots first .. first + count - 1 of every kv group of a [B, rows, W] tensor, as a contiguous [B, rows, G, count, D].
+Tensor slots(const Tensor& t, const QkvDims& d, int64_t first, int64_t count) {
+  const Tensor c = t.is_contiguous() ? t : t.clone();
+  return c.view({t.size(0), t.size(1), d.G, d.R + 2, d.D}).slice(3, first, first + count).clone();
+}
+Tensor query_slots(const Tensor& t, const QkvDims& d) {
+  return slots(t, d, 0, d.R);
+}
+Tensor kv_slots(const Tensor& t, const QkvDims& d) {
+  return slots(t, d, d.R, 2);
+}
+// Rows a .. b - 1 along dim, contiguous.
+Tensor rows(const Tensor& t, int dim, int64_t a, int64_t b) {
+  return t.slice(dim, a, b).clone();
+}
+
+// Elements whose bits differ (read as f32, to which bf16 widens exactly).
+int64_t bits_differ(const Tensor& a, const Tensor& b) {
+  const auto va = to_vector(a), vb = to_vector(b);
+  if (va.size() != vb.size()) return -1;
+  int64_t n = 0;
+  for (size_t i = 0; i < va.size(); ++i) n += std::memcmp(&va[i], &vb[i], sizeof(float)) != 0;
+  return n;
+}
+bool all_nan(const Tensor& t) {
+  for (float v : to_vector(t))
+    if (!std::isnan(v)) return false;
+  return true;
+}
+
+// S and Sk not multiples of the 64-row blocks, off = Sk - S a multiple of 64 or not (then query blocks straddle key
+// blocks), one query, Sk = S given explicitly, GQA (R > 1) and B = 2.
+const QkvDims kKeyShapes[] = {{1, 7, 2, 2, 8, 100},   {2, 100, 1, 3, 16, 230}, {1, 64, 2, 1, 24, 192},
+                              {1, 130, 1, 2, 6, 130}, {1, 1, 1, 1, 8, 65},     {1, 150, 1, 2, 16, 350}};
+
+std::string keys_name(const QkvDims& d, DType t, const Dropout& drop) {
+  return name_of(d) + "_Sk" + std::to_string(d.keys()) + " " + std::string(dtype_name(t)) + " p " +
+         std::to_string(drop.p);
+}
+
+// Each query row of the forward depends only on its own position: the key blocks start at key 0 in both problems, a
+// block wholly in a row's future adds exact zeros, and the mask index is the full problem's. So out and lse equal the
+// full problem's last S rows bit for bit, with or without dropout, in both dtypes.
+TEST(AttentionKeys, ForwardRowsEqualTheFullProblemBitwise) {
+  for (const QkvDims& d : kKeyShapes)
+    for (DType t : {DType::f32, DType::bf16})
+      for (const Dropout& drop : {Dropout{}, attn_dropout(0.3f, "keys")}) {
+        SCOPED_TRACE(keys_name(d, t, drop));
+        const int64_t off = d.keys() - d.S;
+        const Tensor qkv = randn(kv_shape(d), "qkv").to(t);
+        const Fwd full = run_forward(qkv, full_dims(d), drop);
+        const Fwd part = run_forward_kv(rows(qkv, 1, off, d.keys()), qkv, d, drop);
+        EXPECT_EQ(bits_differ(part.out, rows(full.out, 1, off, d.keys())), 0);
+        EXPECT_EQ(bits_differ(part.lse, rows(full.lse, 2, off, d.keys())), 0);
+      }
+}
+
+// Backward against the full problem with dout zeroed on its first off rows (those rows then add exact zeros to dK
+// and dV). dK, dV: every key's sums run over the same query rows in the same order, so bit for bit. dQ: the same
+// terms, but the backward cuts keys into chunks by causal work, which differs between the two problems when B*G < 8,
+// and adds the chunks' partial sums in another grouping: a few f32 ulps (observed <= 1.2e-7 absolute on values of
+// order one), so 1e-5 relative / 1e-6 absolute; in bf16 such a difference can round a value to its neighbour: 8e-3.
+// With B*G >= 8 (one chunk in both) dQ is bitwise too, checked by the last shape.
+TEST(AttentionKeys, BackwardMatchesTheFullProblem) {
+  std::vector<QkvDims> shapes(std::begin(kKeyShapes), std::end(kKeyShapes));
+  shapes.push_back({2, 70, 4, 2, 8, 200});  // B*G = 8: one key chunk
+  for (const QkvDims& d : shapes)
+    for (DType t : {DType::f32, DType::bf16})
+      for (const Dropout& drop : {Dropout{}, attn_dropout(0.3f, "keys")}) {
+        SCOPED_TRACE(keys_name(d, t, drop));
+        const int64_t off = d.keys() - d.S, HD = d.q_heads() * d.D;
+        const Tensor qkv = randn(kv_shape(d), "qkv").to(t);
+        const Tensor q = rows(qkv, 1, off, d.keys());
+        const Tensor dout = randn(out_shape(d), "dout").to(t);
+        Tensor dout_full = Tensor::zeros({d.B, d.keys(), HD}, t, MemCategory::other);
+        dout_full.slice(1, off, d.keys()).copy_from(dout);
+        const Fwd full = run_forward(qkv, full_dims(d), drop);
+        const Tensor dfull = run_backward(dout_full, qkv, full, full_dims(d), drop);
+        const Grads g = run_backward_kv(dout, q, qkv, run_forward_kv(q, qkv, d, drop), d, drop);
+        EXPECT_EQ(bits_differ(kv_slots(g.dkv, d), kv_slots(dfull, d)), 0);
+        const Tensor dq_full = query_slots(rows(dfull, 1, off, d.keys()), d);
+        if (d.B * d.G >= 8)
+          EXPECT_EQ(bits_differ(query_slots(g.dq, d), dq_full), 0);
+        else
+          EXPECT_TENSOR_NEAR(query_slots(g.dq, d), dq_full, t == DType::f32 ? 1e-5 : 8e-3, 1e-6);
+        EXPECT_TRUE(all_nan(kv_slots(g.dq, d)));  // no other column touched
+        EXPECT_TRUE(all_nan(query_slots(g.dkv, d)));
+      }
+}
+
+// kv and dkv as dim-1 slices of longer [B, S_long, W] tensors (batch stride S_long * W): the same bits as contiguous
+// ones, and dkv's parent keeps every element outside the slice's key and value slots.
+TEST(AttentionKeys, KvAndDkvMayBeSlicesOfALongerTensor) {
+  const QkvDims d{2, 50, 2, 2, 8, 120};
+  const int64_t first = 9, S_long = 150;
+  const Dropout drop = attn_dropout(0.2f, "slice");
+  const Tensor q = randn(qkv_shape(d), "q"), dout = randn(out_shape(d), "dout");
+  const Tensor kv_long = randn({d.B, S_long, d.width()}, "kv_long");
+  const Tensor kv = kv_long.slice(1, first, first + d.keys());
+  const Fwd ref = run_forward_kv(q, kv.clone(), d, drop), f = run_forward_kv(q, kv, d, drop);
+  EXPECT_EQ(bits_differ(f.out, ref.out), 0);
+  EXPECT_EQ(bits_differ(f.lse, ref.lse), 0);
+  const Grads expect = run_backward_kv(dout, q, kv.clone(), ref, d, drop);
+  const Tensor before = randn({d.B, S_long, d.width()}, "dkv_long");
+  Tensor dkv_long = before.clone(), dq = Tensor::empty(qkv_shape(d), DType::f32, MemCategory::other);
+  Tensor dkv = dkv_long.slice(1, first, first + d.keys());
+  ops::attention_backward(dq, dkv, dout, q, kv, f.out, f.lse, d, drop, {});
+  EXPECT_EQ(bits_differ(query_slots(dq, d), query_slots(expect.dq, d)), 0);
+  EXPECT_EQ(bits_differ(kv_slots(dkv, d), kv_slots(expect.dkv, d)), 0);
+  EXPECT_EQ(bits_differ(query_slots(dkv, d), query_slots(before.slice(1, first, first + d.keys()), d)), 0);
+  EXPECT_EQ(bits_differ(rows(dkv_long, 1, 0, first), rows(before, 1, 0, first)), 0);
+  EXPECT_EQ(bits_differ(rows(dkv_long, 1, first + d.keys(), S_long), rows(before, 1, first + d.keys(), S_long)), 0);
+}
+
+// Same bits with 1, 2 and 3 threads when off is not block aligned and the backward cuts keys into several chunks.
+TEST(AttentionKeys, DeterministicAcrossThreadCounts) {
+  const QkvDims d{1, 200, 1, 2, 16, 330};
+  const Dropout drop = attn_dropout(0.2f, "threads");
+  const Tensor q = randn(qkv_shape(d), "q"), kv = randn(kv_shape(d), "kv"), dout = randn(out_shape(d), "dout");
+  const int saved = omp_get_max_threads();
+  std::vector<std::vector<float>> runs;
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    const Fwd f = run_forward_kv(q, kv, d, drop);
+    const Grads g = run_backward_kv(dout, q, kv, f, d, drop);
+    std::vector<float> all;
+    for (const Tensor* t : {&f.out, &f.lse, &g.dq, &g.dkv})
+      for (float v : to_vector(*t)) all.push_back(v);
+    runs.push_back(all);
+  }
+  omp_set_num_threads(saved);
+  for (size_t i = 1; i < runs.size(); ++i) {
+    ASSERT_EQ(runs[0].size(), runs[i].size());
+    EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[i].data(), runs[0].size() * sizeof(float))) << "run " << i;
+  }
+}
+
+TEST(AttentionKeys, RejectsBadInputs) {
+  const QkvDims d{1, 8, 2, 2, 8, 12};
+  const Dropout none;
+  Tensor out = Tensor::empty(out_shape(d), DType::f32), lse = Tensor::empty(lse_shape(d), DType::f32);
+  Tensor q = Tensor::zeros(qkv_shape(d), DType::f32), kv = Tensor::zeros(kv_shape(d), DType::f32);
+  Tensor dout = Tensor::zeros(out_shape(d), DType::f32), dkv = Tensor::zeros(kv_shape(d), DType::f32);
+  QkvDims short_keys = d;
+  short_keys.Sk = 5;
+  testing::expect_error([&] { ops::attention_forward(out, lse, q, kv, short_keys, none, {}); },
+                        {"attention_forward", "Sk (5)", "S (8)"});
+  const Tensor wide = Tensor::zeros({1, 12, d.width() + 8}, DType::f32);
+  testing::expect_error([&] { ops::attention_forward(out, lse, q, wide, d, none, {}); },
+                        {"attention_forward", "kv must have shape [B, Sk, G*(R+2)*D] = [1, 12, 64]", "[1, 12, 72]"});
+  const Tensor strided = wide.slice(2, 0, d.width());
+  testing::expect_error([&] { ops::attention_forward(out, lse, q, strided, d, none, {}); },
+                        {"attention_forward", "kv must have unit stride", "rows 64 elements apart", "[864, 72, 1]"});
+  testing::expect_error([&] { ops::attention_backward(q, dkv, dout, q, kv, out, lse, d, none, {}); },
+                        {"attention_backward", "dq must not share memory with q"});
+  const Tensor kv_long = Tensor::zeros({1, 20, d.width()}, DType::f32);
+  Tensor dq = Tensor::zeros(qkv_shape(d), DType::f32), dkv_overlap = kv_long.slice(1, 4, 16);
+  testing::expect_error(
+      [&] { ops::attention_backward(dq, dkv_overlap, dout, q, kv_long.slice(1, 0, 12), out, lse, d, none, {}); },
+      {"attention_backward", "dkv must not share memory with kv"});
 }
 
 // ---- RoPE ----------------------------------------------------------------------------------------

@@ -148,13 +148,15 @@ void layernorm_backward(Tensor& dx, Tensor& dw, Tensor& db, const Tensor& dy, co
 //   qkv [B, S, G, R + 2, D]  (stored as [B, S, G*(R+2)*D]); slots 0..R-1 of group g are query heads
 //   g*R .. g*R+R-1, slot R is key head g, slot R+1 is value head g. Query heads = G*R.
 struct QkvDims {
-  int64_t B = 0;  // batch
-  int64_t S = 0;  // sequence length
-  int64_t G = 0;  // key/value heads (query groups)
-  int64_t R = 0;  // query heads per group
-  int64_t D = 0;  // head dim (even)
+  int64_t B = 0;   // batch
+  int64_t S = 0;   // sequence length (of the queries)
+  int64_t G = 0;   // key/value heads (query groups)
+  int64_t R = 0;   // query heads per group
+  int64_t D = 0;   // head dim (even)
+  int64_t Sk = 0;  // keys, when longer than the queries (context parallelism); 0: Sk = S
   int64_t width() const { return G * (R + 2) * D; }
   int64_t q_heads() const { return G * R; }
+  int64_t keys() const { return Sk ? Sk : S; }
 };
 
 // Rotary table for positions 0..S-1 over the rotary dim Dr = rope.size(1) (Megatron's --rotary-percent:
@@ -170,17 +172,35 @@ void rope_backward(Tensor& dqkv, const Tensor& rope, const QkvDims& dims, const 
 
 // Causal softmax attention with scale 1/sqrt(D); query head h reads key/value head h / R.
 //   P = softmax(QK^T / sqrt(D), causal);  out = (P o M * s) V   (o: elementwise; s = 1 / (1 - p))
-// M is the dropout keep mask (see Dropout) of element ((b*Hq + h)*S + i)*S + j, Hq = G*R query heads,
-// i the query and j the key position; with p = 0 there is no mask and no mask work.
-// out [B, S, G*R*D] (head-major columns), lse [B, G*R, S] f32 = log-sum-exp of each scaled score row
-// (of the undropped scores), saved for backward. No [S, S] tensor is kept: backward recomputes scores
-// and the mask block by block. qkv, out, dout and dqkv share one dtype, f32 or bf16; math is f32.
-void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDims& dims, const Dropout& dropout,
-                       const Context& ctx);
-// dqkv [B, S, G*(R+2)*D] written (query, key and value slots). dropout must be the forward's. With
-// Pd = P o M * s: dV = Pd^T dO, dP = (dO V^T) o M * s, dS = P o (dP - rowsum(dO o out)), dQ, dK from dS.
-void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
-                        const QkvDims& dims, const Dropout& dropout, const Context& ctx);
+// The queries are the last S positions of the Sk = dims.keys() keys: query i sits at position Sk - S + i and sees
+// keys 0 .. Sk - S + i (Sk = S: ordinary causal self-attention; Sk > S: a chunk of a sequence whose earlier keys were
+// gathered from other ranks, context parallelism). q holds the queries in its query slots, kv the keys and values in
+// its key and value slots; in the self-attention form both are one qkv tensor.
+// M is the dropout keep mask (see Dropout) of element ((b*Hq + h)*Sk + Sk - S + i)*Sk + j, Hq = G*R query heads,
+// i the query and j the key; with p = 0 there is no mask and no mask work.
+// q [B, S, G*(R+2)*D]; kv [B, Sk, G*(R+2)*D] with unit stride in the last dim and rows of the width apart (a dim-1
+// slice of a longer tensor is fine: its batch stride may be larger). out [B, S, G*R*D] (head-major columns),
+// lse [B, G*R, S] f32 = log-sum-exp of each scaled score row (of the undropped scores), saved for backward. No
+// [S, Sk] tensor is kept: backward recomputes scores and the mask block by block. q, kv, out, dout, dq and dkv share
+// one dtype, f32 or bf16; math is f32.
+void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& kv, const QkvDims& dims,
+                       const Dropout& dropout, const Context& ctx);
+// dq [B, S, W]: its query slots written; dkv [B, Sk, W] (strided like kv): its key and value slots written; no
+// other column of either is touched, so dq and dkv may be one tensor in the self-attention form. dropout must be
+// the forward's. With Pd = P o M * s: dV = Pd^T dO, dP = (dO V^T) o M * s, dS = P o (dP - rowsum(dO o out)), dQ, dK
+// from dS. dq and dkv must not share memory with q, kv or dout.
+void attention_backward(Tensor& dq, Tensor& dkv, const Tensor& dout, const Tensor& q, const Tensor& kv,
+                        const Tensor& out, const Tensor& lse, const QkvDims& dims, const Dropout& dropout,
+                        const Context& ctx);
+// The self-attention form: queries, keys and values all in qkv [B, S, W] (dims.Sk 0 or S).
+inline void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDims& dims, const Dropout& dropout,
+                              const Context& ctx) {
+  attention_forward(out, lse, qkv, qkv, dims, dropout, ctx);
+}
+inline void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                               const Tensor& lse, const QkvDims& dims, const Dropout& dropout, const Context& ctx) {
+  attention_backward(dqkv, dqkv, dout, qkv, qkv, out, lse, dims, dropout, ctx);
+}
 
 // ---- Activations -------------------------------------------------------------------------------
 // SwiGLU on Megatron's fused fc1 output: gate_up [N, 2F] = [gate | up]; out [N, F] = silu(gate) * up.

@@ -2,8 +2,9 @@
 // softmax, f32 accumulation, lse saved) and a deterministic backward in two passes without atomics: one block per
 // (batch, kv head, 32-key block) owns that block's dK and dV and walks the R query heads of its group and the query
 // tiles in a fixed order; one block per (batch, query head, 32-query block) owns dQ and walks the key tiles in order.
-// Dropout masks come from Philox by the CPU's flat index ((b*Hq + h)*S + i)*S + j, so they equal the CPU's bit for
-// bit; p = 0 generates none.
+// Queries come from q and keys/values from kv (any batch stride); the S queries are the last S of the Sk key
+// positions, query i at position Sk - S + i. Dropout masks come from Philox by the CPU's flat index
+// ((b*Hq + h)*Sk + Sk - S + i)*Sk + j, so they equal the CPU's bit for bit; p = 0 generates none.
 // Layout: 256 threads = 32 rows x 8 threads; a row's 8 threads own interleaved channels d = sub + 8k and reduce dot
 // products with three shuffles. Plain f32 FMAs (no tensor cores): correct and deterministic, but expect a few
 // TFLOP/s, several times slower than FlashAttention-2/3 on an H100. Head dims up to 256.
@@ -21,13 +22,16 @@ constexpr int kAttnThreads = kTile * kSub;
 constexpr int kMaxD = 256;
 
 struct AttnDims {
-  int64_t B, S, G, R, D, H, W, DP;  // H query heads, W = qkv row width, DP = D rounded up to kSub
+  int64_t B, S, Sk, off, G, R, D, H, W, DP;  // S queries at key positions off..Sk-1; H query heads, W = qkv row width,
+                                             // DP = D rounded up to kSub
+  int64_t kv_bs, dkv_bs;                     // batch strides of kv and dkv (their rows are W apart)
   float scale;
   __device__ int64_t q_col(int64_t h) const { return ((h / R) * (R + 2) + h % R) * D; }
   __device__ int64_t k_col(int64_t g) const { return (g * (R + 2) + R) * D; }
   __device__ int64_t v_col(int64_t g) const { return k_col(g) + D; }
-  __device__ uint64_t mask_index(int64_t b, int64_t h, int64_t q, int64_t k) const {
-    return static_cast<uint64_t>(((b * H + h) * S + q) * S + k);
+  // Dropout index of the query at key position p and key k.
+  __device__ uint64_t mask_index(int64_t b, int64_t h, int64_t p, int64_t k) const {
+    return static_cast<uint64_t>(((b * H + h) * Sk + p) * Sk + k);
   }
 };
 
@@ -60,30 +64,31 @@ __device__ __forceinline__ uint32_t keep_bits(const DeviceMask& mk, uint64_t fir
   return bits;
 }
 
-// rows [kTile, DP] f32 of shared memory <- columns col .. col + D - 1 of rows first .. first + 31 of batch b's
-// [S, ld] activation (zeros past S and past D).
+// rows [kTile, DP] f32 of shared memory <- the first D columns of rows first .. first + 31 of the [rows, row_stride]
+// matrix at src (zeros past rows and past D).
 template <class T>
-__device__ void load_tile(float* dst, const T* src, const AttnDims& L, int64_t row_stride, int64_t b, int64_t first,
-                          int64_t col) {
+__device__ void load_tile(float* dst, const T* src, int64_t rows, int64_t row_stride, int64_t first,
+                          const AttnDims& L) {
   for (int64_t i = threadIdx.x; i < kTile * L.DP; i += blockDim.x) {
     const int64_t j = i / L.DP, d = i % L.DP, row = first + j;
-    dst[i] = row < L.S && d < L.D ? ld(src[(b * L.S + row) * row_stride + col + d]) : 0.0f;
+    dst[i] = row < rows && d < L.D ? ld(src[row * row_stride + d]) : 0.0f;
   }
 }
 
 template <class T, int MAXK>
 __global__ void __launch_bounds__(kAttnThreads)
-    attention_forward_kernel(T* out, float* lse, const T* qkv, AttnDims L, DeviceMask mk) {
+    attention_forward_kernel(T* out, float* lse, const T* q, const T* kv, AttnDims L, DeviceMask mk) {
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + kTile * L.DP;
   const int64_t bh = blockIdx.x, b = bh / L.H, h = bh % L.H, g = h / L.R;
   const int64_t q0 = (gridDim.y - 1 - blockIdx.y) * static_cast<int64_t>(kTile);  // longest rows first
   const int r = threadIdx.x / kSub, sub = threadIdx.x % kSub, nk = static_cast<int>(L.DP / kSub);
-  const int64_t q = q0 + r;
-  const bool valid = q < L.S;
+  const int64_t qi = q0 + r, pos = L.off + qi;  // pos: the query's key position
+  const bool valid = qi < L.S;
   float qr[MAXK], o[MAXK];
-  const T* qrow = qkv + (b * L.S + (valid ? q : 0)) * L.W + L.q_col(h);
+  const T* qrow = q + (b * L.S + (valid ? qi : 0)) * L.W + L.q_col(h);
+  const T* kvb = kv + b * L.kv_bs;
 #pragma unroll
   for (int k = 0; k < MAXK; ++k) {
     const int64_t d = sub + kSub * k;
@@ -91,12 +96,12 @@ __global__ void __launch_bounds__(kAttnThreads)
     o[k] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  for (int64_t k0 = 0; k0 <= q0; k0 += kTile) {
+  for (int64_t k0 = 0; k0 < L.off + q0 + kTile; k0 += kTile) {  // a tile in a row's future adds exact zeros to it
     __syncthreads();
-    load_tile(ks, qkv, L, L.W, b, k0, L.k_col(g));
-    load_tile(vs, qkv, L, L.W, b, k0, L.v_col(g));
+    load_tile(ks, kvb + L.k_col(g), L.Sk, L.W, k0, L);
+    load_tile(vs, kvb + L.v_col(g), L.Sk, L.W, k0, L);
     __syncthreads();
-    const uint32_t keep = mk.active ? keep_bits(mk, L.mask_index(b, h, q, k0), sub) : ~0u;
+    const uint32_t keep = mk.active ? keep_bits(mk, L.mask_index(b, h, pos, k0), sub) : ~0u;
     float s[kTile];
     float mt = -INFINITY;
 #pragma unroll
@@ -106,7 +111,7 @@ __global__ void __launch_bounds__(kAttnThreads)
       for (int k = 0; k < MAXK; ++k)
         if (k < nk) part += qr[k] * ks[j * L.DP + sub + kSub * k];
       part = sum8(part);
-      s[j] = k0 + j <= q ? part : -INFINITY;
+      s[j] = k0 + j <= pos ? part : -INFINITY;
       mt = fmaxf(mt, s[j]);
     }
     const float m_new = fmaxf(m, mt), alpha = expf(m - m_new);
@@ -129,13 +134,13 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
   if (!valid) return;
   const float inv = 1.0f / l;
-  T* orow = out + (b * L.S + q) * L.H * L.D + h * L.D;
+  T* orow = out + (b * L.S + qi) * L.H * L.D + h * L.D;
 #pragma unroll
   for (int k = 0; k < MAXK; ++k) {
     const int64_t d = sub + kSub * k;
     if (k < nk && d < L.D) st(orow[d], o[k] * inv);
   }
-  if (sub == 0) lse[(b * L.H + h) * L.S + q] = m + logf(l);
+  if (sub == 0) lse[(b * L.H + h) * L.S + qi] = m + logf(l);
 }
 
 // delta[(b*H + h)*S + q] = sum_d dout * out (one warp per row).
@@ -154,11 +159,12 @@ __global__ void attention_delta_kernel(float* delta, const T* dout, const T* out
   }
 }
 
-// dK, dV of 32 keys of kv head g: over the group's query heads in order, then the query tiles from the diagonal on.
+// dK, dV of 32 keys of kv head g: over the group's query heads in order, then the query tiles from the first that
+// sees the block's first key on.
 template <class T, int MAXK>
 __global__ void __launch_bounds__(kAttnThreads)
-    attention_dkv_kernel(T* dqkv, const T* qkv, const T* dout, const float* lse, const float* delta, AttnDims L,
-                         DeviceMask mk) {
+    attention_dkv_kernel(T* dkv, const T* q, const T* kv, const T* dout, const float* lse, const float* delta,
+                         AttnDims L, DeviceMask mk) {
   extern __shared__ float smem[];
   float* qs = smem;
   float* dos = qs + kTile * L.DP;
@@ -169,9 +175,9 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int64_t k0 = blockIdx.y * static_cast<int64_t>(kTile);
   const int r = threadIdx.x / kSub, sub = threadIdx.x % kSub, nk = static_cast<int>(L.DP / kSub);
   const int64_t j = k0 + r;
-  const bool kvalid = j < L.S;
+  const bool kvalid = j < L.Sk;
   float kr[MAXK], vr[MAXK], dk[MAXK], dv[MAXK];
-  const T* krow = qkv + (b * L.S + (kvalid ? j : 0)) * L.W;
+  const T* krow = kv + b * L.kv_bs + (kvalid ? j : 0) * L.W;
 #pragma unroll
   for (int k = 0; k < MAXK; ++k) {
     const int64_t d = sub + kSub * k;
@@ -183,17 +189,17 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int64_t HD = L.H * L.D;
   for (int64_t h = g * L.R; h < (g + 1) * L.R; ++h) {
     const int64_t bh = b * L.H + h;
-    for (int64_t q0 = k0; q0 < L.S; q0 += kTile) {
+    for (int64_t q0 = (k0 > L.off ? k0 - L.off : 0) / kTile * kTile; q0 < L.S; q0 += kTile) {
       __syncthreads();
-      load_tile(qs, qkv, L, L.W, b, q0, L.q_col(h));
-      load_tile(dos, dout, L, HD, b, q0, h * L.D);
+      load_tile(qs, q + b * L.S * L.W + L.q_col(h), L.S, L.W, q0, L);
+      load_tile(dos, dout + b * L.S * HD + h * L.D, L.S, HD, q0, L);
       if (threadIdx.x < kTile) {
         const int64_t qi = q0 + threadIdx.x;
         lse_s[threadIdx.x] = qi < L.S ? lse[bh * L.S + qi] : 0.0f;
         delta_s[threadIdx.x] = qi < L.S ? delta[bh * L.S + qi] : 0.0f;
       }
       if (mk.active) {  // row r of the tile: query q0 + r against this block's keys
-        const uint32_t bits = keep_bits(mk, L.mask_index(b, h, q0 + r, k0), sub);
+        const uint32_t bits = keep_bits(mk, L.mask_index(b, h, L.off + q0 + r, k0), sub);
         if (sub == 0) keep_s[r] = bits;
       }
       __syncthreads();
@@ -208,7 +214,7 @@ __global__ void __launch_bounds__(kAttnThreads)
           }
         sp = sum8(sp);
         dp = sum8(dp);
-        const bool visible = kvalid && qi < L.S && j <= qi;
+        const bool visible = kvalid && qi < L.S && j <= L.off + qi;
         const float p = visible ? expf(sp - lse_s[i]) : 0.0f;
         const float f = mk.active ? ((keep_s[i] >> r) & 1u ? mk.scale : 0.0f) : 1.0f;
         const float pd = p * f, ds = p * (dp * f - delta_s[i]) * L.scale;
@@ -222,7 +228,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
   }
   if (!kvalid) return;
-  T* row = dqkv + (b * L.S + j) * L.W;
+  T* row = dkv + b * L.dkv_bs + j * L.W;
 #pragma unroll
   for (int k = 0; k < MAXK; ++k) {
     const int64_t d = sub + kSub * k;
@@ -236,7 +242,7 @@ __global__ void __launch_bounds__(kAttnThreads)
 // dQ of 32 queries of head h: the key tiles up to the diagonal, in order.
 template <class T, int MAXK>
 __global__ void __launch_bounds__(kAttnThreads)
-    attention_dq_kernel(T* dqkv, const T* qkv, const T* dout, const float* lse, const float* delta, AttnDims L,
+    attention_dq_kernel(T* dq, const T* q, const T* kv, const T* dout, const float* lse, const float* delta, AttnDims L,
                         DeviceMask mk) {
   extern __shared__ float smem[];
   float* ks = smem;
@@ -244,26 +250,27 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int64_t bh = blockIdx.x, b = bh / L.H, h = bh % L.H, g = h / L.R;
   const int64_t q0 = (gridDim.y - 1 - blockIdx.y) * static_cast<int64_t>(kTile);
   const int r = threadIdx.x / kSub, sub = threadIdx.x % kSub, nk = static_cast<int>(L.DP / kSub);
-  const int64_t q = q0 + r;
-  const bool valid = q < L.S;
-  float qr[MAXK], dor[MAXK], dq[MAXK];
-  const T* qrow = qkv + (b * L.S + (valid ? q : 0)) * L.W + L.q_col(h);
-  const T* dorow = dout + (b * L.S + (valid ? q : 0)) * L.H * L.D + h * L.D;
+  const int64_t qi = q0 + r, pos = L.off + qi;  // pos: the query's key position
+  const bool valid = qi < L.S;
+  float qr[MAXK], dor[MAXK], dqr[MAXK];
+  const T* qrow = q + (b * L.S + (valid ? qi : 0)) * L.W + L.q_col(h);
+  const T* dorow = dout + (b * L.S + (valid ? qi : 0)) * L.H * L.D + h * L.D;
+  const T* kvb = kv + b * L.kv_bs;
 #pragma unroll
   for (int k = 0; k < MAXK; ++k) {
     const int64_t d = sub + kSub * k;
     const bool in = valid && k < nk && d < L.D;
     qr[k] = in ? ld(qrow[d]) : 0.0f;
     dor[k] = in ? ld(dorow[d]) : 0.0f;
-    dq[k] = 0.0f;
+    dqr[k] = 0.0f;
   }
-  const float lse_q = valid ? lse[bh * L.S + q] : 0.0f, delta_q = valid ? delta[bh * L.S + q] : 0.0f;
-  for (int64_t k0 = 0; k0 <= q0; k0 += kTile) {
+  const float lse_q = valid ? lse[bh * L.S + qi] : 0.0f, delta_q = valid ? delta[bh * L.S + qi] : 0.0f;
+  for (int64_t k0 = 0; k0 < L.off + q0 + kTile; k0 += kTile) {
     __syncthreads();
-    load_tile(ks, qkv, L, L.W, b, k0, L.k_col(g));
-    load_tile(vs, qkv, L, L.W, b, k0, L.v_col(g));
+    load_tile(ks, kvb + L.k_col(g), L.Sk, L.W, k0, L);
+    load_tile(vs, kvb + L.v_col(g), L.Sk, L.W, k0, L);
     __syncthreads();
-    const uint32_t keep = mk.active ? keep_bits(mk, L.mask_index(b, h, q, k0), sub) : ~0u;
+    const uint32_t keep = mk.active ? keep_bits(mk, L.mask_index(b, h, pos, k0), sub) : ~0u;
     for (int j = 0; j < kTile; ++j) {
       float sp = 0.0f, dp = 0.0f;
 #pragma unroll
@@ -274,33 +281,37 @@ __global__ void __launch_bounds__(kAttnThreads)
         }
       sp = sum8(sp);
       dp = sum8(dp);
-      const bool visible = valid && k0 + j <= q;
+      const bool visible = valid && k0 + j <= pos;
       const float p = visible ? expf(sp - lse_q) : 0.0f;
       const float f = mk.active ? ((keep >> j) & 1u ? mk.scale : 0.0f) : 1.0f;
       const float ds = p * (dp * f - delta_q) * L.scale;
 #pragma unroll
       for (int k = 0; k < MAXK; ++k)
-        if (k < nk) dq[k] += ds * ks[j * L.DP + sub + kSub * k];
+        if (k < nk) dqr[k] += ds * ks[j * L.DP + sub + kSub * k];
     }
   }
   if (!valid) return;
-  T* row = dqkv + (b * L.S + q) * L.W + L.q_col(h);
+  T* row = dq + (b * L.S + qi) * L.W + L.q_col(h);
 #pragma unroll
   for (int k = 0; k < MAXK; ++k) {
     const int64_t d = sub + kSub * k;
-    if (k < nk && d < L.D) st(row[d], dq[k]);
+    if (k < nk && d < L.D) st(row[d], dqr[k]);
   }
 }
 
-AttnDims attn_dims(const QkvDims& d) {
+AttnDims attn_dims(const QkvDims& d, int64_t kv_bs, int64_t dkv_bs) {
   return {d.B,
           d.S,
+          d.keys(),
+          d.keys() - d.S,
           d.G,
           d.R,
           d.D,
           d.q_heads(),
           d.width(),
           (d.D + kSub - 1) / kSub * kSub,
+          kv_bs,
+          dkv_bs,
           1.0f / std::sqrt(static_cast<float>(d.D))};
 }
 
@@ -322,66 +333,68 @@ void allow_shared(const Launch& l, Kernel kernel, size_t bytes) {
 void check_attention_dims(const char* op, const QkvDims& d) {
   MOECORE_CHECK(d.D <= kMaxD, op, " (cuda): head dim D = ", d.D, " exceeds the CUDA kernel's ", kMaxD,
                 "; run attention on the CPU or use a smaller head dim");
-  MOECORE_CHECK(d.B * d.q_heads() <= 0x7fffffff && (d.S + kTile - 1) / kTile <= 65535, op,
-                " (cuda): B * heads = ", d.B * d.q_heads(), ", S = ", d.S, " exceed the grid");
+  MOECORE_CHECK(d.B * d.q_heads() <= 0x7fffffff && (d.keys() + kTile - 1) / kTile <= 65535, op,
+                " (cuda): B * heads = ", d.B * d.q_heads(), ", Sk = ", d.keys(), " exceed the grid");
 }
 
 }  // namespace
 
-void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDims& dims, const Dropout& dropout,
-                       const Context& ctx) {
-  const Launch l("attention_forward", ctx, {{"out", &out}, {"lse", &lse}, {"qkv", &qkv}});
+void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& kv, const QkvDims& dims,
+                       const Dropout& dropout, const Context& ctx) {
+  const Launch l("attention_forward", ctx, {{"out", &out}, {"lse", &lse}, {"q", &q}, {"kv", &kv}});
   if (dims.B == 0 || dims.S == 0) return;
   check_attention_dims("attention_forward", dims);
-  const AttnDims L = attn_dims(dims);
+  const AttnDims L = attn_dims(dims, kv.stride(0), 0);
   const DeviceMask mk = device_mask(dropout);
   const dim3 grid(static_cast<unsigned>(L.B * L.H), static_cast<unsigned>((L.S + kTile - 1) / kTile));
   const size_t smem = 2 * kTile * L.DP * sizeof(float);
-  with_float_type(qkv.dtype(), [&](auto tag) {
+  with_float_type(q.dtype(), [&](auto tag) {
     using T = decltype(tag);
     with_max_k(L.DP, [&](auto mk_tag) {
       auto kernel = attention_forward_kernel<T, decltype(mk_tag)::value>;
       allow_shared(l, kernel, smem);
       kernel<<<grid, kAttnThreads, smem, l.stream()>>>(Launch::ptr<T>(out), Launch::ptr<float>(lse),
-                                                       Launch::ptr<const T>(qkv), L, mk);
+                                                       Launch::ptr<const T>(q), Launch::ptr<const T>(kv), L, mk);
     });
   });
   l.launched("attention_forward_kernel");
 }
 
-void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
-                        const QkvDims& dims, const Dropout& dropout, const Context& ctx) {
+void attention_backward(Tensor& dq, Tensor& dkv, const Tensor& dout, const Tensor& q, const Tensor& kv,
+                        const Tensor& out, const Tensor& lse, const QkvDims& dims, const Dropout& dropout,
+                        const Context& ctx) {
   const Launch l("attention_backward", ctx,
-                 {{"dqkv", &dqkv}, {"dout", &dout}, {"qkv", &qkv}, {"out", &out}, {"lse", &lse}});
+                 {{"dq", &dq}, {"dkv", &dkv}, {"dout", &dout}, {"q", &q}, {"kv", &kv}, {"out", &out}, {"lse", &lse}});
   if (dims.B == 0 || dims.S == 0) return;
   check_attention_dims("attention_backward", dims);
-  const AttnDims L = attn_dims(dims);
+  const AttnDims L = attn_dims(dims, kv.stride(0), dkv.stride(0));
   const DeviceMask mk = device_mask(dropout);
   const int64_t rows = L.B * L.H * L.S;
   WorkspaceCarver w;
   w.reserve<float>(rows);
   w.allocate(l);
   float* delta = w.take<float>(rows);
-  const unsigned nb = static_cast<unsigned>((L.S + kTile - 1) / kTile);
+  const unsigned nqb = static_cast<unsigned>((L.S + kTile - 1) / kTile),
+                 nkb = static_cast<unsigned>((L.Sk + kTile - 1) / kTile);
   const size_t smem_dkv = (2 * kTile * L.DP + 3 * kTile) * sizeof(float), smem_dq = 2 * kTile * L.DP * sizeof(float);
-  with_float_type(qkv.dtype(), [&](auto tag) {
+  with_float_type(q.dtype(), [&](auto tag) {
     using T = decltype(tag);
     attention_delta_kernel<<<grid_for(rows * 32), kThreads, 0, l.stream()>>>(delta, Launch::ptr<const T>(dout),
                                                                              Launch::ptr<const T>(out), L, rows);
     l.launched("attention_delta_kernel");
     with_max_k(L.DP, [&](auto mk_tag) {
       constexpr int MAXK = decltype(mk_tag)::value;
-      auto dkv = attention_dkv_kernel<T, MAXK>;
-      allow_shared(l, dkv, smem_dkv);
-      dkv<<<dim3(static_cast<unsigned>(L.B * L.G), nb), kAttnThreads, smem_dkv, l.stream()>>>(
-          Launch::ptr<T>(dqkv), Launch::ptr<const T>(qkv), Launch::ptr<const T>(dout), Launch::ptr<const float>(lse),
-          delta, L, mk);
+      auto dkv_kernel = attention_dkv_kernel<T, MAXK>;
+      allow_shared(l, dkv_kernel, smem_dkv);
+      dkv_kernel<<<dim3(static_cast<unsigned>(L.B * L.G), nkb), kAttnThreads, smem_dkv, l.stream()>>>(
+          Launch::ptr<T>(dkv), Launch::ptr<const T>(q), Launch::ptr<const T>(kv), Launch::ptr<const T>(dout),
+          Launch::ptr<const float>(lse), delta, L, mk);
       l.launched("attention_dkv_kernel");
-      auto dq = attention_dq_kernel<T, MAXK>;
-      allow_shared(l, dq, smem_dq);
-      dq<<<dim3(static_cast<unsigned>(L.B * L.H), nb), kAttnThreads, smem_dq, l.stream()>>>(
-          Launch::ptr<T>(dqkv), Launch::ptr<const T>(qkv), Launch::ptr<const T>(dout), Launch::ptr<const float>(lse),
-          delta, L, mk);
+      auto dq_kernel = attention_dq_kernel<T, MAXK>;
+      allow_shared(l, dq_kernel, smem_dq);
+      dq_kernel<<<dim3(static_cast<unsigned>(L.B * L.H), nqb), kAttnThreads, smem_dq, l.stream()>>>(
+          Launch::ptr<T>(dq), Launch::ptr<const T>(q), Launch::ptr<const T>(kv), Launch::ptr<const T>(dout),
+          Launch::ptr<const float>(lse), delta, L, mk);
       l.launched("attention_dq_kernel");
     });
   });
