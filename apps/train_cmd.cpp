@@ -99,7 +99,11 @@ void add_training_flags(Args& a) {
               "TP: ranks each attention and dense layer is split over (Megatron's column/row-parallel linears)")
       .flag("--sequence-parallel", "with TP > 1: norms, dropout and the residual stream split along the sequence")
       .unsupported("--pipeline-model-parallel-size", "1", "pipeline parallelism")
-      .unsupported("--context-parallel-size", "1", "context parallelism")
+      .option("--context-parallel-size", "1",
+              "CP: ranks each sequence is split over (two load-balanced chunks per rank; attention all-gathers K/V)")
+      .option("--cp-comm-type", "p2p",
+              "CP attention's communication: p2p (Megatron's ring) | allgather; moecore all-gathers for both (the "
+              "same attention, without the ring's overlap)")
       .unsupported("--expert-tensor-parallel-size", "1", "expert tensor parallelism")
       .unsupported("--num-layers-per-virtual-pipeline-stage", "", "interleaved pipeline parallelism")
       .unsupported("--decoder-first-pipeline-num-layers", "", "pipeline parallelism")
@@ -161,6 +165,8 @@ void add_training_flags(Args& a) {
       {"--device", D::one_of({"cpu", "cuda", "sim"})},
       {"--expert-model-parallel-size", D::integer(1, 1e6)},
       {"--tensor-model-parallel-size", D::integer(1, 1e6)},
+      {"--context-parallel-size", D::integer(1, 1e6)},
+      {"--cp-comm-type", D::one_of({"p2p", "allgather"})},
       {"--ddp-bucket-size", D::integer(1, 1e15)},
       {"--moe-token-dispatcher-type", D::one_of({"allgather", "alltoall"})},
       {"--distributed-timeout-minutes", D::integer(1, 1e6)},
@@ -384,13 +390,13 @@ int train_main(int argc, char** argv) {
   const int64_t tp_size = a.i64("--tensor-model-parallel-size");
   // An explicit --vocab-size (an HF config's) needs to cover the tokenizer's ids, not its padding to 128 x TP.
   const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a, tp_size), tok->vocab_size());
-  // The layout over every process of the run (mpirun -np P): tensor parallel, data parallel, expert parallel
-  // (folded into data parallel for the attention layers) and expert data parallel. Validated before any
-  // collective, so a bad layout fails the same way on every rank.
-  // (Pipeline, context and expert-tensor parallel sizes other than 1 were refused by the parser; the experts are
-  // not split, ETP 1, and the model refuses MoE layers under TP for now.)
+  // The layout over every process of the run (mpirun -np P): tensor parallel, context parallel, data parallel,
+  // expert parallel (folded into data parallel for the attention layers) and expert data parallel. Validated before
+  // any collective, so a bad layout fails the same way on every rank.
+  // (Pipeline and expert-tensor parallel sizes other than 1 were refused by the parser: the experts are not split.)
   ParallelConfig pcfg;
   pcfg.tensor_model_parallel_size = static_cast<int>(tp_size);
+  pcfg.context_parallel_size = static_cast<int>(a.i64("--context-parallel-size"));
   pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
   pcfg.expert_tensor_parallel_size = 1;
   const ParallelSizes sizes = pcfg.validate(world_size, static_cast<int>(mcfg.moe.num_experts));
@@ -422,12 +428,17 @@ int train_main(int argc, char** argv) {
     const ProcessGroups pg = make_process_groups(pcfg, static_cast<int>(mcfg.moe.num_experts), comm_world());
     groups.dp = pg.dp();
     groups.tp = pg.tp();
-    groups.tp_dp = pg.tp_dp();
+    groups.tp_dp = pg.tp_dp_cp();  // every rank (PP 1)
+    groups.cp = pg.cp();
+    groups.dp_cp = pg.dp_cp();
+    groups.tp_cp = pg.tp_cp();
     groups.ep = pg.ep();
     groups.edp = pg.edp();
     ep.tp = pg.tp();
     ep.ep = pg.ep();
     ep.dp = pg.dp();
+    ep.cp = pg.cp();
+    ep.tp_cp = pg.tp_cp();
   }
   ep.sequence_parallel = a.on("--sequence-parallel");
   const ProcessGroup& dp = groups.dp;
@@ -487,7 +498,13 @@ int train_main(int argc, char** argv) {
     if (out) print_summary(out, log, tcfg, mcfg.seq_length, seconds);
     return 0;
   }
-  const int64_t count = a.i64("--generate-tokens");
+  int64_t count = a.i64("--generate-tokens");
+  if (count > 0 && gpt.cp_size() > 1) {
+    if (out)
+      std::printf("moecore train: no sample generated: generation does not run under --context-parallel-size %lld\n",
+                  static_cast<long long>(gpt.cp_size()));
+    count = 0;
+  }
   // Under EP every rank takes part in the forward passes (the experts are spread); rank 0 prints.
   if (count > 0 && (dp.rank() == 0 || ep.ep.size() > 1)) {
     const std::string prompt = a.str("--prompt");

@@ -231,6 +231,9 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
   auto [st5, out5] = mpirun(3, "--tensor-model-parallel-size 2");
   EXPECT_NE(st5, 0);
   EXPECT_EQ(count(out5, "world_size (3) must be divisible by"), 3u) << out5;
+  auto [st6, out6] = mpirun(2, "--context-parallel-size 2 --mtp-num-layers 1 --position-embedding-type rope");
+  EXPECT_NE(st6, 0);
+  EXPECT_EQ(count(out6, "--mtp-num-layers with --context-parallel-size 2 is not supported yet"), 2u) << out6;
 #endif
 }
 
@@ -263,6 +266,30 @@ TEST_F(Cli, TensorParallelMatchesOneProcess) {
     for (const std::string& l : layouts) flags.push_back(model + l);
     expect_two_ranks_match(args, model + " --make-vocab-size-divisible-by 256", flags);
   }
+#endif
+}
+
+// Context parallelism from Megatron's flags: two ranks with --context-parallel-size 2 (each holding two chunks of every
+// sequence) reproduce the single-process run, a dense model (learned positions: each row's global position) and an
+// MoE model alone and with its experts over --expert-model-parallel-size 2 (dropout 0: under CP the masks are drawn
+// per rank).
+TEST_F(Cli, ContextParallelMatchesOneProcess) {
+#ifndef MOECORE_HAVE_MPI
+  GTEST_SKIP() << "built without MPI";
+#else
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
+  preprocess_corpus();
+  if (HasFatalFailure()) return;
+  const std::string args = "train --data-path " + p("c_text_document") +
+                           " --tokenizer-type ByteLevel "
+                           "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+                           "--hidden-dropout 0 --attention-dropout 0 --micro-batch-size 2 --global-batch-size 4 "
+                           "--train-iters 5 --log-interval 1 --eval-iters 1 --generate-tokens 0 --metrics-jsonl ";
+  const std::string moe = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
+  expect_two_ranks_match(args, "", {" --context-parallel-size 2"});
+  expect_two_ranks_match(
+      args, moe,
+      {moe + " --context-parallel-size 2", moe + " --context-parallel-size 2 --expert-model-parallel-size 2"});
 #endif
 }
 

@@ -116,8 +116,10 @@ struct Layout {
   int tp = 1;
   bool sp = false;
   int ep = 1;  // MoE models: experts over EP x EDP on the same ranks (Parallel Folding, ETP 1)
+  int cp = 1;  // context parallel
   std::string name() const {
-    return "TP " + std::to_string(tp) + (sp ? " + SP" : "") + (ep > 1 ? ", EP " + std::to_string(ep) : "");
+    return "TP " + std::to_string(tp) + (sp ? " + SP" : "") + (cp > 1 ? " x CP " + std::to_string(cp) : "") +
+           (ep > 1 ? ", EP " + std::to_string(ep) : "");
   }
 };
 
@@ -140,13 +142,19 @@ Built build(const ProcessGroup& world, const Layout& l, int64_t num_experts = 0)
   pc.tensor_model_parallel_size = l.tp;
   pc.expert_model_parallel_size = l.ep;
   pc.expert_tensor_parallel_size = 1;
+  pc.context_parallel_size = l.cp;
   const ProcessGroups pg = make_process_groups(pc, static_cast<int>(num_experts), world);
   b.groups.dp = pg.dp();
   b.groups.ep = pg.ep();
   b.groups.edp = pg.edp();
   b.groups.tp = pg.tp();
-  b.groups.tp_dp = pg.tp_dp();
+  b.groups.tp_dp = pg.tp_dp_cp();
+  b.groups.cp = pg.cp();
+  b.groups.dp_cp = pg.dp_cp();
+  b.groups.tp_cp = pg.tp_cp();
   b.par.tp = pg.tp();
+  b.par.cp = pg.cp();
+  b.par.tp_cp = pg.tp_cp();
   b.par.sequence_parallel = l.sp;
   b.par.ep = pg.ep();
   b.par.dp = pg.dp();
@@ -211,7 +219,7 @@ void expect_close(const std::map<std::string, Tensor>& got, const std::map<std::
 }
 
 void check_layout(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l) {
-  SCOPED_TRACE(l.name() + " x DP " + std::to_string(world.size() / l.tp) + (mc.moe.enabled() ? ", MoE" : ""));
+  SCOPED_TRACE(l.name() + " x DP " + std::to_string(world.size() / (l.tp * l.cp)) + (mc.moe.enabled() ? ", MoE" : ""));
   const Result ref1 = run(world, mc, Layout{0, false}, 1);
   const Result got1 = run(world, mc, l, 1);
   EXPECT_LE(rel(got1.loss[0], ref1.loss[0]), 1e-6) << got1.loss[0] << " vs " << ref1.loss[0];
@@ -292,7 +300,9 @@ TEST_F(Mpi, DistributedOptimizerUnderTensorParallelismMatchesOneProcess) {
     model::ModelConfig mc;
     Layout l;
   };
-  std::vector<Case> cases = {{gpt2_like(), {2, true}}, {moe_model(false), {2, true, P == 4 ? 2 : 1}}};
+  std::vector<Case> cases = {{gpt2_like(), {2, true}},
+                             {moe_model(false), {2, true, P == 4 ? 2 : 1}},
+                             {llama_like(), {1, false, 1, 2}}};  // shards over DP x CP
   for (const Case& c : cases) {
     SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : ""));
     const Result ref = run(world, c.mc, Layout{0, false}, 20);
@@ -312,8 +322,8 @@ TEST_F(Mpi, OverlappedGradientReductionIsBitwiseEqual) {
     model::ModelConfig mc;
     Layout l;
   };
-  for (const Case& c :
-       {Case{llama_like(), {1, false}}, Case{gpt2_like(), {2, true}}, Case{moe_model(false), {2, true, 2}}}) {
+  for (const Case& c : {Case{llama_like(), {1, false}}, Case{gpt2_like(), {2, true}},
+                        Case{moe_model(false), {2, true, 2}}, Case{gpt2_like(), {1, false, 1, 2}}}) {
     SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : ""));
     const Result plain = run(world, c.mc, c.l, 6);
     const Result overlapped = run(world, c.mc, c.l, 6, "", "", 0, false, /*overlap=*/true);
@@ -326,6 +336,25 @@ TEST_F(Mpi, OverlappedGradientReductionIsBitwiseEqual) {
         ASSERT_EQ(o.nbytes(), t.nbytes()) << name;
         EXPECT_EQ(std::memcmp(o.raw(), t.raw(), static_cast<size_t>(t.nbytes())), 0) << name;
       }
+  }
+}
+
+// Context parallelism: every sequence split over the CP ranks in Megatron's load-balanced order (two chunks each),
+// attention over the all-gathered keys and values, dK/dV reduce-scattered back; RoPE and learned positions at each
+// row's global position; the loss and its token count over the CP group, gradients summed over DP x CP. CP = P and
+// CP 2 (x DP 2 at 4 ranks); TP 2 x CP 2 at 4 ranks, with and without SP; the MoE model (router losses over TP x CP,
+// experts folded over EP x EDP) and MLA.
+TEST_F(Mpi, ContextParallelMatchesOneProcess) {
+  check_layout(world, llama_like(), {1, false, 1, P});
+  check_layout(world, gpt2_like(), {1, false, 1, 2});
+  check_layout(world, moe_model(false), {1, false, 1, 2});
+  // global_aux_loss matches one process at DP 1 only: CP = P, with the experts over EP 2.
+  check_layout(world, moe_model(true), {1, false, 2, P});
+  check_layout(world, mla_model(false), {1, false, 1, P});
+  if (P == 4) {
+    check_layout(world, llama_like(), {2, true, 1, 2});
+    check_layout(world, gpt2_like(), {2, false, 1, 2});
+    check_layout(world, moe_model(false), {2, true, 2, 2});  // attention TP 2 x CP 2, experts EP 2 x EDP 2
   }
 }
 
@@ -354,7 +383,7 @@ TEST_F(Mpi, CheckpointSavedUnderTensorParallelismLoadsAtAnyLayout) {
     ASSERT_EQ(v.nbytes(), s.nbytes()) << p.name;
     EXPECT_EQ(std::memcmp(v.raw(), s.raw(), static_cast<size_t>(v.nbytes())), 0) << p.name;
   }
-  for (const Layout& l : {Layout{0, false}, Layout{P == 4 ? 1 : 2, false}}) {
+  for (const Layout& l : {Layout{0, false}, Layout{P == 4 ? 1 : 2, false}, Layout{1, false, 1, 2}}) {
     const Result resumed = run(world, mc, l, 8, "", dir);
     ASSERT_EQ(resumed.loss.size(), 4u) << l.name();
     for (size_t i = 0; i < 4; ++i)
@@ -365,7 +394,7 @@ TEST_F(Mpi, CheckpointSavedUnderTensorParallelismLoadsAtAnyLayout) {
 }
 
 // Every size constraint fails at construction on every rank (no collective), naming the values.
-TEST_F(Mpi, BadTensorParallelLayoutsFailNamingTheValues) {
+TEST_F(Mpi, BadTensorAndContextParallelLayoutsFailNamingTheValues) {
   const Built b = build(world, {P, true});
   auto make = [&](const model::ModelConfig& mc) { model::GptModel m(mc, 2, 42, b.par, testing::test_device()); };
   model::ModelConfig c = llama_like();
@@ -382,6 +411,15 @@ TEST_F(Mpi, BadTensorParallelLayoutsFailNamingTheValues) {
   c = llama_like();
   c.num_query_groups = 1;
   testing::expect_error([&] { make(c); }, {"query groups", "(1)"});
+  const Built cp = build(world, {1, false, 1, P});
+  c = llama_like();
+  c.seq_length = 18;
+  testing::expect_error([&] { model::GptModel m(c, 2, 42, cp.par, testing::test_device()); },
+                        {"--seq-length (18)", "2 x --context-parallel-size (" + std::to_string(2 * P) + ")"});
+  c.seq_length = 16;
+  c.mtp_num_layers = 1;
+  testing::expect_error([&] { model::GptModel m(c, 2, 42, cp.par, testing::test_device()); },
+                        {"--mtp-num-layers with --context-parallel-size"});
   const Built no_sp = build(world, {P, false});
   testing::expect_error(
       [&] { model::GptModel m(testing::small_moe_model(4), 2, 42, no_sp.par, testing::test_device()); },

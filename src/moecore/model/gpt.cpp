@@ -53,7 +53,40 @@ void GptModel::check_tensor_parallel() const {
        "linear_qkv is split by query group");
   need(cfg_.ffn(), "--ffn-hidden-size", "linear_fc1 and linear_fc2 are split along it");
   need(cfg_.vocab_size, "the padded vocabulary size", "the embedding and output layer are split along it");
-  if (par_.sequence_parallel) need(cfg_.seq_length, "--seq-length", "sequence parallelism splits it");
+  if (par_.sequence_parallel)  // of the positions each context-parallel rank holds
+    need(cfg_.seq_length / par_.cp.size(),
+         par_.cp.size() > 1 ? "--seq-length / --context-parallel-size" : "--seq-length",
+         "sequence parallelism splits it");
+}
+
+// Megatron's load-balanced split needs 2 x CP equal chunks of every sequence.
+void GptModel::check_context_parallel() const {
+  const int64_t CP = par_.cp.size();
+  if (CP == 1) return;
+  if (cfg_.seq_length % (2 * CP) != 0)
+    MOECORE_FAIL("model: --seq-length (", cfg_.seq_length, ") must be divisible by 2 x --context-parallel-size (",
+                 2 * CP, "): each rank holds two equal chunks of every sequence (Megatron's load-balanced split)");
+  if (par_.tp_cp.size() != par_.tp.size() * CP)
+    MOECORE_FAIL("model: the tp_cp group has ", par_.tp_cp.size(), " ranks, not tensor-parallel (", par_.tp.size(),
+                 ") x context-parallel (", CP, ")");
+  if (cfg_.mtp_num_layers > 0)
+    MOECORE_FAIL("model: --mtp-num-layers with --context-parallel-size ", CP,
+                 " is not supported yet (the depths' rolled tokens cross the chunks of the ranks)");
+}
+
+// This rank's positions of every sequence of a host batch [B*S] (rows b * S/CP + s: position
+// context_parallel_position(s)); the batch itself without CP.
+Tensor GptModel::local_positions(const Tensor& batch_h) const {
+  const int CP = par_.cp.size();
+  if (CP == 1) return batch_h;
+  const int64_t S = cfg_.seq_length, Sl = S / CP;
+  Tensor out = Tensor::empty({B_ * Sl}, DType::i32, MemCategory::workspace);
+  const int32_t* src = batch_h.data<int32_t>();
+  int32_t* dst = out.data<int32_t>();
+  for (int64_t b = 0; b < B_; ++b)
+    for (int64_t s = 0; s < Sl; ++s)
+      dst[b * Sl + s] = src[b * S + nn::context_parallel_position(s, S, par_.cp.rank(), CP)];
+  return out;
 }
 
 GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t seed, const ModelParallel& parallel,
@@ -71,8 +104,11 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     MOECORE_FAIL("model: expert parallelism needs the alltoall or allgather dispatcher");
   const int64_t P = par_.tp.size();
   if (P == 1) par_.sequence_parallel = false;  // as Megatron: sequence parallelism needs TP > 1
+  check_context_parallel();
   check_tensor_parallel();
-  const int64_t L = cfg_.num_layers, H = cfg_.hidden_size, V = cfg_.vocab_size, S = cfg_.seq_length;
+  const int CP = par_.cp.size();
+  // S: this rank's positions of each sequence (all of them without context parallelism)
+  const int64_t L = cfg_.num_layers, H = cfg_.hidden_size, V = cfg_.vocab_size, S = cfg_.seq_length / CP;
   const int64_t T = B_ * S, D = cfg_.head_dim(), G = cfg_.query_groups(), R = cfg_.num_attention_heads / G;
   const int64_t N = par_.sequence_parallel ? T / P : T;  // rows of the residual stream on this rank
   const DType c = cfg_.compute_dtype;
@@ -82,6 +118,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   dims_.qkv = {B_, S, G / P, R, D};
   dims_.tp = &par_.tp;
   dims_.sequence_parallel = par_.sequence_parallel;
+  dims_.cp = CP > 1 ? &par_.cp : nullptr;
   dims_.eps = cfg_.norm_epsilon;
   dims_.layernorm = cfg_.normalization == Normalization::layernorm;
   dims_.swiglu = cfg_.swiglu;
@@ -106,12 +143,13 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
                  cfg_.qk_pos_emb_head_dim,
                  cfg_.v_head_dim,
                  cfg_.qk_layernorm,
-                 cfg_.mla_softmax_scale_mult()};
+                 cfg_.mla_softmax_scale_mult(),
+                 CP};
     dims_.qk_norm = false;  // with MLA, --qk-layernorm is the latent norms
   }
   // The MoE layers take this rank's rows: under sequence parallelism its slice of every sequence.
   moe_dims_ = {N, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
-  moe_dims_.sequence_group = par_.sequence_parallel ? &par_.tp : nullptr;
+  moe_dims_.sequence_group = sequence_group();
   moe_dims_.ep = EP;
   moe_dims_.device = device_;
   moe_dims_.dispatcher = EP > 1 ? par_.dispatcher : moe::DispatcherKind::local;
@@ -303,21 +341,27 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   final_h_ = act({N, H}, c);
   if (par_.sequence_parallel) final_full_ = act({T, H}, c);
   // Constant tables are computed on the host and uploaded once.
-  if (cfg_.rope()) {
-    Tensor rope = Tensor::empty({S, cfg_.rotary_dim()}, DType::f32, MemCategory::workspace);
+  // The global position of this rank's position s of a sequence (context parallelism: its two chunks).
+  const auto position = [&](int64_t s) {
+    return CP > 1 ? nn::context_parallel_position(s, cfg_.seq_length, par_.cp.rank(), CP) : s;
+  };
+  if (cfg_.rope()) {  // row s: the rotation of position(s)
+    Tensor rope = Tensor::empty({cfg_.seq_length, cfg_.rotary_dim()}, DType::f32, MemCategory::workspace);
     fill_rope_table(rope, cfg_);
-    rope_ = rope.to_device(device_, MemCategory::workspace);
+    Tensor local = Tensor::empty({S, cfg_.rotary_dim()}, DType::f32, MemCategory::workspace);
+    for (int64_t s = 0; s < S; ++s) local.slice(0, s, s + 1).copy_from(rope.slice(0, position(s), position(s) + 1));
+    rope_ = local.to_device(device_, MemCategory::workspace);
   }
-  if (position_embedding_) {  // token b*S + s sits at position s (positions restart with each sample)
+  if (position_embedding_) {  // token b*S + s sits at position(s) (positions restart with each sample)
     Tensor positions = Tensor::empty({T}, DType::i32, MemCategory::workspace);
     int32_t* pos = positions.data<int32_t>();
-    for (int64_t i = 0; i < T; ++i) pos[i] = static_cast<int32_t>(i % S);
+    for (int64_t i = 0; i < T; ++i) pos[i] = static_cast<int32_t>(position(i % S));
     positions_ = positions.to_device(device_, MemCategory::workspace);
-    if (par_.sequence_parallel) {  // this rank's rows b * S/P + s hold positions rank * S/P + s
+    if (par_.sequence_parallel) {  // this rank's rows b * S/P + s hold positions position(rank * S/P + s)
       Tensor local = Tensor::empty({N}, DType::i32, MemCategory::workspace);
       int32_t* lp = local.data<int32_t>();
       const int64_t Sl = S / P;
-      for (int64_t i = 0; i < N; ++i) lp[i] = static_cast<int32_t>(par_.tp.rank() * Sl + i % Sl);
+      for (int64_t i = 0; i < N; ++i) lp[i] = static_cast<int32_t>(position(par_.tp.rank() * Sl + i % Sl));
       positions_local_ = local.to_device(device_, MemCategory::workspace);
     }
   }
@@ -394,7 +438,8 @@ void GptModel::refresh_compute_weights() {
 void GptModel::set_dropout_keys(bool training) {
   // Under TP a mask over data that differs between the group's ranks (attention probabilities of their heads; with
   // sequence parallelism the hidden dropout of their rows) gets a key of its own per rank, as Megatron's
-  // model-parallel RNG tracker; masks over replicated data stay equal on every rank.
+  // model-parallel RNG tracker; masks over replicated data stay equal on every rank. Under CP every mask gets a key
+  // per CP rank.
   const int tp_rank = par_.tp.rank();
   auto key = [&](float p, int64_t layer, const char* site, bool per_rank) {
     ops::Dropout d;
@@ -405,6 +450,8 @@ void GptModel::set_dropout_keys(bool training) {
                           static_cast<long long>(layer), site);
     if (per_rank && tensor_parallel())
       n += std::snprintf(name + n, sizeof name - static_cast<size_t>(n), "/tp%d", tp_rank);
+    if (par_.cp.size() > 1)  // every mask covers this rank's positions alone
+      n += std::snprintf(name + n, sizeof name - static_cast<size_t>(n), "/cp%d", par_.cp.rank());
     d.p = p;
     d.key = philox_key(seed_, std::string_view(name, static_cast<size_t>(n)));
     return d;
@@ -422,14 +469,15 @@ void GptModel::set_dropout_keys(bool training) {
 
 void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   const ops::Context ctx{device_};
-  const int64_t T = B_ * cfg_.seq_length;
+  const int64_t T = ids_.numel();
   if (tokens.dtype() != DType::i32 || tokens.numel() != T)
-    MOECORE_FAIL("model: tokens must be i32 [", B_, ", ", cfg_.seq_length, "], got ", tokens.str());
+    MOECORE_FAIL("model: tokens must be i32 [", B_, ", ", T / B_, "], got ", tokens.str());
   ids_.copy_from(tokens.view({T}));
   // Set here: pointers into this object stay valid across moves.
   moe_dims_.global_aux_group = &par_.dp;
-  if (moe_dims_.sequence_group) moe_dims_.sequence_group = &par_.tp;
+  moe_dims_.sequence_group = sequence_group();
   dims_.tp = &par_.tp;
+  if (dims_.cp) dims_.cp = &par_.cp;
   set_dropout_keys(training);
   Tensor& x0 = residual_[0];
   embed(x0, ids_, ctx);
@@ -649,10 +697,10 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
   const ops::Context ctx{device_};
   const int64_t S = cfg_.seq_length;
   const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
-  forward_trunk(tokens_h, true);
-  labels_.copy_from(labels_h);
+  forward_trunk(local_positions(tokens_h), true);
+  labels_.copy_from(local_positions(labels_h));
   LossResult r;
-  r.tokens = counted_labels(labels_h);
+  r.tokens = counted_labels(labels_h);  // the whole batch's (every CP rank holds it)
   const float token_scale = r.tokens ? grad_scale / static_cast<float>(r.tokens) : 0.0f;
   if (!mtp_.empty()) {
     mtp_forward(tokens_h, labels_h, true, ctx);
@@ -662,6 +710,7 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
   nn::lm_head_loss(&dh_, &output_->grad, head_input(), output_->compute, labels_, token_scale, head_ws_, ctx,
                    head_group(), /*reduce_dh=*/!sp);
   r.loss_sum = read_loss_sum();
+  if (par_.cp.size() > 1) all_reduce_sum(std::span<double>(&r.loss_sum, 1), par_.cp);
   if (output_ != embedding_) grad_ready(output_params_);
   Tensor dfinal = dh_;
   if (sp) {  // the head's partial input gradients, reduce-scattered to this rank's rows
@@ -690,17 +739,21 @@ LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
   const ops::Context ctx{device_};
   const int64_t S = cfg_.seq_length;
   const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
-  forward_trunk(tokens_h, false);
-  labels_.copy_from(labels_h);
+  forward_trunk(local_positions(tokens_h), false);
+  labels_.copy_from(local_positions(labels_h));
   LossResult r;
   r.tokens = counted_labels(labels_h);
   nn::lm_head_loss(nullptr, nullptr, head_input(), output_->compute, labels_, 1.0f, head_ws_, ctx, head_group());
   r.loss_sum = read_loss_sum();
+  if (par_.cp.size() > 1) all_reduce_sum(std::span<double>(&r.loss_sum, 1), par_.cp);
   return r;
 }
 
 void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
   const ops::Context ctx{device_};
+  if (par_.cp.size() > 1)
+    MOECORE_FAIL("model: forward_logits (generation) is not supported under context parallelism (CP ", par_.cp.size(),
+                 "); generate at CP 1");
   forward_trunk(tokens, false);
   if (!tensor_parallel()) {
     ops::gemm(logits, final_h_, false, output_->compute, true, 1.0f, 0.0f, ctx);

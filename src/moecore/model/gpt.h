@@ -46,10 +46,15 @@ struct MemoryPlan {
 //     and --sequence-parallel (nn/dense_layer.h); parameters hold their shards (Param::tp)
 //   ep, dispatcher: the expert-parallel group (this rank holds experts [r*E/EP, (r+1)*E/EP) of each layer) and the
 //     token dispatcher (--moe-token-dispatcher-type)
+//   cp, tp_cp: the context-parallel group (--context-parallel-size; nn/context_parallel.h: this rank holds S / CP
+//     positions of every sequence) and the group of TP x CP ranks, over which the MoE routers' losses see whole
+//     sequences (spec §3)
 //   dp: the data-parallel group: global_aux_loss counts are summed over it
 struct ModelParallel {
   ProcessGroup tp = comm_single("tp");
   bool sequence_parallel = false;
+  ProcessGroup cp = comm_single("cp");
+  ProcessGroup tp_cp = comm_single("tp_cp");
   ProcessGroup ep = comm_single("ep");
   moe::DispatcherKind dispatcher = moe::DispatcherKind::alltoall;
   ProcessGroup dp = comm_single("dp");
@@ -67,6 +72,7 @@ class GptModel {
   int64_t ep_size() const { return par_.ep.size(); }
   int64_t ep_rank() const { return par_.ep.rank(); }
   int64_t tp_size() const { return par_.tp.size(); }
+  int64_t cp_size() const { return par_.cp.size(); }
   const ModelParallel& parallel() const { return par_; }
 
   const ModelConfig& config() const { return cfg_; }
@@ -115,10 +121,12 @@ class GptModel {
   // a device batch is copied to the host first): the counted tokens and the MTP depths' rolled ids and labels are
   // prepared there, then uploaded. Adds grad_scale * d(mean loss)/d(param) to every gradient and returns the
   // loss: the loss totals are read back once per loss head (the step's host synchronisation for logging).
-  // The mean is over this micro-batch's counted tokens.
+  // The mean is over this micro-batch's counted tokens. Under context parallelism every rank of the group passes
+  // the whole batch and takes its positions; the loss and its token count are the group's (summed over it), and
+  // this rank's gradients are its share of the group's (the data-parallel reduction sums them over DP x CP).
   LossResult forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale);
   LossResult evaluate(const Tensor& tokens, const Tensor& labels);
-  // logits [B*S, V] f32 for the given tokens (generation, tests).
+  // logits [B*S, V] f32 for the given tokens (generation, tests). Not under context parallelism.
   void forward_logits(Tensor& logits, const Tensor& tokens);
 
   // The plan for this model's own buffers plus optimizer_state_bytes_per_param * num_parameters().
@@ -129,7 +137,14 @@ class GptModel {
 
  private:
   void check_tensor_parallel() const;
+  void check_context_parallel() const;
+  Tensor local_positions(const Tensor& batch_h) const;  // [B*S] host -> this CP rank's [B*S/CP] (itself at CP 1)
   bool tensor_parallel() const { return par_.tp.size() > 1; }
+  // The ranks whose MoE rows together are whole sequences (the routers' losses gather over them): TP x CP under
+  // context parallelism, TP under sequence parallelism; null when this rank's rows are the whole micro-batch.
+  const ProcessGroup* sequence_group() const {
+    return par_.cp.size() > 1 ? &par_.tp_cp : par_.sequence_parallel ? &par_.tp : nullptr;
+  }
   int64_t vocab_start() const;  // the first vocabulary id of this rank's embedding / output rows
   void embed(Tensor& out, const Tensor& ids, const ops::Context& ctx);
   void embed_backward(const Tensor& dx, const Tensor& ids, const ops::Context& ctx);
@@ -213,7 +228,7 @@ class GptModel {
   Tensor final_mean_, final_rstd_;  // [N] f32 (mean: LayerNorm only)
   Tensor final_h_;                  // [N, H] compute (N: this rank's rows under sequence parallelism)
   Tensor final_full_;               // [T, H] compute: final_h_ all-gathered (sequence parallelism only)
-  Tensor rope_;                     // [S, Dr] f32 (RoPE only; Dr = rotary dim)
+  Tensor rope_;                     // [S, Dr] f32 (RoPE only; Dr = rotary dim); rows: this CP rank's positions
   Tensor positions_;                // [T] i32: position of each token (learned absolute positions only)
   Tensor positions_local_;          // [N] i32: those of this rank's rows (sequence parallelism only)
   nn::DenseLayerWorkspace ws_;

@@ -56,6 +56,7 @@ void plan_workspace(DenseLayerWorkspace& w, const DenseLayerDims& d, bool with_a
   if (with_attention) {
     p.empty(w.dqkv, {T, d.qkv.width()}, c);
     p.empty(w.dattn, {T, d.qkv.q_heads() * d.qkv.D}, c);
+    plan_context_parallel_workspace(w.cp, d.qkv, d.cp_size(), c, p);
   }
   p.empty(w.dfc1, {T, d.fc1_rows()}, c);
   p.empty(w.dact, {T, d.F}, c);
@@ -239,7 +240,7 @@ void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseL
   if (d.qk_norm) qk_norm_forward(k, w, ws, d, ctx);
   Tensor qkv = bsw(k.qkv, d), attn = bsw(k.attn, d);
   if (d.rope) ops::rope_forward(qkv, rope, d.qkv, ctx);
-  ops::attention_forward(attn, k.lse, qkv, d.qkv, drop.attention, ctx);
+  attention_forward(attn, k.lse, qkv, d.qkv, drop.attention, d.cp, ws.cp, ctx);
   row_parallel_residual_forward(k.x_mid, x, k.attn, w.proj, w.proj_bias, ws, d, drop.attn_out, ctx);
 }
 
@@ -278,7 +279,8 @@ void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x,
                               const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
   row_parallel_residual_backward(ws.dattn, g.proj, g.proj_bias, dres, k.attn, w.proj, ws, d, drop.attn_out, ctx);
   Tensor dqkv = bsw(ws.dqkv, d);
-  ops::attention_backward(dqkv, bsw(ws.dattn, d), bsw(k.qkv, d), bsw(k.attn, d), k.lse, d.qkv, drop.attention, ctx);
+  attention_backward(dqkv, bsw(ws.dattn, d), bsw(k.qkv, d), bsw(k.attn, d), k.lse, d.qkv, drop.attention, d.cp, ws.cp,
+                     ctx);
   if (d.rope) ops::rope_backward(dqkv, rope, d.qkv, ctx);
   if (d.qk_norm) qk_norm_backward(ws.dqkv, g, k, w, ws, d, ctx);
   if (g.qkv_bias.defined()) ops::bias_grad(g.qkv_bias, ws.dqkv, ctx);

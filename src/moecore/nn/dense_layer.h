@@ -21,6 +21,7 @@
 // data (Param::tp_grad_sum) are the caller's to sum.
 #pragma once
 #include "moecore/kernels/ops.h"
+#include "moecore/nn/context_parallel.h"
 #include "moecore/parallel/comm.h"
 
 namespace moecore::nn {
@@ -40,9 +41,12 @@ struct DenseLayerDims {
   Device device = Device::cpu;       // where the caches and workspaces live
   const ProcessGroup* tp = nullptr;  // the tensor-parallel group (null or one rank: none)
   bool sequence_parallel = false;    // --sequence-parallel (needs tp)
+  const ProcessGroup* cp = nullptr;  // the context-parallel group (nn/context_parallel.h; null or one rank: none):
+                                     // qkv.S is then this rank's S / CP positions of each sequence
   int64_t fc1_rows() const { return swiglu ? 2 * F : F; }
   int64_t tokens() const { return qkv.B * qkv.S; }  // rows of the GEMMs' activations (the whole micro-batch)
   int tp_size() const { return tp ? tp->size() : 1; }
+  int cp_size() const { return cp ? cp->size() : 1; }
 };
 
 // Views of one layer's weights. Norm weights are the f32 masters; GEMM weights are in the compute dtype.
@@ -113,6 +117,7 @@ struct DenseLayerWorkspace {
   Tensor h_local;    // [N, H] compute: a norm's output on this rank's rows, before the all-gather
   Tensor dh_local;   // [N, H] f32: a reduce-scattered row-parallel output (forward) or input gradient (backward)
   Tensor dres_full;  // [T, H] compute: the all-gathered residual gradient for the row-parallel GEMMs
+  ContextParallelWorkspace cp;  // context parallelism only (standard attention)
 };
 
 // with_mlp=false allocates no fc1/act (layers whose MLP is an MoE layer); with_attention=false no qkv, attention

@@ -79,6 +79,7 @@ void plan_workspace(MlaWorkspace& w, const MlaDims& d, DType c, BufferPlan& p) {
   p.empty(w.dlat_c, {N, lat}, c);
   p.empty(w.pe_f32, {N, d.dr}, DType::f32);
   p.empty(w.pe_sum, {N, d.dr}, DType::f32);
+  plan_context_parallel_workspace(w.cp, d.qkv(), d.cp, c, p);
 }
 }  // namespace
 
@@ -130,7 +131,7 @@ void mla_block_forward(const Tensor& x, const DenseLayerWeights& w, const MlaWei
   V.slice(3, 0, dv).copy_from(kv4.slice(3, dn, dn + dv));
   Tensor qkv = bsw(mc.qkv, md), attn = bsw(mc.attn, md);
   ops::rope_forward(qkv, rope, md.qkv(), ctx);
-  ops::attention_forward(attn, mc.lse, qkv, md.qkv(), drop.attention, ctx);
+  attention_forward(attn, mc.lse, qkv, md.qkv(), drop.attention, d.cp, mw.cp, ctx);
   mc.attn_v.view({md.N(), md.heads, dv}).copy_from(mc.attn.view({md.N(), md.heads, D}).slice(2, 0, dv));
   row_parallel_residual_forward(k.x_mid, x, mc.attn_v, w.proj, w.proj_bias, ws, d, drop.attn_out, ctx);
 }
@@ -144,8 +145,8 @@ void mla_block_backward(Tensor& dres, DenseLayerGrads& g, MlaGrads& mg, const Te
   row_parallel_residual_backward(mw.dattn_v, g.proj, g.proj_bias, dres, mc.attn_v, w.proj, ws, d, drop.attn_out, ctx);
   mw.dattn.view({N, md.heads, D}).slice(2, 0, dv).copy_from(mw.dattn_v.view({N, md.heads, dv}));
   Tensor dqkv = bsw(mw.dqkv, md);
-  ops::attention_backward(dqkv, bsw(mw.dattn, md), bsw(mc.qkv, md), bsw(mc.attn, md), mc.lse, md.qkv(), drop.attention,
-                          ctx);
+  attention_backward(dqkv, bsw(mw.dattn, md), bsw(mc.qkv, md), bsw(mc.attn, md), mc.lse, md.qkv(), drop.attention, d.cp,
+                     mw.cp, ctx);
   ops::rope_backward(dqkv, rope, md.qkv(), ctx);
   const Tensor dQ = slot(mw.dqkv, md, 0), dK = slot(mw.dqkv, md, 1), dV = slot(mw.dqkv, md, 2);
   Tensor q4 = heads4(mw.q, md, dn + dr), kv4 = heads4(mw.kv, md, dn + dv);

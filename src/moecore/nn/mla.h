@@ -30,6 +30,7 @@ struct MlaDims {
   int64_t dv = 0;                   // --v-head-dim
   bool latent_norm = true;          // norm_q / norm_kv (Megatron: --qk-layernorm)
   float softmax_scale_mult = 1.0f;  // YaRN: mscale(scaling factor, mscale_all_dim)^2
+  int cp = 1;                       // context-parallel size (S: this rank's S / cp positions; the workspace's share)
   int64_t N() const { return B * S; }
   int64_t D() const { return dn + dr; }  // the kernel's head dim
   int64_t q_width() const { return heads * (dn + dr); }
@@ -66,16 +67,17 @@ struct MlaCache {
 };
 // Scratch shared by the MLA layers of a model.
 struct MlaWorkspace {
-  Tensor q;               // [N, nh(dn+dr)] compute: q (forward), dq (backward)
-  Tensor kv;              // [N, nh(dn+dv)] compute: kv, dkv
-  Tensor k_pe;            // [N, dr] compute: k_pe, dk_pe (before RoPE)
-  Tensor dqkv;            // [N, nh * 3 * D] compute
-  Tensor dattn;           // [N, nh * D] compute (pad columns stay 0)
-  Tensor dattn_v;         // [N, nh * dv] compute
-  Tensor dlat_n;          // [N, max(q_lora, kvr)] compute: a latent's gradient (norm output side)
-  Tensor dlat_f32;        // [N, max(q_lora, kvr)] f32: the latent norm's input gradient
-  Tensor dlat_c;          // [N, max(q_lora, kvr)] compute: the same, for the down-projection GEMMs
-  Tensor pe_f32, pe_sum;  // [N, dr] f32: one head's dk_pe, and their sum
+  Tensor q;                     // [N, nh(dn+dr)] compute: q (forward), dq (backward)
+  Tensor kv;                    // [N, nh(dn+dv)] compute: kv, dkv
+  Tensor k_pe;                  // [N, dr] compute: k_pe, dk_pe (before RoPE)
+  Tensor dqkv;                  // [N, nh * 3 * D] compute
+  Tensor dattn;                 // [N, nh * D] compute (pad columns stay 0)
+  Tensor dattn_v;               // [N, nh * dv] compute
+  Tensor dlat_n;                // [N, max(q_lora, kvr)] compute: a latent's gradient (norm output side)
+  Tensor dlat_f32;              // [N, max(q_lora, kvr)] f32: the latent norm's input gradient
+  Tensor dlat_c;                // [N, max(q_lora, kvr)] compute: the same, for the down-projection GEMMs
+  Tensor pe_f32, pe_sum;        // [N, dr] f32: one head's dk_pe, and their sum
+  ContextParallelWorkspace cp;  // context parallelism only
 };
 
 MlaCache mla_cache_alloc(const MlaDims& d, DType compute, bool layernorm, Device device = Device::cpu);

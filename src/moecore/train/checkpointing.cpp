@@ -370,11 +370,12 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
   if (options.save_rng) state["router_calls"] = calls;
   if (!options.hf_config_json.empty()) state["hf_config_json"] = options.hf_config_json;
   req.state_json = state.dump(1);
-  // Every rank of the run takes part: tp x dp (dp alone without TP).
-  const ProcessGroup& all = g.tp.size() > 1 ? g.tp_dp : g.dp;
-  if (g.tp.size() > 1 && all.size() != g.tp.size() * g.dp.size())
+  // Every rank of the run takes part: tp x dp x cp (dp alone without TP and CP).
+  const bool split = g.tp.size() > 1 || g.cp.size() > 1;
+  const ProcessGroup& all = split ? g.tp_dp : g.dp;
+  if (split && all.size() != g.world_size())
     MOECORE_FAIL("checkpoint: the tp_dp group has ", all.size(), " ranks, not tp (", g.tp.size(), ") x dp (",
-                 g.dp.size(), ")");
+                 g.dp.size(), ") x cp (", g.cp.size(), ")");
   if (all.size() == 1) {
     io::checkpoint_save(root, req, keep_last);
     return;

@@ -1,9 +1,9 @@
-// The process groups of a multi-process training run (CP = PP = 1). Megatron's semantics: the data-parallel
-// group `dp` splits every global batch (with EP it contains the EP ranks: expert parallelism folds into data
-// parallelism for the attention layers); `tp` is the model's tensor-parallel group (its ranks see the same
-// batch); `ep` is the model's expert-parallel group; `edp` holds the ranks with the same experts. Non-expert
-// gradients are summed over dp, expert gradients over edp (after the model has summed its tp_grad_sum
-// parameters over tp).
+// The process groups of a multi-process training run (PP = 1). Megatron's semantics: the data-parallel group `dp`
+// splits every global batch (with EP it contains the EP ranks: expert parallelism folds into data parallelism for
+// the attention layers); `tp` is the model's tensor-parallel group and `cp` its context-parallel group (their ranks
+// see the same batch); `ep` is the model's expert-parallel group; `edp` holds the ranks with the same experts.
+// Non-expert gradients are summed over dp x cp (`dp_cp`: each CP rank holds a part of every sequence), expert
+// gradients over edp (after the model has summed its tp_grad_sum parameters over tp).
 #pragma once
 #include "moecore/parallel/comm.h"
 
@@ -14,7 +14,13 @@ struct TrainGroups {
   ProcessGroup ep = comm_single("ep");
   ProcessGroup edp = comm_single("edp");
   ProcessGroup tp = comm_single("tp");
-  ProcessGroup tp_dp = comm_single("tp_dp");  // every rank of the run (checkpoints); needed when tp > 1
+  ProcessGroup tp_dp = comm_single("tp_dp");  // every rank of the run, tp x dp x cp (checkpoints); when tp or cp > 1
+  ProcessGroup cp = comm_single("cp");
+  ProcessGroup dp_cp = comm_single("dp_cp");  // needed when cp > 1
+  ProcessGroup tp_cp = comm_single("tp_cp");  // needed when cp > 1
+  // The group non-expert gradients are summed over.
+  const ProcessGroup& dense_grads() const { return cp.size() > 1 ? dp_cp : dp; }
+  int world_size() const { return dp.size() * tp.size() * cp.size(); }
 };
 
 }  // namespace moecore::train

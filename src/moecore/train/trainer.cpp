@@ -338,7 +338,7 @@ class GradBuckets {
     int64_t pending = 0;            // parameters not ready yet this step
     CommHandle handle;
   };
-  const ProcessGroup& group(int kind) const { return kind == 1 ? g_.edp : g_.dp; }
+  const ProcessGroup& group(int kind) const { return kind == 1 ? g_.edp : g_.dense_grads(); }
   // The bucket's slice of flat (device copies: the buffer lives where the gradients do).
   void pack(model::GptModel& gpt, const Bucket& b, Tensor& flat) {
     int64_t o = overlap_ ? b.offset : 0;
@@ -422,7 +422,7 @@ struct ZeroOptimizers {
     }
     for (int k = 0; k < kinds; ++k)
       if (k == replicated || !p[k].empty())
-        opt[k] = std::make_unique<optim::DistributedAdamW>(p[k], cfg, k == expert ? g.edp : g.dp,
+        opt[k] = std::make_unique<optim::DistributedAdamW>(p[k], cfg, k == expert ? g.edp : g.dense_grads(),
                                                            optim::DistributedAdamWOptions{bucket});
   }
   template <class Fn>
@@ -440,19 +440,20 @@ struct ZeroOptimizers {
     });
     return s;
   }
-  // Every shard once: replicated shards sum over dp; tensor-parallel shards over dp x tp; expert shards over
-  // edp x ep, which is tp x dp (ETP 1).
+  // Every shard once: replicated shards sum over dp (x cp); tensor-parallel shards over dp (x cp) x tp; expert
+  // shards over edp x ep, which is tp x dp x cp (ETP 1).
   double grad_norm() const {
     const double rep = opt[replicated]->shard_grad_sq();
     double rest = (opt[tensor_parallel] ? opt[tensor_parallel]->shard_grad_sq() : 0.0) +
                   (opt[expert] ? opt[expert]->shard_grad_sq() : 0.0);
+    const ProcessGroup& dp = g.dense_grads();
     if (g.tp.size() == 1) {  // one sum over dp (the layout before TP: unchanged bits)
       double sq = rep + rest;
-      if (g.dp.size() > 1) all_reduce_sum(std::span<double>(&sq, 1), g.dp);
+      if (dp.size() > 1) all_reduce_sum(std::span<double>(&sq, 1), dp);
       return std::sqrt(sq);
     }
     double v[2] = {rep, rest};
-    all_reduce_sum(std::span<double>(v, 2), g.dp);
+    all_reduce_sum(std::span<double>(v, 2), dp);
     all_reduce_sum(std::span<double>(&v[1], 1), g.tp);
     return std::sqrt(v[0] + v[1]);
   }
@@ -549,10 +550,16 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   if (groups.tp.size() != gpt.tp_size())
     MOECORE_FAIL("training: the model was built for tensor-parallel size ", gpt.tp_size(), " but the tp group has ",
                  groups.tp.size(), " ranks");
-  if (groups.ep.size() * groups.edp.size() != dp_size * groups.tp.size())
+  if (groups.cp.size() != gpt.cp_size())
+    MOECORE_FAIL("training: the model was built for context-parallel size ", gpt.cp_size(), " but the cp group has ",
+                 groups.cp.size(), " ranks");
+  if (groups.cp.size() > 1 && groups.dp_cp.size() != dp_size * groups.cp.size())
+    MOECORE_FAIL("training: the dp_cp group has ", groups.dp_cp.size(), " ranks, not data-parallel (", dp_size,
+                 ") x context-parallel (", groups.cp.size(), ")");
+  if (groups.ep.size() * groups.edp.size() != groups.world_size())
     MOECORE_FAIL("training: expert-parallel (", groups.ep.size(), ") x expert-data-parallel (", groups.edp.size(),
-                 ") must equal tensor-parallel (", groups.tp.size(), ") x data-parallel (", dp_size,
-                 ") when CP = PP = ETP = 1");
+                 ") must equal tensor-parallel (", groups.tp.size(), ") x context-parallel (", groups.cp.size(),
+                 ") x data-parallel (", dp_size, ") when PP = ETP = 1");
   const auto& m = gpt.config();
   if (gpt.micro_batch_size() != cfg.micro_batch_size)
     MOECORE_FAIL("training: the model was built for micro-batch ", gpt.micro_batch_size(), ", not ",
@@ -569,7 +576,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   }
   std::unique_ptr<GradBuckets> buckets;
   // Expert gradients reduce over edp, which also spans the TP ranks (TP 2 x DP 1 has EDP 2 with ETP 1).
-  const bool reduces_grads = dp_size > 1 || groups.edp.size() > 1;
+  const bool reduces_grads = groups.dense_grads().size() > 1 || groups.edp.size() > 1;
   if (cfg.overlap_grad_reduce && zero)
     MOECORE_FAIL(
         "training: --overlap-grad-reduce is not supported yet with --use-distributed-optimizer (its reduce-scatter "
@@ -615,7 +622,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   if (cfg.exit_signal_handler) signals = std::make_unique<ExitSignalGuard>();
   // Written by the first rank only (data- and tensor-parallel rank 0): every rank holds the same reduced values.
   MetricSinks sinks;
-  const bool writes_metrics = dp_rank == 0 && groups.tp.rank() == 0;
+  const bool writes_metrics = dp_rank == 0 && groups.tp.rank() == 0 && groups.cp.rank() == 0;
   if (writes_metrics && !cfg.metrics_jsonl.empty())
     sinks.jsonl = std::make_unique<io::JsonlMetricsWriter>(cfg.metrics_jsonl);
   if (writes_metrics && !cfg.tensorboard_dir.empty())
@@ -634,7 +641,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   double peak_gflops = cfg.peak_gflops;
   const auto t_start = std::chrono::steady_clock::now();
   auto t_last = t_start;
-  const int world_size = dp_size * groups.tp.size();  // ranks of the run (CP = PP = 1)
+  const int world_size = groups.world_size();  // ranks of the run (PP = 1)
   double blocked_last = comm_blocked_seconds();
   double loss_acc = 0;
   std::vector<double> mtp_acc(static_cast<size_t>(m.mtp_num_layers), 0.0);  // MTP losses over the log interval
@@ -700,9 +707,11 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
                     moe_losses.z_loss / div};
     }
     if (dp_size > 1) reduce_stats_over_dp(gpt, step_loss, moe_losses, *dp);
-    if (groups.tp.size() > 1)  // the expert-bias counts over TP x DP (spec §2.10): each TP rank routed its own rows
-      for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l)
-        if (moe::RouterState* st = gpt.router_state(l)) all_reduce_sum(st->local_tokens_per_expert, groups.tp);
+    // The expert-bias counts over TP x CP x DP (spec §2.10): each TP and CP rank routed its own rows.
+    for (const ProcessGroup* grp : {&groups.tp, &groups.cp})
+      if (grp->size() > 1)
+        for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l)
+          if (moe::RouterState* st = gpt.router_state(l)) all_reduce_sum(st->local_tokens_per_expert, *grp);
     if (zero) {
       gpt.sum_tensor_parallel_grads();
       zero->reduce_scatter_grads();
@@ -720,10 +729,11 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
       std::string bad = !std::isfinite(step_loss) ? std::string("lm loss")
                         : zero                    ? zero->first_nonfinite_grad()
                                                   : first_nonfinite_gradient(gpt, checks);
-      if (dp_size > 1 || groups.tp.size() > 1) {  // shards differ between ranks: all must take the same decision
+      if (groups.world_size() > 1) {  // shards differ between ranks: all must take the same decision
         int64_t flag = bad.empty() ? 0 : 1;
         all_reduce_sum(std::span<int64_t>(&flag, 1), *dp);
         all_reduce_sum(std::span<int64_t>(&flag, 1), groups.tp);
+        all_reduce_sum(std::span<int64_t>(&flag, 1), groups.cp);
         if (flag > 0 && bad.empty()) bad = "a gradient on another rank";
       }
       if (!bad.empty()) {
@@ -843,9 +853,10 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
       if (sinks.jsonl) sinks.jsonl->write({{"iteration", it + 1}, {"valid_lm_loss", v}});
     }
     bool stop = signals && ExitSignalGuard::requested();
-    if (dp_size > 1) {  // every rank stops at the same step, or the others would wait in a collective
+    if (groups.world_size() > 1) {  // every rank stops at the same step, or the others would wait in a collective
       int64_t flag = stop ? 1 : 0;
-      all_reduce_sum(std::span<int64_t>(&flag, 1), *dp);
+      for (const ProcessGroup* grp : {dp, &groups.tp, &groups.cp})
+        if (grp->size() > 1) all_reduce_sum(std::span<int64_t>(&flag, 1), *grp);
       stop = flag > 0;
     }
     if (stop) {

@@ -1,0 +1,47 @@
+// Context parallelism (Megatron's --context-parallel-size): every sequence of the micro-batch is split over the P
+// ranks of the CP group in Megatron's load-balanced order. With c = S / (2P) positions per chunk, rank r holds chunks
+// r and 2P-1-r of each sequence: its S / P local positions are [r c, (r+1) c) followed by [(2P-1-r) c, (2P-r) c), so
+// that causal attention costs every rank the same. Everything but attention works on the rank's own positions;
+// attention all-gathers the group's q/k/v rows (the all-gather flavour of Megatron's CP; no ring), runs each local
+// chunk's queries against the keys up to the chunk's end (ops::attention_forward with Sk > S, exact softmax, no
+// merging needed), and in backward reduce-scatters the keys' and values' gradients back to the ranks that own them.
+// Deterministic: every sum runs in an order fixed by the layout.
+// Not here: the split of the batch and of the positions' tables (model/gpt.cpp), the gradient reduction over DP x CP
+// (train/).
+#pragma once
+#include "moecore/core/buffer_plan.h"
+#include "moecore/kernels/ops.h"
+#include "moecore/parallel/comm.h"
+
+namespace moecore::nn {
+
+// The global position of local position s (0 <= s < S / P) on CP rank r of P, for sequences of S positions.
+int64_t context_parallel_position(int64_t s, int64_t S, int rank, int size);
+
+// Scratch of one attention geometry under CP (shared by the layers; nothing here outlives a call). T = B * S / P
+// local rows, T' = B * S rows of the whole sequences, c = S / (2P), W = G*(R+2)*D, O = G*R*D.
+struct ContextParallelWorkspace {
+  Tensor rows;   // [T', W] compute: the group's q/k/v rows in rank order; in backward, one chunk's dK/dV
+  Tensor full;   // [T', W] compute: the same rows in position order ([B, S, W]), the keys and values of every chunk
+  Tensor acc;    // [T', W] f32 (backward): the local chunks' dK/dV in rank order, summed, before the reduce-scatter
+  Tensor local;  // [T, W] f32 (backward): this rank's reduce-scattered share of acc
+  Tensor q;      // [B * c, W] compute: one local chunk's rows
+  Tensor dq;     // [T, W] compute (backward): both chunks' query gradients, chunk-major ([2][B][c])
+  Tensor out;    // [B * c, O] compute: one chunk's attention output
+  Tensor dout;   // [B * c, O] compute (backward): its gradient
+};
+// local: the rank's attention geometry (S = the local positions, S / P of the sequence).
+void plan_context_parallel_workspace(ContextParallelWorkspace& w, const ops::QkvDims& local, int size, DType compute,
+                                     BufferPlan& p);
+
+// A layer's causal attention (ops.h) over qkv [B, S_local, W], out [B, S_local, O]; cp null or of one rank: the op
+// itself. Under CP the lse tensor [B, G*R, S_local] holds the two chunks' lse ([2][B][G*R][c]), which only the
+// backward here reads. dims: the local geometry (S = S_local, Sk = 0). The dropout masks are drawn per chunk (two
+// keys derived from drop's), so they differ from one rank's.
+void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const ops::QkvDims& dims, const ops::Dropout& drop,
+                       const ProcessGroup* cp, ContextParallelWorkspace& ws, const ops::Context& ctx);
+void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                        const ops::QkvDims& dims, const ops::Dropout& drop, const ProcessGroup* cp,
+                        ContextParallelWorkspace& ws, const ops::Context& ctx);
+
+}  // namespace moecore::nn
