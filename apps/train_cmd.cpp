@@ -108,8 +108,12 @@ void add_training_flags(Args& a) {
       .unsupported("--num-layers-per-virtual-pipeline-stage", "", "interleaved pipeline parallelism")
       .unsupported("--decoder-first-pipeline-num-layers", "", "pipeline parallelism")
       .unsupported("--decoder-last-pipeline-num-layers", "", "pipeline parallelism")
-      .flag("--overlap-grad-reduce", "start each gradient bucket's all-reduce during backward, as soon as it is final")
-      .unsupported_switch("--overlap-param-gather", "overlapping the parameter all-gather with forward")
+      .flag("--overlap-grad-reduce",
+            "start each gradient bucket's all-reduce (distributed optimizer: reduce-scatter) during backward, as soon "
+            "as it is final")
+      .flag("--overlap-param-gather",
+            "with --use-distributed-optimizer and --overlap-grad-reduce: leave the updated parameters' all-gathers in "
+            "flight until forward reads each bucket")
       .unsupported_switch("--tp-comm-overlap", "tensor-parallel communication overlap")
       .unsupported("--train-samples", "", "sample-based schedules (use --train-iters)")
       .unsupported("--lr-warmup-fraction", "", "a warmup fraction (use --lr-warmup-iters)")
@@ -221,6 +225,7 @@ train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   t.nan_action = a.str("--nan-action");
   t.use_distributed_optimizer = a.on("--use-distributed-optimizer");
   t.overlap_grad_reduce = a.on("--overlap-grad-reduce");
+  t.overlap_param_gather = a.on("--overlap-param-gather");
   t.ddp_bucket_size = a.i64_or("--ddp-bucket-size", std::max<int64_t>(40'000'000, 1'000'000 * dp_size));
   if (t.ddp_bucket_size <= 0) MOECORE_FAIL("--ddp-bucket-size (", t.ddp_bucket_size, ") must be positive");
   t.metrics_jsonl = a.str("--metrics-jsonl");
@@ -370,10 +375,8 @@ int train_main(int argc, char** argv) {
   add_hf_config_flag(a);
   add_training_flags(a);
   if (!a.parse(argc, argv)) return 0;
-  if (a.on("--overlap-grad-reduce") && a.on("--use-distributed-optimizer"))  // as early as the parser's refusals
-    MOECORE_FAIL(
-        "--overlap-grad-reduce is not supported yet with --use-distributed-optimizer (its reduce-scatter "
-        "runs after backward); drop one of them");
+  if (a.on("--overlap-param-gather") && !(a.on("--use-distributed-optimizer") && a.on("--overlap-grad-reduce")))
+    MOECORE_FAIL("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron)");
   if (!a.str("--load-hf").empty()) a.fill_unset("--hf-config", a.str("--load-hf"), " by --load-hf");
   hf_config_apply(a);
   if (!a.str("--hf-config").empty()) a.check_same_on_every_rank();  // the file's values too

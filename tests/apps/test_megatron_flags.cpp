@@ -84,7 +84,7 @@ TEST(MegatronFlags, UnsupportedFlagsAreRefusedByName) {
   for (const std::string& f :
        {std::string("--num-layers-per-virtual-pipeline-stage 2"), std::string("--pipeline-model-parallel-size 4"),
         std::string("--expert-tensor-parallel-size 2"), std::string("--moe-shared-expert-overlap"),
-        std::string("--qk-l2-norm"), std::string("--recompute-activations"), std::string("--overlap-param-gather"),
+        std::string("--qk-l2-norm"), std::string("--recompute-activations"), std::string("--tp-comm-overlap"),
         std::string("--fp8-format e4m3")}) {
     const CmdResult r = run_cmd("train --data-path x " + f);
     EXPECT_NE(r.status, 0) << f;
@@ -152,8 +152,9 @@ std::vector<MegatronExample> megatron_examples() {
        "cosine "
        "--min-lr 1.0e-5 --weight-decay 0.1 --lr-warmup-iters 1 --clip-grad 1.0 --bf16 "
        "--tensor-model-parallel-size 1 --expert-model-parallel-size 1 --use-distributed-optimizer "
+       "--overlap-grad-reduce --overlap-param-gather "
        "--log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --no-load-optim --no-load-rng",
-       {"--overlap-param-gather", "--overlap-grad-reduce", "--pipeline-model-parallel-size 4"}},
+       {"--pipeline-model-parallel-size 4"}},
       {"qwen3-30b-a3b",
        "--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion --disable-bias-linear "
        "--untie-embeddings-and-output-weights --position-embedding-type rope --no-rope-fusion --normalization RMSNorm "

@@ -164,7 +164,7 @@ Built build(const ProcessGroup& world, const Layout& l, int64_t num_experts = 0)
 
 Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l, int64_t iters,
            const std::string& save = "", const std::string& load = "", int64_t exit_at = 0, bool zero = false,
-           bool overlap = false) {
+           bool overlap = false, bool gather = false) {
   const Built b = build(world, l, mc.moe.num_experts);
   model::GptModel gpt(mc, 2, 42, b.par, testing::test_device());
   // The start-up memory check's count (apps: check_model_fits) is what this rank allocates.
@@ -174,6 +174,7 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   train::TrainConfig tc = train_config(iters);
   tc.use_distributed_optimizer = zero;
   tc.overlap_grad_reduce = overlap;
+  tc.overlap_param_gather = gather;
   tc.ddp_bucket_size = 3000;
   tc.save = save;
   tc.load = load;
@@ -315,27 +316,38 @@ TEST_F(Mpi, DistributedOptimizerUnderTensorParallelismMatchesOneProcess) {
 
 // --overlap-grad-reduce: each bucket's nonblocking all-reduce starts during the last backward as soon as its
 // gradients are final (buckets of 3000 elements, linear_fc1 wider than one: reduced alone); losses, every gradient and
-// every parameter bitwise equal to the run that reduces after backward. DP = P, TP 2 (x DP), and MoE with EP 2 (expert
-// gradients over EDP).
+// every parameter bitwise equal to the run that reduces after backward. DP = P, TP 2 (x DP), MoE with EP 2 (expert
+// gradients over EDP), CP 2. With the distributed optimizer (zero) the same for its bucketed reduce-scatters, and with
+// --overlap-param-gather for its all-gathers left in flight until forward (and validation) reads each bucket; bf16
+// compute checks that every compute copy is refreshed from the late masters.
 TEST_F(Mpi, OverlappedGradientReductionIsBitwiseEqual) {
   struct Case {
     model::ModelConfig mc;
     Layout l;
+    bool zero = false;
   };
-  for (const Case& c : {Case{llama_like(), {1, false}}, Case{gpt2_like(), {2, true}},
-                        Case{moe_model(false), {2, true, 2}}, Case{gpt2_like(), {1, false, 1, 2}}}) {
-    SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : ""));
-    const Result plain = run(world, c.mc, c.l, 6);
-    const Result overlapped = run(world, c.mc, c.l, 6, "", "", 0, false, /*overlap=*/true);
-    ASSERT_EQ(overlapped.loss.size(), plain.loss.size());
-    for (size_t i = 0; i < plain.loss.size(); ++i)
-      EXPECT_EQ(std::memcmp(&overlapped.loss[i], &plain.loss[i], sizeof(double)), 0) << "step " << i + 1;
-    for (auto m : {&Result::grads, &Result::values})
-      for (const auto& [name, t] : plain.*m) {
-        const Tensor& o = (overlapped.*m).at(name);
-        ASSERT_EQ(o.nbytes(), t.nbytes()) << name;
-        EXPECT_EQ(std::memcmp(o.raw(), t.raw(), static_cast<size_t>(t.nbytes())), 0) << name;
-      }
+  model::ModelConfig bf16 = llama_like();
+  bf16.compute_dtype = DType::bf16;
+  for (const Case& c :
+       {Case{llama_like(), {1, false}}, Case{gpt2_like(), {2, true}}, Case{moe_model(false), {2, true, 2}},
+        Case{gpt2_like(), {1, false, 1, 2}}, Case{gpt2_like(), {1, false}, true},
+        Case{moe_model(false), {2, true, 2}, true}, Case{bf16, {1, false}, true}}) {
+    SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : "") + (c.zero ? ", distributed optimizer" : ""));
+    const Result plain = run(world, c.mc, c.l, 6, "", "", 0, c.zero);
+    std::vector<Result> overlapped = {run(world, c.mc, c.l, 6, "", "", 0, c.zero, /*overlap=*/true)};
+    if (c.zero) overlapped.push_back(run(world, c.mc, c.l, 6, "", "", 0, true, true, /*gather=*/true));
+    for (const Result& o : overlapped) {
+      ASSERT_EQ(o.loss.size(), plain.loss.size());
+      for (size_t i = 0; i < plain.loss.size(); ++i)
+        EXPECT_EQ(std::memcmp(&o.loss[i], &plain.loss[i], sizeof(double)), 0) << "step " << i + 1;
+      EXPECT_EQ(std::memcmp(&o.valid, &plain.valid, sizeof(double)), 0) << "validation loss";
+      for (auto m : {&Result::grads, &Result::values})
+        for (const auto& [name, t] : plain.*m) {
+          const Tensor& v = (o.*m).at(name);
+          ASSERT_EQ(v.nbytes(), t.nbytes()) << name;
+          EXPECT_EQ(std::memcmp(v.raw(), t.raw(), static_cast<size_t>(t.nbytes())), 0) << name;
+        }
+    }
   }
 }
 
@@ -366,31 +378,40 @@ std::string shared_dir(const ProcessGroup& world, const std::string& what) {
   return dir;
 }
 
-// Saved under TP 2 + SP (x DP at 4 ranks) with the distributed optimizer at step 4 of 8: one process loads the whole
-// parameters bitwise, and both one process and TP = P (plain AdamW) resume with the uninterrupted run's losses.
+// Saved at step 4 of 8 with the distributed optimizer (its parameter all-gathers overlapped: the save completes
+// them) under TP 2 + SP (x DP at 4 ranks), and for the MoE model under TP 2 + SP with EP 2: one process loads the
+// whole parameters bitwise, and one process, TP = P (dense) and CP 2 (plain AdamW) resume with the uninterrupted
+// run's losses.
 TEST_F(Mpi, CheckpointSavedUnderTensorParallelismLoadsAtAnyLayout) {
-  const model::ModelConfig mc = gpt2_like();
-  const Layout saved_at{2, true};
-  const std::string dir = shared_dir(world, "reshard");
-  const Result straight = run(world, mc, saved_at, 8);
-  const Result saved = run(world, mc, saved_at, 8, dir, "", 4, /*zero=*/true);  // moments gathered on save
-  model::GptModel hub(mc, 2, 42, {}, testing::test_device());
-  optim::AdamW hub_opt(hub.params(), {});
-  train::load_training_checkpoint(dir + "/iter_0000004", hub, hub_opt, 1234);
-  for (const auto& p : hub.params()) {
-    const Tensor v = testing::host(p.value);
-    const Tensor& s = saved.values.at(p.name);
-    ASSERT_EQ(v.nbytes(), s.nbytes()) << p.name;
-    EXPECT_EQ(std::memcmp(v.raw(), s.raw(), static_cast<size_t>(v.nbytes())), 0) << p.name;
+  struct Case {
+    model::ModelConfig mc;
+    Layout saved_at;
+    std::vector<Layout> resume_at;
+  };
+  for (const Case& c : {Case{gpt2_like(), {2, true}, {{0, false}, {P == 4 ? 1 : 2, false}, {1, false, 1, 2}}},
+                        Case{moe_model(false), {2, true, 2}, {{0, false}, {1, false, 1, 2}}}}) {
+    SCOPED_TRACE(c.saved_at.name() + (c.mc.moe.enabled() ? ", MoE" : ""));
+    const std::string dir = shared_dir(world, "reshard");
+    const Result straight = run(world, c.mc, c.saved_at, 8);
+    const Result saved = run(world, c.mc, c.saved_at, 8, dir, "", 4, /*zero=*/true, true, true);
+    model::GptModel hub(c.mc, 2, 42, {}, testing::test_device());
+    optim::AdamW hub_opt(hub.params(), {});
+    train::load_training_checkpoint(dir + "/iter_0000004", hub, hub_opt, 1234);
+    for (const auto& p : hub.params()) {
+      const Tensor v = testing::host(p.value);
+      const Tensor& s = saved.values.at(p.name);
+      ASSERT_EQ(v.nbytes(), s.nbytes()) << p.name;
+      EXPECT_EQ(std::memcmp(v.raw(), s.raw(), static_cast<size_t>(v.nbytes())), 0) << p.name;
+    }
+    for (const Layout& l : c.resume_at) {
+      const Result resumed = run(world, c.mc, l, 8, "", dir);
+      ASSERT_EQ(resumed.loss.size(), 4u) << l.name();
+      for (size_t i = 0; i < 4; ++i)
+        EXPECT_LE(rel(resumed.loss[i], straight.loss[4 + i]), 1e-5) << l.name() << " step " << 5 + i;
+    }
+    barrier(world);
+    if (world.rank() == 0) std::filesystem::remove_all(dir);
   }
-  for (const Layout& l : {Layout{0, false}, Layout{P == 4 ? 1 : 2, false}, Layout{1, false, 1, 2}}) {
-    const Result resumed = run(world, mc, l, 8, "", dir);
-    ASSERT_EQ(resumed.loss.size(), 4u) << l.name();
-    for (size_t i = 0; i < 4; ++i)
-      EXPECT_LE(rel(resumed.loss[i], straight.loss[4 + i]), 1e-5) << l.name() << " step " << 5 + i;
-  }
-  barrier(world);
-  if (world.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 // Every size constraint fails at construction on every rank (no collective), naming the values.

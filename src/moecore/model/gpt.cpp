@@ -429,9 +429,9 @@ void GptModel::sum_tensor_parallel_grads(size_t first, size_t end) {
     if (params_[i].tp_grad_sum) all_reduce_sum(params_[i].grad, par_.tp);
 }
 
-void GptModel::refresh_compute_weights() {
-  for (auto& p : params_)
-    if (!p.compute.same_data(p.value)) p.compute.copy_from(p.value);
+void GptModel::refresh_compute_weights(size_t first, size_t end) {
+  for (size_t i = first; i < std::min(end, params_.size()); ++i)
+    if (!params_[i].compute.same_data(params_[i].value)) params_[i].compute.copy_from(params_[i].value);
 }
 
 // Keys are named "dropout/it<i>/mb<m>/layer<l>/<site>" (formatted on the stack: the step allocates nothing).
@@ -480,6 +480,7 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   if (dims_.cp) dims_.cp = &par_.cp;
   set_dropout_keys(training);
   Tensor& x0 = residual_[0];
+  params_needed(embedding_params_);
   embed(x0, ids_, ctx);
   if (position_embedding_) {
     ops::embedding_forward(dres_, par_.sequence_parallel ? positions_local_ : positions_, position_embedding_->value,
@@ -487,8 +488,12 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
     ops::add(x0, x0, dres_, ctx);
   }
   if (embedding_drop_.active()) ops::dropout_forward(x0, x0, embedding_drop_, ctx);
-  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l)
+  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l) {
+    params_needed(layer_params_[l]);
     layer_forward(l, residual_[l], residual_[l + 1], training, ctx);
+  }
+  params_needed(final_norm_params_);
+  params_needed(output_params_);  // (read by every loss head after the trunk; empty when tied)
   nn::norm_forward(final_h_, final_mean_, final_rstd_, residual_.back(), final_norm_->value,
                    final_norm_bias_ ? final_norm_bias_->value : Tensor(), cfg_.norm_epsilon, ctx);
   if (par_.sequence_parallel) all_gather_into(by_sequence(final_full_), by_sequence(final_h_), 1, par_.tp);
@@ -574,6 +579,7 @@ void GptModel::mtp_forward(const Tensor& tokens, const Tensor& labels, bool trai
   const int64_t H = cfg_.hidden_size;
   for (size_t j = 0; j < mtp_.size(); ++j) {
     MtpDepth& d = mtp_[j];
+    params_needed(layer_params_[static_cast<size_t>(cfg_.num_layers) + j]);
     roll_left(d.ids_h, j ? mtp_[j - 1].ids_h : tokens, 0);
     d.ids.copy_from(d.ids_h);
     if (training) {

@@ -92,8 +92,13 @@ class GptModel {
   // forward_backward calls fn(first, end) each time it has finished adding to the gradients of params()[first, end)
   // -- each MTP depth, the output layer, the final norm, each layer from the last, then the embeddings -- so that
   // every parameter is named exactly once per call. An empty function: no calls.
-  using GradReadyFn = std::function<void(size_t first, size_t end)>;
-  void set_grad_ready(GradReadyFn fn) { grad_ready_ = std::move(fn); }
+  using ParamRangeFn = std::function<void(size_t first, size_t end)>;
+  void set_grad_ready(ParamRangeFn fn) { grad_ready_ = std::move(fn); }
+  // Forward's progress, for overlapping the distributed optimizer's parameter all-gather with it
+  // (--overlap-param-gather): while set, every forward (forward_backward, evaluate, forward_logits) calls
+  // fn(first, end) before it first reads params()[first, end) -- the embeddings, each decoder layer, the final norm,
+  // each MTP depth, the output layer -- so fn can make their values (and compute copies) current just in time.
+  void set_params_needed(ParamRangeFn fn) { params_needed_ = std::move(fn); }
   // Once per optimizer step, after the update: expert-bias updates and MoE counter resets. A skipped step
   // (non-finite gradients) passes update=false: counters reset, expert biases untouched.
   void finish_step(bool update = true);
@@ -102,7 +107,8 @@ class GptModel {
   bool is_moe_layer(int64_t layer) const { return moe_[static_cast<size_t>(layer)] != nullptr; }
   moe::RouterState* router_state(int64_t layer);  // nullptr for dense layers
   const moe::RouterState* router_state(int64_t layer) const;
-  void refresh_compute_weights();  // after the masters change (optimizer step, loading)
+  // After the masters change (optimizer step, loading): the compute copies of params()[first, end) (default: all).
+  void refresh_compute_weights(size_t first = 0, size_t end = SIZE_MAX);
   // Seconds the MoE token dispatcher spent in collectives since the last reset (0 without EP).
   double dispatcher_comm_seconds() const { return dispatcher_->comm_seconds(); }
   void reset_dispatcher_comm_seconds() { dispatcher_->reset_comm_seconds(); }
@@ -213,13 +219,16 @@ class GptModel {
   Tensor mtp_h_full_;                    // [T, H] compute: a depth's h_k all-gathered (sequence parallelism only)
   moe::MoeLayerDims moe_dims_;
   ModelParallel par_;
-  GradReadyFn grad_ready_;
+  ParamRangeFn grad_ready_, params_needed_;
   // params_ index ranges [first, end) for the backward-order notifications: per layer (decoder layers, then each MTP
   // depth with its own norms and eh_proj), the final norm, the output layer (empty when tied), and the embeddings.
   std::vector<std::pair<size_t, size_t>> layer_params_;
   std::pair<size_t, size_t> final_norm_params_{0, 0}, output_params_{0, 0}, embedding_params_{0, 0};
   void grad_ready(std::pair<size_t, size_t> r) const {
     if (grad_ready_ && r.first < r.second) grad_ready_(r.first, r.second);
+  }
+  void params_needed(std::pair<size_t, size_t> r) const {
+    if (params_needed_ && r.first < r.second) params_needed_(r.first, r.second);
   }
   std::unique_ptr<moe::Dispatcher> dispatcher_;
   Tensor moe_x_;                    // [S*B, H] compute: the MoE input in Megatron's sequence-major token order

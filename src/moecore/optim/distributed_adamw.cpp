@@ -61,6 +61,21 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
   sq_acc_ = Tensor::zeros(Shape{1}, DType::f64, MemCategory::workspace, device_);
   nonfinite_ = Tensor::zeros(Shape{std::max<int64_t>(1, static_cast<int64_t>(segments_.size()))}, DType::i32,
                              MemCategory::workspace, device_);
+  overlap_ = opt.overlap;
+  bucket_of_param_.assign(params_.size(), 0);
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (size_t i = buckets_[b].first_param; i < buckets_[b].end_param; ++i) bucket_of_param_[i] = b;
+  if (overlap_) {
+    int64_t total = 0;
+    for (const Bucket& b : buckets_) {
+      bucket_staging_.push_back(total);
+      total += b.shard * group_.size();
+    }
+    overlap_staging_ = Tensor::zeros(Shape{total}, DType::f32, MemCategory::workspace, device_);
+    overlap_shard_ = Tensor::zeros(Shape{shard_elems_}, DType::f32, MemCategory::workspace, device_);
+    grad_handles_.resize(buckets_.size());
+    gather_handles_.resize(buckets_.size());
+  }
 }
 
 void DistributedAdamW::check_same_params_across_ranks() const {
@@ -133,22 +148,80 @@ void DistributedAdamW::plan_layout(int64_t bucket_elems) {
   if (cur.elems > 0) close(cur, params_.size());
 }
 
+void DistributedAdamW::check_grad(size_t i) const {
+  const Param& p = *params_[i];
+  if (!p.grad.defined() || p.grad.dtype() != DType::f32 || !p.grad.is_contiguous() || p.grad.device() != device_ ||
+      p.grad.numel() != param_elems_[i])
+    MOECORE_FAIL("distributed optimizer: gradient of '", p.name, "' is ",
+                 p.grad.defined() ? p.grad.str() : std::string("undefined"), "; it needs a contiguous f32 ",
+                 device_name(device_), " tensor of ", param_elems_[i], " elements like the value");
+}
+
+void DistributedAdamW::check_overlap(const char* what) const {
+  if (!overlap_)
+    MOECORE_FAIL("distributed optimizer: ", what, " needs the overlap staging (DistributedAdamWOptions::overlap)");
+}
+
 void DistributedAdamW::reduce_scatter_grads() {
   const int P = group_.size();
   for (const Bucket& b : buckets_) {
     for (size_t i = b.first_param; i < b.end_param; ++i) {
-      const Param& p = *params_[i];
-      if (!p.grad.defined() || p.grad.dtype() != DType::f32 || !p.grad.is_contiguous() || p.grad.device() != device_ ||
-          p.grad.numel() != param_elems_[i])
-        MOECORE_FAIL("distributed optimizer: gradient of '", p.name, "' is ",
-                     p.grad.defined() ? p.grad.str() : std::string("undefined"), "; it needs a contiguous f32 ",
-                     device_name(device_), " tensor of ", param_elems_[i], " elements like the value");
-      range(staging_, param_offsets_[i], param_elems_[i]).copy_from(flat(p.grad));
+      check_grad(i);
+      range(staging_, param_offsets_[i], param_elems_[i]).copy_from(flat(params_[i]->grad));
     }
     const int64_t padded = b.shard * P;
     range(staging_, b.elems, padded - b.elems).zero_();
     reduce_scatter_sum(range(shard_grad_, b.shard_offset, b.shard), range(staging_, 0, padded), group_);
   }
+}
+
+void DistributedAdamW::begin_grad_reduction() {
+  check_overlap("begin_grad_reduction");
+  if (reducing_) MOECORE_FAIL("distributed optimizer: begin_grad_reduction while a reduction is open");
+  reducing_ = true;
+  ready_left_.clear();
+  for (const Bucket& b : buckets_) ready_left_.push_back(static_cast<int64_t>(b.end_param - b.first_param));
+}
+
+void DistributedAdamW::post_reduce_scatter(size_t b) {
+  const Bucket& k = buckets_[b];
+  const int64_t padded = k.shard * group_.size();
+  wait_param(k.first_param);  // the staging area is the bucket's parameter gather's too (done by now: forward read it)
+  const Tensor stage = range(overlap_staging_, bucket_staging_[b], padded);
+  range(stage, k.elems, padded - k.elems).zero_();
+  grad_handles_[b] = reduce_scatter_sum_async(range(shard_grad_, k.shard_offset, k.shard), stage, group_);
+  ready_left_[b] = -1;  // posted
+}
+
+void DistributedAdamW::grad_ready(size_t i) {
+  if (!reducing_) MOECORE_FAIL("distributed optimizer: grad_ready(", i, ") outside begin/finish_grad_reduction");
+  if (i >= params_.size())
+    MOECORE_FAIL("distributed optimizer: grad_ready(", i, ") of ", params_.size(), " parameters");
+  check_grad(i);
+  const size_t b = bucket_of_param_[i];
+  if (ready_left_[b] <= 0)
+    MOECORE_FAIL("distributed optimizer: the gradient of '", params_[i]->name, "' was declared ready twice");
+  wait_param(i);  // the bucket's staging area must be free of its parameter gather
+  range(overlap_staging_, bucket_staging_[b] + param_offsets_[i], param_elems_[i]).copy_from(flat(params_[i]->grad));
+  if (--ready_left_[b] == 0) post_reduce_scatter(b);
+}
+
+void DistributedAdamW::finish_grad_reduction() {
+  if (!reducing_) MOECORE_FAIL("distributed optimizer: finish_grad_reduction without begin_grad_reduction");
+  reducing_ = false;
+  // Buckets with parameters never declared ready take every gradient as it is now (in bucket order, as
+  // reduce_scatter_grads would: every rank does the same).
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (ready_left_[b] < 0) continue;
+    wait_param(buckets_[b].first_param);
+    for (size_t i = buckets_[b].first_param; i < buckets_[b].end_param; ++i) {
+      check_grad(i);
+      range(overlap_staging_, bucket_staging_[b] + param_offsets_[i], param_elems_[i])
+          .copy_from(flat(params_[i]->grad));
+    }
+    post_reduce_scatter(b);
+  }
+  for (CommHandle& h : grad_handles_) h.wait();
 }
 
 double DistributedAdamW::shard_grad_sq() const {
@@ -191,8 +264,11 @@ void DistributedAdamW::apply_segment(const Segment& s, float lr, float clip_scal
   ops::adamw_step(value, grad, m, v, ap, ctx());
 }
 
-void DistributedAdamW::step(float lr, float clip_scale) {
+void DistributedAdamW::step(float lr, float clip_scale, bool gather_later) {
   const int P = group_.size();
+  if (gather_later) check_overlap("step(gather_later)");
+  if (reducing_) MOECORE_FAIL("distributed optimizer: step inside an open gradient reduction");
+  finish_param_gather();
   for (size_t i = 0; i < params_.size(); ++i) {
     const Tensor& v = params_[i]->value;
     if (!v.is_contiguous() || v.dtype() != DType::f32 || v.device() != device_ || v.numel() != param_elems_[i])
@@ -201,6 +277,21 @@ void DistributedAdamW::step(float lr, float clip_scale) {
   }
   ++step_;
   for (const Segment& s : segments_) apply_segment(s, lr, clip_scale);
+  if (gather_later) {  // each bucket's owned range packed at its shard offset, gathered into its staging area
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const Bucket& k = buckets_[b];
+      Tensor packed = range(overlap_shard_, k.shard_offset, k.shard);
+      packed.zero_();
+      for (size_t j = k.first_segment; j < k.end_segment; ++j) {
+        const Segment& s = segments_[j];
+        range(packed, s.shard_offset - k.shard_offset, s.elems)
+            .copy_from(range(flat(params_[s.param]->value), s.param_offset, s.elems));
+      }
+      gather_handles_[b] = all_gather_async(range(overlap_staging_, bucket_staging_[b], k.shard * P), packed, group_);
+      ++gathers_pending_;
+    }
+    return;
+  }
   for (const Bucket& b : buckets_) {
     // Pack the owned range (parameters, then zeros for the padding) and gather every rank's.
     Tensor packed = range(shard_param_, 0, b.shard);
@@ -216,6 +307,22 @@ void DistributedAdamW::step(float lr, float clip_scale) {
       v.copy_from(range(staging_, param_offsets_[i], param_elems_[i]));
     }
   }
+}
+
+void DistributedAdamW::wait_param(size_t i) {
+  if (i >= params_.size())
+    MOECORE_FAIL("distributed optimizer: wait_param(", i, ") of ", params_.size(), " parameters");
+  if (gathers_pending_ == 0) return;
+  const size_t b = bucket_of_param_[i];
+  if (!gather_handles_[b].pending()) return;
+  gather_handles_[b].wait();
+  --gathers_pending_;
+  for (size_t j = buckets_[b].first_param; j < buckets_[b].end_param; ++j)
+    flat(params_[j]->value).copy_from(range(overlap_staging_, bucket_staging_[b] + param_offsets_[j], param_elems_[j]));
+}
+
+void DistributedAdamW::finish_param_gather() {
+  for (size_t b = 0; b < buckets_.size() && gathers_pending_ > 0; ++b) wait_param(buckets_[b].first_param);
 }
 
 void DistributedAdamW::gather_state(std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq) const {

@@ -1,8 +1,10 @@
 // The distributed optimizer (ZeRO-1, Megatron's --use-distributed-optimizer): AdamW whose moments are
 // sharded over a process group. Gradients are reduce-scattered bucket by bucket, each rank updates the
 // slice of the parameters it owns, and the updated f32 masters are all-gathered back into every rank's
-// Param::value. Not here: the global norm over several groups (the caller all-reduces shard_grad_sq()),
-// bf16 compute copies (Param::compute is left to the caller) and overlap with backward.
+// Param::value. With `overlap` the reduce-scatters can be posted bucket by bucket while backward still runs
+// (--overlap-grad-reduce) and the all-gathers left in flight into the next forward (--overlap-param-gather).
+// Not here: the global norm over several groups (the caller all-reduces shard_grad_sq()) and bf16 compute copies
+// (Param::compute is left to the caller).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -17,6 +19,9 @@ namespace moecore::optim {
 
 struct DistributedAdamWOptions {
   int64_t bucket_elems = 10'000'000;  // elements per gradient bucket, e.g. 10M (a larger parameter is alone)
+  // Every bucket gets a staging area of its own (about one more gradient's worth of memory), so that all of
+  // them can be in flight at once: needed by the overlapped forms below.
+  bool overlap = false;
 };
 
 // Layout. The parameters sit in one flat index space in `params` order, cut into buckets of whole
@@ -43,6 +48,14 @@ class DistributedAdamW {
   // Collective. Bucketed reduce-scatter of the gradients: afterwards this rank's shard holds the group
   // SUM of the gradients. The params' .grad tensors are read (they may be modified afterwards).
   void reduce_scatter_grads();
+  // The same, overlapped (options.overlap): begin_grad_reduction(), then grad_ready(i) once for every parameter i
+  // (an index into the constructor's vector), in any order, as soon as its gradient is final: a bucket's
+  // nonblocking reduce-scatter is posted when its last parameter is ready. finish_grad_reduction() waits for
+  // them all (posting any bucket not yet complete); the shard then holds the same bits as after
+  // reduce_scatter_grads(). Collective: every rank readies the parameters in the same order.
+  void begin_grad_reduction();
+  void grad_ready(size_t i);
+  void finish_grad_reduction();
   // Sum of squares of this rank's reduced-gradient shard, in double. All-reduced over the group (and
   // over other groups' shares) it is the squared global gradient norm.
   double shard_grad_sq() const;
@@ -51,7 +64,12 @@ class DistributedAdamW {
   // Collective. One AdamW update of this rank's shard (learning rate lr, gradients times clip_scale,
   // weight decay for params with weight_decay, bias correction with the step count), then all-gather of
   // the updated f32 masters into every param's .value, bucket by bucket. Does not refresh Param::compute.
-  void step(float lr, float clip_scale);
+  // With gather_later (options.overlap) the all-gathers are posted and left in flight: until wait_param(i) (its
+  // bucket) or finish_param_gather() (all) a Param::value may hold old values. Values end bitwise the same.
+  void step(float lr, float clip_scale, bool gather_later = false);
+  void wait_param(size_t i);
+  void finish_param_gather();
+  bool param_gather_pending() const { return gathers_pending_ > 0; }
 
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t s) { step_ = s; }
@@ -99,6 +117,21 @@ class DistributedAdamW {
   }  // where the parameters live (and so the shards and staging buffers)
   std::vector<Bucket> buckets_;
   std::vector<Segment> segments_;  // in parameter order
+  // Overlap (options.overlap): bucket b stages in bucket_staging_[b, b + N_b) of overlap_staging_; its owned
+  // range is packed at its shard offset in overlap_shard_.
+  bool overlap_ = false;
+  Tensor overlap_staging_;                  // [sum of N_b] f32
+  Tensor overlap_shard_;                    // [shard_elems] f32: updated masters to all-gather
+  std::vector<int64_t> bucket_staging_;     // per bucket
+  std::vector<size_t> bucket_of_param_;     // per parameter
+  std::vector<int64_t> ready_left_;         // per bucket: parameters whose gradient is not final yet
+  std::vector<CommHandle> grad_handles_;    // per bucket
+  std::vector<CommHandle> gather_handles_;  // per bucket
+  int64_t gathers_pending_ = 0;
+  bool reducing_ = false;
+  void post_reduce_scatter(size_t b);
+  void check_grad(size_t i) const;
+  void check_overlap(const char* what) const;
   int64_t shard_elems_ = 0;
   int64_t step_ = 0;
   Tensor sq_acc_;     // [1] f64: the shard's squared gradient norm, summed on the device and read once

@@ -22,6 +22,10 @@ void TrainConfig::validate() const {
     MOECORE_FAIL("training: global_batch_size (", global_batch_size, ") must be a positive multiple of ",
                  "micro_batch_size (", micro_batch_size, ")");
   if (train_iters <= 0) MOECORE_FAIL("training: train_iters (", train_iters, ") must be positive");
+  if (overlap_param_gather && (!use_distributed_optimizer || !overlap_grad_reduce))
+    MOECORE_FAIL(
+        "training: --overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in "
+        "Megatron)");
   if (lr_decay_style != "constant" && lr_decay_style != "linear" && lr_decay_style != "cosine" &&
       lr_decay_style != "WSD")
     MOECORE_FAIL("--lr-decay-style '", lr_decay_style, "' is not one of constant, linear, cosine, WSD");
@@ -408,22 +412,48 @@ double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, G
 struct ZeroOptimizers {
   enum Kind { replicated, tensor_parallel, expert, kinds };
   std::unique_ptr<optim::DistributedAdamW> opt[kinds];
-  std::vector<size_t> idx[kinds];  // parameter indices of each instance, in model order
+  std::vector<size_t> idx[kinds];              // parameter indices of each instance, in model order
+  std::vector<std::pair<Kind, size_t>> where;  // per model parameter: its instance and index there
   const TrainGroups& g;
 
-  ZeroOptimizers(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& groups, int64_t bucket)
+  // overlap: the instances can reduce during backward and gather during the next forward (--overlap-*).
+  ZeroOptimizers(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& groups, int64_t bucket,
+                 bool overlap)
       : g(groups) {
     std::vector<Param*> p[kinds];
     auto& params = gpt.params();
     for (size_t i = 0; i < params.size(); ++i) {
       const Kind k = params[i].expert_parallel ? expert : params[i].tp.sharded() ? tensor_parallel : replicated;
+      where.emplace_back(k, p[k].size());
       p[k].push_back(&params[i]);
       idx[k].push_back(i);
     }
     for (int k = 0; k < kinds; ++k)
       if (k == replicated || !p[k].empty())
         opt[k] = std::make_unique<optim::DistributedAdamW>(p[k], cfg, k == expert ? g.edp : g.dense_grads(),
-                                                           optim::DistributedAdamWOptions{bucket});
+                                                           optim::DistributedAdamWOptions{bucket, overlap});
+  }
+  // --overlap-grad-reduce: begin before the last backward, grad_ready as the model reports gradients final, finish.
+  void begin_grad_reduction() {
+    each([](optim::DistributedAdamW& o, const auto&) { o.begin_grad_reduction(); });
+  }
+  void grad_ready(size_t first, size_t end) {
+    for (size_t i = first; i < end; ++i) opt[where[i].first]->grad_ready(where[i].second);
+  }
+  void finish_grad_reduction() {
+    each([](optim::DistributedAdamW& o, const auto&) { o.finish_grad_reduction(); });
+  }
+  // --overlap-param-gather: the masters of params [first, end) current (their buckets' gathers waited for).
+  void wait_params(size_t first, size_t end) {
+    for (size_t i = first; i < end; ++i) opt[where[i].first]->wait_param(where[i].second);
+  }
+  bool param_gather_pending() const {
+    bool any = false;
+    each([&](const optim::DistributedAdamW& o, const auto&) { any = any || o.param_gather_pending(); });
+    return any;
+  }
+  void finish_param_gather() {
+    each([](optim::DistributedAdamW& o, const auto&) { o.finish_param_gather(); });
   }
   template <class Fn>
   void each(Fn&& fn) const {
@@ -457,8 +487,8 @@ struct ZeroOptimizers {
     all_reduce_sum(std::span<double>(&v[1], 1), g.tp);
     return std::sqrt(v[0] + v[1]);
   }
-  void step(float lr, float clip) {
-    each([&](optim::DistributedAdamW& o, const auto&) { o.step(lr, clip); });
+  void step(float lr, float clip, bool gather_later) {
+    each([&](optim::DistributedAdamW& o, const auto&) { o.step(lr, clip, gather_later); });
   }
   int64_t state_bytes() const {
     int64_t n = 0;
@@ -566,7 +596,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
                  cfg.micro_batch_size);
   std::unique_ptr<ZeroOptimizers> zero;
   if (cfg.use_distributed_optimizer) {
-    zero = std::make_unique<ZeroOptimizers>(gpt, opt.config(), groups, cfg.ddp_bucket_size);
+    zero = std::make_unique<ZeroOptimizers>(gpt, opt.config(), groups, cfg.ddp_bucket_size, cfg.overlap_grad_reduce);
     if (log)
       std::fprintf(log, " distributed optimizer: %s of optimizer state on this rank (%s unsharded)\n",
                    memory_format_bytes(zero->state_bytes()).c_str(),
@@ -577,11 +607,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   std::unique_ptr<GradBuckets> buckets;
   // Expert gradients reduce over edp, which also spans the TP ranks (TP 2 x DP 1 has EDP 2 with ETP 1).
   const bool reduces_grads = groups.dense_grads().size() > 1 || groups.edp.size() > 1;
-  if (cfg.overlap_grad_reduce && zero)
-    MOECORE_FAIL(
-        "training: --overlap-grad-reduce is not supported yet with --use-distributed-optimizer (its reduce-scatter "
-        "runs after backward); drop one of them");
-  const bool overlap = cfg.overlap_grad_reduce && reduces_grads;
+  const bool overlap = cfg.overlap_grad_reduce && (zero || reduces_grads);
   if (!zero && reduces_grads) buckets = std::make_unique<GradBuckets>(gpt, groups, cfg.ddp_bucket_size, overlap);
   GradChecks checks(gpt);
   TrainProgress progress;
@@ -646,7 +672,42 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   double loss_acc = 0;
   std::vector<double> mtp_acc(static_cast<size_t>(m.mtp_num_layers), 0.0);  // MTP losses over the log interval
   int64_t logged_steps = 0;
+  // --overlap-param-gather: after a step the masters arrive bucket by bucket; every forward waits for the ranges it
+  // reads (the model's params_needed hook) and refreshes their compute copies; settle() completes them all (before
+  // a checkpoint and at the end).
+  struct PendingParams {
+    ZeroOptimizers* zero;
+    model::GptModel& gpt;
+    std::vector<char> stale;  // per parameter: its compute copy predates the last step
+    bool any = false;
+    void after_step() {
+      stale.assign(gpt.params().size(), 1);
+      any = true;
+    }
+    void need(size_t first, size_t end) {
+      if (!any) return;
+      zero->wait_params(first, end);
+      for (size_t i = first; i < end; ++i)
+        if (stale[i]) {
+          gpt.refresh_compute_weights(i, i + 1);
+          stale[i] = 0;
+        }
+    }
+    void settle() {
+      if (!any) return;
+      zero->finish_param_gather();
+      need(0, stale.size());
+      any = false;
+    }
+  } gathers{zero.get(), gpt, {}, false};
+  const bool gather_later = zero && cfg.overlap_param_gather;
+  struct NeedGuard {  // the hook refers to this scope: never left behind (an exception included)
+    model::GptModel& m;
+    ~NeedGuard() { m.set_params_needed({}); }
+  } need_guard{gpt};
+  if (gather_later) gpt.set_params_needed([&](size_t first, size_t end) { gathers.need(first, end); });
   auto save = [&]() {
+    gathers.settle();
     if (cfg.save.empty()) return;
     const CheckpointSaveOptions parts{cfg.save_optim, cfg.save_rng,
                                       opt_param_scheduler_of(cfg, progress.iteration - schedule_start),
@@ -686,11 +747,16 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
         model::GptModel& m;
         ~HookGuard() { m.set_grad_ready({}); }
       } hook_guard{gpt};
-      if (overlap && mb + 1 == micro_local)  // the last backward: each bucket is reduced once its gradients are final
+      if (overlap && mb + 1 == micro_local) {  // the last backward: each bucket is reduced once its gradients are final
+        if (zero) zero->begin_grad_reduction();
         gpt.set_grad_ready([&](size_t first, size_t end) {
           gpt.sum_tensor_parallel_grads(first, end);
-          buckets->ready(gpt, first, end);
+          if (zero)
+            zero->grad_ready(first, end);
+          else
+            buckets->ready(gpt, first, end);
         });
+      }
       const model::LossResult r = gpt.forward_backward(tokens, labels, 1.0f / static_cast<float>(micro));
       step_loss += r.mean();
       for (size_t k = 0; k < mtp_loss.size(); ++k) mtp_loss[k] += r.mtp_mean(k) / static_cast<double>(micro_local);
@@ -712,7 +778,9 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
       if (grp->size() > 1)
         for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l)
           if (moe::RouterState* st = gpt.router_state(l)) all_reduce_sum(st->local_tokens_per_expert, *grp);
-    if (zero) {
+    if (zero && overlap) {
+      zero->finish_grad_reduction();  // (the TP sums ran as the gradients became final)
+    } else if (zero) {
       gpt.sum_tensor_parallel_grads();
       zero->reduce_scatter_grads();
     } else if (overlap) {
@@ -752,8 +820,11 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
     if (!skip && zero) {
       st.grad_norm = zero->grad_norm();
       st.clip_scale = optim::clip_scale_for(st.grad_norm, opt.config().clip_grad);
-      zero->step(lr, st.clip_scale);
-      gpt.refresh_compute_weights();
+      zero->step(lr, st.clip_scale, gather_later);
+      if (gather_later)
+        gathers.after_step();
+      else
+        gpt.refresh_compute_weights();
     } else if (!skip) {
       st = opt.step(lr, grad_norm_over_groups(gpt, groups, checks));
       gpt.refresh_compute_weights();

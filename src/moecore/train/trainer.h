@@ -64,7 +64,10 @@ struct TrainConfig {
   std::string tensorboard_dir;                      // --tensorboard-dir: TensorBoard event files
   double peak_gflops = 0;                           // GEMM peak measured at start (0: no MFU on the log line)
   bool use_distributed_optimizer = false;           // --use-distributed-optimizer: ZeRO-1 over dp (experts: over edp)
-  bool overlap_grad_reduce = false;  // --overlap-grad-reduce: each gradient bucket's all-reduce starts during backward
+  bool overlap_grad_reduce = false;   // --overlap-grad-reduce: each gradient bucket's all-reduce (with the distributed
+                                      // optimizer: reduce-scatter) starts during backward
+  bool overlap_param_gather = false;  // --overlap-param-gather (needs the two above): the distributed optimizer's
+                                      // all-gathers stay in flight until forward reads each bucket
   int64_t ddp_bucket_size = 40'000'000;  // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
                                          // bucket
   void validate() const;
