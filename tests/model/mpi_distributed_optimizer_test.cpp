@@ -115,9 +115,10 @@ std::string bitwise_diff(const Tensor& a, const Tensor& b) {
 // a reference to `ref`.
 class Harness {
  public:
-  Harness(const ProcessGroup& g, const AdamWConfig& cfg, int64_t bucket, const std::vector<Spec>& specs)
+  Harness(const ProcessGroup& g, const AdamWConfig& cfg, int64_t bucket, const std::vector<Spec>& specs,
+          bool overlap = false)
       : g_(g), cfg_(cfg), dist_(make_params(specs)), ref_(make_params(specs)), plain_(ref_, cfg) {
-    opt_ = std::make_unique<DistributedAdamW>(pointers(dist_), cfg, g, DistributedAdamWOptions{bucket});
+    opt_ = std::make_unique<DistributedAdamW>(pointers(dist_), cfg, g, DistributedAdamWOptions{bucket, overlap});
   }
   Harness(const Harness&) = delete;
 
@@ -182,6 +183,44 @@ TEST_F(Mpi, ParamsBitwiseEqualPlainAdamWOnSummedGradients) {
     const int64_t want_buckets = bucket == 1 ? 7 : bucket == 64 ? 4 : 1;  // 150 | 7+1+15+13 | 32 | 33
     EXPECT_EQ(h.opt_->num_buckets(), want_buckets) << "bucket " << bucket;
   }
+}
+
+// The overlapped forms (--overlap-grad-reduce, --overlap-param-gather): gradients declared ready one by one in
+// backward order (some never: finish takes them), the gathers left in flight and the parameters waited for in forward
+// order, some only by finish_param_gather; every step bitwise equal to plain AdamW, as the blocking forms are. Misuse
+// fails naming it.
+TEST_F(Mpi, OverlappedReductionAndGatherBitwiseEqualPlainAdamW) {
+  for (int64_t bucket : {int64_t{1}, int64_t{64}, kDefaultBucket}) {
+    Harness h(world, clipped_config(), bucket, assorted(), /*overlap=*/true);
+    const size_t n = h.dist_.size();
+    for (int s = 1; s <= 3; ++s) {
+      const std::string when = "bucket " + std::to_string(bucket) + ", step " + std::to_string(s);
+      if (s > 1)  // the previous step's gathers: forward reads the parameters from the first, skipping the last
+        for (size_t i = 0; i + 1 < n; ++i) h.opt_->wait_param(i);
+      h.set_grads(s);
+      h.opt_->begin_grad_reduction();
+      for (size_t i = n; i-- > 1;) h.opt_->grad_ready(i);  // parameter 0 never declared: finish takes it
+      h.opt_->finish_grad_reduction();
+      std::vector<double> sq = {h.opt_->shard_grad_sq()};
+      all_reduce_sum(sq, world);
+      const double norm = std::sqrt(sq[0]);
+      h.opt_->step(1e-2f, optim::clip_scale_for(norm, 1.0f), /*gather_later=*/true);
+      EXPECT_TRUE(h.opt_->param_gather_pending() || world.size() == 1 || n == 0) << when;
+      h.plain_.step(1e-2f, norm);
+      h.opt_->finish_param_gather();
+      EXPECT_FALSE(h.opt_->param_gather_pending()) << when;
+      h.expect_params_match(when);
+    }
+  }
+  Harness plain(world, clipped_config(), 64, assorted());
+  testing::expect_error([&] { plain.opt_->begin_grad_reduction(); }, {"DistributedAdamWOptions::overlap"});
+  Harness h(world, clipped_config(), 64, assorted(), true);
+  testing::expect_error([&] { h.opt_->grad_ready(0); }, {"outside begin/finish_grad_reduction"});
+  h.set_grads(1);
+  h.opt_->begin_grad_reduction();
+  h.opt_->grad_ready(1);
+  testing::expect_error([&] { h.opt_->grad_ready(1); }, {"declared ready twice"});
+  h.opt_->finish_grad_reduction();
 }
 
 TEST_F(Mpi, ShardSquaresSumToGlobalNorm) {

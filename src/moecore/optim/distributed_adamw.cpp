@@ -179,6 +179,7 @@ void DistributedAdamW::begin_grad_reduction() {
   check_overlap("begin_grad_reduction");
   if (reducing_) MOECORE_FAIL("distributed optimizer: begin_grad_reduction while a reduction is open");
   reducing_ = true;
+  param_ready_.assign(params_.size(), 0);
   ready_left_.clear();
   for (const Bucket& b : buckets_) ready_left_.push_back(static_cast<int64_t>(b.end_param - b.first_param));
 }
@@ -199,8 +200,9 @@ void DistributedAdamW::grad_ready(size_t i) {
     MOECORE_FAIL("distributed optimizer: grad_ready(", i, ") of ", params_.size(), " parameters");
   check_grad(i);
   const size_t b = bucket_of_param_[i];
-  if (ready_left_[b] <= 0)
+  if (param_ready_[i])
     MOECORE_FAIL("distributed optimizer: the gradient of '", params_[i]->name, "' was declared ready twice");
+  param_ready_[i] = 1;
   wait_param(i);  // the bucket's staging area must be free of its parameter gather
   range(overlap_staging_, bucket_staging_[b] + param_offsets_[i], param_elems_[i]).copy_from(flat(params_[i]->grad));
   if (--ready_left_[b] == 0) post_reduce_scatter(b);

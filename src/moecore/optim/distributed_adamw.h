@@ -125,6 +125,7 @@ class DistributedAdamW {
   std::vector<int64_t> bucket_staging_;     // per bucket
   std::vector<size_t> bucket_of_param_;     // per parameter
   std::vector<int64_t> ready_left_;         // per bucket: parameters whose gradient is not final yet
+  std::vector<char> param_ready_;           // per parameter: declared ready in the open reduction
   std::vector<CommHandle> grad_handles_;    // per bucket
   std::vector<CommHandle> gather_handles_;  // per bucket
   int64_t gathers_pending_ = 0;
