@@ -5,7 +5,8 @@
 # REPEATS alternating rounds, default 2) and the share of step time rank 0 spent blocked in communication
 # (comm/exposed_share: every collective, from the trainer's comm_blocked_seconds). Needs an MPI build and mpirun.
 #   dense: GPT with hidden 1024 (16 heads, SwiGLU ffn 2816, 2 layers, seq 256): DP 2 (one 40M-element bucket, the
-#          default), DP 2 with 2M-element buckets without and with --overlap-grad-reduce, TP 2, TP 2 + SP, CP 2
+#          default), DP 2 with 2M-element buckets without and with --overlap-grad-reduce, the same with the
+#          distributed optimizer (overlap: --overlap-grad-reduce --overlap-param-gather), TP 2, TP 2 + SP, CP 2
 #   moe:   4 layers, hidden 256, 8 experts top-2: EP 2 (alltoall), TP 2 + SP, TP 2 + SP with EP 2, CP 2 with EP 2
 # Usage: bash bench/layout_sweep.sh [BINARY] [ITERS] [dense|moe|both]   (default build/apps/moecore, 16, both)
 set -euo pipefail
@@ -66,6 +67,8 @@ PY
 if [ "$which" != moe ]; then
   run_model dense dense "DP 2|" "DP 2, 2M buckets|--ddp-bucket-size 2000000" \
     "DP 2, 2M buckets, overlap|--ddp-bucket-size 2000000 --overlap-grad-reduce" \
+    "DP 2, ZeRO, 2M buckets|--use-distributed-optimizer --ddp-bucket-size 2000000" \
+    "DP 2, ZeRO, 2M, overlap|--use-distributed-optimizer --ddp-bucket-size 2000000 --overlap-grad-reduce --overlap-param-gather" \
     "TP 2|--tensor-model-parallel-size 2" "TP 2 + SP|--tensor-model-parallel-size 2 --sequence-parallel" \
     "CP 2|--context-parallel-size 2"
 fi

@@ -231,9 +231,11 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
   auto [st5, out5] = mpirun(3, "--tensor-model-parallel-size 2");
   EXPECT_NE(st5, 0);
   EXPECT_EQ(count(out5, "world_size (3) must be divisible by"), 3u) << out5;
-  auto [st6, out6] = mpirun(2, "--context-parallel-size 2 --mtp-num-layers 1 --position-embedding-type rope");
+  auto [st6, out6] = mpirun(2, "--context-parallel-size 4");
   EXPECT_NE(st6, 0);
-  EXPECT_EQ(count(out6, "--mtp-num-layers with --context-parallel-size 2 is not supported yet"), 2u) << out6;
+  EXPECT_EQ(
+      count(out6, "world_size (2) must be divisible by tensor_model_parallel_size (1) x context_parallel_size (4)"), 2u)
+      << out6;
 #endif
 }
 

@@ -69,18 +69,14 @@ void GptModel::check_context_parallel() const {
   if (par_.tp_cp.size() != par_.tp.size() * CP)
     MOECORE_FAIL("model: the tp_cp group has ", par_.tp_cp.size(), " ranks, not tensor-parallel (", par_.tp.size(),
                  ") x context-parallel (", CP, ")");
-  if (cfg_.mtp_num_layers > 0)
-    MOECORE_FAIL("model: --mtp-num-layers with --context-parallel-size ", CP,
-                 " is not supported yet (the depths' rolled tokens cross the chunks of the ranks)");
 }
 
 // This rank's positions of every sequence of a host batch [B*S] (rows b * S/CP + s: position
-// context_parallel_position(s)); the batch itself without CP.
-Tensor GptModel::local_positions(const Tensor& batch_h) const {
+// context_parallel_position(s)), written into out (host [B*S/CP]); the batch itself without CP.
+Tensor GptModel::local_positions(const Tensor& batch_h, const Tensor& out) const {
   const int CP = par_.cp.size();
   if (CP == 1) return batch_h;
   const int64_t S = cfg_.seq_length, Sl = S / CP;
-  Tensor out = Tensor::empty({B_ * Sl}, DType::i32, MemCategory::workspace);
   const int32_t* src = batch_h.data<int32_t>();
   int32_t* dst = out.data<int32_t>();
   for (int64_t b = 0; b < B_; ++b)
@@ -320,8 +316,9 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     d.fnorm_b = find(pre + "final_layernorm.bias");
     d.ids = act({T}, DType::i32);  // every token (the vocabulary-parallel embedding and loss need them all)
     d.labels = act({T}, DType::i32);
-    d.ids_h = Tensor::empty({T}, DType::i32, MemCategory::workspace);
-    d.labels_h = Tensor::empty({T}, DType::i32, MemCategory::workspace);
+    // (rolled over the whole batch: under CP the rolled token of a chunk's last position is another rank's)
+    d.ids_h = Tensor::empty({B_ * cfg_.seq_length}, DType::i32, MemCategory::workspace);
+    d.labels_h = Tensor::empty({B_ * cfg_.seq_length}, DType::i32, MemCategory::workspace);
     for (Tensor* t : {&d.e, &d.hin, &d.x, &d.y}) *t = act({N, H}, DType::f32);
     for (Tensor* t : {&d.en, &d.hn, &d.h}) *t = act({N, H}, c);
     for (Tensor* t : {&d.e_rstd, &d.h_rstd, &d.f_rstd}) *t = act({N}, DType::f32);
@@ -342,6 +339,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   if (par_.sequence_parallel) final_full_ = act({T, H}, c);
   // Constant tables are computed on the host and uploaded once.
   // The global position of this rank's position s of a sequence (context parallelism: its two chunks).
+  if (CP > 1)
+    for (Tensor* t : {&cp_tokens_h_, &cp_labels_h_}) *t = Tensor::empty({T}, DType::i32, MemCategory::workspace);
   const auto position = [&](int64_t s) {
     return CP > 1 ? nn::context_parallel_position(s, cfg_.seq_length, par_.cp.rank(), CP) : s;
   };
@@ -581,10 +580,10 @@ void GptModel::mtp_forward(const Tensor& tokens, const Tensor& labels, bool trai
     MtpDepth& d = mtp_[j];
     params_needed(layer_params_[static_cast<size_t>(cfg_.num_layers) + j]);
     roll_left(d.ids_h, j ? mtp_[j - 1].ids_h : tokens, 0);
-    d.ids.copy_from(d.ids_h);
+    d.ids.copy_from(local_positions(d.ids_h, cp_tokens_h_));
     if (training) {
       roll_left(d.labels_h, j ? mtp_[j - 1].labels_h : labels, -1);
-      d.labels.copy_from(d.labels_h);
+      d.labels.copy_from(local_positions(d.labels_h, cp_labels_h_));
     }
     embed(d.e, d.ids, ctx);
     if (d.drop.active()) ops::dropout_forward(d.e, d.e, d.drop, ctx);
@@ -626,6 +625,7 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
       reduce_scatter_from(by_sequence(mtp_dfn_), by_sequence(dh_), 1, par_.tp);
     }
     r.mtp_loss_sum[j] = read_loss_sum();
+    if (par_.cp.size() > 1) all_reduce_sum(std::span<double>(&r.mtp_loss_sum[j], 1), par_.cp);
     if (j + 1 < mtp_.size()) ops::add(mtp_dfn_, mtp_dfn_, mtp_carry_, ctx);  // depth j + 2 read h_{j+1} too
     nn::norm_backward(dres_, d.fnorm->grad, grad_of(d.fnorm_b), mtp_dfn_, d.y, d.fnorm->value, value_of(d.fnorm_b),
                       d.f_mean, d.f_rstd, false, ctx);
@@ -703,8 +703,8 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
   const ops::Context ctx{device_};
   const int64_t S = cfg_.seq_length;
   const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
-  forward_trunk(local_positions(tokens_h), true);
-  labels_.copy_from(local_positions(labels_h));
+  forward_trunk(local_positions(tokens_h, cp_tokens_h_), true);
+  labels_.copy_from(local_positions(labels_h, cp_labels_h_));
   LossResult r;
   r.tokens = counted_labels(labels_h);  // the whole batch's (every CP rank holds it)
   const float token_scale = r.tokens ? grad_scale / static_cast<float>(r.tokens) : 0.0f;
@@ -745,8 +745,8 @@ LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
   const ops::Context ctx{device_};
   const int64_t S = cfg_.seq_length;
   const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
-  forward_trunk(local_positions(tokens_h), false);
-  labels_.copy_from(local_positions(labels_h));
+  forward_trunk(local_positions(tokens_h, cp_tokens_h_), false);
+  labels_.copy_from(local_positions(labels_h, cp_labels_h_));
   LossResult r;
   r.tokens = counted_labels(labels_h);
   nn::lm_head_loss(nullptr, nullptr, head_input(), output_->compute, labels_, 1.0f, head_ws_, ctx, head_group());
@@ -808,8 +808,9 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
                                      &d.e_rstd, &d.h_mean, &d.h_rstd, &d.f_mean, &d.f_rstd});
     count(MemCategory::workspace, {&d.ids_h, &d.labels_h});  // host: the rolled batch before its upload
   }
-  count(MemCategory::workspace, {&rope_, &positions_, &positions_local_, &dres_, &dh_, &ids_, &labels_, &moe_x_,
-                                 &moe_out_, &mtp_dx_c_, &mtp_carry_, &mtp_dn_, &mtp_dfn_, &mtp_h_full_});
+  count(MemCategory::workspace,
+        {&rope_, &positions_, &positions_local_, &dres_, &dh_, &ids_, &labels_, &moe_x_, &moe_out_, &mtp_dx_c_,
+         &mtp_carry_, &mtp_dn_, &mtp_dfn_, &mtp_h_full_, &cp_tokens_h_, &cp_labels_h_});
   return plan;
 }
 

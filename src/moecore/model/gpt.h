@@ -144,7 +144,8 @@ class GptModel {
  private:
   void check_tensor_parallel() const;
   void check_context_parallel() const;
-  Tensor local_positions(const Tensor& batch_h) const;  // [B*S] host -> this CP rank's [B*S/CP] (itself at CP 1)
+  // [B*S] host -> this CP rank's [B*S/CP] in out (the batch itself at CP 1)
+  Tensor local_positions(const Tensor& batch_h, const Tensor& out) const;
   bool tensor_parallel() const { return par_.tp.size() > 1; }
   // The ranks whose MoE rows together are whole sequences (the routers' losses gather over them): TP x CP under
   // context parallelism, TP under sequence parallelism; null when this rank's rows are the whole micro-batch.
@@ -207,7 +208,7 @@ class GptModel {
     Param *enorm = nullptr, *enorm_b = nullptr, *hnorm = nullptr, *hnorm_b = nullptr, *eh = nullptr;
     Param *fnorm = nullptr, *fnorm_b = nullptr;
     Tensor ids, labels;      // [N] i32: rolled input ids and labels
-    Tensor ids_h, labels_h;  // [N] i32 host: the same, prepared on the host from the batch and uploaded
+    Tensor ids_h, labels_h;  // [B*S] i32 host: the whole batch's, rolled on the host; this rank's positions uploaded
     Tensor e, hin, x, y;     // [N, H] f32: embedding, h_{k-1}, layer input (eh_proj output), layer output
     Tensor en, hn, h;        // [N, H] compute: enorm(e), hnorm(h_{k-1}), final_norm(y) = h_k
     Tensor e_mean, e_rstd, h_mean, h_rstd, f_mean, f_rstd;  // [N] f32 norm statistics (means: LayerNorm only)
@@ -242,9 +243,10 @@ class GptModel {
   Tensor positions_local_;          // [N] i32: those of this rank's rows (sequence parallelism only)
   nn::DenseLayerWorkspace ws_;
   nn::LmHeadWorkspace head_ws_;
-  Tensor dres_;          // [N, H] f32
-  Tensor dh_;            // [T, H] f32
-  Tensor ids_, labels_;  // [T] i32 flat copies
+  Tensor dres_;                       // [N, H] f32
+  Tensor dh_;                         // [T, H] f32
+  Tensor ids_, labels_;               // [T] i32 flat copies
+  Tensor cp_tokens_h_, cp_labels_h_;  // [T] i32 host: this CP rank's positions of the batch (CP > 1 only)
 };
 
 }  // namespace moecore::model
