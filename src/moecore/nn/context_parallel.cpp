@@ -17,11 +17,14 @@ void plan_context_parallel_workspace(ContextParallelWorkspace& w, const ops::Qkv
                                      BufferPlan& p) {
   if (size <= 1) return;
   const int64_t T = local.B * local.S, Tall = T * size, c = local.S / 2, W = local.width();
-  const int64_t O = local.q_heads() * local.D;
-  p.empty(w.rows, {Tall, W}, compute);
+  const int64_t O = local.q_heads() * local.D, K = 2 * local.G * local.D;
+  p.empty(w.kv, {T, K}, compute);
+  p.empty(w.rows, {Tall, K}, compute);
   p.empty(w.full, {Tall, W}, compute);
-  p.empty(w.acc, {Tall, W}, DType::f32);
-  p.empty(w.local, {T, W}, DType::f32);
+  p.empty(w.dkv, {Tall, W}, compute);
+  p.empty(w.block, {c, K}, DType::f32);
+  p.empty(w.acc, {Tall, K}, DType::f32);
+  p.empty(w.local, {T, K}, DType::f32);
   p.empty(w.q, {local.B * c, W}, compute);
   p.empty(w.dq, {T, W}, compute);
   p.empty(w.out, {local.B * c, O}, compute);
@@ -70,10 +73,25 @@ ops::Dropout chunk_dropout(const ops::Dropout& d, int k) {
   return out;
 }
 
-// The group's rows of qkv [T, W] gathered into ws.full in position order (ws.rows: rank order).
-void gather_positions(const Tensor& qkv_rows, const Chunks& ch, ContextParallelWorkspace& ws, const ProcessGroup& g) {
-  all_gather(ws.rows, qkv_rows, g);
-  ch.for_each_block([&](int64_t rr, int64_t pr) { rows_of(ws.full, pr, ch.c).copy_from(rows_of(ws.rows, rr, ch.c)); });
+// The key and value slots (R and R + 1 of every group) of rows [*, W] as packed [rows, 2*G*D] rows, and back.
+Tensor packed_rows(const Tensor& packed, const ops::QkvDims& d) {
+  return packed.view({packed.numel() / d.D, d.D});
+}
+ops::QkvDims rows_dims(const ops::QkvDims& d, int64_t rows) {
+  return {1, rows, d.G, d.R, d.D};
+}
+
+// The group's keys and values gathered into ws.full's key and value slots in position order.
+void gather_positions(const Tensor& qkv_rows, const ops::QkvDims& dims, const Chunks& ch, ContextParallelWorkspace& ws,
+                      const ProcessGroup& g, const ops::Context& ctx) {
+  const int64_t T = ch.B * ch.Sl;
+  Tensor kv = packed_rows(ws.kv, dims);
+  ops::qkv_slots_gather(kv, qkv_rows, rows_dims(dims, T), dims.R, 2, ctx);
+  all_gather(ws.rows, ws.kv, g);
+  ch.for_each_block([&](int64_t rr, int64_t pr) {
+    Tensor dst = rows_of(ws.full, pr, ch.c);
+    ops::qkv_slots_scatter(dst, packed_rows(rows_of(ws.rows, rr, ch.c), dims), rows_dims(dims, ch.c), dims.R, 2, ctx);
+  });
 }
 
 // dst [B * c, cols] <- the rows of local chunk k of src [B * S_local, cols] (or back with to_local).
@@ -100,7 +118,7 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const ops::Q
   const Chunks ch(dims, *cp);
   const int64_t W = dims.width(), O = dims.q_heads() * dims.D;
   const Tensor qkv_rows = qkv.view({ch.B * ch.Sl, W}), out_rows = out.view({ch.B * ch.Sl, O});
-  gather_positions(qkv_rows, ch, ws, *cp);
+  gather_positions(qkv_rows, dims, ch, ws, *cp, ctx);
   const Tensor full = ws.full.view({ch.B, ch.S, W});
   for (int k = 0; k < 2; ++k) {
     const ops::QkvDims d = ch.dims(dims, k);
@@ -118,35 +136,37 @@ void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, con
   const Chunks ch(dims, *cp);
   const int64_t W = dims.width(), O = dims.q_heads() * dims.D, T = ch.B * ch.Sl;
   const Tensor qkv_rows = qkv.view({T, W});
-  gather_positions(qkv_rows, ch, ws, *cp);  // again: the keys and values are not kept between the passes
+  gather_positions(qkv_rows, dims, ch, ws, *cp, ctx);  // again: the keys and values are not kept between the passes
   const Tensor full = ws.full.view({ch.B, ch.S, W});
   ws.acc.zero_();
-  ws.dq.zero_();  // the kernel writes the query slots only; the rest must add nothing below
   for (int k = 0; k < 2; ++k) {
     const ops::QkvDims d = ch.dims(dims, k);
     chunk_rows(ws.q, qkv_rows, ch, k, false);
     chunk_rows(ws.out, out.view({T, O}), ch, k, false);
     chunk_rows(ws.dout, dout.view({T, O}), ch, k, false);
-    ws.rows.zero_();  // this chunk's dK/dV, position order; keys past the chunk's end get none
     Tensor dq = rows_of(ws.dq, k * ch.B * ch.c, ch.B * ch.c).view({ch.B, ch.c, W});
-    Tensor dkv = ws.rows.view({ch.B, ch.S, W}).slice(1, 0, d.Sk);
+    Tensor dkv = ws.dkv.view({ch.B, ch.S, W}).slice(1, 0, d.Sk);
     ops::attention_backward(dq, dkv, ws.dout.view({ch.B, ch.c, O}), ws.q.view({ch.B, ch.c, W}), full.slice(1, 0, d.Sk),
                             ws.out.view({ch.B, ch.c, O}), lse_of(lse, ch, dims.q_heads(), k), d, chunk_dropout(drop, k),
                             ctx);
+    // The blocks of keys this chunk saw (positions below d.Sk, whole blocks: d.Sk is a multiple of c), packed to f32
+    // and added into their owners' rows.
     ch.for_each_block([&](int64_t rr, int64_t pr) {
+      if (pr % ch.S >= d.Sk) return;
+      Tensor blk = packed_rows(ws.block, dims);
+      ops::qkv_slots_gather(blk, rows_of(ws.dkv, pr, ch.c), rows_dims(dims, ch.c), dims.R, 2, ctx);
       Tensor a = rows_of(ws.acc, rr, ch.c);
-      ops::add(a, a, rows_of(ws.rows, pr, ch.c), ctx);
+      ops::add(a, a, ws.block, ctx);
     });
   }
-  // Every rank's dK/dV of the rows rank r owns, summed in rank order; then the query gradients of its chunks.
+  // Every rank's dK/dV of the rows this rank owns, summed in rank order; its chunks' query gradients, then the keys'
+  // and values' into their slots (the kernel wrote the query slots of ws.dq only).
   reduce_scatter_sum(ws.local, ws.acc, *cp);
-  const Tensor dqkv_rows = dqkv.view({T, W});
+  Tensor dqkv_rows = dqkv.view({T, W});
   for (int k = 0; k < 2; ++k)
-    for (int64_t b = 0; b < ch.B; ++b) {
-      const int64_t at = b * ch.Sl + k * ch.c;
-      Tensor dst = rows_of(dqkv_rows, at, ch.c);
-      ops::add(dst, rows_of(ws.local, at, ch.c), rows_of(ws.dq, (k * ch.B + b) * ch.c, ch.c), ctx);
-    }
+    for (int64_t b = 0; b < ch.B; ++b)
+      rows_of(dqkv_rows, b * ch.Sl + k * ch.c, ch.c).copy_from(rows_of(ws.dq, (k * ch.B + b) * ch.c, ch.c));
+  ops::qkv_slots_scatter(dqkv_rows, packed_rows(ws.local, dims), rows_dims(dims, T), dims.R, 2, ctx);
 }
 
 }  // namespace moecore::nn

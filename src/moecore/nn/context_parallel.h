@@ -2,9 +2,10 @@
 // ranks of the CP group in Megatron's load-balanced order. With c = S / (2P) positions per chunk, rank r holds chunks
 // r and 2P-1-r of each sequence: its S / P local positions are [r c, (r+1) c) followed by [(2P-1-r) c, (2P-r) c), so
 // that causal attention costs every rank the same. Everything but attention works on the rank's own positions;
-// attention all-gathers the group's q/k/v rows (the all-gather flavour of Megatron's CP; no ring), runs each local
-// chunk's queries against the keys up to the chunk's end (ops::attention_forward with Sk > S, exact softmax, no
-// merging needed), and in backward reduce-scatters the keys' and values' gradients back to the ranks that own them.
+// attention all-gathers the group's keys and values (the all-gather flavour of Megatron's CP; no ring), runs each
+// local chunk's queries against the keys up to the chunk's end (ops::attention_forward with Sk > S, exact softmax, no
+// merging needed), and in backward gathers them again and reduce-scatters their gradients (f32) back to the ranks
+// that own them.
 // Deterministic: every sum runs in an order fixed by the layout.
 // Not here: the split of the batch and of the positions' tables (model/gpt.cpp), the gradient reduction over DP x CP
 // (train/).
@@ -19,12 +20,16 @@ namespace moecore::nn {
 int64_t context_parallel_position(int64_t s, int64_t S, int rank, int size);
 
 // Scratch of one attention geometry under CP (shared by the layers; nothing here outlives a call). T = B * S / P
-// local rows, T' = B * S rows of the whole sequences, c = S / (2P), W = G*(R+2)*D, O = G*R*D.
+// local rows, T' = B * S rows of the whole sequences, c = S / (2P), W = G*(R+2)*D, O = G*R*D, K = 2*G*D (a row's
+// keys and values alone: only they travel).
 struct ContextParallelWorkspace {
-  Tensor rows;   // [T', W] compute: the group's q/k/v rows in rank order; in backward, one chunk's dK/dV
-  Tensor full;   // [T', W] compute: the same rows in position order ([B, S, W]), the keys and values of every chunk
-  Tensor acc;    // [T', W] f32 (backward): the local chunks' dK/dV in rank order, summed, before the reduce-scatter
-  Tensor local;  // [T, W] f32 (backward): this rank's reduce-scattered share of acc
+  Tensor kv;     // [T, K] compute: this rank's keys and values, packed (ops::qkv_slots_gather)
+  Tensor rows;   // [T', K] compute: the group's, all-gathered in rank order
+  Tensor full;   // [T', W] compute: the same in position order ([B, S, W]; only the key and value slots are written)
+  Tensor dkv;    // [T', W] compute (backward): one chunk's dK/dV, position order
+  Tensor block;  // [c, K] f32 (backward): one block's dK/dV, packed
+  Tensor acc;    // [T', K] f32 (backward): the local chunks' dK/dV in rank order, summed, before the reduce-scatter
+  Tensor local;  // [T, K] f32 (backward): this rank's reduce-scattered share of acc
   Tensor q;      // [B * c, W] compute: one local chunk's rows
   Tensor dq;     // [T, W] compute (backward): both chunks' query gradients, chunk-major ([2][B][c])
   Tensor out;    // [B * c, O] compute: one chunk's attention output
