@@ -239,11 +239,12 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
 #endif
 }
 
-// Tensor parallelism from Megatron's flags: two ranks with --tensor-model-parallel-size 2, with and without
-// --sequence-parallel (an MoE model with it, also with --expert-model-parallel-size 2), reproduce the single-process
-// run (Megatron's defaults but dropout 0: under TP the attention dropout draws each rank's heads from its own stream).
-// The vocabulary is padded to 128 x TP, as Megatron: the single-process run pads to the same 256.
-TEST_F(Cli, TensorParallelMatchesOneProcess) {
+// Tensor and context parallelism from Megatron's flags: two ranks with --tensor-model-parallel-size 2, with and
+// without --sequence-parallel (an MoE model with it, also with --expert-model-parallel-size 2), and with
+// --context-parallel-size 2 (each rank holding two chunks of every sequence; the MoE model also with EP 2) reproduce
+// the single-process run (Megatron's defaults but dropout 0: under TP and CP the masks are drawn per rank). The
+// vocabulary is padded to 128 x TP, as Megatron: the single-process and CP runs pad to the same 256.
+TEST_F(Cli, TensorAndContextParallelMatchOneProcess) {
 #ifndef MOECORE_HAVE_MPI
   GTEST_SKIP() << "built without MPI";
 #else
@@ -255,43 +256,22 @@ TEST_F(Cli, TensorParallelMatchesOneProcess) {
                            "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
                            "--hidden-dropout 0 --attention-dropout 0 --micro-batch-size 2 --global-batch-size 4 "
                            "--train-iters 5 --log-interval 1 --eval-iters 1 --generate-tokens 0 --metrics-jsonl ";
-  // A dense model under TP and TP + SP; an MoE model (which needs SP) under TP + SP, alone and with EP 2.
+  // A dense model under TP, TP + SP and CP; an MoE model (which needs SP under TP) under TP + SP and CP, alone and
+  // with EP 2.
   const std::string moe = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
+  const std::string cp = " --context-parallel-size 2 --make-vocab-size-divisible-by 256";
   const std::vector<std::pair<std::string, std::vector<std::string> > > cases = {
-      {"", {" --tensor-model-parallel-size 2", " --tensor-model-parallel-size 2 --sequence-parallel"}},
+      {"", {" --tensor-model-parallel-size 2", " --tensor-model-parallel-size 2 --sequence-parallel", cp}},
       {moe,
        {" --tensor-model-parallel-size 2 --sequence-parallel",
         " --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
-        "--moe-token-dispatcher-type alltoall"}}};
+        "--moe-token-dispatcher-type alltoall",
+        cp, cp + " --expert-model-parallel-size 2"}}};
   for (const auto& [model, layouts] : cases) {
     std::vector<std::string> flags;
     for (const std::string& l : layouts) flags.push_back(model + l);
     expect_two_ranks_match(args, model + " --make-vocab-size-divisible-by 256", flags);
   }
-#endif
-}
-
-// Context parallelism from Megatron's flags: two ranks with --context-parallel-size 2 (each holding two chunks of every
-// sequence) reproduce the single-process run, a dense model (learned positions: each row's global position) and an
-// MoE model alone and with its experts over --expert-model-parallel-size 2 (dropout 0: under CP the masks are drawn
-// per rank).
-TEST_F(Cli, ContextParallelMatchesOneProcess) {
-#ifndef MOECORE_HAVE_MPI
-  GTEST_SKIP() << "built without MPI";
-#else
-  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
-  preprocess_corpus();
-  if (HasFatalFailure()) return;
-  const std::string args = "train --data-path " + p("c_text_document") +
-                           " --tokenizer-type ByteLevel "
-                           "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
-                           "--hidden-dropout 0 --attention-dropout 0 --micro-batch-size 2 --global-batch-size 4 "
-                           "--train-iters 5 --log-interval 1 --eval-iters 1 --generate-tokens 0 --metrics-jsonl ";
-  const std::string moe = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
-  expect_two_ranks_match(args, "", {" --context-parallel-size 2"});
-  expect_two_ranks_match(
-      args, moe,
-      {moe + " --context-parallel-size 2", moe + " --context-parallel-size 2 --expert-model-parallel-size 2"});
 #endif
 }
 

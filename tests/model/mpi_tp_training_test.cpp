@@ -402,6 +402,30 @@ TEST_F(Mpi, EightRanksMatchOneProcess) {
   check_layout(world, gpt2_like(), {2, false, 1, 2}, /*zero=*/true);
 }
 
+// Generation's forward under CP (and TP 2 x CP 2): every position's logits, gathered over the group, equal one
+// process's.
+TEST_F(Mpi, ContextParallelLogitsMatchOneProcess) {
+  std::vector<Layout> layouts = {{1, false, 1, P}};
+  if (P == 4) layouts.push_back({2, true, 1, 2});
+  for (const Layout& l : layouts) {
+    SCOPED_TRACE(l.name());
+    const model::ModelConfig mc = llama_like();
+    Tensor tokens = Tensor::empty({2, mc.seq_length}, DType::i32, MemCategory::other);
+    for (int64_t i = 0; i < tokens.numel(); ++i) tokens.data<int32_t>()[i] = static_cast<int32_t>((i * 7 + 3) % 64);
+    model::GptModel one(mc, 2, 42, {}, testing::test_device());
+    const Built b = build(world, l);
+    model::GptModel split(mc, 2, 42, b.par, testing::test_device());
+    Tensor want =
+        Tensor::empty({tokens.numel(), mc.vocab_size}, DType::f32, MemCategory::other, testing::test_device());
+    Tensor got = Tensor::empty({tokens.numel(), mc.vocab_size}, DType::f32, MemCategory::other, testing::test_device());
+    one.forward_logits(want, tokens);
+    split.forward_logits(got, tokens);
+    const Tensor w = testing::host(want), g = testing::host(got);
+    for (int64_t i = 0; i < w.numel(); ++i)
+      ASSERT_NEAR(g.data<float>()[i], w.data<float>()[i], 1e-5 * std::fabs(w.data<float>()[i]) + 1e-6) << i;
+  }
+}
+
 std::string shared_dir(const ProcessGroup& world, const std::string& what) {
   std::vector<int64_t> pid = {world.rank() == 0 ? static_cast<int64_t>(::getpid()) : 0};
   broadcast(std::span<int64_t>(pid), 0, world);

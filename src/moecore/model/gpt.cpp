@@ -757,17 +757,28 @@ LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
 
 void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
   const ops::Context ctx{device_};
-  if (par_.cp.size() > 1)
-    MOECORE_FAIL("model: forward_logits (generation) is not supported under context parallelism (CP ", par_.cp.size(),
-                 "); generate at CP 1");
-  forward_trunk(tokens, false);
+  const int CP = par_.cp.size();
+  Tensor h;  // every position's hidden state, [B*S, H]
+  if (CP == 1) {
+    forward_trunk(tokens, false);
+    h = head_input();
+  } else {  // this rank's positions, then the group's all-gathered and put in position order
+    const int64_t S = cfg_.seq_length;
+    forward_trunk(local_positions(host_batch(tokens, "tokens", B_, S), cp_tokens_h_), false);
+    const Tensor& mine = head_input();
+    const Shape all{B_ * S, mine.size(1)};
+    Tensor gathered = Tensor::empty(all, mine.dtype(), MemCategory::workspace, device_);
+    h = Tensor::empty(all, mine.dtype(), MemCategory::workspace, device_);
+    all_gather(gathered, mine, par_.cp);
+    nn::context_parallel_to_positions(h, gathered, B_, S, CP);
+  }
   if (!tensor_parallel()) {
-    ops::gemm(logits, final_h_, false, output_->compute, true, 1.0f, 0.0f, ctx);
+    ops::gemm(logits, h, false, output_->compute, true, 1.0f, 0.0f, ctx);
     return;
   }
   // Each rank's vocabulary columns, gathered along the vocabulary (generation and tests: not the step loop).
   Tensor part = Tensor::empty({logits.size(0), output_->compute.size(0)}, DType::f32, MemCategory::workspace, device_);
-  ops::gemm(part, head_input(), false, output_->compute, true, 1.0f, 0.0f, ctx);
+  ops::gemm(part, h, false, output_->compute, true, 1.0f, 0.0f, ctx);
   all_gather_into(logits, part, 1, par_.tp);
 }
 

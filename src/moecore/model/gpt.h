@@ -132,7 +132,7 @@ class GptModel {
   // this rank's gradients are its share of the group's (the data-parallel reduction sums them over DP x CP).
   LossResult forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale);
   LossResult evaluate(const Tensor& tokens, const Tensor& labels);
-  // logits [B*S, V] f32 for the given tokens (generation, tests). Not under context parallelism.
+  // logits [B*S, V] f32 for the given tokens (generation, tests); under CP collective over the group.
   void forward_logits(Tensor& logits, const Tensor& tokens);
 
   // The plan for this model's own buffers plus optimizer_state_bytes_per_param * num_parameters().

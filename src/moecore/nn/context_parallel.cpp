@@ -37,8 +37,9 @@ namespace {
 struct Chunks {
   int P, r;
   int64_t B, Sl, c, S;
-  Chunks(const ops::QkvDims& d, const ProcessGroup& g)
-      : P(g.size()), r(g.rank()), B(d.B), Sl(d.S), c(d.S / 2), S(d.S * g.size()) {}
+  Chunks(int64_t B_, int64_t S_local, int rank, int size)
+      : P(size), r(rank), B(B_), Sl(S_local), c(S_local / 2), S(S_local * size) {}
+  Chunks(const ops::QkvDims& d, const ProcessGroup& g) : Chunks(d.B, d.S, g.rank(), g.size()) {}
   int64_t global_chunk(int rank, int k) const { return k == 0 ? rank : 2 * P - 1 - rank; }
   // The keys chunk k of this rank sees: the positions up to its end.
   int64_t keys(int k) const { return (global_chunk(r, k) + 1) * c; }
@@ -111,6 +112,15 @@ Tensor lse_of(const Tensor& lse, const Chunks& ch, int64_t heads, int k) {
 }
 
 }  // namespace
+
+void context_parallel_to_positions(const Tensor& out, const Tensor& gathered, int64_t B, int64_t S, int size) {
+  if (!(out.shape() == gathered.shape()) || out.dim() != 2 || out.size(0) != B * S || !out.is_contiguous() ||
+      !gathered.is_contiguous())
+    MOECORE_FAIL("context_parallel_to_positions: out ", out.str(), " and gathered ", gathered.str(),
+                 " must both be contiguous [B*S, cols] with B*S = ", B * S);
+  const Chunks ch(B, S / size, 0, size);
+  ch.for_each_block([&](int64_t rr, int64_t pr) { rows_of(out, pr, ch.c).copy_from(rows_of(gathered, rr, ch.c)); });
+}
 
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const ops::QkvDims& dims, const ops::Dropout& drop,
                        const ProcessGroup* cp, ContextParallelWorkspace& ws, const ops::Context& ctx) {

@@ -19,6 +19,10 @@ namespace moecore::nn {
 // The global position of local position s (0 <= s < S / P) on CP rank r of P, for sequences of S positions.
 int64_t context_parallel_position(int64_t s, int64_t S, int rank, int size);
 
+// out [B*S, cols] = the rows of the group's local tensors ([B*S/P, cols] each) all-gathered in rank order
+// (gathered: [P][B][S/P] rows), put in position order ([B][S] rows). Contiguous, one shape; not for the step loop.
+void context_parallel_to_positions(const Tensor& out, const Tensor& gathered, int64_t B, int64_t S, int size);
+
 // Scratch of one attention geometry under CP (shared by the layers; nothing here outlives a call). T = B * S / P
 // local rows, T' = B * S rows of the whole sequences, c = S / (2P), W = G*(R+2)*D, O = G*R*D, K = 2*G*D (a row's
 // keys and values alone: only they travel).

@@ -68,6 +68,7 @@ int64_t sum(std::span<const int64_t> v) {
 // dst[i] = ((src_0[i] + src_1[i]) + src_2[i]) + ...: the rank order fixes the rounding.
 template <class T>
 void sum_rank_order(T* dst, const T* src, int p, int64_t n) {
+  if (n == 0) return;  // (a rank's empty share of a short all-reduce: its buffers may be null)
   std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
   for (int r = 1; r < p; ++r) {
     const T* s = src + static_cast<int64_t>(r) * n;
