@@ -1,4 +1,4 @@
-// Context-parallel attention: all-gather of the q/k/v rows, two chunk calls of the attention op, reduce-scatter of
+// Context-parallel attention: all-gather of the keys and values, two chunk calls of the attention op, reduce-scatter of
 // dK/dV (context_parallel.h).
 #include "moecore/nn/context_parallel.h"
 

@@ -447,11 +447,6 @@ struct ZeroOptimizers {
   void wait_params(size_t first, size_t end) {
     for (size_t i = first; i < end; ++i) opt[where[i].first]->wait_param(where[i].second);
   }
-  bool param_gather_pending() const {
-    bool any = false;
-    each([&](const optim::DistributedAdamW& o, const auto&) { any = any || o.param_gather_pending(); });
-    return any;
-  }
   void finish_param_gather() {
     each([](optim::DistributedAdamW& o, const auto&) { o.finish_param_gather(); });
   }
