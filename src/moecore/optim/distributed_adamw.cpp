@@ -1,7 +1,8 @@
 // The distributed optimizer. Every rank already holds the f32 masters in Param::value, so the owner
 // updates its slice in place (ops::adamw_step on 1-D views, hence the same bits as optim::AdamW) and the
 // all-gather overwrites everyone's copy; no separate master shard is kept. One staging buffer sized to the
-// largest bucket serves both the reduce-scatter input and the all-gather output.
+// largest bucket serves both the reduce-scatter input and the all-gather output; the overlapped forms give every
+// bucket a staging area of its own (its reduce-scatter's input, then its gather's output) so that all can be in flight.
 #include "moecore/optim/distributed_adamw.h"
 
 #include <algorithm>
