@@ -113,17 +113,25 @@ void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table, cons
   });
 }
 
-void embedding_backward(Tensor& dtable, const Tensor& ids, const Tensor& dout, const Context& ctx) {
-  const cpu::Checker c("embedding_backward", ctx, {{"dtable", &dtable}, {"ids", &ids}, {"dout", &dout}},
-                       cpu::Backends::cpu_and_cuda);
+namespace {
+// The checks both embedding backwards share: ids [N] i32; dtable [rows, H] f32 (the whole table or a shard of its
+// rows); dout [N, H] f32; all contiguous.
+void check_embedding_grad(const cpu::Checker& c, const Tensor& dtable, const Tensor& ids) {
   c.rank("ids", 1);
   c.dtype("ids", DType::i32);
   c.rank("dtable", 2);
   c.dtype("dtable", DType::f32);
   c.dtype("dout", DType::f32);
-  const int64_t N = ids.size(0), V = dtable.size(0), H = dtable.size(1);
-  c.shape("dout", Shape{N, H});
+  c.shape("dout", Shape{ids.size(0), dtable.size(1)});
   for (const char* name : {"dtable", "ids", "dout"}) c.contiguous(name);
+}
+}  // namespace
+
+void embedding_backward(Tensor& dtable, const Tensor& ids, const Tensor& dout, const Context& ctx) {
+  const cpu::Checker c("embedding_backward", ctx, {{"dtable", &dtable}, {"ids", &ids}, {"dout", &dout}},
+                       cpu::Backends::cpu_and_cuda);
+  check_embedding_grad(c, dtable, ids);
+  const int64_t N = ids.size(0), V = dtable.size(0), H = dtable.size(1);
   if constexpr (cpu::kCudaKernels)
     if (ctx.device == Device::cuda) return cuda::embedding_backward(dtable, ids, dout, ctx);
   check_ids(c, "id", ids.data<int32_t>(), N, V, false);
@@ -157,14 +165,8 @@ void embedding_backward_shard(Tensor& dtable, const Tensor& ids, const Tensor& d
                               const Context& ctx) {
   const cpu::Checker c("embedding_backward_shard", ctx, {{"dtable", &dtable}, {"ids", &ids}, {"dout", &dout}},
                        cpu::Backends::cpu_and_cuda);
-  c.rank("ids", 1);
-  c.dtype("ids", DType::i32);
-  c.rank("dtable", 2);
-  c.dtype("dtable", DType::f32);
-  c.dtype("dout", DType::f32);
+  check_embedding_grad(c, dtable, ids);
   const int64_t N = ids.size(0), Vl = dtable.size(0), H = dtable.size(1);
-  c.shape("dout", Shape{N, H});
-  for (const char* name : {"dtable", "ids", "dout"}) c.contiguous(name);
   if constexpr (cpu::kCudaKernels)
     if (ctx.device == Device::cuda) return cuda::embedding_backward_shard(dtable, ids, dout, vocab_start, ctx);
   embedding_backward_kernel(dtable.data<float>(), ids.data<int32_t>(), dout.data<float>(), N, H, vocab_start, Vl);
