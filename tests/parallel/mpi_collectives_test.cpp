@@ -30,6 +30,7 @@ class Mpi : public testing_mpi::MpiTest {
   ProcessGroup dup(const std::string& name) const { return group_split(world, name, {world.ranks()}); }
 };
 
+using testing::error_of;
 using testing::mix;
 
 // Exact values (signed mantissa × 2^e, no rounding and no multiply the compiler could fuse into an FMA)
@@ -129,6 +130,38 @@ TEST_F(Mpi, ReduceScatterSumIsRankOrdered) {
     const float want = rank_ordered_sum<float>(P, me * n + i);
     EXPECT_EQ(std::bit_cast<uint32_t>(out[static_cast<size_t>(i)]), std::bit_cast<uint32_t>(want)) << i;
   }
+}
+
+// Blocks of different sizes (rank 0's empty): block r of every rank's input is summed on rank r in rank order, in
+// the span form and in the row form of tensors.
+TEST_F(Mpi, ReduceScatterVSumIsRankOrdered) {
+  std::vector<int64_t> counts(static_cast<size_t>(P)), starts(static_cast<size_t>(P));
+  int64_t total = 0;
+  for (int r = 0; r < P; ++r) {
+    counts[static_cast<size_t>(r)] = r % 3 == 0 ? r : 5 * r + 1;
+    starts[static_cast<size_t>(r)] = total;
+    total += counts[static_cast<size_t>(r)];
+  }
+  const int64_t mine = counts[static_cast<size_t>(me)], first = starts[static_cast<size_t>(me)];
+  std::vector<float> in(static_cast<size_t>(total)), out(static_cast<size_t>(mine), -1.0f);
+  for (int64_t i = 0; i < total; ++i) in[static_cast<size_t>(i)] = contribution<float>(me, i);
+  reduce_scatter_v_sum(out, in, counts, world);
+  for (int64_t i = 0; i < mine; ++i) {
+    const float want = rank_ordered_sum<float>(P, first + i);
+    EXPECT_EQ(std::bit_cast<uint32_t>(out[static_cast<size_t>(i)]), std::bit_cast<uint32_t>(want)) << i;
+  }
+  const int64_t W = 3;  // rows of 3 elements
+  Tensor tin = Tensor::empty({total, W}, DType::f32, MemCategory::other);
+  Tensor tout = Tensor::empty({mine, W}, DType::f32, MemCategory::other);
+  for (int64_t i = 0; i < total * W; ++i) tin.data<float>()[i] = contribution<float>(me, i);
+  reduce_scatter_v_sum(tout, tin, counts, world);
+  for (int64_t i = 0; i < mine * W; ++i)
+    EXPECT_EQ(std::bit_cast<uint32_t>(tout.data<float>()[i]),
+              std::bit_cast<uint32_t>(rank_ordered_sum<float>(P, first * W + i)))
+        << i;
+  // A wrong output size names the counts.
+  Tensor bad = Tensor::empty({mine + 1, W}, DType::f32, MemCategory::other);
+  EXPECT_HAS(error_of([&] { reduce_scatter_v_sum(bad, tin, counts, world); }), "counts[");
 }
 
 TEST_F(Mpi, AllToAllVWithSilentRanks) {

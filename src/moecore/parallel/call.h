@@ -27,7 +27,8 @@ enum class OpId : int64_t {
   all_gather_async,
   reduce_scatter_sum_async,
   all_gather_into,
-  reduce_scatter_from
+  reduce_scatter_from,
+  reduce_scatter_v_sum
 };
 
 // What a rank is about to do; debug mode all-gathers these and compares them field by field.

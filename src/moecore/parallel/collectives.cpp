@@ -41,6 +41,8 @@ const char* op_name(int64_t op) {
       return "all_gather_into";
     case OpId::reduce_scatter_from:
       return "reduce_scatter_from";
+    case OpId::reduce_scatter_v_sum:
+      return "reduce_scatter_v_sum";
   }
   return "unknown op";
 }
@@ -86,7 +88,7 @@ std::string describe(const OpDesc& d) {
   } else if (op != OpId::barrier) {
     s += detail::str_cat(dtype_name(static_cast<DType>(d.dtype)));
     if (op != OpId::all_to_all_v) s += detail::str_cat(", ", d.count, " elements");
-    if (op == OpId::all_gather_v) s += detail::str_cat(", counts hash ", d.hash);
+    if (op == OpId::all_gather_v || op == OpId::reduce_scatter_v_sum) s += detail::str_cat(", counts hash ", d.hash);
     if (op == OpId::broadcast) s += detail::str_cat(", root ", d.extra);
     if (op == OpId::all_gather_into || op == OpId::reduce_scatter_from)
       s += detail::str_cat(", dim ", d.extra, ", shape hash ", d.hash);
@@ -267,6 +269,36 @@ void reduce_scatter_sum_raw(void* out, int64_t out_n, const void* in, int64_t in
   void* parts = scratch(c.st, p * out_n * es);
   c.guarded([&] { backend_all_to_all_v(parts, w, w + p, in, w, w + p, t, *c.st.comm, c.info); });
   sum_rank_order(t, out, parts, p, out_n);
+}
+
+void reduce_scatter_v_sum_raw(void* out, int64_t out_n, const void* in, int64_t in_n, std::span<const int64_t> counts,
+                              DType t, const ProcessGroup& g) {
+  Call c(g, "reduce_scatter_v_sum");
+  check_reducible(c, t);
+  check_counts(c, counts, "counts");
+  const int64_t total = sum(counts), mine = counts[static_cast<size_t>(g.rank())];
+  if (in_n != total) c.fail(detail::str_cat("input has ", in_n, " elements but the counts sum to ", total));
+  if (out_n != mine) c.fail(detail::str_cat("output has ", out_n, " elements but counts[", g.rank(), "] = ", mine));
+  check_disjoint(c, out, out_n, in, in_n, t);
+  const int64_t es = static_cast<int64_t>(dtype_size(t));
+  if (c.single()) {
+    if (out_n > 0) std::memcpy(out, in, static_cast<size_t>(out_n * es));
+    return;
+  }
+  debug_check(
+      c, {static_cast<int64_t>(OpId::reduce_scatter_v_sum), static_cast<int64_t>(t), total, 0, hash_words(counts), 0});
+  // Block r of every input goes to rank r, which sums the P blocks it receives in rank order.
+  const int p = g.size();
+  int64_t* w = counts_ws(c.st, p);
+  int64_t *sdispl = w, *recv = w + p, *rdispl = w + 2 * p;
+  for (int r = 0; r < p; ++r) {
+    sdispl[r] = r ? sdispl[r - 1] + counts[static_cast<size_t>(r - 1)] : 0;
+    recv[r] = mine;
+    rdispl[r] = r * mine;
+  }
+  void* parts = scratch(c.st, p * mine * es);
+  c.guarded([&] { backend_all_to_all_v(parts, recv, rdispl, in, counts.data(), sdispl, t, *c.st.comm, c.info); });
+  sum_rank_order(t, out, parts, p, mine);
 }
 
 void all_gather_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DType t, const ProcessGroup& g) {

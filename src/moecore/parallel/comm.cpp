@@ -406,6 +406,19 @@ void reduce_scatter_sum(const Tensor& out, const Tensor& in, const ProcessGroup&
   detail::reduce_scatter_sum_raw(out.raw(), out.numel(), in.raw(), in.numel(), in.dtype(), g);
 }
 
+void reduce_scatter_v_sum(const Tensor& out, const Tensor& in, std::span<const int64_t> rows, const ProcessGroup& g) {
+  const DeviceAccess access;  // a collective reads and writes device memory, as NCCL does
+  check_tensor(out, "reduce_scatter_v_sum", g, "output");
+  check_tensor(in, "reduce_scatter_v_sum", g, "input");
+  check_same_dtype(out, in, "reduce_scatter_v_sum", g);
+  const int64_t row = row_elems(in, "reduce_scatter_v_sum", g);
+  if (row_elems(out, "reduce_scatter_v_sum", g) != row)
+    MOECORE_FAIL("comm: reduce_scatter_v_sum on group ", g.name(), ": output ", out.str(), " and input ", in.str(),
+                 " differ in their trailing dims");
+  const auto counts = rows_to_elems(rows, row);
+  detail::reduce_scatter_v_sum_raw(out.raw(), out.numel(), in.raw(), in.numel(), counts, in.dtype(), g);
+}
+
 void all_to_all_v(const Tensor& out, std::span<const int64_t> recv_rows, const Tensor& in,
                   std::span<const int64_t> send_rows, const ProcessGroup& g) {
   const DeviceAccess access;  // a collective reads and writes device memory, as NCCL does

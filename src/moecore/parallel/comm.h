@@ -101,6 +101,7 @@ ProcessGroup group_split(const ProcessGroup& parent, std::string name, const std
 //   all_gather          out[P·n] <- in[n]               out[r·n : (r+1)·n] = in_r
 //   all_gather_v        out[Σc] <- in[c_r], counts c[P] blocks of c_r elements, in rank order
 //   reduce_scatter_sum  out[n] <- in[P·n]               out_r = Σ_q in_q[r·n : (r+1)·n]
+//   reduce_scatter_v_sum out[c_r] <- in[Σc], counts c[P] out_r = Σ_q (block r of in_q), blocks of c_r elements
 //   all_to_all_v        out[Σ recv] <- in[Σ send]       block j of in goes to rank j; block j of out came
 //                                                       from rank j; send_counts[j] on rank i must equal
 //                                                       recv_counts[i] on rank j (zeros allowed)
@@ -113,6 +114,8 @@ void all_gather_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DTyp
 void all_gather_v_raw(void* out, int64_t out_n, const void* in, int64_t in_n, std::span<const int64_t> counts, DType t,
                       const ProcessGroup& g);
 void reduce_scatter_sum_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DType t, const ProcessGroup& g);
+void reduce_scatter_v_sum_raw(void* out, int64_t out_n, const void* in, int64_t in_n, std::span<const int64_t> counts,
+                              DType t, const ProcessGroup& g);
 void all_to_all_v_raw(void* out, int64_t out_n, std::span<const int64_t> recv_counts, const void* in, int64_t in_n,
                       std::span<const int64_t> send_counts, DType t, const ProcessGroup& g);
 void broadcast_raw(void* buf, int64_t n, DType t, int root, const ProcessGroup& g);
@@ -130,6 +133,11 @@ int64_t ssize(const S& s) {
   }                                                                                                                 \
   inline void reduce_scatter_sum(std::span<T> out, std::span<const T> in, const ProcessGroup& g) {                  \
     detail::reduce_scatter_sum_raw(out.data(), detail::ssize(out), in.data(), detail::ssize(in), dtype_of<T>(), g); \
+  }                                                                                                                 \
+  inline void reduce_scatter_v_sum(std::span<T> out, std::span<const T> in, std::span<const int64_t> counts,        \
+                                   const ProcessGroup& g) {                                                         \
+    detail::reduce_scatter_v_sum_raw(out.data(), detail::ssize(out), in.data(), detail::ssize(in), counts,          \
+                                     dtype_of<T>(), g);                                                             \
   }
 #define MOECORE_COMM_MOVE_OVERLOADS(T)                                                                                \
   inline void all_gather(std::span<T> out, std::span<const T> in, const ProcessGroup& g) {                            \
@@ -187,6 +195,8 @@ void all_gather(const Tensor& out, const Tensor& in,
 void all_gather_v(const Tensor& out, const Tensor& in, std::span<const int64_t> rows, const ProcessGroup& g);
 void reduce_scatter_sum(const Tensor& out, const Tensor& in,
                         const ProcessGroup& g);  // out [n0, ...] <- in [P·n0, ...]
+// out [rows[r], ...] <- in [Σ rows, ...]: block r of every rank's input, summed in rank order.
+void reduce_scatter_v_sum(const Tensor& out, const Tensor& in, std::span<const int64_t> rows, const ProcessGroup& g);
 void all_to_all_v(const Tensor& out, std::span<const int64_t> recv_rows, const Tensor& in,
                   std::span<const int64_t> send_rows, const ProcessGroup& g);  // [Σ rows, ...] both sides
 void broadcast(const Tensor& buf, int root, const ProcessGroup& g);
