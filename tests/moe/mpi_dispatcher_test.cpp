@@ -20,6 +20,7 @@
 
 #include "moecore/core/error.h"
 #include "moecore/core/rng.h"
+#include "moecore/core/shard.h"
 #include "moecore/moe/moe_layer.h"
 #include "moecore/parallel/comm.h"
 
@@ -64,12 +65,37 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(ha.raw(), hb.raw(), static_cast<size_t>(a.nbytes())) == 0;
 }
 
-// Runs one layer forward+backward. ep == 1: local dispatcher with all E experts; else the given EP dispatcher
-// with this rank's E/ep experts. Weights are the same full tensors on every rank, built on the host and moved to
-// the test device.
-Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, DispatcherKind kind) {
-  const int64_t T = s.T, H = s.H, F = s.F, E = s.E, El = E / ep, first = world.rank() % ep * El;
+// The expert-tensor-parallel slices (Megatron's layout: fc1's gate and up rows, fc2's columns) of a [El, ...]
+// expert tensor, for ETP rank k of etp.
+TensorShard fc1_slice(int k, int64_t etp) {
+  return {1, 2, k, static_cast<int>(etp)};
+}
+TensorShard fc2_slice(int k, int64_t etp) {
+  return {2, 1, k, static_cast<int>(etp)};
+}
+
+// The EP and ETP groups of a world of ep x etp ranks, ETP varying fastest (the expert rank generator's order):
+// world rank r is ETP rank r % etp of EP rank r / etp.
+struct ExpertGroups {
+  ProcessGroup ep, etp;
+};
+ExpertGroups expert_groups(const ProcessGroup& world, int64_t etp) {
+  const int P = world.size(), Q = static_cast<int>(etp);
+  std::vector<std::vector<int>> ep_part(static_cast<size_t>(Q)), etp_part(static_cast<size_t>(P / Q));
+  for (int r = 0; r < P; ++r) {
+    ep_part[static_cast<size_t>(r % Q)].push_back(r);
+    etp_part[static_cast<size_t>(r / Q)].push_back(r);
+  }
+  return {group_split(world, "ep", ep_part), group_split(world, "etp", etp_part)};
+}
+
+// Runs one layer forward+backward. ep == 1 (and etp == 1): local dispatcher with all E experts; else the given EP
+// dispatcher with this rank's E/ep experts, each a 1/etp slice. Weights are the same full tensors on every rank,
+// built on the host and moved to the test device.
+Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, DispatcherKind kind, int64_t etp = 1) {
   const int r = world.rank();
+  const int64_t T = s.T, H = s.H, F = s.F, E = s.E, El = E / ep, first = r / etp % ep * El;
+  const int k = static_cast<int>(r % etp);
   // Full weights, identical on every rank.
   Tensor router = Tensor::empty({E, H}, DType::f32, MemCategory::parameters);
   Tensor fc1 = Tensor::empty({E, 2 * F, H}, DType::f32, MemCategory::parameters);
@@ -103,17 +129,18 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
     }
   }
   const Device dev = testing::test_device();
-  // This rank's rows [first, first + El) of a full expert tensor, on the device.
-  auto mine = [&](const Tensor& t) {
-    return on_test_device(t.slice(0, first, first + El).clone(MemCategory::parameters));
+  // This rank's rows [first, first + El) of a full expert tensor (its ETP slice of them), on the device.
+  auto mine = [&](const Tensor& t, const TensorShard& slice = {}) {
+    return on_test_device(shard_slice(t.slice(0, first, first + El).clone(MemCategory::parameters), slice));
   };
   MoeLayerWeights w;
   const Tensor router_d = on_test_device(router);
   w.router = {router_d, router_d};
-  w.experts = {mine(fc1), mine(fc2)};
+  w.experts = {mine(fc1, fc1_slice(k, etp)), mine(fc2, fc2_slice(k, etp))};
   Run out;
   out.g.router = dev_zeros({E, H}, MemCategory::gradients);
-  out.g.experts = {dev_zeros({El, 2 * F, H}, MemCategory::gradients), dev_zeros({El, H, F}, MemCategory::gradients)};
+  out.g.experts = {dev_zeros({El, 2 * F / etp, H}, MemCategory::gradients),
+                   dev_zeros({El, H, F / etp}, MemCategory::gradients)};
   if (s.bias) {
     w.router.bias = on_test_device(rbias);
     w.experts.fc1_bias = mine(b1);
@@ -124,7 +151,8 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
   }
   MoeLayerDims d{T, 1, H, F, 0, DType::f32};
   d.ep = ep;
-  d.dispatcher = ep == 1 ? DispatcherKind::local : kind;
+  d.etp = etp;
+  d.dispatcher = ep * etp == 1 ? DispatcherKind::local : kind;
   d.device = dev;
   MoeLayerCache cache = moe_layer_cache_alloc(d, s.cfg);
   RouterState st = router_state_init(s.cfg, dev);
@@ -132,11 +160,12 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
   out.dx = Tensor::empty({T, H}, DType::f32, MemCategory::activations, dev);
   const Tensor xd = on_test_device(x), dyd = on_test_device(dy);
   const ops::Context ctx{dev};
-  const ProcessGroup ep_group = ep == 1 ? comm_single("ep") : world.renamed("ep");
+  const ExpertGroups groups = etp > 1 ? expert_groups(world, etp) : ExpertGroups{world.renamed("ep"), {}};
+  const ProcessGroup ep_group = ep * etp == 1 ? comm_single("ep") : groups.ep;
   LocalDispatcher local;
-  AllToAllDispatcher a2a(ep_group);
-  AllGatherDispatcher ag(ep_group);
-  Dispatcher* disp = ep == 1                            ? static_cast<Dispatcher*>(&local)
+  AllToAllDispatcher a2a(ep_group, etp > 1 ? groups.etp : comm_single("etp"));
+  AllGatherDispatcher ag(ep * etp == 1 ? comm_single("etp_ep") : world.renamed("etp_ep"), etp);
+  Dispatcher* disp = ep * etp == 1                      ? static_cast<Dispatcher*>(&local)
                      : kind == DispatcherKind::alltoall ? static_cast<Dispatcher*>(&a2a)
                                                         : &ag;
   moe_layer_forward(out.y, xd, Tensor(), w, st, cache, *disp, d, s.cfg, true, ctx);
@@ -145,8 +174,14 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
   return out;
 }
 
-void check_against_reference(const LayerCase& s, const ProcessGroup& world, DispatcherKind kind) {
-  const int64_t P = world.size(), El = s.E / P, first = world.rank() * El;
+// etp: the EP layer runs at EP = P / etp with every expert split over etp ranks.
+void check_against_reference(const LayerCase& s, const ProcessGroup& world, DispatcherKind kind, int64_t etp = 1) {
+  const int64_t P = world.size(), El = s.E / (P / etp), first = world.rank() / etp * El;
+  const int k = static_cast<int>(world.rank() % etp);
+  // The reference's gradient of this rank's experts, its ETP slice.
+  auto mine = [&](const Tensor& g, const TensorShard& slice) {
+    return shard_slice(host(g).slice(0, first, first + El).clone(), slice);
+  };
   Run ref = run_layer(s, world, 1, kind);
   // The reference's expert and router gradients summed over the ranks (every rank's tokens contribute).
   all_reduce_sum(ref.g.router, world);
@@ -157,25 +192,23 @@ void check_against_reference(const LayerCase& s, const ProcessGroup& world, Disp
     all_reduce_sum(ref.g.experts.fc1_bias, world);
     all_reduce_sum(ref.g.experts.fc2_bias, world);
   }
-  Run ep = run_layer(s, world, P, kind);
+  Run ep = run_layer(s, world, P / etp, kind, etp);
   all_reduce_sum(ep.g.router, world);
   if (s.bias) {
     all_reduce_sum(ep.g.router_bias, world);
     expect_close(ep.g.router_bias, ref.g.router_bias, 1e-5, "router bias gradient");
-    expect_close(ep.g.experts.fc1_bias, ref.g.experts.fc1_bias.slice(0, first, first + El).clone(), 1e-5,
-                 "fc1 bias gradient");
-    expect_close(ep.g.experts.fc2_bias, ref.g.experts.fc2_bias.slice(0, first, first + El).clone(), 1e-5,
-                 "fc2 bias gradient");
+    expect_close(ep.g.experts.fc1_bias, mine(ref.g.experts.fc1_bias, {}), 1e-5, "fc1 bias gradient");
+    expect_close(ep.g.experts.fc2_bias, mine(ref.g.experts.fc2_bias, {}), 1e-5, "fc2 bias gradient");
   }
   expect_close(ep.y, ref.y, 1e-5, "output");
   expect_close(ep.dx, ref.dx, 1e-5, "input gradient");
   expect_close(ep.g.router, ref.g.router, 1e-5, "router gradient");
-  expect_close(ep.g.experts.fc1, ref.g.experts.fc1.slice(0, first, first + El).clone(), 1e-5, "fc1 gradient");
-  expect_close(ep.g.experts.fc2, ref.g.experts.fc2.slice(0, first, first + El).clone(), 1e-5, "fc2 gradient");
+  expect_close(ep.g.experts.fc1, mine(ref.g.experts.fc1, fc1_slice(k, etp)), 1e-5, "fc1 gradient");
+  expect_close(ep.g.experts.fc2, mine(ref.g.experts.fc2, fc2_slice(k, etp)), 1e-5, "fc2 gradient");
   EXPECT_EQ(ep.stats.tokens_per_expert, ref.stats.tokens_per_expert);
   EXPECT_EQ(ep.stats.dropped, ref.stats.dropped);
   // Determinism: a second EP run is bitwise identical.
-  Run again = run_layer(s, world, P, kind);
+  Run again = run_layer(s, world, P / etp, kind, etp);
   all_reduce_sum(again.g.router, world);
   EXPECT_TRUE(bitwise_equal(again.y, ep.y));
   EXPECT_TRUE(bitwise_equal(again.dx, ep.dx));
@@ -245,6 +278,30 @@ TEST_F(Mpi, RankThatSendsNothingToOthers) {
     s.routing = Routing::own_rank;  // rank r's tokens go to two experts that rank r owns
     check_against_reference(s, world, kind);
   }
+}
+
+// Expert tensor parallelism: EP = P / 2 with every expert's fc1 and fc2 split over 2 ranks (at 2 ranks: EP 1 x
+// ETP 2). Dropless, with capacity dropping, and with all tokens on one expert.
+TEST_F(Mpi, ExpertTensorParallelMatchesLocal) {
+  for (auto kind : {DispatcherKind::alltoall, DispatcherKind::allgather}) {
+    LayerCase s = base();
+    check_against_reference(s, world, kind, 2);
+    s.cfg.capacity_factor = 1.0f;
+    check_against_reference(s, world, kind, 2);
+    s.cfg.capacity_factor = 0.0f;
+    s.routing = Routing::one_expert;
+    check_against_reference(s, world, kind, 2);
+  }
+}
+
+// With ETP > 1 an fc2 bias would be added by every slice: refused, naming the flags.
+TEST_F(Mpi, ExpertBiasesWithExpertTensorParallelAreRefused) {
+  LayerCase s = base();
+  s.bias = true;
+  EXPECT_NE(testing::error_of([&] {
+              (void)run_layer(s, world, P / 2, DispatcherKind::alltoall, 2);
+            }).find("not supported with --expert-tensor-parallel-size 2"),
+            std::string::npos);
 }
 
 TEST_F(Mpi, BuffersForAnotherLayoutAreRejected) {

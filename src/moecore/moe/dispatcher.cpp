@@ -78,11 +78,12 @@ const char* dispatcher_kind_name(DispatcherKind k) {
 }
 
 int64_t dispatch_max_rows_ep(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity, int64_t alignment,
-                             int64_t ep) {
+                             int64_t ep, int64_t etp) {
   if (ep <= 0 || E % ep != 0)
     MOECORE_FAIL("dispatch_max_rows_ep: the number of experts (", E,
                  ") must be divisible by the expert-parallel size (", ep, ")");
-  if (ep == 1) return dispatch_max_rows(T, E, K, capacity, pad_to_capacity, alignment);
+  if (etp <= 0) MOECORE_FAIL("dispatch_max_rows_ep: the expert-tensor-parallel size (", etp, ") must be positive");
+  if (ep == 1 && etp == 1) return dispatch_max_rows(T, E, K, capacity, pad_to_capacity, alignment);
   if (alignment > 1)
     MOECORE_FAIL("dispatch_max_rows_ep: router padding (alignment ", alignment,
                  ") is not supported with expert parallelism yet");
@@ -94,32 +95,38 @@ int64_t dispatch_max_rows_ep(int64_t T, int64_t E, int64_t K, int64_t capacity, 
     const int64_t per_expert = std::min(capacity, T);
     per_source = pad_to_capacity ? El * per_expert : std::min(per_source, El * per_expert);
   }
-  return ep * per_source;
+  return ep * etp * per_source;
 }
 
-DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_t H, int64_t E, int64_t ep,
+DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_t H, int64_t E, int64_t ep, int64_t etp,
                                           int64_t max_send, int64_t max_rows, DType x_dtype, Device device) {
-  if (kind == DispatcherKind::local || ep == 1) return dispatch_buffers_alloc(T, H, E, max_rows, x_dtype, device);
+  if (kind == DispatcherKind::local || (ep == 1 && etp == 1))
+    return dispatch_buffers_alloc(T, H, E, max_rows, x_dtype, device);
   if (ep <= 0 || E % ep != 0)
     MOECORE_FAIL("dispatch buffers: the number of experts (", E, ") must be divisible by the expert-parallel size (",
                  ep, ")");
+  if (etp <= 0) MOECORE_FAIL("dispatch buffers: the expert-tensor-parallel size (", etp, ") must be positive");
   const int64_t El = E / ep;
   const auto act = MemCategory::activations, work = MemCategory::workspace;
   // The expert side: El local experts; the token side of the plan depends on the kind.
-  const int64_t plan_tokens = kind == DispatcherKind::allgather ? ep * T : 0;
+  const int64_t gathered = ep * etp * T;  // allgather: the tokens of the whole ETP x EP group
+  const int64_t plan_tokens = kind == DispatcherKind::allgather ? gathered : 0;
   DispatchBuffers b = dispatch_buffers_alloc(plan_tokens, H, El, max_rows, x_dtype, device);
   EpBuffers& p = b.ep;
   p.ep = ep;
+  p.etp = etp;
   p.local_experts = El;
   if (kind == DispatcherKind::alltoall) {
     b.plan.row_token = Tensor();  // the expert side needs only the counts
     b.plan.token_rows = Tensor();
     p.send_plan = dispatch_plan_alloc(T, E, max_send, device);
-    p.chunk_counts = Tensor::zeros({E}, DType::i64, act, device);
+    p.chunk_counts = Tensor::zeros({etp * E}, DType::i64, act, device);
+    if (etp > 1) p.ep_counts = Tensor::zeros({E}, DType::i64, act, device);
     p.send_counts_host.assign(static_cast<size_t>(E), 0);
-    p.chunk_counts_host.assign(static_cast<size_t>(E), 0);
+    p.chunk_counts_host.assign(static_cast<size_t>(etp * E), 0);
     p.send_rows.assign(static_cast<size_t>(ep), 0);
     p.recv_rows.assign(static_cast<size_t>(ep), 0);
+    p.etp_rows.assign(static_cast<size_t>(etp), 0);
     p.el_blocks.assign(static_cast<size_t>(ep), El);
     p.send_x = Tensor::empty({max_send, H}, x_dtype, work, device);
     p.send_f = Tensor::empty({max_send, H}, DType::f32, work, device);
@@ -127,14 +134,20 @@ DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_
     p.stage_x = Tensor::empty({max_rows, H}, x_dtype, work, device);
     p.stage_f = Tensor::empty({max_rows, H}, DType::f32, work, device);
     p.stage_p = Tensor::empty({max_rows}, DType::f32, work, device);
+    if (etp > 1) {  // the rows from the EP sources only: a 1/ETP share of the bound
+      const int64_t max_own = (max_rows + etp - 1) / etp;
+      p.own_x = Tensor::empty({max_own, H}, x_dtype, work, device);
+      p.own_f = Tensor::empty({max_own, H}, DType::f32, work, device);
+      p.own_p = Tensor::empty({max_own}, DType::f32, work, device);
+    }
   } else {
-    p.gmap = Tensor::empty({ep * T, E}, DType::boolean, act, device);
-    p.lmap = Tensor::empty({ep * T, El}, DType::boolean, act, device);
-    p.lprobs = Tensor::empty({ep * T, El}, DType::f32, act, device);
-    p.gx = Tensor::empty({ep * T, H}, x_dtype, work, device);
-    p.gprobs = Tensor::empty({ep * T, E}, DType::f32, work, device);
-    p.gy = Tensor::empty({ep * T, H}, DType::f32, work, device);
-    p.gdprobs = Tensor::empty({ep * T, E}, DType::f32, work, device);
+    p.gmap = Tensor::empty({gathered, E}, DType::boolean, act, device);
+    p.lmap = Tensor::empty({gathered, El}, DType::boolean, act, device);
+    p.lprobs = Tensor::empty({gathered, El}, DType::f32, act, device);
+    p.gx = Tensor::empty({gathered, H}, x_dtype, work, device);
+    p.gprobs = Tensor::empty({gathered, E}, DType::f32, work, device);
+    p.gy = Tensor::empty({gathered, H}, DType::f32, work, device);
+    p.gdprobs = Tensor::empty({gathered, E}, DType::f32, work, device);
     p.ty = Tensor::empty({T, H}, DType::f32, work, device);
   }
   return b;
@@ -142,8 +155,9 @@ DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_
 
 std::vector<Tensor*> dispatch_scratch_tensors(DispatchBuffers& b) {
   EpBuffers& p = b.ep;
-  return {&b.expert_out, &b.dpermuted, &b.dexpert_in, &b.dpermuted_probs, &p.send_x, &p.send_f,  &p.send_p, &p.stage_x,
-          &p.stage_f,    &p.stage_p,   &p.gx,         &p.gprobs,          &p.gy,     &p.gdprobs, &p.ty};
+  return {&b.expert_out, &b.dpermuted, &b.dexpert_in, &b.dpermuted_probs, &p.send_x, &p.send_f, &p.send_p, &p.stage_x,
+          &p.stage_f,    &p.stage_p,   &p.own_x,      &p.own_f,           &p.own_p,  &p.gx,     &p.gprobs, &p.gy,
+          &p.gdprobs,    &p.ty};
 }
 
 void dispatch_plan_build(DispatchPlan& plan, const Tensor& map, const ops::Context& ctx) {

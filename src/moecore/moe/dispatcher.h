@@ -32,15 +32,26 @@ struct DispatchPlan {
 };
 // The expert-parallel dispatchers' part of a layer's buffers (empty for the local dispatcher). EP ranks
 // own contiguous expert blocks: rank r of the EP group holds experts [r*El, (r+1)*El), El = E / EP.
+// Expert tensor parallelism (ETP > 1, Megatron's --expert-tensor-parallel-size) splits every expert's fc1 (columns) and
+// fc2 (rows) over the ETP ranks of the same EP rank, so each of them runs every row that reaches its EP rank and
+// produces a partial sum of the output: the alltoall dispatcher all-gathers the rows it received over ETP after the
+// all-to-all and reduce-scatters the partial outputs (f32, rank order) before the all-to-all back (Megatron's
+// MoEAlltoAllTokenDispatcher with tp_size > 1); the allgather dispatcher gathers over the whole ETP x EP group, whose
+// reduce-scatter sums the partials with the other experts' rows.
 struct EpBuffers {
   int64_t ep = 1;             // EP group size
+  int64_t etp = 1;            // ETP group size
   int64_t local_experts = 0;  // El
   // alltoall, kept from forward to backward:
   DispatchPlan send_plan;  // this rank's T tokens over all E experts (rows grouped by EP rank)
-  Tensor chunk_counts;     // [EP * El] i64 (device): rows received from source rank s for local expert le
+  // [ETP * EP * El] i64 (device): rows of chunk (k, s, le) -- from source EP rank s for local expert le, received by
+  // ETP rank k -- at (k * EP + s) * El + le (Megatron's [tp][ep] source order)
+  Tensor chunk_counts;
+  Tensor ep_counts;                           // [EP * El] i64 (ETP > 1): this rank's part, before the ETP all-gather
   std::vector<int64_t> send_counts_host;      // [E] host copy of send_plan.tokens_per_expert
-  std::vector<int64_t> chunk_counts_host;     // [EP * El] host copy of chunk_counts
-  std::vector<int64_t> send_rows, recv_rows;  // [EP] rows to / from each rank (from the host copies)
+  std::vector<int64_t> chunk_counts_host;     // [ETP * EP * El] host copy of chunk_counts
+  std::vector<int64_t> send_rows, recv_rows;  // [EP] rows to / from each rank of the EP group (from the host copies)
+  std::vector<int64_t> etp_rows;              // [ETP] rows each ETP rank received by its all-to-all
   std::vector<int64_t> el_blocks;             // [EP] all El: the count exchange's block sizes
   // allgather, kept from forward to backward:
   Tensor gmap;          // [EP*T, E] bool: the gathered routing map
@@ -48,6 +59,7 @@ struct EpBuffers {
   // Scratch (dead between a layer's forward and its backward; shared by all layers of a model):
   Tensor send_x, send_f, send_p;     // alltoall: [max_send, H] x dtype / [max_send, H] f32 / [max_send] f32
   Tensor stage_x, stage_f, stage_p;  // alltoall: [max_rows, H] x dtype / f32, [max_rows] f32 (recv layout)
+  Tensor own_x, own_f, own_p;        // alltoall with ETP > 1: this rank's all-to-all rows, [max_own, H] / [max_own]
   Tensor gx, gprobs, gy, gdprobs;    // allgather: [EP*T, H] x dtype, [EP*T, E] f32, [EP*T, H] f32, [EP*T, E] f32
   Tensor ty;                         // allgather: [T, H] f32 (the reduce-scattered input gradient)
   Tensor in_x, in_probs, in_map;     // allgather: handles to the forward inputs (set by dispatch_prepare)
@@ -73,13 +85,13 @@ enum class DispatcherKind : uint8_t { local, alltoall, allgather };
 DispatcherKind parse_dispatcher_kind(const std::string& s);  // "alltoall" | "allgather" (Error otherwise)
 const char* dispatcher_kind_name(DispatcherKind k);
 
-// Expert-side rows bound under EP: each of the EP source ranks sends at most T*min(K, El) rows to one rank
-// (a token meets an expert once), fewer with a capacity. With ep == 1 it equals dispatch_max_rows.
+// Expert-side rows bound under EP: each of the EP x ETP source ranks sends at most T*min(K, El) rows to one EP rank
+// (a token meets an expert once), fewer with a capacity. With ep == etp == 1 it equals dispatch_max_rows.
 int64_t dispatch_max_rows_ep(int64_t T, int64_t E, int64_t K, int64_t capacity, bool pad_to_capacity, int64_t alignment,
-                             int64_t ep);
+                             int64_t ep, int64_t etp = 1);
 // The buffers of an EP dispatcher of `kind` (local: as dispatch_buffers_alloc). E: all experts; T: this
 // rank's tokens; max_send: dispatch_max_rows for the local tokens; max_rows: dispatch_max_rows_ep.
-DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_t H, int64_t E, int64_t ep,
+DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_t H, int64_t E, int64_t ep, int64_t etp,
                                           int64_t max_send, int64_t max_rows, DType x_dtype,
                                           Device device = Device::cpu);
 // The scratch tensors of the buffers (for sharing them between layers and for memory accounting).
@@ -134,9 +146,13 @@ class LocalDispatcher final : public Dispatcher {
 // removes it), all-to-all-v the rows and their probabilities, sort the received chunks from
 // [source rank][local expert] to [local expert][source rank], run the experts, and the reverse. Within one
 // local expert rows are ordered by source rank, then ascending source token. Every stage is deterministic.
+// With ETP > 1 (etp: the group of the ranks holding the other slices of the same experts) the counts and the rows
+// received are all-gathered over etp, the sources being (ETP rank, EP rank) in that order, and the experts' partial
+// outputs and input gradients are reduce-scattered over it (EpBuffers).
 class AllToAllDispatcher final : public Dispatcher {
  public:
-  explicit AllToAllDispatcher(ProcessGroup ep) : ep_(std::move(ep)) {}
+  explicit AllToAllDispatcher(ProcessGroup ep, ProcessGroup etp = comm_single("etp"))
+      : ep_(std::move(ep)), etp_(std::move(etp)) {}
   const ProcessGroup& group() const { return ep_; }
   void dispatch_prepare(DispatchBuffers& buf, const Tensor& x, const Tensor& probs, const Tensor& map,
                         const ops::Context& ctx) override;
@@ -148,15 +164,21 @@ class AllToAllDispatcher final : public Dispatcher {
   void dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) override;
 
  private:
-  ProcessGroup ep_;
+  // All-to-all of rows from the send side to this rank's block (then, with ETP > 1, all-gathered into stage), and the
+  // way back (with ETP > 1 the partial sums reduce-scattered first; f32 rows).
+  void rows_in(EpBuffers& p, const Tensor& stage, const Tensor& own, const Tensor& send);
+  void rows_out(EpBuffers& p, const Tensor& send, const Tensor& own, const Tensor& stage);
+  ProcessGroup ep_, etp_;
 };
 
 // Expert parallelism by all-gather (Megatron's MoEAllGatherTokenDispatcher, spec §6.1): every rank gathers
 // all EP*T tokens with their probabilities and routing map, keeps the columns of its local experts, permutes
 // and runs them; the combine unpermutes into [EP*T, H] f32 and reduce-scatters (deterministic rank order).
+// The group is Megatron's tp_ep group: ETP x EP ranks, ETP varying fastest (EP rank = group rank / etp), so with
+// ETP > 1 the reduce-scatter also sums the expert slices' partial outputs.
 class AllGatherDispatcher final : public Dispatcher {
  public:
-  explicit AllGatherDispatcher(ProcessGroup ep) : ep_(std::move(ep)) {}
+  explicit AllGatherDispatcher(ProcessGroup etp_ep, int64_t etp = 1) : ep_(std::move(etp_ep)), etp_(etp) {}
   const ProcessGroup& group() const { return ep_; }
   void dispatch_prepare(DispatchBuffers& buf, const Tensor& x, const Tensor& probs, const Tensor& map,
                         const ops::Context& ctx) override;
@@ -168,7 +190,9 @@ class AllGatherDispatcher final : public Dispatcher {
   void dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) override;
 
  private:
+  int64_t first_local_expert(const EpBuffers& p) const { return ep_.rank() / etp_ * p.local_experts; }
   ProcessGroup ep_;
+  int64_t etp_ = 1;
 };
 
 // The building blocks, also used by other dispatchers and by tests (thin wrappers over ops.h's MoE ops on the

@@ -11,7 +11,7 @@ ExpertDims expert_dims(const MoeLayerDims& d, const MoeConfig& cfg, int64_t max_
   ExpertDims e;
   e.E = cfg.num_experts / d.ep;  // local experts
   e.H = d.H;
-  e.F = d.F;
+  e.F = d.F / d.etp;  // this rank's slice of every local expert
   e.swiglu = cfg.swiglu;
   e.max_rows = max_rows;
   e.compute = d.compute;
@@ -29,9 +29,9 @@ int64_t max_send_of(const MoeLayerDims& d, const MoeConfig& cfg) {
 }
 // Rows this rank's local experts can receive.
 int64_t max_rows_of(const MoeLayerDims& d, const MoeConfig& cfg) {
-  if (d.ep == 1 || d.dispatcher == DispatcherKind::local) return max_send_of(d, cfg);
+  if ((d.ep == 1 && d.etp == 1) || d.dispatcher == DispatcherKind::local) return max_send_of(d, cfg);
   return dispatch_max_rows_ep(d.T, cfg.num_experts, cfg.router_topk, capacity_of(d, cfg),
-                              cfg.pad_expert_input_to_capacity, cfg.router_padding_alignment, d.ep);
+                              cfg.pad_expert_input_to_capacity, cfg.router_padding_alignment, d.ep, d.etp);
 }
 
 int64_t bytes_of(const Tensor& t) {
@@ -79,6 +79,7 @@ std::vector<const Tensor*> saved_tensors(const MoeLayerCache& c) {
           &b.ep.send_plan.row_token,
           &b.ep.send_plan.token_rows,
           &b.ep.chunk_counts,
+          &b.ep.ep_counts,
           &c.stats.tokens_per_expert,
           &c.stats.losses,
           &c.stats.dropped,
@@ -92,8 +93,12 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
   const int64_t E = cfg.num_experts;
   if (d.ep <= 0 || E % d.ep != 0)
     MOECORE_FAIL("MoE layer: --num-experts (", E, ") must be divisible by --expert-model-parallel-size (", d.ep, ")");
-  if (d.ep > 1 && d.dispatcher == DispatcherKind::local)
-    MOECORE_FAIL("MoE layer: expert-parallel size ", d.ep, " needs the alltoall or allgather dispatcher");
+  if (d.etp <= 0 || d.F % d.etp != 0)
+    MOECORE_FAIL("MoE layer: the expert ffn size (--moe-ffn-hidden-size, ", d.F,
+                 ") must be divisible by --expert-tensor-parallel-size (", d.etp, ")");
+  if ((d.ep > 1 || d.etp > 1) && d.dispatcher == DispatcherKind::local)
+    MOECORE_FAIL("MoE layer: expert-parallel size ", d.ep, " x expert-tensor-parallel size ", d.etp,
+                 " needs the alltoall or allgather dispatcher");
   const int64_t rows = max_rows_of(d, cfg);
   MoeLayerCache c;
   c.router = router_cache_alloc(router_dims(d, cfg), cfg, d.compute, d.device);
@@ -102,7 +107,7 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
   c.map = Tensor::empty({d.T, E}, DType::boolean, MemCategory::activations, d.device);
   c.dprobs = Tensor::empty({d.T, E}, DType::f32, MemCategory::workspace, d.device);
   c.dispatch =
-      dispatch_buffers_alloc_ep(d.dispatcher, d.T, d.H, E, d.ep, max_send_of(d, cfg), rows, d.compute, d.device);
+      dispatch_buffers_alloc_ep(d.dispatcher, d.T, d.H, E, d.ep, d.etp, max_send_of(d, cfg), rows, d.compute, d.device);
   const ExpertDims ed = expert_dims(d, cfg, rows);
   c.experts = expert_cache_alloc(ed);
   c.expert_ws = expert_workspace_alloc(ed);
@@ -140,6 +145,9 @@ void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, c
         "(SharedExpertMLP asserts add_bias_linear == False); use --disable-bias-linear or drop "
         "--moe-shared-expert-intermediate-size (",
         d.Fs, ")");
+  if (d.etp > 1 && w.experts.fc1_bias.defined())
+    MOECORE_FAIL("MoE layer: expert biases (add_bias_linear) are not supported with --expert-tensor-parallel-size ",
+                 d.etp, "; use --disable-bias-linear or --expert-tensor-parallel-size 1");
   // route
   router_forward(c.probs, c.map, c.stats, x, padding_mask, w.router, st, c.router, router_dims(d, cfg), cfg, training,
                  ctx);
