@@ -104,7 +104,10 @@ void add_training_flags(Args& a) {
       .option("--cp-comm-type", "p2p",
               "CP attention's communication: p2p (Megatron's ring) | allgather; moecore all-gathers for both (the "
               "same attention, without the ring's overlap)")
-      .unsupported("--expert-tensor-parallel-size", "1", "expert tensor parallelism")
+      .option(
+          "--expert-tensor-parallel-size", "",
+          "ETP: ranks each routed expert's fc1 and fc2 are split over (Parallel Folding: independent of TP); unset: "
+          "the TP size, as Megatron")
       .unsupported("--num-layers-per-virtual-pipeline-stage", "", "interleaved pipeline parallelism")
       .unsupported("--decoder-first-pipeline-num-layers", "", "pipeline parallelism")
       .unsupported("--decoder-last-pipeline-num-layers", "", "pipeline parallelism")
@@ -170,6 +173,7 @@ void add_training_flags(Args& a) {
       {"--expert-model-parallel-size", D::integer(1, 1e6)},
       {"--tensor-model-parallel-size", D::integer(1, 1e6)},
       {"--context-parallel-size", D::integer(1, 1e6)},
+      {"--expert-tensor-parallel-size", D::integer(1, 1e6)},
       {"--cp-comm-type", D::one_of({"p2p", "allgather"})},
       {"--ddp-bucket-size", D::integer(1, 1e15)},
       {"--moe-token-dispatcher-type", D::one_of({"allgather", "alltoall"})},
@@ -296,8 +300,8 @@ Device device_from_flag(const Args& a, int world_size) {
   return d;
 }
 
-void check_model_fits(const model::ModelConfig& mc, int ep, int tp) {
-  const int64_t params = model::parameters_per_rank(mc, ep, tp), ram = memory_physical_bytes();
+void check_model_fits(const model::ModelConfig& mc, int ep, int tp, int etp) {
+  const int64_t params = model::parameters_per_rank(mc, ep, tp, etp), ram = memory_physical_bytes();
   int64_t need = 0;
   if (__builtin_mul_overflow(params, int64_t{8}, &need) || (ram > 0 && need > ram))
     MOECORE_FAIL("train: the model has ", params, " parameters per rank (", mc.summary(), "); their fp32 values and ",
@@ -396,12 +400,14 @@ int train_main(int argc, char** argv) {
   // The layout over every process of the run (mpirun -np P): tensor parallel, context parallel, data parallel,
   // expert parallel (folded into data parallel for the attention layers) and expert data parallel. Validated before
   // any collective, so a bad layout fails the same way on every rank.
-  // (Pipeline and expert-tensor parallel sizes other than 1 were refused by the parser: the experts are not split.)
+  // (A pipeline-parallel size other than 1 was refused by the parser.) The experts are split over ETP, by default the
+  // TP size (Megatron's default), within the same ranks (Parallel Folding).
   ParallelConfig pcfg;
   pcfg.tensor_model_parallel_size = static_cast<int>(tp_size);
   pcfg.context_parallel_size = static_cast<int>(a.i64("--context-parallel-size"));
   pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
-  pcfg.expert_tensor_parallel_size = 1;
+  pcfg.expert_tensor_parallel_size =
+      a.str("--expert-tensor-parallel-size").empty() ? 0 : static_cast<int>(a.i64("--expert-tensor-parallel-size"));
   const ParallelSizes sizes = pcfg.validate(world_size, static_cast<int>(mcfg.moe.num_experts));
   train::TrainConfig tcfg = train_config_from(a, sizes.dp);
   check_output_paths(tcfg);
@@ -429,19 +435,8 @@ int train_main(int argc, char** argv) {
   ep.dispatcher = moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type"));
   if (comm_initialized()) {
     const ProcessGroups pg = make_process_groups(pcfg, static_cast<int>(mcfg.moe.num_experts), comm_world());
-    groups.dp = pg.dp();
-    groups.tp = pg.tp();
-    groups.tp_dp = pg.tp_dp_cp();  // every rank (PP 1)
-    groups.cp = pg.cp();
-    groups.dp_cp = pg.dp_cp();
-    groups.tp_cp = pg.tp_cp();
-    groups.ep = pg.ep();
-    groups.edp = pg.edp();
-    ep.tp = pg.tp();
-    ep.ep = pg.ep();
-    ep.dp = pg.dp();
-    ep.cp = pg.cp();
-    ep.tp_cp = pg.tp_cp();
+    groups = train::train_groups(pg);
+    ep = model::model_parallel(pg, false, ep.dispatcher);
   }
   ep.sequence_parallel = a.on("--sequence-parallel");
   const ProcessGroup& dp = groups.dp;
@@ -451,8 +446,11 @@ int train_main(int argc, char** argv) {
   if (ep.tp.size() > 1 && a.on("--moe-use-upcycling"))
     MOECORE_FAIL("--moe-use-upcycling with --tensor-model-parallel-size ", ep.tp.size(),
                  " is not supported yet: upcycle at TP 1, save, and load the checkpoint at any TP");
+  if (ep.etp.size() > 1 && a.on("--moe-use-upcycling"))
+    MOECORE_FAIL("--moe-use-upcycling with --expert-tensor-parallel-size ", ep.etp.size(),
+                 " is not supported yet: upcycle at ETP 1, save, and load the checkpoint at any ETP");
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
-  check_model_fits(mcfg, std::max(1, ep.ep.size()), std::max(1, ep.tp.size()));
+  check_model_fits(mcfg, std::max(1, ep.ep.size()), std::max(1, ep.tp.size()), std::max(1, ep.etp.size()));
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep, device);
   optim::AdamW opt(gpt.params(), optimizer_config_from(a), /*allocate_state=*/!tcfg.use_distributed_optimizer);
   if (!a.str("--load-hf").empty()) {

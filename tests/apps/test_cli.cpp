@@ -236,11 +236,29 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
   EXPECT_EQ(
       count(out6, "world_size (2) must be divisible by tensor_model_parallel_size (1) x context_parallel_size (4)"), 2u)
       << out6;
+  // ETP defaults to TP (Megatron): TP 2 with EP 2 needs 4 ranks; a slice of the expert ffn per ETP rank.
+  auto [st7, out7] = mpirun(2,
+                            "--tensor-model-parallel-size 2 --sequence-parallel --num-experts 4 "
+                            "--expert-model-parallel-size 2");
+  EXPECT_NE(st7, 0);
+  EXPECT_EQ(count(out7,
+                  "expert_tensor_parallel_size (2, from tensor_model_parallel_size) x "
+                  "expert_model_parallel_size (2)"),
+            2u)
+      << out7;
+  auto [st8, out8] = mpirun(2, "--num-experts 4 --ffn-hidden-size 33 --expert-tensor-parallel-size 2");
+  EXPECT_NE(st8, 0);
+  EXPECT_EQ(count(out8,
+                  "(--moe-ffn-hidden-size, else --ffn-hidden-size: 33) must be divisible by "
+                  "--expert-tensor-parallel-size (2)"),
+            2u)
+      << out8;
 #endif
 }
 
 // Tensor and context parallelism from Megatron's flags: two ranks with --tensor-model-parallel-size 2, with and
-// without --sequence-parallel (an MoE model with it, also with --expert-model-parallel-size 2), and with
+// without --sequence-parallel (an MoE model with it, also with --expert-model-parallel-size 2, and the experts split
+// by --expert-tensor-parallel-size), and with
 // --context-parallel-size 2 (each rank holding two chunks of every sequence; the MoE model also with EP 2) reproduce
 // the single-process run (Megatron's defaults but dropout 0: under TP and CP the masks are drawn per rank). The
 // vocabulary is padded to 128 x TP, as Megatron: the single-process and CP runs pad to the same 256.
@@ -256,8 +274,9 @@ TEST_F(Cli, TensorAndContextParallelMatchOneProcess) {
                            "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
                            "--hidden-dropout 0 --attention-dropout 0 --micro-batch-size 2 --global-batch-size 4 "
                            "--train-iters 5 --log-interval 1 --eval-iters 1 --generate-tokens 0 --metrics-jsonl ";
-  // A dense model under TP, TP + SP and CP; an MoE model (which needs SP under TP) under TP + SP and CP, alone and
-  // with EP 2.
+  // A dense model under TP, TP + SP and CP; an MoE model (which needs SP under TP) under TP + SP (the experts split
+  // over ETP = TP by default, as Megatron), with the experts whole over EP 2 (ETP 1), split over ETP 2 under data
+  // parallelism, and under CP, alone and with EP 2.
   const std::string moe = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
   const std::string cp = " --context-parallel-size 2 --make-vocab-size-divisible-by 256";
   const std::vector<std::pair<std::string, std::vector<std::string> > > cases = {
@@ -265,8 +284,9 @@ TEST_F(Cli, TensorAndContextParallelMatchOneProcess) {
       {moe,
        {" --tensor-model-parallel-size 2 --sequence-parallel",
         " --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
-        "--moe-token-dispatcher-type alltoall",
-        cp, cp + " --expert-model-parallel-size 2"}}};
+        "--expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall",
+        " --expert-tensor-parallel-size 2 --moe-token-dispatcher-type allgather --make-vocab-size-divisible-by 256", cp,
+        cp + " --expert-model-parallel-size 2"}}};
   for (const auto& [model, layouts] : cases) {
     std::vector<std::string> flags;
     for (const std::string& l : layouts) flags.push_back(model + l);

@@ -83,7 +83,7 @@ TEST(MegatronFlags, EverySharedFlagHasMegatronsDefault) {
 TEST(MegatronFlags, UnsupportedFlagsAreRefusedByName) {
   for (const std::string& f :
        {std::string("--num-layers-per-virtual-pipeline-stage 2"), std::string("--pipeline-model-parallel-size 4"),
-        std::string("--expert-tensor-parallel-size 2"), std::string("--moe-shared-expert-overlap"),
+        std::string("--decoder-first-pipeline-num-layers 2"), std::string("--moe-shared-expert-overlap"),
         std::string("--qk-l2-norm"), std::string("--recompute-activations"), std::string("--tp-comm-overlap"),
         std::string("--fp8-format e4m3")}) {
     const CmdResult r = run_cmd("train --data-path x " + f);

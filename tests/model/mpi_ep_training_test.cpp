@@ -79,9 +79,8 @@ Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int
     pc.expert_model_parallel_size = ep_size;
     pc.expert_tensor_parallel_size = 1;
     const ProcessGroups pg = make_process_groups(pc, static_cast<int>(mc.moe.num_experts), world);
-    groups = {pg.dp(), pg.ep(), pg.edp()};
-    ep.ep = pg.ep();
-    ep.dp = pg.dp();
+    groups = train::train_groups(pg);
+    ep = model::model_parallel(pg, false, kind);
   }
   model::GptModel gpt(mc, 2, 42, ep, testing::test_device());
   optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!zero);

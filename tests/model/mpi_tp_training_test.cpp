@@ -124,11 +124,14 @@ train::TrainConfig train_config(int64_t iters) {
 struct Layout {
   int tp = 1;
   bool sp = false;
-  int ep = 1;  // MoE models: experts over EP x EDP on the same ranks (Parallel Folding, ETP 1)
-  int cp = 1;  // context parallel
+  int ep = 1;   // MoE models: experts over ETP x EP x EDP on the same ranks (Parallel Folding)
+  int cp = 1;   // context parallel
+  int etp = 1;  // expert tensor parallel
+  moe::DispatcherKind dispatcher = moe::DispatcherKind::alltoall;
   std::string name() const {
     return "TP " + std::to_string(tp) + (sp ? " + SP" : "") + (cp > 1 ? " x CP " + std::to_string(cp) : "") +
-           (ep > 1 ? ", EP " + std::to_string(ep) : "");
+           (etp > 1 ? ", ETP " + std::to_string(etp) : "") + (ep > 1 ? ", EP " + std::to_string(ep) : "") +
+           (dispatcher == moe::DispatcherKind::allgather ? ", allgather" : "");
   }
 };
 
@@ -150,24 +153,11 @@ Built build(const ProcessGroup& world, const Layout& l, int64_t num_experts = 0)
   ParallelConfig pc;
   pc.tensor_model_parallel_size = l.tp;
   pc.expert_model_parallel_size = l.ep;
-  pc.expert_tensor_parallel_size = 1;
+  pc.expert_tensor_parallel_size = l.etp;
   pc.context_parallel_size = l.cp;
   const ProcessGroups pg = make_process_groups(pc, static_cast<int>(num_experts), world);
-  b.groups.dp = pg.dp();
-  b.groups.ep = pg.ep();
-  b.groups.edp = pg.edp();
-  b.groups.tp = pg.tp();
-  b.groups.tp_dp = pg.tp_dp_cp();
-  b.groups.cp = pg.cp();
-  b.groups.dp_cp = pg.dp_cp();
-  b.groups.tp_cp = pg.tp_cp();
-  b.par.tp = pg.tp();
-  b.par.cp = pg.cp();
-  b.par.tp_cp = pg.tp_cp();
-  b.par.sequence_parallel = l.sp;
-  b.par.ep = pg.ep();
-  b.par.dp = pg.dp();
-  b.par.dispatcher = moe::DispatcherKind::alltoall;
+  b.groups = train::train_groups(pg);
+  b.par = model::model_parallel(pg, l.sp, l.dispatcher);
   return b;
 }
 
@@ -177,7 +167,8 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   const Built b = build(world, l, mc.moe.num_experts);
   model::GptModel gpt(mc, 2, 42, b.par, testing::test_device());
   // The start-up memory check's count (apps: check_model_fits) is what this rank allocates.
-  EXPECT_EQ(model::parameters_per_rank(mc, static_cast<int>(gpt.ep_size()), static_cast<int>(gpt.tp_size())),
+  EXPECT_EQ(model::parameters_per_rank(mc, static_cast<int>(gpt.ep_size()), static_cast<int>(gpt.tp_size()),
+                                       static_cast<int>(gpt.etp_size())),
             gpt.num_parameters());
   optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!zero);
   train::TrainConfig tc = train_config(iters);
@@ -194,10 +185,13 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   r.grad_norm = log.grad_norm;
   if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
   for (const auto& p : gpt.params()) {
-    if (p.expert_parallel) {  // expert shards: the whole [E, ...] tensor over the EP group
+    if (p.expert_parallel) {  // expert shards: the whole [E, ...] tensor over the ETP and EP groups
       const TensorShard ep{0, 1, static_cast<int>(gpt.ep_rank()), static_cast<int>(gpt.ep_size())};
-      r.grads[p.name] = all_gather_shards(p.grad, ep, b.par.ep).clone();
-      r.values[p.name] = all_gather_shards(p.value, ep, b.par.ep).clone();
+      auto whole = [&](const Tensor& t) {
+        return all_gather_shards(all_gather_shards(t, p.tp, b.par.etp), ep, b.par.ep).clone();
+      };
+      r.grads[p.name] = whole(p.grad);
+      r.values[p.name] = whole(p.value);
       continue;
     }
     r.grads[p.name] = all_gather_shards(p.grad, p.tp, b.par.tp).clone();
@@ -268,6 +262,32 @@ TEST_F(Mpi, MoeUnderSequenceParallelMatchesOneProcess) {
   check_layout(world, moe_model(true), {P, true});
   if (P == 4) check_layout(world, moe_model(false), {2, true, 2});  // attention TP 2 x DP 2, experts EP 2 x EDP 2
   if (P == 2) check_layout(world, moe_model(true), {2, true, 2});   // attention TP 2, experts EP 2
+}
+
+// Expert tensor parallelism (MoE Parallel Folding): every expert's fc1 columns and fc2 rows split over ETP 2, the
+// alltoall dispatcher gathering the rows over ETP after its all-to-all and reduce-scattering the partial outputs, the
+// allgather dispatcher over the ETP x EP group. Attention TP 2 with ETP 2 (x EP 2 at 4 ranks: the experts over 4
+// ranks while attention runs TP 2 x DP 2), attention TP 1 x DP 2 with the experts split over the DP ranks, TP 2 x CP 2
+// with ETP 2 x EP 2, and the distributed optimizer.
+TEST_F(Mpi, ExpertTensorParallelMatchesOneProcess) {
+  using moe::DispatcherKind;
+  const int ep = P / 2;
+  check_layout(world, moe_model(false), {2, true, ep, 1, 2});
+  check_layout(world, moe_model(false), {2, true, ep, 1, 2, DispatcherKind::allgather});
+  if (P == 2) check_layout(world, moe_model(false), {1, false, 1, 1, 2, DispatcherKind::allgather});
+  if (P == 4) {
+    check_layout(world, moe_model(false), {1, false, 2, 1, 2});
+    check_layout(world, moe_model(false), {2, true, 2, 2, 2});
+  }
+  check_layout(world, moe_model(false), {2, true, ep, 1, 2}, /*zero=*/true);
+  // Linear biases (Megatron's default): the fc1 bias split like fc1, the fc2 bias whole on the ETP ranks, added by
+  // the first; with the distributed optimizer its replicas are counted once in the grad norm.
+  model::ModelConfig biased = moe_model(false);
+  biased.moe.shared_expert_intermediate_size = 0;
+  biased.moe.shared_expert_gate = false;
+  biased.add_bias_linear = true;
+  check_layout(world, biased, {2, true, ep, 1, 2});
+  check_layout(world, biased, {2, true, ep, 1, 2}, /*zero=*/true);
 }
 
 // Multi-latent attention under TP: the up-projections split by head, linear_proj row-parallel, the down-projections
@@ -444,8 +464,10 @@ TEST_F(Mpi, CheckpointSavedUnderTensorParallelismLoadsAtAnyLayout) {
     Layout saved_at;
     std::vector<Layout> resume_at;
   };
-  for (const Case& c : {Case{gpt2_like(), {2, true}, {{0, false}, {P == 4 ? 1 : 2, false}, {1, false, 1, 2}}},
-                        Case{moe_model(false), {2, true, 2}, {{0, false}, {1, false, 1, 2}}}}) {
+  for (const Case& c :
+       {Case{gpt2_like(), {2, true}, {{0, false}, {P == 4 ? 1 : 2, false}, {1, false, 1, 2}}},
+        Case{moe_model(false), {2, true, 2}, {{0, false}, {1, false, 1, 2}, {2, true, P / 2, 1, 2}}},
+        Case{moe_model(false), {2, true, P / 2, 1, 2}, {{0, false}, {1, false, 1, 2}, {2, true, P == 4 ? 2 : 1}}}}) {
     SCOPED_TRACE(c.saved_at.name() + (c.mc.moe.enabled() ? ", MoE" : ""));
     const std::string dir = shared_dir(world, "reshard");
     const Result straight = run(world, c.mc, c.saved_at, 8);
@@ -493,6 +515,12 @@ TEST_F(Mpi, BadTensorAndContextParallelLayoutsFailNamingTheValues) {
   c.seq_length = 18;
   testing::expect_error([&] { model::GptModel m(c, 2, 42, cp.par, testing::test_device()); },
                         {"--seq-length (18)", "2 x --context-parallel-size (" + std::to_string(2 * P) + ")"});
+  // Expert tensor parallelism splits the expert ffn.
+  const Built etp = build(world, {1, false, 1, 1, P}, 8);
+  c = moe_model(false);
+  c.moe.ffn_hidden_size = 25;
+  testing::expect_error([&] { model::GptModel m(c, 2, 42, etp.par, testing::test_device()); },
+                        {"expert ffn size", "25)", "--expert-tensor-parallel-size (" + std::to_string(P) + ")"});
   const Built no_sp = build(world, {P, false});
   testing::expect_error(
       [&] { model::GptModel m(testing::small_moe_model(4), 2, 42, no_sp.par, testing::test_device()); },

@@ -141,17 +141,18 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
   out.g.router = dev_zeros({E, H}, MemCategory::gradients);
   out.g.experts = {dev_zeros({El, 2 * F / etp, H}, MemCategory::gradients),
                    dev_zeros({El, H, F / etp}, MemCategory::gradients)};
-  if (s.bias) {
+  if (s.bias) {  // (the fc1 bias sliced like fc1's rows, the fc2 bias whole on every ETP rank)
     w.router.bias = on_test_device(rbias);
-    w.experts.fc1_bias = mine(b1);
+    w.experts.fc1_bias = mine(b1, {1, 2, k, static_cast<int>(etp)});
     w.experts.fc2_bias = mine(b2);
     out.g.router_bias = dev_zeros({E}, MemCategory::gradients);
-    out.g.experts.fc1_bias = dev_zeros({El, 2 * F}, MemCategory::gradients);
+    out.g.experts.fc1_bias = dev_zeros({El, 2 * F / etp}, MemCategory::gradients);
     out.g.experts.fc2_bias = dev_zeros({El, H}, MemCategory::gradients);
   }
   MoeLayerDims d{T, 1, H, F, 0, DType::f32};
   d.ep = ep;
   d.etp = etp;
+  d.etp_rank = k;
   d.dispatcher = ep * etp == 1 ? DispatcherKind::local : kind;
   d.device = dev;
   MoeLayerCache cache = moe_layer_cache_alloc(d, s.cfg);
@@ -197,7 +198,8 @@ void check_against_reference(const LayerCase& s, const ProcessGroup& world, Disp
   if (s.bias) {
     all_reduce_sum(ep.g.router_bias, world);
     expect_close(ep.g.router_bias, ref.g.router_bias, 1e-5, "router bias gradient");
-    expect_close(ep.g.experts.fc1_bias, mine(ref.g.experts.fc1_bias, {}), 1e-5, "fc1 bias gradient");
+    expect_close(ep.g.experts.fc1_bias, mine(ref.g.experts.fc1_bias, {1, 2, k, static_cast<int>(etp)}), 1e-5,
+                 "fc1 bias gradient");
     expect_close(ep.g.experts.fc2_bias, mine(ref.g.experts.fc2_bias, {}), 1e-5, "fc2 bias gradient");
   }
   expect_close(ep.y, ref.y, 1e-5, "output");
@@ -281,7 +283,8 @@ TEST_F(Mpi, RankThatSendsNothingToOthers) {
 }
 
 // Expert tensor parallelism: EP = P / 2 with every expert's fc1 and fc2 split over 2 ranks (at 2 ranks: EP 1 x
-// ETP 2). Dropless, with capacity dropping, and with all tokens on one expert.
+// ETP 2). Dropless, with capacity dropping, with all tokens on one expert, and with linear biases (the fc2 bias added
+// by ETP rank 0 alone, its gradient on every ETP rank).
 TEST_F(Mpi, ExpertTensorParallelMatchesLocal) {
   for (auto kind : {DispatcherKind::alltoall, DispatcherKind::allgather}) {
     LayerCase s = base();
@@ -291,17 +294,10 @@ TEST_F(Mpi, ExpertTensorParallelMatchesLocal) {
     s.cfg.capacity_factor = 0.0f;
     s.routing = Routing::one_expert;
     check_against_reference(s, world, kind, 2);
+    s = base();
+    s.bias = true;
+    check_against_reference(s, world, kind, 2);
   }
-}
-
-// With ETP > 1 an fc2 bias would be added by every slice: refused, naming the flags.
-TEST_F(Mpi, ExpertBiasesWithExpertTensorParallelAreRefused) {
-  LayerCase s = base();
-  s.bias = true;
-  EXPECT_NE(testing::error_of([&] {
-              (void)run_layer(s, world, P / 2, DispatcherKind::alltoall, 2);
-            }).find("not supported with --expert-tensor-parallel-size 2"),
-            std::string::npos);
 }
 
 TEST_F(Mpi, BuffersForAnotherLayoutAreRejected) {

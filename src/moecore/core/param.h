@@ -19,7 +19,9 @@ struct Param {
   // [ep_rank * n, (ep_rank + 1) * n) of the global [E, ...] tensor, n = value.size(0). Its gradient is
   // reduced over the expert-data-parallel group, every other parameter's over the data-parallel group.
   bool expert_parallel = false;
-  // Tensor-parallel split (core/shard.h): value, grad and compute hold this rank's shard of the global tensor.
+  // Tensor-parallel split (core/shard.h): value, grad and compute hold this rank's shard of the global tensor. For an
+  // expert_parallel parameter it is the expert-tensor-parallel split of this rank's [n, ...] experts, over the ETP
+  // group (the expert weights never split over TP).
   TensorShard tp;
   // Replicated over the tensor-parallel group but fed by a different part of the data on each of its ranks (norms and
   // row-parallel biases under sequence parallelism, QK-norm weights under TP): the gradient is summed over the group

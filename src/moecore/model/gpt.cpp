@@ -59,6 +59,19 @@ void GptModel::check_tensor_parallel() const {
          "sequence parallelism splits it");
 }
 
+// Expert tensor parallelism splits every expert's ffn; its groups must agree with the EP group. (A dense model has
+// nothing to split: the size, which defaults to TP as in Megatron, is then without effect.)
+void GptModel::check_expert_tensor_parallel() const {
+  const int64_t Q = par_.etp.size(), EP = par_.ep.size();
+  if (Q == 1 || !cfg_.moe.enabled()) return;
+  if (cfg_.moe_ffn() % Q != 0)
+    MOECORE_FAIL("model: the expert ffn size (--moe-ffn-hidden-size, else --ffn-hidden-size: ", cfg_.moe_ffn(),
+                 ") must be divisible by --expert-tensor-parallel-size (", Q, "): each rank holds a slice of it");
+  if (par_.etp_ep.size() != Q * EP)
+    MOECORE_FAIL("model: the etp_ep group has ", par_.etp_ep.size(), " ranks, not expert-tensor-parallel (", Q,
+                 ") x expert-parallel (", EP, ")");
+}
+
 // Megatron's load-balanced split needs 2 x CP equal chunks of every sequence.
 void GptModel::check_context_parallel() const {
   const int64_t CP = par_.cp.size();
@@ -98,6 +111,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
                  ") must be divisible by --expert-model-parallel-size (", EP, ")");
   if (EP > 1 && par_.dispatcher == moe::DispatcherKind::local)
     MOECORE_FAIL("model: expert parallelism needs the alltoall or allgather dispatcher");
+  check_expert_tensor_parallel();
+  const int64_t ETP = par_.etp.size();
   const int64_t P = par_.tp.size();
   if (P == 1) par_.sequence_parallel = false;  // as Megatron: sequence parallelism needs TP > 1
   check_context_parallel();
@@ -147,12 +162,14 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   moe_dims_ = {N, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
   moe_dims_.sequence_group = sequence_group();
   moe_dims_.ep = EP;
+  moe_dims_.etp = ETP;
+  moe_dims_.etp_rank = par_.etp.rank();
   moe_dims_.device = device_;
-  moe_dims_.dispatcher = EP > 1 ? par_.dispatcher : moe::DispatcherKind::local;
-  if (EP > 1 && par_.dispatcher == moe::DispatcherKind::alltoall)
-    dispatcher_ = std::make_unique<moe::AllToAllDispatcher>(par_.ep);
-  else if (EP > 1)
-    dispatcher_ = std::make_unique<moe::AllGatherDispatcher>(par_.ep);
+  moe_dims_.dispatcher = EP * ETP > 1 ? par_.dispatcher : moe::DispatcherKind::local;
+  if (EP * ETP > 1 && par_.dispatcher == moe::DispatcherKind::alltoall)
+    dispatcher_ = std::make_unique<moe::AllToAllDispatcher>(par_.ep, par_.etp);
+  else if (EP * ETP > 1)
+    dispatcher_ = std::make_unique<moe::AllGatherDispatcher>(ETP > 1 ? par_.etp_ep : par_.ep, ETP);
   else
     dispatcher_ = std::make_unique<moe::LocalDispatcher>();
 
@@ -168,7 +185,10 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     p.name = s.name;
     Shape shape = s.shape;
     if (s.expert) shape[0] /= EP;
-    if (P > 1 && s.tp_dim >= 0) p.tp = {s.tp_dim, s.tp_parts, par_.tp.rank(), static_cast<int>(P)};
+    // The tensor-parallel split: over tp, or for the routed experts' weights over etp (within this rank's experts).
+    const ProcessGroup& split = s.expert ? par_.etp : par_.tp;
+    if (split.size() > 1 && s.tp_dim >= 0) p.tp = {s.tp_dim, s.tp_parts, split.rank(), split.size()};
+    const Shape block = shape;  // this rank's part before the split: [E/EP, ...] of experts, else the global shape
     shape = p.tp.local_shape(shape);
     // (Expert weights are summed over the expert-data-parallel group, which holds the TP ranks.)
     p.tp_grad_sum = P > 1 && !p.tp.sharded() && !s.expert &&
@@ -179,13 +199,13 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     // Megatron decays weights only: norms and biases (of any rank, e.g. experts' [E, W]) are not decayed.
     p.weight_decay = shape.ndim >= 2 && !p.name.ends_with(".bias");
     p.expert_parallel = s.expert;
-    const uint64_t first = s.expert ? static_cast<uint64_t>(par_.ep.rank() * shape.numel()) : 0;
+    const uint64_t first = s.expert ? static_cast<uint64_t>(par_.ep.rank() * block.numel()) : 0;
     if (s.init == ParamInit::normal && p.tp.sharded()) {  // run by run of the shard, then one upload
       Tensor host = Tensor::empty(shape, DType::f32, MemCategory::workspace);
       Tensor flat = host.view({host.numel()});
-      p.tp.for_each_run(s.shape, [&](int64_t lo, int64_t go, int64_t n) {
+      p.tp.for_each_run(block, [&](int64_t lo, int64_t go, int64_t n) {
         Tensor run = flat.slice(0, lo, lo + n);
-        rng_fill_normal(run, seed, p.name, 0.0f, s.std, static_cast<uint64_t>(go));
+        rng_fill_normal(run, seed, p.name, 0.0f, s.std, first + static_cast<uint64_t>(go));
       });
       p.value.copy_from(host);
     } else if (s.init == ParamInit::normal)
@@ -827,6 +847,20 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
 
 double GptModel::flops_per_step() const {
   return model_flops_per_step(cfg_, B_);
+}
+
+ModelParallel model_parallel(const ProcessGroups& pg, bool sequence_parallel, moe::DispatcherKind dispatcher) {
+  ModelParallel m;
+  m.tp = pg.tp();
+  m.sequence_parallel = sequence_parallel;
+  m.cp = pg.cp();
+  m.tp_cp = pg.tp_cp();
+  m.ep = pg.ep();
+  m.etp = pg.etp();
+  m.etp_ep = pg.etp_ep();
+  m.dispatcher = dispatcher;
+  m.dp = pg.dp();
+  return m;
 }
 
 }  // namespace moecore::model

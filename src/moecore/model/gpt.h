@@ -18,6 +18,7 @@
 #include "moecore/nn/lm_head.h"
 #include "moecore/nn/mla.h"
 #include "moecore/parallel/comm.h"
+#include "moecore/parallel/process_groups.h"
 
 namespace moecore::model {
 
@@ -49,6 +50,9 @@ struct MemoryPlan {
 //   cp, tp_cp: the context-parallel group (--context-parallel-size; nn/context_parallel.h: this rank holds S / CP
 //     positions of every sequence) and the group of TP x CP ranks, over which the MoE routers' losses see whole
 //     sequences (spec §3)
+//   etp, etp_ep: expert tensor parallelism (--expert-tensor-parallel-size; Parallel Folding: independent of tp): each
+//     local expert's fc1 rows and fc2 columns split over etp (Param::tp of the expert weights), and the group of ETP x
+//     EP ranks (ETP fastest) the allgather dispatcher gathers over
 //   dp: the data-parallel group: global_aux_loss counts are summed over it
 struct ModelParallel {
   ProcessGroup tp = comm_single("tp");
@@ -56,9 +60,13 @@ struct ModelParallel {
   ProcessGroup cp = comm_single("cp");
   ProcessGroup tp_cp = comm_single("tp_cp");
   ProcessGroup ep = comm_single("ep");
+  ProcessGroup etp = comm_single("etp");
+  ProcessGroup etp_ep = comm_single("etp_ep");
   moe::DispatcherKind dispatcher = moe::DispatcherKind::alltoall;
   ProcessGroup dp = comm_single("dp");
 };
+// The model's groups of a training layout (PP 1).
+ModelParallel model_parallel(const ProcessGroups& pg, bool sequence_parallel, moe::DispatcherKind dispatcher);
 
 class GptModel {
  public:
@@ -71,6 +79,7 @@ class GptModel {
   Device device() const { return device_; }
   int64_t ep_size() const { return par_.ep.size(); }
   int64_t ep_rank() const { return par_.ep.rank(); }
+  int64_t etp_size() const { return par_.etp.size(); }
   int64_t tp_size() const { return par_.tp.size(); }
   int64_t cp_size() const { return par_.cp.size(); }
   const ModelParallel& parallel() const { return par_; }
@@ -144,6 +153,7 @@ class GptModel {
  private:
   void check_tensor_parallel() const;
   void check_context_parallel() const;
+  void check_expert_tensor_parallel() const;
   // [B*S] host -> this CP rank's [B*S/CP] in out (the batch itself at CP 1)
   Tensor local_positions(const Tensor& batch_h, const Tensor& out) const;
   bool tensor_parallel() const { return par_.tp.size() > 1; }

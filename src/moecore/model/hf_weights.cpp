@@ -417,11 +417,12 @@ void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptMode
     Tensor& v = params[i].value;
     MOECORE_CHECK(params[i].name == m.param, "parameter ", params[i].name, " vs map ", m.param);
     const TensorShard& tp = params[i].tp;
-    if (tp.sharded()) {  // a tensor-parallel shard: the whole tensor on the host, then this rank's part of it
+    if (tp.sharded()) {  // a tensor-parallel shard: the whole tensor (this rank's experts) on the host, then its part
       Tensor whole = Tensor::empty(tp.global_shape(v.shape()), DType::f32, MemCategory::workspace);
       const Tensor flat = whole.view({whole.numel()});
+      const int64_t rows = whole.numel() / m.width, first = m.expert ? gpt.ep_rank() * rows : 0;
       int64_t at = 0;
-      hf_read_param_rows(m, hf, 0, whole.numel() / m.width, [&](const Tensor& part) {
+      hf_read_param_rows(m, hf, first, first + rows, [&](const Tensor& part) {
         flat.slice(0, at, at + part.numel()).copy_from(part.view({part.numel()}));
         at += part.numel();
       });

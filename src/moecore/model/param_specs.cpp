@@ -17,10 +17,11 @@ std::vector<LayerSpec> layer_specs(const ModelConfig& cfg) {
   return out;
 }
 
-int64_t parameters_per_rank(const ModelConfig& cfg, int ep, int tp) {
+int64_t parameters_per_rank(const ModelConfig& cfg, int ep, int tp, int etp) {
   int64_t n = 0;
   for (const ParamSpec& p : parameter_specs(cfg)) {
-    const int64_t k = p.expert ? p.shape.numel() / ep : p.tp_dim >= 0 ? p.shape.numel() / tp : p.shape.numel();
+    const int64_t split = p.tp_dim < 0 ? 1 : p.expert ? etp : tp;
+    const int64_t k = (p.expert ? p.shape.numel() / ep : p.shape.numel()) / split;
     if (__builtin_add_overflow(n, k, &n)) MOECORE_FAIL("model: more than 2^63 parameters (", cfg.summary(), ")");
   }
   return n;
@@ -122,10 +123,13 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
     const int64_t E = mc.num_experts;
     add(pre + "mlp.router.weight", {E, H}, ParamInit::normal, std_w);
     add(pre + "mlp.experts.linear_fc1.weight", {E, glu(Fm), H}, ParamInit::normal, std_w, true);
+    split(1, glu_parts);  // (expert tensor parallelism: within each expert)
     add(pre + "mlp.experts.linear_fc2.weight", {E, H, Fm}, ParamInit::normal, std_out, true);
+    split(2);
     if (bias) {
       add(pre + "mlp.router.bias", {E}, ParamInit::normal, std_w);
       add(pre + "mlp.experts.linear_fc1.bias", {E, glu(Fm)}, ParamInit::zeros, 0.0f, true);
+      split(1, glu_parts);
       add(pre + "mlp.experts.linear_fc2.bias", {E, H}, ParamInit::zeros, 0.0f, true);
     }
     if (Fs > 0) {

@@ -36,7 +36,9 @@ struct ParamSpec {
   bool expert = false;  // dim 0 is the expert index, sharded over the expert-parallel group
   // Under tensor parallelism (Megatron's layers): split along tp_dim (-1: replicated) in tp_parts pieces (TensorShard):
   // column-parallel weights and biases along dim 0 (QKV by query group, SwiGLU's fc1 as its gate and up halves), row-
-  // parallel weights along dim 1, the word embedding and output layer along the vocabulary (dim 0).
+  // parallel weights along dim 1, the word embedding and output layer along the vocabulary (dim 0). The routed
+  // experts' weights are split the same way within each expert (fc1 along dim 1, fc2 along dim 2), over the expert-
+  // tensor-parallel group instead (the fc2 bias stays whole).
   int tp_dim = -1;
   int tp_parts = 1;
   // A replicated parameter's gradient on each TP rank: a partial sum (summed over TP, Param::tp_grad_sum) under
@@ -54,10 +56,10 @@ struct ParamSpec {
 // init_method_std^2), the output projections of each block at std / sqrt(2 * num_layers) (Megatron's scaled init); norm
 // weights at 1, norm and linear biases at 0, the router's bias like a weight (as Megatron).
 std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg);
-// Parameters one rank holds: every parameter, the routed experts divided over `ep` expert-parallel ranks and the
-// tensor-parallel splits over `tp` ranks (as GptModel allocates them). Overflow-checked: absurd sizes are an Error,
-// before anything is allocated.
-int64_t parameters_per_rank(const ModelConfig& cfg, int ep, int tp = 1);
+// Parameters one rank holds: every parameter, the routed experts divided over `ep` expert-parallel ranks and split
+// over `etp`, the other tensor-parallel splits over `tp` ranks (as GptModel allocates them). Overflow-checked: absurd
+// sizes are an Error, before anything is allocated.
+int64_t parameters_per_rank(const ModelConfig& cfg, int ep, int tp = 1, int etp = 1);
 
 // Model FLOPs (echo-folding-perf.md's formula, Megatron's count) derived from the same configuration:
 // per token, the attention projections P_attn (multiply-adds per token per layer) and the attention core A_core

@@ -122,7 +122,7 @@ void experts_forward(Tensor& y, const Tensor& x, const Tensor& probs, const Tens
   act_forward(v.act, v.h, d.swiglu, ctx);
   ops::moe_scale_rows(v.a, v.act, probs, tokens_per_expert, ctx);
   ops::gemm_grouped(y, v.a, w.fc2, true, tokens_per_expert, 0.0f, ctx);
-  if (bias) ops::bias_add_grouped_scaled(y, w.fc2_bias, probs, tokens_per_expert, ctx);
+  if (bias && d.adds_fc2_bias) ops::bias_add_grouped_scaled(y, w.fc2_bias, probs, tokens_per_expert, ctx);
 }
 
 void experts_backward(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& dy, const Tensor& x,
@@ -134,8 +134,12 @@ void experts_backward(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& 
   const bool bias = w.fc1_bias.defined();
   ops::gemm_grouped(v.da, dy, w.fc2, false, tokens_per_expert, 0.0f, ctx);
   // dprobs = dy . b2 first (written), then the activation term is added to it.
-  if (bias) ops::bias_grad_grouped_scaled(g.fc2_bias, dprobs, dy, w.fc2_bias, probs, tokens_per_expert, ctx);
-  ops::moe_scale_rows_backward(dprobs, v.da, v.a, v.act, probs, tokens_per_expert, bias, ctx);
+  const bool b2_term = bias && d.adds_fc2_bias;
+  Tensor no_term;
+  if (bias)
+    ops::bias_grad_grouped_scaled(g.fc2_bias, b2_term ? dprobs : no_term, dy, w.fc2_bias, probs, tokens_per_expert,
+                                  ctx);
+  ops::moe_scale_rows_backward(dprobs, v.da, v.a, v.act, probs, tokens_per_expert, b2_term, ctx);
   ops::gemm_grouped_wgrad(g.fc2, dy, v.a, tokens_per_expert, 1.0f, ctx);
   act_backward(v.dh, v.da, v.h, d.swiglu, ctx);
   if (bias) ops::bias_grad_grouped(g.fc1_bias, v.dh, tokens_per_expert, ctx);
@@ -186,7 +190,7 @@ void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs,
     ops::gemm(ye, v.a.slice(0, o, o + n[e]), false, w.fc2.select(0, e), true, 1.0f, 0.0f, ctx);
     o += n[e];
   }
-  if (bias) ops::bias_add_grouped_scaled(y, w.fc2_bias, probs, tokens_per_expert, ctx);
+  if (bias && d.adds_fc2_bias) ops::bias_add_grouped_scaled(y, w.fc2_bias, probs, tokens_per_expert, ctx);
 }
 
 void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& dy, const Tensor& x,
@@ -197,8 +201,11 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
   check_backward_io("experts_backward_sequential", dx, dprobs, g, w, dy, x, d);
   const std::vector<int64_t>& n = host_counts("experts_backward_sequential", tokens_per_expert, x.size(0));
   RowViews v = row_views(cache, ws, x.size(0), true);
-  const bool bias = w.fc1_bias.defined();
-  if (bias) ops::bias_grad_grouped_scaled(g.fc2_bias, dprobs, dy, w.fc2_bias, probs, tokens_per_expert, ctx);
+  const bool bias = w.fc1_bias.defined(), b2_term = bias && d.adds_fc2_bias;
+  Tensor no_term;
+  if (bias)
+    ops::bias_grad_grouped_scaled(g.fc2_bias, b2_term ? dprobs : no_term, dy, w.fc2_bias, probs, tokens_per_expert,
+                                  ctx);
   int64_t o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
     if (n[e] == 0) continue;
@@ -207,7 +214,7 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
     o += n[e];
   }
   // Row-wise again: dprobs, dL/dact and the recomputed a for all experts' rows in one pass.
-  ops::moe_scale_rows_backward(dprobs, v.da, v.a, v.act, probs, tokens_per_expert, bias, ctx);
+  ops::moe_scale_rows_backward(dprobs, v.da, v.a, v.act, probs, tokens_per_expert, b2_term, ctx);
   Tensor dh = v.dh.slice(0, 0, o), da = v.da.slice(0, 0, o), h = v.h.slice(0, 0, o);
   act_backward(dh, da, h, d.swiglu, ctx);
   o = 0;

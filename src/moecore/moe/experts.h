@@ -23,6 +23,10 @@ struct ExpertDims {
   int64_t F = 0;         // expert ffn size
   bool swiglu = true;    // fc1 rows: 2F (SwiGLU, [gate; up]) or F (GeLU)
   int64_t max_rows = 0;  // rows the caches are sized for
+  // Expert tensor parallelism: every slice holds the whole fc2 bias and computes its gradient (each sees every row and
+  // its whole output gradient), but only one slice (ETP rank 0) adds it to its partial output and its dy . b2 term to
+  // dprobs, so that the sum over the slices has it once.
+  bool adds_fc2_bias = true;
   DType compute = DType::f32;
   Device device = Device::cpu;  // where the caches live
   int64_t fc1_rows() const { return swiglu ? 2 * F : F; }

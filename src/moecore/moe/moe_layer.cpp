@@ -12,6 +12,7 @@ ExpertDims expert_dims(const MoeLayerDims& d, const MoeConfig& cfg, int64_t max_
   e.E = cfg.num_experts / d.ep;  // local experts
   e.H = d.H;
   e.F = d.F / d.etp;  // this rank's slice of every local expert
+  e.adds_fc2_bias = d.etp_rank == 0;
   e.swiglu = cfg.swiglu;
   e.max_rows = max_rows;
   e.compute = d.compute;
@@ -145,9 +146,6 @@ void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, c
         "(SharedExpertMLP asserts add_bias_linear == False); use --disable-bias-linear or drop "
         "--moe-shared-expert-intermediate-size (",
         d.Fs, ")");
-  if (d.etp > 1 && w.experts.fc1_bias.defined())
-    MOECORE_FAIL("MoE layer: expert biases (add_bias_linear) are not supported with --expert-tensor-parallel-size ",
-                 d.etp, "; use --disable-bias-linear or --expert-tensor-parallel-size 1");
   // route
   router_forward(c.probs, c.map, c.stats, x, padding_mask, w.router, st, c.router, router_dims(d, cfg), cfg, training,
                  ctx);

@@ -22,8 +22,9 @@ struct MoeLayerDims {
   int64_t Fs = 0;  // shared expert ffn size (0: none)
   DType compute = DType::f32;
   int64_t ep = 1;   // expert-parallel size: this rank holds experts [r*E/ep, (r+1)*E/ep) of the EP group
-  int64_t etp = 1;  // expert-tensor-parallel size: this rank holds a 1/etp slice of each local expert's F (fc1's
-                    // gate and up rows, fc2's columns; ExpertDims::F = F / etp); no expert biases with etp > 1
+  int64_t etp = 1;  // expert-tensor-parallel size: this rank holds slice etp_rank of each local expert's F (fc1's
+  int64_t etp_rank =
+      0;  // gate and up rows and fc1 bias, fc2's columns; ExpertDims::F = F / etp) and the whole fc2 bias
   DispatcherKind dispatcher = DispatcherKind::local;  // which dispatcher the buffers are sized for
   const ProcessGroup* global_aux_group = nullptr;     // global_aux_loss counts are summed over it (DP)
   const ProcessGroup* sequence_group = nullptr;       // sequence parallelism: T is this rank's share (RouterDims)

@@ -337,8 +337,11 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
   std::map<std::string, Tensor>* optim = options.save_optim ? &req.files[kOptimizerFile] : nullptr;
   std::map<std::string, Tensor> shard;
   // The writer reads host memory: device tensors are copied to the host (CPU ones are used as they are). Tensor-
-  // parallel shards are gathered into the whole tensor (collective over tp): the files do not depend on TP.
-  auto host = [&](const Param& p, const Tensor& t) { return all_gather_shards(t, p.tp, g.tp); };
+  // parallel shards are gathered into the whole tensor (collective over tp, for the experts' slices over etp): the
+  // files do not depend on TP or ETP.
+  auto host = [&](const Param& p, const Tensor& t) {
+    return all_gather_shards(t, p.tp, p.expert_parallel ? g.etp : g.tp);
+  };
   for (size_t i = 0; i < params.size(); ++i) {
     const bool sharded = EP > 1 && params[i].expert_parallel;
     (sharded ? shard : model)[params[i].name] = host(params[i], params[i].value);
@@ -361,6 +364,7 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
                 {"seed", seed},
                 {"expert_model_parallel_size", EP},
                 {"tensor_model_parallel_size", g.tp.size()},
+                {"expert_tensor_parallel_size", g.etp.size()},
                 {"data_parallel_size", g.dp.size()},
                 {"model", model_fingerprint(gpt.config())}};
   if (options.save_optim) {
@@ -380,7 +384,7 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
     io::checkpoint_save(root, req, keep_last);
     return;
   }
-  const bool writes_shard = EP > 1 && g.edp.rank() == 0;
+  const bool writes_shard = EP > 1 && g.edp.rank() == 0 && g.etp.rank() == 0;
   save_collective(root, req, writes_shard ? g.ep.rank() : -1, EP, shard, keep_last, all);
 }
 
@@ -482,12 +486,18 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
   auto tensors = [&](bool copy) {
     for (size_t i = 0; i < params.size(); ++i) {
       Param& p = params[i];
-      if (p.expert_parallel) {  // resharding: this rank's experts out of whichever files hold them
+      if (p.expert_parallel) {  // resharding: this rank's experts out of whichever files hold them (its ETP slice)
         const int64_t first = gpt.ep_rank() * p.value.size(0);
-        load_expert_rows(p.value, ck, kModelFile, p.name, first, saved_ep, E, copy);
+        auto experts = [&](Tensor& dst, const std::string& file, const std::string& name) {
+          if (!p.tp.sharded()) return load_expert_rows(dst, ck, file, name, first, saved_ep, E, copy);
+          Tensor whole = Tensor::empty(p.tp.global_shape(dst.shape()), dst.dtype(), MemCategory::workspace);
+          load_expert_rows(whole, ck, file, name, first, saved_ep, E, copy);
+          if (copy) dst.copy_from(shard_slice(whole, p.tp));
+        };
+        experts(p.value, kModelFile, p.name);
         if (!optim) continue;
-        load_expert_rows(opt.exp_avg[i], ck, kOptimizerFile, "exp_avg." + p.name, first, saved_ep, E, copy);
-        load_expert_rows(opt.exp_avg_sq[i], ck, kOptimizerFile, "exp_avg_sq." + p.name, first, saved_ep, E, copy);
+        experts(opt.exp_avg[i], kOptimizerFile, "exp_avg." + p.name);
+        experts(opt.exp_avg_sq[i], kOptimizerFile, "exp_avg_sq." + p.name);
         continue;
       }
       // The files hold whole tensors: a tensor-parallel rank takes its shard of each (any saved TP).

@@ -1,17 +1,21 @@
 // The process groups of a multi-process training run (PP = 1). Megatron's semantics: the data-parallel group `dp`
 // splits every global batch (with EP it contains the EP ranks: expert parallelism folds into data parallelism for
 // the attention layers); `tp` is the model's tensor-parallel group and `cp` its context-parallel group (their ranks
-// see the same batch); `ep` is the model's expert-parallel group; `edp` holds the ranks with the same experts.
+// see the same batch); `ep` is the model's expert-parallel group and `etp` its expert-tensor-parallel group (the
+// ranks holding the other slices of the same experts); `edp` holds the ranks with the same expert slices.
 // Non-expert gradients are summed over dp x cp (`dp_cp`: each CP rank holds a part of every sequence), expert
 // gradients over edp (after the model has summed its tp_grad_sum parameters over tp).
 #pragma once
 #include "moecore/parallel/comm.h"
+#include "moecore/parallel/process_groups.h"
 
 namespace moecore::train {
 
 struct TrainGroups {
   ProcessGroup dp = comm_single("dp");
   ProcessGroup ep = comm_single("ep");
+  ProcessGroup etp = comm_single("etp");
+  ProcessGroup etp_ep = comm_single("etp_ep");  // every distinct expert slice of a layer: etp x ep
   ProcessGroup edp = comm_single("edp");
   ProcessGroup tp = comm_single("tp");
   ProcessGroup tp_dp = comm_single("tp_dp");  // every rank of the run, tp x dp x cp (checkpoints); when tp or cp > 1
@@ -22,5 +26,21 @@ struct TrainGroups {
   const ProcessGroup& dense_grads() const { return cp.size() > 1 ? dp_cp : dp; }
   int world_size() const { return dp.size() * tp.size() * cp.size(); }
 };
+
+// The groups of a training layout (every rank of the world: tp_dp is tp x dp x cp).
+inline TrainGroups train_groups(const ProcessGroups& pg) {
+  TrainGroups g;
+  g.dp = pg.dp();
+  g.ep = pg.ep();
+  g.etp = pg.etp();
+  g.etp_ep = pg.etp_ep();
+  g.edp = pg.edp();
+  g.tp = pg.tp();
+  g.tp_dp = pg.tp_dp_cp();
+  g.cp = pg.cp();
+  g.dp_cp = pg.dp_cp();
+  g.tp_cp = pg.tp_cp();
+  return g;
+}
 
 }  // namespace moecore::train

@@ -388,18 +388,26 @@ class GradBuckets {
   Tensor flat_[2];              // with overlap one buffer per kind holding its buckets; else [0]: one bucket's
 };
 
+// An expert parameter whole on every ETP rank (with ETP > 1: the fc2 bias): its gradient is identical on them, so the
+// norm counts it on ETP rank 0 only.
+bool etp_replica(const Param& p, const TrainGroups& g) {
+  return p.expert_parallel && !p.tp.sharded() && g.etp.size() > 1;
+}
+
 // The global L2 norm of the reduced gradients, every parameter counted once: the replicated parameters'
-// squares are identical on every rank; the expert shards' squares are summed over the EP group and the
+// squares are identical on every rank; the expert shards' squares are summed over the ETP x EP group and the
 // tensor-parallel shards' over the TP group.
 double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, GradChecks& c) {
   c.sq.zero_();
   Tensor sq_dense = c.sq.slice(0, 0, 1), sq_expert = c.sq.slice(0, 1, 2), sq_tp = c.sq.slice(0, 2, 3);
   for (const auto& p : gpt.params())
-    ops::sum_squares(p.expert_parallel ? sq_expert
-                     : p.tp.sharded()  ? sq_tp
-                                       : sq_dense,
-                     p.grad, ops::Context{gpt.device()});
-  if (g.ep.size() > 1) all_reduce_sum(sq_expert, g.ep);
+    if (!etp_replica(p, g) || g.etp.rank() == 0)
+      ops::sum_squares(p.expert_parallel ? sq_expert
+                       : p.tp.sharded()  ? sq_tp
+                                         : sq_dense,
+                       p.grad, ops::Context{gpt.device()});
+  const ProcessGroup& experts = g.etp.size() > 1 ? g.etp_ep : g.ep;
+  if (experts.size() > 1) all_reduce_sum(sq_expert, experts);
   if (g.tp.size() > 1) all_reduce_sum(sq_tp, g.tp);
   double sq[3];
   c.sq.copy_to_host(sq, 3);
@@ -410,7 +418,7 @@ double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, G
 // tensor-parallel shards get an instance of their own (over dp as well), so the grad norm counts the replicated
 // parameters once and sums the shards over TP.
 struct ZeroOptimizers {
-  enum Kind { replicated, tensor_parallel, expert, kinds };
+  enum Kind { replicated, tensor_parallel, expert, expert_replica, kinds };  // expert_replica: etp_replica()
   std::unique_ptr<optim::DistributedAdamW> opt[kinds];
   std::vector<size_t> idx[kinds];              // parameter indices of each instance, in model order
   std::vector<std::pair<Kind, size_t>> where;  // per model parameter: its instance and index there
@@ -423,14 +431,18 @@ struct ZeroOptimizers {
     std::vector<Param*> p[kinds];
     auto& params = gpt.params();
     for (size_t i = 0; i < params.size(); ++i) {
-      const Kind k = params[i].expert_parallel ? expert : params[i].tp.sharded() ? tensor_parallel : replicated;
+      const Kind k = etp_replica(params[i], g)   ? expert_replica
+                     : params[i].expert_parallel ? expert
+                     : params[i].tp.sharded()    ? tensor_parallel
+                                                 : replicated;
       where.emplace_back(k, p[k].size());
       p[k].push_back(&params[i]);
       idx[k].push_back(i);
     }
     for (int k = 0; k < kinds; ++k)
       if (k == replicated || !p[k].empty())
-        opt[k] = std::make_unique<optim::DistributedAdamW>(p[k], cfg, k == expert ? g.edp : g.dense_grads(),
+        opt[k] = std::make_unique<optim::DistributedAdamW>(p[k], cfg,
+                                                           k == expert || k == expert_replica ? g.edp : g.dense_grads(),
                                                            optim::DistributedAdamWOptions{bucket, overlap});
   }
   // --overlap-grad-reduce: begin before the last backward, grad_ready as the model reports gradients final, finish.
@@ -466,11 +478,12 @@ struct ZeroOptimizers {
     return s;
   }
   // Every shard once: replicated shards sum over dp (x cp); tensor-parallel shards over dp (x cp) x tp; expert
-  // shards over edp x ep, which is tp x dp x cp (ETP 1).
+  // shards over edp x ep x etp, which is tp x dp x cp (every rank), those whole on every ETP rank from ETP rank 0.
   double grad_norm() const {
     const double rep = opt[replicated]->shard_grad_sq();
     double rest = (opt[tensor_parallel] ? opt[tensor_parallel]->shard_grad_sq() : 0.0) +
-                  (opt[expert] ? opt[expert]->shard_grad_sq() : 0.0);
+                  (opt[expert] ? opt[expert]->shard_grad_sq() : 0.0) +
+                  (opt[expert_replica] && g.etp.rank() == 0 ? opt[expert_replica]->shard_grad_sq() : 0.0);
     const ProcessGroup& dp = g.dense_grads();
     if (g.tp.size() == 1) {  // one sum over dp (the layout before TP: unchanged bits)
       double sq = rep + rest;
@@ -581,10 +594,16 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   if (groups.cp.size() > 1 && groups.dp_cp.size() != dp_size * groups.cp.size())
     MOECORE_FAIL("training: the dp_cp group has ", groups.dp_cp.size(), " ranks, not data-parallel (", dp_size,
                  ") x context-parallel (", groups.cp.size(), ")");
-  if (groups.ep.size() * groups.edp.size() != groups.world_size())
-    MOECORE_FAIL("training: expert-parallel (", groups.ep.size(), ") x expert-data-parallel (", groups.edp.size(),
-                 ") must equal tensor-parallel (", groups.tp.size(), ") x context-parallel (", groups.cp.size(),
-                 ") x data-parallel (", dp_size, ") when PP = ETP = 1");
+  if (groups.etp.size() != gpt.etp_size())
+    MOECORE_FAIL("training: the model was built for expert-tensor-parallel size ", gpt.etp_size(),
+                 " but the etp group has ", groups.etp.size(), " ranks");
+  if (groups.etp.size() > 1 && groups.etp_ep.size() != groups.etp.size() * groups.ep.size())
+    MOECORE_FAIL("training: the etp_ep group has ", groups.etp_ep.size(), " ranks, not expert-tensor-parallel (",
+                 groups.etp.size(), ") x expert-parallel (", groups.ep.size(), ")");
+  if (groups.etp.size() * groups.ep.size() * groups.edp.size() != groups.world_size())
+    MOECORE_FAIL("training: expert-tensor-parallel (", groups.etp.size(), ") x expert-parallel (", groups.ep.size(),
+                 ") x expert-data-parallel (", groups.edp.size(), ") must equal tensor-parallel (", groups.tp.size(),
+                 ") x context-parallel (", groups.cp.size(), ") x data-parallel (", dp_size, ") when PP = 1");
   const auto& m = gpt.config();
   if (gpt.micro_batch_size() != cfg.micro_batch_size)
     MOECORE_FAIL("training: the model was built for micro-batch ", gpt.micro_batch_size(), ", not ",
@@ -600,7 +619,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
     MOECORE_FAIL("training: the optimizer holds no state; build it with state or set use_distributed_optimizer");
   }
   std::unique_ptr<GradBuckets> buckets;
-  // Expert gradients reduce over edp, which also spans the TP ranks (TP 2 x DP 1 has EDP 2 with ETP 1).
+  // Expert gradients reduce over edp, which may span the TP ranks (TP 2 x DP 1 has EDP 2 with ETP 1).
   const bool reduces_grads = groups.dense_grads().size() > 1 || groups.edp.size() > 1;
   const bool overlap = cfg.overlap_grad_reduce && (zero || reduces_grads);
   if (!zero && reduces_grads) buckets = std::make_unique<GradBuckets>(gpt, groups, cfg.ddp_bucket_size, overlap);
