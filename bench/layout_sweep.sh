@@ -74,7 +74,9 @@ if [ "$which" != moe ]; then
 fi
 if [ "$which" != dense ]; then
   run_model moe moe "EP 2|--expert-model-parallel-size 2" \
-    "TP 2 + SP|--tensor-model-parallel-size 2 --sequence-parallel" \
-    "TP 2 + SP, EP 2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2" \
+    "TP 2 + SP (ETP 2)|--tensor-model-parallel-size 2 --sequence-parallel" \
+    "TP 2 + SP, ETP 1|--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1" \
+    "TP 2 + SP, EP 2, ETP 1|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1" \
+    "DP 2, ETP 2|--expert-tensor-parallel-size 2" \
     "CP 2, EP 2|--context-parallel-size 2 --expert-model-parallel-size 2"
 fi
