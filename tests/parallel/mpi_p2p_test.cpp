@@ -7,10 +7,12 @@
 #include "mpi_test_support.h"
 
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <thread>
 #include <vector>
 
 #include "moecore/core/error.h"
@@ -176,6 +178,29 @@ TEST_F(P2P, AsyncReductionsAreBitwiseTheBlockingOnes) {
     }
     EXPECT_TRUE(bitwise_equal(testing::host(ag_b), testing::host(ag_a))) << n;
   }
+}
+
+// The progress thread completes nonblocking operations while the caller makes no comm call at all (computing): an
+// all-reduce and a ring exchange posted, then only completed() -- which advances nothing -- is polled, with naps;
+// the results equal the blocking ones. Without the thread (MOECORE_COMM_PROGRESS_THREAD=0) they would never finish.
+TEST_F(P2P, ProgressThreadCompletesOperationsBetweenCommCalls) {
+  ASSERT_TRUE(comm_progress_thread_running()) << "MPI did not grant MPI_THREAD_SERIALIZED";
+  const int64_t n = 1 << 20;  // 4 MB: many fragments, several phases
+  const int next = (me + 1) % P, prev = (me + P - 1) % P;
+  Tensor sum = on_dev(filled({n}, me)), ref = on_dev(filled({n}, me));
+  Tensor got = Tensor::zeros({n}, DType::f32, MemCategory::other, dev);
+  std::vector<CommHandle> handles;
+  handles.push_back(all_reduce_sum_async(sum, world));
+  handles.push_back(irecv(got, prev, world));
+  handles.push_back(isend(on_dev(filled({n}, me, 9)), next, world));
+  for (const CommHandle& h : handles) {
+    for (int i = 0; i < 30000 && !h.completed(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_TRUE(h.completed()) << "not completed after 30 s without comm calls";
+  }
+  for (CommHandle& h : handles) h.wait();
+  all_reduce_sum(ref, world);
+  EXPECT_TRUE(bitwise_equal(testing::host(sum), testing::host(ref)));
+  EXPECT_TRUE(bitwise_equal(testing::host(got), filled({n}, prev, 9)));
 }
 
 TEST_F(P2P, HandlesInFlightCompleteInAnyOrder) {

@@ -3,10 +3,13 @@
 // itself — and the point-to-point transfers (send, recv, batch_send_recv, isend, irecv) with their
 // debug-mode descriptor exchange. The nonblocking collectives live in async_collectives.cpp.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <thread>
 #include <utility>
 
@@ -29,15 +32,49 @@ Mailbox& mailbox(GroupState& st) {
 
 // Operations in flight (the engine's references keep their buffers alive until they complete), and failed
 // ones whose transfers may still be pending: kept for good, since MPI may still read or write their buffers.
+// (Never destroyed: the progress thread may still look at them while the process exits.)
 std::vector<std::shared_ptr<AsyncOp>>& pending_ops() {
-  static std::vector<std::shared_ptr<AsyncOp>> ops;
-  return ops;
+  static auto* ops = new std::vector<std::shared_ptr<AsyncOp>>;
+  return *ops;
 }
 std::vector<std::shared_ptr<AsyncOp>>& abandoned_ops() {
-  static std::vector<std::shared_ptr<AsyncOp>> ops;
-  return ops;
+  static auto* ops = new std::vector<std::shared_ptr<AsyncOp>>;
+  return *ops;
 }
 bool g_in_progress = false;
+std::atomic<size_t> g_pending{0};  // pending_ops().size(), readable without the lock
+
+// The progress thread's state (never destroyed, like the lists above).
+struct ProgressThread {
+  std::thread thread;
+  std::atomic<bool> stop{false};
+  std::mutex wake_mutex;
+  std::condition_variable wake;
+};
+ProgressThread*& progress_thread() {
+  static ProgressThread* t = nullptr;
+  return t;
+}
+// Polling period while operations are pending: short enough that a bucket's phases follow each other within a
+// layer's backward, long enough that the thread takes little from the computing threads.
+constexpr auto kProgressInterval = std::chrono::microseconds(100);
+
+void progress_thread_main(ProgressThread* t) {
+  const DeviceAccess access;  // the engine moves and sums device (sim) memory, as a collective does
+  while (!t->stop.load()) {
+    if (g_pending.load() == 0) {
+      std::unique_lock<std::mutex> l(t->wake_mutex);
+      t->wake.wait_for(l, std::chrono::milliseconds(10), [t] { return t->stop.load() || g_pending.load() > 0; });
+      continue;
+    }
+    {
+      // Never wait for the calling thread: inside a comm call it makes the progress itself.
+      std::unique_lock<std::recursive_mutex> l(comm_mutex(), std::try_to_lock);
+      if (l.owns_lock()) progress_async();  // (failures are kept in the ops and rethrown by their wait)
+    }
+    std::this_thread::sleep_for(kProgressInterval);
+  }
+}
 
 std::string rank_text(const ProcessGroup& g) {
   return str_cat("rank ", g.rank(), " (world rank ", g.world_rank(), ")");
@@ -106,6 +143,7 @@ void wait_for(AsyncOp& op) {
 }
 
 void report_dropped(const AsyncOp& op) {
+  const std::lock_guard<std::recursive_mutex> lock(comm_mutex());
   const ProcessGroup& g = op.group();
   const std::string phase = comm_phase();
   const std::string msg =
@@ -231,7 +269,34 @@ void AsyncOp::withdraw_self_transfers() {
     fail_quietly("comm: " + op_ + " on group " + g_.name() + " was withdrawn: nothing was posted to match it");
 }
 
+std::recursive_mutex& comm_mutex() {
+  static auto* m = new std::recursive_mutex;
+  return *m;
+}
+
+void start_progress_thread() {
+  if (progress_thread()) return;
+  auto* t = new ProgressThread;
+  t->thread = std::thread(progress_thread_main, t);
+  progress_thread() = t;
+}
+
+void stop_progress_thread() {
+  ProgressThread* t = progress_thread();
+  if (!t) return;
+  t->stop.store(true);
+  t->wake.notify_all();
+  t->thread.join();
+  delete t;
+  progress_thread() = nullptr;
+}
+
+bool progress_thread_running() {
+  return progress_thread() != nullptr;
+}
+
 bool progress_async() {
+  const std::lock_guard<std::recursive_mutex> lock(comm_mutex());
   auto& ops = pending_ops();
   if (ops.empty()) return false;
   if (g_in_progress) return true;  // a poll's own backend call polling again
@@ -245,11 +310,28 @@ bool progress_async() {
     if (op->has_pending_requests()) abandoned_ops().push_back(op);
     return true;
   });
+  g_pending.store(ops.size());
   return !ops.empty();
 }
 
+void forget_finished(const AsyncOp* op) {
+  const std::lock_guard<std::recursive_mutex> lock(comm_mutex());
+  auto& ops = pending_ops();
+  std::erase_if(ops, [op](const std::shared_ptr<AsyncOp>& o) {
+    if (o.get() != op) return false;
+    if (o->has_pending_requests()) abandoned_ops().push_back(o);
+    return true;
+  });
+  g_pending.store(ops.size());
+}
+
 CommHandle start_async(std::shared_ptr<AsyncOp> op) {
-  if (!op->finished()) pending_ops().push_back(op);
+  const std::lock_guard<std::recursive_mutex> lock(comm_mutex());
+  if (!op->finished()) {
+    pending_ops().push_back(op);
+    g_pending.store(pending_ops().size());
+    if (ProgressThread* t = progress_thread()) t->wake.notify_one();
+  }
   return CommHandle(std::move(op));
 }
 
@@ -339,6 +421,7 @@ class P2PBatch final : public AsyncOp {
 };
 
 std::shared_ptr<P2PBatch> post_p2p(const ProcessGroup& g, const std::string& op, std::vector<P2PItem> items) {
+  const std::lock_guard<std::recursive_mutex> lock(comm_mutex());
   GroupState& st = Call::checked_state(g, op.c_str());
   for (const P2PItem& it : items) {
     if (it.peer < 0 || it.peer >= g.size())
@@ -412,6 +495,15 @@ void CommHandle::wait() {
   const detail::BlockedScope blocked;
   const std::shared_ptr<detail::AsyncOp> op = std::move(op_);
   detail::wait_for(*op);
+  // The engine lets go of it here, so the last reference (and the tensors it keeps) goes on this thread, never on
+  // the progress thread.
+  detail::forget_finished(op.get());
+}
+
+bool CommHandle::completed() const {
+  if (!op_) return true;
+  const std::lock_guard<std::recursive_mutex> lock(detail::comm_mutex());
+  return op_->finished();
 }
 
 bool CommHandle::test() {
@@ -456,6 +548,10 @@ CommHandle batch_send_recv_async(std::span<const P2POp> ops, const ProcessGroup&
 
 void batch_send_recv(std::span<const P2POp> ops, const ProcessGroup& g) {
   batch_send_recv_async(ops, g).wait();
+}
+
+bool comm_progress_thread_running() {
+  return detail::progress_thread_running();
 }
 
 }  // namespace moecore

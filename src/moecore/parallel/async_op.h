@@ -77,5 +77,7 @@ class AsyncOp {
 
 // Registers a posted operation with the progress engine and wraps it in its handle.
 CommHandle start_async(std::shared_ptr<AsyncOp> op);
+// After a wait: the engine drops its reference to a finished operation.
+void forget_finished(const AsyncOp* op);
 
 }  // namespace moecore::detail

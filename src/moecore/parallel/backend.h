@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -69,6 +70,17 @@ int backend_tag_limit();  // tags in [0, limit) are valid (at least 32768)
 // phase, finishes its reduction); false when none is pending. Backends call it while they poll a blocking
 // collective, so a rank inside a collective still serves the nonblocking ops its peers wait for.
 bool progress_async();
+// Serializes every MPI call and every touch of the nonblocking engine's state between the thread that called
+// comm_init and the progress thread (MPI_THREAD_SERIALIZED). Recursive: comm calls nest. Never destroyed.
+std::recursive_mutex& comm_mutex();
+// The progress thread (async.cpp): while nonblocking operations are pending and the calling thread is outside comm
+// calls (computing), it advances them every kProgressIntervalUs, so their transfers and rank-order sums overlap the
+// computation instead of waiting for the next comm call. Started by the MPI backend when MPI grants
+// MPI_THREAD_SERIALIZED, the world has more than one rank and MOECORE_COMM_PROGRESS_THREAD is not 0; stopped before
+// MPI_Finalize. Results do not depend on it (the same transfers and sums, only earlier).
+void start_progress_thread();
+void stop_progress_thread();
+bool progress_thread_running();
 [[noreturn]] void backend_abort(int code);
 // Waits up to wait_s for every world rank to call this too (a barrier on a communicator of its own, never used by
 // collectives); true when all arrived. Ranks whose collective failed never call it: they abort at once.

@@ -43,7 +43,8 @@ std::string describe(const OpDesc& d);
 int64_t hash_words(std::span<const int64_t> v);
 
 // Wall-clock time the calling thread spends inside communication (comm_blocked_seconds): a scope opened inside
-// another (a collective built on others, a wait inside a blocking form) is not counted twice.
+// another (a collective built on others, a wait inside a blocking form) is not counted twice. It also holds
+// comm_mutex() for its lifetime: the progress thread runs only while the calling thread is outside comm calls.
 class BlockedScope {
  public:
   BlockedScope();
@@ -52,7 +53,8 @@ class BlockedScope {
   BlockedScope& operator=(const BlockedScope&) = delete;
 
  private:
-  int64_t start_ns_ = -1;  // -1: nested, not counted
+  int64_t start_ns_ = -1;                        // -1: nested, not counted
+  std::unique_lock<std::recursive_mutex> lock_;  // taken after the clock starts: waiting for it is blocked time
 };
 
 // One collective in flight on one group: the call description and the group's shared state.

@@ -349,6 +349,7 @@ ProcessGroup group_split(const ProcessGroup& parent, std::string name, const std
   const std::vector<int>& mine = partition[static_cast<size_t>(color)];
   auto st = std::make_shared<GroupState>();
   if (parent.size() > 1 && !all_single) {
+    const detail::BlockedScope blocked;
     ++pst.seq;
     const std::string op = "group_split(" + name + ")";
     const detail::CallInfo call{op,      parent.name(),           parent.rank(), parent.world_rank(),

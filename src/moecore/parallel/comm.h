@@ -181,6 +181,11 @@ void barrier(const ProcessGroup& g);
 // The growth over a training step is the step's exposed communication: the time computation waited for peers.
 double comm_blocked_seconds();
 
+// Whether the MPI backend's progress thread runs (world > 1, MPI_THREAD_SERIALIZED granted, and
+// MOECORE_COMM_PROGRESS_THREAD not 0): it advances pending nonblocking operations every 100 us while the calling
+// thread is outside comm calls, so --overlap-grad-reduce and --overlap-param-gather overlap for real.
+bool comm_progress_thread_running();
+
 // Every rank of `g` must run the same configuration: checks that all members passed equal `fields` (name,
 // value; e.g. every flag with its effective value) by exchanging a hash, and on a mismatch the differing
 // fields' values, then throws on every rank naming each differing field and its value on each rank.
@@ -239,15 +244,16 @@ void reduce_scatter_from(const Tensor& out, const Tensor& in, int dim, const Pro
 // posted (a blocking check, as for the blocking forms).
 //
 // Each returns a CommHandle. Its buffers must not be read or written until wait(); the handle keeps the
-// tensors alive until then. Progress happens inside comm calls only (wait, test and any blocking
-// collective's polling advance every pending operation, so handles may be waited for in any order, on any
-// rank). wait() waits at most the timeout in force when the operation was posted, counted from the wait; a
-// timeout throws naming the op, the group, the rank and comm_phase(), and leaves the group unusable, as for the
-// blocking forms. Destroying (or assigning over) a handle that was never waited for is a bug: it prints an
-// error naming the op and makes the group unusable (every later call on it throws saying so); the operation
-// still progresses and its buffers stay allocated until it completes (for good if it never does). On a size-1 group
-// every operation is a copy, complete when posted, except a send to itself whose recv is not posted yet: waiting for
-// that one throws at once. Only the thread that called comm_init may call these or a handle's wait/test.
+// tensors alive until then. Progress happens inside comm calls (wait, test and any blocking collective's polling
+// advance every pending operation, so handles may be waited for in any order, on any rank) and, under MPI, on the
+// progress thread while the caller is outside them (comm_progress_thread_running). wait() waits at most the timeout in
+// force when the operation was posted, counted from the wait; a timeout throws naming the op, the group, the rank and
+// comm_phase(), and leaves the group unusable, as for the blocking forms. Destroying (or assigning over) a handle that
+// was never waited for is a bug: it prints an error naming the op and makes the group unusable (every later call on it
+// throws saying so); the operation still progresses and its buffers stay allocated until it completes (for good if it
+// never does). On a size-1 group every operation is a copy, complete when posted, except a send to itself whose recv is
+// not posted yet: waiting for that one throws at once. Only the thread that called comm_init may call these or a
+// handle's wait/test.
 // ---------------------------------------------------------------------------------------------------
 class CommHandle {
  public:
@@ -263,6 +269,9 @@ class CommHandle {
   void wait();
   // One round of progress without blocking; true once complete, which counts as wait() (errors throw here).
   bool test();
+  // True once the operation has completed, without advancing it: under MPI the progress thread completes operations
+  // while the caller computes (comm_progress_thread_running). wait() is still required.
+  bool completed() const;
   bool pending() const { return op_ != nullptr; }
 
  private:

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,6 +27,7 @@ struct BackendComm {
   BackendComm(const BackendComm&) = delete;
   BackendComm& operator=(const BackendComm&) = delete;
   ~BackendComm() {
+    const std::lock_guard<std::recursive_mutex> lock(comm_mutex());  // (a group may go while the progress thread polls)
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized && comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
@@ -144,9 +146,10 @@ void backend_init(int& argc, char**& argv) {
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
   if (finalized) MOECORE_FAIL("comm (mpi): comm_init after MPI was finalized; MPI cannot be restarted");
+  int provided = 0;
   if (!initialized) {
-    int provided = 0;
-    check_setup(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+    // SERIALIZED lets the progress thread call MPI while the calling thread computes (comm_mutex serializes them).
+    check_setup(MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
     g_we_initialized = true;
     if (provided < MPI_THREAD_FUNNELED)
       MOECORE_FAIL("comm (mpi): MPI provides thread level ", provided, " but moecore needs MPI_THREAD_FUNNELED (",
@@ -166,10 +169,15 @@ void backend_init(int& argc, char**& argv) {
   int flag = 0;
   check_setup(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &flag), "MPI_Comm_get_attr(MPI_TAG_UB)");
   if (flag && tag_ub && *tag_ub >= 32767) g_tag_limit = *tag_ub == INT_MAX ? INT_MAX : *tag_ub + 1;
+  if (initialized) MPI_Query_thread(&provided);
+  const char* env = std::getenv("MOECORE_COMM_PROGRESS_THREAD");
+  const bool wanted = !(env && std::string(env) == "0");
+  if (wanted && provided >= MPI_THREAD_SERIALIZED && comm_size(g_world->comm) > 1) start_progress_thread();
 }
 
 void backend_finalize() {
-  g_world.reset();  // frees the duplicate unless a ProcessGroup still holds it
+  stop_progress_thread();  // before MPI goes: it calls MPI
+  g_world.reset();         // frees the duplicate unless a ProcessGroup still holds it
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!finalized && g_control != MPI_COMM_NULL) MPI_Comm_free(&g_control);
@@ -183,11 +191,13 @@ bool backend_initialized() {
 
 int backend_world_size() {
   MOECORE_CHECK(g_world, "comm: MPI backend used before comm_init");
+  const std::lock_guard<std::recursive_mutex> lock(comm_mutex());
   return comm_size(g_world->comm);
 }
 
 int backend_world_rank() {
   MOECORE_CHECK(g_world, "comm: MPI backend used before comm_init");
+  const std::lock_guard<std::recursive_mutex> lock(comm_mutex());
   int r = 0;
   MPI_Comm_rank(g_world->comm, &r);
   return r;
@@ -320,6 +330,7 @@ int backend_tag_limit() {
 
 bool backend_all_failed_together(double wait_s) {
   if (g_control == MPI_COMM_NULL) return false;
+  const std::lock_guard<std::recursive_mutex> lock(comm_mutex());
   MPI_Request req = MPI_REQUEST_NULL;
   if (MPI_Ibarrier(g_control, &req) != MPI_SUCCESS) return false;
   using clock = std::chrono::steady_clock;
