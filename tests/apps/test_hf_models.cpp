@@ -360,7 +360,8 @@ void learn_resume_export(HfModels& t, const std::string& data, const nlohmann::j
   ASSERT_EQ(two.size(), 5u) << r.output;
   for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(two[i].second, one[i].second, 1e-5 * one[i].second) << i;
   if (config.contains("kv_lora_rank")) return;  // MLA under TP is not supported yet
-  // TP 2 + SP over two ranks: the imported weights split into tensor-parallel shards, the MoE layers under SP.
+  // TP 2 + SP over two ranks: the imported weights split into tensor-parallel shards (the experts into ETP 2 slices,
+  // ETP defaulting to TP), the MoE layers under SP.
   r = run_shell(testing::mpirun_command(2) + std::string(MOECORE_BINARY) + " " + five + t.p("tp.jsonl") +
                 " --micro-batch-size 4 --tensor-model-parallel-size 2 --sequence-parallel");
   ASSERT_EQ(r.status, 0) << r.output;

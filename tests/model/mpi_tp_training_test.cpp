@@ -278,6 +278,7 @@ TEST_F(Mpi, ExpertTensorParallelMatchesOneProcess) {
   if (P == 4) {
     check_layout(world, moe_model(false), {1, false, 2, 1, 2});
     check_layout(world, moe_model(false), {2, true, 2, 2, 2});
+    check_layout(world, mla_model(false), {2, true, 2, 1, 2});  // MLA + QK-norm (latent norms), folded
   }
   check_layout(world, moe_model(false), {2, true, ep, 1, 2}, /*zero=*/true);
   // Linear biases (Megatron's default): the fc1 bias split like fc1, the fc2 bias whole on the ETP ranks, added by
@@ -405,12 +406,14 @@ TEST_F(Mpi, ContextParallelMatchesOneProcess) {
     check_layout(world, llama_like(), {2, true, 1, 2});
     check_layout(world, gpt2_like(), {2, false, 1, 2});
     check_layout(world, moe_model(false), {2, true, 2, 2});  // attention TP 2 x CP 2, experts EP 2 x EDP 2
+    check_layout(world, mla_model(false), {2, true, 1, 2});
   }
 }
 
 // Eight ranks: TP 2 x EP 2 x DP 2 in Megatron's sense -- attention TP 2 x DP 4, experts EP 2 x EDP 4
 // -- with the distributed optimizer, and with the overlapped reduction and gather; TP 2 x CP 2 x DP 2 with the experts
-// over EP 2; a dense model under TP 2 x CP 2 x DP 2 with the distributed optimizer.
+// over EP 2; a dense model under TP 2 x CP 2 x DP 2 with the distributed optimizer; MLA with the experts over ETP 2 x
+// EP 2 x EDP 2.
 TEST_F(Mpi, EightRanksMatchOneProcess) {
   check_layout(world, moe_model(false), {2, true, 2});
   check_layout(world, moe_model(false), {2, true, 2}, /*zero=*/true);
@@ -420,6 +423,8 @@ TEST_F(Mpi, EightRanksMatchOneProcess) {
     EXPECT_EQ(std::memcmp(&overlapped.loss[i], &plain.loss[i], sizeof(double)), 0) << "step " << i + 1;
   check_layout(world, moe_model(false), {2, true, 2, 2});
   check_layout(world, gpt2_like(), {2, false, 1, 2}, /*zero=*/true);
+  // MLA + QK-norm with the experts split over ETP 2 (Megatron's default: ETP = TP) x EP 2 x EDP 2, distributed optimizer.
+  check_layout(world, mla_model(false), {2, true, 2, 1, 2}, /*zero=*/true);
 }
 
 // Generation's forward under CP (and TP 2 x CP 2): every position's logits, gathered over the group, equal one

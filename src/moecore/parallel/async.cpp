@@ -43,6 +43,7 @@ std::vector<std::shared_ptr<AsyncOp>>& abandoned_ops() {
 }
 bool g_in_progress = false;
 std::atomic<size_t> g_pending{0};  // pending_ops().size(), readable without the lock
+std::atomic<int> g_wanted{0};      // calling threads waiting for comm_mutex() (BlockedScope)
 
 // The progress thread's state (never destroyed, like the lists above).
 struct ProgressThread {
@@ -59,6 +60,37 @@ ProgressThread*& progress_thread() {
 // layer's backward, long enough that the thread takes little from the computing threads.
 constexpr auto kProgressInterval = std::chrono::microseconds(100);
 
+// One round over the pending operations, one operation per hold of the lock, giving way as soon as the calling thread
+// wants it (g_wanted): a comm call waits at most one operation's step (a transfer's copy, a chunk's sum), never a whole
+// round. Strong references are taken and dropped under the lock, so an operation's last reference (and the tensors it
+// keeps) never goes on this thread while its handle lives.
+void progress_round() {
+  std::vector<std::weak_ptr<AsyncOp>> ops;
+  {
+    std::unique_lock<std::recursive_mutex> l(comm_mutex(), std::try_to_lock);
+    if (!l.owns_lock()) return;  // inside a comm call the calling thread makes the progress itself
+    ops.assign(pending_ops().begin(), pending_ops().end());
+  }
+  for (const std::weak_ptr<AsyncOp>& w : ops) {
+    if (g_wanted.load() > 0) return;
+    std::unique_lock<std::recursive_mutex> l(comm_mutex(), std::try_to_lock);
+    if (!l.owns_lock()) return;
+    if (g_in_progress) continue;
+    if (const std::shared_ptr<AsyncOp> op = w.lock()) {
+      g_in_progress = true;
+      op->poll();  // (failures are kept in the op and rethrown by its wait)
+      g_in_progress = false;
+    }
+  }
+  const std::lock_guard<std::recursive_mutex> l(comm_mutex());
+  std::erase_if(pending_ops(), [](const std::shared_ptr<AsyncOp>& op) {
+    if (!op->finished() || op.use_count() == 1) return false;  // (an orphan goes on the calling thread's next round)
+    if (op->has_pending_requests()) abandoned_ops().push_back(op);
+    return true;
+  });
+  g_pending.store(pending_ops().size());
+}
+
 void progress_thread_main(ProgressThread* t) {
   const DeviceAccess access;  // the engine moves and sums device (sim) memory, as a collective does
   while (!t->stop.load()) {
@@ -67,11 +99,7 @@ void progress_thread_main(ProgressThread* t) {
       t->wake.wait_for(l, std::chrono::milliseconds(10), [t] { return t->stop.load() || g_pending.load() > 0; });
       continue;
     }
-    {
-      // Never wait for the calling thread: inside a comm call it makes the progress itself.
-      std::unique_lock<std::recursive_mutex> l(comm_mutex(), std::try_to_lock);
-      if (l.owns_lock()) progress_async();  // (failures are kept in the ops and rethrown by their wait)
-    }
+    progress_round();
     std::this_thread::sleep_for(kProgressInterval);
   }
 }
@@ -272,6 +300,13 @@ void AsyncOp::withdraw_self_transfers() {
 std::recursive_mutex& comm_mutex() {
   static auto* m = new std::recursive_mutex;
   return *m;
+}
+
+std::unique_lock<std::recursive_mutex> lock_for_call() {
+  g_wanted.fetch_add(1);
+  std::unique_lock<std::recursive_mutex> l(comm_mutex());
+  g_wanted.fetch_sub(1);
+  return l;
 }
 
 void start_progress_thread() {

@@ -2,7 +2,11 @@
 // group-rank order exactly as collectives.cpp does, so the bits equal the blocking forms'; MPI's reductions
 // are never used. Phases are matched by tags derived from the group's call number, so a phase posted late
 // (when a test or wait finds the previous one complete) can never pair with another call's messages.
+#include <algorithm>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <utility>
 
 #include "moecore/core/error.h"
@@ -11,6 +15,48 @@
 namespace moecore {
 namespace detail {
 namespace {
+
+// Staging buffers of the nonblocking collectives, reused across calls: a fresh multi-megabyte allocation per call
+// costs the posting thread its page faults (and std::vector's zeroing), milliseconds per gradient bucket. Released
+// buffers are kept (grow-only, bounded by the most ever in flight at once) and handed out smallest-fitting first.
+class Staging {
+ public:
+  Staging() = default;
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  ~Staging() {
+    if (!buf_) return;
+    const std::lock_guard<std::mutex> lock(pool_mutex());
+    pool().emplace(cap_, std::move(buf_));
+  }
+  void resize(size_t n) {  // once per op, before use; contents unspecified
+    const std::lock_guard<std::mutex> lock(pool_mutex());
+    auto& p = pool();
+    const auto it = p.lower_bound(n);
+    if (it != p.end()) {
+      cap_ = it->first;
+      buf_ = std::move(it->second);
+      p.erase(it);
+    } else {
+      cap_ = n;
+      buf_.reset(new std::byte[std::max<size_t>(n, 1)]);
+    }
+  }
+  std::byte* data() { return buf_.get(); }
+
+ private:
+  // (Never destroyed: an operation kept for good after a failure may release its buffer at exit.)
+  static std::multimap<size_t, std::unique_ptr<std::byte[]>>& pool() {
+    static auto* p = new std::multimap<size_t, std::unique_ptr<std::byte[]>>;
+    return *p;
+  }
+  static std::mutex& pool_mutex() {
+    static auto* m = new std::mutex;
+    return *m;
+  }
+  std::unique_ptr<std::byte[]> buf_;
+  size_t cap_ = 0;
+};
 
 // all_gather: block q of out comes from rank q, in one phase.
 class GatherOp final : public AsyncOp {
@@ -65,7 +111,7 @@ class ReduceScatterOp final : public AsyncOp {
   std::byte* out_;
   int64_t n_;
   DType t_;
-  std::vector<std::byte> parts_;  // [p, n]: every rank's block for this rank
+  Staging parts_;  // [p, n]: every rank's block for this rank
 };
 
 // all_reduce_sum in two phases, as collectives.cpp: rank r owns elements [n·r/p, n·(r+1)/p); phase 0 brings
@@ -113,8 +159,8 @@ class AllReduceOp final : public AsyncOp {
   std::byte* buf_;
   DType t_;
   int64_t es_ = 0;
-  std::vector<int64_t> displ_;    // [p + 1]: chunk boundaries
-  std::vector<std::byte> parts_;  // [p, my chunk]
+  std::vector<int64_t> displ_;  // [p + 1]: chunk boundaries
+  Staging parts_;               // [p, my chunk]
   int phase_ = 0;
 };
 

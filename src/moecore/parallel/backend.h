@@ -73,6 +73,8 @@ bool progress_async();
 // Serializes every MPI call and every touch of the nonblocking engine's state between the thread that called
 // comm_init and the progress thread (MPI_THREAD_SERIALIZED). Recursive: comm calls nest. Never destroyed.
 std::recursive_mutex& comm_mutex();
+// comm_mutex() for a comm call of the calling thread: the progress thread gives way to it between two operations.
+std::unique_lock<std::recursive_mutex> lock_for_call();
 // The progress thread (async.cpp): while nonblocking operations are pending and the calling thread is outside comm
 // calls (computing), it advances them every kProgressIntervalUs, so their transfers and rank-order sums overlap the
 // computation instead of waiting for the next comm call. Started by the MPI backend when MPI grants

@@ -18,7 +18,7 @@ int64_t now_ns() {
 
 BlockedScope::BlockedScope() {
   if (t_depth++ == 0) start_ns_ = now_ns();
-  lock_ = std::unique_lock<std::recursive_mutex>(comm_mutex());
+  lock_ = lock_for_call();
 }
 
 BlockedScope::~BlockedScope() {

@@ -320,7 +320,9 @@ class GradBuckets {
       const int k = bucket_of_[i];
       if (k >= 0 && --buckets_[static_cast<size_t>(k)].pending == 0) post(gpt, buckets_[static_cast<size_t>(k)]);
     }
-    if (overlap_)  // progress for the buckets in flight (the comm layer advances them inside comm calls only)
+    // Without the progress thread the comm layer advances the buckets in flight inside comm calls only: test them.
+    // With it, testing would only make this thread do the transfers and sums the progress thread does meanwhile.
+    if (overlap_ && !comm_progress_thread_running())
       for (Bucket& b : buckets_)
         if (b.pending == 0) b.handle.test();
   }
