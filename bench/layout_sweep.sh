@@ -3,11 +3,13 @@
 # process with 2 OpenMP threads as the reference, then `mpirun -np 2` with one thread per rank. Prints, per layout,
 # tokens/s relative to 1 rank x 2 threads (mean over the log intervals after the first, which holds start-up; best of
 # REPEATS alternating rounds, default 2) and the share of step time rank 0 spent blocked in communication
-# (comm/exposed_share: every collective, from the trainer's comm_blocked_seconds). Needs an MPI build and mpirun.
+# (comm/exposed_share: every collective, from the trainer's comm_blocked_seconds) and the part of it spent in the
+# gradient reduction (comm/grad_reduce_share). Needs an MPI build and mpirun.
 #   dense: GPT with hidden 1024 (16 heads, SwiGLU ffn 2816, 2 layers, seq 256): DP 2 (one 40M-element bucket, the
 #          default), DP 2 with 2M-element buckets without and with --overlap-grad-reduce, the same with the
 #          distributed optimizer (overlap: --overlap-grad-reduce --overlap-param-gather), TP 2, TP 2 + SP, CP 2
-#   moe:   4 layers, hidden 256, 8 experts top-2: EP 2 (alltoall), TP 2 + SP, TP 2 + SP with EP 2, CP 2 with EP 2
+#   moe:   4 layers, hidden 256, 8 experts top-2: EP 2 (alltoall), TP 2 + SP (experts over ETP 2, the default), TP 2
+#          + SP with ETP 1, alone and with EP 2, DP 2 with the experts over ETP 2, CP 2 with EP 2
 # Usage: bash bench/layout_sweep.sh [BINARY] [ITERS] [dense|moe|both]   (default build/apps/moecore, 16, both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,14 +56,16 @@ def best(tag):
         rows = [json.loads(l) for l in open(path) if '"tokens_per_s"' in l][1:]  # first interval: start-up
         tps = sum(r["tokens_per_s"] for r in rows) / len(rows)
         share = [r["comm/exposed_share"] for r in rows if "comm/exposed_share" in r]
-        res.append((tps, sum(share) / len(share) if share else float("nan")))
+        grads = [r["comm/grad_reduce_share"] for r in rows if "comm/grad_reduce_share" in r]
+        mean = lambda v: sum(v) / len(v) if v else float("nan")
+        res.append((tps, mean(share), mean(grads)))
     return max(res)
-ref, _ = best("ref")
+ref = best("ref")[0]
 print(f"layout_sweep {name}: 1 rank x 2 threads {ref:.0f} tokens/s (reference)")
 for i, layout in enumerate(layouts, 1):
-    tps, share = best(f"l{i}")
+    tps, share, grads = best(f"l{i}")
     print(f"layout_sweep {name}: {layout.split('|')[0]:<24} {tps:8.0f} tokens/s | ratio {tps / ref:.3f} | "
-          f"exposed comm {100 * share:.1f}% of step time")
+          f"exposed comm {100 * share:.1f}% of step time, of which the gradient reduction {100 * grads:.1f}%")
 PY
 }
 if [ "$which" != moe ]; then

@@ -78,6 +78,10 @@ class Cli : public ::testing::Test {
       const auto share = jsonl_field(p("two.jsonl"), "comm/exposed_share");
       ASSERT_EQ(share.size(), 5u) << extra;
       for (double v : share) EXPECT_TRUE(v > 0.0 && v < 1.0) << extra << ": " << v;
+      // The gradient reduction's part of it.
+      const auto grads = jsonl_field(p("two.jsonl"), "comm/grad_reduce_share");
+      ASSERT_EQ(grads.size(), 5u) << extra;
+      for (size_t i = 0; i < 5; ++i) EXPECT_TRUE(grads[i] >= 0.0 && grads[i] <= share[i]) << extra << ": " << grads[i];
     }
   }
   // The corpus as byte-level .bin/.idx under the prefix p("c") (data path p("c_text_document")).

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "moecore/core/rng.h"
@@ -207,7 +208,8 @@ struct MetricSinks {
 
 void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, double loss, double lr,
                   double grad_norm, double tokens_per_s, double tflops, const MoeStepLosses& moe_losses, bool per_layer,
-                  double comm_share, double exposed_comm_share, const std::vector<double>& mtp_losses) {
+                  double comm_share, double exposed_comm_share, double grad_reduce_share,
+                  const std::vector<double>& mtp_losses) {
   const moe::MoeConfig& mc = gpt.config().moe;
   std::vector<std::pair<std::string, double>> scalars = {{"lm loss", loss},
                                                          {"learning-rate", lr},
@@ -225,6 +227,7 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
   if (mc.enabled() && mc.z_loss_coeff > 0) scalars.emplace_back("z_loss", moe_losses.z_loss);
   if (comm_share >= 0) scalars.emplace_back("moe/dispatcher_comm_share", comm_share);
   if (exposed_comm_share >= 0) scalars.emplace_back("comm/exposed_share", exposed_comm_share);
+  if (grad_reduce_share >= 0) scalars.emplace_back("comm/grad_reduce_share", grad_reduce_share);
   if (per_layer) {
     for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
       const moe::RouterStats* stats = gpt.moe_stats(l);
@@ -685,6 +688,14 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   auto t_last = t_start;
   const int world_size = groups.world_size();  // ranks of the run (PP = 1)
   double blocked_last = comm_blocked_seconds();
+  // The part of it spent in the gradient reduction (the TP sums and the DP all-reduce or reduce-scatter): with
+  // --overlap-grad-reduce the posting during backward plus the final wait, else the whole reduction after backward.
+  double grad_reduce_blocked = 0;
+  struct BlockedIn {  // adds the blocked time of its scope to `acc`
+    double& acc;
+    double start = comm_blocked_seconds();
+    ~BlockedIn() { acc += comm_blocked_seconds() - start; }
+  };
   double loss_acc = 0;
   std::vector<double> mtp_acc(static_cast<size_t>(m.mtp_num_layers), 0.0);  // MTP losses over the log interval
   int64_t logged_steps = 0;
@@ -766,6 +777,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
       if (overlap && mb + 1 == micro_local) {  // the last backward: each bucket is reduced once its gradients are final
         if (zero) zero->begin_grad_reduction();
         gpt.set_grad_ready([&](size_t first, size_t end) {
+          const BlockedIn in_reduction{grad_reduce_blocked};
           gpt.sum_tensor_parallel_grads(first, end);
           if (zero)
             zero->grad_ready(first, end);
@@ -794,6 +806,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
       if (grp->size() > 1)
         for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l)
           if (moe::RouterState* st = gpt.router_state(l)) all_reduce_sum(st->local_tokens_per_expert, *grp);
+    std::optional<BlockedIn> in_reduction(std::in_place, grad_reduce_blocked);
     if (zero && overlap) {
       zero->finish_grad_reduction();  // (the TP sums ran as the gradients became final)
     } else if (zero) {
@@ -808,6 +821,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
         buckets->finish(gpt);
       }
     }
+    in_reduction.reset();
     bool skip = false;
     if (cfg.check_for_nan) {
       std::string bad = !std::isfinite(step_loss) ? std::string("lm loss")
@@ -872,6 +886,9 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
       const double exposed_share =
           world_size > 1 ? (blocked - blocked_last) / std::max(dt * static_cast<double>(cfg.log_interval), 1e-9) : -1.0;
       blocked_last = blocked;
+      const double grad_reduce_share =
+          world_size > 1 ? grad_reduce_blocked / std::max(dt * static_cast<double>(cfg.log_interval), 1e-9) : -1.0;
+      grad_reduce_blocked = 0;
       const double tflops = flops_per_step / std::max(dt, 1e-9) / 1e12;
       const double mean_loss = logged_steps ? loss_acc / static_cast<double>(logged_steps) : NAN;
       std::vector<double> mtp_mean(mtp_acc.size());
@@ -917,7 +934,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
         std::fflush(log);
       }
       emit_metrics(sinks, gpt, it + 1, mean_loss, lr, st.grad_norm, tokens_per_s, tflops, moe_losses,
-                   cfg.moe_per_layer_logging, comm_share, exposed_share, mtp_mean);
+                   cfg.moe_per_layer_logging, comm_share, exposed_share, grad_reduce_share, mtp_mean);
       loss_acc = 0;
       logged_steps = 0;
     }
