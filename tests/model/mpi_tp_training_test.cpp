@@ -423,7 +423,8 @@ TEST_F(Mpi, EightRanksMatchOneProcess) {
     EXPECT_EQ(std::memcmp(&overlapped.loss[i], &plain.loss[i], sizeof(double)), 0) << "step " << i + 1;
   check_layout(world, moe_model(false), {2, true, 2, 2});
   check_layout(world, gpt2_like(), {2, false, 1, 2}, /*zero=*/true);
-  // MLA + QK-norm with the experts split over ETP 2 (Megatron's default: ETP = TP) x EP 2 x EDP 2, distributed optimizer.
+  // MLA + QK-norm with the experts split over ETP 2 (Megatron's default: ETP = TP) x EP 2 x EDP 2, distributed
+  // optimizer.
   check_layout(world, mla_model(false), {2, true, 2, 1, 2}, /*zero=*/true);
 }
 
