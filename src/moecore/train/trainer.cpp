@@ -692,9 +692,12 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& confi
   // --overlap-grad-reduce the posting during backward plus the final wait, else the whole reduction after backward.
   double grad_reduce_blocked = 0;
   struct BlockedIn {  // adds the blocked time of its scope to `acc`
+    explicit BlockedIn(double& a) : acc(a) {}
+    BlockedIn(const BlockedIn&) = delete;
+    BlockedIn& operator=(const BlockedIn&) = delete;
+    ~BlockedIn() { acc += comm_blocked_seconds() - start; }
     double& acc;
     double start = comm_blocked_seconds();
-    ~BlockedIn() { acc += comm_blocked_seconds() - start; }
   };
   double loss_acc = 0;
   std::vector<double> mtp_acc(static_cast<size_t>(m.mtp_num_layers), 0.0);  // MTP losses over the log interval
