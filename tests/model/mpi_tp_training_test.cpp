@@ -323,6 +323,13 @@ TEST_F(Mpi, BfloatTensorParallelTracksOneProcess) {
   const Result ref = run(world, mc, Layout{0, false}, 5);
   const Result got = run(world, mc, Layout{P, true}, 5);
   for (size_t i = 0; i < 5; ++i) EXPECT_LE(rel(got.loss[i], ref.loss[i]), 2e-2) << "step " << i + 1;
+  // The MoE model with its experts over ETP 2: the slices' bf16 partial outputs are summed in f32 by the alltoall
+  // dispatcher's reduce-scatter.
+  model::ModelConfig moe = moe_model(false);
+  moe.compute_dtype = DType::bf16;
+  const Result moe_ref = run(world, moe, Layout{0, false}, 5);
+  const Result moe_got = run(world, moe, Layout{2, true, P / 2, 1, 2}, 5);
+  for (size_t i = 0; i < 5; ++i) EXPECT_LE(rel(moe_got.loss[i], moe_ref.loss[i]), 2e-2) << "MoE, step " << i + 1;
 }
 
 // The distributed optimizer (ZeRO-1) under TP: the moments sharded over DP (experts over EDP), the tensor-parallel
