@@ -65,7 +65,8 @@ constexpr auto kProgressInterval = std::chrono::microseconds(100);
 // round. Strong references are taken and dropped under the lock, so an operation's last reference (and the tensors it
 // keeps) never goes on this thread while its handle lives.
 void progress_round() {
-  std::vector<std::weak_ptr<AsyncOp>> ops;
+  static std::vector<std::weak_ptr<AsyncOp>> ops;  // this thread's only: reused, no allocation per round
+  ops.clear();
   {
     std::unique_lock<std::recursive_mutex> l(comm_mutex(), std::try_to_lock);
     if (!l.owns_lock()) return;  // inside a comm call the calling thread makes the progress itself
