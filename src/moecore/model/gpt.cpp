@@ -119,7 +119,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   check_tensor_parallel();
   const int CP = par_.cp.size();
   // S: this rank's positions of each sequence (all of them without context parallelism)
-  const int64_t L = cfg_.num_layers, H = cfg_.hidden_size, V = cfg_.vocab_size, S = cfg_.seq_length / CP;
+  const int64_t H = cfg_.hidden_size, V = cfg_.vocab_size, S = cfg_.seq_length / CP;
   const int64_t T = B_ * S, D = cfg_.head_dim(), G = cfg_.query_groups(), R = cfg_.num_attention_heads / G;
   const int64_t N = par_.sequence_parallel ? T / P : T;  // rows of the residual stream on this rank
   const DType c = cfg_.compute_dtype;
@@ -266,7 +266,6 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     bind(w.proj_bias, g.proj_bias, pre + "self_attention.linear_proj.bias");
     nn::MlaWeights& mw = mla_w_.emplace_back();  // left empty for standard attention
     nn::MlaGrads& mg = mla_g_.emplace_back();
-    mla_caches_.emplace_back();
     if (layer_mla) {
       const std::string sa = pre + "self_attention.";
       bind(mw.q, mg.q, sa + "linear_q_proj.weight");
@@ -278,7 +277,6 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       bind(mw.kv_up, mg.kv_up, sa + "linear_kv_up_proj.weight");
       bind(mw.kv_norm, mg.kv_norm, sa + "kv_layernorm.weight");
       bind(mw.kv_norm_bias, mg.kv_norm_bias, sa + "kv_layernorm.bias");
-      mla_caches_.back() = nn::mla_cache_alloc(mla_dims_, c, dims_.layernorm, device_);
     } else {
       bind(w.q_norm, g.q_norm, pre + "self_attention.q_layernorm.weight");
       bind(w.q_norm_bias, g.q_norm_bias, pre + "self_attention.q_layernorm.bias");
@@ -290,11 +288,9 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       bind(w.fc2, g.fc2, pre + "mlp.linear_fc2.weight");
       bind(w.fc1_bias, g.fc1_bias, pre + "mlp.linear_fc1.bias");
       bind(w.fc2_bias, g.fc2_bias, pre + "mlp.linear_fc2.bias");
-      caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/true, /*with_attention=*/!layer_mla));
       moe_.push_back(nullptr);
       continue;
     }
-    caches_.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/false, /*with_attention=*/!layer_mla));
     auto m = std::make_unique<MoeBlock>();
     Param* router = find(pre + "mlp.router.weight");
     m->w.router = {router->value, router->compute};
@@ -314,10 +310,6 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     // The layer's noise stream (jitter, forced balancing); under sequence parallelism each TP rank's tokens draw
     // from their own.
     m->state.stream = static_cast<uint64_t>(l) + (par_.sequence_parallel ? (uint64_t{1} << 32) * par_.tp.rank() : 0);
-    const MoeBlock* first = nullptr;
-    for (const auto& prev : moe_)
-      if (prev && !first) first = prev.get();
-    m->cache = moe::moe_layer_cache_alloc(moe_dims_, mc, first ? &first->cache : nullptr);
     moe_.push_back(std::move(m));
   }
   final_norm_ = find("decoder.final_layernorm.weight");
@@ -352,11 +344,10 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       *t = Tensor::empty({N, H}, DType::f32, MemCategory::workspace, device_);
   }
 
-  for (int64_t l = 0; l <= L; ++l) residual_.push_back(act({N, H}, DType::f32));
-  final_rstd_ = act({N}, DType::f32);
-  if (dims_.layernorm) final_mean_ = act({N}, DType::f32);
-  final_h_ = act({N, H}, c);
-  if (par_.sequence_parallel) final_full_ = act({T, H}, c);
+  slots_.push_back(alloc_activations());
+  // The final norm's output is read by the loss heads within forward: one buffer for every slot.
+  final_h_ = Tensor::empty({N, H}, c, MemCategory::workspace, device_);
+  if (par_.sequence_parallel) final_full_ = Tensor::empty({T, H}, c, MemCategory::workspace, device_);
   // Constant tables are computed on the host and uploaded once.
   // The global position of this rank's position s of a sequence (context parallelism: its two chunks).
   if (CP > 1)
@@ -384,7 +375,6 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       positions_local_ = local.to_device(device_, MemCategory::workspace);
     }
   }
-  drops_.resize(layers_.size());
   ws_ = nn::dense_layer_workspace_alloc(dims_, /*with_attention=*/standard_attention_);
   if (mla) mla_ws_ = nn::mla_workspace_alloc(mla_dims_, c, device_);
   head_ws_ = nn::lm_head_workspace_alloc(T, V / P, c, device_, P);
@@ -395,9 +385,44 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     moe_out_ = work({N, H}, DType::f32);
   }
   dh_ = work({T, H}, DType::f32);
-  ids_ = work({T}, DType::i32);
   labels_ = work({T}, DType::i32);
   refresh_compute_weights();
+}
+
+// One slot's buffers: every layer's cache by its kind. MoE layers share their scratch with the first MoE layer of
+// slot 0 (dead between a layer's forward and its backward, so dead between micro-batches too).
+GptModel::Activations GptModel::alloc_activations() const {
+  const int64_t N = dims_.N, H = cfg_.hidden_size, T = B_ * (cfg_.seq_length / par_.cp.size());
+  auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations, device_); };
+  const moe::MoeLayerCache* donor = nullptr;
+  if (!slots_.empty())
+    for (const moe::MoeLayerCache& mc : slots_[0].moe)
+      if (mc.probs.defined() && !donor) donor = &mc;
+  Activations a;
+  a.moe.reserve(layers_.size());  // (donor points into it)
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const bool layer_mla = layers_[l].attention == AttentionKind::mla;
+    a.layer.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/!moe_[l], /*with_attention=*/!layer_mla));
+    a.mla.push_back(layer_mla ? nn::mla_cache_alloc(mla_dims_, cfg_.compute_dtype, dims_.layernorm, device_)
+                              : nn::MlaCache{});
+    a.moe.push_back(moe_[l] ? moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe, donor) : moe::MoeLayerCache{});
+    if (moe_[l] && !donor) donor = &a.moe.back();
+  }
+  a.drops.resize(layers_.size());
+  for (int64_t l = 0; l <= cfg_.num_layers; ++l) a.residual.push_back(act({N, H}, DType::f32));
+  a.final_rstd = act({N}, DType::f32);
+  if (dims_.layernorm) a.final_mean = act({N}, DType::f32);
+  a.ids = act({T}, DType::i32);
+  a.dfinal = act({N, H}, DType::f32);
+  return a;
+}
+
+void GptModel::set_micro_batch_slots(int64_t n) {
+  if (n < 1) MOECORE_FAIL("model: micro-batch slots (", n, ") must be at least 1");
+  slots_.reserve(static_cast<size_t>(n));
+  while (micro_batch_slots() < n) slots_.push_back(alloc_activations());
+  slots_.resize(static_cast<size_t>(n));
+  slot_ = 0;
 }
 
 const char* GptModel::dispatcher_name() const {
@@ -413,7 +438,7 @@ void GptModel::finish_step(bool update) {
 
 const moe::RouterStats* GptModel::moe_stats(int64_t layer) const {
   const auto& m = moe_.at(static_cast<size_t>(layer));
-  return m ? &m->cache.stats : nullptr;
+  return m ? &slots_[slot_].moe[static_cast<size_t>(layer)].stats : nullptr;
 }
 
 moe::RouterState* GptModel::router_state(int64_t layer) {
@@ -460,6 +485,7 @@ void GptModel::set_dropout_keys(bool training) {
   // model-parallel RNG tracker; masks over replicated data stay equal on every rank. Under CP every mask gets a key
   // per CP rank.
   const int tp_rank = par_.tp.rank();
+  Activations& a = act();
   auto key = [&](float p, int64_t layer, const char* site, bool per_rank) {
     ops::Dropout d;
     if (!training || p <= 0.0f) return d;
@@ -476,44 +502,45 @@ void GptModel::set_dropout_keys(bool training) {
     return d;
   };
   const bool sp = par_.sequence_parallel;
-  embedding_drop_ = key(cfg_.hidden_dropout, -1, "embedding", sp);
+  a.embedding_drop = key(cfg_.hidden_dropout, -1, "embedding", sp);
   for (size_t j = 0; j < mtp_.size(); ++j)
     mtp_[j].drop = key(cfg_.hidden_dropout, cfg_.num_layers + static_cast<int64_t>(j), "mtp_embedding", sp);
-  for (size_t l = 0; l < drops_.size(); ++l) {
+  for (size_t l = 0; l < a.drops.size(); ++l) {
     const auto i = static_cast<int64_t>(l);
-    drops_[l] = {key(cfg_.attention_dropout, i, "attention", true), key(cfg_.hidden_dropout, i, "attn_out", sp),
-                 key(cfg_.hidden_dropout, i, "mlp_out", sp)};
+    a.drops[l] = {key(cfg_.attention_dropout, i, "attention", true), key(cfg_.hidden_dropout, i, "attn_out", sp),
+                  key(cfg_.hidden_dropout, i, "mlp_out", sp)};
   }
 }
 
 void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   const ops::Context ctx{device_};
-  const int64_t T = ids_.numel();
+  Activations& a = act();
+  const int64_t T = a.ids.numel();
   if (tokens.dtype() != DType::i32 || tokens.numel() != T)
     MOECORE_FAIL("model: tokens must be i32 [", B_, ", ", T / B_, "], got ", tokens.str());
-  ids_.copy_from(tokens.view({T}));
+  a.ids.copy_from(tokens.view({T}));
   // Set here: pointers into this object stay valid across moves.
   moe_dims_.global_aux_group = &par_.dp;
   moe_dims_.sequence_group = sequence_group();
   dims_.tp = &par_.tp;
   if (dims_.cp) dims_.cp = &par_.cp;
   set_dropout_keys(training);
-  Tensor& x0 = residual_[0];
+  Tensor& x0 = a.residual[0];
   params_needed(embedding_params_);
-  embed(x0, ids_, ctx);
+  embed(x0, a.ids, ctx);
   if (position_embedding_) {
     ops::embedding_forward(dres_, par_.sequence_parallel ? positions_local_ : positions_, position_embedding_->value,
                            ctx);
     ops::add(x0, x0, dres_, ctx);
   }
-  if (embedding_drop_.active()) ops::dropout_forward(x0, x0, embedding_drop_, ctx);
+  if (a.embedding_drop.active()) ops::dropout_forward(x0, x0, a.embedding_drop, ctx);
   for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l) {
     params_needed(layer_params_[l]);
-    layer_forward(l, residual_[l], residual_[l + 1], training, ctx);
+    layer_forward(l, a.residual[l], a.residual[l + 1], training, ctx);
   }
   params_needed(final_norm_params_);
   params_needed(output_params_);  // (read by every loss head after the trunk; empty when tied)
-  nn::norm_forward(final_h_, final_mean_, final_rstd_, residual_.back(), final_norm_->value,
+  nn::norm_forward(final_h_, a.final_mean, a.final_rstd, a.residual.back(), final_norm_->value,
                    final_norm_bias_ ? final_norm_bias_->value : Tensor(), cfg_.norm_epsilon, ctx);
   if (par_.sequence_parallel) all_gather_into(by_sequence(final_full_), by_sequence(final_h_), 1, par_.tp);
 }
@@ -556,29 +583,31 @@ Tensor GptModel::by_sequence(const Tensor& t) const {
 
 // Transformer layer l (a decoder layer, or for l >= num_layers an MTP depth's): y from x, both [N, H] f32.
 void GptModel::layer_forward(size_t l, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx) {
+  Activations& a = act();
   if (layers_[l].attention == AttentionKind::standard)
-    nn::attention_block_forward(x, layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l], ctx);
+    nn::attention_block_forward(x, layer_w_[l], a.layer[l], ws_, rope_, dims_, a.drops[l], ctx);
   else
-    nn::mla_block_forward(x, layer_w_[l], mla_w_[l], caches_[l], mla_caches_[l], ws_, mla_ws_, rope_, dims_, mla_dims_,
-                          drops_[l], ctx);
+    nn::mla_block_forward(x, layer_w_[l], mla_w_[l], a.layer[l], a.mla[l], ws_, mla_ws_, rope_, dims_, mla_dims_,
+                          a.drops[l], ctx);
   if (moe_[l])
     moe_mlp_forward(l, y, training, ctx);
   else
-    nn::mlp_block_forward(y, layer_w_[l], caches_[l], ws_, dims_, drops_[l], ctx);
+    nn::mlp_block_forward(y, layer_w_[l], a.layer[l], ws_, dims_, a.drops[l], ctx);
 }
 
 // dres_: dL/dy on entry, dL/dx on return.
 void GptModel::layer_backward(size_t l, const Tensor& x, float grad_scale, const ops::Context& ctx) {
+  Activations& a = act();
   if (moe_[l])
     moe_mlp_backward(l, grad_scale, ctx);
   else
-    nn::mlp_block_backward(dres_, layer_g_[l], layer_w_[l], caches_[l], ws_, dims_, drops_[l], ctx);
+    nn::mlp_block_backward(dres_, layer_g_[l], layer_w_[l], a.layer[l], ws_, dims_, a.drops[l], ctx);
   // dres is dL/dx_mid here.
   if (layers_[l].attention == AttentionKind::standard)
-    nn::attention_block_backward(dres_, layer_g_[l], x, layer_w_[l], caches_[l], ws_, rope_, dims_, drops_[l], ctx);
+    nn::attention_block_backward(dres_, layer_g_[l], x, layer_w_[l], a.layer[l], ws_, rope_, dims_, a.drops[l], ctx);
   else
-    nn::mla_block_backward(dres_, layer_g_[l], mla_g_[l], x, layer_w_[l], mla_w_[l], caches_[l], mla_caches_[l], ws_,
-                           mla_ws_, rope_, dims_, mla_dims_, drops_[l], ctx);
+    nn::mla_block_backward(dres_, layer_g_[l], mla_g_[l], x, layer_w_[l], mla_w_[l], a.layer[l], a.mla[l], ws_, mla_ws_,
+                           rope_, dims_, mla_dims_, a.drops[l], ctx);
 }
 
 // Megatron's roll_tensor along each sequence: out[b, s] = in[b, s + 1], the last position `fill`. Host tensors: the
@@ -672,14 +701,15 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
 void GptModel::moe_mlp_forward(size_t l, Tensor& y, bool training, const ops::Context& ctx) {
   const int64_t S = dims_.N / B_, H = cfg_.hidden_size;  // S: this rank's positions of each sequence
   MoeBlock& m = *moe_[l];
-  nn::mlp_norm_forward(layer_w_[l], caches_[l], dims_, ctx);
+  Activations& a = act();
+  nn::mlp_norm_forward(layer_w_[l], a.layer[l], dims_, ctx);
   Tensor x_sb = moe_x_.view({S, B_, H}), out_sb = moe_out_.view({S, B_, H});
   Tensor out_bs = ws_.dh.slice(0, 0, dims_.N).view({B_, S, H});
-  ops::transpose_01(x_sb, caches_[l].h2.view({B_, S, H}), ctx);
-  moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, m.cache, *dispatcher_, moe_dims_, cfg_.moe, training,
-                         ctx);
+  ops::transpose_01(x_sb, a.layer[l].h2.view({B_, S, H}), ctx);
+  moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, a.moe[l], *dispatcher_, moe_dims_, cfg_.moe,
+                         training, ctx);
   ops::transpose_01(out_bs, out_sb, ctx);
-  ops::bias_dropout_add(y, caches_[l].x_mid, ws_.dh.slice(0, 0, dims_.N), Tensor(), drops_[l].mlp_out, ctx);
+  ops::bias_dropout_add(y, a.layer[l].x_mid, ws_.dh.slice(0, 0, dims_.N), Tensor(), a.drops[l].mlp_out, ctx);
 }
 
 // dres is dL/d(layer output) on entry, dL/dx_mid on return. The MoE output's gradient goes through the dropout and
@@ -687,15 +717,16 @@ void GptModel::moe_mlp_forward(size_t l, Tensor& y, bool training, const ops::Co
 void GptModel::moe_mlp_backward(size_t l, float grad_scale, const ops::Context& ctx) {
   const int64_t N = dims_.N, S = N / B_, H = cfg_.hidden_size;  // S: this rank's positions of each sequence
   MoeBlock& m = *moe_[l];
+  Activations& a = act();
   Tensor dx = dh_.slice(0, 0, N), dh2_flat = ws_.dh.slice(0, 0, N);
   Tensor dout_sb = moe_out_.view({S, B_, H}), dx_sb = dx.view({S, B_, H}), dh2 = dh2_flat.view({B_, S, H});
   Tensor x_sb = moe_x_.view({S, B_, H}), no_bias;
-  ops::bias_dropout_add_backward(dh2_flat, no_bias, dres_, drops_[l].mlp_out, ctx);
+  ops::bias_dropout_add_backward(dh2_flat, no_bias, dres_, a.drops[l].mlp_out, ctx);
   ops::transpose_01(dout_sb, dh2, ctx);
-  ops::transpose_01(x_sb, caches_[l].h2.view({B_, S, H}), ctx);
-  moe::moe_layer_backward(dx, m.g, moe_out_, moe_x_, m.w, m.cache, *dispatcher_, moe_dims_, cfg_.moe, grad_scale, ctx);
+  ops::transpose_01(x_sb, a.layer[l].h2.view({B_, S, H}), ctx);
+  moe::moe_layer_backward(dx, m.g, moe_out_, moe_x_, m.w, a.moe[l], *dispatcher_, moe_dims_, cfg_.moe, grad_scale, ctx);
   ops::transpose_01(dh2, dx_sb, ctx);
-  nn::mlp_norm_backward(dres_, layer_g_[l], dh2_flat, layer_w_[l], caches_[l], dims_, ctx);
+  nn::mlp_norm_backward(dres_, layer_g_[l], dh2_flat, layer_w_[l], a.layer[l], dims_, ctx);
 }
 
 namespace {
@@ -719,7 +750,16 @@ double GptModel::read_loss_sum() const {
   return totals[0];
 }
 
-LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale) {
+void GptModel::use_slot(int64_t slot) {
+  if (slot < 0 || slot >= micro_batch_slots())
+    MOECORE_FAIL("model: micro-batch slot ", slot, " out of range: the model has ", micro_batch_slots(),
+                 " (set_micro_batch_slots)");
+  slot_ = static_cast<size_t>(slot);
+}
+
+LossResult GptModel::forward(int64_t slot, const Tensor& tokens, const Tensor& labels, float grad_scale) {
+  use_slot(slot);
+  Activations& a = act();
   const ops::Context ctx{device_};
   const int64_t S = cfg_.seq_length;
   const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
@@ -733,35 +773,40 @@ LossResult GptModel::forward_backward(const Tensor& tokens, const Tensor& labels
     mtp_backward(r, grad_scale, ctx);
   }
   const bool sp = par_.sequence_parallel;
-  nn::lm_head_loss(&dh_, &output_->grad, head_input(), output_->compute, labels_, token_scale, head_ws_, ctx,
-                   head_group(), /*reduce_dh=*/!sp);
+  // (under SP the head's partial input gradients of every token, reduce-scattered to this rank's rows)
+  nn::lm_head_loss(sp ? &dh_ : &a.dfinal, &output_->grad, head_input(), output_->compute, labels_, token_scale,
+                   head_ws_, ctx, head_group(), /*reduce_dh=*/!sp);
   r.loss_sum = read_loss_sum();
   if (par_.cp.size() > 1) all_reduce_sum(std::span<double>(&r.loss_sum, 1), par_.cp);
   if (output_ != embedding_) grad_ready(output_params_);
-  Tensor dfinal = dh_;
-  if (sp) {  // the head's partial input gradients, reduce-scattered to this rank's rows
-    dfinal = ws_.dh_local;
-    reduce_scatter_from(by_sequence(dfinal), by_sequence(dh_), 1, par_.tp);
-  }
-  if (!mtp_.empty()) ops::add(dfinal, dfinal, mtp_carry_, ctx);  // h_0 also fed the first MTP depth
-  Tensor no_grad;
-  nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, dfinal,
-                    residual_.back(), final_norm_->value, final_norm_bias_ ? final_norm_bias_->value : Tensor(),
-                    final_mean_, final_rstd_, false, ctx);
-  grad_ready(final_norm_params_);
-  for (size_t l = static_cast<size_t>(cfg_.num_layers); l-- > 0;) {
-    layer_backward(l, residual_[l], grad_scale, ctx);
-    grad_ready(layer_params_[l]);
-  }
-  if (embedding_drop_.active()) ops::dropout_backward(dres_, dres_, embedding_drop_, ctx);
-  embed_backward(dres_, ids_, ctx);
-  // (under SP embed_backward left every token's gradient in dh_: the positions' table is whole on every rank)
-  if (position_embedding_) ops::embedding_backward(position_embedding_->grad, positions_, sp ? dh_ : dres_, ctx);
-  grad_ready(embedding_params_);  // (the output layer too when tied: it is the embedding)
+  if (sp) reduce_scatter_from(by_sequence(a.dfinal), by_sequence(dh_), 1, par_.tp);
+  if (!mtp_.empty()) ops::add(a.dfinal, a.dfinal, mtp_carry_, ctx);  // h_0 also fed the first MTP depth
   return r;
 }
 
+void GptModel::backward(int64_t slot, float grad_scale) {
+  use_slot(slot);
+  Activations& a = act();
+  const ops::Context ctx{device_};
+  Tensor no_grad;
+  nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, a.dfinal,
+                    a.residual.back(), final_norm_->value, final_norm_bias_ ? final_norm_bias_->value : Tensor(),
+                    a.final_mean, a.final_rstd, false, ctx);
+  grad_ready(final_norm_params_);
+  for (size_t l = static_cast<size_t>(cfg_.num_layers); l-- > 0;) {
+    layer_backward(l, a.residual[l], grad_scale, ctx);
+    grad_ready(layer_params_[l]);
+  }
+  if (a.embedding_drop.active()) ops::dropout_backward(dres_, dres_, a.embedding_drop, ctx);
+  embed_backward(dres_, a.ids, ctx);
+  // (under SP embed_backward left every token's gradient in dh_: the positions' table is whole on every rank)
+  if (position_embedding_)
+    ops::embedding_backward(position_embedding_->grad, positions_, par_.sequence_parallel ? dh_ : dres_, ctx);
+  grad_ready(embedding_params_);  // (the output layer too when tied: it is the embedding)
+}
+
 LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
+  use_slot(0);
   const ops::Context ctx{device_};
   const int64_t S = cfg_.seq_length;
   const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
@@ -776,6 +821,7 @@ LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
 }
 
 void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
+  use_slot(0);
   const ops::Context ctx{device_};
   const int CP = par_.cp.size();
   Tensor h;  // every position's hidden state, [B*S, H]
@@ -810,38 +856,40 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
     at(MemCategory::gradients) += p.grad.nbytes();
   }
   at(MemCategory::optimizer_state) = optimizer_state_bytes_per_param * num_parameters();
-  int64_t layer_cache = 0, moe_cache = 0;
-  size_t l = 0;
-  auto layer_mla = [&](size_t i) { return layers_[i].attention == AttentionKind::mla; };
   for (const auto& m : moe_) {
     if (m && m->state.expert_bias.defined()) at(MemCategory::parameters) += m->state.expert_bias.nbytes();
     if (m) at(MemCategory::other) += moe::router_state_bytes(m->state);  // the router's device-resident counters
-    layer_cache += nn::dense_layer_cache_bytes(dims_, m == nullptr, !layer_mla(l));
-    if (layer_mla(l)) layer_cache += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
-    ++l;
-    if (m) moe_cache += moe::moe_layer_cache_bytes(m->cache);
   }
-  // MoE caches mix saved activations and backward scratch; the plan counts them as activations.
-  at(MemCategory::activations) = layer_cache + moe_cache;
+  auto count = [&](MemCategory c, std::initializer_list<const Tensor*> ts) {
+    for (const Tensor* t : ts)
+      if (t->defined()) at(c) += t->nbytes();
+  };
+  // Every slot's activations (set_micro_batch_slots). MoE caches mix saved activations and backward scratch (owned by
+  // one cache of slot 0); the plan counts them as activations.
+  for (const Activations& a : slots_) {
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const bool layer_mla = layers_[l].attention == AttentionKind::mla;
+      at(MemCategory::activations) += nn::dense_layer_cache_bytes(dims_, moe_[l] == nullptr, !layer_mla);
+      if (layer_mla)
+        at(MemCategory::activations) += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
+      if (moe_[l]) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.moe[l]);
+    }
+    for (const Tensor& r : a.residual) count(MemCategory::activations, {&r});
+    count(MemCategory::activations, {&a.final_mean, &a.final_rstd, &a.ids, &a.dfinal});
+  }
   at(MemCategory::workspace) =
       nn::dense_layer_workspace_bytes(dims_, standard_attention_) +
       (mla_ws_.q.defined() ? nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype) : 0) +
       nn::lm_head_workspace_bytes(dims_.tokens(), cfg_.vocab_size / par_.tp.size(), cfg_.compute_dtype, par_.tp.size());
   // The model's own buffers, by the tensors themselves (each is allocated in one place, the constructor).
-  auto count = [&](MemCategory c, std::initializer_list<const Tensor*> ts) {
-    for (const Tensor* t : ts)
-      if (t->defined()) at(c) += t->nbytes();
-  };
-  for (const Tensor& r : residual_) count(MemCategory::activations, {&r});
-  count(MemCategory::activations, {&final_mean_, &final_rstd_, &final_h_, &final_full_});
   for (const MtpDepth& d : mtp_) {
     count(MemCategory::activations, {&d.ids, &d.labels, &d.e, &d.hin, &d.x, &d.y, &d.en, &d.hn, &d.h, &d.e_mean,
                                      &d.e_rstd, &d.h_mean, &d.h_rstd, &d.f_mean, &d.f_rstd});
     count(MemCategory::workspace, {&d.ids_h, &d.labels_h});  // host: the rolled batch before its upload
   }
   count(MemCategory::workspace,
-        {&rope_, &positions_, &positions_local_, &dres_, &dh_, &ids_, &labels_, &moe_x_, &moe_out_, &mtp_dx_c_,
-         &mtp_carry_, &mtp_dn_, &mtp_dfn_, &mtp_h_full_, &cp_tokens_h_, &cp_labels_h_});
+        {&rope_, &positions_, &positions_local_, &dres_, &dh_, &labels_, &final_h_, &final_full_, &moe_x_, &moe_out_,
+         &mtp_dx_c_, &mtp_carry_, &mtp_dn_, &mtp_dfn_, &mtp_h_full_, &cp_tokens_h_, &cp_labels_h_});
   return plan;
 }
 

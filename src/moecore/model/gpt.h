@@ -111,7 +111,7 @@ class GptModel {
   // Once per optimizer step, after the update: expert-bias updates and MoE counter resets. A skipped step
   // (non-finite gradients) passes update=false: counters reset, expert biases untouched.
   void finish_step(bool update = true);
-  // Router statistics of the last forward of layer l; nullptr for dense layers.
+  // Router statistics of layer l of the last forward (of its slot); nullptr for dense layers.
   const moe::RouterStats* moe_stats(int64_t layer) const;
   bool is_moe_layer(int64_t layer) const { return moe_[static_cast<size_t>(layer)] != nullptr; }
   moe::RouterState* router_state(int64_t layer);  // nullptr for dense layers
@@ -132,14 +132,33 @@ class GptModel {
     dropout_micro_batch_ = micro_batch;
   }
 
+  // Micro-batches in flight (pipeline schedules): each slot holds one micro-batch's activations from its forward to
+  // its backward -- the layers' caches, the residual stream, the final norm's statistics, the dropout masks' keys, the
+  // token ids and the gradient the loss heads sent into the decoder's output. The model is built with one slot;
+  // set_micro_batch_slots(n) sizes the pool for a schedule (memory_plan counts every slot). The shared workspaces
+  // (scratch of one forward or backward at a time) stay single.
+  void set_micro_batch_slots(int64_t n);
+  int64_t micro_batch_slots() const { return static_cast<int64_t>(slots_.size()); }
+
   // tokens, labels [B, S] i32 (label < 0: not counted), the batch as the data loader hands it over (host memory;
   // a device batch is copied to the host first): the counted tokens and the MTP depths' rolled ids and labels are
-  // prepared there, then uploaded. Adds grad_scale * d(mean loss)/d(param) to every gradient and returns the
-  // loss: the loss totals are read back once per loss head (the step's host synchronisation for logging).
-  // The mean is over this micro-batch's counted tokens. Under context parallelism every rank of the group passes
-  // the whole batch and takes its positions; the loss and its token count are the group's (summed over it), and
-  // this rank's gradients are its share of the group's (the data-parallel reduction sums them over DP x CP).
-  LossResult forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale);
+  // prepared there, then uploaded. forward(slot) runs the decoder into `slot` and the loss heads (the output layer
+  // and every MTP depth) with their backward down to the decoder's output: the heads' gradient is taken at once,
+  // so no slot keeps logits. backward(slot) runs the rest: the final norm, the decoder layers and the embeddings.
+  // Together they add grad_scale * d(mean loss)/d(param) to every gradient; forward returns the loss (the loss
+  // totals are read back once per loss head: the step's host synchronisation for logging). The mean is over this
+  // micro-batch's counted tokens. Under context parallelism every rank of the group passes the whole batch and
+  // takes its positions; the loss and its token count are the group's (summed over it), and this rank's gradients
+  // are its share of the group's (the data-parallel reduction sums them over DP x CP). Slots are independent:
+  // forwards of several slots may precede their backwards in any order.
+  LossResult forward(int64_t slot, const Tensor& tokens, const Tensor& labels, float grad_scale);
+  void backward(int64_t slot, float grad_scale);
+  // One micro-batch in slot 0: forward, then backward.
+  LossResult forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale) {
+    LossResult r = forward(0, tokens, labels, grad_scale);
+    backward(0, grad_scale);
+    return r;
+  }
   LossResult evaluate(const Tensor& tokens, const Tensor& labels);
   // logits [B*S, V] f32 for the given tokens (generation, tests); under CP collective over the group.
   void forward_logits(Tensor& logits, const Tensor& tokens);
@@ -196,21 +215,33 @@ class GptModel {
   Param* output_ = nullptr;           // the embedding when tied
   std::vector<nn::DenseLayerWeights> layer_w_;
   std::vector<nn::DenseLayerGrads> layer_g_;
-  std::vector<nn::DenseLayerCache> caches_;
   // MLA (--multi-latent-attention): per layer, empty for standard-attention layers.
   nn::MlaDims mla_dims_;
   std::vector<nn::MlaWeights> mla_w_;
   std::vector<nn::MlaGrads> mla_g_;
-  std::vector<nn::MlaCache> mla_caches_;
   nn::MlaWorkspace mla_ws_;
-  std::vector<nn::LayerDropout> drops_;  // per layer, this forward's masks
-  ops::Dropout embedding_drop_;
   struct MoeBlock {
     moe::MoeLayerWeights w;
     moe::MoeLayerGrads g;
     moe::RouterState state;
-    moe::MoeLayerCache cache;
   };
+  // One micro-batch's activations, kept from its forward to its backward (set_micro_batch_slots).
+  struct Activations {
+    std::vector<nn::DenseLayerCache> layer;  // per layer (decoder, then MTP)
+    std::vector<nn::MlaCache> mla;           // per layer; empty for standard attention
+    std::vector<moe::MoeLayerCache> moe;     // per layer; empty for dense layers (scratch shared by every slot)
+    std::vector<nn::LayerDropout> drops;     // per layer, this forward's masks
+    ops::Dropout embedding_drop;
+    std::vector<Tensor> residual;   // L+1 tensors [N, H] f32: embedding output, then each layer's output
+    Tensor final_mean, final_rstd;  // [N] f32 (mean: LayerNorm only)
+    Tensor ids;                     // [T] i32: the token ids (the embeddings' backward reads them)
+    Tensor dfinal;                  // [N, H] f32: dL/d(final norm output) from the loss heads
+  };
+  Activations alloc_activations() const;
+  void use_slot(int64_t slot);  // checked
+  Activations& act() { return slots_[slot_]; }
+  std::vector<Activations> slots_;
+  size_t slot_ = 0;                             // the slot the running (or last) forward or backward works on
   std::vector<std::unique_ptr<MoeBlock>> moe_;  // per layer (decoder, then MTP); null for dense layers
   // One multi-token-prediction depth: its parameters and activations (its transformer layer is layer L + depth of
   // the per-layer arrays).
@@ -242,20 +273,18 @@ class GptModel {
     if (params_needed_ && r.first < r.second) params_needed_(r.first, r.second);
   }
   std::unique_ptr<moe::Dispatcher> dispatcher_;
-  Tensor moe_x_;                    // [S*B, H] compute: the MoE input in Megatron's sequence-major token order
-  Tensor moe_out_;                  // [S*B, H] f32: MoE output (sequence-major); in backward its gradient
-  std::vector<Tensor> residual_;    // L+1 tensors [N, H] f32: embedding output, then each layer's output
-  Tensor final_mean_, final_rstd_;  // [N] f32 (mean: LayerNorm only)
-  Tensor final_h_;                  // [N, H] compute (N: this rank's rows under sequence parallelism)
-  Tensor final_full_;               // [T, H] compute: final_h_ all-gathered (sequence parallelism only)
-  Tensor rope_;                     // [S, Dr] f32 (RoPE only; Dr = rotary dim); rows: this CP rank's positions
-  Tensor positions_;                // [T] i32: position of each token (learned absolute positions only)
-  Tensor positions_local_;          // [N] i32: those of this rank's rows (sequence parallelism only)
+  Tensor moe_x_;            // [S*B, H] compute: the MoE input in Megatron's sequence-major token order
+  Tensor moe_out_;          // [S*B, H] f32: MoE output (sequence-major); in backward its gradient
+  Tensor final_h_;          // [N, H] compute: the final norm's output (N: this rank's rows under sequence parallelism)
+  Tensor final_full_;       // [T, H] compute: final_h_ all-gathered (sequence parallelism only)
+  Tensor rope_;             // [S, Dr] f32 (RoPE only; Dr = rotary dim); rows: this CP rank's positions
+  Tensor positions_;        // [T] i32: position of each token (learned absolute positions only)
+  Tensor positions_local_;  // [N] i32: those of this rank's rows (sequence parallelism only)
   nn::DenseLayerWorkspace ws_;
   nn::LmHeadWorkspace head_ws_;
   Tensor dres_;                       // [N, H] f32
   Tensor dh_;                         // [T, H] f32
-  Tensor ids_, labels_;               // [T] i32 flat copies
+  Tensor labels_;                     // [T] i32 flat copy
   Tensor cp_tokens_h_, cp_labels_h_;  // [T] i32 host: this CP rank's positions of the batch (CP > 1 only)
 };
 

@@ -1,8 +1,8 @@
-// The training loop for one process: micro-batches with gradient accumulation, AdamW with Megatron's LR
-// schedules, NaN/Inf detection (skip or stop), periodic validation, crash-safe checkpoints with bitwise
-// resume and Megatron's partial loads/saves (--finetune, --no-load-optim, ...), graceful stop on SIGTERM/SIGINT,
-// Megatron-style log lines with MFU and ETA, and JSONL / TensorBoard metrics. Not here: data sources (data/),
-// the command line (apps/), multi-process runs.
+// The training run around the steps: the LR schedule (Megatron's formulas), resume from and crash-safe saves of
+// checkpoints with Megatron's partial loads/saves (--finetune, --no-load-optim, ...), periodic validation, graceful
+// stop on SIGTERM/SIGINT, Megatron-style log lines with MFU and ETA, and JSONL / TensorBoard metrics. Each step
+// (step.h) runs a schedule's micro-batches (schedule.h) and reduces and applies the gradients through the optimizer's
+// interface (optimizer.h). Not here: data sources (data/), the command line (apps/).
 #pragma once
 #include <cstdint>
 #include <cstdio>

@@ -1,0 +1,453 @@
+// The two optimizers of a training run: AdamW replicated over data parallelism, and the distributed optimizer.
+#include "moecore/train/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <span>
+
+#include "moecore/optim/distributed_adamw.h"
+#include "moecore/train/trainer.h"
+
+namespace moecore::train {
+namespace {
+
+// Per-step checks of the gradients, on the device, each read back once: the squared norms of the replicated and
+// the expert-parallel parameters, and a non-finite flag per parameter.
+struct GradChecks {
+  Tensor sq;     // [3] f64: squares of the replicated, the expert-parallel and the tensor-parallel gradients
+  Tensor flags;  // [params] i32
+  std::vector<int32_t> host_flags;
+  explicit GradChecks(const model::GptModel& gpt)
+      : sq(Tensor::zeros({3}, DType::f64, MemCategory::workspace, gpt.device())),
+        flags(Tensor::zeros({std::max<int64_t>(1, static_cast<int64_t>(gpt.params().size()))}, DType::i32,
+                            MemCategory::workspace, gpt.device())),
+        host_flags(static_cast<size_t>(flags.numel())) {}
+};
+
+// The first parameter gradient that is not finite, or "" when all are.
+std::string first_nonfinite_gradient(const model::GptModel& gpt, GradChecks& c) {
+  const auto& params = gpt.params();
+  c.flags.zero_();
+  for (size_t i = 0; i < params.size(); ++i) {
+    Tensor flag = c.flags.slice(0, static_cast<int64_t>(i), static_cast<int64_t>(i) + 1);
+    ops::flag_nonfinite(flag, params[i].grad, ops::Context{gpt.device()});
+  }
+  c.flags.copy_to_host(c.host_flags.data(), c.flags.numel());
+  for (size_t i = 0; i < params.size(); ++i)
+    if (c.host_flags[i]) return params[i].name;
+  return "";
+}
+// Sums gradients over their groups: expert shards over edp, everything else over dp. Gradients are packed into
+// buckets of up to `bucket` elements in backward order (whole parameters; a larger one goes alone and is reduced in
+// place), one all-reduce per bucket. The reduction is element-wise in rank order, so neither bucketing nor overlap
+// changes a bit.
+// Per step: begin(), ready(first, end) as the gradients of params()[first, end) become final, finish(). Without
+// overlap the trainer marks everything ready after the last backward and each bucket is reduced in turn through one
+// bucket-sized buffer; with overlap (--overlap-grad-reduce) a bucket's nonblocking all-reduce is posted as soon as
+// its last parameter is ready, during backward (the model's set_grad_ready), from a buffer holding every bucket,
+// and finish() waits for them all.
+class GradBuckets {
+ public:
+  GradBuckets(const model::GptModel& gpt, const TrainGroups& g, int64_t bucket, bool overlap)
+      : g_(g), overlap_(overlap) {
+    const auto& params = gpt.params();
+    bucket_of_.assign(params.size(), -1);
+    int64_t offset[2] = {0, 0}, widest = 0;
+    for (int kind = 0; kind < 2; ++kind) {
+      if (group(kind).size() <= 1) continue;
+      for (size_t i = params.size(); i-- > 0;) {  // backward order: the last parameters' gradients are final first
+        if (params[i].expert_parallel != (kind == 1)) continue;
+        const int64_t n = params[i].grad.numel();
+        const bool alone = n > bucket;
+        if (alone || buckets_.empty() || buckets_.back().kind != kind || buckets_.back().alone ||
+            buckets_.back().elems + n > bucket)
+          buckets_.push_back(Bucket{kind, alone, {}, 0, alone ? 0 : offset[kind], 0, {}});
+        Bucket& b = buckets_.back();
+        b.params.push_back(i);
+        b.elems += n;
+        if (!alone) offset[kind] += n;
+        widest = std::max(widest, alone ? 0 : b.elems);
+        bucket_of_[i] = static_cast<int>(buckets_.size() - 1);
+      }
+    }
+    for (int kind = 0; kind < 2; ++kind) {
+      const int64_t n = overlap ? offset[kind] : (kind == 0 ? widest : 0);
+      if (n > 0) flat_[kind] = Tensor::empty({n}, DType::f32, MemCategory::workspace, gpt.device());
+    }
+  }
+
+  void begin() {
+    for (Bucket& b : buckets_) {
+      b.pending = static_cast<int64_t>(b.params.size());
+      b.handle = CommHandle();
+    }
+  }
+  void ready(model::GptModel& gpt, size_t first, size_t end) {
+    for (size_t i = first; i < end; ++i) {
+      const int k = bucket_of_[i];
+      if (k >= 0 && --buckets_[static_cast<size_t>(k)].pending == 0) post(gpt, buckets_[static_cast<size_t>(k)]);
+    }
+    // Without the progress thread the comm layer advances the buckets in flight inside comm calls only: test them.
+    // With it, testing would only make this thread do the transfers and sums the progress thread does meanwhile.
+    if (overlap_ && !comm_progress_thread_running())
+      for (Bucket& b : buckets_)
+        if (b.pending == 0) b.handle.test();
+  }
+  void finish(model::GptModel& gpt) {
+    for (Bucket& b : buckets_) {
+      MOECORE_CHECK(b.pending == 0, "gradient bucket with ", b.pending, " parameters never marked ready");
+      if (!overlap_) continue;
+      b.handle.wait();
+      if (!b.alone) unpack(gpt, b, flat_[b.kind]);
+    }
+  }
+
+ private:
+  struct Bucket {
+    int kind = 0;        // 0: dense over dp, 1: experts over edp
+    bool alone = false;  // one parameter wider than a bucket: reduced in place
+    std::vector<size_t> params;
+    int64_t elems = 0, offset = 0;  // its elements and, with overlap, where they sit in flat_[kind]
+    int64_t pending = 0;            // parameters not ready yet this step
+    CommHandle handle;
+  };
+  const ProcessGroup& group(int kind) const { return kind == 1 ? g_.edp : g_.dense_grads(); }
+  // The bucket's slice of flat (device copies: the buffer lives where the gradients do).
+  void pack(model::GptModel& gpt, const Bucket& b, Tensor& flat) {
+    int64_t o = overlap_ ? b.offset : 0;
+    for (size_t i : b.params) {
+      const Tensor& g = gpt.params()[i].grad;
+      flat.slice(0, o, o + g.numel()).copy_from(g.view({g.numel()}));
+      o += g.numel();
+    }
+  }
+  void unpack(model::GptModel& gpt, const Bucket& b, const Tensor& flat) {
+    int64_t o = overlap_ ? b.offset : 0;
+    for (size_t i : b.params) {
+      Tensor g = gpt.params()[i].grad.view({gpt.params()[i].grad.numel()});
+      g.copy_from(flat.slice(0, o, o + g.numel()));
+      o += g.numel();
+    }
+  }
+  void post(model::GptModel& gpt, Bucket& b) {
+    const ProcessGroup& grp = group(b.kind);
+    if (b.alone) {
+      Tensor& g = gpt.params()[b.params[0]].grad;
+      if (overlap_)
+        b.handle = all_reduce_sum_async(g, grp);
+      else
+        all_reduce_sum(g, grp);
+      return;
+    }
+    Tensor& flat = flat_[overlap_ ? b.kind : 0];
+    pack(gpt, b, flat);
+    const int64_t at = overlap_ ? b.offset : 0;
+    if (overlap_) {
+      b.handle = all_reduce_sum_async(flat.slice(0, at, at + b.elems), grp);
+      return;
+    }
+    all_reduce_sum(flat.slice(0, 0, b.elems), grp);
+    unpack(gpt, b, flat);
+  }
+
+  const TrainGroups& g_;
+  bool overlap_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_;  // per parameter, its bucket (-1: its group has one rank)
+  Tensor flat_[2];              // with overlap one buffer per kind holding its buckets; else [0]: one bucket's
+};
+
+// An expert parameter whole on every ETP rank (with ETP > 1: the fc2 bias): its gradient is identical on them, so the
+// norm counts it on ETP rank 0 only.
+bool etp_replica(const Param& p, const TrainGroups& g) {
+  return p.expert_parallel && !p.tp.sharded() && g.etp.size() > 1;
+}
+
+// The global L2 norm of the reduced gradients, every parameter counted once: the replicated parameters'
+// squares are identical on every rank; the expert shards' squares are summed over the ETP x EP group and the
+// tensor-parallel shards' over the TP group.
+double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, GradChecks& c) {
+  c.sq.zero_();
+  Tensor sq_dense = c.sq.slice(0, 0, 1), sq_expert = c.sq.slice(0, 1, 2), sq_tp = c.sq.slice(0, 2, 3);
+  for (const auto& p : gpt.params())
+    if (!etp_replica(p, g) || g.etp.rank() == 0)
+      ops::sum_squares(p.expert_parallel ? sq_expert
+                       : p.tp.sharded()  ? sq_tp
+                                         : sq_dense,
+                       p.grad, ops::Context{gpt.device()});
+  const ProcessGroup& experts = g.etp.size() > 1 ? g.etp_ep : g.ep;
+  if (experts.size() > 1) all_reduce_sum(sq_expert, experts);
+  if (g.tp.size() > 1) all_reduce_sum(sq_tp, g.tp);
+  double sq[3];
+  c.sq.copy_to_host(sq, 3);
+  return std::sqrt(sq[0] + sq[1] + sq[2]);
+}
+// The distributed optimizer (ZeRO-1) of a run: non-expert parameters sharded over dp, expert parameters
+// over edp. Gradients are reduce-scattered in buckets; the masters are all-gathered after each step. Under TP the
+// tensor-parallel shards get an instance of their own (over dp as well), so the grad norm counts the replicated
+// parameters once and sums the shards over TP.
+struct ZeroOptimizers {
+  enum Kind { replicated, tensor_parallel, expert, expert_replica, kinds };  // expert_replica: etp_replica()
+  std::unique_ptr<optim::DistributedAdamW> opt[kinds];
+  std::vector<size_t> idx[kinds];              // parameter indices of each instance, in model order
+  std::vector<std::pair<Kind, size_t>> where;  // per model parameter: its instance and index there
+  const TrainGroups& g;
+
+  // overlap: the instances can reduce during backward and gather during the next forward (--overlap-*).
+  ZeroOptimizers(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& groups, int64_t bucket,
+                 bool overlap)
+      : g(groups) {
+    std::vector<Param*> p[kinds];
+    auto& params = gpt.params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Kind k = etp_replica(params[i], g)   ? expert_replica
+                     : params[i].expert_parallel ? expert
+                     : params[i].tp.sharded()    ? tensor_parallel
+                                                 : replicated;
+      where.emplace_back(k, p[k].size());
+      p[k].push_back(&params[i]);
+      idx[k].push_back(i);
+    }
+    for (int k = 0; k < kinds; ++k)
+      if (k == replicated || !p[k].empty())
+        opt[k] = std::make_unique<optim::DistributedAdamW>(p[k], cfg,
+                                                           k == expert || k == expert_replica ? g.edp : g.dense_grads(),
+                                                           optim::DistributedAdamWOptions{bucket, overlap});
+  }
+  // --overlap-grad-reduce: begin before the last backward, grad_ready as the model reports gradients final, finish.
+  void begin_grad_reduction() {
+    each([](optim::DistributedAdamW& o, const auto&) { o.begin_grad_reduction(); });
+  }
+  void grad_ready(size_t first, size_t end) {
+    for (size_t i = first; i < end; ++i) opt[where[i].first]->grad_ready(where[i].second);
+  }
+  void finish_grad_reduction() {
+    each([](optim::DistributedAdamW& o, const auto&) { o.finish_grad_reduction(); });
+  }
+  // --overlap-param-gather: the masters of params [first, end) current (their buckets' gathers waited for).
+  void wait_params(size_t first, size_t end) {
+    for (size_t i = first; i < end; ++i) opt[where[i].first]->wait_param(where[i].second);
+  }
+  void finish_param_gather() {
+    each([](optim::DistributedAdamW& o, const auto&) { o.finish_param_gather(); });
+  }
+  template <class Fn>
+  void each(Fn&& fn) const {
+    for (int k = 0; k < kinds; ++k)
+      if (opt[k]) fn(*opt[k], idx[k]);
+  }
+  void reduce_scatter_grads() {
+    each([](optim::DistributedAdamW& o, const auto&) { o.reduce_scatter_grads(); });
+  }
+  std::string first_nonfinite_grad() const {
+    std::string s;
+    each([&](const optim::DistributedAdamW& o, const auto&) {
+      if (s.empty()) s = o.first_nonfinite_grad();
+    });
+    return s;
+  }
+  // Every shard once: replicated shards sum over dp (x cp); tensor-parallel shards over dp (x cp) x tp; expert
+  // shards over edp x ep x etp, which is tp x dp x cp (every rank), those whole on every ETP rank from ETP rank 0.
+  double grad_norm() const {
+    const double rep = opt[replicated]->shard_grad_sq();
+    double rest = (opt[tensor_parallel] ? opt[tensor_parallel]->shard_grad_sq() : 0.0) +
+                  (opt[expert] ? opt[expert]->shard_grad_sq() : 0.0) +
+                  (opt[expert_replica] && g.etp.rank() == 0 ? opt[expert_replica]->shard_grad_sq() : 0.0);
+    const ProcessGroup& dp = g.dense_grads();
+    if (g.tp.size() == 1) {  // one sum over dp (the layout before TP: unchanged bits)
+      double sq = rep + rest;
+      if (dp.size() > 1) all_reduce_sum(std::span<double>(&sq, 1), dp);
+      return std::sqrt(sq);
+    }
+    double v[2] = {rep, rest};
+    all_reduce_sum(std::span<double>(v, 2), dp);
+    all_reduce_sum(std::span<double>(&v[1], 1), g.tp);
+    return std::sqrt(v[0] + v[1]);
+  }
+  void step(float lr, float clip, bool gather_later) {
+    each([&](optim::DistributedAdamW& o, const auto&) { o.step(lr, clip, gather_later); });
+  }
+  int64_t state_bytes() const {
+    int64_t n = 0;
+    each([&](const optim::DistributedAdamW& o, const auto&) { n += o.state_bytes(); });
+    return n;
+  }
+  // Collective: the full moments of every parameter this rank holds (for checkpoints).
+  OptimizerState gather(size_t n) const {
+    OptimizerState st;
+    st.exp_avg.resize(n);
+    st.exp_avg_sq.resize(n);
+    each([&](const optim::DistributedAdamW& o, const std::vector<size_t>& ix) {
+      std::vector<Tensor> m, v;
+      o.gather_state(m, v);
+      for (size_t k = 0; k < ix.size(); ++k) {
+        st.exp_avg[ix[k]] = m[k];
+        st.exp_avg_sq[ix[k]] = v[k];
+      }
+    });
+    st.steps = opt[replicated]->steps_taken();
+    return st;
+  }
+  void load(const OptimizerState& st) {
+    each([&](optim::DistributedAdamW& o, const std::vector<size_t>& ix) {
+      std::vector<Tensor> m, v;
+      for (size_t i : ix) {
+        m.push_back(st.exp_avg[i]);
+        v.push_back(st.exp_avg_sq[i]);
+      }
+      o.load_state(m, v);
+      o.set_steps_taken(st.steps);
+    });
+  }
+};
+
+// AdamW with its moments on every data-parallel rank: gradients summed in buckets (GradBuckets), the norm over the
+// groups, one update of every parameter.
+class ReplicatedAdamW final : public Optimizer {
+ public:
+  ReplicatedAdamW(model::GptModel& gpt, optim::AdamW& opt, const TrainGroups& g, int64_t bucket, bool overlap)
+      : gpt_(gpt), opt_(opt), g_(g), checks_(gpt) {
+    if (!opt.has_state())
+      MOECORE_FAIL("training: the optimizer holds no state; build it with state or set use_distributed_optimizer");
+    // Expert gradients reduce over edp, which may span the TP ranks (TP 2 x DP 1 has EDP 2 with ETP 1).
+    const bool reduces = g.dense_grads().size() > 1 || g.edp.size() > 1;
+    overlap_ = overlap && reduces;
+    if (reduces) buckets_ = std::make_unique<GradBuckets>(gpt, g_, bucket, overlap_);
+  }
+  bool overlaps_grad_reduction() const override { return overlap_; }
+  void begin_grad_reduction() override {
+    if (buckets_) buckets_->begin();
+  }
+  void grad_ready(size_t first, size_t end) override {
+    gpt_.sum_tensor_parallel_grads(first, end);
+    buckets_->ready(gpt_, first, end);
+  }
+  void finish_grad_reduction() override {
+    if (!overlap_) {
+      gpt_.sum_tensor_parallel_grads();
+      if (buckets_) buckets_->ready(gpt_, 0, gpt_.params().size());
+    }
+    if (buckets_) buckets_->finish(gpt_);  // (with overlap the TP sums ran as the gradients became final)
+  }
+  std::string first_nonfinite_grad() override { return first_nonfinite_gradient(gpt_, checks_); }
+  optim::StepStats step(float lr) override {
+    const optim::StepStats st = opt_.step(lr, grad_norm_over_groups(gpt_, g_, checks_));
+    gpt_.refresh_compute_weights();
+    return st;
+  }
+  void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
+            const CheckpointSaveOptions& parts) override {
+    save_training_checkpoint(root, gpt_, opt_, progress, seed, keep_last, &g_, parts);
+  }
+  LoadedTrainingState load(const std::string& dir, uint64_t seed, const CheckpointLoadOptions& parts) override {
+    return load_training_state(dir, gpt_, opt_, seed, parts);
+  }
+  int64_t state_bytes() const override { return opt_.state_bytes_per_param() * gpt_.num_parameters(); }
+
+ private:
+  model::GptModel& gpt_;
+  optim::AdamW& opt_;
+  const TrainGroups& g_;
+  GradChecks checks_;
+  bool overlap_ = false;
+  std::unique_ptr<GradBuckets> buckets_;
+};
+
+// ZeRO-1 (ZeroOptimizers). With --overlap-param-gather the masters arrive bucket by bucket after a step; every forward
+// waits for the ranges it reads and refreshes their compute copies.
+class DistributedOptimizer final : public Optimizer {
+ public:
+  DistributedOptimizer(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& g, int64_t bucket,
+                       bool overlap_grads, bool gather_later)
+      : gpt_(gpt),
+        cfg_(cfg),
+        zero_(gpt, cfg, g, bucket, overlap_grads),
+        g_(g),
+        overlap_(overlap_grads),
+        gather_later_(gather_later) {}
+  bool overlaps_grad_reduction() const override { return overlap_; }
+  void begin_grad_reduction() override {
+    if (overlap_) zero_.begin_grad_reduction();
+  }
+  void grad_ready(size_t first, size_t end) override {
+    gpt_.sum_tensor_parallel_grads(first, end);
+    zero_.grad_ready(first, end);
+  }
+  void finish_grad_reduction() override {
+    if (overlap_) {
+      zero_.finish_grad_reduction();  // (the TP sums ran as the gradients became final)
+      return;
+    }
+    gpt_.sum_tensor_parallel_grads();
+    zero_.reduce_scatter_grads();
+  }
+  std::string first_nonfinite_grad() override { return zero_.first_nonfinite_grad(); }
+  optim::StepStats step(float lr) override {
+    optim::StepStats st;
+    st.grad_norm = zero_.grad_norm();
+    st.clip_scale = optim::clip_scale_for(st.grad_norm, cfg_.clip_grad);
+    zero_.step(lr, st.clip_scale, gather_later_);
+    if (!gather_later_) {
+      gpt_.refresh_compute_weights();
+      return st;
+    }
+    stale_.assign(gpt_.params().size(), 1);
+    pending_ = true;
+    return st;
+  }
+  bool gathers_params_later() const override { return gather_later_; }
+  void params_needed(size_t first, size_t end) override {
+    if (!pending_) return;
+    zero_.wait_params(first, end);
+    for (size_t i = first; i < end; ++i)
+      if (stale_[i]) {
+        gpt_.refresh_compute_weights(i, i + 1);
+        stale_[i] = 0;
+      }
+  }
+  void settle() override {
+    if (!pending_) return;
+    zero_.finish_param_gather();
+    params_needed(0, stale_.size());
+    pending_ = false;
+  }
+  void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
+            const CheckpointSaveOptions& parts) override {
+    // the gather is collective: every rank skips it alike (same flags)
+    save_training_checkpoint(root, gpt_, parts.save_optim ? zero_.gather(gpt_.params().size()) : OptimizerState{},
+                             progress, seed, keep_last, &g_, parts);
+  }
+  LoadedTrainingState load(const std::string& dir, uint64_t seed, const CheckpointLoadOptions& parts) override {
+    OptimizerState st;  // stays empty without the optimizer state: the fresh shards are kept as they are
+    if (parts.load_optim && !parts.finetune) {
+      for (const auto& p : gpt_.params()) {
+        st.exp_avg.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::workspace));
+        st.exp_avg_sq.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::workspace));
+      }
+    }
+    LoadedTrainingState loaded = load_training_state(dir, gpt_, st, seed, parts);
+    if (loaded.optimizer_loaded) zero_.load(st);
+    return loaded;
+  }
+  int64_t state_bytes() const override { return zero_.state_bytes(); }
+
+ private:
+  model::GptModel& gpt_;
+  optim::AdamWConfig cfg_;
+  ZeroOptimizers zero_;
+  const TrainGroups& g_;
+  bool overlap_, gather_later_;
+  std::vector<char> stale_;  // per parameter: its compute copy predates the last step
+  bool pending_ = false;     // gathers posted by the last step and not all waited for
+};
+}  // namespace
+
+std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& cfg,
+                                          const TrainGroups& groups) {
+  if (cfg.use_distributed_optimizer)
+    return std::make_unique<DistributedOptimizer>(gpt, adamw.config(), groups, cfg.ddp_bucket_size,
+                                                  cfg.overlap_grad_reduce, cfg.overlap_param_gather);
+  return std::make_unique<ReplicatedAdamW>(gpt, adamw, groups, cfg.ddp_bucket_size, cfg.overlap_grad_reduce);
+}
+
+}  // namespace moecore::train

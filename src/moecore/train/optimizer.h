@@ -1,0 +1,62 @@
+// The optimizer of a training run behind one interface, the only one the training step calls: how a step's gradients
+// are reduced over the parallel groups (during backward with --overlap-grad-reduce), checked for non-finite values,
+// normed (every parameter counted once) and applied, and how its state goes into and out of checkpoints.
+// Implementations (make_optimizer): AdamW with its state on every data-parallel rank, gradients all-reduced in buckets;
+// and the distributed optimizer (--use-distributed-optimizer: ZeRO-1, gradients reduce-scattered, masters
+// all-gathered, with --overlap-param-gather just before forward reads them). Not here: the LR schedule (trainer.h).
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "moecore/model/gpt.h"
+#include "moecore/optim/adamw.h"
+#include "moecore/train/checkpointing.h"
+#include "moecore/train/train_groups.h"
+
+namespace moecore::train {
+
+struct TrainConfig;
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // One step's gradient reduction (tensor-parallel sums included): begin_grad_reduction() before the step's first
+  // micro-batch; while overlaps_grad_reduction(), grad_ready(first, end) as the model reports the gradients of
+  // params()[first, end) final (its set_grad_ready hook, which the step installs for the last micro-batch);
+  // finish_grad_reduction() after the last backward -- it waits for the reductions in flight, or without overlap runs
+  // them all. Collective over the groups.
+  virtual bool overlaps_grad_reduction() const = 0;
+  virtual void begin_grad_reduction() = 0;
+  virtual void grad_ready(size_t first, size_t end) = 0;
+  virtual void finish_grad_reduction() = 0;
+  // The first non-finite reduced gradient this rank holds (a parameter's name), "" when all are finite.
+  virtual std::string first_nonfinite_grad() = 0;
+  // The update with learning rate lr: the global gradient norm over every group, clipping, the step, then the compute
+  // copies (or, --overlap-param-gather, their gathers posted for the next forward). Collective.
+  virtual optim::StepStats step(float lr) = 0;
+  // --overlap-param-gather: params()[first, end) current before forward reads them (the model's set_params_needed
+  // hook); settle() completes every gather in flight (before a checkpoint, at the end). No-ops otherwise.
+  virtual bool gathers_params_later() const { return false; }
+  virtual void params_needed(size_t first, size_t end) {}
+  virtual void settle() {}
+  // Checkpoints (checkpointing.h): the moments of every parameter this rank holds, gathered where sharded. Collective.
+  virtual void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
+                    const CheckpointSaveOptions& parts) = 0;
+  virtual LoadedTrainingState load(const std::string& dir, uint64_t seed, const CheckpointLoadOptions& parts) = 0;
+  // Bytes of optimizer state on this rank, and what one rank would hold unsharded.
+  virtual int64_t state_bytes() const = 0;
+};
+
+// The optimizer cfg selects (use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, ddp_bucket_size)
+// over gpt's parameters, with adamw's hyperparameters (and, without the distributed optimizer, its state: adamw must
+// hold it). gpt, adamw and groups must outlive it.
+std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& cfg,
+                                          const TrainGroups& groups);
+
+}  // namespace moecore::train

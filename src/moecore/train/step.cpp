@@ -1,0 +1,152 @@
+#include "moecore/train/step.h"
+
+#include <cmath>
+#include <span>
+
+#include "moecore/parallel/comm.h"
+
+namespace moecore::train {
+namespace {
+// Adds this micro-batch's router statistics of every MoE layer into acc; returns the number of MoE layers.
+// The statistics live on the router's device; only the losses come to the host, 40 bytes per layer and
+// micro-batch after its backward (the logging price; no kernel launch waits on it, nothing is allocated).
+int64_t accumulate_moe_losses(const model::GptModel& gpt, MoeStepLosses& acc) {
+  int64_t n = 0;
+  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
+    const moe::RouterStats* st = gpt.moe_stats(l);
+    if (!st) continue;
+    ++n;
+    double v[ops::router_loss::count];
+    st->losses.copy_to_host(v, ops::router_loss::count);
+    acc.aux_loss += v[ops::router_loss::aux];
+    acc.seq_aux_loss += v[ops::router_loss::seq_aux];
+    acc.global_aux_loss += v[ops::router_loss::global_aux];
+    acc.z_loss += v[ops::router_loss::z];
+  }
+  return n;
+}
+
+// Sums the step's losses and the router counts over the data-parallel group (the losses are then averaged).
+void reduce_stats_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses& moe_losses, const ProcessGroup& dp) {
+  double v[5] = {step_loss, moe_losses.aux_loss, moe_losses.seq_aux_loss, moe_losses.global_aux_loss,
+                 moe_losses.z_loss};
+  all_reduce_sum(std::span<double>(v, 5), dp);
+  const double inv = 1.0 / dp.size();
+  step_loss = v[0] * inv;
+  // global_load_balancing_loss is logged as the sum over DP (its ranks' parts add up to the full loss).
+  moe_losses = {v[1] * inv, v[2] * inv, v[3], v[4] * inv};
+  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
+    moe::RouterState* st = gpt.router_state(l);
+    if (st) all_reduce_sum(st->local_tokens_per_expert, dp);  // a device tensor: the collective moves it
+  }
+}
+
+// Adds the blocked time of its scope to `acc`.
+struct BlockedIn {
+  explicit BlockedIn(double& a) : acc(a) {}
+  BlockedIn(const BlockedIn&) = delete;
+  BlockedIn& operator=(const BlockedIn&) = delete;
+  ~BlockedIn() { acc += comm_blocked_seconds() - start; }
+  double& acc;
+  double start = comm_blocked_seconds();
+};
+
+// Removes a model hook when its scope ends (an exception included): the hooks refer to the step's scope.
+struct HookGuard {
+  explicit HookGuard(model::GptModel& model) : m(model) {}
+  model::GptModel& m;
+  HookGuard(const HookGuard&) = delete;
+  HookGuard& operator=(const HookGuard&) = delete;
+  ~HookGuard() { m.set_grad_ready({}); }
+};
+}  // namespace
+
+TrainStep::TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cfg, const TrainGroups& groups,
+                     const BatchFn& batches)
+    : gpt_(gpt), opt_(opt), cfg_(cfg), g_(groups), batches_(batches), micro_(cfg.micro_batches()) {
+  const int64_t dp = g_.dp.size();
+  if (micro_ % dp != 0)
+    MOECORE_FAIL("training: global_batch_size (", cfg.global_batch_size, ") must be divisible by micro_batch_size (",
+                 cfg.micro_batch_size, ") x data-parallel size (", dp, ")");
+  micro_local_ = micro_ / dp;
+  schedule_ = one_f_one_b(micro_local_);
+  gpt_.set_micro_batch_slots(schedule_.in_flight);
+  const int64_t S = gpt.config().seq_length;
+  tokens_ = Tensor::empty({cfg.micro_batch_size, S}, DType::i32, MemCategory::workspace);
+  labels_ = Tensor::empty({cfg.micro_batch_size, S}, DType::i32, MemCategory::workspace);
+}
+
+double TrainStep::take_grad_reduce_blocked() {
+  const double s = grad_reduce_blocked_;
+  grad_reduce_blocked_ = 0;
+  return s;
+}
+
+StepResult TrainStep::run(int64_t it, float lr) {
+  const int64_t first = g_.dp.rank() * micro_local_;  // this rank's first micro-batch of the global batch
+  const float grad_scale = 1.0f / static_cast<float>(micro_);
+  StepResult r;
+  r.mtp_loss.assign(static_cast<size_t>(gpt_.config().mtp_num_layers), 0.0);
+  int64_t moe_layers = 0;
+  gpt_.zero_grad();
+  opt_.begin_grad_reduction();
+  HookGuard hook_guard{gpt_};
+  for (const ScheduleOp& op : schedule_.ops) {
+    const int64_t mb = op.micro_batch, slot = schedule_.slot(mb);
+    // With overlap, the last micro-batch reports its gradients final as they are (its loss heads in forward, the rest
+    // in backward: nothing of another micro-batch runs in between on a stage that computes the loss).
+    if (opt_.overlaps_grad_reduction() && mb + 1 == micro_local_ && op.kind == ScheduleOp::forward)
+      gpt_.set_grad_ready([&](size_t a, size_t b) {
+        const BlockedIn in_reduction{grad_reduce_blocked_};
+        opt_.grad_ready(a, b);
+      });
+    if (op.kind == ScheduleOp::backward) {
+      gpt_.backward(slot, grad_scale);
+      continue;
+    }
+    batches_(tokens_, labels_, false, it * micro_ + first + mb);
+    gpt_.set_dropout_step(it, first + mb);
+    const model::LossResult l = gpt_.forward(slot, tokens_, labels_, grad_scale);
+    r.loss += l.mean();
+    for (size_t k = 0; k < r.mtp_loss.size(); ++k) r.mtp_loss[k] += l.mtp_mean(k) / static_cast<double>(micro_local_);
+    moe_layers = accumulate_moe_losses(gpt_, r.moe_losses);
+  }
+  r.loss /= static_cast<double>(micro_local_);
+  const int dp = g_.dp.size();
+  if (dp > 1 && !r.mtp_loss.empty()) {
+    all_reduce_sum(std::span<double>(r.mtp_loss), g_.dp);
+    for (double& v : r.mtp_loss) v /= static_cast<double>(dp);
+  }
+  if (moe_layers > 0) {
+    const double div = static_cast<double>(micro_local_ * moe_layers);
+    const MoeStepLosses& m = r.moe_losses;
+    r.moe_losses = {m.aux_loss / div, m.seq_aux_loss / div, m.global_aux_loss / div, m.z_loss / div};
+  }
+  if (dp > 1) reduce_stats_over_dp(gpt_, r.loss, r.moe_losses, g_.dp);
+  // The expert-bias counts over TP x CP x DP (spec §2.10): each TP and CP rank routed its own rows.
+  for (const ProcessGroup* grp : {&g_.tp, &g_.cp})
+    if (grp->size() > 1)
+      for (int64_t l = 0; l < gpt_.config().num_transformer_layers(); ++l)
+        if (moe::RouterState* st = gpt_.router_state(l)) all_reduce_sum(st->local_tokens_per_expert, *grp);
+  {
+    const BlockedIn in_reduction{grad_reduce_blocked_};
+    opt_.finish_grad_reduction();
+  }
+  if (cfg_.check_for_nan) {
+    r.nonfinite = !std::isfinite(r.loss) ? std::string("lm loss") : opt_.first_nonfinite_grad();
+    if (g_.world_size() > 1) {  // shards differ between ranks: all must take the same decision
+      int64_t flag = r.nonfinite.empty() ? 0 : 1;
+      for (const ProcessGroup* grp : {&g_.dp, &g_.tp, &g_.cp}) all_reduce_sum(std::span<int64_t>(&flag, 1), *grp);
+      if (flag > 0 && r.nonfinite.empty()) r.nonfinite = "a gradient on another rank";
+    }
+    if (!r.nonfinite.empty() && cfg_.nan_action == "stop")
+      MOECORE_FAIL("training: non-finite value in ", r.nonfinite, " at iteration ", it + 1,
+                   " (use --nan-action skip to drop such steps)");
+    r.skipped = !r.nonfinite.empty();
+  }
+  if (!r.skipped) r.stats = opt_.step(lr);
+  gpt_.finish_step(/*update=*/!r.skipped);
+  return r;
+}
+
+}  // namespace moecore::train

@@ -1,0 +1,55 @@
+// One optimizer step of a training run: this rank's micro-batches through the model in a schedule's order
+// (schedule.h), the gradient reduction and update through the optimizer's interface (optimizer.h), the non-finite
+// check, the MoE router updates, and the step's losses reduced over the data-parallel group. Not here: the run
+// around it -- LR schedule, logging, evaluation, checkpoints, signals (trainer.h).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moecore/model/gpt.h"
+#include "moecore/train/optimizer.h"
+#include "moecore/train/schedule.h"
+#include "moecore/train/trainer.h"
+
+namespace moecore::train {
+
+struct StepResult {
+  double loss = 0;               // lm loss: mean over the step's micro-batches (all data-parallel ranks')
+  std::vector<double> mtp_loss;  // per MTP depth, likewise
+  MoeStepLosses moe_losses;      // as Megatron logs them (means over micro-batches and MoE layers)
+  optim::StepStats stats;        // grad norm before clipping and the clip scale (zeros when skipped)
+  bool skipped = false;          // a non-finite loss or gradient under --nan-action skip: no update
+  std::string nonfinite;         // what was not finite ("" when all was)
+};
+
+class TrainStep {
+ public:
+  // This rank's share of every global batch: the dp group's rank r runs micro-batches [r * m, (r + 1) * m) of the
+  // step, m = cfg.micro_batches() / dp (Error naming the sizes when it does not divide), in the 1F1B order (one stage:
+  // forward and backward per micro-batch); gpt gets the schedule's activation slots.
+  TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cfg, const TrainGroups& groups,
+            const BatchFn& batches);
+  // Step `iteration` (0-based) with learning rate lr: zeroes the gradients, runs the schedule (dropout keyed by the
+  // iteration and each micro-batch's index in the global batch), reduces, checks (cfg.check_for_nan: a non-finite
+  // loss or gradient stops with an Error naming it, or with --nan-action skip drops the update; every rank decides
+  // alike), updates and finishes the routers' step. Collective over the groups.
+  StepResult run(int64_t iteration, float lr);
+  int64_t micro_batches_per_rank() const { return micro_local_; }
+  // Seconds this rank was blocked in the gradient reduction since the last call (the reduction posted during backward
+  // with --overlap-grad-reduce, and the final wait or the whole reduction).
+  double take_grad_reduce_blocked();
+
+ private:
+  model::GptModel& gpt_;
+  Optimizer& opt_;
+  const TrainConfig& cfg_;
+  const TrainGroups& g_;
+  const BatchFn& batches_;
+  int64_t micro_ = 0, micro_local_ = 0;
+  Schedule schedule_;
+  Tensor tokens_, labels_;  // [B, S] i32 host: the micro-batch being loaded
+  double grad_reduce_blocked_ = 0;
+};
+
+}  // namespace moecore::train
