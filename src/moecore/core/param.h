@@ -27,6 +27,10 @@ struct Param {
   // row-parallel biases under sequence parallelism, QK-norm weights under TP): the gradient is summed over the group
   // (Megatron's finalize_model_grads) before the data-parallel reduction.
   bool tp_grad_sum = false;
+  // Under pipeline parallelism, the last stage's copy of a first-stage parameter (the word embeddings, when the output
+  // layer is tied to them or MTP embeds with them): its gradient is summed with the first stage's, and the norm
+  // counts it there only.
+  bool pipeline_copy = false;
 };
 
 }  // namespace moecore

@@ -72,6 +72,75 @@ void GptModel::check_expert_tensor_parallel() const {
                  ") x expert-parallel (", EP, ")");
 }
 
+// The stage's decoder layers from the split (every layer at PP 1).
+void GptModel::check_pipeline() {
+  const int64_t PP = par_.pp.size(), L = cfg_.num_layers;
+  if (PP == 1) {
+    first_layer_ = 0;
+    end_layer_ = L;
+    return;
+  }
+  const auto& split = par_.pipeline_layers;
+  int64_t total = 0;
+  for (int64_t n : split) total += n;
+  if (static_cast<int64_t>(split.size()) != PP || total != L)
+    MOECORE_FAIL("model: the pipeline split gives ", split.size(), " stages holding ", total,
+                 " decoder layers, not --pipeline-model-parallel-size (", PP, ") stages holding --num-layers (", L,
+                 ")");
+  for (int64_t r = 0; r < par_.pp.rank(); ++r) first_layer_ += split[static_cast<size_t>(r)];
+  end_layer_ = first_layer_ + split[static_cast<size_t>(par_.pp.rank())];
+}
+
+// Whether this stage holds the parameter `name`: its decoder layers' parameters; the embeddings on the first stage
+// (and the word embeddings' copy on the last, embedding_copy); the final norm, the output layer and MTP on the last.
+bool GptModel::stage_holds(const std::string& name, bool embedding_copy) const {
+  if (par_.pp.size() == 1) return true;
+  const std::string layers = "decoder.layers.";
+  if (name.starts_with(layers)) {
+    const int64_t l = std::stoll(name.substr(layers.size()));
+    return l >= first_layer_ && l < end_layer_;
+  }
+  if (name.starts_with("embedding."))
+    return pre_process() || (embedding_copy && name == "embedding.word_embeddings.weight");
+  return post_process();  // decoder.final_layernorm, output_layer, mtp
+}
+
+std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64_t first, int64_t last) {
+  if (pp < 1) MOECORE_FAIL("model: --pipeline-model-parallel-size (", pp, ") must be positive");
+  if (pp == 1) {
+    if (first >= 0 || last >= 0)
+      MOECORE_FAIL(
+          "model: --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers need "
+          "--pipeline-model-parallel-size > 1");
+    return {num_layers};
+  }
+  std::vector<int64_t> split(static_cast<size_t>(pp), 0);
+  int64_t rest = num_layers, middle = pp;
+  if (first >= 0) {
+    split.front() = first;
+    rest -= first;
+    --middle;
+  }
+  if (last >= 0) {
+    split.back() = last;
+    rest -= last;
+    --middle;
+  }
+  if (middle == pp && num_layers % pp != 0)
+    MOECORE_FAIL("model: --num-layers (", num_layers, ") must be divisible by --pipeline-model-parallel-size (", pp,
+                 "), or set --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers");
+  if (first == 0 || last == 0 || first < -1 || last < -1 || rest < middle ||
+      (middle == 0 ? rest != 0 : rest % middle != 0))
+    MOECORE_FAIL("model: --num-layers (", num_layers, ") does not split over --pipeline-model-parallel-size (", pp,
+                 ") stages with --decoder-first-pipeline-num-layers ", first,
+                 " and --decoder-last-pipeline-num-layers ", last, " (-1: unset): ", rest,
+                 " layers would remain for the other ", middle,
+                 " stages, which must share them equally, at least one layer each");
+  for (int64_t r = 0; r < pp; ++r)
+    if (!((r == 0 && first >= 0) || (r == pp - 1 && last >= 0))) split[static_cast<size_t>(r)] = rest / middle;
+  return split;
+}
+
 // Megatron's load-balanced split needs 2 x CP equal chunks of every sequence.
 void GptModel::check_context_parallel() const {
   const int64_t CP = par_.cp.size();
@@ -112,6 +181,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   if (EP > 1 && par_.dispatcher == moe::DispatcherKind::local)
     MOECORE_FAIL("model: expert parallelism needs the alltoall or allgather dispatcher");
   check_expert_tensor_parallel();
+  check_pipeline();
   const int64_t ETP = par_.etp.size();
   const int64_t P = par_.tp.size();
   if (P == 1) par_.sequence_parallel = false;  // as Megatron: sequence parallelism needs TP > 1
@@ -177,11 +247,17 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   // under TP the split weights are this rank's TensorShard; both are filled with the values the global tensor has at
   // those positions (initialisation depends on (seed, name, global element index)). Pointers into params_ stay
   // valid: the vector is reserved for its final size first.
-  const std::vector<ParamSpec> specs = parameter_specs(cfg_);
+  // This pipeline stage's part of the table (every parameter at PP 1).
+  std::vector<ParamSpec> specs;
+  const bool embedding_copy =
+      !pre_process() && post_process() && (!cfg_.untie_embeddings_and_output_weights || cfg_.mtp_num_layers > 0);
+  for (const ParamSpec& s : parameter_specs(cfg_))
+    if (stage_holds(s.name, embedding_copy)) specs.push_back(s);
   params_.reserve(specs.size());
   std::map<std::string, Param*> by_name;
   for (const ParamSpec& s : specs) {
     Param& p = params_.emplace_back();
+    p.pipeline_copy = embedding_copy && s.name == "embedding.word_embeddings.weight";
     p.name = s.name;
     Shape shape = s.shape;
     if (s.expert) shape[0] /= EP;
@@ -216,6 +292,9 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
         (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters, device_);
     by_name[p.name] = &p;
   }
+  if (par_.pp.size() > 1 && (!cfg_.untie_embeddings_and_output_weights || cfg_.mtp_num_layers > 0))
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (params_[i].name == "embedding.word_embeddings.weight") pipeline_shared_ = static_cast<int64_t>(i);
   // The backward-order groups of parameters (set_grad_ready): each a contiguous run of the table.
   auto range_of = [&](const std::string& prefix) {
     size_t first = params_.size(), end = 0, n = 0;
@@ -256,6 +335,12 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     // The attention half (and the norms) of every layer; the MLP half only for dense layers.
     nn::DenseLayerWeights& w = layer_w_.emplace_back();
     nn::DenseLayerGrads& g = layer_g_.emplace_back();
+    if (!local_layer(static_cast<size_t>(l))) {  // another pipeline stage's: nothing here
+      mla_w_.emplace_back();
+      mla_g_.emplace_back();
+      moe_.push_back(nullptr);
+      continue;
+    }
     bind(w.input_norm, g.input_norm, pre + "input_layernorm.weight");
     bind(w.input_norm_bias, g.input_norm_bias, pre + "input_layernorm.bias");
     bind(w.mlp_norm, g.mlp_norm, pre + "pre_mlp_layernorm.weight");
@@ -316,7 +401,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   final_norm_bias_ = find("decoder.final_layernorm.bias");
   output_ = cfg_.untie_embeddings_and_output_weights ? find("output_layer.weight") : embedding_;
   auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations, device_); };
-  for (int64_t k = 0; k < cfg_.mtp_num_layers; ++k) {
+  for (int64_t k = 0; k < (post_process() ? cfg_.mtp_num_layers : 0); ++k) {  // (the last stage's)
     const std::string pre = "mtp.layers." + std::to_string(k) + ".";
     MtpDepth& d = mtp_.emplace_back();
     d.enorm = find(pre + "enorm.weight");
@@ -337,7 +422,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     if (dims_.layernorm)
       for (Tensor* t : {&d.e_mean, &d.h_mean, &d.f_mean}) *t = act({N}, DType::f32);
   }
-  if (cfg_.mtp_num_layers > 0) {
+  if (!mtp_.empty()) {
     if (par_.sequence_parallel) mtp_h_full_ = Tensor::empty({T, H}, c, MemCategory::workspace, device_);
     mtp_dx_c_ = Tensor::empty({N, H}, c, MemCategory::workspace, device_);
     for (Tensor* t : {&mtp_carry_, &mtp_dn_, &mtp_dfn_})
@@ -377,7 +462,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   }
   ws_ = nn::dense_layer_workspace_alloc(dims_, /*with_attention=*/standard_attention_);
   if (mla) mla_ws_ = nn::mla_workspace_alloc(mla_dims_, c, device_);
-  head_ws_ = nn::lm_head_workspace_alloc(T, V / P, c, device_, P);
+  if (post_process()) head_ws_ = nn::lm_head_workspace_alloc(T, V / P, c, device_, P);
   auto work = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::workspace, device_); };
   dres_ = work({N, H}, DType::f32);
   if (cfg_.moe.enabled()) {
@@ -400,19 +485,27 @@ GptModel::Activations GptModel::alloc_activations() const {
       if (mc.probs.defined() && !donor) donor = &mc;
   Activations a;
   a.moe.reserve(layers_.size());  // (donor points into it)
+  a.layer.resize(layers_.size());
+  a.mla.resize(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
+    if (!local_layer(l)) {
+      a.moe.emplace_back();
+      continue;
+    }
     const bool layer_mla = layers_[l].attention == AttentionKind::mla;
-    a.layer.push_back(nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/!moe_[l], /*with_attention=*/!layer_mla));
-    a.mla.push_back(layer_mla ? nn::mla_cache_alloc(mla_dims_, cfg_.compute_dtype, dims_.layernorm, device_)
-                              : nn::MlaCache{});
+    a.layer[l] = nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/!moe_[l], /*with_attention=*/!layer_mla);
+    if (layer_mla) a.mla[l] = nn::mla_cache_alloc(mla_dims_, cfg_.compute_dtype, dims_.layernorm, device_);
     a.moe.push_back(moe_[l] ? moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe, donor) : moe::MoeLayerCache{});
     if (moe_[l] && !donor) donor = &a.moe.back();
   }
   a.drops.resize(layers_.size());
-  for (int64_t l = 0; l <= cfg_.num_layers; ++l) a.residual.push_back(act({N, H}, DType::f32));
-  a.final_rstd = act({N}, DType::f32);
-  if (dims_.layernorm) a.final_mean = act({N}, DType::f32);
-  a.ids = act({T}, DType::i32);
+  a.residual.resize(static_cast<size_t>(cfg_.num_layers + 1));  // [first_layer_, end_layer_] on a pipeline stage
+  for (int64_t l = first_layer_; l <= end_layer_; ++l) a.residual[static_cast<size_t>(l)] = act({N, H}, DType::f32);
+  if (post_process()) {
+    a.final_rstd = act({N}, DType::f32);
+    if (dims_.layernorm) a.final_mean = act({N}, DType::f32);
+  }
+  if (pre_process()) a.ids = act({T}, DType::i32);
   a.dfinal = act({N, H}, DType::f32);
   return a;
 }
@@ -515,29 +608,32 @@ void GptModel::set_dropout_keys(bool training) {
 void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   const ops::Context ctx{device_};
   Activations& a = act();
-  const int64_t T = a.ids.numel();
+  const int64_t T = B_ * (cfg_.seq_length / par_.cp.size());
   if (tokens.dtype() != DType::i32 || tokens.numel() != T)
     MOECORE_FAIL("model: tokens must be i32 [", B_, ", ", T / B_, "], got ", tokens.str());
-  a.ids.copy_from(tokens.view({T}));
   // Set here: pointers into this object stay valid across moves.
   moe_dims_.global_aux_group = &par_.dp;
   moe_dims_.sequence_group = sequence_group();
   dims_.tp = &par_.tp;
   if (dims_.cp) dims_.cp = &par_.cp;
   set_dropout_keys(training);
-  Tensor& x0 = a.residual[0];
-  params_needed(embedding_params_);
-  embed(x0, a.ids, ctx);
-  if (position_embedding_) {
-    ops::embedding_forward(dres_, par_.sequence_parallel ? positions_local_ : positions_, position_embedding_->value,
-                           ctx);
-    ops::add(x0, x0, dres_, ctx);
+  params_needed(embedding_params_);  // (on the last pipeline stage: the word embeddings' copy)
+  if (pre_process()) {               // else the previous stage's output is in stage_input
+    a.ids.copy_from(tokens.view({T}));
+    Tensor& x0 = a.residual[0];
+    embed(x0, a.ids, ctx);
+    if (position_embedding_) {
+      ops::embedding_forward(dres_, par_.sequence_parallel ? positions_local_ : positions_, position_embedding_->value,
+                             ctx);
+      ops::add(x0, x0, dres_, ctx);
+    }
+    if (a.embedding_drop.active()) ops::dropout_forward(x0, x0, a.embedding_drop, ctx);
   }
-  if (a.embedding_drop.active()) ops::dropout_forward(x0, x0, a.embedding_drop, ctx);
-  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l) {
+  for (auto l = static_cast<size_t>(first_layer_); l < static_cast<size_t>(end_layer_); ++l) {
     params_needed(layer_params_[l]);
     layer_forward(l, a.residual[l], a.residual[l + 1], training, ctx);
   }
+  if (!post_process()) return;
   params_needed(final_norm_params_);
   params_needed(output_params_);  // (read by every loss head after the trunk; empty when tied)
   nn::norm_forward(final_h_, a.final_mean, a.final_rstd, a.residual.back(), final_norm_->value,
@@ -764,6 +860,7 @@ LossResult GptModel::forward(int64_t slot, const Tensor& tokens, const Tensor& l
   const int64_t S = cfg_.seq_length;
   const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
   forward_trunk(local_positions(tokens_h, cp_tokens_h_), true);
+  if (!post_process()) return {};  // (a pipeline stage before the last: its output is in stage_output)
   labels_.copy_from(local_positions(labels_h, cp_labels_h_));
   LossResult r;
   r.tokens = counted_labels(labels_h);  // the whole batch's (every CP rank holds it)
@@ -789,20 +886,27 @@ void GptModel::backward(int64_t slot, float grad_scale) {
   Activations& a = act();
   const ops::Context ctx{device_};
   Tensor no_grad;
-  nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, a.dfinal,
-                    a.residual.back(), final_norm_->value, final_norm_bias_ ? final_norm_bias_->value : Tensor(),
-                    a.final_mean, a.final_rstd, false, ctx);
-  grad_ready(final_norm_params_);
-  for (size_t l = static_cast<size_t>(cfg_.num_layers); l-- > 0;) {
+  if (post_process()) {
+    nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, a.dfinal,
+                      a.residual[static_cast<size_t>(end_layer_)], final_norm_->value,
+                      final_norm_bias_ ? final_norm_bias_->value : Tensor(), a.final_mean, a.final_rstd, false, ctx);
+    grad_ready(final_norm_params_);
+  } else {  // the next stage's gradient of this stage's output
+    dres_.copy_from(a.dfinal);
+  }
+  for (auto l = static_cast<size_t>(end_layer_); l-- > static_cast<size_t>(first_layer_);) {
     layer_backward(l, a.residual[l], grad_scale, ctx);
     grad_ready(layer_params_[l]);
   }
-  if (a.embedding_drop.active()) ops::dropout_backward(dres_, dres_, a.embedding_drop, ctx);
-  embed_backward(dres_, a.ids, ctx);
-  // (under SP embed_backward left every token's gradient in dh_: the positions' table is whole on every rank)
-  if (position_embedding_)
-    ops::embedding_backward(position_embedding_->grad, positions_, par_.sequence_parallel ? dh_ : dres_, ctx);
-  grad_ready(embedding_params_);  // (the output layer too when tied: it is the embedding)
+  if (pre_process()) {  // else dres_ holds the gradient of the stage's input (stage_input_grad)
+    if (a.embedding_drop.active()) ops::dropout_backward(dres_, dres_, a.embedding_drop, ctx);
+    embed_backward(dres_, a.ids, ctx);
+    // (under SP embed_backward left every token's gradient in dh_: the positions' table is whole on every rank)
+    if (position_embedding_)
+      ops::embedding_backward(position_embedding_->grad, positions_, par_.sequence_parallel ? dh_ : dres_, ctx);
+  }
+  grad_ready(
+      embedding_params_);  // (the output layer too when tied: it is the embedding, or on the last stage its copy)
 }
 
 LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
@@ -811,6 +915,7 @@ LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
   const int64_t S = cfg_.seq_length;
   const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
   forward_trunk(local_positions(tokens_h, cp_tokens_h_), false);
+  if (!post_process()) return {};  // (its output is in stage_output(0))
   labels_.copy_from(local_positions(labels_h, cp_labels_h_));
   LossResult r;
   r.tokens = counted_labels(labels_h);
@@ -821,6 +926,10 @@ LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
 }
 
 void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
+  if (par_.pp.size() > 1)
+    MOECORE_FAIL(
+        "model: logits of the whole model (generation) need --pipeline-model-parallel-size 1; save a "
+        "checkpoint and load it at PP 1");
   use_slot(0);
   const ops::Context ctx{device_};
   const int CP = par_.cp.size();
@@ -868,6 +977,7 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   // one cache of slot 0); the plan counts them as activations.
   for (const Activations& a : slots_) {
     for (size_t l = 0; l < layers_.size(); ++l) {
+      if (!local_layer(l)) continue;
       const bool layer_mla = layers_[l].attention == AttentionKind::mla;
       at(MemCategory::activations) += nn::dense_layer_cache_bytes(dims_, moe_[l] == nullptr, !layer_mla);
       if (layer_mla)
@@ -880,7 +990,9 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   at(MemCategory::workspace) =
       nn::dense_layer_workspace_bytes(dims_, standard_attention_) +
       (mla_ws_.q.defined() ? nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype) : 0) +
-      nn::lm_head_workspace_bytes(dims_.tokens(), cfg_.vocab_size / par_.tp.size(), cfg_.compute_dtype, par_.tp.size());
+      (post_process() ? nn::lm_head_workspace_bytes(dims_.tokens(), cfg_.vocab_size / par_.tp.size(),
+                                                    cfg_.compute_dtype, par_.tp.size())
+                      : 0);
   // The model's own buffers, by the tensors themselves (each is allocated in one place, the constructor).
   for (const MtpDepth& d : mtp_) {
     count(MemCategory::activations, {&d.ids, &d.labels, &d.e, &d.hin, &d.x, &d.y, &d.en, &d.hn, &d.h, &d.e_mean,
@@ -897,7 +1009,8 @@ double GptModel::flops_per_step() const {
   return model_flops_per_step(cfg_, B_);
 }
 
-ModelParallel model_parallel(const ProcessGroups& pg, bool sequence_parallel, moe::DispatcherKind dispatcher) {
+ModelParallel model_parallel(const ProcessGroups& pg, bool sequence_parallel, moe::DispatcherKind dispatcher,
+                             std::vector<int64_t> pipeline_layers) {
   ModelParallel m;
   m.tp = pg.tp();
   m.sequence_parallel = sequence_parallel;
@@ -908,6 +1021,8 @@ ModelParallel model_parallel(const ProcessGroups& pg, bool sequence_parallel, mo
   m.etp_ep = pg.etp_ep();
   m.dispatcher = dispatcher;
   m.dp = pg.dp();
+  m.pp = pg.pp();
+  m.pipeline_layers = std::move(pipeline_layers);
   return m;
 }
 

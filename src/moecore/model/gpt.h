@@ -54,6 +54,10 @@ struct MemoryPlan {
 //     local expert's fc1 rows and fc2 columns split over etp (Param::tp of the expert weights), and the group of ETP x
 //     EP ranks (ETP fastest) the allgather dispatcher gathers over
 //   dp: the data-parallel group: global_aux_loss counts are summed over it
+//   pp, pipeline_layers: the pipeline (--pipeline-model-parallel-size) and the decoder layers of each of its stages
+//     (pipeline_stage_layers; empty: every layer, at PP 1). Stage r holds its layers (parameters named by their
+//     global index), the first stage the embeddings, the last the final norm, the output layer, the MTP depths and a
+//     copy of the word embeddings when the output layer is tied to them or MTP embeds with them (Param::pipeline_copy)
 struct ModelParallel {
   ProcessGroup tp = comm_single("tp");
   bool sequence_parallel = false;
@@ -64,9 +68,17 @@ struct ModelParallel {
   ProcessGroup etp_ep = comm_single("etp_ep");
   moe::DispatcherKind dispatcher = moe::DispatcherKind::alltoall;
   ProcessGroup dp = comm_single("dp");
+  ProcessGroup pp = comm_single("pp");
+  std::vector<int64_t> pipeline_layers;
 };
-// The model's groups of a training layout (PP 1).
-ModelParallel model_parallel(const ProcessGroups& pg, bool sequence_parallel, moe::DispatcherKind dispatcher);
+
+// Megatron's split of num_layers decoder layers over pp stages: even, or with --decoder-first-pipeline-num-layers
+// (first) and/or --decoder-last-pipeline-num-layers (last; -1: unset) on those stages and the rest split evenly over
+// the others. Error naming the values when they do not split (every stage holds at least one layer).
+std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64_t first = -1, int64_t last = -1);
+// The model's groups of a training layout; pipeline_layers as pipeline_stage_layers gives them (empty at PP 1).
+ModelParallel model_parallel(const ProcessGroups& pg, bool sequence_parallel, moe::DispatcherKind dispatcher,
+                             std::vector<int64_t> pipeline_layers = {});
 
 class GptModel {
  public:
@@ -83,6 +95,28 @@ class GptModel {
   int64_t tp_size() const { return par_.tp.size(); }
   int64_t cp_size() const { return par_.cp.size(); }
   const ModelParallel& parallel() const { return par_; }
+  // This pipeline stage: its decoder layers [first_layer, end_layer), and whether it holds the embeddings (first
+  // stage) and the loss heads (last stage). At PP 1: every layer, both.
+  int64_t first_layer() const { return first_layer_; }
+  int64_t end_layer() const { return end_layer_; }
+  bool pre_process() const { return par_.pp.rank() == 0; }
+  bool post_process() const { return par_.pp.rank() == par_.pp.size() - 1; }
+  // A stage's exchanges with its neighbours, [N, H] f32 each: a stage after the first takes its input activation in
+  // stage_input(slot) before forward(slot); a stage before the last leaves its output in stage_output(slot) after it
+  // and takes dL/d(output) in stage_output_grad(slot) before backward(slot); after backward a stage after the first
+  // leaves dL/d(input) in stage_input_grad() (until the next backward).
+  Tensor stage_input(int64_t slot) {
+    return slots_.at(static_cast<size_t>(slot)).residual[static_cast<size_t>(first_layer_)];
+  }
+  Tensor stage_output(int64_t slot) {
+    return slots_.at(static_cast<size_t>(slot)).residual[static_cast<size_t>(end_layer_)];
+  }
+  Tensor stage_output_grad(int64_t slot) { return slots_.at(static_cast<size_t>(slot)).dfinal; }
+  Tensor stage_input_grad() { return dres_; }
+  // The parameter the first and the last stage both hold (the word embeddings, when the last holds a copy): its
+  // gradient is the sum of both stages' (the training step exchanges them). Its index in params(), or -1 (PP 1, or a
+  // stage that holds no such parameter, or a model without the copy).
+  int64_t pipeline_shared_param() const { return pipeline_shared_; }
 
   const ModelConfig& config() const { return cfg_; }
   int64_t micro_batch_size() const { return B_; }
@@ -159,6 +193,8 @@ class GptModel {
     backward(0, grad_scale);
     return r;
   }
+  // The loss without gradients (slot 0). On a pipeline stage, as forward: a stage after the first takes its input in
+  // stage_input(0); one before the last returns an empty result and leaves its output in stage_output(0).
   LossResult evaluate(const Tensor& tokens, const Tensor& labels);
   // logits [B*S, V] f32 for the given tokens (generation, tests); under CP collective over the group.
   void forward_logits(Tensor& logits, const Tensor& tokens);
@@ -173,6 +209,8 @@ class GptModel {
   void check_tensor_parallel() const;
   void check_context_parallel() const;
   void check_expert_tensor_parallel() const;
+  void check_pipeline();
+  bool stage_holds(const std::string& name, bool embedding_copy) const;
   // [B*S] host -> this CP rank's [B*S/CP] in out (the batch itself at CP 1)
   Tensor local_positions(const Tensor& batch_h, const Tensor& out) const;
   bool tensor_parallel() const { return par_.tp.size() > 1; }
@@ -238,6 +276,12 @@ class GptModel {
     Tensor dfinal;                  // [N, H] f32: dL/d(final norm output) from the loss heads
   };
   Activations alloc_activations() const;
+  bool local_layer(size_t l) const {  // a decoder layer of this stage, or an MTP layer on the last stage
+    const auto i = static_cast<int64_t>(l);
+    return (i >= first_layer_ && i < end_layer_) || (i >= cfg_.num_layers && post_process());
+  }
+  int64_t first_layer_ = 0, end_layer_ = 0;
+  int64_t pipeline_shared_ = -1;
   void use_slot(int64_t slot);  // checked
   Activations& act() { return slots_[slot_]; }
   std::vector<Activations> slots_;

@@ -163,6 +163,12 @@ bool etp_replica(const Param& p, const TrainGroups& g) {
   return p.expert_parallel && !p.tp.sharded() && g.etp.size() > 1;
 }
 
+// A stage's sum of squares summed over the pipeline's stages (each holds its own parameters).
+double over_pipeline(double sq, const TrainGroups& g) {
+  if (g.pp.size() > 1) all_reduce_sum(std::span<double>(&sq, 1), g.pp);
+  return sq;
+}
+
 // The global L2 norm of the reduced gradients, every parameter counted once: the replicated parameters'
 // squares are identical on every rank; the expert shards' squares are summed over the ETP x EP group and the
 // tensor-parallel shards' over the TP group.
@@ -170,7 +176,7 @@ double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, G
   c.sq.zero_();
   Tensor sq_dense = c.sq.slice(0, 0, 1), sq_expert = c.sq.slice(0, 1, 2), sq_tp = c.sq.slice(0, 2, 3);
   for (const auto& p : gpt.params())
-    if (!etp_replica(p, g) || g.etp.rank() == 0)
+    if ((!etp_replica(p, g) || g.etp.rank() == 0) && !p.pipeline_copy)
       ops::sum_squares(p.expert_parallel ? sq_expert
                        : p.tp.sharded()  ? sq_tp
                                          : sq_dense,
@@ -180,14 +186,15 @@ double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, G
   if (g.tp.size() > 1) all_reduce_sum(sq_tp, g.tp);
   double sq[3];
   c.sq.copy_to_host(sq, 3);
-  return std::sqrt(sq[0] + sq[1] + sq[2]);
+  return std::sqrt(over_pipeline(sq[0] + sq[1] + sq[2], g));
 }
 // The distributed optimizer (ZeRO-1) of a run: non-expert parameters sharded over dp, expert parameters
 // over edp. Gradients are reduce-scattered in buckets; the masters are all-gathered after each step. Under TP the
 // tensor-parallel shards get an instance of their own (over dp as well), so the grad norm counts the replicated
 // parameters once and sums the shards over TP.
 struct ZeroOptimizers {
-  enum Kind { replicated, tensor_parallel, expert, expert_replica, kinds };  // expert_replica: etp_replica()
+  // expert_replica: etp_replica(); pipeline_copy: Param::pipeline_copy (out of the norm: the first stage counts it)
+  enum Kind { replicated, tensor_parallel, expert, expert_replica, pipeline_copy, kinds };
   std::unique_ptr<optim::DistributedAdamW> opt[kinds];
   std::vector<size_t> idx[kinds];              // parameter indices of each instance, in model order
   std::vector<std::pair<Kind, size_t>> where;  // per model parameter: its instance and index there
@@ -200,7 +207,8 @@ struct ZeroOptimizers {
     std::vector<Param*> p[kinds];
     auto& params = gpt.params();
     for (size_t i = 0; i < params.size(); ++i) {
-      const Kind k = etp_replica(params[i], g)   ? expert_replica
+      const Kind k = params[i].pipeline_copy     ? pipeline_copy
+                     : etp_replica(params[i], g) ? expert_replica
                      : params[i].expert_parallel ? expert
                      : params[i].tp.sharded()    ? tensor_parallel
                                                  : replicated;
@@ -257,12 +265,12 @@ struct ZeroOptimizers {
     if (g.tp.size() == 1) {  // one sum over dp (the layout before TP: unchanged bits)
       double sq = rep + rest;
       if (dp.size() > 1) all_reduce_sum(std::span<double>(&sq, 1), dp);
-      return std::sqrt(sq);
+      return std::sqrt(over_pipeline(sq, g));
     }
     double v[2] = {rep, rest};
     all_reduce_sum(std::span<double>(v, 2), dp);
     all_reduce_sum(std::span<double>(&v[1], 1), g.tp);
-    return std::sqrt(v[0] + v[1]);
+    return std::sqrt(over_pipeline(v[0] + v[1], g));
   }
   void step(float lr, float clip, bool gather_later) {
     each([&](optim::DistributedAdamW& o, const auto&) { o.step(lr, clip, gather_later); });

@@ -1,5 +1,6 @@
 #include "moecore/train/step.h"
 
+#include <algorithm>
 #include <cmath>
 #include <span>
 
@@ -69,11 +70,15 @@ TrainStep::TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cf
     MOECORE_FAIL("training: global_batch_size (", cfg.global_batch_size, ") must be divisible by micro_batch_size (",
                  cfg.micro_batch_size, ") x data-parallel size (", dp, ")");
   micro_local_ = micro_ / dp;
-  schedule_ = one_f_one_b(micro_local_);
+  schedule_ = one_f_one_b(micro_local_, g_.pp.size(), g_.pp.rank());
   gpt_.set_micro_batch_slots(schedule_.in_flight);
   const int64_t S = gpt.config().seq_length;
   tokens_ = Tensor::empty({cfg.micro_batch_size, S}, DType::i32, MemCategory::workspace);
   labels_ = Tensor::empty({cfg.micro_batch_size, S}, DType::i32, MemCategory::workspace);
+  if (gpt.pipeline_shared_param() >= 0) {
+    const Tensor& g = gpt.params()[static_cast<size_t>(gpt.pipeline_shared_param())].grad;
+    shared_grad_ = Tensor::empty(g.shape(), DType::f32, MemCategory::workspace, gpt.device());
+  }
 }
 
 double TrainStep::take_grad_reduce_blocked() {
@@ -85,33 +90,80 @@ double TrainStep::take_grad_reduce_blocked() {
 StepResult TrainStep::run(int64_t it, float lr) {
   const int64_t first = g_.dp.rank() * micro_local_;  // this rank's first micro-batch of the global batch
   const float grad_scale = 1.0f / static_cast<float>(micro_);
+  const ProcessGroup& pp = g_.pp;
+  const int stage = pp.rank(), prev = stage - 1, next = stage + 1;
+  const bool first_stage = gpt_.pre_process(), last_stage = gpt_.post_process();
+  const int64_t shared = gpt_.pipeline_shared_param();
   StepResult r;
   r.mtp_loss.assign(static_cast<size_t>(gpt_.config().mtp_num_layers), 0.0);
   int64_t moe_layers = 0;
   gpt_.zero_grad();
   opt_.begin_grad_reduction();
   HookGuard hook_guard{gpt_};
-  for (const ScheduleOp& op : schedule_.ops) {
+  // With overlap, the last micro-batch reports its gradients final as they are: a stage holding the loss heads from
+  // that micro-batch's forward (1F1B runs its backward next), any other from its backward. The parameter shared
+  // between the first and the last stage is reported after the stages have summed its gradient.
+  const auto hook = [&](size_t a, size_t b) {
+    const BlockedIn in_reduction{grad_reduce_blocked_};
+    const auto sh = static_cast<size_t>(shared);
+    if (shared < 0 || sh < a || sh >= b) return opt_.grad_ready(a, b);
+    if (a < sh) opt_.grad_ready(a, sh);
+    if (sh + 1 < b) opt_.grad_ready(sh + 1, b);
+  };
+  const auto& ops = schedule_.ops;
+  bool received = false;  // the next op's input came with the previous op's send (Megatron's send_*_recv_*)
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const ScheduleOp& op = ops[i];
+    const ScheduleOp* following = i + 1 < ops.size() ? &ops[i + 1] : nullptr;
     const int64_t mb = op.micro_batch, slot = schedule_.slot(mb);
-    // With overlap, the last micro-batch reports its gradients final as they are (its loss heads in forward, the rest
-    // in backward: nothing of another micro-batch runs in between on a stage that computes the loss).
-    if (opt_.overlaps_grad_reduction() && mb + 1 == micro_local_ && op.kind == ScheduleOp::forward)
-      gpt_.set_grad_ready([&](size_t a, size_t b) {
-        const BlockedIn in_reduction{grad_reduce_blocked_};
-        opt_.grad_ready(a, b);
-      });
-    if (op.kind == ScheduleOp::backward) {
+    const bool forward = op.kind == ScheduleOp::forward;
+    if (opt_.overlaps_grad_reduction() && mb + 1 == micro_local_ && forward == last_stage) gpt_.set_grad_ready(hook);
+    if (forward) {
+      if (!first_stage && !received) recv(gpt_.stage_input(slot), prev, pp);
+      batches_(tokens_, labels_, false, it * micro_ + first + mb);
+      gpt_.set_dropout_step(it, first + mb);
+      const model::LossResult l = gpt_.forward(slot, tokens_, labels_, grad_scale);
+      if (last_stage) {
+        r.loss += l.mean();
+        for (size_t k = 0; k < r.mtp_loss.size(); ++k)
+          r.mtp_loss[k] += l.mtp_mean(k) / static_cast<double>(micro_local_);
+      }
+      moe_layers = accumulate_moe_losses(gpt_, r.moe_losses);
+    } else {
+      if (!last_stage && !received) recv(gpt_.stage_output_grad(slot), next, pp);
       gpt_.backward(slot, grad_scale);
-      continue;
     }
-    batches_(tokens_, labels_, false, it * micro_ + first + mb);
-    gpt_.set_dropout_step(it, first + mb);
-    const model::LossResult l = gpt_.forward(slot, tokens_, labels_, grad_scale);
-    r.loss += l.mean();
-    for (size_t k = 0; k < r.mtp_loss.size(); ++k) r.mtp_loss[k] += l.mtp_mean(k) / static_cast<double>(micro_local_);
-    moe_layers = accumulate_moe_losses(gpt_, r.moe_losses);
+    // The output (forward) or input gradient (backward) to the neighbour, with the next op's input when that comes
+    // from the same neighbour.
+    received = false;
+    const bool sends = forward ? !last_stage : !first_stage;
+    if (!sends) continue;
+    const Tensor out = forward ? gpt_.stage_output(slot) : gpt_.stage_input_grad();
+    const int peer = forward ? next : prev;
+    if (following && following->kind != op.kind) {
+      const int64_t s2 = schedule_.slot(following->micro_batch);
+      const P2POp exchange[2] = {{P2PKind::send, out, peer},
+                                 {P2PKind::recv, forward ? gpt_.stage_output_grad(s2) : gpt_.stage_input(s2), peer}};
+      batch_send_recv(exchange, pp);
+      received = true;
+    } else {
+      send(out, peer, pp);
+    }
   }
+  if (shared >= 0) sum_shared_grad(static_cast<size_t>(shared));
+  // The step's losses: the loss heads' from the last stage, the MoE layers' from every stage.
   r.loss /= static_cast<double>(micro_local_);
+  if (pp.size() > 1) {
+    MoeStepLosses& m = r.moe_losses;
+    std::vector<double> v = {
+        r.loss, m.aux_loss, m.seq_aux_loss, m.global_aux_loss, m.z_loss, static_cast<double>(moe_layers)};
+    v.insert(v.end(), r.mtp_loss.begin(), r.mtp_loss.end());
+    all_reduce_sum(std::span<double>(v), pp);
+    r.loss = v[0];
+    m = {v[1], v[2], v[3], v[4]};
+    moe_layers = static_cast<int64_t>(v[5]);
+    std::copy(v.begin() + 6, v.end(), r.mtp_loss.begin());
+  }
   const int dp = g_.dp.size();
   if (dp > 1 && !r.mtp_loss.empty()) {
     all_reduce_sum(std::span<double>(r.mtp_loss), g_.dp);
@@ -136,7 +188,8 @@ StepResult TrainStep::run(int64_t it, float lr) {
     r.nonfinite = !std::isfinite(r.loss) ? std::string("lm loss") : opt_.first_nonfinite_grad();
     if (g_.world_size() > 1) {  // shards differ between ranks: all must take the same decision
       int64_t flag = r.nonfinite.empty() ? 0 : 1;
-      for (const ProcessGroup* grp : {&g_.dp, &g_.tp, &g_.cp}) all_reduce_sum(std::span<int64_t>(&flag, 1), *grp);
+      for (const ProcessGroup* grp : {&g_.dp, &g_.tp, &g_.cp, &g_.pp})
+        all_reduce_sum(std::span<int64_t>(&flag, 1), *grp);
       if (flag > 0 && r.nonfinite.empty()) r.nonfinite = "a gradient on another rank";
     }
     if (!r.nonfinite.empty() && cfg_.nan_action == "stop")
@@ -147,6 +200,28 @@ StepResult TrainStep::run(int64_t it, float lr) {
   if (!r.skipped) r.stats = opt_.step(lr);
   gpt_.finish_step(/*update=*/!r.skipped);
   return r;
+}
+
+// Megatron's embedding-group all-reduce: the first and the last stage exchange their gradients of the shared parameter
+// and both add them in the order first + last (equal bits on both), before the data-parallel reduction.
+void TrainStep::sum_shared_grad(size_t index) {
+  const ProcessGroup& pp = g_.pp;
+  const int peer = gpt_.pre_process() ? pp.size() - 1 : 0;
+  Tensor& grad = gpt_.params()[index].grad;
+  const P2POp exchange[2] = {{P2PKind::send, grad, peer}, {P2PKind::recv, shared_grad_, peer}};
+  {
+    const BlockedIn in_reduction{grad_reduce_blocked_};
+    batch_send_recv(exchange, pp);
+  }
+  const ops::Context ctx{gpt_.device()};
+  if (gpt_.pre_process())
+    ops::add(grad, grad, shared_grad_, ctx);
+  else
+    ops::add(grad, shared_grad_, grad, ctx);
+  if (opt_.overlaps_grad_reduction()) {
+    const BlockedIn in_reduction{grad_reduce_blocked_};
+    opt_.grad_ready(index, index + 1);
+  }
 }
 
 }  // namespace moecore::train

@@ -26,8 +26,10 @@ struct StepResult {
 class TrainStep {
  public:
   // This rank's share of every global batch: the dp group's rank r runs micro-batches [r * m, (r + 1) * m) of the
-  // step, m = cfg.micro_batches() / dp (Error naming the sizes when it does not divide), in the 1F1B order (one stage:
-  // forward and backward per micro-batch); gpt gets the schedule's activation slots.
+  // step, m = cfg.micro_batches() / dp (Error naming the sizes when it does not divide), in the 1F1B order of its
+  // pipeline stage (one stage: forward and backward per micro-batch); gpt gets the schedule's activation slots.
+  // Between stages (groups.pp) the activations go forward and their gradients back point-to-point, Megatron's way:
+  // a send is paired with the next op's receive from the same neighbour (batch_send_recv), so no order deadlocks.
   TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cfg, const TrainGroups& groups,
             const BatchFn& batches);
   // Step `iteration` (0-based) with learning rate lr: zeroes the gradients, runs the schedule (dropout keyed by the
@@ -49,7 +51,9 @@ class TrainStep {
   int64_t micro_ = 0, micro_local_ = 0;
   Schedule schedule_;
   Tensor tokens_, labels_;  // [B, S] i32 host: the micro-batch being loaded
+  Tensor shared_grad_;      // the other stage's gradient of gpt.pipeline_shared_param()
   double grad_reduce_blocked_ = 0;
+  void sum_shared_grad(size_t index);
 };
 
 }  // namespace moecore::train

@@ -1,10 +1,11 @@
-// The process groups of a multi-process training run (PP = 1). Megatron's semantics: the data-parallel group `dp`
+// The process groups of a multi-process training run. Megatron's semantics: the data-parallel group `dp`
 // splits every global batch (with EP it contains the EP ranks: expert parallelism folds into data parallelism for
 // the attention layers); `tp` is the model's tensor-parallel group and `cp` its context-parallel group (their ranks
 // see the same batch); `ep` is the model's expert-parallel group and `etp` its expert-tensor-parallel group (the
 // ranks holding the other slices of the same experts); `edp` holds the ranks with the same expert slices.
 // Non-expert gradients are summed over dp x cp (`dp_cp`: each CP rank holds a part of every sequence), expert
-// gradients over edp (after the model has summed its tp_grad_sum parameters over tp).
+// gradients over edp (after the model has summed its tp_grad_sum parameters over tp). `pp` is the pipeline: the ranks
+// holding the other stages of the same model replica; every other group lies within one stage.
 #pragma once
 #include "moecore/parallel/comm.h"
 #include "moecore/parallel/process_groups.h"
@@ -18,13 +19,15 @@ struct TrainGroups {
   ProcessGroup etp_ep = comm_single("etp_ep");  // every distinct expert slice of a layer: etp x ep
   ProcessGroup edp = comm_single("edp");
   ProcessGroup tp = comm_single("tp");
-  ProcessGroup tp_dp = comm_single("tp_dp");  // every rank of the run, tp x dp x cp (checkpoints); when tp or cp > 1
+  ProcessGroup tp_dp = comm_single("tp_dp");  // every rank of the stage, tp x dp x cp (checkpoints); when tp or cp > 1
   ProcessGroup cp = comm_single("cp");
   ProcessGroup dp_cp = comm_single("dp_cp");  // needed when cp > 1
   ProcessGroup tp_cp = comm_single("tp_cp");  // needed when cp > 1
+  ProcessGroup pp = comm_single("pp");
   // The group non-expert gradients are summed over.
   const ProcessGroup& dense_grads() const { return cp.size() > 1 ? dp_cp : dp; }
-  int world_size() const { return dp.size() * tp.size() * cp.size(); }
+  int stage_size() const { return dp.size() * tp.size() * cp.size(); }  // the ranks of one pipeline stage
+  int world_size() const { return stage_size() * pp.size(); }
 };
 
 // The groups of a training layout (every rank of the world: tp_dp is tp x dp x cp).
@@ -40,6 +43,7 @@ inline TrainGroups train_groups(const ProcessGroups& pg) {
   g.cp = pg.cp();
   g.dp_cp = pg.dp_cp();
   g.tp_cp = pg.tp_cp();
+  g.pp = pg.pp();
   return g;
 }
 

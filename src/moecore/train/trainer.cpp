@@ -84,6 +84,7 @@ float lr_at(const TrainConfig& c, int64_t it) {
 }
 
 double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches, const ProcessGroup* dp) {
+  const ProcessGroup& pp = gpt.parallel().pp;
   const auto& m = gpt.config();
   Tensor tokens = Tensor::empty({gpt.micro_batch_size(), m.seq_length}, DType::i32, MemCategory::workspace);
   Tensor labels = Tensor::empty({gpt.micro_batch_size(), m.seq_length}, DType::i32, MemCategory::workspace);
@@ -95,12 +96,16 @@ double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& bat
   for (int64_t k = 0; k < rounds; ++k) {
     const int64_t i = k * P + r;
     batches(tokens, labels, true, std::min(i, cfg.eval_iters - 1));
+    // Through the pipeline stage by stage: a chain, so plain sends and receives cannot deadlock.
+    if (!gpt.pre_process()) recv(gpt.stage_input(0), pp.rank() - 1, pp);
     const auto res = gpt.evaluate(tokens, labels);
+    if (!gpt.post_process()) send(gpt.stage_output(0), pp.rank() + 1, pp);
     if (i >= cfg.eval_iters) continue;
-    sums[0] += res.loss_sum;
+    sums[0] += res.loss_sum;  // (the last stage's; zeros before it)
     sums[1] += static_cast<double>(res.tokens);
   }
   if (P > 1) all_reduce_sum(std::span<double>(sums, 2), *dp);
+  if (pp.size() > 1) all_reduce_sum(std::span<double>(sums, 2), pp);
   return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
 }
 
@@ -271,13 +276,15 @@ void check_groups(const model::GptModel& gpt, const TrainGroups& g, const TrainC
     MOECORE_FAIL("training: the dp_cp group has ", g.dp_cp.size(), " ranks, not data-parallel (", g.dp.size(),
                  ") x context-parallel (", g.cp.size(), ")");
   same(gpt.etp_size(), g.etp, "expert-tensor-parallel");
+  same(gpt.parallel().pp.size(), g.pp, "pipeline-parallel");
   if (g.etp.size() > 1 && g.etp_ep.size() != g.etp.size() * g.ep.size())
     MOECORE_FAIL("training: the etp_ep group has ", g.etp_ep.size(), " ranks, not expert-tensor-parallel (",
                  g.etp.size(), ") x expert-parallel (", g.ep.size(), ")");
-  if (g.etp.size() * g.ep.size() * g.edp.size() != g.world_size())
+  if (g.etp.size() * g.ep.size() * g.edp.size() != g.stage_size())
     MOECORE_FAIL("training: expert-tensor-parallel (", g.etp.size(), ") x expert-parallel (", g.ep.size(),
                  ") x expert-data-parallel (", g.edp.size(), ") must equal tensor-parallel (", g.tp.size(),
-                 ") x context-parallel (", g.cp.size(), ") x data-parallel (", g.dp.size(), ") when PP = 1");
+                 ") x context-parallel (", g.cp.size(), ") x data-parallel (", g.dp.size(),
+                 ") within a pipeline stage");
   if (gpt.micro_batch_size() != cfg.micro_batch_size)
     MOECORE_FAIL("training: the model was built for micro-batch ", gpt.micro_batch_size(), ", not ",
                  cfg.micro_batch_size);
@@ -351,7 +358,7 @@ class RunLog {
         flops_per_step_(gpt.flops_per_step() * static_cast<double>(cfg.micro_batches())),
         peak_gflops_(cfg.peak_gflops),
         mtp_acc_(static_cast<size_t>(gpt.config().mtp_num_layers), 0.0) {
-    const bool writes_metrics = g.dp.rank() == 0 && g.tp.rank() == 0 && g.cp.rank() == 0;
+    const bool writes_metrics = g.dp.rank() == 0 && g.tp.rank() == 0 && g.cp.rank() == 0 && g.pp.rank() == 0;
     if (writes_metrics && !cfg.metrics_jsonl.empty())
       sinks_.jsonl = std::make_unique<io::JsonlMetricsWriter>(cfg.metrics_jsonl);
     if (writes_metrics && !cfg.tensorboard_dir.empty())
@@ -474,7 +481,7 @@ class RunLog {
 bool stop_requested(const ExitSignalGuard* signals, const TrainGroups& g) {
   int64_t flag = signals && ExitSignalGuard::requested() ? 1 : 0;
   if (g.world_size() > 1)
-    for (const ProcessGroup* grp : {&g.dp, &g.tp, &g.cp})
+    for (const ProcessGroup* grp : {&g.dp, &g.tp, &g.cp, &g.pp})
       if (grp->size() > 1) all_reduce_sum(std::span<int64_t>(&flag, 1), *grp);
   return flag > 0;
 }

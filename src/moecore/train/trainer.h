@@ -120,7 +120,8 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, 
                const StepObserver& observer = {}, const TrainGroups* groups = nullptr);
 
 // Mean validation loss over cfg.eval_iters batches; with a data-parallel group the batches are split over
-// its ranks and the sums reduced (collective).
+// its ranks and the sums reduced (collective); on a pipeline stage (gpt built for PP > 1) each batch passes every
+// stage, and every rank returns the loss.
 double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches, const ProcessGroup* dp = nullptr);
 
 // Samples up to `count` tokens after `prompt` (temperature sampling, top-k 40) with the model's fixed

@@ -1,0 +1,225 @@
+// Pipeline-parallel training equivalence (issue 13), under mpirun with 2 and 4 ranks. Every rank trains the
+// single-process reference itself (same config, seed, global batch), then the same model split over pipeline stages:
+// PP = P with the 1F1B schedule (even and uneven splits: --decoder-first/last-pipeline-num-layers), and at 4 ranks
+// PP 2 x DP 2 (plain AdamW, the distributed optimizer, with overlapped reduction and parameter gathers) and PP 2 x
+// EP 2. Models: dense with tied embeddings (RMSNorm, SwiGLU, RoPE: the last stage holds a copy of the word embeddings
+// whose gradient is summed with the first stage's), dense untied with learned positions and biases (LayerNorm, GeLU),
+// and MoE with aux and z losses and one MTP depth (its embedding on the last stage too). Checked: step-1 loss and
+// global grad norm (1e-6 rel), the gradient of every parameter a stage holds after step 1 against the reference's (rtol
+// 1e-5 with an absolute floor of 1e-6 x the tensor's largest value), 20-step losses (rtol 1e-5), the validation loss,
+// the MoE and MTP losses, bitwise-identical losses across two identical runs; bad splits fail at construction naming
+// the values. Every model lives on testing::test_device().
+#include <gtest/gtest.h>
+
+#include "model/synthetic_training.h"
+#include "mpi_test_support.h"
+#include "test_util.h"
+
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "moecore/core/error.h"
+#include "moecore/parallel/process_groups.h"
+#include "moecore/parallel/shards.h"
+#include "moecore/train/trainer.h"
+
+namespace moecore {
+namespace {
+
+class Mpi : public testing_mpi::MpiTest {};
+using testing::synthetic_batch;
+
+// 4 layers; RMSNorm, SwiGLU, RoPE, tied embeddings.
+model::ModelConfig tied_dense() {
+  model::ModelConfig c;
+  c.num_layers = 4;
+  c.hidden_size = 32;
+  c.num_attention_heads = 4;
+  c.num_query_groups = 2;
+  c.ffn_hidden_size = 48;
+  c.vocab_size = 64;
+  c.seq_length = 16;
+  c.untie_embeddings_and_output_weights = false;
+  return c;
+}
+
+// LayerNorm, GeLU, biases on every linear, learned absolute positions (on the first stage), untied output layer.
+model::ModelConfig untied_dense() {
+  model::ModelConfig c = tied_dense();
+  c.normalization = model::Normalization::layernorm;
+  c.swiglu = false;
+  c.add_bias_linear = true;
+  c.position_embedding_type = model::PositionEmbedding::learned_absolute;
+  c.untie_embeddings_and_output_weights = true;
+  return c;
+}
+
+// Dense and MoE layers alternating (8 experts, top-2, aux + z loss), untied, one MTP depth on the last stage.
+model::ModelConfig moe_mtp() {
+  model::ModelConfig c = testing::small_moe_model(8);
+  c.num_layers = 4;
+  c.moe_layer_freq = "[0,1,0,1]";
+  c.moe.z_loss_coeff = 1e-3f;
+  c.mtp_num_layers = 1;
+  return c;
+}
+
+train::TrainConfig train_config(int64_t iters) {
+  train::TrainConfig t;
+  t.micro_batch_size = 2;
+  t.global_batch_size = 8;
+  t.train_iters = iters;
+  t.lr = 5e-3f;
+  t.lr_warmup_iters = 2;
+  t.eval_iters = 3;
+  t.has_validation = true;
+  t.ddp_bucket_size = 3000;
+  return t;
+}
+
+struct Layout {
+  int pp = 0;  // 0: one process, no groups
+  int ep = 1;
+  int64_t first = -1, last = -1;  // --decoder-first/last-pipeline-num-layers
+  bool zero = false, overlap = false;
+  std::string name() const {
+    return "PP " + std::to_string(pp) + (first >= 0 ? " first " + std::to_string(first) : "") +
+           (last >= 0 ? " last " + std::to_string(last) : "") + (ep > 1 ? ", EP " + std::to_string(ep) : "") +
+           (zero ? ", distributed optimizer" : "") + (overlap ? ", overlapped" : "");
+  }
+};
+
+struct Result {
+  std::vector<double> loss, grad_norm;
+  std::vector<train::MoeStepLosses> moe;
+  double valid = 0;
+  std::map<std::string, Tensor> grads;  // the parameters this rank holds (expert shards gathered over EP)
+};
+
+Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l, int64_t iters) {
+  train::TrainGroups groups;
+  model::ModelParallel par;
+  if (l.pp > 0) {
+    ParallelConfig pc;
+    pc.pipeline_model_parallel_size = l.pp;
+    pc.expert_model_parallel_size = l.ep;
+    const ProcessGroups pg = make_process_groups(pc, static_cast<int>(mc.moe.num_experts), world);
+    groups = train::train_groups(pg);
+    par = model::model_parallel(pg, false, moe::DispatcherKind::alltoall,
+                                model::pipeline_stage_layers(mc.num_layers, l.pp, l.first, l.last));
+  }
+  model::GptModel gpt(mc, 2, 42, par, testing::test_device());
+  optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!l.zero);
+  train::TrainConfig tc = train_config(iters);
+  tc.use_distributed_optimizer = l.zero;
+  tc.overlap_grad_reduce = l.overlap;
+  tc.overlap_param_gather = l.overlap && l.zero;
+  const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, l.pp ? &groups : nullptr);
+  Result r;
+  r.loss = log.train_loss;
+  r.grad_norm = log.grad_norm;
+  r.moe = log.moe_losses;
+  if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
+  for (const auto& p : gpt.params()) {
+    const TensorShard ep{0, 1, static_cast<int>(gpt.ep_rank()), static_cast<int>(gpt.ep_size())};
+    r.grads[p.name] = p.expert_parallel ? all_gather_shards(p.grad, ep, par.ep).clone() : testing::host(p.grad);
+  }
+  return r;
+}
+
+double rel(double a, double b) {
+  return std::fabs(a - b) / std::max(std::fabs(b), 1e-30);
+}
+
+// Every gradient this stage holds against the one-process run's of the same name.
+void expect_close(const std::map<std::string, Tensor>& got, const std::map<std::string, Tensor>& ref) {
+  for (const auto& [name, g] : got) {
+    ASSERT_TRUE(ref.count(name)) << name;
+    const Tensor& r = ref.at(name);
+    ASSERT_TRUE(g.shape() == r.shape()) << name << ": " << g.str() << " vs " << r.str();
+    const float* a = g.data<float>();
+    const float* b = r.data<float>();
+    double maxref = 0;
+    for (int64_t i = 0; i < r.numel(); ++i) maxref = std::max(maxref, std::fabs(static_cast<double>(b[i])));
+    for (int64_t i = 0; i < r.numel(); ++i)
+      ASSERT_NEAR(a[i], b[i], 1e-5 * std::fabs(b[i]) + 1e-6 * maxref + 1e-9) << name << " element " << i;
+  }
+}
+
+void check_layout(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l) {
+  SCOPED_TRACE(l.name() + " x DP " + std::to_string(world.size() / l.pp) + (mc.moe.enabled() ? ", MoE" : "") +
+               (mc.untie_embeddings_and_output_weights ? "" : ", tied"));
+  const Result ref1 = run(world, mc, Layout{}, 1);
+  const Result got1 = run(world, mc, l, 1);
+  EXPECT_LE(rel(got1.loss[0], ref1.loss[0]), 1e-6) << got1.loss[0] << " vs " << ref1.loss[0];
+  EXPECT_LE(rel(got1.grad_norm[0], ref1.grad_norm[0]), 1e-6) << got1.grad_norm[0] << " vs " << ref1.grad_norm[0];
+  if (!l.zero) expect_close(got1.grads, ref1.grads);  // (the distributed optimizer reduces into its shards)
+  const Result ref = run(world, mc, Layout{}, 20);
+  const Result got = run(world, mc, l, 20);
+  const Result again = run(world, mc, l, 20);
+  ASSERT_EQ(got.loss.size(), 20u);
+  for (size_t i = 0; i < 20; ++i) {
+    EXPECT_LE(rel(got.loss[i], ref.loss[i]), 1e-5) << "step " << i + 1 << ": " << got.loss[i] << " vs " << ref.loss[i];
+    EXPECT_EQ(std::memcmp(&got.loss[i], &again.loss[i], sizeof(double)), 0) << "step " << i + 1 << " not bitwise";
+    EXPECT_LE(rel(got.moe[i].aux_loss, ref.moe[i].aux_loss), 1e-5) << "step " << i + 1;
+    EXPECT_LE(rel(got.moe[i].z_loss, ref.moe[i].z_loss), 1e-5) << "step " << i + 1;
+  }
+  EXPECT_LE(rel(got.valid, ref.valid), 1e-5) << "validation loss " << got.valid << " vs " << ref.valid;
+}
+
+TEST_F(Mpi, PipelineMatchesOneProcess) {
+  for (const model::ModelConfig& mc : {tied_dense(), untied_dense(), moe_mtp()}) check_layout(world, mc, {P});
+}
+
+TEST_F(Mpi, UnevenPipelineStagesMatchOneProcess) {
+  model::ModelConfig mc = moe_mtp();
+  if (P == 2) {
+    check_layout(world, mc, {2, 1, 1, -1});  // stages of 1 and 3 layers
+    check_layout(world, tied_dense(), {2, 1, -1, 1});
+    return;
+  }
+  mc.num_layers = 6;
+  mc.moe_layer_freq = "[0,1,0,1,0,1]";
+  check_layout(world, mc, {4, 1, 1, 1});  // 1, 2, 2, 1
+}
+
+TEST_F(Mpi, PipelineWithDataAndExpertParallelismMatchesOneProcess) {
+  if (P != 4) GTEST_SKIP() << "needs 4 ranks";
+  check_layout(world, tied_dense(), {2});
+  check_layout(world, tied_dense(), {2, 1, -1, -1, /*zero=*/true});
+  check_layout(world, tied_dense(), {2, 1, -1, -1, /*zero=*/true, /*overlap=*/true});
+  check_layout(world, moe_mtp(), {2, 1, -1, -1, /*zero=*/false, /*overlap=*/true});
+  check_layout(world, moe_mtp(), {2, 2});  // the experts over EP 2 within each stage
+  check_layout(world, moe_mtp(), {2, 2, -1, -1, /*zero=*/true});
+}
+
+TEST_F(Mpi, BadPipelineSplitsAreErrorsNamingTheValues) {
+  auto message = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([] { model::pipeline_stage_layers(5, 2); })
+                .find("--num-layers (5) must be divisible by "
+                      "--pipeline-model-parallel-size (2)"),
+            std::string::npos);
+  EXPECT_NE(message([] { model::pipeline_stage_layers(7, 4, 1, 1); }).find("5 layers would remain for the other 2"),
+            std::string::npos);
+  EXPECT_NE(message([] { model::pipeline_stage_layers(6, 4, 3, 3); }).find("0 layers would remain"), std::string::npos);
+  EXPECT_NE(message([] { model::pipeline_stage_layers(4, 1, 2, -1); }).find("need --pipeline-model-parallel-size > 1"),
+            std::string::npos);
+  EXPECT_EQ(model::pipeline_stage_layers(6, 4, 1, 1), (std::vector<int64_t>{1, 2, 2, 1}));
+  EXPECT_EQ(model::pipeline_stage_layers(8, 4), (std::vector<int64_t>{2, 2, 2, 2}));
+  EXPECT_EQ(model::pipeline_stage_layers(7, 3, 3, -1), (std::vector<int64_t>{3, 2, 2}));
+}
+
+}  // namespace
+}  // namespace moecore
+
+int main(int argc, char** argv) {
+  return moecore::testing_mpi::run_mpi_tests(argc, argv, 120.0);
+}
