@@ -15,13 +15,16 @@
 #include "mpi_test_support.h"
 #include "test_util.h"
 
+#include <unistd.h>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <map>
 
 #include "moecore/core/error.h"
 #include "moecore/parallel/process_groups.h"
 #include "moecore/parallel/shards.h"
+#include "moecore/train/checkpointing.h"
 #include "moecore/train/trainer.h"
 
 namespace moecore {
@@ -94,10 +97,12 @@ struct Result {
   std::vector<double> loss, grad_norm;
   std::vector<train::MoeStepLosses> moe;
   double valid = 0;
-  std::map<std::string, Tensor> grads;  // the parameters this rank holds (expert shards gathered over EP)
+  std::map<std::string, Tensor> grads;   // the parameters this rank holds (expert shards gathered over EP)
+  std::map<std::string, Tensor> values;  // likewise, at the end
 };
 
-Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l, int64_t iters) {
+Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l, int64_t iters,
+           const std::string& save = "", const std::string& load = "", int64_t exit_at = 0) {
   train::TrainGroups groups;
   model::ModelParallel par;
   if (l.pp > 0) {
@@ -115,6 +120,9 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   tc.use_distributed_optimizer = l.zero;
   tc.overlap_grad_reduce = l.overlap;
   tc.overlap_param_gather = l.overlap && l.zero;
+  tc.save = save;
+  tc.load = load;
+  tc.exit_interval = exit_at;
   const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, l.pp ? &groups : nullptr);
   Result r;
   r.loss = log.train_loss;
@@ -124,6 +132,7 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   for (const auto& p : gpt.params()) {
     const TensorShard ep{0, 1, static_cast<int>(gpt.ep_rank()), static_cast<int>(gpt.ep_size())};
     r.grads[p.name] = p.expert_parallel ? all_gather_shards(p.grad, ep, par.ep).clone() : testing::host(p.grad);
+    r.values[p.name] = p.expert_parallel ? all_gather_shards(p.value, ep, par.ep).clone() : testing::host(p.value);
   }
   return r;
 }
@@ -192,6 +201,51 @@ TEST_F(Mpi, PipelineWithDataAndExpertParallelismMatchesOneProcess) {
   check_layout(world, moe_mtp(), {2, 1, -1, -1, /*zero=*/false, /*overlap=*/true});
   check_layout(world, moe_mtp(), {2, 2});  // the experts over EP 2 within each stage
   check_layout(world, moe_mtp(), {2, 2, -1, -1, /*zero=*/true});
+}
+
+std::string shared_dir(const ProcessGroup& world, const std::string& what) {
+  std::vector<int64_t> pid = {world.rank() == 0 ? static_cast<int64_t>(::getpid()) : 0};
+  broadcast(std::span<int64_t>(pid), 0, world);
+  const std::string dir = "/tmp/moecore_mpi_pp_" + std::to_string(pid[0]) + "_" + what;
+  barrier(world);
+  return dir;
+}
+
+// Checkpoints hold every layer whatever the PP size: saved at step 4 of 8 under PP = P (dense tied; MoE + MTP with the
+// distributed optimizer, at 4 ranks as PP 2 x EP 2 with its gathers overlapped), one process loads every parameter
+// bitwise, and one process, PP = P and at 4 ranks PP 2 (x DP 2) and PP 4 resume with the uninterrupted run's losses.
+TEST_F(Mpi, CheckpointsReshardAcrossPipelineSizes) {
+  struct Case {
+    model::ModelConfig mc;
+    Layout saved_at;
+  };
+  const Layout moe_saved = P == 4 ? Layout{2, 2, -1, -1, true, true} : Layout{2, 1, -1, -1, true, false};
+  for (const Case& c : {Case{tied_dense(), {P}}, Case{moe_mtp(), moe_saved}}) {
+    SCOPED_TRACE("saved at " + c.saved_at.name() + (c.mc.moe.enabled() ? ", MoE" : ""));
+    const std::string dir = shared_dir(world, "reshard");
+    const Result straight = run(world, c.mc, c.saved_at, 8);
+    const Result saved = run(world, c.mc, c.saved_at, 8, dir, "", 4);
+    model::GptModel hub(c.mc, 2, 42, {}, testing::test_device());
+    optim::AdamW hub_opt(hub.params(), {});
+    train::load_training_checkpoint(dir + "/iter_0000004", hub, hub_opt, 1234);
+    for (const auto& p : hub.params()) {
+      if (!saved.values.count(p.name)) continue;  // another stage's
+      const Tensor v = testing::host(p.value);
+      const Tensor& s = saved.values.at(p.name);
+      ASSERT_EQ(v.nbytes(), s.nbytes()) << p.name;
+      EXPECT_EQ(std::memcmp(v.raw(), s.raw(), static_cast<size_t>(v.nbytes())), 0) << p.name;
+    }
+    std::vector<Layout> resume_at = {Layout{}, Layout{P}};
+    if (P == 4) resume_at.push_back(Layout{2});
+    for (const Layout& l : resume_at) {
+      const Result resumed = run(world, c.mc, l, 8, "", dir);
+      ASSERT_EQ(resumed.loss.size(), 4u) << l.name();
+      for (size_t i = 0; i < 4; ++i)
+        EXPECT_LE(rel(resumed.loss[i], straight.loss[4 + i]), 1e-5) << l.name() << " step " << 5 + i;
+    }
+    barrier(world);
+    if (world.rank() == 0) std::filesystem::remove_all(dir);
+  }
 }
 
 TEST_F(Mpi, BadPipelineSplitsAreErrorsNamingTheValues) {

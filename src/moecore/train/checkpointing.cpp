@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -236,6 +237,55 @@ void save_collective(const std::string& root, const io::CheckpointWriteRequest& 
   if (!ok[0]) MOECORE_FAIL(dp.rank() == 0 ? error : "checkpoint: rank 0 could not commit the checkpoint");
 }
 
+// Pipeline parallelism: the stages after the first send their parts of the files (maps[k] for file k; null: not
+// written) to the rank of the first stage with the same other coordinates (pp rank 0), which merges them: the files
+// hold every layer whatever the PP size. Point-to-point over pp, stage by stage; the entries are described by an i64
+// header per tensor (file, dtype, rank, dims, name length) and their names as i32 characters.
+void gather_pipeline_stages(const std::array<std::map<std::string, Tensor>*, 3>& maps, const ProcessGroup& pp) {
+  constexpr int kHeader = 4 + kMaxDims;  // file, dtype, ndim, name length, dims
+  if (pp.rank() > 0) {
+    std::vector<int64_t> header;
+    std::vector<int32_t> names;
+    std::vector<const Tensor*> data;
+    for (size_t k = 0; k < maps.size(); ++k) {
+      if (!maps[k]) continue;
+      for (const auto& [name, t] : *maps[k]) {
+        header.insert(header.end(), {static_cast<int64_t>(k), static_cast<int64_t>(t.dtype()), t.shape().ndim,
+                                     static_cast<int64_t>(name.size())});
+        for (int d = 0; d < kMaxDims; ++d) header.push_back(t.shape().d[d]);
+        for (char c : name) names.push_back(static_cast<unsigned char>(c));
+        data.push_back(&t);
+      }
+    }
+    const std::vector<int64_t> sizes = {static_cast<int64_t>(data.size()), static_cast<int64_t>(names.size())};
+    send(std::span<const int64_t>(sizes), 0, pp);
+    send(std::span<const int64_t>(header), 0, pp);
+    send(std::span<const int32_t>(names), 0, pp);
+    for (const Tensor* t : data) send(t->is_contiguous() ? *t : t->clone(), 0, pp);
+    return;
+  }
+  for (int stage = 1; stage < pp.size(); ++stage) {
+    std::vector<int64_t> sizes(2);
+    recv(std::span<int64_t>(sizes), stage, pp);
+    std::vector<int64_t> header(static_cast<size_t>(sizes[0] * kHeader));
+    std::vector<int32_t> names(static_cast<size_t>(sizes[1]));
+    recv(std::span<int64_t>(header), stage, pp);
+    recv(std::span<int32_t>(names), stage, pp);
+    size_t at = 0;
+    for (int64_t e = 0; e < sizes[0]; ++e) {
+      const int64_t* h = header.data() + e * kHeader;
+      Shape shape;
+      shape.ndim = static_cast<int>(h[2]);
+      for (int d = 0; d < kMaxDims; ++d) shape.d[d] = h[4 + d];
+      std::string name;
+      for (int64_t c = 0; c < h[3]; ++c) name.push_back(static_cast<char>(names[at++]));
+      Tensor t = Tensor::empty(shape, static_cast<DType>(h[1]), MemCategory::workspace);
+      recv(t, stage, pp);
+      if (std::map<std::string, Tensor>* m = maps[static_cast<size_t>(h[0])]) (*m)[name] = t;
+    }
+  }
+}
+
 }  // namespace
 
 std::string checkpoint_expert_bias_name(int64_t layer) {
@@ -350,12 +400,14 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
     o["exp_avg." + params[i].name] = host(params[i], opt.exp_avg[i]);
     o["exp_avg_sq." + params[i].name] = host(params[i], opt.exp_avg_sq[i]);
   }
-  json calls = json::array();
+  std::vector<int64_t> layer_calls;
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
     const moe::RouterState* st = gpt.router_state(l);
-    calls.push_back(st ? st->calls : 0);
+    layer_calls.push_back(st ? st->calls : 0);
     if (st && st->expert_bias.defined()) model[checkpoint_expert_bias_name(l)] = st->expert_bias.to_device(Device::cpu);
   }
+  if (g.pp.size() > 1) all_reduce_sum(std::span<int64_t>(layer_calls), g.pp);  // each stage counts its layers
+  const json calls = layer_calls;
   // A part saved without (--no-save-optim, --no-save-rng) is an absent key, so old checkpoints read as complete.
   json state = {{"format", "moecore-train-state"},
                 {"version", 1},
@@ -372,20 +424,40 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
     if (options.scheduler) state["opt_param_scheduler"] = scheduler_to_json(*options.scheduler);
   }
   if (options.save_rng) state["router_calls"] = calls;
+  if (g.pp.size() > 1) state["pipeline_model_parallel_size"] = g.pp.size();
   if (!options.hf_config_json.empty()) state["hf_config_json"] = options.hf_config_json;
   req.state_json = state.dump(1);
-  // Every rank of the run takes part: tp x dp x cp (dp alone without TP and CP).
+  // Every rank of a stage takes part: tp x dp x cp (dp alone without TP and CP).
   const bool split = g.tp.size() > 1 || g.cp.size() > 1;
   const ProcessGroup& all = split ? g.tp_dp : g.dp;
-  if (split && all.size() != g.world_size())
+  if (split && all.size() != g.stage_size())
     MOECORE_FAIL("checkpoint: the tp_dp group has ", all.size(), " ranks, not tp (", g.tp.size(), ") x dp (",
                  g.dp.size(), ") x cp (", g.cp.size(), ")");
-  if (all.size() == 1) {
-    io::checkpoint_save(root, req, keep_last);
-    return;
-  }
   const bool writes_shard = EP > 1 && g.edp.rank() == 0 && g.etp.rank() == 0;
-  save_collective(root, req, writes_shard ? g.ep.rank() : -1, EP, shard, keep_last, all);
+  auto write = [&] {
+    if (all.size() == 1)
+      io::checkpoint_save(root, req, keep_last);
+    else
+      save_collective(root, req, writes_shard ? g.ep.rank() : -1, EP, shard, keep_last, all);
+  };
+  if (g.pp.size() == 1) return write();
+  // The first stage writes every stage's part; the others learn how it went (a failure stops every rank alike).
+  if (all.rank() == 0 || writes_shard)  // (the same on every stage of a pp group: its ranks share the coordinates)
+    gather_pipeline_stages(
+        {all.rank() == 0 ? &model : nullptr, all.rank() == 0 ? optim : nullptr, writes_shard ? &shard : nullptr}, g.pp);
+  std::string error;
+  std::vector<int64_t> ok = {1};
+  if (g.pp.rank() == 0) {
+    try {
+      write();
+    } catch (const Error& e) {
+      error = e.what();
+      ok[0] = 0;
+    }
+  }
+  broadcast(std::span<int64_t>(ok), 0, g.pp);
+  if (!ok[0])
+    MOECORE_FAIL(g.pp.rank() == 0 ? error : "checkpoint: the first pipeline stage failed to write the checkpoint");
 }
 
 void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const optim::AdamW& opt,
