@@ -98,7 +98,9 @@ void add_training_flags(Args& a) {
       .option("--tensor-model-parallel-size", "1",
               "TP: ranks each attention and dense layer is split over (Megatron's column/row-parallel linears)")
       .flag("--sequence-parallel", "with TP > 1: norms, dropout and the residual stream split along the sequence")
-      .unsupported("--pipeline-model-parallel-size", "1", "pipeline parallelism")
+      .option("--pipeline-model-parallel-size", "1",
+              "PP: pipeline stages the decoder layers are split over (1F1B schedule; embeddings on the first, loss on "
+              "the last)")
       .option("--context-parallel-size", "1",
               "CP: ranks each sequence is split over (two load-balanced chunks per rank; attention all-gathers K/V)")
       .option("--cp-comm-type", "p2p",
@@ -109,8 +111,10 @@ void add_training_flags(Args& a) {
           "ETP: ranks each routed expert's fc1 and fc2 are split over (Parallel Folding: independent of TP); unset: "
           "the TP size, as Megatron")
       .unsupported("--num-layers-per-virtual-pipeline-stage", "", "interleaved pipeline parallelism")
-      .unsupported("--decoder-first-pipeline-num-layers", "", "pipeline parallelism")
-      .unsupported("--decoder-last-pipeline-num-layers", "", "pipeline parallelism")
+      .option("--decoder-first-pipeline-num-layers", "",
+              "with PP: decoder layers of the first stage (the others split the rest evenly)")
+      .option("--decoder-last-pipeline-num-layers", "",
+              "with PP: decoder layers of the last stage (the others split the rest evenly)")
       .flag("--overlap-grad-reduce",
             "start each gradient bucket's all-reduce (distributed optimizer: reduce-scatter) during backward, as soon "
             "as it is final")
@@ -173,6 +177,9 @@ void add_training_flags(Args& a) {
       {"--expert-model-parallel-size", D::integer(1, 1e6)},
       {"--tensor-model-parallel-size", D::integer(1, 1e6)},
       {"--context-parallel-size", D::integer(1, 1e6)},
+      {"--pipeline-model-parallel-size", D::integer(1, 1e6)},
+      {"--decoder-first-pipeline-num-layers", D::integer(1, 1e6)},
+      {"--decoder-last-pipeline-num-layers", D::integer(1, 1e6)},
       {"--expert-tensor-parallel-size", D::integer(1, 1e6)},
       {"--cp-comm-type", D::one_of({"p2p", "allgather"})},
       {"--ddp-bucket-size", D::integer(1, 1e15)},
@@ -400,10 +407,15 @@ int train_main(int argc, char** argv) {
   // The layout over every process of the run (mpirun -np P): tensor parallel, context parallel, data parallel,
   // expert parallel (folded into data parallel for the attention layers) and expert data parallel. Validated before
   // any collective, so a bad layout fails the same way on every rank.
-  // (A pipeline-parallel size other than 1 was refused by the parser.) The experts are split over ETP, by default the
-  // TP size (Megatron's default), within the same ranks (Parallel Folding).
+  // The experts are split over ETP, by default the TP size (Megatron's default), within the same ranks (Parallel
+  // Folding). Pipeline stages hold their share of the decoder layers (Megatron's split, checked here on every rank).
   ParallelConfig pcfg;
   pcfg.tensor_model_parallel_size = static_cast<int>(tp_size);
+  pcfg.pipeline_model_parallel_size = static_cast<int>(a.i64("--pipeline-model-parallel-size"));
+  auto layers_flag = [&](const char* name) { return a.str(name).empty() ? int64_t{-1} : a.i64(name); };
+  const std::vector<int64_t> stage_layers = model::pipeline_stage_layers(
+      mcfg.num_layers, pcfg.pipeline_model_parallel_size, layers_flag("--decoder-first-pipeline-num-layers"),
+      layers_flag("--decoder-last-pipeline-num-layers"));
   pcfg.context_parallel_size = static_cast<int>(a.i64("--context-parallel-size"));
   pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
   pcfg.expert_tensor_parallel_size =
@@ -436,7 +448,8 @@ int train_main(int argc, char** argv) {
   if (comm_initialized()) {
     const ProcessGroups pg = make_process_groups(pcfg, static_cast<int>(mcfg.moe.num_experts), comm_world());
     groups = train::train_groups(pg);
-    ep = model::model_parallel(pg, false, ep.dispatcher);
+    ep = model::model_parallel(pg, false, ep.dispatcher,
+                               pcfg.pipeline_model_parallel_size > 1 ? stage_layers : std::vector<int64_t>{});
   }
   ep.sequence_parallel = a.on("--sequence-parallel");
   const ProcessGroup& dp = groups.dp;
@@ -446,6 +459,10 @@ int train_main(int argc, char** argv) {
   if (ep.tp.size() > 1 && a.on("--moe-use-upcycling"))
     MOECORE_FAIL("--moe-use-upcycling with --tensor-model-parallel-size ", ep.tp.size(),
                  " is not supported yet: upcycle at TP 1, save, and load the checkpoint at any TP");
+  if (ep.pp.size() > 1 && (a.on("--moe-use-upcycling") || !a.str("--load-hf").empty()))
+    MOECORE_FAIL(a.on("--moe-use-upcycling") ? "--moe-use-upcycling" : "--load-hf",
+                 " with --pipeline-model-parallel-size ", ep.pp.size(),
+                 " is not supported yet: start at PP 1, save, and load the checkpoint at any PP");
   if (ep.etp.size() > 1 && a.on("--moe-use-upcycling"))
     MOECORE_FAIL("--moe-use-upcycling with --expert-tensor-parallel-size ", ep.etp.size(),
                  " is not supported yet: upcycle at ETP 1, save, and load the checkpoint at any ETP");
@@ -500,8 +517,12 @@ int train_main(int argc, char** argv) {
     return 0;
   }
   const int64_t count = a.i64("--generate-tokens");
+  if (count > 0 && ep.pp.size() > 1 && out)
+    std::printf(
+        "\n(no sample: generation runs at --pipeline-model-parallel-size 1; `moecore generate --load` the "
+        "checkpoint)\n");
   // Under EP every rank takes part in the forward passes (the experts are spread); rank 0 prints.
-  if (count > 0 && (dp.rank() == 0 || ep.ep.size() > 1)) {
+  if (count > 0 && ep.pp.size() == 1 && (dp.rank() == 0 || ep.ep.size() > 1)) {
     const std::string prompt = a.str("--prompt");
     const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed, tok->eod(), tok->vocab_size());
     if (out) std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());

@@ -250,6 +250,9 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
                   "expert_model_parallel_size (2)"),
             2u)
       << out7;
+  auto [st9, out9] = mpirun(2, "--pipeline-model-parallel-size 2");  // (one layer)
+  EXPECT_NE(st9, 0);
+  EXPECT_EQ(count(out9, "--num-layers (1) must be divisible by --pipeline-model-parallel-size (2)"), 2u) << out9;
   auto [st8, out8] = mpirun(2, "--num-experts 4 --ffn-hidden-size 33 --expert-tensor-parallel-size 2");
   EXPECT_NE(st8, 0);
   EXPECT_EQ(count(out8,
@@ -260,11 +263,12 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
 #endif
 }
 
-// Tensor and context parallelism from Megatron's flags: two ranks with --tensor-model-parallel-size 2, with and
-// without --sequence-parallel (an MoE model with it, also with --expert-model-parallel-size 2, and the experts split
-// by --expert-tensor-parallel-size), and with
+// Tensor, context and pipeline parallelism from Megatron's flags: two ranks with --tensor-model-parallel-size 2, with
+// and without --sequence-parallel (an MoE model with it, also with --expert-model-parallel-size 2, and the experts
+// split by --expert-tensor-parallel-size), and with
 // --context-parallel-size 2 (each rank holding two chunks of every sequence; the MoE model also with EP 2) reproduce
-// the single-process run (Megatron's defaults but dropout 0: under TP and CP the masks are drawn per rank). The
+// the single-process run, and so does --pipeline-model-parallel-size 2 (a layer per stage) (Megatron's defaults but
+// dropout 0: under TP and CP the masks are drawn per rank). The
 // vocabulary is padded to 128 x TP, as Megatron: the single-process and CP runs pad to the same 256.
 TEST_F(Cli, TensorAndContextParallelMatchOneProcess) {
 #ifndef MOECORE_HAVE_MPI
@@ -284,13 +288,16 @@ TEST_F(Cli, TensorAndContextParallelMatchOneProcess) {
   const std::string moe = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
   const std::string cp = " --context-parallel-size 2 --make-vocab-size-divisible-by 256";
   const std::vector<std::pair<std::string, std::vector<std::string> > > cases = {
-      {"", {" --tensor-model-parallel-size 2", " --tensor-model-parallel-size 2 --sequence-parallel", cp}},
+      {"",
+       {" --tensor-model-parallel-size 2", " --tensor-model-parallel-size 2 --sequence-parallel", cp,
+        " --pipeline-model-parallel-size 2 --make-vocab-size-divisible-by 256"}},
       {moe,
        {" --tensor-model-parallel-size 2 --sequence-parallel",
         " --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
         "--expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall",
         " --expert-tensor-parallel-size 2 --moe-token-dispatcher-type allgather --make-vocab-size-divisible-by 256", cp,
-        cp + " --expert-model-parallel-size 2"}}};
+        cp + " --expert-model-parallel-size 2",
+        " --pipeline-model-parallel-size 2 --make-vocab-size-divisible-by 256"}}};
   for (const auto& [model, layouts] : cases) {
     std::vector<std::string> flags;
     for (const std::string& l : layouts) flags.push_back(model + l);

@@ -82,8 +82,7 @@ TEST(MegatronFlags, EverySharedFlagHasMegatronsDefault) {
 
 TEST(MegatronFlags, UnsupportedFlagsAreRefusedByName) {
   for (const std::string& f :
-       {std::string("--num-layers-per-virtual-pipeline-stage 2"), std::string("--pipeline-model-parallel-size 4"),
-        std::string("--decoder-first-pipeline-num-layers 2"), std::string("--moe-shared-expert-overlap"),
+       {std::string("--num-layers-per-virtual-pipeline-stage 2"), std::string("--moe-shared-expert-overlap"),
         std::string("--qk-l2-norm"), std::string("--recompute-activations"), std::string("--tp-comm-overlap"),
         std::string("--fp8-format e4m3")}) {
     const CmdResult r = run_cmd("train --data-path x " + f);
@@ -154,7 +153,7 @@ std::vector<MegatronExample> megatron_examples() {
        "--tensor-model-parallel-size 1 --expert-model-parallel-size 1 --use-distributed-optimizer "
        "--overlap-grad-reduce --overlap-param-gather "
        "--log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --no-load-optim --no-load-rng",
-       {"--pipeline-model-parallel-size 4"}},
+       {"--recompute-activations"}},
       {"qwen3-30b-a3b",
        "--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion --disable-bias-linear "
        "--untie-embeddings-and-output-weights --position-embedding-type rope --no-rope-fusion --normalization RMSNorm "
