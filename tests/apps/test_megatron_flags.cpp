@@ -171,6 +171,7 @@ std::vector<MegatronExample> megatron_examples() {
        "--num-experts 8 --moe-layer-freq [0]*1+[1]*3 --moe-ffn-hidden-size 16 --moe-router-dtype fp32 "
        "--moe-router-score-function sigmoid --moe-router-bias-update-rate 1e-3 --moe-router-enable-expert-bias "
        "--moe-router-topk 4 --moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-pre-softmax "
+       "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2 "
        "--moe-router-topk-scaling-factor 2.5 --moe-shared-expert-intermediate-size 16 --moe-aux-loss-coeff 1e-4 "
        "--moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall --moe-token-drop-policy "
        "probs "

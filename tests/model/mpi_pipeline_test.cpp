@@ -203,6 +203,26 @@ TEST_F(Mpi, PipelineWithDataAndExpertParallelismMatchesOneProcess) {
   check_layout(world, moe_mtp(), {2, 2, -1, -1, /*zero=*/true});
 }
 
+// Full recompute is bitwise the run without it under pipeline and expert parallelism too (the recomputed MoE layers
+// run their dispatcher's collectives again, alike on every rank).
+TEST_F(Mpi, RecomputeUnderPipelineAndExpertParallelismIsBitwise) {
+  std::vector<Layout> layouts = {Layout{P}};
+  if (P == 4) layouts.push_back(Layout{2, 2});
+  for (const Layout& l : layouts)
+    for (const auto& [method, n] : std::vector<std::pair<std::string, int64_t>>{{"uniform", 2}, {"block", 1}}) {
+      SCOPED_TRACE(l.name() + ", " + method + " " + std::to_string(n));
+      model::ModelConfig mc = moe_mtp();
+      const Result plain = run(world, mc, l, 3);
+      mc.recompute = {"full", method, n};
+      const Result recomputed = run(world, mc, l, 3);
+      ASSERT_EQ(recomputed.loss.size(), 3u);
+      for (size_t i = 0; i < 3; ++i)
+        EXPECT_EQ(std::memcmp(&recomputed.loss[i], &plain.loss[i], sizeof(double)), 0) << "step " << i + 1;
+      for (const auto& [name, g] : plain.grads)
+        EXPECT_EQ(std::memcmp(recomputed.grads.at(name).raw(), g.raw(), static_cast<size_t>(g.nbytes())), 0) << name;
+    }
+}
+
 std::string shared_dir(const ProcessGroup& world, const std::string& what) {
   std::vector<int64_t> pid = {world.rank() == 0 ? static_cast<int64_t>(::getpid()) : 0};
   broadcast(std::span<int64_t>(pid), 0, world);

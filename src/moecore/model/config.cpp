@@ -7,6 +7,22 @@
 
 namespace moecore::model {
 
+void RecomputeConfig::validate() const {
+  if (granularity.empty()) {
+    if (!method.empty() || num_layers != 0)
+      MOECORE_FAIL("--recompute-method (", method.empty() ? "unset" : method, ") and --recompute-num-layers (",
+                   num_layers, ") need --recompute-granularity full");
+    return;
+  }
+  if (granularity != "full")
+    MOECORE_FAIL("--recompute-granularity '", granularity,
+                 "' is not supported yet (moecore recomputes whole layers: full; selective is not supported yet)");
+  if (method != "uniform" && method != "block")
+    MOECORE_FAIL("--recompute-granularity full needs --recompute-method uniform or block, got '",
+                 method.empty() ? "unset" : method, "'");
+  if (num_layers < 1) MOECORE_FAIL("--recompute-granularity full needs --recompute-num-layers >= 1, got ", num_layers);
+}
+
 void ModelConfig::validate() const {
   auto positive = [](const char* name, int64_t v) {
     if (v <= 0) MOECORE_FAIL("model config: ", name, " (", v, ") must be positive");
@@ -74,6 +90,7 @@ void ModelConfig::validate() const {
         "model config: --mtp-num-layers with learned absolute positions is not supported yet; pass "
         "--position-embedding-type rope");
   moe.validate();
+  recompute.validate();
   if (moe.enabled()) {
     (void)moe_layers();  // validates --moe-layer-freq against num_layers
     if (moe.swiglu != swiglu)

@@ -27,6 +27,19 @@ struct YarnConfig {
   bool correction_range_round_to_int = true;        // --no-yarn-correction-range-round-to-int clears it
 };
 
+// Activation recompute (Megatron's flags and defaults): a memory policy, not part of the architecture (checkpoints do
+// not record it). granularity "full" keeps only the input of every chunk of recomputed layers and runs the chunk's
+// forward again in its backward (bitwise the same: the dropout masks are counter-based, MoE layers keep their
+// routing); method "uniform" makes chunks of num_layers consecutive layers of each pipeline stage, "block" recomputes
+// the first num_layers layers of each stage one by one and keeps the rest.
+struct RecomputeConfig {
+  std::string granularity;  // --recompute-granularity: "" (Megatron's None: off) | full
+  std::string method;       // --recompute-method: uniform | block (needed by full)
+  int64_t num_layers = 0;   // --recompute-num-layers: layers per chunk (uniform) or recomputed layers (block), >= 1
+  void validate() const;    // Error naming the flags and values
+  bool full() const { return granularity == "full"; }
+};
+
 struct ModelConfig {
   int64_t num_layers = 2;           // --num-layers: transformer layers, e.g. 12
   int64_t hidden_size = 64;         // --hidden-size: H, e.g. 768
@@ -66,6 +79,7 @@ struct ModelConfig {
   DType compute_dtype = DType::f32;                 // --bf16 selects bf16 compute (fp32 master weights)
   moe::MoeConfig moe;                               // MoE flags; moe.num_experts == 0 keeps every layer dense
   std::string moe_layer_freq = "1";                 // --moe-layer-freq: integer N or a list expression ("[0]*3+[1]*58")
+  RecomputeConfig recompute;                        // --recompute-*: which activations backward recomputes
 
   int64_t query_groups() const { return num_query_groups ? num_query_groups : num_attention_heads; }
   int64_t head_dim() const { return kv_channels ? kv_channels : hidden_size / num_attention_heads; }

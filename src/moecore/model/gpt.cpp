@@ -429,6 +429,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
       *t = Tensor::empty({N, H}, DType::f32, MemCategory::workspace, device_);
   }
 
+  plan_recompute();
   slots_.push_back(alloc_activations());
   // The final norm's output is read by the loss heads within forward: one buffer for every slot.
   final_h_ = Tensor::empty({N, H}, c, MemCategory::workspace, device_);
@@ -474,12 +475,41 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   refresh_compute_weights();
 }
 
-// One slot's buffers: every layer's cache by its kind. MoE layers share their scratch with the first MoE layer of
-// slot 0 (dead between a layer's forward and its backward, so dead between micro-batches too).
+// Full recompute: the chunks of this stage's decoder layers and the cache sets they share.
+void GptModel::plan_recompute() {
+  recompute_chunk_.assign(layers_.size(), -1);
+  const RecomputeConfig& rc = cfg_.recompute;
+  if (!rc.full()) return;
+  for (int64_t l = first_layer_; l < end_layer_; ++l) {
+    const int64_t i = l - first_layer_;
+    if (rc.method == "uniform")
+      recompute_chunk_[static_cast<size_t>(l)] = first_layer_ + i / rc.num_layers * rc.num_layers;
+    else if (i < rc.num_layers)  // block: the stage's first layers, each alone
+      recompute_chunk_[static_cast<size_t>(l)] = l;
+  }
+  for (auto l = static_cast<size_t>(first_layer_); l < static_cast<size_t>(end_layer_); ++l) {
+    if (recompute_chunk_[l] < 0 || recompute_caches_.count(recompute_key(l))) continue;
+    const bool layer_mla = layers_[l].attention == AttentionKind::mla;
+    RecomputeCaches& c = recompute_caches_[recompute_key(l)];
+    c.layer = nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/!moe_[l], /*with_attention=*/!layer_mla);
+    if (layer_mla) c.mla = nn::mla_cache_alloc(mla_dims_, cfg_.compute_dtype, dims_.layernorm, device_);
+    if (!moe_[l]) continue;
+    const moe::MoeLayerCache* donor = nullptr;
+    for (const auto& [key, other] : recompute_caches_)
+      if (other.moe.probs.defined() && !donor) donor = &other.moe;
+    c.moe = moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe, donor);
+  }
+}
+
+// One slot's buffers: every layer's cache by its kind (a recomputed layer's: the shared set of its chunk position). MoE
+// layers share their scratch with the first MoE layer of slot 0 (dead between a layer's forward and its backward, so
+// dead between micro-batches too).
 GptModel::Activations GptModel::alloc_activations() const {
   const int64_t N = dims_.N, H = cfg_.hidden_size, T = B_ * (cfg_.seq_length / par_.cp.size());
   auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations, device_); };
   const moe::MoeLayerCache* donor = nullptr;
+  for (const auto& [key, c] : recompute_caches_)
+    if (c.moe.probs.defined() && !donor) donor = &c.moe;
   if (!slots_.empty())
     for (const moe::MoeLayerCache& mc : slots_[0].moe)
       if (mc.probs.defined() && !donor) donor = &mc;
@@ -493,6 +523,14 @@ GptModel::Activations GptModel::alloc_activations() const {
       continue;
     }
     const bool layer_mla = layers_[l].attention == AttentionKind::mla;
+    if (recompute_chunk_[l] >= 0) {  // the shared set; an MoE layer keeps its own routing
+      const RecomputeCaches& shared = recompute_caches_.at(recompute_key(l));
+      a.layer[l] = shared.layer;
+      a.mla[l] = shared.mla;
+      a.moe.push_back(moe_[l] ? moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe, donor) : moe::MoeLayerCache{});
+      if (moe_[l]) moe::moe_layer_cache_share_refilled(a.moe.back(), shared.moe);
+      continue;
+    }
     a.layer[l] = nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/!moe_[l], /*with_attention=*/!layer_mla);
     if (layer_mla) a.mla[l] = nn::mla_cache_alloc(mla_dims_, cfg_.compute_dtype, dims_.layernorm, device_);
     a.moe.push_back(moe_[l] ? moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe, donor) : moe::MoeLayerCache{});
@@ -678,7 +716,8 @@ Tensor GptModel::by_sequence(const Tensor& t) const {
 }
 
 // Transformer layer l (a decoder layer, or for l >= num_layers an MTP depth's): y from x, both [N, H] f32.
-void GptModel::layer_forward(size_t l, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx) {
+void GptModel::layer_forward(size_t l, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx,
+                             bool recompute) {
   Activations& a = act();
   if (layers_[l].attention == AttentionKind::standard)
     nn::attention_block_forward(x, layer_w_[l], a.layer[l], ws_, rope_, dims_, a.drops[l], ctx);
@@ -686,7 +725,7 @@ void GptModel::layer_forward(size_t l, const Tensor& x, Tensor& y, bool training
     nn::mla_block_forward(x, layer_w_[l], mla_w_[l], a.layer[l], a.mla[l], ws_, mla_ws_, rope_, dims_, mla_dims_,
                           a.drops[l], ctx);
   if (moe_[l])
-    moe_mlp_forward(l, y, training, ctx);
+    moe_mlp_forward(l, y, training, ctx, recompute);
   else
     nn::mlp_block_forward(y, layer_w_[l], a.layer[l], ws_, dims_, a.drops[l], ctx);
 }
@@ -794,7 +833,7 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
 // The MoE half of layer l: y = x_mid + dropout(moe(norm2(x_mid))). The MoE layer takes Megatron's sequence-major
 // token order (token s*B + b): it decides which tokens the "position" drop policy keeps and which tokens form a
 // sequence for seq_aux_loss.
-void GptModel::moe_mlp_forward(size_t l, Tensor& y, bool training, const ops::Context& ctx) {
+void GptModel::moe_mlp_forward(size_t l, Tensor& y, bool training, const ops::Context& ctx, bool recompute) {
   const int64_t S = dims_.N / B_, H = cfg_.hidden_size;  // S: this rank's positions of each sequence
   MoeBlock& m = *moe_[l];
   Activations& a = act();
@@ -803,7 +842,7 @@ void GptModel::moe_mlp_forward(size_t l, Tensor& y, bool training, const ops::Co
   Tensor out_bs = ws_.dh.slice(0, 0, dims_.N).view({B_, S, H});
   ops::transpose_01(x_sb, a.layer[l].h2.view({B_, S, H}), ctx);
   moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, a.moe[l], *dispatcher_, moe_dims_, cfg_.moe,
-                         training, ctx);
+                         training, ctx, /*route=*/!recompute);
   ops::transpose_01(out_bs, out_sb, ctx);
   ops::bias_dropout_add(y, a.layer[l].x_mid, ws_.dh.slice(0, 0, dims_.N), Tensor(), a.drops[l].mlp_out, ctx);
 }
@@ -895,6 +934,10 @@ void GptModel::backward(int64_t slot, float grad_scale) {
     dres_.copy_from(a.dfinal);
   }
   for (auto l = static_cast<size_t>(end_layer_); l-- > static_cast<size_t>(first_layer_);) {
+    const int64_t chunk = recompute_chunk_[l];
+    if (chunk >= 0 && (l + 1 == static_cast<size_t>(end_layer_) || recompute_chunk_[l + 1] != chunk))
+      for (auto k = static_cast<size_t>(chunk); k <= l; ++k)  // the chunk's forward again, from its kept input
+        layer_forward(k, a.residual[k], a.residual[k + 1], /*training=*/true, ctx, /*recompute=*/true);
     layer_backward(l, a.residual[l], grad_scale, ctx);
     grad_ready(layer_params_[l]);
   }
@@ -978,6 +1021,10 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   for (const Activations& a : slots_) {
     for (size_t l = 0; l < layers_.size(); ++l) {
       if (!local_layer(l)) continue;
+      if (recompute_chunk_[l] >= 0) {  // its routing; the caches are the shared sets'
+        if (moe_[l]) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.moe[l]);
+        continue;
+      }
       const bool layer_mla = layers_[l].attention == AttentionKind::mla;
       at(MemCategory::activations) += nn::dense_layer_cache_bytes(dims_, moe_[l] == nullptr, !layer_mla);
       if (layer_mla)
@@ -993,6 +1040,12 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
       (post_process() ? nn::lm_head_workspace_bytes(dims_.tokens(), cfg_.vocab_size / par_.tp.size(),
                                                     cfg_.compute_dtype, par_.tp.size())
                       : 0);
+  for (const auto& [key, c] : recompute_caches_) {  // full recompute: each shared set once
+    const bool is_moe = key % 4 & 1, is_mla = key % 4 & 2;
+    at(MemCategory::activations) += nn::dense_layer_cache_bytes(dims_, !is_moe, !is_mla);
+    if (is_mla) at(MemCategory::activations) += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
+    if (is_moe) at(MemCategory::activations) += moe::moe_layer_cache_bytes(c.moe);
+  }
   // The model's own buffers, by the tensors themselves (each is allocated in one place, the constructor).
   for (const MtpDepth& d : mtp_) {
     count(MemCategory::activations, {&d.ids, &d.labels, &d.e, &d.hin, &d.x, &d.y, &d.en, &d.hn, &d.h, &d.e_mean,

@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -227,9 +228,11 @@ class GptModel {
   Tensor by_sequence(const Tensor& t) const;  // [rows, H] as [B, rows / B, H]
   void forward_trunk(const Tensor& tokens, bool training);
   void set_dropout_keys(bool training);
-  void layer_forward(size_t layer, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx);
+  // recompute: a backward's refill of the layer's caches (MoE layers keep their routing)
+  void layer_forward(size_t layer, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx,
+                     bool recompute = false);
   void layer_backward(size_t layer, const Tensor& x, float grad_scale, const ops::Context& ctx);
-  void moe_mlp_forward(size_t layer, Tensor& y, bool training, const ops::Context& ctx);
+  void moe_mlp_forward(size_t layer, Tensor& y, bool training, const ops::Context& ctx, bool recompute);
   void moe_mlp_backward(size_t layer, float grad_scale, const ops::Context& ctx);
   void roll_left(Tensor& out, const Tensor& in, int32_t fill) const;  // host tensors
   void mtp_forward(const Tensor& tokens, const Tensor& labels, bool training, const ops::Context& ctx);
@@ -276,6 +279,21 @@ class GptModel {
     Tensor dfinal;                  // [N, H] f32: dL/d(final norm output) from the loss heads
   };
   Activations alloc_activations() const;
+  // Full recompute (ModelConfig::recompute): per layer, the first layer of its recomputed chunk (-1: kept), and the
+  // caches the recomputed layers share -- one set per position in a chunk and layer kind, for every slot -- keyed
+  // position * 4 + kind (1: MoE, 2: MLA).
+  std::vector<int64_t> recompute_chunk_;
+  struct RecomputeCaches {
+    nn::DenseLayerCache layer;
+    nn::MlaCache mla;
+    moe::MoeLayerCache moe;  // its refilled tensors serve the layers; each keeps its own routing
+  };
+  std::map<int64_t, RecomputeCaches> recompute_caches_;
+  void plan_recompute();
+  int64_t recompute_key(size_t l) const {
+    return (static_cast<int64_t>(l) - recompute_chunk_[l]) * 4 + (moe_[l] ? 1 : 0) +
+           (layers_[l].attention == AttentionKind::mla ? 2 : 0);
+  }
   bool local_layer(size_t l) const {  // a decoder layer of this stage, or an MTP layer on the last stage
     const auto i = static_cast<int64_t>(l);
     return (i >= first_layer_ && i < end_layer_) || (i >= cfg_.num_layers && post_process());

@@ -49,10 +49,9 @@ std::vector<Tensor*> scratch_tensors(MoeLayerCache& c) {
   for (Tensor* t : dispatch_scratch_tensors(c.dispatch)) v.push_back(t);
   return v;
 }
-std::vector<const Tensor*> saved_tensors(const MoeLayerCache& c) {
+// The saved tensors of the routing (kept by a recomputed layer) and those a forward refills from it.
+std::vector<const Tensor*> routing_tensors(const MoeLayerCache& c) {
   const auto& r = c.router;
-  const auto& b = c.dispatch;
-  const auto& s = c.shared;
   return {&r.x_jittered,
           &r.jitter,
           &r.logits,
@@ -63,7 +62,14 @@ std::vector<const Tensor*> saved_tensors(const MoeLayerCache& c) {
           &r.dlogits_loss,
           &c.probs,
           &c.map,
-          &b.plan.tokens_per_expert,
+          &c.stats.tokens_per_expert,
+          &c.stats.losses,
+          &c.stats.dropped};
+}
+std::vector<const Tensor*> refilled_tensors(const MoeLayerCache& c) {
+  const auto& b = c.dispatch;
+  const auto& s = c.shared;
+  return {&b.plan.tokens_per_expert,
           &b.plan.expert_offset,
           &b.plan.row_token,
           &b.plan.token_rows,
@@ -81,9 +87,6 @@ std::vector<const Tensor*> saved_tensors(const MoeLayerCache& c) {
           &b.ep.send_plan.token_rows,
           &b.ep.chunk_counts,
           &b.ep.ep_counts,
-          &c.stats.tokens_per_expert,
-          &c.stats.losses,
-          &c.stats.dropped,
           &b.ep.gmap,
           &b.ep.lmap,
           &b.ep.lprobs};
@@ -129,9 +132,27 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
   return c;
 }
 
+void moe_layer_cache_share_refilled(MoeLayerCache& c, const MoeLayerCache& from) {
+  // The refilled tensors are the dispatch buffers' saved part (their scratch is shared already), the experts' and the
+  // shared expert's caches: alias them whole (the host-side plans in the copies are rewritten by each forward).
+  DispatchBuffers own = c.dispatch;
+  c.dispatch = from.dispatch;
+  const std::vector<Tensor*> mine = dispatch_scratch_tensors(own), now = dispatch_scratch_tensors(c.dispatch);
+  for (size_t i = 0; i < now.size(); ++i) *now[i] = *mine[i];  // scratch: whoever owned it before
+  c.experts = from.experts;
+  const SharedExpertCache shared = c.shared;
+  c.shared = from.shared;
+  c.shared.dact = shared.dact;  // (scratch)
+  c.shared.dh = shared.dh;
+  c.shared.dout_c = shared.dout_c;
+  c.owns_refilled = false;
+}
+
 int64_t moe_layer_cache_bytes(const MoeLayerCache& c) {
   int64_t n = 0;
-  for (const Tensor* t : saved_tensors(c)) n += bytes_of(*t);
+  for (const Tensor* t : routing_tensors(c)) n += bytes_of(*t);
+  if (c.owns_refilled)
+    for (const Tensor* t : refilled_tensors(c)) n += bytes_of(*t);
   if (c.owns_scratch)
     for (Tensor* t : scratch_tensors(const_cast<MoeLayerCache&>(c))) n += bytes_of(*t);
   return n;
@@ -139,16 +160,17 @@ int64_t moe_layer_cache_bytes(const MoeLayerCache& c) {
 
 void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, const MoeLayerWeights& w,
                        RouterState& st, MoeLayerCache& c, Dispatcher& dispatcher, const MoeLayerDims& d,
-                       const MoeConfig& cfg, bool training, const ops::Context& ctx) {
+                       const MoeConfig& cfg, bool training, const ops::Context& ctx, bool route) {
   if (d.Fs > 0 && (w.experts.fc1_bias.defined() || w.router.bias.defined()))
     MOECORE_FAIL(
         "MoE layer: linear biases (add_bias_linear) are not supported with a shared expert, as in Megatron "
         "(SharedExpertMLP asserts add_bias_linear == False); use --disable-bias-linear or drop "
         "--moe-shared-expert-intermediate-size (",
         d.Fs, ")");
-  // route
-  router_forward(c.probs, c.map, c.stats, x, padding_mask, w.router, st, c.router, router_dims(d, cfg), cfg, training,
-                 ctx);
+  // route (a recompute keeps the routing it repeats)
+  if (route)
+    router_forward(c.probs, c.map, c.stats, x, padding_mask, w.router, st, c.router, router_dims(d, cfg), cfg, training,
+                   ctx);
   // dispatch
   DispatchBuffers& b = c.dispatch;
   dispatcher.dispatch_prepare(b, x, c.probs, c.map, ctx);

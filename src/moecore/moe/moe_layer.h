@@ -57,20 +57,28 @@ struct MoeLayerCache {
   ExpertCache experts;
   ExpertWorkspace expert_ws;
   SharedExpertCache shared;
-  RouterStats stats;         // of the last forward
-  bool owns_scratch = true;  // false when the scratch tensors alias another layer's
+  RouterStats stats;          // of the last forward
+  bool owns_scratch = true;   // false when the scratch tensors alias another layer's
+  bool owns_refilled = true;  // false when the tensors a recompute refills alias another cache's
 };
 // With share_scratch_with (a cache of the same shapes), the scratch tensors alias that cache's.
 MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
                                     const MoeLayerCache* share_scratch_with = nullptr);
-// Bytes this cache allocated itself (the model's memory plan): saved tensors, plus scratch when owned.
+// Full recompute (the model's --recompute-granularity full): the saved tensors a forward with route=false refills from
+// the routing -- the dispatch plans and rows, the experts' and the shared expert's activations -- alias `from`'s (one
+// set per layer position of a recomputed chunk); the routing itself (router cache, probs, map, statistics) stays this
+// cache's own, so the recompute routes nothing again (no noise draw, no counter, no collective of the router).
+void moe_layer_cache_share_refilled(MoeLayerCache& c, const MoeLayerCache& from);
+// Bytes this cache allocated itself (the model's memory plan): saved tensors (the refilled ones when owned), plus
+// scratch when owned.
 int64_t moe_layer_cache_bytes(const MoeLayerCache& c);
 
 // x [T, H] compute dtype (the pre-MLP norm output, t = s * B + b); padding_mask [T] bool or undefined; y [T, H] f32
-// written with the routed plus shared expert output.
+// written with the routed plus shared expert output. route=false (recompute): the cache's routing of the forward it
+// repeats is used as it is, and the rest runs again (bitwise the same, collectives included).
 void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, const MoeLayerWeights& w,
                        RouterState& st, MoeLayerCache& cache, Dispatcher& dispatcher, const MoeLayerDims& d,
-                       const MoeConfig& cfg, bool training, const ops::Context& ctx);
+                       const MoeConfig& cfg, bool training, const ops::Context& ctx, bool route = true);
 // dy [T, H] f32; dx [T, H] f32 written. aux_grad_scale: Megatron's main_loss_backward_scale.
 void moe_layer_backward(Tensor& dx, MoeLayerGrads& g, const Tensor& dy, const Tensor& x, const MoeLayerWeights& w,
                         MoeLayerCache& cache, Dispatcher& dispatcher, const MoeLayerDims& d, const MoeConfig& cfg,
