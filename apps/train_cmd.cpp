@@ -115,6 +115,11 @@ void add_training_flags(Args& a) {
               "with PP: decoder layers of the first stage (the others split the rest evenly)")
       .option("--decoder-last-pipeline-num-layers", "",
               "with PP: decoder layers of the last stage (the others split the rest evenly)")
+      .option(
+          "--pipeline-model-parallel-layout", "",
+          "with PP: Megatron's layout string, e.g. 'Et*3|(tt|)*2,tmL' (E embedding, t decoder layer, m MTP, L loss; "
+          "'|' between stages)")
+      .unsupported("--num-virtual-stages-per-pipeline-rank", "", "interleaved pipeline parallelism")
       .flag("--overlap-grad-reduce",
             "start each gradient bucket's all-reduce (distributed optimizer: reduce-scatter) during backward, as soon "
             "as it is final")
@@ -413,9 +418,18 @@ int train_main(int argc, char** argv) {
   pcfg.tensor_model_parallel_size = static_cast<int>(tp_size);
   pcfg.pipeline_model_parallel_size = static_cast<int>(a.i64("--pipeline-model-parallel-size"));
   auto layers_flag = [&](const char* name) { return a.str(name).empty() ? int64_t{-1} : a.i64(name); };
-  const std::vector<int64_t> stage_layers = model::pipeline_stage_layers(
-      mcfg.num_layers, pcfg.pipeline_model_parallel_size, layers_flag("--decoder-first-pipeline-num-layers"),
-      layers_flag("--decoder-last-pipeline-num-layers"));
+  const std::string layout = a.str("--pipeline-model-parallel-layout");
+  const int64_t first_layers = layers_flag("--decoder-first-pipeline-num-layers"),
+                last_layers = layers_flag("--decoder-last-pipeline-num-layers");
+  if (!layout.empty() && (first_layers >= 0 || last_layers >= 0))
+    MOECORE_FAIL(
+        "--pipeline-model-parallel-layout and --decoder-first/last-pipeline-num-layers exclude each other (as "
+        "in Megatron)");
+  const std::vector<int64_t> stage_layers =
+      layout.empty()
+          ? model::pipeline_stage_layers(mcfg.num_layers, pcfg.pipeline_model_parallel_size, first_layers, last_layers)
+          : model::pipeline_layout_stage_layers(layout, mcfg.num_layers, mcfg.mtp_num_layers,
+                                                pcfg.pipeline_model_parallel_size);
   pcfg.context_parallel_size = static_cast<int>(a.i64("--context-parallel-size"));
   pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
   pcfg.expert_tensor_parallel_size =

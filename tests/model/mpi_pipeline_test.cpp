@@ -86,10 +86,12 @@ struct Layout {
   int ep = 1;
   int64_t first = -1, last = -1;  // --decoder-first/last-pipeline-num-layers
   bool zero = false, overlap = false;
+  std::string layout = {};  // --pipeline-model-parallel-layout
   std::string name() const {
-    return "PP " + std::to_string(pp) + (first >= 0 ? " first " + std::to_string(first) : "") +
-           (last >= 0 ? " last " + std::to_string(last) : "") + (ep > 1 ? ", EP " + std::to_string(ep) : "") +
-           (zero ? ", distributed optimizer" : "") + (overlap ? ", overlapped" : "");
+    return "PP " + std::to_string(pp) + (layout.empty() ? "" : " '" + layout + "'") +
+           (first >= 0 ? " first " + std::to_string(first) : "") + (last >= 0 ? " last " + std::to_string(last) : "") +
+           (ep > 1 ? ", EP " + std::to_string(ep) : "") + (zero ? ", distributed optimizer" : "") +
+           (overlap ? ", overlapped" : "");
   }
 };
 
@@ -111,8 +113,10 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
     pc.expert_model_parallel_size = l.ep;
     const ProcessGroups pg = make_process_groups(pc, static_cast<int>(mc.moe.num_experts), world);
     groups = train::train_groups(pg);
-    par = model::model_parallel(pg, false, moe::DispatcherKind::alltoall,
-                                model::pipeline_stage_layers(mc.num_layers, l.pp, l.first, l.last));
+    par = model::model_parallel(
+        pg, false, moe::DispatcherKind::alltoall,
+        l.layout.empty() ? model::pipeline_stage_layers(mc.num_layers, l.pp, l.first, l.last)
+                         : model::pipeline_layout_stage_layers(l.layout, mc.num_layers, mc.mtp_num_layers, l.pp));
   }
   model::GptModel gpt(mc, 2, 42, par, testing::test_device());
   optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!l.zero);
@@ -191,6 +195,12 @@ TEST_F(Mpi, UnevenPipelineStagesMatchOneProcess) {
   mc.num_layers = 6;
   mc.moe_layer_freq = "[0,1,0,1,0,1]";
   check_layout(world, mc, {4, 1, 1, 1});  // 1, 2, 2, 1
+  // Megatron's layout string, with stages that hold no decoder layer (the embedding alone, an empty one).
+  Layout l{4};
+  l.layout = "E|ttt||tttmL";
+  check_layout(world, mc, l);
+  l.layout = "Et|tt|tt|tmL";
+  check_layout(world, mc, l);
 }
 
 TEST_F(Mpi, PipelineWithDataAndExpertParallelismMatchesOneProcess) {

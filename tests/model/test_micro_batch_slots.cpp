@@ -60,6 +60,34 @@ TEST(Schedule, BadArgumentsAreErrors) {
   EXPECT_THROW(train::one_f_one_b(4, 0, 0), Error);
 }
 
+// Megatron's --pipeline-model-parallel-layout syntax: '|' between stages, 'x*N' and '(...)*N' repeats, commas ignored,
+// empty stages; moecore's placement rules (E first, MTP and L last) and counts are checked, naming the layout.
+TEST(PipelineLayout, ParsesMegatronsSyntax) {
+  using model::pipeline_layout_stage_layers;
+  EXPECT_EQ(pipeline_layout_stage_layers("Et*3|(tt|)*2,tmL", 8, 1, 4), (std::vector<int64_t>{3, 2, 2, 1}));
+  EXPECT_EQ(pipeline_layout_stage_layers("E||t|tL", 2, 0, 4), (std::vector<int64_t>{0, 0, 1, 1}));
+  EXPECT_EQ(pipeline_layout_stage_layers("E, t*2 | t*2, L", 4, 0, 2), (std::vector<int64_t>{2, 2}));
+}
+
+TEST(PipelineLayout, BadLayoutsNameTheProblem) {
+  using model::pipeline_layout_stage_layers;
+  auto error = [](const std::string& layout, int64_t layers, int64_t mtp, int64_t pp, const std::string& text) {
+    testing::expect_error([&] { pipeline_layout_stage_layers(layout, layers, mtp, pp); },
+                          {"--pipeline-model-parallel-layout '" + layout + "'", text});
+  };
+  error("Et|tL", 3, 0, 2, "names 2 decoder layers (t), --num-layers is 3");
+  error("Et|t|t|tL", 4, 0, 2, "4 stages make 2 virtual stages per rank");
+  error("Et|t|tL", 3, 0, 2, "3 stages for --pipeline-model-parallel-size 2");
+  error("tE|tL", 2, 0, 2, "the embedding (E) must appear once, first on the first stage");
+  error("Et|Lt", 2, 0, 2, "the loss (L) must appear once, last on the last stage");
+  error("Etm|tL", 2, 1, 2, "MTP layers (m) on the last stage");
+  error("Et|tmL", 2, 2, 2, "names 1 MTP layers (m), --mtp-num-layers is 2");
+  error("Et|tX", 2, 0, 2, "'X' is not one of");
+  error("E(t|tL", 2, 0, 2, "unclosed '('");
+  error("Et)|tL", 2, 0, 2, "unmatched ')'");
+  error("Et*|tL", 2, 0, 2, "'*' needs a repeat count");
+}
+
 model::ModelConfig slots_config(bool moe, bool tied, int64_t mtp) {
   model::ModelConfig c;
   c.num_layers = 2;

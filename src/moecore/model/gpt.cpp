@@ -3,6 +3,7 @@
 #include "moecore/model/gpt.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -138,6 +139,89 @@ std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64
                  " stages, which must share them equally, at least one layer each");
   for (int64_t r = 0; r < pp; ++r)
     if (!((r == 0 && first >= 0) || (r == pp - 1 && last >= 0))) split[static_cast<size_t>(r)] = rest / middle;
+  return split;
+}
+
+namespace {
+// Expands Megatron's layout syntax from s[at] on until a ')' (consumed) or the end: symbols, '|', 'x*N', '(...)*N'.
+std::string expand_layout(const std::string& s, size_t& at, const std::string& layout, int depth) {
+  auto fail = [&](const std::string& why) {
+    MOECORE_FAIL("--pipeline-model-parallel-layout '", layout, "': ", why, " at character ", at + 1);
+  };
+  std::string out;
+  while (at < s.size()) {
+    const char c = s[at];
+    std::string item;
+    if (c == ')') {
+      if (depth == 0) fail("unmatched ')'");
+      ++at;
+      return out;
+    }
+    if (c == '(') {
+      ++at;
+      item = expand_layout(s, at, layout, depth + 1);
+    } else if (c == 'E' || c == 't' || c == 'm' || c == 'L' || c == '|') {
+      item = std::string(1, c);
+      ++at;
+    } else if (c == ',' || c == ' ') {
+      ++at;
+      continue;
+    } else {
+      fail(std::string("'") + c + "' is not one of E t m L | , ( ) *");
+    }
+    if (at < s.size() && s[at] == '*') {
+      size_t end = ++at;
+      while (end < s.size() && std::isdigit(static_cast<unsigned char>(s[end]))) ++end;
+      if (end == at || end - at > 6) fail("'*' needs a repeat count");
+      const int64_t n = std::stoll(s.substr(at, end - at));
+      at = end;
+      std::string rep;
+      for (int64_t k = 0; k < n; ++k) rep += item;
+      item = rep;
+    }
+    out += item;
+  }
+  if (depth > 0) fail("unclosed '('");
+  return out;
+}
+}  // namespace
+
+std::vector<int64_t> pipeline_layout_stage_layers(const std::string& layout, int64_t num_layers, int64_t mtp_num_layers,
+                                                  int64_t pp) {
+  size_t at = 0;
+  const std::string flat = expand_layout(layout, at, layout, 0);
+  std::vector<std::string> stages(1);
+  for (char c : flat) {
+    if (c == '|')
+      stages.emplace_back();
+    else
+      stages.back().push_back(c);
+  }
+  const auto count = [](const std::string& st, char c) { return std::count(st.begin(), st.end(), c); };
+  auto fail = [&](const auto&... why) { MOECORE_FAIL("--pipeline-model-parallel-layout '", layout, "': ", why...); };
+  const auto S = static_cast<int64_t>(stages.size());
+  if (S != pp) {
+    if (S % pp == 0)
+      fail(S, " stages make ", S / pp, " virtual stages per rank at --pipeline-model-parallel-size ", pp,
+           ": interleaved pipelines are not supported yet");
+    fail(S, " stages for --pipeline-model-parallel-size ", pp, " (the stages must be a multiple of it)");
+  }
+  int64_t t = 0, m = 0, e = 0, l = 0;
+  for (const std::string& st : stages)
+    t += count(st, 't'), m += count(st, 'm'), e += count(st, 'E'), l += count(st, 'L');
+  if (t != num_layers) fail("it names ", t, " decoder layers (t), --num-layers is ", num_layers);
+  if (m != mtp_num_layers) fail("it names ", m, " MTP layers (m), --mtp-num-layers is ", mtp_num_layers);
+  if (e != 1 || stages.front().empty() || stages.front().front() != 'E')
+    fail("the embedding (E) must appear once, first on the first stage");
+  if (l != 1 || stages.back().empty() || stages.back().back() != 'L')
+    fail("the loss (L) must appear once, last on the last stage");
+  const std::string& last = stages.back();
+  if (m > 0 && (count(last, 'm') != m || (last.rfind('t') != std::string::npos && last.find('m') < last.rfind('t'))))
+    fail(
+        "moecore runs the MTP layers (m) on the last stage, after its decoder layers and before the loss; other "
+        "placements are not supported yet");
+  std::vector<int64_t> split;
+  for (const std::string& st : stages) split.push_back(count(st, 't'));
   return split;
 }
 

@@ -77,6 +77,13 @@ struct ModelParallel {
 // (first) and/or --decoder-last-pipeline-num-layers (last; -1: unset) on those stages and the rest split evenly over
 // the others. Error naming the values when they do not split (every stage holds at least one layer).
 std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64_t first = -1, int64_t last = -1);
+// The decoder layers of each stage from Megatron's --pipeline-model-parallel-layout: stages split by '|', symbols E
+// (embedding), t (decoder layer), m (MTP layer), L (loss), 'x*N' and '(...)*N' repeat, commas are ignored, empty stages
+// are allowed ("E||t|L"). moecore places the embedding first on the first stage and the MTP layers and the loss last
+// on the last, and runs one stage per rank: a layout with more stages than pp (interleaved) is not supported yet.
+// Error naming the layout and what is wrong (syntax, counts, placement).
+std::vector<int64_t> pipeline_layout_stage_layers(const std::string& layout, int64_t num_layers, int64_t mtp_num_layers,
+                                                  int64_t pp);
 // The model's groups of a training layout; pipeline_layers as pipeline_stage_layers gives them (empty at PP 1).
 ModelParallel model_parallel(const ProcessGroups& pg, bool sequence_parallel, moe::DispatcherKind dispatcher,
                              std::vector<int64_t> pipeline_layers = {});
