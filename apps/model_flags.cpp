@@ -374,6 +374,9 @@ const ModelFlag kModelFlags[] = {
 // with their own parsers (--moe-layer-freq).
 const std::pair<const char*, FlagDomain> kModelFlagDomains[] = {
     {"--num-layers", FlagDomain::integer(1, 1e5)},
+    {"--recompute-granularity", FlagDomain::one_of({"full", "selective"})},
+    {"--recompute-method", FlagDomain::one_of({"uniform", "block"})},
+    {"--recompute-num-layers", FlagDomain::integer(1, 1e5)},
     {"--hidden-size", FlagDomain::integer(1)},
     {"--num-attention-heads", FlagDomain::integer(1)},
     {"--num-query-groups", FlagDomain::integer(1)},

@@ -39,8 +39,8 @@ const std::set<std::string> kFreeText = {
     // enumerations checked by their readers on every run (model_flags.cpp)
     "--position-embedding-type", "--normalization", "--transformer-impl", "--rope-type",
     "--moe-router-load-balancing-type", "--moe-router-score-function", "--moe-router-dtype", "--moe-token-drop-policy",
-    // an expression with its own parser, checked on every run
-    "--moe-layer-freq"};
+    // expressions with their own parsers, checked on every run
+    "--moe-layer-freq", "--pipeline-model-parallel-layout"};
 
 TEST(HostileFlags, EveryValueFlagHasADomainOrIsFreeText) {
   for (const char* command : {"train", "generate", "convert", "model-step", "preprocess", "moe-layer"}) {

@@ -1,14 +1,15 @@
 // Pipeline-parallel training equivalence (issue 13), under mpirun with 2 and 4 ranks. Every rank trains the
 // single-process reference itself (same config, seed, global batch), then the same model split over pipeline stages:
-// PP = P with the 1F1B schedule (even and uneven splits: --decoder-first/last-pipeline-num-layers), and at 4 ranks
-// PP 2 x DP 2 (plain AdamW, the distributed optimizer, with overlapped reduction and parameter gathers) and PP 2 x
-// EP 2. Models: dense with tied embeddings (RMSNorm, SwiGLU, RoPE: the last stage holds a copy of the word embeddings
-// whose gradient is summed with the first stage's), dense untied with learned positions and biases (LayerNorm, GeLU),
-// and MoE with aux and z losses and one MTP depth (its embedding on the last stage too). Checked: step-1 loss and
-// global grad norm (1e-6 rel), the gradient of every parameter a stage holds after step 1 against the reference's (rtol
-// 1e-5 with an absolute floor of 1e-6 x the tensor's largest value), 20-step losses (rtol 1e-5), the validation loss,
-// the MoE and MTP losses, bitwise-identical losses across two identical runs; bad splits fail at construction naming
-// the values. Every model lives on testing::test_device().
+// PP = P with the 1F1B schedule (even and uneven splits: --decoder-first/last-pipeline-num-layers, layout strings), and
+// at 4 ranks PP 2 x DP 2 (plain AdamW, the distributed optimizer, with overlapped reduction and parameter gathers),
+// PP 2 x EP 2, PP 2 x TP 2 with SP and PP 2 x CP 2; full recompute under PP is bitwise the run without it. Models:
+// dense with tied embeddings (RMSNorm, SwiGLU, RoPE: the last stage holds a copy of the word embeddings whose gradient
+// is summed with the first stage's), dense untied with learned positions and biases (LayerNorm, GeLU), and MoE with aux
+// and z losses and one MTP depth (its embedding on the last stage too). Checked: step-1 loss and global grad norm (1e-6
+// rel), the gradient of every parameter a stage holds after step 1 against the reference's (rtol 1e-5 with an absolute
+// floor of 1e-6 x the tensor's largest value), 20-step losses (rtol 1e-5), the validation loss, the MoE and MTP losses,
+// bitwise-identical losses across two identical runs; bad splits fail at construction naming the values. Every model
+// lives on testing::test_device().
 #include <gtest/gtest.h>
 
 #include "model/synthetic_training.h"
@@ -87,11 +88,13 @@ struct Layout {
   int64_t first = -1, last = -1;  // --decoder-first/last-pipeline-num-layers
   bool zero = false, overlap = false;
   std::string layout = {};  // --pipeline-model-parallel-layout
+  int tp = 1, cp = 1;       // within each stage (TP with sequence parallelism)
   std::string name() const {
     return "PP " + std::to_string(pp) + (layout.empty() ? "" : " '" + layout + "'") +
            (first >= 0 ? " first " + std::to_string(first) : "") + (last >= 0 ? " last " + std::to_string(last) : "") +
            (ep > 1 ? ", EP " + std::to_string(ep) : "") + (zero ? ", distributed optimizer" : "") +
-           (overlap ? ", overlapped" : "");
+           (overlap ? ", overlapped" : "") + (tp > 1 ? ", TP " + std::to_string(tp) + " + SP" : "") +
+           (cp > 1 ? ", CP " + std::to_string(cp) : "");
   }
 };
 
@@ -111,10 +114,12 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
     ParallelConfig pc;
     pc.pipeline_model_parallel_size = l.pp;
     pc.expert_model_parallel_size = l.ep;
+    pc.tensor_model_parallel_size = l.tp;
+    pc.context_parallel_size = l.cp;
     const ProcessGroups pg = make_process_groups(pc, static_cast<int>(mc.moe.num_experts), world);
     groups = train::train_groups(pg);
     par = model::model_parallel(
-        pg, false, moe::DispatcherKind::alltoall,
+        pg, l.tp > 1, moe::DispatcherKind::alltoall,
         l.layout.empty() ? model::pipeline_stage_layers(mc.num_layers, l.pp, l.first, l.last)
                          : model::pipeline_layout_stage_layers(l.layout, mc.num_layers, mc.mtp_num_layers, l.pp));
   }
@@ -135,8 +140,12 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
   for (const auto& p : gpt.params()) {
     const TensorShard ep{0, 1, static_cast<int>(gpt.ep_rank()), static_cast<int>(gpt.ep_size())};
-    r.grads[p.name] = p.expert_parallel ? all_gather_shards(p.grad, ep, par.ep).clone() : testing::host(p.grad);
-    r.values[p.name] = p.expert_parallel ? all_gather_shards(p.value, ep, par.ep).clone() : testing::host(p.value);
+    auto whole = [&](const Tensor& t) {  // expert shards over ETP and EP, tensor-parallel ones over TP
+      return p.expert_parallel ? all_gather_shards(all_gather_shards(t, p.tp, par.etp), ep, par.ep).clone()
+                               : all_gather_shards(t, p.tp, par.tp).clone();
+    };
+    r.grads[p.name] = whole(p.grad);
+    r.values[p.name] = whole(p.value);
   }
   return r;
 }
@@ -161,8 +170,8 @@ void expect_close(const std::map<std::string, Tensor>& got, const std::map<std::
 }
 
 void check_layout(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l) {
-  SCOPED_TRACE(l.name() + " x DP " + std::to_string(world.size() / l.pp) + (mc.moe.enabled() ? ", MoE" : "") +
-               (mc.untie_embeddings_and_output_weights ? "" : ", tied"));
+  SCOPED_TRACE(l.name() + " x DP " + std::to_string(world.size() / (l.pp * l.tp * l.cp)) +
+               (mc.moe.enabled() ? ", MoE" : "") + (mc.untie_embeddings_and_output_weights ? "" : ", tied"));
   const Result ref1 = run(world, mc, Layout{}, 1);
   const Result got1 = run(world, mc, l, 1);
   EXPECT_LE(rel(got1.loss[0], ref1.loss[0]), 1e-6) << got1.loss[0] << " vs " << ref1.loss[0];
@@ -231,6 +240,21 @@ TEST_F(Mpi, RecomputeUnderPipelineAndExpertParallelismIsBitwise) {
       for (const auto& [name, g] : plain.grads)
         EXPECT_EQ(std::memcmp(recomputed.grads.at(name).raw(), g.raw(), static_cast<size_t>(g.nbytes())), 0) << name;
     }
+}
+
+// Tensor (with sequence parallelism) and context parallelism within each stage: the stages exchange each rank's rows.
+TEST_F(Mpi, PipelineWithTensorAndContextParallelismMatchesOneProcess) {
+  if (P != 4) GTEST_SKIP() << "needs 4 ranks";
+  Layout tp{2};
+  tp.tp = 2;
+  Layout cp{2};
+  cp.cp = 2;
+  model::ModelConfig moe = moe_mtp();
+  moe.num_query_groups = 4;
+  for (const model::ModelConfig& mc : {tied_dense(), untied_dense(), moe}) {
+    check_layout(world, mc, tp);
+    if (mc.position_embedding_type == model::PositionEmbedding::rope) check_layout(world, mc, cp);
+  }
 }
 
 std::string shared_dir(const ProcessGroup& world, const std::string& what) {
