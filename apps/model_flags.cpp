@@ -16,7 +16,7 @@ namespace {
 
 using model::ModelConfig;
 
-enum class Kind : uint8_t { value, flag, accepted, unsupported_switch, unsupported_value };
+enum class Kind : uint8_t { value, list, flag, accepted, unsupported_switch, unsupported_value };  // list: VALUE...
 using Apply = void (*)(const Args& a, const char* flag, ModelConfig& c);
 
 struct ModelFlag {
@@ -286,9 +286,11 @@ const ModelFlag kModelFlags[] = {
   {"--fp8-format", Kind::unsupported_value, "", "FP8 training", nullptr},
   {"--fp8-recipe", Kind::unsupported_value, "delayed", "FP8 training", nullptr},
   {"--recompute-activations", Kind::unsupported_switch, "",
-   "selective activation recompute (--recompute-granularity full recomputes whole layers)", nullptr},
+   "recompute of core attention (use --recompute-granularity selective --recompute-modules layernorm moe_act, or full)",
+   nullptr},
   {"--recompute-granularity", Kind::value, "",
-   "full: backward recomputes whole layers from their chunk's input (unset: off; selective is not supported yet)",
+   "full: backward recomputes whole layers from their chunk's input; selective: the --recompute-modules' outputs (unset: "
+   "off)",
    [](const Args& a, const char* f, ModelConfig& c) { c.recompute.granularity = a.str(f); }},
   {"--recompute-method", Kind::value, "",
    "with full: uniform (chunks of --recompute-num-layers layers) | block (the first --recompute-num-layers layers "
@@ -296,6 +298,14 @@ const ModelFlag kModelFlags[] = {
    [](const Args& a, const char* f, ModelConfig& c) { c.recompute.method = a.str(f); }},
   {"--recompute-num-layers", Kind::value, "", "with full: layers per chunk (uniform) or recomputed layers (block)",
    [](const Args& a, const char* f, ModelConfig& c) { c.recompute.num_layers = a.str(f).empty() ? 0 : a.i64(f); }},
+  {"--recompute-modules", Kind::list, "",
+   "with selective: the outputs recomputed in backward, layernorm and/or moe_act (unset: Megatron's core_attn, not "
+   "supported yet)",
+   [](const Args& a, const char* f, ModelConfig& c) {
+     c.recompute.modules.clear();
+     for (const std::string& v : a.list(f))
+       for (const std::string& m : split_list(v)) c.recompute.modules.push_back(m);
+   }},
   {"--moe-layer-recompute", Kind::unsupported_switch, "", "MoE-layer recompute", nullptr},
   {"--reset-position-ids", Kind::unsupported_switch, "", "position ids that restart at each document", nullptr},
   {"--reset-attention-mask", Kind::unsupported_switch, "", "attention masks that stop at document boundaries", nullptr},
@@ -431,6 +441,9 @@ void add_model_flags(Args& a, const model::ModelConfig& d) {
           a.option(f.name, std::to_string(d.*f.required), std::string(f.help) + " (Megatron: required)");
         else
           a.option(f.name, f.def, f.help);
+        break;
+      case Kind::list:
+        a.list_option(f.name, f.help);
         break;
       case Kind::flag:
         a.flag(f.name, f.help);

@@ -162,7 +162,8 @@ std::vector<MegatronExample> megatron_examples() {
        "--moe-router-topk 4 --moe-router-dtype fp32 --moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type alltoall "
        "--moe-router-load-balancing-type aux_loss --seq-length 32 --max-position-embeddings 64 "
        "--make-vocab-size-divisible-by 1187 --use-mcore-models --rotary-percent 1.0 --rotary-base 1000000 "
-       "--no-bias-swiglu-fusion --global-batch-size 2 --lr 1e-4 --train-iters 2 --sequence-parallel",
+       "--no-bias-swiglu-fusion --global-batch-size 2 --lr 1e-4 --train-iters 2 --sequence-parallel "
+       "--recompute-granularity selective --recompute-modules moe_act layernorm",
        {}},
       {"deepseek-r1",
        "--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion --disable-bias-linear "

@@ -222,17 +222,25 @@ TEST_F(Mpi, PipelineWithDataAndExpertParallelismMatchesOneProcess) {
   check_layout(world, moe_mtp(), {2, 2, -1, -1, /*zero=*/true});
 }
 
-// Full recompute is bitwise the run without it under pipeline and expert parallelism too (the recomputed MoE layers
-// run their dispatcher's collectives again, alike on every rank).
+// Full and selective recompute are bitwise the run without them under pipeline, expert and tensor parallelism too (the
+// recomputed MoE layers run their dispatcher's collectives again, the refilled norm outputs their all-gathers, alike on
+// every rank).
 TEST_F(Mpi, RecomputeUnderPipelineAndExpertParallelismIsBitwise) {
   std::vector<Layout> layouts = {Layout{P}};
-  if (P == 4) layouts.push_back(Layout{2, 2});
+  if (P == 4) {
+    layouts.push_back(Layout{2, 2});
+    layouts.push_back(Layout{2});
+    layouts.back().tp = 2;  // the norm outputs refilled under sequence parallelism (all-gathered again)
+  }
+  const std::vector<model::RecomputeConfig> settings = {
+      {"full", "uniform", 2, {}}, {"full", "block", 1, {}}, {"selective", "", 0, {"layernorm", "moe_act"}}};
   for (const Layout& l : layouts)
-    for (const auto& [method, n] : std::vector<std::pair<std::string, int64_t>>{{"uniform", 2}, {"block", 1}}) {
-      SCOPED_TRACE(l.name() + ", " + method + " " + std::to_string(n));
+    for (const model::RecomputeConfig& rc : settings) {
+      SCOPED_TRACE(l.name() + ", " + rc.granularity + " " + rc.method);
       model::ModelConfig mc = moe_mtp();
+      mc.num_query_groups = 4;
       const Result plain = run(world, mc, l, 3);
-      mc.recompute = {"full", method, n};
+      mc.recompute = rc;
       const Result recomputed = run(world, mc, l, 3);
       ASSERT_EQ(recomputed.loss.size(), 3u);
       for (size_t i = 0; i < 3; ++i)

@@ -50,7 +50,11 @@ model::ModelConfig moe(bool mla) {
 }
 
 model::ModelConfig with_recompute(model::ModelConfig c, const std::string& method, int64_t n) {
-  c.recompute = {"full", method, n};
+  c.recompute = {"full", method, n, {}};
+  return c;
+}
+model::ModelConfig with_selective(model::ModelConfig c, std::vector<std::string> modules) {
+  c.recompute = {"selective", "", 0, std::move(modules)};
   return c;
 }
 
@@ -96,6 +100,11 @@ void expect_bitwise(const Outcome& got, const Outcome& want, const std::string& 
 TEST(Recompute, EverySettingIsBitwiseTheRunWithout) {
   for (const model::ModelConfig& c : {dense(4), moe(false), moe(true)}) {
     const Outcome plain = run(c);
+    for (const std::vector<std::string>& modules :
+         std::vector<std::vector<std::string>>{{"layernorm"}, {"moe_act"}, {"moe_act", "layernorm"}})
+      expect_bitwise(run(with_selective(c, modules)), plain,
+                     "selective " + modules[0] + (modules.size() > 1 ? "+" + modules[1] : "") +
+                         (c.moe.enabled() ? " moe" : " dense") + (c.multi_latent_attention ? " mla" : ""));
     for (const auto& [method, n] : std::vector<std::pair<std::string, int64_t>>{
              {"uniform", 1}, {"uniform", 2}, {"uniform", 3}, {"uniform", 8}, {"block", 1}, {"block", 3}})
       expect_bitwise(run(with_recompute(c, method, n)), plain,
@@ -146,6 +155,29 @@ TEST(Recompute, ActivationBytesFallByTheCachesNoLongerKept) {
     }
 }
 
+// Selective recompute drops, per decoder layer and slot, the norm outputs h1 and h2 ([T, H] each: layernorm) or the
+// routed experts' activations ([T * K, F]: moe_act), keeping one shared buffer of each.
+TEST(Recompute, SelectiveDropsTheNamedOutputs) {
+  const int64_t h = 2 * 16 * 32 * 4, act = 2 * 16 * 2 * 24 * 4;  // [T, H] f32; [T * topk, F] f32
+  struct Case {
+    model::ModelConfig c;
+    std::vector<std::string> modules;
+    int64_t per_layer_slot, layers, shared;
+  };
+  for (const Case& k : {Case{dense(4), {"layernorm"}, 2 * h, 4, 2 * h}, Case{moe(false), {"moe_act"}, act, 3, act},
+                        Case{moe(false), {"layernorm"}, 2 * h, 4, 3 * h}})
+    for (int64_t slots : {1, 3}) {
+      const MemoryStats before = memory_stats();
+      model::GptModel m(with_selective(k.c, k.modules), 2, 3, {}, testing::test_device());
+      m.set_micro_batch_slots(slots);
+      EXPECT_EQ(memory_stats().total_current - before.total_current, m.memory_plan(0).total()) << k.modules[0];
+      model::GptModel plain(k.c, 2, 3, {}, testing::test_device());
+      plain.set_micro_batch_slots(slots);
+      EXPECT_EQ(activations(plain) - activations(m), k.per_layer_slot * k.layers * slots - k.shared)
+          << k.modules[0] << (k.c.moe.enabled() ? " moe" : " dense") << ", " << slots << " slots";
+    }
+}
+
 // (MoE scratch is allocated as workspace and planned with the caches: the totals agree.)
 TEST(Recompute, MoeMemoryPlanEqualsTrackedAllocations) {
   for (const auto& [method, n] : std::vector<std::pair<std::string, int64_t>>{{"uniform", 2}, {"block", 2}}) {
@@ -166,11 +198,17 @@ TEST(Recompute, BadSettingsNameTheFlags) {
     c.recompute = rc;
     testing::expect_error([&] { c.validate(); }, {text});
   };
-  expect({"full", "", 1}, "--recompute-granularity full needs --recompute-method uniform or block, got 'unset'");
-  expect({"full", "blocks", 1}, "got 'blocks'");
-  expect({"full", "uniform", 0}, "--recompute-num-layers >= 1, got 0");
-  expect({"", "uniform", 0}, "need --recompute-granularity full");
-  expect({"everything", "uniform", 1}, "--recompute-granularity 'everything' is not supported yet");
+  expect({"full", "", 1, {}}, "--recompute-granularity full needs --recompute-method uniform or block, got 'unset'");
+  expect({"full", "blocks", 1, {}}, "got 'blocks'");
+  expect({"full", "uniform", 0, {}}, "--recompute-num-layers >= 1, got 0");
+  expect({"", "uniform", 0, {}}, "need --recompute-granularity full");
+  expect({"everything", "uniform", 1, {}}, "--recompute-granularity 'everything' is not one of full, selective");
+  expect({"selective", "", 0, {}},
+         "--recompute-modules core_attn (Megatron's default for selective) is not supported yet");
+  expect({"selective", "", 0, {"moe_act", "mlp"}}, "--recompute-modules mlp is not supported yet");
+  expect({"selective", "", 0, {"attention"}}, "'attention' is not one of core_attn, moe_act, layernorm");
+  expect({"selective", "uniform", 1, {"moe_act"}}, "are for --recompute-granularity full, not selective");
+  expect({"full", "uniform", 1, {"moe_act"}}, "--recompute-modules needs --recompute-granularity selective");
 }
 
 }  // namespace

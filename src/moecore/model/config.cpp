@@ -9,14 +9,32 @@ namespace moecore::model {
 
 void RecomputeConfig::validate() const {
   if (granularity.empty()) {
+    if (!modules.empty()) MOECORE_FAIL("--recompute-modules needs --recompute-granularity selective");
     if (!method.empty() || num_layers != 0)
       MOECORE_FAIL("--recompute-method (", method.empty() ? "unset" : method, ") and --recompute-num-layers (",
                    num_layers, ") need --recompute-granularity full");
     return;
   }
-  if (granularity != "full")
-    MOECORE_FAIL("--recompute-granularity '", granularity,
-                 "' is not supported yet (moecore recomputes whole layers: full; selective is not supported yet)");
+  if (granularity == "selective") {
+    if (!method.empty() || num_layers != 0)
+      MOECORE_FAIL("--recompute-method (", method.empty() ? "unset" : method, ") and --recompute-num-layers (",
+                   num_layers, ") are for --recompute-granularity full, not selective");
+    const std::vector<std::string> megatron = {"core_attn", "moe_act", "layernorm",     "mla_up_proj",
+                                               "mlp",       "moe",     "shared_experts"};
+    // (unset: Megatron's default, core_attn)
+    for (const std::string& m : modules.empty() ? std::vector<std::string>{"core_attn"} : modules) {
+      if (std::find(megatron.begin(), megatron.end(), m) == megatron.end())
+        MOECORE_FAIL("--recompute-modules: '", m,
+                     "' is not one of core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts");
+      if (m != "moe_act" && m != "layernorm")
+        MOECORE_FAIL("--recompute-modules ", m, modules.empty() ? " (Megatron's default for selective)" : "",
+                     " is not supported yet: moecore recomputes layernorm and moe_act selectively, or whole layers "
+                     "with --recompute-granularity full");
+    }
+    return;
+  }
+  if (!modules.empty()) MOECORE_FAIL("--recompute-modules needs --recompute-granularity selective");
+  if (granularity != "full") MOECORE_FAIL("--recompute-granularity '", granularity, "' is not one of full, selective");
   if (method != "uniform" && method != "block")
     MOECORE_FAIL("--recompute-granularity full needs --recompute-method uniform or block, got '",
                  method.empty() ? "unset" : method, "'");

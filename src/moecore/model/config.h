@@ -3,6 +3,7 @@
 // small plain models of the tests: RoPE, RMSNorm, no biases, no dropout); the command line starts from
 // Megatron's own defaults instead (apps/model_flags.cpp).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -31,13 +32,20 @@ struct YarnConfig {
 // not record it). granularity "full" keeps only the input of every chunk of recomputed layers and runs the chunk's
 // forward again in its backward (bitwise the same: the dropout masks are counter-based, MoE layers keep their
 // routing); method "uniform" makes chunks of num_layers consecutive layers of each pipeline stage, "block" recomputes
-// the first num_layers layers of each stage one by one and keeps the rest.
+// the first num_layers layers of each stage one by one and keeps the rest. granularity "selective" drops the outputs of
+// the named modules and recomputes them from what the layer keeps (Megatron's output-discarding recompute): layernorm
+// (the input and pre-MLP norms' outputs, from the residual stream and the norm statistics) and moe_act (the routed
+// experts' activation outputs, from their fc1 outputs).
 struct RecomputeConfig {
-  std::string granularity;  // --recompute-granularity: "" (Megatron's None: off) | full
-  std::string method;       // --recompute-method: uniform | block (needed by full)
-  int64_t num_layers = 0;   // --recompute-num-layers: layers per chunk (uniform) or recomputed layers (block), >= 1
-  void validate() const;    // Error naming the flags and values
+  std::string granularity;           // --recompute-granularity: "" (Megatron's None: off) | full | selective
+  std::string method;                // --recompute-method: uniform | block (needed by full)
+  int64_t num_layers = 0;            // --recompute-num-layers: layers per chunk (uniform) or recomputed layers (block)
+  std::vector<std::string> modules;  // --recompute-modules (selective; unset: Megatron's default, core_attn)
+  void validate() const;             // Error naming the flags and values
   bool full() const { return granularity == "full"; }
+  bool selects(const std::string& module) const {  // a module selective recompute drops
+    return granularity == "selective" && std::find(modules.begin(), modules.end(), module) != modules.end();
+  }
 };
 
 struct ModelConfig {

@@ -320,6 +320,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   moe_dims_.etp_rank = par_.etp.rank();
   moe_dims_.device = device_;
   moe_dims_.dispatcher = EP * ETP > 1 ? par_.dispatcher : moe::DispatcherKind::local;
+  moe_dims_.recompute_act = cfg_.recompute.selects("moe_act");
   if (EP * ETP > 1 && par_.dispatcher == moe::DispatcherKind::alltoall)
     dispatcher_ = std::make_unique<moe::AllToAllDispatcher>(par_.ep, par_.etp);
   else if (EP * ETP > 1)
@@ -563,6 +564,17 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
 void GptModel::plan_recompute() {
   recompute_chunk_.assign(layers_.size(), -1);
   const RecomputeConfig& rc = cfg_.recompute;
+  // Selective: one buffer of each dropped output for all layers (taken from a cache allocated for its shapes).
+  bool dense_layers = false, moe_layers = false;
+  for (auto l = static_cast<size_t>(first_layer_); l < static_cast<size_t>(end_layer_); ++l)
+    (moe_[l] ? moe_layers : dense_layers) = true;
+  if (rc.selects("layernorm") && end_layer_ > first_layer_) {
+    const nn::DenseLayerCache dense = nn::dense_layer_cache_alloc(dims_, true, false);
+    selective_h1_ = dense.h1;
+    if (dense_layers) selective_h2_dense_ = dense.h2;
+    if (moe_layers) selective_h2_moe_ = nn::dense_layer_cache_alloc(dims_, false, false).h2;
+  }
+  if (rc.selects("moe_act") && moe_layers) selective_act_ = moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe).experts.act;
   if (!rc.full()) return;
   for (int64_t l = first_layer_; l < end_layer_; ++l) {
     const int64_t i = l - first_layer_;
@@ -616,9 +628,17 @@ GptModel::Activations GptModel::alloc_activations() const {
       continue;
     }
     a.layer[l] = nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/!moe_[l], /*with_attention=*/!layer_mla);
+    if (drops_norms(l)) {  // selective layernorm: the shared buffers (the layer's own are freed again)
+      a.layer[l].h1 = selective_h1_;
+      a.layer[l].h2 = moe_[l] ? selective_h2_moe_ : selective_h2_dense_;
+    }
     if (layer_mla) a.mla[l] = nn::mla_cache_alloc(mla_dims_, cfg_.compute_dtype, dims_.layernorm, device_);
     a.moe.push_back(moe_[l] ? moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe, donor) : moe::MoeLayerCache{});
     if (moe_[l] && !donor) donor = &a.moe.back();
+    if (moe_[l] && selective_act_.defined()) {  // selective moe_act: the shared buffer
+      a.moe.back().experts.act = selective_act_;
+      a.moe.back().owns_expert_act = false;
+    }
   }
   a.drops.resize(layers_.size());
   a.residual.resize(static_cast<size_t>(cfg_.num_layers + 1));  // [first_layer_, end_layer_] on a pipeline stage
@@ -814,14 +834,16 @@ void GptModel::layer_forward(size_t l, const Tensor& x, Tensor& y, bool training
     nn::mlp_block_forward(y, layer_w_[l], a.layer[l], ws_, dims_, a.drops[l], ctx);
 }
 
-// dres_: dL/dy on entry, dL/dx on return.
+// dres_: dL/dy on entry, dL/dx on return. Selective layernorm recompute refills each half's norm output first.
 void GptModel::layer_backward(size_t l, const Tensor& x, float grad_scale, const ops::Context& ctx) {
   Activations& a = act();
+  if (drops_norms(l)) nn::mlp_norm_refill(layer_w_[l], a.layer[l], ws_, dims_, /*dense_mlp=*/!moe_[l], ctx);
   if (moe_[l])
     moe_mlp_backward(l, grad_scale, ctx);
   else
     nn::mlp_block_backward(dres_, layer_g_[l], layer_w_[l], a.layer[l], ws_, dims_, a.drops[l], ctx);
   // dres is dL/dx_mid here.
+  if (drops_norms(l)) nn::attention_norm_refill(x, layer_w_[l], a.layer[l], ws_, dims_, ctx);
   if (layers_[l].attention == AttentionKind::standard)
     nn::attention_block_backward(dres_, layer_g_[l], x, layer_w_[l], a.layer[l], ws_, rope_, dims_, a.drops[l], ctx);
   else
@@ -1111,6 +1133,8 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
       }
       const bool layer_mla = layers_[l].attention == AttentionKind::mla;
       at(MemCategory::activations) += nn::dense_layer_cache_bytes(dims_, moe_[l] == nullptr, !layer_mla);
+      if (drops_norms(l))  // (selective layernorm: the shared buffers, counted once below)
+        at(MemCategory::activations) -= a.layer[l].h1.nbytes() + a.layer[l].h2.nbytes();
       if (layer_mla)
         at(MemCategory::activations) += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
       if (moe_[l]) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.moe[l]);
@@ -1130,6 +1154,8 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
     if (is_mla) at(MemCategory::activations) += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
     if (is_moe) at(MemCategory::activations) += moe::moe_layer_cache_bytes(c.moe);
   }
+  for (const Tensor* t : {&selective_h1_, &selective_h2_dense_, &selective_h2_moe_, &selective_act_})
+    if (t->defined()) at(MemCategory::activations) += t->nbytes();  // selective recompute's shared buffers
   // The model's own buffers, by the tensors themselves (each is allocated in one place, the constructor).
   for (const MtpDepth& d : mtp_) {
     count(MemCategory::activations, {&d.ids, &d.labels, &d.e, &d.hin, &d.x, &d.y, &d.en, &d.hn, &d.h, &d.e_mean,

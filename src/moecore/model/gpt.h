@@ -296,6 +296,13 @@ class GptModel {
     moe::MoeLayerCache moe;  // its refilled tensors serve the layers; each keeps its own routing
   };
   std::map<int64_t, RecomputeCaches> recompute_caches_;
+  // Selective recompute: the buffers every decoder layer's dropped outputs share, refilled by its backward (layernorm:
+  // the norm outputs h1 and h2, of a dense and of an MoE layer; moe_act: the routed experts' activations). Undefined
+  // when not selected.
+  Tensor selective_h1_, selective_h2_dense_, selective_h2_moe_, selective_act_;
+  bool drops_norms(size_t l) const {  // the layer's norm outputs are selective_* (decoder layers; MTP keeps its own)
+    return selective_h1_.defined() && static_cast<int64_t>(l) < cfg_.num_layers;
+  }
   void plan_recompute();
   int64_t recompute_key(size_t l) const {
     return (static_cast<int64_t>(l) - recompute_chunk_[l]) * 4 + (moe_[l] ? 1 : 0) +

@@ -139,6 +139,7 @@ void experts_backward(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& 
   if (bias)
     ops::bias_grad_grouped_scaled(g.fc2_bias, b2_term ? dprobs : no_term, dy, w.fc2_bias, probs, tokens_per_expert,
                                   ctx);
+  if (d.recompute_act) act_forward(v.act, v.h, d.swiglu, ctx);  // (the same bits as forward's)
   ops::moe_scale_rows_backward(dprobs, v.da, v.a, v.act, probs, tokens_per_expert, b2_term, ctx);
   ops::gemm_grouped_wgrad(g.fc2, dy, v.a, tokens_per_expert, 1.0f, ctx);
   act_backward(v.dh, v.da, v.h, d.swiglu, ctx);
@@ -214,6 +215,10 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
     o += n[e];
   }
   // Row-wise again: dprobs, dL/dact and the recomputed a for all experts' rows in one pass.
+  if (d.recompute_act) {
+    Tensor act = v.act.slice(0, 0, o);
+    act_forward(act, v.h.slice(0, 0, o), d.swiglu, ctx);
+  }
   ops::moe_scale_rows_backward(dprobs, v.da, v.a, v.act, probs, tokens_per_expert, b2_term, ctx);
   Tensor dh = v.dh.slice(0, 0, o), da = v.da.slice(0, 0, o), h = v.h.slice(0, 0, o);
   act_backward(dh, da, h, d.swiglu, ctx);

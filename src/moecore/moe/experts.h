@@ -27,6 +27,9 @@ struct ExpertDims {
   // its whole output gradient), but only one slice (ETP rank 0) adds it to its partial output and its dy . b2 term to
   // dprobs, so that the sum over the slices has it once.
   bool adds_fc2_bias = true;
+  // Selective recompute of the activation (--recompute-modules moe_act): backward computes act(h) again from the fc1
+  // output before it reads the cache's act, so that buffer may be shared (by every layer of a model).
+  bool recompute_act = false;
   DType compute = DType::f32;
   Device device = Device::cpu;  // where the caches live
   int64_t fc1_rows() const { return swiglu ? 2 * F : F; }

@@ -13,6 +13,7 @@ ExpertDims expert_dims(const MoeLayerDims& d, const MoeConfig& cfg, int64_t max_
   e.H = d.H;
   e.F = d.F / d.etp;  // this rank's slice of every local expert
   e.adds_fc2_bias = d.etp_rank == 0;
+  e.recompute_act = d.recompute_act;
   e.swiglu = cfg.swiglu;
   e.max_rows = max_rows;
   e.compute = d.compute;
@@ -152,7 +153,8 @@ int64_t moe_layer_cache_bytes(const MoeLayerCache& c) {
   int64_t n = 0;
   for (const Tensor* t : routing_tensors(c)) n += bytes_of(*t);
   if (c.owns_refilled)
-    for (const Tensor* t : refilled_tensors(c)) n += bytes_of(*t);
+    for (const Tensor* t : refilled_tensors(c))
+      if (t != &c.experts.act || c.owns_expert_act) n += bytes_of(*t);
   if (c.owns_scratch)
     for (Tensor* t : scratch_tensors(const_cast<MoeLayerCache&>(c))) n += bytes_of(*t);
   return n;

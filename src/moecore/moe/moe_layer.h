@@ -26,9 +26,10 @@ struct MoeLayerDims {
   int64_t etp_rank =
       0;  // gate and up rows and fc1 bias, fc2's columns; ExpertDims::F = F / etp) and the whole fc2 bias
   DispatcherKind dispatcher = DispatcherKind::local;  // which dispatcher the buffers are sized for
-  const ProcessGroup* global_aux_group = nullptr;     // global_aux_loss counts are summed over it (DP)
-  const ProcessGroup* sequence_group = nullptr;       // sequence parallelism: T is this rank's share (RouterDims)
-  Device device = Device::cpu;                        // where the caches live (the ops' context device)
+  bool recompute_act = false;  // --recompute-modules moe_act: the experts recompute their activation (ExpertDims)
+  const ProcessGroup* global_aux_group = nullptr;  // global_aux_loss counts are summed over it (DP)
+  const ProcessGroup* sequence_group = nullptr;    // sequence parallelism: T is this rank's share (RouterDims)
+  Device device = Device::cpu;                     // where the caches live (the ops' context device)
 };
 
 // Megatron's add_bias_linear gives the router and the routed experts biases (router.bias, experts.fc1_bias,
@@ -57,9 +58,10 @@ struct MoeLayerCache {
   ExpertCache experts;
   ExpertWorkspace expert_ws;
   SharedExpertCache shared;
-  RouterStats stats;          // of the last forward
-  bool owns_scratch = true;   // false when the scratch tensors alias another layer's
-  bool owns_refilled = true;  // false when the tensors a recompute refills alias another cache's
+  RouterStats stats;            // of the last forward
+  bool owns_scratch = true;     // false when the scratch tensors alias another layer's
+  bool owns_refilled = true;    // false when the tensors a recompute refills alias another cache's
+  bool owns_expert_act = true;  // false when experts.act aliases a buffer shared by layers (moe_act recompute)
 };
 // With share_scratch_with (a cache of the same shapes), the scratch tensors alias that cache's.
 MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,

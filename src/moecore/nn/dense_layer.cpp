@@ -249,6 +249,19 @@ void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& k, const Dens
   norm_forward(k.h2, k.mean2, k.rstd2, k.x_mid, w.mlp_norm, w.mlp_norm_bias, d.eps, ctx);
 }
 
+void attention_norm_refill(const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerWorkspace& ws,
+                           const DenseLayerDims& d, const ops::Context& ctx) {
+  norm_to_gemm_input(k.h1, k.mean1, k.rstd1, x, w.input_norm, w.input_norm_bias, ws, d, ctx);
+}
+
+void mlp_norm_refill(const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerWorkspace& ws, const DenseLayerDims& d,
+                     bool dense_mlp, const ops::Context& ctx) {
+  if (dense_mlp)
+    norm_to_gemm_input(k.h2, k.mean2, k.rstd2, k.x_mid, w.mlp_norm, w.mlp_norm_bias, ws, d, ctx);
+  else
+    mlp_norm_forward(w, k, d, ctx);
+}
+
 void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k,
                          DenseLayerWorkspace& ws, const Tensor& rope, const DenseLayerDims& d, const LayerDropout& drop,
                          const ops::Context& ctx) {

@@ -135,6 +135,14 @@ void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseL
                              const LayerDropout& drop, const ops::Context& ctx);
 void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& cache, const DenseLayerDims& d,
                       const ops::Context& ctx);
+// Selective recompute of the norms (--recompute-modules layernorm): cache.h1 (the input norm's output, all-gathered
+// under sequence parallelism) and cache.h2 (the pre-MLP norm's: gathered for a dense MLP, this rank's rows for MoE)
+// computed again from x and cache.x_mid -- the same bits as forward's -- before the backward half that reads them, so
+// those buffers may be shared by every layer. Collective over TP under sequence parallelism.
+void attention_norm_refill(const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& cache, DenseLayerWorkspace& ws,
+                           const DenseLayerDims& d, const ops::Context& ctx);
+void mlp_norm_refill(const DenseLayerWeights& w, DenseLayerCache& cache, DenseLayerWorkspace& ws,
+                     const DenseLayerDims& d, bool dense_mlp, const ops::Context& ctx);
 // dres: dL/dx_mid on entry, dL/dx on return.
 void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
                               const DenseLayerCache& cache, DenseLayerWorkspace& ws, const Tensor& rope,
