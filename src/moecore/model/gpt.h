@@ -1,6 +1,7 @@
 // The GPT decoder, assembled from its specs (param_specs.h: each layer's attention, standard or MLA, and MLP, dense
 // or MoE, plus multi-token-prediction depths): parameters (named as Megatron-Core names them), their
-// initialisation, the activation caches for one micro-batch shape, and explicit forward/backward over the whole model.
+// initialisation, the activation caches for one micro-batch shape (a slot per micro-batch in flight; full or selective
+// recompute shares some of them), and explicit forward/backward over the whole model or one pipeline stage of it.
 // Shapes are fixed at construction (micro_batch_size x seq_length): every buffer is allocated then, and
 // the step loop allocates nothing. Not here: the optimizer (optim/) and the training loop (train/).
 #pragma once

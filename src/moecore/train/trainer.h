@@ -115,7 +115,9 @@ using StepObserver = std::function<void(int64_t iteration, double loss, bool ski
 // (rank r takes the r-th consecutive block), gradients are summed over dp / edp and router counts and
 // losses over dp with deterministic collectives, the gradient norm counts every parameter once (expert
 // shards summed over ep), the non-finite and stop decisions are agreed on, and checkpoints are written by
-// the ranks that hold each part (see checkpointing.h).
+// the ranks that hold each part (see checkpointing.h). With a pipeline (groups->pp, the stages gpt was built for) each
+// step runs the 1F1B schedule of this rank's stage (step.h), and the losses, the grad norm and every decision are
+// reduced over the stages too.
 TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches, std::FILE* log,
                const StepObserver& observer = {}, const TrainGroups* groups = nullptr);
 
