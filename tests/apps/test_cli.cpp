@@ -82,6 +82,14 @@ class Cli : public ::testing::Test {
       const auto grads = jsonl_field(p("two.jsonl"), "comm/grad_reduce_share");
       ASSERT_EQ(grads.size(), 5u) << extra;
       for (size_t i = 0; i < 5; ++i) EXPECT_TRUE(grads[i] >= 0.0 && grads[i] <= share[i]) << extra << ": " << grads[i];
+      // Under a pipeline: the share of time the stages waited for each other (averaged over them).
+      const auto wait = jsonl_field(p("two.jsonl"), "comm/pipeline_wait_share");
+      if (extra.find("--pipeline-model-parallel-size") == std::string::npos) {
+        EXPECT_TRUE(wait.empty()) << extra;
+        continue;
+      }
+      ASSERT_EQ(wait.size(), 5u) << extra;
+      for (double v : wait) EXPECT_TRUE(v > 0.0 && v < 1.0) << extra << ": " << v;
     }
   }
   // The corpus as byte-level .bin/.idx under the prefix p("c") (data path p("c_text_document")).

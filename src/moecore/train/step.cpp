@@ -87,6 +87,12 @@ double TrainStep::take_grad_reduce_blocked() {
   return s;
 }
 
+double TrainStep::take_pipeline_wait() {
+  const double s = pipeline_wait_;
+  pipeline_wait_ = 0;
+  return s;
+}
+
 StepResult TrainStep::run(int64_t it, float lr) {
   const int64_t first = g_.dp.rank() * micro_local_;  // this rank's first micro-batch of the global batch
   const float grad_scale = 1.0f / static_cast<float>(micro_);
@@ -119,7 +125,10 @@ StepResult TrainStep::run(int64_t it, float lr) {
     const bool forward = op.kind == ScheduleOp::forward;
     if (opt_.overlaps_grad_reduction() && mb + 1 == micro_local_ && forward == last_stage) gpt_.set_grad_ready(hook);
     if (forward) {
-      if (!first_stage && !received) recv(gpt_.stage_input(slot), prev, pp);
+      if (!first_stage && !received) {
+        const BlockedIn waiting{pipeline_wait_};
+        recv(gpt_.stage_input(slot), prev, pp);
+      }
       batches_(tokens_, labels_, false, it * micro_ + first + mb);
       gpt_.set_dropout_step(it, first + mb);
       const model::LossResult l = gpt_.forward(slot, tokens_, labels_, grad_scale);
@@ -130,7 +139,10 @@ StepResult TrainStep::run(int64_t it, float lr) {
       }
       moe_layers = accumulate_moe_losses(gpt_, r.moe_losses);
     } else {
-      if (!last_stage && !received) recv(gpt_.stage_output_grad(slot), next, pp);
+      if (!last_stage && !received) {
+        const BlockedIn waiting{pipeline_wait_};
+        recv(gpt_.stage_output_grad(slot), next, pp);
+      }
       gpt_.backward(slot, grad_scale);
     }
     // The output (forward) or input gradient (backward) to the neighbour, with the next op's input when that comes
@@ -140,6 +152,7 @@ StepResult TrainStep::run(int64_t it, float lr) {
     if (!sends) continue;
     const Tensor out = forward ? gpt_.stage_output(slot) : gpt_.stage_input_grad();
     const int peer = forward ? next : prev;
+    const BlockedIn waiting{pipeline_wait_};
     if (following && following->kind != op.kind) {
       const int64_t s2 = schedule_.slot(following->micro_batch);
       const P2POp exchange[2] = {{P2PKind::send, out, peer},

@@ -41,6 +41,9 @@ class TrainStep {
   // Seconds this rank was blocked in the gradient reduction since the last call (the reduction posted during backward
   // with --overlap-grad-reduce, and the final wait or the whole reduction).
   double take_grad_reduce_blocked();
+  // Seconds this rank waited in the transfers between pipeline stages since the last call (its share of the bubble
+  // and of any imbalance between the stages).
+  double take_pipeline_wait();
 
  private:
   model::GptModel& gpt_;
@@ -52,7 +55,7 @@ class TrainStep {
   Schedule schedule_;
   Tensor tokens_, labels_;  // [B, S] i32 host: the micro-batch being loaded
   Tensor shared_grad_;      // the other stage's gradient of gpt.pipeline_shared_param()
-  double grad_reduce_blocked_ = 0;
+  double grad_reduce_blocked_ = 0, pipeline_wait_ = 0;
   void sum_shared_grad(size_t index);
 };
 

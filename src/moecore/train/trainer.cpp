@@ -167,7 +167,7 @@ struct MetricSinks {
 
 void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, double loss, double lr,
                   double grad_norm, double tokens_per_s, double tflops, const MoeStepLosses& moe_losses, bool per_layer,
-                  double comm_share, double exposed_comm_share, double grad_reduce_share,
+                  double comm_share, double exposed_comm_share, double grad_reduce_share, double pipeline_wait_share,
                   const std::vector<double>& mtp_losses) {
   const moe::MoeConfig& mc = gpt.config().moe;
   std::vector<std::pair<std::string, double>> scalars = {{"lm loss", loss},
@@ -187,6 +187,7 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
   if (comm_share >= 0) scalars.emplace_back("moe/dispatcher_comm_share", comm_share);
   if (exposed_comm_share >= 0) scalars.emplace_back("comm/exposed_share", exposed_comm_share);
   if (grad_reduce_share >= 0) scalars.emplace_back("comm/grad_reduce_share", grad_reduce_share);
+  if (pipeline_wait_share >= 0) scalars.emplace_back("comm/pipeline_wait_share", pipeline_wait_share);
   if (per_layer) {
     for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
       const moe::RouterStats* stats = gpt.moe_stats(l);
@@ -352,6 +353,8 @@ class RunLog {
   RunLog(model::GptModel& gpt, const TrainConfig& cfg, const TrainGroups& g, int64_t first_iteration, std::FILE* log)
       : gpt_(gpt),
         cfg_(cfg),
+        pp_(g.pp),
+        micro_per_rank_(cfg.micro_batches() / g.dp.size()),
         log_(log),
         first_iteration_(first_iteration),
         world_size_(g.world_size()),
@@ -366,7 +369,8 @@ class RunLog {
   }
 
   // After step `it` (0-based): a line and metrics when it ends an interval.
-  void step(int64_t it, const StepResult& r, float lr, int64_t consumed_samples, double grad_reduce_blocked) {
+  void step(int64_t it, const StepResult& r, float lr, int64_t consumed_samples, double grad_reduce_blocked,
+            double pipeline_wait) {
     if (r.skipped && log_)
       std::fprintf(log_, " iteration %lld: non-finite value in %s, step skipped\n", static_cast<long long>(it + 1),
                    r.nonfinite.c_str());
@@ -374,6 +378,7 @@ class RunLog {
     for (size_t k = 0; k < mtp_acc_.size() && !r.skipped; ++k) mtp_acc_[k] += r.mtp_loss[k];
     logged_steps_ += r.skipped ? 0 : 1;
     grad_reduce_blocked_ += grad_reduce_blocked;
+    pipeline_wait_ += pipeline_wait;
     if ((it + 1) % cfg_.log_interval == 0) interval(it, r, lr, consumed_samples);
   }
 
@@ -412,6 +417,17 @@ class RunLog {
     blocked_last_ = blocked;
     const double grad_reduce_share = world_size_ > 1 ? grad_reduce_blocked_ / span : -1.0;
     grad_reduce_blocked_ = 0;
+    // Pipelines: the share of the interval the stages waited for each other, averaged over the stages (collective over
+    // pp), next to the 1F1B schedule's bubble (p - 1) / (m + p - 1) for this rank's m micro-batches per step.
+    double pipeline_wait_share = -1.0, bubble = 0.0;
+    if (pp_.size() > 1) {
+      double w = pipeline_wait_ / span;
+      all_reduce_sum(std::span<double>(&w, 1), pp_);
+      const double p = pp_.size();
+      pipeline_wait_share = w / p;
+      bubble = (p - 1) / (static_cast<double>(micro_per_rank_) + p - 1);
+    }
+    pipeline_wait_ = 0;
     const double tflops = flops_per_step_ / std::max(dt, 1e-9) / 1e12;
     const double mean_loss = logged_steps_ ? loss_acc_ / static_cast<double>(logged_steps_) : NAN;
     std::vector<double> mtp_mean(mtp_acc_.size());
@@ -437,6 +453,12 @@ class RunLog {
         std::snprintf(b, sizeof b, " | comm %.1f%%", 100.0 * exposed_share);
         comm += b;
       }
+      if (pipeline_wait_share >= 0) {
+        char b[80];
+        std::snprintf(b, sizeof b, " | pipeline wait %.1f%% (1F1B bubble %.1f%%)", 100.0 * pipeline_wait_share,
+                      100.0 * bubble);
+        comm += b;
+      }
       if (peak_gflops_ > 0) {
         // Above 100% the start-up peak was measured on a busy machine: measure again, keep the best.
         // The peak is one rank's: the run's is world_size times that (every rank measured its own threads).
@@ -457,20 +479,23 @@ class RunLog {
       std::fflush(log_);
     }
     emit_metrics(sinks_, gpt_, it + 1, mean_loss, lr, r.stats.grad_norm, tokens_per_s, tflops, r.moe_losses,
-                 cfg_.moe_per_layer_logging, comm_share, exposed_share, grad_reduce_share, mtp_mean);
+                 cfg_.moe_per_layer_logging, comm_share, exposed_share, grad_reduce_share, pipeline_wait_share,
+                 mtp_mean);
     loss_acc_ = 0;
     logged_steps_ = 0;
   }
 
   model::GptModel& gpt_;
   const TrainConfig& cfg_;
+  const ProcessGroup& pp_;
+  int64_t micro_per_rank_;
   std::FILE* log_;
   int64_t first_iteration_;
   int world_size_;
   double flops_per_step_, peak_gflops_;
   MetricSinks sinks_;
   std::chrono::steady_clock::time_point t_start_ = std::chrono::steady_clock::now(), t_last_ = t_start_;
-  double blocked_last_ = comm_blocked_seconds(), grad_reduce_blocked_ = 0;
+  double blocked_last_ = comm_blocked_seconds(), grad_reduce_blocked_ = 0, pipeline_wait_ = 0;
   double loss_acc_ = 0;
   std::vector<double> mtp_acc_;  // MTP losses over the interval
   int64_t logged_steps_ = 0;
@@ -523,7 +548,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     out.lr.push_back(lr);
     out.moe_losses.push_back(r.moe_losses);
     if (observer) observer(it, r.loss, r.skipped);
-    run_log.step(it, r, lr, progress.consumed_samples, step.take_grad_reduce_blocked());
+    run_log.step(it, r, lr, progress.consumed_samples, step.take_grad_reduce_blocked(), step.take_pipeline_wait());
     const bool last = it + 1 == cfg.train_iters;
     if (cfg.has_validation && (last || (cfg.eval_interval > 0 && (it + 1) % cfg.eval_interval == 0))) {
       const auto t_eval = std::chrono::steady_clock::now();
