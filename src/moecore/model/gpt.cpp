@@ -560,7 +560,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   refresh_compute_weights();
 }
 
-// Full recompute: the chunks of this stage's decoder layers and the cache sets they share.
+// Recompute (ModelConfig::recompute): selective's shared buffers; full's chunks of this stage's decoder layers and the
+// cache sets they share.
 void GptModel::plan_recompute() {
   recompute_chunk_.assign(layers_.size(), -1);
   const RecomputeConfig& rc = cfg_.recompute;
