@@ -12,6 +12,7 @@
 // lives on testing::test_device().
 #include <gtest/gtest.h>
 
+#include "model/mpi_training_support.h"
 #include "model/synthetic_training.h"
 #include "mpi_test_support.h"
 #include "test_util.h"
@@ -31,16 +32,11 @@
 namespace moecore {
 namespace {
 
-// At 2 and 4 ranks every test but EightRanksMatchOneProcess runs; at 8 ranks only that one.
-class Mpi : public testing_mpi::MpiTest {
- protected:
-  void SetUp() override {
-    const bool eight =
-        std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) == "EightRanksMatchOneProcess";
-    if (eight != (P == 8)) GTEST_SKIP() << (eight ? "needs 8 ranks" : "runs at 2 and 4 ranks");
-  }
-};
+class Mpi : public testing_mpi::EightRanksApartTest {};
 using testing::synthetic_batch;
+using testing_mpi::expect_close;
+using testing_mpi::rel;
+using testing_mpi::shared_dir;
 
 // 4 layers; RMSNorm, SwiGLU, RoPE, tied embeddings.
 model::ModelConfig tied_dense() {
@@ -158,25 +154,6 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   return r;
 }
 
-double rel(double a, double b) {
-  return std::fabs(a - b) / std::max(std::fabs(b), 1e-30);
-}
-
-// Every gradient this stage holds against the one-process run's of the same name.
-void expect_close(const std::map<std::string, Tensor>& got, const std::map<std::string, Tensor>& ref) {
-  for (const auto& [name, g] : got) {
-    ASSERT_TRUE(ref.count(name)) << name;
-    const Tensor& r = ref.at(name);
-    ASSERT_TRUE(g.shape() == r.shape()) << name << ": " << g.str() << " vs " << r.str();
-    const float* a = g.data<float>();
-    const float* b = r.data<float>();
-    double maxref = 0;
-    for (int64_t i = 0; i < r.numel(); ++i) maxref = std::max(maxref, std::fabs(static_cast<double>(b[i])));
-    for (int64_t i = 0; i < r.numel(); ++i)
-      ASSERT_NEAR(a[i], b[i], 1e-5 * std::fabs(b[i]) + 1e-6 * maxref + 1e-9) << name << " element " << i;
-  }
-}
-
 void check_layout(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l) {
   SCOPED_TRACE(l.name() + " x DP " + std::to_string(world.size() / (l.pp * l.tp * l.cp)) +
                (mc.moe.enabled() ? ", MoE" : "") + (mc.untie_embeddings_and_output_weights ? "" : ", tied"));
@@ -285,14 +262,6 @@ TEST_F(Mpi, EightRanksMatchOneProcess) {
   check_layout(world, mc, l);
 }
 
-std::string shared_dir(const ProcessGroup& world, const std::string& what) {
-  std::vector<int64_t> pid = {world.rank() == 0 ? static_cast<int64_t>(::getpid()) : 0};
-  broadcast(std::span<int64_t>(pid), 0, world);
-  const std::string dir = "/tmp/moecore_mpi_pp_" + std::to_string(pid[0]) + "_" + what;
-  barrier(world);
-  return dir;
-}
-
 // Checkpoints hold every layer whatever the PP size: saved at step 4 of 8 under PP = P (dense tied; MoE + MTP with the
 // distributed optimizer, at 4 ranks as PP 2 x EP 2 with its gathers overlapped), one process loads every parameter
 // bitwise, and one process, PP = P and at 4 ranks PP 2 (x DP 2) and PP 4 resume with the uninterrupted run's losses.
@@ -304,7 +273,7 @@ TEST_F(Mpi, CheckpointsReshardAcrossPipelineSizes) {
   const Layout moe_saved = P == 4 ? Layout{2, 2, -1, -1, true, true} : Layout{2, 1, -1, -1, true, false};
   for (const Case& c : {Case{tied_dense(), {P}}, Case{moe_mtp(), moe_saved}}) {
     SCOPED_TRACE("saved at " + c.saved_at.name() + (c.mc.moe.enabled() ? ", MoE" : ""));
-    const std::string dir = shared_dir(world, "reshard");
+    const std::string dir = shared_dir(world, "moecore_mpi_pp_", "reshard");
     const Result straight = run(world, c.mc, c.saved_at, 8);
     const Result saved = run(world, c.mc, c.saved_at, 8, dir, "", 4);
     model::GptModel hub(c.mc, 2, 42, {}, testing::test_device());
