@@ -138,13 +138,16 @@ TEST_F(Cli, SigtermLeavesALoadableCheckpoint) {
     execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
-  // Wait until training is under way, then ask it to stop.
-  for (int i = 0; i < 600; ++i) {
+  // Wait until training is under way (the handler is installed before the first log line), then ask it to stop. A
+  // loaded machine may take long to get there: up to 5 minutes, and a signal sent earlier would only kill the run.
+  bool started = false;
+  for (int i = 0; i < 3000 && !started; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::ifstream f(p("log.txt"));
     std::string s((std::istreambuf_iterator<char>(f)), {});
-    if (s.find("iteration") != std::string::npos) break;
+    started = s.find("iteration") != std::string::npos;
   }
+  EXPECT_TRUE(started) << "no iteration line within 5 minutes";
   kill(pid, SIGTERM);
   int st = 0;
   waitpid(pid, &st, 0);
