@@ -285,13 +285,14 @@ const ModelFlag kModelFlags[] = {
   {"--fp16", Kind::unsupported_switch, "", "fp16 training (use --bf16)", nullptr},
   {"--fp8-format", Kind::unsupported_value, "", "FP8 training", nullptr},
   {"--fp8-recipe", Kind::unsupported_value, "delayed", "FP8 training", nullptr},
-  {"--recompute-activations", Kind::unsupported_switch, "",
-   "recompute of core attention (use --recompute-granularity selective --recompute-modules layernorm moe_act, or full)",
-   nullptr},
+  {"--recompute-activations", Kind::flag, "",
+   "shorthand for --recompute-granularity selective (as Megatron: it wins over that flag)", nullptr},
   {"--recompute-granularity", Kind::value, "",
    "full: backward recomputes whole layers from their chunk's input; selective: the --recompute-modules' outputs (unset: "
    "off)",
-   [](const Args& a, const char* f, ModelConfig& c) { c.recompute.granularity = a.str(f); }},
+   [](const Args& a, const char* f, ModelConfig& c) {
+     c.recompute.granularity = a.on("--recompute-activations") ? "selective" : a.str(f);
+   }},
   {"--recompute-method", Kind::value, "",
    "with full: uniform (chunks of --recompute-num-layers layers) | block (the first --recompute-num-layers layers "
    "of each pipeline stage)",
@@ -299,8 +300,8 @@ const ModelFlag kModelFlags[] = {
   {"--recompute-num-layers", Kind::value, "", "with full: layers per chunk (uniform) or recomputed layers (block)",
    [](const Args& a, const char* f, ModelConfig& c) { c.recompute.num_layers = a.str(f).empty() ? 0 : a.i64(f); }},
   {"--recompute-modules", Kind::list, "",
-   "with selective: the outputs recomputed in backward, layernorm and/or moe_act (unset: Megatron's core_attn, not "
-   "supported yet)",
+   "with selective: the modules whose outputs backward recomputes, of core_attn, mlp, layernorm and moe_act (unset: "
+   "core_attn, Megatron's default)",
    [](const Args& a, const char* f, ModelConfig& c) {
      c.recompute.modules.clear();
      for (const std::string& v : a.list(f))

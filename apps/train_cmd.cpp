@@ -30,6 +30,7 @@
 #include "moecore/parallel/process_groups.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/gemm_peak.h"
+#include "moecore/train/schedule.h"
 #include "moecore/train/trainer.h"
 
 namespace moecore::apps {
@@ -110,7 +111,9 @@ void add_training_flags(Args& a) {
           "--expert-tensor-parallel-size", "",
           "ETP: ranks each routed expert's fc1 and fc2 are split over (Parallel Folding: independent of TP); unset: "
           "the TP size, as Megatron")
-      .unsupported("--num-layers-per-virtual-pipeline-stage", "", "interleaved pipeline parallelism")
+      .option("--num-layers-per-virtual-pipeline-stage", "",
+              "with PP: decoder layers per virtual pipeline stage (model chunk): the interleaved 1F1B schedule with "
+              "num-layers / PP / this chunks per rank")
       .option("--decoder-first-pipeline-num-layers", "",
               "with PP: decoder layers of the first stage (the others split the rest evenly)")
       .option("--decoder-last-pipeline-num-layers", "",
@@ -119,7 +122,11 @@ void add_training_flags(Args& a) {
           "--pipeline-model-parallel-layout", "",
           "with PP: Megatron's layout string, e.g. 'Et*3|(tt|)*2,tmL' (E embedding, t decoder layer, m MTP, L loss; "
           "'|' between stages)")
-      .unsupported("--num-virtual-stages-per-pipeline-rank", "", "interleaved pipeline parallelism")
+      .option("--num-virtual-stages-per-pipeline-rank", "",
+              "with PP: model chunks per pipeline rank (the interleaved 1F1B schedule; each stage's layers split "
+              "evenly over its chunks)")
+      .option("--microbatch-group-size-per-virtual-pipeline-stage", "",
+              "interleaved schedule: micro-batches run through one chunk in a row (unset: the pipeline size)")
       .flag("--overlap-grad-reduce",
             "start each gradient bucket's all-reduce (distributed optimizer: reduce-scatter) during backward, as soon "
             "as it is final")
@@ -185,6 +192,9 @@ void add_training_flags(Args& a) {
       {"--pipeline-model-parallel-size", D::integer(1, 1e6)},
       {"--decoder-first-pipeline-num-layers", D::integer(1, 1e6)},
       {"--decoder-last-pipeline-num-layers", D::integer(1, 1e6)},
+      {"--num-layers-per-virtual-pipeline-stage", D::integer(1, 1e6)},
+      {"--num-virtual-stages-per-pipeline-rank", D::integer(1, 1e6)},
+      {"--microbatch-group-size-per-virtual-pipeline-stage", D::integer(1, 1e6)},
       {"--expert-tensor-parallel-size", D::integer(1, 1e6)},
       {"--cp-comm-type", D::one_of({"p2p", "allgather"})},
       {"--ddp-bucket-size", D::integer(1, 1e15)},
@@ -244,6 +254,7 @@ train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   t.overlap_param_gather = a.on("--overlap-param-gather");
   t.ddp_bucket_size = a.i64_or("--ddp-bucket-size", std::max<int64_t>(40'000'000, 1'000'000 * dp_size));
   if (t.ddp_bucket_size <= 0) MOECORE_FAIL("--ddp-bucket-size (", t.ddp_bucket_size, ") must be positive");
+  t.microbatch_group_size_per_vp_stage = a.i64_or("--microbatch-group-size-per-virtual-pipeline-stage", 0);
   t.metrics_jsonl = a.str("--metrics-jsonl");
   t.tensorboard_dir = a.str("--tensorboard-dir");
   t.validate();
@@ -297,6 +308,30 @@ void upcycle_from_dense(model::GptModel& gpt, const Args& a, const train::TrainC
 // does not have yet, so it fails at start-up, naming what is missing.
 // --device cuda needs a build with the CUDA kernels and a visible GPU, and (until the NCCL backend exists) one
 // process: the MPI backend moves host memory only.
+// Model chunks per pipeline rank from Megatron's two flags (1 when neither is set):
+// --num-virtual-stages-per-pipeline-rank directly, --num-layers-per-virtual-pipeline-stage as num_layers / pp / it
+// (even splits only, as in Megatron).
+int64_t virtual_pipeline_stages(const Args& a, int64_t num_layers, int64_t pp, bool uneven) {
+  const bool per_rank = !a.str("--num-virtual-stages-per-pipeline-rank").empty(),
+             per_stage = !a.str("--num-layers-per-virtual-pipeline-stage").empty();
+  if (per_rank && per_stage)
+    MOECORE_FAIL(
+        "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank exclude each other (as "
+        "in Megatron)");
+  if (per_rank) return a.i64("--num-virtual-stages-per-pipeline-rank");
+  if (!per_stage) return 1;
+  const int64_t n = a.i64("--num-layers-per-virtual-pipeline-stage");
+  if (uneven)
+    MOECORE_FAIL(
+        "--num-layers-per-virtual-pipeline-stage with --decoder-first/last-pipeline-num-layers: use "
+        "--num-virtual-stages-per-pipeline-rank for an uneven virtual pipeline (as Megatron asks)");
+  if (pp <= 1) MOECORE_FAIL("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1");
+  if (num_layers % pp != 0 || (num_layers / pp) % n != 0)
+    MOECORE_FAIL("--num-layers-per-virtual-pipeline-stage ", n, ": --num-layers (", num_layers,
+                 ") / --pipeline-model-parallel-size (", pp, ") must be a multiple of it");
+  return num_layers / pp / n;
+}
+
 Device device_from_flag(const Args& a, int world_size) {
   const Device d = parse_device(a.str("--device"));
   if (d != Device::cuda) return d;
@@ -425,17 +460,31 @@ int train_main(int argc, char** argv) {
     MOECORE_FAIL(
         "--pipeline-model-parallel-layout and --decoder-first/last-pipeline-num-layers exclude each other (as "
         "in Megatron)");
+  const int64_t pp_size = pcfg.pipeline_model_parallel_size,
+                vpp = virtual_pipeline_stages(a, mcfg.num_layers, pp_size, first_layers >= 0 || last_layers >= 0);
   const std::vector<int64_t> stage_layers =
-      layout.empty()
-          ? model::pipeline_stage_layers(mcfg.num_layers, pcfg.pipeline_model_parallel_size, first_layers, last_layers)
-          : model::pipeline_layout_stage_layers(layout, mcfg.num_layers, mcfg.mtp_num_layers,
-                                                pcfg.pipeline_model_parallel_size);
+      layout.empty() ? model::pipeline_stage_layers(mcfg.num_layers, pp_size, first_layers, last_layers, vpp)
+                     : model::pipeline_layout_stage_layers(layout, mcfg.num_layers, mcfg.mtp_num_layers, pp_size);
+  if (!layout.empty() && vpp > 1 && static_cast<int64_t>(stage_layers.size()) != pp_size * vpp)
+    MOECORE_FAIL("--pipeline-model-parallel-layout '", layout, "' has ", stage_layers.size() / pp_size,
+                 " virtual stages per rank, the virtual pipeline flags ask for ", vpp);
+  if (!a.str("--microbatch-group-size-per-virtual-pipeline-stage").empty() &&
+      static_cast<int64_t>(stage_layers.size()) <= pp_size)
+    MOECORE_FAIL(
+        "--microbatch-group-size-per-virtual-pipeline-stage needs a virtual pipeline "
+        "(--num-virtual-stages-per-pipeline-rank, --num-layers-per-virtual-pipeline-stage or a layout with "
+        "more stages than --pipeline-model-parallel-size)");
   pcfg.context_parallel_size = static_cast<int>(a.i64("--context-parallel-size"));
   pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
   pcfg.expert_tensor_parallel_size =
       a.str("--expert-tensor-parallel-size").empty() ? 0 : static_cast<int>(a.i64("--expert-tensor-parallel-size"));
   const ParallelSizes sizes = pcfg.validate(world_size, static_cast<int>(mcfg.moe.num_experts));
   train::TrainConfig tcfg = train_config_from(a, sizes.dp);
+  if (static_cast<int64_t>(stage_layers.size()) > pp_size && tcfg.micro_batches() % sizes.dp == 0)  // (validated)
+    train::interleaved_one_f_one_b(
+        tcfg.micro_batches() / sizes.dp, pp_size, 0,  // Megatron's conditions, checked now
+        static_cast<int64_t>(stage_layers.size()) / pp_size,
+        tcfg.microbatch_group_size_per_vp_stage > 0 ? tcfg.microbatch_group_size_per_vp_stage : pp_size);
   check_output_paths(tcfg);
 
   data::GptDataSourceConfig dcfg;

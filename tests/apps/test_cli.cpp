@@ -264,6 +264,22 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
   auto [st9, out9] = mpirun(2, "--pipeline-model-parallel-size 2");  // (one layer)
   EXPECT_NE(st9, 0);
   EXPECT_EQ(count(out9, "--num-layers (1) must be divisible by --pipeline-model-parallel-size (2)"), 2u) << out9;
+  // Virtual pipelines: without PP, a layout whose stages are not a multiple of PP, a micro-batch group without a
+  // virtual pipeline or out of Megatron's range [PP, micro-batches per rank].
+  const std::vector<std::pair<std::string, std::string> > vpp = {
+      {"--num-virtual-stages-per-pipeline-rank 2", "needs --pipeline-model-parallel-size > 1"},
+      {"--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'E|t|L'",
+       "3 stages for --pipeline-model-parallel-size 2"},
+      {"--microbatch-group-size-per-virtual-pipeline-stage 2", "needs a virtual pipeline"},
+      {"--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'E|t||L' "
+       "--microbatch-group-size-per-virtual-pipeline-stage 3",
+       "(--microbatch-group-size-per-virtual-pipeline-stage, default the pipeline size: 3) must lie in [pipeline size "
+       "2, micro-batches per data-parallel rank 2]"}};
+  for (const auto& [flags, error] : vpp) {
+    auto [st, out] = mpirun(2, flags);
+    EXPECT_NE(st, 0) << flags;
+    EXPECT_EQ(count(out, error), 2u) << flags << "\n" << out;
+  }
   auto [st8, out8] = mpirun(2, "--num-experts 4 --ffn-hidden-size 33 --expert-tensor-parallel-size 2");
   EXPECT_NE(st8, 0);
   EXPECT_EQ(count(out8,
@@ -278,7 +294,8 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
 // and without --sequence-parallel (an MoE model with it, also with --expert-model-parallel-size 2, and the experts
 // split by --expert-tensor-parallel-size), and with
 // --context-parallel-size 2 (each rank holding two chunks of every sequence; the MoE model also with EP 2) reproduce
-// the single-process run, and so does --pipeline-model-parallel-size 2 (a layer per stage) (Megatron's defaults but
+// the single-process run, and so does --pipeline-model-parallel-size 2 (a layer per stage; and interleaved, by a layout
+// of four virtual stages) (Megatron's defaults but
 // dropout 0: under TP and CP the masks are drawn per rank). The
 // vocabulary is padded to 128 x TP, as Megatron: the single-process and CP runs pad to the same 256.
 TEST_F(Cli, TensorAndContextParallelMatchOneProcess) {
@@ -301,7 +318,10 @@ TEST_F(Cli, TensorAndContextParallelMatchOneProcess) {
   const std::vector<std::pair<std::string, std::vector<std::string> > > cases = {
       {"",
        {" --tensor-model-parallel-size 2", " --tensor-model-parallel-size 2 --sequence-parallel", cp,
-        " --pipeline-model-parallel-size 2 --make-vocab-size-divisible-by 256"}},
+        " --pipeline-model-parallel-size 2 --make-vocab-size-divisible-by 256",
+        // interleaved: chunk 0 of stage 0 holds the embedding alone, chunk 1 of stage 1 the loss alone
+        " --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'E|t|t|L' --make-vocab-size-divisible-by "
+        "256"}},
       {moe,
        {" --tensor-model-parallel-size 2 --sequence-parallel",
         " --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "

@@ -82,9 +82,8 @@ TEST(MegatronFlags, EverySharedFlagHasMegatronsDefault) {
 
 TEST(MegatronFlags, UnsupportedFlagsAreRefusedByName) {
   for (const std::string& f :
-       {std::string("--num-layers-per-virtual-pipeline-stage 2"), std::string("--moe-shared-expert-overlap"),
-        std::string("--qk-l2-norm"), std::string("--recompute-activations"), std::string("--tp-comm-overlap"),
-        std::string("--fp8-format e4m3")}) {
+       {std::string("--moe-layer-recompute"), std::string("--moe-shared-expert-overlap"), std::string("--qk-l2-norm"),
+        std::string("--tp-comm-overlap"), std::string("--fp8-format e4m3")}) {
     const CmdResult r = run_cmd("train --data-path x " + f);
     EXPECT_NE(r.status, 0) << f;
     const std::string name = f.substr(0, f.find(' '));
@@ -152,8 +151,9 @@ std::vector<MegatronExample> megatron_examples() {
        "--min-lr 1.0e-5 --weight-decay 0.1 --lr-warmup-iters 1 --clip-grad 1.0 --bf16 "
        "--tensor-model-parallel-size 1 --expert-model-parallel-size 1 --use-distributed-optimizer "
        "--overlap-grad-reduce --overlap-param-gather "
-       "--log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --no-load-optim --no-load-rng",
-       {"--recompute-activations"}},
+       "--log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --no-load-optim --no-load-rng "
+       "--recompute-activations",
+       {}},
       {"qwen3-30b-a3b",
        "--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion --disable-bias-linear "
        "--untie-embeddings-and-output-weights --position-embedding-type rope --no-rope-fusion --normalization RMSNorm "
@@ -180,7 +180,7 @@ std::vector<MegatronExample> megatron_examples() {
        "--rotary-base 10000 --rotary-percent 1.0 --mscale 1.0 --global-batch-size 2 --lr 1e-4 --train-iters 2 "
        "--multi-latent-attention --kv-lora-rank 16 --v-head-dim 16 --q-lora-rank 24 --qk-head-dim 16 "
        "--qk-pos-emb-head-dim 8 --qk-layernorm --rotary-scaling-factor 40 --mscale-all-dim 1.0",
-       {"--moe-shared-expert-overlap", "--recompute-activations", "--moe-layer-recompute"}},
+       {"--moe-shared-expert-overlap", "--moe-layer-recompute"}},
   };
 }
 

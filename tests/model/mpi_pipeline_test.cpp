@@ -1,15 +1,16 @@
 // Pipeline-parallel training equivalence (issue 13), under mpirun with 2 and 4 ranks. Every rank trains the
 // single-process reference itself (same config, seed, global batch), then the same model split over pipeline stages:
-// PP = P with the 1F1B schedule (even and uneven splits: --decoder-first/last-pipeline-num-layers, layout strings), and
-// at 4 ranks PP 2 x DP 2 (plain AdamW, the distributed optimizer, with overlapped reduction and parameter gathers),
-// PP 2 x EP 2, PP 2 x TP 2 with SP and PP 2 x CP 2; full recompute under PP is bitwise the run without it. Models:
-// dense with tied embeddings (RMSNorm, SwiGLU, RoPE: the last stage holds a copy of the word embeddings whose gradient
-// is summed with the first stage's), dense untied with learned positions and biases (LayerNorm, GeLU), and MoE with aux
-// and z losses and one MTP depth (its embedding on the last stage too). Checked: step-1 loss and global grad norm (1e-6
-// rel), the gradient of every parameter a stage holds after step 1 against the reference's (rtol 1e-5 with an absolute
-// floor of 1e-6 x the tensor's largest value), 20-step losses (rtol 1e-5), the validation loss, the MoE and MTP losses,
-// bitwise-identical losses across two identical runs; bad splits fail at construction naming the values. Every model
-// lives on testing::test_device().
+// PP = P with the 1F1B schedule (even and uneven splits: --decoder-first/last-pipeline-num-layers, layout strings), the
+// interleaved 1F1B schedule (PP 2 x VPP 2, even, uneven, by layout and with a larger micro-batch group; at 4 ranks
+// PP 4 x VPP 2 and PP 2 x VPP 2 with DP 2 or EP 2), and at 4 ranks PP 2 x DP 2 (plain AdamW, the distributed optimizer,
+// with overlapped reduction and parameter gathers), PP 2 x EP 2, PP 2 x TP 2 with SP and PP 2 x CP 2; full recompute
+// under PP is bitwise the run without it. Models: dense with tied embeddings (RMSNorm, SwiGLU, RoPE: the last stage
+// holds a copy of the word embeddings whose gradient is summed with the first stage's), dense untied with learned
+// positions and biases (LayerNorm, GeLU), and MoE with aux and z losses and one MTP depth (its embedding on the last
+// stage too). Checked: step-1 loss and global grad norm (1e-6 rel), the gradient of every parameter a stage holds after
+// step 1 against the reference's (rtol 1e-5 with an absolute floor of 1e-6 x the tensor's largest value), 20-step
+// losses (rtol 1e-5), the validation loss, the MoE and MTP losses, bitwise-identical losses across two identical runs;
+// bad splits fail at construction naming the values. Every model lives on testing::test_device().
 #include <gtest/gtest.h>
 
 #include "model/mpi_training_support.h"
@@ -93,12 +94,15 @@ struct Layout {
   bool zero = false, overlap = false;
   std::string layout = {};  // --pipeline-model-parallel-layout
   int tp = 1, cp = 1;       // within each stage (TP with sequence parallelism)
+  int64_t vpp = 1;          // model chunks per stage (a layout string gives its own)
+  int64_t group = 0;        // --microbatch-group-size-per-virtual-pipeline-stage (0: PP)
   std::string name() const {
-    return "PP " + std::to_string(pp) + (layout.empty() ? "" : " '" + layout + "'") +
-           (first >= 0 ? " first " + std::to_string(first) : "") + (last >= 0 ? " last " + std::to_string(last) : "") +
-           (ep > 1 ? ", EP " + std::to_string(ep) : "") + (zero ? ", distributed optimizer" : "") +
-           (overlap ? ", overlapped" : "") + (tp > 1 ? ", TP " + std::to_string(tp) + " + SP" : "") +
-           (cp > 1 ? ", CP " + std::to_string(cp) : "");
+    return "PP " + std::to_string(pp) + (vpp > 1 ? " x VPP " + std::to_string(vpp) : "") +
+           (group > 0 ? " (groups of " + std::to_string(group) + ")" : "") +
+           (layout.empty() ? "" : " '" + layout + "'") + (first >= 0 ? " first " + std::to_string(first) : "") +
+           (last >= 0 ? " last " + std::to_string(last) : "") + (ep > 1 ? ", EP " + std::to_string(ep) : "") +
+           (zero ? ", distributed optimizer" : "") + (overlap ? ", overlapped" : "") +
+           (tp > 1 ? ", TP " + std::to_string(tp) + " + SP" : "") + (cp > 1 ? ", CP " + std::to_string(cp) : "");
   }
 };
 
@@ -124,15 +128,19 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
     groups = train::train_groups(pg);
     par = model::model_parallel(
         pg, l.tp > 1, moe::DispatcherKind::alltoall,
-        l.layout.empty() ? model::pipeline_stage_layers(mc.num_layers, l.pp, l.first, l.last)
+        l.layout.empty() ? model::pipeline_stage_layers(mc.num_layers, l.pp, l.first, l.last, l.vpp)
                          : model::pipeline_layout_stage_layers(l.layout, mc.num_layers, mc.mtp_num_layers, l.pp));
   }
   model::GptModel gpt(mc, 2, 42, par, testing::test_device());
+  if (l.pp > 0 && l.layout.empty()) {
+    EXPECT_EQ(gpt.num_chunks(), l.vpp);
+  }
   optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!l.zero);
   train::TrainConfig tc = train_config(iters);
   tc.use_distributed_optimizer = l.zero;
   tc.overlap_grad_reduce = l.overlap;
   tc.overlap_param_gather = l.overlap && l.zero;
+  tc.microbatch_group_size_per_vp_stage = l.group;
   tc.save = save;
   tc.load = load;
   tc.exit_interval = exit_at;
@@ -197,6 +205,41 @@ TEST_F(Mpi, UnevenPipelineStagesMatchOneProcess) {
   check_layout(world, mc, l);
 }
 
+// Megatron's interleaved 1F1B: each stage holds two model chunks (virtual stage k = chunk * PP + stage), the
+// activations wrap from the last stage's chunk 0 to the first stage's chunk 1, the gradients back.
+TEST_F(Mpi, InterleavedPipelineMatchesOneProcess) {
+  Layout l{2};
+  l.vpp = 2;
+  if (P == 2) {
+    for (const model::ModelConfig& mc : {tied_dense(), untied_dense(), moe_mtp()}) check_layout(world, mc, l);
+    model::ModelConfig mc = moe_mtp();
+    mc.num_layers = 6;
+    mc.moe_layer_freq = "[0,1,0,1,0,1]";
+    Layout uneven{2, 1, 2, 4};  // chunks of 1, 2, 1, 2 layers
+    uneven.vpp = 2;
+    check_layout(world, mc, uneven);
+    Layout layout{2};
+    layout.layout = "Et|tt|t|ttmL";
+    check_layout(world, mc, layout);
+    Layout grouped = l;  // all 4 micro-batches through chunk 0 before chunk 1
+    grouped.group = 4;
+    check_layout(world, tied_dense(), grouped);
+    return;
+  }
+  if (P != 4) GTEST_SKIP() << "needs 2 or 4 ranks";
+  model::ModelConfig deep = tied_dense();
+  deep.num_layers = 8;
+  Layout four{4};
+  four.vpp = 2;
+  check_layout(world, deep, four);
+  Layout zero{2, 1, -1, -1, /*zero=*/true, /*overlap=*/true};
+  zero.vpp = 2;
+  check_layout(world, moe_mtp(), zero);
+  Layout ep{2, 2};
+  ep.vpp = 2;
+  check_layout(world, moe_mtp(), ep);
+}
+
 TEST_F(Mpi, PipelineWithDataAndExpertParallelismMatchesOneProcess) {
   if (P != 4) GTEST_SKIP() << "needs 4 ranks";
   check_layout(world, tied_dense(), {2});
@@ -207,18 +250,24 @@ TEST_F(Mpi, PipelineWithDataAndExpertParallelismMatchesOneProcess) {
   check_layout(world, moe_mtp(), {2, 2, -1, -1, /*zero=*/true});
 }
 
-// Full and selective recompute are bitwise the run without them under pipeline, expert and tensor parallelism too (the
-// recomputed MoE layers run their dispatcher's collectives again, the refilled norm outputs their all-gathers, alike on
-// every rank).
+// Full and selective recompute are bitwise the run without them under pipeline (1F1B and interleaved), expert and
+// tensor parallelism too (the recomputed MoE layers run their dispatcher's collectives again, the refilled norm outputs
+// their all-gathers, alike on every rank).
 TEST_F(Mpi, RecomputeUnderPipelineAndExpertParallelismIsBitwise) {
   std::vector<Layout> layouts = {Layout{P}};
+  if (P == 2) {
+    layouts.push_back(Layout{2});
+    layouts.back().vpp = 2;  // groups per model chunk
+  }
   if (P == 4) {
     layouts.push_back(Layout{2, 2});
     layouts.push_back(Layout{2});
     layouts.back().tp = 2;  // the norm outputs refilled under sequence parallelism (all-gathered again)
   }
-  const std::vector<model::RecomputeConfig> settings = {
-      {"full", "uniform", 2, {}}, {"full", "block", 1, {}}, {"selective", "", 0, {"layernorm", "moe_act"}}};
+  const std::vector<model::RecomputeConfig> settings = {{"full", "uniform", 2, {}},
+                                                        {"full", "block", 1, {}},
+                                                        {"selective", "", 0, {"layernorm", "moe_act"}},
+                                                        {"selective", "", 0, {"core_attn", "mlp"}}};
   for (const Layout& l : layouts)
     for (const model::RecomputeConfig& rc : settings) {
       SCOPED_TRACE(l.name() + ", " + rc.granularity + " " + rc.method);
@@ -271,7 +320,9 @@ TEST_F(Mpi, CheckpointsReshardAcrossPipelineSizes) {
     Layout saved_at;
   };
   const Layout moe_saved = P == 4 ? Layout{2, 2, -1, -1, true, true} : Layout{2, 1, -1, -1, true, false};
-  for (const Case& c : {Case{tied_dense(), {P}}, Case{moe_mtp(), moe_saved}}) {
+  Layout interleaved{2};
+  interleaved.vpp = 2;
+  for (const Case& c : {Case{tied_dense(), {P}}, Case{moe_mtp(), moe_saved}, Case{tied_dense(), interleaved}}) {
     SCOPED_TRACE("saved at " + c.saved_at.name() + (c.mc.moe.enabled() ? ", MoE" : ""));
     const std::string dir = shared_dir(world, "moecore_mpi_pp_", "reshard");
     const Result straight = run(world, c.mc, c.saved_at, 8);
@@ -286,7 +337,7 @@ TEST_F(Mpi, CheckpointsReshardAcrossPipelineSizes) {
       ASSERT_EQ(v.nbytes(), s.nbytes()) << p.name;
       EXPECT_EQ(std::memcmp(v.raw(), s.raw(), static_cast<size_t>(v.nbytes())), 0) << p.name;
     }
-    std::vector<Layout> resume_at = {Layout{}, Layout{P}};
+    std::vector<Layout> resume_at = {Layout{}, Layout{P}, interleaved};
     if (P == 4) resume_at.push_back(Layout{2});
     for (const Layout& l : resume_at) {
       const Result resumed = run(world, c.mc, l, 8, "", dir);
@@ -320,6 +371,22 @@ TEST_F(Mpi, BadPipelineSplitsAreErrorsNamingTheValues) {
   EXPECT_EQ(model::pipeline_stage_layers(6, 4, 1, 1), (std::vector<int64_t>{1, 2, 2, 1}));
   EXPECT_EQ(model::pipeline_stage_layers(8, 4), (std::vector<int64_t>{2, 2, 2, 2}));
   EXPECT_EQ(model::pipeline_stage_layers(7, 3, 3, -1), (std::vector<int64_t>{3, 2, 2}));
+  // Virtual pipelines: each stage's layers split evenly over its chunks, listed by virtual stage (chunk-major).
+  EXPECT_EQ(model::pipeline_stage_layers(6, 2, 2, 4, 2), (std::vector<int64_t>{1, 2, 1, 2}));
+  EXPECT_EQ(model::pipeline_stage_layers(8, 2, -1, -1, 4), (std::vector<int64_t>{1, 1, 1, 1, 1, 1, 1, 1}));
+  EXPECT_NE(message([] {
+              model::pipeline_stage_layers(6, 2, -1, -1, 2);
+            }).find("pipeline stage 0 holds 3 decoder layers (--num-layers 6 over --pipeline-model-parallel-size 2"),
+            std::string::npos);
+  EXPECT_NE(message([] { model::pipeline_stage_layers(4, 1, -1, -1, 2); }).find("a virtual pipeline"),
+            std::string::npos);
+  // A model given a split of another shape.
+  EXPECT_NE(message([] {
+              model::ModelParallel par;
+              par.virtual_stages = 2;
+              model::GptModel(tied_dense(), 2, 1, par);
+            }).find("virtual pipeline stages per rank need --pipeline-model-parallel-size > 1"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -73,7 +73,7 @@ struct Outcome {
 // Two optimizer-free steps of three micro-batches, the forwards of each step before its backwards (slots).
 Outcome run(const model::ModelConfig& c) {
   model::GptModel m(c, 2, 3, {}, testing::test_device());
-  m.set_micro_batch_slots(3);
+  m.set_micro_batch_slots({3});
   Outcome r;
   for (int64_t step = 0; step < 2; ++step) {
     m.zero_grad();
@@ -101,9 +101,15 @@ TEST(Recompute, EverySettingIsBitwiseTheRunWithout) {
   for (const model::ModelConfig& c : {dense(4), moe(false), moe(true)}) {
     const Outcome plain = run(c);
     for (const std::vector<std::string>& modules :
-         std::vector<std::vector<std::string>>{{"layernorm"}, {"moe_act"}, {"moe_act", "layernorm"}})
+         std::vector<std::vector<std::string>>{{"layernorm"},
+                                               {"moe_act"},
+                                               {"moe_act", "layernorm"},
+                                               {},  // Megatron's default: core_attn
+                                               {"mlp"},
+                                               {"core_attn", "mlp", "layernorm", "moe_act"}})
       expect_bitwise(run(with_selective(c, modules)), plain,
-                     "selective " + modules[0] + (modules.size() > 1 ? "+" + modules[1] : "") +
+                     "selective " + (modules.empty() ? std::string("(default)") : modules[0]) +
+                         (modules.size() > 1 ? "+" + std::to_string(modules.size() - 1) + " more" : "") +
                          (c.moe.enabled() ? " moe" : " dense") + (c.multi_latent_attention ? " mla" : ""));
     for (const auto& [method, n] : std::vector<std::pair<std::string, int64_t>>{
              {"uniform", 1}, {"uniform", 2}, {"uniform", 3}, {"uniform", 8}, {"block", 1}, {"block", 3}})
@@ -136,8 +142,8 @@ TEST(Recompute, ActivationBytesFallByTheCachesNoLongerKept) {
       model::GptModel plain(dense(4), 2, 3, {}, testing::test_device());
       const int64_t at = static_cast<int>(MemCategory::activations);
       EXPECT_EQ(memory_stats().current[at] - before.current[at], activations(m) + activations(plain));
-      m.set_micro_batch_slots(slots);
-      plain.set_micro_batch_slots(slots);
+      m.set_micro_batch_slots({slots});
+      plain.set_micro_batch_slots({slots});
       // block keeps its last layers per slot; the recomputed ones share one set (block) or a chunk's (uniform)
       const int64_t recomputed = k.method == "uniform" ? 4 : std::min<int64_t>(k.n, 4);
       const int64_t shared_sets = k.method == "uniform" ? std::min<int64_t>(k.n, 4) : 1;
@@ -155,24 +161,30 @@ TEST(Recompute, ActivationBytesFallByTheCachesNoLongerKept) {
     }
 }
 
-// Selective recompute drops, per decoder layer and slot, the norm outputs h1 and h2 ([T, H] each: layernorm) or the
-// routed experts' activations ([T * K, F]: moe_act), keeping one shared buffer of each.
+// Selective recompute drops, per decoder layer and slot, the norm outputs h1 and h2 ([T, H] each: layernorm), the
+// routed experts' activations ([T * K, F]: moe_act), the attention output and log-sum-exp ([T, heads * D] and
+// [B, heads, S]: core_attn) or a dense MLP's h2, fc1 output and activation ([T, H], [T, 2F], [T, F]: mlp), keeping one
+// shared buffer of each.
 TEST(Recompute, SelectiveDropsTheNamedOutputs) {
   const int64_t h = 2 * 16 * 32 * 4, act = 2 * 16 * 2 * 24 * 4;  // [T, H] f32; [T * topk, F] f32
+  const int64_t attn = h + 2 * 4 * 16 * 4, mlp = h + 32 * 96 * 4 + 32 * 48 * 4;
   struct Case {
     model::ModelConfig c;
     std::vector<std::string> modules;
     int64_t per_layer_slot, layers, shared;
   };
-  for (const Case& k : {Case{dense(4), {"layernorm"}, 2 * h, 4, 2 * h}, Case{moe(false), {"moe_act"}, act, 3, act},
-                        Case{moe(false), {"layernorm"}, 2 * h, 4, 3 * h}})
+  for (const Case& k :
+       {Case{dense(4), {"layernorm"}, 2 * h, 4, 2 * h}, Case{moe(false), {"moe_act"}, act, 3, act},
+        Case{moe(false), {"layernorm"}, 2 * h, 4, 3 * h}, Case{dense(4), {"core_attn"}, attn, 4, attn},
+        Case{moe(false), {"core_attn"}, attn, 4, attn}, Case{dense(4), {"mlp"}, mlp, 4, mlp},
+        Case{moe(false), {"mlp"}, mlp, 1, mlp}, Case{dense(4), {"layernorm", "mlp"}, h + mlp, 4, h + mlp}})
     for (int64_t slots : {1, 3}) {
       const MemoryStats before = memory_stats();
       model::GptModel m(with_selective(k.c, k.modules), 2, 3, {}, testing::test_device());
-      m.set_micro_batch_slots(slots);
+      m.set_micro_batch_slots({slots});
       EXPECT_EQ(memory_stats().total_current - before.total_current, m.memory_plan(0).total()) << k.modules[0];
       model::GptModel plain(k.c, 2, 3, {}, testing::test_device());
-      plain.set_micro_batch_slots(slots);
+      plain.set_micro_batch_slots({slots});
       EXPECT_EQ(activations(plain) - activations(m), k.per_layer_slot * k.layers * slots - k.shared)
           << k.modules[0] << (k.c.moe.enabled() ? " moe" : " dense") << ", " << slots << " slots";
     }
@@ -184,10 +196,10 @@ TEST(Recompute, MoeMemoryPlanEqualsTrackedAllocations) {
     const MemoryStats before = memory_stats();
     model::GptModel m(with_recompute(moe(false), method, n), 2, 3, {}, testing::test_device());
     EXPECT_EQ(memory_stats().total_current - before.total_current, m.memory_plan(0).total()) << method;
-    m.set_micro_batch_slots(2);
+    m.set_micro_batch_slots({2});
     EXPECT_EQ(memory_stats().total_current - before.total_current, m.memory_plan(0).total()) << method;
     model::GptModel plain(moe(false), 2, 3, {}, testing::test_device());
-    plain.set_micro_batch_slots(2);
+    plain.set_micro_batch_slots({2});
     EXPECT_LT(activations(m), activations(plain)) << method;
   }
 }
@@ -203,9 +215,8 @@ TEST(Recompute, BadSettingsNameTheFlags) {
   expect({"full", "uniform", 0, {}}, "--recompute-num-layers >= 1, got 0");
   expect({"", "uniform", 0, {}}, "need --recompute-granularity full");
   expect({"everything", "uniform", 1, {}}, "--recompute-granularity 'everything' is not one of full, selective");
-  expect({"selective", "", 0, {}},
-         "--recompute-modules core_attn (Megatron's default for selective) is not supported yet");
-  expect({"selective", "", 0, {"moe_act", "mlp"}}, "--recompute-modules mlp is not supported yet");
+  expect({"selective", "", 0, {"moe_act", "moe"}}, "--recompute-modules moe is not supported yet");
+  expect({"selective", "", 0, {"shared_experts"}}, "--recompute-modules shared_experts is not supported yet");
   expect({"selective", "", 0, {"attention"}}, "'attention' is not one of core_attn, moe_act, layernorm");
   expect({"selective", "uniform", 1, {"moe_act"}}, "are for --recompute-granularity full, not selective");
   expect({"full", "uniform", 1, {"moe_act"}}, "--recompute-modules needs --recompute-granularity selective");

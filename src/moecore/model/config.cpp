@@ -26,10 +26,10 @@ void RecomputeConfig::validate() const {
       if (std::find(megatron.begin(), megatron.end(), m) == megatron.end())
         MOECORE_FAIL("--recompute-modules: '", m,
                      "' is not one of core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts");
-      if (m != "moe_act" && m != "layernorm")
-        MOECORE_FAIL("--recompute-modules ", m, modules.empty() ? " (Megatron's default for selective)" : "",
-                     " is not supported yet: moecore recomputes layernorm and moe_act selectively, or whole layers "
-                     "with --recompute-granularity full");
+      if (m != "moe_act" && m != "layernorm" && m != "core_attn" && m != "mlp")
+        MOECORE_FAIL("--recompute-modules ", m,
+                     " is not supported yet: moecore recomputes core_attn, mlp, layernorm and moe_act selectively, or "
+                     "whole layers with --recompute-granularity full");
     }
     return;
   }

@@ -34,8 +34,10 @@ struct YarnConfig {
 // routing); method "uniform" makes chunks of num_layers consecutive layers of each pipeline stage, "block" recomputes
 // the first num_layers layers of each stage one by one and keeps the rest. granularity "selective" drops the outputs of
 // the named modules and recomputes them from what the layer keeps (Megatron's output-discarding recompute): layernorm
-// (the input and pre-MLP norms' outputs, from the residual stream and the norm statistics) and moe_act (the routed
-// experts' activation outputs, from their fc1 outputs).
+// (the input and pre-MLP norms' outputs, from the residual stream and the norm statistics), moe_act (the routed
+// experts' activation outputs, from their fc1 outputs), core_attn (the core attention's output and log-sum-exp, from
+// the kept q, k, v: Megatron's default module) and mlp (a dense layer's MLP: its norm output, fc1 output and
+// activation, from the residual stream).
 struct RecomputeConfig {
   std::string granularity;           // --recompute-granularity: "" (Megatron's None: off) | full | selective
   std::string method;                // --recompute-method: uniform | block (needed by full)
@@ -43,8 +45,9 @@ struct RecomputeConfig {
   std::vector<std::string> modules;  // --recompute-modules (selective; unset: Megatron's default, core_attn)
   void validate() const;             // Error naming the flags and values
   bool full() const { return granularity == "full"; }
-  bool selects(const std::string& module) const {  // a module selective recompute drops
-    return granularity == "selective" && std::find(modules.begin(), modules.end(), module) != modules.end();
+  bool selects(const std::string& module) const {  // a module selective recompute drops (unset: core_attn)
+    if (granularity != "selective") return false;
+    return modules.empty() ? module == "core_attn" : std::find(modules.begin(), modules.end(), module) != modules.end();
   }
 };
 

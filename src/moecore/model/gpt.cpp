@@ -73,23 +73,35 @@ void GptModel::check_expert_tensor_parallel() const {
                  ") x expert-parallel (", EP, ")");
 }
 
-// The stage's decoder layers from the split (every layer at PP 1).
+// The stage's model chunks from the split (one chunk of every layer at PP 1), and the chunk of each layer.
 void GptModel::check_pipeline() {
-  const int64_t PP = par_.pp.size(), L = cfg_.num_layers;
+  const int64_t PP = par_.pp.size(), L = cfg_.num_layers, V = par_.virtual_stages;
+  chunks_.clear();
   if (PP == 1) {
-    first_layer_ = 0;
-    end_layer_ = L;
-    return;
+    if (V != 1) MOECORE_FAIL("model: ", V, " virtual pipeline stages per rank need --pipeline-model-parallel-size > 1");
+    chunks_.emplace_back(0, L);
+  } else {
+    const auto& split = par_.pipeline_layers;
+    int64_t total = 0;
+    for (int64_t n : split) total += n;
+    if (V < 1 || static_cast<int64_t>(split.size()) != PP * V || total != L)
+      MOECORE_FAIL("model: the pipeline split gives ", split.size(), " virtual stages holding ", total,
+                   " decoder layers, not --pipeline-model-parallel-size (", PP, ") x virtual stages per rank (", V,
+                   ") holding --num-layers (", L, ")");
+    int64_t first = 0;
+    for (int64_t k = 0; k < PP * V; ++k) {
+      const int64_t n = split[static_cast<size_t>(k)];
+      if (k % PP == par_.pp.rank()) chunks_.emplace_back(first, first + n);
+      first += n;
+    }
   }
-  const auto& split = par_.pipeline_layers;
-  int64_t total = 0;
-  for (int64_t n : split) total += n;
-  if (static_cast<int64_t>(split.size()) != PP || total != L)
-    MOECORE_FAIL("model: the pipeline split gives ", split.size(), " stages holding ", total,
-                 " decoder layers, not --pipeline-model-parallel-size (", PP, ") stages holding --num-layers (", L,
-                 ")");
-  for (int64_t r = 0; r < par_.pp.rank(); ++r) first_layer_ += split[static_cast<size_t>(r)];
-  end_layer_ = first_layer_ + split[static_cast<size_t>(par_.pp.rank())];
+  layer_chunk_.assign(static_cast<size_t>(L + cfg_.mtp_num_layers), -1);
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    for (int64_t l = chunks_[c].first; l < chunks_[c].second; ++l)
+      layer_chunk_[static_cast<size_t>(l)] = static_cast<int64_t>(c);
+  if (holds_loss_heads())
+    for (int64_t l = L; l < L + cfg_.mtp_num_layers; ++l) layer_chunk_[static_cast<size_t>(l)] = num_chunks() - 1;
+  slot_.assign(chunks_.size(), 0);
 }
 
 // Whether this stage holds the parameter `name`: its decoder layers' parameters; the embeddings on the first stage
@@ -97,17 +109,18 @@ void GptModel::check_pipeline() {
 bool GptModel::stage_holds(const std::string& name, bool embedding_copy) const {
   if (par_.pp.size() == 1) return true;
   const std::string layers = "decoder.layers.";
-  if (name.starts_with(layers)) {
-    const int64_t l = std::stoll(name.substr(layers.size()));
-    return l >= first_layer_ && l < end_layer_;
-  }
+  if (name.starts_with(layers)) return local_layer(static_cast<size_t>(std::stoll(name.substr(layers.size()))));
   if (name.starts_with("embedding."))
-    return pre_process() || (embedding_copy && name == "embedding.word_embeddings.weight");
-  return post_process();  // decoder.final_layernorm, output_layer, mtp
+    return holds_embeddings() || (embedding_copy && name == "embedding.word_embeddings.weight");
+  return holds_loss_heads();  // decoder.final_layernorm, output_layer, mtp
 }
 
-std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64_t first, int64_t last) {
+std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64_t first, int64_t last, int64_t vpp) {
   if (pp < 1) MOECORE_FAIL("model: --pipeline-model-parallel-size (", pp, ") must be positive");
+  if (vpp < 1) MOECORE_FAIL("model: the virtual pipeline stages per rank (", vpp, ") must be positive");
+  if (vpp > 1 && pp == 1)
+    MOECORE_FAIL("model: a virtual pipeline (--num-virtual-stages-per-pipeline-rank ", vpp,
+                 " or --num-layers-per-virtual-pipeline-stage) needs --pipeline-model-parallel-size > 1");
   if (pp == 1) {
     if (first >= 0 || last >= 0)
       MOECORE_FAIL(
@@ -139,7 +152,17 @@ std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64
                  " stages, which must share them equally, at least one layer each");
   for (int64_t r = 0; r < pp; ++r)
     if (!((r == 0 && first >= 0) || (r == pp - 1 && last >= 0))) split[static_cast<size_t>(r)] = rest / middle;
-  return split;
+  if (vpp == 1) return split;
+  std::vector<int64_t> chunks(static_cast<size_t>(pp * vpp));
+  for (int64_t r = 0; r < pp; ++r) {
+    const int64_t n = split[static_cast<size_t>(r)];
+    if (n % vpp != 0)
+      MOECORE_FAIL("model: pipeline stage ", r, " holds ", n, " decoder layers (--num-layers ", num_layers,
+                   " over --pipeline-model-parallel-size ", pp, ", first ", first, ", last ", last,
+                   "), which do not split evenly over its ", vpp, " virtual pipeline stages");
+    for (int64_t c = 0; c < vpp; ++c) chunks[static_cast<size_t>(c * pp + r)] = n / vpp;
+  }
+  return chunks;
 }
 
 namespace {
@@ -200,12 +223,8 @@ std::vector<int64_t> pipeline_layout_stage_layers(const std::string& layout, int
   const auto count = [](const std::string& st, char c) { return std::count(st.begin(), st.end(), c); };
   auto fail = [&](const auto&... why) { MOECORE_FAIL("--pipeline-model-parallel-layout '", layout, "': ", why...); };
   const auto S = static_cast<int64_t>(stages.size());
-  if (S != pp) {
-    if (S % pp == 0)
-      fail(S, " stages make ", S / pp, " virtual stages per rank at --pipeline-model-parallel-size ", pp,
-           ": interleaved pipelines are not supported yet");
+  if (S % pp != 0)  // (S / pp model chunks per rank)
     fail(S, " stages for --pipeline-model-parallel-size ", pp, " (the stages must be a multiple of it)");
-  }
   int64_t t = 0, m = 0, e = 0, l = 0;
   for (const std::string& st : stages)
     t += count(st, 't'), m += count(st, 'm'), e += count(st, 'E'), l += count(st, 'L');
@@ -334,8 +353,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   // valid: the vector is reserved for its final size first.
   // This pipeline stage's part of the table (every parameter at PP 1).
   std::vector<ParamSpec> specs;
-  const bool embedding_copy =
-      !pre_process() && post_process() && (!cfg_.untie_embeddings_and_output_weights || cfg_.mtp_num_layers > 0);
+  const bool embedding_copy = !holds_embeddings() && holds_loss_heads() &&
+                              (!cfg_.untie_embeddings_and_output_weights || cfg_.mtp_num_layers > 0);
   for (const ParamSpec& s : parameter_specs(cfg_))
     if (stage_holds(s.name, embedding_copy)) specs.push_back(s);
   params_.reserve(specs.size());
@@ -486,7 +505,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   final_norm_bias_ = find("decoder.final_layernorm.bias");
   output_ = cfg_.untie_embeddings_and_output_weights ? find("output_layer.weight") : embedding_;
   auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations, device_); };
-  for (int64_t k = 0; k < (post_process() ? cfg_.mtp_num_layers : 0); ++k) {  // (the last stage's)
+  for (int64_t k = 0; k < (holds_loss_heads() ? cfg_.mtp_num_layers : 0); ++k) {  // (the last stage's)
     const std::string pre = "mtp.layers." + std::to_string(k) + ".";
     MtpDepth& d = mtp_.emplace_back();
     d.enorm = find(pre + "enorm.weight");
@@ -515,7 +534,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   }
 
   plan_recompute();
-  slots_.push_back(alloc_activations());
+  slots_.resize(chunks_.size());
+  for (size_t c = 0; c < chunks_.size(); ++c) slots_[c].push_back(alloc_activations(static_cast<int64_t>(c)));
   // The final norm's output is read by the loss heads within forward: one buffer for every slot.
   final_h_ = Tensor::empty({N, H}, c, MemCategory::workspace, device_);
   if (par_.sequence_parallel) final_full_ = Tensor::empty({T, H}, c, MemCategory::workspace, device_);
@@ -548,7 +568,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   }
   ws_ = nn::dense_layer_workspace_alloc(dims_, /*with_attention=*/standard_attention_);
   if (mla) mla_ws_ = nn::mla_workspace_alloc(mla_dims_, c, device_);
-  if (post_process()) head_ws_ = nn::lm_head_workspace_alloc(T, V / P, c, device_, P);
+  if (holds_loss_heads()) head_ws_ = nn::lm_head_workspace_alloc(T, V / P, c, device_, P);
   auto work = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::workspace, device_); };
   dres_ = work({N, H}, DType::f32);
   if (cfg_.moe.enabled()) {
@@ -560,32 +580,47 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   refresh_compute_weights();
 }
 
-// Recompute (ModelConfig::recompute): selective's shared buffers; full's chunks of this stage's decoder layers and the
-// cache sets they share.
+// Recompute (ModelConfig::recompute): selective's shared buffers; full's groups of each model chunk's decoder layers
+// (Megatron applies --recompute-num-layers per virtual pipeline stage) and the cache sets they share.
 void GptModel::plan_recompute() {
-  recompute_chunk_.assign(layers_.size(), -1);
+  recompute_group_.assign(layers_.size(), -1);
   const RecomputeConfig& rc = cfg_.recompute;
   // Selective: one buffer of each dropped output for all layers (taken from a cache allocated for its shapes).
   bool dense_layers = false, moe_layers = false;
-  for (auto l = static_cast<size_t>(first_layer_); l < static_cast<size_t>(end_layer_); ++l)
-    (moe_[l] ? moe_layers : dense_layers) = true;
-  if (rc.selects("layernorm") && end_layer_ > first_layer_) {
+  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l)
+    if (local_layer(l)) (moe_[l] ? moe_layers : dense_layers) = true;
+  if (rc.selects("layernorm") && (dense_layers || moe_layers)) {
     const nn::DenseLayerCache dense = nn::dense_layer_cache_alloc(dims_, true, false);
     selective_h1_ = dense.h1;
     if (dense_layers) selective_h2_dense_ = dense.h2;
     if (moe_layers) selective_h2_moe_ = nn::dense_layer_cache_alloc(dims_, false, false).h2;
   }
   if (rc.selects("moe_act") && moe_layers) selective_act_ = moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe).experts.act;
-  if (!rc.full()) return;
-  for (int64_t l = first_layer_; l < end_layer_; ++l) {
-    const int64_t i = l - first_layer_;
-    if (rc.method == "uniform")
-      recompute_chunk_[static_cast<size_t>(l)] = first_layer_ + i / rc.num_layers * rc.num_layers;
-    else if (i < rc.num_layers)  // block: the stage's first layers, each alone
-      recompute_chunk_[static_cast<size_t>(l)] = l;
+  bool standard = false;
+  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l)
+    standard |= local_layer(l) && layers_[l].attention == AttentionKind::standard;
+  if (rc.selects("core_attn") && standard) {
+    const nn::DenseLayerCache c = nn::dense_layer_cache_alloc(dims_, false, true);
+    selective_attn_ = c.attn;
+    selective_lse_ = c.lse;
   }
-  for (auto l = static_cast<size_t>(first_layer_); l < static_cast<size_t>(end_layer_); ++l) {
-    if (recompute_chunk_[l] < 0 || recompute_caches_.count(recompute_key(l))) continue;
+  if (rc.selects("mlp") && dense_layers) {
+    const nn::DenseLayerCache c = nn::dense_layer_cache_alloc(dims_, true, false);
+    selective_fc1_ = c.fc1;
+    selective_mlp_act_ = c.act;
+    if (!selective_h2_dense_.defined()) selective_h2_dense_ = c.h2;
+  }
+  if (!rc.full()) return;
+  for (const auto& [first, end] : chunks_)
+    for (int64_t l = first; l < end; ++l) {
+      const int64_t i = l - first;
+      if (rc.method == "uniform")
+        recompute_group_[static_cast<size_t>(l)] = first + i / rc.num_layers * rc.num_layers;
+      else if (i < rc.num_layers)  // block: the chunk's first layers, each alone
+        recompute_group_[static_cast<size_t>(l)] = l;
+    }
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (recompute_group_[l] < 0 || recompute_caches_.count(recompute_key(l))) continue;
     const bool layer_mla = layers_[l].attention == AttentionKind::mla;
     RecomputeCaches& c = recompute_caches_[recompute_key(l)];
     c.layer = nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/!moe_[l], /*with_attention=*/!layer_mla);
@@ -598,29 +633,35 @@ void GptModel::plan_recompute() {
   }
 }
 
-// One slot's buffers: every layer's cache by its kind (a recomputed layer's: the shared set of its chunk position). MoE
-// layers share their scratch with the first MoE layer of slot 0 (dead between a layer's forward and its backward, so
-// dead between micro-batches too).
-GptModel::Activations GptModel::alloc_activations() const {
+// The MoE cache that owns the scratch every other MoE cache shares (dead between a layer's forward and its backward,
+// so dead between micro-batches too): the first shared recompute set's, else the first slot's first MoE layer's.
+const moe::MoeLayerCache* GptModel::moe_scratch_donor() const {
+  for (const auto& [key, c] : recompute_caches_)
+    if (c.moe.probs.defined()) return &c.moe;
+  for (const auto& chunk : slots_)
+    for (const Activations& a : chunk)
+      for (const moe::MoeLayerCache& mc : a.moe)
+        if (mc.probs.defined()) return &mc;
+  return nullptr;
+}
+
+// One slot's buffers of a model chunk: every layer's cache of the chunk by its kind (a recomputed layer's: the shared
+// set of its group position).
+GptModel::Activations GptModel::alloc_activations(int64_t chunk) const {
   const int64_t N = dims_.N, H = cfg_.hidden_size, T = B_ * (cfg_.seq_length / par_.cp.size());
   auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations, device_); };
-  const moe::MoeLayerCache* donor = nullptr;
-  for (const auto& [key, c] : recompute_caches_)
-    if (c.moe.probs.defined() && !donor) donor = &c.moe;
-  if (!slots_.empty())
-    for (const moe::MoeLayerCache& mc : slots_[0].moe)
-      if (mc.probs.defined() && !donor) donor = &mc;
+  const moe::MoeLayerCache* donor = moe_scratch_donor();
   Activations a;
   a.moe.reserve(layers_.size());  // (donor points into it)
   a.layer.resize(layers_.size());
   a.mla.resize(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
-    if (!local_layer(l)) {
+    if (layer_chunk_[l] != chunk) {
       a.moe.emplace_back();
       continue;
     }
     const bool layer_mla = layers_[l].attention == AttentionKind::mla;
-    if (recompute_chunk_[l] >= 0) {  // the shared set; an MoE layer keeps its own routing
+    if (recompute_group_[l] >= 0) {  // the shared set; an MoE layer keeps its own routing
       const RecomputeCaches& shared = recompute_caches_.at(recompute_key(l));
       a.layer[l] = shared.layer;
       a.mla[l] = shared.mla;
@@ -629,9 +670,16 @@ GptModel::Activations GptModel::alloc_activations() const {
       continue;
     }
     a.layer[l] = nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/!moe_[l], /*with_attention=*/!layer_mla);
-    if (drops_norms(l)) {  // selective layernorm: the shared buffers (the layer's own are freed again)
-      a.layer[l].h1 = selective_h1_;
-      a.layer[l].h2 = moe_[l] ? selective_h2_moe_ : selective_h2_dense_;
+    nn::DenseLayerCache& c = a.layer[l];  // selective recompute: the shared buffers (the layer's own are freed again)
+    if (drops_norms(l)) c.h1 = selective_h1_;
+    if (drops_norms(l) || drops_mlp(l)) c.h2 = moe_[l] ? selective_h2_moe_ : selective_h2_dense_;
+    if (drops_attention(l)) {
+      c.attn = selective_attn_;
+      c.lse = selective_lse_;
+    }
+    if (drops_mlp(l)) {
+      c.fc1 = selective_fc1_;
+      c.act = selective_mlp_act_;
     }
     if (layer_mla) a.mla[l] = nn::mla_cache_alloc(mla_dims_, cfg_.compute_dtype, dims_.layernorm, device_);
     a.moe.push_back(moe_[l] ? moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe, donor) : moe::MoeLayerCache{});
@@ -642,23 +690,34 @@ GptModel::Activations GptModel::alloc_activations() const {
     }
   }
   a.drops.resize(layers_.size());
-  a.residual.resize(static_cast<size_t>(cfg_.num_layers + 1));  // [first_layer_, end_layer_] on a pipeline stage
-  for (int64_t l = first_layer_; l <= end_layer_; ++l) a.residual[static_cast<size_t>(l)] = act({N, H}, DType::f32);
-  if (post_process()) {
+  const auto [first, end] = chunk_layers(chunk);
+  a.residual.resize(static_cast<size_t>(cfg_.num_layers + 1));  // [first, end] of the chunk
+  for (int64_t l = first; l <= end; ++l) a.residual[static_cast<size_t>(l)] = act({N, H}, DType::f32);
+  if (post_process(chunk)) {
     a.final_rstd = act({N}, DType::f32);
     if (dims_.layernorm) a.final_mean = act({N}, DType::f32);
   }
-  if (pre_process()) a.ids = act({T}, DType::i32);
+  if (pre_process(chunk))
+    a.ids = act({T}, DType::i32);
+  else if (par_.pp.size() > 1)
+    a.dinput = act({N, H}, DType::f32);
   a.dfinal = act({N, H}, DType::f32);
   return a;
 }
 
-void GptModel::set_micro_batch_slots(int64_t n) {
-  if (n < 1) MOECORE_FAIL("model: micro-batch slots (", n, ") must be at least 1");
-  slots_.reserve(static_cast<size_t>(n));
-  while (micro_batch_slots() < n) slots_.push_back(alloc_activations());
-  slots_.resize(static_cast<size_t>(n));
-  slot_ = 0;
+void GptModel::set_micro_batch_slots(const std::vector<int64_t>& per_chunk) {
+  if (per_chunk.size() != chunks_.size())
+    MOECORE_FAIL("model: micro-batch slots given for ", per_chunk.size(), " model chunks, the stage has ",
+                 chunks_.size());
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    const int64_t n = per_chunk[c];
+    if (n < 1) MOECORE_FAIL("model: micro-batch slots (", n, ") must be at least 1");
+    std::vector<Activations>& pool = slots_[c];
+    pool.reserve(static_cast<size_t>(n));  // (the MoE scratch donor lives in the first slot of chunk 0: kept)
+    while (static_cast<int64_t>(pool.size()) < n) pool.push_back(alloc_activations(static_cast<int64_t>(c)));
+    if (static_cast<int64_t>(pool.size()) > n) pool.erase(pool.begin() + n, pool.end());
+    slot_[c] = 0;
+  }
 }
 
 const char* GptModel::dispatcher_name() const {
@@ -674,7 +733,10 @@ void GptModel::finish_step(bool update) {
 
 const moe::RouterStats* GptModel::moe_stats(int64_t layer) const {
   const auto& m = moe_.at(static_cast<size_t>(layer));
-  return m ? &slots_[slot_].moe[static_cast<size_t>(layer)].stats : nullptr;
+  const int64_t c = layer_chunk_.at(static_cast<size_t>(layer));
+  if (!m || c < 0) return nullptr;
+  const auto cs = static_cast<size_t>(c);
+  return &slots_[cs][slot_[cs]].moe[static_cast<size_t>(layer)].stats;
 }
 
 moe::RouterState* GptModel::router_state(int64_t layer) {
@@ -741,7 +803,8 @@ void GptModel::set_dropout_keys(bool training) {
   a.embedding_drop = key(cfg_.hidden_dropout, -1, "embedding", sp);
   for (size_t j = 0; j < mtp_.size(); ++j)
     mtp_[j].drop = key(cfg_.hidden_dropout, cfg_.num_layers + static_cast<int64_t>(j), "mtp_embedding", sp);
-  for (size_t l = 0; l < a.drops.size(); ++l) {
+  for (size_t l = 0; l < a.drops.size(); ++l) {  // the chunk's layers (and the MTP depths' in the last)
+    if (layer_chunk_[l] != static_cast<int64_t>(chunk_)) continue;
     const auto i = static_cast<int64_t>(l);
     a.drops[l] = {key(cfg_.attention_dropout, i, "attention", true), key(cfg_.hidden_dropout, i, "attn_out", sp),
                   key(cfg_.hidden_dropout, i, "mlp_out", sp)};
@@ -760,8 +823,10 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   dims_.tp = &par_.tp;
   if (dims_.cp) dims_.cp = &par_.cp;
   set_dropout_keys(training);
-  params_needed(embedding_params_);  // (on the last pipeline stage: the word embeddings' copy)
-  if (pre_process()) {               // else the previous stage's output is in stage_input
+  const auto chunk = static_cast<int64_t>(chunk_);
+  // (on the last pipeline stage: the word embeddings' copy)
+  if (pre_process(chunk) || post_process(chunk)) params_needed(embedding_params_);
+  if (pre_process(chunk)) {  // else the previous virtual stage's output is in stage_input
     a.ids.copy_from(tokens.view({T}));
     Tensor& x0 = a.residual[0];
     embed(x0, a.ids, ctx);
@@ -772,11 +837,11 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
     }
     if (a.embedding_drop.active()) ops::dropout_forward(x0, x0, a.embedding_drop, ctx);
   }
-  for (auto l = static_cast<size_t>(first_layer_); l < static_cast<size_t>(end_layer_); ++l) {
+  for (size_t l = first_layer(); l < end_layer(); ++l) {
     params_needed(layer_params_[l]);
     layer_forward(l, a.residual[l], a.residual[l + 1], training, ctx);
   }
-  if (!post_process()) return;
+  if (!post_process(chunk)) return;
   params_needed(final_norm_params_);
   params_needed(output_params_);  // (read by every loss head after the trunk; empty when tied)
   nn::norm_forward(final_h_, a.final_mean, a.final_rstd, a.residual.back(), final_norm_->value,
@@ -835,16 +900,30 @@ void GptModel::layer_forward(size_t l, const Tensor& x, Tensor& y, bool training
     nn::mlp_block_forward(y, layer_w_[l], a.layer[l], ws_, dims_, a.drops[l], ctx);
 }
 
-// dres_: dL/dy on entry, dL/dx on return. Selective layernorm recompute refills each half's norm output first.
+std::vector<const Tensor*> GptModel::dropped(const nn::DenseLayerCache& c, size_t l) const {
+  std::vector<const Tensor*> d;
+  if (drops_norms(l)) d.push_back(&c.h1);
+  if (drops_norms(l) || drops_mlp(l)) d.push_back(&c.h2);
+  if (drops_attention(l)) d.insert(d.end(), {&c.attn, &c.lse});
+  if (drops_mlp(l)) d.insert(d.end(), {&c.fc1, &c.act});
+  return d;
+}
+
+// dres_: dL/dy on entry, dL/dx on return. Selective recompute refills each half's dropped outputs first: the norm
+// output (layernorm, and mlp for a dense MLP), the MLP's fc1 output and activation (mlp), the attention output and
+// log-sum-exp (core_attn).
 void GptModel::layer_backward(size_t l, const Tensor& x, float grad_scale, const ops::Context& ctx) {
   Activations& a = act();
-  if (drops_norms(l)) nn::mlp_norm_refill(layer_w_[l], a.layer[l], ws_, dims_, /*dense_mlp=*/!moe_[l], ctx);
+  if (drops_norms(l) || drops_mlp(l))
+    nn::mlp_norm_refill(layer_w_[l], a.layer[l], ws_, dims_, /*dense_mlp=*/!moe_[l], ctx);
+  if (drops_mlp(l)) nn::mlp_refill(layer_w_[l], a.layer[l], dims_, ctx);
   if (moe_[l])
     moe_mlp_backward(l, grad_scale, ctx);
   else
     nn::mlp_block_backward(dres_, layer_g_[l], layer_w_[l], a.layer[l], ws_, dims_, a.drops[l], ctx);
   // dres is dL/dx_mid here.
   if (drops_norms(l)) nn::attention_norm_refill(x, layer_w_[l], a.layer[l], ws_, dims_, ctx);
+  if (drops_attention(l)) nn::core_attention_refill(a.layer[l], ws_, dims_, a.drops[l], ctx);
   if (layers_[l].attention == AttentionKind::standard)
     nn::attention_block_backward(dres_, layer_g_[l], x, layer_w_[l], a.layer[l], ws_, rope_, dims_, a.drops[l], ctx);
   else
@@ -992,21 +1071,29 @@ double GptModel::read_loss_sum() const {
   return totals[0];
 }
 
-void GptModel::use_slot(int64_t slot) {
-  if (slot < 0 || slot >= micro_batch_slots())
-    MOECORE_FAIL("model: micro-batch slot ", slot, " out of range: the model has ", micro_batch_slots(),
-                 " (set_micro_batch_slots)");
-  slot_ = static_cast<size_t>(slot);
+GptModel::Activations& GptModel::slot_at(Slot s) {
+  if (s.chunk < 0 || s.chunk >= num_chunks())
+    MOECORE_FAIL("model: model chunk ", s.chunk, " out of range: the stage has ", num_chunks());
+  if (s.index < 0 || s.index >= micro_batch_slots(s.chunk))
+    MOECORE_FAIL("model: micro-batch slot ", s.index, " out of range: chunk ", s.chunk, " has ",
+                 micro_batch_slots(s.chunk), " (set_micro_batch_slots)");
+  return slots_[static_cast<size_t>(s.chunk)][static_cast<size_t>(s.index)];
 }
 
-LossResult GptModel::forward(int64_t slot, const Tensor& tokens, const Tensor& labels, float grad_scale) {
+void GptModel::use_slot(Slot s) {
+  slot_at(s);
+  chunk_ = static_cast<size_t>(s.chunk);
+  slot_[chunk_] = static_cast<size_t>(s.index);
+}
+
+LossResult GptModel::forward(Slot slot, const Tensor& tokens, const Tensor& labels, float grad_scale) {
   use_slot(slot);
   Activations& a = act();
   const ops::Context ctx{device_};
   const int64_t S = cfg_.seq_length;
   const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
   forward_trunk(local_positions(tokens_h, cp_tokens_h_), true);
-  if (!post_process()) return {};  // (a pipeline stage before the last: its output is in stage_output)
+  if (!post_process(slot.chunk)) return {};  // (before the last virtual stage: its output is in stage_output)
   labels_.copy_from(local_positions(labels_h, cp_labels_h_));
   LossResult r;
   r.tokens = counted_labels(labels_h);  // the whole batch's (every CP rank holds it)
@@ -1027,45 +1114,47 @@ LossResult GptModel::forward(int64_t slot, const Tensor& tokens, const Tensor& l
   return r;
 }
 
-void GptModel::backward(int64_t slot, float grad_scale) {
+void GptModel::backward(Slot slot, float grad_scale) {
   use_slot(slot);
   Activations& a = act();
   const ops::Context ctx{device_};
   Tensor no_grad;
-  if (post_process()) {
+  if (post_process(slot.chunk)) {
     nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, a.dfinal,
-                      a.residual[static_cast<size_t>(end_layer_)], final_norm_->value,
+                      a.residual[end_layer()], final_norm_->value,
                       final_norm_bias_ ? final_norm_bias_->value : Tensor(), a.final_mean, a.final_rstd, false, ctx);
     grad_ready(final_norm_params_);
-  } else {  // the next stage's gradient of this stage's output
+  } else {  // the next virtual stage's gradient of this chunk's output
     dres_.copy_from(a.dfinal);
   }
-  for (auto l = static_cast<size_t>(end_layer_); l-- > static_cast<size_t>(first_layer_);) {
-    const int64_t chunk = recompute_chunk_[l];
-    if (chunk >= 0 && (l + 1 == static_cast<size_t>(end_layer_) || recompute_chunk_[l + 1] != chunk))
-      for (auto k = static_cast<size_t>(chunk); k <= l; ++k)  // the chunk's forward again, from its kept input
+  for (size_t l = end_layer(); l-- > first_layer();) {
+    const int64_t group = recompute_group_[l];
+    if (group >= 0 && (l + 1 == end_layer() || recompute_group_[l + 1] != group))
+      for (auto k = static_cast<size_t>(group); k <= l; ++k)  // the group's forward again, from its kept input
         layer_forward(k, a.residual[k], a.residual[k + 1], /*training=*/true, ctx, /*recompute=*/true);
     layer_backward(l, a.residual[l], grad_scale, ctx);
     grad_ready(layer_params_[l]);
   }
-  if (pre_process()) {  // else dres_ holds the gradient of the stage's input (stage_input_grad)
+  if (pre_process(slot.chunk)) {
     if (a.embedding_drop.active()) ops::dropout_backward(dres_, dres_, a.embedding_drop, ctx);
     embed_backward(dres_, a.ids, ctx);
     // (under SP embed_backward left every token's gradient in dh_: the positions' table is whole on every rank)
     if (position_embedding_)
       ops::embedding_backward(position_embedding_->grad, positions_, par_.sequence_parallel ? dh_ : dres_, ctx);
+  } else if (a.dinput.defined()) {  // the gradient of the chunk's input, for the previous virtual stage
+    a.dinput.copy_from(dres_);
   }
-  grad_ready(
-      embedding_params_);  // (the output layer too when tied: it is the embedding, or on the last stage its copy)
+  // (the output layer too when tied: it is the embedding, or on the last stage its copy)
+  if (pre_process(slot.chunk) || post_process(slot.chunk)) grad_ready(embedding_params_);
 }
 
-LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
-  use_slot(0);
+LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels, int64_t chunk) {
+  use_slot({0, chunk});
   const ops::Context ctx{device_};
   const int64_t S = cfg_.seq_length;
   const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
   forward_trunk(local_positions(tokens_h, cp_tokens_h_), false);
-  if (!post_process()) return {};  // (its output is in stage_output(0))
+  if (!post_process(chunk)) return {};  // (its output is in stage_output({0, chunk}))
   labels_.copy_from(local_positions(labels_h, cp_labels_h_));
   LossResult r;
   r.tokens = counted_labels(labels_h);
@@ -1124,38 +1213,40 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
       if (t->defined()) at(c) += t->nbytes();
   };
   // Every slot's activations (set_micro_batch_slots). MoE caches mix saved activations and backward scratch (owned by
-  // one cache of slot 0); the plan counts them as activations.
-  for (const Activations& a : slots_) {
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      if (!local_layer(l)) continue;
-      if (recompute_chunk_[l] >= 0) {  // its routing; the caches are the shared sets'
+  // one cache, moe_scratch_donor); the plan counts them as activations.
+  for (size_t chunk = 0; chunk < slots_.size(); ++chunk)
+    for (const Activations& a : slots_[chunk]) {
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        if (layer_chunk_[l] != static_cast<int64_t>(chunk)) continue;
+        if (recompute_group_[l] >= 0) {  // its routing; the caches are the shared sets'
+          if (moe_[l]) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.moe[l]);
+          continue;
+        }
+        const bool layer_mla = layers_[l].attention == AttentionKind::mla;
+        at(MemCategory::activations) += nn::dense_layer_cache_bytes(dims_, moe_[l] == nullptr, !layer_mla);
+        for (const Tensor* t : dropped(a.layer[l], l))  // (selective recompute's shared buffers: counted once below)
+          at(MemCategory::activations) -= t->nbytes();
+        if (layer_mla)
+          at(MemCategory::activations) += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
         if (moe_[l]) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.moe[l]);
-        continue;
       }
-      const bool layer_mla = layers_[l].attention == AttentionKind::mla;
-      at(MemCategory::activations) += nn::dense_layer_cache_bytes(dims_, moe_[l] == nullptr, !layer_mla);
-      if (drops_norms(l))  // (selective layernorm: the shared buffers, counted once below)
-        at(MemCategory::activations) -= a.layer[l].h1.nbytes() + a.layer[l].h2.nbytes();
-      if (layer_mla)
-        at(MemCategory::activations) += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
-      if (moe_[l]) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.moe[l]);
+      for (const Tensor& r : a.residual) count(MemCategory::activations, {&r});
+      count(MemCategory::activations, {&a.final_mean, &a.final_rstd, &a.ids, &a.dfinal, &a.dinput});
     }
-    for (const Tensor& r : a.residual) count(MemCategory::activations, {&r});
-    count(MemCategory::activations, {&a.final_mean, &a.final_rstd, &a.ids, &a.dfinal});
-  }
   at(MemCategory::workspace) =
       nn::dense_layer_workspace_bytes(dims_, standard_attention_) +
       (mla_ws_.q.defined() ? nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype) : 0) +
-      (post_process() ? nn::lm_head_workspace_bytes(dims_.tokens(), cfg_.vocab_size / par_.tp.size(),
-                                                    cfg_.compute_dtype, par_.tp.size())
-                      : 0);
+      (holds_loss_heads() ? nn::lm_head_workspace_bytes(dims_.tokens(), cfg_.vocab_size / par_.tp.size(),
+                                                        cfg_.compute_dtype, par_.tp.size())
+                          : 0);
   for (const auto& [key, c] : recompute_caches_) {  // full recompute: each shared set once
     const bool is_moe = key % 4 & 1, is_mla = key % 4 & 2;
     at(MemCategory::activations) += nn::dense_layer_cache_bytes(dims_, !is_moe, !is_mla);
     if (is_mla) at(MemCategory::activations) += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
     if (is_moe) at(MemCategory::activations) += moe::moe_layer_cache_bytes(c.moe);
   }
-  for (const Tensor* t : {&selective_h1_, &selective_h2_dense_, &selective_h2_moe_, &selective_act_})
+  for (const Tensor* t : {&selective_h1_, &selective_h2_dense_, &selective_h2_moe_, &selective_act_, &selective_attn_,
+                          &selective_lse_, &selective_fc1_, &selective_mlp_act_})
     if (t->defined()) at(MemCategory::activations) += t->nbytes();  // selective recompute's shared buffers
   // The model's own buffers, by the tensors themselves (each is allocated in one place, the constructor).
   for (const MtpDepth& d : mtp_) {
@@ -1187,6 +1278,7 @@ ModelParallel model_parallel(const ProcessGroups& pg, bool sequence_parallel, mo
   m.dp = pg.dp();
   m.pp = pg.pp();
   m.pipeline_layers = std::move(pipeline_layers);
+  if (!m.pipeline_layers.empty()) m.virtual_stages = static_cast<int64_t>(m.pipeline_layers.size()) / m.pp.size();
   return m;
 }
 

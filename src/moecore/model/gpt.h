@@ -56,10 +56,13 @@ struct MemoryPlan {
 //     local expert's fc1 rows and fc2 columns split over etp (Param::tp of the expert weights), and the group of ETP x
 //     EP ranks (ETP fastest) the allgather dispatcher gathers over
 //   dp: the data-parallel group: global_aux_loss counts are summed over it
-//   pp, pipeline_layers: the pipeline (--pipeline-model-parallel-size) and the decoder layers of each of its stages
-//     (pipeline_stage_layers; empty: every layer, at PP 1). Stage r holds its layers (parameters named by their
-//     global index), the first stage the embeddings, the last the final norm, the output layer, the MTP depths and a
-//     copy of the word embeddings when the output layer is tied to them or MTP embeds with them (Param::pipeline_copy)
+//   pp, virtual_stages, pipeline_layers: the pipeline (--pipeline-model-parallel-size), the model chunks of each stage
+//     (--num-virtual-stages-per-pipeline-rank; 1: no interleaving) and the decoder layers of each virtual stage
+//     k = chunk * pp + stage, in the model's order (pipeline_stage_layers; empty: every layer, at PP 1). Chunk c of
+//     stage r holds the layers of virtual stage c * pp + r (parameters named by their global index); the first stage
+//     holds the embeddings (used by its chunk 0), the last the final norm, the output layer, the MTP depths (its last
+//     chunk's) and a copy of the word embeddings when the output layer is tied to them or MTP embeds with them
+//     (Param::pipeline_copy)
 struct ModelParallel {
   ProcessGroup tp = comm_single("tp");
   bool sequence_parallel = false;
@@ -71,23 +74,35 @@ struct ModelParallel {
   moe::DispatcherKind dispatcher = moe::DispatcherKind::alltoall;
   ProcessGroup dp = comm_single("dp");
   ProcessGroup pp = comm_single("pp");
+  int64_t virtual_stages = 1;
   std::vector<int64_t> pipeline_layers;
 };
 
-// Megatron's split of num_layers decoder layers over pp stages: even, or with --decoder-first-pipeline-num-layers
-// (first) and/or --decoder-last-pipeline-num-layers (last; -1: unset) on those stages and the rest split evenly over
-// the others. Error naming the values when they do not split (every stage holds at least one layer).
-std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64_t first = -1, int64_t last = -1);
-// The decoder layers of each stage from Megatron's --pipeline-model-parallel-layout: stages split by '|', symbols E
-// (embedding), t (decoder layer), m (MTP layer), L (loss), 'x*N' and '(...)*N' repeat, commas are ignored, empty stages
-// are allowed ("E||t|L"). moecore places the embedding first on the first stage and the MTP layers and the loss last
-// on the last, and runs one stage per rank: a layout with more stages than pp (interleaved) is not supported yet.
-// Error naming the layout and what is wrong (syntax, counts, placement).
+// Megatron's split of num_layers decoder layers over pp stages of vpp model chunks each, by virtual stage
+// k = chunk * pp + stage: even, or with --decoder-first-pipeline-num-layers (first) and/or
+// --decoder-last-pipeline-num-layers (last; -1: unset) on those stages and the rest split evenly over the others; each
+// stage's layers split evenly over its chunks. Error naming the values when they do not split (every stage holds at
+// least one layer; with vpp > 1 each stage's count divides by vpp).
+std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64_t first = -1, int64_t last = -1,
+                                           int64_t vpp = 1);
+// The decoder layers of each virtual stage from Megatron's --pipeline-model-parallel-layout: stages split by '|',
+// symbols E (embedding), t (decoder layer), m (MTP layer), L (loss), 'x*N' and '(...)*N' repeat, commas are ignored,
+// empty stages are allowed ("E||t|L"). A layout of pp * v stages gives v model chunks per stage (virtual stage
+// k = chunk * pp + stage, Megatron's order). moecore places the embedding first on the first stage and the MTP layers
+// and the loss last on the last. Error naming the layout and what is wrong (syntax, counts, placement, a stage count
+// that is not a multiple of pp).
 std::vector<int64_t> pipeline_layout_stage_layers(const std::string& layout, int64_t num_layers, int64_t mtp_num_layers,
                                                   int64_t pp);
-// The model's groups of a training layout; pipeline_layers as pipeline_stage_layers gives them (empty at PP 1).
+// The model's groups of a training layout; pipeline_layers as pipeline_stage_layers gives them (empty at PP 1), with
+// pipeline_layers.size() / pp model chunks per stage.
 ModelParallel model_parallel(const ProcessGroups& pg, bool sequence_parallel, moe::DispatcherKind dispatcher,
                              std::vector<int64_t> pipeline_layers = {});
+
+// A micro-batch's activation slot in one model chunk (GptModel::set_micro_batch_slots).
+struct Slot {
+  Slot(int64_t i = 0, int64_t c = 0) : index(i), chunk(c) {}  // NOLINT: a bare index is slot i of chunk 0
+  int64_t index, chunk;
+};
 
 class GptModel {
  public:
@@ -104,24 +119,21 @@ class GptModel {
   int64_t tp_size() const { return par_.tp.size(); }
   int64_t cp_size() const { return par_.cp.size(); }
   const ModelParallel& parallel() const { return par_; }
-  // This pipeline stage: its decoder layers [first_layer, end_layer), and whether it holds the embeddings (first
-  // stage) and the loss heads (last stage). At PP 1: every layer, both.
-  int64_t first_layer() const { return first_layer_; }
-  int64_t end_layer() const { return end_layer_; }
-  bool pre_process() const { return par_.pp.rank() == 0; }
-  bool post_process() const { return par_.pp.rank() == par_.pp.size() - 1; }
-  // A stage's exchanges with its neighbours, [N, H] f32 each: a stage after the first takes its input activation in
-  // stage_input(slot) before forward(slot); a stage before the last leaves its output in stage_output(slot) after it
-  // and takes dL/d(output) in stage_output_grad(slot) before backward(slot); after backward a stage after the first
-  // leaves dL/d(input) in stage_input_grad() (until the next backward).
-  Tensor stage_input(int64_t slot) {
-    return slots_.at(static_cast<size_t>(slot)).residual[static_cast<size_t>(first_layer_)];
-  }
-  Tensor stage_output(int64_t slot) {
-    return slots_.at(static_cast<size_t>(slot)).residual[static_cast<size_t>(end_layer_)];
-  }
-  Tensor stage_output_grad(int64_t slot) { return slots_.at(static_cast<size_t>(slot)).dfinal; }
-  Tensor stage_input_grad() { return dres_; }
+  // This pipeline stage's model chunks (ModelParallel::virtual_stages; one at PP 1 and without interleaving): chunk c
+  // holds the decoder layers [chunk_layers(c).first, chunk_layers(c).second); chunk 0 of the first stage holds the
+  // embeddings (pre_process), the last chunk of the last stage the loss heads (post_process).
+  int64_t num_chunks() const { return static_cast<int64_t>(chunks_.size()); }
+  std::pair<int64_t, int64_t> chunk_layers(int64_t chunk) const { return chunks_.at(static_cast<size_t>(chunk)); }
+  bool pre_process(int64_t chunk) const { return holds_embeddings() && chunk == 0; }
+  bool post_process(int64_t chunk) const { return holds_loss_heads() && chunk + 1 == num_chunks(); }
+  // A chunk's exchanges with the neighbouring virtual stages, [N, H] f32 each: a chunk after the first virtual stage
+  // takes its input activation in stage_input(slot) before forward(slot); one before the last leaves its output in
+  // stage_output(slot) after it and takes dL/d(output) in stage_output_grad(slot) before backward(slot); after backward
+  // one after the first leaves dL/d(input) in stage_input_grad(slot) (until the slot's next backward).
+  Tensor stage_input(Slot s) { return slot_at(s).residual[static_cast<size_t>(chunk_layers(s.chunk).first)]; }
+  Tensor stage_output(Slot s) { return slot_at(s).residual[static_cast<size_t>(chunk_layers(s.chunk).second)]; }
+  Tensor stage_output_grad(Slot s) { return slot_at(s).dfinal; }
+  Tensor stage_input_grad(Slot s) { return slot_at(s).dinput; }
   // The parameter the first and the last stage both hold (the word embeddings, when the last holds a copy): its
   // gradient is the sum of both stages' (the training step exchanges them). Its index in params(), or -1 (PP 1, or a
   // stage that holds no such parameter, or a model without the copy).
@@ -154,9 +166,10 @@ class GptModel {
   // Once per optimizer step, after the update: expert-bias updates and MoE counter resets. A skipped step
   // (non-finite gradients) passes update=false: counters reset, expert biases untouched.
   void finish_step(bool update = true);
-  // Router statistics of layer l of the last forward (of its slot); nullptr for dense layers.
+  // Router statistics of layer l of the last forward through its chunk; nullptr for dense layers and other stages'.
   const moe::RouterStats* moe_stats(int64_t layer) const;
-  bool is_moe_layer(int64_t layer) const { return moe_[static_cast<size_t>(layer)] != nullptr; }
+  bool is_moe_layer(int64_t layer) const { return moe_[static_cast<size_t>(layer)] != nullptr; }       // (this stage's)
+  int64_t chunk_of_layer(int64_t layer) const { return layer_chunk_.at(static_cast<size_t>(layer)); }  // -1: not here
   moe::RouterState* router_state(int64_t layer);  // nullptr for dense layers
   const moe::RouterState* router_state(int64_t layer) const;
   // After the masters change (optimizer step, loading): the compute copies of params()[first, end) (default: all).
@@ -175,36 +188,40 @@ class GptModel {
     dropout_micro_batch_ = micro_batch;
   }
 
-  // Micro-batches in flight (pipeline schedules): each slot holds one micro-batch's activations from its forward to
-  // its backward -- the layers' caches, the residual stream, the final norm's statistics, the dropout masks' keys, the
-  // token ids and the gradient the loss heads sent into the decoder's output. The model is built with one slot;
-  // set_micro_batch_slots(n) sizes the pool for a schedule (memory_plan counts every slot). The shared workspaces
-  // (scratch of one forward or backward at a time) stay single.
-  void set_micro_batch_slots(int64_t n);
-  int64_t micro_batch_slots() const { return static_cast<int64_t>(slots_.size()); }
+  // Micro-batches in flight (pipeline schedules): each slot of a model chunk holds one micro-batch's activations of
+  // that chunk from its forward to its backward -- the chunk's layers' caches, its residual stream, the final norm's
+  // statistics, the dropout masks' keys, the token ids and the gradients at its ends. The model is built with one slot
+  // per chunk; set_micro_batch_slots sizes each chunk's pool for a schedule (one count per chunk; memory_plan counts
+  // every slot). The shared workspaces (scratch of one forward or backward at a time) stay single.
+  void set_micro_batch_slots(const std::vector<int64_t>& per_chunk);
+  int64_t micro_batch_slots(int64_t chunk = 0) const {
+    return static_cast<int64_t>(slots_.at(static_cast<size_t>(chunk)).size());
+  }
 
   // tokens, labels [B, S] i32 (label < 0: not counted), the batch as the data loader hands it over (host memory;
   // a device batch is copied to the host first): the counted tokens and the MTP depths' rolled ids and labels are
-  // prepared there, then uploaded. forward(slot) runs the decoder into `slot` and the loss heads (the output layer
-  // and every MTP depth) with their backward down to the decoder's output: the heads' gradient is taken at once,
-  // so no slot keeps logits. backward(slot) runs the rest: the final norm, the decoder layers and the embeddings.
+  // prepared there, then uploaded. forward(slot) runs the slot's chunk of the decoder into it and, in the last chunk,
+  // the loss heads (the output layer and every MTP depth) with their backward down to the decoder's output: the heads'
+  // gradient is taken at once, so no slot keeps logits. backward(slot) runs the rest: the final norm, the chunk's
+  // decoder layers and, in the first chunk, the embeddings.
   // Together they add grad_scale * d(mean loss)/d(param) to every gradient; forward returns the loss (the loss
   // totals are read back once per loss head: the step's host synchronisation for logging). The mean is over this
   // micro-batch's counted tokens. Under context parallelism every rank of the group passes the whole batch and
   // takes its positions; the loss and its token count are the group's (summed over it), and this rank's gradients
   // are its share of the group's (the data-parallel reduction sums them over DP x CP). Slots are independent:
   // forwards of several slots may precede their backwards in any order.
-  LossResult forward(int64_t slot, const Tensor& tokens, const Tensor& labels, float grad_scale);
-  void backward(int64_t slot, float grad_scale);
+  LossResult forward(Slot slot, const Tensor& tokens, const Tensor& labels, float grad_scale);
+  void backward(Slot slot, float grad_scale);
   // One micro-batch in slot 0: forward, then backward.
   LossResult forward_backward(const Tensor& tokens, const Tensor& labels, float grad_scale) {
     LossResult r = forward(0, tokens, labels, grad_scale);
     backward(0, grad_scale);
     return r;
   }
-  // The loss without gradients (slot 0). On a pipeline stage, as forward: a stage after the first takes its input in
-  // stage_input(0); one before the last returns an empty result and leaves its output in stage_output(0).
-  LossResult evaluate(const Tensor& tokens, const Tensor& labels);
+  // The loss without gradients (slot 0 of `chunk`). On a pipeline stage, as forward: a chunk after the first virtual
+  // stage takes its input in stage_input({0, chunk}); one before the last returns an empty result and leaves its
+  // output in stage_output({0, chunk}).
+  LossResult evaluate(const Tensor& tokens, const Tensor& labels, int64_t chunk = 0);
   // logits [B*S, V] f32 for the given tokens (generation, tests); under CP collective over the group.
   void forward_logits(Tensor& logits, const Tensor& tokens);
 
@@ -284,13 +301,15 @@ class GptModel {
     std::vector<Tensor> residual;   // L+1 tensors [N, H] f32: embedding output, then each layer's output
     Tensor final_mean, final_rstd;  // [N] f32 (mean: LayerNorm only)
     Tensor ids;                     // [T] i32: the token ids (the embeddings' backward reads them)
-    Tensor dfinal;                  // [N, H] f32: dL/d(final norm output) from the loss heads
+    Tensor dfinal;  // [N, H] f32: dL/d(final norm output) from the loss heads, or of the chunk's output (received)
+    Tensor dinput;  // [N, H] f32: dL/d(the chunk's input), sent to the previous virtual stage (not the first's)
   };
-  Activations alloc_activations() const;
-  // Full recompute (ModelConfig::recompute): per layer, the first layer of its recomputed chunk (-1: kept), and the
-  // caches the recomputed layers share -- one set per position in a chunk and layer kind, for every slot -- keyed
-  // position * 4 + kind (1: MoE, 2: MLA).
-  std::vector<int64_t> recompute_chunk_;
+  Activations alloc_activations(int64_t chunk) const;
+  const moe::MoeLayerCache* moe_scratch_donor() const;  // the MoE cache whose scratch the others share (or null)
+  // Full recompute (ModelConfig::recompute): per layer, the first layer of its recomputed group (-1: kept), and the
+  // caches the recomputed layers share -- one set per position in a group and layer kind, for every slot and chunk --
+  // keyed position * 4 + kind (1: MoE, 2: MLA).
+  std::vector<int64_t> recompute_group_;
   struct RecomputeCaches {
     nn::DenseLayerCache layer;
     nn::MlaCache mla;
@@ -298,28 +317,40 @@ class GptModel {
   };
   std::map<int64_t, RecomputeCaches> recompute_caches_;
   // Selective recompute: the buffers every decoder layer's dropped outputs share, refilled by its backward (layernorm:
-  // the norm outputs h1 and h2, of a dense and of an MoE layer; moe_act: the routed experts' activations). Undefined
-  // when not selected.
+  // the norm outputs h1 and h2, of a dense and of an MoE layer; moe_act: the routed experts' activations; core_attn:
+  // the standard attention's output and log-sum-exp; mlp: a dense layer's h2, fc1 output and activation). Undefined
+  // when not selected. Decoder layers only: the MTP depths keep their own.
   Tensor selective_h1_, selective_h2_dense_, selective_h2_moe_, selective_act_;
-  bool drops_norms(size_t l) const {  // the layer's norm outputs are selective_* (decoder layers; MTP keeps its own)
-    return selective_h1_.defined() && static_cast<int64_t>(l) < cfg_.num_layers;
+  Tensor selective_attn_, selective_lse_, selective_fc1_, selective_mlp_act_;
+  bool decoder_layer(size_t l) const { return static_cast<int64_t>(l) < cfg_.num_layers; }
+  bool drops_norms(size_t l) const { return selective_h1_.defined() && decoder_layer(l); }
+  bool drops_attention(size_t l) const {
+    return selective_attn_.defined() && decoder_layer(l) && layers_[l].attention == AttentionKind::standard;
   }
+  bool drops_mlp(size_t l) const { return selective_fc1_.defined() && decoder_layer(l) && !moe_[l]; }
+  // The tensors of a decoder layer's cache the above replace.
+  std::vector<const Tensor*> dropped(const nn::DenseLayerCache& c, size_t l) const;
   void plan_recompute();
   int64_t recompute_key(size_t l) const {
-    return (static_cast<int64_t>(l) - recompute_chunk_[l]) * 4 + (moe_[l] ? 1 : 0) +
+    return (static_cast<int64_t>(l) - recompute_group_[l]) * 4 + (moe_[l] ? 1 : 0) +
            (layers_[l].attention == AttentionKind::mla ? 2 : 0);
   }
-  bool local_layer(size_t l) const {  // a decoder layer of this stage, or an MTP layer on the last stage
-    const auto i = static_cast<int64_t>(l);
-    return (i >= first_layer_ && i < end_layer_) || (i >= cfg_.num_layers && post_process());
-  }
-  int64_t first_layer_ = 0, end_layer_ = 0;
+  bool holds_embeddings() const { return par_.pp.rank() == 0; }
+  bool holds_loss_heads() const { return par_.pp.rank() == par_.pp.size() - 1; }
+  // Per layer (decoder, then MTP): the chunk of this stage that holds it (MTP: the last stage's last), or -1.
+  std::vector<int64_t> layer_chunk_;
+  bool local_layer(size_t l) const { return layer_chunk_[l] >= 0; }
+  std::vector<std::pair<int64_t, int64_t>> chunks_;  // per model chunk: its decoder layers [first, end)
+  size_t chunk_ = 0;                                 // the chunk the running (or last) forward or backward works on
+  size_t first_layer() const { return static_cast<size_t>(chunks_[chunk_].first); }  // of chunk_
+  size_t end_layer() const { return static_cast<size_t>(chunks_[chunk_].second); }
   int64_t pipeline_shared_ = -1;
-  void use_slot(int64_t slot);  // checked
-  Activations& act() { return slots_[slot_]; }
-  std::vector<Activations> slots_;
-  size_t slot_ = 0;                             // the slot the running (or last) forward or backward works on
-  std::vector<std::unique_ptr<MoeBlock>> moe_;  // per layer (decoder, then MTP); null for dense layers
+  void use_slot(Slot s);         // checked; sets chunk_ and the chunk's current slot
+  Activations& slot_at(Slot s);  // checked
+  Activations& act() { return slots_[chunk_][slot_[chunk_]]; }
+  std::vector<std::vector<Activations>> slots_;  // per chunk, per slot
+  std::vector<size_t> slot_;                     // per chunk: the slot its running (or last) pass works on
+  std::vector<std::unique_ptr<MoeBlock>> moe_;   // per layer (decoder, then MTP); null for dense layers
   // One multi-token-prediction depth: its parameters and activations (its transformer layer is layer L + depth of
   // the per-layer arrays).
   struct MtpDepth {

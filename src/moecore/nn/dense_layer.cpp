@@ -262,6 +262,21 @@ void mlp_norm_refill(const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerW
     mlp_norm_forward(w, k, d, ctx);
 }
 
+void core_attention_refill(DenseLayerCache& k, DenseLayerWorkspace& ws, const DenseLayerDims& d,
+                           const LayerDropout& drop, const ops::Context& ctx) {
+  Tensor qkv = bsw(k.qkv, d), attn = bsw(k.attn, d);  // (the kept q, k, v: after QK-norm and RoPE)
+  attention_forward(attn, k.lse, qkv, d.qkv, drop.attention, d.cp, ws.cp, ctx);
+}
+
+void mlp_refill(const DenseLayerWeights& w, DenseLayerCache& k, const DenseLayerDims& d, const ops::Context& ctx) {
+  ops::gemm(k.fc1, k.h2, false, w.fc1, true, 1.0f, 0.0f, ctx);
+  if (w.fc1_bias.defined()) ops::bias_add(k.fc1, w.fc1_bias, ctx);
+  if (d.swiglu)
+    ops::swiglu_forward(k.act, k.fc1, ctx);
+  else
+    ops::gelu_forward(k.act, k.fc1, ctx);
+}
+
 void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k,
                          DenseLayerWorkspace& ws, const Tensor& rope, const DenseLayerDims& d, const LayerDropout& drop,
                          const ops::Context& ctx) {
@@ -272,12 +287,7 @@ void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w,
 void mlp_block_forward(Tensor& y, const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerWorkspace& ws,
                        const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
   norm_to_gemm_input(k.h2, k.mean2, k.rstd2, k.x_mid, w.mlp_norm, w.mlp_norm_bias, ws, d, ctx);
-  ops::gemm(k.fc1, k.h2, false, w.fc1, true, 1.0f, 0.0f, ctx);
-  if (w.fc1_bias.defined()) ops::bias_add(k.fc1, w.fc1_bias, ctx);
-  if (d.swiglu)
-    ops::swiglu_forward(k.act, k.fc1, ctx);
-  else
-    ops::gelu_forward(k.act, k.fc1, ctx);
+  mlp_refill(w, k, d, ctx);  // fc1 and its activation
   row_parallel_residual_forward(y, k.x_mid, k.act, w.fc2, w.fc2_bias, ws, d, drop.mlp_out, ctx);
 }
 

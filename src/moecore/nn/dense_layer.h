@@ -143,6 +143,12 @@ void attention_norm_refill(const Tensor& x, const DenseLayerWeights& w, DenseLay
                            const DenseLayerDims& d, const ops::Context& ctx);
 void mlp_norm_refill(const DenseLayerWeights& w, DenseLayerCache& cache, DenseLayerWorkspace& ws,
                      const DenseLayerDims& d, bool dense_mlp, const ops::Context& ctx);
+// Selective recompute of core_attn and mlp, likewise: cache.attn and cache.lse from the kept cache.qkv (the attention
+// kernel again with the same dropout mask; under CP collective over its group), and a dense MLP's cache.fc1 and
+// cache.act from cache.h2 (forward computes them with this function too).
+void core_attention_refill(DenseLayerCache& cache, DenseLayerWorkspace& ws, const DenseLayerDims& d,
+                           const LayerDropout& drop, const ops::Context& ctx);
+void mlp_refill(const DenseLayerWeights& w, DenseLayerCache& cache, const DenseLayerDims& d, const ops::Context& ctx);
 // dres: dL/dx_mid on entry, dL/dx on return.
 void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
                               const DenseLayerCache& cache, DenseLayerWorkspace& ws, const Tensor& rope,

@@ -8,15 +8,13 @@
 
 namespace moecore::train {
 namespace {
-// Adds this micro-batch's router statistics of every MoE layer into acc; returns the number of MoE layers.
+// Adds the router statistics of every MoE layer of `chunk` from its last forward into acc.
 // The statistics live on the router's device; only the losses come to the host, 40 bytes per layer and
-// micro-batch after its backward (the logging price; no kernel launch waits on it, nothing is allocated).
-int64_t accumulate_moe_losses(const model::GptModel& gpt, MoeStepLosses& acc) {
-  int64_t n = 0;
+// micro-batch after its forward (the logging price; no kernel launch waits on it, nothing is allocated).
+void accumulate_moe_losses(const model::GptModel& gpt, int64_t chunk, MoeStepLosses& acc) {
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
-    const moe::RouterStats* st = gpt.moe_stats(l);
+    const moe::RouterStats* st = gpt.chunk_of_layer(l) == chunk ? gpt.moe_stats(l) : nullptr;
     if (!st) continue;
-    ++n;
     double v[ops::router_loss::count];
     st->losses.copy_to_host(v, ops::router_loss::count);
     acc.aux_loss += v[ops::router_loss::aux];
@@ -24,7 +22,6 @@ int64_t accumulate_moe_losses(const model::GptModel& gpt, MoeStepLosses& acc) {
     acc.global_aux_loss += v[ops::router_loss::global_aux];
     acc.z_loss += v[ops::router_loss::z];
   }
-  return n;
 }
 
 // Sums the step's losses and the router counts over the data-parallel group (the losses are then averaged).
@@ -70,8 +67,20 @@ TrainStep::TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cf
     MOECORE_FAIL("training: global_batch_size (", cfg.global_batch_size, ") must be divisible by micro_batch_size (",
                  cfg.micro_batch_size, ") x data-parallel size (", dp, ")");
   micro_local_ = micro_ / dp;
-  schedule_ = one_f_one_b(micro_local_, g_.pp.size(), g_.pp.rank());
+  const int64_t pp = g_.pp.size(), chunks = gpt.num_chunks();
+  if (chunks > 1) {
+    const int64_t group = cfg.microbatch_group_size_per_vp_stage > 0 ? cfg.microbatch_group_size_per_vp_stage : pp;
+    schedule_ = interleaved_one_f_one_b(micro_local_, pp, g_.pp.rank(), chunks, group);
+  } else {
+    schedule_ = one_f_one_b(micro_local_, pp, g_.pp.rank());
+  }
   gpt_.set_micro_batch_slots(schedule_.in_flight);
+  if (pp > 1) {
+    transfers_ = pipeline_transfers(schedule_, pp, g_.pp.rank());
+    pp_grads_ = group_split(g_.pp, g_.pp.name() + "_grads", {g_.pp.ranks()});
+    for (auto& h : handles_)
+      for (int64_t n : schedule_.in_flight) h.emplace_back(static_cast<size_t>(n));
+  }
   const int64_t S = gpt.config().seq_length;
   tokens_ = Tensor::empty({cfg.micro_batch_size, S}, DType::i32, MemCategory::workspace);
   labels_ = Tensor::empty({cfg.micro_batch_size, S}, DType::i32, MemCategory::workspace);
@@ -87,6 +96,34 @@ double TrainStep::take_grad_reduce_blocked() {
   return s;
 }
 
+// The schedule with its transfers (pipeline_transfers): receives into the slots' stage inputs and output gradients,
+// sends from their outputs and input gradients; activations go to the next stage and come from the previous one
+// (wrapping around between the last stage and the first's next chunk), gradients the other way.
+void TrainStep::run_transfers(const std::function<void(const ScheduleOp&)>& run_op) {
+  const ProcessGroup& pp = g_.pp;
+  const int p = pp.size(), up = (pp.rank() + 1) % p, down = (pp.rank() + p - 1) % p;
+  for (const P2PAction& a : transfers_) {
+    if (a.kind == P2PAction::run) {
+      run_op(schedule_.ops[static_cast<size_t>(a.op)]);
+      continue;
+    }
+    const model::Slot slot{schedule_.slot({ScheduleOp::forward, a.micro_batch, a.chunk}), a.chunk};
+    const bool sends = a.kind == P2PAction::post_send || a.kind == P2PAction::wait_send;
+    CommHandle& h =
+        handles_[a.stream * 2 + (sends ? 1 : 0)][static_cast<size_t>(a.chunk)][static_cast<size_t>(slot.index)];
+    const bool acts = a.stream == P2PAction::activations;
+    const ProcessGroup& group = acts ? pp : pp_grads_;
+    if (a.kind == P2PAction::post_recv) {
+      h = irecv(acts ? gpt_.stage_input(slot) : gpt_.stage_output_grad(slot), acts ? down : up, group);
+    } else if (a.kind == P2PAction::post_send) {
+      h = isend(acts ? gpt_.stage_output(slot) : gpt_.stage_input_grad(slot), acts ? up : down, group);
+    } else {
+      const BlockedIn waiting{pipeline_wait_};
+      h.wait();
+    }
+  }
+}
+
 double TrainStep::take_pipeline_wait() {
   const double s = pipeline_wait_;
   pipeline_wait_ = 0;
@@ -97,18 +134,16 @@ StepResult TrainStep::run(int64_t it, float lr) {
   const int64_t first = g_.dp.rank() * micro_local_;  // this rank's first micro-batch of the global batch
   const float grad_scale = 1.0f / static_cast<float>(micro_);
   const ProcessGroup& pp = g_.pp;
-  const int stage = pp.rank(), prev = stage - 1, next = stage + 1;
-  const bool first_stage = gpt_.pre_process(), last_stage = gpt_.post_process();
   const int64_t shared = gpt_.pipeline_shared_param();
   StepResult r;
   r.mtp_loss.assign(static_cast<size_t>(gpt_.config().mtp_num_layers), 0.0);
-  int64_t moe_layers = 0;
+  int64_t moe_layers = 0;  // this stage's
+  for (int64_t l = 0; l < gpt_.config().num_transformer_layers(); ++l) moe_layers += gpt_.is_moe_layer(l) ? 1 : 0;
   gpt_.zero_grad();
   opt_.begin_grad_reduction();
   HookGuard hook_guard{gpt_};
-  // With overlap, the last micro-batch reports its gradients final as they are: a stage holding the loss heads from
-  // that micro-batch's forward (1F1B runs its backward next), any other from its backward. The parameter shared
-  // between the first and the last stage is reported after the stages have summed its gradient.
+  // With overlap the gradients are reported final as the passes finish them (below). The parameter shared between the
+  // first and the last stage is reported after the stages have summed its gradient.
   const auto hook = [&](size_t a, size_t b) {
     const BlockedIn in_reduction{grad_reduce_blocked_};
     const auto sh = static_cast<size_t>(shared);
@@ -116,52 +151,35 @@ StepResult TrainStep::run(int64_t it, float lr) {
     if (a < sh) opt_.grad_ready(a, sh);
     if (sh + 1 < b) opt_.grad_ready(sh + 1, b);
   };
-  const auto& ops = schedule_.ops;
-  bool received = false;  // the next op's input came with the previous op's send (Megatron's send_*_recv_*)
-  for (size_t i = 0; i < ops.size(); ++i) {
-    const ScheduleOp& op = ops[i];
-    const ScheduleOp* following = i + 1 < ops.size() ? &ops[i + 1] : nullptr;
-    const int64_t mb = op.micro_batch, slot = schedule_.slot(mb);
+  // One op of the schedule: a forward or backward of one micro-batch through one model chunk.
+  const auto run_op = [&](const ScheduleOp& op) {
+    const model::Slot slot{schedule_.slot(op), op.chunk};
+    const int64_t mb = op.micro_batch;
     const bool forward = op.kind == ScheduleOp::forward;
-    if (opt_.overlaps_grad_reduction() && mb + 1 == micro_local_ && forward == last_stage) gpt_.set_grad_ready(hook);
+    // With overlap, each chunk's last micro-batch reports its gradients final as they are: the loss heads' from that
+    // micro-batch's forward through the last chunk, the rest from its backwards.
+    const bool final =
+        opt_.overlaps_grad_reduction() && mb + 1 == micro_local_ && (!forward || gpt_.post_process(op.chunk));
+    if (final) gpt_.set_grad_ready(hook);
     if (forward) {
-      if (!first_stage && !received) {
-        const BlockedIn waiting{pipeline_wait_};
-        recv(gpt_.stage_input(slot), prev, pp);
-      }
       batches_(tokens_, labels_, false, it * micro_ + first + mb);
       gpt_.set_dropout_step(it, first + mb);
       const model::LossResult l = gpt_.forward(slot, tokens_, labels_, grad_scale);
-      if (last_stage) {
+      if (gpt_.post_process(op.chunk)) {
         r.loss += l.mean();
         for (size_t k = 0; k < r.mtp_loss.size(); ++k)
           r.mtp_loss[k] += l.mtp_mean(k) / static_cast<double>(micro_local_);
       }
-      moe_layers = accumulate_moe_losses(gpt_, r.moe_losses);
+      accumulate_moe_losses(gpt_, op.chunk, r.moe_losses);
     } else {
-      if (!last_stage && !received) {
-        const BlockedIn waiting{pipeline_wait_};
-        recv(gpt_.stage_output_grad(slot), next, pp);
-      }
       gpt_.backward(slot, grad_scale);
     }
-    // The output (forward) or input gradient (backward) to the neighbour, with the next op's input when that comes
-    // from the same neighbour.
-    received = false;
-    const bool sends = forward ? !last_stage : !first_stage;
-    if (!sends) continue;
-    const Tensor out = forward ? gpt_.stage_output(slot) : gpt_.stage_input_grad();
-    const int peer = forward ? next : prev;
-    const BlockedIn waiting{pipeline_wait_};
-    if (following && following->kind != op.kind) {
-      const int64_t s2 = schedule_.slot(following->micro_batch);
-      const P2POp exchange[2] = {{P2PKind::send, out, peer},
-                                 {P2PKind::recv, forward ? gpt_.stage_output_grad(s2) : gpt_.stage_input(s2), peer}};
-      batch_send_recv(exchange, pp);
-      received = true;
-    } else {
-      send(out, peer, pp);
-    }
+    if (final) gpt_.set_grad_ready({});
+  };
+  if (transfers_.empty()) {
+    for (const ScheduleOp& op : schedule_.ops) run_op(op);
+  } else {
+    run_transfers(run_op);
   }
   if (shared >= 0) sum_shared_grad(static_cast<size_t>(shared));
   // The step's losses: the loss heads' from the last stage, the MoE layers' from every stage.
@@ -219,7 +237,7 @@ StepResult TrainStep::run(int64_t it, float lr) {
 // and both add them in the order first + last (equal bits on both), before the data-parallel reduction.
 void TrainStep::sum_shared_grad(size_t index) {
   const ProcessGroup& pp = g_.pp;
-  const int peer = gpt_.pre_process() ? pp.size() - 1 : 0;
+  const int peer = gpt_.pre_process(0) ? pp.size() - 1 : 0;
   Tensor& grad = gpt_.params()[index].grad;
   const P2POp exchange[2] = {{P2PKind::send, grad, peer}, {P2PKind::recv, shared_grad_, peer}};
   {
@@ -227,7 +245,7 @@ void TrainStep::sum_shared_grad(size_t index) {
     batch_send_recv(exchange, pp);
   }
   const ops::Context ctx{gpt_.device()};
-  if (gpt_.pre_process())
+  if (gpt_.pre_process(0))
     ops::add(grad, grad, shared_grad_, ctx);
   else
     ops::add(grad, shared_grad_, grad, ctx);

@@ -4,6 +4,7 @@
 // around it -- LR schedule, logging, evaluation, checkpoints, signals (trainer.h).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -27,9 +28,10 @@ class TrainStep {
  public:
   // This rank's share of every global batch: the dp group's rank r runs micro-batches [r * m, (r + 1) * m) of the
   // step, m = cfg.micro_batches() / dp (Error naming the sizes when it does not divide), in the 1F1B order of its
-  // pipeline stage (one stage: forward and backward per micro-batch); gpt gets the schedule's activation slots.
-  // Between stages (groups.pp) the activations go forward and their gradients back point-to-point, Megatron's way:
-  // a send is paired with the next op's receive from the same neighbour (batch_send_recv), so no order deadlocks.
+  // pipeline stage (one stage: forward and backward per micro-batch), interleaved when gpt has several model chunks
+  // (cfg.microbatch_group_size_per_vp_stage); gpt gets the schedule's activation slots. Between stages (groups.pp)
+  // the activations go forward and their gradients back point-to-point as pipeline_transfers plans them (schedule.h),
+  // the gradients on a communicator of their own. Collective over groups.pp (that communicator).
   TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cfg, const TrainGroups& groups,
             const BatchFn& batches);
   // Step `iteration` (0-based) with learning rate lr: zeroes the gradients, runs the schedule (dropout keyed by the
@@ -53,10 +55,16 @@ class TrainStep {
   const BatchFn& batches_;
   int64_t micro_ = 0, micro_local_ = 0;
   Schedule schedule_;
+  std::vector<P2PAction> transfers_;  // empty without a pipeline
+  ProcessGroup pp_grads_;             // groups.pp's ranks: the gradients' stream between stages
+  // Per stream (activations, gradients) x direction (receive, send), chunk and slot: the transfer in flight
+  // (schedule.h says when each is posted and waited for).
+  std::vector<std::vector<CommHandle>> handles_[4];
   Tensor tokens_, labels_;  // [B, S] i32 host: the micro-batch being loaded
   Tensor shared_grad_;      // the other stage's gradient of gpt.pipeline_shared_param()
   double grad_reduce_blocked_ = 0, pipeline_wait_ = 0;
   void sum_shared_grad(size_t index);
+  void run_transfers(const std::function<void(const ScheduleOp&)>& run_op);
 };
 
 }  // namespace moecore::train

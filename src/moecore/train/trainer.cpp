@@ -96,13 +96,17 @@ double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& bat
   for (int64_t k = 0; k < rounds; ++k) {
     const int64_t i = k * P + r;
     batches(tokens, labels, true, std::min(i, cfg.eval_iters - 1));
-    // Through the pipeline stage by stage: a chain, so plain sends and receives cannot deadlock.
-    if (!gpt.pre_process()) recv(gpt.stage_input(0), pp.rank() - 1, pp);
-    const auto res = gpt.evaluate(tokens, labels);
-    if (!gpt.post_process()) send(gpt.stage_output(0), pp.rank() + 1, pp);
-    if (i >= cfg.eval_iters) continue;
-    sums[0] += res.loss_sum;  // (the last stage's; zeros before it)
-    sums[1] += static_cast<double>(res.tokens);
+    // Through the pipeline's virtual stages one after the other (chunk 0 of every stage, then chunk 1, ...): a chain,
+    // so plain sends and receives cannot deadlock.
+    const int p = pp.size(), up = (pp.rank() + 1) % p, down = (pp.rank() + p - 1) % p;
+    for (int64_t c = 0; c < gpt.num_chunks(); ++c) {
+      if (!gpt.pre_process(c)) recv(gpt.stage_input({0, c}), down, pp);
+      const auto res = gpt.evaluate(tokens, labels, c);
+      if (!gpt.post_process(c)) send(gpt.stage_output({0, c}), up, pp);
+      if (i >= cfg.eval_iters) continue;
+      sums[0] += res.loss_sum;  // (the last virtual stage's; zeros before it)
+      sums[1] += static_cast<double>(res.tokens);
+    }
   }
   if (P > 1) all_reduce_sum(std::span<double>(sums, 2), *dp);
   if (pp.size() > 1) all_reduce_sum(std::span<double>(sums, 2), pp);
@@ -418,14 +422,15 @@ class RunLog {
     const double grad_reduce_share = world_size_ > 1 ? grad_reduce_blocked_ / span : -1.0;
     grad_reduce_blocked_ = 0;
     // Pipelines: the share of the interval the stages waited for each other, averaged over the stages (collective over
-    // pp), next to the 1F1B schedule's bubble (p - 1) / (m + p - 1) for this rank's m micro-batches per step.
+    // pp), next to the schedule's bubble (p - 1) / (v * m + p - 1) for this rank's m micro-batches per step through v
+    // model chunks (v = 1: 1F1B; interleaved, each chunk's passes take 1 / v of the time).
     double pipeline_wait_share = -1.0, bubble = 0.0;
     if (pp_.size() > 1) {
       double w = pipeline_wait_ / span;
       all_reduce_sum(std::span<double>(&w, 1), pp_);
       const double p = pp_.size();
       pipeline_wait_share = w / p;
-      bubble = (p - 1) / (static_cast<double>(micro_per_rank_) + p - 1);
+      bubble = (p - 1) / (static_cast<double>(gpt_.num_chunks() * micro_per_rank_) + p - 1);
     }
     pipeline_wait_ = 0;
     const double tflops = flops_per_step_ / std::max(dt, 1e-9) / 1e12;
@@ -455,8 +460,8 @@ class RunLog {
       }
       if (pipeline_wait_share >= 0) {
         char b[80];
-        std::snprintf(b, sizeof b, " | pipeline wait %.1f%% (1F1B bubble %.1f%%)", 100.0 * pipeline_wait_share,
-                      100.0 * bubble);
+        std::snprintf(b, sizeof b, " | pipeline wait %.1f%% (%s bubble %.1f%%)", 100.0 * pipeline_wait_share,
+                      gpt_.num_chunks() > 1 ? "interleaved 1F1B" : "1F1B", 100.0 * bubble);
         comm += b;
       }
       if (peak_gflops_ > 0) {

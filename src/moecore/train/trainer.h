@@ -70,6 +70,9 @@ struct TrainConfig {
                                       // all-gathers stay in flight until forward reads each bucket
   int64_t ddp_bucket_size = 40'000'000;  // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
                                          // bucket
+  int64_t microbatch_group_size_per_vp_stage = 0;  // --microbatch-group-size-per-virtual-pipeline-stage: the
+                                                   // interleaved schedule's micro-batches in a row per model chunk
+                                                   // (0: the pipeline size, Megatron's default)
   void validate() const;
   int64_t micro_batches() const { return global_batch_size / micro_batch_size; }
 };
