@@ -125,6 +125,12 @@ void add_training_flags(Args& a) {
       .option("--num-virtual-stages-per-pipeline-rank", "",
               "with PP: model chunks per pipeline rank (the interleaved 1F1B schedule; each stage's layers split "
               "evenly over its chunks)")
+      .flag("--account-for-embedding-in-pipeline-split",
+            "with PP: the embedding counts as a decoder layer when the layers are split (the first stage holds one "
+            "fewer)")
+      .flag("--account-for-loss-in-pipeline-split",
+            "with PP: the output layer and loss count as a decoder layer when the layers are split (the last stage "
+            "holds one fewer)")
       .option("--microbatch-group-size-per-virtual-pipeline-stage", "",
               "interleaved schedule: micro-batches run through one chunk in a row (unset: the pipeline size)")
       .flag("--overlap-grad-reduce",
@@ -347,13 +353,17 @@ Device device_from_flag(const Args& a, int world_size) {
   return d;
 }
 
-void check_model_fits(const model::ModelConfig& mc, int ep, int tp, int etp) {
-  const int64_t params = model::parameters_per_rank(mc, ep, tp, etp), ram = memory_physical_bytes();
+void check_model_fits(const model::ModelConfig& mc, const model::ModelParallel& par) {
+  const int64_t params = model::parameters_per_rank(
+                    mc, std::max(1, par.ep.size()), std::max(1, par.tp.size()), std::max(1, par.etp.size()),
+                    [&](const std::string&name) { return model::pipeline_stage_holds(name, mc, par); }),
+                ram = memory_physical_bytes();
   int64_t need = 0;
   if (__builtin_mul_overflow(params, int64_t{8}, &need) || (ram > 0 && need > ram))
     MOECORE_FAIL("train: the model has ", params, " parameters per rank (", mc.summary(), "); their fp32 values and ",
                  "gradients alone need ", memory_format_bytes(need), ", more than this machine's ",
-                 memory_format_bytes(ram), " of memory: use a smaller model or more expert- or tensor-parallel ranks");
+                 memory_format_bytes(ram),
+                 " of memory: use a smaller model or more expert-, tensor- or pipeline-parallel ranks");
 }
 
 // --save, --tensorboard-dir and the folder of --metrics-jsonl must be writable before the first step, not at
@@ -462,8 +472,15 @@ int train_main(int argc, char** argv) {
         "in Megatron)");
   const int64_t pp_size = pcfg.pipeline_model_parallel_size,
                 vpp = virtual_pipeline_stages(a, mcfg.num_layers, pp_size, first_layers >= 0 || last_layers >= 0);
+  const bool account_embedding = a.on("--account-for-embedding-in-pipeline-split"),
+             account_loss = a.on("--account-for-loss-in-pipeline-split");
+  if (!layout.empty() && (account_embedding || account_loss))
+    MOECORE_FAIL(
+        "--pipeline-model-parallel-layout and --account-for-embedding/loss-in-pipeline-split exclude each other (the "
+        "layout places E and L itself)");
   const std::vector<int64_t> stage_layers =
-      layout.empty() ? model::pipeline_stage_layers(mcfg.num_layers, pp_size, first_layers, last_layers, vpp)
+      layout.empty() ? model::pipeline_stage_layers(mcfg.num_layers, pp_size, first_layers, last_layers, vpp,
+                                                    account_embedding, account_loss)
                      : model::pipeline_layout_stage_layers(layout, mcfg.num_layers, mcfg.mtp_num_layers, pp_size);
   if (!layout.empty() && vpp > 1 && static_cast<int64_t>(stage_layers.size()) != pp_size * vpp)
     MOECORE_FAIL("--pipeline-model-parallel-layout '", layout, "' has ", stage_layers.size() / pp_size,
@@ -530,7 +547,7 @@ int train_main(int argc, char** argv) {
     MOECORE_FAIL("--moe-use-upcycling with --expert-tensor-parallel-size ", ep.etp.size(),
                  " is not supported yet: upcycle at ETP 1, save, and load the checkpoint at any ETP");
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
-  check_model_fits(mcfg, std::max(1, ep.ep.size()), std::max(1, ep.tp.size()), std::max(1, ep.etp.size()));
+  check_model_fits(mcfg, ep);
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep, device);
   optim::AdamW opt(gpt.params(), optimizer_config_from(a), /*allocate_state=*/!tcfg.use_distributed_optimizer);
   if (!a.str("--load-hf").empty()) {

@@ -321,6 +321,10 @@ TEST_F(Cli, TensorAndContextParallelMatchOneProcess) {
         " --pipeline-model-parallel-size 2 --make-vocab-size-divisible-by 256",
         // interleaved: chunk 0 of stage 0 holds the embedding alone, chunk 1 of stage 1 the loss alone
         " --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'E|t|t|L' --make-vocab-size-divisible-by "
+        "256",
+        // the same split from Megatron's flags: two chunks per stage, the embedding and the loss counted as layers
+        " --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+        "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --make-vocab-size-divisible-by "
         "256"}},
       {moe,
        {" --tensor-model-parallel-size 2 --sequence-parallel",

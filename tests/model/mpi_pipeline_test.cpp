@@ -135,6 +135,10 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   if (l.pp > 0 && l.layout.empty()) {
     EXPECT_EQ(gpt.num_chunks(), l.vpp);
   }
+  // The start-up memory check counts this stage's parameters.
+  EXPECT_EQ(model::parameters_per_rank(mc, l.ep, l.tp, par.etp.size(),
+                                       [&](const std::string& n) { return model::pipeline_stage_holds(n, mc, par); }),
+            gpt.num_parameters());
   optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!l.zero);
   train::TrainConfig tc = train_config(iters);
   tc.use_distributed_optimizer = l.zero;
@@ -379,6 +383,17 @@ TEST_F(Mpi, BadPipelineSplitsAreErrorsNamingTheValues) {
             }).find("pipeline stage 0 holds 3 decoder layers (--num-layers 6 over --pipeline-model-parallel-size 2"),
             std::string::npos);
   EXPECT_NE(message([] { model::pipeline_stage_layers(4, 1, -1, -1, 2); }).find("a virtual pipeline"),
+            std::string::npos);
+  // The embedding and the loss counted as layers (Megatron's --account-for-*-in-pipeline-split).
+  EXPECT_EQ(model::pipeline_stage_layers(7, 2, -1, -1, 1, true, false), (std::vector<int64_t>{3, 4}));
+  EXPECT_EQ(model::pipeline_stage_layers(6, 2, -1, -1, 1, true, true), (std::vector<int64_t>{3, 3}));
+  EXPECT_EQ(model::pipeline_stage_layers(6, 4, -1, -1, 1, true, true), (std::vector<int64_t>{1, 2, 2, 1}));
+  EXPECT_EQ(model::pipeline_stage_layers(7, 2, -1, -1, 2, false, true), (std::vector<int64_t>{2, 2, 2, 1}));
+  EXPECT_NE(message([] { model::pipeline_stage_layers(6, 4, -1, -1, 1, true, false); })
+                .find("--num-layers (6) + 1 for the embedding = 7 must be divisible by --pipeline-model-parallel-size "
+                      "(4)"),
+            std::string::npos);
+  EXPECT_NE(message([] { model::pipeline_stage_layers(6, 2, 1, -1, 1, true, false); }).find("exclude"),
             std::string::npos);
   // A model given a split of another shape.
   EXPECT_NE(message([] {

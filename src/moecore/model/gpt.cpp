@@ -104,23 +104,52 @@ void GptModel::check_pipeline() {
   slot_.assign(chunks_.size(), 0);
 }
 
-// Whether this stage holds the parameter `name`: its decoder layers' parameters; the embeddings on the first stage
-// (and the word embeddings' copy on the last, embedding_copy); the final norm, the output layer and MTP on the last.
-bool GptModel::stage_holds(const std::string& name, bool embedding_copy) const {
-  if (par_.pp.size() == 1) return true;
-  const std::string layers = "decoder.layers.";
-  if (name.starts_with(layers)) return local_layer(static_cast<size_t>(std::stoll(name.substr(layers.size()))));
-  if (name.starts_with("embedding."))
-    return holds_embeddings() || (embedding_copy && name == "embedding.word_embeddings.weight");
-  return holds_loss_heads();  // decoder.final_layernorm, output_layer, mtp
+bool pipeline_word_embeddings_copy(const ModelConfig& cfg, const ProcessGroup& pp) {
+  return pp.size() > 1 && pp.rank() == pp.size() - 1 &&
+         (!cfg.untie_embeddings_and_output_weights || cfg.mtp_num_layers > 0);
 }
 
-std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64_t first, int64_t last, int64_t vpp) {
+bool pipeline_stage_holds(const std::string& name, const ModelConfig& cfg, const ModelParallel& par) {
+  const int pp = par.pp.size(), rank = par.pp.rank();
+  if (pp == 1) return true;
+  const std::string layers = "decoder.layers.";
+  if (name.starts_with(layers)) {  // the virtual stage holding the layer, on rank k % pp
+    int64_t l = std::stoll(name.substr(layers.size())), k = 0;
+    for (; k < static_cast<int64_t>(par.pipeline_layers.size()); ++k) {
+      l -= par.pipeline_layers[static_cast<size_t>(k)];
+      if (l < 0) break;
+    }
+    return k % pp == rank;
+  }
+  if (name.starts_with("embedding."))
+    return rank == 0 || (pipeline_word_embeddings_copy(cfg, par.pp) && name == "embedding.word_embeddings.weight");
+  return rank == pp - 1;  // decoder.final_layernorm, output_layer, mtp
+}
+
+std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64_t first, int64_t last, int64_t vpp,
+                                           bool embedding, bool loss) {
   if (pp < 1) MOECORE_FAIL("model: --pipeline-model-parallel-size (", pp, ") must be positive");
   if (vpp < 1) MOECORE_FAIL("model: the virtual pipeline stages per rank (", vpp, ") must be positive");
   if (vpp > 1 && pp == 1)
     MOECORE_FAIL("model: a virtual pipeline (--num-virtual-stages-per-pipeline-rank ", vpp,
                  " or --num-layers-per-virtual-pipeline-stage) needs --pipeline-model-parallel-size > 1");
+  if (embedding || loss) {  // Megatron: the embedding and the loss count as a layer each, split evenly
+    if (first >= 0 || last >= 0)
+      MOECORE_FAIL(
+          "model: --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split exclude "
+          "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers (as in Megatron)");
+    const int64_t total = num_layers + (embedding ? 1 : 0) + (loss ? 1 : 0), stages = pp * vpp;
+    if (pp == 1 || total % stages != 0)
+      MOECORE_FAIL("model: --num-layers (", num_layers, ")", embedding ? " + 1 for the embedding" : "",
+                   loss ? " + 1 for the loss" : "", " = ", total,
+                   " must be divisible by --pipeline-model-parallel-size (", pp, ")",
+                   vpp > 1 ? " x virtual stages per rank (" + std::to_string(vpp) + ")" : "",
+                   pp == 1 ? ", which must be > 1" : "");
+    std::vector<int64_t> split(static_cast<size_t>(stages), total / stages);
+    split.front() -= embedding ? 1 : 0;
+    split.back() -= loss ? 1 : 0;
+    return split;
+  }
   if (pp == 1) {
     if (first >= 0 || last >= 0)
       MOECORE_FAIL(
@@ -353,10 +382,9 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   // valid: the vector is reserved for its final size first.
   // This pipeline stage's part of the table (every parameter at PP 1).
   std::vector<ParamSpec> specs;
-  const bool embedding_copy = !holds_embeddings() && holds_loss_heads() &&
-                              (!cfg_.untie_embeddings_and_output_weights || cfg_.mtp_num_layers > 0);
+  const bool embedding_copy = pipeline_word_embeddings_copy(cfg_, par_.pp);
   for (const ParamSpec& s : parameter_specs(cfg_))
-    if (stage_holds(s.name, embedding_copy)) specs.push_back(s);
+    if (pipeline_stage_holds(s.name, cfg_, par_)) specs.push_back(s);
   params_.reserve(specs.size());
   std::map<std::string, Param*> by_name;
   for (const ParamSpec& s : specs) {

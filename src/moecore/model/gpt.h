@@ -81,10 +81,13 @@ struct ModelParallel {
 // Megatron's split of num_layers decoder layers over pp stages of vpp model chunks each, by virtual stage
 // k = chunk * pp + stage: even, or with --decoder-first-pipeline-num-layers (first) and/or
 // --decoder-last-pipeline-num-layers (last; -1: unset) on those stages and the rest split evenly over the others; each
-// stage's layers split evenly over its chunks. Error naming the values when they do not split (every stage holds at
-// least one layer; with vpp > 1 each stage's count divides by vpp).
+// stage's layers split evenly over its chunks. With embedding / loss (--account-for-embedding-in-pipeline-split,
+// --account-for-loss-in-pipeline-split; without first / last) each counts as a layer: num_layers plus them split evenly
+// over the pp * vpp virtual stages, the first holding one decoder layer fewer for the embedding, the last one fewer for
+// the loss. Error naming the values when they do not split (every stage holds at least one layer, unless the embedding
+// or loss takes its place; with vpp > 1 each stage's count divides by vpp).
 std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64_t first = -1, int64_t last = -1,
-                                           int64_t vpp = 1);
+                                           int64_t vpp = 1, bool embedding = false, bool loss = false);
 // The decoder layers of each virtual stage from Megatron's --pipeline-model-parallel-layout: stages split by '|',
 // symbols E (embedding), t (decoder layer), m (MTP layer), L (loss), 'x*N' and '(...)*N' repeat, commas are ignored,
 // empty stages are allowed ("E||t|L"). A layout of pp * v stages gives v model chunks per stage (virtual stage
@@ -97,6 +100,13 @@ std::vector<int64_t> pipeline_layout_stage_layers(const std::string& layout, int
 // pipeline_layers.size() / pp model chunks per stage.
 ModelParallel model_parallel(const ProcessGroups& pg, bool sequence_parallel, moe::DispatcherKind dispatcher,
                              std::vector<int64_t> pipeline_layers = {});
+
+// Whether this rank's pipeline stage (par.pp, par.pipeline_layers) holds the parameter `name`: its chunks' decoder
+// layers; the embeddings on the first stage (and the word embeddings' copy on the last,
+// pipeline_word_embeddings_copy); the final norm, the output layer and MTP on the last. Every parameter at PP 1.
+bool pipeline_stage_holds(const std::string& name, const ModelConfig& cfg, const ModelParallel& par);
+// Whether the last stage of pp holds a copy of the word embeddings (tied output layer, or MTP embedding there).
+bool pipeline_word_embeddings_copy(const ModelConfig& cfg, const ProcessGroup& pp);
 
 // A micro-batch's activation slot in one model chunk (GptModel::set_micro_batch_slots).
 struct Slot {
@@ -236,7 +246,6 @@ class GptModel {
   void check_context_parallel() const;
   void check_expert_tensor_parallel() const;
   void check_pipeline();
-  bool stage_holds(const std::string& name, bool embedding_copy) const;
   // [B*S] host -> this CP rank's [B*S/CP] in out (the batch itself at CP 1)
   Tensor local_positions(const Tensor& batch_h, const Tensor& out) const;
   bool tensor_parallel() const { return par_.tp.size() > 1; }

@@ -17,9 +17,11 @@ std::vector<LayerSpec> layer_specs(const ModelConfig& cfg) {
   return out;
 }
 
-int64_t parameters_per_rank(const ModelConfig& cfg, int ep, int tp, int etp) {
+int64_t parameters_per_rank(const ModelConfig& cfg, int ep, int tp, int etp,
+                            const std::function<bool(const std::string&)>& held) {
   int64_t n = 0;
   for (const ParamSpec& p : parameter_specs(cfg)) {
+    if (held && !held(p.name)) continue;
     const int64_t split = p.tp_dim < 0 ? 1 : p.expert ? etp : tp;
     const int64_t k = (p.expert ? p.shape.numel() / ep : p.shape.numel()) / split;
     if (__builtin_add_overflow(n, k, &n)) MOECORE_FAIL("model: more than 2^63 parameters (", cfg.summary(), ")");

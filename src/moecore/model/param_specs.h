@@ -4,6 +4,7 @@
 // parameters from them; the HF weight map (hf_weights.h) and checkpoint conversion read them without allocating a
 // model. A new model family is new specs here (and their modules), not a new constructor.
 #pragma once
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -59,7 +60,9 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg);
 // Parameters one rank holds: every parameter, the routed experts divided over `ep` expert-parallel ranks and split
 // over `etp`, the other tensor-parallel splits over `tp` ranks (as GptModel allocates them). Overflow-checked: absurd
 // sizes are an Error, before anything is allocated.
-int64_t parameters_per_rank(const ModelConfig& cfg, int ep, int tp = 1, int etp = 1);
+// held: the parameters a pipeline stage holds (empty: all).
+int64_t parameters_per_rank(const ModelConfig& cfg, int ep, int tp = 1, int etp = 1,
+                            const std::function<bool(const std::string&)>& held = {});
 
 // Model FLOPs (echo-folding-perf.md's formula, Megatron's count) derived from the same configuration:
 // per token, the attention projections P_attn (multiply-adds per token per layer) and the attention core A_core
