@@ -4,6 +4,7 @@
 // --hf-config's table (hf_config.cpp) maps config.json keys to these flags by name.
 #include "apps/model_flags.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -292,6 +293,10 @@ const ModelFlag kModelFlags[] = {
    "off)",
    [](const Args& a, const char* f, ModelConfig& c) {
      c.recompute.granularity = a.on("--recompute-activations") ? "selective" : a.str(f);
+     if (!a.on("--moe-layer-recompute")) return;
+     if (c.recompute.granularity == "full")
+       MOECORE_FAIL("--moe-layer-recompute with --recompute-granularity full: do not set both (as Megatron says)");
+     c.recompute.granularity = "selective";
    }},
   {"--recompute-method", Kind::value, "",
    "with full: uniform (chunks of --recompute-num-layers layers) | block (the first --recompute-num-layers layers "
@@ -300,14 +305,19 @@ const ModelFlag kModelFlags[] = {
   {"--recompute-num-layers", Kind::value, "", "with full: layers per chunk (uniform) or recomputed layers (block)",
    [](const Args& a, const char* f, ModelConfig& c) { c.recompute.num_layers = a.str(f).empty() ? 0 : a.i64(f); }},
   {"--recompute-modules", Kind::list, "",
-   "with selective: the modules whose outputs backward recomputes, of core_attn, mlp, layernorm and moe_act (unset: "
-   "core_attn, Megatron's default)",
+   "with selective: the modules whose outputs backward recomputes, of core_attn, mlp, moe, shared_experts, layernorm "
+   "and moe_act (unset: core_attn, Megatron's default)",
    [](const Args& a, const char* f, ModelConfig& c) {
      c.recompute.modules.clear();
      for (const std::string& v : a.list(f))
        for (const std::string& m : split_list(v)) c.recompute.modules.push_back(m);
+     const auto& m = c.recompute.modules;
+     if (a.on("--moe-layer-recompute") && std::find(m.begin(), m.end(), "moe") == m.end())
+       c.recompute.modules.push_back("moe");
    }},
-  {"--moe-layer-recompute", Kind::unsupported_switch, "", "MoE-layer recompute", nullptr},
+  {"--moe-layer-recompute", Kind::flag, "",
+   "Megatron's older spelling of --recompute-granularity selective --recompute-modules moe (added to the modules)",
+   nullptr},
   {"--reset-position-ids", Kind::unsupported_switch, "", "position ids that restart at each document", nullptr},
   {"--reset-attention-mask", Kind::unsupported_switch, "", "attention masks that stop at document boundaries", nullptr},
   // Mixture of experts.

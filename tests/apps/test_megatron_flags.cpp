@@ -81,9 +81,8 @@ TEST(MegatronFlags, EverySharedFlagHasMegatronsDefault) {
 }
 
 TEST(MegatronFlags, UnsupportedFlagsAreRefusedByName) {
-  for (const std::string& f :
-       {std::string("--moe-layer-recompute"), std::string("--moe-shared-expert-overlap"), std::string("--qk-l2-norm"),
-        std::string("--tp-comm-overlap"), std::string("--fp8-format e4m3")}) {
+  for (const std::string& f : {std::string("--moe-shared-expert-overlap"), std::string("--qk-l2-norm"),
+                               std::string("--tp-comm-overlap"), std::string("--fp8-format e4m3")}) {
     const CmdResult r = run_cmd("train --data-path x " + f);
     EXPECT_NE(r.status, 0) << f;
     const std::string name = f.substr(0, f.find(' '));
@@ -152,7 +151,7 @@ std::vector<MegatronExample> megatron_examples() {
        "--tensor-model-parallel-size 1 --expert-model-parallel-size 1 --use-distributed-optimizer "
        "--overlap-grad-reduce --overlap-param-gather "
        "--log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --no-load-optim --no-load-rng "
-       "--recompute-activations",
+       "--recompute-activations --moe-layer-recompute",
        {}},
       {"qwen3-30b-a3b",
        "--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion --disable-bias-linear "
@@ -180,7 +179,7 @@ std::vector<MegatronExample> megatron_examples() {
        "--rotary-base 10000 --rotary-percent 1.0 --mscale 1.0 --global-batch-size 2 --lr 1e-4 --train-iters 2 "
        "--multi-latent-attention --kv-lora-rank 16 --v-head-dim 16 --q-lora-rank 24 --qk-head-dim 16 "
        "--qk-pos-emb-head-dim 8 --qk-layernorm --rotary-scaling-factor 40 --mscale-all-dim 1.0",
-       {"--moe-shared-expert-overlap", "--moe-layer-recompute"}},
+       {"--moe-shared-expert-overlap"}},
   };
 }
 

@@ -271,7 +271,8 @@ TEST_F(Mpi, RecomputeUnderPipelineAndExpertParallelismIsBitwise) {
   const std::vector<model::RecomputeConfig> settings = {{"full", "uniform", 2, {}},
                                                         {"full", "block", 1, {}},
                                                         {"selective", "", 0, {"layernorm", "moe_act"}},
-                                                        {"selective", "", 0, {"core_attn", "mlp"}}};
+                                                        {"selective", "", 0, {"core_attn", "mlp"}},
+                                                        {"selective", "", 0, {"moe", "shared_experts"}}};
   for (const Layout& l : layouts)
     for (const model::RecomputeConfig& rc : settings) {
       SCOPED_TRACE(l.name() + ", " + rc.granularity + " " + rc.method);

@@ -26,10 +26,10 @@ void RecomputeConfig::validate() const {
       if (std::find(megatron.begin(), megatron.end(), m) == megatron.end())
         MOECORE_FAIL("--recompute-modules: '", m,
                      "' is not one of core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts");
-      if (m != "moe_act" && m != "layernorm" && m != "core_attn" && m != "mlp")
+      if (m == "mla_up_proj")
         MOECORE_FAIL("--recompute-modules ", m,
-                     " is not supported yet: moecore recomputes core_attn, mlp, layernorm and moe_act selectively, or "
-                     "whole layers with --recompute-granularity full");
+                     " is not supported yet: moecore recomputes core_attn, mlp, moe, shared_experts, layernorm and "
+                     "moe_act selectively, or whole layers with --recompute-granularity full");
     }
     return;
   }

@@ -36,8 +36,10 @@ struct YarnConfig {
 // the named modules and recomputes them from what the layer keeps (Megatron's output-discarding recompute): layernorm
 // (the input and pre-MLP norms' outputs, from the residual stream and the norm statistics), moe_act (the routed
 // experts' activation outputs, from their fc1 outputs), core_attn (the core attention's output and log-sum-exp, from
-// the kept q, k, v: Megatron's default module) and mlp (a dense layer's MLP: its norm output, fc1 output and
-// activation, from the residual stream).
+// the kept q, k, v: Megatron's default module), mlp (a dense layer's MLP: its norm output, fc1 output and
+// activation, from the residual stream), moe (an MoE layer's dispatched rows, experts' and shared expert's
+// activations: the layer runs again from its kept routing) and shared_experts (the shared expert's fc1 output and
+// activation).
 struct RecomputeConfig {
   std::string granularity;           // --recompute-granularity: "" (Megatron's None: off) | full | selective
   std::string method;                // --recompute-method: uniform | block (needed by full)

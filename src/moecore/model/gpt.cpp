@@ -623,7 +623,15 @@ void GptModel::plan_recompute() {
     if (dense_layers) selective_h2_dense_ = dense.h2;
     if (moe_layers) selective_h2_moe_ = nn::dense_layer_cache_alloc(dims_, false, false).h2;
   }
-  if (rc.selects("moe_act") && moe_layers) selective_act_ = moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe).experts.act;
+  // (moe refills whole MoE layers: their experts' activations and shared expert with them)
+  if (rc.selects("moe") && moe_layers) selective_moe_ = moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe);
+  if (rc.selects("moe_act") && moe_layers && !rc.selects("moe"))
+    selective_act_ = moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe).experts.act;
+  if (rc.selects("shared_experts") && moe_layers && !rc.selects("moe") && moe_dims_.Fs > 0) {
+    const moe::MoeLayerCache c = moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe);
+    selective_shared_h_ = c.shared.h;
+    selective_shared_act_ = c.shared.act;
+  }
   bool standard = false;
   for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l)
     standard |= local_layer(l) && layers_[l].attention == AttentionKind::standard;
@@ -664,6 +672,7 @@ void GptModel::plan_recompute() {
 // The MoE cache that owns the scratch every other MoE cache shares (dead between a layer's forward and its backward,
 // so dead between micro-batches too): the first shared recompute set's, else the first slot's first MoE layer's.
 const moe::MoeLayerCache* GptModel::moe_scratch_donor() const {
+  if (selective_moe_.probs.defined()) return &selective_moe_;
   for (const auto& [key, c] : recompute_caches_)
     if (c.moe.probs.defined()) return &c.moe;
   for (const auto& chunk : slots_)
@@ -715,6 +724,12 @@ GptModel::Activations GptModel::alloc_activations(int64_t chunk) const {
     if (moe_[l] && selective_act_.defined()) {  // selective moe_act: the shared buffer
       a.moe.back().experts.act = selective_act_;
       a.moe.back().owns_expert_act = false;
+    }
+    if (drops_moe(l)) moe::moe_layer_cache_share_refilled(a.moe.back(), selective_moe_);
+    if (drops_shared_expert(l)) {
+      a.moe.back().shared.h = selective_shared_h_;
+      a.moe.back().shared.act = selective_shared_act_;
+      a.moe.back().owns_shared_act = false;
     }
   }
   a.drops.resize(layers_.size());
@@ -1070,9 +1085,13 @@ void GptModel::moe_mlp_backward(size_t l, float grad_scale, const ops::Context& 
   Tensor dx = dh_.slice(0, 0, N), dh2_flat = ws_.dh.slice(0, 0, N);
   Tensor dout_sb = moe_out_.view({S, B_, H}), dx_sb = dx.view({S, B_, H}), dh2 = dh2_flat.view({B_, S, H});
   Tensor x_sb = moe_x_.view({S, B_, H}), no_bias;
+  ops::transpose_01(x_sb, a.layer[l].h2.view({B_, S, H}), ctx);
+  if (drops_moe(l))  // selective moe: the layer again from its routing (its output, in moe_out_, is not needed)
+    moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, a.moe[l], *dispatcher_, moe_dims_, cfg_.moe,
+                           /*training=*/true, ctx, /*route=*/false);
+  if (drops_shared_expert(l)) moe::shared_expert_refill(moe_x_, m.w.shared, a.moe[l].shared, cfg_.moe.swiglu, ctx);
   ops::bias_dropout_add_backward(dh2_flat, no_bias, dres_, a.drops[l].mlp_out, ctx);
   ops::transpose_01(dout_sb, dh2, ctx);
-  ops::transpose_01(x_sb, a.layer[l].h2.view({B_, S, H}), ctx);
   moe::moe_layer_backward(dx, m.g, moe_out_, moe_x_, m.w, a.moe[l], *dispatcher_, moe_dims_, cfg_.moe, grad_scale, ctx);
   ops::transpose_01(dh2, dx_sb, ctx);
   nn::mlp_norm_backward(dres_, layer_g_[l], dh2_flat, layer_w_[l], a.layer[l], dims_, ctx);
@@ -1273,8 +1292,10 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
     if (is_mla) at(MemCategory::activations) += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
     if (is_moe) at(MemCategory::activations) += moe::moe_layer_cache_bytes(c.moe);
   }
-  for (const Tensor* t : {&selective_h1_, &selective_h2_dense_, &selective_h2_moe_, &selective_act_, &selective_attn_,
-                          &selective_lse_, &selective_fc1_, &selective_mlp_act_})
+  if (selective_moe_.probs.defined()) at(MemCategory::activations) += moe::moe_layer_cache_bytes(selective_moe_);
+  for (const Tensor* t :
+       {&selective_h1_, &selective_h2_dense_, &selective_h2_moe_, &selective_act_, &selective_attn_, &selective_lse_,
+        &selective_fc1_, &selective_mlp_act_, &selective_shared_h_, &selective_shared_act_})
     if (t->defined()) at(MemCategory::activations) += t->nbytes();  // selective recompute's shared buffers
   // The model's own buffers, by the tensors themselves (each is allocated in one place, the constructor).
   for (const MtpDepth& d : mtp_) {

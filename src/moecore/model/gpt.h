@@ -331,12 +331,18 @@ class GptModel {
   // when not selected. Decoder layers only: the MTP depths keep their own.
   Tensor selective_h1_, selective_h2_dense_, selective_h2_moe_, selective_act_;
   Tensor selective_attn_, selective_lse_, selective_fc1_, selective_mlp_act_;
+  Tensor selective_shared_h_, selective_shared_act_;  // shared_experts: the shared expert's fc1 output, activation
+  moe::MoeLayerCache selective_moe_;                  // moe: the refilled part every MoE layer shares
   bool decoder_layer(size_t l) const { return static_cast<int64_t>(l) < cfg_.num_layers; }
   bool drops_norms(size_t l) const { return selective_h1_.defined() && decoder_layer(l); }
   bool drops_attention(size_t l) const {
     return selective_attn_.defined() && decoder_layer(l) && layers_[l].attention == AttentionKind::standard;
   }
   bool drops_mlp(size_t l) const { return selective_fc1_.defined() && decoder_layer(l) && !moe_[l]; }
+  bool drops_moe(size_t l) const { return selective_moe_.probs.defined() && decoder_layer(l) && moe_[l]; }
+  bool drops_shared_expert(size_t l) const {
+    return selective_shared_h_.defined() && decoder_layer(l) && moe_[l] && !drops_moe(l);
+  }
   // The tensors of a decoder layer's cache the above replace.
   std::vector<const Tensor*> dropped(const nn::DenseLayerCache& c, size_t l) const;
   void plan_recompute();

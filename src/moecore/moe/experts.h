@@ -101,6 +101,9 @@ SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bo
 // y [T, H] f32 += shared expert output of x [T, H] compute.
 void shared_expert_forward(Tensor& y, const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache,
                            bool swiglu, const ops::Context& ctx);
+// Selective recompute (shared_experts): cache.h and cache.act again from x, as forward computes them.
+void shared_expert_refill(const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache, bool swiglu,
+                          const ops::Context& ctx);
 // dy [T, H] f32; dx [T, H] f32 +=; grads +=.
 void shared_expert_backward(Tensor& dx, SharedExpertGrads& g, const Tensor& dy, const Tensor& x,
                             const SharedExpertWeights& w, SharedExpertCache& cache, bool swiglu,

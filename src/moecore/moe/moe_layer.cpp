@@ -154,7 +154,8 @@ int64_t moe_layer_cache_bytes(const MoeLayerCache& c) {
   for (const Tensor* t : routing_tensors(c)) n += bytes_of(*t);
   if (c.owns_refilled)
     for (const Tensor* t : refilled_tensors(c))
-      if (t != &c.experts.act || c.owns_expert_act) n += bytes_of(*t);
+      if ((t != &c.experts.act || c.owns_expert_act) && ((t != &c.shared.h && t != &c.shared.act) || c.owns_shared_act))
+        n += bytes_of(*t);
   if (c.owns_scratch)
     for (Tensor* t : scratch_tensors(const_cast<MoeLayerCache&>(c))) n += bytes_of(*t);
   return n;

@@ -62,6 +62,7 @@ struct MoeLayerCache {
   bool owns_scratch = true;     // false when the scratch tensors alias another layer's
   bool owns_refilled = true;    // false when the tensors a recompute refills alias another cache's
   bool owns_expert_act = true;  // false when experts.act aliases a buffer shared by layers (moe_act recompute)
+  bool owns_shared_act = true;  // false when shared.h and shared.act do (shared_experts recompute)
 };
 // With share_scratch_with (a cache of the same shapes), the scratch tensors alias that cache's.
 MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,

@@ -65,8 +65,7 @@ void shared_expert_forward(Tensor& y, const Tensor& x, const SharedExpertWeights
   check_shared("shared_expert_forward", x, w, cache, swiglu);
   if (!(y.shape() == x.shape()) || y.dtype() != DType::f32 || !y.is_contiguous())
     MOECORE_FAIL("shared_expert_forward: y must be a contiguous ", x.shape().str(), " f32 tensor, got ", y.str());
-  ops::gemm(cache.h, x, false, w.fc1, true, 1.0f, 0.0f, ctx);
-  act_forward(cache.act, cache.h, swiglu, ctx);
+  shared_expert_refill(x, w, cache, swiglu, ctx);
   if (!w.gate.defined()) {
     ops::gemm(y, cache.act, false, w.fc2, true, 1.0f, 1.0f, ctx);
     return;
@@ -74,6 +73,12 @@ void shared_expert_forward(Tensor& y, const Tensor& x, const SharedExpertWeights
   ops::gemm(cache.out, cache.act, false, w.fc2, true, 1.0f, 0.0f, ctx);
   Tensor gate = w.gate.view({x.size(1)});
   ops::moe_shared_gate_forward(y, cache.gate_s, x, gate, cache.out, ctx);
+}
+
+void shared_expert_refill(const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache, bool swiglu,
+                          const ops::Context& ctx) {
+  ops::gemm(cache.h, x, false, w.fc1, true, 1.0f, 0.0f, ctx);
+  act_forward(cache.act, cache.h, swiglu, ctx);
 }
 
 void shared_expert_backward(Tensor& dx, SharedExpertGrads& g, const Tensor& dy, const Tensor& x,
