@@ -3,6 +3,7 @@
 // (dense with dropout; MoE with jitter noise, aux/seq-aux/z losses and the expert bias; MLA), with micro-batches in
 // flight (activation slots); the memory plan's activation bytes fall by the caches the recomputed layers no longer
 // keep, the tracked allocations equal the plan, and a step allocates nothing beyond it; bad settings name the flags.
+#include <algorithm>
 #include <cstring>
 
 #include "moecore/core/memory.h"
@@ -109,11 +110,13 @@ TEST(Recompute, EverySettingIsBitwiseTheRunWithout) {
                                                {"moe"},
                                                {"shared_experts"},
                                                {"moe", "moe_act", "shared_experts", "layernorm"},
+                                               {"mla_up_proj", "layernorm"},
                                                {"core_attn", "mlp", "layernorm", "moe_act", "shared_experts"}})
-      expect_bitwise(run(with_selective(c, modules)), plain,
-                     "selective " + (modules.empty() ? std::string("(default)") : modules[0]) +
-                         (modules.size() > 1 ? "+" + std::to_string(modules.size() - 1) + " more" : "") +
-                         (c.moe.enabled() ? " moe" : " dense") + (c.multi_latent_attention ? " mla" : ""));
+      if (c.multi_latent_attention || std::find(modules.begin(), modules.end(), "mla_up_proj") == modules.end())
+        expect_bitwise(run(with_selective(c, modules)), plain,
+                       "selective " + (modules.empty() ? std::string("(default)") : modules[0]) +
+                           (modules.size() > 1 ? "+" + std::to_string(modules.size() - 1) + " more" : "") +
+                           (c.moe.enabled() ? " moe" : " dense") + (c.multi_latent_attention ? " mla" : ""));
     for (const auto& [method, n] : std::vector<std::pair<std::string, int64_t>>{
              {"uniform", 1}, {"uniform", 2}, {"uniform", 3}, {"uniform", 8}, {"block", 1}, {"block", 3}})
       expect_bitwise(run(with_recompute(c, method, n)), plain,
@@ -171,7 +174,9 @@ TEST(Recompute, ActivationBytesFallByTheCachesNoLongerKept) {
 TEST(Recompute, SelectiveDropsTheNamedOutputs) {
   const int64_t h = 2 * 16 * 32 * 4, act = 2 * 16 * 2 * 24 * 4;  // [T, H] f32; [T * topk, F] f32
   const int64_t attn = h + 2 * 4 * 16 * 4, mlp = h + 32 * 96 * 4 + 32 * 48 * 4;
-  const int64_t shared = 32 * 32 * 4 + 32 * 16 * 4;  // the shared expert's fc1 output [T, 2Fs] and activation [T, Fs]
+  const int64_t shared = 32 * 32 * 4 + 32 * 16 * 4;
+  const int64_t mla_qkv = 32 * 4 * 3 * (6 + 4) * 4;  // MLA's kernel input [T, heads * 3 * (dn + dr)] (v padded)  // the
+                                                     // shared expert's fc1 output [T, 2Fs] and activation [T, Fs]
   struct Case {
     model::ModelConfig c;
     std::vector<std::string> modules;
@@ -182,7 +187,7 @@ TEST(Recompute, SelectiveDropsTheNamedOutputs) {
         Case{moe(false), {"layernorm"}, 2 * h, 4, 3 * h}, Case{dense(4), {"core_attn"}, attn, 4, attn},
         Case{moe(false), {"core_attn"}, attn, 4, attn}, Case{dense(4), {"mlp"}, mlp, 4, mlp},
         Case{moe(false), {"mlp"}, mlp, 1, mlp}, Case{dense(4), {"layernorm", "mlp"}, h + mlp, 4, h + mlp},
-        Case{moe(false), {"shared_experts"}, shared, 3, shared}})
+        Case{moe(false), {"shared_experts"}, shared, 3, shared}, Case{moe(true), {"mla_up_proj"}, mla_qkv, 4, mla_qkv}})
     for (int64_t slots : {1, 3}) {
       const MemoryStats before = memory_stats();
       model::GptModel m(with_selective(k.c, k.modules), 2, 3, {}, testing::test_device());
@@ -240,7 +245,8 @@ TEST(Recompute, BadSettingsNameTheFlags) {
   expect({"full", "uniform", 0, {}}, "--recompute-num-layers >= 1, got 0");
   expect({"", "uniform", 0, {}}, "need --recompute-granularity full");
   expect({"everything", "uniform", 1, {}}, "--recompute-granularity 'everything' is not one of full, selective");
-  expect({"selective", "", 0, {"moe_act", "mla_up_proj"}}, "--recompute-modules mla_up_proj is not supported yet");
+  expect({"selective", "", 0, {"moe_act", "mla_up_proj"}},
+         "--recompute-modules mla_up_proj needs --multi-latent-attention");
   expect({"selective", "", 0, {"attention"}}, "'attention' is not one of core_attn, moe_act, layernorm");
   expect({"selective", "uniform", 1, {"moe_act"}}, "are for --recompute-granularity full, not selective");
   expect({"full", "uniform", 1, {"moe_act"}}, "--recompute-modules needs --recompute-granularity selective");

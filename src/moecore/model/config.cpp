@@ -26,10 +26,6 @@ void RecomputeConfig::validate() const {
       if (std::find(megatron.begin(), megatron.end(), m) == megatron.end())
         MOECORE_FAIL("--recompute-modules: '", m,
                      "' is not one of core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts");
-      if (m == "mla_up_proj")
-        MOECORE_FAIL("--recompute-modules ", m,
-                     " is not supported yet: moecore recomputes core_attn, mlp, moe, shared_experts, layernorm and "
-                     "moe_act selectively, or whole layers with --recompute-granularity full");
     }
     return;
   }
@@ -109,6 +105,8 @@ void ModelConfig::validate() const {
         "--position-embedding-type rope");
   moe.validate();
   recompute.validate();
+  if (recompute.selects("mla_up_proj") && !multi_latent_attention)
+    MOECORE_FAIL("--recompute-modules mla_up_proj needs --multi-latent-attention (as in Megatron)");
   if (moe.enabled()) {
     (void)moe_layers();  // validates --moe-layer-freq against num_layers
     if (moe.swiglu != swiglu)

@@ -39,7 +39,7 @@ struct YarnConfig {
 // the kept q, k, v: Megatron's default module), mlp (a dense layer's MLP: its norm output, fc1 output and
 // activation, from the residual stream), moe (an MoE layer's dispatched rows, experts' and shared expert's
 // activations: the layer runs again from its kept routing) and shared_experts (the shared expert's fc1 output and
-// activation).
+// activation) and mla_up_proj (MLA's up projections: the attention kernel's input, from the kept latents).
 struct RecomputeConfig {
   std::string granularity;           // --recompute-granularity: "" (Megatron's None: off) | full | selective
   std::string method;                // --recompute-method: uniform | block (needed by full)

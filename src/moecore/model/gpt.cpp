@@ -635,6 +635,11 @@ void GptModel::plan_recompute() {
   bool standard = false;
   for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l)
     standard |= local_layer(l) && layers_[l].attention == AttentionKind::standard;
+  bool mla_layers = false;
+  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l)
+    mla_layers |= local_layer(l) && layers_[l].attention == AttentionKind::mla;
+  if (rc.selects("mla_up_proj") && mla_layers)
+    selective_mla_qkv_ = nn::mla_cache_alloc(mla_dims_, cfg_.compute_dtype, dims_.layernorm, device_).qkv;
   if (rc.selects("core_attn") && standard) {
     const nn::DenseLayerCache c = nn::dense_layer_cache_alloc(dims_, false, true);
     selective_attn_ = c.attn;
@@ -719,6 +724,7 @@ GptModel::Activations GptModel::alloc_activations(int64_t chunk) const {
       c.act = selective_mlp_act_;
     }
     if (layer_mla) a.mla[l] = nn::mla_cache_alloc(mla_dims_, cfg_.compute_dtype, dims_.layernorm, device_);
+    if (drops_mla_up(l)) a.mla[l].qkv = selective_mla_qkv_;
     a.moe.push_back(moe_[l] ? moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe, donor) : moe::MoeLayerCache{});
     if (moe_[l] && !donor) donor = &a.moe.back();
     if (moe_[l] && selective_act_.defined()) {  // selective moe_act: the shared buffer
@@ -967,6 +973,7 @@ void GptModel::layer_backward(size_t l, const Tensor& x, float grad_scale, const
   // dres is dL/dx_mid here.
   if (drops_norms(l)) nn::attention_norm_refill(x, layer_w_[l], a.layer[l], ws_, dims_, ctx);
   if (drops_attention(l)) nn::core_attention_refill(a.layer[l], ws_, dims_, a.drops[l], ctx);
+  if (drops_mla_up(l)) nn::mla_up_refill(a.layer[l].h1, mla_w_[l], a.mla[l], mla_ws_, rope_, mla_dims_, ctx);
   if (layers_[l].attention == AttentionKind::standard)
     nn::attention_block_backward(dres_, layer_g_[l], x, layer_w_[l], a.layer[l], ws_, rope_, dims_, a.drops[l], ctx);
   else
@@ -1273,8 +1280,9 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
         at(MemCategory::activations) += nn::dense_layer_cache_bytes(dims_, moe_[l] == nullptr, !layer_mla);
         for (const Tensor* t : dropped(a.layer[l], l))  // (selective recompute's shared buffers: counted once below)
           at(MemCategory::activations) -= t->nbytes();
-        if (layer_mla)
-          at(MemCategory::activations) += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
+        if (layer_mla)  // (selective mla_up_proj: the kernel's input is shared, counted once below)
+          at(MemCategory::activations) += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm) -
+                                          (drops_mla_up(l) ? a.mla[l].qkv.nbytes() : 0);
         if (moe_[l]) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.moe[l]);
       }
       for (const Tensor& r : a.residual) count(MemCategory::activations, {&r});
@@ -1295,7 +1303,7 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   if (selective_moe_.probs.defined()) at(MemCategory::activations) += moe::moe_layer_cache_bytes(selective_moe_);
   for (const Tensor* t :
        {&selective_h1_, &selective_h2_dense_, &selective_h2_moe_, &selective_act_, &selective_attn_, &selective_lse_,
-        &selective_fc1_, &selective_mlp_act_, &selective_shared_h_, &selective_shared_act_})
+        &selective_fc1_, &selective_mlp_act_, &selective_shared_h_, &selective_shared_act_, &selective_mla_qkv_})
     if (t->defined()) at(MemCategory::activations) += t->nbytes();  // selective recompute's shared buffers
   // The model's own buffers, by the tensors themselves (each is allocated in one place, the constructor).
   for (const MtpDepth& d : mtp_) {

@@ -333,12 +333,16 @@ class GptModel {
   Tensor selective_attn_, selective_lse_, selective_fc1_, selective_mlp_act_;
   Tensor selective_shared_h_, selective_shared_act_;  // shared_experts: the shared expert's fc1 output, activation
   moe::MoeLayerCache selective_moe_;                  // moe: the refilled part every MoE layer shares
+  Tensor selective_mla_qkv_;                          // mla_up_proj: the MLA kernel's input
   bool decoder_layer(size_t l) const { return static_cast<int64_t>(l) < cfg_.num_layers; }
   bool drops_norms(size_t l) const { return selective_h1_.defined() && decoder_layer(l); }
   bool drops_attention(size_t l) const {
     return selective_attn_.defined() && decoder_layer(l) && layers_[l].attention == AttentionKind::standard;
   }
   bool drops_mlp(size_t l) const { return selective_fc1_.defined() && decoder_layer(l) && !moe_[l]; }
+  bool drops_mla_up(size_t l) const {
+    return selective_mla_qkv_.defined() && decoder_layer(l) && layers_[l].attention == AttentionKind::mla;
+  }
   bool drops_moe(size_t l) const { return selective_moe_.probs.defined() && decoder_layer(l) && moe_[l]; }
   bool drops_shared_expert(size_t l) const {
     return selective_shared_h_.defined() && decoder_layer(l) && moe_[l] && !drops_moe(l);

@@ -106,19 +106,29 @@ int64_t mla_workspace_bytes(const MlaDims& d, DType c) {
 void mla_block_forward(const Tensor& x, const DenseLayerWeights& w, const MlaWeights& m, DenseLayerCache& k,
                        MlaCache& mc, DenseLayerWorkspace& ws, MlaWorkspace& mw, const Tensor& rope,
                        const DenseLayerDims& d, const MlaDims& md, const LayerDropout& drop, const ops::Context& ctx) {
-  const int64_t kvr = md.kv_lora, dr = md.dr, dn = md.dn, dv = md.dv, D = md.D();
-  const float mult = md.softmax_scale_mult;  // folded into q: the kernel's scale is 1 / sqrt(D)
   norm_to_gemm_input(k.h1, k.mean1, k.rstd1, x, w.input_norm, w.input_norm_bias, ws, d, ctx);
   if (md.q_lora) {
     ops::gemm(mc.qa, k.h1, false, m.q_down, true, 1.0f, 0.0f, ctx);
     latent_norm_forward(mc.qa_n, mc.qa_mean, mc.qa_rstd, mc.qa, m.q_norm, m.q_norm_bias, md.latent_norm, d.eps, ctx);
-    ops::gemm(mw.q, mc.qa_n, false, m.q_up, true, mult, 0.0f, ctx);
-  } else {
-    ops::gemm(mw.q, k.h1, false, m.q, true, mult, 0.0f, ctx);
   }
-  ops::gemm(mc.c, k.h1, false, m.kv_down.slice(0, 0, kvr), true, 1.0f, 0.0f, ctx);
+  ops::gemm(mc.c, k.h1, false, m.kv_down.slice(0, 0, md.kv_lora), true, 1.0f, 0.0f, ctx);
   latent_norm_forward(mc.c_n, mc.c_mean, mc.c_rstd, mc.c, m.kv_norm, m.kv_norm_bias, md.latent_norm, d.eps, ctx);
-  ops::gemm(mw.k_pe, k.h1, false, m.kv_down.slice(0, kvr, kvr + dr), true, 1.0f, 0.0f, ctx);
+  mla_up_refill(k.h1, m, mc, mw, rope, md, ctx);
+  Tensor qkv = bsw(mc.qkv, md), attn = bsw(mc.attn, md);
+  attention_forward(attn, mc.lse, qkv, md.qkv(), drop.attention, d.cp, mw.cp, ctx);
+  mc.attn_v.view({md.N(), md.heads, md.dv}).copy_from(mc.attn.view({md.N(), md.heads, md.D()}).slice(2, 0, md.dv));
+  row_parallel_residual_forward(k.x_mid, x, mc.attn_v, w.proj, w.proj_bias, ws, d, drop.attn_out, ctx);
+}
+
+void mla_up_refill(const Tensor& h1, const MlaWeights& m, MlaCache& mc, MlaWorkspace& mw, const Tensor& rope,
+                   const MlaDims& md, const ops::Context& ctx) {
+  const int64_t kvr = md.kv_lora, dr = md.dr, dn = md.dn, dv = md.dv, D = md.D();
+  const float mult = md.softmax_scale_mult;  // folded into q: the kernel's scale is 1 / sqrt(D)
+  if (md.q_lora)
+    ops::gemm(mw.q, mc.qa_n, false, m.q_up, true, mult, 0.0f, ctx);
+  else
+    ops::gemm(mw.q, h1, false, m.q, true, mult, 0.0f, ctx);
+  ops::gemm(mw.k_pe, h1, false, m.kv_down.slice(0, kvr, kvr + dr), true, 1.0f, 0.0f, ctx);
   ops::gemm(mw.kv, mc.c_n, false, m.kv_up, true, 1.0f, 0.0f, ctx);
   // The kernel's heads: [q_pe | q_nope], [k_pe | k_nope] (k_pe broadcast over the heads), [v | 0].
   Tensor Q = slot(mc.qkv, md, 0), K = slot(mc.qkv, md, 1), V = slot(mc.qkv, md, 2);
@@ -129,11 +139,8 @@ void mla_block_forward(const Tensor& x, const DenseLayerWeights& w, const MlaWei
   const Tensor pe = mw.k_pe.view({md.N(), 1, 1, dr});
   for (int64_t h = 0; h < md.heads; ++h) K.slice(1, h, h + 1).slice(3, 0, dr).copy_from(pe);
   V.slice(3, 0, dv).copy_from(kv4.slice(3, dn, dn + dv));
-  Tensor qkv = bsw(mc.qkv, md), attn = bsw(mc.attn, md);
+  Tensor qkv = bsw(mc.qkv, md);
   ops::rope_forward(qkv, rope, md.qkv(), ctx);
-  attention_forward(attn, mc.lse, qkv, md.qkv(), drop.attention, d.cp, mw.cp, ctx);
-  mc.attn_v.view({md.N(), md.heads, dv}).copy_from(mc.attn.view({md.N(), md.heads, D}).slice(2, 0, dv));
-  row_parallel_residual_forward(k.x_mid, x, mc.attn_v, w.proj, w.proj_bias, ws, d, drop.attn_out, ctx);
 }
 
 void mla_block_backward(Tensor& dres, DenseLayerGrads& g, MlaGrads& mg, const Tensor& x, const DenseLayerWeights& w,

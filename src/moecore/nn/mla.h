@@ -85,6 +85,11 @@ MlaWorkspace mla_workspace_alloc(const MlaDims& d, DType compute, Device device 
 int64_t mla_cache_bytes(const MlaDims& d, DType compute, bool layernorm);
 int64_t mla_workspace_bytes(const MlaDims& d, DType compute);
 
+// The up projections (Megatron's mla_up_proj): mc.qkv, the attention kernel's input after RoPE, from h1 (the input
+// norm's output) and the kept latents -- forward computes it with this function, and selective recompute of
+// mla_up_proj again before the backward (so mc.qkv may be shared by the layers). Uses mw.q, mw.kv, mw.k_pe.
+void mla_up_refill(const Tensor& h1, const MlaWeights& m, MlaCache& mc, MlaWorkspace& mw, const Tensor& rope,
+                   const MlaDims& md, const ops::Context& ctx);
 // x [N, H] f32 -> k.x_mid (dense cache: h1 and its norm statistics, x_mid). w: the layer's input norm, proj
 // (+bias); m: the MLA weights. rope [S, dr] f32 (the rotary table, YaRN-scaled when configured).
 void mla_block_forward(const Tensor& x, const DenseLayerWeights& w, const MlaWeights& m, DenseLayerCache& k,
