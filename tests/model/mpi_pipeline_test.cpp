@@ -305,7 +305,8 @@ TEST_F(Mpi, PipelineWithTensorAndContextParallelismMatchesOneProcess) {
 }
 
 // Every kind of parallelism at once: PP 2 x TP 2 (SP) x DP 2 with the MoE layers' experts over ETP 2 (the default:
-// TP) and EP 2 within each stage, with the distributed optimizer and its overlap, and with full recompute.
+// TP) and EP 2 within each stage, with the distributed optimizer and its overlap, and with full recompute; and PP 2 x
+// VPP 2 x CP 2 x DP 2.
 TEST_F(Mpi, EightRanksMatchOneProcess) {
   model::ModelConfig mc = moe_mtp();
   mc.num_query_groups = 4;
@@ -314,6 +315,11 @@ TEST_F(Mpi, EightRanksMatchOneProcess) {
   check_layout(world, mc, l);
   mc.recompute = {"full", "uniform", 1, {}};
   check_layout(world, mc, l);
+  // Context parallelism under an interleaved pipeline: PP 2 x VPP 2 x CP 2 x DP 2.
+  Layout cp{2};
+  cp.cp = 2;
+  cp.vpp = 2;
+  check_layout(world, tied_dense(), cp);
 }
 
 // Checkpoints hold every layer whatever the PP size: saved at step 4 of 8 under PP = P (dense tied; MoE + MTP with the
