@@ -539,9 +539,8 @@ int train_main(int argc, char** argv) {
   if (ep.tp.size() > 1 && a.on("--moe-use-upcycling"))
     MOECORE_FAIL("--moe-use-upcycling with --tensor-model-parallel-size ", ep.tp.size(),
                  " is not supported yet: upcycle at TP 1, save, and load the checkpoint at any TP");
-  if (ep.pp.size() > 1 && (a.on("--moe-use-upcycling") || !a.str("--load-hf").empty()))
-    MOECORE_FAIL(a.on("--moe-use-upcycling") ? "--moe-use-upcycling" : "--load-hf",
-                 " with --pipeline-model-parallel-size ", ep.pp.size(),
+  if (ep.pp.size() > 1 && a.on("--moe-use-upcycling"))
+    MOECORE_FAIL("--moe-use-upcycling with --pipeline-model-parallel-size ", ep.pp.size(),
                  " is not supported yet: start at PP 1, save, and load the checkpoint at any PP");
   if (ep.etp.size() > 1 && a.on("--moe-use-upcycling"))
     MOECORE_FAIL("--moe-use-upcycling with --expert-tensor-parallel-size ", ep.etp.size(),

@@ -293,7 +293,7 @@ std::vector<std::pair<int64_t, double>> jsonl_losses(const std::string& path) {
 }
 
 // A model from a random HF checkpoint of `config` learns tinyshakespeare (mean training loss of steps 141-150 below
-// `below`), a resumed run continues bit-identically, EP 2 (and, without MLA, TP 2 + SP) under mpirun matches one
+// `below`), a resumed run continues bit-identically, EP 2, PP 2 (and, without MLA, TP 2 + SP) under mpirun match one
 // process, and the trained checkpoint exports to HF with the config it came from.
 void learn_resume_export(HfModels& t, const std::string& data, const nlohmann::json& config, double below) {
   write_random_hf(t.p("hf"), config, 5);
@@ -359,6 +359,15 @@ void learn_resume_export(HfModels& t, const std::string& data, const nlohmann::j
   ASSERT_EQ(one.size(), 5u);
   ASSERT_EQ(two.size(), 5u) << r.output;
   for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(two[i].second, one[i].second, 1e-5 * one[i].second) << i;
+  // PP 2 over two ranks: each stage imports its own layers (the last also the heads, the MTP depth and the expert
+  // biases of its layers).
+  r = run_shell(testing::mpirun_command(2) + std::string(MOECORE_BINARY) + " " + five + t.p("pp.jsonl") +
+                " --micro-batch-size 4 --pipeline-model-parallel-size 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("loaded (--load-hf)"), std::string::npos) << r.output;
+  const auto pp = jsonl_losses(t.p("pp.jsonl"));
+  ASSERT_EQ(pp.size(), 5u) << r.output;
+  for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(pp[i].second, one[i].second, 1e-5 * one[i].second) << "PP 2, " << i;
   if (config.contains("kv_lora_rank")) return;  // MLA under TP is not supported yet
   // TP 2 + SP over two ranks: the imported weights split into tensor-parallel shards (the experts into ETP 2 slices,
   // ETP defaulting to TP), the MoE layers under SP.

@@ -410,12 +410,16 @@ void hf_check_copies(const HfWeightMap& map, const io::HfCheckpointReader& hf) {
 
 void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptModel& gpt) {
   hf_check_copies(map, hf);
-  std::vector<Param>& params = gpt.params();
-  MOECORE_CHECK(params.size() == map.params.size(), params.size(), " parameters for a map of ", map.params.size());
+  std::vector<Param>& params = gpt.params();  // (a pipeline stage's: a subset of the map's, by name)
+  std::map<std::string, size_t> by_name;
+  for (size_t i = 0; i < map.params.size(); ++i) by_name[map.params[i].param] = i;
+  MOECORE_CHECK(gpt.parallel().pp.size() > 1 || params.size() == map.params.size(), params.size(),
+                " parameters for a map of ", map.params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    const HfParamMap& m = map.params[i];
+    const auto found = by_name.find(params[i].name);
+    MOECORE_CHECK(found != by_name.end(), "parameter ", params[i].name, " is not in the HF map");
+    const HfParamMap& m = map.params[found->second];
     Tensor& v = params[i].value;
-    MOECORE_CHECK(params[i].name == m.param, "parameter ", params[i].name, " vs map ", m.param);
     const TensorShard& tp = params[i].tp;
     if (tp.sharded()) {  // a tensor-parallel shard: the whole tensor (this rank's experts) on the host, then its part
       Tensor whole = Tensor::empty(tp.global_shape(v.shape()), DType::f32, MemCategory::workspace);
@@ -439,7 +443,7 @@ void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptMode
     });
   }
   for (const HfTensorSpec& t : map.tensors) {
-    if (t.expert_bias_layer < 0) continue;
+    if (t.expert_bias_layer < 0 || gpt.chunk_of_layer(t.expert_bias_layer) < 0) continue;  // (another stage's)
     moe::RouterState* st = gpt.router_state(t.expert_bias_layer);
     MOECORE_CHECK(st && st->expert_bias.defined(), "layer ", t.expert_bias_layer, " has no expert bias");
     st->expert_bias.copy_from(hf.read(t.name, DType::f32));

@@ -79,8 +79,9 @@ void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf);
 // Checks that each copy (copy_of) holds the same bytes as its original, streaming; throws naming both.
 void hf_check_copies(const HfWeightMap& map, const io::HfCheckpointReader& hf);
 
-// Fills this rank's parameters (expert parameters hold experts [ep_rank * n, (ep_rank + 1) * n)) and the routers'
-// expert biases from the checkpoint, after hf_check_tensors, and refreshes the compute copies.
+// Fills this rank's parameters (expert parameters hold experts [ep_rank * n, (ep_rank + 1) * n); a pipeline stage
+// its own layers, embeddings and heads) and its routers' expert biases from the checkpoint, after hf_check_tensors, and
+// refreshes the compute copies.
 void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptModel& gpt);
 
 // One HF tensor assembled from parameter rows: rows(param index, first_row, n) returns those rows of the global
