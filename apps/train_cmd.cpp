@@ -596,12 +596,9 @@ int train_main(int argc, char** argv) {
     return 0;
   }
   const int64_t count = a.i64("--generate-tokens");
-  if (count > 0 && ep.pp.size() > 1 && out)
-    std::printf(
-        "\n(no sample: generation runs at --pipeline-model-parallel-size 1; `moecore generate --load` the "
-        "checkpoint)\n");
-  // Under EP every rank takes part in the forward passes (the experts are spread); rank 0 prints.
-  if (count > 0 && ep.pp.size() == 1 && (dp.rank() == 0 || ep.ep.size() > 1)) {
+  // Under EP every rank takes part in the forward passes (the experts are spread), under PP every stage of
+  // data-parallel rank 0 (the last samples); rank 0 prints.
+  if (count > 0 && (dp.rank() == 0 || ep.ep.size() > 1)) {
     const std::string prompt = a.str("--prompt");
     const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed, tok->eod(), tok->vocab_size());
     if (out) std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());

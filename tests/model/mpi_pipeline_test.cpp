@@ -114,8 +114,9 @@ struct Result {
   std::map<std::string, Tensor> values;  // likewise, at the end
 };
 
-Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l, int64_t iters,
-           const std::string& save = "", const std::string& load = "", int64_t exit_at = 0) {
+// The groups of a layout (none for Layout{}: one process) and the model's parallel layout on them.
+std::pair<train::TrainGroups, model::ModelParallel> layout_groups(const ProcessGroup& world,
+                                                                  const model::ModelConfig& mc, const Layout& l) {
   train::TrainGroups groups;
   model::ModelParallel par;
   if (l.pp > 0) {
@@ -131,6 +132,12 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
         l.layout.empty() ? model::pipeline_stage_layers(mc.num_layers, l.pp, l.first, l.last, l.vpp)
                          : model::pipeline_layout_stage_layers(l.layout, mc.num_layers, mc.mtp_num_layers, l.pp));
   }
+  return {groups, par};
+}
+
+Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l, int64_t iters,
+           const std::string& save = "", const std::string& load = "", int64_t exit_at = 0) {
+  const auto [groups, par] = layout_groups(world, mc, l);
   model::GptModel gpt(mc, 2, 42, par, testing::test_device());
   if (l.pp > 0 && l.layout.empty()) {
     EXPECT_EQ(gpt.num_chunks(), l.vpp);
@@ -359,6 +366,25 @@ TEST_F(Mpi, CheckpointsReshardAcrossPipelineSizes) {
     barrier(world);
     if (world.rank() == 0) std::filesystem::remove_all(dir);
   }
+}
+
+// Generation through the pipeline: every stage runs each step's forward, the last samples and tells the others; the
+// tokens equal one process's from the same weights (1F1B and interleaved splits, dense tied and MoE).
+TEST_F(Mpi, GenerationThroughThePipelineMatchesOneProcess) {
+  Layout interleaved{2};
+  interleaved.vpp = 2;
+  for (const Layout& l : {Layout{P}, interleaved})
+    for (const model::ModelConfig& mc : {tied_dense(), moe_mtp()}) {
+      if (l.vpp > 1 && P != 2) continue;
+      SCOPED_TRACE(l.name() + (mc.moe.enabled() ? ", MoE" : ""));
+      model::GptModel one(mc, 2, 42, {}, testing::test_device());
+      const auto want = train::generate(one, {1, 2, 3}, 12, 0.8f, 7, -1, 0);
+      const auto [groups, par] = layout_groups(world, mc, l);
+      model::GptModel staged(mc, 2, 42, par, testing::test_device());
+      const auto got = train::generate(staged, {1, 2, 3}, 12, 0.8f, 7, -1, 0);
+      ASSERT_EQ(want.size(), 12u);
+      EXPECT_EQ(got, want) << "stage " << par.pp.rank();
+    }
 }
 
 TEST_F(Mpi, BadPipelineSplitsAreErrorsNamingTheValues) {

@@ -1219,20 +1219,22 @@ LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels, int64_
 }
 
 void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
-  if (par_.pp.size() > 1)
-    MOECORE_FAIL(
-        "model: logits of the whole model (generation) need --pipeline-model-parallel-size 1; save a "
-        "checkpoint and load it at PP 1");
-  use_slot(0);
   const ops::Context ctx{device_};
-  const int CP = par_.cp.size();
-  Tensor h;  // every position's hidden state, [B*S, H]
+  const int CP = par_.cp.size(), p = par_.pp.size(), up = (par_.pp.rank() + 1) % p, down = (par_.pp.rank() + p - 1) % p;
+  const int64_t S = cfg_.seq_length;
+  // Through every virtual stage in turn (a chain: plain sends and receives cannot deadlock); this rank's positions.
+  const Tensor local = CP == 1 ? tokens : local_positions(host_batch(tokens, "tokens", B_, S), cp_tokens_h_);
+  for (int64_t c = 0; c < num_chunks(); ++c) {
+    use_slot({0, c});
+    if (!pre_process(c)) recv(stage_input({0, c}), down, par_.pp);
+    forward_trunk(local, false);
+    if (!post_process(c)) send(stage_output({0, c}), up, par_.pp);
+  }
+  if (!holds_loss_heads()) return;  // (the last stage's logits)
+  Tensor h;                         // every position's hidden state, [B*S, H]
   if (CP == 1) {
-    forward_trunk(tokens, false);
     h = head_input();
   } else {  // this rank's positions, then the group's all-gathered and put in position order
-    const int64_t S = cfg_.seq_length;
-    forward_trunk(local_positions(host_batch(tokens, "tokens", B_, S), cp_tokens_h_), false);
     const Tensor& mine = head_input();
     const Shape all{B_ * S, mine.size(1)};
     Tensor gathered = Tensor::empty(all, mine.dtype(), MemCategory::workspace, device_);

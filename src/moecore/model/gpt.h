@@ -232,7 +232,8 @@ class GptModel {
   // stage takes its input in stage_input({0, chunk}); one before the last returns an empty result and leaves its
   // output in stage_output({0, chunk}).
   LossResult evaluate(const Tensor& tokens, const Tensor& labels, int64_t chunk = 0);
-  // logits [B*S, V] f32 for the given tokens (generation, tests); under CP collective over the group.
+  // logits [B*S, V] f32 for the given tokens (generation, tests); under CP collective over the group. On a pipeline
+  // the batch goes through every stage (collective over pp) and only the last stage's logits are written.
   void forward_logits(Tensor& logits, const Tensor& tokens);
 
   // The plan for this model's own buffers plus optimizer_state_bytes_per_param * num_parameters().

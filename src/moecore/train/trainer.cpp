@@ -596,11 +596,8 @@ std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& 
   std::vector<int32_t> ctx = prompt, out;
   const PhiloxKey key = philox_key(seed, "generate");
   std::vector<std::pair<float, int32_t>> cand(static_cast<size_t>(V));
-  for (int64_t t = 0; t < count; ++t) {
-    const int64_t n = std::min<int64_t>(static_cast<int64_t>(ctx.size()), S);
-    int32_t* tp = tokens.data<int32_t>();
-    std::copy(ctx.end() - n, ctx.end(), tp);
-    gpt.forward_logits(logits, tokens);
+  // Token t from position n - 1's logits: top-40 at the temperature; -1 for the stop token.
+  const auto sample = [&](int64_t t, int64_t n) -> int64_t {
     logits.slice(0, n - 1, n).copy_to_host(row.data(), Vm);
     for (int64_t v = 0; v < V; ++v) cand[v] = {row[v], static_cast<int32_t>(v)};
     const int64_t k = std::min<int64_t>(40, V);
@@ -618,9 +615,19 @@ std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& 
     double u = philox_uniform(key, static_cast<uint64_t>(t)) * z;
     int64_t pick = 0;
     while (pick + 1 < k && (u -= p[pick]) > 0) ++pick;
-    if (cand[pick].second == stop_token) break;
-    ctx.push_back(cand[pick].second);
-    out.push_back(cand[pick].second);
+    return cand[pick].second == stop_token ? -1 : cand[pick].second;
+  };
+  const ProcessGroup& pp = gpt.parallel().pp;  // on a pipeline the last stage samples and tells the others
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(ctx.size()), S);
+    int32_t* tp = tokens.data<int32_t>();
+    std::copy(ctx.end() - n, ctx.end(), tp);
+    gpt.forward_logits(logits, tokens);
+    int64_t next = pp.rank() == pp.size() - 1 ? sample(t, n) : 0;
+    if (pp.size() > 1) broadcast(std::span<int64_t>(&next, 1), pp.size() - 1, pp);
+    if (next < 0) break;
+    ctx.push_back(static_cast<int32_t>(next));
+    out.push_back(static_cast<int32_t>(next));
   }
   return out;
 }

@@ -133,6 +133,7 @@ double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& bat
 // sequence window, stopping at stop_token (e.g. the tokenizer's end-of-document; -1: never) once a quarter of
 // `count` tokens exist; returns the new tokens without the stop token. Only ids below vocab_limit (the
 // tokenizer's vocabulary; 0: the model's) are sampled: the rows Megatron pads the vocabulary with are no tokens.
+// On a pipeline every stage calls it (collective over pp): the last samples, every stage returns the tokens.
 std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& prompt, int64_t count,
                               float temperature, uint64_t seed, int32_t stop_token = -1, int64_t vocab_limit = 0);
 
