@@ -137,7 +137,9 @@ std::pair<train::TrainGroups, model::ModelParallel> layout_groups(const ProcessG
 
 Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l, int64_t iters,
            const std::string& save = "", const std::string& load = "", int64_t exit_at = 0) {
-  const auto [groups, par] = layout_groups(world, mc, l);
+  const auto made = layout_groups(world, mc, l);  // (no structured binding: clang 14's lambdas cannot capture one)
+  const train::TrainGroups& groups = made.first;
+  const model::ModelParallel& par = made.second;
   model::GptModel gpt(mc, 2, 42, par, testing::test_device());
   if (l.pp > 0 && l.layout.empty()) {
     EXPECT_EQ(gpt.num_chunks(), l.vpp);
@@ -379,7 +381,7 @@ TEST_F(Mpi, GenerationThroughThePipelineMatchesOneProcess) {
       SCOPED_TRACE(l.name() + (mc.moe.enabled() ? ", MoE" : ""));
       model::GptModel one(mc, 2, 42, {}, testing::test_device());
       const auto want = train::generate(one, {1, 2, 3}, 12, 0.8f, 7, -1, 0);
-      const auto [groups, par] = layout_groups(world, mc, l);
+      const model::ModelParallel par = layout_groups(world, mc, l).second;
       model::GptModel staged(mc, 2, 42, par, testing::test_device());
       const auto got = train::generate(staged, {1, 2, 3}, 12, 0.8f, 7, -1, 0);
       ASSERT_EQ(want.size(), 12u);
