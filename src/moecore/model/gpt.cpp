@@ -1202,13 +1202,24 @@ void GptModel::backward(Slot slot, float grad_scale) {
   if (pre_process(slot.chunk) || post_process(slot.chunk)) grad_ready(embedding_params_);
 }
 
-LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels, int64_t chunk) {
-  use_slot({0, chunk});
+// Through every virtual stage in turn, without gradients (slot 0 of each chunk): a chain, so plain sends and receives
+// cannot deadlock. tokens: this rank's positions.
+void GptModel::forward_stages(const Tensor& tokens) {
+  const int p = par_.pp.size(), up = (par_.pp.rank() + 1) % p, down = (par_.pp.rank() + p - 1) % p;
+  for (int64_t c = 0; c < num_chunks(); ++c) {
+    use_slot({0, c});
+    if (!pre_process(c)) recv(stage_input({0, c}), down, par_.pp);
+    forward_trunk(tokens, false);
+    if (!post_process(c)) send(stage_output({0, c}), up, par_.pp);
+  }
+}
+
+LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
   const ops::Context ctx{device_};
   const int64_t S = cfg_.seq_length;
   const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
-  forward_trunk(local_positions(tokens_h, cp_tokens_h_), false);
-  if (!post_process(chunk)) return {};  // (its output is in stage_output({0, chunk}))
+  forward_stages(local_positions(tokens_h, cp_tokens_h_));
+  if (!holds_loss_heads()) return {};  // (the last stage's loss)
   labels_.copy_from(local_positions(labels_h, cp_labels_h_));
   LossResult r;
   r.tokens = counted_labels(labels_h);
@@ -1220,16 +1231,9 @@ LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels, int64_
 
 void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
   const ops::Context ctx{device_};
-  const int CP = par_.cp.size(), p = par_.pp.size(), up = (par_.pp.rank() + 1) % p, down = (par_.pp.rank() + p - 1) % p;
+  const int CP = par_.cp.size();
   const int64_t S = cfg_.seq_length;
-  // Through every virtual stage in turn (a chain: plain sends and receives cannot deadlock); this rank's positions.
-  const Tensor local = CP == 1 ? tokens : local_positions(host_batch(tokens, "tokens", B_, S), cp_tokens_h_);
-  for (int64_t c = 0; c < num_chunks(); ++c) {
-    use_slot({0, c});
-    if (!pre_process(c)) recv(stage_input({0, c}), down, par_.pp);
-    forward_trunk(local, false);
-    if (!post_process(c)) send(stage_output({0, c}), up, par_.pp);
-  }
+  forward_stages(CP == 1 ? tokens : local_positions(host_batch(tokens, "tokens", B_, S), cp_tokens_h_));
   if (!holds_loss_heads()) return;  // (the last stage's logits)
   Tensor h;                         // every position's hidden state, [B*S, H]
   if (CP == 1) {

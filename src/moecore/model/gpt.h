@@ -228,10 +228,9 @@ class GptModel {
     backward(0, grad_scale);
     return r;
   }
-  // The loss without gradients (slot 0 of `chunk`). On a pipeline stage, as forward: a chunk after the first virtual
-  // stage takes its input in stage_input({0, chunk}); one before the last returns an empty result and leaves its
-  // output in stage_output({0, chunk}).
-  LossResult evaluate(const Tensor& tokens, const Tensor& labels, int64_t chunk = 0);
+  // The loss without gradients (slot 0 of each chunk). On a pipeline the batch goes through every stage (collective
+  // over pp) and only the last stage returns the loss (the others an empty result).
+  LossResult evaluate(const Tensor& tokens, const Tensor& labels);
   // logits [B*S, V] f32 for the given tokens (generation, tests); under CP collective over the group. On a pipeline
   // the batch goes through every stage (collective over pp) and only the last stage's logits are written.
   void forward_logits(Tensor& logits, const Tensor& tokens);
@@ -262,6 +261,7 @@ class GptModel {
   const ProcessGroup* head_group() const { return tensor_parallel() ? &par_.tp : nullptr; }  // vocab-parallel head
   Tensor by_sequence(const Tensor& t) const;  // [rows, H] as [B, rows / B, H]
   void forward_trunk(const Tensor& tokens, bool training);
+  void forward_stages(const Tensor& tokens);  // forward_trunk of every chunk in pipeline order, without gradients
   void set_dropout_keys(bool training);
   // recompute: a backward's refill of the layer's caches (MoE layers keep their routing)
   void layer_forward(size_t layer, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx,

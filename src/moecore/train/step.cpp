@@ -75,6 +75,7 @@ TrainStep::TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cf
     schedule_ = one_f_one_b(micro_local_, pp, g_.pp.rank());
   }
   gpt_.set_micro_batch_slots(schedule_.in_flight);
+  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) moe_layers_ += gpt.is_moe_layer(l) ? 1 : 0;
   if (pp > 1) {
     transfers_ = pipeline_transfers(schedule_, pp, g_.pp.rank());
     pp_grads_ = group_split(g_.pp, g_.pp.name() + "_grads", {g_.pp.ranks()});
@@ -137,8 +138,7 @@ StepResult TrainStep::run(int64_t it, float lr) {
   const int64_t shared = gpt_.pipeline_shared_param();
   StepResult r;
   r.mtp_loss.assign(static_cast<size_t>(gpt_.config().mtp_num_layers), 0.0);
-  int64_t moe_layers = 0;  // this stage's
-  for (int64_t l = 0; l < gpt_.config().num_transformer_layers(); ++l) moe_layers += gpt_.is_moe_layer(l) ? 1 : 0;
+  int64_t moe_layers = moe_layers_;  // this stage's, then the pipeline's
   gpt_.zero_grad();
   opt_.begin_grad_reduction();
   HookGuard hook_guard{gpt_};

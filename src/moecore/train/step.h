@@ -54,6 +54,7 @@ class TrainStep {
   const TrainGroups& g_;
   const BatchFn& batches_;
   int64_t micro_ = 0, micro_local_ = 0;
+  int64_t moe_layers_ = 0;  // the MoE layers this stage holds (MTP depths included)
   Schedule schedule_;
   std::vector<P2PAction> transfers_;  // empty without a pipeline
   ProcessGroup pp_grads_;             // groups.pp's ranks: the gradients' stream between stages

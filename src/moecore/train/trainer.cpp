@@ -96,17 +96,10 @@ double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& bat
   for (int64_t k = 0; k < rounds; ++k) {
     const int64_t i = k * P + r;
     batches(tokens, labels, true, std::min(i, cfg.eval_iters - 1));
-    // Through the pipeline's virtual stages one after the other (chunk 0 of every stage, then chunk 1, ...): a chain,
-    // so plain sends and receives cannot deadlock.
-    const int p = pp.size(), up = (pp.rank() + 1) % p, down = (pp.rank() + p - 1) % p;
-    for (int64_t c = 0; c < gpt.num_chunks(); ++c) {
-      if (!gpt.pre_process(c)) recv(gpt.stage_input({0, c}), down, pp);
-      const auto res = gpt.evaluate(tokens, labels, c);
-      if (!gpt.post_process(c)) send(gpt.stage_output({0, c}), up, pp);
-      if (i >= cfg.eval_iters) continue;
-      sums[0] += res.loss_sum;  // (the last virtual stage's; zeros before it)
-      sums[1] += static_cast<double>(res.tokens);
-    }
+    const auto res = gpt.evaluate(tokens, labels);  // (through every pipeline stage)
+    if (i >= cfg.eval_iters) continue;
+    sums[0] += res.loss_sum;  // (the last stage's; zeros on the others)
+    sums[1] += static_cast<double>(res.tokens);
   }
   if (P > 1) all_reduce_sum(std::span<double>(sums, 2), *dp);
   if (pp.size() > 1) all_reduce_sum(std::span<double>(sums, 2), pp);
