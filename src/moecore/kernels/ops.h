@@ -95,6 +95,39 @@ void moe_sort_chunks(Tensor& out, const Tensor& in, const Tensor& chunk_counts, 
 // their prefix sums. chunk_counts [P * El], counts [El], offsets [El + 1], all i64.
 void moe_chunk_counts(Tensor& counts, Tensor& offsets, const Tensor& chunk_counts, int64_t P, const Context& ctx);
 
+// ---- MoE ECHO: elastic cloning of hot experts (../shared/docs/echo-folding-perf.md §A) -------------
+// P expert-parallel ranks, rank r hosting the home experts [r El, (r + 1) El) of E = P El; S = P Sl clone slots, slot j
+// on rank j / Sl. The extended expert columns E' = P (El + Sl) put each rank's block as [home experts..., slots...]:
+// home expert e is column (e / El)(El + Sl) + e % El, slot j is column (j / Sl)(El + Sl) + El + j % Sl.
+//
+// The planner, from counts [P, E] i64 (routed pairs source rank s sends to expert e; the same on every rank, so every
+// rank computes the same plan). load_e = sum_s counts[s, e]; a rank's load is the sum over its experts; avg =
+// floor(total / P). Step 1: spare[r] = max(0, avg - load_r); on each rank the experts sorted by load ascending (ties:
+// lower index first) and summed, the part of each expert above avg is its spill. Step 2, slots_per_rank == 1
+// (approximate bin packing): spills in 8 FIFO buckets (bucket 0: spill >= avg; 1..7: equal intervals of [0, avg) from
+// the top), filled by spill descending; ranks by spare descending (ties: lower rank) each take the head of the first
+// non-empty bucket and run min(spill, spare) of its pairs in their slot, the rest re-queued by its new size.
+// slots_per_rank > 1 (water-filling): spills descending and spares descending laid on one number line, their overlaps
+// the transfers; each rank keeps its slots_per_rank largest (ties: lower expert), in that order in its slots. Step 3:
+// each slot's budget over the source ranks, floor(budget counts[s, e] / load_e) each, then the residues from the
+// sources in rank order out of what they have left. seed != 0 (debug mode): slot j clones an expert of another rank
+// drawn from (seed, j) with pairs left, and takes 20-40 % (drawn likewise) of its pairs not yet moved. Outputs:
+// slot_expert [S] i64 (-1: empty slot), slot_tokens [P, S] i64 (pairs of source s run in slot j; a slot's row sums to
+// its budget), loads [2, P] i64 (pairs each rank receives before and after the plan).
+void moe_echo_plan(Tensor& slot_expert, Tensor& slot_tokens, Tensor& loads, const Tensor& counts,
+                   int64_t slots_per_rank, uint64_t seed, const Context& ctx);
+// The local rerouting of source rank `rank`: the first slot_tokens[rank, j] tokens (ascending) routed to expert e =
+// slot_expert[j] and not taken by a lower slot of e move, with their probability, from e's column to slot j's; the
+// rest keep their columns. map [T, E] bool, probs [T, E] f32 (0 where not routed); map2 [T, E'] bool, probs2 [T, E']
+// f32 written. A slot asking for more tokens than the rank routes to its expert raises.
+void moe_echo_reroute(Tensor& map2, Tensor& probs2, const Tensor& map, const Tensor& probs, const Tensor& slot_expert,
+                      const Tensor& slot_tokens, int64_t rank, int64_t slots_per_rank, const Context& ctx);
+// The fold back to the home experts: out[t, e] = in[t, column of e] + in[t, column of each slot of e] (slots
+// ascending; bool: or). in [T, E'], out [T, E], f32 or bool (one dtype). With one non-zero entry per routed pair (the
+// rerouted map, probabilities or their gradients) the fold is exact.
+void moe_echo_fold(Tensor& out, const Tensor& in, const Tensor& slot_expert, int64_t slots_per_rank,
+                   const Context& ctx);
+
 // ---- MoE expert rows ---------------------------------------------------------------------------
 // The routing probability applied after the activation: a[r, :] = act[r, :] * p[r] for r < rows, with rows
 // the sum of group_rows ([G] i64; later rows untouched). a, act [M, F] one dtype f32|bf16, contiguous; p [M] f32.
