@@ -42,12 +42,14 @@ struct LayerCase {
   MoeConfig cfg;
   Routing routing = Routing::random;
   bool bias = false;  // Megatron's add_bias_linear: router and expert biases
+  EchoDims echo{};    // MoE ECHO in the EP layer (its group is set by run_layer)
 };
 
 struct Run {
   Tensor y, dx;
   MoeLayerGrads g;
   RouterStatsHost stats;
+  EchoStatsHost echo;  // with ECHO
 };
 
 void expect_close(const Tensor& a, const Tensor& b, double rtol, const std::string& what) {
@@ -155,14 +157,19 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
   d.etp_rank = k;
   d.dispatcher = ep * etp == 1 ? DispatcherKind::local : kind;
   d.device = dev;
+  const ExpertGroups groups = etp > 1 ? expert_groups(world, etp) : ExpertGroups{world.renamed("ep"), {}};
+  const ProcessGroup ep_group = ep * etp == 1 ? comm_single("ep") : groups.ep;
+  if (ep > 1 && s.echo.enabled()) {
+    d.echo = s.echo;
+    d.echo.group = &ep_group;
+    d.echo.biases = s.bias;
+  }
   MoeLayerCache cache = moe_layer_cache_alloc(d, s.cfg);
   RouterState st = router_state_init(s.cfg, dev);
   out.y = Tensor::empty({T, H}, DType::f32, MemCategory::activations, dev);
   out.dx = Tensor::empty({T, H}, DType::f32, MemCategory::activations, dev);
   const Tensor xd = on_test_device(x), dyd = on_test_device(dy);
   const ops::Context ctx{dev};
-  const ExpertGroups groups = etp > 1 ? expert_groups(world, etp) : ExpertGroups{world.renamed("ep"), {}};
-  const ProcessGroup ep_group = ep * etp == 1 ? comm_single("ep") : groups.ep;
   LocalDispatcher local;
   AllToAllDispatcher a2a(ep_group, etp > 1 ? groups.etp : comm_single("etp"));
   AllGatherDispatcher ag(ep * etp == 1 ? comm_single("etp_ep") : world.renamed("etp_ep"), etp);
@@ -171,6 +178,7 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
                                                         : &ag;
   moe_layer_forward(out.y, xd, Tensor(), w, st, cache, *disp, d, s.cfg, true, ctx);
   out.stats = router_stats_host(cache.stats);
+  if (d.echo.enabled()) out.echo = echo_stats_host(cache.echo, w.experts);
   moe_layer_backward(out.dx, out.g, dyd, xd, w, cache, *disp, d, s.cfg, 1.0f, ctx);
   return out;
 }
@@ -314,6 +322,87 @@ TEST_F(Mpi, BuffersForAnotherLayoutAreRejected) {
               std::string::npos)
         << e.what();
   }
+}
+
+// MoE ECHO: with clones of hot experts, the EP layer's output, input gradient and every gradient equal the run without
+// ECHO (rtol 1e-6 of the largest value: a clone's weight gradient is summed apart from its home's, then added), on
+// random routing, on routing forced onto one rank's experts, and with the debug mode's random clones; with biases,
+// several slots per rank, and the clones fetched again in backward. Two ECHO runs are bitwise identical.
+void check_echo_against_echo_off(LayerCase s, const ProcessGroup& world, const char* what) {
+  SCOPED_TRACE(what);
+  const EchoDims echo = s.echo;
+  s.echo = {};
+  const Run off = run_layer(s, world, world.size(), DispatcherKind::alltoall);
+  s.echo = echo;
+  const Run on = run_layer(s, world, world.size(), DispatcherKind::alltoall);
+  expect_close(on.y, off.y, 1e-6, "output");
+  expect_close(on.dx, off.dx, 1e-6, "input gradient");
+  expect_close(on.g.router, off.g.router, 1e-6, "router gradient");
+  expect_close(on.g.experts.fc1, off.g.experts.fc1, 1e-6, "fc1 gradient");
+  expect_close(on.g.experts.fc2, off.g.experts.fc2, 1e-6, "fc2 gradient");
+  if (s.bias) {
+    expect_close(on.g.router_bias, off.g.router_bias, 1e-6, "router bias gradient");
+    expect_close(on.g.experts.fc1_bias, off.g.experts.fc1_bias, 1e-6, "fc1 bias gradient");
+    expect_close(on.g.experts.fc2_bias, off.g.experts.fc2_bias, 1e-6, "fc2 bias gradient");
+  }
+  EXPECT_EQ(on.stats.tokens_per_expert, off.stats.tokens_per_expert);
+  if (!echo.random) {
+    EXPECT_LE(on.echo.max_over_mean_after(), on.echo.max_over_mean_before());
+  }
+  const Run again = run_layer(s, world, world.size(), DispatcherKind::alltoall);
+  EXPECT_TRUE(bitwise_equal(again.y, on.y));
+  EXPECT_TRUE(bitwise_equal(again.dx, on.dx));
+  EXPECT_TRUE(bitwise_equal(again.g.experts.fc1, on.g.experts.fc1));
+  EXPECT_TRUE(bitwise_equal(again.g.experts.fc2, on.g.experts.fc2));
+}
+
+TEST_F(Mpi, EchoMatchesEchoOff) {
+  const int P = world.size();
+  LayerCase s = base();
+  s.echo.slots = P;
+  check_echo_against_echo_off(s, world, "random routing, one slot per rank");
+  s.routing = Routing::one_expert;
+  check_echo_against_echo_off(s, world, "every token to the last rank's experts");
+  {
+    // The hot rank's load is spread: every other rank runs a clone.
+    const moe::Run r = run_layer(s, world, P, DispatcherKind::alltoall);
+    EXPECT_EQ(r.echo.clones, P - 1);
+    EXPECT_DOUBLE_EQ(r.echo.max_over_mean_before(), static_cast<double>(P));
+    EXPECT_LT(r.echo.max_over_mean_after(), 1.0 + 1.0 / P);
+    EXPECT_EQ(r.echo.weight_bytes, (P - 1) * int64_t{3} * s.F * s.H * 4);
+  }
+  s.echo.slots = 2 * P;
+  check_echo_against_echo_off(s, world, "two slots per rank");
+  s.echo.recompute_dispatch = true;
+  check_echo_against_echo_off(s, world, "clones fetched again in backward");
+  s = base();
+  s.echo.slots = 2 * P;
+  s.echo.random = true;
+  check_echo_against_echo_off(s, world, "random clones (debug mode)");
+  {
+    const moe::Run r = run_layer(s, world, P, DispatcherKind::alltoall);
+    EXPECT_GT(r.echo.clones, 0);
+  }
+  s.bias = true;
+  check_echo_against_echo_off(s, world, "random clones with linear biases");
+}
+
+TEST_F(Mpi, EchoNeedsTheAllToAllDispatcherAndDroplessRouting) {
+  LayerCase s = base();
+  MoeLayerDims d{s.T, 1, s.H, s.F, 0, DType::f32};
+  d.ep = world.size();
+  d.dispatcher = DispatcherKind::allgather;
+  d.device = testing::test_device();
+  const ProcessGroup ep = world.renamed("ep");
+  d.echo.slots = world.size();
+  d.echo.group = &ep;
+  EXPECT_THROW((void)moe_layer_cache_alloc(d, s.cfg), Error);
+  d.dispatcher = DispatcherKind::alltoall;
+  s.cfg.capacity_factor = 1.0f;
+  EXPECT_THROW((void)moe_layer_cache_alloc(d, s.cfg), Error);
+  s.cfg.capacity_factor = 0.0f;
+  d.echo.slots = world.size() + 1;
+  EXPECT_THROW((void)moe_layer_cache_alloc(d, s.cfg), Error);
 }
 
 // global_aux_loss under data parallelism (spec §3.3): each rank's loss uses the counts and token count

@@ -21,18 +21,23 @@ ExpertDims expert_dims(const MoeLayerDims& d, const MoeConfig& cfg, int64_t max_
   return e;
 }
 
+// The expert columns the dispatcher sees: E, plus the clone slots with ECHO.
+int64_t columns_of(const MoeLayerDims& d, const MoeConfig& cfg) {
+  return cfg.num_experts + (d.echo.enabled() ? d.echo.slots : 0);
+}
+
 int64_t capacity_of(const MoeLayerDims& d, const MoeConfig& cfg) {
   return cfg.capacity_factor > 0 ? expert_capacity(d.T * cfg.router_topk, cfg.num_experts, cfg.capacity_factor) : 0;
 }
 // Rows this rank's tokens produce (over all E experts).
 int64_t max_send_of(const MoeLayerDims& d, const MoeConfig& cfg) {
-  return dispatch_max_rows(d.T, cfg.num_experts, cfg.router_topk, capacity_of(d, cfg), cfg.pad_expert_input_to_capacity,
-                           cfg.router_padding_alignment);
+  return dispatch_max_rows(d.T, columns_of(d, cfg), cfg.router_topk, capacity_of(d, cfg),
+                           cfg.pad_expert_input_to_capacity, cfg.router_padding_alignment);
 }
 // Rows this rank's local experts can receive.
 int64_t max_rows_of(const MoeLayerDims& d, const MoeConfig& cfg) {
   if ((d.ep == 1 && d.etp == 1) || d.dispatcher == DispatcherKind::local) return max_send_of(d, cfg);
-  return dispatch_max_rows_ep(d.T, cfg.num_experts, cfg.router_topk, capacity_of(d, cfg),
+  return dispatch_max_rows_ep(d.T, columns_of(d, cfg), cfg.router_topk, capacity_of(d, cfg),
                               cfg.pad_expert_input_to_capacity, cfg.router_padding_alignment, d.ep, d.etp);
 }
 
@@ -48,49 +53,55 @@ std::vector<Tensor*> scratch_tensors(MoeLayerCache& c) {
   std::vector<Tensor*> v = {&c.dprobs,       &c.router.dlogits, &c.router.work, &c.expert_ws.a,  &c.expert_ws.da,
                             &c.expert_ws.dh, &c.shared.dact,    &c.shared.dh,   &c.shared.dout_c};
   for (Tensor* t : dispatch_scratch_tensors(c.dispatch)) v.push_back(t);
+  if (c.echo.ep > 1)
+    for (Tensor* t : echo_scratch_tensors(c.echo)) v.push_back(t);
   return v;
 }
 // The saved tensors of the routing (kept by a recomputed layer) and those a forward refills from it.
 std::vector<const Tensor*> routing_tensors(const MoeLayerCache& c) {
   const auto& r = c.router;
-  return {&r.x_jittered,
-          &r.jitter,
-          &r.logits,
-          &r.scores,
-          &r.topk_idx,
-          &r.topk_w,
-          &r.topk_kept,
-          &r.dlogits_loss,
-          &c.probs,
-          &c.map,
-          &c.stats.tokens_per_expert,
-          &c.stats.losses,
-          &c.stats.dropped};
+  std::vector<const Tensor*> v = {&r.x_jittered,
+                                  &r.jitter,
+                                  &r.logits,
+                                  &r.scores,
+                                  &r.topk_idx,
+                                  &r.topk_w,
+                                  &r.topk_kept,
+                                  &r.dlogits_loss,
+                                  &c.probs,
+                                  &c.map,
+                                  &c.stats.tokens_per_expert,
+                                  &c.stats.losses,
+                                  &c.stats.dropped};
+  for (const Tensor* t : echo_routing_tensors(c.echo)) v.push_back(t);
+  return v;
 }
 std::vector<const Tensor*> refilled_tensors(const MoeLayerCache& c) {
   const auto& b = c.dispatch;
   const auto& s = c.shared;
-  return {&b.plan.tokens_per_expert,
-          &b.plan.expert_offset,
-          &b.plan.row_token,
-          &b.plan.token_rows,
-          &b.permuted_x,
-          &b.permuted_probs,
-          &c.experts.h,
-          &c.experts.act,
-          &s.h,
-          &s.act,
-          &s.out,
-          &s.gate_s,
-          &b.ep.send_plan.tokens_per_expert,
-          &b.ep.send_plan.expert_offset,
-          &b.ep.send_plan.row_token,
-          &b.ep.send_plan.token_rows,
-          &b.ep.chunk_counts,
-          &b.ep.ep_counts,
-          &b.ep.gmap,
-          &b.ep.lmap,
-          &b.ep.lprobs};
+  std::vector<const Tensor*> v = {&b.plan.tokens_per_expert,
+                                  &b.plan.expert_offset,
+                                  &b.plan.row_token,
+                                  &b.plan.token_rows,
+                                  &b.permuted_x,
+                                  &b.permuted_probs,
+                                  &c.experts.h,
+                                  &c.experts.act,
+                                  &s.h,
+                                  &s.act,
+                                  &s.out,
+                                  &s.gate_s,
+                                  &b.ep.send_plan.tokens_per_expert,
+                                  &b.ep.send_plan.expert_offset,
+                                  &b.ep.send_plan.row_token,
+                                  &b.ep.send_plan.token_rows,
+                                  &b.ep.chunk_counts,
+                                  &b.ep.ep_counts,
+                                  &b.ep.gmap,
+                                  &b.ep.lmap,
+                                  &b.ep.lprobs};
+  for (const Tensor* t : echo_refilled_tensors(c.echo)) v.push_back(t);
+  return v;
 }
 }  // namespace
 
@@ -104,6 +115,13 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
   if ((d.ep > 1 || d.etp > 1) && d.dispatcher == DispatcherKind::local)
     MOECORE_FAIL("MoE layer: expert-parallel size ", d.ep, " x expert-tensor-parallel size ", d.etp,
                  " needs the alltoall or allgather dispatcher");
+  if (d.echo.enabled() && (d.dispatcher != DispatcherKind::alltoall || d.etp != 1 || cfg.capacity_factor > 0 ||
+                           cfg.router_padding_alignment > 0))
+    MOECORE_FAIL(
+        "MoE ECHO (--moe-enable-echo) needs --moe-token-dispatcher-type alltoall, "
+        "--expert-tensor-parallel-size 1 and dropless routing (no --moe-expert-capacity-factor, no "
+        "--moe-router-padding-for-fp8); got dispatcher ",
+        dispatcher_kind_name(d.dispatcher), ", ETP ", d.etp, ", capacity factor ", cfg.capacity_factor);
   const int64_t rows = max_rows_of(d, cfg);
   MoeLayerCache c;
   c.router = router_cache_alloc(router_dims(d, cfg), cfg, d.compute, d.device);
@@ -111,9 +129,10 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
   c.probs = Tensor::empty({d.T, E}, DType::f32, MemCategory::activations, d.device);
   c.map = Tensor::empty({d.T, E}, DType::boolean, MemCategory::activations, d.device);
   c.dprobs = Tensor::empty({d.T, E}, DType::f32, MemCategory::workspace, d.device);
-  c.dispatch =
-      dispatch_buffers_alloc_ep(d.dispatcher, d.T, d.H, E, d.ep, d.etp, max_send_of(d, cfg), rows, d.compute, d.device);
+  c.dispatch = dispatch_buffers_alloc_ep(d.dispatcher, d.T, d.H, columns_of(d, cfg), d.ep, d.etp, max_send_of(d, cfg),
+                                         rows, d.compute, d.device);
   const ExpertDims ed = expert_dims(d, cfg, rows);
+  if (d.echo.enabled()) c.echo = echo_cache_alloc(d.echo, d.T, E, ed);
   c.experts = expert_cache_alloc(ed);
   c.expert_ws = expert_workspace_alloc(ed);
   if (d.Fs > 0)
@@ -141,6 +160,7 @@ void moe_layer_cache_share_refilled(MoeLayerCache& c, const MoeLayerCache& from)
   const std::vector<Tensor*> mine = dispatch_scratch_tensors(own), now = dispatch_scratch_tensors(c.dispatch);
   for (size_t i = 0; i < now.size(); ++i) *now[i] = *mine[i];  // scratch: whoever owned it before
   c.experts = from.experts;
+  if (!c.echo.recompute_dispatch) c.echo.clones = from.echo.clones;
   const SharedExpertCache shared = c.shared;
   c.shared = from.shared;
   c.shared.dact = shared.dact;  // (scratch)
@@ -161,6 +181,66 @@ int64_t moe_layer_cache_bytes(const MoeLayerCache& c) {
   return n;
 }
 
+namespace {
+// A run of received rows and the local experts they belong to: [first_row, first_row + rows) and experts
+// [first_expert, first_expert + experts) of the dispatcher's local columns.
+struct RowRange {
+  int64_t first_row = 0, rows = 0, first_expert = 0, experts = 0;
+};
+struct ExpertRows {
+  RowRange home, clones;  // clones: empty without ECHO
+};
+ExpertRows expert_rows(const DispatchBuffers& b, const MoeLayerCache& c, const MoeLayerDims& d, const MoeConfig& cfg) {
+  const int64_t R = b.plan.row_bound, El = cfg.num_experts / d.ep;
+  if (!d.echo.enabled()) return {{0, R, 0, El}, {}};
+  const int64_t Rh = echo_home_rows(b, c.echo);
+  return {{0, Rh, 0, El}, {Rh, R - Rh, El, c.echo.Sl}};
+}
+
+ExpertDims range_dims(const MoeLayerDims& d, const MoeConfig& cfg, const RowRange& r) {
+  ExpertDims ed = expert_dims(d, cfg, r.rows);
+  ed.E = r.experts;
+  return ed;
+}
+ExpertCache range_cache(const ExpertCache& c, const RowRange& r) {
+  return {c.h.slice(0, r.first_row, r.first_row + r.rows), c.act.slice(0, r.first_row, r.first_row + r.rows)};
+}
+ExpertWorkspace range_workspace(const ExpertWorkspace& w, const RowRange& r) {
+  const int64_t a = r.first_row, z = r.first_row + r.rows;
+  return {w.a.slice(0, a, z), w.da.slice(0, a, z), w.dh.slice(0, a, z)};
+}
+
+void experts_rows_forward(DispatchBuffers& b, MoeLayerCache& c, const RowRange& r, const ExpertWeights& w,
+                          const MoeLayerDims& d, const MoeConfig& cfg, const ops::Context& ctx) {
+  const int64_t a = r.first_row, z = r.first_row + r.rows;
+  Tensor xin = b.permuted_x.slice(0, a, z), pin = b.permuted_probs.slice(0, a, z), out = b.expert_out.slice(0, a, z);
+  const Tensor tpe = b.plan.tokens_per_expert.slice(0, r.first_expert, r.first_expert + r.experts);
+  ExpertCache cache = range_cache(c.experts, r);
+  ExpertWorkspace ws = range_workspace(c.expert_ws, r);
+  const ExpertDims ed = range_dims(d, cfg, r);
+  if (cfg.grouped_gemm)
+    experts_forward(out, xin, pin, tpe, w, cache, ws, ed, ctx);
+  else
+    experts_forward_sequential(out, xin, pin, tpe, w, cache, ws, ed, ctx);
+}
+
+void experts_rows_backward(ExpertGrads& g, DispatchBuffers& b, MoeLayerCache& c, const RowRange& r,
+                           const ExpertWeights& w, const MoeLayerDims& d, const MoeConfig& cfg,
+                           const ops::Context& ctx) {
+  const int64_t a = r.first_row, z = r.first_row + r.rows;
+  Tensor dout = b.dpermuted.slice(0, a, z), din = b.dexpert_in.slice(0, a, z), dpin = b.dpermuted_probs.slice(0, a, z);
+  const Tensor xin = b.permuted_x.slice(0, a, z), pin = b.permuted_probs.slice(0, a, z);
+  const Tensor tpe = b.plan.tokens_per_expert.slice(0, r.first_expert, r.first_expert + r.experts);
+  const ExpertCache cache = range_cache(c.experts, r);
+  ExpertWorkspace ws = range_workspace(c.expert_ws, r);
+  const ExpertDims ed = range_dims(d, cfg, r);
+  if (cfg.grouped_gemm)
+    experts_backward(din, dpin, g, dout, xin, pin, tpe, w, cache, ws, ed, ctx);
+  else
+    experts_backward_sequential(din, dpin, g, dout, xin, pin, tpe, w, cache, ws, ed, ctx);
+}
+}  // namespace
+
 void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, const MoeLayerWeights& w,
                        RouterState& st, MoeLayerCache& c, Dispatcher& dispatcher, const MoeLayerDims& d,
                        const MoeConfig& cfg, bool training, const ops::Context& ctx, bool route) {
@@ -174,19 +254,20 @@ void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, c
   if (route)
     router_forward(c.probs, c.map, c.stats, x, padding_mask, w.router, st, c.router, router_dims(d, cfg), cfg, training,
                    ctx);
-  // dispatch
+  // dispatch (with ECHO: the plan and the rerouting, then the clones' weights to their slots)
   DispatchBuffers& b = c.dispatch;
-  dispatcher.dispatch_prepare(b, x, c.probs, c.map, ctx);
+  const bool echo = d.echo.enabled();
+  if (echo) {
+    if (route) echo_plan(c.echo, c.stats.tokens_per_expert, c.map, c.probs, d.echo, ctx);
+    echo_fetch_clones(c.echo, w.experts, d.echo);
+  }
+  dispatcher.dispatch_prepare(b, x, echo ? c.echo.probs : c.probs, echo ? c.echo.map : c.map, ctx);
   dispatcher.dispatch(b, ctx);
-  // experts, over the rows the host knows to bound this step's (no device read)
-  const int64_t R = b.plan.row_bound;
-  Tensor xin = b.permuted_x.slice(0, 0, R), pin = b.permuted_probs.slice(0, 0, R);
-  Tensor out = b.expert_out.slice(0, 0, R);
-  const ExpertDims ed = expert_dims(d, cfg, b.permuted_x.size(0));
-  if (cfg.grouped_gemm)
-    experts_forward(out, xin, pin, b.plan.tokens_per_expert, w.experts, c.experts, c.expert_ws, ed, ctx);
-  else
-    experts_forward_sequential(out, xin, pin, b.plan.tokens_per_expert, w.experts, c.experts, c.expert_ws, ed, ctx);
+  // experts, over the rows the host knows to bound this step's (no device read); with ECHO the home experts' rows,
+  // then the clone slots' rows with the clones' weights
+  const ExpertRows rows = expert_rows(b, c, d, cfg);
+  experts_rows_forward(b, c, rows.home, w.experts, d, cfg, ctx);
+  if (echo) experts_rows_forward(b, c, rows.clones, c.echo.clones, d, cfg, ctx);
   // combine
   dispatcher.combine_prepare(b, ctx);
   dispatcher.combine(b, ctx);
@@ -200,21 +281,26 @@ void moe_layer_backward(Tensor& dx, MoeLayerGrads& g, const Tensor& dy, const Te
   DispatchBuffers& b = c.dispatch;
   // combine, in reverse
   dispatcher.combine_backward(b, dy, ctx);
-  // experts, in reverse
-  const int64_t R = b.plan.row_bound;
-  Tensor dout = b.dpermuted.slice(0, 0, R), din = b.dexpert_in.slice(0, 0, R);
-  Tensor dpin = b.dpermuted_probs.slice(0, 0, R);
-  const Tensor xin = b.permuted_x.slice(0, 0, R), pin = b.permuted_probs.slice(0, 0, R);
-  const ExpertDims ed = expert_dims(d, cfg, b.permuted_x.size(0));
-  if (cfg.grouped_gemm)
-    experts_backward(din, dpin, g.experts, dout, xin, pin, b.plan.tokens_per_expert, w.experts, c.experts, c.expert_ws,
-                     ed, ctx);
-  else
-    experts_backward_sequential(din, dpin, g.experts, dout, xin, pin, b.plan.tokens_per_expert, w.experts, c.experts,
-                                c.expert_ws, ed, ctx);
-  // dispatch, in reverse: dx gets the experts' input gradient, dprobs the routing-weight gradient
+  // experts, in reverse (with ECHO the clones' gradients then go home)
+  const ExpertRows rows = expert_rows(b, c, d, cfg);
+  experts_rows_backward(g.experts, b, c, rows.home, w.experts, d, cfg, ctx);
+  if (d.echo.enabled()) {
+    if (c.echo.recompute_dispatch) echo_fetch_clones(c.echo, w.experts, d.echo);
+    ExpertGrads& cg = c.echo.clone_grads;
+    for (Tensor* t : {&cg.fc1, &cg.fc2, &cg.fc1_bias, &cg.fc2_bias})
+      if (t->defined()) t->zero_();
+    experts_rows_backward(cg, b, c, rows.clones, c.echo.clones, d, cfg, ctx);
+    echo_reduce_clone_grads(g.experts, c.echo, d.echo, ctx);
+  }
+  // dispatch, in reverse: dx gets the experts' input gradient, dprobs the routing-weight gradient (with ECHO over the
+  // clone columns, folded back onto the home experts)
   dx.zero_();
-  dispatcher.dispatch_backward(b, dx, c.dprobs, ctx);
+  if (d.echo.enabled()) {
+    dispatcher.dispatch_backward(b, dx, c.echo.dprobs, ctx);
+    ops::moe_echo_fold(c.dprobs, c.echo.dprobs, c.echo.slot_expert, c.echo.Sl, ctx);
+  } else {
+    dispatcher.dispatch_backward(b, dx, c.dprobs, ctx);
+  }
   // route, in reverse
   router_backward(dx, g.router, g.router_bias, c.dprobs, x, w.router, c.router, router_dims(d, cfg), cfg,
                   aux_grad_scale, ctx);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "moecore/moe/dispatcher.h"
+#include "moecore/moe/echo.h"
 #include "moecore/moe/experts.h"
 #include "moecore/moe/router.h"
 
@@ -30,6 +31,9 @@ struct MoeLayerDims {
   const ProcessGroup* global_aux_group = nullptr;  // global_aux_loss counts are summed over it (DP)
   const ProcessGroup* sequence_group = nullptr;    // sequence parallelism: T is this rank's share (RouterDims)
   Device device = Device::cpu;                     // where the caches live (the ops' context device)
+  // MoE ECHO (echo.h): clones of hot experts in each EP rank's slots; needs the alltoall dispatcher, ETP 1, dropless
+  // routing. The dispatch buffers then hold E' = E + slots expert columns.
+  EchoDims echo{};
 };
 
 // Megatron's add_bias_linear gives the router and the routed experts biases (router.bias, experts.fc1_bias,
@@ -58,6 +62,7 @@ struct MoeLayerCache {
   ExpertCache experts;
   ExpertWorkspace expert_ws;
   SharedExpertCache shared;
+  EchoCache echo;               // MoE ECHO's plan, rerouted routing and clones (dims.echo enabled)
   RouterStats stats;            // of the last forward
   bool owns_scratch = true;     // false when the scratch tensors alias another layer's
   bool owns_refilled = true;    // false when the tensors a recompute refills alias another cache's
