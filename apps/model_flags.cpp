@@ -175,6 +175,17 @@ void capacity_factor(const Args& a, const char* f, ModelConfig& c) {
     MOECORE_FAIL(f, " (", a.str(f), ") must be positive (leave it unset for dropless)");
 }
 
+// --moe-received-token-capacity and --moe-expert-rank-capacity-factor set one field; both given must agree.
+void received_token_capacity(const Args& a, const char* f, ModelConfig& c) {
+  if (!a.given(f)) return;
+  const auto v = static_cast<float>(a.f64(f));
+  if (!(v > 0.0f)) MOECORE_FAIL(f, " (", a.str(f), ") must be positive (leave it unset for the synced dropless path)");
+  if (c.moe.received_token_capacity > 0 && c.moe.received_token_capacity != v)
+    MOECORE_FAIL("--moe-received-token-capacity and --moe-expert-rank-capacity-factor name one setting; got ",
+                 c.moe.received_token_capacity, " and ", v);
+  c.moe.received_token_capacity = v;
+}
+
 void drop_policy(const Args& a, const char* f, ModelConfig& c) {
   const std::string pol = a.str(f);
   if (pol != "probs" && pol != "position") MOECORE_FAIL(f, " '", pol, "' is not one of probs, position");
@@ -387,6 +398,24 @@ const ModelFlag kModelFlags[] = {
   {"--moe-apply-probs-on-input", Kind::unsupported_switch, "", "routing probabilities applied to the expert input",
    nullptr},
   {"--moe-enable-deepep", Kind::unsupported_switch, "", "the DeepEP dispatcher", nullptr},
+  // MoE ECHO (Megatron PR #2368's flags) and the static received-token capacity (Megatron mainline's name).
+  {"--moe-enable-echo", Kind::flag, "", "clone hot experts onto under-loaded EP ranks each step (needs the alltoall "
+   "token dispatcher and EP > 1)", moe_on<&moe::MoeConfig::enable_echo>},
+  {"--moe-num-echo-experts", Kind::value, "", "global clone slots, a multiple of --expert-model-parallel-size",
+   moe_i64_or_unset<&moe::MoeConfig::num_echo_experts>},
+  {"--moe-echo-expert-dispatcher-type", Kind::value, "alltoall",
+   "how clone weights travel: alltoall (host-sized; the PR's default hybridep is a GPU dispatcher)",
+   [](const Args& a, const char* f, ModelConfig& c) { c.moe.echo_dispatcher_type = a.str(f); }},
+  {"--moe-echo-recompute-expert-dispatch", Kind::flag, "",
+   "drop clone weights after forward and fetch them again in backward (one clone buffer for all layers)",
+   moe_on<&moe::MoeConfig::echo_recompute_expert_dispatch>},
+  {"--moe-echo-enable-random-offloading", Kind::flag, "", "random clones each step (debugging ECHO's equivalence)",
+   moe_on<&moe::MoeConfig::echo_random_offloading>},
+  {"--moe-received-token-capacity", Kind::value, "",
+   "static token-expert rows each EP rank can receive, x the average; overflow re-runs the step synced (unset: "
+   "synced dropless)", received_token_capacity},
+  {"--moe-expert-rank-capacity-factor", Kind::value, "", "Megatron mainline's name of --moe-received-token-capacity",
+   received_token_capacity},
 };
 // clang-format on
 
@@ -438,6 +467,9 @@ const std::pair<const char*, FlagDomain> kModelFlagDomains[] = {
     {"--moe-router-bias-update-rate", FlagDomain::number(0.0)},
     {"--moe-expert-capacity-factor", FlagDomain::positive_number()},
     {"--moe-shared-expert-intermediate-size", FlagDomain::integer(1)},
+    {"--moe-num-echo-experts", FlagDomain::integer(1, 1e6)},
+    {"--moe-received-token-capacity", FlagDomain::positive_number()},
+    {"--moe-expert-rank-capacity-factor", FlagDomain::positive_number()},
 };
 
 }  // namespace

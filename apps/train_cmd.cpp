@@ -496,6 +496,8 @@ int train_main(int argc, char** argv) {
   pcfg.expert_tensor_parallel_size =
       a.str("--expert-tensor-parallel-size").empty() ? 0 : static_cast<int>(a.i64("--expert-tensor-parallel-size"));
   const ParallelSizes sizes = pcfg.validate(world_size, static_cast<int>(mcfg.moe.num_experts));
+  moe::echo_check_layout(mcfg.moe, sizes.ep, sizes.etp,
+                         moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type")));
   train::TrainConfig tcfg = train_config_from(a, sizes.dp);
   if (static_cast<int64_t>(stage_layers.size()) > pp_size && tcfg.micro_batches() % sizes.dp == 0)  // (validated)
     train::interleaved_one_f_one_b(

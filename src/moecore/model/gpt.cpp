@@ -369,6 +369,16 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   moe_dims_.device = device_;
   moe_dims_.dispatcher = EP * ETP > 1 ? par_.dispatcher : moe::DispatcherKind::local;
   moe_dims_.recompute_act = cfg_.recompute.selects("moe_act");
+  if (cfg_.moe.enabled() && cfg_.moe.enable_echo) {
+    moe::echo_check_layout(cfg_.moe, EP, ETP, par_.dispatcher);
+    moe::EchoDims& e = moe_dims_.echo;
+    e.slots = cfg_.moe.num_echo_experts;
+    e.recompute_dispatch = cfg_.moe.echo_recompute_expert_dispatch;
+    e.random = cfg_.moe.echo_random_offloading;
+    e.seed = seed_;
+    e.biases = cfg_.add_bias_linear;
+    e.group = &par_.ep;
+  }
   if (EP * ETP > 1 && par_.dispatcher == moe::DispatcherKind::alltoall)
     dispatcher_ = std::make_unique<moe::AllToAllDispatcher>(par_.ep, par_.etp);
   else if (EP * ETP > 1)
@@ -786,6 +796,14 @@ const moe::RouterStats* GptModel::moe_stats(int64_t layer) const {
   if (!m || c < 0) return nullptr;
   const auto cs = static_cast<size_t>(c);
   return &slots_[cs][slot_[cs]].moe[static_cast<size_t>(layer)].stats;
+}
+
+std::optional<moe::EchoStatsHost> GptModel::moe_echo_stats(int64_t layer) const {
+  const auto& m = moe_.at(static_cast<size_t>(layer));
+  const int64_t c = layer_chunk_.at(static_cast<size_t>(layer));
+  if (!m || c < 0 || !moe_dims_.echo.enabled()) return std::nullopt;
+  const auto cs = static_cast<size_t>(c);
+  return moe::echo_stats_host(slots_[cs][slot_[cs]].moe[static_cast<size_t>(layer)].echo, m->w.experts);
 }
 
 moe::RouterState* GptModel::router_state(int64_t layer) {

@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -178,6 +179,9 @@ class GptModel {
   void finish_step(bool update = true);
   // Router statistics of layer l of the last forward through its chunk; nullptr for dense layers and other stages'.
   const moe::RouterStats* moe_stats(int64_t layer) const;
+  // MoE ECHO's plan of layer l in the last forward through its chunk, as a host snapshot; nullopt without ECHO, for
+  // dense layers and other stages'.
+  std::optional<moe::EchoStatsHost> moe_echo_stats(int64_t layer) const;
   bool is_moe_layer(int64_t layer) const { return moe_[static_cast<size_t>(layer)] != nullptr; }       // (this stage's)
   int64_t chunk_of_layer(int64_t layer) const { return layer_chunk_.at(static_cast<size_t>(layer)); }  // -1: not here
   moe::RouterState* router_state(int64_t layer);  // nullptr for dense layers

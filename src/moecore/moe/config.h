@@ -46,6 +46,15 @@ struct MoeConfig {
   bool shared_expert_gate = false;              // --moe-shared-expert-gate: sigmoid(x . g) scales the shared output
   bool swiglu = true;                           // expert activation: SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
   uint64_t seed = 1234;                         // jitter / forced-balancing stream seed
+  // MoE ECHO (echo.h; ../shared/docs/echo-folding-perf.md §A): clones of hot experts on under-loaded EP ranks.
+  bool enable_echo = false;      // --moe-enable-echo
+  int64_t num_echo_experts = 0;  // --moe-num-echo-experts: global clone slots, a multiple of EP (e.g. 2 x EP)
+  std::string echo_dispatcher_type = "alltoall";  // --moe-echo-expert-dispatcher-type: alltoall (hybridep: GPU only)
+  bool echo_recompute_expert_dispatch = false;    // --moe-echo-recompute-expert-dispatch: re-fetch clones in backward
+  bool echo_random_offloading = false;            // --moe-echo-enable-random-offloading: random clones (debug)
+  // --moe-received-token-capacity / --moe-expert-rank-capacity-factor: token-expert rows an EP rank can receive, as a
+  // multiple of the average (T x K); 0: unset (the synced dropless path). e.g. 1.25
+  float received_token_capacity = 0.0f;
 
   bool enabled() const { return num_experts > 0; }
   bool uses(LoadBalancing t) const;

@@ -54,6 +54,25 @@ EchoDispatcherKind parse_echo_dispatcher_kind(const std::string& s) {
   MOECORE_FAIL("--moe-echo-expert-dispatcher-type: expected alltoall (or hybridep on GPU), got '", s, "'");
 }
 
+void echo_check_layout(const MoeConfig& cfg, int64_t ep, int64_t etp, DispatcherKind dispatcher) {
+  if (!cfg.enable_echo) return;
+  if (ep < 2)
+    MOECORE_FAIL(
+        "--moe-enable-echo clones experts onto other expert-parallel ranks: it needs "
+        "--expert-model-parallel-size > 1, got ",
+        ep);
+  if (cfg.num_echo_experts % ep != 0)
+    MOECORE_FAIL("--moe-num-echo-experts (", cfg.num_echo_experts,
+                 ") must be divisible by --expert-model-parallel-size (", ep,
+                 "): every EP rank holds the same number of clone slots");
+  if (dispatcher != DispatcherKind::alltoall)
+    MOECORE_FAIL("--moe-enable-echo needs --moe-token-dispatcher-type alltoall, got ",
+                 dispatcher_kind_name(dispatcher));
+  if (etp != 1)
+    MOECORE_FAIL("--moe-enable-echo with --expert-tensor-parallel-size ", etp,
+                 " is not supported yet (clones of expert slices); use ETP 1");
+}
+
 EchoCache echo_cache_alloc(const EchoDims& d, int64_t T, int64_t E, const ExpertDims& home) {
   MOECORE_CHECK(d.group != nullptr && d.enabled(), "echo_cache_alloc: ECHO needs its EP group and slots");
   EchoCache c;
@@ -108,8 +127,7 @@ void echo_plan(EchoCache& c, const Tensor& counts, const Tensor& map, const Tens
                const ops::Context& ctx) {
   all_gather(c.counts, counts, *d.group);
   // The debug mode draws a fresh random plan per layer and forward, the same on every rank.
-  const uint64_t seed =
-      d.random ? (d.seed * 0x9E3779B97F4A7C15ull) ^ (static_cast<uint64_t>(d.layer) << 40) ^ (c.plans + 1) : 0;
+  const uint64_t seed = d.random ? (d.seed * 0x9E3779B97F4A7C15ull) ^ (c.plans + 1) : 0;
   ++c.plans;
   ops::moe_echo_plan(c.slot_expert, c.slot_tokens, c.loads, c.counts, c.Sl, seed, ctx);
   ops::moe_echo_reroute(c.map, c.probs, map, probs, c.slot_expert, c.slot_tokens, c.rank, c.Sl, ctx);

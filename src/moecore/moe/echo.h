@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/moe/config.h"
 #include "moecore/moe/experts.h"
 #include "moecore/parallel/comm.h"
 
@@ -18,7 +19,12 @@ namespace moecore::moe {
 // clone's weights go point to point from its home rank to its slot (the reference's all-to-all path: host-sized, not
 // sync-free). hybridep is Megatron's device-side dispatcher (a GPU backend; refused here).
 enum class EchoDispatcherKind : uint8_t { alltoall };
+enum class DispatcherKind : uint8_t;
 EchoDispatcherKind parse_echo_dispatcher_kind(const std::string& s);
+
+// The layout ECHO needs, checked at start-up (every rank, before any collective): EP > 1, --moe-num-echo-experts a
+// multiple of EP, the alltoall token dispatcher, ETP 1. Error naming the values. Nothing when ECHO is off.
+void echo_check_layout(const MoeConfig& cfg, int64_t ep, int64_t etp, DispatcherKind dispatcher);
 
 struct EchoDims {
   int64_t slots = 0;                    // --moe-num-echo-experts: global clone slots (0: ECHO off), a multiple of ep
@@ -26,7 +32,6 @@ struct EchoDims {
                                         // so one set of clone buffers serves every layer
   bool random = false;                  // --moe-echo-enable-random-offloading: the planner's debug mode (random clones)
   uint64_t seed = 1234;                 // the debug mode's stream
-  int64_t layer = 0;                    // the layer's index (the debug mode's stream)
   bool biases = false;                  // the experts have linear biases (add_bias_linear): clones carry them
   const ProcessGroup* group = nullptr;  // the EP group
   bool enabled() const { return slots > 0; }

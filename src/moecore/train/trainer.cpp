@@ -121,6 +121,26 @@ std::string format_moe_losses(const moe::MoeConfig& mc, const MoeStepLosses& l) 
   if (mc.z_loss_coeff > 0) add("z_loss", l.z_loss);
   return s;
 }
+// MoE ECHO over the layers of this stage, last micro-batch: the worst max/mean received load per EP rank before and
+// after the plan, clones made and bytes of weights moved (summed over the layers). nullopt without ECHO.
+struct EchoSummary {
+  double before = 0, after = 0;
+  int64_t clones = 0, weight_bytes = 0;
+};
+std::optional<EchoSummary> echo_summary(const model::GptModel& gpt) {
+  std::optional<EchoSummary> sum;
+  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
+    const std::optional<moe::EchoStatsHost> e = gpt.moe_echo_stats(l);
+    if (!e) continue;
+    if (!sum) sum.emplace();
+    sum->before = std::max(sum->before, e->max_over_mean_before());
+    sum->after = std::max(sum->after, e->max_over_mean_after());
+    sum->clones += e->clones;
+    sum->weight_bytes += e->weight_bytes;
+  }
+  return sum;
+}
+
 // Per-layer router statistics of the last micro-batch: tokens per expert, max/mean load, drops and losses.
 void log_moe_layers(const model::GptModel& gpt, std::FILE* log) {
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
@@ -135,6 +155,11 @@ void log_moe_layers(const model::GptModel& gpt, std::FILE* log) {
                  "tokens per expert [%s]\n",
                  static_cast<long long>(l), st.max_over_mean_load(), static_cast<long long>(st.dropped), st.aux_loss,
                  st.seq_aux_loss, st.global_aux_loss, st.z_loss, tpe.c_str());
+    if (const std::optional<moe::EchoStatsHost> e = gpt.moe_echo_stats(l))
+      std::fprintf(log,
+                   "   moe layer %lld | echo max/mean received %.3f -> %.3f | clones %lld | weights moved %.3f MiB\n",
+                   static_cast<long long>(l), e->max_over_mean_before(), e->max_over_mean_after(),
+                   static_cast<long long>(e->clones), static_cast<double>(e->weight_bytes) / (1 << 20));
   }
 }
 }  // namespace
@@ -185,6 +210,12 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
   if (exposed_comm_share >= 0) scalars.emplace_back("comm/exposed_share", exposed_comm_share);
   if (grad_reduce_share >= 0) scalars.emplace_back("comm/grad_reduce_share", grad_reduce_share);
   if (pipeline_wait_share >= 0) scalars.emplace_back("comm/pipeline_wait_share", pipeline_wait_share);
+  if (const std::optional<EchoSummary> e = echo_summary(gpt)) {
+    scalars.emplace_back("moe/echo_max_over_mean_before", e->before);
+    scalars.emplace_back("moe/echo_max_over_mean_after", e->after);
+    scalars.emplace_back("moe/echo_clones", static_cast<double>(e->clones));
+    scalars.emplace_back("moe/echo_weight_bytes", static_cast<double>(e->weight_bytes));
+  }
   if (per_layer) {
     for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
       const moe::RouterStats* stats = gpt.moe_stats(l);
@@ -197,6 +228,12 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
       for (size_t e = 0; e < st.tokens_per_expert.size(); ++e)
         scalars.emplace_back("moe/tokens_per_expert" + sfx + "_expert_" + std::to_string(e),
                              static_cast<double>(st.tokens_per_expert[e]));
+      if (const std::optional<moe::EchoStatsHost> e = gpt.moe_echo_stats(l)) {
+        scalars.emplace_back("moe/echo_max_over_mean_before" + sfx, e->max_over_mean_before());
+        scalars.emplace_back("moe/echo_max_over_mean_after" + sfx, e->max_over_mean_after());
+        scalars.emplace_back("moe/echo_clones" + sfx, static_cast<double>(e->clones));
+        scalars.emplace_back("moe/echo_weight_bytes" + sfx, static_cast<double>(e->weight_bytes));
+      }
     }
   }
   if (sinks.tb) {
@@ -455,6 +492,12 @@ class RunLog {
         char b[80];
         std::snprintf(b, sizeof b, " | pipeline wait %.1f%% (%s bubble %.1f%%)", 100.0 * pipeline_wait_share,
                       gpt_.num_chunks() > 1 ? "interleaved 1F1B" : "1F1B", 100.0 * bubble);
+        comm += b;
+      }
+      if (const std::optional<EchoSummary> e = echo_summary(gpt_)) {
+        char b[96];
+        std::snprintf(b, sizeof b, " | echo max/mean %.2f -> %.2f, %lld clones", e->before, e->after,
+                      static_cast<long long>(e->clones));
         comm += b;
       }
       if (peak_gflops_ > 0) {
