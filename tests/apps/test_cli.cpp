@@ -275,6 +275,27 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
        "--microbatch-group-size-per-virtual-pipeline-stage 3",
        "(--microbatch-group-size-per-virtual-pipeline-stage, default the pipeline size: 3) must lie in [pipeline size "
        "2, micro-batches per data-parallel rank 2]"}};
+  // MoE ECHO: slots not a multiple of EP, ECHO without EP > 1 or with the allgather dispatcher, a received-token
+  // capacity below the average without ECHO or not positive, ECHO without slots, the GPU-only weight dispatcher.
+  const std::string ep2 = "--num-experts 4 --expert-model-parallel-size 2 ";
+  const std::vector<std::pair<std::string, std::string> > echo = {
+      {ep2 + "--moe-token-dispatcher-type alltoall --moe-enable-echo --moe-num-echo-experts 3",
+       "--moe-num-echo-experts (3) must be divisible by --expert-model-parallel-size (2)"},
+      {"--num-experts 4 --moe-enable-echo --moe-num-echo-experts 2", "needs --expert-model-parallel-size > 1, got 1"},
+      {ep2 + "--moe-enable-echo --moe-num-echo-experts 2", "needs --moe-token-dispatcher-type alltoall, got allgather"},
+      {"--num-experts 4 --moe-received-token-capacity 0.5",
+       "--moe-received-token-capacity / --moe-expert-rank-capacity-factor (0.5) must be > 0, and >= 1 without "
+       "--moe-enable-echo"},
+      {"--num-experts 4 --moe-expert-rank-capacity-factor 0", "--moe-expert-rank-capacity-factor"},
+      {"--num-experts 4 --moe-enable-echo", "--moe-enable-echo needs --moe-num-echo-experts"},
+      {ep2 + "--moe-token-dispatcher-type alltoall --moe-enable-echo --moe-num-echo-experts 2 "
+             "--moe-echo-expert-dispatcher-type hybridep",
+       "hybridep: Megatron's device-side (sync-free) dispatcher needs the GPU backend"}};
+  for (const auto& [flags, error] : echo) {
+    auto [st, out] = mpirun(2, flags);
+    EXPECT_NE(st, 0) << flags;
+    EXPECT_EQ(count(out, error), 2u) << flags << "\n" << out;
+  }
   for (const auto& [flags, error] : vpp) {
     auto [st, out] = mpirun(2, flags);
     EXPECT_NE(st, 0) << flags;
@@ -363,7 +384,13 @@ TEST_F(Cli, TwoRanksMatchOneProcess) {
                          {"",  // data parallel
                           " --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
                           " --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
-                          " --expert-model-parallel-size 2 --use-distributed-optimizer"});
+                          " --expert-model-parallel-size 2 --use-distributed-optimizer",
+                          // MoE ECHO: the planner's clones, and random clones fetched again in backward
+                          " --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-enable-echo "
+                          "--moe-num-echo-experts 2",
+                          " --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-enable-echo "
+                          "--moe-num-echo-experts 4 --moe-echo-enable-random-offloading "
+                          "--moe-echo-recompute-expert-dispatch"});
 #endif
 }
 
