@@ -288,6 +288,7 @@ TEST_F(Cli, BadParallelLayoutsFailOnEveryRank) {
        "--moe-enable-echo"},
       {"--num-experts 4 --moe-expert-rank-capacity-factor 0", "--moe-expert-rank-capacity-factor"},
       {"--num-experts 4 --moe-enable-echo", "--moe-enable-echo needs --moe-num-echo-experts"},
+      {"--num-experts 4 --moe-received-token-capacity 1.5", "it needs --expert-model-parallel-size > 1"},
       {ep2 + "--moe-token-dispatcher-type alltoall --moe-enable-echo --moe-num-echo-experts 2 "
              "--moe-echo-expert-dispatcher-type hybridep",
        "hybridep: Megatron's device-side (sync-free) dispatcher needs the GPU backend"}};
@@ -390,7 +391,10 @@ TEST_F(Cli, TwoRanksMatchOneProcess) {
                           "--moe-num-echo-experts 2",
                           " --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-enable-echo "
                           "--moe-num-echo-experts 4 --moe-echo-enable-random-offloading "
-                          "--moe-echo-recompute-expert-dispatch"});
+                          "--moe-echo-recompute-expert-dispatch",
+                          // a static received-token capacity every step overflows: each runs again, synced
+                          " --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
+                          "--moe-received-token-capacity 1.0"});
 #endif
 }
 

@@ -67,12 +67,13 @@ struct Result {
   std::map<std::string, Tensor> values;  // parameters at the end
   int64_t ep_rank = 0, ep_size = 1;
   int64_t echo_clones = 0;  // MoE ECHO: clones in the last micro-batch's plans (all layers)
+  int64_t retries = 0;      // steps run again over the received-token capacity
 };
 using ModelTweak = std::function<void(model::ModelConfig&)>;
 
 Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int64_t iters, bool expert_bias,
            bool distributed, const std::string& save = "", const std::string& load = "", int64_t exit_at = 0,
-           bool zero = false, const ModelTweak& tweak = {}) {
+           bool zero = false, const ModelTweak& tweak = {}, bool validate = true) {
   model::ModelConfig mc = moe_model(expert_bias);
   if (tweak) tweak(mc);
   train::TrainGroups groups;
@@ -93,13 +94,13 @@ Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int
   tc.ddp_bucket_size = 3000;  // several buckets
   tc.save = save;
   tc.load = load;
-  tc.exit_interval = exit_at;  // same schedule as the full run, stopped (and saved) early
-  // With a model tweak no validation runs: the last forward (echo_clones) is then a training micro-batch's.
-  if (tweak) tc.has_validation = false;
+  tc.exit_interval = exit_at;    // same schedule as the full run, stopped (and saved) early
+  tc.has_validation = validate;  // (without, the last forward -- echo_clones -- is a training micro-batch's)
   const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, distributed ? &groups : nullptr);
   Result r;
   r.loss = log.train_loss;
   r.grad_norm = log.grad_norm;
+  r.retries = log.moe_retries;
   if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
   for (const auto& p : gpt.params()) {
     r.grads[p.name] = host_copy(p.grad);
@@ -266,7 +267,7 @@ TEST_F(Mpi, EchoTrainingMatchesEchoOff) {
                         Case{"planner, two slots per rank", echo(2, false, false)},
                         Case{"random clones, fetched again in backward", echo(2, true, true)}}) {
     SCOPED_TRACE(c.what);
-    const Result got1 = run(world, P, kind, 1, false, true, "", "", 0, false, c.tweak);
+    const Result got1 = run(world, P, kind, 1, false, true, "", "", 0, false, c.tweak, false);
     EXPECT_GT(got1.echo_clones, 0);
     EXPECT_LE(rel(got1.loss[0], ref1.loss[0]), 1e-6) << got1.loss[0] << " vs " << ref1.loss[0];
     EXPECT_LE(rel(got1.grad_norm[0], ref1.grad_norm[0]), 1e-6);
@@ -285,6 +286,42 @@ TEST_F(Mpi, EchoTrainingMatchesEchoOff) {
   for (size_t i = 0; i < 10; ++i) EXPECT_LE(rel(single.loss[i], ref.loss[10 + i]), 1e-5) << "step " << 11 + i;
   barrier(world);
   if (world.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// The static received-token capacity (--moe-received-token-capacity) at EP = P, with expert bias (its counters must
+// not count a dropped pass): at 1.0 x the average most steps overflow somewhere and run once more on the synced
+// dropless path, and the run is bitwise the dropless run (losses, grad norms, parameters), validation included; a
+// capacity above any load never retries; with ECHO at 1.25 the clones keep the loads under it on most steps, and the
+// run equals the dropless one within ECHO's rounding (1e-5 over 20 steps).
+TEST_F(Mpi, ReceivedTokenCapacityRetriesAndMatchesDropless) {
+  const auto kind = moe::DispatcherKind::alltoall;
+  auto capacity = [](float c, int64_t echo_slots) -> ModelTweak {
+    return [=](model::ModelConfig& m) {
+      m.moe.received_token_capacity = c;
+      m.moe.enable_echo = echo_slots > 0;
+      m.moe.num_echo_experts = echo_slots;
+    };
+  };
+  const Result ref = run(world, P, kind, 20, true, true, "", "", 0, false, capacity(0, 0));
+  const Result tight = run(world, P, kind, 20, true, true, "", "", 0, false, capacity(1.0f, 0));
+  EXPECT_GT(tight.retries, 0);
+  EXPECT_LE(tight.retries, 20);
+  ASSERT_EQ(tight.loss.size(), 20u);
+  for (size_t i = 0; i < 20; ++i) {
+    EXPECT_EQ(std::memcmp(&tight.loss[i], &ref.loss[i], sizeof(double)), 0) << "step " << i + 1;
+    EXPECT_EQ(std::memcmp(&tight.grad_norm[i], &ref.grad_norm[i], sizeof(double)), 0) << "step " << i + 1;
+  }
+  for (const auto& [name, v] : ref.values)
+    EXPECT_EQ(std::memcmp(v.raw(), tight.values.at(name).raw(), static_cast<size_t>(v.nbytes())), 0) << name;
+  const Result roomy = run(world, P, kind, 20, true, true, "", "", 0, false, capacity(static_cast<float>(P), 0));
+  EXPECT_EQ(roomy.retries, 0);
+  for (size_t i = 0; i < 20; ++i) EXPECT_EQ(std::memcmp(&roomy.loss[i], &ref.loss[i], sizeof(double)), 0);
+  const Result echo = run(world, P, kind, 20, true, true, "", "", 0, false, capacity(1.25f, P));
+  EXPECT_LT(echo.retries, tight.retries);
+  for (size_t i = 0; i < 20; ++i)
+    EXPECT_LE(rel(echo.loss[i], ref.loss[i]), 1e-5)
+        << "step " << i + 1 << ": " << echo.loss[i] << " vs " << ref.loss[i];
+  EXPECT_EQ(tight.valid, ref.valid);  // (an overflowing evaluation runs again synced as well)
 }
 
 // ZeRO-1 (--use-distributed-optimizer): the same losses and grad norms as the single-process run, over DP

@@ -41,15 +41,17 @@ struct LayerCase {
   int64_t T = 24, H = 16, F = 12, E = 8, K = 2;
   MoeConfig cfg;
   Routing routing = Routing::random;
-  bool bias = false;  // Megatron's add_bias_linear: router and expert biases
-  EchoDims echo{};    // MoE ECHO in the EP layer (its group is set by run_layer)
+  bool bias = false;   // Megatron's add_bias_linear: router and expert biases
+  EchoDims echo{};     // MoE ECHO in the EP layer (its group is set by run_layer)
+  float capacity = 0;  // the EP layer's static received-token capacity (x the average)
 };
 
 struct Run {
   Tensor y, dx;
   MoeLayerGrads g;
   RouterStatsHost stats;
-  EchoStatsHost echo;  // with ECHO
+  EchoStatsHost echo;     // with ECHO
+  bool overflow = false;  // over the static received-token capacity
 };
 
 void expect_close(const Tensor& a, const Tensor& b, double rtol, const std::string& what) {
@@ -159,6 +161,7 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
   d.device = dev;
   const ExpertGroups groups = etp > 1 ? expert_groups(world, etp) : ExpertGroups{world.renamed("ep"), {}};
   const ProcessGroup ep_group = ep * etp == 1 ? comm_single("ep") : groups.ep;
+  if (ep > 1) d.received_capacity = s.capacity;
   if (ep > 1 && s.echo.enabled()) {
     d.echo = s.echo;
     d.echo.group = &ep_group;
@@ -179,6 +182,7 @@ Run run_layer(const LayerCase& s, const ProcessGroup& world, int64_t ep, Dispatc
   moe_layer_forward(out.y, xd, Tensor(), w, st, cache, *disp, d, s.cfg, true, ctx);
   out.stats = router_stats_host(cache.stats);
   if (d.echo.enabled()) out.echo = echo_stats_host(cache.echo, w.experts);
+  out.overflow = moe_layer_overflowed(cache);
   moe_layer_backward(out.dx, out.g, dyd, xd, w, cache, *disp, d, s.cfg, 1.0f, ctx);
   return out;
 }
@@ -385,6 +389,38 @@ TEST_F(Mpi, EchoMatchesEchoOff) {
   }
   s.bias = true;
   check_echo_against_echo_off(s, world, "random clones with linear biases");
+}
+
+// The static received-token capacity: buffers for 1.25 x the average received rows. Every token routed to the last
+// rank's experts overflows it there (the flag is set on that rank alone, its rows dropped: the routed output is zero);
+// with ECHO the clones spread the load and nothing overflows, the result equal to the dropless layer. A capacity above
+// any load changes nothing, bitwise.
+TEST_F(Mpi, ReceivedTokenCapacityOverflowsOnlyWhereTheLoadExceedsIt) {
+  const int P = world.size();
+  LayerCase s = base();
+  s.routing = Routing::one_expert;
+  const moe::Run dropless = run_layer(s, world, P, DispatcherKind::alltoall);
+  s.capacity = 1.25f;
+  const moe::Run over = run_layer(s, world, P, DispatcherKind::alltoall);
+  EXPECT_EQ(over.overflow, me == P - 1);
+  EXPECT_FALSE(dropless.overflow);
+  if (me == P - 1) {
+    EXPECT_FALSE(bitwise_equal(over.y, dropless.y));
+  }
+  s.echo.slots = P;
+  const moe::Run echo = run_layer(s, world, P, DispatcherKind::alltoall);
+  EXPECT_FALSE(echo.overflow);
+  expect_close(echo.y, dropless.y, 1e-6, "output with ECHO at capacity 1.25");
+  expect_close(echo.dx, dropless.dx, 1e-6, "input gradient with ECHO at capacity 1.25");
+  expect_close(echo.g.experts.fc1, dropless.g.experts.fc1, 1e-6, "fc1 gradient with ECHO at capacity 1.25");
+  s = base();
+  const moe::Run plain = run_layer(s, world, P, DispatcherKind::alltoall);
+  s.capacity = static_cast<float>(P);
+  const moe::Run roomy = run_layer(s, world, P, DispatcherKind::alltoall);
+  EXPECT_FALSE(roomy.overflow);
+  EXPECT_TRUE(bitwise_equal(roomy.y, plain.y));
+  EXPECT_TRUE(bitwise_equal(roomy.dx, plain.dx));
+  EXPECT_TRUE(bitwise_equal(roomy.g.experts.fc1, plain.g.experts.fc1));
 }
 
 TEST_F(Mpi, EchoNeedsTheAllToAllDispatcherAndDroplessRouting) {

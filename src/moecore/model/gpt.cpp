@@ -369,8 +369,11 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   moe_dims_.device = device_;
   moe_dims_.dispatcher = EP * ETP > 1 ? par_.dispatcher : moe::DispatcherKind::local;
   moe_dims_.recompute_act = cfg_.recompute.selects("moe_act");
-  if (cfg_.moe.enabled() && cfg_.moe.enable_echo) {
+  if (cfg_.moe.enabled()) {
     moe::echo_check_layout(cfg_.moe, EP, ETP, par_.dispatcher);
+    moe_dims_.received_capacity = cfg_.moe.received_token_capacity;
+  }
+  if (cfg_.moe.enabled() && cfg_.moe.enable_echo) {
     moe::EchoDims& e = moe_dims_.echo;
     e.slots = cfg_.moe.num_echo_experts;
     e.recompute_dispatch = cfg_.moe.echo_recompute_expert_dispatch;
@@ -779,6 +782,30 @@ void GptModel::set_micro_batch_slots(const std::vector<int64_t>& per_chunk) {
   }
 }
 
+bool GptModel::take_moe_overflow() {
+  const bool o = moe_overflow_;
+  moe_overflow_ = false;
+  return o;
+}
+
+void GptModel::set_moe_synced_dropless(bool on) {
+  if (!moe_static_capacity() || on == moe_synced_) return;
+  moe_synced_ = on;
+  moe_dims_.received_capacity = on ? 0.0f : cfg_.moe.received_token_capacity;
+  std::vector<size_t> slots(chunks_.size());
+  for (size_t c = 0; c < chunks_.size(); ++c) slots[c] = slots_[c].size();
+  // Free the old buffers first (the scratch donor lives among them), then plan and allocate as at construction.
+  slots_.assign(chunks_.size(), {});
+  recompute_caches_.clear();
+  selective_moe_ = moe::MoeLayerCache{};
+  plan_recompute();
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    slots_[c].reserve(slots[c]);
+    while (slots_[c].size() < slots[c]) slots_[c].push_back(alloc_activations(static_cast<int64_t>(c)));
+    slot_[c] = 0;
+  }
+}
+
 const char* GptModel::dispatcher_name() const {
   return moe_dims_.dispatcher == moe::DispatcherKind::alltoall    ? "all-to-all"
          : moe_dims_.dispatcher == moe::DispatcherKind::allgather ? "all-gather"
@@ -1097,6 +1124,7 @@ void GptModel::moe_mlp_forward(size_t l, Tensor& y, bool training, const ops::Co
   ops::transpose_01(x_sb, a.layer[l].h2.view({B_, S, H}), ctx);
   moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, a.moe[l], *dispatcher_, moe_dims_, cfg_.moe,
                          training, ctx, /*route=*/!recompute);
+  moe_overflow_ = moe_overflow_ || moe::moe_layer_overflowed(a.moe[l]);
   ops::transpose_01(out_bs, out_sb, ctx);
   ops::bias_dropout_add(y, a.layer[l].x_mid, ws_.dh.slice(0, 0, dims_.N), Tensor(), a.drops[l].mlp_out, ctx);
 }

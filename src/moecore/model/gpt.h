@@ -182,6 +182,14 @@ class GptModel {
   // MoE ECHO's plan of layer l in the last forward through its chunk, as a host snapshot; nullopt without ECHO, for
   // dense layers and other stages'.
   std::optional<moe::EchoStatsHost> moe_echo_stats(int64_t layer) const;
+  // The static received-token capacity (--moe-received-token-capacity): whether an MoE layer's forward on this rank
+  // overflowed it since the last call (the flag then resets). Always false without the capacity.
+  bool take_moe_overflow();
+  bool moe_static_capacity() const { return cfg_.moe.enabled() && cfg_.moe.received_token_capacity > 0; }
+  // The MoE layers' buffers for every received row (on: the synced dropless path a retry runs on) or at the static
+  // capacity (off). Reallocates every activation slot (the slot counts kept); no-op when already so.
+  void set_moe_synced_dropless(bool on);
+  bool moe_synced_dropless() const { return moe_synced_; }
   bool is_moe_layer(int64_t layer) const { return moe_[static_cast<size_t>(layer)] != nullptr; }       // (this stage's)
   int64_t chunk_of_layer(int64_t layer) const { return layer_chunk_.at(static_cast<size_t>(layer)); }  // -1: not here
   moe::RouterState* router_state(int64_t layer);  // nullptr for dense layers
@@ -374,6 +382,8 @@ class GptModel {
   Activations& act() { return slots_[chunk_][slot_[chunk_]]; }
   std::vector<std::vector<Activations>> slots_;  // per chunk, per slot
   std::vector<size_t> slot_;                     // per chunk: the slot its running (or last) pass works on
+  bool moe_overflow_ = false;                    // an MoE forward overflowed the received-token capacity
+  bool moe_synced_ = false;                      // set_moe_synced_dropless(true) is in force
   std::vector<std::unique_ptr<MoeBlock>> moe_;   // per layer (decoder, then MTP); null for dense layers
   // One multi-token-prediction depth: its parameters and activations (its transformer layer is layer L + depth of
   // the per-layer arrays).

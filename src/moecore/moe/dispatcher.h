@@ -53,6 +53,11 @@ struct EpBuffers {
   std::vector<int64_t> send_rows, recv_rows;  // [EP] rows to / from each rank of the EP group (from the host copies)
   std::vector<int64_t> etp_rows;              // [ETP] rows each ETP rank received by its all-to-all
   std::vector<int64_t> el_blocks;             // [EP] all El: the count exchange's block sizes
+  // Static received-token capacity (alltoall): the layer's saved expert-side buffers (permuted rows, the experts'
+  // caches) hold fewer rows than the staging scratch. When this rank receives more rows than they hold, the forward
+  // sets `overflow` and drops every row it received in this layer (zero expert output and input gradient), the
+  // exchanges keeping their sizes; the step is then run again with buffers for every row (the trainer's retry).
+  bool overflow = false;
   // allgather, kept from forward to backward:
   Tensor gmap;          // [EP*T, E] bool: the gathered routing map
   Tensor lmap, lprobs;  // [EP*T, El] bool / f32: its local expert columns

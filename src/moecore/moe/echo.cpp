@@ -55,6 +55,11 @@ EchoDispatcherKind parse_echo_dispatcher_kind(const std::string& s) {
 }
 
 void echo_check_layout(const MoeConfig& cfg, int64_t ep, int64_t etp, DispatcherKind dispatcher) {
+  if (cfg.received_token_capacity > 0 && (ep < 2 || dispatcher != DispatcherKind::alltoall || etp != 1))
+    MOECORE_FAIL("--moe-received-token-capacity / --moe-expert-rank-capacity-factor (", cfg.received_token_capacity,
+                 ") sizes what each expert-parallel rank receives: it needs --expert-model-parallel-size > 1, "
+                 "--moe-token-dispatcher-type alltoall and --expert-tensor-parallel-size 1; got EP ",
+                 ep, ", ", dispatcher_kind_name(dispatcher), ", ETP ", etp);
   if (!cfg.enable_echo) return;
   if (ep < 2)
     MOECORE_FAIL(

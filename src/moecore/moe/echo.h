@@ -22,8 +22,9 @@ enum class EchoDispatcherKind : uint8_t { alltoall };
 enum class DispatcherKind : uint8_t;
 EchoDispatcherKind parse_echo_dispatcher_kind(const std::string& s);
 
-// The layout ECHO needs, checked at start-up (every rank, before any collective): EP > 1, --moe-num-echo-experts a
-// multiple of EP, the alltoall token dispatcher, ETP 1. Error naming the values. Nothing when ECHO is off.
+// The layout ECHO and the static received-token capacity need, checked at start-up (every rank, before any
+// collective): EP > 1, the alltoall token dispatcher, ETP 1, and --moe-num-echo-experts a multiple of EP. Error naming
+// the values. Nothing when both are off.
 void echo_check_layout(const MoeConfig& cfg, int64_t ep, int64_t etp, DispatcherKind dispatcher);
 
 struct EchoDims {

@@ -108,15 +108,26 @@ void AllToAllDispatcher::dispatch_prepare(DispatchBuffers& buf, const Tensor& x,
   size_exchange(p, etp_.rank());
   p.send_plan.row_bound = sum(p.send_rows);
   buf.plan.row_bound = sum(p.etp_rows);
-  if (buf.plan.row_bound > buf.permuted_x.size(0) || (p.etp > 1 && sum(p.recv_rows) > p.own_x.size(0)))
+  if (buf.plan.row_bound > p.stage_x.size(0) || (p.etp > 1 && sum(p.recv_rows) > p.own_x.size(0)))
     MOECORE_FAIL("alltoall dispatcher: rank ", ep_.rank(), " of group '", ep_.name(), "' receives ", buf.plan.row_bound,
-                 " rows but its buffers hold ", buf.permuted_x.size(0));
+                 " rows but its buffers hold ", p.stage_x.size(0));
+  // Over the static received-token capacity: every received row is dropped (no expert rows), the exchanges unchanged.
+  p.overflow = buf.plan.row_bound > buf.permuted_x.size(0);
+  if (p.overflow) {
+    buf.plan.tokens_per_expert.zero_();
+    buf.plan.expert_offset.zero_();
+    std::fill(p.chunk_counts_host.begin(), p.chunk_counts_host.end(), int64_t{0});
+  }
 }
 
 void AllToAllDispatcher::dispatch(DispatchBuffers& buf, const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
   rows_in(p, p.stage_x, p.own_x, p.send_x);
   rows_in(p, p.stage_p, p.own_p, p.send_p);
+  if (p.overflow) {
+    buf.plan.row_bound = 0;  // (after the exchange, which used it)
+    return;
+  }
   // Permutation 2: [source][local expert] -> [local expert][source] (sources: ETP rank, then EP rank).
   const int64_t sources = p.etp * p.ep, El = p.local_experts;
   ops::moe_sort_chunks(buf.permuted_x, p.stage_x, p.chunk_counts, sources, El, false, ctx);
@@ -125,6 +136,7 @@ void AllToAllDispatcher::dispatch(DispatchBuffers& buf, const ops::Context& ctx)
 
 void AllToAllDispatcher::combine_prepare(DispatchBuffers& buf, const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
+  if (p.overflow) return p.stage_x.slice(0, 0, sum(p.etp_rows)).zero_();
   ops::moe_sort_chunks(p.stage_x, buf.expert_out, p.chunk_counts, p.etp * p.ep, p.local_experts, true, ctx);
 }
 
@@ -154,14 +166,21 @@ void AllToAllDispatcher::combine_backward(DispatchBuffers& buf, const Tensor& dy
   EpBuffers& p = buf.ep;
   gather_token_rows(p.send_x, dy, p.send_plan, ctx);
   rows_in(p, p.stage_x, p.own_x, p.send_x);
-  ops::moe_sort_chunks(buf.dpermuted, p.stage_x, p.chunk_counts, p.etp * p.ep, p.local_experts, false, ctx);
+  if (!p.overflow)
+    ops::moe_sort_chunks(buf.dpermuted, p.stage_x, p.chunk_counts, p.etp * p.ep, p.local_experts, false, ctx);
 }
 
 void AllToAllDispatcher::dispatch_backward(DispatchBuffers& buf, Tensor& dx, Tensor& dprobs, const ops::Context& ctx) {
   EpBuffers& p = buf.ep;
   const int64_t sources = p.etp * p.ep, El = p.local_experts;
-  ops::moe_sort_chunks(p.stage_f, buf.dexpert_in, p.chunk_counts, sources, El, true, ctx);
-  ops::moe_sort_chunks(p.stage_p, buf.dpermuted_probs, p.chunk_counts, sources, El, true, ctx);
+  if (p.overflow) {
+    const int64_t Rr = sum(p.etp_rows);
+    p.stage_f.slice(0, 0, Rr).zero_();
+    p.stage_p.slice(0, 0, Rr).zero_();
+  } else {
+    ops::moe_sort_chunks(p.stage_f, buf.dexpert_in, p.chunk_counts, sources, El, true, ctx);
+    ops::moe_sort_chunks(p.stage_p, buf.dpermuted_probs, p.chunk_counts, sources, El, true, ctx);
+  }
   rows_out(p, p.send_f, p.own_f, p.stage_f);
   rows_out(p, p.send_p, p.own_p, p.stage_p);
   unpermute_backward(dx, dprobs, p.send_f, p.send_p, p.send_plan, ctx);

@@ -1,5 +1,8 @@
 #include "moecore/moe/moe_layer.h"
 
+#include <algorithm>
+#include <cmath>
+
 namespace moecore::moe {
 namespace {
 
@@ -122,7 +125,11 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
         "--expert-tensor-parallel-size 1 and dropless routing (no --moe-expert-capacity-factor, no "
         "--moe-router-padding-for-fp8); got dispatcher ",
         dispatcher_kind_name(d.dispatcher), ", ETP ", d.etp, ", capacity factor ", cfg.capacity_factor);
-  const int64_t rows = max_rows_of(d, cfg);
+  if (d.received_capacity > 0 && (d.dispatcher != DispatcherKind::alltoall || d.etp != 1))
+    MOECORE_FAIL("MoE layer: a static received-token capacity (--moe-received-token-capacity ", d.received_capacity,
+                 ") needs the alltoall dispatcher and --expert-tensor-parallel-size 1; got dispatcher ",
+                 dispatcher_kind_name(d.dispatcher), ", ETP ", d.etp);
+  const int64_t rows = max_rows_of(d, cfg), kept = moe_layer_received_rows(d, cfg);
   MoeLayerCache c;
   c.router = router_cache_alloc(router_dims(d, cfg), cfg, d.compute, d.device);
   c.stats = router_stats_alloc(E, d.device);
@@ -131,9 +138,13 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
   c.dprobs = Tensor::empty({d.T, E}, DType::f32, MemCategory::workspace, d.device);
   c.dispatch = dispatch_buffers_alloc_ep(d.dispatcher, d.T, d.H, columns_of(d, cfg), d.ep, d.etp, max_send_of(d, cfg),
                                          rows, d.compute, d.device);
+  if (kept < rows) {  // the saved expert side at the static capacity (the staging scratch keeps every row)
+    c.dispatch.permuted_x = Tensor::empty({kept, d.H}, d.compute, MemCategory::activations, d.device);
+    c.dispatch.permuted_probs = Tensor::empty({kept}, DType::f32, MemCategory::activations, d.device);
+  }
   const ExpertDims ed = expert_dims(d, cfg, rows);
   if (d.echo.enabled()) c.echo = echo_cache_alloc(d.echo, d.T, E, ed);
-  c.experts = expert_cache_alloc(ed);
+  c.experts = expert_cache_alloc(expert_dims(d, cfg, kept));
   c.expert_ws = expert_workspace_alloc(ed);
   if (d.Fs > 0)
     c.shared = shared_expert_cache_alloc(d.T, d.H, d.Fs, cfg.swiglu, cfg.shared_expert_gate, d.compute, d.device);
@@ -150,6 +161,17 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
     c.owns_scratch = false;
   }
   return c;
+}
+
+int64_t moe_layer_received_rows(const MoeLayerDims& d, const MoeConfig& cfg) {
+  const int64_t all = max_rows_of(d, cfg);
+  if (d.received_capacity <= 0) return all;
+  const auto avg = static_cast<double>(d.T * cfg.router_topk);
+  return std::min(all, static_cast<int64_t>(std::ceil(static_cast<double>(d.received_capacity) * avg)));
+}
+
+bool moe_layer_overflowed(const MoeLayerCache& c) {
+  return c.dispatch.ep.overflow;
 }
 
 void moe_layer_cache_share_refilled(MoeLayerCache& c, const MoeLayerCache& from) {

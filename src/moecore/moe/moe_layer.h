@@ -34,7 +34,14 @@ struct MoeLayerDims {
   // MoE ECHO (echo.h): clones of hot experts in each EP rank's slots; needs the alltoall dispatcher, ETP 1, dropless
   // routing. The dispatch buffers then hold E' = E + slots expert columns.
   EchoDims echo{};
+  // --moe-received-token-capacity: the saved expert-side buffers hold ceil(capacity x T x K) received rows (the
+  // average's multiple); more set the dispatcher's overflow flag (dispatcher.h). 0: sized for every row (synced
+  // dropless). Needs the alltoall dispatcher and ETP 1.
+  float received_capacity = 0.0f;
 };
+// The received rows the saved buffers hold: ceil(capacity x T x K), at most the dropless bound (0: that bound).
+int64_t moe_layer_received_rows(const MoeLayerDims& d, const MoeConfig& cfg);
+
 
 // Megatron's add_bias_linear gives the router and the routed experts biases (router.bias, experts.fc1_bias,
 // experts.fc2_bias); with a shared expert it is an error, as in Megatron (SharedExpertMLP has no biases).
@@ -77,6 +84,8 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
 // set per layer position of a recomputed chunk); the routing itself (router cache, probs, map, statistics) stays this
 // cache's own, so the recompute routes nothing again (no noise draw, no counter, no collective of the router).
 void moe_layer_cache_share_refilled(MoeLayerCache& c, const MoeLayerCache& from);
+// Whether the last forward of the layer with this cache overflowed the static received-token capacity.
+bool moe_layer_overflowed(const MoeLayerCache& c);
 // Bytes this cache allocated itself (the model's memory plan): saved tensors (the refilled ones when owned), plus
 // scratch when owned.
 int64_t moe_layer_cache_bytes(const MoeLayerCache& c);

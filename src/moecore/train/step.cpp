@@ -132,6 +132,21 @@ double TrainStep::take_pipeline_wait() {
 }
 
 StepResult TrainStep::run(int64_t it, float lr) {
+  gpt_.set_moe_synced_dropless(false);  // (a retry or an evaluation may have left every row's buffers)
+  (void)gpt_.take_moe_overflow();
+  StepResult r = pass(it);
+  if (moe_overflow_anywhere(gpt_)) {
+    gpt_.finish_step(/*update=*/false);  // the dropped pass's router counters
+    gpt_.set_moe_synced_dropless(true);
+    r = pass(it);
+    r.retried = true;
+    MOECORE_CHECK(!moe_overflow_anywhere(gpt_), "training: the synced dropless path overflowed");
+  }
+  check_and_update(r, it, lr);
+  return r;
+}
+
+StepResult TrainStep::pass(int64_t it) {
   const int64_t first = g_.dp.rank() * micro_local_;  // this rank's first micro-batch of the global batch
   const float grad_scale = 1.0f / static_cast<float>(micro_);
   const ProcessGroup& pp = g_.pp;
@@ -215,6 +230,10 @@ StepResult TrainStep::run(int64_t it, float lr) {
     const BlockedIn in_reduction{grad_reduce_blocked_};
     opt_.finish_grad_reduction();
   }
+  return r;
+}
+
+void TrainStep::check_and_update(StepResult& r, int64_t it, float lr) {
   if (cfg_.check_for_nan) {
     r.nonfinite = !std::isfinite(r.loss) ? std::string("lm loss") : opt_.first_nonfinite_grad();
     if (g_.world_size() > 1) {  // shards differ between ranks: all must take the same decision
@@ -230,7 +249,6 @@ StepResult TrainStep::run(int64_t it, float lr) {
   }
   if (!r.skipped) r.stats = opt_.step(lr);
   gpt_.finish_step(/*update=*/!r.skipped);
-  return r;
 }
 
 // Megatron's embedding-group all-reduce: the first and the last stage exchange their gradients of the shared parameter

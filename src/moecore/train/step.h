@@ -22,6 +22,7 @@ struct StepResult {
   optim::StepStats stats;        // grad norm before clipping and the clip scale (zeros when skipped)
   bool skipped = false;          // a non-finite loss or gradient under --nan-action skip: no update
   std::string nonfinite;         // what was not finite ("" when all was)
+  bool retried = false;          // over the static received-token capacity somewhere: run again synced, dropless
 };
 
 class TrainStep {
@@ -37,7 +38,10 @@ class TrainStep {
   // Step `iteration` (0-based) with learning rate lr: zeroes the gradients, runs the schedule (dropout keyed by the
   // iteration and each micro-batch's index in the global batch), reduces, checks (cfg.check_for_nan: a non-finite
   // loss or gradient stops with an Error naming it, or with --nan-action skip drops the update; every rank decides
-  // alike), updates and finishes the routers' step. Collective over the groups.
+  // alike), updates and finishes the routers' step. With a static received-token capacity (gpt.moe_static_capacity)
+  // an overflow on any rank (agreed over the groups) discards the pass -- gradients, losses, router counters -- and
+  // runs the step once more on the synced dropless path (retried), whose buffers stay until the next step starts.
+  // Collective over the groups.
   StepResult run(int64_t iteration, float lr);
   int64_t micro_batches_per_rank() const { return micro_local_; }
   // Seconds this rank was blocked in the gradient reduction since the last call (the reduction posted during backward
@@ -65,6 +69,9 @@ class TrainStep {
   Tensor shared_grad_;      // the other stage's gradient of gpt.pipeline_shared_param()
   double grad_reduce_blocked_ = 0, pipeline_wait_ = 0;
   void sum_shared_grad(size_t index);
+  // One pass of the schedule through the reduction; then the non-finite check, the update and the routers' step.
+  StepResult pass(int64_t iteration);
+  void check_and_update(StepResult& r, int64_t iteration, float lr);
   void run_transfers(const std::function<void(const ScheduleOp&)>& run_op);
 };
 

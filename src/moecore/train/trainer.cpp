@@ -83,7 +83,8 @@ float lr_at(const TrainConfig& c, int64_t it) {
   return static_cast<float>(c.min_lr + coeff * (c.lr - c.min_lr));
 }
 
-double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches, const ProcessGroup* dp) {
+namespace {
+double evaluate_once(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches, const ProcessGroup* dp) {
   const ProcessGroup& pp = gpt.parallel().pp;
   const auto& m = gpt.config();
   Tensor tokens = Tensor::empty({gpt.micro_batch_size(), m.seq_length}, DType::i32, MemCategory::workspace);
@@ -104,6 +105,26 @@ double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& bat
   if (P > 1) all_reduce_sum(std::span<double>(sums, 2), *dp);
   if (pp.size() > 1) all_reduce_sum(std::span<double>(sums, 2), pp);
   return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
+}
+}  // namespace
+
+bool moe_overflow_anywhere(model::GptModel& gpt) {
+  if (!gpt.moe_static_capacity()) return false;
+  int64_t flag = gpt.take_moe_overflow() ? 1 : 0;
+  const model::ModelParallel& par = gpt.parallel();
+  for (const ProcessGroup* g : {&par.dp, &par.tp, &par.cp, &par.pp})
+    if (g->size() > 1) all_reduce_sum(std::span<int64_t>(&flag, 1), *g);
+  return flag > 0;
+}
+
+double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches, const ProcessGroup* dp) {
+  (void)gpt.take_moe_overflow();
+  for (;;) {
+    const double loss = evaluate_once(gpt, cfg, batches, dp);
+    if (!moe_overflow_anywhere(gpt)) return loss;
+    MOECORE_CHECK(!gpt.moe_synced_dropless(), "evaluate: the synced dropless path overflowed");
+    gpt.set_moe_synced_dropless(true);
+  }
 }
 
 namespace {
@@ -190,7 +211,7 @@ struct MetricSinks {
 void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, double loss, double lr,
                   double grad_norm, double tokens_per_s, double tflops, const MoeStepLosses& moe_losses, bool per_layer,
                   double comm_share, double exposed_comm_share, double grad_reduce_share, double pipeline_wait_share,
-                  const std::vector<double>& mtp_losses) {
+                  const std::vector<double>& mtp_losses, double capacity_retries) {
   const moe::MoeConfig& mc = gpt.config().moe;
   std::vector<std::pair<std::string, double>> scalars = {{"lm loss", loss},
                                                          {"learning-rate", lr},
@@ -210,6 +231,7 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
   if (exposed_comm_share >= 0) scalars.emplace_back("comm/exposed_share", exposed_comm_share);
   if (grad_reduce_share >= 0) scalars.emplace_back("comm/grad_reduce_share", grad_reduce_share);
   if (pipeline_wait_share >= 0) scalars.emplace_back("comm/pipeline_wait_share", pipeline_wait_share);
+  if (capacity_retries >= 0) scalars.emplace_back("moe/capacity_retries", capacity_retries);
   if (const std::optional<EchoSummary> e = echo_summary(gpt)) {
     scalars.emplace_back("moe/echo_max_over_mean_before", e->before);
     scalars.emplace_back("moe/echo_max_over_mean_after", e->after);
@@ -411,6 +433,7 @@ class RunLog {
     loss_acc_ += r.skipped ? 0.0 : r.loss;
     for (size_t k = 0; k < mtp_acc_.size() && !r.skipped; ++k) mtp_acc_[k] += r.mtp_loss[k];
     logged_steps_ += r.skipped ? 0 : 1;
+    retries_ += r.retried ? 1 : 0;
     grad_reduce_blocked_ += grad_reduce_blocked;
     pipeline_wait_ += pipeline_wait;
     if ((it + 1) % cfg_.log_interval == 0) interval(it, r, lr, consumed_samples);
@@ -494,6 +517,11 @@ class RunLog {
                       gpt_.num_chunks() > 1 ? "interleaved 1F1B" : "1F1B", 100.0 * bubble);
         comm += b;
       }
+      if (gpt_.moe_static_capacity()) {
+        char b[48];
+        std::snprintf(b, sizeof b, " | capacity retries %lld", static_cast<long long>(retries_));
+        comm += b;
+      }
       if (const std::optional<EchoSummary> e = echo_summary(gpt_)) {
         char b[96];
         std::snprintf(b, sizeof b, " | echo max/mean %.2f -> %.2f, %lld clones", e->before, e->after,
@@ -521,7 +549,8 @@ class RunLog {
     }
     emit_metrics(sinks_, gpt_, it + 1, mean_loss, lr, r.stats.grad_norm, tokens_per_s, tflops, r.moe_losses,
                  cfg_.moe_per_layer_logging, comm_share, exposed_share, grad_reduce_share, pipeline_wait_share,
-                 mtp_mean);
+                 mtp_mean, gpt_.moe_static_capacity() ? static_cast<double>(retries_) : -1.0);
+    retries_ = 0;
     loss_acc_ = 0;
     logged_steps_ = 0;
   }
@@ -540,6 +569,7 @@ class RunLog {
   double loss_acc_ = 0;
   std::vector<double> mtp_acc_;  // MTP losses over the interval
   int64_t logged_steps_ = 0;
+  int64_t retries_ = 0;  // steps of the interval run again (received-token capacity)
 };
 
 // Whether a stop signal arrived on any rank (every rank stops at the same step, or the others would wait in a
@@ -584,6 +614,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     progress.iteration = it + 1;
     progress.consumed_samples += cfg.global_batch_size;
     out.skipped_steps += r.skipped ? 1 : 0;
+    out.moe_retries += r.retried ? 1 : 0;
     out.train_loss.push_back(r.loss);
     out.grad_norm.push_back(r.stats.grad_norm);
     out.lr.push_back(lr);
@@ -626,6 +657,8 @@ std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& 
   if (vocab_limit < 0 || vocab_limit > Vm)
     MOECORE_FAIL("generate: vocab_limit ", vocab_limit, " is outside the model's vocabulary of ", Vm);
   const int64_t V = vocab_limit > 0 ? vocab_limit : Vm;  // candidates: the first V logits of a row
+  // A sample has no retry: its MoE layers hold every received row (a static received-token capacity would drop some).
+  gpt.set_moe_synced_dropless(true);
   Tensor tokens = Tensor::zeros({B, S}, DType::i32, MemCategory::workspace);
   Tensor logits = Tensor::empty({B * S, Vm}, DType::f32, MemCategory::workspace, gpt.device());
   std::vector<float> row(static_cast<size_t>(Vm));  // the last position's logits, read back to sample from

@@ -99,6 +99,7 @@ struct TrainLog {
   std::vector<double> grad_norm;          // per step, before clipping
   std::vector<float> lr;                  // per step, the learning rate applied
   std::vector<MoeStepLosses> moe_losses;  // per step (zeros for dense models)
+  int64_t moe_retries = 0;                // steps run again on the synced dropless path (received-token capacity)
   std::vector<std::pair<int64_t, double>> valid_loss;  // (step, loss)
 };
 
@@ -124,9 +125,15 @@ using StepObserver = std::function<void(int64_t iteration, double loss, bool ski
 TrainLog train(model::GptModel& gpt, optim::AdamW& opt, const TrainConfig& cfg, const BatchFn& batches, std::FILE* log,
                const StepObserver& observer = {}, const TrainGroups* groups = nullptr);
 
+// The static received-token capacity's agreement: whether an MoE forward overflowed it on any rank since the last
+// call (gpt.take_moe_overflow, reduced over the model's dp, tp, cp and pp groups: the world). Collective when the
+// capacity is set; false without it.
+bool moe_overflow_anywhere(model::GptModel& gpt);
+
 // Mean validation loss over cfg.eval_iters batches; with a data-parallel group the batches are split over
 // its ranks and the sums reduced (collective); on a pipeline stage (gpt built for PP > 1) each batch passes every
-// stage, and every rank returns the loss.
+// stage, and every rank returns the loss. Over the static received-token capacity anywhere, the evaluation runs again
+// on the synced dropless path.
 double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& batches, const ProcessGroup* dp = nullptr);
 
 // Samples up to `count` tokens after `prompt` (temperature sampling, top-k 40) with the model's fixed
