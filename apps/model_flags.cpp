@@ -368,6 +368,10 @@ const ModelFlag kModelFlags[] = {
    [](const Args& a, const char* f, ModelConfig& c) { c.moe.bias_update_rate = static_cast<float>(a.f64(f)); }},
   {"--moe-router-force-load-balancing", Kind::flag, "", "random router logits (benchmarking only)",
    moe_on<&moe::MoeConfig::force_load_balancing>},
+  {"--moe-router-force-biased", Kind::value, "",
+   "random router logits plus a per-expert N(0, |STD|) bias shared by all ranks, new each forward (STD > 0) or fixed "
+   "per layer (STD < 0): skewed routing for benchmarking (unset: off)",
+   moe_f32_or_unset<&moe::MoeConfig::force_biased>},
   {"--moe-expert-capacity-factor", Kind::value, "", "expert capacity factor (unset: dropless)", capacity_factor},
   {"--moe-token-drop-policy", Kind::value, "probs", "probs | position", drop_policy},
   {"--moe-pad-expert-input-to-capacity", Kind::flag, "", "pad every expert to its capacity",

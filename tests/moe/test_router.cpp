@@ -651,6 +651,37 @@ TEST(Router, ForcedBalancingUsesRandomLogitsWithStraightThroughGradient) {
   EXPECT_GT(testing::sum_squares(dx), 0.0);
 }
 
+// --moe-router-force-biased: the random logits plus a per-expert bias N(0, |std|) from the layer's stream, the same on
+// every rank: drawn once per layer for std < 0 (the same hot experts every forward), anew each forward for std > 0.
+// The skew shows in the loads.
+TEST(Router, ForcedBiasSkewsTheLoads) {
+  MoeConfig c = base_config(8, 2);
+  c.pre_softmax = true;
+  c.force_biased = -3.0f;
+  Router r(c, 256, 4);
+  r.randomize(29, 0.01f);
+  r.forward();
+  const std::vector<float> bias = values<float>(r.cache.forced_bias);
+  for (int64_t e = 0; e < 8; ++e)
+    EXPECT_EQ(bias[static_cast<size_t>(e)],
+              static_cast<float>(philox_normal(philox_key(c.seed, "router.force_biased"), e)) * 3.0f);
+  int64_t hi = 0;
+  for (int64_t n : r.stats.tokens_per_expert) hi = std::max(hi, n);
+  EXPECT_GT(hi, 2 * 512 / 8);  // the hottest expert takes more than twice its share of the 512 routes
+  const std::vector<float> logits = values<float>(r.cache.logits);
+  r.forward();
+  EXPECT_EQ(values<float>(r.cache.forced_bias), bias);  // std < 0: the layer's bias stays
+  EXPECT_NE(values<float>(r.cache.logits), logits);
+  c.force_biased = 3.0f;
+  Router fresh(c, 256, 4);
+  fresh.randomize(29, 0.01f);
+  fresh.forward();
+  const std::vector<float> first = values<float>(fresh.cache.forced_bias);
+  EXPECT_EQ(first, bias);  // (call 0 draws from the same place)
+  fresh.forward();
+  EXPECT_NE(values<float>(fresh.cache.forced_bias), first);  // std > 0: a new bias each forward
+}
+
 // bf16 x with the fp32 router: logits are the f32-accumulated products of the bf16 values; the weight
 // gradient widens x chunk by chunk (T > 1024 covers two chunks) and matches a double reference.
 TEST(Router, Bf16InputWithFp32Router) {

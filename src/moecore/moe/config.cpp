@@ -126,6 +126,8 @@ void MoeConfig::validate(bool fp8) const {
   if (topk_scaling_factor < 0)
     MOECORE_FAIL("--moe-router-topk-scaling-factor (", topk_scaling_factor, ") must not be negative");
   if (ffn_hidden_size < 0) MOECORE_FAIL("--moe-ffn-hidden-size (", ffn_hidden_size, ") must not be negative");
+  if (force_biased != 0 && router_dtype != DType::f32)
+    MOECORE_FAIL("--moe-router-force-biased (", force_biased, ") needs --moe-router-dtype fp32");
   if (enable_echo && num_echo_experts <= 0)
     MOECORE_FAIL(
         "--moe-enable-echo needs --moe-num-echo-experts (the global clone slots, a multiple of "

@@ -34,9 +34,12 @@ struct MoeConfig {
   // Megatron's rule (transformers' DeepSeek-V3 always sums the top 2)
   int64_t group_score_topk = 0;
   int64_t group_score_k() const { return group_score_topk ? group_score_topk : router_topk / group_topk; }
-  bool enable_expert_bias = false;              // --moe-router-enable-expert-bias (aux-loss-free balancing)
-  float bias_update_rate = 1e-3f;               // --moe-router-bias-update-rate
-  bool force_load_balancing = false;            // --moe-router-force-load-balancing: random logits (benchmarks)
+  bool enable_expert_bias = false;    // --moe-router-enable-expert-bias (aux-loss-free balancing)
+  float bias_update_rate = 1e-3f;     // --moe-router-bias-update-rate
+  bool force_load_balancing = false;  // --moe-router-force-load-balancing: random logits (benchmarks)
+  // --moe-router-force-biased STD: random logits plus a per-expert bias ~ N(0, |STD|) shared by every rank, drawn anew
+  // each forward (STD > 0) or once per layer (STD < 0); skewed routing for benchmarks. 0: off (Megatron's None).
+  float force_biased = 0.0f;
   float capacity_factor = 0.0f;                 // --moe-expert-capacity-factor (<= 0: dropless)
   DropPolicy drop_policy = DropPolicy::probs;   // --moe-token-drop-policy
   bool pad_expert_input_to_capacity = false;    // --moe-pad-expert-input-to-capacity

@@ -53,8 +53,9 @@ int64_t bytes_of(const Tensor& t) {
 namespace {
 // The scratch tensors of a cache, by address, so they can be aliased and counted in one place.
 std::vector<Tensor*> scratch_tensors(MoeLayerCache& c) {
-  std::vector<Tensor*> v = {&c.dprobs,       &c.router.dlogits, &c.router.work, &c.expert_ws.a,  &c.expert_ws.da,
-                            &c.expert_ws.dh, &c.shared.dact,    &c.shared.dh,   &c.shared.dout_c};
+  std::vector<Tensor*> v = {&c.dprobs,      &c.router.dlogits, &c.router.work,  &c.router.forced_bias,
+                            &c.expert_ws.a, &c.expert_ws.da,   &c.expert_ws.dh, &c.shared.dact,
+                            &c.shared.dh,   &c.shared.dout_c};
   for (Tensor* t : dispatch_scratch_tensors(c.dispatch)) v.push_back(t);
   if (c.echo.ep > 1)
     for (Tensor* t : echo_scratch_tensors(c.echo)) v.push_back(t);

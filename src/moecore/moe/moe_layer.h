@@ -42,7 +42,6 @@ struct MoeLayerDims {
 // The received rows the saved buffers hold: ceil(capacity x T x K), at most the dropless bound (0: that bound).
 int64_t moe_layer_received_rows(const MoeLayerDims& d, const MoeConfig& cfg);
 
-
 // Megatron's add_bias_linear gives the router and the routed experts biases (router.bias, experts.fc1_bias,
 // experts.fc2_bias); with a shared expert it is an error, as in Megatron (SharedExpertMLP has no biases).
 struct MoeLayerWeights {

@@ -3,6 +3,7 @@
 // router ops of kernels/ops_router.h for everything else; the loss stage is in router_losses.cpp.
 // Gradient contract: dweight, dbias and dx accumulate (+=); cache.dlogits is rewritten by every backward.
 #include <algorithm>
+#include <cmath>
 
 #include "moecore/core/rng.h"
 #include "moecore/moe/router_internal.h"
@@ -114,11 +115,17 @@ void forward_stages(Tensor& probs, Tensor& map, RouterStats& stats, const Tensor
                                calls * static_cast<uint64_t>(d.T * d.H), ctx);
     xj = &c.x_jittered;
   }
-  if (cfg.force_load_balancing) {
+  if (cfg.force_load_balancing || cfg.force_biased != 0) {
     // Random N(0, 1) logits; backward passes their gradient straight through to the real gating linear,
     // whose output is never needed, so it is not computed.
     ops::router_normal_logits(c.logits, philox_key(seed, "router.force_load_balancing"),
                               calls * static_cast<uint64_t>(d.T * d.E), ctx);
+    if (cfg.force_biased != 0) {  // plus the layer's skew, the same on every rank (also straight through)
+      ops::router_normal_logits(c.forced_bias, philox_key(seed, "router.force_biased"),
+                                cfg.force_biased > 0 ? calls * static_cast<uint64_t>(d.E) : 0, ctx);
+      ops::scale(c.forced_bias, std::fabs(cfg.force_biased), ctx);
+      ops::bias_add(c.logits, c.forced_bias.view({d.E}), ctx);
+    }
   } else if (cfg.router_dtype == DType::f32) {
     ops::gemm(c.logits, *xj, false, wc, true, 1.0f, 0.0f, ctx);
     if (w.bias.defined()) ops::bias_add(c.logits, w.bias, ctx);
@@ -248,6 +255,7 @@ RouterCache router_cache_alloc(const RouterDims& d, const MoeConfig& cfg, DType 
     c.x_jittered = Tensor::empty({d.T, d.H}, x_dtype, act, device);
     c.jitter = Tensor::empty({d.T, d.H}, DType::f32, act, device);
   }
+  if (cfg.force_biased != 0) c.forced_bias = Tensor::empty({1, d.E}, DType::f32, ws, device);
   if (router_needs_work(cfg, x_dtype)) c.work = Tensor::empty({std::min(d.T, kWorkRows), d.H}, DType::f32, ws, device);
   if (d.sequence_size() > 1) {
     const int64_t all = d.sequence_size() * d.T;

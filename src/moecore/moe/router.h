@@ -102,6 +102,7 @@ struct RouterCache {
   Tensor dlogits_loss;  // [T, E] R: d(sum of configured losses)/d logits
   Tensor dlogits;       // [T, E] R: workspace for backward (and for forward's intermediates)
   Tensor work;          // [min(T, 1024), H] f32 workspace, fp32 router with bf16 x or jitter (else undefined)
+  Tensor forced_bias;   // [1, E] f32: --moe-router-force-biased's bias (else undefined)
   // Sequence parallelism only (P = d.sequence_size() > 1): the group's rows for the loss stage.
   Tensor logits_all;        // [P * T, E] R: every rank's logits, in rank order
   Tensor dlogits_loss_all;  // [P * T, E] R
