@@ -82,6 +82,31 @@ class Cli : public ::testing::Test {
       const auto grads = jsonl_field(p("two.jsonl"), "comm/grad_reduce_share");
       ASSERT_EQ(grads.size(), 5u) << extra;
       for (size_t i = 0; i < 5; ++i) EXPECT_TRUE(grads[i] >= 0.0 && grads[i] <= share[i]) << extra << ": " << grads[i];
+      // MoE ECHO: the worst layer's max/mean received load per EP rank before and after the plan (not above it but
+      // with the debug mode's random clones). A static received-token capacity: each interval's retried steps.
+      if (extra.find("--moe-enable-echo") != std::string::npos) {
+        const auto before = jsonl_field(p("two.jsonl"), "moe/echo_max_over_mean_before");
+        const auto after = jsonl_field(p("two.jsonl"), "moe/echo_max_over_mean_after");
+        ASSERT_EQ(before.size(), 5u) << extra;
+        ASSERT_EQ(after.size(), 5u) << extra;
+        for (size_t i = 0; i < 5; ++i) {
+          EXPECT_GE(before[i], 1.0) << extra;
+          if (extra.find("random") == std::string::npos) {
+            EXPECT_LE(after[i], before[i]) << extra;
+          }
+        }
+        EXPECT_EQ(jsonl_field(p("two.jsonl"), "moe/echo_clones").size(), 5u) << extra;
+      }
+      if (extra.find("--moe-received-token-capacity") != std::string::npos) {
+        const auto retries = jsonl_field(p("two.jsonl"), "moe/capacity_retries");
+        ASSERT_EQ(retries.size(), 5u) << extra;
+        double sum = 0;
+        for (double v : retries) {
+          EXPECT_TRUE(v == 0.0 || v == 1.0) << extra << ": " << v;
+          sum += v;
+        }
+        EXPECT_GT(sum, 0.0) << extra << ": at 1.0 x the average some step overflows";
+      }
       // Under a pipeline: the share of time the stages waited for each other (averaged over them).
       const auto wait = jsonl_field(p("two.jsonl"), "comm/pipeline_wait_share");
       if (extra.find("--pipeline-model-parallel-size") == std::string::npos) {
