@@ -472,6 +472,8 @@ const std::pair<const char*, FlagDomain> kModelFlagDomains[] = {
     {"--moe-expert-capacity-factor", FlagDomain::positive_number()},
     {"--moe-shared-expert-intermediate-size", FlagDomain::integer(1)},
     {"--moe-num-echo-experts", FlagDomain::integer(1, 1e6)},
+    {"--moe-echo-expert-dispatcher-type", FlagDomain::one_of({"alltoall", "hybridep"})},
+    {"--moe-router-force-biased", FlagDomain::number(-1e3, 1e3)},
     {"--moe-received-token-capacity", FlagDomain::positive_number()},
     {"--moe-expert-rank-capacity-factor", FlagDomain::positive_number()},
 };

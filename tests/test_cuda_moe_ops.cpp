@@ -113,6 +113,51 @@ TEST(CudaOps, MoeSortChunksAndChunkCountsMatchCpuBitForBit) {
     }
 }
 
+// MoE ECHO: the planner (one thread, the CPU's arithmetic), the rerouting and the fold equal the CPU's bit for bit,
+// for the bin packing (one slot per rank), the water-filling (two) and the debug mode's random clones.
+TEST(CudaOps, MoeEchoPlanRerouteAndFoldMatchCpuBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const int64_t P = 4, E = 12, T = 97;
+  std::vector<Tensor> maps;
+  std::vector<int64_t> c(static_cast<size_t>(P * E), 0);
+  for (int64_t s = 0; s < P; ++s) {
+    Tensor m = routing_map(T, E, 3, -1, 2000 + static_cast<uint64_t>(s));
+    for (int64_t t = 0; t < T; ++t)  // a hot expert on rank 1
+      if (t % 3 != 0) m.data<bool>()[t * E + 4] = true;
+    for (int64_t i = 0; i < T * E; ++i) c[static_cast<size_t>(i % E + s * E)] += m.data<bool>()[i] ? 1 : 0;
+    maps.push_back(m);
+  }
+  Tensor counts_h = Tensor::zeros({P, E}, DType::i64, MemCategory::other);
+  std::copy(c.begin(), c.end(), counts_h.data<int64_t>());
+  Both counts_both = both(counts_h);
+  for (int64_t Sl : {1, 2})
+    for (uint64_t seed : {uint64_t{0}, uint64_t{77}}) {
+      SCOPED_TRACE(::testing::Message() << "slots per rank " << Sl << " seed " << seed);
+      const int64_t S = P * Sl, W = P * (E / P + Sl);
+      Both se = nans({S}, DType::i64), st = nans({P, S}, DType::i64), ld = nans({2, P}, DType::i64);
+      for (bool g : {false, true})
+        ops::moe_echo_plan(se.on(g), st.on(g), ld.on(g), counts_both.on(g), Sl, seed, ctx_of(g));
+      expect_bitwise(se);
+      expect_bitwise(st);
+      expect_bitwise(ld);
+      for (int64_t s = 0; s < P; ++s) {
+        Both map = both(maps[static_cast<size_t>(s)]), probs = randn({T, E}, "probs", 2100 + static_cast<uint64_t>(s));
+        Both map2 = nans({T, W}, DType::boolean), probs2 = nans({T, W});
+        for (bool g : {false, true})
+          ops::moe_echo_reroute(map2.on(g), probs2.on(g), map.on(g), probs.on(g), se.on(g), st.on(g), s, Sl, ctx_of(g));
+        expect_bitwise(map2);
+        expect_bitwise(probs2);
+        Both mf = nans({T, E}, DType::boolean), pf = nans({T, E});
+        for (bool g : {false, true}) {
+          ops::moe_echo_fold(mf.on(g), map2.on(g), se.on(g), Sl, ctx_of(g));
+          ops::moe_echo_fold(pf.on(g), probs2.on(g), se.on(g), Sl, ctx_of(g));
+        }
+        expect_bitwise(mf);
+        expect_bitwise(pf);
+      }
+    }
+}
+
 TEST(CudaOps, MoeScaleRowsAndSharedGateMatchCpu) {
   SKIP_WITHOUT_GPU();
   const std::vector<int64_t> rows = {40, 0, 77, 3};  // 120 of M = 131 rows

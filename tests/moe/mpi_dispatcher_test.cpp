@@ -375,6 +375,17 @@ TEST_F(Mpi, EchoMatchesEchoOff) {
     EXPECT_LT(r.echo.max_over_mean_after(), 1.0 + 1.0 / P);
     EXPECT_EQ(r.echo.weight_bytes, (P - 1) * int64_t{3} * s.F * s.H * 4);
   }
+  {
+    // Top-1 routing with every token on one expert: its clones on every other rank take the load down to the average.
+    LayerCase one = s;
+    one.cfg.router_topk = 1;
+    one.cfg.pre_softmax = true;
+    check_echo_against_echo_off(one, world, "every token to one expert (top-1)");
+    const moe::Run r = run_layer(one, world, P, DispatcherKind::alltoall);
+    EXPECT_EQ(r.stats.tokens_per_expert[static_cast<size_t>(s.E - 2)], s.T);
+    EXPECT_EQ(r.echo.clones, P - 1);
+    EXPECT_DOUBLE_EQ(r.echo.max_over_mean_after(), 1.0);
+  }
   s.echo.slots = 2 * P;
   check_echo_against_echo_off(s, world, "two slots per rank");
   s.echo.recompute_dispatch = true;

@@ -12,7 +12,9 @@
 //     counts / offsets count only the rows given, as if those pairs were dropped) instead of raising; moe_permute
 //     stops at offsets[E] rows, moe_unpermute(_probs) treats a token_rows entry >= M as unrouted, moe_sort_chunks
 //     counts a negative chunk count as 0 and moves no row past the smaller of out and in;
-//   - attention supports head dims D <= 256 (larger raise, naming the op).
+//   - attention supports head dims D <= 256 (larger raise, naming the op);
+//   - moe_echo_reroute and moe_echo_fold count slot_expert entries outside [-1, E) as empty slots, and a slot asking
+//     for more of a rank's tokens than it routes takes those there are (the CPU kernels raise).
 // Every op of ops.h and ops_router.h has a CUDA kernel here.
 #pragma once
 #include "moecore/kernels/ops.h"
@@ -101,6 +103,14 @@ void moe_unpermute_probs(Tensor& out, const Tensor& values, const Tensor& token_
 void moe_sort_chunks(Tensor& out, const Tensor& in, const Tensor& chunk_counts, int64_t P, int64_t El, bool inverse,
                      const Context& ctx);
 void moe_chunk_counts(Tensor& counts, Tensor& offsets, const Tensor& chunk_counts, int64_t P, const Context& ctx);
+
+// MoE ECHO (moe_echo.cu).
+void moe_echo_plan(Tensor& slot_expert, Tensor& slot_tokens, Tensor& loads, const Tensor& counts,
+                   int64_t slots_per_rank, uint64_t seed, const Context& ctx);
+void moe_echo_reroute(Tensor& map2, Tensor& probs2, const Tensor& map, const Tensor& probs, const Tensor& slot_expert,
+                      const Tensor& slot_tokens, int64_t rank, int64_t slots_per_rank, const Context& ctx);
+void moe_echo_fold(Tensor& out, const Tensor& in, const Tensor& slot_expert, int64_t slots_per_rank,
+                   const Context& ctx);
 void moe_scale_rows(Tensor& a, const Tensor& act, const Tensor& p, const Tensor& group_rows, const Context& ctx);
 void moe_scale_rows_backward(Tensor& dp, Tensor& da, Tensor& a, const Tensor& act, const Tensor& p,
                              const Tensor& group_rows, bool accumulate, const Context& ctx);
