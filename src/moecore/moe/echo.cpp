@@ -107,6 +107,8 @@ EchoCache echo_cache_alloc(const EchoDims& d, int64_t T, int64_t E, const Expert
   c.clone_grads = grads_alloc(c.Sl, home, d.biases, ws);
   c.grad_in = grads_alloc(1, home, d.biases, ws);
   c.slot_expert_host.assign(static_cast<size_t>(S), -1);
+  c.fetches = std::make_shared<std::vector<CommHandle>>();
+  c.fetches->reserve(static_cast<size_t>(4 * S));
   return c;
 }
 
@@ -139,9 +141,10 @@ void echo_plan(EchoCache& c, const Tensor& counts, const Tensor& map, const Tens
   c.slot_expert.copy_to_host(c.slot_expert_host.data(), static_cast<int64_t>(c.slot_expert_host.size()));
 }
 
-void echo_fetch_clones(EchoCache& c, const ExpertWeights& home, const EchoDims& d) {
+void echo_fetch_clones_start(EchoCache& c, const ExpertWeights& home, const EchoDims& d) {
   const ProcessGroup& g = *d.group;
-  std::vector<CommHandle> pending;
+  MOECORE_CHECK(c.fetches && c.fetches->empty(), "echo_fetch_clones_start: a fetch is still in flight");
+  std::vector<CommHandle>& pending = *c.fetches;
   for (size_t j = 0; j < c.slot_expert_host.size(); ++j) {
     const int64_t e = c.slot_expert_host[j];
     if (e < 0) continue;
@@ -152,7 +155,11 @@ void echo_fetch_clones(EchoCache& c, const ExpertWeights& home, const EchoDims& 
     if (from == g.rank())
       for (const Tensor& t : parts(home, e % c.El)) pending.push_back(isend(t, to, g));
   }
-  for (CommHandle& h : pending) h.wait();
+}
+
+void echo_fetch_clones_wait(EchoCache& c) {
+  for (CommHandle& h : *c.fetches) h.wait();
+  c.fetches->clear();
 }
 
 void echo_reduce_clone_grads(ExpertGrads& home, EchoCache& c, const EchoDims& d, const ops::Context& ctx) {

@@ -6,6 +6,7 @@
 // Not here: the planner's arithmetic (kernels), the token dispatch (dispatcher.h), the static received-token capacity.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -51,9 +52,10 @@ struct EchoCache {
   ExpertWeights clones;     // [Sl, ...] compute (biases f32): the weights of the experts this rank's slots clone
   ExpertGrads clone_grads;  // [Sl, ...] f32 (backward scratch)
   ExpertGrads grad_in;      // [1, ...] f32: one clone's gradient arriving home (backward scratch)
-  std::vector<int64_t> slot_expert_host;  // [S] the clone map on the host (the alltoall dispatcher's sizes)
-  uint64_t plans = 0;                     // forwards planned (the debug mode's counter)
-  bool recompute_dispatch = false;        // clones are scratch, fetched again by backward (EchoDims)
+  std::vector<int64_t> slot_expert_host;             // [S] the clone map on the host (the alltoall dispatcher's sizes)
+  uint64_t plans = 0;                                // forwards planned (the debug mode's counter)
+  std::shared_ptr<std::vector<CommHandle>> fetches;  // the clone transfers in flight (echo_fetch_clones_start)
+  bool recompute_dispatch = false;                   // clones are scratch, fetched again by backward (EchoDims)
 };
 // E: routed experts; T: this rank's tokens; d.group: the EP group.
 EchoCache echo_cache_alloc(const EchoDims& d, int64_t T, int64_t E, const ExpertDims& home);
@@ -68,8 +70,11 @@ std::vector<const Tensor*> echo_refilled_tensors(const EchoCache& c);
 void echo_plan(EchoCache& c, const Tensor& counts, const Tensor& map, const Tensor& probs, const EchoDims& d,
                const ops::Context& ctx);
 // The expert dispatcher: every slot's clone weights from the home rank of its expert into c.clones (home: this rank's
-// [El, ...] experts). Collective over the EP group (point to point between the ranks the plan pairs).
-void echo_fetch_clones(EchoCache& c, const ExpertWeights& home, const EchoDims& d);
+// [El, ...] experts). Collective over the EP group (point to point between the ranks the plan pairs). Posted
+// nonblocking, so the token dispatch and the home experts run while the weights travel: c.clones may be read, and
+// `home` written, only after echo_fetch_clones_wait.
+void echo_fetch_clones_start(EchoCache& c, const ExpertWeights& home, const EchoDims& d);
+void echo_fetch_clones_wait(EchoCache& c);
 // The gradient reduction: c.clone_grads go back to their home ranks, where they are added (+=, slots ascending) into
 // the home experts' gradients `home`. Collective over the EP group, like the fetch.
 void echo_reduce_clone_grads(ExpertGrads& home, EchoCache& c, const EchoDims& d, const ops::Context& ctx);

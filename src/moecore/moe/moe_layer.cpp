@@ -277,20 +277,23 @@ void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, c
   if (route)
     router_forward(c.probs, c.map, c.stats, x, padding_mask, w.router, st, c.router, router_dims(d, cfg), cfg, training,
                    ctx);
-  // dispatch (with ECHO: the plan and the rerouting, then the clones' weights to their slots)
+  // dispatch (with ECHO: the plan and the rerouting, and the clones' weights on their way to their slots)
   DispatchBuffers& b = c.dispatch;
   const bool echo = d.echo.enabled();
   if (echo) {
     if (route) echo_plan(c.echo, c.stats.tokens_per_expert, c.map, c.probs, d.echo, ctx);
-    echo_fetch_clones(c.echo, w.experts, d.echo);
+    echo_fetch_clones_start(c.echo, w.experts, d.echo);
   }
   dispatcher.dispatch_prepare(b, x, echo ? c.echo.probs : c.probs, echo ? c.echo.map : c.map, ctx);
   dispatcher.dispatch(b, ctx);
   // experts, over the rows the host knows to bound this step's (no device read); with ECHO the home experts' rows,
-  // then the clone slots' rows with the clones' weights
+  // then (once the clones have arrived) the clone slots' rows with the clones' weights
   const ExpertRows rows = expert_rows(b, c, d, cfg);
   experts_rows_forward(b, c, rows.home, w.experts, d, cfg, ctx);
-  if (echo) experts_rows_forward(b, c, rows.clones, c.echo.clones, d, cfg, ctx);
+  if (echo) {
+    echo_fetch_clones_wait(c.echo);
+    experts_rows_forward(b, c, rows.clones, c.echo.clones, d, cfg, ctx);
+  }
   // combine
   dispatcher.combine_prepare(b, ctx);
   dispatcher.combine(b, ctx);
@@ -302,13 +305,15 @@ void moe_layer_backward(Tensor& dx, MoeLayerGrads& g, const Tensor& dy, const Te
                         MoeLayerCache& c, Dispatcher& dispatcher, const MoeLayerDims& d, const MoeConfig& cfg,
                         float aux_grad_scale, const ops::Context& ctx) {
   DispatchBuffers& b = c.dispatch;
+  // (clones dropped after forward travel again while the combine and the home experts run backward)
+  if (d.echo.enabled() && c.echo.recompute_dispatch) echo_fetch_clones_start(c.echo, w.experts, d.echo);
   // combine, in reverse
   dispatcher.combine_backward(b, dy, ctx);
   // experts, in reverse (with ECHO the clones' gradients then go home)
   const ExpertRows rows = expert_rows(b, c, d, cfg);
   experts_rows_backward(g.experts, b, c, rows.home, w.experts, d, cfg, ctx);
   if (d.echo.enabled()) {
-    if (c.echo.recompute_dispatch) echo_fetch_clones(c.echo, w.experts, d.echo);
+    echo_fetch_clones_wait(c.echo);  // (nothing in flight without recompute_dispatch)
     ExpertGrads& cg = c.echo.clone_grads;
     for (Tensor* t : {&cg.fc1, &cg.fc2, &cg.fc1_bias, &cg.fc2_bias})
       if (t->defined()) t->zero_();
