@@ -135,12 +135,9 @@ void MoeConfig::validate(bool fp8) const {
         num_echo_experts);
   if (!enable_echo && num_echo_experts != 0)
     MOECORE_FAIL("--moe-num-echo-experts (", num_echo_experts, ") needs --moe-enable-echo");
-  if (enable_echo && capacity_factor > 0)
-    MOECORE_FAIL("--moe-enable-echo is dropless: it does not combine with --moe-expert-capacity-factor (",
-                 capacity_factor, ")");
   if (!enable_echo && (echo_recompute_expert_dispatch || echo_random_offloading))
     MOECORE_FAIL("--moe-echo-recompute-expert-dispatch and --moe-echo-enable-random-offloading need --moe-enable-echo");
-  (void)parse_echo_dispatcher_kind(echo_dispatcher_type);
+  echo_check_dispatcher_type(echo_dispatcher_type);
   if (received_token_capacity < 0 || (received_token_capacity > 0 && !enable_echo && received_token_capacity < 1))
     MOECORE_FAIL("--moe-received-token-capacity / --moe-expert-rank-capacity-factor (", received_token_capacity,
                  ") must be > 0, and >= 1 without --moe-enable-echo (below the average every step would overflow)");

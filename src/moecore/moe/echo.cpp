@@ -46,29 +46,29 @@ double max_over_mean(const std::vector<int64_t>& v) {
 
 }  // namespace
 
-EchoDispatcherKind parse_echo_dispatcher_kind(const std::string& s) {
-  if (s == "alltoall") return EchoDispatcherKind::alltoall;
+void echo_check_dispatcher_type(const std::string& s) {
+  if (s == "alltoall") return;
   if (s == "hybridep")
     MOECORE_FAIL("--moe-echo-expert-dispatcher-type hybridep: Megatron's device-side (sync-free) dispatcher needs ",
                  "the GPU backend, which moecore does not have yet; use alltoall");
   MOECORE_FAIL("--moe-echo-expert-dispatcher-type: expected alltoall (or hybridep on GPU), got '", s, "'");
 }
 
-void echo_check_layout(const MoeConfig& cfg, int64_t ep, int64_t etp, DispatcherKind dispatcher) {
-  if (cfg.received_token_capacity > 0 && (ep < 2 || dispatcher != DispatcherKind::alltoall || etp != 1))
-    MOECORE_FAIL("--moe-received-token-capacity / --moe-expert-rank-capacity-factor (", cfg.received_token_capacity,
+void echo_check_layout(int64_t slots, float received_capacity, int64_t ep, int64_t etp, DispatcherKind dispatcher,
+                       const MoeConfig& cfg) {
+  if (received_capacity > 0 && (ep < 2 || dispatcher != DispatcherKind::alltoall || etp != 1))
+    MOECORE_FAIL("--moe-received-token-capacity / --moe-expert-rank-capacity-factor (", received_capacity,
                  ") sizes what each expert-parallel rank receives: it needs --expert-model-parallel-size > 1, "
                  "--moe-token-dispatcher-type alltoall and --expert-tensor-parallel-size 1; got EP ",
                  ep, ", ", dispatcher_kind_name(dispatcher), ", ETP ", etp);
-  if (!cfg.enable_echo) return;
+  if (slots <= 0) return;
   if (ep < 2)
     MOECORE_FAIL(
         "--moe-enable-echo clones experts onto other expert-parallel ranks: it needs "
         "--expert-model-parallel-size > 1, got ",
         ep);
-  if (cfg.num_echo_experts % ep != 0)
-    MOECORE_FAIL("--moe-num-echo-experts (", cfg.num_echo_experts,
-                 ") must be divisible by --expert-model-parallel-size (", ep,
+  if (slots % ep != 0)
+    MOECORE_FAIL("--moe-num-echo-experts (", slots, ") must be divisible by --expert-model-parallel-size (", ep,
                  "): every EP rank holds the same number of clone slots");
   if (dispatcher != DispatcherKind::alltoall)
     MOECORE_FAIL("--moe-enable-echo needs --moe-token-dispatcher-type alltoall, got ",
@@ -76,6 +76,13 @@ void echo_check_layout(const MoeConfig& cfg, int64_t ep, int64_t etp, Dispatcher
   if (etp != 1)
     MOECORE_FAIL("--moe-enable-echo with --expert-tensor-parallel-size ", etp,
                  " is not supported yet (clones of expert slices); use ETP 1");
+  if (cfg.capacity_factor > 0 || cfg.router_padding_alignment > 0)
+    MOECORE_FAIL("--moe-enable-echo is dropless: it does not combine with --moe-expert-capacity-factor (",
+                 cfg.capacity_factor, ") or --moe-router-padding-for-fp8");
+}
+
+void echo_check_layout(const MoeConfig& cfg, int64_t ep, int64_t etp, DispatcherKind dispatcher) {
+  echo_check_layout(cfg.enable_echo ? cfg.num_echo_experts : 0, cfg.received_token_capacity, ep, etp, dispatcher, cfg);
 }
 
 EchoCache echo_cache_alloc(const EchoDims& d, int64_t T, int64_t E, const ExpertDims& home) {
@@ -83,9 +90,8 @@ EchoCache echo_cache_alloc(const EchoDims& d, int64_t T, int64_t E, const Expert
   EchoCache c;
   c.ep = d.group->size();
   c.rank = d.group->rank();
-  if (c.ep < 2 || d.slots % c.ep != 0 || E % c.ep != 0)
-    MOECORE_FAIL("MoE ECHO: --moe-num-echo-experts (", d.slots, ") must be a multiple of the expert-parallel size (",
-                 c.ep, "), which must be > 1, and --num-experts (", E, ") divisible by it");
+  MOECORE_CHECK(c.ep > 1 && d.slots % c.ep == 0 && E % c.ep == 0, "echo_cache_alloc: ", d.slots, " slots and ", E,
+                " experts over EP ", c.ep, " (echo_check_layout refuses this layout)");
   c.El = E / c.ep;
   c.Sl = d.slots / c.ep;
   c.recompute_dispatch = d.recompute_dispatch;
@@ -164,7 +170,8 @@ void echo_fetch_clones_wait(EchoCache& c) {
 
 void echo_reduce_clone_grads(ExpertGrads& home, EchoCache& c, const EchoDims& d, const ops::Context& ctx) {
   const ProcessGroup& g = *d.group;
-  std::vector<CommHandle> sends;
+  MOECORE_CHECK(c.fetches->empty(), "echo_reduce_clone_grads: a clone fetch is still in flight");
+  std::vector<CommHandle>& sends = *c.fetches;  // (the fetch's handle buffer, free now)
   for (size_t j = 0; j < c.slot_expert_host.size(); ++j) {
     const int64_t e = c.slot_expert_host[j];
     if (e >= 0 && static_cast<int64_t>(j) / c.Sl == g.rank())
@@ -184,6 +191,7 @@ void echo_reduce_clone_grads(ExpertGrads& home, EchoCache& c, const EchoDims& d,
     }
   }
   for (CommHandle& h : sends) h.wait();
+  sends.clear();
 }
 
 int64_t echo_home_rows(const DispatchBuffers& b, const EchoCache& c) {

@@ -18,14 +18,17 @@ namespace moecore::moe {
 
 // --moe-echo-expert-dispatcher-type: how cloned weights travel. alltoall: the clone map is read on the host and each
 // clone's weights go point to point from its home rank to its slot (the reference's all-to-all path: host-sized, not
-// sync-free). hybridep is Megatron's device-side dispatcher (a GPU backend; refused here).
-enum class EchoDispatcherKind : uint8_t { alltoall };
-enum class DispatcherKind : uint8_t;
-EchoDispatcherKind parse_echo_dispatcher_kind(const std::string& s);
+// sync-free). hybridep is Megatron's device-side dispatcher (a GPU backend): refused, as is anything else (Error).
+void echo_check_dispatcher_type(const std::string& s);
 
-// The layout ECHO and the static received-token capacity need, checked at start-up (every rank, before any
-// collective): EP > 1, the alltoall token dispatcher, ETP 1, and --moe-num-echo-experts a multiple of EP. Error naming
-// the values. Nothing when both are off.
+enum class DispatcherKind : uint8_t;
+// The layout ECHO (slots > 0 global clone slots) and a static received-token capacity (received_capacity > 0) need:
+// EP > 1, the alltoall token dispatcher, ETP 1, slots a multiple of EP, and for ECHO dropless routing without padding
+// (cfg). Error naming the flags and values; nothing when both are off. Checked at start-up on every rank before any
+// collective (from the config) and again by moe_layer_cache_alloc (from its dims).
+void echo_check_layout(int64_t slots, float received_capacity, int64_t ep, int64_t etp, DispatcherKind dispatcher,
+                       const MoeConfig& cfg);
+// The same from the configuration's flags.
 void echo_check_layout(const MoeConfig& cfg, int64_t ep, int64_t etp, DispatcherKind dispatcher);
 
 struct EchoDims {
@@ -52,10 +55,11 @@ struct EchoCache {
   ExpertWeights clones;     // [Sl, ...] compute (biases f32): the weights of the experts this rank's slots clone
   ExpertGrads clone_grads;  // [Sl, ...] f32 (backward scratch)
   ExpertGrads grad_in;      // [1, ...] f32: one clone's gradient arriving home (backward scratch)
-  std::vector<int64_t> slot_expert_host;             // [S] the clone map on the host (the alltoall dispatcher's sizes)
-  uint64_t plans = 0;                                // forwards planned (the debug mode's counter)
-  std::shared_ptr<std::vector<CommHandle>> fetches;  // the clone transfers in flight (echo_fetch_clones_start)
-  bool recompute_dispatch = false;                   // clones are scratch, fetched again by backward (EchoDims)
+  std::vector<int64_t> slot_expert_host;  // [S] the clone map on the host (the alltoall dispatcher's sizes)
+  uint64_t plans = 0;                     // forwards planned (the debug mode's counter)
+  // the clone transfers in flight (echo_fetch_clones_start), then the clone gradients' (echo_reduce_clone_grads)
+  std::shared_ptr<std::vector<CommHandle>> fetches;
+  bool recompute_dispatch = false;  // clones are scratch, fetched again by backward (EchoDims)
 };
 // E: routed experts; T: this rank's tokens; d.group: the EP group.
 EchoCache echo_cache_alloc(const EchoDims& d, int64_t T, int64_t E, const ExpertDims& home);

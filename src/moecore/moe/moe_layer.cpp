@@ -119,17 +119,7 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
   if ((d.ep > 1 || d.etp > 1) && d.dispatcher == DispatcherKind::local)
     MOECORE_FAIL("MoE layer: expert-parallel size ", d.ep, " x expert-tensor-parallel size ", d.etp,
                  " needs the alltoall or allgather dispatcher");
-  if (d.echo.enabled() && (d.dispatcher != DispatcherKind::alltoall || d.etp != 1 || cfg.capacity_factor > 0 ||
-                           cfg.router_padding_alignment > 0))
-    MOECORE_FAIL(
-        "MoE ECHO (--moe-enable-echo) needs --moe-token-dispatcher-type alltoall, "
-        "--expert-tensor-parallel-size 1 and dropless routing (no --moe-expert-capacity-factor, no "
-        "--moe-router-padding-for-fp8); got dispatcher ",
-        dispatcher_kind_name(d.dispatcher), ", ETP ", d.etp, ", capacity factor ", cfg.capacity_factor);
-  if (d.received_capacity > 0 && (d.dispatcher != DispatcherKind::alltoall || d.etp != 1))
-    MOECORE_FAIL("MoE layer: a static received-token capacity (--moe-received-token-capacity ", d.received_capacity,
-                 ") needs the alltoall dispatcher and --expert-tensor-parallel-size 1; got dispatcher ",
-                 dispatcher_kind_name(d.dispatcher), ", ETP ", d.etp);
+  echo_check_layout(d.echo.slots, d.received_capacity, d.ep, d.etp, d.dispatcher, cfg);
   const int64_t rows = max_rows_of(d, cfg), kept = moe_layer_received_rows(d, cfg);
   MoeLayerCache c;
   c.router = router_cache_alloc(router_dims(d, cfg), cfg, d.compute, d.device);

@@ -142,16 +142,22 @@ std::string format_moe_losses(const moe::MoeConfig& mc, const MoeStepLosses& l) 
   if (mc.z_loss_coeff > 0) add("z_loss", l.z_loss);
   return s;
 }
-// MoE ECHO over the layers of this stage, last micro-batch: the worst max/mean received load per EP rank before and
-// after the plan, clones made and bytes of weights moved (summed over the layers). nullopt without ECHO.
+// MoE ECHO's plans of the last micro-batch, per layer (nullopt: no ECHO there), read once per logged step.
+using EchoLayers = std::vector<std::optional<moe::EchoStatsHost>>;
+EchoLayers echo_layers(const model::GptModel& gpt) {
+  EchoLayers v;
+  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) v.push_back(gpt.moe_echo_stats(l));
+  return v;
+}
+// Over the layers: the worst max/mean received load per EP rank before and after the plan, clones made and bytes of
+// weights moved (summed). nullopt without ECHO.
 struct EchoSummary {
   double before = 0, after = 0;
   int64_t clones = 0, weight_bytes = 0;
 };
-std::optional<EchoSummary> echo_summary(const model::GptModel& gpt) {
+std::optional<EchoSummary> echo_summary(const EchoLayers& layers) {
   std::optional<EchoSummary> sum;
-  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
-    const std::optional<moe::EchoStatsHost> e = gpt.moe_echo_stats(l);
+  for (const std::optional<moe::EchoStatsHost>& e : layers) {
     if (!e) continue;
     if (!sum) sum.emplace();
     sum->before = std::max(sum->before, e->max_over_mean_before());
@@ -163,7 +169,7 @@ std::optional<EchoSummary> echo_summary(const model::GptModel& gpt) {
 }
 
 // Per-layer router statistics of the last micro-batch: tokens per expert, max/mean load, drops and losses.
-void log_moe_layers(const model::GptModel& gpt, std::FILE* log) {
+void log_moe_layers(const model::GptModel& gpt, const EchoLayers& echo, std::FILE* log) {
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
     const moe::RouterStats* stats = gpt.moe_stats(l);
     if (!stats) continue;
@@ -176,7 +182,7 @@ void log_moe_layers(const model::GptModel& gpt, std::FILE* log) {
                  "tokens per expert [%s]\n",
                  static_cast<long long>(l), st.max_over_mean_load(), static_cast<long long>(st.dropped), st.aux_loss,
                  st.seq_aux_loss, st.global_aux_loss, st.z_loss, tpe.c_str());
-    if (const std::optional<moe::EchoStatsHost> e = gpt.moe_echo_stats(l))
+    if (const std::optional<moe::EchoStatsHost>& e = echo[static_cast<size_t>(l)])
       std::fprintf(log,
                    "   moe layer %lld | echo max/mean received %.3f -> %.3f | clones %lld | weights moved %.3f MiB\n",
                    static_cast<long long>(l), e->max_over_mean_before(), e->max_over_mean_after(),
@@ -211,7 +217,7 @@ struct MetricSinks {
 void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, double loss, double lr,
                   double grad_norm, double tokens_per_s, double tflops, const MoeStepLosses& moe_losses, bool per_layer,
                   double comm_share, double exposed_comm_share, double grad_reduce_share, double pipeline_wait_share,
-                  const std::vector<double>& mtp_losses, double capacity_retries) {
+                  const std::vector<double>& mtp_losses, double capacity_retries, const EchoLayers& echo) {
   const moe::MoeConfig& mc = gpt.config().moe;
   std::vector<std::pair<std::string, double>> scalars = {{"lm loss", loss},
                                                          {"learning-rate", lr},
@@ -232,7 +238,7 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
   if (grad_reduce_share >= 0) scalars.emplace_back("comm/grad_reduce_share", grad_reduce_share);
   if (pipeline_wait_share >= 0) scalars.emplace_back("comm/pipeline_wait_share", pipeline_wait_share);
   if (capacity_retries >= 0) scalars.emplace_back("moe/capacity_retries", capacity_retries);
-  if (const std::optional<EchoSummary> e = echo_summary(gpt)) {
+  if (const std::optional<EchoSummary> e = echo_summary(echo)) {
     scalars.emplace_back("moe/echo_max_over_mean_before", e->before);
     scalars.emplace_back("moe/echo_max_over_mean_after", e->after);
     scalars.emplace_back("moe/echo_clones", static_cast<double>(e->clones));
@@ -250,7 +256,7 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
       for (size_t e = 0; e < st.tokens_per_expert.size(); ++e)
         scalars.emplace_back("moe/tokens_per_expert" + sfx + "_expert_" + std::to_string(e),
                              static_cast<double>(st.tokens_per_expert[e]));
-      if (const std::optional<moe::EchoStatsHost> e = gpt.moe_echo_stats(l)) {
+      if (const std::optional<moe::EchoStatsHost>& e = echo[static_cast<size_t>(l)]) {
         scalars.emplace_back("moe/echo_max_over_mean_before" + sfx, e->max_over_mean_before());
         scalars.emplace_back("moe/echo_max_over_mean_after" + sfx, e->max_over_mean_after());
         scalars.emplace_back("moe/echo_clones" + sfx, static_cast<double>(e->clones));
@@ -458,6 +464,7 @@ class RunLog {
  private:
   void interval(int64_t it, const StepResult& r, float lr, int64_t consumed_samples) {
     const auto& m = gpt_.config();
+    const EchoLayers echo = echo_layers(gpt_);
     const auto now = std::chrono::steady_clock::now();
     const double span = std::max(std::chrono::duration<double>(now - t_last_).count(), 1e-9);
     const double dt = span / static_cast<double>(cfg_.log_interval);
@@ -522,7 +529,7 @@ class RunLog {
         std::snprintf(b, sizeof b, " | capacity retries %lld", static_cast<long long>(retries_));
         comm += b;
       }
-      if (const std::optional<EchoSummary> e = echo_summary(gpt_)) {
+      if (const std::optional<EchoSummary> e = echo_summary(echo)) {
         char b[96];
         std::snprintf(b, sizeof b, " | echo max/mean %.2f -> %.2f, %lld clones", e->before, e->after,
                       static_cast<long long>(e->clones));
@@ -544,12 +551,12 @@ class RunLog {
                    static_cast<long long>(consumed_samples * m.seq_length), lr, mean_loss, mtp_text.c_str(),
                    format_moe_losses(m.moe, r.moe_losses).c_str(), r.stats.grad_norm, tokens_per_s, tflops, mfu.c_str(),
                    comm.c_str(), format_duration(eta).c_str(), progress_bar(it + 1, cfg_.train_iters).c_str());
-      if (cfg_.moe_per_layer_logging) log_moe_layers(gpt_, log_);
+      if (cfg_.moe_per_layer_logging) log_moe_layers(gpt_, echo, log_);
       std::fflush(log_);
     }
     emit_metrics(sinks_, gpt_, it + 1, mean_loss, lr, r.stats.grad_norm, tokens_per_s, tflops, r.moe_losses,
                  cfg_.moe_per_layer_logging, comm_share, exposed_share, grad_reduce_share, pipeline_wait_share,
-                 mtp_mean, gpt_.moe_static_capacity() ? static_cast<double>(retries_) : -1.0);
+                 mtp_mean, gpt_.moe_static_capacity() ? static_cast<double>(retries_) : -1.0, echo);
     retries_ = 0;
     loss_acc_ = 0;
     logged_steps_ = 0;
