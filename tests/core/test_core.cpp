@@ -8,6 +8,8 @@
 #include <limits>
 #include <vector>
 
+#include "gpu/gpu_test.h"
+#include "moecore/core/backend_hooks.h"
 #include "moecore/core/dtype.h"
 #include "moecore/core/memory.h"
 #include "moecore/core/rng.h"
@@ -254,12 +256,122 @@ TEST(Tensor, SimulatedDeviceRefusesHostAccessOutsideTransfers) {
   EXPECT_EQ(round.device(), Device::cpu);
   EXPECT_EQ(round.data<float>()[5], 10.0f);
   EXPECT_TRUE(d.to_device(Device::sim).same_data(d));                          // already there: the tensor itself
-  Tensor z = Tensor::zeros({2}, DType::f32, MemCategory::other, Device::sim);  // zero_/fill_ are transfers too
+  Tensor z = Tensor::zeros({2}, DType::f32, MemCategory::other, Device::sim);  // zero_/fill_ run on the device
   z.fill_(1.5f);
   EXPECT_EQ(z.to_device(Device::cpu).data<float>()[1], 1.5f);
   EXPECT_THROW(h.copy_from(Tensor::zeros({3, 4}, DType::bf16, MemCategory::other, Device::sim)), Error);  // dtype
   EXPECT_EQ(parse_device("sim"), Device::sim);
   EXPECT_THROW(parse_device("gpu"), Error);
+}
+
+// The one rule of device memory (core/tensor.cpp), the same on cuda and sim: inside a device, fill, zero, conversion
+// and strided copies run as the device's kernels and give the CPU's bits; between devices only a contiguous
+// one-dtype transfer passes; host code's own parallel loops may not address device memory. On cuda where a GPU is
+// visible, on sim everywhere.
+class DeviceRule : public ::testing::TestWithParam<Device> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == Device::cuda) SKIP_WITHOUT_GPU();
+  }
+};
+
+std::vector<uint8_t> bytes_of(const Tensor& t) {
+  const Tensor c = t.to_device(Device::cpu);
+  const auto* b = static_cast<const uint8_t*>(c.raw());
+  return {b, b + c.nbytes()};
+}
+
+TEST_P(DeviceRule, FillConvertAndStridedCopiesRunOnTheDeviceWithTheCpusBits) {
+  const Device dev = GetParam();
+  Tensor h = Tensor::empty({4, 6, 5}, DType::f32, MemCategory::other);
+  for (int64_t i = 0; i < h.numel(); ++i)
+    h.data<float>()[i] = std::ldexp(static_cast<float>(i * 37 % 101) - 50.0f, static_cast<int>(i % 30) - 20);
+  const Tensor d = h.to_device(dev);
+  Tensor hn = h.clone();       // a NaN and an infinity inside the view below, for the float dtypes only (a non-finite
+  hn.data<float>()[8] = kNaN;  // value converted to an int is undefined behaviour)
+  hn.data<float>()[38] = -kInf;
+  const Tensor dn = hn.to_device(dev);
+  // Strided views in every dtype, converted on the device, against the same conversion on the host.
+  for (DType t : {DType::f32, DType::bf16, DType::f16, DType::f8e4m3, DType::f8e5m2, DType::f64, DType::i32, DType::i64,
+                  DType::boolean}) {
+    SCOPED_TRACE(dtype_name(t));
+    const Tensor& hs = dtype_is_float(t) ? hn : h;
+    const Tensor& ds = dtype_is_float(t) ? dn : d;
+    const Tensor hv = hs.slice(1, 1, 5).select(2, 3), dv = ds.slice(1, 1, 5).select(2, 3);  // [4, 4], strides [30, 5]
+    const Tensor hc = hv.to(t), dc = dv.to(t);
+    EXPECT_EQ(dc.device(), dev);
+    EXPECT_EQ(bytes_of(dc), bytes_of(hc));
+    EXPECT_EQ(bytes_of(dc.to(DType::f32)), bytes_of(hc.to(DType::f32)));  // and back, from a device tensor
+  }
+  // A strided destination, converting: the device's and the host's copy give the same bytes.
+  Tensor hd = Tensor::zeros({4, 6, 5}, DType::bf16, MemCategory::other);
+  Tensor dd = Tensor::zeros({4, 6, 5}, DType::bf16, MemCategory::other, dev);
+  Tensor hs = hd.slice(2, 1, 4), ds = dd.slice(2, 1, 4);
+  hs.copy_from(h.slice(2, 0, 3));
+  ds.copy_from(d.slice(2, 0, 3));
+  EXPECT_EQ(bytes_of(dd), bytes_of(hd));
+  Tensor dclone = d.slice(0, 1, 3).clone();
+  EXPECT_TRUE(dclone.is_contiguous());
+  EXPECT_EQ(bytes_of(dclone), bytes_of(h.slice(0, 1, 3).clone()));
+  // fill_ and zero_ on strided views, any dtype for zero_.
+  hs.fill_(-2.75f);
+  ds.fill_(-2.75f);
+  EXPECT_EQ(bytes_of(dd), bytes_of(hd));
+  Tensor hi = Tensor::empty({3, 8}, DType::i64, MemCategory::other);
+  for (int64_t i = 0; i < 24; ++i) hi.data<int64_t>()[i] = i - 5;
+  Tensor di = hi.to_device(dev);
+  hi.slice(1, 2, 5).zero_();
+  di.slice(1, 2, 5).zero_();
+  EXPECT_EQ(bytes_of(di), bytes_of(hi));
+  Tensor dz = Tensor::zeros({5}, DType::f8e4m3, MemCategory::other, dev);
+  dz.fill_(500.0f);  // saturates to 448, as on the host
+  EXPECT_EQ(bytes_of(dz), std::vector<uint8_t>(5, 0x7e));
+}
+
+TEST_P(DeviceRule, BetweenDevicesOnlyContiguousOneDtypeTransfersPass) {
+  const Device dev = GetParam();
+  const Tensor h = Tensor::zeros({3, 4}, DType::f32, MemCategory::other);
+  Tensor d = Tensor::zeros({3, 4}, DType::f32, MemCategory::other, dev);
+  d.copy_from(h);  // a transfer
+  Tensor dbf = Tensor::zeros({3, 4}, DType::bf16, MemCategory::other, dev);
+  try {
+    dbf.copy_from(h);
+    ADD_FAILURE() << "a converting copy between devices passed";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("a copy between devices is a transfer of a contiguous tensor in one dtype"),
+              std::string::npos)
+        << e.what();
+  }
+  Tensor dv = Tensor::zeros({3, 2}, DType::f32, MemCategory::other, dev);
+  EXPECT_THROW(dv.copy_from(h.slice(1, 0, 2)), Error);  // a strided source across devices
+  EXPECT_THROW(h.slice(1, 0, 2).copy_from(dv), Error);  // a strided destination across devices
+  EXPECT_NO_THROW(h.slice(1, 0, 2).to_device(dev));     // to_device makes it contiguous first, on its own device
+  EXPECT_NO_THROW(d.slice(1, 0, 2).to_device(Device::cpu));
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, DeviceRule, ::testing::Values(Device::sim, Device::cuda),
+                         [](const ::testing::TestParamInfo<Device>& i) { return std::string(device_name(i.param)); });
+
+// Host code's own OpenMP loops may not address device memory (only an op body's workers, whose thread holds the
+// scope, may); outside any parallel region the scope decides as before.
+TEST(DeviceRuleSim, HostParallelLoopsMayNotAddressDeviceMemory) {
+  const Tensor d = Tensor::zeros({64}, DType::f32, MemCategory::other, Device::sim);
+  int refused = 0, allowed = 0;
+#pragma omp parallel for reduction(+ : refused) num_threads(2)
+  for (int i = 0; i < 2; ++i) {
+    try {
+      (void)d.raw();
+    } catch (const Error&) {
+      ++refused;
+    }
+  }
+  {
+    const DeviceAccess scope;  // an op body: its workers may
+#pragma omp parallel for reduction(+ : allowed) num_threads(2)
+    for (int i = 0; i < 2; ++i) allowed += d.raw() != nullptr;
+  }
+  EXPECT_EQ(refused, 2);
+  EXPECT_EQ(allowed, 2);
 }
 
 TEST(Tensor, CopyConvertFillZero) {

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <mutex>
 #include <string>
 
 namespace moecore {
@@ -93,4 +94,19 @@ int64_t memory_physical_bytes() {
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
   return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
 }
+namespace {
+std::mutex g_plan_mutex;
+std::string g_plan;
+}  // namespace
+
+void memory_set_plan(std::string text) {
+  const std::lock_guard lock(g_plan_mutex);
+  g_plan = std::move(text);
+}
+
+std::string memory_plan_text() {
+  const std::lock_guard lock(g_plan_mutex);
+  return g_plan;
+}
+
 }  // namespace moecore

@@ -28,5 +28,9 @@ std::string memory_format_bytes(int64_t bytes);  // "12.3 MiB"
 int64_t memory_resident_bytes();                 // this process's resident set (VmRSS), 0 if unknown
 int64_t memory_resident_peak_bytes();            // VmHWM, 0 if unknown
 int64_t memory_physical_bytes();                 // this machine's RAM (sysconf), 0 if unknown
+// The run's memory plan as printed (model::MemoryPlan::format()), kept so that an out-of-memory error can quote it;
+// empty until set.
+void memory_set_plan(std::string text);
+std::string memory_plan_text();
 
 }  // namespace moecore

@@ -4,21 +4,35 @@
 
 #include <omp.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <vector>
 
 #include "moecore/core/backend_hooks.h"
+#include "moecore/core/dtype_convert.h"
 
 namespace moecore {
 namespace {
 thread_local int t_device_access = 0;  // open DeviceAccess scopes on this thread
+std::atomic<int> g_device_access{0};   // open DeviceAccess scopes on every thread
 bool host_memory(Device d) {           // memory the CPU kernels address: the host's and the simulated device's
   return d == Device::cpu || d == Device::sim;
 }
+// A transfer between two devices: the one thing host code does with device memory besides launching device work.
+bool is_transfer(const Tensor& dst, const Tensor& src) {
+  return dst.device() != src.device();
+}
 // Row-major stride products: only a tensor with a zero dim can exceed int64 here (numel() bounds the rest), and
 // its strides are never used to address memory, so saturating keeps them defined.
+bool is_zero_bits(const void* value, size_t bytes) {
+  const auto* b = static_cast<const unsigned char*>(value);
+  for (size_t i = 0; i < bytes; ++i)
+    if (b[i]) return false;
+  return true;
+}
 int64_t mul_saturating(int64_t a, int64_t b) {
   int64_t r = 0;
   return __builtin_mul_overflow(a, b, &r) ? INT64_MAX : r;
@@ -85,13 +99,37 @@ Device parse_device(const std::string& s) {
 
 DeviceAccess::DeviceAccess() {
   ++t_device_access;
+  g_device_access.fetch_add(1, std::memory_order_relaxed);
 }
 DeviceAccess::~DeviceAccess() {
   --t_device_access;
+  g_device_access.fetch_sub(1, std::memory_order_relaxed);
 }
 
+namespace {
+[[noreturn]] void device_out_of_memory(int64_t bytes, MemCategory cat) {
+  int64_t free_bytes = 0, total_bytes = 0;
+  const std::string dev = device_description(&free_bytes, &total_bytes);
+  const MemoryStats m = memory_stats();
+  std::string held;
+  for (int c = 0; c < kNumMemCategories; ++c)
+    if (m.current[c])
+      held += (held.empty() ? "" : ", ") + std::string(mem_category_name(static_cast<MemCategory>(c))) + " " +
+              memory_format_bytes(m.current[c]);
+  const std::string plan = memory_plan_text();
+  MOECORE_FAIL("tensor: out of cuda memory allocating ", memory_format_bytes(bytes), " of ", mem_category_name(cat),
+               " on ", dev, "; moecore holds ", memory_format_bytes(m.total_current), held.empty() ? "" : " (", held,
+               held.empty() ? "" : ")", plan.empty() ? "" : "; the memory plan of this run:\n", plan,
+               plan.empty() ? "" : "\n",
+               "hint: a smaller --micro-batch-size, activation recompute (--recompute-granularity), "
+               "--use-distributed-optimizer or more model parallelism lowers the need");
+}
+}  // namespace
+
 void Tensor::check_device_access() const {
-  if (t_device_access > 0 || omp_in_parallel()) return;
+  // An op body's OpenMP workers run on threads without the scope: inside a parallel region the scope of the thread
+  // that started it counts (some scope is open), so host code's own parallel loops are still refused.
+  if (t_device_access > 0 || (omp_in_parallel() && g_device_access.load(std::memory_order_relaxed) > 0)) return;
   MOECORE_FAIL("host code addressed the data of a ", device_name(device()), " tensor ", str(),
                ": device tensors are read and written by ops (kernels/ops.h), collectives and explicit transfers "
                "(Tensor::to_device) only");
@@ -105,6 +143,7 @@ Storage::Storage(int64_t nbytes, Device dev, MemCategory cat) : bytes(nbytes), d
     if (!data) throw Error("tensor: out of host memory allocating " + memory_format_bytes(nbytes));
   } else {
     data = device_alloc(nbytes);
+    if (!data) device_out_of_memory(nbytes, cat);
   }
   memory_record_alloc(cat, nbytes);
 }
@@ -188,7 +227,7 @@ Tensor Tensor::flatten_to_2d() const {
 }
 
 namespace {
-// Calls fn(element_offset) for every element of a strided tensor, in row-major order.
+// Calls fn(k, element_offset) for every element k of a strided tensor, in row-major order.
 template <class Fn>
 void for_each_offset(const Shape& shape, const int64_t* strides, Fn&& fn) {
   int64_t idx[kMaxDims] = {};
@@ -205,45 +244,80 @@ void for_each_offset(const Shape& shape, const int64_t* strides, Fn&& fn) {
 }
 }  // namespace
 
-void Tensor::zero_() {
-  if (!defined()) return;
-  const DeviceAccess access;
+// The one rule for host code and device memory, the same for cuda and sim (sim exists to fail wherever cuda would):
+// host code addresses the memory of cpu tensors only. Within a device, a tensor is filled, converted and copied by
+// that device's kernels: device_fill / device_convert (CUDA kernels) on cuda, and on sim the host loops below, run as
+// the simulated device's kernels inside a DeviceAccess scope. Between devices, the only move is a transfer of a
+// contiguous tensor in one dtype (device_copy on cuda); anything else is refused on every device alike.
+static_assert(DeviceView::kMaxDims == kMaxDims);
+
+DeviceView Tensor::device_view() const {
+  DeviceView v;
+  v.data = numel() ? device_ptr() : nullptr;
+  v.dtype = dtype_;
+  v.ndim = shape_.ndim;
+  for (int i = 0; i < shape_.ndim; ++i) {
+    v.shape[i] = shape_[i];
+    v.strides[i] = strides_[i];
+  }
+  return v;
+}
+
+void Tensor::fill_bits(const void* value) {
+  if (!defined() || numel() == 0) return;
   if (device() == Device::cuda) {
-    MOECORE_CHECK(is_contiguous(), "tensor.zero_: strided device tensors are not supported");
-    device_memset(raw(), 0, nbytes());
+    if (is_contiguous() && is_zero_bits(value, dtype_size(dtype_)))
+      device_memset(device_ptr(), 0, nbytes());
+    else
+      device_fill(device_view(), value);
     return;
   }
-  if (is_contiguous()) {
-    std::memset(raw(), 0, nbytes());
-    return;
-  }
+  std::optional<DeviceAccess> kernel;  // sim: this loop is the simulated device's fill kernel
+  if (device() == Device::sim) kernel.emplace();
   const size_t es = dtype_size(dtype_);
   char* base = static_cast<char*>(raw());
-  for_each_offset(shape_, strides_, [&](int64_t, int64_t off) { std::memset(base + off * es, 0, es); });
+  if (is_contiguous() && is_zero_bits(value, es)) {
+    std::memset(base, 0, static_cast<size_t>(nbytes()));
+    return;
+  }
+  for_each_offset(shape_, strides_, [&](int64_t, int64_t off) { std::memcpy(base + off * es, value, es); });
+}
+
+void Tensor::zero_() {
+  const uint64_t zero = 0;
+  fill_bits(&zero);
 }
 
 void Tensor::fill_(float value) {
-  MOECORE_CHECK(dtype_is_float(dtype_) && host_memory(device()),
-                "tensor.fill_: needs a float tensor in host or simulated-device memory, got ", str(), " on ",
-                device_name(device()));
-  const DeviceAccess access;
-  char* base = static_cast<char*>(raw());
-  const size_t es = dtype_size(dtype_);
-  for_each_offset(shape_, strides_,
-                  [&](int64_t, int64_t off) { convert(base + off * es, dtype_, &value, DType::f32, 1); });
+  MOECORE_CHECK(dtype_is_float(dtype_), "tensor.fill_: needs a float tensor, got ", str());
+  uint64_t bits = 0;
+  convert(&bits, dtype_, &value, DType::f32, 1);
+  fill_bits(&bits);
 }
 
 void Tensor::copy_from(const Tensor& src) {
   MOECORE_CHECK(src.shape() == shape_, "tensor.copy_from: shape ", src.str(), " into ", str());
-  const DeviceAccess access;
-  if (device() != src.device() || device() == Device::cuda)  // a transfer (cudaMemcpy), or a copy on the GPU
+  if (is_transfer(*this, src)) {
     MOECORE_CHECK(is_contiguous() && src.is_contiguous() && dtype_ == src.dtype_,
-                  "tensor.copy_from: copies between devices need contiguous tensors of one dtype: ", src.str(), " on ",
-                  device_name(src.device()), " into ", str(), " on ", device_name(device()));
-  if (device() == Device::cuda || src.device() == Device::cuda) {
-    device_copy(raw(), device() == Device::cuda, src.raw(), src.device() == Device::cuda, nbytes());
+                  "tensor.copy_from: a copy between devices is a transfer of a contiguous tensor in one dtype, got ",
+                  src.str(), (src.is_contiguous() ? "" : " (strided)"), " on ", device_name(src.device()), " into ",
+                  str(), (is_contiguous() ? "" : " (strided)"), " on ", device_name(device()),
+                  "; hint: convert or make it contiguous on one side first (Tensor::to, clone)");
+    if (numel() == 0) return;
+    const DeviceAccess transfer;
+    if (device() == Device::cuda || src.device() == Device::cuda)
+      device_copy(raw(), device() == Device::cuda, src.raw(), src.device() == Device::cuda, nbytes());
+    else
+      std::memcpy(raw(), src.raw(), static_cast<size_t>(nbytes()));
     return;
   }
+  if (numel() == 0) return;
+  if (device() == Device::cuda) {
+    device_convert(device_view(), src.device_view());
+    return;
+  }
+  std::optional<DeviceAccess> kernel;  // sim: the host loops below are the simulated device's copy kernel
+  if (device() == Device::sim) kernel.emplace();
   if (is_contiguous() && src.is_contiguous()) {
     convert(raw(), dtype_, src.raw(), src.dtype_, static_cast<size_t>(numel()));
     return;
@@ -265,12 +339,14 @@ void Tensor::copy_from(const Tensor& src) {
       convert(d + doff[r] * des, dtype_, s + soff[r] * ses, src.dtype_, static_cast<size_t>(cols));
     return;
   }
-  Tensor c = src.is_contiguous() ? src : src.clone();
-  const char* s = static_cast<const char*>(c.raw());
+  const char* s = static_cast<const char*>(src.raw());
   char* d = static_cast<char*>(raw());
-  const size_t ses = dtype_size(c.dtype_), des = dtype_size(dtype_);
-  for_each_offset(shape_, strides_,
-                  [&](int64_t k, int64_t off) { convert(d + off * des, dtype_, s + k * ses, c.dtype_, 1); });
+  std::vector<int64_t> soff;
+  soff.reserve(static_cast<size_t>(numel()));
+  for_each_offset(shape_, src.strides_, [&](int64_t, int64_t off) { soff.push_back(off); });
+  for_each_offset(shape_, strides_, [&](int64_t k, int64_t off) {
+    dtype_convert::convert_element(d, dtype_, off, s, src.dtype_, soff[static_cast<size_t>(k)]);
+  });
 }
 
 Tensor Tensor::clone(MemCategory category) const {
@@ -279,16 +355,7 @@ Tensor Tensor::clone(MemCategory category) const {
 
 Tensor Tensor::to(DType dtype, MemCategory category) const {
   Tensor t = empty(shape_, dtype, category, device());
-  const DeviceAccess access;
-  if (is_contiguous() || device() == Device::cuda) {
-    t.copy_from(*this);
-    return t;
-  }
-  const char* s = static_cast<const char*>(raw());
-  char* d = static_cast<char*>(t.raw());
-  const size_t ses = dtype_size(dtype_), des = dtype_size(dtype);
-  for_each_offset(shape_, strides_,
-                  [&](int64_t k, int64_t off) { convert(d + k * des, dtype, s + off * ses, dtype_, 1); });
+  t.copy_from(*this);
   return t;
 }
 

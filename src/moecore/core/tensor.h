@@ -17,8 +17,9 @@ namespace moecore {
 // cpu: host memory. cuda: a CUDA device. sim: the simulated device of the test suite: host memory that
 // host code may not read. Its ops run the CPU kernels; Tensor::data()/raw() on a non-CPU tensor raise
 // Error unless a DeviceAccess scope is open on the calling thread (op bodies, collectives, transfers) or
-// the caller runs inside an OpenMP parallel region (which only op bodies start). So a test suite run on
-// sim proves that no code outside ops, collectives and explicit transfers touches device data.
+// the caller runs inside an OpenMP parallel region while such a scope is open (an op body's workers). So a test
+// suite run on sim proves that no code outside ops, collectives and explicit transfers touches device data; what
+// host code may do with device memory is stated once, in core/tensor.cpp, for cuda and sim alike.
 enum class Device : uint8_t { cpu, cuda, sim };
 const char* device_name(Device d);  // "cpu", "cuda", "sim"
 // "cpu" | "cuda" | "sim"; anything else raises Error naming the text.
@@ -35,6 +36,7 @@ class DeviceAccess {
 };
 
 inline constexpr int kMaxDims = 6;
+struct DeviceView;  // core/backend_hooks.h
 
 struct Shape {
   int64_t d[kMaxDims] = {};
@@ -110,9 +112,11 @@ class Tensor {
   Tensor select(int dim, int64_t index) const;              // drops dim
   Tensor flatten_to_2d() const;                             // [prod(leading), last], contiguous only
 
-  void zero_();                       // contiguous or not
+  // Fill, convert and copy run on the tensor's device (device kernels on cuda and sim; core/tensor.cpp states the
+  // rule): any strides, any dtypes. Between devices, copy_from is a transfer: contiguous tensors of one dtype.
+  void zero_();                       // any dtype
   void fill_(float value);            // float dtypes only
-  void copy_from(const Tensor& src);  // same shape; converts dtype (between devices: contiguous, one dtype)
+  void copy_from(const Tensor& src);  // same shape; converts dtype
   Tensor clone(MemCategory category = MemCategory::other) const;
   Tensor to(DType dtype, MemCategory category = MemCategory::other) const;
   // A contiguous copy on `device` (this tensor itself when it is already there and contiguous): the explicit
@@ -131,6 +135,8 @@ class Tensor {
 
  private:
   void set_contiguous_shape(const Shape& shape);  // shape with row-major strides
+  DeviceView device_view() const;                 // a cuda tensor as the device kernels see it
+  void fill_bits(const void* value);              // every element := value (one element of this dtype)
   void check_device_access() const;               // Error unless device memory may be addressed here
   void copy_to_host_bytes(void* dst, int64_t bytes) const;
   int axis(int i) const {  // negative axes count from the end

@@ -13,6 +13,7 @@
 #include <thread>
 #include <utility>
 
+#include "moecore/core/backend_hooks.h"
 #include "moecore/core/error.h"
 #include "moecore/parallel/async_op.h"
 
@@ -282,7 +283,7 @@ void AsyncOp::post_self(bool send, void* buf, int64_t n, DType t, uint64_t msg) 
     MOECORE_FAIL("comm: ", op_, " on group ", g_.name(), " (size 1): message #", msg, " to itself has ", s.n, " ",
                  dtype_name(s.t), " elements but its recv expects ", r.n, " ", dtype_name(r.t),
                  "; send and recv must agree on element count and dtype");
-  if (s.n > 0) std::memcpy(r.buf, s.buf, static_cast<size_t>(s.n) * dtype_size(s.t));
+  if (s.n > 0) local_copy(r.buf, s.buf, s.n * static_cast<int64_t>(dtype_size(s.t)));
   o.done = me.done = true;
   others.erase(it);
 }

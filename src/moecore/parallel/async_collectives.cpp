@@ -9,6 +9,7 @@
 #include <mutex>
 #include <utility>
 
+#include "moecore/core/backend_hooks.h"
 #include "moecore/core/error.h"
 #include "moecore/parallel/async_op.h"
 
@@ -64,7 +65,7 @@ class GatherOp final : public AsyncOp {
   GatherOp(Call& c, std::byte* out, const std::byte* in, int64_t n, DType t) : AsyncOp(c.g, c.op, c.info.seq) {
     const int p = g_.size(), me = g_.rank();
     const int64_t es = static_cast<int64_t>(dtype_size(t));
-    if (n > 0) std::memcpy(out + me * n * es, in, static_cast<size_t>(n * es));
+    if (n > 0) local_copy(out + me * n * es, in, n * es);
     if (p == 1) {
       finish();
       return;
@@ -89,7 +90,7 @@ class ReduceScatterOp final : public AsyncOp {
     const int p = g_.size(), me = g_.rank();
     const int64_t es = static_cast<int64_t>(dtype_size(t));
     if (p == 1) {
-      if (n > 0) std::memcpy(out, in, static_cast<size_t>(n * es));
+      if (n > 0) local_copy(out, in, n * es);
       finish();
       return;
     }

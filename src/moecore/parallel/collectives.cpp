@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 
+#include "moecore/core/backend_hooks.h"
 #include "moecore/core/error.h"
 #include "moecore/parallel/call.h"
 
@@ -259,7 +260,7 @@ void reduce_scatter_sum_raw(void* out, int64_t out_n, const void* in, int64_t in
   check_disjoint(c, out, out_n, in, in_n, t);
   const int64_t es = static_cast<int64_t>(dtype_size(t));
   if (c.single()) {
-    if (out_n > 0) std::memcpy(out, in, static_cast<size_t>(out_n * es));
+    if (out_n > 0) local_copy(out, in, out_n * es);
     return;
   }
   debug_check(c, {static_cast<int64_t>(OpId::reduce_scatter_sum), static_cast<int64_t>(t), out_n, 0, 0, 0});
@@ -282,7 +283,7 @@ void reduce_scatter_v_sum_raw(void* out, int64_t out_n, const void* in, int64_t 
   check_disjoint(c, out, out_n, in, in_n, t);
   const int64_t es = static_cast<int64_t>(dtype_size(t));
   if (c.single()) {
-    if (out_n > 0) std::memcpy(out, in, static_cast<size_t>(out_n * es));
+    if (out_n > 0) local_copy(out, in, out_n * es);
     return;
   }
   debug_check(
@@ -308,7 +309,7 @@ void all_gather_raw(void* out, int64_t out_n, const void* in, int64_t in_n, DTyp
                            " = ", in_n * g.size()));
   check_disjoint(c, out, out_n, in, in_n, t);
   if (c.single()) {
-    if (in_n > 0) std::memcpy(out, in, static_cast<size_t>(in_n) * dtype_size(t));
+    if (in_n > 0) local_copy(out, in, in_n * static_cast<int64_t>(dtype_size(t)));
     return;
   }
   debug_check(c, {static_cast<int64_t>(OpId::all_gather), static_cast<int64_t>(t), in_n, 0, 0, 0});
@@ -326,7 +327,7 @@ void all_gather_v_raw(void* out, int64_t out_n, const void* in, int64_t in_n, st
   if (out_n != total) c.fail(detail::str_cat("output has ", out_n, " elements but the counts sum to ", total));
   check_disjoint(c, out, out_n, in, in_n, t);
   if (c.single()) {
-    if (in_n > 0) std::memcpy(out, in, static_cast<size_t>(in_n) * dtype_size(t));
+    if (in_n > 0) local_copy(out, in, in_n * static_cast<int64_t>(dtype_size(t)));
     return;
   }
   debug_check(c, {static_cast<int64_t>(OpId::all_gather_v), static_cast<int64_t>(t), total, 0, hash_words(counts), 0});
@@ -350,7 +351,7 @@ void all_to_all_v_raw(void* out, int64_t out_n, std::span<const int64_t> recv_co
     if (send_counts[0] != recv_counts[0])
       c.fail(detail::str_cat("send_counts[0] = ", send_counts[0], " but recv_counts[0] = ", recv_counts[0],
                              " on a one-rank group"));
-    if (in_n > 0) std::memcpy(out, in, static_cast<size_t>(in_n) * dtype_size(t));
+    if (in_n > 0) local_copy(out, in, in_n * static_cast<int64_t>(dtype_size(t)));
     return;
   }
   debug_check(c, {static_cast<int64_t>(OpId::all_to_all_v), static_cast<int64_t>(t), 0, 0, 0, 0});

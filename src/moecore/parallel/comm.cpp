@@ -66,9 +66,11 @@ void mark_broken() {
 
 void check_tensor(const Tensor& t, const char* op, const ProcessGroup& g, const char* which) {
   if (!t.defined()) MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor is undefined");
-  if (t.device() == Device::cuda)
-    MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(), " lives on the GPU; the ",
-                 comm_backend_name(),
+  // A one-rank group moves nothing between processes: its copies (out := in) go through local_copy, which addresses
+  // device memory too. Between processes the host backends move host memory only.
+  if (t.device() == Device::cuda && g.size() > 1)
+    MOECORE_FAIL("comm: ", op, " on group ", g.name(), " (size ", g.size(), "): the ", which, " tensor ", t.str(),
+                 " lives on the GPU; the ", comm_backend_name(),
                  " backend moves host memory only (device tensors need the NCCL backend, not built yet)");
   if (!t.is_contiguous())
     MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": the ", which, " tensor ", t.str(),

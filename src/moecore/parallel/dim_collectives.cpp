@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "moecore/core/backend_hooks.h"
 #include "moecore/core/error.h"
 #include "moecore/parallel/call.h"
 
@@ -57,7 +58,7 @@ void all_gather_into(const Tensor& out, const Tensor& in, int dim, const Process
   const int64_t n = in.numel(), es = static_cast<int64_t>(dtype_size(in.dtype()));
   detail::check_disjoint(c, out.raw(), out.numel(), in.raw(), n, in.dtype());
   if (c.single()) {
-    if (n > 0) std::memcpy(out.raw(), in.raw(), static_cast<size_t>(n * es));
+    if (n > 0) local_copy(out.raw(), in.raw(), n * es);
     return;
   }
   detail::debug_check(c, {static_cast<int64_t>(detail::OpId::all_gather_into), static_cast<int64_t>(in.dtype()), n, dim,
@@ -85,7 +86,7 @@ void reduce_scatter_from(const Tensor& out, const Tensor& in, int dim, const Pro
   const int64_t n = out.numel(), es = static_cast<int64_t>(dtype_size(in.dtype()));
   detail::check_disjoint(c, out.raw(), n, in.raw(), in.numel(), in.dtype());
   if (c.single()) {
-    if (n > 0) std::memcpy(out.raw(), in.raw(), static_cast<size_t>(n * es));
+    if (n > 0) local_copy(out.raw(), in.raw(), n * es);
     return;
   }
   detail::debug_check(c, {static_cast<int64_t>(detail::OpId::reduce_scatter_from), static_cast<int64_t>(in.dtype()), n,
