@@ -5,6 +5,7 @@
 
 #include "apps/args.h"
 #include "apps/commands.h"
+#include "apps/device_flag.h"
 #include "apps/hf_config.h"
 #include "moecore/io/hf_checkpoint.h"
 #include "moecore/io/safetensors.h"
@@ -17,8 +18,13 @@ int model_step_main(int argc, char** argv) {
   Args a("model-step");
   a.option("--hf", "", "Hugging Face model directory (config.json and safetensors weights)")
       .option("--tokens", "", "safetensors file with 'tokens' I32 [B, S]")
-      .option("--out", "", "safetensors file to write logits, loss and grad.<HF name> to");
+      .option("--out", "", "safetensors file to write logits, loss and grad.<HF name> to")
+      .option("--device", "cpu",
+              "where the model runs: cpu, cuda, or sim (the simulated device of the test suite: host memory that "
+              "only ops touch)")
+      .domain("--device", FlagDomain::one_of({"cpu", "cuda", "sim"}));
   if (!a.parse(argc, argv)) return 0;
+  const Device device = device_from_flag(a);
   for (const char* f : {"--hf", "--tokens", "--out"})
     if (a.str(f).empty()) MOECORE_FAIL("model-step: ", f, " is required (see moecore model-step --help)");
   const io::SafetensorsFile in = io::safetensors_load(a.str("--tokens"));
@@ -41,7 +47,7 @@ int model_step_main(int argc, char** argv) {
   const model::HfFamily family = map.family;
   const io::HfCheckpointReader hf(a.str("--hf"));
   model::hf_check_tensors(map, hf);
-  model::GptModel gpt(cfg, B, /*seed=*/0);
+  model::GptModel gpt(cfg, B, /*seed=*/0, {}, device);
   model::hf_import(map, hf, gpt);
   const int32_t* tp = tokens.data<int32_t>();
   for (int64_t i = 0; i < B * S; ++i)
@@ -55,9 +61,9 @@ int model_step_main(int argc, char** argv) {
   gpt.zero_grad();
   const model::LossResult r = gpt.forward_backward(tokens, labels, 1.0f);
   std::map<std::string, Tensor> out;
-  Tensor logits = Tensor::empty({B * S, cfg.vocab_size}, DType::f32);
+  Tensor logits = Tensor::empty({B * S, cfg.vocab_size}, DType::f32, MemCategory::activations, device);
   gpt.forward_logits(logits, tokens);
-  out["logits"] = logits.view({B, S, cfg.vocab_size});
+  out["logits"] = logits.to_device(Device::cpu).view({B, S, cfg.vocab_size});
   Tensor loss = Tensor::empty({}, DType::f64);
   *loss.data<double>() = r.mean();
   out["loss"] = loss;
@@ -74,7 +80,8 @@ int model_step_main(int argc, char** argv) {
       out["grad." + t.name] = model::hf_gather(map, t, [&](size_t p, int64_t first, int64_t rows) {
         const int64_t w = map.params[p].width;
         return params[p]
-            .grad.view({params[p].grad.numel() / w, w})
+            .grad.to_device(Device::cpu)
+            .view({params[p].grad.numel() / w, w})
             .slice(0, first, first + rows)
             .view(map.params[p].shape.ndim >= 2 ? Shape{rows, w} : Shape{rows});
       });

@@ -14,6 +14,7 @@
 #include "apps/args.h"
 #include "apps/commands.h"
 #include "apps/data_flags.h"
+#include "apps/device_flag.h"
 #include "apps/hf_config.h"
 #include "apps/model_flags.h"
 #include "moecore/core/backend_hooks.h"
@@ -310,10 +311,6 @@ void upcycle_from_dense(model::GptModel& gpt, const Args& a, const train::TrainC
 // A model whose parameters and gradients alone (fp32, 8 bytes per parameter, before optimizer state and
 // activations) exceed this machine's memory is refused before anything is allocated, instead of swapping or
 // being killed minutes later.
-// --device: cpu and sim run the CPU kernels; cuda needs a visible GPU and the CUDA kernels, which this build
-// does not have yet, so it fails at start-up, naming what is missing.
-// --device cuda needs a build with the CUDA kernels and a visible GPU, and (until the NCCL backend exists) one
-// process: the MPI backend moves host memory only.
 // Model chunks per pipeline rank from Megatron's two flags (1 when neither is set):
 // --num-virtual-stages-per-pipeline-rank directly, --num-layers-per-virtual-pipeline-stage as num_layers / pp / it
 // (even splits only, as in Megatron).
@@ -336,21 +333,6 @@ int64_t virtual_pipeline_stages(const Args& a, int64_t num_layers, int64_t pp, b
     MOECORE_FAIL("--num-layers-per-virtual-pipeline-stage ", n, ": --num-layers (", num_layers,
                  ") / --pipeline-model-parallel-size (", pp, ") must be a multiple of it");
   return num_layers / pp / n;
-}
-
-Device device_from_flag(const Args& a, int world_size) {
-  const Device d = parse_device(a.str("--device"));
-  if (d != Device::cuda) return d;
-  if (!ops::cuda_kernels_built())
-    MOECORE_FAIL(
-        "--device cuda: this build has no CUDA kernels (configure with -DMOECORE_CUDA=ON on a machine with "
-        "nvcc); use --device cpu");
-  if (!device_available()) MOECORE_FAIL("--device cuda: no CUDA device is visible to this process; use --device cpu");
-  if (world_size > 1)
-    MOECORE_FAIL("--device cuda with ", world_size,
-                 " processes: multi-process runs on the GPU need the NCCL backend, not built yet (MPI moves host "
-                 "memory only); run one process, or use --device cpu");
-  return d;
 }
 
 void check_model_fits(const model::ModelConfig& mc, const model::ModelParallel& par) {
@@ -569,14 +551,24 @@ int train_main(int argc, char** argv) {
     upcycle_from_dense(gpt, a, tcfg);
     tcfg.load.clear();  // the run starts at iteration 0 from the upcycled weights, as in Megatron
   }
-  tcfg.peak_gflops = train::gemm_peak_gflops(mcfg.compute_dtype);
+  tcfg.peak_gflops = train::gemm_peak_gflops(mcfg.compute_dtype, device);
+  const model::MemoryPlan plan = gpt.memory_plan(opt.state_bytes_per_param());
+  memory_set_plan(plan.format());  // quoted by an out-of-memory error
   if (out)
     std::printf(
         "moecore train: %s\n  %lld parameters, tokenizer %s (vocab %lld, padded to %lld), GEMM peak %.1f "
-        "GFLOP/s\n%s%s",
+        "GFLOP/s (%s)\n%s%s",
         mcfg.summary().c_str(), static_cast<long long>(gpt.num_parameters()), tok->name().c_str(),
         static_cast<long long>(tok->vocab_size()), static_cast<long long>(mcfg.vocab_size), tcfg.peak_gflops,
-        source.summary().c_str(), gpt.memory_plan(opt.state_bytes_per_param()).format().c_str());
+        device_name(device), source.summary().c_str(), plan.format().c_str());
+  if (out && device == Device::cuda) {
+    int64_t free_bytes = 0, total_bytes = 0;
+    const std::string dev = device_description(&free_bytes, &total_bytes);
+    std::printf("  device memory: %s; the plan's %s is %.0f%% of the %s free\n", dev.c_str(),
+                memory_format_bytes(plan.total()).c_str(),
+                free_bytes ? 100.0 * static_cast<double>(plan.total()) / static_cast<double>(free_bytes) : 0.0,
+                memory_format_bytes(free_bytes).c_str());
+  }
   const int64_t B = tcfg.micro_batch_size, S = mcfg.seq_length;
   std::vector<float> mask(static_cast<size_t>(S));
   const train::BatchFn batches = [&](Tensor& t, Tensor& l, bool valid, int64_t index) {
@@ -598,9 +590,10 @@ int train_main(int argc, char** argv) {
     return 0;
   }
   const int64_t count = a.i64("--generate-tokens");
-  // Under EP every rank takes part in the forward passes (the experts are spread), under PP every stage of
-  // data-parallel rank 0 (the last samples); rank 0 prints.
-  if (count > 0 && (dp.rank() == 0 || ep.ep.size() > 1)) {
+  // When experts are spread over ranks (EP, or ETP: the group of ETP x EP ranks holds one copy of every expert),
+  // every rank takes part in the forward passes; otherwise the ranks of data-parallel rank 0 (every stage of a
+  // pipeline, every TP and CP rank) do. Rank 0 prints.
+  if (count > 0 && (dp.rank() == 0 || ep.etp_ep.size() > 1)) {
     const std::string prompt = a.str("--prompt");
     const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed, tok->eod(), tok->vocab_size());
     if (out) std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());

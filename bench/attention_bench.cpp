@@ -1,7 +1,8 @@
 // Attention bench (see attention_bench.h). FLOPs count only the matmuls of the causal half of the score
 // matrix, per batch and query head: forward QK^T and PV, 2 * (2 * S^2 * D / 2) = 2 S^2 D; backward
 // recomputes S and forms dV, dP, dQ, dK, 5 S^2 D; so fwd+bwd = 7 * B * H * S^2 * D. Softmax work is
-// not counted. The peak is a dense oneDNN matmul (1024^3, f32 accumulate and output), best of a few.
+// not counted. On the CPU the peak is a dense oneDNN matmul (1024^3, f32 accumulate and output), best of a few;
+// on a device (--device) it is the in-run bf16 GEMM of device_bench.h, and the times are medians.
 #include "bench/attention_bench.h"
 
 #include <algorithm>
@@ -43,23 +44,38 @@ double dnnl_peak_gflops(DType dtype) {
   }
 }
 
+// The attention's tensors on one device: inputs drawn on the host, one same-dtype transfer each.
+struct AttentionSetup {
+  ops::QkvDims dims;
+  Tensor qkv, dout, out, lse, dqkv;
+  double fwd_bytes() const { return static_cast<double>(qkv.nbytes() + out.nbytes() + lse.nbytes()); }
+  double bwd_bytes() const {
+    return static_cast<double>(qkv.nbytes() + out.nbytes() + lse.nbytes() + dout.nbytes() + dqkv.nbytes());
+  }
+};
+
+AttentionSetup attention_setup(int64_t B, int64_t S, int64_t heads, int64_t kv_heads, int64_t D, DType dtype,
+                               Device dev) {
+  if (kv_heads <= 0 || heads % kv_heads != 0) {
+    MOECORE_FAIL("bench attention: heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
+  }
+  constexpr MemCategory ws = MemCategory::workspace;
+  AttentionSetup a{ops::QkvDims{B, S, kv_heads, heads / kv_heads, D}, {}, {}, {}, {}, {}};
+  a.qkv = random_normal_on(dev, {B, S, a.dims.width()}, dtype, "bench.qkv", 1.0f);
+  a.dout = random_normal_on(dev, {B, S, heads * D}, dtype, "bench.dout", 1.0f);
+  a.out = Tensor::empty({B, S, heads * D}, dtype, ws, dev);
+  a.lse = Tensor::empty({B, heads, S}, DType::f32, ws, dev);
+  a.dqkv = Tensor::empty(a.qkv.shape(), dtype, ws, dev);
+  return a;
+}
+
 }  // namespace
 
 std::vector<std::string> bench_attention_lines(int64_t B, int64_t S, int64_t heads, int64_t kv_heads, int64_t D,
                                                DType dtype, int iters) {
-  if (kv_heads <= 0 || heads % kv_heads != 0) {
-    MOECORE_FAIL("bench attention: heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
-  }
-  const ops::QkvDims dims{B, S, kv_heads, heads / kv_heads, D};
-  Tensor qkv = Tensor::empty({B, S, dims.width()}, DType::f32, MemCategory::workspace);
-  Tensor dout = Tensor::empty({B, S, heads * D}, DType::f32, MemCategory::workspace);
-  rng_fill_normal(qkv, 1, "bench.qkv", 0.0f, 1.0f);
-  rng_fill_normal(dout, 1, "bench.dout", 0.0f, 1.0f);
-  qkv = qkv.to(dtype, MemCategory::workspace);
-  dout = dout.to(dtype, MemCategory::workspace);
-  Tensor out = Tensor::empty({B, S, heads * D}, dtype, MemCategory::workspace);
-  Tensor lse = Tensor::empty({B, heads, S}, DType::f32, MemCategory::workspace);
-  Tensor dqkv = Tensor::empty(qkv.shape(), dtype, MemCategory::workspace);
+  AttentionSetup a = attention_setup(B, S, heads, kv_heads, D, dtype, Device::cpu);
+  const ops::QkvDims& dims = a.dims;
+  Tensor &qkv = a.qkv, &dout = a.dout, &out = a.out, &lse = a.lse, &dqkv = a.dqkv;
 
   double peak = dnnl_peak_gflops(dtype);
   std::string peak_dtype(dtype_name(dtype));
@@ -100,6 +116,32 @@ std::vector<std::string> bench_attention_lines(int64_t B, int64_t S, int64_t hea
                         .add("ratio", gflops / peak)
                         .add("seconds", secs)
                         .str());
+  }
+  return lines;
+}
+
+std::vector<std::string> bench_attention_device_lines(int64_t B, int64_t S, int64_t heads, int64_t kv_heads, int64_t D,
+                                                      DType dtype, const DeviceRun& run, const DevicePeaks& peaks) {
+  AttentionSetup a = attention_setup(B, S, heads, kv_heads, D, dtype, run.device);
+  const ops::Context ctx{run.device};
+  const StageTimes t = device_time_stages(
+      run, {[&] { ops::attention_forward(a.out, a.lse, a.qkv, a.dims, ops::Dropout{}, ctx); },
+            [&] { ops::attention_backward(a.dqkv, a.dout, a.qkv, a.out, a.lse, a.dims, ops::Dropout{}, ctx); }});
+  const double unit = static_cast<double>(B) * heads * static_cast<double>(S) * S * D;
+  std::vector<std::string> lines;
+  for (const auto& [name, mults, ms, bytes] :
+       {std::tuple{"attention_fwd", 2.0, t.stage_ms[0], a.fwd_bytes()},
+        std::tuple{"attention_bwd", 5.0, t.stage_ms[1], a.bwd_bytes()},
+        std::tuple{"attention_fwd_bwd", 7.0, t.total_ms, a.fwd_bytes() + a.bwd_bytes()}}) {
+    JsonLine line;
+    line.add("name", name)
+        .add("dtype", std::string(dtype_name(dtype)))
+        .add("B", B)
+        .add("S", S)
+        .add("heads", heads)
+        .add("kv_heads", kv_heads)
+        .add("D", D);
+    lines.push_back(add_device_speed(line, run, peaks, ms, mults * unit, bytes).str());
   }
   return lines;
 }

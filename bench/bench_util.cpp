@@ -1,5 +1,6 @@
 #include "bench/bench_util.h"
 
+#include <cmath>
 #include <cstdio>
 
 namespace moecore::bench {
@@ -19,6 +20,10 @@ JsonLine& JsonLine::add(const char* k, const std::string& v) {
 
 JsonLine& JsonLine::add(const char* k, double v) {
   key(k);
+  if (!std::isfinite(v)) {  // JSON has no inf or nan (a zero-length interval, a failed peak)
+    body_ += "null";
+    return *this;
+  }
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.4g", v);
   body_ += buf;

@@ -1,7 +1,8 @@
 // Experts bench (see experts_bench.h). FLOPs count the six GEMMs only: forward fc1 and fc2, backward their
 // input and weight gradients, 3 passes x 2 x R x H x (fc1_rows + F); the activation and probability steps
 // are not counted but are timed. Routing: each token picks K distinct experts uniformly at random, so
-// tokens_per_expert ~ R/E with binomial spread. Best of a few timed steps after one warm-up step.
+// tokens_per_expert ~ R/E with binomial spread. On the CPU the best of a few timed steps after one warm-up step;
+// on a device (--device) the median of the timed steps after the warm-up ones (device_bench.h).
 #include "bench/experts_bench.h"
 
 #include <algorithm>
@@ -29,58 +30,84 @@ std::vector<int64_t> random_tokens_per_expert(int64_t N, int64_t E, int64_t K) {
   return counts;
 }
 
-Tensor random_tensor(const Shape& s, DType dtype, const char* name, float std) {
-  Tensor t = Tensor::empty(s, DType::f32, MemCategory::workspace);
-  rng_fill_normal(t, 1, name, 0.0f, std);
-  return dtype == DType::f32 ? t : t.to(dtype, MemCategory::workspace);
+// Everything the two calls take, on one device: host-drawn values, one same-dtype transfer each.
+struct ExpertsSetup {
+  moe::ExpertDims d;
+  std::vector<int64_t> tpe_host;
+  Tensor tpe;  // [E] i64
+  moe::ExpertWeights w;
+  moe::ExpertGrads g;
+  Tensor x, dy, probs, y, dx, dprobs;
+  moe::ExpertCache cache;
+  moe::ExpertWorkspace ws;
+  // The least traffic of one forward + backward (see experts_bench.h).
+  double bytes() const {
+    auto b = [](const Tensor& t) { return static_cast<double>(t.nbytes()); };
+    const double weights = b(w.fc1) + b(w.fc2), saved = b(cache.h) + b(cache.act);
+    return (b(x) + weights + b(probs) + b(y) + saved) +
+           (b(dy) + b(x) + b(probs) + weights + saved + b(dx) + b(dprobs) + 2 * (b(g.fc1) + b(g.fc2)));
+  }
+};
+
+ExpertsSetup experts_setup(int64_t N, int64_t H, int64_t F, int64_t E, int64_t K, DType dtype, Device dev) {
+  constexpr MemCategory ws = MemCategory::workspace;
+  ExpertsSetup s;
+  const int64_t R = N * K;
+  s.d.E = E;
+  s.d.H = H;
+  s.d.F = F;
+  s.d.swiglu = true;
+  s.d.max_rows = R;
+  s.d.compute = dtype;
+  s.d.device = dev;
+  s.tpe_host = random_tokens_per_expert(N, E, K);
+  Tensor tpe = Tensor::empty({E}, DType::i64, ws);
+  std::copy(s.tpe_host.begin(), s.tpe_host.end(), tpe.data<int64_t>());
+  s.tpe = tpe.to_device(dev, ws);
+  s.w = {random_normal_on(dev, {E, s.d.fc1_rows(), H}, dtype, "bench.fc1", 0.02f),
+         random_normal_on(dev, {E, H, F}, dtype, "bench.fc2", 0.02f)};
+  s.g = {Tensor::zeros({E, s.d.fc1_rows(), H}, DType::f32, ws, dev), Tensor::zeros({E, H, F}, DType::f32, ws, dev)};
+  s.x = random_normal_on(dev, {R, H}, dtype, "bench.x", 1.0f);
+  s.dy = random_normal_on(dev, {R, H}, dtype, "bench.dy", 1.0f);
+  Tensor probs = Tensor::empty({R}, DType::f32, ws);
+  rng_fill_uniform(probs, 1, "bench.probs", 0.0f, 1.0f);
+  s.probs = probs.to_device(dev, ws);
+  s.y = Tensor::empty({R, H}, dtype, ws, dev);
+  s.dx = Tensor::empty({R, H}, DType::f32, ws, dev);
+  s.dprobs = Tensor::empty({R}, DType::f32, ws, dev);
+  s.cache = moe::expert_cache_alloc(s.d);
+  s.ws = moe::expert_workspace_alloc(s.d);
+  return s;
+}
+
+// FLOPs of one forward + backward (the six GEMMs).
+double experts_flops(const ExpertsSetup& s, int64_t R) {
+  return 3.0 * 2.0 * static_cast<double>(R) * static_cast<double>(s.d.H) * static_cast<double>(s.d.fc1_rows() + s.d.F);
 }
 
 }  // namespace
 
 std::vector<std::string> bench_experts_lines(int64_t N, int64_t H, int64_t F, int64_t E, int64_t K, DType dtype) {
   const int64_t R = N * K;
-  moe::ExpertDims d;
-  d.E = E;
-  d.H = H;
-  d.F = F;
-  d.swiglu = true;
-  d.max_rows = R;
-  d.compute = dtype;
-  const std::vector<int64_t> tpe_host = random_tokens_per_expert(N, E, K);
-  Tensor tpe = Tensor::empty({E}, DType::i64, MemCategory::workspace);
-  std::copy(tpe_host.begin(), tpe_host.end(), tpe.data<int64_t>());
-  const moe::ExpertWeights w{random_tensor({E, d.fc1_rows(), H}, dtype, "bench.fc1", 0.02f),
-                             random_tensor({E, H, F}, dtype, "bench.fc2", 0.02f)};
-  moe::ExpertGrads g{Tensor::zeros({E, d.fc1_rows(), H}, DType::f32, MemCategory::workspace),
-                     Tensor::zeros({E, H, F}, DType::f32, MemCategory::workspace)};
-  const Tensor x = random_tensor({R, H}, dtype, "bench.x", 1.0f);
-  const Tensor dy = random_tensor({R, H}, dtype, "bench.dy", 1.0f);
-  Tensor probs = Tensor::empty({R}, DType::f32, MemCategory::workspace);
-  rng_fill_uniform(probs, 1, "bench.probs", 0.0f, 1.0f);
-  Tensor y = Tensor::empty({R, H}, dtype, MemCategory::workspace);
-  Tensor dx = Tensor::empty({R, H}, DType::f32, MemCategory::workspace);
-  Tensor dprobs = Tensor::empty({R}, DType::f32, MemCategory::workspace);
-  moe::ExpertCache cache = moe::expert_cache_alloc(d);
-  moe::ExpertWorkspace ws = moe::expert_workspace_alloc(d);
+  ExpertsSetup s = experts_setup(N, H, F, E, K, dtype, Device::cpu);
   const ops::Context ctx;
 
   double fwd = 1e30, bwd = 1e30, step = 1e30;
   for (int r = 0; r < 4; ++r) {  // run 0 warms up (scratch growth, oneDNN kernels)
     const double t0 = now_seconds();
-    moe::experts_forward(y, x, probs, tpe, w, cache, ws, d, ctx);
+    moe::experts_forward(s.y, s.x, s.probs, s.tpe, s.w, s.cache, s.ws, s.d, ctx);
     const double t1 = now_seconds();
-    moe::experts_backward(dx, dprobs, g, dy, x, probs, tpe, w, cache, ws, d, ctx);
+    moe::experts_backward(s.dx, s.dprobs, s.g, s.dy, s.x, s.probs, s.tpe, s.w, s.cache, s.ws, s.d, ctx);
     const double t2 = now_seconds();
     if (r == 0) continue;
     fwd = std::min(fwd, t1 - t0);
     bwd = std::min(bwd, t2 - t1);
     step = std::min(step, t2 - t0);
   }
-  const double flops =
-      3.0 * 2.0 * static_cast<double>(R) * static_cast<double>(H) * static_cast<double>(d.fc1_rows() + F);
+  const double flops = experts_flops(s, R);
   const double peak = gemm_peak_gflops(dtype);
   const double gflops = flops / step / 1e9;
-  const auto [mn, mx] = std::minmax_element(tpe_host.begin(), tpe_host.end());
+  const auto [mn, mx] = std::minmax_element(s.tpe_host.begin(), s.tpe_host.end());
   return {JsonLine()
               .add("name", "experts")
               .add("dtype", std::string(dtype_name(dtype)))
@@ -98,6 +125,32 @@ std::vector<std::string> bench_experts_lines(int64_t N, int64_t H, int64_t F, in
               .add("peak_gflops", peak)
               .add("ratio", gflops / peak)
               .str()};
+}
+
+std::vector<std::string> bench_experts_device_lines(int64_t N, int64_t H, int64_t F, int64_t E, int64_t K, DType dtype,
+                                                    const DeviceRun& run, const DevicePeaks& peaks) {
+  const int64_t R = N * K;
+  ExpertsSetup s = experts_setup(N, H, F, E, K, dtype, run.device);
+  const ops::Context ctx{run.device};
+  const StageTimes t = device_time_stages(
+      run,
+      {[&] { moe::experts_forward(s.y, s.x, s.probs, s.tpe, s.w, s.cache, s.ws, s.d, ctx); },
+       [&] { moe::experts_backward(s.dx, s.dprobs, s.g, s.dy, s.x, s.probs, s.tpe, s.w, s.cache, s.ws, s.d, ctx); }});
+  const auto [mn, mx] = std::minmax_element(s.tpe_host.begin(), s.tpe_host.end());
+  JsonLine line;
+  line.add("name", "experts")
+      .add("dtype", std::string(dtype_name(dtype)))
+      .add("N", N)
+      .add("H", H)
+      .add("F", F)
+      .add("E", E)
+      .add("K", K)
+      .add("rows", R)
+      .add("rows_min", *mn)
+      .add("rows_max", *mx)
+      .add("fwd_ms", t.stage_ms[0])
+      .add("bwd_ms", t.stage_ms[1]);
+  return {add_device_speed(line, run, peaks, t.total_ms, experts_flops(s, R), s.bytes()).str()};
 }
 
 }  // namespace moecore::bench

@@ -7,43 +7,66 @@
 #include "moecore/moe/moe_layer.h"
 
 namespace moecore::bench {
+namespace {
+
+// One layer with its weights, state, buffers and inputs on one device (values drawn on the host).
+struct MoeLayerSetup {
+  moe::MoeConfig cfg;
+  moe::MoeLayerDims d;
+  moe::MoeLayerWeights w;
+  moe::MoeLayerGrads g;
+  moe::RouterState st;
+  moe::MoeLayerCache cache;
+  int64_t cache_bytes = 0;  // what the cache allocated (tracked memory before and after)
+  moe::LocalDispatcher disp;
+  Tensor x, dy, y, dx;
+
+  MoeLayerSetup(int64_t N, int64_t H, int64_t F, int64_t E, int64_t K, DType dtype, Device dev) {
+    cfg.num_experts = E;
+    cfg.router_topk = K;
+    cfg.ffn_hidden_size = F;
+    cfg.load_balancing_type = {moe::LoadBalancing::aux_loss};
+    cfg.aux_loss_coeff = {1e-2f};
+    cfg.validate();
+    d = moe::MoeLayerDims{N, 1, H, F, 0, dtype};
+    d.device = dev;
+    auto param = [&](Shape s, const char* name, float std, DType dt, MemCategory cat) {
+      return random_normal_on(dev, s, dt, name, std, cat, 5);
+    };
+    constexpr MemCategory P = MemCategory::parameters, G = MemCategory::gradients, A = MemCategory::activations;
+    w.router = {param({E, H}, "router", 0.02f, DType::f32, P), param({E, H}, "router", 0.02f, dtype, P)};
+    w.experts = {param({E, 2 * F, H}, "fc1", 0.02f, dtype, P), param({E, H, F}, "fc2", 0.02f, dtype, P)};
+    g.router = Tensor::zeros({E, H}, DType::f32, G, dev);
+    g.experts = {Tensor::zeros({E, 2 * F, H}, DType::f32, G, dev), Tensor::zeros({E, H, F}, DType::f32, G, dev)};
+    st = moe::router_state_init(cfg, dev);
+    const MemoryStats before = memory_stats();
+    cache = moe::moe_layer_cache_alloc(d, cfg);
+    cache_bytes = memory_stats().total_current - before.total_current;
+    x = param({N, H}, "x", 1.0f, dtype, A);
+    dy = param({N, H}, "dy", 1.0f, DType::f32, A);
+    y = Tensor::empty({N, H}, DType::f32, A, dev);
+    dx = Tensor::empty({N, H}, DType::f32, A, dev);
+  }
+  void forward(const ops::Context& ctx) {
+    moe::moe_layer_forward(y, x, Tensor(), w, st, cache, disp, d, cfg, true, ctx);
+  }
+  void backward(const ops::Context& ctx) { moe::moe_layer_backward(dx, g, dy, x, w, cache, disp, d, cfg, 1.0f, ctx); }
+  // Model FLOPs of the experts' forward (Megatron counts routed experts as ffn_mult * F * K per token; the router
+  // GEMM, permutation and activation are not counted): 2 FLOPs per MAC; backward is twice the forward.
+  double forward_flops() const {
+    return 2.0 * static_cast<double>(d.T * cfg.router_topk) * static_cast<double>(d.H) * static_cast<double>(3 * d.F);
+  }
+};
+
+}  // namespace
 
 std::vector<std::string> bench_moe_layer(int64_t N, int64_t H, int64_t F, int64_t E, int64_t K, DType dtype,
                                          int iters) {
-  moe::MoeConfig cfg;
-  cfg.num_experts = E;
-  cfg.router_topk = K;
-  cfg.ffn_hidden_size = F;
-  cfg.load_balancing_type = {moe::LoadBalancing::aux_loss};
-  cfg.aux_loss_coeff = {1e-2f};
-  cfg.validate();
-  const moe::MoeLayerDims d{N, 1, H, F, 0, dtype};
-  auto param = [&](Shape s, const char* name, float std) {
-    Tensor t = Tensor::empty(s, DType::f32, MemCategory::parameters);
-    rng_fill_normal(t, 5, name, 0.0f, std);
-    return t;
-  };
-  const Tensor router = param({E, H}, "router", 0.02f);
-  moe::MoeLayerWeights w;
-  w.router = {router, router.to(dtype, MemCategory::parameters)};
-  w.experts = {param({E, 2 * F, H}, "fc1", 0.02f).to(dtype, MemCategory::parameters),
-               param({E, H, F}, "fc2", 0.02f).to(dtype, MemCategory::parameters)};
-  moe::MoeLayerGrads g;
-  g.router = Tensor::zeros({E, H}, DType::f32, MemCategory::gradients);
-  g.experts = {Tensor::zeros({E, 2 * F, H}, DType::f32, MemCategory::gradients),
-               Tensor::zeros({E, H, F}, DType::f32, MemCategory::gradients)};
-  moe::RouterState st = moe::router_state_init(cfg);
-  const MemoryStats before = memory_stats();
-  moe::MoeLayerCache cache = moe::moe_layer_cache_alloc(d, cfg);
-  const int64_t cache_bytes = memory_stats().total_current - before.total_current;
-  moe::LocalDispatcher disp;
-  const Tensor x = param({N, H}, "x", 1.0f).to(dtype, MemCategory::activations);
-  const Tensor dy = param({N, H}, "dy", 1.0f);
-  Tensor y = Tensor::empty({N, H}, DType::f32, MemCategory::activations);
-  Tensor dx = Tensor::empty({N, H}, DType::f32, MemCategory::activations);
+  MoeLayerSetup s(N, H, F, E, K, dtype, Device::cpu);
+  const moe::MoeLayerCache& cache = s.cache;
   auto run = [&](bool backward) {
-    moe::moe_layer_forward(y, x, Tensor(), w, st, cache, disp, d, cfg, true, {});
-    if (backward) moe::moe_layer_backward(dx, g, dy, x, w, cache, disp, d, cfg, 1.0f, {});
+    s.forward({});
+    if (backward) s.backward({});
   };
   run(true);  // warm-up
   double fwd = 1e30, both = 1e30;
@@ -55,11 +78,8 @@ std::vector<std::string> bench_moe_layer(int64_t N, int64_t H, int64_t F, int64_
     run(true);
     both = std::min(both, now_seconds() - t0);
   }
-  // Model FLOPs of the experts (Megatron counts routed experts as ffn_mult * F * K per token; the router
-  // GEMM, permutation and activation are not counted): 2 FLOPs per MAC, forward = 1 pass, backward = 2.
-  const double mac_fwd = static_cast<double>(N * K) * static_cast<double>(H) * static_cast<double>(3 * F);
   const double peak = gemm_peak_gflops(dtype);
-  const double g_fwd = 2 * mac_fwd / fwd / 1e9, g_both = 6 * mac_fwd / both / 1e9;
+  const double g_fwd = s.forward_flops() / fwd / 1e9, g_both = 3 * s.forward_flops() / both / 1e9;
   const int64_t R = cache.dispatch.plan.row_bound;  // dropless: exactly N * K rows
   // Saved for backward per token: router logits/scores/top-k, probs/map, permuted inputs and probs, and the
   // experts' fc1 output and activation (the routed expert output [N*K, H] is not kept).
@@ -83,8 +103,38 @@ std::vector<std::string> bench_moe_layer(int64_t N, int64_t H, int64_t F, int64_
                       .add("ratio", g / peak)
                       .add("seconds", pass ? both : fwd)
                       .add("saved_bytes_per_token", static_cast<double>(saved) / static_cast<double>(N))
-                      .add("layer_buffer_bytes", cache_bytes)
+                      .add("layer_buffer_bytes", s.cache_bytes)
                       .str());
+  }
+  return out;
+}
+
+std::vector<std::string> bench_moe_layer_device(int64_t N, int64_t H, int64_t F, int64_t E, int64_t K, DType dtype,
+                                                const DeviceRun& run, const DevicePeaks& peaks) {
+  MoeLayerSetup s(N, H, F, E, K, dtype, run.device);
+  const ops::Context ctx{run.device};
+  const StageTimes t = device_time_stages(run, {[&] { s.forward(ctx); }, [&] { s.backward(ctx); }});
+  auto b = [](const Tensor& x) { return static_cast<double>(x.nbytes()); };
+  const double weights = b(s.w.router.weight_compute) + b(s.w.experts.fc1) + b(s.w.experts.fc2);
+  const double grads = b(s.g.router) + b(s.g.experts.fc1) + b(s.g.experts.fc2);
+  const double fwd_bytes = b(s.x) + weights + b(s.y) + static_cast<double>(s.cache_bytes);
+  const double bwd_bytes = b(s.dy) + b(s.x) + weights + b(s.dx) + 2 * grads + static_cast<double>(s.cache_bytes);
+  std::vector<std::string> out;
+  for (int pass = 0; pass < 2; ++pass) {
+    JsonLine line;
+    line.add("name", pass ? "moe_layer_fwd_bwd" : "moe_layer_fwd")
+        .add("dtype", std::string(dtype_name(dtype)))
+        .add("N", N)
+        .add("H", H)
+        .add("F", F)
+        .add("E", E)
+        .add("K", K)
+        .add("fwd_ms", t.stage_ms[0])
+        .add("bwd_ms", t.stage_ms[1])
+        .add("layer_buffer_bytes", s.cache_bytes);
+    add_device_speed(line, run, peaks, pass ? t.total_ms : t.stage_ms[0], (pass ? 3 : 1) * s.forward_flops(),
+                     pass ? fwd_bytes + bwd_bytes : fwd_bytes);
+    out.push_back(line.str());
   }
   return out;
 }

@@ -9,34 +9,56 @@
 #include "moecore/optim/adamw.h"
 
 namespace moecore::bench {
+namespace {
 
-std::vector<std::string> bench_train_step(const model::ModelConfig& cfg, int64_t micro_batch, int steps) {
-  const int64_t rss_before = memory_resident_bytes();
-  model::GptModel gpt(cfg, micro_batch, 1234);
-  optim::AdamW opt(gpt.params(), optim::AdamWConfig{});
-  const model::MemoryPlan plan = gpt.memory_plan(opt.state_bytes_per_param());
-  std::fprintf(stderr, "train-step: %s, micro-batch %lld, %lld parameters\n%s", cfg.summary().c_str(),
-               static_cast<long long>(micro_batch), static_cast<long long>(gpt.num_parameters()),
-               plan.format().c_str());
-  const int64_t N = micro_batch * cfg.seq_length;
-  Tensor tokens = Tensor::empty({micro_batch, cfg.seq_length}, DType::i32, MemCategory::other);
-  Tensor labels = Tensor::empty({micro_batch, cfg.seq_length}, DType::i32, MemCategory::other);
-  for (int64_t i = 0; i < N; ++i) {
-    tokens.data<int32_t>()[i] = static_cast<int32_t>(philox_uniform(philox_key(1, "bench.tokens"), i) * cfg.vocab_size);
-    labels.data<int32_t>()[i] = static_cast<int32_t>(philox_uniform(philox_key(1, "bench.labels"), i) * cfg.vocab_size);
+// The model (on `device`), its optimizer and plan, and one random batch in host memory.
+struct TrainStepSetup {
+  model::GptModel gpt;
+  optim::AdamW opt;
+  model::MemoryPlan plan;
+  int64_t N;  // tokens per step
+  Tensor tokens, labels;
+
+  TrainStepSetup(const model::ModelConfig& cfg, int64_t micro_batch, Device device)
+      : gpt(cfg, micro_batch, 1234, {}, device),
+        opt(gpt.params(), optim::AdamWConfig{}),
+        plan(gpt.memory_plan(opt.state_bytes_per_param())),
+        N(micro_batch * cfg.seq_length) {
+    std::fprintf(stderr, "train-step: %s, micro-batch %lld, %lld parameters%s%s\n%s", cfg.summary().c_str(),
+                 static_cast<long long>(micro_batch), static_cast<long long>(gpt.num_parameters()),
+                 device == Device::cpu ? "" : ", on ", device == Device::cpu ? "" : device_name(device),
+                 plan.format().c_str());
+    tokens = Tensor::empty({micro_batch, cfg.seq_length}, DType::i32, MemCategory::other);
+    labels = Tensor::empty({micro_batch, cfg.seq_length}, DType::i32, MemCategory::other);
+    for (int64_t i = 0; i < N; ++i) {
+      tokens.data<int32_t>()[i] =
+          static_cast<int32_t>(philox_uniform(philox_key(1, "bench.tokens"), i) * cfg.vocab_size);
+      labels.data<int32_t>()[i] =
+          static_cast<int32_t>(philox_uniform(philox_key(1, "bench.labels"), i) * cfg.vocab_size);
+    }
   }
-  auto one_step = [&] {
+  double step() {
     gpt.zero_grad();
     const auto r = gpt.forward_backward(tokens, labels, 1.0f);
     opt.step(1e-4f);
     gpt.refresh_compute_weights();
     return r.mean();
-  };
-  double loss = one_step();  // warm-up: primitive creation, first touch of every buffer
+  }
+};
+
+}  // namespace
+
+std::vector<std::string> bench_train_step(const model::ModelConfig& cfg, int64_t micro_batch, int steps) {
+  const int64_t rss_before = memory_resident_bytes();
+  TrainStepSetup s(cfg, micro_batch, Device::cpu);
+  const model::GptModel& gpt = s.gpt;
+  const model::MemoryPlan& plan = s.plan;
+  const int64_t N = s.N;
+  double loss = s.step();  // warm-up: primitive creation, first touch of every buffer
   double best = 1e30, total = 0;
-  for (int s = 0; s < steps; ++s) {
+  for (int i = 0; i < steps; ++i) {
     const double t0 = now_seconds();
-    loss = one_step();
+    loss = s.step();
     const double dt = now_seconds() - t0;
     best = std::min(best, dt);
     total += dt;
@@ -72,6 +94,28 @@ std::vector<std::string> bench_train_step(const model::ModelConfig& cfg, int64_t
       .add("rss_before_model_bytes", rss_before)
       .add("rss_peak_over_plan", static_cast<double>(hwm) / static_cast<double>(plan.total()));
   return {line.str()};
+}
+
+std::vector<std::string> bench_train_step_device(const model::ModelConfig& cfg, int64_t micro_batch,
+                                                 const DeviceRun& run, const DevicePeaks& peaks) {
+  memory_reset_peaks();  // the peak measurement's buffers are gone: tracked_peak_bytes is the step's
+  TrainStepSetup s(cfg, micro_batch, run.device);
+  double loss = 0;
+  const StageTimes t = device_time_stages(run, {[&] { loss = s.step(); }});
+  const double flops = s.gpt.flops_per_step();
+  JsonLine line;
+  line.add("name", "train_step")
+      .add("dtype", std::string(dtype_name(cfg.compute_dtype)))
+      .add("layers", cfg.num_layers)
+      .add("hidden", cfg.hidden_size)
+      .add("seq", cfg.seq_length)
+      .add("micro_batch", micro_batch)
+      .add("model_gflop_per_step", flops / 1e9)
+      .add("tokens_per_s", static_cast<double>(s.N) / (t.total_ms * 1e-3))
+      .add("loss", loss)
+      .add("plan_bytes", s.plan.total())
+      .add("tracked_peak_bytes", memory_stats().total_peak);
+  return {add_device_speed(line, run, peaks, t.total_ms, flops).str()};
 }
 
 }  // namespace moecore::bench

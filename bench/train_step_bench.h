@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/device_bench.h"
 #include "moecore/model/config.h"
 
 namespace moecore::bench {
@@ -10,4 +11,9 @@ namespace moecore::bench {
 // model-FLOPs throughput, the in-run GEMM peak of the compute dtype, their ratio, and the peak resident
 // memory against the plan.
 std::vector<std::string> bench_train_step(const model::ModelConfig& cfg, int64_t micro_batch, int steps);
+// The same step with the model on run.device (the batch is handed over in host memory, as the data loader does):
+// prints the memory plan to stderr; the line has the median step in TFLOP/s (model FLOPs) against the bf16 peak,
+// tokens per second, the last loss, and the planned and tracked peak bytes.
+std::vector<std::string> bench_train_step_device(const model::ModelConfig& cfg, int64_t micro_batch,
+                                                 const DeviceRun& run, const DevicePeaks& peaks);
 }  // namespace moecore::bench

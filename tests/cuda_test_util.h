@@ -1,5 +1,6 @@
 // Shared by the GPU tests (test_cuda_*.cpp, ctest label "gpu"): one tensor on both backends, NaN-poisoned outputs,
-// seeded random inputs, and the per-dtype tolerances. Every test starts with SKIP_WITHOUT_GPU().
+// seeded random inputs, and the per-dtype tolerances. Every test starts with SKIP_WITHOUT_GPU() (gpu/gpu_test.h: a
+// skip without a device, a failure with MOECORE_REQUIRE_GPU=1).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -7,15 +8,12 @@
 #include <limits>
 #include <vector>
 
-#include "moecore/core/backend_hooks.h"
+#include "gpu/gpu_test.h"
 #include "moecore/kernels/ops.h"
 #include "moecore/kernels/ops_router.h"
 #include "test_util.h"
 
 namespace moecore::testing_cuda {
-
-#define SKIP_WITHOUT_GPU() \
-  if (!device_available()) GTEST_SKIP() << "no CUDA device (or built without CUDA): GPU test skipped"
 
 inline ops::Context ctx_of(bool gpu) {
   return gpu ? ops::Context{Device::cuda, nullptr} : ops::Context{};

@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "apps/cli_support.h"
@@ -499,6 +501,160 @@ TEST_F(Cli, BenchTrainStepRunsWithMegatronsDefaults) {
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("LayerNorm, learned positions, biases, dropout 0.1/0.1"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("\"ratio\":"), std::string::npos) << r.output;
+}
+
+// ---- moecore bench --device: the GPU benchmarks' path, proven on the simulated device ----------------------------
+// On sim each bench runs the same code as on cuda (tensors on the device, ops with its context, the peaks measured in
+// the same run), timed by a wall clock instead of CUDA events. The tests check the lines and their fields, never a
+// speed.
+
+// The JSON object lines of a command's output, in order.
+std::vector<std::string> bench_json_lines(const std::string& output) {
+  std::vector<std::string> lines;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("{\"", 0) == 0) lines.push_back(line);
+  return lines;
+}
+
+// The raw value of "key" in one JSON line ("" when absent): a number, null, or a string without its quotes.
+std::string bench_field(const std::string& line, const std::string& key) {
+  const std::string k = "\"" + key + "\":";
+  const size_t at = line.find(k);
+  if (at == std::string::npos) return "";
+  const size_t start = at + k.size();
+  if (line[start] == '"') return line.substr(start + 1, line.find('"', start + 1) - start - 1);
+  return line.substr(start, line.find_first_of(",}", start) - start);
+}
+
+// A field that must be a positive finite number (not null, inf or text).
+double bench_positive(const std::string& line, const std::string& key) {
+  const std::string v = bench_field(line, key);
+  double x = 0;
+  EXPECT_TRUE(!v.empty() && std::isdigit(static_cast<unsigned char>(v[0])) && (x = std::stod(v)) > 0 &&
+              std::isfinite(x))
+      << key << " = '" << v << "' in " << line;
+  return x;
+}
+
+// Tiny shapes and peaks, so each bench's device path runs in a moment on 2 cores.
+const std::string kBenchSim = " --device sim --warmup 1 --peak-gemm-size 32 --peak-copy-mib 1";
+
+TEST_F(Cli, BenchDeviceSimRunsEveryBenchAgainstItsInRunPeaks) {
+  struct Case {
+    std::string args;
+    std::vector<std::string> names;  // the lines after device_peaks
+    bool bytes;                      // the lines count bytes (gbps against the copy peak)
+  };
+  const std::string moe = " --tokens 16 --hidden-size 16 --moe-ffn-hidden-size 8 --num-experts 4 --moe-router-topk 2";
+  const std::vector<Case> cases = {
+      {"gemm --iters 3 --shapes 24x40x16,8x8x8", {"gemm", "gemm", "gemm", "gemm"}, true},
+      {"experts --iters 3" + moe, {"experts"}, true},
+      {"experts --iters 3 --bf16" + moe, {"experts"}, true},
+      {"attention --iters 3 --seq-length 16 --num-attention-heads 2 --num-query-groups 1 --kv-channels 8",
+       {"attention_fwd", "attention_bwd", "attention_fwd_bwd"},
+       true},
+      {"moe-layer --iters 3" + moe, {"moe_layer_fwd", "moe_layer_fwd_bwd"}, true},
+      {"train-step --steps 3 --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16",
+       {"train_step"},
+       false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args);
+    const Result r = run("bench " + c.args + kBenchSim);
+    ASSERT_EQ(r.status, 0) << r.output;
+    const auto lines = bench_json_lines(r.output);
+    ASSERT_EQ(lines.size(), c.names.size() + 1) << r.output;
+    const std::string& peaks = lines[0];
+    EXPECT_EQ(bench_field(peaks, "name"), "device_peaks") << peaks;
+    EXPECT_EQ(bench_field(peaks, "device"), "sim") << peaks;
+    EXPECT_EQ(bench_field(peaks, "timer"), "wall_clock") << peaks;
+    EXPECT_EQ(bench_field(peaks, "peak_gemm_mnk"), "32") << peaks;
+    EXPECT_EQ(bench_field(peaks, "peak_dtype"), "bf16") << peaks;
+    EXPECT_EQ(bench_field(peaks, "peak_copy_bytes"), "1048576") << peaks;
+    bench_positive(peaks, "peak_gemm_ms");
+    bench_positive(peaks, "peak_copy_ms");
+    const double peak_tflops = bench_positive(peaks, "peak_tflops"), peak_gbps = bench_positive(peaks, "peak_gbps");
+    for (size_t i = 0; i < c.names.size(); ++i) {
+      const std::string& l = lines[i + 1];
+      EXPECT_EQ(bench_field(l, "name"), c.names[i]) << l;
+      EXPECT_EQ(bench_field(l, "device"), "sim") << l;
+      EXPECT_EQ(bench_field(l, "timer"), "wall_clock") << l;
+      EXPECT_EQ(bench_field(l, "iters"), "3") << l;
+      bench_positive(l, "median_ms");
+      const double tflops = bench_positive(l, "tflops");
+      // The same peaks as the device_peaks line (printed with 4 significant digits), and the ratios to them.
+      EXPECT_NEAR(bench_positive(l, "peak_tflops"), peak_tflops, 1e-3 * peak_tflops) << l;
+      EXPECT_NEAR(bench_positive(l, "ratio"), tflops / peak_tflops, 2e-3 * tflops / peak_tflops) << l;
+      if (c.bytes) {
+        bench_positive(l, "bytes");
+        const double gbps = bench_positive(l, "gbps");
+        EXPECT_NEAR(bench_positive(l, "peak_gbps"), peak_gbps, 1e-3 * peak_gbps) << l;
+        EXPECT_NEAR(bench_positive(l, "gbps_ratio"), gbps / peak_gbps, 2e-3 * gbps / peak_gbps) << l;
+      } else {
+        EXPECT_EQ(bench_field(l, "gbps"), "") << l;
+      }
+    }
+    if (c.names[0] == "gemm") {  // f32 then bf16, each over the given shapes, into f32
+      EXPECT_EQ(bench_field(lines[1], "dtype"), "f32");
+      EXPECT_EQ(bench_field(lines[4], "dtype"), "bf16");
+      EXPECT_EQ(bench_field(lines[2], "M") + bench_field(lines[2], "N") + bench_field(lines[2], "K"), "888");
+      EXPECT_EQ(bench_field(lines[1], "bytes"), std::to_string((24 * 16 + 40 * 16) * 4 + 24 * 40 * 4));
+    }
+    if (c.names[0] == "train_step") {  // a real step ran on the device: a finite loss near ln(vocab)
+      EXPECT_GT(bench_positive(lines[1], "loss"), 1.0) << lines[1];
+      EXPECT_NE(r.output.find("on sim"), std::string::npos) << r.output;
+    }
+    if (c.names[0] == "experts") {
+      EXPECT_EQ(bench_field(lines[1], "dtype"), c.args.find("--bf16") == std::string::npos ? "f32" : "bf16");
+      EXPECT_EQ(bench_field(lines[1], "rows"), "32");
+      bench_positive(lines[1], "fwd_ms");
+      bench_positive(lines[1], "bwd_ms");
+    }
+  }
+}
+
+// --device cuda without a GPU (this machine) or without the CUDA kernels fails at start-up, before any work, naming
+// what is missing and where it was looked for; the check is train's (apps/device_flag.h).
+TEST_F(Cli, BenchDeviceCudaWithoutAGpuFailsAtStartUpNamingWhatIsMissing) {
+  if (device_available() && ops::cuda_kernels_built()) GTEST_SKIP() << "this machine can run --device cuda";
+  for (const char* what : {"gemm", "experts", "attention", "moe-layer", "train-step"}) {
+    SCOPED_TRACE(what);
+    const Result r = run(std::string("bench ") + what + " --device cuda");
+    EXPECT_EQ(r.status, 1) << r.output;
+    EXPECT_NE(r.output.find("moecore bench: error: --device cuda: "), std::string::npos) << r.output;
+    if (ops::cuda_kernels_built()) {
+      EXPECT_NE(r.output.find("no CUDA device is visible to this process: "), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find("cudaGetDeviceCount"), std::string::npos) << r.output;
+    } else {
+      EXPECT_NE(r.output.find("this build has no CUDA kernels (configure with -DMOECORE_CUDA=ON"), std::string::npos)
+          << r.output;
+    }
+    EXPECT_NE(r.output.find("use --device cpu"), std::string::npos) << r.output;
+    EXPECT_TRUE(bench_json_lines(r.output).empty()) << r.output;             // nothing measured
+    EXPECT_EQ(r.output.find("train-step:"), std::string::npos) << r.output;  // no model built
+  }
+}
+
+// The bench's device flags are checked at start-up: a device-only flag on the CPU path is refused, not ignored; a
+// bad --shapes or --device names the flag.
+TEST_F(Cli, BenchDeviceFlagsAreCheckedAtStartUp) {
+  const std::vector<std::pair<std::string, std::string> > cases = {
+      {"gemm --warmup 2", "bench gemm: --warmup applies to --device cuda | sim only"},
+      {"gemm --iters 5", "bench gemm: --iters applies to --device cuda | sim only"},
+      {"experts --peak-gemm-size 64", "bench experts: --peak-gemm-size applies to --device cuda | sim only"},
+      {"moe-layer --peak-copy-mib 4", "bench moe-layer: --peak-copy-mib applies to --device cuda | sim only"},
+      {"gemm --shapes 8x8 --device sim", "--shapes '8x8': item '8x8' is not MxNxK"},
+      {"gemm --shapes 8x8x8,,4x4x4 --device sim", "item '' is not MxNxK"},
+      {"attention --device gpu", "flag '--device': 'gpu' is not one of cpu, cuda, sim"},
+      {"train-step --device sim --steps 0", "flag '--steps': '0' is not an integer in [1, "},
+  };
+  for (const auto& [args, message] : cases) {
+    const Result r = run("bench " + args);
+    EXPECT_EQ(r.status, 1) << args << ": " << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << args << ": " << r.output;
+    EXPECT_TRUE(bench_json_lines(r.output).empty()) << args << ": " << r.output;
+  }
 }
 
 }  // namespace

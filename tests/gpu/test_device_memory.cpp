@@ -1,7 +1,9 @@
-// GPU tests (ctest label "gpu"): device memory through the core seam. Each test skips cleanly when moecore
-// was built without CUDA or no GPU is present, so the label is safe to run anywhere.
+// GPU tests (ctest label "gpu"): device memory through the core seam. Each test skips, naming why, when moecore was
+// built without CUDA or no GPU can be used (a failure with MOECORE_REQUIRE_GPU=1), so the label is safe to run
+// anywhere.
 #include <cstring>
 
+#include "gpu/gpu_test.h"
 #include "moecore/core/backend_hooks.h"
 #include "test_util.h"
 
@@ -9,7 +11,7 @@ namespace moecore {
 namespace {
 
 TEST(DeviceMemory, RoundTripThroughTheGpu) {
-  if (!device_available()) GTEST_SKIP() << "no CUDA device (or built without CUDA): GPU test skipped";
+  SKIP_WITHOUT_GPU();
   const Tensor host = testing::randn({3, 5}, "host");
   Tensor dev = Tensor::empty({3, 5}, DType::f32, MemCategory::other, Device::cuda);
   dev.copy_from(host);
@@ -22,7 +24,7 @@ TEST(DeviceMemory, RoundTripThroughTheGpu) {
 }
 
 TEST(DeviceMemory, WithoutAGpuDeviceTensorsFailWithAClearError) {
-  if (device_available()) GTEST_SKIP() << "a GPU is present: the no-GPU error path is not reachable";
+  if (device_unavailable_reason().empty()) GTEST_SKIP() << "a GPU is present: the no-GPU error path is not reachable";
   try {
     Tensor::empty({4}, DType::f32, MemCategory::other, Device::cuda);
     FAIL() << "expected Error";

@@ -539,7 +539,8 @@ class RunLog {
         // Above 100% the start-up peak was measured on a busy machine: measure again, keep the best.
         // The peak is one rank's: the run's is world_size times that (every rank measured its own threads).
         const double run_peak = peak_gflops_ * world_size_;
-        if (tflops * 1e3 > run_peak) peak_gflops_ = std::max(peak_gflops_, gemm_peak_gflops(m.compute_dtype));
+        if (tflops * 1e3 > run_peak)
+          peak_gflops_ = std::max(peak_gflops_, gemm_peak_gflops(m.compute_dtype, gpt_.device()));
         char b[32];
         std::snprintf(b, sizeof b, " | MFU %.1f%%", 100.0 * tflops * 1e3 / (peak_gflops_ * world_size_));
         mfu = b;

@@ -215,10 +215,12 @@ void dropout_apply(const char* op, const char* out_name, const char* in_name, Te
   const int64_t n = x.numel();
   if (n == 0) return;
   if (!d.active()) {
-    if (y.device_ptr() != x.device_ptr())
+    if (y.device_ptr() != x.device_ptr()) {
       l.check(cudaMemcpyAsync(y.device_ptr(), x.device_ptr(), static_cast<size_t>(x.nbytes()), cudaMemcpyDeviceToDevice,
                               l.stream()),
               "cudaMemcpyAsync");
+      l.enqueued("cudaMemcpyAsync");
+    }
     return;
   }
   const DeviceMask m = device_mask(d);

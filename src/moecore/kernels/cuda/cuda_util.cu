@@ -1,11 +1,14 @@
-// The host side of cuda_util.cuh: error messages naming the call, the op and its arguments, the per-device,
-// per-stream workspaces, and the dropout threshold.
+// The host side of cuda_util.cuh: error messages naming the call, the op and its arguments, the MOECORE_CUDA_SYNC
+// switch, the per-device, per-stream workspaces, and the dropout threshold.
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
 
 #include "moecore/kernels/cuda/cuda_util.cuh"
+
+#include "moecore/core/backend_hooks.h"
 
 namespace moecore::ops::cuda {
 
@@ -22,6 +25,18 @@ void Launch::fail(const char* call, const char* error, const char* detail) const
     all += std::string(args_[i].first) + " " + (args_[i].second->defined() ? args_[i].second->str() : "undefined");
   }
   MOECORE_FAIL(op_, " (cuda): ", call, " failed: ", error, ": ", detail, "; arguments: ", all);
+}
+
+bool Launch::sync_each_launch() {
+  return device_sync_each_launch();
+}
+
+void Launch::synchronise(const char* after) const {
+  const cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) [[unlikely]] {
+    const std::string call = std::string(after) + " (the device synchronised after it: MOECORE_CUDA_SYNC=1)";
+    fail(call.c_str(), cudaGetErrorName(e), cudaGetErrorString(e));
+  }
 }
 
 namespace {

@@ -1,8 +1,8 @@
 // Private helpers of the CUDA backend (kernels/cuda/*.cu only): an op call's launch record (its stream from
-// ctx.stream, checks of every CUDA call that raise naming the call, the op and its arguments' shapes, and a
-// grow-only device workspace per device and stream), f32|bf16 element load/store with the CPU's rounding
-// (round to nearest even, the same NaN bits), the dtype switch, grid sizing and fixed-order block reductions.
-// No kernels of ops here.
+// ctx.stream, checks of every CUDA call that raise naming the call, the op and its arguments' shapes (after every
+// launch with MOECORE_CUDA_SYNC=1, so asynchronous faults name their kernel), and a grow-only device workspace per
+// device and stream), f32|bf16 element load/store with the CPU's rounding (round to nearest even, the same NaN bits),
+// the dtype switch, grid sizing and fixed-order block reductions. No kernels of ops here.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -27,8 +27,19 @@ class Launch {
     if (e != cudaSuccess) [[unlikely]]
       fail(call, cudaGetErrorName(e), cudaGetErrorString(e));
   }
-  // After a kernel launch: a bad configuration (or an earlier asynchronous error) raises here.
-  void launched(const char* kernel) const { check(cudaGetLastError(), kernel); }
+  // After a kernel launch: a bad configuration (or an earlier asynchronous error) raises here. With
+  // MOECORE_CUDA_SYNC=1 the device is synchronised too, so a fault inside the kernel raises here, naming it and the op.
+  void launched(const char* kernel) const {
+    check(cudaGetLastError(), kernel);
+    if (sync_each_launch()) synchronise(kernel);
+  }
+  // After a library call that enqueues device work (cuBLAS, CUB, an async copy), its status already checked: with
+  // MOECORE_CUDA_SYNC=1 the device is synchronised, so a fault in the library's kernels names the call and the op.
+  void enqueued(const char* call) const {
+    if (sync_each_launch()) synchronise(call);
+  }
+  // MOECORE_CUDA_SYNC=1 (core/backend_hooks.h device_sync_each_launch, shared with the device-memory kernels).
+  static bool sync_each_launch();
   [[noreturn]] void fail(const char* call, const char* error, const char* detail) const;
   // A device buffer of at least `bytes` for this op call, shared by every op on this device and stream (ops on one
   // stream run one after another). Grow-only: growing synchronises the stream once, so shapes fixed after the first
@@ -41,6 +52,7 @@ class Launch {
   }
 
  private:
+  void synchronise(const char* after) const;  // cudaDeviceSynchronize, raising with the call it followed
   const char* op_;
   cudaStream_t stream_;
   Arg args_[8];

@@ -232,6 +232,7 @@ void scatter_add_rows(const Launch& l, Tensor& dtable, const Tensor& ids, const 
   l.check(cub::DeviceRadixSort::SortPairs(sort_tmp, sort_bytes, shard ? keys : Launch::ptr<const int32_t>(ids),
                                           sorted_ids, tokens, sorted_tokens, N, 0, 32, l.stream()),
           "cub::DeviceRadixSort::SortPairs");
+  l.enqueued("cub::DeviceRadixSort::SortPairs");
   const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>((H + 127) / 128));
   embedding_backward_kernel<<<grid, 128, 0, l.stream()>>>(Launch::ptr<float>(dtable), sorted_ids, sorted_tokens,
                                                           Launch::ptr<const float>(dout), N, V, H);

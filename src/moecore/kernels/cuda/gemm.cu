@@ -135,6 +135,7 @@ void cublas_gemm(const Launch& l, const Mat& c, const Mat& a, bool ta, const Mat
         cublas(l).gemm(h, op_b, op_a, c.cols, c.rows, K, &alpha, b.p, cuda_type(b.t), b.ld, a.p, cuda_type(a.t), a.ld,
                        &beta, c.p, cuda_type(c.t), c.ld, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
         "cublasGemmEx_64");
+    l.enqueued("cublasGemmEx_64");
     return;
   }
   check_cublas(l,
@@ -142,6 +143,7 @@ void cublas_gemm(const Launch& l, const Mat& c, const Mat& a, bool ta, const Mat
                                       cuda_type(a.t), a.ld, a.batch, &beta, c.p, cuda_type(c.t), c.ld, c.batch, G,
                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                "cublasGemmStridedBatchedEx_64");
+  l.enqueued("cublasGemmStridedBatchedEx_64");
 }
 
 void run_gemm(const Launch& l, Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha, float beta,
@@ -294,6 +296,8 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
   int64_t* offsets = w.take<int64_t>(G + 1);
   int64_t* tiles = w.take<int64_t>(G + 1);
   segment_plan(l, offsets, tiles, Launch::ptr<const int64_t>(group_rows), G, R, kBM);
+  MOECORE_CHECK((R + kBM - 1) / kBM + G <= 0x7fffffff && (N + kBN - 1) / kBN <= 65535, "gemm_grouped (cuda): R = ", R,
+                ", G = ", G, ", N = ", N, " exceed the grid (N at most ", 65535 * kBN, ")");
   const dim3 grid(static_cast<unsigned>((R + kBM - 1) / kBM + G), static_cast<unsigned>((N + kBN - 1) / kBN));
   with_float_type(a.dtype(), [&](auto ta) {
     with_float_type(c.dtype(), [&](auto tc) {
@@ -320,6 +324,8 @@ void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tenso
   int64_t* tiles = w.take<int64_t>(G + 1);
   segment_plan(l, offsets, tiles, Launch::ptr<const int64_t>(group_rows), G, R, kBK);
   MOECORE_CHECK(G <= 65535, "gemm_grouped_wgrad (cuda): G = ", G, " groups exceed the grid's z limit of 65535");
+  MOECORE_CHECK((M + kBM - 1) / kBM <= 65535 && (N + kBN - 1) / kBN <= 0x7fffffff, "gemm_grouped_wgrad (cuda): M = ", M,
+                ", N = ", N, " exceed the grid (M at most ", 65535 * kBM, ")");
   const dim3 grid(static_cast<unsigned>((N + kBN - 1) / kBN), static_cast<unsigned>((M + kBM - 1) / kBM),
                   static_cast<unsigned>(G));
   with_float_type(a.dtype(), [&](auto t) {

@@ -1,6 +1,7 @@
 // CUDA kernels of MoE ECHO (ops.h, "MoE ECHO"): the planner in one thread (kernels/moe_echo_plan.h, the CPU's
 // arithmetic, so the plan is the CPU's bit for bit), the rerouting (the home columns copied element-wise, then one
-// thread per expert walks its tokens in order) and the fold (one thread per (token, expert), slots ascending).
+// thread per expert walks its tokens in order) and the fold (per (token, expert), slots ascending); every
+// element-wise kernel is a grid-stride loop, as grid_for caps the grid.
 // Device contract (ops_cuda.h): slot_expert entries outside [-1, E) count as empty slots, and a slot asking a rank
 // for more tokens than it routes takes those it has, instead of raising.
 #include <type_traits>
@@ -33,33 +34,33 @@ struct Columns {
 // Every entry of map2 / probs2 from its home column, clone columns empty.
 __global__ void echo_home_columns_kernel(bool* map2, float* probs2, const bool* map, const float* probs, int64_t T,
                                          int64_t W, Columns c) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= T * W) return;
-  const int64_t t = i / W, col = i % W, block = col / (c.El + c.Sl), within = col % (c.El + c.Sl);
-  const bool home = within < c.El;
-  const int64_t e = block * c.El + within;
-  map2[i] = home && map[t * c.E + e];
-  probs2[i] = home ? probs[t * c.E + e] : 0.0f;
+  MOECORE_GRID_STRIDE(i, T * W) {
+    const int64_t t = i / W, col = i % W, block = col / (c.El + c.Sl), within = col % (c.El + c.Sl);
+    const bool home = within < c.El;
+    const int64_t e = block * c.El + within;
+    map2[i] = home && map[t * c.E + e];
+    probs2[i] = home ? probs[t * c.E + e] : 0.0f;
+  }
 }
 
 // Expert e's slots, ascending, take consecutive runs of its tokens (ascending).
 __global__ void echo_move_kernel(bool* map2, float* probs2, const bool* map, const float* probs,
                                  const int64_t* slot_expert, const int64_t* quota, int64_t T, int64_t W, int64_t S,
                                  Columns c) {
-  const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (e >= c.E) return;
-  const int64_t he = c.home(e);
-  int64_t t = 0;
-  for (int64_t j = 0; j < S; ++j) {
-    if (slot_expert[j] != e) continue;
-    const int64_t sc = c.slot(j);
-    for (int64_t n = quota[j]; n > 0 && t < T; ++t) {
-      if (!map[t * c.E + e]) continue;
-      map2[t * W + he] = false;
-      probs2[t * W + he] = 0.0f;
-      map2[t * W + sc] = true;
-      probs2[t * W + sc] = probs[t * c.E + e];
-      --n;
+  MOECORE_GRID_STRIDE(e, c.E) {
+    const int64_t he = c.home(e);
+    int64_t t = 0;
+    for (int64_t j = 0; j < S; ++j) {
+      if (slot_expert[j] != e) continue;
+      const int64_t sc = c.slot(j);
+      for (int64_t n = quota[j]; n > 0 && t < T; ++t) {
+        if (!map[t * c.E + e]) continue;
+        map2[t * W + he] = false;
+        probs2[t * W + he] = 0.0f;
+        map2[t * W + sc] = true;
+        probs2[t * W + sc] = probs[t * c.E + e];
+        --n;
+      }
     }
   }
 }
@@ -67,18 +68,18 @@ __global__ void echo_move_kernel(bool* map2, float* probs2, const bool* map, con
 template <class V>
 __global__ void echo_fold_kernel(V* out, const V* in, const int64_t* slot_expert, int64_t T, int64_t W, int64_t S,
                                  Columns c) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= T * c.E) return;
-  const int64_t t = i / c.E, e = i % c.E;
-  V v = in[t * W + c.home(e)];
-  for (int64_t j = 0; j < S; ++j)
-    if (slot_expert[j] == e) {
-      if constexpr (std::is_same_v<V, bool>)
-        v = v || in[t * W + c.slot(j)];
-      else
-        v = v + in[t * W + c.slot(j)];
-    }
-  out[i] = v;
+  MOECORE_GRID_STRIDE(i, T * c.E) {
+    const int64_t t = i / c.E, e = i % c.E;
+    V v = in[t * W + c.home(e)];
+    for (int64_t j = 0; j < S; ++j)
+      if (slot_expert[j] == e) {
+        if constexpr (std::is_same_v<V, bool>)
+          v = v || in[t * W + c.slot(j)];
+        else
+          v = v + in[t * W + c.slot(j)];
+      }
+    out[i] = v;
+  }
 }
 
 }  // namespace

@@ -135,6 +135,11 @@ __global__ void layernorm_dx_kernel(float* dx, const TD* dy, const float* x, con
 unsigned row_threads(int64_t H) {
   return H >= 256 ? 256u : (H > 32 ? static_cast<unsigned>((H + 31) / 32 * 32) : 32u);
 }
+// Blocks of a one-CTA-per-row kernel: N, within grid.x's limit.
+unsigned rows_grid(const Launch& l, int64_t N) {
+  MOECORE_CHECK(N <= 0x7fffffff, l.op(), " (cuda): ", N, " rows exceed the grid");
+  return static_cast<unsigned>(N);
+}
 
 // dw (and db) += the chunked column sums of dy * xhat (and dy).
 template <bool Layer, class TD>
@@ -163,7 +168,7 @@ void rmsnorm_forward(Tensor& y, Tensor& rstd, const Tensor& x, const Tensor& w, 
   if (N == 0) return;
   with_float_type(y.dtype(), [&](auto t) {
     using T = decltype(t);
-    rmsnorm_forward_kernel<<<static_cast<unsigned>(N), row_threads(H), 0, l.stream()>>>(
+    rmsnorm_forward_kernel<<<rows_grid(l, N), row_threads(H), 0, l.stream()>>>(
         Launch::ptr<T>(y), Launch::ptr<float>(rstd), Launch::ptr<const float>(x), Launch::ptr<const float>(w), eps, H);
   });
   l.launched("rmsnorm_forward_kernel");
@@ -178,9 +183,9 @@ void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dy, const Tensor& x,
   with_float_type(dy.dtype(), [&](auto t) {
     using TD = decltype(t);
     auto* kernel = accumulate_dx ? rmsnorm_dx_kernel<true, TD> : rmsnorm_dx_kernel<false, TD>;
-    kernel<<<static_cast<unsigned>(N), row_threads(H), 0, l.stream()>>>(
-        Launch::ptr<float>(dx), Launch::ptr<const TD>(dy), Launch::ptr<const float>(x), Launch::ptr<const float>(w),
-        Launch::ptr<const float>(rstd), H);
+    kernel<<<rows_grid(l, N), row_threads(H), 0, l.stream()>>>(Launch::ptr<float>(dx), Launch::ptr<const TD>(dy),
+                                                               Launch::ptr<const float>(x), Launch::ptr<const float>(w),
+                                                               Launch::ptr<const float>(rstd), H);
     l.launched("rmsnorm_dx_kernel");
     norm_param_grads<false>(l, Launch::ptr<float>(dw), nullptr, Launch::ptr<const TD>(dy), Launch::ptr<const float>(x),
                             nullptr, Launch::ptr<const float>(rstd), N, H);
@@ -195,7 +200,7 @@ void layernorm_forward(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, c
   if (N == 0) return;
   with_float_type(y.dtype(), [&](auto t) {
     using T = decltype(t);
-    layernorm_forward_kernel<<<static_cast<unsigned>(N), row_threads(H), 0, l.stream()>>>(
+    layernorm_forward_kernel<<<rows_grid(l, N), row_threads(H), 0, l.stream()>>>(
         Launch::ptr<T>(y), Launch::ptr<float>(mean), Launch::ptr<float>(rstd), Launch::ptr<const float>(x),
         Launch::ptr<const float>(w), Launch::ptr<const float>(b), eps, H);
   });
@@ -212,7 +217,7 @@ void layernorm_backward(Tensor& dx, Tensor& dw, Tensor& db, const Tensor& dy, co
   with_float_type(dy.dtype(), [&](auto t) {
     using TD = decltype(t);
     auto* kernel = accumulate_dx ? layernorm_dx_kernel<true, TD> : layernorm_dx_kernel<false, TD>;
-    kernel<<<static_cast<unsigned>(N), row_threads(H), 0, l.stream()>>>(
+    kernel<<<rows_grid(l, N), row_threads(H), 0, l.stream()>>>(
         Launch::ptr<float>(dx), Launch::ptr<const TD>(dy), Launch::ptr<const float>(x), Launch::ptr<const float>(w),
         Launch::ptr<const float>(mean), Launch::ptr<const float>(rstd), H);
     l.launched("layernorm_dx_kernel");

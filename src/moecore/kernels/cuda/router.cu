@@ -636,11 +636,13 @@ void router_capacity(Tensor& probs, Tensor& map, Tensor& topk_kept, Tensor& drop
                                                         static_cast<int>(n), 0, static_cast<int>(sizeof(R) * 8),
                                                         l.stream()),
               "cub::DeviceRadixSort::SortPairsDescending");
+      l.enqueued("cub::DeviceRadixSort::SortPairsDescending");
       capacity_columns_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(col, pos_by_value, T, n);
       l.launched("capacity_columns_kernel");
       l.check(cub::DeviceRadixSort::SortPairs(tmp, tmp_bytes, col, col_sorted, pos_by_value, pos, static_cast<int>(n),
                                               0, col_bits, l.stream()),
               "cub::DeviceRadixSort::SortPairs");
+      l.enqueued("cub::DeviceRadixSort::SortPairs");
       capacity_keep_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(keep, pos, T, n, cap);
       l.launched("capacity_keep_kernel");
       capacity_apply_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(pp, mp, keep, sp, T, E, p.pad_to_capacity);

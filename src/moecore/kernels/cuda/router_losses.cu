@@ -214,6 +214,7 @@ void router_aux_scores(Tensor& aux_scores, Tensor& aux_map, Tensor& counts, cons
       l.launched("aux_scores_kernel");
     }
     if (!counts.defined()) return;
+    MOECORE_CHECK(E < 0x7fffffff, "router_aux_scores (cuda): E = ", E, " columns exceed the grid");
     aux_counts_kernel<<<static_cast<unsigned>(E + 1), kColumnThreads, 0, l.stream()>>>(
         Launch::ptr<int64_t>(counts), Launch::ptr<const R>(aux_map), pad, T, E);
     l.launched("aux_counts_kernel");
