@@ -561,13 +561,13 @@ int train_main(int argc, char** argv) {
         mcfg.summary().c_str(), static_cast<long long>(gpt.num_parameters()), tok->name().c_str(),
         static_cast<long long>(tok->vocab_size()), static_cast<long long>(mcfg.vocab_size), tcfg.peak_gflops,
         device_name(device), source.summary().c_str(), plan.format().c_str());
-  if (out && device == Device::cuda) {
+  if (out && device == Device::cuda) {  // the model and its optimizer state are allocated by now: against the total
     int64_t free_bytes = 0, total_bytes = 0;
     const std::string dev = device_description(&free_bytes, &total_bytes);
-    std::printf("  device memory: %s; the plan's %s is %.0f%% of the %s free\n", dev.c_str(),
+    std::printf("  device memory: %s; the plan's %s is %.0f%% of the device's %s\n", dev.c_str(),
                 memory_format_bytes(plan.total()).c_str(),
-                free_bytes ? 100.0 * static_cast<double>(plan.total()) / static_cast<double>(free_bytes) : 0.0,
-                memory_format_bytes(free_bytes).c_str());
+                total_bytes ? 100.0 * static_cast<double>(plan.total()) / static_cast<double>(total_bytes) : 0.0,
+                memory_format_bytes(total_bytes).c_str());
   }
   const int64_t B = tcfg.micro_batch_size, S = mcfg.seq_length;
   std::vector<float> mask(static_cast<size_t>(S));

@@ -32,20 +32,21 @@ grep -q "CUDA backend ON" $B/gpu-bundle-configure.log ||
   die "the CUDA backend is off in $B (see $B/gpu-bundle-configure.log): is nvcc at /usr/local/cuda/bin?"
 
 # The GPU test binaries are the targets whose gtest discovery carries the ctest label "gpu". ctest itself knows a
-# binary's tests and labels only once it is built, so the candidates are read from the discovery steps CMake wrote
-# into build.ninja, built, and then checked against ctest (the source of truth) below.
-mapfile -t candidates < <(python3 - $B/build.ninja <<'PY'
-import re, sys
+# binary's tests and labels only once it is built, so the candidates are read from what CMake wrote at configure time:
+# each discovery step in build.ninja names its target and test list (TEST_TARGET, TEST_LIST), and tests/CMakeLists.txt's
+# moecore_discover writes that list's labels into tests/<list>_properties.cmake. They are built, then checked against
+# ctest (the source of truth) below.
+mapfile -t candidates < <(python3 - $B <<'PY'
+import os, re, sys
+b = sys.argv[1]
 found = set()
-for m in re.finditer(r'TEST_TARGET=(\S+) .*?"TEST_PROPERTIES=([^"]*)"', open(sys.argv[1]).read()):
-    labels, in_labels = [], False
-    for item in m.group(2).split(";"):  # LABELS;a;b;ENVIRONMENT;X=1;...: a property name, then its values
-        if item == "LABELS" or re.fullmatch(r"[A-Z_]+", item):
-            in_labels = item == "LABELS"
-        elif in_labels:
-            labels.append(item)
-    if "gpu" in labels:
-        found.add(m.group(1))
+for target, lst in re.findall(r'TEST_TARGET=(\S+) .*?TEST_LIST=(\S+)_tests\b', open(os.path.join(b, "build.ninja")).read()):
+    props = os.path.join(b, "tests", lst + "_properties.cmake")
+    if not os.path.exists(props):
+        continue
+    m = re.search(r"LABELS \[==\[([^\]]*)\]==\]", open(props).read())
+    if m and "gpu" in m.group(1).split(";"):
+        found.add(target)
 sys.stdout.write("".join(t + "\n" for t in sorted(found)))
 PY
 )

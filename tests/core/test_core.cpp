@@ -328,6 +328,28 @@ TEST_P(DeviceRule, FillConvertAndStridedCopiesRunOnTheDeviceWithTheCpusBits) {
   EXPECT_EQ(bytes_of(dz), std::vector<uint8_t>(5, 0x7e));
 }
 
+// NaNs keep their sign and payload through every float dtype as x86 converts them (the device builds them bit by
+// bit, since CUDA's conversions return a canonical NaN), and floats saturate into ints (NaN gives 0) on every device.
+TEST_P(DeviceRule, NaNsAndOutOfRangeValuesConvertTheSameEverywhere) {
+  const Device dev = GetParam();
+  Tensor h = Tensor::empty({6}, DType::f32, MemCategory::other);
+  const uint32_t bits[6] = {0xffc00001u, 0x7f800001u, 0x7fc12345u, 0x80000000u, 0x60ad78ecu, 0xe0ad78ecu};
+  for (int i = 0; i < 6; ++i) h.data<float>()[i] = from_bits(bits[i]);  // -qNaN, sNaN, payload, -0, +-1e20
+  const Tensor d = h.to_device(dev);
+  const Tensor back = d.to(DType::f64).to(DType::f32).to_device(Device::cpu);
+  EXPECT_EQ(std::bit_cast<uint32_t>(back.data<float>()[0]), 0xffc00001u);
+  EXPECT_EQ(std::bit_cast<uint32_t>(back.data<float>()[1]), 0x7fc00001u);  // quieted, payload kept
+  EXPECT_EQ(std::bit_cast<uint32_t>(back.data<float>()[2]), 0x7fc12345u);
+  EXPECT_EQ(std::bit_cast<uint32_t>(back.data<float>()[3]), 0x80000000u);
+  for (DType t : {DType::f16, DType::bf16, DType::f64})
+    EXPECT_EQ(bytes_of(d.to(t)), bytes_of(h.to(t))) << dtype_name(t);
+  const Tensor i32 = d.to(DType::i32).to_device(Device::cpu), i64 = d.to(DType::i64).to_device(Device::cpu);
+  EXPECT_EQ(std::vector<int32_t>(i32.data<int32_t>(), i32.data<int32_t>() + 6),
+            (std::vector<int32_t>{0, 0, 0, 0, INT32_MAX, INT32_MIN}));
+  EXPECT_EQ(std::vector<int64_t>(i64.data<int64_t>(), i64.data<int64_t>() + 6),
+            (std::vector<int64_t>{0, 0, 0, 0, INT64_MAX, INT64_MIN}));
+}
+
 TEST_P(DeviceRule, BetweenDevicesOnlyContiguousOneDtypeTransfersPass) {
   const Device dev = GetParam();
   const Tensor h = Tensor::zeros({3, 4}, DType::f32, MemCategory::other);

@@ -1,11 +1,14 @@
 // Element conversions between every pair of dtypes as inline host/device functions: core's convert() (dtype.cpp)
 // and the CUDA backend's device copy (kernels/cuda/device_copy.cu) both run these, so a conversion gives the same
 // bits on every device. Floats go through double (narrowing rounds to nearest even; fp8 saturates, dtype.h), ints
-// and bools convert exactly between themselves. Only plain arithmetic and bit operations: no tensors, no std calls
-// that device code lacks.
+// and bools convert exactly between themselves, floats into ints saturate (NaN gives 0). NaNs never meet the
+// hardware's conversions or negation (x86 keeps a NaN's sign and payload, CUDA returns a canonical NaN): they are
+// built bit by bit, as x86 converts them. Only plain arithmetic and bit operations: no tensors, no std calls that
+// device code lacks.
 #pragma once
 #include <math.h>
 
+#include <climits>
 #include <cstdint>
 #include <cstring>
 
@@ -36,6 +39,40 @@ MOECORE_HD inline bool is_nan(float f) {
 }
 MOECORE_HD inline bool is_inf(float f) {
   return (bits_of(f) & 0x7fffffffu) == 0x7f800000u;
+}
+// v with its sign bit set when `negative` (v >= 0 or a positive NaN): a bit operation, exact on every device.
+MOECORE_HD inline float with_sign(float v, bool negative) {
+  return negative ? float_of(bits_of(v) | 0x80000000u) : v;
+}
+// float -> double and back; a NaN keeps its sign and payload and comes out quiet (x86's cvtss2sd / cvtsd2ss).
+MOECORE_HD inline double to_double(float f) {
+  if (!is_nan(f)) return static_cast<double>(f);
+  const uint32_t u = bits_of(f);
+  const uint64_t b =
+      (static_cast<uint64_t>(u >> 31) << 63) | 0x7ff8000000000000ull | (static_cast<uint64_t>(u & 0x3fffffu) << 29);
+  double d;
+  memcpy(&d, &b, sizeof d);
+  return d;
+}
+MOECORE_HD inline float to_float(double d) {
+  uint64_t b;
+  memcpy(&b, &d, sizeof b);
+  if ((b & 0x7fffffffffffffffull) <= 0x7ff0000000000000ull) return static_cast<float>(d);
+  return float_of((static_cast<uint32_t>(b >> 63) << 31) | 0x7fc00000u | static_cast<uint32_t>((b >> 29) & 0x3fffffu));
+}
+// Saturating float -> int (NaN gives 0): the same on every device (a plain cast of NaN or an out-of-range value is
+// undefined behaviour in C++ and differs between x86 and CUDA).
+MOECORE_HD inline int32_t to_i32(double d) {
+  if (d != d) return 0;
+  if (d >= 2147483647.0) return INT32_MAX;
+  if (d <= -2147483648.0) return INT32_MIN;
+  return static_cast<int32_t>(d);
+}
+MOECORE_HD inline int64_t to_i64(double d) {
+  if (d != d) return 0;
+  if (d >= 9223372036854775807.0) return INT64_MAX;  // 2^63
+  if (d <= -9223372036854775808.0) return INT64_MIN;
+  return static_cast<int64_t>(d);
 }
 
 // bf16: dtype.h's float_to_bf16 / bf16_to_float, bit for bit.
@@ -84,7 +121,7 @@ MOECORE_HD inline float f16_to_float(uint16_t h) {
     v = (mag & 0x3ff) ? float_of(0x7fc00000u) : float_of(0x7f800000u);
   else
     v = decode_magnitude<5, 10, 15>(mag);
-  return (h >> 15) ? -v : v;
+  return with_sign(v, h >> 15);
 }
 MOECORE_HD inline uint16_t float_to_f16(float f) {
   const uint16_t s = (bits_of(f) >> 31) ? 0x8000 : 0;
@@ -97,9 +134,9 @@ MOECORE_HD inline uint16_t float_to_f16(float f) {
 
 MOECORE_HD inline float f8e4m3_to_float(uint8_t v) {
   const uint32_t mag = v & 0x7fu;
-  if (mag == 0x7f) return float_of(0x7fc00000u);
+  if (mag == 0x7f) return float_of(0x7fc00000u);  // NaN (unsigned, as dtype.h has always decoded it)
   const float x = decode_magnitude<4, 3, 7>(mag);
-  return (v & 0x80) ? -x : x;
+  return with_sign(x, v & 0x80);
 }
 MOECORE_HD inline uint8_t float_to_f8e4m3(float f) {
   const uint8_t s = (bits_of(f) >> 31) ? 0x80 : 0;
@@ -116,10 +153,10 @@ MOECORE_HD inline float f8e5m2_to_float(uint8_t v) {
   if (mag == 0x7c)
     x = float_of(0x7f800000u);
   else if (mag > 0x7c)
-    return float_of(0x7fc00000u);
+    return float_of(0x7fc00000u);  // NaN (unsigned, as dtype.h has always decoded it)
   else
     x = decode_magnitude<5, 2, 15>(mag);
-  return (v & 0x80) ? -x : x;
+  return with_sign(x, v & 0x80);
 }
 MOECORE_HD inline uint8_t float_to_f8e5m2(float f) {
   const uint8_t s = (bits_of(f) >> 31) ? 0x80 : 0;
@@ -137,15 +174,15 @@ MOECORE_HD inline double load_as_double(const void* p, DType t, int64_t i) {
     case DType::f64:
       return static_cast<const double*>(p)[i];
     case DType::f32:
-      return static_cast<const float*>(p)[i];
+      return to_double(static_cast<const float*>(p)[i]);
     case DType::bf16:
-      return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+      return to_double(bf16_to_float(static_cast<const uint16_t*>(p)[i]));
     case DType::f16:
-      return f16_to_float(static_cast<const uint16_t*>(p)[i]);
+      return to_double(f16_to_float(static_cast<const uint16_t*>(p)[i]));
     case DType::f8e4m3:
-      return f8e4m3_to_float(static_cast<const uint8_t*>(p)[i]);
+      return to_double(f8e4m3_to_float(static_cast<const uint8_t*>(p)[i]));
     case DType::f8e5m2:
-      return f8e5m2_to_float(static_cast<const uint8_t*>(p)[i]);
+      return to_double(f8e5m2_to_float(static_cast<const uint8_t*>(p)[i]));
     case DType::i32:
       return static_cast<const int32_t*>(p)[i];
     case DType::i64:
@@ -158,7 +195,7 @@ MOECORE_HD inline double load_as_double(const void* p, DType t, int64_t i) {
 
 // Stores d into element i of p (dtype t); 16- and 8-bit floats round from float.
 MOECORE_HD inline void store_double(void* p, DType t, int64_t i, double d) {
-  const float v = static_cast<float>(d);
+  const float v = to_float(d);
   switch (t) {
     case DType::f64:
       static_cast<double*>(p)[i] = d;
@@ -179,10 +216,10 @@ MOECORE_HD inline void store_double(void* p, DType t, int64_t i, double d) {
       static_cast<uint8_t*>(p)[i] = float_to_f8e5m2(v);
       break;
     case DType::i32:
-      static_cast<int32_t*>(p)[i] = static_cast<int32_t>(d);
+      static_cast<int32_t*>(p)[i] = to_i32(d);
       break;
     case DType::i64:
-      static_cast<int64_t*>(p)[i] = static_cast<int64_t>(d);
+      static_cast<int64_t*>(p)[i] = to_i64(d);
       break;
     case DType::boolean:
       static_cast<bool*>(p)[i] = d != 0.0;

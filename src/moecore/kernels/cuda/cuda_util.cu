@@ -56,11 +56,17 @@ void* Launch::workspace(size_t bytes) const {
   if (w.bytes >= bytes) return w.data;
   if (w.data) {  // earlier kernels on this stream may still read the old buffer
     check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (workspace growth)");
-    check(cudaFree(w.data), "cudaFree (workspace growth)");
+    device_free(w.data);
     w = {};
   }
+  // From the device-memory pool (core/backend_hooks.h), which keeps what tensors freed: a cudaMalloc here could fail
+  // while the pool holds the memory.
   const size_t grown = std::max(bytes, size_t{1} << 20);
-  check(cudaMalloc(&w.data, grown), "cudaMalloc (workspace)");
+  w.data = device_alloc(static_cast<int64_t>(grown));
+  if (!w.data) {
+    const std::string what = "device_alloc (a workspace of " + std::to_string(grown) + " bytes)";
+    fail(what.c_str(), "out of memory", "the device has no room left for this op's workspace");
+  }
   w.bytes = grown;
   return w.data;
 }

@@ -160,6 +160,7 @@ void device_convert(const DeviceView& dst, const DeviceView& src) {
       if (e != cudaSuccess)
         MOECORE_FAIL("cuda: cudaMemcpyAsync (device to device, ", n, " elements) failed: ", cudaGetErrorName(e), ": ",
                      cudaGetErrorString(e));
+      launched("device_convert (cudaMemcpyAsync)", dst);
       return;
     }
     switch (dtype_size(dst.dtype)) {

@@ -63,10 +63,15 @@ void device_free(void* p) {
   if (!p) return;
   const cudaError_t e = cudaFreeAsync(p, nullptr);
   // A destructor cannot raise: a failed free means the context is already broken, and the next checked call says so.
-  if (e != cudaSuccess) std::fprintf(stderr, "moecore: cudaFreeAsync failed: %s\n", cudaGetErrorString(e));
+  // Said once per process (after a fault every later free fails too).
+  static std::atomic<bool> said{false};
+  if (e != cudaSuccess && !said.exchange(true))
+    std::fprintf(stderr, "moecore: cudaFreeAsync failed: %s (later failed frees are not reported)\n",
+                 cudaGetErrorString(e));
 }
 void device_memset(void* p, int value, int64_t bytes) {
   check(cudaMemsetAsync(p, value, static_cast<size_t>(bytes), nullptr), "cudaMemsetAsync", bytes);
+  if (device_sync_each_launch()) check(cudaDeviceSynchronize(), "cudaMemsetAsync (MOECORE_CUDA_SYNC=1)", bytes);
 }
 void device_copy(void* dst, bool dst_dev, const void* src, bool src_dev, int64_t bytes) {
   const cudaMemcpyKind kind = dst_dev ? (src_dev ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
