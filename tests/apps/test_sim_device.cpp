@@ -150,6 +150,18 @@ TEST_F(SimDevice, ExpertParallelAndTheDistributedOptimizerMatchTheCpu) {
                  "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
                  "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather");
   expect_row("ep_allgather", 2, kSwiglu + "--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather");
+  expect_row("capacity_retries", 2,
+             kSwiglu +
+                 "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
+                 "--moe-received-token-capacity 1.0");
+  int retried = 0;  // the row above exercises the retry: at 1.0 x the average some step overflows
+  for (const std::string& l : metric_lines(p("capacity_retries_cpu.jsonl"))) {
+    const size_t k = l.find("moe/capacity_retries=");
+    retried += k != std::string::npos && l[k + 21] != '0';
+  }
+#ifdef MOECORE_HAVE_MPI
+  EXPECT_GT(retried, 0);
+#endif
   expect_row("echo_capacity", 2,
              kSwiglu +
                  "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-enable-echo "
