@@ -16,6 +16,8 @@ Device device_from_flag(const Args& a, int world_size) {
         "nvcc); use --device cpu");
   if (const std::string why = device_unavailable_reason(); !why.empty())
     MOECORE_FAIL("--device cuda: no CUDA device is visible to this process: ", why, "; use --device cpu");
+  if (const std::string why = ops::cuda_libraries_unavailable_reason(); !why.empty())
+    MOECORE_FAIL("--device cuda: ", why, "; use --device cpu");
   if (world_size > 1)
     MOECORE_FAIL("--device cuda with ", world_size,
                  " processes: multi-process runs on the GPU need the NCCL backend, not built yet (MPI moves host "

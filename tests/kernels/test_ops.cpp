@@ -618,3 +618,21 @@ TEST(Errors, BadShapesNameTheOp) {
 
 }  // namespace
 }  // namespace moecore
+
+namespace moecore {
+namespace {
+// What --device cuda checks at start-up besides the device: the run-time libraries of the CUDA kernels (cuBLAS) load,
+// or the reason names the library and where it was looked for; a build without the CUDA kernels says so.
+TEST(Backends, CudaLibrariesLoadOrTheReasonNamesThem) {
+  const std::string why = ops::cuda_libraries_unavailable_reason();
+  if (!ops::cuda_kernels_built()) {
+    EXPECT_NE(why.find("no CUDA kernels"), std::string::npos) << why;
+    return;
+  }
+  if (!why.empty()) {
+    EXPECT_NE(why.find("libcublas.so."), std::string::npos) << why;
+    EXPECT_NE(why.find("LD_LIBRARY_PATH"), std::string::npos) << why;
+  }
+}
+}  // namespace
+}  // namespace moecore

@@ -11,6 +11,7 @@
 // change with the number of threads; they are deterministic for a fixed thread count).
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "moecore/core/rng.h"
@@ -21,6 +22,9 @@ namespace moecore::ops {
 // True when this build has the CUDA kernels (kernels/cuda/, built with -DMOECORE_CUDA=ON): every op then runs on a
 // cuda context as well.
 bool cuda_kernels_built();
+// Why the libraries the CUDA kernels load at run time (cuBLAS, dlopen'ed) are unusable, naming each and where it was
+// looked for; empty when they load. Without the CUDA kernels: says so.
+std::string cuda_libraries_unavailable_reason();
 
 // Execution context: where and how an op runs. Passed last to every op.
 struct Context {

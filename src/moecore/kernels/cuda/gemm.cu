@@ -12,6 +12,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <string>
 
@@ -36,13 +37,34 @@ struct Cublas {
 #define MOECORE_STR2(x) #x
 #define MOECORE_STR(x) MOECORE_STR2(x)
 
-Cublas open_cublas(const Launch& l) {
-  const std::string name = "libcublas.so." MOECORE_STR(CUBLAS_VER_MAJOR);
-  void* lib = ::dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-  std::string why = lib ? "" : ::dlerror();
+const char* const kCublasName = "libcublas.so." MOECORE_STR(CUBLAS_VER_MAJOR);
+
+// cuBLAS through the loader (LD_LIBRARY_PATH, then the ldconfig cache), then from the toolkit moecore was built with;
+// null with *why naming where it was looked for.
+void* open_cublas_library(std::string* why) {
+  void* lib = ::dlopen(kCublasName, RTLD_NOW | RTLD_LOCAL);
+  if (lib) return lib;
+  const char* first = ::dlerror();
+  const std::string loader_error = first ? first : "";
+  std::string where = "the loader path (LD_LIBRARY_PATH=";
+  const char* ld = std::getenv("LD_LIBRARY_PATH");
+  where += ld && *ld ? ld : "(unset)";
+  where += ", then the ldconfig cache)";
 #ifdef MOECORE_CUDA_LIBRARY_DIR
-  if (!lib) lib = ::dlopen((std::string(MOECORE_CUDA_LIBRARY_DIR) + "/" + name).c_str(), RTLD_NOW | RTLD_LOCAL);
+  lib = ::dlopen((std::string(MOECORE_CUDA_LIBRARY_DIR) + "/" + kCublasName).c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (lib) return lib;
+  where += " and " MOECORE_CUDA_LIBRARY_DIR " (the toolkit of the build)";
 #endif
+  *why = std::string(kCublasName) + " (cuBLAS) was not found on " + where + ": " + loader_error +
+         "; on a machine with PyTorch it is in <site-packages>/nvidia/cu13/lib or nvidia/cublas/lib: add that folder "
+         "to LD_LIBRARY_PATH";
+  return nullptr;
+}
+
+Cublas open_cublas(const Launch& l) {
+  std::string why;
+  void* lib = open_cublas_library(&why);
+  const std::string name = kCublasName;
   if (!lib) l.fail(("dlopen " + name).c_str(), "cuBLAS not found", why.c_str());
   const auto sym = [&](const char* symbol) {
     void* f = ::dlsym(lib, symbol);
@@ -272,6 +294,11 @@ __global__ void __launch_bounds__(kGemmThreads)
 }
 
 }  // namespace
+
+std::string cublas_unavailable_reason() {
+  std::string why;
+  return open_cublas_library(&why) ? std::string() : why;
+}
 
 void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
           const Context& ctx) {

@@ -17,11 +17,15 @@
 //     for more of a rank's tokens than it routes takes those there are (the CPU kernels raise).
 // Every op of ops.h and ops_router.h has a CUDA kernel here.
 #pragma once
+#include <string>
+
 #include "moecore/kernels/ops.h"
 #include "moecore/kernels/ops_router.h"
 
 namespace moecore::ops::cuda {
 
+// Why cuBLAS cannot be loaded (naming the library and where it was looked for); empty when it loads.
+std::string cublas_unavailable_reason();
 // GEMM (gemm.cu): cuBLAS for the dense ones, moecore's own tiled grouped GEMM for the grouped ones.
 void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
           const Context& ctx);
