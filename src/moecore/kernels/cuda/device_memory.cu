@@ -64,8 +64,9 @@ void device_free(void* p) {
   const cudaError_t e = cudaFreeAsync(p, nullptr);
   // A destructor cannot raise: a failed free means the context is already broken, and the next checked call says so.
   // Said once per process (after a fault every later free fails too).
+  // At exit, tensors that outlive the runtime (statics) find it unloaded: nothing to report then.
   static std::atomic<bool> said{false};
-  if (e != cudaSuccess && !said.exchange(true))
+  if (e != cudaSuccess && e != cudaErrorCudartUnloading && !said.exchange(true))
     std::fprintf(stderr, "moecore: cudaFreeAsync failed: %s (later failed frees are not reported)\n",
                  cudaGetErrorString(e));
 }
