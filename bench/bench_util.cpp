@@ -36,4 +36,16 @@ JsonLine& JsonLine::add(const char* k, int64_t v) {
   return *this;
 }
 
+JsonLine moe_line_head(const char* name, DType dtype, int64_t N, int64_t H, int64_t F, int64_t E, int64_t K) {
+  JsonLine line;
+  line.add("name", name)
+      .add("dtype", std::string(dtype_name(dtype)))
+      .add("N", N)
+      .add("H", H)
+      .add("F", F)
+      .add("E", E)
+      .add("K", K);
+  return line;
+}
+
 }  // namespace moecore::bench

@@ -32,4 +32,8 @@ class JsonLine {
   std::string body_ = "{";
 };
 
+// The head of a MoE bench line (experts, moe-layer; host and device lines alike): name, dtype and the sizes N (tokens),
+// H, F, E, K.
+JsonLine moe_line_head(const char* name, DType dtype, int64_t N, int64_t H, int64_t F, int64_t E, int64_t K);
+
 }  // namespace moecore::bench

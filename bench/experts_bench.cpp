@@ -108,14 +108,7 @@ std::vector<std::string> bench_experts_lines(int64_t N, int64_t H, int64_t F, in
   const double peak = gemm_peak_gflops(dtype);
   const double gflops = flops / step / 1e9;
   const auto [mn, mx] = std::minmax_element(s.tpe_host.begin(), s.tpe_host.end());
-  return {JsonLine()
-              .add("name", "experts")
-              .add("dtype", std::string(dtype_name(dtype)))
-              .add("N", N)
-              .add("H", H)
-              .add("F", F)
-              .add("E", E)
-              .add("K", K)
+  return {moe_line_head("experts", dtype, N, H, F, E, K)
               .add("rows", R)
               .add("rows_min", *mn)
               .add("rows_max", *mx)
@@ -137,15 +130,8 @@ std::vector<std::string> bench_experts_device_lines(int64_t N, int64_t H, int64_
       {[&] { moe::experts_forward(s.y, s.x, s.probs, s.tpe, s.w, s.cache, s.ws, s.d, ctx); },
        [&] { moe::experts_backward(s.dx, s.dprobs, s.g, s.dy, s.x, s.probs, s.tpe, s.w, s.cache, s.ws, s.d, ctx); }});
   const auto [mn, mx] = std::minmax_element(s.tpe_host.begin(), s.tpe_host.end());
-  JsonLine line;
-  line.add("name", "experts")
-      .add("dtype", std::string(dtype_name(dtype)))
-      .add("N", N)
-      .add("H", H)
-      .add("F", F)
-      .add("E", E)
-      .add("K", K)
-      .add("rows", R)
+  JsonLine line = moe_line_head("experts", dtype, N, H, F, E, K);
+  line.add("rows", R)
       .add("rows_min", *mn)
       .add("rows_max", *mx)
       .add("fwd_ms", t.stage_ms[0])

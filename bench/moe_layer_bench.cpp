@@ -90,14 +90,7 @@ std::vector<std::string> bench_moe_layer(int64_t N, int64_t H, int64_t F, int64_
   std::vector<std::string> out;
   for (int pass = 0; pass < 2; ++pass) {
     const double g = pass ? g_both : g_fwd;
-    out.push_back(JsonLine()
-                      .add("name", pass ? "moe_layer_fwd_bwd" : "moe_layer_fwd")
-                      .add("dtype", std::string(dtype_name(dtype)))
-                      .add("N", N)
-                      .add("H", H)
-                      .add("F", F)
-                      .add("E", E)
-                      .add("K", K)
+    out.push_back(moe_line_head(pass ? "moe_layer_fwd_bwd" : "moe_layer_fwd", dtype, N, H, F, E, K)
                       .add("gflops", g)
                       .add("peak_gflops", peak)
                       .add("ratio", g / peak)
@@ -121,17 +114,8 @@ std::vector<std::string> bench_moe_layer_device(int64_t N, int64_t H, int64_t F,
   const double bwd_bytes = b(s.dy) + b(s.x) + weights + b(s.dx) + 2 * grads + static_cast<double>(s.cache_bytes);
   std::vector<std::string> out;
   for (int pass = 0; pass < 2; ++pass) {
-    JsonLine line;
-    line.add("name", pass ? "moe_layer_fwd_bwd" : "moe_layer_fwd")
-        .add("dtype", std::string(dtype_name(dtype)))
-        .add("N", N)
-        .add("H", H)
-        .add("F", F)
-        .add("E", E)
-        .add("K", K)
-        .add("fwd_ms", t.stage_ms[0])
-        .add("bwd_ms", t.stage_ms[1])
-        .add("layer_buffer_bytes", s.cache_bytes);
+    JsonLine line = moe_line_head(pass ? "moe_layer_fwd_bwd" : "moe_layer_fwd", dtype, N, H, F, E, K);
+    line.add("fwd_ms", t.stage_ms[0]).add("bwd_ms", t.stage_ms[1]).add("layer_buffer_bytes", s.cache_bytes);
     add_device_speed(line, run, peaks, pass ? t.total_ms : t.stage_ms[0], (pass ? 3 : 1) * s.forward_flops(),
                      pass ? fwd_bytes + bwd_bytes : fwd_bytes);
     out.push_back(line.str());

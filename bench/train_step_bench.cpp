@@ -46,6 +46,19 @@ struct TrainStepSetup {
   }
 };
 
+// The head of a train_step line (host and device): the model's sizes and its FLOPs per step.
+JsonLine train_step_line_head(const model::ModelConfig& cfg, int64_t micro_batch, double flops) {
+  JsonLine line;
+  line.add("name", "train_step")
+      .add("dtype", std::string(dtype_name(cfg.compute_dtype)))
+      .add("layers", cfg.num_layers)
+      .add("hidden", cfg.hidden_size)
+      .add("seq", cfg.seq_length)
+      .add("micro_batch", micro_batch)
+      .add("model_gflop_per_step", flops / 1e9);
+  return line;
+}
+
 }  // namespace
 
 std::vector<std::string> bench_train_step(const model::ModelConfig& cfg, int64_t micro_batch, int steps) {
@@ -71,15 +84,8 @@ std::vector<std::string> bench_train_step(const model::ModelConfig& cfg, int64_t
   const double achieved = flops / best / 1e9;
   const int64_t hwm = memory_resident_peak_bytes();
   const MemoryStats ms = memory_stats();
-  JsonLine line;
-  line.add("name", "train_step")
-      .add("dtype", std::string(dtype_name(cfg.compute_dtype)))
-      .add("layers", cfg.num_layers)
-      .add("hidden", cfg.hidden_size)
-      .add("seq", cfg.seq_length)
-      .add("micro_batch", micro_batch)
-      .add("model_gflop_per_step", flops / 1e9)
-      .add("step_seconds_best", best)
+  JsonLine line = train_step_line_head(cfg, micro_batch, flops);
+  line.add("step_seconds_best", best)
       .add("step_seconds_mean", total / std::max(steps, 1))
       .add("tokens_per_s", static_cast<double>(N) / best)
       .add("gflops", achieved)
@@ -103,15 +109,8 @@ std::vector<std::string> bench_train_step_device(const model::ModelConfig& cfg, 
   double loss = 0;
   const StageTimes t = device_time_stages(run, {[&] { loss = s.step(); }});
   const double flops = s.gpt.flops_per_step();
-  JsonLine line;
-  line.add("name", "train_step")
-      .add("dtype", std::string(dtype_name(cfg.compute_dtype)))
-      .add("layers", cfg.num_layers)
-      .add("hidden", cfg.hidden_size)
-      .add("seq", cfg.seq_length)
-      .add("micro_batch", micro_batch)
-      .add("model_gflop_per_step", flops / 1e9)
-      .add("tokens_per_s", static_cast<double>(s.N) / (t.total_ms * 1e-3))
+  JsonLine line = train_step_line_head(cfg, micro_batch, flops);
+  line.add("tokens_per_s", static_cast<double>(s.N) / (t.total_ms * 1e-3))
       .add("loss", loss)
       .add("plan_bytes", s.plan.total())
       .add("tracked_peak_bytes", memory_stats().total_peak);
