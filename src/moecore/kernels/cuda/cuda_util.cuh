@@ -10,6 +10,7 @@
 #include <initializer_list>
 #include <utility>
 
+#include "moecore/core/dtype_convert.h"
 #include "moecore/kernels/cuda/ops_cuda.h"
 
 namespace moecore::ops::cuda {
@@ -112,20 +113,14 @@ __device__ __forceinline__ float ld(float v) {
   return v;
 }
 __device__ __forceinline__ float ld(bf16 v) {
-  return __uint_as_float(static_cast<uint32_t>(v.bits) << 16);
+  return dtype_convert::bf16_to_float(v.bits);
 }
 __device__ __forceinline__ void st(float& dst, float v) {
   dst = v;
 }
-// float_to_bf16 of core/dtype.h bit for bit: round to nearest even, NaN quieted with its payload's top bits.
+// core/dtype_convert.h's float_to_bf16 (the host's, bit for bit): round to nearest even, NaN quieted.
 __device__ __forceinline__ void st(bf16& dst, float v) {
-  uint32_t u = __float_as_uint(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    dst.bits = static_cast<uint16_t>((u >> 16) | 0x40);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  dst.bits = static_cast<uint16_t>(u >> 16);
+  dst.bits = dtype_convert::float_to_bf16(v);
 }
 
 // Calls fn(T{}) with T = float or bf16 for a dtype already checked to be one of them.
