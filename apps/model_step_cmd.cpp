@@ -7,6 +7,7 @@
 #include "apps/commands.h"
 #include "apps/device_flag.h"
 #include "apps/hf_config.h"
+#include "moecore/io/file_util.h"
 #include "moecore/io/hf_checkpoint.h"
 #include "moecore/io/safetensors.h"
 #include "moecore/model/gpt.h"
@@ -46,6 +47,9 @@ int model_step_main(int argc, char** argv) {
   const model::HfWeightMap map = hf_config_weight_map(config, cfg);
   const model::HfFamily family = map.family;
   const io::HfCheckpointReader hf(a.str("--hf"));
+  std::vector<io::FlagPath> inputs = {{"--tokens", a.str("--tokens")}, {"--hf", hf_config_path(a.str("--hf"))}};
+  for (const std::string& f : hf.files()) inputs.push_back({"--hf", f});
+  io::check_output_file({"--out", a.str("--out")}, inputs);
   model::hf_check_tensors(map, hf);
   model::GptModel gpt(cfg, B, /*seed=*/0, {}, device);
   model::hf_import(map, hf, gpt);

@@ -365,13 +365,21 @@ void check_writable_dir(const char* flag, const std::string& dir) {
   if (!ok) MOECORE_FAIL(flag, " ", dir, ": cannot write there: ", std::strerror(err));
 }
 
-void check_output_paths(const train::TrainConfig& t) {
+// The outputs before the first step: the directories writable, --metrics-jsonl (appended to) none of the files the
+// run reads (datasets, tokenizer files, the HF config). --save and --tensorboard-dir add new files only.
+void check_output_paths(const Args& a, const train::TrainConfig& t) {
   if (!t.save.empty()) check_writable_dir("--save", t.save);
   if (!t.tensorboard_dir.empty()) check_writable_dir("--tensorboard-dir", t.tensorboard_dir);
-  if (!t.metrics_jsonl.empty()) {
-    const std::filesystem::path parent = std::filesystem::path(t.metrics_jsonl).parent_path();
-    check_writable_dir("--metrics-jsonl", parent.empty() ? "." : parent.string());
-  }
+  if (t.metrics_jsonl.empty()) return;
+  const std::filesystem::path parent = std::filesystem::path(t.metrics_jsonl).parent_path();
+  check_writable_dir("--metrics-jsonl", parent.empty() ? "." : parent.string());
+  std::vector<io::FlagPath> inputs;
+  for (const std::string& prefix : a.list("--data-path"))  // (weights too: no file has a number's name)
+    for (const char* ext : {".bin", ".idx"}) inputs.push_back({"--data-path", prefix + ext});
+  for (const char* flag : {"--vocab-file", "--merge-file", "--tokenizer-model"})
+    inputs.push_back({flag, a.str(flag)});
+  if (!a.str("--hf-config").empty()) inputs.push_back({"--hf-config", hf_config_path(a.str("--hf-config"))});
+  io::check_output_file({"--metrics-jsonl", t.metrics_jsonl}, inputs);
 }
 
 // The closing lines of a run: what was trained, how long it took, where the validation loss went, and where
@@ -486,7 +494,7 @@ int train_main(int argc, char** argv) {
         tcfg.micro_batches() / sizes.dp, pp_size, 0,  // Megatron's conditions, checked now
         static_cast<int64_t>(stage_layers.size()) / pp_size,
         tcfg.microbatch_group_size_per_vp_stage > 0 ? tcfg.microbatch_group_size_per_vp_stage : pp_size);
-  check_output_paths(tcfg);
+  check_output_paths(a, tcfg);
 
   data::GptDataSourceConfig dcfg;
   dcfg.data_path = data_path;

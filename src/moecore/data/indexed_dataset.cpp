@@ -199,9 +199,22 @@ std::string indexed_idx_serialize(TokenDType dtype, std::span<const int32_t> seq
 // ---------------------------------------------------------------------------------------------------
 // Writer
 
+namespace {
+// A dataset is a pair of files written together: each is a new or replaced regular file (io::output_target),
+// never written into a device or FIFO.
+std::string replaceable_output(const std::string& path) {
+  const io::OutputTarget t = io::output_target(path);
+  if (t.kind != io::OutputKind::replace)
+    MOECORE_FAIL("indexed_dataset: output '", path, "' is a device or FIFO; a dataset is a .bin/.idx file pair; ",
+                 "hint: give a new --output-prefix");
+  return t.path;
+}
+}  // namespace
+
 IndexedDatasetBuilder::IndexedDatasetBuilder(std::string bin_path, TokenDType dtype)
     : bin_path_(std::move(bin_path)), dtype_(dtype) {
   if (!token_dtype_valid(static_cast<uint8_t>(dtype))) MOECORE_FAIL("indexed_dataset: bad dtype ", int(dtype));
+  bin_path_ = replaceable_output(bin_path_);
   tmp_path_ = bin_path_ + ".tmp." + std::to_string(::getpid());
   fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) {
@@ -333,8 +346,9 @@ void IndexedDatasetBuilder::add_index(const std::string& prefix) {
   write_bytes(reinterpret_cast<const char*>(other.bin_), static_cast<size_t>(bytes));
 }
 
-void IndexedDatasetBuilder::finalize(const std::string& idx_path) {
+void IndexedDatasetBuilder::finalize(const std::string& idx_request) {
   MOECORE_CHECK(!finalized_, "indexed_dataset: builder for '", bin_path_, "' already finalized");
+  const std::string idx_path = replaceable_output(idx_request);
   flush();
   if (::fsync(fd_) != 0) MOECORE_FAIL("indexed_dataset: cannot fsync '", tmp_path_, "': ", std::strerror(errno));
   if (::close(fd_) != 0) MOECORE_FAIL("indexed_dataset: cannot close '", tmp_path_, "': ", std::strerror(errno));

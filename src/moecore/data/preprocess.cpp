@@ -18,6 +18,7 @@
 
 #include "moecore/core/error.h"
 #include "moecore/data/indexed_dataset.h"
+#include "moecore/io/file_util.h"
 #include "moecore/io/json.h"
 
 namespace moecore::data {
@@ -224,6 +225,12 @@ PreprocessStats preprocess_run(const PreprocessOptions& o, std::FILE* progress_f
   std::vector<std::unique_ptr<IndexedDatasetBuilder>> builders;
   for (const auto& key : o.json_keys) {
     const std::string prefix = o.output_prefix + "_" + key + "_document";
+    const std::vector<io::FlagPath> inputs = {{"--input", o.input},
+                                              {"--vocab-file", o.tokenizer.vocab_file},
+                                              {"--merge-file", o.tokenizer.merge_file},
+                                              {"--tokenizer-model", o.tokenizer.tokenizer_model}};
+    for (const std::string& out : {indexed_bin_path(prefix), indexed_idx_path(prefix)})
+      io::check_output_file({"--output-prefix", out}, inputs);
     stats.output_prefixes.push_back(prefix);
     builders.push_back(std::make_unique<IndexedDatasetBuilder>(indexed_bin_path(prefix), dtype));
   }

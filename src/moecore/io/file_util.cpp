@@ -1,6 +1,7 @@
 #include "moecore/io/file_util.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -78,7 +79,83 @@ int write_all(int fd, std::string_view bytes, std::string_view name, uint64_t& f
   return 0;
 }
 
-void write_file_atomic(const std::string& path, std::string_view bytes) {
+OutputTarget output_target(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return {OutputKind::replace, path};
+    io_fail("cannot inspect output", path);
+  }
+  std::string target = path;
+  if (S_ISLNK(st.st_mode)) {
+    char* resolved = ::realpath(path.c_str(), nullptr);
+    if (!resolved)
+      MOECORE_FAIL("io: output '", path, "' is a symbolic link to nothing that can be written (",
+                   std::strerror(errno), "); hint: remove the link or give the file it should name");
+    target = resolved;
+    std::free(resolved);
+    if (::stat(target.c_str(), &st) != 0) io_fail("cannot inspect output", target);
+  }
+  const std::string shown = target == path ? "'" + path + "'" : "'" + path + "' (-> '" + target + "')";
+  auto refuse = [&](const std::string& what) -> OutputTarget {
+    MOECORE_FAIL("io: output ", shown, " is ", what, "; moecore writes files, and replaces only regular files ",
+                 "of its own user; hint: give a new file name");
+  };
+  if (S_ISREG(st.st_mode)) {
+    if (st.st_uid != ::geteuid())
+      return refuse("a file of user id " + std::to_string(st.st_uid) + ", not of this user (" +
+                    std::to_string(::geteuid()) + ")");
+    return {OutputKind::replace, target};
+  }
+  if (S_ISCHR(st.st_mode) || S_ISFIFO(st.st_mode)) return {OutputKind::write_into, target};
+  if (S_ISDIR(st.st_mode)) return refuse("a directory");
+  if (S_ISBLK(st.st_mode)) return refuse("a block device");
+  if (S_ISSOCK(st.st_mode)) return refuse("a socket");
+  return refuse("not a regular file");
+}
+
+void check_output_file(const FlagPath& out, const std::vector<FlagPath>& inputs) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (out.path.empty()) return;
+  try {
+    output_target(out.path);
+  } catch (const Error& e) {
+    throw Error(out.flag + ": " + e.what());
+  }
+  if (!fs::exists(out.path, ec)) return;  // nothing there: nothing an input could lose
+  for (const FlagPath& in : inputs) {
+    if (in.path.empty() || !fs::exists(in.path, ec)) continue;
+    if (fs::equivalent(out.path, in.path, ec) && !ec)
+      MOECORE_FAIL(out.flag, " ", out.path, " would overwrite the input ", in.flag, " ", in.path,
+                   "; hint: write the output somewhere else");
+  }
+}
+
+namespace {
+// Writes into a character device or FIFO (no temporary file, no rename: the device stays what it is).
+void write_into(const std::string& path, std::string_view bytes) {
+  // O_NONBLOCK: opening a FIFO for writing blocks until a reader comes; ENXIO says none is there.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0 && errno == ENXIO)
+    MOECORE_FAIL("io: output '", path, "' is a FIFO that no process is reading; hint: start its reader first");
+  if (fd < 0) io_fail("cannot open", path);
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  uint64_t at = 0;
+  if (write_all(fd, bytes, std::filesystem::path(path).filename().string(), at) != 0) {
+    const int e = errno;
+    ::close(fd);
+    errno = e;
+    io_fail("cannot write byte " + std::to_string(at) + " of " + std::to_string(bytes.size()) + " to", path);
+  }
+  ::close(fd);
+}
+}  // namespace
+
+void write_file_atomic(const std::string& requested, std::string_view bytes) {
+  const OutputTarget target = output_target(requested);
+  if (target.kind == OutputKind::write_into) return write_into(target.path, bytes);
+  const std::string& path = target.path;
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) io_fail("cannot create", tmp);

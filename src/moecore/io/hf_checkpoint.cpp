@@ -185,6 +185,13 @@ HfCheckpointReader::HfCheckpointReader(const std::string& dir, const std::string
   for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
 }
 
+std::vector<std::string> HfCheckpointReader::files() const {
+  std::vector<std::string> out;
+  if (sharded_) out.push_back((fs::path(dir_) / "model.safetensors.index.json").string());
+  for (const auto& [name, fd] : shard_fds_) out.push_back((fs::path(dir_) / name).string());
+  return out;
+}
+
 HfCheckpointReader::~HfCheckpointReader() {
   for (const auto& [f, fd] : shard_fds_) ::close(fd);
 }
@@ -376,6 +383,9 @@ HfCheckpointWriter::HfCheckpointWriter(std::string out_dir, uint64_t max_shard_b
   MOECORE_CHECK(!out_dir_.empty() && max_shard_bytes_ > 0, "out_dir '", out_dir_, "', max_shard_bytes ",
                 max_shard_bytes_);
   std::error_code ec;
+  if (fs::is_symlink(out_dir_, ec))
+    MOECORE_FAIL("hf checkpoint: output '", out_dir_, "' is a symbolic link; the directory is written by renaming a ",
+                 "staging directory into place, which would replace the link; hint: give the directory itself");
   if (fs::exists(out_dir_, ec) && !(fs::is_directory(out_dir_, ec) && fs::is_empty(out_dir_, ec)))
     MOECORE_FAIL("hf checkpoint: output '", out_dir_,
                  "' already exists and is not an empty directory; hint: choose a new directory or remove it");

