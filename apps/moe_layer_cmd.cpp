@@ -18,8 +18,7 @@ int moe_layer_main(int argc, char** argv) {
   if (!a.parse(argc, argv)) return 0;
   for (const char* f : {"--config", "--inputs", "--out"})
     if (a.str(f).empty()) MOECORE_FAIL("moe-layer: ", f, " is required (see moecore moe-layer --help)");
-  io::check_output_file({"--out", a.str("--out")},
-                             {{"--config", a.str("--config")}, {"--inputs", a.str("--inputs")}});
+  io::check_output_file({"--out", a.str("--out")}, {{"--config", a.str("--config")}, {"--inputs", a.str("--inputs")}});
   const model::MoeLayerCase c = model::moe_layer_case_parse(io::read_file(a.str("--config")));
   const io::SafetensorsFile in = io::safetensors_load(a.str("--inputs"));
   const auto out = model::moe_layer_case_run(c, in.tensors);

@@ -85,6 +85,9 @@ void add_training_flags(Args& a) {
       .option("--save-interval", "", "steps between checkpoints (unset: only at the end)")
       .option("--exit-interval", "", "stop (after saving) at multiples of this iteration")
       .option("--keep-last-checkpoints", "0", "keep only the newest N checkpoints (0: all; moecore)")
+      .flag("--allow-other-models-in-save",
+            "save into a --save directory that holds checkpoints of another model (refused otherwise); "
+            "--keep-last-checkpoints still removes only this model's (moecore)")
       .flag("--no-load-optim", "load weights and progress, not the optimizer state")
       .flag("--no-load-rng", "do not restore the random state (router noise positions)")
       .flag("--no-save-optim", "checkpoints without the optimizer state")
@@ -245,6 +248,7 @@ train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   t.save_interval = a.i64_or("--save-interval", 0);
   t.exit_interval = a.i64_or("--exit-interval", 0);
   t.keep_last = static_cast<int>(a.i64("--keep-last-checkpoints"));
+  t.allow_other_models_in_save = a.on("--allow-other-models-in-save");
   t.exit_signal_handler = a.on("--exit-signal-handler");
   t.load_optim = !a.on("--no-load-optim");
   t.load_rng = !a.on("--no-load-rng");
@@ -376,8 +380,7 @@ void check_output_paths(const Args& a, const train::TrainConfig& t) {
   std::vector<io::FlagPath> inputs;
   for (const std::string& prefix : a.list("--data-path"))  // (weights too: no file has a number's name)
     for (const char* ext : {".bin", ".idx"}) inputs.push_back({"--data-path", prefix + ext});
-  for (const char* flag : {"--vocab-file", "--merge-file", "--tokenizer-model"})
-    inputs.push_back({flag, a.str(flag)});
+  for (const char* flag : {"--vocab-file", "--merge-file", "--tokenizer-model"}) inputs.push_back({flag, a.str(flag)});
   if (!a.str("--hf-config").empty()) inputs.push_back({"--hf-config", hf_config_path(a.str("--hf-config"))});
   io::check_output_file({"--metrics-jsonl", t.metrics_jsonl}, inputs);
 }

@@ -73,8 +73,8 @@ TEST_F(NothingLost, AnOutputThatIsAnInputIsRefused) {
   EXPECT_NE(r.output.find("would overwrite the input --hf"), std::string::npos) << r.output;
   EXPECT_EQ(file_text(p("hf/model.safetensors")), weights);
   // moe-layer's --out over its --inputs
-  r = run_moecore("moe-layer --config " + p("hf/config.json") + " --inputs " + p("hf/tokens.safetensors") +
-                  " --out " + p("hf/tokens.safetensors"));
+  r = run_moecore("moe-layer --config " + p("hf/config.json") + " --inputs " + p("hf/tokens.safetensors") + " --out " +
+                  p("hf/tokens.safetensors"));
   EXPECT_NE(r.output.find("would overwrite the input --inputs"), std::string::npos) << r.output;
   // preprocess writing the dataset over its own input
   std::ofstream(p("c_text_document.bin")) << "some text\n";
@@ -157,6 +157,102 @@ TEST_F(NothingLost, OutputsNeverReplaceWhatIsNotTheirs) {
   EXPECT_NE(r.output.find("is a symbolic link"), std::string::npos) << r.output;
   EXPECT_TRUE(fs::is_symlink(p("empty_link")));
 }
+
+// ---- 2. Retention -------------------------------------------------------------------------------------------
+
+// A --save directory that holds another model's checkpoint is refused before the first step; allowed explicitly,
+// retention still removes only this model's checkpoints and no save replaces the other model's.
+TEST_F(NothingLost, RetentionNeverDeletesAnotherModelsCheckpoint) {
+  byte_corpus();
+  CmdResult r = run_moecore(train_args() + "--save " + p("ckpt"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  ASSERT_TRUE(fs::exists(p("ckpt/iter_0000002/COMMIT")));
+  const std::string other_model =
+      "--hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 --train-iters 4 --save-interval 1 ";
+  r = run_moecore(train_args() + other_model + "--save " + p("ckpt") + " --keep-last-checkpoints 1");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("--save " + p("ckpt") + " holds " + p("ckpt") +
+                          "/iter_0000002, a checkpoint of another "
+                          "model (saved with hidden_size = 16 but the model has hidden_size = 32)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find(" iteration "), std::string::npos) << "trained before refusing: " << r.output;
+  EXPECT_TRUE(fs::exists(p("ckpt/iter_0000002/COMMIT")));
+  // Allowed: the other model's iteration 2 is neither replaced (the save of that iteration fails) nor removed.
+  r = run_moecore(train_args() + other_model + "--save " + p("ckpt") +
+                  " --keep-last-checkpoints 1 --allow-other-models-in-save");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("iter_0000002 is a checkpoint of another model; this save would replace it"),
+            std::string::npos)
+      << r.output;
+  EXPECT_TRUE(fs::exists(p("ckpt/iter_0000002/COMMIT")));
+  EXPECT_TRUE(fs::exists(p("ckpt/iter_0000001/COMMIT")));  // the new model's first save, kept (its newest)
+  // Saves that do not collide: both models' checkpoints stay; retention thinned only the new model's.
+  fs::remove_all(p("ckpt/iter_0000001"));
+  r = run_moecore(train_args() + "--hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 --train-iters 5 " +
+                  "--save-interval 5 --save " + p("ckpt") + " --keep-last-checkpoints 1 --allow-other-models-in-save");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(fs::exists(p("ckpt/iter_0000002/COMMIT")));
+  EXPECT_TRUE(fs::exists(p("ckpt/iter_0000005/COMMIT")));
+}
+
+// ---- 3. A resume that drops parameters ---------------------------------------------------------------------
+
+// Tensors of the checkpoint that the resumed model has no parameter for are an error naming them, not a smaller
+// model saved with exit 0.
+TEST_F(NothingLost, AResumeThatWouldDropTensorsIsAnError) {
+  byte_corpus();
+  const std::string base = train_args() + "--position-embedding-type learned_absolute ";
+  CmdResult r = run_moecore(base + "--save " + p("ckpt"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string resume =
+      "--load " + p("ckpt") + " --save " + p("ckpt") + " --train-iters 3 --override-opt_param-scheduler ";
+  r = run_moecore(train_args() + resume + "--position-embedding-type rope");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("holds 3 tensors that this model has no parameter for"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("model.safetensors: embedding.position_embeddings.weight"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("optimizer.safetensors: exp_avg.embedding.position_embeddings.weight"), std::string::npos)
+      << r.output;
+  r = run_moecore(base + resume + "--disable-bias-linear");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("decoder.layers.0.self_attention.linear_qkv.bias"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("ckpt/iter_0000003"))) << r.output;
+  // The same flags resume.
+  r = run_moecore(base + resume);
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(fs::exists(p("ckpt/iter_0000003/COMMIT")));
+}
+
+// ---- 4. Ranks agree on the iteration -------------------------------------------------------------------------
+
+#ifdef MOECORE_HAVE_MPI
+// One node's view of --load has a stale tracker (here: rank 1 sees an older copy of the directory, bind-mounted over
+// it in its own mount namespace): every rank fails before loading, naming each rank's iteration, instead of the ranks
+// training different states until MPI_ERR_TRUNCATE or a hang.
+TEST_F(NothingLost, RanksThatDisagreeOnTheResumeIterationFailNamingEach) {
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
+  if (run_shell("unshare -m sh -c 'mount --bind / /mnt'").status != 0)
+    GTEST_SKIP() << "no private mount namespaces here (unshare -m, mount --bind): one node's stale view of --load "
+                    "cannot be made on one machine";
+  byte_corpus();
+  CmdResult r = run_moecore(train_args() + "--save-interval 1 --save " + p("ckpt"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  fs::copy(p("ckpt"), p("stale"), fs::copy_options::recursive);
+  std::ofstream(p("stale/latest_checkpointed_iteration.txt")) << "1";
+  const std::string run = std::string(MOECORE_BINARY) + " " + train_args() + "--train-iters 4 --load " + p("ckpt");
+  const std::string script = "if [ $OMPI_COMM_WORLD_RANK = 1 ]; then exec unshare -m sh -c \"mount --bind " +
+                             p("stale") + " " + p("ckpt") + " && exec " + run + "\"; else exec " + run + "; fi";
+  r = run_shell("MOECORE_COMM_TIMEOUT_S=120 timeout 300 env " + testing::mpirun_command(2) + "sh -c '" + script + "'");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("the ranks do not agree on the checkpoint to resume from under --load " + p("ckpt")),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("rank 0 (host "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("): iteration 2 (" + p("ckpt") + "/iter_0000002)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("): iteration 1 (" + p("ckpt") + "/iter_0000001)"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("loaded checkpoint"), std::string::npos) << r.output;
+}
+#endif
 
 }  // namespace
 }  // namespace moecore

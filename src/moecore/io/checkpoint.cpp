@@ -293,6 +293,16 @@ std::pair<std::string, Manifest> stage_and_publish(const std::string& root, cons
     // A crash between the two renames leaves no iter dir for this iteration, which discovery tolerates.
     const std::string aside = final_dir + ".old-" + pid;
     const bool replacing = fs::exists(final_dir, ec);
+    if (replacing && req.same_model && fs::exists(fs::path(final_dir) / kCheckpointCommitFile, ec)) {
+      std::string state;
+      try {
+        state = read_file((fs::path(final_dir) / kCheckpointStateFile).string());
+      } catch (const Error&) {
+      }
+      if (!req.same_model(state))
+        MOECORE_FAIL("checkpoint: ", final_dir, " is a checkpoint of another model; this save would replace it; ",
+                     "hint: save this model into its own --save directory");
+    }
     if (replacing) {
       fs::remove_all(aside, ec);
       if (std::rename(final_dir.c_str(), aside.c_str()) != 0) sys_fail("cannot move aside", final_dir);
@@ -312,11 +322,23 @@ std::pair<std::string, Manifest> stage_and_publish(const std::string& root, cons
   return {final_dir, m};
 }
 
-void apply_retention(const std::string& root, int64_t just_written, int keep_last) {
+void apply_retention(const std::string& root, int64_t just_written, int keep_last,
+                     const std::function<bool(const std::string&)>& same_model) {
   if (keep_last <= 0) return;
-  std::vector<int64_t> others;
-  for (int64_t it : checkpoint_list_committed(root))
-    if (it != just_written) others.push_back(it);
+  std::vector<int64_t> others;  // the same model's, ascending
+  for (int64_t it : checkpoint_list_committed(root)) {
+    if (it == just_written) continue;
+    if (same_model) {
+      std::string state;
+      try {
+        state = read_file((fs::path(checkpoint_iteration_dir(root, it)) / kCheckpointStateFile).string());
+      } catch (const Error&) {
+        continue;  // unreadable: not known to be ours, so kept
+      }
+      if (!same_model(state)) continue;
+    }
+    others.push_back(it);
+  }
   const size_t keep_others = static_cast<size_t>(keep_last - 1);
   if (others.size() <= keep_others) return;
   for (size_t i = 0; i < others.size() - keep_others; ++i)
@@ -351,7 +373,8 @@ void remove_unfinished(const std::string& root, int64_t just_written) {
 
 // Steps 3-5 of the protocol, once the files of `manifest` are in `dir`. A failed COMMIT write removes the
 // uncommitted directory: it could never be loaded, and the tracker still names the previous iteration.
-void commit_and_retain(const std::string& root, const std::string& dir, const Manifest& manifest, int keep_last) {
+void commit_and_retain(const std::string& root, const std::string& dir, const Manifest& manifest, int keep_last,
+                       const std::function<bool(const std::string&)>& same_model) {
   try {
     write_file_atomic((fs::path(dir) / kCheckpointCommitFile).string(), manifest_json(manifest));
   } catch (const Error&) {
@@ -360,7 +383,7 @@ void commit_and_retain(const std::string& root, const std::string& dir, const Ma
     throw;
   }
   write_file_atomic((fs::path(root) / kCheckpointTrackerFile).string(), std::to_string(manifest.iteration));
-  apply_retention(root, manifest.iteration, keep_last);
+  apply_retention(root, manifest.iteration, keep_last, same_model);
   remove_unfinished(root, manifest.iteration);
 }
 
@@ -395,6 +418,11 @@ std::string recovery_hint(const std::string& root, std::optional<int64_t> failed
 
 std::string checkpoint_iteration_dir(const std::string& root, int64_t iteration) {
   return (fs::path(root) / iter_name(iteration)).string();
+}
+
+int64_t checkpoint_iteration_of(const std::string& dir) {
+  if (const std::optional<int64_t> named = split_iteration_dir(dir).second) return *named;
+  return read_manifest(dir, std::nullopt).iteration;
 }
 
 std::optional<int64_t> checkpoint_read_tracker(const std::string& root) {
@@ -447,7 +475,7 @@ void checkpoint_staging_commit(const std::string& root, const CheckpointWriteReq
   if (keep_last < 0) MOECORE_FAIL("checkpoint: keep_last (", keep_last, ") must be >= 0 (0 keeps all)");
   if (token.empty()) MOECORE_FAIL("checkpoint: checkpoint_staging_commit needs the token of checkpoint_staging_begin");
   const auto [dir, manifest] = stage_and_publish(root, request, token, written_by_others);
-  commit_and_retain(root, dir, manifest, keep_last);
+  commit_and_retain(root, dir, manifest, keep_last, request.same_model);
 }
 
 std::string checkpoint_write_uncommitted(const std::string& root, const CheckpointWriteRequest& request) {
@@ -457,7 +485,7 @@ std::string checkpoint_write_uncommitted(const std::string& root, const Checkpoi
 void checkpoint_save(const std::string& root, const CheckpointWriteRequest& request, int keep_last) {
   if (keep_last < 0) MOECORE_FAIL("checkpoint: keep_last (", keep_last, ") must be >= 0 (0 keeps all)");
   const auto [dir, manifest] = stage_and_publish(root, request);
-  commit_and_retain(root, dir, manifest, keep_last);
+  commit_and_retain(root, dir, manifest, keep_last, request.same_model);
 }
 
 std::optional<std::string> checkpoint_find_latest(const std::string& root, std::optional<int64_t> step) {

@@ -5,6 +5,7 @@
 // Not here: resharding (the trainer's business) and async saves.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -58,6 +59,10 @@ struct CheckpointWriteRequest {
   // "model-rank00003.safetensors"
   std::map<std::string, std::map<std::string, Tensor>> files;
   std::string state_json = "{}";  // free-form JSON text, stored as state.json
+  // Retention removes an older committed checkpoint, and a save replaces a committed one of its own iteration, only
+  // when this says it is the same model's (given its state.json text; a state.json that cannot be read is not).
+  // Unset: every checkpoint is.
+  std::function<bool(const std::string& state_json)> same_model;
 };
 
 struct LoadedCheckpoint {
@@ -72,9 +77,10 @@ inline constexpr const char* kCheckpointCommitFile = "COMMIT";
 inline constexpr const char* kCheckpointStateFile = "state.json";
 inline constexpr int kCheckpointFormatVersion = 1;
 
-// Saves, commits, updates the tracker, then keeps the `keep_last` committed iterations with the largest
-// numbers (0 = keep all) and removes unfinished saves (step 5 above). Never deletes the iteration just
-// written, nor a directory with a COMMIT file (a damaged one is left for inspection).
+// Saves, commits, updates the tracker, then keeps the `keep_last` committed iterations of the same model
+// (request.same_model) with the largest numbers (0 = keep all) and removes unfinished saves (step 5 above). Never
+// deletes the iteration just written, another model's checkpoint, nor a directory with a damaged COMMIT file (left
+// for inspection).
 // File names must be plain names (no '/'), not "COMMIT" or "state.json". Throws Error on bad input or I/O.
 void checkpoint_save(const std::string& root, const CheckpointWriteRequest& request, int keep_last);
 
@@ -128,6 +134,9 @@ VerifiedCheckpoint checkpoint_verify(const std::string& dir);
 // Helpers for trainers and tools.
 std::string checkpoint_iteration_dir(const std::string& root, int64_t iteration);  // <root>/iter_%07d
 std::optional<int64_t> checkpoint_read_tracker(const std::string& root);           // nullopt if absent/unparsable
+// The iteration of a checkpoint directory (as checkpoint_find_latest returns): from its name iter_N, else from its
+// COMMIT. Throws Error naming the directory when neither tells.
+int64_t checkpoint_iteration_of(const std::string& dir);
 // Iterations under root whose COMMIT is valid, ascending. Quiet (no warnings); reads no data files.
 std::vector<int64_t> checkpoint_list_committed(const std::string& root);
 // One sentence for an error about the damaged checkpoint `dir` (<root>/iter_N): the other committed

@@ -89,8 +89,8 @@ OutputTarget output_target(const std::string& path) {
   if (S_ISLNK(st.st_mode)) {
     char* resolved = ::realpath(path.c_str(), nullptr);
     if (!resolved)
-      MOECORE_FAIL("io: output '", path, "' is a symbolic link to nothing that can be written (",
-                   std::strerror(errno), "); hint: remove the link or give the file it should name");
+      MOECORE_FAIL("io: output '", path, "' is a symbolic link to nothing that can be written (", std::strerror(errno),
+                   "); hint: remove the link or give the file it should name");
     target = resolved;
     std::free(resolved);
     if (::stat(target.c_str(), &st) != 0) io_fail("cannot inspect output", target);

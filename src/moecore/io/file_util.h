@@ -32,8 +32,8 @@ struct FlagPath {
   std::string flag, path;
 };
 // An output file checked at start-up, before any work: output_target accepts it (Error naming the flag otherwise),
-// and it is none of the command's input files (through links and hard links too: Error naming both flags). A directory given as an input stands
-// for the files read from it: callers list those (e.g. HfCheckpointReader::files()).
+// and it is none of the command's input files (through links and hard links too: Error naming both flags). A directory
+// given as an input stands for the files read from it: callers list those (e.g. HfCheckpointReader::files()).
 void check_output_file(const FlagPath& out, const std::vector<FlagPath>& inputs);
 
 // Writes `bytes` to `path` as output_target says: replace atomically (temporary file, fsync, rename, fsync of the

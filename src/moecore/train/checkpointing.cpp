@@ -11,10 +11,13 @@
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "moecore/io/checkpoint.h"
+#include "moecore/io/file_util.h"
 #include "moecore/io/json.h"
 #include "moecore/model/layer_pattern.h"
+#include "moecore/model/param_specs.h"
 #include "moecore/parallel/shards.h"
 
 namespace moecore::train {
@@ -350,7 +353,8 @@ TrainStateJson train_state_parse(std::string_view state_json, const std::string&
   return t;
 }
 
-void check_checkpoint_model(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir) {
+std::string checkpoint_model_difference(const std::string& state_json, const model::ModelConfig& cfg,
+                                        const std::string& dir) {
   const json state = parse_state(state_json, dir);
   const json& saved = state["model"];
   const json want = model_fingerprint(cfg);
@@ -366,9 +370,33 @@ void check_checkpoint_model(const std::string& state_json, const model::ModelCon
       }
     }
     if (!saved.contains(k) || saved[k] != v)
-      MOECORE_FAIL("checkpoint: ", dir, " was saved with ", k, " = ",
-                   saved.contains(k) ? saved[k].dump().substr(0, 200) : std::string("(absent)"), " but the model has ",
-                   k, " = ", v.dump());
+      return k + " = " + (saved.contains(k) ? saved[k].dump().substr(0, 200) : std::string("(absent)")) +
+             " but the model has " + k + " = " + v.dump();
+  }
+  return "";
+}
+
+void check_checkpoint_model(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir) {
+  const std::string diff = checkpoint_model_difference(state_json, cfg, dir);
+  if (!diff.empty()) MOECORE_FAIL("checkpoint: ", dir, " was saved with ", diff);
+}
+
+void check_save_directory(const std::string& root, const model::ModelConfig& cfg) {
+  for (int64_t it : io::checkpoint_list_committed(root)) {
+    const std::string dir = io::checkpoint_iteration_dir(root, it);
+    std::string why;
+    try {
+      const std::string diff =
+          checkpoint_model_difference(io::read_file(dir + "/" + io::kCheckpointStateFile), cfg, dir);
+      if (!diff.empty()) why = "a checkpoint of another model (saved with " + diff + ")";
+    } catch (const Error& e) {
+      why = std::string("a checkpoint whose state.json cannot be read (") + e.what() + ")";
+    }
+    if (!why.empty())
+      MOECORE_FAIL("--save ", root, " holds ", dir, ", ", why,
+                   ": saving into it would mix two models' checkpoints under one tracker; hint: give a new --save ",
+                   "directory, or pass --allow-other-models-in-save to save beside it (--keep-last-checkpoints then ",
+                   "removes only this model's checkpoints)");
   }
 }
 
@@ -383,6 +411,13 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
   const int64_t EP = gpt.ep_size();
   io::CheckpointWriteRequest req;
   req.iteration = progress.iteration;
+  req.same_model = [&cfg = gpt.config()](const std::string& state) {
+    try {
+      return checkpoint_model_difference(state, cfg, "").empty();
+    } catch (const Error&) {
+      return false;  // not a training state this version reads: not known to be this model's
+    }
+  };
   auto& model = req.files[kModelFile];
   std::map<std::string, Tensor>* optim = options.save_optim ? &req.files[kOptimizerFile] : nullptr;
   std::map<std::string, Tensor> shard;
@@ -505,6 +540,41 @@ void load_expert_rows(Tensor& dst, const io::LoadedCheckpoint& ck, const std::st
 }
 }  // namespace
 
+namespace {
+// Tensors of the checkpoint that no parameter of the model (every pipeline stage's: the files hold the whole model)
+// takes: a model built with flags that drop them (--disable-bias-linear, --position-embedding-type rope, no expert
+// bias, ...) would otherwise load the rest and save a smaller checkpoint without a word. Missing tensors are found by
+// the loads themselves (need, load_expert_rows). Throws Error naming them.
+void check_no_unexpected_tensors(const io::LoadedCheckpoint& ck, const model::ModelConfig& cfg, bool optimizer) {
+  std::set<std::string> expected;
+  for (const model::ParamSpec& p : model::parameter_specs(cfg)) {
+    expected.insert(p.name);
+    if (!optimizer) continue;
+    expected.insert("exp_avg." + p.name);
+    expected.insert("exp_avg_sq." + p.name);
+  }
+  const std::vector<model::LayerSpec> layers = model::layer_specs(cfg);
+  for (size_t l = 0; l < layers.size(); ++l)
+    if (layers[l].mlp == model::MlpKind::moe && cfg.moe.enable_expert_bias)
+      expected.insert(checkpoint_expert_bias_name(static_cast<int64_t>(l)));
+  std::vector<std::string> unexpected;
+  for (const auto& [file, f] : ck.files) {
+    if (file == kOptimizerFile && !optimizer) continue;  // not read
+    for (const auto& [name, t] : f.tensors)
+      if (!expected.count(name)) unexpected.push_back(file + ": " + name);
+  }
+  if (unexpected.empty()) return;
+  std::string list;
+  for (size_t i = 0; i < unexpected.size() && i < 12; ++i) list += "\n  " + unexpected[i];
+  if (unexpected.size() > 12) list += "\n  ... and " + std::to_string(unexpected.size() - 12) + " more";
+  MOECORE_FAIL("checkpoint: ", ck.dir, " holds ", unexpected.size(), " tensor", unexpected.size() == 1 ? "" : "s",
+               " that this model has no parameter for:", list,
+               "\nThe model was built with flags that leave them out (e.g. --disable-bias-linear, ",
+               "--position-embedding-type, --moe-router-enable-expert-bias); loading the rest would drop them without ",
+               "a word. Use the flags the checkpoint was saved with");
+}
+}  // namespace
+
 LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, OptimizerState& opt,
                                         uint64_t seed, const CheckpointLoadOptions& options) {
   // Megatron: --finetune implies neither the optimizer nor the rng state, whatever the other switches say.
@@ -596,6 +666,7 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
   };
   try {
     tensors(false);
+    check_no_unexpected_tensors(ck, gpt.config(), load_optim);
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
   }

@@ -124,6 +124,14 @@ std::string weights_only_state_json(const model::ModelConfig& cfg, int64_t ep, c
 // Throws Error naming the directory and the field when state.json is not a training state or its model
 // fingerprint (layers, sizes, experts, ...) differs from cfg's.
 void check_checkpoint_model(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir);
+// "" when state.json's model fingerprint is cfg's; else the first difference ("hidden_size = 64 but the model has
+// hidden_size = 32"). Throws Error (naming dir) when state.json is not a training state.
+std::string checkpoint_model_difference(const std::string& state_json, const model::ModelConfig& cfg,
+                                        const std::string& dir);
+// A --save root holding a committed checkpoint of another model (or one whose state.json cannot be read) is an
+// Error naming it and the difference: saving there would mix the two (retention spares other models' checkpoints,
+// but one tracker names the newest of either). Checked before the first step unless the user allows it.
+void check_save_directory(const std::string& root, const model::ModelConfig& cfg);
 
 // state.json of a training checkpoint, every field type- and range-checked (a hostile or damaged file is an
 // Error naming <dir>/state.json and the field, never a crash or a silently wrong value).

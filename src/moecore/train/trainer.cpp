@@ -1,11 +1,14 @@
 #include "moecore/train/trainer.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "moecore/core/rng.h"
@@ -359,13 +362,61 @@ struct RunStart {
   TrainProgress progress;
   int64_t schedule_start = 0;  // the iteration at which the LR schedule's step 0 falls
 };
-RunStart resume(TrainConfig& cfg, Optimizer& opt, std::FILE* log) {
+// Every rank resumes from the same iteration. Megatron reduces the tracker's iteration over the ranks; here a
+// disagreement (a stale tracker or a missing directory on one node's view of --load) is an Error on every rank,
+// before any rank loads, naming each rank's host and what it found. Collective over every rank of the run (the stage,
+// then the pipeline). `found`: this rank's iteration, -1 for none; `error` (when not empty): why it found nothing.
+void agree_on_resume_iteration(const TrainConfig& cfg, int64_t found, const std::string& error, const TrainGroups& g) {
+  const ProcessGroup& stage = g.tp.size() > 1 || g.cp.size() > 1 ? g.tp_dp : g.dp;
+  if (stage.size() * g.pp.size() == 1) {
+    if (!error.empty()) throw Error(error);
+    return;
+  }
+  constexpr int kHostWords = 8, kFields = 2 + kHostWords;  // {world rank, iteration (-2: failed), host name}
+  std::vector<int64_t> mine(kFields, 0);
+  mine[0] = comm_initialized() ? comm_world().rank() : 0;
+  mine[1] = error.empty() ? found : -2;
+  char host[kHostWords * 8] = {};
+  ::gethostname(host, sizeof host - 1);
+  std::memcpy(mine.data() + 2, host, sizeof host);
+  std::vector<int64_t> in_stage(static_cast<size_t>(kFields * stage.size()));
+  all_gather(std::span<int64_t>(in_stage), std::span<const int64_t>(mine), stage);
+  std::vector<int64_t> all(in_stage.size() * static_cast<size_t>(g.pp.size()));
+  all_gather(std::span<int64_t>(all), std::span<const int64_t>(in_stage), g.pp);
+  bool agree = true;
+  for (size_t r = 0; r < all.size(); r += kFields) agree = agree && all[r + 1] == all[1] && all[r + 1] != -2;
+  if (agree) return;
+  std::string ranks;
+  for (size_t r = 0; r < all.size(); r += kFields) {
+    char name[kHostWords * 8 + 1] = {};
+    std::memcpy(name, all.data() + r + 2, kHostWords * 8);
+    const int64_t it = all[r + 1];
+    ranks += "\n  rank " + std::to_string(all[r]) + " (host " + name + "): " +
+             (it >= 0    ? "iteration " + std::to_string(it) + " (" + io::checkpoint_iteration_dir(cfg.load, it) + ")"
+              : it == -1 ? std::string("no checkpoint")
+                         : std::string("could not read its checkpoint") + (all[r] == mine[0] ? ": " + error : ""));
+  }
+  MOECORE_FAIL("the ranks do not agree on the checkpoint to resume from under --load ", cfg.load, ":", ranks,
+               "\nhint: every rank must see the same --load directory (a stale copy of ", io::kCheckpointTrackerFile,
+               " on one node?); fix it, or pick one iteration for all with --ckpt-step N");
+}
+
+RunStart resume(TrainConfig& cfg, Optimizer& opt, const TrainGroups& groups, std::FILE* log) {
   RunStart start;
   if (cfg.load.empty()) return start;
   // As in Megatron, an empty --load directory starts from scratch, so one command serves the first launch
   // and every restart; a directory holding a damaged newest checkpoint is an Error (checkpoint_find_latest).
-  const auto dir =
-      io::checkpoint_find_latest(cfg.load, cfg.ckpt_step >= 0 ? std::optional<int64_t>(cfg.ckpt_step) : std::nullopt);
+  std::optional<std::string> dir;
+  int64_t iteration = -1;
+  std::string error;
+  try {
+    dir =
+        io::checkpoint_find_latest(cfg.load, cfg.ckpt_step >= 0 ? std::optional<int64_t>(cfg.ckpt_step) : std::nullopt);
+    if (dir) iteration = io::checkpoint_iteration_of(*dir);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  agree_on_resume_iteration(cfg, iteration, error, groups);
   if (!dir) {
     if (log) std::fprintf(log, " no committed checkpoint under --load %s: training from scratch\n", cfg.load.c_str());
     return start;
@@ -608,7 +659,8 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
   } hook_guard{gpt};
   if (opt->gathers_params_later()) gpt.set_params_needed([&](size_t a, size_t b) { opt->params_needed(a, b); });
   TrainStep step(gpt, *opt, cfg, groups, batches);
-  RunStart start = resume(cfg, *opt, log);
+  if (!cfg.save.empty() && !cfg.allow_other_models_in_save) check_save_directory(cfg.save, gpt.config());
+  RunStart start = resume(cfg, *opt, groups, log);
   TrainProgress& progress = start.progress;
   std::unique_ptr<ExitSignalGuard> signals;
   if (cfg.exit_signal_handler) signals = std::make_unique<ExitSignalGuard>();

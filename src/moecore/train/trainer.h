@@ -39,8 +39,9 @@ struct TrainConfig {
   int64_t ckpt_step = -1;                          // --ckpt-step: with --load, this iteration instead of the newest
                                                    // (-1: the newest; a damaged newest is an Error, never skipped)
   int64_t save_interval = 0;                       // --save-interval: steps between checkpoints (0: only at the end)
-  int64_t exit_interval = 0;   // --exit-interval: stop (after saving) when the iteration is a multiple
-  int keep_last = 0;           // --keep-last-checkpoints: newest N kept (0: all)
+  int64_t exit_interval = 0;                // --exit-interval: stop (after saving) when the iteration is a multiple
+  int keep_last = 0;                        // --keep-last-checkpoints: newest N kept (0: all)
+  bool allow_other_models_in_save = false;  // --allow-other-models-in-save (checkpointing.h check_save_directory)
   std::string hf_config_json;  // --hf-config's config.json text, saved in checkpoints for `moecore convert --to-hf`
   // Megatron's partial saves and loads (checkpointing.h says what each part holds).
   bool save_optim = true;  // false: --no-save-optim (checkpoints without moments, step count, LR scheduler)
