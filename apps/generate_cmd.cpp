@@ -48,8 +48,13 @@ int generate_main(int argc, char** argv) {
   const uint64_t seed = static_cast<uint64_t>(a.i64("--seed"));
   train::load_training_checkpoint(*dir, gpt, opt, seed);
   const std::string prompt = a.str("--prompt");
-  const auto ids = train::generate(gpt, tok->encode(prompt), a.i64("--max-new-tokens"),
-                                   static_cast<float>(a.f64("--temperature")), seed, tok->eod(), tok->vocab_size());
+  std::vector<int32_t> ids;
+  try {
+    ids = train::generate(gpt, tok->encode(prompt), a.i64("--max-new-tokens"),
+                          static_cast<float>(a.f64("--temperature")), seed, tok->eod(), tok->vocab_size());
+  } catch (const Error& e) {
+    throw Error(std::string(e.what()) + " (checkpoint " + *dir + ")");
+  }
   std::printf("%s%s\n", prompt.c_str(), tok->decode(ids).c_str());
   return 0;
 }

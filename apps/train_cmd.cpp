@@ -99,7 +99,9 @@ void add_training_flags(Args& a) {
       .flag("--use-checkpoint-opt-param-scheduler", "the same as --use-checkpoint-opt_param-scheduler")
       .flag("--exit-signal-handler", "on SIGTERM/SIGINT save a checkpoint and stop (without it the signal kills)")
       .flag("--no-check-for-nan-in-loss-and-grad", "do not check loss and gradients for NaN/Inf")
-      .option("--nan-action", "stop", "on NaN/Inf: stop (error naming the tensor) | skip (drop the step; moecore)")
+      .option("--nan-action", "stop",
+              "on NaN/Inf: stop (error naming the tensor) | skip (drop the step; 10 skipped in a row stop the run "
+              "with an error; moecore)")
       .option("--tensor-model-parallel-size", "1",
               "TP: ranks each attention and dense layer is split over (Megatron's column/row-parallel linears)")
       .flag("--sequence-parallel", "with TP > 1: norms, dropout and the residual stream split along the sequence")
@@ -392,10 +394,11 @@ void print_summary(std::FILE* out, const train::TrainLog& log, const train::Trai
   const auto steps = static_cast<int64_t>(log.train_loss.size());
   const double tokens = static_cast<double>(steps * t.global_batch_size * seq_length);
   std::fprintf(out,
-               "\n---- summary ----\ntrained %lld steps (iterations %lld -> %lld%s): %.0f tokens in %.0f s "
+               "\n---- summary ----\ntrained %lld steps (iterations %lld -> %lld%s%s): %.0f tokens in %.0f s "
                "(%.0f tokens/s)\n",
-               static_cast<long long>(steps), static_cast<long long>(log.first_iteration),
+               static_cast<long long>(steps - log.skipped_steps), static_cast<long long>(log.first_iteration),
                static_cast<long long>(log.first_iteration + steps),
+               log.skipped_steps > 0 ? (", " + std::to_string(log.skipped_steps) + " skipped: non-finite").c_str() : "",
                log.stopped_by_signal ? ", stopped by a signal" : "", tokens, seconds,
                seconds > 0 ? tokens / seconds : 0.0);
   if (!log.train_loss.empty())

@@ -254,5 +254,38 @@ TEST_F(NothingLost, RanksThatDisagreeOnTheResumeIterationFailNamingEach) {
 }
 #endif
 
+// ---- 8. Non-finite models ---------------------------------------------------------------------------------
+
+// --nan-action skip logs each skipped step as skipped (no grad norm of 0.0 for a step that never happened) and
+// stops after kMaxConsecutiveSkippedSteps (10) in a row instead of "training" a NaN model to the end; generate refuses
+// a checkpoint whose logits are not finite, naming it, instead of sampling text from NaN.
+TEST_F(NothingLost, NonFiniteModelsAreRefusedNotUsed) {
+  byte_corpus();
+  const std::string diverge = "--lr 1e38 --clip-grad 0 ";  // the first update overflows the weights to inf
+  CmdResult r = run_moecore(train_args() + diverge + "--train-iters 40 --nan-action skip --save " + p("skip"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("training: 10 consecutive steps skipped under --nan-action skip (iterations 2 to 11; the "
+                          "last: non-finite value in lm loss)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find(" iteration 11: non-finite value in lm loss, step skipped"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("grad norm - (step skipped)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("skipped iterations 1"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("grad norm 0.000"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("iteration     12/"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("skip/iter_0000040"))) << r.output;
+  // A checkpoint of NaN weights (saved without the NaN check) gives no text.
+  r = run_moecore(train_args() + diverge + "--train-iters 3 --no-check-for-nan-in-loss-and-grad --save " + p("nan"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_moecore("generate --load " + p("nan") +
+                  " --tokenizer-type ByteLevel --num-layers 1 --hidden-size 16 --num-attention-heads 2 "
+                  "--seq-length 16 --max-new-tokens 5");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("generate: the model's logits are not finite (NaN or Inf) at generated token 1"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("(checkpoint " + p("nan") + "/iter_0000003)"), std::string::npos) << r.output;
+}
+
 }  // namespace
 }  // namespace moecore

@@ -490,6 +490,7 @@ class RunLog {
     loss_acc_ += r.skipped ? 0.0 : r.loss;
     for (size_t k = 0; k < mtp_acc_.size() && !r.skipped; ++k) mtp_acc_[k] += r.mtp_loss[k];
     logged_steps_ += r.skipped ? 0 : 1;
+    skipped_ += r.skipped ? 1 : 0;
     retries_ += r.retried ? 1 : 0;
     grad_reduce_blocked_ += grad_reduce_blocked;
     pipeline_wait_ += pipeline_wait;
@@ -580,6 +581,11 @@ class RunLog {
         std::snprintf(b, sizeof b, " | capacity retries %lld", static_cast<long long>(retries_));
         comm += b;
       }
+      if (skipped_ > 0) {  // Megatron's "number of skipped iterations"
+        char b[48];
+        std::snprintf(b, sizeof b, " | skipped iterations %lld", static_cast<long long>(skipped_));
+        comm += b;
+      }
       if (const std::optional<EchoSummary> e = echo_summary(echo)) {
         char b[96];
         std::snprintf(b, sizeof b, " | echo max/mean %.2f -> %.2f, %lld clones", e->before, e->after,
@@ -596,20 +602,24 @@ class RunLog {
         std::snprintf(b, sizeof b, " | MFU %.1f%%", 100.0 * tflops * 1e3 / (peak_gflops_ * world_size_));
         mfu = b;
       }
+      char grad[48] = "grad norm - (step skipped)";  // a skipped step has no update, so no norm to show
+      if (!r.skipped) std::snprintf(grad, sizeof grad, "grad norm %.3f", r.stats.grad_norm);
       std::fprintf(log_,
-                   " iteration %6lld/%6lld | consumed tokens %10lld | lr %.3e | lm loss %.4f%s%s | grad norm %.3f | "
+                   " iteration %6lld/%6lld | consumed tokens %10lld | lr %.3e | lm loss %.4f%s%s | %s | "
                    "%.0f tokens/s | %.3f TFLOP/s%s%s | ETA %s %s\n",
                    static_cast<long long>(it + 1), static_cast<long long>(cfg_.train_iters),
                    static_cast<long long>(consumed_samples * m.seq_length), lr, mean_loss, mtp_text.c_str(),
-                   format_moe_losses(m.moe, r.moe_losses).c_str(), r.stats.grad_norm, tokens_per_s, tflops, mfu.c_str(),
+                   format_moe_losses(m.moe, r.moe_losses).c_str(), grad, tokens_per_s, tflops, mfu.c_str(),
                    comm.c_str(), format_duration(eta).c_str(), progress_bar(it + 1, cfg_.train_iters).c_str());
       if (cfg_.moe_per_layer_logging) log_moe_layers(gpt_, echo, log_);
       std::fflush(log_);
     }
-    emit_metrics(sinks_, gpt_, it + 1, mean_loss, lr, r.stats.grad_norm, tokens_per_s, tflops, r.moe_losses,
-                 cfg_.moe_per_layer_logging, comm_share, exposed_share, grad_reduce_share, pipeline_wait_share,
-                 mtp_mean, gpt_.moe_static_capacity() ? static_cast<double>(retries_) : -1.0, echo);
+    emit_metrics(sinks_, gpt_, it + 1, mean_loss, lr, r.skipped ? NAN : r.stats.grad_norm, tokens_per_s, tflops,
+                 r.moe_losses, cfg_.moe_per_layer_logging, comm_share, exposed_share, grad_reduce_share,
+                 pipeline_wait_share, mtp_mean, gpt_.moe_static_capacity() ? static_cast<double>(retries_) : -1.0,
+                 echo);
     retries_ = 0;
+    skipped_ = 0;
     loss_acc_ = 0;
     logged_steps_ = 0;
   }
@@ -629,6 +639,7 @@ class RunLog {
   std::vector<double> mtp_acc_;  // MTP losses over the interval
   int64_t logged_steps_ = 0;
   int64_t retries_ = 0;  // steps of the interval run again (received-token capacity)
+  int64_t skipped_ = 0;  // steps of the interval skipped (--nan-action skip)
 };
 
 // Whether a stop signal arrived on any rank (every rank stops at the same step, or the others would wait in a
@@ -667,6 +678,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
   RunLog run_log(gpt, cfg, groups, progress.iteration, log);
   TrainLog out;
   out.first_iteration = progress.iteration;
+  int64_t consecutive_skips = 0;
   for (int64_t it = progress.iteration; it < cfg.train_iters; ++it) {
     comm_set_phase("iteration " + std::to_string(it + 1));  // named by timeouts, aborts and fatal signals
     const float lr = lr_at(cfg, it - start.schedule_start);
@@ -681,6 +693,13 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     out.moe_losses.push_back(r.moe_losses);
     if (observer) observer(it, r.loss, r.skipped);
     run_log.step(it, r, lr, progress.consumed_samples, step.take_grad_reduce_blocked(), step.take_pipeline_wait());
+    consecutive_skips = r.skipped ? consecutive_skips + 1 : 0;
+    if (consecutive_skips == kMaxConsecutiveSkippedSteps)  // every rank decided alike (TrainStep::check_and_update)
+      MOECORE_FAIL("training: ", consecutive_skips, " consecutive steps skipped under --nan-action skip (iterations ",
+                   it + 2 - consecutive_skips, " to ", it + 1, "; the last: non-finite value in ", r.nonfinite,
+                   "): the run does not recover by skipping, so it stops here (no checkpoint of these steps is ",
+                   "written); hint: lower --lr or clip gradients (--clip-grad), check the data, or resume from the ",
+                   "last checkpoint");
     const bool last = it + 1 == cfg.train_iters;
     if (cfg.has_validation && (last || (cfg.eval_interval > 0 && (it + 1) % cfg.eval_interval == 0))) {
       const auto t_eval = std::chrono::steady_clock::now();
@@ -725,10 +744,14 @@ std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& 
   std::vector<int32_t> ctx = prompt, out;
   const PhiloxKey key = philox_key(seed, "generate");
   std::vector<std::pair<float, int32_t>> cand(static_cast<size_t>(V));
-  // Token t from position n - 1's logits: top-40 at the temperature; -1 for the stop token.
+  // Token t from position n - 1's logits: top-40 at the temperature; -1 for the stop token, -2 when a logit is not
+  // finite (a model with NaN or Inf weights gives no text, not random text).
   const auto sample = [&](int64_t t, int64_t n) -> int64_t {
     logits.slice(0, n - 1, n).copy_to_host(row.data(), Vm);
-    for (int64_t v = 0; v < V; ++v) cand[v] = {row[v], static_cast<int32_t>(v)};
+    for (int64_t v = 0; v < V; ++v) {
+      if (!std::isfinite(row[v])) return -2;
+      cand[v] = {row[v], static_cast<int32_t>(v)};
+    }
     const int64_t k = std::min<int64_t>(40, V);
     std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), std::greater<>());
     double z = 0;
@@ -754,6 +777,9 @@ std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& 
     gpt.forward_logits(logits, tokens);
     int64_t next = pp.rank() == pp.size() - 1 ? sample(t, n) : 0;
     if (pp.size() > 1) broadcast(std::span<int64_t>(&next, 1), pp.size() - 1, pp);
+    if (next == -2)
+      MOECORE_FAIL("generate: the model's logits are not finite (NaN or Inf) at generated token ", t + 1,
+                   ": its weights hold non-finite values; nothing is sampled from such a model");
     if (next < 0) break;
     ctx.push_back(static_cast<int32_t>(next));
     out.push_back(static_cast<int32_t>(next));

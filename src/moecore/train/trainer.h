@@ -17,6 +17,10 @@
 
 namespace moecore::train {
 
+// --nan-action skip drops a step with a non-finite loss or gradient; this many in a row stop the run with an Error
+// (a model that only produces NaN does not recover by skipping, and must not report "trained" steps it never took).
+inline constexpr int64_t kMaxConsecutiveSkippedSteps = 10;
+
 struct TrainConfig {
   int64_t micro_batch_size = 4;                    // --micro-batch-size: sequences per forward/backward
   int64_t global_batch_size = 4;                   // --global-batch-size: sequences per optimizer step
@@ -60,11 +64,12 @@ struct TrainConfig {
                                                     // must match (Error naming the field otherwise)
   bool exit_signal_handler = true;                  // --exit-signal-handler: SIGTERM/SIGINT save a checkpoint and stop
   bool check_for_nan = true;                        // --check-for-nan-in-loss-and-grad
-  std::string nan_action = "stop";                  // --nan-action: stop (raise an error) | skip (drop the step)
-  std::string metrics_jsonl;                        // --metrics-jsonl: one JSON object per logged iteration
-  std::string tensorboard_dir;                      // --tensorboard-dir: TensorBoard event files
-  double peak_gflops = 0;                           // GEMM peak measured at start (0: no MFU on the log line)
-  bool use_distributed_optimizer = false;           // --use-distributed-optimizer: ZeRO-1 over dp (experts: over edp)
+  std::string nan_action = "stop";  // --nan-action: stop (raise an error) | skip (drop the step; the run stops with an
+                                    // Error after kMaxConsecutiveSkippedSteps skipped in a row)
+  std::string metrics_jsonl;        // --metrics-jsonl: one JSON object per logged iteration
+  std::string tensorboard_dir;      // --tensorboard-dir: TensorBoard event files
+  double peak_gflops = 0;           // GEMM peak measured at start (0: no MFU on the log line)
+  bool use_distributed_optimizer = false;  // --use-distributed-optimizer: ZeRO-1 over dp (experts: over edp)
   bool overlap_grad_reduce = false;   // --overlap-grad-reduce: each gradient bucket's all-reduce (with the distributed
                                       // optimizer: reduce-scatter) starts during backward
   bool overlap_param_gather = false;  // --overlap-param-gather (needs the two above): the distributed optimizer's
@@ -142,6 +147,7 @@ double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& bat
 // `count` tokens exist; returns the new tokens without the stop token. Only ids below vocab_limit (the
 // tokenizer's vocabulary; 0: the model's) are sampled: the rows Megatron pads the vocabulary with are no tokens.
 // On a pipeline every stage calls it (collective over pp): the last samples, every stage returns the tokens.
+// Non-finite logits are an Error on every stage (a model with NaN weights samples nothing).
 std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& prompt, int64_t count,
                               float temperature, uint64_t seed, int32_t stop_token = -1, int64_t vocab_limit = 0);
 
