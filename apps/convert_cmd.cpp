@@ -22,6 +22,7 @@
 #include "moecore/io/file_util.h"
 #include "moecore/io/hf_checkpoint.h"
 #include "moecore/io/json.h"
+#include "moecore/model/config_record.h"
 #include "moecore/model/hf_weights.h"
 #include "moecore/train/checkpointing.h"
 
@@ -140,23 +141,56 @@ void export_hf(const Args& a) {
     MOECORE_FAIL("checkpoint: '", ck.dir, "/state.json' records iteration ", parsed.iteration, " but COMMIT records ",
                  ck.iteration, ".", io::checkpoint_recovery_hint(ck.dir));
   const json state = io::parse_json(ck.state_json, ck.dir + "/state.json");
+  // The model as trained (state.json's record; older checkpoints: the model flags given here) and its config.json:
+  // --hf-config's (which must describe that model), else the recorded one updated to what was trained, else one
+  // written for the model by the table.
+  const std::string recorded_hf = state.contains("hf_config_json") && state["hf_config_json"].is_string()
+                                      ? state["hf_config_json"].get<std::string>()
+                                      : "";
+  const std::string recorded_where = *dir + "/state.json (hf_config_json)";
+  // The training-only settings (initialisation, loss coefficients, dropout) come from the config it was imported with.
+  model::ModelConfig base;
+  if (!recorded_hf.empty())
+    base = hf_model_config(hf_config_parse(recorded_hf, recorded_where), recorded_where, kWeightsOnly);
+  const std::optional<model::ModelConfig> recorded = train::checkpoint_recorded_model(ck.state_json, ck.dir, base);
+  auto refuse_differences = [&](const model::ModelConfig& given, const std::string& what) {
+    const std::vector<std::string> diffs = model::model_differences(*recorded, given, "trained", what);
+    if (diffs.empty()) return;
+    std::string list;
+    for (const std::string& d : diffs) list += "\n  " + d;
+    MOECORE_FAIL(what, " does not describe the model ", ck.dir, " was trained as:", list,
+                 "\nhint: leave it out: the checkpoint records its model, and the export writes that");
+  };
+  if (recorded && model_flags_given(a))
+    refuse_differences(model_config_from(a, recorded->vocab_size), "the model flags");
   std::string config_text;
   std::string where;
   if (!a.str("--hf-config").empty()) {
     where = hf_config_path(a.str("--hf-config"));
     config_text = io::read_file(where);
-  } else if (state.contains("hf_config_json") && state["hf_config_json"].is_string()) {
-    config_text = state["hf_config_json"].get<std::string>();
-    where = *dir + "/state.json (hf_config_json)";
-  } else {  // a model trained from Megatron flags: its config.json from the same flags, written by the table
-    const model::ModelConfig flags_cfg = model_config_from(a, 0);
+    if (recorded)
+      refuse_differences(hf_model_config(hf_config_parse(config_text, where), where, kWeightsOnly),
+                         "--hf-config " + where);
+  } else if (!recorded_hf.empty()) {
+    where = recorded_where;
+    config_text = recorded_hf;
+    if (recorded && !model::model_differences(*recorded, base, "trained", "imported").empty()) {
+      config_text = hf_config_update(hf_config_parse(config_text, where), *recorded, where).dump(2) + "\n";
+      std::printf(
+          "convert: %s was trained with settings that differ from the config.json it came from; writing "
+          "the trained model's\n",
+          ck.dir.c_str());
+    }
+  } else {  // a model trained from Megatron flags: its config.json written by the table
+    const model::ModelConfig flags_cfg = recorded ? *recorded : model_config_from(a, 0);
     const model::HfFamily family = a.str("--hf-model-type").empty() ? model::hf_family_of(flags_cfg)
                                                                     : model::hf_family_parse(a.str("--hf-model-type"));
     json generated = hf_config_for_model(flags_cfg, family);
     config_text = generated.dump(2) + "\n";
-    where = std::string("the config.json written for the model flags (") + model::hf_family_name(family) + ")";
-    std::printf("convert: %s records no config.json; writing one for the model flags (model_type %s)\n", ck.dir.c_str(),
-                model::hf_family_name(family));
+    where = std::string("the config.json written for the model") + (recorded ? "" : " flags") + " (" +
+            model::hf_family_name(family) + ")";
+    std::printf("convert: %s records no config.json; writing one for the %s (model_type %s)\n", ck.dir.c_str(),
+                recorded ? "trained model" : "model flags", model::hf_family_name(family));
   }
   const json config = hf_config_parse(config_text, where);
   const model::ModelConfig cfg = hf_model_config(config, where, kWeightsOnly);

@@ -13,6 +13,7 @@
 #include "apps/model_flags.h"
 #include "moecore/core/error.h"
 #include "moecore/io/json.h"
+#include "moecore/model/config_record.h"
 #include "moecore/model/param_specs.h"
 
 namespace moecore::apps {
@@ -805,6 +806,23 @@ model::HfWeightMap hf_config_weight_map(const json& config, const model::ModelCo
   return model::hf_weight_map(cfg, family, interleave.get<bool>());
 }
 
+namespace {
+// A config.json must stand for the model `c`: read back, it gives the same parameters (names and shapes) and the
+// same function (model/config_record.h: positions, RoPE/YaRN, norm epsilon, routing, ...). Error naming what differs.
+void check_config_gives(const json& config, const model::ModelConfig& c, const std::string& where) {
+  const model::ModelConfig b = hf_model_config(config, where, {{"--seq-length", "1"}});
+  std::string diff;
+  const auto pa = model::parameter_specs(c), pb = model::parameter_specs(b);
+  for (size_t i = 0; i < std::max(pa.size(), pb.size()) && diff.empty(); ++i)
+    if (i >= pa.size() || i >= pb.size() || pa[i].name != pb[i].name || !(pa[i].shape == pb[i].shape))
+      diff = "\n  the parameter list (at " + (i < pa.size() ? pa[i].name : pb[i].name) + ")";
+  for (const std::string& d : model::model_differences(c, b, "the model", "read back")) diff += "\n  " + d;
+  if (!diff.empty())
+    MOECORE_FAIL(where, " cannot hold the model: read back, it differs in", diff,
+                 "\n(pass --hf-config with a config.json of the model's own family and settings)");
+}
+}  // namespace
+
 json hf_config_for_model(const model::ModelConfig& c, model::HfFamily family) {
   (void)model::hf_weight_map(c, family);  // refuses, by name, what the family's modeling code lacks (LayerNorm, ...)
   const unsigned bit = 1u << static_cast<unsigned>(family);
@@ -814,34 +832,27 @@ json hf_config_for_model(const model::ModelConfig& c, model::HfFamily family) {
     json v = r.emit(c, bit);
     if (!v.is_discarded()) out[r.key] = std::move(v);
   }
-  // The file must stand for this model: read back, it has to give the same parameters and the same routing.
-  const std::string where = std::string("the config.json written for a ") + model::hf_family_name(family) + " model";
-  const model::ModelConfig b = hf_model_config(out, where, {{"--seq-length", std::to_string(c.seq_length)}});
-  auto differs = [&](const char* what) {
-    MOECORE_FAIL("the model cannot be written as a ", model::hf_family_name(family), " config.json: its ", what,
-                 " would read back differently (pass --hf-config with the model's own config.json)");
-  };
-  const auto pa = model::parameter_specs(c), pb = model::parameter_specs(b);
-  if (pa.size() != pb.size()) differs("parameter list");
-  for (size_t i = 0; i < pa.size(); ++i)
-    if (pa[i].name != pb[i].name || !(pa[i].shape == pb[i].shape)) differs(("parameter " + pa[i].name).c_str());
-  const moe::MoeConfig &ma = c.moe, &mb = b.moe;
-  auto scale = [](float f) { return f > 0 ? f : 1.0f; };
-  if (c.position_embedding_type != b.position_embedding_type) differs("position embedding");
-  if (c.rotary_base != b.rotary_base || c.yarn != b.yarn) differs("RoPE");
-  if (c.yarn &&
-      (c.yarn_config.scaling_factor != b.yarn_config.scaling_factor || c.yarn_config.mscale != b.yarn_config.mscale ||
-       c.yarn_config.mscale_all_dim != b.yarn_config.mscale_all_dim ||
-       c.yarn_config.original_max_position_embeddings != b.yarn_config.original_max_position_embeddings ||
-       c.yarn_config.beta_fast != b.yarn_config.beta_fast || c.yarn_config.beta_slow != b.yarn_config.beta_slow ||
-       c.yarn_config.correction_range_round_to_int != b.yarn_config.correction_range_round_to_int))
-    differs("YaRN settings");
-  if (c.norm_epsilon != b.norm_epsilon) differs("norm epsilon");
-  if (ma.router_topk != mb.router_topk || ma.score_function != mb.score_function || ma.pre_softmax != mb.pre_softmax ||
-      scale(ma.topk_scaling_factor) != scale(mb.topk_scaling_factor) ||
-      ma.enable_expert_bias != mb.enable_expert_bias || ma.num_groups != mb.num_groups ||
-      ma.group_topk != mb.group_topk || (ma.num_groups > 0 && ma.group_score_k() != mb.group_score_k()))
-    differs("routing (top-k, score function, pre-softmax, scaling, expert bias, groups)");
+  check_config_gives(out, c, std::string("the config.json written for a ") + model::hf_family_name(family) + " model");
+  return out;
+}
+
+json hf_config_update(const json& original, const model::ModelConfig& c, const std::string& where) {
+  const model::HfFamily family = hf_config_weight_map(original, c).family;
+  const unsigned bit = 1u << static_cast<unsigned>(family);
+  const json written = hf_config_for_model(c, family);
+  json out = original;
+  auto is_flag_row = [&](const Row& r) { return (r.models & bit) && std::string(r.flag).rfind("--", 0) == 0; };
+  for (const Row& r : kRows) {  // the keys that stand for a Megatron flag, where the trained model differs
+    if (!is_flag_row(r) || !r.emit || !written.contains(r.key)) continue;
+    const json &was = original.contains(r.key) ? original[r.key] : json(), &now = written[r.key];
+    const bool same = was == now || (was.is_number() && now.is_number() &&
+                                     static_cast<float>(was.get<double>()) == static_cast<float>(now.get<double>()));
+    if (same) continue;
+    out[r.key] = now;
+    for (const Row& other : kRows)  // another spelling of the same flag the table only reads (rope_parameters)
+      if (is_flag_row(other) && !other.emit && std::string(other.flag) == r.flag) out.erase(other.key);
+  }
+  check_config_gives(out, c, where + " updated for the trained model");
   return out;
 }
 

@@ -39,6 +39,13 @@ model::HfWeightMap hf_config_weight_map(const nlohmann::json& config, const mode
 // config.json. Throws naming what does not survive the trip (read back, the file must give the same parameters,
 // positions, RoPE/YaRN, norm epsilon and routing) when the family cannot hold the model.
 nlohmann::json hf_config_for_model(const model::ModelConfig& cfg, model::HfFamily family);
+// `original` (the config.json the model came from) with each key that stands for a Megatron flag set to `cfg`'s value
+// where that differs (another spelling of the same flag the table only reads, e.g. rope_parameters, removed); every
+// other key kept. The export of a model trained from an HF config with flags that change its math
+// (--moe-router-topk, --rotary-base, ...). Throws, naming `where` and each difference, when the result does not read
+// back as `cfg`.
+nlohmann::json hf_config_update(const nlohmann::json& original, const model::ModelConfig& cfg,
+                                const std::string& where);
 // Fills every flag of `args` still unset from the config's translation.
 void hf_config_fill(Args& args, const nlohmann::json& config, const std::string& where);
 

@@ -482,6 +482,12 @@ const std::pair<const char*, FlagDomain> kModelFlagDomains[] = {
 
 // Defaults are Megatron's (megatron/training/arguments.py); "" is Megatron's None (unset). Flags Megatron requires
 // keep a small default from `d` for quick experiments, and --help says so.
+bool model_flags_given(const Args& a) {
+  for (const ModelFlag& f : kModelFlags)
+    if ((f.kind == Kind::value || f.kind == Kind::list || f.kind == Kind::flag) && a.given(f.name)) return true;
+  return false;
+}
+
 void add_model_flags(Args& a, const model::ModelConfig& d) {
   for (const ModelFlag& f : kModelFlags) {
     switch (f.kind) {

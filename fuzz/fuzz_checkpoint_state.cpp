@@ -1,8 +1,8 @@
-// libFuzzer harness for the state.json reader of training checkpoints (train::train_state_parse and the model
-// fingerprint check train::check_checkpoint_model): any input is either a validated state or an Error; anything
-// else (another exception, a crash, a sanitizer report, a slow input, a big allocation) is a finding.
-// Seeds: fuzz/seeds/checkpoint_state/ (state.json files as save_training_checkpoint writes them for the
-// model below: 2 layers, hidden 32, 4 experts, MoE in layer 1).
+// libFuzzer harness for the state.json reader of training checkpoints (train::train_state_parse, the model
+// fingerprint check train::check_checkpoint_model and the model record's, train::check_checkpoint_function): any input
+// is either a validated state or an Error; anything else (another exception, a crash, a sanitizer report, a slow input,
+// a big allocation) is a finding. Seeds: fuzz/seeds/checkpoint_state/ (state.json files as save_training_checkpoint
+// writes them for the model below: 2 layers, hidden 32, 4 experts, MoE in layer 1).
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -40,6 +40,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   try {
     moecore::train::check_checkpoint_model(text, cfg, "fuzz/iter_0000004");
+  } catch (const moecore::Error&) {
+  }
+  try {  // the model record (state.json "model_config") against the model, as a resume compares them
+    moecore::train::check_checkpoint_function(text, cfg, "fuzz/iter_0000004", /*finetune=*/false);
   } catch (const moecore::Error&) {
   }
   return 0;

@@ -204,7 +204,7 @@ TEST_F(HfModels, ConvertRefusesBadInputAndLeavesNothingHalfWritten) {
   ASSERT_EQ(run_moecore("convert --from-hf " + d + " --save " + p("ok")).status, 0);
   expect_fails(
       run_moecore("convert --load " + p("ok") + " --to-hf " + p("hf_out") + " --hf-config " + golden_dir("mixtral")),
-      {"was saved with"});
+      {"does not describe the model", "num_experts 8 (trained) vs 4 (--hf-config"});
   EXPECT_FALSE(fs::exists(p("hf_out")));
   // And an export into a non-empty directory is refused before anything is written.
   fs::create_directories(p("full"));
@@ -556,9 +556,9 @@ TEST_F(HfModels, ExportsAModelTrainedFromMegatronFlags) {
                          "--save " +
                          p(family + "_ck") + flags);
     ASSERT_EQ(r.status, 0) << r.output;
-    r = run_moecore("convert --load " + p(family + "_ck") + " --to-hf " + p(family + "_hf") + flags);
+    r = run_moecore("convert --load " + p(family + "_ck") + " --to-hf " + p(family + "_hf"));
     ASSERT_EQ(r.status, 0) << r.output;
-    EXPECT_NE(r.output.find("writing one for the model flags (model_type " + family + ")"), std::string::npos)
+    EXPECT_NE(r.output.find("writing one for the trained model (model_type " + family + ")"), std::string::npos)
         << r.output;
     EXPECT_EQ(apps::hf_config_load(p(family + "_hf")).value("model_type", ""), family);
     r = run_moecore("convert --from-hf " + p(family + "_hf") + " --save " + p(family + "_ck2"));
@@ -571,13 +571,51 @@ TEST_F(HfModels, ExportsAModelTrainedFromMegatronFlags) {
     r = run_moecore("model-step --hf " + p(family + "_hf") + " --tokens " + p("tokens.st") + " --out " + p("o.st"));
     ASSERT_EQ(r.status, 0) << r.output;
   }
+  // Model flags given to the export must be the trained model's (the checkpoint records it).
+  auto r = run_moecore("convert --load " + p("qwen3_moe_ck") + " --to-hf " + p("bad_hf") + models[0].second +
+                       " --moe-router-topk 3");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("the model flags does not describe the model"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("moe_router_topk 2 (trained) vs 3 (the model flags)"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("bad_hf")));
   // A model no family can hold is refused by name, and nothing is written.
-  const std::string ln = common + "--group-query-attention --num-query-groups 2 --moe-router-topk 2";
-  auto r = run_moecore("convert --load " + p("qwen3_moe_ck") + " --to-hf " + p("bad_hf") + ln +
-                       " --normalization LayerNorm");
+  r = run_moecore("train --data-path " + p("c_text_document") +
+                  " --tokenizer-type ByteLevel --micro-batch-size 2 --train-iters 1 --generate-tokens 0 --save " +
+                  p("ln_ck") + common + "--group-query-attention --num-query-groups 2 --normalization LayerNorm");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_moecore("convert --load " + p("ln_ck") + " --to-hf " + p("bad_hf"));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("LayerNorm"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(p("bad_hf")));
+}
+
+// Issue 27.5: a model trained from an HF checkpoint with flags that change its math (top-k, RoPE base) exports the
+// config.json of what was trained (the checkpoint records the model), not the one it was imported with; keys the
+// conversion table does not write (token ids, dtype) are kept. A --hf-config that contradicts the record is refused.
+TEST_F(HfModels, ExportWritesTheTrainedModelsConfig) {
+  write_random_hf(p("hf"), tiny_qwen3_config(), 5);
+  testing::write_byte_corpus(dir_, 40, "Example document: the quick brown fox jumps over the lazy dog.");
+  if (HasFatalFailure()) return;
+  auto r = run_moecore("train --load-hf " + p("hf") + " --data-path " + p("c_text_document") +
+                       " --tokenizer-type ByteLevel --seq-length 32 --micro-batch-size 2 --train-iters 2 "
+                       "--generate-tokens 0 --moe-router-topk 3 --rotary-base 500 --save " +
+                       p("ck"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_moecore("convert --load " + p("ck") + " --to-hf " + p("out"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("differ from the config.json it came from; writing the trained model's"), std::string::npos)
+      << r.output;
+  const nlohmann::json out = apps::hf_config_load(p("out"));
+  EXPECT_EQ(out.value("num_experts_per_tok", 0), 3) << out.dump();
+  EXPECT_EQ(apps::hf_model_config(out, "export").rotary_base, 500.0f) << out.dump();
+  EXPECT_EQ(out.value("torch_dtype", ""), "bfloat16") << out.dump();
+  EXPECT_EQ(out.value("router_aux_loss_coef", 0.0), 0.001) << out.dump();
+  // Read back, the export is the trained model: it resumes as a fine-tune with the flags it was trained with.
+  r = run_moecore("convert --load " + p("ck") + " --to-hf " + p("wrong") + " --hf-config " + p("hf"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("moe_router_topk 3 (trained) vs 2 (--hf-config"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rotary_base 500.0 (trained) vs 10000.0 (--hf-config"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("wrong")));
 }
 
 }  // namespace

@@ -198,8 +198,9 @@ TEST_F(NothingLost, RetentionNeverDeletesAnotherModelsCheckpoint) {
 
 // ---- 3. A resume that drops parameters ---------------------------------------------------------------------
 
-// Tensors of the checkpoint that the resumed model has no parameter for are an error naming them, not a smaller
-// model saved with exit 0.
+// A resume whose flags drop parameters is refused: by the recorded model (the flags change its function), and, where
+// the weights are taken anyway (--finetune, or a checkpoint without the record), by the tensors of the checkpoint that
+// the model has no parameter for, named -- not a smaller model saved with exit 0.
 TEST_F(NothingLost, AResumeThatWouldDropTensorsIsAnError) {
   byte_corpus();
   const std::string base = train_args() + "--position-embedding-type learned_absolute ";
@@ -209,18 +210,60 @@ TEST_F(NothingLost, AResumeThatWouldDropTensorsIsAnError) {
       "--load " + p("ckpt") + " --save " + p("ckpt") + " --train-iters 3 --override-opt_param-scheduler ";
   r = run_moecore(train_args() + resume + "--position-embedding-type rope");
   EXPECT_EQ(r.status, 1) << r.output;
-  EXPECT_NE(r.output.find("holds 3 tensors that this model has no parameter for"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("model.safetensors: embedding.position_embeddings.weight"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("optimizer.safetensors: exp_avg.embedding.position_embeddings.weight"), std::string::npos)
+  EXPECT_NE(r.output.find("position_embedding_type \"learned_absolute\" (checkpoint) vs \"rope\" (this run)"),
+            std::string::npos)
+      << r.output;
+  r = run_moecore(train_args() + resume + "--position-embedding-type rope --finetune");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("holds 1 tensor that this model has no parameter for:\n  model.safetensors: "
+                          "embedding.position_embeddings.weight"),
+            std::string::npos)
       << r.output;
   r = run_moecore(base + resume + "--disable-bias-linear");
   EXPECT_EQ(r.status, 1) << r.output;
-  EXPECT_NE(r.output.find("decoder.layers.0.self_attention.linear_qkv.bias"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("add_bias_linear true (checkpoint) vs false (this run)"), std::string::npos) << r.output;
+  r = run_moecore(base + resume + "--disable-bias-linear --finetune");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("model.safetensors: decoder.layers.0.self_attention.linear_qkv.bias"), std::string::npos)
+      << r.output;
   EXPECT_FALSE(fs::exists(p("ckpt/iter_0000003"))) << r.output;
   // The same flags resume.
   r = run_moecore(base + resume);
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_TRUE(fs::exists(p("ckpt/iter_0000003/COMMIT")));
+}
+
+// ---- 5. The recorded model ---------------------------------------------------------------------------------
+
+// Flags that change the model's function are compared with the checkpoint's record on resume (an Error listing each)
+// and on generate; --finetune continues from the weights with a note. (The export of the trained model's config.json:
+// HfModels.ExportWritesTheTrainedModelsConfig.)
+TEST_F(NothingLost, FlagsThatChangeTheMathAreComparedWithTheCheckpoint) {
+  byte_corpus();
+  const std::string moe = train_args() + "--num-experts 4 --moe-router-topk 2 ";
+  CmdResult r = run_moecore(moe + "--save " + p("ckpt"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string resume = "--load " + p("ckpt") + " --train-iters 3 --override-opt_param-scheduler ";
+  r = run_moecore(train_args() + "--num-experts 4 --moe-router-topk 3 --norm-epsilon 1e-6 " + resume);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("was trained with settings that change what the model computes from its weights"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("moe_router_topk 2 (checkpoint) vs 3 (this run)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("norm_epsilon "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("loaded checkpoint"), std::string::npos) << r.output;
+  r = run_moecore(train_args() + "--num-experts 4 --moe-router-topk 3 --finetune " + resume);
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("checkpoint: note: "), std::string::npos) << r.output;
+  // Training-only settings may change on resume.
+  r = run_moecore(moe + resume + "--hidden-dropout 0.2 --moe-aux-loss-coeff 0.1 --moe-expert-capacity-factor 2");
+  EXPECT_EQ(r.status, 0) << r.output;
+  // generate with flags of another model is refused rather than run as a different model.
+  r = run_moecore("generate --load " + p("ckpt") +
+                  " --tokenizer-type ByteLevel --num-layers 1 --hidden-size 16 --num-attention-heads 2 "
+                  "--seq-length 16 --max-new-tokens 5 --num-experts 4 --moe-router-topk 3");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("moe_router_topk 2 (checkpoint) vs 3 (this run)"), std::string::npos) << r.output;
 }
 
 // ---- 4. Ranks agree on the iteration -------------------------------------------------------------------------

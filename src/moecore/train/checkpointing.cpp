@@ -16,6 +16,7 @@
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/file_util.h"
 #include "moecore/io/json.h"
+#include "moecore/model/config_record.h"
 #include "moecore/model/layer_pattern.h"
 #include "moecore/model/param_specs.h"
 #include "moecore/parallel/shards.h"
@@ -310,7 +311,8 @@ std::string weights_only_state_json(const model::ModelConfig& cfg, int64_t ep, c
                 {"seed", 0},
                 {"expert_model_parallel_size", ep},
                 {"data_parallel_size", 1},
-                {"model", model_fingerprint(cfg)}};
+                {"model", model_fingerprint(cfg)},
+                {"model_config", model::model_record(cfg)}};
   if (!hf_config_json.empty()) state["hf_config_json"] = hf_config_json;
   return state.dump(1);
 }
@@ -379,6 +381,36 @@ std::string checkpoint_model_difference(const std::string& state_json, const mod
 void check_checkpoint_model(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir) {
   const std::string diff = checkpoint_model_difference(state_json, cfg, dir);
   if (!diff.empty()) MOECORE_FAIL("checkpoint: ", dir, " was saved with ", diff);
+}
+
+std::optional<model::ModelConfig> checkpoint_recorded_model(const std::string& state_json, const std::string& dir,
+                                                            const model::ModelConfig& base) {
+  const json state = parse_state(state_json, dir);
+  if (!state.contains("model_config")) return std::nullopt;  // saved before the record existed
+  return model::model_from_record(state["model_config"], "checkpoint: '" + dir + "/state.json'", base);
+}
+
+void check_checkpoint_function(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir,
+                               bool finetune) {
+  static const model::ModelConfig kDefaults;
+  const std::optional<model::ModelConfig> saved = checkpoint_recorded_model(state_json, dir, kDefaults);
+  if (!saved) return;
+  const std::vector<std::string> diffs = model::model_differences(*saved, cfg, "checkpoint", "this run");
+  if (diffs.empty()) return;
+  std::string list;
+  for (const std::string& d : diffs) list += "\n  " + d;
+  if (finetune) {
+    std::fprintf(stderr,
+                 "checkpoint: note: %s was trained as another model; --finetune continues from its weights "
+                 "with this run's settings:%s\n",
+                 dir.c_str(), list.c_str());
+    return;
+  }
+  MOECORE_FAIL(
+      "checkpoint: ", dir, " was trained with settings that change what the model computes from its weights, ",
+      "and this run's differ:", list,
+      "\nResuming would continue another model from these weights; hint: resume with the checkpoint's values, ",
+      "or pass --finetune to start a new run from the weights with this run's settings");
 }
 
 void check_save_directory(const std::string& root, const model::ModelConfig& cfg) {
@@ -453,7 +485,8 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
                 {"tensor_model_parallel_size", g.tp.size()},
                 {"expert_tensor_parallel_size", g.etp.size()},
                 {"data_parallel_size", g.dp.size()},
-                {"model", model_fingerprint(gpt.config())}};
+                {"model", model_fingerprint(gpt.config())},
+                {"model_config", model::model_record(gpt.config())}};
   if (options.save_optim) {
     state["optimizer_steps"] = opt.steps;
     if (options.scheduler) state["opt_param_scheduler"] = scheduler_to_json(*options.scheduler);
@@ -593,6 +626,7 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
     throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
   }
   check_checkpoint_model(ck.state_json, gpt.config(), ck.dir);
+  check_checkpoint_function(ck.state_json, gpt.config(), ck.dir, options.finetune);
   if (load_rng && state.seed != seed)
     std::fprintf(stderr, "checkpoint: warning: %s was saved with --seed %llu, resuming with --seed %llu\n",
                  ck.dir.c_str(), static_cast<unsigned long long>(state.seed), static_cast<unsigned long long>(seed));

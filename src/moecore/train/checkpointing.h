@@ -124,6 +124,15 @@ std::string weights_only_state_json(const model::ModelConfig& cfg, int64_t ep, c
 // Throws Error naming the directory and the field when state.json is not a training state or its model
 // fingerprint (layers, sizes, experts, ...) differs from cfg's.
 void check_checkpoint_model(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir);
+// The model the checkpoint was trained as (state.json "model_config", model/config_record.h); nullopt for a
+// checkpoint saved before it was recorded. Throws Error naming dir when the record is damaged.
+// `base` gives the fields the record does not hold (training-only settings).
+std::optional<model::ModelConfig> checkpoint_recorded_model(const std::string& state_json, const std::string& dir,
+                                                            const model::ModelConfig& base);
+// Fields that change the model's function (top-k, RoPE base, norm epsilon, ...) must equal the recorded ones: Error
+// listing each difference, unless `finetune` (--finetune: a new run from the weights), which prints them as a note.
+void check_checkpoint_function(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir,
+                               bool finetune);
 // "" when state.json's model fingerprint is cfg's; else the first difference ("hidden_size = 64 but the model has
 // hidden_size = 32"). Throws Error (naming dir) when state.json is not a training state.
 std::string checkpoint_model_difference(const std::string& state_json, const model::ModelConfig& cfg,
