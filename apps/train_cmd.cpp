@@ -346,6 +346,22 @@ int64_t memory_margin(int64_t planned) {
   return (int64_t{64} << 20) + planned / 8;
 }
 
+// The tightest limit (core/memory_limit.h; the machine's RAM when none can be read), shared by the ranks that mpirun
+// started on this node (OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's MPI_LOCALNRANKS): each reads it before any has allocated.
+MemoryLimit node_memory_limit() {
+  MemoryLimit l = memory_limit();
+  if (!l.known()) l = {memory_physical_bytes(), memory_physical_bytes(), "of the machine's RAM (sysconf)"};
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  if (!local) local = std::getenv("MPI_LOCALNRANKS");
+  const int64_t ranks = local ? std::max<int64_t>(1, std::atoll(local)) : 1;
+  if (ranks > 1) {
+    l.room /= ranks;
+    l.name += "; this rank's share: 1/" + std::to_string(ranks) + " of the free memory, for the " +
+              std::to_string(ranks) + " ranks on this node";
+  }
+  return l;
+}
+
 std::string memory_hint(bool activations) {
   return std::string("hint: ") +
          (activations ? "a smaller --micro-batch-size or --seq-length, activation recompute (--recompute-granularity "
@@ -585,9 +601,7 @@ int train_main(int argc, char** argv) {
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
   const optim::AdamWConfig ocfg = optimizer_config_from(a);
   const int64_t state_shards = tcfg.use_distributed_optimizer ? std::max(1, std::min(sizes.dp, sizes.edp)) : 1;
-  MemoryLimit limit = device == Device::cuda ? MemoryLimit{} : memory_limit();  // (before the model exists)
-  if (device != Device::cuda && !limit.known())
-    limit = {memory_physical_bytes(), memory_physical_bytes(), "of the machine's RAM (sysconf)"};
+  const MemoryLimit limit = device == Device::cuda ? MemoryLimit{} : node_memory_limit();  // (before the model exists)
   check_model_fits(mcfg, ep, ocfg.state_dtype, state_shards, limit);
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep, device);
   optim::AdamW opt(gpt.params(), ocfg, /*allocate_state=*/!tcfg.use_distributed_optimizer);
