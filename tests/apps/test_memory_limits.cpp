@@ -25,7 +25,7 @@ using testing::run_shell;
 constexpr int64_t kMiB = int64_t{1} << 20;
 
 // A fake filesystem root for memory_limit(root): /proc files and cgroup folders written by the test.
-class FakeRoot : public ::testing::Test {
+class MemoryLimitReader : public ::testing::Test {
  protected:
   void SetUp() override {
     root_ = fs::temp_directory_path() / ("moecore_memlimit_" + std::to_string(::getpid()));
@@ -44,20 +44,20 @@ class FakeRoot : public ::testing::Test {
   fs::path root_;
 };
 
-TEST_F(FakeRoot, MemAvailableAloneIsTheLimit) {
+TEST_F(MemoryLimitReader, MemAvailableAloneIsTheLimit) {
   const MemoryLimit l = limit();
   EXPECT_EQ(l.room, 8192 * kMiB);
   EXPECT_EQ(l.limit, 16384 * kMiB);
   EXPECT_NE(l.describe().find("MemAvailable"), std::string::npos) << l.describe();
 }
 
-TEST_F(FakeRoot, NothingReadableIsUnknown) {
+TEST_F(MemoryLimitReader, NothingReadableIsUnknown) {
   fs::remove(root_ / "proc/meminfo");
   EXPECT_FALSE(limit().known());
 }
 
 // v1: the limit less the usage, the inactive page cache counted as free; an ancestor's tighter limit wins.
-TEST_F(FakeRoot, CgroupV1LimitLessUsage) {
+TEST_F(MemoryLimitReader, CgroupV1LimitLessUsage) {
   write("proc/self/cgroup", "5:cpu,cpuacct:/x\n4:memory:/jobs/run1\n0::/\n");
   write("proc/self/mountinfo", std::string("31 23 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n") + kV1Mount);
   const std::string dir = "sys/fs/cgroup/memory/jobs/run1/";
@@ -77,7 +77,7 @@ TEST_F(FakeRoot, CgroupV1LimitLessUsage) {
   EXPECT_NE(l.name.find("memory cgroup v1 /jobs (memory.limit_in_bytes)"), std::string::npos) << l.name;
 }
 
-TEST_F(FakeRoot, CgroupV2MaxLessCurrent) {
+TEST_F(MemoryLimitReader, CgroupV2MaxLessCurrent) {
   write("proc/self/cgroup", "0::/user.slice/job\n");
   write("proc/self/mountinfo", kV2Mount);
   write("sys/fs/cgroup/user.slice/job/memory.max", std::to_string(2048 * kMiB) + "\n");
@@ -93,7 +93,7 @@ TEST_F(FakeRoot, CgroupV2MaxLessCurrent) {
 }
 
 // "max" everywhere is no limit: the machine's MemAvailable is the tightest.
-TEST_F(FakeRoot, CgroupV2MaxIsNoLimit) {
+TEST_F(MemoryLimitReader, CgroupV2MaxIsNoLimit) {
   write("proc/self/cgroup", "0::/job\n");
   write("proc/self/mountinfo", kV2Mount);
   write("sys/fs/cgroup/job/memory.max", "max\n");
@@ -104,7 +104,7 @@ TEST_F(FakeRoot, CgroupV2MaxIsNoLimit) {
 }
 
 // A cgroup larger than the machine's available memory: MemAvailable is the tighter.
-TEST_F(FakeRoot, TheTighterOfCgroupAndMachineWins) {
+TEST_F(MemoryLimitReader, TheTighterOfCgroupAndMachineWins) {
   write("proc/self/cgroup", "0::/job\n");
   write("proc/self/mountinfo", kV2Mount);
   write("sys/fs/cgroup/job/memory.max", std::to_string(65536 * kMiB) + "\n");
@@ -205,6 +205,8 @@ class MemoryCgroup {
     int64_t read = 0;
     if (!(back >> read) || read != limit_bytes)
       why_ = "cannot set " + (dir_ / limit_file_).string() + " (not delegated to this process?)";
+    else if (const CmdResult r = run_shell(wrap("true")); r.status != 0)
+      why_ = "cannot move a process into " + dir_.string() + ": " + r.output;
   }
   ~MemoryCgroup() {
     std::error_code ec;
