@@ -414,7 +414,7 @@ void check_plan_fits(const model::MemoryPlan& plan, const MemoryLimit& limit) {
   if (!limit.known() || plan.total() <= limit.room - memory_margin(plan.total())) return;
   MOECORE_FAIL("train: the run's memory plan needs ", memory_format_bytes(plan.total()), " (plus a margin of ",
                memory_format_bytes(memory_margin(plan.total())), "), more than the ", limit.describe(),
-               "; nothing was ", "trained.\n", plan.format(), memory_hint(true));
+               "; nothing was trained.\n", plan.format(), memory_hint(true));
 }
 
 // --save, --tensorboard-dir and the folder of --metrics-jsonl must be writable before the first step, not at
@@ -605,6 +605,13 @@ int train_main(int argc, char** argv) {
   check_model_fits(mcfg, ep, ocfg.state_dtype, state_shards, limit);
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep, device);
   optim::AdamW opt(gpt.params(), ocfg, /*allocate_state=*/!tcfg.use_distributed_optimizer);
+  model::MemoryPlan plan = gpt.memory_plan(opt.state_bytes_per_param());
+  int64_t& state_bytes = plan.bytes[static_cast<int>(MemCategory::optimizer_state)];
+  state_bytes = (state_bytes + state_shards - 1) / state_shards;  // the distributed optimizer's shard
+  if (device != Device::cuda)
+    plan.bytes[static_cast<int>(MemCategory::workspace)] += attention_scratch_bytes(mcfg, tcfg.micro_batch_size, ep);
+  memory_set_plan(plan.format());  // quoted by an out-of-memory error
+  check_plan_fits(plan, limit);    // before weights are loaded or a step is taken
   if (!a.str("--load-hf").empty()) {
     if (a.on("--moe-use-upcycling")) MOECORE_FAIL("--load-hf and --moe-use-upcycling exclude each other");
     const auto step = tcfg.ckpt_step >= 0 ? std::optional<int64_t>(tcfg.ckpt_step) : std::nullopt;
@@ -624,13 +631,6 @@ int train_main(int argc, char** argv) {
     tcfg.load.clear();  // the run starts at iteration 0 from the upcycled weights, as in Megatron
   }
   tcfg.peak_gflops = train::gemm_peak_gflops(mcfg.compute_dtype, device);
-  model::MemoryPlan plan = gpt.memory_plan(opt.state_bytes_per_param());
-  int64_t& state_bytes = plan.bytes[static_cast<int>(MemCategory::optimizer_state)];
-  state_bytes = (state_bytes + state_shards - 1) / state_shards;  // the distributed optimizer's shard
-  if (device != Device::cuda)
-    plan.bytes[static_cast<int>(MemCategory::workspace)] += attention_scratch_bytes(mcfg, tcfg.micro_batch_size, ep);
-  memory_set_plan(plan.format());  // quoted by an out-of-memory error
-  check_plan_fits(plan, limit);
   if (out)
     std::printf(
         "moecore train: %s\n  %lld parameters, tokenizer %s (vocab %lld, padded to %lld), GEMM peak %.1f "
