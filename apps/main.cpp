@@ -3,10 +3,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <new>
 #include <string>
 
 #include "apps/commands.h"
 #include "moecore/core/error.h"
+#include "moecore/core/memory.h"
+#include "moecore/core/memory_limit.h"
 #include "moecore/parallel/comm.h"
 
 namespace {
@@ -66,6 +69,12 @@ int main(int argc, char** argv) {
     if (cmd == "model-step") return moecore::apps::model_step_main(argc - 1, argv + 1);
   } catch (const moecore::Error& e) {
     return fail(comm.on, cmd, "error", e.what(), 1);
+  } catch (const std::bad_alloc& e) {  // outside a tensor (those name themselves): the limit and the plan
+    const std::string plan = moecore::memory_plan_text();
+    const std::string what = std::string("out of host memory (") + e.what() + " outside a tensor allocation); " +
+                             moecore::memory_limit().describe() +
+                             (plan.empty() ? "" : "; the memory plan of this run:\n" + plan);
+    return fail(comm.on, cmd, "error", what.c_str(), 1);
   } catch (const std::exception& e) {
     return fail(comm.on, cmd, "internal error", e.what(), 3);
   }

@@ -20,10 +20,12 @@
 #include "moecore/core/backend_hooks.h"
 #include "moecore/core/error.h"
 #include "moecore/core/memory.h"
+#include "moecore/core/memory_limit.h"
 #include "moecore/data/gpt_dataset.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/file_util.h"
 #include "moecore/io/hf_checkpoint.h"
+#include "moecore/kernels/attention_scratch.h"
 #include "moecore/model/hf_weights.h"
 #include "moecore/model/param_specs.h"
 #include "moecore/model/upcycling.h"
@@ -341,17 +343,84 @@ int64_t virtual_pipeline_stages(const Args& a, int64_t num_layers, int64_t pp, b
   return num_layers / pp / n;
 }
 
-void check_model_fits(const model::ModelConfig& mc, const model::ModelParallel& par) {
+// The start-up memory check (host devices: cpu and sim; a cuda run's tensors fail by the device's own message).
+// `limit` is the tightest limit of core/memory_limit.h, read before the model is built. The margin is left for
+// what the plan does not count: 64 MiB for the heap's overhead, OpenMP's threads, the batches and the data's pages,
+// and an eighth of the plan for the kernels' smaller scratch (measured on 1 layer, H 16, S 16, --micro-batch-size
+// 100000: a peak resident set of 5.19 GB against a plan, attention scratch included, of 5.36 GB).
+int64_t memory_margin(int64_t planned) {
+  return (int64_t{64} << 20) + planned / 8;
+}
+
+// The tightest limit (core/memory_limit.h; the machine's RAM when none can be read), shared by the ranks that mpirun
+// started on this node (OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's MPI_LOCALNRANKS): each reads it before any has allocated.
+MemoryLimit node_memory_limit() {
+  MemoryLimit l = memory_limit();
+  if (!l.known()) l = {memory_physical_bytes(), memory_physical_bytes(), "of the machine's RAM (sysconf)"};
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  if (!local) local = std::getenv("MPI_LOCALNRANKS");
+  const int64_t ranks = local ? std::max<int64_t>(1, std::atoll(local)) : 1;
+  if (ranks > 1) {
+    l.room /= ranks;
+    l.name += "; this rank's share: 1/" + std::to_string(ranks) + " of the free memory, for the " +
+              std::to_string(ranks) + " ranks on this node";
+  }
+  return l;
+}
+
+std::string memory_hint(bool activations) {
+  return std::string("hint: ") +
+         (activations ? "a smaller --micro-batch-size or --seq-length, activation recompute (--recompute-granularity "
+                        "full), "
+                      : "a smaller model, ") +
+         "--use-distributed-optimizer, or more tensor-, expert- or pipeline-parallel ranks lowers the need";
+}
+
+// Before the model is built (its constructor writes every parameter, gradient and optimizer moment): the parts
+// sized by the parameters alone, from the configuration.
+void check_model_fits(const model::ModelConfig& mc, const model::ModelParallel& par, DType state_dtype,
+                      int64_t state_shards, const MemoryLimit& limit) {
   const int64_t params = model::parameters_per_rank(
-                    mc, std::max(1, par.ep.size()), std::max(1, par.tp.size()), std::max(1, par.etp.size()),
-                    [&](const std::string&name) { return model::pipeline_stage_holds(name, mc, par); }),
-                ram = memory_physical_bytes();
-  int64_t need = 0;
-  if (__builtin_mul_overflow(params, int64_t{8}, &need) || (ram > 0 && need > ram))
+      mc, std::max(1, par.ep.size()), std::max(1, par.tp.size()), std::max(1, par.etp.size()),
+      [&](const std::string& name) { return model::pipeline_stage_holds(name, mc, par); });
+  // f32 value and gradient, the compute-dtype copy of the weights (bf16), the two AdamW moments (sharded over the
+  // data-parallel ranks by the distributed optimizer)
+  const int64_t compute = mc.compute_dtype == DType::f32 ? 0 : static_cast<int64_t>(dtype_size(mc.compute_dtype));
+  const int64_t per_param = 8 + compute, state = 2 * static_cast<int64_t>(dtype_size(state_dtype));
+  int64_t need = 0, state_need = 0;
+  const bool overflow = __builtin_mul_overflow(params, per_param, &need) ||
+                        __builtin_mul_overflow(params / state_shards + 1, state, &state_need) ||
+                        __builtin_add_overflow(need, state_need, &need);
+  if (overflow || (limit.known() && need > limit.room - memory_margin(need)))
     MOECORE_FAIL("train: the model has ", params, " parameters per rank (", mc.summary(), "); their fp32 values and ",
-                 "gradients alone need ", memory_format_bytes(need), ", more than this machine's ",
-                 memory_format_bytes(ram),
-                 " of memory: use a smaller model or more expert-, tensor- or pipeline-parallel ranks");
+                 "gradients", compute ? ", compute copy" : "", " and optimizer state alone need ",
+                 overflow ? "more than 2^63 bytes" : memory_format_bytes(need), " (plus a margin of ",
+                 memory_format_bytes(overflow ? 0 : memory_margin(need)), "), more than the ", limit.describe(), "\n",
+                 memory_hint(false));
+}
+
+// The CPU attention kernels' f32 copies of q, k, v and dq (kernels/attention_scratch.h): host memory the model's
+// plan does not hold (its tensors only), as large as the activations themselves for small head dims. MLA's attention
+// is not counted.
+int64_t attention_scratch_bytes(const model::ModelConfig& mc, int64_t micro_batch, const model::ModelParallel& par) {
+  const auto layers = model::layer_specs(mc);
+  if (std::none_of(layers.begin(), layers.end(),
+                   [](const model::LayerSpec& l) { return l.attention == model::AttentionKind::standard; }))
+    return 0;
+  const int64_t cp = std::max(1, par.cp.size()), tp = std::max(1, par.tp.size()), g = mc.query_groups();
+  const ops::QkvDims q{micro_batch,   mc.seq_length / cp,        g / tp, mc.num_attention_heads / g,
+                       mc.head_dim(), cp > 1 ? mc.seq_length : 0};
+  return ops::attention_host_scratch_bytes(q);
+}
+
+// After the model is built, before the first step: the whole plan (activations and workspaces included). The
+// constructor only reserves the activation buffers (the first step writes them), so the limit read before it
+// still holds; the plan is printed with the refusal.
+void check_plan_fits(const model::MemoryPlan& plan, const MemoryLimit& limit) {
+  if (!limit.known() || plan.total() <= limit.room - memory_margin(plan.total())) return;
+  MOECORE_FAIL("train: the run's memory plan needs ", memory_format_bytes(plan.total()), " (plus a margin of ",
+               memory_format_bytes(memory_margin(plan.total())), "), more than the ", limit.describe(),
+               "; nothing was trained.\n", plan.format(), memory_hint(true));
 }
 
 // --save, --tensorboard-dir and the folder of --metrics-jsonl must be writable before the first step, not at
@@ -544,9 +613,19 @@ int train_main(int argc, char** argv) {
     MOECORE_FAIL("--moe-use-upcycling with --expert-tensor-parallel-size ", ep.etp.size(),
                  " is not supported yet: upcycle at ETP 1, save, and load the checkpoint at any ETP");
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
-  check_model_fits(mcfg, ep);
+  const optim::AdamWConfig ocfg = optimizer_config_from(a);
+  const int64_t state_shards = tcfg.use_distributed_optimizer ? std::max(1, std::min(sizes.dp, sizes.edp)) : 1;
+  const MemoryLimit limit = device == Device::cuda ? MemoryLimit{} : node_memory_limit();  // (before the model exists)
+  check_model_fits(mcfg, ep, ocfg.state_dtype, state_shards, limit);
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep, device);
-  optim::AdamW opt(gpt.params(), optimizer_config_from(a), /*allocate_state=*/!tcfg.use_distributed_optimizer);
+  optim::AdamW opt(gpt.params(), ocfg, /*allocate_state=*/!tcfg.use_distributed_optimizer);
+  model::MemoryPlan plan = gpt.memory_plan(opt.state_bytes_per_param());
+  int64_t& state_bytes = plan.bytes[static_cast<int>(MemCategory::optimizer_state)];
+  state_bytes = (state_bytes + state_shards - 1) / state_shards;  // the distributed optimizer's shard
+  if (device != Device::cuda)
+    plan.bytes[static_cast<int>(MemCategory::workspace)] += attention_scratch_bytes(mcfg, tcfg.micro_batch_size, ep);
+  memory_set_plan(plan.format());  // quoted by an out-of-memory error
+  check_plan_fits(plan, limit);    // before weights are loaded or a step is taken
   if (!a.str("--load-hf").empty()) {
     if (a.on("--moe-use-upcycling")) MOECORE_FAIL("--load-hf and --moe-use-upcycling exclude each other");
     const auto step = tcfg.ckpt_step >= 0 ? std::optional<int64_t>(tcfg.ckpt_step) : std::nullopt;
@@ -566,8 +645,6 @@ int train_main(int argc, char** argv) {
     tcfg.load.clear();  // the run starts at iteration 0 from the upcycled weights, as in Megatron
   }
   tcfg.peak_gflops = train::gemm_peak_gflops(mcfg.compute_dtype, device);
-  const model::MemoryPlan plan = gpt.memory_plan(opt.state_bytes_per_param());
-  memory_set_plan(plan.format());  // quoted by an out-of-memory error
   if (out)
     std::printf(
         "moecore train: %s\n  %lld parameters, tokenizer %s (vocab %lld, padded to %lld), GEMM peak %.1f "

@@ -3,6 +3,7 @@
 #include "moecore/core/tensor.h"
 
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 
 #include "moecore/core/backend_hooks.h"
 #include "moecore/core/dtype_convert.h"
+#include "moecore/core/memory_limit.h"
 
 namespace moecore {
 namespace {
@@ -21,6 +23,11 @@ std::atomic<int> g_device_access{0};   // open DeviceAccess scopes on every thre
 bool host_memory(Device d) {           // memory the CPU kernels address: the host's and the simulated device's
   return d == Device::cpu || d == Device::sim;
 }
+// Host tensors from 1 GiB up are mapped with MAP_NORESERVE: their pages are taken when first written, as malloc's
+// would be, but the kernel's overcommit heuristic does not refuse one mapping larger than the machine at once, so
+// that the start-up memory plan (apps/train_cmd.cpp), not a model's constructor that only reserves its activation
+// buffers, decides whether a run fits. (Smaller ones keep malloc, and the sanitizers' checks of them.)
+constexpr int64_t kHostMapBytes = int64_t{1} << 30;
 // A transfer between two devices: the one thing host code does with device memory besides launching device work.
 bool is_transfer(const Tensor& dst, const Tensor& src) {
   return dst.device() != src.device();
@@ -107,9 +114,16 @@ DeviceAccess::~DeviceAccess() {
 }
 
 namespace {
-[[noreturn]] void device_out_of_memory(int64_t bytes, MemCategory cat) {
-  int64_t free_bytes = 0, total_bytes = 0;
-  const std::string dev = device_description(&free_bytes, &total_bytes);
+// An allocation that failed: what moecore holds by category, the limit it ran into and the run's memory plan, so that
+// the message says what to change. Tensor::empty puts the tensor's shape and dtype in front.
+[[noreturn]] void out_of_memory(int64_t bytes, MemCategory cat, Device device) {
+  std::string where;
+  if (host_memory(device)) {
+    where = "; " + memory_limit().describe();
+  } else {
+    int64_t free_bytes = 0, total_bytes = 0;
+    where = " on " + device_description(&free_bytes, &total_bytes);
+  }
   const MemoryStats m = memory_stats();
   std::string held;
   for (int c = 0; c < kNumMemCategories; ++c)
@@ -117,10 +131,10 @@ namespace {
       held += (held.empty() ? "" : ", ") + std::string(mem_category_name(static_cast<MemCategory>(c))) + " " +
               memory_format_bytes(m.current[c]);
   const std::string plan = memory_plan_text();
-  MOECORE_FAIL("tensor: out of cuda memory allocating ", memory_format_bytes(bytes), " of ", mem_category_name(cat),
-               " on ", dev, "; moecore holds ", memory_format_bytes(m.total_current), held.empty() ? "" : " (", held,
-               held.empty() ? "" : ")", plan.empty() ? "" : "; the memory plan of this run:\n", plan,
-               plan.empty() ? "" : "\n",
+  MOECORE_FAIL("out of ", host_memory(device) ? "host" : "cuda", " memory allocating ", memory_format_bytes(bytes),
+               " of ", mem_category_name(cat), where, "; moecore holds ", memory_format_bytes(m.total_current),
+               held.empty() ? "" : " (", held, held.empty() ? "" : ")",
+               plan.empty() ? "" : "; the memory plan of this run:\n", plan, plan.empty() ? "\n" : "",
                "hint: a smaller --micro-batch-size, activation recompute (--recompute-granularity), "
                "--use-distributed-optimizer or more model parallelism lowers the need");
 }
@@ -137,20 +151,25 @@ void Tensor::check_device_access() const {
 
 Storage::Storage(int64_t nbytes, Device dev, MemCategory cat) : bytes(nbytes), device(dev), category(cat) {
   MOECORE_CHECK(nbytes >= 0, "negative allocation ", nbytes);
-  if (host_memory(dev)) {
+  if (host_memory(dev) && nbytes >= kHostMapBytes) {
+    void* p = ::mmap(nullptr, static_cast<size_t>(nbytes), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    data = p == MAP_FAILED ? nullptr : p;
+  } else if (host_memory(dev)) {
     const size_t rounded = (static_cast<size_t>(nbytes) + 63) / 64 * 64;
     data = std::aligned_alloc(64, rounded ? rounded : 64);
-    if (!data) throw Error("tensor: out of host memory allocating " + memory_format_bytes(nbytes));
   } else {
     data = device_alloc(nbytes);
-    if (!data) device_out_of_memory(nbytes, cat);
   }
+  if (!data) out_of_memory(nbytes, cat, dev);
   memory_record_alloc(cat, nbytes);
 }
 
 Storage::~Storage() {
   memory_record_free(category, bytes);
-  if (host_memory(device))
+  if (host_memory(device) && bytes >= kHostMapBytes)
+    ::munmap(data, static_cast<size_t>(bytes));
+  else if (host_memory(device))
     std::free(data);
   else
     device_free(data);
@@ -160,7 +179,14 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, MemCategory category, Devi
   for (int i = 0; i < shape.ndim; ++i)
     MOECORE_CHECK(shape[i] >= 0, "tensor: negative dimension in shape ", shape.str());
   Tensor t;
-  t.storage_ = std::make_shared<Storage>(shape.bytes(dtype), device, category);
+  try {
+    t.storage_ = std::make_shared<Storage>(shape.bytes(dtype), device, category);
+  } catch (const Error& e) {  // (out of memory) which tensor
+    MOECORE_FAIL("tensor ", shape.str(), " ", dtype_name(dtype), ": ", e.what());
+  } catch (const std::bad_alloc&) {  // (the shared_ptr's control block: the heap is exhausted)
+    MOECORE_FAIL("tensor ", shape.str(), " ", dtype_name(dtype), ": out of host memory allocating its header; ",
+                 memory_limit().describe());
+  }
   t.dtype_ = dtype;
   t.set_contiguous_shape(shape);
   return t;

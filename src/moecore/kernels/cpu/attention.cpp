@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "moecore/kernels/attention_scratch.h"
 #include "moecore/kernels/cpu/attention_blocks.h"
 #include "moecore/kernels/cpu/cpu_util.h"
 #include "moecore/kernels/cpu/dropout_mask.h"
@@ -555,6 +556,13 @@ void attention_backward(Tensor& dq, Tensor& dkv, const Tensor& dout, const Tenso
     backward_impl(dq.data<T>(), dkv.data<T>(), dout.data<T>(), q.data<T>(), kv.data<T>(), out.data<T>(),
                   lse.data<float>(), L, mask ? &*mask : nullptr);
   });
+}
+
+int64_t attention_host_scratch_bytes(const QkvDims& dims) {
+  const Layout L(dims, 0);
+  const int64_t forward = 2 * L.B * L.G * L.Dp * L.Skp;  // forward_impl's kt_all and v_all
+  const int64_t backward = static_cast<int64_t>(BwdPacked::floats(L, key_chunks(L).row_offset.back()));
+  return static_cast<int64_t>(sizeof(float)) * (backward > forward ? forward + backward : forward);
 }
 
 }  // namespace moecore::ops
