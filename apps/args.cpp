@@ -278,6 +278,7 @@ void Args::check_same_on_every_rank() const {
   const CommOptions& o = comm_options();
   fields.emplace_back("MOECORE_COMM_DEBUG", o.debug ? "1" : "0");
   fields.emplace_back("MOECORE_COMM_TIMEOUT_S", std::to_string(o.timeout_s));
+  fields.emplace_back("MOECORE_COMM_PROGRESS_THREAD", o.progress_thread ? "1" : "0");
   check_same_config(fields, world);
 }
 

