@@ -374,6 +374,33 @@ void check_output_paths(const train::TrainConfig& t) {
   }
 }
 
+// The data's sample indices hold every sample of the run, built up front as Megatron's: at least 24 bytes a sample
+// (sample_index and shuffle_index). Counts no memory holds are refused here, naming the flags that give them, instead
+// of a std::bad_alloc (or a count of epochs) from the dataset. The dataset checks again with its real sizes.
+void check_sample_counts(const train::TrainConfig& t) {
+  const int64_t evaluations = t.eval_interval > 0 ? t.train_iters / t.eval_interval + 1 : 1;
+  const double ram = static_cast<double>(memory_physical_bytes()), limit = ram > 0 ? ram : 0x1p62;
+  const auto check = [&](double samples, const std::string& product, const char* which, const char* lower) {
+    const double bytes = 24.0 * samples;
+    if (bytes <= limit) return;
+    char count[32];
+    std::snprintf(count, sizeof count, "%.4g", samples);
+    MOECORE_FAIL(
+        "train: ", product, " = ", count, " ", which, " samples, whose sample index (24 bytes a sample, built ",
+        "before training as Megatron's) needs ",
+        bytes < 0x1p62 ? memory_format_bytes(static_cast<int64_t>(bytes)) : std::string("more than 2^62 bytes"),
+        ram > 0 ? ", more than this machine's " + memory_format_bytes(static_cast<int64_t>(ram)) : "", ": lower ",
+        lower);
+  };
+  const std::string gbs = " x --global-batch-size " + std::to_string(t.global_batch_size);
+  check(static_cast<double>(t.train_iters) * static_cast<double>(t.global_batch_size),
+        "--train-iters " + std::to_string(t.train_iters) + gbs, "training", "--train-iters or --global-batch-size");
+  check(static_cast<double>(evaluations) * static_cast<double>(t.eval_iters) * static_cast<double>(t.global_batch_size),
+        "--eval-iters " + std::to_string(t.eval_iters) + gbs + " x " + std::to_string(evaluations) + " evaluation" +
+            (evaluations == 1 ? "" : "s"),
+        "validation", "--eval-iters or --global-batch-size, or evaluate less often (--eval-interval)");
+}
+
 // The closing lines of a run: what was trained, how long it took, where the validation loss went, and where
 // the checkpoint and the metrics are.
 void print_summary(std::FILE* out, const train::TrainLog& log, const train::TrainConfig& t, int64_t seq_length,
@@ -487,6 +514,7 @@ int train_main(int argc, char** argv) {
         static_cast<int64_t>(stage_layers.size()) / pp_size,
         tcfg.microbatch_group_size_per_vp_stage > 0 ? tcfg.microbatch_group_size_per_vp_stage : pp_size);
   check_output_paths(tcfg);
+  check_sample_counts(tcfg);
 
   data::GptDataSourceConfig dcfg;
   dcfg.data_path = data_path;

@@ -109,5 +109,24 @@ TEST_F(UserInputErrors, NegativeCommTimeoutIsRefusedOnEveryRank) {
 }
 #endif
 
+// Defect 9 (d), (e): the data's sample indices hold every sample of the run (as Megatron's), so counts no memory
+// holds ended in std::bad_alloc, or after billions of loop turns in "4399230135 epochs needed". They are refused
+// before the data is read, naming the flags.
+TEST_F(UserInputErrors, SampleCountsNoMemoryHoldsAreRefusedNamingTheFlags) {
+  corpus();
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--global-batch-size 1000000000", "--global-batch-size 1000000000"},
+      {"--eval-iters 1000000000", "--eval-iters 1000000000"},
+      {"--train-iters 1000000000000", "--train-iters 1000000000000"},
+      {"--train-iters 1000000000000 --global-batch-size 1000000000", "--train-iters 1000000000000"},
+      {"--eval-iters 1000000000000 --eval-interval 1 --global-batch-size 1000000", "--eval-iters"}};
+  for (const auto& [flags, name] : cases) {
+    const CmdResult r = run_bounded(train_args() + flags);
+    expect_user_error(r, name, flags);
+    EXPECT_LACKS(r.output, "epochs needed");
+    EXPECT_LACKS(r.output, "iteration ");
+  }
+}
+
 }  // namespace
 }  // namespace moecore
