@@ -128,5 +128,23 @@ TEST_F(UserInputErrors, SampleCountsNoMemoryHoldsAreRefusedNamingTheFlags) {
   }
 }
 
+// Defect 9 (c): --max-shard-size below 1 byte reached an internal check of the writer, 2^64 bytes and more were
+// undefined behaviour, and "1.2.3MB" was read as 1.2 MB. It is parsed strictly, up front, naming the flag.
+TEST_F(UserInputErrors, MaxShardSizeIsParsedStrictly) {
+  for (const char* bad : {"1.2.3MB", "0.5", "0", "0.1B", "-1", "1e3", "5 GB", "5gb", "5TB", ".", "MB",
+                          "99999999999999999999GB", "18446744073709551616", "2048GiB"}) {
+    const CmdResult r =
+        run_moecore("convert --load " + p("none") + " --to-hf " + p("out") + " --max-shard-size '" + bad + "'");
+    expect_user_error(r, "--max-shard-size", bad);
+    EXPECT_HAS(r.output, std::string("'") + bad + "'");
+  }
+  for (const char* good : {"1", "1.5KB", "500MB", "2GiB", "1024GiB"}) {  // accepted: the missing --load fails next
+    const CmdResult r =
+        run_moecore("convert --load " + p("none") + " --to-hf " + p("out") + " --max-shard-size " + good);
+    EXPECT_EQ(r.status, 1) << good << ":\n" << r.output;
+    EXPECT_LACKS(r.output, "--max-shard-size");
+  }
+}
+
 }  // namespace
 }  // namespace moecore
