@@ -146,5 +146,19 @@ TEST_F(UserInputErrors, MaxShardSizeIsParsedStrictly) {
   }
 }
 
+// Defect 9 (f): a key given twice to --json-keys wrote the same .bin twice and left it without its .idx.
+TEST_F(UserInputErrors, DuplicateJsonKeysAreRefusedBeforeWriting) {
+  {
+    std::ofstream f(p("docs.jsonl"));
+    f << "{\"text\": \"one\", \"title\": \"a\"}\n{\"text\": \"two\", \"title\": \"b\"}\n";
+  }
+  const CmdResult r = run_moecore("preprocess --input " + p("docs.jsonl") + " --output-prefix " + p("out") +
+                                  " --tokenizer-type ByteLevel --json-keys text title text");
+  expect_user_error(r, "--json-keys", "duplicate key");
+  EXPECT_HAS(r.output, "'text' twice");
+  EXPECT_FALSE(fs::exists(p("out_text_document.bin")));
+  EXPECT_FALSE(fs::exists(p("out_title_document.bin")));
+}
+
 }  // namespace
 }  // namespace moecore
