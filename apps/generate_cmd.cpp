@@ -27,7 +27,7 @@ int generate_main(int argc, char** argv) {
   add_hf_config_flag(a);
   a.option("--load", "", "checkpoint directory (the newest committed checkpoint is used)")
       .option("--ckpt-step", "", "load this iteration of --load instead of the newest")
-      .option("--prompt", "The ", "text to continue")
+      .option("--prompt", "The ", "text to continue (empty: a new document, from the end-of-document token)")
       .option("--max-new-tokens", "200", "tokens to sample")
       .option("--temperature", "0.8", "sampling temperature (top-k 40)")
       .option("--seed", "1234", "sampling seed")
@@ -48,7 +48,7 @@ int generate_main(int argc, char** argv) {
   const uint64_t seed = static_cast<uint64_t>(a.i64("--seed"));
   train::load_training_checkpoint(*dir, gpt, opt, seed);
   const std::string prompt = a.str("--prompt");
-  const auto ids = train::generate(gpt, tok->encode(prompt), a.i64("--max-new-tokens"),
+  const auto ids = train::generate(gpt, prompt_tokens(*tok, prompt), a.i64("--max-new-tokens"),
                                    static_cast<float>(a.f64("--temperature")), seed, tok->eod(), tok->vocab_size());
   std::printf("%s%s\n", prompt.c_str(), tok->decode(ids).c_str());
   return 0;

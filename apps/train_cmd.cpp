@@ -160,7 +160,7 @@ void add_training_flags(Args& a) {
       .flag("--moe-use-upcycling", "start the MoE model from the dense checkpoint given by --load")
       .option("--moe-upcycling-granularity", "1", "experts per dense MLP copy: dense ffn = g * moe ffn")
       .option("--generate-tokens", "200", "tokens sampled after training (0: none; moecore)")
-      .option("--prompt", "The ", "text the sample starts from (moecore)");
+      .option("--prompt", "The ", "text the sample starts from (empty: a new document; moecore)");
   // What each numeric or enumerated training flag accepts, checked at start-up (Args::domain).
   using D = FlagDomain;
   const std::pair<const char*, FlagDomain> domains[] = {
@@ -623,7 +623,8 @@ int train_main(int argc, char** argv) {
   // pipeline, every TP and CP rank) do. Rank 0 prints.
   if (count > 0 && (dp.rank() == 0 || ep.etp_ep.size() > 1)) {
     const std::string prompt = a.str("--prompt");
-    const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed, tok->eod(), tok->vocab_size());
+    const auto ids =
+        train::generate(gpt, prompt_tokens(*tok, prompt), count, 0.8f, tcfg.seed, tok->eod(), tok->vocab_size());
     if (out) std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());
   }
   if (out) print_summary(out, log, tcfg, mcfg.seq_length, seconds);

@@ -160,5 +160,19 @@ TEST_F(UserInputErrors, DuplicateJsonKeysAreRefusedBeforeWriting) {
   EXPECT_FALSE(fs::exists(p("out_title_document.bin")));
 }
 
+// Defect 9 (a): an empty --prompt reached `tensor.slice [-1, 0)`. It now starts a new document from the
+// end-of-document token (unconditional sampling), in `generate` and in train's sample after training.
+TEST_F(UserInputErrors, EmptyPromptStartsFromTheEndOfDocumentToken) {
+  corpus();
+  CmdResult r = run_moecore(train_args() + "--save " + p("ckpt") + " --generate-tokens 4 --prompt ''");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_HAS(r.output, "---- sample ----");
+  r = run_moecore("generate --load " + p("ckpt") +
+                  " --tokenizer-type ByteLevel --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
+                  "--max-new-tokens 4 --prompt ''");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_LACKS(r.output, "tensor.slice");
+}
+
 }  // namespace
 }  // namespace moecore
