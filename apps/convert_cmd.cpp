@@ -184,7 +184,7 @@ void export_hf(const Args& a) {
   for (int64_t r = 0; ep > 1 && r < ep; ++r)
     expert_files.push_back(std::make_unique<io::HfCheckpointReader>(ck.dir, train::checkpoint_expert_file(r, ep)));
   std::string dtype_text = a.str("--hf-dtype");
-  if (dtype_text.empty()) dtype_text = config.value("dtype", config.value("torch_dtype", std::string("bfloat16")));
+  if (dtype_text.empty()) dtype_text = hf_config_dtype(config).value_or("bfloat16");
   const DType dtype = parse_dtype(dtype_text, a.str("--hf-dtype").empty() ? "config.json dtype" : "--hf-dtype");
   io::HfCheckpointWriter writer(out, max_shard_bytes(a));
   auto rows = [&](size_t p, int64_t first, int64_t n) {

@@ -134,6 +134,15 @@ bool bool_key(const json& cfg, const char* key, bool def) {
 
 void ignore(const Row&, const json&, const json&, Flags&) {}
 
+// torch_dtype / dtype (transformers 5): the dtype an export writes the weights in; null is transformers' None (not
+// given). Checked on import, so a file that an export could not use is refused naming the key, not at the export.
+constexpr const char* kHfDtypes[] = {"bfloat16", "float16", "float32"};
+void weights_dtype(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (v.is_null()) return;
+  if (!v.is_string() || std::none_of(std::begin(kHfDtypes), std::end(kHfDtypes), [&](const char* d) { return v == d; }))
+    refuse(r, v, cfg, "expected null or one of \"bfloat16\", \"float16\", \"float32\"");
+}
+
 // A boolean another row reads (its type is checked even when that row does not read it).
 void boolean(const Row& r, const json& v, const json& cfg, Flags&) {
   if (!v.is_boolean()) refuse(r, v, cfg, "expected true or false");
@@ -658,8 +667,8 @@ constexpr Row kRows[] = {
     {"bos_token_id", kAny, "", ignore, "null"},
     {"eos_token_id", kAny, "", ignore, "null"},
     {"pad_token_id", kAny, "", ignore, "null"},
-    {"torch_dtype", kAny, "", ignore, "null", emit_dtype},
-    {"dtype", kAny, "", ignore, "null"},
+    {"torch_dtype", kAny, "", weights_dtype, "null", emit_dtype},
+    {"dtype", kAny, "", weights_dtype, "null"},
     {"use_cache", kAny, "", ignore, "true"},
     {"transformers_version", kAny, "", ignore, "null"},
     {"architectures", kAny, "", ignore, "null", emit_architectures},
@@ -795,6 +804,16 @@ model::ModelConfig hf_model_config(const json& config, const std::string& where,
   a.parse(static_cast<int>(argv.size()), argv.data());
   hf_config_fill(a, config, where);
   return model_config_from(a, /*tokenizer_vocab=*/0);
+}
+
+std::optional<std::string> hf_config_dtype(const json& config) {
+  for (const char* key : {"dtype", "torch_dtype"}) {  // transformers 5's name first
+    const json v = config.is_object() ? config.value(key, json()) : json();
+    if (v.is_null()) continue;
+    if (!v.is_string()) MOECORE_FAIL("config.json key '", key, "' = ", v.dump(), ": expected a dtype name or null");
+    return v.get<std::string>();
+  }
+  return std::nullopt;
 }
 
 model::HfWeightMap hf_config_weight_map(const json& config, const model::ModelConfig& cfg) {

@@ -5,6 +5,7 @@
 // change the math and cannot be honoured, and keys the table does not know, are refused by name; this file does
 // not read weights (that is `convert --from-hf`).
 #pragma once
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,6 +33,9 @@ nlohmann::json hf_config_parse(const std::string& text, const std::string& where
 // precedence, as `moecore train --hf-config PATH <flags>` would build it. `where` names the config in errors.
 model::ModelConfig hf_model_config(const nlohmann::json& config, const std::string& where,
                                    const std::vector<std::pair<std::string, std::string>>& flags = {});
+// The weights' dtype the config names ("bfloat16"): its "dtype" (transformers 5), else "torch_dtype"; nullopt when
+// neither is given (absent or null). Throws naming the key when the value is not a string.
+std::optional<std::string> hf_config_dtype(const nlohmann::json& config);
 // The HF <-> moecore weight map of a model built from `config` (its model_type and, for deepseek_v3,
 // rope_interleave).
 model::HfWeightMap hf_config_weight_map(const nlohmann::json& config, const model::ModelConfig& cfg);

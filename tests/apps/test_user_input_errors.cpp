@@ -174,5 +174,33 @@ TEST_F(UserInputErrors, EmptyPromptStartsFromTheEndOfDocumentToken) {
   EXPECT_LACKS(r.output, "tensor.slice");
 }
 
+// Defect 9 (b): "dtype": null in an imported config.json failed only at the export, with nlohmann's raw type
+// error. null is transformers' "not given" (the export writes bf16); any other non-name is refused at the import,
+// naming the key.
+TEST_F(UserInputErrors, ConfigDtypeIsCheckedAtImportAndReadSafelyAtExport) {
+  const std::string golden = std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/mixtral";
+  const auto hf_dir = [&](const std::string& name, const char* key, const nlohmann::json& value) {
+    fs::create_directories(p(name));
+    fs::copy_file(golden + "/model.safetensors", p(name) + "/model.safetensors");
+    std::ifstream in(golden + "/config.json");
+    nlohmann::json cfg = nlohmann::json::parse(in);
+    cfg[key] = value;
+    std::ofstream(p(name) + "/config.json") << cfg.dump(2);
+    return p(name);
+  };
+  CmdResult r = run_moecore("convert --from-hf " + hf_dir("null_dtype", "dtype", nullptr) + " --save " + p("ck"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_moecore("convert --load " + p("ck") + " --to-hf " + p("ck_hf"));
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_LACKS(r.output, "[json.exception");
+  for (const auto& [key, value] : std::vector<std::pair<const char*, nlohmann::json>>{
+           {"dtype", 5}, {"torch_dtype", nlohmann::json::array({"bfloat16"})}, {"dtype", "float64"}}) {
+    r = run_moecore("convert --from-hf " + hf_dir(std::string("bad_") + key, key, value) + " --save " + p("bad_ck"));
+    expect_user_error(r, std::string("'") + key + "'", value.dump());
+    EXPECT_FALSE(fs::exists(p("bad_ck") + "/iter_0000000")) << value.dump();
+    fs::remove_all(p(std::string("bad_") + key));
+  }
+}
+
 }  // namespace
 }  // namespace moecore
