@@ -79,7 +79,7 @@ DType parse_dtype(const std::string& s, const std::string& where) {
 void import_hf(const Args& a) {
   const std::string src = a.str("--from-hf"), root = a.str("--save");
   const int64_t ep = a.i64("--expert-model-parallel-size");
-  const std::string config_text = io::read_file(hf_config_path(src));
+  const std::string config_text = io::read_file(hf_config_path(src, "--from-hf"));
   const json config = hf_config_parse(config_text, src + "/config.json");
   const model::ModelConfig cfg = hf_model_config(config, "--from-hf " + src, kWeightsOnly);
   const model::HfWeightMap map = hf_config_weight_map(config, cfg);
@@ -155,7 +155,7 @@ void export_hf(const Args& a) {
   std::string config_text;
   std::string where;
   if (!a.str("--hf-config").empty()) {
-    where = hf_config_path(a.str("--hf-config"));
+    where = hf_config_path(a.str("--hf-config"), "--hf-config");
     config_text = io::read_file(where);
   } else if (state.contains("hf_config_json") && state["hf_config_json"].is_string()) {
     config_text = state["hf_config_json"].get<std::string>();

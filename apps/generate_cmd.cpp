@@ -36,7 +36,7 @@ int generate_main(int argc, char** argv) {
       .domain("--temperature", FlagDomain::positive_number())
       .domain("--seed", FlagDomain::integer(0, 4294967295.0));
   if (!a.parse(argc, argv)) return 0;
-  hf_config_apply(a);
+  hf_config_apply(a, "--hf-config");
   if (a.str("--load").empty()) MOECORE_FAIL("generate: --load is required");
   const auto tok = tokenizer_from(a);
   const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a));

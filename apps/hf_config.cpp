@@ -744,15 +744,15 @@ Flags hf_config_flags(const json& cfg) {
   return out;
 }
 
-std::string hf_config_path(const std::string& path) {
+std::string hf_config_path(const std::string& path, const std::string& flag) {
   namespace fs = std::filesystem;
   fs::path p(path);
   std::error_code ec;  // a path the filesystem refuses (too long, no permission) is "not there", not an exception
   if (fs::is_directory(p, ec)) {
     p /= "config.json";
-    if (!fs::is_regular_file(p, ec)) MOECORE_FAIL("--hf-config ", path, ": the directory holds no config.json");
-  } else if (!fs::is_regular_file(p, ec)) {
-    MOECORE_FAIL("--hf-config ", path, ": no such file or directory");
+    if (!fs::is_regular_file(p, ec)) MOECORE_FAIL(flag, " ", path, ": the directory holds no config.json");
+  } else {
+    if (!fs::is_regular_file(p, ec)) MOECORE_FAIL(flag, " ", path, ": no such file or directory");
   }
   return p.string();
 }
@@ -761,11 +761,11 @@ json hf_config_parse(const std::string& text, const std::string& where) {
   return io::parse_json(text, where);
 }
 
-json hf_config_load(const std::string& path) {
-  const std::string p = hf_config_path(path);
+json hf_config_load(const std::string& path, const std::string& flag) {
+  const std::string p = hf_config_path(path, flag);
   std::ifstream f(p);
-  if (!f) MOECORE_FAIL("--hf-config ", p, ": cannot open");
-  return hf_config_parse(std::string(std::istreambuf_iterator<char>(f), {}), "--hf-config " + p);
+  if (!f) MOECORE_FAIL(flag, " ", p, ": cannot open");
+  return hf_config_parse(std::string(std::istreambuf_iterator<char>(f), {}), flag + " " + p);
 }
 
 void add_hf_config_flag(Args& a) {
@@ -784,9 +784,9 @@ void hf_config_fill(Args& a, const json& cfg, const std::string& where) {
   for (const auto& [flag, value] : flags) a.fill_unset(flag, value, " in " + where);
 }
 
-void hf_config_apply(Args& a) {
+void hf_config_apply(Args& a, const std::string& flag) {
   const std::string path = a.str("--hf-config");
-  if (!path.empty()) hf_config_fill(a, hf_config_load(path), "--hf-config " + path);
+  if (!path.empty()) hf_config_fill(a, hf_config_load(path, flag), flag + " " + path);
 }
 
 model::ModelConfig hf_model_config(const json& config, const std::string& where,

@@ -221,6 +221,12 @@ DType state_dtype(const Args& a, const char* flag) {
   return v == "bf16" ? DType::bf16 : DType::f32;
 }
 
+// The flag the user typed for the model's config.json: --load-hf when it set --hf-config (errors must name it).
+std::string hf_config_flag(const Args& a) {
+  const std::string load_hf = a.str("--load-hf");
+  return !load_hf.empty() && a.str("--hf-config") == load_hf ? "--load-hf" : "--hf-config";
+}
+
 train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   train::TrainConfig t;
   t.micro_batch_size = a.i64("--micro-batch-size");
@@ -241,7 +247,8 @@ train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   t.save = a.str("--save");
   t.load = a.str("--load");
   t.ckpt_step = a.i64_or("--ckpt-step", -1);
-  if (!a.str("--hf-config").empty()) t.hf_config_json = io::read_file(hf_config_path(a.str("--hf-config")));
+  if (!a.str("--hf-config").empty())
+    t.hf_config_json = io::read_file(hf_config_path(a.str("--hf-config"), hf_config_flag(a)));
   t.save_interval = a.i64_or("--save-interval", 0);
   t.exit_interval = a.i64_or("--exit-interval", 0);
   t.keep_last = static_cast<int>(a.i64("--keep-last-checkpoints"));
@@ -448,7 +455,7 @@ int train_main(int argc, char** argv) {
   if (a.on("--overlap-param-gather") && !(a.on("--use-distributed-optimizer") && a.on("--overlap-grad-reduce")))
     MOECORE_FAIL("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron)");
   if (!a.str("--load-hf").empty()) a.fill_unset("--hf-config", a.str("--load-hf"), " by --load-hf");
-  hf_config_apply(a);
+  hf_config_apply(a, hf_config_flag(a));
   if (!a.str("--hf-config").empty()) a.check_same_on_every_rank();  // the file's values too
   if (comm_initialized() && !comm_timeout_from_env()) {             // the variable, when set, overrides the flag
     CommOptions o = comm_options();
@@ -566,7 +573,8 @@ int train_main(int argc, char** argv) {
     const auto step = tcfg.ckpt_step >= 0 ? std::optional<int64_t>(tcfg.ckpt_step) : std::nullopt;
     if (tcfg.load.empty() || !io::checkpoint_find_latest(tcfg.load, step)) {
       const std::string dir = a.str("--load-hf");
-      const model::HfWeightMap map = hf_config_weight_map(hf_config_load(a.str("--hf-config")), mcfg);
+      const model::HfWeightMap map =
+          hf_config_weight_map(hf_config_load(a.str("--hf-config"), hf_config_flag(a)), mcfg);
       const io::HfCheckpointReader hf(dir);
       model::hf_check_tensors(map, hf);
       model::hf_import(map, hf, gpt);

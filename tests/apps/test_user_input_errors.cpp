@@ -202,5 +202,25 @@ TEST_F(UserInputErrors, ConfigDtypeIsCheckedAtImportAndReadSafelyAtExport) {
   }
 }
 
+// Defect 9 (h): errors about the model's config.json named --hf-config when the user had typed --from-hf, --load-hf
+// or --hf.
+TEST_F(UserInputErrors, ConfigErrorsNameTheFlagTheUserTyped) {
+  corpus();
+  fs::create_directories(p("empty_model"));
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"convert --from-hf " + p("missing") + " --save " + p("ck"), "--from-hf " + p("missing")},
+      {"convert --from-hf " + p("empty_model") + " --save " + p("ck"), "--from-hf " + p("empty_model")},
+      {"model-step --hf " + p("missing") + " --tokens " + std::string(MOECORE_SOURCE_DIR) +
+           "/tests/golden/hf_models/mixtral/tokens.safetensors --out " + p("o"),
+       "--hf " + p("missing")},
+      {train_args() + "--load-hf " + p("missing"), "--load-hf " + p("missing")},
+      {train_args() + "--load-hf " + p("empty_model"), "--load-hf " + p("empty_model")}};
+  for (const auto& [cmd, name] : cases) {
+    const CmdResult r = run_moecore(cmd);
+    expect_user_error(r, name, cmd);
+    EXPECT_LACKS(r.output, "--hf-config");
+  }
+}
+
 }  // namespace
 }  // namespace moecore
