@@ -9,6 +9,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "moecore/core/error.h"
+#include "moecore/io/input_file.h"
 #include "moecore/parallel/comm.h"
 
 namespace moecore::apps {
@@ -307,6 +308,7 @@ std::string Args::list_flags() const {
 // Command-line flags win: a config entry only fills flags the command line left unset.
 void Args::merge_config(const std::string& path) {
   YAML::Node root;
+  io::require_regular_file(path, "--config");  // a FIFO would block the read
   try {
     root = YAML::LoadFile(path);
   } catch (const YAML::Exception& e) {

@@ -12,6 +12,7 @@
 
 #include "apps/model_flags.h"
 #include "moecore/core/error.h"
+#include "moecore/io/input_file.h"
 #include "moecore/io/json.h"
 #include "moecore/model/param_specs.h"
 
@@ -750,8 +751,10 @@ std::string hf_config_path(const std::string& path, const std::string& flag) {
   std::error_code ec;  // a path the filesystem refuses (too long, no permission) is "not there", not an exception
   if (fs::is_directory(p, ec)) {
     p /= "config.json";
+    io::require_regular_file(p.string(), flag + " " + path + ": config.json");
     if (!fs::is_regular_file(p, ec)) MOECORE_FAIL(flag, " ", path, ": the directory holds no config.json");
   } else {
+    io::require_regular_file(path, flag);  // a FIFO would block the read
     if (!fs::is_regular_file(p, ec)) MOECORE_FAIL(flag, " ", path, ": no such file or directory");
   }
   return p.string();

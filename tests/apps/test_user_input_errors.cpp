@@ -202,6 +202,49 @@ TEST_F(UserInputErrors, ConfigDtypeIsCheckedAtImportAndReadSafelyAtExport) {
   }
 }
 
+// Defect 9 (g): a FIFO given where a file is read (a dataset's .idx or .bin, tokenizer files, --hf-config, --config,
+// safetensors) or written (--metrics-jsonl) blocked the open forever. Each is refused naming the file and what it is.
+TEST_F(UserInputErrors, FifosWhereFilesBelongAreRefusedNotWaitedOn) {
+  corpus();
+  fs::copy_file(p("c_text_document.bin"), p("f_text_document.bin"));
+  fifo("f_text_document.idx");
+  std::string args = train_args();
+  args.replace(args.find(p("c_text_document")), p("c_text_document").size(), p("f_text_document"));
+  CmdResult r = run_bounded(args);
+  expect_user_error(r, p("f_text_document.idx"), ".idx FIFO");
+  EXPECT_HAS(r.output, "FIFO");
+
+  fs::copy_file(p("c_text_document.idx"), p("g_text_document.idx"));
+  fifo("g_text_document.bin");
+  args = train_args();
+  args.replace(args.find(p("c_text_document")), p("c_text_document").size(), p("g_text_document"));
+  r = run_bounded(args);
+  expect_user_error(r, p("g_text_document.bin"), ".bin FIFO");
+  EXPECT_HAS(r.output, "FIFO");
+
+  const std::string pipe = fifo("pipe");
+  {  // a valid moe-layer case, so that its --inputs is read
+    const io::SafetensorsFile g =
+        io::safetensors_load(std::string(MOECORE_SOURCE_DIR) + "/tests/golden/moe_shared_gate.safetensors");
+    std::ofstream(p("layer.json")) << g.metadata.at("config");
+  }
+  for (const std::string& cmd :
+       {train_args() + "--metrics-jsonl " + pipe, train_args() + "--hf-config " + pipe,
+        "preprocess --input " + p("corpus.jsonl") + " --output-prefix " + p("x") +
+            " --tokenizer-type GPT2BPETokenizer --vocab-file " + pipe + " --merge-file " + pipe,
+        train_args() + "--config " + pipe, "moe-layer --config " + pipe + " --inputs x --out " + p("y"),
+        "moe-layer --config " + p("layer.json") + " --inputs " + pipe + " --out " + p("y")}) {
+    r = run_bounded(cmd);
+    expect_user_error(r, pipe, cmd);
+    EXPECT_HAS(r.output, "FIFO");
+  }
+  r = run_bounded(train_args() + "--metrics-jsonl " + p("."));
+  expect_user_error(r, "--metrics-jsonl", "directory");
+  EXPECT_HAS(r.output, "a directory");
+  r = run_bounded(train_args() + "--metrics-jsonl /dev/null");  // a character device may be written into
+  EXPECT_EQ(r.status, 0) << r.output;
+}
+
 // Defect 9 (h): errors about the model's config.json named --hf-config when the user had typed --from-hf, --load-hf
 // or --hf.
 TEST_F(UserInputErrors, ConfigErrorsNameTheFlagTheUserTyped) {
