@@ -515,13 +515,13 @@ int train_main(int argc, char** argv) {
   moe::echo_check_layout(mcfg.moe, sizes.ep, sizes.etp,
                          moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type")));
   train::TrainConfig tcfg = train_config_from(a, sizes.dp);
+  check_sample_counts(tcfg);  // before anything is sized by them (the data's indices, a pipeline's schedule)
   if (static_cast<int64_t>(stage_layers.size()) > pp_size && tcfg.micro_batches() % sizes.dp == 0)  // (validated)
     train::interleaved_one_f_one_b(
         tcfg.micro_batches() / sizes.dp, pp_size, 0,  // Megatron's conditions, checked now
         static_cast<int64_t>(stage_layers.size()) / pp_size,
         tcfg.microbatch_group_size_per_vp_stage > 0 ? tcfg.microbatch_group_size_per_vp_stage : pp_size);
   check_output_paths(tcfg);
-  check_sample_counts(tcfg);
 
   data::GptDataSourceConfig dcfg;
   dcfg.data_path = data_path;
