@@ -9,6 +9,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "moecore/core/error.h"
+#include "moecore/io/input_file.h"
 #include "moecore/parallel/comm.h"
 
 namespace moecore::apps {
@@ -278,6 +279,7 @@ void Args::check_same_on_every_rank() const {
   const CommOptions& o = comm_options();
   fields.emplace_back("MOECORE_COMM_DEBUG", o.debug ? "1" : "0");
   fields.emplace_back("MOECORE_COMM_TIMEOUT_S", std::to_string(o.timeout_s));
+  fields.emplace_back("MOECORE_COMM_PROGRESS_THREAD", o.progress_thread ? "1" : "0");
   check_same_config(fields, world);
 }
 
@@ -306,6 +308,7 @@ std::string Args::list_flags() const {
 // Command-line flags win: a config entry only fills flags the command line left unset.
 void Args::merge_config(const std::string& path) {
   YAML::Node root;
+  io::require_regular_file(path, "--config");  // a FIFO would block the read
   try {
     root = YAML::LoadFile(path);
   } catch (const YAML::Exception& e) {

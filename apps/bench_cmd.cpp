@@ -207,7 +207,7 @@ int bench_train_step_main(int argc, char** argv) {
   a.option("--micro-batch-size", "1", "sequences per step");
   add_device_flags(a, "--steps", "3");
   if (!a.parse(argc, argv)) return 0;
-  hf_config_apply(a);
+  hf_config_apply(a, "--hf-config");
   const auto run = device_run_from(a, "bench train-step", "--steps", true);
   const model::ModelConfig cfg = model_config_from(a, a.str("--hf-config").empty() ? 50257 : 0);
   if (!run) {

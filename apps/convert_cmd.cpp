@@ -8,7 +8,9 @@
 // directory through a staging directory renamed into place.
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -34,10 +36,21 @@ using nlohmann::json;
 // Conversion reads no activations: the sequence length only has to pass validation against the position limit.
 const std::vector<std::pair<std::string, std::string>> kWeightsOnly = {{"--seq-length", "1"}};
 
-// "5GB", "500MB", "2GiB", "1000000" -> bytes (HF's units: GB = 10^9, GiB = 2^30).
+// "5GB", "500MB", "2GiB", "1.5GB", "1000000" -> bytes (HF's units: GB = 10^9, GiB = 2^30): a decimal number (digits
+// with at most one '.') and a unit, from 1 byte to kMaxShardBytes. Anything else ("1.2.3MB", "-1", "1e3", "0.1B")
+// is refused naming the flag.
+constexpr uint64_t kMaxShardBytes = uint64_t{1} << 40;  // 1 TiB: HF's default is 5GB
+
 uint64_t parse_size(const std::string& s) {
-  size_t i = 0;
-  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) ++i;
+  const auto bad = [&]() -> uint64_t {
+    MOECORE_FAIL("--max-shard-size '", s,
+                 "' is not a size from 1 byte to 1TiB: a number with at most one '.' and a unit B, KB, MB, GB, KiB, "
+                 "MiB or GiB (e.g. 5GB, 500MB, 2GiB, or bytes)");
+  };
+  size_t i = 0, dots = 0, digits = 0;
+  for (; i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.'); ++i)
+    (s[i] == '.' ? dots : digits) += 1;
+  if (digits == 0 || dots > 1 || digits > 30) return bad();
   const std::string unit = s.substr(i);
   double mult = 0;
   if (unit.empty() || unit == "B") mult = 1;
@@ -47,15 +60,14 @@ uint64_t parse_size(const std::string& s) {
   if (unit == "KiB") mult = 1024.0;
   if (unit == "MiB") mult = 1048576.0;
   if (unit == "GiB") mult = 1073741824.0;
-  double v = 0;
-  try {
-    v = i ? std::stod(s.substr(0, i)) : 0;
-  } catch (...) {
-    v = 0;
-  }
-  if (mult == 0 || !(v > 0))
-    MOECORE_FAIL("--max-shard-size '", s, "' is not a positive size (e.g. 5GB, 500MB, 2GiB, or bytes)");
-  return static_cast<uint64_t>(v * mult);
+  const double bytes = std::strtod(s.substr(0, i).c_str(), nullptr) * mult;
+  if (mult == 0 || !(bytes >= 1) || !(bytes <= static_cast<double>(kMaxShardBytes))) return bad();
+  return static_cast<uint64_t>(bytes);
+}
+
+uint64_t max_shard_bytes(const Args& a) {
+  const std::string s = a.str("--max-shard-size");
+  return parse_size(s.empty() ? "5GB" : s);  // "" is unset (Megatron's None): HF's default
 }
 
 DType parse_dtype(const std::string& s, const std::string& where) {
@@ -68,7 +80,7 @@ DType parse_dtype(const std::string& s, const std::string& where) {
 void import_hf(const Args& a) {
   const std::string src = a.str("--from-hf"), root = a.str("--save");
   const int64_t ep = a.i64("--expert-model-parallel-size");
-  const std::string config_text = io::read_file(hf_config_path(src));
+  const std::string config_text = io::read_file(hf_config_path(src, "--from-hf"));
   const json config = hf_config_parse(config_text, src + "/config.json");
   const model::ModelConfig cfg = hf_model_config(config, "--from-hf " + src, kWeightsOnly);
   const model::HfWeightMap map = hf_config_weight_map(config, cfg);
@@ -166,7 +178,7 @@ void export_hf(const Args& a) {
   std::string config_text;
   std::string where;
   if (!a.str("--hf-config").empty()) {
-    where = hf_config_path(a.str("--hf-config"));
+    where = hf_config_path(a.str("--hf-config"), "--hf-config");
     config_text = io::read_file(where);
     if (recorded)
       refuse_differences(hf_model_config(hf_config_parse(config_text, where), where, kWeightsOnly),
@@ -206,9 +218,9 @@ void export_hf(const Args& a) {
   for (int64_t r = 0; ep > 1 && r < ep; ++r)
     expert_files.push_back(std::make_unique<io::HfCheckpointReader>(ck.dir, train::checkpoint_expert_file(r, ep)));
   std::string dtype_text = a.str("--hf-dtype");
-  if (dtype_text.empty()) dtype_text = config.value("dtype", config.value("torch_dtype", std::string("bfloat16")));
+  if (dtype_text.empty()) dtype_text = hf_config_dtype(config).value_or("bfloat16");
   const DType dtype = parse_dtype(dtype_text, a.str("--hf-dtype").empty() ? "config.json dtype" : "--hf-dtype");
-  io::HfCheckpointWriter writer(out, parse_size(a.str("--max-shard-size")));
+  io::HfCheckpointWriter writer(out, max_shard_bytes(a));
   auto rows = [&](size_t p, int64_t first, int64_t n) {
     const model::HfParamMap& m = map.params[p];
     if (!m.expert || ep == 1) return model_file.read_rows(m.param, first, n, DType::f32);
@@ -265,6 +277,7 @@ int convert_main(int argc, char** argv) {
   const model::ModelConfig defaults;
   add_model_flags(a, defaults);  // export without a recorded config.json: the model flags of the training run
   if (!a.parse(argc, argv)) return 0;
+  (void)max_shard_bytes(a);  // checked like a numeric flag: up front, whether or not this is an export
   const bool in = !a.str("--from-hf").empty() || !a.str("--save").empty();
   const bool out = !a.str("--load").empty() || !a.str("--to-hf").empty();
   if (in == out)

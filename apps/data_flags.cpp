@@ -33,4 +33,13 @@ int64_t padded_vocab_size(const data::Tokenizer& tok, const Args& a, int64_t tp)
   return (tok.vocab_size() + d - 1) / d * d;
 }
 
+std::vector<int32_t> prompt_tokens(const data::Tokenizer& tok, const std::string& prompt) {
+  std::vector<int32_t> ids = tok.encode(prompt);
+  if (ids.empty() && tok.eod() < 0)
+    MOECORE_FAIL("--prompt '", prompt, "' encodes to no token and tokenizer ", tok.name(),
+                 " has no end-of-document token to start from: give a prompt");
+  if (ids.empty()) ids.push_back(tok.eod());
+  return ids;
+}
+
 }  // namespace moecore::apps

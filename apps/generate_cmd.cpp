@@ -27,7 +27,7 @@ int generate_main(int argc, char** argv) {
   add_hf_config_flag(a);
   a.option("--load", "", "checkpoint directory (the newest committed checkpoint is used)")
       .option("--ckpt-step", "", "load this iteration of --load instead of the newest")
-      .option("--prompt", "The ", "text to continue")
+      .option("--prompt", "The ", "text to continue (empty: a new document, from the end-of-document token)")
       .option("--max-new-tokens", "200", "tokens to sample")
       .option("--temperature", "0.8", "sampling temperature (top-k 40)")
       .option("--seed", "1234", "sampling seed")
@@ -36,7 +36,7 @@ int generate_main(int argc, char** argv) {
       .domain("--temperature", FlagDomain::positive_number())
       .domain("--seed", FlagDomain::integer(0, 4294967295.0));
   if (!a.parse(argc, argv)) return 0;
-  hf_config_apply(a);
+  hf_config_apply(a, "--hf-config");
   if (a.str("--load").empty()) MOECORE_FAIL("generate: --load is required");
   const auto tok = tokenizer_from(a);
   const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a));
@@ -50,7 +50,7 @@ int generate_main(int argc, char** argv) {
   const std::string prompt = a.str("--prompt");
   std::vector<int32_t> ids;
   try {
-    ids = train::generate(gpt, tok->encode(prompt), a.i64("--max-new-tokens"),
+    ids = train::generate(gpt, prompt_tokens(*tok, prompt), a.i64("--max-new-tokens"),
                           static_cast<float>(a.f64("--temperature")), seed, tok->eod(), tok->vocab_size());
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + " (checkpoint " + *dir + ")");

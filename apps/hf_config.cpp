@@ -12,6 +12,7 @@
 
 #include "apps/model_flags.h"
 #include "moecore/core/error.h"
+#include "moecore/io/input_file.h"
 #include "moecore/io/json.h"
 #include "moecore/model/config_record.h"
 #include "moecore/model/param_specs.h"
@@ -134,6 +135,15 @@ bool bool_key(const json& cfg, const char* key, bool def) {
 }
 
 void ignore(const Row&, const json&, const json&, Flags&) {}
+
+// torch_dtype / dtype (transformers 5): the dtype an export writes the weights in; null is transformers' None (not
+// given). Checked on import, so a file that an export could not use is refused naming the key, not at the export.
+constexpr const char* kHfDtypes[] = {"bfloat16", "float16", "float32"};
+void weights_dtype(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (v.is_null()) return;
+  if (!v.is_string() || std::none_of(std::begin(kHfDtypes), std::end(kHfDtypes), [&](const char* d) { return v == d; }))
+    refuse(r, v, cfg, "expected null or one of \"bfloat16\", \"float16\", \"float32\"");
+}
 
 // A boolean another row reads (its type is checked even when that row does not read it).
 void boolean(const Row& r, const json& v, const json& cfg, Flags&) {
@@ -659,8 +669,8 @@ constexpr Row kRows[] = {
     {"bos_token_id", kAny, "", ignore, "null"},
     {"eos_token_id", kAny, "", ignore, "null"},
     {"pad_token_id", kAny, "", ignore, "null"},
-    {"torch_dtype", kAny, "", ignore, "null", emit_dtype},
-    {"dtype", kAny, "", ignore, "null"},
+    {"torch_dtype", kAny, "", weights_dtype, "null", emit_dtype},
+    {"dtype", kAny, "", weights_dtype, "null"},
     {"use_cache", kAny, "", ignore, "true"},
     {"transformers_version", kAny, "", ignore, "null"},
     {"architectures", kAny, "", ignore, "null", emit_architectures},
@@ -736,15 +746,17 @@ Flags hf_config_flags(const json& cfg) {
   return out;
 }
 
-std::string hf_config_path(const std::string& path) {
+std::string hf_config_path(const std::string& path, const std::string& flag) {
   namespace fs = std::filesystem;
   fs::path p(path);
   std::error_code ec;  // a path the filesystem refuses (too long, no permission) is "not there", not an exception
   if (fs::is_directory(p, ec)) {
     p /= "config.json";
-    if (!fs::is_regular_file(p, ec)) MOECORE_FAIL("--hf-config ", path, ": the directory holds no config.json");
-  } else if (!fs::is_regular_file(p, ec)) {
-    MOECORE_FAIL("--hf-config ", path, ": no such file or directory");
+    io::require_regular_file(p.string(), flag + " " + path + ": config.json");
+    if (!fs::is_regular_file(p, ec)) MOECORE_FAIL(flag, " ", path, ": the directory holds no config.json");
+  } else {
+    io::require_regular_file(path, flag);  // a FIFO would block the read
+    if (!fs::is_regular_file(p, ec)) MOECORE_FAIL(flag, " ", path, ": no such file or directory");
   }
   return p.string();
 }
@@ -753,11 +765,11 @@ json hf_config_parse(const std::string& text, const std::string& where) {
   return io::parse_json(text, where);
 }
 
-json hf_config_load(const std::string& path) {
-  const std::string p = hf_config_path(path);
+json hf_config_load(const std::string& path, const std::string& flag) {
+  const std::string p = hf_config_path(path, flag);
   std::ifstream f(p);
-  if (!f) MOECORE_FAIL("--hf-config ", p, ": cannot open");
-  return hf_config_parse(std::string(std::istreambuf_iterator<char>(f), {}), "--hf-config " + p);
+  if (!f) MOECORE_FAIL(flag, " ", p, ": cannot open");
+  return hf_config_parse(std::string(std::istreambuf_iterator<char>(f), {}), flag + " " + p);
 }
 
 void add_hf_config_flag(Args& a) {
@@ -776,9 +788,9 @@ void hf_config_fill(Args& a, const json& cfg, const std::string& where) {
   for (const auto& [flag, value] : flags) a.fill_unset(flag, value, " in " + where);
 }
 
-void hf_config_apply(Args& a) {
+void hf_config_apply(Args& a, const std::string& flag) {
   const std::string path = a.str("--hf-config");
-  if (!path.empty()) hf_config_fill(a, hf_config_load(path), "--hf-config " + path);
+  if (!path.empty()) hf_config_fill(a, hf_config_load(path, flag), flag + " " + path);
 }
 
 model::ModelConfig hf_model_config(const json& config, const std::string& where,
@@ -796,6 +808,16 @@ model::ModelConfig hf_model_config(const json& config, const std::string& where,
   a.parse(static_cast<int>(argv.size()), argv.data());
   hf_config_fill(a, config, where);
   return model_config_from(a, /*tokenizer_vocab=*/0);
+}
+
+std::optional<std::string> hf_config_dtype(const json& config) {
+  for (const char* key : {"dtype", "torch_dtype"}) {  // transformers 5's name first
+    const json v = config.is_object() ? config.value(key, json()) : json();
+    if (v.is_null()) continue;
+    if (!v.is_string()) MOECORE_FAIL("config.json key '", key, "' = ", v.dump(), ": expected a dtype name or null");
+    return v.get<std::string>();
+  }
+  return std::nullopt;
 }
 
 model::HfWeightMap hf_config_weight_map(const json& config, const model::ModelConfig& cfg) {

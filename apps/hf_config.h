@@ -5,6 +5,7 @@
 // change the math and cannot be honoured, and keys the table does not know, are refused by name; this file does
 // not read weights (that is `convert --from-hf`).
 #pragma once
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,15 +24,19 @@ namespace moecore::apps {
 // ..., layers x experts 2^16), so nothing is sized from a hostile file.
 std::vector<std::pair<std::string, std::string>> hf_config_flags(const nlohmann::json& config);
 
-// `path` is a config.json or a directory holding one; throws Error naming the path when neither.
-std::string hf_config_path(const std::string& path);  // the config.json file itself
-nlohmann::json hf_config_load(const std::string& path);
+// `path` is a config.json or a directory holding one; throws Error naming `flag` (the flag the user typed:
+// --hf-config, --load-hf, --from-hf, --hf) and the path when neither, or when it is not a regular file (a FIFO).
+std::string hf_config_path(const std::string& path, const std::string& flag);  // the config.json file itself
+nlohmann::json hf_config_load(const std::string& path, const std::string& flag);
 nlohmann::json hf_config_parse(const std::string& text, const std::string& where);  // `where` names it in errors
 
 // The model of an HF config.json with Megatron flags `flags` ({"--seq-length", "16"}, switches with "") taking
 // precedence, as `moecore train --hf-config PATH <flags>` would build it. `where` names the config in errors.
 model::ModelConfig hf_model_config(const nlohmann::json& config, const std::string& where,
                                    const std::vector<std::pair<std::string, std::string>>& flags = {});
+// The weights' dtype the config names ("bfloat16"): its "dtype" (transformers 5), else "torch_dtype"; nullopt when
+// neither is given (absent or null). Throws naming the key when the value is not a string.
+std::optional<std::string> hf_config_dtype(const nlohmann::json& config);
 // The HF <-> moecore weight map of a model built from `config` (its model_type and, for deepseek_v3,
 // rope_interleave).
 model::HfWeightMap hf_config_weight_map(const nlohmann::json& config, const model::ModelConfig& cfg);
@@ -51,7 +56,8 @@ void hf_config_fill(Args& args, const nlohmann::json& config, const std::string&
 
 // Declares --hf-config on a command.
 void add_hf_config_flag(Args& args);
-// After Args::parse: with --hf-config given, fills every flag still unset from the translated config.
-void hf_config_apply(Args& args);
+// After Args::parse: with --hf-config given, fills every flag still unset from the translated config. Errors name
+// `flag`, the flag the user typed (train: --load-hf when it set --hf-config).
+void hf_config_apply(Args& args, const std::string& flag);
 
 }  // namespace moecore::apps

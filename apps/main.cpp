@@ -7,6 +7,7 @@
 #include <string>
 
 #include "apps/commands.h"
+#include "moecore/core/backend_hooks.h"
 #include "moecore/core/error.h"
 #include "moecore/core/memory.h"
 #include "moecore/core/memory_limit.h"
@@ -56,6 +57,9 @@ int main(int argc, char** argv) {
     }
   } comm{false};
   try {
+    // moecore's environment variables are checked like flags, whether or not this run uses them (core/env.h).
+    (void)moecore::comm_options_from_env();
+    (void)moecore::device_sync_each_launch();
     if (under_mpirun && moecore::comm_available()) {
       moecore::comm_init(argc, argv);
       comm.on = true;

@@ -37,7 +37,7 @@ int model_step_main(int argc, char** argv) {
   const int64_t B = tokens.size(0), S = tokens.size(1);
   // Dropout off and no auxiliary losses: the gradient is that of the mean next-token cross-entropy alone, as
   // transformers computes it with output_router_logits false.
-  const nlohmann::json config = hf_config_load(a.str("--hf"));
+  const nlohmann::json config = hf_config_load(a.str("--hf"), "--hf");
   const model::ModelConfig cfg = hf_model_config(config, "--hf " + a.str("--hf"),
                                                  {{"--seq-length", std::to_string(S)},
                                                   {"--attention-dropout", "0"},

@@ -5,6 +5,7 @@
 #include "apps/args.h"
 #include "apps/commands.h"
 #include "moecore/io/file_util.h"
+#include "moecore/io/input_file.h"
 #include "moecore/io/safetensors.h"
 #include "moecore/model/moe_layer_case.h"
 
@@ -18,6 +19,7 @@ int moe_layer_main(int argc, char** argv) {
   if (!a.parse(argc, argv)) return 0;
   for (const char* f : {"--config", "--inputs", "--out"})
     if (a.str(f).empty()) MOECORE_FAIL("moe-layer: ", f, " is required (see moecore moe-layer --help)");
+  io::require_regular_file(a.str("--config"), "moe-layer: --config");  // a FIFO would block the read
   io::check_output_file({"--out", a.str("--out")}, {{"--config", a.str("--config")}, {"--inputs", a.str("--inputs")}});
   const model::MoeLayerCase c = model::moe_layer_case_parse(io::read_file(a.str("--config")));
   const io::SafetensorsFile in = io::safetensors_load(a.str("--inputs"));

@@ -167,7 +167,7 @@ void add_training_flags(Args& a) {
       .flag("--moe-use-upcycling", "start the MoE model from the dense checkpoint given by --load")
       .option("--moe-upcycling-granularity", "1", "experts per dense MLP copy: dense ffn = g * moe ffn")
       .option("--generate-tokens", "200", "tokens sampled after training (0: none; moecore)")
-      .option("--prompt", "The ", "text the sample starts from (moecore)");
+      .option("--prompt", "The ", "text the sample starts from (empty: a new document; moecore)");
   // What each numeric or enumerated training flag accepts, checked at start-up (Args::domain).
   using D = FlagDomain;
   const std::pair<const char*, FlagDomain> domains[] = {
@@ -228,6 +228,12 @@ DType state_dtype(const Args& a, const char* flag) {
   return v == "bf16" ? DType::bf16 : DType::f32;
 }
 
+// The flag the user typed for the model's config.json: --load-hf when it set --hf-config (errors must name it).
+std::string hf_config_flag(const Args& a) {
+  const std::string load_hf = a.str("--load-hf");
+  return !load_hf.empty() && a.str("--hf-config") == load_hf ? "--load-hf" : "--hf-config";
+}
+
 train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   train::TrainConfig t;
   t.micro_batch_size = a.i64("--micro-batch-size");
@@ -248,7 +254,8 @@ train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   t.save = a.str("--save");
   t.load = a.str("--load");
   t.ckpt_step = a.i64_or("--ckpt-step", -1);
-  if (!a.str("--hf-config").empty()) t.hf_config_json = io::read_file(hf_config_path(a.str("--hf-config")));
+  if (!a.str("--hf-config").empty())
+    t.hf_config_json = io::read_file(hf_config_path(a.str("--hf-config"), hf_config_flag(a)));
   t.save_interval = a.i64_or("--save-interval", 0);
   t.exit_interval = a.i64_or("--exit-interval", 0);
   t.keep_last = static_cast<int>(a.i64("--keep-last-checkpoints"));
@@ -456,6 +463,33 @@ void check_output_paths(const Args& a, const train::TrainConfig& t) {
   io::check_output_file({"--metrics-jsonl", t.metrics_jsonl}, inputs);
 }
 
+// The data's sample indices hold every sample of the run, built up front as Megatron's: at least 24 bytes a sample
+// (sample_index and shuffle_index). Counts no memory holds are refused here, naming the flags that give them, instead
+// of a std::bad_alloc (or a count of epochs) from the dataset. The dataset checks again with its real sizes.
+void check_sample_counts(const train::TrainConfig& t) {
+  const int64_t evaluations = t.eval_interval > 0 ? t.train_iters / t.eval_interval + 1 : 1;
+  const double ram = static_cast<double>(memory_physical_bytes()), limit = ram > 0 ? ram : 0x1p62;
+  const auto check = [&](double samples, const std::string& product, const char* which, const char* lower) {
+    const double bytes = 24.0 * samples;
+    if (bytes <= limit) return;
+    char count[32];
+    std::snprintf(count, sizeof count, "%.4g", samples);
+    MOECORE_FAIL(
+        "train: ", product, " = ", count, " ", which, " samples, whose sample index (24 bytes a sample, built ",
+        "before training as Megatron's) needs ",
+        bytes < 0x1p62 ? memory_format_bytes(static_cast<int64_t>(bytes)) : std::string("more than 2^62 bytes"),
+        ram > 0 ? ", more than this machine's " + memory_format_bytes(static_cast<int64_t>(ram)) : "", ": lower ",
+        lower);
+  };
+  const std::string gbs = " x --global-batch-size " + std::to_string(t.global_batch_size);
+  check(static_cast<double>(t.train_iters) * static_cast<double>(t.global_batch_size),
+        "--train-iters " + std::to_string(t.train_iters) + gbs, "training", "--train-iters or --global-batch-size");
+  check(static_cast<double>(evaluations) * static_cast<double>(t.eval_iters) * static_cast<double>(t.global_batch_size),
+        "--eval-iters " + std::to_string(t.eval_iters) + gbs + " x " + std::to_string(evaluations) + " evaluation" +
+            (evaluations == 1 ? "" : "s"),
+        "validation", "--eval-iters or --global-batch-size, or evaluate less often (--eval-interval)");
+}
+
 // The closing lines of a run: what was trained, how long it took, where the validation loss went, and where
 // the checkpoint and the metrics are.
 void print_summary(std::FILE* out, const train::TrainLog& log, const train::TrainConfig& t, int64_t seq_length,
@@ -504,9 +538,9 @@ int train_main(int argc, char** argv) {
   if (a.on("--overlap-param-gather") && !(a.on("--use-distributed-optimizer") && a.on("--overlap-grad-reduce")))
     MOECORE_FAIL("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron)");
   if (!a.str("--load-hf").empty()) a.fill_unset("--hf-config", a.str("--load-hf"), " by --load-hf");
-  hf_config_apply(a);
+  hf_config_apply(a, hf_config_flag(a));
   if (!a.str("--hf-config").empty()) a.check_same_on_every_rank();  // the file's values too
-  if (comm_initialized() && !std::getenv("MOECORE_COMM_TIMEOUT_S")) {
+  if (comm_initialized() && !comm_timeout_from_env()) {             // the variable, when set, overrides the flag
     CommOptions o = comm_options();
     o.timeout_s = 60.0 * static_cast<double>(a.i64("--distributed-timeout-minutes"));
     comm_set_options(o);
@@ -564,6 +598,7 @@ int train_main(int argc, char** argv) {
   moe::echo_check_layout(mcfg.moe, sizes.ep, sizes.etp,
                          moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type")));
   train::TrainConfig tcfg = train_config_from(a, sizes.dp);
+  check_sample_counts(tcfg);  // before anything is sized by them (the data's indices, a pipeline's schedule)
   if (static_cast<int64_t>(stage_layers.size()) > pp_size && tcfg.micro_batches() % sizes.dp == 0)  // (validated)
     train::interleaved_one_f_one_b(
         tcfg.micro_batches() / sizes.dp, pp_size, 0,  // Megatron's conditions, checked now
@@ -631,7 +666,8 @@ int train_main(int argc, char** argv) {
     const auto step = tcfg.ckpt_step >= 0 ? std::optional<int64_t>(tcfg.ckpt_step) : std::nullopt;
     if (tcfg.load.empty() || !io::checkpoint_find_latest(tcfg.load, step)) {
       const std::string dir = a.str("--load-hf");
-      const model::HfWeightMap map = hf_config_weight_map(hf_config_load(a.str("--hf-config")), mcfg);
+      const model::HfWeightMap map =
+          hf_config_weight_map(hf_config_load(a.str("--hf-config"), hf_config_flag(a)), mcfg);
       const io::HfCheckpointReader hf(dir);
       model::hf_check_tensors(map, hf);
       model::hf_import(map, hf, gpt);
@@ -686,7 +722,8 @@ int train_main(int argc, char** argv) {
   // pipeline, every TP and CP rank) do. Rank 0 prints.
   if (count > 0 && (dp.rank() == 0 || ep.etp_ep.size() > 1)) {
     const std::string prompt = a.str("--prompt");
-    const auto ids = train::generate(gpt, tok->encode(prompt), count, 0.8f, tcfg.seed, tok->eod(), tok->vocab_size());
+    const auto ids =
+        train::generate(gpt, prompt_tokens(*tok, prompt), count, 0.8f, tcfg.seed, tok->eod(), tok->vocab_size());
     if (out) std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());
   }
   if (out) print_summary(out, log, tcfg, mcfg.seq_length, seconds);

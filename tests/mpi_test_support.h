@@ -41,7 +41,7 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 // timeout_s applies unless MOECORE_COMM_TIMEOUT_S is set; debug turns on the cross-rank op matching.
 inline int run_mpi_tests(int argc, char** argv, double timeout_s, bool debug = false) {
   CommOptions options = comm_options_from_env();
-  if (!std::getenv("MOECORE_COMM_TIMEOUT_S")) options.timeout_s = timeout_s;
+  if (!comm_timeout_from_env()) options.timeout_s = timeout_s;
   options.debug = options.debug || debug;
   comm_init(argc, argv, options);
   ::testing::InitGoogleTest(&argc, argv);

@@ -64,7 +64,7 @@ void expect_flags(const std::map<std::string, std::string>& got, const std::map<
 TEST(HfConfig, MixtralTranslatesToMegatronFlags) {
   const std::string path = shared_config("mixtral-8x7b");
   if (path.empty()) GTEST_SKIP() << "../shared/data/hf_configs not found";
-  const auto f = flags_of(apps::hf_config_load(path));
+  const auto f = flags_of(apps::hf_config_load(path, "--hf-config"));
   expect_flags(f, {{"--num-layers", "32"},
                    {"--hidden-size", "4096"},
                    {"--num-attention-heads", "32"},
@@ -95,7 +95,7 @@ TEST(HfConfig, MixtralTranslatesToMegatronFlags) {
 TEST(HfConfig, Qwen3MoeTranslatesToMegatronFlags) {
   const std::string path = shared_config("qwen3-30b-a3b");
   if (path.empty()) GTEST_SKIP() << "../shared/data/hf_configs not found";
-  const auto f = flags_of(apps::hf_config_load(path));
+  const auto f = flags_of(apps::hf_config_load(path, "--hf-config"));
   expect_flags(f, {{"--num-layers", "48"},
                    {"--hidden-size", "2048"},
                    {"--num-attention-heads", "32"},
@@ -129,7 +129,7 @@ TEST(HfConfig, Qwen2MoeSharedExpertQkvBiasAndLayerPattern) {
 TEST(HfConfig, DeepSeekV3TranslatesToMegatronFlags) {
   const std::string path = shared_config("deepseek-v3");
   if (path.empty()) GTEST_SKIP() << "../shared/data/hf_configs not found";
-  const auto f = flags_of(apps::hf_config_load(path));
+  const auto f = flags_of(apps::hf_config_load(path, "--hf-config"));
   expect_flags(f, {{"--num-layers", "61"},
                    {"--hidden-size", "7168"},
                    {"--num-attention-heads", "128"},
@@ -164,10 +164,10 @@ TEST(HfConfig, DeepSeekV3TranslatesToMegatronFlags) {
                    {"--vocab-size", "129280"}});
   EXPECT_FALSE(f.count("--moe-shared-expert-gate"));
   EXPECT_EQ(f.at("--moe-router-group-score-topk"), "2");  // transformers' group score: the top 2 of each group
-  json c = apps::hf_config_load(path);
+  json c = apps::hf_config_load(path, "--hf-config");
   c["norm_topk_prob"] = false;
   EXPECT_NE(error_of(c).find("'norm_topk_prob' = false"), std::string::npos) << error_of(c);
-  c = apps::hf_config_load(path);
+  c = apps::hf_config_load(path, "--hf-config");
   c["rope_scaling"].erase("mscale_all_dim");
   EXPECT_NE(error_of(c).find("both mscale and mscale_all_dim"), std::string::npos) << error_of(c);
 }
@@ -195,7 +195,7 @@ TEST(HfConfig, RefusalsNameTheKeyAndValue) {
   c["attention_bias"] = true;  // a Qwen3-MoE key only
   EXPECT_NE(error_of(c).find("unknown config.json key 'attention_bias'"), std::string::npos) << error_of(c);
   try {
-    apps::hf_config_load("/nonexistent/moecore-hf");
+    apps::hf_config_load("/nonexistent/moecore-hf", "--hf-config");
     ADD_FAILURE() << "no error for a bad path";
   } catch (const Error& err) {
     EXPECT_NE(std::string(err.what()).find("--hf-config /nonexistent/moecore-hf"), std::string::npos) << err.what();
@@ -377,7 +377,7 @@ TEST(HfConfig, EveryTranslatedFlagIsAModelFlag) {
     std::string argv0 = "t";
     char* argv[] = {argv0.data()};
     ASSERT_TRUE(a.parse(1, argv));
-    const auto flags = apps::hf_config_flags(apps::hf_config_load(p));
+    const auto flags = apps::hf_config_flags(apps::hf_config_load(p, "--hf-config"));
     EXPECT_GE(flags.size(), 10u) << p;
     for (const auto& [flag, value] : flags) EXPECT_NO_THROW(a.fill_unset(flag, value, " in " + p)) << p << " " << flag;
   }

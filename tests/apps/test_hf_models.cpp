@@ -102,7 +102,7 @@ void expect_same_checkpoint(const std::string& a_dir, const std::string& b_dir) 
 TEST_F(HfModels, ConvertRoundTripIsBitIdentical) {
   for (const char* c : kCases) {
     const std::string d = golden_dir(c);
-    const nlohmann::json cfg = apps::hf_config_load(d);
+    const nlohmann::json cfg = apps::hf_config_load(d, "--hf-config");
     const int64_t experts = cfg.value("num_local_experts", cfg.value("num_experts", cfg.value("n_routed_experts", 0)));
     for (int ep : {1, 2, 4}) {
       if (experts % ep) continue;
@@ -560,7 +560,7 @@ TEST_F(HfModels, ExportsAModelTrainedFromMegatronFlags) {
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_NE(r.output.find("writing one for the trained model (model_type " + family + ")"), std::string::npos)
         << r.output;
-    EXPECT_EQ(apps::hf_config_load(p(family + "_hf")).value("model_type", ""), family);
+    EXPECT_EQ(apps::hf_config_load(p(family + "_hf"), "--hf-config").value("model_type", ""), family);
     r = run_moecore("convert --from-hf " + p(family + "_hf") + " --save " + p(family + "_ck2"));
     ASSERT_EQ(r.status, 0) << r.output;
     r = run_moecore("convert --load " + p(family + "_ck2") + " --to-hf " + p(family + "_hf2"));

@@ -6,11 +6,14 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu/gpu_test.h"
 #include "moecore/core/backend_hooks.h"
 #include "moecore/core/dtype.h"
+#include "moecore/core/env.h"
 #include "moecore/core/memory.h"
 #include "moecore/core/rng.h"
 #include "moecore/core/tensor.h"
@@ -546,6 +549,85 @@ TEST(Memory, CurrentAndPeakByCategory) {
   EXPECT_EQ(memory_format_bytes(3 << 20), "3.0 MiB");
   EXPECT_EQ(memory_format_bytes(512), "512 B");
   EXPECT_STREQ(mem_category_name(MemCategory::optimizer_state), "optimizer_state");
+}
+
+// core/env.h: environment variables are read as strictly as flags (issue 27, defect 7: MOECORE_COMM_TIMEOUT_S=-5 used
+// to switch the collective timeout off).
+struct ScopedEnv {
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (value)
+      setenv(name, value, 1);
+    else
+      unsetenv(name);
+  }
+  ~ScopedEnv() { unsetenv(name_); }
+  const char* name_;
+};
+
+std::string env_number_error(const char* value) {
+  ScopedEnv env("MOECORE_TEST_ENV_NUMBER", value);
+  try {
+    (void)env_number("MOECORE_TEST_ENV_NUMBER", 0, 6e7, "seconds; 0 waits forever");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Env, NumberInItsDomainIsRead) {
+  {
+    ScopedEnv env("MOECORE_TEST_ENV_NUMBER", nullptr);
+    EXPECT_FALSE(env_number("MOECORE_TEST_ENV_NUMBER", 0, 10, "x").has_value());
+  }
+  for (const auto& [text, value] : std::vector<std::pair<const char*, double>>{
+           {"0", 0.0}, {"600", 600.0}, {"0.5", 0.5}, {"1e3", 1000.0}, {"6e7", 6e7}}) {
+    ScopedEnv env("MOECORE_TEST_ENV_NUMBER", text);
+    EXPECT_EQ(env_number("MOECORE_TEST_ENV_NUMBER", 0, 6e7, "x"), value) << text;
+  }
+}
+
+TEST(Env, NumberOutsideItsDomainOrJunkIsRefusedNamingTheVariableAndTheRange) {
+  for (const char* bad : {"-5", "-0.001", "nan", "NaN", "inf", "-inf", "1e999", "6.1e7", "99999999999999999999999",
+                          "abc", "5s", " 5", "5 ", "", "1,5"}) {
+    const std::string msg = env_number_error(bad);
+    EXPECT_NE(msg.find("MOECORE_TEST_ENV_NUMBER='" + std::string(bad) + "'"), std::string::npos) << bad << ": " << msg;
+    EXPECT_NE(msg.find("[0, 60000000]"), std::string::npos) << bad << ": " << msg;
+    EXPECT_NE(msg.find("0 waits forever"), std::string::npos) << bad << ": " << msg;
+  }
+}
+
+TEST(Env, SwitchReadsBooleansAndRefusesAnythingElse) {
+  for (const char* on : {"1", "true", "ON", "Yes"}) {
+    ScopedEnv env("MOECORE_TEST_ENV_SWITCH", on);
+    EXPECT_TRUE(env_switch("MOECORE_TEST_ENV_SWITCH", false, "x")) << on;
+  }
+  for (const char* off : {"0", "false", "Off", "no", ""}) {
+    ScopedEnv env("MOECORE_TEST_ENV_SWITCH", off);
+    EXPECT_FALSE(env_switch("MOECORE_TEST_ENV_SWITCH", true, "x")) << off;
+  }
+  {
+    ScopedEnv env("MOECORE_TEST_ENV_SWITCH", nullptr);
+    EXPECT_TRUE(env_switch("MOECORE_TEST_ENV_SWITCH", true, "x"));
+    EXPECT_FALSE(env_switch("MOECORE_TEST_ENV_SWITCH", false, "x"));
+  }
+  for (const char* bad : {"2", "-1", "maybe", "1 ", "enable"}) {
+    ScopedEnv env("MOECORE_TEST_ENV_SWITCH", bad);
+    try {
+      (void)env_switch("MOECORE_TEST_ENV_SWITCH", false, "does the thing");
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("MOECORE_TEST_ENV_SWITCH='" + std::string(bad) + "'"), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("set 1 (does the thing) or 0"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Without CUDA nothing is launched, but MOECORE_CUDA_SYNC is still checked rather than ignored.
+TEST(Env, CudaSyncIsCheckedInEveryBuild) {
+  ScopedEnv env("MOECORE_CUDA_SYNC", "sometimes");
+  if (device_available()) GTEST_SKIP() << "read once per process: a CUDA build may have read it already";
+  EXPECT_THROW((void)device_sync_each_launch(), Error);
 }
 
 }  // namespace

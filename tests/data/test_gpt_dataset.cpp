@@ -15,6 +15,7 @@
 
 #include "moecore/core/error.h"
 #include "moecore/data/gpt_dataset.h"
+#include "test_util.h"
 
 namespace moecore::data {
 namespace {
@@ -406,6 +407,27 @@ TEST(GptDataSource, SinglePrefixAndOversampling) {
 TEST(GptSplit, NumSamplesPerSplit) {
   EXPECT_EQ(gpt_split_num_samples(100, 8, 25, 3), (std::array<int64_t, 3>{800, 5 * 3 * 8, 3 * 8}));
   EXPECT_EQ(gpt_split_num_samples(100, 8, 0, 3), (std::array<int64_t, 3>{800, 3 * 8, 3 * 8}));
+}
+
+// Issue 27, defects 9 (d), (e): counts no memory holds ended in std::bad_alloc, or (after a loop of one turn per
+// epoch, billions of them) in "4399230135 epochs needed". They are refused before anything is allocated, naming the
+// flags that set them; products that overflow 64 bits too.
+TEST(GptSplit, SampleCountsNoMemoryHoldsAreRefusedByName) {
+  // More epochs than an int32 counts; more index than any machine's memory (1.6e6 epochs of 10^6 one-token
+  // documents: a 6.4 TB document index); more tokens than an int64 counts.
+  const std::vector<int32_t> small = {40, 50, 60}, many(1'000'000, 1);
+  for (const auto& [sizes, n] : std::vector<std::pair<std::vector<int32_t>, int64_t>>{
+           {small, 2'000'000'000'000}, {many, 100'000'000'000}, {small, int64_t{1} << 61}}) {
+    const std::string msg =
+        moecore::testing::error_of([&] { (void)gpt_build_indices(sizes, 0, n, 16, 1234, true, true); });
+    EXPECT_NE(msg.find("--train-iters"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(std::to_string(n) + " samples"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("epochs needed"), std::string::npos) << msg;
+  }
+  const std::string msg =
+      moecore::testing::error_of([] { (void)gpt_split_num_samples(int64_t{1} << 40, int64_t{1} << 30, 0, 1); });
+  EXPECT_NE(msg.find("overflow"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--global-batch-size"), std::string::npos) << msg;
 }
 
 }  // namespace

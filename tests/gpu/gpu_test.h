@@ -9,6 +9,7 @@
 #include <string>
 
 #include "moecore/core/backend_hooks.h"
+#include "moecore/core/env.h"
 #include "moecore/core/tensor.h"
 
 namespace moecore::testing {
@@ -18,15 +19,18 @@ struct GpuGate {
   bool skip = false, fail = false;
   std::string message;
 };
-// MOECORE_REQUIRE_GPU: "1" makes a missing device a failure; unset, "" or "0" a skip; anything else fails naming it.
+// MOECORE_REQUIRE_GPU, a switch (core/env.h): on makes a missing device a failure; unset or off a skip; anything
+// else fails naming it.
 inline GpuGate gpu_gate() {
-  const char* v = std::getenv("MOECORE_REQUIRE_GPU");
-  const std::string require = v ? v : "";
-  if (!require.empty() && require != "0" && require != "1")
-    return {false, true, "MOECORE_REQUIRE_GPU=" + require + " is not understood: set 1 (a missing GPU fails) or 0"};
+  bool require = false;
+  try {
+    require = env_switch("MOECORE_REQUIRE_GPU", false, "a missing GPU fails");
+  } catch (const Error& e) {
+    return {false, true, e.what()};
+  }
   const std::string why = device_unavailable_reason();
   if (why.empty()) return {};
-  if (require == "1") return {false, true, "MOECORE_REQUIRE_GPU=1, but no CUDA device can be used: " + why};
+  if (require) return {false, true, "MOECORE_REQUIRE_GPU=1, but no CUDA device can be used: " + why};
   return {true, false,
           "GPU test skipped, no CUDA device can be used: " + why + " (MOECORE_REQUIRE_GPU=1 fails instead)"};
 }

@@ -3,7 +3,9 @@
 // a group's transfers to itself, the argument errors, and a handle dropped without wait.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "moecore/core/error.h"
@@ -124,6 +126,40 @@ TEST(CommSingleP2P, DroppedHandleMakesTheGroupUnusable) {
   CommHandle h = irecv(r, 0, g2);
   h = CommHandle();  // assigning over a pending handle drops it too
   EXPECT_HAS(error_of([&] { send(buf, 0, g2); }), "CommHandle of irecv from rank 0 on group reassigned");
+}
+
+// Issue 27, defect 7: MOECORE_COMM_TIMEOUT_S=-5 switched the collective timeout off (and overrode
+// --distributed-timeout-minutes), so a stopped rank hung the job; the comm variables are now checked like flags.
+TEST(CommOptions, EnvironmentIsCheckedLikeAFlag) {
+  struct Restore {
+    ~Restore() {
+      for (const char* n : {"MOECORE_COMM_TIMEOUT_S", "MOECORE_COMM_DEBUG", "MOECORE_COMM_PROGRESS_THREAD"})
+        unsetenv(n);
+    }
+  } restore;
+  for (const char* bad : {"-5", "-1e-9", "nan", "inf", "1e999", "1e8", "ten", ""}) {
+    setenv("MOECORE_COMM_TIMEOUT_S", bad, 1);
+    const std::string msg = error_of([] { (void)comm_options_from_env(); });
+    EXPECT_HAS(msg, "MOECORE_COMM_TIMEOUT_S='" + std::string(bad) + "'");
+    EXPECT_HAS(msg, "[0, 60000000]");
+    EXPECT_HAS(error_of([] { (void)comm_timeout_from_env(); }), "MOECORE_COMM_TIMEOUT_S");
+  }
+  setenv("MOECORE_COMM_TIMEOUT_S", "0", 1);  // documented: waits forever
+  EXPECT_EQ(comm_options_from_env().timeout_s, 0.0);
+  EXPECT_EQ(comm_timeout_from_env(), 0.0);
+  setenv("MOECORE_COMM_TIMEOUT_S", "2.5", 1);
+  EXPECT_EQ(comm_options_from_env().timeout_s, 2.5);
+  unsetenv("MOECORE_COMM_TIMEOUT_S");
+  EXPECT_FALSE(comm_timeout_from_env().has_value());
+  EXPECT_EQ(comm_options_from_env().timeout_s, 600.0);
+  setenv("MOECORE_COMM_PROGRESS_THREAD", "off", 1);
+  EXPECT_FALSE(comm_options_from_env().progress_thread);
+  setenv("MOECORE_COMM_PROGRESS_THREAD", "2", 1);  // was: anything but "0" turned it on
+  EXPECT_HAS(error_of([] { (void)comm_options_from_env(); }), "MOECORE_COMM_PROGRESS_THREAD='2'");
+  unsetenv("MOECORE_COMM_PROGRESS_THREAD");
+  EXPECT_TRUE(comm_options_from_env().progress_thread);
+  setenv("MOECORE_COMM_DEBUG", "maybe", 1);
+  EXPECT_HAS(error_of([] { (void)comm_options_from_env(); }), "MOECORE_COMM_DEBUG='maybe'");
 }
 
 }  // namespace

@@ -21,8 +21,9 @@ void device_copy(void* dst, bool dst_on_device, const void* src, bool src_on_dev
 // out := in): cudaMemcpyDefault once this process has allocated device memory, memcpy before that.
 void local_copy(void* dst, const void* src, int64_t bytes);
 bool device_available();  // true when a CUDA device can be used in this process
-// MOECORE_CUDA_SYNC: "1" synchronises the device after every CUDA launch (a debugging mode: slow), so an asynchronous
-// fault raises naming its kernel; unset, "" or "0" does not. Read once per process; any other value raises naming it.
+// MOECORE_CUDA_SYNC, a switch (core/env.h: 1/true/on/yes, 0/false/off/no/""): on synchronises the device after every
+// CUDA launch (a debugging mode: slow), so an asynchronous fault raises naming its kernel. Read once per process; any
+// other value raises naming it (in a build without CUDA too, where it returns false).
 bool device_sync_each_launch();
 // Why device_available() is false, naming what is missing and where it was looked for (the build, the CUDA
 // runtime's answer, the /dev/nvidia* nodes); empty when a device is available.

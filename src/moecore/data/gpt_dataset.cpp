@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "moecore/core/error.h"
+#include "moecore/core/memory.h"
 
 namespace moecore::data {
 namespace {
@@ -216,11 +217,33 @@ GptIndices gpt_build_indices(std::span<const int32_t> sizes, int64_t first_seque
     MOECORE_FAIL("gpt_dataset: the split holds ", sizes.size(), " sequences with ", t,
                  " tokens; at least 2 are needed (use a larger dataset or a different --split)");
   }
-  int64_t epochs = 1;
+  // Epochs: the fewest whole passes over the split that hold num_samples samples (+ the extra token). The indices
+  // are sized by them, so a count no memory holds is refused here, before anything is allocated.
+  const int64_t d = static_cast<int64_t>(sizes.size());
+  int64_t epochs = 1, need = 0, index_bytes = 0;
+  const int64_t ram = memory_physical_bytes();
+  const auto too_many = [&](const char* why) {
+    MOECORE_FAIL("gpt_dataset: ", *num_samples, " samples of ", seq_length, " tokens from a split of ", d,
+                 " sequences (", t, " tokens) ", why,
+                 "; hint: lower the number of samples (--train-iters, --global-batch-size, --eval-iters)");
+  };
   if (num_samples) {
-    for (int64_t have = t; have < *num_samples * seq_length + x; have += t) ++epochs;
+    if (__builtin_mul_overflow(*num_samples, seq_length, &need) || __builtin_add_overflow(need, x, &need))
+      too_many("are more tokens than a 64-bit count holds");
+    epochs = need <= t ? 1 : need / t + (need % t != 0);
+    if (epochs > std::numeric_limits<int32_t>::max())
+      too_many(("need " + std::to_string(epochs) + " epochs, more than Megatron's 32-bit count").c_str());
+    // document_index (int32 per sequence and epoch), sample_index (2 x int64) and shuffle_index (int64 per sample)
+    int64_t sample_bytes = 0;
+    if (__builtin_mul_overflow(epochs, d * 4, &index_bytes) ||
+        __builtin_mul_overflow(*num_samples + 1, int64_t{24}, &sample_bytes) ||
+        __builtin_add_overflow(index_bytes, sample_bytes, &index_bytes))
+      too_many(("need " + std::to_string(epochs) + " epochs and an index beyond 2^63 bytes").c_str());
+    if (ram > 0 && index_bytes > ram)
+      too_many(("need " + std::to_string(epochs) + " epochs and an index of " + memory_format_bytes(index_bytes) +
+                ", more than this machine's " + memory_format_bytes(ram) + " of memory")
+                   .c_str());
   }
-  if (epochs > std::numeric_limits<int32_t>::max()) MOECORE_FAIL("gpt_dataset: ", epochs, " epochs needed");
   g.num_epochs = static_cast<int32_t>(epochs);
   if (epochs > 1) {
     const int64_t sans = ((epochs - 1) * t - x) / seq_length;
@@ -232,7 +255,6 @@ GptIndices gpt_build_indices(std::span<const int32_t> sizes, int64_t first_seque
   }
 
   NumpyRandomState rs(seed);
-  const int64_t d = static_cast<int64_t>(sizes.size());
   auto append_epochs = [&](int64_t n) {
     const size_t at = g.document_index.size();
     for (int64_t e = 0; e < n; ++e) {
@@ -456,8 +478,13 @@ std::array<int64_t, 3> gpt_split_num_samples(int64_t train_iters, int64_t global
                                              int64_t eval_iters) {
   MOECORE_CHECK(eval_interval >= 0, "eval_interval (", eval_interval, ") must not be negative");
   const int64_t evaluations = eval_interval > 0 ? train_iters / eval_interval + 1 : 1;  // 0: only at the end
-  return {train_iters * global_batch_size, evaluations * eval_iters * global_batch_size,
-          eval_iters * global_batch_size};
+  int64_t train = 0, test = 0, valid = 0;
+  if (__builtin_mul_overflow(train_iters, global_batch_size, &train) ||
+      __builtin_mul_overflow(eval_iters, global_batch_size, &test) || __builtin_mul_overflow(evaluations, test, &valid))
+    MOECORE_FAIL("gpt_dataset: the sample counts of train_iters ", train_iters, ", global_batch_size ",
+                 global_batch_size, ", eval_iters ", eval_iters, " and eval_interval ", eval_interval,
+                 " overflow 64 bits; hint: lower --train-iters, --global-batch-size or --eval-iters");
+  return {train, valid, test};
 }
 
 GptDataSource::GptDataSource(const GptDataSourceConfig& config) {

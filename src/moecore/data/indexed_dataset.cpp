@@ -15,6 +15,7 @@
 
 #include "moecore/core/error.h"
 #include "moecore/io/file_util.h"
+#include "moecore/io/input_file.h"
 
 namespace moecore::data {
 namespace {
@@ -37,7 +38,7 @@ T load(const unsigned char* p) {
 
 // Maps a whole file read-only; returns nullptr for an empty file.
 const unsigned char* map_file(const std::string& path, int64_t& size, const char* what) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = io::open_regular_file(path, std::string("indexed_dataset: ") + what);  // a FIFO would block
   if (fd < 0) {
     MOECORE_FAIL("indexed_dataset: cannot open ", what, " '", path, "': ", std::strerror(errno),
                  " (a dataset prefix names both <prefix>.bin and <prefix>.idx)");

@@ -207,6 +207,12 @@ PreprocessStats preprocess_run(const PreprocessOptions& o, std::FILE* progress_f
   if (o.output_prefix.empty()) MOECORE_FAIL("preprocess: --output-prefix is required");
   if (o.workers < 1) MOECORE_FAIL("preprocess: --workers (", o.workers, ") must be >= 1");
   if (o.json_keys.empty()) MOECORE_FAIL("preprocess: --json-keys needs at least one key");
+  // Each key writes {prefix}_{key}_document.bin/.idx: a key given twice would write the same files twice over.
+  for (size_t k = 0; k < o.json_keys.size(); ++k)
+    for (size_t j = 0; j < k; ++j)
+      if (o.json_keys[j] == o.json_keys[k])
+        MOECORE_FAIL("preprocess: --json-keys names '", o.json_keys[k], "' twice (", j + 1, ". and ", k + 1,
+                     ". key); each key writes its own .bin/.idx, so give each once");
   if (o.batch_documents < 1) MOECORE_FAIL("preprocess: batch_documents (", o.batch_documents, ") must be >= 1");
   const bool jsonl = resolve_jsonl(o);
   if (!jsonl && o.json_keys.size() != 1) {

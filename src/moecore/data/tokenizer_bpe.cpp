@@ -12,6 +12,7 @@
 #include "moecore/core/error.h"
 #include "moecore/data/tokenizer_bpe.h"
 #include "moecore/data/unicode_text.h"
+#include "moecore/io/input_file.h"
 #include "moecore/io/json.h"
 
 namespace moecore::data::detail {
@@ -68,6 +69,7 @@ int32_t json_token_id(const nlohmann::json& v, const std::string& source, const 
 }
 
 std::string read_text_file(const std::string& path, const char* component, const char* what) {
+  io::require_regular_file(path, std::string(component) + ": " + what);  // a FIFO would block the read
   std::ifstream f(path, std::ios::binary);
   if (!f) MOECORE_FAIL(component, ": cannot open ", what, " '", path, "'; check the path and permissions");
   std::ostringstream ss;

@@ -12,6 +12,8 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "moecore/io/input_file.h"
+
 namespace moecore::data::detail {
 namespace {
 
@@ -158,6 +160,8 @@ std::string model_problem(std::string_view model) {
 class SpTokenizer final : public Tokenizer {
  public:
   SpTokenizer(const std::string& path, bool llama2) : llama2_(llama2) {
+    io::require_regular_file(
+        path, std::string(type()) + ": tokenizer model (--tokenizer-model)");  // a FIFO would block the read
     if (!std::filesystem::is_regular_file(path))
       MOECORE_FAIL(type(), ": cannot open tokenizer model '", path, "' (--tokenizer-model); check the path");
     const std::string bytes = read_text_file(path, type(), "tokenizer model");

@@ -4,6 +4,7 @@
 #include "moecore/io/metrics.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <bit>
@@ -17,6 +18,7 @@
 
 #include "moecore/core/error.h"
 #include "moecore/io/crc32c.h"
+#include "moecore/io/input_file.h"
 
 namespace moecore::io {
 namespace {
@@ -117,8 +119,30 @@ void JsonlMetricsWriter::Closer::operator()(std::FILE* f) const {
 
 JsonlMetricsWriter::JsonlMetricsWriter(const std::string& path) : path_(path) {
   create_parent_dirs(fs::path(path).parent_path(), "metrics");
-  file_.reset(std::fopen(path.c_str(), "ab"));
-  if (!file_) MOECORE_FAIL("metrics: cannot open '", path, "' for appending: ", std::strerror(errno));
+  // Lines go to a regular file (appended) or a character device (/dev/null, a terminal). A FIFO would block the
+  // open until a reader came (or stall the run on a full pipe), and a directory or socket cannot be appended to:
+  // each is refused, before the open (stat) and after it (fstat: the path may have changed in between). O_NONBLOCK
+  // keeps the open itself from blocking.
+  const auto refuse = [&](mode_t mode) {
+    MOECORE_FAIL("metrics: --metrics-jsonl '", path, "' is ", file_kind(mode),
+                 "; metrics are appended to a regular file (or written into a character device such as /dev/null): "
+                 "give a file path");
+  };
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISCHR(st.st_mode)) refuse(st.st_mode);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NONBLOCK, 0644);
+  if (fd < 0) MOECORE_FAIL("metrics: cannot open '", path, "' for appending: ", std::strerror(errno));
+  if (::fstat(fd, &st) != 0 || (!S_ISREG(st.st_mode) && !S_ISCHR(st.st_mode))) {
+    ::close(fd);
+    refuse(st.st_mode);
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  file_.reset(::fdopen(fd, "ab"));
+  if (!file_) {
+    const int err = errno;
+    ::close(fd);
+    MOECORE_FAIL("metrics: cannot open '", path, "' for appending: ", std::strerror(err));
+  }
 }
 
 void JsonlMetricsWriter::write(const MetricFields& fields) {

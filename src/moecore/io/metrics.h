@@ -18,7 +18,8 @@ using MetricFields = std::vector<std::pair<std::string, MetricValue>>;  // writt
 
 // Appends to `path` (created with its parent directories if missing). Each write() emits one compact
 // JSON object and flushes it, so a crash loses at most the line being written. Doubles are printed
-// with round-trip precision; NaN and Inf become null (strict JSON). Not thread-safe.
+// with round-trip precision; NaN and Inf become null (strict JSON). Not thread-safe. `path` must be a regular file
+// or a character device (/dev/null): a FIFO, socket or directory is refused (Error) rather than blocked on.
 class JsonlMetricsWriter {
  public:
   explicit JsonlMetricsWriter(const std::string& path);

@@ -10,6 +10,7 @@
 #include <set>
 
 #include "moecore/io/file_util.h"
+#include "moecore/io/input_file.h"
 #include "moecore/io/json.h"
 
 namespace moecore::io {
@@ -269,6 +270,7 @@ std::map<std::string, std::string> safetensors_index_parse(const std::string& pa
 }
 
 SafetensorsFile safetensors_load(const std::string& path) {
+  require_regular_file(path, "safetensors: file");  // a FIFO would block the read
   const std::string bytes = read_file(path);
   const uint64_t n = safetensors_header_size(path, bytes, bytes.size());
   const uint64_t buffer_len = bytes.size() - 8 - n;

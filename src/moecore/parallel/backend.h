@@ -78,8 +78,9 @@ std::unique_lock<std::recursive_mutex> lock_for_call();
 // The progress thread (async.cpp): while nonblocking operations are pending and the calling thread is outside comm
 // calls (computing), it advances them every kProgressIntervalUs, so their transfers and rank-order sums overlap the
 // computation instead of waiting for the next comm call. Started by the MPI backend when MPI grants
-// MPI_THREAD_SERIALIZED, the world has more than one rank and MOECORE_COMM_PROGRESS_THREAD is not 0; stopped before
-// MPI_Finalize. Results do not depend on it (the same transfers and sums, only earlier).
+// MPI_THREAD_SERIALIZED, the world has more than one rank and comm_options().progress_thread
+// (MOECORE_COMM_PROGRESS_THREAD not 0); stopped before MPI_Finalize. Results do not depend on it (the same transfers
+// and sums, only earlier).
 void start_progress_thread();
 void stop_progress_thread();
 bool progress_thread_running();

@@ -16,6 +16,7 @@
 #include <optional>
 #include <utility>
 
+#include "moecore/core/env.h"
 #include "moecore/core/error.h"
 #include "moecore/parallel/call.h"
 
@@ -174,11 +175,6 @@ std::shared_ptr<GroupState>& world_state() {
   return state;
 }
 
-std::string lower(std::string s) {
-  for (char& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  return s;
-}
-
 int64_t row_elems(const Tensor& t, const char* op, const ProcessGroup& g) {
   if (t.dim() == 0)
     MOECORE_FAIL("comm: ", op, " on group ", g.name(), ": counts are rows of dim 0 but the tensor is a scalar");
@@ -199,24 +195,17 @@ std::vector<int64_t> rows_to_elems(std::span<const int64_t> rows, int64_t row) {
 // Options and world
 // ---------------------------------------------------------------------------------------------------
 
+std::optional<double> comm_timeout_from_env() {
+  return env_number("MOECORE_COMM_TIMEOUT_S", 0, kCommTimeoutMaxS,
+                    "seconds a collective waits for its peers, e.g. 600; 0 waits forever");
+}
+
 CommOptions comm_options_from_env() {
   CommOptions o;
-  if (const char* v = std::getenv("MOECORE_COMM_DEBUG")) {
-    const std::string s = lower(v);
-    if (s == "1" || s == "true" || s == "on" || s == "yes")
-      o.debug = true;
-    else if (s.empty() || s == "0" || s == "false" || s == "off" || s == "no")
-      o.debug = false;
-    else
-      MOECORE_FAIL("comm: MOECORE_COMM_DEBUG=", v, " is not a boolean; use 1 or 0");
-  }
-  if (const char* v = std::getenv("MOECORE_COMM_TIMEOUT_S")) {
-    char* end = nullptr;
-    const double t = std::strtod(v, &end);
-    if (end == v || *end != '\0' || !std::isfinite(t))
-      MOECORE_FAIL("comm: MOECORE_COMM_TIMEOUT_S=", v, " is not a number of seconds (e.g. 600; 0 waits forever)");
-    o.timeout_s = t;
-  }
+  o.debug = env_switch("MOECORE_COMM_DEBUG", false, "the ranks check that they call matching collectives");
+  if (const auto t = comm_timeout_from_env()) o.timeout_s = *t;
+  o.progress_thread =
+      env_switch("MOECORE_COMM_PROGRESS_THREAD", true, "a thread advances nonblocking transfers; 0 turns it off");
   return o;
 }
 
@@ -225,8 +214,8 @@ void comm_init(int& argc, char**& argv) {
 }
 
 void comm_init(int& argc, char**& argv, const CommOptions& options) {
+  options_slot() = options;  // before the backend starts: it reads progress_thread
   detail::backend_init(argc, argv);
-  options_slot() = options;
   detail::g_world_rank = detail::backend_world_rank();
   detail::g_world_size = detail::backend_world_size();
   std::snprintf(detail::g_rank_text, sizeof detail::g_rank_text, "%d of %d", detail::g_world_rank,

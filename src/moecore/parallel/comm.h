@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -19,13 +20,21 @@ namespace moecore {
 
 // Start-up options; every rank must use the same values.
 struct CommOptions {
-  bool debug = false;        // MOECORE_COMM_DEBUG=1: before each collective the ranks check they call the
-                             // same op with matching dtype and sizes, and throw naming both sides if not
-  double timeout_s = 600.0;  // MOECORE_COMM_TIMEOUT_S: seconds a collective waits for its peers (e.g. 600);
-                             // <= 0 waits forever
+  bool debug = false;           // MOECORE_COMM_DEBUG=1: before each collective the ranks check they call the
+                                // same op with matching dtype and sizes, and throw naming both sides if not
+  double timeout_s = 600.0;     // MOECORE_COMM_TIMEOUT_S: seconds a collective waits for its peers (e.g. 600);
+                                // 0 waits forever
+  bool progress_thread = true;  // MOECORE_COMM_PROGRESS_THREAD=0: no MPI progress thread (see below)
 };
 
-CommOptions comm_options_from_env();  // defaults overridden by the environment; Error on bad values
+// The largest MOECORE_COMM_TIMEOUT_S: --distributed-timeout-minutes' largest value, 10^6 minutes.
+inline constexpr double kCommTimeoutMaxS = 6e7;
+// Defaults overridden by the environment (core/env.h's rules): MOECORE_COMM_DEBUG and MOECORE_COMM_PROGRESS_THREAD
+// are switches, MOECORE_COMM_TIMEOUT_S seconds in [0, kCommTimeoutMaxS] (0: wait forever). A bad value (a negative
+// timeout, NaN, junk, "maybe") raises an Error naming the variable and what it accepts.
+CommOptions comm_options_from_env();
+// MOECORE_COMM_TIMEOUT_S when set (checked as above): it overrides --distributed-timeout-minutes.
+std::optional<double> comm_timeout_from_env();
 // Starts the world (MPI_Init_thread with MPI_THREAD_FUNNELED under MPI; nothing for the local backend).
 // Idempotent; if MPI was already initialized by the caller, comm_finalize() leaves it running.
 void comm_init(int& argc, char**& argv);

@@ -735,6 +735,8 @@ std::vector<int32_t> generate(model::GptModel& gpt, const std::vector<int32_t>& 
   const int64_t B = gpt.micro_batch_size(), S = m.seq_length, Vm = m.vocab_size;
   if (vocab_limit < 0 || vocab_limit > Vm)
     MOECORE_FAIL("generate: vocab_limit ", vocab_limit, " is outside the model's vocabulary of ", Vm);
+  if (prompt.empty())
+    MOECORE_FAIL("generate: the prompt holds no token; start from at least one (e.g. the end-of-document token)");
   const int64_t V = vocab_limit > 0 ? vocab_limit : Vm;  // candidates: the first V logits of a row
   // A sample has no retry: its MoE layers hold every received row (a static received-token capacity would drop some).
   gpt.set_moe_synced_dropless(true);

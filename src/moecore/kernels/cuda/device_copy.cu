@@ -11,6 +11,7 @@
 
 #include "moecore/core/backend_hooks.h"
 #include "moecore/core/dtype_convert.h"
+#include "moecore/core/env.h"
 #include "moecore/core/error.h"
 
 namespace moecore {
@@ -121,12 +122,7 @@ void copy_as(const DeviceView& dst, const DeviceView& src, int64_t n) {
 
 bool device_sync_each_launch() {
   static const bool on = [] {
-    const char* v = std::getenv("MOECORE_CUDA_SYNC");
-    const std::string s = v ? v : "";
-    if (!s.empty() && s != "0" && s != "1")
-      MOECORE_FAIL("CUDA backend: MOECORE_CUDA_SYNC=", s,
-                   " is not understood: set 1 (synchronise after every CUDA launch, so a fault names its op) or 0");
-    return s == "1";
+    return env_switch("MOECORE_CUDA_SYNC", false, "synchronise after every CUDA launch, so a fault names its op");
   }();
   return on;
 }

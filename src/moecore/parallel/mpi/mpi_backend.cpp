@@ -17,6 +17,7 @@
 
 #include "moecore/core/error.h"
 #include "moecore/parallel/backend.h"
+#include "moecore/parallel/comm.h"
 
 namespace moecore::detail {
 
@@ -170,9 +171,8 @@ void backend_init(int& argc, char**& argv) {
   check_setup(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &flag), "MPI_Comm_get_attr(MPI_TAG_UB)");
   if (flag && tag_ub && *tag_ub >= 32767) g_tag_limit = *tag_ub == INT_MAX ? INT_MAX : *tag_ub + 1;
   if (initialized) MPI_Query_thread(&provided);
-  const char* env = std::getenv("MOECORE_COMM_PROGRESS_THREAD");
-  const bool wanted = !(env && std::string(env) == "0");
-  if (wanted && provided >= MPI_THREAD_SERIALIZED && comm_size(g_world->comm) > 1) start_progress_thread();
+  if (comm_options().progress_thread && provided >= MPI_THREAD_SERIALIZED && comm_size(g_world->comm) > 1)
+    start_progress_thread();
 }
 
 void backend_finalize() {
