@@ -47,7 +47,7 @@ int model_step_main(int argc, char** argv) {
   const model::HfWeightMap map = hf_config_weight_map(config, cfg);
   const model::HfFamily family = map.family;
   const io::HfCheckpointReader hf(a.str("--hf"));
-  std::vector<io::FlagPath> inputs = {{"--tokens", a.str("--tokens")}, {"--hf", hf_config_path(a.str("--hf"))}};
+  std::vector<io::FlagPath> inputs = {{"--tokens", a.str("--tokens")}, {"--hf", hf_config_path(a.str("--hf"), "--hf")}};
   for (const std::string& f : hf.files()) inputs.push_back({"--hf", f});
   io::check_output_file({"--out", a.str("--out")}, inputs);
   model::hf_check_tensors(map, hf);

@@ -459,7 +459,8 @@ void check_output_paths(const Args& a, const train::TrainConfig& t) {
   for (const std::string& prefix : a.list("--data-path"))  // (weights too: no file has a number's name)
     for (const char* ext : {".bin", ".idx"}) inputs.push_back({"--data-path", prefix + ext});
   for (const char* flag : {"--vocab-file", "--merge-file", "--tokenizer-model"}) inputs.push_back({flag, a.str(flag)});
-  if (!a.str("--hf-config").empty()) inputs.push_back({"--hf-config", hf_config_path(a.str("--hf-config"))});
+  if (!a.str("--hf-config").empty())
+    inputs.push_back({hf_config_flag(a), hf_config_path(a.str("--hf-config"), hf_config_flag(a))});
   io::check_output_file({"--metrics-jsonl", t.metrics_jsonl}, inputs);
 }
 

@@ -605,7 +605,7 @@ TEST_F(HfModels, ExportWritesTheTrainedModelsConfig) {
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("differ from the config.json it came from; writing the trained model's"), std::string::npos)
       << r.output;
-  const nlohmann::json out = apps::hf_config_load(p("out"));
+  const nlohmann::json out = apps::hf_config_load(p("out"), "--hf-config");
   EXPECT_EQ(out.value("num_experts_per_tok", 0), 3) << out.dump();
   EXPECT_EQ(apps::hf_model_config(out, "export").rotary_base, 500.0f) << out.dump();
   EXPECT_EQ(out.value("torch_dtype", ""), "bfloat16") << out.dump();
