@@ -416,8 +416,10 @@ TEST(GptSplit, SampleCountsNoMemoryHoldsAreRefusedByName) {
   // More epochs than an int32 counts; more index than any machine's memory (1.6e6 epochs of 10^6 one-token
   // documents: a 6.4 TB document index); more tokens than an int64 counts.
   const std::vector<int32_t> small = {40, 50, 60}, many(1'000'000, 1);
-  for (const auto& [sizes, n] : std::vector<std::pair<std::vector<int32_t>, int64_t>>{
+  for (const auto& c : std::vector<std::pair<std::vector<int32_t>, int64_t>>{
            {small, 2'000'000'000'000}, {many, 100'000'000'000}, {small, int64_t{1} << 61}}) {
+    const std::vector<int32_t>& sizes = c.first;  // (not a structured binding: clang 14 cannot capture those)
+    const int64_t n = c.second;
     const std::string msg =
         moecore::testing::error_of([&] { (void)gpt_build_indices(sizes, 0, n, 16, 1234, true, true); });
     EXPECT_NE(msg.find("--train-iters"), std::string::npos) << msg;
