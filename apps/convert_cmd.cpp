@@ -170,8 +170,8 @@ void export_hf(const Args& a) {
     if (diffs.empty()) return;
     std::string list;
     for (const std::string& d : diffs) list += "\n  " + d;
-    MOECORE_FAIL(what, " does not describe the model ", ck.dir, " was trained as:", list,
-                 "\nhint: leave it out: the checkpoint records its model, and the export writes that");
+    MOECORE_FAIL("convert: the model ", ck.dir, " records (trained) and ", what, " differ:", list, "\nhint: leave ",
+                 what, " out: the checkpoint records its model, and the export writes that");
   };
   if (recorded && model_flags_given(a))
     refuse_differences(model_config_from(a, recorded->vocab_size), "the model flags");

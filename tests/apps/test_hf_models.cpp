@@ -204,7 +204,7 @@ TEST_F(HfModels, ConvertRefusesBadInputAndLeavesNothingHalfWritten) {
   ASSERT_EQ(run_moecore("convert --from-hf " + d + " --save " + p("ok")).status, 0);
   expect_fails(
       run_moecore("convert --load " + p("ok") + " --to-hf " + p("hf_out") + " --hf-config " + golden_dir("mixtral")),
-      {"does not describe the model", "num_experts 8 (trained) vs 4 (--hf-config"});
+      {"records (trained) and --hf-config", "num_experts 8 (trained) vs 4 (--hf-config"});
   EXPECT_FALSE(fs::exists(p("hf_out")));
   // And an export into a non-empty directory is refused before anything is written.
   fs::create_directories(p("full"));
@@ -575,7 +575,7 @@ TEST_F(HfModels, ExportsAModelTrainedFromMegatronFlags) {
   auto r = run_moecore("convert --load " + p("qwen3_moe_ck") + " --to-hf " + p("bad_hf") + models[0].second +
                        " --moe-router-topk 3");
   EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("the model flags does not describe the model"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("records (trained) and the model flags differ"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("moe_router_topk 2 (trained) vs 3 (the model flags)"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(p("bad_hf")));
   // A model no family can hold is refused by name, and nothing is written.
