@@ -2,6 +2,7 @@
 // exit status and output, and a small byte-level corpus preprocessed into Megatron .bin/.idx.
 #pragma once
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -80,5 +81,28 @@ inline void write_byte_corpus(const std::filesystem::path& dir, int docs, const 
                                   (dir / "c").string() + " --tokenizer-type ByteLevel --append-eod --workers 1");
   ASSERT_EQ(r.status, 0) << r.output;
 }
+
+// A command-line test's own scratch directory (under the temp directory, named by `tag` and the pid, removed after
+// the test), and the small training run most of them start from.
+class CliScratch : public ::testing::Test {
+ protected:
+  explicit CliScratch(const std::string& tag)
+      : dir_(std::filesystem::temp_directory_path() / ("moecore_" + tag + "_" + std::to_string(::getpid()))) {}
+  void SetUp() override {
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string p(const std::string& name) const { return (dir_ / name).string(); }
+  // The dataset c_text_document: 200 short documents, byte-level tokens.
+  void byte_corpus() const { write_byte_corpus(dir_, 200, "the quick brown fox jumps over the lazy dog"); }
+  // `moecore train` of a 1-layer model for 2 steps on byte_corpus()'s dataset (more flags may follow).
+  std::string train_args() const {
+    return "train --data-path " + p("c_text_document") +
+           " --tokenizer-type ByteLevel --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
+           "--micro-batch-size 2 --train-iters 2 --log-interval 1 --eval-iters 1 --generate-tokens 0 ";
+  }
+  std::filesystem::path dir_;
+};
 
 }  // namespace moecore::testing

@@ -107,22 +107,13 @@ TEST(HostileFlags, ReportedCasesFailAtStartUpNamingTheFlag) {
   }
 }
 
-class HostileRun : public ::testing::Test {
+class HostileRun : public testing::CliScratch {
  protected:
+  HostileRun() : CliScratch("hostile") {}
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("moecore_hostile_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    testing::write_byte_corpus(dir_, 200, "the quick brown fox jumps over the lazy dog");
+    CliScratch::SetUp();
+    byte_corpus();
   }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string p(const std::string& name) const { return (dir_ / name).string(); }
-  std::string train_args() const {
-    return "train --data-path " + p("c_text_document") +
-           " --tokenizer-type ByteLevel --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
-           "--micro-batch-size 2 --train-iters 2 --log-interval 1 --eval-iters 1 --generate-tokens 0 ";
-  }
-  fs::path dir_;
 };
 
 // An unwritable --save fails before the first step (not at the first save, after training), naming the flag.

@@ -133,21 +133,13 @@ TEST(HostMemory, OutOfMemoryNamesTheTensorTheLimitAndThePlan) {
 }
 
 // `moecore train` on a small preprocessed corpus.
-class MemoryRun : public ::testing::Test {
+class MemoryRun : public testing::CliScratch {
  protected:
+  MemoryRun() : CliScratch("memory") {}
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("moecore_memory_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    testing::write_byte_corpus(dir_, 200, "the quick brown fox jumps over the lazy dog");
+    CliScratch::SetUp();
+    byte_corpus();
   }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string train_args() const {
-    return "train --data-path " + (dir_ / "c_text_document").string() +
-           " --tokenizer-type ByteLevel --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
-           "--micro-batch-size 2 --train-iters 2 --log-interval 1 --eval-iters 1 --generate-tokens 0 ";
-  }
-  fs::path dir_;
 };
 
 // A refusal at start-up: exit 1 (not a signal), the plan and the limit named, no step taken.

@@ -28,15 +28,9 @@ std::string file_text(const fs::path& p) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
-class NothingLost : public ::testing::Test {
+class NothingLost : public testing::CliScratch {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("moecore_nothing_lost_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string p(const std::string& name) const { return (dir_ / name).string(); }
+  NothingLost() : CliScratch("nothing_lost") {}
   // A copy of a small golden Hugging Face model (DeepSeek-V2-Lite-shaped, 50 tensors) at p("hf").
   void copy_hf_model() const {
     fs::copy(std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/deepseek_v2lite", p("hf"),
@@ -45,13 +39,6 @@ class NothingLost : public ::testing::Test {
   std::string model_step(const std::string& out) const {
     return "model-step --hf " + p("hf") + " --tokens " + p("hf/tokens.safetensors") + " --out " + out;
   }
-  void byte_corpus() const { testing::write_byte_corpus(dir_, 200, "the quick brown fox jumps over the lazy dog"); }
-  std::string train_args() const {
-    return "train --data-path " + p("c_text_document") +
-           " --tokenizer-type ByteLevel --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
-           "--micro-batch-size 2 --train-iters 2 --log-interval 1 --eval-iters 1 --generate-tokens 0 ";
-  }
-  fs::path dir_;
 };
 
 // ---- 1. Outputs ---------------------------------------------------------------------------------------------

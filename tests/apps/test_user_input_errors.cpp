@@ -37,21 +37,9 @@ void expect_user_error(const CmdResult& r, const std::string& name, const std::s
     EXPECT_LACKS(r.output, raw);
 }
 
-class UserInputErrors : public ::testing::Test {
+class UserInputErrors : public testing::CliScratch {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("moecore_user_input_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string p(const std::string& name) const { return (dir_ / name).string(); }
-  void corpus() { testing::write_byte_corpus(dir_, 200, "the quick brown fox jumps over the lazy dog"); }
-  std::string train_args() const {
-    return "train --data-path " + p("c_text_document") +
-           " --tokenizer-type ByteLevel --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
-           "--micro-batch-size 2 --train-iters 2 --log-interval 1 --eval-iters 1 --generate-tokens 0 ";
-  }
+  UserInputErrors() : CliScratch("user_input") {}
   // A FIFO at `name`: nothing ever writes into it or reads from it, so a reader or writer that opened it
   // blocking would wait forever (the command runs under `timeout`, which only keeps a regression from hanging the
   // suite).
@@ -59,7 +47,6 @@ class UserInputErrors : public ::testing::Test {
     EXPECT_EQ(::mkfifo(p(name).c_str(), 0644), 0) << name;
     return p(name);
   }
-  fs::path dir_;
 };
 
 CmdResult run_bounded(const std::string& args, const std::string& env = "") {
@@ -70,7 +57,7 @@ CmdResult run_bounded(const std::string& args, const std::string& env = "") {
 // --distributed-timeout-minutes), so a stopped rank hung the job; every moecore variable is now checked like a flag,
 // in every run (one process too), naming the variable and what it accepts.
 TEST_F(UserInputErrors, EnvironmentVariablesAreCheckedLikeFlags) {
-  corpus();
+  byte_corpus();
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"MOECORE_COMM_TIMEOUT_S=-5", "[0, 60000000]"},    {"MOECORE_COMM_TIMEOUT_S=nan", "[0, 60000000]"},
       {"MOECORE_COMM_TIMEOUT_S=inf", "[0, 60000000]"},   {"MOECORE_COMM_TIMEOUT_S=1e999", "[0, 60000000]"},
@@ -96,7 +83,7 @@ TEST_F(UserInputErrors, EnvironmentVariablesAreCheckedLikeFlags) {
 // Under mpirun, where the variable matters, every rank refuses it before any collective.
 TEST_F(UserInputErrors, NegativeCommTimeoutIsRefusedOnEveryRank) {
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
-  corpus();
+  byte_corpus();
   const CmdResult r = run_shell("MOECORE_COMM_TIMEOUT_S=-5 timeout 300 env " + testing::mpirun_command(2) +
                                 std::string(MOECORE_BINARY) + " " + train_args());
   EXPECT_NE(r.status, 0) << r.output;
@@ -113,7 +100,7 @@ TEST_F(UserInputErrors, NegativeCommTimeoutIsRefusedOnEveryRank) {
 // holds ended in std::bad_alloc, or after billions of loop turns in "4399230135 epochs needed". They are refused
 // before the data is read, naming the flags.
 TEST_F(UserInputErrors, SampleCountsNoMemoryHoldsAreRefusedNamingTheFlags) {
-  corpus();
+  byte_corpus();
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--global-batch-size 1000000000", "--global-batch-size 1000000000"},
       {"--eval-iters 1000000000", "--eval-iters 1000000000"},
@@ -163,7 +150,7 @@ TEST_F(UserInputErrors, DuplicateJsonKeysAreRefusedBeforeWriting) {
 // Defect 9 (a): an empty --prompt reached `tensor.slice [-1, 0)`. It now starts a new document from the
 // end-of-document token (unconditional sampling), in `generate` and in train's sample after training.
 TEST_F(UserInputErrors, EmptyPromptStartsFromTheEndOfDocumentToken) {
-  corpus();
+  byte_corpus();
   CmdResult r = run_moecore(train_args() + "--save " + p("ckpt") + " --generate-tokens 4 --prompt ''");
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_HAS(r.output, "---- sample ----");
@@ -205,7 +192,7 @@ TEST_F(UserInputErrors, ConfigDtypeIsCheckedAtImportAndReadSafelyAtExport) {
 // Defect 9 (g): a FIFO given where a file is read (a dataset's .idx or .bin, tokenizer files, --hf-config, --config,
 // safetensors) or written (--metrics-jsonl) blocked the open forever. Each is refused naming the file and what it is.
 TEST_F(UserInputErrors, FifosWhereFilesBelongAreRefusedNotWaitedOn) {
-  corpus();
+  byte_corpus();
   fs::copy_file(p("c_text_document.bin"), p("f_text_document.bin"));
   fifo("f_text_document.idx");
   std::string args = train_args();
@@ -248,7 +235,7 @@ TEST_F(UserInputErrors, FifosWhereFilesBelongAreRefusedNotWaitedOn) {
 // Defect 9 (h): errors about the model's config.json named --hf-config when the user had typed --from-hf, --load-hf
 // or --hf.
 TEST_F(UserInputErrors, ConfigErrorsNameTheFlagTheUserTyped) {
-  corpus();
+  byte_corpus();
   fs::create_directories(p("empty_model"));
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"convert --from-hf " + p("missing") + " --save " + p("ck"), "--from-hf " + p("missing")},
