@@ -2,7 +2,8 @@
 // damaged directories, rewound runs, --ckpt-step), keep-last-N retention and the removal of unfinished saves,
 // and verified loading that names the file and the reason for each corruption (missing marker, flipped byte,
 // truncation, missing file, bad magic) and lists the committed alternatives. Damaged newest checkpoints are
-// never silently replaced by older ones. The write-fault hook's parser (the hook itself: tests/apps).
+// never silently replaced by older ones. The write-fault hook's parser (the hook itself: tests/apps). The background
+// writer of asynchronous saves (io/checkpoint_worker.h), whose files commit like any other rank's.
 #include <gtest/gtest.h>
 
 #include <cerrno>
@@ -13,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "moecore/io/checkpoint.h"
+#include "moecore/io/checkpoint_worker.h"
 #include "moecore/io/crc32c.h"
 #include "moecore/io/file_util.h"
 #include "test_util.h"
@@ -463,6 +465,50 @@ TEST(WriteFault, SpecIsParsedStrictly) {
   for (const char* bad : {"model.safetensors", "model.safetensors:12", ":1:EIO", "x:-1:EIO", "x:1:EPERM", "x::EIO",
                           "x:99999999999999999999:EIO"})
     expect_error([&] { io::write_fault_parse(bad); }, {"MOECORE_FAULT_INJECT_WRITE", bad});
+}
+
+// The asynchronous saves' writer, in both modes: it writes the serialized files into the staging directory (size and
+// CRC32C as the synchronous writer's), the committer commits them like another rank's, and a failure is the first
+// file's Error (its path and the errno's text) with nothing listed as written.
+TEST_F(Checkpoint, BackgroundWriterFilesCommitAsTheSynchronousOnes) {
+  const io::CheckpointWriteRequest req = make_request(3);
+  io::checkpoint_save(root_ + "/sync", req, 0);
+  for (const bool persistent : {true, false}) {
+    SCOPED_TRACE(persistent ? "persistent" : "a thread per job");
+    const std::string root = root_ + (persistent ? "/persistent" : "/temporal");
+    io::CheckpointWorker worker(persistent);
+    for (int64_t it : {3, 4}) {  // two jobs: the persistent thread is reused, the per-job thread replaced
+      const std::string staging = io::checkpoint_staging_begin(root, it, "w");
+      std::vector<io::CheckpointWorkerFile> files;
+      for (const auto& [name, tensors] : req.files) files.push_back({name, io::safetensors_serialize(tensors)});
+      worker.submit(staging, std::move(files));
+      EXPECT_TRUE(worker.busy());
+      const io::CheckpointWorkerResult r = worker.take();
+      EXPECT_FALSE(worker.busy());
+      EXPECT_FALSE(worker.done());
+      ASSERT_EQ(r.error, "");
+      ASSERT_EQ(r.written.size(), 2u);
+      io::CheckpointWriteRequest commit = req;
+      commit.iteration = it;
+      commit.files.clear();
+      io::checkpoint_staging_commit(root, commit, "w", r.written, 0);
+    }
+    for (const char* f : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(io::read_file(io::checkpoint_iteration_dir(root, 3) + "/" + f),
+                io::read_file(io::checkpoint_iteration_dir(root_ + "/sync", 3) + "/" + f))
+          << f;
+    EXPECT_EQ(io::checkpoint_read_tracker(root), 4);
+    EXPECT_NO_THROW(io::checkpoint_load(io::checkpoint_iteration_dir(root, 4)));
+
+    const std::string missing = root + "/no_such_dir";
+    worker.submit(missing, {{"a.safetensors", "abc"}, {"b.safetensors", "def"}});
+    const io::CheckpointWorkerResult bad = worker.take();
+    EXPECT_TRUE(bad.written.empty());
+    EXPECT_NE(bad.error.find(missing + "/a.safetensors"), std::string::npos) << bad.error;
+    EXPECT_NE(bad.error.find(std::strerror(ENOENT)), std::string::npos) << bad.error;
+    // A job left in flight is waited for by the destructor (the run ends with an Error): no thread outlives it.
+    worker.submit(io::checkpoint_staging_begin(root, 9, "w"), {{"a.safetensors", "abc"}});
+  }
 }
 
 }  // namespace

@@ -465,9 +465,21 @@ std::string checkpoint_staging_begin(const std::string& root, int64_t iteration,
 CheckpointFileInfo checkpoint_staging_write(const std::string& staging_dir, const std::string& name,
                                             const std::map<std::string, Tensor>& tensors) {
   check_file_name(name);
-  const std::string bytes = safetensors_serialize(tensors);
+  return checkpoint_staging_write_bytes(staging_dir, name, safetensors_serialize(tensors));
+}
+
+CheckpointFileInfo checkpoint_staging_write_bytes(const std::string& staging_dir, const std::string& name,
+                                                  std::string_view bytes) {
+  check_file_name(name);
   write_fsync((fs::path(staging_dir) / name).string(), bytes);
   return {bytes.size(), crc32c(bytes)};
+}
+
+void checkpoint_staging_remove(const std::string& root, int64_t iteration, const std::string& token) {
+  if (token.empty() || !is_plain_name(token))
+    MOECORE_FAIL("checkpoint: staging token '", token, "' is not a plain name");
+  std::error_code ec;
+  fs::remove_all(checkpoint_iteration_dir(root, iteration) + ".tmp-" + token, ec);
 }
 
 void checkpoint_staging_commit(const std::string& root, const CheckpointWriteRequest& request, const std::string& token,

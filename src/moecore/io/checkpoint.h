@@ -2,7 +2,8 @@
 // last, Megatron's tracker file, keep-last-N retention, discovery of the newest committed iteration, and
 // a verifying loader. Generic: which tensors go in which file is the trainer's business, not this file's.
 // One job writes a root: a single process, or the ranks of one job through the staging functions below.
-// Not here: resharding (the trainer's business) and async saves.
+// Not here: resharding (the trainer's business); asynchronous saves run the staging functions below from a background
+// writer (io/checkpoint_worker.h, driven by train/async_save.h) and commit as any multi-rank save does.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -101,9 +102,18 @@ CheckpointFileInfo checkpoint_file_info(const std::string& path);
 std::string checkpoint_staging_begin(const std::string& root, int64_t iteration, const std::string& token);
 CheckpointFileInfo checkpoint_staging_write(const std::string& staging_dir, const std::string& name,
                                             const std::map<std::string, Tensor>& tensors);
-// The committer's own files come in `request` (written here), the others' are listed with their infos.
+// The committer's own files come in `request` (written here), the others' are listed with their infos (files the
+// committer wrote into the staging directory itself beforehand, as an asynchronous save does, are listed there too).
 void checkpoint_staging_commit(const std::string& root, const CheckpointWriteRequest& request, const std::string& token,
                                const std::map<std::string, CheckpointFileInfo>& written_by_others, int keep_last);
+// A file already serialized (an asynchronous save's snapshot) written into the staging directory and fsync'd, as
+// checkpoint_staging_write does; thread-safe (a background writer calls it). Throws Error naming the file, the byte
+// offset and the errno's text (the fault hook of io/file_util.h applies).
+CheckpointFileInfo checkpoint_staging_write_bytes(const std::string& staging_dir, const std::string& name,
+                                                  std::string_view bytes);
+// After a save that failed on some rank, once no rank writes into it any more: removes <root>/iter_N.tmp-<token>
+// (discovery ignores it anyway; this leaves no trace of the failed save).
+void checkpoint_staging_remove(const std::string& root, int64_t iteration, const std::string& token);
 
 // FOR TESTS (crash simulation): steps 1-2 of checkpoint_save only, leaving <root>/iter_NNNNNNN without
 // COMMIT and the tracker untouched, as a crash just before the commit point would. Returns the directory.

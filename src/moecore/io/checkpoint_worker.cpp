@@ -1,0 +1,118 @@
+// The background checkpoint writer: a persistent thread fed one job at a time, or a thread per job. The caller and the
+// worker share only the job (read by the worker while the caller leaves it alone) and the result (under the mutex).
+#include "moecore/io/checkpoint_worker.h"
+
+#include <pthread.h>
+
+#include <csignal>
+#include <exception>
+#include <utility>
+
+#include "moecore/core/error.h"
+
+namespace moecore::io {
+namespace {
+
+// A thread that receives none of the process's asynchronous signals (SIGTERM, SIGINT, ...): they reach the training
+// thread, whose handlers decide what a stop means; faults the thread itself causes are still delivered to it.
+template <class F>
+std::thread signal_quiet_thread(F&& body) {
+  sigset_t quiet, old;
+  sigfillset(&quiet);
+  for (int s : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTRAP}) sigdelset(&quiet, s);
+  pthread_sigmask(SIG_BLOCK, &quiet, &old);
+  std::thread t(std::forward<F>(body));
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  return t;
+}
+
+}  // namespace
+
+CheckpointWorker::CheckpointWorker(bool persistent) : persistent_(persistent) {}
+
+CheckpointWorker::~CheckpointWorker() {
+  if (persistent_ && thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;  // a job not started yet is dropped; the one being written is finished first
+    }
+    cv_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+CheckpointWorkerResult CheckpointWorker::run(const Job& job) {
+  CheckpointWorkerResult r;
+  // Every exception is caught here: one escaping a thread would end the process without a word.
+  try {
+    for (const CheckpointWorkerFile& f : job.files)
+      r.written[f.name] = checkpoint_staging_write_bytes(job.dir, f.name, f.bytes);
+  } catch (const std::exception& e) {
+    r.error = e.what();
+  } catch (...) {
+    r.error = "checkpoint: the background writer failed with an unknown exception";
+  }
+  if (!r.error.empty()) r.written.clear();
+  return r;
+}
+
+void CheckpointWorker::loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return stop_ || pending_; });
+    if (stop_) return;
+    pending_ = false;
+    lk.unlock();
+    CheckpointWorkerResult r = run(*job_);
+    lk.lock();
+    result_ = std::move(r);
+    cv_.notify_all();
+  }
+}
+
+void CheckpointWorker::submit(std::string dir, std::vector<CheckpointWorkerFile> files) {
+  MOECORE_CHECK(!busy_, "checkpoint worker: a job was submitted while the previous one's result was not taken");
+  busy_ = true;
+  if (!persistent_) {
+    if (thread_.joinable()) thread_.join();
+    job_ = Job{std::move(dir), std::move(files)};
+    thread_ = signal_quiet_thread([this] {
+      CheckpointWorkerResult r = run(*job_);
+      std::lock_guard<std::mutex> lk(mu_);
+      result_ = std::move(r);
+      cv_.notify_all();
+    });
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    job_ = Job{std::move(dir), std::move(files)};
+    pending_ = true;
+  }
+  if (!thread_.joinable()) thread_ = signal_quiet_thread([this] { loop(); });
+  cv_.notify_all();
+}
+
+bool CheckpointWorker::done() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return result_.has_value();
+}
+
+CheckpointWorkerResult CheckpointWorker::take() {
+  MOECORE_CHECK(busy_, "checkpoint worker: take() without a job");
+  std::optional<Job> job;  // released after the lock: freeing gigabytes need not hold it
+  CheckpointWorkerResult r;
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return result_.has_value(); });
+    r = std::move(*result_);
+    result_.reset();
+    job = std::move(job_);
+    job_.reset();
+  }
+  if (!persistent_) thread_.join();
+  busy_ = false;
+  return r;
+}
+
+}  // namespace moecore::io
