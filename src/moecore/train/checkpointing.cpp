@@ -8,10 +8,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <span>
 
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/file_util.h"
@@ -179,66 +181,96 @@ uint64_t parameter_hash(const model::GptModel& gpt) {
 
 namespace {
 
-// Collective over dp (size > 1): rank 0 writes committer_req, ranks with shard_index >= 0 write expert shard
-// shard_index of num_shards, all into one staging directory; dp rank 0 commits.
-// A failure on any rank fails the save on every rank (no rank waits forever for a peer that gave up).
-void save_collective(const std::string& root, const io::CheckpointWriteRequest& committer_req, int64_t shard_index,
-                     int64_t num_shards, const std::map<std::string, Tensor>& shard, int keep_last,
-                     const ProcessGroup& dp) {
-  std::vector<int64_t> token = {dp.rank() == 0 ? static_cast<int64_t>(::getpid()) : 0};
-  broadcast(std::span<int64_t>(token), 0, dp);
-  const std::string tok = "mr" + std::to_string(token[0]);
+// The ranks of a pipeline stage that write a checkpoint together: tp x dp x cp (dp alone without TP and CP).
+const ProcessGroup& stage_group(const TrainGroups& g) {
+  const bool split = g.tp.size() > 1 || g.cp.size() > 1;
+  const ProcessGroup& all = split ? g.tp_dp : g.dp;
+  if (split && all.size() != g.stage_size())
+    MOECORE_FAIL("checkpoint: the tp_dp group has ", all.size(), " ranks, not tp (", g.tp.size(), ") x dp (",
+                 g.dp.size(), ") x cp (", g.cp.size(), ")");
+  return all;
+}
+
+// Collective over `pp`: runs `first_stage` on the first pipeline stage (whose ranks write every stage's parts) and
+// tells the other stages how it went, so that a failure stops every rank alike.
+void on_first_stage(const ProcessGroup& pp, const std::function<void()>& first_stage, const char* what) {
   std::string error;
   std::vector<int64_t> ok = {1};
-  if (dp.rank() == 0) {
+  if (pp.rank() == 0) {
     try {
-      io::checkpoint_staging_begin(root, committer_req.iteration, tok);
+      first_stage();
     } catch (const Error& e) {
       error = e.what();
       ok[0] = 0;
     }
   }
-  broadcast(std::span<int64_t>(ok), 0, dp);
-  if (!ok[0]) MOECORE_FAIL(dp.rank() == 0 ? error : "checkpoint: rank 0 could not create the staging directory");
-  // {status (1 written, 0 nothing, -1 failed), shard index, bytes, crc} per rank.
+  broadcast(std::span<int64_t>(ok), 0, pp);
+  if (!ok[0])
+    MOECORE_FAIL(pp.rank() == 0 ? error : std::string("checkpoint: the first pipeline stage failed to ") + what);
+}
+
+// Collective over `all`: its rank 0 (the committer) creates the staging directory every rank writes into; returns its
+// token (the committer's pid).
+std::string staging_open(const std::string& root, int64_t iteration, const ProcessGroup& all) {
+  std::vector<int64_t> token = {all.rank() == 0 ? static_cast<int64_t>(::getpid()) : 0};
+  broadcast(std::span<int64_t>(token), 0, all);
+  const std::string tok = (all.size() > 1 ? "mr" : "") + std::to_string(token[0]);
+  std::string error;
+  std::vector<int64_t> ok = {1};
+  if (all.rank() == 0) {
+    try {
+      io::checkpoint_staging_begin(root, iteration, tok);
+    } catch (const Error& e) {
+      error = e.what();
+      ok[0] = 0;
+    }
+  }
+  broadcast(std::span<int64_t>(ok), 0, all);
+  if (!ok[0]) MOECORE_FAIL(all.rank() == 0 ? error : "checkpoint: rank 0 could not create the staging directory");
+  return tok;
+}
+
+// Collective over `all`: every rank's outcome is gathered ({status 1 wrote an expert file / 0 nothing of that kind /
+// -1 failed, its index, bytes, crc}); when every rank succeeded the committer commits with every file listed, else it
+// removes the staging directory and every rank fails (a rank that failed with its own error, naming the file).
+void staging_close(const CheckpointSaveInFlight& s, const std::map<std::string, io::CheckpointFileInfo>& written,
+                   const std::string& error, const ProcessGroup& all) {
   constexpr int kFields = 4;
-  std::vector<int64_t> mine = {0, shard_index, 0, 0}, all(static_cast<size_t>(kFields * dp.size()));
-  if (shard_index >= 0) {
-    try {
-      const std::string staging = io::checkpoint_iteration_dir(root, committer_req.iteration) + ".tmp-" + tok;
-      const io::CheckpointFileInfo info =
-          io::checkpoint_staging_write(staging, checkpoint_expert_file(shard_index, num_shards), shard);
-      mine = {1, shard_index, static_cast<int64_t>(info.bytes), static_cast<int64_t>(info.crc32c)};
-    } catch (const Error& e) {
-      error = e.what();
-      mine[0] = -1;
-    }
+  std::vector<int64_t> mine = {0, s.shard_index, 0, 0}, every(static_cast<size_t>(kFields * all.size()));
+  if (!error.empty()) {
+    mine[0] = -1;
+  } else if (s.shard_index >= 0) {
+    const io::CheckpointFileInfo& info = written.at(checkpoint_expert_file(s.shard_index, s.num_shards));
+    mine = {1, s.shard_index, static_cast<int64_t>(info.bytes), static_cast<int64_t>(info.crc32c)};
   }
-  all_gather(std::span<int64_t>(all), std::span<const int64_t>(mine), dp);
+  all_gather(std::span<int64_t>(every), std::span<const int64_t>(mine), all);
   int failed_rank = -1;
-  for (int r = 0; r < dp.size() && failed_rank < 0; ++r)
-    if (all[kFields * r] < 0) failed_rank = r;
-  if (failed_rank >= 0)
-    MOECORE_FAIL(failed_rank == dp.rank() ? error
-                                          : "checkpoint: rank " + std::to_string(failed_rank) + " of group '" +
-                                                dp.name() + "' failed to write its shard");
-  ok[0] = 1;
-  if (dp.rank() == 0) {
-    std::map<std::string, io::CheckpointFileInfo> others;
-    for (int r = 0; r < dp.size(); ++r) {
-      const int64_t* f = all.data() + kFields * r;
+  for (int r = 0; r < all.size() && failed_rank < 0; ++r)
+    if (every[kFields * r] < 0) failed_rank = r;
+  if (failed_rank >= 0) {
+    if (all.rank() == 0) io::checkpoint_staging_remove(s.root, s.iteration, s.token);  // no rank writes any more
+    MOECORE_FAIL(!error.empty() ? error
+                                : "checkpoint: rank " + std::to_string(failed_rank) + " of group '" + all.name() +
+                                      "' failed to write its part of the checkpoint");
+  }
+  std::string commit_error;
+  std::vector<int64_t> ok = {1};
+  if (all.rank() == 0) {
+    std::map<std::string, io::CheckpointFileInfo> files = written;  // the committer's own
+    for (int r = 0; r < all.size(); ++r) {
+      const int64_t* f = every.data() + kFields * r;
       if (f[0] == 1)
-        others[checkpoint_expert_file(f[1], num_shards)] = {static_cast<uint64_t>(f[2]), static_cast<uint32_t>(f[3])};
+        files[checkpoint_expert_file(f[1], s.num_shards)] = {static_cast<uint64_t>(f[2]), static_cast<uint32_t>(f[3])};
     }
     try {
-      io::checkpoint_staging_commit(root, committer_req, tok, others, keep_last);
+      io::checkpoint_staging_commit(s.root, s.request, s.token, files, s.keep_last);
     } catch (const Error& e) {
-      error = e.what();
+      commit_error = e.what();
       ok[0] = 0;
     }
   }
-  broadcast(std::span<int64_t>(ok), 0, dp);
-  if (!ok[0]) MOECORE_FAIL(dp.rank() == 0 ? error : "checkpoint: rank 0 could not commit the checkpoint");
+  broadcast(std::span<int64_t>(ok), 0, all);
+  if (!ok[0]) MOECORE_FAIL(all.rank() == 0 ? commit_error : "checkpoint: rank 0 could not commit the checkpoint");
 }
 
 // Pipeline parallelism: the stages after the first send their parts of the files (maps[k] for file k; null: not
@@ -432,9 +464,11 @@ void check_save_directory(const std::string& root, const model::ModelConfig& cfg
   }
 }
 
-void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const OptimizerState& opt,
-                              const TrainProgress& progress, uint64_t seed, int keep_last, const TrainGroups* groups,
-                              const CheckpointSaveOptions& options) {
+CheckpointSaveInFlight checkpoint_save_begin(const std::string& root, const model::GptModel& gpt,
+                                             const OptimizerState& opt, const TrainProgress& progress, uint64_t seed,
+                                             int keep_last, const TrainGroups* groups,
+                                             const CheckpointSaveOptions& options) {
+  if (keep_last < 0) MOECORE_FAIL("checkpoint: keep_last (", keep_last, ") must be >= 0 (0 keeps all)");
   const TrainGroups g = groups ? *groups : TrainGroups{};
   const auto& params = gpt.params();
   if (options.save_optim && (opt.exp_avg.size() != params.size() || opt.exp_avg_sq.size() != params.size()))
@@ -443,7 +477,7 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
   const int64_t EP = gpt.ep_size();
   io::CheckpointWriteRequest req;
   req.iteration = progress.iteration;
-  req.same_model = [&cfg = gpt.config()](const std::string& state) {
+  req.same_model = [cfg = gpt.config()](const std::string& state) {  // a copy: an async save outlives the call
     try {
       return checkpoint_model_difference(state, cfg, "").empty();
     } catch (const Error&) {
@@ -495,37 +529,58 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
   if (g.pp.size() > 1) state["pipeline_model_parallel_size"] = g.pp.size();
   if (!options.hf_config_json.empty()) state["hf_config_json"] = options.hf_config_json;
   req.state_json = state.dump(1);
-  // Every rank of a stage takes part: tp x dp x cp (dp alone without TP and CP).
-  const bool split = g.tp.size() > 1 || g.cp.size() > 1;
-  const ProcessGroup& all = split ? g.tp_dp : g.dp;
-  if (split && all.size() != g.stage_size())
-    MOECORE_FAIL("checkpoint: the tp_dp group has ", all.size(), " ranks, not tp (", g.tp.size(), ") x dp (",
-                 g.dp.size(), ") x cp (", g.cp.size(), ")");
+  const ProcessGroup& all = stage_group(g);
   const bool writes_shard = EP > 1 && g.edp.rank() == 0 && g.etp.rank() == 0;
-  auto write = [&] {
-    if (all.size() == 1)
-      io::checkpoint_save(root, req, keep_last);
-    else
-      save_collective(root, req, writes_shard ? g.ep.rank() : -1, EP, shard, keep_last, all);
-  };
-  if (g.pp.size() == 1) return write();
-  // The first stage writes every stage's part; the others learn how it went (a failure stops every rank alike).
-  if (all.rank() == 0 || writes_shard)  // (the same on every stage of a pp group: its ranks share the coordinates)
+  // Pipelines: the first stage writes every stage's part.
+  if (g.pp.size() > 1 && (all.rank() == 0 || writes_shard))  // (the same on every stage: its ranks share coordinates)
     gather_pipeline_stages(
         {all.rank() == 0 ? &model : nullptr, all.rank() == 0 ? optim : nullptr, writes_shard ? &shard : nullptr}, g.pp);
-  std::string error;
-  std::vector<int64_t> ok = {1};
-  if (g.pp.rank() == 0) {
-    try {
-      write();
-    } catch (const Error& e) {
-      error = e.what();
-      ok[0] = 0;
+  CheckpointSaveInFlight s;
+  s.root = root;
+  s.iteration = progress.iteration;
+  s.keep_last = keep_last;
+  s.writes = g.pp.rank() == 0;
+  s.num_shards = EP;
+  if (s.writes) {
+    if (all.rank() == 0) s.files = std::move(req.files);
+    if (writes_shard) {
+      s.shard_index = g.ep.rank();
+      s.files[checkpoint_expert_file(s.shard_index, EP)] = std::move(shard);
     }
   }
-  broadcast(std::span<int64_t>(ok), 0, g.pp);
-  if (!ok[0])
-    MOECORE_FAIL(g.pp.rank() == 0 ? error : "checkpoint: the first pipeline stage failed to write the checkpoint");
+  req.files.clear();
+  s.request = std::move(req);
+  on_first_stage(
+      g.pp,
+      [&] {
+        s.token = staging_open(root, s.iteration, all);
+        s.staging_dir = io::checkpoint_iteration_dir(root, s.iteration) + ".tmp-" + s.token;
+      },
+      "create the staging directory");
+  return s;
+}
+
+void checkpoint_save_finish(const CheckpointSaveInFlight& s,
+                            const std::map<std::string, io::CheckpointFileInfo>& written, const std::string& error,
+                            const TrainGroups* groups) {
+  const TrainGroups g = groups ? *groups : TrainGroups{};
+  on_first_stage(
+      g.pp, [&] { staging_close(s, written, error, stage_group(g)); }, "write the checkpoint");
+}
+
+void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const OptimizerState& opt,
+                              const TrainProgress& progress, uint64_t seed, int keep_last, const TrainGroups* groups,
+                              const CheckpointSaveOptions& options) {
+  const CheckpointSaveInFlight s = checkpoint_save_begin(root, gpt, opt, progress, seed, keep_last, groups, options);
+  std::map<std::string, io::CheckpointFileInfo> written;
+  std::string error;
+  try {
+    for (const auto& [name, tensors] : s.files)
+      written[name] = io::checkpoint_staging_write(s.staging_dir, name, tensors);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  checkpoint_save_finish(s, written, error, groups);
 }
 
 void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const optim::AdamW& opt,

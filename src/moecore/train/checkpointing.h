@@ -3,11 +3,13 @@
 // state, and the data position. Everything needed for a bit-identical resume; nothing else (activations are
 // recomputed). Megatron's partial saves and loads (--no-save-optim, --no-load-rng, --finetune, ...) select parts.
 #pragma once
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "moecore/io/checkpoint.h"
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
 #include "moecore/train/train_groups.h"
@@ -91,6 +93,37 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
 void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const optim::AdamW& opt,
                               const TrainProgress& progress, uint64_t seed, int keep_last,
                               const TrainGroups* groups = nullptr, const CheckpointSaveOptions& options = {});
+
+// ---- A save in two halves (asynchronous saves, async_save.h) ----------------------------------------------------
+// save_training_checkpoint is checkpoint_save_begin, then writing `files` into `staging_dir`
+// (io::checkpoint_staging_write), then checkpoint_save_finish. An asynchronous save copies `files` into host memory and
+// has them written in the background, and finishes at a later step boundary.
+struct CheckpointSaveInFlight {
+  std::string root;
+  int64_t iteration = 0;
+  int keep_last = 0;
+  bool writes = false;             // on the first pipeline stage, whose ranks write every stage's parts and commit
+  std::string token, staging_dir;  // the shared staging directory <root>/iter_N.tmp-<token> (writers)
+  // What this rank writes: file name -> tensors (CPU; the model's own tensors where no copy was needed, so they change
+  // with the next step). The committer (rank 0 of the stage) writes model.safetensors and optimizer.safetensors, and
+  // with EP > 1 each expert file's writer its file.
+  std::map<std::string, std::map<std::string, Tensor>> files;
+  int64_t shard_index = -1, num_shards = 1;  // the expert file this rank writes (-1: none), of EP
+  io::CheckpointWriteRequest request;        // the committer's state.json and same_model (files: none)
+};
+// Collective as save_training_checkpoint: gathers the parts (tensor-parallel shards, pipeline stages) and creates the
+// staging directory. Throws Error on every rank when the directory cannot be made.
+CheckpointSaveInFlight checkpoint_save_begin(const std::string& root, const model::GptModel& gpt,
+                                             const OptimizerState& opt, const TrainProgress& progress, uint64_t seed,
+                                             int keep_last, const TrainGroups* groups,
+                                             const CheckpointSaveOptions& options);
+// Collective over every rank: `written` holds this rank's files (name -> size and CRC32C), or `error` its failure.
+// When every rank wrote its files, the committer publishes and commits them (io/checkpoint.h: rename, COMMIT, tracker,
+// retention); otherwise the staging directory is removed and every rank throws Error (the rank that failed with its
+// own message: the file, the byte offset and the errno's text). Nothing is committed then.
+void checkpoint_save_finish(const CheckpointSaveInFlight& save,
+                            const std::map<std::string, io::CheckpointFileInfo>& written, const std::string& error,
+                            const TrainGroups* groups);
 
 // Loads the parts `options` selects of a committed checkpoint directory into gpt and the optimizer state (whose
 // tensors must exist with this rank's shapes). Before anything is copied, every file is verified against COMMIT
