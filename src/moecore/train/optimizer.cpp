@@ -6,6 +6,7 @@
 #include <span>
 
 #include "moecore/optim/distributed_adamw.h"
+#include "moecore/train/async_save.h"
 #include "moecore/train/trainer.h"
 
 namespace moecore::train {
@@ -344,8 +345,11 @@ class ReplicatedAdamW final : public Optimizer {
     return st;
   }
   void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
-            const CheckpointSaveOptions& parts) override {
-    save_training_checkpoint(root, gpt_, opt_, progress, seed, keep_last, &g_, parts);
+            const CheckpointSaveOptions& parts, AsyncCheckpointSaver* async) override {
+    if (async)
+      async->save(root, gpt_, opt_, progress, seed, keep_last, &g_, parts);
+    else
+      save_training_checkpoint(root, gpt_, opt_, progress, seed, keep_last, &g_, parts);
   }
   LoadedTrainingState load(const std::string& dir, uint64_t seed, const CheckpointLoadOptions& parts) override {
     return load_training_state(dir, gpt_, opt_, seed, parts);
@@ -420,10 +424,13 @@ class DistributedOptimizer final : public Optimizer {
     pending_ = false;
   }
   void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
-            const CheckpointSaveOptions& parts) override {
+            const CheckpointSaveOptions& parts, AsyncCheckpointSaver* async) override {
     // the gather is collective: every rank skips it alike (same flags)
-    save_training_checkpoint(root, gpt_, parts.save_optim ? zero_.gather(gpt_.params().size()) : OptimizerState{},
-                             progress, seed, keep_last, &g_, parts);
+    const OptimizerState st = parts.save_optim ? zero_.gather(gpt_.params().size()) : OptimizerState{};
+    if (async)
+      async->save(root, gpt_, st, progress, seed, keep_last, &g_, parts);
+    else
+      save_training_checkpoint(root, gpt_, st, progress, seed, keep_last, &g_, parts);
   }
   LoadedTrainingState load(const std::string& dir, uint64_t seed, const CheckpointLoadOptions& parts) override {
     OptimizerState st;  // stays empty without the optimizer state: the fresh shards are kept as they are

@@ -18,6 +18,7 @@
 namespace moecore::train {
 
 struct TrainConfig;
+class AsyncCheckpointSaver;
 
 class Optimizer {
  public:
@@ -46,8 +47,9 @@ class Optimizer {
   virtual void params_needed(size_t first, size_t end) {}
   virtual void settle() {}
   // Checkpoints (checkpointing.h): the moments of every parameter this rank holds, gathered where sharded. Collective.
+  // With `async` (--async-save) the save is handed to it (async_save.h) instead of written before returning.
   virtual void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
-                    const CheckpointSaveOptions& parts) = 0;
+                    const CheckpointSaveOptions& parts, AsyncCheckpointSaver* async) = 0;
   virtual LoadedTrainingState load(const std::string& dir, uint64_t seed, const CheckpointLoadOptions& parts) = 0;
   // Bytes of optimizer state on this rank, and what one rank would hold unsharded.
   virtual int64_t state_bytes() const = 0;

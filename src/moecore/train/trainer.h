@@ -46,6 +46,16 @@ struct TrainConfig {
   int64_t exit_interval = 0;                // --exit-interval: stop (after saving) when the iteration is a multiple
   int keep_last = 0;                        // --keep-last-checkpoints: newest N kept (0: all)
   bool allow_other_models_in_save = false;  // --allow-other-models-in-save (checkpointing.h check_save_directory)
+  // Megatron's asynchronous saves (async_save.h): the same files, written by a background worker while training goes
+  // on from a snapshot in host memory (which doubles the checkpointed state's host memory while a save is in flight:
+  // async_save_snapshot_bytes), committed at a later step boundary; a save in flight is finished before train returns.
+  bool async_save = false;                  // --async-save
+  bool use_persistent_ckpt_worker = false;  // --use-persistent-ckpt-worker: one writer thread for the run (else one
+                                            // per save; Megatron disables --async-save without it, with a warning)
+  std::string async_strategy = "mcore";     // --async-strategy: mcore | nvrx (Megatron's two writer implementations;
+                                            // both are moecore's one writer, the files are the same)
+  bool async_ckpt_use_cpu_shm = false;      // --async-ckpt-use-cpu-shm: device tensors staged in host memory by the
+                                            // training process before the hand-off; moecore's snapshot always is
   std::string hf_config_json;  // --hf-config's config.json text, saved in checkpoints for `moecore convert --to-hf`
   // Megatron's partial saves and loads (checkpointing.h says what each part holds).
   bool save_optim = true;  // false: --no-save-optim (checkpoints without moments, step count, LR scheduler)
