@@ -14,9 +14,9 @@
 #include "moecore/core/rng.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/metrics.h"
-#include "moecore/train/async_save.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/gemm_peak.h"
+#include "moecore/train/run_saves.h"
 #include "moecore/train/signals.h"
 #include "moecore/train/step.h"
 
@@ -435,78 +435,6 @@ RunStart resume(TrainConfig& cfg, Optimizer& opt, const TrainGroups& groups, std
   return start;
 }
 
-// The run's checkpoints (nothing without --save): written before the run goes on, or with --async-save handed to a
-// background worker and committed at a later step boundary (finish() before the run returns). A failed save stops the
-// run (Megatron's behaviour): retrying would need free space the job cannot make, and going on would risk losing more
-// steps than the last committed checkpoint holds.
-class RunSaves {
- public:
-  RunSaves(const TrainConfig& cfg, Optimizer& opt, int64_t schedule_start, std::FILE* log)
-      : cfg_(cfg), opt_(opt), schedule_start_(schedule_start), log_(log) {
-    if (cfg.async_save && !cfg.save.empty()) async_.emplace(cfg.use_persistent_ckpt_worker);
-  }
-  // A checkpoint at progress.iteration.
-  void save(const TrainProgress& progress) {
-    opt_.settle();
-    if (cfg_.save.empty()) return;
-    commit(/*blocking=*/true, progress.iteration);  // at most one save in flight
-    const CheckpointSaveOptions parts{cfg_.save_optim, cfg_.save_rng,
-                                      opt_param_scheduler_of(cfg_, progress.iteration - schedule_start_),
-                                      cfg_.hf_config_json};
-    try {
-      opt_.save(cfg_.save, progress, cfg_.seed, cfg_.keep_last, parts, async_ ? &*async_ : nullptr);
-    } catch (const Error& e) {
-      failed(e, progress.iteration, progress.iteration);
-    }
-    if (log_ && async_)
-      std::fprintf(log_, " saving checkpoint at iteration %lld to %s in the background (%s of host memory)\n",
-                   static_cast<long long>(progress.iteration), cfg_.save.c_str(),
-                   memory_format_bytes(async_->snapshot_bytes()).c_str());
-    else if (log_)
-      std::fprintf(log_, " saved checkpoint at iteration %lld to %s\n", static_cast<long long>(progress.iteration),
-                   cfg_.save.c_str());
-  }
-  // At each step boundary (collective while a save is in flight): commits it once every rank has written its files.
-  void step_boundary(int64_t iteration) { commit(/*blocking=*/false, iteration); }
-  // Before the run returns: the save in flight is finished and committed.
-  void finish(int64_t iteration) { commit(/*blocking=*/true, iteration); }
-
- private:
-  void commit(bool blocking, int64_t iteration) {
-    const std::optional<int64_t> pending = async_ ? async_->in_flight() : std::nullopt;
-    if (!pending) return;
-    std::optional<int64_t> done;
-    try {
-      done = async_->finalize(blocking);
-    } catch (const Error& e) {
-      failed(e, *pending, iteration);
-    }
-    if (done && log_)
-      std::fprintf(
-          log_,
-          " saved checkpoint at iteration %lld to %s (written in the background, committed after iteration %lld)\n",
-          static_cast<long long>(*done), cfg_.save.c_str(), static_cast<long long>(iteration));
-  }
-  // The save of `checkpoint` failed, noticed with `iteration` steps done.
-  [[noreturn]] void failed(const Error& e, int64_t checkpoint, int64_t iteration) {
-    const auto kept = io::checkpoint_read_tracker(cfg_.save);
-    MOECORE_FAIL(e.what(), "; training stops at iteration ", iteration, " without ",
-                 checkpoint == iteration ? std::string("this checkpoint")
-                                         : "the checkpoint of iteration " + std::to_string(checkpoint),
-                 "; ",
-                 kept ? "the newest valid checkpoint is still iteration " + std::to_string(*kept) +
-                            " (resume with --load " + cfg_.save + ")"
-                      : std::string("no checkpoint was committed under ") + cfg_.save,
-                 ", free space or fix the error first");
-  }
-
-  const TrainConfig& cfg_;
-  Optimizer& opt_;
-  int64_t schedule_start_;
-  std::FILE* log_;
-  std::optional<AsyncCheckpointSaver> async_;
-};
-
 // The log line every cfg.log_interval steps (Megatron's, with MFU, communication shares and ETA) and the metrics
 // (--metrics-jsonl, --tensorboard-dir: written by the first rank only -- data-, tensor- and context-parallel rank 0 --
 // as every rank holds the same reduced values), averaged over the interval's steps that were not skipped; validation
@@ -729,7 +657,10 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
   TrainLog out;
   out.first_iteration = progress.iteration;
   int64_t consecutive_skips = 0;
-  RunSaves saves(cfg, *opt, start.schedule_start, log);
+  RunSaves saves(cfg, *opt, log);
+  const auto save = [&] {  // the LR schedule's state goes into the checkpoint with the optimizer's
+    saves.save(progress, opt_param_scheduler_of(cfg, progress.iteration - start.schedule_start));
+  };
   for (int64_t it = progress.iteration; it < cfg.train_iters; ++it) {
     comm_set_phase("iteration " + std::to_string(it + 1));  // named by timeouts, aborts and fatal signals
     saves.step_boundary(it);  // Megatron's maybe_finalize_async_save(blocking=False) before each step
@@ -765,20 +696,20 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
       if (log)
         std::fprintf(log, " received signal %d: saving and stopping at iteration %lld\n", ExitSignalGuard::signal(),
                      static_cast<long long>(it + 1));
-      saves.save(progress);
+      save();
       saves.finish(progress.iteration);
       out.stopped_by_signal = true;
       return out;
     }
     if (!last && cfg.exit_interval > 0 && (it + 1) % cfg.exit_interval == 0) {
       if (log) std::fprintf(log, " exiting at iteration %lld (--exit-interval)\n", static_cast<long long>(it + 1));
-      saves.save(progress);
+      save();
       saves.finish(progress.iteration);
       return out;
     }
-    if (!last && cfg.save_interval > 0 && (it + 1) % cfg.save_interval == 0) saves.save(progress);
+    if (!last && cfg.save_interval > 0 && (it + 1) % cfg.save_interval == 0) save();
   }
-  saves.save(progress);
+  save();
   saves.finish(progress.iteration);  // Megatron's maybe_finalize_async_save(blocking=True) at the end
   return out;
 }
