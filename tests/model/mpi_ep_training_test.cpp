@@ -5,7 +5,8 @@
 // parameter's reduced gradient after step 1 (expert shards against their slice of the reference; element-wise
 // rtol 1e-5 with an absolute floor of 1e-7 x the tensor's largest value for near-zero elements), 20-step
 // losses (rtol 1e-5), the final validation loss, and bitwise-identical losses across two identical
-// multi-rank runs. Every model lives on testing::test_device(); results are kept as host copies.
+// multi-rank runs; checkpoints reshard across layouts, and --async-save writes the synchronous saves' files. Every
+// model lives on testing::test_device(); results are kept as host copies.
 #include <gtest/gtest.h>
 
 #include "model/synthetic_training.h"
@@ -21,6 +22,8 @@
 
 #include "moecore/core/error.h"
 #include "moecore/core/rng.h"
+#include "moecore/io/checkpoint.h"
+#include "moecore/io/file_util.h"
 #include "moecore/parallel/process_groups.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/trainer.h"
@@ -70,10 +73,11 @@ struct Result {
   int64_t retries = 0;      // steps run again over the received-token capacity
 };
 using ModelTweak = std::function<void(model::ModelConfig&)>;
+using TrainTweak = std::function<void(train::TrainConfig&)>;
 
 Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int64_t iters, bool expert_bias,
            bool distributed, const std::string& save = "", const std::string& load = "", int64_t exit_at = 0,
-           bool zero = false, const ModelTweak& tweak = {}, bool validate = true) {
+           bool zero = false, const ModelTweak& tweak = {}, bool validate = true, const TrainTweak& train_tweak = {}) {
   model::ModelConfig mc = moe_model(expert_bias);
   if (tweak) tweak(mc);
   train::TrainGroups groups;
@@ -96,6 +100,7 @@ Result run(const ProcessGroup& world, int ep_size, moe::DispatcherKind kind, int
   tc.load = load;
   tc.exit_interval = exit_at;    // same schedule as the full run, stopped (and saved) early
   tc.has_validation = validate;  // (without, the last forward -- echo_clones -- is a training micro-batch's)
+  if (train_tweak) train_tweak(tc);
   const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, distributed ? &groups : nullptr);
   Result r;
   r.loss = log.train_loss;
@@ -239,6 +244,53 @@ TEST_F(Mpi, CheckpointReshardsAcrossLayouts) {
   }
   barrier(world);
   if (world.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// --async-save at EP = P (EP 2 x DP 2 at 4 ranks), with the distributed optimizer: each rank's worker writes its
+// files (rank 0 the model and optimizer files, each EP rank's first data-parallel rank its expert file) while training
+// goes on, and the commits agreed on at the step boundaries give the synchronous saves' files byte for byte; the run
+// resumed from them continues bit-identically with the uninterrupted one.
+TEST_F(Mpi, AsyncSaveWritesTheSynchronousFilesAndResumesBitIdentically) {
+  const int ep = P == 4 ? 2 : P;
+  const auto kind = moe::DispatcherKind::alltoall;
+  const std::string sync = shared_dir(world, "sync"), async = shared_dir(world, "async");
+  auto saves = [](bool async_save) -> TrainTweak {
+    return [=](train::TrainConfig& t) {
+      t.save_interval = 2;
+      t.async_save = async_save;
+      t.use_persistent_ckpt_worker = true;
+    };
+  };
+  const Result straight = run(world, ep, kind, 8, true, true, "", "", 0, true);
+  const Result first_sync = run(world, ep, kind, 8, true, true, sync, "", 6, true, {}, true, saves(false));
+  const Result first = run(world, ep, kind, 8, true, true, async, "", 6, true, {}, true, saves(true));
+  ASSERT_EQ(first.loss, first_sync.loss);
+  barrier(world);
+  if (world.rank() == 0) {
+    for (int64_t it : {2, 4, 6}) {
+      const std::string a = io::checkpoint_iteration_dir(async, it), s = io::checkpoint_iteration_dir(sync, it);
+      size_t files = 0;
+      for (const auto& de : std::filesystem::directory_iterator(s)) {
+        const std::string name = de.path().filename().string();
+        EXPECT_EQ(io::read_file(a + "/" + name), io::read_file(s + "/" + name)) << "iteration " << it << ": " << name;
+        ++files;
+      }
+      EXPECT_EQ(files, static_cast<size_t>(std::distance(std::filesystem::directory_iterator(a), {}))) << it;
+      EXPECT_EQ(files, 4u + static_cast<size_t>(ep)) << it;  // model, optimizer, state.json, COMMIT, the expert files
+    }
+    EXPECT_EQ(io::checkpoint_read_tracker(async), 6);
+  }
+  const Result resumed = run(world, ep, kind, 8, true, true, async, async, 0, true, {}, true, saves(true));
+  ASSERT_EQ(resumed.loss.size(), 2u);
+  for (size_t i = 0; i < 2; ++i)
+    EXPECT_EQ(std::memcmp(&resumed.loss[i], &straight.loss[6 + i], sizeof(double)), 0) << "step " << 7 + i;
+  expect_same_parameters(resumed, straight.values, "resumed from the asynchronous checkpoint");
+  barrier(world);
+  if (world.rank() == 0) {
+    EXPECT_EQ(io::checkpoint_read_tracker(async), 8);
+    std::filesystem::remove_all(sync);
+    std::filesystem::remove_all(async);
+  }
 }
 
 // MoE ECHO (--moe-enable-echo) at EP = P: training with clones of hot experts equals training without -- step-1 loss
