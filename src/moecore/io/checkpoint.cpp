@@ -9,10 +9,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -120,6 +122,51 @@ void write_fsync(const std::string& path, std::string_view bytes) {
     sys_fail("cannot fsync", path);
   }
   if (::close(fd) != 0) sys_fail("cannot close", path);
+}
+
+// Data files go to the disk by direct I/O where the filesystem takes it: a buffered write's copy into the page cache
+// and its writeback cost about 2.5 s of CPU per GB on this project's virtual disks (0.08 s direct), CPU that an
+// asynchronous save's writer takes from training, and direct writes are faster too. The bytes pass through an aligned
+// bounce buffer; the last block is padded and the file cut back to its size. Returns false, having written nothing,
+// where direct I/O is refused (tmpfs: EINVAL) or a write fault is injected for this file (the hook stops at any byte,
+// which direct writes of whole blocks cannot): write_fsync then writes it.
+bool write_fsync_direct(const std::string& path, std::string_view bytes) {
+  constexpr size_t kAlign = 4096, kChunk = size_t{8} << 20;
+  const std::string name = fs::path(path).filename().string();
+  if (const auto& f = write_fault_injected(); f && (f->name == "*" || f->name == name)) return false;
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+  if (fd < 0 && errno == EINVAL) return false;
+  if (fd < 0) sys_fail("cannot create", path);
+  const std::unique_ptr<char, decltype(&std::free)> buf(static_cast<char*>(std::aligned_alloc(kAlign, kChunk)),
+                                                        &std::free);
+  auto fail = [&](int e, const std::string& what) {
+    ::close(fd);
+    errno = e;
+    sys_fail(what, path);
+  };
+  if (!buf) fail(ENOMEM, "cannot allocate the write buffer for");
+  for (size_t off = 0; off < bytes.size(); off += kChunk) {
+    const size_t n = std::min(kChunk, bytes.size() - off), padded = (n + kAlign - 1) / kAlign * kAlign;
+    std::memcpy(buf.get(), bytes.data() + off, n);
+    std::memset(buf.get() + n, 0, padded - n);
+    ssize_t w;
+    do {
+      w = ::pwrite(fd, buf.get(), padded, static_cast<off_t>(off));
+    } while (w < 0 && errno == EINTR);
+    if (w < 0 && errno == EINVAL && off == 0) {  // a filesystem that takes O_DIRECT at open only
+      ::close(fd);
+      return false;
+    }
+    // A short write of a regular file means no room for the rest (a retry would be unaligned).
+    if (w < 0 || static_cast<size_t>(w) < padded)
+      fail(w < 0 ? errno : ENOSPC, "cannot write byte " + std::to_string(off + (w < 0 ? 0 : static_cast<size_t>(w))) +
+                                       " of " + std::to_string(bytes.size()) + " to");
+  }
+  if (bytes.size() % kAlign != 0 && ::ftruncate(fd, static_cast<off_t>(bytes.size())) != 0)
+    fail(errno, "cannot set the size of");
+  if (::fsync(fd) != 0) fail(errno, "cannot fsync");
+  if (::close(fd) != 0) sys_fail("cannot close", path);
+  return true;
 }
 
 // Streams the file so multi-GB shards are checksummed without holding them in memory.
@@ -280,11 +327,7 @@ std::pair<std::string, Manifest> stage_and_publish(const std::string& root, cons
                      " (expected ", info.bytes, " bytes)");
       m.files[name] = {info.bytes, info.crc32c};
     }
-    for (const auto& [name, tensors] : req.files) {
-      const std::string bytes = safetensors_serialize(tensors);
-      write_fsync((fs::path(staging) / name).string(), bytes);
-      m.files[name] = {bytes.size(), crc32c(bytes)};
-    }
+    for (const auto& [name, tensors] : req.files) m.files[name] = checkpoint_staging_write(staging, name, tensors);
     write_fsync((fs::path(staging) / kCheckpointStateFile).string(), req.state_json);
     m.files[kCheckpointStateFile] = {req.state_json.size(), crc32c(req.state_json)};
     fsync_dir(staging);
@@ -471,7 +514,8 @@ CheckpointFileInfo checkpoint_staging_write(const std::string& staging_dir, cons
 CheckpointFileInfo checkpoint_staging_write_bytes(const std::string& staging_dir, const std::string& name,
                                                   std::string_view bytes) {
   check_file_name(name);
-  write_fsync((fs::path(staging_dir) / name).string(), bytes);
+  const std::string path = (fs::path(staging_dir) / name).string();
+  if (!write_fsync_direct(path, bytes)) write_fsync(path, bytes);
   return {bytes.size(), crc32c(bytes)};
 }
 
