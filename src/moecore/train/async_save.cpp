@@ -23,7 +23,8 @@ int64_t sum_over_run(int64_t v, const TrainGroups& g) {
 
 }  // namespace
 
-AsyncCheckpointSaver::AsyncCheckpointSaver(bool persistent_worker) : worker_(persistent_worker) {}
+AsyncCheckpointSaver::AsyncCheckpointSaver(bool persistent_worker, int cpu_priority)
+    : worker_(persistent_worker, cpu_priority) {}
 
 AsyncCheckpointSaver::~AsyncCheckpointSaver() {
   if (snapshot_bytes_ > 0) memory_record_free(MemCategory::other, snapshot_bytes_);
@@ -67,6 +68,8 @@ std::optional<int64_t> AsyncCheckpointSaver::finalize(bool blocking) {
   if (!blocking && sum_over_run(worker_.busy() && !worker_.done() ? 1 : 0, groups_) > 0) return std::nullopt;
   io::CheckpointWorkerResult r;
   if (worker_.busy()) r = worker_.take();
+  last_write_seconds_ = r.seconds;
+  last_writer_cpu_seconds_ = r.cpu_seconds;
   memory_record_free(MemCategory::other, snapshot_bytes_);
   snapshot_bytes_ = 0;
   const CheckpointSaveInFlight s = std::move(*flight_);

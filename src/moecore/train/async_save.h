@@ -20,7 +20,8 @@ namespace moecore::train {
 class AsyncCheckpointSaver {
  public:
   // persistent_worker (--use-persistent-ckpt-worker): one writer thread for the saver's life; else one per save.
-  explicit AsyncCheckpointSaver(bool persistent_worker);
+  // cpu_priority (--async-ckpt-cpu-priority): the writer's nice value (io/checkpoint_worker.h).
+  explicit AsyncCheckpointSaver(bool persistent_worker, int cpu_priority = io::CheckpointWorker::kDefaultCpuPriority);
   // A save still in flight (the run is ending with an Error) is abandoned: its worker is waited for and nothing is
   // committed, so the previous committed checkpoint stays the newest; its staging directory is removed by the next
   // save.
@@ -46,12 +47,16 @@ class AsyncCheckpointSaver {
 
   std::optional<int64_t> in_flight() const;                   // the iteration of the save in flight
   int64_t snapshot_bytes() const { return snapshot_bytes_; }  // host bytes this rank's snapshot holds (0: none)
+  // This rank's writer on the last save finalized: wall time and CPU time (0 when it had nothing to write).
+  double last_write_seconds() const { return last_write_seconds_; }
+  double last_writer_cpu_seconds() const { return last_writer_cpu_seconds_; }
 
  private:
   io::CheckpointWorker worker_;
   std::optional<CheckpointSaveInFlight> flight_;
   TrainGroups groups_;
   int64_t snapshot_bytes_ = 0;
+  double last_write_seconds_ = 0, last_writer_cpu_seconds_ = 0;
 };
 
 // An upper bound of the host memory one rank's snapshot holds while a save is in flight: the whole checkpoint's data

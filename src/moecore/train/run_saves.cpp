@@ -8,7 +8,7 @@
 namespace moecore::train {
 
 RunSaves::RunSaves(const TrainConfig& cfg, Optimizer& opt, std::FILE* log) : cfg_(cfg), opt_(opt), log_(log) {
-  if (cfg.async_save && !cfg.save.empty()) async_.emplace(cfg.use_persistent_ckpt_worker);
+  if (cfg.async_save && !cfg.save.empty()) async_.emplace(cfg.use_persistent_ckpt_worker, cfg.async_ckpt_cpu_priority);
 }
 
 void RunSaves::save(const TrainProgress& progress, const OptParamSchedulerState& scheduler) {
@@ -40,9 +40,11 @@ void RunSaves::commit(bool blocking, int64_t iteration) {
     failed(e, *pending, iteration);
   }
   if (done && log_)
-    std::fprintf(
-        log_, " saved checkpoint at iteration %lld to %s (written in the background, committed after iteration %lld)\n",
-        static_cast<long long>(*done), cfg_.save.c_str(), static_cast<long long>(iteration));
+    std::fprintf(log_,
+                 " saved checkpoint at iteration %lld to %s (written in the background in %.1f s, %.1f s of the "
+                 "writer's CPU; committed after iteration %lld)\n",
+                 static_cast<long long>(*done), cfg_.save.c_str(), async_->last_write_seconds(),
+                 async_->last_writer_cpu_seconds(), static_cast<long long>(iteration));
 }
 
 // The save of iteration `checkpoint` failed, found with `iteration` steps done.
