@@ -480,14 +480,17 @@ TEST_F(Checkpoint, BackgroundWriterFilesCommitAsTheSynchronousOnes) {
     for (int64_t it : {3, 4}) {  // two jobs: the persistent thread is reused, the per-job thread replaced
       const std::string staging = io::checkpoint_staging_begin(root, it, "w");
       std::vector<io::CheckpointWorkerFile> files;
-      for (const auto& [name, tensors] : req.files) files.push_back({name, io::safetensors_serialize(tensors)});
+      for (const auto& [name, tensors] : req.files)
+        files.push_back({name, io::HostBuffer(io::safetensors_serialize(tensors))});
       worker.submit(staging, std::move(files));
       EXPECT_TRUE(worker.busy());
-      const io::CheckpointWorkerResult r = worker.take();
+      const io::CheckpointWorkerResult r = worker.take(&files);
       EXPECT_FALSE(worker.busy());
       EXPECT_FALSE(worker.done());
       ASSERT_EQ(r.error, "");
       ASSERT_EQ(r.written.size(), 2u);
+      ASSERT_EQ(files.size(), 2u);  // the buffers, handed back for the next snapshot
+      EXPECT_EQ(files[0].bytes.view(), io::safetensors_serialize(req.files.at(files[0].name)));
       io::CheckpointWriteRequest commit = req;
       commit.iteration = it;
       commit.files.clear();
@@ -500,14 +503,20 @@ TEST_F(Checkpoint, BackgroundWriterFilesCommitAsTheSynchronousOnes) {
     EXPECT_EQ(io::checkpoint_read_tracker(root), 4);
     EXPECT_NO_THROW(io::checkpoint_load(io::checkpoint_iteration_dir(root, 4)));
 
+    auto two_files = [] {
+      std::vector<io::CheckpointWorkerFile> f;
+      f.push_back({"a.safetensors", io::HostBuffer("abc")});
+      f.push_back({"b.safetensors", io::HostBuffer("def")});
+      return f;
+    };
     const std::string missing = root + "/no_such_dir";
-    worker.submit(missing, {{"a.safetensors", "abc"}, {"b.safetensors", "def"}});
+    worker.submit(missing, two_files());
     const io::CheckpointWorkerResult bad = worker.take();
     EXPECT_TRUE(bad.written.empty());
     EXPECT_NE(bad.error.find(missing + "/a.safetensors"), std::string::npos) << bad.error;
     EXPECT_NE(bad.error.find(std::strerror(ENOENT)), std::string::npos) << bad.error;
     // A job left in flight is waited for by the destructor (the run ends with an Error): no thread outlives it.
-    worker.submit(io::checkpoint_staging_begin(root, 9, "w"), {{"a.safetensors", "abc"}});
+    worker.submit(io::checkpoint_staging_begin(root, 9, "w"), two_files());
   }
 }
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -126,8 +127,9 @@ void write_fsync(const std::string& path, std::string_view bytes) {
 
 // Data files go to the disk by direct I/O where the filesystem takes it: a buffered write's copy into the page cache
 // and its writeback cost about 2.5 s of CPU per GB on this project's virtual disks (0.08 s direct), CPU that an
-// asynchronous save's writer takes from training, and direct writes are faster too. The bytes pass through an aligned
-// bounce buffer; the last block is padded and the file cut back to its size. Returns false, having written nothing,
+// asynchronous save's writer takes from training, and direct writes are faster too. Bytes at a page-aligned address
+// (io/checkpoint_worker.h HostBuffer) are written from where they are, others through an aligned bounce buffer; the
+// last block is padded and the file cut back to its size. Returns false, having written nothing,
 // where direct I/O is refused (tmpfs: EINVAL) or a write fault is injected for this file (the hook stops at any byte,
 // which direct writes of whole blocks cannot): write_fsync then writes it.
 bool write_fsync_direct(const std::string& path, std::string_view bytes) {
@@ -137,21 +139,25 @@ bool write_fsync_direct(const std::string& path, std::string_view bytes) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
   if (fd < 0 && errno == EINVAL) return false;
   if (fd < 0) sys_fail("cannot create", path);
-  const std::unique_ptr<char, decltype(&std::free)> buf(static_cast<char*>(std::aligned_alloc(kAlign, kChunk)),
-                                                        &std::free);
+  std::unique_ptr<char, decltype(&std::free)> buf(nullptr, &std::free);  // the bounce buffer, when one is needed
   auto fail = [&](int e, const std::string& what) {
     ::close(fd);
     errno = e;
     sys_fail(what, path);
   };
-  if (!buf) fail(ENOMEM, "cannot allocate the write buffer for");
   for (size_t off = 0; off < bytes.size(); off += kChunk) {
     const size_t n = std::min(kChunk, bytes.size() - off), padded = (n + kAlign - 1) / kAlign * kAlign;
-    std::memcpy(buf.get(), bytes.data() + off, n);
-    std::memset(buf.get() + n, 0, padded - n);
+    const char* from = bytes.data() + off;
+    if (reinterpret_cast<uintptr_t>(from) % kAlign != 0 || n != padded) {  // else written from where it is
+      if (!buf) buf.reset(static_cast<char*>(std::aligned_alloc(kAlign, kChunk)));
+      if (!buf) fail(ENOMEM, "cannot allocate the write buffer for");
+      std::memcpy(buf.get(), from, n);
+      std::memset(buf.get() + n, 0, padded - n);
+      from = buf.get();
+    }
     ssize_t w;
     do {
-      w = ::pwrite(fd, buf.get(), padded, static_cast<off_t>(off));
+      w = ::pwrite(fd, from, padded, static_cast<off_t>(off));
     } while (w < 0 && errno == EINTR);
     if (w < 0 && errno == EINVAL && off == 0) {  // a filesystem that takes O_DIRECT at open only
       ::close(fd);

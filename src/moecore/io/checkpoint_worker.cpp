@@ -11,6 +11,8 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <utility>
 
@@ -49,6 +51,43 @@ double thread_cpu_seconds() {
 
 }  // namespace
 
+HostBuffer::HostBuffer(std::string_view bytes) {
+  if (!bytes.empty()) std::memcpy(resize(bytes.size()), bytes.data(), bytes.size());
+}
+
+HostBuffer::HostBuffer(HostBuffer&& o) noexcept
+    : data_(std::exchange(o.data_, nullptr)),
+      size_(std::exchange(o.size_, 0)),
+      capacity_(std::exchange(o.capacity_, 0)) {}
+
+HostBuffer& HostBuffer::operator=(HostBuffer&& o) noexcept {
+  if (this != &o) {
+    std::free(data_);
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+    capacity_ = std::exchange(o.capacity_, 0);
+  }
+  return *this;
+}
+
+HostBuffer::~HostBuffer() {
+  std::free(data_);
+}
+
+char* HostBuffer::resize(size_t bytes) {
+  constexpr size_t kPage = 4096;
+  if (bytes > capacity_) {
+    const size_t cap = (bytes + kPage - 1) / kPage * kPage;
+    char* p = static_cast<char*>(std::aligned_alloc(kPage, cap));
+    if (!p) MOECORE_FAIL("checkpoint: cannot allocate ", bytes, " bytes of host memory for a checkpoint's snapshot");
+    std::free(data_);
+    data_ = p;
+    capacity_ = cap;
+  }
+  size_ = bytes;
+  return data_;
+}
+
 CheckpointWorker::CheckpointWorker(bool persistent, int cpu_priority)
     : persistent_(persistent), cpu_priority_(cpu_priority > 19 ? 19 : cpu_priority) {}
 
@@ -70,7 +109,7 @@ CheckpointWorkerResult CheckpointWorker::run(const Job& job) {
   // Every exception is caught here: one escaping a thread would end the process without a word.
   try {
     for (const CheckpointWorkerFile& f : job.files)
-      r.written[f.name] = checkpoint_staging_write_bytes(job.dir, f.name, f.bytes);
+      r.written[f.name] = checkpoint_staging_write_bytes(job.dir, f.name, f.bytes.view());
   } catch (const std::exception& e) {
     r.error = e.what();
   } catch (...) {
@@ -126,7 +165,7 @@ bool CheckpointWorker::done() const {
   return result_.has_value();
 }
 
-CheckpointWorkerResult CheckpointWorker::take() {
+CheckpointWorkerResult CheckpointWorker::take(std::vector<CheckpointWorkerFile>* files) {
   MOECORE_CHECK(busy_, "checkpoint worker: take() without a job");
   std::optional<Job> job;  // released after the lock: freeing gigabytes need not hold it
   CheckpointWorkerResult r;
@@ -140,6 +179,7 @@ CheckpointWorkerResult CheckpointWorker::take() {
   }
   if (!persistent_) thread_.join();
   busy_ = false;
+  if (files && job) *files = std::move(job->files);
   return r;
 }
 

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -16,10 +17,33 @@
 
 namespace moecore::io {
 
-// One file of a job: its name in the staging directory and its bytes (e.g. safetensors_serialize's).
+// Bytes in host memory at a page-aligned address, so that direct I/O writes them without a copy
+// (checkpoint_staging_write_bytes); resize() keeps the allocation when it is large enough, so a buffer reused from one
+// checkpoint to the next costs no page faults. Move-only.
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  explicit HostBuffer(std::string_view bytes);
+  HostBuffer(HostBuffer&& o) noexcept;
+  HostBuffer& operator=(HostBuffer&& o) noexcept;
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  ~HostBuffer();
+  char* resize(size_t bytes);  // the contents are unspecified after a resize that reallocates
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+  size_t capacity() const { return capacity_; }
+  std::string_view view() const { return {data_, size_}; }
+
+ private:
+  char* data_ = nullptr;
+  size_t size_ = 0, capacity_ = 0;
+};
+
+// One file of a job: its name in the staging directory and its bytes (e.g. safetensors_serialize_to's).
 struct CheckpointWorkerFile {
   std::string name;
-  std::string bytes;
+  HostBuffer bytes;
 };
 
 // What a job did: every file's size and CRC32C when all were written, else the first failure.
@@ -49,8 +73,9 @@ class CheckpointWorker {
   void submit(std::string dir, std::vector<CheckpointWorkerFile> files);
   bool busy() const { return busy_; }  // a job was submitted and its result not taken yet
   bool done() const;                   // the job submitted has finished (never blocks); false when !busy()
-  // Waits for the job to finish and returns its result; the job's bytes are released and the worker is idle again.
-  CheckpointWorkerResult take();
+  // Waits for the job to finish and returns its result; the worker is idle again. The job's files are handed back in
+  // `files` when given (their buffers for the next job), else released.
+  CheckpointWorkerResult take(std::vector<CheckpointWorkerFile>* files = nullptr);
 
  private:
   struct Job {

@@ -288,8 +288,10 @@ SafetensorsFile safetensors_load(const std::string& path) {
   return out;
 }
 
-std::string safetensors_serialize(const std::map<std::string, Tensor>& tensors,
-                                  std::map<std::string, std::string> metadata) {
+namespace {
+// The header of a file of these tensors and the tensors in the file's order.
+std::pair<SafetensorsLayout, std::vector<const Tensor*>> serialize_plan(const std::map<std::string, Tensor>& tensors,
+                                                                        std::map<std::string, std::string> metadata) {
   std::vector<SafetensorsTensorSpec> specs;
   std::vector<const Tensor*> ts;
   for (const auto& [name, t] : tensors) {
@@ -297,14 +299,37 @@ std::string safetensors_serialize(const std::map<std::string, Tensor>& tensors,
     specs.push_back({name, t.dtype(), t.shape()});
     ts.push_back(&t);
   }
-  const SafetensorsLayout layout = safetensors_serialize_header(specs, std::move(metadata));
+  SafetensorsLayout layout = safetensors_serialize_header(specs, std::move(metadata));
+  std::vector<const Tensor*> ordered;
+  for (size_t i : layout.order) ordered.push_back(ts[i]);
+  return {std::move(layout), ordered};
+}
+}  // namespace
+
+std::string safetensors_serialize(const std::map<std::string, Tensor>& tensors,
+                                  std::map<std::string, std::string> metadata) {
+  const auto [layout, ordered] = serialize_plan(tensors, std::move(metadata));
   std::string out = layout.header;
   out.reserve(out.size() + layout.data_bytes);
-  for (size_t i : layout.order) {
-    Tensor c = ts[i]->is_contiguous() ? *ts[i] : ts[i]->clone();
+  for (const Tensor* t : ordered) {
+    Tensor c = t->is_contiguous() ? *t : t->clone();
     out.append(static_cast<const char*>(c.raw()), static_cast<size_t>(c.nbytes()));
   }
   return out;
+}
+
+void safetensors_serialize_to(const std::map<std::string, Tensor>& tensors,
+                              const std::function<char*(size_t bytes)>& destination,
+                              std::map<std::string, std::string> metadata) {
+  const auto [layout, ordered] = serialize_plan(tensors, std::move(metadata));
+  char* out = destination(layout.header.size() + static_cast<size_t>(layout.data_bytes));
+  std::memcpy(out, layout.header.data(), layout.header.size());
+  out += layout.header.size();
+  for (const Tensor* t : ordered) {
+    Tensor c = t->is_contiguous() ? *t : t->clone();
+    std::memcpy(out, c.raw(), static_cast<size_t>(c.nbytes()));
+    out += c.nbytes();
+  }
 }
 
 void safetensors_save(const std::string& path, const std::map<std::string, Tensor>& tensors,

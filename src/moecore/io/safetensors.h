@@ -5,6 +5,7 @@
 // ../shared/docs/formats.md §3. Not here: HF name mapping (io/hf_*), file I/O beyond whole files.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -28,6 +29,11 @@ void safetensors_save(const std::string& path, const std::map<std::string, Tenso
 // The serialized bytes (for tests and for writers that frame the file themselves).
 std::string safetensors_serialize(const std::map<std::string, Tensor>& tensors,
                                   std::map<std::string, std::string> metadata = {});
+// The same bytes written into memory the caller provides: destination(n) returns where the n bytes go (e.g. a buffer
+// reused from one checkpoint to the next).
+void safetensors_serialize_to(const std::map<std::string, Tensor>& tensors,
+                              const std::function<char*(size_t bytes)>& destination,
+                              std::map<std::string, std::string> metadata = {});
 
 // ---- Header level ------------------------------------------------------------------------------------------
 

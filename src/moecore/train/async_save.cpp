@@ -24,10 +24,10 @@ int64_t sum_over_run(int64_t v, const TrainGroups& g) {
 }  // namespace
 
 AsyncCheckpointSaver::AsyncCheckpointSaver(bool persistent_worker, int cpu_priority)
-    : worker_(persistent_worker, cpu_priority) {}
+    : persistent_(persistent_worker), worker_(persistent_worker, cpu_priority) {}
 
 AsyncCheckpointSaver::~AsyncCheckpointSaver() {
-  if (snapshot_bytes_ > 0) memory_record_free(MemCategory::other, snapshot_bytes_);
+  if (held_bytes_ > 0) memory_record_free(MemCategory::other, held_bytes_);
 }
 
 std::optional<int64_t> AsyncCheckpointSaver::in_flight() const {
@@ -41,18 +41,29 @@ void AsyncCheckpointSaver::save(const std::string& root, const model::GptModel& 
   groups_ = groups ? *groups : TrainGroups{};
   CheckpointSaveInFlight s = checkpoint_save_begin(root, gpt, opt, progress, seed, keep_last, groups, options);
   // The snapshot: each file serialized now, so the next steps cannot change what is written (the tensors of `files`
-  // may be the model's own). The worker then only writes and checksums.
+  // may be the model's own). The worker then only writes and checksums. A persistent worker's buffers are reused.
   std::vector<io::CheckpointWorkerFile> files;
-  int64_t bytes = 0;
+  snapshot_bytes_ = 0;
   for (const auto& [name, tensors] : s.files) {
-    files.push_back({name, io::safetensors_serialize(tensors)});
-    bytes += static_cast<int64_t>(files.back().bytes.size());
+    auto kept = kept_.find(name);
+    files.push_back({name, kept != kept_.end() ? std::move(kept->second) : io::HostBuffer()});
+    io::HostBuffer& buf = files.back().bytes;
+    io::safetensors_serialize_to(tensors, [&](size_t n) { return buf.resize(n); });
+    snapshot_bytes_ += static_cast<int64_t>(buf.size());
   }
   s.files.clear();
-  memory_record_alloc(MemCategory::other, bytes);
-  snapshot_bytes_ = bytes;
+  kept_.clear();  // (buffers of files this save does not write)
+  int64_t held = 0;
+  for (const io::CheckpointWorkerFile& f : files) held += static_cast<int64_t>(f.bytes.capacity());
+  account(held);
   if (!files.empty()) worker_.submit(s.staging_dir, std::move(files));
   flight_ = std::move(s);
+}
+
+void AsyncCheckpointSaver::account(int64_t held) {
+  if (held > held_bytes_) memory_record_alloc(MemCategory::other, held - held_bytes_);
+  if (held < held_bytes_) memory_record_free(MemCategory::other, held_bytes_ - held);
+  held_bytes_ = held;
 }
 
 void AsyncCheckpointSaver::save(const std::string& root, const model::GptModel& gpt, const optim::AdamW& opt,
@@ -67,11 +78,17 @@ std::optional<int64_t> AsyncCheckpointSaver::finalize(bool blocking) {
   // Megatron's is_current_async_call_done: every rank tells whether its writer is still busy; all decide alike.
   if (!blocking && sum_over_run(worker_.busy() && !worker_.done() ? 1 : 0, groups_) > 0) return std::nullopt;
   io::CheckpointWorkerResult r;
-  if (worker_.busy()) r = worker_.take();
+  std::vector<io::CheckpointWorkerFile> files;
+  if (worker_.busy()) r = worker_.take(&files);
   last_write_seconds_ = r.seconds;
   last_writer_cpu_seconds_ = r.cpu_seconds;
-  memory_record_free(MemCategory::other, snapshot_bytes_);
-  snapshot_bytes_ = 0;
+  int64_t held = 0;
+  if (persistent_)
+    for (io::CheckpointWorkerFile& f : files) {
+      held += static_cast<int64_t>(f.bytes.capacity());
+      kept_[f.name] = std::move(f.bytes);
+    }
+  account(held);
   const CheckpointSaveInFlight s = std::move(*flight_);
   flight_.reset();  // whatever the finish does, this save is no longer in flight
   checkpoint_save_finish(s, r.written, r.error, &groups_);

@@ -1,13 +1,14 @@
 // Asynchronous checkpoint saves (Megatron's --async-save): at the save point the state is snapshotted into host memory
-// (serialized: device tensors copied too), a background worker (io/checkpoint_worker.h) writes this rank's files into
-// the staging directory while training goes on, and the commit (rename, COMMIT, tracker, retention) runs on the
-// training thread at a later step boundary once every rank's files are durable: a non-blocking check of the local
-// worker, a small collective to agree, then the collective finish of checkpointing.h (Megatron's
+// (serialized into page-aligned buffers: device tensors copied too), a background worker (io/checkpoint_worker.h)
+// writes this rank's files into the staging directory while training goes on, and the commit (rename, COMMIT, tracker,
+// retention) runs on the training thread at a later step boundary once every rank's files are durable: a non-blocking
+// check of the local worker, a small collective to agree, then the collective finish of checkpointing.h (Megatron's
 // maybe_finalize_async_save). The files are those of save_training_checkpoint, byte for byte. At most one save is in
 // flight: a new one first finishes the previous (Megatron's persistent worker does the same).
 // Not here: what a checkpoint holds (checkpointing.h), when the run saves (trainer.h).
 #pragma once
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -46,16 +47,23 @@ class AsyncCheckpointSaver {
   std::optional<int64_t> finalize(bool blocking);
 
   std::optional<int64_t> in_flight() const;                   // the iteration of the save in flight
-  int64_t snapshot_bytes() const { return snapshot_bytes_; }  // host bytes this rank's snapshot holds (0: none)
+  int64_t snapshot_bytes() const { return snapshot_bytes_; }  // host bytes of this rank's last snapshot (0: none)
   // This rank's writer on the last save finalized: wall time and CPU time (0 when it had nothing to write).
   double last_write_seconds() const { return last_write_seconds_; }
   double last_writer_cpu_seconds() const { return last_writer_cpu_seconds_; }
 
  private:
+  void account(int64_t held);  // the memory accounting's record of the snapshot buffers (category other)
+
+  const bool persistent_;
+  // The snapshot's buffers between saves (persistent worker: reused, so a snapshot after the first costs no page
+  // faults; the host memory stays held from the first save on). Declared before the worker, which may still hold the
+  // others when the saver is destroyed.
+  std::map<std::string, io::HostBuffer> kept_;
   io::CheckpointWorker worker_;
   std::optional<CheckpointSaveInFlight> flight_;
   TrainGroups groups_;
-  int64_t snapshot_bytes_ = 0;
+  int64_t snapshot_bytes_ = 0, held_bytes_ = 0;
   double last_write_seconds_ = 0, last_writer_cpu_seconds_ = 0;
 };
 
