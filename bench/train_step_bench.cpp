@@ -84,8 +84,8 @@ double minimum(const std::vector<double>& v) {
 // kCycles times `steps` steps without a save then a save and the steps until it is committed, then `steps` more without
 // (alternated because a shared host's load drifts; the medians and minima resist it too). The worker's CRC32C and
 // writes compete with the step's threads for the host's cores; the training thread's own costs of a save are the
-// snapshot at the save point and the commit at the step boundary where every file is durable. The checkpoints go to a
-// temporary directory, removed after.
+// snapshot at the save point and the commit at the step boundary where every file is durable; a synchronous save of
+// the same checkpoint is timed first. The checkpoints go to a temporary directory, removed after.
 JsonLine async_save_line(TrainStepSetup& s, const model::ModelConfig& cfg, int64_t micro_batch, int steps,
                          int worker_nice) {
   namespace fs = std::filesystem;
@@ -99,6 +99,9 @@ JsonLine async_save_line(TrainStepSetup& s, const model::ModelConfig& cfg, int64
     s.step();
     into.push_back(now_seconds() - t0);
   };
+  double t_sync = now_seconds();  // the same checkpoint saved synchronously: what the step would wait for
+  train::save_training_checkpoint(dir.string(), s.gpt, s.opt, {0, 0}, 1234, 1);
+  t_sync = now_seconds() - t_sync;
   train::AsyncCheckpointSaver saver(/*persistent_worker=*/true, worker_nice);
   int64_t bytes = 0, outlasted = 0;
   for (int c = 0; c < kCycles; ++c) {
@@ -139,7 +142,8 @@ JsonLine async_save_line(TrainStepSetup& s, const model::ModelConfig& cfg, int64
       .add("writer_cpu_seconds_mean", mean(writer_cpu))
       .add("snapshot_seconds_mean", mean(snapshot))
       .add("snapshot_over_step", base > 0 ? mean(snapshot) / base : 0.0)
-      .add("commit_seconds_mean", mean(commit));
+      .add("commit_seconds_mean", mean(commit))
+      .add("synchronous_save_seconds", t_sync);
   return line;
 }
 
