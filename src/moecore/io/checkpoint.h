@@ -28,7 +28,8 @@ namespace moecore::io {
 //                  "files":{"<name>":{"bytes":<size>,"crc32c":"<8 hex digits>"},...}}  (state.json included)
 //
 // ---- Save protocol (checkpoint_save) ---------------------------------------------------------------
-//   1. write every data file and state.json into <root>/iter_NNNNNNN.tmp-<pid>/, fsync each, fsync the dir;
+//   1. write every data file (direct I/O where the filesystem takes it) and state.json into
+//      <root>/iter_NNNNNNN.tmp-<pid>/, fsync each, fsync the dir;
 //   2. rename the staging dir to iter_NNNNNNN (an existing one of that iteration is first renamed aside
 //      to iter_NNNNNNN.old-<pid> and removed after), fsync <root>;
 //   3. write COMMIT (temporary file COMMIT.tmp.<pid>, fsync, rename, fsync dir)  <- the commit point;

@@ -51,7 +51,7 @@ struct CheckpointWorkerResult {
   std::map<std::string, CheckpointFileInfo> written;
   std::string error;       // "" on success; else the Error's message (the file, the byte offset, the errno's text)
   double seconds = 0;      // the job's wall time
-  double cpu_seconds = 0;  // the writing thread's CPU time for it (CRC32C, copies into the page cache, syscalls)
+  double cpu_seconds = 0;  // the writing thread's CPU time for it (the CRC32C, the write system calls)
 };
 
 // Threading: every method is called from one thread (the training loop); the writing runs on the worker's.
@@ -60,8 +60,8 @@ class CheckpointWorker {
   // persistent (--use-persistent-ckpt-worker): one thread for the worker's life, started by the first job; else a
   // thread per job, joined when its result is taken (Megatron's temporal worker). cpu_priority
   // (--async-ckpt-cpu-priority, Megatron's default 10): the nice value the writing thread runs at, so that the CRC32C
-  // and the copies into the page cache yield the cores to training; only raised (a thread at a higher nice value
-  // stays there), -1 leaves it as the training thread's.
+  // and the writes yield the cores to training; only raised (a thread at a higher nice value stays there), -1 leaves
+  // it as the training thread's.
   explicit CheckpointWorker(bool persistent, int cpu_priority = kDefaultCpuPriority);
   static constexpr int kDefaultCpuPriority = 10;
   // Waits for the job in flight (its result is dropped: nothing is committed), then ends the thread.

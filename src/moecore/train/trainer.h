@@ -47,8 +47,9 @@ struct TrainConfig {
   int keep_last = 0;                        // --keep-last-checkpoints: newest N kept (0: all)
   bool allow_other_models_in_save = false;  // --allow-other-models-in-save (checkpointing.h check_save_directory)
   // Megatron's asynchronous saves (async_save.h): the same files, written by a background worker while training goes
-  // on from a snapshot in host memory (which doubles the checkpointed state's host memory while a save is in flight:
-  // async_save_snapshot_bytes), committed at a later step boundary; a save in flight is finished before train returns.
+  // on from a snapshot in host memory, committed at a later step boundary; a save in flight is finished before train
+  // returns. The snapshot doubles the checkpointed state's host memory (async_save_snapshot_bytes), while a save is in
+  // flight, or with the persistent worker (which reuses its buffers) from the first save on.
   bool async_save = false;                  // --async-save
   bool use_persistent_ckpt_worker = false;  // --use-persistent-ckpt-worker: one writer thread for the run (else one
                                             // per save; Megatron disables --async-save without it, with a warning)
@@ -57,7 +58,7 @@ struct TrainConfig {
   bool async_ckpt_use_cpu_shm = false;      // --async-ckpt-use-cpu-shm: device tensors staged in host memory by the
                                             // training process before the hand-off; moecore's snapshot always is
   int async_ckpt_cpu_priority = 10;         // --async-ckpt-cpu-priority: the writer thread's nice value, 0..19 (only
-                                            // raised), so that its CRC32C and copies yield the cores to training
+                                            // raised), so that its CRC32C and writes yield the cores to training
   std::string hf_config_json;  // --hf-config's config.json text, saved in checkpoints for `moecore convert --to-hf`
   // Megatron's partial saves and loads (checkpointing.h says what each part holds).
   bool save_optim = true;  // false: --no-save-optim (checkpoints without moments, step count, LR scheduler)
