@@ -60,8 +60,8 @@ class CheckpointWorker {
   // persistent (--use-persistent-ckpt-worker): one thread for the worker's life, started by the first job; else a
   // thread per job, joined when its result is taken (Megatron's temporal worker). cpu_priority
   // (--async-ckpt-cpu-priority, Megatron's default 10): the nice value the writing thread runs at, so that the CRC32C
-  // and the writes yield the cores to training; only raised (a thread at a higher nice value stays there), -1 leaves
-  // it as the training thread's.
+  // and the writes yield the cores to training; only raised (a thread at a higher nice value stays there), above 19
+  // is 19, below 0 leaves it as the training thread's.
   explicit CheckpointWorker(bool persistent, int cpu_priority = kDefaultCpuPriority);
   static constexpr int kDefaultCpuPriority = 10;
   // Waits for the job in flight (its result is dropped: nothing is committed), then ends the thread.

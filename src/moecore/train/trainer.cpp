@@ -49,8 +49,6 @@ void TrainConfig::validate() const {
                  ") must not be negative");
   if (async_strategy != "mcore" && async_strategy != "nvrx")
     MOECORE_FAIL("--async-strategy '", async_strategy, "' is not one of nvrx, mcore");
-  if (async_ckpt_cpu_priority < 0 || async_ckpt_cpu_priority > 19)
-    MOECORE_FAIL("--async-ckpt-cpu-priority (", async_ckpt_cpu_priority, ") must be a nice value in [0, 19]");
   if (nan_action != "stop" && nan_action != "skip")
     MOECORE_FAIL("--nan-action '", nan_action, "' is not one of stop, skip");
   if (save_interval < 0 || keep_last < 0)

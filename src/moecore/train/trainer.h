@@ -57,8 +57,9 @@ struct TrainConfig {
                                             // both are moecore's one writer, the files are the same)
   bool async_ckpt_use_cpu_shm = false;      // --async-ckpt-use-cpu-shm: device tensors staged in host memory by the
                                             // training process before the hand-off; moecore's snapshot always is
-  int async_ckpt_cpu_priority = 10;         // --async-ckpt-cpu-priority: the writer thread's nice value, 0..19 (only
-                                            // raised), so that its CRC32C and writes yield the cores to training
+  int async_ckpt_cpu_priority = 10;         // --async-ckpt-cpu-priority: the writer thread's nice value (only raised;
+                                            // as Megatron, above 19 is 19 and below 0 leaves it), so that its CRC32C
+                                            // and writes yield the cores to training
   std::string hf_config_json;  // --hf-config's config.json text, saved in checkpoints for `moecore convert --to-hf`
   // Megatron's partial saves and loads (checkpointing.h says what each part holds).
   bool save_optim = true;  // false: --no-save-optim (checkpoints without moments, step count, LR scheduler)
