@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include "apps/args.h"
@@ -39,8 +41,104 @@
 namespace moecore::apps {
 namespace {
 
+// ---- Training flags as one typed table -------------------------------------------------------------------------
+// Each row declares a flag once: its kind, Megatron's default, help, domain and the rule that reads it into the
+// TrainConfig (run after the flags of add_training_flags below are read, so a rule may use them). The flags declared in
+// add_training_flags move here with the typed-table redesign of the training front end.
+enum class TrainFlagKind : uint8_t { value, flag };
+struct TrainFlag {
+  const char* name;
+  TrainFlagKind kind;
+  const char* def;  // Megatron's default ("" = Megatron's None)
+  const char* help;
+  std::optional<FlagDomain> domain;
+  void (*apply)(const Args& a, const char* flag, train::TrainConfig& t);
+};
+
+// Megatron's rule (training.py get_optimizer_param_scheduler): warm-up = fraction x the decay's length (samples there,
+// iterations here), and it excludes --lr-warmup-iters. moecore's schedule counts whole iterations.
+void lr_warmup_fraction(const Args& a, const char* f, train::TrainConfig& t) {
+  if (!a.given(f)) return;
+  if (a.i64("--lr-warmup-iters") != 0)
+    MOECORE_FAIL("--lr-warmup-fraction and --lr-warmup-iters exclude each other (as in Megatron: give one)");
+  const int64_t decay = t.lr_decay_iters > 0 ? t.lr_decay_iters : t.train_iters;
+  const double warmup = a.f64(f) * static_cast<double>(decay);
+  if (warmup != std::floor(warmup))
+    MOECORE_FAIL("--lr-warmup-fraction ", a.str(f), " x ", decay, " decay iterations = ", warmup,
+                 " warm-up iterations, not a whole number: moecore's schedule counts whole iterations; give "
+                 "--lr-warmup-iters instead");
+  t.lr_warmup_iters = static_cast<int64_t>(warmup);
+}
+
+void persistent_save_interval(const Args& a, const char* f, train::TrainConfig& t) {
+  if (!a.given(f)) return;
+  if (a.given("--save-interval") && a.i64("--save-interval") != a.i64(f))
+    MOECORE_FAIL("--save-interval (", a.str("--save-interval"), ") and ", f, " (", a.str(f),
+                 ") name one setting (Megatron's alias); give one");
+  t.save_interval = a.i64(f);
+}
+
+// torch and torch_dist are Megatron's resharding formats; moecore writes its own, which reshards too (any TP, PP, EP,
+// DP on load) and commits atomically. Megatron ties torch_dcp to torch FSDP2 and fsdp_dtensor to Megatron-FSDP.
+void ckpt_format(const Args& a, const char* f, train::TrainConfig&) {
+  const std::string v = a.str(f);
+  if (v == "fsdp_dtensor")
+    MOECORE_FAIL(f,
+                 " fsdp_dtensor is Megatron-FSDP's format (\"--ckpt-format fsdp_dtensor is only tested with Megatron ",
+                 "FSDP\"), and Megatron-FSDP is not supported yet; use --ckpt-format torch_dist");
+  if (v == "torch_dcp")
+    MOECORE_FAIL(f, " torch_dcp needs torch FSDP2 in Megatron (\"--ckpt-format torch_dcp is only tested with FSDP\"), ",
+                 "which is not supported yet; use --ckpt-format torch_dist");
+}
+
+// Megatron's training/determinism.py: the options that are not deterministic are refused (never switched off).
+// moecore's kernels use no atomics and its collectives reduce in rank order, so the rest holds already.
+void deterministic_mode(const Args& a, const char* f, train::TrainConfig&) {
+  if (!a.on(f)) return;
+  if (a.given("--cross-entropy-loss-fusion"))
+    MOECORE_FAIL("--deterministic-mode requires: cross_entropy_loss_fusion=False (got True). Adjust these options to ",
+                 "continue (Megatron's check; drop --cross-entropy-loss-fusion)");
+}
+
+// clang-format off
+const TrainFlag kTrainFlags[] = {
+  {"--lr-warmup-fraction", TrainFlagKind::value, "",
+   "warm-up as a fraction of the decay (--lr-decay-iters, else --train-iters); excludes --lr-warmup-iters",
+   FlagDomain::number(0.0, 1.0), lr_warmup_fraction},
+  {"--persistent-save-interval", TrainFlagKind::value, "", "Megatron's other name of --save-interval",
+   FlagDomain::integer(1, 1e12), persistent_save_interval},
+  {"--ckpt-format", TrainFlagKind::value, "torch_dist",
+   "torch_dist | torch: moecore's checkpoint format (safetensors + COMMIT manifest; resharded on load to any TP, PP, "
+   "EP, DP, as torch_dist); torch_dcp and fsdp_dtensor need FSDP (not supported yet)",
+   FlagDomain::one_of({"torch", "torch_dist", "torch_dcp", "fsdp_dtensor"}), ckpt_format},
+  {"--dist-ckpt-strictness", TrainFlagKind::value, "assume_ok_unexpected",
+   "on load, checkpoint tensors the model does not take: raise_all refuses them, the other modes load the rest and name "
+   "them in a warning; tensors the model needs that the checkpoint lacks are an error in every mode",
+   FlagDomain::one_of({"assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                       "return_unexpected", "return_all", "ignore_all"}),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.ckpt_strictness = train::parse_ckpt_strictness(a.str(f)); }},
+  {"--log-validation-ppl-to-tensorboard", TrainFlagKind::flag, "",
+   "validation perplexity as 'lm loss validation ppl' in TensorBoard (valid_lm_loss_ppl in --metrics-jsonl)", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.log_validation_ppl = a.on(f); }},
+  {"--exit-duration-in-mins", TrainFlagKind::value, "",
+   "save (with --save) and stop once the run has trained this many minutes (the slowest rank decides)",
+   FlagDomain::integer(1, 1e9),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.exit_duration_mins = static_cast<double>(a.i64_or(f, 0)); }},
+  {"--deterministic-mode", TrainFlagKind::flag, "",
+   "bitwise reproducible runs: refuses --cross-entropy-loss-fusion as Megatron; moecore's kernels and reductions are "
+   "deterministic already", {}, deterministic_mode},
+};
+// clang-format on
+
 // Defaults are Megatron's (megatron/training/arguments.py); "" is Megatron's None (unset).
 void add_training_flags(Args& a) {
+  for (const TrainFlag& f : kTrainFlags) {
+    if (f.kind == TrainFlagKind::flag)
+      a.flag(f.name, f.help);
+    else
+      a.option(f.name, f.def, f.help);
+    if (f.domain) a.domain(f.name, *f.domain);
+  }
   const std::string req = " (Megatron: required)";
   a.list_option("--data-path", "dataset prefixes (.bin/.idx), optionally weighted: \"w1 p1 w2 p2 ...\"")
       .option("--split", "969,30,1", "train,valid,test proportions (Megatron: unset = 969,30,1)")
@@ -74,9 +172,6 @@ void add_training_flags(Args& a) {
       .option("--eval-iters", "100", "validation batches per evaluation")
       .option("--metrics-jsonl", "", "write one JSON object per logged iteration to this file (moecore)")
       .option("--tensorboard-dir", "", "write TensorBoard event files here")
-      .accepted("--log-throughput", "throughput on the log line (always shown here)")
-      .accepted("--log-timers-to-tensorboard", "timers in TensorBoard")
-      .accepted("--log-validation-ppl-to-tensorboard", "validation perplexity in TensorBoard")
       .flag("--moe-per-layer-logging", "log tokens per expert, load, drops and losses of every MoE layer")
       .option("--save", "", "checkpoint directory")
       .option("--load", "", "resume from the newest committed checkpoint under this directory")
@@ -147,13 +242,6 @@ void add_training_flags(Args& a) {
       .flag("--overlap-param-gather",
             "with --use-distributed-optimizer and --overlap-grad-reduce: leave the updated parameters' all-gathers in "
             "flight until forward reads each bucket")
-      .unsupported_switch("--tp-comm-overlap", "tensor-parallel communication overlap")
-      .unsupported("--train-samples", "", "sample-based schedules (use --train-iters)")
-      .unsupported("--lr-warmup-fraction", "", "a warmup fraction (use --lr-warmup-iters)")
-      .unsupported("--lr-warmup-samples", "0", "sample-based warmup (use --lr-warmup-iters)")
-      .unsupported_switch("--calculate-per-token-loss", "per-token loss averaging across micro-batches")
-      .unsupported("--wandb-project", "", "Weights & Biases logging (use --tensorboard-dir or --metrics-jsonl)")
-      .unsupported("--wandb-exp-name", "", "Weights & Biases logging (use --tensorboard-dir or --metrics-jsonl)")
       .option("--expert-model-parallel-size", "1",
               "EP: ranks the routed experts are spread over (mpirun -np a multiple)")
       .flag("--use-distributed-optimizer",
@@ -220,6 +308,31 @@ void add_training_flags(Args& a) {
   for (const auto& [name, domain] : domains) a.domain(name, domain);
 }
 
+// --overlap-moe-expert-parallel-comm is accepted without effect (a schedule choice); Megatron's preconditions
+// (TransformerConfig.__post_init__) still hold, so a configuration Megatron refuses is refused here too.
+void check_overlap_moe_expert_parallel_comm(const Args& a) {
+  const char* f = "--overlap-moe-expert-parallel-comm";
+  if (!a.given(f)) return;
+  const auto need = [&](bool ok, const char* megatron) {
+    if (!ok) MOECORE_FAIL(f, ": ", megatron, " (Megatron's check)");
+  };
+  need(a.i64("--expert-model-parallel-size") > 1,
+       "overlap_moe_expert_parallel_comm is only supported with expert model parallelism");
+  need(a.str("--moe-token-dispatcher-type") == "alltoall",
+       "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher");
+  need(a.str("--recompute-granularity") != "full",
+       "disable full recomputation when enabling overlap_moe_expert_parallel_comm");
+  need(a.str("--recompute-method").empty(),
+       "disable recomputation method when enabling overlap_moe_expert_parallel_comm");
+  need(a.str("--recompute-num-layers").empty(),
+       "recompute_num_layers must be None when enabling overlap_moe_expert_parallel_comm");
+  need(a.i64("--pipeline-model-parallel-size") == 1 || !a.str("--num-virtual-stages-per-pipeline-rank").empty() ||
+           !a.str("--num-layers-per-virtual-pipeline-stage").empty() ||
+           !a.str("--pipeline-model-parallel-layout").empty(),
+       "If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when "
+       "pipeline_model_parallel_size > 1");
+}
+
 DType state_dtype(const Args& a, const char* flag) {
   const std::string v = a.str(flag);
   if (v != "fp32" && v != "bf16") MOECORE_FAIL(flag, " '", v, "' is not one of fp32, bf16");
@@ -279,6 +392,7 @@ train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   t.microbatch_group_size_per_vp_stage = a.i64_or("--microbatch-group-size-per-virtual-pipeline-stage", 0);
   t.metrics_jsonl = a.str("--metrics-jsonl");
   t.tensorboard_dir = a.str("--tensorboard-dir");
+  for (const TrainFlag& f : kTrainFlags) f.apply(a, f.name, t);
   t.validate();
   return t;
 }
@@ -538,6 +652,7 @@ int train_main(int argc, char** argv) {
   if (!a.parse(argc, argv)) return 0;
   if (a.on("--overlap-param-gather") && !(a.on("--use-distributed-optimizer") && a.on("--overlap-grad-reduce")))
     MOECORE_FAIL("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron)");
+  check_overlap_moe_expert_parallel_comm(a);
   if (!a.str("--load-hf").empty()) a.fill_unset("--hf-config", a.str("--load-hf"), " by --load-hf");
   hf_config_apply(a, hf_config_flag(a));
   if (!a.str("--hf-config").empty()) a.check_same_on_every_rank();  // the file's values too

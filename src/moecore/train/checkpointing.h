@@ -63,10 +63,30 @@ struct CheckpointSaveOptions {
 // fresh optimizer); without the rng state every router noise stream restarts at position 0 (as a fresh run:
 // moecore's randomness is counter-based Philox keyed by --seed and a name, so the streams' positions are
 // the only rng state a run has).
+// Megatron's --dist-ckpt-strictness (core/dist_checkpointing/validation.py StrictHandling). Megatron's words: a
+// "missing" key is a tensor of the checkpoint the model does not take, an "unexpected" key a tensor the model asks
+// for that the checkpoint lacks. Here an unexpected key is an Error in every mode (a parameter left at its initial
+// value is not supported yet; Megatron's log_*, return_* and ignore_all modes would load on). Missing keys: an Error
+// with raise_all; otherwise they are not loaded, and, where Megatron would say nothing, moecore still names them in one
+// warning line (a dropped tensor is never silent).
+enum class CkptStrictness : uint8_t {
+  assume_ok_unexpected,  // Megatron's default
+  log_unexpected,
+  log_all,
+  raise_unexpected,
+  raise_all,
+  return_unexpected,
+  return_all,
+  ignore_all
+};
+// The mode of its name (Megatron's choices); Error otherwise.
+CkptStrictness parse_ckpt_strictness(const std::string& name);
+
 struct CheckpointLoadOptions {
   bool load_optim = true;  // false (--no-load-optim): moments, step count and scheduler state not read
   bool load_rng = true;    // false (--no-load-rng): router noise streams restart at 0; no --seed warning
   bool finetune = false;   // --finetune: weights only; iteration and consumed samples 0 (no optim, no rng)
+  CkptStrictness strictness = CkptStrictness::assume_ok_unexpected;  // --dist-ckpt-strictness
 };
 
 // What a load restored.

@@ -51,7 +51,9 @@ void TrainConfig::validate() const {
   if (save_interval < 0 || keep_last < 0)
     MOECORE_FAIL("--save-interval (", save_interval, ") and --keep-last-checkpoints (", keep_last,
                  ") must not be negative");
-  if (save_interval > 0 && save.empty()) MOECORE_FAIL("--save-interval needs --save DIR");
+  // (--save-interval without --save is accepted as Megatron does: nothing is saved)
+  if (!(exit_duration_mins >= 0 && std::isfinite(exit_duration_mins)))
+    MOECORE_FAIL("--exit-duration-in-mins (", exit_duration_mins, ") must be a non-negative number of minutes");
   if (exit_interval < 0) MOECORE_FAIL("--exit-interval (", exit_interval, ") must not be negative");
   if (ckpt_step < -1) MOECORE_FAIL("--ckpt-step (", ckpt_step, ") must not be negative");
   if (ckpt_step >= 0 && load.empty())
@@ -421,7 +423,8 @@ RunStart resume(TrainConfig& cfg, Optimizer& opt, const TrainGroups& groups, std
     if (log) std::fprintf(log, " no committed checkpoint under --load %s: training from scratch\n", cfg.load.c_str());
     return start;
   }
-  const LoadedTrainingState loaded = opt.load(*dir, cfg.seed, {cfg.load_optim, cfg.load_rng, cfg.finetune});
+  const LoadedTrainingState loaded =
+      opt.load(*dir, cfg.seed, {cfg.load_optim, cfg.load_rng, cfg.finetune, cfg.ckpt_strictness});
   start.progress = loaded.progress;
   if (log)
     std::fprintf(log, " loaded checkpoint %s at iteration %lld%s%s%s\n", dir->c_str(),
@@ -504,7 +507,11 @@ class RunLog {
       std::fflush(log_);
     }
     if (sinks_.tb) sinks_.tb->add_scalar("lm loss validation", it + 1, v);
-    if (sinks_.jsonl) sinks_.jsonl->write({{"iteration", it + 1}, {"valid_lm_loss", v}});
+    if (sinks_.tb && cfg_.log_validation_ppl) sinks_.tb->add_scalar("lm loss validation ppl", it + 1, std::exp(v));
+    if (!sinks_.jsonl) return;
+    io::MetricFields f = {{"iteration", it + 1}, {"valid_lm_loss", v}};
+    if (cfg_.log_validation_ppl) f.emplace_back("valid_lm_loss_ppl", std::exp(v));
+    sinks_.jsonl->write(f);
   }
   // Time spent outside training steps (evaluation) stays out of the next interval's throughput and shares.
   void exclude(std::chrono::steady_clock::duration d) {
@@ -642,14 +649,18 @@ class RunLog {
   int64_t skipped_ = 0;  // steps of the interval skipped (--nan-action skip)
 };
 
-// Whether a stop signal arrived on any rank (every rank stops at the same step, or the others would wait in a
-// collective).
-bool stop_requested(const ExitSignalGuard* signals, const TrainGroups& g) {
-  int64_t flag = signals && ExitSignalGuard::requested() ? 1 : 0;
+// Why the run stops early, agreed by every rank (every rank stops at the same step, or the others would wait in a
+// collective): a stop signal arrived on any rank, or --exit-duration-in-mins passed on any rank's clock (Megatron's
+// checkpoint_and_decide_exit: the MAX over the ranks).
+struct StopRequest {
+  bool signal = false, time = false;
+};
+StopRequest stop_requested(const ExitSignalGuard* signals, bool past_duration, const TrainGroups& g) {
+  int64_t flags[2] = {signals && ExitSignalGuard::requested() ? 1 : 0, past_duration ? 1 : 0};
   if (g.world_size() > 1)
     for (const ProcessGroup* grp : {&g.dp, &g.tp, &g.cp, &g.pp})
-      if (grp->size() > 1) all_reduce_sum(std::span<int64_t>(&flag, 1), *grp);
-  return flag > 0;
+      if (grp->size() > 1) all_reduce_sum(std::span<int64_t>(flags, 2), *grp);
+  return {flags[0] > 0, flags[1] > 0};
 }
 }  // namespace
 
@@ -679,6 +690,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
   TrainLog out;
   out.first_iteration = progress.iteration;
   int64_t consecutive_skips = 0;
+  const auto t_start = std::chrono::steady_clock::now();  // (--exit-duration-in-mins)
   for (int64_t it = progress.iteration; it < cfg.train_iters; ++it) {
     comm_set_phase("iteration " + std::to_string(it + 1));  // named by timeouts, aborts and fatal signals
     const float lr = lr_at(cfg, it - start.schedule_start);
@@ -709,12 +721,19 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
       out.valid_loss.emplace_back(it + 1, v);
       run_log.validation(it, v);
     }
-    if (stop_requested(signals.get(), groups)) {
-      if (log)
+    const double minutes = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count() / 60;
+    const StopRequest stop =
+        stop_requested(signals.get(), cfg.exit_duration_mins > 0 && minutes > cfg.exit_duration_mins, groups);
+    if (stop.signal || stop.time) {
+      if (log && stop.signal)
         std::fprintf(log, " received signal %d: saving and stopping at iteration %lld\n", ExitSignalGuard::signal(),
                      static_cast<long long>(it + 1));
+      else if (log)
+        std::fprintf(log, " exiting after %.2f minutes at iteration %lld (--exit-duration-in-mins %g)\n", minutes,
+                     static_cast<long long>(it + 1), cfg.exit_duration_mins);
       save(cfg, *opt, progress, start.schedule_start, log);
-      out.stopped_by_signal = true;
+      out.stopped_by_signal = stop.signal;
+      out.stopped_by_time = !stop.signal;
       return out;
     }
     if (!last && cfg.exit_interval > 0 && (it + 1) % cfg.exit_interval == 0) {

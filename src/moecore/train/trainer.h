@@ -13,6 +13,7 @@
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
 #include "moecore/parallel/comm.h"
+#include "moecore/train/checkpointing.h"
 #include "moecore/train/train_groups.h"
 
 namespace moecore::train {
@@ -79,6 +80,10 @@ struct TrainConfig {
   int64_t microbatch_group_size_per_vp_stage = 0;  // --microbatch-group-size-per-virtual-pipeline-stage: the
                                                    // interleaved schedule's micro-batches in a row per model chunk
                                                    // (0: the pipeline size, Megatron's default)
+  CkptStrictness ckpt_strictness = CkptStrictness::assume_ok_unexpected;  // --dist-ckpt-strictness (checkpointing.h)
+  bool log_validation_ppl = false;  // --log-validation-ppl-to-tensorboard: "lm loss validation ppl" in TB and JSONL
+  double exit_duration_mins = 0;    // --exit-duration-in-mins: save and stop once the run has trained this long (the
+                                    // slowest rank's clock decides; 0: never)
   void validate() const;
   int64_t micro_batches() const { return global_batch_size / micro_batch_size; }
 };
@@ -100,6 +105,7 @@ struct MoeStepLosses {
 struct TrainLog {
   int64_t first_iteration = 0;            // steps already done when this run started (resume)
   bool stopped_by_signal = false;         // SIGTERM/SIGINT arrived; a checkpoint was saved when --save is set
+  bool stopped_by_time = false;           // --exit-duration-in-mins passed; a checkpoint was saved when --save is set
   int64_t skipped_steps = 0;              // steps dropped for non-finite loss or gradients
   std::vector<double> train_loss;         // per step, mean over its micro-batches
   std::vector<double> grad_norm;          // per step, before clipping
