@@ -63,7 +63,7 @@ const MegatronFlag kMegatronFlags[] = {
   {"--chat-template", V, "str", "None", "", R, "not supported: this model family / inference / RL path; moecore train covers GPT decoder MoE pre-training (moecore generate for sampling)"},
   {"--check-for-large-grads", S, "", "False", "", R, "not supported: Megatron's Python fault-tolerance / ops tooling; moecore has --exit-signal-handler, crash-safe commits and collective timeouts"},
   {"--check-for-spiky-loss", S, "", "False", "", R, "not supported: Megatron's Python fault-tolerance / ops tooling; moecore has --exit-signal-handler, crash-safe commits and collective timeouts"},
-  {"--check-weight-hash-across-dp-replicas-interval", V, "int", "None", "", R, "not supported yet: interval to check weight hashes are same across DP replicas."},
+  {"--check-weight-hash-across-dp-replicas-interval", V, "int", "None", "", I, ""},
   {"--checkpoint-activations", S, "", "False", "", R, "not supported: this recompute variant; use --recompute-granularity full|selective"},
   {"--ckpt-assume-constant-structure", S, "", "False", "", A, "caches the save plan between saves (I/O speed only); moecore re-plans every save"},
   {"--ckpt-convert-format", V, "str", "None", "torch|torch_dist", R, "not supported yet: checkpoint format for conversion."},

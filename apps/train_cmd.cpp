@@ -124,6 +124,11 @@ const TrainFlag kTrainFlags[] = {
    "save (with --save) and stop once the run has trained this many minutes (the slowest rank decides)",
    FlagDomain::integer(1, 1e9),
    [](const Args& a, const char* f, train::TrainConfig& t) { t.exit_duration_mins = static_cast<double>(a.i64_or(f, 0)); }},
+  {"--check-weight-hash-across-dp-replicas-interval", TrainFlagKind::value, "",
+   "every N steps, compare a hash of each parameter across its data-parallel replicas; a divergence stops the run "
+   "naming the tensor and the ranks (unset: never)",
+   FlagDomain::integer(1, 1e12),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.check_weight_hash_interval = a.i64_or(f, 0); }},
   {"--deterministic-mode", TrainFlagKind::flag, "",
    "bitwise reproducible runs: refuses --cross-entropy-loss-fusion as Megatron; moecore's kernels and reductions are "
    "deterministic already", {}, deterministic_mode},

@@ -16,6 +16,7 @@
 #include "moecore/io/metrics.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/gemm_peak.h"
+#include "moecore/train/replica_check.h"
 #include "moecore/train/signals.h"
 #include "moecore/train/step.h"
 
@@ -52,6 +53,9 @@ void TrainConfig::validate() const {
     MOECORE_FAIL("--save-interval (", save_interval, ") and --keep-last-checkpoints (", keep_last,
                  ") must not be negative");
   // (--save-interval without --save is accepted as Megatron does: nothing is saved)
+  if (check_weight_hash_interval < 0)
+    MOECORE_FAIL("--check-weight-hash-across-dp-replicas-interval (", check_weight_hash_interval,
+                 ") must not be negative");
   if (!(exit_duration_mins >= 0 && std::isfinite(exit_duration_mins)))
     MOECORE_FAIL("--exit-duration-in-mins (", exit_duration_mins, ") must be a non-negative number of minutes");
   if (exit_interval < 0) MOECORE_FAIL("--exit-interval (", exit_interval, ") must not be negative");
@@ -713,6 +717,10 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
                    "written); hint: lower --lr or clip gradients (--clip-grad), check the data, or resume from the ",
                    "last checkpoint");
     const bool last = it + 1 == cfg.train_iters;
+    if (cfg.check_weight_hash_interval > 0 && (it + 1) % cfg.check_weight_hash_interval == 0) {
+      opt->settle();  // (the distributed optimizer's parameter all-gathers complete first)
+      check_replica_hashes(gpt, groups, it + 1, log);
+    }
     if (cfg.has_validation && (last || (cfg.eval_interval > 0 && (it + 1) % cfg.eval_interval == 0))) {
       const auto t_eval = std::chrono::steady_clock::now();
       comm_set_phase("validation after iteration " + std::to_string(it + 1));

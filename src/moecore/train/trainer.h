@@ -84,6 +84,8 @@ struct TrainConfig {
   bool log_validation_ppl = false;  // --log-validation-ppl-to-tensorboard: "lm loss validation ppl" in TB and JSONL
   double exit_duration_mins = 0;    // --exit-duration-in-mins: save and stop once the run has trained this long (the
                                     // slowest rank's clock decides; 0: never)
+  int64_t check_weight_hash_interval = 0;  // --check-weight-hash-across-dp-replicas-interval: compare the replicas'
+                                           // parameter hashes every N steps (replica_check.h; 0: never)
   void validate() const;
   int64_t micro_batches() const { return global_batch_size / micro_batch_size; }
 };
