@@ -163,7 +163,8 @@ void add_training_flags(Args& a) {
       .option("--adam-beta2", "0.999", "AdamW beta2")
       .option("--adam-eps", "1e-08", "AdamW epsilon")
       .option("--clip-grad", "1.0", "global gradient-norm clip (0: off)")
-      .option("--optimizer", "adam", "adam (AdamW, Megatron's adam); sgd is not supported yet")
+      .option("--optimizer", "adam",
+              "adam (AdamW, Megatron's adam); Megatron's others (sgd, muon, ...) are not supported yet")
       .flag("--use-precision-aware-optimizer", "allow reduced-precision optimizer states (--exp-avg-dtype)")
       .option("--exp-avg-dtype", "fp32", "fp32 | bf16 (with --use-precision-aware-optimizer)")
       .option("--exp-avg-sq-dtype", "fp32", "fp32 | bf16 (with --use-precision-aware-optimizer)")
@@ -253,7 +254,8 @@ void add_training_flags(Args& a) {
             "ZeRO-1: optimizer state sharded over data-parallel ranks (experts: expert-DP)")
       .option("--ddp-bucket-size", "",
               "gradient elements per all-reduce / reduce-scatter bucket (unset: max(40000000, 1000000 x DP))")
-      .option("--moe-token-dispatcher-type", "allgather", "token dispatcher under EP: allgather | alltoall")
+      .option("--moe-token-dispatcher-type", "allgather",
+              "token dispatcher under EP: allgather | alltoall (flex, DeepEP/HybridEP, is not supported yet)")
       .option("--distributed-timeout-minutes", "10",
               "how long a collective waits for its peers before the job is aborted naming the operation "
               "(MOECORE_COMM_TIMEOUT_S, in seconds, overrides it)")
@@ -280,7 +282,7 @@ void add_training_flags(Args& a) {
       {"--adam-beta2", D::fraction()},
       {"--adam-eps", D::positive_number()},
       {"--clip-grad", D::number(0.0)},
-      {"--optimizer", D::one_of({"adam", "sgd"})},
+      {"--optimizer", D::one_of({"adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"})},  // Megatron's
       {"--exp-avg-dtype", D::one_of({"fp32", "bf16"})},
       {"--exp-avg-sq-dtype", D::one_of({"fp32", "bf16"})},
       {"--seed", D::integer(0, 4294967295.0)},
@@ -305,7 +307,7 @@ void add_training_flags(Args& a) {
       {"--expert-tensor-parallel-size", D::integer(1, 1e6)},
       {"--cp-comm-type", D::one_of({"p2p", "allgather"})},
       {"--ddp-bucket-size", D::integer(1, 1e15)},
-      {"--moe-token-dispatcher-type", D::one_of({"allgather", "alltoall"})},
+      {"--moe-token-dispatcher-type", D::one_of({"allgather", "alltoall", "flex"})},  // Megatron's
       {"--distributed-timeout-minutes", D::integer(1, 1e6)},
       {"--moe-upcycling-granularity", D::integer(1, 1e6)},
       {"--generate-tokens", D::integer(0, 1e6)},
@@ -409,8 +411,10 @@ optim::AdamWConfig optimizer_config_from(const Args& a) {
   o.eps = static_cast<float>(a.f64("--adam-eps"));
   o.weight_decay = static_cast<float>(a.f64("--weight-decay"));
   o.clip_grad = static_cast<float>(a.f64("--clip-grad"));
-  if (a.str("--optimizer") != "adam")
-    MOECORE_FAIL("--optimizer ", a.str("--optimizer"), " is not supported yet: only adam (AdamW)");
+  const std::string name = a.str("--optimizer");
+  if (name.find("muon") != std::string::npos)
+    MOECORE_FAIL("--optimizer ", name, " is not supported yet: the Muon optimizer; use --optimizer adam");
+  if (name != "adam") MOECORE_FAIL("--optimizer ", name, " is not supported yet: use --optimizer adam (AdamW)");
   const DType m = state_dtype(a, "--exp-avg-dtype"), v = state_dtype(a, "--exp-avg-sq-dtype");
   if (m != v) MOECORE_FAIL("--exp-avg-dtype and --exp-avg-sq-dtype must be equal");
   o.state_dtype = m;
@@ -666,6 +670,9 @@ int train_main(int argc, char** argv) {
     o.timeout_s = 60.0 * static_cast<double>(a.i64("--distributed-timeout-minutes"));
     comm_set_options(o);
   }
+  // Flags whose values name a feature moecore lacks fail before any data is read.
+  const optim::AdamWConfig ocfg = optimizer_config_from(a);
+  const moe::DispatcherKind dispatcher = moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type"));
   const int world_size = comm_initialized() ? comm_world().size() : 1;
   const Device device = device_from_flag(a, world_size);
   const std::vector<std::string> data_path = a.list("--data-path");
@@ -716,8 +723,7 @@ int train_main(int argc, char** argv) {
   pcfg.expert_tensor_parallel_size =
       a.str("--expert-tensor-parallel-size").empty() ? 0 : static_cast<int>(a.i64("--expert-tensor-parallel-size"));
   const ParallelSizes sizes = pcfg.validate(world_size, static_cast<int>(mcfg.moe.num_experts));
-  moe::echo_check_layout(mcfg.moe, sizes.ep, sizes.etp,
-                         moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type")));
+  moe::echo_check_layout(mcfg.moe, sizes.ep, sizes.etp, dispatcher);
   train::TrainConfig tcfg = train_config_from(a, sizes.dp);
   check_sample_counts(tcfg);  // before anything is sized by them (the data's indices, a pipeline's schedule)
   if (static_cast<int64_t>(stage_layers.size()) > pp_size && tcfg.micro_batches() % sizes.dp == 0)  // (validated)
@@ -747,7 +753,7 @@ int train_main(int argc, char** argv) {
 
   train::TrainGroups groups;
   model::ModelParallel ep;
-  ep.dispatcher = moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type"));
+  ep.dispatcher = dispatcher;
   if (comm_initialized()) {
     const ProcessGroups pg = make_process_groups(pcfg, static_cast<int>(mcfg.moe.num_experts), comm_world());
     groups = train::train_groups(pg);
@@ -769,7 +775,6 @@ int train_main(int argc, char** argv) {
     MOECORE_FAIL("--moe-use-upcycling with --expert-tensor-parallel-size ", ep.etp.size(),
                  " is not supported yet: upcycle at ETP 1, save, and load the checkpoint at any ETP");
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
-  const optim::AdamWConfig ocfg = optimizer_config_from(a);
   const int64_t state_shards = tcfg.use_distributed_optimizer ? std::max(1, std::min(sizes.dp, sizes.edp)) : 1;
   const MemoryLimit limit = device == Device::cuda ? MemoryLimit{} : node_memory_limit();  // (before the model exists)
   check_model_fits(mcfg, ep, ocfg.state_dtype, state_shards, limit);

@@ -124,6 +124,14 @@ TEST(MegatronFlags, RefusedFlagsNameWhatIsMissing) {
     EXPECT_NE(r.output.find(f + " is not supported"), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("unknown flag"), std::string::npos) << r.output;
   }
+  // Values of implemented flags that name a feature moecore lacks.
+  for (const auto& [f, what] : {std::pair<std::string, std::string>{"--optimizer muon", "the Muon optimizer"},
+                                {"--optimizer sgd", "use --optimizer adam"},
+                                {"--moe-token-dispatcher-type flex", "Megatron's flex dispatcher"}}) {
+    const CmdResult v = run_cmd("train --data-path x --num-experts 2 --tokenizer-type ByteLevel " + f);
+    EXPECT_NE(v.output.find(f + " is not supported yet: "), std::string::npos) << v.output;
+    EXPECT_NE(v.output.find(what), std::string::npos) << v.output;
+  }
   // In a --config file too.
   const std::string cfg = ::testing::TempDir() + "/refused_" + std::to_string(::getpid()) + ".yaml";
   std::ofstream(cfg) << "qk_l2_norm: true\n";
