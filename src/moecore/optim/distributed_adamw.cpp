@@ -38,10 +38,17 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
                                    DistributedAdamWOptions opt, const ProcessGroup& instances)
     : params_(std::move(params)), cfg_(cfg), group_(group) {
   if (!group_.valid()) MOECORE_FAIL("distributed optimizer: the process group is not initialized");
-  instances_ = instances.valid() ? instances : comm_single("instances");
   // The cross-rank checks come before any local one, so a local error cannot leave peers waiting in them.
   check_same_params_across_ranks(group_);
-  check_same_params_across_ranks(instances_);
+  if (instances.valid() && instances.size() > 1) {
+    check_same_params_across_ranks(instances);
+    // Overlapped, a communicator of its own: the all-reduces are posted as reduce-scatters complete, an order that
+    // other optimizers sharing `instances` cannot interleave with alike on every rank.
+    instances_ =
+        opt.overlap ? group_split(instances, instances.name() + "_" + group_.name(), {instances.ranks()}) : instances;
+  } else {
+    instances_ = comm_single("instances");
+  }
   for (size_t i = 0; i < params_.size(); ++i)
     if (!params_[i]) MOECORE_FAIL("distributed optimizer: parameter ", i, " is a null pointer");
   cfg_.validate();
