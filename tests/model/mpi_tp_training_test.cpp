@@ -402,7 +402,7 @@ TEST_F(Mpi, ContextParallelMatchesOneProcess) {
 // Eight ranks: TP 2 x EP 2 x DP 2 in Megatron's sense -- attention TP 2 x DP 4, experts EP 2 x EDP 4
 // -- with the distributed optimizer, and with the overlapped reduction and gather; TP 2 x CP 2 x DP 2 with the experts
 // over EP 2; a dense model under TP 2 x CP 2 x DP 2 with the distributed optimizer; MLA with the experts over ETP 2 x
-// EP 2 x EDP 2.
+// EP 2 x EDP 2; the MoE model with two distributed-optimizer instances.
 TEST_F(Mpi, EightRanksMatchOneProcess) {
   check_layout(world, moe_model(false), {2, true, 2});
   check_layout(world, moe_model(false), {2, true, 2}, /*zero=*/true);
@@ -415,6 +415,10 @@ TEST_F(Mpi, EightRanksMatchOneProcess) {
   // MLA + QK-norm with the experts split over ETP 2 (Megatron's default: ETP = TP) x EP 2 x EDP 2, distributed
   // optimizer.
   check_layout(world, mla_model(false), {2, true, 2, 1, 2}, /*zero=*/true);
+  // Two distributed-optimizer instances under TP 2 x DP 4 (EP 2 x EDP 4): the grad norm over one instance and TP.
+  Layout instances{2, true, 2};
+  instances.instances = 2;
+  check_layout(world, moe_model(false), instances, /*zero=*/true);
 }
 
 // Generation's forward under CP (and TP 2 x CP 2): every position's logits, gathered over the group, equal one
