@@ -3,7 +3,8 @@
 // PP = P with the 1F1B schedule (even and uneven splits: --decoder-first/last-pipeline-num-layers, layout strings), the
 // interleaved 1F1B schedule (PP 2 x VPP 2, even, uneven, by layout and with a larger micro-batch group; at 4 ranks
 // PP 4 x VPP 2 and PP 2 x VPP 2 with DP 2 or EP 2), and at 4 ranks PP 2 x DP 2 (plain AdamW, the distributed optimizer,
-// with overlapped reduction and parameter gathers), PP 2 x EP 2, PP 2 x TP 2 with SP and PP 2 x CP 2; full recompute
+// with overlapped reduction and parameter gathers; also in Megatron's tp-pp-dp rank order, bitwise the default order),
+// PP 2 x EP 2, PP 2 x TP 2 with SP and PP 2 x CP 2; full recompute
 // under PP is bitwise the run without it. Models: dense with tied embeddings (RMSNorm, SwiGLU, RoPE: the last stage
 // holds a copy of the word embeddings whose gradient is summed with the first stage's), dense untied with learned
 // positions and biases (LayerNorm, GeLU), and MoE with aux and z losses and one MTP depth (its embedding on the last
@@ -92,17 +93,19 @@ struct Layout {
   int ep = 1;
   int64_t first = -1, last = -1;  // --decoder-first/last-pipeline-num-layers
   bool zero = false, overlap = false;
-  std::string layout = {};  // --pipeline-model-parallel-layout
-  int tp = 1, cp = 1;       // within each stage (TP with sequence parallelism)
-  int64_t vpp = 1;          // model chunks per stage (a layout string gives its own)
-  int64_t group = 0;        // --microbatch-group-size-per-virtual-pipeline-stage (0: PP)
+  std::string layout = {};                     // --pipeline-model-parallel-layout
+  int tp = 1, cp = 1;                          // within each stage (TP with sequence parallelism)
+  int64_t vpp = 1;                             // model chunks per stage (a layout string gives its own)
+  int64_t group = 0;                           // --microbatch-group-size-per-virtual-pipeline-stage (0: PP)
+  std::string order = ParallelConfig{}.order;  // "tp-cp-ep-pp-dp": Megatron's --use-tp-pp-dp-mapping
   std::string name() const {
     return "PP " + std::to_string(pp) + (vpp > 1 ? " x VPP " + std::to_string(vpp) : "") +
            (group > 0 ? " (groups of " + std::to_string(group) + ")" : "") +
            (layout.empty() ? "" : " '" + layout + "'") + (first >= 0 ? " first " + std::to_string(first) : "") +
            (last >= 0 ? " last " + std::to_string(last) : "") + (ep > 1 ? ", EP " + std::to_string(ep) : "") +
            (zero ? ", distributed optimizer" : "") + (overlap ? ", overlapped" : "") +
-           (tp > 1 ? ", TP " + std::to_string(tp) + " + SP" : "") + (cp > 1 ? ", CP " + std::to_string(cp) : "");
+           (tp > 1 ? ", TP " + std::to_string(tp) + " + SP" : "") + (cp > 1 ? ", CP " + std::to_string(cp) : "") +
+           (order != ParallelConfig{}.order ? ", order " + order : "");
   }
 };
 
@@ -125,6 +128,7 @@ std::pair<train::TrainGroups, model::ModelParallel> layout_groups(const ProcessG
     pc.expert_model_parallel_size = l.ep;
     pc.tensor_model_parallel_size = l.tp;
     pc.context_parallel_size = l.cp;
+    pc.order = l.order;
     const ProcessGroups pg = make_process_groups(pc, static_cast<int>(mc.moe.num_experts), world);
     groups = train::train_groups(pg);
     par = model::model_parallel(
@@ -261,6 +265,29 @@ TEST_F(Mpi, PipelineWithDataAndExpertParallelismMatchesOneProcess) {
   check_layout(world, moe_mtp(), {2, 1, -1, -1, /*zero=*/false, /*overlap=*/true});
   check_layout(world, moe_mtp(), {2, 2});  // the experts over EP 2 within each stage
   check_layout(world, moe_mtp(), {2, 2, -1, -1, /*zero=*/true});
+}
+
+// Megatron's --use-tp-pp-dp-mapping (order tp-cp-ep-pp-dp: the stages of a pipeline are neighbouring ranks, the
+// data-parallel replicas far apart) at PP 2 x DP 2: matches one process, and every loss is bitwise the default order's
+// (each group holds the same coordinates in the same order, only on other ranks). Dense with plain AdamW, MoE (EDP =
+// DP, as Megatron requires when pp is not last) with the distributed optimizer and its overlap.
+TEST_F(Mpi, TpPpDpMappingMatchesOneProcessAndTheDefaultOrder) {
+  if (P != 4) GTEST_SKIP() << "needs 4 ranks";
+  Layout dense{2};
+  dense.order = "tp-cp-ep-pp-dp";
+  Layout moe{2, 1, -1, -1, /*zero=*/true, /*overlap=*/true};
+  moe.order = dense.order;
+  for (auto [mc, l] : {std::pair{tied_dense(), dense}, std::pair{moe_mtp(), moe}}) {
+    check_layout(world, mc, l);
+    SCOPED_TRACE(l.name());
+    const Result mapped = run(world, mc, l, 6);
+    l.order = ParallelConfig{}.order;
+    const Result plain = run(world, mc, l, 6);
+    ASSERT_EQ(mapped.loss.size(), plain.loss.size());
+    for (size_t i = 0; i < plain.loss.size(); ++i)
+      EXPECT_EQ(std::memcmp(&mapped.loss[i], &plain.loss[i], sizeof(double)), 0) << "step " << i + 1;
+    EXPECT_EQ(std::memcmp(&mapped.valid, &plain.valid, sizeof(double)), 0) << "validation loss";
+  }
 }
 
 // Full and selective recompute are bitwise the run without them under pipeline (1F1B and interleaved), expert and

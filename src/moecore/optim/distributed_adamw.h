@@ -3,6 +3,8 @@
 // slice of the parameters it owns, and the updated f32 masters are all-gathered back into every rank's
 // Param::value. With `overlap` the reduce-scatters can be posted bucket by bucket while backward still runs
 // (--overlap-grad-reduce) and the all-gathers left in flight into the next forward (--overlap-param-gather).
+// With several instances (Megatron's --num-distributed-optimizer-instances) the state is sharded within the group
+// and every shard is all-reduced across the instances after its reduce-scatter.
 // Not here: the global norm over several groups (the caller all-reduces shard_grad_sq()) and bf16 compute copies
 // (Param::compute is left to the caller).
 #pragma once
@@ -32,27 +34,38 @@ struct DistributedAdamWOptions {
 //
 // Bitwise contract: step(lr, s) leaves every Param::value bitwise equal to optim::AdamW::step on the
 // group-summed gradients ((g_0 + g_1) + g_2) + ... with clip scale s, provided every rank starts from
-// the same values (AdamW is elementwise; the sums are moecore's deterministic rank-ordered ones).
+// the same values (AdamW is elementwise; the sums are moecore's deterministic rank-ordered ones). With instances the
+// sum is each instance's rank-ordered group sum, then those sums in instance order: (G_0 + G_1) + ...
+//
+// Instances: every instance holds the same shards (the same bits), so the group alone gathers the state, the
+// parameters and, summed over the group (and the caller's other groups), the squared norm; each instance is a full
+// copy of the optimizer.
 //
 // Every member of the group calls the collective methods in the same order (comm.h rules). Not
 // thread-safe. The Param pointers stay owned by the caller and must outlive this object; their value
 // and grad are contiguous f32 CPU tensors and may be replaced by tensors of the same shape.
 class DistributedAdamW {
  public:
-  // Collective (checks that every rank passes parameters with identical names, shapes and order, and
-  // throws moecore::Error naming the first differing parameter and ranks otherwise). Allocates the
-  // moments (MemCategory::optimizer_state) and all flat buffers once.
+  // Collective over the group and then the instances (checks that every rank passes parameters with identical names,
+  // shapes and order, and every instance the same group size, and throws moecore::Error naming the first difference
+  // and ranks otherwise). Allocates the moments (MemCategory::optimizer_state) and all flat buffers once.
+  // `instances`, for the partial distributed optimizer (Megatron's --num-distributed-optimizer-instances N > 1): the
+  // ranks holding this rank's shard in the other instances, in instance order (inter_dist_opt in process_groups.h,
+  // e.g. 2 ranks); each bucket's shard, reduce-scattered within the group, is then all-reduced over it (Megatron's
+  // two-step gradient reduction). Default-constructed or of size 1: one instance.
   DistributedAdamW(std::vector<Param*> params, const AdamWConfig& cfg, const ProcessGroup& group,
-                   DistributedAdamWOptions opt = {});
+                   DistributedAdamWOptions opt = {}, const ProcessGroup& instances = ProcessGroup());
 
-  // Collective. Bucketed reduce-scatter of the gradients: afterwards this rank's shard holds the group
-  // SUM of the gradients. The params' .grad tensors are read (they may be modified afterwards).
+  // Collective. Bucketed reduce-scatter of the gradients (and all-reduce over the instances): afterwards this rank's
+  // shard holds the SUM of the gradients over the group (and instances). The params' .grad tensors are read (they may
+  // be modified afterwards).
   void reduce_scatter_grads();
   // The same, overlapped (options.overlap): begin_grad_reduction(), then grad_ready(i) once for every parameter i
   // (an index into the constructor's vector), in any order, as soon as its gradient is final: a bucket's
-  // nonblocking reduce-scatter is posted when its last parameter is ready. finish_grad_reduction() waits for
-  // them all (posting any bucket not yet complete); the shard then holds the same bits as after
-  // reduce_scatter_grads(). Collective: every rank readies the parameters in the same order.
+  // nonblocking reduce-scatter is posted when its last parameter is ready, and its all-reduce over the instances once
+  // that has completed (tested in posting order at each grad_ready). finish_grad_reduction() waits for them all
+  // (posting any bucket not yet complete); the shard then holds the same bits as after reduce_scatter_grads().
+  // Collective: every rank readies the parameters in the same order.
   void begin_grad_reduction();
   void grad_ready(size_t i);
   void finish_grad_reduction();
@@ -85,6 +98,7 @@ class DistributedAdamW {
   int64_t state_bytes() const;                          // bytes of both moments on this rank
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
   const ProcessGroup& group() const { return group_; }
+  const ProcessGroup& instances() const { return instances_; }  // size 1 without the partial distributed optimizer
   const AdamWConfig& config() const { return cfg_; }
 
  private:
@@ -102,7 +116,7 @@ class DistributedAdamW {
     int64_t shard_offset = 0;  // first element within this rank's shard
     int64_t elems = 0;
   };
-  void check_same_params_across_ranks() const;
+  void check_same_params_across_ranks(const ProcessGroup& g) const;
   void plan_layout(int64_t bucket_elems);
   void apply_segment(const Segment& s, float lr, float clip_scale);
 
@@ -130,7 +144,14 @@ class DistributedAdamW {
   std::vector<CommHandle> gather_handles_;  // per bucket
   int64_t gathers_pending_ = 0;
   bool reducing_ = false;
+  // Instances: the buckets in the order their reduce-scatters were posted; those before `instances_next_` have their
+  // all-reduce over the instances posted too (same order on every rank), into instance_handles_.
+  ProcessGroup instances_;
+  std::vector<size_t> posted_;
+  size_t instances_next_ = 0;
+  std::vector<CommHandle> instance_handles_;  // per bucket
   void post_reduce_scatter(size_t b);
+  void post_instance_reductions(bool wait);
   void check_grad(size_t i) const;
   void check_overlap(const char* what) const;
   int64_t shard_elems_ = 0;

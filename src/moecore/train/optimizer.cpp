@@ -191,7 +191,10 @@ double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, G
 // The distributed optimizer (ZeRO-1) of a run: non-expert parameters sharded over dp, expert parameters
 // over edp. Gradients are reduce-scattered in buckets; the masters are all-gathered after each step. Under TP the
 // tensor-parallel shards get an instance of their own (over dp as well), so the grad norm counts the replicated
-// parameters once and sums the shards over TP.
+// parameters once and sums the shards over TP. With N > 1 distributed-optimizer instances (Megatron's partial
+// distributed optimizer) each shards over one instance -- intra_dp_cp, intra_edp -- and all-reduces its shards over
+// inter_dist_opt; the norm then sums over one instance (its ranks of the stage: intra_dp_cp x tp, which
+// rank_layout makes the same ranks as intra_edp x ep x etp).
 struct ZeroOptimizers {
   // expert_replica: etp_replica(); pipeline_copy: Param::pipeline_copy (out of the norm: the first stage counts it)
   enum Kind { replicated, tensor_parallel, expert, expert_replica, pipeline_copy, kinds };
@@ -199,11 +202,14 @@ struct ZeroOptimizers {
   std::vector<size_t> idx[kinds];              // parameter indices of each instance, in model order
   std::vector<std::pair<Kind, size_t>> where;  // per model parameter: its instance and index there
   const TrainGroups& g;
+  const ProcessGroup& dense;  // the ranks the non-expert state is sharded over (and the norm summed over)
+  const ProcessGroup& experts;
 
-  // overlap: the instances can reduce during backward and gather during the next forward (--overlap-*).
+  // overlap: the instances can reduce during backward and gather during the next forward (--overlap-*). n: the
+  // distributed-optimizer instances.
   ZeroOptimizers(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& groups, int64_t bucket,
-                 bool overlap)
-      : g(groups) {
+                 bool overlap, int n)
+      : g(groups), dense(n > 1 ? g.intra_dp_cp : g.dense_grads()), experts(n > 1 ? g.intra_edp : g.edp) {
     std::vector<Param*> p[kinds];
     auto& params = gpt.params();
     for (size_t i = 0; i < params.size(); ++i) {
@@ -216,11 +222,12 @@ struct ZeroOptimizers {
       p[k].push_back(&params[i]);
       idx[k].push_back(i);
     }
+    const ProcessGroup across = n > 1 ? g.inter_dist_opt : ProcessGroup();
     for (int k = 0; k < kinds; ++k)
       if (k == replicated || !p[k].empty())
-        opt[k] = std::make_unique<optim::DistributedAdamW>(p[k], cfg,
-                                                           k == expert || k == expert_replica ? g.edp : g.dense_grads(),
-                                                           optim::DistributedAdamWOptions{bucket, overlap});
+        opt[k] =
+            std::make_unique<optim::DistributedAdamW>(p[k], cfg, k == expert || k == expert_replica ? experts : dense,
+                                                      optim::DistributedAdamWOptions{bucket, overlap}, across);
   }
   // --overlap-grad-reduce: begin before the last backward, grad_ready as the model reports gradients final, finish.
   void begin_grad_reduction() {
@@ -256,12 +263,13 @@ struct ZeroOptimizers {
   }
   // Every shard once: replicated shards sum over dp (x cp); tensor-parallel shards over dp (x cp) x tp; expert
   // shards over edp x ep x etp, which is tp x dp x cp (every rank), those whole on every ETP rank from ETP rank 0.
+  // With instances, over one instance's part of each (the others hold the same shards).
   double grad_norm() const {
     const double rep = opt[replicated]->shard_grad_sq();
     double rest = (opt[tensor_parallel] ? opt[tensor_parallel]->shard_grad_sq() : 0.0) +
                   (opt[expert] ? opt[expert]->shard_grad_sq() : 0.0) +
                   (opt[expert_replica] && g.etp.rank() == 0 ? opt[expert_replica]->shard_grad_sq() : 0.0);
-    const ProcessGroup& dp = g.dense_grads();
+    const ProcessGroup& dp = dense;
     if (g.tp.size() == 1) {  // one sum over dp (the layout before TP: unchanged bits)
       double sq = rep + rest;
       if (dp.size() > 1) all_reduce_sum(std::span<double>(&sq, 1), dp);
@@ -366,10 +374,10 @@ class ReplicatedAdamW final : public Optimizer {
 class DistributedOptimizer final : public Optimizer {
  public:
   DistributedOptimizer(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& g, int64_t bucket,
-                       bool overlap_grads, bool gather_later)
+                       bool overlap_grads, bool gather_later, int instances)
       : gpt_(gpt),
         cfg_(cfg),
-        zero_(gpt, cfg, g, bucket, overlap_grads),
+        zero_(gpt, cfg, g, bucket, overlap_grads, instances),
         g_(g),
         overlap_(overlap_grads),
         gather_later_(gather_later) {}
@@ -454,7 +462,8 @@ std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& ad
                                           const TrainGroups& groups) {
   if (cfg.use_distributed_optimizer)
     return std::make_unique<DistributedOptimizer>(gpt, adamw.config(), groups, cfg.ddp_bucket_size,
-                                                  cfg.overlap_grad_reduce, cfg.overlap_param_gather);
+                                                  cfg.overlap_grad_reduce, cfg.overlap_param_gather,
+                                                  cfg.num_distributed_optimizer_instances);
   return std::make_unique<ReplicatedAdamW>(gpt, adamw, groups, cfg.ddp_bucket_size, cfg.overlap_grad_reduce);
 }
 

@@ -53,9 +53,9 @@ class Optimizer {
   virtual int64_t state_bytes() const = 0;
 };
 
-// The optimizer cfg selects (use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, ddp_bucket_size)
-// over gpt's parameters, with adamw's hyperparameters (and, without the distributed optimizer, its state: adamw must
-// hold it). gpt, adamw and groups must outlive it.
+// The optimizer cfg selects (use_distributed_optimizer, num_distributed_optimizer_instances, overlap_grad_reduce,
+// overlap_param_gather, ddp_bucket_size) over gpt's parameters, with adamw's hyperparameters (and, without the
+// distributed optimizer, its state: adamw must hold it). gpt, adamw and groups must outlive it.
 std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& cfg,
                                           const TrainGroups& groups);
 

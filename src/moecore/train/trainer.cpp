@@ -31,6 +31,12 @@ void TrainConfig::validate() const {
     MOECORE_FAIL(
         "training: --overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in "
         "Megatron)");
+  if (num_distributed_optimizer_instances < 1)
+    MOECORE_FAIL("training: --num-distributed-optimizer-instances (", num_distributed_optimizer_instances,
+                 ") must be >= 1");
+  if (num_distributed_optimizer_instances > 1 && !use_distributed_optimizer)  // Megatron's DDP assertion, quoted
+    MOECORE_FAIL("training: Partial DistOpt cannot be used without DistOpt: --num-distributed-optimizer-instances (",
+                 num_distributed_optimizer_instances, ") > 1 needs --use-distributed-optimizer");
   if (lr_decay_style != "constant" && lr_decay_style != "linear" && lr_decay_style != "cosine" &&
       lr_decay_style != "WSD")
     MOECORE_FAIL("--lr-decay-style '", lr_decay_style, "' is not one of constant, linear, cosine, WSD");
@@ -334,6 +340,28 @@ int64_t lr_schedule_resume(TrainConfig& cfg, const LoadedTrainingState& loaded, 
 }  // namespace
 
 namespace {
+// The partial distributed optimizer's groups must be built for the config's N (ParallelConfig's
+// num_distributed_optimizer_instances); Megatron's divisibility assertions are quoted when the sizes allow no N.
+void check_instances(const TrainGroups& g, int n) {
+  if (n == 1) return;
+  const int dense = g.dense_grads().size(), expert = g.edp.size();
+  if (dense % n != 0)
+    MOECORE_FAIL(
+        "training: Data parallel size should be divisible by partial DistOpt shard factor: data-parallel size "
+        "x context-parallel size (",
+        dense, ") must be divisible by --num-distributed-optimizer-instances (", n, ")");
+  if (expert % n != 0)
+    MOECORE_FAIL(
+        "training: Expert data parallel size should be divisible by partial DistOpt shard factor: expert "
+        "data-parallel size (",
+        expert, ") must be divisible by --num-distributed-optimizer-instances (", n, ")");
+  if (g.inter_dist_opt.size() != n || g.intra_dp_cp.size() * n != dense || g.intra_edp.size() * n != expert)
+    MOECORE_FAIL("training: --num-distributed-optimizer-instances is ", n, " but the process groups were built for ",
+                 g.inter_dist_opt.size(), " instance(s) (inter_dist_opt ", g.inter_dist_opt.size(),
+                 " ranks, intra_dp_cp ", g.intra_dp_cp.size(), " of ", dense, ", intra_edp ", g.intra_edp.size(),
+                 " of ", expert, "); set ParallelConfig::num_distributed_optimizer_instances to the same value");
+}
+
 // The layout gpt was built for must be the groups': every size, and the expert groups folding into the others.
 void check_groups(const model::GptModel& gpt, const TrainGroups& g, const TrainConfig& cfg) {
   auto same = [](int64_t model, const ProcessGroup& group, const char* what) {
@@ -357,6 +385,7 @@ void check_groups(const model::GptModel& gpt, const TrainGroups& g, const TrainC
                  ") x expert-data-parallel (", g.edp.size(), ") must equal tensor-parallel (", g.tp.size(),
                  ") x context-parallel (", g.cp.size(), ") x data-parallel (", g.dp.size(),
                  ") within a pipeline stage");
+  check_instances(g, cfg.num_distributed_optimizer_instances);
   if (gpt.micro_batch_size() != cfg.micro_batch_size)
     MOECORE_FAIL("training: the model was built for micro-batch ", gpt.micro_batch_size(), ", not ",
                  cfg.micro_batch_size);

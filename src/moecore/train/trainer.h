@@ -75,8 +75,12 @@ struct TrainConfig {
                                       // optimizer: reduce-scatter) starts during backward
   bool overlap_param_gather = false;  // --overlap-param-gather (needs the two above): the distributed optimizer's
                                       // all-gathers stay in flight until forward reads each bucket
-  int64_t ddp_bucket_size = 40'000'000;  // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
-                                         // bucket
+  int num_distributed_optimizer_instances = 1;  // --num-distributed-optimizer-instances: copies of the distributed
+                                                // optimizer's state, each sharded over 1/N of dp x cp (experts: edp),
+                                                // gradients all-reduced across them; N > 1 needs
+                                                // use_distributed_optimizer and groups built with the same N
+  int64_t ddp_bucket_size = 40'000'000;         // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
+                                                // bucket
   int64_t microbatch_group_size_per_vp_stage = 0;  // --microbatch-group-size-per-virtual-pipeline-stage: the
                                                    // interleaved schedule's micro-batches in a row per model chunk
                                                    // (0: the pipeline size, Megatron's default)
