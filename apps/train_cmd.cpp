@@ -129,6 +129,14 @@ const TrainFlag kTrainFlags[] = {
    "naming the tensor and the ranks (unset: never)",
    FlagDomain::integer(1, 1e12),
    [](const Args& a, const char* f, train::TrainConfig& t) { t.check_weight_hash_interval = a.i64_or(f, 0); }},
+  {"--num-distributed-optimizer-instances", TrainFlagKind::value, "1",
+   "with --use-distributed-optimizer: the optimizer state is sharded within each of N groups of data-parallel ranks "
+   "and gradients are all-reduced across the groups (Megatron's partial distributed optimizer)",
+   FlagDomain::integer(1, 1e6),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.num_distributed_optimizer_instances = a.i64(f); }},
+  {"--use-tp-pp-dp-mapping", TrainFlagKind::flag, "",
+   "rank order tp-cp-ep-pp-dp (pipeline stages before data-parallel replicas) instead of tp-cp-ep-dp-pp, as Megatron",
+   {}, nullptr},  // (read into the ParallelConfig)
   {"--deterministic-mode", TrainFlagKind::flag, "",
    "bitwise reproducible runs: refuses --cross-entropy-loss-fusion as Megatron; moecore's kernels and reductions are "
    "deterministic already", {}, deterministic_mode},
@@ -399,7 +407,8 @@ train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   t.microbatch_group_size_per_vp_stage = a.i64_or("--microbatch-group-size-per-virtual-pipeline-stage", 0);
   t.metrics_jsonl = a.str("--metrics-jsonl");
   t.tensorboard_dir = a.str("--tensorboard-dir");
-  for (const TrainFlag& f : kTrainFlags) f.apply(a, f.name, t);
+  for (const TrainFlag& f : kTrainFlags)
+    if (f.apply) f.apply(a, f.name, t);
   t.validate();
   return t;
 }
@@ -722,6 +731,8 @@ int train_main(int argc, char** argv) {
   pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
   pcfg.expert_tensor_parallel_size =
       a.str("--expert-tensor-parallel-size").empty() ? 0 : static_cast<int>(a.i64("--expert-tensor-parallel-size"));
+  pcfg.num_distributed_optimizer_instances = static_cast<int>(a.i64("--num-distributed-optimizer-instances"));
+  if (a.on("--use-tp-pp-dp-mapping")) pcfg.order = "tp-cp-ep-pp-dp";
   const ParallelSizes sizes = pcfg.validate(world_size, static_cast<int>(mcfg.moe.num_experts));
   moe::echo_check_layout(mcfg.moe, sizes.ep, sizes.etp, dispatcher);
   train::TrainConfig tcfg = train_config_from(a, sizes.dp);
@@ -775,7 +786,12 @@ int train_main(int argc, char** argv) {
     MOECORE_FAIL("--moe-use-upcycling with --expert-tensor-parallel-size ", ep.etp.size(),
                  " is not supported yet: upcycle at ETP 1, save, and load the checkpoint at any ETP");
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
-  const int64_t state_shards = tcfg.use_distributed_optimizer ? std::max(1, std::min(sizes.dp, sizes.edp)) : 1;
+  // The distributed optimizer shards the dense state over DP x CP and the experts' over EDP, within each of the
+  // --num-distributed-optimizer-instances groups (each holds a whole copy).
+  const int64_t state_shards =
+      tcfg.use_distributed_optimizer
+          ? std::max<int64_t>(1, std::min(sizes.dp * sizes.cp, sizes.edp) / tcfg.num_distributed_optimizer_instances)
+          : 1;
   const MemoryLimit limit = device == Device::cuda ? MemoryLimit{} : node_memory_limit();  // (before the model exists)
   check_model_fits(mcfg, ep, ocfg.state_dtype, state_shards, limit);
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep, device);
