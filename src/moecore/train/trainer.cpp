@@ -55,6 +55,13 @@ void TrainConfig::validate() const {
   if (ckpt_step < -1) MOECORE_FAIL("--ckpt-step (", ckpt_step, ") must not be negative");
   if (ckpt_step >= 0 && load.empty())
     MOECORE_FAIL("--ckpt-step (", ckpt_step, ") needs --load DIR: it picks which iteration of DIR to load");
+  if (timing_log_level < 0 || timing_log_level > 2)
+    MOECORE_FAIL("--timing-log-level ", timing_log_level, " is not one of 0, 1, 2");
+  if (timing_log_option != "minmax" && timing_log_option != "max" && timing_log_option != "all")
+    MOECORE_FAIL("--timing-log-option '", timing_log_option, "' is not one of minmax, max, all");
+  if (logging_level && *logging_level < 0)
+    MOECORE_FAIL("--logging-level ", *logging_level, " must not be negative (Python's levels: 10 DEBUG, 20 INFO, ",
+                 "30 WARNING, 40 ERROR)");
   if (override_opt_param_scheduler && use_checkpoint_opt_param_scheduler)
     MOECORE_FAIL("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other ",
                  "(both override and use-checkpoint are set): keep the command line's LR schedule or the checkpoint's");
@@ -148,7 +155,7 @@ int64_t lr_schedule_resume(TrainConfig& cfg, const LoadedTrainingState& loaded, 
                            std::FILE* log) {
   const int64_t it = loaded.progress.iteration;
   if (!loaded.optimizer_loaded) {  // Megatron's scheduler is saved and loaded with the optimizer: it restarts
-    if (it > 0 && log)
+    if (it > 0 && log && cfg.logs_at(TrainConfig::kLogInfo))
       std::fprintf(log, " optimizer state not loaded: fresh moments; the LR schedule restarts at iteration %lld\n",
                    static_cast<long long>(it));
     return it;
@@ -165,7 +172,7 @@ int64_t lr_schedule_resume(TrainConfig& cfg, const LoadedTrainingState& loaded, 
   cfg.lr_wsd_decay_iters = s.wsd_decay_steps;
   cfg.lr_wsd_decay_style = s.lr_wsd_decay_style;
   cfg.validate();
-  if (log && cfg.use_checkpoint_opt_param_scheduler)
+  if (log && cfg.use_checkpoint_opt_param_scheduler && cfg.logs_at(TrainConfig::kLogInfo))
     std::fprintf(log, " using the checkpoint's LR schedule: lr %.3e, min lr %.3e, warmup %lld, %s decay to %lld\n",
                  static_cast<double>(cfg.lr), static_cast<double>(cfg.min_lr),
                  static_cast<long long>(cfg.lr_warmup_iters), cfg.lr_decay_style.c_str(),
@@ -268,7 +275,10 @@ RunStart resume(TrainConfig& cfg, Optimizer& opt, const TrainGroups& groups, std
     if (log) std::fprintf(log, " no committed checkpoint under --load %s: training from scratch\n", cfg.load.c_str());
     return start;
   }
-  const LoadedTrainingState loaded = opt.load(*dir, cfg.seed, {cfg.load_optim, cfg.load_rng, cfg.finetune});
+  const LoadedTrainingState loaded =
+      opt.load(*dir, cfg.seed,
+               {cfg.load_optim, cfg.load_rng, cfg.finetune, cfg.logs_at(TrainConfig::kLogInfo),
+                cfg.logs_at(TrainConfig::kLogWarning)});
   start.progress = loaded.progress;
   if (log)
     std::fprintf(log, " loaded checkpoint %s at iteration %lld%s%s%s\n", dir->c_str(),
@@ -321,8 +331,9 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
   TrainConfig cfg = config;  // the LR schedule may come from the checkpoint (--use-checkpoint-opt_param-scheduler)
   const TrainGroups groups = groups_in ? *groups_in : TrainGroups{};
   check_groups(gpt, groups, cfg);
-  const std::unique_ptr<Optimizer> opt = make_optimizer(gpt, adamw, cfg, groups);
-  if (cfg.use_distributed_optimizer && log)
+  Timers timers(cfg.timing_log_level, gpt.device());
+  const std::unique_ptr<Optimizer> opt = make_optimizer(gpt, adamw, cfg, groups, &timers);
+  if (cfg.use_distributed_optimizer && log && cfg.logs_at(TrainConfig::kLogInfo))
     std::fprintf(log, " distributed optimizer: %s of optimizer state on this rank (%s unsharded)\n",
                  memory_format_bytes(opt->state_bytes()).c_str(),
                  memory_format_bytes(adamw.state_bytes_per_param() * gpt.num_parameters()).c_str());
@@ -331,13 +342,13 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     ~HookGuard() { m.set_params_needed({}); }
   } hook_guard{gpt};
   if (opt->gathers_params_later()) gpt.set_params_needed([&](size_t a, size_t b) { opt->params_needed(a, b); });
-  TrainStep step(gpt, *opt, cfg, groups, batches);
+  TrainStep step(gpt, *opt, cfg, groups, batches, &timers);
   if (!cfg.save.empty() && !cfg.allow_other_models_in_save) check_save_directory(cfg.save, gpt.config());
   RunStart start = resume(cfg, *opt, groups, log);
   TrainProgress& progress = start.progress;
   std::unique_ptr<ExitSignalGuard> signals;
   if (cfg.exit_signal_handler) signals = std::make_unique<ExitSignalGuard>();
-  RunLog run_log(gpt, cfg, groups, progress.iteration, log);
+  RunLog run_log(gpt, cfg, groups, progress.iteration, log, &timers);
   TrainLog out;
   out.first_iteration = progress.iteration;
   int64_t consecutive_skips = 0;
@@ -353,6 +364,8 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     out.grad_norm.push_back(r.stats.grad_norm);
     out.lr.push_back(lr);
     out.moe_losses.push_back(r.moe_losses);
+    out.params_norm.push_back(r.params_norm);
+    out.num_zeros.push_back(r.num_zeros);
     if (observer) observer(it, r.loss, r.skipped);
     run_log.step(it, r, lr, progress.consumed_samples, step.take_grad_reduce_blocked(), step.take_pipeline_wait());
     consecutive_skips = r.skipped ? consecutive_skips + 1 : 0;
