@@ -14,6 +14,7 @@
 #include <string>
 
 #include "moecore/optim/adamw.h"
+#include "moecore/train/timers.h"
 #include "moecore/train/trainer.h"
 #include "synthetic_training.h"
 #include "test_util.h"
@@ -170,6 +171,35 @@ TEST(TrainingLogging, TimersFollowTheLevel) {
   const Logged all = run(t);
   EXPECT_TRUE(time_keys(all.lines.back()).empty()) << all.lines.back().dump();
   EXPECT_TRUE(has(all.text, "times across ranks (ms):\n  forward-backward:\n     rank  0: ")) << all.text;
+}
+
+// Megatron's formats over several ranks (a report made by hand, 2 steps): the min over the ranks where a timer ran,
+// the max, each rank's time, in ms per step; a timer that ran nowhere is left out; the metrics are the maxima in s per
+// step.
+TEST(TrainingLogging, TimersBlockAndMetricsOverRanks) {
+  using train::TimerName;
+  train::TimerReport r;
+  r.names = {TimerName::forward_backward, TimerName::all_grads_sync, TimerName::optimizer};
+  r.world_ranks = {0, 1};
+  r.ranks = {{0.02, 0.0, 0.004}, {0.03, 0.0, 0.0}};
+  EXPECT_EQ(train::timers_format(r, "minmax", 2),
+            "(min, max) time across ranks (ms):"
+            "\n    forward-backward ...............................: (10.00, 15.00)"
+            "\n    optimizer ......................................: (2.00, 2.00)");
+  EXPECT_EQ(train::timers_format(r, "max", 2),
+            "max time across ranks (ms):"
+            "\n    forward-backward ...............................: 15.00"
+            "\n    optimizer ......................................: 2.00");
+  EXPECT_EQ(train::timers_format(r, "all", 2),
+            "times across ranks (ms):\n  forward-backward:\n     rank  0: 10.00\n     rank  1: 15.00"
+            "\n  optimizer:\n     rank  0: 2.00");
+  const auto metrics = train::timers_metrics(r, 2);
+  ASSERT_EQ(metrics.size(), 2u);
+  EXPECT_EQ(metrics[0].first, "forward-backward-time");
+  EXPECT_DOUBLE_EQ(metrics[0].second, 0.015);
+  EXPECT_EQ(metrics[1].first, "optimizer-time");
+  EXPECT_DOUBLE_EQ(metrics[1].second, 0.002);
+  EXPECT_EQ(train::timers_format(train::TimerReport{}, "minmax", 2), "");  // level 0: no block
 }
 
 // The allocator's counters of the model's device, and its reserved bytes (on the host: the resident set).

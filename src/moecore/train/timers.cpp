@@ -50,6 +50,7 @@ Timers::Timers(int level, Device device) : level_(level), device_(device) {
 }
 
 void Timers::start(TimerName t) {
+  if (!on(t)) return;
   const size_t i = index_of(t);
   MOECORE_CHECK(!running_[i], "timer ", timer_name(t), " started while running");
   ops::device_synchronize(device_);
@@ -58,6 +59,7 @@ void Timers::start(TimerName t) {
 }
 
 void Timers::stop(TimerName t) {
+  if (!on(t)) return;
   const size_t i = index_of(t);
   MOECORE_CHECK(running_[i], "timer ", timer_name(t), " stopped while not running");
   ops::device_synchronize(device_);

@@ -52,10 +52,10 @@ inline constexpr int kNumTimers = static_cast<int>(TimerName::count);
 const char* timer_name(TimerName t);  // Megatron's name, e.g. "forward-backward"
 int timer_level(TimerName t);         // 1 or 2
 
-// The timers of one rank. level 0 | 1 | 2 (--timing-log-level): timers above it are off (start/stop do nothing and
-// cost nothing). An active timer waits for the device at start and at stop (as Megatron's does with
-// torch.cuda.synchronize), so on cuda it measures the work its phase queued; cpu and sim ops run synchronously.
-// No barrier: each rank's time is its own (Megatron's --barrier-with-L1-time synchronises the ranks first).
+// The timers of one rank. level 0 | 1 | 2 (--timing-log-level): timers above it are off (start and stop return at
+// once: no clock read, no device wait). An active timer waits for the device at start and at stop (as Megatron's does
+// with torch.cuda.synchronize), so on cuda it measures the work its phase queued; cpu and sim ops run synchronously. No
+// barrier: each rank's time is its own (Megatron's --barrier-with-L1-time synchronises the ranks first).
 // Single-threaded: the training thread's.
 class Timers {
  public:
