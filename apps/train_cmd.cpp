@@ -137,6 +137,39 @@ const TrainFlag kTrainFlags[] = {
   {"--use-tp-pp-dp-mapping", TrainFlagKind::flag, "",
    "rank order tp-cp-ep-pp-dp (pipeline stages before data-parallel replicas) instead of tp-cp-ep-dp-pp, as Megatron",
    {}, nullptr},  // (read into the ParallelConfig)
+  {"--log-params-norm", TrainFlagKind::flag, "",
+   "the L2 norm of all parameters (each counted once over TP, PP, EP) on the log line and as params-norm", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.log_params_norm = a.on(f); }},
+  {"--log-num-zeros-in-grad", TrainFlagKind::flag, "",
+   "the number of zero gradient elements after clipping on the log line and as num-zeros", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.log_num_zeros_in_grad = a.on(f); }},
+  {"--log-throughput", TrainFlagKind::flag, "",
+   "Megatron's 'throughput per GPU (TFLOP/s/GPU)' on the log line (with --log-timers-to-tensorboard also the "
+   "throughput metric); moecore's tokens/s, TFLOP/s and MFU are always there", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.log_throughput = a.on(f); }},
+  {"--log-timers-to-tensorboard", TrainFlagKind::flag, "",
+   "the timers of --timing-log-level as <name>-time metrics (the slowest rank's seconds per step)", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.log_timers_to_tensorboard = a.on(f); }},
+  {"--timing-log-level", TrainFlagKind::value, "0",
+   "0: the iteration time; 1: and the step's phases (forward-backward, gradient reduction, parameter gather, "
+   "optimizer parts), with Megatron's '(min, max) time across ranks (ms)' block after each log line; 2: and the "
+   "per-micro-batch ones (batch-generator, forward/backward compute, pipeline sends and receives)",
+   FlagDomain::one_of({"0", "1", "2"}),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.timing_log_level = static_cast<int>(a.i64(f)); }},
+  {"--timing-log-option", TrainFlagKind::value, "minmax",
+   "the timers block: max (the slowest rank) | minmax | all (every rank)", FlagDomain::one_of({"max", "minmax", "all"}),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.timing_log_option = a.str(f); }},
+  {"--log-memory-to-tensorboard", TrainFlagKind::flag, "",
+   "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count and mem-reserved-bytes (the CUDA pool's; on "
+   "the host the resident set) in the metrics", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.log_memory_to_tensorboard = a.on(f); }},
+  {"--logging-level", TrainFlagKind::value, "",
+   "Python's logging levels: above 20 (INFO) hides the notes (timers block, MoE per-layer lines, load notes), above 30 "
+   "(WARNING) the warnings too; the step, validation and checkpoint lines and errors always show, as in Megatron",
+   FlagDomain::integer(0, 100),
+   [](const Args& a, const char* f, train::TrainConfig& t) {
+     if (a.given(f)) t.logging_level = static_cast<int>(a.i64(f));
+   }},
   {"--deterministic-mode", TrainFlagKind::flag, "",
    "bitwise reproducible runs: refuses --cross-entropy-loss-fusion as Megatron; moecore's kernels and reductions are "
    "deterministic already", {}, deterministic_mode},

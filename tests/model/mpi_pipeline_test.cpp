@@ -98,6 +98,7 @@ struct Layout {
   int64_t vpp = 1;                             // model chunks per stage (a layout string gives its own)
   int64_t group = 0;                           // --microbatch-group-size-per-virtual-pipeline-stage (0: PP)
   std::string order = ParallelConfig{}.order;  // "tp-cp-ep-pp-dp": Megatron's --use-tp-pp-dp-mapping
+  bool log_stats = false;  // --log-params-norm and --log-num-zeros-in-grad every step, the timers at level 2
   std::string name() const {
     return "PP " + std::to_string(pp) + (vpp > 1 ? " x VPP " + std::to_string(vpp) : "") +
            (group > 0 ? " (groups of " + std::to_string(group) + ")" : "") +
@@ -111,6 +112,7 @@ struct Layout {
 
 struct Result {
   std::vector<double> loss, grad_norm;
+  std::vector<double> params_norm, num_zeros;  // per step, with Layout::log_stats
   std::vector<train::MoeStepLosses> moe;
   double valid = 0;
   std::map<std::string, Tensor> grads;   // the parameters this rank holds (expert shards gathered over EP)
@@ -161,10 +163,18 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   tc.save = save;
   tc.load = load;
   tc.exit_interval = exit_at;
+  if (l.log_stats) {
+    tc.log_interval = 1;
+    tc.log_params_norm = true;
+    tc.log_num_zeros_in_grad = true;
+    tc.timing_log_level = 2;
+  }
   const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, l.pp ? &groups : nullptr);
   Result r;
   r.loss = log.train_loss;
   r.grad_norm = log.grad_norm;
+  r.params_norm = log.params_norm;
+  r.num_zeros = log.num_zeros;
   r.moe = log.moe_losses;
   if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
   for (const auto& p : gpt.params()) {
@@ -202,6 +212,30 @@ void check_layout(const ProcessGroup& world, const model::ModelConfig& mc, const
 
 TEST_F(Mpi, PipelineMatchesOneProcess) {
   for (const model::ModelConfig& mc : {tied_dense(), untied_dense(), moe_mtp()}) check_layout(world, mc, {P});
+}
+
+// --log-params-norm and --log-num-zeros-in-grad over the stages: each stage counts its own parameters, the tied
+// embedding's copy on the last stage not at all (its gradient is the first stage's after the embedding all-reduce);
+// every step's values equal the single-process run's (the norm to 1e-6, the zeros exactly), also with the distributed
+// optimizer over PP 2 x DP 2. The runs time every phase (timers at level 2, the pipeline's waits among them).
+TEST_F(Mpi, PipelineParamsNormAndNumZerosMatchOneProcess) {
+  Layout one;
+  one.log_stats = true;
+  std::vector<Layout> layouts = {Layout{P}};
+  if (P == 4) layouts.push_back(Layout{2, 1, -1, -1, /*zero=*/true});
+  for (const model::ModelConfig& mc : {tied_dense(), moe_mtp()}) {
+    const Result ref = run(world, mc, one, 3);
+    for (Layout l : layouts) {
+      l.log_stats = true;
+      SCOPED_TRACE(l.name() + (mc.untie_embeddings_and_output_weights ? "" : ", tied"));
+      const Result got = run(world, mc, l, 3);
+      ASSERT_EQ(got.num_zeros.size(), 3u);
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_LE(rel(got.params_norm[i], ref.params_norm[i]), 1e-6) << "step " << i + 1;
+        EXPECT_EQ(got.num_zeros[i], ref.num_zeros[i]) << "step " << i + 1;
+      }
+    }
+  }
 }
 
 TEST_F(Mpi, UnevenPipelineStagesMatchOneProcess) {

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 
 #include "moecore/core/error.h"
@@ -136,6 +137,7 @@ struct Layout {
 
 struct Result {
   std::vector<double> loss, grad_norm;
+  std::vector<double> params_norm, num_zeros;  // per step (NaN where the logging flags did not ask)
   double valid = 0;
   std::map<std::string, Tensor> grads;   // whole tensors (tensor-parallel shards gathered), after the last step
   std::map<std::string, Tensor> values;  // whole parameters at the end
@@ -161,9 +163,10 @@ Built build(const ProcessGroup& world, const Layout& l, int64_t num_experts = 0)
   return b;
 }
 
+using TrainTweak = std::function<void(train::TrainConfig&)>;
 Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l, int64_t iters,
            const std::string& save = "", const std::string& load = "", int64_t exit_at = 0, bool zero = false,
-           bool overlap = false, bool gather = false) {
+           bool overlap = false, bool gather = false, const TrainTweak& tweak = {}) {
   const Built b = build(world, l, mc.moe.num_experts);
   model::GptModel gpt(mc, 2, 42, b.par, testing::test_device());
   // The start-up memory check's count (apps: check_model_fits) is what this rank allocates.
@@ -180,10 +183,13 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   tc.save = save;
   tc.load = load;
   tc.exit_interval = exit_at;
+  if (tweak) tweak(tc);
   const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, l.tp ? &b.groups : nullptr);
   Result r;
   r.loss = log.train_loss;
   r.grad_norm = log.grad_norm;
+  r.params_norm = log.params_norm;
+  r.num_zeros = log.num_zeros;
   if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
   for (const auto& p : gpt.params()) {
     if (p.expert_parallel) {  // expert shards: the whole [E, ...] tensor over the ETP and EP groups
@@ -332,6 +338,50 @@ TEST_F(Mpi, DistributedOptimizerUnderTensorParallelismMatchesOneProcess) {
     ASSERT_EQ(got.loss.size(), 20u);
     EXPECT_LE(rel(got.grad_norm[0], ref.grad_norm[0]), 1e-6) << got.grad_norm[0] << " vs " << ref.grad_norm[0];
     for (size_t i = 0; i < 20; ++i) EXPECT_LE(rel(got.loss[i], ref.loss[i]), 1e-5) << "step " << i + 1;
+  }
+}
+
+// --log-params-norm and --log-num-zeros-in-grad count every parameter once over the groups (Megatron's
+// calc_params_l2_norm and count_zeros_fp32): under TP (untied), TP + SP (tied embeddings, vocabulary-parallel; the
+// norms replicated over TP) and the MoE model with linear biases and its experts over ETP 2 x EP (folding; the fc2 bias
+// whole on both ETP ranks), with the replicated and with the distributed optimizer (its shards over DP, the TP shards
+// and the experts apart; with --overlap-param-gather the norm comes from the shards while the gathers are in flight),
+// the values of every step equal the single-process run's: the norm to 1e-6, the zeros -- the gradient rows of the
+// tokens the data never uses, experts without tokens -- exactly. The distributed runs time every phase (level 2).
+TEST_F(Mpi, ParamsNormAndNumZerosMatchOneProcess) {
+  const TrainTweak flags = [](train::TrainConfig& t) {
+    t.log_interval = 1;
+    t.log_params_norm = true;
+    t.log_num_zeros_in_grad = true;
+  };
+  const TrainTweak timed = [&](train::TrainConfig& t) {
+    flags(t);
+    t.timing_log_level = 2;
+  };
+  model::ModelConfig biased = moe_model(false);  // the experts' fc2 bias whole on both ETP ranks: counted once
+  biased.moe.shared_expert_intermediate_size = 0;
+  biased.moe.shared_expert_gate = false;
+  biased.add_bias_linear = true;
+  struct Case {
+    model::ModelConfig mc;
+    Layout l;
+  };
+  const Case cases[] = {{gpt2_like(), {2, false}}, {llama_like(), {P, true}}, {biased, {2, true, P / 2, 1, 2}}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : ""));
+    const Result ref = run(world, c.mc, Layout{0, false}, 3, "", "", 0, false, false, false, flags);
+    ASSERT_EQ(ref.num_zeros.size(), 3u);
+    if (c.mc.untie_embeddings_and_output_weights) {
+      EXPECT_GE(ref.num_zeros[0], 3 * 32);  // tokens 61..63's embedding rows
+    }
+    for (const bool zero : {false, true}) {
+      const Result got = run(world, c.mc, c.l, 3, "", "", 0, zero, zero, zero, zero ? timed : flags);
+      ASSERT_EQ(got.num_zeros.size(), 3u);
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_LE(rel(got.params_norm[i], ref.params_norm[i]), 1e-6) << "step " << i + 1 << (zero ? ", ZeRO" : "");
+        EXPECT_EQ(got.num_zeros[i], ref.num_zeros[i]) << "step " << i + 1 << (zero ? ", ZeRO" : "");
+      }
+    }
   }
 }
 

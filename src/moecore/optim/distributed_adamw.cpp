@@ -71,6 +71,7 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
   exp_avg_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
   exp_avg_sq_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
   sq_acc_ = Tensor::zeros(Shape{1}, DType::f64, MemCategory::workspace, device_);
+  zeros_acc_ = Tensor::zeros(Shape{1}, DType::i64, MemCategory::workspace, device_);
   nonfinite_ = Tensor::zeros(Shape{std::max<int64_t>(1, static_cast<int64_t>(segments_.size()))}, DType::i32,
                              MemCategory::workspace, device_);
   overlap_ = opt.overlap;
@@ -268,6 +269,26 @@ void DistributedAdamW::finish_grad_reduction() {
   for (CommHandle& h : instance_handles_) h.wait();
 }
 
+double DistributedAdamW::shard_param_sq() const {
+  Tensor acc = sq_acc_;
+  acc.zero_();
+  for (const Segment& g : segments_)
+    ops::sum_squares(acc, range(flat(params_[g.param]->value), g.param_offset, g.elems), ctx());
+  double s = 0;
+  acc.copy_to_host(&s, 1);
+  return s;
+}
+
+int64_t DistributedAdamW::shard_grad_zeros(float clip_scale) const {
+  Tensor acc = zeros_acc_;
+  acc.zero_();
+  for (const Segment& g : segments_)
+    ops::count_zeros(acc, range(shard_grad_, g.shard_offset, g.elems), clip_scale, ctx());
+  int64_t n = 0;
+  acc.copy_to_host(&n, 1);
+  return n;
+}
+
 double DistributedAdamW::shard_grad_sq() const {
   Tensor acc = sq_acc_;
   acc.zero_();
@@ -309,8 +330,12 @@ void DistributedAdamW::apply_segment(const Segment& s, float lr, float clip_scal
 }
 
 void DistributedAdamW::step(float lr, float clip_scale, bool gather_later) {
-  const int P = group_.size();
   if (gather_later) check_overlap("step(gather_later)");
+  update(lr, clip_scale);
+  gather_params(gather_later);
+}
+
+void DistributedAdamW::update(float lr, float clip_scale) {
   if (reducing_) MOECORE_FAIL("distributed optimizer: step inside an open gradient reduction");
   finish_param_gather();
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -321,7 +346,12 @@ void DistributedAdamW::step(float lr, float clip_scale, bool gather_later) {
   }
   ++step_;
   for (const Segment& s : segments_) apply_segment(s, lr, clip_scale);
+}
+
+void DistributedAdamW::gather_params(bool gather_later) {
+  const int P = group_.size();
   if (gather_later) {  // each bucket's owned range packed at its shard offset, gathered into its staging area
+    check_overlap("gather_params(later)");
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const Bucket& k = buckets_[b];
       Tensor packed = range(overlap_shard_, k.shard_offset, k.shard);

@@ -72,6 +72,13 @@ class DistributedAdamW {
   // Sum of squares of this rank's reduced-gradient shard, in double. All-reduced over the group (and
   // over other groups' shares) it is the squared global gradient norm.
   double shard_grad_sq() const;
+  // Sum of squares of this rank's owned ranges of the f32 masters (Param::value), in double: all-reduced over the group
+  // it is the squared norm of the parameters (Megatron's calc_params_l2_norm over sharded main params). Current after
+  // update(), while later gathers are still in flight. Local.
+  double shard_param_sq() const;
+  // The zero elements of this rank's reduced-gradient shard once multiplied by clip_scale (ops::count_zeros): summed
+  // over the group, Megatron's count_zeros_fp32 of the distributed optimizer. Local.
+  int64_t shard_grad_zeros(float clip_scale) const;
   // Name of the first parameter with a non-finite element in this rank's shard, "" if none. Local.
   std::string first_nonfinite_grad() const;
   // Collective. One AdamW update of this rank's shard (learning rate lr, gradients times clip_scale,
@@ -80,6 +87,11 @@ class DistributedAdamW {
   // With gather_later (options.overlap) the all-gathers are posted and left in flight: until wait_param(i) (its
   // bucket) or finish_param_gather() (all) a Param::value may hold old values. Values end bitwise the same.
   void step(float lr, float clip_scale, bool gather_later = false);
+  // step() in its two parts (timed apart by the trainer): update() is the local AdamW update of this rank's shard into
+  // its owned ranges of Param::value (gathers still in flight are completed first); gather_params() then all-gathers
+  // every rank's ranges (posted and left in flight with `later`). Collective: gather_params.
+  void update(float lr, float clip_scale);
+  void gather_params(bool later);
   void wait_param(size_t i);
   void finish_param_gather();
   bool param_gather_pending() const { return gathers_pending_ > 0; }
@@ -157,6 +169,7 @@ class DistributedAdamW {
   int64_t shard_elems_ = 0;
   int64_t step_ = 0;
   Tensor sq_acc_;     // [1] f64: the shard's squared gradient norm, summed on the device and read once
+  Tensor zeros_acc_;  // [1] i64: the shard's zero gradient elements (shard_grad_zeros)
   Tensor nonfinite_;  // [segments] i32: per segment, 1 when its gradient holds a NaN or an infinity
   mutable std::vector<int32_t> nonfinite_host_;  // its host copy (sized once: the check allocates nothing after)
   Tensor staging_;                               // [max N_b] f32: gradients to reduce-scatter, then gathered masters

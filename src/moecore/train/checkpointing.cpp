@@ -391,7 +391,7 @@ std::optional<model::ModelConfig> checkpoint_recorded_model(const std::string& s
 }
 
 void check_checkpoint_function(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir,
-                               bool finetune) {
+                               bool finetune, bool notes) {
   static const model::ModelConfig kDefaults;
   const std::optional<model::ModelConfig> saved = checkpoint_recorded_model(state_json, dir, kDefaults);
   if (!saved) return;
@@ -400,10 +400,11 @@ void check_checkpoint_function(const std::string& state_json, const model::Model
   std::string list;
   for (const std::string& d : diffs) list += "\n  " + d;
   if (finetune) {
-    std::fprintf(stderr,
-                 "checkpoint: note: %s was trained as another model; --finetune continues from its weights "
-                 "with this run's settings:%s\n",
-                 dir.c_str(), list.c_str());
+    if (notes)
+      std::fprintf(stderr,
+                   "checkpoint: note: %s was trained as another model; --finetune continues from its weights "
+                   "with this run's settings:%s\n",
+                   dir.c_str(), list.c_str());
     return;
   }
   MOECORE_FAIL(
@@ -650,8 +651,8 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
     throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
   }
   check_checkpoint_model(ck.state_json, gpt.config(), ck.dir);
-  check_checkpoint_function(ck.state_json, gpt.config(), ck.dir, options.finetune);
-  if (load_rng && state.seed != seed)
+  check_checkpoint_function(ck.state_json, gpt.config(), ck.dir, options.finetune, options.notes);
+  if (load_rng && state.seed != seed && options.warnings)
     std::fprintf(stderr, "checkpoint: warning: %s was saved with --seed %llu, resuming with --seed %llu\n",
                  ck.dir.c_str(), static_cast<unsigned long long>(state.seed), static_cast<unsigned long long>(seed));
   if (!ck.files.count(kModelFile)) MOECORE_FAIL("checkpoint: ", ck.dir, " has no ", kModelFile);

@@ -87,6 +87,8 @@ struct CheckpointLoadOptions {
   bool load_rng = true;    // false (--no-load-rng): router noise streams restart at 0; no --seed warning
   bool finetune = false;   // --finetune: weights only; iteration and consumed samples 0 (no optim, no rng)
   CkptStrictness strictness = CkptStrictness::assume_ok_unexpected;  // --dist-ckpt-strictness
+  bool notes = true;     // the note on stderr about a --finetune from another model (--logging-level: INFO)
+  bool warnings = true;  // the warning on stderr about another --seed (--logging-level: WARNING)
 };
 
 // What a load restored.
@@ -150,9 +152,10 @@ void check_checkpoint_model(const std::string& state_json, const model::ModelCon
 std::optional<model::ModelConfig> checkpoint_recorded_model(const std::string& state_json, const std::string& dir,
                                                             const model::ModelConfig& base);
 // Fields that change the model's function (top-k, RoPE base, norm epsilon, ...) must equal the recorded ones: Error
-// listing each difference, unless `finetune` (--finetune: a new run from the weights), which prints them as a note.
+// listing each difference, unless `finetune` (--finetune: a new run from the weights), which prints them as a note on
+// stderr when `notes`.
 void check_checkpoint_function(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir,
-                               bool finetune);
+                               bool finetune, bool notes = true);
 // "" when state.json's model fingerprint is cfg's; else the first difference ("hidden_size = 64 but the model has
 // hidden_size = 32"). Throws Error (naming dir) when state.json is not a training state.
 std::string checkpoint_model_difference(const std::string& state_json, const model::ModelConfig& cfg,
