@@ -8,6 +8,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include "apps/megatron_flags.h"
 #include "moecore/core/error.h"
 #include "moecore/io/input_file.h"
 #include "moecore/parallel/comm.h"
@@ -102,23 +103,6 @@ Args& Args::list_option(const std::string& name, const std::string& help) {
   return *this;
 }
 
-Args& Args::accepted(const std::string& name, const std::string& help) {
-  return flag(name, help + " (accepted for Megatron scripts; does not change numerics here)");
-}
-
-Args& Args::unsupported_switch(const std::string& name, const std::string& what) {
-  specs_[name] = {"", "not supported yet: " + what, true, false, true};
-  order_.push_back(name);
-  return *this;
-}
-
-Args& Args::unsupported(const std::string& name, const std::string& allowed, const std::string& what) {
-  specs_[name] = {allowed, "not supported yet: " + what + (allowed.empty() ? "" : " (only " + allowed + ")"), false,
-                  false, true};
-  order_.push_back(name);
-  return *this;
-}
-
 Args& Args::domain(const std::string& name, FlagDomain d) {
   auto it = specs_.find(name);
   MOECORE_CHECK(it != specs_.end() && !it->second.is_flag && !it->second.is_list, "domain for ", name,
@@ -175,15 +159,33 @@ std::string Args::help() const {
   for (const auto& n : order_) {
     const Spec& sp = specs_.at(n);
     s += "  " + n + (sp.is_flag ? "" : sp.is_list ? " VALUE..." : " VALUE") + "\n      " + sp.help;
-    if (!sp.is_flag && !sp.def.empty() && !sp.unsupported) s += " (default: " + sp.def + ")";
+    if (!sp.is_flag && !sp.def.empty()) s += " (default: " + sp.def + ")";
     s += "\n";
   }
+  std::string accepted;
+  int refused = 0;
+  for (const MegatronFlag& f : megatron_flags()) {
+    if (declared(f.name)) continue;
+    if (f.fate == MegatronFate::accepted) accepted += "  " + std::string(f.name) + "\n      " + f.why + "\n";
+    refused += f.fate == MegatronFate::refused;
+  }
+  s += "Megatron flags accepted without effect here (checked against Megatron's choices):\n" + accepted;
+  s += std::to_string(refused) + " other Megatron flags are refused by name, saying what is missing (moecore " +
+       program_ + " --list-flags, docs/megatron-flags.md)\n";
   return s;
 }
 
-const Args::Spec& Args::spec_or_suggest(const std::string& a, const char* where) const {
+const Args::Spec& Args::spec_or_suggest(const std::string& a, const char* where) {
   auto it = specs_.find(a);
   if (it != specs_.end()) return it->second;
+  if (const MegatronFlag* m = megatron_flag(a)) {
+    if (m->fate == MegatronFate::implemented)
+      MOECORE_FAIL("flag '", a, "'", where, " is a Megatron flag that moecore ", program_,
+                   " does not take (moecore train does; see moecore ", program_, " --help)");
+    Spec sp(m->def, m->why, m->arity == MegatronArity::switch_, m->arity == MegatronArity::list);
+    sp.megatron = m;
+    return specs_.emplace(a, std::move(sp)).first->second;
+  }
   std::string best;
   size_t best_d = ~size_t{0};
   for (const auto& [n, sp] : specs_) {
@@ -204,8 +206,8 @@ bool Args::parse(int argc, char** argv) {
       std::fputs(help().c_str(), stdout);
       return false;
     }
-    if (a == "--list-flags") {
-      std::fputs(list_flags().c_str(), stdout);
+    if (a == "--list-flags" || a == "--list-flags=markdown") {
+      std::fputs((a == "--list-flags" ? list_flags() : megatron_markdown()).c_str(), stdout);
       return false;
     }
     if (a.rfind("--", 0) != 0) {
@@ -249,8 +251,9 @@ bool Args::parse(int argc, char** argv) {
   }
   if (pos_values_.size() > pos_specs_.size())
     MOECORE_FAIL("unexpected argument '", pos_values_[pos_specs_.size()], "' (see moecore ", program_, " --help)");
-  if (!config.empty()) merge_config(config);
-  check_unsupported();
+  for (const auto& [name, v] : values_)
+    if (specs_.at(name).megatron) check_table_values(name, "");
+  if (!config.empty()) merge_config(config);  // (checks its table flags itself, naming the file)
   check_domains();
   check_same_on_every_rank();
   return true;
@@ -264,7 +267,10 @@ void Args::check_same_on_every_rank() const {
   fields.emplace_back("command", program_);
   for (size_t i = 0; i < pos_values_.size(); ++i)
     fields.emplace_back("argument " + std::to_string(i + 1), pos_values_[i]);
-  for (const auto& n : order_) {
+  std::vector<std::string> names = order_;
+  for (const auto& [n, sp] : specs_)
+    if (sp.megatron) names.push_back(n);  // Megatron's accepted flags, given here
+  for (const auto& n : names) {
     const Spec& sp = specs_.at(n);
     std::string v;
     if (sp.is_list) {
@@ -283,24 +289,91 @@ void Args::check_same_on_every_rank() const {
   check_same_config(fields, world);
 }
 
-void Args::check_unsupported() const {
-  for (const auto& [name, v] : values_) {
-    const Spec& sp = specs_.at(name);
-    if (!sp.unsupported) continue;
-    if (sp.is_flag) MOECORE_FAIL(name, " is ", sp.help);
-    if (sp.def.empty() || v != sp.def) MOECORE_FAIL(name, " ", v, " is ", sp.help);
-  }
+// A Megatron flag of the table that the command does not declare: its values against Megatron's type and choices,
+// then, if it is refused, the refusal (a value flag at Megatron's own default asks for nothing and passes).
+void Args::check_table_values(const std::string& name, const std::string& where) const {
+  const Spec& sp = specs_.at(name);
+  const MegatronFlag& m = *sp.megatron;
+  const std::vector<std::string> vals = sp.is_list ? list(name) : std::vector<std::string>{str(name)};
+  if (!sp.is_flag)
+    for (const std::string& v : vals) megatron_check_value(m, v);
+  if (m.fate != MegatronFate::refused) return;
+  if (sp.is_flag) MOECORE_FAIL(name, where, " is ", m.why);
+  std::string joined;
+  for (const std::string& v : vals) joined += " " + v;
+  if (sp.is_list || !megatron_is_default(m, vals[0])) MOECORE_FAIL(name, joined, where, " is ", m.why);
+}
+
+namespace {
+const char* arity_name(MegatronArity a) {
+  return a == MegatronArity::switch_ ? "switch" : a == MegatronArity::list ? "list" : "value";
+}
+std::string table_domain(const MegatronFlag& f) {
+  if (*f.choices) return std::string("one of ") + f.choices;
+  return f.type;
+}
+}  // namespace
+
+// Declared by the command (--help by every command).
+bool Args::declared(const std::string& name) const {
+  const auto it = specs_.find(name);
+  return name == "--help" || (it != specs_.end() && !it->second.megatron);
 }
 
 std::string Args::list_flags() const {
   std::string s;
   for (const auto& n : order_) {
     const Spec& sp = specs_.at(n);
-    const char* kind = sp.unsupported ? (sp.is_flag ? "unsupported-switch" : "unsupported-value")
-                       : sp.is_flag   ? "switch"
-                       : sp.is_list   ? "list"
-                                      : "value";
+    const char* kind = sp.is_flag ? "switch" : sp.is_list ? "list" : "value";
     s += n + "\t" + kind + "\t" + sp.def + "\t" + sp.help + "\t" + (sp.domain ? sp.domain->describe() : "") + "\n";
+  }
+  for (const MegatronFlag& f : megatron_flags()) {
+    if (declared(f.name)) continue;
+    const std::string kind =
+        f.fate == MegatronFate::implemented
+            ? std::string("other-command")
+            : (f.fate == MegatronFate::accepted ? "accepted-" : "refused-") + std::string(arity_name(f.arity));
+    s += std::string(f.name) + "\t" + kind + "\t" + f.def + "\t" + f.why + "\t" + table_domain(f) + "\n";
+  }
+  return s;
+}
+
+// docs/megatron-flags.md, generated: every Megatron flag with its fate in this command.
+std::string Args::megatron_markdown() const {
+  std::string s = "# Megatron's flags in `moecore " + program_ + "`\n\n";
+  s += "Generated by `moecore " + program_ +
+       " --list-flags=markdown` from the table in `apps/megatron_flags.cpp` (do "
+       "not edit by hand). Every flag of Megatron-LM's training argument parser at commit " +
+       std::string(kMegatronFlagsCommit) +
+       " has one fate: **implemented** (Megatron's semantics and default; the description is moecore's `--help`), "
+       "**accepted** (checked against Megatron's type and choices, changes nothing here, for the reason given) or "
+       "**refused** (the run stops naming the flag and what to use instead; a value flag given Megatron's own "
+       "default passes). Names Megatron does not have are unknown flags.\n\n";
+  int counts[3] = {0, 0, 0};
+  for (const MegatronFlag& f : megatron_flags()) ++counts[static_cast<int>(f.fate)];
+  s += "| fate | flags |\n|---|---|\n| implemented | " + std::to_string(counts[0]) + " |\n| accepted | " +
+       std::to_string(counts[1]) + " |\n| refused | " + std::to_string(counts[2]) + " |\n\n";
+  s += "| flag | kind | Megatron default | fate | what it does here |\n|---|---|---|---|---|\n";
+  const auto cell = [](std::string t) {
+    std::string out;
+    for (const char ch : t) out += ch == '|' ? std::string("\\|") : std::string(1, ch);
+    return out;
+  };
+  for (const MegatronFlag& f : megatron_flags()) {
+    const auto it = specs_.find(f.name);
+    const bool ours = declared(f.name);
+    const char* fate = f.fate == MegatronFate::implemented ? "implemented"
+                       : f.fate == MegatronFate::accepted  ? "accepted"
+                                                           : "refused";
+    std::string what = it != specs_.end() && ours ? it->second.help : ours ? "this help" : f.why;
+    if (f.fate == MegatronFate::implemented && !ours) what = "(another moecore command)";
+    std::string kind = arity_name(f.arity);
+    if (*f.choices)
+      kind += ": " + std::string(f.choices);
+    else if (*f.type && f.arity != MegatronArity::switch_)
+      kind += " (" + std::string(f.type) + ")";
+    s += "| `" + std::string(f.name) + "` | " + cell(kind) + " | " + cell(f.def) + " | " + fate + " | " + cell(what) +
+         " |\n";
   }
   return s;
 }
@@ -353,6 +426,7 @@ void Args::merge_config_entry(const std::string& path, const std::string& where,
   } else {
     values_[name] = v.as<std::string>();
   }
+  if (sp.megatron && values_.count(name)) check_table_values(name, where);
 }
 
 void Args::fill_unset(const std::string& name, const std::string& value, const std::string& where) {
@@ -360,7 +434,7 @@ void Args::fill_unset(const std::string& name, const std::string& value, const s
   if (values_.count(name)) return;
   if (sp.is_list) lists_[name] = {value};
   values_[name] = sp.is_flag || sp.is_list ? "1" : value;
-  check_unsupported();
+  if (sp.megatron) check_table_values(name, where);
   check_domain(name, values_[name], where);
 }
 

@@ -1,7 +1,8 @@
-// A small command-line parser for Megatron-style flags (--name value, --flag). Each subcommand declares
-// its flags with help text and Megatron's default ("" = Megatron's None: unset); Megatron flags this version
-// cannot honour are declared as unsupported, so a script that uses them fails naming the flag; unknown flags
-// are rejected with the nearest valid name as a suggestion when one is close.
+// A small command-line parser for Megatron-style flags (--name value, --flag). Each subcommand declares the flags
+// it implements with help text and Megatron's default ("" = Megatron's None: unset). Every other Megatron flag is
+// taken from the table of megatron_flags.h: accepted without effect (checked against Megatron's type and choices) or
+// refused naming the flag and what is missing. Names Megatron does not have either are unknown flags, rejected with
+// the nearest valid name as a suggestion when one is close.
 #pragma once
 #include <cstdint>
 #include <limits>
@@ -15,6 +16,8 @@ class Node;
 }
 
 namespace moecore::apps {
+
+struct MegatronFlag;  // megatron_flags.h
 
 // What a flag's value may be, checked at start-up (in parse and fill_unset) for the default and every given
 // value, whether or not the run uses the flag: a bad number never waits for the code that reads it.
@@ -64,12 +67,6 @@ class Args {
   Args& flag(const std::string& name, const std::string& help);
   // Declares a flag taking one or more values (all words up to the next --flag), like Megatron's nargs='*'.
   Args& list_option(const std::string& name, const std::string& help);
-  // A Megatron switch accepted for compatibility that changes nothing here (fusions, implementation choices).
-  Args& accepted(const std::string& name, const std::string& help);
-  // Megatron flags this version cannot honour, refused by name when given; `what` says what is missing. A
-  // value flag is accepted with the value `allowed` (Megatron's default; "" = Megatron's None: never).
-  Args& unsupported_switch(const std::string& name, const std::string& what);
-  Args& unsupported(const std::string& name, const std::string& allowed, const std::string& what);
   // The domain of a declared value flag (see FlagDomain). A value flag without a domain is free text (paths,
   // names, expressions with their own parser); tests/apps list those, so a numeric flag cannot miss one.
   Args& domain(const std::string& name, FlagDomain d);
@@ -77,12 +74,14 @@ class Args {
   Args& positional(const std::string& name, const std::string& help);
   // Parses argv[1..]; returns false when --help or --list-flags was asked (already printed). A --config FILE
   // (YAML or JSON mapping of flag names, with '-' or '_') fills every flag the command line does not give.
-  // --list-flags prints one tab-separated line per flag: name, kind (switch | value | list |
-  // unsupported-switch | unsupported-value), default, help, domain (empty for free text and switches).
+  // --list-flags prints one tab-separated line per flag, the command's own and then the rest of Megatron's table:
+  // name, kind (switch | value | list | accepted-switch | accepted-value | accepted-list | refused-switch |
+  // refused-value | refused-list | other-command), default, help (for a table flag: why), domain (empty for free
+  // text and switches; Megatron's type and choices for a table flag). --list-flags=markdown prints
+  // docs/megatron-flags.md: Megatron's whole table with each flag's fate here.
   bool parse(int argc, char** argv);
-  // After parse: sets `name` to `value` ("" for a switch: on) unless the command line or --config gave it;
-  // `where` names the source in errors ("in --hf-config FILE"). Unsupported values are refused as on the
-  // command line.
+  // After parse: sets `name` (a declared flag) to `value` ("" for a switch: on) unless the command line or --config
+  // gave it; `where` names the source in errors ("in --hf-config FILE").
   void fill_unset(const std::string& name, const std::string& value, const std::string& where);
 
   std::string str(const std::string& name) const;
@@ -92,6 +91,8 @@ class Args {
   int64_t i64_or(const std::string& name, int64_t unset) const;
   double f64_or(const std::string& name, double unset) const;
   bool on(const std::string& name) const;
+  // Declared flags and Megatron's accepted ones (validation rules read those: --deterministic-mode refuses
+  // --cross-entropy-loss-fusion).
   bool given(const std::string& name) const;
   std::vector<std::string> list(const std::string& name) const;  // values of a list_option (may be empty)
   const std::vector<std::string>& positionals() const { return pos_values_; }
@@ -104,22 +105,26 @@ class Args {
  private:
   struct Spec {
     Spec() = default;
-    Spec(std::string d, std::string h, bool flag, bool list = false, bool unsup = false)
-        : def(std::move(d)), help(std::move(h)), is_flag(flag), is_list(list), unsupported(unsup) {}
+    Spec(std::string d, std::string h, bool flag, bool list = false)
+        : def(std::move(d)), help(std::move(h)), is_flag(flag), is_list(list) {}
     std::string def, help;
     bool is_flag = false;
     bool is_list = false;
-    bool unsupported = false;  // value flags: def is the one value allowed
     std::optional<FlagDomain> domain;
+    const MegatronFlag* megatron = nullptr;  // a flag of Megatron's table the command does not declare
   };
   void check_domain(const std::string& name, const std::string& value, const std::string& where) const;
   void check_domains() const;
-  void check_unsupported() const;
+  void check_table_values(const std::string& name, const std::string& where) const;
+  bool declared(const std::string& name) const;
   std::string list_flags() const;
+  std::string megatron_markdown() const;
   void merge_config(const std::string& path);
   void merge_config_entry(const std::string& path, const std::string& where, const std::string& key,
                           const YAML::Node& v);
-  const Spec& spec_or_suggest(const std::string& name, const char* where) const;
+  // The declared flag, or the table's row of a Megatron flag the command does not declare (added on first use),
+  // or an Error: an unknown flag (with a suggestion) or a Megatron flag of another moecore command.
+  const Spec& spec_or_suggest(const std::string& name, const char* where);
   std::string program_;
   std::map<std::string, Spec> specs_;
   std::vector<std::string> order_;

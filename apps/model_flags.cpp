@@ -1,6 +1,7 @@
 // The model flags: one table (kModelFlags) holds every model and MoE flag a command that builds a model accepts,
 // with Megatron's default, its help text and the rule that reads it into the ModelConfig. It drives the
-// declaration (--help, --list-flags, --config, unsupported flags refused by name) and the parsing and validation;
+// declaration (--help, --list-flags, --config) and the parsing and validation (Megatron's flags that are accepted
+// without effect or refused are in megatron_flags.cpp's table);
 // --hf-config's table (hf_config.cpp) maps config.json keys to these flags by name.
 #include "apps/model_flags.h"
 
@@ -17,15 +18,15 @@ namespace {
 
 using model::ModelConfig;
 
-enum class Kind : uint8_t { value, list, flag, accepted, unsupported_switch, unsupported_value };  // list: VALUE...
+enum class Kind : uint8_t { value, list, flag };  // list: VALUE...
 using Apply = void (*)(const Args& a, const char* flag, ModelConfig& c);
 
 struct ModelFlag {
   const char* name;
   Kind kind;
-  const char* def;   // value: Megatron's default ("" = Megatron's None: unset); unsupported_value: the one accepted
-  const char* help;  // unsupported: what is not supported yet
-  Apply apply;       // reads the flag (and flags it depends on) into the config; nullptr: read elsewhere or nothing
+  const char* def;  // value: Megatron's default ("" = Megatron's None: unset)
+  const char* help;
+  Apply apply;  // reads the flag (and flags it depends on) into the config; nullptr: read elsewhere or nothing
   int64_t ModelConfig::*required = nullptr;  // Megatron requires the flag: the command's default is this field's
 };
 
@@ -102,7 +103,8 @@ void query_groups(const Args& a, const char* f, ModelConfig& c) {
 }
 
 void position_embedding(const Args& a, const char* f, ModelConfig& c) {
-  const std::string pos = a.str(f);
+  // Megatron's validate_args: the old switch sets the type to rope.
+  const std::string pos = a.on("--use-rotary-position-embeddings") ? "rope" : a.str(f);
   if (pos == "learned_absolute")
     c.position_embedding_type = model::PositionEmbedding::learned_absolute;
   else if (pos == "rope")
@@ -128,12 +130,6 @@ void normalization(const Args& a, const char* f, ModelConfig& c) {
   const std::string norm = a.str(f);
   if (norm != "RMSNorm" && norm != "LayerNorm") MOECORE_FAIL(f, " '", norm, "' is not one of RMSNorm, LayerNorm");
   c.normalization = norm == "LayerNorm" ? model::Normalization::layernorm : model::Normalization::rmsnorm;
-}
-
-void transformer_impl(const Args& a, const char* f, ModelConfig&) {
-  const std::string impl = a.str(f);
-  if (impl != "transformer_engine" && impl != "local" && impl != "inference_optimized")
-    MOECORE_FAIL(f, " '", impl, "' is not one of transformer_engine, local, inference_optimized");
 }
 
 // Megatron's MLATransformerConfig defaults rope_type to yarn; with the other attentions it is plain RoPE.
@@ -238,18 +234,24 @@ const ModelFlag kModelFlags[] = {
    on<&ModelConfig::untie_embeddings_and_output_weights>},
   {"--bf16", Kind::flag, "", "bf16 compute with fp32 master weights",
    [](const Args& a, const char* f, ModelConfig& c) { c.compute_dtype = a.on(f) ? DType::bf16 : DType::f32; }},
-  // Implementation switches of Megatron's scripts: accepted, no numerics change.
-  {"--use-mcore-models", Kind::accepted, "", "Megatron-Core models (deprecated in Megatron; the only kind here)", nullptr},
-  {"--transformer-impl", Kind::value, "transformer_engine",
-   "transformer_engine | local (accepted for Megatron scripts; does not change numerics here)", transformer_impl},
-  {"--no-masked-softmax-fusion", Kind::accepted, "", "unfused masked softmax", nullptr},
-  {"--no-rope-fusion", Kind::accepted, "", "unfused RoPE", nullptr},
-  {"--no-bias-swiglu-fusion", Kind::accepted, "", "unfused bias + SwiGLU", nullptr},
-  {"--no-bias-gelu-fusion", Kind::accepted, "", "unfused bias + GeLU", nullptr},
-  {"--no-bias-dropout-fusion", Kind::accepted, "", "unfused bias + dropout + residual", nullptr},
-  {"--no-gradient-accumulation-fusion", Kind::accepted, "", "unfused weight-gradient accumulation", nullptr},
-  {"--cross-entropy-loss-fusion", Kind::accepted, "", "fused cross-entropy (the loss here is always fused)", nullptr},
-  {"--use-flash-attn", Kind::accepted, "", "flash attention (the attention here is always flash-style)", nullptr},
+  // Attention's implementation and softmax precision (Megatron's switches; the attention here is one flash-style
+  // kernel per device with an exact fp32 softmax, which is what each of them asks for).
+  {"--attention-backend", Kind::value, "auto",
+   "flash | fused | unfused | local | auto: Megatron's kernel choice; each is moecore's flash-style attention with "
+   "an exact fp32 softmax (local needs Megatron's --spec local, which moecore does not have)",
+   [](const Args& a, const char* f, ModelConfig&) {
+     if (a.str(f) == "local")
+       MOECORE_FAIL(f, " local selects Megatron's local layer spec (--spec local), which moecore does not have; use "
+                    "--attention-backend auto");
+   }},
+  {"--attention-softmax-in-fp32", Kind::flag, "",
+   "the attention softmax in fp32 under --bf16: always so here (the flag changes nothing moecore computes)", nullptr},
+  {"--apply-query-key-layer-scaling", Kind::flag, "",
+   "Megatron scales Q.K^T by 1/layer_number and the fp32 softmax multiplies it back: the same attention in exact "
+   "arithmetic, kept for fp16; implies --attention-softmax-in-fp32, as in Megatron (always fp32 here)",
+   nullptr},
+  {"--use-rotary-position-embeddings", Kind::flag, "",
+   "Megatron's older spelling of --position-embedding-type rope", nullptr},
   // Multi-latent attention and YaRN.
   {"--multi-latent-attention", Kind::flag, "",
    "multi-latent attention (MLA, DeepSeek-V2/V3); --qk-layernorm then norms the q and kv latents",
@@ -261,7 +263,6 @@ const ModelFlag kModelFlags[] = {
   {"--qk-pos-emb-head-dim", Kind::value, "64", "MLA: q/k channels per head with RoPE",
    i64<&ModelConfig::qk_pos_emb_head_dim>},
   {"--v-head-dim", Kind::value, "128", "MLA: value channels per head", i64<&ModelConfig::v_head_dim>},
-  {"--qk-l2-norm", Kind::unsupported_switch, "", "QK L2-norm", nullptr},
   {"--rope-type", Kind::value, "", "rope | yarn (unset: yarn with MLA, as Megatron's MLATransformerConfig; else rope)",
    rope_type},
   {"--rotary-scaling-factor", Kind::value, "1.0", "YaRN: context extension factor",
@@ -283,20 +284,12 @@ const ModelFlag kModelFlags[] = {
      exclusive(a, "--yarn-correction-range-round-to-int", f);
      c.yarn_config.correction_range_round_to_int = !a.on(f);
    }},
-  {"--rotary-interleaved", Kind::unsupported_switch, "", "interleaved RoPE", nullptr},
-  {"--apply-layernorm-1p", Kind::unsupported_switch, "", "zero-centred (1 + w) LayerNorm", nullptr},
-  {"--apply-residual-connection-post-layernorm", Kind::unsupported_switch, "", "post-LayerNorm residuals", nullptr},
-  {"--openai-gelu", Kind::unsupported_switch, "", "the tanh GeLU approximation", nullptr},
-  {"--squared-relu", Kind::unsupported_switch, "", "squared-ReLU MLPs", nullptr},
   // Multi-token prediction.
   {"--mtp-num-layers", Kind::value, "", "multi-token prediction depths (unset: none)",
    positive_or_unset<&ModelConfig::mtp_num_layers>},
   {"--mtp-loss-scaling-factor", Kind::value, "0.1", "weight of the MTP losses, divided by --mtp-num-layers",
    f32<&ModelConfig::mtp_loss_scaling_factor>},
   // Precision and recompute.
-  {"--fp16", Kind::unsupported_switch, "", "fp16 training (use --bf16)", nullptr},
-  {"--fp8-format", Kind::unsupported_value, "", "FP8 training", nullptr},
-  {"--fp8-recipe", Kind::unsupported_value, "delayed", "FP8 training", nullptr},
   {"--recompute-activations", Kind::flag, "",
    "shorthand for --recompute-granularity selective (as Megatron: it wins over that flag)", nullptr},
   {"--recompute-granularity", Kind::value, "",
@@ -329,8 +322,6 @@ const ModelFlag kModelFlags[] = {
   {"--moe-layer-recompute", Kind::flag, "",
    "Megatron's older spelling of --recompute-granularity selective --recompute-modules moe (added to the modules)",
    nullptr},
-  {"--reset-position-ids", Kind::unsupported_switch, "", "position ids that restart at each document", nullptr},
-  {"--reset-attention-mask", Kind::unsupported_switch, "", "attention masks that stop at document boundaries", nullptr},
   // Mixture of experts.
   {"--num-experts", Kind::value, "", "routed experts per MoE layer (unset: dense model)",
    moe_i64_or_unset<&moe::MoeConfig::num_experts>},
@@ -378,16 +369,12 @@ const ModelFlag kModelFlags[] = {
    moe_on<&moe::MoeConfig::pad_expert_input_to_capacity>},
   {"--moe-router-padding-for-fp8", Kind::flag, "", "pad per-expert token counts to multiples of 16 (needs FP8)",
    [](const Args& a, const char* f, ModelConfig& c) { c.moe.router_padding_alignment = a.on(f) ? 16 : 0; }},
-  {"--moe-grouped-gemm", Kind::accepted, "", "grouped-GEMM experts (always used here unless --no-moe-grouped-gemm)",
-   nullptr},
   {"--no-moe-grouped-gemm", Kind::flag, "",
    "sequential per-expert reference instead of the grouped GEMM (moecore only)",
    [](const Args& a, const char* f, ModelConfig& c) {
      exclusive(a, "--moe-grouped-gemm", f);
      c.moe.grouped_gemm = !a.on(f);
    }},
-  {"--moe-permute-fusion", Kind::accepted, "", "fused token permutation", nullptr},
-  {"--moe-router-fusion", Kind::accepted, "", "fused router kernels", nullptr},
   {"--moe-shared-expert-intermediate-size", Kind::value, "", "shared expert hidden size (unset: none)",
    moe_i64_or_unset<&moe::MoeConfig::shared_expert_intermediate_size>},
   {"--moe-shared-expert-gate", Kind::flag, "", "sigmoid gate on the shared expert output",
@@ -398,10 +385,6 @@ const ModelFlag kModelFlags[] = {
      c.moe_layer_freq = a.str(f);
      (void)model::parse_layer_pattern(c.moe_layer_freq, a.i64("--num-layers"), f);  // checked even for dense models
    }},
-  {"--moe-shared-expert-overlap", Kind::unsupported_switch, "", "overlapping the shared expert with dispatch", nullptr},
-  {"--moe-apply-probs-on-input", Kind::unsupported_switch, "", "routing probabilities applied to the expert input",
-   nullptr},
-  {"--moe-enable-deepep", Kind::unsupported_switch, "", "the DeepEP dispatcher", nullptr},
   // MoE ECHO (Megatron PR #2368's flags) and the static received-token capacity (Megatron mainline's name).
   {"--moe-enable-echo", Kind::flag, "", "clone hot experts onto under-loaded EP ranks each step (needs the alltoall "
    "token dispatcher and EP > 1)", moe_on<&moe::MoeConfig::enable_echo>},
@@ -428,6 +411,7 @@ const ModelFlag kModelFlags[] = {
 // with their own parsers (--moe-layer-freq).
 const std::pair<const char*, FlagDomain> kModelFlagDomains[] = {
     {"--num-layers", FlagDomain::integer(1, 1e5)},
+    {"--attention-backend", FlagDomain::one_of({"flash", "fused", "unfused", "local", "auto"})},
     {"--recompute-granularity", FlagDomain::one_of({"full", "selective"})},
     {"--recompute-method", FlagDomain::one_of({"uniform", "block"})},
     {"--recompute-num-layers", FlagDomain::integer(1, 1e5)},
@@ -502,15 +486,6 @@ void add_model_flags(Args& a, const model::ModelConfig& d) {
         break;
       case Kind::flag:
         a.flag(f.name, f.help);
-        break;
-      case Kind::accepted:
-        a.accepted(f.name, f.help);
-        break;
-      case Kind::unsupported_switch:
-        a.unsupported_switch(f.name, f.help);
-        break;
-      case Kind::unsupported_value:
-        a.unsupported(f.name, f.def, f.help);
         break;
     }
   }

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include "apps/args.h"
@@ -39,8 +41,150 @@
 namespace moecore::apps {
 namespace {
 
+// ---- Training flags as one typed table -------------------------------------------------------------------------
+// Each row declares a flag once: its kind, Megatron's default, help, domain and the rule that reads it into the
+// TrainConfig (run after the flags of add_training_flags below are read, so a rule may use them). The flags declared in
+// add_training_flags move here with the typed-table redesign of the training front end.
+enum class TrainFlagKind : uint8_t { value, flag };
+struct TrainFlag {
+  const char* name;
+  TrainFlagKind kind;
+  const char* def;  // Megatron's default ("" = Megatron's None)
+  const char* help;
+  std::optional<FlagDomain> domain;
+  void (*apply)(const Args& a, const char* flag, train::TrainConfig& t);
+};
+
+// Megatron's rule (training.py get_optimizer_param_scheduler): warm-up = fraction x the decay's length (samples there,
+// iterations here), and it excludes --lr-warmup-iters. moecore's schedule counts whole iterations.
+void lr_warmup_fraction(const Args& a, const char* f, train::TrainConfig& t) {
+  if (!a.given(f)) return;
+  if (a.i64("--lr-warmup-iters") != 0)
+    MOECORE_FAIL("--lr-warmup-fraction and --lr-warmup-iters exclude each other (as in Megatron: give one)");
+  const int64_t decay = t.lr_decay_iters > 0 ? t.lr_decay_iters : t.train_iters;
+  const double warmup = a.f64(f) * static_cast<double>(decay);
+  if (warmup != std::floor(warmup))
+    MOECORE_FAIL("--lr-warmup-fraction ", a.str(f), " x ", decay, " decay iterations = ", warmup,
+                 " warm-up iterations, not a whole number: moecore's schedule counts whole iterations; give "
+                 "--lr-warmup-iters instead");
+  t.lr_warmup_iters = static_cast<int64_t>(warmup);
+}
+
+void persistent_save_interval(const Args& a, const char* f, train::TrainConfig& t) {
+  if (!a.given(f)) return;
+  if (a.given("--save-interval") && a.i64("--save-interval") != a.i64(f))
+    MOECORE_FAIL("--save-interval (", a.str("--save-interval"), ") and ", f, " (", a.str(f),
+                 ") name one setting (Megatron's alias); give one");
+  t.save_interval = a.i64(f);
+}
+
+// torch and torch_dist are Megatron's resharding formats; moecore writes its own, which reshards too (any TP, PP, EP,
+// DP on load) and commits atomically. Megatron ties torch_dcp to torch FSDP2 and fsdp_dtensor to Megatron-FSDP.
+void ckpt_format(const Args& a, const char* f, train::TrainConfig&) {
+  const std::string v = a.str(f);
+  if (v == "fsdp_dtensor")
+    MOECORE_FAIL(f,
+                 " fsdp_dtensor is Megatron-FSDP's format (\"--ckpt-format fsdp_dtensor is only tested with Megatron ",
+                 "FSDP\"), and Megatron-FSDP is not supported yet; use --ckpt-format torch_dist");
+  if (v == "torch_dcp")
+    MOECORE_FAIL(f, " torch_dcp needs torch FSDP2 in Megatron (\"--ckpt-format torch_dcp is only tested with FSDP\"), ",
+                 "which is not supported yet; use --ckpt-format torch_dist");
+}
+
+// Megatron's training/determinism.py: the options that are not deterministic are refused (never switched off).
+// moecore's kernels use no atomics and its collectives reduce in rank order, so the rest holds already.
+void deterministic_mode(const Args& a, const char* f, train::TrainConfig&) {
+  if (!a.on(f)) return;
+  if (a.given("--cross-entropy-loss-fusion"))
+    MOECORE_FAIL("--deterministic-mode requires: cross_entropy_loss_fusion=False (got True). Adjust these options to ",
+                 "continue (Megatron's check; drop --cross-entropy-loss-fusion)");
+}
+
+// clang-format off
+const TrainFlag kTrainFlags[] = {
+  {"--lr-warmup-fraction", TrainFlagKind::value, "",
+   "warm-up as a fraction of the decay (--lr-decay-iters, else --train-iters); excludes --lr-warmup-iters",
+   FlagDomain::number(0.0, 1.0), lr_warmup_fraction},
+  {"--persistent-save-interval", TrainFlagKind::value, "", "Megatron's other name of --save-interval",
+   FlagDomain::integer(1, 1e12), persistent_save_interval},
+  {"--ckpt-format", TrainFlagKind::value, "torch_dist",
+   "torch_dist | torch: moecore's checkpoint format (safetensors + COMMIT manifest; resharded on load to any TP, PP, "
+   "EP, DP, as torch_dist); torch_dcp and fsdp_dtensor need FSDP (not supported yet)",
+   FlagDomain::one_of({"torch", "torch_dist", "torch_dcp", "fsdp_dtensor"}), ckpt_format},
+  {"--dist-ckpt-strictness", TrainFlagKind::value, "assume_ok_unexpected",
+   "on load, checkpoint tensors the model does not take: raise_all refuses them, the other modes load the rest and name "
+   "them in a warning; tensors the model needs that the checkpoint lacks are an error in every mode",
+   FlagDomain::one_of({"assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                       "return_unexpected", "return_all", "ignore_all"}),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.ckpt_strictness = train::parse_ckpt_strictness(a.str(f)); }},
+  {"--log-validation-ppl-to-tensorboard", TrainFlagKind::flag, "",
+   "validation perplexity as 'lm loss validation ppl' in TensorBoard (valid_lm_loss_ppl in --metrics-jsonl)", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.log_validation_ppl = a.on(f); }},
+  {"--exit-duration-in-mins", TrainFlagKind::value, "",
+   "save (with --save) and stop once the run has trained this many minutes (the slowest rank decides)",
+   FlagDomain::integer(1, 1e9),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.exit_duration_mins = static_cast<double>(a.i64_or(f, 0)); }},
+  {"--check-weight-hash-across-dp-replicas-interval", TrainFlagKind::value, "",
+   "every N steps, compare a hash of each parameter across its data-parallel replicas; a divergence stops the run "
+   "naming the tensor and the ranks (unset: never)",
+   FlagDomain::integer(1, 1e12),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.check_weight_hash_interval = a.i64_or(f, 0); }},
+  {"--num-distributed-optimizer-instances", TrainFlagKind::value, "1",
+   "with --use-distributed-optimizer: the optimizer state is sharded within each of N groups of data-parallel ranks "
+   "and gradients are all-reduced across the groups (Megatron's partial distributed optimizer)",
+   FlagDomain::integer(1, 1e6),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.num_distributed_optimizer_instances = a.i64(f); }},
+  {"--use-tp-pp-dp-mapping", TrainFlagKind::flag, "",
+   "rank order tp-cp-ep-pp-dp (pipeline stages before data-parallel replicas) instead of tp-cp-ep-dp-pp, as Megatron",
+   {}, nullptr},  // (read into the ParallelConfig)
+  {"--log-params-norm", TrainFlagKind::flag, "",
+   "the L2 norm of all parameters (each counted once over TP, PP, EP) on the log line and as params-norm", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.log_params_norm = a.on(f); }},
+  {"--log-num-zeros-in-grad", TrainFlagKind::flag, "",
+   "the number of zero gradient elements after clipping on the log line and as num-zeros", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.log_num_zeros_in_grad = a.on(f); }},
+  {"--log-throughput", TrainFlagKind::flag, "",
+   "Megatron's 'throughput per GPU (TFLOP/s/GPU)' on the log line (with --log-timers-to-tensorboard also the "
+   "throughput metric); moecore's tokens/s, TFLOP/s and MFU are always there", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.log_throughput = a.on(f); }},
+  {"--log-timers-to-tensorboard", TrainFlagKind::flag, "",
+   "the timers of --timing-log-level as <name>-time metrics (the slowest rank's seconds per step)", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.log_timers_to_tensorboard = a.on(f); }},
+  {"--timing-log-level", TrainFlagKind::value, "0",
+   "0: the iteration time; 1: and the step's phases (forward-backward, gradient reduction, parameter gather, "
+   "optimizer parts), with Megatron's '(min, max) time across ranks (ms)' block after each log line; 2: and the "
+   "per-micro-batch ones (batch-generator, forward/backward compute, pipeline sends and receives)",
+   FlagDomain::one_of({"0", "1", "2"}),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.timing_log_level = static_cast<int>(a.i64(f)); }},
+  {"--timing-log-option", TrainFlagKind::value, "minmax",
+   "the timers block: max (the slowest rank) | minmax | all (every rank)", FlagDomain::one_of({"max", "minmax", "all"}),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.timing_log_option = a.str(f); }},
+  {"--log-memory-to-tensorboard", TrainFlagKind::flag, "",
+   "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count and mem-reserved-bytes (the CUDA pool's; on "
+   "the host the resident set) in the metrics", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.log_memory_to_tensorboard = a.on(f); }},
+  {"--logging-level", TrainFlagKind::value, "",
+   "Python's logging levels: above 20 (INFO) hides the notes (timers block, MoE per-layer lines, load notes), above 30 "
+   "(WARNING) the warnings too; the step, validation and checkpoint lines and errors always show, as in Megatron",
+   FlagDomain::integer(0, 100),
+   [](const Args& a, const char* f, train::TrainConfig& t) {
+     if (a.given(f)) t.logging_level = static_cast<int>(a.i64(f));
+   }},
+  {"--deterministic-mode", TrainFlagKind::flag, "",
+   "bitwise reproducible runs: refuses --cross-entropy-loss-fusion as Megatron; moecore's kernels and reductions are "
+   "deterministic already", {}, deterministic_mode},
+};
+// clang-format on
+
 // Defaults are Megatron's (megatron/training/arguments.py); "" is Megatron's None (unset).
 void add_training_flags(Args& a) {
+  for (const TrainFlag& f : kTrainFlags) {
+    if (f.kind == TrainFlagKind::flag)
+      a.flag(f.name, f.help);
+    else
+      a.option(f.name, f.def, f.help);
+    if (f.domain) a.domain(f.name, *f.domain);
+  }
   const std::string req = " (Megatron: required)";
   a.list_option("--data-path", "dataset prefixes (.bin/.idx), optionally weighted: \"w1 p1 w2 p2 ...\"")
       .option("--split", "969,30,1", "train,valid,test proportions (Megatron: unset = 969,30,1)")
@@ -60,7 +204,8 @@ void add_training_flags(Args& a) {
       .option("--adam-beta2", "0.999", "AdamW beta2")
       .option("--adam-eps", "1e-08", "AdamW epsilon")
       .option("--clip-grad", "1.0", "global gradient-norm clip (0: off)")
-      .option("--optimizer", "adam", "adam (AdamW, Megatron's adam); sgd is not supported yet")
+      .option("--optimizer", "adam",
+              "adam (AdamW, Megatron's adam); Megatron's others (sgd, muon, ...) are not supported yet")
       .flag("--use-precision-aware-optimizer", "allow reduced-precision optimizer states (--exp-avg-dtype)")
       .option("--exp-avg-dtype", "fp32", "fp32 | bf16 (with --use-precision-aware-optimizer)")
       .option("--exp-avg-sq-dtype", "fp32", "fp32 | bf16 (with --use-precision-aware-optimizer)")
@@ -74,9 +219,6 @@ void add_training_flags(Args& a) {
       .option("--eval-iters", "100", "validation batches per evaluation")
       .option("--metrics-jsonl", "", "write one JSON object per logged iteration to this file (moecore)")
       .option("--tensorboard-dir", "", "write TensorBoard event files here")
-      .accepted("--log-throughput", "throughput on the log line (always shown here)")
-      .accepted("--log-timers-to-tensorboard", "timers in TensorBoard")
-      .accepted("--log-validation-ppl-to-tensorboard", "validation perplexity in TensorBoard")
       .flag("--moe-per-layer-logging", "log tokens per expert, load, drops and losses of every MoE layer")
       .option("--save", "", "checkpoint directory")
       .option("--load", "", "resume from the newest committed checkpoint under this directory")
@@ -147,20 +289,14 @@ void add_training_flags(Args& a) {
       .flag("--overlap-param-gather",
             "with --use-distributed-optimizer and --overlap-grad-reduce: leave the updated parameters' all-gathers in "
             "flight until forward reads each bucket")
-      .unsupported_switch("--tp-comm-overlap", "tensor-parallel communication overlap")
-      .unsupported("--train-samples", "", "sample-based schedules (use --train-iters)")
-      .unsupported("--lr-warmup-fraction", "", "a warmup fraction (use --lr-warmup-iters)")
-      .unsupported("--lr-warmup-samples", "0", "sample-based warmup (use --lr-warmup-iters)")
-      .unsupported_switch("--calculate-per-token-loss", "per-token loss averaging across micro-batches")
-      .unsupported("--wandb-project", "", "Weights & Biases logging (use --tensorboard-dir or --metrics-jsonl)")
-      .unsupported("--wandb-exp-name", "", "Weights & Biases logging (use --tensorboard-dir or --metrics-jsonl)")
       .option("--expert-model-parallel-size", "1",
               "EP: ranks the routed experts are spread over (mpirun -np a multiple)")
       .flag("--use-distributed-optimizer",
             "ZeRO-1: optimizer state sharded over data-parallel ranks (experts: expert-DP)")
       .option("--ddp-bucket-size", "",
               "gradient elements per all-reduce / reduce-scatter bucket (unset: max(40000000, 1000000 x DP))")
-      .option("--moe-token-dispatcher-type", "allgather", "token dispatcher under EP: allgather | alltoall")
+      .option("--moe-token-dispatcher-type", "allgather",
+              "token dispatcher under EP: allgather | alltoall (flex, DeepEP/HybridEP, is not supported yet)")
       .option("--distributed-timeout-minutes", "10",
               "how long a collective waits for its peers before the job is aborted naming the operation "
               "(MOECORE_COMM_TIMEOUT_S, in seconds, overrides it)")
@@ -187,7 +323,7 @@ void add_training_flags(Args& a) {
       {"--adam-beta2", D::fraction()},
       {"--adam-eps", D::positive_number()},
       {"--clip-grad", D::number(0.0)},
-      {"--optimizer", D::one_of({"adam", "sgd"})},
+      {"--optimizer", D::one_of({"adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"})},  // Megatron's
       {"--exp-avg-dtype", D::one_of({"fp32", "bf16"})},
       {"--exp-avg-sq-dtype", D::one_of({"fp32", "bf16"})},
       {"--seed", D::integer(0, 4294967295.0)},
@@ -212,12 +348,37 @@ void add_training_flags(Args& a) {
       {"--expert-tensor-parallel-size", D::integer(1, 1e6)},
       {"--cp-comm-type", D::one_of({"p2p", "allgather"})},
       {"--ddp-bucket-size", D::integer(1, 1e15)},
-      {"--moe-token-dispatcher-type", D::one_of({"allgather", "alltoall"})},
+      {"--moe-token-dispatcher-type", D::one_of({"allgather", "alltoall", "flex"})},  // Megatron's
       {"--distributed-timeout-minutes", D::integer(1, 1e6)},
       {"--moe-upcycling-granularity", D::integer(1, 1e6)},
       {"--generate-tokens", D::integer(0, 1e6)},
   };
   for (const auto& [name, domain] : domains) a.domain(name, domain);
+}
+
+// --overlap-moe-expert-parallel-comm is accepted without effect (a schedule choice); Megatron's preconditions
+// (TransformerConfig.__post_init__) still hold, so a configuration Megatron refuses is refused here too.
+void check_overlap_moe_expert_parallel_comm(const Args& a) {
+  const char* f = "--overlap-moe-expert-parallel-comm";
+  if (!a.given(f)) return;
+  const auto need = [&](bool ok, const char* megatron) {
+    if (!ok) MOECORE_FAIL(f, ": ", megatron, " (Megatron's check)");
+  };
+  need(a.i64("--expert-model-parallel-size") > 1,
+       "overlap_moe_expert_parallel_comm is only supported with expert model parallelism");
+  need(a.str("--moe-token-dispatcher-type") == "alltoall",
+       "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher");
+  need(a.str("--recompute-granularity") != "full",
+       "disable full recomputation when enabling overlap_moe_expert_parallel_comm");
+  need(a.str("--recompute-method").empty(),
+       "disable recomputation method when enabling overlap_moe_expert_parallel_comm");
+  need(a.str("--recompute-num-layers").empty(),
+       "recompute_num_layers must be None when enabling overlap_moe_expert_parallel_comm");
+  need(a.i64("--pipeline-model-parallel-size") == 1 || !a.str("--num-virtual-stages-per-pipeline-rank").empty() ||
+           !a.str("--num-layers-per-virtual-pipeline-stage").empty() ||
+           !a.str("--pipeline-model-parallel-layout").empty(),
+       "If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when "
+       "pipeline_model_parallel_size > 1");
 }
 
 DType state_dtype(const Args& a, const char* flag) {
@@ -279,6 +440,8 @@ train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   t.microbatch_group_size_per_vp_stage = a.i64_or("--microbatch-group-size-per-virtual-pipeline-stage", 0);
   t.metrics_jsonl = a.str("--metrics-jsonl");
   t.tensorboard_dir = a.str("--tensorboard-dir");
+  for (const TrainFlag& f : kTrainFlags)
+    if (f.apply) f.apply(a, f.name, t);
   t.validate();
   return t;
 }
@@ -290,8 +453,10 @@ optim::AdamWConfig optimizer_config_from(const Args& a) {
   o.eps = static_cast<float>(a.f64("--adam-eps"));
   o.weight_decay = static_cast<float>(a.f64("--weight-decay"));
   o.clip_grad = static_cast<float>(a.f64("--clip-grad"));
-  if (a.str("--optimizer") != "adam")
-    MOECORE_FAIL("--optimizer ", a.str("--optimizer"), " is not supported yet: only adam (AdamW)");
+  const std::string name = a.str("--optimizer");
+  if (name.find("muon") != std::string::npos)
+    MOECORE_FAIL("--optimizer ", name, " is not supported yet: the Muon optimizer; use --optimizer adam");
+  if (name != "adam") MOECORE_FAIL("--optimizer ", name, " is not supported yet: use --optimizer adam (AdamW)");
   const DType m = state_dtype(a, "--exp-avg-dtype"), v = state_dtype(a, "--exp-avg-sq-dtype");
   if (m != v) MOECORE_FAIL("--exp-avg-dtype and --exp-avg-sq-dtype must be equal");
   o.state_dtype = m;
@@ -538,6 +703,7 @@ int train_main(int argc, char** argv) {
   if (!a.parse(argc, argv)) return 0;
   if (a.on("--overlap-param-gather") && !(a.on("--use-distributed-optimizer") && a.on("--overlap-grad-reduce")))
     MOECORE_FAIL("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron)");
+  check_overlap_moe_expert_parallel_comm(a);
   if (!a.str("--load-hf").empty()) a.fill_unset("--hf-config", a.str("--load-hf"), " by --load-hf");
   hf_config_apply(a, hf_config_flag(a));
   if (!a.str("--hf-config").empty()) a.check_same_on_every_rank();  // the file's values too
@@ -546,6 +712,9 @@ int train_main(int argc, char** argv) {
     o.timeout_s = 60.0 * static_cast<double>(a.i64("--distributed-timeout-minutes"));
     comm_set_options(o);
   }
+  // Flags whose values name a feature moecore lacks fail before any data is read.
+  const optim::AdamWConfig ocfg = optimizer_config_from(a);
+  const moe::DispatcherKind dispatcher = moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type"));
   const int world_size = comm_initialized() ? comm_world().size() : 1;
   const Device device = device_from_flag(a, world_size);
   const std::vector<std::string> data_path = a.list("--data-path");
@@ -595,9 +764,10 @@ int train_main(int argc, char** argv) {
   pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
   pcfg.expert_tensor_parallel_size =
       a.str("--expert-tensor-parallel-size").empty() ? 0 : static_cast<int>(a.i64("--expert-tensor-parallel-size"));
+  pcfg.num_distributed_optimizer_instances = static_cast<int>(a.i64("--num-distributed-optimizer-instances"));
+  if (a.on("--use-tp-pp-dp-mapping")) pcfg.order = "tp-cp-ep-pp-dp";
   const ParallelSizes sizes = pcfg.validate(world_size, static_cast<int>(mcfg.moe.num_experts));
-  moe::echo_check_layout(mcfg.moe, sizes.ep, sizes.etp,
-                         moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type")));
+  moe::echo_check_layout(mcfg.moe, sizes.ep, sizes.etp, dispatcher);
   train::TrainConfig tcfg = train_config_from(a, sizes.dp);
   check_sample_counts(tcfg);  // before anything is sized by them (the data's indices, a pipeline's schedule)
   if (static_cast<int64_t>(stage_layers.size()) > pp_size && tcfg.micro_batches() % sizes.dp == 0)  // (validated)
@@ -627,7 +797,7 @@ int train_main(int argc, char** argv) {
 
   train::TrainGroups groups;
   model::ModelParallel ep;
-  ep.dispatcher = moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type"));
+  ep.dispatcher = dispatcher;
   if (comm_initialized()) {
     const ProcessGroups pg = make_process_groups(pcfg, static_cast<int>(mcfg.moe.num_experts), comm_world());
     groups = train::train_groups(pg);
@@ -649,8 +819,12 @@ int train_main(int argc, char** argv) {
     MOECORE_FAIL("--moe-use-upcycling with --expert-tensor-parallel-size ", ep.etp.size(),
                  " is not supported yet: upcycle at ETP 1, save, and load the checkpoint at any ETP");
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
-  const optim::AdamWConfig ocfg = optimizer_config_from(a);
-  const int64_t state_shards = tcfg.use_distributed_optimizer ? std::max(1, std::min(sizes.dp, sizes.edp)) : 1;
+  // The distributed optimizer shards the dense state over DP x CP and the experts' over EDP, within each of the
+  // --num-distributed-optimizer-instances groups (each holds a whole copy).
+  const int64_t state_shards =
+      tcfg.use_distributed_optimizer
+          ? std::max<int64_t>(1, std::min(sizes.dp * sizes.cp, sizes.edp) / tcfg.num_distributed_optimizer_instances)
+          : 1;
   const MemoryLimit limit = device == Device::cuda ? MemoryLimit{} : node_memory_limit();  // (before the model exists)
   check_model_fits(mcfg, ep, ocfg.state_dtype, state_shards, limit);
   model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep, device);

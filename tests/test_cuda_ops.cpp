@@ -153,6 +153,21 @@ TEST(CudaOps, SumSquaresAndNonfiniteFlagMatchCpu) {
   }
 }
 
+TEST(CudaOps, CountZerosMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : kFloat) {
+    Tensor h = testing::randn({3 * 8192 + 17}, "x", 1.0f, 602);
+    for (int64_t i = 0; i < h.numel(); i += 97) h.data<float>()[i] = i % 2 ? -0.0f : 0.0f;
+    h.data<float>()[5] = 1e-30f;  // zero once scaled by 1e-20
+    Both x = both(h.to(t));
+    for (float scale : {1.0f, 1e-20f}) {
+      Both acc = both(Tensor::zeros({1}, DType::i64, MemCategory::other));
+      for (bool g : {false, true}) ops::count_zeros(acc.on(g), x.on(g), scale, ctx_of(g));
+      expect_bitwise(acc);
+    }
+  }
+}
+
 // ---- norms -----------------------------------------------------------------------------------------------------
 TEST(CudaOps, RmsNormAndLayerNormMatchCpu) {
   SKIP_WITHOUT_GPU();

@@ -185,9 +185,10 @@ TEST_F(NothingLost, RetentionNeverDeletesAnotherModelsCheckpoint) {
 
 // ---- 3. A resume that drops parameters ---------------------------------------------------------------------
 
-// A resume whose flags drop parameters is refused: by the recorded model (the flags change its function), and, where
-// the weights are taken anyway (--finetune, or a checkpoint without the record), by the tensors of the checkpoint that
-// the model has no parameter for, named -- not a smaller model saved with exit 0.
+// A resume whose flags drop parameters is refused: by the recorded model (the flags change its function). Where the
+// weights are taken anyway (--finetune, or a checkpoint without the record) the tensors of the checkpoint that the
+// model has no parameter for are named: in a warning under Megatron's default --dist-ckpt-strictness
+// (assume_ok_unexpected: Megatron ignores them), as an Error under raise_all -- never a smaller model without a word.
 TEST_F(NothingLost, AResumeThatWouldDropTensorsIsAnError) {
   byte_corpus();
   const std::string base = train_args() + "--position-embedding-type learned_absolute ";
@@ -200,16 +201,23 @@ TEST_F(NothingLost, AResumeThatWouldDropTensorsIsAnError) {
   EXPECT_NE(r.output.find("position_embedding_type \"learned_absolute\" (checkpoint) vs \"rope\" (this run)"),
             std::string::npos)
       << r.output;
-  r = run_moecore(train_args() + resume + "--position-embedding-type rope --finetune");
+  r = run_moecore(train_args() + resume + "--position-embedding-type rope --finetune --dist-ckpt-strictness raise_all");
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("holds 1 tensor that this model has no parameter for:\n  model.safetensors: "
                           "embedding.position_embeddings.weight"),
             std::string::npos)
       << r.output;
+  const std::string elsewhere = "--load " + p("ckpt") + " --save " + p("finetuned") + " --train-iters 3 ";
+  r = run_moecore(train_args() + elsewhere + "--position-embedding-type rope --finetune");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("holds 1 tensor that this model has no parameter for, not loaded (--dist-ckpt-strictness "
+                          "raise_all refuses them):\n  model.safetensors: embedding.position_embeddings.weight"),
+            std::string::npos)
+      << r.output;
   r = run_moecore(base + resume + "--disable-bias-linear");
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("add_bias_linear true (checkpoint) vs false (this run)"), std::string::npos) << r.output;
-  r = run_moecore(base + resume + "--disable-bias-linear --finetune");
+  r = run_moecore(base + resume + "--disable-bias-linear --finetune --dist-ckpt-strictness raise_all");
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("model.safetensors: decoder.layers.0.self_attention.linear_qkv.bias"), std::string::npos)
       << r.output;

@@ -551,6 +551,29 @@ TEST(Memory, CurrentAndPeakByCategory) {
   EXPECT_STREQ(mem_category_name(MemCategory::optimizer_state), "optimizer_state");
 }
 
+// Per device: bytes, peak and live storages (views share their storage: no count of their own); other devices' counters
+// stay as they were.
+TEST(Memory, PerDeviceBytesPeakAndCount) {
+  const DeviceMemoryStats before = memory_device_stats(Device::cpu), sim_before = memory_device_stats(Device::sim);
+  {
+    Tensor a = Tensor::empty(Shape{1024}, DType::f32, MemCategory::activations);
+    Tensor b = Tensor::empty(Shape{256}, DType::bf16, MemCategory::other);
+    const Tensor view = a.slice(0, 0, 10);
+    const DeviceMemoryStats during = memory_device_stats(Device::cpu);
+    EXPECT_EQ(during.current - before.current, 4096 + 512);
+    EXPECT_EQ(during.count - before.count, 2);
+    EXPECT_GE(during.peak, during.current);
+  }
+  const DeviceMemoryStats after = memory_device_stats(Device::cpu);
+  EXPECT_EQ(after.current, before.current);
+  EXPECT_EQ(after.count, before.count);
+  memory_reset_peaks();
+  EXPECT_EQ(memory_device_stats(Device::cpu).peak, after.current);
+  const DeviceMemoryStats sim = memory_device_stats(Device::sim);
+  EXPECT_EQ(sim.current, sim_before.current);
+  EXPECT_EQ(sim.count, sim_before.count);
+}
+
 // core/env.h: environment variables are read as strictly as flags (issue 27, defect 7: MOECORE_COMM_TIMEOUT_S=-5 used
 // to switch the collective timeout off).
 struct ScopedEnv {

@@ -455,6 +455,28 @@ TEST(Elementwise, ScaleSumSquaresAllFinite) {
   EXPECT_EQ(flag.data<int32_t>()[0], 1);
 }
 
+// Zeros after scaling: exact zeros of either sign, and values whose product with the scale underflows f32; NaN and
+// the smallest normal times 1 are not zero. The op adds to acc.
+TEST(Elementwise, CountZerosAfterScaling) {
+  Tensor x = randn(Shape{100003}, "x");  // many threads' worth
+  const int64_t zero_at[] = {0, 17, 4096, 65537, 100002};
+  for (int64_t i : zero_at) x.data<float>()[i] = i % 2 ? -0.0f : 0.0f;
+  x.data<float>()[5] = 1e-30f;    // * 1e-20 underflows
+  x.data<float>()[6] = NAN;       // never zero
+  x.data<float>()[7] = 1.2e-38f;  // normal: zero only once scaled down
+  for (const auto& [scale, want] : {std::pair{1.0f, int64_t{5}}, std::pair{1e-20f, int64_t{7}}}) {
+    Tensor acc = zeros(Shape{1}, DType::i64);
+    acc.data<int64_t>()[0] = 3;
+    ops::count_zeros(acc, x, scale, kCpu);
+    EXPECT_EQ(acc.data<int64_t>()[0], 3 + want) << "scale " << scale;
+    Tensor acc16 = zeros(Shape{1}, DType::i64);
+    ops::count_zeros(acc16, x.to(DType::bf16), scale, kCpu);  // bf16 keeps the zeros and the tiny values
+    EXPECT_EQ(acc16.data<int64_t>()[0], want) << "bf16, scale " << scale;
+  }
+  Tensor wrong = zeros(Shape{1}, DType::f64);
+  expect_error([&] { ops::count_zeros(wrong, x, 1.0f, kCpu); }, {"count_zeros", "acc"});
+}
+
 // ---- AdamW ---------------------------------------------------------------------------------------
 // Two steps by hand, lr 0.1, betas (0.9, 0.999), eps 1e-8, grads g1 = (0.1, -0.2, 0), g2 = (0.3, 0, -0.4):
 //   step 1: m = 0.1 g1, v = 0.001 g1^2, m_hat = g1, v_hat = g1^2, so p -= 0.1 g1 / (|g1| + eps).

@@ -1,9 +1,9 @@
 // Multi-rank tests of optim::DistributedAdamW, run under mpirun with 2 and 4 ranks: every rank's parameters
 // stay bitwise equal to a plain AdamW on the rank-ordered gradient sum (f32 and bf16 states, several bucket
-// sizes), the sharded squared norm, gathered/loaded moments, non-finite detection, mismatched parameters
-// across ranks, and the 1/P state memory. Own main like tests/parallel/mpi_collectives_test.cpp.
-// Parameters (and so both optimizers' states) live on testing::test_device(); values and gradients are written and
-// read through host copies.
+// sizes; with several instances, on the instance-ordered sum), the sharded squared norm, gathered/loaded moments,
+// non-finite detection, mismatched parameters across ranks, and the 1/P state memory. Own main like
+// tests/parallel/mpi_collectives_test.cpp. Parameters (and so both optimizers' states) live on testing::test_device();
+// values and gradients are written and read through host copies.
 #include <gtest/gtest.h>
 
 #include "mpi_test_support.h"
@@ -111,28 +111,51 @@ std::string bitwise_diff(const Tensor& a, const Tensor& b) {
   return "";
 }
 
+// The world cut into n distributed-optimizer instances as Megatron cuts a data-parallel group: instance i is the
+// ranks [i P/n, (i+1) P/n); with `across`, the groups joining the same place of every instance instead.
+ProcessGroup instance_groups(const ProcessGroup& world, int n, bool across) {
+  const int len = world.size() / n;
+  std::vector<std::vector<int>> part(static_cast<size_t>(across ? len : n));
+  for (int r = 0; r < world.size(); ++r) part[static_cast<size_t>(across ? r % len : r / len)].push_back(r);
+  return group_split(world, across ? "inter_dist_opt" : "intra_dp_cp", part);
+}
+
 // One distributed optimizer and, on every rank, the plain AdamW it must reproduce. Not movable: AdamW keeps
-// a reference to `ref`.
+// a reference to `ref`. With n instances the optimizer shards over this rank's instance and all-reduces over the
+// instances; the reference sums each instance in rank order, then the instances in order.
 class Harness {
  public:
-  Harness(const ProcessGroup& g, const AdamWConfig& cfg, int64_t bucket, const std::vector<Spec>& specs,
-          bool overlap = false)
-      : g_(g), cfg_(cfg), dist_(make_params(specs)), ref_(make_params(specs)), plain_(ref_, cfg) {
-    opt_ = std::make_unique<DistributedAdamW>(pointers(dist_), cfg, g, DistributedAdamWOptions{bucket, overlap});
+  Harness(const ProcessGroup& world, const AdamWConfig& cfg, int64_t bucket, const std::vector<Spec>& specs,
+          bool overlap = false, int n = 1)
+      : world_(world),
+        n_(n),
+        g_(n == 1 ? world : instance_groups(world, n, false)),
+        cfg_(cfg),
+        dist_(make_params(specs)),
+        ref_(make_params(specs)),
+        plain_(ref_, cfg) {
+    const ProcessGroup across = n == 1 ? ProcessGroup() : instance_groups(world, n, true);
+    opt_ =
+        std::make_unique<DistributedAdamW>(pointers(dist_), cfg, g_, DistributedAdamWOptions{bucket, overlap}, across);
   }
   Harness(const Harness&) = delete;
 
-  // This rank's gradients into the distributed params; their rank-ordered sum into the reference.
+  // This rank's gradients into the distributed params; their sum (above) into the reference.
   void set_grads(int step) {
+    const int len = world_.size() / n_;
     for (size_t i = 0; i < dist_.size(); ++i) {
       Tensor dh = Tensor::empty(dist_[i].grad.shape(), DType::f32, MemCategory::other);
       Tensor rh = Tensor::empty(ref_[i].grad.shape(), DType::f32, MemCategory::other);
       float* d = dh.data<float>();
       float* r = rh.data<float>();
       for (int64_t k = 0; k < dh.numel(); ++k) {
-        d[k] = grad_at(g_.rank(), step, i, k);
-        float acc = grad_at(0, step, i, k);
-        for (int q = 1; q < g_.size(); ++q) acc += grad_at(q, step, i, k);
+        d[k] = grad_at(world_.rank(), step, i, k);
+        float acc = 0;
+        for (int inst = 0; inst < n_; ++inst) {
+          float part = grad_at(inst * len, step, i, k);
+          for (int q = 1; q < len; ++q) part += grad_at(inst * len + q, step, i, k);
+          acc = inst == 0 ? part : acc + part;
+        }
         r[k] = acc;
       }
       dist_[i].grad.copy_from(dh);
@@ -155,7 +178,9 @@ class Harness {
       EXPECT_EQ(bitwise_diff(dist_[i].value, ref_[i].value), "") << when << ": " << dist_[i].name;
   }
 
-  ProcessGroup g_;
+  ProcessGroup world_;
+  int n_ = 1;
+  ProcessGroup g_;  // the instance (the world when n is 1)
   AdamWConfig cfg_;
   std::vector<Param> dist_, ref_;
   AdamW plain_;
@@ -221,6 +246,53 @@ TEST_F(Mpi, OverlappedReductionAndGatherBitwiseEqualPlainAdamW) {
   h.opt_->grad_ready(1);
   testing::expect_error([&] { h.opt_->grad_ready(1); }, {"declared ready twice"});
   h.opt_->finish_grad_reduction();
+}
+
+// The partial distributed optimizer (Megatron's --num-distributed-optimizer-instances): with every n dividing P above
+// 1, the state sharded over P/n ranks and the shards all-reduced over the instances, blocking and overlapped (some
+// all-reduces posted during the reduction, the rest by finish), several bucket sizes: parameters bitwise equal to
+// plain AdamW on the instance-ordered sum (n = P: the plain rank-ordered sum), the moments gathered within one
+// instance equal plain AdamW's, and the state is 1/(P/n) of it.
+TEST_F(Mpi, InstancesBitwiseEqualPlainAdamWOnInstanceSums) {
+  for (int n = 2; n <= P; ++n) {
+    if (P % n != 0) continue;
+    for (int64_t bucket : {int64_t{1}, int64_t{64}, kDefaultBucket})
+      for (bool overlap : {false, true}) {
+        const std::string when =
+            "n " + std::to_string(n) + ", bucket " + std::to_string(bucket) + (overlap ? ", overlapped" : "");
+        Harness h(world, clipped_config(), bucket, assorted(), overlap, n);
+        EXPECT_EQ(h.opt_->group().size(), P / n) << when;
+        EXPECT_EQ(h.opt_->instances().size(), n) << when;
+        const size_t count = h.dist_.size();
+        for (int s = 1; s <= 3; ++s) {
+          if (!overlap) {
+            h.step(s, 1e-2f);
+          } else {
+            h.set_grads(s);
+            h.opt_->begin_grad_reduction();
+            for (size_t i = count; i-- > 1;) h.opt_->grad_ready(i);  // parameter 0 left to finish
+            h.opt_->finish_grad_reduction();
+            std::vector<double> sq = {h.opt_->shard_grad_sq()};
+            all_reduce_sum(sq, h.g_);
+            const double norm = std::sqrt(sq[0]);
+            h.opt_->step(1e-2f, optim::clip_scale_for(norm, 1.0f), /*gather_later=*/true);
+            h.plain_.step(1e-2f, norm);
+            h.opt_->finish_param_gather();
+          }
+          h.expect_params_match(when + ", step " + std::to_string(s));
+        }
+        std::vector<Tensor> m, v;
+        h.opt_->gather_state(m, v);
+        for (size_t i = 0; i < m.size(); ++i) {
+          EXPECT_EQ(bitwise_diff(m[i], h.plain_.exp_avg()[i]), "") << when << " exp_avg " << h.ref_[i].name;
+          EXPECT_EQ(bitwise_diff(v[i], h.plain_.exp_avg_sq()[i]), "") << when << " exp_avg_sq " << h.ref_[i].name;
+        }
+        int64_t numel = 0;
+        for (const Param& p : h.ref_) numel += p.value.numel();
+        EXPECT_GE(h.opt_->shard_elems() * (P / n), numel) << when;
+        EXPECT_LE(h.opt_->shard_elems() * (P / n), numel + h.opt_->num_buckets() * (P / n)) << when;
+      }
+  }
 }
 
 TEST_F(Mpi, ShardSquaresSumToGlobalNorm) {

@@ -400,6 +400,42 @@ TEST_F(Mpi, DistributedOptimizerMatchesOneProcess) {
   if (world.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// --check-weight-hash-across-dp-replicas-interval: replicas that agree pass every check (data- and expert-parallel
+// layouts); a weight changed on one rank behind the optimizer's back stops the run on every rank, naming the tensor.
+TEST_F(Mpi, ReplicaHashCheckStopsADivergedRun) {
+  for (const int ep_size : {1, P}) {
+    const model::ModelConfig mc = moe_model(false);
+    ParallelConfig pc;
+    pc.expert_model_parallel_size = ep_size;
+    pc.expert_tensor_parallel_size = 1;
+    const ProcessGroups pg = make_process_groups(pc, static_cast<int>(mc.moe.num_experts), world);
+    const train::TrainGroups groups = train::train_groups(pg);
+    model::GptModel gpt(mc, 2, 42, model::model_parallel(pg, false, moe::DispatcherKind::alltoall),
+                        testing::test_device());
+    optim::AdamW opt(gpt.params(), {});
+    train::TrainConfig tc = train_config(4);
+    tc.check_weight_hash_interval = 1;
+    EXPECT_NO_THROW(train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, &groups)) << "EP " << ep_size;
+    if (ep_size != 1) continue;
+    const Param& victim = gpt.params().front();  // replicated over every rank at EP 1
+    const train::StepObserver diverge = [&](int64_t it, double, bool) {
+      if (it != 1 || world.rank() != P - 1) return;
+      Tensor v = victim.value.to_device(Device::cpu);
+      v.data<float>()[0] += 1.0f;
+      Tensor target = victim.value;  // (a handle on the same storage)
+      target.copy_from(v);
+    };
+    tc.train_iters = 6;
+    try {
+      train::train(gpt, opt, tc, synthetic_batch, nullptr, diverge, &groups);
+      ADD_FAILURE() << "the diverged replica was not noticed";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("the replicas of '" + victim.name + "' differ"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moecore
 

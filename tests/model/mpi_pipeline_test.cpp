@@ -3,7 +3,8 @@
 // PP = P with the 1F1B schedule (even and uneven splits: --decoder-first/last-pipeline-num-layers, layout strings), the
 // interleaved 1F1B schedule (PP 2 x VPP 2, even, uneven, by layout and with a larger micro-batch group; at 4 ranks
 // PP 4 x VPP 2 and PP 2 x VPP 2 with DP 2 or EP 2), and at 4 ranks PP 2 x DP 2 (plain AdamW, the distributed optimizer,
-// with overlapped reduction and parameter gathers), PP 2 x EP 2, PP 2 x TP 2 with SP and PP 2 x CP 2; full recompute
+// with overlapped reduction and parameter gathers; also in Megatron's tp-pp-dp rank order, bitwise the default order),
+// PP 2 x EP 2, PP 2 x TP 2 with SP and PP 2 x CP 2; full recompute
 // under PP is bitwise the run without it. Models: dense with tied embeddings (RMSNorm, SwiGLU, RoPE: the last stage
 // holds a copy of the word embeddings whose gradient is summed with the first stage's), dense untied with learned
 // positions and biases (LayerNorm, GeLU), and MoE with aux and z losses and one MTP depth (its embedding on the last
@@ -95,22 +96,26 @@ struct Layout {
   int ep = 1;
   int64_t first = -1, last = -1;  // --decoder-first/last-pipeline-num-layers
   bool zero = false, overlap = false;
-  std::string layout = {};  // --pipeline-model-parallel-layout
-  int tp = 1, cp = 1;       // within each stage (TP with sequence parallelism)
-  int64_t vpp = 1;          // model chunks per stage (a layout string gives its own)
-  int64_t group = 0;        // --microbatch-group-size-per-virtual-pipeline-stage (0: PP)
+  std::string layout = {};                     // --pipeline-model-parallel-layout
+  int tp = 1, cp = 1;                          // within each stage (TP with sequence parallelism)
+  int64_t vpp = 1;                             // model chunks per stage (a layout string gives its own)
+  int64_t group = 0;                           // --microbatch-group-size-per-virtual-pipeline-stage (0: PP)
+  std::string order = ParallelConfig{}.order;  // "tp-cp-ep-pp-dp": Megatron's --use-tp-pp-dp-mapping
+  bool log_stats = false;  // --log-params-norm and --log-num-zeros-in-grad every step, the timers at level 2
   std::string name() const {
     return "PP " + std::to_string(pp) + (vpp > 1 ? " x VPP " + std::to_string(vpp) : "") +
            (group > 0 ? " (groups of " + std::to_string(group) + ")" : "") +
            (layout.empty() ? "" : " '" + layout + "'") + (first >= 0 ? " first " + std::to_string(first) : "") +
            (last >= 0 ? " last " + std::to_string(last) : "") + (ep > 1 ? ", EP " + std::to_string(ep) : "") +
            (zero ? ", distributed optimizer" : "") + (overlap ? ", overlapped" : "") +
-           (tp > 1 ? ", TP " + std::to_string(tp) + " + SP" : "") + (cp > 1 ? ", CP " + std::to_string(cp) : "");
+           (tp > 1 ? ", TP " + std::to_string(tp) + " + SP" : "") + (cp > 1 ? ", CP " + std::to_string(cp) : "") +
+           (order != ParallelConfig{}.order ? ", order " + order : "");
   }
 };
 
 struct Result {
   std::vector<double> loss, grad_norm;
+  std::vector<double> params_norm, num_zeros;  // per step, with Layout::log_stats
   std::vector<train::MoeStepLosses> moe;
   double valid = 0;
   std::map<std::string, Tensor> grads;   // the parameters this rank holds (expert shards gathered over EP)
@@ -128,6 +133,7 @@ std::pair<train::TrainGroups, model::ModelParallel> layout_groups(const ProcessG
     pc.expert_model_parallel_size = l.ep;
     pc.tensor_model_parallel_size = l.tp;
     pc.context_parallel_size = l.cp;
+    pc.order = l.order;
     const ProcessGroups pg = make_process_groups(pc, static_cast<int>(mc.moe.num_experts), world);
     groups = train::train_groups(pg);
     par = model::model_parallel(
@@ -164,10 +170,18 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   tc.save_interval = save_interval;
   tc.async_save = async_save;
   tc.use_persistent_ckpt_worker = true;
+  if (l.log_stats) {
+    tc.log_interval = 1;
+    tc.log_params_norm = true;
+    tc.log_num_zeros_in_grad = true;
+    tc.timing_log_level = 2;
+  }
   const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, l.pp ? &groups : nullptr);
   Result r;
   r.loss = log.train_loss;
   r.grad_norm = log.grad_norm;
+  r.params_norm = log.params_norm;
+  r.num_zeros = log.num_zeros;
   r.moe = log.moe_losses;
   if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
   for (const auto& p : gpt.params()) {
@@ -205,6 +219,30 @@ void check_layout(const ProcessGroup& world, const model::ModelConfig& mc, const
 
 TEST_F(Mpi, PipelineMatchesOneProcess) {
   for (const model::ModelConfig& mc : {tied_dense(), untied_dense(), moe_mtp()}) check_layout(world, mc, {P});
+}
+
+// --log-params-norm and --log-num-zeros-in-grad over the stages: each stage counts its own parameters, the tied
+// embedding's copy on the last stage not at all (its gradient is the first stage's after the embedding all-reduce);
+// every step's values equal the single-process run's (the norm to 1e-6, the zeros exactly), also with the distributed
+// optimizer over PP 2 x DP 2. The runs time every phase (timers at level 2, the pipeline's waits among them).
+TEST_F(Mpi, PipelineParamsNormAndNumZerosMatchOneProcess) {
+  Layout one;
+  one.log_stats = true;
+  std::vector<Layout> layouts = {Layout{P}};
+  if (P == 4) layouts.push_back(Layout{2, 1, -1, -1, /*zero=*/true});
+  for (const model::ModelConfig& mc : {tied_dense(), moe_mtp()}) {
+    const Result ref = run(world, mc, one, 3);
+    for (Layout l : layouts) {
+      l.log_stats = true;
+      SCOPED_TRACE(l.name() + (mc.untie_embeddings_and_output_weights ? "" : ", tied"));
+      const Result got = run(world, mc, l, 3);
+      ASSERT_EQ(got.num_zeros.size(), 3u);
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_LE(rel(got.params_norm[i], ref.params_norm[i]), 1e-6) << "step " << i + 1;
+        EXPECT_EQ(got.num_zeros[i], ref.num_zeros[i]) << "step " << i + 1;
+      }
+    }
+  }
 }
 
 TEST_F(Mpi, UnevenPipelineStagesMatchOneProcess) {
@@ -268,6 +306,29 @@ TEST_F(Mpi, PipelineWithDataAndExpertParallelismMatchesOneProcess) {
   check_layout(world, moe_mtp(), {2, 1, -1, -1, /*zero=*/false, /*overlap=*/true});
   check_layout(world, moe_mtp(), {2, 2});  // the experts over EP 2 within each stage
   check_layout(world, moe_mtp(), {2, 2, -1, -1, /*zero=*/true});
+}
+
+// Megatron's --use-tp-pp-dp-mapping (order tp-cp-ep-pp-dp: the stages of a pipeline are neighbouring ranks, the
+// data-parallel replicas far apart) at PP 2 x DP 2: matches one process, and every loss is bitwise the default order's
+// (each group holds the same coordinates in the same order, only on other ranks). Dense with plain AdamW, MoE (EDP =
+// DP, as Megatron requires when pp is not last) with the distributed optimizer and its overlap.
+TEST_F(Mpi, TpPpDpMappingMatchesOneProcessAndTheDefaultOrder) {
+  if (P != 4) GTEST_SKIP() << "needs 4 ranks";
+  Layout dense{2};
+  dense.order = "tp-cp-ep-pp-dp";
+  Layout moe{2, 1, -1, -1, /*zero=*/true, /*overlap=*/true};
+  moe.order = dense.order;
+  for (auto [mc, l] : {std::pair{tied_dense(), dense}, std::pair{moe_mtp(), moe}}) {
+    check_layout(world, mc, l);
+    SCOPED_TRACE(l.name());
+    const Result mapped = run(world, mc, l, 6);
+    l.order = ParallelConfig{}.order;
+    const Result plain = run(world, mc, l, 6);
+    ASSERT_EQ(mapped.loss.size(), plain.loss.size());
+    for (size_t i = 0; i < plain.loss.size(); ++i)
+      EXPECT_EQ(std::memcmp(&mapped.loss[i], &plain.loss[i], sizeof(double)), 0) << "step " << i + 1;
+    EXPECT_EQ(std::memcmp(&mapped.valid, &plain.valid, sizeof(double)), 0) << "validation loss";
+  }
 }
 
 // Full and selective recompute are bitwise the run without them under pipeline (1F1B and interleaved), expert and

@@ -11,8 +11,9 @@
 // across two identical runs; overlapped gradient reduction (and the distributed optimizer's overlapped reduce-scatter
 // and parameter gather) bitwise equal to the plain one; the distributed optimizer under TP and CP (x DP; MoE with EP)
 // matches too; checkpoints saved under TP (MoE: with EP) with it load at one process with bitwise-identical parameters
-// and resume with the uninterrupted run's losses at 1 process, under TP and under CP; bad layouts fail at construction
-// naming the values. Every model lives on testing::test_device().
+// and resume with the uninterrupted run's losses at 1 process, under TP and under CP; the partial distributed optimizer
+// (--num-distributed-optimizer-instances 2 and 4 at DP 4, dense and MoE) matches too, its checkpoints resume at N 1;
+// bad layouts fail at construction naming the values. Every model lives on testing::test_device().
 #include <gtest/gtest.h>
 
 #include "model/mpi_training_support.h"
@@ -24,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 
 #include "moecore/core/error.h"
@@ -124,15 +126,18 @@ struct Layout {
   int cp = 1;   // context parallel
   int etp = 1;  // expert tensor parallel
   moe::DispatcherKind dispatcher = moe::DispatcherKind::alltoall;
+  int instances = 1;  // --num-distributed-optimizer-instances
   std::string name() const {
     return "TP " + std::to_string(tp) + (sp ? " + SP" : "") + (cp > 1 ? " x CP " + std::to_string(cp) : "") +
            (etp > 1 ? ", ETP " + std::to_string(etp) : "") + (ep > 1 ? ", EP " + std::to_string(ep) : "") +
-           (dispatcher == moe::DispatcherKind::allgather ? ", allgather" : "");
+           (dispatcher == moe::DispatcherKind::allgather ? ", allgather" : "") +
+           (instances > 1 ? ", " + std::to_string(instances) + " optimizer instances" : "");
   }
 };
 
 struct Result {
   std::vector<double> loss, grad_norm;
+  std::vector<double> params_norm, num_zeros;  // per step (NaN where the logging flags did not ask)
   double valid = 0;
   std::map<std::string, Tensor> grads;   // whole tensors (tensor-parallel shards gathered), after the last step
   std::map<std::string, Tensor> values;  // whole parameters at the end
@@ -151,15 +156,17 @@ Built build(const ProcessGroup& world, const Layout& l, int64_t num_experts = 0)
   pc.expert_model_parallel_size = l.ep;
   pc.expert_tensor_parallel_size = l.etp;
   pc.context_parallel_size = l.cp;
+  pc.num_distributed_optimizer_instances = l.instances;
   const ProcessGroups pg = make_process_groups(pc, static_cast<int>(num_experts), world);
   b.groups = train::train_groups(pg);
   b.par = model::model_parallel(pg, l.sp, l.dispatcher);
   return b;
 }
 
+using TrainTweak = std::function<void(train::TrainConfig&)>;
 Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l, int64_t iters,
            const std::string& save = "", const std::string& load = "", int64_t exit_at = 0, bool zero = false,
-           bool overlap = false, bool gather = false) {
+           bool overlap = false, bool gather = false, const TrainTweak& tweak = {}) {
   const Built b = build(world, l, mc.moe.num_experts);
   model::GptModel gpt(mc, 2, 42, b.par, testing::test_device());
   // The start-up memory check's count (apps: check_model_fits) is what this rank allocates.
@@ -169,16 +176,20 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!zero);
   train::TrainConfig tc = train_config(iters);
   tc.use_distributed_optimizer = zero;
+  tc.num_distributed_optimizer_instances = l.instances;
   tc.overlap_grad_reduce = overlap;
   tc.overlap_param_gather = gather;
   tc.ddp_bucket_size = 3000;
   tc.save = save;
   tc.load = load;
   tc.exit_interval = exit_at;
+  if (tweak) tweak(tc);
   const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, l.tp ? &b.groups : nullptr);
   Result r;
   r.loss = log.train_loss;
   r.grad_norm = log.grad_norm;
+  r.params_norm = log.params_norm;
+  r.num_zeros = log.num_zeros;
   if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
   for (const auto& p : gpt.params()) {
     if (p.expert_parallel) {  // expert shards: the whole [E, ...] tensor over the ETP and EP groups
@@ -330,6 +341,50 @@ TEST_F(Mpi, DistributedOptimizerUnderTensorParallelismMatchesOneProcess) {
   }
 }
 
+// --log-params-norm and --log-num-zeros-in-grad count every parameter once over the groups (Megatron's
+// calc_params_l2_norm and count_zeros_fp32): under TP (untied), TP + SP (tied embeddings, vocabulary-parallel; the
+// norms replicated over TP) and the MoE model with linear biases and its experts over ETP 2 x EP (folding; the fc2 bias
+// whole on both ETP ranks), with the replicated and with the distributed optimizer (its shards over DP, the TP shards
+// and the experts apart; with --overlap-param-gather the norm comes from the shards while the gathers are in flight),
+// the values of every step equal the single-process run's: the norm to 1e-6, the zeros -- the gradient rows of the
+// tokens the data never uses, experts without tokens -- exactly. The distributed runs time every phase (level 2).
+TEST_F(Mpi, ParamsNormAndNumZerosMatchOneProcess) {
+  const TrainTweak flags = [](train::TrainConfig& t) {
+    t.log_interval = 1;
+    t.log_params_norm = true;
+    t.log_num_zeros_in_grad = true;
+  };
+  const TrainTweak timed = [&](train::TrainConfig& t) {
+    flags(t);
+    t.timing_log_level = 2;
+  };
+  model::ModelConfig biased = moe_model(false);  // the experts' fc2 bias whole on both ETP ranks: counted once
+  biased.moe.shared_expert_intermediate_size = 0;
+  biased.moe.shared_expert_gate = false;
+  biased.add_bias_linear = true;
+  struct Case {
+    model::ModelConfig mc;
+    Layout l;
+  };
+  const Case cases[] = {{gpt2_like(), {2, false}}, {llama_like(), {P, true}}, {biased, {2, true, P / 2, 1, 2}}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : ""));
+    const Result ref = run(world, c.mc, Layout{0, false}, 3, "", "", 0, false, false, false, flags);
+    ASSERT_EQ(ref.num_zeros.size(), 3u);
+    if (c.mc.untie_embeddings_and_output_weights) {
+      EXPECT_GE(ref.num_zeros[0], 3 * 32);  // tokens 61..63's embedding rows
+    }
+    for (const bool zero : {false, true}) {
+      const Result got = run(world, c.mc, c.l, 3, "", "", 0, zero, zero, zero, zero ? timed : flags);
+      ASSERT_EQ(got.num_zeros.size(), 3u);
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_LE(rel(got.params_norm[i], ref.params_norm[i]), 1e-6) << "step " << i + 1 << (zero ? ", ZeRO" : "");
+        EXPECT_EQ(got.num_zeros[i], ref.num_zeros[i]) << "step " << i + 1 << (zero ? ", ZeRO" : "");
+      }
+    }
+  }
+}
+
 // --overlap-grad-reduce: each bucket's nonblocking all-reduce starts during the last backward as soon as its
 // gradients are final (buckets of 3000 elements, linear_fc1 wider than one: reduced alone); losses, every gradient and
 // every parameter bitwise equal to the run that reduces after backward. DP = P, TP 2 (x DP), MoE with EP 2 (expert
@@ -397,7 +452,7 @@ TEST_F(Mpi, ContextParallelMatchesOneProcess) {
 // Eight ranks: TP 2 x EP 2 x DP 2 in Megatron's sense -- attention TP 2 x DP 4, experts EP 2 x EDP 4
 // -- with the distributed optimizer, and with the overlapped reduction and gather; TP 2 x CP 2 x DP 2 with the experts
 // over EP 2; a dense model under TP 2 x CP 2 x DP 2 with the distributed optimizer; MLA with the experts over ETP 2 x
-// EP 2 x EDP 2.
+// EP 2 x EDP 2; the MoE model with two distributed-optimizer instances.
 TEST_F(Mpi, EightRanksMatchOneProcess) {
   check_layout(world, moe_model(false), {2, true, 2});
   check_layout(world, moe_model(false), {2, true, 2}, /*zero=*/true);
@@ -410,6 +465,10 @@ TEST_F(Mpi, EightRanksMatchOneProcess) {
   // MLA + QK-norm with the experts split over ETP 2 (Megatron's default: ETP = TP) x EP 2 x EDP 2, distributed
   // optimizer.
   check_layout(world, mla_model(false), {2, true, 2, 1, 2}, /*zero=*/true);
+  // Two distributed-optimizer instances under TP 2 x DP 4 (EP 2 x EDP 4): the grad norm over one instance and TP.
+  Layout instances{2, true, 2};
+  instances.instances = 2;
+  check_layout(world, moe_model(false), instances, /*zero=*/true);
 }
 
 // Generation's forward under CP (and TP 2 x CP 2): every position's logits, gathered over the group, equal one
@@ -472,6 +531,90 @@ TEST_F(Mpi, CheckpointSavedUnderTensorParallelismLoadsAtAnyLayout) {
     barrier(world);
     if (world.rank() == 0) std::filesystem::remove_all(dir);
   }
+}
+
+// The partial distributed optimizer (--num-distributed-optimizer-instances N) at DP 4: N = 2 (the state sharded over 2
+// ranks, the shards all-reduced over the 2 instances), N = 4 (a whole copy on every rank: all-reduce semantics) and,
+// by the tests above, N = 1; dense, and MoE with the experts over EP 2 (EDP 2, N 2) and EP 1 (EDP 4, N 4). As
+// check_layout: step-1 loss and grad norm 1e-6, 20-step losses and validation 1e-5, bitwise repeatable; and every
+// parameter after the 20 steps within kParamLimit of AdamW's movement over them. With --overlap-grad-reduce and
+// --overlap-param-gather bitwise the plain N = 2 run. A checkpoint saved at N = 2 resumes at N = 1, N = 4 and at one
+// process with the uninterrupted run's losses.
+TEST_F(Mpi, PartialDistributedOptimizerMatchesOneProcess) {
+  constexpr double kParamLimit = 1e-4;  // of AdamW's movement over the run (steps x lr)
+  if (P != 4) GTEST_SKIP() << "needs 4 ranks (DP 4)";
+  auto with = [](Layout l, int n) {
+    l.instances = n;
+    return l;
+  };
+  const Layout dp{1, false}, ep2{1, false, 2};
+  struct Case {
+    model::ModelConfig mc;
+    Layout l;
+  };
+  for (const Case& c : {Case{llama_like(), with(dp, 2)}, Case{llama_like(), with(dp, 4)},
+                        Case{moe_model(false), with(ep2, 2)}, Case{moe_model(false), with(dp, 4)}}) {
+    check_layout(world, c.mc, c.l, /*zero=*/true);
+    SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : ""));
+    const Result ref = run(world, c.mc, Layout{0, false}, 20);
+    const Result got = run(world, c.mc, c.l, 20, "", "", 0, /*zero=*/true);
+    // AdamW moves a weight by about lr a step, so a rounding difference in a gradient can move it by up to that; the
+    // plain distributed optimizer (N 1) differs from one process as much (about 3e-5 of the movement under EP 2).
+    const double movement = 20 * double(train_config(20).lr);
+    for (const auto& [name, t] : ref.values) {
+      const Tensor& v = got.values.at(name);
+      for (int64_t i = 0; i < t.numel(); ++i)
+        ASSERT_NEAR(v.data<float>()[i], t.data<float>()[i], kParamLimit * movement) << name << " element " << i;
+    }
+  }
+  for (const Case& c : {Case{llama_like(), with(dp, 2)}, Case{moe_model(false), with(ep2, 2)}}) {
+    SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : "") + ", overlapped");
+    const Result plain = run(world, c.mc, c.l, 6, "", "", 0, true);
+    const Result overlapped = run(world, c.mc, c.l, 6, "", "", 0, true, /*overlap=*/true, /*gather=*/true);
+    for (size_t i = 0; i < plain.loss.size(); ++i)
+      EXPECT_EQ(std::memcmp(&overlapped.loss[i], &plain.loss[i], sizeof(double)), 0) << "step " << i + 1;
+    for (const auto& [name, t] : plain.values)
+      EXPECT_EQ(std::memcmp(overlapped.values.at(name).raw(), t.raw(), static_cast<size_t>(t.nbytes())), 0) << name;
+  }
+  const std::string dir = shared_dir(world, "moecore_mpi_tp_", "instances");
+  const Result straight = run(world, moe_model(false), with(ep2, 2), 8, "", "", 0, true);
+  run(world, moe_model(false), with(ep2, 2), 8, dir, "", 4, /*zero=*/true);
+  for (const Layout& l : {ep2, Layout{0, false}, with(dp, 4)}) {
+    const Result resumed = run(world, moe_model(false), l, 8, "", dir, 0, /*zero=*/l.tp > 0);
+    ASSERT_EQ(resumed.loss.size(), 4u) << l.name();
+    for (size_t i = 0; i < 4; ++i)
+      EXPECT_LE(rel(resumed.loss[i], straight.loss[4 + i]), 1e-5) << l.name() << " step " << 5 + i;
+  }
+  barrier(world);
+  if (world.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// Megatron's checks of --num-distributed-optimizer-instances, quoted, on every rank before any collective: N must
+// divide the data-parallel size (and the expert one), needs the distributed optimizer, and the groups must be built
+// for the same N.
+TEST_F(Mpi, BadDistributedOptimizerInstancesFailNamingTheValues) {
+  Layout three{1, false};
+  three.instances = P + 1;
+  testing::expect_error([&] { build(world, three); },
+                        {"Data parallel size should be divisible by partial DistOpt shard factor",
+                         "must be divisible by num_distributed_optimizer_instances (" + std::to_string(P + 1) + ")"});
+  Layout two{1, false};
+  two.instances = 2;
+  testing::expect_error([&] { run(world, llama_like(), two, 2); },
+                        {"Partial DistOpt cannot be used without DistOpt", "--use-distributed-optimizer"});
+  const Built one = build(world, Layout{1, false});
+  model::GptModel gpt(llama_like(), 2, 42, one.par, testing::test_device());
+  optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/false);
+  train::TrainConfig tc = train_config(2);
+  tc.use_distributed_optimizer = true;
+  tc.num_distributed_optimizer_instances = 2;
+  testing::expect_error([&] { train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, &one.groups); },
+                        {"--num-distributed-optimizer-instances is 2 but the process groups were built for 1"});
+  model::GptModel alone(llama_like(), 2, 42, {}, testing::test_device());
+  optim::AdamW alone_opt(alone.params(), {}, /*allocate_state=*/false);
+  testing::expect_error([&] { train::train(alone, alone_opt, tc, synthetic_batch, nullptr); },
+                        {"Data parallel size should be divisible by partial DistOpt shard factor",
+                         "(1) must be divisible by --num-distributed-optimizer-instances (2)"});
 }
 
 // Every size constraint fails at construction on every rank (no collective), naming the values.

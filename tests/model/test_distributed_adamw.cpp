@@ -160,6 +160,33 @@ TEST(DistributedAdamW, SingleRankMatchesAdamWBitwise) {
   }
 }
 
+// The logging statistics of a shard (one rank: the whole model): the squares of the parameters after update(), before
+// the gathers (the owned ranges are current), and the gradient's zeros after scaling -- exact zeros, and a value that
+// underflows once scaled.
+TEST(DistributedAdamW, ShardParamSquaresAndGradZeros) {
+  std::vector<Param> ps = make_params();
+  DistributedAdamW opt(pointers(ps), config(DType::f32, 1.0f), comm_single(), DistributedAdamWOptions{40});
+  set_grads(ps, 1);
+  Tensor g0 = testing::host(ps[0].grad).clone();
+  for (int64_t i : {3, 4, 99}) g0.data<float>()[i] = 0.0f;
+  g0.data<float>()[5] = 1e-30f;
+  ps[0].grad.copy_from(g0);
+  opt.reduce_scatter_grads();
+  int64_t zeros = 0;
+  for (const Param& p : ps) {
+    const Tensor g = testing::host(p.grad);
+    for (int64_t i = 0; i < g.numel(); ++i) zeros += g.data<float>()[i] == 0.0f ? 1 : 0;
+  }
+  EXPECT_EQ(opt.shard_grad_zeros(1.0f), zeros);
+  EXPECT_EQ(opt.shard_grad_zeros(1e-20f), zeros + 1);
+  opt.update(1e-2f, 1.0f);
+  double sq = 0;
+  for (const Param& p : ps) sq += testing::sum_squares(p.value);
+  EXPECT_NEAR(opt.shard_param_sq(), sq, 1e-12 * sq);
+  opt.gather_params(false);
+  EXPECT_NEAR(opt.shard_param_sq(), sq, 1e-12 * sq);
+}
+
 TEST(DistributedAdamW, FirstNonfiniteGradNamesTheParam) {
   std::vector<Param> ps = make_params();
   DistributedAdamW opt(pointers(ps), config(DType::f32, 1.0f), comm_single(), DistributedAdamWOptions{40});

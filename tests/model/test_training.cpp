@@ -120,6 +120,30 @@ TEST(Training, SigtermSavesALoadableCheckpointAndStops) {
   fs::remove_all(dir);
 }
 
+// --exit-duration-in-mins: once the run has trained longer than the limit it saves and stops at that step (here a
+// limit no step fits in: after the first), and the checkpoint resumes.
+TEST(Training, ExitDurationSavesAndStops) {
+  const fs::path dir = fresh_dir("exit_duration");
+  train::TrainConfig t = train_config(6);
+  t.save = dir.string();
+  t.exit_duration_mins = 1e-12;
+  model::GptModel m(moe_model(), t.micro_batch_size, 77, {}, testing::test_device());
+  optim::AdamW opt(m.params(), optim::AdamWConfig{});
+  const auto log = train::train(m, opt, t, synthetic_batch, nullptr);
+  EXPECT_TRUE(log.stopped_by_time);
+  EXPECT_FALSE(log.stopped_by_signal);
+  EXPECT_EQ(log.train_loss.size(), 1u);
+  const auto latest = io::checkpoint_find_latest(dir.string());
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(io::checkpoint_iteration_of(*latest), 1);
+  const RunResult straight = run(train_config(6));
+  const RunResult rest = run(train_config(6), dir, dir);
+  ASSERT_EQ(rest.losses.size(), 5u);
+  EXPECT_EQ(rest.losses.back(), straight.losses.back());
+  EXPECT_EQ(rest.hash, straight.hash);
+  fs::remove_all(dir);
+}
+
 TEST(Training, NonFiniteStepIsSkippedWithEveryStateBitIdentical) {
   train::TrainConfig t = train_config(4);
   t.nan_action = "skip";

@@ -14,6 +14,9 @@ namespace moecore {
 // Returns nullptr when the device is out of memory (the caller names the allocation); other failures raise.
 void* device_alloc(int64_t bytes);
 void device_free(void* p);
+// The bytes the pool holds from the driver now (cudaMemPoolAttrReservedMemCurrent): the live allocations plus what
+// freed ones left in it; torch.cuda.memory_stats' reserved_bytes.
+int64_t device_memory_reserved_bytes();
 void device_memset(void* p, int value, int64_t bytes);
 // A transfer of `bytes` contiguous bytes (host <-> device, or within the device); synchronous for the host.
 void device_copy(void* dst, bool dst_on_device, const void* src, bool src_on_device, int64_t bytes);

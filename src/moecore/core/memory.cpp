@@ -10,12 +10,22 @@
 #include <mutex>
 #include <string>
 
+#include "moecore/core/tensor.h"
+
 namespace moecore {
 namespace {
 std::atomic<int64_t> g_current[kNumMemCategories];
 std::atomic<int64_t> g_peak[kNumMemCategories];
 std::atomic<int64_t> g_total{0};
 std::atomic<int64_t> g_total_peak{0};
+constexpr int kNumDevices = 3;  // Device: cpu, cuda, sim
+std::atomic<int64_t> g_device_current[kNumDevices];
+std::atomic<int64_t> g_device_peak[kNumDevices];
+std::atomic<int64_t> g_device_count[kNumDevices];
+int device_index(Device d) {
+  const int i = static_cast<int>(d);
+  return i < kNumDevices ? i : 0;
+}
 
 void raise_peak(std::atomic<int64_t>& peak, int64_t value) {
   int64_t old = peak.load(std::memory_order_relaxed);
@@ -39,15 +49,25 @@ const char* mem_category_name(MemCategory c) {
   return names[static_cast<int>(c)];
 }
 
-void memory_record_alloc(MemCategory c, int64_t bytes) {
-  const int i = static_cast<int>(c);
+void memory_record_alloc(MemCategory c, int64_t bytes, Device device) {
+  const int i = static_cast<int>(c), d = device_index(device);
   raise_peak(g_peak[i], g_current[i].fetch_add(bytes, std::memory_order_relaxed) + bytes);
   raise_peak(g_total_peak, g_total.fetch_add(bytes, std::memory_order_relaxed) + bytes);
+  raise_peak(g_device_peak[d], g_device_current[d].fetch_add(bytes, std::memory_order_relaxed) + bytes);
+  g_device_count[d].fetch_add(1, std::memory_order_relaxed);
 }
 
-void memory_record_free(MemCategory c, int64_t bytes) {
+void memory_record_free(MemCategory c, int64_t bytes, Device device) {
+  const int d = device_index(device);
   g_current[static_cast<int>(c)].fetch_sub(bytes, std::memory_order_relaxed);
   g_total.fetch_sub(bytes, std::memory_order_relaxed);
+  g_device_current[d].fetch_sub(bytes, std::memory_order_relaxed);
+  g_device_count[d].fetch_sub(1, std::memory_order_relaxed);
+}
+
+DeviceMemoryStats memory_device_stats(Device device) {
+  const int d = device_index(device);
+  return {g_device_current[d].load(), g_device_peak[d].load(), g_device_count[d].load()};
 }
 
 MemoryStats memory_stats() {
@@ -64,6 +84,7 @@ MemoryStats memory_stats() {
 void memory_reset_peaks() {
   for (int i = 0; i < kNumMemCategories; ++i) g_peak[i].store(g_current[i].load());
   g_total_peak.store(g_total.load());
+  for (int d = 0; d < kNumDevices; ++d) g_device_peak[d].store(g_device_current[d].load());
 }
 
 std::string memory_format_bytes(int64_t bytes) {

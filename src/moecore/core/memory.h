@@ -1,6 +1,7 @@
-// Memory accounting: current and peak bytes by category, for every allocation moecore makes.
-// Counters are process-wide and thread-safe; they count moecore's own allocations, not the allocator's
-// overhead or third-party libraries (the train-step benchmark compares them with the resident set).
+// Memory accounting: current and peak bytes by category, and per device (cpu, cuda, sim) the bytes, peak and number
+// of live allocations, for every allocation moecore makes. Counters are process-wide and thread-safe; they count
+// moecore's own allocations, not the allocator's overhead or third-party libraries (the train-step benchmark compares
+// them with the resident set).
 #pragma once
 #include <array>
 #include <cstddef>
@@ -21,9 +22,19 @@ struct MemoryStats {
 };
 
 MemoryStats memory_stats();
-void memory_reset_peaks();  // peaks := current
-void memory_record_alloc(MemCategory c, int64_t bytes);
-void memory_record_free(MemCategory c, int64_t bytes);
+
+enum class Device : uint8_t;  // core/tensor.h
+// The tensors' storages on one device (torch.cuda.memory_stats' allocated_bytes and allocation counts for cuda).
+struct DeviceMemoryStats {
+  int64_t current = 0;  // bytes live now
+  int64_t peak = 0;     // highest value of current so far
+  int64_t count = 0;    // storages live now
+};
+DeviceMemoryStats memory_device_stats(Device device);
+
+void memory_reset_peaks();  // peaks := current (the devices' too)
+void memory_record_alloc(MemCategory c, int64_t bytes, Device device);
+void memory_record_free(MemCategory c, int64_t bytes, Device device);
 std::string memory_format_bytes(int64_t bytes);  // "12.3 MiB"
 int64_t memory_resident_bytes();                 // this process's resident set (VmRSS), 0 if unknown
 int64_t memory_resident_peak_bytes();            // VmHWM, 0 if unknown

@@ -162,11 +162,11 @@ Storage::Storage(int64_t nbytes, Device dev, MemCategory cat) : bytes(nbytes), d
     data = device_alloc(nbytes);
   }
   if (!data) out_of_memory(nbytes, cat, dev);
-  memory_record_alloc(cat, nbytes);
+  memory_record_alloc(cat, nbytes, dev);
 }
 
 Storage::~Storage() {
-  memory_record_free(category, bytes);
+  memory_record_free(category, bytes, device);
   if (host_memory(device) && bytes >= kHostMapBytes)
     ::munmap(data, static_cast<size_t>(bytes));
   else if (host_memory(device))

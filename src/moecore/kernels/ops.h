@@ -342,6 +342,10 @@ void sum_squares(Tensor& acc, const Tensor& x, const Context& ctx);
 // flag [1] i32 is set to 1 when x holds a NaN or an infinity, and left alone otherwise (one slot per tensor, read
 // once).
 void flag_nonfinite(Tensor& flag, const Tensor& x, const Context& ctx);
+// acc [1] i64 += the number of elements of a float tensor that are zero once multiplied by scale in f32
+// (x * scale == 0: x == 0, or an underflow), e.g. the zeros of a gradient after clipping by scale (Megatron's
+// count_zeros_fp32 counts after its in-place clipping). Exact and order-free; acc stays on the device (read once).
+void count_zeros(Tensor& acc, const Tensor& x, float scale, const Context& ctx);
 
 // ---- Optimizer ---------------------------------------------------------------------------------
 struct AdamWParams {

@@ -62,6 +62,10 @@ DispatchBuffers dispatch_buffers_alloc(int64_t T, int64_t H, int64_t E, int64_t 
 DispatcherKind parse_dispatcher_kind(const std::string& s) {
   if (s == "alltoall") return DispatcherKind::alltoall;
   if (s == "allgather") return DispatcherKind::allgather;
+  if (s == "flex")
+    MOECORE_FAIL(
+        "--moe-token-dispatcher-type flex is not supported yet: Megatron's flex dispatcher (DeepEP, HybridEP); "
+        "use alltoall");
   MOECORE_FAIL("--moe-token-dispatcher-type: '", s, "' is not supported (use alltoall or allgather)");
 }
 

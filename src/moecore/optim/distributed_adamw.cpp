@@ -3,6 +3,8 @@
 // all-gather overwrites everyone's copy; no separate master shard is kept. One staging buffer sized to the
 // largest bucket serves both the reduce-scatter input and the all-gather output; the overlapped forms give every
 // bucket a staging area of its own (its reduce-scatter's input, then its gather's output) so that all can be in flight.
+// Instances add one all-reduce of each bucket's shard over `instances` after its reduce-scatter (Megatron's
+// param_and_grad_buffer start_grad_sync); everything else runs within the group.
 #include "moecore/optim/distributed_adamw.h"
 
 #include <algorithm>
@@ -33,11 +35,20 @@ Tensor range(const Tensor& t, int64_t first, int64_t n) {
 }  // namespace
 
 DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig& cfg, const ProcessGroup& group,
-                                   DistributedAdamWOptions opt)
+                                   DistributedAdamWOptions opt, const ProcessGroup& instances)
     : params_(std::move(params)), cfg_(cfg), group_(group) {
   if (!group_.valid()) MOECORE_FAIL("distributed optimizer: the process group is not initialized");
-  // The cross-rank check comes before any local one, so a local error cannot leave peers waiting in it.
-  check_same_params_across_ranks();
+  // The cross-rank checks come before any local one, so a local error cannot leave peers waiting in them.
+  check_same_params_across_ranks(group_);
+  if (instances.valid() && instances.size() > 1) {
+    check_same_params_across_ranks(instances);
+    // Overlapped, a communicator of its own: the all-reduces are posted as reduce-scatters complete, an order that
+    // other optimizers sharing `instances` cannot interleave with alike on every rank.
+    instances_ =
+        opt.overlap ? group_split(instances, instances.name() + "_" + group_.name(), {instances.ranks()}) : instances;
+  } else {
+    instances_ = comm_single("instances");
+  }
   for (size_t i = 0; i < params_.size(); ++i)
     if (!params_[i]) MOECORE_FAIL("distributed optimizer: parameter ", i, " is a null pointer");
   cfg_.validate();
@@ -60,6 +71,7 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
   exp_avg_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
   exp_avg_sq_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
   sq_acc_ = Tensor::zeros(Shape{1}, DType::f64, MemCategory::workspace, device_);
+  zeros_acc_ = Tensor::zeros(Shape{1}, DType::i64, MemCategory::workspace, device_);
   nonfinite_ = Tensor::zeros(Shape{std::max<int64_t>(1, static_cast<int64_t>(segments_.size()))}, DType::i32,
                              MemCategory::workspace, device_);
   overlap_ = opt.overlap;
@@ -76,20 +88,27 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
     overlap_shard_ = Tensor::zeros(Shape{shard_elems_}, DType::f32, MemCategory::workspace, device_);
     grad_handles_.resize(buckets_.size());
     gather_handles_.resize(buckets_.size());
+    instance_handles_.resize(buckets_.size());
   }
 }
 
-void DistributedAdamW::check_same_params_across_ranks() const {
-  const int P = group_.size();
+void DistributedAdamW::check_same_params_across_ranks(const ProcessGroup& g) const {
+  const int P = g.size();
   if (P == 1) return;
-  std::vector<int64_t> count = {static_cast<int64_t>(params_.size())};
-  std::vector<int64_t> counts(static_cast<size_t>(P));
-  all_gather(std::span<int64_t>(counts), std::span<const int64_t>(count), group_);
-  for (int r = 1; r < P; ++r)
-    if (counts[static_cast<size_t>(r)] != counts[0])
-      MOECORE_FAIL("distributed optimizer (group '", group_.name(), "'): rank 0 passes ", counts[0],
-                   " parameters but rank ", r, " passes ", counts[static_cast<size_t>(r)],
+  // Two words per rank: its parameter count and the size of the group its state is sharded over.
+  std::vector<int64_t> count = {static_cast<int64_t>(params_.size()), group_.size()};
+  std::vector<int64_t> counts(2 * static_cast<size_t>(P));
+  all_gather(std::span<int64_t>(counts), std::span<const int64_t>(count), g);
+  for (int r = 1; r < P; ++r) {
+    if (counts[2 * static_cast<size_t>(r)] != counts[0])
+      MOECORE_FAIL("distributed optimizer (group '", g.name(), "'): rank 0 passes ", counts[0], " parameters but rank ",
+                   r, " passes ", counts[2 * static_cast<size_t>(r)],
                    "; every rank of the group must pass the same parameters in the same order");
+    if (counts[2 * static_cast<size_t>(r) + 1] != counts[1])
+      MOECORE_FAIL("distributed optimizer (instances '", g.name(), "'): rank 0 shards its state over ", counts[1],
+                   " ranks but rank ", r, " over ", counts[2 * static_cast<size_t>(r) + 1],
+                   "; every instance must be sharded alike");
+  }
   // Two words per parameter: its element count and a hash of its name and shape.
   const size_t n = params_.size();
   std::vector<int64_t> mine(2 * n), all(2 * n * static_cast<size_t>(P));
@@ -98,17 +117,17 @@ void DistributedAdamW::check_same_params_across_ranks() const {
     mine[2 * i] = p ? p->value.numel() : -1;
     mine[2 * i + 1] = p ? fnv1a(p->name + '\0' + p->value.shape().str()) : 0;
   }
-  all_gather(std::span<int64_t>(all), std::span<const int64_t>(mine), group_);
+  all_gather(std::span<int64_t>(all), std::span<const int64_t>(mine), g);
   for (size_t i = 0; i < n; ++i) {
     for (int r = 1; r < P; ++r) {
       const int64_t* a = &all[2 * i];
       const int64_t* b = &all[2 * n * static_cast<size_t>(r) + 2 * i];
       if (a[0] == b[0] && a[1] == b[1]) continue;
       const Param* p = params_[i];
-      MOECORE_FAIL("distributed optimizer (group '", group_.name(), "'): parameter ", i, " ('",
+      MOECORE_FAIL("distributed optimizer (group '", g.name(), "'): parameter ", i, " ('",
                    p ? p->name : std::string("null"), "', ", p ? p->value.shape().str() : std::string("-"),
-                   " on group rank ", group_.rank(), ") differs between rank 0 (", a[0], " elements) and rank ", r,
-                   " (", b[0], " elements", a[0] == b[0] ? ", another name or shape" : "",
+                   " on group rank ", g.rank(), ") differs between rank 0 (", a[0], " elements) and rank ", r, " (",
+                   b[0], " elements", a[0] == b[0] ? ", another name or shape" : "",
                    "); every rank of the group must pass the same parameters in the same order");
     }
   }
@@ -172,7 +191,9 @@ void DistributedAdamW::reduce_scatter_grads() {
     }
     const int64_t padded = b.shard * P;
     range(staging_, b.elems, padded - b.elems).zero_();
-    reduce_scatter_sum(range(shard_grad_, b.shard_offset, b.shard), range(staging_, 0, padded), group_);
+    const Tensor shard = range(shard_grad_, b.shard_offset, b.shard);
+    reduce_scatter_sum(shard, range(staging_, 0, padded), group_);
+    if (instances_.size() > 1) all_reduce_sum(shard, instances_);
   }
 }
 
@@ -180,6 +201,8 @@ void DistributedAdamW::begin_grad_reduction() {
   check_overlap("begin_grad_reduction");
   if (reducing_) MOECORE_FAIL("distributed optimizer: begin_grad_reduction while a reduction is open");
   reducing_ = true;
+  posted_.clear();
+  instances_next_ = 0;
   param_ready_.assign(params_.size(), 0);
   ready_left_.clear();
   for (const Bucket& b : buckets_) ready_left_.push_back(static_cast<int64_t>(b.end_param - b.first_param));
@@ -193,6 +216,22 @@ void DistributedAdamW::post_reduce_scatter(size_t b) {
   range(stage, k.elems, padded - k.elems).zero_();
   grad_handles_[b] = reduce_scatter_sum_async(range(shard_grad_, k.shard_offset, k.shard), stage, group_);
   ready_left_[b] = -1;  // posted
+  posted_.push_back(b);
+}
+
+// Each posted bucket's all-reduce over the instances, in posting order, once its reduce-scatter is done: those done
+// by now, or with `wait` all of them.
+void DistributedAdamW::post_instance_reductions(bool wait) {
+  if (instances_.size() == 1) return;
+  for (; instances_next_ < posted_.size(); ++instances_next_) {
+    const size_t b = posted_[instances_next_];
+    if (wait)
+      grad_handles_[b].wait();
+    else if (!grad_handles_[b].test())
+      return;
+    const Bucket& k = buckets_[b];
+    instance_handles_[b] = all_reduce_sum_async(range(shard_grad_, k.shard_offset, k.shard), instances_);
+  }
 }
 
 void DistributedAdamW::grad_ready(size_t i) {
@@ -207,6 +246,7 @@ void DistributedAdamW::grad_ready(size_t i) {
   wait_param(i);  // the bucket's staging area must be free of its parameter gather
   range(overlap_staging_, bucket_staging_[b] + param_offsets_[i], param_elems_[i]).copy_from(flat(params_[i]->grad));
   if (--ready_left_[b] == 0) post_reduce_scatter(b);
+  post_instance_reductions(false);
 }
 
 void DistributedAdamW::finish_grad_reduction() {
@@ -224,7 +264,29 @@ void DistributedAdamW::finish_grad_reduction() {
     }
     post_reduce_scatter(b);
   }
+  post_instance_reductions(true);
   for (CommHandle& h : grad_handles_) h.wait();
+  for (CommHandle& h : instance_handles_) h.wait();
+}
+
+double DistributedAdamW::shard_param_sq() const {
+  Tensor acc = sq_acc_;
+  acc.zero_();
+  for (const Segment& g : segments_)
+    ops::sum_squares(acc, range(flat(params_[g.param]->value), g.param_offset, g.elems), ctx());
+  double s = 0;
+  acc.copy_to_host(&s, 1);
+  return s;
+}
+
+int64_t DistributedAdamW::shard_grad_zeros(float clip_scale) const {
+  Tensor acc = zeros_acc_;
+  acc.zero_();
+  for (const Segment& g : segments_)
+    ops::count_zeros(acc, range(shard_grad_, g.shard_offset, g.elems), clip_scale, ctx());
+  int64_t n = 0;
+  acc.copy_to_host(&n, 1);
+  return n;
 }
 
 double DistributedAdamW::shard_grad_sq() const {
@@ -268,8 +330,12 @@ void DistributedAdamW::apply_segment(const Segment& s, float lr, float clip_scal
 }
 
 void DistributedAdamW::step(float lr, float clip_scale, bool gather_later) {
-  const int P = group_.size();
   if (gather_later) check_overlap("step(gather_later)");
+  update(lr, clip_scale);
+  gather_params(gather_later);
+}
+
+void DistributedAdamW::update(float lr, float clip_scale) {
   if (reducing_) MOECORE_FAIL("distributed optimizer: step inside an open gradient reduction");
   finish_param_gather();
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -280,7 +346,12 @@ void DistributedAdamW::step(float lr, float clip_scale, bool gather_later) {
   }
   ++step_;
   for (const Segment& s : segments_) apply_segment(s, lr, clip_scale);
+}
+
+void DistributedAdamW::gather_params(bool gather_later) {
+  const int P = group_.size();
   if (gather_later) {  // each bucket's owned range packed at its shard offset, gathered into its staging area
+    check_overlap("gather_params(later)");
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const Bucket& k = buckets_[b];
       Tensor packed = range(overlap_shard_, k.shard_offset, k.shard);

@@ -3,6 +3,8 @@
 // slice of the parameters it owns, and the updated f32 masters are all-gathered back into every rank's
 // Param::value. With `overlap` the reduce-scatters can be posted bucket by bucket while backward still runs
 // (--overlap-grad-reduce) and the all-gathers left in flight into the next forward (--overlap-param-gather).
+// With several instances (Megatron's --num-distributed-optimizer-instances) the state is sharded within the group
+// and every shard is all-reduced across the instances after its reduce-scatter.
 // Not here: the global norm over several groups (the caller all-reduces shard_grad_sq()) and bf16 compute copies
 // (Param::compute is left to the caller).
 #pragma once
@@ -32,33 +34,51 @@ struct DistributedAdamWOptions {
 //
 // Bitwise contract: step(lr, s) leaves every Param::value bitwise equal to optim::AdamW::step on the
 // group-summed gradients ((g_0 + g_1) + g_2) + ... with clip scale s, provided every rank starts from
-// the same values (AdamW is elementwise; the sums are moecore's deterministic rank-ordered ones).
+// the same values (AdamW is elementwise; the sums are moecore's deterministic rank-ordered ones). With instances the
+// sum is each instance's rank-ordered group sum, then those sums in instance order: (G_0 + G_1) + ...
+//
+// Instances: every instance holds the same shards (the same bits), so the group alone gathers the state, the
+// parameters and, summed over the group (and the caller's other groups), the squared norm; each instance is a full
+// copy of the optimizer.
 //
 // Every member of the group calls the collective methods in the same order (comm.h rules). Not
 // thread-safe. The Param pointers stay owned by the caller and must outlive this object; their value
 // and grad are contiguous f32 CPU tensors and may be replaced by tensors of the same shape.
 class DistributedAdamW {
  public:
-  // Collective (checks that every rank passes parameters with identical names, shapes and order, and
-  // throws moecore::Error naming the first differing parameter and ranks otherwise). Allocates the
-  // moments (MemCategory::optimizer_state) and all flat buffers once.
+  // Collective over the group and then the instances (checks that every rank passes parameters with identical names,
+  // shapes and order, and every instance the same group size, and throws moecore::Error naming the first difference
+  // and ranks otherwise). Allocates the moments (MemCategory::optimizer_state) and all flat buffers once.
+  // `instances`, for the partial distributed optimizer (Megatron's --num-distributed-optimizer-instances N > 1): the
+  // ranks holding this rank's shard in the other instances, in instance order (inter_dist_opt in process_groups.h,
+  // e.g. 2 ranks); each bucket's shard, reduce-scattered within the group, is then all-reduced over it (Megatron's
+  // two-step gradient reduction). Default-constructed or of size 1: one instance.
   DistributedAdamW(std::vector<Param*> params, const AdamWConfig& cfg, const ProcessGroup& group,
-                   DistributedAdamWOptions opt = {});
+                   DistributedAdamWOptions opt = {}, const ProcessGroup& instances = ProcessGroup());
 
-  // Collective. Bucketed reduce-scatter of the gradients: afterwards this rank's shard holds the group
-  // SUM of the gradients. The params' .grad tensors are read (they may be modified afterwards).
+  // Collective. Bucketed reduce-scatter of the gradients (and all-reduce over the instances): afterwards this rank's
+  // shard holds the SUM of the gradients over the group (and instances). The params' .grad tensors are read (they may
+  // be modified afterwards).
   void reduce_scatter_grads();
   // The same, overlapped (options.overlap): begin_grad_reduction(), then grad_ready(i) once for every parameter i
   // (an index into the constructor's vector), in any order, as soon as its gradient is final: a bucket's
-  // nonblocking reduce-scatter is posted when its last parameter is ready. finish_grad_reduction() waits for
-  // them all (posting any bucket not yet complete); the shard then holds the same bits as after
-  // reduce_scatter_grads(). Collective: every rank readies the parameters in the same order.
+  // nonblocking reduce-scatter is posted when its last parameter is ready, and its all-reduce over the instances once
+  // that has completed (tested in posting order at each grad_ready). finish_grad_reduction() waits for them all
+  // (posting any bucket not yet complete); the shard then holds the same bits as after reduce_scatter_grads().
+  // Collective: every rank readies the parameters in the same order.
   void begin_grad_reduction();
   void grad_ready(size_t i);
   void finish_grad_reduction();
   // Sum of squares of this rank's reduced-gradient shard, in double. All-reduced over the group (and
   // over other groups' shares) it is the squared global gradient norm.
   double shard_grad_sq() const;
+  // Sum of squares of this rank's owned ranges of the f32 masters (Param::value), in double: all-reduced over the group
+  // it is the squared norm of the parameters (Megatron's calc_params_l2_norm over sharded main params). Current after
+  // update(), while later gathers are still in flight. Local.
+  double shard_param_sq() const;
+  // The zero elements of this rank's reduced-gradient shard once multiplied by clip_scale (ops::count_zeros): summed
+  // over the group, Megatron's count_zeros_fp32 of the distributed optimizer. Local.
+  int64_t shard_grad_zeros(float clip_scale) const;
   // Name of the first parameter with a non-finite element in this rank's shard, "" if none. Local.
   std::string first_nonfinite_grad() const;
   // Collective. One AdamW update of this rank's shard (learning rate lr, gradients times clip_scale,
@@ -67,6 +87,11 @@ class DistributedAdamW {
   // With gather_later (options.overlap) the all-gathers are posted and left in flight: until wait_param(i) (its
   // bucket) or finish_param_gather() (all) a Param::value may hold old values. Values end bitwise the same.
   void step(float lr, float clip_scale, bool gather_later = false);
+  // step() in its two parts (timed apart by the trainer): update() is the local AdamW update of this rank's shard into
+  // its owned ranges of Param::value (gathers still in flight are completed first); gather_params() then all-gathers
+  // every rank's ranges (posted and left in flight with `later`). Collective: gather_params.
+  void update(float lr, float clip_scale);
+  void gather_params(bool later);
   void wait_param(size_t i);
   void finish_param_gather();
   bool param_gather_pending() const { return gathers_pending_ > 0; }
@@ -85,6 +110,7 @@ class DistributedAdamW {
   int64_t state_bytes() const;                          // bytes of both moments on this rank
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
   const ProcessGroup& group() const { return group_; }
+  const ProcessGroup& instances() const { return instances_; }  // size 1 without the partial distributed optimizer
   const AdamWConfig& config() const { return cfg_; }
 
  private:
@@ -102,7 +128,7 @@ class DistributedAdamW {
     int64_t shard_offset = 0;  // first element within this rank's shard
     int64_t elems = 0;
   };
-  void check_same_params_across_ranks() const;
+  void check_same_params_across_ranks(const ProcessGroup& g) const;
   void plan_layout(int64_t bucket_elems);
   void apply_segment(const Segment& s, float lr, float clip_scale);
 
@@ -130,12 +156,20 @@ class DistributedAdamW {
   std::vector<CommHandle> gather_handles_;  // per bucket
   int64_t gathers_pending_ = 0;
   bool reducing_ = false;
+  // Instances: the buckets in the order their reduce-scatters were posted; those before `instances_next_` have their
+  // all-reduce over the instances posted too (same order on every rank), into instance_handles_.
+  ProcessGroup instances_;
+  std::vector<size_t> posted_;
+  size_t instances_next_ = 0;
+  std::vector<CommHandle> instance_handles_;  // per bucket
   void post_reduce_scatter(size_t b);
+  void post_instance_reductions(bool wait);
   void check_grad(size_t i) const;
   void check_overlap(const char* what) const;
   int64_t shard_elems_ = 0;
   int64_t step_ = 0;
   Tensor sq_acc_;     // [1] f64: the shard's squared gradient norm, summed on the device and read once
+  Tensor zeros_acc_;  // [1] i64: the shard's zero gradient elements (shard_grad_zeros)
   Tensor nonfinite_;  // [segments] i32: per segment, 1 when its gradient holds a NaN or an infinity
   mutable std::vector<int32_t> nonfinite_host_;  // its host copy (sized once: the check allocates nothing after)
   Tensor staging_;                               // [max N_b] f32: gradients to reduce-scatter, then gathered masters

@@ -96,10 +96,31 @@ std::string groups_str(const std::vector<std::vector<int>>& groups) {  // "[0,2]
   return s;
 }
 
-constexpr std::string_view kNames[kNumGroupKinds] = {"tp",       "cp", "dp",  "pp", "dp_cp",  "tp_cp",     "tp_dp",
-                                                     "tp_dp_cp", "mp", "etp", "ep", "etp_ep", "etp_ep_pp", "edp"};
-constexpr std::string_view kTokens[kNumGroupKinds] = {"tp",       "cp",    "dp", "pp", "dp-cp", "tp-cp",    "tp-dp",
-                                                      "tp-dp-cp", "tp-pp", "tp", "ep", "tp-ep", "tp-ep-pp", "dp"};
+constexpr std::string_view kNames[kNumGroupKinds] = {
+    "tp",  "cp", "dp",     "pp",        "dp_cp", "tp_cp",       "tp_dp",     "tp_dp_cp",      "mp",
+    "etp", "ep", "etp_ep", "etp_ep_pp", "edp",   "intra_dp_cp", "intra_edp", "inter_dist_opt"};
+constexpr std::string_view kTokens[kNumGroupKinds] = {"tp",       "cp",       "dp",    "pp", "dp-cp", "tp-cp",
+                                                      "tp-dp",    "tp-dp-cp", "tp-pp", "tp", "ep",    "tp-ep",
+                                                      "tp-ep-pp", "dp",       "dp-cp", "dp", "dp"};
+
+// Each group of `whole` cut into n consecutive slices (instances); with `across`, the groups joining the j-th member
+// of every slice instead (create_hierarchical_groups' second level).
+std::vector<std::vector<int>> instances(const std::vector<std::vector<int>>& whole, int n, bool across) {
+  std::vector<std::vector<int>> out;
+  for (const auto& g : whole) {
+    const size_t len = g.size() / static_cast<size_t>(n);
+    if (!across) {
+      for (size_t i = 0; i < static_cast<size_t>(n); ++i)
+        out.emplace_back(g.begin() + i * len, g.begin() + (i + 1) * len);
+      continue;
+    }
+    for (size_t j = 0; j < len; ++j) {
+      auto& grp = out.emplace_back();
+      for (size_t i = 0; i < static_cast<size_t>(n); ++i) grp.push_back(g[i * len + j]);
+    }
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -110,7 +131,7 @@ std::string_view group_kind_token(GroupKind k) {
   return kTokens[static_cast<int>(k)];
 }
 bool group_kind_is_expert(GroupKind k) {
-  return static_cast<int>(k) >= static_cast<int>(GroupKind::etp);
+  return k != GroupKind::intra_dp_cp && static_cast<int>(k) >= static_cast<int>(GroupKind::etp);
 }
 
 std::vector<std::vector<int>> rank_generator_groups(const RankGeneratorSizes& sizes, std::string_view order,
@@ -184,13 +205,20 @@ ParallelSizes ParallelConfig::validate(int world_size, int num_experts) const {
                  s.tp, ", expert_tensor_parallel_size ", s.etp, ", expert_model_parallel_size ", s.ep,
                  "; a stage must hold both halves of its layers: put pp last "
                  "(\"tp-cp-ep-dp-pp\")");
+  // Megatron's assertions (parallel_state.initialize_model_parallel), quoted, then the values.
   const int inst = num_distributed_optimizer_instances;
   if ((s.dp * s.cp) % inst != 0)
-    MOECORE_FAIL("parallel config: data-parallel size x context_parallel_size (", s.dp, " x ", s.cp, " = ", s.dp * s.cp,
-                 ") must be divisible by num_distributed_optimizer_instances (", inst, ")");
+    MOECORE_FAIL(
+        "parallel config: Data parallel size should be divisible by partial DistOpt shard factor: "
+        "data-parallel size x context_parallel_size (",
+        s.dp, " x ", s.cp, " = ", s.dp * s.cp, ") must be divisible by num_distributed_optimizer_instances (", inst,
+        "); set --num-distributed-optimizer-instances to a divisor of it");
   if (s.edp % inst != 0)
-    MOECORE_FAIL("parallel config: expert data-parallel size (", s.edp,
-                 ") must be divisible by num_distributed_optimizer_instances (", inst, ")");
+    MOECORE_FAIL(
+        "parallel config: Expert data parallel size should be divisible by partial DistOpt shard factor: "
+        "expert data-parallel size (",
+        s.edp, ") must be divisible by num_distributed_optimizer_instances (", inst,
+        "); set --num-distributed-optimizer-instances to a divisor of it");
   return s;
 }
 
@@ -214,16 +242,50 @@ RankCoords RankLayout::coords(int rank) const {
           index_in_group(GroupKind::edp, rank)};
 }
 
+namespace {
+// The dense parameters' shards are all-reduced over the experts' inter-instance group (as in Megatron), and the grad
+// norm sums every shard of an instance once: both need each rank in the same instance of its dp-cp and its edp group,
+// and its inter-instance group to join the same place of every dp-cp instance. Megatron's two orders always give
+// that; another order may not (an Error: it is the order string's doing).
+void check_instances(const RankLayout& l, int n) {
+  if (n == 1) return;
+  const int dense = l.sizes.dp * l.sizes.cp / n, expert = l.sizes.edp / n;
+  for (int r = 0; r < l.sizes.world; ++r) {
+    const int d = l.index_in_group(GroupKind::dp_cp, r), e = l.index_in_group(GroupKind::edp, r);
+    std::vector<int> want;
+    const auto& dp_cp = l.group(GroupKind::dp_cp, r);
+    for (int i = 0; i < n; ++i) want.push_back(dp_cp[static_cast<size_t>(i * dense + d % dense)]);
+    const auto& inter = l.group(GroupKind::inter_dist_opt, r);
+    if (d / dense == e / expert && want == inter) continue;
+    MOECORE_FAIL(
+        "parallel config: order \"", l.sizes.order, "\" with num_distributed_optimizer_instances (", n, ") gives rank ",
+        r, " different distributed-optimizer instances for attention and MoE layers: ",
+        d / dense != e / expert
+            ? detail::str_cat("instance ", d / dense, " of its dp-cp group ", groups_str({dp_cp}), " but instance ",
+                              e / expert, " of its edp group ", groups_str({l.group(GroupKind::edp, r)}))
+            : detail::str_cat("its inter-instance group ", groups_str({inter}), " is not ", groups_str({want}),
+                              ", the same place in its dp-cp group's instances"),
+        "; use Megatron's order \"tp-cp-ep-dp-pp\" or \"tp-cp-ep-pp-dp\"");
+  }
+}
+}  // namespace
+
 RankLayout rank_layout(const ParallelConfig& config, int world_size, int num_experts) {
   RankLayout layout;
   layout.sizes = config.validate(world_size, num_experts);
   const ParallelSizes& s = layout.sizes;
   const auto dec = parse_order({s.tp, s.cp, 1, s.dp, s.pp}, s.order, "attention");
   const auto exp = parse_order({s.etp, 1, s.ep, s.edp, s.pp}, s.order, "expert");
+  const int n = config.num_distributed_optimizer_instances;
   for (int k = 0; k < kNumGroupKinds; ++k) {
     const auto kind = static_cast<GroupKind>(k);
     auto& groups = layout.groups[static_cast<size_t>(k)];
-    groups = generate(group_kind_is_expert(kind) ? exp : dec, s.order, group_kind_token(kind));
+    if (kind == GroupKind::intra_dp_cp)
+      groups = instances(layout.groups[static_cast<size_t>(GroupKind::dp_cp)], n, false);
+    else if (kind == GroupKind::intra_edp || kind == GroupKind::inter_dist_opt)
+      groups = instances(layout.groups[static_cast<size_t>(GroupKind::edp)], n, kind == GroupKind::inter_dist_opt);
+    else
+      groups = generate(group_kind_is_expert(kind) ? exp : dec, s.order, group_kind_token(kind));
     auto& where = layout.where[static_cast<size_t>(k)];
     where.assign(static_cast<size_t>(world_size), {-1, -1});
     for (size_t g = 0; g < groups.size(); ++g)
@@ -235,6 +297,7 @@ RankLayout rank_layout(const ParallelConfig& config, int world_size, int num_exp
     for (size_t r = 0; r < where.size(); ++r)
       MOECORE_CHECK(where[r][0] >= 0, "rank ", r, " in no ", group_kind_name(kind), " group");
   }
+  check_instances(layout, n);
   return layout;
 }
 

@@ -31,9 +31,11 @@ struct ParallelConfig {
   int expert_model_parallel_size = 1;
   // --expert-tensor-parallel-size: ETP, tensor split inside one expert; 0 = same as TP (Megatron's default).
   int expert_tensor_parallel_size = 0;
-  // --num-distributed-optimizer-instances: must divide DP·CP and EDP (e.g. 2).
+  // --num-distributed-optimizer-instances: N copies of the distributed optimizer's state, each sharded over DP·CP / N
+  // ranks (EDP / N for experts); must divide DP·CP and EDP (e.g. 2). Shapes the intra_* and inter_dist_opt groups.
   int num_distributed_optimizer_instances = 1;
-  // Rank order, fastest-varying dim first; Megatron's --use-tp-pp-dp-mapping selects "tp-cp-ep-pp-dp".
+  // Rank order, fastest-varying dim first, for both generators; Megatron's --use-tp-pp-dp-mapping selects
+  // "tp-cp-ep-pp-dp" (then DP must equal EDP when PP > 1).
   std::string order = "tp-cp-ep-dp-pp";
 
   // Checks every constraint for `world_size` ranks and a model with `num_experts` routed experts (0 =
@@ -54,26 +56,36 @@ std::vector<std::vector<int>> rank_generator_groups(const RankGeneratorSizes& si
 
 // Every group kind moecore creates. Attention/dense groups come from the decoder generator
 // (tp=TP, cp=CP, ep=1, dp=DP, pp=PP), MoE groups from the expert generator (tp=ETP, cp=1, ep=EP, dp=EDP,
-// pp=PP).
+// pp=PP). The last three are the partial distributed optimizer's (N = num_distributed_optimizer_instances), built as
+// Megatron's initialize_model_parallel builds them: instance i of a dp-cp group is its members
+// [i·DP·CP/N, (i+1)·DP·CP/N); of an edp group its members [i·EDP/N, (i+1)·EDP/N); the inter-instance group joins the
+// members at the same place in the N instances of an edp group (member j, j + EDP/N, ...), and serves the dense
+// parameters too (Megatron's get_inter_distributed_optimizer_instance_group; rank_layout checks that it joins the
+// same places of the dp-cp instances). With N = 1: intra_dp_cp = dp_cp, intra_edp = edp, inter_dist_opt = singletons.
 enum class GroupKind : int {
-  tp,         // "tp": tensor parallel
-  cp,         // "cp": context parallel
-  dp,         // "dp": data parallel
-  pp,         // "pp": pipeline; identical in both generators
-  dp_cp,      // "dp-cp": gradient reduction of non-expert parameters
-  tp_cp,      // "tp-cp"
-  tp_dp,      // "tp-dp"
-  tp_dp_cp,   // "tp-dp-cp": all ranks of one pipeline stage
-  mp,         // "tp-pp": model parallel
-  etp,        // expert "tp": tensor parallel inside an expert
-  ep,         // expert "ep": expert parallel
-  etp_ep,     // expert "tp-ep": the token dispatcher's group
-  etp_ep_pp,  // expert "tp-ep-pp"
-  edp,        // expert "dp": gradient reduction of expert parameters
+  tp,              // "tp": tensor parallel
+  cp,              // "cp": context parallel
+  dp,              // "dp": data parallel
+  pp,              // "pp": pipeline; identical in both generators
+  dp_cp,           // "dp-cp": gradient reduction of non-expert parameters
+  tp_cp,           // "tp-cp"
+  tp_dp,           // "tp-dp"
+  tp_dp_cp,        // "tp-dp-cp": all ranks of one pipeline stage
+  mp,              // "tp-pp": model parallel
+  etp,             // expert "tp": tensor parallel inside an expert
+  ep,              // expert "ep": expert parallel
+  etp_ep,          // expert "tp-ep": the token dispatcher's group
+  etp_ep_pp,       // expert "tp-ep-pp"
+  edp,             // expert "dp": gradient reduction of expert parameters
+  intra_dp_cp,     // one distributed-optimizer instance of a dp-cp group (Megatron's intra_partial_dp_group_with_cp)
+  intra_edp,       // one instance of an edp group (intra_partial_expert_data_parallel_group)
+  inter_dist_opt,  // the same shard in every instance (inter_partial_expert_data_parallel_group)
 };
-inline constexpr int kNumGroupKinds = 14;
-std::string_view group_kind_name(GroupKind k);   // "tp", "dp_cp", "ep", "edp", ...
-std::string_view group_kind_token(GroupKind k);  // Megatron's token: "tp", "dp-cp", "ep", "dp", ...
+inline constexpr int kNumGroupKinds = 17;
+std::string_view group_kind_name(GroupKind k);  // "tp", "dp_cp", "ep", "edp", "intra_dp_cp", ...
+// Megatron's token: "tp", "dp-cp", "ep", "dp", ...; for the three instance kinds the token of the group they split
+// ("dp-cp", "dp", "dp").
+std::string_view group_kind_token(GroupKind k);
 bool group_kind_is_expert(GroupKind k);
 
 // The coordinates of one rank in both generators.
@@ -117,6 +129,9 @@ struct ProcessGroups {
   const ProcessGroup& etp_ep() const { return get(GroupKind::etp_ep); }
   const ProcessGroup& etp_ep_pp() const { return get(GroupKind::etp_ep_pp); }
   const ProcessGroup& edp() const { return get(GroupKind::edp); }
+  const ProcessGroup& intra_dp_cp() const { return get(GroupKind::intra_dp_cp); }
+  const ProcessGroup& intra_edp() const { return get(GroupKind::intra_edp); }
+  const ProcessGroup& inter_dist_opt() const { return get(GroupKind::inter_dist_opt); }
 };
 
 // Validates (pure; a bad layout throws on every rank before any collective), then creates the

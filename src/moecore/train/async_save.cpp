@@ -27,7 +27,7 @@ AsyncCheckpointSaver::AsyncCheckpointSaver(bool persistent_worker, int cpu_prior
     : persistent_(persistent_worker), worker_(persistent_worker, cpu_priority) {}
 
 AsyncCheckpointSaver::~AsyncCheckpointSaver() {
-  if (held_bytes_ > 0) memory_record_free(MemCategory::other, held_bytes_);
+  if (held_bytes_ > 0) memory_record_free(MemCategory::other, held_bytes_, Device::cpu);
 }
 
 std::optional<int64_t> AsyncCheckpointSaver::in_flight() const {
@@ -61,8 +61,8 @@ void AsyncCheckpointSaver::save(const std::string& root, const model::GptModel& 
 }
 
 void AsyncCheckpointSaver::account(int64_t held) {
-  if (held > held_bytes_) memory_record_alloc(MemCategory::other, held - held_bytes_);
-  if (held < held_bytes_) memory_record_free(MemCategory::other, held_bytes_ - held);
+  if (held > held_bytes_) memory_record_alloc(MemCategory::other, held - held_bytes_, Device::cpu);
+  if (held < held_bytes_) memory_record_free(MemCategory::other, held_bytes_ - held, Device::cpu);
   held_bytes_ = held;
 }
 

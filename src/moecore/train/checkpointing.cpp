@@ -423,7 +423,7 @@ std::optional<model::ModelConfig> checkpoint_recorded_model(const std::string& s
 }
 
 void check_checkpoint_function(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir,
-                               bool finetune) {
+                               bool finetune, bool notes) {
   static const model::ModelConfig kDefaults;
   const std::optional<model::ModelConfig> saved = checkpoint_recorded_model(state_json, dir, kDefaults);
   if (!saved) return;
@@ -432,10 +432,11 @@ void check_checkpoint_function(const std::string& state_json, const model::Model
   std::string list;
   for (const std::string& d : diffs) list += "\n  " + d;
   if (finetune) {
-    std::fprintf(stderr,
-                 "checkpoint: note: %s was trained as another model; --finetune continues from its weights "
-                 "with this run's settings:%s\n",
-                 dir.c_str(), list.c_str());
+    if (notes)
+      std::fprintf(stderr,
+                   "checkpoint: note: %s was trained as another model; --finetune continues from its weights "
+                   "with this run's settings:%s\n",
+                   dir.c_str(), list.c_str());
     return;
   }
   MOECORE_FAIL(
@@ -628,12 +629,29 @@ void load_expert_rows(Tensor& dst, const io::LoadedCheckpoint& ck, const std::st
 }
 }  // namespace
 
+CkptStrictness parse_ckpt_strictness(const std::string& name) {
+  static const std::pair<const char*, CkptStrictness> kModes[] = {
+      {"assume_ok_unexpected", CkptStrictness::assume_ok_unexpected},
+      {"log_unexpected", CkptStrictness::log_unexpected},
+      {"log_all", CkptStrictness::log_all},
+      {"raise_unexpected", CkptStrictness::raise_unexpected},
+      {"raise_all", CkptStrictness::raise_all},
+      {"return_unexpected", CkptStrictness::return_unexpected},
+      {"return_all", CkptStrictness::return_all},
+      {"ignore_all", CkptStrictness::ignore_all}};
+  for (const auto& [n, m] : kModes)
+    if (name == n) return m;
+  MOECORE_FAIL("--dist-ckpt-strictness '", name, "' is not one of Megatron's modes");
+}
+
 namespace {
 // Tensors of the checkpoint that no parameter of the model (every pipeline stage's: the files hold the whole model)
-// takes: a model built with flags that drop them (--disable-bias-linear, --position-embedding-type rope, no expert
-// bias, ...) would otherwise load the rest and save a smaller checkpoint without a word. Missing tensors are found by
-// the loads themselves (need, load_expert_rows). Throws Error naming them.
-void check_no_unexpected_tensors(const io::LoadedCheckpoint& ck, const model::ModelConfig& cfg, bool optimizer) {
+// takes (Megatron's "missing" keys): a model built with flags that drop them (--disable-bias-linear,
+// --position-embedding-type rope, no expert bias, ...) loads the rest and saves a smaller checkpoint. With raise_all an
+// Error names them; in the other modes one warning line does. Tensors the model needs that the checkpoint lacks are
+// found by the loads themselves (need, load_expert_rows).
+void check_no_unexpected_tensors(const io::LoadedCheckpoint& ck, const model::ModelConfig& cfg, bool optimizer,
+                                 CkptStrictness strictness) {
   std::set<std::string> expected;
   for (const model::ParamSpec& p : model::parameter_specs(cfg)) {
     expected.insert(p.name);
@@ -655,6 +673,13 @@ void check_no_unexpected_tensors(const io::LoadedCheckpoint& ck, const model::Mo
   std::string list;
   for (size_t i = 0; i < unexpected.size() && i < 12; ++i) list += "\n  " + unexpected[i];
   if (unexpected.size() > 12) list += "\n  ... and " + std::to_string(unexpected.size() - 12) + " more";
+  if (strictness != CkptStrictness::raise_all) {
+    std::fprintf(stderr,
+                 "warning: checkpoint %s holds %zu tensor%s that this model has no parameter for, not loaded "
+                 "(--dist-ckpt-strictness raise_all refuses them):%s\n",
+                 ck.dir.c_str(), unexpected.size(), unexpected.size() == 1 ? "" : "s", list.c_str());
+    return;
+  }
   MOECORE_FAIL("checkpoint: ", ck.dir, " holds ", unexpected.size(), " tensor", unexpected.size() == 1 ? "" : "s",
                " that this model has no parameter for:", list,
                "\nThe model was built with flags that leave them out (e.g. --disable-bias-linear, ",
@@ -681,8 +706,8 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
     throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
   }
   check_checkpoint_model(ck.state_json, gpt.config(), ck.dir);
-  check_checkpoint_function(ck.state_json, gpt.config(), ck.dir, options.finetune);
-  if (load_rng && state.seed != seed)
+  check_checkpoint_function(ck.state_json, gpt.config(), ck.dir, options.finetune, options.notes);
+  if (load_rng && state.seed != seed && options.warnings)
     std::fprintf(stderr, "checkpoint: warning: %s was saved with --seed %llu, resuming with --seed %llu\n",
                  ck.dir.c_str(), static_cast<unsigned long long>(state.seed), static_cast<unsigned long long>(seed));
   if (!ck.files.count(kModelFile)) MOECORE_FAIL("checkpoint: ", ck.dir, " has no ", kModelFile);
@@ -755,7 +780,7 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
   };
   try {
     tensors(false);
-    check_no_unexpected_tensors(ck, gpt.config(), load_optim);
+    check_no_unexpected_tensors(ck, gpt.config(), load_optim, options.strictness);
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
   }

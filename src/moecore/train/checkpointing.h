@@ -65,10 +65,32 @@ struct CheckpointSaveOptions {
 // fresh optimizer); without the rng state every router noise stream restarts at position 0 (as a fresh run:
 // moecore's randomness is counter-based Philox keyed by --seed and a name, so the streams' positions are
 // the only rng state a run has).
+// Megatron's --dist-ckpt-strictness (core/dist_checkpointing/validation.py StrictHandling). Megatron's words: a
+// "missing" key is a tensor of the checkpoint the model does not take, an "unexpected" key a tensor the model asks
+// for that the checkpoint lacks. Here an unexpected key is an Error in every mode (a parameter left at its initial
+// value is not supported yet; Megatron's log_*, return_* and ignore_all modes would load on). Missing keys: an Error
+// with raise_all; otherwise they are not loaded, and, where Megatron would say nothing, moecore still names them in one
+// warning line (a dropped tensor is never silent).
+enum class CkptStrictness : uint8_t {
+  assume_ok_unexpected,  // Megatron's default
+  log_unexpected,
+  log_all,
+  raise_unexpected,
+  raise_all,
+  return_unexpected,
+  return_all,
+  ignore_all
+};
+// The mode of its name (Megatron's choices); Error otherwise.
+CkptStrictness parse_ckpt_strictness(const std::string& name);
+
 struct CheckpointLoadOptions {
   bool load_optim = true;  // false (--no-load-optim): moments, step count and scheduler state not read
   bool load_rng = true;    // false (--no-load-rng): router noise streams restart at 0; no --seed warning
   bool finetune = false;   // --finetune: weights only; iteration and consumed samples 0 (no optim, no rng)
+  CkptStrictness strictness = CkptStrictness::assume_ok_unexpected;  // --dist-ckpt-strictness
+  bool notes = true;     // the note on stderr about a --finetune from another model (--logging-level: INFO)
+  bool warnings = true;  // the warning on stderr about another --seed (--logging-level: WARNING)
 };
 
 // What a load restored.
@@ -163,9 +185,10 @@ void check_checkpoint_model(const std::string& state_json, const model::ModelCon
 std::optional<model::ModelConfig> checkpoint_recorded_model(const std::string& state_json, const std::string& dir,
                                                             const model::ModelConfig& base);
 // Fields that change the model's function (top-k, RoPE base, norm epsilon, ...) must equal the recorded ones: Error
-// listing each difference, unless `finetune` (--finetune: a new run from the weights), which prints them as a note.
+// listing each difference, unless `finetune` (--finetune: a new run from the weights), which prints them as a note on
+// stderr when `notes`.
 void check_checkpoint_function(const std::string& state_json, const model::ModelConfig& cfg, const std::string& dir,
-                               bool finetune);
+                               bool finetune, bool notes = true);
 // "" when state.json's model fingerprint is cfg's; else the first difference ("hidden_size = 64 but the model has
 // hidden_size = 32"). Throws Error (naming dir) when state.json is not a training state.
 std::string checkpoint_model_difference(const std::string& state_json, const model::ModelConfig& cfg,

@@ -13,13 +13,16 @@ namespace moecore::train {
 namespace {
 
 // Per-step checks of the gradients, on the device, each read back once: the squared norms of the replicated and
-// the expert-parallel parameters, and a non-finite flag per parameter.
+// the expert-parallel parameters, and a non-finite flag per parameter; with the logging flags the zero counts and the
+// parameters' squares.
 struct GradChecks {
-  Tensor sq;     // [3] f64: squares of the replicated, the expert-parallel and the tensor-parallel gradients
+  Tensor sq;  // [3] f64: squares of the replicated, the expert-parallel and the tensor-parallel gradients (or values)
+  Tensor zeros;  // [3] i64: the same parts' zero gradient elements
   Tensor flags;  // [params] i32
   std::vector<int32_t> host_flags;
   explicit GradChecks(const model::GptModel& gpt)
       : sq(Tensor::zeros({3}, DType::f64, MemCategory::workspace, gpt.device())),
+        zeros(Tensor::zeros({3}, DType::i64, MemCategory::workspace, gpt.device())),
         flags(Tensor::zeros({std::max<int64_t>(1, static_cast<int64_t>(gpt.params().size()))}, DType::i32,
                             MemCategory::workspace, gpt.device())),
         host_flags(static_cast<size_t>(flags.numel())) {}
@@ -164,35 +167,45 @@ bool etp_replica(const Param& p, const TrainGroups& g) {
   return p.expert_parallel && !p.tp.sharded() && g.etp.size() > 1;
 }
 
-// A stage's sum of squares summed over the pipeline's stages (each holds its own parameters).
-double over_pipeline(double sq, const TrainGroups& g) {
-  if (g.pp.size() > 1) all_reduce_sum(std::span<double>(&sq, 1), g.pp);
-  return sq;
+// A stage's sum (of squares, of zeros) summed over the pipeline's stages (each holds its own parameters).
+template <class T>
+T over_pipeline(T v, const TrainGroups& g) {
+  if (g.pp.size() > 1) all_reduce_sum(std::span<T>(&v, 1), g.pp);
+  return v;
 }
 
-// The global L2 norm of the reduced gradients, every parameter counted once: the replicated parameters'
-// squares are identical on every rank; the expert shards' squares are summed over the ETP x EP group and the
-// tensor-parallel shards' over the TP group.
-double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, GradChecks& c) {
-  c.sq.zero_();
-  Tensor sq_dense = c.sq.slice(0, 0, 1), sq_expert = c.sq.slice(0, 1, 2), sq_tp = c.sq.slice(0, 2, 3);
+// A sum over the model's parameters, every parameter counted once: add(part, p) adds parameter p's term into acc's
+// slot for its part -- [0] the replicated parameters, identical on every rank; [1] the expert shards, summed over the
+// ETP x EP group; [2] the tensor-parallel shards, summed over the TP group -- then the parts are added and summed over
+// the stages. acc: [3] f64 or i64 on the model's device.
+template <class T, class Add>
+T sum_over_groups(const model::GptModel& gpt, const TrainGroups& g, Tensor& acc, Add&& add) {
+  acc.zero_();
+  Tensor part[3] = {acc.slice(0, 0, 1), acc.slice(0, 1, 2), acc.slice(0, 2, 3)};
   for (const auto& p : gpt.params())
     if ((!etp_replica(p, g) || g.etp.rank() == 0) && !p.pipeline_copy)
-      ops::sum_squares(p.expert_parallel ? sq_expert
-                       : p.tp.sharded()  ? sq_tp
-                                         : sq_dense,
-                       p.grad, ops::Context{gpt.device()});
+      add(part[p.expert_parallel ? 1 : p.tp.sharded() ? 2 : 0], p);
   const ProcessGroup& experts = g.etp.size() > 1 ? g.etp_ep : g.ep;
-  if (experts.size() > 1) all_reduce_sum(sq_expert, experts);
-  if (g.tp.size() > 1) all_reduce_sum(sq_tp, g.tp);
-  double sq[3];
-  c.sq.copy_to_host(sq, 3);
-  return std::sqrt(over_pipeline(sq[0] + sq[1] + sq[2], g));
+  if (experts.size() > 1) all_reduce_sum(part[1], experts);
+  if (g.tp.size() > 1) all_reduce_sum(part[2], g.tp);
+  T v[3];
+  acc.copy_to_host(v, 3);
+  return over_pipeline(v[0] + v[1] + v[2], g);
+}
+
+// The global L2 norm of the reduced gradients.
+double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, GradChecks& c) {
+  const ops::Context ctx{gpt.device()};
+  return std::sqrt(sum_over_groups<double>(gpt, g, c.sq,
+                                           [&](Tensor& part, const Param& p) { ops::sum_squares(part, p.grad, ctx); }));
 }
 // The distributed optimizer (ZeRO-1) of a run: non-expert parameters sharded over dp, expert parameters
 // over edp. Gradients are reduce-scattered in buckets; the masters are all-gathered after each step. Under TP the
 // tensor-parallel shards get an instance of their own (over dp as well), so the grad norm counts the replicated
-// parameters once and sums the shards over TP.
+// parameters once and sums the shards over TP. With N > 1 distributed-optimizer instances (Megatron's partial
+// distributed optimizer) each shards over one instance -- intra_dp_cp, intra_edp -- and all-reduces its shards over
+// inter_dist_opt; the norm then sums over one instance (its ranks of the stage: intra_dp_cp x tp, which
+// rank_layout makes the same ranks as intra_edp x ep x etp).
 struct ZeroOptimizers {
   // expert_replica: etp_replica(); pipeline_copy: Param::pipeline_copy (out of the norm: the first stage counts it)
   enum Kind { replicated, tensor_parallel, expert, expert_replica, pipeline_copy, kinds };
@@ -200,11 +213,14 @@ struct ZeroOptimizers {
   std::vector<size_t> idx[kinds];              // parameter indices of each instance, in model order
   std::vector<std::pair<Kind, size_t>> where;  // per model parameter: its instance and index there
   const TrainGroups& g;
+  const ProcessGroup& dense;  // the ranks the non-expert state is sharded over (and the norm summed over)
+  const ProcessGroup& experts;
 
-  // overlap: the instances can reduce during backward and gather during the next forward (--overlap-*).
+  // overlap: the instances can reduce during backward and gather during the next forward (--overlap-*). n: the
+  // distributed-optimizer instances.
   ZeroOptimizers(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& groups, int64_t bucket,
-                 bool overlap)
-      : g(groups) {
+                 bool overlap, int n)
+      : g(groups), dense(n > 1 ? g.intra_dp_cp : g.dense_grads()), experts(n > 1 ? g.intra_edp : g.edp) {
     std::vector<Param*> p[kinds];
     auto& params = gpt.params();
     for (size_t i = 0; i < params.size(); ++i) {
@@ -217,11 +233,12 @@ struct ZeroOptimizers {
       p[k].push_back(&params[i]);
       idx[k].push_back(i);
     }
+    const ProcessGroup across = n > 1 ? g.inter_dist_opt : ProcessGroup();
     for (int k = 0; k < kinds; ++k)
       if (k == replicated || !p[k].empty())
-        opt[k] = std::make_unique<optim::DistributedAdamW>(p[k], cfg,
-                                                           k == expert || k == expert_replica ? g.edp : g.dense_grads(),
-                                                           optim::DistributedAdamWOptions{bucket, overlap});
+        opt[k] =
+            std::make_unique<optim::DistributedAdamW>(p[k], cfg, k == expert || k == expert_replica ? experts : dense,
+                                                      optim::DistributedAdamWOptions{bucket, overlap}, across);
   }
   // --overlap-grad-reduce: begin before the last backward, grad_ready as the model reports gradients final, finish.
   void begin_grad_reduction() {
@@ -255,26 +272,40 @@ struct ZeroOptimizers {
     });
     return s;
   }
-  // Every shard once: replicated shards sum over dp (x cp); tensor-parallel shards over dp (x cp) x tp; expert
-  // shards over edp x ep x etp, which is tp x dp x cp (every rank), those whole on every ETP rank from ETP rank 0.
-  double grad_norm() const {
-    const double rep = opt[replicated]->shard_grad_sq();
-    double rest = (opt[tensor_parallel] ? opt[tensor_parallel]->shard_grad_sq() : 0.0) +
-                  (opt[expert] ? opt[expert]->shard_grad_sq() : 0.0) +
-                  (opt[expert_replica] && g.etp.rank() == 0 ? opt[expert_replica]->shard_grad_sq() : 0.0);
-    const ProcessGroup& dp = g.dense_grads();
+  // A sum over every shard once of shard(instance): replicated shards sum over dp (x cp); tensor-parallel shards over
+  // dp (x cp) x tp; expert shards over edp x ep x etp, which is tp x dp x cp (every rank), those whole on every ETP
+  // rank from ETP rank 0. With instances, over one instance's part of each (the others hold the same shards).
+  template <class T, class Shard>
+  T sum_shards(Shard&& shard) const {
+    const T rep = shard(*opt[replicated]);
+    T rest = (opt[tensor_parallel] ? shard(*opt[tensor_parallel]) : T{0}) + (opt[expert] ? shard(*opt[expert]) : T{0}) +
+             (opt[expert_replica] && g.etp.rank() == 0 ? shard(*opt[expert_replica]) : T{0});
+    const ProcessGroup& dp = dense;
     if (g.tp.size() == 1) {  // one sum over dp (the layout before TP: unchanged bits)
-      double sq = rep + rest;
-      if (dp.size() > 1) all_reduce_sum(std::span<double>(&sq, 1), dp);
-      return std::sqrt(over_pipeline(sq, g));
+      T v = rep + rest;
+      if (dp.size() > 1) all_reduce_sum(std::span<T>(&v, 1), dp);
+      return over_pipeline(v, g);
     }
-    double v[2] = {rep, rest};
-    all_reduce_sum(std::span<double>(v, 2), dp);
-    all_reduce_sum(std::span<double>(&v[1], 1), g.tp);
-    return std::sqrt(over_pipeline(v[0] + v[1], g));
+    T v[2] = {rep, rest};
+    all_reduce_sum(std::span<T>(v, 2), dp);
+    all_reduce_sum(std::span<T>(&v[1], 1), g.tp);
+    return over_pipeline(v[0] + v[1], g);
   }
-  void step(float lr, float clip, bool gather_later) {
-    each([&](optim::DistributedAdamW& o, const auto&) { o.step(lr, clip, gather_later); });
+  double grad_norm() const {
+    return std::sqrt(sum_shards<double>([](const optim::DistributedAdamW& o) { return o.shard_grad_sq(); }));
+  }
+  double params_norm() const {
+    return std::sqrt(sum_shards<double>([](const optim::DistributedAdamW& o) { return o.shard_param_sq(); }));
+  }
+  int64_t grad_zeros(float clip_scale) const {
+    return sum_shards<int64_t>([&](const optim::DistributedAdamW& o) { return o.shard_grad_zeros(clip_scale); });
+  }
+  // The update of every instance, then their gathers (in the instances' order, as the collectives need).
+  void update(float lr, float clip) {
+    each([&](optim::DistributedAdamW& o, const auto&) { o.update(lr, clip); });
+  }
+  void gather_params(bool later) {
+    each([&](optim::DistributedAdamW& o, const auto&) { o.gather_params(later); });
   }
   int64_t state_bytes() const {
     int64_t n = 0;
@@ -314,8 +345,9 @@ struct ZeroOptimizers {
 // groups, one update of every parameter.
 class ReplicatedAdamW final : public Optimizer {
  public:
-  ReplicatedAdamW(model::GptModel& gpt, optim::AdamW& opt, const TrainGroups& g, int64_t bucket, bool overlap)
-      : gpt_(gpt), opt_(opt), g_(g), checks_(gpt) {
+  ReplicatedAdamW(model::GptModel& gpt, optim::AdamW& opt, const TrainGroups& g, int64_t bucket, bool overlap,
+                  Timers* timers)
+      : gpt_(gpt), opt_(opt), g_(g), timers_(timers), checks_(gpt) {
     if (!opt.has_state())
       MOECORE_FAIL("training: the optimizer holds no state; build it with state or set use_distributed_optimizer");
     // Expert gradients reduce over edp, which may span the TP ranks (TP 2 x DP 1 has EDP 2 with ETP 1).
@@ -340,9 +372,30 @@ class ReplicatedAdamW final : public Optimizer {
   }
   std::string first_nonfinite_grad() override { return first_nonfinite_gradient(gpt_, checks_); }
   optim::StepStats step(float lr) override {
-    const optim::StepStats st = opt_.step(lr, grad_norm_over_groups(gpt_, g_, checks_));
+    double norm = 0;
+    {
+      const TimerScope t(timers_, TimerName::optimizer_clip_main_grad);
+      norm = grad_norm_over_groups(gpt_, g_, checks_);
+    }
+    optim::StepStats st;
+    {
+      const TimerScope t(timers_, TimerName::optimizer_inner_step);
+      st = opt_.step(lr, norm);
+    }
+    const TimerScope t(timers_, TimerName::optimizer_copy_main_to_model_params);
     gpt_.refresh_compute_weights();
     return st;
+  }
+  int64_t count_zeros_in_grad(float clip_scale) override {
+    const ops::Context ctx{gpt_.device()};
+    return sum_over_groups<int64_t>(gpt_, g_, checks_.zeros, [&](Tensor& part, const Param& p) {
+      ops::count_zeros(part, p.grad, clip_scale, ctx);
+    });
+  }
+  double params_norm() override {
+    const ops::Context ctx{gpt_.device()};
+    return std::sqrt(sum_over_groups<double>(
+        gpt_, g_, checks_.sq, [&](Tensor& part, const Param& p) { ops::sum_squares(part, p.value, ctx); }));
   }
   void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
             const CheckpointSaveOptions& parts, AsyncCheckpointSaver* async) override {
@@ -360,6 +413,7 @@ class ReplicatedAdamW final : public Optimizer {
   model::GptModel& gpt_;
   optim::AdamW& opt_;
   const TrainGroups& g_;
+  Timers* timers_;
   GradChecks checks_;
   bool overlap_ = false;
   std::unique_ptr<GradBuckets> buckets_;
@@ -370,11 +424,12 @@ class ReplicatedAdamW final : public Optimizer {
 class DistributedOptimizer final : public Optimizer {
  public:
   DistributedOptimizer(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& g, int64_t bucket,
-                       bool overlap_grads, bool gather_later)
+                       bool overlap_grads, bool gather_later, int instances, Timers* timers)
       : gpt_(gpt),
         cfg_(cfg),
-        zero_(gpt, cfg, g, bucket, overlap_grads),
+        zero_(gpt, cfg, g, bucket, overlap_grads, instances),
         g_(g),
+        timers_(timers),
         overlap_(overlap_grads),
         gather_later_(gather_later) {}
   bool overlaps_grad_reduction() const override { return overlap_; }
@@ -396,10 +451,21 @@ class DistributedOptimizer final : public Optimizer {
   std::string first_nonfinite_grad() override { return zero_.first_nonfinite_grad(); }
   optim::StepStats step(float lr) override {
     optim::StepStats st;
-    st.grad_norm = zero_.grad_norm();
-    st.clip_scale = optim::clip_scale_for(st.grad_norm, cfg_.clip_grad);
-    zero_.step(lr, st.clip_scale, gather_later_);
+    {
+      const TimerScope t(timers_, TimerName::optimizer_clip_main_grad);
+      st.grad_norm = zero_.grad_norm();
+      st.clip_scale = optim::clip_scale_for(st.grad_norm, cfg_.clip_grad);
+    }
+    {
+      const TimerScope t(timers_, TimerName::optimizer_inner_step);
+      zero_.update(lr, st.clip_scale);
+    }
+    {
+      const TimerScope t(timers_, TimerName::params_all_gather);
+      zero_.gather_params(gather_later_);
+    }
     if (!gather_later_) {
+      const TimerScope t(timers_, TimerName::optimizer_copy_main_to_model_params);
       gpt_.refresh_compute_weights();
       return st;
     }
@@ -407,6 +473,8 @@ class DistributedOptimizer final : public Optimizer {
     pending_ = true;
     return st;
   }
+  int64_t count_zeros_in_grad(float clip_scale) override { return zero_.grad_zeros(clip_scale); }
+  double params_norm() override { return zero_.params_norm(); }
   bool gathers_params_later() const override { return gather_later_; }
   void params_needed(size_t first, size_t end) override {
     if (!pending_) return;
@@ -451,6 +519,7 @@ class DistributedOptimizer final : public Optimizer {
   optim::AdamWConfig cfg_;
   ZeroOptimizers zero_;
   const TrainGroups& g_;
+  Timers* timers_;
   bool overlap_, gather_later_;
   std::vector<char> stale_;  // per parameter: its compute copy predates the last step
   bool pending_ = false;     // gathers posted by the last step and not all waited for
@@ -458,11 +527,12 @@ class DistributedOptimizer final : public Optimizer {
 }  // namespace
 
 std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& cfg,
-                                          const TrainGroups& groups) {
+                                          const TrainGroups& groups, Timers* timers) {
   if (cfg.use_distributed_optimizer)
     return std::make_unique<DistributedOptimizer>(gpt, adamw.config(), groups, cfg.ddp_bucket_size,
-                                                  cfg.overlap_grad_reduce, cfg.overlap_param_gather);
-  return std::make_unique<ReplicatedAdamW>(gpt, adamw, groups, cfg.ddp_bucket_size, cfg.overlap_grad_reduce);
+                                                  cfg.overlap_grad_reduce, cfg.overlap_param_gather,
+                                                  cfg.num_distributed_optimizer_instances, timers);
+  return std::make_unique<ReplicatedAdamW>(gpt, adamw, groups, cfg.ddp_bucket_size, cfg.overlap_grad_reduce, timers);
 }
 
 }  // namespace moecore::train

@@ -13,6 +13,7 @@
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
 #include "moecore/train/checkpointing.h"
+#include "moecore/train/timers.h"
 #include "moecore/train/train_groups.h"
 
 namespace moecore::train {
@@ -41,6 +42,15 @@ class Optimizer {
   // The update with learning rate lr: the global gradient norm over every group, clipping, the step, then the compute
   // copies (or, --overlap-param-gather, their gathers posted for the next forward). Collective.
   virtual optim::StepStats step(float lr) = 0;
+  // After step(), until the next begin_grad_reduction(): the zero elements of the reduced gradients as the update
+  // applied them, times its clip scale in f32 (Megatron's count_zeros_fp32, which counts after clipping in place;
+  // moecore's update reads the gradients unchanged), every element counted once over the groups as in the grad norm.
+  // Collective.
+  virtual int64_t count_zeros_in_grad(float clip_scale) = 0;
+  // The L2 norm of the f32 parameters (Megatron's calc_params_l2_norm over the main params), every parameter counted
+  // once over the groups as in the grad norm; the distributed optimizer sums its ranks' own updated ranges, so the
+  // norm is the updated one while --overlap-param-gather's gathers are in flight. Collective.
+  virtual double params_norm() = 0;
   // --overlap-param-gather: params()[first, end) current before forward reads them (the model's set_params_needed
   // hook); settle() completes every gather in flight (before a checkpoint, at the end). No-ops otherwise.
   virtual bool gathers_params_later() const { return false; }
@@ -55,10 +65,11 @@ class Optimizer {
   virtual int64_t state_bytes() const = 0;
 };
 
-// The optimizer cfg selects (use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, ddp_bucket_size)
-// over gpt's parameters, with adamw's hyperparameters (and, without the distributed optimizer, its state: adamw must
-// hold it). gpt, adamw and groups must outlive it.
+// The optimizer cfg selects (use_distributed_optimizer, num_distributed_optimizer_instances, overlap_grad_reduce,
+// overlap_param_gather, ddp_bucket_size) over gpt's parameters, with adamw's hyperparameters (and, without the
+// distributed optimizer, its state: adamw must hold it). Its step's phases run under `timers` (timers.h; null:
+// untimed). gpt, adamw, groups and timers must outlive it.
 std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& cfg,
-                                          const TrainGroups& groups);
+                                          const TrainGroups& groups, Timers* timers = nullptr);
 
 }  // namespace moecore::train

@@ -60,8 +60,8 @@ struct HookGuard {
 }  // namespace
 
 TrainStep::TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cfg, const TrainGroups& groups,
-                     const BatchFn& batches)
-    : gpt_(gpt), opt_(opt), cfg_(cfg), g_(groups), batches_(batches), micro_(cfg.micro_batches()) {
+                     const BatchFn& batches, Timers* timers)
+    : gpt_(gpt), opt_(opt), cfg_(cfg), g_(groups), batches_(batches), timers_(timers), micro_(cfg.micro_batches()) {
   const int64_t dp = g_.dp.size();
   if (micro_ % dp != 0)
     MOECORE_FAIL("training: global_batch_size (", cfg.global_batch_size, ") must be divisible by micro_batch_size (",
@@ -119,6 +119,8 @@ void TrainStep::run_transfers(const std::function<void(const ScheduleOp&)>& run_
     } else if (a.kind == P2PAction::post_send) {
       h = isend(acts ? gpt_.stage_output(slot) : gpt_.stage_input_grad(slot), acts ? up : down, group);
     } else {
+      const TimerScope t(timers_, acts ? (sends ? TimerName::forward_send : TimerName::forward_recv)
+                                       : (sends ? TimerName::backward_send : TimerName::backward_recv));
       const BlockedIn waiting{pipeline_wait_};
       h.wait();
     }
@@ -143,6 +145,7 @@ StepResult TrainStep::run(int64_t it, float lr) {
     MOECORE_CHECK(!moe_overflow_anywhere(gpt_), "training: the synced dropless path overflowed");
   }
   check_and_update(r, it, lr);
+  if (cfg_.log_params_norm && cfg_.logs_step(it)) r.params_norm = opt_.params_norm();
   return r;
 }
 
@@ -155,6 +158,7 @@ StepResult TrainStep::pass(int64_t it) {
   r.mtp_loss.assign(static_cast<size_t>(gpt_.config().mtp_num_layers), 0.0);
   int64_t moe_layers = moe_layers_;  // this stage's, then the pipeline's
   gpt_.zero_grad();
+  const TimerScope forward_backward(timers_, TimerName::forward_backward);
   opt_.begin_grad_reduction();
   HookGuard hook_guard{gpt_};
   // With overlap the gradients are reported final as the passes finish them (below). The parameter shared between the
@@ -177,8 +181,12 @@ StepResult TrainStep::pass(int64_t it) {
         opt_.overlaps_grad_reduction() && mb + 1 == micro_local_ && (!forward || gpt_.post_process(op.chunk));
     if (final) gpt_.set_grad_ready(hook);
     if (forward) {
-      batches_(tokens_, labels_, false, it * micro_ + first + mb);
+      {
+        const TimerScope t(timers_, TimerName::batch_generator);
+        batches_(tokens_, labels_, false, it * micro_ + first + mb);
+      }
       gpt_.set_dropout_step(it, first + mb);
+      const TimerScope t(timers_, TimerName::forward_compute);
       const model::LossResult l = gpt_.forward(slot, tokens_, labels_, grad_scale);
       if (gpt_.post_process(op.chunk)) {
         r.loss += l.mean();
@@ -187,6 +195,7 @@ StepResult TrainStep::pass(int64_t it) {
       }
       accumulate_moe_losses(gpt_, op.chunk, r.moe_losses);
     } else {
+      const TimerScope t(timers_, TimerName::backward_compute);
       gpt_.backward(slot, grad_scale);
     }
     if (final) gpt_.set_grad_ready({});
@@ -227,6 +236,7 @@ StepResult TrainStep::pass(int64_t it) {
       for (int64_t l = 0; l < gpt_.config().num_transformer_layers(); ++l)
         if (moe::RouterState* st = gpt_.router_state(l)) all_reduce_sum(st->local_tokens_per_expert, *grp);
   {
+    const TimerScope t(timers_, TimerName::all_grads_sync);
     const BlockedIn in_reduction{grad_reduce_blocked_};
     opt_.finish_grad_reduction();
   }
@@ -234,7 +244,9 @@ StepResult TrainStep::pass(int64_t it) {
 }
 
 void TrainStep::check_and_update(StepResult& r, int64_t it, float lr) {
+  const TimerScope optimizer(timers_, TimerName::optimizer);
   if (cfg_.check_for_nan) {
+    const TimerScope t(timers_, TimerName::optimizer_unscale_and_check_inf);
     r.nonfinite = !std::isfinite(r.loss) ? std::string("lm loss") : opt_.first_nonfinite_grad();
     if (g_.world_size() > 1) {  // shards differ between ranks: all must take the same decision
       int64_t flag = r.nonfinite.empty() ? 0 : 1;
@@ -248,12 +260,17 @@ void TrainStep::check_and_update(StepResult& r, int64_t it, float lr) {
     r.skipped = !r.nonfinite.empty();
   }
   if (!r.skipped) r.stats = opt_.step(lr);
+  if (!r.skipped && cfg_.log_num_zeros_in_grad && cfg_.logs_step(it)) {
+    const TimerScope t(timers_, TimerName::optimizer_count_zeros);
+    r.num_zeros = static_cast<double>(opt_.count_zeros_in_grad(r.stats.clip_scale));
+  }
   gpt_.finish_step(/*update=*/!r.skipped);
 }
 
 // Megatron's embedding-group all-reduce: the first and the last stage exchange their gradients of the shared parameter
 // and both add them in the order first + last (equal bits on both), before the data-parallel reduction.
 void TrainStep::sum_shared_grad(size_t index) {
+  const TimerScope t(timers_, TimerName::embedding_grads_all_reduce);
   const ProcessGroup& pp = g_.pp;
   const int peer = gpt_.pre_process(0) ? pp.size() - 1 : 0;
   Tensor& grad = gpt_.params()[index].grad;

@@ -3,6 +3,7 @@
 // check, the MoE router updates, and the step's losses reduced over the data-parallel group. Not here: the run
 // around it -- LR schedule, logging, evaluation, checkpoints, signals (trainer.h).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -11,6 +12,7 @@
 #include "moecore/model/gpt.h"
 #include "moecore/train/optimizer.h"
 #include "moecore/train/schedule.h"
+#include "moecore/train/timers.h"
 #include "moecore/train/trainer.h"
 
 namespace moecore::train {
@@ -23,6 +25,9 @@ struct StepResult {
   bool skipped = false;          // a non-finite loss or gradient under --nan-action skip: no update
   std::string nonfinite;         // what was not finite ("" when all was)
   bool retried = false;          // over the static received-token capacity somewhere: run again synced, dropless
+  // On the steps that end a log interval (cfg.log_interval), with the logging flags; NaN otherwise.
+  double num_zeros = NAN;    // log_num_zeros_in_grad, steps not skipped: Optimizer::count_zeros_in_grad
+  double params_norm = NAN;  // log_params_norm: Optimizer::params_norm after the step
 };
 
 class TrainStep {
@@ -33,15 +38,17 @@ class TrainStep {
   // (cfg.microbatch_group_size_per_vp_stage); gpt gets the schedule's activation slots. Between stages (groups.pp)
   // the activations go forward and their gradients back point-to-point as pipeline_transfers plans them (schedule.h),
   // the gradients on a communicator of their own. Collective over groups.pp (that communicator).
+  // The phases run under `timers` (timers.h; null: untimed).
   TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cfg, const TrainGroups& groups,
-            const BatchFn& batches);
+            const BatchFn& batches, Timers* timers = nullptr);
   // Step `iteration` (0-based) with learning rate lr: zeroes the gradients, runs the schedule (dropout keyed by the
   // iteration and each micro-batch's index in the global batch), reduces, checks (cfg.check_for_nan: a non-finite
   // loss or gradient stops with an Error naming it, or with --nan-action skip drops the update; every rank decides
   // alike), updates and finishes the routers' step. With a static received-token capacity (gpt.moe_static_capacity)
   // an overflow on any rank (agreed over the groups) discards the pass -- gradients, losses, router counters -- and
   // runs the step once more on the synced dropless path (retried), whose buffers stay until the next step starts.
-  // Collective over the groups.
+  // On a step that ends a log interval, the zeros of the gradients and the norm of the parameters as the logging flags
+  // ask (StepResult). Collective over the groups.
   StepResult run(int64_t iteration, float lr);
   int64_t micro_batches_per_rank() const { return micro_local_; }
   // Seconds this rank was blocked in the gradient reduction since the last call (the reduction posted during backward
@@ -57,6 +64,7 @@ class TrainStep {
   const TrainConfig& cfg_;
   const TrainGroups& g_;
   const BatchFn& batches_;
+  Timers* timers_;
   int64_t micro_ = 0, micro_local_ = 0;
   int64_t moe_layers_ = 0;  // the MoE layers this stage holds (MTP depths included)
   Schedule schedule_;

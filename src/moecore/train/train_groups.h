@@ -6,6 +6,9 @@
 // Non-expert gradients are summed over dp x cp (`dp_cp`: each CP rank holds a part of every sequence), expert
 // gradients over edp (after the model has summed its tp_grad_sum parameters over tp). `pp` is the pipeline: the ranks
 // holding the other stages of the same model replica; every other group lies within one stage.
+// The partial distributed optimizer (--num-distributed-optimizer-instances N > 1) shards its state within one of N
+// instances -- `intra_dp_cp` for non-expert, `intra_edp` for expert parameters -- and all-reduces the reduce-scattered
+// shards over `inter_dist_opt`, the same place in every instance (Megatron's groups, process_groups.h).
 #pragma once
 #include "moecore/parallel/comm.h"
 #include "moecore/parallel/process_groups.h"
@@ -24,6 +27,9 @@ struct TrainGroups {
   ProcessGroup dp_cp = comm_single("dp_cp");  // needed when cp > 1
   ProcessGroup tp_cp = comm_single("tp_cp");  // needed when cp > 1
   ProcessGroup pp = comm_single("pp");
+  ProcessGroup intra_dp_cp = comm_single("intra_dp_cp");        // with N > 1: one instance of dense_grads()
+  ProcessGroup intra_edp = comm_single("intra_edp");            // with N > 1: one instance of edp
+  ProcessGroup inter_dist_opt = comm_single("inter_dist_opt");  // with N > 1: across the N instances
   // The group non-expert gradients are summed over.
   const ProcessGroup& dense_grads() const { return cp.size() > 1 ? dp_cp : dp; }
   int stage_size() const { return dp.size() * tp.size() * cp.size(); }  // the ranks of one pipeline stage
@@ -44,6 +50,9 @@ inline TrainGroups train_groups(const ProcessGroups& pg) {
   g.dp_cp = pg.dp_cp();
   g.tp_cp = pg.tp_cp();
   g.pp = pg.pp();
+  g.intra_dp_cp = pg.intra_dp_cp();
+  g.intra_edp = pg.intra_edp();
+  g.inter_dist_opt = pg.inter_dist_opt();
   return g;
 }
 

@@ -13,9 +13,10 @@
 
 #include "moecore/core/rng.h"
 #include "moecore/io/checkpoint.h"
-#include "moecore/io/metrics.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/gemm_peak.h"
+#include "moecore/train/replica_check.h"
+#include "moecore/train/run_log.h"
 #include "moecore/train/run_saves.h"
 #include "moecore/train/signals.h"
 #include "moecore/train/step.h"
@@ -31,6 +32,12 @@ void TrainConfig::validate() const {
     MOECORE_FAIL(
         "training: --overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in "
         "Megatron)");
+  if (num_distributed_optimizer_instances < 1)
+    MOECORE_FAIL("training: --num-distributed-optimizer-instances (", num_distributed_optimizer_instances,
+                 ") must be >= 1");
+  if (num_distributed_optimizer_instances > 1 && !use_distributed_optimizer)  // Megatron's DDP assertion, quoted
+    MOECORE_FAIL("training: Partial DistOpt cannot be used without DistOpt: --num-distributed-optimizer-instances (",
+                 num_distributed_optimizer_instances, ") > 1 needs --use-distributed-optimizer");
   if (lr_decay_style != "constant" && lr_decay_style != "linear" && lr_decay_style != "cosine" &&
       lr_decay_style != "WSD")
     MOECORE_FAIL("--lr-decay-style '", lr_decay_style, "' is not one of constant, linear, cosine, WSD");
@@ -54,11 +61,23 @@ void TrainConfig::validate() const {
   if (save_interval < 0 || keep_last < 0)
     MOECORE_FAIL("--save-interval (", save_interval, ") and --keep-last-checkpoints (", keep_last,
                  ") must not be negative");
-  if (save_interval > 0 && save.empty()) MOECORE_FAIL("--save-interval needs --save DIR");
+  // (--save-interval without --save is accepted as Megatron does: nothing is saved)
+  if (check_weight_hash_interval < 0)
+    MOECORE_FAIL("--check-weight-hash-across-dp-replicas-interval (", check_weight_hash_interval,
+                 ") must not be negative");
+  if (!(exit_duration_mins >= 0 && std::isfinite(exit_duration_mins)))
+    MOECORE_FAIL("--exit-duration-in-mins (", exit_duration_mins, ") must be a non-negative number of minutes");
   if (exit_interval < 0) MOECORE_FAIL("--exit-interval (", exit_interval, ") must not be negative");
   if (ckpt_step < -1) MOECORE_FAIL("--ckpt-step (", ckpt_step, ") must not be negative");
   if (ckpt_step >= 0 && load.empty())
     MOECORE_FAIL("--ckpt-step (", ckpt_step, ") needs --load DIR: it picks which iteration of DIR to load");
+  if (timing_log_level < 0 || timing_log_level > 2)
+    MOECORE_FAIL("--timing-log-level ", timing_log_level, " is not one of 0, 1, 2");
+  if (timing_log_option != "minmax" && timing_log_option != "max" && timing_log_option != "all")
+    MOECORE_FAIL("--timing-log-option '", timing_log_option, "' is not one of minmax, max, all");
+  if (logging_level && *logging_level < 0)
+    MOECORE_FAIL("--logging-level ", *logging_level, " must not be negative (Python's levels: 10 DEBUG, 20 INFO, ",
+                 "30 WARNING, 40 ERROR)");
   if (override_opt_param_scheduler && use_checkpoint_opt_param_scheduler)
     MOECORE_FAIL("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other ",
                  "(both override and use-checkpoint are set): keep the command line's LR schedule or the checkpoint's");
@@ -134,158 +153,6 @@ double evaluate(model::GptModel& gpt, const TrainConfig& cfg, const BatchFn& bat
 }
 
 namespace {
-std::string format_moe_losses(const moe::MoeConfig& mc, const MoeStepLosses& l) {
-  std::string s;
-  if (!mc.enabled()) return s;
-  char buf[64];
-  auto add = [&](const char* name, double v) {
-    std::snprintf(buf, sizeof buf, " | %s %.4f", name, v);
-    s += buf;
-  };
-  if (mc.uses(moe::LoadBalancing::aux_loss)) add("load_balancing_loss", l.aux_loss);
-  if (mc.uses(moe::LoadBalancing::seq_aux_loss)) add("seq_load_balancing_loss", l.seq_aux_loss);
-  if (mc.uses(moe::LoadBalancing::global_aux_loss)) add("global_load_balancing_loss", l.global_aux_loss);
-  if (mc.z_loss_coeff > 0) add("z_loss", l.z_loss);
-  return s;
-}
-// MoE ECHO's plans of the last micro-batch, per layer (nullopt: no ECHO there), read once per logged step.
-using EchoLayers = std::vector<std::optional<moe::EchoStatsHost>>;
-EchoLayers echo_layers(const model::GptModel& gpt) {
-  EchoLayers v;
-  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) v.push_back(gpt.moe_echo_stats(l));
-  return v;
-}
-// Over the layers: the worst max/mean received load per EP rank before and after the plan, clones made and bytes of
-// weights moved (summed). nullopt without ECHO.
-struct EchoSummary {
-  double before = 0, after = 0;
-  int64_t clones = 0, weight_bytes = 0;
-};
-std::optional<EchoSummary> echo_summary(const EchoLayers& layers) {
-  std::optional<EchoSummary> sum;
-  for (const std::optional<moe::EchoStatsHost>& e : layers) {
-    if (!e) continue;
-    if (!sum) sum.emplace();
-    sum->before = std::max(sum->before, e->max_over_mean_before());
-    sum->after = std::max(sum->after, e->max_over_mean_after());
-    sum->clones += e->clones;
-    sum->weight_bytes += e->weight_bytes;
-  }
-  return sum;
-}
-
-// Per-layer router statistics of the last micro-batch: tokens per expert, max/mean load, drops and losses.
-void log_moe_layers(const model::GptModel& gpt, const EchoLayers& echo, std::FILE* log) {
-  for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
-    const moe::RouterStats* stats = gpt.moe_stats(l);
-    if (!stats) continue;
-    const moe::RouterStatsHost st = moe::router_stats_host(*stats);  // once per logged step
-    std::string tpe;
-    for (size_t e = 0; e < st.tokens_per_expert.size(); ++e)
-      tpe += (e ? "," : "") + std::to_string(st.tokens_per_expert[e]);
-    std::fprintf(log,
-                 "   moe layer %lld | max/mean load %.3f | dropped %lld | aux %.4f seq %.4f global %.4f z %.4f | "
-                 "tokens per expert [%s]\n",
-                 static_cast<long long>(l), st.max_over_mean_load(), static_cast<long long>(st.dropped), st.aux_loss,
-                 st.seq_aux_loss, st.global_aux_loss, st.z_loss, tpe.c_str());
-    if (const std::optional<moe::EchoStatsHost>& e = echo[static_cast<size_t>(l)])
-      std::fprintf(log,
-                   "   moe layer %lld | echo max/mean received %.3f -> %.3f | clones %lld | weights moved %.3f MiB\n",
-                   static_cast<long long>(l), e->max_over_mean_before(), e->max_over_mean_after(),
-                   static_cast<long long>(e->clones), static_cast<double>(e->weight_bytes) / (1 << 20));
-  }
-}
-}  // namespace
-
-namespace {
-
-std::string format_duration(double seconds) {
-  const auto s = static_cast<int64_t>(seconds);
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", static_cast<long long>(s / 3600),
-                static_cast<long long>(s / 60 % 60), static_cast<long long>(s % 60));
-  return buf;
-}
-
-std::string progress_bar(int64_t done, int64_t total) {
-  constexpr int kWidth = 20;
-  const int filled = total > 0 ? static_cast<int>(kWidth * done / total) : kWidth;
-  return "[" + std::string(static_cast<size_t>(filled), '#') + std::string(static_cast<size_t>(kWidth - filled), '.') +
-         "]";
-}
-
-// Writers for --metrics-jsonl and --tensorboard-dir, opened once per run.
-struct MetricSinks {
-  std::unique_ptr<io::JsonlMetricsWriter> jsonl;
-  std::unique_ptr<io::TensorBoardWriter> tb;
-};
-
-void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, double loss, double lr,
-                  double grad_norm, double tokens_per_s, double tflops, const MoeStepLosses& moe_losses, bool per_layer,
-                  double comm_share, double exposed_comm_share, double grad_reduce_share, double pipeline_wait_share,
-                  const std::vector<double>& mtp_losses, double capacity_retries, const EchoLayers& echo) {
-  const moe::MoeConfig& mc = gpt.config().moe;
-  std::vector<std::pair<std::string, double>> scalars = {{"lm loss", loss},
-                                                         {"learning-rate", lr},
-                                                         {"grad-norm", grad_norm},
-                                                         {"throughput/tokens_per_s", tokens_per_s},
-                                                         {"throughput/tflops", tflops}};
-  for (size_t k = 0; k < mtp_losses.size(); ++k)  // Megatron's "mtp_<k> loss", one per depth
-    scalars.emplace_back("mtp_" + std::to_string(k + 1) + "_loss", mtp_losses[k]);
-  if (mc.enabled() && mc.uses(moe::LoadBalancing::aux_loss))
-    scalars.emplace_back("load_balancing_loss", moe_losses.aux_loss);
-  if (mc.enabled() && mc.uses(moe::LoadBalancing::seq_aux_loss))
-    scalars.emplace_back("seq_load_balancing_loss", moe_losses.seq_aux_loss);
-  if (mc.enabled() && mc.uses(moe::LoadBalancing::global_aux_loss))
-    scalars.emplace_back("global_load_balancing_loss", moe_losses.global_aux_loss);
-  if (mc.enabled() && mc.z_loss_coeff > 0) scalars.emplace_back("z_loss", moe_losses.z_loss);
-  if (comm_share >= 0) scalars.emplace_back("moe/dispatcher_comm_share", comm_share);
-  if (exposed_comm_share >= 0) scalars.emplace_back("comm/exposed_share", exposed_comm_share);
-  if (grad_reduce_share >= 0) scalars.emplace_back("comm/grad_reduce_share", grad_reduce_share);
-  if (pipeline_wait_share >= 0) scalars.emplace_back("comm/pipeline_wait_share", pipeline_wait_share);
-  if (capacity_retries >= 0) scalars.emplace_back("moe/capacity_retries", capacity_retries);
-  if (const std::optional<EchoSummary> e = echo_summary(echo)) {
-    scalars.emplace_back("moe/echo_max_over_mean_before", e->before);
-    scalars.emplace_back("moe/echo_max_over_mean_after", e->after);
-    scalars.emplace_back("moe/echo_clones", static_cast<double>(e->clones));
-    scalars.emplace_back("moe/echo_weight_bytes", static_cast<double>(e->weight_bytes));
-  }
-  if (per_layer) {
-    for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
-      const moe::RouterStats* stats = gpt.moe_stats(l);
-      if (!stats) continue;
-      const moe::RouterStatsHost st = moe::router_stats_host(*stats);  // once per logged step
-      const std::string sfx = "_layer_" + std::to_string(l);
-      scalars.emplace_back("moe/load_balancing_loss" + sfx, st.aux_loss);
-      scalars.emplace_back("moe/max_over_mean_load" + sfx, st.max_over_mean_load());
-      scalars.emplace_back("moe/dropped_tokens" + sfx, static_cast<double>(st.dropped));
-      for (size_t e = 0; e < st.tokens_per_expert.size(); ++e)
-        scalars.emplace_back("moe/tokens_per_expert" + sfx + "_expert_" + std::to_string(e),
-                             static_cast<double>(st.tokens_per_expert[e]));
-      if (const std::optional<moe::EchoStatsHost>& e = echo[static_cast<size_t>(l)]) {
-        scalars.emplace_back("moe/echo_max_over_mean_before" + sfx, e->max_over_mean_before());
-        scalars.emplace_back("moe/echo_max_over_mean_after" + sfx, e->max_over_mean_after());
-        scalars.emplace_back("moe/echo_clones" + sfx, static_cast<double>(e->clones));
-        scalars.emplace_back("moe/echo_weight_bytes" + sfx, static_cast<double>(e->weight_bytes));
-      }
-    }
-  }
-  if (sinks.tb) {
-    sinks.tb->add_scalars(step, scalars);
-    sinks.tb->flush();
-  }
-  if (sinks.jsonl) {
-    io::MetricFields f = {
-        {"iteration", step}, {"lm_loss", loss}, {"grad_norm", grad_norm}, {"lr", lr}, {"tokens_per_s", tokens_per_s},
-        {"tflops", tflops}};
-    for (size_t i = 5; i < scalars.size(); ++i) f.emplace_back(scalars[i].first, scalars[i].second);
-    sinks.jsonl->write(f);
-  }
-}
-
-}  // namespace
-
-namespace {
 
 OptParamSchedulerState opt_param_scheduler_of(const TrainConfig& c, int64_t num_steps) {
   return {c.lr,
@@ -304,7 +171,7 @@ int64_t lr_schedule_resume(TrainConfig& cfg, const LoadedTrainingState& loaded, 
                            std::FILE* log) {
   const int64_t it = loaded.progress.iteration;
   if (!loaded.optimizer_loaded) {  // Megatron's scheduler is saved and loaded with the optimizer: it restarts
-    if (it > 0 && log)
+    if (it > 0 && log && cfg.logs_at(TrainConfig::kLogInfo))
       std::fprintf(log, " optimizer state not loaded: fresh moments; the LR schedule restarts at iteration %lld\n",
                    static_cast<long long>(it));
     return it;
@@ -321,7 +188,7 @@ int64_t lr_schedule_resume(TrainConfig& cfg, const LoadedTrainingState& loaded, 
   cfg.lr_wsd_decay_iters = s.wsd_decay_steps;
   cfg.lr_wsd_decay_style = s.lr_wsd_decay_style;
   cfg.validate();
-  if (log && cfg.use_checkpoint_opt_param_scheduler)
+  if (log && cfg.use_checkpoint_opt_param_scheduler && cfg.logs_at(TrainConfig::kLogInfo))
     std::fprintf(log, " using the checkpoint's LR schedule: lr %.3e, min lr %.3e, warmup %lld, %s decay to %lld\n",
                  static_cast<double>(cfg.lr), static_cast<double>(cfg.min_lr),
                  static_cast<long long>(cfg.lr_warmup_iters), cfg.lr_decay_style.c_str(),
@@ -331,6 +198,28 @@ int64_t lr_schedule_resume(TrainConfig& cfg, const LoadedTrainingState& loaded, 
 }  // namespace
 
 namespace {
+// The partial distributed optimizer's groups must be built for the config's N (ParallelConfig's
+// num_distributed_optimizer_instances); Megatron's divisibility assertions are quoted when the sizes allow no N.
+void check_instances(const TrainGroups& g, int n) {
+  if (n == 1) return;
+  const int dense = g.dense_grads().size(), expert = g.edp.size();
+  if (dense % n != 0)
+    MOECORE_FAIL(
+        "training: Data parallel size should be divisible by partial DistOpt shard factor: data-parallel size "
+        "x context-parallel size (",
+        dense, ") must be divisible by --num-distributed-optimizer-instances (", n, ")");
+  if (expert % n != 0)
+    MOECORE_FAIL(
+        "training: Expert data parallel size should be divisible by partial DistOpt shard factor: expert "
+        "data-parallel size (",
+        expert, ") must be divisible by --num-distributed-optimizer-instances (", n, ")");
+  if (g.inter_dist_opt.size() != n || g.intra_dp_cp.size() * n != dense || g.intra_edp.size() * n != expert)
+    MOECORE_FAIL("training: --num-distributed-optimizer-instances is ", n, " but the process groups were built for ",
+                 g.inter_dist_opt.size(), " instance(s) (inter_dist_opt ", g.inter_dist_opt.size(),
+                 " ranks, intra_dp_cp ", g.intra_dp_cp.size(), " of ", dense, ", intra_edp ", g.intra_edp.size(),
+                 " of ", expert, "); set ParallelConfig::num_distributed_optimizer_instances to the same value");
+}
+
 // The layout gpt was built for must be the groups': every size, and the expert groups folding into the others.
 void check_groups(const model::GptModel& gpt, const TrainGroups& g, const TrainConfig& cfg) {
   auto same = [](int64_t model, const ProcessGroup& group, const char* what) {
@@ -354,6 +243,7 @@ void check_groups(const model::GptModel& gpt, const TrainGroups& g, const TrainC
                  ") x expert-data-parallel (", g.edp.size(), ") must equal tensor-parallel (", g.tp.size(),
                  ") x context-parallel (", g.cp.size(), ") x data-parallel (", g.dp.size(),
                  ") within a pipeline stage");
+  check_instances(g, cfg.num_distributed_optimizer_instances);
   if (gpt.micro_batch_size() != cfg.micro_batch_size)
     MOECORE_FAIL("training: the model was built for micro-batch ", gpt.micro_batch_size(), ", not ",
                  cfg.micro_batch_size);
@@ -424,7 +314,10 @@ RunStart resume(TrainConfig& cfg, Optimizer& opt, const TrainGroups& groups, std
     if (log) std::fprintf(log, " no committed checkpoint under --load %s: training from scratch\n", cfg.load.c_str());
     return start;
   }
-  const LoadedTrainingState loaded = opt.load(*dir, cfg.seed, {cfg.load_optim, cfg.load_rng, cfg.finetune});
+  const LoadedTrainingState loaded =
+      opt.load(*dir, cfg.seed,
+               {cfg.load_optim, cfg.load_rng, cfg.finetune, cfg.ckpt_strictness, cfg.logs_at(TrainConfig::kLogInfo),
+                cfg.logs_at(TrainConfig::kLogWarning)});
   start.progress = loaded.progress;
   if (log)
     std::fprintf(log, " loaded checkpoint %s at iteration %lld%s%s%s\n", dir->c_str(),
@@ -435,199 +328,18 @@ RunStart resume(TrainConfig& cfg, Optimizer& opt, const TrainGroups& groups, std
   return start;
 }
 
-// The log line every cfg.log_interval steps (Megatron's, with MFU, communication shares and ETA) and the metrics
-// (--metrics-jsonl, --tensorboard-dir: written by the first rank only -- data-, tensor- and context-parallel rank 0 --
-// as every rank holds the same reduced values), averaged over the interval's steps that were not skipped; validation
-// lines.
-class RunLog {
- public:
-  RunLog(model::GptModel& gpt, const TrainConfig& cfg, const TrainGroups& g, int64_t first_iteration, std::FILE* log)
-      : gpt_(gpt),
-        cfg_(cfg),
-        pp_(g.pp),
-        micro_per_rank_(cfg.micro_batches() / g.dp.size()),
-        log_(log),
-        first_iteration_(first_iteration),
-        world_size_(g.world_size()),
-        flops_per_step_(gpt.flops_per_step() * static_cast<double>(cfg.micro_batches())),
-        peak_gflops_(cfg.peak_gflops),
-        mtp_acc_(static_cast<size_t>(gpt.config().mtp_num_layers), 0.0) {
-    const bool writes_metrics = g.dp.rank() == 0 && g.tp.rank() == 0 && g.cp.rank() == 0 && g.pp.rank() == 0;
-    if (writes_metrics && !cfg.metrics_jsonl.empty())
-      sinks_.jsonl = std::make_unique<io::JsonlMetricsWriter>(cfg.metrics_jsonl);
-    if (writes_metrics && !cfg.tensorboard_dir.empty())
-      sinks_.tb = std::make_unique<io::TensorBoardWriter>(cfg.tensorboard_dir);
-  }
-
-  // After step `it` (0-based): a line and metrics when it ends an interval.
-  void step(int64_t it, const StepResult& r, float lr, int64_t consumed_samples, double grad_reduce_blocked,
-            double pipeline_wait) {
-    if (r.skipped && log_)
-      std::fprintf(log_, " iteration %lld: non-finite value in %s, step skipped\n", static_cast<long long>(it + 1),
-                   r.nonfinite.c_str());
-    loss_acc_ += r.skipped ? 0.0 : r.loss;
-    for (size_t k = 0; k < mtp_acc_.size() && !r.skipped; ++k) mtp_acc_[k] += r.mtp_loss[k];
-    logged_steps_ += r.skipped ? 0 : 1;
-    skipped_ += r.skipped ? 1 : 0;
-    retries_ += r.retried ? 1 : 0;
-    grad_reduce_blocked_ += grad_reduce_blocked;
-    pipeline_wait_ += pipeline_wait;
-    if ((it + 1) % cfg_.log_interval == 0) interval(it, r, lr, consumed_samples);
-  }
-
-  void validation(int64_t it, double v) {
-    if (log_) {
-      std::fprintf(log_, " validation loss at iteration %lld: %.4f (ppl %.2f)\n", static_cast<long long>(it + 1), v,
-                   std::exp(v));
-      std::fflush(log_);
-    }
-    if (sinks_.tb) sinks_.tb->add_scalar("lm loss validation", it + 1, v);
-    if (sinks_.jsonl) sinks_.jsonl->write({{"iteration", it + 1}, {"valid_lm_loss", v}});
-  }
-  // Time spent outside training steps (evaluation) stays out of the next interval's throughput and shares.
-  void exclude(std::chrono::steady_clock::duration d) {
-    t_last_ += d;
-    gpt_.reset_dispatcher_comm_seconds();
-    blocked_last_ = comm_blocked_seconds();
-  }
-
- private:
-  void interval(int64_t it, const StepResult& r, float lr, int64_t consumed_samples) {
-    const auto& m = gpt_.config();
-    const EchoLayers echo = echo_layers(gpt_);
-    const auto now = std::chrono::steady_clock::now();
-    const double span = std::max(std::chrono::duration<double>(now - t_last_).count(), 1e-9);
-    const double dt = span / static_cast<double>(cfg_.log_interval);
-    const double elapsed = std::chrono::duration<double>(now - t_start_).count();
-    t_last_ = now;
-    const double tokens_per_s = static_cast<double>(cfg_.global_batch_size * m.seq_length) / std::max(dt, 1e-9);
-    // Expert parallelism: the share of step time inside the dispatcher's collectives on this rank.
-    const double comm_share = gpt_.ep_size() > 1 ? gpt_.dispatcher_comm_seconds() / span : -1.0;
-    gpt_.reset_dispatcher_comm_seconds();
-    // Every collective's blocking time (this rank): the share of the interval the computation waited for peers; and
-    // the part of it spent in the gradient reduction.
-    const double blocked = comm_blocked_seconds();
-    const double exposed_share = world_size_ > 1 ? (blocked - blocked_last_) / span : -1.0;
-    blocked_last_ = blocked;
-    const double grad_reduce_share = world_size_ > 1 ? grad_reduce_blocked_ / span : -1.0;
-    grad_reduce_blocked_ = 0;
-    // Pipelines: the share of the interval the stages waited for each other, averaged over the stages (collective over
-    // pp), next to the schedule's bubble (p - 1) / (v * m + p - 1) for this rank's m micro-batches per step through v
-    // model chunks (v = 1: 1F1B; interleaved, each chunk's passes take 1 / v of the time).
-    double pipeline_wait_share = -1.0, bubble = 0.0;
-    if (pp_.size() > 1) {
-      double w = pipeline_wait_ / span;
-      all_reduce_sum(std::span<double>(&w, 1), pp_);
-      const double p = pp_.size();
-      pipeline_wait_share = w / p;
-      bubble = (p - 1) / (static_cast<double>(gpt_.num_chunks() * micro_per_rank_) + p - 1);
-    }
-    pipeline_wait_ = 0;
-    const double tflops = flops_per_step_ / std::max(dt, 1e-9) / 1e12;
-    const double mean_loss = logged_steps_ ? loss_acc_ / static_cast<double>(logged_steps_) : NAN;
-    std::vector<double> mtp_mean(mtp_acc_.size());
-    std::string mtp_text;
-    for (size_t k = 0; k < mtp_acc_.size(); ++k) {
-      mtp_mean[k] = logged_steps_ ? mtp_acc_[k] / static_cast<double>(logged_steps_) : NAN;
-      char b[48];
-      std::snprintf(b, sizeof b, " | mtp_%zu loss %.4f", k + 1, mtp_mean[k]);
-      mtp_text += b;
-    }
-    std::fill(mtp_acc_.begin(), mtp_acc_.end(), 0.0);
-    const double eta =
-        elapsed / static_cast<double>(it + 1 - first_iteration_) * static_cast<double>(cfg_.train_iters - it - 1);
-    if (log_) {
-      std::string mfu, comm;
-      if (comm_share >= 0) {
-        char b[48];
-        std::snprintf(b, sizeof b, " | %s %.1f%%", gpt_.dispatcher_name(), 100.0 * comm_share);
-        comm = b;
-      }
-      if (exposed_share >= 0) {
-        char b[48];
-        std::snprintf(b, sizeof b, " | comm %.1f%%", 100.0 * exposed_share);
-        comm += b;
-      }
-      if (pipeline_wait_share >= 0) {
-        char b[80];
-        std::snprintf(b, sizeof b, " | pipeline wait %.1f%% (%s bubble %.1f%%)", 100.0 * pipeline_wait_share,
-                      gpt_.num_chunks() > 1 ? "interleaved 1F1B" : "1F1B", 100.0 * bubble);
-        comm += b;
-      }
-      if (gpt_.moe_static_capacity()) {
-        char b[48];
-        std::snprintf(b, sizeof b, " | capacity retries %lld", static_cast<long long>(retries_));
-        comm += b;
-      }
-      if (skipped_ > 0) {  // Megatron's "number of skipped iterations"
-        char b[48];
-        std::snprintf(b, sizeof b, " | skipped iterations %lld", static_cast<long long>(skipped_));
-        comm += b;
-      }
-      if (const std::optional<EchoSummary> e = echo_summary(echo)) {
-        char b[96];
-        std::snprintf(b, sizeof b, " | echo max/mean %.2f -> %.2f, %lld clones", e->before, e->after,
-                      static_cast<long long>(e->clones));
-        comm += b;
-      }
-      if (peak_gflops_ > 0) {
-        // Above 100% the start-up peak was measured on a busy machine: measure again, keep the best.
-        // The peak is one rank's: the run's is world_size times that (every rank measured its own threads).
-        const double run_peak = peak_gflops_ * world_size_;
-        if (tflops * 1e3 > run_peak)
-          peak_gflops_ = std::max(peak_gflops_, gemm_peak_gflops(m.compute_dtype, gpt_.device()));
-        char b[32];
-        std::snprintf(b, sizeof b, " | MFU %.1f%%", 100.0 * tflops * 1e3 / (peak_gflops_ * world_size_));
-        mfu = b;
-      }
-      char grad[48] = "grad norm - (step skipped)";  // a skipped step has no update, so no norm to show
-      if (!r.skipped) std::snprintf(grad, sizeof grad, "grad norm %.3f", r.stats.grad_norm);
-      std::fprintf(log_,
-                   " iteration %6lld/%6lld | consumed tokens %10lld | lr %.3e | lm loss %.4f%s%s | %s | "
-                   "%.0f tokens/s | %.3f TFLOP/s%s%s | ETA %s %s\n",
-                   static_cast<long long>(it + 1), static_cast<long long>(cfg_.train_iters),
-                   static_cast<long long>(consumed_samples * m.seq_length), lr, mean_loss, mtp_text.c_str(),
-                   format_moe_losses(m.moe, r.moe_losses).c_str(), grad, tokens_per_s, tflops, mfu.c_str(),
-                   comm.c_str(), format_duration(eta).c_str(), progress_bar(it + 1, cfg_.train_iters).c_str());
-      if (cfg_.moe_per_layer_logging) log_moe_layers(gpt_, echo, log_);
-      std::fflush(log_);
-    }
-    emit_metrics(sinks_, gpt_, it + 1, mean_loss, lr, r.skipped ? NAN : r.stats.grad_norm, tokens_per_s, tflops,
-                 r.moe_losses, cfg_.moe_per_layer_logging, comm_share, exposed_share, grad_reduce_share,
-                 pipeline_wait_share, mtp_mean, gpt_.moe_static_capacity() ? static_cast<double>(retries_) : -1.0,
-                 echo);
-    retries_ = 0;
-    skipped_ = 0;
-    loss_acc_ = 0;
-    logged_steps_ = 0;
-  }
-
-  model::GptModel& gpt_;
-  const TrainConfig& cfg_;
-  const ProcessGroup& pp_;
-  int64_t micro_per_rank_;
-  std::FILE* log_;
-  int64_t first_iteration_;
-  int world_size_;
-  double flops_per_step_, peak_gflops_;
-  MetricSinks sinks_;
-  std::chrono::steady_clock::time_point t_start_ = std::chrono::steady_clock::now(), t_last_ = t_start_;
-  double blocked_last_ = comm_blocked_seconds(), grad_reduce_blocked_ = 0, pipeline_wait_ = 0;
-  double loss_acc_ = 0;
-  std::vector<double> mtp_acc_;  // MTP losses over the interval
-  int64_t logged_steps_ = 0;
-  int64_t retries_ = 0;  // steps of the interval run again (received-token capacity)
-  int64_t skipped_ = 0;  // steps of the interval skipped (--nan-action skip)
+// Why the run stops early, agreed by every rank (every rank stops at the same step, or the others would wait in a
+// collective): a stop signal arrived on any rank, or --exit-duration-in-mins passed on any rank's clock (Megatron's
+// checkpoint_and_decide_exit: the MAX over the ranks).
+struct StopRequest {
+  bool signal = false, time = false;
 };
-
-// Whether a stop signal arrived on any rank (every rank stops at the same step, or the others would wait in a
-// collective).
-bool stop_requested(const ExitSignalGuard* signals, const TrainGroups& g) {
-  int64_t flag = signals && ExitSignalGuard::requested() ? 1 : 0;
+StopRequest stop_requested(const ExitSignalGuard* signals, bool past_duration, const TrainGroups& g) {
+  int64_t flags[2] = {signals && ExitSignalGuard::requested() ? 1 : 0, past_duration ? 1 : 0};
   if (g.world_size() > 1)
     for (const ProcessGroup* grp : {&g.dp, &g.tp, &g.cp, &g.pp})
-      if (grp->size() > 1) all_reduce_sum(std::span<int64_t>(&flag, 1), *grp);
-  return flag > 0;
+      if (grp->size() > 1) all_reduce_sum(std::span<int64_t>(flags, 2), *grp);
+  return {flags[0] > 0, flags[1] > 0};
 }
 }  // namespace
 
@@ -637,8 +349,9 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
   TrainConfig cfg = config;  // the LR schedule may come from the checkpoint (--use-checkpoint-opt_param-scheduler)
   const TrainGroups groups = groups_in ? *groups_in : TrainGroups{};
   check_groups(gpt, groups, cfg);
-  const std::unique_ptr<Optimizer> opt = make_optimizer(gpt, adamw, cfg, groups);
-  if (cfg.use_distributed_optimizer && log)
+  Timers timers(cfg.timing_log_level, gpt.device());
+  const std::unique_ptr<Optimizer> opt = make_optimizer(gpt, adamw, cfg, groups, &timers);
+  if (cfg.use_distributed_optimizer && log && cfg.logs_at(TrainConfig::kLogInfo))
     std::fprintf(log, " distributed optimizer: %s of optimizer state on this rank (%s unsharded)\n",
                  memory_format_bytes(opt->state_bytes()).c_str(),
                  memory_format_bytes(adamw.state_bytes_per_param() * gpt.num_parameters()).c_str());
@@ -647,13 +360,13 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     ~HookGuard() { m.set_params_needed({}); }
   } hook_guard{gpt};
   if (opt->gathers_params_later()) gpt.set_params_needed([&](size_t a, size_t b) { opt->params_needed(a, b); });
-  TrainStep step(gpt, *opt, cfg, groups, batches);
+  TrainStep step(gpt, *opt, cfg, groups, batches, &timers);
   if (!cfg.save.empty() && !cfg.allow_other_models_in_save) check_save_directory(cfg.save, gpt.config());
   RunStart start = resume(cfg, *opt, groups, log);
   TrainProgress& progress = start.progress;
   std::unique_ptr<ExitSignalGuard> signals;
   if (cfg.exit_signal_handler) signals = std::make_unique<ExitSignalGuard>();
-  RunLog run_log(gpt, cfg, groups, progress.iteration, log);
+  RunLog run_log(gpt, cfg, groups, progress.iteration, log, &timers);
   TrainLog out;
   out.first_iteration = progress.iteration;
   int64_t consecutive_skips = 0;
@@ -661,6 +374,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
   const auto save = [&] {  // the LR schedule's state goes into the checkpoint with the optimizer's
     saves.save(progress, opt_param_scheduler_of(cfg, progress.iteration - start.schedule_start));
   };
+  const auto t_start = std::chrono::steady_clock::now();  // (--exit-duration-in-mins)
   for (int64_t it = progress.iteration; it < cfg.train_iters; ++it) {
     comm_set_phase("iteration " + std::to_string(it + 1));  // named by timeouts, aborts and fatal signals
     saves.step_boundary(it);  // Megatron's maybe_finalize_async_save(blocking=False) before each step
@@ -674,6 +388,8 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     out.grad_norm.push_back(r.stats.grad_norm);
     out.lr.push_back(lr);
     out.moe_losses.push_back(r.moe_losses);
+    out.params_norm.push_back(r.params_norm);
+    out.num_zeros.push_back(r.num_zeros);
     if (observer) observer(it, r.loss, r.skipped);
     run_log.step(it, r, lr, progress.consumed_samples, step.take_grad_reduce_blocked(), step.take_pipeline_wait());
     consecutive_skips = r.skipped ? consecutive_skips + 1 : 0;
@@ -684,6 +400,10 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
                    "written); hint: lower --lr or clip gradients (--clip-grad), check the data, or resume from the ",
                    "last checkpoint");
     const bool last = it + 1 == cfg.train_iters;
+    if (cfg.check_weight_hash_interval > 0 && (it + 1) % cfg.check_weight_hash_interval == 0) {
+      opt->settle();  // (the distributed optimizer's parameter all-gathers complete first)
+      check_replica_hashes(gpt, groups, it + 1, log);
+    }
     if (cfg.has_validation && (last || (cfg.eval_interval > 0 && (it + 1) % cfg.eval_interval == 0))) {
       const auto t_eval = std::chrono::steady_clock::now();
       comm_set_phase("validation after iteration " + std::to_string(it + 1));
@@ -692,13 +412,20 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
       out.valid_loss.emplace_back(it + 1, v);
       run_log.validation(it, v);
     }
-    if (stop_requested(signals.get(), groups)) {
-      if (log)
+    const double minutes = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count() / 60;
+    const StopRequest stop =
+        stop_requested(signals.get(), cfg.exit_duration_mins > 0 && minutes > cfg.exit_duration_mins, groups);
+    if (stop.signal || stop.time) {
+      if (log && stop.signal)
         std::fprintf(log, " received signal %d: saving and stopping at iteration %lld\n", ExitSignalGuard::signal(),
                      static_cast<long long>(it + 1));
+      else if (log)
+        std::fprintf(log, " exiting after %.2f minutes at iteration %lld (--exit-duration-in-mins %g)\n", minutes,
+                     static_cast<long long>(it + 1), cfg.exit_duration_mins);
       save();
       saves.finish(progress.iteration);
-      out.stopped_by_signal = true;
+      out.stopped_by_signal = stop.signal;
+      out.stopped_by_time = !stop.signal;
       return out;
     }
     if (!last && cfg.exit_interval > 0 && (it + 1) % cfg.exit_interval == 0) {

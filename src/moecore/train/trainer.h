@@ -7,12 +7,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
 #include "moecore/parallel/comm.h"
+#include "moecore/train/checkpointing.h"
 #include "moecore/train/train_groups.h"
 
 namespace moecore::train {
@@ -82,19 +84,64 @@ struct TrainConfig {
                                     // Error after kMaxConsecutiveSkippedSteps skipped in a row)
   std::string metrics_jsonl;        // --metrics-jsonl: one JSON object per logged iteration
   std::string tensorboard_dir;      // --tensorboard-dir: TensorBoard event files
-  double peak_gflops = 0;           // GEMM peak measured at start (0: no MFU on the log line)
+  // Megatron's logging flags (what each adds to the log line and the metrics: RunLog in run_log.h; the timers:
+  // timers.h). The metrics go to --metrics-jsonl and --tensorboard-dir alike, under Megatron's TensorBoard names.
+  // --log-params-norm: " params norm: %.3f |" and params-norm, the L2 norm of the f32 parameters after the logged
+  // step, each parameter counted once over the groups.
+  bool log_params_norm = false;
+  // --log-num-zeros-in-grad: " num zeros: %.1f |" and num-zeros, the zero elements of the logged step's gradients
+  // after clipping, each counted once over the groups.
+  bool log_num_zeros_in_grad = false;
+  // --log-throughput: " throughput per GPU (TFLOP/s/GPU): %.1f |" (the run's model TFLOP/s over its ranks); with
+  // log_timers_to_tensorboard also the metric throughput. The line's run TFLOP/s and tokens/s stay regardless.
+  bool log_throughput = false;
+  // --log-timers-to-tensorboard: the metrics iteration-time (s per step) and, at timing_log_level >= 1,
+  // "<timer>-time" (the maximum over the ranks, s per step).
+  bool log_timers_to_tensorboard = false;
+  int timing_log_level = 0;  // --timing-log-level: 0 (the iteration time only) | 1 (and the timers that run once per
+                             // step) | 2 (and those per micro-batch); at 1 and 2 a timers block follows each log line
+  std::string timing_log_option = "minmax";  // --timing-log-option: minmax | max | all (the block's statistic over
+                                             // the ranks)
+  // --log-memory-to-tensorboard: the metrics mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes and
+  // mem-allocated-count of the model's device (RunLog in run_log.h says what each counts).
+  bool log_memory_to_tensorboard = false;
+  // --logging-level (Python's levels: 10 DEBUG, 20 INFO, 30 WARNING, 40 ERROR; nullopt: Megatron's None, INFO).
+  // The trainer's output by level: as in Megatron, whose log line, validation and checkpoint notices are print()s,
+  // those lines are never hidden (the iteration line, validation, checkpoints saved / loaded / absent, stops by signal
+  // or --exit-interval); INFO (20): the timers block (Megatron's logger.info), the MoE per-layer lines, the
+  // distributed optimizer's state size, the LR schedule's restart or replacement on a resume, the --finetune note
+  // on a checkpoint of another model; WARNING (30): a skipped step (--nan-action skip), a resume with another
+  // --seed. A level above 20 hides the INFO lines, above 30 the warnings too; Errors are never hidden. moecore has no
+  // DEBUG output: 10 shows what 20 shows.
+  std::optional<int> logging_level;
+  double peak_gflops = 0;                  // GEMM peak measured at start (0: no MFU on the log line)
   bool use_distributed_optimizer = false;  // --use-distributed-optimizer: ZeRO-1 over dp (experts: over edp)
   bool overlap_grad_reduce = false;   // --overlap-grad-reduce: each gradient bucket's all-reduce (with the distributed
                                       // optimizer: reduce-scatter) starts during backward
   bool overlap_param_gather = false;  // --overlap-param-gather (needs the two above): the distributed optimizer's
                                       // all-gathers stay in flight until forward reads each bucket
-  int64_t ddp_bucket_size = 40'000'000;  // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
-                                         // bucket
+  int num_distributed_optimizer_instances = 1;  // --num-distributed-optimizer-instances: copies of the distributed
+                                                // optimizer's state, each sharded over 1/N of dp x cp (experts: edp),
+                                                // gradients all-reduced across them; N > 1 needs
+                                                // use_distributed_optimizer and groups built with the same N
+  int64_t ddp_bucket_size = 40'000'000;         // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
+                                                // bucket
   int64_t microbatch_group_size_per_vp_stage = 0;  // --microbatch-group-size-per-virtual-pipeline-stage: the
                                                    // interleaved schedule's micro-batches in a row per model chunk
                                                    // (0: the pipeline size, Megatron's default)
+  CkptStrictness ckpt_strictness = CkptStrictness::assume_ok_unexpected;  // --dist-ckpt-strictness (checkpointing.h)
+  bool log_validation_ppl = false;  // --log-validation-ppl-to-tensorboard: "lm loss validation ppl" in TB and JSONL
+  double exit_duration_mins = 0;    // --exit-duration-in-mins: save and stop once the run has trained this long (the
+                                    // slowest rank's clock decides; 0: never)
+  int64_t check_weight_hash_interval = 0;  // --check-weight-hash-across-dp-replicas-interval: compare the replicas'
+                                           // parameter hashes every N steps (replica_check.h; 0: never)
   void validate() const;
   int64_t micro_batches() const { return global_batch_size / micro_batch_size; }
+  // Whether step `it` (0-based) ends a log interval: its line, its metrics and the logging flags' values.
+  bool logs_step(int64_t it) const { return (it + 1) % log_interval == 0; }
+  // Whether the trainer prints its lines of Python logging level `level` (see logging_level).
+  bool logs_at(int level) const { return level >= logging_level.value_or(kLogInfo); }
+  static constexpr int kLogInfo = 20, kLogWarning = 30;
 };
 
 // Learning rate at (0-based) schedule step `it`, Megatron's OptimizerParamScheduler formulas for these styles
@@ -114,11 +161,15 @@ struct MoeStepLosses {
 struct TrainLog {
   int64_t first_iteration = 0;            // steps already done when this run started (resume)
   bool stopped_by_signal = false;         // SIGTERM/SIGINT arrived; a checkpoint was saved when --save is set
+  bool stopped_by_time = false;           // --exit-duration-in-mins passed; a checkpoint was saved when --save is set
   int64_t skipped_steps = 0;              // steps dropped for non-finite loss or gradients
   std::vector<double> train_loss;         // per step, mean over its micro-batches
   std::vector<double> grad_norm;          // per step, before clipping
   std::vector<float> lr;                  // per step, the learning rate applied
   std::vector<MoeStepLosses> moe_losses;  // per step (zeros for dense models)
+  std::vector<double> params_norm;        // per step: with log_params_norm on the logged steps, NaN elsewhere
+  std::vector<double> num_zeros;          // per step: with log_num_zeros_in_grad on the logged steps that were not
+                                          // skipped, NaN elsewhere
   int64_t moe_retries = 0;                // steps run again on the synced dropless path (received-token capacity)
   std::vector<std::pair<int64_t, double>> valid_loss;  // (step, loss)
 };

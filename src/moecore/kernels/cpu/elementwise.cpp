@@ -1,4 +1,4 @@
-// CPU elementwise ops: add, scale, sum_squares, all_finite, and the SwiGLU / exact-GeLU activations.
+// CPU elementwise ops: add, scale, sum_squares, all_finite, count_zeros, and the SwiGLU / exact-GeLU activations.
 // Each is one pass over contiguous memory with vectorised inner loops. Reductions (sum_squares) use
 // fixed-size chunks summed in chunk order, so the result does not depend on the thread count.
 // Not here: row-wise normalisation (norms.cpp) and the softmax loss (embedding_loss.cpp).
@@ -49,6 +49,14 @@ bool all_finite_bf16(const bf16* x, int64_t n) {
 #pragma omp parallel for simd schedule(static) reduction(| : bad) if (n > cpu::kParallelWork)
   for (int64_t i = 0; i < n; ++i) bad |= (x[i].bits & 0x7f80u) == 0x7f80u;
   return bad == 0;
+}
+
+template <class T>
+int64_t count_zeros_kernel(const T* x, int64_t n, float scale) {
+  int64_t zeros = 0;
+#pragma omp parallel for simd schedule(static) reduction(+ : zeros) if (n > cpu::kParallelWork)
+  for (int64_t i = 0; i < n; ++i) zeros += ld(x[i]) * scale == 0.0f ? 1 : 0;
+  return zeros;
 }
 
 inline float sigmoid(float g) {
@@ -182,6 +190,19 @@ void flag_nonfinite(Tensor& flag, const Tensor& x, const Context& ctx) {
   const bool finite = x.dtype() == DType::bf16 ? all_finite_bf16(x.data<bf16>(), x.numel())
                                                : all_finite_f32(x.data<float>(), x.numel());
   if (!finite) flag.data<int32_t>()[0] = 1;
+}
+
+void count_zeros(Tensor& acc, const Tensor& x, float scale, const Context& ctx) {
+  const cpu::Checker c("count_zeros", ctx, {{"acc", &acc}, {"x", &x}}, cpu::Backends::cpu_and_cuda);
+  c.dtype("acc", DType::i64);
+  c.shape("acc", Shape{1});
+  c.float_dtype("x");
+  c.contiguous("x");
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::count_zeros(acc, x, scale, ctx);
+  acc.data<int64_t>()[0] += cpu::with_float_type(x.dtype(), [&](auto t) {
+    return count_zeros_kernel(static_cast<const decltype(t)*>(x.raw()), x.numel(), scale);
+  });
 }
 
 void swiglu_forward(Tensor& out, const Tensor& gate_up, const Context& ctx) {

@@ -70,6 +70,11 @@ void device_free(void* p) {
     std::fprintf(stderr, "moecore: cudaFreeAsync failed: %s (later failed frees are not reported)\n",
                  cudaGetErrorString(e));
 }
+int64_t device_memory_reserved_bytes() {
+  uint64_t reserved = 0;
+  check(cudaMemPoolGetAttribute(pool(), cudaMemPoolAttrReservedMemCurrent, &reserved), "cudaMemPoolGetAttribute", 0);
+  return static_cast<int64_t>(reserved);
+}
 void device_memset(void* p, int value, int64_t bytes) {
   check(cudaMemsetAsync(p, value, static_cast<size_t>(bytes), nullptr), "cudaMemsetAsync", bytes);
   if (device_sync_each_launch()) check(cudaDeviceSynchronize(), "cudaMemsetAsync (MOECORE_CUDA_SYNC=1)", bytes);

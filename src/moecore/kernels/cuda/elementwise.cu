@@ -1,9 +1,9 @@
-// CUDA elementwise ops (add, scale, SwiGLU, exact GeLU), the two reductions of elementwise.cpp (sum_squares,
-// flag_nonfinite), the layout copies (transpose_01, qkv slot gather / scatter), rotary embeddings and the AdamW
-// step. Same formulas as the CPU kernels, f32 math, bf16 stored round-to-nearest-even; expf / erfcf are CUDA's
+// CUDA elementwise ops (add, scale, SwiGLU, exact GeLU), the reductions of elementwise.cpp (sum_squares,
+// flag_nonfinite, count_zeros), the layout copies (transpose_01, qkv slot gather / scatter), rotary embeddings and the
+// AdamW step. Same formulas as the CPU kernels, f32 math, bf16 stored round-to-nearest-even; expf / erfcf are CUDA's
 // (within 2 ulp) where the CPU uses its own polynomials (~1 ulp), so results agree within f32 tolerances.
 // Deterministic: sum_squares reduces fixed 8192-element chunks in double in a fixed tree, then adds the chunk sums
-// in chunk order on one thread (the CPU's chunking); flag_nonfinite only ever stores 1.
+// in chunk order on one thread (the CPU's chunking); flag_nonfinite only ever stores 1; count_zeros adds integers.
 #include <cmath>
 
 #include "moecore/kernels/cuda/cuda_util.cuh"
@@ -46,6 +46,16 @@ __global__ void flag_nonfinite_f32_kernel(int32_t* flag, const float* x, int64_t
 }
 __global__ void flag_nonfinite_bf16_kernel(int32_t* flag, const bf16* x, int64_t n) {
   MOECORE_GRID_STRIDE(i, n) if ((x[i].bits & 0x7f80u) == 0x7f80u) flag[0] = 1;
+}
+
+// Integer counts: the order of the atomic adds does not change the sum.
+template <class T>
+__global__ void count_zeros_kernel(unsigned long long* acc, const T* x, float scale, int64_t n) {
+  __shared__ unsigned long long shared[32];
+  unsigned long long zeros = 0;
+  MOECORE_GRID_STRIDE(i, n) zeros += ld(x[i]) * scale == 0.0f ? 1 : 0;
+  zeros = block_reduce(zeros, shared, Sum{});
+  if (threadIdx.x == 0 && zeros > 0) atomicAdd(acc, zeros);
 }
 
 __device__ __forceinline__ float sigmoid(float g) {
@@ -236,6 +246,19 @@ void flag_nonfinite(Tensor& flag, const Tensor& x, const Context& ctx) {
     flag_nonfinite_f32_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(Launch::ptr<int32_t>(flag),
                                                                         Launch::ptr<const float>(x), n);
   l.launched("flag_nonfinite_kernel");
+}
+
+void count_zeros(Tensor& acc, const Tensor& x, float scale, const Context& ctx) {
+  const Launch l("count_zeros", ctx, {{"acc", &acc}, {"x", &x}});
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  static_assert(sizeof(unsigned long long) == sizeof(int64_t));
+  auto* out = reinterpret_cast<unsigned long long*>(Launch::ptr<int64_t>(acc));
+  with_float_type(x.dtype(), [&](auto t) {
+    using T = decltype(t);
+    count_zeros_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(out, Launch::ptr<const T>(x), scale, n);
+  });
+  l.launched("count_zeros_kernel");
 }
 
 void swiglu_forward(Tensor& out, const Tensor& gate_up, const Context& ctx) {

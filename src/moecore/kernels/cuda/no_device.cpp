@@ -15,6 +15,9 @@ void* device_alloc(int64_t) {
   no_cuda("device_alloc");
 }
 void device_free(void*) {}
+int64_t device_memory_reserved_bytes() {
+  no_cuda("device_memory_reserved_bytes");
+}
 void device_memset(void*, int, int64_t) {
   no_cuda("device_memset");
 }

@@ -41,6 +41,7 @@ void add(Tensor& out, const Tensor& a, const Tensor& b, const Context& ctx);
 void scale(Tensor& x, float alpha, const Context& ctx);
 void sum_squares(Tensor& acc, const Tensor& x, const Context& ctx);
 void flag_nonfinite(Tensor& flag, const Tensor& x, const Context& ctx);
+void count_zeros(Tensor& acc, const Tensor& x, float scale, const Context& ctx);
 void swiglu_forward(Tensor& out, const Tensor& gate_up, const Context& ctx);
 void swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up, const Context& ctx);
 void gelu_forward(Tensor& out, const Tensor& x, const Context& ctx);
