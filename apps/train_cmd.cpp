@@ -33,6 +33,7 @@
 #include "moecore/model/upcycling.h"
 #include "moecore/parallel/comm.h"
 #include "moecore/parallel/process_groups.h"
+#include "moecore/train/async_save.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/gemm_peak.h"
 #include "moecore/train/schedule.h"
@@ -89,6 +90,17 @@ void ckpt_format(const Args& a, const char* f, train::TrainConfig&) {
   if (v == "torch_dcp")
     MOECORE_FAIL(f, " torch_dcp needs torch FSDP2 in Megatron (\"--ckpt-format torch_dcp is only tested with FSDP\"), ",
                  "which is not supported yet; use --ckpt-format torch_dist");
+}
+
+// Megatron's validate_args: an asynchronous save needs the persistent worker, or it is switched off with a warning.
+void async_save(const Args& a, const char* f, train::TrainConfig& t) {
+  t.async_save = a.on(f);
+  if (t.async_save && !a.on("--use-persistent-ckpt-worker")) {
+    std::fprintf(stderr,
+                 "warning: --async-save is not supported without --use-persistent-ckpt-worker. Disabling "
+                 "--async-save. (Megatron's check)\n");
+    t.async_save = false;
+  }
 }
 
 // Megatron's training/determinism.py: the options that are not deterministic are refused (never switched off).
@@ -169,6 +181,27 @@ const TrainFlag kTrainFlags[] = {
    FlagDomain::integer(0, 100),
    [](const Args& a, const char* f, train::TrainConfig& t) {
      if (a.given(f)) t.logging_level = static_cast<int>(a.i64(f));
+   }},
+  {"--async-save", TrainFlagKind::flag, "",
+   "checkpoints written by a background worker while training goes on (a snapshot in host memory at the save point; "
+   "committed at a later step boundary once every rank's files are durable; the save in flight is finished before the "
+   "run ends); needs --use-persistent-ckpt-worker, as in Megatron",
+   {}, async_save},
+  {"--use-persistent-ckpt-worker", TrainFlagKind::flag, "",
+   "one long-lived writer thread for --async-save (its snapshot buffers are kept from save to save)", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.use_persistent_ckpt_worker = a.on(f); }},
+  {"--async-strategy", TrainFlagKind::value, "nvrx",
+   "nvrx | mcore: Megatron's two writer implementations; both are moecore's writer here (mcore without --async-save, "
+   "as Megatron)",
+   FlagDomain::one_of({"nvrx", "mcore"}),
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.async_strategy = t.async_save ? a.str(f) : "mcore"; }},
+  {"--async-ckpt-use-cpu-shm", TrainFlagKind::flag, "",
+   "stage device tensors in shared host memory: the snapshot is always in this process's host memory here", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) { t.async_ckpt_use_cpu_shm = a.on(f); }},
+  {"--async-ckpt-cpu-priority", TrainFlagKind::value, "10",
+   "the writer thread's nice value (above 19: 19; below 0: left as it is, as Megatron)", FlagDomain::integer(-20, 1e6),
+   [](const Args& a, const char* f, train::TrainConfig& t) {
+     t.async_ckpt_cpu_priority = static_cast<int>(std::min<int64_t>(a.i64(f), 19));
    }},
   {"--deterministic-mode", TrainFlagKind::flag, "",
    "bitwise reproducible runs: refuses --cross-entropy-loss-fusion as Megatron; moecore's kernels and reductions are "
@@ -834,6 +867,9 @@ int train_main(int argc, char** argv) {
   state_bytes = (state_bytes + state_shards - 1) / state_shards;  // the distributed optimizer's shard
   if (device != Device::cuda)
     plan.bytes[static_cast<int>(MemCategory::workspace)] += attention_scratch_bytes(mcfg, tcfg.micro_batch_size, ep);
+  if (tcfg.async_save && !tcfg.save.empty())  // the snapshot of --async-save (an upper bound: rank 0's share at most)
+    plan.bytes[static_cast<int>(MemCategory::other)] +=
+        train::async_save_snapshot_bytes(mcfg, ocfg.state_dtype, tcfg.save_optim);
   memory_set_plan(plan.format());  // quoted by an out-of-memory error
   check_plan_fits(plan, limit);    // before weights are loaded or a step is taken
   if (!a.str("--load-hf").empty()) {

@@ -121,6 +121,24 @@ TEST_F(MegatronSemantics, AttentionSwitchesKeepTheAttention) {
   expect_error("--attention-backend cudnn", "--attention-backend");
 }
 
+// Megatron's validate_args: --async-save without the persistent worker is switched off with a warning (the saves are
+// synchronous); with it the checkpoint is written in the background and committed.
+TEST_F(MegatronSemantics, AsyncSaveNeedsThePersistentWorker) {
+  byte_corpus();
+  CmdResult r = run_moecore(train_args() + "--async-save --save " + p("sync"));
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(
+      r.output.find("--async-save is not supported without --use-persistent-ckpt-worker. Disabling --async-save."),
+      std::string::npos)
+      << r.output;
+  EXPECT_TRUE(std::filesystem::exists(p("sync/iter_0000002/COMMIT")));
+  r = run_moecore(train_args() + "--async-save --use-persistent-ckpt-worker --save-interval 1 --save " + p("async"));
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(p("async/iter_0000001/COMMIT")));
+  EXPECT_TRUE(std::filesystem::exists(p("async/iter_0000002/COMMIT")));
+  expect_error("--async-strategy torch", "--async-strategy");
+}
+
 // Accepted without effect, --overlap-moe-expert-parallel-comm still meets Megatron's preconditions.
 TEST_F(MegatronSemantics, OverlapMoeExpertParallelCommKeepsMegatronsPreconditions) {
   byte_corpus();
