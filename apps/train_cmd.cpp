@@ -57,18 +57,13 @@ struct TrainFlag {
 };
 
 // Megatron's rule (training.py get_optimizer_param_scheduler): warm-up = fraction x the decay's length (samples there,
-// iterations here), and it excludes --lr-warmup-iters. moecore's schedule counts whole iterations.
+// iterations here, fractional too), and it excludes --lr-warmup-iters.
 void lr_warmup_fraction(const Args& a, const char* f, train::TrainConfig& t) {
   if (!a.given(f)) return;
   if (a.i64("--lr-warmup-iters") != 0)
     MOECORE_FAIL("--lr-warmup-fraction and --lr-warmup-iters exclude each other (as in Megatron: give one)");
   const int64_t decay = t.lr_decay_iters > 0 ? t.lr_decay_iters : t.train_iters;
-  const double warmup = a.f64(f) * static_cast<double>(decay);
-  if (warmup != std::floor(warmup))
-    MOECORE_FAIL("--lr-warmup-fraction ", a.str(f), " x ", decay, " decay iterations = ", warmup,
-                 " warm-up iterations, not a whole number: moecore's schedule counts whole iterations; give "
-                 "--lr-warmup-iters instead");
-  t.lr_warmup_iters = static_cast<int64_t>(warmup);
+  t.lr_warmup_iters = a.f64(f) * static_cast<double>(decay);  // (fractional as in Megatron)
 }
 
 void persistent_save_interval(const Args& a, const char* f, train::TrainConfig& t) {

@@ -55,7 +55,12 @@ TEST_F(MegatronSemantics, LrWarmupFractionIsAFractionOfTheDecay) {
   EXPECT_LT(by_fraction[0], by_fraction[1]);  // warming up
   expect_error(common + "--lr-warmup-fraction 0.25 --lr-warmup-iters 2",
                "--lr-warmup-fraction and --lr-warmup-iters exclude each other");
-  expect_error(common + "--lr-warmup-fraction 0.3", "2.4 warm-up iterations, not a whole number");
+  // A fraction of the decay that is not a whole number of iterations warms up over 2.4 iterations, as Megatron.
+  const auto fractional = field(metrics(common + "--lr-warmup-fraction 0.3", "fractional"), "lr");
+  ASSERT_EQ(fractional.size(), 4u);
+  EXPECT_NEAR(fractional[0], 1e-3 / 2.4, 1e-9);
+  EXPECT_NEAR(fractional[1], 2e-3 / 2.4, 1e-9);
+  EXPECT_LE(fractional[2], 1e-3 * (1 + 1e-6));  // (--lr in f32)
   expect_error(common + "--lr-warmup-fraction 1.5", "--lr-warmup-fraction");
 }
 

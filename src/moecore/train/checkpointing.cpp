@@ -111,7 +111,8 @@ OptParamSchedulerState scheduler_from_json(const json& j, const std::string& dir
   OptParamSchedulerState s;
   s.max_lr = float_field(j, "max_lr", dir);
   s.min_lr = float_field(j, "min_lr", dir);
-  s.lr_warmup_steps = int_field(j, "lr_warmup_steps", dir, 0);
+  s.lr_warmup_steps = float_field(j, "lr_warmup_steps", dir);
+  if (s.lr_warmup_steps < 0) bad_field(dir, "lr_warmup_steps", "is negative");
   s.lr_decay_steps = int_field(j, "lr_decay_steps", dir, 0);
   s.lr_decay_style = string_field(j, "lr_decay_style", dir);
   s.wsd_decay_steps = int_field(j, "wsd_decay_steps", dir, 0);
@@ -122,6 +123,11 @@ OptParamSchedulerState scheduler_from_json(const json& j, const std::string& dir
 
 // Shortest text that reads back as the same value (two learning rates that differ never print alike).
 std::string value_text(float v) {
+  char b[32];
+  const auto r = std::to_chars(b, b + sizeof b, v);
+  return std::string(b, r.ptr);
+}
+std::string value_text(double v) {
   char b[32];
   const auto r = std::to_chars(b, b + sizeof b, v);
   return std::string(b, r.ptr);

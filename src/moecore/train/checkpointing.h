@@ -34,7 +34,7 @@ struct OptimizerState {
 struct OptParamSchedulerState {
   float max_lr = 0;                // --lr
   float min_lr = 0;                // --min-lr
-  int64_t lr_warmup_steps = 0;     // --lr-warmup-iters
+  double lr_warmup_steps = 0;      // --lr-warmup-iters (fractional from --lr-warmup-fraction)
   int64_t lr_decay_steps = 0;      // end of the decay: --lr-decay-iters, or --train-iters when that is 0
   std::string lr_decay_style;      // --lr-decay-style
   int64_t wsd_decay_steps = 0;     // --lr-wsd-decay-iters (compared only for WSD)

@@ -50,7 +50,8 @@ void TrainConfig::validate() const {
   if (lr_decay_iters < 0) MOECORE_FAIL("--lr-decay-iters (", lr_decay_iters, ") must not be negative");
   if (!(lr >= 0) || !(min_lr >= 0) || min_lr > lr)
     MOECORE_FAIL("training: need 0 <= min_lr (", min_lr, ") <= lr (", lr, ")");
-  if (log_interval <= 0 || eval_iters <= 0 || eval_interval < 0 || lr_warmup_iters < 0)
+  if (log_interval <= 0 || eval_iters <= 0 || eval_interval < 0 ||
+      !(lr_warmup_iters >= 0 && std::isfinite(lr_warmup_iters)))
     MOECORE_FAIL("training: log_interval (", log_interval, ") and eval_iters (", eval_iters,
                  ") must be positive; eval_interval (", eval_interval, ") and lr_warmup_iters (", lr_warmup_iters,
                  ") must not be negative");
@@ -84,7 +85,7 @@ void TrainConfig::validate() const {
 }
 
 float lr_at(const TrainConfig& c, int64_t it) {
-  if (c.lr_warmup_iters > 0 && it < c.lr_warmup_iters)
+  if (c.lr_warmup_iters > 0 && static_cast<double>(it + 1) <= c.lr_warmup_iters)
     return c.lr * static_cast<float>(it + 1) / static_cast<float>(c.lr_warmup_iters);
   if (c.lr_decay_style == "constant") return c.lr;
   const int64_t end = c.lr_decay_iters > 0 ? c.lr_decay_iters : c.train_iters;
@@ -101,8 +102,9 @@ float lr_at(const TrainConfig& c, int64_t it) {
             : w == "minus_sqrt" ? 1.0 - std::sqrt(r)
                                 : 2.0 * std::pow(0.5, r) - 1.0;  // exponential
   } else {
-    const int64_t decay_steps = std::max<int64_t>(end - c.lr_warmup_iters, 1);
-    const double r = static_cast<double>(it - c.lr_warmup_iters) / static_cast<double>(decay_steps);
+    // (a fractional warm-up from --lr-warmup-fraction: the decay starts at the first step past it)
+    const double decay_steps = std::max(static_cast<double>(end) - c.lr_warmup_iters, 1.0);
+    const double r = std::max(static_cast<double>(it) - c.lr_warmup_iters, 0.0) / decay_steps;
     coeff = c.lr_decay_style == "linear" ? 1.0 - r : 0.5 * (std::cos(M_PI * r) + 1.0);
   }
   return static_cast<float>(c.min_lr + coeff * (c.lr - c.min_lr));
@@ -189,10 +191,9 @@ int64_t lr_schedule_resume(TrainConfig& cfg, const LoadedTrainingState& loaded, 
   cfg.lr_wsd_decay_style = s.lr_wsd_decay_style;
   cfg.validate();
   if (log && cfg.use_checkpoint_opt_param_scheduler && cfg.logs_at(TrainConfig::kLogInfo))
-    std::fprintf(log, " using the checkpoint's LR schedule: lr %.3e, min lr %.3e, warmup %lld, %s decay to %lld\n",
-                 static_cast<double>(cfg.lr), static_cast<double>(cfg.min_lr),
-                 static_cast<long long>(cfg.lr_warmup_iters), cfg.lr_decay_style.c_str(),
-                 static_cast<long long>(cfg.lr_decay_iters));
+    std::fprintf(log, " using the checkpoint's LR schedule: lr %.3e, min lr %.3e, warmup %g, %s decay to %lld\n",
+                 static_cast<double>(cfg.lr), static_cast<double>(cfg.min_lr), cfg.lr_warmup_iters,
+                 cfg.lr_decay_style.c_str(), static_cast<long long>(cfg.lr_decay_iters));
   return it - s.num_steps;
 }
 }  // namespace
