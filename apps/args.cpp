@@ -251,8 +251,17 @@ bool Args::parse(int argc, char** argv) {
   }
   if (pos_values_.size() > pos_specs_.size())
     MOECORE_FAIL("unexpected argument '", pos_values_[pos_specs_.size()], "' (see moecore ", program_, " --help)");
-  for (const auto& [name, v] : values_)
-    if (specs_.at(name).megatron) check_table_values(name, "");
+  // Every refused or ill-valued Megatron flag at once (a Megatron config often carries several: FSDP's come together).
+  std::string refused;
+  for (const auto& [name, v] : values_) {
+    if (!specs_.at(name).megatron) continue;
+    try {
+      check_table_values(name, "");
+    } catch (const Error& e) {
+      refused += (refused.empty() ? "" : "\n") + std::string(e.what());
+    }
+  }
+  if (!refused.empty()) MOECORE_FAIL(refused);
   if (!config.empty()) merge_config(config);  // (checks its table flags itself, naming the file)
   check_domains();
   check_same_on_every_rank();

@@ -59,7 +59,7 @@ const MegatronFlag kMegatronFlags[] = {
   {"--block-data-path", V, "str", "None", "", R, "not supported: this model family / inference / RL path; moecore train covers GPT decoder MoE pre-training (moecore generate for sampling)"},
   {"--cache-mla-latents", S, "", "False", "", R, "not supported: this model family / inference / RL path; moecore train covers GPT decoder MoE pre-training (moecore generate for sampling)"},
   {"--calc-ft-timeouts", S, "", "False", "", R, "not supported: Megatron's Python fault-tolerance / ops tooling; moecore has --exit-signal-handler, crash-safe commits and collective timeouts"},
-  {"--calculate-per-token-loss", S, "", "False", "", R, "not supported yet: whether cross entropy loss is calculated over the actual number of non-padded tokens in the global batch, versus the default behavior of..."},
+  {"--calculate-per-token-loss", S, "", "False", "", R, "not supported yet: the loss and its gradient normalised by the global batch\'s token count (Megatron\'s per-token loss); moecore averages each micro-batch\'s tokens"},
   {"--chat-template", V, "str", "None", "", R, "not supported: this model family / inference / RL path; moecore train covers GPT decoder MoE pre-training (moecore generate for sampling)"},
   {"--check-for-large-grads", S, "", "False", "", R, "not supported: Megatron's Python fault-tolerance / ops tooling; moecore has --exit-signal-handler, crash-safe commits and collective timeouts"},
   {"--check-for-spiky-loss", S, "", "False", "", R, "not supported: Megatron's Python fault-tolerance / ops tooling; moecore has --exit-signal-handler, crash-safe commits and collective timeouts"},
