@@ -470,6 +470,12 @@ def judge(case, site, tmp, timeout):
             res.error = errors[0] if errors else ""
             if errors and n == 1 and not rows:
                 res.status, res.category, res.detail = "refused", refusal_category(errors[0]), errors[0]
+                # moecore names every refused flag of a command line, one per line: a config that also needs Muon,
+                # FP8 or Megatron-FSDP counts as refused by that.
+                for l in lines:
+                    if res.category == "other" and "is not supported" in l and refusal_category(l) != "other":
+                        res.category = refusal_category(l)
+                        res.detail += " (and: " + l.strip() + ")"
             else:
                 res.status = "failed"
                 res.detail = f"{tag}exit {rc}" + (f": {errors[0]}" if errors else "")
