@@ -24,12 +24,13 @@ namespace moecore::train {
 inline constexpr int64_t kMaxConsecutiveSkippedSteps = 10;
 
 struct TrainConfig {
-  int64_t micro_batch_size = 4;                    // --micro-batch-size: sequences per forward/backward
-  int64_t global_batch_size = 4;                   // --global-batch-size: sequences per optimizer step
-  int64_t train_iters = 100;                       // --train-iters: optimizer steps
-  float lr = 1e-3f;                                // --lr: peak learning rate
-  float min_lr = 0.0f;                             // --min-lr: floor of the decay
-  double lr_warmup_iters = 0;  // --lr-warmup-iters: linear warmup from 0 (fractional from --lr-warmup-fraction, as Megatron)
+  int64_t micro_batch_size = 4;   // --micro-batch-size: sequences per forward/backward
+  int64_t global_batch_size = 4;  // --global-batch-size: sequences per optimizer step
+  int64_t train_iters = 100;      // --train-iters: optimizer steps
+  float lr = 1e-3f;               // --lr: peak learning rate
+  float min_lr = 0.0f;            // --min-lr: floor of the decay
+  double lr_warmup_iters =
+      0;  // --lr-warmup-iters: linear warmup from 0 (fractional from --lr-warmup-fraction, as Megatron)
   std::string lr_decay_style = "cosine";           // --lr-decay-style: constant | linear | cosine | WSD
   int64_t lr_decay_iters = 0;                      // --lr-decay-iters: end of the decay (0: train_iters)
   int64_t lr_wsd_decay_iters = 0;                  // --lr-wsd-decay-iters: length of WSD's final decay phase
