@@ -7,11 +7,30 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <iterator>
+#include <string>
 #include <vector>
 
+#include "moecore/io/checkpoint.h"
+#include "moecore/io/file_util.h"
 #include "moecore/parallel/comm.h"
 
 namespace moecore::testing_mpi {
+
+// Iteration `it` of checkpoint root `got` holds exactly the files of root `want`'s, byte for byte (an asynchronous
+// save against a synchronous one). Returns the number of files.
+inline size_t expect_same_checkpoint_files(const std::string& got, const std::string& want, int64_t it) {
+  const std::string a = io::checkpoint_iteration_dir(got, it), s = io::checkpoint_iteration_dir(want, it);
+  size_t files = 0;
+  for (const auto& de : std::filesystem::directory_iterator(s)) {
+    const std::string name = de.path().filename().string();
+    EXPECT_EQ(io::read_file(a + "/" + name), io::read_file(s + "/" + name)) << "iteration " << it << ": " << name;
+    ++files;
+  }
+  EXPECT_EQ(files, static_cast<size_t>(std::distance(std::filesystem::directory_iterator(a), {}))) << it;
+  return files;
+}
 
 class MpiTest : public ::testing::Test {
  protected:

@@ -452,16 +452,7 @@ TEST_F(Mpi, AsyncSaveUnderPipelineWritesTheSynchronousFiles) {
   run(world, mc, l, 6, async, "", 4, 2, true);
   barrier(world);
   if (world.rank() == 0) {
-    for (int64_t it : {2, 4}) {
-      const std::string a = io::checkpoint_iteration_dir(async, it), s = io::checkpoint_iteration_dir(sync, it);
-      size_t files = 0;
-      for (const auto& de : std::filesystem::directory_iterator(s)) {
-        const std::string name = de.path().filename().string();
-        EXPECT_EQ(io::read_file(a + "/" + name), io::read_file(s + "/" + name)) << "iteration " << it << ": " << name;
-        ++files;
-      }
-      EXPECT_EQ(files, static_cast<size_t>(std::distance(std::filesystem::directory_iterator(a), {}))) << it;
-    }
+    for (int64_t it : {2, 4}) testing_mpi::expect_same_checkpoint_files(async, sync, it);
   }
   const Result resumed = run(world, mc, l, 6, async, async, 0, 0, true);
   ASSERT_EQ(resumed.loss.size(), 2u);
