@@ -533,7 +533,7 @@ json emit_max_positions(const model::ModelConfig& c, unsigned) {
   return c.max_positions();
 }
 json emit_dtype(const model::ModelConfig& c, unsigned) {
-  return c.compute_dtype == DType::bf16 ? "bfloat16" : "float32";
+  return c.compute_dtype == DType::bf16 ? "bfloat16" : c.compute_dtype == DType::f16 ? "float16" : "float32";
 }
 json emit_q_lora(const model::ModelConfig& c, unsigned) {
   return c.q_lora_rank ? json(c.q_lora_rank) : json();

@@ -234,6 +234,13 @@ const ModelFlag kModelFlags[] = {
    on<&ModelConfig::untie_embeddings_and_output_weights>},
   {"--bf16", Kind::flag, "", "bf16 compute with fp32 master weights",
    [](const Args& a, const char* f, ModelConfig& c) { c.compute_dtype = a.on(f) ? DType::bf16 : DType::f32; }},
+  {"--fp16", Kind::flag, "",
+   "fp16 compute with fp32 master weights and loss scaling (dynamic unless --loss-scale; see --initial-loss-scale)",
+   [](const Args& a, const char* f, ModelConfig& c) {
+     if (!a.on(f)) return;
+     if (a.on("--bf16")) MOECORE_FAIL("--fp16 and --bf16 exclude each other (Megatron's check): give one");
+     c.compute_dtype = DType::f16;
+   }},
   // Attention's implementation and softmax precision (Megatron's switches; the attention here is one flash-style
   // kernel per device with an exact fp32 softmax, which is what each of them asks for).
   {"--attention-backend", Kind::value, "auto",

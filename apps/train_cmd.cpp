@@ -18,6 +18,7 @@
 #include "apps/data_flags.h"
 #include "apps/device_flag.h"
 #include "apps/hf_config.h"
+#include "apps/megatron_flags.h"
 #include "apps/model_flags.h"
 #include "moecore/core/backend_hooks.h"
 #include "moecore/core/error.h"
@@ -107,8 +108,69 @@ void deterministic_mode(const Args& a, const char* f, train::TrainConfig&) {
                  "continue (Megatron's check; drop --cross-entropy-loss-fusion)");
 }
 
+// Megatron's get_megatron_optimizer: --loss-scale is the constant scaler (with --fp16 or --bf16), --fp16 without it the
+// dynamic one, whose validate_args also switches the NaN check off (overflows are the dynamic scaler's signal). The
+// dynamic scaler's settings apply only to it: given another value without it they are refused (Megatron ignores them).
+void loss_scaling(const Args& a, const char* f, train::TrainConfig& t) {
+  using Kind = train::GradScalerConfig::Kind;
+  const bool fp16 = a.on("--fp16"), bf16 = a.on("--bf16");
+  train::GradScalerConfig& g = t.grad_scaler;
+  if (a.given(f)) {
+    if (!fp16 && !bf16)
+      MOECORE_FAIL(f, " scales the loss of --fp16 or --bf16 training (Megatron's mixed-precision optimizer); fp32 ",
+                   "training has no loss scale: drop it, or add --fp16");
+    g.kind = Kind::constant;
+    g.scale = static_cast<float>(a.f64(f));
+  } else if (fp16) {
+    g.kind = Kind::dynamic;
+    g.scale = static_cast<float>(a.f64("--initial-loss-scale"));
+    if (t.check_for_nan) {
+      std::fprintf(stderr,
+                   "warning: Setting args.check_for_nan_in_loss_and_grad to False since dynamic loss scaling "
+                   "is being used (Megatron's validation: a non-finite gradient lowers the loss scale and "
+                   "skips the step)\n");
+      t.check_for_nan = false;
+    }
+  }
+  const double window = a.f64("--loss-scale-window");
+  if (window != std::floor(window))
+    MOECORE_FAIL("--loss-scale-window (", a.str("--loss-scale-window"),
+                 ") must be a whole number of steps (the scale doubles when the steps since an overflow reach it)");
+  g.min_scale = static_cast<float>(a.f64("--min-loss-scale"));
+  g.window = static_cast<int64_t>(window);
+  g.hysteresis = a.i64("--hysteresis");
+  if (g.kind == Kind::dynamic) return;
+  for (const char* d : {"--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis"})
+    if (a.given(d) && a.f64(d) != std::stod(megatron_flag(d)->def))
+      MOECORE_FAIL(d, " sets the dynamic loss scaler, which only --fp16 without --loss-scale has",
+                   fp16 ? " (this run has --loss-scale: a constant scale)" : " (this run is not --fp16)",
+                   "; drop it or use --fp16");
+}
+
 // clang-format off
 const TrainFlag kTrainFlags[] = {
+  {"--loss-scale", TrainFlagKind::value, "",
+   "a constant loss scale for --fp16 or --bf16 (without it --fp16 scales dynamically); steps whose gradients overflow "
+   "are skipped", FlagDomain::positive_number(), loss_scaling},
+  {"--initial-loss-scale", TrainFlagKind::value, "4294967296", "the dynamic loss scale's start (--fp16)",
+   FlagDomain::positive_number(), nullptr},  // (read by --loss-scale's rule)
+  {"--min-loss-scale", TrainFlagKind::value, "1.0", "the dynamic loss scale's floor (--fp16)",
+   FlagDomain::positive_number(), nullptr},
+  {"--loss-scale-window", TrainFlagKind::value, "1000",
+   "steps without an overflow after which the dynamic loss scale doubles (--fp16)", FlagDomain::number(1), nullptr},
+  {"--hysteresis", TrainFlagKind::value, "2",
+   "overflowing steps (since the last doubling) after which the dynamic loss scale halves (--fp16)",
+   FlagDomain::integer(1), nullptr},
+  {"--no-log-loss-scale-to-tensorboard", TrainFlagKind::flag, "", "no loss-scale metric", {},
+   [](const Args& a, const char* f, train::TrainConfig& t) {
+     t.log_loss_scale_to_tensorboard = !a.on(f) && !a.on("--disable-log-loss-scale-to-tensorboard");
+   }},
+  {"--disable-log-loss-scale-to-tensorboard", TrainFlagKind::flag, "",
+   "Megatron's other name of --no-log-loss-scale-to-tensorboard", {}, nullptr},
+  {"--calculate-per-token-loss", TrainFlagKind::flag, "",
+   "the loss and its gradient over the global batch's counted tokens (each token weighs alike; without it each "
+   "micro-batch's mean does); the MoE auxiliary losses keep their weight, as Megatron",
+   {}, [](const Args& a, const char* f, train::TrainConfig& t) { t.calculate_per_token_loss = a.on(f); }},
   {"--lr-warmup-fraction", TrainFlagKind::value, "",
    "warm-up as a fraction of the decay (--lr-decay-iters, else --train-iters); excludes --lr-warmup-iters",
    FlagDomain::number(0.0, 1.0), lr_warmup_fraction},

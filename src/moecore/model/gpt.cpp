@@ -1080,7 +1080,9 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
     MtpDepth& d = mtp_[j];
     const int32_t* lp = d.labels_h.data<int32_t>();
     for (int64_t i = 0; i < N; ++i) r.mtp_tokens[j] += lp[i] >= 0;
-    const float scale = r.mtp_tokens[j] ? grad_scale * weight / static_cast<float>(r.mtp_tokens[j]) : 0.0f;
+    // (per-token loss: the depth's sum times the main head's count over its own, as Megatron's MTP)
+    const float per = per_token_loss_ ? static_cast<float>(r.tokens) : 1.0f;
+    const float scale = r.mtp_tokens[j] ? grad_scale * weight * per / static_cast<float>(r.mtp_tokens[j]) : 0.0f;
     if (!par_.sequence_parallel) {
       nn::lm_head_loss(&mtp_dfn_, &output_->grad, d.h, output_->compute, d.labels, scale, head_ws_, ctx, head_group());
     } else {  // every token's h into the vocabulary-parallel head; its partial gradient reduce-scattered back
@@ -1145,7 +1147,10 @@ void GptModel::moe_mlp_backward(size_t l, float grad_scale, const ops::Context& 
   if (drops_shared_expert(l)) moe::shared_expert_refill(moe_x_, m.w.shared, a.moe[l].shared, cfg_.moe.swiglu, ctx);
   ops::bias_dropout_add_backward(dh2_flat, no_bias, dres_, a.drops[l].mlp_out, ctx);
   ops::transpose_01(dout_sb, dh2, ctx);
-  moe::moe_layer_backward(dx, m.g, moe_out_, moe_x_, m.w, a.moe[l], *dispatcher_, moe_dims_, cfg_.moe, grad_scale, ctx);
+  // (per-token loss: times the micro-batch's tokens, which the step's division by the global count cancels, Megatron's
+  // router rule)
+  const float aux_scale = per_token_loss_ ? grad_scale * static_cast<float>(B_ * cfg_.seq_length) : grad_scale;
+  moe::moe_layer_backward(dx, m.g, moe_out_, moe_x_, m.w, a.moe[l], *dispatcher_, moe_dims_, cfg_.moe, aux_scale, ctx);
   ops::transpose_01(dh2, dx_sb, ctx);
   nn::mlp_norm_backward(dres_, layer_g_[l], dh2_flat, layer_w_[l], a.layer[l], dims_, ctx);
 }
@@ -1197,7 +1202,7 @@ LossResult GptModel::forward(Slot slot, const Tensor& tokens, const Tensor& labe
   labels_.copy_from(local_positions(labels_h, cp_labels_h_));
   LossResult r;
   r.tokens = counted_labels(labels_h);  // the whole batch's (every CP rank holds it)
-  const float token_scale = r.tokens ? grad_scale / static_cast<float>(r.tokens) : 0.0f;
+  const float token_scale = per_token_loss_ ? grad_scale : r.tokens ? grad_scale / static_cast<float>(r.tokens) : 0.0f;
   if (!mtp_.empty()) {
     mtp_forward(tokens_h, labels_h, true, ctx);
     mtp_backward(r, grad_scale, ctx);

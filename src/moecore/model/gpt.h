@@ -210,6 +210,11 @@ class GptModel {
     dropout_micro_batch_ = micro_batch;
   }
 
+  // Megatron's --calculate-per-token-loss (see forward): the loss heads' gradients are of their sums over the counted
+  // tokens, the normalisation by the global batch's count is the step's.
+  void set_calculate_per_token_loss(bool on) { per_token_loss_ = on; }
+  bool calculate_per_token_loss() const { return per_token_loss_; }
+
   // Micro-batches in flight (pipeline schedules): each slot of a model chunk holds one micro-batch's activations of
   // that chunk from its forward to its backward -- the chunk's layers' caches, its residual stream, the final norm's
   // statistics, the dropout masks' keys, the token ids and the gradients at its ends. The model is built with one slot
@@ -226,12 +231,16 @@ class GptModel {
   // the loss heads (the output layer and every MTP depth) with their backward down to the decoder's output: the heads'
   // gradient is taken at once, so no slot keeps logits. backward(slot) runs the rest: the final norm, the chunk's
   // decoder layers and, in the first chunk, the embeddings.
-  // Together they add grad_scale * d(mean loss)/d(param) to every gradient; forward returns the loss (the loss
-  // totals are read back once per loss head: the step's host synchronisation for logging). The mean is over this
-  // micro-batch's counted tokens. Under context parallelism every rank of the group passes the whole batch and
-  // takes its positions; the loss and its token count are the group's (summed over it), and this rank's gradients
-  // are its share of the group's (the data-parallel reduction sums them over DP x CP). Slots are independent:
-  // forwards of several slots may precede their backwards in any order.
+  // Together they add grad_scale * d(mean loss)/d(param) to every gradient (the MoE auxiliary losses' times
+  // grad_scale); forward returns the loss (the loss totals are read back once per loss head: the step's host
+  // synchronisation for logging). The mean is over this micro-batch's counted tokens. With per-token loss
+  // (set_calculate_per_token_loss) the loss heads' sums take the place of their means (an MTP depth's reweighted by
+  // the main head's counted tokens over its own, Megatron's rule) and the auxiliary losses are taken times grad_scale
+  // x B x S: the step then divides every gradient by the global batch's counted tokens (train/step.h). Under context
+  // parallelism every rank of the group passes the whole batch and takes its positions; the loss and its token count
+  // are the group's (summed over it), and this rank's gradients are its share of the group's (the data-parallel
+  // reduction sums them over DP x CP). Slots are independent: forwards of several slots may precede their backwards in
+  // any order.
   LossResult forward(Slot slot, const Tensor& tokens, const Tensor& labels, float grad_scale);
   void backward(Slot slot, float grad_scale);
   // One micro-batch in slot 0: forward, then backward.
@@ -296,6 +305,7 @@ class GptModel {
   std::vector<Param> params_;
   uint64_t seed_;
   int64_t dropout_iteration_ = 0, dropout_micro_batch_ = 0;
+  bool per_token_loss_ = false;
   Param* embedding_ = nullptr;
   Param* position_embedding_ = nullptr;  // learned absolute positions only
   Param* final_norm_ = nullptr;

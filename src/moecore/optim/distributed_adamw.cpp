@@ -298,6 +298,13 @@ double DistributedAdamW::shard_grad_sq() const {
   return s;
 }
 
+void DistributedAdamW::scale_shard_grads(float s) {
+  for (const Segment& g : segments_) {
+    Tensor part = range(shard_grad_, g.shard_offset, g.elems);
+    ops::scale(part, s, ctx());
+  }
+}
+
 std::string DistributedAdamW::first_nonfinite_grad() const {
   Tensor flags = nonfinite_;
   flags.zero_();

@@ -79,6 +79,8 @@ class DistributedAdamW {
   // The zero elements of this rank's reduced-gradient shard once multiplied by clip_scale (ops::count_zeros): summed
   // over the group, Megatron's count_zeros_fp32 of the distributed optimizer. Local.
   int64_t shard_grad_zeros(float clip_scale) const;
+  // Multiplies this rank's reduced-gradient shard by s (a loss scale's inverse, the per-token normalisation). Local.
+  void scale_shard_grads(float s);
   // Name of the first parameter with a non-finite element in this rank's shard, "" if none. Local.
   std::string first_nonfinite_grad() const;
   // Collective. One AdamW update of this rank's shard (learning rate lr, gradients times clip_scale,

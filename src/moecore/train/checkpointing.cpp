@@ -121,6 +121,22 @@ OptParamSchedulerState scheduler_from_json(const json& j, const std::string& dir
   return s;
 }
 
+json grad_scaler_to_json(const GradScalerState& s) {
+  return {{"scale", static_cast<double>(s.scale)},
+          {"growth_tracker", s.growth_tracker},
+          {"hysteresis_tracker", s.hysteresis_tracker}};
+}
+
+GradScalerState grad_scaler_from_json(const json& j, const std::string& dir) {
+  if (!j.is_object()) bad_field(dir, "grad_scaler", "is not an object");
+  GradScalerState s;
+  s.scale = float_field(j, "scale", dir);
+  if (!(s.scale > 0) || !std::isfinite(s.scale)) bad_field(dir, "grad_scaler.scale", "is not a positive number");
+  s.growth_tracker = int_field(j, "growth_tracker", dir, 0);
+  s.hysteresis_tracker = int_field(j, "hysteresis_tracker", dir, INT64_MIN);
+  return s;
+}
+
 // Shortest text that reads back as the same value (two learning rates that differ never print alike).
 std::string value_text(float v) {
   char b[32];
@@ -379,6 +395,7 @@ TrainStateJson train_state_parse(std::string_view state_json, const std::string&
   t.expert_model_parallel_size = int_field(state, "expert_model_parallel_size", dir, 1, 1);
   if (state.contains("optimizer_steps")) t.optimizer_steps = int_field(state, "optimizer_steps", dir, 0);
   if (state.contains("opt_param_scheduler")) t.scheduler = scheduler_from_json(state["opt_param_scheduler"], dir);
+  if (state.contains("grad_scaler")) t.grad_scaler = grad_scaler_from_json(state["grad_scaler"], dir);
   if (state.contains("router_calls")) {
     const json& c = state["router_calls"];
     if (!c.is_array()) bad_field(dir, "router_calls", "is not an array");
@@ -531,6 +548,7 @@ CheckpointSaveInFlight checkpoint_save_begin(const std::string& root, const mode
   if (options.save_optim) {
     state["optimizer_steps"] = opt.steps;
     if (options.scheduler) state["opt_param_scheduler"] = scheduler_to_json(*options.scheduler);
+    if (options.grad_scaler) state["grad_scaler"] = grad_scaler_to_json(*options.grad_scaler);
   }
   if (options.save_rng) state["router_calls"] = calls;
   if (g.pp.size() > 1) state["pipeline_model_parallel_size"] = g.pp.size();
@@ -805,6 +823,7 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
   out.rng_loaded = load_rng;
   opt.steps = load_optim ? *state.optimizer_steps : 0;
   if (load_optim) out.scheduler = state.scheduler;
+  if (load_optim) out.grad_scaler = state.grad_scaler;
   if (!options.finetune) out.progress = {state.iteration, state.consumed_samples};
   return out;
 }

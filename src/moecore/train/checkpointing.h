@@ -12,6 +12,7 @@
 #include "moecore/io/checkpoint.h"
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
+#include "moecore/train/grad_scaler.h"
 #include "moecore/train/train_groups.h"
 
 namespace moecore::train {
@@ -58,6 +59,7 @@ struct CheckpointSaveOptions {
   bool save_optim = true;  // false (--no-save-optim): no moments, step count or scheduler state
   bool save_rng = true;    // false (--no-save-rng): no router noise-stream positions
   std::optional<OptParamSchedulerState> scheduler;  // saved with the optimizer state when given
+  std::optional<GradScalerState> grad_scaler;       // the dynamic loss scaler's, saved with the optimizer state
   std::string hf_config_json;  // the Hugging Face config.json the model came from (kept for export), or ""
 };
 
@@ -99,6 +101,7 @@ struct LoadedTrainingState {
   bool optimizer_loaded = false;                    // moments and step count read
   bool rng_loaded = false;                          // router noise-stream positions read
   std::optional<OptParamSchedulerState> scheduler;  // saved scheduler, when the optimizer was read and had one
+  std::optional<GradScalerState> grad_scaler;       // saved loss scaler, when the optimizer was read and had one
 };
 
 // Writes <root>/iter_<iteration>/ committed atomically; keeps the newest keep_last checkpoints (0: all).
@@ -207,6 +210,7 @@ struct TrainStateJson {
   int64_t expert_model_parallel_size = 1;            // >= 1
   std::optional<int64_t> optimizer_steps;            // >= 0; absent: saved with --no-save-optim
   std::optional<OptParamSchedulerState> scheduler;   // "opt_param_scheduler", when saved
+  std::optional<GradScalerState> grad_scaler;        // "grad_scaler" (the dynamic loss scaler's), when saved
   std::optional<std::vector<int64_t>> router_calls;  // per layer, >= 0; absent: saved with --no-save-rng
 };
 TrainStateJson train_state_parse(std::string_view state_json, const std::string& dir);

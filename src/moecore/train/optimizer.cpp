@@ -265,6 +265,9 @@ struct ZeroOptimizers {
   void reduce_scatter_grads() {
     each([](optim::DistributedAdamW& o, const auto&) { o.reduce_scatter_grads(); });
   }
+  void scale_grads(float s) {
+    each([&](optim::DistributedAdamW& o, const auto&) { o.scale_shard_grads(s); });
+  }
   std::string first_nonfinite_grad() const {
     std::string s;
     each([&](const optim::DistributedAdamW& o, const auto&) {
@@ -370,6 +373,10 @@ class ReplicatedAdamW final : public Optimizer {
     }
     if (buckets_) buckets_->finish(gpt_);  // (with overlap the TP sums ran as the gradients became final)
   }
+  void scale_grads(float s) override {
+    const ops::Context ctx{gpt_.device()};
+    for (Param& p : gpt_.params()) ops::scale(p.grad, s, ctx);
+  }
   std::string first_nonfinite_grad() override { return first_nonfinite_gradient(gpt_, checks_); }
   optim::StepStats step(float lr) override {
     double norm = 0;
@@ -448,6 +455,7 @@ class DistributedOptimizer final : public Optimizer {
     gpt_.sum_tensor_parallel_grads();
     zero_.reduce_scatter_grads();
   }
+  void scale_grads(float s) override { zero_.scale_grads(s); }
   std::string first_nonfinite_grad() override { return zero_.first_nonfinite_grad(); }
   optim::StepStats step(float lr) override {
     optim::StepStats st;

@@ -37,6 +37,9 @@ class Optimizer {
   virtual void begin_grad_reduction() = 0;
   virtual void grad_ready(size_t first, size_t end) = 0;
   virtual void finish_grad_reduction() = 0;
+  // Multiplies every reduced gradient this rank holds by s (after finish_grad_reduction: a loss scale's inverse and
+  // the per-token normalisation, grad_scaler.h and step.h). Local.
+  virtual void scale_grads(float s) = 0;
   // The first non-finite reduced gradient this rank holds (a parameter's name), "" when all are finite.
   virtual std::string first_nonfinite_grad() = 0;
   // The update with learning rate lr: the global gradient norm over every group, clipping, the step, then the compute

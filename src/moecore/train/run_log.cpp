@@ -166,13 +166,15 @@ void append(std::string& s, const char* fmt, auto... v) {
   s += b;
 }
 
-// The logged step's optimizer fields: the grad norm, and Megatron's num zeros and params norm with their flags.
-std::string format_optimizer_fields(const StepResult& r) {
-  std::string s = "grad norm - (step skipped)";  // a skipped step has no update, so no norm to show
-  if (!r.skipped) {
-    s.clear();
+// The logged step's optimizer fields: the loss scale under loss scaling, the grad norm, and Megatron's num zeros and
+// params norm with their flags.
+std::string format_optimizer_fields(const StepResult& r, bool loss_scaling) {
+  std::string s;
+  if (loss_scaling) append(s, "loss scale %.1f | ", static_cast<double>(r.loss_scale));
+  if (r.skipped)
+    s += "grad norm - (step skipped)";  // a skipped step has no update, so no norm to show
+  else
     append(s, "grad norm %.3f", r.stats.grad_norm);
-  }
   if (!std::isnan(r.num_zeros)) append(s, " | num zeros: %.1f", r.num_zeros);
   if (!std::isnan(r.params_norm)) append(s, " | params norm: %.3f", r.params_norm);
   return s;
@@ -202,7 +204,7 @@ RunLog::RunLog(model::GptModel& gpt, const TrainConfig& cfg, const TrainGroups& 
 
 void RunLog::step(int64_t it, const StepResult& r, float lr, int64_t consumed_samples, double grad_reduce_blocked,
                   double pipeline_wait) {
-  if (r.skipped && log_ && cfg_.logs_at(TrainConfig::kLogWarning))
+  if (r.skipped && !r.overflow && log_ && cfg_.logs_at(TrainConfig::kLogWarning))  // (overflows: the line's count)
     std::fprintf(log_, " iteration %lld: non-finite value in %s, step skipped\n", static_cast<long long>(it + 1),
                  r.nonfinite.c_str());
   loss_acc_ += r.skipped ? 0.0 : r.loss;
@@ -297,6 +299,7 @@ std::string RunLog::format_run_fields(const IntervalStats& st, const EchoLayers&
 std::vector<std::pair<std::string, double>> RunLog::flag_metrics(const StepResult& r, const IntervalStats& st,
                                                                  const TimerReport& timers) const {
   std::vector<std::pair<std::string, double>> out;
+  if (cfg_.log_loss_scale_to_tensorboard) out.emplace_back("loss-scale", static_cast<double>(r.loss_scale));
   if (!std::isnan(r.num_zeros)) out.emplace_back("num-zeros", r.num_zeros);
   if (!std::isnan(r.params_norm)) out.emplace_back("params-norm", r.params_norm);
   if (cfg_.log_timers_to_tensorboard) {
@@ -340,8 +343,9 @@ void RunLog::interval(int64_t it, const StepResult& r, float lr, int64_t consume
                  "%.0f tokens/s | %.3f TFLOP/s%s | ETA %s %s\n",
                  static_cast<long long>(it + 1), static_cast<long long>(cfg_.train_iters),
                  static_cast<long long>(consumed_samples * m.seq_length), lr, mean_loss, mtp_text.c_str(),
-                 format_moe_losses(m.moe, r.moe_losses).c_str(), format_optimizer_fields(r).c_str(), st.tokens_per_s,
-                 st.tflops, format_run_fields(st, echo).c_str(), format_duration(eta).c_str(),
+                 format_moe_losses(m.moe, r.moe_losses).c_str(),
+                 format_optimizer_fields(r, cfg_.grad_scaler.kind != GradScalerConfig::Kind::none).c_str(),
+                 st.tokens_per_s, st.tflops, format_run_fields(st, echo).c_str(), format_duration(eta).c_str(),
                  progress_bar(it + 1, cfg_.train_iters).c_str());
     if (cfg_.logs_at(TrainConfig::kLogInfo)) {
       if (cfg_.moe_per_layer_logging) log_moe_layers(gpt_, echo, log_);

@@ -41,7 +41,9 @@ struct MetricSinks {
 // (--metrics-jsonl, --tensorboard-dir: written by the first rank only -- data-, tensor- and context-parallel rank 0 --
 // as every rank holds the same reduced values), averaged over the interval's steps that were not skipped; validation
 // lines. With Megatron's logging flags (TrainConfig): the logged step's num zeros and params norm, the throughput per
-// GPU, and after the line the timers block of the interval (timers.h); in the metrics num-zeros, params-norm,
+// GPU, and after the line the timers block of the interval (timers.h); under loss scaling the line's loss scale (and
+// Megatron's skipped-iterations count, which counts its overflows); in the metrics loss-scale (1 without loss scaling,
+// as Megatron; not with --no-log-loss-scale-to-tensorboard), num-zeros, params-norm,
 // iteration-time, throughput, "<timer>-time" and the memory of the model's device (Megatron's torch.cuda.memory_stats
 // keys): mem-allocated-bytes, mem-max-allocated-bytes and mem-allocated-count are moecore's counters of the tensors on
 // that device (memory_device_stats: bytes live, their peak, storages live); mem-reserved-bytes is on cuda what the

@@ -11,11 +11,12 @@ RunSaves::RunSaves(const TrainConfig& cfg, Optimizer& opt, std::FILE* log) : cfg
   if (cfg.async_save && !cfg.save.empty()) async_.emplace(cfg.use_persistent_ckpt_worker, cfg.async_ckpt_cpu_priority);
 }
 
-void RunSaves::save(const TrainProgress& progress, const OptParamSchedulerState& scheduler) {
+void RunSaves::save(const TrainProgress& progress, const OptParamSchedulerState& scheduler,
+                    const std::optional<GradScalerState>& grad_scaler) {
   opt_.settle();
   if (cfg_.save.empty()) return;
   commit(/*blocking=*/true, progress.iteration);  // at most one save in flight
-  const CheckpointSaveOptions parts{cfg_.save_optim, cfg_.save_rng, scheduler, cfg_.hf_config_json};
+  const CheckpointSaveOptions parts{cfg_.save_optim, cfg_.save_rng, scheduler, grad_scaler, cfg_.hf_config_json};
   try {
     opt_.save(cfg_.save, progress, cfg_.seed, cfg_.keep_last, parts, async_ ? &*async_ : nullptr);
   } catch (const Error& e) {

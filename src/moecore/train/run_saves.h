@@ -21,9 +21,10 @@ class RunSaves {
  public:
   // cfg, opt and log must outlive it. Nothing is saved when cfg.save is empty.
   RunSaves(const TrainConfig& cfg, Optimizer& opt, std::FILE* log);
-  // A checkpoint at progress.iteration (collective), with the LR schedule's state. With --async-save it first finishes
-  // the save in flight, and returns once the state is snapshotted.
-  void save(const TrainProgress& progress, const OptParamSchedulerState& scheduler);
+  // A checkpoint at progress.iteration (collective), with the LR schedule's state and the dynamic loss scaler's (when
+  // given). With --async-save it first finishes the save in flight, and returns once the state is snapshotted.
+  void save(const TrainProgress& progress, const OptParamSchedulerState& scheduler,
+            const std::optional<GradScalerState>& grad_scaler);
   // At each step boundary, `iteration` steps done (collective while a save is in flight, never blocking): commits the
   // save in flight once every rank has written its files.
   void step_boundary(int64_t iteration) { commit(/*blocking=*/false, iteration); }

@@ -60,8 +60,16 @@ struct HookGuard {
 }  // namespace
 
 TrainStep::TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cfg, const TrainGroups& groups,
-                     const BatchFn& batches, Timers* timers)
-    : gpt_(gpt), opt_(opt), cfg_(cfg), g_(groups), batches_(batches), timers_(timers), micro_(cfg.micro_batches()) {
+                     const BatchFn& batches, GradScaler& scaler, Timers* timers)
+    : gpt_(gpt),
+      opt_(opt),
+      cfg_(cfg),
+      g_(groups),
+      batches_(batches),
+      scaler_(scaler),
+      timers_(timers),
+      micro_(cfg.micro_batches()) {
+  gpt_.set_calculate_per_token_loss(cfg.calculate_per_token_loss);
   const int64_t dp = g_.dp.size();
   if (micro_ % dp != 0)
     MOECORE_FAIL("training: global_batch_size (", cfg.global_batch_size, ") must be divisible by micro_batch_size (",
@@ -151,7 +159,11 @@ StepResult TrainStep::run(int64_t it, float lr) {
 
 StepResult TrainStep::pass(int64_t it) {
   const int64_t first = g_.dp.rank() * micro_local_;  // this rank's first micro-batch of the global batch
-  const float grad_scale = 1.0f / static_cast<float>(micro_);
+  // The losses' gradient factor (Megatron's forward_step): the loss scale over the global batch's micro-batches, or
+  // with per-token loss the loss scale alone (the step divides by the counted tokens after the reduction).
+  const float loss_scale = scaler_.scale();
+  const float grad_scale = cfg_.calculate_per_token_loss ? loss_scale : loss_scale / static_cast<float>(micro_);
+  double loss_sum = 0, tokens = 0;  // (per-token loss)
   const ProcessGroup& pp = g_.pp;
   const int64_t shared = gpt_.pipeline_shared_param();
   StepResult r;
@@ -190,6 +202,8 @@ StepResult TrainStep::pass(int64_t it) {
       const model::LossResult l = gpt_.forward(slot, tokens_, labels_, grad_scale);
       if (gpt_.post_process(op.chunk)) {
         r.loss += l.mean();
+        loss_sum += l.loss_sum;
+        tokens += static_cast<double>(l.tokens);
         for (size_t k = 0; k < r.mtp_loss.size(); ++k)
           r.mtp_loss[k] += l.mtp_mean(k) / static_cast<double>(micro_local_);
       }
@@ -230,6 +244,13 @@ StepResult TrainStep::pass(int64_t it) {
     r.moe_losses = {m.aux_loss / div, m.seq_aux_loss / div, m.global_aux_loss / div, m.z_loss / div};
   }
   if (dp > 1) reduce_stats_over_dp(gpt_, r.loss, r.moe_losses, g_.dp);
+  if (cfg_.calculate_per_token_loss) {  // the loss: the global batch's sum over its counted tokens (the last stages')
+    double v[2] = {loss_sum, tokens};
+    for (const ProcessGroup* grp : {&pp, &g_.dp})
+      if (grp->size() > 1) all_reduce_sum(std::span<double>(v, 2), *grp);
+    r.tokens = static_cast<int64_t>(v[1]);
+    r.loss = v[0] / std::max(v[1], 1.0);
+  }
   // The expert-bias counts over TP x CP x DP (spec §2.10): each TP and CP rank routed its own rows.
   for (const ProcessGroup* grp : {&g_.tp, &g_.cp})
     if (grp->size() > 1)
@@ -245,20 +266,32 @@ StepResult TrainStep::pass(int64_t it) {
 
 void TrainStep::check_and_update(StepResult& r, int64_t it, float lr) {
   const TimerScope optimizer(timers_, TimerName::optimizer);
-  if (cfg_.check_for_nan) {
+  r.loss_scale = scaler_.scale();
+  {
     const TimerScope t(timers_, TimerName::optimizer_unscale_and_check_inf);
-    r.nonfinite = !std::isfinite(r.loss) ? std::string("lm loss") : opt_.first_nonfinite_grad();
-    if (g_.world_size() > 1) {  // shards differ between ranks: all must take the same decision
-      int64_t flag = r.nonfinite.empty() ? 0 : 1;
-      for (const ProcessGroup* grp : {&g_.dp, &g_.tp, &g_.cp, &g_.pp})
-        all_reduce_sum(std::span<int64_t>(&flag, 1), *grp);
-      if (flag > 0 && r.nonfinite.empty()) r.nonfinite = "a gradient on another rank";
+    // Megatron's unscaling of the main gradients and finalize_model_grads' per-token division, as one product.
+    double unscale = 1.0 / static_cast<double>(r.loss_scale);
+    if (cfg_.calculate_per_token_loss) unscale /= std::max<double>(static_cast<double>(r.tokens), 1.0);
+    if (unscale != 1.0) opt_.scale_grads(static_cast<float>(unscale));
+    const bool loss_bad = cfg_.check_for_nan && !std::isfinite(r.loss);  // (every rank holds the step's loss)
+    if (loss_bad) {
+      r.nonfinite = "lm loss";
+    } else if (cfg_.check_for_nan || scaler_.active()) {
+      r.nonfinite = opt_.first_nonfinite_grad();
+      if (g_.world_size() > 1) {  // shards differ between ranks: all must take the same decision
+        int64_t flag = r.nonfinite.empty() ? 0 : 1;
+        for (const ProcessGroup* grp : {&g_.dp, &g_.tp, &g_.cp, &g_.pp})
+          all_reduce_sum(std::span<int64_t>(&flag, 1), *grp);
+        if (flag > 0 && r.nonfinite.empty()) r.nonfinite = "a gradient on another rank";
+      }
+      r.overflow = scaler_.active() && !r.nonfinite.empty();
     }
-    if (!r.nonfinite.empty() && cfg_.nan_action == "stop")
+    if (!r.nonfinite.empty() && !r.overflow && cfg_.nan_action == "stop")
       MOECORE_FAIL("training: non-finite value in ", r.nonfinite, " at iteration ", it + 1,
                    " (use --nan-action skip to drop such steps)");
     r.skipped = !r.nonfinite.empty();
   }
+  scaler_.update(r.overflow);
   if (!r.skipped) r.stats = opt_.step(lr);
   if (!r.skipped && cfg_.log_num_zeros_in_grad && cfg_.logs_step(it)) {
     const TimerScope t(timers_, TimerName::optimizer_count_zeros);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moecore/model/gpt.h"
+#include "moecore/train/grad_scaler.h"
 #include "moecore/train/optimizer.h"
 #include "moecore/train/schedule.h"
 #include "moecore/train/timers.h"
@@ -22,7 +23,10 @@ struct StepResult {
   std::vector<double> mtp_loss;  // per MTP depth, likewise
   MoeStepLosses moe_losses;      // as Megatron logs them (means over micro-batches and MoE layers)
   optim::StepStats stats;        // grad norm before clipping and the clip scale (zeros when skipped)
-  bool skipped = false;          // a non-finite loss or gradient under --nan-action skip: no update
+  bool skipped = false;          // a non-finite loss or gradient under --nan-action skip, or an overflow: no update
+  bool overflow = false;         // skipped because the gradients overflowed under loss scaling (grad_scaler.h)
+  float loss_scale = 1;          // the loss scale the step's gradients were taken with (1 without loss scaling)
+  int64_t tokens = 0;            // --calculate-per-token-loss: the global batch's counted tokens
   std::string nonfinite;         // what was not finite ("" when all was)
   bool retried = false;          // over the static received-token capacity somewhere: run again synced, dropless
   // On the steps that end a log interval (cfg.log_interval), with the logging flags; NaN otherwise.
@@ -39,12 +43,16 @@ class TrainStep {
   // the activations go forward and their gradients back point-to-point as pipeline_transfers plans them (schedule.h),
   // the gradients on a communicator of their own. Collective over groups.pp (that communicator).
   // The phases run under `timers` (timers.h; null: untimed).
+  // The losses' gradients are taken times scaler's scale, and the reduced gradients multiplied by its inverse (with
+  // cfg.calculate_per_token_loss also divided by the global batch's counted tokens) before the check; the scaler is
+  // updated after each step.
   TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cfg, const TrainGroups& groups,
-            const BatchFn& batches, Timers* timers = nullptr);
+            const BatchFn& batches, GradScaler& scaler, Timers* timers = nullptr);
   // Step `iteration` (0-based) with learning rate lr: zeroes the gradients, runs the schedule (dropout keyed by the
   // iteration and each micro-batch's index in the global batch), reduces, checks (cfg.check_for_nan: a non-finite
-  // loss or gradient stops with an Error naming it, or with --nan-action skip drops the update; every rank decides
-  // alike), updates and finishes the routers' step. With a static received-token capacity (gpt.moe_static_capacity)
+  // loss or gradient stops with an Error naming it, or with --nan-action skip drops the update; under loss scaling a
+  // non-finite gradient is an overflow, which drops the update whatever --nan-action says; every rank decides alike),
+  // updates and finishes the routers' step. With a static received-token capacity (gpt.moe_static_capacity)
   // an overflow on any rank (agreed over the groups) discards the pass -- gradients, losses, router counters -- and
   // runs the step once more on the synced dropless path (retried), whose buffers stay until the next step starts.
   // On a step that ends a log interval, the zeros of the gradients and the norm of the parameters as the logging flags
@@ -64,6 +72,7 @@ class TrainStep {
   const TrainConfig& cfg_;
   const TrainGroups& g_;
   const BatchFn& batches_;
+  GradScaler& scaler_;
   Timers* timers_;
   int64_t micro_ = 0, micro_local_ = 0;
   int64_t moe_layers_ = 0;  // the MoE layers this stage holds (MTP depths included)

@@ -82,6 +82,7 @@ void TrainConfig::validate() const {
   if (override_opt_param_scheduler && use_checkpoint_opt_param_scheduler)
     MOECORE_FAIL("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other ",
                  "(both override and use-checkpoint are set): keep the command line's LR schedule or the checkpoint's");
+  grad_scaler.validate();
 }
 
 float lr_at(const TrainConfig& c, int64_t it) {
@@ -295,7 +296,27 @@ void agree_on_resume_iteration(const TrainConfig& cfg, int64_t found, const std:
                " on one node?); fix it, or pick one iteration for all with --ckpt-step N");
 }
 
-RunStart resume(TrainConfig& cfg, Optimizer& opt, const TrainGroups& groups, std::FILE* log) {
+// The dynamic loss scaler's state from a load (Megatron's Float16Optimizer.load_state_dict, its warnings).
+void resume_grad_scaler(GradScaler& scaler, const TrainConfig& cfg, const LoadedTrainingState& loaded,
+                        const std::string& dir, std::FILE* log) {
+  if (!loaded.optimizer_loaded) return;
+  const bool warn = log && cfg.logs_at(TrainConfig::kLogWarning);
+  if (scaler.dynamic() && loaded.grad_scaler) {
+    scaler.load(*loaded.grad_scaler, (dir + "/state.json").c_str());
+  } else if (scaler.dynamic() && warn) {
+    std::fprintf(log,
+                 " warning: %s holds no loss scaler state (saved without --fp16's dynamic loss scaling): the "
+                 "loss scale starts at --initial-loss-scale %g\n",
+                 dir.c_str(), static_cast<double>(scaler.scale()));
+  } else if (loaded.grad_scaler && warn) {
+    std::fprintf(log,
+                 " warning: %s holds a dynamic loss scaler's state (scale %g) but this run has none (no --fp16 "
+                 "without --loss-scale): not loaded\n",
+                 dir.c_str(), static_cast<double>(loaded.grad_scaler->scale));
+  }
+}
+
+RunStart resume(TrainConfig& cfg, Optimizer& opt, GradScaler& scaler, const TrainGroups& groups, std::FILE* log) {
   RunStart start;
   if (cfg.load.empty()) return start;
   // As in Megatron, an empty --load directory starts from scratch, so one command serves the first launch
@@ -326,6 +347,7 @@ RunStart resume(TrainConfig& cfg, Optimizer& opt, const TrainGroups& groups, std
                  !cfg.finetune && !loaded.optimizer_loaded ? " without the optimizer state" : "",
                  !cfg.finetune && !loaded.rng_loaded ? " without the rng state" : "");
   start.schedule_start = lr_schedule_resume(cfg, loaded, *dir, log);
+  resume_grad_scaler(scaler, cfg, loaded, *dir, log);
   return start;
 }
 
@@ -361,9 +383,10 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     ~HookGuard() { m.set_params_needed({}); }
   } hook_guard{gpt};
   if (opt->gathers_params_later()) gpt.set_params_needed([&](size_t a, size_t b) { opt->params_needed(a, b); });
-  TrainStep step(gpt, *opt, cfg, groups, batches, &timers);
+  GradScaler scaler(cfg.grad_scaler);
+  TrainStep step(gpt, *opt, cfg, groups, batches, scaler, &timers);
   if (!cfg.save.empty() && !cfg.allow_other_models_in_save) check_save_directory(cfg.save, gpt.config());
-  RunStart start = resume(cfg, *opt, groups, log);
+  RunStart start = resume(cfg, *opt, scaler, groups, log);
   TrainProgress& progress = start.progress;
   std::unique_ptr<ExitSignalGuard> signals;
   if (cfg.exit_signal_handler) signals = std::make_unique<ExitSignalGuard>();
@@ -372,8 +395,9 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
   out.first_iteration = progress.iteration;
   int64_t consecutive_skips = 0;
   RunSaves saves(cfg, *opt, log);
-  const auto save = [&] {  // the LR schedule's state goes into the checkpoint with the optimizer's
-    saves.save(progress, opt_param_scheduler_of(cfg, progress.iteration - start.schedule_start));
+  const auto save = [&] {  // the LR schedule's and the loss scaler's state go into the checkpoint with the optimizer's
+    saves.save(progress, opt_param_scheduler_of(cfg, progress.iteration - start.schedule_start),
+               scaler.dynamic() ? std::optional<GradScalerState>(scaler.state()) : std::nullopt);
   };
   const auto t_start = std::chrono::steady_clock::now();  // (--exit-duration-in-mins)
   for (int64_t it = progress.iteration; it < cfg.train_iters; ++it) {
@@ -383,23 +407,37 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     const StepResult r = step.run(it, lr);
     progress.iteration = it + 1;
     progress.consumed_samples += cfg.global_batch_size;
+    if (r.skipped) ++start.schedule_start;  // no update, so the LR schedule stays (Megatron's update_successful)
     out.skipped_steps += r.skipped ? 1 : 0;
     out.moe_retries += r.retried ? 1 : 0;
     out.train_loss.push_back(r.loss);
     out.grad_norm.push_back(r.stats.grad_norm);
     out.lr.push_back(lr);
+    out.loss_scale.push_back(r.loss_scale);
     out.moe_losses.push_back(r.moe_losses);
     out.params_norm.push_back(r.params_norm);
     out.num_zeros.push_back(r.num_zeros);
     if (observer) observer(it, r.loss, r.skipped);
     run_log.step(it, r, lr, progress.consumed_samples, step.take_grad_reduce_blocked(), step.take_pipeline_wait());
-    consecutive_skips = r.skipped ? consecutive_skips + 1 : 0;
-    if (consecutive_skips == kMaxConsecutiveSkippedSteps)  // every rank decided alike (TrainStep::check_and_update)
-      MOECORE_FAIL("training: ", consecutive_skips, " consecutive steps skipped under --nan-action skip (iterations ",
+    // (an overflow the dynamic loss scaler can still answer by lowering the scale is its normal working)
+    const bool stuck = r.skipped && !(r.overflow && scaler.dynamic() && r.loss_scale > scaler.min_scale());
+    consecutive_skips = stuck ? consecutive_skips + 1 : 0;
+    if (consecutive_skips == kMaxConsecutiveSkippedSteps) {  // every rank decided alike (TrainStep::check_and_update)
+      char scale[32];
+      std::snprintf(scale, sizeof scale, "%g)", static_cast<double>(r.loss_scale));
+      const std::string why = !r.overflow ? "under --nan-action skip"
+                              : scaler.dynamic()
+                                  ? std::string(
+                                        "for gradient overflow at the minimum loss scale "
+                                        "(--min-loss-scale ") +
+                                        scale
+                                  : std::string("for gradient overflow at the loss scale (--loss-scale ") + scale;
+      MOECORE_FAIL("training: ", consecutive_skips, " consecutive steps skipped ", why, " (iterations ",
                    it + 2 - consecutive_skips, " to ", it + 1, "; the last: non-finite value in ", r.nonfinite,
-                   "): the run does not recover by skipping, so it stops here (no checkpoint of these steps is ",
-                   "written); hint: lower --lr or clip gradients (--clip-grad), check the data, or resume from the ",
-                   "last checkpoint");
+                   "): the run does not recover by skipping, so it stops here (no checkpoint of these ",
+                   "steps is written); hint: lower --lr or clip gradients (--clip-grad), check the data, or resume ",
+                   "from the last checkpoint");
+    }
     const bool last = it + 1 == cfg.train_iters;
     if (cfg.check_weight_hash_interval > 0 && (it + 1) % cfg.check_weight_hash_interval == 0) {
       opt->settle();  // (the distributed optimizer's parameter all-gathers complete first)

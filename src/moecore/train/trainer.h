@@ -15,6 +15,7 @@
 #include "moecore/optim/adamw.h"
 #include "moecore/parallel/comm.h"
 #include "moecore/train/checkpointing.h"
+#include "moecore/train/grad_scaler.h"
 #include "moecore/train/train_groups.h"
 
 namespace moecore::train {
@@ -136,6 +137,17 @@ struct TrainConfig {
                                     // slowest rank's clock decides; 0: never)
   int64_t check_weight_hash_interval = 0;  // --check-weight-hash-across-dp-replicas-interval: compare the replicas'
                                            // parameter hashes every N steps (replica_check.h; 0: never)
+  // Loss scaling (grad_scaler.h): Megatron's --fp16 without --loss-scale is the dynamic scaler, --loss-scale (with
+  // --fp16 or --bf16) the constant one; none by default. A step whose gradients overflow is skipped whatever
+  // --nan-action says (with the dynamic scaler Megatron's validation also switches check_for_nan off: overflows are
+  // its signal). Its state is saved with the optimizer's (state.json "grad_scaler").
+  GradScalerConfig grad_scaler;
+  bool log_loss_scale_to_tensorboard = true;  // --no-log-loss-scale-to-tensorboard: no loss-scale metric
+  // --calculate-per-token-loss: the loss heads' gradients are of their sums over the counted tokens, and after the
+  // reduction every gradient is divided by the global batch's counted tokens (Megatron's finalize_model_grads); the
+  // logged lm loss is the global batch's sum over its count. The MoE auxiliary losses keep their weight (Megatron's
+  // router rule; gpt.h forward). Without it each micro-batch's mean loss is weighted alike.
+  bool calculate_per_token_loss = false;
   void validate() const;
   int64_t micro_batches() const { return global_batch_size / micro_batch_size; }
   // Whether step `it` (0-based) ends a log interval: its line, its metrics and the logging flags' values.
@@ -163,10 +175,11 @@ struct TrainLog {
   int64_t first_iteration = 0;            // steps already done when this run started (resume)
   bool stopped_by_signal = false;         // SIGTERM/SIGINT arrived; a checkpoint was saved when --save is set
   bool stopped_by_time = false;           // --exit-duration-in-mins passed; a checkpoint was saved when --save is set
-  int64_t skipped_steps = 0;              // steps dropped for non-finite loss or gradients
+  int64_t skipped_steps = 0;              // steps dropped for non-finite loss or gradients (overflows included)
+  std::vector<float> loss_scale;          // per step, the loss scale its gradients were taken with (1: none)
   std::vector<double> train_loss;         // per step, mean over its micro-batches
   std::vector<double> grad_norm;          // per step, before clipping
-  std::vector<float> lr;                  // per step, the learning rate applied
+  std::vector<float> lr;                  // per step, the learning rate (a skipped step's was not applied)
   std::vector<MoeStepLosses> moe_losses;  // per step (zeros for dense models)
   std::vector<double> params_norm;        // per step: with log_params_norm on the logged steps, NaN elsewhere
   std::vector<double> num_zeros;          // per step: with log_num_zeros_in_grad on the logged steps that were not
