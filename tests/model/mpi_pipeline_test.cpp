@@ -102,6 +102,8 @@ struct Layout {
   int64_t group = 0;                           // --microbatch-group-size-per-virtual-pipeline-stage (0: PP)
   std::string order = ParallelConfig{}.order;  // "tp-cp-ep-pp-dp": Megatron's --use-tp-pp-dp-mapping
   bool log_stats = false;  // --log-params-norm and --log-num-zeros-in-grad every step, the timers at level 2
+  bool per_token = false;  // --calculate-per-token-loss, on batches whose micro-batches count uneven tokens
+  float loss_scale = 0;    // > 0: a dynamic loss scale starting there (--fp16's scaler on the f32 model)
   std::string name() const {
     return "PP " + std::to_string(pp) + (vpp > 1 ? " x VPP " + std::to_string(vpp) : "") +
            (group > 0 ? " (groups of " + std::to_string(group) + ")" : "") +
@@ -109,7 +111,8 @@ struct Layout {
            (last >= 0 ? " last " + std::to_string(last) : "") + (ep > 1 ? ", EP " + std::to_string(ep) : "") +
            (zero ? ", distributed optimizer" : "") + (overlap ? ", overlapped" : "") +
            (tp > 1 ? ", TP " + std::to_string(tp) + " + SP" : "") + (cp > 1 ? ", CP " + std::to_string(cp) : "") +
-           (order != ParallelConfig{}.order ? ", order " + order : "");
+           (order != ParallelConfig{}.order ? ", order " + order : "") + (per_token ? ", per-token loss" : "") +
+           (loss_scale > 0 ? ", loss scale " + std::to_string(loss_scale) : "");
   }
 };
 
@@ -170,13 +173,26 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   tc.save_interval = save_interval;
   tc.async_save = async_save;
   tc.use_persistent_ckpt_worker = true;
+  tc.calculate_per_token_loss = l.per_token;
+  if (l.loss_scale > 0) {
+    tc.grad_scaler.kind = train::GradScalerConfig::Kind::dynamic;
+    tc.grad_scaler.scale = l.loss_scale;
+    tc.check_for_nan = false;
+  }
   if (l.log_stats) {
     tc.log_interval = 1;
     tc.log_params_norm = true;
     tc.log_num_zeros_in_grad = true;
     tc.timing_log_level = 2;
   }
-  const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, l.pp ? &groups : nullptr);
+  // (per-token loss: every other micro-batch of the global batch keeps a few labels, so the micro-batches weigh unlike)
+  const train::BatchFn uneven = [](Tensor& tok, Tensor& lab, bool valid, int64_t i) {
+    synthetic_batch(tok, lab, valid, i);
+    if (i % 2 == 0)
+      for (int64_t k = 3 + i % 5; k < lab.numel(); ++k) lab.data<int32_t>()[k] = -1;
+  };
+  const train::TrainLog log =
+      train::train(gpt, opt, tc, l.per_token ? uneven : synthetic_batch, nullptr, {}, l.pp ? &groups : nullptr);
   Result r;
   r.loss = log.train_loss;
   r.grad_norm = log.grad_norm;
@@ -196,19 +212,22 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   return r;
 }
 
-void check_layout(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l) {
+void check_layout(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l, int64_t iters = 20) {
   SCOPED_TRACE(l.name() + " x DP " + std::to_string(world.size() / (l.pp * l.tp * l.cp)) +
                (mc.moe.enabled() ? ", MoE" : "") + (mc.untie_embeddings_and_output_weights ? "" : ", tied"));
-  const Result ref1 = run(world, mc, Layout{}, 1);
+  Layout one;
+  one.per_token = l.per_token;
+  one.loss_scale = l.loss_scale;
+  const Result ref1 = run(world, mc, one, 1);
   const Result got1 = run(world, mc, l, 1);
   EXPECT_LE(rel(got1.loss[0], ref1.loss[0]), 1e-6) << got1.loss[0] << " vs " << ref1.loss[0];
   EXPECT_LE(rel(got1.grad_norm[0], ref1.grad_norm[0]), 1e-6) << got1.grad_norm[0] << " vs " << ref1.grad_norm[0];
   if (!l.zero) expect_close(got1.grads, ref1.grads);  // (the distributed optimizer reduces into its shards)
-  const Result ref = run(world, mc, Layout{}, 20);
-  const Result got = run(world, mc, l, 20);
-  const Result again = run(world, mc, l, 20);
-  ASSERT_EQ(got.loss.size(), 20u);
-  for (size_t i = 0; i < 20; ++i) {
+  const Result ref = run(world, mc, one, iters);
+  const Result got = run(world, mc, l, iters);
+  const Result again = run(world, mc, l, iters);
+  ASSERT_EQ(got.loss.size(), static_cast<size_t>(iters));
+  for (size_t i = 0; i < got.loss.size(); ++i) {
     EXPECT_LE(rel(got.loss[i], ref.loss[i]), 1e-5) << "step " << i + 1 << ": " << got.loss[i] << " vs " << ref.loss[i];
     EXPECT_EQ(std::memcmp(&got.loss[i], &again.loss[i], sizeof(double)), 0) << "step " << i + 1 << " not bitwise";
     EXPECT_LE(rel(got.moe[i].aux_loss, ref.moe[i].aux_loss), 1e-5) << "step " << i + 1;
@@ -379,6 +398,24 @@ TEST_F(Mpi, PipelineWithTensorAndContextParallelismMatchesOneProcess) {
     check_layout(world, mc, tp);
     if (mc.position_embedding_type == model::PositionEmbedding::rope) check_layout(world, mc, cp);
   }
+}
+
+// --calculate-per-token-loss over the stages, the data-parallel replicas and the context-parallel ranks: the global
+// batch's token count is the last stages' sum over DP (each CP group counts its sequences whole), so every layout
+// weighs each token as one process does; and a dynamic loss scale (2^12 on this f32 model, where it is exact) with it.
+TEST_F(Mpi, PerTokenLossAndLossScalingMatchOneProcess) {
+  Layout pp{P};
+  pp.per_token = true;
+  check_layout(world, moe_mtp(), pp, 4);
+  if (P != 4) return;
+  Layout dp{2, 1, -1, -1, /*zero=*/true, /*overlap=*/true};
+  dp.per_token = true;
+  dp.loss_scale = 4096;
+  check_layout(world, moe_mtp(), dp, 4);
+  Layout cp{2};
+  cp.cp = 2;
+  cp.per_token = true;
+  check_layout(world, tied_dense(), cp, 4);
 }
 
 // Every kind of parallelism at once: PP 2 x TP 2 (SP) x DP 2 with the MoE layers' experts over ETP 2 (the default:
