@@ -182,7 +182,8 @@ const TrainFlag kTrainFlags[] = {
    FlagDomain::one_of({"torch", "torch_dist", "torch_dcp", "fsdp_dtensor"}), ckpt_format},
   {"--dist-ckpt-strictness", TrainFlagKind::value, "assume_ok_unexpected",
    "on load, checkpoint tensors the model does not take: raise_all refuses them, the other modes load the rest and name "
-   "them in a warning; tensors the model needs that the checkpoint lacks are an error in every mode",
+   "them in a warning; tensors the model needs that the checkpoint lacks: assume_ok_unexpected and the raise modes "
+   "refuse the load, the others leave them at their initial values and name them in a warning",
    FlagDomain::one_of({"assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
                        "return_unexpected", "return_all", "ignore_all"}),
    [](const Args& a, const char* f, train::TrainConfig& t) { t.ckpt_strictness = train::parse_ckpt_strictness(a.str(f)); }},

@@ -151,5 +151,45 @@ TEST_F(MegatronSemantics, OverlapMoeExpertParallelCommKeepsMegatronsPrecondition
                "overlap_moe_expert_parallel_comm is only supported with expert model parallelism");
 }
 
+// Loss scaling as Megatron's get_megatron_optimizer builds it: --loss-scale is a constant scale for --fp16 or --bf16
+// (a power of two changes no bit of a bf16 run, whose exponent range is fp32's), logged on the line and as loss-scale
+// (1 without scaling; none with --no-log-loss-scale-to-tensorboard); the dynamic scaler's settings need --fp16 without
+// --loss-scale; Megatron's exclusions are refused naming the flags.
+TEST_F(MegatronSemantics, LossScalingAsMegatron) {
+  byte_corpus();
+  const auto plain = metrics("--bf16", "bf16");
+  const auto scaled = metrics("--bf16 --loss-scale 1024", "scaled");
+  EXPECT_EQ(field(plain, "loss-scale"), std::vector<double>(2, 1.0));
+  EXPECT_EQ(field(scaled, "loss-scale"), std::vector<double>(2, 1024.0));
+  ASSERT_EQ(field(plain, "lm_loss").size(), 2u);
+  EXPECT_EQ(field(scaled, "lm_loss"), field(plain, "lm_loss"));
+  EXPECT_EQ(field(scaled, "grad_norm"), field(plain, "grad_norm"));
+  EXPECT_TRUE(field(metrics("--no-log-loss-scale-to-tensorboard", "off"), "loss-scale").empty());
+  EXPECT_TRUE(field(metrics("--disable-log-loss-scale-to-tensorboard", "off2"), "loss-scale").empty());
+  const CmdResult line = run_moecore(train_args() + "--bf16 --loss-scale 1024");
+  EXPECT_NE(line.output.find("loss scale 1024.0 | grad norm"), std::string::npos) << line.output;
+  expect_error("--loss-scale 1024", "--loss-scale scales the loss of --fp16 or --bf16 training");
+  expect_error("--bf16 --hysteresis 3", "--hysteresis sets the dynamic loss scaler, which only --fp16 without");
+  expect_error("--bf16 --loss-scale 8 --initial-loss-scale 65536", "--initial-loss-scale sets the dynamic loss scaler");
+  expect_error("--fp16 --bf16", "--fp16 and --bf16 exclude each other");
+  expect_error("--fp16 --loss-scale-window 10.5", "--loss-scale-window (10.5) must be a whole number of steps");
+  expect_error("--bf16 --loss-scale 0", "--loss-scale");
+  // Megatron's own defaults pass whatever the precision.
+  EXPECT_EQ(run_moecore(train_args() + "--hysteresis 2 --min-loss-scale 1.0").status, 0);
+}
+
+// --calculate-per-token-loss: with every token counted it is the default run to rounding (the global batch's tokens
+// weigh as its micro-batches' means do).
+TEST_F(MegatronSemantics, PerTokenLoss) {
+  byte_corpus();
+  const std::string flags = "--global-batch-size 4 --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 ";
+  const auto mean = metrics(flags, "mean");
+  const auto per_token = metrics(flags + "--calculate-per-token-loss", "per_token");
+  const auto a = field(mean, "lm_loss"), b = field(per_token, "lm_loss");
+  ASSERT_EQ(a.size(), 2u);
+  ASSERT_EQ(b.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) EXPECT_NEAR(b[i], a[i], 1e-5 * a[i]) << i;
+}
+
 }  // namespace
 }  // namespace moecore

@@ -228,6 +228,36 @@ TEST_F(NothingLost, AResumeThatWouldDropTensorsIsAnError) {
   EXPECT_TRUE(fs::exists(p("ckpt/iter_0000003/COMMIT")));
 }
 
+// The other way round: the model asks for tensors the checkpoint lacks (Megatron's "unexpected" keys). Megatron's
+// default (assume_ok_unexpected) and the raise modes refuse the load naming the tensor; log_unexpected, log_all,
+// return_* and ignore_all load the rest and leave those parameters at their initial values, named in a warning.
+TEST_F(NothingLost, AResumeLackingTensorsFollowsTheStrictness) {
+  byte_corpus();
+  CmdResult r = run_moecore(train_args() + "--disable-bias-linear --save " + p("ckpt"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string finetune = "--load " + p("ckpt") + " --save " + p("finetuned") + " --train-iters 3 --finetune ";
+  for (const char* mode : {"", "--dist-ckpt-strictness raise_unexpected", "--dist-ckpt-strictness raise_all"}) {
+    r = run_moecore(train_args() + finetune + mode);
+    EXPECT_EQ(r.status, 1) << mode << "\n" << r.output;
+    EXPECT_NE(r.output.find("has no tensor 'decoder.layers.0.self_attention.linear_qkv.bias'"), std::string::npos)
+        << mode << "\n"
+        << r.output;
+  }
+  EXPECT_FALSE(fs::exists(p("finetuned/iter_0000003")));
+  for (const char* mode : {"log_unexpected", "log_all", "return_all", "ignore_all"}) {
+    r = run_moecore(train_args() + finetune + "--dist-ckpt-strictness " + mode);
+    EXPECT_EQ(r.status, 0) << mode << "\n" << r.output;
+    EXPECT_NE(r.output.find("tensors this model has (Megatron's unexpected keys), left at their initial values, "
+                            "moments zero (--dist-ckpt-strictness " +
+                            std::string(mode)),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("model.safetensors: decoder.layers.0.self_attention.linear_qkv.bias"), std::string::npos)
+        << r.output;
+  }
+  EXPECT_TRUE(fs::exists(p("finetuned/iter_0000003/COMMIT")));
+}
+
 // ---- 5. The recorded model ---------------------------------------------------------------------------------
 
 // Flags that change the model's function are compared with the checkpoint's record on resume (an Error listing each)

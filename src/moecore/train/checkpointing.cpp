@@ -653,19 +653,33 @@ void load_expert_rows(Tensor& dst, const io::LoadedCheckpoint& ck, const std::st
 }
 }  // namespace
 
+namespace {
+constexpr std::pair<const char*, CkptStrictness> kStrictnessModes[] = {
+    {"assume_ok_unexpected", CkptStrictness::assume_ok_unexpected},
+    {"log_unexpected", CkptStrictness::log_unexpected},
+    {"log_all", CkptStrictness::log_all},
+    {"raise_unexpected", CkptStrictness::raise_unexpected},
+    {"raise_all", CkptStrictness::raise_all},
+    {"return_unexpected", CkptStrictness::return_unexpected},
+    {"return_all", CkptStrictness::return_all},
+    {"ignore_all", CkptStrictness::ignore_all}};
+}  // namespace
+
 CkptStrictness parse_ckpt_strictness(const std::string& name) {
-  static const std::pair<const char*, CkptStrictness> kModes[] = {
-      {"assume_ok_unexpected", CkptStrictness::assume_ok_unexpected},
-      {"log_unexpected", CkptStrictness::log_unexpected},
-      {"log_all", CkptStrictness::log_all},
-      {"raise_unexpected", CkptStrictness::raise_unexpected},
-      {"raise_all", CkptStrictness::raise_all},
-      {"return_unexpected", CkptStrictness::return_unexpected},
-      {"return_all", CkptStrictness::return_all},
-      {"ignore_all", CkptStrictness::ignore_all}};
-  for (const auto& [n, m] : kModes)
+  for (const auto& [n, m] : kStrictnessModes)
     if (name == n) return m;
   MOECORE_FAIL("--dist-ckpt-strictness '", name, "' is not one of Megatron's modes");
+}
+
+const char* ckpt_strictness_name(CkptStrictness s) {
+  for (const auto& [n, m] : kStrictnessModes)
+    if (s == m) return n;
+  return "?";
+}
+
+bool loads_on_unexpected(CkptStrictness s) {
+  return s != CkptStrictness::assume_ok_unexpected && s != CkptStrictness::raise_unexpected &&
+         s != CkptStrictness::raise_all;
 }
 
 namespace {
@@ -762,6 +776,30 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
   if (E > 0 && E % saved_ep != 0)
     MOECORE_FAIL("checkpoint: ", ck.dir, "/state.json has expert_model_parallel_size ", saved_ep, " for ", E,
                  " experts");
+  // Megatron's "unexpected" keys (tensors the model asks for that the checkpoint lacks): the modes that load on leave
+  // each as it is (a parameter at its initial value, zero moments) and moecore names them; the others stop at need().
+  const bool load_on = loads_on_unexpected(options.strictness);
+  std::vector<std::string> absent;
+  auto lacks = [&](const std::string& file, const std::string& name) {
+    const auto f = ck.files.find(file);
+    return f != ck.files.end() && !f->second.tensors.count(name);
+  };
+  auto lacks_experts = [&](const std::string& whole_file, const std::string& name) {
+    if (saved_ep <= 1) return lacks(whole_file, name);
+    for (int64_t j = 0; j < saved_ep; ++j)
+      if (!lacks(checkpoint_expert_file(j, saved_ep), name)) return false;
+    return true;
+  };
+  auto leave = [&](bool absent_here, bool copy, const std::string& file, const std::string& name) {
+    if (!absent_here) return false;
+    if (!load_on)
+      MOECORE_FAIL("checkpoint: '", ck.dir, "/", file, "' has no tensor '", name,
+                   "', which this model has (Megatron's unexpected key: --dist-ckpt-strictness ",
+                   ckpt_strictness_name(options.strictness),
+                   " refuses the load; log_unexpected would load the rest and leave it at its initial value)");
+    if (!copy) absent.push_back(file + ": " + name);
+    return true;
+  };
   // Two passes: every check first (copy false), so a load that fails leaves the model and optimizer untouched.
   auto tensors = [&](bool copy) {
     for (size_t i = 0; i < params.size(); ++i) {
@@ -769,6 +807,7 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
       if (p.expert_parallel) {  // resharding: this rank's experts out of whichever files hold them (its ETP slice)
         const int64_t first = gpt.ep_rank() * p.value.size(0);
         auto experts = [&](Tensor& dst, const std::string& file, const std::string& name) {
+          if (leave(lacks_experts(file, name), copy, saved_ep <= 1 ? file : "experts-ep*", name)) return;
           if (!p.tp.sharded()) return load_expert_rows(dst, ck, file, name, first, saved_ep, E, copy);
           Tensor whole = Tensor::empty(p.tp.global_shape(dst.shape()), dst.dtype(), MemCategory::workspace);
           load_expert_rows(whole, ck, file, name, first, saved_ep, E, copy);
@@ -782,6 +821,7 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
       }
       // The files hold whole tensors: a tensor-parallel rank takes its shard of each (any saved TP).
       auto take = [&](Tensor& dst, const io::SafetensorsFile& f, const std::string& path, const std::string& name) {
+        if (leave(!f.tensors.count(name), copy, path.substr(ck.dir.size() + 1), name)) return;
         if (!p.tp.sharded()) {
           const Tensor& t = need(f, path, name, dst);
           if (copy) dst.copy_from(t);
@@ -798,6 +838,8 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
     for (int64_t l = 0; l < layers; ++l) {
       moe::RouterState* st = gpt.router_state(l);
       if (!st || !st->expert_bias.defined()) continue;
+      if (leave(!model.tensors.count(checkpoint_expert_bias_name(l)), copy, kModelFile, checkpoint_expert_bias_name(l)))
+        continue;
       const Tensor& b = need(model, model_path, checkpoint_expert_bias_name(l), st->expert_bias);
       if (copy) st->expert_bias.copy_from(b);
     }
@@ -807,6 +849,17 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
     check_no_unexpected_tensors(ck, gpt.config(), load_optim, options.strictness);
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
+  }
+  if (!absent.empty()) {
+    std::string list;
+    for (size_t i = 0; i < absent.size() && i < 12; ++i) list += "\n  " + absent[i];
+    if (absent.size() > 12) list += "\n  ... and " + std::to_string(absent.size() - 12) + " more";
+    std::fprintf(stderr,
+                 "warning: checkpoint %s lacks %zu tensor%s this model has (Megatron's unexpected keys), left at "
+                 "their initial values, moments zero (--dist-ckpt-strictness %s; assume_ok_unexpected, "
+                 "raise_unexpected and raise_all refuse such a load):%s\n",
+                 ck.dir.c_str(), absent.size(), absent.size() == 1 ? "" : "s", ckpt_strictness_name(options.strictness),
+                 list.c_str());
   }
   tensors(true);
   if (!load_optim) {  // a fresh optimizer, whatever the tensors held before

@@ -69,10 +69,11 @@ struct CheckpointSaveOptions {
 // the only rng state a run has).
 // Megatron's --dist-ckpt-strictness (core/dist_checkpointing/validation.py StrictHandling). Megatron's words: a
 // "missing" key is a tensor of the checkpoint the model does not take, an "unexpected" key a tensor the model asks
-// for that the checkpoint lacks. Here an unexpected key is an Error in every mode (a parameter left at its initial
-// value is not supported yet; Megatron's log_*, return_* and ignore_all modes would load on). Missing keys: an Error
-// with raise_all; otherwise they are not loaded, and, where Megatron would say nothing, moecore still names them in one
-// warning line (a dropped tensor is never silent).
+// for that the checkpoint lacks. Unexpected keys: an Error under assume_ok_unexpected (Megatron's load strategy
+// raises), raise_unexpected and raise_all; the other modes load the rest and leave each such tensor as it is (the
+// parameter at its initial value, its moments zero), named in one warning line. Missing keys: an Error with raise_all;
+// otherwise they are not loaded, and named in one warning line. Where Megatron would say nothing (assume_ok_*,
+// return_*, ignore_all) moecore still warns: a dropped or uninitialised-from-checkpoint tensor is never silent.
 enum class CkptStrictness : uint8_t {
   assume_ok_unexpected,  // Megatron's default
   log_unexpected,
@@ -83,8 +84,11 @@ enum class CkptStrictness : uint8_t {
   return_all,
   ignore_all
 };
-// The mode of its name (Megatron's choices); Error otherwise.
+// The mode of its name (Megatron's choices); Error otherwise. And back.
 CkptStrictness parse_ckpt_strictness(const std::string& name);
+const char* ckpt_strictness_name(CkptStrictness s);
+// Whether a load under `s` goes on without the tensors the checkpoint lacks (Megatron's unexpected keys).
+bool loads_on_unexpected(CkptStrictness s);
 
 struct CheckpointLoadOptions {
   bool load_optim = true;  // false (--no-load-optim): moments, step count and scheduler state not read
