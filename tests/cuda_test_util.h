@@ -54,11 +54,11 @@ inline std::vector<int32_t> random_ints(int64_t n, int32_t lo, int32_t hi, uint6
   return v;
 }
 
-// Tolerances by output dtype: f32 ~1e-5 relative; bf16 about two ulps (a value rounds to either neighbour when the
-// two backends' f32 results differ in the last bits).
-constexpr double kRtolF32 = 1e-5, kRtolBf16 = 8e-3;
+// Tolerances by output dtype: f32 ~1e-5 relative; bf16 and f16 about two ulps (a value rounds to either neighbour
+// when the two backends' f32 results differ in the last bits): 2 * 2^-8 and 2 * 2^-11.
+constexpr double kRtolF32 = 1e-5, kRtolBf16 = 8e-3, kRtolF16 = 1e-3;
 inline double rtol_of(DType t) {
-  return t == DType::bf16 ? kRtolBf16 : kRtolF32;
+  return t == DType::bf16 ? kRtolBf16 : t == DType::f16 ? kRtolF16 : kRtolF32;
 }
 
 inline void expect_near(const Both& x, double rtol, double atol) {
@@ -71,6 +71,6 @@ inline void expect_bitwise(const Both& x) {
   EXPECT_EQ(std::memcmp(g.raw(), c.raw(), static_cast<size_t>(c.nbytes())), 0) << "GPU and CPU bits differ";
 }
 
-inline const DType kFloat[] = {DType::f32, DType::bf16};
+inline const DType kFloat[] = {DType::f32, DType::bf16, DType::f16};
 
 }  // namespace moecore::testing_cuda

@@ -13,6 +13,7 @@
 #include "gpu/gpu_test.h"
 #include "moecore/core/backend_hooks.h"
 #include "moecore/core/dtype.h"
+#include "moecore/core/dtype_convert.h"
 #include "moecore/core/env.h"
 #include "moecore/core/memory.h"
 #include "moecore/core/rng.h"
@@ -83,6 +84,39 @@ TEST(DType, Fp16KnownValues) {
     if (std::isnan(f16_to_float(h))) continue;
     ASSERT_EQ(float_to_f16(f16_to_float(h)).bits, code);
   }
+}
+
+// The fast bit-manipulation f16 conversions against the frexp-based reference: every half, and for f32 -> f16
+// every float near a half (each half's value and its midpoints to both neighbours, +-3 ulps), the boundaries,
+// NaNs with payloads, float subnormals, and a stride through all 2^32 bit patterns.
+TEST(DType, Fp16FastEqualsReference) {
+  const auto same_bits = [](float a, float b) { return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b); };
+  for (uint32_t code = 0; code < 0x10000; ++code) {
+    const auto h = static_cast<uint16_t>(code);
+    ASSERT_TRUE(same_bits(f16_bits_to_float(h), dtype_convert::f16_to_float_reference(h))) << std::hex << code;
+  }
+  const auto check = [](uint32_t u) {
+    const float f = from_bits(u);
+    ASSERT_EQ(float_to_f16_bits(f), dtype_convert::float_to_f16_reference(f)) << std::hex << u;
+  };
+  for (uint32_t code = 0; code < 0x7c00; ++code) {
+    const float lo = dtype_convert::f16_to_float_reference(static_cast<uint16_t>(code));
+    const float hi =
+        code + 1 < 0x7c00 ? dtype_convert::f16_to_float_reference(static_cast<uint16_t>(code + 1)) : 65536.0f;
+    for (const float center : {lo, lo + (hi - lo) / 2}) {
+      const uint32_t c = std::bit_cast<uint32_t>(center);
+      for (uint32_t d = 0; d <= 6; ++d) {
+        if (c + d < 3) continue;
+        for (const uint32_t sign : {0u, 0x80000000u}) check((c + d - 3) | sign);
+      }
+    }
+  }
+  for (uint32_t u = 0; u < 0x1000; ++u) {
+    for (const uint32_t base : {0x00000000u, 0x007ff000u, 0x7f800000u, 0x7fc00000u, 0x7ffff000u, 0x47000000u,
+                                0x477fe000u, 0x387ff000u, 0x38800000u, 0x33000000u, 0x32fff800u})
+      for (const uint32_t sign : {0u, 0x80000000u}) check((base + u) | sign);
+  }
+  for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 251) check(static_cast<uint32_t>(u));
 }
 
 TEST(DType, Fp8E4m3KnownValues) {

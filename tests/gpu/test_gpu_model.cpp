@@ -1,8 +1,8 @@
 // Layer-3 GPU tests (label "gpu"): two small MoE GPTs train 5 steps of two micro-batches on the device under test and
-// on the CPU, in f32 and in bf16 compute, and each step's losses, every parameter's gradient after step 1 and every
-// parameter after step 5 are compared tensor by tensor. The device under test is cuda; the ".sim" twin
-// (MOECORE_TEST_DEVICE=sim, label "sim") runs the same tests on the simulated device, whose kernels are the CPU's,
-// and there requires equality bit for bit -- which proves the tests' own logic on machines without a GPU.
+// on the CPU, in f32 and in bf16 compute (the GQA one also in f16), and each step's losses, every parameter's gradient
+// after step 1 and every parameter after step 5 are compared tensor by tensor. The device under test is cuda; the
+// ".sim" twin (MOECORE_TEST_DEVICE=sim, label "sim") runs the same tests on the simulated device, whose kernels are the
+// CPU's, and there requires equality bit for bit -- which proves the tests' own logic on machines without a GPU.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -213,7 +213,9 @@ void expect_loss(const std::string& what, double got, double cpu, const Toleranc
 void expect_trains_like_the_cpu(model::ModelConfig c, DType compute) {
   c.compute_dtype = compute;
   const Device device = testing::gpu_test_device();
-  const Tolerance tol = device == Device::sim ? kBitwise : compute == DType::bf16 ? kBf16 : kF32;
+  // f16 compute is held to the bf16 bounds (not yet measured on a GPU): its rounding is 8x finer, but a flip still
+  // moves a value by an ulp and can move a token to another expert.
+  const Tolerance tol = device == Device::sim ? kBitwise : compute == DType::f32 ? kF32 : kBf16;
   const Run ref = train(c, Device::cpu), got = train(c, device);
   const std::string on = std::string(" on ") + device_name(device);
   ASSERT_EQ(got.loss.size(), ref.loss.size());
@@ -240,6 +242,11 @@ TEST(GpuModel, MoeGptTrainsLikeTheCpuInF32) {
 TEST(GpuModel, MoeGptTrainsLikeTheCpuInBf16) {
   SKIP_WITHOUT_GPU_TEST_DEVICE();
   expect_trains_like_the_cpu(gqa_moe(), DType::bf16);
+}
+
+TEST(GpuModel, MoeGptTrainsLikeTheCpuInF16) {
+  SKIP_WITHOUT_GPU_TEST_DEVICE();
+  expect_trains_like_the_cpu(gqa_moe(), DType::f16);
 }
 
 TEST(GpuModel, MlaMtpMoeGptTrainsLikeTheCpuInF32) {

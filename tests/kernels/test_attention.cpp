@@ -202,21 +202,23 @@ TEST(AttentionBackward, DeterministicAcrossThreadCounts) {
   }
 }
 
-// bf16 activations vs the f32 kernel on the same (bf16-rounded) inputs. Forward: both do the same f32
-// math, so only the output rounding differs (2^-8 relative). Backward: out and dout enter delta rounded
-// to bf16, moving dS by ~2^-8 of |dP|, and the result is rounded again: 2e-2 relative, 2e-2 absolute.
+// bf16 / f16 activations vs the f32 kernel on the same (rounded) inputs. Forward: both do the same f32 math, so
+// only the output rounding differs (2^-8 relative in bf16, 2^-11 in f16). Backward: out and dout enter delta
+// rounded, moving dS by ~one rounding of |dP|, and the result is rounded again: 2e-2 in bf16, 8x less in f16.
 TEST(AttentionBf16, MatchesF32Path) {
-  for (const QkvDims& d : {QkvDims{1, 100, 2, 2, 16}, QkvDims{2, 70, 1, 1, 64}}) {
-    SCOPED_TRACE(name_of(d));
-    const Tensor qkv16 = randn(qkv_shape(d), "qkv").to(DType::bf16);
-    const Tensor dout16 = randn(out_shape(d), "dout").to(DType::bf16);
-    const Tensor qkv32 = qkv16.to(DType::f32), dout32 = dout16.to(DType::f32);
-    const Fwd f16 = run_forward(qkv16, d), f32 = run_forward(qkv32, d);
-    EXPECT_EQ(f16.out.dtype(), DType::bf16);
-    EXPECT_TENSOR_NEAR(f16.out, f32.out, 8e-3, 1e-4);
-    EXPECT_TENSOR_NEAR(f16.lse, f32.lse, 1e-6, 1e-6);
-    EXPECT_TENSOR_NEAR(run_backward(dout16, qkv16, f16, d), run_backward(dout32, qkv32, f32, d), 2e-2, 2e-2);
-  }
+  for (DType t : {DType::bf16, DType::f16})
+    for (const QkvDims& d : {QkvDims{1, 100, 2, 2, 16}, QkvDims{2, 70, 1, 1, 64}}) {
+      SCOPED_TRACE(name_of(d) + " " + std::string(dtype_name(t)));
+      const double out_rtol = t == DType::bf16 ? 8e-3 : 1e-3, grad_tol = t == DType::bf16 ? 2e-2 : 2.5e-3;
+      const Tensor qkv16 = randn(qkv_shape(d), "qkv").to(t);
+      const Tensor dout16 = randn(out_shape(d), "dout").to(t);
+      const Tensor qkv32 = qkv16.to(DType::f32), dout32 = dout16.to(DType::f32);
+      const Fwd f16 = run_forward(qkv16, d), f32 = run_forward(qkv32, d);
+      EXPECT_EQ(f16.out.dtype(), t);
+      EXPECT_TENSOR_NEAR(f16.out, f32.out, out_rtol, 1e-4);
+      EXPECT_TENSOR_NEAR(f16.lse, f32.lse, 1e-6, 1e-6);
+      EXPECT_TENSOR_NEAR(run_backward(dout16, qkv16, f16, d), run_backward(dout32, qkv32, f32, d), grad_tol, grad_tol);
+    }
 }
 
 // ---- Attention dropout ---------------------------------------------------------------------------
@@ -406,7 +408,7 @@ std::string keys_name(const QkvDims& d, DType t, const Dropout& drop) {
 // full problem's last S rows bit for bit, with or without dropout, in both dtypes.
 TEST(AttentionKeys, ForwardRowsEqualTheFullProblemBitwise) {
   for (const QkvDims& d : kKeyShapes)
-    for (DType t : {DType::f32, DType::bf16})
+    for (DType t : {DType::f32, DType::bf16, DType::f16})
       for (const Dropout& drop : {Dropout{}, attn_dropout(0.3f, "keys")}) {
         SCOPED_TRACE(keys_name(d, t, drop));
         const int64_t off = d.keys() - d.S;
@@ -422,13 +424,14 @@ TEST(AttentionKeys, ForwardRowsEqualTheFullProblemBitwise) {
 // and dV). dK, dV: every key's sums run over the same query rows in the same order, so bit for bit. dQ: the same
 // terms, but the backward cuts keys into chunks by causal work, which differs between the two problems when B*G < 8,
 // and adds the chunks' partial sums in another grouping: a few f32 ulps (observed <= 1.2e-7 absolute on values of
-// order one), so 1e-5 relative / 1e-6 absolute; in bf16 such a difference can round a value to its neighbour: 8e-3.
+// order one), so 1e-5 relative / 1e-6 absolute; in bf16 such a difference can round a value to its neighbour: 8e-3
+// (f16: 1e-3).
 // With B*G >= 8 (one chunk in both) dQ is bitwise too, checked by the last shape.
 TEST(AttentionKeys, BackwardMatchesTheFullProblem) {
   std::vector<QkvDims> shapes(std::begin(kKeyShapes), std::end(kKeyShapes));
   shapes.push_back({2, 70, 4, 2, 8, 200});  // B*G = 8: one key chunk
   for (const QkvDims& d : shapes)
-    for (DType t : {DType::f32, DType::bf16})
+    for (DType t : {DType::f32, DType::bf16, DType::f16})
       for (const Dropout& drop : {Dropout{}, attn_dropout(0.3f, "keys")}) {
         SCOPED_TRACE(keys_name(d, t, drop));
         const int64_t off = d.keys() - d.S, HD = d.q_heads() * d.D;
@@ -445,7 +448,11 @@ TEST(AttentionKeys, BackwardMatchesTheFullProblem) {
         if (d.B * d.G >= 8)
           EXPECT_EQ(bits_differ(query_slots(g.dq, d), dq_full), 0);
         else
-          EXPECT_TENSOR_NEAR(query_slots(g.dq, d), dq_full, t == DType::f32 ? 1e-5 : 8e-3, 1e-6);
+          EXPECT_TENSOR_NEAR(query_slots(g.dq, d), dq_full,
+                             t == DType::f32   ? 1e-5
+                             : t == DType::f16 ? 1e-3
+                                               : 8e-3,
+                             1e-6);
         EXPECT_TRUE(all_nan(kv_slots(g.dq, d)));  // no other column touched
         EXPECT_TRUE(all_nan(query_slots(g.dkv, d)));
       }
@@ -575,18 +582,18 @@ TEST(RopeForward, MatchesNaiveFormula) {
 }
 
 // Partial rotary (Megatron's --rotary-percent): Dr = 6 and 2 of D = 16. Rotated channels match the
-// reference to 1e-6; every other element (pass-through channels, value slots) keeps its bits, also in bf16.
+// reference to 1e-6; every other element (pass-through channels, value slots) keeps its bits, also in bf16 / f16.
 TEST(RopeForward, PartialRotaryRotatesOnlyFirstDrChannels) {
   const QkvDims d{2, 9, 2, 2, 16};
   for (const int64_t Dr : {int64_t{6}, int64_t{2}}) {
-    for (DType t : {DType::f32, DType::bf16}) {
+    for (DType t : {DType::f32, DType::bf16, DType::f16}) {
       SCOPED_TRACE("Dr " + std::to_string(Dr) + " " + std::string(dtype_name(t)));
       const Tensor rope = make_rope(d.S, Dr);
       const Tensor x = randn(qkv_shape(d), "x").to(t);
       Tensor y = x.clone();
       ops::rope_forward(y, rope, d, {});
-      EXPECT_TENSOR_NEAR(y, from_doubles(qkv_shape(d), rope_reference(x, rope, d)), t == DType::f32 ? 1e-6 : 4e-3,
-                         1e-6);
+      const double rtol = t == DType::f32 ? 1e-6 : t == DType::f16 ? 5e-4 : 4e-3;
+      EXPECT_TENSOR_NEAR(y, from_doubles(qkv_shape(d), rope_reference(x, rope, d)), rtol, 1e-6);
       const size_t esize = dtype_size(t);
       int64_t changed = 0;
       for (int64_t row = 0; row < d.B * d.S; ++row)
@@ -657,15 +664,17 @@ TEST(RopeBackward, IsTransposeOfForward) {
   }
 }
 
-// bf16 rotates in f32 and rounds once: 2^-8 relative to the f32 result.
-TEST(RopeForward, Bf16MatchesF32) {
+// bf16 / f16 rotate in f32 and round once: 2^-8 (bf16) or 2^-11 (f16) relative to the f32 result.
+TEST(RopeForward, Bf16AndF16MatchF32) {
   const QkvDims d{1, 20, 2, 2, 8};
   const Tensor rope = make_rope(d.S, d.D);
-  Tensor x16 = randn(qkv_shape(d), "x").to(DType::bf16);
-  Tensor x32 = x16.to(DType::f32);
-  ops::rope_forward(x16, rope, d, {});
-  ops::rope_forward(x32, rope, d, {});
-  EXPECT_TENSOR_NEAR(x16, x32, 4e-3, 1e-5);
+  for (DType t : {DType::bf16, DType::f16}) {
+    Tensor x16 = randn(qkv_shape(d), "x").to(t);
+    Tensor x32 = x16.to(DType::f32);
+    ops::rope_forward(x16, rope, d, {});
+    ops::rope_forward(x32, rope, d, {});
+    EXPECT_TENSOR_NEAR(x16, x32, t == DType::bf16 ? 4e-3 : 5e-4, 1e-5);
+  }
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // Tests of the linear-layer bias ops on the CPU: bias_add / bias_grad and their grouped and row-scaled
-// grouped versions against double references, with strided rows, bf16, empty groups and padding rows;
+// grouped versions against double references, with strided rows, bf16, f16, empty groups and padding rows;
 // finite differences of the scaled pair, accumulation rules, thread-count independence and errors.
 #include <omp.h>
 
@@ -64,10 +64,11 @@ std::vector<double> grad_ref(const Tensor& dbias0, const Tensor& dy, const float
   return out;
 }
 
-// f32 adds round once (1e-6 relative); bf16 rounds the sum to 8 bits (4e-3). Gradients sum in double.
+// f32 adds round once (1e-6 relative); bf16 rounds the sum to 8 bits (4e-3), f16 to 11 (within the same bound).
+// Gradients sum in double.
 TEST(BiasAdd, MatchesReferenceOnStridedRows) {
   const int64_t N = 40, W = 24;
-  for (DType t : {DType::f32, DType::bf16}) {
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
     SCOPED_TRACE(dtype_name(t));
     Tensor wide = randn({N, W + 8}, "y").to(t);
     const Tensor before = wide.clone();
@@ -83,7 +84,7 @@ TEST(BiasAdd, MatchesReferenceOnStridedRows) {
 
 TEST(BiasGrad, AccumulatesColumnSums) {
   const int64_t N = 700, W = 300;  // several row chunks and column blocks
-  for (DType t : {DType::f32, DType::bf16}) {
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
     SCOPED_TRACE(dtype_name(t));
     const Tensor wide = randn({N, W + 3}, "dy").to(t);
     const Tensor dy = wide.slice(1, 0, W);
@@ -102,14 +103,14 @@ constexpr int64_t kRows = 310, kG = 4;
 Tensor padded_input(const char* name, DType t, int64_t W) {
   Tensor x = randn({kRows, W}, name);
   for (int64_t r = 307; r < kRows; ++r)
-    for (int64_t w = 0; w < W; ++w) x.data<float>()[r * W + w] = 1e30f;
+    for (int64_t w = 0; w < W; ++w) x.data<float>()[r * W + w] = t == DType::f16 ? 6e4f : 1e30f;  // finite
   return x.to(t);
 }
 
 TEST(BiasGrouped, AddAndGradMatchReference) {
   const int64_t W = 10;
   const auto g = row_groups(kGroups, kRows);
-  for (DType t : {DType::f32, DType::bf16}) {
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
     SCOPED_TRACE(dtype_name(t));
     Tensor y = padded_input("y", t, W);
     const Tensor bias = randn({kG, W}, "bias");
@@ -130,7 +131,7 @@ TEST(BiasGroupedScaled, AddAndGradsMatchReference) {
   const auto g = row_groups(kGroups, kRows);
   const Tensor scale = randn({kRows}, "scale");
   const float* sp = scale.data<float>();
-  for (DType t : {DType::f32, DType::bf16}) {
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
     SCOPED_TRACE(dtype_name(t));
     Tensor y = padded_input("y", t, W);
     const Tensor bias = randn({kG, W}, "bias");

@@ -51,7 +51,7 @@ auto with_threads(int n, Fn&& fn) {
 }
 
 TEST(Dropout, ZeroProbabilityIsIdentity) {
-  for (DType t : {DType::f32, DType::bf16}) {
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
     const Tensor x = randn({37, 41}, "x").to(t);
     Tensor y = empty(x.shape(), t);
     ops::dropout_forward(y, x, ops::Dropout{}, kCpu);
@@ -65,7 +65,7 @@ TEST(Dropout, ZeroProbabilityIsIdentity) {
 }
 
 // Every element against philox_uniform: kept ones are exactly x * s with s = 1 / (1 - p) in f32, dropped
-// ones exactly +0. Sizes not a multiple of 4 and a parallel size; bf16 rounds x * s once.
+// ones exactly +0. Sizes not a multiple of 4 and a parallel size; bf16 and f16 round x * s once.
 TEST(Dropout, MaskMatchesPhiloxUniformAndScalesExactly) {
   for (const float p : {0.1f, 0.5f, 0.9f}) {
     const ops::Dropout d = dropout(p);
@@ -74,19 +74,24 @@ TEST(Dropout, MaskMatchesPhiloxUniformAndScalesExactly) {
       const Tensor x = randn({n}, "x");
       Tensor y = empty({n});
       ops::dropout_forward(y, x, d, kCpu);
-      const Tensor x16 = x.to(DType::bf16);
-      Tensor y16 = empty({n}, DType::bf16);
+      const Tensor x16 = x.to(DType::bf16), xh = x.to(DType::f16);
+      Tensor y16 = empty({n}, DType::bf16), yh = empty({n}, DType::f16);
       ops::dropout_forward(y16, x16, d, kCpu);
-      int64_t bad = 0, bad16 = 0;
+      ops::dropout_forward(yh, xh, d, kCpu);
+      int64_t bad = 0, bad16 = 0, badh = 0;
       for (int64_t i = 0; i < n; ++i) {
         const float xi = x.data<float>()[i], x16i = bf16_to_float(x16.data<bf16>()[i]);
+        const float xhi = f16_to_float(xh.data<f16>()[i]);
         const float want = kept(d, i) ? xi * s : 0.0f;
         const float want16 = bf16_to_float(float_to_bf16(kept(d, i) ? x16i * s : 0.0f));
+        const float wanth = f16_to_float(float_to_f16(kept(d, i) ? xhi * s : 0.0f));
         bad += bits(y.data<float>()[i]) != bits(want);
         bad16 += bits(bf16_to_float(y16.data<bf16>()[i])) != bits(want16);
+        badh += bits(f16_to_float(yh.data<f16>()[i])) != bits(wanth);
       }
       EXPECT_EQ(bad, 0) << "p " << p << " n " << n;
       EXPECT_EQ(bad16, 0) << "p " << p << " n " << n;
+      EXPECT_EQ(badh, 0) << "f16, p " << p << " n " << n;
     }
   }
 }
@@ -155,7 +160,7 @@ TEST(Dropout, IndependentOfThreadCount) {
 // so f32 agrees to the last bit but for contraction into an FMA: 1e-6 relative.
 TEST(BiasDropoutAdd, MatchesScalarReference) {
   const int64_t N = 33, H = 70;
-  for (DType t : {DType::f32, DType::bf16}) {
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
     for (const bool with_bias : {true, false}) {
       for (const float p : {0.0f, 0.25f}) {
         SCOPED_TRACE(std::string(dtype_name(t)) + (with_bias ? " bias" : " no bias") + " p " + std::to_string(p));
@@ -193,7 +198,7 @@ TEST(BiasDropoutAdd, ZeroProbabilityIsResidualPlusBias) {
 // kernel sums in double too, so 1e-6 relative).
 TEST(BiasDropoutAddBackward, MatchesScalarReference) {
   const int64_t N = 600, H = 19;  // several 256-row chunks
-  for (DType t : {DType::f32, DType::bf16}) {
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
     for (const float p : {0.0f, 0.4f}) {
       SCOPED_TRACE(std::string(dtype_name(t)) + " p " + std::to_string(p));
       const ops::Dropout d = dropout(p, "bda");

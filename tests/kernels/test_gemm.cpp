@@ -1,6 +1,8 @@
-// GEMM against a double-precision reference: every transpose combination, f32 and bf16 operands, f32 and
-// bf16 outputs, alpha/beta, row-strided views, batches, the tiled bf16 path, and bad shapes.
+// GEMM against a double-precision reference: every transpose combination, f32, bf16 and f16 operands and
+// outputs, alpha/beta, row-strided views, batches, the tiled widened path, f16 overflow to inf, and bad shapes.
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "moecore/kernels/ops.h"
 #include "test_util.h"
@@ -26,11 +28,15 @@ Tensor reference(const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha
 }
 
 // Tolerances: f32 accumulation over K terms of O(1) values: rtol 1e-4, atol 1e-4 * sqrt(K); a bf16 output
-// adds one bf16 rounding (rtol 8e-3).
+// adds one bf16 rounding (rtol 8e-3), an f16 output one f16 rounding (2^-11 relative: rtol 1e-3).
+double output_rtol(DType out) {
+  return out == DType::bf16 ? 8e-3 : out == DType::f16 ? 1e-3 : 1e-4;
+}
+
 TEST(Gemm, AllTransposesDtypesAlphaBeta) {
   const int64_t M = 37, N = 29, K = 45;
-  for (DType in : {DType::f32, DType::bf16})
-    for (DType out : {DType::f32, DType::bf16})
+  for (DType in : {DType::f32, DType::bf16, DType::f16})
+    for (DType out : {DType::f32, DType::bf16, DType::f16})
       for (int ta = 0; ta < 2; ++ta)
         for (int tb = 0; tb < 2; ++tb)
           for (float beta : {0.0f, 1.0f, 0.5f}) {
@@ -39,7 +45,7 @@ TEST(Gemm, AllTransposesDtypesAlphaBeta) {
             const Tensor c0 = testing::randn({M, N}, "c").to(out);
             Tensor c = c0.clone();
             ops::gemm(c, a, ta, b, tb, 0.75f, beta, {});
-            const double rtol = out == DType::bf16 ? 8e-3 : 1e-4;
+            const double rtol = output_rtol(out);
             EXPECT_LE(testing::tolerance_ratio(c, reference(a, ta, b, tb, 0.75f, beta, c0), rtol, 1e-4 * std::sqrt(K)),
                       1.0)
                 << dtype_name(in) << "->" << dtype_name(out) << " ta " << ta << " tb " << tb << " beta " << beta;
@@ -47,7 +53,7 @@ TEST(Gemm, AllTransposesDtypesAlphaBeta) {
 }
 
 TEST(Gemm, RowStridedViews) {
-  for (DType in : {DType::f32, DType::bf16}) {
+  for (DType in : {DType::f32, DType::bf16, DType::f16}) {
     const Tensor wide_a = testing::randn({16, 40}, "wa").to(in), wide_b = testing::randn({24, 40}, "wb").to(in);
     const Tensor a = wide_a.slice(1, 5, 25), b = wide_b.slice(1, 10, 30);  // [16, 20], [24, 20], row stride 40
     Tensor wide_c = Tensor::zeros({16, 50}, DType::f32);
@@ -61,7 +67,7 @@ TEST(Gemm, RowStridedViews) {
 }
 
 TEST(Gemm, BatchedMatchesPerBatch) {
-  for (DType in : {DType::f32, DType::bf16}) {
+  for (DType in : {DType::f32, DType::bf16, DType::f16}) {
     const Tensor a = testing::randn({3, 8, 12}, "ba").to(in), b = testing::randn({3, 10, 12}, "bb").to(in);
     Tensor c = Tensor::zeros({3, 8, 10}, DType::f32);
     ops::gemm_batched(c, a, false, b, true, 1.0f, 0.0f, {});
@@ -73,18 +79,45 @@ TEST(Gemm, BatchedMatchesPerBatch) {
   }
 }
 
-// K = 16384 makes the widened bf16 path split both M and N into tiles (4M-element budget per operand).
-TEST(Gemm, Bf16TiledPathMatchesReference) {
+// K = 16384 makes the widened bf16 / f16 path split both M and N into tiles (4M-element budget per operand).
+TEST(Gemm, WidenedTiledPathMatchesReference) {
   const int64_t M = 260, N = 300, K = 16384;
-  const Tensor a = testing::randn({M, K}, "ta").to(DType::bf16), b = testing::randn({N, K}, "tb").to(DType::bf16);
-  for (DType out : {DType::f32, DType::bf16}) {
-    const Tensor c0 = testing::randn({M, N}, "tc").to(out);
-    Tensor c = c0.clone();
-    ops::gemm(c, a, false, b, true, 1.0f, 1.0f, {});
-    EXPECT_LE(testing::tolerance_ratio(c, reference(a, false, b, true, 1, 1, c0), out == DType::bf16 ? 8e-3 : 1e-4,
-                                       1e-4 * std::sqrt(K)),
-              1.0)
-        << dtype_name(out);
+  for (DType in : {DType::bf16, DType::f16}) {
+    const Tensor a = testing::randn({M, K}, "ta").to(in), b = testing::randn({N, K}, "tb").to(in);
+    for (DType out : {DType::f32, in}) {
+      const Tensor c0 = testing::randn({M, N}, "tc").to(out);
+      Tensor c = c0.clone();
+      ops::gemm(c, a, false, b, true, 1.0f, 1.0f, {});
+      EXPECT_LE(
+          testing::tolerance_ratio(c, reference(a, false, b, true, 1, 1, c0), output_rtol(out), 1e-4 * std::sqrt(K)),
+          1.0)
+          << dtype_name(in) << "->" << dtype_name(out);
+    }
+  }
+}
+
+// An f16 output beyond 65504 is ±inf (IEEE overflow, no saturation: loss scaling watches for it), whatever the
+// operand dtype, and flag_nonfinite sees it; 65504 itself and everything below the midpoint 65520 stay finite.
+TEST(Gemm, F16OutputOverflowsToInf) {
+  for (DType in : {DType::f32, DType::f16}) {
+    // Rows: 2 * 40000 = 80000 -> inf; -80000 -> -inf; 65504 stays; 0.5 * 65504. Every operand is exact in f16.
+    Tensor a32 = Tensor::zeros({4, 2}, DType::f32), b32 = Tensor::zeros({2, 1}, DType::f32);
+    const float av[] = {2, 0, -2, 0, 0, 1, 0, 0.5f}, bv[] = {40000, 65504};
+    std::copy(av, av + 8, a32.data<float>());
+    std::copy(bv, bv + 2, b32.data<float>());
+    const Tensor a = a32.to(in), b = b32.to(in);
+    Tensor c = Tensor::zeros({4, 1}, DType::f16);
+    ops::gemm(c, a, false, b, false, 1.0f, 0.0f, {});
+    const Tensor c32 = c.to(DType::f32);
+    EXPECT_EQ(c32.data<float>()[0], std::numeric_limits<float>::infinity()) << dtype_name(in);
+    EXPECT_EQ(c32.data<float>()[1], -std::numeric_limits<float>::infinity()) << dtype_name(in);
+    EXPECT_EQ(c32.data<float>()[2], 65504.0f) << dtype_name(in);
+    EXPECT_EQ(c32.data<float>()[3], 32752.0f) << dtype_name(in);
+    Tensor flag = Tensor::zeros({1}, DType::i32);
+    ops::flag_nonfinite(flag, c.slice(0, 2, 4).clone(), {});
+    EXPECT_EQ(flag.data<int32_t>()[0], 0);
+    ops::flag_nonfinite(flag, c, {});
+    EXPECT_EQ(flag.data<int32_t>()[0], 1);
   }
 }
 

@@ -1,5 +1,5 @@
 // Tests of the CPU layout ops against naive index loops: transpose_01, and qkv_slots_gather / qkv_slots_scatter
-// (QK-norm's view of the fused QKV activation) over group and slot combinations, f32 and bf16 with conversions,
+// (QK-norm's view of the fused QKV activation) over group and slot combinations, f32, bf16 and f16 with conversions,
 // the round trip, untouched slots, the multi-threaded path and the errors. No finite differences: pure copies.
 #include <cmath>
 #include <cstring>
@@ -65,10 +65,8 @@ const std::vector<SlotCase> kCases = {
     {1, 6, 5, 1, 8, 0, 1}, {1, 6, 5, 1, 8, 1, 1}, {2, 64, 4, 4, 64, 0, 4}, {2, 64, 4, 4, 64, 4, 1},
 };
 const std::vector<std::pair<DType, DType>> kDtypes = {  // (qkv, packed)
-    {DType::f32, DType::f32},
-    {DType::bf16, DType::bf16},
-    {DType::bf16, DType::f32},
-    {DType::f32, DType::bf16}};
+    {DType::f32, DType::f32}, {DType::bf16, DType::bf16}, {DType::bf16, DType::f32}, {DType::f32, DType::bf16},
+    {DType::f16, DType::f16}, {DType::f16, DType::f32},   {DType::f32, DType::f16}};
 
 std::string trace(const SlotCase& c, DType q, DType p) {
   return c.str() + ", qkv " + std::string(dtype_name(q)) + ", packed " + std::string(dtype_name(p));
@@ -109,10 +107,13 @@ TEST(QkvSlotsScatter, MatchesNaiveLoopAndTouchesOnlyTheNamedSlots) {
 }
 
 // Gather then scatter back (through a packed tensor of either dtype that holds qkv's values exactly) leaves
-// qkv bitwise unchanged; a bf16 qkv through an f32 packed tensor is exact both ways.
+// qkv bitwise unchanged; a bf16 or f16 qkv through an f32 packed tensor is exact both ways.
 TEST(QkvSlots, GatherThenScatterLeavesQkvUnchanged) {
-  const std::vector<std::pair<DType, DType>> exact = {
-      {DType::f32, DType::f32}, {DType::bf16, DType::bf16}, {DType::bf16, DType::f32}};
+  const std::vector<std::pair<DType, DType>> exact = {{DType::f32, DType::f32},
+                                                      {DType::bf16, DType::bf16},
+                                                      {DType::bf16, DType::f32},
+                                                      {DType::f16, DType::f16},
+                                                      {DType::f16, DType::f32}};
   for (const SlotCase& c : kCases) {
     for (const auto& [tq, tp] : exact) {
       SCOPED_TRACE(trace(c, tq, tp));
@@ -175,15 +176,15 @@ TEST(QkvSlots, BadShapesSlotsAndDtypesFailNamingTheOp) {
     Tensor parent = randn({c.tokens(), 2 * d.width()}, "parent"), strided = parent.slice(1, 0, d.width());
     expect_error([&] { call(strided, p2, 0, 2); }, {op, "qkv must be contiguous"});
     Tensor ints = Tensor::zeros(c.packed_shape(), DType::i32);
-    expect_error([&] { call(qkv, ints, 0, 2); }, {op, "packed must be f32 or bf16"});
+    expect_error([&] { call(qkv, ints, 0, 2); }, {op, "packed must be f32, bf16 or f16"});
   }
 }
 
-// out[b, a, :] = in[a, b, :] by a naive loop, f32 and bf16 (bitwise), including A = 1, B = 1 and W = 1, and a
+// out[b, a, :] = in[a, b, :] by a naive loop, f32, bf16 and f16 (bitwise), including A = 1, B = 1 and W = 1, and a
 // case above the OpenMP threshold; applying it twice returns the input.
 TEST(Transpose01, MatchesNaiveLoopAndIsAnInvolution) {
   const std::vector<Shape> shapes = {{3, 5, 7}, {1, 4, 6}, {4, 1, 6}, {5, 3, 1}, {2, 16, 32}, {64, 8, 96}};
-  for (DType t : {DType::f32, DType::bf16}) {
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
     for (const Shape& s : shapes) {
       SCOPED_TRACE(std::string(dtype_name(t)) + " " + s.str());
       const int64_t A = s[0], B = s[1], W = s[2];
@@ -214,7 +215,7 @@ TEST(Transpose01, BadShapesDtypesAndAliasingFailNamingTheOp) {
   Tensor out = Tensor::empty({4, 3, 5}, DType::f32);
   expect_error([&] { ops::transpose_01(out, strided, kCpu); }, {"transpose_01", "in must be contiguous"});
   Tensor ints = Tensor::zeros({3, 4, 5}, DType::i32), iout = Tensor::zeros({4, 3, 5}, DType::i32);
-  expect_error([&] { ops::transpose_01(iout, ints, kCpu); }, {"transpose_01", "in must be f32 or bf16"});
+  expect_error([&] { ops::transpose_01(iout, ints, kCpu); }, {"transpose_01", "in must be f32, bf16 or f16"});
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // CPU op tests: every op against a naive double-precision reference, every backward against central
-// finite differences (scalar = weighted_sum(out, random weights)), the accumulation rules, bf16 paths,
+// finite differences (scalar = weighted_sum(out, random weights)), the accumulation rules, bf16 and f16 paths,
 // thread-count independence (bitwise) and error messages. GEMM, RoPE and attention are not tested here.
 // Tolerances are stated where used; FD checks use h = 1e-2 in float, so they allow ~1e-2 relative.
 #include <omp.h>
@@ -85,14 +85,16 @@ double gelu_ref(double x) {
 TEST(Embedding, ForwardGathersRows) {
   Tensor table = randn(Shape{5, 3}, "table");
   Tensor ids = ids_tensor({1, 3, 1, 0});
-  Tensor out = empty(Shape{4, 3}), out16 = empty(Shape{4, 3}, DType::bf16);
+  Tensor out = empty(Shape{4, 3}), out16 = empty(Shape{4, 3}, DType::bf16), outh = empty(Shape{4, 3}, DType::f16);
   ops::embedding_forward(out, ids, table, kCpu);
   ops::embedding_forward(out16, ids, table, kCpu);
+  ops::embedding_forward(outh, ids, table, kCpu);
   for (int n = 0; n < 4; ++n)
     for (int h = 0; h < 3; ++h) {
       const float t = table.data<float>()[ids.data<int32_t>()[n] * 3 + h];
       EXPECT_EQ(out.data<float>()[n * 3 + h], t);  // a copy is exact
       EXPECT_EQ(out16.data<bf16>()[n * 3 + h].bits, float_to_bf16(t).bits);
+      EXPECT_EQ(outh.data<f16>()[n * 3 + h].bits, float_to_f16(t).bits);
     }
 }
 
@@ -146,6 +148,9 @@ TEST(RmsNorm, ForwardMatchesReference) {
   EXPECT_TENSOR_NEAR(y, from_double(Shape{N, H}, rmsnorm_ref(x, w, 1e-5)), 1e-5, 1e-6);  // f32 vs double
   ops::rmsnorm_forward(y16, rstd, x, w, 1e-5f, kCpu);
   EXPECT_TRUE(bitwise_equal(y16, y.to(DType::bf16)));  // bf16 output = the f32 result rounded once
+  Tensor yh = empty(Shape{N, H}, DType::f16);
+  ops::rmsnorm_forward(yh, rstd, x, w, 1e-5f, kCpu);
+  EXPECT_TRUE(bitwise_equal(yh, y.to(DType::f16)));  // likewise f16
   const auto xv = to_vector(x);
   double ss = 0;
   for (int h = 0; h < H; ++h) ss += double(xv[h]) * xv[h];
@@ -186,13 +191,15 @@ TEST(RmsNorm, AccumulationRules) {
     ASSERT_NEAR(after[i], before[i] + d[i], 1e-6 * (std::fabs(before[i]) + std::fabs(d[i])));
   for (int h = 0; h < H; ++h) EXPECT_EQ(dw.data<float>()[h], 2.0f * dw_once.data<float>()[h]);  // s + s is exact
 
-  // A bf16 dy gives what its f32 image gives, up to FMA contraction differing between the two builds.
-  Tensor dy16 = dy.to(DType::bf16), dx16 = empty(Shape{N, H}), dx32 = empty(Shape{N, H});
-  Tensor dw16 = zeros(Shape{H}), dw32 = zeros(Shape{H});
-  ops::rmsnorm_backward(dx16, dw16, dy16, x, w, rstd, false, kCpu);
-  ops::rmsnorm_backward(dx32, dw32, dy16.to(DType::f32), x, w, rstd, false, kCpu);
-  EXPECT_TENSOR_NEAR(dx16, dx32, 1e-5, 1e-6);
-  EXPECT_TENSOR_NEAR(dw16, dw32, 1e-5, 1e-6);
+  // A bf16 or f16 dy gives what its f32 image gives, up to FMA contraction differing between the two builds.
+  for (DType t : {DType::bf16, DType::f16}) {
+    Tensor dy16 = dy.to(t), dx16 = empty(Shape{N, H}), dx32 = empty(Shape{N, H});
+    Tensor dw16 = zeros(Shape{H}), dw32 = zeros(Shape{H});
+    ops::rmsnorm_backward(dx16, dw16, dy16, x, w, rstd, false, kCpu);
+    ops::rmsnorm_backward(dx32, dw32, dy16.to(DType::f32), x, w, rstd, false, kCpu);
+    EXPECT_TENSOR_NEAR(dx16, dx32, 1e-5, 1e-6);
+    EXPECT_TENSOR_NEAR(dw16, dw32, 1e-5, 1e-6);
+  }
 }
 
 TEST(LayerNorm, ForwardMatchesReference) {
@@ -202,9 +209,11 @@ TEST(LayerNorm, ForwardMatchesReference) {
   Tensor y = empty(Shape{N, H}), mean = empty(Shape{N}), rstd = empty(Shape{N});
   ops::layernorm_forward(y, mean, rstd, x, w, b, 1e-5f, kCpu);
   EXPECT_TENSOR_NEAR(y, from_double(Shape{N, H}, layernorm_ref(x, w, b, 1e-5)), 1e-5, 1e-5);
-  Tensor y16 = empty(Shape{N, H}, DType::bf16);
-  ops::layernorm_forward(y16, mean, rstd, x, w, b, 1e-5f, kCpu);
-  EXPECT_TRUE(bitwise_equal(y16, y.to(DType::bf16)));
+  for (DType t : {DType::bf16, DType::f16}) {
+    Tensor y16 = empty(Shape{N, H}, t);
+    ops::layernorm_forward(y16, mean, rstd, x, w, b, 1e-5f, kCpu);
+    EXPECT_TRUE(bitwise_equal(y16, y.to(t))) << dtype_name(t);
+  }
 }
 
 TEST(LayerNorm, BackwardFiniteDifferencesAndAccumulation) {
@@ -257,6 +266,9 @@ TEST(SwiGLU, ForwardMatchesReference) {
   ops::swiglu_forward(out16, gu.to(DType::bf16), kCpu);
   EXPECT_TENSOR_NEAR(out16, from_double(Shape{N, F}, ref), 2e-2,
                      2e-2);  // bf16 inputs and output: 3 roundings
+  Tensor outh = empty(Shape{N, F}, DType::f16);
+  ops::swiglu_forward(outh, gu.to(DType::f16), kCpu);
+  EXPECT_TENSOR_NEAR(outh, from_double(Shape{N, F}, ref), 3e-3, 3e-3);  // f16: 3 roundings of 2^-11
 
   Tensor out3 = empty(Shape{1, N, F});  // leading dims may be folded any way
   ops::swiglu_forward(out3, gu.view(Shape{1, N, 2 * F}), kCpu);
@@ -278,6 +290,9 @@ TEST(SwiGLU, BackwardFiniteDifferences) {
   Tensor dgu16 = empty(Shape{N, 2 * F}, DType::bf16);
   ops::swiglu_backward(dgu16, wts.to(DType::bf16), gu.to(DType::bf16), kCpu);
   EXPECT_TENSOR_NEAR(dgu16, dgu, 3e-2, 3e-2);  // bf16 inputs (rel 4e-3 each) through a product
+  Tensor dguh = empty(Shape{N, 2 * F}, DType::f16);
+  ops::swiglu_backward(dguh, wts.to(DType::f16), gu.to(DType::f16), kCpu);
+  EXPECT_TENSOR_NEAR(dguh, dgu, 4e-3, 4e-3);  // f16 inputs (rel 5e-4 each): 8x tighter than bf16
 }
 
 TEST(GeLU, ForwardMatchesErfReference) {
@@ -292,6 +307,9 @@ TEST(GeLU, ForwardMatchesErfReference) {
   Tensor out16 = empty(Shape{5, 9}, DType::bf16);
   ops::gelu_forward(out16, x.to(DType::bf16), kCpu);
   EXPECT_TENSOR_NEAR(out16, out, 2e-2, 2e-2);
+  Tensor outh = empty(Shape{5, 9}, DType::f16);
+  ops::gelu_forward(outh, x.to(DType::f16), kCpu);
+  EXPECT_TENSOR_NEAR(outh, out, 3e-3, 3e-3);
 }
 
 TEST(GeLU, BackwardFiniteDifferences) {
@@ -406,9 +424,9 @@ TEST(CrossEntropy, LabelOutOfRangeThrows) {
 TEST(Elementwise, AddEveryDtypeMix) {
   const Shape s{3, 41};
   const Tensor a32 = randn(s, "a"), b32 = randn(s, "b");
-  for (DType to : {DType::f32, DType::bf16})
-    for (DType ta : {DType::f32, DType::bf16})
-      for (DType tb : {DType::f32, DType::bf16}) {
+  for (DType to : {DType::f32, DType::bf16, DType::f16})
+    for (DType ta : {DType::f32, DType::bf16, DType::f16})
+      for (DType tb : {DType::f32, DType::bf16, DType::f16}) {
         const Tensor a = a32.to(ta), b = b32.to(tb);
         Tensor out = empty(s, to);
         ops::add(out, a, b, kCpu);
@@ -422,6 +440,21 @@ TEST(Elementwise, AddEveryDtypeMix) {
   EXPECT_FLOAT_EQ(a.data<float>()[5], a32.data<float>()[5] + b32.data<float>()[5]);
 }
 
+// An f16 sum beyond 65504 overflows to ±inf (IEEE half; loss scaling needs the overflow visible), one that rounds
+// to 65504 does not; flag_nonfinite sees the infinity.
+TEST(Elementwise, AddF16OverflowsToInf) {
+  const Tensor a = from(Shape{4}, {60000.0f, -60000.0f, 32752.0f, 65000.0f}).to(DType::f16);
+  const Tensor b = from(Shape{4}, {10000.0f, -10000.0f, 32752.0f, 500.0f}).to(DType::f16);
+  Tensor out = empty(Shape{4}, DType::f16);
+  ops::add(out, a, b, kCpu);
+  EXPECT_EQ(to_vector(out), (std::vector<float>{INFINITY, -INFINITY, 65504.0f, 65504.0f}));
+  Tensor flag = zeros(Shape{1}, DType::i32);
+  ops::flag_nonfinite(flag, out.slice(0, 2, 4).clone(), kCpu);
+  EXPECT_EQ(flag.data<int32_t>()[0], 0);
+  ops::flag_nonfinite(flag, out, kCpu);
+  EXPECT_EQ(flag.data<int32_t>()[0], 1);
+}
+
 TEST(Elementwise, ScaleSumSquaresAllFinite) {
   Tensor x = randn(Shape{100003}, "x");  // not a multiple of the 8192-element chunk
   const auto xv = to_vector(x);
@@ -432,22 +465,31 @@ TEST(Elementwise, ScaleSumSquaresAllFinite) {
   ops::sum_squares(acc, x, kCpu);
   ops::sum_squares(acc, x, kCpu);
   EXPECT_NEAR(acc.data<double>()[0], 2 * ref, 2e-12 * ref);
-  const Tensor x16 = x.to(DType::bf16);
-  double ref16 = 0;
-  for (float v : to_vector(x16)) ref16 += double(v) * v;
-  EXPECT_NEAR(testing::sum_squares(x16), ref16, 1e-12 * ref16);
+  const Tensor x16 = x.to(DType::bf16), xh = x.to(DType::f16);
+  for (const Tensor* t : {&x16, &xh}) {
+    double ref16 = 0;
+    for (float v : to_vector(*t)) ref16 += double(v) * v;
+    EXPECT_NEAR(testing::sum_squares(*t), ref16, 1e-12 * ref16);
+  }
 
   ops::scale(x, 0.5f, kCpu);
   EXPECT_EQ(x.data<float>()[17], 0.5f * xv[17]);
 
   EXPECT_TRUE(testing::all_finite(x));
   EXPECT_TRUE(testing::all_finite(x16));
+  EXPECT_TRUE(testing::all_finite(xh));
   for (float bad : {NAN, INFINITY, -INFINITY}) {
     Tensor y = x.clone();
     y.data<float>()[100002] = bad;
     EXPECT_FALSE(testing::all_finite(y));
     EXPECT_FALSE(testing::all_finite(y.to(DType::bf16)));
+    EXPECT_FALSE(testing::all_finite(y.to(DType::f16)));
   }
+  Tensor big = x.clone();  // finite in f32 and bf16, beyond f16's range
+  big.data<float>()[4242] = 70000.0f;
+  EXPECT_TRUE(testing::all_finite(big.to(DType::bf16)));
+  EXPECT_FALSE(testing::all_finite(big.to(DType::f16)));
+  EXPECT_TRUE(testing::all_finite(from(Shape{1}, {65504.0f}).to(DType::f16)));
   EXPECT_TRUE(testing::all_finite(from(Shape{1}, {3.0e38f})));
   Tensor flag = zeros(Shape{1}, DType::i32);  // a finite tensor leaves a raised flag raised
   flag.data<int32_t>()[0] = 1;

@@ -55,7 +55,7 @@ TEST(GptModel, BackwardTwiceDoublesParameterGradients) {
 }
 
 TEST(GptModel, MemoryPlanEqualsTrackedAllocations) {
-  for (DType dt : {DType::f32, DType::bf16})
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (auto norm : {model::Normalization::rmsnorm, model::Normalization::layernorm}) {
       model::ModelConfig c = tiny_config();
       c.compute_dtype = dt;

@@ -59,6 +59,23 @@ TEST(MoeLayerCase, MicroBatchSizeZeroIsAnError) {
   }
 }
 
+// params_dtype picks the compute dtype (fp32 masters): fp32, bf16 or fp16; anything else names the value. An fp16
+// case runs and gives finite outputs.
+TEST(MoeLayerCase, ParamsDtypeSelectsTheComputeDtype) {
+  EXPECT_EQ(model::moe_layer_case_parse(with("")).compute, DType::f32);
+  EXPECT_EQ(model::moe_layer_case_parse(with(R"("params_dtype": "bf16")")).compute, DType::bf16);
+  const model::MoeLayerCase c = model::moe_layer_case_parse(with(R"("params_dtype": "fp16")"));
+  EXPECT_EQ(c.compute, DType::f16);
+  expect_refused(with(R"("params_dtype": "fp8")"), {"params_dtype 'fp8'", "fp32, bf16 or fp16"});
+  const auto out = model::moe_layer_case_run(c, inputs_for(c, 6), testing::test_device());
+  ASSERT_FALSE(out.empty());
+  for (const auto& [name, t] : out) {
+    if (t.dtype() == DType::f32) {
+      EXPECT_TRUE(testing::all_finite(t)) << name;
+    }
+  }
+}
+
 TEST(MoeLayerCase, EveryKeyIsCheckedForTypeAndRange) {
   expect_refused(R"({"hidden_size": "8", "num_moe_experts": 4, "moe_ffn_hidden_size": 6})",
                  {"'hidden_size'", "expected an integer"});

@@ -5,7 +5,8 @@
 // differences of the experts and the shared expert, and the device seam's errors.
 // Every tensor the code under test sees is on testing::test_device() (MOECORE_TEST_DEVICE); inputs are built on
 // the host and results read through host copies. References run on the host (kCpu).
-// Tolerances are stated per test; f32 GEMM results are compared with rtol/atol ~1e-5, bf16 with ~2e-2.
+// Tolerances are stated per test; f32 GEMM results are compared with rtol/atol ~1e-5, bf16 with ~2e-2 (f16
+// passes the same bounds: its rounding is 8x finer).
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -135,7 +136,7 @@ TEST(Dispatch, PlanAndPermuteMatchNaiveExpertMajorLayout) {
     off += tpe[e];
   }
   const auto row_token = to_vector_i32(plan.row_token), token_rows = to_vector_i32(plan.token_rows);
-  for (DType dt : {DType::f32, DType::bf16}) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
     const Tensor x = randn({T, H}, "x").to(dt);
     Tensor px = dev_empty({T * K + 4, H}, dt), pp = dev_empty({T * K + 4}, DType::f32);
     moe::permute_tokens(px, pp, on_test_device(x), on_test_device(probs), plan, ctx);
@@ -225,7 +226,7 @@ TEST(Dispatch, FusedUnpermuteEqualsNaiveLoop) {
   const DispatchPlan plan = plan_for(map, T * K);
   const int64_t R = routed_rows(plan);
   const auto row_token = to_vector_i32(plan.row_token);
-  for (DType dt : {DType::f32, DType::bf16}) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
     const Tensor rows = randn({R, H}, "rows").to(dt), rows_d = on_test_device(rows);
     const auto vr = to_vector(rows);
     for (bool accumulate : {false, true}) {
@@ -340,7 +341,7 @@ TEST(DispatchOps, PermuteAndUnpermuteLeaveRowsPastTheOffsetsAlone) {
   const int64_t R = routed_rows(plan);
   const auto rt = to_vector_i32(plan.row_token), tr = to_vector_i32(plan.token_rows);
   const Tensor probs_d = on_test_device(probs);
-  for (DType dt : {DType::f32, DType::bf16}) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
     const Tensor x = randn({T, H}, "x").to(dt), xd = on_test_device(x);
     const auto vx = to_vector(x);
     std::vector<float> want_rows, want_probs;
@@ -381,7 +382,7 @@ TEST(DispatchOps, SortChunksMatchesNaiveAndInverseRestores) {
   const std::vector<int64_t> counts = {4, 0, 7, 3, 0, 5};  // chunk (s, le) at s * El + le
   const int64_t R = total(counts);
   const Tensor chunks = testing::counts_tensor(counts);
-  for (DType dt : {DType::f32, DType::bf16})
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (int64_t w : {H, int64_t{1}}) {
       SCOPED_TRACE(std::string(dtype_name(dt)) + " width " + std::to_string(w));
       const Shape shape = w == 1 ? Shape{M} : Shape{M, w};
@@ -440,7 +441,8 @@ void gemm_per_group(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, c
 }
 
 // f32: both sides accumulate in f32 over K = 45 terms (rtol/atol 1e-5); a bf16 output adds one rounding
-// of either side (rtol 8e-3). With beta = 0 c starts as NaN: it must not be read.
+// of either side (rtol 8e-3), an f16 output one f16 rounding (2^-11: rtol 1e-3). With beta = 0 c starts as NaN: it must
+// not be read.
 void check_grouped(const std::vector<int64_t>& groups, int64_t N, int64_t K, DType in, DType out) {
   const ops::Context ctx = test_ctx();
   const int64_t R = total(groups), G = int64_t(groups.size());
@@ -453,7 +455,7 @@ void check_grouped(const std::vector<int64_t>& groups, int64_t N, int64_t K, DTy
       Tensor c = fresh(c0), ref = c0.clone();
       ops::gemm_grouped(c, a_d, on_test_device(b), tb, counts, beta, ctx);
       gemm_per_group(ref, a, b, tb, groups, beta);
-      const double rtol = out == DType::bf16 ? 8e-3 : 1e-5;
+      const double rtol = out == DType::bf16 ? 8e-3 : out == DType::f16 ? 1e-3 : 1e-5;
       EXPECT_LE(testing::tolerance_ratio(c, ref, rtol, 1e-5 * std::sqrt(double(K))), 1.0)
           << dtype_name(in) << "->" << dtype_name(out) << " trans_b " << tb << " beta " << beta << " N " << N << " K "
           << K;
@@ -462,20 +464,21 @@ void check_grouped(const std::vector<int64_t>& groups, int64_t N, int64_t K, DTy
 
 TEST(GroupedGemm, MatchesPerGroupGemm) {
   for (const auto* groups : {&kGroups, &kBalanced})
-    for (DType in : {DType::f32, DType::bf16})
-      for (DType out : {DType::f32, DType::bf16}) check_grouped(*groups, 29, 45, in, out);
+    for (DType in : {DType::f32, DType::bf16, DType::f16})
+      for (DType out : {DType::f32, DType::bf16, DType::f16}) check_grouped(*groups, 29, 45, in, out);
 }
 
-// Large enough that bf16 widening is tiled along N, rows and (for the f32 accumulator) both.
+// Large enough that bf16 / f16 widening is tiled along N, rows and (for the f32 accumulator) both.
 TEST(GroupedGemm, TiledBf16Widening) {
   check_grouped({0, 700}, 600, 8192, DType::bf16, DType::bf16);
+  check_grouped({0, 700}, 600, 8192, DType::f16, DType::f16);
 }
 
 // c[g] = a_g^T b_g + beta c[g]; zero-row groups get beta * c[g]. M = 128 exercises the padded-copy path.
 TEST(GroupedGemm, WgradMatchesPerGroupGemm) {
   const ops::Context ctx = test_ctx();
   for (const auto* groups : {&kGroups, &kBalanced})
-    for (DType in : {DType::f32, DType::bf16})
+    for (DType in : {DType::f32, DType::bf16, DType::f16})
       for (int64_t M : {int64_t{37}, int64_t{128}})
         for (float beta : {0.0f, 1.0f, 0.5f}) {
           const std::vector<int64_t>& kg = *groups;
@@ -502,15 +505,17 @@ TEST(GroupedGemm, WgradMatchesPerGroupGemm) {
 TEST(GroupedGemm, WgradTiledBf16Rows) {
   const ops::Context ctx = test_ctx();
   const Tensor counts = testing::counts_tensor({700, 0});
-  const Tensor a = hashed({700, 8192}, 4).to(DType::bf16), b = hashed({700, 64}, 5).to(DType::bf16);
-  const Tensor a_d = on_test_device(a), b_d = on_test_device(b);
-  for (float beta : {0.0f, 0.5f, 1.0f}) {
-    Tensor ref = hashed({2, 8192, 64}, 6), c = fresh(ref);
-    ops::gemm_grouped_wgrad(c, a_d, b_d, counts, beta, ctx);
-    Tensor r0 = ref.select(0, 0), r1 = ref.select(0, 1);
-    ops::gemm(r0, a, true, b, false, 1.0f, beta, kCpu);
-    ops::scale(r1, beta, kCpu);
-    EXPECT_TENSOR_NEAR(c, ref, 1e-5, 1e-3);
+  for (DType t : {DType::bf16, DType::f16}) {
+    const Tensor a = hashed({700, 8192}, 4).to(t), b = hashed({700, 64}, 5).to(t);
+    const Tensor a_d = on_test_device(a), b_d = on_test_device(b);
+    for (float beta : {0.0f, 0.5f, 1.0f}) {
+      Tensor ref = hashed({2, 8192, 64}, 6), c = fresh(ref);
+      ops::gemm_grouped_wgrad(c, a_d, b_d, counts, beta, ctx);
+      Tensor r0 = ref.select(0, 0), r1 = ref.select(0, 1);
+      ops::gemm(r0, a, true, b, false, 1.0f, beta, kCpu);
+      ops::scale(r1, beta, kCpu);
+      EXPECT_TENSOR_NEAR(c, ref, 1e-5, 1e-3);
+    }
   }
 }
 
@@ -531,7 +536,7 @@ TEST(GroupedGemm, CountsBelowTheBufferRowsTouchOnlyTheCoveredRows) {
   const ops::Context ctx = test_ctx();
   const int64_t R = total(kGroups), G = int64_t(kGroups.size()), P = 6, N = 29, K = 45;
   const Tensor counts = testing::counts_tensor(kGroups);
-  for (DType dt : {DType::f32, DType::bf16}) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
     const Tensor a = hashed({R, K}, 1).to(dt), a_pad = on_test_device(with_nan_rows(a, P)), a_d = on_test_device(a);
     for (bool tb : {true, false})
       for (float beta : {0.0f, 1.0f}) {
@@ -642,7 +647,7 @@ using testing::all_finite;
 // other side of a tie, so rtol 2e-2 with atol 2e-2 (values are O(1)); weight grads sum over rows, atol 5e-2.
 TEST(Experts, GroupedEqualsSequentialWithZeroTokenExperts) {
   for (bool swiglu : {true, false})
-    for (DType dt : {DType::f32, DType::bf16}) {
+    for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
       const ExpertCase c = make_case(swiglu, dt, {7, 0, 13, 1, 9}, 32, 24);
       const ExpertResult a = run_experts(c, true), b = run_experts(c, false);
       const double rtol = dt == DType::f32 ? 1e-5 : 2e-2, atol = dt == DType::f32 ? 1e-5 : 2e-2;
@@ -664,7 +669,7 @@ TEST(Experts, GroupedEqualsSequentialWithZeroTokenExperts) {
 // tolerances as above), and against a naive per-row reference in f32 (rtol/atol 1e-5).
 TEST(Experts, BiasesGroupedEqualsSequentialAndNaive) {
   for (bool swiglu : {true, false})
-    for (DType dt : {DType::f32, DType::bf16}) {
+    for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
       const ExpertCase c = make_case(swiglu, dt, {7, 0, 13, 1, 9}, 32, 24, true);
       const ExpertResult a = run_experts(c, true), b = run_experts(c, false);
       const double rtol = dt == DType::f32 ? 1e-5 : 2e-2, atol = dt == DType::f32 ? 1e-5 : 2e-2;
@@ -760,7 +765,7 @@ TEST(Experts, CountsBelowTheBufferRowsTouchOnlyTheCoveredRows) {
   for (bool grouped : {true, false})
     for (bool bias : {false, true})
       for (bool swiglu : {true, false})
-        for (DType dt : {DType::f32, DType::bf16}) {
+        for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
           SCOPED_TRACE(std::string(grouped ? "grouped " : "sequential ") + (bias ? "biased " : "") +
                        (swiglu ? "swiglu " : "gelu ") + std::string(dtype_name(dt)));
           const ExpertCase c = make_case(swiglu, dt, {7, 0, 13, 1, 9}, 16, 12, bias);
@@ -898,15 +903,21 @@ TEST(SharedExpert, FiniteDifferencesWithAndWithoutGate) {
     }
 }
 
-// The bf16 path (bf16 GEMM operands and activations, f32 gate math) tracks f32 within bf16 tolerance.
+// The bf16 path (bf16 GEMM operands and activations, f32 gate math) tracks f32 within bf16 tolerance; the f16
+// path within 8x less (2^-11 against 2^-8 per rounding).
 TEST(SharedExpert, Bf16TracksF32) {
   SharedCase c = make_shared(9, 16, 8, true, true);
-  const SharedResult a = run_shared(c, true, DType::f32), b = run_shared(c, true, DType::bf16);
-  EXPECT_TENSOR_NEAR(b.y, a.y, 3e-2, 3e-2);
-  EXPECT_TENSOR_NEAR(b.dx, a.dx, 3e-2, 3e-2);
-  EXPECT_TENSOR_NEAR(b.g.fc1, a.g.fc1, 3e-2, 1e-1);
-  EXPECT_TENSOR_NEAR(b.g.fc2, a.g.fc2, 3e-2, 1e-1);
-  EXPECT_TENSOR_NEAR(b.g.gate, a.g.gate, 3e-2, 1e-1);
+  const SharedResult a = run_shared(c, true, DType::f32);
+  for (DType t : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(t));
+    const SharedResult b = run_shared(c, true, t);
+    const double k = t == DType::bf16 ? 1.0 : 0.125;
+    EXPECT_TENSOR_NEAR(b.y, a.y, 3e-2 * k, 3e-2 * k);
+    EXPECT_TENSOR_NEAR(b.dx, a.dx, 3e-2 * k, 3e-2 * k);
+    EXPECT_TENSOR_NEAR(b.g.fc1, a.g.fc1, 3e-2 * k, 1e-1 * k);
+    EXPECT_TENSOR_NEAR(b.g.fc2, a.g.fc2, 3e-2 * k, 1e-1 * k);
+    EXPECT_TENSOR_NEAR(b.g.gate, a.g.gate, 3e-2 * k, 1e-1 * k);
+  }
 }
 
 // ---- Device seam (explicit Device::sim and Device::cpu, whatever MOECORE_TEST_DEVICE says) -------------------

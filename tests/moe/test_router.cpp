@@ -1,7 +1,7 @@
 // Router routing tests: hand-worked 3-token x 4-expert cases for every score function (numbers from the
 // spec's formulas, computed independently), tie-breaking, group limits, sinkhorn, capacity policies,
 // pad-to-capacity, routing-map padding, expert-bias counting and update, config validation, entry errors,
-// bf16 input and thread-count independence. Inputs are made on the host and moved to the test device
+// bf16 / f16 input and thread-count independence. Inputs are made on the host and moved to the test device
 // (MOECORE_TEST_DEVICE); results are read through host copies, so the suite also runs on the simulated device.
 // Losses and gradients: test_router_losses.cpp.
 #include <omp.h>
@@ -682,42 +682,45 @@ TEST(Router, ForcedBiasSkewsTheLoads) {
   EXPECT_NE(values<float>(fresh.cache.forced_bias), first);  // std > 0: a new bias each forward
 }
 
-// bf16 x with the fp32 router: logits are the f32-accumulated products of the bf16 values; the weight
+// bf16 or f16 x with the fp32 router: logits are the f32-accumulated products of the rounded values; the weight
 // gradient widens x chunk by chunk (T > 1024 covers two chunks) and matches a double reference.
 TEST(Router, Bf16InputWithFp32Router) {
-  MoeConfig c = base_config(4, 2);
-  c.load_balancing_type = {LoadBalancing::aux_loss};
-  c.aux_loss_coeff = {0.01f};
-  c.input_jitter_eps = 0.01f;
-  Router r(c, 1100, 8, 1, DType::bf16);
-  r.randomize(31, 0.5f);
-  r.forward();
-  const auto xj = testing::to_vector(r.cache.x_jittered), wc = testing::to_vector(r.w.weight_compute),
-             lg = testing::to_vector(r.cache.logits);
-  for (int64_t t = 0; t < 1100; t += 97)
-    for (int64_t e = 0; e < 4; ++e) {
-      double ref = 0;
-      for (int64_t h = 0; h < 8; ++h) ref += double(xj[t * 8 + h]) * double(wc[e * 8 + h]);
-      EXPECT_NEAR(lg[t * 4 + e], ref, 1e-5);
-    }
-  Tensor dx = Tensor::zeros({1100, 8}, DType::f32, MemCategory::other, r.ctx.device);
-  Tensor dw = Tensor::zeros({4, 8}, DType::f32, MemCategory::other, r.ctx.device);
-  Tensor dp = testing::on_test_device(testing::randn({1100, 4}, "test.router.dp"));
-  router_backward(dx, dw, dp, r.x, r.w, r.cache, r.d, r.cfg, 0.5f, kCtx);
-  const auto dl = testing::to_vector(r.cache.dlogits), w = testing::to_vector(r.w.weight),
-             u = testing::to_vector(r.cache.jitter), gw = testing::to_vector(dw), gx = testing::to_vector(dx);
-  for (int64_t e = 0; e < 4; ++e)
-    for (int64_t h = 0; h < 8; ++h) {
-      double ref = 0;
-      for (int64_t t = 0; t < 1100; ++t) ref += double(dl[t * 4 + e]) * double(xj[t * 8 + h]);
-      EXPECT_NEAR(gw[e * 8 + h], ref, 1e-4 * (1 + std::fabs(ref)));
-    }
-  for (int64_t t = 0; t < 1100; t += 53)
-    for (int64_t h = 0; h < 8; ++h) {
-      double ref = 0;
-      for (int64_t e = 0; e < 4; ++e) ref += double(dl[t * 4 + e]) * double(w[e * 8 + h]);
-      EXPECT_NEAR(gx[t * 8 + h], ref * u[t * 8 + h], 1e-5);
-    }
+  for (DType x_dtype : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(x_dtype));
+    MoeConfig c = base_config(4, 2);
+    c.load_balancing_type = {LoadBalancing::aux_loss};
+    c.aux_loss_coeff = {0.01f};
+    c.input_jitter_eps = 0.01f;
+    Router r(c, 1100, 8, 1, x_dtype);
+    r.randomize(31, 0.5f);
+    r.forward();
+    const auto xj = testing::to_vector(r.cache.x_jittered), wc = testing::to_vector(r.w.weight_compute),
+               lg = testing::to_vector(r.cache.logits);
+    for (int64_t t = 0; t < 1100; t += 97)
+      for (int64_t e = 0; e < 4; ++e) {
+        double ref = 0;
+        for (int64_t h = 0; h < 8; ++h) ref += double(xj[t * 8 + h]) * double(wc[e * 8 + h]);
+        EXPECT_NEAR(lg[t * 4 + e], ref, 1e-5);
+      }
+    Tensor dx = Tensor::zeros({1100, 8}, DType::f32, MemCategory::other, r.ctx.device);
+    Tensor dw = Tensor::zeros({4, 8}, DType::f32, MemCategory::other, r.ctx.device);
+    Tensor dp = testing::on_test_device(testing::randn({1100, 4}, "test.router.dp"));
+    router_backward(dx, dw, dp, r.x, r.w, r.cache, r.d, r.cfg, 0.5f, kCtx);
+    const auto dl = testing::to_vector(r.cache.dlogits), w = testing::to_vector(r.w.weight),
+               u = testing::to_vector(r.cache.jitter), gw = testing::to_vector(dw), gx = testing::to_vector(dx);
+    for (int64_t e = 0; e < 4; ++e)
+      for (int64_t h = 0; h < 8; ++h) {
+        double ref = 0;
+        for (int64_t t = 0; t < 1100; ++t) ref += double(dl[t * 4 + e]) * double(xj[t * 8 + h]);
+        EXPECT_NEAR(gw[e * 8 + h], ref, 1e-4 * (1 + std::fabs(ref)));
+      }
+    for (int64_t t = 0; t < 1100; t += 53)
+      for (int64_t h = 0; h < 8; ++h) {
+        double ref = 0;
+        for (int64_t e = 0; e < 4; ++e) ref += double(dl[t * 4 + e]) * double(w[e * 8 + h]);
+        EXPECT_NEAR(gx[t * 8 + h], ref * u[t * 8 + h], 1e-5);
+      }
+  }
 }
 
 // Outputs are bit-identical with one and two threads (router passes go parallel above 16k [T, E]

@@ -56,12 +56,6 @@ bool dtype_is_float(DType t) {
   return t <= DType::f8e5m2 || t == DType::f64;
 }
 
-float f16_to_float(f16 h) {
-  return dtype_convert::f16_to_float(h.bits);
-}
-f16 float_to_f16(float f) {
-  return f16{dtype_convert::float_to_f16(f)};
-}
 float f8e4m3_to_float(f8e4m3 v) {
   return dtype_convert::f8e4m3_to_float(v.bits);
 }
@@ -93,6 +87,20 @@ void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t 
     auto* s = static_cast<const bf16*>(src);
 #pragma omp parallel for simd schedule(static) if (n > 65536)
     for (size_t i = 0; i < n; ++i) d[i] = bf16_to_float(s[i]);
+    return;
+  }
+  if (dst_type == DType::f16 && src_type == DType::f32) {
+    auto* d = static_cast<f16*>(dst);
+    auto* s = static_cast<const float*>(src);
+#pragma omp parallel for simd schedule(static) if (n > 65536)
+    for (size_t i = 0; i < n; ++i) d[i] = float_to_f16(s[i]);
+    return;
+  }
+  if (dst_type == DType::f32 && src_type == DType::f16) {
+    auto* d = static_cast<float*>(dst);
+    auto* s = static_cast<const f16*>(src);
+#pragma omp parallel for simd schedule(static) if (n > 65536)
+    for (size_t i = 0; i < n; ++i) d[i] = f16_to_float(s[i]);
     return;
   }
   for (size_t i = 0; i < n; ++i)

@@ -14,13 +14,7 @@
 
 #include "moecore/core/dtype.h"
 
-#ifndef MOECORE_HD
-#ifdef __CUDACC__
-#define MOECORE_HD __host__ __device__
-#else
-#define MOECORE_HD
-#endif
-#endif
+// MOECORE_HD (host and device functions under nvcc) comes from core/dtype.h.
 
 namespace moecore::dtype_convert {
 
@@ -114,7 +108,9 @@ MOECORE_HD float decode_magnitude(uint32_t code) {
   return ldexpf(static_cast<float>(m | (1u << MB)), static_cast<int>(e) - BIAS - MB);
 }
 
-MOECORE_HD inline float f16_to_float(uint16_t h) {
+// The f16 reference, by frexp/ldexp: dtype.h's fast f16_bits_to_float / float_to_f16_bits equal it bit for bit
+// (tests/core checks every half and the float boundaries); the kernels and copies run the fast ones.
+MOECORE_HD inline float f16_to_float_reference(uint16_t h) {
   const uint32_t mag = h & 0x7fffu;
   float v;
   if ((mag >> 10) == 0x1f)
@@ -123,13 +119,20 @@ MOECORE_HD inline float f16_to_float(uint16_t h) {
     v = decode_magnitude<5, 10, 15>(mag);
   return with_sign(v, h >> 15);
 }
-MOECORE_HD inline uint16_t float_to_f16(float f) {
+MOECORE_HD inline uint16_t float_to_f16_reference(float f) {
   const uint16_t s = (bits_of(f) >> 31) ? 0x8000 : 0;
   if (is_nan(f)) return static_cast<uint16_t>(s | 0x7e00);
   const float a = fabsf(f);
   uint32_t code = is_inf(a) ? 0x7c00 : encode_magnitude<5, 10, 15>(a);
   if (code >= 0x7c00) code = 0x7c00;  // IEEE half overflows to infinity
   return static_cast<uint16_t>(s | code);
+}
+
+MOECORE_HD inline float f16_to_float(uint16_t h) {
+  return f16_bits_to_float(h);
+}
+MOECORE_HD inline uint16_t float_to_f16(float f) {
+  return float_to_f16_bits(f);
 }
 
 MOECORE_HD inline float f8e4m3_to_float(uint8_t v) {

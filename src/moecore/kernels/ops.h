@@ -47,7 +47,7 @@ struct Dropout {
 // ---- GEMM --------------------------------------------------------------------------------------
 // c = alpha * op(a) @ op(b) + beta * c, with op(x) = x^T when trans_x.
 // a: [M, K] (or [K, M] when trans_a); b: [K, N] (or [N, K] when trans_b); c: [M, N].
-// a and b share one dtype, f32 or bf16; c is f32 or bf16; accumulation is f32. Each 2-D operand needs
+// a and b share one dtype, f32, bf16 or f16; c is f32, bf16 or f16; accumulation is f32. Each 2-D operand needs
 // a unit stride in its last dim; the row stride may be larger (views of wider tensors).
 void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
           const Context& ctx);
@@ -60,11 +60,11 @@ void gemm_batched(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, boo
 // prefix sum. Groups with zero rows are allowed; the counts may sum to fewer than R rows (buffers sized for
 // the worst case): rows past the sum are neither read nor written. A negative count or a sum above R raises.
 //   c[seg_g] = a[seg_g] @ op(b[g]) + beta * c[seg_g]
-// a [R, K] f32|bf16; b [G, N, K] (trans_b) or [G, K, N], same dtype as a; c [R, N] f32|bf16.
+// a [R, K] f32|bf16|f16; b [G, N, K] (trans_b) or [G, K, N], same dtype as a; c [R, N] f32|bf16|f16.
 void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, const Tensor& group_rows, float beta,
                   const Context& ctx);
 // Weight gradient of the above: c[g] = a[seg_g]^T @ b[seg_g] + beta * c[g].
-// a [R, M], b [R, N] one dtype f32|bf16; c [G, M, N] f32. A group with no rows gets c[g] = beta * c[g].
+// a [R, M], b [R, N] one dtype f32|bf16|f16; c [G, M, N] f32. A group with no rows gets c[g] = beta * c[g].
 void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tensor& group_rows, float beta,
                         const Context& ctx);
 
@@ -78,12 +78,12 @@ void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tenso
 void moe_plan(Tensor& counts, Tensor& offsets, Tensor& token_rows, Tensor& row_token, const Tensor& map,
               const Context& ctx);
 // rows[r] = x[row_token[r]] and row_probs[r] = probs[row_token[r], e(r)] (e(r): the expert whose segment of
-// offsets holds r) for r < offsets[E]; later rows are untouched. x [T, H] f32|bf16 and rows [M, H] f32|bf16
+// offsets holds r) for r < offsets[E]; later rows are untouched. x [T, H] f32|bf16|f16 and rows [M, H] f32|bf16|f16
 // (any mix; unit last strides); probs [T, E] f32 and row_probs [M] f32, or both undefined (rows only).
 void moe_permute(Tensor& rows, Tensor& row_probs, const Tensor& x, const Tensor& probs, const Tensor& row_token,
                  const Tensor& offsets, const Context& ctx);
 // y[t] = sum over e ascending with token_rows[t, e] >= 0 of rows[token_rows[t, e]] (f32 sum, one rounding;
-// 0 for a token routed nowhere), or y += that sum with accumulate. y [T, H] f32, rows [M, H] f32|bf16, unit
+// 0 for a token routed nowhere), or y += that sum with accumulate. y [T, H] f32, rows [M, H] f32|bf16|f16, unit
 // last strides; token_rows [T, E] i32.
 void moe_unpermute(Tensor& y, const Tensor& rows, const Tensor& token_rows, bool accumulate, const Context& ctx);
 // out[t, e] = values[token_rows[t, e]] where routed, else 0. out [T, E] f32 (unit last stride: it may be a
@@ -134,7 +134,7 @@ void moe_echo_fold(Tensor& out, const Tensor& in, const Tensor& slot_expert, int
 
 // ---- MoE expert rows ---------------------------------------------------------------------------
 // The routing probability applied after the activation: a[r, :] = act[r, :] * p[r] for r < rows, with rows
-// the sum of group_rows ([G] i64; later rows untouched). a, act [M, F] one dtype f32|bf16, contiguous; p [M] f32.
+// the sum of group_rows ([G] i64; later rows untouched). a, act [M, F] one dtype f32|bf16|f16, contiguous; p [M] f32.
 void moe_scale_rows(Tensor& a, const Tensor& act, const Tensor& p, const Tensor& group_rows, const Context& ctx);
 // Its backward, fused. With da = dL/da on entry, for r < rows: dp[r] = act[r, :] . da[r, :] (added to dp[r] when
 // accumulate), da[r, :] *= p[r] (becomes dL/dact), and a[r, :] = act[r, :] * p[r] is recomputed bit-identically
@@ -142,7 +142,7 @@ void moe_scale_rows(Tensor& a, const Tensor& act, const Tensor& p, const Tensor&
 void moe_scale_rows_backward(Tensor& dp, Tensor& da, Tensor& a, const Tensor& act, const Tensor& p,
                              const Tensor& group_rows, bool accumulate, const Context& ctx);
 // The shared expert's gate: s[t] = sigmoid(x[t, :] . g); y[t, :] += s[t] * out[t, :].
-// y, out [T, H] f32; s [T] f32; x [T, H] f32|bf16; g [H] f32; all contiguous.
+// y, out [T, H] f32; s [T] f32; x [T, H] f32|bf16|f16; g [H] f32; all contiguous.
 void moe_shared_gate_forward(Tensor& y, Tensor& s, const Tensor& x, const Tensor& g, const Tensor& out,
                              const Context& ctx);
 // Its backward: dout[t, :] = dy[t, :] * s[t] (written, the dtype of x); with dz[t] = (dy[t] . out[t]) s (1 - s):
@@ -151,7 +151,7 @@ void moe_shared_gate_backward(Tensor& dout, Tensor& dx, Tensor& dg, const Tensor
                               const Tensor& out, const Tensor& s, const Context& ctx);
 
 // ---- Embedding ---------------------------------------------------------------------------------
-// out[n, :] = table[ids[n], :].  out [N, H] f32|bf16, ids [N] i32, table [V, H] f32.
+// out[n, :] = table[ids[n], :].  out [N, H] f32|bf16|f16, ids [N] i32, table [V, H] f32.
 // An id outside [0, V) raises Error naming the id and V.
 void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table, const Context& ctx);
 // dtable[ids[n], :] += dout[n, :].  dtable [V, H] f32, dout [N, H] f32. Deterministic.
@@ -169,9 +169,9 @@ void embedding_backward_shard(Tensor& dtable, const Tensor& ids, const Tensor& d
 
 // ---- Norms -------------------------------------------------------------------------------------
 // RMSNorm: rstd[n] = 1 / sqrt(mean_h x[n,h]^2 + eps); y = x * rstd * w.
-// y [N, H] f32|bf16, rstd [N] f32 (saved for backward), x [N, H] f32, w [H] f32.
+// y [N, H] f32|bf16|f16, rstd [N] f32 (saved for backward), x [N, H] f32, w [H] f32.
 void rmsnorm_forward(Tensor& y, Tensor& rstd, const Tensor& x, const Tensor& w, float eps, const Context& ctx);
-// dx [N, H] f32 (written, or += when accumulate_dx), dw [H] f32 (+=), dy [N, H] f32|bf16.
+// dx [N, H] f32 (written, or += when accumulate_dx), dw [H] f32 (+=), dy [N, H] f32|bf16|f16.
 void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       bool accumulate_dx, const Context& ctx);
 // LayerNorm: y = (x - mean) * rstd * w + b.  mean, rstd [N] f32 saved; b [H] f32.
@@ -202,7 +202,7 @@ struct QkvDims {
 void rope_table(Tensor& rope, float base, const Context& ctx);
 // Rotates the first Dr channels of every query and key head of qkv in place (rotate-half convention:
 // pairs (j, j + Dr/2), j < Dr/2); channels Dr..D-1 and the value heads are untouched. Dr = D rotates whole
-// heads. qkv [B, S, G*(R+2)*D] f32|bf16; rope [S', Dr] with S' >= S. rope_backward applies the inverse
+// heads. qkv [B, S, G*(R+2)*D] f32|bf16|f16; rope [S', Dr] with S' >= S. rope_backward applies the inverse
 // rotation to a gradient in place. An odd Dr or Dr > D raises Error naming Dr and D.
 void rope_forward(Tensor& qkv, const Tensor& rope, const QkvDims& dims, const Context& ctx);
 void rope_backward(Tensor& dqkv, const Tensor& rope, const QkvDims& dims, const Context& ctx);
@@ -219,7 +219,7 @@ void rope_backward(Tensor& dqkv, const Tensor& rope, const QkvDims& dims, const 
 // slice of a longer tensor is fine: its batch stride may be larger). out [B, S, G*R*D] (head-major columns),
 // lse [B, G*R, S] f32 = log-sum-exp of each scaled score row (of the undropped scores), saved for backward. No
 // [S, Sk] tensor is kept: backward recomputes scores and the mask block by block. q, kv, out, dout, dq and dkv share
-// one dtype, f32 or bf16; math is f32.
+// one dtype, f32, bf16 or f16; math is f32.
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& kv, const QkvDims& dims,
                        const Dropout& dropout, const Context& ctx);
 // dq [B, S, W]: its query slots written; dkv [B, Sk, W] (strided like kv): its key and value slots written; no
@@ -241,10 +241,10 @@ inline void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& q
 
 // ---- Activations -------------------------------------------------------------------------------
 // SwiGLU on Megatron's fused fc1 output: gate_up [N, 2F] = [gate | up]; out [N, F] = silu(gate) * up.
-// All tensors share one dtype, f32 or bf16. dgate_up [N, 2F] written.
+// All tensors share one dtype, f32, bf16 or f16. dgate_up [N, 2F] written.
 void swiglu_forward(Tensor& out, const Tensor& gate_up, const Context& ctx);
 void swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up, const Context& ctx);
-// GeLU (exact, erf form): out = x * Phi(x). out, x, dout, dx [N, F], one dtype, f32 or bf16.
+// GeLU (exact, erf form): out = x * Phi(x). out, x, dout, dx [N, F], one dtype, f32, bf16 or f16.
 void gelu_forward(Tensor& out, const Tensor& x, const Context& ctx);
 void gelu_backward(Tensor& dx, const Tensor& dout, const Tensor& x, const Context& ctx);
 
@@ -286,16 +286,16 @@ void loss_totals(Tensor& totals, const Tensor& loss, const Tensor& labels, const
 void dropout_forward(Tensor& y, const Tensor& x, const Dropout& d, const Context& ctx);
 void dropout_backward(Tensor& dx, const Tensor& dy, const Dropout& d, const Context& ctx);
 // Megatron's bias-dropout-add: y[n, :] = residual[n, :] + dropout(x[n, :] + bias), mask index n*H + h.
-// y, residual [N, H] f32 (y may alias residual); x [N, H] f32|bf16; bias [H] f32, or an undefined
+// y, residual [N, H] f32 (y may alias residual); x [N, H] f32|bf16|f16; bias [H] f32, or an undefined
 // Tensor for no bias. All contiguous.
 void bias_dropout_add(Tensor& y, const Tensor& residual, const Tensor& x, const Tensor& bias, const Dropout& d,
                       const Context& ctx);
-// dx [N, H] f32|bf16 = dy * M * s (written); dbias [H] f32 += column sums of that dx, taken in double
+// dx [N, H] f32|bf16|f16 = dy * M * s (written); dbias [H] f32 += column sums of that dx, taken in double
 // from the unrounded f32 values in an order fixed by the shapes; an undefined dbias skips them.
 // dy [N, H] f32. The residual's gradient is dy itself: the caller passes it on.
 void bias_dropout_add_backward(Tensor& dx, Tensor& dbias, const Tensor& dy, const Dropout& d, const Context& ctx);
 
-// Linear-layer biases. y, dy [N, W] (or [R, W]) f32|bf16 with a unit last stride; the row stride may be
+// Linear-layer biases. y, dy [N, W] (or [R, W]) f32|bf16|f16 with a unit last stride; the row stride may be
 // larger (views of wider tensors). Biases and their gradients are contiguous f32. Column sums run in
 // double over fixed row chunks in an order fixed by the shapes, so they do not depend on threads.
 // y[n, :] += bias [W].
@@ -320,7 +320,7 @@ void bias_grad_grouped_scaled(Tensor& dbias, Tensor& drow_scale, const Tensor& d
                               const Tensor& row_scale, const Tensor& group_rows, const Context& ctx);
 
 // ---- Elementwise -------------------------------------------------------------------------------
-// out = a + b (out may alias a or b); all the same shape; f32 or bf16, any mix.
+// out = a + b (out may alias a or b); all the same shape; f32, bf16 or f16, any mix.
 void add(Tensor& out, const Tensor& a, const Tensor& b, const Context& ctx);
 // x *= alpha, f32.
 void scale(Tensor& x, float alpha, const Context& ctx);

@@ -60,7 +60,7 @@ struct RouterAuxLoss {
 
 // ---- Gating ------------------------------------------------------------------------------------
 // Multiplicative input jitter: u[i] = (1 - eps) + 2 eps philox_uniform(key, first + i) in f32, i the flat index;
-// xj[i] = x[i] * u[i] rounded to x's dtype. xj, x [T, H] one dtype f32|bf16; u [T, H] f32; contiguous.
+// xj[i] = x[i] * u[i] rounded to x's dtype. xj, x [T, H] one dtype f32|bf16|f16; u [T, H] f32; contiguous.
 void router_jitter_forward(Tensor& xj, Tensor& u, const Tensor& x, float eps, PhiloxKey key, uint64_t first,
                            const Context& ctx);
 // Its backward multiply: dx[i] += g[i] * u[i]. dx, g, u [N, H] f32, contiguous (row blocks of larger tensors).
@@ -70,10 +70,10 @@ void router_jitter_backward(Tensor& dx, const Tensor& g, const Tensor& u, const 
 void router_normal_logits(Tensor& logits, PhiloxKey key, uint64_t first, const Context& ctx);
 
 // The fp64 router's gating linear: logits[t, e] = sum_h x[t, h] w[e, h] (+ bias[e]) in double, the f32 master
-// weight widened. logits [T, E] f64; x [T, H] f32|bf16; w [E, H] f32; bias [E] f32 or undefined.
+// weight widened. logits [T, E] f64; x [T, H] f32|bf16|f16; w [E, H] f32; bias [E] f32 or undefined.
 void router_gating_f64(Tensor& logits, const Tensor& x, const Tensor& w, const Tensor& bias, const Context& ctx);
 // Its backward: dw += dlogits^T x and dx += (dlogits w) * u, every output element summed in double in an order
-// fixed by the shapes and rounded once. dx [T, H] f32; dw [E, H] f32; dlogits [T, E] f64; x [T, H] f32|bf16 (the
+// fixed by the shapes and rounded once. dx [T, H] f32; dw [E, H] f32; dlogits [T, E] f64; x [T, H] f32|bf16|f16 (the
 // jittered input when there is jitter); u [T, H] f32 the jitter, or undefined for none.
 void router_gating_f64_backward(Tensor& dx, Tensor& dw, const Tensor& dlogits, const Tensor& x, const Tensor& w,
                                 const Tensor& u, const Context& ctx);

@@ -67,8 +67,8 @@ void ModelConfig::validate() const {
   if (max_positions() < seq_length)  // Megatron asserts this for every position-embedding type
     MOECORE_FAIL("model config: --max-position-embeddings (", max_position_embeddings,
                  ") must be at least --seq-length (", seq_length, ")");
-  if (compute_dtype != DType::f32 && compute_dtype != DType::bf16)
-    MOECORE_FAIL("model config: compute dtype ", dtype_name(compute_dtype), " is not supported (use f32 or bf16)");
+  if (compute_dtype != DType::f32 && compute_dtype != DType::bf16 && compute_dtype != DType::f16)
+    MOECORE_FAIL("model config: compute dtype ", dtype_name(compute_dtype), " is not supported (use f32, bf16 or f16)");
   if (!(norm_epsilon > 0.0f)) MOECORE_FAIL("model config: norm_epsilon (", norm_epsilon, ") must be positive");
   if (multi_latent_attention) {
     if (!rope())

@@ -89,7 +89,7 @@ struct ModelConfig {
   bool swiglu = true;                    // --swiglu (else GeLU MLP, Megatron's default)
   bool untie_embeddings_and_output_weights = true;  // --untie-embeddings-and-output-weights (else tied)
   float init_method_std = 0.02f;                    // --init-method-std: N(0, std^2) for weights
-  DType compute_dtype = DType::f32;                 // --bf16 selects bf16 compute (fp32 master weights)
+  DType compute_dtype = DType::f32;                 // --bf16 / --fp16 select bf16 / f16 compute (fp32 masters)
   moe::MoeConfig moe;                               // MoE flags; moe.num_experts == 0 keeps every layer dense
   std::string moe_layer_freq = "1";                 // --moe-layer-freq: integer N or a list expression ("[0]*3+[1]*58")
   RecomputeConfig recompute;                        // --recompute-*: which activations backward recomputes

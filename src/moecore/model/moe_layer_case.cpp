@@ -178,8 +178,9 @@ MoeLayerCase moe_layer_case_parse(const std::string& text) {
   m.shared_expert_gate = get_bool(j, "moe_shared_expert_gate", false);
   m.swiglu = get_bool(j, "gated_linear_unit", false);  // Megatron default: no GLU
   const std::string pd = get_string(j, "params_dtype", "fp32");
-  if (pd != "fp32" && pd != "bf16") MOECORE_FAIL("moe-layer: params_dtype '", pd, "' is not fp32 or bf16");
-  c.compute = pd == "bf16" ? DType::bf16 : DType::f32;
+  if (pd != "fp32" && pd != "bf16" && pd != "fp16")
+    MOECORE_FAIL("moe-layer: params_dtype '", pd, "' is not fp32, bf16 or fp16");
+  c.compute = pd == "bf16" ? DType::bf16 : pd == "fp16" ? DType::f16 : DType::f32;
   c.aux_grad_scale = get_float(j, "aux_grad_scale", 1.0f, -3.0e38, 3.0e38);
   c.add_bias_linear = get_bool(j, "add_bias_linear", false);
   if (c.add_bias_linear && c.Fs > 0)

@@ -45,8 +45,8 @@ int64_t dispatch_max_rows(int64_t T, int64_t E, int64_t K, int64_t capacity, boo
 
 DispatchBuffers dispatch_buffers_alloc(int64_t T, int64_t H, int64_t E, int64_t max_rows, DType x_dtype,
                                        Device device) {
-  if (x_dtype != DType::f32 && x_dtype != DType::bf16)
-    MOECORE_FAIL("dispatch_buffers_alloc: x dtype must be f32 or bf16, got ", dtype_name(x_dtype));
+  if (x_dtype != DType::f32 && x_dtype != DType::bf16 && x_dtype != DType::f16)
+    MOECORE_FAIL("dispatch_buffers_alloc: x dtype must be f32, bf16 or f16, got ", dtype_name(x_dtype));
   const auto act = MemCategory::activations, work = MemCategory::workspace;
   DispatchBuffers b;
   b.plan = dispatch_plan_alloc(T, E, max_rows, device);

@@ -214,7 +214,7 @@ void unpermute_tokens(Tensor& y, const Tensor& rows, const DispatchPlan& plan, b
 // dprobs[t, e] = dprob_rows[token_rows[t, e]] (0 where not routed).
 void unpermute_backward(Tensor& dx, Tensor& dprobs, const Tensor& drows, const Tensor& dprob_rows,
                         const DispatchPlan& plan, const ops::Context& ctx);
-// rows [>= R, H] (f32 or bf16) = src [T, H] f32 rows per the plan: rows[r] = src[row_token[r]].
+// rows [>= R, H] (f32, bf16 or f16) = src [T, H] f32 rows per the plan: rows[r] = src[row_token[r]].
 void gather_token_rows(Tensor& rows, const Tensor& src, const DispatchPlan& plan, const ops::Context& ctx);
 
 }  // namespace moecore::moe

@@ -32,7 +32,7 @@ ops::RouterCapacity capacity_of(const RouterDims& d, const MoeConfig& cfg) {
   return {cap, cfg.drop_policy, cfg.pad_expert_input_to_capacity};
 }
 
-// fp32 router: the two products on ops::gemm. A bf16 x_j is widened chunk by chunk into cache.work (gemm needs
+// fp32 router: the two products on ops::gemm. A bf16 or f16 x_j is widened chunk by chunk into cache.work (gemm needs
 // one operand dtype and dlogits stays f32, as Megatron's router-dtype backward does).
 void gating_backward_f32(Tensor& dx, Tensor& dweight, const Tensor& xj, const Tensor& weight, RouterCache& c,
                          bool jitter, const ops::Context& ctx) {
@@ -44,7 +44,7 @@ void gating_backward_f32(Tensor& dx, Tensor& dweight, const Tensor& xj, const Te
     for (int64_t r0 = 0; r0 < T; r0 += kWorkRows) {
       const int64_t n = std::min(kWorkRows, T - r0);
       Tensor wk = c.work.slice(0, 0, n);
-      wk.copy_from(xj.slice(0, r0, r0 + n));  // bf16 -> f32 is exact
+      wk.copy_from(xj.slice(0, r0, r0 + n));  // bf16 / f16 -> f32 is exact
       ops::gemm(dweight, dl.slice(0, r0, r0 + n), true, wk, false, 1.0f, 1.0f, ctx);
     }
   }
@@ -73,8 +73,8 @@ const Tensor& check_common(const ArgCheck& chk, const Tensor& x, const RouterWei
     chk.fail("dims E=", d.E, ", K=", d.K, " disagree with --num-experts (", cfg.num_experts,
              ") and --moe-router-topk (", cfg.router_topk, ")");
   if (!x.defined()) chk.fail("x is undefined");
-  if (x.dtype() != DType::f32 && x.dtype() != DType::bf16)
-    chk.fail("x must be f32 or bf16, got ", dtype_name(x.dtype()));
+  if (x.dtype() != DType::f32 && x.dtype() != DType::bf16 && x.dtype() != DType::f16)
+    chk.fail("x must be f32, bf16 or f16, got ", dtype_name(x.dtype()));
   chk.tensor("x", x, Shape{d.T, d.H}, x.dtype());
   chk.tensor("weight", w.weight, Shape{d.E, d.H}, DType::f32);
   if (w.bias.defined()) chk.tensor("bias", w.bias, Shape{d.E}, DType::f32);
@@ -154,7 +154,7 @@ void forward_stages(Tensor& probs, Tensor& map, RouterStats& stats, const Tensor
 }  // namespace
 
 bool router_detail::router_needs_work(const MoeConfig& cfg, DType x_dtype) {
-  return cfg.router_dtype == DType::f32 && (x_dtype == DType::bf16 || cfg.input_jitter_eps > 0);
+  return cfg.router_dtype == DType::f32 && (x_dtype != DType::f32 || cfg.input_jitter_eps > 0);
 }
 
 void router_detail::check_cache(const ArgCheck& chk, const RouterCache& c, const RouterDims& d, const MoeConfig& cfg,
@@ -240,8 +240,8 @@ RouterCache router_cache_alloc(const RouterDims& d, const MoeConfig& cfg, DType 
   const DType R = cfg.router_dtype;
   if (R != DType::f32 && R != DType::f64)
     MOECORE_FAIL("router_cache_alloc: router dtype (--moe-router-dtype) must be f32 or f64, got ", dtype_name(R));
-  if (x_dtype != DType::f32 && x_dtype != DType::bf16)
-    MOECORE_FAIL("router_cache_alloc: x dtype must be f32 or bf16, got ", dtype_name(x_dtype));
+  if (x_dtype != DType::f32 && x_dtype != DType::bf16 && x_dtype != DType::f16)
+    MOECORE_FAIL("router_cache_alloc: x dtype must be f32, bf16 or f16, got ", dtype_name(x_dtype));
   const MemCategory act = MemCategory::activations, ws = MemCategory::workspace;
   RouterCache c;
   c.logits = Tensor::empty({d.T, d.E}, R, act, device);

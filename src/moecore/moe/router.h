@@ -112,7 +112,7 @@ struct RouterCache {
 // Every tensor on `device`.
 RouterCache router_cache_alloc(const RouterDims& d, const MoeConfig& cfg, DType x_dtype, Device device = Device::cpu);
 
-// x [T, H] f32|bf16 (the pre-MLP norm output, token t = s * B + b); padding_mask [T] bool in the same order
+// x [T, H] f32|bf16|f16 (the pre-MLP norm output, token t = s * B + b); padding_mask [T] bool in the same order
 // (true = padding, excluded from losses and counts) or undefined. Outputs: probs [T, E] f32 (0 where not
 // routed), map [T, E] bool (routed, including zero-weight padding slots) and stats (router_stats_alloc).
 // training=false skips losses and counters (evaluation). Every tensor must be on ctx.device.

@@ -9,7 +9,7 @@
 // Gradient contract: weight gradients accumulate (+=); the residual-stream gradient is updated in place
 // (dy in, dx out) because the residual fans out.
 // dtypes: the residual stream (x, y, dres) and norm statistics are f32; every GEMM operand (norm outputs,
-// qkv, attention output, MLP activations, weights) is in the compute dtype, f32 or bf16.
+// qkv, attention output, MLP activations, weights) is in the compute dtype, f32, bf16 or f16.
 //
 // Tensor parallelism (Megatron's ColumnParallelLinear / RowParallelLinear, dims.tp of size P > 1): the layer holds the
 // shards of core/shard.h — QKV's query groups and SwiGLU's fc1 rows (gate and up together) split over the group, proj

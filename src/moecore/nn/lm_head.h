@@ -13,7 +13,7 @@ namespace moecore::nn {
 struct LmHeadWorkspace {
   int64_t chunk = 0;  // tokens per chunk
   Tensor logits;      // [chunk, V] f32 (V: this rank's vocabulary rows)
-  Tensor dlogits_c;   // [chunk, V] compute dtype (bf16 compute only)
+  Tensor dlogits_c;   // [chunk, V] compute dtype (bf16 or f16 compute only)
   Tensor loss;        // [chunk] f32
   Tensor totals;      // [2] f64: the last call's loss sum over labels >= 0 and the number of those labels
   // Tensor parallel only (tp > 1):

@@ -5,7 +5,7 @@
 
 namespace moecore::nn {
 
-// y [N, H] f32|bf16; mean, rstd [N] f32 saved; x [N, H] f32; w [H] f32; b [H] f32 or undefined (RMSNorm).
+// y [N, H] f32|bf16|f16; mean, rstd [N] f32 saved; x [N, H] f32; w [H] f32; b [H] f32 or undefined (RMSNorm).
 void norm_forward(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b, float eps,
                   const ops::Context& ctx);
 // dx written (or += when accumulate_dx); dw, db += (db ignored for RMSNorm).

@@ -14,7 +14,7 @@ namespace {
 using cpu::ld;
 using cpu::st;
 
-// A 2-D f32|bf16 operand with a unit last stride and a row stride >= its width.
+// A 2-D f32|bf16|f16 operand with a unit last stride and a row stride >= its width.
 void check_rows(const cpu::Checker& ck, const char* name) {
   const Tensor& t = ck.get(name);
   ck.rank(name, 2);

@@ -1,4 +1,4 @@
-// Private helpers of the CPU backend: f32|bf16 element load/store, branch-free exp/erfc that GCC
+// Private helpers of the CPU backend: f32|bf16|f16 element load/store, branch-free exp/erfc that GCC
 // vectorises inside `omp simd` loops, entry checks that raise moecore::Error naming the op and every
 // argument (shared with the CUDA kernels, which ops dispatch to after them), and a grow-only per-thread
 // scratch buffer. Only kernels/cpu/*.cpp include this; it holds no kernels. Written without intrinsics so
@@ -28,6 +28,9 @@ inline float ld(float v) {
 inline float ld(bf16 v) {
   return bf16_to_float(v);
 }
+inline float ld(f16 v) {
+  return f16_to_float(v);
+}
 
 inline void st(float& dst, float v) {
   dst = v;
@@ -35,6 +38,10 @@ inline void st(float& dst, float v) {
 // Round to nearest even. float_to_bf16's early NaN return has no arithmetic, so GCC still vectorises it.
 inline void st(bf16& dst, float v) {
   dst = float_to_bf16(v);
+}
+// Round to nearest even, ±inf beyond 65504 (dtype.h's branch-free float_to_f16, which vectorises).
+inline void st(f16& dst, float v) {
+  dst = float_to_f16(v);
 }
 
 // c ? a : b without a branch. GCC keeps FP trapping semantics (-ftrapping-math), so it will not
@@ -86,14 +93,16 @@ inline float select_f32(bool c, float a, float b) {
   return select_f32(x >= 0.0f, ans, 2.0f - ans);
 }
 
-inline bool is_f32_or_bf16(DType t) {
-  return t == DType::f32 || t == DType::bf16;
+// The dtypes activations are stored in (f32 math, rounded on store): f32, bf16 or f16.
+inline bool is_float_storage(DType t) {
+  return t == DType::f32 || t == DType::bf16 || t == DType::f16;
 }
 
-// Calls fn(T{}) with T = float or bf16 for a dtype already checked to be one of them.
+// Calls fn(T{}) with T = float, bf16 or f16 for a dtype already checked to be one of them (is_float_storage).
 template <class Fn>
 decltype(auto) with_float_type(DType t, Fn&& fn) {
   if (t == DType::bf16) return fn(bf16{});
+  if (t == DType::f16) return fn(f16{});
   return fn(float{});
 }
 
@@ -171,7 +180,8 @@ class Checker {
     if (get(name).dtype() != t) fail(name, " must be ", dtype_name(t), ", got ", dtype_name(get(name).dtype()));
   }
   void float_dtype(const char* name) const {
-    if (!is_f32_or_bf16(get(name).dtype())) fail(name, " must be f32 or bf16, got ", dtype_name(get(name).dtype()));
+    if (!is_float_storage(get(name).dtype()))
+      fail(name, " must be f32, bf16 or f16, got ", dtype_name(get(name).dtype()));
   }
   void same_dtype(const char* name, const char* other) const {
     if (get(name).dtype() != get(other).dtype()) fail(name, " and ", other, " must share one dtype");

@@ -37,7 +37,7 @@ double sum_squares_kernel(const T* x, int64_t n) {
   return total;
 }
 
-// The exponent field all ones marks inf and NaN in both formats; OR-ing the test is order-free.
+// The exponent field all ones marks inf and NaN in every format; OR-ing the test is order-free.
 bool all_finite_f32(const float* x, int64_t n) {
   uint32_t bad = 0;
 #pragma omp parallel for simd schedule(static) reduction(| : bad) if (n > cpu::kParallelWork)
@@ -48,6 +48,12 @@ bool all_finite_bf16(const bf16* x, int64_t n) {
   uint32_t bad = 0;
 #pragma omp parallel for simd schedule(static) reduction(| : bad) if (n > cpu::kParallelWork)
   for (int64_t i = 0; i < n; ++i) bad |= (x[i].bits & 0x7f80u) == 0x7f80u;
+  return bad == 0;
+}
+bool all_finite_f16(const f16* x, int64_t n) {
+  uint32_t bad = 0;
+#pragma omp parallel for simd schedule(static) reduction(| : bad) if (n > cpu::kParallelWork)
+  for (int64_t i = 0; i < n; ++i) bad |= (x[i].bits & 0x7c00u) == 0x7c00u;
   return bad == 0;
 }
 
@@ -187,8 +193,9 @@ void flag_nonfinite(Tensor& flag, const Tensor& x, const Context& ctx) {
   c.contiguous("x");
   if constexpr (cpu::kCudaKernels)
     if (ctx.device == Device::cuda) return cuda::flag_nonfinite(flag, x, ctx);
-  const bool finite = x.dtype() == DType::bf16 ? all_finite_bf16(x.data<bf16>(), x.numel())
-                                               : all_finite_f32(x.data<float>(), x.numel());
+  const bool finite = x.dtype() == DType::bf16  ? all_finite_bf16(x.data<bf16>(), x.numel())
+                      : x.dtype() == DType::f16 ? all_finite_f16(x.data<f16>(), x.numel())
+                                                : all_finite_f32(x.data<float>(), x.numel());
   if (!finite) flag.data<int32_t>()[0] = 1;
 }
 

@@ -1,9 +1,10 @@
-// CPU GEMM on oneDNN matmul primitives (f32 or bf16 inputs, f32 accumulation, f32 or bf16 output).
+// CPU GEMM on oneDNN matmul primitives (f32, bf16 or f16 inputs, f32 accumulation, f32, bf16 or f16 output).
 // Primitive creation costs far more than a small matmul, so primitives are cached per (shape, strides,
 // dtypes, alpha, beta) and reused; model shapes are fixed after the first step, so the cache stays small.
 // bf16 operands run natively where oneDNN has a bf16 matmul (AVX-512 bf16 / AMX). Elsewhere (e.g. AVX2-only
 // hosts) they are widened to f32 in reused scratch buffers and multiplied in f32: bf16 then saves memory,
-// not time, and the result is the exact f32 product of the bf16 values.
+// not time, and the result is the exact f32 product of the bf16 values. f16 operands and f16 outputs are always
+// widened this way: oneDNN 2.6 has an f16 matmul only on AVX-512 FP16 CPUs, where nothing here could test it.
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -102,14 +103,13 @@ void check_operands(const char* op, const Tensor& c, const Tensor& a, const Tens
   cpu::check_context(
       ctx, [&](auto&&... m) { MOECORE_FAIL(op, ": ", m...); }, cpu::Backends::cpu_and_cuda);
   const bool ok_rank = a.dim() == rank && b.dim() == rank && c.dim() == rank;
-  const bool ok_dtype = a.dtype() == b.dtype() && (a.dtype() == DType::f32 || a.dtype() == DType::bf16) &&
-                        (c.dtype() == DType::f32 || c.dtype() == DType::bf16);
+  const bool ok_dtype = a.dtype() == b.dtype() && cpu::is_float_storage(a.dtype()) && cpu::is_float_storage(c.dtype());
   const bool ok_dev = a.device() == ctx.device && b.device() == ctx.device && c.device() == ctx.device;
   const bool ok_inner = ok_rank && a.stride(-1) == 1 && b.stride(-1) == 1 && c.stride(-1) == 1;
   if (!(ok_rank && ok_dtype && ok_dev && ok_inner)) {
     MOECORE_FAIL(op, ": expected ", rank, "-D operands on ", device_name(ctx.device),
-                 " with a unit last stride, a and b of one dtype (f32|bf16), c f32|bf16; got c ", c.str(), ", a ",
-                 a.str(), ", b ", b.str());
+                 " with a unit last stride, a and b of one dtype (f32|bf16|f16), c f32|bf16|f16; got c ", c.str(),
+                 ", a ", a.str(), ", b ", b.str());
   }
 }
 
@@ -143,11 +143,13 @@ void run(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float al
   strm.wait();
 }
 
-// Reused f32 scratch for widened bf16 operands (grown on demand, never shrunk).
-Tensor& scratch(int slot, int64_t elems) {
+// Reused f32 scratch for widened bf16 / f16 operands (grown on demand, never shrunk), on the operands' device (cpu or
+// sim: copies between the two are transfers, which do not convert).
+Tensor& scratch(int slot, int64_t elems, Device device) {
   static thread_local Tensor bufs[3];
   Tensor& t = bufs[slot];
-  if (!t.defined() || t.numel() < elems) t = Tensor::empty({elems}, DType::f32, MemCategory::workspace);
+  if (!t.defined() || t.numel() < elems || t.device() != device)
+    t = Tensor::empty({elems}, DType::f32, MemCategory::workspace, device);
   return t;
 }
 
@@ -165,15 +167,16 @@ bool native_bf16() {
   return ok;
 }
 
-// A contiguous f32 copy of a bf16 2-D or 3-D operand, in its stored (untransposed) layout.
+// A contiguous f32 copy of a bf16 or f16 2-D or 3-D operand, in its stored (untransposed) layout.
 Tensor widen(const Tensor& x, int slot) {
-  Tensor w = scratch(slot, x.numel()).slice(0, 0, x.numel()).view(x.shape());
+  Tensor w = scratch(slot, x.numel(), x.device()).slice(0, 0, x.numel()).view(x.shape());
   w.copy_from(x);
   return w;
 }
 
-// Widens one bf16 product tile by tile (M, N and K tiles), so that scratch stays within kWidenBudget
-// elements per operand whatever the GEMM's size, and every bf16 element is widened about once.
+// Widens one bf16 or f16 product tile by tile (M, N and K tiles), so that scratch stays within kWidenBudget
+// elements per operand whatever the GEMM's size, and every element is widened about once. A c that is not f32
+// accumulates in an f32 tile and is rounded once.
 constexpr int64_t kWidenBudget = int64_t{4} << 20;
 
 void run_widened(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha, float beta,
@@ -195,7 +198,7 @@ void run_widened(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, 
       Tensor ct = c.slice(0, m0, m1).slice(1, n0, n1);
       Tensor acc = ct;
       if (c.dtype() != DType::f32) {
-        acc = scratch(2, ct.numel()).slice(0, 0, ct.numel()).view(ct.shape());
+        acc = scratch(2, ct.numel(), ct.device()).slice(0, 0, ct.numel()).view(ct.shape());
         if (beta != 0.0f) acc.copy_from(ct);
       }
       for (int64_t k0 = 0; k0 < K; k0 += kc) {
@@ -212,12 +215,13 @@ void run_widened(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, 
 
 void dispatch(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha, float beta, int64_t G,
               const char* op) {
-  if (a.dtype() == DType::f32 && c.dtype() == DType::bf16) {  // oneDNN has no f32 x f32 -> bf16 matmul
-    Tensor c32 = scratch(2, c.numel()).slice(0, 0, c.numel()).view(c.shape());
+  // oneDNN has no f32 x f32 -> bf16 (or f16) matmul
+  if (a.dtype() == DType::f32 && c.dtype() != DType::f32) {
+    Tensor c32 = scratch(2, c.numel(), c.device()).slice(0, 0, c.numel()).view(c.shape());
     if (beta != 0.0f) c32.copy_from(c);
     run(c32, a, ta, b, tb, alpha, beta, G, op);
     c.copy_from(c32);
-  } else if (a.dtype() != DType::bf16 || native_bf16()) {
+  } else if (a.dtype() == DType::f32 || (a.dtype() == DType::bf16 && c.dtype() != DType::f16 && native_bf16())) {
     run(c, a, ta, b, tb, alpha, beta, G, op);
   } else if (G == 1) {
     run_widened(c, a, ta, b, tb, alpha, beta, op);

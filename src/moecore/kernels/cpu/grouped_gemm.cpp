@@ -1,9 +1,9 @@
 // CPU grouped GEMM for MoE experts: one oneDNN sgemm call per group over its contiguous row segment.
 // dnnl_sgemm needs no primitive, so row counts that change every step cost nothing to set up (a cached
 // matmul primitive per row count would cost ~ms each); on AVX2 hosts the matmul primitive runs this same
-// jit sgemm. bf16 operands are widened to f32 in bounded, reused scratch (oneDNN 2.6 has no bf16 GEMM
-// without AVX-512), so bf16 saves memory, not time. Deterministic for a fixed thread count.
-// Not here: dense GEMMs (gemm.cpp).
+// jit sgemm. bf16 and f16 operands are widened to f32 in bounded, reused scratch (oneDNN 2.6 has no bf16
+// GEMM without AVX-512, no f16 one without AVX-512 FP16), so they save memory, not time. Deterministic for a fixed
+// thread count. Not here: dense GEMMs (gemm.cpp).
 #include <oneapi/dnnl/dnnl.h>
 
 #include <omp.h>
@@ -50,11 +50,13 @@ void widen(float* dst, int64_t ldd, const T* src, int64_t lds, int64_t rows, int
   }
 }
 
-void narrow(bf16* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows, int64_t cols) {
+// dst[r * ldd + j] = src[r * lds + j] rounded to T (bf16 or f16), for r < rows, j < cols.
+template <class T>
+void narrow(T* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows, int64_t cols) {
 #pragma omp parallel for schedule(static) if (rows * cols > cpu::kParallelWork)
   for (int64_t r = 0; r < rows; ++r) {
     const float* s = src + r * lds;
-    bf16* d = dst + r * ldd;
+    T* d = dst + r * ldd;
 #pragma omp simd
     for (int64_t j = 0; j < cols; ++j) st(d[j], s[j]);
   }
@@ -80,9 +82,9 @@ void sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, in
                 K, " lda ", lda, " ldb ", ldb, " ldc ", ldc);
 }
 
-// One group of gemm_grouped: C[n, N] = A[n, K] @ op(Bg) + beta * C, any mix of f32/bf16 operands.
+// One group of gemm_grouped: C[n, N] = A[n, K] @ op(Bg) + beta * C, any mix of f32/bf16/f16 operands.
 // Operands that are not f32 are widened tile by tile: B per N tile (once per group when it fits the
-// budget), A per row tile, and a bf16 C through an f32 accumulator tile.
+// budget), A per row tile, and a bf16 or f16 C through an f32 accumulator tile.
 template <class TA, class TC>
 void group_product(TC* c, int64_t ldc, const TA* a, int64_t lda, const TA* b, int64_t bs0, int64_t bs1, bool trans_b,
                    int64_t n, int64_t N, int64_t K, float beta) {
@@ -139,8 +141,8 @@ void group_product(TC* c, int64_t ldc, const TA* a, int64_t lda, const TA* b, in
 }
 
 // One group of gemm_grouped_wgrad: C[M, N] = A[n, M]^T @ B[n, N] + beta * C, C f32, n > 0.
-// f32 operands go straight to sgemm unless A's stride hits the aliasing case above; then A (and, for bf16,
-// both operands) is copied in row chunks to padded scratch and the chunks accumulate into C.
+// f32 operands go straight to sgemm unless A's stride hits the aliasing case above; then A (and, for bf16 or
+// f16, both operands) is copied in row chunks to padded scratch and the chunks accumulate into C.
 template <class T>
 void group_wgrad(float* c, int64_t ldc, const T* a, int64_t lda, const T* b, int64_t ldb, int64_t n, int64_t M,
                  int64_t N, float beta) {

@@ -14,7 +14,7 @@ namespace {
 
 constexpr int64_t kParallelRows = 1 << 15;  // elements below which a pass stays on the calling thread
 
-// A 2-D f32|bf16 operand with a unit last stride.
+// A 2-D f32|bf16|f16 operand with a unit last stride.
 void check_rows_operand(const cpu::Checker& ck, const char* name) {
   const Tensor& t = ck.get(name);
   ck.rank(name, 2);

@@ -89,7 +89,7 @@ void gating_backward_kernel(float* dx, float* dw, const double* dl, const X* xj,
   }
 }
 
-// The x of a gating op: [rows, H] f32|bf16, contiguous.
+// The x of a gating op: [rows, H] f32|bf16|f16, contiguous.
 void check_x(const cpu::Checker& ck, const char* name, int64_t rows, int64_t H) {
   ck.float_dtype(name);
   ck.shape(name, Shape{rows, H});

@@ -1,8 +1,8 @@
 // Private helpers of the CUDA backend (kernels/cuda/*.cu only): an op call's launch record (its stream from
 // ctx.stream, checks of every CUDA call that raise naming the call, the op and its arguments' shapes (after every
 // launch with MOECORE_CUDA_SYNC=1, so asynchronous faults name their kernel), and a grow-only device workspace per
-// device and stream), f32|bf16 element load/store with the CPU's rounding (round to nearest even, the same NaN bits),
-// the dtype switch, grid sizing and fixed-order block reductions. No kernels of ops here.
+// device and stream), f32|bf16|f16 element load/store with the CPU's rounding (round to nearest even, the same NaN
+// bits), the dtype switch, grid sizing and fixed-order block reductions. No kernels of ops here.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -115,6 +115,9 @@ __device__ __forceinline__ float ld(float v) {
 __device__ __forceinline__ float ld(bf16 v) {
   return dtype_convert::bf16_to_float(v.bits);
 }
+__device__ __forceinline__ float ld(f16 v) {
+  return dtype_convert::f16_to_float(v.bits);
+}
 __device__ __forceinline__ void st(float& dst, float v) {
   dst = v;
 }
@@ -122,11 +125,16 @@ __device__ __forceinline__ void st(float& dst, float v) {
 __device__ __forceinline__ void st(bf16& dst, float v) {
   dst.bits = dtype_convert::float_to_bf16(v);
 }
+// core/dtype.h's float_to_f16_bits (the host's, bit for bit): round to nearest even, ±inf beyond 65504.
+__device__ __forceinline__ void st(f16& dst, float v) {
+  dst.bits = dtype_convert::float_to_f16(v);
+}
 
-// Calls fn(T{}) with T = float or bf16 for a dtype already checked to be one of them.
+// Calls fn(T{}) with T = float, bf16 or f16 for a dtype already checked to be one of them.
 template <class Fn>
 decltype(auto) with_float_type(DType t, Fn&& fn) {
   if (t == DType::bf16) return fn(bf16{});
+  if (t == DType::f16) return fn(f16{});
   return fn(float{});
 }
 

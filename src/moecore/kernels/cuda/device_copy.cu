@@ -86,6 +86,14 @@ __global__ void bf16_to_f32_kernel(float* dst, Layout dl, const uint16_t* src, L
   DEVICE_COPY_GRID_STRIDE(k, n) dst[offset_of(dl, k)] = dtype_convert::bf16_to_float(src[offset_of(sl, k)]);
 }
 
+__global__ void f32_to_f16_kernel(uint16_t* dst, Layout dl, const float* src, Layout sl, int64_t n) {
+  DEVICE_COPY_GRID_STRIDE(k, n) dst[offset_of(dl, k)] = dtype_convert::float_to_f16(src[offset_of(sl, k)]);
+}
+
+__global__ void f16_to_f32_kernel(float* dst, Layout dl, const uint16_t* src, Layout sl, int64_t n) {
+  DEVICE_COPY_GRID_STRIDE(k, n) dst[offset_of(dl, k)] = dtype_convert::f16_to_float(src[offset_of(sl, k)]);
+}
+
 __global__ void convert_kernel(void* dst, DType dt, Layout dl, const void* src, DType st, Layout sl, int64_t n) {
   DEVICE_COPY_GRID_STRIDE(k, n) dtype_convert::convert_element(dst, dt, offset_of(dl, k), src, st, offset_of(sl, k));
 }
@@ -177,6 +185,12 @@ void device_convert(const DeviceView& dst, const DeviceView& src) {
   } else if (dst.dtype == DType::f32 && src.dtype == DType::bf16) {
     bf16_to_f32_kernel<<<grid_for(n), kThreads>>>(static_cast<float*>(dst.data), dl,
                                                   static_cast<const uint16_t*>(src.data), sl, n);
+  } else if (dst.dtype == DType::f16 && src.dtype == DType::f32) {
+    f32_to_f16_kernel<<<grid_for(n), kThreads>>>(static_cast<uint16_t*>(dst.data), dl,
+                                                 static_cast<const float*>(src.data), sl, n);
+  } else if (dst.dtype == DType::f32 && src.dtype == DType::f16) {
+    f16_to_f32_kernel<<<grid_for(n), kThreads>>>(static_cast<float*>(dst.data), dl,
+                                                 static_cast<const uint16_t*>(src.data), sl, n);
   } else {
     convert_kernel<<<grid_for(n), kThreads>>>(dst.data, dst.dtype, dl, src.data, src.dtype, sl, n);
   }

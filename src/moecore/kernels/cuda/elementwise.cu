@@ -1,7 +1,7 @@
 // CUDA elementwise ops (add, scale, SwiGLU, exact GeLU), the reductions of elementwise.cpp (sum_squares,
 // flag_nonfinite, count_zeros), the layout copies (transpose_01, qkv slot gather / scatter), rotary embeddings and the
-// AdamW step. Same formulas as the CPU kernels, f32 math, bf16 stored round-to-nearest-even; expf / erfcf are CUDA's
-// (within 2 ulp) where the CPU uses its own polynomials (~1 ulp), so results agree within f32 tolerances.
+// AdamW step. Same formulas as the CPU kernels, f32 math, bf16 and f16 stored round-to-nearest-even; expf / erfcf are
+// CUDA's (within 2 ulp) where the CPU uses its own polynomials (~1 ulp), so results agree within f32 tolerances.
 // Deterministic: sum_squares reduces fixed 8192-element chunks in double in a fixed tree, then adds the chunk sums
 // in chunk order on one thread (the CPU's chunking); flag_nonfinite only ever stores 1; count_zeros adds integers.
 #include <cmath>
@@ -46,6 +46,9 @@ __global__ void flag_nonfinite_f32_kernel(int32_t* flag, const float* x, int64_t
 }
 __global__ void flag_nonfinite_bf16_kernel(int32_t* flag, const bf16* x, int64_t n) {
   MOECORE_GRID_STRIDE(i, n) if ((x[i].bits & 0x7f80u) == 0x7f80u) flag[0] = 1;
+}
+__global__ void flag_nonfinite_f16_kernel(int32_t* flag, const f16* x, int64_t n) {
+  MOECORE_GRID_STRIDE(i, n) if ((x[i].bits & 0x7c00u) == 0x7c00u) flag[0] = 1;
 }
 
 // Integer counts: the order of the atomic adds does not change the sum.
@@ -242,6 +245,9 @@ void flag_nonfinite(Tensor& flag, const Tensor& x, const Context& ctx) {
   if (x.dtype() == DType::bf16)
     flag_nonfinite_bf16_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(Launch::ptr<int32_t>(flag),
                                                                          Launch::ptr<const bf16>(x), n);
+  else if (x.dtype() == DType::f16)
+    flag_nonfinite_f16_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(Launch::ptr<int32_t>(flag),
+                                                                        Launch::ptr<const f16>(x), n);
   else
     flag_nonfinite_f32_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(Launch::ptr<int32_t>(flag),
                                                                         Launch::ptr<const float>(x), n);

@@ -1,10 +1,11 @@
 // CUDA GEMMs. gemm / gemm_batched run cuBLAS (cublasGemmEx / cublasGemmStridedBatchedEx, CUBLAS_COMPUTE_32F: f32
 // accumulation, no TF32). cuBLAS is column-major, so a row-major C [M, N] = op(A) op(B) is computed as the
 // column-major C^T [N, M] = op(B)^T op(A)^T: B is passed first with B's transpose flag, then A with A's, and every
-// leading dimension is the tensor's row stride. cuBLAS has no f32 x f32 -> bf16 product, so that case runs into an
-// f32 workspace and rounds once into c (as the CPU backend does).
+// leading dimension is the tensor's row stride. cuBLAS multiplies f32, bf16 or f16 (CUDA_R_16F) operands into c of
+// their own dtype or f32, and has no mixed product such as f32 x f32 -> bf16 or bf16 x bf16 -> f16, so such a c is
+// computed in an f32 workspace and rounded once (as the CPU backend does).
 // gemm_grouped / gemm_grouped_wgrad: the first step, a tiled SIMT grouped GEMM of moecore's own (64 x 64 tiles,
-// f32 FMA accumulation, bf16 widened on load) that reads group_rows on the device: a one-thread plan kernel
+// f32 FMA accumulation, bf16 and f16 widened on load) that reads group_rows on the device: a one-thread plan kernel
 // turns the counts into row offsets and tile prefix sums, and each CTA finds its group by binary search in those.
 // No host read, no per-group launch. It runs on CUDA cores, far below the tensor-core peak; the next step is a
 // CUTLASS grouped GEMM (Hopper WGMMA) behind the same plan.
@@ -105,7 +106,7 @@ cublasHandle_t cublas_handle(const Launch& l) {
 }
 
 cudaDataType_t cuda_type(DType t) {
-  return t == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  return t == DType::bf16 ? CUDA_R_16BF : t == DType::f16 ? CUDA_R_16F : CUDA_R_32F;
 }
 
 // A row-major [G, rows, cols] operand with a unit last stride.
@@ -177,7 +178,7 @@ void run_gemm(const Launch& l, Tensor& c, const Tensor& a, bool ta, const Tensor
     copy_mat(l, mc, mc, G, beta, beta == 0.0f);
     return;
   }
-  if (a.dtype() == DType::f32 && c.dtype() == DType::bf16) {
+  if (c.dtype() != DType::f32 && c.dtype() != a.dtype()) {
     WorkspaceCarver w;
     w.reserve<float>(G * mc.rows * mc.cols);
     w.allocate(l);
