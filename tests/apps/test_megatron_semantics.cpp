@@ -178,6 +178,48 @@ TEST_F(MegatronSemantics, LossScalingAsMegatron) {
   EXPECT_EQ(run_moecore(train_args() + "--hysteresis 2 --min-loss-scale 1.0").status, 0);
 }
 
+// --fp16: f16 compute with Megatron's dynamic loss scaler (check_for_nan switched off with Megatron's warning). From
+// Megatron's initial scale 2^32 the first steps overflow and are skipped (no loss, no grad norm, the LR held), the
+// scale halving from the second overflow on, until the gradients fit; then it trains. A constant --loss-scale that
+// never overflows tracks the fp32 run.
+TEST_F(MegatronSemantics, Fp16TrainsWithDynamicLossScaling) {
+  byte_corpus();
+  const CmdResult line = run_moecore(train_args() + "--fp16 --train-iters 3");
+  EXPECT_EQ(line.status, 0) << line.output;
+  EXPECT_NE(line.output.find("warning: Setting args.check_for_nan_in_loss_and_grad to False since dynamic loss "
+                             "scaling is being used"),
+            std::string::npos)
+      << line.output;
+  EXPECT_NE(line.output.find("loss scale 4294967296.0 | grad norm - (step skipped)"), std::string::npos) << line.output;
+  const auto m = metrics("--fp16 --train-iters 24", "fp16");
+  ASSERT_EQ(m.size(), 25u);  // 24 steps and the validation
+  std::vector<double> scale, loss;
+  int skipped = 0;
+  for (const auto& j : m) {
+    if (!j.contains("loss-scale")) continue;
+    scale.push_back(j["loss-scale"].get<double>());
+    if (j["lm_loss"].is_null()) {
+      ++skipped;
+      EXPECT_TRUE(loss.empty()) << "a skipped step after training began, iteration " << j["iteration"];
+      EXPECT_TRUE(j["grad_norm"].is_null());
+      EXPECT_EQ(j["lr"].get<double>(), m[0]["lr"].get<double>());  // (the schedule waits)
+    } else {
+      loss.push_back(j["lm_loss"].get<double>());
+    }
+  }
+  EXPECT_EQ(scale[0], 4294967296.0);
+  EXPECT_EQ(scale[1], 4294967296.0);  // (hysteresis 2: the first overflow keeps it)
+  for (size_t i = 2; i < static_cast<size_t>(skipped); ++i) EXPECT_EQ(scale[i], scale[i - 1] / 2) << i;
+  EXPECT_GE(skipped, 3);
+  ASSERT_GE(loss.size(), 6u);
+  EXPECT_LT(loss.back(), loss.front());
+  for (size_t i = static_cast<size_t>(skipped) + 1; i < scale.size(); ++i) EXPECT_EQ(scale[i], scale[skipped]) << i;
+  const auto f32 = field(metrics("--train-iters 4", "f32"), "lm_loss");
+  const auto f16 = field(metrics("--fp16 --loss-scale 256 --train-iters 4", "f16_constant"), "lm_loss");
+  ASSERT_EQ(f16.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(f16[i], f32[i], 2e-3 * f32[i]) << i;
+}
+
 // --calculate-per-token-loss: with every token counted it is the default run to rounding (the global batch's tokens
 // weigh as its micro-batches' means do).
 TEST_F(MegatronSemantics, PerTokenLoss) {
