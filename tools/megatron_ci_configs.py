@@ -40,6 +40,9 @@ RUNNER_GPUS_PER_NODE = 8  # _run_training.sh: GPUS_PER_NODE=${GPUS_PER_NODE:-8},
 # Replacements (a): model sizes. Every other flag is kept as Megatron wrote it.
 
 TRAIN_ITERS = 4  # even, so the ckpt-resume run saves at TRAIN_ITERS/2 and resumes from there
+# --fp16 configs: Megatron's dynamic loss scaler starts at 2^32 and skips the steps whose gradients overflow while it
+# halves the scale (about 15 on these models), so they run long enough to train after that.
+TRAIN_ITERS_FP16 = 40
 HEAD_DIM = 16  # hidden = heads x HEAD_DIM
 MIN_HEADS = 4
 SEQ_LENGTH = 64
@@ -107,13 +110,14 @@ def shrink_sizes(args, world):
         if old_nmb % pp == 0:
             nmb = max(pp, nmb // pp * pp)
         new["--global-batch-size"] = mbs * dp * nmb
-    old_iters = _int(args, "--train-iters", TRAIN_ITERS)
+    iters = TRAIN_ITERS_FP16 if str(args.get("--fp16", "")).lower() in ("true", "1") else TRAIN_ITERS
+    old_iters = _int(args, "--train-iters", iters)
     if "--train-iters" in args:
-        new["--train-iters"] = TRAIN_ITERS
+        new["--train-iters"] = iters
     for k in ("--save-interval", "--persistent-save-interval", "--eval-interval"):
         v = _int(args, k, None)
         if v is not None and v < old_iters:  # an interval past the end stays past the end
-            new[k] = max(1, round(v * TRAIN_ITERS / old_iters))
+            new[k] = max(1, round(v * iters / old_iters))
     if "--eval-iters" in args:
         new["--eval-iters"] = min(_int(args, "--eval-iters", EVAL_ITERS_MAX), EVAL_ITERS_MAX)
     if args.get("--tokenizer-type") == "NullTokenizer" and "--vocab-size" in args:
@@ -497,14 +501,25 @@ def judge(case, site, tmp, timeout):
             res.status, res.detail = "failed", f"{tag}did not resume: logged iterations {extra} again"
             res.tail = last_lines(lines)
             return res
-    losses = [metrics[0][i]["lm_loss"] for i in sorted(metrics[0]) if "lm_loss" in metrics[0][i]]
+    # (a step skipped by the fp16 loss scaler logs lm_loss null, as Megatron logs no loss for it)
+    losses = [metrics[0][i]["lm_loss"] for i in sorted(metrics[0]) if metrics[0][i].get("lm_loss") is not None]
+    skipped = sum(1 for i in metrics[0] if "lm_loss" in metrics[0][i] and metrics[0][i]["lm_loss"] is None)
     res.status = "runs"
-    res.detail = f"{iters} iters, lm_loss {losses[0][0]:.4f} -> {losses[-1][0]:.4f}"
+    res.detail = (f"{iters} iters, lm_loss {losses[0][0]:.4f} -> {losses[-1][0]:.4f}" if losses
+                  else f"{iters} iters, every one skipped")
+    scales = [metrics[0][i]["loss-scale"] for i in sorted(metrics[0]) if "loss-scale" in metrics[0][i]]
+    if skipped:
+        res.detail += (f" ({skipped} skipped for fp16 loss-scale overflow; loss scale {scales[0][1]} -> {scales[-1][1]})"
+                       if scales else f" ({skipped} skipped)")
     if case.test_type == "frozen-resume":  # run_ci_test.sh skips run 2 when no frozen checkpoint is stored
         res.detail += "; run 2 skipped (no frozen Megatron checkpoint)"
     if len(runs) == 2:
-        diff = [(i, metrics[0][i]["lm_loss"][1], metrics[1][i]["lm_loss"][1]) for i in sorted(metrics[1])
-                if i in metrics[0] and "lm_loss" in metrics[1][i] and metrics[0][i]["lm_loss"][0] != metrics[1][i]["lm_loss"][0]]
+        def loss_bits(row):
+            v = row.get("lm_loss")
+            return None if v is None else v[1]
+        diff = [(i, loss_bits(metrics[0][i]), loss_bits(metrics[1][i])) for i in sorted(metrics[1])
+                if i in metrics[0] and "lm_loss" in metrics[1][i]
+                and loss_bits(metrics[0][i]) != loss_bits(metrics[1][i])]
         if diff:
             i, a, b = diff[0]
             res.status = "failed"
