@@ -180,6 +180,28 @@ TEST(LossScaling, OverflowsAreSkippedLowerTheScaleAndHoldTheSchedule) {
   for (const double loss : {r.log.train_loss[4], r.log.train_loss[7]}) EXPECT_TRUE(std::isfinite(loss));
 }
 
+// Overflows the scaler can no longer answer (at --min-loss-scale) stop the run after 10 in a row, naming the scale;
+// those it answers by lowering the scale never count.
+TEST(LossScaling, OverflowsAtTheMinimumScaleStopTheRun) {
+  train::TrainConfig t = train_config(24);
+  t.grad_scaler = dynamic_scaler(8, 1000, 1);
+  t.grad_scaler.min_scale = 2;
+  t.check_for_nan = false;
+  std::vector<int64_t> bad(24);
+  for (int64_t i = 0; i < 24; ++i) bad[static_cast<size_t>(i)] = i;
+  try {
+    run_poisoned(t, bad);
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    // 8 -> 4 -> 2 (two overflows answered), then 10 at the minimum: iterations 3 to 12.
+    EXPECT_NE(what.find("10 consecutive steps skipped for gradient overflow at the minimum loss scale "
+                        "(--min-loss-scale 2) (iterations 3 to 12"),
+              std::string::npos)
+        << what;
+  }
+}
+
 // The scaler's state goes into the checkpoint (state.json "grad_scaler"): a run stopped and resumed mid-way continues
 // with the scale, growth and hysteresis counts of the uninterrupted one, bit for bit.
 TEST(LossScaling, ResumeRestoresTheScalerBitwise) {

@@ -424,14 +424,10 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     consecutive_skips = stuck ? consecutive_skips + 1 : 0;
     if (consecutive_skips == kMaxConsecutiveSkippedSteps) {  // every rank decided alike (TrainStep::check_and_update)
       char scale[32];
-      std::snprintf(scale, sizeof scale, "%g)", static_cast<double>(r.loss_scale));
-      const std::string why = !r.overflow ? "under --nan-action skip"
-                              : scaler.dynamic()
-                                  ? std::string(
-                                        "for gradient overflow at the minimum loss scale "
-                                        "(--min-loss-scale ") +
-                                        scale
-                                  : std::string("for gradient overflow at the loss scale (--loss-scale ") + scale;
+      std::snprintf(scale, sizeof scale, "%g", static_cast<double>(r.loss_scale));
+      const std::string flag = scaler.dynamic() ? "minimum loss scale (--min-loss-scale " : "loss scale (--loss-scale ";
+      const std::string why =
+          r.overflow ? "for gradient overflow at the " + flag + scale + ")" : std::string("under --nan-action skip");
       MOECORE_FAIL("training: ", consecutive_skips, " consecutive steps skipped ", why, " (iterations ",
                    it + 2 - consecutive_skips, " to ", it + 1, "; the last: non-finite value in ", r.nonfinite,
                    "): the run does not recover by skipping, so it stops here (no checkpoint of these ",
