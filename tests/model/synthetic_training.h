@@ -4,6 +4,7 @@
 #include "moecore/core/rng.h"
 #include "moecore/core/tensor.h"
 #include "moecore/model/config.h"
+#include "moecore/train/trainer.h"
 
 namespace moecore::testing {
 
@@ -24,6 +25,19 @@ inline model::ModelConfig small_moe_model(int64_t num_experts) {
   c.moe.aux_loss_coeff = {1e-2f};
   c.moe_layer_freq = "[0,1]";
   return c;
+}
+
+// The training settings those tests start from: micro-batches of 2 in a global batch of 4 (gradient accumulation),
+// lr 5e-3 after 2 warm-up steps, one validation batch.
+inline train::TrainConfig small_train_config(int64_t iters) {
+  train::TrainConfig t;
+  t.micro_batch_size = 2;
+  t.global_batch_size = 4;
+  t.train_iters = iters;
+  t.lr = 5e-3f;
+  t.lr_warmup_iters = 2;
+  t.eval_iters = 1;
+  return t;
 }
 
 // Batch `index` depends on the index alone, like the real samplers; labels are a learnable mapping of the

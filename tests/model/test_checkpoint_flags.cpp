@@ -35,14 +35,8 @@ model::ModelConfig moe_model() {
 }
 
 train::TrainConfig train_config(int64_t iters) {
-  train::TrainConfig t;
-  t.micro_batch_size = 2;
-  t.global_batch_size = 4;
-  t.train_iters = iters;
-  t.lr = 5e-3f;
+  train::TrainConfig t = testing::small_train_config(iters);
   t.min_lr = 5e-4f;
-  t.lr_warmup_iters = 2;
-  t.eval_iters = 1;
   t.has_validation = false;
   t.exit_signal_handler = false;
   return t;

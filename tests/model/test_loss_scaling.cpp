@@ -98,13 +98,7 @@ model::ModelConfig moe_model() {
 }
 
 train::TrainConfig train_config(int64_t iters) {
-  train::TrainConfig t;
-  t.micro_batch_size = 2;
-  t.global_batch_size = 4;
-  t.train_iters = iters;
-  t.lr = 5e-3f;
-  t.lr_warmup_iters = 2;
-  t.eval_iters = 1;
+  train::TrainConfig t = testing::small_train_config(iters);
   t.has_validation = false;
   return t;
 }

@@ -37,14 +37,7 @@ void set_element(Tensor& t, int64_t i, float v) {
 }
 
 train::TrainConfig train_config(int64_t iters) {
-  train::TrainConfig t;
-  t.micro_batch_size = 2;
-  t.global_batch_size = 4;  // two micro-batches: gradient accumulation
-  t.train_iters = iters;
-  t.lr = 5e-3f;
-  t.lr_warmup_iters = 2;
-  t.eval_iters = 1;
-  return t;
+  return testing::small_train_config(iters);
 }
 
 struct RunResult {
