@@ -12,10 +12,13 @@
 #include <vector>
 
 #include "moecore/parallel/process_groups.h"
+#include "parallel_config.h"
 #include "test_util.h"
 
 namespace moecore {
 namespace {
+
+using testing::parallel_config;
 
 using Groups = std::vector<std::vector<int>>;
 using testing::error_of;
@@ -29,18 +32,6 @@ std::string text(const Groups& groups) {  // "0,1 2,3 ...": the script's notatio
     for (size_t i = 0; i < g.size(); ++i) s += (i ? "," : "") + std::to_string(g[i]);
   }
   return s;
-}
-
-ParallelConfig config(int tp, int cp, int pp, int ep, int etp, const std::string& order, int n) {
-  ParallelConfig c;
-  c.tensor_model_parallel_size = tp;
-  c.context_parallel_size = cp;
-  c.pipeline_model_parallel_size = pp;
-  c.expert_model_parallel_size = ep;
-  c.expert_tensor_parallel_size = etp;
-  c.order = order;
-  c.num_distributed_optimizer_instances = n;
-  return c;
 }
 
 struct Case {
@@ -306,7 +297,8 @@ TEST(MegatronGroups, EveryKindEqualsMegatronsInBothOrders) {
     const std::string what = "world " + std::to_string(c.world) + " TP " + std::to_string(c.tp) + " CP " +
                              std::to_string(c.cp) + " PP " + std::to_string(c.pp) + " EP " + std::to_string(c.ep) +
                              " ETP " + std::to_string(c.etp) + " " + c.order + " N " + std::to_string(c.n);
-    const RankLayout l = rank_layout(config(c.tp, c.cp, c.pp, c.ep, c.etp, c.order, c.n), c.world, c.ep > 1 ? 4 : 0);
+    const RankLayout l =
+        rank_layout(parallel_config(c.tp, c.cp, c.pp, c.ep, c.etp, c.order, c.n), c.world, c.ep > 1 ? 4 : 0);
     ASSERT_EQ(c.rows.size(), static_cast<size_t>(kNumGroupKinds)) << what;
     for (int k = 0; k < kNumGroupKinds; ++k) {
       const auto kind = static_cast<GroupKind>(k);
@@ -337,7 +329,7 @@ TEST(MegatronGroups, InstanceGroupsOverAllSmallWorldsInBothOrders) {
                 if (order == "tp-cp-ep-pp-dp" && pp > 1 && dp != edp) continue;
                 for (int n = 1; n <= std::gcd(dp * cp, edp); ++n) {
                   if ((dp * cp) % n || edp % n) continue;
-                  const RankLayout l = rank_layout(config(tp, cp, pp, ep, etp, order, n), world, ep * 2);
+                  const RankLayout l = rank_layout(parallel_config(tp, cp, pp, ep, etp, order, n), world, ep * 2);
                   ++layouts;
                   const Groups& intra = l.groups[static_cast<size_t>(GroupKind::intra_dp_cp)];
                   const Groups& intra_e = l.groups[static_cast<size_t>(GroupKind::intra_edp)];
@@ -377,17 +369,17 @@ TEST(MegatronGroups, InstanceGroupsOverAllSmallWorldsInBothOrders) {
 // Megatron's assertions, quoted, with the values; and an order outside Megatron's two that splits an instance
 // differently for attention and experts.
 TEST(MegatronGroups, BadInstanceCountsFailNamingTheValues) {
-  const std::string dense = error_of([] { config(2, 1, 1, 2, 1, "tp-cp-ep-dp-pp", 3).validate(8, 4); });
+  const std::string dense = error_of([] { parallel_config(2, 1, 1, 2, 1, "tp-cp-ep-dp-pp", 3).validate(8, 4); });
   EXPECT_HAS(dense, "Data parallel size should be divisible by partial DistOpt shard factor");
   EXPECT_HAS(dense, "(4 x 1 = 4) must be divisible by num_distributed_optimizer_instances (3)");
   // DP 8 allows N = 4, EDP 2 (ETP 1 x EP 4) does not.
-  const std::string expert = error_of([] { config(1, 1, 1, 4, 1, "tp-cp-ep-dp-pp", 4).validate(8, 4); });
+  const std::string expert = error_of([] { parallel_config(1, 1, 1, 4, 1, "tp-cp-ep-dp-pp", 4).validate(8, 4); });
   EXPECT_HAS(expert, "Expert data parallel size should be divisible by partial DistOpt shard factor");
   EXPECT_HAS(expert, "expert data-parallel size (2) must be divisible by num_distributed_optimizer_instances (4)");
-  EXPECT_HAS(error_of([] { config(1, 1, 1, 1, 1, "tp-cp-ep-dp-pp", 0).validate(8, 0); }),
+  EXPECT_HAS(error_of([] { parallel_config(1, 1, 1, 1, 1, "tp-cp-ep-dp-pp", 0).validate(8, 0); }),
              "num_distributed_optimizer_instances (0) must be >= 1");
   // dp before ep: the experts' instances are not the attention layers' (Megatron would reduce the wrong shards).
-  const std::string order = error_of([] { rank_layout(config(1, 1, 1, 2, 1, "tp-cp-dp-ep-pp", 2), 8, 4); });
+  const std::string order = error_of([] { rank_layout(parallel_config(1, 1, 1, 2, 1, "tp-cp-dp-ep-pp", 2), 8, 4); });
   EXPECT_HAS(order, "order \"tp-cp-dp-ep-pp\" with num_distributed_optimizer_instances (2)");
   EXPECT_HAS(order, "its inter-instance group [0,2] is not [0,4]");
   EXPECT_HAS(order, "use Megatron's order");

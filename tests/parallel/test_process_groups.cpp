@@ -10,10 +10,13 @@
 #include "moecore/core/error.h"
 #include "moecore/parallel/comm.h"
 #include "moecore/parallel/process_groups.h"
+#include "parallel_config.h"
 #include "test_util.h"
 
 namespace moecore {
 namespace {
+
+using testing::parallel_config;
 
 using Groups = std::vector<std::vector<int>>;
 
@@ -33,23 +36,13 @@ const Groups& G(const RankLayout& l, GroupKind k) {
   return l.groups[static_cast<size_t>(k)];
 }
 
-ParallelConfig cfg(int tp, int cp, int pp, int ep, int etp) {
-  ParallelConfig c;
-  c.tensor_model_parallel_size = tp;
-  c.context_parallel_size = cp;
-  c.pipeline_model_parallel_size = pp;
-  c.expert_model_parallel_size = ep;
-  c.expert_tensor_parallel_size = etp;
-  return c;
-}
-
 using testing::error_of;
 
 #define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg)
 
 // Example 1 — attention TP2 CP2 DP2 PP2; MoE ETP1 EP4 EDP2 PP2.
 TEST(RankLayout, FoldingExample1) {
-  const RankLayout l = rank_layout(cfg(2, 2, 2, 4, 1), 16, 8);
+  const RankLayout l = rank_layout(parallel_config(2, 2, 2, 4, 1), 16, 8);
   EXPECT_EQ(l.sizes.dp, 2);
   EXPECT_EQ(l.sizes.edp, 2);
   EXPECT_EQ(G(l, GroupKind::tp), seq_groups(8, 2, 1, 2));
@@ -69,7 +62,7 @@ TEST(RankLayout, FoldingExample1) {
 
 // Example 2 — attention TP2 DP4 PP2; MoE ETP1 EP8 EDP1 PP2 (EP 8 > DP 4).
 TEST(RankLayout, FoldingExample2) {
-  const RankLayout l = rank_layout(cfg(2, 1, 2, 8, 1), 16, 16);
+  const RankLayout l = rank_layout(parallel_config(2, 1, 2, 8, 1), 16, 16);
   EXPECT_EQ(l.sizes.dp, 4);
   EXPECT_EQ(l.sizes.edp, 1);
   EXPECT_EQ(G(l, GroupKind::tp), seq_groups(8, 2, 1, 2));
@@ -81,7 +74,7 @@ TEST(RankLayout, FoldingExample2) {
 
 // Example 3 — attention TP4 DP2 PP2; MoE ETP2 EP2 EDP2 PP2.
 TEST(RankLayout, FoldingExample3) {
-  const RankLayout l = rank_layout(cfg(4, 1, 2, 2, 2), 16, 4);
+  const RankLayout l = rank_layout(parallel_config(4, 1, 2, 2, 2), 16, 4);
   EXPECT_EQ(G(l, GroupKind::tp), seq_groups(4, 4, 1, 4));
   EXPECT_EQ(G(l, GroupKind::etp), seq_groups(8, 2, 1, 2));
   EXPECT_EQ(G(l, GroupKind::ep), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}, {8, 10}, {9, 11}, {12, 14}, {13, 15}}));
@@ -94,7 +87,7 @@ TEST(RankLayout, FoldingExample3) {
 // "tp-pp-dp", which leaves out ep (size 2) and is refused first; with ep placed after pp the stated
 // groups appear and the identical-pp-groups check fires even though EDP == DP.
 TEST(RankLayout, CounterExample4PipelineGroupsDiffer) {
-  ParallelConfig c = cfg(2, 1, 2, 2, 1);
+  ParallelConfig c = parallel_config(2, 1, 2, 2, 1);
   c.order = "tp-pp-dp";
   const std::string missing = error_of([&] { c.validate(16, 4); });
   EXPECT_HAS(missing, "leaves out ep, whose size is 2");
@@ -128,7 +121,7 @@ TEST(RankLayout, InvariantsOverAllSmallWorlds) {
           for (int ep = 1; ep * pp <= world; ++ep)
             for (int etp = 1; etp * ep * pp <= world; ++etp) {
               if (world % (tp * cp * pp) || world % (etp * ep * pp)) continue;
-              const RankLayout l = rank_layout(cfg(tp, cp, pp, ep, etp), world, ep * 2);
+              const RankLayout l = rank_layout(parallel_config(tp, cp, pp, ep, etp), world, ep * 2);
               const ParallelSizes& s = l.sizes;
               ++layouts;
               const std::pair<GroupKind, int> expect[] = {{GroupKind::tp, tp},
@@ -172,20 +165,21 @@ TEST(RankLayout, InvariantsOverAllSmallWorlds) {
 }
 
 TEST(ParallelConfig, ErrorsNameTheValues) {
-  EXPECT_HAS(error_of([] { cfg(2, 1, 2, 1, 0).validate(6, 0); }),
+  EXPECT_HAS(error_of([] { parallel_config(2, 1, 2, 1, 0).validate(6, 0); }),
              "world_size (6) must be divisible by tensor_model_parallel_size (2) x context_parallel_size (1) "
              "x pipeline_model_parallel_size (2) = 4");
-  const std::string moe = error_of([] { cfg(1, 1, 1, 4, 1).validate(6, 8); });
+  const std::string moe = error_of([] { parallel_config(1, 1, 1, 4, 1).validate(6, 8); });
   EXPECT_HAS(moe, "world_size (6)");
   EXPECT_HAS(moe, "expert_model_parallel_size (4)");
-  EXPECT_HAS(error_of([] { cfg(1, 1, 1, 4, 1).validate(8, 6); }),
+  EXPECT_HAS(error_of([] { parallel_config(1, 1, 1, 4, 1).validate(8, 6); }),
              "num_experts (6) must be divisible by expert_model_parallel_size (4)");
-  EXPECT_HAS(error_of([] { cfg(1, 1, 1, 2, 1).validate(2, 0); }),
+  EXPECT_HAS(error_of([] { parallel_config(1, 1, 1, 2, 1).validate(2, 0); }),
              "expert_model_parallel_size (2) > 1 needs an MoE model");
-  EXPECT_HAS(error_of([] { cfg(0, 1, 1, 1, 1).validate(2, 0); }), "tensor_model_parallel_size (0) must be >= 1");
-  EXPECT_HAS(error_of([] { cfg(1, 1, 1, 1, -1).validate(2, 0); }), "expert_tensor_parallel_size (-1)");
-  EXPECT_HAS(error_of([] { cfg(1, 1, 1, 1, 1).validate(0, 0); }), "world_size (0) must be >= 1");
-  ParallelConfig c = cfg(1, 1, 2, 2, 1);
+  EXPECT_HAS(error_of([] { parallel_config(0, 1, 1, 1, 1).validate(2, 0); }),
+             "tensor_model_parallel_size (0) must be >= 1");
+  EXPECT_HAS(error_of([] { parallel_config(1, 1, 1, 1, -1).validate(2, 0); }), "expert_tensor_parallel_size (-1)");
+  EXPECT_HAS(error_of([] { parallel_config(1, 1, 1, 1, 1).validate(0, 0); }), "world_size (0) must be >= 1");
+  ParallelConfig c = parallel_config(1, 1, 2, 2, 1);
   c.order = "tp-cp-ep-pp-dp";  // pp not last: EDP (2) != DP (4) with PP 2
   const std::string order = error_of([&] { c.validate(8, 4); });
   EXPECT_HAS(order, "DP (4) must equal the expert data-parallel size EDP (2)");
@@ -193,12 +187,12 @@ TEST(ParallelConfig, ErrorsNameTheValues) {
   EXPECT_HAS(error_of([&] { c.validate(8, 4); }), "unknown dim \"xx\"");
   c.order = "tp-cp-tp-ep-dp-pp";
   EXPECT_HAS(error_of([&] { c.validate(8, 4); }), "lists \"tp\" twice");
-  ParallelConfig d = cfg(1, 1, 1, 2, 1);
+  ParallelConfig d = parallel_config(1, 1, 1, 2, 1);
   d.num_distributed_optimizer_instances = 4;  // DP·CP = 6
   EXPECT_HAS(error_of([&] { d.validate(6, 4); }),
              "(6 x 1 = 6) must be divisible by num_distributed_optimizer_instances (4)");
   // ETP defaults to TP (Megatron): world 4, TP 2, EP 4 -> ETP·EP = 8 does not divide 4.
-  EXPECT_HAS(error_of([] { cfg(2, 1, 1, 4, 0).validate(4, 8); }),
+  EXPECT_HAS(error_of([] { parallel_config(2, 1, 1, 4, 0).validate(4, 8); }),
              "expert_tensor_parallel_size (2, from tensor_model_parallel_size)");
 }
 
@@ -256,7 +250,8 @@ TEST(CommSingle, ProcessGroupsOnOneRank) {
     EXPECT_EQ(pg.groups[static_cast<size_t>(k)].size(), 1);
     EXPECT_EQ(pg.groups[static_cast<size_t>(k)].name(), group_kind_name(static_cast<GroupKind>(k)));
   }
-  const std::string msg = error_of([] { make_process_groups(cfg(1, 1, 1, 2, 1), 8, comm_single("world")); });
+  const std::string msg =
+      error_of([] { make_process_groups(parallel_config(1, 1, 1, 2, 1), 8, comm_single("world")); });
   EXPECT_HAS(msg, "world_size (1)");
   if (!comm_available()) {
     EXPECT_HAS(msg, "built without MPI");
