@@ -15,6 +15,7 @@
 
 #include "moecore/core/param.h"
 #include "moecore/model/config.h"
+#include "moecore/model/parallel_layout.h"
 #include "moecore/model/param_specs.h"
 #include "moecore/moe/moe_layer.h"
 #include "moecore/nn/dense_layer.h"
@@ -45,70 +46,6 @@ struct MemoryPlan {
   std::string format() const;  // a printable table
 };
 
-// The parallel layout a model is built for (size-1 groups, the default: one process).
-//   tp, sequence_parallel: the tensor-parallel group of the attention and dense layers (--tensor-model-parallel-size)
-//     and --sequence-parallel (nn/dense_layer.h); parameters hold their shards (Param::tp)
-//   ep, dispatcher: the expert-parallel group (this rank holds experts [r*E/EP, (r+1)*E/EP) of each layer) and the
-//     token dispatcher (--moe-token-dispatcher-type)
-//   cp, tp_cp: the context-parallel group (--context-parallel-size; nn/context_parallel.h: this rank holds S / CP
-//     positions of every sequence) and the group of TP x CP ranks, over which the MoE routers' losses see whole
-//     sequences (spec §3)
-//   etp, etp_ep: expert tensor parallelism (--expert-tensor-parallel-size; Parallel Folding: independent of tp): each
-//     local expert's fc1 rows and fc2 columns split over etp (Param::tp of the expert weights), and the group of ETP x
-//     EP ranks (ETP fastest) the allgather dispatcher gathers over
-//   dp: the data-parallel group: global_aux_loss counts are summed over it
-//   pp, virtual_stages, pipeline_layers: the pipeline (--pipeline-model-parallel-size), the model chunks of each stage
-//     (--num-virtual-stages-per-pipeline-rank; 1: no interleaving) and the decoder layers of each virtual stage
-//     k = chunk * pp + stage, in the model's order (pipeline_stage_layers; empty: every layer, at PP 1). Chunk c of
-//     stage r holds the layers of virtual stage c * pp + r (parameters named by their global index); the first stage
-//     holds the embeddings (used by its chunk 0), the last the final norm, the output layer, the MTP depths (its last
-//     chunk's) and a copy of the word embeddings when the output layer is tied to them or MTP embeds with them
-//     (Param::pipeline_copy)
-struct ModelParallel {
-  ProcessGroup tp = comm_single("tp");
-  bool sequence_parallel = false;
-  ProcessGroup cp = comm_single("cp");
-  ProcessGroup tp_cp = comm_single("tp_cp");
-  ProcessGroup ep = comm_single("ep");
-  ProcessGroup etp = comm_single("etp");
-  ProcessGroup etp_ep = comm_single("etp_ep");
-  moe::DispatcherKind dispatcher = moe::DispatcherKind::alltoall;
-  ProcessGroup dp = comm_single("dp");
-  ProcessGroup pp = comm_single("pp");
-  int64_t virtual_stages = 1;
-  std::vector<int64_t> pipeline_layers;
-};
-
-// Megatron's split of num_layers decoder layers over pp stages of vpp model chunks each, by virtual stage
-// k = chunk * pp + stage: even, or with --decoder-first-pipeline-num-layers (first) and/or
-// --decoder-last-pipeline-num-layers (last; -1: unset) on those stages and the rest split evenly over the others; each
-// stage's layers split evenly over its chunks. With embedding / loss (--account-for-embedding-in-pipeline-split,
-// --account-for-loss-in-pipeline-split; without first / last) each counts as a layer: num_layers plus them split evenly
-// over the pp * vpp virtual stages, the first holding one decoder layer fewer for the embedding, the last one fewer for
-// the loss. Error naming the values when they do not split (every stage holds at least one layer, unless the embedding
-// or loss takes its place; with vpp > 1 each stage's count divides by vpp).
-std::vector<int64_t> pipeline_stage_layers(int64_t num_layers, int64_t pp, int64_t first = -1, int64_t last = -1,
-                                           int64_t vpp = 1, bool embedding = false, bool loss = false);
-// The decoder layers of each virtual stage from Megatron's --pipeline-model-parallel-layout: stages split by '|',
-// symbols E (embedding), t (decoder layer), m (MTP layer), L (loss), 'x*N' and '(...)*N' repeat, commas are ignored,
-// empty stages are allowed ("E||t|L"). A layout of pp * v stages gives v model chunks per stage (virtual stage
-// k = chunk * pp + stage, Megatron's order). moecore places the embedding first on the first stage and the MTP layers
-// and the loss last on the last. Error naming the layout and what is wrong (syntax, counts, placement, a stage count
-// that is not a multiple of pp).
-std::vector<int64_t> pipeline_layout_stage_layers(const std::string& layout, int64_t num_layers, int64_t mtp_num_layers,
-                                                  int64_t pp);
-// The model's groups of a training layout; pipeline_layers as pipeline_stage_layers gives them (empty at PP 1), with
-// pipeline_layers.size() / pp model chunks per stage.
-ModelParallel model_parallel(const ProcessGroups& pg, bool sequence_parallel, moe::DispatcherKind dispatcher,
-                             std::vector<int64_t> pipeline_layers = {});
-
-// Whether this rank's pipeline stage (par.pp, par.pipeline_layers) holds the parameter `name`: its chunks' decoder
-// layers; the embeddings on the first stage (and the word embeddings' copy on the last,
-// pipeline_word_embeddings_copy); the final norm, the output layer and MTP on the last. Every parameter at PP 1.
-bool pipeline_stage_holds(const std::string& name, const ModelConfig& cfg, const ModelParallel& par);
-// Whether the last stage of pp holds a copy of the word embeddings (tied output layer, or MTP embedding there).
-bool pipeline_word_embeddings_copy(const ModelConfig& cfg, const ProcessGroup& pp);
-
 // A micro-batch's activation slot in one model chunk (GptModel::set_micro_batch_slots).
 struct Slot {
   Slot(int64_t i = 0, int64_t c = 0) : index(i), chunk(c) {}  // NOLINT: a bare index is slot i of chunk 0
@@ -133,8 +70,8 @@ class GptModel {
   // This pipeline stage's model chunks (ModelParallel::virtual_stages; one at PP 1 and without interleaving): chunk c
   // holds the decoder layers [chunk_layers(c).first, chunk_layers(c).second); chunk 0 of the first stage holds the
   // embeddings (pre_process), the last chunk of the last stage the loss heads (post_process).
-  int64_t num_chunks() const { return static_cast<int64_t>(chunks_.size()); }
-  std::pair<int64_t, int64_t> chunk_layers(int64_t chunk) const { return chunks_.at(static_cast<size_t>(chunk)); }
+  int64_t num_chunks() const { return static_cast<int64_t>(stage_.chunks.size()); }
+  std::pair<int64_t, int64_t> chunk_layers(int64_t chunk) const { return stage_.chunks.at(static_cast<size_t>(chunk)); }
   bool pre_process(int64_t chunk) const { return holds_embeddings() && chunk == 0; }
   bool post_process(int64_t chunk) const { return holds_loss_heads() && chunk + 1 == num_chunks(); }
   // A chunk's exchanges with the neighbouring virtual stages, [N, H] f32 each: a chunk after the first virtual stage
@@ -190,8 +127,10 @@ class GptModel {
   // capacity (off). Reallocates every activation slot (the slot counts kept); no-op when already so.
   void set_moe_synced_dropless(bool on);
   bool moe_synced_dropless() const { return moe_synced_; }
-  bool is_moe_layer(int64_t layer) const { return moe_[static_cast<size_t>(layer)] != nullptr; }       // (this stage's)
-  int64_t chunk_of_layer(int64_t layer) const { return layer_chunk_.at(static_cast<size_t>(layer)); }  // -1: not here
+  bool is_moe_layer(int64_t layer) const { return moe_[static_cast<size_t>(layer)] != nullptr; }  // (this stage's)
+  int64_t chunk_of_layer(int64_t layer) const {
+    return stage_.layer_chunk.at(static_cast<size_t>(layer));
+  }                                               // -1: not here
   moe::RouterState* router_state(int64_t layer);  // nullptr for dense layers
   const moe::RouterState* router_state(int64_t layer) const;
   // After the masters change (optimizer step, loading): the compute copies of params()[first, end) (default: all).
@@ -263,10 +202,6 @@ class GptModel {
   double flops_per_step() const;
 
  private:
-  void check_tensor_parallel() const;
-  void check_context_parallel() const;
-  void check_expert_tensor_parallel() const;
-  void check_pipeline();
   // [B*S] host -> this CP rank's [B*S/CP] in out (the batch itself at CP 1)
   Tensor local_positions(const Tensor& batch_h, const Tensor& out) const;
   bool tensor_parallel() const { return par_.tp.size() > 1; }
@@ -377,15 +312,13 @@ class GptModel {
     return (static_cast<int64_t>(l) - recompute_group_[l]) * 4 + (moe_[l] ? 1 : 0) +
            (layers_[l].attention == AttentionKind::mla ? 2 : 0);
   }
-  bool holds_embeddings() const { return par_.pp.rank() == 0; }
-  bool holds_loss_heads() const { return par_.pp.rank() == par_.pp.size() - 1; }
-  // Per layer (decoder, then MTP): the chunk of this stage that holds it (MTP: the last stage's last), or -1.
-  std::vector<int64_t> layer_chunk_;
-  bool local_layer(size_t l) const { return layer_chunk_[l] >= 0; }
-  std::vector<std::pair<int64_t, int64_t>> chunks_;  // per model chunk: its decoder layers [first, end)
-  size_t chunk_ = 0;                                 // the chunk the running (or last) forward or backward works on
-  size_t first_layer() const { return static_cast<size_t>(chunks_[chunk_].first); }  // of chunk_
-  size_t end_layer() const { return static_cast<size_t>(chunks_[chunk_].second); }
+  bool holds_embeddings() const { return stage_.first_stage; }
+  bool holds_loss_heads() const { return stage_.last_stage; }
+  StageLayout stage_;  // this rank's model chunks and where each layer is
+  bool local_layer(size_t l) const { return stage_.layer_chunk[l] >= 0; }
+  size_t chunk_ = 0;  // the chunk the running (or last) forward or backward works on
+  size_t first_layer() const { return static_cast<size_t>(stage_.chunks[chunk_].first); }  // of chunk_
+  size_t end_layer() const { return static_cast<size_t>(stage_.chunks[chunk_].second); }
   int64_t pipeline_shared_ = -1;
   void use_slot(Slot s);         // checked; sets chunk_ and the chunk's current slot
   Activations& slot_at(Slot s);  // checked
