@@ -9,11 +9,26 @@
 #include <map>
 
 #include "moecore/core/rng.h"
+#include "moecore/model/model_dims.h"
 #include "moecore/model/param_specs.h"
 #include "moecore/model/rope_table.h"
 #include "moecore/nn/norm.h"
 
 namespace moecore::model {
+
+namespace {
+
+// The MoE token dispatcher of the layout (--moe-token-dispatcher-type; the local one without EP and ETP).
+std::unique_ptr<moe::Dispatcher> make_dispatcher(const ModelParallel& par) {
+  const int64_t EP = par.ep.size(), ETP = par.etp.size();
+  if (EP * ETP > 1 && par.dispatcher == moe::DispatcherKind::alltoall)
+    return std::make_unique<moe::AllToAllDispatcher>(par.ep, par.etp);
+  if (EP * ETP > 1) return std::make_unique<moe::AllGatherDispatcher>(ETP > 1 ? par.etp_ep : par.ep, ETP);
+  return std::make_unique<moe::LocalDispatcher>();
+}
+
+}  // namespace
+
 int64_t MemoryPlan::total() const {
   int64_t t = 0;
   for (int64_t b : bytes) t += b;
@@ -55,244 +70,67 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   if (B_ <= 0) MOECORE_FAIL("model: micro_batch_size (", B_, ") must be positive");
   stage_ = check_layout(cfg_, par_);
   slot_.assign(stage_.chunks.size(), 0);
-  const int64_t EP = par_.ep.size(), ETP = par_.etp.size(), P = par_.tp.size();
-  const int CP = par_.cp.size();
-  // S: this rank's positions of each sequence (all of them without context parallelism)
-  const int64_t H = cfg_.hidden_size, V = cfg_.vocab_size, S = cfg_.seq_length / CP;
-  const int64_t T = B_ * S, D = cfg_.head_dim(), G = cfg_.query_groups(), R = cfg_.num_attention_heads / G;
-  const int64_t N = par_.sequence_parallel ? T / P : T;  // rows of the residual stream on this rank
-  const DType c = cfg_.compute_dtype;
-  dims_.N = N;
-  dims_.H = H;
-  dims_.F = cfg_.ffn() / P;
-  dims_.qkv = {B_, S, G / P, R, D};
-  dims_.tp = &par_.tp;
-  dims_.sequence_parallel = par_.sequence_parallel;
-  dims_.cp = CP > 1 ? &par_.cp : nullptr;
-  dims_.eps = cfg_.norm_epsilon;
-  dims_.layernorm = cfg_.normalization == Normalization::layernorm;
-  dims_.swiglu = cfg_.swiglu;
-  dims_.rope = cfg_.rope();
-  dims_.qk_norm = cfg_.qk_layernorm;
-  dims_.dropout = cfg_.hidden_dropout > 0.0f;
-  dims_.compute = c;
-  dims_.device = device_;
-  layers_ = layer_specs(cfg_);
-  const bool mla =
-      std::any_of(layers_.begin(), layers_.end(), [](const LayerSpec& s) { return s.attention == AttentionKind::mla; });
-  standard_attention_ = std::any_of(layers_.begin(), layers_.end(),
-                                    [](const LayerSpec& s) { return s.attention == AttentionKind::standard; });
-  if (mla) {
-    mla_dims_ = {B_,
-                 S,
-                 H,
-                 cfg_.num_attention_heads / P,  // this rank's heads under TP
-                 cfg_.q_lora_rank,
-                 cfg_.kv_lora_rank,
-                 cfg_.qk_head_dim,
-                 cfg_.qk_pos_emb_head_dim,
-                 cfg_.v_head_dim,
-                 cfg_.qk_layernorm,
-                 cfg_.mla_softmax_scale_mult(),
-                 CP};
-    dims_.qk_norm = false;  // with MLA, --qk-layernorm is the latent norms
-  }
-  // The MoE layers take this rank's rows: under sequence parallelism its slice of every sequence.
-  moe_dims_ = {N, B_, H, cfg_.moe_ffn(), cfg_.moe.shared_expert_intermediate_size, c};
-  moe_dims_.sequence_group = sequence_group();
-  moe_dims_.ep = EP;
-  moe_dims_.etp = ETP;
-  moe_dims_.etp_rank = par_.etp.rank();
-  moe_dims_.device = device_;
-  moe_dims_.dispatcher = EP * ETP > 1 ? par_.dispatcher : moe::DispatcherKind::local;
-  moe_dims_.recompute_act = cfg_.recompute.selects("moe_act");
-  if (cfg_.moe.enabled()) {
-    moe::echo_check_layout(cfg_.moe, EP, ETP, par_.dispatcher);
-    moe_dims_.received_capacity = cfg_.moe.received_token_capacity;
-  }
-  if (cfg_.moe.enabled() && cfg_.moe.enable_echo) {
-    moe::EchoDims& e = moe_dims_.echo;
-    e.slots = cfg_.moe.num_echo_experts;
-    e.recompute_dispatch = cfg_.moe.echo_recompute_expert_dispatch;
-    e.random = cfg_.moe.echo_random_offloading;
-    e.seed = seed_;
-    e.biases = cfg_.add_bias_linear;
-    e.group = &par_.ep;
-  }
-  if (EP * ETP > 1 && par_.dispatcher == moe::DispatcherKind::alltoall)
-    dispatcher_ = std::make_unique<moe::AllToAllDispatcher>(par_.ep, par_.etp);
-  else if (EP * ETP > 1)
-    dispatcher_ = std::make_unique<moe::AllGatherDispatcher>(ETP > 1 ? par_.etp_ep : par_.ep, ETP);
-  else
-    dispatcher_ = std::make_unique<moe::LocalDispatcher>();
+  const ModelDims dims = model_dims(cfg_, par_, B_, seed_, device_);
+  sh_.dims = dims.dense;
+  sh_.mla_dims = dims.mla;
+  sh_.moe_dims = dims.moe;
+  sh_.moe = &cfg_.moe;
+  sh_.dispatcher = make_dispatcher(par_);
+  store_ = ParamStore(cfg_, par_, seed_, device_);
+  for (const LayerSpec& spec : layer_specs(cfg_)) layers_.emplace_back(spec);
+  standard_attention_ = std::any_of(layers_.begin(), layers_.end(), [](const DecoderLayer& l) { return !l.mla(); });
+  bind_parameters();
+  alloc_mtp_buffers();
+  plan_recompute();
+  slots_.resize(stage_.chunks.size());
+  for (size_t c = 0; c < stage_.chunks.size(); ++c) slots_[c].push_back(alloc_activations(static_cast<int64_t>(c)));
+  alloc_tables();
+  alloc_workspaces();
+  refresh_compute_weights();
+}
 
-  // Allocation from the parameter table. Expert weights are [E/EP, ...] shards of the global [E, ...] tensor, and
-  // under TP the split weights are this rank's TensorShard; both are filled with the values the global tensor has at
-  // those positions (initialisation depends on (seed, name, global element index)). Pointers into params_ stay
-  // valid: the vector is reserved for its final size first.
-  // This pipeline stage's part of the table (every parameter at PP 1).
-  std::vector<ParamSpec> specs;
-  const bool embedding_copy = pipeline_word_embeddings_copy(cfg_, par_.pp);
-  for (const ParamSpec& s : parameter_specs(cfg_))
-    if (pipeline_stage_holds(s.name, cfg_, par_)) specs.push_back(s);
-  params_.reserve(specs.size());
-  std::map<std::string, Param*> by_name;
-  for (const ParamSpec& s : specs) {
-    Param& p = params_.emplace_back();
-    p.pipeline_copy = embedding_copy && s.name == "embedding.word_embeddings.weight";
-    p.name = s.name;
-    Shape shape = s.shape;
-    if (s.expert) shape[0] /= EP;
-    // The tensor-parallel split: over tp, or for the routed experts' weights over etp (within this rank's experts).
-    const ProcessGroup& split = s.expert ? par_.etp : par_.tp;
-    if (split.size() > 1 && s.tp_dim >= 0) p.tp = {s.tp_dim, s.tp_parts, split.rank(), split.size()};
-    const Shape block = shape;  // this rank's part before the split: [E/EP, ...] of experts, else the global shape
-    shape = p.tp.local_shape(shape);
-    // (Expert weights are summed over the expert-data-parallel group, which holds the TP ranks.)
-    p.tp_grad_sum = P > 1 && !p.tp.sharded() && !s.expert &&
-                    (s.tp_grad == ParamSpec::TpGrad::head_partial ||
-                     (s.tp_grad == ParamSpec::TpGrad::sequence_partial && par_.sequence_parallel));
-    p.value = Tensor::empty(shape, DType::f32, MemCategory::parameters, device_);
-    p.grad = Tensor::zeros(shape, DType::f32, MemCategory::gradients, device_);
-    // Megatron decays weights only: norms and biases (of any rank, e.g. experts' [E, W]) are not decayed.
-    p.weight_decay = shape.ndim >= 2 && !p.name.ends_with(".bias");
-    p.expert_parallel = s.expert;
-    const uint64_t first = s.expert ? static_cast<uint64_t>(par_.ep.rank() * block.numel()) : 0;
-    if (s.init == ParamInit::normal && p.tp.sharded()) {  // run by run of the shard, then one upload
-      Tensor host = Tensor::empty(shape, DType::f32, MemCategory::workspace);
-      Tensor flat = host.view({host.numel()});
-      p.tp.for_each_run(block, [&](int64_t lo, int64_t go, int64_t n) {
-        Tensor run = flat.slice(0, lo, lo + n);
-        rng_fill_normal(run, seed, p.name, 0.0f, s.std, first + static_cast<uint64_t>(go));
-      });
-      p.value.copy_from(host);
-    } else if (s.init == ParamInit::normal)
-      rng_fill_normal(p.value, seed, p.name, 0.0f, s.std, first);
-    else
-      p.value.fill_(s.init == ParamInit::ones ? 1.0f : 0.0f);
-    p.compute =
-        (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters, device_);
-    by_name[p.name] = &p;
-  }
-  if (par_.pp.size() > 1 && (!cfg_.untie_embeddings_and_output_weights || cfg_.mtp_num_layers > 0))
-    for (size_t i = 0; i < params_.size(); ++i)
-      if (params_[i].name == "embedding.word_embeddings.weight") pipeline_shared_ = static_cast<int64_t>(i);
-  // The backward-order groups of parameters (set_grad_ready): each a contiguous run of the table.
-  auto range_of = [&](const std::string& prefix) {
-    size_t first = params_.size(), end = 0, n = 0;
-    for (size_t i = 0; i < params_.size(); ++i)
-      if (params_[i].name.starts_with(prefix)) {
-        first = std::min(first, i);
-        end = i + 1;
-        ++n;
-      }
-    MOECORE_CHECK(n == 0 || n == end - first, "model: the parameters named ", prefix, "* are not contiguous");
-    return n ? std::make_pair(first, end) : std::make_pair(size_t{0}, size_t{0});
-  };
-  for (int64_t l = 0; l < cfg_.num_layers; ++l)
-    layer_params_.push_back(range_of("decoder.layers." + std::to_string(l) + "."));
-  for (int64_t k = 0; k < cfg_.mtp_num_layers; ++k)
-    layer_params_.push_back(range_of("mtp.layers." + std::to_string(k) + "."));
-  final_norm_params_ = range_of("decoder.final_layernorm.");
-  output_params_ = range_of("output_layer.");
-  embedding_params_ = range_of("embedding.");
-  auto find = [&](const std::string& name) -> Param* {
-    auto it = by_name.find(name);
-    return it == by_name.end() ? nullptr : it->second;
-  };
-  // Points a module's weight view and gradient at a parameter (undefined when the model has none of that name):
-  // the weight in the compute dtype, which is the f32 master itself for norms and biases.
-  auto bind = [&](Tensor& weight, Tensor& gradient, const std::string& name) {
-    Param* p = find(name);
-    weight = p ? p->compute : Tensor();
-    gradient = p ? p->grad : Tensor();
-  };
-  embedding_ = find("embedding.word_embeddings.weight");
-  position_embedding_ = find("embedding.position_embeddings.weight");
-  const moe::MoeConfig& mc = cfg_.moe;
-  for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {  // decoder layers, then one per MTP depth
-    const LayerSpec& spec = layers_[static_cast<size_t>(l)];
-    const std::string& pre = spec.prefix;
-    const bool is_moe = spec.mlp == MlpKind::moe, layer_mla = spec.attention == AttentionKind::mla;
-    // The attention half (and the norms) of every layer; the MLP half only for dense layers.
-    nn::DenseLayerWeights& w = layer_w_.emplace_back();
-    nn::DenseLayerGrads& g = layer_g_.emplace_back();
-    if (!local_layer(static_cast<size_t>(l))) {  // another pipeline stage's: nothing here
-      mla_w_.emplace_back();
-      mla_g_.emplace_back();
-      moe_.push_back(nullptr);
-      continue;
-    }
-    bind(w.input_norm, g.input_norm, pre + "input_layernorm.weight");
-    bind(w.input_norm_bias, g.input_norm_bias, pre + "input_layernorm.bias");
-    bind(w.mlp_norm, g.mlp_norm, pre + "pre_mlp_layernorm.weight");
-    bind(w.mlp_norm_bias, g.mlp_norm_bias, pre + "pre_mlp_layernorm.bias");
-    bind(w.qkv, g.qkv, pre + "self_attention.linear_qkv.weight");
-    bind(w.proj, g.proj, pre + "self_attention.linear_proj.weight");
-    bind(w.qkv_bias, g.qkv_bias, pre + "self_attention.linear_qkv.bias");
-    bind(w.proj_bias, g.proj_bias, pre + "self_attention.linear_proj.bias");
-    nn::MlaWeights& mw = mla_w_.emplace_back();  // left empty for standard attention
-    nn::MlaGrads& mg = mla_g_.emplace_back();
-    if (layer_mla) {
-      const std::string sa = pre + "self_attention.";
-      bind(mw.q, mg.q, sa + "linear_q_proj.weight");
-      bind(mw.q_down, mg.q_down, sa + "linear_q_down_proj.weight");
-      bind(mw.q_up, mg.q_up, sa + "linear_q_up_proj.weight");
-      bind(mw.q_norm, mg.q_norm, sa + "q_layernorm.weight");
-      bind(mw.q_norm_bias, mg.q_norm_bias, sa + "q_layernorm.bias");
-      bind(mw.kv_down, mg.kv_down, sa + "linear_kv_down_proj.weight");
-      bind(mw.kv_up, mg.kv_up, sa + "linear_kv_up_proj.weight");
-      bind(mw.kv_norm, mg.kv_norm, sa + "kv_layernorm.weight");
-      bind(mw.kv_norm_bias, mg.kv_norm_bias, sa + "kv_layernorm.bias");
-    } else {
-      bind(w.q_norm, g.q_norm, pre + "self_attention.q_layernorm.weight");
-      bind(w.q_norm_bias, g.q_norm_bias, pre + "self_attention.q_layernorm.bias");
-      bind(w.k_norm, g.k_norm, pre + "self_attention.k_layernorm.weight");
-      bind(w.k_norm_bias, g.k_norm_bias, pre + "self_attention.k_layernorm.bias");
-    }
-    if (!is_moe) {
-      bind(w.fc1, g.fc1, pre + "mlp.linear_fc1.weight");
-      bind(w.fc2, g.fc2, pre + "mlp.linear_fc2.weight");
-      bind(w.fc1_bias, g.fc1_bias, pre + "mlp.linear_fc1.bias");
-      bind(w.fc2_bias, g.fc2_bias, pre + "mlp.linear_fc2.bias");
-      moe_.push_back(nullptr);
-      continue;
-    }
-    auto m = std::make_unique<MoeBlock>();
-    Param* router = find(pre + "mlp.router.weight");
-    m->w.router = {router->value, router->compute};
-    m->g.router = router->grad;
-    bind(m->w.router.bias, m->g.router_bias, pre + "mlp.router.bias");
-    bind(m->w.experts.fc1, m->g.experts.fc1, pre + "mlp.experts.linear_fc1.weight");
-    bind(m->w.experts.fc2, m->g.experts.fc2, pre + "mlp.experts.linear_fc2.weight");
-    bind(m->w.experts.fc1_bias, m->g.experts.fc1_bias, pre + "mlp.experts.linear_fc1.bias");
-    bind(m->w.experts.fc2_bias, m->g.experts.fc2_bias, pre + "mlp.experts.linear_fc2.bias");
-    bind(m->w.shared.fc1, m->g.shared.fc1, pre + "mlp.shared_experts.linear_fc1.weight");
-    bind(m->w.shared.fc2, m->g.shared.fc2, pre + "mlp.shared_experts.linear_fc2.weight");
-    // The gate is read in f32 (its master), as before.
-    Param* gate = find(pre + "mlp.shared_experts.gate_weight");
-    m->w.shared.gate = gate ? gate->value : Tensor();
-    m->g.shared.gate = gate ? gate->grad : Tensor();
-    m->state = moe::router_state_init(mc, device_);
-    // The layer's noise stream (jitter, forced balancing); under sequence parallelism each TP rank's tokens draw
-    // from their own.
-    m->state.stream = static_cast<uint64_t>(l) + (par_.sequence_parallel ? (uint64_t{1} << 32) * par_.tp.rank() : 0);
-    moe_.push_back(std::move(m));
-  }
-  final_norm_ = find("decoder.final_layernorm.weight");
-  final_norm_bias_ = find("decoder.final_layernorm.bias");
-  output_ = cfg_.untie_embeddings_and_output_weights ? find("output_layer.weight") : embedding_;
+// The modules' views of their parameters (by role), the model's own parameters, the routers' states and the
+// backward-order groups of parameters (set_grad_ready: each a contiguous run of the table).
+void GptModel::bind_parameters() {
+  using enum ParamRole;
+  for (size_t i = 0; i < store_.size(); ++i)
+    if (layer_role(store_.spec(i).role))
+      layers_[static_cast<size_t>(store_.spec(i).layer)].bind(store_.spec(i), store_.params()[i]);
+  for (size_t l = 0; l < layers_.size(); ++l)
+    if (local_moe(l))  // its noise stream; under sequence parallelism each TP rank's tokens draw from their own
+      layers_[l].init_router(cfg_.moe, device_,
+                             l + (par_.sequence_parallel ? (uint64_t{1} << 32) * par_.tp.rank() : 0));
+  embedding_ = store_.find(word_embeddings);
+  position_embedding_ = store_.find(position_embeddings);
+  final_norm_ = store_.find(final_norm);
+  final_norm_bias_ = store_.find(final_norm_bias);
+  output_ = cfg_.untie_embeddings_and_output_weights ? store_.find(output_layer) : embedding_;
+  for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l)
+    layer_params_.push_back(store_.range([l](const ParamSpec& s) { return s.layer == l; }));
+  final_norm_params_ =
+      store_.range([](const ParamSpec& s) { return s.role == final_norm || s.role == final_norm_bias; });
+  output_params_ = store_.range([](const ParamSpec& s) { return s.role == output_layer; });
+  embedding_params_ =
+      store_.range([](const ParamSpec& s) { return s.role == word_embeddings || s.role == position_embeddings; });
+}
+
+// The MTP depths' parameters and buffers (the last stage's).
+void GptModel::alloc_mtp_buffers() {
+  if (!holds_loss_heads()) return;
+  const int64_t H = cfg_.hidden_size, N = sh_.dims.N, T = sh_.dims.tokens();
+  const DType c = cfg_.compute_dtype;
   auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations, device_); };
-  for (int64_t k = 0; k < (holds_loss_heads() ? cfg_.mtp_num_layers : 0); ++k) {  // (the last stage's)
-    const std::string pre = "mtp.layers." + std::to_string(k) + ".";
+  using enum ParamRole;
+  for (int64_t k = 0; k < cfg_.mtp_num_layers; ++k) {
+    const int64_t l = cfg_.num_layers + k;
     MtpDepth& d = mtp_.emplace_back();
-    d.enorm = find(pre + "enorm.weight");
-    d.enorm_b = find(pre + "enorm.bias");
-    d.hnorm = find(pre + "hnorm.weight");
-    d.hnorm_b = find(pre + "hnorm.bias");
-    d.eh = find(pre + "eh_proj.weight");
-    d.fnorm = find(pre + "final_layernorm.weight");
-    d.fnorm_b = find(pre + "final_layernorm.bias");
+    d.enorm = store_.find(mtp_enorm, l);
+    d.enorm_b = store_.find(mtp_enorm_bias, l);
+    d.hnorm = store_.find(mtp_hnorm, l);
+    d.hnorm_b = store_.find(mtp_hnorm_bias, l);
+    d.eh = store_.find(mtp_eh_proj, l);
+    d.fnorm = store_.find(mtp_final_norm, l);
+    d.fnorm_b = store_.find(mtp_final_norm_bias, l);
     d.ids = act({T}, DType::i32);  // every token (the vocabulary-parallel embedding and loss need them all)
     d.labels = act({T}, DType::i32);
     // (rolled over the whole batch: under CP the rolled token of a chunk's last position is another rank's)
@@ -301,24 +139,21 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     for (Tensor* t : {&d.e, &d.hin, &d.x, &d.y}) *t = act({N, H}, DType::f32);
     for (Tensor* t : {&d.en, &d.hn, &d.h}) *t = act({N, H}, c);
     for (Tensor* t : {&d.e_rstd, &d.h_rstd, &d.f_rstd}) *t = act({N}, DType::f32);
-    if (dims_.layernorm)
+    if (sh_.dims.layernorm)
       for (Tensor* t : {&d.e_mean, &d.h_mean, &d.f_mean}) *t = act({N}, DType::f32);
   }
-  if (!mtp_.empty()) {
-    if (par_.sequence_parallel) mtp_h_full_ = Tensor::empty({T, H}, c, MemCategory::workspace, device_);
-    mtp_dx_c_ = Tensor::empty({N, H}, c, MemCategory::workspace, device_);
-    for (Tensor* t : {&mtp_carry_, &mtp_dn_, &mtp_dfn_})
-      *t = Tensor::empty({N, H}, DType::f32, MemCategory::workspace, device_);
-  }
+  if (mtp_.empty()) return;
+  if (par_.sequence_parallel) mtp_h_full_ = Tensor::empty({T, H}, c, MemCategory::workspace, device_);
+  mtp_dx_c_ = Tensor::empty({N, H}, c, MemCategory::workspace, device_);
+  for (Tensor* t : {&mtp_carry_, &mtp_dn_, &mtp_dfn_})
+    *t = Tensor::empty({N, H}, DType::f32, MemCategory::workspace, device_);
+}
 
-  plan_recompute();
-  slots_.resize(stage_.chunks.size());
-  for (size_t c = 0; c < stage_.chunks.size(); ++c) slots_[c].push_back(alloc_activations(static_cast<int64_t>(c)));
-  // The final norm's output is read by the loss heads within forward: one buffer for every slot.
-  final_h_ = Tensor::empty({N, H}, c, MemCategory::workspace, device_);
-  if (par_.sequence_parallel) final_full_ = Tensor::empty({T, H}, c, MemCategory::workspace, device_);
-  // Constant tables are computed on the host and uploaded once.
-  // The global position of this rank's position s of a sequence (context parallelism: its two chunks).
+// Constant tables, computed on the host and uploaded once: the RoPE rotations and the learned positions of this rank's
+// rows. The global position of this rank's position s of a sequence: context parallelism's two chunks.
+void GptModel::alloc_tables() {
+  const int CP = par_.cp.size();
+  const int64_t S = cfg_.seq_length / CP, T = sh_.dims.tokens(), N = sh_.dims.N;
   if (CP > 1)
     for (Tensor* t : {&cp_tokens_h_, &cp_labels_h_}) *t = Tensor::empty({T}, DType::i32, MemCategory::workspace);
   const auto position = [&](int64_t s) {
@@ -329,33 +164,41 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
     fill_rope_table(rope, cfg_);
     Tensor local = Tensor::empty({S, cfg_.rotary_dim()}, DType::f32, MemCategory::workspace);
     for (int64_t s = 0; s < S; ++s) local.slice(0, s, s + 1).copy_from(rope.slice(0, position(s), position(s) + 1));
-    rope_ = local.to_device(device_, MemCategory::workspace);
+    sh_.rope = local.to_device(device_, MemCategory::workspace);
   }
-  if (position_embedding_) {  // token b*S + s sits at position(s) (positions restart with each sample)
-    Tensor positions = Tensor::empty({T}, DType::i32, MemCategory::workspace);
-    int32_t* pos = positions.data<int32_t>();
-    for (int64_t i = 0; i < T; ++i) pos[i] = static_cast<int32_t>(position(i % S));
-    positions_ = positions.to_device(device_, MemCategory::workspace);
-    if (par_.sequence_parallel) {  // this rank's rows b * S/P + s hold positions position(rank * S/P + s)
-      Tensor local = Tensor::empty({N}, DType::i32, MemCategory::workspace);
-      int32_t* lp = local.data<int32_t>();
-      const int64_t Sl = S / P;
-      for (int64_t i = 0; i < N; ++i) lp[i] = static_cast<int32_t>(position(par_.tp.rank() * Sl + i % Sl));
-      positions_local_ = local.to_device(device_, MemCategory::workspace);
-    }
+  if (!position_embedding_) return;
+  // token b*S + s sits at position(s) (positions restart with each sample)
+  Tensor positions = Tensor::empty({T}, DType::i32, MemCategory::workspace);
+  int32_t* pos = positions.data<int32_t>();
+  for (int64_t i = 0; i < T; ++i) pos[i] = static_cast<int32_t>(position(i % S));
+  positions_ = positions.to_device(device_, MemCategory::workspace);
+  if (par_.sequence_parallel) {  // this rank's rows b * S/P + s hold positions position(rank * S/P + s)
+    Tensor local = Tensor::empty({N}, DType::i32, MemCategory::workspace);
+    int32_t* lp = local.data<int32_t>();
+    const int64_t Sl = S / par_.tp.size();
+    for (int64_t i = 0; i < N; ++i) lp[i] = static_cast<int32_t>(position(par_.tp.rank() * Sl + i % Sl));
+    positions_local_ = local.to_device(device_, MemCategory::workspace);
   }
-  ws_ = nn::dense_layer_workspace_alloc(dims_, /*with_attention=*/standard_attention_);
-  if (mla) mla_ws_ = nn::mla_workspace_alloc(mla_dims_, c, device_);
-  if (holds_loss_heads()) head_ws_ = nn::lm_head_workspace_alloc(T, V / P, c, device_, P);
+}
+
+// The workspaces every layer and the loss heads share (one set for every slot).
+void GptModel::alloc_workspaces() {
+  const int64_t H = cfg_.hidden_size, N = sh_.dims.N, T = sh_.dims.tokens(), P = par_.tp.size();
+  const DType c = cfg_.compute_dtype;
   auto work = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::workspace, device_); };
-  dres_ = work({N, H}, DType::f32);
+  // The final norm's output is read by the loss heads within forward.
+  final_h_ = work({N, H}, c);
+  if (par_.sequence_parallel) final_full_ = work({T, H}, c);
+  sh_.ws = nn::dense_layer_workspace_alloc(sh_.dims, /*with_attention=*/standard_attention_);
+  if (cfg_.multi_latent_attention) sh_.mla_ws = nn::mla_workspace_alloc(sh_.mla_dims, c, device_);
+  if (holds_loss_heads()) head_ws_ = nn::lm_head_workspace_alloc(T, cfg_.vocab_size / P, c, device_, P);
+  sh_.dres = work({N, H}, DType::f32);
   if (cfg_.moe.enabled()) {
-    moe_x_ = work({N, H}, c);
-    moe_out_ = work({N, H}, DType::f32);
+    sh_.moe_x = work({N, H}, c);
+    sh_.moe_out = work({N, H}, DType::f32);
   }
-  dh_ = work({T, H}, DType::f32);
+  sh_.dh = work({T, H}, DType::f32);
   labels_ = work({T}, DType::i32);
-  refresh_compute_weights();
 }
 
 // Recompute (ModelConfig::recompute): selective's shared buffers; full's groups of each model chunk's decoder layers
@@ -366,37 +209,35 @@ void GptModel::plan_recompute() {
   // Selective: one buffer of each dropped output for all layers (taken from a cache allocated for its shapes).
   bool dense_layers = false, moe_layers = false;
   for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l)
-    if (local_layer(l)) (moe_[l] ? moe_layers : dense_layers) = true;
+    if (local_layer(l)) (local_moe(l) ? moe_layers : dense_layers) = true;
   if (rc.selects("layernorm") && (dense_layers || moe_layers)) {
-    const nn::DenseLayerCache dense = nn::dense_layer_cache_alloc(dims_, true, false);
+    const nn::DenseLayerCache dense = nn::dense_layer_cache_alloc(sh_.dims, true, false);
     selective_h1_ = dense.h1;
     if (dense_layers) selective_h2_dense_ = dense.h2;
-    if (moe_layers) selective_h2_moe_ = nn::dense_layer_cache_alloc(dims_, false, false).h2;
+    if (moe_layers) selective_h2_moe_ = nn::dense_layer_cache_alloc(sh_.dims, false, false).h2;
   }
   // (moe refills whole MoE layers: their experts' activations and shared expert with them)
-  if (rc.selects("moe") && moe_layers) selective_moe_ = moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe);
+  if (rc.selects("moe") && moe_layers) selective_moe_ = moe::moe_layer_cache_alloc(sh_.moe_dims, cfg_.moe);
   if (rc.selects("moe_act") && moe_layers && !rc.selects("moe"))
-    selective_act_ = moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe).experts.act;
-  if (rc.selects("shared_experts") && moe_layers && !rc.selects("moe") && moe_dims_.Fs > 0) {
-    const moe::MoeLayerCache c = moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe);
+    selective_act_ = moe::moe_layer_cache_alloc(sh_.moe_dims, cfg_.moe).experts.act;
+  if (rc.selects("shared_experts") && moe_layers && !rc.selects("moe") && sh_.moe_dims.Fs > 0) {
+    const moe::MoeLayerCache c = moe::moe_layer_cache_alloc(sh_.moe_dims, cfg_.moe);
     selective_shared_h_ = c.shared.h;
     selective_shared_act_ = c.shared.act;
   }
   bool standard = false;
-  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l)
-    standard |= local_layer(l) && layers_[l].attention == AttentionKind::standard;
+  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l) standard |= local_layer(l) && !layers_[l].mla();
   bool mla_layers = false;
-  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l)
-    mla_layers |= local_layer(l) && layers_[l].attention == AttentionKind::mla;
+  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l) mla_layers |= local_layer(l) && layers_[l].mla();
   if (rc.selects("mla_up_proj") && mla_layers)
-    selective_mla_qkv_ = nn::mla_cache_alloc(mla_dims_, cfg_.compute_dtype, dims_.layernorm, device_).qkv;
+    selective_mla_qkv_ = nn::mla_cache_alloc(sh_.mla_dims, cfg_.compute_dtype, sh_.dims.layernorm, device_).qkv;
   if (rc.selects("core_attn") && standard) {
-    const nn::DenseLayerCache c = nn::dense_layer_cache_alloc(dims_, false, true);
+    const nn::DenseLayerCache c = nn::dense_layer_cache_alloc(sh_.dims, false, true);
     selective_attn_ = c.attn;
     selective_lse_ = c.lse;
   }
   if (rc.selects("mlp") && dense_layers) {
-    const nn::DenseLayerCache c = nn::dense_layer_cache_alloc(dims_, true, false);
+    const nn::DenseLayerCache c = nn::dense_layer_cache_alloc(sh_.dims, true, false);
     selective_fc1_ = c.fc1;
     selective_mlp_act_ = c.act;
     if (!selective_h2_dense_.defined()) selective_h2_dense_ = c.h2;
@@ -412,15 +253,15 @@ void GptModel::plan_recompute() {
     }
   for (size_t l = 0; l < layers_.size(); ++l) {
     if (recompute_group_[l] < 0 || recompute_caches_.count(recompute_key(l))) continue;
-    const bool layer_mla = layers_[l].attention == AttentionKind::mla;
+    const bool layer_mla = layers_[l].mla();
     RecomputeCaches& c = recompute_caches_[recompute_key(l)];
-    c.layer = nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/!moe_[l], /*with_attention=*/!layer_mla);
-    if (layer_mla) c.mla = nn::mla_cache_alloc(mla_dims_, cfg_.compute_dtype, dims_.layernorm, device_);
-    if (!moe_[l]) continue;
+    c.layer = nn::dense_layer_cache_alloc(sh_.dims, /*with_mlp=*/!local_moe(l), /*with_attention=*/!layer_mla);
+    if (layer_mla) c.mla = nn::mla_cache_alloc(sh_.mla_dims, cfg_.compute_dtype, sh_.dims.layernorm, device_);
+    if (!local_moe(l)) continue;
     const moe::MoeLayerCache* donor = nullptr;
     for (const auto& [key, other] : recompute_caches_)
       if (other.moe.probs.defined() && !donor) donor = &other.moe;
-    c.moe = moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe, donor);
+    c.moe = moe::moe_layer_cache_alloc(sh_.moe_dims, cfg_.moe, donor);
   }
 }
 
@@ -432,39 +273,36 @@ const moe::MoeLayerCache* GptModel::moe_scratch_donor() const {
     if (c.moe.probs.defined()) return &c.moe;
   for (const auto& chunk : slots_)
     for (const Activations& a : chunk)
-      for (const moe::MoeLayerCache& mc : a.moe)
-        if (mc.probs.defined()) return &mc;
+      for (const LayerCache& c : a.layers)
+        if (c.moe.probs.defined()) return &c.moe;
   return nullptr;
 }
 
 // One slot's buffers of a model chunk: every layer's cache of the chunk by its kind (a recomputed layer's: the shared
 // set of its group position).
 GptModel::Activations GptModel::alloc_activations(int64_t chunk) const {
-  const int64_t N = dims_.N, H = cfg_.hidden_size, T = B_ * (cfg_.seq_length / par_.cp.size());
+  const int64_t N = sh_.dims.N, H = cfg_.hidden_size, T = B_ * (cfg_.seq_length / par_.cp.size());
   auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations, device_); };
   const moe::MoeLayerCache* donor = moe_scratch_donor();
   Activations a;
-  a.moe.reserve(layers_.size());  // (donor points into it)
-  a.layer.resize(layers_.size());
-  a.mla.resize(layers_.size());
+  a.layers.resize(layers_.size());  // (sized once: the donor may point into it)
   for (size_t l = 0; l < layers_.size(); ++l) {
-    if (stage_.layer_chunk[l] != chunk) {
-      a.moe.emplace_back();
-      continue;
-    }
-    const bool layer_mla = layers_[l].attention == AttentionKind::mla;
+    if (stage_.layer_chunk[l] != chunk) continue;
+    LayerCache& lc = a.layers[l];
+    const bool layer_mla = layers_[l].mla(), layer_moe = layers_[l].moe();
+    if (layer_moe) lc.moe = moe::moe_layer_cache_alloc(sh_.moe_dims, cfg_.moe, donor);
+    if (layer_moe && !donor) donor = &lc.moe;
     if (recompute_group_[l] >= 0) {  // the shared set; an MoE layer keeps its own routing
       const RecomputeCaches& shared = recompute_caches_.at(recompute_key(l));
-      a.layer[l] = shared.layer;
-      a.mla[l] = shared.mla;
-      a.moe.push_back(moe_[l] ? moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe, donor) : moe::MoeLayerCache{});
-      if (moe_[l]) moe::moe_layer_cache_share_refilled(a.moe.back(), shared.moe);
+      lc.dense = shared.layer;
+      lc.mla = shared.mla;
+      if (layer_moe) moe::moe_layer_cache_share_refilled(lc.moe, shared.moe);
       continue;
     }
-    a.layer[l] = nn::dense_layer_cache_alloc(dims_, /*with_mlp=*/!moe_[l], /*with_attention=*/!layer_mla);
-    nn::DenseLayerCache& c = a.layer[l];  // selective recompute: the shared buffers (the layer's own are freed again)
+    lc.dense = nn::dense_layer_cache_alloc(sh_.dims, /*with_mlp=*/!layer_moe, /*with_attention=*/!layer_mla);
+    nn::DenseLayerCache& c = lc.dense;  // selective recompute: the shared buffers (the layer's own are freed again)
     if (drops_norms(l)) c.h1 = selective_h1_;
-    if (drops_norms(l) || drops_mlp(l)) c.h2 = moe_[l] ? selective_h2_moe_ : selective_h2_dense_;
+    if (drops_norms(l) || drops_mlp(l)) c.h2 = layer_moe ? selective_h2_moe_ : selective_h2_dense_;
     if (drops_attention(l)) {
       c.attn = selective_attn_;
       c.lse = selective_lse_;
@@ -473,28 +311,25 @@ GptModel::Activations GptModel::alloc_activations(int64_t chunk) const {
       c.fc1 = selective_fc1_;
       c.act = selective_mlp_act_;
     }
-    if (layer_mla) a.mla[l] = nn::mla_cache_alloc(mla_dims_, cfg_.compute_dtype, dims_.layernorm, device_);
-    if (drops_mla_up(l)) a.mla[l].qkv = selective_mla_qkv_;
-    a.moe.push_back(moe_[l] ? moe::moe_layer_cache_alloc(moe_dims_, cfg_.moe, donor) : moe::MoeLayerCache{});
-    if (moe_[l] && !donor) donor = &a.moe.back();
-    if (moe_[l] && selective_act_.defined()) {  // selective moe_act: the shared buffer
-      a.moe.back().experts.act = selective_act_;
-      a.moe.back().owns_expert_act = false;
+    if (layer_mla) lc.mla = nn::mla_cache_alloc(sh_.mla_dims, cfg_.compute_dtype, sh_.dims.layernorm, device_);
+    if (drops_mla_up(l)) lc.mla.qkv = selective_mla_qkv_;
+    if (layer_moe && selective_act_.defined()) {  // selective moe_act: the shared buffer
+      lc.moe.experts.act = selective_act_;
+      lc.moe.owns_expert_act = false;
     }
-    if (drops_moe(l)) moe::moe_layer_cache_share_refilled(a.moe.back(), selective_moe_);
+    if (drops_moe(l)) moe::moe_layer_cache_share_refilled(lc.moe, selective_moe_);
     if (drops_shared_expert(l)) {
-      a.moe.back().shared.h = selective_shared_h_;
-      a.moe.back().shared.act = selective_shared_act_;
-      a.moe.back().owns_shared_act = false;
+      lc.moe.shared.h = selective_shared_h_;
+      lc.moe.shared.act = selective_shared_act_;
+      lc.moe.owns_shared_act = false;
     }
   }
-  a.drops.resize(layers_.size());
   const auto [first, end] = chunk_layers(chunk);
   a.residual.resize(static_cast<size_t>(cfg_.num_layers + 1));  // [first, end] of the chunk
   for (int64_t l = first; l <= end; ++l) a.residual[static_cast<size_t>(l)] = act({N, H}, DType::f32);
   if (post_process(chunk)) {
     a.final_rstd = act({N}, DType::f32);
-    if (dims_.layernorm) a.final_mean = act({N}, DType::f32);
+    if (sh_.dims.layernorm) a.final_mean = act({N}, DType::f32);
   }
   if (pre_process(chunk))
     a.ids = act({T}, DType::i32);
@@ -528,7 +363,7 @@ bool GptModel::take_moe_overflow() {
 void GptModel::set_moe_synced_dropless(bool on) {
   if (!moe_static_capacity() || on == moe_synced_) return;
   moe_synced_ = on;
-  moe_dims_.received_capacity = on ? 0.0f : cfg_.moe.received_token_capacity;
+  sh_.moe_dims.received_capacity = on ? 0.0f : cfg_.moe.received_token_capacity;
   std::vector<size_t> slots(stage_.chunks.size());
   for (size_t c = 0; c < stage_.chunks.size(); ++c) slots[c] = slots_[c].size();
   // Free the old buffers first (the scratch donor lives among them), then plan and allocate as at construction.
@@ -544,67 +379,62 @@ void GptModel::set_moe_synced_dropless(bool on) {
 }
 
 const char* GptModel::dispatcher_name() const {
-  return moe_dims_.dispatcher == moe::DispatcherKind::alltoall    ? "all-to-all"
-         : moe_dims_.dispatcher == moe::DispatcherKind::allgather ? "all-gather"
-                                                                  : "local";
+  return sh_.moe_dims.dispatcher == moe::DispatcherKind::alltoall    ? "all-to-all"
+         : sh_.moe_dims.dispatcher == moe::DispatcherKind::allgather ? "all-gather"
+                                                                     : "local";
 }
 
 void GptModel::finish_step(bool update) {
-  for (auto& m : moe_)
-    if (m) moe::router_finish_step(m->state, cfg_.moe, update, ops::Context{device_});
+  for (size_t l = 0; l < layers_.size(); ++l)
+    if (local_moe(l)) moe::router_finish_step(*layers_[l].router_state(), cfg_.moe, update, ops::Context{device_});
 }
 
 const moe::RouterStats* GptModel::moe_stats(int64_t layer) const {
-  const auto& m = moe_.at(static_cast<size_t>(layer));
-  const int64_t c = stage_.layer_chunk.at(static_cast<size_t>(layer));
-  if (!m || c < 0) return nullptr;
-  const auto cs = static_cast<size_t>(c);
-  return &slots_[cs][slot_[cs]].moe[static_cast<size_t>(layer)].stats;
+  const auto l = static_cast<size_t>(layer);
+  if (l >= layers_.size() || !local_moe(l)) return nullptr;
+  const auto cs = static_cast<size_t>(stage_.layer_chunk[l]);
+  return &slots_[cs][slot_[cs]].layers[l].moe.stats;
 }
 
 std::optional<moe::EchoStatsHost> GptModel::moe_echo_stats(int64_t layer) const {
-  const auto& m = moe_.at(static_cast<size_t>(layer));
-  const int64_t c = stage_.layer_chunk.at(static_cast<size_t>(layer));
-  if (!m || c < 0 || !moe_dims_.echo.enabled()) return std::nullopt;
-  const auto cs = static_cast<size_t>(c);
-  return moe::echo_stats_host(slots_[cs][slot_[cs]].moe[static_cast<size_t>(layer)].echo, m->w.experts);
+  const auto l = static_cast<size_t>(layer);
+  if (l >= layers_.size() || !local_moe(l) || !sh_.moe_dims.echo.enabled()) return std::nullopt;
+  const auto cs = static_cast<size_t>(stage_.layer_chunk[l]);
+  return moe::echo_stats_host(slots_[cs][slot_[cs]].layers[l].moe.echo, layers_[l].moe_weights().experts);
 }
 
 moe::RouterState* GptModel::router_state(int64_t layer) {
-  auto& m = moe_.at(static_cast<size_t>(layer));
-  return m ? &m->state : nullptr;
+  const auto l = static_cast<size_t>(layer);
+  return local_moe(l) ? layers_.at(l).router_state() : nullptr;
 }
 
 const moe::RouterState* GptModel::router_state(int64_t layer) const {
-  const auto& m = moe_.at(static_cast<size_t>(layer));
-  return m ? &m->state : nullptr;
+  const auto l = static_cast<size_t>(layer);
+  return local_moe(l) ? layers_.at(l).router_state() : nullptr;
 }
 
 Param& GptModel::param(const std::string& name) {
-  for (auto& p : params_)
-    if (p.name == name) return p;
-  MOECORE_FAIL("model: no parameter named '", name, "'");
+  return store_.at(name);
 }
 
 int64_t GptModel::num_parameters() const {
-  int64_t n = 0;
-  for (const auto& p : params_) n += p.value.numel();
-  return n;
+  return store_.num_parameters();
 }
 
 void GptModel::zero_grad() {
-  for (auto& p : params_) p.grad.zero_();
+  for (auto& p : store_.params()) p.grad.zero_();
 }
 
 void GptModel::sum_tensor_parallel_grads(size_t first, size_t end) {
   if (!tensor_parallel()) return;
-  for (size_t i = first; i < std::min(end, params_.size()); ++i)
-    if (params_[i].tp_grad_sum) all_reduce_sum(params_[i].grad, par_.tp);
+  for (size_t i = first; i < std::min(end, store_.params().size()); ++i)
+    if (store_.params()[i].tp_grad_sum) all_reduce_sum(store_.params()[i].grad, par_.tp);
 }
 
 void GptModel::refresh_compute_weights(size_t first, size_t end) {
-  for (size_t i = first; i < std::min(end, params_.size()); ++i)
-    if (!params_[i].compute.same_data(params_[i].value)) params_[i].compute.copy_from(params_[i].value);
+  for (size_t i = first; i < std::min(end, store_.params().size()); ++i)
+    if (!store_.params()[i].compute.same_data(store_.params()[i].value))
+      store_.params()[i].compute.copy_from(store_.params()[i].value);
 }
 
 // Keys are named "dropout/it<i>/mb<m>/layer<l>/<site>" (formatted on the stack: the step allocates nothing).
@@ -634,11 +464,11 @@ void GptModel::set_dropout_keys(bool training) {
   a.embedding_drop = key(cfg_.hidden_dropout, -1, "embedding", sp);
   for (size_t j = 0; j < mtp_.size(); ++j)
     mtp_[j].drop = key(cfg_.hidden_dropout, cfg_.num_layers + static_cast<int64_t>(j), "mtp_embedding", sp);
-  for (size_t l = 0; l < a.drops.size(); ++l) {  // the chunk's layers (and the MTP depths' in the last)
+  for (size_t l = 0; l < a.layers.size(); ++l) {  // the chunk's layers (and the MTP depths' in the last)
     if (stage_.layer_chunk[l] != static_cast<int64_t>(chunk_)) continue;
     const auto i = static_cast<int64_t>(l);
-    a.drops[l] = {key(cfg_.attention_dropout, i, "attention", true), key(cfg_.hidden_dropout, i, "attn_out", sp),
-                  key(cfg_.hidden_dropout, i, "mlp_out", sp)};
+    a.layers[l].drops = {key(cfg_.attention_dropout, i, "attention", true), key(cfg_.hidden_dropout, i, "attn_out", sp),
+                         key(cfg_.hidden_dropout, i, "mlp_out", sp)};
   }
 }
 
@@ -649,10 +479,12 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   if (tokens.dtype() != DType::i32 || tokens.numel() != T)
     MOECORE_FAIL("model: tokens must be i32 [", B_, ", ", T / B_, "], got ", tokens.str());
   // Set here: pointers into this object stay valid across moves.
-  moe_dims_.global_aux_group = &par_.dp;
-  moe_dims_.sequence_group = sequence_group();
-  dims_.tp = &par_.tp;
-  if (dims_.cp) dims_.cp = &par_.cp;
+  sh_.moe = &cfg_.moe;
+  sh_.moe_dims.global_aux_group = &par_.dp;
+  sh_.moe_dims.sequence_group = moe_sequence_group(par_);
+  if (sh_.moe_dims.echo.group) sh_.moe_dims.echo.group = &par_.ep;
+  sh_.dims.tp = &par_.tp;
+  if (sh_.dims.cp) sh_.dims.cp = &par_.cp;
   set_dropout_keys(training);
   const auto chunk = static_cast<int64_t>(chunk_);
   // (on the last pipeline stage: the word embeddings' copy)
@@ -662,9 +494,9 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
     Tensor& x0 = a.residual[0];
     embed(x0, a.ids, ctx);
     if (position_embedding_) {
-      ops::embedding_forward(dres_, par_.sequence_parallel ? positions_local_ : positions_, position_embedding_->value,
-                             ctx);
-      ops::add(x0, x0, dres_, ctx);
+      ops::embedding_forward(sh_.dres, par_.sequence_parallel ? positions_local_ : positions_,
+                             position_embedding_->value, ctx);
+      ops::add(x0, x0, sh_.dres, ctx);
     }
     if (a.embedding_drop.active()) ops::dropout_forward(x0, x0, a.embedding_drop, ctx);
   }
@@ -687,7 +519,7 @@ void GptModel::embed(Tensor& out, const Tensor& ids, const ops::Context& ctx) {
     ops::embedding_forward(out, ids, embedding_->value, ctx);
     return;
   }
-  Tensor& part = par_.sequence_parallel ? ws_.dh : out;
+  Tensor& part = par_.sequence_parallel ? sh_.ws.dh : out;
   ops::embedding_forward_shard(part, ids, embedding_->value, vocab_start(), cfg_.vocab_size, ctx);
   if (par_.sequence_parallel)
     reduce_scatter_from(by_sequence(out), by_sequence(part), 1, par_.tp);
@@ -695,11 +527,11 @@ void GptModel::embed(Tensor& out, const Tensor& ids, const ops::Context& ctx) {
     all_reduce_sum(out, par_.tp);
 }
 
-// Its backward: dtable += the gradient dx [N, H] of this rank's rows (all-gathered into dh_ under SP) for ids [T].
+// Its backward: dtable += the gradient dx [N, H] of this rank's rows (all-gathered into sh_.dh under SP) for ids [T].
 void GptModel::embed_backward(const Tensor& dx, const Tensor& ids, const ops::Context& ctx) {
   Tensor dfull = dx;
   if (par_.sequence_parallel) {
-    dfull = dh_;
+    dfull = sh_.dh;
     all_gather_into(by_sequence(dfull), by_sequence(dx), 1, par_.tp);
   }
   if (tensor_parallel())
@@ -719,16 +551,9 @@ Tensor GptModel::by_sequence(const Tensor& t) const {
 // Transformer layer l (a decoder layer, or for l >= num_layers an MTP depth's): y from x, both [N, H] f32.
 void GptModel::layer_forward(size_t l, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx,
                              bool recompute) {
-  Activations& a = act();
-  if (layers_[l].attention == AttentionKind::standard)
-    nn::attention_block_forward(x, layer_w_[l], a.layer[l], ws_, rope_, dims_, a.drops[l], ctx);
-  else
-    nn::mla_block_forward(x, layer_w_[l], mla_w_[l], a.layer[l], a.mla[l], ws_, mla_ws_, rope_, dims_, mla_dims_,
-                          a.drops[l], ctx);
-  if (moe_[l])
-    moe_mlp_forward(l, y, training, ctx, recompute);
-  else
-    nn::mlp_block_forward(y, layer_w_[l], a.layer[l], ws_, dims_, a.drops[l], ctx);
+  LayerCache& c = act().layers[l];
+  layers_[l].forward(x, y, c, sh_, training, ctx, recompute);
+  if (layers_[l].moe()) moe_overflow_ = moe_overflow_ || moe::moe_layer_overflowed(c.moe);
 }
 
 std::vector<const Tensor*> GptModel::dropped(const nn::DenseLayerCache& c, size_t l) const {
@@ -740,27 +565,19 @@ std::vector<const Tensor*> GptModel::dropped(const nn::DenseLayerCache& c, size_
   return d;
 }
 
-// dres_: dL/dy on entry, dL/dx on return. Selective recompute refills each half's dropped outputs first: the norm
-// output (layernorm, and mlp for a dense MLP), the MLP's fc1 output and activation (mlp), the attention output and
-// log-sum-exp (core_attn).
+// sh_.dres: dL/dy on entry, dL/dx on return. Selective recompute refills each half's dropped outputs first (Refill).
 void GptModel::layer_backward(size_t l, const Tensor& x, float grad_scale, const ops::Context& ctx) {
-  Activations& a = act();
-  if (drops_norms(l) || drops_mlp(l))
-    nn::mlp_norm_refill(layer_w_[l], a.layer[l], ws_, dims_, /*dense_mlp=*/!moe_[l], ctx);
-  if (drops_mlp(l)) nn::mlp_refill(layer_w_[l], a.layer[l], dims_, ctx);
-  if (moe_[l])
-    moe_mlp_backward(l, grad_scale, ctx);
-  else
-    nn::mlp_block_backward(dres_, layer_g_[l], layer_w_[l], a.layer[l], ws_, dims_, a.drops[l], ctx);
-  // dres is dL/dx_mid here.
-  if (drops_norms(l)) nn::attention_norm_refill(x, layer_w_[l], a.layer[l], ws_, dims_, ctx);
-  if (drops_attention(l)) nn::core_attention_refill(a.layer[l], ws_, dims_, a.drops[l], ctx);
-  if (drops_mla_up(l)) nn::mla_up_refill(a.layer[l].h1, mla_w_[l], a.mla[l], mla_ws_, rope_, mla_dims_, ctx);
-  if (layers_[l].attention == AttentionKind::standard)
-    nn::attention_block_backward(dres_, layer_g_[l], x, layer_w_[l], a.layer[l], ws_, rope_, dims_, a.drops[l], ctx);
-  else
-    nn::mla_block_backward(dres_, layer_g_[l], mla_g_[l], x, layer_w_[l], mla_w_[l], a.layer[l], a.mla[l], ws_, mla_ws_,
-                           rope_, dims_, mla_dims_, a.drops[l], ctx);
+  Refill refill;
+  refill.norms = drops_norms(l);
+  refill.attention = drops_attention(l);
+  refill.mlp = drops_mlp(l);
+  refill.mla_up = drops_mla_up(l);
+  refill.moe = drops_moe(l);
+  refill.shared_expert = drops_shared_expert(l);
+  // (per-token loss: the auxiliary losses times the micro-batch's tokens, which the step's division by the global count
+  // cancels, Megatron's router rule)
+  const float aux_scale = per_token_loss_ ? grad_scale * static_cast<float>(B_ * cfg_.seq_length) : grad_scale;
+  layers_[l].backward(x, act().layers[l], sh_, refill, aux_scale, ctx);
 }
 
 // Megatron's roll_tensor along each sequence: out[b, s] = in[b, s + 1], the last position `fill`. Host tensors: the
@@ -824,72 +641,30 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
       nn::lm_head_loss(&mtp_dfn_, &output_->grad, d.h, output_->compute, d.labels, scale, head_ws_, ctx, head_group());
     } else {  // every token's h into the vocabulary-parallel head; its partial gradient reduce-scattered back
       all_gather_into(by_sequence(mtp_h_full_), by_sequence(d.h), 1, par_.tp);
-      nn::lm_head_loss(&dh_, &output_->grad, mtp_h_full_, output_->compute, d.labels, scale, head_ws_, ctx,
+      nn::lm_head_loss(&sh_.dh, &output_->grad, mtp_h_full_, output_->compute, d.labels, scale, head_ws_, ctx,
                        head_group(), /*reduce_dh=*/false);
-      reduce_scatter_from(by_sequence(mtp_dfn_), by_sequence(dh_), 1, par_.tp);
+      reduce_scatter_from(by_sequence(mtp_dfn_), by_sequence(sh_.dh), 1, par_.tp);
     }
     r.mtp_loss_sum[j] = read_loss_sum();
     if (par_.cp.size() > 1) all_reduce_sum(std::span<double>(&r.mtp_loss_sum[j], 1), par_.cp);
     if (j + 1 < mtp_.size()) ops::add(mtp_dfn_, mtp_dfn_, mtp_carry_, ctx);  // depth j + 2 read h_{j+1} too
-    nn::norm_backward(dres_, d.fnorm->grad, grad_of(d.fnorm_b), mtp_dfn_, d.y, d.fnorm->value, value_of(d.fnorm_b),
+    nn::norm_backward(sh_.dres, d.fnorm->grad, grad_of(d.fnorm_b), mtp_dfn_, d.y, d.fnorm->value, value_of(d.fnorm_b),
                       d.f_mean, d.f_rstd, false, ctx);
     layer_backward(static_cast<size_t>(cfg_.num_layers) + j, d.x, grad_scale, ctx);
-    mtp_dx_c_.copy_from(dres_);
+    mtp_dx_c_.copy_from(sh_.dres);
     Tensor g_e = d.eh->grad.slice(1, 0, H), g_h = d.eh->grad.slice(1, H, 2 * H);
     ops::gemm(g_e, mtp_dx_c_, true, d.en, false, 1.0f, 1.0f, ctx);
     ops::gemm(g_h, mtp_dx_c_, true, d.hn, false, 1.0f, 1.0f, ctx);
     ops::gemm(mtp_dn_, mtp_dx_c_, false, d.eh->compute.slice(1, 0, H), false, 1.0f, 0.0f, ctx);
-    nn::norm_backward(dres_, d.enorm->grad, grad_of(d.enorm_b), mtp_dn_, d.e, d.enorm->value, value_of(d.enorm_b),
+    nn::norm_backward(sh_.dres, d.enorm->grad, grad_of(d.enorm_b), mtp_dn_, d.e, d.enorm->value, value_of(d.enorm_b),
                       d.e_mean, d.e_rstd, false, ctx);
-    if (d.drop.active()) ops::dropout_backward(dres_, dres_, d.drop, ctx);
-    embed_backward(dres_, d.ids, ctx);
+    if (d.drop.active()) ops::dropout_backward(sh_.dres, sh_.dres, d.drop, ctx);
+    embed_backward(sh_.dres, d.ids, ctx);
     ops::gemm(mtp_dn_, mtp_dx_c_, false, d.eh->compute.slice(1, H, 2 * H), false, 1.0f, 0.0f, ctx);
     nn::norm_backward(mtp_carry_, d.hnorm->grad, grad_of(d.hnorm_b), mtp_dn_, d.hin, d.hnorm->value,
                       value_of(d.hnorm_b), d.h_mean, d.h_rstd, false, ctx);
     grad_ready(layer_params_[static_cast<size_t>(cfg_.num_layers) + j]);
   }
-}
-
-// The MoE half of layer l: y = x_mid + dropout(moe(norm2(x_mid))). The MoE layer takes Megatron's sequence-major
-// token order (token s*B + b): it decides which tokens the "position" drop policy keeps and which tokens form a
-// sequence for seq_aux_loss.
-void GptModel::moe_mlp_forward(size_t l, Tensor& y, bool training, const ops::Context& ctx, bool recompute) {
-  const int64_t S = dims_.N / B_, H = cfg_.hidden_size;  // S: this rank's positions of each sequence
-  MoeBlock& m = *moe_[l];
-  Activations& a = act();
-  nn::mlp_norm_forward(layer_w_[l], a.layer[l], dims_, ctx);
-  Tensor x_sb = moe_x_.view({S, B_, H}), out_sb = moe_out_.view({S, B_, H});
-  Tensor out_bs = ws_.dh.slice(0, 0, dims_.N).view({B_, S, H});
-  ops::transpose_01(x_sb, a.layer[l].h2.view({B_, S, H}), ctx);
-  moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, a.moe[l], *dispatcher_, moe_dims_, cfg_.moe,
-                         training, ctx, /*route=*/!recompute);
-  moe_overflow_ = moe_overflow_ || moe::moe_layer_overflowed(a.moe[l]);
-  ops::transpose_01(out_bs, out_sb, ctx);
-  ops::bias_dropout_add(y, a.layer[l].x_mid, ws_.dh.slice(0, 0, dims_.N), Tensor(), a.drops[l].mlp_out, ctx);
-}
-
-// dres is dL/d(layer output) on entry, dL/dx_mid on return. The MoE output's gradient goes through the dropout and
-// into sequence-major order; the input gradient comes back batch-major in ws_.dh.
-void GptModel::moe_mlp_backward(size_t l, float grad_scale, const ops::Context& ctx) {
-  const int64_t N = dims_.N, S = N / B_, H = cfg_.hidden_size;  // S: this rank's positions of each sequence
-  MoeBlock& m = *moe_[l];
-  Activations& a = act();
-  Tensor dx = dh_.slice(0, 0, N), dh2_flat = ws_.dh.slice(0, 0, N);
-  Tensor dout_sb = moe_out_.view({S, B_, H}), dx_sb = dx.view({S, B_, H}), dh2 = dh2_flat.view({B_, S, H});
-  Tensor x_sb = moe_x_.view({S, B_, H}), no_bias;
-  ops::transpose_01(x_sb, a.layer[l].h2.view({B_, S, H}), ctx);
-  if (drops_moe(l))  // selective moe: the layer again from its routing (its output, in moe_out_, is not needed)
-    moe::moe_layer_forward(moe_out_, moe_x_, Tensor(), m.w, m.state, a.moe[l], *dispatcher_, moe_dims_, cfg_.moe,
-                           /*training=*/true, ctx, /*route=*/false);
-  if (drops_shared_expert(l)) moe::shared_expert_refill(moe_x_, m.w.shared, a.moe[l].shared, cfg_.moe.swiglu, ctx);
-  ops::bias_dropout_add_backward(dh2_flat, no_bias, dres_, a.drops[l].mlp_out, ctx);
-  ops::transpose_01(dout_sb, dh2, ctx);
-  // (per-token loss: times the micro-batch's tokens, which the step's division by the global count cancels, Megatron's
-  // router rule)
-  const float aux_scale = per_token_loss_ ? grad_scale * static_cast<float>(B_ * cfg_.seq_length) : grad_scale;
-  moe::moe_layer_backward(dx, m.g, moe_out_, moe_x_, m.w, a.moe[l], *dispatcher_, moe_dims_, cfg_.moe, aux_scale, ctx);
-  ops::transpose_01(dh2, dx_sb, ctx);
-  nn::mlp_norm_backward(dres_, layer_g_[l], dh2_flat, layer_w_[l], a.layer[l], dims_, ctx);
 }
 
 namespace {
@@ -946,12 +721,12 @@ LossResult GptModel::forward(Slot slot, const Tensor& tokens, const Tensor& labe
   }
   const bool sp = par_.sequence_parallel;
   // (under SP the head's partial input gradients of every token, reduce-scattered to this rank's rows)
-  nn::lm_head_loss(sp ? &dh_ : &a.dfinal, &output_->grad, head_input(), output_->compute, labels_, token_scale,
+  nn::lm_head_loss(sp ? &sh_.dh : &a.dfinal, &output_->grad, head_input(), output_->compute, labels_, token_scale,
                    head_ws_, ctx, head_group(), /*reduce_dh=*/!sp);
   r.loss_sum = read_loss_sum();
   if (par_.cp.size() > 1) all_reduce_sum(std::span<double>(&r.loss_sum, 1), par_.cp);
   if (output_ != embedding_) grad_ready(output_params_);
-  if (sp) reduce_scatter_from(by_sequence(a.dfinal), by_sequence(dh_), 1, par_.tp);
+  if (sp) reduce_scatter_from(by_sequence(a.dfinal), by_sequence(sh_.dh), 1, par_.tp);
   if (!mtp_.empty()) ops::add(a.dfinal, a.dfinal, mtp_carry_, ctx);  // h_0 also fed the first MTP depth
   return r;
 }
@@ -962,12 +737,12 @@ void GptModel::backward(Slot slot, float grad_scale) {
   const ops::Context ctx{device_};
   Tensor no_grad;
   if (post_process(slot.chunk)) {
-    nn::norm_backward(dres_, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, a.dfinal,
+    nn::norm_backward(sh_.dres, final_norm_->grad, final_norm_bias_ ? final_norm_bias_->grad : no_grad, a.dfinal,
                       a.residual[end_layer()], final_norm_->value,
                       final_norm_bias_ ? final_norm_bias_->value : Tensor(), a.final_mean, a.final_rstd, false, ctx);
     grad_ready(final_norm_params_);
   } else {  // the next virtual stage's gradient of this chunk's output
-    dres_.copy_from(a.dfinal);
+    sh_.dres.copy_from(a.dfinal);
   }
   for (size_t l = end_layer(); l-- > first_layer();) {
     const int64_t group = recompute_group_[l];
@@ -978,13 +753,13 @@ void GptModel::backward(Slot slot, float grad_scale) {
     grad_ready(layer_params_[l]);
   }
   if (pre_process(slot.chunk)) {
-    if (a.embedding_drop.active()) ops::dropout_backward(dres_, dres_, a.embedding_drop, ctx);
-    embed_backward(dres_, a.ids, ctx);
-    // (under SP embed_backward left every token's gradient in dh_: the positions' table is whole on every rank)
+    if (a.embedding_drop.active()) ops::dropout_backward(sh_.dres, sh_.dres, a.embedding_drop, ctx);
+    embed_backward(sh_.dres, a.ids, ctx);
+    // (under SP embed_backward left every token's gradient in sh_.dh: the positions' table is whole on every rank)
     if (position_embedding_)
-      ops::embedding_backward(position_embedding_->grad, positions_, par_.sequence_parallel ? dh_ : dres_, ctx);
+      ops::embedding_backward(position_embedding_->grad, positions_, par_.sequence_parallel ? sh_.dh : sh_.dres, ctx);
   } else if (a.dinput.defined()) {  // the gradient of the chunk's input, for the previous virtual stage
-    a.dinput.copy_from(dres_);
+    a.dinput.copy_from(sh_.dres);
   }
   // (the output layer too when tied: it is the embedding, or on the last stage its copy)
   if (pre_process(slot.chunk) || post_process(slot.chunk)) grad_ready(embedding_params_);
@@ -1047,14 +822,16 @@ void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
 MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const {
   MemoryPlan plan;
   auto at = [&](MemCategory c) -> int64_t& { return plan.bytes[static_cast<int>(c)]; };
-  for (const auto& p : params_) {
+  for (const auto& p : store_.params()) {
     at(MemCategory::parameters) += p.value.nbytes() + (p.compute.same_data(p.value) ? 0 : p.compute.nbytes());
     at(MemCategory::gradients) += p.grad.nbytes();
   }
   at(MemCategory::optimizer_state) = optimizer_state_bytes_per_param * num_parameters();
-  for (const auto& m : moe_) {
-    if (m && m->state.expert_bias.defined()) at(MemCategory::parameters) += m->state.expert_bias.nbytes();
-    if (m) at(MemCategory::other) += moe::router_state_bytes(m->state);  // the router's device-resident counters
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (!local_moe(l)) continue;
+    const moe::RouterState& state = *layers_[l].router_state();
+    if (state.expert_bias.defined()) at(MemCategory::parameters) += state.expert_bias.nbytes();
+    at(MemCategory::other) += moe::router_state_bytes(state);  // the router's device-resident counters
   }
   auto count = [&](MemCategory c, std::initializer_list<const Tensor*> ts) {
     for (const Tensor* t : ts)
@@ -1067,31 +844,33 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
       for (size_t l = 0; l < layers_.size(); ++l) {
         if (stage_.layer_chunk[l] != static_cast<int64_t>(chunk)) continue;
         if (recompute_group_[l] >= 0) {  // its routing; the caches are the shared sets'
-          if (moe_[l]) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.moe[l]);
+          if (local_moe(l)) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.layers[l].moe);
           continue;
         }
-        const bool layer_mla = layers_[l].attention == AttentionKind::mla;
-        at(MemCategory::activations) += nn::dense_layer_cache_bytes(dims_, moe_[l] == nullptr, !layer_mla);
-        for (const Tensor* t : dropped(a.layer[l], l))  // (selective recompute's shared buffers: counted once below)
+        const bool layer_mla = layers_[l].mla();
+        at(MemCategory::activations) += nn::dense_layer_cache_bytes(sh_.dims, !local_moe(l), !layer_mla);
+        for (const Tensor* t :
+             dropped(a.layers[l].dense, l))  // (selective recompute's shared buffers: counted once below)
           at(MemCategory::activations) -= t->nbytes();
         if (layer_mla)  // (selective mla_up_proj: the kernel's input is shared, counted once below)
-          at(MemCategory::activations) += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm) -
-                                          (drops_mla_up(l) ? a.mla[l].qkv.nbytes() : 0);
-        if (moe_[l]) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.moe[l]);
+          at(MemCategory::activations) += nn::mla_cache_bytes(sh_.mla_dims, cfg_.compute_dtype, sh_.dims.layernorm) -
+                                          (drops_mla_up(l) ? a.layers[l].mla.qkv.nbytes() : 0);
+        if (local_moe(l)) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.layers[l].moe);
       }
       for (const Tensor& r : a.residual) count(MemCategory::activations, {&r});
       count(MemCategory::activations, {&a.final_mean, &a.final_rstd, &a.ids, &a.dfinal, &a.dinput});
     }
   at(MemCategory::workspace) =
-      nn::dense_layer_workspace_bytes(dims_, standard_attention_) +
-      (mla_ws_.q.defined() ? nn::mla_workspace_bytes(mla_dims_, cfg_.compute_dtype) : 0) +
-      (holds_loss_heads() ? nn::lm_head_workspace_bytes(dims_.tokens(), cfg_.vocab_size / par_.tp.size(),
+      nn::dense_layer_workspace_bytes(sh_.dims, standard_attention_) +
+      (sh_.mla_ws.q.defined() ? nn::mla_workspace_bytes(sh_.mla_dims, cfg_.compute_dtype) : 0) +
+      (holds_loss_heads() ? nn::lm_head_workspace_bytes(sh_.dims.tokens(), cfg_.vocab_size / par_.tp.size(),
                                                         cfg_.compute_dtype, par_.tp.size())
                           : 0);
   for (const auto& [key, c] : recompute_caches_) {  // full recompute: each shared set once
     const bool is_moe = key % 4 & 1, is_mla = key % 4 & 2;
-    at(MemCategory::activations) += nn::dense_layer_cache_bytes(dims_, !is_moe, !is_mla);
-    if (is_mla) at(MemCategory::activations) += nn::mla_cache_bytes(mla_dims_, cfg_.compute_dtype, dims_.layernorm);
+    at(MemCategory::activations) += nn::dense_layer_cache_bytes(sh_.dims, !is_moe, !is_mla);
+    if (is_mla)
+      at(MemCategory::activations) += nn::mla_cache_bytes(sh_.mla_dims, cfg_.compute_dtype, sh_.dims.layernorm);
     if (is_moe) at(MemCategory::activations) += moe::moe_layer_cache_bytes(c.moe);
   }
   if (selective_moe_.probs.defined()) at(MemCategory::activations) += moe::moe_layer_cache_bytes(selective_moe_);
@@ -1106,8 +885,8 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
     count(MemCategory::workspace, {&d.ids_h, &d.labels_h});  // host: the rolled batch before its upload
   }
   count(MemCategory::workspace,
-        {&rope_, &positions_, &positions_local_, &dres_, &dh_, &labels_, &final_h_, &final_full_, &moe_x_, &moe_out_,
-         &mtp_dx_c_, &mtp_carry_, &mtp_dn_, &mtp_dfn_, &mtp_h_full_, &cp_tokens_h_, &cp_labels_h_});
+        {&sh_.rope, &positions_, &positions_local_, &sh_.dres, &sh_.dh, &labels_, &final_h_, &final_full_, &sh_.moe_x,
+         &sh_.moe_out, &mtp_dx_c_, &mtp_carry_, &mtp_dn_, &mtp_dfn_, &mtp_h_full_, &cp_tokens_h_, &cp_labels_h_});
   return plan;
 }
 

@@ -15,8 +15,10 @@
 
 #include "moecore/core/param.h"
 #include "moecore/model/config.h"
+#include "moecore/model/decoder_layer.h"
 #include "moecore/model/parallel_layout.h"
 #include "moecore/model/param_specs.h"
+#include "moecore/model/param_store.h"
 #include "moecore/moe/moe_layer.h"
 #include "moecore/nn/dense_layer.h"
 #include "moecore/nn/lm_head.h"
@@ -89,8 +91,8 @@ class GptModel {
 
   const ModelConfig& config() const { return cfg_; }
   int64_t micro_batch_size() const { return B_; }
-  std::vector<Param>& params() { return params_; }
-  const std::vector<Param>& params() const { return params_; }
+  std::vector<Param>& params() { return store_.params(); }
+  const std::vector<Param>& params() const { return store_.params(); }
   Param& param(const std::string& name);  // throws Error when absent
   int64_t num_parameters() const;
 
@@ -127,7 +129,7 @@ class GptModel {
   // capacity (off). Reallocates every activation slot (the slot counts kept); no-op when already so.
   void set_moe_synced_dropless(bool on);
   bool moe_synced_dropless() const { return moe_synced_; }
-  bool is_moe_layer(int64_t layer) const { return moe_[static_cast<size_t>(layer)] != nullptr; }  // (this stage's)
+  bool is_moe_layer(int64_t layer) const { return local_moe(static_cast<size_t>(layer)); }  // (this stage's)
   int64_t chunk_of_layer(int64_t layer) const {
     return stage_.layer_chunk.at(static_cast<size_t>(layer));
   }                                               // -1: not here
@@ -136,8 +138,8 @@ class GptModel {
   // After the masters change (optimizer step, loading): the compute copies of params()[first, end) (default: all).
   void refresh_compute_weights(size_t first = 0, size_t end = SIZE_MAX);
   // Seconds the MoE token dispatcher spent in collectives since the last reset (0 without EP).
-  double dispatcher_comm_seconds() const { return dispatcher_->comm_seconds(); }
-  void reset_dispatcher_comm_seconds() { dispatcher_->reset_comm_seconds(); }
+  double dispatcher_comm_seconds() const { return sh_.dispatcher->comm_seconds(); }
+  void reset_dispatcher_comm_seconds() { sh_.dispatcher->reset_comm_seconds(); }
   // "all-to-all", "all-gather" or "local" (for log lines).
   const char* dispatcher_name() const;
 
@@ -205,11 +207,6 @@ class GptModel {
   // [B*S] host -> this CP rank's [B*S/CP] in out (the batch itself at CP 1)
   Tensor local_positions(const Tensor& batch_h, const Tensor& out) const;
   bool tensor_parallel() const { return par_.tp.size() > 1; }
-  // The ranks whose MoE rows together are whole sequences (the routers' losses gather over them): TP x CP under
-  // context parallelism, TP under sequence parallelism; null when this rank's rows are the whole micro-batch.
-  const ProcessGroup* sequence_group() const {
-    return par_.cp.size() > 1 ? &par_.tp_cp : par_.sequence_parallel ? &par_.tp : nullptr;
-  }
   int64_t vocab_start() const;  // the first vocabulary id of this rank's embedding / output rows
   void embed(Tensor& out, const Tensor& ids, const ops::Context& ctx);
   void embed_backward(const Tensor& dx, const Tensor& ids, const ops::Context& ctx);
@@ -223,8 +220,10 @@ class GptModel {
   void layer_forward(size_t layer, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx,
                      bool recompute = false);
   void layer_backward(size_t layer, const Tensor& x, float grad_scale, const ops::Context& ctx);
-  void moe_mlp_forward(size_t layer, Tensor& y, bool training, const ops::Context& ctx, bool recompute);
-  void moe_mlp_backward(size_t layer, float grad_scale, const ops::Context& ctx);
+  void bind_parameters();  // every module's views of its parameters, by role
+  void alloc_mtp_buffers();
+  void alloc_tables();  // the RoPE table and positions of this rank's rows
+  void alloc_workspaces();
   void roll_left(Tensor& out, const Tensor& in, int32_t fill) const;  // host tensors
   void mtp_forward(const Tensor& tokens, const Tensor& labels, bool training, const ops::Context& ctx);
   double read_loss_sum() const;  // the last lm_head_loss's sum, read back from the device
@@ -234,10 +233,10 @@ class GptModel {
   ModelConfig cfg_;
   int64_t B_;
   Device device_ = Device::cpu;
-  nn::DenseLayerDims dims_;
-  std::vector<LayerSpec> layers_;   // decoder layers, then one per MTP depth: the kinds of every per-layer array
-  bool standard_attention_ = true;  // some layer has standard attention (the shared workspace holds its buffers)
-  std::vector<Param> params_;
+  LayerShared sh_;                    // what every layer reads: dims, workspaces, the dispatcher
+  std::vector<DecoderLayer> layers_;  // decoder layers, then one per MTP depth (another stage's: bound to nothing)
+  bool standard_attention_ = true;    // some layer has standard attention (the shared workspace holds its buffers)
+  ParamStore store_;
   uint64_t seed_;
   int64_t dropout_iteration_ = 0, dropout_micro_batch_ = 0;
   bool per_token_loss_ = false;
@@ -246,24 +245,9 @@ class GptModel {
   Param* final_norm_ = nullptr;
   Param* final_norm_bias_ = nullptr;  // LayerNorm only
   Param* output_ = nullptr;           // the embedding when tied
-  std::vector<nn::DenseLayerWeights> layer_w_;
-  std::vector<nn::DenseLayerGrads> layer_g_;
-  // MLA (--multi-latent-attention): per layer, empty for standard-attention layers.
-  nn::MlaDims mla_dims_;
-  std::vector<nn::MlaWeights> mla_w_;
-  std::vector<nn::MlaGrads> mla_g_;
-  nn::MlaWorkspace mla_ws_;
-  struct MoeBlock {
-    moe::MoeLayerWeights w;
-    moe::MoeLayerGrads g;
-    moe::RouterState state;
-  };
   // One micro-batch's activations, kept from its forward to its backward (set_micro_batch_slots).
   struct Activations {
-    std::vector<nn::DenseLayerCache> layer;  // per layer (decoder, then MTP)
-    std::vector<nn::MlaCache> mla;           // per layer; empty for standard attention
-    std::vector<moe::MoeLayerCache> moe;     // per layer; empty for dense layers (scratch shared by every slot)
-    std::vector<nn::LayerDropout> drops;     // per layer, this forward's masks
+    std::vector<LayerCache> layers;  // per layer (decoder, then MTP); another chunk's: empty (MoE scratch: shared)
     ops::Dropout embedding_drop;
     std::vector<Tensor> residual;   // L+1 tensors [N, H] f32: embedding output, then each layer's output
     Tensor final_mean, final_rstd;  // [N] f32 (mean: LayerNorm only)
@@ -294,28 +278,24 @@ class GptModel {
   Tensor selective_mla_qkv_;                          // mla_up_proj: the MLA kernel's input
   bool decoder_layer(size_t l) const { return static_cast<int64_t>(l) < cfg_.num_layers; }
   bool drops_norms(size_t l) const { return selective_h1_.defined() && decoder_layer(l); }
-  bool drops_attention(size_t l) const {
-    return selective_attn_.defined() && decoder_layer(l) && layers_[l].attention == AttentionKind::standard;
-  }
-  bool drops_mlp(size_t l) const { return selective_fc1_.defined() && decoder_layer(l) && !moe_[l]; }
-  bool drops_mla_up(size_t l) const {
-    return selective_mla_qkv_.defined() && decoder_layer(l) && layers_[l].attention == AttentionKind::mla;
-  }
-  bool drops_moe(size_t l) const { return selective_moe_.probs.defined() && decoder_layer(l) && moe_[l]; }
+  bool drops_attention(size_t l) const { return selective_attn_.defined() && decoder_layer(l) && !layers_[l].mla(); }
+  bool drops_mlp(size_t l) const { return selective_fc1_.defined() && decoder_layer(l) && !local_moe(l); }
+  bool drops_mla_up(size_t l) const { return selective_mla_qkv_.defined() && decoder_layer(l) && layers_[l].mla(); }
+  bool drops_moe(size_t l) const { return selective_moe_.probs.defined() && decoder_layer(l) && local_moe(l); }
   bool drops_shared_expert(size_t l) const {
-    return selective_shared_h_.defined() && decoder_layer(l) && moe_[l] && !drops_moe(l);
+    return selective_shared_h_.defined() && decoder_layer(l) && local_moe(l) && !drops_moe(l);
   }
   // The tensors of a decoder layer's cache the above replace.
   std::vector<const Tensor*> dropped(const nn::DenseLayerCache& c, size_t l) const;
   void plan_recompute();
   int64_t recompute_key(size_t l) const {
-    return (static_cast<int64_t>(l) - recompute_group_[l]) * 4 + (moe_[l] ? 1 : 0) +
-           (layers_[l].attention == AttentionKind::mla ? 2 : 0);
+    return (static_cast<int64_t>(l) - recompute_group_[l]) * 4 + (local_moe(l) ? 1 : 0) + (layers_[l].mla() ? 2 : 0);
   }
   bool holds_embeddings() const { return stage_.first_stage; }
   bool holds_loss_heads() const { return stage_.last_stage; }
   StageLayout stage_;  // this rank's model chunks and where each layer is
   bool local_layer(size_t l) const { return stage_.layer_chunk[l] >= 0; }
+  bool local_moe(size_t l) const { return local_layer(l) && layers_[l].moe(); }
   size_t chunk_ = 0;  // the chunk the running (or last) forward or backward works on
   size_t first_layer() const { return static_cast<size_t>(stage_.chunks[chunk_].first); }  // of chunk_
   size_t end_layer() const { return static_cast<size_t>(stage_.chunks[chunk_].second); }
@@ -327,7 +307,6 @@ class GptModel {
   std::vector<size_t> slot_;                     // per chunk: the slot its running (or last) pass works on
   bool moe_overflow_ = false;                    // an MoE forward overflowed the received-token capacity
   bool moe_synced_ = false;                      // set_moe_synced_dropless(true) is in force
-  std::vector<std::unique_ptr<MoeBlock>> moe_;   // per layer (decoder, then MTP); null for dense layers
   // One multi-token-prediction depth: its parameters and activations (its transformer layer is layer L + depth of
   // the per-layer arrays).
   struct MtpDepth {
@@ -344,10 +323,9 @@ class GptModel {
   Tensor mtp_dx_c_;                      // [N, H] compute: a depth's layer-input gradient for the eh_proj GEMMs
   Tensor mtp_carry_, mtp_dn_, mtp_dfn_;  // [N, H] f32: dL/dh_{k-1}, a norm-output gradient, dL/dh_k
   Tensor mtp_h_full_;                    // [T, H] compute: a depth's h_k all-gathered (sequence parallelism only)
-  moe::MoeLayerDims moe_dims_;
   ModelParallel par_;
   ParamRangeFn grad_ready_, params_needed_;
-  // params_ index ranges [first, end) for the backward-order notifications: per layer (decoder layers, then each MTP
+  // params() index ranges [first, end) for the backward-order notifications: per layer (decoder layers, then each MTP
   // depth with its own norms and eh_proj), the final norm, the output layer (empty when tied), and the embeddings.
   std::vector<std::pair<size_t, size_t>> layer_params_;
   std::pair<size_t, size_t> final_norm_params_{0, 0}, output_params_{0, 0}, embedding_params_{0, 0};
@@ -357,18 +335,11 @@ class GptModel {
   void params_needed(std::pair<size_t, size_t> r) const {
     if (params_needed_ && r.first < r.second) params_needed_(r.first, r.second);
   }
-  std::unique_ptr<moe::Dispatcher> dispatcher_;
-  Tensor moe_x_;            // [S*B, H] compute: the MoE input in Megatron's sequence-major token order
-  Tensor moe_out_;          // [S*B, H] f32: MoE output (sequence-major); in backward its gradient
   Tensor final_h_;          // [N, H] compute: the final norm's output (N: this rank's rows under sequence parallelism)
   Tensor final_full_;       // [T, H] compute: final_h_ all-gathered (sequence parallelism only)
-  Tensor rope_;             // [S, Dr] f32 (RoPE only; Dr = rotary dim); rows: this CP rank's positions
   Tensor positions_;        // [T] i32: position of each token (learned absolute positions only)
   Tensor positions_local_;  // [N] i32: those of this rank's rows (sequence parallelism only)
-  nn::DenseLayerWorkspace ws_;
   nn::LmHeadWorkspace head_ws_;
-  Tensor dres_;                       // [N, H] f32
-  Tensor dh_;                         // [T, H] f32
   Tensor labels_;                     // [T] i32 flat copy
   Tensor cp_tokens_h_, cp_labels_h_;  // [T] i32 host: this CP rank's positions of the batch (CP > 1 only)
 };

@@ -38,8 +38,11 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
   const int64_t Fm = cfg.moe_ffn(), Fs = mc.shared_expert_intermediate_size;
   auto glu = [&](int64_t f) { return cfg.swiglu ? 2 * f : f; };
   std::vector<ParamSpec> out;
-  auto add = [&](std::string name, Shape shape, ParamInit init, float std = 0.0f, bool expert = false) {
+  int64_t layer_index = -1;  // of the parameters added (-1: the model's own)
+  auto add = [&](ParamRole role, std::string name, Shape shape, ParamInit init, float std = 0.0f, bool expert = false) {
     out.push_back({std::move(name), shape, init, std, expert});
+    out.back().role = role;
+    out.back().layer = layer_index;
   };
   auto split = [&](int dim, int parts = 1) {  // the tensor-parallel split of the last parameter added
     out.back().tp_dim = dim;
@@ -49,111 +52,119 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
     for (size_t i = from; i < out.size(); ++i) out[i].tp_grad = ParamSpec::TpGrad::head_partial;
   };
   const int glu_parts = cfg.swiglu ? 2 : 1;
-  auto norm = [&](const std::string& prefix, int64_t width) {
-    add(prefix + ".weight", {width}, ParamInit::ones);
-    if (ln) add(prefix + ".bias", {width}, ParamInit::zeros);
+  auto norm = [&](ParamRole role, ParamRole bias_role, const std::string& prefix, int64_t width) {
+    add(role, prefix + ".weight", {width}, ParamInit::ones);
+    if (ln) add(bias_role, prefix + ".bias", {width}, ParamInit::zeros);
   };
-  add("embedding.word_embeddings.weight", {V, H}, ParamInit::normal, std_w);
+  using enum ParamRole;
+  add(word_embeddings, "embedding.word_embeddings.weight", {V, H}, ParamInit::normal, std_w);
   split(0);
   if (cfg.position_embedding_type == PositionEmbedding::learned_absolute) {
-    add("embedding.position_embeddings.weight", {cfg.max_positions(), H}, ParamInit::normal, std_w);
+    add(position_embeddings, "embedding.position_embeddings.weight", {cfg.max_positions(), H}, ParamInit::normal,
+        std_w);
     out.back().tp_grad = ParamSpec::TpGrad::whole;
   }
   // One transformer layer's parameters (a decoder layer, or an MTP depth's transformer layer).
   auto layer = [&](const LayerSpec& spec) {
     const std::string& pre = spec.prefix;
-    norm(pre + "input_layernorm", H);
+    norm(input_norm, input_norm_bias, pre + "input_layernorm", H);
     if (spec.attention == AttentionKind::mla) {  // Megatron's MLASelfAttention (local spec names)
       const int64_t qr = cfg.q_lora_rank, kvr = cfg.kv_lora_rank, dr = cfg.qk_pos_emb_head_dim;
       const int64_t q_rows = Hq * (cfg.qk_head_dim + dr);
       // Under TP the up-projections split by head (rows grouped by head), linear_proj by its input; the
       // down-projections are replicated (as Megatron's "duplicated" linears).
       if (qr) {
-        add(pre + "self_attention.linear_q_down_proj.weight", {qr, H}, ParamInit::normal, std_w);
+        add(q_down_proj, pre + "self_attention.linear_q_down_proj.weight", {qr, H}, ParamInit::normal, std_w);
         head_partial(out.size() - 1);
-        add(pre + "self_attention.linear_q_up_proj.weight", {q_rows, qr}, ParamInit::normal, std_w);
+        add(q_up_proj, pre + "self_attention.linear_q_up_proj.weight", {q_rows, qr}, ParamInit::normal, std_w);
         split(0);
       } else {
-        add(pre + "self_attention.linear_q_proj.weight", {q_rows, H}, ParamInit::normal, std_w);
+        add(q_proj, pre + "self_attention.linear_q_proj.weight", {q_rows, H}, ParamInit::normal, std_w);
         split(0);
       }
-      add(pre + "self_attention.linear_kv_down_proj.weight", {kvr + dr, H}, ParamInit::normal, std_w);
+      add(kv_down_proj, pre + "self_attention.linear_kv_down_proj.weight", {kvr + dr, H}, ParamInit::normal, std_w);
       head_partial(out.size() - 1);
-      add(pre + "self_attention.linear_kv_up_proj.weight", {Hq * (cfg.qk_head_dim + cfg.v_head_dim), kvr},
+      add(kv_up_proj, pre + "self_attention.linear_kv_up_proj.weight", {Hq * (cfg.qk_head_dim + cfg.v_head_dim), kvr},
           ParamInit::normal, std_w);
       split(0);
-      add(pre + "self_attention.linear_proj.weight", {H, Hq * cfg.v_head_dim}, ParamInit::normal, std_out);
+      add(proj, pre + "self_attention.linear_proj.weight", {H, Hq * cfg.v_head_dim}, ParamInit::normal, std_out);
       split(1);
-      norm(pre + "pre_mlp_layernorm", H);
+      norm(mlp_norm, mlp_norm_bias, pre + "pre_mlp_layernorm", H);
       if (spec.qk_norm) {  // with MLA, --qk-layernorm normalises the q and kv latents
         const size_t from = out.size();
-        if (qr) norm(pre + "self_attention.q_layernorm", qr);
-        norm(pre + "self_attention.kv_layernorm", kvr);
+        if (qr) norm(q_norm, q_norm_bias, pre + "self_attention.q_layernorm", qr);
+        norm(kv_norm, kv_norm_bias, pre + "self_attention.kv_layernorm", kvr);
         head_partial(from);
       }
     } else {
       // Rows are grouped by query group ([G][R + 2][D]): a split along dim 0 is a split by query group.
-      add(pre + "self_attention.linear_qkv.weight", {qkv_rows, H}, ParamInit::normal, std_w);
+      add(qkv, pre + "self_attention.linear_qkv.weight", {qkv_rows, H}, ParamInit::normal, std_w);
       split(0);
-      add(pre + "self_attention.linear_proj.weight", {H, Hq * D}, ParamInit::normal, std_out);
+      add(proj, pre + "self_attention.linear_proj.weight", {H, Hq * D}, ParamInit::normal, std_out);
       split(1);
       if (cfg.qkv_bias()) {
-        add(pre + "self_attention.linear_qkv.bias", {qkv_rows}, ParamInit::zeros);
+        add(qkv_bias, pre + "self_attention.linear_qkv.bias", {qkv_rows}, ParamInit::zeros);
         split(0);
       }
-      if (bias) add(pre + "self_attention.linear_proj.bias", {H}, ParamInit::zeros);
-      norm(pre + "pre_mlp_layernorm", H);
+      if (bias) add(proj_bias, pre + "self_attention.linear_proj.bias", {H}, ParamInit::zeros);
+      norm(mlp_norm, mlp_norm_bias, pre + "pre_mlp_layernorm", H);
       if (spec.qk_norm) {  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
         const size_t from = out.size();
-        norm(pre + "self_attention.q_layernorm", D);
-        norm(pre + "self_attention.k_layernorm", D);
+        norm(q_norm, q_norm_bias, pre + "self_attention.q_layernorm", D);
+        norm(k_norm, k_norm_bias, pre + "self_attention.k_layernorm", D);
         head_partial(from);
       }
     }
     if (spec.mlp == MlpKind::dense) {
-      add(pre + "mlp.linear_fc1.weight", {glu(cfg.ffn()), H}, ParamInit::normal, std_w);
+      add(fc1, pre + "mlp.linear_fc1.weight", {glu(cfg.ffn()), H}, ParamInit::normal, std_w);
       split(0, glu_parts);
-      add(pre + "mlp.linear_fc2.weight", {H, cfg.ffn()}, ParamInit::normal, std_out);
+      add(fc2, pre + "mlp.linear_fc2.weight", {H, cfg.ffn()}, ParamInit::normal, std_out);
       split(1);
       if (bias) {
-        add(pre + "mlp.linear_fc1.bias", {glu(cfg.ffn())}, ParamInit::zeros);
+        add(fc1_bias, pre + "mlp.linear_fc1.bias", {glu(cfg.ffn())}, ParamInit::zeros);
         split(0, glu_parts);
-        add(pre + "mlp.linear_fc2.bias", {H}, ParamInit::zeros);
+        add(fc2_bias, pre + "mlp.linear_fc2.bias", {H}, ParamInit::zeros);
       }
       return;
     }
     const int64_t E = mc.num_experts;
-    add(pre + "mlp.router.weight", {E, H}, ParamInit::normal, std_w);
-    add(pre + "mlp.experts.linear_fc1.weight", {E, glu(Fm), H}, ParamInit::normal, std_w, true);
+    add(router, pre + "mlp.router.weight", {E, H}, ParamInit::normal, std_w);
+    add(experts_fc1, pre + "mlp.experts.linear_fc1.weight", {E, glu(Fm), H}, ParamInit::normal, std_w, true);
     split(1, glu_parts);  // (expert tensor parallelism: within each expert)
-    add(pre + "mlp.experts.linear_fc2.weight", {E, H, Fm}, ParamInit::normal, std_out, true);
+    add(experts_fc2, pre + "mlp.experts.linear_fc2.weight", {E, H, Fm}, ParamInit::normal, std_out, true);
     split(2);
     if (bias) {
-      add(pre + "mlp.router.bias", {E}, ParamInit::normal, std_w);
-      add(pre + "mlp.experts.linear_fc1.bias", {E, glu(Fm)}, ParamInit::zeros, 0.0f, true);
+      add(router_bias, pre + "mlp.router.bias", {E}, ParamInit::normal, std_w);
+      add(experts_fc1_bias, pre + "mlp.experts.linear_fc1.bias", {E, glu(Fm)}, ParamInit::zeros, 0.0f, true);
       split(1, glu_parts);
-      add(pre + "mlp.experts.linear_fc2.bias", {E, H}, ParamInit::zeros, 0.0f, true);
+      add(experts_fc2_bias, pre + "mlp.experts.linear_fc2.bias", {E, H}, ParamInit::zeros, 0.0f, true);
     }
     if (Fs > 0) {
-      add(pre + "mlp.shared_experts.linear_fc1.weight", {glu(Fs), H}, ParamInit::normal, std_w);
-      add(pre + "mlp.shared_experts.linear_fc2.weight", {H, Fs}, ParamInit::normal, std_out);
-      if (mc.shared_expert_gate) add(pre + "mlp.shared_experts.gate_weight", {1, H}, ParamInit::normal, std_w);
+      add(shared_fc1, pre + "mlp.shared_experts.linear_fc1.weight", {glu(Fs), H}, ParamInit::normal, std_w);
+      add(shared_fc2, pre + "mlp.shared_experts.linear_fc2.weight", {H, Fs}, ParamInit::normal, std_out);
+      if (mc.shared_expert_gate)
+        add(shared_gate, pre + "mlp.shared_experts.gate_weight", {1, H}, ParamInit::normal, std_w);
     }
   };
   const std::vector<LayerSpec> layers = layer_specs(cfg);
-  for (const LayerSpec& spec : layers)
-    if (!spec.mtp) layer(spec);
-  norm("decoder.final_layernorm", H);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    layer_index = l;
+    layer(layers[static_cast<size_t>(l)]);
+  }
+  layer_index = -1;
+  norm(final_norm, final_norm_bias, "decoder.final_layernorm", H);
   for (int64_t k = 0; k < cfg.mtp_num_layers; ++k) {  // Megatron's MultiTokenPredictionLayer
     const std::string pre = "mtp.layers." + std::to_string(k) + ".";
-    norm(pre + "enorm", H);
-    norm(pre + "hnorm", H);
-    add(pre + "eh_proj.weight", {H, 2 * H}, ParamInit::normal, std_w);
-    layer(layers[static_cast<size_t>(cfg.num_layers + k)]);
-    norm(pre + "final_layernorm", H);
+    layer_index = cfg.num_layers + k;
+    norm(mtp_enorm, mtp_enorm_bias, pre + "enorm", H);
+    norm(mtp_hnorm, mtp_hnorm_bias, pre + "hnorm", H);
+    add(mtp_eh_proj, pre + "eh_proj.weight", {H, 2 * H}, ParamInit::normal, std_w);
+    layer(layers[static_cast<size_t>(layer_index)]);
+    norm(mtp_final_norm, mtp_final_norm_bias, pre + "final_layernorm", H);
   }
+  layer_index = -1;
   if (cfg.untie_embeddings_and_output_weights) {
-    add("output_layer.weight", {V, H}, ParamInit::normal, std_w);
+    add(output_layer, "output_layer.weight", {V, H}, ParamInit::normal, std_w);
     split(0);
   }
   return out;

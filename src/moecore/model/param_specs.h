@@ -29,6 +29,63 @@ std::vector<LayerSpec> layer_specs(const ModelConfig& cfg);
 
 enum class ParamInit : uint8_t { normal, ones, zeros };
 
+// What a parameter is to the module that reads it. With ParamSpec::layer it identifies the parameter: the model binds
+// its modules by role (DecoderLayer::bind), and only the table below spells Megatron's names.
+enum class ParamRole : uint8_t {
+  // the model's own (layer -1)
+  word_embeddings,
+  position_embeddings,
+  final_norm,
+  final_norm_bias,
+  output_layer,
+  // a transformer layer's: the norms, standard attention (q_norm / k_norm: the per-head QK-norms; with MLA q_norm is
+  // the q latent norm), MLA, the dense MLP, the MoE block
+  input_norm,
+  input_norm_bias,
+  mlp_norm,
+  mlp_norm_bias,
+  qkv,
+  qkv_bias,
+  proj,
+  proj_bias,
+  q_norm,
+  q_norm_bias,
+  k_norm,
+  k_norm_bias,
+  q_proj,
+  q_down_proj,
+  q_up_proj,
+  kv_down_proj,
+  kv_up_proj,
+  kv_norm,
+  kv_norm_bias,
+  fc1,
+  fc1_bias,
+  fc2,
+  fc2_bias,
+  router,
+  router_bias,
+  experts_fc1,
+  experts_fc1_bias,
+  experts_fc2,
+  experts_fc2_bias,
+  shared_fc1,
+  shared_fc2,
+  shared_gate,
+  // a multi-token-prediction depth's own, around its transformer layer
+  mtp_enorm,
+  mtp_enorm_bias,
+  mtp_hnorm,
+  mtp_hnorm_bias,
+  mtp_eh_proj,
+  mtp_final_norm,
+  mtp_final_norm_bias,
+};
+// Whether the role is a transformer layer's (DecoderLayer::bind), not the model's or an MTP depth's own.
+constexpr bool layer_role(ParamRole r) {
+  return r >= ParamRole::input_norm && r <= ParamRole::shared_gate;
+}
+
 struct ParamSpec {
   std::string name;  // Megatron name, e.g. "decoder.layers.0.mlp.linear_fc1.weight"
   Shape shape;       // global shape; routed-expert weights [E, ...]
@@ -48,6 +105,10 @@ struct ParamSpec {
   // whose gradient comes from the gathered rows).
   enum class TpGrad : uint8_t { sequence_partial, head_partial, whole };
   TpGrad tp_grad = TpGrad::sequence_partial;
+  ParamRole role = ParamRole::word_embeddings;
+  // The layer of a layer's (and of an MTP depth's own) parameter: its index in layer_specs (MTP depth k: num_layers +
+  // k); -1: the model's own.
+  int64_t layer = -1;
 };
 
 // Order: embeddings; per layer the input norm, linear_qkv (+bias), linear_proj (+bias), the MLP norm, QK-norms
