@@ -286,7 +286,7 @@ void TrainStep::check_and_update(StepResult& r, int64_t it, float lr) {
       }
       r.overflow = scaler_.active() && !r.nonfinite.empty();
     }
-    if (!r.nonfinite.empty() && !r.overflow && cfg_.nan_action == "stop")
+    if (!r.nonfinite.empty() && !r.overflow && cfg_.nan_action == NanAction::stop)
       MOECORE_FAIL("training: non-finite value in ", r.nonfinite, " at iteration ", it + 1,
                    " (use --nan-action skip to drop such steps)");
     r.skipped = !r.nonfinite.empty();
