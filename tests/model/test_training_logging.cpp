@@ -294,3 +294,25 @@ TEST(TrainingLogging, BadFlagsNameTheValue) {
 
 }  // namespace
 }  // namespace moecore
+
+namespace moecore {
+namespace {
+
+// The step's loss list on one process: the per-MoE-layer entries are divided by micro-batches x MoE layers, the others
+// kept; a key the list lacks reads 0 (a dense model's MoE losses).
+TEST(TrainingLogging, StepMetricsDivideTheMoeLossesPerLayerAndMicroBatch) {
+  train::StepMetrics m;
+  m.add({"mtp_1 loss", "mtp_1_loss"});
+  m.add({"z_loss", "z_loss", train::MetricReduce::mean, train::MetricInterval::last, /*per_moe_layer=*/true});
+  m.items()[0].value = 0.5;
+  m.items()[1].value = 12.0;
+  double loss = 2.0;
+  m.reduce(loss, /*moe_layers=*/3, /*micro_batches=*/2, ProcessGroup{}, ProcessGroup{});
+  EXPECT_DOUBLE_EQ(loss, 2.0);
+  EXPECT_DOUBLE_EQ(m.value("mtp_1_loss"), 0.5);
+  EXPECT_DOUBLE_EQ(m.value("z_loss"), 2.0);
+  EXPECT_EQ(m.value("load_balancing_loss"), 0.0);
+}
+
+}  // namespace
+}  // namespace moecore

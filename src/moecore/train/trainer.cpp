@@ -414,7 +414,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     out.grad_norm.push_back(r.stats.grad_norm);
     out.lr.push_back(lr);
     out.loss_scale.push_back(r.loss_scale);
-    out.moe_losses.push_back(r.moe_losses);
+    out.metrics.push_back(r.metrics);
     out.params_norm.push_back(r.params_norm);
     out.num_zeros.push_back(r.num_zeros);
     if (observer) observer(it, r.loss, r.skipped);

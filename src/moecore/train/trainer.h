@@ -16,6 +16,7 @@
 #include "moecore/parallel/comm.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/grad_scaler.h"
+#include "moecore/train/step_metrics.h"
 #include "moecore/train/timers.h"
 #include "moecore/train/train_groups.h"
 
@@ -200,26 +201,21 @@ float lr_at(const TrainConfig& cfg, int64_t it);
 // Supplies micro-batch `index` of the training (valid=false) or validation split into tokens/labels [B, S].
 using BatchFn = std::function<void(Tensor& tokens, Tensor& labels, bool valid, int64_t index)>;
 
-// MoE balancing losses of one step as Megatron logs them: the coefficient-free value of each configured
-// loss, averaged over micro-batches and MoE layers.
-struct MoeStepLosses {
-  double aux_loss = 0, seq_aux_loss = 0, global_aux_loss = 0, z_loss = 0;
-};
-
 struct TrainLog {
-  int64_t first_iteration = 0;            // steps already done when this run started (resume)
-  bool stopped_by_signal = false;         // SIGTERM/SIGINT arrived; a checkpoint was saved when --save is set
-  bool stopped_by_time = false;           // --exit-duration-in-mins passed; a checkpoint was saved when --save is set
-  int64_t skipped_steps = 0;              // steps dropped for non-finite loss or gradients (overflows included)
-  std::vector<float> loss_scale;          // per step, the loss scale its gradients were taken with (1: none)
-  std::vector<double> train_loss;         // per step, mean over its micro-batches
-  std::vector<double> grad_norm;          // per step, before clipping
-  std::vector<float> lr;                  // per step, the learning rate (a skipped step's was not applied)
-  std::vector<MoeStepLosses> moe_losses;  // per step (zeros for dense models)
-  std::vector<double> params_norm;        // per step: with log_params_norm on the logged steps, NaN elsewhere
-  std::vector<double> num_zeros;          // per step: with log_num_zeros_in_grad on the logged steps that were not
-                                          // skipped, NaN elsewhere
-  int64_t moe_retries = 0;                // steps run again on the synced dropless path (received-token capacity)
+  int64_t first_iteration = 0;       // steps already done when this run started (resume)
+  bool stopped_by_signal = false;    // SIGTERM/SIGINT arrived; a checkpoint was saved when --save is set
+  bool stopped_by_time = false;      // --exit-duration-in-mins passed; a checkpoint was saved when --save is set
+  int64_t skipped_steps = 0;         // steps dropped for non-finite loss or gradients (overflows included)
+  std::vector<float> loss_scale;     // per step, the loss scale its gradients were taken with (1: none)
+  std::vector<double> train_loss;    // per step, mean over its micro-batches
+  std::vector<double> grad_norm;     // per step, before clipping
+  std::vector<float> lr;             // per step, the learning rate (a skipped step's was not applied)
+  std::vector<StepMetrics> metrics;  // per step: its MTP and MoE losses (step_metrics.h; value(key) is 0 for
+                                     // a loss the model has none of)
+  std::vector<double> params_norm;   // per step: with log_params_norm on the logged steps, NaN elsewhere
+  std::vector<double> num_zeros;     // per step: with log_num_zeros_in_grad on the logged steps that were not
+                                     // skipped, NaN elsewhere
+  int64_t moe_retries = 0;           // steps run again on the synced dropless path (received-token capacity)
   std::vector<std::pair<int64_t, double>> valid_loss;  // (step, loss)
 };
 
