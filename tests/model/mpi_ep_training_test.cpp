@@ -60,6 +60,10 @@ train::TrainConfig train_config(int64_t iters) {
   t.lr_warmup_iters = 2;
   t.eval_iters = 3;  // not a multiple of the rank count: the evaluation split has uneven shares
   t.has_validation = true;
+  // Values these tests were written against where TrainConfig's defaults (the command line's) differ.
+  t.lr_decay_style = train::LrDecayStyle::cosine;
+  t.log_interval = 10;
+  t.exit_signal_handler = true;
   return t;
 }
 

@@ -38,6 +38,10 @@ inline ShakespeareRun run_shakespeare(const model::ModelConfig& c, const std::st
   t.min_lr = 1e-3f;
   t.lr_warmup_iters = 20;
   t.eval_iters = 8;
+  // Values these tests were written against where TrainConfig's defaults (the command line's) differ.
+  t.lr_decay_style = train::LrDecayStyle::cosine;
+  t.log_interval = 10;
+  t.exit_signal_handler = true;
   model::GptModel m(c, t.micro_batch_size, 1234, {}, test_device());
   optim::AdamWConfig o;
   o.beta2 = 0.95f;

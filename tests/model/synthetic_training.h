@@ -37,6 +37,10 @@ inline train::TrainConfig small_train_config(int64_t iters) {
   t.lr = 5e-3f;
   t.lr_warmup_iters = 2;
   t.eval_iters = 1;
+  // Values these tests were written against where TrainConfig's defaults (the command line's) differ.
+  t.lr_decay_style = train::LrDecayStyle::cosine;
+  t.log_interval = 10;
+  t.exit_signal_handler = true;
   return t;
 }
 

@@ -314,7 +314,7 @@ TEST(CheckpointFlags, UseCheckpointSchedulerReplacesTheConfigsSchedule) {
   t.lr = 1e-3f;
   t.min_lr = 0.0f;
   t.lr_warmup_iters = 0;
-  t.lr_decay_style = "linear";
+  t.lr_decay_style = train::LrDecayStyle::linear;
   t.load = dir.string();
   t.save = dir.string();
   t.use_checkpoint_opt_param_scheduler = true;

@@ -85,6 +85,9 @@ TEST(DropoutModel, ResumeIsBitIdenticalWithDropout) {
     t.train_iters = 6;
     t.lr = 5e-3f;
     t.eval_iters = 1;
+    t.lr_decay_style = train::LrDecayStyle::cosine;  // (as written against; TrainConfig's default is linear)
+    t.log_interval = 10;
+    t.exit_signal_handler = true;
     t.exit_interval = exit_interval;
     if (save) t.save = dir.string();
     if (load) t.load = dir.string();

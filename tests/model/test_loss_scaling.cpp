@@ -276,7 +276,9 @@ TEST(PerTokenLoss, EqualsTheDefaultWhenEveryTokenCounts) {
   for (size_t i = 0; i < 4; ++i) {
     EXPECT_NEAR(per_token.log.train_loss[i], mean.log.train_loss[i], 1e-5) << i;
     EXPECT_NEAR(per_token.log.grad_norm[i], mean.log.grad_norm[i], 1e-5 * mean.log.grad_norm[i]) << i;
-    EXPECT_NEAR(per_token.log.moe_losses[i].aux_loss, mean.log.moe_losses[i].aux_loss, 1e-5) << i;
+    EXPECT_NEAR(per_token.log.metrics[i].value("load_balancing_loss"), mean.log.metrics[i].value("load_balancing_loss"),
+                1e-5)
+        << i;
   }
 }
 

@@ -139,7 +139,7 @@ TEST(Training, ExitDurationSavesAndStops) {
 
 TEST(Training, NonFiniteStepIsSkippedWithEveryStateBitIdentical) {
   train::TrainConfig t = train_config(4);
-  t.nan_action = "skip";
+  t.nan_action = train::NanAction::skip;
   model::GptModel m(moe_model(), t.micro_batch_size, 77, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{});
   // Token 63 never occurs in the synthetic data; poisoning its embedding row only affects batches that use it.
@@ -256,18 +256,18 @@ TEST(Training, LrSchedulesFollowMegatronFormulas) {
   t.lr_warmup_iters = 10;
   EXPECT_FLOAT_EQ(train::lr_at(t, 0), 0.1f);
   EXPECT_FLOAT_EQ(train::lr_at(t, 9), 1.0f);
-  t.lr_decay_style = "cosine";
+  t.lr_decay_style = train::LrDecayStyle::cosine;
   EXPECT_NEAR(train::lr_at(t, 55), 0.1 + 0.9 * 0.5, 1e-6);  // halfway through the decay
-  t.lr_decay_style = "linear";
+  t.lr_decay_style = train::LrDecayStyle::linear;
   EXPECT_NEAR(train::lr_at(t, 55), 0.55, 1e-6);
-  t.lr_decay_style = "constant";
+  t.lr_decay_style = train::LrDecayStyle::constant;
   EXPECT_FLOAT_EQ(train::lr_at(t, 80), 1.0f);
-  t.lr_decay_style = "WSD";
+  t.lr_decay_style = train::LrDecayStyle::wsd;
   t.lr_wsd_decay_iters = 20;
-  t.lr_wsd_decay_style = "linear";
+  t.lr_wsd_decay_style = train::WsdDecayStyle::linear;
   EXPECT_FLOAT_EQ(train::lr_at(t, 79), 1.0f);  // stable phase
   EXPECT_NEAR(train::lr_at(t, 90), 0.1 + 0.9 * 0.5, 1e-6);
-  t.lr_wsd_decay_style = "exponential";
+  t.lr_wsd_decay_style = train::WsdDecayStyle::exponential;
   EXPECT_NEAR(train::lr_at(t, 90), 0.1 + 0.9 * (2 * std::pow(0.5, 0.5) - 1), 1e-6);
   EXPECT_FLOAT_EQ(train::lr_at(t, 100), 0.1f);
 }

@@ -33,6 +33,8 @@ train::TrainConfig train_config(int64_t iters) {
   t.lr = 5e-3f;
   t.log_interval = 1;
   t.has_validation = false;
+  t.lr_decay_style = train::LrDecayStyle::cosine;  // (as written against; TrainConfig's default is linear)
+  t.exit_signal_handler = true;
   return t;
 }
 
@@ -157,7 +159,7 @@ TEST(TrainingLogging, TimersFollowTheLevel) {
   EXPECT_FALSE(has(l1.text, "forward-compute")) << l1.text;
 
   t.timing_log_level = 2;
-  t.timing_log_option = "max";
+  t.timing_log_option = train::TimingLogOption::max;
   const Logged l2 = run(t);
   for (const char* k :
        {"batch-generator-time", "forward-compute-time", "backward-compute-time", "forward-backward-time"})
@@ -166,7 +168,7 @@ TEST(TrainingLogging, TimersFollowTheLevel) {
   EXPECT_TRUE(has(l2.text, "\n    forward-compute ....")) << l2.text;
 
   t.timing_log_level = 1;
-  t.timing_log_option = "all";
+  t.timing_log_option = train::TimingLogOption::all;
   t.log_timers_to_tensorboard = false;
   const Logged all = run(t);
   EXPECT_TRUE(time_keys(all.lines.back()).empty()) << all.lines.back().dump();
@@ -182,15 +184,15 @@ TEST(TrainingLogging, TimersBlockAndMetricsOverRanks) {
   r.names = {TimerName::forward_backward, TimerName::all_grads_sync, TimerName::optimizer};
   r.world_ranks = {0, 1};
   r.ranks = {{0.02, 0.0, 0.004}, {0.03, 0.0, 0.0}};
-  EXPECT_EQ(train::timers_format(r, "minmax", 2),
+  EXPECT_EQ(train::timers_format(r, train::TimingLogOption::minmax, 2),
             "(min, max) time across ranks (ms):"
             "\n    forward-backward ...............................: (10.00, 15.00)"
             "\n    optimizer ......................................: (2.00, 2.00)");
-  EXPECT_EQ(train::timers_format(r, "max", 2),
+  EXPECT_EQ(train::timers_format(r, train::TimingLogOption::max, 2),
             "max time across ranks (ms):"
             "\n    forward-backward ...............................: 15.00"
             "\n    optimizer ......................................: 2.00");
-  EXPECT_EQ(train::timers_format(r, "all", 2),
+  EXPECT_EQ(train::timers_format(r, train::TimingLogOption::all, 2),
             "times across ranks (ms):\n  forward-backward:\n     rank  0: 10.00\n     rank  1: 15.00"
             "\n  optimizer:\n     rank  0: 2.00");
   const auto metrics = train::timers_metrics(r, 2);
@@ -199,7 +201,7 @@ TEST(TrainingLogging, TimersBlockAndMetricsOverRanks) {
   EXPECT_DOUBLE_EQ(metrics[0].second, 0.015);
   EXPECT_EQ(metrics[1].first, "optimizer-time");
   EXPECT_DOUBLE_EQ(metrics[1].second, 0.002);
-  EXPECT_EQ(train::timers_format(train::TimerReport{}, "minmax", 2), "");  // level 0: no block
+  EXPECT_EQ(train::timers_format(train::TimerReport{}, train::TimingLogOption::minmax, 2), "");  // level 0: no block
 }
 
 // The allocator's counters of the model's device, and its reserved bytes (on the host: the resident set).
@@ -239,7 +241,7 @@ TEST(TrainingLogging, ThroughputPerGpuWithTheFlag) {
 TEST(TrainingLogging, LoggingLevelHidesInfoThenWarnings) {
   train::TrainConfig t = train_config(3);
   t.timing_log_level = 1;
-  t.nan_action = "skip";
+  t.nan_action = train::NanAction::skip;
   // Step 2 sees token 63 (never in the data otherwise) whose embedding row is made NaN by the batch function: a
   // non-finite loss, the step skipped.
   const train::BatchFn batches = [](Tensor& tok, Tensor& lab, bool valid, int64_t i) {
@@ -283,12 +285,33 @@ TEST(TrainingLogging, BadFlagsNameTheValue) {
   train::TrainConfig t = train_config(1);
   t.timing_log_level = 3;
   testing::expect_error([&] { t.validate(); }, {"--timing-log-level", "3"});
-  t = train_config(1);
-  t.timing_log_option = "median";
-  testing::expect_error([&] { t.validate(); }, {"--timing-log-option", "median", "minmax"});
+  testing::expect_error([&] { (void)enum_parse<train::TimingLogOption>("median", "--timing-log-option"); },
+                        {"--timing-log-option", "median", "max, minmax, all"});
   t = train_config(1);
   t.logging_level = -5;
   testing::expect_error([&] { t.validate(); }, {"--logging-level", "-5"});
+}
+
+}  // namespace
+}  // namespace moecore
+
+namespace moecore {
+namespace {
+
+// The step's loss list on one process: the per-MoE-layer entries are divided by micro-batches x MoE layers, the others
+// kept; a key the list lacks reads 0 (a dense model's MoE losses).
+TEST(TrainingLogging, StepMetricsDivideTheMoeLossesPerLayerAndMicroBatch) {
+  train::StepMetrics m;
+  m.add({"mtp_1 loss", "mtp_1_loss"});
+  m.add({"z_loss", "z_loss", train::MetricReduce::mean, train::MetricInterval::last, /*per_moe_layer=*/true});
+  m.items()[0].value = 0.5;
+  m.items()[1].value = 12.0;
+  double loss = 2.0;
+  m.reduce(loss, /*moe_layers=*/3, /*micro_batches=*/2, ProcessGroup{}, ProcessGroup{});
+  EXPECT_DOUBLE_EQ(loss, 2.0);
+  EXPECT_DOUBLE_EQ(m.value("mtp_1_loss"), 0.5);
+  EXPECT_DOUBLE_EQ(m.value("z_loss"), 2.0);
+  EXPECT_EQ(m.value("load_balancing_loss"), 0.0);
 }
 
 }  // namespace

@@ -653,30 +653,6 @@ void load_expert_rows(Tensor& dst, const io::LoadedCheckpoint& ck, const std::st
 }
 }  // namespace
 
-namespace {
-constexpr std::pair<const char*, CkptStrictness> kStrictnessModes[] = {
-    {"assume_ok_unexpected", CkptStrictness::assume_ok_unexpected},
-    {"log_unexpected", CkptStrictness::log_unexpected},
-    {"log_all", CkptStrictness::log_all},
-    {"raise_unexpected", CkptStrictness::raise_unexpected},
-    {"raise_all", CkptStrictness::raise_all},
-    {"return_unexpected", CkptStrictness::return_unexpected},
-    {"return_all", CkptStrictness::return_all},
-    {"ignore_all", CkptStrictness::ignore_all}};
-}  // namespace
-
-CkptStrictness parse_ckpt_strictness(const std::string& name) {
-  for (const auto& [n, m] : kStrictnessModes)
-    if (name == n) return m;
-  MOECORE_FAIL("--dist-ckpt-strictness '", name, "' is not one of Megatron's modes");
-}
-
-const char* ckpt_strictness_name(CkptStrictness s) {
-  for (const auto& [n, m] : kStrictnessModes)
-    if (s == m) return n;
-  return "?";
-}
-
 bool loads_on_unexpected(CkptStrictness s) {
   return s != CkptStrictness::assume_ok_unexpected && s != CkptStrictness::raise_unexpected &&
          s != CkptStrictness::raise_all;
@@ -795,7 +771,7 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
     if (!load_on)
       MOECORE_FAIL("checkpoint: '", ck.dir, "/", file, "' has no tensor '", name,
                    "', which this model has (Megatron's unexpected key: --dist-ckpt-strictness ",
-                   ckpt_strictness_name(options.strictness),
+                   enum_name(options.strictness),
                    " refuses the load; log_unexpected would load the rest and leave it at its initial value)");
     if (!copy) absent.push_back(file + ": " + name);
     return true;
@@ -858,7 +834,7 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
                  "warning: checkpoint %s lacks %zu tensor%s this model has (Megatron's unexpected keys), left at "
                  "their initial values, moments zero (--dist-ckpt-strictness %s; assume_ok_unexpected, "
                  "raise_unexpected and raise_all refuse such a load):%s\n",
-                 ck.dir.c_str(), absent.size(), absent.size() == 1 ? "" : "s", ckpt_strictness_name(options.strictness),
+                 ck.dir.c_str(), absent.size(), absent.size() == 1 ? "" : "s", enum_name(options.strictness),
                  list.c_str());
   }
   tensors(true);

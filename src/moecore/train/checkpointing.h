@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "moecore/core/enum_names.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
@@ -37,9 +38,9 @@ struct OptParamSchedulerState {
   float min_lr = 0;                // --min-lr
   double lr_warmup_steps = 0;      // --lr-warmup-iters (fractional from --lr-warmup-fraction)
   int64_t lr_decay_steps = 0;      // end of the decay: --lr-decay-iters, or --train-iters when that is 0
-  std::string lr_decay_style;      // --lr-decay-style
+  std::string lr_decay_style;      // --lr-decay-style, as the file spells it (enum_name of trainer.h's LrDecayStyle)
   int64_t wsd_decay_steps = 0;     // --lr-wsd-decay-iters (compared only for WSD)
-  std::string lr_wsd_decay_style;  // --lr-wsd-decay-style (compared only for WSD)
+  std::string lr_wsd_decay_style;  // --lr-wsd-decay-style (compared only for WSD; WsdDecayStyle's spelling)
   int64_t num_steps = 0;           // steps the schedule has advanced: the iteration, unless it restarted
 };
 
@@ -84,9 +85,19 @@ enum class CkptStrictness : uint8_t {
   return_all,
   ignore_all
 };
-// The mode of its name (Megatron's choices); Error otherwise. And back.
-CkptStrictness parse_ckpt_strictness(const std::string& name);
-const char* ckpt_strictness_name(CkptStrictness s);
+// Megatron's spellings (enum_parse, enum_name of core/enum_names.h).
+inline constexpr EnumName<CkptStrictness> kCkptStrictnessNames[] = {
+    {CkptStrictness::assume_ok_unexpected, "assume_ok_unexpected"},
+    {CkptStrictness::log_unexpected, "log_unexpected"},
+    {CkptStrictness::log_all, "log_all"},
+    {CkptStrictness::raise_unexpected, "raise_unexpected"},
+    {CkptStrictness::raise_all, "raise_all"},
+    {CkptStrictness::return_unexpected, "return_unexpected"},
+    {CkptStrictness::return_all, "return_all"},
+    {CkptStrictness::ignore_all, "ignore_all"}};
+constexpr std::span<const EnumName<CkptStrictness>> enum_names(CkptStrictness) {
+  return kCkptStrictnessNames;
+}
 // Whether a load under `s` goes on without the tensors the checkpoint lacks (Megatron's unexpected keys).
 bool loads_on_unexpected(CkptStrictness s);
 

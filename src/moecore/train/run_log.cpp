@@ -14,20 +14,6 @@
 namespace moecore::train {
 
 namespace {
-std::string format_moe_losses(const moe::MoeConfig& mc, const MoeStepLosses& l) {
-  std::string s;
-  if (!mc.enabled()) return s;
-  char buf[64];
-  auto add = [&](const char* name, double v) {
-    std::snprintf(buf, sizeof buf, " | %s %.4f", name, v);
-    s += buf;
-  };
-  if (mc.uses(moe::LoadBalancing::aux_loss)) add("load_balancing_loss", l.aux_loss);
-  if (mc.uses(moe::LoadBalancing::seq_aux_loss)) add("seq_load_balancing_loss", l.seq_aux_loss);
-  if (mc.uses(moe::LoadBalancing::global_aux_loss)) add("global_load_balancing_loss", l.global_aux_loss);
-  if (mc.z_loss_coeff > 0) add("z_loss", l.z_loss);
-  return s;
-}
 EchoLayers echo_layers(const model::GptModel& gpt) {
   EchoLayers v;
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) v.push_back(gpt.moe_echo_stats(l));
@@ -92,25 +78,15 @@ std::string progress_bar(int64_t done, int64_t total) {
          "]";
 }
 
+// The metrics after the head fields (lm loss, learning rate, grad norm, throughput), in the order both sinks write
+// them: the step's loss list, the communication shares, the MoE capacity retries and ECHO's plans, the per-layer MoE
+// statistics, then the logging flags' metrics (extra).
 void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, double loss, double lr,
-                  double grad_norm, const IntervalStats& st, const MoeStepLosses& moe_losses, bool per_layer,
-                  const std::vector<double>& mtp_losses, double capacity_retries, const EchoLayers& echo,
+                  double grad_norm, const IntervalStats& st, const StepMetrics& losses, bool per_layer,
+                  double capacity_retries, const EchoLayers& echo,
                   const std::vector<std::pair<std::string, double>>& extra) {
-  const moe::MoeConfig& mc = gpt.config().moe;
-  std::vector<std::pair<std::string, double>> scalars = {{"lm loss", loss},
-                                                         {"learning-rate", lr},
-                                                         {"grad-norm", grad_norm},
-                                                         {"throughput/tokens_per_s", st.tokens_per_s},
-                                                         {"throughput/tflops", st.tflops}};
-  for (size_t k = 0; k < mtp_losses.size(); ++k)  // Megatron's "mtp_<k> loss", one per depth
-    scalars.emplace_back("mtp_" + std::to_string(k + 1) + "_loss", mtp_losses[k]);
-  if (mc.enabled() && mc.uses(moe::LoadBalancing::aux_loss))
-    scalars.emplace_back("load_balancing_loss", moe_losses.aux_loss);
-  if (mc.enabled() && mc.uses(moe::LoadBalancing::seq_aux_loss))
-    scalars.emplace_back("seq_load_balancing_loss", moe_losses.seq_aux_loss);
-  if (mc.enabled() && mc.uses(moe::LoadBalancing::global_aux_loss))
-    scalars.emplace_back("global_load_balancing_loss", moe_losses.global_aux_loss);
-  if (mc.enabled() && mc.z_loss_coeff > 0) scalars.emplace_back("z_loss", moe_losses.z_loss);
+  std::vector<std::pair<std::string, double>> scalars;
+  for (const StepMetric& m : losses.items()) scalars.emplace_back(m.key, m.value);
   if (st.comm_share >= 0) scalars.emplace_back("moe/dispatcher_comm_share", st.comm_share);
   if (st.exposed_share >= 0) scalars.emplace_back("comm/exposed_share", st.exposed_share);
   if (st.grad_reduce_share >= 0) scalars.emplace_back("comm/grad_reduce_share", st.grad_reduce_share);
@@ -143,8 +119,14 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
     }
   }
   scalars.insert(scalars.end(), extra.begin(), extra.end());
-  if (sinks.tb) {
-    sinks.tb->add_scalars(step, scalars);
+  if (sinks.tb) {  // (Megatron's TensorBoard names of the head fields)
+    std::vector<std::pair<std::string, double>> all = {{"lm loss", loss},
+                                                       {"learning-rate", lr},
+                                                       {"grad-norm", grad_norm},
+                                                       {"throughput/tokens_per_s", st.tokens_per_s},
+                                                       {"throughput/tflops", st.tflops}};
+    all.insert(all.end(), scalars.begin(), scalars.end());
+    sinks.tb->add_scalars(step, all);
     sinks.tb->flush();
   }
   if (sinks.jsonl) {
@@ -154,7 +136,7 @@ void emit_metrics(MetricSinks& sinks, const model::GptModel& gpt, int64_t step, 
                           {"lr", lr},
                           {"tokens_per_s", st.tokens_per_s},
                           {"tflops", st.tflops}};
-    for (size_t i = 5; i < scalars.size(); ++i) f.emplace_back(scalars[i].first, scalars[i].second);
+    for (const auto& [key, v] : scalars) f.emplace_back(key, v);
     sinks.jsonl->write(f);
   }
 }
@@ -193,8 +175,7 @@ RunLog::RunLog(model::GptModel& gpt, const TrainConfig& cfg, const TrainGroups& 
       first_iteration_(first_iteration),
       world_size_(g.world_size()),
       flops_per_step_(gpt.flops_per_step() * static_cast<double>(cfg.micro_batches())),
-      peak_gflops_(cfg.peak_gflops),
-      mtp_acc_(static_cast<size_t>(gpt.config().mtp_num_layers), 0.0) {
+      peak_gflops_(cfg.peak_gflops) {
   const bool writes_metrics = g.dp.rank() == 0 && g.tp.rank() == 0 && g.cp.rank() == 0 && g.pp.rank() == 0;
   if (writes_metrics && !cfg.metrics_jsonl.empty())
     sinks_.jsonl = std::make_unique<io::JsonlMetricsWriter>(cfg.metrics_jsonl);
@@ -208,7 +189,9 @@ void RunLog::step(int64_t it, const StepResult& r, float lr, int64_t consumed_sa
     std::fprintf(log_, " iteration %lld: non-finite value in %s, step skipped\n", static_cast<long long>(it + 1),
                  r.nonfinite.c_str());
   loss_acc_ += r.skipped ? 0.0 : r.loss;
-  for (size_t k = 0; k < mtp_acc_.size() && !r.skipped; ++k) mtp_acc_[k] += r.mtp_loss[k];
+  const std::vector<StepMetric>& m = r.metrics.items();
+  metric_acc_.resize(m.size(), 0.0);  // (the list is the model's: the same every step)
+  for (size_t k = 0; k < m.size() && !r.skipped; ++k) metric_acc_[k] += m[k].value;
   logged_steps_ += r.skipped ? 0 : 1;
   skipped_ += r.skipped ? 1 : 0;
   retries_ += r.retried ? 1 : 0;
@@ -328,22 +311,23 @@ void RunLog::interval(int64_t it, const StepResult& r, float lr, int64_t consume
   const double elapsed = std::chrono::duration<double>(t_last_ - t_start_).count();
   const TimerReport timers = timers_ ? timers_gather(*timers_, g_) : TimerReport{};  // (collective)
   const double mean_loss = logged_steps_ ? loss_acc_ / static_cast<double>(logged_steps_) : NAN;
-  std::vector<double> mtp_mean(mtp_acc_.size());
-  std::string mtp_text;
-  for (size_t k = 0; k < mtp_acc_.size(); ++k) {
-    mtp_mean[k] = logged_steps_ ? mtp_acc_[k] / static_cast<double>(logged_steps_) : NAN;
-    append(mtp_text, " | mtp_%zu loss %.4f", k + 1, mtp_mean[k]);
+  StepMetrics losses = r.metrics;  // the interval's: the mean of the averaged entries, the logged step's others
+  std::string loss_text;
+  for (size_t k = 0; k < losses.items().size(); ++k) {
+    StepMetric& l = losses.items()[k];
+    if (l.over_interval == MetricInterval::mean)
+      l.value = logged_steps_ ? metric_acc_[k] / static_cast<double>(logged_steps_) : NAN;
+    append(loss_text, " | %s %.4f", l.label.c_str(), l.value);
   }
-  std::fill(mtp_acc_.begin(), mtp_acc_.end(), 0.0);
+  std::fill(metric_acc_.begin(), metric_acc_.end(), 0.0);
   const double eta =
       elapsed / static_cast<double>(it + 1 - first_iteration_) * static_cast<double>(cfg_.train_iters - it - 1);
   if (log_) {
     std::fprintf(log_,
-                 " iteration %6lld/%6lld | consumed tokens %10lld | lr %.3e | lm loss %.4f%s%s | %s | "
+                 " iteration %6lld/%6lld | consumed tokens %10lld | lr %.3e | lm loss %.4f%s | %s | "
                  "%.0f tokens/s | %.3f TFLOP/s%s | ETA %s %s\n",
                  static_cast<long long>(it + 1), static_cast<long long>(cfg_.train_iters),
-                 static_cast<long long>(consumed_samples * m.seq_length), lr, mean_loss, mtp_text.c_str(),
-                 format_moe_losses(m.moe, r.moe_losses).c_str(),
+                 static_cast<long long>(consumed_samples * m.seq_length), lr, mean_loss, loss_text.c_str(),
                  format_optimizer_fields(r, cfg_.grad_scaler.kind != GradScalerConfig::Kind::none).c_str(),
                  st.tokens_per_s, st.tflops, format_run_fields(st, echo).c_str(), format_duration(eta).c_str(),
                  progress_bar(it + 1, cfg_.train_iters).c_str());
@@ -354,9 +338,9 @@ void RunLog::interval(int64_t it, const StepResult& r, float lr, int64_t consume
     }
     std::fflush(log_);
   }
-  emit_metrics(sinks_, gpt_, it + 1, mean_loss, lr, r.skipped ? NAN : r.stats.grad_norm, st, r.moe_losses,
-               cfg_.moe_per_layer_logging, mtp_mean, gpt_.moe_static_capacity() ? static_cast<double>(retries_) : -1.0,
-               echo, flag_metrics(r, st, timers));
+  emit_metrics(sinks_, gpt_, it + 1, mean_loss, lr, r.skipped ? NAN : r.stats.grad_norm, st, losses,
+               cfg_.moe_per_layer_logging, gpt_.moe_static_capacity() ? static_cast<double>(retries_) : -1.0, echo,
+               flag_metrics(r, st, timers));
   retries_ = 0;
   skipped_ = 0;
   loss_acc_ = 0;

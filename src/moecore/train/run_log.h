@@ -82,7 +82,7 @@ class RunLog {
   std::chrono::steady_clock::time_point t_start_ = std::chrono::steady_clock::now(), t_last_ = t_start_;
   double blocked_last_ = comm_blocked_seconds(), grad_reduce_blocked_ = 0, pipeline_wait_ = 0;
   double loss_acc_ = 0;
-  std::vector<double> mtp_acc_;  // MTP losses over the interval
+  std::vector<double> metric_acc_;  // the step loss list's values summed over the interval (steps not skipped)
   int64_t logged_steps_ = 0;
   int64_t retries_ = 0;  // steps of the interval run again (received-token capacity)
   int64_t skipped_ = 0;  // steps of the interval skipped (--nan-action skip)

@@ -8,31 +8,57 @@
 
 namespace moecore::train {
 namespace {
-// Adds the router statistics of every MoE layer of `chunk` from its last forward into acc.
-// The statistics live on the router's device; only the losses come to the host, 40 bytes per layer and
-// micro-batch after its forward (the logging price; no kernel launch waits on it, nothing is allocated).
-void accumulate_moe_losses(const model::GptModel& gpt, int64_t chunk, MoeStepLosses& acc) {
+// The MoE balancing losses as Megatron logs them, in its order: the router's loss slot, the name, and the reduction
+// over the data-parallel ranks (global_load_balancing_loss is the sum over DP: its ranks' parts add up to the full
+// loss); each is listed when the model computes it.
+struct MoeLossMetric {
+  int64_t slot;  // ops::router_loss
+  const char* name;
+  MetricReduce over_dp;
+  bool (*used)(const moe::MoeConfig& mc);
+};
+constexpr MoeLossMetric kMoeLossMetrics[] = {
+    {ops::router_loss::aux, "load_balancing_loss", MetricReduce::mean,
+     [](const moe::MoeConfig& mc) { return mc.uses(moe::LoadBalancing::aux_loss); }},
+    {ops::router_loss::seq_aux, "seq_load_balancing_loss", MetricReduce::mean,
+     [](const moe::MoeConfig& mc) { return mc.uses(moe::LoadBalancing::seq_aux_loss); }},
+    {ops::router_loss::global_aux, "global_load_balancing_loss", MetricReduce::sum,
+     [](const moe::MoeConfig& mc) { return mc.uses(moe::LoadBalancing::global_aux_loss); }},
+    {ops::router_loss::z, "z_loss", MetricReduce::mean, [](const moe::MoeConfig& mc) { return mc.z_loss_coeff > 0; }},
+};
+
+// The step's loss list of this model (zeros): Megatron's "mtp_<k> loss" per depth, averaged over a log interval,
+// then the MoE losses it computes, the logged step's (means over micro-batches and MoE layers).
+StepMetrics step_metrics_of(const model::ModelConfig& c) {
+  StepMetrics m;
+  for (int64_t k = 1; k <= c.mtp_num_layers; ++k)
+    m.add({"mtp_" + std::to_string(k) + " loss", "mtp_" + std::to_string(k) + "_loss", MetricReduce::mean,
+           MetricInterval::mean});
+  if (!c.moe.enabled()) return m;
+  for (const MoeLossMetric& l : kMoeLossMetrics)
+    if (l.used(c.moe)) m.add({l.name, l.name, l.over_dp, MetricInterval::last, /*per_moe_layer=*/true});
+  return m;
+}
+
+// Adds the router losses of every MoE layer of `chunk` from its last forward into the list's MoE entries (which
+// follow the model's mtp_depths entries, in kMoeLossMetrics' order). The statistics live on the router's device; only
+// the losses come to the host, 40 bytes per layer and micro-batch after its forward (the logging price; no kernel
+// launch waits on it, nothing is allocated).
+void accumulate_moe_losses(const model::GptModel& gpt, int64_t chunk, StepMetrics& acc) {
+  const moe::MoeConfig& mc = gpt.config().moe;
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
     const moe::RouterStats* st = gpt.chunk_of_layer(l) == chunk ? gpt.moe_stats(l) : nullptr;
     if (!st) continue;
     double v[ops::router_loss::count];
     st->losses.copy_to_host(v, ops::router_loss::count);
-    acc.aux_loss += v[ops::router_loss::aux];
-    acc.seq_aux_loss += v[ops::router_loss::seq_aux];
-    acc.global_aux_loss += v[ops::router_loss::global_aux];
-    acc.z_loss += v[ops::router_loss::z];
+    auto item = acc.items().begin() + gpt.config().mtp_num_layers;
+    for (const MoeLossMetric& m : kMoeLossMetrics)
+      if (m.used(mc)) (item++)->value += v[m.slot];
   }
 }
 
-// Sums the step's losses and the router counts over the data-parallel group (the losses are then averaged).
-void reduce_stats_over_dp(model::GptModel& gpt, double& step_loss, MoeStepLosses& moe_losses, const ProcessGroup& dp) {
-  double v[5] = {step_loss, moe_losses.aux_loss, moe_losses.seq_aux_loss, moe_losses.global_aux_loss,
-                 moe_losses.z_loss};
-  all_reduce_sum(std::span<double>(v, 5), dp);
-  const double inv = 1.0 / dp.size();
-  step_loss = v[0] * inv;
-  // global_load_balancing_loss is logged as the sum over DP (its ranks' parts add up to the full loss).
-  moe_losses = {v[1] * inv, v[2] * inv, v[3], v[4] * inv};
+// Sums the router counts over the data-parallel group.
+void reduce_router_counts_over_dp(model::GptModel& gpt, const ProcessGroup& dp) {
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
     moe::RouterState* st = gpt.router_state(l);
     if (st) all_reduce_sum(st->local_tokens_per_expert, dp);  // a device tensor: the collective moves it
@@ -84,6 +110,7 @@ TrainStep::TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cf
   }
   gpt_.set_micro_batch_slots(schedule_.in_flight);
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) moe_layers_ += gpt.is_moe_layer(l) ? 1 : 0;
+  metrics_ = step_metrics_of(gpt.config());
   if (pp > 1) {
     transfers_ = pipeline_transfers(schedule_, pp, g_.pp.rank());
     pp_grads_ = group_split(g_.pp, g_.pp.name() + "_grads", {g_.pp.ranks()});
@@ -167,8 +194,8 @@ StepResult TrainStep::pass(int64_t it) {
   const ProcessGroup& pp = g_.pp;
   const int64_t shared = gpt_.pipeline_shared_param();
   StepResult r;
-  r.mtp_loss.assign(static_cast<size_t>(gpt_.config().mtp_num_layers), 0.0);
-  int64_t moe_layers = moe_layers_;  // this stage's, then the pipeline's
+  r.metrics = metrics_;
+  std::vector<StepMetric>& mtp = r.metrics.items();  // (the first mtp_num_layers entries)
   gpt_.zero_grad();
   const TimerScope forward_backward(timers_, TimerName::forward_backward);
   opt_.begin_grad_reduction();
@@ -204,10 +231,10 @@ StepResult TrainStep::pass(int64_t it) {
         r.loss += l.mean();
         loss_sum += l.loss_sum;
         tokens += static_cast<double>(l.tokens);
-        for (size_t k = 0; k < r.mtp_loss.size(); ++k)
-          r.mtp_loss[k] += l.mtp_mean(k) / static_cast<double>(micro_local_);
+        for (int64_t k = 0; k < gpt_.config().mtp_num_layers; ++k)
+          mtp[static_cast<size_t>(k)].value += l.mtp_mean(static_cast<size_t>(k)) / static_cast<double>(micro_local_);
       }
-      accumulate_moe_losses(gpt_, op.chunk, r.moe_losses);
+      accumulate_moe_losses(gpt_, op.chunk, r.metrics);
     } else {
       const TimerScope t(timers_, TimerName::backward_compute);
       gpt_.backward(slot, grad_scale);
@@ -222,28 +249,8 @@ StepResult TrainStep::pass(int64_t it) {
   if (shared >= 0) sum_shared_grad(static_cast<size_t>(shared));
   // The step's losses: the loss heads' from the last stage, the MoE layers' from every stage.
   r.loss /= static_cast<double>(micro_local_);
-  if (pp.size() > 1) {
-    MoeStepLosses& m = r.moe_losses;
-    std::vector<double> v = {
-        r.loss, m.aux_loss, m.seq_aux_loss, m.global_aux_loss, m.z_loss, static_cast<double>(moe_layers)};
-    v.insert(v.end(), r.mtp_loss.begin(), r.mtp_loss.end());
-    all_reduce_sum(std::span<double>(v), pp);
-    r.loss = v[0];
-    m = {v[1], v[2], v[3], v[4]};
-    moe_layers = static_cast<int64_t>(v[5]);
-    std::copy(v.begin() + 6, v.end(), r.mtp_loss.begin());
-  }
-  const int dp = g_.dp.size();
-  if (dp > 1 && !r.mtp_loss.empty()) {
-    all_reduce_sum(std::span<double>(r.mtp_loss), g_.dp);
-    for (double& v : r.mtp_loss) v /= static_cast<double>(dp);
-  }
-  if (moe_layers > 0) {
-    const double div = static_cast<double>(micro_local_ * moe_layers);
-    const MoeStepLosses& m = r.moe_losses;
-    r.moe_losses = {m.aux_loss / div, m.seq_aux_loss / div, m.global_aux_loss / div, m.z_loss / div};
-  }
-  if (dp > 1) reduce_stats_over_dp(gpt_, r.loss, r.moe_losses, g_.dp);
+  r.metrics.reduce(r.loss, moe_layers_, micro_local_, pp, g_.dp);
+  if (g_.dp.size() > 1) reduce_router_counts_over_dp(gpt_, g_.dp);
   if (cfg_.calculate_per_token_loss) {  // the loss: the global batch's sum over its counted tokens (the last stages')
     double v[2] = {loss_sum, tokens};
     for (const ProcessGroup* grp : {&pp, &g_.dp})
@@ -286,7 +293,7 @@ void TrainStep::check_and_update(StepResult& r, int64_t it, float lr) {
       }
       r.overflow = scaler_.active() && !r.nonfinite.empty();
     }
-    if (!r.nonfinite.empty() && !r.overflow && cfg_.nan_action == "stop")
+    if (!r.nonfinite.empty() && !r.overflow && cfg_.nan_action == NanAction::stop)
       MOECORE_FAIL("training: non-finite value in ", r.nonfinite, " at iteration ", it + 1,
                    " (use --nan-action skip to drop such steps)");
     r.skipped = !r.nonfinite.empty();

@@ -13,22 +13,22 @@
 #include "moecore/train/grad_scaler.h"
 #include "moecore/train/optimizer.h"
 #include "moecore/train/schedule.h"
+#include "moecore/train/step_metrics.h"
 #include "moecore/train/timers.h"
 #include "moecore/train/trainer.h"
 
 namespace moecore::train {
 
 struct StepResult {
-  double loss = 0;               // lm loss: mean over the step's micro-batches (all data-parallel ranks')
-  std::vector<double> mtp_loss;  // per MTP depth, likewise
-  MoeStepLosses moe_losses;      // as Megatron logs them (means over micro-batches and MoE layers)
-  optim::StepStats stats;        // grad norm before clipping and the clip scale (zeros when skipped)
-  bool skipped = false;          // a non-finite loss or gradient under --nan-action skip, or an overflow: no update
-  bool overflow = false;         // skipped because the gradients overflowed under loss scaling (grad_scaler.h)
-  float loss_scale = 1;          // the loss scale the step's gradients were taken with (1 without loss scaling)
-  int64_t tokens = 0;            // --calculate-per-token-loss: the global batch's counted tokens
-  std::string nonfinite;         // what was not finite ("" when all was)
-  bool retried = false;          // over the static received-token capacity somewhere: run again synced, dropless
+  double loss = 0;         // lm loss: mean over the step's micro-batches (all data-parallel ranks')
+  StepMetrics metrics;     // the MTP losses (likewise) and the MoE losses as Megatron logs them (step_metrics.h)
+  optim::StepStats stats;  // grad norm before clipping and the clip scale (zeros when skipped)
+  bool skipped = false;    // a non-finite loss or gradient under --nan-action skip, or an overflow: no update
+  bool overflow = false;   // skipped because the gradients overflowed under loss scaling (grad_scaler.h)
+  float loss_scale = 1;    // the loss scale the step's gradients were taken with (1 without loss scaling)
+  int64_t tokens = 0;      // --calculate-per-token-loss: the global batch's counted tokens
+  std::string nonfinite;   // what was not finite ("" when all was)
+  bool retried = false;    // over the static received-token capacity somewhere: run again synced, dropless
   // On the steps that end a log interval (cfg.log_interval), with the logging flags; NaN otherwise.
   double num_zeros = NAN;    // log_num_zeros_in_grad, steps not skipped: Optimizer::count_zeros_in_grad
   double params_norm = NAN;  // log_params_norm: Optimizer::params_norm after the step
@@ -76,6 +76,7 @@ class TrainStep {
   Timers* timers_;
   int64_t micro_ = 0, micro_local_ = 0;
   int64_t moe_layers_ = 0;  // the MoE layers this stage holds (MTP depths included)
+  StepMetrics metrics_;     // the step's loss list, zeros (the model's MTP depths and MoE losses)
   Schedule schedule_;
   std::vector<P2PAction> transfers_;  // empty without a pipeline
   ProcessGroup pp_grads_;             // groups.pp's ranks: the gradients' stream between stages

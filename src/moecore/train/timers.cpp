@@ -130,11 +130,11 @@ std::string dotted(const char* name) {
 }
 }  // namespace
 
-std::string timers_format(const TimerReport& r, const std::string& option, int64_t steps) {
+std::string timers_format(const TimerReport& r, TimingLogOption option, int64_t steps) {
   const double ms = 1000.0 / static_cast<double>(std::max<int64_t>(steps, 1));
   char b[160];
   std::string out;
-  if (option == "all") {
+  if (option == TimingLogOption::all) {
     for (size_t k = 0; k < r.names.size(); ++k) {
       bool first = true;
       for (size_t q = 0; q < r.ranks.size(); ++q) {
@@ -148,7 +148,7 @@ std::string timers_format(const TimerReport& r, const std::string& option, int64
     }
     return out.empty() ? out : "times across ranks (ms):" + out;
   }
-  const bool max_only = option == "max";
+  const bool max_only = option == TimingLogOption::max;
   for (const MinMax& m : timers_min_max(r)) {
     const std::string name = dotted(timer_name(r.names[m.k]));
     if (max_only)

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "moecore/core/enum_names.h"
 #include "moecore/core/tensor.h"
 #include "moecore/train/train_groups.h"
 
@@ -107,10 +108,17 @@ struct TimerReport {
 // Gathers this rank's take_seconds() from every rank (collective over every rank of the run: the stage, then the
 // pipeline). Empty at level 0 (no collective).
 TimerReport timers_gather(Timers& timers, const TrainGroups& g);
-// Megatron's block for the log (Timers.log with normalizer = the interval's steps; ms per step): option "minmax"
-// "(min, max) time across ranks (ms):" with a line per timer that ran on some rank, "max" the maxima, "all" each
+// --timing-log-option: the timers block's statistic over the ranks.
+enum class TimingLogOption : uint8_t { max, minmax, all };
+inline constexpr EnumName<TimingLogOption> kTimingLogOptionNames[] = {
+    {TimingLogOption::max, "max"}, {TimingLogOption::minmax, "minmax"}, {TimingLogOption::all, "all"}};
+constexpr std::span<const EnumName<TimingLogOption>> enum_names(TimingLogOption) {
+  return kTimingLogOptionNames;
+}
+// Megatron's block for the log (Timers.log with normalizer = the interval's steps; ms per step): option minmax
+// "(min, max) time across ranks (ms):" with a line per timer that ran on some rank, max the maxima, all each
 // rank's time. Ranks where a timer did not run (0 s) are left out of its min. "" when no timer ran.
-std::string timers_format(const TimerReport& r, const std::string& option, int64_t steps);
+std::string timers_format(const TimerReport& r, TimingLogOption option, int64_t steps);
 // The metrics of Timers.write: "<name>-time", the maximum over the ranks in seconds per step, for each timer that
 // ran.
 std::vector<std::pair<std::string, double>> timers_metrics(const TimerReport& r, int64_t steps);

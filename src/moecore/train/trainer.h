@@ -16,6 +16,8 @@
 #include "moecore/parallel/comm.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/grad_scaler.h"
+#include "moecore/train/step_metrics.h"
+#include "moecore/train/timers.h"
 #include "moecore/train/train_groups.h"
 
 namespace moecore::train {
@@ -24,29 +26,62 @@ namespace moecore::train {
 // (a model that only produces NaN does not recover by skipping, and must not report "trained" steps it never took).
 inline constexpr int64_t kMaxConsecutiveSkippedSteps = 10;
 
+// The training flags' enumerations, with their flag spellings (core/enum_names.h: enum_parse, enum_name). The
+// spellings are also what checkpoints (state.json's opt_param_scheduler) and log lines hold.
+enum class LrDecayStyle : uint8_t { constant, linear, cosine, wsd };             // --lr-decay-style
+enum class WsdDecayStyle : uint8_t { exponential, linear, cosine, minus_sqrt };  // --lr-wsd-decay-style
+enum class NanAction : uint8_t { stop, skip };                                   // --nan-action
+enum class AsyncStrategy : uint8_t { nvrx, mcore };                              // --async-strategy
+inline constexpr EnumName<LrDecayStyle> kLrDecayStyleNames[] = {{LrDecayStyle::constant, "constant"},
+                                                                {LrDecayStyle::linear, "linear"},
+                                                                {LrDecayStyle::cosine, "cosine"},
+                                                                {LrDecayStyle::wsd, "WSD"}};
+inline constexpr EnumName<WsdDecayStyle> kWsdDecayStyleNames[] = {{WsdDecayStyle::exponential, "exponential"},
+                                                                  {WsdDecayStyle::linear, "linear"},
+                                                                  {WsdDecayStyle::cosine, "cosine"},
+                                                                  {WsdDecayStyle::minus_sqrt, "minus_sqrt"}};
+inline constexpr EnumName<NanAction> kNanActionNames[] = {{NanAction::stop, "stop"}, {NanAction::skip, "skip"}};
+inline constexpr EnumName<AsyncStrategy> kAsyncStrategyNames[] = {{AsyncStrategy::nvrx, "nvrx"},
+                                                                  {AsyncStrategy::mcore, "mcore"}};
+constexpr std::span<const EnumName<LrDecayStyle>> enum_names(LrDecayStyle) {
+  return kLrDecayStyleNames;
+}
+constexpr std::span<const EnumName<WsdDecayStyle>> enum_names(WsdDecayStyle) {
+  return kWsdDecayStyleNames;
+}
+constexpr std::span<const EnumName<NanAction>> enum_names(NanAction) {
+  return kNanActionNames;
+}
+constexpr std::span<const EnumName<AsyncStrategy>> enum_names(AsyncStrategy) {
+  return kAsyncStrategyNames;
+}
+
+// The defaults are Megatron's (megatron/training/arguments.py); where Megatron has none (a required flag), they are
+// `moecore train`'s, whose command line reads them from here (apps/train_flags.cpp), so the two never disagree. A
+// field whose flag Megatron leaves None holds the value that stands for "unset" (said in its comment).
 struct TrainConfig {
-  int64_t micro_batch_size = 4;   // --micro-batch-size: sequences per forward/backward
-  int64_t global_batch_size = 4;  // --global-batch-size: sequences per optimizer step
-  int64_t train_iters = 100;      // --train-iters: optimizer steps
-  float lr = 1e-3f;               // --lr: peak learning rate
+  int64_t micro_batch_size = 8;   // --micro-batch-size: sequences per forward/backward (Megatron: required)
+  int64_t global_batch_size = 8;  // --global-batch-size: sequences per optimizer step (unset: micro_batch_size x dp)
+  int64_t train_iters = 200;      // --train-iters: optimizer steps (Megatron: required)
+  float lr = 3e-3f;               // --lr: peak learning rate (Megatron: required)
   float min_lr = 0.0f;            // --min-lr: floor of the decay
   double lr_warmup_iters =
       0;  // --lr-warmup-iters: linear warmup from 0 (fractional from --lr-warmup-fraction, as Megatron)
-  std::string lr_decay_style = "cosine";           // --lr-decay-style: constant | linear | cosine | WSD
-  int64_t lr_decay_iters = 0;                      // --lr-decay-iters: end of the decay (0: train_iters)
-  int64_t lr_wsd_decay_iters = 0;                  // --lr-wsd-decay-iters: length of WSD's final decay phase
-  std::string lr_wsd_decay_style = "exponential";  // --lr-wsd-decay-style: exponential | linear | cosine | minus_sqrt
-  int64_t log_interval = 10;                       // --log-interval: steps between log lines
-  int64_t eval_interval = 0;                       // --eval-interval: steps between validations (0: only at the end)
-  int64_t eval_iters = 4;                          // --eval-iters: validation batches per evaluation
-  bool has_validation = true;                      // false when the data has no validation split (no evaluation)
-  uint64_t seed = 1234;                            // --seed
-  bool moe_per_layer_logging = false;              // --moe-per-layer-logging: a line per MoE layer at each log
-  std::string save;                                // --save: checkpoint root ("" = no checkpoints)
-  std::string load;                                // --load: checkpoint root or iteration directory to resume from
-  int64_t ckpt_step = -1;                          // --ckpt-step: with --load, this iteration instead of the newest
-                                                   // (-1: the newest; a damaged newest is an Error, never skipped)
-  int64_t save_interval = 0;                       // --save-interval: steps between checkpoints (0: only at the end)
+  LrDecayStyle lr_decay_style = LrDecayStyle::linear;  // --lr-decay-style: constant | linear | cosine | WSD
+  int64_t lr_decay_iters = 0;                          // --lr-decay-iters: end of the decay (0: train_iters)
+  int64_t lr_wsd_decay_iters = 0;                      // --lr-wsd-decay-iters: length of WSD's final decay phase
+  WsdDecayStyle lr_wsd_decay_style = WsdDecayStyle::exponential;  // --lr-wsd-decay-style
+  int64_t log_interval = 100;                                     // --log-interval: steps between log lines
+  int64_t eval_interval = 0;                // --eval-interval: steps between validations (0: only at the end)
+  int64_t eval_iters = 100;                 // --eval-iters: validation batches per evaluation
+  bool has_validation = true;               // false when the data has no validation split (no evaluation)
+  uint64_t seed = 1234;                     // --seed
+  bool moe_per_layer_logging = false;       // --moe-per-layer-logging: a line per MoE layer at each log
+  std::string save;                         // --save: checkpoint root ("" = no checkpoints)
+  std::string load;                         // --load: checkpoint root or iteration directory to resume from
+  int64_t ckpt_step = -1;                   // --ckpt-step: with --load, this iteration instead of the newest
+                                            // (-1: the newest; a damaged newest is an Error, never skipped)
+  int64_t save_interval = 0;                // --save-interval: steps between checkpoints (0: only at the end)
   int64_t exit_interval = 0;                // --exit-interval: stop (after saving) when the iteration is a multiple
   int keep_last = 0;                        // --keep-last-checkpoints: newest N kept (0: all)
   bool allow_other_models_in_save = false;  // --allow-other-models-in-save (checkpointing.h check_save_directory)
@@ -57,13 +92,14 @@ struct TrainConfig {
   bool async_save = false;                  // --async-save
   bool use_persistent_ckpt_worker = false;  // --use-persistent-ckpt-worker: one writer thread for the run (else one
                                             // per save; Megatron disables --async-save without it, with a warning)
-  std::string async_strategy = "mcore";     // --async-strategy: mcore | nvrx (Megatron's two writer implementations;
-                                            // both are moecore's one writer, the files are the same)
-  bool async_ckpt_use_cpu_shm = false;      // --async-ckpt-use-cpu-shm: device tensors staged in host memory by the
-                                            // training process before the hand-off; moecore's snapshot always is
-  int async_ckpt_cpu_priority = 10;         // --async-ckpt-cpu-priority: the writer thread's nice value (only raised;
-                                            // as Megatron, above 19 is 19 and below 0 leaves it), so that its CRC32C
-                                            // and writes yield the cores to training
+  AsyncStrategy async_strategy = AsyncStrategy::nvrx;  // --async-strategy: nvrx | mcore (Megatron's two writer
+                                                       // implementations; both are moecore's one writer, the files
+                                                       // are the same; mcore without async_save, as Megatron)
+  bool async_ckpt_use_cpu_shm = false;  // --async-ckpt-use-cpu-shm: device tensors staged in host memory by the
+                                        // training process before the hand-off; moecore's snapshot always is
+  int async_ckpt_cpu_priority = 10;     // --async-ckpt-cpu-priority: the writer thread's nice value (only raised;
+                                        // as Megatron, above 19 is 19 and below 0 leaves it), so that its CRC32C
+                                        // and writes yield the cores to training
   std::string hf_config_json;  // --hf-config's config.json text, saved in checkpoints for `moecore convert --to-hf`
   // Megatron's partial saves and loads (checkpointing.h says what each part holds).
   bool save_optim = true;  // false: --no-save-optim (checkpoints without moments, step count, LR scheduler)
@@ -80,12 +116,12 @@ struct TrainConfig {
                                                     // checkpoint's LR schedule (lr, min_lr, warmup, decay end and
                                                     // style, WSD) replaces this config's; with neither flag they
                                                     // must match (Error naming the field otherwise)
-  bool exit_signal_handler = true;                  // --exit-signal-handler: SIGTERM/SIGINT save a checkpoint and stop
+  bool exit_signal_handler = false;                 // --exit-signal-handler: SIGTERM/SIGINT save a checkpoint and stop
   bool check_for_nan = true;                        // --check-for-nan-in-loss-and-grad
-  std::string nan_action = "stop";  // --nan-action: stop (raise an error) | skip (drop the step; the run stops with an
-                                    // Error after kMaxConsecutiveSkippedSteps skipped in a row)
-  std::string metrics_jsonl;        // --metrics-jsonl: one JSON object per logged iteration
-  std::string tensorboard_dir;      // --tensorboard-dir: TensorBoard event files
+  NanAction nan_action = NanAction::stop;  // --nan-action: stop (raise an error) | skip (drop the step; the run stops
+                                           // with an Error after kMaxConsecutiveSkippedSteps skipped in a row)
+  std::string metrics_jsonl;               // --metrics-jsonl: one JSON object per logged iteration
+  std::string tensorboard_dir;             // --tensorboard-dir: TensorBoard event files
   // Megatron's logging flags (what each adds to the log line and the metrics: RunLog in run_log.h; the timers:
   // timers.h). The metrics go to --metrics-jsonl and --tensorboard-dir alike, under Megatron's TensorBoard names.
   // --log-params-norm: " params norm: %.3f |" and params-norm, the L2 norm of the f32 parameters after the logged
@@ -102,8 +138,8 @@ struct TrainConfig {
   bool log_timers_to_tensorboard = false;
   int timing_log_level = 0;  // --timing-log-level: 0 (the iteration time only) | 1 (and the timers that run once per
                              // step) | 2 (and those per micro-batch); at 1 and 2 a timers block follows each log line
-  std::string timing_log_option = "minmax";  // --timing-log-option: minmax | max | all (the block's statistic over
-                                             // the ranks)
+  TimingLogOption timing_log_option = TimingLogOption::minmax;  // --timing-log-option: max | minmax | all (the
+                                                                // block's statistic over the ranks)
   // --log-memory-to-tensorboard: the metrics mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes and
   // mem-allocated-count of the model's device (RunLog in run_log.h says what each counts).
   bool log_memory_to_tensorboard = false;
@@ -165,26 +201,21 @@ float lr_at(const TrainConfig& cfg, int64_t it);
 // Supplies micro-batch `index` of the training (valid=false) or validation split into tokens/labels [B, S].
 using BatchFn = std::function<void(Tensor& tokens, Tensor& labels, bool valid, int64_t index)>;
 
-// MoE balancing losses of one step as Megatron logs them: the coefficient-free value of each configured
-// loss, averaged over micro-batches and MoE layers.
-struct MoeStepLosses {
-  double aux_loss = 0, seq_aux_loss = 0, global_aux_loss = 0, z_loss = 0;
-};
-
 struct TrainLog {
-  int64_t first_iteration = 0;            // steps already done when this run started (resume)
-  bool stopped_by_signal = false;         // SIGTERM/SIGINT arrived; a checkpoint was saved when --save is set
-  bool stopped_by_time = false;           // --exit-duration-in-mins passed; a checkpoint was saved when --save is set
-  int64_t skipped_steps = 0;              // steps dropped for non-finite loss or gradients (overflows included)
-  std::vector<float> loss_scale;          // per step, the loss scale its gradients were taken with (1: none)
-  std::vector<double> train_loss;         // per step, mean over its micro-batches
-  std::vector<double> grad_norm;          // per step, before clipping
-  std::vector<float> lr;                  // per step, the learning rate (a skipped step's was not applied)
-  std::vector<MoeStepLosses> moe_losses;  // per step (zeros for dense models)
-  std::vector<double> params_norm;        // per step: with log_params_norm on the logged steps, NaN elsewhere
-  std::vector<double> num_zeros;          // per step: with log_num_zeros_in_grad on the logged steps that were not
-                                          // skipped, NaN elsewhere
-  int64_t moe_retries = 0;                // steps run again on the synced dropless path (received-token capacity)
+  int64_t first_iteration = 0;       // steps already done when this run started (resume)
+  bool stopped_by_signal = false;    // SIGTERM/SIGINT arrived; a checkpoint was saved when --save is set
+  bool stopped_by_time = false;      // --exit-duration-in-mins passed; a checkpoint was saved when --save is set
+  int64_t skipped_steps = 0;         // steps dropped for non-finite loss or gradients (overflows included)
+  std::vector<float> loss_scale;     // per step, the loss scale its gradients were taken with (1: none)
+  std::vector<double> train_loss;    // per step, mean over its micro-batches
+  std::vector<double> grad_norm;     // per step, before clipping
+  std::vector<float> lr;             // per step, the learning rate (a skipped step's was not applied)
+  std::vector<StepMetrics> metrics;  // per step: its MTP and MoE losses (step_metrics.h; value(key) is 0 for
+                                     // a loss the model has none of)
+  std::vector<double> params_norm;   // per step: with log_params_norm on the logged steps, NaN elsewhere
+  std::vector<double> num_zeros;     // per step: with log_num_zeros_in_grad on the logged steps that were not
+                                     // skipped, NaN elsewhere
+  int64_t moe_retries = 0;           // steps run again on the synced dropless path (received-token capacity)
   std::vector<std::pair<int64_t, double>> valid_loss;  // (step, loss)
 };
 
