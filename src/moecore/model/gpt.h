@@ -87,7 +87,7 @@ class GptModel {
   // The parameter the first and the last stage both hold (the word embeddings, when the last holds a copy): its
   // gradient is the sum of both stages' (the training step exchanges them). Its index in params(), or -1 (PP 1, or a
   // stage that holds no such parameter, or a model without the copy).
-  int64_t pipeline_shared_param() const { return pipeline_shared_; }
+  int64_t pipeline_shared_param() const { return store_.pipeline_shared(); }
 
   const ModelConfig& config() const { return cfg_; }
   int64_t micro_batch_size() const { return B_; }
@@ -299,7 +299,6 @@ class GptModel {
   size_t chunk_ = 0;  // the chunk the running (or last) forward or backward works on
   size_t first_layer() const { return static_cast<size_t>(stage_.chunks[chunk_].first); }  // of chunk_
   size_t end_layer() const { return static_cast<size_t>(stage_.chunks[chunk_].second); }
-  int64_t pipeline_shared_ = -1;
   void use_slot(Slot s);         // checked; sets chunk_ and the chunk's current slot
   Activations& slot_at(Slot s);  // checked
   Activations& act() { return slots_[chunk_][slot_[chunk_]]; }
