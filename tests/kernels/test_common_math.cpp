@@ -1,10 +1,14 @@
 // The host/device arithmetic of kernels/common/ on the host, against values worked out by hand: the router's score
-// functions and top-k ties, the aux losses' scalar tail and the routing Jacobian of one token. Both backends run these
+// functions and top-k ties, the aux losses' scalar tail and the routing Jacobian of one token, AdamW's first step, the
+// dropout threshold and the norms' row chunks. Both backends run these
 // functions; the ops' own tests compare the backends.
 #include <gtest/gtest.h>
 
 #include <cmath>
 
+#include "moecore/kernels/common/adamw.h"
+#include "moecore/kernels/common/dropout_mask.h"
+#include "moecore/kernels/common/norm_chunks.h"
 #include "moecore/kernels/common/router_grads.h"
 
 namespace moecore::ops::router_math {
@@ -77,3 +81,52 @@ TEST(CommonRouterMath, RouteBackwardRowOfAPostSoftmaxToken) {
 
 }  // namespace
 }  // namespace moecore::ops::router_math
+
+namespace moecore::ops {
+namespace {
+
+// Adam's first step moves every parameter by lr against the gradient's sign (bias-corrected m / sqrt(v) = sign(g)),
+// less eps's share; decoupled weight decay scales the parameter first.
+TEST(CommonAdamW, FirstStepMovesByTheLearningRate) {
+  AdamWParams p;
+  p.lr = 1e-3f;
+  p.eps = 0.0f;
+  p.weight_decay = 0.5f;
+  p.grad_scale = 2.0f;
+  const adamw::Consts k(p);
+  const float g = adamw::scaled_grad(-3.0f, k);
+  EXPECT_EQ(g, -6.0f);
+  const float m = adamw::first_moment(0.0f, g, k), v = adamw::second_moment(0.0f, g, k);
+  EXPECT_FLOAT_EQ(m, (1.0f - 0.9f) * -6.0f);
+  EXPECT_FLOAT_EQ(v, (1.0f - 0.999f) * 36.0f);
+  EXPECT_NEAR(adamw::param(1.0f, m, v, k), 1.0f * (1.0f - 5e-4f) + 1e-3f, 1e-6f);
+}
+
+// The threshold is the least word whose uniform reaches p: the word below it falls short.
+TEST(CommonDropout, ThresholdIsTheLeastKeptWord) {
+  EXPECT_EQ(dropout::keep_threshold(0.0f), 0u);
+  for (float p : {0.1f, 0.5f, 0.013f, 0.999f}) {
+    const uint32_t t = dropout::keep_threshold(p);
+    EXPECT_GE(dropout::word_to_uniform(t), p);
+    EXPECT_LT(dropout::word_to_uniform(t - 1), p);
+  }
+  EXPECT_EQ(dropout::keep_scale(0.5f), 2.0f);
+}
+
+// At most 128 chunks of at least 8 rows, covering N exactly.
+TEST(CommonNorms, RowChunksCoverTheRows) {
+  EXPECT_EQ(RowChunks(0).count, 0);
+  EXPECT_EQ(RowChunks(1).count, 1);
+  EXPECT_EQ(RowChunks(9).count, 2);
+  EXPECT_EQ(RowChunks(9).rows_per, 5);
+  EXPECT_EQ(RowChunks(100000).count, 128);
+  for (int64_t N : {1, 7, 8, 9, 1000, 1025, 100000}) {
+    const RowChunks c(N);
+    EXPECT_LE(c.count, 128);
+    EXPECT_GE(c.count * c.rows_per, N);
+    EXPECT_LT((c.count - 1) * c.rows_per, N);
+  }
+}
+
+}  // namespace
+}  // namespace moecore::ops
