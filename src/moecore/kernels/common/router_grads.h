@@ -2,6 +2,7 @@
 // CUDA kernels (cuda/router.cu, cuda/router_losses.cu): the routing Jacobian of one token (top-k backward) and the
 // scalar tail of the aux losses (loss values and dL/dscores). One source, the same operations in the same order, so
 // the CUDA kernels (one thread per token; one thread for the tail) give the CPU's bits wherever their inputs agree.
+// Also the aux scores' backward of one token (the losses' gradient through their own scores).
 // Not here: the loops over tokens (the backends own them), the per-sequence sums P and cnt (the CPU's token loop, a
 // thread per (b, e) column on the device), the z-loss.
 #pragma once
@@ -120,6 +121,26 @@ MOECORE_HD inline void aux_loss_tail(double* losses, int64_t* gtok, double* g, d
       if (cg > 0) v += cg * kNg2 * cavg[e];
       g[b * E + e] = v;
     }
+}
+
+// The aux scores' backward of one valid token: st [E] (its aux scores on entry) becomes dL/dz from gt [E] = dL/ds of
+// its sequence (g of aux_loss_tail) and its logits z [E]:
+// softmax: dz = s (ds - <s, ds>); normalized f: dz = f'(z) (ds - <s, ds>) / (sum f + 1e-20).
+template <class R>
+MOECORE_HD inline void aux_scores_backward_row(R* st, const double* gt, const R* z, int64_t E, ScoreFunction sf) {
+  R dot = 0;
+  for (int64_t e = 0; e < E; ++e) dot += st[e] * R(gt[e]);
+  if (sf == ScoreFunction::softmax) {
+    for (int64_t e = 0; e < E; ++e) st[e] = st[e] * (R(gt[e]) - dot);
+  } else {
+    R sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += score_fn(sf, z[e]);
+    const R denom = sum + R(1e-20);
+    for (int64_t e = 0; e < E; ++e) {
+      const R f = score_fn(sf, z[e]);
+      st[e] = score_fn_grad(sf, z[e], f) * (R(gt[e]) - dot) / denom;
+    }
+  }
 }
 
 }  // namespace moecore::ops::router_math

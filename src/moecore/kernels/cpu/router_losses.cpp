@@ -43,8 +43,7 @@ void aux_scores_kernel(R* s, R* m, const R* logits, const bool* padding, int64_t
 }
 
 // Overwrites the aux scores in s with dL/dz for valid rows, where dL/ds[t, e] = g[b(t) * E + e] and b(t) = t % B
-// is the sequence of token t (sequence-major tokens, t = s * B + b):
-// softmax: dz = s (ds - <s, ds>); normalized f: dz = f'(z) (ds - <s, ds>) / (sum f + 1e-20).
+// is the sequence of token t (sequence-major tokens, t = s * B + b): kernels/common/router_grads.h, per row.
 template <class R>
 void aux_scores_backward(R* s, const R* logits, const double* g, const bool* padding, int64_t T, int64_t B, int64_t E,
                          ScoreFunction sf) {
@@ -52,21 +51,7 @@ void aux_scores_backward(R* s, const R* logits, const double* g, const bool* pad
   for (int64_t t = 0; t < T; ++t) {
     R* st = s + t * E;
     if (padding && padding[t]) continue;  // already zero
-    const double* gt = g + (t % B) * E;
-    const R* z = logits + t * E;
-    R dot = 0;
-    for (int64_t e = 0; e < E; ++e) dot += st[e] * R(gt[e]);
-    if (sf == ScoreFunction::softmax) {
-      for (int64_t e = 0; e < E; ++e) st[e] = st[e] * (R(gt[e]) - dot);
-    } else {
-      R sum = 0;
-      for (int64_t e = 0; e < E; ++e) sum += score_fn(sf, z[e]);
-      const R denom = sum + R(1e-20);
-      for (int64_t e = 0; e < E; ++e) {
-        const R f = score_fn(sf, z[e]);
-        st[e] = score_fn_grad(sf, z[e], f) * (R(gt[e]) - dot) / denom;
-      }
-    }
+    router_math::aux_scores_backward_row(st, g + (t % B) * E, logits + t * E, E, sf);
   }
 }
 

@@ -88,21 +88,7 @@ __global__ void aux_backward_kernel(R* s, const R* logits, const double* g, cons
   MOECORE_GRID_STRIDE(t, T) {
     R* st_ = s + t * E;
     if (padding && padding[t]) continue;
-    const double* gt = g + (t % B) * E;
-    const R* z = logits + t * E;
-    R dot = 0;
-    for (int64_t e = 0; e < E; ++e) dot += st_[e] * R(gt[e]);
-    if (sf == ScoreFunction::softmax) {
-      for (int64_t e = 0; e < E; ++e) st_[e] = st_[e] * (R(gt[e]) - dot);
-    } else {
-      R sum = 0;
-      for (int64_t e = 0; e < E; ++e) sum += score_fn(sf, z[e]);
-      const R denom = sum + R(1e-20);
-      for (int64_t e = 0; e < E; ++e) {
-        const R f = score_fn(sf, z[e]);
-        st_[e] = score_fn_grad(sf, z[e], f) * (R(gt[e]) - dot) / denom;
-      }
-    }
+    router_math::aux_scores_backward_row(st_, g + (t % B) * E, logits + t * E, E, sf);
   }
 }
 
