@@ -183,6 +183,7 @@ TEST(Dispatch, LocalRoundTripWithIdentityExpertsReturnsInput) {
   moe::DispatchBuffers buf = moe::dispatch_buffers_alloc(T, H, E, M, DType::f32, ctx.device);
   moe::LocalDispatcher disp;
   disp.dispatch_prepare(buf, xd, probs_d, map_d, ctx);
+  disp.exchange_counts(buf, ctx);
   disp.dispatch(buf, ctx);
   const int64_t R = routed_rows(buf.plan);
   const auto px = to_vector(buf.permuted_x), pp = to_vector(buf.permuted_probs);
@@ -192,7 +193,7 @@ TEST(Dispatch, LocalRoundTripWithIdentityExpertsReturnsInput) {
   buf.expert_out.copy_from(eo);
   Tensor y = dev_empty({T, H}, DType::f32);
   disp.combine_prepare(buf, ctx);
-  disp.combine(buf, ctx);
+  disp.combine(buf, y, ctx);
   disp.combine_finish(buf, y, ctx);
   EXPECT_TENSOR_NEAR(y, x, 1e-6, 1e-7);
 

@@ -5,6 +5,7 @@
 // results are read through host copies, and finite differences perturb a host copy that each evaluation uploads.
 #include <cmath>
 #include <string>
+#include <variant>
 
 #include "moecore/moe/moe_layer.h"
 #include "test_util.h"
@@ -140,6 +141,67 @@ TEST(MoeLayer, BiasesWithASharedExpertAreRejected) {
   }
   Layer ok(false, 0.0f, 5);
   EXPECT_NO_THROW(ok.forward());
+}
+
+// Each EP dispatcher's state carries its own named scratch. A cache allocated alone holds its saved tensors and the
+// scratch; one that shares another's scratch aliases it and allocates only its saved tensors; the memory plan's two
+// counts (moe_layer_cache_bytes, moe_layer_scratch_bytes) are what was allocated. (Allocation only: no process group.)
+TEST(MoeLayer, DispatcherScratchIsNamedSharedAndCountedOnce) {
+  MoeConfig cfg;
+  cfg.num_experts = 4;
+  cfg.router_topk = 2;
+  for (DispatcherKind kind : {DispatcherKind::alltoall, DispatcherKind::allgather}) {
+    SCOPED_TRACE(dispatcher_kind_name(kind));
+    MoeLayerDims d{12, 2, 8, 6, 0, DType::f32};
+    d.ep = 2;
+    d.dispatcher = kind;
+    d.device = testing::test_device();
+    const int64_t before = memory_stats().total_current;
+    const MoeLayerCache a = moe_layer_cache_alloc(d, cfg);
+    const int64_t first = memory_stats().total_current;
+    EXPECT_EQ(first - before, moe_layer_cache_bytes(a) + moe_layer_scratch_bytes(a));
+    // The dispatcher's own scratch, by name, is part of the scratch count.
+    std::vector<const Tensor*> named;
+    if (const auto* s = std::get_if<AllToAllState>(&a.dispatch.state)) {
+      const AllToAllScratch& w = s->scratch;
+      named = {&w.send_x, &w.send_f, &w.send_p, &w.stage_x, &w.stage_f, &w.stage_p};
+    } else {
+      const AllGatherScratch& w = std::get<AllGatherState>(a.dispatch.state).scratch;
+      named = {&w.gx, &w.gprobs, &w.gy, &w.gdprobs, &w.ty};
+    }
+    int64_t named_bytes = 0;
+    for (const Tensor* t : named) {
+      ASSERT_TRUE(t->defined());
+      named_bytes += t->nbytes();
+    }
+    EXPECT_GT(named_bytes, 0);
+    EXPECT_GE(moe_layer_scratch_bytes(a), named_bytes);
+    const MoeLayerCache b = moe_layer_cache_alloc(d, cfg, &a);
+    EXPECT_EQ(memory_stats().total_current - first, moe_layer_cache_bytes(b));
+    EXPECT_EQ(moe_layer_scratch_bytes(b), moe_layer_scratch_bytes(a));
+    EXPECT_TRUE(b.dispatch.expert_out.same_data(a.dispatch.expert_out));
+    if (kind == DispatcherKind::alltoall)
+      EXPECT_TRUE(std::get<AllToAllState>(b.dispatch.state)
+                      .scratch.send_x.same_data(std::get<AllToAllState>(a.dispatch.state).scratch.send_x));
+    else
+      EXPECT_TRUE(std::get<AllGatherState>(b.dispatch.state)
+                      .scratch.gy.same_data(std::get<AllGatherState>(a.dispatch.state).scratch.gy));
+  }
+}
+
+// A dispatcher refuses buffers allocated for another one, naming itself.
+TEST(MoeLayer, DispatcherRefusesAnotherDispatchersBuffers) {
+  Layer l(false);
+  MoeLayerDims d = l.d;
+  d.ep = 2;
+  d.dispatcher = DispatcherKind::allgather;
+  l.cache = moe_layer_cache_alloc(d, l.cfg);
+  try {
+    l.forward();
+    ADD_FAILURE() << "the local dispatcher ran on all-gather buffers";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("local dispatcher"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -5,11 +5,7 @@
 #pragma once
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define MOECORE_HD __host__ __device__
-#else
-#define MOECORE_HD
-#endif
+#include "moecore/kernels/common/hd.h"
 
 namespace moecore::ops::echo_plan {
 

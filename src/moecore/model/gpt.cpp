@@ -837,8 +837,10 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
     for (const Tensor* t : ts)
       if (t->defined()) at(c) += t->nbytes();
   };
-  // Every slot's activations (set_micro_batch_slots). MoE caches mix saved activations and backward scratch (owned by
-  // one cache, moe_scratch_donor); the plan counts them as activations.
+  // Every slot's activations (set_micro_batch_slots). The MoE caches' backward scratch, which they all share (allocated
+  // by one cache, moe_scratch_donor), is counted once; the plan counts it as activations.
+  if (const moe::MoeLayerCache* donor = moe_scratch_donor())
+    at(MemCategory::activations) += moe::moe_layer_scratch_bytes(*donor);
   for (size_t chunk = 0; chunk < slots_.size(); ++chunk)
     for (const Activations& a : slots_[chunk]) {
       for (size_t l = 0; l < layers_.size(); ++l) {

@@ -5,6 +5,7 @@
 #include "moecore/moe/dispatcher.h"
 
 #include <algorithm>
+#include <type_traits>
 
 namespace moecore::moe {
 namespace {
@@ -102,66 +103,122 @@ int64_t dispatch_max_rows_ep(int64_t T, int64_t E, int64_t K, int64_t capacity, 
   return ep * etp * per_source;
 }
 
-DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, int64_t T, int64_t H, int64_t E, int64_t ep, int64_t etp,
-                                          int64_t max_send, int64_t max_rows, DType x_dtype, Device device) {
-  if (kind == DispatcherKind::local || (ep == 1 && etp == 1))
-    return dispatch_buffers_alloc(T, H, E, max_rows, x_dtype, device);
-  if (ep <= 0 || E % ep != 0)
-    MOECORE_FAIL("dispatch buffers: the number of experts (", E, ") must be divisible by the expert-parallel size (",
-                 ep, ")");
-  if (etp <= 0) MOECORE_FAIL("dispatch buffers: the expert-tensor-parallel size (", etp, ") must be positive");
-  const int64_t El = E / ep;
-  const auto act = MemCategory::activations, work = MemCategory::workspace;
-  // The expert side: El local experts; the token side of the plan depends on the kind.
-  const int64_t gathered = ep * etp * T;  // allgather: the tokens of the whole ETP x EP group
-  const int64_t plan_tokens = kind == DispatcherKind::allgather ? gathered : 0;
-  DispatchBuffers b = dispatch_buffers_alloc(plan_tokens, H, El, max_rows, x_dtype, device);
-  EpBuffers& p = b.ep;
-  p.ep = ep;
-  p.etp = etp;
-  p.local_experts = El;
+DispatchBuffers dispatch_buffers_alloc_ep(DispatcherKind kind, const DispatchDims& d) {
+  if (kind == DispatcherKind::local || (d.ep == 1 && d.etp == 1))
+    return dispatch_buffers_alloc(d.T, d.H, d.E, d.max_rows, d.x_dtype, d.device);
+  if (d.ep <= 0 || d.E % d.ep != 0)
+    MOECORE_FAIL("dispatch buffers: the number of experts (", d.E, ") must be divisible by the expert-parallel size (",
+                 d.ep, ")");
+  if (d.etp <= 0) MOECORE_FAIL("dispatch buffers: the expert-tensor-parallel size (", d.etp, ") must be positive");
+  // The expert side: El local experts; the token side of the plan depends on the kind (all-gather: the tokens of the
+  // whole ETP x EP group; all-to-all: none, the expert side needs only the counts).
+  const int64_t El = d.E / d.ep;
+  const int64_t plan_tokens = kind == DispatcherKind::allgather ? d.ep * d.etp * d.T : 0;
+  DispatchBuffers b = dispatch_buffers_alloc(plan_tokens, d.H, El, d.max_rows, d.x_dtype, d.device);
   if (kind == DispatcherKind::alltoall) {
-    b.plan.row_token = Tensor();  // the expert side needs only the counts
+    b.plan.row_token = Tensor();
     b.plan.token_rows = Tensor();
-    p.send_plan = dispatch_plan_alloc(T, E, max_send, device);
-    p.chunk_counts = Tensor::zeros({etp * E}, DType::i64, act, device);
-    if (etp > 1) p.ep_counts = Tensor::zeros({E}, DType::i64, act, device);
-    p.send_counts_host.assign(static_cast<size_t>(E), 0);
-    p.chunk_counts_host.assign(static_cast<size_t>(etp * E), 0);
-    p.send_rows.assign(static_cast<size_t>(ep), 0);
-    p.recv_rows.assign(static_cast<size_t>(ep), 0);
-    p.etp_rows.assign(static_cast<size_t>(etp), 0);
-    p.el_blocks.assign(static_cast<size_t>(ep), El);
-    p.send_x = Tensor::empty({max_send, H}, x_dtype, work, device);
-    p.send_f = Tensor::empty({max_send, H}, DType::f32, work, device);
-    p.send_p = Tensor::empty({max_send}, DType::f32, work, device);
-    p.stage_x = Tensor::empty({max_rows, H}, x_dtype, work, device);
-    p.stage_f = Tensor::empty({max_rows, H}, DType::f32, work, device);
-    p.stage_p = Tensor::empty({max_rows}, DType::f32, work, device);
-    if (etp > 1) {  // the rows from the EP sources only: a 1/ETP share of the bound
-      const int64_t max_own = (max_rows + etp - 1) / etp;
-      p.own_x = Tensor::empty({max_own, H}, x_dtype, work, device);
-      p.own_f = Tensor::empty({max_own, H}, DType::f32, work, device);
-      p.own_p = Tensor::empty({max_own}, DType::f32, work, device);
-    }
+    b.state = AllToAllDispatcher::alloc_state(d);
   } else {
-    p.gmap = Tensor::empty({gathered, E}, DType::boolean, act, device);
-    p.lmap = Tensor::empty({gathered, El}, DType::boolean, act, device);
-    p.lprobs = Tensor::empty({gathered, El}, DType::f32, act, device);
-    p.gx = Tensor::empty({gathered, H}, x_dtype, work, device);
-    p.gprobs = Tensor::empty({gathered, E}, DType::f32, work, device);
-    p.gy = Tensor::empty({gathered, H}, DType::f32, work, device);
-    p.gdprobs = Tensor::empty({gathered, E}, DType::f32, work, device);
-    p.ty = Tensor::empty({T, H}, DType::f32, work, device);
+    b.state = AllGatherDispatcher::alloc_state(d);
   }
   return b;
 }
 
+AllToAllState AllToAllDispatcher::alloc_state(const DispatchDims& d) {
+  const int64_t P = d.ep, Q = d.etp, E = d.E, El = E / P, H = d.H;
+  const auto act = MemCategory::activations, work = MemCategory::workspace;
+  AllToAllState s;
+  s.ep = P;
+  s.etp = Q;
+  s.local_experts = El;
+  s.send_plan = dispatch_plan_alloc(d.T, E, d.max_send, d.device);
+  s.chunk_counts = Tensor::zeros({Q * E}, DType::i64, act, d.device);
+  if (Q > 1) s.ep_counts = Tensor::zeros({E}, DType::i64, act, d.device);
+  s.send_counts_host.assign(static_cast<size_t>(E), 0);
+  s.chunk_counts_host.assign(static_cast<size_t>(Q * E), 0);
+  s.send_rows.assign(static_cast<size_t>(P), 0);
+  s.recv_rows.assign(static_cast<size_t>(P), 0);
+  s.etp_rows.assign(static_cast<size_t>(Q), 0);
+  s.el_blocks.assign(static_cast<size_t>(P), El);
+  AllToAllScratch& w = s.scratch;
+  w.send_x = Tensor::empty({d.max_send, H}, d.x_dtype, work, d.device);
+  w.send_f = Tensor::empty({d.max_send, H}, DType::f32, work, d.device);
+  w.send_p = Tensor::empty({d.max_send}, DType::f32, work, d.device);
+  w.stage_x = Tensor::empty({d.max_rows, H}, d.x_dtype, work, d.device);
+  w.stage_f = Tensor::empty({d.max_rows, H}, DType::f32, work, d.device);
+  w.stage_p = Tensor::empty({d.max_rows}, DType::f32, work, d.device);
+  if (Q > 1) {  // the rows from the EP sources only: a 1/ETP share of the bound
+    const int64_t max_own = (d.max_rows + Q - 1) / Q;
+    w.own_x = Tensor::empty({max_own, H}, d.x_dtype, work, d.device);
+    w.own_f = Tensor::empty({max_own, H}, DType::f32, work, d.device);
+    w.own_p = Tensor::empty({max_own}, DType::f32, work, d.device);
+  }
+  return s;
+}
+
+AllGatherState AllGatherDispatcher::alloc_state(const DispatchDims& d) {
+  const int64_t El = d.E / d.ep, gathered = d.ep * d.etp * d.T, E = d.E, H = d.H;
+  const auto act = MemCategory::activations, work = MemCategory::workspace;
+  AllGatherState s;
+  s.ep = d.ep;
+  s.etp = d.etp;
+  s.local_experts = El;
+  s.gmap = Tensor::empty({gathered, E}, DType::boolean, act, d.device);
+  s.lmap = Tensor::empty({gathered, El}, DType::boolean, act, d.device);
+  s.lprobs = Tensor::empty({gathered, El}, DType::f32, act, d.device);
+  AllGatherScratch& w = s.scratch;
+  w.gx = Tensor::empty({gathered, H}, d.x_dtype, work, d.device);
+  w.gprobs = Tensor::empty({gathered, E}, DType::f32, work, d.device);
+  w.gy = Tensor::empty({gathered, H}, DType::f32, work, d.device);
+  w.gdprobs = Tensor::empty({gathered, E}, DType::f32, work, d.device);
+  w.ty = Tensor::empty({d.T, H}, DType::f32, work, d.device);
+  return s;
+}
+
+namespace {
+// The scratch of buffers b (DispatchBuffers, const or not) as pointers to its tensors, in one order per kind.
+template <class Buffers>
+auto scratch_of(Buffers& b) {
+  using T = std::conditional_t<std::is_const_v<Buffers>, const Tensor, Tensor>;
+  std::vector<T*> v = {&b.expert_out, &b.dpermuted, &b.dexpert_in, &b.dpermuted_probs};
+  if (auto* s = std::get_if<AllToAllState>(&b.state)) {
+    auto& w = s->scratch;
+    for (T* t : {&w.send_x, &w.send_f, &w.send_p, &w.stage_x, &w.stage_f, &w.stage_p, &w.own_x, &w.own_f, &w.own_p})
+      v.push_back(t);
+  } else if (auto* g = std::get_if<AllGatherState>(&b.state)) {
+    auto& w = g->scratch;
+    for (T* t : {&w.gx, &w.gprobs, &w.gy, &w.gdprobs, &w.ty}) v.push_back(t);
+  }
+  return v;
+}
+}  // namespace
+
 std::vector<Tensor*> dispatch_scratch_tensors(DispatchBuffers& b) {
-  EpBuffers& p = b.ep;
-  return {&b.expert_out, &b.dpermuted, &b.dexpert_in, &b.dpermuted_probs, &p.send_x, &p.send_f, &p.send_p, &p.stage_x,
-          &p.stage_f,    &p.stage_p,   &p.own_x,      &p.own_f,           &p.own_p,  &p.gx,     &p.gprobs, &p.gy,
-          &p.gdprobs,    &p.ty};
+  return scratch_of(b);
+}
+std::vector<const Tensor*> dispatch_scratch_tensors(const DispatchBuffers& b) {
+  return scratch_of(b);
+}
+
+std::vector<const Tensor*> dispatch_refilled_tensors(const DispatchBuffers& b) {
+  const DispatchPlan& p = b.plan;
+  std::vector<const Tensor*> v = {&p.tokens_per_expert, &p.expert_offset, &p.row_token,
+                                  &p.token_rows,        &b.permuted_x,    &b.permuted_probs};
+  if (const auto* s = std::get_if<AllToAllState>(&b.state)) {
+    const DispatchPlan& sp = s->send_plan;
+    for (const Tensor* t :
+         {&sp.tokens_per_expert, &sp.expert_offset, &sp.row_token, &sp.token_rows, &s->chunk_counts, &s->ep_counts})
+      v.push_back(t);
+  } else if (const auto* g = std::get_if<AllGatherState>(&b.state)) {
+    for (const Tensor* t : {&g->gmap, &g->lmap, &g->lprobs}) v.push_back(t);
+  }
+  return v;
+}
+
+bool dispatch_overflowed(const DispatchBuffers& b) {
+  const auto* s = std::get_if<AllToAllState>(&b.state);
+  return s && s->overflow;
 }
 
 void dispatch_plan_build(DispatchPlan& plan, const Tensor& map, const ops::Context& ctx) {
@@ -205,14 +262,16 @@ void unpermute_backward(Tensor& dx, Tensor& dprobs, const Tensor& drows, const T
 
 void LocalDispatcher::dispatch_prepare(DispatchBuffers& buf, const Tensor& x, const Tensor& probs, const Tensor& map,
                                        const ops::Context& ctx) {
+  if (!std::holds_alternative<LocalState>(buf.state))
+    MOECORE_FAIL(
+        "local dispatcher: the buffers were allocated for an expert-parallel dispatcher (allocate them with "
+        "dispatch_buffers_alloc, or run the dispatcher they were sized for)");
   dispatch_plan_build(buf.plan, map, ctx);
   permute_tokens(buf.permuted_x, buf.permuted_probs, x, probs, buf.plan, ctx);
 }
 
 // With one process the rows never leave: the unpermute-sum (the all-to-all dispatcher's last local step)
 // writes the output directly.
-void LocalDispatcher::combine_prepare(DispatchBuffers&, const ops::Context&) {}
-
 void LocalDispatcher::combine_finish(DispatchBuffers& buf, Tensor& y, const ops::Context& ctx) {
   unpermute_tokens(y, buf.expert_out, buf.plan, false, ctx);
 }

@@ -3,6 +3,7 @@
 #include "moecore/moe/echo.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "moecore/core/error.h"
 #include "moecore/moe/dispatcher.h"
@@ -118,13 +119,24 @@ EchoCache echo_cache_alloc(const EchoDims& d, int64_t T, int64_t E, const Expert
   return c;
 }
 
-std::vector<Tensor*> echo_scratch_tensors(EchoCache& c) {
-  std::vector<Tensor*> v = {
+namespace {
+template <class Cache>  // EchoCache, const or not
+auto scratch_of(Cache& c) {
+  using T = std::conditional_t<std::is_const_v<Cache>, const Tensor, Tensor>;
+  std::vector<T*> v = {
       &c.dprobs,      &c.clone_grads.fc1, &c.clone_grads.fc2,  &c.clone_grads.fc1_bias, &c.clone_grads.fc2_bias,
       &c.grad_in.fc1, &c.grad_in.fc2,     &c.grad_in.fc1_bias, &c.grad_in.fc2_bias};
   if (c.recompute_dispatch)
-    for (Tensor* t : {&c.clones.fc1, &c.clones.fc2, &c.clones.fc1_bias, &c.clones.fc2_bias}) v.push_back(t);
+    for (T* t : {&c.clones.fc1, &c.clones.fc2, &c.clones.fc1_bias, &c.clones.fc2_bias}) v.push_back(t);
   return v;
+}
+}  // namespace
+
+std::vector<Tensor*> echo_scratch_tensors(EchoCache& c) {
+  return scratch_of(c);
+}
+std::vector<const Tensor*> echo_scratch_tensors(const EchoCache& c) {
+  return scratch_of(c);
 }
 
 std::vector<const Tensor*> echo_routing_tensors(const EchoCache& c) {
@@ -195,7 +207,9 @@ void echo_reduce_clone_grads(ExpertGrads& home, EchoCache& c, const EchoDims& d,
 }
 
 int64_t echo_home_rows(const DispatchBuffers& b, const EchoCache& c) {
-  const EpBuffers& p = b.ep;
+  const AllToAllState* s = std::get_if<AllToAllState>(&b.state);
+  MOECORE_CHECK(s, "echo_home_rows: needs the alltoall dispatcher's state");
+  const AllToAllState& p = *s;
   MOECORE_CHECK(p.etp == 1 && static_cast<int64_t>(p.chunk_counts_host.size()) == p.ep * (c.El + c.Sl),
                 "echo_home_rows: needs the alltoall dispatcher's host counts over El + Sl local experts");
   int64_t n = 0;

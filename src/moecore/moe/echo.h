@@ -65,6 +65,7 @@ struct EchoCache {
 EchoCache echo_cache_alloc(const EchoDims& d, int64_t T, int64_t E, const ExpertDims& home);
 // The tensors shared by the layers of a model: backward scratch, and the clones with recompute_dispatch.
 std::vector<Tensor*> echo_scratch_tensors(EchoCache& c);
+std::vector<const Tensor*> echo_scratch_tensors(const EchoCache& c);
 // The plan and the rerouted routing (kept by a recompute), and the clones when they are not scratch (refilled).
 std::vector<const Tensor*> echo_routing_tensors(const EchoCache& c);
 std::vector<const Tensor*> echo_refilled_tensors(const EchoCache& c);

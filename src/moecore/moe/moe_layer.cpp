@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 namespace moecore::moe {
 namespace {
@@ -51,14 +52,16 @@ int64_t bytes_of(const Tensor& t) {
 }  // namespace
 
 namespace {
-// The scratch tensors of a cache, by address, so they can be aliased and counted in one place.
-std::vector<Tensor*> scratch_tensors(MoeLayerCache& c) {
-  std::vector<Tensor*> v = {&c.dprobs,      &c.router.dlogits, &c.router.work,  &c.router.forced_bias,
-                            &c.expert_ws.a, &c.expert_ws.da,   &c.expert_ws.dh, &c.shared.dact,
-                            &c.shared.dh,   &c.shared.dout_c};
-  for (Tensor* t : dispatch_scratch_tensors(c.dispatch)) v.push_back(t);
+// The scratch tensors of a cache (MoeLayerCache, const or not), by address, so they can be aliased and counted in one
+// place.
+template <class Cache>
+auto scratch_tensors(Cache& c) {
+  using T = std::conditional_t<std::is_const_v<Cache>, const Tensor, Tensor>;
+  std::vector<T*> v = {&c.dprobs,       &c.router.dlogits, &c.router.work, &c.router.forced_bias, &c.expert_ws.a,
+                       &c.expert_ws.da, &c.expert_ws.dh,   &c.shared.dact, &c.shared.dh,          &c.shared.dout_c};
+  for (T* t : dispatch_scratch_tensors(c.dispatch)) v.push_back(t);
   if (c.echo.ep > 1)
-    for (Tensor* t : echo_scratch_tensors(c.echo)) v.push_back(t);
+    for (T* t : echo_scratch_tensors(c.echo)) v.push_back(t);
   return v;
 }
 // The saved tensors of the routing (kept by a recomputed layer) and those a forward refills from it.
@@ -81,29 +84,9 @@ std::vector<const Tensor*> routing_tensors(const MoeLayerCache& c) {
   return v;
 }
 std::vector<const Tensor*> refilled_tensors(const MoeLayerCache& c) {
-  const auto& b = c.dispatch;
   const auto& s = c.shared;
-  std::vector<const Tensor*> v = {&b.plan.tokens_per_expert,
-                                  &b.plan.expert_offset,
-                                  &b.plan.row_token,
-                                  &b.plan.token_rows,
-                                  &b.permuted_x,
-                                  &b.permuted_probs,
-                                  &c.experts.h,
-                                  &c.experts.act,
-                                  &s.h,
-                                  &s.act,
-                                  &s.out,
-                                  &s.gate_s,
-                                  &b.ep.send_plan.tokens_per_expert,
-                                  &b.ep.send_plan.expert_offset,
-                                  &b.ep.send_plan.row_token,
-                                  &b.ep.send_plan.token_rows,
-                                  &b.ep.chunk_counts,
-                                  &b.ep.ep_counts,
-                                  &b.ep.gmap,
-                                  &b.ep.lmap,
-                                  &b.ep.lprobs};
+  std::vector<const Tensor*> v = dispatch_refilled_tensors(c.dispatch);
+  for (const Tensor* t : {&c.experts.h, &c.experts.act, &s.h, &s.act, &s.out, &s.gate_s}) v.push_back(t);
   for (const Tensor* t : echo_refilled_tensors(c.echo)) v.push_back(t);
   return v;
 }
@@ -127,8 +110,17 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
   c.probs = Tensor::empty({d.T, E}, DType::f32, MemCategory::activations, d.device);
   c.map = Tensor::empty({d.T, E}, DType::boolean, MemCategory::activations, d.device);
   c.dprobs = Tensor::empty({d.T, E}, DType::f32, MemCategory::workspace, d.device);
-  c.dispatch = dispatch_buffers_alloc_ep(d.dispatcher, d.T, d.H, columns_of(d, cfg), d.ep, d.etp, max_send_of(d, cfg),
-                                         rows, d.compute, d.device);
+  DispatchDims dd;
+  dd.T = d.T;
+  dd.H = d.H;
+  dd.E = columns_of(d, cfg);
+  dd.ep = d.ep;
+  dd.etp = d.etp;
+  dd.max_send = max_send_of(d, cfg);
+  dd.max_rows = rows;
+  dd.x_dtype = d.compute;
+  dd.device = d.device;
+  c.dispatch = dispatch_buffers_alloc_ep(d.dispatcher, dd);
   if (kept < rows) {  // the saved expert side at the static capacity (the staging scratch keeps every row)
     c.dispatch.permuted_x = Tensor::empty({kept, d.H}, d.compute, MemCategory::activations, d.device);
     c.dispatch.permuted_probs = Tensor::empty({kept}, DType::f32, MemCategory::activations, d.device);
@@ -141,15 +133,16 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
     c.shared = shared_expert_cache_alloc(d.T, d.H, d.Fs, cfg.swiglu, cfg.shared_expert_gate, d.compute, d.device);
   if (share) {
     // Replacing the freshly allocated scratch by the donor's frees it again; allocation is once per model.
-    auto mine = scratch_tensors(c);
-    auto theirs = scratch_tensors(const_cast<MoeLayerCache&>(*share));
+    const std::vector<Tensor*> mine = scratch_tensors(c);
+    const std::vector<const Tensor*> theirs = scratch_tensors(*share);
+    MOECORE_CHECK(mine.size() == theirs.size() && c.dispatch.state.index() == share->dispatch.state.index(),
+                  "moe_layer_cache_alloc: the scratch donor has another dispatcher");
     for (size_t i = 0; i < mine.size(); ++i) {
       MOECORE_CHECK(
           mine[i]->defined() == theirs[i]->defined() && (!mine[i]->defined() || mine[i]->shape() == theirs[i]->shape()),
           "moe_layer_cache_alloc: scratch donor has different shapes");
       *mine[i] = *theirs[i];
     }
-    c.owns_scratch = false;
   }
   return c;
 }
@@ -162,7 +155,7 @@ int64_t moe_layer_received_rows(const MoeLayerDims& d, const MoeConfig& cfg) {
 }
 
 bool moe_layer_overflowed(const MoeLayerCache& c) {
-  return c.dispatch.ep.overflow;
+  return dispatch_overflowed(c.dispatch);
 }
 
 void moe_layer_cache_share_refilled(MoeLayerCache& c, const MoeLayerCache& from) {
@@ -189,8 +182,12 @@ int64_t moe_layer_cache_bytes(const MoeLayerCache& c) {
     for (const Tensor* t : refilled_tensors(c))
       if ((t != &c.experts.act || c.owns_expert_act) && ((t != &c.shared.h && t != &c.shared.act) || c.owns_shared_act))
         n += bytes_of(*t);
-  if (c.owns_scratch)
-    for (Tensor* t : scratch_tensors(const_cast<MoeLayerCache&>(c))) n += bytes_of(*t);
+  return n;
+}
+
+int64_t moe_layer_scratch_bytes(const MoeLayerCache& c) {
+  int64_t n = 0;
+  for (const Tensor* t : scratch_tensors(c)) n += bytes_of(*t);
   return n;
 }
 
@@ -275,6 +272,7 @@ void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, c
     echo_fetch_clones_start(c.echo, w.experts, d.echo);
   }
   dispatcher.dispatch_prepare(b, x, echo ? c.echo.probs : c.probs, echo ? c.echo.map : c.map, ctx);
+  dispatcher.exchange_counts(b, ctx);
   dispatcher.dispatch(b, ctx);
   // experts, over the rows the host knows to bound this step's (no device read); with ECHO the home experts' rows,
   // then (once the clones have arrived) the clone slots' rows with the clones' weights
@@ -286,7 +284,7 @@ void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, c
   }
   // combine
   dispatcher.combine_prepare(b, ctx);
-  dispatcher.combine(b, ctx);
+  dispatcher.combine(b, y, ctx);
   dispatcher.combine_finish(b, y, ctx);
   if (d.Fs > 0) shared_expert_forward(y, x, w.shared, c.shared, cfg.swiglu, ctx);
 }

@@ -1,5 +1,6 @@
 // The MoE layer as named stages (STYLE.md, spec §9):
-//   route -> dispatch_prepare -> dispatch -> experts -> combine_prepare -> combine -> combine_finish
+//   route -> dispatch_prepare -> exchange_counts -> dispatch -> experts -> combine_prepare -> combine -> combine_finish
+// (which of them communicate: dispatcher.h)
 // plus the shared expert on every token. Forward and backward are explicit; the dispatcher is passed in, so
 // the same layer runs with the local, all-to-all or all-gather dispatcher.
 // Gradient contract: parameter gradients accumulate (+=); the input gradient dx is written.
@@ -56,9 +57,11 @@ struct MoeLayerGrads {
   Tensor router_bias{};  // [E] f32, defined iff the router has a bias
 };
 
-// Everything one layer keeps between forward and backward, allocated once. Scratch that is dead between
-// a layer's forward and its backward (the experts' output rows, backward buffers) is shared by all layers
-// of a model: see moe_layer_cache_alloc's `share_scratch_with`.
+// Everything one layer keeps between forward and backward, allocated once, and its scratch: the tensors dead between
+// a layer's forward and its backward (the dispatcher's staging rows -- AllToAllScratch, AllGatherScratch --, the
+// experts' output rows, backward buffers), which all layers of a model share (moe_layer_cache_alloc's
+// `share_scratch_with`): one cache allocates them, the others alias them, and the memory plan counts them once
+// (moe_layer_scratch_bytes).
 struct MoeLayerCache {
   RouterCache router;
   Tensor probs;   // [T, E] f32
@@ -70,12 +73,11 @@ struct MoeLayerCache {
   SharedExpertCache shared;
   EchoCache echo;               // MoE ECHO's plan, rerouted routing and clones (dims.echo enabled)
   RouterStats stats;            // of the last forward
-  bool owns_scratch = true;     // false when the scratch tensors alias another layer's
   bool owns_refilled = true;    // false when the tensors a recompute refills alias another cache's
   bool owns_expert_act = true;  // false when experts.act aliases a buffer shared by layers (moe_act recompute)
   bool owns_shared_act = true;  // false when shared.h and shared.act do (shared_experts recompute)
 };
-// With share_scratch_with (a cache of the same shapes), the scratch tensors alias that cache's.
+// With share_scratch_with (a cache of the same shapes and dispatcher), the scratch tensors alias that cache's.
 MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
                                     const MoeLayerCache* share_scratch_with = nullptr);
 // Full recompute (the model's --recompute-granularity full): the saved tensors a forward with route=false refills from
@@ -85,9 +87,10 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
 void moe_layer_cache_share_refilled(MoeLayerCache& c, const MoeLayerCache& from);
 // Whether the last forward of the layer with this cache overflowed the static received-token capacity.
 bool moe_layer_overflowed(const MoeLayerCache& c);
-// Bytes this cache allocated itself (the model's memory plan): saved tensors (the refilled ones when owned), plus
-// scratch when owned.
+// The model's memory plan: moe_layer_cache_bytes counts the saved tensors this cache allocated itself (the refilled
+// ones when owned), once per cache; moe_layer_scratch_bytes the scratch, once per set of caches that share it.
 int64_t moe_layer_cache_bytes(const MoeLayerCache& c);
+int64_t moe_layer_scratch_bytes(const MoeLayerCache& c);
 
 // x [T, H] compute dtype (the pre-MLP norm output, t = s * B + b); padding_mask [T] bool or undefined; y [T, H] f32
 // written with the routed plus shared expert output. route=false (recompute): the cache's routing of the forward it

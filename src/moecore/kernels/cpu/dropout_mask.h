@@ -6,31 +6,16 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "moecore/kernels/common/dropout_mask.h"
 #include "moecore/kernels/cpu/cpu_util.h"
 
 namespace moecore::ops::cpu {
 
-// philox_uniform's map from a 32-bit word to (0, 1).
-inline float philox_word_to_uniform(uint32_t w) {
-  return std::min(static_cast<float>((static_cast<double>(w) + 0.5) * 0x1p-32), 0x1.fffffep-1f);
-}
-
 class DropoutMask {
  public:
-  // p in (0, 1), checked by the caller.
-  explicit DropoutMask(const Dropout& d) : key_(d.key), scale_(1.0f / (1.0f - d.p)) {
-    // The word-to-uniform map is monotone, so "uniform >= p" is "word >= the least word whose uniform
-    // is >= p". The largest word maps to 0x1.fffffep-1 >= any p < 1, so the search always succeeds.
-    uint32_t lo = 0, hi = 0xFFFFFFFFu;
-    while (lo < hi) {
-      const uint32_t mid = lo + (hi - lo) / 2;
-      if (philox_word_to_uniform(mid) >= d.p)
-        hi = mid;
-      else
-        lo = mid + 1;
-    }
-    threshold_ = lo;
-  }
+  // p in (0, 1), checked by the caller. The threshold and scale: kernels/common/dropout_mask.h, shared with CUDA.
+  explicit DropoutMask(const Dropout& d)
+      : key_(d.key), scale_(dropout::keep_scale(d.p)), threshold_(dropout::keep_threshold(d.p)) {}
   float scale() const { return scale_; }
 
   // f[k] = scale() if element first + k is kept, else 0, for k < n.

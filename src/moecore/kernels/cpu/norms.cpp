@@ -2,6 +2,7 @@
 // are reduced over N through per-chunk partials, with chunk boundaries fixed by N alone and partials
 // summed in chunk order, so every result is independent of the thread count.
 // Not here: norms with more than one normalised dim, or fused residual adds (callers use ops::add).
+#include "moecore/kernels/common/norm_chunks.h"
 #include "moecore/kernels/cpu/cpu_util.h"
 
 namespace moecore::ops {
@@ -9,16 +10,6 @@ namespace {
 
 using cpu::ld;
 using cpu::st;
-
-// Rows [chunk * rows_per, ...) form chunk `chunk`; at most 128 chunks keep the partials small.
-struct RowChunks {
-  int64_t count = 0, rows_per = 1;
-  explicit RowChunks(int64_t N) {
-    count = std::min<int64_t>((N + 7) / 8, 128);
-    rows_per = count ? (N + count - 1) / count : 1;
-    count = rows_per ? (N + rows_per - 1) / rows_per : 0;
-  }
-};
 
 // dst[h] += sum over chunks c (in order) of partial[c * H + h].
 void reduce_partials(float* dst, const float* partial, int64_t chunks, int64_t H) {

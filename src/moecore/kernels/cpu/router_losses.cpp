@@ -5,6 +5,7 @@
 // after its checks.
 // Not here: the all-reduce of global_aux_loss's counts (moe/router_losses.cpp calls it between the ops),
 // calculate_per_token_loss or MTP scaling (moecore does neither).
+#include "moecore/kernels/common/router_grads.h"
 #include "moecore/kernels/cpu/router_util.h"
 
 namespace moecore::ops {
@@ -14,15 +15,6 @@ using cpu::router::kParallelWork;
 using cpu::router::score_fn;
 using cpu::router::score_fn_grad;
 using cpu::router::scratch;
-
-// E / (K N^2) * sum_e P_e c_e: one code path for all three losses, so B = 1 seq_aux_loss and the first
-// global_aux_loss micro-batch reproduce aux_loss bit for bit.
-double switch_loss(const double* P, const double* c, int64_t E, int64_t K, double N) {
-  if (N <= 0) return 0.0;
-  double acc = 0;
-  for (int64_t e = 0; e < E; ++e) acc += P[e] * c[e];
-  return static_cast<double>(E) / (static_cast<double>(K) * N * N) * acc;
-}
 
 template <class R>
 void aux_scores_kernel(R* s, R* m, const R* logits, const bool* padding, int64_t T, int64_t E, int64_t K,
@@ -51,8 +43,7 @@ void aux_scores_kernel(R* s, R* m, const R* logits, const bool* padding, int64_t
 }
 
 // Overwrites the aux scores in s with dL/dz for valid rows, where dL/ds[t, e] = g[b(t) * E + e] and b(t) = t % B
-// is the sequence of token t (sequence-major tokens, t = s * B + b):
-// softmax: dz = s (ds - <s, ds>); normalized f: dz = f'(z) (ds - <s, ds>) / (sum f + 1e-20).
+// is the sequence of token t (sequence-major tokens, t = s * B + b): kernels/common/router_grads.h, per row.
 template <class R>
 void aux_scores_backward(R* s, const R* logits, const double* g, const bool* padding, int64_t T, int64_t B, int64_t E,
                          ScoreFunction sf) {
@@ -60,21 +51,7 @@ void aux_scores_backward(R* s, const R* logits, const double* g, const bool* pad
   for (int64_t t = 0; t < T; ++t) {
     R* st = s + t * E;
     if (padding && padding[t]) continue;  // already zero
-    const double* gt = g + (t % B) * E;
-    const R* z = logits + t * E;
-    R dot = 0;
-    for (int64_t e = 0; e < E; ++e) dot += st[e] * R(gt[e]);
-    if (sf == ScoreFunction::softmax) {
-      for (int64_t e = 0; e < E; ++e) st[e] = st[e] * (R(gt[e]) - dot);
-    } else {
-      R sum = 0;
-      for (int64_t e = 0; e < E; ++e) sum += score_fn(sf, z[e]);
-      const R denom = sum + R(1e-20);
-      for (int64_t e = 0; e < E; ++e) {
-        const R f = score_fn(sf, z[e]);
-        st[e] = score_fn_grad(sf, z[e], f) * (R(gt[e]) - dot) / denom;
-      }
-    }
+    router_math::aux_scores_backward_row(st, g + (t % B) * E, logits + t * E, E, sf);
   }
 }
 
@@ -83,8 +60,7 @@ void aux_scores_backward(R* s, const R* logits, const double* g, const bool* pad
 template <class R>
 void aux_losses_kernel(R* dll, double* losses, int64_t* gtok, const R* m, const R* logits, const int64_t* gc,
                        const bool* padding, int64_t T, int64_t E, const RouterAuxLoss& p) {
-  const int64_t K = p.K, B = p.B;
-  const double ca = p.coeffs.aux, cs = p.coeffs.seq_aux, cg = p.coeffs.global_aux;
+  const int64_t B = p.B;
   const int64_t n_valid = cpu::router::valid_tokens(padding, T);
   // Per sequence b and expert e: P = sum of scores, cnt = routed count (valid tokens only). Tokens are
   // sequence-major (t = s * B + b, Megatron's [S, B] flattening), so token t belongs to sequence t % B
@@ -107,41 +83,8 @@ void aux_losses_kernel(R* dll, double* losses, int64_t* gtok, const R* m, const 
   double* Pt = scratch<double, 23>(static_cast<size_t>(E));
   double* ct = scratch<double, 24>(static_cast<size_t>(E));
   double* cavg = scratch<double, 25>(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) {
-    Pt[e] = 0, ct[e] = 0;
-    for (int64_t b = 0; b < B; ++b) Pt[e] += P[b * E + e], ct[e] += cnt[b * E + e];
-  }
-  const double N = static_cast<double>(n_valid);
-  const double kN2 = N > 0 ? static_cast<double>(E) / (static_cast<double>(K) * N * N) : 0.0;
-  double Ng = N, kNg2 = kN2;
-  if (cg > 0) {
-    // Each rank's partial P with the group's counts and N adds up to the full loss (spec §3.3: TP x DP x CP).
-    Ng = static_cast<double>(gc[E]);
-    kNg2 = Ng > 0 ? static_cast<double>(E) / (static_cast<double>(K) * Ng * Ng) : 0.0;
-    for (int64_t e = 0; e < E; ++e) gtok[e] += gc[e];
-    for (int64_t e = 0; e < E; ++e) cavg[e] = static_cast<double>(gtok[e]) / static_cast<double>(p.global_steps);
-  }
-  // With padding every sequence is normalized by the average valid length (Megatron §3.3).
-  const double Ns = N / static_cast<double>(B);
-  const double kNs2 = Ns > 0 ? static_cast<double>(E) / (static_cast<double>(K) * Ns * Ns) : 0.0;
-  losses[router_loss::aux] = ca > 0 ? switch_loss(Pt, ct, E, K, N) : 0.0;
-  losses[router_loss::seq_aux] = 0.0;
-  if (cs > 0) {
-    double acc = 0;
-    for (int64_t b = 0; b < B; ++b) acc += switch_loss(P + b * E, cnt + b * E, E, K, Ns);
-    losses[router_loss::seq_aux] = acc / static_cast<double>(B);
-  }
-  losses[router_loss::global_aux] = cg > 0 ? switch_loss(Pt, cavg, E, K, Ng) : 0.0;
-  // dL/ds[t, e] for a token of sequence b (the counts are constants).
   double* g = scratch<double, 26>(static_cast<size_t>(B * E));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t e = 0; e < E; ++e) {
-      double v = 0;
-      if (ca > 0) v += ca * kN2 * ct[e];
-      if (cs > 0) v += cs * kNs2 * cnt[b * E + e] / static_cast<double>(B);
-      if (cg > 0) v += cg * kNg2 * cavg[e];
-      g[b * E + e] = v;
-    }
+  router_math::aux_loss_tail(losses, gtok, g, Pt, ct, cavg, P, cnt, gc, n_valid, E, p);
   aux_scores_backward(dll, logits, g, padding, T, B, E, p.score_function);
 }
 

@@ -6,6 +6,7 @@
 // Not here: the gating linear and jitter (router_gating.cpp) or any loss (router_losses.cpp).
 #include <numeric>
 
+#include "moecore/kernels/common/router_grads.h"
 #include "moecore/kernels/cpu/router_util.h"
 
 namespace moecore::ops {
@@ -183,54 +184,17 @@ int64_t capacity_kernel(float* pp, bool* mp, bool* kept, const R* sparse, const 
   return dropped;
 }
 
-// Per token, with dw_j = scale * dprobs[t, idx_j] for kept pairs (0 for dropped ones: probs' = probs * map):
-//   post-softmax  dz[idx_j] = w_j (dw_j - sum_i w_i dw_i)            (softmax over the selected logits)
-//   pre-softmax   dz = s * (ds - sum_j s_idx_j dw_j), ds = dw scattered  (softmax over all E; sinkhorn k>1)
-//   sigmoid-like  dz[idx_j] = f'(z) (dw_j - sum_i dw_i w_i) / (sum sel + 1e-20)   (k == 1: f'(z) dw_j)
+// Per token, the routing Jacobian of kernels/common/router_grads.h (route_backward_row).
 template <class R>
 void route_backward_kernel(R* dlogits, const float* dp, const R* logits, const R* scores, const int32_t* tk_idx,
                            const R* tk_w, const bool* kept, const R* dll, int64_t T, int64_t E, int64_t K,
                            const RouterRouting& p, float aux_grad_scale) {
-  const R scale = p.scaling_factor > 0 ? R(p.scaling_factor) : R(1);
-  const R loss_scale = R(aux_grad_scale);
-  const bool sinkhorn = p.sinkhorn;
-  const bool full_softmax =
-      (sinkhorn && K > 1) || (!sinkhorn && p.score_function == ScoreFunction::softmax && p.pre_softmax);
-  const bool post_softmax = !sinkhorn && p.score_function == ScoreFunction::softmax && !p.pre_softmax;
+  const auto c = router_math::route_backward_consts<R>(p, K, aux_grad_scale);
 #pragma omp parallel for schedule(static) if (T * E > kParallelWork)
   for (int64_t t = 0; t < T; ++t) {
-    const int32_t* idx = tk_idx + t * K;
-    const R* w = tk_w + t * K;
-    const R* z = logits + t * E;
-    const R* s = scores + t * E;
-    R* dl = dlogits + t * E;
     R* dw = scratch<R, 0>(static_cast<size_t>(K));
-    for (int64_t j = 0; j < K; ++j) dw[j] = kept[t * K + j] ? R(dp[t * E + idx[j]]) * scale : R(0);
-    std::fill(dl, dl + E, R(0));
-    if (full_softmax) {
-      R dot = 0;
-      for (int64_t j = 0; j < K; ++j) dot += s[idx[j]] * dw[j];
-      for (int64_t e = 0; e < E; ++e) dl[e] = -s[e] * dot;
-      for (int64_t j = 0; j < K; ++j) dl[idx[j]] += s[idx[j]] * dw[j];
-    } else if (post_softmax) {
-      R dot = 0;
-      for (int64_t j = 0; j < K; ++j) dot += w[j] * dw[j];
-      for (int64_t j = 0; j < K; ++j) dl[idx[j]] = w[j] * (dw[j] - dot);
-    } else if (sinkhorn) {  // k == 1: weight = sigmoid(z)
-      dl[idx[0]] = dw[0] * s[idx[0]] * (R(1) - s[idx[0]]);
-    } else {
-      const ScoreFunction sf = p.score_function;
-      if (K > 1) {
-        R sum = 0, dot = 0;
-        for (int64_t j = 0; j < K; ++j) sum += s[idx[j]];
-        for (int64_t j = 0; j < K; ++j) dot += dw[j] * w[j];
-        const R denom = sum + R(1e-20);
-        for (int64_t j = 0; j < K; ++j) dw[j] = (dw[j] - dot) / denom;
-      }
-      for (int64_t j = 0; j < K; ++j) dl[idx[j]] = dw[j] * score_fn_grad(sf, z[idx[j]], s[idx[j]]);
-    }
-    const R* lrow = dll + t * E;
-    for (int64_t e = 0; e < E; ++e) dl[e] += loss_scale * lrow[e];
+    router_math::route_backward_row(dlogits + t * E, dw, dp + t * E, tk_idx + t * K, tk_w + t * K, logits + t * E,
+                                    scores + t * E, kept + t * K, dll + t * E, E, K, c);
   }
 }
 

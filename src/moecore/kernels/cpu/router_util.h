@@ -1,5 +1,5 @@
-// Private helpers of the CPU router kernels (router_*.cpp): score functions in the router dtype, the
-// deterministic top-k, a per-thread scratch of their own, and the entry checks shared by the router ops.
+// Private helpers of the CPU router kernels (router_*.cpp): the score functions and the deterministic top-k (from
+// kernels/common/router_math.h), a per-thread scratch of their own, and the entry checks shared by the router ops.
 // No kernels here. Only kernels/cpu/router_*.cpp include this.
 #pragma once
 #include <algorithm>
@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moecore/kernels/common/router_math.h"
 #include "moecore/kernels/cpu/cpu_util.h"
 #include "moecore/kernels/ops_router.h"
 
@@ -25,62 +26,14 @@ T* scratch(size_t n) {
   return buf.data();
 }
 
-template <class R>
-inline R sigmoid(R z) {
-  if (z >= R(0)) return R(1) / (R(1) + std::exp(-z));
-  const R e = std::exp(z);
-  return e / (R(1) + e);
-}
-template <class R>
-inline R softplus(R z) {
-  return std::max(z, R(0)) + std::log1p(std::exp(-std::fabs(z)));
-}
-// The sigmoid-family score f(z) and its derivative given f (sqrtsoftplus' = sigmoid / (2 f), -> 0 as f -> 0).
-template <class R>
-inline R score_fn(ScoreFunction f, R z) {
-  return f == ScoreFunction::sigmoid ? sigmoid(z) : std::sqrt(softplus(z));
-}
-template <class R>
-inline R score_fn_grad(ScoreFunction f, R z, R fz) {
-  if (f == ScoreFunction::sigmoid) return fz * (R(1) - fz);
-  return fz > R(0) ? sigmoid(z) / (R(2) * fz) : R(0);
-}
-
-template <class R>
-inline void softmax_row(R* out, const R* z, int64_t n) {
-  R mx = z[0];
-  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, z[i]);
-  R sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += (out[i] = std::exp(z[i] - mx));
-  for (int64_t i = 0; i < n; ++i) out[i] /= sum;
-}
-template <class R>
-inline R logsumexp_row(const R* z, int64_t n) {
-  R mx = z[0];
-  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, z[i]);
-  R sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += std::exp(z[i] - mx);
-  return mx + std::log(sum);
-}
-
-// The k largest of v[0, n) whose allowed[i] != 0 (all when allowed is null), written to idx in descending
-// order. Ties go to the lower index: an element enters only if strictly larger than one already held, and is
-// placed after equal ones.
-template <class R>
-inline void topk(int32_t* idx, const R* v, int64_t n, int64_t k, const uint8_t* allowed = nullptr) {
-  int64_t held = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (allowed && !allowed[i]) continue;
-    if (held == k && !(v[i] > v[idx[k - 1]])) continue;
-    int64_t p = held < k ? held : k - 1;
-    while (p > 0 && v[idx[p - 1]] < v[i]) {
-      idx[p] = idx[p - 1];
-      --p;
-    }
-    idx[p] = static_cast<int32_t>(i);
-    held = std::min(held + 1, k);
-  }
-}
+// The per-row arithmetic, shared with the CUDA kernels (kernels/common/router_math.h).
+using router_math::logsumexp_row;
+using router_math::score_fn;
+using router_math::score_fn_grad;
+using router_math::sigmoid;
+using router_math::softmax_row;
+using router_math::softplus;
+using router_math::topk;
 
 // Calls fn(R{}) with R = float or double for a router dtype already checked to be f32 or f64.
 template <class Fn>

@@ -9,6 +9,7 @@
 #include "moecore/kernels/cuda/cuda_util.cuh"
 
 #include "moecore/core/backend_hooks.h"
+#include "moecore/kernels/common/dropout_mask.h"
 
 namespace moecore::ops::cuda {
 
@@ -92,26 +93,14 @@ void segment_plan(const Launch& l, int64_t* offsets, int64_t* tiles, const int64
   l.launched("segment_plan_kernel");
 }
 
-// cpu::DropoutMask's threshold: the least word whose uniform (philox_uniform's map) is >= p. The map is
-// monotone and its largest value, 0x1.fffffep-1, is >= any p < 1, so the search always ends on a word.
+// cpu::DropoutMask's threshold and scale (kernels/common/dropout_mask.h).
 DeviceMask device_mask(const Dropout& d) {
   DeviceMask m;
   if (!d.active()) return m;
-  auto uniform = [](uint32_t w) {
-    return std::min(static_cast<float>((static_cast<double>(w) + 0.5) * 0x1p-32), 0x1.fffffep-1f);
-  };
-  uint32_t lo = 0, hi = 0xFFFFFFFFu;
-  while (lo < hi) {
-    const uint32_t mid = lo + (hi - lo) / 2;
-    if (uniform(mid) >= d.p)
-      hi = mid;
-    else
-      lo = mid + 1;
-  }
   m.key0 = d.key[0];
   m.key1 = d.key[1];
-  m.threshold = lo;
-  m.scale = 1.0f / (1.0f - d.p);
+  m.threshold = dropout::keep_threshold(d.p);
+  m.scale = dropout::keep_scale(d.p);
   m.active = true;
   return m;
 }

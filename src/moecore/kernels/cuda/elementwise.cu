@@ -6,6 +6,7 @@
 // in chunk order on one thread (the CPU's chunking); flag_nonfinite only ever stores 1; count_zeros adds integers.
 #include <cmath>
 
+#include "moecore/kernels/common/adamw.h"
 #include "moecore/kernels/cuda/cuda_util.cuh"
 
 namespace moecore::ops::cuda {
@@ -159,35 +160,17 @@ __global__ void rope_kernel(T* qkv, const float* rope, int64_t B, int64_t S, int
   }
 }
 
-// The CPU's per-step constants (optimizer.cpp), computed in double on the host.
-struct AdamWConsts {
-  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, inv_sqrt_bc2, grad_scale;
-  explicit AdamWConsts(const AdamWParams& p) {
-    const double t = static_cast<double>(p.step);
-    const double bc1 = 1.0 - std::pow(static_cast<double>(p.beta1), t);
-    const double bc2 = 1.0 - std::pow(static_cast<double>(p.beta2), t);
-    beta1 = p.beta1;
-    one_minus_beta1 = 1.0f - p.beta1;
-    beta2 = p.beta2;
-    one_minus_beta2 = 1.0f - p.beta2;
-    eps = p.eps;
-    decay = static_cast<float>(1.0 - static_cast<double>(p.lr) * p.weight_decay);
-    step_size = static_cast<float>(p.lr / bc1);
-    inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-    grad_scale = p.grad_scale;
-  }
-};
+using AdamWConsts = adamw::Consts;  // the CPU's (kernels/common/adamw.h), computed in double on the host
 
 template <class TM, class TV>
 __global__ void adamw_kernel(float* param, const float* grad, TM* exp_avg, TV* exp_avg_sq, AdamWConsts k, int64_t n) {
   MOECORE_GRID_STRIDE(i, n) {
-    const float g = grad[i] * k.grad_scale;
-    const float m = k.beta1 * ld(exp_avg[i]) + k.one_minus_beta1 * g;
-    const float v = k.beta2 * ld(exp_avg_sq[i]) + k.one_minus_beta2 * g * g;
+    const float g = adamw::scaled_grad(grad[i], k);
+    const float m = adamw::first_moment(ld(exp_avg[i]), g, k);
+    const float v = adamw::second_moment(ld(exp_avg_sq[i]), g, k);
     st(exp_avg[i], m);
     st(exp_avg_sq[i], v);
-    const float denom = sqrtf(v) * k.inv_sqrt_bc2 + k.eps;
-    param[i] = param[i] * k.decay - k.step_size * m / denom;
+    param[i] = adamw::param(param[i], m, v, k);
   }
 }
 

@@ -3,20 +3,11 @@
 // over the CPU's row chunks (at most 128 chunks, boundaries fixed by N), each chunk's rows in row order, then the
 // chunks added in chunk order. No atomics, so every result is deterministic; the price is a second pass over dy and
 // x for the partials (the CPU fuses it into the dx pass), about 1.5x the memory traffic of a fused kernel.
+#include "moecore/kernels/common/norm_chunks.h"
 #include "moecore/kernels/cuda/cuda_util.cuh"
 
 namespace moecore::ops::cuda {
 namespace {
-
-// The CPU's row chunks (norms.cpp RowChunks): rows [c * rows_per, ...) form chunk c.
-struct RowChunks {
-  int64_t count = 0, rows_per = 1;
-  explicit RowChunks(int64_t N) {
-    count = std::min<int64_t>((N + 7) / 8, 128);
-    rows_per = count ? (N + count - 1) / count : 1;
-    count = rows_per ? (N + rows_per - 1) / rows_per : 0;
-  }
-};
 
 template <class TY>
 __global__ void rmsnorm_forward_kernel(TY* y, float* rstd, const float* x, const float* w, float eps, int64_t H) {

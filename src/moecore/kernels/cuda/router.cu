@@ -10,6 +10,7 @@
 // order, not the CPU's), so its matrix agrees with the CPU's to rounding only.
 #include <cub/device/device_radix_sort.cuh>
 
+#include "moecore/kernels/common/router_grads.h"
 #include "moecore/kernels/cuda/router_util.cuh"
 
 namespace moecore::ops::cuda {
@@ -377,49 +378,15 @@ __global__ void map_counts_kernel(int64_t* counts, const bool* mp, const bool* p
 }
 
 // ---- routing Jacobian -----------------------------------------------------------------------------------------
+// One thread per token: the routing Jacobian of kernels/common/router_grads.h (route_backward_row).
 template <class R>
 __global__ void route_backward_kernel(R* dlogits, const float* dp, const R* logits, const R* scores,
                                       const int32_t* tk_idx, const R* tk_w, const bool* kept, const R* dll, int64_t T,
                                       int64_t E, int64_t K, RouterRouting p, float aux_grad_scale, R* dw_all) {
-  const R scale = p.scaling_factor > 0 ? R(p.scaling_factor) : R(1);
-  const R loss_scale = R(aux_grad_scale);
-  const bool sinkhorn = p.sinkhorn;
-  const bool full_softmax =
-      (sinkhorn && K > 1) || (!sinkhorn && p.score_function == ScoreFunction::softmax && p.pre_softmax);
-  const bool post_softmax = !sinkhorn && p.score_function == ScoreFunction::softmax && !p.pre_softmax;
+  const auto c = router_math::route_backward_consts<R>(p, K, aux_grad_scale);
   MOECORE_GRID_STRIDE(t, T) {
-    const int32_t* idx = tk_idx + t * K;
-    const R* w = tk_w + t * K;
-    const R* z = logits + t * E;
-    const R* s = scores + t * E;
-    R* dl = dlogits + t * E;
-    R* dw = dw_all + t * K;
-    for (int64_t j = 0; j < K; ++j) dw[j] = kept[t * K + j] ? R(dp[t * E + idx[j]]) * scale : R(0);
-    for (int64_t e = 0; e < E; ++e) dl[e] = R(0);
-    if (full_softmax) {
-      R dot = 0;
-      for (int64_t j = 0; j < K; ++j) dot += s[idx[j]] * dw[j];
-      for (int64_t e = 0; e < E; ++e) dl[e] = -s[e] * dot;
-      for (int64_t j = 0; j < K; ++j) dl[idx[j]] += s[idx[j]] * dw[j];
-    } else if (post_softmax) {
-      R dot = 0;
-      for (int64_t j = 0; j < K; ++j) dot += w[j] * dw[j];
-      for (int64_t j = 0; j < K; ++j) dl[idx[j]] = w[j] * (dw[j] - dot);
-    } else if (sinkhorn) {
-      dl[idx[0]] = dw[0] * s[idx[0]] * (R(1) - s[idx[0]]);
-    } else {
-      const ScoreFunction sf = p.score_function;
-      if (K > 1) {
-        R sum = 0, dot = 0;
-        for (int64_t j = 0; j < K; ++j) sum += s[idx[j]];
-        for (int64_t j = 0; j < K; ++j) dot += dw[j] * w[j];
-        const R denom = sum + R(1e-20);
-        for (int64_t j = 0; j < K; ++j) dw[j] = (dw[j] - dot) / denom;
-      }
-      for (int64_t j = 0; j < K; ++j) dl[idx[j]] = dw[j] * score_fn_grad(sf, z[idx[j]], s[idx[j]]);
-    }
-    const R* lrow = dll + t * E;
-    for (int64_t e = 0; e < E; ++e) dl[e] += loss_scale * lrow[e];
+    router_math::route_backward_row(dlogits + t * E, dw_all + t * K, dp + t * E, tk_idx + t * K, tk_w + t * K,
+                                    logits + t * E, scores + t * E, kept + t * K, dll + t * E, E, K, c);
   }
 }
 

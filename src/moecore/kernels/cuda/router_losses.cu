@@ -4,6 +4,7 @@
 // sums P_b[e], c_b[e] walk their tokens in order on one thread each (the CPU's double sums, bit for bit given the
 // same scores); the scalar tail (losses, dL/ds) runs on one thread in the CPU's order; the z-loss sums lse^2 over a
 // fixed block tree (a fixed order, not the CPU's serial one: it agrees to rounding).
+#include "moecore/kernels/common/router_grads.h"
 #include "moecore/kernels/cuda/router_util.cuh"
 
 namespace moecore::ops::cuda {
@@ -70,52 +71,14 @@ __global__ void aux_sums_kernel(double* P, double* cnt, const R* s, const R* m, 
   }
 }
 
-__device__ double switch_loss(const double* P, const double* c, int64_t E, int64_t K, double N) {
-  if (N <= 0) return 0.0;
-  double acc = 0;
-  for (int64_t e = 0; e < E; ++e) acc += P[e] * c[e];
-  return static_cast<double>(E) / (static_cast<double>(K) * N * N) * acc;
-}
-
-// The scalar tail of cpu aux_losses_kernel on one thread: losses, global_tokens and g[b, e] = dL/ds.
+// The scalar tail of cpu aux_losses_kernel on one thread (kernels/common/router_grads.h): losses, global_tokens and
+// g[b, e] = dL/ds.
 __global__ void aux_tail_kernel(double* losses, int64_t* gtok, double* g, double* Pt, double* ct, double* cavg,
                                 const double* P, const double* cnt, const int64_t* gc, const bool* padding, int64_t T,
                                 int64_t E, RouterAuxLoss p) {
-  const int64_t K = p.K, B = p.B;
-  const double ca = p.coeffs.aux, cs = p.coeffs.seq_aux, cg = p.coeffs.global_aux;
   int64_t n_valid = 0;
   for (int64_t t = 0; t < T; ++t) n_valid += (padding && padding[t]) ? 0 : 1;
-  for (int64_t e = 0; e < E; ++e) {
-    Pt[e] = 0, ct[e] = 0;
-    for (int64_t b = 0; b < B; ++b) Pt[e] += P[b * E + e], ct[e] += cnt[b * E + e];
-  }
-  const double N = static_cast<double>(n_valid);
-  const double kN2 = N > 0 ? static_cast<double>(E) / (static_cast<double>(K) * N * N) : 0.0;
-  double Ng = N, kNg2 = kN2;
-  if (cg > 0) {
-    Ng = static_cast<double>(gc[E]);
-    kNg2 = Ng > 0 ? static_cast<double>(E) / (static_cast<double>(K) * Ng * Ng) : 0.0;
-    for (int64_t e = 0; e < E; ++e) gtok[e] += gc[e];
-    for (int64_t e = 0; e < E; ++e) cavg[e] = static_cast<double>(gtok[e]) / static_cast<double>(p.global_steps);
-  }
-  const double Ns = N / static_cast<double>(B);
-  const double kNs2 = Ns > 0 ? static_cast<double>(E) / (static_cast<double>(K) * Ns * Ns) : 0.0;
-  losses[router_loss::aux] = ca > 0 ? switch_loss(Pt, ct, E, K, N) : 0.0;
-  losses[router_loss::seq_aux] = 0.0;
-  if (cs > 0) {
-    double acc = 0;
-    for (int64_t b = 0; b < B; ++b) acc += switch_loss(P + b * E, cnt + b * E, E, K, Ns);
-    losses[router_loss::seq_aux] = acc / static_cast<double>(B);
-  }
-  losses[router_loss::global_aux] = cg > 0 ? switch_loss(Pt, cavg, E, K, Ng) : 0.0;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t e = 0; e < E; ++e) {
-      double v = 0;
-      if (ca > 0) v += ca * kN2 * ct[e];
-      if (cs > 0) v += cs * kNs2 * cnt[b * E + e] / static_cast<double>(B);
-      if (cg > 0) v += cg * kNg2 * cavg[e];
-      g[b * E + e] = v;
-    }
+  router_math::aux_loss_tail(losses, gtok, g, Pt, ct, cavg, P, cnt, gc, n_valid, E, p);
 }
 
 // cpu aux_scores_backward, one thread per token: s (the aux scores) becomes dL/dz on valid rows.
@@ -125,21 +88,7 @@ __global__ void aux_backward_kernel(R* s, const R* logits, const double* g, cons
   MOECORE_GRID_STRIDE(t, T) {
     R* st_ = s + t * E;
     if (padding && padding[t]) continue;
-    const double* gt = g + (t % B) * E;
-    const R* z = logits + t * E;
-    R dot = 0;
-    for (int64_t e = 0; e < E; ++e) dot += st_[e] * R(gt[e]);
-    if (sf == ScoreFunction::softmax) {
-      for (int64_t e = 0; e < E; ++e) st_[e] = st_[e] * (R(gt[e]) - dot);
-    } else {
-      R sum = 0;
-      for (int64_t e = 0; e < E; ++e) sum += score_fn(sf, z[e]);
-      const R denom = sum + R(1e-20);
-      for (int64_t e = 0; e < E; ++e) {
-        const R f = score_fn(sf, z[e]);
-        st_[e] = score_fn_grad(sf, z[e], f) * (R(gt[e]) - dot) / denom;
-      }
-    }
+    router_math::aux_scores_backward_row(st_, g + (t % B) * E, logits + t * E, E, sf);
   }
 }
 
