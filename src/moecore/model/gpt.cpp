@@ -10,6 +10,7 @@
 
 #include "moecore/core/rng.h"
 #include "moecore/model/model_dims.h"
+#include "moecore/model/mtp_heads.h"
 #include "moecore/model/param_specs.h"
 #include "moecore/model/rope_table.h"
 #include "moecore/nn/norm.h"
@@ -80,8 +81,8 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   for (const LayerSpec& spec : layer_specs(cfg_)) layers_.emplace_back(spec);
   standard_attention_ = std::any_of(layers_.begin(), layers_.end(), [](const DecoderLayer& l) { return !l.mla(); });
   bind_parameters();
-  alloc_mtp_buffers();
-  plan_recompute();
+  if (holds_loss_heads()) mtp_ = MtpHeads(store_, cfg_, sh_.dims, B_, device_);
+  plan_ = RecomputePlan(cfg_, sh_, layers_, stage_);
   slots_.resize(stage_.chunks.size());
   for (size_t c = 0; c < stage_.chunks.size(); ++c) slots_[c].push_back(alloc_activations(static_cast<int64_t>(c)));
   alloc_tables();
@@ -112,41 +113,6 @@ void GptModel::bind_parameters() {
   output_params_ = store_.range([](const ParamSpec& s) { return s.role == output_layer; });
   embedding_params_ =
       store_.range([](const ParamSpec& s) { return s.role == word_embeddings || s.role == position_embeddings; });
-}
-
-// The MTP depths' parameters and buffers (the last stage's).
-void GptModel::alloc_mtp_buffers() {
-  if (!holds_loss_heads()) return;
-  const int64_t H = cfg_.hidden_size, N = sh_.dims.N, T = sh_.dims.tokens();
-  const DType c = cfg_.compute_dtype;
-  auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations, device_); };
-  using enum ParamRole;
-  for (int64_t k = 0; k < cfg_.mtp_num_layers; ++k) {
-    const int64_t l = cfg_.num_layers + k;
-    MtpDepth& d = mtp_.emplace_back();
-    d.enorm = store_.find(mtp_enorm, l);
-    d.enorm_b = store_.find(mtp_enorm_bias, l);
-    d.hnorm = store_.find(mtp_hnorm, l);
-    d.hnorm_b = store_.find(mtp_hnorm_bias, l);
-    d.eh = store_.find(mtp_eh_proj, l);
-    d.fnorm = store_.find(mtp_final_norm, l);
-    d.fnorm_b = store_.find(mtp_final_norm_bias, l);
-    d.ids = act({T}, DType::i32);  // every token (the vocabulary-parallel embedding and loss need them all)
-    d.labels = act({T}, DType::i32);
-    // (rolled over the whole batch: under CP the rolled token of a chunk's last position is another rank's)
-    d.ids_h = Tensor::empty({B_ * cfg_.seq_length}, DType::i32, MemCategory::workspace);
-    d.labels_h = Tensor::empty({B_ * cfg_.seq_length}, DType::i32, MemCategory::workspace);
-    for (Tensor* t : {&d.e, &d.hin, &d.x, &d.y}) *t = act({N, H}, DType::f32);
-    for (Tensor* t : {&d.en, &d.hn, &d.h}) *t = act({N, H}, c);
-    for (Tensor* t : {&d.e_rstd, &d.h_rstd, &d.f_rstd}) *t = act({N}, DType::f32);
-    if (sh_.dims.layernorm)
-      for (Tensor* t : {&d.e_mean, &d.h_mean, &d.f_mean}) *t = act({N}, DType::f32);
-  }
-  if (mtp_.empty()) return;
-  if (par_.sequence_parallel) mtp_h_full_ = Tensor::empty({T, H}, c, MemCategory::workspace, device_);
-  mtp_dx_c_ = Tensor::empty({N, H}, c, MemCategory::workspace, device_);
-  for (Tensor* t : {&mtp_carry_, &mtp_dn_, &mtp_dfn_})
-    *t = Tensor::empty({N, H}, DType::f32, MemCategory::workspace, device_);
 }
 
 // Constant tables, computed on the host and uploaded once: the RoPE rotations and the learned positions of this rank's
@@ -201,76 +167,10 @@ void GptModel::alloc_workspaces() {
   labels_ = work({T}, DType::i32);
 }
 
-// Recompute (ModelConfig::recompute): selective's shared buffers; full's groups of each model chunk's decoder layers
-// (Megatron applies --recompute-num-layers per virtual pipeline stage) and the cache sets they share.
-void GptModel::plan_recompute() {
-  recompute_group_.assign(layers_.size(), -1);
-  const RecomputeConfig& rc = cfg_.recompute;
-  // Selective: one buffer of each dropped output for all layers (taken from a cache allocated for its shapes).
-  bool dense_layers = false, moe_layers = false;
-  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l)
-    if (local_layer(l)) (local_moe(l) ? moe_layers : dense_layers) = true;
-  if (rc.selects("layernorm") && (dense_layers || moe_layers)) {
-    const nn::DenseLayerCache dense = nn::dense_layer_cache_alloc(sh_.dims, true, false);
-    selective_h1_ = dense.h1;
-    if (dense_layers) selective_h2_dense_ = dense.h2;
-    if (moe_layers) selective_h2_moe_ = nn::dense_layer_cache_alloc(sh_.dims, false, false).h2;
-  }
-  // (moe refills whole MoE layers: their experts' activations and shared expert with them)
-  if (rc.selects("moe") && moe_layers) selective_moe_ = moe::moe_layer_cache_alloc(sh_.moe_dims, cfg_.moe);
-  if (rc.selects("moe_act") && moe_layers && !rc.selects("moe"))
-    selective_act_ = moe::moe_layer_cache_alloc(sh_.moe_dims, cfg_.moe).experts.act;
-  if (rc.selects("shared_experts") && moe_layers && !rc.selects("moe") && sh_.moe_dims.Fs > 0) {
-    const moe::MoeLayerCache c = moe::moe_layer_cache_alloc(sh_.moe_dims, cfg_.moe);
-    selective_shared_h_ = c.shared.h;
-    selective_shared_act_ = c.shared.act;
-  }
-  bool standard = false;
-  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l) standard |= local_layer(l) && !layers_[l].mla();
-  bool mla_layers = false;
-  for (size_t l = 0; l < static_cast<size_t>(cfg_.num_layers); ++l) mla_layers |= local_layer(l) && layers_[l].mla();
-  if (rc.selects("mla_up_proj") && mla_layers)
-    selective_mla_qkv_ = nn::mla_cache_alloc(sh_.mla_dims, cfg_.compute_dtype, sh_.dims.layernorm, device_).qkv;
-  if (rc.selects("core_attn") && standard) {
-    const nn::DenseLayerCache c = nn::dense_layer_cache_alloc(sh_.dims, false, true);
-    selective_attn_ = c.attn;
-    selective_lse_ = c.lse;
-  }
-  if (rc.selects("mlp") && dense_layers) {
-    const nn::DenseLayerCache c = nn::dense_layer_cache_alloc(sh_.dims, true, false);
-    selective_fc1_ = c.fc1;
-    selective_mlp_act_ = c.act;
-    if (!selective_h2_dense_.defined()) selective_h2_dense_ = c.h2;
-  }
-  if (!rc.full()) return;
-  for (const auto& [first, end] : stage_.chunks)
-    for (int64_t l = first; l < end; ++l) {
-      const int64_t i = l - first;
-      if (rc.method == "uniform")
-        recompute_group_[static_cast<size_t>(l)] = first + i / rc.num_layers * rc.num_layers;
-      else if (i < rc.num_layers)  // block: the chunk's first layers, each alone
-        recompute_group_[static_cast<size_t>(l)] = l;
-    }
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    if (recompute_group_[l] < 0 || recompute_caches_.count(recompute_key(l))) continue;
-    const bool layer_mla = layers_[l].mla();
-    RecomputeCaches& c = recompute_caches_[recompute_key(l)];
-    c.layer = nn::dense_layer_cache_alloc(sh_.dims, /*with_mlp=*/!local_moe(l), /*with_attention=*/!layer_mla);
-    if (layer_mla) c.mla = nn::mla_cache_alloc(sh_.mla_dims, cfg_.compute_dtype, sh_.dims.layernorm, device_);
-    if (!local_moe(l)) continue;
-    const moe::MoeLayerCache* donor = nullptr;
-    for (const auto& [key, other] : recompute_caches_)
-      if (other.moe.probs.defined() && !donor) donor = &other.moe;
-    c.moe = moe::moe_layer_cache_alloc(sh_.moe_dims, cfg_.moe, donor);
-  }
-}
-
 // The MoE cache that owns the scratch every other MoE cache shares (dead between a layer's forward and its backward,
 // so dead between micro-batches too): the first shared recompute set's, else the first slot's first MoE layer's.
 const moe::MoeLayerCache* GptModel::moe_scratch_donor() const {
-  if (selective_moe_.probs.defined()) return &selective_moe_;
-  for (const auto& [key, c] : recompute_caches_)
-    if (c.moe.probs.defined()) return &c.moe;
+  if (const moe::MoeLayerCache* c = plan_.scratch_donor()) return c;
   for (const auto& chunk : slots_)
     for (const Activations& a : chunk)
       for (const LayerCache& c : a.layers)
@@ -286,44 +186,8 @@ GptModel::Activations GptModel::alloc_activations(int64_t chunk) const {
   const moe::MoeLayerCache* donor = moe_scratch_donor();
   Activations a;
   a.layers.resize(layers_.size());  // (sized once: the donor may point into it)
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    if (stage_.layer_chunk[l] != chunk) continue;
-    LayerCache& lc = a.layers[l];
-    const bool layer_mla = layers_[l].mla(), layer_moe = layers_[l].moe();
-    if (layer_moe) lc.moe = moe::moe_layer_cache_alloc(sh_.moe_dims, cfg_.moe, donor);
-    if (layer_moe && !donor) donor = &lc.moe;
-    if (recompute_group_[l] >= 0) {  // the shared set; an MoE layer keeps its own routing
-      const RecomputeCaches& shared = recompute_caches_.at(recompute_key(l));
-      lc.dense = shared.layer;
-      lc.mla = shared.mla;
-      if (layer_moe) moe::moe_layer_cache_share_refilled(lc.moe, shared.moe);
-      continue;
-    }
-    lc.dense = nn::dense_layer_cache_alloc(sh_.dims, /*with_mlp=*/!layer_moe, /*with_attention=*/!layer_mla);
-    nn::DenseLayerCache& c = lc.dense;  // selective recompute: the shared buffers (the layer's own are freed again)
-    if (drops_norms(l)) c.h1 = selective_h1_;
-    if (drops_norms(l) || drops_mlp(l)) c.h2 = layer_moe ? selective_h2_moe_ : selective_h2_dense_;
-    if (drops_attention(l)) {
-      c.attn = selective_attn_;
-      c.lse = selective_lse_;
-    }
-    if (drops_mlp(l)) {
-      c.fc1 = selective_fc1_;
-      c.act = selective_mlp_act_;
-    }
-    if (layer_mla) lc.mla = nn::mla_cache_alloc(sh_.mla_dims, cfg_.compute_dtype, sh_.dims.layernorm, device_);
-    if (drops_mla_up(l)) lc.mla.qkv = selective_mla_qkv_;
-    if (layer_moe && selective_act_.defined()) {  // selective moe_act: the shared buffer
-      lc.moe.experts.act = selective_act_;
-      lc.moe.owns_expert_act = false;
-    }
-    if (drops_moe(l)) moe::moe_layer_cache_share_refilled(lc.moe, selective_moe_);
-    if (drops_shared_expert(l)) {
-      lc.moe.shared.h = selective_shared_h_;
-      lc.moe.shared.act = selective_shared_act_;
-      lc.moe.owns_shared_act = false;
-    }
-  }
+  for (size_t l = 0; l < layers_.size(); ++l)
+    if (stage_.layer_chunk[l] == chunk) plan_.fill_cache(l, a.layers[l], sh_, donor);
   const auto [first, end] = chunk_layers(chunk);
   a.residual.resize(static_cast<size_t>(cfg_.num_layers + 1));  // [first, end] of the chunk
   for (int64_t l = first; l <= end; ++l) a.residual[static_cast<size_t>(l)] = act({N, H}, DType::f32);
@@ -368,9 +232,8 @@ void GptModel::set_moe_synced_dropless(bool on) {
   for (size_t c = 0; c < stage_.chunks.size(); ++c) slots[c] = slots_[c].size();
   // Free the old buffers first (the scratch donor lives among them), then plan and allocate as at construction.
   slots_.assign(stage_.chunks.size(), {});
-  recompute_caches_.clear();
-  selective_moe_ = moe::MoeLayerCache{};
-  plan_recompute();
+  plan_ = RecomputePlan();
+  plan_ = RecomputePlan(cfg_, sh_, layers_, stage_);
   for (size_t c = 0; c < stage_.chunks.size(); ++c) {
     slots_[c].reserve(slots[c]);
     while (slots_[c].size() < slots[c]) slots_[c].push_back(alloc_activations(static_cast<int64_t>(c)));
@@ -463,7 +326,7 @@ void GptModel::set_dropout_keys(bool training) {
   const bool sp = par_.sequence_parallel;
   a.embedding_drop = key(cfg_.hidden_dropout, -1, "embedding", sp);
   for (size_t j = 0; j < mtp_.size(); ++j)
-    mtp_[j].drop = key(cfg_.hidden_dropout, cfg_.num_layers + static_cast<int64_t>(j), "mtp_embedding", sp);
+    mtp_.depth(j).drop = key(cfg_.hidden_dropout, cfg_.num_layers + static_cast<int64_t>(j), "mtp_embedding", sp);
   for (size_t l = 0; l < a.layers.size(); ++l) {  // the chunk's layers (and the MTP depths' in the last)
     if (stage_.layer_chunk[l] != static_cast<int64_t>(chunk_)) continue;
     const auto i = static_cast<int64_t>(l);
@@ -556,113 +419,59 @@ void GptModel::layer_forward(size_t l, const Tensor& x, Tensor& y, bool training
   if (layers_[l].moe()) moe_overflow_ = moe_overflow_ || moe::moe_layer_overflowed(c.moe);
 }
 
-std::vector<const Tensor*> GptModel::dropped(const nn::DenseLayerCache& c, size_t l) const {
-  std::vector<const Tensor*> d;
-  if (drops_norms(l)) d.push_back(&c.h1);
-  if (drops_norms(l) || drops_mlp(l)) d.push_back(&c.h2);
-  if (drops_attention(l)) d.insert(d.end(), {&c.attn, &c.lse});
-  if (drops_mlp(l)) d.insert(d.end(), {&c.fc1, &c.act});
-  return d;
-}
-
 // sh_.dres: dL/dy on entry, dL/dx on return. Selective recompute refills each half's dropped outputs first (Refill).
 void GptModel::layer_backward(size_t l, const Tensor& x, float grad_scale, const ops::Context& ctx) {
-  Refill refill;
-  refill.norms = drops_norms(l);
-  refill.attention = drops_attention(l);
-  refill.mlp = drops_mlp(l);
-  refill.mla_up = drops_mla_up(l);
-  refill.moe = drops_moe(l);
-  refill.shared_expert = drops_shared_expert(l);
   // (per-token loss: the auxiliary losses times the micro-batch's tokens, which the step's division by the global count
   // cancels, Megatron's router rule)
   const float aux_scale = per_token_loss_ ? grad_scale * static_cast<float>(B_ * cfg_.seq_length) : grad_scale;
-  layers_[l].backward(x, act().layers[l], sh_, refill, aux_scale, ctx);
+  layers_[l].backward(x, act().layers[l], sh_, plan_.refill(l), aux_scale, ctx);
 }
 
-// Megatron's roll_tensor along each sequence: out[b, s] = in[b, s + 1], the last position `fill`. Host tensors: the
-// batch is prepared on the host, like the data loader's output it comes from.
-void GptModel::roll_left(Tensor& out, const Tensor& in, int32_t fill) const {
-  const int64_t S = cfg_.seq_length;
-  const int32_t* src = in.data<int32_t>();
-  int32_t* dst = out.data<int32_t>();
-  for (int64_t b = 0; b < B_; ++b)
-    for (int64_t s = 0; s < S; ++s) dst[b * S + s] = s + 1 < S ? src[b * S + s + 1] : fill;
-}
-
-// Megatron's MultiTokenPredictionBlock, depth k = j + 1: the input ids and labels rolled once more (vacated last
-// position: id 0, label masked), h_k = final_norm_k(layer(eh_proj([enorm(emb(ids_k)); hnorm(h_{k-1})]))), with h_0 the
-// decoder's output after the final norm; depth k's logits come from the shared output layer.
+// The MTP depths in turn (mtp_heads.h), each through the shared embedding and its transformer layer.
 void GptModel::mtp_forward(const Tensor& tokens, const Tensor& labels, bool training, const ops::Context& ctx) {
-  const int64_t H = cfg_.hidden_size;
   for (size_t j = 0; j < mtp_.size(); ++j) {
-    MtpDepth& d = mtp_[j];
+    MtpDepth& d = mtp_.depth(j);
     params_needed(layer_params_[static_cast<size_t>(cfg_.num_layers) + j]);
-    roll_left(d.ids_h, j ? mtp_[j - 1].ids_h : tokens, 0);
+    mtp_.roll(j, tokens, labels, training);
     d.ids.copy_from(local_positions(d.ids_h, cp_tokens_h_));
-    if (training) {
-      roll_left(d.labels_h, j ? mtp_[j - 1].labels_h : labels, -1);
-      d.labels.copy_from(local_positions(d.labels_h, cp_labels_h_));
-    }
+    if (training) d.labels.copy_from(local_positions(d.labels_h, cp_labels_h_));
     embed(d.e, d.ids, ctx);
-    if (d.drop.active()) ops::dropout_forward(d.e, d.e, d.drop, ctx);
-    nn::norm_forward(d.en, d.e_mean, d.e_rstd, d.e, d.enorm->value, d.enorm_b ? d.enorm_b->value : Tensor(),
-                     cfg_.norm_epsilon, ctx);
-    d.hin.copy_from(j ? mtp_[j - 1].h : final_h_);
-    nn::norm_forward(d.hn, d.h_mean, d.h_rstd, d.hin, d.hnorm->value, d.hnorm_b ? d.hnorm_b->value : Tensor(),
-                     cfg_.norm_epsilon, ctx);
-    ops::gemm(d.x, d.en, false, d.eh->compute.slice(1, 0, H), true, 1.0f, 0.0f, ctx);
-    ops::gemm(d.x, d.hn, false, d.eh->compute.slice(1, H, 2 * H), true, 1.0f, 1.0f, ctx);
+    mtp_.input_forward(j, j ? mtp_.depth(j - 1).h : final_h_, ctx);
     layer_forward(static_cast<size_t>(cfg_.num_layers) + j, d.x, d.y, training, ctx);
-    nn::norm_forward(d.h, d.f_mean, d.f_rstd, d.y, d.fnorm->value, d.fnorm_b ? d.fnorm_b->value : Tensor(),
-                     cfg_.norm_epsilon, ctx);
+    mtp_.output_forward(j, ctx);
   }
 }
 
 // The MTP losses and their gradients, deepest depth first: each depth's cross-entropy over its rolled labels is
-// weighted mtp_loss_scaling_factor / mtp_num_layers (mean over that depth's counted tokens). Leaves in mtp_carry_
+// weighted mtp_loss_scaling_factor / mtp_num_layers (mean over that depth's counted tokens). Leaves in mtp_.carry()
 // the gradient reaching h_0 (the decoder's normed output) through the first depth's hnorm.
 void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context& ctx) {
-  const int64_t H = cfg_.hidden_size, N = B_ * cfg_.seq_length;
+  const int64_t N = B_ * cfg_.seq_length;
   const float weight = cfg_.mtp_loss_scaling_factor / static_cast<float>(mtp_.size());
   r.mtp_loss_sum.assign(mtp_.size(), 0.0);
   r.mtp_tokens.assign(mtp_.size(), 0);
-  Tensor no_grad;
-  auto grad_of = [&](Param* p) -> Tensor& { return p ? p->grad : no_grad; };
-  auto value_of = [](Param* p) { return p ? p->value : Tensor(); };
   for (size_t j = mtp_.size(); j-- > 0;) {
-    MtpDepth& d = mtp_[j];
+    MtpDepth& d = mtp_.depth(j);
     const int32_t* lp = d.labels_h.data<int32_t>();
     for (int64_t i = 0; i < N; ++i) r.mtp_tokens[j] += lp[i] >= 0;
     // (per-token loss: the depth's sum times the main head's count over its own, as Megatron's MTP)
     const float per = per_token_loss_ ? static_cast<float>(r.tokens) : 1.0f;
     const float scale = r.mtp_tokens[j] ? grad_scale * weight * per / static_cast<float>(r.mtp_tokens[j]) : 0.0f;
     if (!par_.sequence_parallel) {
-      nn::lm_head_loss(&mtp_dfn_, &output_->grad, d.h, output_->compute, d.labels, scale, head_ws_, ctx, head_group());
+      nn::lm_head_loss(&mtp_.dh(), &output_->grad, d.h, output_->compute, d.labels, scale, head_ws_, ctx, head_group());
     } else {  // every token's h into the vocabulary-parallel head; its partial gradient reduce-scattered back
-      all_gather_into(by_sequence(mtp_h_full_), by_sequence(d.h), 1, par_.tp);
-      nn::lm_head_loss(&sh_.dh, &output_->grad, mtp_h_full_, output_->compute, d.labels, scale, head_ws_, ctx,
+      all_gather_into(by_sequence(mtp_.h_full()), by_sequence(d.h), 1, par_.tp);
+      nn::lm_head_loss(&sh_.dh, &output_->grad, mtp_.h_full(), output_->compute, d.labels, scale, head_ws_, ctx,
                        head_group(), /*reduce_dh=*/false);
-      reduce_scatter_from(by_sequence(mtp_dfn_), by_sequence(sh_.dh), 1, par_.tp);
+      reduce_scatter_from(by_sequence(mtp_.dh()), by_sequence(sh_.dh), 1, par_.tp);
     }
     r.mtp_loss_sum[j] = read_loss_sum();
     if (par_.cp.size() > 1) all_reduce_sum(std::span<double>(&r.mtp_loss_sum[j], 1), par_.cp);
-    if (j + 1 < mtp_.size()) ops::add(mtp_dfn_, mtp_dfn_, mtp_carry_, ctx);  // depth j + 2 read h_{j+1} too
-    nn::norm_backward(sh_.dres, d.fnorm->grad, grad_of(d.fnorm_b), mtp_dfn_, d.y, d.fnorm->value, value_of(d.fnorm_b),
-                      d.f_mean, d.f_rstd, false, ctx);
+    mtp_.output_backward(j, sh_.dres, ctx);
     layer_backward(static_cast<size_t>(cfg_.num_layers) + j, d.x, grad_scale, ctx);
-    mtp_dx_c_.copy_from(sh_.dres);
-    Tensor g_e = d.eh->grad.slice(1, 0, H), g_h = d.eh->grad.slice(1, H, 2 * H);
-    ops::gemm(g_e, mtp_dx_c_, true, d.en, false, 1.0f, 1.0f, ctx);
-    ops::gemm(g_h, mtp_dx_c_, true, d.hn, false, 1.0f, 1.0f, ctx);
-    ops::gemm(mtp_dn_, mtp_dx_c_, false, d.eh->compute.slice(1, 0, H), false, 1.0f, 0.0f, ctx);
-    nn::norm_backward(sh_.dres, d.enorm->grad, grad_of(d.enorm_b), mtp_dn_, d.e, d.enorm->value, value_of(d.enorm_b),
-                      d.e_mean, d.e_rstd, false, ctx);
-    if (d.drop.active()) ops::dropout_backward(sh_.dres, sh_.dres, d.drop, ctx);
+    mtp_.input_backward(j, sh_.dres, ctx);
     embed_backward(sh_.dres, d.ids, ctx);
-    ops::gemm(mtp_dn_, mtp_dx_c_, false, d.eh->compute.slice(1, H, 2 * H), false, 1.0f, 0.0f, ctx);
-    nn::norm_backward(mtp_carry_, d.hnorm->grad, grad_of(d.hnorm_b), mtp_dn_, d.hin, d.hnorm->value,
-                      value_of(d.hnorm_b), d.h_mean, d.h_rstd, false, ctx);
+    mtp_.hnorm_backward(j, ctx);
     grad_ready(layer_params_[static_cast<size_t>(cfg_.num_layers) + j]);
   }
 }
@@ -727,7 +536,7 @@ LossResult GptModel::forward(Slot slot, const Tensor& tokens, const Tensor& labe
   if (par_.cp.size() > 1) all_reduce_sum(std::span<double>(&r.loss_sum, 1), par_.cp);
   if (output_ != embedding_) grad_ready(output_params_);
   if (sp) reduce_scatter_from(by_sequence(a.dfinal), by_sequence(sh_.dh), 1, par_.tp);
-  if (!mtp_.empty()) ops::add(a.dfinal, a.dfinal, mtp_carry_, ctx);  // h_0 also fed the first MTP depth
+  if (!mtp_.empty()) ops::add(a.dfinal, a.dfinal, mtp_.carry(), ctx);  // h_0 also fed the first MTP depth
   return r;
 }
 
@@ -745,8 +554,8 @@ void GptModel::backward(Slot slot, float grad_scale) {
     sh_.dres.copy_from(a.dfinal);
   }
   for (size_t l = end_layer(); l-- > first_layer();) {
-    const int64_t group = recompute_group_[l];
-    if (group >= 0 && (l + 1 == end_layer() || recompute_group_[l + 1] != group))
+    const int64_t group = plan_.group(l);
+    if (group >= 0 && (l + 1 == end_layer() || plan_.group(l + 1) != group))
       for (auto k = static_cast<size_t>(group); k <= l; ++k)  // the group's forward again, from its kept input
         layer_forward(k, a.residual[k], a.residual[k + 1], /*training=*/true, ctx, /*recompute=*/true);
     layer_backward(l, a.residual[l], grad_scale, ctx);
@@ -843,22 +652,9 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
     at(MemCategory::activations) += moe::moe_layer_scratch_bytes(*donor);
   for (size_t chunk = 0; chunk < slots_.size(); ++chunk)
     for (const Activations& a : slots_[chunk]) {
-      for (size_t l = 0; l < layers_.size(); ++l) {
-        if (stage_.layer_chunk[l] != static_cast<int64_t>(chunk)) continue;
-        if (recompute_group_[l] >= 0) {  // its routing; the caches are the shared sets'
-          if (local_moe(l)) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.layers[l].moe);
-          continue;
-        }
-        const bool layer_mla = layers_[l].mla();
-        at(MemCategory::activations) += nn::dense_layer_cache_bytes(sh_.dims, !local_moe(l), !layer_mla);
-        for (const Tensor* t :
-             dropped(a.layers[l].dense, l))  // (selective recompute's shared buffers: counted once below)
-          at(MemCategory::activations) -= t->nbytes();
-        if (layer_mla)  // (selective mla_up_proj: the kernel's input is shared, counted once below)
-          at(MemCategory::activations) += nn::mla_cache_bytes(sh_.mla_dims, cfg_.compute_dtype, sh_.dims.layernorm) -
-                                          (drops_mla_up(l) ? a.layers[l].mla.qkv.nbytes() : 0);
-        if (local_moe(l)) at(MemCategory::activations) += moe::moe_layer_cache_bytes(a.layers[l].moe);
-      }
+      for (size_t l = 0; l < layers_.size(); ++l)
+        if (stage_.layer_chunk[l] == static_cast<int64_t>(chunk))
+          at(MemCategory::activations) += plan_.cache_bytes(l, a.layers[l], sh_);
       for (const Tensor& r : a.residual) count(MemCategory::activations, {&r});
       count(MemCategory::activations, {&a.final_mean, &a.final_rstd, &a.ids, &a.dfinal, &a.dinput});
     }
@@ -868,27 +664,12 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
       (holds_loss_heads() ? nn::lm_head_workspace_bytes(sh_.dims.tokens(), cfg_.vocab_size / par_.tp.size(),
                                                         cfg_.compute_dtype, par_.tp.size())
                           : 0);
-  for (const auto& [key, c] : recompute_caches_) {  // full recompute: each shared set once
-    const bool is_moe = key % 4 & 1, is_mla = key % 4 & 2;
-    at(MemCategory::activations) += nn::dense_layer_cache_bytes(sh_.dims, !is_moe, !is_mla);
-    if (is_mla)
-      at(MemCategory::activations) += nn::mla_cache_bytes(sh_.mla_dims, cfg_.compute_dtype, sh_.dims.layernorm);
-    if (is_moe) at(MemCategory::activations) += moe::moe_layer_cache_bytes(c.moe);
-  }
-  if (selective_moe_.probs.defined()) at(MemCategory::activations) += moe::moe_layer_cache_bytes(selective_moe_);
-  for (const Tensor* t :
-       {&selective_h1_, &selective_h2_dense_, &selective_h2_moe_, &selective_act_, &selective_attn_, &selective_lse_,
-        &selective_fc1_, &selective_mlp_act_, &selective_shared_h_, &selective_shared_act_, &selective_mla_qkv_})
-    if (t->defined()) at(MemCategory::activations) += t->nbytes();  // selective recompute's shared buffers
+  at(MemCategory::activations) += plan_.shared_bytes(sh_);  // recompute's shared buffers, once
   // The model's own buffers, by the tensors themselves (each is allocated in one place, the constructor).
-  for (const MtpDepth& d : mtp_) {
-    count(MemCategory::activations, {&d.ids, &d.labels, &d.e, &d.hin, &d.x, &d.y, &d.en, &d.hn, &d.h, &d.e_mean,
-                                     &d.e_rstd, &d.h_mean, &d.h_rstd, &d.f_mean, &d.f_rstd});
-    count(MemCategory::workspace, {&d.ids_h, &d.labels_h});  // host: the rolled batch before its upload
-  }
-  count(MemCategory::workspace,
-        {&sh_.rope, &positions_, &positions_local_, &sh_.dres, &sh_.dh, &labels_, &final_h_, &final_full_, &sh_.moe_x,
-         &sh_.moe_out, &mtp_dx_c_, &mtp_carry_, &mtp_dn_, &mtp_dfn_, &mtp_h_full_, &cp_tokens_h_, &cp_labels_h_});
+  at(MemCategory::activations) += mtp_.bytes(MemCategory::activations);
+  at(MemCategory::workspace) += mtp_.bytes(MemCategory::workspace);
+  count(MemCategory::workspace, {&sh_.rope, &positions_, &positions_local_, &sh_.dres, &sh_.dh, &labels_, &final_h_,
+                                 &final_full_, &sh_.moe_x, &sh_.moe_out, &cp_tokens_h_, &cp_labels_h_});
   return plan;
 }
 

@@ -16,9 +16,11 @@
 #include "moecore/core/param.h"
 #include "moecore/model/config.h"
 #include "moecore/model/decoder_layer.h"
+#include "moecore/model/mtp_heads.h"
 #include "moecore/model/parallel_layout.h"
 #include "moecore/model/param_specs.h"
 #include "moecore/model/param_store.h"
+#include "moecore/model/recompute_plan.h"
 #include "moecore/moe/moe_layer.h"
 #include "moecore/nn/dense_layer.h"
 #include "moecore/nn/lm_head.h"
@@ -221,14 +223,11 @@ class GptModel {
                      bool recompute = false);
   void layer_backward(size_t layer, const Tensor& x, float grad_scale, const ops::Context& ctx);
   void bind_parameters();  // every module's views of its parameters, by role
-  void alloc_mtp_buffers();
-  void alloc_tables();  // the RoPE table and positions of this rank's rows
+  void alloc_tables();     // the RoPE table and positions of this rank's rows
   void alloc_workspaces();
-  void roll_left(Tensor& out, const Tensor& in, int32_t fill) const;  // host tensors
   void mtp_forward(const Tensor& tokens, const Tensor& labels, bool training, const ops::Context& ctx);
   double read_loss_sum() const;  // the last lm_head_loss's sum, read back from the device
-  void mtp_backward(LossResult& r, float grad_scale,
-                    const ops::Context& ctx);  // fills drops_ / embedding_drop_ (p = 0 when not training)
+  void mtp_backward(LossResult& r, float grad_scale, const ops::Context& ctx);
 
   ModelConfig cfg_;
   int64_t B_;
@@ -257,40 +256,7 @@ class GptModel {
   };
   Activations alloc_activations(int64_t chunk) const;
   const moe::MoeLayerCache* moe_scratch_donor() const;  // the MoE cache whose scratch the others share (or null)
-  // Full recompute (ModelConfig::recompute): per layer, the first layer of its recomputed group (-1: kept), and the
-  // caches the recomputed layers share -- one set per position in a group and layer kind, for every slot and chunk --
-  // keyed position * 4 + kind (1: MoE, 2: MLA).
-  std::vector<int64_t> recompute_group_;
-  struct RecomputeCaches {
-    nn::DenseLayerCache layer;
-    nn::MlaCache mla;
-    moe::MoeLayerCache moe;  // its refilled tensors serve the layers; each keeps its own routing
-  };
-  std::map<int64_t, RecomputeCaches> recompute_caches_;
-  // Selective recompute: the buffers every decoder layer's dropped outputs share, refilled by its backward (layernorm:
-  // the norm outputs h1 and h2, of a dense and of an MoE layer; moe_act: the routed experts' activations; core_attn:
-  // the standard attention's output and log-sum-exp; mlp: a dense layer's h2, fc1 output and activation). Undefined
-  // when not selected. Decoder layers only: the MTP depths keep their own.
-  Tensor selective_h1_, selective_h2_dense_, selective_h2_moe_, selective_act_;
-  Tensor selective_attn_, selective_lse_, selective_fc1_, selective_mlp_act_;
-  Tensor selective_shared_h_, selective_shared_act_;  // shared_experts: the shared expert's fc1 output, activation
-  moe::MoeLayerCache selective_moe_;                  // moe: the refilled part every MoE layer shares
-  Tensor selective_mla_qkv_;                          // mla_up_proj: the MLA kernel's input
-  bool decoder_layer(size_t l) const { return static_cast<int64_t>(l) < cfg_.num_layers; }
-  bool drops_norms(size_t l) const { return selective_h1_.defined() && decoder_layer(l); }
-  bool drops_attention(size_t l) const { return selective_attn_.defined() && decoder_layer(l) && !layers_[l].mla(); }
-  bool drops_mlp(size_t l) const { return selective_fc1_.defined() && decoder_layer(l) && !local_moe(l); }
-  bool drops_mla_up(size_t l) const { return selective_mla_qkv_.defined() && decoder_layer(l) && layers_[l].mla(); }
-  bool drops_moe(size_t l) const { return selective_moe_.probs.defined() && decoder_layer(l) && local_moe(l); }
-  bool drops_shared_expert(size_t l) const {
-    return selective_shared_h_.defined() && decoder_layer(l) && local_moe(l) && !drops_moe(l);
-  }
-  // The tensors of a decoder layer's cache the above replace.
-  std::vector<const Tensor*> dropped(const nn::DenseLayerCache& c, size_t l) const;
-  void plan_recompute();
-  int64_t recompute_key(size_t l) const {
-    return (static_cast<int64_t>(l) - recompute_group_[l]) * 4 + (local_moe(l) ? 1 : 0) + (layers_[l].mla() ? 2 : 0);
-  }
+  RecomputePlan plan_;                                  // what recompute drops, shares and refills
   bool holds_embeddings() const { return stage_.first_stage; }
   bool holds_loss_heads() const { return stage_.last_stage; }
   StageLayout stage_;  // this rank's model chunks and where each layer is
@@ -306,22 +272,7 @@ class GptModel {
   std::vector<size_t> slot_;                     // per chunk: the slot its running (or last) pass works on
   bool moe_overflow_ = false;                    // an MoE forward overflowed the received-token capacity
   bool moe_synced_ = false;                      // set_moe_synced_dropless(true) is in force
-  // One multi-token-prediction depth: its parameters and activations (its transformer layer is layer L + depth of
-  // the per-layer arrays).
-  struct MtpDepth {
-    Param *enorm = nullptr, *enorm_b = nullptr, *hnorm = nullptr, *hnorm_b = nullptr, *eh = nullptr;
-    Param *fnorm = nullptr, *fnorm_b = nullptr;
-    Tensor ids, labels;      // [N] i32: rolled input ids and labels
-    Tensor ids_h, labels_h;  // [B*S] i32 host: the whole batch's, rolled on the host; this rank's positions uploaded
-    Tensor e, hin, x, y;     // [N, H] f32: embedding, h_{k-1}, layer input (eh_proj output), layer output
-    Tensor en, hn, h;        // [N, H] compute: enorm(e), hnorm(h_{k-1}), final_norm(y) = h_k
-    Tensor e_mean, e_rstd, h_mean, h_rstd, f_mean, f_rstd;  // [N] f32 norm statistics (means: LayerNorm only)
-    ops::Dropout drop;  // the embedding's dropout (Megatron's embedding applies hidden dropout)
-  };
-  std::vector<MtpDepth> mtp_;
-  Tensor mtp_dx_c_;                      // [N, H] compute: a depth's layer-input gradient for the eh_proj GEMMs
-  Tensor mtp_carry_, mtp_dn_, mtp_dfn_;  // [N, H] f32: dL/dh_{k-1}, a norm-output gradient, dL/dh_k
-  Tensor mtp_h_full_;                    // [T, H] compute: a depth's h_k all-gathered (sequence parallelism only)
+  MtpHeads mtp_;  // the last stage's MTP depths (their transformer layers are layers_[num_layers + depth])
   ModelParallel par_;
   ParamRangeFn grad_ready_, params_needed_;
   // params() index ranges [first, end) for the backward-order notifications: per layer (decoder layers, then each MTP
