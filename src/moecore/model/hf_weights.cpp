@@ -91,83 +91,115 @@ int64_t deinterleave(int64_t j, int64_t dr, bool interleaved) {
 
 }  // namespace
 
-HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_interleave) {
-  cfg.validate();
-  check_family(cfg, family);
-  HfWeightMap m;
-  m.family = family;
-  const int64_t H = cfg.hidden_size, D = cfg.head_dim(), G = cfg.query_groups(), R = cfg.num_attention_heads / G;
-  const int64_t E = cfg.moe.num_experts, Fm = cfg.moe_ffn(), Fs = cfg.moe.shared_expert_intermediate_size;
-  const bool mixtral = family == HfFamily::mixtral, deepseek = family == HfFamily::deepseek_v3;
-  const int64_t nh = cfg.num_attention_heads, qr = cfg.q_lora_rank, kvr = cfg.kv_lora_rank;
-  const int64_t dn = cfg.qk_head_dim, dr = cfg.qk_pos_emb_head_dim, dv = cfg.v_head_dim;
-  std::map<std::string, size_t> tensor_index;
-  auto tensor = [&](const std::string& name, Shape shape) {
-    tensor_index[name] = m.tensors.size();
-    HfTensorSpec& t = m.tensors.emplace_back();
+namespace {
+
+// The map in the making: the family's HF tensors in transformers' module order (with their shapes), then each
+// parameter's row runs of them, chosen by the parameter's role.
+class HfMapBuilder {
+ public:
+  HfMapBuilder(const ModelConfig& cfg, HfFamily family, bool rope_interleave)
+      : c_(cfg), f_(family), interleave_(rope_interleave), H_(cfg.hidden_size) {
+    m_.family = family;
+  }
+  HfWeightMap take() { return std::move(m_); }
+
+  void tensors() {
+    tensor("model.embed_tokens.weight", {c_.vocab_size, H_});
+    const std::vector<bool> moe = c_.moe_layers();
+    for (int64_t l = 0; l < c_.num_layers; ++l) {
+      const std::string pre = layer_prefix(l);
+      if (f_ == HfFamily::deepseek_v3)
+        deepseek_layer(pre, moe[static_cast<size_t>(l)], l);
+      else
+        standard_layer(pre, moe[static_cast<size_t>(l)]);
+    }
+    // DeepSeek-V3's MTP depths are layers num_layers + k of the checkpoint, with copies of the shared embedding and
+    // output head (one parameter each in moecore, as in Megatron).
+    const std::string head = c_.untie_embeddings_and_output_weights ? "lm_head.weight" : "model.embed_tokens.weight";
+    for (int64_t k = 0; k < c_.mtp_num_layers; ++k) {
+      const int64_t l = c_.num_layers + k;
+      const std::string pre = layer_prefix(l);
+      tensor(pre + "embed_tokens.weight", {c_.vocab_size, H_});
+      m_.tensors.back().copy_of = "model.embed_tokens.weight";
+      tensor(pre + "enorm.weight", {H_});
+      tensor(pre + "hnorm.weight", {H_});
+      tensor(pre + "eh_proj.weight", {H_, 2 * H_});
+      deepseek_layer(pre, moe.back(), l);
+      tensor(pre + "shared_head.norm.weight", {H_});
+      tensor(pre + "shared_head.head.weight", {c_.vocab_size, H_});
+      m_.tensors.back().copy_of = head;
+    }
+    tensor("model.norm.weight", {H_});
+    if (c_.untie_embeddings_and_output_weights) tensor("lm_head.weight", {c_.vocab_size, H_});
+  }
+
+  void params() {
+    for (const ParamSpec& s : parameter_specs(c_)) {
+      HfParamMap p;
+      p.param = s.name;
+      p.shape = s.shape;
+      p.width = io::hf_row_width(s.shape);
+      p.expert = s.expert;
+      cur_ = &p;
+      row_ = 0;
+      runs(s);
+      MOECORE_CHECK(row_ == p.rows(), "HF map of '", s.name, "' covers ", row_, " of ", p.rows(), " rows");
+      m_.params.push_back(std::move(p));
+    }
+    for (size_t i = 0; i < m_.params.size(); ++i)
+      for (size_t r = 0; r < m_.params[i].runs.size(); ++r) {
+        HfTensorSpec& t = m_.tensors.at(index_.at(m_.params[i].runs[r].hf));
+        MOECORE_CHECK(io::hf_row_width(t.shape) == m_.params[i].width, "width of ", t.name, " vs ", m_.params[i].param);
+        t.sources.emplace_back(i, r);
+      }
+  }
+
+  // Every tensor's sources in ascending HF rows, covering it.
+  void order_sources() {
+    for (HfTensorSpec& t : m_.tensors) {
+      if (t.expert_bias_layer >= 0 || !t.copy_of.empty()) continue;
+      std::sort(t.sources.begin(), t.sources.end(), [&](const auto& a, const auto& b) {
+        return m_.params[a.first].runs[a.second].hf_row < m_.params[b.first].runs[b.second].hf_row;
+      });
+      int64_t covered = 0;
+      for (const auto& [pi, ri] : t.sources) covered += m_.params[pi].runs[ri].rows;
+      MOECORE_CHECK(covered * io::hf_row_width(t.shape) == t.shape.numel(), "HF tensor ", t.name, " covered ", covered);
+    }
+  }
+
+ private:
+  static std::string layer_prefix(int64_t l) { return "model.layers." + std::to_string(l) + "."; }
+  std::string moe_prefix(int64_t l) const {
+    return layer_prefix(l) + (f_ == HfFamily::mixtral ? "block_sparse_moe." : "mlp.");
+  }
+  std::string expert_prefix(int64_t l, int64_t e) const { return moe_prefix(l) + "experts." + std::to_string(e) + "."; }
+  void tensor(const std::string& name, Shape shape) {
+    index_[name] = m_.tensors.size();
+    HfTensorSpec& t = m_.tensors.emplace_back();
     t.name = name;
     t.shape = shape;
-  };
-  // HF tensors in transformers' module order, with their shapes.
-  tensor("model.embed_tokens.weight", {cfg.vocab_size, H});
-  const std::vector<bool> moe_layers = cfg.moe_layers();
-  // One DeepSeek-V3 decoder layer's tensors under `pre` (layer: its index in moecore's per-layer arrays).
-  auto deepseek_layer = [&](const std::string& pre, bool is_moe, int64_t layer) {
-    if (qr) {
-      tensor(pre + "self_attn.q_a_proj.weight", {qr, H});
-      tensor(pre + "self_attn.q_a_layernorm.weight", {qr});
-      tensor(pre + "self_attn.q_b_proj.weight", {nh * (dn + dr), qr});
-    } else {
-      tensor(pre + "self_attn.q_proj.weight", {nh * (dn + dr), H});
-    }
-    tensor(pre + "self_attn.kv_a_proj_with_mqa.weight", {kvr + dr, H});
-    tensor(pre + "self_attn.kv_a_layernorm.weight", {kvr});
-    tensor(pre + "self_attn.kv_b_proj.weight", {nh * (dn + dv), kvr});
-    tensor(pre + "self_attn.o_proj.weight", {H, nh * dv});
-    if (is_moe) {
-      tensor(pre + "mlp.gate.weight", {E, H});
-      tensor(pre + "mlp.gate.e_score_correction_bias", {E});
-      m.tensors.back().expert_bias_layer = layer;
-      for (int64_t e = 0; e < E; ++e) {
-        const std::string ex = pre + "mlp.experts." + std::to_string(e) + ".";
-        tensor(ex + "gate_proj.weight", {Fm, H});
-        tensor(ex + "up_proj.weight", {Fm, H});
-        tensor(ex + "down_proj.weight", {H, Fm});
-      }
-      if (Fs > 0) {
-        tensor(pre + "mlp.shared_experts.gate_proj.weight", {Fs, H});
-        tensor(pre + "mlp.shared_experts.up_proj.weight", {Fs, H});
-        tensor(pre + "mlp.shared_experts.down_proj.weight", {H, Fs});
-      }
-    } else {
-      tensor(pre + "mlp.gate_proj.weight", {cfg.ffn(), H});
-      tensor(pre + "mlp.up_proj.weight", {cfg.ffn(), H});
-      tensor(pre + "mlp.down_proj.weight", {H, cfg.ffn()});
-    }
-    tensor(pre + "input_layernorm.weight", {H});
-    tensor(pre + "post_attention_layernorm.weight", {H});
-  };
-  for (int64_t l = 0; l < cfg.num_layers; ++l) {
-    const std::string pre = "model.layers." + std::to_string(l) + ".";
-    if (deepseek) {
-      deepseek_layer(pre, moe_layers[static_cast<size_t>(l)], l);
-      continue;
-    }
+  }
+
+  // One Mixtral / Qwen decoder layer's tensors under `pre`.
+  void standard_layer(const std::string& pre, bool is_moe) {
+    const int64_t D = c_.head_dim(), G = c_.query_groups(), R = c_.num_attention_heads / G, H = H_;
+    const int64_t E = c_.moe.num_experts, Fm = c_.moe_ffn(), Fs = c_.moe.shared_expert_intermediate_size;
+    const bool mixtral = f_ == HfFamily::mixtral;
     tensor(pre + "self_attn.q_proj.weight", {G * R * D, H});
     tensor(pre + "self_attn.k_proj.weight", {G * D, H});
     tensor(pre + "self_attn.v_proj.weight", {G * D, H});
-    if (cfg.add_qkv_bias) {
+    if (c_.add_qkv_bias) {
       tensor(pre + "self_attn.q_proj.bias", {G * R * D});
       tensor(pre + "self_attn.k_proj.bias", {G * D});
       tensor(pre + "self_attn.v_proj.bias", {G * D});
     }
     tensor(pre + "self_attn.o_proj.weight", {H, G * R * D});
-    if (cfg.qk_layernorm) {
+    if (c_.qk_layernorm) {
       tensor(pre + "self_attn.q_norm.weight", {D});
       tensor(pre + "self_attn.k_norm.weight", {D});
     }
     const std::string moe = pre + (mixtral ? "block_sparse_moe." : "mlp.");
-    if (moe_layers[static_cast<size_t>(l)]) {
+    if (is_moe) {
       tensor(moe + "gate.weight", {E, H});
       for (int64_t e = 0; e < E; ++e) {
         const std::string ex = moe + "experts." + std::to_string(e) + ".";
@@ -182,160 +214,193 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_int
         tensor(moe + "shared_expert_gate.weight", {1, H});
       }
     } else {
-      tensor(pre + "mlp.gate_proj.weight", {cfg.ffn(), H});
-      tensor(pre + "mlp.up_proj.weight", {cfg.ffn(), H});
-      tensor(pre + "mlp.down_proj.weight", {H, cfg.ffn()});
+      dense_mlp(pre);
     }
     tensor(pre + "input_layernorm.weight", {H});
     tensor(pre + "post_attention_layernorm.weight", {H});
   }
-  // DeepSeek-V3's MTP depths are layers num_layers + k of the checkpoint, with copies of the shared embedding and
-  // output head (one parameter each in moecore, as in Megatron).
-  const std::string head = cfg.untie_embeddings_and_output_weights ? "lm_head.weight" : "model.embed_tokens.weight";
-  for (int64_t k = 0; k < cfg.mtp_num_layers; ++k) {
-    const int64_t l = cfg.num_layers + k;
-    const std::string pre = "model.layers." + std::to_string(l) + ".";
-    tensor(pre + "embed_tokens.weight", {cfg.vocab_size, H});
-    m.tensors.back().copy_of = "model.embed_tokens.weight";
-    tensor(pre + "enorm.weight", {H});
-    tensor(pre + "hnorm.weight", {H});
-    tensor(pre + "eh_proj.weight", {H, 2 * H});
-    deepseek_layer(pre, moe_layers.back(), l);
-    tensor(pre + "shared_head.norm.weight", {H});
-    tensor(pre + "shared_head.head.weight", {cfg.vocab_size, H});
-    m.tensors.back().copy_of = head;
-  }
-  tensor("model.norm.weight", {H});
-  if (cfg.untie_embeddings_and_output_weights) tensor("lm_head.weight", {cfg.vocab_size, H});
 
-  // Each parameter's runs.
-  for (const ParamSpec& s : parameter_specs(cfg)) {
-    HfParamMap p;
-    p.param = s.name;
-    p.shape = s.shape;
-    p.width = io::hf_row_width(s.shape);
-    p.expert = s.expert;
-    int64_t row = 0;
-    auto run = [&](const std::string& hf, int64_t hf_row, int64_t rows) {
-      p.runs.push_back({hf, hf_row, row, rows});
-      row += rows;
-    };
-    auto whole = [&](const std::string& hf) {
-      const Shape& t = m.tensors.at(tensor_index.at(hf)).shape;
-      run(hf, 0, t.numel() / io::hf_row_width(t));
-    };
-    // DeepSeek's dr RoPE rows starting at HF row `first`, in moecore's rotate-half channel order.
-    auto rope_rows = [&](const std::string& hf, int64_t first) {
-      for (int64_t j = 0; j < dr; ++j) run(hf, first + deinterleave(j, dr, rope_interleave), 1);
-    };
-    const std::string& n = s.name;
-    auto ends = [&](const char* suffix) { return n.ends_with(suffix); };
-    std::string layer, hpre, moe;
-    if (n.starts_with("decoder.layers.")) {
-      layer = n.substr(15, n.find('.', 15) - 15);
-    } else if (n.starts_with("mtp.layers.")) {  // MTP depth k: checkpoint layer num_layers + k
-      layer = std::to_string(cfg.num_layers + std::stoll(n.substr(11, n.find('.', 11) - 11)));
-    }
-    if (!layer.empty()) {
-      hpre = "model.layers." + layer + ".";
-      moe = hpre + (mixtral ? "block_sparse_moe." : "mlp.");
-    }
-    const bool mtp_own = n.starts_with("mtp.layers.") && n.find(".transformer_layer.") == std::string::npos;
-    if (mtp_own && ends(".enorm.weight")) {
-      whole(hpre + "enorm.weight");
-    } else if (mtp_own && ends(".hnorm.weight")) {
-      whole(hpre + "hnorm.weight");
-    } else if (mtp_own && ends(".eh_proj.weight")) {
-      whole(hpre + "eh_proj.weight");
-    } else if (mtp_own && ends(".final_layernorm.weight")) {
-      whole(hpre + "shared_head.norm.weight");
-    } else if (n == "embedding.word_embeddings.weight") {
-      whole("model.embed_tokens.weight");
-    } else if (n == "decoder.final_layernorm.weight") {
-      whole("model.norm.weight");
-    } else if (n == "output_layer.weight") {
-      whole("lm_head.weight");
-    } else if (ends(".input_layernorm.weight")) {
-      whole(hpre + "input_layernorm.weight");
-    } else if (ends(".pre_mlp_layernorm.weight")) {
-      whole(hpre + "post_attention_layernorm.weight");
-    } else if (ends(".self_attention.linear_qkv.weight") || ends(".self_attention.linear_qkv.bias")) {
-      const std::string kind = ends(".weight") ? ".weight" : ".bias";
-      for (int64_t g = 0; g < G; ++g) {  // per group: R query heads, its key head, its value head
-        run(hpre + "self_attn.q_proj" + kind, g * R * D, R * D);
-        run(hpre + "self_attn.k_proj" + kind, g * D, D);
-        run(hpre + "self_attn.v_proj" + kind, g * D, D);
-      }
-    } else if (ends(".self_attention.linear_q_proj.weight") || ends(".self_attention.linear_q_up_proj.weight")) {
-      const std::string hf = hpre + (qr ? "self_attn.q_b_proj.weight" : "self_attn.q_proj.weight");
-      for (int64_t h = 0; h < nh; ++h) {  // per head [nope | rope], the rope channels de-interleaved
-        run(hf, h * (dn + dr), dn);
-        rope_rows(hf, h * (dn + dr) + dn);
-      }
-    } else if (ends(".self_attention.linear_q_down_proj.weight")) {
-      whole(hpre + "self_attn.q_a_proj.weight");
-    } else if (ends(".self_attention.q_layernorm.weight") && deepseek) {
-      whole(hpre + "self_attn.q_a_layernorm.weight");
-    } else if (ends(".self_attention.linear_kv_down_proj.weight")) {
-      const std::string hf = hpre + "self_attn.kv_a_proj_with_mqa.weight";
-      run(hf, 0, kvr);
-      rope_rows(hf, kvr);
-    } else if (ends(".self_attention.kv_layernorm.weight")) {
-      whole(hpre + "self_attn.kv_a_layernorm.weight");
-    } else if (ends(".self_attention.linear_kv_up_proj.weight")) {
-      whole(hpre + "self_attn.kv_b_proj.weight");
-    } else if (ends(".self_attention.linear_proj.weight")) {
-      whole(hpre + "self_attn.o_proj.weight");
-    } else if (ends(".self_attention.q_layernorm.weight")) {
-      whole(hpre + "self_attn.q_norm.weight");
-    } else if (ends(".self_attention.k_layernorm.weight")) {
-      whole(hpre + "self_attn.k_norm.weight");
-    } else if (ends(".mlp.linear_fc1.weight")) {
-      whole(hpre + "mlp.gate_proj.weight");
-      whole(hpre + "mlp.up_proj.weight");
-    } else if (ends(".mlp.linear_fc2.weight")) {
-      whole(hpre + "mlp.down_proj.weight");
-    } else if (ends(".mlp.router.weight")) {
-      whole(moe + "gate.weight");
-    } else if (ends(".mlp.experts.linear_fc1.weight")) {
-      for (int64_t e = 0; e < E; ++e) {
-        const std::string ex = moe + "experts." + std::to_string(e) + ".";
-        whole(ex + (mixtral ? "w1.weight" : "gate_proj.weight"));
-        whole(ex + (mixtral ? "w3.weight" : "up_proj.weight"));
-      }
-    } else if (ends(".mlp.experts.linear_fc2.weight")) {
-      for (int64_t e = 0; e < E; ++e)
-        whole(moe + "experts." + std::to_string(e) + "." + (mixtral ? "w2.weight" : "down_proj.weight"));
-    } else if (ends(".mlp.shared_experts.linear_fc1.weight")) {
-      const std::string shared = moe + (deepseek ? "shared_experts." : "shared_expert.");
-      whole(shared + "gate_proj.weight");
-      whole(shared + "up_proj.weight");
-    } else if (ends(".mlp.shared_experts.linear_fc2.weight")) {
-      whole(moe + (deepseek ? "shared_experts." : "shared_expert.") + "down_proj.weight");
-    } else if (ends(".mlp.shared_experts.gate_weight")) {
-      whole(moe + "shared_expert_gate.weight");
+  // One DeepSeek-V3 decoder layer's tensors under `pre` (layer: its index in moecore's per-layer arrays).
+  void deepseek_layer(const std::string& pre, bool is_moe, int64_t layer) {
+    const int64_t H = H_, nh = c_.num_attention_heads, qr = c_.q_lora_rank, kvr = c_.kv_lora_rank;
+    const int64_t dn = c_.qk_head_dim, dr = c_.qk_pos_emb_head_dim, dv = c_.v_head_dim;
+    const int64_t E = c_.moe.num_experts, Fm = c_.moe_ffn(), Fs = c_.moe.shared_expert_intermediate_size;
+    if (qr) {
+      tensor(pre + "self_attn.q_a_proj.weight", {qr, H});
+      tensor(pre + "self_attn.q_a_layernorm.weight", {qr});
+      tensor(pre + "self_attn.q_b_proj.weight", {nh * (dn + dr), qr});
     } else {
-      MOECORE_FAIL("Hugging Face ", hf_family_name(family), ": no HF tensor for parameter '", n, "'");
+      tensor(pre + "self_attn.q_proj.weight", {nh * (dn + dr), H});
     }
-    MOECORE_CHECK(row == p.rows(), "HF map of '", n, "' covers ", row, " of ", p.rows(), " rows");
-    m.params.push_back(std::move(p));
-  }
-  for (size_t i = 0; i < m.params.size(); ++i)
-    for (size_t r = 0; r < m.params[i].runs.size(); ++r) {
-      HfTensorSpec& t = m.tensors.at(tensor_index.at(m.params[i].runs[r].hf));
-      MOECORE_CHECK(io::hf_row_width(t.shape) == m.params[i].width, "width of ", t.name, " vs ", m.params[i].param);
-      t.sources.emplace_back(i, r);
+    tensor(pre + "self_attn.kv_a_proj_with_mqa.weight", {kvr + dr, H});
+    tensor(pre + "self_attn.kv_a_layernorm.weight", {kvr});
+    tensor(pre + "self_attn.kv_b_proj.weight", {nh * (dn + dv), kvr});
+    tensor(pre + "self_attn.o_proj.weight", {H, nh * dv});
+    if (is_moe) {
+      tensor(pre + "mlp.gate.weight", {E, H});
+      tensor(pre + "mlp.gate.e_score_correction_bias", {E});
+      m_.tensors.back().expert_bias_layer = layer;
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string ex = pre + "mlp.experts." + std::to_string(e) + ".";
+        tensor(ex + "gate_proj.weight", {Fm, H});
+        tensor(ex + "up_proj.weight", {Fm, H});
+        tensor(ex + "down_proj.weight", {H, Fm});
+      }
+      if (Fs > 0) {
+        tensor(pre + "mlp.shared_experts.gate_proj.weight", {Fs, H});
+        tensor(pre + "mlp.shared_experts.up_proj.weight", {Fs, H});
+        tensor(pre + "mlp.shared_experts.down_proj.weight", {H, Fs});
+      }
+    } else {
+      dense_mlp(pre);
     }
-  for (HfTensorSpec& t : m.tensors) {
-    if (t.expert_bias_layer >= 0 || !t.copy_of.empty()) continue;
-    std::sort(t.sources.begin(), t.sources.end(), [&](const auto& a, const auto& b) {
-      return m.params[a.first].runs[a.second].hf_row < m.params[b.first].runs[b.second].hf_row;
-    });
-    int64_t covered = 0;
-    for (const auto& [pi, ri] : t.sources) covered += m.params[pi].runs[ri].rows;
-    MOECORE_CHECK(covered * io::hf_row_width(t.shape) == t.shape.numel(), "HF tensor ", t.name, " covered ", covered);
+    tensor(pre + "input_layernorm.weight", {H});
+    tensor(pre + "post_attention_layernorm.weight", {H});
   }
-  return m;
+
+  void dense_mlp(const std::string& pre) {
+    tensor(pre + "mlp.gate_proj.weight", {c_.ffn(), H_});
+    tensor(pre + "mlp.up_proj.weight", {c_.ffn(), H_});
+    tensor(pre + "mlp.down_proj.weight", {H_, c_.ffn()});
+  }
+
+  void run(const std::string& hf, int64_t hf_row, int64_t rows) {
+    cur_->runs.push_back({hf, hf_row, row_, rows});
+    row_ += rows;
+  }
+  void whole(const std::string& hf) {
+    const Shape& t = m_.tensors.at(index_.at(hf)).shape;
+    run(hf, 0, t.numel() / io::hf_row_width(t));
+  }
+  // DeepSeek's dr RoPE rows starting at HF row `first`, in moecore's rotate-half channel order.
+  void rope_rows(const std::string& hf, int64_t first) {
+    const int64_t dr = c_.qk_pos_emb_head_dim;
+    for (int64_t j = 0; j < dr; ++j) run(hf, first + deinterleave(j, dr, interleave_), 1);
+  }
+
+  // A parameter's rows, by its role: the model's own, then a transformer layer's (MTP depth k: checkpoint layer
+  // num_layers + k), attention then MLP.
+  void runs(const ParamSpec& s) {
+    using enum ParamRole;
+    const std::string pre = s.layer >= 0 ? layer_prefix(s.layer) : "", sa = pre + "self_attn.";
+    switch (s.role) {
+      case word_embeddings:
+        return whole("model.embed_tokens.weight");
+      case final_norm:
+        return whole("model.norm.weight");
+      case output_layer:
+        return whole("lm_head.weight");
+      case mtp_enorm:
+        return whole(pre + "enorm.weight");
+      case mtp_hnorm:
+        return whole(pre + "hnorm.weight");
+      case mtp_eh_proj:
+        return whole(pre + "eh_proj.weight");
+      case mtp_final_norm:
+        return whole(pre + "shared_head.norm.weight");
+      case input_norm:
+        return whole(pre + "input_layernorm.weight");
+      case mlp_norm:
+        return whole(pre + "post_attention_layernorm.weight");
+      case qkv:
+        return qkv_runs(sa, ".weight");
+      case qkv_bias:
+        return qkv_runs(sa, ".bias");
+      case proj:
+        return whole(sa + "o_proj.weight");
+      case q_norm:
+        return whole(sa + (f_ == HfFamily::deepseek_v3 ? "q_a_layernorm.weight" : "q_norm.weight"));
+      case k_norm:
+        return whole(sa + "k_norm.weight");
+      case q_proj:
+        return mla_q_runs(sa + "q_proj.weight");
+      case q_up_proj:
+        return mla_q_runs(sa + "q_b_proj.weight");
+      case q_down_proj:
+        return whole(sa + "q_a_proj.weight");
+      case kv_down_proj:
+        run(sa + "kv_a_proj_with_mqa.weight", 0, c_.kv_lora_rank);
+        return rope_rows(sa + "kv_a_proj_with_mqa.weight", c_.kv_lora_rank);
+      case kv_norm:
+        return whole(sa + "kv_a_layernorm.weight");
+      case kv_up_proj:
+        return whole(sa + "kv_b_proj.weight");
+      case fc1:
+        whole(pre + "mlp.gate_proj.weight");
+        return whole(pre + "mlp.up_proj.weight");
+      case fc2:
+        return whole(pre + "mlp.down_proj.weight");
+      default:
+        return moe_runs(s);
+    }
+  }
+  // Per query group: R query heads, its key head, its value head.
+  void qkv_runs(const std::string& sa, const std::string& kind) {
+    const int64_t D = c_.head_dim(), G = c_.query_groups(), R = c_.num_attention_heads / G;
+    for (int64_t g = 0; g < G; ++g) {
+      run(sa + "q_proj" + kind, g * R * D, R * D);
+      run(sa + "k_proj" + kind, g * D, D);
+      run(sa + "v_proj" + kind, g * D, D);
+    }
+  }
+  // Per head [nope | rope], the rope channels de-interleaved.
+  void mla_q_runs(const std::string& hf) {
+    const int64_t dn = c_.qk_head_dim, dr = c_.qk_pos_emb_head_dim;
+    for (int64_t h = 0; h < c_.num_attention_heads; ++h) {
+      run(hf, h * (dn + dr), dn);
+      rope_rows(hf, h * (dn + dr) + dn);
+    }
+  }
+  void moe_runs(const ParamSpec& s) {
+    using enum ParamRole;
+    const bool mixtral = f_ == HfFamily::mixtral;
+    const std::string moe = moe_prefix(s.layer);
+    const std::string shared = moe + (f_ == HfFamily::deepseek_v3 ? "shared_experts." : "shared_expert.");
+    switch (s.role) {
+      case router:
+        return whole(moe + "gate.weight");
+      case experts_fc1:
+        for (int64_t e = 0; e < c_.moe.num_experts; ++e) {
+          whole(expert_prefix(s.layer, e) + (mixtral ? "w1.weight" : "gate_proj.weight"));
+          whole(expert_prefix(s.layer, e) + (mixtral ? "w3.weight" : "up_proj.weight"));
+        }
+        return;
+      case experts_fc2:
+        for (int64_t e = 0; e < c_.moe.num_experts; ++e)
+          whole(expert_prefix(s.layer, e) + (mixtral ? "w2.weight" : "down_proj.weight"));
+        return;
+      case shared_fc1:
+        whole(shared + "gate_proj.weight");
+        return whole(shared + "up_proj.weight");
+      case shared_fc2:
+        return whole(shared + "down_proj.weight");
+      case shared_gate:
+        return whole(moe + "shared_expert_gate.weight");
+      default:
+        MOECORE_FAIL("Hugging Face ", hf_family_name(f_), ": no HF tensor for parameter '", s.name, "'");
+    }
+  }
+
+  const ModelConfig& c_;
+  const HfFamily f_;
+  const bool interleave_;
+  const int64_t H_;
+  HfWeightMap m_;
+  std::map<std::string, size_t> index_;  // tensor name -> m_.tensors index
+  HfParamMap* cur_ = nullptr;            // the parameter whose runs are being added, and its rows so far
+  int64_t row_ = 0;
+};
+
+}  // namespace
+
+HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_interleave) {
+  cfg.validate();
+  check_family(cfg, family);
+  HfMapBuilder b(cfg, family, rope_interleave);
+  b.tensors();
+  b.params();
+  b.order_sources();
+  return b.take();
 }
 
 void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf) {

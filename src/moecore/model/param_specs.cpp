@@ -29,145 +29,188 @@ int64_t parameters_per_rank(const ModelConfig& cfg, int ep, int tp, int etp,
   return n;
 }
 
-std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
-  const int64_t L = cfg.num_layers, H = cfg.hidden_size, V = cfg.vocab_size, D = cfg.head_dim();
-  const int64_t G = cfg.query_groups(), Hq = cfg.num_attention_heads, qkv_rows = (Hq + 2 * G) * D;
-  const bool ln = cfg.normalization == Normalization::layernorm, bias = cfg.add_bias_linear;
-  const float std_w = cfg.init_method_std, std_out = std_w / std::sqrt(2.0f * static_cast<float>(L));
-  const moe::MoeConfig& mc = cfg.moe;
-  const int64_t Fm = cfg.moe_ffn(), Fs = mc.shared_expert_intermediate_size;
-  auto glu = [&](int64_t f) { return cfg.swiglu ? 2 * f : f; };
-  std::vector<ParamSpec> out;
-  int64_t layer_index = -1;  // of the parameters added (-1: the model's own)
-  auto add = [&](ParamRole role, std::string name, Shape shape, ParamInit init, float std = 0.0f, bool expert = false) {
-    out.push_back({std::move(name), shape, init, std, expert});
-    out.back().role = role;
-    out.back().layer = layer_index;
-  };
-  auto split = [&](int dim, int parts = 1) {  // the tensor-parallel split of the last parameter added
-    out.back().tp_dim = dim;
-    out.back().tp_parts = parts;
-  };
-  auto head_partial = [&](size_t from) {  // the parameters added since `from` are fed by the rank's heads under TP
-    for (size_t i = from; i < out.size(); ++i) out[i].tp_grad = ParamSpec::TpGrad::head_partial;
-  };
-  const int glu_parts = cfg.swiglu ? 2 : 1;
-  auto norm = [&](ParamRole role, ParamRole bias_role, const std::string& prefix, int64_t width) {
-    add(role, prefix + ".weight", {width}, ParamInit::ones);
-    if (ln) add(bias_role, prefix + ".bias", {width}, ParamInit::zeros);
-  };
-  using enum ParamRole;
-  add(word_embeddings, "embedding.word_embeddings.weight", {V, H}, ParamInit::normal, std_w);
-  split(0);
-  if (cfg.position_embedding_type == PositionEmbedding::learned_absolute) {
-    add(position_embeddings, "embedding.position_embeddings.weight", {cfg.max_positions(), H}, ParamInit::normal,
-        std_w);
-    out.back().tp_grad = ParamSpec::TpGrad::whole;
+namespace {
+
+// The table in the making: one method per module, each adding its parameters in Megatron's order.
+class SpecTable {
+ public:
+  explicit SpecTable(const ModelConfig& cfg)
+      : c_(cfg),
+        H_(cfg.hidden_size),
+        std_w_(cfg.init_method_std),
+        std_out_(std_w_ / std::sqrt(2.0f * static_cast<float>(cfg.num_layers))),
+        glu_parts_(cfg.swiglu ? 2 : 1) {}
+  std::vector<ParamSpec> take() { return std::move(out_); }
+  void set_layer(int64_t l) { layer_ = l; }
+
+  void embeddings() {
+    add(ParamRole::word_embeddings, "embedding.word_embeddings.weight", {c_.vocab_size, H_}, ParamInit::normal, std_w_);
+    split(0);
+    if (c_.position_embedding_type != PositionEmbedding::learned_absolute) return;
+    add(ParamRole::position_embeddings, "embedding.position_embeddings.weight", {c_.max_positions(), H_},
+        ParamInit::normal, std_w_);
+    out_.back().tp_grad = ParamSpec::TpGrad::whole;
   }
-  // One transformer layer's parameters (a decoder layer, or an MTP depth's transformer layer).
-  auto layer = [&](const LayerSpec& spec) {
-    const std::string& pre = spec.prefix;
-    norm(input_norm, input_norm_bias, pre + "input_layernorm", H);
-    if (spec.attention == AttentionKind::mla) {  // Megatron's MLASelfAttention (local spec names)
-      const int64_t qr = cfg.q_lora_rank, kvr = cfg.kv_lora_rank, dr = cfg.qk_pos_emb_head_dim;
-      const int64_t q_rows = Hq * (cfg.qk_head_dim + dr);
-      // Under TP the up-projections split by head (rows grouped by head), linear_proj by its input; the
-      // down-projections are replicated (as Megatron's "duplicated" linears).
-      if (qr) {
-        add(q_down_proj, pre + "self_attention.linear_q_down_proj.weight", {qr, H}, ParamInit::normal, std_w);
-        head_partial(out.size() - 1);
-        add(q_up_proj, pre + "self_attention.linear_q_up_proj.weight", {q_rows, qr}, ParamInit::normal, std_w);
-        split(0);
-      } else {
-        add(q_proj, pre + "self_attention.linear_q_proj.weight", {q_rows, H}, ParamInit::normal, std_w);
-        split(0);
-      }
-      add(kv_down_proj, pre + "self_attention.linear_kv_down_proj.weight", {kvr + dr, H}, ParamInit::normal, std_w);
-      head_partial(out.size() - 1);
-      add(kv_up_proj, pre + "self_attention.linear_kv_up_proj.weight", {Hq * (cfg.qk_head_dim + cfg.v_head_dim), kvr},
-          ParamInit::normal, std_w);
-      split(0);
-      add(proj, pre + "self_attention.linear_proj.weight", {H, Hq * cfg.v_head_dim}, ParamInit::normal, std_out);
-      split(1);
-      norm(mlp_norm, mlp_norm_bias, pre + "pre_mlp_layernorm", H);
-      if (spec.qk_norm) {  // with MLA, --qk-layernorm normalises the q and kv latents
-        const size_t from = out.size();
-        if (qr) norm(q_norm, q_norm_bias, pre + "self_attention.q_layernorm", qr);
-        norm(kv_norm, kv_norm_bias, pre + "self_attention.kv_layernorm", kvr);
-        head_partial(from);
-      }
-    } else {
-      // Rows are grouped by query group ([G][R + 2][D]): a split along dim 0 is a split by query group.
-      add(qkv, pre + "self_attention.linear_qkv.weight", {qkv_rows, H}, ParamInit::normal, std_w);
-      split(0);
-      add(proj, pre + "self_attention.linear_proj.weight", {H, Hq * D}, ParamInit::normal, std_out);
-      split(1);
-      if (cfg.qkv_bias()) {
-        add(qkv_bias, pre + "self_attention.linear_qkv.bias", {qkv_rows}, ParamInit::zeros);
-        split(0);
-      }
-      if (bias) add(proj_bias, pre + "self_attention.linear_proj.bias", {H}, ParamInit::zeros);
-      norm(mlp_norm, mlp_norm_bias, pre + "pre_mlp_layernorm", H);
-      if (spec.qk_norm) {  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
-        const size_t from = out.size();
-        norm(q_norm, q_norm_bias, pre + "self_attention.q_layernorm", D);
-        norm(k_norm, k_norm_bias, pre + "self_attention.k_layernorm", D);
-        head_partial(from);
-      }
-    }
-    if (spec.mlp == MlpKind::dense) {
-      add(fc1, pre + "mlp.linear_fc1.weight", {glu(cfg.ffn()), H}, ParamInit::normal, std_w);
-      split(0, glu_parts);
-      add(fc2, pre + "mlp.linear_fc2.weight", {H, cfg.ffn()}, ParamInit::normal, std_out);
-      split(1);
-      if (bias) {
-        add(fc1_bias, pre + "mlp.linear_fc1.bias", {glu(cfg.ffn())}, ParamInit::zeros);
-        split(0, glu_parts);
-        add(fc2_bias, pre + "mlp.linear_fc2.bias", {H}, ParamInit::zeros);
-      }
-      return;
-    }
-    const int64_t E = mc.num_experts;
-    add(router, pre + "mlp.router.weight", {E, H}, ParamInit::normal, std_w);
-    add(experts_fc1, pre + "mlp.experts.linear_fc1.weight", {E, glu(Fm), H}, ParamInit::normal, std_w, true);
-    split(1, glu_parts);  // (expert tensor parallelism: within each expert)
-    add(experts_fc2, pre + "mlp.experts.linear_fc2.weight", {E, H, Fm}, ParamInit::normal, std_out, true);
-    split(2);
-    if (bias) {
-      add(router_bias, pre + "mlp.router.bias", {E}, ParamInit::normal, std_w);
-      add(experts_fc1_bias, pre + "mlp.experts.linear_fc1.bias", {E, glu(Fm)}, ParamInit::zeros, 0.0f, true);
-      split(1, glu_parts);
-      add(experts_fc2_bias, pre + "mlp.experts.linear_fc2.bias", {E, H}, ParamInit::zeros, 0.0f, true);
-    }
-    if (Fs > 0) {
-      add(shared_fc1, pre + "mlp.shared_experts.linear_fc1.weight", {glu(Fs), H}, ParamInit::normal, std_w);
-      add(shared_fc2, pre + "mlp.shared_experts.linear_fc2.weight", {H, Fs}, ParamInit::normal, std_out);
-      if (mc.shared_expert_gate)
-        add(shared_gate, pre + "mlp.shared_experts.gate_weight", {1, H}, ParamInit::normal, std_w);
-    }
-  };
-  const std::vector<LayerSpec> layers = layer_specs(cfg);
-  for (int64_t l = 0; l < cfg.num_layers; ++l) {
-    layer_index = l;
-    layer(layers[static_cast<size_t>(l)]);
+  // One transformer layer (a decoder layer, or an MTP depth's transformer layer).
+  void layer(const LayerSpec& spec) {
+    norm(ParamRole::input_norm, ParamRole::input_norm_bias, spec.prefix + "input_layernorm", H_);
+    if (spec.attention == AttentionKind::mla)
+      mla(spec);
+    else
+      standard_attention(spec);
+    if (spec.mlp == MlpKind::dense)
+      dense_mlp(spec.prefix);
+    else
+      moe_block(spec.prefix);
   }
-  layer_index = -1;
-  norm(final_norm, final_norm_bias, "decoder.final_layernorm", H);
-  for (int64_t k = 0; k < cfg.mtp_num_layers; ++k) {  // Megatron's MultiTokenPredictionLayer
+  void final_norm() { norm(ParamRole::final_norm, ParamRole::final_norm_bias, "decoder.final_layernorm", H_); }
+  // Megatron's MultiTokenPredictionLayer k around its transformer layer.
+  void mtp_depth(int64_t k, const LayerSpec& spec) {
+    using enum ParamRole;
     const std::string pre = "mtp.layers." + std::to_string(k) + ".";
-    layer_index = cfg.num_layers + k;
-    norm(mtp_enorm, mtp_enorm_bias, pre + "enorm", H);
-    norm(mtp_hnorm, mtp_hnorm_bias, pre + "hnorm", H);
-    add(mtp_eh_proj, pre + "eh_proj.weight", {H, 2 * H}, ParamInit::normal, std_w);
-    layer(layers[static_cast<size_t>(layer_index)]);
-    norm(mtp_final_norm, mtp_final_norm_bias, pre + "final_layernorm", H);
+    norm(mtp_enorm, mtp_enorm_bias, pre + "enorm", H_);
+    norm(mtp_hnorm, mtp_hnorm_bias, pre + "hnorm", H_);
+    add(mtp_eh_proj, pre + "eh_proj.weight", {H_, 2 * H_}, ParamInit::normal, std_w_);
+    layer(spec);
+    norm(mtp_final_norm, mtp_final_norm_bias, pre + "final_layernorm", H_);
   }
-  layer_index = -1;
-  if (cfg.untie_embeddings_and_output_weights) {
-    add(output_layer, "output_layer.weight", {V, H}, ParamInit::normal, std_w);
+  void output_layer() {
+    add(ParamRole::output_layer, "output_layer.weight", {c_.vocab_size, H_}, ParamInit::normal, std_w_);
     split(0);
   }
-  return out;
+
+ private:
+  void add(ParamRole role, std::string name, Shape shape, ParamInit init, float std = 0.0f, bool expert = false) {
+    out_.push_back({std::move(name), shape, init, std, expert});
+    out_.back().role = role;
+    out_.back().layer = layer_;
+  }
+  void split(int dim, int parts = 1) {  // the tensor-parallel split of the last parameter added
+    out_.back().tp_dim = dim;
+    out_.back().tp_parts = parts;
+  }
+  void head_partial(size_t from) {  // the parameters added since `from` are fed by the rank's heads under TP
+    for (size_t i = from; i < out_.size(); ++i) out_[i].tp_grad = ParamSpec::TpGrad::head_partial;
+  }
+  void norm(ParamRole role, ParamRole bias_role, const std::string& prefix, int64_t width) {
+    add(role, prefix + ".weight", {width}, ParamInit::ones);
+    if (c_.normalization == Normalization::layernorm) add(bias_role, prefix + ".bias", {width}, ParamInit::zeros);
+  }
+  int64_t glu(int64_t f) const { return c_.swiglu ? 2 * f : f; }
+
+  // Megatron's SelfAttention. Rows of linear_qkv are grouped by query group ([G][R + 2][D]): a split along dim 0 is a
+  // split by query group.
+  void standard_attention(const LayerSpec& spec) {
+    using enum ParamRole;
+    const std::string sa = spec.prefix + "self_attention.";
+    const int64_t D = c_.head_dim(), Hq = c_.num_attention_heads, rows = (Hq + 2 * c_.query_groups()) * D;
+    add(qkv, sa + "linear_qkv.weight", {rows, H_}, ParamInit::normal, std_w_);
+    split(0);
+    add(proj, sa + "linear_proj.weight", {H_, Hq * D}, ParamInit::normal, std_out_);
+    split(1);
+    if (c_.qkv_bias()) {
+      add(qkv_bias, sa + "linear_qkv.bias", {rows}, ParamInit::zeros);
+      split(0);
+    }
+    if (c_.add_bias_linear) add(proj_bias, sa + "linear_proj.bias", {H_}, ParamInit::zeros);
+    norm(mlp_norm, mlp_norm_bias, spec.prefix + "pre_mlp_layernorm", H_);
+    if (!spec.qk_norm) return;
+    const size_t from = out_.size();  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
+    norm(q_norm, q_norm_bias, sa + "q_layernorm", D);
+    norm(k_norm, k_norm_bias, sa + "k_layernorm", D);
+    head_partial(from);
+  }
+  // Megatron's MLASelfAttention (local spec names). Under TP the up-projections split by head (rows grouped by head),
+  // linear_proj by its input; the down-projections are replicated (as Megatron's "duplicated" linears).
+  void mla(const LayerSpec& spec) {
+    using enum ParamRole;
+    const std::string sa = spec.prefix + "self_attention.";
+    const int64_t qr = c_.q_lora_rank, kvr = c_.kv_lora_rank, dr = c_.qk_pos_emb_head_dim, Hq = c_.num_attention_heads;
+    const int64_t q_rows = Hq * (c_.qk_head_dim + dr);
+    if (qr) {
+      add(q_down_proj, sa + "linear_q_down_proj.weight", {qr, H_}, ParamInit::normal, std_w_);
+      head_partial(out_.size() - 1);
+      add(q_up_proj, sa + "linear_q_up_proj.weight", {q_rows, qr}, ParamInit::normal, std_w_);
+    } else {
+      add(q_proj, sa + "linear_q_proj.weight", {q_rows, H_}, ParamInit::normal, std_w_);
+    }
+    split(0);
+    add(kv_down_proj, sa + "linear_kv_down_proj.weight", {kvr + dr, H_}, ParamInit::normal, std_w_);
+    head_partial(out_.size() - 1);
+    add(kv_up_proj, sa + "linear_kv_up_proj.weight", {Hq * (c_.qk_head_dim + c_.v_head_dim), kvr}, ParamInit::normal,
+        std_w_);
+    split(0);
+    add(proj, sa + "linear_proj.weight", {H_, Hq * c_.v_head_dim}, ParamInit::normal, std_out_);
+    split(1);
+    norm(mlp_norm, mlp_norm_bias, spec.prefix + "pre_mlp_layernorm", H_);
+    if (!spec.qk_norm) return;
+    const size_t from = out_.size();  // with MLA, --qk-layernorm normalises the q and kv latents
+    if (qr) norm(q_norm, q_norm_bias, sa + "q_layernorm", qr);
+    norm(kv_norm, kv_norm_bias, sa + "kv_layernorm", kvr);
+    head_partial(from);
+  }
+  void dense_mlp(const std::string& pre) {
+    using enum ParamRole;
+    const int64_t F = c_.ffn();
+    add(fc1, pre + "mlp.linear_fc1.weight", {glu(F), H_}, ParamInit::normal, std_w_);
+    split(0, glu_parts_);
+    add(fc2, pre + "mlp.linear_fc2.weight", {H_, F}, ParamInit::normal, std_out_);
+    split(1);
+    if (!c_.add_bias_linear) return;
+    add(fc1_bias, pre + "mlp.linear_fc1.bias", {glu(F)}, ParamInit::zeros);
+    split(0, glu_parts_);
+    add(fc2_bias, pre + "mlp.linear_fc2.bias", {H_}, ParamInit::zeros);
+  }
+  // The router, the routed experts ([E, ...]; expert tensor parallelism splits within each expert) and the shared
+  // experts.
+  void moe_block(const std::string& pre) {
+    using enum ParamRole;
+    const int64_t E = c_.moe.num_experts, Fm = c_.moe_ffn(), Fs = c_.moe.shared_expert_intermediate_size;
+    add(router, pre + "mlp.router.weight", {E, H_}, ParamInit::normal, std_w_);
+    add(experts_fc1, pre + "mlp.experts.linear_fc1.weight", {E, glu(Fm), H_}, ParamInit::normal, std_w_, true);
+    split(1, glu_parts_);
+    add(experts_fc2, pre + "mlp.experts.linear_fc2.weight", {E, H_, Fm}, ParamInit::normal, std_out_, true);
+    split(2);
+    if (c_.add_bias_linear) {
+      add(router_bias, pre + "mlp.router.bias", {E}, ParamInit::normal, std_w_);
+      add(experts_fc1_bias, pre + "mlp.experts.linear_fc1.bias", {E, glu(Fm)}, ParamInit::zeros, 0.0f, true);
+      split(1, glu_parts_);
+      add(experts_fc2_bias, pre + "mlp.experts.linear_fc2.bias", {E, H_}, ParamInit::zeros, 0.0f, true);
+    }
+    if (Fs == 0) return;
+    add(shared_fc1, pre + "mlp.shared_experts.linear_fc1.weight", {glu(Fs), H_}, ParamInit::normal, std_w_);
+    add(shared_fc2, pre + "mlp.shared_experts.linear_fc2.weight", {H_, Fs}, ParamInit::normal, std_out_);
+    if (c_.moe.shared_expert_gate)
+      add(shared_gate, pre + "mlp.shared_experts.gate_weight", {1, H_}, ParamInit::normal, std_w_);
+  }
+
+  const ModelConfig& c_;
+  const int64_t H_;
+  const float std_w_, std_out_;
+  const int glu_parts_;
+  int64_t layer_ = -1;  // of the parameters added (-1: the model's own)
+  std::vector<ParamSpec> out_;
+};
+
+}  // namespace
+
+std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg) {
+  SpecTable t(cfg);
+  t.embeddings();
+  const std::vector<LayerSpec> layers = layer_specs(cfg);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    t.set_layer(l);
+    t.layer(layers[static_cast<size_t>(l)]);
+  }
+  t.set_layer(-1);
+  t.final_norm();
+  for (int64_t k = 0; k < cfg.mtp_num_layers; ++k) {
+    t.set_layer(cfg.num_layers + k);
+    t.mtp_depth(k, layers[static_cast<size_t>(cfg.num_layers + k)]);
+  }
+  t.set_layer(-1);
+  if (cfg.untie_embeddings_and_output_weights) t.output_layer();
+  return t.take();
 }
 
 AttentionCost attention_cost(const ModelConfig& cfg, AttentionKind kind) {
