@@ -8,6 +8,7 @@
 // directory through a staging directory renamed into place.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -18,14 +19,17 @@
 #include "apps/args.h"
 #include "apps/commands.h"
 #include "apps/hf_config.h"
+#include "apps/hf_load.h"
 #include "apps/model_flags.h"
 #include "moecore/core/memory.h"
+#include "moecore/core/rng.h"
 #include "moecore/io/checkpoint.h"
 #include "moecore/io/file_util.h"
 #include "moecore/io/hf_checkpoint.h"
 #include "moecore/io/json.h"
 #include "moecore/model/config_record.h"
 #include "moecore/model/hf_weights.h"
+#include "moecore/model/param_specs.h"
 #include "moecore/train/checkpointing.h"
 
 namespace moecore::apps {
@@ -77,18 +81,50 @@ DType parse_dtype(const std::string& s, const std::string& where) {
   MOECORE_FAIL(where, " '", s, "' is not one of bf16, fp16, fp32");
 }
 
+// A parameter the checkpoint lacks (fresh MTP layers), initialised as training initialises it (ParamStore: values
+// from seed, name and global element index alone), in parts; routed experts split over the EP files like the rest.
+void write_initialised(std::vector<std::unique_ptr<io::SafetensorsStreamWriter>>& files, const std::string& name,
+                       const model::ModelConfig& cfg, int64_t ep, uint64_t seed) {
+  const std::vector<model::ParamSpec> specs = model::parameter_specs(cfg);
+  const auto s = std::find_if(specs.begin(), specs.end(), [&](const model::ParamSpec& x) { return x.name == name; });
+  MOECORE_CHECK(s != specs.end(), "no parameter ", name);
+  const int64_t shards = s->expert && ep > 1 ? ep : 1, n = s->shape.numel() / shards;
+  for (int64_t r = 0; r < shards; ++r) {
+    Shape shape = s->shape;
+    shape[0] /= shards;
+    io::SafetensorsStreamWriter& w = *files[shards > 1 ? 1 + r : 0];
+    w.begin(name, DType::f32, shape);
+    for (int64_t at = 0; at < n; at += model::kHfPartElements) {
+      Tensor part = Tensor::empty({std::min(model::kHfPartElements, n - at)}, DType::f32, MemCategory::workspace);
+      if (s->init == model::ParamInit::normal)
+        rng_fill_normal(part, seed, name, 0.0f, s->std, static_cast<uint64_t>(r * n + at));
+      else
+        part.fill_(s->init == model::ParamInit::ones ? 1.0f : 0.0f);
+      w.append(part);
+    }
+  }
+}
+
 void import_hf(const Args& a) {
   const std::string src = a.str("--from-hf"), root = a.str("--save");
   const int64_t ep = a.i64("--expert-model-parallel-size");
-  const std::string config_text = io::read_file(hf_config_path(src, "--from-hf"));
-  const json config = hf_config_parse(config_text, src + "/config.json");
-  const model::ModelConfig cfg = hf_model_config(config, "--from-hf " + src, kWeightsOnly);
-  const model::HfWeightMap map = hf_config_weight_map(config, cfg);
+  const uint64_t seed = static_cast<uint64_t>(a.i64("--seed"));
+  std::string config_text = io::read_file(hf_config_path(src, "--from-hf"));
+  json config = hf_config_parse(config_text, src + "/config.json");
+  const io::HfCheckpointReader hf(src);
+  std::vector<std::pair<std::string, std::string>> flags = kWeightsOnly;
+  const bool given_mtp = a.given("--mtp-num-layers");
+  if (given_mtp) flags.emplace_back("--mtp-num-layers", a.str("--mtp-num-layers"));
+  const json original = config;
+  const bool mtp_fresh = hf_mtp_adjust(
+      config, hf, given_mtp ? std::optional<int64_t>(a.i64("--mtp-num-layers")) : std::nullopt, "convert", stdout);
+  if (config != original) config_text = config.dump(2) + "\n";  // the record describes the model written (no MTP)
+  const model::ModelConfig cfg = hf_model_config(config, "--from-hf " + src, flags);
+  const model::HfWeightMap map = hf_load_weight_map(config, cfg, mtp_fresh);
   const model::HfFamily family = map.family;
   if (ep < 1 || cfg.moe.num_experts % ep != 0)
     MOECORE_FAIL("--expert-model-parallel-size (", ep, ") must divide the number of experts (", cfg.moe.num_experts,
                  ")");
-  const io::HfCheckpointReader hf(src);
   model::hf_check_tensors(map, hf);
   model::hf_check_copies(map, hf);
   if (!io::checkpoint_list_committed(root).empty())
@@ -121,6 +157,7 @@ void import_hf(const Args& a) {
         model::hf_read_param_rows(p, hf, r * rows, (r + 1) * rows, [&](const Tensor& part) { w.append(part); });
       }
     }
+    for (const std::string& name : map.initialised) write_initialised(files, name, cfg, ep, seed);
     for (const model::HfTensorSpec& t : map.tensors)  // DeepSeek-V3's e_score_correction_bias: the expert bias
       if (t.expert_bias_layer >= 0)
         files[0]->add(train::checkpoint_expert_bias_name(t.expert_bias_layer), hf.read(t.name, DType::f32));
@@ -260,6 +297,9 @@ int convert_main(int argc, char** argv) {
   a.option("--from-hf", "", "import: Hugging Face model directory (config.json, safetensors shards and index)")
       .option("--save", "", "import: checkpoint root to write (iteration 0, weights only)")
       .option("--expert-model-parallel-size", "1", "import: expert-parallel size of the written checkpoint's layout")
+      .option("--seed", "1234",
+              "import: seed of the layers the checkpoint lacks (--mtp-num-layers N on a checkpoint without MTP "
+              "layers: N fresh MTP layers, initialised as train --seed initialises them)")
       .option("--load", "", "export: checkpoint root (its newest committed iteration) or iteration directory")
       .option("--ckpt-step", "", "export: load this iteration of --load instead of the newest")
       .option("--to-hf", "", "export: Hugging Face model directory to write (must not exist, or be empty)")
@@ -273,7 +313,8 @@ int convert_main(int argc, char** argv) {
               "export without a recorded config.json: mixtral | qwen2_moe | qwen3_moe | deepseek_v3 (unset: the "
               "family that holds the model flags)")
       .domain("--expert-model-parallel-size", FlagDomain::integer(1, 1e6))
-      .domain("--ckpt-step", FlagDomain::integer(0, 1e12));
+      .domain("--ckpt-step", FlagDomain::integer(0, 1e12))
+      .domain("--seed", FlagDomain::integer(0, 4294967295.0));
   const model::ModelConfig defaults;
   add_model_flags(a, defaults);  // export without a recorded config.json: the model flags of the training run
   if (!a.parse(argc, argv)) return 0;

@@ -2,11 +2,13 @@
 // loss and every parameter's gradient written under the Hugging Face names (docs/hf-models.md). This is how
 // moecore is compared with transformers.
 #include <cstdio>
+#include <map>
 
 #include "apps/args.h"
 #include "apps/commands.h"
 #include "apps/device_flag.h"
 #include "apps/hf_config.h"
+#include "apps/hf_load.h"
 #include "moecore/io/file_util.h"
 #include "moecore/io/hf_checkpoint.h"
 #include "moecore/io/safetensors.h"
@@ -23,7 +25,12 @@ int model_step_main(int argc, char** argv) {
       .option("--device", "cpu",
               "where the model runs: cpu, cuda, or sim (the simulated device of the test suite: host memory that "
               "only ops touch)")
-      .domain("--device", FlagDomain::one_of({"cpu", "cuda", "sim"}));
+      .option("--mtp-num-layers", "",
+              "DeepSeek-V3: MTP layers to build (unset: config.json's num_nextn_predict_layers, or none when the "
+              "checkpoint holds no MTP layer); given, and the checkpoint holds none, they are initialised fresh "
+              "(Megatron's init, seed 0)")
+      .domain("--device", FlagDomain::one_of({"cpu", "cuda", "sim"}))
+      .domain("--mtp-num-layers", FlagDomain::integer(1, 1e6));
   if (!a.parse(argc, argv)) return 0;
   const Device device = device_from_flag(a);
   for (const char* f : {"--hf", "--tokens", "--out"})
@@ -37,16 +44,20 @@ int model_step_main(int argc, char** argv) {
   const int64_t B = tokens.size(0), S = tokens.size(1);
   // Dropout off and no auxiliary losses: the gradient is that of the mean next-token cross-entropy alone, as
   // transformers computes it with output_router_logits false.
-  const nlohmann::json config = hf_config_load(a.str("--hf"), "--hf");
-  const model::ModelConfig cfg = hf_model_config(config, "--hf " + a.str("--hf"),
-                                                 {{"--seq-length", std::to_string(S)},
-                                                  {"--attention-dropout", "0"},
-                                                  {"--hidden-dropout", "0"},
-                                                  {"--moe-router-load-balancing-type", "none"},
-                                                  {"--moe-aux-loss-coeff", "0"}});
-  const model::HfWeightMap map = hf_config_weight_map(config, cfg);
-  const model::HfFamily family = map.family;
+  nlohmann::json config = hf_config_load(a.str("--hf"), "--hf");
   const io::HfCheckpointReader hf(a.str("--hf"));
+  std::vector<std::pair<std::string, std::string>> flags = {{"--seq-length", std::to_string(S)},
+                                                            {"--attention-dropout", "0"},
+                                                            {"--hidden-dropout", "0"},
+                                                            {"--moe-router-load-balancing-type", "none"},
+                                                            {"--moe-aux-loss-coeff", "0"}};
+  const bool given_mtp = a.given("--mtp-num-layers");
+  if (given_mtp) flags.emplace_back("--mtp-num-layers", a.str("--mtp-num-layers"));
+  const bool mtp_fresh = hf_mtp_adjust(
+      config, hf, given_mtp ? std::optional<int64_t>(a.i64("--mtp-num-layers")) : std::nullopt, "model-step", stdout);
+  const model::ModelConfig cfg = hf_model_config(config, "--hf " + a.str("--hf"), flags);
+  const model::HfWeightMap map = hf_load_weight_map(config, cfg, mtp_fresh);
+  const model::HfFamily family = map.family;
   std::vector<io::FlagPath> inputs = {{"--tokens", a.str("--tokens")}, {"--hf", hf_config_path(a.str("--hf"), "--hf")}};
   for (const std::string& f : hf.files()) inputs.push_back({"--hf", f});
   io::check_output_file({"--out", a.str("--out")}, inputs);
@@ -78,14 +89,15 @@ int model_step_main(int argc, char** argv) {
     *mtp.data<double>() = sum / static_cast<double>(cfg.mtp_num_layers);
     out["mtp_loss"] = mtp;
   }
-  const auto& params = gpt.params();
+  std::map<std::string, const Param*> params;  // (by name: fresh MTP layers are in the model, not in the map)
+  for (const Param& p : gpt.params()) params[p.name] = &p;
   for (const model::HfTensorSpec& t : map.tensors)
     if (t.expert_bias_layer < 0 && t.copy_of.empty())  // no gradients: expert biases, MTP's copies of shared ones
       out["grad." + t.name] = model::hf_gather(map, t, [&](size_t p, int64_t first, int64_t rows) {
         const int64_t w = map.params[p].width;
-        return params[p]
-            .grad.to_device(Device::cpu)
-            .view({params[p].grad.numel() / w, w})
+        const Tensor& grad = params.at(map.params[p].param)->grad;
+        return grad.to_device(Device::cpu)
+            .view({grad.numel() / w, w})
             .slice(0, first, first + rows)
             .view(map.params[p].shape.ndim >= 2 ? Shape{rows, w} : Shape{rows});
       });

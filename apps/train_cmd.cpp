@@ -18,6 +18,7 @@
 #include "apps/data_flags.h"
 #include "apps/device_flag.h"
 #include "apps/hf_config.h"
+#include "apps/hf_load.h"
 #include "apps/model_flags.h"
 #include "apps/train_flags.h"
 #include "moecore/core/backend_hooks.h"
@@ -72,6 +73,23 @@ void check_overlap_moe_expert_parallel_comm(const Args& a) {
 std::string hf_config_flag(const Args& a) {
   const std::string load_hf = a.str("--load-hf");
   return !load_hf.empty() && a.str("--hf-config") == load_hf ? "--load-hf" : "--hf-config";
+}
+
+// --hf-config's flags fill those unset; with --load-hf, after hf_mtp_adjust (a checkpoint that transformers'
+// save_pretrained wrote: MTP off, or fresh under --mtp-num-layers). Returns whether the MTP layers are fresh.
+bool hf_config_apply_for_load(Args& a) {
+  const std::string flag = hf_config_flag(a), path = a.str("--hf-config"), dir = a.str("--load-hf");
+  if (dir.empty() || path.empty()) {
+    hf_config_apply(a, flag);
+    return false;
+  }
+  nlohmann::json config = hf_config_load(path, flag);
+  const std::optional<int64_t> given =
+      a.given("--mtp-num-layers") ? std::optional<int64_t>(a.i64("--mtp-num-layers")) : std::nullopt;
+  std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
+  const bool fresh = hf_mtp_adjust(config, io::HfCheckpointReader(dir), given, "moecore train", out);
+  hf_config_fill(a, config, flag + " " + path);
+  return fresh;
 }
 
 // --moe-use-upcycling: the dense model of the same flags (without experts) is loaded from --load and
@@ -315,7 +333,7 @@ int train_main(int argc, char** argv) {
     MOECORE_FAIL("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron)");
   check_overlap_moe_expert_parallel_comm(a);
   if (!a.str("--load-hf").empty()) a.fill_unset("--hf-config", a.str("--load-hf"), " by --load-hf");
-  hf_config_apply(a, hf_config_flag(a));
+  const bool hf_mtp_fresh = hf_config_apply_for_load(a);
   if (!a.str("--hf-config").empty()) a.check_same_on_every_rank();  // the file's values too
   if (comm_initialized() && !comm_timeout_from_env()) {             // the variable, when set, overrides the flag
     CommOptions o = comm_options();
@@ -457,7 +475,7 @@ int train_main(int argc, char** argv) {
     if (tcfg.load.empty() || !io::checkpoint_find_latest(tcfg.load, step)) {
       const std::string dir = a.str("--load-hf");
       const model::HfWeightMap map =
-          hf_config_weight_map(hf_config_load(a.str("--hf-config"), hf_config_flag(a)), mcfg);
+          hf_load_weight_map(hf_config_load(a.str("--hf-config"), hf_config_flag(a)), mcfg, hf_mtp_fresh);
       const io::HfCheckpointReader hf(dir);
       model::hf_check_tensors(map, hf);
       model::hf_import(map, hf, gpt);

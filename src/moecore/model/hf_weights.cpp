@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <set>
 
 #include "moecore/core/error.h"
 #include "moecore/core/shard.h"
@@ -403,6 +404,17 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_int
   return b.take();
 }
 
+HfWeightMap hf_weight_map_without_mtp(const ModelConfig& cfg, HfFamily family, bool rope_interleave) {
+  ModelConfig main = cfg;
+  main.mtp_num_layers = 0;
+  HfWeightMap m = hf_weight_map(main, family, rope_interleave);
+  std::set<std::string> read;
+  for (const HfParamMap& p : m.params) read.insert(p.param);
+  for (const ParamSpec& s : parameter_specs(cfg))
+    if (!read.count(s.name)) m.initialised.push_back(s.name);
+  return m;
+}
+
 void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf) {
   std::map<std::string, const HfTensorSpec*> want;
   for (const HfTensorSpec& t : map.tensors) want[t.name] = &t;
@@ -478,9 +490,11 @@ void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptMode
   std::vector<Param>& params = gpt.params();  // (a pipeline stage's: a subset of the map's, by name)
   std::map<std::string, size_t> by_name;
   for (size_t i = 0; i < map.params.size(); ++i) by_name[map.params[i].param] = i;
-  MOECORE_CHECK(gpt.parallel().pp.size() > 1 || params.size() == map.params.size(), params.size(),
-                " parameters for a map of ", map.params.size());
+  const std::set<std::string> initialised(map.initialised.begin(), map.initialised.end());
+  MOECORE_CHECK(gpt.parallel().pp.size() > 1 || params.size() == map.params.size() + initialised.size(), params.size(),
+                " parameters for a map of ", map.params.size(), " + ", initialised.size());
   for (size_t i = 0; i < params.size(); ++i) {
+    if (initialised.count(params[i].name)) continue;
     const auto found = by_name.find(params[i].name);
     MOECORE_CHECK(found != by_name.end(), "parameter ", params[i].name, " is not in the HF map");
     const HfParamMap& m = map.params[found->second];

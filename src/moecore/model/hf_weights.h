@@ -54,12 +54,20 @@ struct HfWeightMap {
   HfFamily family = HfFamily::mixtral;
   std::vector<HfParamMap> params;     // parameter_specs(cfg) order
   std::vector<HfTensorSpec> tensors;  // every HF tensor of the model, in transformers' module order
+  // Parameters of the model that the checkpoint lacks and hf_import leaves at their initial values (Megatron's init):
+  // fresh MTP layers (hf_weight_map_without_mtp). Not in `params`.
+  std::vector<std::string> initialised;
 };
 
 // Throws Error naming the setting when cfg has something the family's modeling code lacks (LayerNorm, learned
 // positions, linear biases, GeLU, a dense layer in Mixtral, QK-norm outside Qwen3, MLA outside DeepSeek, ...).
 // rope_interleave: DeepSeek-V3's config.json key (transformers' default true); ignored by the other families.
 HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_interleave = true);
+
+// The map of cfg less DeepSeek-V3's MTP layers (checkpoint layers num_layers + k, with their copies of the embedding
+// and head), whose parameters are listed in `initialised`: for a checkpoint that transformers' save_pretrained wrote
+// (it drops those layers) loaded with fresh MTP layers (--mtp-num-layers given).
+HfWeightMap hf_weight_map_without_mtp(const ModelConfig& cfg, HfFamily family, bool rope_interleave = true);
 
 // Parts are at most this many elements (32 MiB in f32) whatever the tensor's size: the streaming bound.
 inline constexpr int64_t kHfPartElements = int64_t{8} << 20;
@@ -81,7 +89,7 @@ void hf_check_copies(const HfWeightMap& map, const io::HfCheckpointReader& hf);
 
 // Fills this rank's parameters (expert parameters hold experts [ep_rank * n, (ep_rank + 1) * n); a pipeline stage
 // its own layers, embeddings and heads) and its routers' expert biases from the checkpoint, after hf_check_tensors, and
-// refreshes the compute copies.
+// refreshes the compute copies. The map's `initialised` parameters keep their values.
 void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptModel& gpt);
 
 // One HF tensor assembled from parameter rows: rows(param index, first_row, n) returns those rows of the global
