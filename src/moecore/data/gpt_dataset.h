@@ -1,6 +1,6 @@
 // Megatron-Core GPTDataset and BlendedDataset, index for index: split strings, per-split epochs,
 // document/sample/shuffle indices built with numpy RandomState-compatible shuffles, sample retrieval
-// with the seq_length+1 convention, and the greedy blending of several datasets (formats.md §2).
+// with the seq_length+1 convention, and the greedy blending of several datasets (docs/formats.md §2).
 // Indices are rebuilt in memory on every start (cheap); Megatron's .npy index cache is not written.
 // Not here: attention masks and position ids (reset flags), which the trainer derives from the tokens.
 #pragma once
@@ -64,13 +64,13 @@ struct GptDatasetConfig {
   uint32_t seed = 1234;                      // --seed; each split's RandomState starts from it
   bool add_extra_token = true;               // x = 1: a sample reads L+1 tokens (inputs and shifted labels)
   bool drop_last_partial_validation = true;  // false: the valid split keeps a padded final sample
-  int32_t pad_id = -1;                       // pad token id; -1 when the tokenizer has none (formats.md §2.8)
+  int32_t pad_id = -1;                       // pad token id; -1 when the tokenizer has none (docs/formats.md §2.8)
   int32_t eod_id = -1;                       // end-of-document id, used by eod_mask_loss
   bool eod_mask_loss = false;                // --eod-mask-loss: loss_mask = 0 where tokens == eod_id
   int64_t vocab_size = 0;  // token ids read from .bin must lie in [0, vocab_size) (Error otherwise); 0: only >= 0
 };
 
-// The three Megatron index arrays of one split (formats.md §2.5-§2.7).
+// The three Megatron index arrays of one split (docs/formats.md §2.5-§2.7).
 struct GptIndices {
   int64_t tokens_per_epoch = 0;  // T: tokens in the exposed sequences
   int32_t num_epochs = 0;
@@ -167,7 +167,7 @@ class BlendedGptDataset : public GptSampleSource {
   BlendIndices indices_;
 };
 
-// Megatron training.py sample counts per split (formats.md §2.2): train = train_iters * gbs,
+// Megatron training.py sample counts per split (docs/formats.md §2.2): train = train_iters * gbs,
 // valid = (train_iters / eval_interval + 1) * eval_iters * gbs, test = eval_iters * gbs. eval_interval 0 (no
 // --eval-interval: one validation, at the end) sizes the valid split for one evaluation.
 std::array<int64_t, 3> gpt_split_num_samples(int64_t train_iters, int64_t global_batch_size, int64_t eval_interval,

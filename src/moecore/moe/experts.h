@@ -1,5 +1,5 @@
 // Routed experts: SwiGLU (or GeLU) MLPs over expert-major rows, with the routing probability applied after
-// the activation (Megatron's memory-efficient path, spec §5.3/§7.1):
+// the activation (Megatron's memory-efficient path, docs/megatron-moe-spec.md §5.3/§7.1):
 //   h = x W1_e^T (+ b1_e);  a = act(h) * p;  y = a W2_e^T (+ p * b2_e)          for the rows of expert e
 // The optional biases are Megatron's add_bias_linear: the fc2 bias is weighted by the routing probability, so
 // y = p * (act(h) W2_e^T + b2_e) (TEGroupedMLP._apply_bias, MLP.forward with per_token_scale).

@@ -1,4 +1,4 @@
-// The MoE layer as named stages (STYLE.md, spec §9):
+// The MoE layer as named stages (docs/STYLE.md, docs/megatron-moe-spec.md §9):
 //   route -> dispatch_prepare -> exchange_counts -> dispatch -> experts -> combine_prepare -> combine -> combine_finish
 // (which of them communicate: dispatcher.h)
 // plus the shared expert on every token. Forward and backward are explicit; the dispatcher is passed in, so

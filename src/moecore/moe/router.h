@@ -1,4 +1,4 @@
-// The MoE router (Megatron's TopKRouter, ../shared/docs/megatron-moe-spec.md §2-§4): gating linear (with an
+// The MoE router (Megatron's TopKRouter, docs/megatron-moe-spec.md §2-§4): gating linear (with an
 // optional bias, Megatron's add_bias_linear) in fp32 or fp64, input jitter, score functions, (group-limited) top-k,
 // expert bias, sinkhorn, forced balancing, capacity dropping and routing-map padding, plus every load-balancing loss
 // and the z-loss. This file orders the stages; each computation is an op of kernels/ops_router.h (or ops.h), so the
