@@ -94,14 +94,14 @@ std::vector<int64_t> gpt_build_sample_index(std::span<const int32_t> sizes, int6
                                             int32_t num_epochs, int64_t tokens_per_epoch, bool drop_last_partial,
                                             bool add_extra_token);
 
-// A source of [L] training samples: tokens, labels (tokens shifted by one) and the loss mask, with pads
-// already replaced by 0 and masked. get() is const and thread-safe.
+// A source of [S] training samples (S = seq_length()): tokens, labels (tokens shifted by one) and the loss mask, with
+// pads already replaced by 0 and masked. get() is const and thread-safe.
 class GptSampleSource {
  public:
   virtual ~GptSampleSource() = default;
   virtual size_t size() const = 0;
   virtual int64_t seq_length() const = 0;
-  // tokens, labels [L] i32; loss_mask [L] f32 or nullptr. i in [0, size()). A token id outside the vocabulary
+  // tokens, labels [S] i32; loss_mask [S] f32 or nullptr. i in [0, size()). A token id outside the vocabulary
   // (GptDatasetConfig::vocab_size) raises Error naming the dataset and sequence.
   virtual void get(int64_t i, int32_t* tokens, int32_t* labels, float* loss_mask) const = 0;
   void get(int64_t i, int32_t* tokens, int32_t* labels) const { get(i, tokens, labels, nullptr); }

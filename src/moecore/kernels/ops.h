@@ -9,6 +9,7 @@
 // Threading: CPU ops use OpenMP over the calling thread's team; results do not depend on thread count
 // except where an op says so (gemm, gemm_batched and the grouped GEMMs run oneDNN, whose last bits can
 // change with the number of threads; they are deterministic for a fixed thread count).
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -11,6 +11,7 @@
 // excluded from losses and counts (true = padding); an undefined padding means none.
 // Ties in every top-k break towards the lower index. Threading: token rows run in parallel, sums over tokens run
 // in token order (in double), so no result depends on the number of threads.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 

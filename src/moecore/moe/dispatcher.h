@@ -13,6 +13,7 @@
 //   permuted_x[row] = x[row_token[row]]            permuted_probs[row] = probs[t, e]
 //   y[t] = sum over e ascending with token_rows[t, e] >= 0 of expert_out[token_rows[t, e]]   (f32 sum, one rounding)
 // Probabilities are not applied by the combine: experts multiply them after the activation.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <string>
 #include <variant>

@@ -4,6 +4,7 @@
 // clone's weight gradient back into its home expert. The token dispatcher then sees E' = EP (El + Sl) experts, each
 // rank's block [home experts..., clone slots...] (ops.h "MoE ECHO" for the layout and the planner).
 // Not here: the planner's arithmetic (kernels), the token dispatch (dispatcher.h), the static received-token capacity.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 #include <memory>

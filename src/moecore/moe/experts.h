@@ -10,6 +10,7 @@
 // for the worst case): rows past them are neither read nor written.
 // Saved for backward: x (the dispatcher's permuted input), h and the unscaled activation; never the output.
 // Gradient contract: weight gradients accumulate (+=); dx and dprobs are written.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <vector>
 
@@ -18,7 +19,7 @@
 namespace moecore::moe {
 
 struct ExpertDims {
-  int64_t E = 0;         // local experts
+  int64_t E = 0;         // local experts (core/dims.h's El: E / EP, the model's E)
   int64_t H = 0;         // hidden size
   int64_t F = 0;         // expert ffn size
   bool swiglu = true;    // fc1 rows: 2F (SwiGLU, [gate; up]) or F (GeLU)

@@ -14,6 +14,7 @@
 // (sequence b = the tokens t with t % B == b) and for the "position" drop policy, which keeps the lowest token
 // indices, i.e. the earliest positions across all sequences (position s of every sequence before s + 1).
 // Ties in every top-k break towards the lower expert (or token) index, deterministically.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <vector>
 
@@ -24,7 +25,7 @@
 namespace moecore::moe {
 
 struct RouterDims {
-  int64_t T = 0;  // tokens (S * B, sequence-major: t = s * B + b)
+  int64_t T = 0;  // this rank's tokens (S * B, or their SP share; sequence-major: t = s * B + b)
   int64_t B = 1;  // sequences in the micro-batch (seq_aux_loss: sequence b = tokens t % B == b)
   int64_t H = 0;  // hidden size
   int64_t E = 0;  // experts

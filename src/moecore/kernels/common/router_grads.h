@@ -5,6 +5,7 @@
 // Also the aux scores' backward of one token (the losses' gradient through their own scores).
 // Not here: the loops over tokens (the backends own them), the per-sequence sums P and cnt (the CPU's token loop, a
 // thread per (b, e) column on the device), the z-loss.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 
