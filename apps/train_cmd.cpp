@@ -93,7 +93,7 @@ bool hf_config_apply_for_load(Args& a) {
 }
 
 // --moe-use-upcycling: the dense model of the same flags (without experts) is loaded from --load and
-// converted (spec §10); the MoE model then trains from iteration 0 with a fresh optimizer.
+// converted (docs/megatron-moe-spec.md §10); the MoE model then trains from iteration 0 with a fresh optimizer.
 void upcycle_from_dense(model::GptModel& gpt, const Args& a, const train::TrainConfig& tcfg) {
   const model::ModelConfig& mc = gpt.config();
   if (!mc.moe.enabled()) MOECORE_FAIL("--moe-use-upcycling needs --num-experts");

@@ -1,6 +1,6 @@
 // Multi-latent attention (nn/mla.h) forward+backward on one layer's worth of tokens, as a ratio to the in-run GEMM
 // peak. Model FLOPs, as flops_per_step counts them: 6 T P_attn (projections) + 6 B S^2 A_core (QK^T and AV over
-// the causal half), P_attn and A_core from echo-folding-perf.md's MLA formula; the padding of v inside the kernel
+// the causal half), P_attn and A_core from docs/echo-folding-perf.md's MLA formula; the padding of v inside the kernel
 // is work done but not counted.
 #pragma once
 #include <string>

@@ -2,7 +2,7 @@
 // sequence, sub-ranges, add_index, and a GptDataset's first samples. Input layout: a little-endian uint32 n,
 // then the .idx bytes (n of them, or all that remain), then the .bin bytes, so mutations reach both files.
 // Seeds: fuzz/seeds/indexed_dataset/, valid datasets (u8, u16, i32, i64, f32, empty) in this layout, written by a
-// few lines of Python following formats.md §1.
+// few lines of Python following docs/formats.md §1.
 #include <unistd.h>
 
 #include <algorithm>

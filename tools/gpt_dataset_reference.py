@@ -2,7 +2,7 @@
 """Reference for moecore's GPTDataset / BlendedDataset index building (Megatron-Core semantics).
 
 An independent numpy-only reimplementation of megatron/core/datasets/{gpt_dataset,helpers.cpp,
-blended_dataset,blended_megatron_dataset_builder,utils}.py as described in shared/docs/formats.md §1-§2.
+blended_dataset,blended_megatron_dataset_builder,utils}.py as described in docs/formats.md §1-§2.
 It uses numpy.random.RandomState itself for the shuffles (the C++ side re-implements MT19937), so a
 match checks the RNG port as well as the index logic.
 
@@ -29,7 +29,7 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
 
 
 # ---------------------------------------------------------------------------------------------------
-# .bin/.idx (formats.md §1)
+# .bin/.idx (docs/formats.md §1)
 
 def read_indexed(prefix):
     raw = open(prefix + ".idx", "rb").read()

@@ -2,8 +2,8 @@
 """Float64 PyTorch reference of ONE Megatron-Core MoE layer (router, token dropping, experts, shared expert, biases).
 
 Interface (layer.json keys, tensor names, dtypes): docs/moe-layer-golden.md.  Semantics: the Megatron MoE
-spec (router §2, losses §3, capacity §4, permutation §5, experts §7, shared expert §8), with moecore's
-choices where the spec leaves one open:
+spec, docs/megatron-moe-spec.md (router §2, losses §3, capacity §4, permutation §5, experts §7, shared expert §8),
+with moecore's choices where the spec leaves one open:
   * tokens in Megatron's order: the layer input is [S, B, H] flattened sequence-major, token t = s*B + b
     (S = T / micro_batch_size); seq_aux_loss views the [T, E] scores as [S, B*E] (Megatron's reshape), so
     sequence b is the tokens t % B == b; the padding mask follows the same order

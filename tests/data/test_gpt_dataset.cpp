@@ -1,6 +1,6 @@
-// GPTDataset / BlendedDataset against numpy and Megatron: RandomState draws and shuffles, the §2.6 worked
-// example, split strings, every index array and sample of tests/golden/gpt_dataset_indices.json (written
-// by tools/gpt_dataset_reference.py), per-epoch token coverage, and greedy blending.
+// GPTDataset / BlendedDataset against numpy and Megatron: RandomState draws and shuffles, the docs/formats.md §2.6
+// worked example, split strings, every index array and sample of tests/golden/gpt_dataset_indices.json (written by
+// tools/gpt_dataset_reference.py), per-epoch token coverage, and greedy blending.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -138,7 +138,7 @@ TEST(GptSampleIndex, WorkedExample) {
 TEST(GptSplit, ParseAndBookends) {
   EXPECT_EQ(split_parse("969,30,1"), (std::array<double, 3>{0.969, 0.03, 0.001}));
   EXPECT_EQ(split_parse(kLegacySplit), split_parse("969,30,1"));
-  // 8 / 100000 = 8e-5 (formats.md §2.1 prints 0.0008 / 0.0002, a slip: the ranges below are Megatron's).
+  // 8 / 100000 = 8e-5 (docs/formats.md §2.1 prints 0.0008 / 0.0002, a slip: the ranges below are Megatron's).
   EXPECT_EQ(split_parse("99990,8,2"), (std::array<double, 3>{0.9999, 0.00008, 0.00002}));
   EXPECT_EQ(split_parse("1"), (std::array<double, 3>{1.0, 0.0, 0.0}));
   EXPECT_EQ(split_parse("train 0.5 / valid .5"), (std::array<double, 3>{0.5, 0.5, 0.0}));

@@ -1,4 +1,4 @@
-// Megatron .bin/.idx: the formats.md §1.5 test vector byte for byte, round trips in every dtype, reader
+// Megatron .bin/.idx: the docs/formats.md §1.5 test vector byte for byte, round trips in every dtype, reader
 // errors that name the file and reason, merging; and preprocess_run (JSONL and text input, worker-count
 // independence, --append-eod) with the ByteLevel tokenizer.
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// Tokenizers: the formats.md §6 test vectors, GPT2BPETokenizer vs HuggingFaceTokenizer parity on
+// Tokenizers: the docs/formats.md §6 test vectors, GPT2BPETokenizer vs HuggingFaceTokenizer parity on
 // tinyshakespeare, edge cases with ids from HF tokenizers 0.23 (an independent reference), the PCRE2 pre-tokenizer
 // regexes and Split behaviours against HF's pieces, NFC, SentencePiece on a model trained here, and errors that name
 // the file. The Qwen3 / DeepSeek-V3 goldens are in test_hf_tokenizers.cpp.

@@ -1,4 +1,4 @@
-// Metrics writers and CRC32C: the formats.md §5 test vectors byte for byte, TensorBoard event files read
+// Metrics writers and CRC32C: the docs/formats.md §5 test vectors byte for byte, TensorBoard event files read
 // back by a small TFRecord/protobuf parser (CRCs verified, tag/step/value decoded), an optional cross-check
 // with the Python `tensorboard` package (the interpreter named by MOECORE_TEST_PYTHON), and JSONL read back
 // line by line.
@@ -40,7 +40,7 @@ std::string temp_dir(const char* name) {
 // ---- CRC32C ----
 
 TEST(Crc32c, KnownValues) {
-  EXPECT_EQ(io::crc32c("123456789"), 0xE3069283u);  // formats.md §5.1 check value
+  EXPECT_EQ(io::crc32c("123456789"), 0xE3069283u);  // docs/formats.md §5.1 check value
   EXPECT_EQ(io::crc32c_extend_portable(0, "123456789", 9), 0xE3069283u);
   EXPECT_EQ(io::crc32c(""), 0u);
   std::string buf(32, '\0');  // RFC 3720 B.4 vectors
@@ -73,7 +73,7 @@ TEST(Crc32c, MaskRoundTrips) {
   }
 }
 
-// ---- TensorBoard: formats.md §5.3 ----
+// ---- TensorBoard: docs/formats.md §5.3 ----
 
 TEST(TensorBoard, FileVersionRecordMatchesTheTestVector) {
   const std::string rec = io::tfrecord_frame(io::tensorboard_encode_file_version_event(1700000000.0));

@@ -1,4 +1,4 @@
-// safetensors: the byte-exact test vector of formats.md §3.6, round trips of every dtype, and rejection of
+// safetensors: the byte-exact test vector of docs/formats.md §3.6, round trips of every dtype, and rejection of
 // malformed files with errors that name the file and the reason.
 #include <unistd.h>
 
@@ -120,7 +120,7 @@ TEST(Safetensors, RejectsShapesWhoseSizeOverflows) {
   expect_rejected(raw_file("{" + entry("w", "F32", "[4611686018427387904,2,0]", 0, 0) + "}"), "overflows");
 }
 
-// The reference reader's rules (docs/reliability.md §5), each from a mutated file.
+// The reference reader's rules (docs/reliability-practices.md §5), each from a mutated file.
 TEST(Safetensors, FollowsTheReferenceReadersRules) {
   const std::string w = entry("w", "F32", "[2]", 0, 8), data(8, '\0');
   expect_rejected(raw_file("{}", "", 1) + "{}", "below 2");

@@ -305,7 +305,7 @@ TEST(MoeModel, EndToEndGradientMatchesFiniteDifferences) {
 namespace moecore {
 namespace {
 
-// Model FLOPs against echo-folding-perf.md's worked split for DeepSeek-V3 at S = 4096 (MLP 57 %, attention
+// Model FLOPs against docs/echo-folding-perf.md's worked split for DeepSeek-V3 at S = 4096 (MLP 57 %, attention
 // projections 27 %, attention core 12 %, logits 4 %, MTP extra < 1 %): the total is the formula's value for
 // V3's config (61 layers, 3 dense, MLA, 256 experts top-8 of 2048, one shared, one MTP depth, vocab 129280).
 TEST(ModelFlops, DeepSeekV3MatchesTheWorkedSplit) {

@@ -1,6 +1,6 @@
-// Upcycling (spec §10): a dense model turned into an MoE model computes the same function — exactly for
-// granularity 1 with post-softmax routing, and within Megatron's 0.1 tolerance for granular upcycling.
-// Both models live on testing::test_device(); logits and parameters are read through host copies.
+// Upcycling (docs/megatron-moe-spec.md §10): a dense model turned into an MoE model computes the same function —
+// exactly for granularity 1 with post-softmax routing, and within Megatron's 0.1 tolerance for granular upcycling. Both
+// models live on testing::test_device(); logits and parameters are read through host copies.
 #include "moecore/model/upcycling.h"
 #include "test_util.h"
 

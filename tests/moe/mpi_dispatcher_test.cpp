@@ -452,9 +452,9 @@ TEST_F(Mpi, EchoNeedsTheAllToAllDispatcherAndDroplessRouting) {
   EXPECT_THROW((void)moe_layer_cache_alloc(d, s.cfg), Error);
 }
 
-// global_aux_loss under data parallelism (spec §3.3): each rank's loss uses the counts and token count
-// summed over the group, so the ranks' losses and router gradients add up to the single-process loss and
-// gradient over all their tokens.
+// global_aux_loss under data parallelism (docs/megatron-moe-spec.md §3.3): each rank's loss uses the counts and token
+// count summed over the group, so the ranks' losses and router gradients add up to the single-process loss and gradient
+// over all their tokens.
 TEST_F(Mpi, GlobalAuxLossCountsAreSummedOverTheGroup) {
   const int64_t T = 24, H = 16, E = 8, K = 2;
   MoeConfig cfg;

@@ -1,4 +1,4 @@
-// The rank generator without communication: the worked examples of docs echo-folding-perf.md §B.4 table by
+// The rank generator without communication: the worked examples of docs/echo-folding-perf.md §B.4 table by
 // table, invariants over every layout of worlds up to 32 ranks, and the start-up errors naming the values.
 // Also the size-1 collectives (comm_single), which run identically in MPI and local builds.
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
 // Tensor: a typed, strided view of reference-counted storage on one device.
 // Storage is allocated once and tagged with a memory category for accounting; views (view, slice,
-// select) share it. Tensors carry no autograd: forward/backward are explicit functions (STYLE.md).
+// select) share it. Tensors carry no autograd: forward/backward are explicit functions (docs/STYLE.md).
 // This header knows no CUDA: device memory is allocated through a backend hook.
 #pragma once
 #include <cstdint>

@@ -1,6 +1,6 @@
 // Megatron-Core GPTDataset and BlendedDataset, index for index: split strings, per-split epochs,
 // document/sample/shuffle indices built with numpy RandomState-compatible shuffles, sample retrieval
-// with the seq_length+1 convention, and the greedy blending of several datasets (formats.md §2).
+// with the seq_length+1 convention, and the greedy blending of several datasets (docs/formats.md §2).
 // Indices are rebuilt in memory on every start (cheap); Megatron's .npy index cache is not written.
 // Not here: attention masks and position ids (reset flags), which the trainer derives from the tokens.
 #pragma once
@@ -64,13 +64,13 @@ struct GptDatasetConfig {
   uint32_t seed = 1234;                      // --seed; each split's RandomState starts from it
   bool add_extra_token = true;               // x = 1: a sample reads L+1 tokens (inputs and shifted labels)
   bool drop_last_partial_validation = true;  // false: the valid split keeps a padded final sample
-  int32_t pad_id = -1;                       // pad token id; -1 when the tokenizer has none (formats.md §2.8)
+  int32_t pad_id = -1;                       // pad token id; -1 when the tokenizer has none (docs/formats.md §2.8)
   int32_t eod_id = -1;                       // end-of-document id, used by eod_mask_loss
   bool eod_mask_loss = false;                // --eod-mask-loss: loss_mask = 0 where tokens == eod_id
   int64_t vocab_size = 0;  // token ids read from .bin must lie in [0, vocab_size) (Error otherwise); 0: only >= 0
 };
 
-// The three Megatron index arrays of one split (formats.md §2.5-§2.7).
+// The three Megatron index arrays of one split (docs/formats.md §2.5-§2.7).
 struct GptIndices {
   int64_t tokens_per_epoch = 0;  // T: tokens in the exposed sequences
   int32_t num_epochs = 0;
@@ -94,14 +94,14 @@ std::vector<int64_t> gpt_build_sample_index(std::span<const int32_t> sizes, int6
                                             int32_t num_epochs, int64_t tokens_per_epoch, bool drop_last_partial,
                                             bool add_extra_token);
 
-// A source of [L] training samples: tokens, labels (tokens shifted by one) and the loss mask, with pads
-// already replaced by 0 and masked. get() is const and thread-safe.
+// A source of [S] training samples (S = seq_length()): tokens, labels (tokens shifted by one) and the loss mask, with
+// pads already replaced by 0 and masked. get() is const and thread-safe.
 class GptSampleSource {
  public:
   virtual ~GptSampleSource() = default;
   virtual size_t size() const = 0;
   virtual int64_t seq_length() const = 0;
-  // tokens, labels [L] i32; loss_mask [L] f32 or nullptr. i in [0, size()). A token id outside the vocabulary
+  // tokens, labels [S] i32; loss_mask [S] f32 or nullptr. i in [0, size()). A token id outside the vocabulary
   // (GptDatasetConfig::vocab_size) raises Error naming the dataset and sequence.
   virtual void get(int64_t i, int32_t* tokens, int32_t* labels, float* loss_mask) const = 0;
   void get(int64_t i, int32_t* tokens, int32_t* labels) const { get(i, tokens, labels, nullptr); }
@@ -167,7 +167,7 @@ class BlendedGptDataset : public GptSampleSource {
   BlendIndices indices_;
 };
 
-// Megatron training.py sample counts per split (formats.md §2.2): train = train_iters * gbs,
+// Megatron training.py sample counts per split (docs/formats.md §2.2): train = train_iters * gbs,
 // valid = (train_iters / eval_interval + 1) * eval_iters * gbs, test = eval_iters * gbs. eval_interval 0 (no
 // --eval-interval: one validation, at the end) sizes the valid split for one evaluation.
 std::array<int64_t, 3> gpt_split_num_samples(int64_t train_iters, int64_t global_batch_size, int64_t eval_interval,

@@ -1,4 +1,4 @@
-// Megatron .bin/.idx writer and memory-mapped reader (formats.md §1). POSIX I/O: the .bin streams through
+// Megatron .bin/.idx writer and memory-mapped reader (docs/formats.md §1). POSIX I/O: the .bin streams through
 // a 1 MiB buffer into a temporary file; both files are mapped read-only when reading.
 #include "moecore/data/indexed_dataset.h"
 

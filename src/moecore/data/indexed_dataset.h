@@ -1,6 +1,6 @@
 // Megatron-LM indexed datasets: `<prefix>.bin` (raw token ids of one dtype) + `<prefix>.idx` (version 1:
 // magic, dtype code, sequence lengths, byte pointers, document boundaries). Byte layout and test vector:
-// shared/docs/formats.md §1. The writer streams .bin and commits .idx last (the commit marker); the reader
+// docs/formats.md §1. The writer streams .bin and commits .idx last (the commit marker); the reader
 // memory-maps both and validates them. Not here: GPT sample building (gpt_dataset.h), tokenization.
 #pragma once
 #include <cstdint>
@@ -11,7 +11,7 @@
 
 namespace moecore::data {
 
-// Token dtype codes written at .idx offset 17 (formats.md §1.3; numpy dtype in the comment).
+// Token dtype codes written at .idx offset 17 (docs/formats.md §1.3; numpy dtype in the comment).
 enum class TokenDType : uint8_t {
   u8 = 1,   // uint8
   i8 = 2,   // int8
@@ -83,9 +83,9 @@ std::string indexed_idx_serialize(TokenDType dtype, std::span<const int32_t> seq
                                   std::span<const int64_t> document_indices);
 
 // Read-only view of a dataset, both files memory-mapped. The constructor checks the whole index in one
-// sequential pass (reliability.md §5): magic, version, dtype code; 34 + 12 S + 8 D == the .idx size; sizes >= 0;
-// pointers[0] == 0 and pointers[i] == pointers[i-1] + sizes[i-1] * itemsize (so a wrong dtype code is caught);
-// the bytes they cover == the .bin size; document_indices start at 0, never decrease and end at S. A failure
+// sequential pass (docs/reliability-practices.md §5): magic, version, dtype code; 34 + 12 S + 8 D == the .idx size;
+// sizes >= 0; pointers[0] == 0 and pointers[i] == pointers[i-1] + sizes[i-1] * itemsize (so a wrong dtype code is
+// caught); the bytes they cover == the .bin size; document_indices start at 0, never decrease and end at S. A failure
 // throws Error naming the file, the field, the expected and the actual value. int64/float tokens that are not
 // int32 values raise Error when read. The .idx arrays are unaligned (offset 34), so accessors copy with memcpy.
 // All methods are const and thread-safe.

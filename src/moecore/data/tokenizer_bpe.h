@@ -19,7 +19,7 @@
 
 namespace moecore::data::detail {
 
-// GPT-2's byte -> character map (formats.md §6.1): printable Latin-1 bytes map to themselves, the other 68
+// GPT-2's byte -> character map (docs/formats.md §6.1): printable Latin-1 bytes map to themselves, the other 68
 // bytes to U+0100.. in byte order.
 const std::array<char32_t, 256>& byte_to_char();
 // The byte a character stands for, or -1 when it is not in the 256-character alphabet.

@@ -19,7 +19,7 @@ inline uint32_t crc32c(std::string_view s) {
 // The table-driven path, always available; tests compare it with crc32c_extend.
 uint32_t crc32c_extend_portable(uint32_t crc, const void* data, size_t n);
 
-// TFRecord masking: rotate right by 15 and add 0xA282EAD8 (formats.md §5.1).
+// TFRecord masking: rotate right by 15 and add 0xA282EAD8 (docs/formats.md §5.1).
 inline uint32_t crc32c_mask(uint32_t crc) {
   return ((crc >> 15) | (crc << 17)) + 0xA282EAD8u;
 }

@@ -81,7 +81,7 @@ void fsync_dir(const std::string& dir) {
   }
 }
 
-// The header of one shard, validated as the reference reader does (formats.md §3.4) from the header and the
+// The header of one shard, validated as the reference reader does (docs/formats.md §3.4) from the header and the
 // file size alone.
 std::vector<HfTensorInfo> read_shard_header(int fd, const std::string& path, const std::string& shard) {
   struct stat st {};

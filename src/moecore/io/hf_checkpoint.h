@@ -2,7 +2,7 @@
 // (or a single `model.safetensors`) that lists tensors from the shard headers alone and preads one tensor's byte
 // range, with FP8 block-scale dequantisation (DeepSeek-V3's `weight_scale_inv`); and a sharding writer whose
 // output appears only when finish() renames a staging directory into place. Not here: HF <-> moecore parameter
-// names and config.json keys (model/), whole-file safetensors (io/safetensors.h). Format: formats.md §3.
+// names and config.json keys (model/), whole-file safetensors (io/safetensors.h). Format: docs/formats.md §3.
 //
 // Memory bound. Reader: the tensor returned, plus one 8 MiB conversion chunk, plus the parsed headers of all
 // shards (O(number of tensors)); read_dequantized adds its scale tensor (1/16384 of the weight for 128x128 blocks).
@@ -38,7 +38,7 @@ struct HfTensorInfo {
 int64_t hf_row_width(const Shape& shape);
 
 // Reads an HF model directory. Construction opens every shard and validates every header as the reference
-// reader does (formats.md §3.4: tiling offsets, byte sizes, no trailing bytes, no duplicate names) and checks
+// reader does (docs/formats.md §3.4: tiling offsets, byte sizes, no trailing bytes, no duplicate names) and checks
 // the index against the headers: a shard the index names must exist, every tensor the index lists must be in
 // its shard, no tensor may be missing from the index or appear twice. Errors name the file, the tensor and the
 // expected vs found values. Reads are const and use pread only, so one reader may serve several threads.

@@ -1,6 +1,6 @@
 // JSONL and TensorBoard metrics writers. The protobuf messages are encoded by hand (a few fields, see
-// formats.md §5.2) so moecore needs neither protobuf nor TensorFlow; byte layout is pinned by the
-// formats.md §5.3 test vectors in tests/io/test_metrics.cpp.
+// docs/formats.md §5.2) so moecore needs neither protobuf nor TensorFlow; byte layout is pinned by the
+// docs/formats.md §5.3 test vectors in tests/io/test_metrics.cpp.
 #include "moecore/io/metrics.h"
 
 #include <fcntl.h>

@@ -1,5 +1,5 @@
 // Metrics writers: JSONL (one JSON object per line, appended, flushed per line) and TensorBoard event
-// files (TFRecord framing with masked CRC32C, hand-encoded protobuf Event/Summary; formats.md §5).
+// files (TFRecord framing with masked CRC32C, hand-encoded protobuf Event/Summary; docs/formats.md §5).
 // Use Megatron's tag names ("lm loss", "learning-rate", ...) so curves overlay with Megatron runs.
 // Not here: deciding what to log or when (train/), TensorBoard histograms, images or text.
 #pragma once

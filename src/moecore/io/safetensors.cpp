@@ -1,4 +1,4 @@
-// safetensors reader and writer. The reader enforces the reference reader's rules (formats.md §3.4):
+// safetensors reader and writer. The reader enforces the reference reader's rules (docs/formats.md §3.4):
 // header size bounds, string-only metadata, no duplicate names, offsets that tile the buffer exactly,
 // byte sizes that match shapes, and no trailing bytes. io/hf_checkpoint streams files through the same
 // header functions, so these rules live only here.
@@ -18,7 +18,7 @@ namespace {
 
 using nlohmann::json;
 
-// Every dtype of formats.md §3.2 in the Rust enum order, so that a header with any of them lists.
+// Every dtype of docs/formats.md §3.2 in the Rust enum order, so that a header with any of them lists.
 const SafetensorsDtype kDtypes[] = {
     {"BOOL", 8, 0, DType::boolean},      {"F4", 4, 1, std::nullopt},           {"F6_E2M3", 6, 2, std::nullopt},
     {"F6_E3M2", 6, 3, std::nullopt},     {"U8", 8, 4, std::nullopt},           {"I8", 8, 5, std::nullopt},

@@ -2,7 +2,7 @@
 // the reference writer: tensors sorted by dtype alignment then name, compact JSON, header padded to 8).
 // The header-level pieces (dtype table, header validation, header serialization, index.json parse) are public
 // so that streaming readers and writers (io/hf_checkpoint) share them. Format details and test vectors:
-// ../shared/docs/formats.md §3. Not here: HF name mapping (io/hf_*), file I/O beyond whole files.
+// docs/formats.md §3. Not here: HF name mapping (io/hf_*), file I/O beyond whole files.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -37,7 +37,7 @@ void safetensors_serialize_to(const std::map<std::string, Tensor>& tensors,
 
 // ---- Header level ------------------------------------------------------------------------------------------
 
-// One dtype of formats.md §3.2. The table lists every safetensors dtype, also those moecore cannot hold.
+// One dtype of docs/formats.md §3.2. The table lists every safetensors dtype, also those moecore cannot hold.
 struct SafetensorsDtype {
   const char* name;           // exact spelling: "BF16", "F8_E4M3", "F8_E8M0", ...
   int bits;                   // element size in bits (4 for F4, 6 for F6_*)
@@ -62,10 +62,10 @@ struct SafetensorsHeader {
 };
 
 // N, the header length, from the file's first min(8, file_size) bytes `head` and the file size. Checks the
-// size bounds of formats.md §3.4 (at least 8 bytes, 2 <= N <= 100000000, 8 + N <= file size).
+// size bounds of docs/formats.md §3.4 (at least 8 bytes, 2 <= N <= 100000000, 8 + N <= file size).
 uint64_t safetensors_header_size(const std::string& path, std::string_view head, uint64_t file_size);
 // Parses and validates the JSON header (the N bytes after the length) against a byte buffer of `data_bytes`
-// (file size - 8 - N) with every rule of formats.md §3.4: UTF-8 text starting with '{', strict JSON (nesting at
+// (file size - 8 - N) with every rule of docs/formats.md §3.4: UTF-8 text starting with '{', strict JSON (nesting at
 // most 128 deep) without duplicate keys, string-only __metadata__ (or null), known dtypes, shapes whose element and
 // byte counts fit in 63 bits (checked multiplication) and agree with begin <= end, offsets that tile the buffer
 // exactly (sorted by (begin, end)). Errors name `path` ("safetensors: '<path>' is not a valid safetensors file:

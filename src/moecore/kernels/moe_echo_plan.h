@@ -2,6 +2,8 @@
 // thread): plain loops over one caller-provided int64 scratch array, integer arithmetic only, so both backends make
 // the same plan bit for bit. The draw of the debug mode is a template argument (philox_uniform on either side).
 // Not here: the entry checks (kernels/cpu/moe_echo.cpp), the rerouting and the fold.
+// Letters that differ from core/dims.h's: P is the EP size (El = E / P as there), Sl the clone slots per rank,
+// S = P * Sl all slots, C the [P, E] token counts.
 #pragma once
 #include <cstdint>
 

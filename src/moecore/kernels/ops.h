@@ -9,6 +9,7 @@
 // Threading: CPU ops use OpenMP over the calling thread's team; results do not depend on thread count
 // except where an op says so (gemm, gemm_batched and the grouped GEMMs run oneDNN, whose last bits can
 // change with the number of threads; they are deterministic for a fixed thread count).
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -68,7 +69,7 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
 void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tensor& group_rows, float beta,
                         const Context& ctx);
 
-// ---- MoE token permutation (Megatron §5.1) -----------------------------------------------------
+// ---- MoE token permutation (docs/megatron-moe-spec.md §5.1) ---------------------------------------------
 // Rows are grouped by expert (ascending), and within an expert by ascending source token. Every count,
 // offset and index below is a tensor on the op's device: the host never reads them to launch the next op.
 //
@@ -99,7 +100,7 @@ void moe_sort_chunks(Tensor& out, const Tensor& in, const Tensor& chunk_counts, 
 // their prefix sums. chunk_counts [P * El], counts [El], offsets [El + 1], all i64.
 void moe_chunk_counts(Tensor& counts, Tensor& offsets, const Tensor& chunk_counts, int64_t P, const Context& ctx);
 
-// ---- MoE ECHO: elastic cloning of hot experts (../shared/docs/echo-folding-perf.md §A) -------------
+// ---- MoE ECHO: elastic cloning of hot experts (docs/echo-folding-perf.md §A) ----------------------------
 // P expert-parallel ranks, rank r hosting the home experts [r El, (r + 1) El) of E = P El; S = P Sl clone slots, slot j
 // on rank j / Sl. The extended expert columns E' = P (El + Sl) put each rank's block as [home experts..., slots...]:
 // home expert e is column (e / El)(El + Sl) + e % El, slot j is column (j / Sl)(El + Sl) + El + j % Sl.

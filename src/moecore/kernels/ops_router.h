@@ -1,4 +1,4 @@
-// The router's ops (Megatron's TopKRouter, ../shared/docs/megatron-moe-spec.md §2-§4): input jitter, the fp64
+// The router's ops (Megatron's TopKRouter, docs/megatron-moe-spec.md §2-§4): input jitter, the fp64
 // gating linear, forced-balancing noise, score functions with (group-limited) top-k, expert bias and sinkhorn,
 // capacity dropping, routing-map padding and counts, the Jacobian of the routing weights, the load-balancing
 // losses and the z-loss with their logit gradients, and the expert-bias update. moe/router.cpp orders them.
@@ -11,6 +11,7 @@
 // excluded from losses and counts (true = padding); an undefined padding means none.
 // Ties in every top-k break towards the lower index. Threading: token rows run in parallel, sums over tokens run
 // in token order (in double), so no result depends on the number of threads.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 
@@ -81,7 +82,7 @@ void router_gating_f64_backward(Tensor& dx, Tensor& dw, const Tensor& dlogits, c
 void router_gating_f64_bias_grad(Tensor& dbias, const Tensor& dlogits, const Context& ctx);
 
 // ---- Routing -----------------------------------------------------------------------------------
-// Scores, top-k and weights of every token row (Megatron §2.5-§2.7):
+// Scores, top-k and weights of every token row (spec §2.5-§2.7):
 //   softmax after top-k: select on z, w = softmax over the K selected logits
 //   pre-softmax:         s = softmax(z) over all E, select on s, w = s at the selected experts
 //   sigmoid-like f:      s = f(z), select on s + expert_bias, w = s / (sum of selected s + 1e-20) (K = 1: w = s)
@@ -93,7 +94,7 @@ void router_gating_f64_bias_grad(Tensor& dbias, const Tensor& dlogits, const Con
 // map [T, E] bool the selection. logits [T, E] R; expert_bias [E] f32 or undefined (sigmoid-like f only).
 void router_route(Tensor& scores, Tensor& topk_idx, Tensor& topk_w, Tensor& sparse, Tensor& map, const Tensor& logits,
                   const Tensor& expert_bias, const RouterRouting& p, const Context& ctx);
-// Capacity per expert column e (Megatron §4.2): the "probs" policy keeps the `capacity` largest sparse[:, e] (ties
+// Capacity per expert column e (spec §4.2): the "probs" policy keeps the `capacity` largest sparse[:, e] (ties
 // to the lower token), "position" the earliest routed tokens. map[t, e] becomes routed-and-kept, or with
 // pad_to_capacity kept (the earliest unrouted tokens fill a short column); probs [T, E] f32 = sparse where kept,
 // else 0; topk_kept [T, K] bool marks the selected pairs still in the map; dropped [1] i64 = selected pairs lost.
@@ -112,7 +113,7 @@ void router_route_backward(Tensor& dlogits, const Tensor& dprobs, const Tensor& 
                            const Tensor& topk_idx, const Tensor& topk_w, const Tensor& topk_kept,
                            const Tensor& dlogits_loss, const RouterRouting& p, float loss_scale, const Context& ctx);
 
-// ---- Losses (Megatron §3) -----------------------------------------------------------------------
+// ---- Losses (spec §3) -----------------------------------------------------------------------
 // The aux losses' own scores and top-k (no bias, groups, capacity or scaling) of the valid rows: aux_scores [T, E]
 // R = softmax(z), or f(z) / (sum f + 1e-20) for sigmoid-like f; aux_map [T, E] R = 1 at the top-K of aux_scores,
 // else 0; padding rows 0 in both. counts [E + 1] i64 (or undefined): counts[e] = sum_t aux_map[t, e] and

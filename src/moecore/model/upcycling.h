@@ -1,6 +1,6 @@
-// Upcycling a dense GPT into an MoE GPT (Megatron's --moe-use-upcycling, spec §10): every shared parameter is
-// copied; each MoE layer's experts are built from the dense MLP, either as full copies (granularity 1) or as
-// 1/g slices of it (granular upcycling, --moe-upcycling-granularity g, dense ffn = g * moe ffn).
+// Upcycling a dense GPT into an MoE GPT (Megatron's --moe-use-upcycling, docs/megatron-moe-spec.md §10): every shared
+// parameter is copied; each MoE layer's experts are built from the dense MLP, either as full copies (granularity 1) or
+// as 1/g slices of it (granular upcycling, --moe-upcycling-granularity g, dense ffn = g * moe ffn).
 #pragma once
 #include "moecore/model/gpt.h"
 

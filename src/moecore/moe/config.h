@@ -1,4 +1,4 @@
-// MoE configuration with Megatron's flag names (../shared/docs/megatron-moe-spec.md §1), validated once at
+// MoE configuration with Megatron's flag names (docs/megatron-moe-spec.md §1), validated once at
 // start-up with errors that name the flags and values. One struct serves the router, the dispatcher, the
 // experts and the layer; each reads only its own fields.
 #pragma once
@@ -49,7 +49,7 @@ struct MoeConfig {
   bool shared_expert_gate = false;              // --moe-shared-expert-gate: sigmoid(x . g) scales the shared output
   bool swiglu = true;                           // expert activation: SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
   uint64_t seed = 1234;                         // jitter / forced-balancing stream seed
-  // MoE ECHO (echo.h; ../shared/docs/echo-folding-perf.md §A): clones of hot experts on under-loaded EP ranks.
+  // MoE ECHO (echo.h; docs/echo-folding-perf.md §A): clones of hot experts on under-loaded EP ranks.
   bool enable_echo = false;      // --moe-enable-echo
   int64_t num_echo_experts = 0;  // --moe-num-echo-experts: global clone slots, a multiple of EP (e.g. 2 x EP)
   std::string echo_dispatcher_type = "alltoall";  // --moe-echo-expert-dispatcher-type: alltoall (hybridep: GPU only)

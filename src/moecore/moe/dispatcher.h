@@ -1,5 +1,5 @@
 // Token dispatch: the permutation of token copies into expert-major order and its inverse, behind the stage
-// interface every dispatcher implements (STYLE.md). Forward, in Megatron's order:
+// interface every dispatcher implements (docs/STYLE.md). Forward, in Megatron's order:
 //   dispatch_prepare (local) -> exchange_counts (communication) -> dispatch (communication, then the local
 //   permutation of what arrived) -> [experts] -> combine_prepare (local) -> combine (communication) -> combine_finish
 //   (local)
@@ -8,11 +8,12 @@
 // process groups (the EP group). Each dispatcher has its own state type (LocalState, AllToAllState, AllGatherState),
 // allocated by the dispatcher class from DispatchDims and held in the layer's DispatchBuffers.
 //
-// Permutation contract (Megatron §5.1): rows are grouped by expert (ascending), and within an expert by
-// ascending source token. For routed pair (t, e): row = token_rows[t, e]; row_token[row] = t.
+// Permutation contract (docs/megatron-moe-spec.md §5.1): rows are grouped by expert (ascending), and within an expert
+// by ascending source token. For routed pair (t, e): row = token_rows[t, e]; row_token[row] = t.
 //   permuted_x[row] = x[row_token[row]]            permuted_probs[row] = probs[t, e]
 //   y[t] = sum over e ascending with token_rows[t, e] >= 0 of expert_out[token_rows[t, e]]   (f32 sum, one rounding)
 // Probabilities are not applied by the combine: experts multiply them after the activation.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <string>
 #include <variant>

@@ -1,9 +1,10 @@
-// MoE ECHO, the layer's part (../shared/docs/echo-folding-perf.md §A): per layer and micro-batch, the clone plan from
+// MoE ECHO, the layer's part (docs/echo-folding-perf.md §A): per layer and micro-batch, the clone plan from
 // the all-gathered per-(source rank, expert) counts, the rerouting of this rank's tokens to clone columns, the expert
 // (weight) dispatcher that brings each cloned expert's weights to its slot, and the gradient reduction that sums every
 // clone's weight gradient back into its home expert. The token dispatcher then sees E' = EP (El + Sl) experts, each
 // rank's block [home experts..., clone slots...] (ops.h "MoE ECHO" for the layout and the planner).
 // Not here: the planner's arithmetic (kernels), the token dispatch (dispatcher.h), the static received-token capacity.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 #include <memory>

@@ -1,9 +1,9 @@
-// The expert-parallel dispatchers (spec §6.1, §6.2): AllToAllDispatcher and AllGatherDispatcher over the EP
-// group, with expert tensor parallelism (dispatcher.h), each on its own state (AllToAllState, AllGatherState). Local
-// steps are ops (the permutation building blocks of dispatcher.cpp and the chunk sort); communication goes through
-// parallel/comm.h (deterministic: data movement is exact and the all-gather dispatcher's reduce-scatter sums in
-// group-rank order). Not here: routing (the router runs on each rank's own tokens, capacity included, before
-// dispatch), buffer allocation (dispatcher.cpp).
+// The expert-parallel dispatchers (docs/megatron-moe-spec.md §6.1, §6.2): AllToAllDispatcher and AllGatherDispatcher
+// over the EP group, with expert tensor parallelism (dispatcher.h), each on its own state (AllToAllState,
+// AllGatherState). Local steps are ops (the permutation building blocks of dispatcher.cpp and the chunk sort);
+// communication goes through parallel/comm.h (deterministic: data movement is exact and the all-gather dispatcher's
+// reduce-scatter sums in group-rank order). Not here: routing (the router runs on each rank's own tokens, capacity
+// included, before dispatch), buffer allocation (dispatcher.cpp).
 #include <algorithm>
 #include <chrono>
 

@@ -1,5 +1,5 @@
 // Routed experts: SwiGLU (or GeLU) MLPs over expert-major rows, with the routing probability applied after
-// the activation (Megatron's memory-efficient path, spec §5.3/§7.1):
+// the activation (Megatron's memory-efficient path, docs/megatron-moe-spec.md §5.3/§7.1):
 //   h = x W1_e^T (+ b1_e);  a = act(h) * p;  y = a W2_e^T (+ p * b2_e)          for the rows of expert e
 // The optional biases are Megatron's add_bias_linear: the fc2 bias is weighted by the routing probability, so
 // y = p * (act(h) W2_e^T + b2_e) (TEGroupedMLP._apply_bias, MLP.forward with per_token_scale).
@@ -10,6 +10,7 @@
 // for the worst case): rows past them are neither read nor written.
 // Saved for backward: x (the dispatcher's permuted input), h and the unscaled activation; never the output.
 // Gradient contract: weight gradients accumulate (+=); dx and dprobs are written.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <vector>
 
@@ -18,7 +19,7 @@
 namespace moecore::moe {
 
 struct ExpertDims {
-  int64_t E = 0;         // local experts
+  int64_t E = 0;         // local experts (core/dims.h's El: E / EP, the model's E)
   int64_t H = 0;         // hidden size
   int64_t F = 0;         // expert ffn size
   bool swiglu = true;    // fc1 rows: 2F (SwiGLU, [gate; up]) or F (GeLU)

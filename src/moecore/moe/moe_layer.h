@@ -1,4 +1,4 @@
-// The MoE layer as named stages (STYLE.md, spec §9):
+// The MoE layer as named stages (docs/STYLE.md, docs/megatron-moe-spec.md §9):
 //   route -> dispatch_prepare -> exchange_counts -> dispatch -> experts -> combine_prepare -> combine -> combine_finish
 // (which of them communicate: dispatcher.h)
 // plus the shared expert on every token. Forward and backward are explicit; the dispatcher is passed in, so
@@ -6,6 +6,7 @@
 // Gradient contract: parameter gradients accumulate (+=); the input gradient dx is written.
 // Token order: Megatron's. The layer sees [S, B, H] activations flattened sequence-major, token t = s * B + b
 // (a [B, S, H] model transposes around the layer); seq_aux_loss and the "position" drop policy depend on it.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <vector>
 
@@ -17,7 +18,7 @@
 namespace moecore::moe {
 
 struct MoeLayerDims {
-  int64_t T = 0;   // tokens of the micro-batch (S * B, t = s * B + b)
+  int64_t T = 0;   // this rank's tokens, the residual rows (S * B, or their SP share; t = s * B + b)
   int64_t B = 1;   // sequences
   int64_t H = 0;   // hidden size
   int64_t F = 0;   // expert ffn size

@@ -1,6 +1,6 @@
 // The router's entry points (router.h): state, cache and statistics, entry checks, and the order of the
-// forward and backward stages (spec §2.2). Each stage is an op: ops::gemm for the fp32 gating linear, the
-// router ops of kernels/ops_router.h for everything else; the loss stage is in router_losses.cpp.
+// forward and backward stages (docs/megatron-moe-spec.md §2.2). Each stage is an op: ops::gemm for the fp32 gating
+// linear, the router ops of kernels/ops_router.h for everything else; the loss stage is in router_losses.cpp.
 // Gradient contract: dweight, dbias and dx accumulate (+=); cache.dlogits is rewritten by every backward.
 #include <algorithm>
 #include <cmath>

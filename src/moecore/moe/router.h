@@ -1,4 +1,4 @@
-// The MoE router (Megatron's TopKRouter, ../shared/docs/megatron-moe-spec.md §2-§4): gating linear (with an
+// The MoE router (Megatron's TopKRouter, docs/megatron-moe-spec.md §2-§4): gating linear (with an
 // optional bias, Megatron's add_bias_linear) in fp32 or fp64, input jitter, score functions, (group-limited) top-k,
 // expert bias, sinkhorn, forced balancing, capacity dropping and routing-map padding, plus every load-balancing loss
 // and the z-loss. This file orders the stages; each computation is an op of kernels/ops_router.h (or ops.h), so the
@@ -14,6 +14,7 @@
 // (sequence b = the tokens t with t % B == b) and for the "position" drop policy, which keeps the lowest token
 // indices, i.e. the earliest positions across all sequences (position s of every sequence before s + 1).
 // Ties in every top-k break towards the lower expert (or token) index, deterministically.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <vector>
 
@@ -24,7 +25,7 @@
 namespace moecore::moe {
 
 struct RouterDims {
-  int64_t T = 0;  // tokens (S * B, sequence-major: t = s * B + b)
+  int64_t T = 0;  // this rank's tokens (S * B, or their SP share; sequence-major: t = s * B + b)
   int64_t B = 1;  // sequences in the micro-batch (seq_aux_loss: sequence b = tokens t % B == b)
   int64_t H = 0;  // hidden size
   int64_t E = 0;  // experts

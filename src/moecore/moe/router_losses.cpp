@@ -1,6 +1,6 @@
-// The router's loss stage (spec §3): the order of the loss ops (kernels/ops_router.h) and global_aux_loss's
-// all-reduce between them. aux_loss, seq_aux_loss and global_aux_loss use their own recomputed scores and top-k
-// map, the z-loss the logits; the ops also write the gradient of the weighted sum with respect to the logits.
+// The router's loss stage (docs/megatron-moe-spec.md §3): the order of the loss ops (kernels/ops_router.h) and
+// global_aux_loss's all-reduce between them. aux_loss, seq_aux_loss and global_aux_loss use their own recomputed scores
+// and top-k map, the z-loss the logits; the ops also write the gradient of the weighted sum with respect to the logits.
 // Not here: the loss math (kernels/cpu/router_losses.cpp).
 #include "moecore/moe/router_internal.h"
 

@@ -1,5 +1,5 @@
-// Shared expert (spec §8): a dense SwiGLU/GeLU MLP over every token, optionally scaled per token by
-// s = sigmoid(x . g). GEMMs go through ops, the gate through ops::moe_shared_gate_forward/_backward (fused so
+// Shared expert (docs/megatron-moe-spec.md §8): a dense SwiGLU/GeLU MLP over every token, optionally scaled per token
+// by s = sigmoid(x . g). GEMMs go through ops, the gate through ops::moe_shared_gate_forward/_backward (fused so
 // that each touches [T, H] once).
 // Gradient contract: weight and gate gradients accumulate (+=); dx accumulates too (the input fans out to the
 // router, the routed experts and this MLP). Not here: routed experts (experts.cpp).

@@ -9,6 +9,8 @@
 // Deterministic: every sum runs in an order fixed by the layout.
 // Not here: the split of the batch and of the positions' tables (model/gpt.cpp), the gradient reduction over DP x CP
 // (train/).
+// Dimensions: core/dims.h, except that S here is a whole sequence's positions (core/dims.h's S is this rank's S / P)
+// and P the CP size.
 #pragma once
 #include "moecore/core/buffer_plan.h"
 #include "moecore/kernels/ops.h"
@@ -24,16 +26,16 @@ int64_t context_parallel_position(int64_t s, int64_t S, int rank, int size);
 void context_parallel_to_positions(const Tensor& out, const Tensor& gathered, int64_t B, int64_t S, int size);
 
 // Scratch of one attention geometry under CP (shared by the layers; nothing here outlives a call). T = B * S / P
-// local rows, T' = B * S rows of the whole sequences, c = S / (2P), W = G*(R+2)*D, O = G*R*D, K = 2*G*D (a row's
+// local rows, T' = B * S rows of the whole sequences, c = S / (2P), W = G*(R+2)*D, O = G*R*D, Wkv = 2*G*D (a row's
 // keys and values alone: only they travel).
 struct ContextParallelWorkspace {
-  Tensor kv;     // [T, K] compute: this rank's keys and values, packed (ops::qkv_slots_gather)
-  Tensor rows;   // [T', K] compute: the group's, all-gathered in rank order
+  Tensor kv;     // [T, Wkv] compute: this rank's keys and values, packed (ops::qkv_slots_gather)
+  Tensor rows;   // [T', Wkv] compute: the group's, all-gathered in rank order
   Tensor full;   // [T', W] compute: the same in position order ([B, S, W]; only the key and value slots are written)
   Tensor dkv;    // [T', W] compute (backward): one chunk's dK/dV, position order
-  Tensor block;  // [c, K] f32 (backward): one block's dK/dV, packed
-  Tensor acc;    // [T', K] f32 (backward): the local chunks' dK/dV in rank order, summed, before the reduce-scatter
-  Tensor local;  // [T, K] f32 (backward): this rank's reduce-scattered share of acc
+  Tensor block;  // [c, Wkv] f32 (backward): one block's dK/dV, packed
+  Tensor acc;    // [T', Wkv] f32 (backward): the local chunks' dK/dV in rank order, summed, before the reduce-scatter
+  Tensor local;  // [T, Wkv] f32 (backward): this rank's reduce-scattered share of acc
   Tensor q;      // [B * c, W] compute: one local chunk's rows
   Tensor dq;     // [T, W] compute (backward): both chunks' query gradients, chunk-major ([2][B][c])
   Tensor out;    // [B * c, O] compute: one chunk's attention output

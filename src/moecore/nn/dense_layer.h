@@ -19,6 +19,7 @@
 // are all-gathered into the GEMMs' [B, S, H] inputs and the row-parallel outputs reduce-scattered back (in backward,
 // the reverse). The layer's own collectives are over dims.tp; gradients of replicated weights that see a part of the
 // data (Param::tp_grad_sum) are the caller's to sum.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include "moecore/kernels/ops.h"
 #include "moecore/nn/context_parallel.h"

@@ -4,6 +4,7 @@
 // Under tensor parallelism (a group of P ranks) each rank holds the output-layer rows of vocabulary ids
 // [r * V / P, (r + 1) * V / P) and the cross-entropy is vocabulary-parallel (Megatron's VocabParallelCrossEntropy):
 // per chunk, one all-gather of [n, 3] row statistics; the input gradient's partial sums are all-reduced once.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include "moecore/kernels/ops.h"
 #include "moecore/parallel/comm.h"

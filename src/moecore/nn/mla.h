@@ -1,8 +1,8 @@
 // Multi-head latent attention (MLA, DeepSeek-V2/V3; Megatron's MLASelfAttention): explicit forward and backward of
 // the attention half of a layer, x_mid = x + dropout(proj(attention(q, k, v))) with h = norm1(x) and
-//   q  = h Wq^T                        or  q = norm_q(h Wq_down^T) Wq_up^T        (q_lora_rank > 0)   [N, nh(dn+dr)]
-//   c  = norm_kv(h Wkv_down[:kvr]^T),  k_pe = h Wkv_down[kvr:]^T                                    [N, kvr], [N, dr]
-//   kv = c Wkv_up^T                                                                                 [N, nh(dn+dv)]
+//   q  = h Wq^T                        or  q = norm_q(h Wq_down^T) Wq_up^T        (q_lora_rank > 0)   [T, nh(dn+dr)]
+//   c  = norm_kv(h Wkv_down[:kvr]^T),  k_pe = h Wkv_down[kvr:]^T                                    [T, kvr], [T, dr]
+//   kv = c Wkv_up^T                                                                                 [T, nh(dn+dv)]
 // per head: q = [q_nope | q_pe], k = [k_nope | k_pe] (k_pe shared by the heads), v; RoPE on q_pe and k_pe;
 // softmax scale softmax_scale_mult / sqrt(dn + dr). norm_q / norm_kv are the model's norm over the latent (Megatron:
 // present with --qk-layernorm). Weight layouts are Megatron's (and so the parameters load from its checkpoints).
@@ -15,6 +15,7 @@
 // norms replicated, computed on the whole micro-batch (Megatron computes them on the sequence-parallel rows: the same
 // values, at the cost of the down-projections' FLOPs on every rank); their gradients come out as this rank's heads'
 // partial sums, summed over TP by the caller (Param::tp_grad_sum).
+// Dimensions: core/dims.h. The projections run on the whole micro-batch, T = B * S rows (MlaDims::N() is that T).
 #pragma once
 #include "moecore/nn/dense_layer.h"
 
@@ -22,16 +23,16 @@ namespace moecore::nn {
 
 struct MlaDims {
   int64_t B = 0, S = 0, H = 0;
-  int64_t heads = 0;                // nh
-  int64_t q_lora = 0;               // 0: q = h Wq^T
-  int64_t kv_lora = 0;              // kvr
-  int64_t dn = 0;                   // --qk-head-dim: q/k channels without RoPE
-  int64_t dr = 0;                   // --qk-pos-emb-head-dim: q/k channels with RoPE
-  int64_t dv = 0;                   // --v-head-dim
-  bool latent_norm = true;          // norm_q / norm_kv (Megatron: --qk-layernorm)
-  float softmax_scale_mult = 1.0f;  // YaRN: mscale(scaling factor, mscale_all_dim)^2
-  int cp = 1;                       // context-parallel size (S: this rank's S / cp positions; the workspace's share)
-  int64_t N() const { return B * S; }
+  int64_t heads = 0;                   // nh
+  int64_t q_lora = 0;                  // 0: q = h Wq^T
+  int64_t kv_lora = 0;                 // kvr
+  int64_t dn = 0;                      // --qk-head-dim: q/k channels without RoPE
+  int64_t dr = 0;                      // --qk-pos-emb-head-dim: q/k channels with RoPE
+  int64_t dv = 0;                      // --v-head-dim
+  bool latent_norm = true;             // norm_q / norm_kv (Megatron: --qk-layernorm)
+  float softmax_scale_mult = 1.0f;     // YaRN: mscale(scaling factor, mscale_all_dim)^2
+  int cp = 1;                          // context-parallel size (S: this rank's S / cp positions; the workspace's share)
+  int64_t N() const { return B * S; }  // T of core/dims.h: the GEMM rows, not the sequence-parallel residual rows
   int64_t D() const { return dn + dr; }  // the kernel's head dim
   int64_t q_width() const { return heads * (dn + dr); }
   int64_t kv_width() const { return heads * (dn + dv); }
@@ -54,29 +55,29 @@ struct MlaGrads {
 
 // Saved by forward for backward (plus the layer's DenseLayerCache: h1, norm statistics, x_mid).
 struct MlaCache {
-  Tensor qa;                // [N, q_lora] f32: q down-projection (norm input)
-  Tensor qa_mean, qa_rstd;  // [N] f32
-  Tensor qa_n;              // [N, q_lora] compute: its norm
-  Tensor c;                 // [N, kvr] f32: kv down-projection (norm input)
-  Tensor c_mean, c_rstd;    // [N] f32
-  Tensor c_n;               // [N, kvr] compute: its norm
-  Tensor qkv;               // [N, nh * 3 * D] compute: the kernel's input after RoPE (v padded)
-  Tensor attn;              // [N, nh * D] compute: the kernel's output (padded)
-  Tensor attn_v;            // [N, nh * dv] compute: the output projection's input
+  Tensor qa;                // [T, q_lora] f32: q down-projection (norm input)
+  Tensor qa_mean, qa_rstd;  // [T] f32
+  Tensor qa_n;              // [T, q_lora] compute: its norm
+  Tensor c;                 // [T, kvr] f32: kv down-projection (norm input)
+  Tensor c_mean, c_rstd;    // [T] f32
+  Tensor c_n;               // [T, kvr] compute: its norm
+  Tensor qkv;               // [T, nh * 3 * D] compute: the kernel's input after RoPE (v padded)
+  Tensor attn;              // [T, nh * D] compute: the kernel's output (padded)
+  Tensor attn_v;            // [T, nh * dv] compute: the output projection's input
   Tensor lse;               // [B, nh, S] f32
 };
 // Scratch shared by the MLA layers of a model.
 struct MlaWorkspace {
-  Tensor q;                     // [N, nh(dn+dr)] compute: q (forward), dq (backward)
-  Tensor kv;                    // [N, nh(dn+dv)] compute: kv, dkv
-  Tensor k_pe;                  // [N, dr] compute: k_pe, dk_pe (before RoPE)
-  Tensor dqkv;                  // [N, nh * 3 * D] compute
-  Tensor dattn;                 // [N, nh * D] compute (pad columns stay 0)
-  Tensor dattn_v;               // [N, nh * dv] compute
-  Tensor dlat_n;                // [N, max(q_lora, kvr)] compute: a latent's gradient (norm output side)
-  Tensor dlat_f32;              // [N, max(q_lora, kvr)] f32: the latent norm's input gradient
-  Tensor dlat_c;                // [N, max(q_lora, kvr)] compute: the same, for the down-projection GEMMs
-  Tensor pe_f32, pe_sum;        // [N, dr] f32: one head's dk_pe, and their sum
+  Tensor q;                     // [T, nh(dn+dr)] compute: q (forward), dq (backward)
+  Tensor kv;                    // [T, nh(dn+dv)] compute: kv, dkv
+  Tensor k_pe;                  // [T, dr] compute: k_pe, dk_pe (before RoPE)
+  Tensor dqkv;                  // [T, nh * 3 * D] compute
+  Tensor dattn;                 // [T, nh * D] compute (pad columns stay 0)
+  Tensor dattn_v;               // [T, nh * dv] compute
+  Tensor dlat_n;                // [T, max(q_lora, kvr)] compute: a latent's gradient (norm output side)
+  Tensor dlat_f32;              // [T, max(q_lora, kvr)] f32: the latent norm's input gradient
+  Tensor dlat_c;                // [T, max(q_lora, kvr)] compute: the same, for the down-projection GEMMs
+  Tensor pe_f32, pe_sum;        // [T, dr] f32: one head's dk_pe, and their sum
   ContextParallelWorkspace cp;  // context parallelism only
 };
 

@@ -1,6 +1,6 @@
 // AdamW with fp32 master weights, global-norm gradient clipping and optional bf16 optimizer states.
 // Decoupled weight decay applies only to parameters marked weight_decay (2-D weights). Not here: LR
-// schedules (optim/lr_schedule.h) and sharding over data-parallel ranks (optim/distributed_adamw.h).
+// schedules (lr_at, train/trainer.h) and sharding over data-parallel ranks (optim/distributed_adamw.h).
 #pragma once
 #include <vector>
 

@@ -1,6 +1,6 @@
 // ParallelConfig validation, Megatron's rank generator (masked orthogonal groups) and the layout of every
 // group kind, all pure; then make_process_groups, the only function here that communicates (it splits
-// the world once per distinct partition). Follows docs echo-folding-perf.md §B exactly.
+// the world once per distinct partition). Follows docs/echo-folding-perf.md §B exactly.
 #include "moecore/parallel/process_groups.h"
 
 #include <algorithm>

@@ -1,7 +1,7 @@
 // The training layout: which ranks form each process group, Megatron-Core style with MoE Parallel Folding
 // (attention/dense layers over TP × CP × DP × PP, MoE layers over ETP × EP × EDP × PP on the same world).
 // ParallelConfig::validate and rank_layout are pure (no communication, any world size, unit-testable);
-// make_process_groups then creates the communicators. Design notes: docs echo-folding-perf.md §B.
+// make_process_groups then creates the communicators. Design notes: docs/echo-folding-perf.md §B.
 #pragma once
 #include <array>
 #include <string>

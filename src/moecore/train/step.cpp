@@ -258,7 +258,8 @@ StepResult TrainStep::pass(int64_t it) {
     r.tokens = static_cast<int64_t>(v[1]);
     r.loss = v[0] / std::max(v[1], 1.0);
   }
-  // The expert-bias counts over TP x CP x DP (spec §2.10): each TP and CP rank routed its own rows.
+  // The expert-bias counts over TP x CP x DP (docs/megatron-moe-spec.md §2.10): each TP and CP rank routed its own
+  // rows.
   for (const ProcessGroup* grp : {&g_.tp, &g_.cp})
     if (grp->size() > 1)
       for (int64_t l = 0; l < gpt_.config().num_transformer_layers(); ++l)

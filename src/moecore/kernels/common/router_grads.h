@@ -5,6 +5,7 @@
 // Also the aux scores' backward of one token (the losses' gradient through their own scores).
 // Not here: the loops over tokens (the backends own them), the per-sequence sums P and cnt (the CPU's token loop, a
 // thread per (b, e) column on the device), the z-loss.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 
@@ -96,13 +97,14 @@ MOECORE_HD inline void aux_loss_tail(double* losses, int64_t* gtok, double* g, d
   const double kN2 = N > 0 ? static_cast<double>(E) / (static_cast<double>(K) * N * N) : 0.0;
   double Ng = N, kNg2 = kN2;
   if (cg > 0) {
-    // Each rank's partial P with the group's counts and N adds up to the full loss (spec §3.3: TP x DP x CP).
+    // Each rank's partial P with the group's counts and N adds up to the full loss (docs/megatron-moe-spec.md
+    // §3.3: TP x DP x CP).
     Ng = static_cast<double>(gc[E]);
     kNg2 = Ng > 0 ? static_cast<double>(E) / (static_cast<double>(K) * Ng * Ng) : 0.0;
     for (int64_t e = 0; e < E; ++e) gtok[e] += gc[e];
     for (int64_t e = 0; e < E; ++e) cavg[e] = static_cast<double>(gtok[e]) / static_cast<double>(p.global_steps);
   }
-  // With padding every sequence is normalized by the average valid length (Megatron §3.3).
+  // With padding every sequence is normalized by the average valid length (spec §3.3).
   const double Ns = N / static_cast<double>(B);
   const double kNs2 = Ns > 0 ? static_cast<double>(E) / (static_cast<double>(K) * Ns * Ns) : 0.0;
   losses[router_loss::aux] = ca > 0 ? switch_loss(Pt, ct, E, K, N) : 0.0;

@@ -1,5 +1,5 @@
-// CPU router losses (ops_router.h, spec §3): aux_loss, seq_aux_loss and global_aux_loss on their own
-// recomputed scores and top-k map (§3.1: no bias, groups, capacity or scaling), the z-loss (§3.5), and the exact
+// CPU router losses (ops_router.h, docs/megatron-moe-spec.md §3): aux_loss, seq_aux_loss and global_aux_loss on their
+// own recomputed scores and top-k map (§3.1: no bias, groups, capacity or scaling), the z-loss (§3.5), and the exact
 // gradient of their weighted sum with respect to the logits. Sums over tokens run in token order (in double),
 // so values never depend on the thread count. On a cuda context every op dispatches to kernels/cuda/router_losses.cu
 // after its checks.

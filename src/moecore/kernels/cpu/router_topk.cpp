@@ -1,5 +1,5 @@
-// CPU routing kernels (ops_router.h, spec §2.5-§2.7, §4.2, §4.4): score functions, (group-limited) top-k
-// with expert bias, sinkhorn, capacity dropping, routing-map padding and counts, and the Jacobian of the
+// CPU routing kernels (ops_router.h, docs/megatron-moe-spec.md §2.5-§2.7, §4.2, §4.4): score functions, (group-limited)
+// top-k with expert bias, sinkhorn, capacity dropping, routing-map padding and counts, and the Jacobian of the
 // routing weights. Every token row is independent, so rows run in parallel; column passes (capacity, padding,
 // counts) run over experts with tokens in order. Results never depend on the thread count. On a cuda context every op
 // dispatches to kernels/cuda/router.cu after its checks.

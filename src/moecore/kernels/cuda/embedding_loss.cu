@@ -1,6 +1,6 @@
-// CUDA token embedding (whole and vocabulary-parallel, embedding_loss.cpp and embedding_shard.cpp) and the losses of
-// embedding_loss.cpp: the fused softmax cross-entropy, the three vocabulary-parallel steps and the on-device loss
-// totals. The host never reads ids or labels, so an id outside [0, V) gives a NaN output row (forward) or is skipped
+// CUDA twins of kernels/cpu/embedding_loss.cpp: the token embedding (whole and vocabulary-parallel) and the losses
+// (the fused softmax cross-entropy, the three vocabulary-parallel steps and the on-device loss totals).
+// The host never reads ids or labels, so an id outside [0, V) gives a NaN output row (forward) or is skipped
 // (backward), and a label >= V a NaN loss and gradient row, where the CPU raises (ops_cuda.h).
 // Deterministic without float atomics: embedding_backward sorts (id, token) pairs with CUB's stable radix sort and
 // lets one thread per (id, column) add the id's token rows in token order onto dtable, the CPU's order, so the bits
