@@ -3,6 +3,7 @@
 // testing::test_device(); parameters, gradients and router states are read through host copies.
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <vector>
 
 #include "model/shakespeare_run.h"
@@ -84,7 +85,9 @@ TEST(MoeModel, LayerFreqSelectsMoeLayers) {
   EXPECT_THROW(make_model(c, 2, 1), Error);  // wrong length names the flag
 }
 
-TEST(MoeModel, MemoryPlanTotalEqualsTrackedAllocations) {
+// MoE models of every layer kind: a gated shared expert; Megatron's defaults; partial RoPE; MLA (DeepSeek- and
+// V2-Lite-style); MLA with MTP.
+std::vector<model::ModelConfig> varied_moe_configs() {
   model::ModelConfig shared = tiny_moe();
   shared.moe.shared_expert_intermediate_size = 16;
   shared.moe.shared_expert_gate = true;
@@ -121,7 +124,11 @@ TEST(MoeModel, MemoryPlanTotalEqualsTrackedAllocations) {
   lite.compute_dtype = DType::bf16;
   model::ModelConfig mtp = mla;  // with two multi-token-prediction depths
   mtp.mtp_num_layers = 2;
-  for (const model::ModelConfig& c : {shared, megatron, partial, mla, lite, mtp}) {
+  return {shared, megatron, partial, mla, lite, mtp};
+}
+
+TEST(MoeModel, MemoryPlanTotalEqualsTrackedAllocations) {
+  for (const model::ModelConfig& c : varied_moe_configs()) {
     const MemoryStats before = memory_stats();
     model::GptModel m = make_model(c, 2, 5);
     optim::AdamW opt(m.params(), optim::AdamWConfig{});
@@ -132,6 +139,29 @@ TEST(MoeModel, MemoryPlanTotalEqualsTrackedAllocations) {
       const int i = static_cast<int>(k);
       EXPECT_EQ(after.current[i] - before.current[i], plan.bytes[i]) << mem_category_name(k) << " " << c.summary();
     }
+  }
+}
+
+// Every parameter of the table has a role and a layer that name it once (the model binds its modules by them) and
+// agree with its Megatron name: decoder layer l's under "decoder.layers.l.", MTP depth k's (layer num_layers + k) under
+// "mtp.layers.k.", the model's own (layer -1) elsewhere; a transformer layer's roles exactly inside a transformer
+// layer.
+TEST(ParamSpecs, RoleAndLayerNameEveryParameterOnce) {
+  for (const model::ModelConfig& c : varied_moe_configs()) {
+    std::set<std::pair<int, int64_t>> seen;
+    for (const model::ParamSpec& s : model::parameter_specs(c)) {
+      EXPECT_TRUE(seen.insert({static_cast<int>(s.role), s.layer}).second) << s.name;
+      const bool in_layer =
+          s.name.starts_with("decoder.layers.") || s.name.find(".transformer_layer.") != std::string::npos;
+      EXPECT_EQ(model::layer_role(s.role), in_layer) << s.name;
+      if (s.layer < 0)
+        EXPECT_FALSE(s.name.starts_with("decoder.layers.") || s.name.starts_with("mtp.")) << s.name;
+      else if (s.layer < c.num_layers)
+        EXPECT_TRUE(s.name.starts_with("decoder.layers." + std::to_string(s.layer) + ".")) << s.name;
+      else
+        EXPECT_TRUE(s.name.starts_with("mtp.layers." + std::to_string(s.layer - c.num_layers) + ".")) << s.name;
+    }
+    EXPECT_EQ(seen.size(), model::parameter_specs(c).size()) << c.summary();
   }
 }
 

@@ -91,8 +91,9 @@ bool moe(const ModelConfig& c) {
   return c.moe.enabled();
 }
 
-const std::vector<Field>& fields() {
-  static const std::vector<Field> table = {
+// The decoder's shape and layers.
+std::vector<Field> decoder_fields() {
+  return {
       plain(
           "num_layers", [](ModelConfig & c) -> auto& { return c.num_layers; }),
       plain(
@@ -124,6 +125,12 @@ const std::vector<Field>& fields() {
           "add_qkv_bias", [](ModelConfig & c) -> auto& { return c.add_qkv_bias; }),
       plain(
           "qk_layernorm", [](ModelConfig & c) -> auto& { return c.qk_layernorm; }),
+  };
+}
+
+// Positions (learned, RoPE, YaRN), MLA and MTP.
+std::vector<Field> attention_fields() {
+  return {
       named("position_embedding_type", [](ModelConfig & c) -> auto& { return c.position_embedding_type; },
             {"learned_absolute", "rope", "none"}),
       // Recorded whatever the position embedding (an HF export writes it); the function of a learned table only.
@@ -166,6 +173,11 @@ const std::vector<Field>& fields() {
           "v_head_dim", [](ModelConfig & c) -> auto& { return c.v_head_dim; }, mla),
       plain(
           "mtp_num_layers", [](ModelConfig & c) -> auto& { return c.mtp_num_layers; }),
+  };
+}
+
+std::vector<Field> moe_fields() {
+  return {
       plain(
           "num_experts", [](ModelConfig & c) -> auto& { return c.moe.num_experts; }),
       effective(
@@ -206,6 +218,14 @@ const std::vector<Field>& fields() {
       plain(
           "moe_shared_expert_gate", [](ModelConfig & c) -> auto& { return c.moe.shared_expert_gate; }, moe),
   };
+}
+
+const std::vector<Field>& fields() {
+  static const std::vector<Field> table = [] {
+    std::vector<Field> t = decoder_fields();
+    for (auto part : {attention_fields(), moe_fields()}) t.insert(t.end(), part.begin(), part.end());
+    return t;
+  }();
   return table;
 }
 

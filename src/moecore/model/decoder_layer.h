@@ -6,6 +6,7 @@
 // gradient -- the model owns (LayerShared), and each micro-batch's activations too (LayerCache); a layer owns its
 // views and, for MoE, its router state. Not here: which layers run where (parallel_layout.h), what recompute drops
 // (the model's plan: it says what to refill, Refill), the dropout keys (the model's).
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 #include <memory>

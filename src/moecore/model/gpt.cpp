@@ -75,7 +75,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   sh_.dims = dims.dense;
   sh_.mla_dims = dims.mla;
   sh_.moe_dims = dims.moe;
-  sh_.moe = &cfg_.moe;
+  point_shared_at_this();
   sh_.dispatcher = make_dispatcher(par_);
   store_ = ParamStore(cfg_, par_, seed_, device_);
   for (const LayerSpec& spec : layer_specs(cfg_)) layers_.emplace_back(spec);
@@ -88,6 +88,17 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   alloc_tables();
   alloc_workspaces();
   refresh_compute_weights();
+}
+
+// The shared dims' pointers into this object (its configuration and groups), set again before each use that may follow
+// a move of the model.
+void GptModel::point_shared_at_this() {
+  sh_.moe = &cfg_.moe;
+  sh_.moe_dims.global_aux_group = &par_.dp;
+  sh_.moe_dims.sequence_group = moe_sequence_group(par_);
+  if (sh_.moe_dims.echo.group) sh_.moe_dims.echo.group = &par_.ep;
+  sh_.dims.tp = &par_.tp;
+  if (sh_.dims.cp) sh_.dims.cp = &par_.cp;
 }
 
 // The modules' views of their parameters (by role), the model's own parameters, the routers' states and the
@@ -204,6 +215,7 @@ GptModel::Activations GptModel::alloc_activations(int64_t chunk) const {
 }
 
 void GptModel::set_micro_batch_slots(const std::vector<int64_t>& per_chunk) {
+  point_shared_at_this();
   if (per_chunk.size() != stage_.chunks.size())
     MOECORE_FAIL("model: micro-batch slots given for ", per_chunk.size(), " model chunks, the stage has ",
                  stage_.chunks.size());
@@ -226,6 +238,7 @@ bool GptModel::take_moe_overflow() {
 
 void GptModel::set_moe_synced_dropless(bool on) {
   if (!moe_static_capacity() || on == moe_synced_) return;
+  point_shared_at_this();
   moe_synced_ = on;
   sh_.moe_dims.received_capacity = on ? 0.0f : cfg_.moe.received_token_capacity;
   std::vector<size_t> slots(stage_.chunks.size());
@@ -341,13 +354,7 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   const int64_t T = B_ * (cfg_.seq_length / par_.cp.size());
   if (tokens.dtype() != DType::i32 || tokens.numel() != T)
     MOECORE_FAIL("model: tokens must be i32 [", B_, ", ", T / B_, "], got ", tokens.str());
-  // Set here: pointers into this object stay valid across moves.
-  sh_.moe = &cfg_.moe;
-  sh_.moe_dims.global_aux_group = &par_.dp;
-  sh_.moe_dims.sequence_group = moe_sequence_group(par_);
-  if (sh_.moe_dims.echo.group) sh_.moe_dims.echo.group = &par_.ep;
-  sh_.dims.tp = &par_.tp;
-  if (sh_.dims.cp) sh_.dims.cp = &par_.cp;
+  point_shared_at_this();
   set_dropout_keys(training);
   const auto chunk = static_cast<int64_t>(chunk_);
   // (on the last pipeline stage: the word embeddings' copy)

@@ -1,9 +1,17 @@
-// The GPT decoder, assembled from its specs (param_specs.h: each layer's attention, standard or MLA, and MLP, dense
-// or MoE, plus multi-token-prediction depths): parameters (named as Megatron-Core names them), their
-// initialisation, the activation caches for one micro-batch shape (a slot per micro-batch in flight; full or selective
-// recompute shares some of them), and explicit forward/backward over the whole model or one pipeline stage of it.
-// Shapes are fixed at construction (micro_batch_size x seq_length): every buffer is allocated then, and
-// the step loop allocates nothing. Not here: the optimizer (optim/) and the training loop (train/).
+// The GPT decoder as a composition of its parts, each in its own file:
+//   parallel_layout.h  which ranks hold what (ModelParallel, the pipeline split, this stage's chunks, layout checks)
+//   param_specs.h      the parameter table (name, shape, shard, init, role) from the configuration alone
+//   param_store.h      this rank's parameters, allocated and initialised from the table
+//   model_dims.h       the dims every layer reads
+//   decoder_layer.h    one transformer layer from its spec (attention: standard or MLA; MLP: dense or MoE), bound to
+//                      its parameters by role
+//   mtp_heads.h        the multi-token-prediction depths
+//   recompute_plan.h   what full or selective recompute drops, shares and refills
+// GptModel holds them, the embeddings and loss heads, the activation slots for one micro-batch shape (a slot per
+// micro-batch in flight) and runs explicit forward/backward over the whole model or one pipeline stage of it. Shapes
+// are fixed at construction (micro_batch_size x seq_length): every buffer is allocated then, and the step loop
+// allocates nothing. Not here: the optimizer (optim/) and the training loop (train/).
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -168,22 +176,21 @@ class GptModel {
     return static_cast<int64_t>(slots_.at(static_cast<size_t>(chunk)).size());
   }
 
-  // tokens, labels [B, S] i32 (label < 0: not counted), the batch as the data loader hands it over (host memory;
-  // a device batch is copied to the host first): the counted tokens and the MTP depths' rolled ids and labels are
-  // prepared there, then uploaded. forward(slot) runs the slot's chunk of the decoder into it and, in the last chunk,
-  // the loss heads (the output layer and every MTP depth) with their backward down to the decoder's output: the heads'
-  // gradient is taken at once, so no slot keeps logits. backward(slot) runs the rest: the final norm, the chunk's
-  // decoder layers and, in the first chunk, the embeddings.
-  // Together they add grad_scale * d(mean loss)/d(param) to every gradient (the MoE auxiliary losses' times
-  // grad_scale); forward returns the loss (the loss totals are read back once per loss head: the step's host
-  // synchronisation for logging). The mean is over this micro-batch's counted tokens. With per-token loss
-  // (set_calculate_per_token_loss) the loss heads' sums take the place of their means (an MTP depth's reweighted by
-  // the main head's counted tokens over its own, Megatron's rule) and the auxiliary losses are taken times grad_scale
-  // x B x S: the step then divides every gradient by the global batch's counted tokens (train/step.h). Under context
-  // parallelism every rank of the group passes the whole batch and takes its positions; the loss and its token count
-  // are the group's (summed over it), and this rank's gradients are its share of the group's (the data-parallel
-  // reduction sums them over DP x CP). Slots are independent: forwards of several slots may precede their backwards in
-  // any order.
+  // tokens, labels [B, seq_length] i32 (label < 0: not counted), the batch as the data loader hands it over (host
+  // memory; a device batch is copied to the host first): the counted tokens and the MTP depths' rolled ids and labels
+  // are prepared there, then uploaded. forward(slot) runs the slot's chunk of the decoder into it and, in the last
+  // chunk, the loss heads (the output layer and every MTP depth) with their backward down to the decoder's output: the
+  // heads' gradient is taken at once, so no slot keeps logits. backward(slot) runs the rest: the final norm, the
+  // chunk's decoder layers and, in the first chunk, the embeddings. Together they add grad_scale * d(mean
+  // loss)/d(param) to every gradient (the MoE auxiliary losses' times grad_scale); forward returns the loss (the loss
+  // totals are read back once per loss head: the step's host synchronisation for logging). The mean is over this
+  // micro-batch's counted tokens. With per-token loss (set_calculate_per_token_loss) the loss heads' sums take the
+  // place of their means (an MTP depth's reweighted by the main head's counted tokens over its own, Megatron's rule)
+  // and the auxiliary losses are taken times grad_scale x B x S: the step then divides every gradient by the global
+  // batch's counted tokens (train/step.h). Under context parallelism every rank of the group passes the whole batch and
+  // takes its positions; the loss and its token count are the group's (summed over it), and this rank's gradients are
+  // its share of the group's (the data-parallel reduction sums them over DP x CP). Slots are independent: forwards of
+  // several slots may precede their backwards in any order.
   LossResult forward(Slot slot, const Tensor& tokens, const Tensor& labels, float grad_scale);
   void backward(Slot slot, float grad_scale);
   // One micro-batch in slot 0: forward, then backward.
@@ -206,7 +213,7 @@ class GptModel {
   double flops_per_step() const;
 
  private:
-  // [B*S] host -> this CP rank's [B*S/CP] in out (the batch itself at CP 1)
+  // [B * seq_length] host -> this CP rank's [B*S] (S = seq_length / CP) in out (the batch itself at CP 1)
   Tensor local_positions(const Tensor& batch_h, const Tensor& out) const;
   bool tensor_parallel() const { return par_.tp.size() > 1; }
   int64_t vocab_start() const;  // the first vocabulary id of this rank's embedding / output rows
@@ -222,6 +229,7 @@ class GptModel {
   void layer_forward(size_t layer, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx,
                      bool recompute = false);
   void layer_backward(size_t layer, const Tensor& x, float grad_scale, const ops::Context& ctx);
+  void point_shared_at_this();
   void bind_parameters();  // every module's views of its parameters, by role
   void alloc_tables();     // the RoPE table and positions of this rank's rows
   void alloc_workspaces();

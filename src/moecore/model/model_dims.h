@@ -2,6 +2,7 @@
 // (nn/dense_layer.h), MLA's (nn/mla.h) and the MoE layers' (moe/moe_layer.h), reconciled in one place. Under context
 // parallelism S is this rank's S / CP positions of each sequence; T = B * S rows feed the GEMMs; N = T / TP rows of
 // the residual stream under sequence parallelism (else T), which is also what the MoE layers take.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 

@@ -106,11 +106,8 @@ Tensor scalar_f64(double v) {
   return t;
 }
 
-}  // namespace
-
-MoeLayerCase moe_layer_case_parse(const std::string& text) {
-  const json j = io::parse_json(text, "moe-layer: config");
-  if (!j.is_object()) MOECORE_FAIL("moe-layer: config is ", j.type_name(), ", not a JSON object of config keys");
+// Every key is one the command knows (Megatron's names with '_').
+void check_keys(const json& j) {
   static const std::set<std::string> known = {"hidden_size",
                                               "num_moe_experts",
                                               "moe_ffn_hidden_size",
@@ -138,17 +135,10 @@ MoeLayerCase moe_layer_case_parse(const std::string& text) {
                                               "add_bias_linear"};
   for (const auto& [k, v] : j.items())
     if (!known.count(k)) MOECORE_FAIL("moe-layer: unknown config key '", k, "'");
-  MoeLayerCase c;
-  moe::MoeConfig& m = c.cfg;
-  c.H = get_int(j, "hidden_size", 0, 1, kMaxSize);
-  m.num_experts = get_int(j, "num_moe_experts", 0, 1, kMaxSize);
-  c.F = get_int(j, "moe_ffn_hidden_size", 0, 1, kMaxSize);
-  m.ffn_hidden_size = c.F;
-  m.router_topk = get_int(j, "moe_router_topk", 2, 1, kMaxSize);
-  c.B = get_int(j, "micro_batch_size", 1, 1, kMaxSize);
-  if (c.H == 0 || c.F == 0 || m.num_experts == 0)
-    MOECORE_FAIL("moe-layer: hidden_size (", c.H, "), moe_ffn_hidden_size (", c.F, ") and num_moe_experts (",
-                 m.num_experts, ") must be set");
+}
+
+// The router's keys: load balancing, losses, score function, top-k scaling, dtype, groups, expert bias.
+void parse_router(const json& j, moe::MoeConfig& m) {
   if (find_key(j, "moe_router_load_balancing_type")) {
     m.load_balancing_type.clear();
     for (const auto& t : get_strings(j, "moe_router_load_balancing_type"))
@@ -166,6 +156,92 @@ MoeLayerCase moe_layer_case_parse(const std::string& text) {
   m.num_groups = get_int(j, "moe_router_num_groups", 0, 0, kMaxSize);
   m.group_topk = get_int(j, "moe_router_group_topk", 0, 0, kMaxSize);
   m.enable_expert_bias = get_bool(j, "moe_router_enable_expert_bias", false);
+}
+
+// The layer's parameters from the case's tensors ("param.*"), in the case's compute dtype (router and biases f32).
+moe::MoeLayerWeights case_weights(const MoeLayerCase& c, const std::map<std::string, Tensor>& in, Device device) {
+  const moe::MoeConfig& m = c.cfg;
+  const int64_t H = c.H, E = m.num_experts, F = c.F, Fs = c.Fs;
+  const int64_t fc1 = m.swiglu ? 2 * F : F, sfc1 = m.swiglu ? 2 * Fs : Fs;
+  auto on_device = [&](const Tensor& t, DType dt) {
+    return t.to(dt, MemCategory::parameters).to_device(device, MemCategory::parameters);
+  };
+  auto compute = [&](const Tensor& t) { return on_device(t, c.compute); };
+  auto f32 = [&](const Tensor& t) { return on_device(t, DType::f32); };
+  moe::MoeLayerWeights w;
+  const Tensor router = f32(need(in, "param.router.weight", {E, H}));
+  w.router = {router, compute(router)};
+  w.experts = {compute(need(in, "param.experts.linear_fc1.weight", {E, fc1, H})),
+               compute(need(in, "param.experts.linear_fc2.weight", {E, H, F}))};
+  if (c.add_bias_linear) {
+    w.router.bias = f32(need(in, "param.router.bias", {E}));
+    w.experts.fc1_bias = f32(need(in, "param.experts.linear_fc1.bias", {E, fc1}));
+    w.experts.fc2_bias = f32(need(in, "param.experts.linear_fc2.bias", {E, H}));
+  }
+  if (Fs > 0) {
+    w.shared.fc1 = compute(need(in, "param.shared_experts.linear_fc1.weight", {sfc1, H}));
+    w.shared.fc2 = compute(need(in, "param.shared_experts.linear_fc2.weight", {H, Fs}));
+    if (m.shared_expert_gate) w.shared.gate = f32(need(in, "param.shared_experts.gate_weight", {1, H}));
+  }
+  return w;
+}
+
+moe::MoeLayerGrads case_grads(const MoeLayerCase& c, Device device) {
+  const moe::MoeConfig& m = c.cfg;
+  const int64_t H = c.H, E = m.num_experts, F = c.F, Fs = c.Fs;
+  const int64_t fc1 = m.swiglu ? 2 * F : F, sfc1 = m.swiglu ? 2 * Fs : Fs;
+  auto grad = [&](const Shape& s) { return Tensor::zeros(s, DType::f32, MemCategory::gradients, device); };
+  moe::MoeLayerGrads g;
+  g.router = grad({E, H});
+  g.experts = {grad({E, fc1, H}), grad({E, H, F})};
+  if (c.add_bias_linear) {
+    g.router_bias = grad({E});
+    g.experts.fc1_bias = grad({E, fc1});
+    g.experts.fc2_bias = grad({E, H});
+  }
+  if (Fs > 0) {
+    g.shared.fc1 = grad({sfc1, H});
+    g.shared.fc2 = grad({H, Fs});
+    if (m.shared_expert_gate) g.shared.gate = grad({1, H});
+  }
+  return g;
+}
+
+// The parameters' gradients as the case's outputs ("grad.param.*").
+void add_grads(std::map<std::string, Tensor>& out, const MoeLayerCase& c, const moe::MoeLayerGrads& g) {
+  out["grad.param.router.weight"] = host_copy(g.router);
+  out["grad.param.experts.linear_fc1.weight"] = host_copy(g.experts.fc1);
+  out["grad.param.experts.linear_fc2.weight"] = host_copy(g.experts.fc2);
+  if (c.add_bias_linear) {
+    out["grad.param.router.bias"] = host_copy(g.router_bias);
+    out["grad.param.experts.linear_fc1.bias"] = host_copy(g.experts.fc1_bias);
+    out["grad.param.experts.linear_fc2.bias"] = host_copy(g.experts.fc2_bias);
+  }
+  if (c.Fs > 0) {
+    out["grad.param.shared_experts.linear_fc1.weight"] = host_copy(g.shared.fc1);
+    out["grad.param.shared_experts.linear_fc2.weight"] = host_copy(g.shared.fc2);
+    if (c.cfg.shared_expert_gate) out["grad.param.shared_experts.gate_weight"] = host_copy(g.shared.gate);
+  }
+}
+
+}  // namespace
+
+MoeLayerCase moe_layer_case_parse(const std::string& text) {
+  const json j = io::parse_json(text, "moe-layer: config");
+  if (!j.is_object()) MOECORE_FAIL("moe-layer: config is ", j.type_name(), ", not a JSON object of config keys");
+  check_keys(j);
+  MoeLayerCase c;
+  moe::MoeConfig& m = c.cfg;
+  c.H = get_int(j, "hidden_size", 0, 1, kMaxSize);
+  m.num_experts = get_int(j, "num_moe_experts", 0, 1, kMaxSize);
+  c.F = get_int(j, "moe_ffn_hidden_size", 0, 1, kMaxSize);
+  m.ffn_hidden_size = c.F;
+  m.router_topk = get_int(j, "moe_router_topk", 2, 1, kMaxSize);
+  c.B = get_int(j, "micro_batch_size", 1, 1, kMaxSize);
+  if (c.H == 0 || c.F == 0 || m.num_experts == 0)
+    MOECORE_FAIL("moe-layer: hidden_size (", c.H, "), moe_ffn_hidden_size (", c.F, ") and num_moe_experts (",
+                 m.num_experts, ") must be set");
+  parse_router(j, m);
   // Above num_moe_experts the capacity exceeds every routed token (and the padded buffers grow with it).
   m.capacity_factor = get_float(j, "moe_expert_capacity_factor", 0.0f, 0.0, static_cast<double>(m.num_experts));
   const std::string pol = get_string(j, "moe_token_drop_policy", "probs");
@@ -210,50 +286,19 @@ std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const st
   const int64_t T = hit->second.size(0), H = c.H, E = m.num_experts, F = c.F, Fs = c.Fs;
   if (T <= 0) MOECORE_FAIL("moe-layer: input tensor 'input.hidden' ", hit->second.shape().str(), " holds no tokens");
   if (T % c.B != 0) MOECORE_FAIL("moe-layer: ", T, " tokens are not divisible by micro_batch_size ", c.B);
-  const int64_t fc1 = m.swiglu ? 2 * F : F, sfc1 = m.swiglu ? 2 * Fs : Fs;
   auto on_device = [&](const Tensor& t, DType dt) {
     return t.to(dt, MemCategory::parameters).to_device(device, MemCategory::parameters);
   };
-  auto compute = [&](const Tensor& t) { return on_device(t, c.compute); };
-  auto f32 = [&](const Tensor& t) { return on_device(t, DType::f32); };
-  auto grad = [&](const Shape& s) { return Tensor::zeros(s, DType::f32, MemCategory::gradients, device); };
-  const Tensor x = compute(need(in, "input.hidden", {T, H}));
-  const Tensor dy = f32(need(in, "input.output_grad", {T, H}));
+  const Tensor x = on_device(need(in, "input.hidden", {T, H}), c.compute);
+  const Tensor dy = on_device(need(in, "input.output_grad", {T, H}), DType::f32);
   Tensor mask;
   if (in.count("input.padding_mask")) mask = need(in, "input.padding_mask", {T}).to(DType::boolean).to_device(device);
 
-  moe::MoeLayerWeights w;
-  const Tensor router = f32(need(in, "param.router.weight", {E, H}));
-  w.router = {router, compute(router)};
-  w.experts = {compute(need(in, "param.experts.linear_fc1.weight", {E, fc1, H})),
-               compute(need(in, "param.experts.linear_fc2.weight", {E, H, F}))};
-  if (c.add_bias_linear) {
-    w.router.bias = f32(need(in, "param.router.bias", {E}));
-    w.experts.fc1_bias = f32(need(in, "param.experts.linear_fc1.bias", {E, fc1}));
-    w.experts.fc2_bias = f32(need(in, "param.experts.linear_fc2.bias", {E, H}));
-  }
-  if (Fs > 0) {
-    w.shared.fc1 = compute(need(in, "param.shared_experts.linear_fc1.weight", {sfc1, H}));
-    w.shared.fc2 = compute(need(in, "param.shared_experts.linear_fc2.weight", {H, Fs}));
-    if (m.shared_expert_gate) w.shared.gate = f32(need(in, "param.shared_experts.gate_weight", {1, H}));
-  }
+  const moe::MoeLayerWeights w = case_weights(c, in, device);
   moe::RouterState st = moe::router_state_init(m, device);
   if (m.enable_expert_bias)
     st.expert_bias.copy_from(need(in, "param.router.expert_bias", {E}).to(st.expert_bias.dtype()));
-
-  moe::MoeLayerGrads g;
-  g.router = grad({E, H});
-  g.experts = {grad({E, fc1, H}), grad({E, H, F})};
-  if (c.add_bias_linear) {
-    g.router_bias = grad({E});
-    g.experts.fc1_bias = grad({E, fc1});
-    g.experts.fc2_bias = grad({E, H});
-  }
-  if (Fs > 0) {
-    g.shared.fc1 = grad({sfc1, H});
-    g.shared.fc2 = grad({H, Fs});
-    if (m.shared_expert_gate) g.shared.gate = grad({1, H});
-  }
+  moe::MoeLayerGrads g = case_grads(c, device);
   moe::MoeLayerDims d{T, c.B, H, F, Fs, c.compute};
   d.device = device;
   const ops::Context ctx{device};
@@ -275,19 +320,7 @@ std::map<std::string, Tensor> moe_layer_case_run(const MoeLayerCase& c, const st
 
   moe::moe_layer_backward(dx, g, dy, x, w, cache, dispatcher, d, m, c.aux_grad_scale, ctx);
   out["grad.input.hidden"] = host_copy(dx);
-  out["grad.param.router.weight"] = host_copy(g.router);
-  out["grad.param.experts.linear_fc1.weight"] = host_copy(g.experts.fc1);
-  out["grad.param.experts.linear_fc2.weight"] = host_copy(g.experts.fc2);
-  if (c.add_bias_linear) {
-    out["grad.param.router.bias"] = host_copy(g.router_bias);
-    out["grad.param.experts.linear_fc1.bias"] = host_copy(g.experts.fc1_bias);
-    out["grad.param.experts.linear_fc2.bias"] = host_copy(g.experts.fc2_bias);
-  }
-  if (Fs > 0) {
-    out["grad.param.shared_experts.linear_fc1.weight"] = host_copy(g.shared.fc1);
-    out["grad.param.shared_experts.linear_fc2.weight"] = host_copy(g.shared.fc2);
-    if (m.shared_expert_gate) out["grad.param.shared_experts.gate_weight"] = host_copy(g.shared.gate);
-  }
+  add_grads(out, c, g);
   return out;
 }
 

@@ -5,6 +5,7 @@
 // depths' own parameters (bound by role), their buffers and their own arithmetic (the rolls, the norms and eh_proj,
 // forward and backward). The model runs the pieces it shares with the decoder in between: the embedding, the
 // transformer layer (a DecoderLayer, index num_layers + j) and the loss head.
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -20,7 +21,7 @@ struct MtpDepth {
   Param *enorm = nullptr, *enorm_b = nullptr, *hnorm = nullptr, *hnorm_b = nullptr, *eh = nullptr;
   Param *fnorm = nullptr, *fnorm_b = nullptr;  // (biases: LayerNorm only)
   Tensor ids, labels;                          // [T] i32: rolled input ids and labels (this rank's positions)
-  Tensor ids_h, labels_h;                      // [B*S] i32 host: the whole batch's, rolled on the host
+  Tensor ids_h, labels_h;                      // [B * seq_length] i32 host: the whole batch's, rolled on the host
   Tensor e, hin, x, y;  // [N, H] f32: embedding, h_{k-1}, layer input (eh_proj output), layer output
   Tensor en, hn, h;     // [N, H] compute: enorm(e), hnorm(h_{k-1}), final_norm(y) = h_k
   Tensor e_mean, e_rstd, h_mean, h_rstd, f_mean, f_rstd;  // [N] f32 norm statistics (means: LayerNorm only)

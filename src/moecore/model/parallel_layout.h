@@ -22,7 +22,7 @@ namespace moecore::model {
 //     token dispatcher (--moe-token-dispatcher-type)
 //   cp, tp_cp: the context-parallel group (--context-parallel-size; nn/context_parallel.h: this rank holds S / CP
 //     positions of every sequence) and the group of TP x CP ranks, over which the MoE routers' losses see whole
-//     sequences (spec §3)
+//     sequences (docs/megatron-moe-spec.md §3)
 //   etp, etp_ep: expert tensor parallelism (--expert-tensor-parallel-size; Parallel Folding: independent of tp): each
 //     local expert's fc1 rows and fc2 columns split over etp (Param::tp of the expert weights), and the group of ETP x
 //     EP ranks (ETP fastest) the allgather dispatcher gathers over

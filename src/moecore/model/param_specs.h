@@ -125,7 +125,7 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg);
 int64_t parameters_per_rank(const ModelConfig& cfg, int ep, int tp = 1, int etp = 1,
                             const std::function<bool(const std::string&)>& held = {});
 
-// Model FLOPs (echo-folding-perf.md's formula, Megatron's count) derived from the same configuration:
+// Model FLOPs (docs/echo-folding-perf.md's formula, Megatron's count) derived from the same configuration:
 // per token, the attention projections P_attn (multiply-adds per token per layer) and the attention core A_core
 // (QK^T and AV over the causal half, per token and key position).
 struct AttentionCost {

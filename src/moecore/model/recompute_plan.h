@@ -10,6 +10,7 @@
 //     num_layers layers, each alone; Megatron applies the count per virtual pipeline stage) whose forward runs again
 //     in backward from the group's kept input; the recomputed layers share one cache set per position in a group and
 //     layer kind, for every slot and chunk (an MoE layer keeps its own routing).
+// Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
 #include <map>
