@@ -179,16 +179,12 @@ void import_hf(const Args& a) {
       static_cast<double>(memory_resident_peak_bytes()) / 1e6, root.c_str());
 }
 
-void export_hf(const Args& a) {
-  const std::string root = a.str("--load"), out = a.str("--to-hf");
-  const auto dir = io::checkpoint_find_latest(
-      root, a.i64_or("--ckpt-step", -1) >= 0 ? std::optional<int64_t>(a.i64("--ckpt-step")) : std::nullopt);
-  if (!dir) MOECORE_FAIL("--load ", root, ": no committed checkpoint");
-  const io::VerifiedCheckpoint ck = io::checkpoint_verify(*dir);
-  const train::TrainStateJson parsed = train::train_state_parse(ck.state_json, ck.dir);  // strict: an Error if damaged
-  if (parsed.iteration != ck.iteration)
-    MOECORE_FAIL("checkpoint: '", ck.dir, "/state.json' records iteration ", parsed.iteration, " but COMMIT records ",
-                 ck.iteration, ".", io::checkpoint_recovery_hint(ck.dir));
+// The config.json an export writes, and where it came from (errors name it).
+struct ExportConfig {
+  std::string text, where;
+};
+
+ExportConfig export_config(const Args& a, const io::VerifiedCheckpoint& ck, const std::string& dir) {
   const json state = io::parse_json(ck.state_json, ck.dir + "/state.json");
   // The model as trained (state.json's record; older checkpoints: the model flags given here) and its config.json:
   // --hf-config's (which must describe that model), else the recorded one updated to what was trained, else one
@@ -196,7 +192,7 @@ void export_hf(const Args& a) {
   const std::string recorded_hf = state.contains("hf_config_json") && state["hf_config_json"].is_string()
                                       ? state["hf_config_json"].get<std::string>()
                                       : "";
-  const std::string recorded_where = *dir + "/state.json (hf_config_json)";
+  const std::string recorded_where = dir + "/state.json (hf_config_json)";
   // The training-only settings (initialisation, loss coefficients, dropout) come from the config it was imported with.
   model::ModelConfig base;
   if (!recorded_hf.empty())
@@ -241,6 +237,44 @@ void export_hf(const Args& a) {
     std::printf("convert: %s records no config.json; writing one for the %s (model_type %s)\n", ck.dir.c_str(),
                 recorded ? "trained model" : "model flags", model::hf_family_name(family));
   }
+  return {config_text, where};
+}
+
+// Every tensor of the map into `writer`, in `dtype`, read from the checkpoint's model file (the experts, when the
+// checkpoint's expert-parallel size ep is over 1: from its ep expert files).
+void export_tensors(io::HfCheckpointWriter& writer, const model::HfWeightMap& map,
+                    const io::HfCheckpointReader& model_file,
+                    const std::vector<std::unique_ptr<io::HfCheckpointReader>>& expert_files, int64_t ep, DType dtype) {
+  auto rows = [&](size_t p, int64_t first, int64_t n) {
+    const model::HfParamMap& m = map.params[p];
+    if (!m.expert || ep == 1) return model_file.read_rows(m.param, first, n, DType::f32);
+    const int64_t per = m.rows() / ep, r = first / per;
+    MOECORE_CHECK((first + n - 1) / per == r, "a run of ", m.param, " spans expert shards");
+    return expert_files[static_cast<size_t>(r)]->read_rows(m.param, first - r * per, n, DType::f32);
+  };
+  for (const model::HfTensorSpec& t : map.tensors) {
+    if (t.expert_bias_layer >= 0) {  // e_score_correction_bias: F32 as DeepSeek-V3 keeps it
+      writer.add(t.name, model_file.read(train::checkpoint_expert_bias_name(t.expert_bias_layer), DType::f32));
+      continue;
+    }
+    writer.begin(t.name, dtype, t.shape);
+    model::hf_gather_parts(map, t, rows, [&](const Tensor& part) { writer.append(part); });
+  }
+}
+
+void export_hf(const Args& a) {
+  const std::string root = a.str("--load"), out = a.str("--to-hf");
+  const auto dir = io::checkpoint_find_latest(
+      root, a.i64_or("--ckpt-step", -1) >= 0 ? std::optional<int64_t>(a.i64("--ckpt-step")) : std::nullopt);
+  if (!dir) MOECORE_FAIL("--load ", root, ": no committed checkpoint");
+  const io::VerifiedCheckpoint ck = io::checkpoint_verify(*dir);
+  const train::TrainStateJson parsed = train::train_state_parse(ck.state_json, ck.dir);  // strict: an Error if damaged
+  if (parsed.iteration != ck.iteration)
+    MOECORE_FAIL("checkpoint: '", ck.dir, "/state.json' records iteration ", parsed.iteration, " but COMMIT records ",
+                 ck.iteration, ".", io::checkpoint_recovery_hint(ck.dir));
+  ExportConfig exported = export_config(a, ck, *dir);
+  std::string& config_text = exported.text;
+  const std::string& where = exported.where;
   const json config = hf_config_parse(config_text, where);
   const model::ModelConfig cfg = hf_model_config(config, where, kWeightsOnly);
   train::check_checkpoint_model(ck.state_json, cfg, ck.dir);
@@ -258,21 +292,7 @@ void export_hf(const Args& a) {
   if (dtype_text.empty()) dtype_text = hf_config_dtype(config).value_or("bfloat16");
   const DType dtype = parse_dtype(dtype_text, a.str("--hf-dtype").empty() ? "config.json dtype" : "--hf-dtype");
   io::HfCheckpointWriter writer(out, max_shard_bytes(a));
-  auto rows = [&](size_t p, int64_t first, int64_t n) {
-    const model::HfParamMap& m = map.params[p];
-    if (!m.expert || ep == 1) return model_file.read_rows(m.param, first, n, DType::f32);
-    const int64_t per = m.rows() / ep, r = first / per;
-    MOECORE_CHECK((first + n - 1) / per == r, "a run of ", m.param, " spans expert shards");
-    return expert_files[static_cast<size_t>(r)]->read_rows(m.param, first - r * per, n, DType::f32);
-  };
-  for (const model::HfTensorSpec& t : map.tensors) {
-    if (t.expert_bias_layer >= 0) {  // e_score_correction_bias: F32 as DeepSeek-V3 keeps it
-      writer.add(t.name, model_file.read(train::checkpoint_expert_bias_name(t.expert_bias_layer), DType::f32));
-      continue;
-    }
-    writer.begin(t.name, dtype, t.shape);
-    model::hf_gather_parts(map, t, rows, [&](const Tensor& part) { writer.append(part); });
-  }
+  export_tensors(writer, map, model_file, expert_files, ep, dtype);
   if (config.contains("quantization_config")) {  // FP8 weights were dequantised on import; these are not FP8
     json plain = config;
     plain.erase("quantization_config");

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -314,10 +315,9 @@ void print_summary(std::FILE* out, const train::TrainLog& log, const train::Trai
   std::fflush(out);
 }
 
-}  // namespace
-
-int train_main(int argc, char** argv) {
-  Args a("train");
+// `moecore train`'s flags: the model's (small defaults: a first run trains in seconds), the tokenizer's,
+// --hf-config and the training table's.
+void add_train_cmd_flags(Args& a) {
   model::ModelConfig defaults;
   defaults.num_layers = 4;
   defaults.hidden_size = 128;
@@ -328,7 +328,11 @@ int train_main(int argc, char** argv) {
   add_tokenizer_flags(a);
   add_hf_config_flag(a);
   add_training_flags(a);
-  if (!a.parse(argc, argv)) return 0;
+}
+
+// Megatron's rules between flags, then --hf-config's (or --load-hf's) values in the flags left unset, checked the
+// same on every rank, and the collectives' timeout. Returns whether --load-hf's MTP layers are fresh.
+bool apply_flag_rules(Args& a) {
   if (a.on("--overlap-param-gather") && !(a.on("--use-distributed-optimizer") && a.on("--overlap-grad-reduce")))
     MOECORE_FAIL("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron)");
   check_overlap_moe_expert_parallel_comm(a);
@@ -340,25 +344,40 @@ int train_main(int argc, char** argv) {
     o.timeout_s = 60.0 * static_cast<double>(a.i64("--distributed-timeout-minutes"));
     comm_set_options(o);
   }
-  // Flags whose values name a feature moecore lacks fail before any data is read.
-  const optim::AdamWConfig ocfg = optimizer_config_from(a);
-  const moe::DispatcherKind dispatcher = moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type"));
-  const int world_size = comm_initialized() ? comm_world().size() : 1;
-  const Device device = device_from_flag(a, world_size);
-  const std::vector<std::string> data_path = a.list("--data-path");
-  if (data_path.empty()) MOECORE_FAIL("train: --data-path is required (prefixes made by moecore preprocess)");
-  const auto tok = tokenizer_from(a);
-  const int64_t tp_size = a.i64("--tensor-model-parallel-size");
+  return hf_mtp_fresh;
+}
+
+// What the flags give before the parallel layout is known.
+struct RunFlags {
+  optim::AdamWConfig ocfg;
+  moe::DispatcherKind dispatcher{};
+  int world_size = 1;  // every process of the run (mpirun -np P)
+  Device device{};
+  std::vector<std::string> data_path;
+  std::unique_ptr<data::Tokenizer> tok;
+  int64_t tp_size = 1;
+  model::ModelConfig mcfg;
+};
+
+// Flags whose values name a feature moecore lacks fail before any data is read.
+RunFlags read_run_flags(const Args& a) {
+  RunFlags r;
+  r.ocfg = optimizer_config_from(a);
+  r.dispatcher = moe::parse_dispatcher_kind(a.str("--moe-token-dispatcher-type"));
+  r.world_size = comm_initialized() ? comm_world().size() : 1;
+  r.device = device_from_flag(a, r.world_size);
+  r.data_path = a.list("--data-path");
+  if (r.data_path.empty()) MOECORE_FAIL("train: --data-path is required (prefixes made by moecore preprocess)");
+  r.tok = tokenizer_from(a);
+  r.tp_size = a.i64("--tensor-model-parallel-size");
   // An explicit --vocab-size (an HF config's) needs to cover the tokenizer's ids, not its padding to 128 x TP.
-  const model::ModelConfig mcfg = model_config_from(a, padded_vocab_size(*tok, a, tp_size), tok->vocab_size());
-  // The layout over every process of the run (mpirun -np P): tensor parallel, context parallel, data parallel,
-  // expert parallel (folded into data parallel for the attention layers) and expert data parallel. Validated before
-  // any collective, so a bad layout fails the same way on every rank.
-  // The experts are split over ETP, by default the TP size (Megatron's default), within the same ranks (Parallel
-  // Folding). Pipeline stages hold their share of the decoder layers (Megatron's split, checked here on every rank).
-  ParallelConfig pcfg;
-  pcfg.tensor_model_parallel_size = static_cast<int>(tp_size);
-  pcfg.pipeline_model_parallel_size = static_cast<int>(a.i64("--pipeline-model-parallel-size"));
+  r.mcfg = model_config_from(a, padded_vocab_size(*r.tok, a, r.tp_size), r.tok->vocab_size());
+  return r;
+}
+
+// The decoder layers of each pipeline stage (virtual stages included), from --pipeline-model-parallel-layout or
+// Megatron's split flags (Megatron's split, checked here on every rank).
+std::vector<int64_t> pipeline_stage_layers_from(const Args& a, const model::ModelConfig& mcfg, int64_t pp_size) {
   auto layers_flag = [&](const char* name) { return a.str(name).empty() ? int64_t{-1} : a.i64(name); };
   const std::string layout = a.str("--pipeline-model-parallel-layout");
   const int64_t first_layers = layers_flag("--decoder-first-pipeline-num-layers"),
@@ -367,8 +386,7 @@ int train_main(int argc, char** argv) {
     MOECORE_FAIL(
         "--pipeline-model-parallel-layout and --decoder-first/last-pipeline-num-layers exclude each other (as "
         "in Megatron)");
-  const int64_t pp_size = pcfg.pipeline_model_parallel_size,
-                vpp = virtual_pipeline_stages(a, mcfg.num_layers, pp_size, first_layers >= 0 || last_layers >= 0);
+  const int64_t vpp = virtual_pipeline_stages(a, mcfg.num_layers, pp_size, first_layers >= 0 || last_layers >= 0);
   const bool account_embedding = a.on("--account-for-embedding-in-pipeline-split"),
              account_loss = a.on("--account-for-loss-in-pipeline-split");
   if (!layout.empty() && (account_embedding || account_loss))
@@ -388,54 +406,93 @@ int train_main(int argc, char** argv) {
         "--microbatch-group-size-per-virtual-pipeline-stage needs a virtual pipeline "
         "(--num-virtual-stages-per-pipeline-rank, --num-layers-per-virtual-pipeline-stage or a layout with "
         "more stages than --pipeline-model-parallel-size)");
-  pcfg.context_parallel_size = static_cast<int>(a.i64("--context-parallel-size"));
-  pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
-  pcfg.expert_tensor_parallel_size =
+  return stage_layers;
+}
+
+// The layout over every process of the run: tensor parallel, context parallel, data parallel, expert parallel
+// (folded into data parallel for the attention layers) and expert data parallel.
+struct RunLayout {
+  ParallelConfig pcfg;
+  std::vector<int64_t> stage_layers;  // decoder layers per pipeline stage, virtual stages included
+  ParallelSizes sizes;
+};
+
+// Validated before any collective, so a bad layout fails the same way on every rank. The experts are split over
+// ETP, by default the TP size (Megatron's default), within the same ranks (Parallel Folding). Pipeline stages hold
+// their share of the decoder layers.
+RunLayout plan_parallel_layout(const Args& a, const RunFlags& r) {
+  RunLayout l;
+  l.pcfg.tensor_model_parallel_size = static_cast<int>(r.tp_size);
+  l.pcfg.pipeline_model_parallel_size = static_cast<int>(a.i64("--pipeline-model-parallel-size"));
+  l.stage_layers = pipeline_stage_layers_from(a, r.mcfg, l.pcfg.pipeline_model_parallel_size);
+  l.pcfg.context_parallel_size = static_cast<int>(a.i64("--context-parallel-size"));
+  l.pcfg.expert_model_parallel_size = static_cast<int>(a.i64("--expert-model-parallel-size"));
+  l.pcfg.expert_tensor_parallel_size =
       a.str("--expert-tensor-parallel-size").empty() ? 0 : static_cast<int>(a.i64("--expert-tensor-parallel-size"));
-  pcfg.num_distributed_optimizer_instances = static_cast<int>(a.i64("--num-distributed-optimizer-instances"));
-  if (a.on("--use-tp-pp-dp-mapping")) pcfg.order = "tp-cp-ep-pp-dp";
-  const ParallelSizes sizes = pcfg.validate(world_size, static_cast<int>(mcfg.moe.num_experts));
-  moe::echo_check_layout(mcfg.moe, sizes.ep, sizes.etp, dispatcher);
-  train::TrainConfig tcfg = train_config_from(a, sizes.dp);
+  l.pcfg.num_distributed_optimizer_instances = static_cast<int>(a.i64("--num-distributed-optimizer-instances"));
+  if (a.on("--use-tp-pp-dp-mapping")) l.pcfg.order = "tp-cp-ep-pp-dp";
+  l.sizes = l.pcfg.validate(r.world_size, static_cast<int>(r.mcfg.moe.num_experts));
+  moe::echo_check_layout(r.mcfg.moe, l.sizes.ep, l.sizes.etp, r.dispatcher);
+  return l;
+}
+
+// The TrainConfig of the flags at the layout's data-parallel size, checked before anything is sized by it (the data's
+// indices, a pipeline's schedule) and with its outputs writable.
+train::TrainConfig train_config_checked(const Args& a, const RunLayout& l) {
+  train::TrainConfig tcfg = train_config_from(a, l.sizes.dp);
   if (!a.str("--hf-config").empty())
     tcfg.hf_config_json = io::read_file(hf_config_path(a.str("--hf-config"), hf_config_flag(a)));
-  check_sample_counts(tcfg);  // before anything is sized by them (the data's indices, a pipeline's schedule)
-  if (static_cast<int64_t>(stage_layers.size()) > pp_size && tcfg.micro_batches() % sizes.dp == 0)  // (validated)
+  check_sample_counts(tcfg);
+  const int64_t pp_size = l.pcfg.pipeline_model_parallel_size;
+  if (static_cast<int64_t>(l.stage_layers.size()) > pp_size && tcfg.micro_batches() % l.sizes.dp == 0)  // (validated)
     train::interleaved_one_f_one_b(
-        tcfg.micro_batches() / sizes.dp, pp_size, 0,  // Megatron's conditions, checked now
-        static_cast<int64_t>(stage_layers.size()) / pp_size,
+        tcfg.micro_batches() / l.sizes.dp, pp_size, 0,  // Megatron's conditions, checked now
+        static_cast<int64_t>(l.stage_layers.size()) / pp_size,
         tcfg.microbatch_group_size_per_vp_stage > 0 ? tcfg.microbatch_group_size_per_vp_stage : pp_size);
   check_output_paths(a, tcfg);
+  return tcfg;
+}
 
+// The training and validation splits of --data-path, sized by the run.
+data::GptDataSourceConfig data_source_config(const Args& a, const RunFlags& r, const train::TrainConfig& tcfg) {
   data::GptDataSourceConfig dcfg;
-  dcfg.data_path = data_path;
+  dcfg.data_path = r.data_path;
   dcfg.split = a.str("--split");
   const auto n =
       data::gpt_split_num_samples(tcfg.train_iters, tcfg.global_batch_size, tcfg.eval_interval, tcfg.eval_iters);
   dcfg.num_samples[0] = n[0];
   dcfg.num_samples[1] = n[1];
   dcfg.num_samples[2] = 0;  // the test split is not used by training
-  dcfg.dataset.seq_length = mcfg.seq_length;
+  dcfg.dataset.seq_length = r.mcfg.seq_length;
   dcfg.dataset.seed = static_cast<uint32_t>(tcfg.seed);
-  dcfg.dataset.pad_id = tok->pad();
-  dcfg.dataset.eod_id = tok->eod();
+  dcfg.dataset.pad_id = r.tok->pad();
+  dcfg.dataset.eod_id = r.tok->eod();
   dcfg.dataset.eod_mask_loss = a.on("--eod-mask-loss");
-  dcfg.dataset.vocab_size = mcfg.vocab_size;  // a token id outside the model's vocabulary is an Error naming it
-  const data::GptDataSource source(dcfg);
-  if (!source.train()) MOECORE_FAIL("train: --split ", dcfg.split, " leaves no training data");
-  tcfg.has_validation = source.valid() != nullptr;
+  dcfg.dataset.vocab_size = r.mcfg.vocab_size;  // a token id outside the model's vocabulary is an Error naming it
+  return dcfg;
+}
 
+// The groups of the training loop and the model's parallel layout (one process: single-rank groups).
+struct RunGroups {
   train::TrainGroups groups;
-  model::ModelParallel ep;
-  ep.dispatcher = dispatcher;
+  model::ModelParallel par;
+};
+
+RunGroups make_run_groups(const Args& a, const RunFlags& r, const RunLayout& l) {
+  RunGroups g;
+  g.par.dispatcher = r.dispatcher;
   if (comm_initialized()) {
-    const ProcessGroups pg = make_process_groups(pcfg, static_cast<int>(mcfg.moe.num_experts), comm_world());
-    groups = train::train_groups(pg);
-    ep = model::model_parallel(pg, false, ep.dispatcher,
-                               pcfg.pipeline_model_parallel_size > 1 ? stage_layers : std::vector<int64_t>{});
+    const ProcessGroups pg = make_process_groups(l.pcfg, static_cast<int>(r.mcfg.moe.num_experts), comm_world());
+    g.groups = train::train_groups(pg);
+    g.par = model::model_parallel(pg, false, g.par.dispatcher,
+                                  l.pcfg.pipeline_model_parallel_size > 1 ? l.stage_layers : std::vector<int64_t>{});
   }
-  ep.sequence_parallel = a.on("--sequence-parallel");
-  const ProcessGroup& dp = groups.dp;
+  g.par.sequence_parallel = a.on("--sequence-parallel");
+  return g;
+}
+
+// --moe-use-upcycling converts one whole dense model: every parallel size that splits it must be 1.
+void check_upcycling_layout(const Args& a, const model::ModelParallel& ep) {
   if (ep.ep.size() > 1 && a.on("--moe-use-upcycling"))
     MOECORE_FAIL("--moe-use-upcycling with --expert-model-parallel-size ", ep.ep.size(),
                  " is not supported yet: upcycle at EP 1, save, and load the checkpoint at any EP");
@@ -448,27 +505,39 @@ int train_main(int argc, char** argv) {
   if (ep.etp.size() > 1 && a.on("--moe-use-upcycling"))
     MOECORE_FAIL("--moe-use-upcycling with --expert-tensor-parallel-size ", ep.etp.size(),
                  " is not supported yet: upcycle at ETP 1, save, and load the checkpoint at any ETP");
-  std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
-  // The distributed optimizer shards the dense state over DP x CP and the experts' over EDP, within each of the
-  // --num-distributed-optimizer-instances groups (each holds a whole copy).
-  const int64_t state_shards =
-      tcfg.use_distributed_optimizer
-          ? std::max<int64_t>(1, std::min(sizes.dp * sizes.cp, sizes.edp) / tcfg.num_distributed_optimizer_instances)
-          : 1;
-  const MemoryLimit limit = device == Device::cuda ? MemoryLimit{} : node_memory_limit();  // (before the model exists)
-  check_model_fits(mcfg, ep, ocfg.state_dtype, state_shards, limit);
-  model::GptModel gpt(mcfg, tcfg.micro_batch_size, tcfg.seed, ep, device);
-  optim::AdamW opt(gpt.params(), ocfg, /*allocate_state=*/!tcfg.use_distributed_optimizer);
+}
+
+// The distributed optimizer shards the dense state over DP x CP and the experts' over EDP, within each of the
+// --num-distributed-optimizer-instances groups (each holds a whole copy).
+int64_t optimizer_state_shards(const train::TrainConfig& tcfg, const ParallelSizes& sizes) {
+  return tcfg.use_distributed_optimizer
+             ? std::max<int64_t>(1, std::min(sizes.dp * sizes.cp, sizes.edp) / tcfg.num_distributed_optimizer_instances)
+             : 1;
+}
+
+// The built model's memory plan with what the model does not hold (the optimizer state's shard, the CPU attention
+// scratch, --async-save's snapshot), recorded for out-of-memory errors and checked against `limit` before weights
+// are loaded or a step is taken.
+model::MemoryPlan run_memory_plan(const model::GptModel& gpt, const optim::AdamW& opt, const RunFlags& r,
+                                  const model::ModelParallel& par, const train::TrainConfig& tcfg, int64_t state_shards,
+                                  const MemoryLimit& limit) {
   model::MemoryPlan plan = gpt.memory_plan(opt.state_bytes_per_param());
   int64_t& state_bytes = plan.bytes[static_cast<int>(MemCategory::optimizer_state)];
   state_bytes = (state_bytes + state_shards - 1) / state_shards;  // the distributed optimizer's shard
-  if (device != Device::cuda)
-    plan.bytes[static_cast<int>(MemCategory::workspace)] += attention_scratch_bytes(mcfg, tcfg.micro_batch_size, ep);
+  if (r.device != Device::cuda)
+    plan.bytes[static_cast<int>(MemCategory::workspace)] += attention_scratch_bytes(r.mcfg, tcfg.micro_batch_size, par);
   if (tcfg.async_save && !tcfg.save.empty())  // the snapshot of --async-save (an upper bound: rank 0's share at most)
     plan.bytes[static_cast<int>(MemCategory::other)] +=
-        train::async_save_snapshot_bytes(mcfg, ocfg.state_dtype, tcfg.save_optim);
+        train::async_save_snapshot_bytes(r.mcfg, r.ocfg.state_dtype, tcfg.save_optim);
   memory_set_plan(plan.format());  // quoted by an out-of-memory error
-  check_plan_fits(plan, limit);    // before weights are loaded or a step is taken
+  check_plan_fits(plan, limit);
+  return plan;
+}
+
+// The starting weights other than the fresh initialisation: --load-hf's (unless --load holds a checkpoint to resume
+// from) or, with --moe-use-upcycling, the dense checkpoint of --load (the run then starts at iteration 0).
+void load_start_weights(model::GptModel& gpt, const Args& a, const model::ModelConfig& mcfg, train::TrainConfig& tcfg,
+                        bool hf_mtp_fresh, std::FILE* out) {
   if (!a.str("--load-hf").empty()) {
     if (a.on("--moe-use-upcycling")) MOECORE_FAIL("--load-hf and --moe-use-upcycling exclude each other");
     const auto step = tcfg.ckpt_step >= 0 ? std::optional<int64_t>(tcfg.ckpt_step) : std::nullopt;
@@ -488,15 +557,20 @@ int train_main(int argc, char** argv) {
     upcycle_from_dense(gpt, a, tcfg);
     tcfg.load.clear();  // the run starts at iteration 0 from the upcycled weights, as in Megatron
   }
-  tcfg.peak_gflops = train::gemm_peak_gflops(mcfg.compute_dtype, device);
-  if (out)
-    std::printf(
-        "moecore train: %s\n  %lld parameters, tokenizer %s (vocab %lld, padded to %lld), GEMM peak %.1f "
-        "GFLOP/s (%s)\n%s%s",
-        mcfg.summary().c_str(), static_cast<long long>(gpt.num_parameters()), tok->name().c_str(),
-        static_cast<long long>(tok->vocab_size()), static_cast<long long>(mcfg.vocab_size), tcfg.peak_gflops,
-        device_name(device), source.summary().c_str(), plan.format().c_str());
-  if (out && device == Device::cuda) {  // the model and its optimizer state are allocated by now: against the total
+}
+
+// The opening lines of a run: the model, the tokenizer, the GEMM peak, the data and the memory plan (and, on a
+// GPU, the plan against the device's memory).
+void print_run_header(std::FILE* out, const RunFlags& r, const model::GptModel& gpt, const train::TrainConfig& tcfg,
+                      const data::GptDataSource& source, const model::MemoryPlan& plan) {
+  if (!out) return;
+  std::printf(
+      "moecore train: %s\n  %lld parameters, tokenizer %s (vocab %lld, padded to %lld), GEMM peak %.1f "
+      "GFLOP/s (%s)\n%s%s",
+      r.mcfg.summary().c_str(), static_cast<long long>(gpt.num_parameters()), r.tok->name().c_str(),
+      static_cast<long long>(r.tok->vocab_size()), static_cast<long long>(r.mcfg.vocab_size), tcfg.peak_gflops,
+      device_name(r.device), source.summary().c_str(), plan.format().c_str());
+  if (r.device == Device::cuda) {  // the model and its optimizer state are allocated by now: against the total
     int64_t free_bytes = 0, total_bytes = 0;
     const std::string dev = device_description(&free_bytes, &total_bytes);
     std::printf("  device memory: %s; the plan's %s is %.0f%% of the device's %s\n", dev.c_str(),
@@ -504,9 +578,13 @@ int train_main(int argc, char** argv) {
                 total_bytes ? 100.0 * static_cast<double>(plan.total()) / static_cast<double>(total_bytes) : 0.0,
                 memory_format_bytes(total_bytes).c_str());
   }
-  const int64_t B = tcfg.micro_batch_size, S = mcfg.seq_length;
-  std::vector<float> mask(static_cast<size_t>(S));
-  const train::BatchFn batches = [&](Tensor& t, Tensor& l, bool valid, int64_t index) {
+}
+
+// Micro-batch `index` of B samples of S tokens from the training (or validation) split, wrapping around the split;
+// labels whose loss is masked become -1.
+train::BatchFn batch_source(const data::GptDataSource& source, int64_t B, int64_t S) {
+  return [&source, B, S, mask = std::vector<float>(static_cast<size_t>(S))](Tensor& t, Tensor& l, bool valid,
+                                                                            int64_t index) mutable {
     const data::GptSampleSource* src = valid ? source.valid() : source.train();
     int32_t* tp = t.data<int32_t>();
     int32_t* lp = l.data<int32_t>();
@@ -517,24 +595,58 @@ int train_main(int argc, char** argv) {
         if (mask[static_cast<size_t>(s)] == 0.0f) lp[b * S + s] = -1;
     }
   };
-  const auto t0 = std::chrono::steady_clock::now();
-  const train::TrainLog log = train::train(gpt, opt, tcfg, batches, out, {}, &groups);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (log.stopped_by_signal) {
-    if (out) print_summary(out, log, tcfg, mcfg.seq_length, seconds);
-    return 0;
-  }
-  const int64_t count = a.i64("--generate-tokens");
+}
+
+// The closing sample (--generate-tokens after --prompt), unless a signal stopped the run, then the summary.
+void finish_run(const Args& a, model::GptModel& gpt, const RunFlags& r, const train::TrainConfig& tcfg,
+                const RunGroups& g, const train::TrainLog& log, double seconds, std::FILE* out) {
+  const int64_t count = log.stopped_by_signal ? 0 : a.i64("--generate-tokens");
   // When experts are spread over ranks (EP, or ETP: the group of ETP x EP ranks holds one copy of every expert),
   // every rank takes part in the forward passes; otherwise the ranks of data-parallel rank 0 (every stage of a
   // pipeline, every TP and CP rank) do. Rank 0 prints.
-  if (count > 0 && (dp.rank() == 0 || ep.etp_ep.size() > 1)) {
+  if (count > 0 && (g.groups.dp.rank() == 0 || g.par.etp_ep.size() > 1)) {
     const std::string prompt = a.str("--prompt");
     const auto ids =
-        train::generate(gpt, prompt_tokens(*tok, prompt), count, 0.8f, tcfg.seed, tok->eod(), tok->vocab_size());
-    if (out) std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), tok->decode(ids).c_str());
+        train::generate(gpt, prompt_tokens(*r.tok, prompt), count, 0.8f, tcfg.seed, r.tok->eod(), r.tok->vocab_size());
+    if (out) std::printf("\n---- sample ----\n%s%s\n----------------\n", prompt.c_str(), r.tok->decode(ids).c_str());
   }
-  if (out) print_summary(out, log, tcfg, mcfg.seq_length, seconds);
+  if (out) print_summary(out, log, tcfg, r.mcfg.seq_length, seconds);
+}
+
+}  // namespace
+
+int train_main(int argc, char** argv) {
+  Args a("train");
+  add_train_cmd_flags(a);
+  if (!a.parse(argc, argv)) return 0;
+  const bool hf_mtp_fresh = apply_flag_rules(a);
+  const RunFlags r = read_run_flags(a);
+  const RunLayout layout = plan_parallel_layout(a, r);
+  train::TrainConfig tcfg = train_config_checked(a, layout);
+
+  const data::GptDataSource source(data_source_config(a, r, tcfg));
+  if (!source.train()) MOECORE_FAIL("train: --split ", a.str("--split"), " leaves no training data");
+  tcfg.has_validation = source.valid() != nullptr;
+
+  const RunGroups g = make_run_groups(a, r, layout);
+  check_upcycling_layout(a, g.par);
+  std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
+  const int64_t state_shards = optimizer_state_shards(tcfg, layout.sizes);
+  const MemoryLimit limit =
+      r.device == Device::cuda ? MemoryLimit{} : node_memory_limit();  // (before the model exists)
+  check_model_fits(r.mcfg, g.par, r.ocfg.state_dtype, state_shards, limit);
+  model::GptModel gpt(r.mcfg, tcfg.micro_batch_size, tcfg.seed, g.par, r.device);
+  optim::AdamW opt(gpt.params(), r.ocfg, /*allocate_state=*/!tcfg.use_distributed_optimizer);
+  const model::MemoryPlan plan = run_memory_plan(gpt, opt, r, g.par, tcfg, state_shards, limit);
+  load_start_weights(gpt, a, r.mcfg, tcfg, hf_mtp_fresh, out);
+  tcfg.peak_gflops = train::gemm_peak_gflops(r.mcfg.compute_dtype, r.device);
+  print_run_header(out, r, gpt, tcfg, source, plan);
+
+  const train::BatchFn batches = batch_source(source, tcfg.micro_batch_size, r.mcfg.seq_length);
+  const auto t0 = std::chrono::steady_clock::now();
+  const train::TrainLog log = train::train(gpt, opt, tcfg, batches, out, {}, &g.groups);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  finish_run(a, gpt, r, tcfg, g, log, seconds, out);
   return 0;
 }
 

@@ -702,14 +702,12 @@ void check_no_unexpected_tensors(const io::LoadedCheckpoint& ck, const model::Mo
 }
 }  // namespace
 
-LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, OptimizerState& opt,
-                                        uint64_t seed, const CheckpointLoadOptions& options) {
-  // Megatron: --finetune implies neither the optimizer nor the rng state, whatever the other switches say.
-  const bool load_optim = options.load_optim && !options.finetune;
-  const bool load_rng = options.load_rng && !options.finetune;
-  const io::LoadedCheckpoint ck = io::checkpoint_load(dir);
-  // A file that passed its checksum but disagrees with COMMIT or the model was written wrong or forged: the
-  // error says so and lists the checkpoints to fall back on.
+namespace {
+// state.json checked against COMMIT, the model and the load switches, before any tensor is read. A file that passed
+// its checksum but disagrees with COMMIT or the model was written wrong or forged: the error says so and lists the
+// checkpoints to fall back on.
+TrainStateJson checked_train_state(const io::LoadedCheckpoint& ck, const model::ModelConfig& cfg, uint64_t seed,
+                                   const CheckpointLoadOptions& options, bool load_optim, bool load_rng) {
   TrainStateJson state;
   try {
     state = train_state_parse(ck.state_json, ck.dir);
@@ -719,8 +717,8 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
   }
-  check_checkpoint_model(ck.state_json, gpt.config(), ck.dir);
-  check_checkpoint_function(ck.state_json, gpt.config(), ck.dir, options.finetune, options.notes);
+  check_checkpoint_model(ck.state_json, cfg, ck.dir);
+  check_checkpoint_function(ck.state_json, cfg, ck.dir, options.finetune, options.notes);
   if (load_rng && state.seed != seed && options.warnings)
     std::fprintf(stderr, "checkpoint: warning: %s was saved with --seed %llu, resuming with --seed %llu\n",
                  ck.dir.c_str(), static_cast<unsigned long long>(state.seed), static_cast<unsigned long long>(seed));
@@ -736,113 +734,172 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
     MOECORE_FAIL("checkpoint: unable to load the rng state from ", ck.dir,
                  ": it was saved with --no-save-rng (no router noise-stream positions); specify --no-load-rng or ",
                  "--finetune to load it with the noise streams restarting as in a fresh run");
-  const int64_t layers = gpt.config().num_transformer_layers();
+  const int64_t layers = cfg.num_transformer_layers();
   if (load_rng && static_cast<int64_t>(state.router_calls->size()) != layers)
     MOECORE_FAIL("checkpoint: '", ck.dir, "/state.json' has ", state.router_calls->size(), " router_calls entries for ",
                  layers, " layers.", io::checkpoint_recovery_hint(ck.dir));
-  const io::SafetensorsFile& model = ck.files.at(kModelFile);
-  const io::SafetensorsFile* optim = load_optim ? &ck.files.at(kOptimizerFile) : nullptr;
-  const std::string model_path = ck.dir + "/" + kModelFile, optim_path = ck.dir + "/" + kOptimizerFile;
-  auto& params = gpt.params();
-  if (load_optim && (opt.exp_avg.size() != params.size() || opt.exp_avg_sq.size() != params.size()))
-    MOECORE_FAIL("checkpoint: the optimizer state has ", opt.exp_avg.size(), " moments for ", params.size(),
-                 " parameters");
+  return state;
+}
+
+// The checkpoint's tensors into the model's parameters, the optimizer's moments (when loaded) and the routers' expert
+// biases, each rank taking its tensor-parallel shard and its experts (any saved TP and EP). Megatron's "unexpected"
+// keys (tensors the model asks for that the checkpoint lacks): the modes that load on leave each as it is (a
+// parameter at its initial value, zero moments) and moecore names them; the others stop at need().
+class CheckpointTensors {
+ public:
+  CheckpointTensors(const io::LoadedCheckpoint& ck, model::GptModel& gpt, OptimizerState& opt, bool load_optim,
+                    int64_t saved_ep, CkptStrictness strictness)
+      : ck_(ck),
+        gpt_(gpt),
+        opt_(opt),
+        model_(ck.files.at(kModelFile)),
+        optim_(load_optim ? &ck.files.at(kOptimizerFile) : nullptr),
+        model_path_(ck.dir + "/" + kModelFile),
+        optim_path_(ck.dir + "/" + kOptimizerFile),
+        saved_ep_(saved_ep),
+        E_(gpt.config().moe.num_experts),
+        strictness_(strictness),
+        load_on_(loads_on_unexpected(strictness)) {}
+
+  // Two passes: every check first (copy false), so a load that fails leaves the model and optimizer untouched.
+  void load(bool copy) {
+    auto& params = gpt_.params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      Param& p = params[i];
+      if (p.expert_parallel) {  // resharding: this rank's experts out of whichever files hold them (its ETP slice)
+        const int64_t first = gpt_.ep_rank() * p.value.size(0);
+        experts(p, first, p.value, kModelFile, p.name, copy);
+        if (!optim_) continue;
+        experts(p, first, opt_.exp_avg[i], kOptimizerFile, "exp_avg." + p.name, copy);
+        experts(p, first, opt_.exp_avg_sq[i], kOptimizerFile, "exp_avg_sq." + p.name, copy);
+        continue;
+      }
+      take(p, p.value, model_, model_path_, p.name, copy);
+      if (!optim_) continue;
+      take(p, opt_.exp_avg[i], *optim_, optim_path_, "exp_avg." + p.name, copy);
+      take(p, opt_.exp_avg_sq[i], *optim_, optim_path_, "exp_avg_sq." + p.name, copy);
+    }
+    expert_biases(copy);
+  }
+
+  // The tensors left at their initial values ("file: name"), known after the first pass.
+  const std::vector<std::string>& absent() const { return absent_; }
+
+ private:
+  bool lacks(const std::string& file, const std::string& name) const {
+    const auto f = ck_.files.find(file);
+    return f != ck_.files.end() && !f->second.tensors.count(name);
+  }
+
+  bool lacks_experts(const std::string& whole_file, const std::string& name) const {
+    if (saved_ep_ <= 1) return lacks(whole_file, name);
+    for (int64_t j = 0; j < saved_ep_; ++j)
+      if (!lacks(checkpoint_expert_file(j, saved_ep_), name)) return false;
+    return true;
+  }
+
+  bool leave(bool absent_here, bool copy, const std::string& file, const std::string& name) {
+    if (!absent_here) return false;
+    if (!load_on_)
+      MOECORE_FAIL("checkpoint: '", ck_.dir, "/", file, "' has no tensor '", name,
+                   "', which this model has (Megatron's unexpected key: --dist-ckpt-strictness ",
+                   enum_name(strictness_),
+                   " refuses the load; log_unexpected would load the rest and leave it at its initial value)");
+    if (!copy) absent_.push_back(file + ": " + name);
+    return true;
+  }
+
+  void experts(const Param& p, int64_t first, Tensor& dst, const std::string& file, const std::string& name,
+               bool copy) {
+    if (leave(lacks_experts(file, name), copy, saved_ep_ <= 1 ? file : "experts-ep*", name)) return;
+    if (!p.tp.sharded()) return load_expert_rows(dst, ck_, file, name, first, saved_ep_, E_, copy);
+    Tensor whole = Tensor::empty(p.tp.global_shape(dst.shape()), dst.dtype(), MemCategory::workspace);
+    load_expert_rows(whole, ck_, file, name, first, saved_ep_, E_, copy);
+    if (copy) dst.copy_from(shard_slice(whole, p.tp));
+  }
+
+  // The files hold whole tensors: a tensor-parallel rank takes its shard of each (any saved TP).
+  void take(const Param& p, Tensor& dst, const io::SafetensorsFile& f, const std::string& path, const std::string& name,
+            bool copy) {
+    if (leave(!f.tensors.count(name), copy, path.substr(ck_.dir.size() + 1), name)) return;
+    if (!p.tp.sharded()) {
+      const Tensor& t = need(f, path, name, dst);
+      if (copy) dst.copy_from(t);
+      return;
+    }
+    const Tensor& t = need(f, path, name, p.tp.global_shape(dst.shape()), dst.dtype());
+    if (copy) dst.copy_from(shard_slice(t, p.tp));
+  }
+
+  void expert_biases(bool copy) {
+    const int64_t layers = gpt_.config().num_transformer_layers();
+    for (int64_t l = 0; l < layers; ++l) {
+      moe::RouterState* st = gpt_.router_state(l);
+      if (!st || !st->expert_bias.defined()) continue;
+      if (leave(!model_.tensors.count(checkpoint_expert_bias_name(l)), copy, kModelFile,
+                checkpoint_expert_bias_name(l)))
+        continue;
+      const Tensor& b = need(model_, model_path_, checkpoint_expert_bias_name(l), st->expert_bias);
+      if (copy) st->expert_bias.copy_from(b);
+    }
+  }
+
+  const io::LoadedCheckpoint& ck_;
+  model::GptModel& gpt_;
+  OptimizerState& opt_;
+  const io::SafetensorsFile& model_;
+  const io::SafetensorsFile* optim_;  // null when the optimizer state is not loaded
+  const std::string model_path_, optim_path_;
+  const int64_t saved_ep_, E_;
+  const CkptStrictness strictness_;
+  const bool load_on_;
+  std::vector<std::string> absent_;
+};
+
+// One warning names the tensors that the loading modes of --dist-ckpt-strictness left at their initial values.
+void warn_absent_tensors(const std::string& dir, const std::vector<std::string>& absent, CkptStrictness strictness) {
+  if (absent.empty()) return;
+  std::string list;
+  for (size_t i = 0; i < absent.size() && i < 12; ++i) list += "\n  " + absent[i];
+  if (absent.size() > 12) list += "\n  ... and " + std::to_string(absent.size() - 12) + " more";
+  std::fprintf(stderr,
+               "warning: checkpoint %s lacks %zu tensor%s this model has (Megatron's unexpected keys), left at "
+               "their initial values, moments zero (--dist-ckpt-strictness %s; assume_ok_unexpected, "
+               "raise_unexpected and raise_all refuse such a load):%s\n",
+               dir.c_str(), absent.size(), absent.size() == 1 ? "" : "s", enum_name(strictness), list.c_str());
+}
+}  // namespace
+
+LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, OptimizerState& opt,
+                                        uint64_t seed, const CheckpointLoadOptions& options) {
+  // Megatron: --finetune implies neither the optimizer nor the rng state, whatever the other switches say.
+  const bool load_optim = options.load_optim && !options.finetune;
+  const bool load_rng = options.load_rng && !options.finetune;
+  const io::LoadedCheckpoint ck = io::checkpoint_load(dir);
+  const TrainStateJson state = checked_train_state(ck, gpt.config(), seed, options, load_optim, load_rng);
+  const size_t params = gpt.params().size();
+  if (load_optim && (opt.exp_avg.size() != params || opt.exp_avg_sq.size() != params))
+    MOECORE_FAIL("checkpoint: the optimizer state has ", opt.exp_avg.size(), " moments for ", params, " parameters");
   const int64_t saved_ep = state.expert_model_parallel_size;
   const int64_t E = gpt.config().moe.num_experts;
   if (E > 0 && E % saved_ep != 0)
     MOECORE_FAIL("checkpoint: ", ck.dir, "/state.json has expert_model_parallel_size ", saved_ep, " for ", E,
                  " experts");
-  // Megatron's "unexpected" keys (tensors the model asks for that the checkpoint lacks): the modes that load on leave
-  // each as it is (a parameter at its initial value, zero moments) and moecore names them; the others stop at need().
-  const bool load_on = loads_on_unexpected(options.strictness);
-  std::vector<std::string> absent;
-  auto lacks = [&](const std::string& file, const std::string& name) {
-    const auto f = ck.files.find(file);
-    return f != ck.files.end() && !f->second.tensors.count(name);
-  };
-  auto lacks_experts = [&](const std::string& whole_file, const std::string& name) {
-    if (saved_ep <= 1) return lacks(whole_file, name);
-    for (int64_t j = 0; j < saved_ep; ++j)
-      if (!lacks(checkpoint_expert_file(j, saved_ep), name)) return false;
-    return true;
-  };
-  auto leave = [&](bool absent_here, bool copy, const std::string& file, const std::string& name) {
-    if (!absent_here) return false;
-    if (!load_on)
-      MOECORE_FAIL("checkpoint: '", ck.dir, "/", file, "' has no tensor '", name,
-                   "', which this model has (Megatron's unexpected key: --dist-ckpt-strictness ",
-                   enum_name(options.strictness),
-                   " refuses the load; log_unexpected would load the rest and leave it at its initial value)");
-    if (!copy) absent.push_back(file + ": " + name);
-    return true;
-  };
-  // Two passes: every check first (copy false), so a load that fails leaves the model and optimizer untouched.
-  auto tensors = [&](bool copy) {
-    for (size_t i = 0; i < params.size(); ++i) {
-      Param& p = params[i];
-      if (p.expert_parallel) {  // resharding: this rank's experts out of whichever files hold them (its ETP slice)
-        const int64_t first = gpt.ep_rank() * p.value.size(0);
-        auto experts = [&](Tensor& dst, const std::string& file, const std::string& name) {
-          if (leave(lacks_experts(file, name), copy, saved_ep <= 1 ? file : "experts-ep*", name)) return;
-          if (!p.tp.sharded()) return load_expert_rows(dst, ck, file, name, first, saved_ep, E, copy);
-          Tensor whole = Tensor::empty(p.tp.global_shape(dst.shape()), dst.dtype(), MemCategory::workspace);
-          load_expert_rows(whole, ck, file, name, first, saved_ep, E, copy);
-          if (copy) dst.copy_from(shard_slice(whole, p.tp));
-        };
-        experts(p.value, kModelFile, p.name);
-        if (!optim) continue;
-        experts(opt.exp_avg[i], kOptimizerFile, "exp_avg." + p.name);
-        experts(opt.exp_avg_sq[i], kOptimizerFile, "exp_avg_sq." + p.name);
-        continue;
-      }
-      // The files hold whole tensors: a tensor-parallel rank takes its shard of each (any saved TP).
-      auto take = [&](Tensor& dst, const io::SafetensorsFile& f, const std::string& path, const std::string& name) {
-        if (leave(!f.tensors.count(name), copy, path.substr(ck.dir.size() + 1), name)) return;
-        if (!p.tp.sharded()) {
-          const Tensor& t = need(f, path, name, dst);
-          if (copy) dst.copy_from(t);
-          return;
-        }
-        const Tensor& t = need(f, path, name, p.tp.global_shape(dst.shape()), dst.dtype());
-        if (copy) dst.copy_from(shard_slice(t, p.tp));
-      };
-      take(p.value, model, model_path, p.name);
-      if (!optim) continue;
-      take(opt.exp_avg[i], *optim, optim_path, "exp_avg." + p.name);
-      take(opt.exp_avg_sq[i], *optim, optim_path, "exp_avg_sq." + p.name);
-    }
-    for (int64_t l = 0; l < layers; ++l) {
-      moe::RouterState* st = gpt.router_state(l);
-      if (!st || !st->expert_bias.defined()) continue;
-      if (leave(!model.tensors.count(checkpoint_expert_bias_name(l)), copy, kModelFile, checkpoint_expert_bias_name(l)))
-        continue;
-      const Tensor& b = need(model, model_path, checkpoint_expert_bias_name(l), st->expert_bias);
-      if (copy) st->expert_bias.copy_from(b);
-    }
-  };
+  CheckpointTensors tensors(ck, gpt, opt, load_optim, saved_ep, options.strictness);
   try {
-    tensors(false);
+    tensors.load(false);
     check_no_unexpected_tensors(ck, gpt.config(), load_optim, options.strictness);
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
   }
-  if (!absent.empty()) {
-    std::string list;
-    for (size_t i = 0; i < absent.size() && i < 12; ++i) list += "\n  " + absent[i];
-    if (absent.size() > 12) list += "\n  ... and " + std::to_string(absent.size() - 12) + " more";
-    std::fprintf(stderr,
-                 "warning: checkpoint %s lacks %zu tensor%s this model has (Megatron's unexpected keys), left at "
-                 "their initial values, moments zero (--dist-ckpt-strictness %s; assume_ok_unexpected, "
-                 "raise_unexpected and raise_all refuse such a load):%s\n",
-                 ck.dir.c_str(), absent.size(), absent.size() == 1 ? "" : "s", enum_name(options.strictness),
-                 list.c_str());
-  }
-  tensors(true);
+  warn_absent_tensors(ck.dir, tensors.absent(), options.strictness);
+  tensors.load(true);
   if (!load_optim) {  // a fresh optimizer, whatever the tensors held before
     for (auto* moments : {&opt.exp_avg, &opt.exp_avg_sq})
       for (Tensor& t : *moments)
         if (t.defined()) t.zero_();
   }
+  const int64_t layers = gpt.config().num_transformer_layers();
   for (int64_t l = 0; l < layers; ++l)
     if (moe::RouterState* st = gpt.router_state(l)) st->calls = load_rng ? (*state.router_calls)[l] : 0;
   gpt.refresh_compute_weights();
