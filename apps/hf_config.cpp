@@ -709,6 +709,29 @@ unsigned model_bit(const json& cfg) {
                "' is not supported (supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v3)");
 }
 
+// Values of a config.json that contradict each other, refused by their keys (not by the Megatron flags they become):
+// the query heads over the key/value heads, the hidden size over the heads when head_dim is not given (standard
+// attention), the routed experts per token over the experts.
+void check_consistent(const json& cfg, int64_t experts) {
+  const int64_t heads = int_key(cfg, "num_attention_heads", 0), kv = int_key(cfg, "num_key_value_heads", 0);
+  if (heads > 0 && kv > 0 && heads % kv != 0)
+    MOECORE_FAIL("config.json: num_attention_heads (", heads, ") must be divisible by num_key_value_heads (", kv,
+                 "): each key/value head serves a whole group of query heads");
+  const int64_t hidden = int_key(cfg, "hidden_size", 0);
+  const bool head_dim = !cfg.value("head_dim", json()).is_null(), mla = cfg.contains("kv_lora_rank");
+  if (!head_dim && !mla && heads > 0 && hidden % heads != 0)
+    MOECORE_FAIL("config.json: hidden_size (", hidden, ") must be divisible by num_attention_heads (", heads,
+                 ") when head_dim is not given (the head size is their quotient)");
+  const int64_t topk = int_key(cfg, "num_experts_per_tok", 0);
+  if (experts > 0 && topk > experts) {
+    const char* key = cfg.contains("num_local_experts")  ? "num_local_experts"
+                      : cfg.contains("n_routed_experts") ? "n_routed_experts"
+                                                         : "num_experts";
+    MOECORE_FAIL("config.json: num_experts_per_tok (", topk, ") exceeds ", key, " (", experts,
+                 "): each token is routed to that many distinct experts");
+  }
+}
+
 }  // namespace
 
 Flags hf_config_flags(const json& cfg) {
@@ -743,6 +766,7 @@ Flags hf_config_flags(const json& cfg) {
     MOECORE_FAIL("config.json: num_hidden_layers (plus num_nextn_predict_layers) ", layers, " x ", experts,
                  " experts = ", layers * experts, " expert MLPs exceeds the ", kMaxExpertMlps,
                  " this reader accepts; hint: the file is corrupt or not a released MoE model");
+  check_consistent(cfg, experts);
   return out;
 }
 

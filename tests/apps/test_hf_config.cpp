@@ -202,6 +202,28 @@ TEST(HfConfig, RefusalsNameTheKeyAndValue) {
   }
 }
 
+// Values that contradict each other are refused by their config.json keys (issue 29), not by the Megatron flags
+// they become: query heads over key/value heads, hidden size over heads without head_dim, top-k over the experts.
+TEST(HfConfig, ContradictingValuesAreRefusedNamingTheKeys) {
+  json c = qwen2_moe_config();
+  c["num_key_value_heads"] = 3;
+  std::string e = error_of(c);
+  EXPECT_NE(e.find("num_attention_heads (4) must be divisible by num_key_value_heads (3)"), std::string::npos) << e;
+  c = qwen2_moe_config();
+  c["hidden_size"] = 30;
+  e = error_of(c);
+  EXPECT_NE(e.find("hidden_size (30) must be divisible by num_attention_heads (4) when head_dim is not given"),
+            std::string::npos)
+      << e;
+  c = qwen2_moe_config();
+  c["num_experts_per_tok"] = c["num_experts"].get<int64_t>() + 1;
+  e = error_of(c);
+  EXPECT_NE(e.find("num_experts_per_tok (" + std::to_string(c["num_experts_per_tok"].get<int64_t>()) +
+                   ") exceeds num_experts"),
+            std::string::npos)
+      << e;
+}
+
 // A small DeepSeek-V3 config.json written here (YaRN, groups, a dense first layer, a shared expert).
 json deepseek_v3_config() {
   return json::parse(R"({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
