@@ -31,6 +31,7 @@ enum class ParamInit : uint8_t { normal, ones, zeros };
 
 // What a parameter is to the module that reads it. With ParamSpec::layer it identifies the parameter: the model binds
 // its modules by role (DecoderLayer::bind), and only the table below spells Megatron's names.
+// A transformer layer's roles stay together, from input_norm to shared_gate (layer_role reads that range).
 enum class ParamRole : uint8_t {
   // the model's own (layer -1)
   word_embeddings,
