@@ -27,12 +27,19 @@ enum Model : unsigned {
   kMixtral = 1,
   kQwen2 = 2,
   kQwen3 = 4,
-  kDeepSeek = 8,
+  kDeepSeek = 8,     // deepseek_v3
+  kDeepSeekV2 = 16,  // deepseek_v2
+  kGlm = 32,         // glm4_moe
   kQwen = kQwen2 | kQwen3,
-  kAll = kMixtral | kQwen,  // the three GQA families
-  kAny = kAll | kDeepSeek,
+  kAll = kMixtral | kQwen,  // the three GQA families with a softmax router
+  kGqa = kAll | kGlm,       // standard attention
+  kMla = kDeepSeek | kDeepSeekV2,
+  kDeepSeekMoe = kMla | kGlm,  // DeepSeek's MoE keys (n_routed_experts, n_shared_experts, first_k_dense_replace, ...)
+  kAny = kGqa | kMla,
 };
-constexpr const char* kModelNames[] = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"};
+// In HfFamily order (bit i is family i).
+constexpr const char* kModelNames[] = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "glm4_moe"};
+constexpr unsigned kModelCount = sizeof(kModelNames) / sizeof(kModelNames[0]);
 
 struct Row;
 using Convert = void (*)(const Row& row, const json& v, const json& cfg, Flags& out);
@@ -389,7 +396,7 @@ void deepseek_rope(const Row& r, const json& v, const json& cfg, Flags& out) {
   const bool params = std::string(r.key) == "rope_parameters";
   if (v.is_null()) {
     if (params && !cfg.contains("rope_theta"))
-      MOECORE_FAIL("config.json lacks 'rope_theta' (or 'rope_parameters'), required for model_type deepseek_v3");
+      MOECORE_FAIL("config.json lacks 'rope_theta' (or 'rope_parameters'), required for model_type ", model_of(cfg));
     if (!params && (!cfg.contains("rope_parameters") || cfg["rope_parameters"].is_null()))
       out.emplace_back("--rope-type", "rope");
     return;
@@ -457,6 +464,97 @@ void deepseek_rope(const Row& r, const json& v, const json& cfg, Flags& out) {
     out.emplace_back("--no-yarn-correction-range-round-to-int", "");
 }
 
+// ---- DeepSeek-V2 ---------------------------------------------------------------------------------------------
+
+void v2_scoring_func(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (v != json("softmax"))
+    refuse(r, v, cfg, "not supported: DeepSeek-V2's router scores by softmax (only \"softmax\")");
+}
+
+// transformers' DeepseekV2TopkRouter: softmax over all experts, then greedy top-k, or group_limited_greedy: keep the
+// topk_group groups (of n_group) whose best expert scores highest, top-k among their experts (the group score is the
+// group max: --moe-router-group-score-topk 1, where Megatron's default would sum the top k / topk_group).
+void v2_topk_method(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (v == json("greedy")) return;
+  if (v != json("group_limited_greedy"))
+    refuse(r, v, cfg, "not supported: only \"greedy\" and \"group_limited_greedy\" (DeepSeek-V2's routers)");
+  const json g = cfg.value("n_group", json()), tg = cfg.value("topk_group", json());
+  if (!g.is_number_integer() || g.get<int64_t>() <= 0)
+    MOECORE_FAIL("config.json key 'n_group' = ", g.dump(), ": group_limited_greedy needs a positive integer");
+  const int64_t groups = g.get<int64_t>(), experts = int_key(cfg, "n_routed_experts", 0);
+  if (!tg.is_number_integer() || tg.get<int64_t>() <= 0 || tg.get<int64_t>() > groups)
+    MOECORE_FAIL("config.json key 'topk_group' = ", tg.dump(), " must be in [1, n_group = ", groups, "]");
+  if (experts > 0 && experts % groups != 0)
+    MOECORE_FAIL("config.json: n_routed_experts (", experts, ") must be divisible by n_group (", groups, ")");
+  if (groups == 1) return;
+  out.emplace_back("--moe-router-num-groups", std::to_string(groups));
+  out.emplace_back("--moe-router-group-topk", std::to_string(tg.get<int64_t>()));
+  out.emplace_back("--moe-router-group-score-topk", "1");
+}
+
+// Read with topk_method (ignored by greedy routing).
+void null_or_positive_int(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (!v.is_null() && (!v.is_number_integer() || v.get<int64_t>() <= 0))
+    refuse(r, v, cfg, "expected a positive integer or null");
+}
+
+// transformers' DeepSeek-V2 never renormalises the top-k softmax weights (--moe-router-pre-softmax); DeepSeek's own
+// code does with norm_topk_prob true, so that value would be read two ways.
+void v2_norm_topk(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (v == json(true))
+    refuse(r, v, cfg,
+           "not supported: transformers' deepseek_v2 ignores it (no renormalisation) while DeepSeek's own code "
+           "renormalises; only false");
+  if (!v.is_null() && v != json(false)) refuse(r, v, cfg, "expected true or false");
+}
+
+// ---- GLM-4.5 ---------------------------------------------------------------------------------------------------
+
+// transformers 5 writes RoPE as rope_parameters {rope_type "default", rope_theta, partial_rotary_factor}; older files
+// rope_theta and partial_rotary_factor at the top level. The part of each head that rotates: --rotary-percent
+// (transformers' default 0.5 for glm4_moe).
+double partial_rotary_factor(const json& cfg) {
+  const json top = cfg.value("partial_rotary_factor", json());
+  const json inner = cfg.value("rope_parameters", json()).is_object()
+                         ? cfg["rope_parameters"].value("partial_rotary_factor", json())
+                         : json();
+  if (!top.is_null() && !inner.is_null() && top != inner)
+    MOECORE_FAIL("config.json key 'partial_rotary_factor' = ", top.dump(), " differs from rope_parameters' ",
+                 inner.dump());
+  const json v = top.is_null() ? inner : top;
+  if (v.is_null()) return 0.5;
+  if (!v.is_number() || !(v.get<double>() > 0 && v.get<double>() <= 1))
+    MOECORE_FAIL("config.json key 'partial_rotary_factor' = ", v.dump(), ": expected a number in (0, 1]");
+  return v.get<double>();
+}
+
+void glm_rotary(const Row& r, const json&, const json& cfg, Flags& out) {
+  const double f = partial_rotary_factor(cfg);
+  const int64_t d = int_key(cfg, "head_dim", 0) > 0
+                        ? int_key(cfg, "head_dim", 0)
+                        : int_key(cfg, "hidden_size", 0) / std::max<int64_t>(1, int_key(cfg, "num_attention_heads", 1));
+  // transformers rotates int(head_dim * factor) channels (an even number): the factor must give whole pairs.
+  const double rotated = static_cast<double>(d) * f;
+  if (d > 0 && (rotated != static_cast<double>(static_cast<int64_t>(rotated)) || static_cast<int64_t>(rotated) % 2))
+    MOECORE_FAIL("config.json: partial_rotary_factor ", number_text(f), " of head_dim ", d,
+                 " is not an even number of channels");
+  if (f != 1.0) out.emplace_back(r.flag, number_text(f));
+}
+
+void glm_rope_parameters(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (v.is_object() && v.contains("partial_rotary_factor")) {
+    json plain = v;
+    plain.erase("partial_rotary_factor");
+    return rope_parameters(r, plain, cfg, out);
+  }
+  rope_parameters(r, v, cfg, out);
+}
+
+void switch_if_true(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (!v.is_boolean()) refuse(r, v, cfg, "expected true or false");
+  if (v == json(true)) out.emplace_back(r.flag, "");
+}
+
 // ---- Emitters (model -> config.json) ---------------------------------------------------------------------------
 
 template <int64_t model::ModelConfig::*F>
@@ -472,8 +570,9 @@ json emit_model_type(const model::ModelConfig&, unsigned m) {
   return kModelNames[__builtin_ctz(m)];
 }
 json emit_architectures(const model::ModelConfig&, unsigned m) {
-  static const char* const names[] = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                                      "DeepseekV3ForCausalLM"};
+  static const char* const names[] = {"MixtralForCausalLM",    "Qwen2MoeForCausalLM",   "Qwen3MoeForCausalLM",
+                                      "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM"};
+  static_assert(sizeof(names) / sizeof(names[0]) == kModelCount);
   return json::array({names[__builtin_ctz(m)]});
 }
 json emit_kv_heads(const model::ModelConfig& c, unsigned) {
@@ -585,6 +684,24 @@ json emit_deepseek_aux(const model::ModelConfig& c, unsigned) {
     return emit_aux_coeff(c, 0);
   return kOmit;
 }
+json emit_partial_rotary(const model::ModelConfig& c, unsigned) {
+  return static_cast<double>(c.rotary_percent);
+}
+json emit_qkv_bias(const model::ModelConfig& c, unsigned) {
+  return c.add_qkv_bias;
+}
+json emit_qk_norm(const model::ModelConfig& c, unsigned) {
+  return c.qk_layernorm;
+}
+json emit_v2_topk_method(const model::ModelConfig& c, unsigned) {
+  return c.moe.num_groups > 1 ? "group_limited_greedy" : "greedy";
+}
+json emit_v2_groups(const model::ModelConfig& c, unsigned) {
+  return c.moe.num_groups > 1 ? json(c.moe.num_groups) : kOmit;
+}
+json emit_v2_group_topk(const model::ModelConfig& c, unsigned) {
+  return c.moe.num_groups > 1 ? json(c.moe.group_topk) : kOmit;
+}
 json emit_seq_aux(const model::ModelConfig& c, unsigned) {
   return c.moe.uses(moe::LoadBalancing::seq_aux_loss) ? json(true) : kOmit;
 }
@@ -596,8 +713,8 @@ constexpr Row kRows[] = {
     {"hidden_size", kAny, "--hidden-size", to_int, nullptr, emit_int<&model::ModelConfig::hidden_size>},
     {"num_attention_heads", kAny, "--num-attention-heads", to_int, nullptr,
      emit_int<&model::ModelConfig::num_attention_heads>},
-    {"num_key_value_heads", kAll, "--num-query-groups", kv_heads, nullptr, emit_kv_heads},
-    {"head_dim", kMixtral | kQwen3, "--kv-channels", optional_int, "null", emit_head_dim},
+    {"num_key_value_heads", kGqa, "--num-query-groups", kv_heads, nullptr, emit_kv_heads},
+    {"head_dim", kMixtral | kQwen3 | kGlm, "--kv-channels", optional_int, "null", emit_head_dim},
     {"intermediate_size", kAny, "--ffn-hidden-size", to_int, nullptr, emit_ffn},
     {"moe_intermediate_size", kQwen, "--moe-ffn-hidden-size", to_int, nullptr, emit_moe_ffn},
     {"shared_expert_intermediate_size", kQwen2, "--moe-shared-expert-intermediate-size", shared_expert, nullptr,
@@ -617,42 +734,56 @@ constexpr Row kRows[] = {
     {"rms_norm_eps", kAny, "--norm-epsilon", to_number, nullptr, emit_float<&model::ModelConfig::norm_epsilon>},
     {"rope_theta", kAny, "--rotary-base", rope_theta, "null", emit_rope_theta},
     {"rope_parameters", kAll, "--rotary-base", rope_parameters, "null"},
-    {"rope_scaling", kAll, "RoPE scaling (--rope-type yarn, ...)", must_be_null, "null"},
-    // DeepSeek-V3 (transformers' DeepseekV3Config and the hub's configuration_deepseek.py).
-    {"rope_parameters", kDeepSeek, "--rotary-base, --rope-type", deepseek_rope, "null"},
-    {"rope_scaling", kDeepSeek, "--rope-type yarn", deepseek_rope, "null", emit_deepseek_rope},
-    {"num_key_value_heads", kDeepSeek, "(MLA: one key per head)", mla_kv_heads, "null", emit_kv_heads},
-    {"q_lora_rank", kDeepSeek, "--q-lora-rank", optional_int, "null", emit_q_lora},
-    {"kv_lora_rank", kDeepSeek, "--kv-lora-rank", to_int, nullptr, emit_int<&model::ModelConfig::kv_lora_rank>},
-    {"qk_nope_head_dim", kDeepSeek, "--qk-head-dim", to_int, nullptr, emit_int<&model::ModelConfig::qk_head_dim>},
-    {"qk_rope_head_dim", kDeepSeek, "--qk-pos-emb-head-dim", to_int, nullptr,
+    {"rope_scaling", kGqa, "RoPE scaling (--rope-type yarn, ...)", must_be_null, "null"},
+    // GLM-4.5 / 4.6 (transformers' Glm4MoeConfig): DeepSeek-V3's MoE on standard attention with partial RoPE.
+    {"rope_parameters", kGlm, "--rotary-base", glm_rope_parameters, "null"},
+    {"partial_rotary_factor", kGlm, "--rotary-percent", glm_rotary, "null", emit_partial_rotary},
+    {"attention_bias", kGlm, "--add-qkv-bias", switch_if_true, "false", emit_qkv_bias},
+    {"use_qk_norm", kGlm, "--qk-layernorm", switch_if_true, "false", emit_qk_norm},
+    {"first_k_dense_replace", kGlm, "--moe-layer-freq", deepseek_layer_freq, "1", emit_first_dense},
+    // DeepSeek-V3 (transformers' DeepseekV3Config and the hub's configuration_deepseek.py) and DeepSeek-V2.
+    {"rope_parameters", kMla, "--rotary-base, --rope-type", deepseek_rope, "null"},
+    {"rope_scaling", kMla, "--rope-type yarn", deepseek_rope, "null", emit_deepseek_rope},
+    {"num_key_value_heads", kMla, "(MLA: one key per head)", mla_kv_heads, "null", emit_kv_heads},
+    {"q_lora_rank", kMla, "--q-lora-rank", optional_int, "null", emit_q_lora},
+    {"kv_lora_rank", kMla, "--kv-lora-rank", to_int, nullptr, emit_int<&model::ModelConfig::kv_lora_rank>},
+    {"qk_nope_head_dim", kMla, "--qk-head-dim", to_int, nullptr, emit_int<&model::ModelConfig::qk_head_dim>},
+    {"qk_rope_head_dim", kMla, "--qk-pos-emb-head-dim", to_int, nullptr,
      emit_int<&model::ModelConfig::qk_pos_emb_head_dim>},
-    {"v_head_dim", kDeepSeek, "--v-head-dim", to_int, nullptr, emit_int<&model::ModelConfig::v_head_dim>},
-    {"head_dim", kDeepSeek, "(transformers 5: qk_rope_head_dim)", same_as_key<kRopeHeadDim>, "null"},
-    {"qk_head_dim", kDeepSeek, "(qk_nope_head_dim + qk_rope_head_dim)", mla_qk_head_dim, "null"},
-    {"moe_intermediate_size", kDeepSeek, "--moe-ffn-hidden-size", to_int, nullptr, emit_moe_ffn},
-    {"n_routed_experts", kDeepSeek, "--num-experts", to_int, nullptr, emit_experts},
-    {"n_shared_experts", kDeepSeek, "--moe-shared-expert-intermediate-size", deepseek_shared, "null",
+    {"v_head_dim", kMla, "--v-head-dim", to_int, nullptr, emit_int<&model::ModelConfig::v_head_dim>},
+    {"head_dim", kMla, "(transformers 5: qk_rope_head_dim)", same_as_key<kRopeHeadDim>, "null"},
+    {"qk_head_dim", kMla, "(qk_nope_head_dim + qk_rope_head_dim)", mla_qk_head_dim, "null"},
+    {"moe_intermediate_size", kDeepSeekMoe, "--moe-ffn-hidden-size", to_int, nullptr, emit_moe_ffn},
+    {"n_routed_experts", kDeepSeekMoe, "--num-experts", to_int, nullptr, emit_experts},
+    {"n_shared_experts", kDeepSeekMoe, "--moe-shared-expert-intermediate-size", deepseek_shared, "null",
      emit_deepseek_shared},
-    {"first_k_dense_replace", kDeepSeek, "--moe-layer-freq", deepseek_layer_freq, "0", emit_first_dense},
-    {"moe_layer_freq", kDeepSeek, "(every layer after first_k_dense_replace is MoE)", must_be_one, "1"},
-    {"routed_scaling_factor", kDeepSeek, "--moe-router-topk-scaling-factor", to_number, "1.0", emit_scaling},
+    {"first_k_dense_replace", kMla, "--moe-layer-freq", deepseek_layer_freq, "0", emit_first_dense},
+    {"moe_layer_freq", kMla, "(every layer after first_k_dense_replace is MoE)", must_be_one, "1"},
+    {"routed_scaling_factor", kDeepSeekMoe, "--moe-router-topk-scaling-factor", to_number, "1.0", emit_scaling},
     {"scoring_func", kDeepSeek, "--moe-router-score-function sigmoid", scoring_func, "\"sigmoid\""},
     {"topk_method", kDeepSeek, "--moe-router-enable-expert-bias", topk_method, "\"noaux_tc\""},
-    {"n_group", kDeepSeek, "--moe-router-num-groups", deepseek_groups, "1", emit_groups},
-    {"topk_group", kDeepSeek, "--moe-router-group-topk (read with n_group)", ignore, "1", emit_group_topk},
-    {"norm_topk_prob", kDeepSeek, "(Megatron renormalises sigmoid top-k weights)", deepseek_norm_topk, "true",
+    {"n_group", kDeepSeek | kGlm, "--moe-router-num-groups", deepseek_groups, "1", emit_groups},
+    {"topk_group", kDeepSeek | kGlm, "--moe-router-group-topk (read with n_group)", ignore, "1", emit_group_topk},
+    {"norm_topk_prob", kDeepSeek | kGlm, "(Megatron renormalises sigmoid top-k weights)", deepseek_norm_topk, "true",
      emit_true},
-    {"aux_loss_alpha", kDeepSeek, "--moe-aux-loss-coeff", deepseek_aux_loss, "null", emit_deepseek_aux},
-    {"seq_aux", kDeepSeek, "(read with aux_loss_alpha)", boolean, "true", emit_seq_aux},
+    {"scoring_func", kDeepSeekV2, "(softmax router scores)", v2_scoring_func, "\"softmax\""},
+    {"topk_method", kDeepSeekV2, "--moe-router-num-groups, --moe-router-group-topk", v2_topk_method, "\"greedy\"",
+     emit_v2_topk_method},
+    {"n_group", kDeepSeekV2, "(read with topk_method)", null_or_positive_int, "null", emit_v2_groups},
+    {"topk_group", kDeepSeekV2, "(read with topk_method)", null_or_positive_int, "null", emit_v2_group_topk},
+    {"norm_topk_prob", kDeepSeekV2, "--moe-router-pre-softmax (no renormalisation)", v2_norm_topk, "false", emit_false},
+    {"mlp_bias", kDeepSeekV2, "MLP biases", must_be_false, "false"},
+    {"aux_loss_alpha", kMla, "--moe-aux-loss-coeff", deepseek_aux_loss, "null", emit_deepseek_aux},
+    {"seq_aux", kMla, "(read with aux_loss_alpha)", boolean, "true", emit_seq_aux},
     {"num_nextn_predict_layers", kDeepSeek, "--mtp-num-layers", optional_positive_int, "0", emit_mtp},
+    {"num_nextn_predict_layers", kGlm, "--mtp-num-layers", optional_positive_int, "1", emit_mtp},
     {"rope_interleave", kDeepSeek, "(the weight layout: interleaved RoPE channels are de-interleaved on import)",
      ignore, "true", emit_false},
-    {"attention_bias", kDeepSeek, "q/kv/o projection biases", must_be_false, "false"},
-    {"pretraining_tp", kDeepSeek, "(tensor-parallel pretraining slices; only 1)", must_be_one, "1"},
-    {"ep_size", kDeepSeek, "", ignore, "1"},
+    {"attention_bias", kMla, "q/kv/o projection biases", must_be_false, "false"},
+    {"pretraining_tp", kMla, "(tensor-parallel pretraining slices; only 1)", must_be_one, "1"},
+    {"ep_size", kMla, "", ignore, "1"},
     {"quantization_config", kDeepSeek, "(FP8 weights)", fp8_quantization, "null"},
-    {"auto_map", kDeepSeek, "", ignore, "null"},
+    {"auto_map", kMla, "", ignore, "null"},
     {"max_position_embeddings", kAny, "--max-position-embeddings", to_int, nullptr, emit_max_positions},
     {"use_sliding_window", kQwen, "sliding-window attention", must_be_false, "false"},
     {"sliding_window", kAll, "sliding-window attention", sliding_window, "null"},
@@ -689,24 +820,35 @@ constexpr Fixed kFixed[] = {
     {kAll, "--disable-bias-linear", ""},
     {kAll, "--hidden-dropout", "0"},  // no residual/embedding dropout in these models
     {kAll, "--moe-router-load-balancing-type", "aux_loss"},
-    {kDeepSeek, "--normalization", "RMSNorm"},
-    {kDeepSeek, "--position-embedding-type", "rope"},
-    {kDeepSeek, "--disable-bias-linear", ""},
-    {kDeepSeek, "--hidden-dropout", "0"},
-    {kDeepSeek, "--multi-latent-attention", ""},
-    {kDeepSeek, "--qk-layernorm", ""},  // with MLA: the q_a / kv_a latent RMSNorms
-    {kQwen3, "--qk-layernorm", ""},     // RMSNorm over each q and k head before RoPE
+    {kMla | kGlm, "--normalization", "RMSNorm"},
+    {kMla | kGlm, "--position-embedding-type", "rope"},
+    {kMla | kGlm, "--disable-bias-linear", ""},
+    {kMla | kGlm, "--hidden-dropout", "0"},
+    {kMla, "--multi-latent-attention", ""},
+    {kMla, "--qk-layernorm", ""},                   // with MLA: the q_a / kv_a latent RMSNorms
+    {kDeepSeekV2, "--moe-router-pre-softmax", ""},  // softmax over all experts, top-k, no renormalisation
+    // GLM-4.5: DeepSeek-V3's router (sigmoid, e_score_correction_bias) without its noaux_tc / scoring_func keys, and
+    // no aux-loss key (pass --moe-router-load-balancing-type and --moe-aux-loss-coeff to train with one).
+    {kGlm, "--moe-router-score-function", "sigmoid"},
+    {kGlm, "--moe-router-enable-expert-bias", ""},
+    {kGlm, "--moe-router-load-balancing-type", "none"},
+    {kQwen3, "--qk-layernorm", ""},  // RMSNorm over each q and k head before RoPE
 };
+
+std::string supported_models() {
+  std::string s;
+  for (const char* m : kModelNames) s += (s.empty() ? "" : ", ") + std::string(m);
+  return s;
+}
 
 unsigned model_bit(const json& cfg) {
   if (!cfg.is_object()) MOECORE_FAIL("config.json: the top level must be an object");
   if (!cfg.contains("model_type") || !cfg["model_type"].is_string())
-    MOECORE_FAIL("config.json has no string 'model_type' (supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v3)");
+    MOECORE_FAIL("config.json has no string 'model_type' (supported: ", supported_models(), ")");
   const std::string m = model_of(cfg);
-  for (unsigned i = 0; i < 4; ++i)
+  for (unsigned i = 0; i < kModelCount; ++i)
     if (m == kModelNames[i]) return 1u << i;
-  MOECORE_FAIL("config.json model_type '", m,
-               "' is not supported (supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v3)");
+  MOECORE_FAIL("config.json model_type '", m, "' is not supported (supported: ", supported_models(), ")");
 }
 
 // Values of a config.json that contradict each other, refused by their keys (not by the Megatron flags they become):
@@ -799,7 +941,7 @@ json hf_config_load(const std::string& path, const std::string& flag) {
 void add_hf_config_flag(Args& a) {
   a.option("--hf-config", "",
            "a Hugging Face config.json (or a model directory holding one) of model_type mixtral, qwen2_moe, "
-           "qwen3_moe or deepseek_v3; its model flags fill those not given (moecore only)");
+           "qwen3_moe, deepseek_v3, deepseek_v2 or glm4_moe; its model flags fill those not given (moecore only)");
 }
 
 void hf_config_fill(Args& a, const json& cfg, const std::string& where) {

@@ -30,11 +30,11 @@ int64_t tensor_layer(const std::string& name) {
 
 bool hf_mtp_adjust(nlohmann::json& config, const io::HfCheckpointReader& hf, std::optional<int64_t> given_mtp,
                    const std::string& who, std::FILE* out) {
-  if (!config.is_object() || !config.contains("model_type") || !config["model_type"].is_string() ||
-      config["model_type"].get<std::string>() != "deepseek_v3")
-    return false;
+  if (!config.is_object() || !config.contains("model_type") || !config["model_type"].is_string()) return false;
+  const std::string model = config["model_type"].get<std::string>();
+  if (model != "deepseek_v3" && model != "glm4_moe") return false;  // the families with MTP layers
   const std::optional<int64_t> layers = int_key(config, "num_hidden_layers", -1),
-                               nextn = int_key(config, "num_nextn_predict_layers", 0);
+                               nextn = int_key(config, "num_nextn_predict_layers", model == "glm4_moe" ? 1 : 0);
   if (!layers || *layers < 0 || !nextn) return false;
   for (const io::HfTensorInfo& t : hf.tensors())
     if (tensor_layer(t.name) >= *layers) return false;  // MTP tensors are there: read them (all, or refused)

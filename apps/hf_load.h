@@ -16,8 +16,8 @@
 
 namespace moecore::apps {
 
-// The MTP layers of a deepseek_v3 checkpoint are its tensors model.layers.{num_hidden_layers + k}.*. When `hf` holds
-// none of them:
+// The MTP layers of a deepseek_v3 or glm4_moe checkpoint are its tensors model.layers.{num_hidden_layers + k}.*. When
+// `hf` holds none of them:
 //   - --mtp-num-layers not given (`given_mtp` nullopt): `config`'s num_nextn_predict_layers is set to 0, so the model
 //     is built without MTP, as transformers loads it; returns false.
 //   - --mtp-num-layers N given (command line or --config): N MTP layers are built and initialised fresh (Megatron's

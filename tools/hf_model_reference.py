@@ -97,13 +97,14 @@ from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 
 import transformers
-from transformers import AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, MixtralConfig,
+                          Qwen2MoeConfig, Qwen3MoeConfig)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 BATCH, SEQ = 2, 12
 MARGIN = 1e-3  # required (p_k - p_{k+1}) / p_1 for every token and MoE layer (DeepSeek: see routing_margins)
 NO_GRAD = ".e_score_correction_bias"  # saved router buffers (DeepSeek): not trained by backprop, no grad entry
-MAX_TRIES = 50
+MAX_TRIES = 400
 FILES = ["config.json", "golden.safetensors", "model.safetensors", "tokens.safetensors"]
 MTP_CASE = "deepseek_v3_mtp"  # generated / checked by tools/mtp_reference.py
 
@@ -146,12 +147,29 @@ CASES = {
         DEEPSEEK, num_hidden_layers=2, q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=2,
         routed_scaling_factor=1.0, norm_topk_prob=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "glm4_moe": (Glm4MoeConfig, 900, dict(
+        COMMON, intermediate_size=48, moe_intermediate_size=12, num_hidden_layers=3, first_k_dense_replace=1,
+        head_dim=16, attention_bias=True, use_qk_norm=True, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=False, rms_norm_eps=1e-5, num_nextn_predict_layers=0)),
+    "deepseek_v2": (DeepseekV2Config, 1000, dict(
+        {k: v for k, v in DEEPSEEK.items() if k != "num_mtp_layers"}, num_hidden_layers=2, q_lora_rank=24,
+        n_routed_experts=16, moe_intermediate_size=12, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        num_experts_per_tok=4, routed_scaling_factor=2.0, norm_topk_prob=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                         "mscale_all_dim": 0.707})),
+    "deepseek_v2_greedy": (DeepseekV2Config, 1100, dict(
+        {k: v for k, v in DEEPSEEK.items() if k != "num_mtp_layers"}, num_hidden_layers=2, q_lora_rank=None,
+        topk_method="greedy", num_experts_per_tok=2, routed_scaling_factor=1.0, norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 LOAD_KW = dict(attn_implementation="eager", experts_implementation="eager")
 # cases whose golden must tell transformers' DeepSeek group score (sum of the top-2 biased scores of a group) from
 # Megatron-Core's (sum of the top-(num_experts_per_tok // topk_group), here top-1 = the group max): the minimum number
 # of (MoE layer, token) pairs whose expert set differs between the two rules (see group_rule_differences)
-GROUP_RULE_MIN_DIFF = {"deepseek_v3_group_top2": 2}
+GROUP_RULE_MIN_DIFF = {"deepseek_v3_group_top2": 2, "deepseek_v2": 2}
 
 
 class Float64Mode(TorchFunctionMode):
@@ -337,17 +355,33 @@ def check_train_setup(model):
             assert m.attention_dropout == 0.0
 
 
+def _grouped_router(mod):
+    """(scores fn, bias, G, TG, per_group, renormalise) of a DeepSeek-style router, or None for a plain softmax top-k:
+    DeepseekV3 / Glm4Moe (sigmoid scores, choice = scores + e_score_correction_bias, group score = sum of the top-2
+    choice scores, weights renormalised when norm_topk_prob) or DeepseekV2 (softmax scores, choice = scores, group
+    score = the group max under group_limited_greedy, one group under greedy; weights never renormalised)."""
+    if hasattr(mod, "e_score_correction_bias"):
+        return (torch.sigmoid, mod.e_score_correction_bias.detach(), mod.num_group, mod.topk_group, 2,
+                mod.norm_topk_prob)
+    if hasattr(mod, "topk_method"):
+        grouped = mod.topk_method == "group_limited_greedy"
+        assert grouped or mod.topk_method == "greedy", mod.topk_method
+        return (lambda x: torch.softmax(x, dim=-1), None, mod.num_group if grouped else 1,
+                mod.topk_group if grouped else 1, 1, False)
+    return None
+
+
 def _deepseek_margins(logits, idx, weights, mod):
-    """DeepSeek-V3 routing recomputed in float64 from the router logits: scores = sigmoid(logits), choice = scores +
-    e_score_correction_bias, group score = sum of the top-2 choice scores of the group, keep the topk_group best groups,
-    top-k choice scores within them; weights = scores of the chosen (renormalised: / (sum + 1e-20)) * scaling.
-    Returns the min over tokens of the relative gaps (group: (g_{topk_group} - g_{topk_group+1}) / g_1; experts, among
-    the allowed ones: (c_k - c_{k+1}) / c_1; a gap that does not exist, e.g. n_group == topk_group, is skipped) and the
-    min absolute gap of the two kinds."""
-    k, G, TG, E = mod.top_k, mod.num_group, mod.topk_group, mod.num_experts
-    scores = torch.sigmoid(logits.double())
-    choice = scores + mod.e_score_correction_bias.detach().double()
-    group = choice.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
+    """DeepSeek routing (see _grouped_router) recomputed in float64 from the router logits: keep the topk_group best
+    groups by group score, top-k choice scores within them; weights = scores of the chosen (renormalised: / (sum +
+    1e-20)) * routed_scaling_factor. Returns the min over tokens of the relative gaps (group: (g_{topk_group} -
+    g_{topk_group+1}) / g_1; experts, among the allowed ones: (c_k - c_{k+1}) / c_1; a gap that does not exist, e.g.
+    n_group == topk_group, is skipped) and the min absolute gap of the two kinds."""
+    score_fn, bias, G, TG, per_group, renorm = _grouped_router(mod)
+    k, E = mod.top_k, mod.num_experts
+    scores = score_fn(logits.double())
+    choice = scores + bias.double() if bias is not None else scores
+    group = choice.view(-1, G, E // G).topk(per_group, dim=-1).values.sum(-1)
     rel, gap = float("inf"), float("inf")
     gs = group.sort(dim=-1, descending=True).values
     if TG < G:
@@ -362,7 +396,7 @@ def _deepseek_margins(logits, idx, weights, mod):
         rel = min(rel, float((d / top.values[:, 0].abs()).min()))
         gap = min(gap, float(d.min()))
     w = scores.gather(1, idx)
-    if mod.norm_topk_prob:
+    if renorm:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
     w = w * mod.routed_scaling_factor
     assert torch.allclose(w, weights.double(), rtol=1e-5, atol=0), "routing weights differ"
@@ -381,16 +415,19 @@ def _group_limited_topk(choice, G, TG, k, per_group):
 
 def group_rule_differences(routers):
     """(router name, token) pairs whose DeepSeek expert set under Megatron-Core's group score (sum of the top-
-    (num_experts_per_tok // topk_group) biased scores of a group; top-1 = the group max when that is 1) differs from
-    the set under transformers' (sum of the top-2), computed in the router logits' dtype. The transformers-rule sets
-    are checked against the router's choice. Non-DeepSeek routers and n_group == topk_group contribute nothing."""
+    (num_experts_per_tok // topk_group) choice scores of a group; top-1 = the group max when that is 1) differs from
+    the set under transformers' (DeepSeek-V3 / GLM-4.5: sum of the top-2; DeepSeek-V2: the max), computed in the router
+    logits' dtype. The transformers-rule sets are checked against the router's choice. Plain routers and n_group ==
+    topk_group contribute nothing."""
     diffs = []
     for name, logits, idx, mod, _ in routers:
-        if not hasattr(mod, "e_score_correction_bias"):
+        grouped = _grouped_router(mod)
+        if grouped is None:
             continue
-        k, G, TG = mod.top_k, mod.num_group, mod.topk_group
-        choice = torch.sigmoid(logits) + mod.e_score_correction_bias.detach().to(logits.dtype)
-        hf = _group_limited_topk(choice, G, TG, k, 2)
+        score_fn, bias, G, TG, per_group, _ = grouped
+        k = mod.top_k
+        choice = score_fn(logits) + (bias.to(logits.dtype) if bias is not None else 0)
+        hf = _group_limited_topk(choice, G, TG, k, per_group)
         assert torch.equal(hf, torch.zeros_like(hf).scatter_(1, idx, True)), "router picked other experts"
         if TG >= G:
             continue
@@ -414,7 +451,7 @@ def routing_margins(routers):
     DeepSeek routers (sigmoid, group-limited, biased): see _deepseek_margins."""
     rel, gap = float("inf"), float("inf")
     for _, logits, idx, mod, weights in routers:
-        if hasattr(mod, "e_score_correction_bias"):
+        if _grouped_router(mod) is not None:
             r, g = _deepseek_margins(logits, idx, weights, mod)
             rel, gap = min(rel, r), min(gap, g)
             continue
@@ -615,7 +652,8 @@ def report(case, case_dir, seed, rep):
           f"(loss {rep['diff_fp32_loss']:.2e}); float32 picks the same experts")
     if case in GROUP_RULE_MIN_DIFF:
         print(f"   group-score rules: {rep['group_rule_diff']} (MoE layer, token) pairs get another expert set under "
-              f"Megatron-Core's group score (top-(k // topk_group) sum) than under transformers' (top-2 sum); "
+              f"Megatron-Core's group score (top-(k // topk_group) sum) than under transformers' (DeepSeek-V3, "
+              f"GLM-4.5: top-2 sum; DeepSeek-V2: the max); "
               f"float32 router logits give the same pairs: {rep['group_rule_same_fp32']}")
     if "fd_checked" in rep:
         print(f"   finite differences: {rep['fd_checked']} entries, worst rel err {rep['fd_worst_rel_err']:.2e}")

@@ -13,6 +13,8 @@
 #include "apps/hf_config.h"
 #include "apps/model_flags.h"
 #include "moecore/core/error.h"
+#include "moecore/model/config_record.h"
+#include "moecore/model/hf_weights.h"
 #include "test_util.h"
 
 namespace moecore {
@@ -172,6 +174,159 @@ TEST(HfConfig, DeepSeekV3TranslatesToMegatronFlags) {
   EXPECT_NE(error_of(c).find("both mscale and mscale_all_dim"), std::string::npos) << error_of(c);
 }
 
+// GLM-4.5's published config.json (zai-org/GLM-4.5; transformers 4.54's legacy layout: partial_rotary_factor and
+// rope_theta at the top level): Megatron's flags as GLM-4.5 is trained (the slime / Megatron-Bridge recipes).
+json glm45_config() {
+  return json::parse(R"({"architectures": ["Glm4MoeForCausalLM"], "attention_bias": true, "attention_dropout": 0.0,
+    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 5120, "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 12288,
+    "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1536,
+    "norm_topk_prob": true, "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 160,
+    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "num_hidden_layers": 92, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": null,
+    "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    "transformers_version": "4.54.0", "use_cache": true, "use_qk_norm": true, "vocab_size": 151552})");
+}
+
+// DeepSeek-V2's published config.json (deepseek-ai/DeepSeek-V2, the hub's own configuration_deepseek.py keys).
+json deepseek_v2_config() {
+  return json::parse(R"({"architectures": ["DeepseekV2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.003, "bos_token_id": 100000, "eos_token_id": 100001, "ep_size": 1,
+    "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02,
+    "intermediate_size": 12288, "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2",
+    "moe_intermediate_size": 1536, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 160, "n_shared_experts": 2,
+    "norm_topk_prob": false, "num_attention_heads": 128, "num_experts_per_tok": 6, "num_hidden_layers": 60,
+    "num_key_value_heads": 128, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40,
+    "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 16.0, "scoring_func": "softmax", "seq_aux": true,
+    "tie_word_embeddings": false, "topk_group": 3, "topk_method": "group_limited_greedy", "torch_dtype": "bfloat16",
+    "transformers_version": "4.39.3", "use_cache": true, "v_head_dim": 128, "vocab_size": 102400})");
+}
+
+TEST(HfConfig, Glm45TranslatesToMegatronFlags) {
+  const auto f = flags_of(glm45_config());
+  expect_flags(f, {{"--num-layers", "92"},
+                   {"--hidden-size", "5120"},
+                   {"--num-attention-heads", "96"},
+                   {"--group-query-attention", ""},
+                   {"--num-query-groups", "8"},
+                   {"--kv-channels", "128"},
+                   {"--add-qkv-bias", ""},
+                   {"--qk-layernorm", ""},
+                   {"--rotary-percent", "0.5"},
+                   {"--rotary-base", "1000000"},
+                   {"--ffn-hidden-size", "12288"},
+                   {"--moe-ffn-hidden-size", "1536"},
+                   {"--moe-shared-expert-intermediate-size", "1536"},
+                   {"--num-experts", "160"},
+                   {"--moe-router-topk", "8"},
+                   {"--moe-layer-freq", "[0]*3+[1]*89"},
+                   {"--moe-router-score-function", "sigmoid"},
+                   {"--moe-router-enable-expert-bias", ""},
+                   {"--moe-router-topk-scaling-factor", "2.5"},
+                   {"--moe-router-load-balancing-type", "none"},
+                   {"--mtp-num-layers", "1"},
+                   {"--untie-embeddings-and-output-weights", ""},
+                   {"--vocab-size", "151552"}});
+  EXPECT_FALSE(f.count("--moe-router-num-groups"));  // n_group 1: no group-limited routing
+  EXPECT_FALSE(f.count("--moe-shared-expert-gate"));
+  EXPECT_FALSE(f.count("--multi-latent-attention"));
+  // GLM-4.5-Air: no QK-norm, no q/k/v-bias flag when attention_bias is false; transformers 5's layout.
+  json c = glm45_config();
+  c["use_qk_norm"] = false;
+  c["attention_bias"] = false;
+  c.erase("partial_rotary_factor");
+  c.erase("rope_theta");
+  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e6}, {"partial_rotary_factor", 0.5}};
+  const auto air = flags_of(c);
+  EXPECT_FALSE(air.count("--qk-layernorm"));
+  EXPECT_FALSE(air.count("--add-qkv-bias"));
+  EXPECT_EQ(air.at("--rotary-percent"), "0.5");
+  EXPECT_EQ(air.at("--rotary-base"), "1000000");
+  c.erase("rope_parameters");
+  c["rope_theta"] = 1e6;
+  EXPECT_EQ(flags_of(c).at("--rotary-percent"), "0.5") << "transformers' default partial_rotary_factor for glm4_moe";
+  // Bad input, by key: a factor that splits a channel pair, two factors that disagree, unnormalised sigmoid top-k.
+  c = glm45_config();
+  c["partial_rotary_factor"] = 0.3;
+  EXPECT_NE(error_of(c).find("partial_rotary_factor 0.3 of head_dim 128 is not an even number of channels"),
+            std::string::npos)
+      << error_of(c);
+  c = glm45_config();
+  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1000000}, {"partial_rotary_factor", 0.25}};
+  EXPECT_NE(error_of(c).find("'partial_rotary_factor' = 0.5 differs from rope_parameters' 0.25"), std::string::npos)
+      << error_of(c);
+  c = glm45_config();
+  c["norm_topk_prob"] = false;
+  EXPECT_NE(error_of(c).find("'norm_topk_prob' = false"), std::string::npos) << error_of(c);
+  c = glm45_config();
+  c["use_qk_norm"] = "yes";
+  EXPECT_NE(error_of(c).find("'use_qk_norm' = \"yes\""), std::string::npos) << error_of(c);
+}
+
+TEST(HfConfig, DeepSeekV2TranslatesToMegatronFlags) {
+  const auto f = flags_of(deepseek_v2_config());
+  expect_flags(f, {{"--num-layers", "60"},
+                   {"--multi-latent-attention", ""},
+                   {"--qk-layernorm", ""},
+                   {"--q-lora-rank", "1536"},
+                   {"--kv-lora-rank", "512"},
+                   {"--qk-head-dim", "128"},
+                   {"--qk-pos-emb-head-dim", "64"},
+                   {"--v-head-dim", "128"},
+                   {"--num-experts", "160"},
+                   {"--moe-router-topk", "6"},
+                   {"--moe-shared-expert-intermediate-size", "3072"},
+                   {"--moe-layer-freq", "[0]*1+[1]*59"},
+                   {"--moe-router-pre-softmax", ""},
+                   {"--moe-router-num-groups", "8"},
+                   {"--moe-router-group-topk", "3"},
+                   {"--moe-router-topk-scaling-factor", "16"},
+                   {"--moe-router-load-balancing-type", "seq_aux_loss"},
+                   {"--moe-aux-loss-coeff", "0.003"},
+                   {"--rope-type", "yarn"},
+                   {"--rotary-scaling-factor", "40"},
+                   {"--mscale", "0.707"},
+                   {"--mscale-all-dim", "0.707"}});
+  // transformers scores a group by its best expert; Megatron's default would sum the top 6 / 3 = 2.
+  EXPECT_EQ(f.at("--moe-router-group-score-topk"), "1");
+  EXPECT_FALSE(f.count("--moe-router-score-function"));  // softmax: Megatron's default
+  EXPECT_FALSE(f.count("--moe-router-enable-expert-bias"));
+  EXPECT_FALSE(f.count("--mtp-num-layers"));
+  // DeepSeek-V2-Lite: greedy routing ignores n_group / topk_group.
+  json c = deepseek_v2_config();
+  c["topk_method"] = "greedy";
+  EXPECT_FALSE(flags_of(c).count("--moe-router-num-groups"));
+  // Bad input, by key.
+  c = deepseek_v2_config();
+  c["norm_topk_prob"] = true;
+  EXPECT_NE(error_of(c).find("'norm_topk_prob' = true"), std::string::npos) << error_of(c);
+  c = deepseek_v2_config();
+  c["topk_method"] = "noaux_tc";
+  EXPECT_NE(error_of(c).find("'topk_method' = \"noaux_tc\""), std::string::npos) << error_of(c);
+  c = deepseek_v2_config();
+  c["scoring_func"] = "sigmoid";
+  EXPECT_NE(error_of(c).find("'scoring_func' = \"sigmoid\""), std::string::npos) << error_of(c);
+  c = deepseek_v2_config();
+  c["topk_group"] = 9;
+  EXPECT_NE(error_of(c).find("'topk_group' = 9 must be in [1, n_group = 8]"), std::string::npos) << error_of(c);
+  c = deepseek_v2_config();
+  c["n_group"] = 7;
+  EXPECT_NE(error_of(c).find("n_routed_experts (160) must be divisible by n_group (7)"), std::string::npos)
+      << error_of(c);
+  c = deepseek_v2_config();
+  c["num_nextn_predict_layers"] = 1;  // a DeepSeek-V3 key
+  EXPECT_NE(error_of(c).find("unknown config.json key 'num_nextn_predict_layers' for model_type deepseek_v2"),
+            std::string::npos)
+      << error_of(c);
+  c = deepseek_v2_config();
+  c["model_type"] = "gpt_neox";
+  EXPECT_NE(error_of(c).find("supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe"),
+            std::string::npos)
+      << error_of(c);
+}
+
 TEST(HfConfig, RefusalsNameTheKeyAndValue) {
   json c = qwen2_moe_config();
   c["rope_scaling"] = json::parse(R"({"type": "yarn", "factor": 4.0})");
@@ -326,6 +481,24 @@ TEST(HfConfig, HostileValuesAreErrorsNamingTheKey) {
 }
 
 // The fuzzer's seeds (fuzz/seeds/hf_config/) must stay valid configs, or the harness explores only error paths.
+// A model without a recorded config.json exports with one written for its family (hf_config_for_model checks that
+// it reads back to the same parameters and function); each golden family's model, and the guess of its family.
+TEST(HfConfig, ConfigWrittenForAModelReadsBackInEveryFamily) {
+  for (const char* c : {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "deepseek_v2_greedy",
+                        "glm4_moe", "deepseek_v3_mtp"}) {
+    const std::string dir = std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/" + c;
+    const json original = apps::hf_config_load(dir, "--hf-config");
+    const model::ModelConfig cfg = apps::hf_model_config(original, dir, {{"--seq-length", "1"}});
+    const model::HfFamily family = model::hf_family_parse(original["model_type"].get<std::string>());
+    EXPECT_EQ(model::hf_family_of(cfg), family) << c;
+    json written;
+    ASSERT_NO_THROW(written = apps::hf_config_for_model(cfg, family)) << c;
+    EXPECT_EQ(written["model_type"], original["model_type"]) << c;
+    const model::ModelConfig back = apps::hf_model_config(written, "written", {{"--seq-length", "1"}});
+    EXPECT_TRUE(model::model_differences(cfg, back, "a", "b").empty()) << c;
+  }
+}
+
 TEST(HfConfig, FuzzSeedsAreValidConfigs) {
   int seen = 0;
   for (const auto& e : std::filesystem::directory_iterator(std::string(MOECORE_SOURCE_DIR) + "/fuzz/seeds/hf_config")) {
@@ -336,7 +509,7 @@ TEST(HfConfig, FuzzSeedsAreValidConfigs) {
     EXPECT_NO_THROW(apps::hf_config_weight_map(c, cfg)) << e.path();
     ++seen;
   }
-  EXPECT_EQ(seen, 4);
+  EXPECT_EQ(seen, 6);
 }
 
 using testing::CmdResult;

@@ -25,8 +25,9 @@ namespace fs = std::filesystem;
 using testing::run_moecore;
 using testing::run_shell;
 
-const char* const kCases[] = {"mixtral",     "qwen2_moe",       "qwen3_moe",       "qwen3_moe_tied",
-                              "deepseek_v3", "deepseek_v2lite", "deepseek_v3_mtp", "deepseek_v3_group_top2"};
+const char* const kCases[] = {"mixtral",     "qwen2_moe",          "qwen3_moe",       "qwen3_moe_tied",
+                              "deepseek_v3", "deepseek_v2lite",    "deepseek_v3_mtp", "deepseek_v3_group_top2",
+                              "deepseek_v2", "deepseek_v2_greedy", "glm4_moe"};
 
 std::string golden_dir(const std::string& c) {
   return std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/" + c;
@@ -292,6 +293,45 @@ std::vector<std::pair<int64_t, double>> jsonl_losses(const std::string& path) {
   return v;
 }
 
+// Five training steps from the HF import (`base`: a train command with --load-hf) under EP 2, PP 2 (each stage
+// imports its own layers) and, without MLA, TP 2 + SP over two ranks match one process.
+void layouts_match_one_process(HfModels& t, const std::string& base, bool mla) {
+#ifdef MOECORE_HAVE_MPI
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) return;
+  // EP 2 over two ranks (global batch 8 = 2 x micro 4) against one process with the same global batch.
+  const std::string five = base + "--train-iters 5 --metrics-jsonl ";
+  auto r = run_moecore(five + t.p("one.jsonl") + " --micro-batch-size 4");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_shell(testing::mpirun_command(2) + std::string(MOECORE_BINARY) + " " + five + t.p("two.jsonl") +
+                " --micro-batch-size 4 --expert-model-parallel-size 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto one = jsonl_losses(t.p("one.jsonl")), two = jsonl_losses(t.p("two.jsonl"));
+  ASSERT_EQ(one.size(), 5u);
+  ASSERT_EQ(two.size(), 5u) << r.output;
+  for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(two[i].second, one[i].second, 1e-5 * one[i].second) << i;
+  // PP 2 over two ranks: each stage imports its own layers (the last also the heads, the MTP depth and the expert
+  // biases of its layers).
+  r = run_shell(testing::mpirun_command(2) + std::string(MOECORE_BINARY) + " " + five + t.p("pp.jsonl") +
+                " --micro-batch-size 4 --pipeline-model-parallel-size 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("loaded (--load-hf)"), std::string::npos) << r.output;
+  const auto pp = jsonl_losses(t.p("pp.jsonl"));
+  ASSERT_EQ(pp.size(), 5u) << r.output;
+  for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(pp[i].second, one[i].second, 1e-5 * one[i].second) << "PP 2, " << i;
+  if (mla) return;  // MLA under TP is not supported yet
+  // TP 2 + SP over two ranks: the imported weights split into tensor-parallel shards (the experts into ETP 2 slices,
+  // ETP defaulting to TP), the MoE layers under SP.
+  r = run_shell(testing::mpirun_command(2) + std::string(MOECORE_BINARY) + " " + five + t.p("tp.jsonl") +
+                " --micro-batch-size 4 --tensor-model-parallel-size 2 --sequence-parallel");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto tp = jsonl_losses(t.p("tp.jsonl"));
+  ASSERT_EQ(tp.size(), 5u) << r.output;
+  for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(tp[i].second, one[i].second, 1e-5 * one[i].second) << "TP 2, " << i;
+#else
+  (void)t, (void)base, (void)mla;
+#endif
+}
+
 // A model from a random HF checkpoint of `config` learns tinyshakespeare (mean training loss of steps 141-150 below
 // `below`), a resumed run continues bit-identically, EP 2, PP 2 (and, without MLA, TP 2 + SP) under mpirun match one
 // process, and the trained checkpoint exports to HF with the config it came from.
@@ -346,38 +386,7 @@ void learn_resume_export(HfModels& t, const std::string& data, const nlohmann::j
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_EQ(r.output.find("loaded (--load-hf)"), std::string::npos) << "the restart must resume from --load";
   EXPECT_EQ(jsonl_losses(t.p("split.jsonl")), jsonl_losses(t.p("full.jsonl")));
-#ifdef MOECORE_HAVE_MPI
-  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) return;
-  // EP 2 over two ranks (global batch 8 = 2 x micro 4) against one process with the same global batch.
-  const std::string five = base + "--train-iters 5 --metrics-jsonl ";
-  r = run_moecore(five + t.p("one.jsonl") + " --micro-batch-size 4");
-  ASSERT_EQ(r.status, 0) << r.output;
-  r = run_shell(testing::mpirun_command(2) + std::string(MOECORE_BINARY) + " " + five + t.p("two.jsonl") +
-                " --micro-batch-size 4 --expert-model-parallel-size 2");
-  ASSERT_EQ(r.status, 0) << r.output;
-  const auto one = jsonl_losses(t.p("one.jsonl")), two = jsonl_losses(t.p("two.jsonl"));
-  ASSERT_EQ(one.size(), 5u);
-  ASSERT_EQ(two.size(), 5u) << r.output;
-  for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(two[i].second, one[i].second, 1e-5 * one[i].second) << i;
-  // PP 2 over two ranks: each stage imports its own layers (the last also the heads, the MTP depth and the expert
-  // biases of its layers).
-  r = run_shell(testing::mpirun_command(2) + std::string(MOECORE_BINARY) + " " + five + t.p("pp.jsonl") +
-                " --micro-batch-size 4 --pipeline-model-parallel-size 2");
-  ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("loaded (--load-hf)"), std::string::npos) << r.output;
-  const auto pp = jsonl_losses(t.p("pp.jsonl"));
-  ASSERT_EQ(pp.size(), 5u) << r.output;
-  for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(pp[i].second, one[i].second, 1e-5 * one[i].second) << "PP 2, " << i;
-  if (config.contains("kv_lora_rank")) return;  // MLA under TP is not supported yet
-  // TP 2 + SP over two ranks: the imported weights split into tensor-parallel shards (the experts into ETP 2 slices,
-  // ETP defaulting to TP), the MoE layers under SP.
-  r = run_shell(testing::mpirun_command(2) + std::string(MOECORE_BINARY) + " " + five + t.p("tp.jsonl") +
-                " --micro-batch-size 4 --tensor-model-parallel-size 2 --sequence-parallel");
-  ASSERT_EQ(r.status, 0) << r.output;
-  const auto tp = jsonl_losses(t.p("tp.jsonl"));
-  ASSERT_EQ(tp.size(), 5u) << r.output;
-  for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(tp[i].second, one[i].second, 1e-5 * one[i].second) << "TP 2, " << i;
-#endif
+  layouts_match_one_process(t, base, config.contains("kv_lora_rank"));
 }
 
 // Qwen3-MoE (measured: 5.99 -> 2.45).
@@ -432,6 +441,103 @@ TEST_F(HfModels, DeepSeekV3FromAnHfCheckpointLearnsResumesAndExports) {
 // part) keeps the converter's peak RSS under 1/16 of the checkpoint's bytes (the bound: one part of
 // kHfPartElements f32 elements = 32 MiB, one 8 MiB conversion chunk and the headers, over the program's own
 // memory; measured 65 MB = 0.027 of it).
+// A family from a random HF checkpoint of `config`: one process trains from the import (the loss falls over 20
+// steps), and EP 2, PP 2 and (without MLA) TP 2 + SP match one process.
+void trains_under_every_layout(HfModels& t, const std::string& data, const nlohmann::json& config) {
+  write_random_hf(t.p("hf"), config, 7);
+  preprocess_shakespeare(t.dir_, data);
+  if (::testing::Test::HasFatalFailure()) return;
+  const std::string base = "train --load-hf " + t.p("hf") + " --data-path " + t.p("c_text_document") +
+                           " --tokenizer-type ByteLevel --seq-length 32 --micro-batch-size 8 --global-batch-size 8 "
+                           "--lr 3e-3 --log-interval 1 --eval-iters 2 --generate-tokens 0 ";
+  const auto r = run_moecore(base + "--train-iters 20 --metrics-jsonl " + t.p("learn.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("loaded (--load-hf)"), std::string::npos) << r.output;
+  const auto learn = jsonl_losses(t.p("learn.jsonl"));
+  ASSERT_EQ(learn.size(), 20u);
+  EXPECT_LT(learn.back().second, learn.front().second - 0.5) << "training from the import lowers the loss";
+  layouts_match_one_process(t, base, config.contains("kv_lora_rank"));
+}
+
+// GLM-4.5: standard attention with q/k/v biases, per-head QK-norm and partial RoPE (half of each head), a dense first
+// layer, sigmoid group-limited routing with the expert bias, a shared expert, one MTP layer.
+TEST_F(HfModels, Glm4MoeFromAnHfCheckpointTrainsUnderEveryLayout) {
+  const std::string data = testing::shared_data_dir();
+  if (data.empty()) GTEST_SKIP() << "../shared/data not found";
+  trains_under_every_layout(*this, data,
+                            {{"model_type", "glm4_moe"},
+                             {"vocab_size", 384},
+                             {"hidden_size", 64},
+                             {"intermediate_size", 128},
+                             {"moe_intermediate_size", 32},
+                             {"num_hidden_layers", 2},
+                             {"first_k_dense_replace", 1},
+                             {"num_attention_heads", 4},
+                             {"num_key_value_heads", 2},
+                             {"head_dim", 32},
+                             {"attention_bias", true},
+                             {"use_qk_norm", true},
+                             {"partial_rotary_factor", 0.5},
+                             {"n_routed_experts", 8},
+                             {"num_experts_per_tok", 4},
+                             {"n_group", 4},
+                             {"topk_group", 2},
+                             {"n_shared_experts", 1},
+                             {"routed_scaling_factor", 2.5},
+                             {"norm_topk_prob", true},
+                             {"num_nextn_predict_layers", 1},
+                             {"max_position_embeddings", 128},
+                             {"rope_theta", 10000.0},
+                             {"rms_norm_eps", 1e-5},
+                             {"tie_word_embeddings", false},
+                             {"hidden_act", "silu"},
+                             {"torch_dtype", "bfloat16"}});
+}
+
+// DeepSeek-V2: MLA with q LoRA and YaRN (mscale 0.707), softmax routing with group-limited greedy top-k (the group
+// max), the hub's sequence-wise aux loss, two shared experts.
+TEST_F(HfModels, DeepSeekV2FromAnHfCheckpointTrainsUnderEveryLayout) {
+  const std::string data = testing::shared_data_dir();
+  if (data.empty()) GTEST_SKIP() << "../shared/data not found";
+  trains_under_every_layout(*this, data,
+                            {{"model_type", "deepseek_v2"},
+                             {"vocab_size", 384},
+                             {"hidden_size", 64},
+                             {"intermediate_size", 128},
+                             {"moe_intermediate_size", 32},
+                             {"num_hidden_layers", 2},
+                             {"first_k_dense_replace", 1},
+                             {"num_attention_heads", 4},
+                             {"q_lora_rank", 48},
+                             {"kv_lora_rank", 32},
+                             {"qk_nope_head_dim", 16},
+                             {"qk_rope_head_dim", 8},
+                             {"v_head_dim", 16},
+                             {"n_routed_experts", 8},
+                             {"num_experts_per_tok", 4},
+                             {"topk_method", "group_limited_greedy"},
+                             {"n_group", 4},
+                             {"topk_group", 2},
+                             {"n_shared_experts", 2},
+                             {"routed_scaling_factor", 16.0},
+                             {"norm_topk_prob", false},
+                             {"scoring_func", "softmax"},
+                             {"aux_loss_alpha", 0.001},
+                             {"seq_aux", true},
+                             {"max_position_embeddings", 128},
+                             {"rope_theta", 10000.0},
+                             {"rope_scaling",
+                              {{"type", "yarn"},
+                               {"factor", 4.0},
+                               {"original_max_position_embeddings", 32},
+                               {"mscale", 0.707},
+                               {"mscale_all_dim", 0.707}}},
+                             {"rms_norm_eps", 1e-6},
+                             {"tie_word_embeddings", false},
+                             {"hidden_act", "silu"},
+                             {"torch_dtype", "bfloat16"}});
+}
+
 TEST_F(HfModels, ImportStreamsAMultiGigabyteCheckpoint) {
   struct statvfs fsinfo {};
   if (::statvfs(dir_.c_str(), &fsinfo) == 0 &&

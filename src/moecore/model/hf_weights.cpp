@@ -11,29 +11,142 @@
 
 namespace moecore::model {
 
+namespace {
+
+enum class Need : uint8_t { no, optional, yes };
+
+// What a family's modeling code has: the one table the checks, the family guess and the weight names read.
+struct FamilyTraits {
+  HfFamily family;
+  const char* model_type;
+  bool mla;           // multi-latent attention (q/kv LoRA), else standard GQA attention
+  Need qkv_bias;      // q/k/v projection biases
+  Need qk_norm;       // standard: q_norm / k_norm per head; MLA: the q_a / kv_a latent norms (always)
+  bool partial_rope;  // RoPE over part of each head (partial_rotary_factor)
+  Need shared;        // a shared expert
+  bool shared_gated;  // its sigmoid gate (shared_expert_gate)
+  bool expert_bias;   // sigmoid routing with e_score_correction_bias (the router's expert bias)
+  bool mtp;           // multi-token-prediction layers after the decoder layers
+  bool dense_layers;  // dense (non-MoE) decoder layers
+  const char* moe;    // the MoE block's module under a layer
+  const char* shared_module;
+  const char* gate_up_down[3];  // the experts' gate / up / down projections
+};
+
+constexpr FamilyTraits kFamilies[] = {
+    {HfFamily::mixtral,
+     "mixtral",
+     false,
+     Need::no,
+     Need::no,
+     false,
+     Need::no,
+     false,
+     false,
+     false,
+     false,
+     "block_sparse_moe.",
+     "",
+     {"w1", "w3", "w2"}},
+    {HfFamily::qwen2_moe,
+     "qwen2_moe",
+     false,
+     Need::yes,
+     Need::no,
+     false,
+     Need::optional,
+     true,
+     false,
+     false,
+     true,
+     "mlp.",
+     "shared_expert.",
+     {"gate_proj", "up_proj", "down_proj"}},
+    {HfFamily::qwen3_moe,
+     "qwen3_moe",
+     false,
+     Need::no,
+     Need::yes,
+     false,
+     Need::no,
+     false,
+     false,
+     false,
+     true,
+     "mlp.",
+     "",
+     {"gate_proj", "up_proj", "down_proj"}},
+    {HfFamily::deepseek_v3,
+     "deepseek_v3",
+     true,
+     Need::no,
+     Need::yes,
+     false,
+     Need::optional,
+     false,
+     true,
+     true,
+     true,
+     "mlp.",
+     "shared_experts.",
+     {"gate_proj", "up_proj", "down_proj"}},
+    {HfFamily::deepseek_v2,
+     "deepseek_v2",
+     true,
+     Need::no,
+     Need::yes,
+     false,
+     Need::yes,
+     false,
+     false,
+     false,
+     true,
+     "mlp.",
+     "shared_experts.",
+     {"gate_proj", "up_proj", "down_proj"}},
+    {HfFamily::glm4_moe,
+     "glm4_moe",
+     false,
+     Need::optional,
+     Need::optional,
+     true,
+     Need::yes,
+     false,
+     true,
+     true,
+     true,
+     "mlp.",
+     "shared_experts.",
+     {"gate_proj", "up_proj", "down_proj"}},
+};
+
+const FamilyTraits& traits(HfFamily f) {
+  for (const FamilyTraits& t : kFamilies)
+    if (t.family == f) return t;
+  MOECORE_FAIL("unknown Hugging Face family ", static_cast<int>(f));
+}
+
+std::string supported_list() {
+  std::string s;
+  for (const FamilyTraits& t : kFamilies) s += (s.empty() ? "" : ", ") + std::string(t.model_type);
+  return s;
+}
+
+}  // namespace
+
 HfFamily hf_family_parse(const std::string& model_type) {
-  for (HfFamily f : {HfFamily::mixtral, HfFamily::qwen2_moe, HfFamily::qwen3_moe, HfFamily::deepseek_v3})
-    if (model_type == hf_family_name(f)) return f;
-  MOECORE_FAIL("Hugging Face model_type '", model_type,
-               "' is not supported (supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v3)");
+  for (const FamilyTraits& t : kFamilies)
+    if (model_type == t.model_type) return t.family;
+  MOECORE_FAIL("Hugging Face model_type '", model_type, "' is not supported (supported: ", supported_list(), ")");
 }
 
 const char* hf_family_name(HfFamily family) {
-  switch (family) {
-    case HfFamily::mixtral:
-      return "mixtral";
-    case HfFamily::qwen2_moe:
-      return "qwen2_moe";
-    case HfFamily::qwen3_moe:
-      return "qwen3_moe";
-    case HfFamily::deepseek_v3:
-      return "deepseek_v3";
-  }
-  return "?";
+  return traits(family).model_type;
 }
 
 HfFamily hf_family_of(const ModelConfig& cfg) {
-  if (cfg.multi_latent_attention) return HfFamily::deepseek_v3;
+  if (cfg.multi_latent_attention) return cfg.moe.enable_expert_bias ? HfFamily::deepseek_v3 : HfFamily::deepseek_v2;
+  if (cfg.moe.enable_expert_bias || cfg.rotary_percent != 1.0f) return HfFamily::glm4_moe;
   if (cfg.qk_layernorm) return HfFamily::qwen3_moe;
   if (cfg.add_qkv_bias || cfg.moe.shared_expert_intermediate_size > 0) return HfFamily::qwen2_moe;
   return HfFamily::mixtral;
@@ -45,42 +158,49 @@ void require(bool ok, HfFamily f, const char* what) {
   if (!ok) MOECORE_FAIL("Hugging Face ", hf_family_name(f), " models cannot hold this model: ", what);
 }
 
+// `has` is allowed by `need`; else the error names the flag and which families have it.
+void require_need(Need need, bool has, HfFamily f, const std::string& flag, const char* families) {
+  if (need == Need::yes && !has)
+    MOECORE_FAIL("Hugging Face ", hf_family_name(f), " models cannot hold this model: no ", flag, " (", families,
+                 " always have it)");
+  if (need == Need::no && has)
+    MOECORE_FAIL("Hugging Face ", hf_family_name(f), " models cannot hold this model: ", flag, " (only ", families,
+                 " have it)");
+}
+
 void check_family(const ModelConfig& c, HfFamily f) {
-  const bool qwen2 = f == HfFamily::qwen2_moe, qwen3 = f == HfFamily::qwen3_moe, deepseek = f == HfFamily::deepseek_v3;
+  const FamilyTraits& t = traits(f);
   require(c.normalization == Normalization::rmsnorm, f, "--normalization LayerNorm (it uses RMSNorm)");
-  require(c.rope() && c.rotary_percent == 1.0f, f, "positions other than RoPE over whole heads");
+  require(c.rope() && (t.partial_rope || c.rotary_percent == 1.0f), f,
+          t.partial_rope ? "positions other than RoPE" : "positions other than RoPE over whole heads");
   require(c.swiglu, f, "a GeLU MLP (it uses SwiGLU: pass --swiglu)");
   require(!c.add_bias_linear, f, "linear-layer biases (pass --disable-bias-linear)");
-  require(qwen2 == c.add_qkv_bias, f,
-          qwen2 ? "no QKV bias (Qwen2-MoE's q/k/v projections always have one: --add-qkv-bias)"
-                : "--add-qkv-bias (only qwen2_moe has q/k/v biases)");
-  require(deepseek == c.multi_latent_attention, f,
-          deepseek ? "standard attention (DeepSeek-V3 uses --multi-latent-attention)"
-                   : "--multi-latent-attention (only deepseek_v3 has MLA)");
-  require((qwen3 || deepseek) == c.qk_layernorm, f,
-          qwen3      ? "no QK-norm (Qwen3-MoE always normalises q and k: --qk-layernorm)"
-          : deepseek ? "no latent norms (DeepSeek-V3 always normalises its q and kv latents: --qk-layernorm)"
-                     : "--qk-layernorm (only qwen3_moe has q_norm / k_norm)");
+  require(t.mla == c.multi_latent_attention, f,
+          t.mla ? "standard attention (it uses --multi-latent-attention)"
+                : "--multi-latent-attention (only deepseek_v2 and deepseek_v3 have MLA)");
+  require_need(t.qkv_bias, c.add_qkv_bias, f, "--add-qkv-bias (q/k/v biases)", "qwen2_moe and glm4_moe");
+  require_need(t.qk_norm, c.qk_layernorm, f,
+               t.mla ? "--qk-layernorm (the q / kv latent norms)" : "--qk-layernorm (q_norm / k_norm)",
+               t.mla ? "MLA models" : "qwen3_moe and glm4_moe");
   require(c.moe.enabled(), f, "no routed experts (--num-experts)");
-  const int64_t Fs = c.moe.shared_expert_intermediate_size;
-  require(deepseek || c.mtp_num_layers == 0, f, "--mtp-num-layers (only deepseek_v3 has MTP layers)");
-  if (deepseek) {
-    require(!c.moe.shared_expert_gate, f, "--moe-shared-expert-gate (DeepSeek-V3's shared experts are ungated)");
-    require(c.moe.enable_expert_bias, f,
-            "no expert bias (DeepSeek-V3's router has e_score_correction_bias: --moe-router-enable-expert-bias)");
-  } else {
-    require(Fs == 0 || (qwen2 && c.moe.shared_expert_gate), f,
-            qwen2 ? "a shared expert without --moe-shared-expert-gate (Qwen2-MoE gates it)"
-                  : "a shared expert (only qwen2_moe and deepseek_v3 have one)");
-    require(!c.moe.enable_expert_bias, f,
-            "--moe-router-enable-expert-bias (no expert-bias tensor in this family; DeepSeek-V3 has one)");
-  }
-  if (f == HfFamily::mixtral) {
+  const bool shared = c.moe.shared_expert_intermediate_size > 0;
+  require_need(t.shared, shared, f, "a shared expert (--moe-shared-expert-intermediate-size)",
+               "qwen2_moe, deepseek_v2, deepseek_v3 and glm4_moe");
+  if (shared)
+    require(t.shared_gated == c.moe.shared_expert_gate, f,
+            t.shared_gated ? "a shared expert without --moe-shared-expert-gate (it gates it)"
+                           : "--moe-shared-expert-gate (its shared experts are ungated)");
+  require(t.expert_bias == c.moe.enable_expert_bias, f,
+          t.expert_bias ? "no expert bias (its router has e_score_correction_bias: --moe-router-enable-expert-bias)"
+                        : "--moe-router-enable-expert-bias (no expert-bias tensor in this family; deepseek_v3 and "
+                          "glm4_moe have one)");
+  require(t.mtp || c.mtp_num_layers == 0, f, "--mtp-num-layers (only deepseek_v3 and glm4_moe have MTP layers)");
+  if (!t.dense_layers) {
     const std::vector<bool> moe = c.moe_layers();
     require(std::all_of(moe.begin(), moe.end(), [](bool m) { return m; }), f,
-            "dense layers (every Mixtral layer is MoE: --moe-layer-freq 1)");
+            "dense layers (every layer is MoE: --moe-layer-freq 1)");
     require(c.moe_ffn() == c.ffn(), f,
-            "--moe-ffn-hidden-size different from --ffn-hidden-size (Mixtral's experts use intermediate_size)");
+            "--moe-ffn-hidden-size different from --ffn-hidden-size (its experts use intermediate_size)");
   }
 }
 
@@ -99,7 +219,7 @@ namespace {
 class HfMapBuilder {
  public:
   HfMapBuilder(const ModelConfig& cfg, HfFamily family, bool rope_interleave)
-      : c_(cfg), f_(family), interleave_(rope_interleave), H_(cfg.hidden_size) {
+      : c_(cfg), f_(family), t_(traits(family)), interleave_(rope_interleave), H_(cfg.hidden_size) {
     m_.family = family;
   }
   HfWeightMap take() { return std::move(m_); }
@@ -109,13 +229,10 @@ class HfMapBuilder {
     const std::vector<bool> moe = c_.moe_layers();
     for (int64_t l = 0; l < c_.num_layers; ++l) {
       const std::string pre = layer_prefix(l);
-      if (f_ == HfFamily::deepseek_v3)
-        deepseek_layer(pre, moe[static_cast<size_t>(l)], l);
-      else
-        standard_layer(pre, moe[static_cast<size_t>(l)]);
+      layer(pre, moe[static_cast<size_t>(l)], l);
     }
-    // DeepSeek-V3's MTP depths are layers num_layers + k of the checkpoint, with copies of the shared embedding and
-    // output head (one parameter each in moecore, as in Megatron).
+    // DeepSeek-V3's (and GLM-4.5's) MTP depths are layers num_layers + k of the checkpoint, with copies of the shared
+    // embedding and output head (one parameter each in moecore, as in Megatron).
     const std::string head = c_.untie_embeddings_and_output_weights ? "lm_head.weight" : "model.embed_tokens.weight";
     for (int64_t k = 0; k < c_.mtp_num_layers; ++k) {
       const int64_t l = c_.num_layers + k;
@@ -125,7 +242,7 @@ class HfMapBuilder {
       tensor(pre + "enorm.weight", {H_});
       tensor(pre + "hnorm.weight", {H_});
       tensor(pre + "eh_proj.weight", {H_, 2 * H_});
-      deepseek_layer(pre, moe.back(), l);
+      layer(pre, moe.back(), l);
       tensor(pre + "shared_head.norm.weight", {H_});
       tensor(pre + "shared_head.head.weight", {c_.vocab_size, H_});
       m_.tensors.back().copy_of = head;
@@ -170,9 +287,7 @@ class HfMapBuilder {
 
  private:
   static std::string layer_prefix(int64_t l) { return "model.layers." + std::to_string(l) + "."; }
-  std::string moe_prefix(int64_t l) const {
-    return layer_prefix(l) + (f_ == HfFamily::mixtral ? "block_sparse_moe." : "mlp.");
-  }
+  std::string moe_prefix(int64_t l) const { return layer_prefix(l) + t_.moe; }
   std::string expert_prefix(int64_t l, int64_t e) const { return moe_prefix(l) + "experts." + std::to_string(e) + "."; }
   void tensor(const std::string& name, Shape shape) {
     index_[name] = m_.tensors.size();
@@ -181,11 +296,21 @@ class HfMapBuilder {
     t.shape = shape;
   }
 
-  // One Mixtral / Qwen decoder layer's tensors under `pre`.
-  void standard_layer(const std::string& pre, bool is_moe) {
+  void layer(const std::string& pre, bool is_moe, int64_t l) {
+    if (t_.mla)
+      mla_attention(pre);
+    else
+      standard_attention(pre);
+    if (is_moe)
+      moe_block(l);
+    else
+      dense_mlp(pre);
+    tensor(pre + "input_layernorm.weight", {H_});
+    tensor(pre + "post_attention_layernorm.weight", {H_});
+  }
+
+  void standard_attention(const std::string& pre) {
     const int64_t D = c_.head_dim(), G = c_.query_groups(), R = c_.num_attention_heads / G, H = H_;
-    const int64_t E = c_.moe.num_experts, Fm = c_.moe_ffn(), Fs = c_.moe.shared_expert_intermediate_size;
-    const bool mixtral = f_ == HfFamily::mixtral;
     tensor(pre + "self_attn.q_proj.weight", {G * R * D, H});
     tensor(pre + "self_attn.k_proj.weight", {G * D, H});
     tensor(pre + "self_attn.v_proj.weight", {G * D, H});
@@ -199,33 +324,11 @@ class HfMapBuilder {
       tensor(pre + "self_attn.q_norm.weight", {D});
       tensor(pre + "self_attn.k_norm.weight", {D});
     }
-    const std::string moe = pre + (mixtral ? "block_sparse_moe." : "mlp.");
-    if (is_moe) {
-      tensor(moe + "gate.weight", {E, H});
-      for (int64_t e = 0; e < E; ++e) {
-        const std::string ex = moe + "experts." + std::to_string(e) + ".";
-        tensor(ex + (mixtral ? "w1.weight" : "gate_proj.weight"), {Fm, H});
-        tensor(ex + (mixtral ? "w2.weight" : "down_proj.weight"), {H, Fm});
-        tensor(ex + (mixtral ? "w3.weight" : "up_proj.weight"), {Fm, H});
-      }
-      if (Fs > 0) {
-        tensor(moe + "shared_expert.gate_proj.weight", {Fs, H});
-        tensor(moe + "shared_expert.up_proj.weight", {Fs, H});
-        tensor(moe + "shared_expert.down_proj.weight", {H, Fs});
-        tensor(moe + "shared_expert_gate.weight", {1, H});
-      }
-    } else {
-      dense_mlp(pre);
-    }
-    tensor(pre + "input_layernorm.weight", {H});
-    tensor(pre + "post_attention_layernorm.weight", {H});
   }
 
-  // One DeepSeek-V3 decoder layer's tensors under `pre` (layer: its index in moecore's per-layer arrays).
-  void deepseek_layer(const std::string& pre, bool is_moe, int64_t layer) {
+  void mla_attention(const std::string& pre) {
     const int64_t H = H_, nh = c_.num_attention_heads, qr = c_.q_lora_rank, kvr = c_.kv_lora_rank;
     const int64_t dn = c_.qk_head_dim, dr = c_.qk_pos_emb_head_dim, dv = c_.v_head_dim;
-    const int64_t E = c_.moe.num_experts, Fm = c_.moe_ffn(), Fs = c_.moe.shared_expert_intermediate_size;
     if (qr) {
       tensor(pre + "self_attn.q_a_proj.weight", {qr, H});
       tensor(pre + "self_attn.q_a_layernorm.weight", {qr});
@@ -237,27 +340,33 @@ class HfMapBuilder {
     tensor(pre + "self_attn.kv_a_layernorm.weight", {kvr});
     tensor(pre + "self_attn.kv_b_proj.weight", {nh * (dn + dv), kvr});
     tensor(pre + "self_attn.o_proj.weight", {H, nh * dv});
-    if (is_moe) {
-      tensor(pre + "mlp.gate.weight", {E, H});
-      tensor(pre + "mlp.gate.e_score_correction_bias", {E});
-      m_.tensors.back().expert_bias_layer = layer;
-      for (int64_t e = 0; e < E; ++e) {
-        const std::string ex = pre + "mlp.experts." + std::to_string(e) + ".";
-        tensor(ex + "gate_proj.weight", {Fm, H});
-        tensor(ex + "up_proj.weight", {Fm, H});
-        tensor(ex + "down_proj.weight", {H, Fm});
-      }
-      if (Fs > 0) {
-        tensor(pre + "mlp.shared_experts.gate_proj.weight", {Fs, H});
-        tensor(pre + "mlp.shared_experts.up_proj.weight", {Fs, H});
-        tensor(pre + "mlp.shared_experts.down_proj.weight", {H, Fs});
-      }
-    } else {
-      dense_mlp(pre);
-    }
-    tensor(pre + "input_layernorm.weight", {H});
-    tensor(pre + "post_attention_layernorm.weight", {H});
   }
+
+  // Layer l's MoE block: router (with its expert bias), the routed experts, the shared expert (and its gate).
+  void moe_block(int64_t l) {
+    const int64_t H = H_, E = c_.moe.num_experts, Fm = c_.moe_ffn(), Fs = c_.moe.shared_expert_intermediate_size;
+    const std::string moe = moe_prefix(l);
+    tensor(moe + "gate.weight", {E, H});
+    if (t_.expert_bias) {
+      tensor(moe + "gate.e_score_correction_bias", {E});
+      m_.tensors.back().expert_bias_layer = l;
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string ex = expert_prefix(l, e);
+      tensor(ex + expert_proj(0), {Fm, H});
+      tensor(ex + expert_proj(1), {Fm, H});
+      tensor(ex + expert_proj(2), {H, Fm});
+    }
+    if (Fs > 0) {
+      const std::string sh = moe + t_.shared_module;
+      tensor(sh + "gate_proj.weight", {Fs, H});
+      tensor(sh + "up_proj.weight", {Fs, H});
+      tensor(sh + "down_proj.weight", {H, Fs});
+      if (t_.shared_gated) tensor(moe + "shared_expert_gate.weight", {1, H});
+    }
+  }
+  // The experts' gate (0), up (1) or down (2) projection weight.
+  std::string expert_proj(int i) const { return std::string(t_.gate_up_down[i]) + ".weight"; }
 
   void dense_mlp(const std::string& pre) {
     tensor(pre + "mlp.gate_proj.weight", {c_.ffn(), H_});
@@ -310,7 +419,7 @@ class HfMapBuilder {
       case proj:
         return whole(sa + "o_proj.weight");
       case q_norm:
-        return whole(sa + (f_ == HfFamily::deepseek_v3 ? "q_a_layernorm.weight" : "q_norm.weight"));
+        return whole(sa + (t_.mla ? "q_a_layernorm.weight" : "q_norm.weight"));
       case k_norm:
         return whole(sa + "k_norm.weight");
       case q_proj:
@@ -354,21 +463,18 @@ class HfMapBuilder {
   }
   void moe_runs(const ParamSpec& s) {
     using enum ParamRole;
-    const bool mixtral = f_ == HfFamily::mixtral;
-    const std::string moe = moe_prefix(s.layer);
-    const std::string shared = moe + (f_ == HfFamily::deepseek_v3 ? "shared_experts." : "shared_expert.");
+    const std::string moe = moe_prefix(s.layer), shared = moe + t_.shared_module;
     switch (s.role) {
       case router:
         return whole(moe + "gate.weight");
       case experts_fc1:
         for (int64_t e = 0; e < c_.moe.num_experts; ++e) {
-          whole(expert_prefix(s.layer, e) + (mixtral ? "w1.weight" : "gate_proj.weight"));
-          whole(expert_prefix(s.layer, e) + (mixtral ? "w3.weight" : "up_proj.weight"));
+          whole(expert_prefix(s.layer, e) + expert_proj(0));
+          whole(expert_prefix(s.layer, e) + expert_proj(1));
         }
         return;
       case experts_fc2:
-        for (int64_t e = 0; e < c_.moe.num_experts; ++e)
-          whole(expert_prefix(s.layer, e) + (mixtral ? "w2.weight" : "down_proj.weight"));
+        for (int64_t e = 0; e < c_.moe.num_experts; ++e) whole(expert_prefix(s.layer, e) + expert_proj(2));
         return;
       case shared_fc1:
         whole(shared + "gate_proj.weight");
@@ -384,6 +490,7 @@ class HfMapBuilder {
 
   const ModelConfig& c_;
   const HfFamily f_;
+  const FamilyTraits& t_;
   const bool interleave_;
   const int64_t H_;
   HfWeightMap m_;
