@@ -331,7 +331,7 @@ int convert_main(int argc, char** argv) {
       .option("--max-shard-size", "5GB", "export: largest shard file (HF units: 5GB = 5e9 bytes)")
       .option("--hf-model-type", "",
               "export without a recorded config.json: mixtral | qwen2_moe | qwen3_moe | deepseek_v3 | deepseek_v2 | "
-              "glm4_moe (unset: the family that holds the model flags)")
+              "glm4_moe | olmoe (unset: the family that holds the model flags)")
       .domain("--expert-model-parallel-size", FlagDomain::integer(1, 1e6))
       .domain("--ckpt-step", FlagDomain::integer(0, 1e12))
       .domain("--seed", FlagDomain::integer(0, 4294967295.0));

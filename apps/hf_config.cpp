@@ -30,15 +30,17 @@ enum Model : unsigned {
   kDeepSeek = 8,     // deepseek_v3
   kDeepSeekV2 = 16,  // deepseek_v2
   kGlm = 32,         // glm4_moe
+  kOlmoe = 64,       // olmoe
   kQwen = kQwen2 | kQwen3,
-  kAll = kMixtral | kQwen,  // the three GQA families with a softmax router
-  kGqa = kAll | kGlm,       // standard attention
+  kAll = kMixtral | kQwen,      // the three GQA families with a softmax router
+  kGqa = kAll | kGlm | kOlmoe,  // standard attention
   kMla = kDeepSeek | kDeepSeekV2,
   kDeepSeekMoe = kMla | kGlm,  // DeepSeek's MoE keys (n_routed_experts, n_shared_experts, first_k_dense_replace, ...)
   kAny = kGqa | kMla,
 };
 // In HfFamily order (bit i is family i).
-constexpr const char* kModelNames[] = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "glm4_moe"};
+constexpr const char* kModelNames[] = {"mixtral",     "qwen2_moe", "qwen3_moe", "deepseek_v3",
+                                       "deepseek_v2", "glm4_moe",  "olmoe"};
 constexpr unsigned kModelCount = sizeof(kModelNames) / sizeof(kModelNames[0]);
 
 struct Row;
@@ -571,7 +573,8 @@ json emit_model_type(const model::ModelConfig&, unsigned m) {
 }
 json emit_architectures(const model::ModelConfig&, unsigned m) {
   static const char* const names[] = {"MixtralForCausalLM",    "Qwen2MoeForCausalLM",   "Qwen3MoeForCausalLM",
-                                      "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM"};
+                                      "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM",
+                                      "OlmoeForCausalLM"};
   static_assert(sizeof(names) / sizeof(names[0]) == kModelCount);
   return json::array({names[__builtin_ctz(m)]});
 }
@@ -729,11 +732,18 @@ constexpr Row kRows[] = {
     {"decoder_sparse_step", kQwen, "--moe-layer-freq", moe_layer_freq, "1", emit_sparse_step},
     {"mlp_only_layers", kQwen, "(read with decoder_sparse_step)", ignore, "[]", emit_mlp_only},
     {"router_aux_loss_coef", kAll, "--moe-aux-loss-coeff", to_number, "0.001", emit_aux_coeff},
+    // OLMoE (transformers' OlmoeConfig): every layer MoE, experts of intermediate_size, q_norm / k_norm over the whole
+    // q and k projections.
+    {"num_experts", kOlmoe, "--num-experts", to_int, nullptr, emit_experts},
+    {"norm_topk_prob", kOlmoe, "--moe-router-pre-softmax", norm_topk_prob, "false", emit_norm_topk},
+    {"router_aux_loss_coef", kOlmoe, "--moe-aux-loss-coeff", to_number, "0.01", emit_aux_coeff},
+    {"clip_qkv", kOlmoe, "q/k/v clipping", must_be_null, "null"},
+    {"attention_bias", kOlmoe, "q/k/v/o projection biases", must_be_false, "false"},
     {"router_jitter_noise", kMixtral, "router jitter on the experts' input", must_be_zero, "0"},
     {"hidden_act", kAny, "--swiglu", hidden_act, "\"silu\"", emit_silu},
     {"rms_norm_eps", kAny, "--norm-epsilon", to_number, nullptr, emit_float<&model::ModelConfig::norm_epsilon>},
     {"rope_theta", kAny, "--rotary-base", rope_theta, "null", emit_rope_theta},
-    {"rope_parameters", kAll, "--rotary-base", rope_parameters, "null"},
+    {"rope_parameters", kAll | kOlmoe, "--rotary-base", rope_parameters, "null"},
     {"rope_scaling", kGqa, "RoPE scaling (--rope-type yarn, ...)", must_be_null, "null"},
     // GLM-4.5 / 4.6 (transformers' Glm4MoeConfig): DeepSeek-V3's MoE on standard attention with partial RoPE.
     {"rope_parameters", kGlm, "--rotary-base", glm_rope_parameters, "null"},
@@ -820,6 +830,13 @@ constexpr Fixed kFixed[] = {
     {kAll, "--disable-bias-linear", ""},
     {kAll, "--hidden-dropout", "0"},  // no residual/embedding dropout in these models
     {kAll, "--moe-router-load-balancing-type", "aux_loss"},
+    {kOlmoe, "--normalization", "RMSNorm"},
+    {kOlmoe, "--position-embedding-type", "rope"},
+    {kOlmoe, "--disable-bias-linear", ""},
+    {kOlmoe, "--hidden-dropout", "0"},
+    {kOlmoe, "--moe-router-load-balancing-type", "aux_loss"},
+    {kOlmoe, "--qk-layernorm", ""},
+    {kOlmoe, "--qk-layernorm-over-heads", ""},  // RMSNorm over each token's whole q and k projections
     {kMla | kGlm, "--normalization", "RMSNorm"},
     {kMla | kGlm, "--position-embedding-type", "rope"},
     {kMla | kGlm, "--disable-bias-linear", ""},
@@ -939,9 +956,10 @@ json hf_config_load(const std::string& path, const std::string& flag) {
 }
 
 void add_hf_config_flag(Args& a) {
-  a.option("--hf-config", "",
-           "a Hugging Face config.json (or a model directory holding one) of model_type mixtral, qwen2_moe, "
-           "qwen3_moe, deepseek_v3, deepseek_v2 or glm4_moe; its model flags fill those not given (moecore only)");
+  a.option(
+      "--hf-config", "",
+      "a Hugging Face config.json (or a model directory holding one) of model_type mixtral, qwen2_moe, "
+      "qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe or olmoe; its model flags fill those not given (moecore only)");
 }
 
 void hf_config_fill(Args& a, const json& cfg, const std::string& where) {

@@ -218,6 +218,10 @@ const ModelFlag kModelFlags[] = {
   {"--qk-layernorm", Kind::flag, "",
    "QK-norm: the --normalization norm over each query and key head before RoPE (MLA: over the q and kv latents)",
    on<&ModelConfig::qk_layernorm>},
+  {"--qk-layernorm-over-heads", Kind::flag, "",
+   "with --qk-layernorm: one norm over each token's whole query (key) projection, all heads together (OLMoE), not "
+   "one per head (moecore)",
+   on<&ModelConfig::qk_layernorm_over_heads>},
   {"--add-qkv-bias", Kind::flag, "", "a bias on linear_qkv only (Qwen2-style), with --disable-bias-linear",
    on<&ModelConfig::add_qkv_bias>},
   {"--hidden-dropout", Kind::value, "0.1", "dropout on the embedding output and both residual branches, [0, 1)",

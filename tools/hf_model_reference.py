@@ -98,7 +98,7 @@ from torch.overrides import TorchFunctionMode
 
 import transformers
 from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, MixtralConfig,
-                          Qwen2MoeConfig, Qwen3MoeConfig)
+                          OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 BATCH, SEQ = 2, 12
@@ -160,6 +160,10 @@ CASES = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
                          "mscale_all_dim": 0.707})),
+    "olmoe": (OlmoeConfig, 1200, dict(
+        COMMON, intermediate_size=20, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        clip_qkv=None)),
     "deepseek_v2_greedy": (DeepseekV2Config, 1100, dict(
         {k: v for k, v in DEEPSEEK.items() if k != "num_mtp_layers"}, num_hidden_layers=2, q_lora_rank=None,
         topk_method="greedy", num_experts_per_tok=2, routed_scaling_factor=1.0, norm_topk_prob=False,

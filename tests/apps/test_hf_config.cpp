@@ -265,6 +265,38 @@ TEST(HfConfig, Glm45TranslatesToMegatronFlags) {
   EXPECT_NE(error_of(c).find("'use_qk_norm' = \"yes\""), std::string::npos) << error_of(c);
 }
 
+// OLMoE-1B-7B-0924's published config.json (allenai/OLMoE-1B-7B-0924).
+TEST(HfConfig, OlmoeTranslatesToMegatronFlags) {
+  const json olmoe = json::parse(R"({"architectures": ["OlmoeForCausalLM"], "attention_bias": false,
+    "attention_dropout": 0.0, "clip_qkv": null, "eos_token_id": 50279, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 1024, "max_position_embeddings": 4096, "model_type": "olmoe",
+    "norm_topk_prob": false, "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+    "num_hidden_layers": 16, "num_key_value_heads": 16, "output_router_logits": false, "pad_token_id": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": null, "rope_theta": 10000.0, "router_aux_loss_coef": 0.01,
+    "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.43.0.dev0", "use_cache": true,
+    "vocab_size": 50304})");
+  const auto f = flags_of(olmoe);
+  expect_flags(f, {{"--num-layers", "16"},
+                   {"--hidden-size", "2048"},
+                   {"--num-attention-heads", "16"},
+                   {"--num-query-groups", "16"},
+                   {"--ffn-hidden-size", "1024"},
+                   {"--num-experts", "64"},
+                   {"--moe-router-topk", "8"},
+                   {"--moe-router-pre-softmax", ""},
+                   {"--moe-aux-loss-coeff", "0.01"},
+                   {"--moe-router-load-balancing-type", "aux_loss"},
+                   {"--qk-layernorm", ""},
+                   {"--qk-layernorm-over-heads", ""},
+                   {"--vocab-size", "50304"}});
+  json c = olmoe;
+  c["clip_qkv"] = 8.0;
+  EXPECT_NE(error_of(c).find("'clip_qkv' = 8.0"), std::string::npos) << error_of(c);
+  c = olmoe;
+  c["attention_bias"] = true;
+  EXPECT_NE(error_of(c).find("'attention_bias' = true"), std::string::npos) << error_of(c);
+}
+
 TEST(HfConfig, DeepSeekV2TranslatesToMegatronFlags) {
   const auto f = flags_of(deepseek_v2_config());
   expect_flags(f, {{"--num-layers", "60"},
@@ -322,7 +354,7 @@ TEST(HfConfig, DeepSeekV2TranslatesToMegatronFlags) {
       << error_of(c);
   c = deepseek_v2_config();
   c["model_type"] = "gpt_neox";
-  EXPECT_NE(error_of(c).find("supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe"),
+  EXPECT_NE(error_of(c).find("supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe, olmoe"),
             std::string::npos)
       << error_of(c);
 }
@@ -485,7 +517,7 @@ TEST(HfConfig, HostileValuesAreErrorsNamingTheKey) {
 // it reads back to the same parameters and function); each golden family's model, and the guess of its family.
 TEST(HfConfig, ConfigWrittenForAModelReadsBackInEveryFamily) {
   for (const char* c : {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "deepseek_v2_greedy",
-                        "glm4_moe", "deepseek_v3_mtp"}) {
+                        "glm4_moe", "olmoe", "deepseek_v3_mtp"}) {
     const std::string dir = std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/" + c;
     const json original = apps::hf_config_load(dir, "--hf-config");
     const model::ModelConfig cfg = apps::hf_model_config(original, dir, {{"--seq-length", "1"}});
@@ -509,7 +541,7 @@ TEST(HfConfig, FuzzSeedsAreValidConfigs) {
     EXPECT_NO_THROW(apps::hf_config_weight_map(c, cfg)) << e.path();
     ++seen;
   }
-  EXPECT_EQ(seen, 6);
+  EXPECT_EQ(seen, 7);
 }
 
 using testing::CmdResult;

@@ -27,7 +27,7 @@ using testing::run_shell;
 
 const char* const kCases[] = {"mixtral",     "qwen2_moe",          "qwen3_moe",       "qwen3_moe_tied",
                               "deepseek_v3", "deepseek_v2lite",    "deepseek_v3_mtp", "deepseek_v3_group_top2",
-                              "deepseek_v2", "deepseek_v2_greedy", "glm4_moe"};
+                              "deepseek_v2", "deepseek_v2_greedy", "glm4_moe",        "olmoe"};
 
 std::string golden_dir(const std::string& c) {
   return std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/" + c;
@@ -486,6 +486,32 @@ TEST_F(HfModels, Glm4MoeFromAnHfCheckpointTrainsUnderEveryLayout) {
                              {"routed_scaling_factor", 2.5},
                              {"norm_topk_prob", true},
                              {"num_nextn_predict_layers", 1},
+                             {"max_position_embeddings", 128},
+                             {"rope_theta", 10000.0},
+                             {"rms_norm_eps", 1e-5},
+                             {"tie_word_embeddings", false},
+                             {"hidden_act", "silu"},
+                             {"torch_dtype", "bfloat16"}});
+}
+
+// OLMoE: q_norm / k_norm over each token's whole q and k projections (under TP the heads are gathered), softmax top-k
+// without renormalisation, every layer MoE.
+TEST_F(HfModels, OlmoeFromAnHfCheckpointTrainsUnderEveryLayout) {
+  const std::string data = testing::shared_data_dir();
+  if (data.empty()) GTEST_SKIP() << "../shared/data not found";
+  trains_under_every_layout(*this, data,
+                            {{"model_type", "olmoe"},
+                             {"vocab_size", 384},
+                             {"hidden_size", 64},
+                             {"intermediate_size", 64},
+                             {"num_hidden_layers", 2},
+                             {"num_attention_heads", 4},
+                             {"num_key_value_heads", 2},
+                             {"num_experts", 8},
+                             {"num_experts_per_tok", 2},
+                             {"norm_topk_prob", false},
+                             {"router_aux_loss_coef", 0.01},
+                             {"clip_qkv", nullptr},
                              {"max_position_embeddings", 128},
                              {"rope_theta", 10000.0},
                              {"rms_norm_eps", 1e-5},

@@ -70,6 +70,8 @@ void ModelConfig::validate() const {
   if (compute_dtype != DType::f32 && compute_dtype != DType::bf16 && compute_dtype != DType::f16)
     MOECORE_FAIL("model config: compute dtype ", dtype_name(compute_dtype), " is not supported (use f32, bf16 or f16)");
   if (!(norm_epsilon > 0.0f)) MOECORE_FAIL("model config: norm_epsilon (", norm_epsilon, ") must be positive");
+  if (qk_layernorm_over_heads && (!qk_layernorm || multi_latent_attention))
+    MOECORE_FAIL("model config: --qk-layernorm-over-heads needs --qk-layernorm and standard attention (not MLA)");
   if (multi_latent_attention) {
     if (!rope())
       MOECORE_FAIL(

@@ -72,6 +72,10 @@ struct ModelConfig {
                                         // linear_qkv, linear_proj, linear_fc1, linear_fc2 and the experts' fc1/fc2
   bool add_qkv_bias = false;            // --add-qkv-bias: a bias on linear_qkv only (Qwen2-style)
   bool qk_layernorm = false;            // --qk-layernorm: the model's norm over each query and key head before RoPE
+  // --qk-layernorm-over-heads (moecore): with --qk-layernorm, one norm over each token's whole query projection and
+  // one over its whole key projection (all heads together: OLMoE's q_norm / k_norm, weights [heads * D] and
+  // [groups * D]) instead of one over each head.
+  bool qk_layernorm_over_heads = false;
   // Multi-latent attention (DeepSeek-V2/V3). With it, --qk-layernorm puts a norm on the q and kv latents.
   bool multi_latent_attention = false;  // --multi-latent-attention
   int64_t q_lora_rank = 0;              // --q-lora-rank: 0 (Megatron's None) projects q directly from the input

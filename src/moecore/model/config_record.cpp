@@ -125,6 +125,8 @@ std::vector<Field> decoder_fields() {
           "add_qkv_bias", [](ModelConfig & c) -> auto& { return c.add_qkv_bias; }),
       plain(
           "qk_layernorm", [](ModelConfig & c) -> auto& { return c.qk_layernorm; }),
+      plain(
+          "qk_layernorm_over_heads", [](ModelConfig & c) -> auto& { return c.qk_layernorm_over_heads; }),
   };
 }
 

@@ -19,106 +19,33 @@ enum class Need : uint8_t { no, optional, yes };
 struct FamilyTraits {
   HfFamily family;
   const char* model_type;
-  bool mla;           // multi-latent attention (q/kv LoRA), else standard GQA attention
-  Need qkv_bias;      // q/k/v projection biases
-  Need qk_norm;       // standard: q_norm / k_norm per head; MLA: the q_a / kv_a latent norms (always)
-  bool partial_rope;  // RoPE over part of each head (partial_rotary_factor)
-  Need shared;        // a shared expert
-  bool shared_gated;  // its sigmoid gate (shared_expert_gate)
-  bool expert_bias;   // sigmoid routing with e_score_correction_bias (the router's expert bias)
-  bool mtp;           // multi-token-prediction layers after the decoder layers
-  bool dense_layers;  // dense (non-MoE) decoder layers
-  const char* moe;    // the MoE block's module under a layer
+  bool mla;            // multi-latent attention (q/kv LoRA), else standard GQA attention
+  Need qkv_bias;       // q/k/v projection biases
+  Need qk_norm;        // standard: q_norm / k_norm per head; MLA: the q_a / kv_a latent norms (always)
+  bool qk_over_heads;  // q_norm / k_norm over each token's whole q / k projection (--qk-layernorm-over-heads)
+  bool partial_rope;   // RoPE over part of each head (partial_rotary_factor)
+  Need shared;         // a shared expert
+  bool shared_gated;   // its sigmoid gate (shared_expert_gate)
+  bool expert_bias;    // sigmoid routing with e_score_correction_bias (the router's expert bias)
+  bool mtp;            // multi-token-prediction layers after the decoder layers
+  bool dense_layers;   // dense (non-MoE) decoder layers
+  const char* moe;     // the MoE block's module under a layer
   const char* shared_module;
   const char* gate_up_down[3];  // the experts' gate / up / down projections
 };
 
+// clang-format off
 constexpr FamilyTraits kFamilies[] = {
-    {HfFamily::mixtral,
-     "mixtral",
-     false,
-     Need::no,
-     Need::no,
-     false,
-     Need::no,
-     false,
-     false,
-     false,
-     false,
-     "block_sparse_moe.",
-     "",
-     {"w1", "w3", "w2"}},
-    {HfFamily::qwen2_moe,
-     "qwen2_moe",
-     false,
-     Need::yes,
-     Need::no,
-     false,
-     Need::optional,
-     true,
-     false,
-     false,
-     true,
-     "mlp.",
-     "shared_expert.",
-     {"gate_proj", "up_proj", "down_proj"}},
-    {HfFamily::qwen3_moe,
-     "qwen3_moe",
-     false,
-     Need::no,
-     Need::yes,
-     false,
-     Need::no,
-     false,
-     false,
-     false,
-     true,
-     "mlp.",
-     "",
-     {"gate_proj", "up_proj", "down_proj"}},
-    {HfFamily::deepseek_v3,
-     "deepseek_v3",
-     true,
-     Need::no,
-     Need::yes,
-     false,
-     Need::optional,
-     false,
-     true,
-     true,
-     true,
-     "mlp.",
-     "shared_experts.",
-     {"gate_proj", "up_proj", "down_proj"}},
-    {HfFamily::deepseek_v2,
-     "deepseek_v2",
-     true,
-     Need::no,
-     Need::yes,
-     false,
-     Need::yes,
-     false,
-     false,
-     false,
-     true,
-     "mlp.",
-     "shared_experts.",
-     {"gate_proj", "up_proj", "down_proj"}},
-    {HfFamily::glm4_moe,
-     "glm4_moe",
-     false,
-     Need::optional,
-     Need::optional,
-     true,
-     Need::yes,
-     false,
-     true,
-     true,
-     true,
-     "mlp.",
-     "shared_experts.",
-     {"gate_proj", "up_proj", "down_proj"}},
+  // family               model_type     mla    qkv_bias        qk_norm         over   partial shared      gated  bias   mtp    dense  moe block            shared module      experts' gate / up / down
+  {HfFamily::mixtral,     "mixtral",     false, Need::no,       Need::no,       false, false,  Need::no,       false, false, false, false, "block_sparse_moe.", "",                {"w1", "w3", "w2"}},
+  {HfFamily::qwen2_moe,   "qwen2_moe",   false, Need::yes,      Need::no,       false, false,  Need::optional, true,  false, false, true,  "mlp.",              "shared_expert.",  {"gate_proj", "up_proj", "down_proj"}},
+  {HfFamily::qwen3_moe,   "qwen3_moe",   false, Need::no,       Need::yes,      false, false,  Need::no,       false, false, false, true,  "mlp.",              "",                {"gate_proj", "up_proj", "down_proj"}},
+  {HfFamily::deepseek_v3, "deepseek_v3", true,  Need::no,       Need::yes,      false, false,  Need::optional, false, true,  true,  true,  "mlp.",              "shared_experts.", {"gate_proj", "up_proj", "down_proj"}},
+  {HfFamily::deepseek_v2, "deepseek_v2", true,  Need::no,       Need::yes,      false, false,  Need::yes,      false, false, false, true,  "mlp.",              "shared_experts.", {"gate_proj", "up_proj", "down_proj"}},
+  {HfFamily::glm4_moe,    "glm4_moe",    false, Need::optional, Need::optional, false, true,   Need::yes,      false, true,  true,  true,  "mlp.",              "shared_experts.", {"gate_proj", "up_proj", "down_proj"}},
+  {HfFamily::olmoe,       "olmoe",       false, Need::no,       Need::yes,      true,  false,  Need::no,       false, false, false, false, "mlp.",              "",                {"gate_proj", "up_proj", "down_proj"}},
 };
+// clang-format on
 
 const FamilyTraits& traits(HfFamily f) {
   for (const FamilyTraits& t : kFamilies)
@@ -147,6 +74,7 @@ const char* hf_family_name(HfFamily family) {
 HfFamily hf_family_of(const ModelConfig& cfg) {
   if (cfg.multi_latent_attention) return cfg.moe.enable_expert_bias ? HfFamily::deepseek_v3 : HfFamily::deepseek_v2;
   if (cfg.moe.enable_expert_bias || cfg.rotary_percent != 1.0f) return HfFamily::glm4_moe;
+  if (cfg.qk_layernorm_over_heads) return HfFamily::olmoe;
   if (cfg.qk_layernorm) return HfFamily::qwen3_moe;
   if (cfg.add_qkv_bias || cfg.moe.shared_expert_intermediate_size > 0) return HfFamily::qwen2_moe;
   return HfFamily::mixtral;
@@ -181,7 +109,11 @@ void check_family(const ModelConfig& c, HfFamily f) {
   require_need(t.qkv_bias, c.add_qkv_bias, f, "--add-qkv-bias (q/k/v biases)", "qwen2_moe and glm4_moe");
   require_need(t.qk_norm, c.qk_layernorm, f,
                t.mla ? "--qk-layernorm (the q / kv latent norms)" : "--qk-layernorm (q_norm / k_norm)",
-               t.mla ? "MLA models" : "qwen3_moe and glm4_moe");
+               t.mla ? "MLA models" : "qwen3_moe, glm4_moe and olmoe");
+  if (c.qk_layernorm && !t.mla)
+    require(t.qk_over_heads == c.qk_layernorm_over_heads, f,
+            t.qk_over_heads ? "QK-norm per head (its q_norm / k_norm run over all heads: --qk-layernorm-over-heads)"
+                            : "--qk-layernorm-over-heads (its q_norm / k_norm run per head; olmoe's over all heads)");
   require(c.moe.enabled(), f, "no routed experts (--num-experts)");
   const bool shared = c.moe.shared_expert_intermediate_size > 0;
   require_need(t.shared, shared, f, "a shared expert (--moe-shared-expert-intermediate-size)",
@@ -320,9 +252,10 @@ class HfMapBuilder {
       tensor(pre + "self_attn.v_proj.bias", {G * D});
     }
     tensor(pre + "self_attn.o_proj.weight", {H, G * R * D});
-    if (c_.qk_layernorm) {
-      tensor(pre + "self_attn.q_norm.weight", {D});
-      tensor(pre + "self_attn.k_norm.weight", {D});
+    if (c_.qk_layernorm) {  // per head, or over the whole projection (olmoe)
+      const bool whole = c_.qk_layernorm_over_heads;
+      tensor(pre + "self_attn.q_norm.weight", {whole ? G * R * D : D});
+      tensor(pre + "self_attn.k_norm.weight", {whole ? G * D : D});
     }
   }
 

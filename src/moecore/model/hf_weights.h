@@ -20,7 +20,7 @@
 
 namespace moecore::model {
 
-enum class HfFamily : uint8_t { mixtral, qwen2_moe, qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe };
+enum class HfFamily : uint8_t { mixtral, qwen2_moe, qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe, olmoe };
 HfFamily hf_family_parse(const std::string& model_type);  // config.json's model_type; throws naming the supported
 const char* hf_family_name(HfFamily family);              // "mixtral", ...
 // The family whose modeling code computes what cfg computes: deepseek_v3 with MLA, qwen3_moe with QK-norm,

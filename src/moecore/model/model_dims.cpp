@@ -29,6 +29,7 @@ ModelDims model_dims(const ModelConfig& cfg, const ModelParallel& par, int64_t B
   n.swiglu = cfg.swiglu;
   n.rope = cfg.rope();
   n.qk_norm = cfg.qk_layernorm && !cfg.multi_latent_attention;  // (with MLA, --qk-layernorm is the latent norms)
+  n.qk_norm_over_heads = cfg.qk_layernorm_over_heads;
   n.dropout = cfg.hidden_dropout > 0.0f;
   n.compute = c;
   n.device = device;

@@ -115,7 +115,14 @@ class SpecTable {
     if (c_.add_bias_linear) add(proj_bias, sa + "linear_proj.bias", {H_}, ParamInit::zeros);
     norm(mlp_norm, mlp_norm_bias, spec.prefix + "pre_mlp_layernorm", H_);
     if (!spec.qk_norm) return;
-    const size_t from = out_.size();  // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
+    const size_t from = out_.size();
+    if (c_.qk_layernorm_over_heads) {  // over each token's whole projections: every TP rank norms all heads
+      norm(q_norm, q_norm_bias, sa + "q_layernorm", Hq * D);
+      norm(k_norm, k_norm_bias, sa + "k_layernorm", c_.query_groups() * D);
+      for (size_t i = from; i < out_.size(); ++i) out_[i].tp_grad = ParamSpec::TpGrad::whole;
+      return;
+    }
+    // Megatron's q_layernorm / k_layernorm: weights [D] shared by the heads
     norm(q_norm, q_norm_bias, sa + "q_layernorm", D);
     norm(k_norm, k_norm_bias, sa + "k_layernorm", D);
     head_partial(from);

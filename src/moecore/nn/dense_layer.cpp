@@ -36,12 +36,13 @@ void plan_cache(DenseLayerCache& k, const DenseLayerDims& d, bool with_mlp, bool
   if (!with_attention) return;
   p.empty(k.qkv, {T, q.width()}, c);
   if (d.qk_norm) {
+    const int64_t q_rows = d.qk_norm_over_heads ? T : T * q.q_heads(), k_rows = d.qk_norm_over_heads ? T : T * q.G;
     p.empty(k.q_in, {T * q.q_heads(), q.D}, DType::f32);
     p.empty(k.k_in, {T * q.G, q.D}, DType::f32);
-    p.empty(k.q_rstd, {T * q.q_heads()}, DType::f32);
-    p.empty(k.k_rstd, {T * q.G}, DType::f32);
-    if (d.layernorm) p.empty(k.q_mean, {T * q.q_heads()}, DType::f32);
-    if (d.layernorm) p.empty(k.k_mean, {T * q.G}, DType::f32);
+    p.empty(k.q_rstd, {q_rows}, DType::f32);
+    p.empty(k.k_rstd, {k_rows}, DType::f32);
+    if (d.layernorm) p.empty(k.q_mean, {q_rows}, DType::f32);
+    if (d.layernorm) p.empty(k.k_mean, {k_rows}, DType::f32);
   }
   p.empty(k.attn, {T, q.q_heads() * q.D}, c);
   p.empty(k.lse, {q.B, q.q_heads(), q.S}, DType::f32);
@@ -63,6 +64,12 @@ void plan_workspace(DenseLayerWorkspace& w, const DenseLayerDims& d, bool with_a
   if (d.qk_norm && with_attention) {
     p.empty(w.qk_y, {T * d.qkv.q_heads(), d.qkv.D}, c);
     p.empty(w.qk_dx, {T * d.qkv.q_heads(), d.qkv.D}, DType::f32);
+    if (d.qk_norm_over_heads && tp) {
+      const int64_t whole = d.tp_size() * d.qkv.q_heads() * d.qkv.D;
+      p.empty(w.qk_full_x, {T, whole}, DType::f32);
+      p.empty(w.qk_full_y, {T, whole}, c);
+      p.empty(w.qk_full_dx, {T, whole}, DType::f32);
+    }
   }
   if (tp && d.sequence_parallel) {
     p.empty(w.h_local, {d.N, d.H}, c);
@@ -202,17 +209,74 @@ void column_parallel_norm_backward(Tensor& dres, Tensor& dw_norm, Tensor& db_nor
 }
 }  // namespace
 
+namespace {
+// One QK-norm's rows: [T*heads, D] per head, or [T, heads*D] over heads (the view of the same gathered slots).
+Tensor qk_rows(const Tensor& t, const DenseLayerDims& d) {
+  return d.qk_norm_over_heads ? t.view({d.tokens(), t.numel() / d.tokens()}) : t;
+}
+
+// The whole projection's columns [T, P*n] of all TP ranks (into ws.qk_full_x's first P*n columns) from this rank's
+// [T, n]; without TP none (nullopt).
+Tensor gather_heads(const Tensor& full, const Tensor& local, const DenseLayerDims& d) {
+  const int64_t T = local.size(0), n = local.size(1);
+  Tensor out = full.view({full.numel()}).slice(0, 0, T * n * d.tp_size()).view({T, n * d.tp_size()});
+  all_gather_into(out, local, 1, *d.tp);
+  return out;
+}
+
+Tensor own_columns(const Tensor& full, const DenseLayerDims& d) {
+  const int64_t n = full.size(1) / d.tp_size(), r = d.tp->rank();
+  return full.slice(1, r * n, (r + 1) * n);
+}
+
+// The norm over each token's whole projection (qk_norm_over_heads): under TP every rank gathers all heads, norms the
+// whole rows (the same on every rank, so the weight's gradient is whole) and keeps its own columns.
+void over_heads_forward(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b,
+                        DenseLayerWorkspace& ws, const DenseLayerDims& d, const ops::Context& ctx) {
+  if (d.tp_size() == 1) return norm_forward(y, mean, rstd, x, w, b, d.eps, ctx);
+  const Tensor xf = gather_heads(ws.qk_full_x, x, d);
+  Tensor yf = ws.qk_full_y.view({ws.qk_full_y.numel()}).slice(0, 0, xf.numel()).view(xf.shape());
+  norm_forward(yf, mean, rstd, xf, w, b, d.eps, ctx);
+  y.copy_from(own_columns(yf, d));
+}
+
+void over_heads_backward(Tensor& dx, Tensor& dw, Tensor& db, const Tensor& dy, const Tensor& x, const Tensor& w,
+                         const Tensor& b, const Tensor& mean, const Tensor& rstd, DenseLayerWorkspace& ws,
+                         const DenseLayerDims& d, const ops::Context& ctx) {
+  if (d.tp_size() == 1) return norm_backward(dx, dw, db, dy, x, w, b, mean, rstd, false, ctx);
+  const Tensor xf = gather_heads(ws.qk_full_x, x, d), dyf = gather_heads(ws.qk_full_y, dy, d);
+  Tensor dxf = ws.qk_full_dx.view({ws.qk_full_dx.numel()}).slice(0, 0, xf.numel()).view(xf.shape());
+  norm_backward(dxf, dw, db, dyf, xf, w, b, mean, rstd, false, ctx);
+  dx.copy_from(own_columns(dxf, d));
+}
+
+void qk_norm_one_forward(Tensor& y, Tensor& mean, Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b,
+                         DenseLayerWorkspace& ws, const DenseLayerDims& d, const ops::Context& ctx) {
+  if (!d.qk_norm_over_heads) return norm_forward(y, mean, rstd, x, w, b, d.eps, ctx);
+  Tensor yr = qk_rows(y, d);
+  over_heads_forward(yr, mean, rstd, qk_rows(x, d), w, b, ws, d, ctx);
+}
+
+void qk_norm_one_backward(Tensor& dx, Tensor& dw, Tensor& db, const Tensor& dy, const Tensor& x, const Tensor& w,
+                          const Tensor& b, const Tensor& mean, const Tensor& rstd, DenseLayerWorkspace& ws,
+                          const DenseLayerDims& d, const ops::Context& ctx) {
+  if (!d.qk_norm_over_heads) return norm_backward(dx, dw, db, dy, x, w, b, mean, rstd, false, ctx);
+  Tensor dxr = qk_rows(dx, d);
+  over_heads_backward(dxr, dw, db, qk_rows(dy, d), qk_rows(x, d), w, b, mean, rstd, ws, d, ctx);
+}
+}  // namespace
+
 // QK-norm: the query heads (slots 0..R-1 of each group) and the key head (slot R) go through the layer's norm as
-// rows of D, with one weight per kind, and back into the fused activation.
+// rows of D (or, over heads, as one row per token), with one weight per kind, and back into the fused activation.
 void qk_norm_forward(DenseLayerCache& k, const DenseLayerWeights& w, DenseLayerWorkspace& ws, const DenseLayerDims& d,
                      const ops::Context& ctx) {
   const ops::QkvDims& q = d.qkv;
   Tensor yk = ws.qk_y.slice(0, 0, k.k_in.size(0));
   ops::qkv_slots_gather(k.q_in, k.qkv, q, 0, q.R, ctx);
-  norm_forward(ws.qk_y, k.q_mean, k.q_rstd, k.q_in, w.q_norm, w.q_norm_bias, d.eps, ctx);
+  qk_norm_one_forward(ws.qk_y, k.q_mean, k.q_rstd, k.q_in, w.q_norm, w.q_norm_bias, ws, d, ctx);
   ops::qkv_slots_scatter(k.qkv, ws.qk_y, q, 0, q.R, ctx);
   ops::qkv_slots_gather(k.k_in, k.qkv, q, q.R, 1, ctx);
-  norm_forward(yk, k.k_mean, k.k_rstd, k.k_in, w.k_norm, w.k_norm_bias, d.eps, ctx);
+  qk_norm_one_forward(yk, k.k_mean, k.k_rstd, k.k_in, w.k_norm, w.k_norm_bias, ws, d, ctx);
   ops::qkv_slots_scatter(k.qkv, yk, q, q.R, 1, ctx);
 }
 
@@ -223,11 +287,12 @@ void qk_norm_backward(Tensor& dqkv, DenseLayerGrads& g, const DenseLayerCache& k
   const int64_t kr = k.k_in.size(0);
   Tensor dyk = ws.qk_y.slice(0, 0, kr), dxk = ws.qk_dx.slice(0, 0, kr);
   ops::qkv_slots_gather(ws.qk_y, dqkv, q, 0, q.R, ctx);
-  norm_backward(ws.qk_dx, g.q_norm, g.q_norm_bias, ws.qk_y, k.q_in, w.q_norm, w.q_norm_bias, k.q_mean, k.q_rstd, false,
-                ctx);
+  qk_norm_one_backward(ws.qk_dx, g.q_norm, g.q_norm_bias, ws.qk_y, k.q_in, w.q_norm, w.q_norm_bias, k.q_mean, k.q_rstd,
+                       ws, d, ctx);
   ops::qkv_slots_scatter(dqkv, ws.qk_dx, q, 0, q.R, ctx);
   ops::qkv_slots_gather(dyk, dqkv, q, q.R, 1, ctx);
-  norm_backward(dxk, g.k_norm, g.k_norm_bias, dyk, k.k_in, w.k_norm, w.k_norm_bias, k.k_mean, k.k_rstd, false, ctx);
+  qk_norm_one_backward(dxk, g.k_norm, g.k_norm_bias, dyk, k.k_in, w.k_norm, w.k_norm_bias, k.k_mean, k.k_rstd, ws, d,
+                       ctx);
   ops::qkv_slots_scatter(dqkv, dxk, q, q.R, 1, ctx);
 }
 

@@ -37,7 +37,9 @@ struct DenseLayerDims {
   bool swiglu = true;      // SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
   bool dropout = false;    // hidden dropout may be on (allocates the masked-gradient buffer dres_c)
   bool qk_norm = false;    // QK-norm: the layer's norm over each q and k head (weights [D])
-  bool rope = true;        // rotate q and k (the table [S, Dr] gives the rotary width); false: no RoPE
+  bool qk_norm_over_heads = false;  // ... over each token's whole q and k projection instead (weights [G*R*D],
+                                    // [G*D] of the whole model: under TP the heads are gathered, normed, split back)
+  bool rope = true;                 // rotate q and k (the table [S, Dr] gives the rotary width); false: no RoPE
   DType compute = DType::f32;
   Device device = Device::cpu;       // where the caches and workspaces live
   const ProcessGroup* tp = nullptr;  // the tensor-parallel group (null or one rank: none)
@@ -64,8 +66,9 @@ struct DenseLayerWeights {
   Tensor proj_bias;            // [H] f32
   Tensor fc1_bias;             // [fc1_rows] f32
   Tensor fc2_bias;             // [H] f32
-  Tensor q_norm, q_norm_bias;  // [D] f32: QK-norm of the query heads (bias: LayerNorm only), or undefined
-  Tensor k_norm, k_norm_bias;  // [D] f32: QK-norm of the key heads
+  Tensor q_norm, q_norm_bias;  // [D] f32: QK-norm of the query heads (bias: LayerNorm only), or undefined;
+                               // over heads: [G*R*D] of all TP ranks
+  Tensor k_norm, k_norm_bias;  // [D] f32: QK-norm of the key heads (over heads: [G*D] of all TP ranks)
 };
 
 // f32 gradients, same shapes as the weights; accumulated.
@@ -90,7 +93,7 @@ struct DenseLayerCache {
   Tensor h1;              // [T, H] compute: norm1 output (all-gathered under sequence parallelism)
   Tensor qkv;             // [T, G*(R+2)*D] compute: after QK-norm and RoPE
   Tensor q_in, k_in;      // [T*G*R, D], [T*G, D] f32: query / key heads before QK-norm (QK-norm only)
-  Tensor q_mean, q_rstd;  // [T*G*R] f32 (mean: LayerNorm only)
+  Tensor q_mean, q_rstd;  // [T*G*R] f32 (mean: LayerNorm only); over heads: [T]
   Tensor k_mean, k_rstd;  // [T*G] f32
   Tensor attn;            // [T, G*R*D] compute: attention output
   Tensor lse;             // [B, G*R, S] f32
@@ -114,6 +117,9 @@ struct DenseLayerWorkspace {
   Tensor dact;    // [T, F] compute
   Tensor qk_y;    // [T*G*R, D] compute: QK-norm output (forward), its gradient (backward); QK-norm only
   Tensor qk_dx;   // [T*G*R, D] f32: QK-norm input gradient
+  // QK-norm over heads under TP: the whole projection of all ranks' heads, [T, P*G*R*D]: its input (f32), output or
+  // output gradient (compute), input gradient (f32).
+  Tensor qk_full_x, qk_full_y, qk_full_dx;
   // Sequence parallelism only:
   Tensor h_local;    // [N, H] compute: a norm's output on this rank's rows, before the all-gather
   Tensor dh_local;   // [N, H] f32: a reduce-scattered row-parallel output (forward) or input gradient (backward)
