@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Golden files for moecore's Hugging Face MoE checkpoint import (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3/V2-Lite).
+"""Golden files for moecore's Hugging Face MoE checkpoint import (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3/V2-Lite,
+DeepSeek-V2, GLM-4.5, OLMoE).
 
-Uses Hugging Face transformers' own modeling code (written against transformers 5.23.0, torch 2.x, CPU) to build
-tiny random models, saves each with `save_pretrained` (float32, hub tensor names: per-expert tensors such as
+Uses Hugging Face transformers' own modeling code (written against transformers 5.23.0, torch 2.x, CPU; the
+deepseek_v2*, glm4_moe and olmoe cases generated with transformers 5.24.0, torch 2.15) to build tiny random models, saves each with `save_pretrained` (float32, hub tensor names: per-expert tensors such as
 `model.layers.0.block_sparse_moe.experts.0.w1.weight` or `model.layers.0.mlp.experts.0.gate_proj.weight`, even though
 transformers 5.x keeps experts fused in memory as `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`), reloads the
 saved checkpoint with `from_pretrained`, and records the forward/backward of a next-token cross-entropy on random ids.
@@ -39,6 +40,19 @@ Cases (hidden 32, vocab 96):
   deepseek_v2lite same class, 2 layers, layer 0 dense, q_lora_rank null (q_proj), plain RoPE, n_group = topk_group = 1,
                   top-2 with renormalisation (norm_topk_prob true: Megatron always renormalises sigmoid top-k > 1),
                   routed_scaling_factor 1.
+  deepseek_v2     DeepseekV2ForCausalLM (model_type deepseek_v2), 2 layers, layer 0 dense; MLA with q_lora_rank 24
+                  (interleaved RoPE), YaRN (factor 4, original 8, mscale = mscale_all_dim = 0.707); 16 experts top-4,
+                  softmax scores, topk_method group_limited_greedy (n_group 4, topk_group 2: a group scores its best
+                  expert), no renormalisation, routed_scaling_factor 2, 1 shared expert. 16 / 4 groups and k 4: Megatron-
+                  Core's default group score (top-2 sum) differs from transformers' max on >= 2 tokens (GROUP_RULE_MIN_DIFF).
+  deepseek_v2_greedy
+                  deepseek_v2 in V2-Lite's shape: q_lora_rank null, greedy top-2 of 8, plain RoPE.
+  glm4_moe        Glm4MoeForCausalLM, 3 layers, layer 0 dense; GQA 4/2 with head_dim 16, q/k/v biases (attention_bias),
+                  per-head QK-norm (use_qk_norm), partial_rotary_factor 0.5; DeepSeek-V3's router (16 experts top-4,
+                  n_group 4, topk_group 2, sigmoid + e_score_correction_bias, renormalised, scaling 2.5), 1 shared
+                  expert; no MTP layer (transformers' Glm4Moe model has none).
+  olmoe           OlmoeForCausalLM, 2 layers, GQA 4/2, q_norm / k_norm over the whole q / k projections, 8 experts
+                  top-2 without renormalisation.
   deepseek_v3_mtp deepseek_v3's sizes with 2 layers plus one multi-token-prediction layer model.layers.2.* (hub names,
                   num_nextn_predict_layers 1), trained as Megatron-Core trains MTP: golden adds `mtp_loss` (F64) and
                   `mtp_logits` (F32), grads are of loss + 0.1 * mtp_loss. Generated / checked by tools/mtp_reference.py

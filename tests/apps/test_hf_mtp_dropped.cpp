@@ -95,6 +95,24 @@ class HfMtpDropped : public testing::CliScratch {
 // model-step and convert of the golden DeepSeek-V3 with MTP, less its MTP tensors: MTP off with the notice, every
 // output and every written parameter bit-identical to the same weights under num_nextn_predict_layers 0, the main
 // head still transformers' (golden); the export writes num_nextn_predict_layers 0.
+// GLM-4.5's transformers model drops its MTP layers too (and num_nextn_predict_layers defaults to 1 there): the
+// glm4_moe golden with num_nextn_predict_layers 1 loads with MTP off and the notice, and matches its golden.
+TEST_F(HfMtpDropped, Glm4MoeCheckpointWithoutMtpLayersLoadsWithMtpOff) {
+  const std::string golden = std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/glm4_moe";
+  copy_checkpoint(golden, p("glm"), 1);
+  const auto r =
+      run_moecore("model-step --hf " + p("glm") + " --tokens " + golden + "/tokens.safetensors --out " + p("glm.st"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("config.json has num_nextn_predict_layers 1 but the checkpoint holds none of those MTP "
+                          "layers (model.layers.3.*"),
+            std::string::npos)
+      << r.output;
+  const io::SafetensorsFile out = io::safetensors_load(p("glm.st"));
+  const io::SafetensorsFile want = io::safetensors_load(golden + "/golden.safetensors");
+  EXPECT_NEAR(out.tensors.at("loss").to(DType::f64).data<double>()[0],
+              want.tensors.at("loss").to(DType::f64).data<double>()[0], 5e-5);
+}
+
 TEST_F(HfMtpDropped, ModelStepAndConvertLoadItWithMtpOff) {
   copy_checkpoint(kGolden, p("dropped"), 1);
   copy_checkpoint(kGolden, p("plain"), 0);
