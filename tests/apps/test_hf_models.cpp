@@ -294,8 +294,8 @@ std::vector<std::pair<int64_t, double>> jsonl_losses(const std::string& path) {
 }
 
 // Five training steps from the HF import (`base`: a train command with --load-hf) under EP 2, PP 2 (each stage
-// imports its own layers) and, without MLA, TP 2 + SP over two ranks match one process.
-void layouts_match_one_process(HfModels& t, const std::string& base, bool mla) {
+// imports its own layers) and TP 2 + SP over two ranks match one process.
+void layouts_match_one_process(HfModels& t, const std::string& base) {
 #ifdef MOECORE_HAVE_MPI
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) return;
   // EP 2 over two ranks (global batch 8 = 2 x micro 4) against one process with the same global batch.
@@ -318,7 +318,6 @@ void layouts_match_one_process(HfModels& t, const std::string& base, bool mla) {
   const auto pp = jsonl_losses(t.p("pp.jsonl"));
   ASSERT_EQ(pp.size(), 5u) << r.output;
   for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(pp[i].second, one[i].second, 1e-5 * one[i].second) << "PP 2, " << i;
-  if (mla) return;  // MLA under TP is not supported yet
   // TP 2 + SP over two ranks: the imported weights split into tensor-parallel shards (the experts into ETP 2 slices,
   // ETP defaulting to TP), the MoE layers under SP.
   r = run_shell(testing::mpirun_command(2) + std::string(MOECORE_BINARY) + " " + five + t.p("tp.jsonl") +
@@ -328,12 +327,12 @@ void layouts_match_one_process(HfModels& t, const std::string& base, bool mla) {
   ASSERT_EQ(tp.size(), 5u) << r.output;
   for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(tp[i].second, one[i].second, 1e-5 * one[i].second) << "TP 2, " << i;
 #else
-  (void)t, (void)base, (void)mla;
+  (void)t, (void)base;
 #endif
 }
 
 // A model from a random HF checkpoint of `config` learns tinyshakespeare (mean training loss of steps 141-150 below
-// `below`), a resumed run continues bit-identically, EP 2, PP 2 (and, without MLA, TP 2 + SP) under mpirun match one
+// `below`), a resumed run continues bit-identically, EP 2, PP 2 and TP 2 + SP under mpirun match one
 // process, and the trained checkpoint exports to HF with the config it came from.
 void learn_resume_export(HfModels& t, const std::string& data, const nlohmann::json& config, double below) {
   write_random_hf(t.p("hf"), config, 5);
@@ -386,7 +385,7 @@ void learn_resume_export(HfModels& t, const std::string& data, const nlohmann::j
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_EQ(r.output.find("loaded (--load-hf)"), std::string::npos) << "the restart must resume from --load";
   EXPECT_EQ(jsonl_losses(t.p("split.jsonl")), jsonl_losses(t.p("full.jsonl")));
-  layouts_match_one_process(t, base, config.contains("kv_lora_rank"));
+  layouts_match_one_process(t, base);
 }
 
 // Qwen3-MoE (measured: 5.99 -> 2.45).
@@ -442,7 +441,7 @@ TEST_F(HfModels, DeepSeekV3FromAnHfCheckpointLearnsResumesAndExports) {
 // kHfPartElements f32 elements = 32 MiB, one 8 MiB conversion chunk and the headers, over the program's own
 // memory; measured 65 MB = 0.027 of it).
 // A family from a random HF checkpoint of `config`: one process trains from the import (the loss falls over 20
-// steps), and EP 2, PP 2 and (without MLA) TP 2 + SP match one process.
+// steps), and EP 2, PP 2 and TP 2 + SP match one process.
 void trains_under_every_layout(HfModels& t, const std::string& data, const nlohmann::json& config) {
   write_random_hf(t.p("hf"), config, 7);
   preprocess_shakespeare(t.dir_, data);
@@ -456,7 +455,7 @@ void trains_under_every_layout(HfModels& t, const std::string& data, const nlohm
   const auto learn = jsonl_losses(t.p("learn.jsonl"));
   ASSERT_EQ(learn.size(), 20u);
   EXPECT_LT(learn.back().second, learn.front().second - 0.5) << "training from the import lowers the loss";
-  layouts_match_one_process(t, base, config.contains("kv_lora_rank"));
+  layouts_match_one_process(t, base);
 }
 
 // GLM-4.5: standard attention with q/k/v biases, per-head QK-norm and partial RoPE (half of each head), a dense first
