@@ -531,6 +531,37 @@ TEST(HfConfig, ConfigWrittenForAModelReadsBackInEveryFamily) {
   }
 }
 
+// A family refuses, by the flag, a model its modeling code cannot compute (the traits table in model/hf_weights.cpp).
+TEST(HfConfig, FamiliesRefuseWhatTheirModelingCodeLacks) {
+  const std::string dir = std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/";
+  auto error = [&](const char* golden, const std::vector<std::pair<std::string, std::string>>& flags,
+                   model::HfFamily family) {
+    std::vector<std::pair<std::string, std::string>> all = {{"--seq-length", "1"}};
+    all.insert(all.end(), flags.begin(), flags.end());
+    const model::ModelConfig cfg = apps::hf_model_config(apps::hf_config_load(dir + golden, "--hf"), golden, all);
+    try {
+      model::hf_weight_map(cfg, family);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  std::string e = error("qwen3_moe", {}, model::HfFamily::olmoe);
+  EXPECT_NE(e.find("olmoe models cannot hold this model: QK-norm per head"), std::string::npos) << e;
+  e = error("olmoe", {}, model::HfFamily::qwen3_moe);
+  EXPECT_NE(e.find("--qk-layernorm-over-heads (its q_norm / k_norm run per head"), std::string::npos) << e;
+  e = error("qwen3_moe", {}, model::HfFamily::glm4_moe);
+  EXPECT_NE(e.find("glm4_moe models cannot hold this model: no shared expert"), std::string::npos) << e;
+  e = error("qwen3_moe", {}, model::HfFamily::deepseek_v2);
+  EXPECT_NE(e.find("deepseek_v2 models cannot hold this model: standard attention"), std::string::npos) << e;
+  e = error("deepseek_v2", {}, model::HfFamily::deepseek_v3);
+  EXPECT_NE(e.find("deepseek_v3 models cannot hold this model: no expert bias"), std::string::npos) << e;
+  e = error("glm4_moe", {}, model::HfFamily::qwen3_moe);
+  EXPECT_NE(e.find("positions other than RoPE over whole heads"), std::string::npos) << e;  // partial RoPE
+  e = error("qwen2_moe", {}, model::HfFamily::qwen3_moe);
+  EXPECT_NE(e.find("--add-qkv-bias (q/k/v biases) (only qwen2_moe and glm4_moe have it)"), std::string::npos) << e;
+}
+
 TEST(HfConfig, FuzzSeedsAreValidConfigs) {
   int seen = 0;
   for (const auto& e : std::filesystem::directory_iterator(std::string(MOECORE_SOURCE_DIR) + "/fuzz/seeds/hf_config")) {

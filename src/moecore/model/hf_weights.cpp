@@ -116,7 +116,7 @@ void check_family(const ModelConfig& c, HfFamily f) {
                             : "--qk-layernorm-over-heads (its q_norm / k_norm run per head; olmoe's over all heads)");
   require(c.moe.enabled(), f, "no routed experts (--num-experts)");
   const bool shared = c.moe.shared_expert_intermediate_size > 0;
-  require_need(t.shared, shared, f, "a shared expert (--moe-shared-expert-intermediate-size)",
+  require_need(t.shared, shared, f, "shared expert (--moe-shared-expert-intermediate-size)",
                "qwen2_moe, deepseek_v2, deepseek_v3 and glm4_moe");
   if (shared)
     require(t.shared_gated == c.moe.shared_expert_gate, f,
