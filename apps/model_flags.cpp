@@ -6,6 +6,7 @@
 #include "apps/model_flags.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -121,6 +122,24 @@ void position_embedding(const Args& a, const char* f, ModelConfig& c) {
         "embedding at all use --position-embedding-type none");
 }
 
+// --quick-geglu: a gated MLP (fc1 [2F, H]) with quick-GELU; Megatron asserts it is not given with --swiglu.
+void quick_geglu(const Args& a, const char* f, ModelConfig& c) {
+  exclusive(a, "--swiglu", f);
+  c.quick_geglu = a.on(f);
+  if (c.quick_geglu) c.swiglu = c.moe.swiglu = true;
+  c.moe.glu = c.glu_params();
+}
+
+// The GLU's offset and clamp (Megatron's None clamp: 0); the experts' GLU is the model's.
+template <float ModelConfig::*F>
+void glu(const Args& a, const char* f, ModelConfig& c) {
+  c.*F = static_cast<float>(a.f64_or(f, 0.0));
+  if (!std::isfinite(c.*F)) MOECORE_FAIL(f, " (", a.str(f), ") must be finite");
+  if (F == &ModelConfig::activation_func_clamp_value && a.given(f) && !(c.*F > 0.0f))
+    MOECORE_FAIL(f, " (", a.str(f), ") must be greater than zero (leave it unset for no clamp)");
+  c.moe.glu = c.glu_params();
+}
+
 void rotary_percent(const Args& a, const char* f, ModelConfig& c) {
   c.rotary_percent = static_cast<float>(a.f64(f));
   if (!(c.rotary_percent > 0.0f && c.rotary_percent <= 1.0f)) MOECORE_FAIL(f, " (", a.str(f), ") must be in (0, 1]");
@@ -233,6 +252,14 @@ const ModelFlag kModelFlags[] = {
   {"--normalization", Kind::value, "LayerNorm", "LayerNorm | RMSNorm", normalization},
   {"--swiglu", Kind::flag, "", "SwiGLU MLP and experts (without it: GeLU, as in Megatron)",
    [](const Args& a, const char* f, ModelConfig& c) { c.swiglu = c.moe.swiglu = a.on(f); }},
+  {"--quick-geglu", Kind::flag, "",
+   "gated linear unit with quick-GELU, x sigmoid(1.702 x), in the MLP and experts (GPT-OSS); not with --swiglu",
+   quick_geglu},
+  {"--glu-linear-offset", Kind::value, "0.0", "the gated linear unit's act(gate) * (up + offset)",
+   glu<&ModelConfig::glu_linear_offset>},
+  {"--activation-func-clamp-value", Kind::value, "",
+   "clamp of the gated linear unit's input: gate <= value, -value <= up <= value (GPT-OSS: 7)",
+   glu<&ModelConfig::activation_func_clamp_value>},
   {"--untie-embeddings-and-output-weights", Kind::flag, "",
    "separate output layer (without it the embedding is shared)",
    on<&ModelConfig::untie_embeddings_and_output_weights>},

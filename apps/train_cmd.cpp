@@ -106,6 +106,7 @@ void upcycle_from_dense(model::GptModel& gpt, const Args& a, const train::TrainC
   model::ModelConfig dc = mc;
   dc.moe = moe::MoeConfig{};
   dc.moe.swiglu = mc.swiglu;
+  dc.moe.glu = mc.moe.glu;
   model::GptModel dense(dc, 1, tcfg.seed);
   optim::AdamW dense_opt(dense.params(), optim::AdamWConfig{});
   const auto dir = io::checkpoint_find_latest(

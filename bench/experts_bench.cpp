@@ -56,7 +56,7 @@ ExpertsSetup experts_setup(int64_t N, int64_t H, int64_t F, int64_t E, int64_t K
   s.d.E = E;
   s.d.H = H;
   s.d.F = F;
-  s.d.swiglu = true;
+  s.d.act.glu = true;
   s.d.max_rows = R;
   s.d.compute = dtype;
   s.d.device = dev;

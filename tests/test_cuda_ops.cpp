@@ -110,13 +110,16 @@ TEST(CudaOps, ElementwiseMatchCpu) {
     for (bool g : {false, true}) ops::add(out.on(g), a.on(g), b.on(g), ctx_of(g));
     expect_bitwise(out);
     Both gu = randn(s2, "gate_up", ++seed, t), dout = randn(s, "dout", ++seed, t);
-    Both y = nans(s, t), dgu = nans(s2, t);
-    for (bool g : {false, true}) {
-      ops::swiglu_forward(y.on(g), gu.on(g), ctx_of(g));
-      ops::swiglu_backward(dgu.on(g), dout.on(g), gu.on(g), ctx_of(g));
+    // SwiGLU, and GPT-OSS's clamped quick-GEGLU with the clamp at 1 so that it binds on a good share of the inputs.
+    for (const ops::GluParams& p : {ops::GluParams{}, ops::GluParams{ops::kQuickGeluAlpha, 1.0f, 1.0f}}) {
+      Both y = nans(s, t), dgu = nans(s2, t);
+      for (bool g : {false, true}) {
+        ops::glu_forward(y.on(g), gu.on(g), p, ctx_of(g));
+        ops::glu_backward(dgu.on(g), dout.on(g), gu.on(g), p, ctx_of(g));
+      }
+      expect_near(y, rtol_of(t), 1e-6);
+      expect_near(dgu, rtol_of(t), 1e-6);
     }
-    expect_near(y, rtol_of(t), 1e-6);
-    expect_near(dgu, rtol_of(t), 1e-6);
     Both gy = nans(s, t), gdx = nans(s, t);
     for (bool g : {false, true}) {
       ops::gelu_forward(gy.on(g), a.on(g), ctx_of(g));

@@ -252,7 +252,7 @@ TEST(SwiGLU, ForwardMatchesReference) {
   gu.data<float>()[0] = -100.0f;  // sigmoid underflow
   gu.data<float>()[1] = 100.0f;
   Tensor out = empty(Shape{N, F});
-  ops::swiglu_forward(out, gu, kCpu);
+  ops::glu_forward(out, gu, ops::GluParams{}, kCpu);
   const auto g = to_vector(gu);
   std::vector<double> ref(N * F);
   for (int64_t n = 0; n < N; ++n)
@@ -263,15 +263,15 @@ TEST(SwiGLU, ForwardMatchesReference) {
   EXPECT_TENSOR_NEAR(out, from_double(Shape{N, F}, ref), 1e-6, 1e-6);  // exp within ~2 ulp
 
   Tensor out16 = empty(Shape{N, F}, DType::bf16);
-  ops::swiglu_forward(out16, gu.to(DType::bf16), kCpu);
+  ops::glu_forward(out16, gu.to(DType::bf16), ops::GluParams{}, kCpu);
   EXPECT_TENSOR_NEAR(out16, from_double(Shape{N, F}, ref), 2e-2,
                      2e-2);  // bf16 inputs and output: 3 roundings
   Tensor outh = empty(Shape{N, F}, DType::f16);
-  ops::swiglu_forward(outh, gu.to(DType::f16), kCpu);
+  ops::glu_forward(outh, gu.to(DType::f16), ops::GluParams{}, kCpu);
   EXPECT_TENSOR_NEAR(outh, from_double(Shape{N, F}, ref), 3e-3, 3e-3);  // f16: 3 roundings of 2^-11
 
   Tensor out3 = empty(Shape{1, N, F});  // leading dims may be folded any way
-  ops::swiglu_forward(out3, gu.view(Shape{1, N, 2 * F}), kCpu);
+  ops::glu_forward(out3, gu.view(Shape{1, N, 2 * F}), ops::GluParams{}, kCpu);
   EXPECT_TRUE(bitwise_equal(out3.view(Shape{N, F}), out));
 }
 
@@ -280,19 +280,70 @@ TEST(SwiGLU, BackwardFiniteDifferences) {
   Tensor gu = randn(Shape{N, 2 * F}, "gate_up", 2.0f), wts = randn(Shape{N, F}, "wts");
   Tensor out = empty(Shape{N, F});
   auto loss = [&] {
-    ops::swiglu_forward(out, gu, kCpu);
+    ops::glu_forward(out, gu, ops::GluParams{}, kCpu);
     return weighted_sum(out, wts);
   };
   Tensor num = numerical_gradient(loss, gu);
   Tensor dgu = empty(Shape{N, 2 * F});
-  ops::swiglu_backward(dgu, wts, gu, kCpu);
+  ops::glu_backward(dgu, wts, gu, ops::GluParams{}, kCpu);
   EXPECT_TENSOR_NEAR(dgu, num, 1e-2, 1e-3);
   Tensor dgu16 = empty(Shape{N, 2 * F}, DType::bf16);
-  ops::swiglu_backward(dgu16, wts.to(DType::bf16), gu.to(DType::bf16), kCpu);
+  ops::glu_backward(dgu16, wts.to(DType::bf16), gu.to(DType::bf16), ops::GluParams{}, kCpu);
   EXPECT_TENSOR_NEAR(dgu16, dgu, 3e-2, 3e-2);  // bf16 inputs (rel 4e-3 each) through a product
   Tensor dguh = empty(Shape{N, 2 * F}, DType::f16);
-  ops::swiglu_backward(dguh, wts.to(DType::f16), gu.to(DType::f16), kCpu);
+  ops::glu_backward(dguh, wts.to(DType::f16), gu.to(DType::f16), ops::GluParams{}, kCpu);
   EXPECT_TENSOR_NEAR(dguh, dgu, 4e-3, 4e-3);  // f16 inputs (rel 5e-4 each): 8x tighter than bf16
+}
+
+// GPT-OSS's gated linear unit (Megatron's --quick-geglu --glu-linear-offset 1 --activation-func-clamp-value c):
+// out = min(g, c) sigmoid(1.702 min(g, c)) (clamp(u, -c, c) + 1), against a double reference; the gradient is zero
+// where a clamp binds and matches central differences elsewhere (inputs kept off the clamp's kink).
+TEST(Glu, ClampedQuickGegluMatchesReferenceAndFiniteDifferences) {
+  const int64_t N = 4, F = 11;
+  const ops::GluParams p{ops::kQuickGeluAlpha, 1.0f, 1.5f};
+  Tensor gu = randn(Shape{N, 2 * F}, "gate_up", 2.0f);
+  for (int64_t i = 0; i < gu.numel(); ++i)  // away from +-1.5, where the clamp's derivative jumps
+    if (std::fabs(std::fabs(gu.data<float>()[i]) - 1.5f) < 0.05f) gu.data<float>()[i] += 0.2f;
+  Tensor out = empty(Shape{N, F});
+  ops::glu_forward(out, gu, p, kCpu);
+  const auto g = to_vector(gu);
+  std::vector<double> ref(N * F);
+  int clamped_gates = 0, clamped_ups = 0;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < F; ++j) {
+      const double a = std::min<double>(g[n * 2 * F + j], 1.5), u = std::clamp<double>(g[n * 2 * F + F + j], -1.5, 1.5);
+      clamped_gates += g[n * 2 * F + j] > 1.5f;
+      clamped_ups += std::fabs(g[n * 2 * F + F + j]) > 1.5f;
+      ref[n * F + j] = a / (1.0 + std::exp(-1.702 * a)) * (u + 1.0);
+    }
+  ASSERT_GT(clamped_gates, 2);
+  ASSERT_GT(clamped_ups, 2);
+  EXPECT_TENSOR_NEAR(out, from_double(Shape{N, F}, ref), 1e-6, 1e-6);
+
+  Tensor wts = randn(Shape{N, F}, "wts");
+  auto loss = [&] {
+    ops::glu_forward(out, gu, p, kCpu);
+    return weighted_sum(out, wts);
+  };
+  Tensor num = numerical_gradient(loss, gu);
+  Tensor dgu = empty(Shape{N, 2 * F});
+  ops::glu_backward(dgu, wts, gu, p, kCpu);
+  EXPECT_TENSOR_NEAR(dgu, num, 1e-2, 1e-3);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < F; ++j) {
+      if (g[n * 2 * F + j] > 1.5f) {
+        EXPECT_EQ(dgu.data<float>()[n * 2 * F + j], 0.0f);
+      }
+      if (std::fabs(g[n * 2 * F + F + j]) > 1.5f) {
+        EXPECT_EQ(dgu.data<float>()[n * 2 * F + F + j], 0.0f);
+      }
+    }
+  // SiLU without offset or clamp is GluParams{}: bit for bit the SwiGLU of the tests above.
+  Tensor a = empty(Shape{N, F}), b = empty(Shape{N, F});
+  ops::glu_forward(a, gu, ops::GluParams{}, kCpu);
+  ops::glu_forward(b, gu, ops::GluParams{1.0f, 0.0f, 0.0f}, kCpu);
+  EXPECT_TRUE(bitwise_equal(a, b));
+  expect_error([&] { ops::glu_forward(a, gu, ops::GluParams{1.0f, 0.0f, -1.0f}, kCpu); }, {"glu_forward", "clamp"});
 }
 
 TEST(GeLU, ForwardMatchesErfReference) {
@@ -643,7 +694,7 @@ TEST(Determinism, ResultsDoNotDependOnThreadCount) {
     Tensor p = x.clone(), m = zeros(Shape{N, H}, DType::bf16), v = zeros(Shape{N, H});
     ops::adamw_step(p, dy, m, v, ops::AdamWParams{}, kCpu);
     Tensor act = empty(Shape{N, H / 2});
-    ops::swiglu_forward(act, x, kCpu);
+    ops::glu_forward(act, x, ops::GluParams{}, kCpu);
     Tensor g = empty(Shape{N, H});
     ops::gelu_backward(g, dy, x, kCpu);
     return std::vector<Tensor>{ss, p, m, v, act, g};
@@ -659,8 +710,8 @@ TEST(Errors, BadShapesNameTheOp) {
   expect_error([&] { ops::layernorm_backward(y, w, w9, x, x, w, r, r, false, kCpu); }, {"layernorm_backward"});
   expect_error([&] { ops::embedding_forward(y7, ids, x, kCpu); }, {"embedding_forward", "[4, 7]"});
   expect_error([&] { ops::embedding_backward(x, ids, y7, kCpu); }, {"embedding_backward"});
-  expect_error([&] { ops::swiglu_forward(y, x, kCpu); }, {"swiglu_forward", "gate_up"});
-  expect_error([&] { ops::swiglu_backward(x, y7, x, kCpu); }, {"swiglu_backward"});
+  expect_error([&] { ops::glu_forward(y, x, ops::GluParams{}, kCpu); }, {"glu_forward", "gate_up"});
+  expect_error([&] { ops::glu_backward(x, y7, x, ops::GluParams{}, kCpu); }, {"glu_backward"});
   expect_error([&] { ops::gelu_forward(y7, x, kCpu); }, {"gelu_forward"});
   expect_error([&] { ops::gelu_backward(y, y7, x, kCpu); }, {"gelu_backward"});
   expect_error([&] { ops::add(y, x, y7, kCpu); }, {"add", "[4, 7] f32"});

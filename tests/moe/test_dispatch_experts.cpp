@@ -582,7 +582,7 @@ ExpertCase make_case(bool swiglu, DType dt, std::vector<int64_t> tpe, int64_t H,
   c.d.E = E;
   c.d.H = H;
   c.d.F = F;
-  c.d.swiglu = swiglu;
+  c.d.act.glu = swiglu;
   c.d.max_rows = R + 3;  // larger than R: the experts must use only the first R rows
   c.d.compute = dt;
   c.d.device = testing::test_device();
@@ -874,8 +874,8 @@ SharedResult run_shared(const SharedCase& c, bool swiglu, DType dt) {
                  {dev_zeros(c.w.fc1.shape(), DType::f32), dev_zeros(c.w.fc2.shape(), DType::f32),
                   gate ? dev_zeros({1, H}, DType::f32) : Tensor()}};
   const Tensor x = on_test_device(c.x.to(dt)), dy = on_test_device(c.dy);
-  moe::shared_expert_forward(r.y, x, w, cache, swiglu, ctx);
-  moe::shared_expert_backward(r.dx, r.g, dy, x, w, cache, swiglu, ctx);
+  moe::shared_expert_forward(r.y, x, w, cache, ops::MlpActivation{swiglu, {}}, ctx);
+  moe::shared_expert_backward(r.dx, r.g, dy, x, w, cache, ops::MlpActivation{swiglu, {}}, ctx);
   return r;
 }
 
@@ -891,7 +891,8 @@ TEST(SharedExpert, FiniteDifferencesWithAndWithoutGate) {
       Tensor y = dev_empty({4, 5}, DType::f32);
       auto loss = [&] {
         y.copy_from(c.y0);
-        moe::shared_expert_forward(y, on_test_device(c.x), shared_device_weights(c.w, DType::f32), cache, swiglu, ctx);
+        moe::shared_expert_forward(y, on_test_device(c.x), shared_device_weights(c.w, DType::f32), cache,
+                                   ops::MlpActivation{swiglu, {}}, ctx);
         return testing::weighted_sum(y, c.dy);
       };
       EXPECT_NEAR(loss(), testing::weighted_sum(r.y, c.dy), 1e-5);

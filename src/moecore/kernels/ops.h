@@ -17,6 +17,7 @@
 
 #include "moecore/core/rng.h"
 #include "moecore/core/tensor.h"
+#include "moecore/kernels/common/glu.h"
 
 namespace moecore::ops {
 
@@ -241,13 +242,19 @@ inline void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& q
 }
 
 // ---- Activations -------------------------------------------------------------------------------
-// SwiGLU on Megatron's fused fc1 output: gate_up [N, 2F] = [gate | up]; out [N, F] = silu(gate) * up.
+// The gated linear unit on Megatron's fused fc1 output: gate_up [N, 2F] = [gate | up]; out [N, F] = act(gate) * up
+// with the activation, offset and clamps of GluParams (kernels/common/glu.h; GluParams{} is SwiGLU: silu(gate) * up).
 // All tensors share one dtype, f32, bf16 or f16. dgate_up [N, 2F] written.
-void swiglu_forward(Tensor& out, const Tensor& gate_up, const Context& ctx);
-void swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up, const Context& ctx);
+void glu_forward(Tensor& out, const Tensor& gate_up, const GluParams& p, const Context& ctx);
+void glu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up, const GluParams& p, const Context& ctx);
 // GeLU (exact, erf form): out = x * Phi(x). out, x, dout, dx [N, F], one dtype, f32, bf16 or f16.
 void gelu_forward(Tensor& out, const Tensor& x, const Context& ctx);
 void gelu_backward(Tensor& dx, const Tensor& dout, const Tensor& x, const Context& ctx);
+// An MLP's activation (MlpActivation, kernels/common/glu.h) on its fc1 output: glu_forward / glu_backward or
+// gelu_forward / gelu_backward. Every MLP (dense, routed and shared experts) goes through this pair.
+void mlp_activation_forward(Tensor& act, const Tensor& h, const MlpActivation& a, const Context& ctx);
+void mlp_activation_backward(Tensor& dh, const Tensor& dact, const Tensor& h, const MlpActivation& a,
+                             const Context& ctx);
 
 // ---- Loss --------------------------------------------------------------------------------------
 // Softmax cross-entropy on one chunk of logits, fused with its gradient. logits [N, V] f32 (row stride

@@ -70,6 +70,16 @@ void ModelConfig::validate() const {
   if (compute_dtype != DType::f32 && compute_dtype != DType::bf16 && compute_dtype != DType::f16)
     MOECORE_FAIL("model config: compute dtype ", dtype_name(compute_dtype), " is not supported (use f32, bf16 or f16)");
   if (!(norm_epsilon > 0.0f)) MOECORE_FAIL("model config: norm_epsilon (", norm_epsilon, ") must be positive");
+  // Megatron's rules for the gated linear unit (transformer_config.py): offset and clamp act on a GLU only; a clamped
+  // SwiGLU is for MoE models and takes no offset.
+  if (!swiglu && (glu_linear_offset != 0.0f || activation_func_clamp_value > 0.0f))
+    MOECORE_FAIL(
+        "model config: --glu-linear-offset and --activation-func-clamp-value act on a gated MLP only; pass --swiglu "
+        "or --quick-geglu");
+  if (swiglu && !quick_geglu && activation_func_clamp_value > 0.0f && (!moe.enabled() || glu_linear_offset != 0.0f))
+    MOECORE_FAIL(
+        "model config: --activation-func-clamp-value with SwiGLU needs --num-experts and --glu-linear-offset 0 (as "
+        "Megatron)");
   if (qk_layernorm_over_heads && (!qk_layernorm || multi_latent_attention))
     MOECORE_FAIL("model config: --qk-layernorm-over-heads needs --qk-layernorm and standard attention (not MLA)");
   if (multi_latent_attention) {
@@ -111,8 +121,10 @@ void ModelConfig::validate() const {
     MOECORE_FAIL("--recompute-modules mla_up_proj needs --multi-latent-attention (as in Megatron)");
   if (moe.enabled()) {
     (void)moe_layers();  // validates --moe-layer-freq against num_layers
-    if (moe.swiglu != swiglu)
-      MOECORE_FAIL("model config: the experts' activation must match the model's (--swiglu applies to both)");
+    if (moe.swiglu != swiglu || !(moe.glu == glu_params()))
+      MOECORE_FAIL(
+          "model config: the experts' activation must match the model's (--swiglu, --quick-geglu, "
+          "--glu-linear-offset and --activation-func-clamp-value apply to both)");
   }
 }
 

@@ -90,7 +90,16 @@ struct ModelConfig {
   float mtp_loss_scaling_factor = 0.1f;  // --mtp-loss-scaling-factor: the MTP losses weigh this / mtp_num_layers
   float hidden_dropout = 0.0f;           // --hidden-dropout: embedding output and both bias-dropout-adds, [0, 1)
   float attention_dropout = 0.0f;        // --attention-dropout: on the attention probabilities, [0, 1)
-  bool swiglu = true;                    // --swiglu (else GeLU MLP, Megatron's default)
+  bool swiglu = true;                    // --swiglu (else GeLU MLP, Megatron's default); with --quick-geglu: the GLU
+  // --quick-geglu: the gated linear unit with quick-GELU, x sigmoid(1.702 x) (GPT-OSS), instead of SiLU (swiglu is
+  // then true: the MLPs are gated, fc1 [2F, H]).
+  bool quick_geglu = false;
+  float glu_linear_offset = 0.0f;            // --glu-linear-offset: act(gate) * (up + offset)
+  float activation_func_clamp_value = 0.0f;  // --activation-func-clamp-value (Megatron's None: 0): the GLU's clamps
+  ops::GluParams glu_params() const {
+    return {quick_geglu ? ops::kQuickGeluAlpha : 1.0f, glu_linear_offset, activation_func_clamp_value};
+  }
+  ops::MlpActivation mlp_activation() const { return {swiglu, glu_params()}; }
   bool untie_embeddings_and_output_weights = true;  // --untie-embeddings-and-output-weights (else tied)
   float init_method_std = 0.02f;                    // --init-method-std: N(0, std^2) for weights
   DType compute_dtype = DType::f32;                 // --bf16 / --fp16 select bf16 / f16 compute (fp32 masters)

@@ -114,6 +114,12 @@ std::vector<Field> decoder_fields() {
       plain(
           "swiglu", [](ModelConfig & c) -> auto& { return c.swiglu; }),
       plain(
+          "quick_geglu", [](ModelConfig & c) -> auto& { return c.quick_geglu; }),
+      plain(
+          "glu_linear_offset", [](ModelConfig & c) -> auto& { return c.glu_linear_offset; }),
+      plain(
+          "activation_func_clamp_value", [](ModelConfig & c) -> auto& { return c.activation_func_clamp_value; }),
+      plain(
           "untie_embeddings_and_output_weights",
           [](ModelConfig & c) -> auto& { return c.untie_embeddings_and_output_weights; }),
       named("normalization", [](ModelConfig & c) -> auto& { return c.normalization; }, {"RMSNorm", "LayerNorm"}),
@@ -268,6 +274,7 @@ ModelConfig model_from_record(const json& record, const std::string& where, cons
     }
   }
   c.moe.swiglu = c.swiglu;  // the experts' activation is the model's
+  c.moe.glu = c.glu_params();
   // The sequence length is the run's, not the model's: within the recorded positions.
   if (c.max_position_embeddings > 0) c.seq_length = std::min(c.seq_length, c.max_position_embeddings);
   return c;

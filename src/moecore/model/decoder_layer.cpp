@@ -149,7 +149,7 @@ void DecoderLayer::moe_backward(LayerCache& c, LayerShared& sh, const Refill& re
   if (refill.moe)  // the layer again from its routing (its output, in moe_out, is not needed)
     moe::moe_layer_forward(sh.moe_out, sh.moe_x, Tensor(), moe_w_, router_, c.moe, *sh.dispatcher, sh.moe_dims, *sh.moe,
                            /*training=*/true, ctx, /*route=*/false);
-  if (refill.shared_expert) moe::shared_expert_refill(sh.moe_x, moe_w_.shared, c.moe.shared, sh.moe->swiglu, ctx);
+  if (refill.shared_expert) moe::shared_expert_refill(sh.moe_x, moe_w_.shared, c.moe.shared, sh.moe->activation(), ctx);
   ops::bias_dropout_add_backward(dh2_flat, no_bias, sh.dres, c.drops.mlp_out, ctx);
   ops::transpose_01(dout_sb, dh2, ctx);
   moe::moe_layer_backward(dx, moe_g_, sh.moe_out, sh.moe_x, moe_w_, c.moe, *sh.dispatcher, sh.moe_dims, *sh.moe,

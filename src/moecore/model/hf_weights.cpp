@@ -102,6 +102,8 @@ void check_family(const ModelConfig& c, HfFamily f) {
   require(c.rope() && (t.partial_rope || c.rotary_percent == 1.0f), f,
           t.partial_rope ? "positions other than RoPE" : "positions other than RoPE over whole heads");
   require(c.swiglu, f, "a GeLU MLP (it uses SwiGLU: pass --swiglu)");
+  require(c.glu_params() == ops::GluParams{}, f,
+          "--quick-geglu, --glu-linear-offset or --activation-func-clamp-value (its MLPs are plain SwiGLU)");
   require(!c.add_bias_linear, f, "linear-layer biases (pass --disable-bias-linear)");
   require(t.mla == c.multi_latent_attention, f,
           t.mla ? "standard attention (it uses --multi-latent-attention)"

@@ -26,7 +26,7 @@ ModelDims model_dims(const ModelConfig& cfg, const ModelParallel& par, int64_t B
   n.cp = CP > 1 ? &par.cp : nullptr;
   n.eps = cfg.norm_epsilon;
   n.layernorm = cfg.normalization == Normalization::layernorm;
-  n.swiglu = cfg.swiglu;
+  n.act = cfg.mlp_activation();
   n.rope = cfg.rope();
   n.qk_norm = cfg.qk_layernorm && !cfg.multi_latent_attention;  // (with MLA, --qk-layernorm is the latent norms)
   n.qk_norm_over_heads = cfg.qk_layernorm_over_heads;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "moecore/core/dtype.h"
+#include "moecore/kernels/common/glu.h"
 #include "moecore/kernels/ops_router.h"
 
 namespace moecore::moe {
@@ -48,7 +49,11 @@ struct MoeConfig {
   int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0: none)
   bool shared_expert_gate = false;              // --moe-shared-expert-gate: sigmoid(x . g) scales the shared output
   bool swiglu = true;                           // expert activation: SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
-  uint64_t seed = 1234;                         // jitter / forced-balancing stream seed
+  // The gated linear unit's activation, offset and clamps (the model's --quick-geglu, --glu-linear-offset,
+  // --activation-func-clamp-value); GluParams{} is SiLU.
+  ops::GluParams glu;
+  ops::MlpActivation activation() const { return {swiglu, glu}; }
+  uint64_t seed = 1234;  // jitter / forced-balancing stream seed
   // MoE ECHO (echo.h; docs/echo-folding-perf.md §A): clones of hot experts on under-loaded EP ranks.
   bool enable_echo = false;      // --moe-enable-echo
   int64_t num_echo_experts = 0;  // --moe-num-echo-experts: global clone slots, a multiple of EP (e.g. 2 x EP)

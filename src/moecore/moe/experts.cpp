@@ -8,20 +8,6 @@
 namespace moecore::moe {
 namespace {
 
-void act_forward(Tensor& act, const Tensor& h, bool swiglu, const ops::Context& ctx) {
-  if (swiglu)
-    ops::swiglu_forward(act, h, ctx);
-  else
-    ops::gelu_forward(act, h, ctx);
-}
-
-void act_backward(Tensor& dh, const Tensor& dact, const Tensor& h, bool swiglu, const ops::Context& ctx) {
-  if (swiglu)
-    ops::swiglu_backward(dh, dact, h, ctx);
-  else
-    ops::gelu_backward(dh, dact, h, ctx);
-}
-
 // The first R rows of every per-row buffer.
 struct RowViews {
   Tensor h, act, a, da, dh;
@@ -119,7 +105,7 @@ void experts_forward(Tensor& y, const Tensor& x, const Tensor& probs, const Tens
   const bool bias = w.fc1_bias.defined();
   ops::gemm_grouped(v.h, x, w.fc1, true, tokens_per_expert, 0.0f, ctx);
   if (bias) ops::bias_add_grouped(v.h, w.fc1_bias, tokens_per_expert, ctx);
-  act_forward(v.act, v.h, d.swiglu, ctx);
+  ops::mlp_activation_forward(v.act, v.h, d.act, ctx);
   ops::moe_scale_rows(v.a, v.act, probs, tokens_per_expert, ctx);
   ops::gemm_grouped(y, v.a, w.fc2, true, tokens_per_expert, 0.0f, ctx);
   if (bias && d.adds_fc2_bias) ops::bias_add_grouped_scaled(y, w.fc2_bias, probs, tokens_per_expert, ctx);
@@ -139,10 +125,10 @@ void experts_backward(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& 
   if (bias)
     ops::bias_grad_grouped_scaled(g.fc2_bias, b2_term ? dprobs : no_term, dy, w.fc2_bias, probs, tokens_per_expert,
                                   ctx);
-  if (d.recompute_act) act_forward(v.act, v.h, d.swiglu, ctx);  // (the same bits as forward's)
+  if (d.recompute_act) ops::mlp_activation_forward(v.act, v.h, d.act, ctx);  // (the same bits as forward's)
   ops::moe_scale_rows_backward(dprobs, v.da, v.a, v.act, probs, tokens_per_expert, b2_term, ctx);
   ops::gemm_grouped_wgrad(g.fc2, dy, v.a, tokens_per_expert, 1.0f, ctx);
-  act_backward(v.dh, v.da, v.h, d.swiglu, ctx);
+  ops::mlp_activation_backward(v.dh, v.da, v.h, d.act, ctx);
   if (bias) ops::bias_grad_grouped(g.fc1_bias, v.dh, tokens_per_expert, ctx);
   ops::gemm_grouped_wgrad(g.fc1, v.dh, x, tokens_per_expert, 1.0f, ctx);
   ops::gemm_grouped(dx, v.dh, w.fc1, false, tokens_per_expert, 0.0f, ctx);
@@ -182,7 +168,7 @@ void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs,
   // The activation and the probability scaling are row-wise, so one pass over all experts' rows equals a pass
   // per expert (the same bits).
   Tensor h = v.h.slice(0, 0, o), act = v.act.slice(0, 0, o);
-  act_forward(act, h, d.swiglu, ctx);
+  ops::mlp_activation_forward(act, h, d.act, ctx);
   ops::moe_scale_rows(v.a, v.act, probs, tokens_per_expert, ctx);
   o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
@@ -217,11 +203,11 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
   // Row-wise again: dprobs, dL/dact and the recomputed a for all experts' rows in one pass.
   if (d.recompute_act) {
     Tensor act = v.act.slice(0, 0, o);
-    act_forward(act, v.h.slice(0, 0, o), d.swiglu, ctx);
+    ops::mlp_activation_forward(act, v.h.slice(0, 0, o), d.act, ctx);
   }
   ops::moe_scale_rows_backward(dprobs, v.da, v.a, v.act, probs, tokens_per_expert, b2_term, ctx);
   Tensor dh = v.dh.slice(0, 0, o), da = v.da.slice(0, 0, o), h = v.h.slice(0, 0, o);
-  act_backward(dh, da, h, d.swiglu, ctx);
+  ops::mlp_activation_backward(dh, da, h, d.act, ctx);
   o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
     if (n[e] == 0) continue;

@@ -19,11 +19,11 @@
 namespace moecore::moe {
 
 struct ExpertDims {
-  int64_t E = 0;         // local experts (core/dims.h's El: E / EP, the model's E)
-  int64_t H = 0;         // hidden size
-  int64_t F = 0;         // expert ffn size
-  bool swiglu = true;    // fc1 rows: 2F (SwiGLU, [gate; up]) or F (GeLU)
-  int64_t max_rows = 0;  // rows the caches are sized for
+  int64_t E = 0;           // local experts (core/dims.h's El: E / EP, the model's E)
+  int64_t H = 0;           // hidden size
+  int64_t F = 0;           // expert ffn size
+  ops::MlpActivation act;  // fc1 rows: 2F (a gated linear unit, [gate; up]) or F (GeLU)
+  int64_t max_rows = 0;    // rows the caches are sized for
   // Expert tensor parallelism: every slice holds the whole fc2 bias and computes its gradient (each sees every row and
   // its whole output gradient), but only one slice (ETP rank 0) adds it to its partial output and its dy . b2 term to
   // dprobs, so that the sum over the slices has it once.
@@ -33,7 +33,7 @@ struct ExpertDims {
   bool recompute_act = false;
   DType compute = DType::f32;
   Device device = Device::cpu;  // where the caches live
-  int64_t fc1_rows() const { return swiglu ? 2 * F : F; }
+  int64_t fc1_rows() const { return act.fc1_width(F); }
 };
 
 // Biases are optional (undefined: none, bitwise the bias-free layer); give both or neither.
@@ -97,17 +97,17 @@ struct SharedExpertCache {
   Tensor gate_s;            // [T] f32: sigmoid(x . gate)
   Tensor dact, dh, dout_c;  // backward workspace
 };
-SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bool swiglu, bool gate, DType compute,
+SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bool glu, bool gate, DType compute,
                                             Device device = Device::cpu);
 // y [T, H] f32 += shared expert output of x [T, H] compute.
 void shared_expert_forward(Tensor& y, const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache,
-                           bool swiglu, const ops::Context& ctx);
+                           const ops::MlpActivation& act, const ops::Context& ctx);
 // Selective recompute (shared_experts): cache.h and cache.act again from x, as forward computes them.
-void shared_expert_refill(const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache, bool swiglu,
-                          const ops::Context& ctx);
+void shared_expert_refill(const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache,
+                          const ops::MlpActivation& act, const ops::Context& ctx);
 // dy [T, H] f32; dx [T, H] f32 +=; grads +=.
 void shared_expert_backward(Tensor& dx, SharedExpertGrads& g, const Tensor& dy, const Tensor& x,
-                            const SharedExpertWeights& w, SharedExpertCache& cache, bool swiglu,
+                            const SharedExpertWeights& w, SharedExpertCache& cache, const ops::MlpActivation& act,
                             const ops::Context& ctx);
 
 }  // namespace moecore::moe

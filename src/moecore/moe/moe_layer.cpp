@@ -18,7 +18,7 @@ ExpertDims expert_dims(const MoeLayerDims& d, const MoeConfig& cfg, int64_t max_
   e.F = d.F / d.etp;  // this rank's slice of every local expert
   e.adds_fc2_bias = d.etp_rank == 0;
   e.recompute_act = d.recompute_act;
-  e.swiglu = cfg.swiglu;
+  e.act = cfg.activation();
   e.max_rows = max_rows;
   e.compute = d.compute;
   e.device = d.device;
@@ -286,7 +286,7 @@ void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, c
   dispatcher.combine_prepare(b, ctx);
   dispatcher.combine(b, y, ctx);
   dispatcher.combine_finish(b, y, ctx);
-  if (d.Fs > 0) shared_expert_forward(y, x, w.shared, c.shared, cfg.swiglu, ctx);
+  if (d.Fs > 0) shared_expert_forward(y, x, w.shared, c.shared, cfg.activation(), ctx);
 }
 
 void moe_layer_backward(Tensor& dx, MoeLayerGrads& g, const Tensor& dy, const Tensor& x, const MoeLayerWeights& w,
@@ -320,7 +320,7 @@ void moe_layer_backward(Tensor& dx, MoeLayerGrads& g, const Tensor& dy, const Te
   // route, in reverse
   router_backward(dx, g.router, g.router_bias, c.dprobs, x, w.router, c.router, router_dims(d, cfg), cfg,
                   aux_grad_scale, ctx);
-  if (d.Fs > 0) shared_expert_backward(dx, g.shared, dy, x, w.shared, c.shared, cfg.swiglu, ctx);
+  if (d.Fs > 0) shared_expert_backward(dx, g.shared, dy, x, w.shared, c.shared, cfg.activation(), ctx);
 }
 
 }  // namespace moecore::moe

@@ -8,26 +8,11 @@
 namespace moecore::moe {
 namespace {
 
-void act_forward(Tensor& act, const Tensor& h, bool swiglu, const ops::Context& ctx) {
-  if (swiglu)
-    ops::swiglu_forward(act, h, ctx);
-  else
-    ops::gelu_forward(act, h, ctx);
-}
-
-void act_backward(Tensor& dh, const Tensor& dact, const Tensor& h, bool swiglu, const ops::Context& ctx) {
-  if (swiglu)
-    ops::swiglu_backward(dh, dact, h, ctx);
-  else
-    ops::gelu_backward(dh, dact, h, ctx);
-}
-
-void check_shared(const char* op, const Tensor& x, const SharedExpertWeights& w, const SharedExpertCache& c,
-                  bool swiglu) {
+void check_shared(const char* op, const Tensor& x, const SharedExpertWeights& w, const SharedExpertCache& c, bool glu) {
   const bool gate = w.gate.defined();
   const bool ok_x = x.defined() && x.dim() == 2 && x.is_contiguous();
   const int64_t T = ok_x ? x.size(0) : -1, H = ok_x ? x.size(1) : -1;
-  const int64_t Fs = w.fc2.defined() && w.fc2.dim() == 2 ? w.fc2.size(1) : -1, F1 = swiglu ? 2 * Fs : Fs;
+  const int64_t Fs = w.fc2.defined() && w.fc2.dim() == 2 ? w.fc2.size(1) : -1, F1 = glu ? 2 * Fs : Fs;
   const DType dt = x.defined() ? x.dtype() : DType::f32;
   bool ok = ok_x && w.fc1.defined() && w.fc1.shape() == Shape{F1, H} && w.fc1.dtype() == dt &&
             w.fc2.shape() == Shape{H, Fs} && w.fc2.dtype() == dt && c.h.defined() && c.h.shape() == Shape{T, F1} &&
@@ -36,16 +21,16 @@ void check_shared(const char* op, const Tensor& x, const SharedExpertWeights& w,
     ok = ok && w.gate.shape() == Shape{1, H} && w.gate.dtype() == DType::f32 && c.out.defined() &&
          c.out.shape() == Shape{T, H} && c.gate_s.defined() && c.gate_s.shape() == Shape{T};
   if (!ok)
-    MOECORE_FAIL(op, ": inconsistent shared-expert tensors (swiglu ", swiglu, ", gate ", gate, "): x ", x.str(),
-                 ", fc1 ", w.fc1.str(), ", fc2 ", w.fc2.str(), ", gate ", gate ? w.gate.str() : "none", ", cache h ",
-                 c.h.str(), ", act ", c.act.str(), "; allocate the cache with shared_expert_cache_alloc");
+    MOECORE_FAIL(op, ": inconsistent shared-expert tensors (glu ", glu, ", gate ", gate, "): x ", x.str(), ", fc1 ",
+                 w.fc1.str(), ", fc2 ", w.fc2.str(), ", gate ", gate ? w.gate.str() : "none", ", cache h ", c.h.str(),
+                 ", act ", c.act.str(), "; allocate the cache with shared_expert_cache_alloc");
 }
 
 }  // namespace
 
-SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bool swiglu, bool gate, DType compute,
+SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bool glu, bool gate, DType compute,
                                             Device device) {
-  const int64_t F1 = swiglu ? 2 * Fs : Fs;
+  const int64_t F1 = glu ? 2 * Fs : Fs;
   const auto act = MemCategory::activations, work = MemCategory::workspace;
   SharedExpertCache c;
   c.h = Tensor::empty({T, F1}, compute, act, device);
@@ -61,11 +46,11 @@ SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bo
 }
 
 void shared_expert_forward(Tensor& y, const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache,
-                           bool swiglu, const ops::Context& ctx) {
-  check_shared("shared_expert_forward", x, w, cache, swiglu);
+                           const ops::MlpActivation& act, const ops::Context& ctx) {
+  check_shared("shared_expert_forward", x, w, cache, act.glu);
   if (!(y.shape() == x.shape()) || y.dtype() != DType::f32 || !y.is_contiguous())
     MOECORE_FAIL("shared_expert_forward: y must be a contiguous ", x.shape().str(), " f32 tensor, got ", y.str());
-  shared_expert_refill(x, w, cache, swiglu, ctx);
+  shared_expert_refill(x, w, cache, act, ctx);
   if (!w.gate.defined()) {
     ops::gemm(y, cache.act, false, w.fc2, true, 1.0f, 1.0f, ctx);
     return;
@@ -75,16 +60,16 @@ void shared_expert_forward(Tensor& y, const Tensor& x, const SharedExpertWeights
   ops::moe_shared_gate_forward(y, cache.gate_s, x, gate, cache.out, ctx);
 }
 
-void shared_expert_refill(const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache, bool swiglu,
-                          const ops::Context& ctx) {
+void shared_expert_refill(const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache,
+                          const ops::MlpActivation& act, const ops::Context& ctx) {
   ops::gemm(cache.h, x, false, w.fc1, true, 1.0f, 0.0f, ctx);
-  act_forward(cache.act, cache.h, swiglu, ctx);
+  ops::mlp_activation_forward(cache.act, cache.h, act, ctx);
 }
 
 void shared_expert_backward(Tensor& dx, SharedExpertGrads& g, const Tensor& dy, const Tensor& x,
-                            const SharedExpertWeights& w, SharedExpertCache& cache, bool swiglu,
+                            const SharedExpertWeights& w, SharedExpertCache& cache, const ops::MlpActivation& act,
                             const ops::Context& ctx) {
-  check_shared("shared_expert_backward", x, w, cache, swiglu);
+  check_shared("shared_expert_backward", x, w, cache, act.glu);
   const int64_t H = x.size(1);
   if (!(dy.shape() == x.shape()) || dy.dtype() != DType::f32 || !dy.is_contiguous() || !(dx.shape() == x.shape()) ||
       dx.dtype() != DType::f32 || !dx.is_contiguous())
@@ -104,7 +89,7 @@ void shared_expert_backward(Tensor& dx, SharedExpertGrads& g, const Tensor& dy, 
   }
   ops::gemm(cache.dact, *dout, false, w.fc2, false, 1.0f, 0.0f, ctx);
   ops::gemm(g.fc2, *dout, true, cache.act, false, 1.0f, 1.0f, ctx);
-  act_backward(cache.dh, cache.dact, cache.h, swiglu, ctx);
+  ops::mlp_activation_backward(cache.dh, cache.dact, cache.h, act, ctx);
   ops::gemm(g.fc1, cache.dh, true, x, false, 1.0f, 1.0f, ctx);
   ops::gemm(dx, cache.dh, false, w.fc1, false, 1.0f, 1.0f, ctx);
 }

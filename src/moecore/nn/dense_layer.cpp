@@ -336,10 +336,7 @@ void core_attention_refill(DenseLayerCache& k, DenseLayerWorkspace& ws, const De
 void mlp_refill(const DenseLayerWeights& w, DenseLayerCache& k, const DenseLayerDims& d, const ops::Context& ctx) {
   ops::gemm(k.fc1, k.h2, false, w.fc1, true, 1.0f, 0.0f, ctx);
   if (w.fc1_bias.defined()) ops::bias_add(k.fc1, w.fc1_bias, ctx);
-  if (d.swiglu)
-    ops::swiglu_forward(k.act, k.fc1, ctx);
-  else
-    ops::gelu_forward(k.act, k.fc1, ctx);
+  ops::mlp_activation_forward(k.act, k.fc1, d.act, ctx);
 }
 
 void dense_layer_forward(Tensor& y, const Tensor& x, const DenseLayerWeights& w, DenseLayerCache& k,
@@ -390,10 +387,7 @@ void mlp_block_backward(Tensor& dres, DenseLayerGrads& g, const DenseLayerWeight
                         const ops::Context& ctx) {
   // MLP block, in reverse: dres is dL/dy here.
   row_parallel_residual_backward(ws.dact, g.fc2, g.fc2_bias, dres, k.act, w.fc2, ws, d, drop.mlp_out, ctx);
-  if (d.swiglu)
-    ops::swiglu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
-  else
-    ops::gelu_backward(ws.dfc1, ws.dact, k.fc1, ctx);
+  ops::mlp_activation_backward(ws.dfc1, ws.dact, k.fc1, d.act, ctx);
   if (g.fc1_bias.defined()) ops::bias_grad(g.fc1_bias, ws.dfc1, ctx);
   ops::gemm(g.fc1, ws.dfc1, true, k.h2, false, 1.0f, 1.0f, ctx);
   column_parallel_norm_backward(dres, g.mlp_norm, g.mlp_norm_bias, ws.dfc1, w.fc1, k.x_mid, w.mlp_norm, w.mlp_norm_bias,

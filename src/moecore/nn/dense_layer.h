@@ -34,7 +34,7 @@ struct DenseLayerDims {
   ops::QkvDims qkv;        // attention geometry (B, S, G, R, D); G: this rank's query groups under TP
   float eps = 1e-5f;       // norm epsilon
   bool layernorm = false;  // LayerNorm (weight and bias) or RMSNorm (weight only)
-  bool swiglu = true;      // SwiGLU (fc1 [2F, H]) or GeLU (fc1 [F, H])
+  ops::MlpActivation act;  // a gated linear unit (fc1 [2F, H]: SwiGLU, quick-GEGLU) or GeLU (fc1 [F, H])
   bool dropout = false;    // hidden dropout may be on (allocates the masked-gradient buffer dres_c)
   bool qk_norm = false;    // QK-norm: the layer's norm over each q and k head (weights [D])
   bool qk_norm_over_heads = false;  // ... over each token's whole q and k projection instead (weights [G*R*D],
@@ -46,7 +46,7 @@ struct DenseLayerDims {
   bool sequence_parallel = false;    // --sequence-parallel (needs tp)
   const ProcessGroup* cp = nullptr;  // the context-parallel group (nn/context_parallel.h; null or one rank: none):
                                      // qkv.S is then this rank's S / CP positions of each sequence
-  int64_t fc1_rows() const { return swiglu ? 2 * F : F; }
+  int64_t fc1_rows() const { return act.fc1_width(F); }
   int64_t tokens() const { return qkv.B * qkv.S; }  // rows of the GEMMs' activations (the whole micro-batch)
   int tp_size() const { return tp ? tp->size() : 1; }
   int cp_size() const { return cp ? cp->size() : 1; }

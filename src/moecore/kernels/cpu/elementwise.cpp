@@ -1,7 +1,11 @@
-// CPU elementwise ops: add, scale, sum_squares, all_finite, count_zeros, and the SwiGLU / exact-GeLU activations.
+// CPU elementwise ops: add, scale, sum_squares, all_finite, count_zeros, and the gated-linear-unit / exact-GeLU
+// activations.
 // Each is one pass over contiguous memory with vectorised inner loops. Reductions (sum_squares) use
 // fixed-size chunks summed in chunk order, so the result does not depend on the thread count.
 // Not here: row-wise normalisation (norms.cpp) and the softmax loss (embedding_loss.cpp).
+#include <cmath>
+
+#include "moecore/kernels/common/glu.h"
 #include "moecore/kernels/cpu/cpu_util.h"
 
 namespace moecore::ops {
@@ -65,27 +69,22 @@ int64_t count_zeros_kernel(const T* x, int64_t n, float scale) {
   return zeros;
 }
 
-inline float sigmoid(float g) {
-  return 1.0f / (1.0f + cpu::exp_f32(-g));
-}
+constexpr auto sigmoid = [](float g) { return 1.0f / (1.0f + cpu::exp_f32(-g)); };
 
+// The GLU's arithmetic is kernels/common/glu.h's, with this backend's sigmoid.
 template <class T>
-void swiglu_forward_kernel(T* out, const T* gate_up, int64_t rows, int64_t F) {
+void glu_forward_kernel(T* out, const T* gate_up, int64_t rows, int64_t F, const GluParams p) {
   cpu::parallel_rows(rows, F, [&](int64_t r, int64_t c0, int64_t c1) {
     const T* g = gate_up + r * 2 * F;
     const T* u = g + F;
     T* o = out + r * F;
 #pragma omp simd
-    for (int64_t j = c0; j < c1; ++j) {
-      const float gj = ld(g[j]);
-      st(o[j], gj * sigmoid(gj) * ld(u[j]));
-    }
+    for (int64_t j = c0; j < c1; ++j) st(o[j], glu::forward(ld(g[j]), ld(u[j]), p, sigmoid));
   });
 }
 
-// d/dg [g s(g)] = s (1 + g (1 - s)).
 template <class T>
-void swiglu_backward_kernel(T* dgate_up, const T* dout, const T* gate_up, int64_t rows, int64_t F) {
+void glu_backward_kernel(T* dgate_up, const T* dout, const T* gate_up, int64_t rows, int64_t F, const GluParams p) {
   cpu::parallel_rows(rows, F, [&](int64_t r, int64_t c0, int64_t c1) {
     const T* g = gate_up + r * 2 * F;
     const T* u = g + F;
@@ -94,10 +93,10 @@ void swiglu_backward_kernel(T* dgate_up, const T* dout, const T* gate_up, int64_
     T* du = dg + F;
 #pragma omp simd
     for (int64_t j = c0; j < c1; ++j) {
-      const float gj = ld(g[j]), uj = ld(u[j]), dj = ld(d[j]);
-      const float s = sigmoid(gj);
-      st(dg[j], dj * uj * s * (1.0f + gj * (1.0f - s)));
-      st(du[j], dj * gj * s);
+      float a = 0.0f, b = 0.0f;
+      glu::backward(ld(g[j]), ld(u[j]), ld(d[j]), p, sigmoid, a, b);
+      st(dg[j], a);
+      st(du[j], b);
     }
   });
 }
@@ -126,8 +125,12 @@ void gelu_backward_kernel(T* dx, const T* dout, const T* x, int64_t n) {
   }
 }
 
-// out [.., F] against gate_up [.., 2F]: same leading dims, one dtype, contiguous.
-void check_swiglu(const cpu::Checker& c, const char* half, const char* full) {
+// out [.., F] against gate_up [.., 2F]: same leading dims, one dtype, contiguous; the GLU's parameters finite (a
+// clamp >= 0).
+void check_glu(const cpu::Checker& c, const char* half, const char* full, const GluParams& p) {
+  if (!std::isfinite(p.alpha) || !std::isfinite(p.offset) || !std::isfinite(p.clamp) || p.clamp < 0.0f)
+    c.fail(full, ": GLU parameters alpha ", p.alpha, ", offset ", p.offset, ", clamp ", p.clamp,
+           " must be finite (the clamp >= 0, 0 for none)");
   const Tensor &h = c.get(half), &f = c.get(full);
   c.float_dtype(full);
   c.same_dtype(half, full);
@@ -212,33 +215,44 @@ void count_zeros(Tensor& acc, const Tensor& x, float scale, const Context& ctx) 
   });
 }
 
-void swiglu_forward(Tensor& out, const Tensor& gate_up, const Context& ctx) {
-  const cpu::Checker c("swiglu_forward", ctx, {{"out", &out}, {"gate_up", &gate_up}}, cpu::Backends::cpu_and_cuda);
-  check_swiglu(c, "out", "gate_up");
+void glu_forward(Tensor& out, const Tensor& gate_up, const GluParams& p, const Context& ctx) {
+  const cpu::Checker c("glu_forward", ctx, {{"out", &out}, {"gate_up", &gate_up}}, cpu::Backends::cpu_and_cuda);
+  check_glu(c, "out", "gate_up", p);
   if constexpr (cpu::kCudaKernels)
-    if (ctx.device == Device::cuda) return cuda::swiglu_forward(out, gate_up, ctx);
+    if (ctx.device == Device::cuda) return cuda::glu_forward(out, gate_up, p, ctx);
   const int64_t F = out.size(-1), rows = F ? out.numel() / F : 0;
   cpu::with_float_type(out.dtype(), [&](auto t) {
     using T = decltype(t);
-    swiglu_forward_kernel(static_cast<T*>(out.raw()), static_cast<const T*>(gate_up.raw()), rows, F);
+    glu_forward_kernel(static_cast<T*>(out.raw()), static_cast<const T*>(gate_up.raw()), rows, F, p);
   });
 }
 
-void swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up, const Context& ctx) {
-  const cpu::Checker c("swiglu_backward", ctx, {{"dgate_up", &dgate_up}, {"dout", &dout}, {"gate_up", &gate_up}},
+void glu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up, const GluParams& p, const Context& ctx) {
+  const cpu::Checker c("glu_backward", ctx, {{"dgate_up", &dgate_up}, {"dout", &dout}, {"gate_up", &gate_up}},
                        cpu::Backends::cpu_and_cuda);
-  check_swiglu(c, "dout", "gate_up");
+  check_glu(c, "dout", "gate_up", p);
   c.same_shape("dgate_up", "gate_up");
   c.same_dtype("dgate_up", "gate_up");
   c.contiguous("dgate_up");
   if constexpr (cpu::kCudaKernels)
-    if (ctx.device == Device::cuda) return cuda::swiglu_backward(dgate_up, dout, gate_up, ctx);
+    if (ctx.device == Device::cuda) return cuda::glu_backward(dgate_up, dout, gate_up, p, ctx);
   const int64_t F = dout.size(-1), rows = F ? dout.numel() / F : 0;
   cpu::with_float_type(dout.dtype(), [&](auto t) {
     using T = decltype(t);
-    swiglu_backward_kernel(static_cast<T*>(dgate_up.raw()), static_cast<const T*>(dout.raw()),
-                           static_cast<const T*>(gate_up.raw()), rows, F);
+    glu_backward_kernel(static_cast<T*>(dgate_up.raw()), static_cast<const T*>(dout.raw()),
+                        static_cast<const T*>(gate_up.raw()), rows, F, p);
   });
+}
+
+void mlp_activation_forward(Tensor& act, const Tensor& h, const MlpActivation& a, const Context& ctx) {
+  if (a.glu) return glu_forward(act, h, a.params, ctx);
+  gelu_forward(act, h, ctx);
+}
+
+void mlp_activation_backward(Tensor& dh, const Tensor& dact, const Tensor& h, const MlpActivation& a,
+                             const Context& ctx) {
+  if (a.glu) return glu_backward(dh, dact, h, a.params, ctx);
+  gelu_backward(dh, dact, h, ctx);
 }
 
 void gelu_forward(Tensor& out, const Tensor& x, const Context& ctx) {

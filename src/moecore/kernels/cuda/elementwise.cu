@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "moecore/kernels/common/adamw.h"
+#include "moecore/kernels/common/glu.h"
 #include "moecore/kernels/cuda/cuda_util.cuh"
 
 namespace moecore::ops::cuda {
@@ -66,24 +67,28 @@ __device__ __forceinline__ float sigmoid(float g) {
   return 1.0f / (1.0f + expf(-g));
 }
 
+// The GLU's arithmetic is kernels/common/glu.h's, with this backend's sigmoid.
+struct DeviceSigmoid {
+  __device__ __forceinline__ float operator()(float g) const { return sigmoid(g); }
+};
+
 template <class T>
-__global__ void swiglu_forward_kernel(T* out, const T* gate_up, int64_t rows, int64_t F) {
+__global__ void glu_forward_kernel(T* out, const T* gate_up, int64_t rows, int64_t F, const GluParams p) {
   MOECORE_GRID_STRIDE(i, rows * F) {
     const int64_t r = i / F, j = i % F;
-    const float g = ld(gate_up[r * 2 * F + j]), u = ld(gate_up[r * 2 * F + F + j]);
-    st(out[i], g * sigmoid(g) * u);
+    st(out[i], glu::forward(ld(gate_up[r * 2 * F + j]), ld(gate_up[r * 2 * F + F + j]), p, DeviceSigmoid{}));
   }
 }
 
-// d/dg [g s(g)] = s (1 + g (1 - s)).
 template <class T>
-__global__ void swiglu_backward_kernel(T* dgate_up, const T* dout, const T* gate_up, int64_t rows, int64_t F) {
+__global__ void glu_backward_kernel(T* dgate_up, const T* dout, const T* gate_up, int64_t rows, int64_t F,
+                                    const GluParams p) {
   MOECORE_GRID_STRIDE(i, rows * F) {
     const int64_t r = i / F, j = i % F;
-    const float g = ld(gate_up[r * 2 * F + j]), u = ld(gate_up[r * 2 * F + F + j]), d = ld(dout[i]);
-    const float s = sigmoid(g);
-    st(dgate_up[r * 2 * F + j], d * u * s * (1.0f + g * (1.0f - s)));
-    st(dgate_up[r * 2 * F + F + j], d * g * s);
+    float dg = 0.0f, du = 0.0f;
+    glu::backward(ld(gate_up[r * 2 * F + j]), ld(gate_up[r * 2 * F + F + j]), ld(dout[i]), p, DeviceSigmoid{}, dg, du);
+    st(dgate_up[r * 2 * F + j], dg);
+    st(dgate_up[r * 2 * F + F + j], du);
   }
 }
 
@@ -250,28 +255,28 @@ void count_zeros(Tensor& acc, const Tensor& x, float scale, const Context& ctx) 
   l.launched("count_zeros_kernel");
 }
 
-void swiglu_forward(Tensor& out, const Tensor& gate_up, const Context& ctx) {
-  const Launch l("swiglu_forward", ctx, {{"out", &out}, {"gate_up", &gate_up}});
+void glu_forward(Tensor& out, const Tensor& gate_up, const GluParams& p, const Context& ctx) {
+  const Launch l("glu_forward", ctx, {{"out", &out}, {"gate_up", &gate_up}});
   const int64_t F = out.size(-1), rows = F ? out.numel() / F : 0;
   if (rows * F == 0) return;
   with_float_type(out.dtype(), [&](auto t) {
     using T = decltype(t);
-    swiglu_forward_kernel<<<grid_for(rows * F), kThreads, 0, l.stream()>>>(Launch::ptr<T>(out),
-                                                                           Launch::ptr<const T>(gate_up), rows, F);
+    glu_forward_kernel<<<grid_for(rows * F), kThreads, 0, l.stream()>>>(Launch::ptr<T>(out),
+                                                                        Launch::ptr<const T>(gate_up), rows, F, p);
   });
-  l.launched("swiglu_forward_kernel");
+  l.launched("glu_forward_kernel");
 }
 
-void swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up, const Context& ctx) {
-  const Launch l("swiglu_backward", ctx, {{"dgate_up", &dgate_up}, {"dout", &dout}, {"gate_up", &gate_up}});
+void glu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up, const GluParams& p, const Context& ctx) {
+  const Launch l("glu_backward", ctx, {{"dgate_up", &dgate_up}, {"dout", &dout}, {"gate_up", &gate_up}});
   const int64_t F = dout.size(-1), rows = F ? dout.numel() / F : 0;
   if (rows * F == 0) return;
   with_float_type(dout.dtype(), [&](auto t) {
     using T = decltype(t);
-    swiglu_backward_kernel<<<grid_for(rows * F), kThreads, 0, l.stream()>>>(
-        Launch::ptr<T>(dgate_up), Launch::ptr<const T>(dout), Launch::ptr<const T>(gate_up), rows, F);
+    glu_backward_kernel<<<grid_for(rows * F), kThreads, 0, l.stream()>>>(
+        Launch::ptr<T>(dgate_up), Launch::ptr<const T>(dout), Launch::ptr<const T>(gate_up), rows, F, p);
   });
-  l.launched("swiglu_backward_kernel");
+  l.launched("glu_backward_kernel");
 }
 
 void gelu_forward(Tensor& out, const Tensor& x, const Context& ctx) {
