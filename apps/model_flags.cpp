@@ -112,10 +112,14 @@ void position_embedding(const Args& a, const char* f, ModelConfig& c) {
     c.position_embedding_type = model::PositionEmbedding::rope;
   else if (pos == "none")
     c.position_embedding_type = model::PositionEmbedding::none;
-  else if (pos == "mrope" || pos == "relative" || pos == "yarn")
-    MOECORE_FAIL(f, " ", pos, " is not supported yet (learned_absolute, rope or none)");
+  else if (pos == "yarn" && !a.on("--multi-latent-attention"))  // RoPE with YaRN's frequencies and concentration
+    c.position_embedding_type = model::PositionEmbedding::rope, c.yarn = true;
+  else if (pos == "yarn")
+    MOECORE_FAIL(f, " yarn is for standard attention; MLA takes --position-embedding-type rope and --rope-type yarn");
+  else if (pos == "mrope" || pos == "relative")
+    MOECORE_FAIL(f, " ", pos, " is not supported yet (learned_absolute, rope, yarn or none)");
   else
-    MOECORE_FAIL(f, " '", pos, "' is not one of learned_absolute, rope, none");
+    MOECORE_FAIL(f, " '", pos, "' is not one of learned_absolute, rope, yarn, none");
   if (a.on("--no-position-embedding") && !c.rope())
     MOECORE_FAIL(
         "--no-position-embedding needs --position-embedding-type rope (as in Megatron); for no position "
@@ -151,11 +155,19 @@ void normalization(const Args& a, const char* f, ModelConfig& c) {
   c.normalization = norm == "LayerNorm" ? model::Normalization::layernorm : model::Normalization::rmsnorm;
 }
 
-// Megatron's MLATransformerConfig defaults rope_type to yarn; with the other attentions it is plain RoPE.
+// Megatron's MLATransformerConfig defaults rope_type to yarn; the other attentions read it not (their YaRN is
+// --position-embedding-type yarn).
 void rope_type(const Args& a, const char* f, ModelConfig& c) {
   const std::string t = a.str(f);
   if (!t.empty() && t != "rope" && t != "yarn") MOECORE_FAIL(f, " '", t, "' is not one of rope, yarn");
-  c.yarn = t == "yarn" || (t.empty() && a.on("--multi-latent-attention"));
+  if (!a.on("--multi-latent-attention")) {
+    if (t == "yarn")
+      MOECORE_FAIL(f,
+                   " yarn is read with --multi-latent-attention (Megatron's MLA); standard attention takes YaRN "
+                   "from --position-embedding-type yarn (Megatron's GPT YaRN)");
+    return;
+  }
+  c.yarn = t == "yarn" || t.empty();
 }
 
 void max_positions(const Args& a, const char* f, ModelConfig& c) {
@@ -226,7 +238,7 @@ const ModelFlag kModelFlags[] = {
    "rows of the learned position table; must be >= --seq-length (Megatron: required; unset here: --seq-length)",
    max_positions},
   // Positions.
-  {"--position-embedding-type", Kind::value, "learned_absolute", "learned_absolute | rope | none", position_embedding},
+  {"--position-embedding-type", Kind::value, "learned_absolute", "learned_absolute | rope | yarn (RoPE with YaRN, standard attention) | none", position_embedding},
   {"--no-position-embedding", Kind::flag, "",
    "Megatron's switch for learned positions: a no-op with rope, an error otherwise", nullptr},
   {"--rotary-base", Kind::value, "10000", "RoPE base", f32<&ModelConfig::rotary_base>},

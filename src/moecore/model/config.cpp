@@ -97,10 +97,8 @@ void ModelConfig::validate() const {
     if (add_bias_linear || add_qkv_bias)
       MOECORE_FAIL("model config: linear biases in MLA are not supported yet; pass --disable-bias-linear");
   }
-  if (yarn) {
-    if (!multi_latent_attention)
-      MOECORE_FAIL(
-          "model config: --rope-type yarn is supported with --multi-latent-attention only (as Megatron's MLA)");
+  if (yarn) {  // MLA's --rope-type yarn, or standard attention's --position-embedding-type yarn
+    if (!rope()) MOECORE_FAIL("model config: YaRN is a RoPE variant; it needs rotary positions");
     const YarnConfig& y = yarn_config;
     if (!(y.scaling_factor > 0.0f) || y.original_max_position_embeddings <= 0 || !(y.beta_fast > 0.0f) ||
         !(y.beta_slow > 0.0f))
