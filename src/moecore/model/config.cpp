@@ -72,6 +72,11 @@ void ModelConfig::validate() const {
   if (!(norm_epsilon > 0.0f)) MOECORE_FAIL("model config: norm_epsilon (", norm_epsilon, ") must be positive");
   if (qk_layernorm_over_heads && (!qk_layernorm || multi_latent_attention))
     MOECORE_FAIL("model config: --qk-layernorm-over-heads needs --qk-layernorm and standard attention (not MLA)");
+  if (multi_latent_attention && (softmax_type != SoftmaxType::vanilla || window_size >= 0))
+    MOECORE_FAIL("model config: --softmax-type (", softmax_type_name(softmax_type), ") and --window-size (",
+                 window_size,
+                 ") need standard attention: MLA supports vanilla softmax and no window only (Megatron "
+                 "asserts window_size None for MLA)");
   if (multi_latent_attention) {
     if (!rope())
       MOECORE_FAIL(
@@ -105,11 +110,6 @@ void ModelConfig::validate() const {
     MOECORE_FAIL(
         "model config: --mtp-num-layers with learned absolute positions is not supported yet; pass "
         "--position-embedding-type rope");
-  if (multi_latent_attention && (softmax_type != SoftmaxType::vanilla || window_size >= 0))
-    MOECORE_FAIL("model config: --softmax-type (", softmax_type_name(softmax_type), ") and --window-size (",
-                 window_size,
-                 ") need standard attention: MLA supports vanilla softmax and no window only (Megatron "
-                 "asserts window_size None for MLA)");
   if (window_size < -1)
     MOECORE_FAIL("model config: --window-size left (", window_size, ") must be -1 (no window) or >= 0");
   if (mtp_num_layers > 0 && window_size >= 0)
