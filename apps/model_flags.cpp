@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -68,6 +69,42 @@ void moe_f32_or_unset(const Args& a, const char* f, ModelConfig& c) {
 template <bool moe::MoeConfig::*F>
 void moe_on(const Args& a, const char* f, ModelConfig& c) {
   c.moe.*F = a.on(f);
+}
+
+void softmax_type(const Args& a, const char* f, ModelConfig& c) {
+  const std::string v = a.str(f);
+  for (model::SoftmaxType t :
+       {model::SoftmaxType::vanilla, model::SoftmaxType::off_by_one, model::SoftmaxType::learnable})
+    if (v == model::softmax_type_name(t)) {
+      c.softmax_type = t;
+      return;
+    }
+  MOECORE_FAIL(f, " (", v, ") must be vanilla, off-by-one or learnable");
+}
+
+// Megatron's tuple_type: "(left, right)", also "[left, right]" or "left,right".
+void window_size(const Args& a, const char* f, ModelConfig& c) {
+  const std::string v = a.str(f);
+  if (v.empty()) return;
+  std::string s;
+  for (char ch : v)
+    if (ch != '(' && ch != ')' && ch != '[' && ch != ']' && ch != ' ') s.push_back(ch);
+  const size_t comma = s.find(',');
+  int64_t left = 0, right = 0;
+  size_t used_left = 0, used_right = 0;
+  try {
+    if (comma == std::string::npos) throw std::invalid_argument("no comma");
+    left = std::stoll(s.substr(0, comma), &used_left);
+    right = std::stoll(s.substr(comma + 1), &used_right);
+  } catch (const std::exception&) {
+    MOECORE_FAIL(f, " (", v, ") must be a pair '(left, right)' of integers, e.g. '(128, 0)'");
+  }
+  if (used_left != comma || used_right != s.size() - comma - 1)
+    MOECORE_FAIL(f, " (", v, ") must be a pair '(left, right)' of integers, e.g. '(128, 0)'");
+  if (left < -1) MOECORE_FAIL(f, " (", v, "): left (", left, ") must be -1 (infinite) or >= 0");
+  if (right != 0 && right != -1)
+    MOECORE_FAIL(f, " (", v, "): right (", right, ") must be 0: attention is causal, no query sees later keys");
+  c.window_size = left;
 }
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -429,6 +466,23 @@ const ModelFlag kModelFlags[] = {
    moe_i64_or_unset<&moe::MoeConfig::shared_expert_intermediate_size>},
   {"--moe-shared-expert-gate", Kind::flag, "", "sigmoid gate on the shared expert output",
    moe_on<&moe::MoeConfig::shared_expert_gate>},
+  // Attention sinks and sliding windows (gpt-oss).
+  {"--softmax-type", Kind::value, "vanilla",
+   "vanilla | off-by-one (a fixed exp(0) in every softmax denominator) | learnable (a learned sink logit per head: "
+   "self_attention.core_attention.softmax_offset)",
+   softmax_type},
+  {"--window-size", Kind::value, "",
+   "sliding-window attention '(left, right)': the query at position p sees keys p - left .. p; right must be 0 "
+   "(causal; -1 reads as 0), left -1 means no window (unset: none)",
+   window_size},
+  {"--window-attn-skip-freq", Kind::value, "",
+   "which layers get the window: N (layer_number, 1-based, unless layer_number % N == 0) or a list of 0/1 per layer, "
+   "e.g. '([1]*3+[0]*1)*2' (unset: every layer)",
+   [](const Args& a, const char* f, ModelConfig& c) {
+     c.window_attn_skip_freq = a.str(f);
+     if (a.given(f) && c.window_attn_skip_freq.empty()) MOECORE_FAIL(f, " is empty");
+     if (c.window_size >= 0) (void)c.window_layers();  // names the flag on a bad pattern
+   }},
   {"--moe-layer-freq", Kind::value, "1",
    "MoE layer pattern: N (layer i is MoE when i % N == 0) or a list expression, e.g. '[0]*3+[1]*58'",
    [](const Args& a, const char* f, ModelConfig& c) {

@@ -390,6 +390,66 @@ TEST_F(Cli, TensorAndContextParallelMatchOneProcess) {
 #endif
 }
 
+// gpt-oss's attention (Megatron's --softmax-type, --window-size, --window-attn-skip-freq): a dense and an MoE model
+// train with learnable sinks and a window of 3 on every other layer (and with off-by-one), TP 2, TP 2 + SP and CP 2
+// reproduce the single-process run (each CP chunk is one exact softmax: the sink counts once), a checkpoint resumes
+// with its sinks (and refuses another softmax type), and bad values fail naming the flag.
+TEST_F(Cli, AttentionSinksAndWindowTrainAndMatchOneProcess) {
+  preprocess_corpus();
+  if (HasFatalFailure()) return;
+  const std::string base = "train --data-path " + p("c_text_document") +
+                           " --tokenizer-type ByteLevel "
+                           "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+                           "--hidden-dropout 0 --attention-dropout 0 --micro-batch-size 2 --global-batch-size 4 "
+                           "--log-interval 1 --eval-iters 1 --generate-tokens 0 --make-vocab-size-divisible-by 256 ";
+  const std::string sinks = " --softmax-type learnable --window-size '(3, 0)' --window-attn-skip-freq 2";
+  Result r = run(base + "--train-iters 5 --metrics-jsonl " + p("vanilla.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run(base + "--train-iters 5 --metrics-jsonl " + p("sinks.jsonl") + sinks);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(jsonl_losses(p("sinks.jsonl")), jsonl_losses(p("vanilla.jsonl")));  // the flags change the model
+  EXPECT_NE(r.output.find("softmax learnable, window 3 skip-freq 2"), std::string::npos) << r.output;
+  // Checkpoint: the sinks are saved and loaded; a resume with another softmax type is refused by name.
+  r = run(base + "--train-iters 4 --save " + p("sink_ckpt") + " --save-interval 2 --exit-interval 2" + sinks);
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run(base + "--train-iters 4 --load " + p("sink_ckpt") + sinks);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("loaded checkpoint"), std::string::npos) << r.output;
+  r = run(base + "--train-iters 4 --load " + p("sink_ckpt") + " --softmax-type off-by-one --window-size '(3,0)'");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("softmax_type"), std::string::npos) << r.output;
+  // Bad values.
+  const std::pair<std::string, std::string> bad[] = {
+      {" --window-size '(5,3)'", "--window-size ((5,3)): right (3) must be 0"},
+      {" --window-size 5", "--window-size (5) must be a pair"},
+      {" --window-size '(3,0)' --window-attn-skip-freq 0", "--window-attn-skip-freq (0) must be a positive integer"},
+      {" --window-size '(3,0)' --window-attn-skip-freq '[1]*3'", "--window-attn-skip-freq"},
+      {" --softmax-type foo", "--softmax-type (foo) must be vanilla, off-by-one or learnable"},
+      {" --softmax-type learnable --multi-latent-attention --position-embedding-type rope",
+       "--softmax-type (learnable) and --window-size (-1) need standard attention"},
+      {" --window-size '(3,0)' --multi-latent-attention --position-embedding-type rope",
+       "Megatron asserts window_size None for MLA"}};
+  for (const auto& [flags, error] : bad) {
+    r = run(base + "--train-iters 1" + flags);
+    EXPECT_NE(r.status, 0) << flags;
+    EXPECT_NE(r.output.find(error), std::string::npos) << flags << "\n" << r.output;
+  }
+#ifdef MOECORE_HAVE_MPI
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string args = base + "--train-iters 5 --metrics-jsonl ";
+  const std::string layouts[] = {" --tensor-model-parallel-size 2",
+                                 " --tensor-model-parallel-size 2 --sequence-parallel", " --context-parallel-size 2"};
+  const std::string moe = " --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2";
+  for (const std::string& model :
+       std::vector<std::string>{sinks, " --softmax-type off-by-one --window-size '(3,0)'", sinks + moe}) {
+    std::vector<std::string> flags;
+    for (const std::string& l : layouts)
+      if (model.find("--num-experts") == std::string::npos || l != layouts[0]) flags.push_back(model + l);
+    expect_two_ranks_match(args, model, flags);
+  }
+#endif
+}
+
 // Two ranks under mpirun reproduce the single-process run (same global batch): data parallel, EP 2 with both
 // dispatchers, and EP 2 with the distributed optimizer. Summation orders differ, so losses agree to 1e-5
 // relative, not bitwise.

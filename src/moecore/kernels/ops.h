@@ -222,15 +222,39 @@ void rope_backward(Tensor& dqkv, const Tensor& rope, const QkvDims& dims, const 
 // lse [B, G*R, S] f32 = log-sum-exp of each scaled score row (of the undropped scores), saved for backward. No
 // [S, Sk] tensor is kept: backward recomputes scores and the mask block by block. q, kv, out, dout, dq and dkv share
 // one dtype, f32, bf16 or f16; math is f32.
+//
+// AttentionOptions add Megatron's sliding window (--window-size) and attention sinks (--softmax-type, gpt-oss): with a
+// window W >= 0 the query at position p sees keys max(0, p - W) .. p only (W + 1 keys; kernels/common/
+// attention_window.h), and key blocks wholly outside every row's window are skipped. With a sink logit s_h (the same
+// for all rows of query head h, not scaled by 1/sqrt(D)), each row's softmax runs over [scaled scores, s_h] and the
+// sink's column is dropped: P_ij = exp(x_ij - lse_i) with lse_i = log(exp(s_h) + sum_j exp(x_ij)), so the rows sum to
+// 1 - P_sink,i. lse includes the sink, so the backward's dS is unchanged; the sink's gradient is
+// dL/ds_h = - sum over (b, i) of P_sink,i * D_i, D_i = rowsum(dO_i o out_i).
+struct AttentionOptions {
+  int64_t window = -1;            // keys p - window .. p; -1: no window (every earlier key)
+  bool off_by_one = false;        // a sink logit of 0 for every head (Megatron's off-by-one softmax, no parameter)
+  const Tensor* sinks = nullptr;  // [Hq] f32 on the op's device: one learnable sink logit per query head, or null
+  bool has_sink() const { return off_by_one || sinks != nullptr; }
+};
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& kv, const QkvDims& dims,
-                       const Dropout& dropout, const Context& ctx);
+                       const Dropout& dropout, const AttentionOptions& opt, const Context& ctx);
+inline void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& kv, const QkvDims& dims,
+                              const Dropout& dropout, const Context& ctx) {
+  attention_forward(out, lse, q, kv, dims, dropout, AttentionOptions{}, ctx);
+}
 // dq [B, S, W]: its query slots written; dkv [B, Sk, W] (strided like kv): its key and value slots written; no
 // other column of either is touched, so dq and dkv may be one tensor in the self-attention form. dropout must be
 // the forward's. With Pd = P o M * s: dV = Pd^T dO, dP = (dO V^T) o M * s, dS = P o (dP - rowsum(dO o out)), dQ, dK
 // from dS. dq and dkv must not share memory with q, kv or dout.
-void attention_backward(Tensor& dq, Tensor& dkv, const Tensor& dout, const Tensor& q, const Tensor& kv,
+// dsinks [Hq] f32 (+=; null: no sink gradient, as off-by-one) with opt.sinks; opt must be the forward's.
+void attention_backward(Tensor& dq, Tensor& dkv, Tensor* dsinks, const Tensor& dout, const Tensor& q, const Tensor& kv,
                         const Tensor& out, const Tensor& lse, const QkvDims& dims, const Dropout& dropout,
-                        const Context& ctx);
+                        const AttentionOptions& opt, const Context& ctx);
+inline void attention_backward(Tensor& dq, Tensor& dkv, const Tensor& dout, const Tensor& q, const Tensor& kv,
+                               const Tensor& out, const Tensor& lse, const QkvDims& dims, const Dropout& dropout,
+                               const Context& ctx) {
+  attention_backward(dq, dkv, nullptr, dout, q, kv, out, lse, dims, dropout, AttentionOptions{}, ctx);
+}
 // The self-attention form: queries, keys and values all in qkv [B, S, W] (dims.Sk 0 or S).
 inline void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDims& dims, const Dropout& dropout,
                               const Context& ctx) {
@@ -239,6 +263,15 @@ inline void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const
 inline void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                const Tensor& lse, const QkvDims& dims, const Dropout& dropout, const Context& ctx) {
   attention_backward(dqkv, dqkv, dout, qkv, qkv, out, lse, dims, dropout, ctx);
+}
+inline void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const QkvDims& dims, const Dropout& dropout,
+                              const AttentionOptions& opt, const Context& ctx) {
+  attention_forward(out, lse, qkv, qkv, dims, dropout, opt, ctx);
+}
+inline void attention_backward(Tensor& dqkv, Tensor* dsinks, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                               const Tensor& lse, const QkvDims& dims, const Dropout& dropout,
+                               const AttentionOptions& opt, const Context& ctx) {
+  attention_backward(dqkv, dqkv, dsinks, dout, qkv, qkv, out, lse, dims, dropout, opt, ctx);
 }
 
 // ---- Activations -------------------------------------------------------------------------------

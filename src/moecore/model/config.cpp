@@ -82,6 +82,11 @@ void ModelConfig::validate() const {
         "Megatron)");
   if (qk_layernorm_over_heads && (!qk_layernorm || multi_latent_attention))
     MOECORE_FAIL("model config: --qk-layernorm-over-heads needs --qk-layernorm and standard attention (not MLA)");
+  if (multi_latent_attention && (softmax_type != SoftmaxType::vanilla || window_size >= 0))
+    MOECORE_FAIL("model config: --softmax-type (", softmax_type_name(softmax_type), ") and --window-size (",
+                 window_size,
+                 ") need standard attention: MLA supports vanilla softmax and no window only (Megatron "
+                 "asserts window_size None for MLA)");
   if (multi_latent_attention) {
     if (!rope())
       MOECORE_FAIL(
@@ -113,6 +118,11 @@ void ModelConfig::validate() const {
     MOECORE_FAIL(
         "model config: --mtp-num-layers with learned absolute positions is not supported yet; pass "
         "--position-embedding-type rope");
+  if (window_size < -1)
+    MOECORE_FAIL("model config: --window-size left (", window_size, ") must be -1 (no window) or >= 0");
+  if (mtp_num_layers > 0 && window_size >= 0)
+    MOECORE_FAIL("model config: --window-size with --mtp-num-layers is not supported yet (the MTP layers' window)");
+  (void)window_layers();  // validates --window-attn-skip-freq against num_layers
   moe.validate();
   recompute.validate();
   if (recompute.selects("mla_up_proj") && !multi_latent_attention)
@@ -138,6 +148,24 @@ std::vector<bool> ModelConfig::moe_layers() const {
   return parse_layer_pattern(moe_layer_freq, num_layers, "--moe-layer-freq");
 }
 
+std::vector<bool> ModelConfig::window_layers() const {
+  const size_t L = static_cast<size_t>(num_layers);
+  const std::string& f = window_attn_skip_freq;
+  std::vector<bool> out(L, window_size >= 0);
+  if (window_size < 0 || f.empty()) return out;
+  if (f.find_first_not_of("0123456789 ") == std::string::npos) {  // N: layer_number % N != 0 (1-based), as Megatron
+    const int64_t n = std::stoll(f);
+    if (n < 1) MOECORE_FAIL("--window-attn-skip-freq (", f, ") must be a positive integer or a list of 0/1 per layer");
+    for (size_t l = 0; l < L; ++l) out[l] = static_cast<int64_t>(l + 1) % n != 0;
+    return out;
+  }
+  return parse_layer_pattern(f, num_layers, "--window-attn-skip-freq");
+}
+
+const char* softmax_type_name(SoftmaxType t) {
+  return t == SoftmaxType::vanilla ? "vanilla" : t == SoftmaxType::off_by_one ? "off-by-one" : "learnable";
+}
+
 std::string ModelConfig::summary() const {
   const char* pos = position_embedding_type == PositionEmbedding::rope               ? ", rope"
                     : position_embedding_type == PositionEmbedding::learned_absolute ? ", learned positions"
@@ -160,7 +188,12 @@ std::string ModelConfig::summary() const {
       moe.enabled() ? detail::str_cat(", MoE ", moe.num_experts, " experts top-", moe.router_topk, " ffn ", moe_ffn(),
                                       " layer-freq ", moe_layer_freq)
                     : std::string(),
-      mtp_num_layers ? detail::str_cat(", MTP ", mtp_num_layers, " x ", mtp_loss_scaling_factor) : std::string());
+      mtp_num_layers ? detail::str_cat(", MTP ", mtp_num_layers, " x ", mtp_loss_scaling_factor) : std::string(),
+      softmax_type != SoftmaxType::vanilla ? detail::str_cat(", softmax ", softmax_type_name(softmax_type))
+                                           : std::string(),
+      window_size >= 0 ? detail::str_cat(", window ", window_size,
+                                         window_attn_skip_freq.empty() ? "" : " skip-freq " + window_attn_skip_freq)
+                       : std::string());
 }
 
 }  // namespace moecore::model

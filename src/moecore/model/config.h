@@ -14,6 +14,10 @@
 namespace moecore::model {
 
 enum class Normalization : uint8_t { rmsnorm, layernorm };
+// --softmax-type (Megatron's SoftmaxOne): vanilla; off-by-one adds exp(0) to every softmax denominator; learnable adds
+// exp(s_h), s_h a learned logit per query head (Megatron's core_attention.softmax_offset; gpt-oss's sinks).
+enum class SoftmaxType : uint8_t { vanilla, off_by_one, learnable };
+const char* softmax_type_name(SoftmaxType t);  // Megatron's spelling: vanilla, off-by-one, learnable
 // --position-embedding-type: learned_absolute (Megatron's default), rope, none.
 enum class PositionEmbedding : uint8_t { learned_absolute, rope, none };
 
@@ -105,7 +109,14 @@ struct ModelConfig {
   DType compute_dtype = DType::f32;                 // --bf16 / --fp16 select bf16 / f16 compute (fp32 masters)
   moe::MoeConfig moe;                               // MoE flags; moe.num_experts == 0 keeps every layer dense
   std::string moe_layer_freq = "1";                 // --moe-layer-freq: integer N or a list expression ("[0]*3+[1]*58")
-  RecomputeConfig recompute;                        // --recompute-*: which activations backward recomputes
+  SoftmaxType softmax_type = SoftmaxType::vanilla;  // --softmax-type vanilla | off-by-one | learnable
+  // --window-size "(left, right)" (Megatron's sliding window; causal, so right is 0 or -1): in a windowed layer the
+  // query at position p sees keys p - left .. p (left + 1 keys). -1 (Megatron's None, or left = -1): no window.
+  int64_t window_size = -1;
+  // --window-attn-skip-freq: which layers the window applies to: "" (Megatron's None: all), N (layer_number, 1-based,
+  // is windowed when layer_number % N != 0) or a list expression of 0/1 per layer ("([1]*3+[0]*1)*2", 1 = windowed).
+  std::string window_attn_skip_freq;
+  RecomputeConfig recompute;  // --recompute-*: which activations backward recomputes
 
   int64_t query_groups() const { return num_query_groups ? num_query_groups : num_attention_heads; }
   int64_t head_dim() const { return kv_channels ? kv_channels : hidden_size / num_attention_heads; }
@@ -122,7 +133,8 @@ struct ModelConfig {
   // The MLA softmax scale is this / sqrt(qk_head_dim + qk_pos_emb_head_dim): YaRN's mscale(factor, mscale_all_dim)^2.
   float mla_softmax_scale_mult() const;
   bool qkv_bias() const { return add_bias_linear || add_qkv_bias; }
-  std::vector<bool> moe_layers() const;  // which decoder layers are MoE (all false for a dense model)
+  std::vector<bool> moe_layers() const;     // which decoder layers are MoE (all false for a dense model)
+  std::vector<bool> window_layers() const;  // which decoder layers have the sliding window (all false without one)
   // Decoder layers plus one transformer layer per MTP depth (those follow the decoder's in per-layer arrays).
   int64_t num_transformer_layers() const { return num_layers + mtp_num_layers; }
   void validate() const;  // throws Error naming the offending fields and values

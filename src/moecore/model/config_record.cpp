@@ -90,6 +90,9 @@ bool mla(const ModelConfig& c) {
 bool moe(const ModelConfig& c) {
   return c.moe.enabled();
 }
+bool windowed(const ModelConfig& c) {
+  return c.window_size >= 0;
+}
 
 // The decoder's shape and layers.
 std::vector<Field> decoder_fields() {
@@ -181,6 +184,12 @@ std::vector<Field> attention_fields() {
           "v_head_dim", [](ModelConfig & c) -> auto& { return c.v_head_dim; }, mla),
       plain(
           "mtp_num_layers", [](ModelConfig & c) -> auto& { return c.mtp_num_layers; }),
+      named("softmax_type", [](ModelConfig & c) -> auto& { return c.softmax_type; },
+            {"vanilla", "off-by-one", "learnable"}),
+      plain(
+          "window_size", [](ModelConfig & c) -> auto& { return c.window_size; }),
+      plain(
+          "window_attn_skip_freq", [](ModelConfig & c) -> auto& { return c.window_attn_skip_freq; }, windowed),
   };
 }
 

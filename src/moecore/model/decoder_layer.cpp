@@ -27,6 +27,8 @@ void DecoderLayer::bind(const ParamSpec& spec, Param& p) {
       return to(w_.proj, g_.proj);
     case proj_bias:
       return to(w_.proj_bias, g_.proj_bias);
+    case softmax_offset:
+      return to(w_.softmax_offset, g_.softmax_offset);
     case q_norm:
       return mla() ? to(mla_w_.q_norm, mla_g_.q_norm) : to(w_.q_norm, g_.q_norm);
     case q_norm_bias:
@@ -95,7 +97,7 @@ void DecoderLayer::forward(const Tensor& x, Tensor& y, LayerCache& c, LayerShare
   if (mla())
     nn::mla_block_forward(x, w_, mla_w_, c.dense, c.mla, sh.ws, sh.mla_ws, sh.rope, sh.dims, sh.mla_dims, c.drops, ctx);
   else
-    nn::attention_block_forward(x, w_, c.dense, sh.ws, sh.rope, sh.dims, c.drops, ctx);
+    nn::attention_block_forward(x, w_, c.dense, sh.ws, sh.rope, attention_dims(sh), c.drops, ctx);
   if (moe())
     moe_forward(y, c, sh, training, ctx, recompute);
   else
@@ -112,13 +114,13 @@ void DecoderLayer::backward(const Tensor& x, LayerCache& c, LayerShared& sh, con
     nn::mlp_block_backward(sh.dres, g_, w_, c.dense, sh.ws, sh.dims, c.drops, ctx);
   // sh.dres is dL/dx_mid here.
   if (refill.norms) nn::attention_norm_refill(x, w_, c.dense, sh.ws, sh.dims, ctx);
-  if (refill.attention) nn::core_attention_refill(c.dense, sh.ws, sh.dims, c.drops, ctx);
+  if (refill.attention) nn::core_attention_refill(w_, c.dense, sh.ws, attention_dims(sh), c.drops, ctx);
   if (refill.mla_up) nn::mla_up_refill(c.dense.h1, mla_w_, c.mla, sh.mla_ws, sh.rope, sh.mla_dims, ctx);
   if (mla())
     nn::mla_block_backward(sh.dres, g_, mla_g_, x, w_, mla_w_, c.dense, c.mla, sh.ws, sh.mla_ws, sh.rope, sh.dims,
                            sh.mla_dims, c.drops, ctx);
   else
-    nn::attention_block_backward(sh.dres, g_, x, w_, c.dense, sh.ws, sh.rope, sh.dims, c.drops, ctx);
+    nn::attention_block_backward(sh.dres, g_, x, w_, c.dense, sh.ws, sh.rope, attention_dims(sh), c.drops, ctx);
 }
 
 // The MoE half: y = x_mid + dropout(moe(norm2(x_mid))). The MoE layer takes Megatron's sequence-major token order

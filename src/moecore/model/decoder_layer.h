@@ -57,6 +57,12 @@ class DecoderLayer {
  public:
   explicit DecoderLayer(LayerSpec spec) : spec_(std::move(spec)) {}
   const LayerSpec& spec() const { return spec_; }
+  // The shared dims with this layer's sliding window (the only per-layer attention setting).
+  nn::DenseLayerDims attention_dims(const LayerShared& sh) const {
+    nn::DenseLayerDims d = sh.dims;
+    d.attention_window = spec_.window;
+    return d;
+  }
   bool moe() const { return spec_.mlp == MlpKind::moe; }
   bool mla() const { return spec_.attention == AttentionKind::mla; }
   // Points the module slot of the parameter's role at it: the weight in the compute dtype (p.compute, which is the f32

@@ -30,6 +30,7 @@ ModelDims model_dims(const ModelConfig& cfg, const ModelParallel& par, int64_t B
   n.rope = cfg.rope();
   n.qk_norm = cfg.qk_layernorm && !cfg.multi_latent_attention;  // (with MLA, --qk-layernorm is the latent norms)
   n.qk_norm_over_heads = cfg.qk_layernorm_over_heads;
+  n.softmax_off_by_one = cfg.softmax_type == SoftmaxType::off_by_one;
   n.dropout = cfg.hidden_dropout > 0.0f;
   n.compute = c;
   n.device = device;

@@ -5,14 +5,15 @@
 namespace moecore::model {
 
 std::vector<LayerSpec> layer_specs(const ModelConfig& cfg) {
-  const std::vector<bool> moe = cfg.moe_layers();
+  const std::vector<bool> moe = cfg.moe_layers(), windowed = cfg.window_layers();
   const AttentionKind attention = cfg.multi_latent_attention ? AttentionKind::mla : AttentionKind::standard;
   std::vector<LayerSpec> out;
   for (int64_t l = 0; l < cfg.num_layers; ++l)
     out.push_back({"decoder.layers." + std::to_string(l) + ".", attention, cfg.qk_layernorm,
+                   windowed[static_cast<size_t>(l)] ? cfg.window_size : -1,
                    moe[static_cast<size_t>(l)] ? MlpKind::moe : MlpKind::dense, false});
   for (int64_t k = 0; k < cfg.mtp_num_layers; ++k)
-    out.push_back({"mtp.layers." + std::to_string(k) + ".transformer_layer.", attention, cfg.qk_layernorm,
+    out.push_back({"mtp.layers." + std::to_string(k) + ".transformer_layer.", attention, cfg.qk_layernorm, -1,
                    moe.back() ? MlpKind::moe : MlpKind::dense, true});
   return out;
 }
@@ -113,6 +114,10 @@ class SpecTable {
       split(0);
     }
     if (c_.add_bias_linear) add(proj_bias, sa + "linear_proj.bias", {H_}, ParamInit::zeros);
+    if (c_.softmax_type == SoftmaxType::learnable) {  // Megatron: init_method, split by head over TP
+      add(softmax_offset, sa + "core_attention.softmax_offset", {Hq}, ParamInit::normal, std_w_);
+      split(0);
+    }
     norm(mlp_norm, mlp_norm_bias, spec.prefix + "pre_mlp_layernorm", H_);
     if (!spec.qk_norm) return;
     const size_t from = out_.size();

@@ -21,6 +21,7 @@ struct LayerSpec {
   std::string prefix;  // parameter-name prefix: "decoder.layers.3." or "mtp.layers.0.transformer_layer."
   AttentionKind attention = AttentionKind::standard;
   bool qk_norm = false;  // standard: the per-head q/k norms; MLA: the q/kv latent norms (Megatron: --qk-layernorm)
+  int64_t window = -1;   // the sliding window of its attention (ModelConfig::window_size), -1: none
   MlpKind mlp = MlpKind::dense;
   bool mtp = false;  // the transformer layer of a multi-token-prediction depth (its kind: the last decoder layer's)
 };
@@ -49,6 +50,7 @@ enum class ParamRole : uint8_t {
   qkv_bias,
   proj,
   proj_bias,
+  softmax_offset,
   q_norm,
   q_norm_bias,
   k_norm,
@@ -112,7 +114,8 @@ struct ParamSpec {
   int64_t layer = -1;
 };
 
-// Order: embeddings; per layer the input norm, linear_qkv (+bias), linear_proj (+bias), the MLP norm, QK-norms
+// Order: embeddings; per layer the input norm, linear_qkv (+bias), linear_proj (+bias), the learnable softmax's
+// core_attention.softmax_offset ([heads], split by head like linear_qkv, init_method), the MLP norm, QK-norms
 // (MLA: linear_q_proj or linear_q_down_proj + linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj,
 // linear_proj, the MLP norm, the latent norms q_layernorm / kv_layernorm), then the dense MLP or the MoE block (router,
 // experts, biases, shared experts); the final norm; the output layer (absent when tied). Weights start at N(0,

@@ -123,8 +123,9 @@ void context_parallel_to_positions(const Tensor& out, const Tensor& gathered, in
 }
 
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const ops::QkvDims& dims, const ops::Dropout& drop,
-                       const ProcessGroup* cp, ContextParallelWorkspace& ws, const ops::Context& ctx) {
-  if (!cp || cp->size() == 1) return ops::attention_forward(out, lse, qkv, dims, drop, ctx);
+                       const ops::AttentionOptions& opt, const ProcessGroup* cp, ContextParallelWorkspace& ws,
+                       const ops::Context& ctx) {
+  if (!cp || cp->size() == 1) return ops::attention_forward(out, lse, qkv, dims, drop, opt, ctx);
   const Chunks ch(dims, *cp);
   const int64_t W = dims.width(), O = dims.q_heads() * dims.D;
   const Tensor qkv_rows = qkv.view({ch.B * ch.Sl, W}), out_rows = out.view({ch.B * ch.Sl, O});
@@ -134,15 +135,17 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const ops::Q
     const ops::QkvDims d = ch.dims(dims, k);
     chunk_rows(ws.q, qkv_rows, ch, k, false);
     Tensor o = ws.out.view({ch.B, ch.c, O}), l = lse_of(lse, ch, dims.q_heads(), k);
-    ops::attention_forward(o, l, ws.q.view({ch.B, ch.c, W}), full.slice(1, 0, d.Sk), d, chunk_dropout(drop, k), ctx);
+    ops::attention_forward(o, l, ws.q.view({ch.B, ch.c, W}), full.slice(1, 0, d.Sk), d, chunk_dropout(drop, k), opt,
+                           ctx);
     chunk_rows(ws.out, out_rows, ch, k, true);
   }
 }
 
-void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
-                        const ops::QkvDims& dims, const ops::Dropout& drop, const ProcessGroup* cp,
-                        ContextParallelWorkspace& ws, const ops::Context& ctx) {
-  if (!cp || cp->size() == 1) return ops::attention_backward(dqkv, dout, qkv, out, lse, dims, drop, ctx);
+void attention_backward(Tensor& dqkv, Tensor* dsinks, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                        const Tensor& lse, const ops::QkvDims& dims, const ops::Dropout& drop,
+                        const ops::AttentionOptions& opt, const ProcessGroup* cp, ContextParallelWorkspace& ws,
+                        const ops::Context& ctx) {
+  if (!cp || cp->size() == 1) return ops::attention_backward(dqkv, dsinks, dout, qkv, out, lse, dims, drop, opt, ctx);
   const Chunks ch(dims, *cp);
   const int64_t W = dims.width(), O = dims.q_heads() * dims.D, T = ch.B * ch.Sl;
   const Tensor qkv_rows = qkv.view({T, W});
@@ -156,9 +159,9 @@ void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, con
     chunk_rows(ws.dout, dout.view({T, O}), ch, k, false);
     Tensor dq = rows_of(ws.dq, k * ch.B * ch.c, ch.B * ch.c).view({ch.B, ch.c, W});
     Tensor dkv = ws.dkv.view({ch.B, ch.S, W}).slice(1, 0, d.Sk);
-    ops::attention_backward(dq, dkv, ws.dout.view({ch.B, ch.c, O}), ws.q.view({ch.B, ch.c, W}), full.slice(1, 0, d.Sk),
-                            ws.out.view({ch.B, ch.c, O}), lse_of(lse, ch, dims.q_heads(), k), d, chunk_dropout(drop, k),
-                            ctx);
+    ops::attention_backward(dq, dkv, dsinks, ws.dout.view({ch.B, ch.c, O}), ws.q.view({ch.B, ch.c, W}),
+                            full.slice(1, 0, d.Sk), ws.out.view({ch.B, ch.c, O}), lse_of(lse, ch, dims.q_heads(), k), d,
+                            chunk_dropout(drop, k), opt, ctx);
     // The blocks of keys this chunk saw (positions below d.Sk, whole blocks: d.Sk is a multiple of c), packed to f32
     // and added into their owners' rows.
     ch.for_each_block([&](int64_t rr, int64_t pr) {

@@ -49,10 +49,14 @@ void plan_context_parallel_workspace(ContextParallelWorkspace& w, const ops::Qkv
 // itself. Under CP the lse tensor [B, G*R, S_local] holds the two chunks' lse ([2][B][G*R][c]), which only the
 // backward here reads. dims: the local geometry (S = S_local, Sk = 0). The dropout masks are drawn per chunk (two
 // keys derived from drop's), so they differ from one rank's.
+// opt: the sinks and window (ops.h); every chunk is one exact softmax over all of its keys, so a sink counts once per
+// query and dsinks (+=) sums this rank's queries (the caller sums it over the CP group with the other gradients).
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& qkv, const ops::QkvDims& dims, const ops::Dropout& drop,
-                       const ProcessGroup* cp, ContextParallelWorkspace& ws, const ops::Context& ctx);
-void attention_backward(Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
-                        const ops::QkvDims& dims, const ops::Dropout& drop, const ProcessGroup* cp,
-                        ContextParallelWorkspace& ws, const ops::Context& ctx);
+                       const ops::AttentionOptions& opt, const ProcessGroup* cp, ContextParallelWorkspace& ws,
+                       const ops::Context& ctx);
+void attention_backward(Tensor& dqkv, Tensor* dsinks, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                        const Tensor& lse, const ops::QkvDims& dims, const ops::Dropout& drop,
+                        const ops::AttentionOptions& opt, const ProcessGroup* cp, ContextParallelWorkspace& ws,
+                        const ops::Context& ctx);
 
 }  // namespace moecore::nn

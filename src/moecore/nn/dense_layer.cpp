@@ -14,6 +14,11 @@ Tensor bsw(const Tensor& t, const DenseLayerDims& d) {
   return t.view({d.qkv.B, d.qkv.S, t.size(1)});
 }
 
+// The layer's sinks and window (the learnable sink logits are the weights', this rank's heads).
+ops::AttentionOptions attention_options(const DenseLayerWeights& w, const DenseLayerDims& d) {
+  return {d.attention_window, d.softmax_off_by_one, w.softmax_offset.defined() ? &w.softmax_offset : nullptr};
+}
+
 }  // namespace
 
 namespace {
@@ -305,7 +310,7 @@ void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseL
   if (d.qk_norm) qk_norm_forward(k, w, ws, d, ctx);
   Tensor qkv = bsw(k.qkv, d), attn = bsw(k.attn, d);
   if (d.rope) ops::rope_forward(qkv, rope, d.qkv, ctx);
-  attention_forward(attn, k.lse, qkv, d.qkv, drop.attention, d.cp, ws.cp, ctx);
+  attention_forward(attn, k.lse, qkv, d.qkv, drop.attention, attention_options(w, d), d.cp, ws.cp, ctx);
   row_parallel_residual_forward(k.x_mid, x, k.attn, w.proj, w.proj_bias, ws, d, drop.attn_out, ctx);
 }
 
@@ -327,10 +332,10 @@ void mlp_norm_refill(const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerW
     mlp_norm_forward(w, k, d, ctx);
 }
 
-void core_attention_refill(DenseLayerCache& k, DenseLayerWorkspace& ws, const DenseLayerDims& d,
-                           const LayerDropout& drop, const ops::Context& ctx) {
+void core_attention_refill(const DenseLayerWeights& w, DenseLayerCache& k, DenseLayerWorkspace& ws,
+                           const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
   Tensor qkv = bsw(k.qkv, d), attn = bsw(k.attn, d);  // (the kept q, k, v: after QK-norm and RoPE)
-  attention_forward(attn, k.lse, qkv, d.qkv, drop.attention, d.cp, ws.cp, ctx);
+  attention_forward(attn, k.lse, qkv, d.qkv, drop.attention, attention_options(w, d), d.cp, ws.cp, ctx);
 }
 
 void mlp_refill(const DenseLayerWeights& w, DenseLayerCache& k, const DenseLayerDims& d, const ops::Context& ctx) {
@@ -364,8 +369,8 @@ void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x,
                               const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
   row_parallel_residual_backward(ws.dattn, g.proj, g.proj_bias, dres, k.attn, w.proj, ws, d, drop.attn_out, ctx);
   Tensor dqkv = bsw(ws.dqkv, d);
-  attention_backward(dqkv, bsw(ws.dattn, d), bsw(k.qkv, d), bsw(k.attn, d), k.lse, d.qkv, drop.attention, d.cp, ws.cp,
-                     ctx);
+  attention_backward(dqkv, g.softmax_offset.defined() ? &g.softmax_offset : nullptr, bsw(ws.dattn, d), bsw(k.qkv, d),
+                     bsw(k.attn, d), k.lse, d.qkv, drop.attention, attention_options(w, d), d.cp, ws.cp, ctx);
   if (d.rope) ops::rope_backward(dqkv, rope, d.qkv, ctx);
   if (d.qk_norm) qk_norm_backward(ws.dqkv, g, k, w, ws, d, ctx);
   if (g.qkv_bias.defined()) ops::bias_grad(g.qkv_bias, ws.dqkv, ctx);

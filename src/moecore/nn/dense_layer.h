@@ -40,6 +40,8 @@ struct DenseLayerDims {
   bool qk_norm_over_heads = false;  // ... over each token's whole q and k projection instead (weights [G*R*D],
                                     // [G*D] of the whole model: under TP the heads are gathered, normed, split back)
   bool rope = true;                 // rotate q and k (the table [S, Dr] gives the rotary width); false: no RoPE
+  bool softmax_off_by_one = false;  // --softmax-type off-by-one: a sink logit 0 per head (learnable: the weights')
+  int64_t attention_window = -1;    // this layer's sliding window (ops::AttentionOptions::window), -1: none
   DType compute = DType::f32;
   Device device = Device::cpu;       // where the caches and workspaces live
   const ProcessGroup* tp = nullptr;  // the tensor-parallel group (null or one rank: none)
@@ -69,6 +71,7 @@ struct DenseLayerWeights {
   Tensor q_norm, q_norm_bias;  // [D] f32: QK-norm of the query heads (bias: LayerNorm only), or undefined;
                                // over heads: [G*R*D] of all TP ranks
   Tensor k_norm, k_norm_bias;  // [D] f32: QK-norm of the key heads (over heads: [G*D] of all TP ranks)
+  Tensor softmax_offset;  // [G*R] f32: the learnable softmax's sink logit per query head (this rank's), or undefined
 };
 
 // f32 gradients, same shapes as the weights; accumulated.
@@ -76,6 +79,7 @@ struct DenseLayerGrads {
   Tensor input_norm, input_norm_bias, qkv, proj, mlp_norm, mlp_norm_bias, fc1, fc2;
   Tensor qkv_bias, proj_bias, fc1_bias, fc2_bias;
   Tensor q_norm, q_norm_bias, k_norm, k_norm_bias;
+  Tensor softmax_offset;
 };
 
 // The dropout masks of one layer's forward (p = 0: off, as in evaluation). Backward must get the same keys.
@@ -153,8 +157,8 @@ void mlp_norm_refill(const DenseLayerWeights& w, DenseLayerCache& cache, DenseLa
 // Selective recompute of core_attn and mlp, likewise: cache.attn and cache.lse from the kept cache.qkv (the attention
 // kernel again with the same dropout mask; under CP collective over its group), and a dense MLP's cache.fc1 and
 // cache.act from cache.h2 (forward computes them with this function too).
-void core_attention_refill(DenseLayerCache& cache, DenseLayerWorkspace& ws, const DenseLayerDims& d,
-                           const LayerDropout& drop, const ops::Context& ctx);
+void core_attention_refill(const DenseLayerWeights& w, DenseLayerCache& cache, DenseLayerWorkspace& ws,
+                           const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx);
 void mlp_refill(const DenseLayerWeights& w, DenseLayerCache& cache, const DenseLayerDims& d, const ops::Context& ctx);
 // dres: dL/dx_mid on entry, dL/dx on return.
 void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,

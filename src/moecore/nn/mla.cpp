@@ -115,7 +115,7 @@ void mla_block_forward(const Tensor& x, const DenseLayerWeights& w, const MlaWei
   latent_norm_forward(mc.c_n, mc.c_mean, mc.c_rstd, mc.c, m.kv_norm, m.kv_norm_bias, md.latent_norm, d.eps, ctx);
   mla_up_refill(k.h1, m, mc, mw, rope, md, ctx);
   Tensor qkv = bsw(mc.qkv, md), attn = bsw(mc.attn, md);
-  attention_forward(attn, mc.lse, qkv, md.qkv(), drop.attention, d.cp, mw.cp, ctx);
+  attention_forward(attn, mc.lse, qkv, md.qkv(), drop.attention, {}, d.cp, mw.cp, ctx);
   mc.attn_v.view({md.N(), md.heads, md.dv}).copy_from(mc.attn.view({md.N(), md.heads, md.D()}).slice(2, 0, md.dv));
   row_parallel_residual_forward(k.x_mid, x, mc.attn_v, w.proj, w.proj_bias, ws, d, drop.attn_out, ctx);
 }
@@ -152,8 +152,8 @@ void mla_block_backward(Tensor& dres, DenseLayerGrads& g, MlaGrads& mg, const Te
   row_parallel_residual_backward(mw.dattn_v, g.proj, g.proj_bias, dres, mc.attn_v, w.proj, ws, d, drop.attn_out, ctx);
   mw.dattn.view({N, md.heads, D}).slice(2, 0, dv).copy_from(mw.dattn_v.view({N, md.heads, dv}));
   Tensor dqkv = bsw(mw.dqkv, md);
-  attention_backward(dqkv, bsw(mw.dattn, md), bsw(mc.qkv, md), bsw(mc.attn, md), mc.lse, md.qkv(), drop.attention, d.cp,
-                     mw.cp, ctx);
+  attention_backward(dqkv, nullptr, bsw(mw.dattn, md), bsw(mc.qkv, md), bsw(mc.attn, md), mc.lse, md.qkv(),
+                     drop.attention, {}, d.cp, mw.cp, ctx);
   ops::rope_backward(dqkv, rope, md.qkv(), ctx);
   const Tensor dQ = slot(mw.dqkv, md, 0), dK = slot(mw.dqkv, md, 1), dV = slot(mw.dqkv, md, 2);
   Tensor q4 = heads4(mw.q, md, dn + dr), kv4 = heads4(mw.kv, md, dn + dv);

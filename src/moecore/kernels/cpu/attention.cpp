@@ -5,6 +5,8 @@
 // Dropout on P regenerates its mask per block from (key, element index) (dropout_mask.h); p = 0 runs none
 // of that code. Results are deterministic: every sum runs in an order fixed by the shapes, never by
 // threads or timing. On a cuda context both ops dispatch to kernels/cuda/attention.cu after the checks.
+// A sliding window (AttentionOptions::window) skips key blocks outside every row's window and masks the rest
+// (common/attention_window.h); a sink starts each row's running max and sum at (s_h, 1).
 // Not here: rotary embeddings (rope.cpp), non-causal or padding masks.
 #include <algorithm>
 #include <cmath>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "moecore/kernels/attention_scratch.h"
+#include "moecore/kernels/common/attention_window.h"
 #include "moecore/kernels/cpu/attention_blocks.h"
 #include "moecore/kernels/cpu/cpu_util.h"
 #include "moecore/kernels/cpu/dropout_mask.h"
@@ -42,6 +45,9 @@ struct Layout {
   int64_t kv_bs, dkv_bs;                 // batch strides of kv and dkv (their rows are W apart)
   int64_t Dp, Skp, nqb, nkb;             // padded head dim, padded key count, query and key block counts
   float scale;                           // 1 / sqrt(D)
+  int64_t window = -1;                   // AttentionOptions::window
+  bool has_sink = false;                 // off-by-one or learnable sinks
+  const float* sinks = nullptr;          // [H] learnable sink logits, or null (off-by-one: 0)
   Layout(const QkvDims& d, int64_t kv_batch_stride, int64_t dkv_batch_stride = 0)
       : B(d.B),
         S(d.S),
@@ -59,6 +65,16 @@ struct Layout {
         nqb((d.S + kBq - 1) / kBq),
         nkb((d.keys() + kBk - 1) / kBk),
         scale(1.0f / std::sqrt(static_cast<float>(d.D))) {}
+  void set_options(const AttentionOptions& opt) {
+    window = opt.window;
+    has_sink = opt.has_sink();
+    sinks = opt.sinks ? opt.sinks->data<float>() : nullptr;
+  }
+  float sink(int64_t h) const { return sinks ? sinks[h] : 0.0f; }
+  // One past the last query row that sees some key of k0 .. k0 + kn - 1.
+  int64_t rows_end(int64_t k0, int64_t kn) const {
+    return std::min(S, attn_window::end_position(k0 + kn - 1, window, Sk) - off);
+  }
   int64_t q_col(int64_t h) const { return ((h / R) * (R + 2) + h % R) * D; }
   int64_t k_col(int64_t g) const { return (g * (R + 2) + R) * D; }
   int64_t v_col(int64_t g) const { return k_col(g) + D; }
@@ -100,12 +116,22 @@ void mask_future(float* s, int64_t rows, int64_t p0, int64_t k0) {
   }
 }
 
+// Columns k0 + j < p0 + r - window of a score block are before the window of its row r.
+void mask_past(float* s, int64_t rows, int64_t p0, int64_t k0, int64_t window) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t end = std::min<int64_t>(kBk, p0 + r - window - k0);
+    for (int64_t j = 0; j < end; ++j) s[r * kBk + j] = kNegInf;
+  }
+}
+
 // Turns a score block into P in place and rescales the running output rows; m, l are the running row max
-// and row sum of exp(score - m) (online softmax).
+// and row sum of exp(score - m) (online softmax). A row whose keys so far are all outside its window keeps m = -inf
+// (exponents taken against 0), so its first visible block starts it afresh.
 void online_softmax(float* s, float* o, float* m, float* l, int64_t rows, int64_t Dp) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * kBk;
-    const float m_new = std::max(m[r], cpu::attn::row_max(sr, kBk));
+    const float m_max = std::max(m[r], cpu::attn::row_max(sr, kBk));
+    const float m_new = m_max == kNegInf ? 0.0f : m_max;
     const float alpha = cpu::exp_f32(m[r] - m_new);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -115,7 +141,7 @@ void online_softmax(float* s, float* o, float* m, float* l, int64_t rows, int64_
       sum += p;
     }
     l[r] = l[r] * alpha + sum;
-    m[r] = m_new;
+    m[r] = m_max;
     if (alpha != 1.0f) {
       float* orow = o + r * Dp;
 #pragma omp simd
@@ -163,12 +189,13 @@ void forward_block(T* out, float* lse, const T* qs, const float* kt, const float
   for (int64_t r = 0; r < qn; ++r) {
     load_row(q + r * L.Dp, qs + (b * L.S + q0 + r) * L.W + L.q_col(h), L.D, L.Dp, L.scale);
     std::fill(o + r * L.Dp, o + (r + 1) * L.Dp, 0.0f);
-    m[r] = kNegInf;
-    l[r] = 0.0f;
+    m[r] = L.has_sink ? L.sink(h) : kNegInf;  // the sink as a first column of the row, exp(s_h - m) = 1
+    l[r] = L.has_sink ? 1.0f : 0.0f;
   }
-  for (int64_t k0 = 0; k0 < p0 + qn; k0 += kBk) {
+  for (int64_t k0 = attn_window::first_key(p0, L.window) / kBk * kBk; k0 < p0 + qn; k0 += kBk) {
     block_gemm<false>(qn, kBk, L.Dp, q, L.Dp, kt + k0 * L.Dp, kBk, s, kBk, false);
     if (k0 + kBk - 1 > p0) mask_future(s, qn, p0, k0);
+    if (attn_window::clips(p0 + qn - 1, k0, L.window)) mask_past(s, qn, p0, k0, L.window);
     online_softmax(s, o, m, l, qn, L.Dp);
     if (mask) {  // l keeps the undropped sum: only what flows into the output is dropped
       alignas(64) float f[kBk];
@@ -327,15 +354,15 @@ void pack_key_block(BwdTile& t, const T* kv, const Layout& L, int64_t b, int64_t
 // t.ds; p0 is the position of the block's first query. Future keys get P = 0, which also covers the
 // zero-padded keys past Sk.
 void softmax_grad_block(BwdTile& t, int64_t qn, int64_t p0, int64_t k0, const float* lse, const float* delta,
-                        float scale) {
+                        float scale, int64_t window) {
   for (int64_t r = 0; r < qn; ++r) {
     float* pr = t.p + r * kBk;
     float* dsr = t.ds + r * kBk;
     const float lr = lse[r], dr = delta[r];
-    const int64_t q = p0 + r;
+    const int64_t q = p0 + r, lo = window < 0 ? std::numeric_limits<int64_t>::min() : q - window;
 #pragma omp simd
     for (int64_t j = 0; j < kBk; ++j) {
-      const float p = cpu::select_f32(k0 + j > q, 0.0f, cpu::exp_f32(pr[j] - lr));
+      const float p = cpu::select_f32(k0 + j > q || k0 + j < lo, 0.0f, cpu::exp_f32(pr[j] - lr));
       pr[j] = p;
       dsr[j] = p * (dsr[j] - dr) * scale;
     }
@@ -345,16 +372,16 @@ void softmax_grad_block(BwdTile& t, int64_t qn, int64_t p0, int64_t k0, const fl
 // The same with dropout factors f in t.f: P becomes Pd = P * f (what dV needs) and
 // dS = P * (dP * f - delta) * scale.
 void softmax_grad_block_dropout(BwdTile& t, int64_t qn, int64_t p0, int64_t k0, const float* lse, const float* delta,
-                                float scale) {
+                                float scale, int64_t window) {
   for (int64_t r = 0; r < qn; ++r) {
     float* pr = t.p + r * kBk;
     float* dsr = t.ds + r * kBk;
     const float* fr = t.f + r * kBk;
     const float lr = lse[r], dr = delta[r];
-    const int64_t q = p0 + r;
+    const int64_t q = p0 + r, lo = window < 0 ? std::numeric_limits<int64_t>::min() : q - window;
 #pragma omp simd
     for (int64_t j = 0; j < kBk; ++j) {
-      const float p = cpu::select_f32(k0 + j > q, 0.0f, cpu::exp_f32(pr[j] - lr));
+      const float p = cpu::select_f32(k0 + j > q || k0 + j < lo, 0.0f, cpu::exp_f32(pr[j] - lr));
       pr[j] = p * fr[j];
       dsr[j] = p * (dsr[j] * fr[j] - dr) * scale;
     }
@@ -365,13 +392,18 @@ template <class T>
 void backward_task(T* dq, T* dkv, const T* kv, const float* lse, const BwdPacked& pk, const Layout& L, const Chunks& ch,
                    const cpu::DropoutMask* mask, BwdTile& t, int64_t b, int64_t g, int64_t c) {
   const int64_t k_begin = ch.bounds[c] * kBk, k_end = std::min(ch.bounds[c + 1] * kBk, L.Sk), q0 = ch.q0[c];
+  if (L.window >= 0)
+    for (int64_t h = g * L.R; h < (g + 1) * L.R; ++h) {
+      float* rows = pk.dq + ((b * L.H + h) * pk.rows + ch.row_offset[c]) * L.Dp;
+      std::fill(rows, rows + (L.S - q0) * L.Dp, 0.0f);
+    }
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kBk) {
     const int64_t kn = std::min(kBk, L.Sk - k0);
     pack_key_block(t, kv, L, b, g, k0, kn);
     std::fill(t.dk, t.dk + 2 * kBk * L.Dp, 0.0f);  // dk and dv are adjacent
     for (int64_t h = g * L.R; h < (g + 1) * L.R; ++h) {
       const int64_t bh = b * L.H + h;
-      for (int64_t i0 = L.first_row(k0); i0 < L.S; i0 += kBq) {
+      for (int64_t i0 = L.first_row(k0), i_end = L.rows_end(k0, kn); i0 < i_end; i0 += kBq) {
         const int64_t qn = std::min(kBq, L.S - i0), row = bh * L.S + i0;
         const float* qi = pk.q + row * L.Dp;
         const float* doi = pk.dout + row * L.Dp;
@@ -380,14 +412,15 @@ void backward_task(T* dq, T* dkv, const T* kv, const float* lse, const BwdPacked
         block_gemm<false>(qn, kBk, L.Dp, doi, L.Dp, t.vt, kBk, t.ds, kBk, false);  // dP = dO V^T
         if (mask) {
           for (int64_t r = 0; r < qn; ++r) dropout_row(t.f + r * kBk, *mask, L, b, h, L.off + i0 + r, k0, kn);
-          softmax_grad_block_dropout(t, qn, L.off + i0, k0, lse + row, pk.delta + row, L.scale);
+          softmax_grad_block_dropout(t, qn, L.off + i0, k0, lse + row, pk.delta + row, L.scale, L.window);
         } else {
-          softmax_grad_block(t, qn, L.off + i0, k0, lse + row, pk.delta + row, L.scale);
+          softmax_grad_block(t, qn, L.off + i0, k0, lse + row, pk.delta + row, L.scale, L.window);
         }
         block_gemm<true>(kn, L.Dp, qn, t.p, kBk, doi, L.Dp, t.dv, L.Dp, true);  // dV += Pd^T dO
         block_gemm<true>(kn, L.Dp, qn, t.ds, kBk, qi, L.Dp, t.dk, L.Dp, true);  // dK += dS^T Q
-        // dQ += dS K; the chunk's first key block reaches all of its query rows and initialises them.
-        block_gemm<false>(qn, L.Dp, kn, t.ds, kBk, t.k, L.Dp, dqi, L.Dp, k0 != k_begin);
+        // dQ += dS K; without a window the chunk's first key block reaches all of its query rows and initialises
+        // them (with one, the rows were zeroed above).
+        block_gemm<false>(qn, L.Dp, kn, t.ds, kBk, t.k, L.Dp, dqi, L.Dp, L.window >= 0 || k0 != k_begin);
       }
     }
     for (int64_t j = 0; j < kn; ++j) {
@@ -423,8 +456,21 @@ void reduce_dq(T* dq, const BwdPacked& pk, const Layout& L, const Chunks& ch) {
   }
 }
 
+// dsinks[h] -= sum over (b, i) of exp(s_h - lse) * delta, in (b, i) order per head.
+void sink_grads(float* dsinks, const float* lse, const BwdPacked& pk, const Layout& L) {
+#pragma omp parallel for schedule(static)
+  for (int64_t h = 0; h < L.H; ++h) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < L.B; ++b) {
+      const int64_t row0 = (b * L.H + h) * L.S;
+      for (int64_t i = 0; i < L.S; ++i) acc += std::exp(L.sink(h) - lse[row0 + i]) * pk.delta[row0 + i];
+    }
+    dsinks[h] -= acc;
+  }
+}
+
 template <class T>
-void backward_impl(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const T* out, const float* lse,
+void backward_impl(T* dq, T* dkv, float* dsinks, const T* dout, const T* q, const T* kv, const T* out, const float* lse,
                    const Layout& L, const cpu::DropoutMask* mask) {
   const Chunks ch = key_chunks(L);
   const BwdPacked pk(cpu::scratch<float, 0>(BwdPacked::floats(L, ch.row_offset.back())), L, ch.row_offset.back());
@@ -444,6 +490,7 @@ void backward_impl(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
     }
   }
   if (ch.count() > 1) reduce_dq(dq, pk, L, ch);
+  if (dsinks) sink_grads(dsinks, lse, pk, L);
 }
 
 std::string dims_text(const QkvDims& d) {
@@ -481,6 +528,23 @@ void check_keys(const cpu::Checker& ck, const char* name, const QkvDims& d) {
             t.stride(0), ", ", t.stride(1), ", ", t.stride(2), "]");
 }
 
+// The window is >= -1; sinks (and dsinks, only with sinks) are [Hq] f32 contiguous.
+void check_options(const char* op, const Context& ctx, const QkvDims& d, const AttentionOptions& opt,
+                   const Tensor* dsinks) {
+  if (opt.window < -1) MOECORE_FAIL(op, ": options.window must be -1 (none) or >= 0, got ", opt.window);
+  if (opt.sinks && opt.off_by_one)
+    MOECORE_FAIL(op, ": options.sinks and options.off_by_one are exclusive (off-by-one has no sink parameter)");
+  if (dsinks && !opt.sinks) MOECORE_FAIL(op, ": dsinks needs learnable sinks (options.sinks)");
+  if (!opt.sinks) return;
+  const cpu::Checker ck(op, ctx, {{"sinks", opt.sinks}, {"dsinks", dsinks ? dsinks : opt.sinks}},
+                        cpu::Backends::cpu_and_cuda);
+  for (const char* name : {"sinks", "dsinks"}) {
+    ck.dtype(name, DType::f32);
+    ck.shape(name, Shape{d.q_heads()});
+    ck.contiguous(name);
+  }
+}
+
 // Whether the memory spans of a and b (first to last element, the gaps of strided views included) intersect.
 bool overlap(const Tensor& a, const Tensor& b) {
   auto span = [](const Tensor& t) {
@@ -497,10 +561,11 @@ bool overlap(const Tensor& a, const Tensor& b) {
 }  // namespace
 
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& kv, const QkvDims& dims,
-                       const Dropout& dropout, const Context& ctx) {
+                       const Dropout& dropout, const AttentionOptions& opt, const Context& ctx) {
   const cpu::Checker ck("attention_forward", ctx, {{"out", &out}, {"lse", &lse}, {"q", &q}, {"kv", &kv}},
                         cpu::Backends::cpu_and_cuda);
   check_dims(ck, dims);
+  check_options("attention_forward", ctx, dims, opt, nullptr);
   cpu::check_dropout(ck, dropout);
   ck.float_dtype("q");
   for (const char* name : {"kv", "out"}) ck.same_dtype(name, "q");
@@ -512,8 +577,9 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& 
   ck.contiguous("lse");
   if (dims.B == 0 || dims.S == 0) return;
   if constexpr (cpu::kCudaKernels)
-    if (ctx.device == Device::cuda) return cuda::attention_forward(out, lse, q, kv, dims, dropout, ctx);
-  const Layout L(dims, kv.stride(0));
+    if (ctx.device == Device::cuda) return cuda::attention_forward(out, lse, q, kv, dims, dropout, opt, ctx);
+  Layout L(dims, kv.stride(0));
+  L.set_options(opt);
   std::optional<cpu::DropoutMask> mask;
   if (dropout.active()) mask.emplace(dropout);
   cpu::with_float_type(q.dtype(), [&](auto tag) {
@@ -522,14 +588,15 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& 
   });
 }
 
-void attention_backward(Tensor& dq, Tensor& dkv, const Tensor& dout, const Tensor& q, const Tensor& kv,
+void attention_backward(Tensor& dq, Tensor& dkv, Tensor* dsinks, const Tensor& dout, const Tensor& q, const Tensor& kv,
                         const Tensor& out, const Tensor& lse, const QkvDims& dims, const Dropout& dropout,
-                        const Context& ctx) {
+                        const AttentionOptions& opt, const Context& ctx) {
   const cpu::Checker ck(
       "attention_backward", ctx,
       {{"dq", &dq}, {"dkv", &dkv}, {"dout", &dout}, {"q", &q}, {"kv", &kv}, {"out", &out}, {"lse", &lse}},
       cpu::Backends::cpu_and_cuda);
   check_dims(ck, dims);
+  check_options("attention_backward", ctx, dims, opt, dsinks);
   cpu::check_dropout(ck, dropout);
   ck.float_dtype("q");
   for (const char* name : {"dq", "dkv", "dout", "kv", "out"}) ck.same_dtype(name, "q");
@@ -547,14 +614,16 @@ void attention_backward(Tensor& dq, Tensor& dkv, const Tensor& dout, const Tenso
     for (const char* read : {"q", "kv", "dout"})
       if (overlap(ck.get(written), ck.get(read))) ck.fail(written, " must not share memory with ", read);
   if constexpr (cpu::kCudaKernels)
-    if (ctx.device == Device::cuda) return cuda::attention_backward(dq, dkv, dout, q, kv, out, lse, dims, dropout, ctx);
-  const Layout L(dims, kv.stride(0), dkv.stride(0));
+    if (ctx.device == Device::cuda)
+      return cuda::attention_backward(dq, dkv, dsinks, dout, q, kv, out, lse, dims, dropout, opt, ctx);
+  Layout L(dims, kv.stride(0), dkv.stride(0));
+  L.set_options(opt);
   std::optional<cpu::DropoutMask> mask;
   if (dropout.active()) mask.emplace(dropout);
   cpu::with_float_type(q.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    backward_impl(dq.data<T>(), dkv.data<T>(), dout.data<T>(), q.data<T>(), kv.data<T>(), out.data<T>(),
-                  lse.data<float>(), L, mask ? &*mask : nullptr);
+    backward_impl(dq.data<T>(), dkv.data<T>(), dsinks ? dsinks->data<float>() : nullptr, dout.data<T>(), q.data<T>(),
+                  kv.data<T>(), out.data<T>(), lse.data<float>(), L, mask ? &*mask : nullptr);
   });
 }
 

@@ -8,9 +8,12 @@
 // Layout: 256 threads = 32 rows x 8 threads; a row's 8 threads own interleaved channels d = sub + 8k and reduce dot
 // products with three shuffles. Plain f32 FMAs (no tensor cores): correct and deterministic, but expect a few
 // TFLOP/s, several times slower than FlashAttention-2/3 on an H100. Head dims up to 256.
+// A sliding window narrows every loop to the tiles that hold a visible pair (common/attention_window.h); a sink starts
+// a row's running max and sum at (s_h, 1), and its gradient is a fourth, per-head kernel reduced in a fixed order.
 #include <cmath>
 #include <type_traits>
 
+#include "moecore/kernels/common/attention_window.h"
 #include "moecore/kernels/cuda/cuda_util.cuh"
 
 namespace moecore::ops::cuda {
@@ -26,6 +29,11 @@ struct AttnDims {
                                              // DP = D rounded up to kSub
   int64_t kv_bs, dkv_bs;                     // batch strides of kv and dkv (their rows are W apart)
   float scale;
+  int64_t window;      // AttentionOptions::window
+  bool has_sink;       // off-by-one or learnable sinks
+  const float* sinks;  // [H] learnable sink logits, or null (off-by-one: 0)
+  __device__ float sink(int64_t h) const { return sinks ? sinks[h] : 0.0f; }
+  __device__ bool visible(int64_t pos, int64_t k) const { return attn_window::visible(pos, k, window); }
   __device__ int64_t q_col(int64_t h) const { return ((h / R) * (R + 2) + h % R) * D; }
   __device__ int64_t k_col(int64_t g) const { return (g * (R + 2) + R) * D; }
   __device__ int64_t v_col(int64_t g) const { return k_col(g) + D; }
@@ -95,8 +103,10 @@ __global__ void __launch_bounds__(kAttnThreads)
     qr[k] = valid && k < nk && d < L.D ? ld(qrow[d]) * L.scale : 0.0f;
     o[k] = 0.0f;
   }
-  float m = -INFINITY, l = 0.0f;
-  for (int64_t k0 = 0; k0 < L.off + q0 + kTile; k0 += kTile) {  // a tile in a row's future adds exact zeros to it
+  float m = L.has_sink ? L.sink(h) : -INFINITY, l = L.has_sink ? 1.0f : 0.0f;
+  // A tile in a row's future or before its window adds exact zeros to it.
+  const int64_t k_first = attn_window::first_key(L.off + q0, L.window) / kTile * kTile;
+  for (int64_t k0 = k_first; k0 < L.off + q0 + kTile; k0 += kTile) {
     __syncthreads();
     load_tile(ks, kvb + L.k_col(g), L.Sk, L.W, k0, L);
     load_tile(vs, kvb + L.v_col(g), L.Sk, L.W, k0, L);
@@ -111,10 +121,11 @@ __global__ void __launch_bounds__(kAttnThreads)
       for (int k = 0; k < MAXK; ++k)
         if (k < nk) part += qr[k] * ks[j * L.DP + sub + kSub * k];
       part = sum8(part);
-      s[j] = k0 + j <= pos ? part : -INFINITY;
+      s[j] = L.visible(pos, k0 + j) ? part : -INFINITY;
       mt = fmaxf(mt, s[j]);
     }
-    const float m_new = fmaxf(m, mt), alpha = expf(m - m_new);
+    // A row with no visible key yet keeps m = -inf and takes its exponents against 0.
+    const float m_max = fmaxf(m, mt), m_new = m_max == -INFINITY ? 0.0f : m_max, alpha = expf(m - m_new);
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < kTile; ++j) {
@@ -123,7 +134,7 @@ __global__ void __launch_bounds__(kAttnThreads)
       s[j] = mk.active ? ((keep >> j) & 1u ? p * mk.scale : 0.0f) : p;  // l keeps the undropped sum
     }
     l = l * alpha + sum;
-    m = m_new;
+    m = m_max;
 #pragma unroll
     for (int k = 0; k < MAXK; ++k) o[k] *= alpha;
 #pragma unroll
@@ -189,7 +200,8 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int64_t HD = L.H * L.D;
   for (int64_t h = g * L.R; h < (g + 1) * L.R; ++h) {
     const int64_t bh = b * L.H + h;
-    for (int64_t q0 = (k0 > L.off ? k0 - L.off : 0) / kTile * kTile; q0 < L.S; q0 += kTile) {
+    const int64_t q_end = attn_window::end_position(k0 + kTile - 1, L.window, L.Sk) - L.off;
+    for (int64_t q0 = (k0 > L.off ? k0 - L.off : 0) / kTile * kTile; q0 < L.S && q0 < q_end; q0 += kTile) {
       __syncthreads();
       load_tile(qs, q + b * L.S * L.W + L.q_col(h), L.S, L.W, q0, L);
       load_tile(dos, dout + b * L.S * HD + h * L.D, L.S, HD, q0, L);
@@ -214,7 +226,7 @@ __global__ void __launch_bounds__(kAttnThreads)
           }
         sp = sum8(sp);
         dp = sum8(dp);
-        const bool visible = kvalid && qi < L.S && j <= L.off + qi;
+        const bool visible = kvalid && qi < L.S && L.visible(L.off + qi, j);
         const float p = visible ? expf(sp - lse_s[i]) : 0.0f;
         const float f = mk.active ? ((keep_s[i] >> r) & 1u ? mk.scale : 0.0f) : 1.0f;
         const float pd = p * f, ds = p * (dp * f - delta_s[i]) * L.scale;
@@ -265,7 +277,8 @@ __global__ void __launch_bounds__(kAttnThreads)
     dqr[k] = 0.0f;
   }
   const float lse_q = valid ? lse[bh * L.S + qi] : 0.0f, delta_q = valid ? delta[bh * L.S + qi] : 0.0f;
-  for (int64_t k0 = 0; k0 < L.off + q0 + kTile; k0 += kTile) {
+  const int64_t k_first = attn_window::first_key(L.off + q0, L.window) / kTile * kTile;
+  for (int64_t k0 = k_first; k0 < L.off + q0 + kTile; k0 += kTile) {
     __syncthreads();
     load_tile(ks, kvb + L.k_col(g), L.Sk, L.W, k0, L);
     load_tile(vs, kvb + L.v_col(g), L.Sk, L.W, k0, L);
@@ -281,7 +294,7 @@ __global__ void __launch_bounds__(kAttnThreads)
         }
       sp = sum8(sp);
       dp = sum8(dp);
-      const bool visible = valid && k0 + j <= pos;
+      const bool visible = valid && L.visible(pos, k0 + j);
       const float p = visible ? expf(sp - lse_q) : 0.0f;
       const float f = mk.active ? ((keep >> j) & 1u ? mk.scale : 0.0f) : 1.0f;
       const float ds = p * (dp * f - delta_q) * L.scale;
@@ -299,7 +312,27 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
 }
 
-AttnDims attn_dims(const QkvDims& d, int64_t kv_bs, int64_t dkv_bs) {
+// dsinks[h] -= sum over (b, i) of exp(s_h - lse) * delta: one block per head, each thread's strided partial sums,
+// then a fixed tree (deterministic).
+__global__ void __launch_bounds__(kThreads)
+    attention_dsinks_kernel(float* dsinks, const float* lse, const float* delta, AttnDims L) {
+  __shared__ float part[kThreads];
+  const int64_t h = blockIdx.x, n = L.B * L.S;
+  float acc = 0.0f;
+  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) {
+    const int64_t row = (t / L.S * L.H + h) * L.S + t % L.S;
+    acc += expf(L.sink(h) - lse[row]) * delta[row];
+  }
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w >>= 1) {
+    if (static_cast<int>(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) dsinks[h] -= part[0];
+}
+
+AttnDims attn_dims(const QkvDims& d, int64_t kv_bs, int64_t dkv_bs, const AttentionOptions& opt) {
   return {d.B,
           d.S,
           d.keys(),
@@ -312,7 +345,10 @@ AttnDims attn_dims(const QkvDims& d, int64_t kv_bs, int64_t dkv_bs) {
           (d.D + kSub - 1) / kSub * kSub,
           kv_bs,
           dkv_bs,
-          1.0f / std::sqrt(static_cast<float>(d.D))};
+          1.0f / std::sqrt(static_cast<float>(d.D)),
+          opt.window,
+          opt.has_sink(),
+          opt.sinks ? Launch::ptr<const float>(*opt.sinks) : nullptr};
 }
 
 // Calls fn(std::integral_constant<int, MAXK>) with the smallest instantiated MAXK covering D.
@@ -340,11 +376,11 @@ void check_attention_dims(const char* op, const QkvDims& d) {
 }  // namespace
 
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& kv, const QkvDims& dims,
-                       const Dropout& dropout, const Context& ctx) {
+                       const Dropout& dropout, const AttentionOptions& opt, const Context& ctx) {
   const Launch l("attention_forward", ctx, {{"out", &out}, {"lse", &lse}, {"q", &q}, {"kv", &kv}});
   if (dims.B == 0 || dims.S == 0) return;
   check_attention_dims("attention_forward", dims);
-  const AttnDims L = attn_dims(dims, kv.stride(0), 0);
+  const AttnDims L = attn_dims(dims, kv.stride(0), 0, opt);
   const DeviceMask mk = device_mask(dropout);
   const dim3 grid(static_cast<unsigned>(L.B * L.H), static_cast<unsigned>((L.S + kTile - 1) / kTile));
   const size_t smem = 2 * kTile * L.DP * sizeof(float);
@@ -360,14 +396,14 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& 
   l.launched("attention_forward_kernel");
 }
 
-void attention_backward(Tensor& dq, Tensor& dkv, const Tensor& dout, const Tensor& q, const Tensor& kv,
+void attention_backward(Tensor& dq, Tensor& dkv, Tensor* dsinks, const Tensor& dout, const Tensor& q, const Tensor& kv,
                         const Tensor& out, const Tensor& lse, const QkvDims& dims, const Dropout& dropout,
-                        const Context& ctx) {
+                        const AttentionOptions& opt, const Context& ctx) {
   const Launch l("attention_backward", ctx,
                  {{"dq", &dq}, {"dkv", &dkv}, {"dout", &dout}, {"q", &q}, {"kv", &kv}, {"out", &out}, {"lse", &lse}});
   if (dims.B == 0 || dims.S == 0) return;
   check_attention_dims("attention_backward", dims);
-  const AttnDims L = attn_dims(dims, kv.stride(0), dkv.stride(0));
+  const AttnDims L = attn_dims(dims, kv.stride(0), dkv.stride(0), opt);
   const DeviceMask mk = device_mask(dropout);
   const int64_t rows = L.B * L.H * L.S;
   WorkspaceCarver w;
@@ -398,6 +434,11 @@ void attention_backward(Tensor& dq, Tensor& dkv, const Tensor& dout, const Tenso
       l.launched("attention_dq_kernel");
     });
   });
+  if (dsinks) {
+    attention_dsinks_kernel<<<static_cast<unsigned>(L.H), kThreads, 0, l.stream()>>>(
+        Launch::ptr<float>(*dsinks), Launch::ptr<const float>(lse), delta, L);
+    l.launched("attention_dsinks_kernel");
+  }
 }
 
 }  // namespace moecore::ops::cuda

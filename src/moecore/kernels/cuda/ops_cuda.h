@@ -126,10 +126,10 @@ void moe_shared_gate_backward(Tensor& dout, Tensor& dx, Tensor& dg, const Tensor
 
 // Attention (attention.cu).
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& kv, const QkvDims& dims,
-                       const Dropout& dropout, const Context& ctx);
-void attention_backward(Tensor& dq, Tensor& dkv, const Tensor& dout, const Tensor& q, const Tensor& kv,
+                       const Dropout& dropout, const AttentionOptions& opt, const Context& ctx);
+void attention_backward(Tensor& dq, Tensor& dkv, Tensor* dsinks, const Tensor& dout, const Tensor& q, const Tensor& kv,
                         const Tensor& out, const Tensor& lse, const QkvDims& dims, const Dropout& dropout,
-                        const Context& ctx);
+                        const AttentionOptions& opt, const Context& ctx);
 
 // Router gating, routing, capacity and counts (router.cu).
 void router_jitter_forward(Tensor& xj, Tensor& u, const Tensor& x, float eps, PhiloxKey key, uint64_t first,
