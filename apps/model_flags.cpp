@@ -517,6 +517,7 @@ const std::pair<const char*, FlagDomain> kModelFlagDomains[] = {
     {"--num-layers", FlagDomain::integer(1, 1e5)},
     {"--attention-backend", FlagDomain::one_of({"flash", "fused", "unfused", "local", "auto"})},
     {"--recompute-granularity", FlagDomain::one_of({"full", "selective"})},
+    {"--softmax-type", FlagDomain::one_of({"vanilla", "off-by-one", "learnable"})},
     {"--recompute-method", FlagDomain::one_of({"uniform", "block"})},
     {"--recompute-num-layers", FlagDomain::integer(1, 1e5)},
     {"--hidden-size", FlagDomain::integer(1)},

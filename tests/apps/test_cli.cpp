@@ -424,7 +424,7 @@ TEST_F(Cli, AttentionSinksAndWindowTrainAndMatchOneProcess) {
       {" --window-size 5", "--window-size (5) must be a pair"},
       {" --window-size '(3,0)' --window-attn-skip-freq 0", "--window-attn-skip-freq (0) must be a positive integer"},
       {" --window-size '(3,0)' --window-attn-skip-freq '[1]*3'", "--window-attn-skip-freq"},
-      {" --softmax-type foo", "--softmax-type (foo) must be vanilla, off-by-one or learnable"},
+      {" --softmax-type foo", "'--softmax-type': 'foo' is not one of vanilla, off-by-one, learnable"},
       {" --softmax-type learnable --multi-latent-attention --position-embedding-type rope",
        "--softmax-type (learnable) and --window-size (-1) need standard attention"},
       {" --window-size '(3,0)' --multi-latent-attention --position-embedding-type rope",

@@ -40,7 +40,7 @@ const std::set<std::string> kFreeText = {
     "--position-embedding-type", "--normalization", "--transformer-impl", "--rope-type",
     "--moe-router-load-balancing-type", "--moe-router-score-function", "--moe-router-dtype", "--moe-token-drop-policy",
     // expressions with their own parsers, checked on every run
-    "--moe-layer-freq", "--pipeline-model-parallel-layout"};
+    "--moe-layer-freq", "--pipeline-model-parallel-layout", "--window-size", "--window-attn-skip-freq"};
 
 TEST(HostileFlags, EveryValueFlagHasADomainOrIsFreeText) {
   for (const char* command : {"train", "generate", "convert", "model-step", "preprocess", "moe-layer"}) {
