@@ -31,16 +31,17 @@ enum Model : unsigned {
   kDeepSeekV2 = 16,  // deepseek_v2
   kGlm = 32,         // glm4_moe
   kOlmoe = 64,       // olmoe
+  kGptOss = 128,     // gpt_oss
   kQwen = kQwen2 | kQwen3,
-  kAll = kMixtral | kQwen,      // the three GQA families with a softmax router
-  kGqa = kAll | kGlm | kOlmoe,  // standard attention
+  kAll = kMixtral | kQwen,                // the three GQA families with a softmax router
+  kGqa = kAll | kGlm | kOlmoe | kGptOss,  // standard attention
   kMla = kDeepSeek | kDeepSeekV2,
   kDeepSeekMoe = kMla | kGlm,  // DeepSeek's MoE keys (n_routed_experts, n_shared_experts, first_k_dense_replace, ...)
   kAny = kGqa | kMla,
 };
 // In HfFamily order (bit i is family i).
 constexpr const char* kModelNames[] = {"mixtral",     "qwen2_moe", "qwen3_moe", "deepseek_v3",
-                                       "deepseek_v2", "glm4_moe",  "olmoe"};
+                                       "deepseek_v2", "glm4_moe",  "olmoe",     "gpt_oss"};
 constexpr unsigned kModelCount = sizeof(kModelNames) / sizeof(kModelNames[0]);
 
 struct Row;
@@ -293,6 +294,7 @@ void shared_expert(const Row& r, const json& v, const json& cfg, Flags& out) {
 // ---- DeepSeek-V3 -------------------------------------------------------------------------------------------
 
 constexpr const char kRopeHeadDim[] = "qk_rope_head_dim";
+constexpr const char kExpertsPerTok[] = "num_experts_per_tok";
 
 // A key transformers derives from another one: it must agree (or be null).
 template <const char* Other>
@@ -557,6 +559,80 @@ void switch_if_true(const Row& r, const json& v, const json& cfg, Flags& out) {
   if (v == json(true)) out.emplace_back(r.flag, "");
 }
 
+// ---- GPT-OSS -------------------------------------------------------------------------------------------------
+
+// transformers' GptOssExperts: gate clamped at swiglu_limit, up at +-swiglu_limit, (up + 1) * gate sigmoid(1.702 gate).
+void gpt_oss_alpha(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (!v.is_number() || static_cast<float>(v.get<double>()) != ops::kQuickGeluAlpha)
+    refuse(r, v, cfg, "not supported: only 1.702 (Megatron's quick-GELU, --quick-geglu)");
+}
+
+void gpt_oss_limit(const Row& r, const json& v, const json& cfg, Flags& out) {
+  if (!v.is_number() || !(v.get<double>() > 0) || !(v.get<double>() <= 3.4e38))
+    refuse(r, v, cfg, "expected a finite positive number");
+  out.emplace_back(r.flag, number_text(v.get<double>()));
+}
+
+// GPT-OSS's MLP is its own GLU (the --quick-geglu flags), whatever hidden_act says; transformers writes "silu".
+void gpt_oss_act(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (v != json("silu")) refuse(r, v, cfg, "not supported: only \"silu\" (GPT-OSS's MLP is its clamped GLU)");
+}
+
+// Sliding-window layers: transformers lets a query see the keys of the last sliding_window positions (itself
+// included), Megatron's --window-size (left, 0) left + 1 of them; layer_types names the windowed layers (transformers'
+// default alternates, sliding first), which --window-attn-skip-freq lists (1 = windowed).
+void gpt_oss_window(const Row& r, const json& v, const json& cfg, Flags& out) {
+  const int64_t layers = int_key(cfg, "num_hidden_layers", 0);
+  json types = cfg.value("layer_types", json());
+  if (types.is_null()) {
+    types = json::array();
+    for (int64_t i = 0; i < layers; ++i) types.push_back((i + 1) % 2 ? "sliding_attention" : "full_attention");
+  }
+  if (!types.is_array() || static_cast<int64_t>(types.size()) != layers)
+    MOECORE_FAIL("config.json key 'layer_types' = ", types.dump().substr(0, 200), ": expected one entry per layer (",
+                 layers, ")");
+  std::vector<int> windowed;
+  for (const json& t : types) {
+    if (t != json("sliding_attention") && t != json("full_attention"))
+      MOECORE_FAIL("config.json key 'layer_types': entry ", t.dump(),
+                   " is not \"sliding_attention\" or \"full_attention\"");
+    windowed.push_back(t == json("sliding_attention"));
+  }
+  if (std::none_of(windowed.begin(), windowed.end(), [](int w) { return w; })) return;
+  const int64_t w = positive_int(r, v, cfg);
+  out.emplace_back(r.flag, "(" + std::to_string(w - 1) + ",0)");
+  if (std::all_of(windowed.begin(), windowed.end(), [](int x) { return x; })) return;
+  std::string expr;
+  for (size_t i = 0; i < windowed.size();) {
+    size_t j = i;
+    while (j < windowed.size() && windowed[j] == windowed[i]) ++j;
+    expr += (expr.empty() ? "[" : "+[") + std::to_string(windowed[i]) + "]*" + std::to_string(j - i);
+    i = j;
+  }
+  out.emplace_back("--window-attn-skip-freq", expr);
+}
+
+// RoPE or YaRN on standard attention: DeepSeek's reader, spelt as Megatron's GPT (--position-embedding-type yarn).
+void gpt_oss_rope(const Row& r, const json& v, const json& cfg, Flags& out) {
+  Flags f;
+  deepseek_rope(r, v, cfg, f);
+  for (auto& [flag, value] : f)
+    if (flag == "--rope-type")
+      out.emplace_back("--position-embedding-type", value);
+    else
+      out.emplace_back(flag, value);
+}
+
+void must_be_true(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (v != json(true)) refuse(r, v, cfg, std::string("not supported: ") + r.flag + " (only true)");
+}
+
+void mxfp4_quantization(const Row& r, const json& v, const json& cfg, Flags&) {
+  if (v.is_null()) return;
+  if (!v.is_object() || v.value("quant_method", json()) != json("mxfp4"))
+    refuse(r, v, cfg, "not supported: only mxfp4 (the experts' weights, dequantised on import)");
+}
+
 // ---- Emitters (model -> config.json) ---------------------------------------------------------------------------
 
 template <int64_t model::ModelConfig::*F>
@@ -574,7 +650,7 @@ json emit_model_type(const model::ModelConfig&, unsigned m) {
 json emit_architectures(const model::ModelConfig&, unsigned m) {
   static const char* const names[] = {"MixtralForCausalLM",    "Qwen2MoeForCausalLM",   "Qwen3MoeForCausalLM",
                                       "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM",
-                                      "OlmoeForCausalLM"};
+                                      "OlmoeForCausalLM",      "GptOssForCausalLM"};
   static_assert(sizeof(names) / sizeof(names[0]) == kModelCount);
   return json::array({names[__builtin_ctz(m)]});
 }
@@ -705,6 +781,25 @@ json emit_v2_groups(const model::ModelConfig& c, unsigned) {
 json emit_v2_group_topk(const model::ModelConfig& c, unsigned) {
   return c.moe.num_groups > 1 ? json(c.moe.group_topk) : kOmit;
 }
+json emit_clamp(const model::ModelConfig& c, unsigned) {
+  return static_cast<double>(c.activation_func_clamp_value);
+}
+// transformers' sliding_window W: W keys; Megatron's (left, 0): left + 1.
+json emit_window(const model::ModelConfig& c, unsigned) {
+  return c.window_size >= 0 ? json(c.window_size + 1) : kOmit;
+}
+json emit_layer_types(const model::ModelConfig& c, unsigned) {
+  json out = json::array();
+  for (bool w : c.window_layers()) out.push_back(w ? "sliding_attention" : "full_attention");
+  return out;
+}
+json emit_gpt_oss_rope(const model::ModelConfig& c, unsigned) {
+  if (!c.yarn) return kOmit;
+  json r = emit_deepseek_rope(c, 0);
+  r.erase("mscale");  // Megatron's defaults (1, 0): transformers' default concentration
+  r.erase("mscale_all_dim");
+  return r;
+}
 json emit_seq_aux(const model::ModelConfig& c, unsigned) {
   return c.moe.uses(moe::LoadBalancing::seq_aux_loss) ? json(true) : kOmit;
 }
@@ -740,11 +835,11 @@ constexpr Row kRows[] = {
     {"clip_qkv", kOlmoe, "q/k/v clipping", must_be_null, "null"},
     {"attention_bias", kOlmoe, "q/k/v/o projection biases", must_be_false, "false"},
     {"router_jitter_noise", kMixtral, "router jitter on the experts' input", must_be_zero, "0"},
-    {"hidden_act", kAny, "--swiglu", hidden_act, "\"silu\"", emit_silu},
+    {"hidden_act", kAny & ~kGptOss, "--swiglu", hidden_act, "\"silu\"", emit_silu},
     {"rms_norm_eps", kAny, "--norm-epsilon", to_number, nullptr, emit_float<&model::ModelConfig::norm_epsilon>},
     {"rope_theta", kAny, "--rotary-base", rope_theta, "null", emit_rope_theta},
     {"rope_parameters", kAll | kOlmoe, "--rotary-base", rope_parameters, "null"},
-    {"rope_scaling", kGqa, "RoPE scaling (--rope-type yarn, ...)", must_be_null, "null"},
+    {"rope_scaling", kGqa & ~kGptOss, "RoPE scaling (--rope-type yarn, ...)", must_be_null, "null"},
     // GLM-4.5 / 4.6 (transformers' Glm4MoeConfig): DeepSeek-V3's MoE on standard attention with partial RoPE.
     {"rope_parameters", kGlm, "--rotary-base", glm_rope_parameters, "null"},
     {"partial_rotary_factor", kGlm, "--rotary-percent", glm_rotary, "null", emit_partial_rotary},
@@ -794,6 +889,23 @@ constexpr Row kRows[] = {
     {"ep_size", kMla, "", ignore, "1"},
     {"quantization_config", kDeepSeek, "(FP8 weights)", fp8_quantization, "null"},
     {"auto_map", kMla, "", ignore, "null"},
+    // GPT-OSS (transformers' GptOssConfig; the hub's files add experts_per_token and initial_context_length).
+    {"num_local_experts", kGptOss, "--num-experts", to_int, nullptr, emit_experts},
+    {"experts_per_token", kGptOss, "(num_experts_per_tok)", same_as_key<kExpertsPerTok>, "null"},
+    {"head_dim", kGptOss, "--kv-channels", optional_int, "null", emit_head_dim},
+    {"intermediate_size", kGptOss, "--moe-ffn-hidden-size", to_int, nullptr},
+    {"attention_bias", kGptOss, "(--add-bias-linear: biases on q/k/v/o, the router and the experts)", must_be_true,
+     "true", emit_true},
+    {"hidden_act", kGptOss, "(--quick-geglu)", gpt_oss_act, "\"silu\"", emit_silu},
+    {"swiglu_alpha", kGptOss, "(--quick-geglu)", gpt_oss_alpha, "1.702"},
+    {"swiglu_limit", kGptOss, "--activation-func-clamp-value", gpt_oss_limit, "7.0", emit_clamp},
+    {"sliding_window", kGptOss, "--window-size", gpt_oss_window, "128", emit_window},
+    {"layer_types", kGptOss, "--window-attn-skip-freq (read with sliding_window)", ignore, "null", emit_layer_types},
+    {"rope_parameters", kGptOss, "--rotary-base, --position-embedding-type", gpt_oss_rope, "null"},
+    {"rope_scaling", kGptOss, "--position-embedding-type yarn", gpt_oss_rope, "null", emit_gpt_oss_rope},
+    {"router_aux_loss_coef", kGptOss, "--moe-aux-loss-coeff", to_number, "0.9", emit_aux_coeff},
+    {"quantization_config", kGptOss, "(MXFP4 experts)", mxfp4_quantization, "null"},
+    {"initial_context_length", kGptOss, "", ignore, "null"},
     {"max_position_embeddings", kAny, "--max-position-embeddings", to_int, nullptr, emit_max_positions},
     {"use_sliding_window", kQwen, "sliding-window attention", must_be_false, "false"},
     {"sliding_window", kAll, "sliding-window attention", sliding_window, "null"},
@@ -830,6 +942,12 @@ constexpr Fixed kFixed[] = {
     {kAll, "--disable-bias-linear", ""},
     {kAll, "--hidden-dropout", "0"},  // no residual/embedding dropout in these models
     {kAll, "--moe-router-load-balancing-type", "aux_loss"},
+    {kGptOss, "--normalization", "RMSNorm"},
+    {kGptOss, "--hidden-dropout", "0"},
+    {kGptOss, "--moe-router-load-balancing-type", "aux_loss"},
+    {kGptOss, "--quick-geglu", ""},  // (up + 1) * gate sigmoid(1.702 gate), clamped
+    {kGptOss, "--glu-linear-offset", "1"},
+    {kGptOss, "--softmax-type", "learnable"},  // the per-head sinks
     {kOlmoe, "--normalization", "RMSNorm"},
     {kOlmoe, "--position-embedding-type", "rope"},
     {kOlmoe, "--disable-bias-linear", ""},

@@ -111,8 +111,8 @@ from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 
 import transformers
-from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, MixtralConfig,
-                          OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, GptOssConfig,
+                          MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 BATCH, SEQ = 2, 12
@@ -178,6 +178,14 @@ CASES = {
         COMMON, intermediate_size=20, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False, rms_norm_eps=1e-5,
         clip_qkv=None)),
+    "gpt_oss": (GptOssConfig, 1300, dict(
+        COMMON, head_dim=16, intermediate_size=12, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"], attention_bias=True,
+        swiglu_limit=1.0, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                           "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                           "beta_slow": 1.0, "truncate": False},
+        tie_word_embeddings=False, rms_norm_eps=1e-5, router_aux_loss_coef=0.9)),
     "deepseek_v2_greedy": (DeepseekV2Config, 1100, dict(
         {k: v for k, v in DEEPSEEK.items() if k != "num_mtp_layers"}, num_hidden_layers=2, q_lora_rank=None,
         topk_method="greedy", num_experts_per_tok=2, routed_scaling_factor=1.0, norm_topk_prob=False,

@@ -517,7 +517,7 @@ TEST(HfConfig, HostileValuesAreErrorsNamingTheKey) {
 // it reads back to the same parameters and function); each golden family's model, and the guess of its family.
 TEST(HfConfig, ConfigWrittenForAModelReadsBackInEveryFamily) {
   for (const char* c : {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "deepseek_v2_greedy",
-                        "glm4_moe", "olmoe", "deepseek_v3_mtp"}) {
+                        "glm4_moe", "olmoe", "gpt_oss", "deepseek_v3_mtp"}) {
     const std::string dir = std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/" + c;
     const json original = apps::hf_config_load(dir, "--hf-config");
     const model::ModelConfig cfg = apps::hf_model_config(original, dir, {{"--seq-length", "1"}});
@@ -572,7 +572,7 @@ TEST(HfConfig, FuzzSeedsAreValidConfigs) {
     EXPECT_NO_THROW(apps::hf_config_weight_map(c, cfg)) << e.path();
     ++seen;
   }
-  EXPECT_EQ(seen, 7);
+  EXPECT_EQ(seen, 8);
 }
 
 using testing::CmdResult;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -241,6 +242,50 @@ Tensor HfCheckpointReader::read(const std::string& name, std::optional<DType> dt
   const DType to = dtype.value_or(t.type.value_or(DType::f32));
   Tensor out = Tensor::empty(t.shape, to, MemCategory::other);
   read_range(t, 0, static_cast<uint64_t>(t.shape.numel()), to, out.raw());
+  return out;
+}
+
+std::vector<uint8_t> HfCheckpointReader::read_u8(const std::string& name, uint64_t first, uint64_t n) const {
+  const HfTensorInfo& t = info(name);
+  const std::string path = (fs::path(dir_) / t.shard).string();
+  if (t.dtype_name != "U8")
+    MOECORE_FAIL("hf checkpoint: tensor '", name, "' in '", path, "' is ", t.dtype_name, ", expected U8");
+  if (first > t.nbytes || n > t.nbytes - first)
+    MOECORE_FAIL("hf checkpoint: bytes [", first, ", ", first + n, ") of tensor '", name, "' in '", path,
+                 "' are out of range (", t.nbytes, " bytes)");
+  std::vector<uint8_t> out(n);
+  if (n) pread_full(shard_fds_.at(t.shard), out.data(), n, t.offset + first, path);
+  return out;
+}
+
+Tensor HfCheckpointReader::read_mxfp4_matrix(const std::string& name, int64_t lead) const {
+  const HfTensorInfo &b = info(name + "_blocks"), &s = info(name + "_scales");
+  const bool ok = b.shape.ndim == 4 && s.shape.ndim == 3 && b.shape[3] == 16 && b.shape[0] == s.shape[0] &&
+                  b.shape[1] == s.shape[1] && b.shape[2] == s.shape[2];
+  if (!ok)
+    MOECORE_FAIL("hf checkpoint '", dir_, "': MXFP4 tensor '", name,
+                 "' needs blocks [lead, C, G, 16] and scales [lead, C, G]; found ", b.shape.str(), " and ",
+                 s.shape.str());
+  const int64_t L = b.shape[0], C = b.shape[1], G = b.shape[2], R = G * 32;
+  if (lead < 0 || lead >= L) MOECORE_FAIL("hf checkpoint: matrix ", lead, " of MXFP4 tensor '", name, "' (", L, ")");
+  static constexpr float kFp4[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  const std::vector<uint8_t> blocks =
+      read_u8(name + "_blocks", static_cast<uint64_t>(lead * C * G * 16), static_cast<uint64_t>(C * G * 16));
+  const std::vector<uint8_t> scales =
+      read_u8(name + "_scales", static_cast<uint64_t>(lead * C * G), static_cast<uint64_t>(C * G));
+  Tensor out = Tensor::empty({R, C}, DType::f32, MemCategory::workspace);
+  float* o = out.data<float>();
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t g = 0; g < G; ++g) {
+      const int exponent = static_cast<int>(scales[static_cast<size_t>(c * G + g)]) - 127;
+      for (int64_t j = 0; j < 16; ++j) {
+        const uint8_t byte = blocks[static_cast<size_t>((c * G + g) * 16 + j)];
+        const int64_t k = g * 32 + 2 * j;  // the stored row's element, the logical matrix's row
+        o[k * C + c] = std::ldexp(kFp4[byte & 0x0F], exponent);
+        o[(k + 1) * C + c] = std::ldexp(kFp4[byte >> 4], exponent);
+      }
+    }
   return out;
 }
 

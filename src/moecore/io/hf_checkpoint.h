@@ -73,6 +73,17 @@ class HfCheckpointReader {
   Tensor read_dequantized(const std::string& name, int64_t block_rows = 128, int64_t block_cols = 128) const;
   bool block_scaled(const std::string& name) const { return contains(name + "_scale_inv"); }
 
+  // Bytes [first, first + n) of a U8 tensor (e.g. MXFP4's packed blocks and scales), which has no moecore dtype.
+  std::vector<uint8_t> read_u8(const std::string& name, uint64_t first, uint64_t n) const;
+  // GPT-OSS's MXFP4 experts: `<name>_blocks` U8 [lead, C, R / 32, 16] (two FP4 e2m1 values a byte, low nibble first)
+  // and `<name>_scales` U8 [lead, C, R / 32] (exponents, bias 127) stand for the tensor `name` [lead, R, C] (stored
+  // transposed, as transformers' convert_moe_packed_tensors reads them).
+  bool mxfp4(const std::string& name) const {
+    return !contains(name) && contains(name + "_blocks") && contains(name + "_scales");
+  }
+  // Matrix `lead` of an MXFP4 tensor, dequantised: f32 [R, C].
+  Tensor read_mxfp4_matrix(const std::string& name, int64_t lead) const;
+
  private:
   void read_range(const HfTensorInfo& t, uint64_t first, uint64_t n, DType to, void* dst) const;
 

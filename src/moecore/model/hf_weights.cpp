@@ -19,31 +19,35 @@ enum class Need : uint8_t { no, optional, yes };
 struct FamilyTraits {
   HfFamily family;
   const char* model_type;
-  bool mla;            // multi-latent attention (q/kv LoRA), else standard GQA attention
-  Need qkv_bias;       // q/k/v projection biases
-  Need qk_norm;        // standard: q_norm / k_norm per head; MLA: the q_a / kv_a latent norms (always)
-  bool qk_over_heads;  // q_norm / k_norm over each token's whole q / k projection (--qk-layernorm-over-heads)
-  bool partial_rope;   // RoPE over part of each head (partial_rotary_factor)
-  Need shared;         // a shared expert
-  bool shared_gated;   // its sigmoid gate (shared_expert_gate)
-  bool expert_bias;    // sigmoid routing with e_score_correction_bias (the router's expert bias)
-  bool mtp;            // multi-token-prediction layers after the decoder layers
-  bool dense_layers;   // dense (non-MoE) decoder layers
-  const char* moe;     // the MoE block's module under a layer
+  bool mla;                   // multi-latent attention (q/kv LoRA), else standard GQA attention
+  Need qkv_bias;              // q/k/v projection biases
+  Need qk_norm;               // standard: q_norm / k_norm per head; MLA: the q_a / kv_a latent norms (always)
+  bool qk_over_heads;         // q_norm / k_norm over each token's whole q / k projection (--qk-layernorm-over-heads)
+  bool partial_rope;          // RoPE over part of each head (partial_rotary_factor)
+  Need shared;                // a shared expert
+  bool shared_gated;          // its sigmoid gate (shared_expert_gate)
+  bool expert_bias;           // sigmoid routing with e_score_correction_bias (the router's expert bias)
+  bool mtp;                   // multi-token-prediction layers after the decoder layers
+  bool dense_layers;          // dense (non-MoE) decoder layers
+  bool biases;                // every linear layer's bias (--add-bias-linear: q/k/v/o, router, experts), GPT-OSS
+  bool fused_experts;         // GPT-OSS: experts.gate_up_proj [E, H, 2F] (gate and up interleaved), down_proj [E, F, H]
+  const char* moe;            // the MoE block's module under a layer
+  const char* router_module;  // its router's
   const char* shared_module;
   const char* gate_up_down[3];  // the experts' gate / up / down projections
 };
 
 // clang-format off
 constexpr FamilyTraits kFamilies[] = {
-  // family               model_type     mla    qkv_bias        qk_norm         over   partial shared      gated  bias   mtp    dense  moe block            shared module      experts' gate / up / down
-  {HfFamily::mixtral,     "mixtral",     false, Need::no,       Need::no,       false, false,  Need::no,       false, false, false, false, "block_sparse_moe.", "",                {"w1", "w3", "w2"}},
-  {HfFamily::qwen2_moe,   "qwen2_moe",   false, Need::yes,      Need::no,       false, false,  Need::optional, true,  false, false, true,  "mlp.",              "shared_expert.",  {"gate_proj", "up_proj", "down_proj"}},
-  {HfFamily::qwen3_moe,   "qwen3_moe",   false, Need::no,       Need::yes,      false, false,  Need::no,       false, false, false, true,  "mlp.",              "",                {"gate_proj", "up_proj", "down_proj"}},
-  {HfFamily::deepseek_v3, "deepseek_v3", true,  Need::no,       Need::yes,      false, false,  Need::optional, false, true,  true,  true,  "mlp.",              "shared_experts.", {"gate_proj", "up_proj", "down_proj"}},
-  {HfFamily::deepseek_v2, "deepseek_v2", true,  Need::no,       Need::yes,      false, false,  Need::yes,      false, false, false, true,  "mlp.",              "shared_experts.", {"gate_proj", "up_proj", "down_proj"}},
-  {HfFamily::glm4_moe,    "glm4_moe",    false, Need::optional, Need::optional, false, true,   Need::yes,      false, true,  true,  true,  "mlp.",              "shared_experts.", {"gate_proj", "up_proj", "down_proj"}},
-  {HfFamily::olmoe,       "olmoe",       false, Need::no,       Need::yes,      true,  false,  Need::no,       false, false, false, false, "mlp.",              "",                {"gate_proj", "up_proj", "down_proj"}},
+  // family               model_type     mla    qkv_bias        qk_norm         over   partial shared          gated  bias   mtp    dense  biases fused  moe block            router     shared module      experts' gate / up / down
+  {HfFamily::mixtral,     "mixtral",     false, Need::no,       Need::no,       false, false,  Need::no,       false, false, false, false, false, false, "block_sparse_moe.", "gate.",   "",                {"w1", "w3", "w2"}},
+  {HfFamily::qwen2_moe,   "qwen2_moe",   false, Need::yes,      Need::no,       false, false,  Need::optional, true,  false, false, true,  false, false, "mlp.",              "gate.",   "shared_expert.",  {"gate_proj", "up_proj", "down_proj"}},
+  {HfFamily::qwen3_moe,   "qwen3_moe",   false, Need::no,       Need::yes,      false, false,  Need::no,       false, false, false, true,  false, false, "mlp.",              "gate.",   "",                {"gate_proj", "up_proj", "down_proj"}},
+  {HfFamily::deepseek_v3, "deepseek_v3", true,  Need::no,       Need::yes,      false, false,  Need::optional, false, true,  true,  true,  false, false, "mlp.",              "gate.",   "shared_experts.", {"gate_proj", "up_proj", "down_proj"}},
+  {HfFamily::deepseek_v2, "deepseek_v2", true,  Need::no,       Need::yes,      false, false,  Need::yes,      false, false, false, true,  false, false, "mlp.",              "gate.",   "shared_experts.", {"gate_proj", "up_proj", "down_proj"}},
+  {HfFamily::glm4_moe,    "glm4_moe",    false, Need::optional, Need::optional, false, true,   Need::yes,      false, true,  true,  true,  false, false, "mlp.",              "gate.",   "shared_experts.", {"gate_proj", "up_proj", "down_proj"}},
+  {HfFamily::olmoe,       "olmoe",       false, Need::no,       Need::yes,      true,  false,  Need::no,       false, false, false, false, false, false, "mlp.",              "gate.",   "",                {"gate_proj", "up_proj", "down_proj"}},
+  {HfFamily::gpt_oss,     "gpt_oss",     false, Need::no,       Need::no,       false, false,  Need::no,       false, false, false, false, true,  true,  "mlp.",              "router.", "",                {"gate_up_proj", "gate_up_proj", "down_proj"}},
 };
 // clang-format on
 
@@ -72,6 +76,7 @@ const char* hf_family_name(HfFamily family) {
 }
 
 HfFamily hf_family_of(const ModelConfig& cfg) {
+  if (cfg.softmax_type == SoftmaxType::learnable || cfg.quick_geglu) return HfFamily::gpt_oss;
   if (cfg.multi_latent_attention) return cfg.moe.enable_expert_bias ? HfFamily::deepseek_v3 : HfFamily::deepseek_v2;
   if (cfg.moe.enable_expert_bias || cfg.rotary_percent != 1.0f) return HfFamily::glm4_moe;
   if (cfg.qk_layernorm_over_heads) return HfFamily::olmoe;
@@ -102,9 +107,24 @@ void check_family(const ModelConfig& c, HfFamily f) {
   require(c.rope() && (t.partial_rope || c.rotary_percent == 1.0f), f,
           t.partial_rope ? "positions other than RoPE" : "positions other than RoPE over whole heads");
   require(c.swiglu, f, "a GeLU MLP (it uses SwiGLU: pass --swiglu)");
-  require(c.glu_params() == ops::GluParams{}, f,
-          "--quick-geglu, --glu-linear-offset or --activation-func-clamp-value (its MLPs are plain SwiGLU)");
-  require(!c.add_bias_linear, f, "linear-layer biases (pass --disable-bias-linear)");
+  const ops::GluParams glu = c.glu_params();
+  if (f != HfFamily::gpt_oss)
+    require(glu == ops::GluParams{}, f,
+            "--quick-geglu, --glu-linear-offset or --activation-func-clamp-value (its MLPs are plain SwiGLU)");
+  require(t.biases == c.add_bias_linear, f,
+          t.biases ? "no linear-layer biases (its q/k/v/o projections, router and experts have them: drop "
+                     "--disable-bias-linear)"
+                   : "linear-layer biases (pass --disable-bias-linear)");
+  if (f == HfFamily::gpt_oss)
+    require(c.quick_geglu && glu.offset == 1.0f && glu.clamp > 0.0f, f,
+            "an MLP other than its clamped quick-GEGLU (--quick-geglu --glu-linear-offset 1 "
+            "--activation-func-clamp-value L)");
+  require(!c.yarn || t.mla || f == HfFamily::gpt_oss, f, "YaRN RoPE (only deepseek_v2/v3 and gpt_oss carry it)");
+  const bool gpt_oss = f == HfFamily::gpt_oss;
+  require(gpt_oss == (c.softmax_type == SoftmaxType::learnable), f,
+          gpt_oss ? "no learnable attention sinks (its attention has them: --softmax-type learnable)"
+                  : "--softmax-type other than vanilla (only gpt_oss has attention sinks, learnable ones)");
+  require(gpt_oss || c.window_size < 0, f, "--window-size (only gpt_oss has sliding-window layers)");
   require(t.mla == c.multi_latent_attention, f,
           t.mla ? "standard attention (it uses --multi-latent-attention)"
                 : "--multi-latent-attention (only deepseek_v2 and deepseek_v3 have MLA)");
@@ -136,6 +156,12 @@ void check_family(const ModelConfig& c, HfFamily f) {
     require(c.moe_ffn() == c.ffn(), f,
             "--moe-ffn-hidden-size different from --ffn-hidden-size (its experts use intermediate_size)");
   }
+}
+
+// The height R of a tensor viewed as [lead, R, C] for column runs (lead: the first dim, C: the last).
+int64_t hf_column_height(const Shape& shape) {
+  const int64_t lead = shape.ndim >= 1 ? shape[0] : 1, C = io::hf_row_width(shape);
+  return lead * C > 0 ? shape.numel() / (lead * C) : 0;
 }
 
 // DeepSeek's interleaved RoPE channel of our (rotate-half) channel j of dr: pairs (2i, 2i + 1) become (i, i + dr/2).
@@ -190,7 +216,8 @@ class HfMapBuilder {
       HfParamMap p;
       p.param = s.name;
       p.shape = s.shape;
-      p.width = io::hf_row_width(s.shape);
+      // GPT-OSS's fc1 bias is read element by element (its HF row interleaves gate and up).
+      p.width = t_.fused_experts && s.role == ParamRole::experts_fc1_bias ? 1 : io::hf_row_width(s.shape);
       p.expert = s.expert;
       cur_ = &p;
       row_ = 0;
@@ -200,8 +227,10 @@ class HfMapBuilder {
     }
     for (size_t i = 0; i < m_.params.size(); ++i)
       for (size_t r = 0; r < m_.params[i].runs.size(); ++r) {
-        HfTensorSpec& t = m_.tensors.at(index_.at(m_.params[i].runs[r].hf));
-        MOECORE_CHECK(io::hf_row_width(t.shape) == m_.params[i].width, "width of ", t.name, " vs ", m_.params[i].param);
+        const HfRowRun& run = m_.params[i].runs[r];
+        HfTensorSpec& t = m_.tensors.at(index_.at(run.hf));
+        MOECORE_CHECK((run.columns() ? hf_column_height(t.shape) : io::hf_row_width(t.shape)) == m_.params[i].width,
+                      "width of ", t.name, " vs ", m_.params[i].param);
         t.sources.emplace_back(i, r);
       }
   }
@@ -211,11 +240,12 @@ class HfMapBuilder {
     for (HfTensorSpec& t : m_.tensors) {
       if (t.expert_bias_layer >= 0 || !t.copy_of.empty()) continue;
       std::sort(t.sources.begin(), t.sources.end(), [&](const auto& a, const auto& b) {
-        return m_.params[a.first].runs[a.second].hf_row < m_.params[b.first].runs[b.second].hf_row;
+        const HfRowRun &x = m_.params[a.first].runs[a.second], &y = m_.params[b.first].runs[b.second];
+        return std::pair(x.hf_row, x.col0) < std::pair(y.hf_row, y.col0);
       });
-      int64_t covered = 0;
-      for (const auto& [pi, ri] : t.sources) covered += m_.params[pi].runs[ri].rows;
-      MOECORE_CHECK(covered * io::hf_row_width(t.shape) == t.shape.numel(), "HF tensor ", t.name, " covered ", covered);
+      int64_t covered = 0;  // elements
+      for (const auto& [pi, ri] : t.sources) covered += m_.params[pi].runs[ri].rows * m_.params[pi].width;
+      MOECORE_CHECK(covered == t.shape.numel(), "HF tensor ", t.name, " covered ", covered);
     }
   }
 
@@ -248,12 +278,14 @@ class HfMapBuilder {
     tensor(pre + "self_attn.q_proj.weight", {G * R * D, H});
     tensor(pre + "self_attn.k_proj.weight", {G * D, H});
     tensor(pre + "self_attn.v_proj.weight", {G * D, H});
-    if (c_.add_qkv_bias) {
+    if (c_.qkv_bias()) {
       tensor(pre + "self_attn.q_proj.bias", {G * R * D});
       tensor(pre + "self_attn.k_proj.bias", {G * D});
       tensor(pre + "self_attn.v_proj.bias", {G * D});
     }
     tensor(pre + "self_attn.o_proj.weight", {H, G * R * D});
+    if (c_.add_bias_linear) tensor(pre + "self_attn.o_proj.bias", {H});
+    if (c_.softmax_type == SoftmaxType::learnable) tensor(pre + "self_attn.sinks", {G * R});
     if (c_.qk_layernorm) {  // per head, or over the whole projection (olmoe)
       const bool whole = c_.qk_layernorm_over_heads;
       tensor(pre + "self_attn.q_norm.weight", {whole ? G * R * D : D});
@@ -280,13 +312,20 @@ class HfMapBuilder {
   // Layer l's MoE block: router (with its expert bias), the routed experts, the shared expert (and its gate).
   void moe_block(int64_t l) {
     const int64_t H = H_, E = c_.moe.num_experts, Fm = c_.moe_ffn(), Fs = c_.moe.shared_expert_intermediate_size;
-    const std::string moe = moe_prefix(l);
-    tensor(moe + "gate.weight", {E, H});
+    const std::string moe = moe_prefix(l), router = moe + t_.router_module;
+    tensor(router + "weight", {E, H});
+    if (c_.add_bias_linear) tensor(router + "bias", {E});
     if (t_.expert_bias) {
-      tensor(moe + "gate.e_score_correction_bias", {E});
+      tensor(router + "e_score_correction_bias", {E});
       m_.tensors.back().expert_bias_layer = l;
     }
-    for (int64_t e = 0; e < E; ++e) {
+    if (t_.fused_experts) {  // GPT-OSS: [E, H, 2F] with gate and up interleaved, [E, F, H]
+      tensor(moe + "experts.gate_up_proj", {E, H, 2 * Fm});
+      if (c_.add_bias_linear) tensor(moe + "experts.gate_up_proj_bias", {E, 2 * Fm});
+      tensor(moe + "experts.down_proj", {E, Fm, H});
+      if (c_.add_bias_linear) tensor(moe + "experts.down_proj_bias", {E, H});
+    }
+    for (int64_t e = 0; e < E && !t_.fused_experts; ++e) {
       const std::string ex = expert_prefix(l, e);
       tensor(ex + expert_proj(0), {Fm, H});
       tensor(ex + expert_proj(1), {Fm, H});
@@ -311,6 +350,11 @@ class HfMapBuilder {
 
   void run(const std::string& hf, int64_t hf_row, int64_t rows) {
     cur_->runs.push_back({hf, hf_row, row_, rows});
+    row_ += rows;
+  }
+  // `rows` parameter rows from columns col0, col0 + stride, ... of matrix `lead` of HF tensor `hf`.
+  void column_run(const std::string& hf, int64_t lead, int64_t col0, int64_t stride, int64_t rows) {
+    cur_->runs.push_back({hf, lead, row_, rows, col0, stride});
     row_ += rows;
   }
   void whole(const std::string& hf) {
@@ -353,6 +397,10 @@ class HfMapBuilder {
         return qkv_runs(sa, ".bias");
       case proj:
         return whole(sa + "o_proj.weight");
+      case proj_bias:
+        return whole(sa + "o_proj.bias");
+      case softmax_offset:
+        return whole(sa + "sinks");
       case q_norm:
         return whole(sa + (t_.mla ? "q_a_layernorm.weight" : "q_norm.weight"));
       case k_norm:
@@ -399,9 +447,10 @@ class HfMapBuilder {
   void moe_runs(const ParamSpec& s) {
     using enum ParamRole;
     const std::string moe = moe_prefix(s.layer), shared = moe + t_.shared_module;
+    if (t_.fused_experts) return fused_expert_runs(s, moe);
     switch (s.role) {
       case router:
-        return whole(moe + "gate.weight");
+        return whole(moe + t_.router_module + "weight");
       case experts_fc1:
         for (int64_t e = 0; e < c_.moe.num_experts; ++e) {
           whole(expert_prefix(s.layer, e) + expert_proj(0));
@@ -418,6 +467,35 @@ class HfMapBuilder {
         return whole(shared + "down_proj.weight");
       case shared_gate:
         return whole(moe + "shared_expert_gate.weight");
+      default:
+        MOECORE_FAIL("Hugging Face ", hf_family_name(f_), ": no HF tensor for parameter '", s.name, "'");
+    }
+  }
+
+  // GPT-OSS's router (with its bias) and fused experts: fc1 row j of expert e is gate_up_proj[e][:, 2j] (gate, j < F)
+  // or [:, 2(j - F) + 1] (up); fc2 row h is down_proj[e][:, h]; the fc1 bias interleaves the same way.
+  void fused_expert_runs(const ParamSpec& s, const std::string& moe) {
+    using enum ParamRole;
+    const int64_t E = c_.moe.num_experts, F = c_.moe_ffn();
+    switch (s.role) {
+      case router:
+        return whole(moe + t_.router_module + "weight");
+      case router_bias:
+        return whole(moe + t_.router_module + "bias");
+      case experts_fc1:
+      case experts_fc1_bias: {
+        const std::string hf = moe + (s.role == experts_fc1 ? "experts.gate_up_proj" : "experts.gate_up_proj_bias");
+        for (int64_t e = 0; e < E; ++e) {
+          column_run(hf, e, 0, 2, F);
+          column_run(hf, e, 1, 2, F);
+        }
+        return;
+      }
+      case experts_fc2:
+        for (int64_t e = 0; e < E; ++e) column_run(moe + "experts.down_proj", e, 0, 1, c_.hidden_size);
+        return;
+      case experts_fc2_bias:
+        return whole(moe + "experts.down_proj_bias");
       default:
         MOECORE_FAIL("Hugging Face ", hf_family_name(f_), ": no HF tensor for parameter '", s.name, "'");
     }
@@ -457,6 +535,36 @@ HfWeightMap hf_weight_map_without_mtp(const ModelConfig& cfg, HfFamily family, b
   return m;
 }
 
+namespace {
+// `<name>_blocks` / `<name>_scales` of an MXFP4 stand-in for a map tensor `name`.
+bool mxfp4_part(const HfWeightMap& map, const io::HfCheckpointReader& hf, const std::string& name) {
+  for (const char* suffix : {"_blocks", "_scales"})
+    if (name.ends_with(suffix)) {
+      const std::string base = name.substr(0, name.size() - std::strlen(suffix));
+      if (hf.mxfp4(base))
+        return std::any_of(map.tensors.begin(), map.tensors.end(),
+                           [&](const HfTensorSpec& t) { return t.name == base; });
+    }
+  return false;
+}
+
+// An MXFP4 tensor stands for GPT-OSS's fused experts only (their column runs read it), in the map's shape [lead, R, C]:
+// blocks [lead, C, R / 32, 16], scales [lead, C, R / 32].
+void check_mxfp4(const HfWeightMap& map, const io::HfCheckpointReader& hf, const HfTensorSpec& t) {
+  const io::HfTensorInfo &b = hf.info(t.name + "_blocks"), &s = hf.info(t.name + "_scales");
+  const bool columns =
+      !t.sources.empty() && map.params[t.sources.front().first].runs[t.sources.front().second].columns();
+  const Shape& w = t.shape;
+  const bool ok = columns && w.ndim == 3 && w[1] % 32 == 0 && b.dtype_name == "U8" && s.dtype_name == "U8" &&
+                  b.shape == Shape{w[0], w[2], w[1] / 32, 16} && s.shape == Shape{w[0], w[2], w[1] / 32};
+  if (!ok)
+    MOECORE_FAIL("hf checkpoint '", hf.dir(), "': MXFP4 tensor '", t.name, "' (", b.dtype_name, " ", b.shape.str(),
+                 " blocks, ", s.dtype_name, " ", s.shape.str(), " scales) does not stand for ", t.shape.str(),
+                 columns ? "" : " (only GPT-OSS's experts may be MXFP4)", "; expected U8 blocks [", w[0], ", ",
+                 w.ndim == 3 ? w[2] : 0, ", ", w.ndim == 3 ? w[1] / 32 : 0, ", 16] and scales");
+}
+}  // namespace
+
 void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf) {
   std::map<std::string, const HfTensorSpec*> want;
   for (const HfTensorSpec& t : map.tensors) want[t.name] = &t;
@@ -465,6 +573,7 @@ void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf) 
     if (it == want.end() && t.name.ends_with("_scale_inv") &&
         want.count(t.name.substr(0, t.name.size() - 10)))  // DeepSeek-V3's FP8 block scales, read with the weight
       continue;
+    if (it == want.end() && mxfp4_part(map, hf, t.name)) continue;  // checked with the tensor it stands for
     if (it == want.end())
       MOECORE_FAIL("hf checkpoint '", hf.dir(), "': tensor '", t.name, "' (in '", t.shard, "') is not part of a ",
                    hf_family_name(map.family),
@@ -478,7 +587,9 @@ void hf_check_tensors(const HfWeightMap& map, const io::HfCheckpointReader& hf) 
                    ", expected a float dtype (F32, BF16, F16, or F8_E4M3 with a block scale)");
   }
   for (const HfTensorSpec& t : map.tensors)
-    if (!hf.contains(t.name))
+    if (hf.mxfp4(t.name))
+      check_mxfp4(map, hf, t);
+    else if (!hf.contains(t.name))
       MOECORE_FAIL("hf checkpoint '", hf.dir(), "' lacks tensor '", t.name, "' ", t.shape.str(), " of the ",
                    hf_family_name(map.family), " model its config.json describes");
 }
@@ -487,6 +598,30 @@ namespace {
 // Rows per part: at most kHfPartElements elements (at least one row).
 int64_t part_rows(int64_t width) {
   return std::max<int64_t>(1, kHfPartElements / std::max<int64_t>(width, 1));
+}
+}  // namespace
+
+namespace {
+// Parameter rows [a, b) of column run r: columns of the [R, C] matrix r.hf_row of the HF tensor (R = width), read
+// whole (one expert's matrix) and handed on as [k, R] parts of at most `step` rows.
+void read_column_run(const HfRowRun& r, int64_t width, const io::HfCheckpointReader& hf, int64_t a, int64_t b,
+                     int64_t step, const std::function<void(const Tensor& part)>& sink) {
+  const Tensor m =
+      hf.mxfp4(r.hf) ? hf.read_mxfp4_matrix(r.hf, r.hf_row) : hf.read_rows(r.hf, r.hf_row * width, width, DType::f32);
+  MOECORE_CHECK(m.numel() % width == 0 && m.size(0) == width, "matrix ", r.hf_row, " of ", r.hf, " ", m.str());
+  const int64_t C = m.numel() / width;
+  const float* src = m.data<float>();
+  for (int64_t x = a; x < b; x += step) {
+    const int64_t n = std::min(step, b - x);
+    Tensor part = Tensor::empty({n, width}, DType::f32, MemCategory::workspace);
+    float* dst = part.data<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t c = r.col0 + (x + i - r.param_row) * r.col_stride;
+      MOECORE_CHECK(c < C, "column ", c, " of ", r.hf, " (", C, " columns)");
+      for (int64_t k = 0; k < width; ++k) dst[i * width + k] = src[k * C + c];
+    }
+    sink(part);
+  }
 }
 }  // namespace
 
@@ -499,6 +634,14 @@ void hf_read_param_rows(const HfParamMap& map, const io::HfCheckpointReader& hf,
   Tensor scaled;
   for (const HfRowRun& r : map.runs) {
     const int64_t a = std::max(first_row, r.param_row), b = std::min(last_row, r.param_row + r.rows);
+    if (r.columns()) {
+      if (a < b) read_column_run(r, map.width, hf, a, b, step, sink);
+      continue;
+    }
+    if (a < b && hf.mxfp4(r.hf))
+      MOECORE_FAIL("hf checkpoint '", hf.dir(), "': '", r.hf,
+                   "' is MXFP4-quantised, which moecore reads only for "
+                   "GPT-OSS's experts");
     if (a < b && hf.block_scaled(r.hf) && scaled_name != r.hf) {
       scaled = hf.read_dequantized(r.hf);
       scaled_name = r.hf;
@@ -572,6 +715,33 @@ void hf_import(const HfWeightMap& map, const io::HfCheckpointReader& hf, GptMode
   gpt.refresh_compute_weights();
 }
 
+namespace {
+// A tensor of column runs (GPT-OSS's fused experts), matrix by matrix: each [R, C] matrix filled from its runs'
+// parameter rows (one column each) and handed on whole.
+void gather_columns(const HfWeightMap& map, const HfTensorSpec& tensor,
+                    const std::function<Tensor(size_t param, int64_t first_row, int64_t rows)>& rows,
+                    const std::function<void(const Tensor& part)>& sink) {
+  const int64_t R = map.params[tensor.sources.front().first].width, lead = tensor.shape[0];
+  const int64_t C = tensor.shape.numel() / (lead * R);
+  size_t s = 0;
+  for (int64_t e = 0; e < lead; ++e) {
+    Tensor m = Tensor::zeros({R, C}, DType::f32, MemCategory::workspace);
+    float* dst = m.data<float>();
+    for (; s < tensor.sources.size(); ++s) {
+      const auto [pi, ri] = tensor.sources[s];
+      const HfRowRun& r = map.params[pi].runs[ri];
+      if (r.hf_row != e) break;
+      const Tensor part = rows(pi, r.param_row, r.rows).to(DType::f32);
+      MOECORE_CHECK(part.is_contiguous() && part.numel() == r.rows * R, "rows of ", map.params[pi].param);
+      const float* src = part.data<float>();
+      for (int64_t i = 0; i < r.rows; ++i)
+        for (int64_t k = 0; k < R; ++k) dst[k * C + r.col0 + i * r.col_stride] = src[i * R + k];
+    }
+    sink(m);
+  }
+}
+}  // namespace
+
 void hf_gather_parts(const HfWeightMap& map, const HfTensorSpec& tensor,
                      const std::function<Tensor(size_t param, int64_t first_row, int64_t rows)>& rows,
                      const std::function<void(const Tensor& part)>& sink) {
@@ -580,6 +750,8 @@ void hf_gather_parts(const HfWeightMap& map, const HfTensorSpec& tensor,
       if (t.name == tensor.copy_of) return hf_gather_parts(map, t, rows, sink);
     MOECORE_CHECK(false, "no tensor ", tensor.copy_of, " to copy into ", tensor.name);
   }
+  if (!tensor.sources.empty() && map.params[tensor.sources.front().first].runs[tensor.sources.front().second].columns())
+    return gather_columns(map, tensor, rows, sink);
   for (const auto& [pi, ri] : tensor.sources) {
     const HfRowRun& r = map.params[pi].runs[ri];
     const int64_t step = part_rows(map.params[pi].width);

@@ -1,5 +1,6 @@
 // Hugging Face <-> Megatron parameter layouts of the model families moecore imports and exports: Mixtral,
-// Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (transformers' hub checkpoint names, one tensor per expert). Every moecore
+// Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, DeepSeek-V2, GLM-4.5, OLMoE (transformers' hub checkpoint names, one tensor per
+// expert) and GPT-OSS (fused experts, read through column runs; MXFP4 experts dequantised). Every moecore
 // parameter is a concatenation of row runs of HF tensors, both viewed as [rows, width] with the same width (the last
 // dim; 1-D tensors: width 1): linear_qkv interleaves q_proj, k_proj and v_proj per query group (Megatron's [G, R + 2,
 // D] layout), linear_fc1 stacks gate_proj over up_proj (SwiGLU's [gate; up]), and the experts' fc1/fc2 stack the
@@ -20,17 +21,23 @@
 
 namespace moecore::model {
 
-enum class HfFamily : uint8_t { mixtral, qwen2_moe, qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe, olmoe };
+enum class HfFamily : uint8_t { mixtral, qwen2_moe, qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe, olmoe, gpt_oss };
 HfFamily hf_family_parse(const std::string& model_type);  // config.json's model_type; throws naming the supported
 const char* hf_family_name(HfFamily family);              // "mixtral", ...
-// The family whose modeling code computes what cfg computes: deepseek_v3 with MLA, qwen3_moe with QK-norm,
-// qwen2_moe with a QKV bias or a shared expert, else mixtral. Throws (via hf_weight_map) when none can.
+// The family whose modeling code computes what cfg computes: gpt_oss with attention sinks or quick-GEGLU; with MLA
+// deepseek_v3 (expert bias) or deepseek_v2; glm4_moe with an expert bias or partial RoPE; olmoe with QK-norm over
+// heads, qwen3_moe with QK-norm; qwen2_moe with a QKV bias or a shared expert; else mixtral. Throws (via
+// hf_weight_map) when none can.
 HfFamily hf_family_of(const ModelConfig& cfg);
 
-// Rows [param_row, param_row + rows) of a parameter are rows [hf_row, hf_row + rows) of HF tensor `hf`.
+// Rows [param_row, param_row + rows) of a parameter are rows [hf_row, hf_row + rows) of HF tensor `hf`; or, for a
+// column run (col0 >= 0: GPT-OSS's fused, transposed experts), columns col0, col0 + col_stride, ... of the matrix
+// hf[hf_row] of HF tensor `hf` viewed as [lead, R, C] (lead its first dim, C its last, R = the parameter's width).
 struct HfRowRun {
   std::string hf;
   int64_t hf_row = 0, param_row = 0, rows = 0;
+  int64_t col0 = -1, col_stride = 1;
+  bool columns() const { return col0 >= 0; }
 };
 
 struct HfParamMap {
