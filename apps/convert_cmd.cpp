@@ -245,12 +245,21 @@ ExportConfig export_config(const Args& a, const io::VerifiedCheckpoint& ck, cons
 void export_tensors(io::HfCheckpointWriter& writer, const model::HfWeightMap& map,
                     const io::HfCheckpointReader& model_file,
                     const std::vector<std::unique_ptr<io::HfCheckpointReader>>& expert_files, int64_t ep, DType dtype) {
+  // Rows [first, first + n) of the map's [rows, width] view of a parameter (the file's rows may be wider: GPT-OSS's fc1
+  // bias is mapped element by element), as an f32 [n, width] tensor.
+  auto read = [](const io::HfCheckpointReader& f, const model::HfParamMap& m, int64_t first, int64_t n) {
+    const int64_t fw = io::hf_row_width(f.info(m.param).shape);
+    if (fw == m.width) return f.read_rows(m.param, first, n, DType::f32);
+    const int64_t e0 = first * m.width, e1 = (first + n) * m.width, r0 = e0 / fw, r1 = (e1 + fw - 1) / fw;
+    const Tensor covering = f.read_rows(m.param, r0, r1 - r0, DType::f32);
+    return covering.view({covering.numel()}).slice(0, e0 - r0 * fw, e1 - r0 * fw).clone().view({n, m.width});
+  };
   auto rows = [&](size_t p, int64_t first, int64_t n) {
     const model::HfParamMap& m = map.params[p];
-    if (!m.expert || ep == 1) return model_file.read_rows(m.param, first, n, DType::f32);
+    if (!m.expert || ep == 1) return read(model_file, m, first, n);
     const int64_t per = m.rows() / ep, r = first / per;
     MOECORE_CHECK((first + n - 1) / per == r, "a run of ", m.param, " spans expert shards");
-    return expert_files[static_cast<size_t>(r)]->read_rows(m.param, first - r * per, n, DType::f32);
+    return read(*expert_files[static_cast<size_t>(r)], m, first - r * per, n);
   };
   for (const model::HfTensorSpec& t : map.tensors) {
     if (t.expert_bias_layer >= 0) {  // e_score_correction_bias: F32 as DeepSeek-V3 keeps it
@@ -331,7 +340,7 @@ int convert_main(int argc, char** argv) {
       .option("--max-shard-size", "5GB", "export: largest shard file (HF units: 5GB = 5e9 bytes)")
       .option("--hf-model-type", "",
               "export without a recorded config.json: mixtral | qwen2_moe | qwen3_moe | deepseek_v3 | deepseek_v2 | "
-              "glm4_moe | olmoe (unset: the family that holds the model flags)")
+              "glm4_moe | olmoe | gpt_oss (unset: the family that holds the model flags)")
       .domain("--expert-model-parallel-size", FlagDomain::integer(1, 1e6))
       .domain("--ckpt-step", FlagDomain::integer(0, 1e12))
       .domain("--seed", FlagDomain::integer(0, 4294967295.0));

@@ -1077,7 +1077,8 @@ void add_hf_config_flag(Args& a) {
   a.option(
       "--hf-config", "",
       "a Hugging Face config.json (or a model directory holding one) of model_type mixtral, qwen2_moe, "
-      "qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe or olmoe; its model flags fill those not given (moecore only)");
+      "qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe, olmoe or gpt_oss; its model flags fill those not given "
+           "(moecore only)");
 }
 
 void hf_config_fill(Args& a, const json& cfg, const std::string& where) {

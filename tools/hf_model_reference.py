@@ -668,6 +668,60 @@ def generate(case, out_root):
     raise RuntimeError(f"{case}: no seed in [{base_seed}, {base_seed + MAX_TRIES}) gives routing margin {MARGIN}")
 
 
+MXFP4_CASE = "gpt_oss_mxfp4"
+
+
+def generate_mxfp4(out_root, check=False):
+    """GPT-OSS with MXFP4 experts, as the hub ships gpt-oss: a 1-layer model (hidden 32, 4 experts of intermediate 32,
+    so both expert matrices have an in-dim that is a multiple of 32) whose experts' gate_up_proj / down_proj are stored
+    as `<name>_blocks` U8 [E, out, in / 32, 16] and `<name>_scales` U8 [E, out, in / 32] (random bytes, exponents
+    124..129) and config.json has quantization_config {"quant_method": "mxfp4"}. expected.safetensors holds the two
+    tensors as transformers' own convert_moe_packed_tensors dequantises them (float32, in the in-memory [E, in, out]
+    layout): moecore's import must give exactly these values. --check regenerates and compares bytes."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    gen = torch.Generator().manual_seed(1400)
+    cfg = GptOssConfig(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=32, num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2,
+                       sliding_window=4, layer_types=["sliding_attention"], max_position_embeddings=32,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **LOAD_KW)
+    reinit_(model, gen)
+    E, H, F = 4, 32, 32
+    packed, expected = {}, {}
+    for proj, out_dim, in_dim in (("gate_up_proj", 2 * F, H), ("down_proj", H, F)):
+        blocks = torch.randint(0, 256, (E, out_dim, in_dim // 32, 16), generator=gen, dtype=torch.int32).to(torch.uint8)
+        scales = torch.randint(124, 130, (E, out_dim, in_dim // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+        name = f"model.layers.0.mlp.experts.{proj}"
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
+        assert tuple(expected[name].shape) == (E, in_dim, out_dim)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        tensors = load_file(os.path.join(tmp, "model.safetensors"))
+        config = json.load(open(os.path.join(tmp, "config.json")))
+    for name in expected:
+        assert tuple(tensors.pop(name).shape) == tuple(expected[name].shape)
+    tensors.update(packed)
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    config.pop("transformers_version", None)
+    case_dir = os.path.join(out_root, MXFP4_CASE)
+    files = {"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
+    if check:
+        assert open(os.path.join(case_dir, "config.json")).read() == files["config.json"]
+        for f, want in (("model.safetensors", tensors), ("expected.safetensors", expected)):
+            got = load_file(os.path.join(case_dir, f))
+            assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), f
+        print(f"== {MXFP4_CASE}: check OK")
+        return
+    os.makedirs(case_dir, exist_ok=True)
+    open(os.path.join(case_dir, "config.json"), "w").write(files["config.json"])
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(case_dir, "model.safetensors"))
+    save_file(expected, os.path.join(case_dir, "expected.safetensors"))
+    print(f"== {MXFP4_CASE}: wrote {case_dir} ({len(tensors)} tensors, {len(packed)} of them MXFP4 blocks / scales)")
+
+
 def report(case, case_dir, seed, rep):
     cfg = json.load(open(os.path.join(case_dir, "config.json")))
     sizes = {f: os.path.getsize(os.path.join(case_dir, f)) for f in sorted(os.listdir(case_dir))}
@@ -718,14 +772,16 @@ def check(case, out_root):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="tests/golden/hf_models")
-    ap.add_argument("--case", choices=sorted(CASES) + [MTP_CASE], action="append",
+    ap.add_argument("--case", choices=sorted(CASES) + [MTP_CASE, MXFP4_CASE], action="append",
                     help="only this case (repeatable)")
     ap.add_argument("--check", action="store_true", help="verify committed files instead of writing")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
-    for case in args.case or list(CASES) + [MTP_CASE]:
-        if case == MTP_CASE:  # DeepSeek-V3 + multi-token prediction (Megatron-Core semantics): tools/mtp_reference.py
+    for case in args.case or list(CASES) + [MTP_CASE, MXFP4_CASE]:
+        if case == MXFP4_CASE:
+            generate_mxfp4(args.out, check=args.check)
+        elif case == MTP_CASE:  # DeepSeek-V3 + multi-token prediction (Megatron-Core semantics): tools/mtp_reference.py
             import mtp_reference
             (mtp_reference.check if args.check else mtp_reference.generate)(args.out)
         else:

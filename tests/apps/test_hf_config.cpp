@@ -297,6 +297,64 @@ TEST(HfConfig, OlmoeTranslatesToMegatronFlags) {
   EXPECT_NE(error_of(c).find("'attention_bias' = true"), std::string::npos) << error_of(c);
 }
 
+// gpt-oss-20b's published config.json (openai/gpt-oss-20b; layer_types shortened with the layers).
+TEST(HfConfig, GptOssTranslatesToMegatronFlags) {
+  json c = json::parse(R"({"architectures": ["GptOssForCausalLM"], "attention_bias": true, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+    "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 4, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": false,
+    "pad_token_id": 199999, "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+    "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+    "rope_type": "yarn", "truncate": false}, "rope_theta": 150000, "router_aux_loss_coef": 0.9,
+    "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": false, "transformers_version": "4.55.0.dev0",
+    "use_cache": true, "vocab_size": 201088})");
+  const auto f = flags_of(c);
+  expect_flags(f, {{"--num-layers", "4"},
+                   {"--hidden-size", "2880"},
+                   {"--num-attention-heads", "64"},
+                   {"--num-query-groups", "8"},
+                   {"--kv-channels", "64"},
+                   {"--num-experts", "32"},
+                   {"--moe-router-topk", "4"},
+                   {"--moe-ffn-hidden-size", "2880"},
+                   {"--quick-geglu", ""},
+                   {"--glu-linear-offset", "1"},
+                   {"--activation-func-clamp-value", "7"},
+                   {"--softmax-type", "learnable"},
+                   {"--window-size", "(127,0)"},
+                   {"--window-attn-skip-freq", "[1]*1+[0]*1+[1]*1+[0]*1"},
+                   {"--position-embedding-type", "yarn"},
+                   {"--rotary-base", "150000"},
+                   {"--rotary-scaling-factor", "32"},
+                   {"--yarn-original-max-position-embeddings", "4096"},
+                   {"--no-yarn-correction-range-round-to-int", ""},
+                   {"--moe-aux-loss-coeff", "0.9"},
+                   {"--vocab-size", "201088"}});
+  EXPECT_FALSE(f.count("--disable-bias-linear"));  // Megatron's default: biases on every linear layer
+  EXPECT_FALSE(f.count("--swiglu"));
+  EXPECT_FALSE(f.count("--mscale"));  // transformers' and Megatron's default concentration, 0.1 ln(factor) + 1
+  c["swiglu_alpha"] = 1.5;
+  EXPECT_NE(error_of(c).find("'swiglu_alpha' = 1.5"), std::string::npos) << error_of(c);
+  c.erase("swiglu_alpha");
+  c["attention_bias"] = false;
+  EXPECT_NE(error_of(c).find("'attention_bias' = false"), std::string::npos) << error_of(c);
+  c["attention_bias"] = true;
+  c["layer_types"] = json::array({"sliding_attention", "chunked_attention", "full_attention", "full_attention"});
+  EXPECT_NE(error_of(c).find("\"chunked_attention\" is not"), std::string::npos) << error_of(c);
+  c["layer_types"] = json::array({"sliding_attention"});
+  EXPECT_NE(error_of(c).find("one entry per layer (4)"), std::string::npos) << error_of(c);
+  c["layer_types"] = json::array({"full_attention", "full_attention", "full_attention", "full_attention"});
+  EXPECT_FALSE(flags_of(c).count("--window-size"));
+  c["quantization_config"] = {{"quant_method", "bitsandbytes"}};
+  EXPECT_NE(error_of(c).find("'quantization_config'"), std::string::npos) << error_of(c);
+  c["quantization_config"] = nullptr;
+  c["experts_per_token"] = 2;
+  EXPECT_NE(error_of(c).find("'experts_per_token' = 2"), std::string::npos) << error_of(c);
+}
+
 TEST(HfConfig, DeepSeekV2TranslatesToMegatronFlags) {
   const auto f = flags_of(deepseek_v2_config());
   expect_flags(f, {{"--num-layers", "60"},
@@ -354,8 +412,9 @@ TEST(HfConfig, DeepSeekV2TranslatesToMegatronFlags) {
       << error_of(c);
   c = deepseek_v2_config();
   c["model_type"] = "gpt_neox";
-  EXPECT_NE(error_of(c).find("supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe, olmoe"),
-            std::string::npos)
+  EXPECT_NE(
+      error_of(c).find("supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe, olmoe, gpt_oss"),
+      std::string::npos)
       << error_of(c);
 }
 

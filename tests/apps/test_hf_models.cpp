@@ -27,7 +27,8 @@ using testing::run_shell;
 
 const char* const kCases[] = {"mixtral",     "qwen2_moe",          "qwen3_moe",       "qwen3_moe_tied",
                               "deepseek_v3", "deepseek_v2lite",    "deepseek_v3_mtp", "deepseek_v3_group_top2",
-                              "deepseek_v2", "deepseek_v2_greedy", "glm4_moe",        "olmoe"};
+                              "deepseek_v2", "deepseek_v2_greedy", "glm4_moe",        "olmoe",
+                              "gpt_oss"};
 
 std::string golden_dir(const std::string& c) {
   return std::string(MOECORE_SOURCE_DIR) + "/tests/golden/hf_models/" + c;
@@ -519,6 +520,42 @@ TEST_F(HfModels, OlmoeFromAnHfCheckpointTrainsUnderEveryLayout) {
                              {"torch_dtype", "bfloat16"}});
 }
 
+// GPT-OSS: attention sinks, sliding-window layers alternating with full ones, YaRN, biases on q/k/v/o, the router and
+// the experts, the clamped quick-GEGLU, fused experts (written and read through column runs).
+TEST_F(HfModels, GptOssFromAnHfCheckpointTrainsUnderEveryLayout) {
+  const std::string data = testing::shared_data_dir();
+  if (data.empty()) GTEST_SKIP() << "../shared/data not found";
+  trains_under_every_layout(*this, data,
+                            {{"model_type", "gpt_oss"},
+                             {"vocab_size", 384},
+                             {"hidden_size", 64},
+                             {"intermediate_size", 64},
+                             {"num_hidden_layers", 2},
+                             {"num_attention_heads", 4},
+                             {"num_key_value_heads", 2},
+                             {"head_dim", 32},
+                             {"num_local_experts", 8},
+                             {"num_experts_per_tok", 2},
+                             {"sliding_window", 8},
+                             {"layer_types", {"sliding_attention", "full_attention"}},
+                             {"attention_bias", true},
+                             {"swiglu_limit", 7.0},
+                             {"router_aux_loss_coef", 0.9},
+                             {"max_position_embeddings", 128},
+                             {"rope_theta", 150000.0},
+                             {"rope_scaling",
+                              {{"rope_type", "yarn"},
+                               {"factor", 4.0},
+                               {"original_max_position_embeddings", 32},
+                               {"beta_fast", 32.0},
+                               {"beta_slow", 1.0},
+                               {"truncate", false}}},
+                             {"rms_norm_eps", 1e-5},
+                             {"tie_word_embeddings", false},
+                             {"hidden_act", "silu"},
+                             {"torch_dtype", "bfloat16"}});
+}
+
 // DeepSeek-V2: MLA with q LoRA and YaRN (mscale 0.707), softmax routing with group-limited greedy top-k (the group
 // max), the hub's sequence-wise aux loss, two shared experts.
 TEST_F(HfModels, DeepSeekV2FromAnHfCheckpointTrainsUnderEveryLayout) {
@@ -611,6 +648,42 @@ TEST_F(HfModels, ImportStreamsAMultiGigabyteCheckpoint) {
 
 // DeepSeek-V3's FP8 checkpoints: F8_E4M3 weights with 128x128 block scales (weight_scale_inv) are dequantised on
 // import, exactly as the reader's dequantisation; the export is bf16 and drops quantization_config.
+// GPT-OSS as the hub ships it: MXFP4 experts (U8 blocks and scales, tools/hf_model_reference.py --case gpt_oss_mxfp4)
+// are dequantised on import exactly as transformers' convert_moe_packed_tensors does (expected.safetensors, written by
+// it): an f32 export holds those values bit for bit, every other tensor as it was, and no quantization_config.
+TEST_F(HfModels, GptOssMxfp4ExpertsAreDequantisedOnImport) {
+  const std::string d = golden_dir("gpt_oss_mxfp4");
+  auto r = run_moecore("convert --from-hf " + d + " --save " + p("ck") + " --expert-model-parallel-size 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_moecore("convert --load " + p("ck") + " --to-hf " + p("out") + " --hf-dtype fp32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("loses its quantization_config"), std::string::npos) << r.output;
+  const io::HfCheckpointReader in(d), out(p("out"));
+  const io::SafetensorsFile expected = io::safetensors_load(d + "/expected.safetensors");
+  ASSERT_EQ(expected.tensors.size(), 2u);
+  for (const auto& [name, want] : expected.tensors) {
+    ASSERT_TRUE(in.mxfp4(name)) << name;
+    const Tensor got = out.read(name);
+    ASSERT_TRUE(got.shape() == want.shape()) << name << " " << got.str();
+    EXPECT_EQ(0, std::memcmp(got.raw(), want.raw(), static_cast<size_t>(want.nbytes()))) << name;
+  }
+  for (const io::HfTensorInfo& t : in.tensors()) {
+    if (t.dtype_name == "U8") continue;
+    const Tensor a = in.read(t.name), b = out.read(t.name);
+    EXPECT_EQ(0, std::memcmp(a.raw(), b.raw(), static_cast<size_t>(a.nbytes()))) << t.name;
+  }
+  EXPECT_EQ(out.tensors().size(), in.tensors().size() - 2);  // 4 blocks / scales tensors for 2 weights
+  EXPECT_FALSE(apps::hf_config_load(p("out"), "--hf").contains("quantization_config"));
+  // Blocks that do not fit the config (another intermediate size) are refused naming the tensor.
+  copy_dir(d, p("bad"));
+  nlohmann::json cfg = apps::hf_config_load(d, "--hf");
+  cfg["intermediate_size"] = 64;
+  std::ofstream(p("bad") + "/config.json") << cfg.dump(2);
+  r = run_moecore("convert --from-hf " + p("bad") + " --save " + p("ck2"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("experts.gate_up_proj"), std::string::npos) << r.output;
+}
+
 TEST_F(HfModels, DeepSeekV3Fp8WeightsAreDequantisedOnImport) {
   const std::string d = golden_dir("deepseek_v3");
   const io::SafetensorsFile orig = io::safetensors_load(d + "/model.safetensors");

@@ -494,8 +494,9 @@ class HfMapBuilder {
       case experts_fc2:
         for (int64_t e = 0; e < E; ++e) column_run(moe + "experts.down_proj", e, 0, 1, c_.hidden_size);
         return;
-      case experts_fc2_bias:
-        return whole(moe + "experts.down_proj_bias");
+      case experts_fc2_bias:  // a run per expert: an expert-parallel checkpoint holds them in several files
+        for (int64_t e = 0; e < E; ++e) run(moe + "experts.down_proj_bias", e, 1);
+        return;
       default:
         MOECORE_FAIL("Hugging Face ", hf_family_name(f_), ": no HF tensor for parameter '", s.name, "'");
     }
