@@ -47,16 +47,18 @@ MOECORE_HD_FORCEINLINE float forward(float g, float u, const GluParams& p, Sigmo
   return gc * sigmoid(p.alpha * gc) * (uc + p.offset);
 }
 
-// d/dg [g s(alpha g)] = s (1 + alpha g (1 - s)); zero where a clamp binds.
+// d/dg [g s(alpha g)] = s (1 + alpha g (1 - s)); zero where a clamp binds (branch-free, so the loops vectorise).
+struct Grad {
+  float dg, du;
+};
 template <class Sigmoid>
-MOECORE_HD_FORCEINLINE void backward(float g, float u, float dout, const GluParams& p, Sigmoid sigmoid, float& dg,
-                                     float& du) {
+MOECORE_HD_FORCEINLINE Grad backward(float g, float u, float dout, const GluParams& p, Sigmoid sigmoid) {
   const float gc = clamp_gate(g, p), uc = clamp_linear(u, p);
   const float s = sigmoid(p.alpha * gc);
-  const bool g_free = !(p.clamp > 0.0f) || g <= p.clamp;
-  const bool u_free = !(p.clamp > 0.0f) || (u <= p.clamp && u >= -p.clamp);
-  dg = g_free ? dout * (uc + p.offset) * s * (1.0f + p.alpha * gc * (1.0f - s)) : 0.0f;
-  du = u_free ? dout * gc * s : 0.0f;
+  const float dg = dout * (uc + p.offset) * s * (1.0f + p.alpha * gc * (1.0f - s)), du = dout * gc * s;
+  const bool clamps = p.clamp > 0.0f;
+  const bool g_free = !clamps || !(g > p.clamp), u_free = !clamps || !(u > p.clamp || u < -p.clamp);
+  return {g_free ? dg : 0.0f, u_free ? du : 0.0f};
 }
 
 }  // namespace glu

@@ -93,10 +93,9 @@ void glu_backward_kernel(T* dgate_up, const T* dout, const T* gate_up, int64_t r
     T* du = dg + F;
 #pragma omp simd
     for (int64_t j = c0; j < c1; ++j) {
-      float a = 0.0f, b = 0.0f;
-      glu::backward(ld(g[j]), ld(u[j]), ld(d[j]), p, sigmoid, a, b);
-      st(dg[j], a);
-      st(du[j], b);
+      const glu::Grad r = glu::backward(ld(g[j]), ld(u[j]), ld(d[j]), p, sigmoid);
+      st(dg[j], r.dg);
+      st(du[j], r.du);
     }
   });
 }

@@ -85,10 +85,10 @@ __global__ void glu_backward_kernel(T* dgate_up, const T* dout, const T* gate_up
                                     const GluParams p) {
   MOECORE_GRID_STRIDE(i, rows * F) {
     const int64_t r = i / F, j = i % F;
-    float dg = 0.0f, du = 0.0f;
-    glu::backward(ld(gate_up[r * 2 * F + j]), ld(gate_up[r * 2 * F + F + j]), ld(dout[i]), p, DeviceSigmoid{}, dg, du);
-    st(dgate_up[r * 2 * F + j], dg);
-    st(dgate_up[r * 2 * F + F + j], du);
+    const glu::Grad g =
+        glu::backward(ld(gate_up[r * 2 * F + j]), ld(gate_up[r * 2 * F + F + j]), ld(dout[i]), p, DeviceSigmoid{});
+    st(dgate_up[r * 2 * F + j], g.dg);
+    st(dgate_up[r * 2 * F + F + j], g.du);
   }
 }
 
