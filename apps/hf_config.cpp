@@ -1074,10 +1074,9 @@ json hf_config_load(const std::string& path, const std::string& flag) {
 }
 
 void add_hf_config_flag(Args& a) {
-  a.option(
-      "--hf-config", "",
-      "a Hugging Face config.json (or a model directory holding one) of model_type mixtral, qwen2_moe, "
-      "qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe, olmoe or gpt_oss; its model flags fill those not given "
+  a.option("--hf-config", "",
+           "a Hugging Face config.json (or a model directory holding one) of model_type mixtral, qwen2_moe, "
+           "qwen3_moe, deepseek_v3, deepseek_v2, glm4_moe, olmoe or gpt_oss; its model flags fill those not given "
            "(moecore only)");
 }
 
