@@ -530,6 +530,8 @@ const std::pair<const char*, FlagDomain> kModelFlagDomains[] = {
     {"--max-position-embeddings", FlagDomain::integer(1)},
     {"--rotary-base", FlagDomain::positive_number()},
     {"--rotary-percent", FlagDomain::positive_number(1.0)},
+    {"--glu-linear-offset", FlagDomain::number(-1e3, 1e3)},
+    {"--activation-func-clamp-value", FlagDomain::positive_number()},
     {"--hidden-dropout", FlagDomain::fraction()},
     {"--attention-dropout", FlagDomain::fraction()},
     {"--norm-epsilon", FlagDomain::positive_number()},

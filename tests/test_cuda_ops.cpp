@@ -462,6 +462,47 @@ TEST(CudaOps, AttentionWithMoreKeysThanQueriesMatchesCpu) {
     }
 }
 
+// ---- attention sinks and sliding windows (gpt-oss) --------------------------------------------------------------
+// The CUDA kernel's window (key blocks outside it skipped) and sinks (off-by-one, learnable with their gradient)
+// against the CPU's, in the queries-as-the-last-S-of-Sk form, GQA, both dtypes.
+TEST(CudaOps, AttentionSinksAndWindowMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  const ops::QkvDims d{2, 37, 2, 2, 16, 75};
+  const int64_t Hq = d.q_heads();
+  uint64_t seed = 2700;
+  Both sinks = randn({Hq}, "sinks", ++seed, DType::f32);
+  for (DType t : kFloat)
+    for (int64_t window : {int64_t{-1}, int64_t{5}, int64_t{40}})
+      for (int sink : {0, 1, 2}) {  // none, off-by-one, learnable
+        SCOPED_TRACE(::testing::Message() << dtype_name(t) << " window " << window << " sink " << sink);
+        Both q = randn({d.B, d.S, d.width()}, "q", ++seed, t), kv = randn({d.B, d.Sk, d.width()}, "kv", ++seed, t);
+        Both out = nans({d.B, d.S, Hq * d.D}, t), lse = nans({d.B, Hq, d.S});
+        auto options = [&](bool g) {
+          ops::AttentionOptions o;
+          o.window = window;
+          o.off_by_one = sink == 1;
+          o.sinks = sink == 2 ? &sinks.on(g) : nullptr;
+          return o;
+        };
+        for (bool g : {false, true})
+          ops::attention_forward(out.on(g), lse.on(g), q.on(g), kv.on(g), d, ops::Dropout{}, options(g), ctx_of(g));
+        const double rtol = t == DType::f32 ? 1e-4 : 2e-2, atol = t == DType::f32 ? 1e-5 : 2e-2;
+        expect_near(out, rtol, atol);
+        expect_near(lse, 1e-5, 1e-5);
+        Both dout = randn({d.B, d.S, Hq * d.D}, "dout", ++seed, t), dq = randn({d.B, d.S, d.width()}, "dq", ++seed, t);
+        Both dkv = randn({d.B, d.Sk, d.width()}, "dkv", ++seed, t), dsinks = randn({Hq}, "dsinks", ++seed, DType::f32);
+        for (bool g : {false, true}) {
+          const Device dev = g ? Device::cuda : Device::cpu;
+          ops::attention_backward(dq.on(g), dkv.on(g), sink == 2 ? &dsinks.on(g) : nullptr, dout.on(g), q.on(g),
+                                  kv.on(g), out.cpu.to_device(dev), lse.cpu.to_device(dev), d, ops::Dropout{},
+                                  options(g), ctx_of(g));
+        }
+        expect_near(dq, rtol, t == DType::f32 ? 1e-4 : 5e-2);
+        expect_near(dkv, rtol, t == DType::f32 ? 1e-4 : 5e-2);
+        if (sink == 2) expect_near(dsinks, 1e-4, 1e-5);
+      }
+}
+
 // ---- determinism and refusals -----------------------------------------------------------------
 TEST(CudaOps, ReductionsRepeatBitForBit) {
   SKIP_WITHOUT_GPU();

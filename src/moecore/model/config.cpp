@@ -37,7 +37,8 @@ void RecomputeConfig::validate() const {
   if (num_layers < 1) MOECORE_FAIL("--recompute-granularity full needs --recompute-num-layers >= 1, got ", num_layers);
 }
 
-void ModelConfig::validate() const {
+// The sizes, positions, dropouts, dtype and norm.
+void ModelConfig::validate_sizes() const {
   auto positive = [](const char* name, int64_t v) {
     if (v <= 0) MOECORE_FAIL("model config: ", name, " (", v, ") must be positive");
   };
@@ -70,16 +71,10 @@ void ModelConfig::validate() const {
   if (compute_dtype != DType::f32 && compute_dtype != DType::bf16 && compute_dtype != DType::f16)
     MOECORE_FAIL("model config: compute dtype ", dtype_name(compute_dtype), " is not supported (use f32, bf16 or f16)");
   if (!(norm_epsilon > 0.0f)) MOECORE_FAIL("model config: norm_epsilon (", norm_epsilon, ") must be positive");
-  // Megatron's rules for the gated linear unit (transformer_config.py): offset and clamp act on a GLU only; a clamped
-  // SwiGLU is for MoE models and takes no offset.
-  if (!swiglu && (glu_linear_offset != 0.0f || activation_func_clamp_value > 0.0f))
-    MOECORE_FAIL(
-        "model config: --glu-linear-offset and --activation-func-clamp-value act on a gated MLP only; pass --swiglu "
-        "or --quick-geglu");
-  if (swiglu && !quick_geglu && activation_func_clamp_value > 0.0f && (!moe.enabled() || glu_linear_offset != 0.0f))
-    MOECORE_FAIL(
-        "model config: --activation-func-clamp-value with SwiGLU needs --num-experts and --glu-linear-offset 0 (as "
-        "Megatron)");
+}
+
+// The attention: QK-norm over heads, MLA, YaRN, sinks and windows.
+void ModelConfig::validate_attention() const {
   if (qk_layernorm_over_heads && (!qk_layernorm || multi_latent_attention))
     MOECORE_FAIL("model config: --qk-layernorm-over-heads needs --qk-layernorm and standard attention (not MLA)");
   if (multi_latent_attention && (softmax_type != SoftmaxType::vanilla || window_size >= 0))
@@ -111,6 +106,25 @@ void ModelConfig::validate() const {
                    "), --yarn-original-max-position-embeddings (", y.original_max_position_embeddings,
                    "), --yarn-beta-fast (", y.beta_fast, ") and --yarn-beta-slow (", y.beta_slow, ") positive");
   }
+  if (window_size < -1)
+    MOECORE_FAIL("model config: --window-size left (", window_size, ") must be -1 (no window) or >= 0");
+  if (mtp_num_layers > 0 && window_size >= 0)
+    MOECORE_FAIL("model config: --window-size with --mtp-num-layers is not supported yet (the MTP layers' window)");
+}
+
+void ModelConfig::validate() const {
+  validate_sizes();
+  validate_attention();
+  // Megatron's rules for the gated linear unit (transformer_config.py): offset and clamp act on a GLU only; a clamped
+  // SwiGLU is for MoE models and takes no offset.
+  if (!swiglu && (glu_linear_offset != 0.0f || activation_func_clamp_value > 0.0f))
+    MOECORE_FAIL(
+        "model config: --glu-linear-offset and --activation-func-clamp-value act on a gated MLP only; pass --swiglu "
+        "or --quick-geglu");
+  if (swiglu && !quick_geglu && activation_func_clamp_value > 0.0f && (!moe.enabled() || glu_linear_offset != 0.0f))
+    MOECORE_FAIL(
+        "model config: --activation-func-clamp-value with SwiGLU needs --num-experts and --glu-linear-offset 0 (as "
+        "Megatron)");
   if (mtp_num_layers < 0 || !(mtp_loss_scaling_factor >= 0.0f))
     MOECORE_FAIL("model config: --mtp-num-layers (", mtp_num_layers, ") and --mtp-loss-scaling-factor (",
                  mtp_loss_scaling_factor, ") must not be negative");
@@ -118,10 +132,6 @@ void ModelConfig::validate() const {
     MOECORE_FAIL(
         "model config: --mtp-num-layers with learned absolute positions is not supported yet; pass "
         "--position-embedding-type rope");
-  if (window_size < -1)
-    MOECORE_FAIL("model config: --window-size left (", window_size, ") must be -1 (no window) or >= 0");
-  if (mtp_num_layers > 0 && window_size >= 0)
-    MOECORE_FAIL("model config: --window-size with --mtp-num-layers is not supported yet (the MTP layers' window)");
   (void)window_layers();  // validates --window-attn-skip-freq against num_layers
   moe.validate();
   recompute.validate();

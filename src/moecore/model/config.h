@@ -137,7 +137,9 @@ struct ModelConfig {
   std::vector<bool> window_layers() const;  // which decoder layers have the sliding window (all false without one)
   // Decoder layers plus one transformer layer per MTP depth (those follow the decoder's in per-layer arrays).
   int64_t num_transformer_layers() const { return num_layers + mtp_num_layers; }
-  void validate() const;  // throws Error naming the offending fields and values
+  void validate() const;            // throws Error naming the offending fields and values
+  void validate_sizes() const;      // (validate's parts: sizes, positions, dropouts, dtype, norm;
+  void validate_attention() const;  // QK-norm, MLA, YaRN, sinks, windows)
   std::string summary() const;
 };
 

@@ -59,6 +59,19 @@ void DecoderLayer::bind(const ParamSpec& spec, Param& p) {
       return to(w_.fc2, g_.fc2);
     case fc2_bias:
       return to(w_.fc2_bias, g_.fc2_bias);
+    default:
+      return bind_moe(spec, p);
+  }
+}
+
+// The MoE block's parameters (router state and experts' weights are views of the store's).
+void DecoderLayer::bind_moe(const ParamSpec& spec, Param& p) {
+  auto to = [&](Tensor& weight, Tensor& grad) {
+    weight = p.compute;
+    grad = p.grad;
+  };
+  using enum ParamRole;
+  switch (spec.role) {
     case router:
       moe_w_.router.weight = p.value;
       moe_w_.router.weight_compute = p.compute;

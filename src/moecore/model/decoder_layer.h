@@ -84,6 +84,7 @@ class DecoderLayer {
                 const ops::Context& ctx);
 
  private:
+  void bind_moe(const ParamSpec& spec, Param& p);  // bind's MoE-block roles
   void moe_forward(Tensor& y, LayerCache& c, LayerShared& sh, bool training, const ops::Context& ctx, bool recompute);
   void moe_backward(LayerCache& c, LayerShared& sh, const Refill& refill, float aux_scale, const ops::Context& ctx);
 
