@@ -34,7 +34,9 @@ struct MoeConfig {
   // --moe-router-group-score-topk (moecore): a group's score sums its top this-many scores; 0 = K / group_topk,
   // Megatron's rule (transformers' DeepSeek-V3 always sums the top 2)
   int64_t group_score_topk = 0;
-  int64_t group_score_k() const { return group_score_topk ? group_score_topk : router_topk / group_topk; }
+  int64_t group_score_k() const {  // (0 for a group_topk of 0, which validate refuses with groups)
+    return group_score_topk ? group_score_topk : group_topk > 0 ? router_topk / group_topk : 0;
+  }
   bool enable_expert_bias = false;    // --moe-router-enable-expert-bias (aux-loss-free balancing)
   float bias_update_rate = 1e-3f;     // --moe-router-bias-update-rate
   bool force_load_balancing = false;  // --moe-router-force-load-balancing: random logits (benchmarks)
