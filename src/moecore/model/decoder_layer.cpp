@@ -3,12 +3,16 @@
 #include "moecore/core/error.h"
 
 namespace moecore::model {
+namespace {
+// A parameter bound as its compute copy and its gradient.
+void bind_views(const Param& p, Tensor& weight, Tensor& grad) {
+  weight = p.compute;
+  grad = p.grad;
+}
+}  // namespace
 
 void DecoderLayer::bind(const ParamSpec& spec, Param& p) {
-  auto to = [&](Tensor& weight, Tensor& grad) {
-    weight = p.compute;
-    grad = p.grad;
-  };
+  const auto to = [&](Tensor& weight, Tensor& grad) { bind_views(p, weight, grad); };
   using enum ParamRole;
   switch (spec.role) {
     case input_norm:
@@ -66,10 +70,7 @@ void DecoderLayer::bind(const ParamSpec& spec, Param& p) {
 
 // The MoE block's parameters (router state and experts' weights are views of the store's).
 void DecoderLayer::bind_moe(const ParamSpec& spec, Param& p) {
-  auto to = [&](Tensor& weight, Tensor& grad) {
-    weight = p.compute;
-    grad = p.grad;
-  };
+  const auto to = [&](Tensor& weight, Tensor& grad) { bind_views(p, weight, grad); };
   using enum ParamRole;
   switch (spec.role) {
     case router:
