@@ -40,6 +40,7 @@
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/gemm_peak.h"
 #include "moecore/train/schedule.h"
+#include "moecore/train/step.h"
 #include "moecore/train/trainer.h"
 
 namespace moecore::apps {
@@ -170,6 +171,14 @@ MemoryLimit node_memory_limit() {
   return l;
 }
 
+// On a GPU: the device's free memory before the model exists (cudaMemGetInfo); unknown when the device does not answer.
+MemoryLimit device_memory_limit() {
+  int64_t free_bytes = 0, total_bytes = 0;
+  const std::string dev = device_description(&free_bytes, &total_bytes);
+  if (total_bytes <= 0) return {};
+  return {free_bytes, total_bytes, "memory of " + dev};
+}
+
 std::string memory_hint(bool activations) {
   return std::string("hint: ") +
          (activations ? "a smaller --micro-batch-size or --seq-length, activation recompute (--recompute-granularity "
@@ -215,9 +224,7 @@ int64_t attention_scratch_bytes(const model::ModelConfig& mc, int64_t micro_batc
   return ops::attention_host_scratch_bytes(q);
 }
 
-// After the model is built, before the first step: the whole plan (activations and workspaces included). The
-// constructor only reserves the activation buffers (the first step writes them), so the limit read before it
-// still holds; the plan is printed with the refusal.
+// Before the model is built: the whole plan (activations and workspaces included), printed with the refusal.
 void check_plan_fits(const model::MemoryPlan& plan, const MemoryLimit& limit) {
   if (!limit.known() || plan.total() <= limit.room - memory_margin(plan.total())) return;
   MOECORE_FAIL("train: the run's memory plan needs ", memory_format_bytes(plan.total()), " (plus a margin of ",
@@ -516,17 +523,23 @@ int64_t optimizer_state_shards(const train::TrainConfig& tcfg, const ParallelSiz
              : 1;
 }
 
-// The built model's memory plan with what the model does not hold (the optimizer state's shard, the CPU attention
-// scratch, --async-save's snapshot), recorded for out-of-memory errors and checked against `limit` before weights
-// are loaded or a step is taken.
-model::MemoryPlan run_memory_plan(const model::GptModel& gpt, const optim::AdamW& opt, const RunFlags& r,
-                                  const model::ModelParallel& par, const train::TrainConfig& tcfg, int64_t state_shards,
-                                  const MemoryLimit& limit) {
-  model::MemoryPlan plan = gpt.memory_plan(opt.state_bytes_per_param());
+// The run's memory plan before anything is allocated (GptModel::plan_memory: the model built on the meta device, with
+// the micro-batch slots of this rank's pipeline schedule), with what the model does not hold (the optimizer state's
+// shard, the CPU attention scratch, --async-save's snapshot); recorded for out-of-memory errors and checked against
+// `limit`.
+model::MemoryPlan run_memory_plan(const RunFlags& r, const RunGroups& g, const train::TrainConfig& tcfg,
+                                  int64_t state_shards, const MemoryLimit& limit) {
+  model::ModelParallel par = g.par;  // (check_layout settles it as the model's constructor will)
+  const int64_t chunks = static_cast<int64_t>(model::check_layout(r.mcfg, par).chunks.size());
+  const train::Schedule schedule =
+      train::step_schedule(tcfg, g.groups.dp.size(), g.groups.pp.size(), g.groups.pp.rank(), chunks);
+  model::MemoryPlan plan = model::GptModel::plan_memory(r.mcfg, tcfg.micro_batch_size, g.par, schedule.in_flight,
+                                                        optim::AdamW::state_bytes_per_param(r.ocfg));
   int64_t& state_bytes = plan.bytes[static_cast<int>(MemCategory::optimizer_state)];
   state_bytes = (state_bytes + state_shards - 1) / state_shards;  // the distributed optimizer's shard
   if (r.device != Device::cuda)
-    plan.bytes[static_cast<int>(MemCategory::workspace)] += attention_scratch_bytes(r.mcfg, tcfg.micro_batch_size, par);
+    plan.bytes[static_cast<int>(MemCategory::workspace)] +=
+        attention_scratch_bytes(r.mcfg, tcfg.micro_batch_size, g.par);
   if (tcfg.async_save && !tcfg.save.empty())  // the snapshot of --async-save (an upper bound: rank 0's share at most)
     plan.bytes[static_cast<int>(MemCategory::other)] +=
         train::async_save_snapshot_bytes(r.mcfg, r.ocfg.state_dtype, tcfg.save_optim);
@@ -634,11 +647,11 @@ int train_main(int argc, char** argv) {
   std::FILE* out = comm_initialized() && comm_world().rank() != 0 ? nullptr : stdout;
   const int64_t state_shards = optimizer_state_shards(tcfg, layout.sizes);
   const MemoryLimit limit =
-      r.device == Device::cuda ? MemoryLimit{} : node_memory_limit();  // (before the model exists)
+      r.device == Device::cuda ? device_memory_limit() : node_memory_limit();  // (before the model exists)
   check_model_fits(r.mcfg, g.par, r.ocfg.state_dtype, state_shards, limit);
+  const model::MemoryPlan plan = run_memory_plan(r, g, tcfg, state_shards, limit);
   model::GptModel gpt(r.mcfg, tcfg.micro_batch_size, tcfg.seed, g.par, r.device);
   optim::AdamW opt(gpt.params(), r.ocfg, /*allocate_state=*/!tcfg.use_distributed_optimizer);
-  const model::MemoryPlan plan = run_memory_plan(gpt, opt, r, g.par, tcfg, state_shards, limit);
   load_start_weights(gpt, a, r.mcfg, tcfg, hf_mtp_fresh, out);
   tcfg.peak_gflops = train::gemm_peak_gflops(r.mcfg.compute_dtype, r.device);
   print_run_header(out, r, gpt, tcfg, source, plan);

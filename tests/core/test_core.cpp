@@ -265,6 +265,32 @@ TEST(Tensor, ViewsShareStorage) {
 }
 
 // The simulated device: host memory that only a DeviceAccess scope (op bodies, collectives, transfers) may address.
+// The meta device (a memory plan's model): shapes and bytes without memory; writes do nothing, reads raise, nothing is
+// recorded, and a user cannot pick it.
+TEST(Tensor, MetaDeviceHasShapesWithoutMemory) {
+  const MemoryStats before = memory_stats();
+  Tensor m = Tensor::zeros({1 << 20, 1 << 20}, DType::f32, MemCategory::activations, Device::meta);  // 4 TiB
+  EXPECT_EQ(m.nbytes(), int64_t{4} << 40);
+  EXPECT_EQ(m.slice(0, 0, 2).numel(), 2 << 20);
+  m.fill_(1.0f);
+  m.copy_from(Tensor::empty({1 << 20, 1 << 20}, DType::bf16, MemCategory::other, Device::meta));
+  const Tensor host = Tensor::zeros({3}, DType::f32, MemCategory::other);
+  const Tensor moved = host.to_device(Device::meta);
+  EXPECT_EQ(moved.device(), Device::meta);
+  const MemoryStats after = memory_stats();
+  EXPECT_EQ(after.total_current - before.total_current, host.nbytes());
+  try {
+    const DeviceAccess scope;  // not even an op body reads it
+    (void)moved.data<float>();
+    ADD_FAILURE() << "read a meta tensor";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[3] f32 is on the meta device"), std::string::npos) << e.what();
+  }
+  Tensor back = Tensor::empty({3}, DType::f32, MemCategory::other);
+  EXPECT_THROW(back.copy_from(moved), Error);
+  EXPECT_THROW(parse_device("meta"), Error);
+}
+
 TEST(Tensor, SimulatedDeviceRefusesHostAccessOutsideTransfers) {
   Tensor h = Tensor::empty({3, 4}, DType::f32, MemCategory::other);
   for (int i = 0; i < 12; ++i) h.data<float>()[i] = static_cast<float>(i);

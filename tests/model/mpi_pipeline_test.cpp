@@ -32,6 +32,7 @@
 #include "moecore/parallel/process_groups.h"
 #include "moecore/parallel/shards.h"
 #include "moecore/train/checkpointing.h"
+#include "moecore/train/step.h"
 #include "moecore/train/trainer.h"
 
 namespace moecore {
@@ -197,6 +198,13 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   };
   const train::TrainLog log =
       train::train(gpt, opt, tc, l.per_token ? uneven : synthetic_batch, nullptr, {}, l.pp ? &groups : nullptr);
+  // The start-up memory plan, taken before the model exists with the slots of this stage's schedule, is the model's
+  // after the schedule sized its slots.
+  model::ModelParallel settled = par;
+  const auto chunks = static_cast<int64_t>(model::check_layout(mc, settled).chunks.size());
+  const train::Schedule schedule =
+      train::step_schedule(tc, groups.dp.size(), groups.pp.size(), groups.pp.rank(), chunks);
+  EXPECT_EQ(model::GptModel::plan_memory(mc, 2, par, schedule.in_flight, 0).total(), gpt.memory_plan(0).total());
   Result r;
   r.loss = log.train_loss;
   r.grad_norm = log.grad_norm;

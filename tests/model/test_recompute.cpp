@@ -193,6 +193,9 @@ TEST(Recompute, SelectiveDropsTheNamedOutputs) {
       model::GptModel m(with_selective(k.c, k.modules), 2, 3, {}, testing::test_device());
       m.set_micro_batch_slots({slots});
       EXPECT_EQ(memory_stats().total_current - before.total_current, m.memory_plan(0).total()) << k.modules[0];
+      EXPECT_EQ(model::GptModel::plan_memory(with_selective(k.c, k.modules), 2, {}, {slots}, 0).total(),
+                m.memory_plan(0).total())
+          << k.modules[0];
       model::GptModel plain(k.c, 2, 3, {}, testing::test_device());
       plain.set_micro_batch_slots({slots});
       EXPECT_EQ(activations(plain) - activations(m), k.per_layer_slot * k.layers * slots - k.shared)
@@ -224,10 +227,13 @@ TEST(Recompute, SelectiveMoeSharesOneRefilledSet) {
 TEST(Recompute, MoeMemoryPlanEqualsTrackedAllocations) {
   for (const auto& [method, n] : std::vector<std::pair<std::string, int64_t>>{{"uniform", 2}, {"block", 2}}) {
     const MemoryStats before = memory_stats();
-    model::GptModel m(with_recompute(moe(false), method, n), 2, 3, {}, testing::test_device());
+    const model::ModelConfig c = with_recompute(moe(false), method, n);
+    const int64_t ahead = model::GptModel::plan_memory(c, 2, {}, {2}, 0).total();  // (allocates nothing)
+    model::GptModel m(c, 2, 3, {}, testing::test_device());
     EXPECT_EQ(memory_stats().total_current - before.total_current, m.memory_plan(0).total()) << method;
     m.set_micro_batch_slots({2});
     EXPECT_EQ(memory_stats().total_current - before.total_current, m.memory_plan(0).total()) << method;
+    EXPECT_EQ(ahead, m.memory_plan(0).total()) << method;
     model::GptModel plain(moe(false), 2, 3, {}, testing::test_device());
     plain.set_micro_batch_slots({2});
     EXPECT_LT(activations(m), activations(plain)) << method;

@@ -93,6 +93,8 @@ const char* device_name(Device d) {
       return "cuda";
     case Device::sim:
       return "sim";
+    case Device::meta:
+      return "meta";
   }
   return "?";
 }
@@ -141,6 +143,8 @@ namespace {
 }  // namespace
 
 void Tensor::check_device_access() const {
+  if (device() == Device::meta)
+    MOECORE_FAIL("tensor ", str(), " is on the meta device: it has a shape, not data (a memory plan's model)");
   // An op body's OpenMP workers run on threads without the scope: inside a parallel region the scope of the thread
   // that started it counts (some scope is open), so host code's own parallel loops are still refused.
   if (t_device_access > 0 || (omp_in_parallel() && g_device_access.load(std::memory_order_relaxed) > 0)) return;
@@ -151,6 +155,7 @@ void Tensor::check_device_access() const {
 
 Storage::Storage(int64_t nbytes, Device dev, MemCategory cat) : bytes(nbytes), device(dev), category(cat) {
   MOECORE_CHECK(nbytes >= 0, "negative allocation ", nbytes);
+  if (dev == Device::meta) return;  // (no memory, nothing recorded)
   if (host_memory(dev) && nbytes >= kHostMapBytes) {
     void* p = ::mmap(nullptr, static_cast<size_t>(nbytes), PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -166,6 +171,7 @@ Storage::Storage(int64_t nbytes, Device dev, MemCategory cat) : bytes(nbytes), d
 }
 
 Storage::~Storage() {
+  if (device == Device::meta) return;
   memory_record_free(category, bytes, device);
   if (host_memory(device) && bytes >= kHostMapBytes)
     ::munmap(data, static_cast<size_t>(bytes));
@@ -274,7 +280,8 @@ void for_each_offset(const Shape& shape, const int64_t* strides, Fn&& fn) {
 // host code addresses the memory of cpu tensors only. Within a device, a tensor is filled, converted and copied by
 // that device's kernels: device_fill / device_convert (CUDA kernels) on cuda, and on sim the host loops below, run as
 // the simulated device's kernels inside a DeviceAccess scope. Between devices, the only move is a transfer of a
-// contiguous tensor in one dtype (device_copy on cuda); anything else is refused on every device alike.
+// contiguous tensor in one dtype (device_copy on cuda); anything else is refused on every device alike. A meta tensor
+// takes every write (fill, copy, transfer into it) and does nothing; its data is never read.
 static_assert(DeviceView::kMaxDims == kMaxDims);
 
 DeviceView Tensor::device_view() const {
@@ -290,7 +297,7 @@ DeviceView Tensor::device_view() const {
 }
 
 void Tensor::fill_bits(const void* value) {
-  if (!defined() || numel() == 0) return;
+  if (!defined() || numel() == 0 || device() == Device::meta) return;
   if (device() == Device::cuda) {
     if (is_contiguous() && is_zero_bits(value, dtype_size(dtype_)))
       device_memset(device_ptr(), 0, nbytes());
@@ -323,6 +330,7 @@ void Tensor::fill_(float value) {
 
 void Tensor::copy_from(const Tensor& src) {
   MOECORE_CHECK(src.shape() == shape_, "tensor.copy_from: shape ", src.str(), " into ", str());
+  if (device() == Device::meta) return;
   if (is_transfer(*this, src)) {
     MOECORE_CHECK(is_contiguous() && src.is_contiguous() && dtype_ == src.dtype_,
                   "tensor.copy_from: a copy between devices is a transfer of a contiguous tensor in one dtype, got ",

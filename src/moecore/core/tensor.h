@@ -20,8 +20,11 @@ namespace moecore {
 // the caller runs inside an OpenMP parallel region while such a scope is open (an op body's workers). So a test
 // suite run on sim proves that no code outside ops, collectives and explicit transfers touches device data; what
 // host code may do with device memory is stated once, in core/tensor.cpp, for cuda and sim alike.
-enum class Device : uint8_t { cpu, cuda, sim };
-const char* device_name(Device d);  // "cpu", "cuda", "sim"
+// meta: shapes and dtypes without memory (PyTorch's meta device). A model built on it allocates nothing and counts
+// what it would allocate (GptModel::plan_memory); writes into a meta tensor do nothing, reading its data raises Error.
+// Not a device a user names (parse_device refuses it).
+enum class Device : uint8_t { cpu, cuda, sim, meta };
+const char* device_name(Device d);  // "cpu", "cuda", "sim", "meta"
 // "cpu" | "cuda" | "sim"; anything else raises Error naming the text.
 Device parse_device(const std::string& s);
 

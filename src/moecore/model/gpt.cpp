@@ -680,6 +680,13 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
   return plan;
 }
 
+MemoryPlan GptModel::plan_memory(const ModelConfig& cfg, int64_t micro_batch_size, const ModelParallel& parallel,
+                                 const std::vector<int64_t>& slots, int64_t optimizer_state_bytes_per_param) {
+  GptModel m(cfg, micro_batch_size, /*seed=*/0, parallel, Device::meta);
+  if (!slots.empty()) m.set_micro_batch_slots(slots);
+  return m.memory_plan(optimizer_state_bytes_per_param);
+}
+
 double GptModel::flops_per_step() const {
   return model_flops_per_step(cfg_, B_);
 }

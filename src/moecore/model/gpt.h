@@ -207,6 +207,11 @@ class GptModel {
 
   // The plan for this model's own buffers plus optimizer_state_bytes_per_param * num_parameters().
   MemoryPlan memory_plan(int64_t optimizer_state_bytes_per_param) const;
+  // The same plan for GptModel(cfg, micro_batch_size, any seed, parallel, any device) with `slots` micro-batch slots
+  // per chunk (set_micro_batch_slots; empty: one each), before anything is allocated: that model built on
+  // Device::meta (shapes without memory) and counted. (No buffer's shape depends on the device.)
+  static MemoryPlan plan_memory(const ModelConfig& cfg, int64_t micro_batch_size, const ModelParallel& parallel,
+                                const std::vector<int64_t>& slots, int64_t optimizer_state_bytes_per_param);
   // Model FLOPs of one forward+backward over B*S tokens (Megatron's formula: 3x forward GEMMs and
   // causal attention counted at full S^2 as Megatron does), whatever the layout: the TP ranks share one micro-batch's.
   double flops_per_step() const;

@@ -31,6 +31,9 @@ void alloc_param(Param& p, const ParamSpec& s, const ModelConfig& cfg, const Mod
   // Megatron decays weights only: norms and biases (of any rank, e.g. experts' [E, W]) are not decayed.
   p.weight_decay = shape.ndim >= 2 && !p.name.ends_with(".bias");
   p.expert_parallel = s.expert;
+  const DType c = cfg.compute_dtype;
+  p.compute = (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters, device);
+  if (device == Device::meta) return;  // (a memory plan's model: no values)
   const uint64_t first = s.expert ? static_cast<uint64_t>(par.ep.rank() * block.numel()) : 0;
   if (s.init == ParamInit::normal && p.tp.sharded()) {  // run by run of the shard, then one upload
     Tensor host = Tensor::empty(shape, DType::f32, MemCategory::workspace);
@@ -45,8 +48,6 @@ void alloc_param(Param& p, const ParamSpec& s, const ModelConfig& cfg, const Mod
   } else {
     p.value.fill_(s.init == ParamInit::ones ? 1.0f : 0.0f);
   }
-  const DType c = cfg.compute_dtype;
-  p.compute = (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters, device);
 }
 
 }  // namespace

@@ -41,7 +41,11 @@ class AdamW {
   std::vector<Tensor>& exp_avg_sq() { return v_; }
   const std::vector<Tensor>& exp_avg() const { return m_; }
   const std::vector<Tensor>& exp_avg_sq() const { return v_; }
-  int64_t state_bytes_per_param() const { return 2 * static_cast<int64_t>(dtype_size(cfg_.state_dtype)); }
+  // The two moments' bytes per parameter (before an optimizer exists: the memory plan's).
+  static int64_t state_bytes_per_param(const AdamWConfig& c) {
+    return 2 * static_cast<int64_t>(dtype_size(c.state_dtype));
+  }
+  int64_t state_bytes_per_param() const { return state_bytes_per_param(cfg_); }
 
  private:
   std::vector<Param>& params_;

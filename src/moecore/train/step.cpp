@@ -85,6 +85,16 @@ struct HookGuard {
 };
 }  // namespace
 
+Schedule step_schedule(const TrainConfig& cfg, int64_t dp, int64_t pp, int64_t pp_rank, int64_t chunks) {
+  const int64_t micro = cfg.micro_batches();
+  if (micro % dp != 0)
+    MOECORE_FAIL("training: global_batch_size (", cfg.global_batch_size, ") must be divisible by micro_batch_size (",
+                 cfg.micro_batch_size, ") x data-parallel size (", dp, ")");
+  if (chunks == 1) return one_f_one_b(micro / dp, pp, pp_rank);
+  const int64_t group = cfg.microbatch_group_size_per_vp_stage > 0 ? cfg.microbatch_group_size_per_vp_stage : pp;
+  return interleaved_one_f_one_b(micro / dp, pp, pp_rank, chunks, group);
+}
+
 TrainStep::TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cfg, const TrainGroups& groups,
                      const BatchFn& batches, GradScaler& scaler, Timers* timers)
     : gpt_(gpt),
@@ -96,18 +106,9 @@ TrainStep::TrainStep(model::GptModel& gpt, Optimizer& opt, const TrainConfig& cf
       timers_(timers),
       micro_(cfg.micro_batches()) {
   gpt_.set_calculate_per_token_loss(cfg.calculate_per_token_loss);
-  const int64_t dp = g_.dp.size();
-  if (micro_ % dp != 0)
-    MOECORE_FAIL("training: global_batch_size (", cfg.global_batch_size, ") must be divisible by micro_batch_size (",
-                 cfg.micro_batch_size, ") x data-parallel size (", dp, ")");
-  micro_local_ = micro_ / dp;
-  const int64_t pp = g_.pp.size(), chunks = gpt.num_chunks();
-  if (chunks > 1) {
-    const int64_t group = cfg.microbatch_group_size_per_vp_stage > 0 ? cfg.microbatch_group_size_per_vp_stage : pp;
-    schedule_ = interleaved_one_f_one_b(micro_local_, pp, g_.pp.rank(), chunks, group);
-  } else {
-    schedule_ = one_f_one_b(micro_local_, pp, g_.pp.rank());
-  }
+  const int64_t pp = g_.pp.size();
+  schedule_ = step_schedule(cfg, g_.dp.size(), pp, g_.pp.rank(), gpt.num_chunks());
+  micro_local_ = micro_ / g_.dp.size();
   gpt_.set_micro_batch_slots(schedule_.in_flight);
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) moe_layers_ += gpt.is_moe_layer(l) ? 1 : 0;
   metrics_ = step_metrics_of(gpt.config());

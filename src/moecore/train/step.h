@@ -34,6 +34,12 @@ struct StepResult {
   double params_norm = NAN;  // log_params_norm: Optimizer::params_norm after the step
 };
 
+// A step's schedule on pipeline rank pp_rank of pp: 1F1B over this data-parallel rank's cfg.micro_batches() / dp
+// micro-batches (Error naming the sizes when dp does not divide them), interleaved over `chunks` model chunks
+// (cfg.microbatch_group_size_per_vp_stage, default pp). Its in_flight counts are the model's micro-batch slots: the
+// memory plan reads them before the model exists.
+Schedule step_schedule(const TrainConfig& cfg, int64_t dp, int64_t pp, int64_t pp_rank, int64_t chunks);
+
 class TrainStep {
  public:
   // This rank's share of every global batch: the dp group's rank r runs micro-batches [r * m, (r + 1) * m) of the
