@@ -174,8 +174,10 @@ int64_t deinterleave(int64_t j, int64_t dr, bool interleaved) {
 
 namespace {
 
-// The map in the making: the family's HF tensors in transformers' module order (with their shapes), then each
-// parameter's row runs of them, chosen by the parameter's role.
+// The map in the making: each parameter's row runs of the family's HF tensors, chosen by the parameter's role; each HF
+// tensor is declared (name and shape) by the run that first names it, so its name is written once. The tensors no
+// parameter fills are the routers' expert biases (declared with the router) and the MTP depths' copies of the
+// embedding and the output head.
 class HfMapBuilder {
  public:
   HfMapBuilder(const ModelConfig& cfg, HfFamily family, bool rope_interleave)
@@ -183,33 +185,6 @@ class HfMapBuilder {
     m_.family = family;
   }
   HfWeightMap take() { return std::move(m_); }
-
-  void tensors() {
-    tensor("model.embed_tokens.weight", {c_.vocab_size, H_});
-    const std::vector<bool> moe = c_.moe_layers();
-    for (int64_t l = 0; l < c_.num_layers; ++l) {
-      const std::string pre = layer_prefix(l);
-      layer(pre, moe[static_cast<size_t>(l)], l);
-    }
-    // DeepSeek-V3's (and GLM-4.5's) MTP depths are layers num_layers + k of the checkpoint, with copies of the shared
-    // embedding and output head (one parameter each in moecore, as in Megatron).
-    const std::string head = c_.untie_embeddings_and_output_weights ? "lm_head.weight" : "model.embed_tokens.weight";
-    for (int64_t k = 0; k < c_.mtp_num_layers; ++k) {
-      const int64_t l = c_.num_layers + k;
-      const std::string pre = layer_prefix(l);
-      tensor(pre + "embed_tokens.weight", {c_.vocab_size, H_});
-      m_.tensors.back().copy_of = "model.embed_tokens.weight";
-      tensor(pre + "enorm.weight", {H_});
-      tensor(pre + "hnorm.weight", {H_});
-      tensor(pre + "eh_proj.weight", {H_, 2 * H_});
-      layer(pre, moe.back(), l);
-      tensor(pre + "shared_head.norm.weight", {H_});
-      tensor(pre + "shared_head.head.weight", {c_.vocab_size, H_});
-      m_.tensors.back().copy_of = head;
-    }
-    tensor("model.norm.weight", {H_});
-    if (c_.untie_embeddings_and_output_weights) tensor("lm_head.weight", {c_.vocab_size, H_});
-  }
 
   void params() {
     for (const ParamSpec& s : parameter_specs(c_)) {
@@ -224,6 +199,14 @@ class HfMapBuilder {
       runs(s);
       MOECORE_CHECK(row_ == p.rows(), "HF map of '", s.name, "' covers ", row_, " of ", p.rows(), " rows");
       m_.params.push_back(std::move(p));
+    }
+    // DeepSeek-V3's (and GLM-4.5's) MTP depths are layers num_layers + k of the checkpoint, with copies of the shared
+    // embedding and output head (one parameter each in moecore, as in Megatron).
+    const std::string head = c_.untie_embeddings_and_output_weights ? "lm_head.weight" : "model.embed_tokens.weight";
+    for (int64_t k = 0; k < c_.mtp_num_layers; ++k) {
+      const std::string pre = layer_prefix(c_.num_layers + k);
+      declare(pre + "embed_tokens.weight", {c_.vocab_size, H_}).copy_of = "model.embed_tokens.weight";
+      declare(pre + "shared_head.head.weight", {c_.vocab_size, H_}).copy_of = head;
     }
     for (size_t i = 0; i < m_.params.size(); ++i)
       for (size_t r = 0; r < m_.params[i].runs.size(); ++r) {
@@ -253,99 +236,21 @@ class HfMapBuilder {
   static std::string layer_prefix(int64_t l) { return "model.layers." + std::to_string(l) + "."; }
   std::string moe_prefix(int64_t l) const { return layer_prefix(l) + t_.moe; }
   std::string expert_prefix(int64_t l, int64_t e) const { return moe_prefix(l) + "experts." + std::to_string(e) + "."; }
-  void tensor(const std::string& name, Shape shape) {
-    index_[name] = m_.tensors.size();
-    HfTensorSpec& t = m_.tensors.emplace_back();
-    t.name = name;
-    t.shape = shape;
+  // HF tensor `name` of `shape`: added where a run first names it, the same shape wherever another names it.
+  HfTensorSpec& declare(const std::string& name, const Shape& shape) {
+    const auto [it, fresh] = index_.try_emplace(name, m_.tensors.size());
+    if (fresh) {
+      HfTensorSpec& t = m_.tensors.emplace_back();
+      t.name = name;
+      t.shape = shape;
+    }
+    HfTensorSpec& t = m_.tensors[it->second];
+    MOECORE_CHECK(t.shape == shape, "HF tensor ", name, ": shape ", t.shape.str(), " and ", shape.str());
+    return t;
   }
-
-  void layer(const std::string& pre, bool is_moe, int64_t l) {
-    if (t_.mla)
-      mla_attention(pre);
-    else
-      standard_attention(pre);
-    if (is_moe)
-      moe_block(l);
-    else
-      dense_mlp(pre);
-    tensor(pre + "input_layernorm.weight", {H_});
-    tensor(pre + "post_attention_layernorm.weight", {H_});
-  }
-
-  void standard_attention(const std::string& pre) {
-    const int64_t D = c_.head_dim(), G = c_.query_groups(), R = c_.num_attention_heads / G, H = H_;
-    tensor(pre + "self_attn.q_proj.weight", {G * R * D, H});
-    tensor(pre + "self_attn.k_proj.weight", {G * D, H});
-    tensor(pre + "self_attn.v_proj.weight", {G * D, H});
-    if (c_.qkv_bias()) {
-      tensor(pre + "self_attn.q_proj.bias", {G * R * D});
-      tensor(pre + "self_attn.k_proj.bias", {G * D});
-      tensor(pre + "self_attn.v_proj.bias", {G * D});
-    }
-    tensor(pre + "self_attn.o_proj.weight", {H, G * R * D});
-    if (c_.add_bias_linear) tensor(pre + "self_attn.o_proj.bias", {H});
-    if (c_.softmax_type == SoftmaxType::learnable) tensor(pre + "self_attn.sinks", {G * R});
-    if (c_.qk_layernorm) {  // per head, or over the whole projection (olmoe)
-      const bool whole = c_.qk_layernorm_over_heads;
-      tensor(pre + "self_attn.q_norm.weight", {whole ? G * R * D : D});
-      tensor(pre + "self_attn.k_norm.weight", {whole ? G * D : D});
-    }
-  }
-
-  void mla_attention(const std::string& pre) {
-    const int64_t H = H_, nh = c_.num_attention_heads, qr = c_.q_lora_rank, kvr = c_.kv_lora_rank;
-    const int64_t dn = c_.qk_head_dim, dr = c_.qk_pos_emb_head_dim, dv = c_.v_head_dim;
-    if (qr) {
-      tensor(pre + "self_attn.q_a_proj.weight", {qr, H});
-      tensor(pre + "self_attn.q_a_layernorm.weight", {qr});
-      tensor(pre + "self_attn.q_b_proj.weight", {nh * (dn + dr), qr});
-    } else {
-      tensor(pre + "self_attn.q_proj.weight", {nh * (dn + dr), H});
-    }
-    tensor(pre + "self_attn.kv_a_proj_with_mqa.weight", {kvr + dr, H});
-    tensor(pre + "self_attn.kv_a_layernorm.weight", {kvr});
-    tensor(pre + "self_attn.kv_b_proj.weight", {nh * (dn + dv), kvr});
-    tensor(pre + "self_attn.o_proj.weight", {H, nh * dv});
-  }
-
-  // Layer l's MoE block: router (with its expert bias), the routed experts, the shared expert (and its gate).
-  void moe_block(int64_t l) {
-    const int64_t H = H_, E = c_.moe.num_experts, Fm = c_.moe_ffn(), Fs = c_.moe.shared_expert_intermediate_size;
-    const std::string moe = moe_prefix(l), router = moe + t_.router_module;
-    tensor(router + "weight", {E, H});
-    if (c_.add_bias_linear) tensor(router + "bias", {E});
-    if (t_.expert_bias) {
-      tensor(router + "e_score_correction_bias", {E});
-      m_.tensors.back().expert_bias_layer = l;
-    }
-    if (t_.fused_experts) {  // GPT-OSS: [E, H, 2F] with gate and up interleaved, [E, F, H]
-      tensor(moe + "experts.gate_up_proj", {E, H, 2 * Fm});
-      if (c_.add_bias_linear) tensor(moe + "experts.gate_up_proj_bias", {E, 2 * Fm});
-      tensor(moe + "experts.down_proj", {E, Fm, H});
-      if (c_.add_bias_linear) tensor(moe + "experts.down_proj_bias", {E, H});
-    }
-    for (int64_t e = 0; e < E && !t_.fused_experts; ++e) {
-      const std::string ex = expert_prefix(l, e);
-      tensor(ex + expert_proj(0), {Fm, H});
-      tensor(ex + expert_proj(1), {Fm, H});
-      tensor(ex + expert_proj(2), {H, Fm});
-    }
-    if (Fs > 0) {
-      const std::string sh = moe + t_.shared_module;
-      tensor(sh + "gate_proj.weight", {Fs, H});
-      tensor(sh + "up_proj.weight", {Fs, H});
-      tensor(sh + "down_proj.weight", {H, Fs});
-      if (t_.shared_gated) tensor(moe + "shared_expert_gate.weight", {1, H});
-    }
-  }
-  // The experts' gate (0), up (1) or down (2) projection weight.
-  std::string expert_proj(int i) const { return std::string(t_.gate_up_down[i]) + ".weight"; }
-
-  void dense_mlp(const std::string& pre) {
-    tensor(pre + "mlp.gate_proj.weight", {c_.ffn(), H_});
-    tensor(pre + "mlp.up_proj.weight", {c_.ffn(), H_});
-    tensor(pre + "mlp.down_proj.weight", {H_, c_.ffn()});
+  // The shape of an HF tensor holding `rows` rows of the parameter being mapped ([rows, width]; 1-D: [rows]).
+  Shape rows_shape(int64_t rows) const {
+    return cur_->shape.ndim >= 2 ? Shape{rows, cur_->shape[cur_->shape.ndim - 1]} : Shape{rows};
   }
 
   void run(const std::string& hf, int64_t hf_row, int64_t rows) {
@@ -357,10 +262,18 @@ class HfMapBuilder {
     cur_->runs.push_back({hf, lead, row_, rows, col0, stride});
     row_ += rows;
   }
+  // The whole parameter is HF tensor `hf` (same shape and row order).
   void whole(const std::string& hf) {
-    const Shape& t = m_.tensors.at(index_.at(hf)).shape;
-    run(hf, 0, t.numel() / io::hf_row_width(t));
+    declare(hf, cur_->shape);
+    run(hf, 0, cur_->rows());
   }
+  // The parameter's next `rows` rows are the whole of HF tensor `hf`.
+  void part(const std::string& hf, int64_t rows) {
+    declare(hf, rows_shape(rows));
+    run(hf, 0, rows);
+  }
+  // The experts' gate (0), up (1) or down (2) projection weight.
+  std::string expert_proj(int i) const { return std::string(t_.gate_up_down[i]) + ".weight"; }
   // DeepSeek's dr RoPE rows starting at HF row `first`, in moecore's rotate-half channel order.
   void rope_rows(const std::string& hf, int64_t first) {
     const int64_t dr = c_.qk_pos_emb_head_dim;
@@ -411,16 +324,18 @@ class HfMapBuilder {
         return mla_q_runs(sa + "q_b_proj.weight");
       case q_down_proj:
         return whole(sa + "q_a_proj.weight");
-      case kv_down_proj:
-        run(sa + "kv_a_proj_with_mqa.weight", 0, c_.kv_lora_rank);
-        return rope_rows(sa + "kv_a_proj_with_mqa.weight", c_.kv_lora_rank);
+      case kv_down_proj: {
+        const std::string hf = declare(sa + "kv_a_proj_with_mqa.weight", cur_->shape).name;
+        run(hf, 0, c_.kv_lora_rank);
+        return rope_rows(hf, c_.kv_lora_rank);
+      }
       case kv_norm:
         return whole(sa + "kv_a_layernorm.weight");
       case kv_up_proj:
         return whole(sa + "kv_b_proj.weight");
       case fc1:
-        whole(pre + "mlp.gate_proj.weight");
-        return whole(pre + "mlp.up_proj.weight");
+        part(pre + "mlp.gate_proj.weight", c_.ffn());
+        return part(pre + "mlp.up_proj.weight", c_.ffn());
       case fc2:
         return whole(pre + "mlp.down_proj.weight");
       default:
@@ -430,6 +345,9 @@ class HfMapBuilder {
   // Per query group: R query heads, its key head, its value head.
   void qkv_runs(const std::string& sa, const std::string& kind) {
     const int64_t D = c_.head_dim(), G = c_.query_groups(), R = c_.num_attention_heads / G;
+    declare(sa + "q_proj" + kind, rows_shape(G * R * D));
+    declare(sa + "k_proj" + kind, rows_shape(G * D));
+    declare(sa + "v_proj" + kind, rows_shape(G * D));
     for (int64_t g = 0; g < G; ++g) {
       run(sa + "q_proj" + kind, g * R * D, R * D);
       run(sa + "k_proj" + kind, g * D, D);
@@ -439,6 +357,7 @@ class HfMapBuilder {
   // Per head [nope | rope], the rope channels de-interleaved.
   void mla_q_runs(const std::string& hf) {
     const int64_t dn = c_.qk_head_dim, dr = c_.qk_pos_emb_head_dim;
+    declare(hf, cur_->shape);
     for (int64_t h = 0; h < c_.num_attention_heads; ++h) {
       run(hf, h * (dn + dr), dn);
       rope_rows(hf, h * (dn + dr) + dn);
@@ -448,21 +367,22 @@ class HfMapBuilder {
     using enum ParamRole;
     const std::string moe = moe_prefix(s.layer), shared = moe + t_.shared_module;
     if (t_.fused_experts) return fused_expert_runs(s, moe);
+    const int64_t F = c_.moe_ffn(), Fs = c_.moe.shared_expert_intermediate_size;
     switch (s.role) {
       case router:
-        return whole(moe + t_.router_module + "weight");
+        return router_runs(s.layer);
       case experts_fc1:
         for (int64_t e = 0; e < c_.moe.num_experts; ++e) {
-          whole(expert_prefix(s.layer, e) + expert_proj(0));
-          whole(expert_prefix(s.layer, e) + expert_proj(1));
+          part(expert_prefix(s.layer, e) + expert_proj(0), F);
+          part(expert_prefix(s.layer, e) + expert_proj(1), F);
         }
         return;
       case experts_fc2:
-        for (int64_t e = 0; e < c_.moe.num_experts; ++e) whole(expert_prefix(s.layer, e) + expert_proj(2));
+        for (int64_t e = 0; e < c_.moe.num_experts; ++e) part(expert_prefix(s.layer, e) + expert_proj(2), H_);
         return;
       case shared_fc1:
-        whole(shared + "gate_proj.weight");
-        return whole(shared + "up_proj.weight");
+        part(shared + "gate_proj.weight", Fs);
+        return part(shared + "up_proj.weight", Fs);
       case shared_fc2:
         return whole(shared + "down_proj.weight");
       case shared_gate:
@@ -472,31 +392,45 @@ class HfMapBuilder {
     }
   }
 
+  // Layer l's router, and its expert bias (DeepSeek-V3's e_score_correction_bias: router state, no parameter).
+  void router_runs(int64_t l) {
+    whole(moe_prefix(l) + t_.router_module + "weight");
+    if (t_.expert_bias)
+      declare(moe_prefix(l) + t_.router_module + "e_score_correction_bias", {c_.moe.num_experts}).expert_bias_layer = l;
+  }
+
   // GPT-OSS's router (with its bias) and fused experts: fc1 row j of expert e is gate_up_proj[e][:, 2j] (gate, j < F)
-  // or [:, 2(j - F) + 1] (up); fc2 row h is down_proj[e][:, h]; the fc1 bias interleaves the same way.
+  // or [:, 2(j - F) + 1] (up), of gate_up_proj [E, H, 2F]; fc2 row h is down_proj[e][:, h], of down_proj [E, F, H];
+  // the fc1 bias [E, 2F] interleaves the same way.
   void fused_expert_runs(const ParamSpec& s, const std::string& moe) {
     using enum ParamRole;
-    const int64_t E = c_.moe.num_experts, F = c_.moe_ffn();
+    const int64_t E = c_.moe.num_experts, F = c_.moe_ffn(), H = H_;
     switch (s.role) {
       case router:
-        return whole(moe + t_.router_module + "weight");
+        return router_runs(s.layer);
       case router_bias:
         return whole(moe + t_.router_module + "bias");
       case experts_fc1:
       case experts_fc1_bias: {
-        const std::string hf = moe + (s.role == experts_fc1 ? "experts.gate_up_proj" : "experts.gate_up_proj_bias");
+        const bool w = s.role == experts_fc1;
+        const std::string hf = moe + (w ? "experts.gate_up_proj" : "experts.gate_up_proj_bias");
+        declare(hf, w ? Shape{E, H, 2 * F} : Shape{E, 2 * F});
         for (int64_t e = 0; e < E; ++e) {
           column_run(hf, e, 0, 2, F);
           column_run(hf, e, 1, 2, F);
         }
         return;
       }
-      case experts_fc2:
-        for (int64_t e = 0; e < E; ++e) column_run(moe + "experts.down_proj", e, 0, 1, c_.hidden_size);
+      case experts_fc2: {
+        const std::string hf = declare(moe + "experts.down_proj", {E, F, H}).name;
+        for (int64_t e = 0; e < E; ++e) column_run(hf, e, 0, 1, H);
         return;
-      case experts_fc2_bias:  // a run per expert: an expert-parallel checkpoint holds them in several files
-        for (int64_t e = 0; e < E; ++e) run(moe + "experts.down_proj_bias", e, 1);
+      }
+      case experts_fc2_bias: {  // a run per expert: an expert-parallel checkpoint holds them in several files
+        const std::string hf = declare(moe + "experts.down_proj_bias", {E, H}).name;
+        for (int64_t e = 0; e < E; ++e) run(hf, e, 1);
         return;
+      }
       default:
         MOECORE_FAIL("Hugging Face ", hf_family_name(f_), ": no HF tensor for parameter '", s.name, "'");
     }
@@ -519,7 +453,6 @@ HfWeightMap hf_weight_map(const ModelConfig& cfg, HfFamily family, bool rope_int
   cfg.validate();
   check_family(cfg, family);
   HfMapBuilder b(cfg, family, rope_interleave);
-  b.tensors();
   b.params();
   b.order_sources();
   return b.take();

@@ -60,7 +60,7 @@ struct HfTensorSpec {
 struct HfWeightMap {
   HfFamily family = HfFamily::mixtral;
   std::vector<HfParamMap> params;     // parameter_specs(cfg) order
-  std::vector<HfTensorSpec> tensors;  // every HF tensor of the model, in transformers' module order
+  std::vector<HfTensorSpec> tensors;  // every HF tensor of the model, where a parameter (of params) first names it
   // Parameters of the model that the checkpoint lacks and hf_import leaves at their initial values (Megatron's init):
   // fresh MTP layers (hf_weight_map_without_mtp). Not in `params`.
   std::vector<std::string> initialised;
