@@ -348,6 +348,12 @@ TEST(HfConfig, GptOssTranslatesToMegatronFlags) {
   EXPECT_NE(error_of(c).find("one entry per layer (4)"), std::string::npos) << error_of(c);
   c["layer_types"] = json::array({"full_attention", "full_attention", "full_attention", "full_attention"});
   EXPECT_FALSE(flags_of(c).count("--window-size"));
+  c.erase("layer_types");  // (the default alternates sliding and full layers)
+  for (const json& w : {json(0), json(-4), json(1.5), json("128")}) {
+    c["sliding_window"] = w;
+    EXPECT_NE(error_of(c).find("'sliding_window'"), std::string::npos) << w.dump();
+  }
+  c["sliding_window"] = 128;
   c["quantization_config"] = {{"quant_method", "bitsandbytes"}};
   EXPECT_NE(error_of(c).find("'quantization_config'"), std::string::npos) << error_of(c);
   c["quantization_config"] = nullptr;
