@@ -21,7 +21,9 @@ die() {
   exit 1
 }
 
-say "configuring $B (Release, CUDA sm_90a, no MPI, -march=x86-64-v3)"
+cutlass=$(bash scripts/cuda-build-deps.sh) || die "scripts/cuda-build-deps.sh failed (CUTLASS's headers from PyPI)"
+cfg+=("$cutlass")
+say "configuring $B (Release, CUDA sm_90a with CUTLASS, no MPI, -march=x86-64-v3)"
 mkdir -p $B
 cmake -S . -B $B -G Ninja "${cfg[@]}" >$B/gpu-bundle-configure.log 2>&1 ||
   {
@@ -30,6 +32,8 @@ cmake -S . -B $B -G Ninja "${cfg[@]}" >$B/gpu-bundle-configure.log 2>&1 ||
   }
 grep -q "CUDA backend ON" $B/gpu-bundle-configure.log ||
   die "the CUDA backend is off in $B (see $B/gpu-bundle-configure.log): is nvcc at /usr/local/cuda/bin?"
+grep -q "CUTLASS grouped GEMM (sm_90a) ON" $B/gpu-bundle-configure.log ||
+  die "the CUTLASS grouped GEMM is off in $B (see $B/gpu-bundle-configure.log)"
 
 # The GPU test binaries are the targets whose gtest discovery carries the ctest label "gpu". ctest itself knows a
 # binary's tests and labels only once it is built, so the candidates are read from what CMake wrote at configure time:

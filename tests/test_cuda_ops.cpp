@@ -100,6 +100,49 @@ TEST(CudaOps, GemmGroupedWgradMatchesCpu) {
     }
 }
 
+// The tensor-core path of both grouped GEMMs (Hopper, CUTLASS: kernels/cuda/grouped_gemm_sm90.h) against the CPU. The
+// dims are 16-byte aligned so that it takes them (the two tests above use odd dims: the SIMT kernel); K is not a
+// multiple of the 64-wide K tile and N not of the 128-wide tile. bf16 and f16; both transposes; c of the operands'
+// dtype and f32 (dgrad); beta 0 and 0.5 (1 for wgrad); groups: empty ones, one holding every row, uneven ones, 256.
+TEST(CudaOps, GroupedGemmsOnTensorCoresMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t K = 200, N = 136, M = 72;
+  std::vector<std::vector<int64_t>> groups = {{0, 64, 0, 192}, {300}, {37, 1, 200, 18}, {}};
+  for (int64_t g = 0; g < 256; ++g) groups.back().push_back(static_cast<int64_t>(testing::mix(7000 + g) % 10));
+  uint64_t seed = 450;
+  for (const std::vector<int64_t>& rows : groups) {
+    const auto G = static_cast<int64_t>(rows.size());
+    int64_t R = 0;
+    for (int64_t r : rows) R += r;
+    Both n = counts(rows);
+    for (DType t : {DType::bf16, DType::f16}) {
+      for (bool tb : {true, false})
+        for (DType tout : {t, DType::f32}) {
+          if (tb && tout == DType::f32) continue;  // (fprop writes the operands' dtype)
+          for (float beta : {0.0f, 0.5f}) {
+            SCOPED_TRACE(::testing::Message() << G << " groups, " << dtype_name(t) << " -> " << dtype_name(tout)
+                                              << " tb " << tb << " beta " << beta);
+            Both a = randn({R, K}, "a", ++seed, t), b = randn(tb ? Shape{G, N, K} : Shape{G, K, N}, "b", ++seed, t);
+            Both c = beta == 0.0f ? nans({R, N}, tout) : randn({R, N}, "c", ++seed, tout);
+            const std::string kernel = ops::grouped_gemm_kernel(c.gpu, a.gpu, b.gpu, tb);
+            if (kernel != "tensor cores") GTEST_SKIP() << "the grouped GEMM runs on " << kernel;
+            for (bool g : {false, true}) ops::gemm_grouped(c.on(g), a.on(g), b.on(g), tb, n.on(g), beta, ctx_of(g));
+            expect_near(c, rtol_of(tout), 1e-5 * K);
+          }
+        }
+      for (float beta : {0.0f, 1.0f}) {
+        SCOPED_TRACE(::testing::Message() << "wgrad, " << G << " groups, " << dtype_name(t) << " beta " << beta);
+        Both a = randn({R, M}, "a", ++seed, t), b = randn({R, N}, "b", ++seed, t);
+        Both c = beta == 0.0f ? nans({G, M, N}) : randn({G, M, N}, "c", ++seed);
+        const std::string kernel = ops::grouped_wgrad_kernel(c.gpu, a.gpu, b.gpu);
+        if (kernel != "tensor cores") GTEST_SKIP() << "the grouped wgrad runs on " << kernel;
+        for (bool g : {false, true}) ops::gemm_grouped_wgrad(c.on(g), a.on(g), b.on(g), n.on(g), beta, ctx_of(g));
+        expect_near(c, kRtolF32, 1e-5 * 300);
+      }
+    }
+  }
+}
+
 // ---- elementwise -----------------------------------------------------------------------------------------------
 TEST(CudaOps, ElementwiseMatchCpu) {
   SKIP_WITHOUT_GPU();

@@ -27,6 +27,10 @@ bool cuda_kernels_built();
 // Why the libraries the CUDA kernels load at run time (cuBLAS, dlopen'ed) are unusable, naming each and where it was
 // looked for; empty when they load. Without the CUDA kernels: says so.
 std::string cuda_libraries_unavailable_reason();
+// The kernel that gemm_grouped (gemm_grouped_wgrad) runs for these operands on a cuda context of this device: "tensor
+// cores" (Hopper: CUTLASS's grouped GEMM) or "SIMT: <why not the tensor cores>". Benchmarks and the GPU tests name it.
+std::string grouped_gemm_kernel(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_b);
+std::string grouped_wgrad_kernel(const Tensor& c, const Tensor& a, const Tensor& b);
 
 // Execution context: where and how an op runs. Passed last to every op.
 struct Context {

@@ -18,4 +18,26 @@ std::string cuda_libraries_unavailable_reason() {
 #endif
 }
 
+namespace {
+[[maybe_unused]] std::string kernel_of(const std::string& simt_reason) {
+  return simt_reason.empty() ? "tensor cores" : "SIMT: " + simt_reason;
+}
+}  // namespace
+
+std::string grouped_gemm_kernel(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_b) {
+#ifdef MOECORE_HAVE_CUDA_KERNELS
+  return kernel_of(cuda::grouped_gemm_simt_reason(c, a, b, trans_b));
+#else
+  return "SIMT: this build has no CUDA kernels";
+#endif
+}
+
+std::string grouped_wgrad_kernel(const Tensor& c, const Tensor& a, const Tensor& b) {
+#ifdef MOECORE_HAVE_CUDA_KERNELS
+  return kernel_of(cuda::grouped_wgrad_simt_reason(c, a, b));
+#else
+  return "SIMT: this build has no CUDA kernels";
+#endif
+}
+
 }  // namespace moecore::ops

@@ -4,20 +4,22 @@
 // leading dimension is the tensor's row stride. cuBLAS multiplies f32, bf16 or f16 (CUDA_R_16F) operands into c of
 // their own dtype or f32, and has no mixed product such as f32 x f32 -> bf16 or bf16 x bf16 -> f16, so such a c is
 // computed in an f32 workspace and rounded once (as the CPU backend does).
-// gemm_grouped / gemm_grouped_wgrad: the first step, a tiled SIMT grouped GEMM of moecore's own (64 x 64 tiles,
-// f32 FMA accumulation, bf16 and f16 widened on load) that reads group_rows on the device: a one-thread plan kernel
-// turns the counts into row offsets and tile prefix sums, and each CTA finds its group by binary search in those.
-// No host read, no per-group launch. It runs on CUDA cores, far below the tensor-core peak; the next step is a
-// CUTLASS grouped GEMM (Hopper WGMMA) behind the same plan.
+// gemm_grouped / gemm_grouped_wgrad: on Hopper, bf16 and f16 go to CUTLASS's tensor-core grouped GEMM
+// (grouped_gemm_sm90.h); everything else (f32, other architectures, unaligned strides, a build without CUTLASS) runs a
+// tiled SIMT grouped GEMM of moecore's own (64 x 64 tiles, f32 FMA accumulation, bf16 and f16 widened on load) that
+// reads group_rows on the device: a one-thread plan kernel turns the counts into row offsets and tile prefix sums,
+// and each CTA finds its group by binary search in those. No host read, no per-group launch on either path.
 #include <cublas_v2.h>
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <string>
 
 #include "moecore/kernels/cuda/cuda_util.cuh"
+#include "moecore/kernels/cuda/grouped_gemm_sm90.h"
 
 namespace moecore::ops::cuda {
 namespace {
@@ -313,11 +315,38 @@ void gemm_batched(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, boo
   run_gemm(l, c, a, trans_a, b, trans_b, alpha, beta, c.size(0));
 }
 
+namespace {
+// Once per process, when a 16-bit grouped GEMM first falls back for want of the tensor-core path (not for f32 or a
+// stride it cannot take: those are the caller's choice), a one-line notice says why.
+void note_simt_grouped_gemm(const Tensor& a) {
+  if (a.dtype() == DType::f32) return;
+  static const bool once = [] {
+    if (const std::string why = sm90_grouped_unavailable_reason(); !why.empty())
+      std::fprintf(stderr, "moecore: note: the experts' grouped GEMMs run on CUDA cores (SIMT), not tensor cores: %s\n",
+                   why.c_str());
+    return true;
+  }();
+  (void)once;
+}
+}  // namespace
+
+std::string grouped_gemm_simt_reason(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_b) {
+  const char* why = sm90_grouped_gemm_declines(c, a, b, trans_b);
+  return why ? why : "";
+}
+
+std::string grouped_wgrad_simt_reason(const Tensor& c, const Tensor& a, const Tensor& b) {
+  const char* why = sm90_grouped_wgrad_declines(c, a, b);
+  return why ? why : "";
+}
+
 void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, const Tensor& group_rows, float beta,
                   const Context& ctx) {
   const Launch l("gemm_grouped", ctx, {{"c", &c}, {"a", &a}, {"b", &b}, {"group_rows", &group_rows}});
   const int64_t R = a.size(0), K = a.size(1), G = b.size(0), N = trans_b ? b.size(1) : b.size(2);
   if (R == 0 || N == 0 || G == 0) return;
+  if (K > 0 && sm90_grouped_gemm(l, c, a, b, trans_b, Launch::ptr<const int64_t>(group_rows), G, beta)) return;
+  note_simt_grouped_gemm(a);
   WorkspaceCarver w;
   w.reserve<int64_t>(2 * (G + 1));
   w.allocate(l);
@@ -345,6 +374,8 @@ void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tenso
   const Launch l("gemm_grouped_wgrad", ctx, {{"c", &c}, {"a", &a}, {"b", &b}, {"group_rows", &group_rows}});
   const int64_t R = a.size(0), M = a.size(1), N = b.size(1), G = c.size(0);
   if (M == 0 || N == 0 || G == 0) return;
+  if (R > 0 && sm90_grouped_wgrad(l, c, a, b, Launch::ptr<const int64_t>(group_rows), G, beta)) return;
+  note_simt_grouped_gemm(a);
   WorkspaceCarver w;
   w.reserve<int64_t>(2 * (G + 1));
   w.allocate(l);
