@@ -10,7 +10,11 @@ cd "$(dirname "$0")/.."
 venv=build/cuda-venv
 cutlass_req="nvidia-cutlass==4.2.0.0"
 include() { "$venv/bin/python3" -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))' 2>/dev/null; }
-have() { [ -x "$venv/bin/python3" ] && "$venv/bin/python3" -m pip show nvidia-cutlass 2>/dev/null | grep -qx "Version: ${cutlass_req#*==}"; }
+have() {  # (pip's output read whole: grep -q closing the pipe early would fail the pipeline under pipefail)
+  local shown
+  [ -x "$venv/bin/python3" ] && shown=$("$venv/bin/python3" -m pip show nvidia-cutlass 2>/dev/null) &&
+    grep -qx "Version: ${cutlass_req#*==}" <<<"$shown"
+}
 if ! have; then
   echo "cuda-build-deps: installing $cutlass_req from PyPI into $venv" >&2
   rm -rf "$venv"
