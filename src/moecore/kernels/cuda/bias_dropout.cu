@@ -33,7 +33,7 @@ struct Segments {
 Segments make_segments(const Launch& l, const Tensor* group_rows, int64_t R, size_t extra_bytes, void** extra) {
   WorkspaceCarver w;
   const int64_t G = group_rows ? group_rows->numel() : 1;
-  if (group_rows) w.reserve<int64_t>(2 * (G + 1));
+  if (group_rows) w.reserve<int64_t>(G + 1, 2);
   w.reserve_bytes(extra_bytes);
   w.allocate(l);
   Segments s;

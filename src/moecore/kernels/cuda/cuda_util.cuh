@@ -60,24 +60,26 @@ class Launch {
   int nargs_ = 0;
 };
 
-// Carves typed, 256-byte aligned pieces out of one workspace request: count the sizes first (reserve), then take.
+// Carves typed, 256-byte aligned pieces out of one workspace request: count the pieces first (reserve: `pieces` pieces
+// of n elements each, one per take below), then take them. Each piece is aligned on its own, so a reserve of 2n
+// elements is not two takes of n; taking more than was reserved raises (an internal error, before any kernel writes).
 class WorkspaceCarver {
  public:
   template <class T>
-  void reserve(int64_t n) {
-    bytes_ += align(static_cast<size_t>(n) * sizeof(T));
+  void reserve(int64_t n, int pieces = 1) {
+    bytes_ += static_cast<size_t>(pieces) * align(static_cast<size_t>(n) * sizeof(T));
   }
   void reserve_bytes(size_t b) { bytes_ += align(b); }
   void allocate(const Launch& l) { base_ = static_cast<char*>(l.workspace(bytes_ ? bytes_ : 256)); }
   template <class T>
   T* take(int64_t n) {
-    T* p = reinterpret_cast<T*>(base_ + used_);
-    used_ += align(static_cast<size_t>(n) * sizeof(T));
-    return p;
+    return static_cast<T*>(take_bytes(static_cast<size_t>(n) * sizeof(T)));
   }
   void* take_bytes(size_t b) {
     void* p = base_ + used_;
     used_ += align(b);
+    MOECORE_CHECK(used_ <= (bytes_ ? bytes_ : 256), "workspace carver: took ", used_, " bytes of the ", bytes_,
+                  " reserved (each take needs its own reserve)");
     return p;
   }
 

@@ -213,7 +213,7 @@ void scatter_add_rows(const Launch& l, Tensor& dtable, const Tensor& ids, const 
                                           static_cast<int32_t*>(nullptr), N, 0, 32, l.stream()),
           "cub::DeviceRadixSort::SortPairs (size query)");
   WorkspaceCarver w;
-  w.reserve<int32_t>((shard ? 4 : 3) * N);
+  w.reserve<int32_t>(N, shard ? 4 : 3);
   w.reserve_bytes(sort_bytes);
   w.allocate(l);
   int32_t* tokens = w.take<int32_t>(N);

@@ -348,7 +348,7 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
   if (K > 0 && sm90_grouped_gemm(l, c, a, b, trans_b, Launch::ptr<const int64_t>(group_rows), G, beta)) return;
   note_simt_grouped_gemm(a);
   WorkspaceCarver w;
-  w.reserve<int64_t>(2 * (G + 1));
+  w.reserve<int64_t>(G + 1, 2);
   w.allocate(l);
   int64_t* offsets = w.take<int64_t>(G + 1);
   int64_t* tiles = w.take<int64_t>(G + 1);
@@ -377,7 +377,7 @@ void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tenso
   if (R > 0 && sm90_grouped_wgrad(l, c, a, b, Launch::ptr<const int64_t>(group_rows), G, beta)) return;
   note_simt_grouped_gemm(a);
   WorkspaceCarver w;
-  w.reserve<int64_t>(2 * (G + 1));
+  w.reserve<int64_t>(G + 1, 2);
   w.allocate(l);
   int64_t* offsets = w.take<int64_t>(G + 1);
   int64_t* tiles = w.take<int64_t>(G + 1);

@@ -176,9 +176,9 @@ void run_grouped(const Launch& l, const Operands<Cfg>& op, const int64_t* group_
   args.epilogue.thread.beta = beta;
   const size_t cutlass_bytes = Gemm::get_workspace_size(args);
   WorkspaceCarver w;
-  w.reserve<int64_t>(2 * (G + 1));
+  w.reserve<int64_t>(G + 1, 2);
   w.reserve<GroupShape>(G);
-  w.reserve<const void*>(4 * G);
+  w.reserve<const void*>(G, 4);
   w.reserve<typename Cfg::StrideA>(G);
   w.reserve<typename Cfg::StrideB>(G);
   w.reserve<typename Cfg::StrideC>(G);

@@ -311,7 +311,7 @@ void moe_sort_chunks(Tensor& out, const Tensor& in, const Tensor& chunk_counts, 
   const int64_t max_rows = out.size(0) < in.size(0) ? out.size(0) : in.size(0);
   if (row_bytes == 0 || max_rows == 0) return;
   WorkspaceCarver w;
-  w.reserve<int64_t>(2 * (C + 1));
+  w.reserve<int64_t>(C + 1, 2);
   w.allocate(l);
   int64_t* src_start = w.take<int64_t>(C + 1);
   int64_t* dst_start = w.take<int64_t>(C + 1);
@@ -350,7 +350,7 @@ namespace {
 const int64_t* group_offsets(const Launch& l, const Tensor& group_rows, int64_t M) {
   const int64_t G = group_rows.numel();
   WorkspaceCarver w;
-  w.reserve<int64_t>(2 * (G + 1));
+  w.reserve<int64_t>(G + 1, 2);
   w.allocate(l);
   int64_t* offsets = w.take<int64_t>(G + 1);
   int64_t* tiles = w.take<int64_t>(G + 1);

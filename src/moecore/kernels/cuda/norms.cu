@@ -138,7 +138,7 @@ void norm_param_grads(const Launch& l, float* dw, float* db, const TD* dy, const
                       const float* rstd, int64_t N, int64_t H) {
   const RowChunks chunks(N);
   WorkspaceCarver w;
-  w.reserve<float>(chunks.count * H * (Layer ? 2 : 1));
+  w.reserve<float>(chunks.count * H, Layer ? 2 : 1);
   w.allocate(l);
   float* partial_w = w.take<float>(chunks.count * H);
   float* partial_b = Layer ? w.take<float>(chunks.count * H) : nullptr;

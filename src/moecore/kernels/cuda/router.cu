@@ -581,8 +581,8 @@ void router_capacity(Tensor& probs, Tensor& map, Tensor& topk_kept, Tensor& drop
                                           static_cast<int32_t*>(nullptr), static_cast<int>(n), 0, col_bits, l.stream()),
           "cub::DeviceRadixSort::SortPairs (size query)");
       WorkspaceCarver w;
-      w.reserve<R>(2 * n);
-      w.reserve<int32_t>(4 * n);
+      w.reserve<R>(n, 2);
+      w.reserve<int32_t>(n, 4);
       w.reserve<uint8_t>(n);
       w.reserve_bytes(b1 > b2 ? b1 : b2);
       w.allocate(l);
