@@ -136,11 +136,13 @@ void RecomputePlan::fill_cache(size_t l, LayerCache& c, const LayerShared& sh, c
 
 std::vector<const Tensor*> RecomputePlan::dropped(const nn::DenseLayerCache& c, size_t l) const {
   const Refill r = refill(l);
-  std::vector<const Tensor*> d;
+  std::vector<const Tensor*> d;  // (push_back each: GCC 12's -Wstringop-overflow misfires on insert of a list here)
   if (r.norms) d.push_back(&c.h1);
   if (r.norms || r.mlp) d.push_back(&c.h2);
-  if (r.attention) d.insert(d.end(), {&c.attn, &c.lse});
-  if (r.mlp) d.insert(d.end(), {&c.fc1, &c.act});
+  for (const Tensor* t : {&c.attn, &c.lse})
+    if (r.attention) d.push_back(t);
+  for (const Tensor* t : {&c.fc1, &c.act})
+    if (r.mlp) d.push_back(t);
   return d;
 }
 
