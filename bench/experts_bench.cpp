@@ -135,8 +135,9 @@ std::vector<std::string> bench_experts_device_lines(int64_t N, int64_t H, int64_
       .add("rows_min", *mn)
       .add("rows_max", *mx)
       .add("fwd_ms", t.stage_ms[0])
-      .add("bwd_ms", t.stage_ms[1])
-      .add("grouped_gemm_fc1", ops::grouped_gemm_kernel(s.cache.h, s.x, s.w.fc1, true));
+      .add("bwd_ms", t.stage_ms[1]);
+  if (run.device == Device::cuda)  // (which CUDA kernel; sim runs the CPU kernels)
+    line.add("grouped_gemm_fc1", ops::grouped_gemm_kernel(s.cache.h, s.x, s.w.fc1, true));
   return {add_device_speed(line, run, peaks, t.total_ms, experts_flops(s, R), s.bytes()).str()};
 }
 

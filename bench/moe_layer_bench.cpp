@@ -116,6 +116,9 @@ std::vector<std::string> bench_moe_layer_device(int64_t N, int64_t H, int64_t F,
   for (int pass = 0; pass < 2; ++pass) {
     JsonLine line = moe_line_head(pass ? "moe_layer_fwd_bwd" : "moe_layer_fwd", dtype, N, H, F, E, K);
     line.add("fwd_ms", t.stage_ms[0]).add("bwd_ms", t.stage_ms[1]).add("layer_buffer_bytes", s.cache_bytes);
+    if (run.device == Device::cuda)  // (which CUDA kernel; sim runs the CPU kernels)
+      line.add("grouped_gemm_fc1",
+               ops::grouped_gemm_kernel(s.cache.experts.h, s.cache.dispatch.permuted_x, s.w.experts.fc1, true));
     add_device_speed(line, run, peaks, pass ? t.total_ms : t.stage_ms[0], (pass ? 3 : 1) * s.forward_flops(),
                      pass ? fwd_bytes + bwd_bytes : fwd_bytes);
     out.push_back(line.str());
