@@ -19,14 +19,15 @@ std::string cuda_libraries_unavailable_reason() {
 }
 
 namespace {
-[[maybe_unused]] std::string kernel_of(const std::string& simt_reason) {
-  return simt_reason.empty() ? "tensor cores" : "SIMT: " + simt_reason;
+// "tensor cores" when the sm90 path takes the operands (why == null), else "SIMT: why".
+[[maybe_unused]] std::string kernel_of(const char* why) {
+  return why ? std::string("SIMT: ") + why : "tensor cores";
 }
 }  // namespace
 
 std::string grouped_gemm_kernel(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_b) {
 #ifdef MOECORE_HAVE_CUDA_KERNELS
-  return kernel_of(cuda::grouped_gemm_simt_reason(c, a, b, trans_b));
+  return kernel_of(cuda::sm90_grouped_gemm_declines(c, a, b, trans_b));
 #else
   return "SIMT: this build has no CUDA kernels";
 #endif
@@ -34,7 +35,7 @@ std::string grouped_gemm_kernel(const Tensor& c, const Tensor& a, const Tensor& 
 
 std::string grouped_wgrad_kernel(const Tensor& c, const Tensor& a, const Tensor& b) {
 #ifdef MOECORE_HAVE_CUDA_KERNELS
-  return kernel_of(cuda::grouped_wgrad_simt_reason(c, a, b));
+  return kernel_of(cuda::sm90_grouped_wgrad_declines(c, a, b));
 #else
   return "SIMT: this build has no CUDA kernels";
 #endif

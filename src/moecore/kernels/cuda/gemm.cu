@@ -330,16 +330,6 @@ void note_simt_grouped_gemm(const Tensor& a) {
 }
 }  // namespace
 
-std::string grouped_gemm_simt_reason(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_b) {
-  const char* why = sm90_grouped_gemm_declines(c, a, b, trans_b);
-  return why ? why : "";
-}
-
-std::string grouped_wgrad_simt_reason(const Tensor& c, const Tensor& a, const Tensor& b) {
-  const char* why = sm90_grouped_wgrad_declines(c, a, b);
-  return why ? why : "";
-}
-
 void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, const Tensor& group_rows, float beta,
                   const Context& ctx) {
   const Launch l("gemm_grouped", ctx, {{"c", &c}, {"a", &a}, {"b", &b}, {"group_rows", &group_rows}});

@@ -21,9 +21,7 @@ bool sm90_grouped_gemm(const Launch& l, Tensor& c, const Tensor& a, const Tensor
 // gemm_grouped_wgrad on tensor cores: c[g] = a[seg_g]^T @ b[seg_g] + beta * c[g], c f32.
 bool sm90_grouped_wgrad(const Launch& l, Tensor& c, const Tensor& a, const Tensor& b, const int64_t* group_rows,
                         int64_t G, float beta);
-// Why the tensor-core path declines these operands on this device (a fixed text), or null when it takes them.
-const char* sm90_grouped_gemm_declines(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_b);
-const char* sm90_grouped_wgrad_declines(const Tensor& c, const Tensor& a, const Tensor& b);
+// (Why it declines given operands: sm90_grouped_gemm_declines / sm90_grouped_wgrad_declines, ops_cuda.h.)
 // Why the tensor-core path does not run here ("" when it does): not built, or the device is not compute capability
 // 9.0. Printed once, as a notice, by the first grouped GEMM that falls back for this reason.
 std::string sm90_grouped_unavailable_reason();

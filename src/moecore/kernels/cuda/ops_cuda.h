@@ -35,10 +35,10 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
                   const Context& ctx);
 void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tensor& group_rows, float beta,
                         const Context& ctx);
-// Which kernel these grouped GEMMs run for the given operands on this device: "" for the tensor cores (Hopper,
-// CUTLASS: grouped_gemm_sm90.h), else why the SIMT kernel runs instead. Benchmarks and the GPU tests name the path.
-std::string grouped_gemm_simt_reason(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_b);
-std::string grouped_wgrad_simt_reason(const Tensor& c, const Tensor& a, const Tensor& b);
+// Why the grouped GEMMs' tensor-core path (Hopper, CUTLASS: grouped_gemm_sm90.cu) declines these operands on this
+// device, a fixed text, or null when it takes them (then the SIMT kernel does not run).
+const char* sm90_grouped_gemm_declines(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_b);
+const char* sm90_grouped_wgrad_declines(const Tensor& c, const Tensor& a, const Tensor& b);
 
 // Elementwise, layout, rotary embeddings and the optimizer (elementwise.cu).
 void add(Tensor& out, const Tensor& a, const Tensor& b, const Context& ctx);
