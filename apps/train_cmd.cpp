@@ -534,7 +534,7 @@ model::MemoryPlan run_memory_plan(const RunFlags& r, const RunGroups& g, const t
   const train::Schedule schedule =
       train::step_schedule(tcfg, g.groups.dp.size(), g.groups.pp.size(), g.groups.pp.rank(), chunks);
   model::MemoryPlan plan = model::GptModel::plan_memory(r.mcfg, tcfg.micro_batch_size, g.par, schedule.in_flight,
-                                                        optim::AdamW::state_bytes_per_param(r.ocfg));
+                                                        train::optimizer_state_bytes(tcfg, r.ocfg));
   int64_t& state_bytes = plan.bytes[static_cast<int>(MemCategory::optimizer_state)];
   state_bytes = (state_bytes + state_shards - 1) / state_shards;  // the distributed optimizer's shard
   if (r.device != Device::cuda)
@@ -651,7 +651,9 @@ int train_main(int argc, char** argv) {
   check_model_fits(r.mcfg, g.par, r.ocfg.state_dtype, state_shards, limit);
   const model::MemoryPlan plan = run_memory_plan(r, g, tcfg, state_shards, limit);
   model::GptModel gpt(r.mcfg, tcfg.micro_batch_size, tcfg.seed, g.par, r.device);
-  optim::AdamW opt(gpt.params(), r.ocfg, /*allocate_state=*/!tcfg.use_distributed_optimizer);
+  // (the distributed optimizer and Muon hold their own state)
+  optim::AdamW opt(gpt.params(), r.ocfg,
+                   /*allocate_state=*/!tcfg.use_distributed_optimizer && tcfg.optimizer == optim::OptimizerKind::adam);
   load_start_weights(gpt, a, r.mcfg, tcfg, hf_mtp_fresh, out);
   tcfg.peak_gflops = train::gemm_peak_gflops(r.mcfg.compute_dtype, r.device);
   print_run_header(out, r, gpt, tcfg, source, plan);

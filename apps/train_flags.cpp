@@ -21,6 +21,7 @@ namespace moecore::apps {
 namespace {
 
 using optim::AdamWConfig;
+using optim::MuonConfig;
 using train::TrainConfig;
 
 enum class Kind : uint8_t { value, flag, list };  // list: VALUE...
@@ -78,10 +79,13 @@ std::string format_value(const T& v) {
 struct Configs {
   TrainConfig* t = nullptr;
   AdamWConfig* o = nullptr;
+  MuonConfig* m = nullptr;  // (t->muon when t is given)
   template <class C>
   C* of() const {
     if constexpr (std::is_same_v<C, TrainConfig>)
       return t;
+    else if constexpr (std::is_same_v<C, MuonConfig>)
+      return m;
     else
       return o;
   }
@@ -216,6 +220,29 @@ void deterministic_mode(const Args& a, const char* f, TrainConfig&) {
                  "continue (Megatron's check; drop --cross-entropy-loss-fusion)");
 }
 
+// --optimizer: adam and muon (Megatron's emerging-optimizer rules: dist_muon is muon with the layer-wise distributed
+// optimizer, which is refused with --use-distributed-optimizer by TrainConfig::validate); Megatron's others are
+// refused.
+void optimizer_choice(const Args& a, const char* f, TrainConfig& t) {
+  const std::string v = a.str(f);
+  if (v == "adam" || v == "muon" || v == "dist_muon") {
+    t.optimizer = v == "adam" ? optim::OptimizerKind::adam : optim::OptimizerKind::muon;
+    if (v == "dist_muon") {
+      std::fprintf(stderr,
+                   "warning: --optimizer dist_muon is deprecated (Megatron): it is --optimizer muon with "
+                   "--use-distributed-optimizer\n");
+      t.use_distributed_optimizer = true;
+    }
+  } else {
+    MOECORE_FAIL(f, " ", v, " is not supported yet: use adam (AdamW) or muon");
+  }
+  if (t.optimizer != optim::OptimizerKind::muon)
+    for (const char* m : {"--muon-momentum", "--muon-nesterov", "--muon-no-split-qkv", "--muon-num-ns-steps",
+                          "--muon-coefficient-type", "--muon-scale-mode", "--muon-extra-scale-factor", "--muon-tp-mode",
+                          "--muon-fp32-matmul-prec", "--muon-scalar-optimizer"})
+      if (a.given(m)) MOECORE_FAIL(m, " sets the Muon optimizer, but --optimizer is ", v, ": add --optimizer muon");
+}
+
 // Megatron's get_megatron_optimizer: --loss-scale is the constant scaler (with --fp16 or --bf16), --fp16 without it the
 // dynamic one, whose validate_args also switches the NaN check off (overflows are the dynamic scaler's signal). The
 // dynamic scaler's settings apply only to it: given another value without it they are refused (Megatron ignores them).
@@ -257,6 +284,7 @@ void loss_scaling(const Args& a, const char* f, TrainConfig& t) {
 
 using D = FlagDomain;
 using T = TrainConfig;
+using M = MuonConfig;
 using O = AdamWConfig;
 constexpr Kind V = Kind::value, S = Kind::flag;
 const Field kNone{};
@@ -306,8 +334,31 @@ const TrainFlag kTrainFlags[] = {
   {"--adam-eps", V, value<&O::eps>(), nullptr, "AdamW epsilon", D::positive_number()},
   {"--clip-grad", V, value<&O::clip_grad>(), nullptr, "global gradient-norm clip (0: off)", D::number(0.0)},
   {"--optimizer", V, kNone, "adam",
-   "adam (AdamW, Megatron's adam); Megatron's others (sgd, muon, ...) are not supported yet",
-   D::one_of({"adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"})},  // (Megatron's choices)
+   "adam (AdamW, Megatron's adam) | muon (Muon for the weight matrices, AdamW for the rest) | dist_muon (deprecated: "
+   "muon with --use-distributed-optimizer); Megatron's others (sgd, lion, ...) are not supported yet",
+   D::one_of({"adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"}),  // (Megatron's choices)
+   optimizer_choice},
+  {"--muon-momentum", V, value<&M::momentum>(), nullptr, "Muon's momentum (an EMA of the gradients)", D::fraction()},
+  {"--muon-nesterov", S, on<&M::nesterov>(), nullptr, "Muon orthogonalises the Nesterov look-ahead of the momentum"},
+  {"--muon-no-split-qkv", S, off<&M::split_qkv>(), nullptr,
+   "orthogonalise the fused QKV weight whole (default: its Q, K and V rows apart)"},
+  {"--muon-num-ns-steps", V, value<&M::num_ns_steps>(), nullptr, "Newton-Schulz iterations per update",
+   D::integer(1, 1000)},
+  {"--muon-coefficient-type", V, value<&M::coefficient_type>(), nullptr,
+   "the Newton-Schulz coefficients: quintic | simple | polar_express | cans | aol | deepseekv4"},
+  {"--muon-scale-mode", V, value<&M::scale_mode>(), nullptr,
+   "the update's shape scale: spectral sqrt(max(rows, cols)) | unit_rms_norm sqrt(rows/cols) | shape_scaling "
+   "sqrt(max(1, rows/cols))"},
+  {"--muon-extra-scale-factor", V, value<&M::extra_scale_factor>(), nullptr,
+   "a further factor on Muon's update (0.2 matches AdamW's update size)"},
+  {"--muon-tp-mode", V, value<&M::tp_mode>(), nullptr,
+   "a tensor-parallel matrix: duplicated (gathered whole on every rank) | distributed (the shards orthogonalised "
+   "together) | blockwise (each shard alone)"},
+  {"--muon-fp32-matmul-prec", V, value<&M::fp32_matmul_prec>(), nullptr,
+   "the orthogonalisation's products: medium (bf16, Megatron's default) | high (f32) | low (PyTorch ignores it: f32)"},
+  {"--muon-scalar-optimizer", V, value<&M::scalar_optimizer>(), nullptr,
+   "the optimizer of the parameters Muon leaves (embeddings, output layer, norms, biases): adam (lion is not "
+   "supported yet)"},
   {"--use-precision-aware-optimizer", S, kNone, "", "allow reduced-precision optimizer states (--exp-avg-dtype)"},
   {"--exp-avg-dtype", V, kNone, "fp32", "fp32 | bf16 (with --use-precision-aware-optimizer)",
    D::one_of({"fp32", "bf16"})},
@@ -515,7 +566,7 @@ std::string default_text(const TrainFlag& f) {
   if (f.field.kind != FieldKind::value) return "";  // unset, or a switch
   TrainConfig t;
   AdamWConfig o;
-  return f.field.show(Configs{&t, &o});
+  return f.field.show(Configs{&t, &o, &t.muon});
 }
 
 void read_fields(const Args& a, const Configs& c) {
@@ -551,7 +602,7 @@ void add_training_flags(Args& a) {
 
 train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
   TrainConfig t;
-  read_fields(a, Configs{&t, nullptr});
+  read_fields(a, Configs{&t, nullptr, &t.muon});
   // The two defaults that depend on the data-parallel size.
   t.global_batch_size = a.i64_or("--global-batch-size", t.micro_batch_size * dp_size);
   t.ddp_bucket_size = a.i64_or("--ddp-bucket-size", std::max<int64_t>(40'000'000, 1'000'000 * dp_size));
@@ -564,10 +615,6 @@ train::TrainConfig train_config_from(const Args& a, int64_t dp_size) {
 optim::AdamWConfig optimizer_config_from(const Args& a) {
   AdamWConfig o;
   read_fields(a, Configs{nullptr, &o});
-  const std::string name = a.str("--optimizer");
-  if (name.find("muon") != std::string::npos)
-    MOECORE_FAIL("--optimizer ", name, " is not supported yet: the Muon optimizer; use --optimizer adam");
-  if (name != "adam") MOECORE_FAIL("--optimizer ", name, " is not supported yet: use --optimizer adam (AdamW)");
   const DType m = state_dtype(a, "--exp-avg-dtype"), v = state_dtype(a, "--exp-avg-sq-dtype");
   if (m != v) MOECORE_FAIL("--exp-avg-dtype and --exp-avg-sq-dtype must be equal");
   o.state_dtype = m;
@@ -580,7 +627,7 @@ std::vector<TrainFlagField> train_flag_fields(const train::TrainConfig& t, const
   TrainConfig tc = t;
   AdamWConfig oc = o;
   for (const TrainFlag& f : kTrainFlags)
-    if (f.field.show) out.push_back({f.name, f.field.show(Configs{&tc, &oc}), f.rule != nullptr});
+    if (f.field.show) out.push_back({f.name, f.field.show(Configs{&tc, &oc, &tc.muon}), f.rule != nullptr});
   return out;
 }
 

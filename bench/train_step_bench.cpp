@@ -27,7 +27,7 @@ struct TrainStepSetup {
   TrainStepSetup(const model::ModelConfig& cfg, int64_t micro_batch, Device device)
       : gpt(cfg, micro_batch, 1234, {}, device),
         opt(gpt.params(), optim::AdamWConfig{}),
-        plan(gpt.memory_plan(opt.state_bytes_per_param())),
+        plan(gpt.memory_plan([&](const Param&) { return opt.state_bytes_per_param(); })),
         N(micro_batch * cfg.seq_length) {
     std::fprintf(stderr, "train-step: %s, micro-batch %lld, %lld parameters%s%s\n%s", cfg.summary().c_str(),
                  static_cast<long long>(micro_batch), static_cast<long long>(gpt.num_parameters()),
@@ -107,7 +107,9 @@ JsonLine async_save_line(TrainStepSetup& s, const model::ModelConfig& cfg, int64
   for (int c = 0; c < kCycles; ++c) {
     for (int i = 0; i < steps; ++i) timed_step(without);
     double t0 = now_seconds();
-    saver.save(dir.string(), s.gpt, s.opt, {c + 1, c + 1}, 1234, 1, nullptr, {});
+    saver.save(dir.string(), s.gpt,
+               train::OptimizerState::adam(s.opt.exp_avg(), s.opt.exp_avg_sq(), s.opt.steps_taken()), {c + 1, c + 1},
+               1234, 1, nullptr, {});
     snapshot.push_back(now_seconds() - t0);
     bytes = saver.snapshot_bytes();
     for (size_t n = 0; saver.in_flight() && n < kMaxSteps; ++n) {

@@ -444,6 +444,37 @@ TEST(CudaOps, AdamWMatchesCpu) {
   }
 }
 
+// Muon's momentum and update kernels (common/muon.h's arithmetic) and the Newton-Schulz orthogonalisation (cuBLAS's
+// batched GEMMs in f32 and bf16, the norms, the casts) against the CPU, a batch of tall matrices (the transposed
+// orientation) and one wide.
+TEST(CudaOps, MuonMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  ops::MuonMomentumParams p;
+  p.beta = 0.9f;
+  p.grad_scale = 0.7f;
+  for (bool nesterov : {false, true}) {
+    p.nesterov = nesterov;
+    Both u = randn({777}, "u", 1700), m = randn({777}, "m", 1701), g = randn({777}, "g", 1702);
+    for (bool d : {false, true}) ops::muon_momentum(u.on(d), m.on(d), g.on(d), p, ctx_of(d));
+    expect_near(m, 1e-6, 1e-7);
+    expect_near(u, 1e-6, 1e-7);
+  }
+  Both w = randn({777}, "w", 1703), o = randn({777}, "o", 1704);
+  for (bool d : {false, true}) ops::muon_update(w.on(d), o.on(d), 0.02f, 0.1f, ctx_of(d));
+  expect_near(w, 1e-6, 1e-7);
+  for (bool bf16 : {false, true}) {
+    ops::NewtonSchulz ns;
+    ns.bf16 = bf16;
+    Both tall = randn({3, 48, 20}, "ns.tall", 1705), wide = randn({20, 64}, "ns.wide", 1706);
+    for (bool d : {false, true}) {
+      ops::newton_schulz(tall.on(d), ns, {}, ctx_of(d));
+      ops::newton_schulz(wide.on(d), ns, {}, ctx_of(d));
+    }
+    expect_near(tall, 0.0, bf16 ? 3e-2 : 1e-5);
+    expect_near(wide, 0.0, bf16 ? 3e-2 : 1e-5);
+  }
+}
+
 // An f16 GEMM output beyond 65504 is ±inf on both backends (cuBLAS's f16 store must not saturate: loss scaling
 // watches for the overflow), from f16 and from f32 operands, and flag_nonfinite sees it.
 TEST(CudaOps, GemmF16OutputOverflowsToInfLikeCpu) {

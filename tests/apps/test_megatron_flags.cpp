@@ -125,8 +125,8 @@ TEST(MegatronFlags, RefusedFlagsNameWhatIsMissing) {
     EXPECT_EQ(r.output.find("unknown flag"), std::string::npos) << r.output;
   }
   // Values of implemented flags that name a feature moecore lacks.
-  for (const auto& [f, what] : {std::pair<std::string, std::string>{"--optimizer muon", "the Muon optimizer"},
-                                {"--optimizer sgd", "use --optimizer adam"},
+  for (const auto& [f, what] : {std::pair<std::string, std::string>{"--optimizer lion", "use adam (AdamW) or muon"},
+                                {"--optimizer sgd", "use adam (AdamW) or muon"},
                                 {"--moe-token-dispatcher-type flex", "Megatron's flex dispatcher"}}) {
     const CmdResult v = run_cmd("train --data-path x --num-experts 2 --tokenizer-type ByteLevel " + f);
     EXPECT_NE(v.output.find(f + " is not supported yet: "), std::string::npos) << v.output;

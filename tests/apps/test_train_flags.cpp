@@ -120,5 +120,55 @@ TEST(TrainFlags, AliasesFillOneField) {
   EXPECT_EQ(apps::train_config_from(parsed({"--async-ckpt-cpu-priority", "40"}), 1).async_ckpt_cpu_priority, 19);
 }
 
+// Muon's flags fill TrainConfig::muon with Megatron's defaults; they need --optimizer muon; dist_muon is muon with the
+// layer-wise distributed optimizer; an unknown coefficient set is refused at start-up.
+TEST(TrainFlags, MuonFlags) {
+  const train::TrainConfig d = apps::train_config_from(parsed({}), 1);
+  EXPECT_EQ(d.optimizer, optim::OptimizerKind::adam);
+  EXPECT_FLOAT_EQ(d.muon.momentum, 0.9f);  // (the command line's; Megatron's OptimizerConfig says 0.95)
+  EXPECT_FALSE(d.muon.nesterov);
+  EXPECT_TRUE(d.muon.split_qkv);
+  EXPECT_EQ(d.muon.num_ns_steps, 5);
+  EXPECT_EQ(d.muon.coefficient_type, ops::NsCoefficients::quintic);
+  EXPECT_EQ(d.muon.scale_mode, optim::MuonScaleMode::spectral);
+  EXPECT_FLOAT_EQ(d.muon.extra_scale_factor, 1.0f);
+  EXPECT_EQ(d.muon.tp_mode, optim::MuonTpMode::duplicated);
+  EXPECT_EQ(d.muon.fp32_matmul_prec, optim::MuonMatmulPrecision::medium);
+  EXPECT_EQ(d.muon.scalar_optimizer, optim::ScalarOptimizer::adam);
+  const train::TrainConfig t = apps::train_config_from(
+      parsed({"--optimizer", "muon", "--muon-momentum", "0.95", "--muon-nesterov", "--muon-no-split-qkv",
+              "--muon-num-ns-steps", "7", "--muon-coefficient-type", "cans", "--muon-scale-mode", "unit_rms_norm",
+              "--muon-extra-scale-factor", "0.2", "--muon-tp-mode", "distributed", "--muon-fp32-matmul-prec", "high"}),
+      1);
+  EXPECT_EQ(t.optimizer, optim::OptimizerKind::muon);
+  EXPECT_FLOAT_EQ(t.muon.momentum, 0.95f);
+  EXPECT_TRUE(t.muon.nesterov);
+  EXPECT_FALSE(t.muon.split_qkv);
+  EXPECT_EQ(t.muon.num_ns_steps, 7);
+  EXPECT_EQ(t.muon.coefficient_type, ops::NsCoefficients::cans);
+  EXPECT_EQ(t.muon.scale_mode, optim::MuonScaleMode::unit_rms_norm);
+  EXPECT_FLOAT_EQ(t.muon.extra_scale_factor, 0.2f);
+  EXPECT_EQ(t.muon.tp_mode, optim::MuonTpMode::distributed);
+  EXPECT_EQ(t.muon.fp32_matmul_prec, optim::MuonMatmulPrecision::high);
+  const auto error = [](std::vector<std::string> words) {
+    return testing::error_of([&] { apps::train_config_from(parsed(words), 1); });
+  };
+  EXPECT_NE(error({"--muon-momentum", "0.5"}).find("--muon-momentum sets the Muon optimizer, but --optimizer is adam"),
+            std::string::npos);
+  const train::TrainConfig dist = apps::train_config_from(parsed({"--optimizer", "dist_muon"}), 1);
+  EXPECT_EQ(dist.optimizer, optim::OptimizerKind::muon);
+  EXPECT_TRUE(dist.use_distributed_optimizer);
+  EXPECT_NE(
+      error({"--optimizer", "muon", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"})
+          .find("--overlap-param-gather with --optimizer muon"),
+      std::string::npos);
+  std::vector<std::string> w = {"train", "--muon-coefficient-type", "custom"};
+  std::vector<char*> argv = {w[0].data(), w[1].data(), w[2].data()};
+  apps::Args a = train_args();
+  testing::expect_error([&] { a.parse(3, argv.data()); }, {"--muon-coefficient-type", "custom", "quintic", "cans"});
+  EXPECT_NE(error({"--optimizer", "muon", "--muon-scalar-optimizer", "lion"}).find("lion is not supported yet"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace moecore

@@ -204,7 +204,8 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   const auto chunks = static_cast<int64_t>(model::check_layout(mc, settled).chunks.size());
   const train::Schedule schedule =
       train::step_schedule(tc, groups.dp.size(), groups.pp.size(), groups.pp.rank(), chunks);
-  EXPECT_EQ(model::GptModel::plan_memory(mc, 2, par, schedule.in_flight, 0).total(), gpt.memory_plan(0).total());
+  EXPECT_EQ(model::GptModel::plan_memory(mc, 2, par, schedule.in_flight, model::GptModel::no_optimizer_state).total(),
+            gpt.memory_plan(model::GptModel::no_optimizer_state).total());
   Result r;
   r.loss = log.train_loss;
   r.grad_norm = log.grad_norm;

@@ -29,6 +29,7 @@
 #include <map>
 
 #include "moecore/core/error.h"
+#include "moecore/optim/muon.h"
 #include "moecore/parallel/process_groups.h"
 #include "moecore/parallel/shards.h"
 #include "moecore/train/checkpointing.h"
@@ -322,6 +323,110 @@ TEST_F(Mpi, BfloatTensorParallelTracksOneProcess) {
   const Result moe_ref = run(world, moe, Layout{0, false}, 5);
   const Result moe_got = run(world, moe, Layout{2, true, P / 2, 1, 2}, 5);
   for (size_t i = 0; i < 5; ++i) EXPECT_LE(rel(moe_got.loss[i], moe_ref.loss[i]), 2e-2) << "MoE, step " << i + 1;
+}
+
+// Muon (--optimizer muon, f32 products) under TP: duplicated gathers each shard's matrix -- QKV per piece, SwiGLU's
+// [gate_r; up_r] halves a row permutation of the whole, to which the orthogonalisation is equivariant -- and keeps its
+// part; distributed sums the norm and every Gram over the group instead; both follow one process, the experts' matrices
+// over ETP 2 too, and so do the replicas of plain data parallelism. blockwise orthogonalises each shard alone, which
+// Megatron defines to depend on the TP size: it differs from one process.
+TEST_F(Mpi, MuonUnderTensorParallelismMatchesOneProcess) {
+  const auto muon = [](optim::MuonTpMode mode) {
+    return TrainTweak([mode](train::TrainConfig& t) {
+      t.optimizer = optim::OptimizerKind::muon;
+      t.muon.tp_mode = mode;
+      t.muon.fp32_matmul_prec = optim::MuonMatmulPrecision::high;
+      t.muon.extra_scale_factor = 0.2f;
+    });
+  };
+  // The largest difference of the final parameters relative to each tensor's largest value.
+  const auto worst = [](const Result& got, const Result& ref) {
+    double w = 0;
+    for (const auto& [name, r] : ref.values) {
+      const Tensor& g = got.values.at(name);
+      double maxref = 1e-30, diff = 0;
+      for (int64_t i = 0; i < r.numel(); ++i) {
+        maxref = std::max(maxref, std::fabs(double(r.data<float>()[i])));
+        diff = std::max(diff, std::fabs(double(g.data<float>()[i]) - r.data<float>()[i]));
+      }
+      w = std::max(w, diff / maxref);
+    }
+    return w;
+  };
+  std::vector<std::pair<model::ModelConfig, Layout>> cases = {{llama_like(), Layout{P, false}},
+                                                              {moe_model(false), Layout{2, true, P / 2, 1, 2}}};
+  if (P == 2) cases.push_back({llama_like(), Layout{1}});  // DP alone
+  for (auto mode : {optim::MuonTpMode::duplicated, optim::MuonTpMode::distributed})
+    for (const auto& [mc, l] : cases) {
+      SCOPED_TRACE(std::string(enum_name(mode)) + ", " + l.name() + (mc.moe.enabled() ? ", MoE" : ""));
+      const Result ref = run(world, mc, Layout{0, false}, 6, "", "", 0, false, false, false, muon(mode));
+      const Result got = run(world, mc, l, 6, "", "", 0, false, false, false, muon(mode));
+      ASSERT_EQ(got.loss.size(), 6u);
+      for (size_t i = 0; i < 6; ++i)
+        EXPECT_LE(rel(got.loss[i], ref.loss[i]), 2e-5)
+            << "step " << i + 1 << ": " << got.loss[i] << " vs " << ref.loss[i];
+      EXPECT_LE(worst(got, ref), 2e-5);
+    }
+  const Result ref =
+      run(world, llama_like(), Layout{0, false}, 3, "", "", 0, false, false, false, muon(optim::MuonTpMode::blockwise));
+  const Result got =
+      run(world, llama_like(), Layout{P, false}, 3, "", "", 0, false, false, false, muon(optim::MuonTpMode::blockwise));
+  EXPECT_GT(worst(got, ref), 1e-3) << "blockwise should orthogonalise each shard alone";
+}
+
+// Distributed Muon (--use-distributed-optimizer with --optimizer muon: Megatron's layer-wise deal) is bitwise the
+// replicated Muon at the same layout -- each owner steps its parameters from the same reduced gradients and broadcasts
+// them -- dense under DP, MoE with TP 2 + SP and the experts over ETP 2 (its owners' TP peers orthogonalising their
+// shards together); each rank holds its owned parameters' state (about 1/DP); a checkpoint it saves holds every
+// parameter's state and resumes at other layouts with the uninterrupted run's losses.
+TEST_F(Mpi, DistributedMuonIsBitwiseReplicatedMuon) {
+  const auto muon = [](bool distributed) {
+    return TrainTweak([distributed](train::TrainConfig& t) {
+      t.optimizer = optim::OptimizerKind::muon;
+      t.muon.extra_scale_factor = 0.2f;
+      t.use_distributed_optimizer = distributed;
+    });
+  };
+  const std::pair<model::ModelConfig, Layout> cases[] = {{llama_like(), Layout{1}},
+                                                         {moe_model(false), Layout{2, true, P / 2, 1, 2}}};
+  for (const auto& [mc, l] : cases) {
+    SCOPED_TRACE(l.name() + (mc.moe.enabled() ? ", MoE" : ""));
+    const Result plain = run(world, mc, l, 6, "", "", 0, false, false, false, muon(false));
+    const Result dist = run(world, mc, l, 6, "", "", 0, false, false, false, muon(true));
+    ASSERT_EQ(dist.loss.size(), 6u);
+    for (size_t i = 0; i < 6; ++i)
+      EXPECT_EQ(std::memcmp(&dist.loss[i], &plain.loss[i], sizeof(double)), 0) << "step " << i + 1;
+    for (const auto& [name, v] : plain.values)
+      EXPECT_EQ(std::memcmp(v.raw(), dist.values.at(name).raw(), static_cast<size_t>(v.nbytes())), 0) << name;
+  }
+  {  // the state each rank holds
+    const Built b = build(world, Layout{1});
+    model::GptModel gpt(llama_like(), 2, 42, b.par, testing::test_device());
+    std::vector<optim::MuonParam> kinds;
+    for (const Param& p : gpt.params())
+      kinds.push_back({optim::muon_managed(p.name, p.value.dim(), p.expert_parallel), {}});
+    const optim::MuonGroups whole{b.groups.tp, b.groups.etp, b.groups.dp, b.groups.edp, false};
+    optim::MuonGroups dealt = whole;
+    dealt.distributed = true;
+    const int64_t all = optim::Muon(gpt.params(), kinds, {}, {}, whole).state_bytes();
+    const optim::Muon mine(gpt.params(), kinds, {}, {}, dealt);
+    std::vector<int64_t> bytes = {mine.state_bytes()};
+    all_reduce_sum(std::span<int64_t>(bytes), world);
+    EXPECT_EQ(bytes[0], all);  // every parameter's state on exactly one rank
+    EXPECT_LE(mine.state_bytes(), all / P * 2) << "the deal leaves one rank most of the state";
+  }
+  const std::string dir = shared_dir(world, "moecore_mpi_tp_", "muon");
+  const Result straight =
+      run(world, moe_model(false), Layout{0, false}, 8, "", "", 0, false, false, false, muon(false));
+  run(world, moe_model(false), Layout{2, true, P / 2, 1, 2}, 8, dir, "", 4, false, false, false, muon(true));
+  for (const Layout& at : {Layout{0, false}, Layout{1, false, 1, 2}}) {
+    const Result resumed = run(world, moe_model(false), at, 8, "", dir, 0, false, false, false, muon(at.tp == 1));
+    ASSERT_EQ(resumed.loss.size(), 4u) << at.name();
+    for (size_t i = 0; i < 4; ++i)
+      EXPECT_LE(rel(resumed.loss[i], straight.loss[4 + i]), 1e-4) << at.name() << " step " << 5 + i;
+  }
+  barrier(world);
+  if (world.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 // The distributed optimizer (ZeRO-1) under TP: the moments sharded over DP (experts over EDP), the tensor-parallel

@@ -63,12 +63,13 @@ TEST(GptModel, MemoryPlanEqualsTrackedAllocations) {
       const MemoryStats before = memory_stats();
       const int64_t state_bytes = optim::AdamW::state_bytes_per_param(optim::AdamWConfig{});
       // The plan before anything is allocated (a model on Device::meta) allocates nothing and is the same.
-      const model::MemoryPlan ahead = model::GptModel::plan_memory(c, 2, {}, {}, state_bytes);
+      const model::MemoryPlan ahead =
+          model::GptModel::plan_memory(c, 2, {}, {}, [=](const Param&) { return state_bytes; });
       EXPECT_EQ(memory_stats().total_current, before.total_current);
       model::GptModel m = make_model(c, 2, 5);
       optim::AdamW opt(m.params(), optim::AdamWConfig{});
       const MemoryStats after = memory_stats();
-      const model::MemoryPlan plan = m.memory_plan(opt.state_bytes_per_param());
+      const model::MemoryPlan plan = m.memory_plan([&](const Param&) { return opt.state_bytes_per_param(); });
       for (int k = 0; k < kNumMemCategories; ++k) {
         EXPECT_EQ(after.current[k] - before.current[k], plan.bytes[k])
             << mem_category_name(static_cast<MemCategory>(k)) << " " << dtype_name(dt);

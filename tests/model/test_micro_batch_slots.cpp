@@ -302,14 +302,14 @@ TEST(GptModelSlots, EverySlotIsInTheMemoryPlan) {
     const model::ModelConfig c = slots_config(moe, false, 1);
     model::GptModel m(c, 2, 7, {}, testing::test_device());
     const int64_t act = static_cast<int>(MemCategory::activations);
-    const int64_t one = m.memory_plan(0).bytes[act];
+    const int64_t one = m.memory_plan(model::GptModel::no_optimizer_state).bytes[act];
     const MemoryStats before = memory_stats();
     m.set_micro_batch_slots({3});
     const MemoryStats after = memory_stats();
-    const int64_t three = m.memory_plan(0).bytes[act];
+    const int64_t three = m.memory_plan(model::GptModel::no_optimizer_state).bytes[act];
     EXPECT_EQ(after.current[act] - before.current[act], three - one);
     m.set_micro_batch_slots({2});
-    const int64_t two = m.memory_plan(0).bytes[act];
+    const int64_t two = m.memory_plan(model::GptModel::no_optimizer_state).bytes[act];
     EXPECT_GT(two, one);
     EXPECT_EQ(three - two, two - one);  // each slot the same bytes (MoE scratch: once, in slot 0)
     EXPECT_EQ(memory_stats().current[act] - before.current[act], two - one);

@@ -130,13 +130,13 @@ std::vector<model::ModelConfig> varied_moe_configs() {
 TEST(MoeModel, MemoryPlanTotalEqualsTrackedAllocations) {
   for (const model::ModelConfig& c : varied_moe_configs()) {
     const MemoryStats before = memory_stats();
-    const model::MemoryPlan ahead =
-        model::GptModel::plan_memory(c, 2, {}, {}, optim::AdamW::state_bytes_per_param(optim::AdamWConfig{}));
+    const model::MemoryPlan ahead = model::GptModel::plan_memory(
+        c, 2, {}, {}, [](const Param&) { return optim::AdamW::state_bytes_per_param(optim::AdamWConfig{}); });
     EXPECT_EQ(memory_stats().total_current, before.total_current) << c.summary();
     model::GptModel m = make_model(c, 2, 5);
     optim::AdamW opt(m.params(), optim::AdamWConfig{});
     const MemoryStats after = memory_stats();
-    const model::MemoryPlan plan = m.memory_plan(opt.state_bytes_per_param());
+    const model::MemoryPlan plan = m.memory_plan([&](const Param&) { return opt.state_bytes_per_param(); });
     EXPECT_EQ(after.total_current - before.total_current, plan.total()) << c.summary();
     for (int k = 0; k < kNumMemCategories; ++k)  // (before anything was allocated: the same plan)
       EXPECT_EQ(ahead.bytes[k], plan.bytes[k]) << mem_category_name(static_cast<MemCategory>(k)) << " " << c.summary();

@@ -126,7 +126,7 @@ TEST(Recompute, EverySettingIsBitwiseTheRunWithout) {
 }
 
 int64_t activations(const model::GptModel& m) {
-  return m.memory_plan(0).bytes[static_cast<int>(MemCategory::activations)];
+  return m.memory_plan(model::GptModel::no_optimizer_state).bytes[static_cast<int>(MemCategory::activations)];
 }
 
 // A dense layer's cache: the 4-layer model's activations minus the 3-layer model's, minus the residual stream's
@@ -192,9 +192,13 @@ TEST(Recompute, SelectiveDropsTheNamedOutputs) {
       const MemoryStats before = memory_stats();
       model::GptModel m(with_selective(k.c, k.modules), 2, 3, {}, testing::test_device());
       m.set_micro_batch_slots({slots});
-      EXPECT_EQ(memory_stats().total_current - before.total_current, m.memory_plan(0).total()) << k.modules[0];
-      EXPECT_EQ(model::GptModel::plan_memory(with_selective(k.c, k.modules), 2, {}, {slots}, 0).total(),
-                m.memory_plan(0).total())
+      EXPECT_EQ(memory_stats().total_current - before.total_current,
+                m.memory_plan(model::GptModel::no_optimizer_state).total())
+          << k.modules[0];
+      EXPECT_EQ(model::GptModel::plan_memory(with_selective(k.c, k.modules), 2, {}, {slots},
+                                             model::GptModel::no_optimizer_state)
+                    .total(),
+                m.memory_plan(model::GptModel::no_optimizer_state).total())
           << k.modules[0];
       model::GptModel plain(k.c, 2, 3, {}, testing::test_device());
       plain.set_micro_batch_slots({slots});
@@ -212,7 +216,8 @@ TEST(Recompute, SelectiveMoeSharesOneRefilledSet) {
     const MemoryStats before = memory_stats();
     model::GptModel m(with_selective(moe(false), {"moe"}), 2, 3, {}, testing::test_device());
     m.set_micro_batch_slots({slots});
-    EXPECT_EQ(memory_stats().total_current - before.total_current, m.memory_plan(0).total());
+    EXPECT_EQ(memory_stats().total_current - before.total_current,
+              m.memory_plan(model::GptModel::no_optimizer_state).total());
     model::GptModel plain(moe(false), 2, 3, {}, testing::test_device());
     plain.set_micro_batch_slots({slots});
     fewer[slots == 3] = activations(plain) - activations(m);
@@ -228,12 +233,17 @@ TEST(Recompute, MoeMemoryPlanEqualsTrackedAllocations) {
   for (const auto& [method, n] : std::vector<std::pair<std::string, int64_t>>{{"uniform", 2}, {"block", 2}}) {
     const MemoryStats before = memory_stats();
     const model::ModelConfig c = with_recompute(moe(false), method, n);
-    const int64_t ahead = model::GptModel::plan_memory(c, 2, {}, {2}, 0).total();  // (allocates nothing)
+    const int64_t ahead = model::GptModel::plan_memory(c, 2, {}, {2}, model::GptModel::no_optimizer_state)
+                              .total();  // (allocates nothing)
     model::GptModel m(c, 2, 3, {}, testing::test_device());
-    EXPECT_EQ(memory_stats().total_current - before.total_current, m.memory_plan(0).total()) << method;
+    EXPECT_EQ(memory_stats().total_current - before.total_current,
+              m.memory_plan(model::GptModel::no_optimizer_state).total())
+        << method;
     m.set_micro_batch_slots({2});
-    EXPECT_EQ(memory_stats().total_current - before.total_current, m.memory_plan(0).total()) << method;
-    EXPECT_EQ(ahead, m.memory_plan(0).total()) << method;
+    EXPECT_EQ(memory_stats().total_current - before.total_current,
+              m.memory_plan(model::GptModel::no_optimizer_state).total())
+        << method;
+    EXPECT_EQ(ahead, m.memory_plan(model::GptModel::no_optimizer_state).total()) << method;
     model::GptModel plain(moe(false), 2, 3, {}, testing::test_device());
     plain.set_micro_batch_slots({2});
     EXPECT_LT(activations(m), activations(plain)) << method;

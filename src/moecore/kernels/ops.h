@@ -12,12 +12,14 @@
 // Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "moecore/core/rng.h"
 #include "moecore/core/tensor.h"
 #include "moecore/kernels/common/glu.h"
+#include "moecore/kernels/common/muon.h"
 
 namespace moecore::ops {
 
@@ -407,5 +409,39 @@ struct AdamWParams {
 // param -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps).
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWParams& p,
                 const Context& ctx);
+
+// Muon (docs/muon-spec.md §3; optim/muon.h decides which matrices and how they are cut and scaled).
+// momentum [*] f32 <- beta * momentum + (1 - beta) * grad * grad_scale; u [*] f32 <- the matrix to orthogonalise:
+// (1 - beta) * grad * grad_scale + beta * momentum (the new one) with nesterov, else the new momentum. All contiguous,
+// one shape; u must not alias the others.
+struct MuonMomentumParams {
+  float beta = 0.9f;        // --muon-momentum
+  bool nesterov = false;    // --muon-nesterov
+  float grad_scale = 1.0f;  // the clip scale
+};
+void muon_momentum(Tensor& u, Tensor& momentum, const Tensor& grad, const MuonMomentumParams& p, const Context& ctx);
+// param [*] f32 <- param * (1 - lr * weight_decay) - lr * o, o [*] f32 the scaled orthogonalised update (decoupled
+// decay before the step, as emerging_optimizers applies it). Contiguous, one shape.
+void muon_update(Tensor& param, const Tensor& o, float lr, float weight_decay, const Context& ctx);
+
+// Newton-Schulz orthogonalisation (emerging_optimizers v0.3.0's newton_schulz), in place on each matrix of x [G, M, N]
+// (or x [M, N]) f32, contiguous:
+//   X = x (transposed when M > N, so that the Gram A is the smaller side; or as `transpose` forces it),
+//   X /= max(||X||_F, eps), then `steps` times  A = X X^T;  B = b A + c A A;  X = a X + B X  with step k's (a, b, c)
+//   (common/muon.h), each product one GEMM rounded once into the iterate's dtype. With bf16 (Megatron's
+//   --muon-fp32-matmul-prec medium) the normalised X is cast to bf16 and every product reads and writes bf16 with f32
+//   accumulation, as PyTorch's addmm on bf16; else all is f32. The result is cast back to f32 into x.
+// sum_over_shards (Muon's distributed TP mode, x one shard of matrices split along the dim the Gram contracts): when
+// set, it is called on the [G] f64 squared norms and on each step's Gram [G, r, r] and must replace them by their sum
+// over the shards. Temporaries (the iterate, A, B: about 2 G r (r + max(M, N)) elements) are allocated per call.
+struct NewtonSchulz {
+  int steps = 5;                                          // --muon-num-ns-steps
+  NsCoefficients coefficients = NsCoefficients::quintic;  // --muon-coefficient-type
+  bool bf16 = true;                                       // --muon-fp32-matmul-prec medium
+  int transpose = -1;                                     // -1: when M > N; 0 or 1: forced
+  float eps = 1e-7f;                                      // the norm's floor (emerging_optimizers v0.3.0)
+};
+void newton_schulz(Tensor& x, const NewtonSchulz& p, const std::function<void(Tensor&)>& sum_over_shards,
+                   const Context& ctx);
 
 }  // namespace moecore::ops

@@ -635,14 +635,14 @@ void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
   all_gather_into(logits, part, 1, par_.tp);
 }
 
-MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const {
+MemoryPlan GptModel::memory_plan(const StateBytesPerElement& optimizer_state) const {
   MemoryPlan plan;
   auto at = [&](MemCategory c) -> int64_t& { return plan.bytes[static_cast<int>(c)]; };
   for (const auto& p : store_.params()) {
     at(MemCategory::parameters) += p.value.nbytes() + (p.compute.same_data(p.value) ? 0 : p.compute.nbytes());
     at(MemCategory::gradients) += p.grad.nbytes();
+    at(MemCategory::optimizer_state) += optimizer_state(p) * p.value.numel();
   }
-  at(MemCategory::optimizer_state) = optimizer_state_bytes_per_param * num_parameters();
   for (size_t l = 0; l < layers_.size(); ++l) {
     if (!local_moe(l)) continue;
     const moe::RouterState& state = *layers_[l].router_state();
@@ -681,10 +681,10 @@ MemoryPlan GptModel::memory_plan(int64_t optimizer_state_bytes_per_param) const 
 }
 
 MemoryPlan GptModel::plan_memory(const ModelConfig& cfg, int64_t micro_batch_size, const ModelParallel& parallel,
-                                 const std::vector<int64_t>& slots, int64_t optimizer_state_bytes_per_param) {
+                                 const std::vector<int64_t>& slots, const StateBytesPerElement& optimizer_state) {
   GptModel m(cfg, micro_batch_size, /*seed=*/0, parallel, Device::meta);
   if (!slots.empty()) m.set_micro_batch_slots(slots);
-  return m.memory_plan(optimizer_state_bytes_per_param);
+  return m.memory_plan(optimizer_state);
 }
 
 double GptModel::flops_per_step() const {

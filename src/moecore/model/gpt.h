@@ -205,13 +205,16 @@ class GptModel {
   // the batch goes through every stage (collective over pp) and only the last stage's logits are written.
   void forward_logits(Tensor& logits, const Tensor& tokens);
 
-  // The plan for this model's own buffers plus optimizer_state_bytes_per_param * num_parameters().
-  MemoryPlan memory_plan(int64_t optimizer_state_bytes_per_param) const;
+  // The bytes of optimizer state per element of a parameter (AdamW's two moments; Muon's momentum for its matrices).
+  using StateBytesPerElement = std::function<int64_t(const Param&)>;
+  static int64_t no_optimizer_state(const Param&) { return 0; }  // (the plan of the model's own buffers alone)
+  // The plan for this model's own buffers plus the optimizer's state of every parameter.
+  MemoryPlan memory_plan(const StateBytesPerElement& optimizer_state) const;
   // The same plan for GptModel(cfg, micro_batch_size, any seed, parallel, any device) with `slots` micro-batch slots
   // per chunk (set_micro_batch_slots; empty: one each), before anything is allocated: that model built on
   // Device::meta (shapes without memory) and counted. (No buffer's shape depends on the device.)
   static MemoryPlan plan_memory(const ModelConfig& cfg, int64_t micro_batch_size, const ModelParallel& parallel,
-                                const std::vector<int64_t>& slots, int64_t optimizer_state_bytes_per_param);
+                                const std::vector<int64_t>& slots, const StateBytesPerElement& optimizer_state);
   // Model FLOPs of one forward+backward over B*S tokens (Megatron's formula: 3x forward GEMMs and
   // causal attention counted at full S^2 as Megatron does), whatever the layout: the TP ranks share one micro-batch's.
   double flops_per_step() const;

@@ -66,13 +66,6 @@ void AsyncCheckpointSaver::account(int64_t held) {
   held_bytes_ = held;
 }
 
-void AsyncCheckpointSaver::save(const std::string& root, const model::GptModel& gpt, const optim::AdamW& opt,
-                                const TrainProgress& progress, uint64_t seed, int keep_last, const TrainGroups* groups,
-                                const CheckpointSaveOptions& options) {
-  const OptimizerState st{opt.exp_avg(), opt.exp_avg_sq(), opt.steps_taken()};
-  save(root, gpt, st, progress, seed, keep_last, groups, options);
-}
-
 std::optional<int64_t> AsyncCheckpointSaver::finalize(bool blocking) {
   if (!flight_) return std::nullopt;
   // Megatron's is_current_async_call_done: every rank tells whether its writer is still busy; all decide alike.

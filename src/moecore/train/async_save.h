@@ -36,8 +36,6 @@ class AsyncCheckpointSaver {
   void save(const std::string& root, const model::GptModel& gpt, const OptimizerState& opt,
             const TrainProgress& progress, uint64_t seed, int keep_last, const TrainGroups* groups,
             const CheckpointSaveOptions& options);
-  void save(const std::string& root, const model::GptModel& gpt, const optim::AdamW& opt, const TrainProgress& progress,
-            uint64_t seed, int keep_last, const TrainGroups* groups, const CheckpointSaveOptions& options);
 
   // At a step boundary (every rank calls it alike; collective over the ranks of the save while one is in flight):
   // commits the save in flight once every rank's worker has finished and returns its iteration; nullopt when nothing

@@ -394,6 +394,14 @@ TrainStateJson train_state_parse(std::string_view state_json, const std::string&
   }
   t.expert_model_parallel_size = int_field(state, "expert_model_parallel_size", dir, 1, 1);
   if (state.contains("optimizer_steps")) t.optimizer_steps = int_field(state, "optimizer_steps", dir, 0);
+  if (state.contains("optimizer")) {
+    if (!state["optimizer"].is_string()) bad_field(dir, "optimizer", "is not a string");
+    try {
+      t.optimizer = enum_parse<optim::OptimizerKind>(state["optimizer"].get<std::string>(), "optimizer");
+    } catch (const Error& e) {
+      bad_field(dir, "optimizer", e.what());
+    }
+  }
   if (state.contains("opt_param_scheduler")) t.scheduler = scheduler_from_json(state["opt_param_scheduler"], dir);
   if (state.contains("grad_scaler")) t.grad_scaler = grad_scaler_from_json(state["grad_scaler"], dir);
   if (state.contains("router_calls")) {
@@ -488,6 +496,26 @@ void check_save_directory(const std::string& root, const model::ModelConfig& cfg
   }
 }
 
+OptimizerState OptimizerState::adam(std::vector<Tensor> exp_avg, std::vector<Tensor> exp_avg_sq, int64_t steps) {
+  OptimizerState st;
+  st.slots = {{"exp_avg", std::move(exp_avg)}, {"exp_avg_sq", std::move(exp_avg_sq)}};
+  st.steps = steps;
+  return st;
+}
+
+OptimizerState::Slot* OptimizerState::slot(std::string_view key) {
+  for (Slot& s : slots)
+    if (s.key == key) return &s;
+  return nullptr;
+}
+
+std::vector<std::string> optimizer_state_keys(optim::OptimizerKind optimizer, const std::string& name, int ndim,
+                                              bool expert_parallel) {
+  if (optimizer == optim::OptimizerKind::muon && optim::muon_managed(name, ndim, expert_parallel))
+    return {"momentum_buffer"};
+  return {"exp_avg", "exp_avg_sq"};
+}
+
 CheckpointSaveInFlight checkpoint_save_begin(const std::string& root, const model::GptModel& gpt,
                                              const OptimizerState& opt, const TrainProgress& progress, uint64_t seed,
                                              int keep_last, const TrainGroups* groups,
@@ -495,9 +523,11 @@ CheckpointSaveInFlight checkpoint_save_begin(const std::string& root, const mode
   if (keep_last < 0) MOECORE_FAIL("checkpoint: keep_last (", keep_last, ") must be >= 0 (0 keeps all)");
   const TrainGroups g = groups ? *groups : TrainGroups{};
   const auto& params = gpt.params();
-  if (options.save_optim && (opt.exp_avg.size() != params.size() || opt.exp_avg_sq.size() != params.size()))
-    MOECORE_FAIL("checkpoint: the optimizer state has ", opt.exp_avg.size(), " moments for ", params.size(),
-                 " parameters");
+  if (options.save_optim)
+    for (const OptimizerState::Slot& s : opt.slots)
+      if (s.per_param.size() != params.size())
+        MOECORE_FAIL("checkpoint: the optimizer state has ", s.per_param.size(), " ", s.key, " tensors for ",
+                     params.size(), " parameters");
   const int64_t EP = gpt.ep_size();
   io::CheckpointWriteRequest req;
   req.iteration = progress.iteration;
@@ -522,8 +552,8 @@ CheckpointSaveInFlight checkpoint_save_begin(const std::string& root, const mode
     (sharded ? shard : model)[params[i].name] = host(params[i], params[i].value);
     if (!optim) continue;
     auto& o = sharded ? shard : *optim;
-    o["exp_avg." + params[i].name] = host(params[i], opt.exp_avg[i]);
-    o["exp_avg_sq." + params[i].name] = host(params[i], opt.exp_avg_sq[i]);
+    for (const OptimizerState::Slot& s : opt.slots)
+      if (s.per_param[i].defined()) o[s.key + "." + params[i].name] = host(params[i], s.per_param[i]);
   }
   std::vector<int64_t> layer_calls;
   for (int64_t l = 0; l < gpt.config().num_transformer_layers(); ++l) {
@@ -547,6 +577,7 @@ CheckpointSaveInFlight checkpoint_save_begin(const std::string& root, const mode
                 {"model_config", model::model_record(gpt.config())}};
   if (options.save_optim) {
     state["optimizer_steps"] = opt.steps;
+    if (opt.optimizer != optim::OptimizerKind::adam) state["optimizer"] = enum_name(opt.optimizer);
     if (options.scheduler) state["opt_param_scheduler"] = scheduler_to_json(*options.scheduler);
     if (options.grad_scaler) state["grad_scaler"] = grad_scaler_to_json(*options.grad_scaler);
   }
@@ -611,8 +642,8 @@ void save_training_checkpoint(const std::string& root, const model::GptModel& gp
 void save_training_checkpoint(const std::string& root, const model::GptModel& gpt, const optim::AdamW& opt,
                               const TrainProgress& progress, uint64_t seed, int keep_last, const TrainGroups* groups,
                               const CheckpointSaveOptions& options) {
-  const OptimizerState st{opt.exp_avg(), opt.exp_avg_sq(), opt.steps_taken()};
-  save_training_checkpoint(root, gpt, st, progress, seed, keep_last, groups, options);
+  save_training_checkpoint(root, gpt, OptimizerState::adam(opt.exp_avg(), opt.exp_avg_sq(), opt.steps_taken()),
+                           progress, seed, keep_last, groups, options);
 }
 
 namespace {
@@ -665,13 +696,13 @@ namespace {
 // Error names them; in the other modes one warning line does. Tensors the model needs that the checkpoint lacks are
 // found by the loads themselves (need, load_expert_rows).
 void check_no_unexpected_tensors(const io::LoadedCheckpoint& ck, const model::ModelConfig& cfg, bool optimizer,
-                                 CkptStrictness strictness) {
+                                 optim::OptimizerKind kind, CkptStrictness strictness) {
   std::set<std::string> expected;
   for (const model::ParamSpec& p : model::parameter_specs(cfg)) {
     expected.insert(p.name);
     if (!optimizer) continue;
-    expected.insert("exp_avg." + p.name);
-    expected.insert("exp_avg_sq." + p.name);
+    for (const std::string& key : optimizer_state_keys(kind, p.name, p.shape.ndim, p.expert))
+      expected.insert(key + "." + p.name);
   }
   const std::vector<model::LayerSpec> layers = model::layer_specs(cfg);
   for (size_t l = 0; l < layers.size(); ++l)
@@ -770,14 +801,14 @@ class CheckpointTensors {
         const int64_t first = gpt_.ep_rank() * p.value.size(0);
         experts(p, first, p.value, kModelFile, p.name, copy);
         if (!optim_) continue;
-        experts(p, first, opt_.exp_avg[i], kOptimizerFile, "exp_avg." + p.name, copy);
-        experts(p, first, opt_.exp_avg_sq[i], kOptimizerFile, "exp_avg_sq." + p.name, copy);
+        for (OptimizerState::Slot& s : opt_.slots)
+          if (s.per_param[i].defined()) experts(p, first, s.per_param[i], kOptimizerFile, s.key + "." + p.name, copy);
         continue;
       }
       take(p, p.value, model_, model_path_, p.name, copy);
       if (!optim_) continue;
-      take(p, opt_.exp_avg[i], *optim_, optim_path_, "exp_avg." + p.name, copy);
-      take(p, opt_.exp_avg_sq[i], *optim_, optim_path_, "exp_avg_sq." + p.name, copy);
+      for (OptimizerState::Slot& s : opt_.slots)
+        if (s.per_param[i].defined()) take(p, s.per_param[i], *optim_, optim_path_, s.key + "." + p.name, copy);
     }
     expert_biases(copy);
   }
@@ -878,8 +909,15 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
   const io::LoadedCheckpoint ck = io::checkpoint_load(dir);
   const TrainStateJson state = checked_train_state(ck, gpt.config(), seed, options, load_optim, load_rng);
   const size_t params = gpt.params().size();
-  if (load_optim && (opt.exp_avg.size() != params || opt.exp_avg_sq.size() != params))
-    MOECORE_FAIL("checkpoint: the optimizer state has ", opt.exp_avg.size(), " moments for ", params, " parameters");
+  if (load_optim)
+    for (const OptimizerState::Slot& s : opt.slots)
+      if (s.per_param.size() != params)
+        MOECORE_FAIL("checkpoint: the optimizer state has ", s.per_param.size(), " ", s.key, " tensors for ", params,
+                     " parameters");
+  if (load_optim && state.optimizer != opt.optimizer)
+    MOECORE_FAIL("checkpoint: ", ck.dir, " holds the state of --optimizer ", enum_name(state.optimizer),
+                 " but this run uses --optimizer ", enum_name(opt.optimizer),
+                 "; specify --no-load-optim to load the weights and start the optimizer afresh");
   const int64_t saved_ep = state.expert_model_parallel_size;
   const int64_t E = gpt.config().moe.num_experts;
   if (E > 0 && E % saved_ep != 0)
@@ -888,15 +926,15 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
   CheckpointTensors tensors(ck, gpt, opt, load_optim, saved_ep, options.strictness);
   try {
     tensors.load(false);
-    check_no_unexpected_tensors(ck, gpt.config(), load_optim, options.strictness);
+    check_no_unexpected_tensors(ck, gpt.config(), load_optim, opt.optimizer, options.strictness);
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
   }
   warn_absent_tensors(ck.dir, tensors.absent(), options.strictness);
   tensors.load(true);
   if (!load_optim) {  // a fresh optimizer, whatever the tensors held before
-    for (auto* moments : {&opt.exp_avg, &opt.exp_avg_sq})
-      for (Tensor& t : *moments)
+    for (OptimizerState::Slot& s : opt.slots)
+      for (Tensor& t : s.per_param)
         if (t.defined()) t.zero_();
   }
   const int64_t layers = gpt.config().num_transformer_layers();
@@ -916,7 +954,7 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
 
 LoadedTrainingState load_training_state(const std::string& dir, model::GptModel& gpt, optim::AdamW& opt, uint64_t seed,
                                         const CheckpointLoadOptions& options) {
-  OptimizerState st{opt.exp_avg(), opt.exp_avg_sq(), 0};  // handles: loading writes through them
+  OptimizerState st = OptimizerState::adam(opt.exp_avg(), opt.exp_avg_sq(), 0);  // handles: loading writes through
   const LoadedTrainingState loaded = load_training_state(dir, gpt, st, seed, options);
   opt.set_steps_taken(st.steps);
   return loaded;

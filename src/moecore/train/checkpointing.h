@@ -13,6 +13,7 @@
 #include "moecore/io/checkpoint.h"
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
+#include "moecore/optim/muon.h"
 #include "moecore/train/grad_scaler.h"
 #include "moecore/train/train_groups.h"
 
@@ -24,12 +25,27 @@ struct TrainProgress {
 };
 
 // The optimizer state a checkpoint holds for this rank's parameters (aligned with gpt.params(), shaped like
-// them): AdamW's moments, full for every parameter this rank holds (a distributed optimizer gathers its
-// shards first), and the step count.
+// them), full for every parameter this rank holds (a distributed optimizer gathers its shards first): each slot is one
+// kind of state under Megatron's key -- AdamW's exp_avg and exp_avg_sq, Muon's momentum_buffer -- with a tensor per
+// parameter, undefined where the parameter's optimizer keeps no such state (Muon's matrices have no moments, the
+// parameters of its scalar optimizer no momentum). Files name a state tensor "<key>.<parameter name>".
 struct OptimizerState {
-  std::vector<Tensor> exp_avg, exp_avg_sq;
+  struct Slot {
+    std::string key;
+    std::vector<Tensor> per_param;
+  };
+  optim::OptimizerKind optimizer = optim::OptimizerKind::adam;  // state.json "optimizer"
+  std::vector<Slot> slots;
   int64_t steps = 0;
+  // AdamW's state: the two moments of every parameter.
+  static OptimizerState adam(std::vector<Tensor> exp_avg, std::vector<Tensor> exp_avg_sq, int64_t steps);
+  // The slot under key (null when absent).
+  Slot* slot(std::string_view key);
 };
+// The state keys that `optimizer` keeps for a parameter (name, dimensions, routed expert stack): what a checkpoint
+// of such a run holds for it.
+std::vector<std::string> optimizer_state_keys(optim::OptimizerKind optimizer, const std::string& name, int ndim,
+                                              bool expert_parallel);
 
 // Megatron's OptimizerParamScheduler state (its state_dict keys, in state.json "opt_param_scheduler"), counted
 // in optimizer steps where Megatron counts samples. Weight decay has no schedule here (AdamWConfig holds it).
@@ -219,14 +235,15 @@ void check_save_directory(const std::string& root, const model::ModelConfig& cfg
 // state.json of a training checkpoint, every field type- and range-checked (a hostile or damaged file is an
 // Error naming <dir>/state.json and the field, never a crash or a silently wrong value).
 struct TrainStateJson {
-  int64_t iteration = 0;                             // >= 0; must equal COMMIT's (load_training_state checks)
-  int64_t consumed_samples = 0;                      // >= 0
-  uint64_t seed = 0;                                 // --seed of the run that saved it
-  int64_t expert_model_parallel_size = 1;            // >= 1
-  std::optional<int64_t> optimizer_steps;            // >= 0; absent: saved with --no-save-optim
-  std::optional<OptParamSchedulerState> scheduler;   // "opt_param_scheduler", when saved
-  std::optional<GradScalerState> grad_scaler;        // "grad_scaler" (the dynamic loss scaler's), when saved
-  std::optional<std::vector<int64_t>> router_calls;  // per layer, >= 0; absent: saved with --no-save-rng
+  int64_t iteration = 0;                   // >= 0; must equal COMMIT's (load_training_state checks)
+  int64_t consumed_samples = 0;            // >= 0
+  uint64_t seed = 0;                       // --seed of the run that saved it
+  int64_t expert_model_parallel_size = 1;  // >= 1
+  std::optional<int64_t> optimizer_steps;  // >= 0; absent: saved with --no-save-optim
+  optim::OptimizerKind optimizer = optim::OptimizerKind::adam;  // "optimizer" (absent: adam, as before Muon)
+  std::optional<OptParamSchedulerState> scheduler;              // "opt_param_scheduler", when saved
+  std::optional<GradScalerState> grad_scaler;                   // "grad_scaler" (the dynamic loss scaler's), when saved
+  std::optional<std::vector<int64_t>> router_calls;             // per layer, >= 0; absent: saved with --no-save-rng
 };
 TrainStateJson train_state_parse(std::string_view state_json, const std::string& dir);
 

@@ -1,4 +1,5 @@
-// The two optimizers of a training run: AdamW replicated over data parallelism, and the distributed optimizer.
+// The optimizers of a training run: AdamW or Muon after an all-reduce of the gradients, and AdamW's distributed
+// optimizer.
 #include "moecore/train/optimizer.h"
 
 #include <algorithm>
@@ -317,26 +318,23 @@ struct ZeroOptimizers {
   }
   // Collective: the full moments of every parameter this rank holds (for checkpoints).
   OptimizerState gather(size_t n) const {
-    OptimizerState st;
-    st.exp_avg.resize(n);
-    st.exp_avg_sq.resize(n);
+    std::vector<Tensor> exp_avg(n), exp_avg_sq(n);
     each([&](const optim::DistributedAdamW& o, const std::vector<size_t>& ix) {
       std::vector<Tensor> m, v;
       o.gather_state(m, v);
       for (size_t k = 0; k < ix.size(); ++k) {
-        st.exp_avg[ix[k]] = m[k];
-        st.exp_avg_sq[ix[k]] = v[k];
+        exp_avg[ix[k]] = m[k];
+        exp_avg_sq[ix[k]] = v[k];
       }
     });
-    st.steps = opt[replicated]->steps_taken();
-    return st;
+    return OptimizerState::adam(std::move(exp_avg), std::move(exp_avg_sq), opt[replicated]->steps_taken());
   }
   void load(const OptimizerState& st) {
     each([&](optim::DistributedAdamW& o, const std::vector<size_t>& ix) {
       std::vector<Tensor> m, v;
       for (size_t i : ix) {
-        m.push_back(st.exp_avg[i]);
-        v.push_back(st.exp_avg_sq[i]);
+        m.push_back(st.slots[0].per_param[i]);
+        v.push_back(st.slots[1].per_param[i]);
       }
       o.load_state(m, v);
       o.set_steps_taken(st.steps);
@@ -344,15 +342,56 @@ struct ZeroOptimizers {
   }
 };
 
-// AdamW with its moments on every data-parallel rank: gradients summed in buckets (GradBuckets), the norm over the
-// groups, one update of every parameter.
-class ReplicatedAdamW final : public Optimizer {
+// The state of an update as a checkpoint holds it: handles, so a load writes through them. Distributed Muon: the
+// owners' handles, and for the other parameters copies broadcast from their owners (`gather`, a save) or zeros a load
+// fills and drops.
+OptimizerState state_of(optim::AdamW& a, bool) {
+  return OptimizerState::adam(a.exp_avg(), a.exp_avg_sq(), a.steps_taken());
+}
+OptimizerState state_of(optim::Muon& m, bool gather) {
+  auto [momentum, exp_avg, exp_avg_sq] = m.checkpoint_state(gather);
+  OptimizerState st;
+  st.optimizer = optim::OptimizerKind::muon;
+  st.slots = {
+      {"exp_avg", std::move(exp_avg)}, {"exp_avg_sq", std::move(exp_avg_sq)}, {"momentum_buffer", std::move(momentum)}};
+  st.steps = m.steps_taken();
+  return st;
+}
+int64_t state_bytes_of(const optim::AdamW& a, const model::GptModel& gpt) {
+  return a.state_bytes_per_param() * gpt.num_parameters();
+}
+int64_t state_bytes_of(const optim::Muon& m, const model::GptModel&) {
+  return m.state_bytes();
+}
+
+// How Muon sees each of the model's parameters: which it updates (optim::muon_managed), and the fused QKV weight's
+// rows per query group -- Q (the group's heads), K, V -- to orthogonalise apart unless --muon-no-split-qkv. MLA's
+// projections are orthogonalised whole (as Megatron, which splits only linear_qkv).
+std::vector<optim::MuonParam> muon_params(const model::GptModel& gpt, const optim::MuonConfig& cfg) {
+  const model::ModelConfig& c = gpt.config();
+  const int64_t D = c.head_dim(), q = c.num_attention_heads / c.query_groups() * D;
+  std::vector<optim::MuonParam> out;
+  for (const Param& p : gpt.params()) {
+    optim::MuonParam m;
+    m.managed = optim::muon_managed(p.name, p.value.dim(), p.expert_parallel);
+    const std::string qkv = "linear_qkv.weight";
+    if (m.managed && cfg.split_qkv && p.name.size() >= qkv.size() &&
+        p.name.compare(p.name.size() - qkv.size(), qkv.size(), qkv) == 0)
+      m.pieces = {q, D, D};
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+// An optimizer whose gradients are summed in buckets (GradBuckets) on every data-parallel rank, the norm over the
+// groups, and one update: AdamW with its state on every rank (U = optim::AdamW), or Muon with AdamW for the rest (U =
+// optim::Muon), its state on every rank or, distributed, each parameter's on its owner.
+template <class U>
+class AllReduceOptimizer final : public Optimizer {
  public:
-  ReplicatedAdamW(model::GptModel& gpt, optim::AdamW& opt, const TrainGroups& g, int64_t bucket, bool overlap,
-                  Timers* timers)
-      : gpt_(gpt), opt_(opt), g_(g), timers_(timers), checks_(gpt) {
-    if (!opt.has_state())
-      MOECORE_FAIL("training: the optimizer holds no state; build it with state or set use_distributed_optimizer");
+  AllReduceOptimizer(model::GptModel& gpt, U& opt, std::unique_ptr<U> owned, const TrainGroups& g, int64_t bucket,
+                      bool overlap, Timers* timers)
+      : gpt_(gpt), owned_(std::move(owned)), opt_(opt), g_(g), timers_(timers), checks_(gpt) {
     // Expert gradients reduce over edp, which may span the TP ranks (TP 2 x DP 1 has EDP 2 with ETP 1).
     const bool reduces = g.dense_grads().size() > 1 || g.edp.size() > 1;
     overlap_ = overlap && reduces;
@@ -406,19 +445,24 @@ class ReplicatedAdamW final : public Optimizer {
   }
   void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
             const CheckpointSaveOptions& parts, AsyncCheckpointSaver* async) override {
+    const OptimizerState st = state_of(opt_, /*gather=*/true);
     if (async)
-      async->save(root, gpt_, opt_, progress, seed, keep_last, &g_, parts);
+      async->save(root, gpt_, st, progress, seed, keep_last, &g_, parts);
     else
-      save_training_checkpoint(root, gpt_, opt_, progress, seed, keep_last, &g_, parts);
+      save_training_checkpoint(root, gpt_, st, progress, seed, keep_last, &g_, parts);
   }
   LoadedTrainingState load(const std::string& dir, uint64_t seed, const CheckpointLoadOptions& parts) override {
-    return load_training_state(dir, gpt_, opt_, seed, parts);
+    OptimizerState st = state_of(opt_, /*gather=*/false);
+    const LoadedTrainingState loaded = load_training_state(dir, gpt_, st, seed, parts);
+    opt_.set_steps_taken(st.steps);
+    return loaded;
   }
-  int64_t state_bytes() const override { return opt_.state_bytes_per_param() * gpt_.num_parameters(); }
+  int64_t state_bytes() const override { return state_bytes_of(opt_, gpt_); }
 
  private:
   model::GptModel& gpt_;
-  optim::AdamW& opt_;
+  std::unique_ptr<U> owned_;  // the update when this optimizer made it (Muon), else null (the caller's AdamW)
+  U& opt_;
   const TrainGroups& g_;
   Timers* timers_;
   GradChecks checks_;
@@ -509,12 +553,12 @@ class DistributedOptimizer final : public Optimizer {
       save_training_checkpoint(root, gpt_, st, progress, seed, keep_last, &g_, parts);
   }
   LoadedTrainingState load(const std::string& dir, uint64_t seed, const CheckpointLoadOptions& parts) override {
-    OptimizerState st;  // stays empty without the optimizer state: the fresh shards are kept as they are
+    // Without the optimizer state it stays empty: the fresh shards are kept as they are.
+    OptimizerState st = OptimizerState::adam({}, {}, 0);
     if (parts.load_optim && !parts.finetune) {
-      for (const auto& p : gpt_.params()) {
-        st.exp_avg.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::workspace));
-        st.exp_avg_sq.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::workspace));
-      }
+      for (const auto& p : gpt_.params())
+        for (OptimizerState::Slot& s : st.slots)
+          s.per_param.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::workspace));
     }
     LoadedTrainingState loaded = load_training_state(dir, gpt_, st, seed, parts);
     if (loaded.optimizer_loaded) zero_.load(st);
@@ -534,13 +578,35 @@ class DistributedOptimizer final : public Optimizer {
 };
 }  // namespace
 
+model::GptModel::StateBytesPerElement optimizer_state_bytes(const TrainConfig& cfg, const optim::AdamWConfig& adam) {
+  const int64_t moments = optim::AdamW::state_bytes_per_param(adam);
+  if (cfg.optimizer != optim::OptimizerKind::muon) return [=](const Param&) { return moments; };
+  return [=](const Param& p) {
+    return optim::muon_managed(p.name, p.value.dim(), p.expert_parallel) ? optim::Muon::muon_bytes_per_param()
+                                                                         : moments;
+  };
+}
+
 std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& cfg,
                                           const TrainGroups& groups, Timers* timers) {
+  if (cfg.optimizer == optim::OptimizerKind::muon) {
+    if (gpt.config().compute_dtype == DType::f16)  // (Megatron's get_megatron_optimizer raises the same)
+      MOECORE_FAIL("training: --optimizer muon does not support --fp16 (Megatron's Muon steps bf16 or fp32 only)");
+    auto muon = std::make_unique<optim::Muon>(
+        gpt.params(), muon_params(gpt, cfg.muon), cfg.muon, adamw.config(),
+        optim::MuonGroups{groups.tp, groups.etp, groups.dense_grads(), groups.edp, cfg.use_distributed_optimizer});
+    optim::Muon& m = *muon;
+    return std::make_unique<AllReduceOptimizer<optim::Muon>>(gpt, m, std::move(muon), groups, cfg.ddp_bucket_size,
+                                                              cfg.overlap_grad_reduce, timers);
+  }
   if (cfg.use_distributed_optimizer)
     return std::make_unique<DistributedOptimizer>(gpt, adamw.config(), groups, cfg.ddp_bucket_size,
                                                   cfg.overlap_grad_reduce, cfg.overlap_param_gather,
                                                   cfg.num_distributed_optimizer_instances, timers);
-  return std::make_unique<ReplicatedAdamW>(gpt, adamw, groups, cfg.ddp_bucket_size, cfg.overlap_grad_reduce, timers);
+  if (!adamw.has_state())
+    MOECORE_FAIL("training: the optimizer holds no state; build it with state or set use_distributed_optimizer");
+  return std::make_unique<AllReduceOptimizer<optim::AdamW>>(gpt, adamw, nullptr, groups, cfg.ddp_bucket_size,
+                                                             cfg.overlap_grad_reduce, timers);
 }
 
 }  // namespace moecore::train

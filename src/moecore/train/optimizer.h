@@ -1,9 +1,11 @@
 // The optimizer of a training run behind one interface, the only one the training step calls: how a step's gradients
 // are reduced over the parallel groups (during backward with --overlap-grad-reduce), checked for non-finite values,
 // normed (every parameter counted once) and applied, and how its state goes into and out of checkpoints.
-// Implementations (make_optimizer): AdamW with its state on every data-parallel rank, gradients all-reduced in buckets;
-// and the distributed optimizer (--use-distributed-optimizer: ZeRO-1, gradients reduce-scattered, masters
-// all-gathered, with --overlap-param-gather just before forward reads them). Not here: the LR schedule (trainer.h).
+// Implementations (make_optimizer): gradients all-reduced in buckets, then AdamW with its state on every data-parallel
+// rank, or Muon (optim/muon.h) with its state on every rank or, with --use-distributed-optimizer, each parameter's on
+// the rank that owns it (Megatron's layer-wise distributed optimizer); and AdamW's distributed optimizer
+// (--use-distributed-optimizer: ZeRO-1, gradients reduce-scattered, masters all-gathered, with --overlap-param-gather
+// just before forward reads them). Not here: the LR schedule (trainer.h).
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -68,9 +70,14 @@ class Optimizer {
   virtual int64_t state_bytes() const = 0;
 };
 
-// The optimizer cfg selects (use_distributed_optimizer, num_distributed_optimizer_instances, overlap_grad_reduce,
-// overlap_param_gather, ddp_bucket_size) over gpt's parameters, with adamw's hyperparameters (and, without the
-// distributed optimizer, its state: adamw must hold it). Its step's phases run under `timers` (timers.h; null:
+// The optimizer state per element of each parameter that the optimizer cfg selects holds (unsharded): the memory
+// plan's (GptModel::memory_plan), before the optimizer or the model exists.
+model::GptModel::StateBytesPerElement optimizer_state_bytes(const TrainConfig& cfg, const optim::AdamWConfig& adam);
+
+// The optimizer cfg selects (optimizer, muon, use_distributed_optimizer, num_distributed_optimizer_instances,
+// overlap_grad_reduce, overlap_param_gather, ddp_bucket_size) over gpt's parameters, with adamw's hyperparameters (and,
+// for AdamW without the distributed optimizer, its state: adamw must hold it; Muon makes its own, for the scalar
+// parameters too). Its step's phases run under `timers` (timers.h; null:
 // untimed). gpt, adamw, groups and timers must outlive it.
 std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& cfg,
                                           const TrainGroups& groups, Timers* timers = nullptr);

@@ -32,6 +32,15 @@ void TrainConfig::validate() const {
     MOECORE_FAIL(
         "training: --overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in "
         "Megatron)");
+  if (optimizer == optim::OptimizerKind::muon) {
+    muon.validate();
+    if (use_distributed_optimizer && num_distributed_optimizer_instances != 1)  // (Megatron's layer-wise assertion)
+      MOECORE_FAIL("training: the layer-wise distributed optimizer of --optimizer muon needs ",
+                   "--num-distributed-optimizer-instances 1, got ", num_distributed_optimizer_instances);
+    if (overlap_param_gather)
+      MOECORE_FAIL("training: --overlap-param-gather with --optimizer muon is not supported yet (the layer-wise ",
+                   "distributed optimizer's parameter broadcasts run after the step); leave it out");
+  }
   if (num_distributed_optimizer_instances < 1)
     MOECORE_FAIL("training: --num-distributed-optimizer-instances (", num_distributed_optimizer_instances,
                  ") must be >= 1");
@@ -374,10 +383,13 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
   check_groups(gpt, groups, cfg);
   Timers timers(cfg.timing_log_level, gpt.device());
   const std::unique_ptr<Optimizer> opt = make_optimizer(gpt, adamw, cfg, groups, &timers);
-  if (cfg.use_distributed_optimizer && log && cfg.logs_at(TrainConfig::kLogInfo))
+  if (cfg.use_distributed_optimizer && log && cfg.logs_at(TrainConfig::kLogInfo)) {
+    const auto per_element = optimizer_state_bytes(cfg, adamw.config());
+    int64_t unsharded = 0;
+    for (const Param& p : gpt.params()) unsharded += per_element(p) * p.value.numel();
     std::fprintf(log, " distributed optimizer: %s of optimizer state on this rank (%s unsharded)\n",
-                 memory_format_bytes(opt->state_bytes()).c_str(),
-                 memory_format_bytes(adamw.state_bytes_per_param() * gpt.num_parameters()).c_str());
+                 memory_format_bytes(opt->state_bytes()).c_str(), memory_format_bytes(unsharded).c_str());
+  }
   struct HookGuard {  // --overlap-param-gather: forward waits for the parameters it reads (never left behind)
     model::GptModel& m;
     ~HookGuard() { m.set_params_needed({}); }

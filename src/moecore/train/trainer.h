@@ -13,6 +13,7 @@
 
 #include "moecore/model/gpt.h"
 #include "moecore/optim/adamw.h"
+#include "moecore/optim/muon.h"
 #include "moecore/parallel/comm.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/grad_scaler.h"
@@ -152,7 +153,10 @@ struct TrainConfig {
   // --seed. A level above 20 hides the INFO lines, above 30 the warnings too; Errors are never hidden. moecore has no
   // DEBUG output: 10 shows what 20 shows.
   std::optional<int> logging_level;
-  double peak_gflops = 0;                  // GEMM peak measured at start (0: no MFU on the log line)
+  double peak_gflops = 0;  // GEMM peak measured at start (0: no MFU on the log line)
+  optim::OptimizerKind optimizer = optim::OptimizerKind::adam;  // --optimizer: adam (AdamW) or muon (Muon for the
+                                                                // weight matrices, AdamW for the rest: optim/muon.h)
+  optim::MuonConfig muon;                                       // --muon-*: with optimizer muon
   bool use_distributed_optimizer = false;  // --use-distributed-optimizer: ZeRO-1 over dp (experts: over edp)
   bool overlap_grad_reduce = false;   // --overlap-grad-reduce: each gradient bucket's all-reduce (with the distributed
                                       // optimizer: reduce-scatter) starts during backward

@@ -8,6 +8,7 @@
 
 #include "moecore/kernels/common/adamw.h"
 #include "moecore/kernels/common/glu.h"
+#include "moecore/kernels/common/muon.h"
 #include "moecore/kernels/cuda/cuda_util.cuh"
 
 namespace moecore::ops::cuda {
@@ -177,6 +178,19 @@ __global__ void adamw_kernel(float* param, const float* grad, TM* exp_avg, TV* e
     st(exp_avg_sq[i], v);
     param[i] = adamw::param(param[i], m, v, k);
   }
+}
+
+__global__ void muon_momentum_kernel(float* u, float* momentum, const float* grad, muon::MomentumConsts k, int64_t n) {
+  MOECORE_GRID_STRIDE(i, n) {
+    const float g = muon::scaled_grad(grad[i], k);
+    const float m = muon::momentum(momentum[i], g, k);
+    momentum[i] = m;
+    u[i] = muon::to_orthogonalise(m, g, k);
+  }
+}
+
+__global__ void muon_update_kernel(float* param, const float* o, float decay, float lr, int64_t n) {
+  MOECORE_GRID_STRIDE(i, n) param[i] = muon::update(param[i], o[i], decay, lr);
 }
 
 }  // namespace
@@ -396,6 +410,26 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
     });
   });
   l.launched("adamw_kernel");
+}
+
+void muon_momentum(Tensor& u, Tensor& momentum, const Tensor& grad, const MuonMomentumParams& p, const Context& ctx) {
+  const Launch l("muon_momentum", ctx, {{"u", &u}, {"momentum", &momentum}, {"grad", &grad}});
+  const int64_t n = grad.numel();
+  if (n == 0) return;
+  const muon::MomentumConsts k{p.beta, 1.0f - p.beta, p.grad_scale, p.nesterov};
+  muon_momentum_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(Launch::ptr<float>(u), Launch::ptr<float>(momentum),
+                                                                 Launch::ptr<const float>(grad), k, n);
+  l.launched("muon_momentum_kernel");
+}
+
+void muon_update(Tensor& param, const Tensor& o, float lr, float weight_decay, const Context& ctx) {
+  const Launch l("muon_update", ctx, {{"param", &param}, {"o", &o}});
+  const int64_t n = param.numel();
+  if (n == 0) return;
+  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);  // as the CPU computes it
+  muon_update_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(Launch::ptr<float>(param), Launch::ptr<const float>(o),
+                                                               decay, lr, n);
+  l.launched("muon_update_kernel");
 }
 
 }  // namespace moecore::ops::cuda
