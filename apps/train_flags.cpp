@@ -8,6 +8,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -350,7 +351,7 @@ const TrainFlag kTrainFlags[] = {
    "the update's shape scale: spectral sqrt(max(rows, cols)) | unit_rms_norm sqrt(rows/cols) | shape_scaling "
    "sqrt(max(1, rows/cols))"},
   {"--muon-extra-scale-factor", V, value<&M::extra_scale_factor>(), nullptr,
-   "a further factor on Muon's update (0.2 matches AdamW's update size)"},
+   "a further factor on Muon's update (0.2 matches AdamW's update size)", D::number(-std::numeric_limits<double>::infinity())},
   {"--muon-tp-mode", V, value<&M::tp_mode>(), nullptr,
    "a tensor-parallel matrix: duplicated (gathered whole on every rank) | distributed (the shards orthogonalised "
    "together) | blockwise (each shard alone)"},

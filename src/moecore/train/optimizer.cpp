@@ -390,7 +390,7 @@ template <class U>
 class AllReduceOptimizer final : public Optimizer {
  public:
   AllReduceOptimizer(model::GptModel& gpt, U& opt, std::unique_ptr<U> owned, const TrainGroups& g, int64_t bucket,
-                      bool overlap, Timers* timers)
+                     bool overlap, Timers* timers)
       : gpt_(gpt), owned_(std::move(owned)), opt_(opt), g_(g), timers_(timers), checks_(gpt) {
     // Expert gradients reduce over edp, which may span the TP ranks (TP 2 x DP 1 has EDP 2 with ETP 1).
     const bool reduces = g.dense_grads().size() > 1 || g.edp.size() > 1;
@@ -597,7 +597,7 @@ std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& ad
         optim::MuonGroups{groups.tp, groups.etp, groups.dense_grads(), groups.edp, cfg.use_distributed_optimizer});
     optim::Muon& m = *muon;
     return std::make_unique<AllReduceOptimizer<optim::Muon>>(gpt, m, std::move(muon), groups, cfg.ddp_bucket_size,
-                                                              cfg.overlap_grad_reduce, timers);
+                                                             cfg.overlap_grad_reduce, timers);
   }
   if (cfg.use_distributed_optimizer)
     return std::make_unique<DistributedOptimizer>(gpt, adamw.config(), groups, cfg.ddp_bucket_size,
@@ -606,7 +606,7 @@ std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& ad
   if (!adamw.has_state())
     MOECORE_FAIL("training: the optimizer holds no state; build it with state or set use_distributed_optimizer");
   return std::make_unique<AllReduceOptimizer<optim::AdamW>>(gpt, adamw, nullptr, groups, cfg.ddp_bucket_size,
-                                                             cfg.overlap_grad_reduce, timers);
+                                                            cfg.overlap_grad_reduce, timers);
 }
 
 }  // namespace moecore::train

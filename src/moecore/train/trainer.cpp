@@ -383,6 +383,20 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
   check_groups(gpt, groups, cfg);
   Timers timers(cfg.timing_log_level, gpt.device());
   const std::unique_ptr<Optimizer> opt = make_optimizer(gpt, adamw, cfg, groups, &timers);
+  if (cfg.optimizer == optim::OptimizerKind::muon && log && cfg.logs_at(TrainConfig::kLogInfo)) {
+    int64_t matrices = 0;
+    for (const Param& p : gpt.params())
+      if (optim::muon_managed(p.name, p.value.dim(), p.expert_parallel)) matrices += p.value.numel();
+    const optim::MuonConfig& m = cfg.muon;
+    std::fprintf(
+        log,
+        " optimizer: Muon for %.1f%% of the parameters (momentum %g%s, %s x %d Newton-Schulz steps in %s, "
+        "%s scale x %g, TP %s), AdamW for the rest\n",
+        100.0 * static_cast<double>(matrices) / static_cast<double>(std::max<int64_t>(1, gpt.num_parameters())),
+        m.momentum, m.nesterov ? " Nesterov" : "", enum_name(m.coefficient_type), m.num_ns_steps,
+        m.fp32_matmul_prec == optim::MuonMatmulPrecision::medium ? "bf16" : "f32", enum_name(m.scale_mode),
+        m.extra_scale_factor, enum_name(m.tp_mode));
+  }
   if (cfg.use_distributed_optimizer && log && cfg.logs_at(TrainConfig::kLogInfo)) {
     const auto per_element = optimizer_state_bytes(cfg, adamw.config());
     int64_t unsharded = 0;
