@@ -138,6 +138,14 @@ TEST(Muon, BadSettingsAreNamed) {
   c = {};
   c.scalar_optimizer = optim::ScalarOptimizer::lion;
   EXPECT_NE(error_of([&] { c.validate(); }).find("lion"), std::string::npos);
+  // A QKV weight whose rows are no whole number of query groups.
+  std::vector<Param> params(1);
+  params[0].name = "decoder.layers.0.self_attention.linear_qkv.weight";
+  params[0].value = Tensor::zeros({10, 4}, DType::f32);
+  params[0].grad = Tensor::zeros({10, 4}, DType::f32);
+  const std::vector<optim::MuonParam> kinds = {{true, {4, 1, 1}}};
+  EXPECT_NE(error_of([&] { optim::Muon(params, kinds, {}, {}, {}); }).find("does not split into row groups of 6"),
+            std::string::npos);
   train::TrainConfig t = testing::small_train_config(2);
   t.optimizer = optim::OptimizerKind::muon;
   t.use_distributed_optimizer = true;

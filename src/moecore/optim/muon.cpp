@@ -80,8 +80,8 @@ Muon::Muon(std::vector<Param>& params, const std::vector<MuonParam>& kinds, cons
       scalar_(scalar_params_, adam) {
   cfg_.validate();
   momentum_.resize(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!kinds_[i].managed || !owned(i)) continue;
+  for (size_t i = 0; i < params_.size(); ++i) {  // (every rank checks every matrix: an owner alone must not fail)
+    if (!kinds_[i].managed) continue;
     const Param& p = params_[i];
     const int matrix_dims = p.expert_parallel ? 3 : 2;
     if (p.value.dim() != matrix_dims)
@@ -94,7 +94,8 @@ Muon::Muon(std::vector<Param>& params, const std::vector<MuonParam>& kinds, cons
       if (p.tp.sharded() && p.tp.dim != 0)
         MOECORE_FAIL("Muon: parameter ", p.name, " is split into pieces of rows but sharded along dim ", p.tp.dim);
     }
-    momentum_[i] = Tensor::zeros(p.value.shape(), DType::f32, MemCategory::optimizer_state, p.value.device());
+    if (owned(i))
+      momentum_[i] = Tensor::zeros(p.value.shape(), DType::f32, MemCategory::optimizer_state, p.value.device());
   }
 }
 
