@@ -109,6 +109,7 @@ struct Layout {
   bool log_stats = false;  // --log-params-norm and --log-num-zeros-in-grad every step, the timers at level 2
   bool per_token = false;  // --calculate-per-token-loss, on batches whose micro-batches count uneven tokens
   float loss_scale = 0;    // > 0: a dynamic loss scale starting there (--fp16's scaler on the f32 model)
+  bool muon = false;       // --optimizer muon (f32 products, --muon-extra-scale-factor 0.2)
   std::string name() const {
     return "PP " + std::to_string(pp) + (vpp > 1 ? " x VPP " + std::to_string(vpp) : "") +
            (group > 0 ? " (groups of " + std::to_string(group) + ")" : "") +
@@ -117,7 +118,7 @@ struct Layout {
            (zero ? ", distributed optimizer" : "") + (overlap ? ", overlapped" : "") +
            (tp > 1 ? ", TP " + std::to_string(tp) + " + SP" : "") + (cp > 1 ? ", CP " + std::to_string(cp) : "") +
            (order != ParallelConfig{}.order ? ", order " + order : "") + (per_token ? ", per-token loss" : "") +
-           (loss_scale > 0 ? ", loss scale " + std::to_string(loss_scale) : "");
+           (loss_scale > 0 ? ", loss scale " + std::to_string(loss_scale) : "") + (muon ? ", Muon" : "");
   }
 };
 
@@ -179,6 +180,11 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   tc.async_save = async_save;
   tc.use_persistent_ckpt_worker = true;
   tc.calculate_per_token_loss = l.per_token;
+  if (l.muon) {
+    tc.optimizer = optim::OptimizerKind::muon;
+    tc.muon.fp32_matmul_prec = optim::MuonMatmulPrecision::high;
+    tc.muon.extra_scale_factor = 0.2f;
+  }
   if (l.loss_scale > 0) {
     tc.grad_scaler.kind = train::GradScalerConfig::Kind::dynamic;
     tc.grad_scaler.scale = l.loss_scale;
@@ -231,6 +237,7 @@ void check_layout(const ProcessGroup& world, const model::ModelConfig& mc, const
   Layout one;
   one.per_token = l.per_token;
   one.loss_scale = l.loss_scale;
+  one.muon = l.muon;
   const Result ref1 = run(world, mc, one, 1);
   const Result got1 = run(world, mc, l, 1);
   EXPECT_LE(rel(got1.loss[0], ref1.loss[0]), 1e-6) << got1.loss[0] << " vs " << ref1.loss[0];
@@ -430,6 +437,19 @@ TEST_F(Mpi, PerTokenLossAndLossScalingMatchOneProcess) {
   cp.cp = 2;
   cp.per_token = true;
   check_layout(world, tied_dense(), cp, 4);
+}
+
+// Muon over the pipeline's stages (each stage's matrices orthogonalised where they live; the tied embedding and its
+// last-stage copy under AdamW, their gradients summed first), and with the distributed Muon over PP 2 x DP 2.
+TEST_F(Mpi, MuonUnderPipelineMatchesOneProcess) {
+  Layout pp{P};
+  pp.muon = true;
+  check_layout(world, moe_mtp(), pp, 8);
+  check_layout(world, tied_dense(), pp, 8);
+  if (P != 4) return;
+  Layout dp{2, 1, -1, -1, /*zero=*/true};
+  dp.muon = true;
+  check_layout(world, moe_mtp(), dp, 8);
 }
 
 // Every kind of parallelism at once: PP 2 x TP 2 (SP) x DP 2 with the MoE layers' experts over ETP 2 (the default:
