@@ -328,8 +328,8 @@ TEST_F(Mpi, BfloatTensorParallelTracksOneProcess) {
 // Muon (--optimizer muon, f32 products) under TP: duplicated gathers each shard's matrix -- QKV per piece, SwiGLU's
 // [gate_r; up_r] halves a row permutation of the whole, to which the orthogonalisation is equivariant -- and keeps its
 // part; distributed sums the norm and every Gram over the group instead; both follow one process, the experts' matrices
-// over ETP 2 too, and so do the replicas of plain data parallelism. blockwise orthogonalises each shard alone, which
-// Megatron defines to depend on the TP size: it differs from one process.
+// over ETP 2 too, and so do the replicas of plain data and context parallelism. blockwise orthogonalises each shard
+// alone, which Megatron defines to depend on the TP size: it differs from one process.
 TEST_F(Mpi, MuonUnderTensorParallelismMatchesOneProcess) {
   const auto muon = [](optim::MuonTpMode mode) {
     return TrainTweak([mode](train::TrainConfig& t) {
@@ -355,7 +355,8 @@ TEST_F(Mpi, MuonUnderTensorParallelismMatchesOneProcess) {
   };
   std::vector<std::pair<model::ModelConfig, Layout>> cases = {{llama_like(), Layout{P, false}},
                                                               {moe_model(false), Layout{2, true, P / 2, 1, 2}}};
-  if (P == 2) cases.push_back({llama_like(), Layout{1}});  // DP alone
+  if (P == 2) cases.push_back({llama_like(), Layout{1}});               // DP alone
+  if (P == 2) cases.push_back({llama_like(), Layout{1, false, 1, 2}});  // CP 2
   for (auto mode : {optim::MuonTpMode::duplicated, optim::MuonTpMode::distributed})
     for (const auto& [mc, l] : cases) {
       SCOPED_TRACE(std::string(enum_name(mode)) + ", " + l.name() + (mc.moe.enabled() ? ", MoE" : ""));
