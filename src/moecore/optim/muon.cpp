@@ -23,10 +23,7 @@ ops::NewtonSchulz MuonConfig::newton_schulz() const {
 }
 
 bool muon_managed(const std::string& name, int ndim, bool expert_parallel) {
-  const auto ends_with = [&](const std::string& s) {
-    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-  };
-  if (ends_with("word_embeddings.weight") || ends_with("output_layer.weight")) return false;
+  if (name.ends_with("word_embeddings.weight") || name.ends_with("output_layer.weight")) return false;
   return ndim == (expert_parallel ? 3 : 2);
 }
 

@@ -374,10 +374,7 @@ std::vector<optim::MuonParam> muon_params(const model::GptModel& gpt, const opti
   for (const Param& p : gpt.params()) {
     optim::MuonParam m;
     m.managed = optim::muon_managed(p.name, p.value.dim(), p.expert_parallel);
-    const std::string qkv = "linear_qkv.weight";
-    if (m.managed && cfg.split_qkv && p.name.size() >= qkv.size() &&
-        p.name.compare(p.name.size() - qkv.size(), qkv.size(), qkv) == 0)
-      m.pieces = {q, D, D};
+    if (m.managed && cfg.split_qkv && p.name.ends_with("linear_qkv.weight")) m.pieces = {q, D, D};
     out.push_back(std::move(m));
   }
   return out;
