@@ -518,12 +518,12 @@ void check_upcycling_layout(const Args& a, const model::ModelParallel& ep) {
 // The distributed optimizer shards the dense state over DP x CP and the experts' over EDP, within each of the
 // --num-distributed-optimizer-instances groups (each holds a whole copy).
 int64_t optimizer_state_shards(const train::TrainConfig& tcfg, const ParallelSizes& sizes) {
-  return tcfg.use_distributed_optimizer
+  return tcfg.shards_optimizer_state()
              ? std::max<int64_t>(1, std::min(sizes.dp * sizes.cp, sizes.edp) / tcfg.num_distributed_optimizer_instances)
              : 1;
 }
 
-// The run's memory plan before anything is allocated (GptModel::plan_memory: the model built on the meta device, with
+// The run's memory plan before anything is allocated (GptModel::memory_plan of the model built on the meta device, with
 // the micro-batch slots of this rank's pipeline schedule), with what the model does not hold (the optimizer state's
 // shard, the CPU attention scratch, --async-save's snapshot); recorded for out-of-memory errors and checked against
 // `limit`.
@@ -533,10 +533,13 @@ model::MemoryPlan run_memory_plan(const RunFlags& r, const RunGroups& g, const t
   const int64_t chunks = static_cast<int64_t>(model::check_layout(r.mcfg, par).chunks.size());
   const train::Schedule schedule =
       train::step_schedule(tcfg, g.groups.dp.size(), g.groups.pp.size(), g.groups.pp.rank(), chunks);
-  model::MemoryPlan plan = model::GptModel::plan_memory(r.mcfg, tcfg.micro_batch_size, g.par, schedule.in_flight,
-                                                        train::optimizer_state_bytes(tcfg, r.ocfg));
+  model::GptModel meta(r.mcfg, tcfg.micro_batch_size, /*seed=*/0, g.par, Device::meta);  // (allocates nothing)
+  if (!schedule.in_flight.empty()) meta.set_micro_batch_slots(schedule.in_flight);
+  model::MemoryPlan plan = meta.memory_plan(train::optimizer_state_bytes(tcfg, r.ocfg));
   int64_t& state_bytes = plan.bytes[static_cast<int>(MemCategory::optimizer_state)];
   state_bytes = (state_bytes + state_shards - 1) / state_shards;  // the distributed optimizer's shard
+  plan = train::fsdp_memory_plan(meta, plan, tcfg, r.ocfg, g.groups.dense_grads().size(), g.groups.edp.size(),
+                                 g.groups.etp.size());  // (Megatron-FSDP's optim_grads*: its own shards)
   if (r.device != Device::cuda)
     plan.bytes[static_cast<int>(MemCategory::workspace)] +=
         attention_scratch_bytes(r.mcfg, tcfg.micro_batch_size, g.par);
@@ -653,7 +656,7 @@ int train_main(int argc, char** argv) {
   model::GptModel gpt(r.mcfg, tcfg.micro_batch_size, tcfg.seed, g.par, r.device);
   // (the distributed optimizer and Muon hold their own state)
   optim::AdamW opt(gpt.params(), r.ocfg,
-                   /*allocate_state=*/!tcfg.use_distributed_optimizer && tcfg.optimizer == optim::OptimizerKind::adam);
+                   /*allocate_state=*/!tcfg.shards_optimizer_state() && tcfg.optimizer == optim::OptimizerKind::adam);
   load_start_weights(gpt, a, r.mcfg, tcfg, hf_mtp_fresh, out);
   tcfg.peak_gflops = train::gemm_peak_gflops(r.mcfg.compute_dtype, r.device);
   print_run_header(out, r, gpt, tcfg, source, plan);

@@ -181,15 +181,107 @@ void persistent_save_interval(const Args& a, const char* f, TrainConfig& t) {
 
 // torch and torch_dist are Megatron's resharding formats; moecore writes its own, which reshards too (any TP, PP, EP,
 // DP on load) and commits atomically. Megatron ties torch_dcp to torch FSDP2 and fsdp_dtensor to Megatron-FSDP.
+// Under either FSDP the checkpoint is the same format, written from whole parameters and loadable at any layout.
 void ckpt_format(const Args& a, const char* f, TrainConfig&) {
   const std::string v = a.str(f);
-  if (v == "fsdp_dtensor")
-    MOECORE_FAIL(f,
-                 " fsdp_dtensor is Megatron-FSDP's format (\"--ckpt-format fsdp_dtensor is only tested with Megatron ",
-                 "FSDP\"), and Megatron-FSDP is not supported yet; use --ckpt-format torch_dist");
-  if (v == "torch_dcp")
-    MOECORE_FAIL(f, " torch_dcp needs torch FSDP2 in Megatron (\"--ckpt-format torch_dcp is only tested with FSDP\"), ",
-                 "which is not supported yet; use --ckpt-format torch_dist");
+  const bool megatron = a.on("--use-megatron-fsdp"), torch = a.on("--use-torch-fsdp2");
+  if (v == "fsdp_dtensor" && !megatron)
+    MOECORE_FAIL(f, " fsdp_dtensor is only tested with Megatron FSDP (Megatron's check): add --use-megatron-fsdp, or ",
+                 "use --ckpt-format torch_dist");
+  if (megatron && v != "fsdp_dtensor")
+    MOECORE_FAIL("Megatron-FSDP requires the `fsdp_dtensor` checkpointing format (Megatron's check): add ", f,
+                 " fsdp_dtensor");
+  if (v == "torch_dcp" && !torch)
+    MOECORE_FAIL(f, " torch_dcp is only tested with FSDP (Megatron's check): add --use-torch-fsdp2, or use ", f,
+                 " torch_dist");
+  if (torch && v != "torch_dist" && v != "torch_dcp")
+    MOECORE_FAIL("--use-torch-fsdp2 requires ", f, " torch_dist or torch_dcp (Megatron's check), got ", v);
+  const auto above_one = [&](const char* g) { return a.given(g) && a.i64(g) > 1; };
+  if (v == "torch_dcp" && (above_one("--tensor-model-parallel-size") || above_one("--pipeline-model-parallel-size")))
+    MOECORE_FAIL(f, " torch_dcp needs --tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 (Megatron's ",
+                 "check)");
+}
+
+// Megatron-FSDP (--use-megatron-fsdp, v1) and torch FSDP2 (--use-torch-fsdp2), Megatron's validate_args rules:
+// Megatron-FSDP forces the distributed optimizer (with Megatron's warning) and shards as
+// --data-parallel-sharding-strategy says; FSDP2 is the optim_grads_params algorithm under Megatron's other name, with
+// its restrictions (its per-parameter shards and the averaging inside its collective change the rounding only). moecore
+// keeps f32 main parameters, and reduces and accumulates the gradients in f32 or bf16 (auto: bf16 under --bf16, as
+// Megatron); fp16 is refused naming what to pass.
+void fsdp_flags(const Args& a, const char*, TrainConfig& t) {
+  const bool megatron = a.on("--use-megatron-fsdp"), torch = a.on("--use-torch-fsdp2");
+  const char* fsdp_only[] = {"--data-parallel-sharding-strategy", "--outer-dp-sharding-strategy",
+                             "--megatron-fsdp-version",           "--megatron-fsdp-main-params-dtype",
+                             "--megatron-fsdp-main-grads-dtype",  "--megatron-fsdp-grad-comm-dtype"};
+  if (!megatron)
+    for (const char* f : fsdp_only)
+      if (a.given(f) && !megatron_is_default(*megatron_flag(f), a.str(f)))
+        MOECORE_FAIL(f, " ", a.str(f), " sets Megatron-FSDP: add --use-megatron-fsdp");
+  if (!torch && a.on("--torch-fsdp2-no-reshard-after-forward"))
+    MOECORE_FAIL("--torch-fsdp2-no-reshard-after-forward sets torch FSDP2: add --use-torch-fsdp2");
+  const auto above_one = [&](const char* f) { return a.given(f) && a.i64(f) > 1; };
+  if (megatron && torch)
+    MOECORE_FAIL("--use-megatron-fsdp and --use-torch-fsdp2 exclude each other (Megatron's check): give one");
+  if (torch) {  // (Megatron's validate_args for torch FSDP2)
+    if (a.on("--use-distributed-optimizer"))
+      MOECORE_FAIL("--use-torch-fsdp2 is not supported with the distributed optimizer (Megatron's check): drop ",
+                   "--use-distributed-optimizer");
+    if (above_one("--pipeline-model-parallel-size") || above_one("--expert-model-parallel-size"))
+      MOECORE_FAIL("--use-torch-fsdp2 needs --pipeline-model-parallel-size 1 and --expert-model-parallel-size 1 (",
+                   "Megatron's check); Megatron-FSDP (--use-megatron-fsdp) works with both");
+    if (!a.on("--no-gradient-accumulation-fusion"))
+      MOECORE_FAIL("--use-torch-fsdp2 needs --no-gradient-accumulation-fusion (Megatron's check)");
+    if (!a.on("--untie-embeddings-and-output-weights"))
+      MOECORE_FAIL("--use-torch-fsdp2 needs --untie-embeddings-and-output-weights (Megatron's check)");
+    if (a.on("--fp16")) MOECORE_FAIL("--use-torch-fsdp2 is not supported with --fp16 (Megatron's check)");
+    if (a.on("--torch-fsdp2-no-reshard-after-forward"))
+      MOECORE_FAIL("--torch-fsdp2-no-reshard-after-forward (every layer kept gathered from its forward to its ",
+                   "backward) is not supported; leave it out to gather each layer again before its backward");
+    t.fsdp = train::FsdpStrategy::optim_grads_params;
+    t.use_distributed_optimizer = true;  // (moecore's sharded optimizer state; FSDP2 steps the local shards too)
+    // FSDP2 reduces and accumulates in the parameters' dtype (here averaged by pre-scaling, not in the collective)
+    t.fsdp_main_grads_dtype = t.fsdp_grad_comm_dtype = a.on("--bf16") ? DType::bf16 : DType::f32;
+    return;
+  }
+  if (!megatron) return;
+  if (a.str("--megatron-fsdp-version") != "1")
+    MOECORE_FAIL("--megatron-fsdp-version ", a.str("--megatron-fsdp-version"),
+                 " (Megatron's experimental FSDP v2) is not supported; use 1, the default");
+  if (!t.use_distributed_optimizer) {
+    std::fprintf(stderr,
+                 "warning: Megatron-FSDP v1 is only compatible with --use-distributed-optimizer. Using "
+                 "DistributedOptimizer... (Megatron's check)\n");
+    t.use_distributed_optimizer = true;
+  }
+  const std::string s = a.str("--data-parallel-sharding-strategy");
+  t.fsdp = s == "no_shard"      ? train::FsdpStrategy::no_shard
+           : s == "optim"       ? train::FsdpStrategy::optim
+           : s == "optim_grads" ? train::FsdpStrategy::optim_grads
+                                : train::FsdpStrategy::optim_grads_params;
+  if (a.str("--outer-dp-sharding-strategy") == "optim") {
+    if (t.fsdp != train::FsdpStrategy::optim_grads_params)
+      MOECORE_FAIL("--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params ",
+                   "(Megatron's check), got ", s);
+    MOECORE_FAIL(
+        "--outer-dp-sharding-strategy optim shards across the data-parallel replicas of hybrid sharding ",
+        "(--num-distributed-optimizer-instances > 1), which moecore's Megatron-FSDP does not support yet; use ",
+        "no_shard, the default");
+  }
+  if (a.str("--megatron-fsdp-main-params-dtype") != "fp32")
+    MOECORE_FAIL("--megatron-fsdp-main-params-dtype ", a.str("--megatron-fsdp-main-params-dtype"),
+                 " is not supported: moecore keeps f32 main parameters (fp32, the default)");
+  // auto: the parameters' dtype (the main gradients'), as Megatron's mixed-precision policy
+  const DType params = a.on("--bf16") ? DType::bf16 : a.on("--fp16") ? DType::f16 : DType::f32;
+  const auto dtype = [&](const char* f, DType auto_dtype) {
+    const std::string v = a.str(f);
+    const DType t = v == "auto" ? auto_dtype : v == "bf16" ? DType::bf16 : v == "fp16" ? DType::f16 : DType::f32;
+    if (t == DType::f16)
+      MOECORE_FAIL(f, " ", v, v == "auto" ? " (fp16 under --fp16)" : "", " is not supported: moecore reduces and ",
+                   "accumulates Megatron-FSDP's gradients in fp32 or bf16; pass ", f, " fp32");
+    return t;
+  };
+  t.fsdp_main_grads_dtype = dtype("--megatron-fsdp-main-grads-dtype", params);
+  t.fsdp_grad_comm_dtype = dtype("--megatron-fsdp-grad-comm-dtype", t.fsdp_main_grads_dtype);
 }
 
 // Megatron's validate_args: an asynchronous save needs the persistent worker, or it is switched off with a warning.
@@ -371,6 +463,36 @@ const TrainFlag kTrainFlags[] = {
    "with --use-distributed-optimizer: the optimizer state is sharded within each of N groups of data-parallel ranks "
    "and gradients are all-reduced across the groups (Megatron's partial distributed optimizer)",
    D::integer(1, 1e6)},  // (train_cmd.cpp reads it into the ParallelConfig too)
+  {"--use-megatron-fsdp", S, kNone, "",
+   "Megatron-FSDP (v1): parameters, gradients and optimizer state sharded over the data-parallel ranks (experts: "
+   "expert-DP) as --data-parallel-sharding-strategy says; sets --use-distributed-optimizer",
+   {}, fsdp_flags},
+  {"--data-parallel-sharding-strategy", V, kNone, "optim_grads_params",
+   "with --use-megatron-fsdp: no_shard (plain data parallelism) | optim (the optimizer state: the distributed "
+   "optimizer) | optim_grads (and the gradients, reduce-scattered after each layer's backward every micro-batch) | "
+   "optim_grads_params (and the parameters, each decoder layer gathered before its forward and its backward, the next "
+   "prefetched)",
+   D::one_of({"no_shard", "optim", "optim_grads", "optim_grads_params"})},
+  {"--outer-dp-sharding-strategy", V, kNone, "no_shard",
+   "with --use-megatron-fsdp and hybrid sharding: no_shard (optim, sharding across the replicas, is not supported yet)",
+   D::one_of({"no_shard", "optim"})},
+  {"--megatron-fsdp-version", V, kNone, "1", "Megatron-FSDP's implementation: 1 (2, Megatron's experimental one, is "
+   "not supported)", D::one_of({"1", "2"})},
+  {"--megatron-fsdp-main-params-dtype", V, kNone, "fp32", "with --use-megatron-fsdp: fp32 (the main parameters)",
+   D::one_of({"fp32", "bf16", "fp16", "auto"})},
+  {"--megatron-fsdp-main-grads-dtype", V, kNone, "auto",
+   "with --use-megatron-fsdp: the dtype optim_grads and optim_grads_params accumulate the reduced gradients in over "
+   "the micro-batches: fp32 | bf16 | auto (the parameters': bf16 under --bf16); no_shard and optim take fp32",
+   D::one_of({"fp32", "bf16", "fp16", "auto"})},
+  {"--megatron-fsdp-grad-comm-dtype", V, kNone, "auto",
+   "with --use-megatron-fsdp: the dtype the gradients are reduce-scattered in: fp32 | bf16 | auto (the main "
+   "gradients')", D::one_of({"fp32", "bf16", "fp16", "auto"})},
+  {"--use-torch-fsdp2", S, kNone, "",
+   "torch FSDP2's sharding (each layer's parameters gathered before use, gradients reduce-scattered, state sharded): "
+   "the optim_grads_params algorithm, gradients in the parameters' dtype, under Megatron's restrictions (PP 1, EP 1, untied "
+   "embeddings, --no-gradient-accumulation-fusion, no --use-distributed-optimizer)"},
+  {"--torch-fsdp2-no-reshard-after-forward", S, kNone, "",
+   "with --use-torch-fsdp2: keep the layers gathered from forward to backward (not supported)"},
   // ---- Loss scaling and non-finite values
   {"--loss-scale", V, kNone, "",
    "a constant loss scale for --fp16 or --bf16 (without it --fp16 scales dynamically); steps whose gradients overflow "
@@ -429,7 +551,8 @@ const TrainFlag kTrainFlags[] = {
    "load only the weights: iteration 0, fresh optimizer and random state"},
   {"--ckpt-format", V, kNone, "torch_dist",
    "torch_dist | torch: moecore's checkpoint format (safetensors + COMMIT manifest; resharded on load to any TP, PP, "
-   "EP, DP, as torch_dist); torch_dcp and fsdp_dtensor need FSDP (not supported yet)",
+   "EP, DP, as torch_dist); fsdp_dtensor names it under --use-megatron-fsdp (which requires it, as Megatron), "
+   "torch_dcp under --use-torch-fsdp2",
    D::one_of({"torch", "torch_dist", "torch_dcp", "fsdp_dtensor"}), ckpt_format},
   {"--dist-ckpt-strictness", V, value<&T::ckpt_strictness>(), nullptr,
    "on load, checkpoint tensors the model does not take: raise_all refuses them, the other modes load the rest and name "

@@ -10,7 +10,10 @@
 #          distributed optimizer (overlap: --overlap-grad-reduce --overlap-param-gather), TP 2, TP 2 + SP, CP 2
 #   moe:   4 layers, hidden 256, 8 experts top-2: EP 2 (alltoall), TP 2 + SP (experts over ETP 2, the default), TP 2
 #          + SP with ETP 1, alone and with EP 2, DP 2 with the experts over ETP 2, CP 2 with EP 2
-# Usage: bash bench/layout_sweep.sh [BINARY] [ITERS] [dense|moe|both]   (default build/apps/moecore, 16, both)
+#   fsdp:  the dense model with 4 layers at DP 2 (issue 31): the distributed optimizer with its overlap, then
+#          Megatron-FSDP's optim_grads and optim_grads_params; the last lines give each FSDP layout's step time over the
+#          distributed optimizer's (the target: within 1.15)
+# Usage: bash bench/layout_sweep.sh [BINARY] [ITERS] [dense|moe|fsdp|both]   (default build/apps/moecore, 16, both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-build/apps/moecore}
@@ -27,6 +30,8 @@ common=(train --data-path "$out/corpus_text_document" --tokenizer-type ByteLevel
   --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0 --generate-tokens 0 --swiglu
   --make-vocab-size-divisible-by 256)
 dense=(--num-layers 2 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 2816 --seq-length 256
+  --micro-batch-size 2 --global-batch-size 8)
+fsdp=(--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 2816 --seq-length 256
   --micro-batch-size 2 --global-batch-size 8)
 moe=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --num-experts 8 --moe-router-topk 2
   --moe-ffn-hidden-size 512 --moe-aux-loss-coeff 1e-2 --micro-batch-size 4 --global-batch-size 16
@@ -62,19 +67,31 @@ def best(tag):
     return max(res)
 ref = best("ref")[0]
 print(f"layout_sweep {name}: 1 rank x 2 threads {ref:.0f} tokens/s (reference)")
+got = []
 for i, layout in enumerate(layouts, 1):
     tps, share, grads = best(f"l{i}")
+    got.append(tps)
     print(f"layout_sweep {name}: {layout.split('|')[0]:<24} {tps:8.0f} tokens/s | ratio {tps / ref:.3f} | "
           f"exposed comm {100 * share:.1f}% of step time, of which the gradient reduction {100 * grads:.1f}%")
+if name == "fsdp":  # the first layout is the distributed optimizer's
+    for layout, tps in zip(layouts[1:], got[1:]):
+        print(f"layout_sweep fsdp: {layout.split('|')[0]:<24} step time / distributed optimizer's {got[0] / tps:.3f}")
 PY
 }
-if [ "$which" != moe ]; then
+if [ "$which" = dense ] || [ "$which" = both ]; then
   run_model dense dense "DP 2|" "DP 2, 2M buckets|--ddp-bucket-size 2000000" \
     "DP 2, 2M buckets, overlap|--ddp-bucket-size 2000000 --overlap-grad-reduce" \
     "DP 2, ZeRO, 2M buckets|--use-distributed-optimizer --ddp-bucket-size 2000000" \
     "DP 2, ZeRO, 2M, overlap|--use-distributed-optimizer --ddp-bucket-size 2000000 --overlap-grad-reduce --overlap-param-gather" \
     "TP 2|--tensor-model-parallel-size 2" "TP 2 + SP|--tensor-model-parallel-size 2 --sequence-parallel" \
     "CP 2|--context-parallel-size 2"
+fi
+if [ "$which" = fsdp ]; then
+  megatron_fsdp="--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy"
+  run_model fsdp fsdp \
+    "DP 2, ZeRO, overlap|--use-distributed-optimizer --ddp-bucket-size 2000000 --overlap-grad-reduce --overlap-param-gather" \
+    "DP 2, FSDP optim_grads|$megatron_fsdp optim_grads" "DP 2, FSDP optim_grads_params|$megatron_fsdp optim_grads_params"
+  exit 0
 fi
 if [ "$which" != dense ]; then
   run_model moe moe "EP 2|--expert-model-parallel-size 2" \

@@ -84,10 +84,39 @@ TEST_F(MegatronSemantics, CkptFormats) {
     EXPECT_EQ(r.status, 0) << format << "\n" << r.output;
     EXPECT_TRUE(std::filesystem::exists(p(std::string(format) + "/iter_0000002/COMMIT")));
   }
-  expect_error("--ckpt-format fsdp_dtensor", "Megatron-FSDP is not supported yet; use --ckpt-format torch_dist");
+  expect_error("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor is only tested with Megatron FSDP");
   expect_error("--ckpt-format torch_dcp", "--ckpt-format torch_dcp is only tested with FSDP");
   expect_error("--ckpt-format zarr", "--ckpt-format");
   expect_error("--dist-ckpt-strictness strict", "--dist-ckpt-strictness");
+}
+
+// Megatron-FSDP from the command line: --use-megatron-fsdp (default strategy optim_grads_params) trains and saves in
+// the format it requires, and loads where the distributed optimizer resumes; Megatron's rules refuse what it refuses.
+TEST_F(MegatronSemantics, MegatronFsdpFlags) {
+  byte_corpus();
+  const std::string fsdp = "--use-megatron-fsdp --ckpt-format fsdp_dtensor ";
+  for (const char* s : {"optim_grads_params", "optim_grads", "optim", "no_shard"}) {
+    const CmdResult r = run_moecore(train_args() + fsdp + "--data-parallel-sharding-strategy " + s + " --save " + p(s));
+    EXPECT_EQ(r.status, 0) << s << "\n" << r.output;
+    EXPECT_TRUE(std::filesystem::exists(p(std::string(s) + "/iter_0000002/COMMIT"))) << s;
+  }
+  expect_error("--use-megatron-fsdp", "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format");
+  expect_error(fsdp + "--optimizer muon", "Megatron-FSDP does not support the muon optimizer yet");
+  {  // bf16 gradients (auto under --bf16), reduced and accumulated in bf16
+    const CmdResult r = run_moecore(train_args() + fsdp + "--bf16");
+    EXPECT_EQ(r.status, 0) << r.output;
+  }
+  expect_error(fsdp + "--bf16 --data-parallel-sharding-strategy optim",
+               "pass --megatron-fsdp-main-grads-dtype fp32 --megatron-fsdp-grad-comm-dtype fp32");
+  expect_error(fsdp + "--megatron-fsdp-main-grads-dtype fp16",
+               "--megatron-fsdp-main-grads-dtype fp16 is not supported");
+  expect_error(fsdp + "--megatron-fsdp-main-params-dtype bf16", "moecore keeps f32 main parameters");
+  expect_error(fsdp + "--megatron-fsdp-version 2", "--megatron-fsdp-version 2");
+  expect_error(fsdp + "--outer-dp-sharding-strategy optim --data-parallel-sharding-strategy optim",
+               "--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params");
+  expect_error("--data-parallel-sharding-strategy optim", "sets Megatron-FSDP: add --use-megatron-fsdp");
+  expect_error(fsdp + "--use-torch-fsdp2", "--use-megatron-fsdp and --use-torch-fsdp2 exclude each other");
+  expect_error("--use-torch-fsdp2", "--use-torch-fsdp2 needs --no-gradient-accumulation-fusion");
 }
 
 TEST_F(MegatronSemantics, ValidationPerplexityToTensorBoard) {

@@ -196,6 +196,98 @@ AdamWConfig clipped_config() {
   return c;
 }
 
+// Megatron-FSDP's reduction (reduce_bucket every micro-batch, FSDP units as buckets): with f32 gradients the summed
+// shard after one micro-batch is reduce_scatter_grads' (the update then bitwise the plain AdamW's); with bf16
+// communication and main gradients, each micro-batch's gradients are rounded to bf16, summed over the ranks in rank
+// order with every addition rounded to bf16, and added into a bf16 accumulator (in f32, rounded): the shard's squared
+// norm after finish_main_grads is that of the reference's owned elements. With shard_params the masters live in the
+// shards: the values, released, are gathered back on demand bitwise the plain AdamW's.
+TEST_F(Mpi, FsdpBucketReductionsAccumulateEachMicroBatch) {
+  const std::vector<Spec> specs = assorted();
+  for (DType t : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(std::string(dtype_name(t)));
+    std::vector<Param> params = make_params(specs);
+    DistributedAdamWOptions o;
+    o.bucket_ends = {1, 2, 5, 6, 7};  // the embedding, a norm, a "unit" of three, two more alone
+    o.grad_dtype = o.comm_dtype = t;
+    DistributedAdamW opt(pointers(params), {}, world, o);
+    const int micro = 2;
+    opt.zero_shard_grads();
+    for (int m = 0; m < micro; ++m) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        Tensor h = Tensor::empty(params[i].grad.shape(), DType::f32, MemCategory::other);
+        for (int64_t k = 0; k < h.numel(); ++k) h.data<float>()[k] = grad_at(me, m, i, k);
+        params[i].grad.copy_from(h);
+      }
+      for (size_t b = 0; b < o.bucket_ends.size(); ++b) opt.reduce_bucket(b);
+    }
+    opt.finish_main_grads();
+    // The reference: per bucket, this rank's owned elements [me * shard, (me + 1) * shard) of the padded bucket.
+    double want = 0;
+    size_t first = 0;
+    for (size_t end : o.bucket_ends) {
+      int64_t n = 0;
+      for (size_t i = first; i < end; ++i) n += params[i].value.numel();
+      const int64_t shard = (n + P - 1) / P;
+      int64_t at = 0;
+      for (size_t i = first; i < end; ++i) {
+        for (int64_t k = 0; k < params[i].value.numel(); ++k, ++at) {
+          if (at < me * shard || at >= (me + 1) * shard) continue;
+          float acc = 0;
+          for (int m = 0; m < micro; ++m) {
+            float sum = 0;
+            for (int q = 0; q < P; ++q) {
+              const float g = grad_at(q, m, i, k);
+              sum = t == DType::bf16 ? bf16_to_float(float_to_bf16((q ? sum : 0.0f) + bf16_to_float(float_to_bf16(g))))
+                                     : (q ? sum + g : g);
+            }
+            acc = t == DType::bf16 ? bf16_to_float(float_to_bf16(acc + sum)) : acc + sum;
+          }
+          want += static_cast<double>(acc) * acc;
+        }
+      }
+      first = end;
+    }
+    EXPECT_NEAR(opt.shard_grad_sq(), want, 1e-12 * want);
+  }
+  {  // shard_params: the values released between uses, gathered on demand
+    std::vector<Param> dist = make_params(specs), ref = make_params(specs);
+    DistributedAdamWOptions o;
+    o.bucket_ends = {1, 2, 5, 6, 7};
+    o.shard_params = true;
+    const AdamWConfig cfg = clipped_config();
+    DistributedAdamW opt(pointers(dist), cfg, world, o);
+    AdamW plain(ref, cfg);
+    for (int step = 0; step < 3; ++step) {
+      for (size_t i = 0; i < dist.size(); ++i) {
+        Tensor d = Tensor::empty(dist[i].grad.shape(), DType::f32, MemCategory::other);
+        Tensor r = Tensor::empty(ref[i].grad.shape(), DType::f32, MemCategory::other);
+        for (int64_t k = 0; k < d.numel(); ++k) {
+          d.data<float>()[k] = grad_at(me, step, i, k);
+          float acc = grad_at(0, step, i, k);
+          for (int q = 1; q < P; ++q) acc += grad_at(q, step, i, k);
+          r.data<float>()[k] = acc;
+        }
+        dist[i].grad.copy_from(d);
+        ref[i].grad.copy_from(r);
+      }
+      opt.zero_shard_grads();
+      for (size_t b = 0; b < o.bucket_ends.size(); ++b) opt.reduce_bucket(b);
+      std::vector<double> sq = {opt.shard_grad_sq()};
+      all_reduce_sum(sq, world);
+      for (size_t i = 2; i < 5; ++i) dist[i].value.release_storage();  // the "unit", released
+      opt.step(1e-2f, optim::clip_scale_for(std::sqrt(sq[0]), cfg.clip_grad));
+      plain.step(1e-2f, std::sqrt(sq[0]));
+      EXPECT_FALSE(dist[3].value.resident());
+      for (size_t i = 2; i < 5; ++i) dist[i].value.reacquire_storage();
+      opt.post_gather(2);
+      opt.wait_gather(2);
+      for (size_t i = 0; i < dist.size(); ++i)
+        EXPECT_EQ(bitwise_diff(dist[i].value, ref[i].value), "") << "step " << step + 1 << ": " << dist[i].name;
+    }
+  }
+}
+
 TEST_F(Mpi, ParamsBitwiseEqualPlainAdamWOnSummedGradients) {
   for (int64_t bucket : {int64_t{1}, int64_t{64}, kDefaultBucket}) {
     Harness h(world, clipped_config(), bucket, assorted());

@@ -110,6 +110,7 @@ struct Layout {
   bool per_token = false;  // --calculate-per-token-loss, on batches whose micro-batches count uneven tokens
   float loss_scale = 0;    // > 0: a dynamic loss scale starting there (--fp16's scaler on the f32 model)
   bool muon = false;       // --optimizer muon (f32 products, --muon-extra-scale-factor 0.2)
+  train::FsdpStrategy fsdp = train::FsdpStrategy::off;  // --use-megatron-fsdp's --data-parallel-sharding-strategy
   std::string name() const {
     return "PP " + std::to_string(pp) + (vpp > 1 ? " x VPP " + std::to_string(vpp) : "") +
            (group > 0 ? " (groups of " + std::to_string(group) + ")" : "") +
@@ -118,7 +119,8 @@ struct Layout {
            (zero ? ", distributed optimizer" : "") + (overlap ? ", overlapped" : "") +
            (tp > 1 ? ", TP " + std::to_string(tp) + " + SP" : "") + (cp > 1 ? ", CP " + std::to_string(cp) : "") +
            (order != ParallelConfig{}.order ? ", order " + order : "") + (per_token ? ", per-token loss" : "") +
-           (loss_scale > 0 ? ", loss scale " + std::to_string(loss_scale) : "") + (muon ? ", Muon" : "");
+           (loss_scale > 0 ? ", loss scale " + std::to_string(loss_scale) : "") + (muon ? ", Muon" : "") +
+           (fsdp != train::FsdpStrategy::off ? ", FSDP strategy " + std::to_string(static_cast<int>(fsdp)) : "");
   }
 };
 
@@ -180,6 +182,10 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   tc.async_save = async_save;
   tc.use_persistent_ckpt_worker = true;
   tc.calculate_per_token_loss = l.per_token;
+  if (l.fsdp != train::FsdpStrategy::off) {
+    tc.fsdp = l.fsdp;
+    tc.use_distributed_optimizer = true;
+  }
   if (l.muon) {
     tc.optimizer = optim::OptimizerKind::muon;
     tc.muon.fp32_matmul_prec = optim::MuonMatmulPrecision::high;
@@ -225,7 +231,7 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
       return p.expert_parallel ? all_gather_shards(all_gather_shards(t, p.tp, par.etp), ep, par.ep).clone()
                                : all_gather_shards(t, p.tp, par.tp).clone();
     };
-    r.grads[p.name] = whole(p.grad);
+    if (p.grad.resident()) r.grads[p.name] = whole(p.grad);  // (FSDP's optim_grads*: a layer's live in the shards)
     r.values[p.name] = whole(p.value);
   }
   return r;
@@ -242,7 +248,8 @@ void check_layout(const ProcessGroup& world, const model::ModelConfig& mc, const
   const Result got1 = run(world, mc, l, 1);
   EXPECT_LE(rel(got1.loss[0], ref1.loss[0]), 1e-6) << got1.loss[0] << " vs " << ref1.loss[0];
   EXPECT_LE(rel(got1.grad_norm[0], ref1.grad_norm[0]), 1e-6) << got1.grad_norm[0] << " vs " << ref1.grad_norm[0];
-  if (!l.zero) expect_close(got1.grads, ref1.grads);  // (the distributed optimizer reduces into its shards)
+  if (!l.zero && l.fsdp == train::FsdpStrategy::off)  // (the distributed optimizer and FSDP reduce into their shards)
+    expect_close(got1.grads, ref1.grads);
   const Result ref = run(world, mc, one, iters);
   const Result got = run(world, mc, l, iters);
   const Result again = run(world, mc, l, iters);
@@ -450,6 +457,24 @@ TEST_F(Mpi, MuonUnderPipelineMatchesOneProcess) {
   Layout dp{2, 1, -1, -1, /*zero=*/true};
   dp.muon = true;
   check_layout(world, moe_mtp(), dp, 8);
+}
+
+// Megatron-FSDP over the pipeline's stages: each stage shards its own decoder layers and MTP depth (the tied
+// embedding and its last-stage copy outside the units, their gradients summed across the stages before the reduction),
+// under PP = P and at 4 ranks PP 2 x DP 2 (MoE: with the experts over EP 2 at DP 2 inside each stage).
+TEST_F(Mpi, MegatronFsdpUnderPipelineMatchesOneProcess) {
+  for (train::FsdpStrategy s : {train::FsdpStrategy::optim_grads, train::FsdpStrategy::optim_grads_params}) {
+    Layout pp{P};
+    pp.fsdp = s;
+    check_layout(world, moe_mtp(), pp, 8);
+    check_layout(world, tied_dense(), pp, 8);
+    if (P != 4) continue;
+    Layout dp{2, 2};
+    dp.fsdp = s;
+    check_layout(world, moe_mtp(), dp, 8);
+    dp.ep = 1;
+    check_layout(world, tied_dense(), dp, 8);
+  }
 }
 
 // Every kind of parallelism at once: PP 2 x TP 2 (SP) x DP 2 with the MoE layers' experts over ETP 2 (the default:

@@ -33,6 +33,7 @@
 #include "moecore/parallel/process_groups.h"
 #include "moecore/parallel/shards.h"
 #include "moecore/train/checkpointing.h"
+#include "moecore/train/optimizer.h"
 #include "moecore/train/trainer.h"
 
 namespace moecore {
@@ -171,14 +172,15 @@ Built build(const ProcessGroup& world, const Layout& l, int64_t num_experts = 0)
 using TrainTweak = std::function<void(train::TrainConfig&)>;
 Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout& l, int64_t iters,
            const std::string& save = "", const std::string& load = "", int64_t exit_at = 0, bool zero = false,
-           bool overlap = false, bool gather = false, const TrainTweak& tweak = {}) {
+           bool overlap = false, bool gather = false, const TrainTweak& tweak = {},
+           const optim::AdamWConfig& ocfg = {}) {
   const Built b = build(world, l, mc.moe.num_experts);
   model::GptModel gpt(mc, 2, 42, b.par, testing::test_device());
   // The start-up memory check's count (apps: check_model_fits) is what this rank allocates.
   EXPECT_EQ(model::parameters_per_rank(mc, static_cast<int>(gpt.ep_size()), static_cast<int>(gpt.tp_size()),
                                        static_cast<int>(gpt.etp_size())),
             gpt.num_parameters());
-  optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/!zero);
+  optim::AdamW opt(gpt.params(), ocfg, /*allocate_state=*/!zero);
   train::TrainConfig tc = train_config(iters);
   tc.use_distributed_optimizer = zero;
   tc.num_distributed_optimizer_instances = l.instances;
@@ -202,11 +204,12 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
       auto whole = [&](const Tensor& t) {
         return all_gather_shards(all_gather_shards(t, p.tp, b.par.etp), ep, b.par.ep).clone();
       };
-      r.grads[p.name] = whole(p.grad);
+      if (p.grad.resident()) r.grads[p.name] = whole(p.grad);
       r.values[p.name] = whole(p.value);
       continue;
     }
-    r.grads[p.name] = all_gather_shards(p.grad, p.tp, b.par.tp).clone();
+    // (Megatron-FSDP's optim_grads*: a decoder layer's gradients live in the shards only)
+    if (p.grad.resident()) r.grads[p.name] = all_gather_shards(p.grad, p.tp, b.par.tp).clone();
     r.values[p.name] = all_gather_shards(p.value, p.tp, b.par.tp).clone();
   }
   return r;
@@ -704,6 +707,146 @@ TEST_F(Mpi, PartialDistributedOptimizerMatchesOneProcess) {
 // Megatron's checks of --num-distributed-optimizer-instances, quoted, on every rank before any collective: N must
 // divide the data-parallel size (and the expert one), needs the distributed optimizer, and the groups must be built
 // for the same N.
+// Megatron-FSDP (--use-megatron-fsdp): every sharding strategy trains as plain data parallelism at the same layout --
+// DP alone (dense), the MoE model with its experts over EP 2 (sharded over EDP), and TP 2 (each TP rank's FSDP over its
+// slice), MTP with full recompute -- with 20-step losses within 1e-5 and every parameter close at the end (bf16 main
+// gradients and communication: within 1e-2, and not the f32 run's bits); no_shard and optim are
+// the all-reduce and the distributed optimizer themselves. With one micro-batch per rank and no clipping, optim_grads
+// and optim_grads_params are bitwise the distributed optimizer (each micro-batch's reduction is then the step's). A
+// checkpoint saved under optim_grads_params resumes at one process, and under optim_grads at another layout, with the
+// uninterrupted run's losses.
+TEST_F(Mpi, MegatronFsdpMatchesDataParallel) {
+  using S = train::FsdpStrategy;
+  const auto fsdp = [](S s, int64_t global_batch = 8) {
+    return TrainTweak([=](train::TrainConfig& t) {
+      t.fsdp = s;
+      t.use_distributed_optimizer = s != S::off || t.use_distributed_optimizer;
+      t.global_batch_size = global_batch;
+    });
+  };
+  struct Case {
+    model::ModelConfig mc;
+    Layout l;
+  };
+  model::ModelConfig mtp = llama_like();  // two MTP depths (units of their own) and full recompute (gathers again)
+  mtp.mtp_num_layers = 2;
+  mtp.recompute.granularity = "full";
+  mtp.recompute.method = "uniform";
+  mtp.recompute.num_layers = 2;
+  std::vector<Case> cases = {
+      {llama_like(), {1}}, {moe_model(false), {1, false, 2}}, {gpt2_like(), {2, false}}, {mtp, {1}}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : "") + (c.mc.mtp_num_layers ? ", MTP, recompute" : ""));
+    const Result plain = run(world, c.mc, c.l, 20);
+    for (S s : {S::no_shard, S::optim, S::optim_grads, S::optim_grads_params}) {
+      SCOPED_TRACE("strategy " + std::to_string(static_cast<int>(s)));
+      const Result got = run(world, c.mc, c.l, 20, "", "", 0, false, false, false, fsdp(s));
+      ASSERT_EQ(got.loss.size(), 20u);
+      EXPECT_LE(rel(got.grad_norm[0], plain.grad_norm[0]), 1e-6) << got.grad_norm[0] << " vs " << plain.grad_norm[0];
+      for (size_t i = 0; i < 20; ++i)
+        EXPECT_LE(rel(got.loss[i], plain.loss[i]), 1e-5)
+            << "step " << i + 1 << ": " << got.loss[i] << " vs " << plain.loss[i];
+      // Every parameter after 20 steps, within 1e-3 relative and 1e-5 of the tensor's largest value: the reduction's
+      // order (and, clipping, the norm's) changes the rounding, which Adam's normalisation amplifies in the elements
+      // whose gradients are near zero. (The key-norm bias's gradient vanishes in exact arithmetic -- softmax ignores a
+      // shift shared by every key -- so Adam steps it by rounding noise alone: left out.)
+      ASSERT_EQ(got.values.size(), plain.values.size());
+      for (const auto& [name, v] : got.values) {
+        if (name.ends_with("k_layernorm.bias")) continue;
+        const Tensor& r = plain.values.at(name);
+        const float* a = v.data<float>();
+        const float* b = r.data<float>();
+        double maxref = 0;
+        for (int64_t i = 0; i < r.numel(); ++i) maxref = std::max(maxref, std::fabs(static_cast<double>(b[i])));
+        for (int64_t i = 0; i < r.numel(); ++i)
+          ASSERT_NEAR(a[i], b[i], 1e-3 * std::fabs(b[i]) + 1e-5 * maxref) << name << " element " << i;
+      }
+    }
+  }
+  {  // one micro-batch per rank, no clipping: bitwise the distributed optimizer
+    optim::AdamWConfig no_clip;
+    no_clip.clip_grad = 0;
+    const Result zero =
+        run(world, llama_like(), Layout{1}, 6, "", "", 0, true, false, false, fsdp(S::off, 2 * P), no_clip);
+    for (S s : {S::optim_grads, S::optim_grads_params}) {
+      const Result got =
+          run(world, llama_like(), Layout{1}, 6, "", "", 0, false, false, false, fsdp(s, 2 * P), no_clip);
+      ASSERT_EQ(got.loss.size(), 6u);
+      for (size_t i = 0; i < 6; ++i)
+        EXPECT_EQ(std::memcmp(&got.loss[i], &zero.loss[i], sizeof(double)), 0) << "step " << i + 1;
+      for (const auto& [name, v] : zero.values)
+        EXPECT_EQ(std::memcmp(v.raw(), got.values.at(name).raw(), static_cast<size_t>(v.nbytes())), 0) << name;
+    }
+  }
+  {  // bf16 main gradients and communication (Megatron's auto under --bf16): the run tracks the f32 one, not bitwise
+    const Result f32 =
+        run(world, llama_like(), Layout{1}, 20, "", "", 0, false, false, false, fsdp(S::optim_grads_params));
+    const Result bf16 =
+        run(world, llama_like(), Layout{1}, 20, "", "", 0, false, false, false, TrainTweak([&](train::TrainConfig& t) {
+              fsdp(S::optim_grads_params)(t);
+              t.fsdp_main_grads_dtype = t.fsdp_grad_comm_dtype = DType::bf16;
+            }));
+    ASSERT_EQ(bf16.loss.size(), 20u);
+    for (size_t i = 0; i < 20; ++i) EXPECT_LE(rel(bf16.loss[i], f32.loss[i]), 1e-2) << "step " << i + 1;
+    EXPECT_NE(bf16.grad_norm[0], f32.grad_norm[0]);
+  }
+  const std::string dir = shared_dir(world, "moecore_mpi_tp_", "fsdp");
+  const Result straight = run(world, moe_model(false), Layout{0, false}, 8);
+  for (S s : {S::optim_grads_params, S::optim_grads}) {
+    run(world, moe_model(false), Layout{1, false, 2}, 8, dir, "", 4, false, false, false, fsdp(s));
+    const Layout at = s == S::optim_grads_params ? Layout{0, false} : Layout{1};
+    const Result resumed = run(world, moe_model(false), at, 8, "", dir, 0, false, false, false,
+                               at.tp == 0 ? TrainTweak() : fsdp(S::optim_grads_params));
+    ASSERT_EQ(resumed.loss.size(), 4u) << at.name();
+    for (size_t i = 0; i < 4; ++i)
+      EXPECT_LE(rel(resumed.loss[i], straight.loss[4 + i]), 1e-4) << at.name() << " step " << 5 + i;
+    barrier(world);
+    if (world.rank() == 0) std::filesystem::remove_all(dir);
+    barrier(world);
+  }
+}
+
+// Megatron-FSDP's memory plan (train::fsdp_memory_plan) is what a rank allocates while it trains: the peak parameter,
+// gradient and optimizer-state bytes of steps 2 and 3 equal the plan's, for optim_grads and optim_grads_params (f32
+// and bf16 main gradients), dense
+// at DP P and MoE with the experts over EP 2. (Which strategy holds least depends on the model's shape: test_fsdp_plan
+// shows the ordering on a full-size one; these two-layer models gather half their layers at once.)
+TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
+  struct Case {
+    model::ModelConfig mc;
+    Layout l;
+  };
+  for (const Case& c : {Case{llama_like(), {1}}, Case{moe_model(false), {1, false, 2}}}) {
+    using S = train::FsdpStrategy;
+    for (const auto& [s, t] : {std::pair{S::optim_grads, DType::f32}, std::pair{S::optim_grads_params, DType::f32},
+                               std::pair{S::optim_grads_params, DType::bf16}}) {
+      SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : "") + ", strategy " + enum_name(s) + ", gradients " +
+                   std::string(dtype_name(t)));
+      const Built b = build(world, c.l, c.mc.moe.num_experts);
+      model::GptModel gpt(c.mc, 2, 42, b.par, testing::test_device());
+      optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/false);
+      train::TrainConfig tc = train_config(3);
+      tc.has_validation = false;
+      tc.use_distributed_optimizer = true;
+      tc.fsdp = s;
+      tc.fsdp_main_grads_dtype = tc.fsdp_grad_comm_dtype = t;
+      const model::MemoryPlan plan =
+          train::fsdp_memory_plan(gpt, gpt.memory_plan(train::optimizer_state_bytes(tc, {})), tc, {},
+                                  b.groups.dense_grads().size(), b.groups.edp.size(), b.groups.etp.size());
+      MemoryStats seen;
+      const auto observe = [&](int64_t it, double, bool) {
+        if (it == 0) memory_reset_peaks();
+        if (it == 2) seen = memory_stats();
+      };
+      train::train(gpt, opt, tc, synthetic_batch, nullptr, observe, &b.groups);
+      for (MemCategory m : {MemCategory::parameters, MemCategory::gradients, MemCategory::optimizer_state}) {
+        const auto k = static_cast<size_t>(m);
+        EXPECT_EQ(seen.peak[k], plan.bytes[k]) << mem_category_name(m);
+      }
+    }
+  }
+}
+
 TEST_F(Mpi, BadDistributedOptimizerInstancesFailNamingTheValues) {
   Layout three{1, false};
   three.instances = P + 1;

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "moecore/core/error.h"
+#include "moecore/core/tensor.h"
 #include "moecore/parallel/comm.h"
 #include "moecore/parallel/process_groups.h"
 #include "test_util.h"
@@ -130,6 +131,31 @@ TEST_F(Mpi, ReduceScatterSumIsRankOrdered) {
     const float want = rank_ordered_sum<float>(P, me * n + i);
     EXPECT_EQ(std::bit_cast<uint32_t>(out[static_cast<size_t>(i)]), std::bit_cast<uint32_t>(want)) << i;
   }
+}
+
+// bf16 (Megatron-FSDP's gradient communication): each partial sum of the rank order rounded to bf16, as NCCL's
+// reductions of bf16 buffers round at every addition; the same in the all-reduce and the nonblocking form.
+TEST_F(Mpi, Bf16ReductionsRoundEveryAdditionInRankOrder) {
+  const int64_t n = 37;
+  std::vector<bf16> in(static_cast<size_t>(n * P)), out(static_cast<size_t>(n)), all(static_cast<size_t>(n * P));
+  const auto value = [](int r, int64_t i) { return float_to_bf16(contribution<float>(r, i) * 1e3f); };
+  for (int64_t i = 0; i < n * P; ++i) in[static_cast<size_t>(i)] = all[static_cast<size_t>(i)] = value(me, i);
+  reduce_scatter_sum(std::span<bf16>(out), std::span<const bf16>(in), world);
+  all_reduce_sum(std::span<bf16>(all), world);
+  Tensor async_in = Tensor::empty({n * P}, DType::bf16, MemCategory::other);
+  Tensor async_out = Tensor::empty({n}, DType::bf16, MemCategory::other);
+  std::memcpy(async_in.raw(), in.data(), static_cast<size_t>(n * P) * sizeof(bf16));
+  reduce_scatter_sum_async(async_out, async_in, world).wait();
+  const auto want = [&](int64_t i) {
+    float acc = bf16_to_float(value(0, i));
+    for (int r = 1; r < P; ++r) acc = bf16_to_float(float_to_bf16(acc + bf16_to_float(value(r, i))));
+    return float_to_bf16(acc).bits;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_EQ(out[static_cast<size_t>(i)].bits, want(me * n + i)) << i;
+    EXPECT_EQ(async_out.data<bf16>()[i].bits, want(me * n + i)) << i;
+  }
+  for (int64_t i = 0; i < n * P; ++i) EXPECT_EQ(all[static_cast<size_t>(i)].bits, want(i)) << i;
 }
 
 // Blocks of different sizes (rank 0's empty): block r of every rank's input is summed on rank r in rank order, in

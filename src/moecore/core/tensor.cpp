@@ -156,22 +156,29 @@ void Tensor::check_device_access() const {
 Storage::Storage(int64_t nbytes, Device dev, MemCategory cat) : bytes(nbytes), device(dev), category(cat) {
   MOECORE_CHECK(nbytes >= 0, "negative allocation ", nbytes);
   if (dev == Device::meta) return;  // (no memory, nothing recorded)
-  if (host_memory(dev) && nbytes >= kHostMapBytes) {
-    void* p = ::mmap(nullptr, static_cast<size_t>(nbytes), PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    data = p == MAP_FAILED ? nullptr : p;
-  } else if (host_memory(dev)) {
-    const size_t rounded = (static_cast<size_t>(nbytes) + 63) / 64 * 64;
-    data = std::aligned_alloc(64, rounded ? rounded : 64);
-  } else {
-    data = device_alloc(nbytes);
-  }
-  if (!data) out_of_memory(nbytes, cat, dev);
-  memory_record_alloc(cat, nbytes, dev);
+  released = true;
+  acquire();
 }
 
-Storage::~Storage() {
-  if (device == Device::meta) return;
+void Storage::acquire() {
+  if (!released || device == Device::meta) return;
+  if (host_memory(device) && bytes >= kHostMapBytes) {
+    void* p = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    data = p == MAP_FAILED ? nullptr : p;
+  } else if (host_memory(device)) {
+    const size_t rounded = (static_cast<size_t>(bytes) + 63) / 64 * 64;
+    data = std::aligned_alloc(64, rounded ? rounded : 64);
+  } else {
+    data = device_alloc(bytes);
+  }
+  if (!data) out_of_memory(bytes, category, device);
+  released = false;
+  memory_record_alloc(category, bytes, device);
+}
+
+void Storage::release() {
+  if (released || device == Device::meta) return;
   memory_record_free(category, bytes, device);
   if (host_memory(device) && bytes >= kHostMapBytes)
     ::munmap(data, static_cast<size_t>(bytes));
@@ -179,6 +186,27 @@ Storage::~Storage() {
     std::free(data);
   else
     device_free(data);
+  data = nullptr;
+  released = true;
+}
+
+Storage::~Storage() {
+  release();
+}
+
+void Tensor::release_storage() const {
+  MOECORE_CHECK(storage_, "tensor.release_storage: undefined tensor");
+  storage_->release();
+}
+
+void Tensor::reacquire_storage() const {
+  MOECORE_CHECK(storage_, "tensor.reacquire_storage: undefined tensor");
+  storage_->acquire();
+}
+
+void Tensor::released_error() const {
+  MOECORE_FAIL("tensor ", str(), " is released (its memory given back between uses, Megatron-FSDP): its data was ",
+               "addressed before the storage was taken again");
 }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, MemCategory category, Device device) {

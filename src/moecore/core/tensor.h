@@ -56,14 +56,19 @@ struct Shape {
   std::string str() const;  // "[2, 3]"
 };
 
-// Owning allocation. 64-byte aligned on the CPU.
+// Owning allocation. 64-byte aligned on the CPU. Its memory may be given back and taken again while the object (and
+// every tensor viewing it) lives on: release() frees it (the accounting too), acquire() allocates it anew, contents
+// undefined (Megatron-FSDP's sharded parameters and gradients between their uses, Tensor::release_storage).
 struct Storage {
   void* data = nullptr;
   int64_t bytes = 0;
   Device device = Device::cpu;
   MemCategory category = MemCategory::other;
+  bool released = false;
   Storage(int64_t bytes, Device device, MemCategory category);
   ~Storage();
+  void release();
+  void acquire();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 };
@@ -90,9 +95,12 @@ class Tensor {
   // Same storage and first element (an identity test that reads no data, so it works on any device).
   bool same_data(const Tensor& o) const { return storage_ == o.storage_ && offset_ == o.offset_; }
 
-  // The element at the view's offset. For a non-CPU tensor only inside a DeviceAccess scope (see Device).
+  // The element at the view's offset. For a non-CPU tensor only inside a DeviceAccess scope (see Device); never while
+  // the storage is released (release_storage).
   void* raw() const {
     if (storage_->device != Device::cpu) check_device_access();
+    if (storage_->released) [[unlikely]]
+      released_error();
     return static_cast<char*>(storage_->data) + offset_ * dtype_size(dtype_);
   }
   // The address of the view's first element in a cuda tensor's device memory, for handing to a CUDA kernel or
@@ -101,6 +109,8 @@ class Tensor {
   void* device_ptr() const {
     MOECORE_CHECK(storage_ && storage_->device == Device::cuda, "tensor.device_ptr: tensor ", str(), " is on ",
                   device_name(device()), ", not cuda");
+    if (storage_->released) [[unlikely]]
+      released_error();
     return static_cast<char*>(storage_->data) + offset_ * dtype_size(dtype_);
   }
   template <class T>
@@ -136,7 +146,15 @@ class Tensor {
 
   std::string str() const;  // "[2, 3] f32"
 
+  // The storage's memory given back (every view of it alike; the handles stay valid) and taken again, contents
+  // undefined: Megatron-FSDP's parameters and gradients between their uses. Reading or writing the data of a released
+  // tensor raises Error. resident(): defined and not released. Local; not thread-safe against users of the storage.
+  void release_storage() const;
+  void reacquire_storage() const;
+  bool resident() const { return storage_ && !storage_->released; }
+
  private:
+  [[noreturn]] void released_error() const;
   void set_contiguous_shape(const Shape& shape);  // shape with row-major strides
   DeviceView device_view() const;                 // a cuda tensor as the device kernels see it
   void fill_bits(const void* value);              // every element := value (one element of this dtype)

@@ -298,7 +298,16 @@ int64_t GptModel::num_parameters() const {
 }
 
 void GptModel::zero_grad() {
-  for (auto& p : store_.params()) p.grad.zero_();
+  for (auto& p : store_.params())
+    if (p.grad.resident()) p.grad.zero_();
+}
+
+std::vector<std::pair<size_t, size_t>> GptModel::fsdp_units() const {
+  std::vector<std::pair<size_t, size_t>> units;
+  for (const auto& r : layer_params_)
+    if (r.first < r.second) units.push_back(r);
+  std::sort(units.begin(), units.end());
+  return units;
 }
 
 void GptModel::sum_tensor_parallel_grads(size_t first, size_t end) {
@@ -309,7 +318,7 @@ void GptModel::sum_tensor_parallel_grads(size_t first, size_t end) {
 
 void GptModel::refresh_compute_weights(size_t first, size_t end) {
   for (size_t i = first; i < std::min(end, store_.params().size()); ++i)
-    if (!store_.params()[i].compute.same_data(store_.params()[i].value))
+    if (store_.params()[i].value.resident() && !store_.params()[i].compute.same_data(store_.params()[i].value))
       store_.params()[i].compute.copy_from(store_.params()[i].value);
 }
 
@@ -373,6 +382,7 @@ void GptModel::forward_trunk(const Tensor& tokens, bool training) {
   for (size_t l = first_layer(); l < end_layer(); ++l) {
     params_needed(layer_params_[l]);
     layer_forward(l, a.residual[l], a.residual[l + 1], training, ctx);
+    params_released(layer_params_[l]);
   }
   if (!post_process(chunk)) return;
   params_needed(final_norm_params_);
@@ -446,6 +456,7 @@ void GptModel::mtp_forward(const Tensor& tokens, const Tensor& labels, bool trai
     mtp_.input_forward(j, j ? mtp_.depth(j - 1).h : final_h_, ctx);
     layer_forward(static_cast<size_t>(cfg_.num_layers) + j, d.x, d.y, training, ctx);
     mtp_.output_forward(j, ctx);
+    params_released(layer_params_[static_cast<size_t>(cfg_.num_layers) + j]);
   }
 }
 
@@ -459,6 +470,9 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
   r.mtp_tokens.assign(mtp_.size(), 0);
   for (size_t j = mtp_.size(); j-- > 0;) {
     MtpDepth& d = mtp_.depth(j);
+    const std::pair<size_t, size_t> unit = layer_params_[static_cast<size_t>(cfg_.num_layers) + j];
+    params_needed(unit);
+    grads_needed(unit);
     const int32_t* lp = d.labels_h.data<int32_t>();
     for (int64_t i = 0; i < N; ++i) r.mtp_tokens[j] += lp[i] >= 0;
     // (per-token loss: the depth's sum times the main head's count over its own, as Megatron's MTP)
@@ -479,7 +493,8 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
     mtp_.input_backward(j, sh_.dres, ctx);
     embed_backward(sh_.dres, d.ids, ctx);
     mtp_.hnorm_backward(j, ctx);
-    grad_ready(layer_params_[static_cast<size_t>(cfg_.num_layers) + j]);
+    grad_ready(unit);
+    params_released(unit);
   }
 }
 
@@ -563,10 +578,16 @@ void GptModel::backward(Slot slot, float grad_scale) {
   for (size_t l = end_layer(); l-- > first_layer();) {
     const int64_t group = plan_.group(l);
     if (group >= 0 && (l + 1 == end_layer() || plan_.group(l + 1) != group))
-      for (auto k = static_cast<size_t>(group); k <= l; ++k)  // the group's forward again, from its kept input
+      for (auto k = static_cast<size_t>(group); k <= l; ++k) {  // the group's forward again, from its kept input
+        params_needed(layer_params_[k]);
         layer_forward(k, a.residual[k], a.residual[k + 1], /*training=*/true, ctx, /*recompute=*/true);
+        params_released(layer_params_[k]);
+      }
+    params_needed(layer_params_[l]);
+    grads_needed(layer_params_[l]);
     layer_backward(l, a.residual[l], grad_scale, ctx);
     grad_ready(layer_params_[l]);
+    params_released(layer_params_[l]);
   }
   if (pre_process(slot.chunk)) {
     if (a.embedding_drop.active()) ops::dropout_backward(sh_.dres, sh_.dres, a.embedding_drop, ctx);

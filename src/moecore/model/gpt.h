@@ -105,7 +105,7 @@ class GptModel {
   Param& param(const std::string& name);  // throws Error when absent
   int64_t num_parameters() const;
 
-  void zero_grad();
+  void zero_grad();  // (released gradients, set_grads_needed, are zeroed when taken again)
   // Sums the gradients of the Param::tp_grad_sum parameters among params()[first, end) (default: all) over the
   // tensor-parallel group (Megatron's finalize_model_grads): once per step after the last micro-batch, before the
   // data-parallel reduction. Collective over the TP group; nothing without TP.
@@ -118,10 +118,22 @@ class GptModel {
   using ParamRangeFn = std::function<void(size_t first, size_t end)>;
   void set_grad_ready(ParamRangeFn fn) { grad_ready_ = std::move(fn); }
   // Forward's progress, for overlapping the distributed optimizer's parameter all-gather with it
-  // (--overlap-param-gather): while set, every forward (forward_backward, evaluate, forward_logits) calls
-  // fn(first, end) before it first reads params()[first, end) -- the embeddings, each decoder layer, the final norm,
-  // each MTP depth, the output layer -- so fn can make their values (and compute copies) current just in time.
+  // (--overlap-param-gather) and for Megatron-FSDP's gathers: while set, every forward (forward_backward, evaluate,
+  // forward_logits) calls fn(first, end) before it first reads params()[first, end) -- the embeddings, each decoder
+  // layer, the final norm, each MTP depth, the output layer -- and backward before it reads a decoder layer or MTP
+  // depth again (its recompute, then its backward), so fn can make their values (and compute copies) current just in
+  // time.
   void set_params_needed(ParamRangeFn fn) { params_needed_ = std::move(fn); }
+  // Megatron-FSDP's units, a decoder layer or an MTP depth each (fsdp_units): while set, fn(first, end) after a
+  // forward, a recompute or a backward of the unit has read its parameters for the last time in that pass (they may be
+  // released until the next params_needed of the range).
+  void set_params_released(ParamRangeFn fn) { params_released_ = std::move(fn); }
+  // While set, fn(first, end) before a backward first adds to the gradients of a unit (they may be released between
+  // its grad_ready and this call; fn makes them resident and zero). The gradients outside the units stay resident.
+  void set_grads_needed(ParamRangeFn fn) { grads_needed_ = std::move(fn); }
+  // The params() ranges [first, end) of this stage's units, in params() order: each local decoder layer, then each
+  // MTP depth (with its own norms and eh_proj). The rest (embeddings, final norm, output layer) belongs to none.
+  std::vector<std::pair<size_t, size_t>> fsdp_units() const;
   // Once per optimizer step, after the update: expert-bias updates and MoE counter resets. A skipped step
   // (non-finite gradients) passes update=false: counters reset, expert biases untouched.
   void finish_step(bool update = true);
@@ -144,7 +156,8 @@ class GptModel {
   }                                               // -1: not here
   moe::RouterState* router_state(int64_t layer);  // nullptr for dense layers
   const moe::RouterState* router_state(int64_t layer) const;
-  // After the masters change (optimizer step, loading): the compute copies of params()[first, end) (default: all).
+  // After the masters change (optimizer step, loading): the compute copies of params()[first, end) (default: all);
+  // a parameter whose value is released (set_params_released) is refreshed when it is gathered again.
   void refresh_compute_weights(size_t first = 0, size_t end = SIZE_MAX);
   // Seconds the MoE token dispatcher spent in collectives since the last reset (0 without EP).
   double dispatcher_comm_seconds() const { return sh_.dispatcher->comm_seconds(); }
@@ -289,7 +302,7 @@ class GptModel {
   bool moe_synced_ = false;                      // set_moe_synced_dropless(true) is in force
   MtpHeads mtp_;  // the last stage's MTP depths (their transformer layers are layers_[num_layers + depth])
   ModelParallel par_;
-  ParamRangeFn grad_ready_, params_needed_;
+  ParamRangeFn grad_ready_, params_needed_, params_released_, grads_needed_;
   // params() index ranges [first, end) for the backward-order notifications: per layer (decoder layers, then each MTP
   // depth with its own norms and eh_proj), the final norm, the output layer (empty when tied), and the embeddings.
   std::vector<std::pair<size_t, size_t>> layer_params_;
@@ -299,6 +312,12 @@ class GptModel {
   }
   void params_needed(std::pair<size_t, size_t> r) const {
     if (params_needed_ && r.first < r.second) params_needed_(r.first, r.second);
+  }
+  void params_released(std::pair<size_t, size_t> r) const {
+    if (params_released_ && r.first < r.second) params_released_(r.first, r.second);
+  }
+  void grads_needed(std::pair<size_t, size_t> r) const {
+    if (grads_needed_ && r.first < r.second) grads_needed_(r.first, r.second);
   }
   Tensor final_h_;          // [N, H] compute: the final norm's output (N: this rank's rows under sequence parallelism)
   Tensor final_full_;       // [T, H] compute: final_h_ all-gathered (sequence parallelism only)

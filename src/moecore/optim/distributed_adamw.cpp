@@ -62,7 +62,21 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
                    p->value.defined() ? p->value.str() : std::string("(undefined)"),
                    "; it needs a contiguous f32 tensor on ", device_name(device_), " like the first parameter");
   }
-  plan_layout(opt.bucket_elems);
+  if (!opt.bucket_ends.empty()) {
+    for (size_t k = 0; k < opt.bucket_ends.size(); ++k)
+      if (opt.bucket_ends[k] <= (k ? opt.bucket_ends[k - 1] : 0) || opt.bucket_ends[k] > params_.size())
+        MOECORE_FAIL("distributed optimizer: bucket_ends must rise from above 0 to the parameter count (",
+                     params_.size(), "); entry ", k, " is ", opt.bucket_ends[k]);
+    if (opt.bucket_ends.back() != params_.size())
+      MOECORE_FAIL("distributed optimizer: the last of bucket_ends (", opt.bucket_ends.back(),
+                   ") must be the parameter count (", params_.size(), ")");
+  }
+  for (DType t : {opt.grad_dtype, opt.comm_dtype})
+    if (t != DType::f32 && t != DType::bf16)
+      MOECORE_FAIL("distributed optimizer: gradients are reduced and accumulated in f32 or bf16, not ", dtype_name(t));
+  if (opt.shard_params && opt.overlap)
+    MOECORE_FAIL("distributed optimizer: shard_params gathers bucket by bucket (post_gather); it excludes overlap");
+  plan_layout(opt.bucket_elems, opt.bucket_ends);
   int64_t max_padded = 0;
   for (const Bucket& b : buckets_) max_padded = std::max(max_padded, b.shard * group_.size());
   staging_ = Tensor::zeros(Shape{max_padded}, DType::f32, MemCategory::workspace, device_);
@@ -75,6 +89,20 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
   nonfinite_ = Tensor::zeros(Shape{std::max<int64_t>(1, static_cast<int64_t>(segments_.size()))}, DType::i32,
                              MemCategory::workspace, device_);
   overlap_ = opt.overlap;
+  shard_params_ = opt.shard_params;
+  if (opt.comm_dtype != DType::f32) {
+    comm_staging_ = Tensor::zeros(Shape{max_padded}, opt.comm_dtype, MemCategory::workspace, device_);
+    comm_part_ = Tensor::zeros(Shape{max_padded / group_.size()}, opt.comm_dtype, MemCategory::workspace, device_);
+  }
+  if (opt.grad_dtype != DType::f32)
+    main_grad_ = Tensor::zeros(Shape{shard_elems_}, opt.grad_dtype, MemCategory::gradients, device_);
+  if (shard_params_) {
+    master_ = Tensor::zeros(Shape{shard_elems_}, DType::f32, MemCategory::parameters, device_);
+    take_masters_from_values();
+    for (Tensor& t : gather_staging_) t = Tensor::empty(Shape{max_padded}, DType::f32, MemCategory::workspace, device_);
+    gather_slot_.assign(buckets_.size(), -1);
+    bucket_gathers_.resize(buckets_.size());
+  }
   bucket_of_param_.assign(params_.size(), 0);
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (size_t i = buckets_[b].first_param; i < buckets_[b].end_param; ++i) bucket_of_param_[i] = b;
@@ -133,7 +161,7 @@ void DistributedAdamW::check_same_params_across_ranks(const ProcessGroup& g) con
   }
 }
 
-void DistributedAdamW::plan_layout(int64_t bucket_elems) {
+void DistributedAdamW::plan_layout(int64_t bucket_elems, const std::vector<size_t>& bucket_ends) {
   const int64_t P = group_.size(), r = group_.rank();
   param_offsets_.assign(params_.size(), 0);
   param_elems_.clear();
@@ -157,7 +185,10 @@ void DistributedAdamW::plan_layout(int64_t bucket_elems) {
   Bucket cur;
   for (size_t i = 0; i < params_.size(); ++i) {
     const int64_t n = param_elems_[i];
-    if (cur.elems > 0 && cur.elems + n > bucket_elems) {
+    const bool cut = bucket_ends.empty()
+                         ? cur.elems > 0 && cur.elems + n > bucket_elems
+                         : i > 0 && std::find(bucket_ends.begin(), bucket_ends.end(), i) != bucket_ends.end();
+    if (cut) {
       close(cur, i);
       cur = Bucket{};
       cur.first_param = i;
@@ -165,7 +196,78 @@ void DistributedAdamW::plan_layout(int64_t bucket_elems) {
     param_offsets_[i] = cur.elems;
     cur.elems += n;
   }
-  if (cur.elems > 0) close(cur, params_.size());
+  if (cur.elems > 0 || (!bucket_ends.empty() && !params_.empty())) close(cur, params_.size());
+}
+
+Tensor DistributedAdamW::master(const Segment& s) const {
+  return shard_params_ ? range(master_, s.shard_offset, s.elems)
+                       : range(flat(params_[s.param]->value), s.param_offset, s.elems);
+}
+
+bool DistributedAdamW::bucket_resident(size_t b) const {
+  for (size_t i = buckets_[b].first_param; i < buckets_[b].end_param; ++i)
+    if (!params_[i]->value.resident()) return false;
+  return true;
+}
+
+void DistributedAdamW::zero_shard_grads() {
+  shard_grad_.zero_();
+  if (main_grad_.defined()) main_grad_.zero_();
+}
+
+void DistributedAdamW::reduce_bucket(size_t b) {
+  const Bucket& k = buckets_.at(b);
+  const int64_t padded = k.shard * group_.size();
+  const Tensor& staging = comm_staging_.defined() ? comm_staging_ : staging_;
+  for (size_t i = k.first_param; i < k.end_param; ++i) {
+    check_grad(i);
+    range(staging, param_offsets_[i], param_elems_[i]).copy_from(flat(params_[i]->grad));
+  }
+  range(staging, k.elems, padded - k.elems).zero_();
+  // (the scratch of one bucket's shard)
+  const Tensor part = range(comm_part_.defined() ? comm_part_ : shard_param_, 0, k.shard);
+  reduce_scatter_sum(part, range(staging, 0, padded), group_);
+  if (instances_.size() > 1) all_reduce_sum(part, instances_);
+  Tensor shard = range(main_grad_.defined() ? main_grad_ : shard_grad_, k.shard_offset, k.shard);
+  ops::add(shard, shard, part, ctx());  // (in f32, rounded to the accumulator's dtype)
+}
+
+void DistributedAdamW::finish_main_grads() {
+  if (main_grad_.defined()) shard_grad_.copy_from(main_grad_);
+}
+
+bool DistributedAdamW::gather_posted(size_t b) const {
+  return shard_params_ && gather_slot_.at(b) >= 0;
+}
+
+void DistributedAdamW::post_gather(size_t b) {
+  if (!shard_params_) MOECORE_FAIL("distributed optimizer: post_gather needs shard_params");
+  if (gather_slot_.at(b) >= 0) return;
+  if (gather_order_.size() == 2) wait_gather(gather_order_.front());
+  const int slot = gather_order_.empty() ? 0 : 1 - gather_slot_[gather_order_.front()];
+  const Bucket& k = buckets_[b];
+  bucket_gathers_[b] = all_gather_async(range(gather_staging_[slot], 0, k.shard * group_.size()),
+                                        range(master_, k.shard_offset, k.shard), group_);
+  gather_slot_[b] = slot;
+  gather_order_.push_back(b);
+}
+
+void DistributedAdamW::wait_gather(size_t b) {
+  if (!shard_params_) MOECORE_FAIL("distributed optimizer: wait_gather needs shard_params");
+  post_gather(b);
+  bucket_gathers_[b].wait();
+  const Tensor& staging = gather_staging_[gather_slot_[b]];
+  gather_slot_[b] = -1;
+  gather_order_.erase(std::find(gather_order_.begin(), gather_order_.end(), b));
+  if (!bucket_resident(b)) return;  // (a prefetch nobody took: dropped)
+  for (size_t i = buckets_[b].first_param; i < buckets_[b].end_param; ++i)
+    flat(params_[i]->value).copy_from(range(staging, param_offsets_[i], param_elems_[i]));
+}
+
+void DistributedAdamW::take_masters_from_values() {
+  if (!shard_params_) return;
+  for (const Segment& s : segments_)
+    range(master_, s.shard_offset, s.elems).copy_from(range(flat(params_[s.param]->value), s.param_offset, s.elems));
 }
 
 void DistributedAdamW::check_grad(size_t i) const {
@@ -272,8 +374,7 @@ void DistributedAdamW::finish_grad_reduction() {
 double DistributedAdamW::shard_param_sq() const {
   Tensor acc = sq_acc_;
   acc.zero_();
-  for (const Segment& g : segments_)
-    ops::sum_squares(acc, range(flat(params_[g.param]->value), g.param_offset, g.elems), ctx());
+  for (const Segment& g : segments_) ops::sum_squares(acc, master(g), ctx());
   double s = 0;
   acc.copy_to_host(&s, 1);
   return s;
@@ -329,7 +430,7 @@ void DistributedAdamW::apply_segment(const Segment& s, float lr, float clip_scal
   ap.weight_decay = p.weight_decay ? cfg_.weight_decay : 0.0f;
   ap.step = step_;
   ap.grad_scale = clip_scale;
-  Tensor value = flat(p.value).slice(0, s.param_offset, s.param_offset + s.elems);
+  Tensor value = master(s);
   const Tensor grad = shard_grad_.slice(0, s.shard_offset, s.shard_offset + s.elems);
   Tensor m = exp_avg_.slice(0, s.shard_offset, s.shard_offset + s.elems);
   Tensor v = exp_avg_sq_.slice(0, s.shard_offset, s.shard_offset + s.elems);
@@ -345,8 +446,10 @@ void DistributedAdamW::step(float lr, float clip_scale, bool gather_later) {
 void DistributedAdamW::update(float lr, float clip_scale) {
   if (reducing_) MOECORE_FAIL("distributed optimizer: step inside an open gradient reduction");
   finish_param_gather();
+  while (!gather_order_.empty()) wait_gather(gather_order_.front());  // (their inputs are the master shard)
   for (size_t i = 0; i < params_.size(); ++i) {
     const Tensor& v = params_[i]->value;
+    if (shard_params_ && !v.resident()) continue;
     if (!v.is_contiguous() || v.dtype() != DType::f32 || v.device() != device_ || v.numel() != param_elems_[i])
       MOECORE_FAIL("distributed optimizer: parameter '", params_[i]->name, "' has value ", v.str(),
                    "; it needs a contiguous f32 ", device_name(device_), " tensor of ", param_elems_[i], " elements");
@@ -357,6 +460,12 @@ void DistributedAdamW::update(float lr, float clip_scale) {
 
 void DistributedAdamW::gather_params(bool gather_later) {
   const int P = group_.size();
+  if (shard_params_) {  // the masters' shards gathered into the resident values (the rest: wait_gather, on demand)
+    if (gather_later) MOECORE_FAIL("distributed optimizer: shard_params gathers on demand, not later");
+    for (size_t b = 0; b < buckets_.size(); ++b)
+      if (bucket_resident(b)) wait_gather(b);
+    return;
+  }
   if (gather_later) {  // each bucket's owned range packed at its shard offset, gathered into its staging area
     check_overlap("gather_params(later)");
     for (size_t b = 0; b < buckets_.size(); ++b) {

@@ -24,6 +24,18 @@ struct DistributedAdamWOptions {
   // Every bucket gets a staging area of its own (about one more gradient's worth of memory), so that all of
   // them can be in flight at once: needed by the overlapped forms below.
   bool overlap = false;
+  // Megatron-FSDP (optim_grads, optim_grads_params): the bucket boundaries, given instead of cut by bucket_elems --
+  // bucket k holds params [bucket_ends[k - 1], bucket_ends[k]) (bucket_ends[-1] = 0), ascending, the last
+  // params.size(). One bucket per FSDP unit, one per parameter outside the units.
+  std::vector<size_t> bucket_ends = {};
+  // optim_grads_params: the f32 masters live in this rank's shard (master_shard), not in Param::value, which the caller
+  // may release between uses (Tensor::release_storage) and fills by wait_gather.
+  bool shard_params = false;
+  // Megatron-FSDP's --megatron-fsdp-main-grads-dtype and --megatron-fsdp-grad-comm-dtype (f32 or bf16), for
+  // reduce_bucket: the gradients are reduce-scattered in comm_dtype and accumulated in grad_dtype; finish_main_grads
+  // turns the sum into the f32 shard the update reads.
+  DType grad_dtype = DType::f32;
+  DType comm_dtype = DType::f32;
 };
 
 // Layout. The parameters sit in one flat index space in `params` order, cut into buckets of whole
@@ -69,6 +81,31 @@ class DistributedAdamW {
   void begin_grad_reduction();
   void grad_ready(size_t i);
   void finish_grad_reduction();
+  // Megatron-FSDP's reduction every micro-batch (optim_grads, optim_grads_params): zero_shard_grads() before a step's
+  // first micro-batch, then reduce_bucket(b) whenever bucket b's gradients hold a micro-batch's contribution: they are
+  // reduce-scattered and this rank's part added into its shard (shard += sum over the group), in call order (the
+  // same on every rank). The params' .grad tensors are read, not changed. Collective over the group (and instances).
+  void zero_shard_grads();
+  void reduce_bucket(size_t b);
+  // After the step's last reduce_bucket: the accumulated main gradients (options' grad_dtype) cast to f32 into the
+  // shard the update, the norm and the checks read (Megatron-FSDP's gradients cast to the main parameters' dtype).
+  // Local; nothing when grad_dtype is f32 (the shard accumulated in place).
+  void finish_main_grads();
+  // shard_params: bucket b's masters all-gathered into Param::value of its parameters (resident, Tensor::resident):
+  // post_gather(b) posts it into one of two staging areas (at most two in flight: a third waits for the oldest);
+  // wait_gather(b) completes it (posting it first when it was not); values released meanwhile get nothing (the gathered
+  // data is dropped). Collective over the group, in the same order
+  // on every rank.
+  void post_gather(size_t b);
+  void wait_gather(size_t b);
+  bool gather_posted(size_t b) const;
+  // shard_params: this rank's owned ranges of Param::value copied into its master shard (after a checkpoint load wrote
+  // the values). Local.
+  void take_masters_from_values();
+  size_t bucket_of(size_t i) const { return bucket_of_param_.at(i); }
+  std::pair<size_t, size_t> bucket_params(size_t b) const { return {buckets_[b].first_param, buckets_[b].end_param}; }
+  // Elements of bucket b padded to a multiple of the group size (what a gather or a reduction moves).
+  int64_t bucket_padded_elems(size_t b) const { return buckets_[b].shard * group_.size(); }
   // Sum of squares of this rank's reduced-gradient shard, in double. All-reduced over the group (and
   // over other groups' shares) it is the squared global gradient norm.
   double shard_grad_sq() const;
@@ -83,11 +120,12 @@ class DistributedAdamW {
   void scale_shard_grads(float s);
   // Name of the first parameter with a non-finite element in this rank's shard, "" if none. Local.
   std::string first_nonfinite_grad() const;
-  // Collective. One AdamW update of this rank's shard (learning rate lr, gradients times clip_scale,
-  // weight decay for params with weight_decay, bias correction with the step count), then all-gather of
-  // the updated f32 masters into every param's .value, bucket by bucket. Does not refresh Param::compute.
-  // With gather_later (options.overlap) the all-gathers are posted and left in flight: until wait_param(i) (its
-  // bucket) or finish_param_gather() (all) a Param::value may hold old values. Values end bitwise the same.
+  // Collective. One AdamW update of this rank's shard (shard_params: of its master shard, gathered back only into
+  // the resident Param::value of each bucket; the others wait for wait_gather) (learning rate lr, gradients times
+  // clip_scale, weight decay for params with weight_decay, bias correction with the step count), then all-gather of the
+  // updated f32 masters into every param's .value, bucket by bucket. Does not refresh Param::compute. With gather_later
+  // (options.overlap) the all-gathers are posted and left in flight: until wait_param(i) (its bucket) or
+  // finish_param_gather() (all) a Param::value may hold old values. Values end bitwise the same.
   void step(float lr, float clip_scale, bool gather_later = false);
   // step() in its two parts (timed apart by the trainer): update() is the local AdamW update of this rank's shard into
   // its owned ranges of Param::value (gathers still in flight are completed first); gather_params() then all-gathers
@@ -131,7 +169,9 @@ class DistributedAdamW {
     int64_t elems = 0;
   };
   void check_same_params_across_ranks(const ProcessGroup& g) const;
-  void plan_layout(int64_t bucket_elems);
+  void plan_layout(int64_t bucket_elems, const std::vector<size_t>& bucket_ends);
+  Tensor master(const Segment& s) const;  // the segment's f32 masters: in master_ (shard_params) or Param::value
+  bool bucket_resident(size_t b) const;   // every parameter's value of bucket b resident
   void apply_segment(const Segment& s, float lr, float clip_scale);
 
   std::vector<Param*> params_;
@@ -179,6 +219,16 @@ class DistributedAdamW {
   Tensor shard_param_;                           // [max N_b / P] f32: updated masters of one bucket, to all-gather
   Tensor exp_avg_;                               // [shard_elems] state_dtype
   Tensor exp_avg_sq_;                            // [shard_elems] state_dtype
+  // shard_params: the masters of this rank's shard, and two staging areas of the largest padded bucket for gathers.
+  bool shard_params_ = false;
+  Tensor master_;  // [shard_elems] f32 (padding zero)
+  // reduce_bucket with comm_dtype or grad_dtype other than f32: the staging and scratch in comm_dtype, the
+  // accumulated main gradients in grad_dtype (undefined when f32: staging_, shard_param_ and shard_grad_ serve).
+  Tensor comm_staging_, comm_part_, main_grad_;
+  Tensor gather_staging_[2];                // [max N_b] f32
+  std::vector<int> gather_slot_;            // per bucket: its staging area while posted, else -1
+  std::vector<size_t> gather_order_;        // buckets posted, oldest first
+  std::vector<CommHandle> bucket_gathers_;  // per bucket
 };
 
 }  // namespace moecore::optim

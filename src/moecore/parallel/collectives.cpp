@@ -79,6 +79,16 @@ void sum_rank_order(T* dst, const T* src, int p, int64_t n) {
   }
 }
 
+// bf16: each partial sum rounded to bf16, as NCCL's reductions of bf16 buffers round at every addition.
+void sum_rank_order(bf16* dst, const bf16* src, int p, int64_t n) {
+  if (n == 0) return;
+  std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(bf16));
+  for (int r = 1; r < p; ++r) {
+    const bf16* s = src + static_cast<int64_t>(r) * n;
+    for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(bf16_to_float(dst[i]) + bf16_to_float(s[i]));
+  }
+}
+
 }  // namespace
 
 std::string describe(const OpDesc& d) {
@@ -114,8 +124,8 @@ void check_disjoint(Call& c, const void* out, int64_t out_n, const void* in, int
 }
 
 void check_reducible(Call& c, DType t) {
-  if (t != DType::f32 && t != DType::f64 && t != DType::i64)
-    c.fail(detail::str_cat("dtype ", dtype_name(t), " cannot be reduced; reductions take f32, f64 or i64"));
+  if (t != DType::f32 && t != DType::f64 && t != DType::i64 && t != DType::bf16)
+    c.fail(detail::str_cat("dtype ", dtype_name(t), " cannot be reduced; reductions take f32, f64, i64 or bf16"));
 }
 
 void* scratch(GroupState& st, int64_t bytes) {
@@ -136,6 +146,8 @@ void sum_rank_order(DType t, void* dst, const void* src, int p, int64_t n) {
       return sum_rank_order(static_cast<double*>(dst), static_cast<const double*>(src), p, n);
     case DType::i64:  // two's-complement wrap-around instead of signed-overflow UB
       return sum_rank_order(static_cast<uint64_t*>(dst), static_cast<const uint64_t*>(src), p, n);
+    case DType::bf16:
+      return sum_rank_order(static_cast<bf16*>(dst), static_cast<const bf16*>(src), p, n);
     default:
       MOECORE_CHECK(false, "sum_rank_order on ", dtype_name(t));
   }

@@ -100,7 +100,8 @@ ProcessGroup group_split(const ProcessGroup& parent, std::string name, const std
 // Collectives. P = group size, r = this rank's index. Blocks are laid out in rank order.
 // Reductions are deterministic: the result is ((x_0 + x_1) + x_2) + ... in group-rank order, computed in
 // the element type, bitwise identical on every rank and across runs regardless of timing (MPI's own
-// reductions may reorder floating-point sums, so none is used). Reductions take f32, f64 and i64;
+// reductions may reorder floating-point sums, so none is used). Reductions take f32, f64, i64 and bf16 (each
+// addition computed in f32 and rounded to bf16, as NCCL's reductions of bf16 buffers);
 // data movement takes any fixed-size element type. Size-1 groups are identities (plain copies).
 // On a size mismatch, a timeout or a backend error the call throws moecore::Error naming the op, the
 // group and the rank. After a timeout the group is unusable and peers are stuck: end with comm_abort().
@@ -174,6 +175,7 @@ int64_t ssize(const S& s) {
 MOECORE_COMM_REDUCE_OVERLOADS(float)
 MOECORE_COMM_REDUCE_OVERLOADS(double)
 MOECORE_COMM_REDUCE_OVERLOADS(int64_t)
+MOECORE_COMM_REDUCE_OVERLOADS(bf16)
 MOECORE_COMM_MOVE_OVERLOADS(float)
 MOECORE_COMM_MOVE_OVERLOADS(double)
 MOECORE_COMM_MOVE_OVERLOADS(int64_t)

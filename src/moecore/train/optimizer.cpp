@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <span>
 
 #include "moecore/optim/distributed_adamw.h"
@@ -210,6 +211,14 @@ double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, G
 struct ZeroOptimizers {
   // expert_replica: etp_replica(); pipeline_copy: Param::pipeline_copy (out of the norm: the first stage counts it)
   enum Kind { replicated, tensor_parallel, expert, expert_replica, pipeline_copy, kinds };
+  static Kind kind_of(const Param& p, int etp_size) {
+    return p.pipeline_copy                                        ? pipeline_copy
+           : p.expert_parallel && !p.tp.sharded() && etp_size > 1 ? expert_replica  // (etp_replica)
+           : p.expert_parallel                                    ? expert
+           : p.tp.sharded()                                       ? tensor_parallel
+                                                                  : replicated;
+  }
+  static bool expert_kind(int k) { return k == expert || k == expert_replica; }
   std::unique_ptr<optim::DistributedAdamW> opt[kinds];
   std::vector<size_t> idx[kinds];              // parameter indices of each instance, in model order
   std::vector<std::pair<Kind, size_t>> where;  // per model parameter: its instance and index there
@@ -218,28 +227,38 @@ struct ZeroOptimizers {
   const ProcessGroup& experts;
 
   // overlap: the instances can reduce during backward and gather during the next forward (--overlap-*). n: the
-  // distributed-optimizer instances.
+  // distributed-optimizer instances. Megatron-FSDP: unit_of gives each model parameter's FSDP unit (-1: none), and
+  // every instance's buckets follow them -- one per unit, one per parameter outside the units; shard_params keeps the
+  // masters in the shards (optim_grads_params).
   ZeroOptimizers(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& groups, int64_t bucket,
-                 bool overlap, int n)
+                 bool overlap, int n, const std::vector<int>* unit_of = nullptr, bool shard_params = false,
+                 DType grad_dtype = DType::f32, DType comm_dtype = DType::f32)
       : g(groups), dense(n > 1 ? g.intra_dp_cp : g.dense_grads()), experts(n > 1 ? g.intra_edp : g.edp) {
     std::vector<Param*> p[kinds];
     auto& params = gpt.params();
     for (size_t i = 0; i < params.size(); ++i) {
-      const Kind k = params[i].pipeline_copy     ? pipeline_copy
-                     : etp_replica(params[i], g) ? expert_replica
-                     : params[i].expert_parallel ? expert
-                     : params[i].tp.sharded()    ? tensor_parallel
-                                                 : replicated;
+      const Kind k = kind_of(params[i], g.etp.size());
       where.emplace_back(k, p[k].size());
       p[k].push_back(&params[i]);
       idx[k].push_back(i);
     }
     const ProcessGroup across = n > 1 ? g.inter_dist_opt : ProcessGroup();
-    for (int k = 0; k < kinds; ++k)
-      if (k == replicated || !p[k].empty())
-        opt[k] =
-            std::make_unique<optim::DistributedAdamW>(p[k], cfg, k == expert || k == expert_replica ? experts : dense,
-                                                      optim::DistributedAdamWOptions{bucket, overlap}, across);
+    for (int k = 0; k < kinds; ++k) {
+      if (k != replicated && p[k].empty()) continue;
+      optim::DistributedAdamWOptions o;
+      o.bucket_elems = bucket;
+      o.overlap = overlap;
+      if (unit_of) {  // a bucket ends after a parameter outside the units and before another unit's
+        for (size_t j = 0; j < idx[k].size(); ++j) {
+          const int u = (*unit_of)[idx[k][j]];
+          if (u < 0 || j + 1 == idx[k].size() || (*unit_of)[idx[k][j + 1]] != u) o.bucket_ends.push_back(j + 1);
+        }
+        o.shard_params = shard_params;
+        o.grad_dtype = grad_dtype;
+        o.comm_dtype = comm_dtype;
+      }
+      opt[k] = std::make_unique<optim::DistributedAdamW>(p[k], cfg, expert_kind(k) ? experts : dense, o, across);
+    }
   }
   // --overlap-grad-reduce: begin before the last backward, grad_ready as the model reports gradients final, finish.
   void begin_grad_reduction() {
@@ -573,6 +592,214 @@ class DistributedOptimizer final : public Optimizer {
   std::vector<char> stale_;  // per parameter: its compute copy predates the last step
   bool pending_ = false;     // gathers posted by the last step and not all waited for
 };
+
+// Megatron-FSDP: each parameter's unit (GptModel::fsdp_units), -1 outside them.
+std::vector<int> fsdp_unit_of(const model::GptModel& gpt) {
+  std::vector<int> of(gpt.params().size(), -1);
+  const auto units = gpt.fsdp_units();
+  for (size_t u = 0; u < units.size(); ++u)
+    for (size_t i = units[u].first; i < units[u].second; ++i) of[i] = static_cast<int>(u);
+  return of;
+}
+
+// Megatron-FSDP's optim_grads and optim_grads_params over the distributed optimizer's shards (ZeroOptimizers), with
+// one bucket per FSDP unit (a decoder layer or an MTP depth, GptModel::fsdp_units) and one per parameter outside them.
+// Gradients: a unit's are taken (zeroed) before its backward, reduce-scattered and added into this rank's shard once it
+// is done, then released; the others stay whole and are zeroed after each micro-batch's reduction. With shard_params
+// (optim_grads_params) the f32 masters live in the shards: a unit's values (and compute copies) are taken and gathered
+// before its forward or backward reads them -- the next unit in the pass's direction prefetched meanwhile, its gather
+// in flight -- and released when another unit is needed after the pass has finished with it; the parameters outside the
+// units stay whole and are gathered after each step. Arithmetic: each micro-batch's gradients are summed over the group
+// in rank order, then added to the shard (Megatron's reduce-then-accumulate); with one micro-batch per step that is
+// the distributed optimizer's sum, and AdamW updates the same elements alike.
+class FsdpOptimizer final : public Optimizer {
+ public:
+  FsdpOptimizer(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& g, bool shard_params,
+                DType grad_dtype, DType comm_dtype, Timers* timers)
+      : gpt_(gpt),
+        cfg_(cfg),
+        units_(gpt.fsdp_units()),
+        unit_of_(fsdp_unit_of(gpt)),
+        zero_(gpt, cfg, g, /*bucket=*/1, /*overlap=*/false, /*n=*/1, &unit_of_, shard_params, grad_dtype, comm_dtype),
+        g_(g),
+        timers_(timers),
+        shard_params_(shard_params) {
+    for (const auto& u : units_) unit_buckets_.push_back(buckets_of(u.first, u.second));
+    resident_.assign(units_.size(), 0);
+    done_.assign(units_.size(), 0);
+    for (size_t u = 0; u < units_.size(); ++u) {
+      release_grads(u);
+      if (shard_params_) release_params(u);
+    }
+  }
+  bool overlaps_grad_reduction() const override { return true; }
+  bool reduces_every_micro_batch() const override { return true; }
+  bool follows_units() const override { return true; }
+  void begin_grad_reduction() override {
+    zero_.each([](optim::DistributedAdamW& o, const auto&) { o.zero_shard_grads(); });
+    reported_.clear();
+  }
+  // A range's gradients hold this micro-batch's contribution: its tensor-parallel sums, its buckets' reductions, then
+  // a unit's gradients released and the others zeroed for the next micro-batch.
+  void grad_ready(size_t first, size_t end) override {
+    gpt_.sum_tensor_parallel_grads(first, end);
+    for (const auto& [k, b] : buckets_of(first, end)) {
+      zero_.opt[k]->reduce_bucket(b);
+      reported_.insert({k, b});
+    }
+    const int u = unit_of_[first];
+    if (u >= 0 && units_[static_cast<size_t>(u)] == std::pair{first, end}) return release_grads(static_cast<size_t>(u));
+    for (size_t i = first; i < end; ++i) gpt_.params()[i].grad.zero_();
+  }
+  // Buckets whose gradients were never reported this step (none when the model reports every range) are reduced now.
+  void finish_grad_reduction() override {
+    for (size_t k = 0; k < ZeroOptimizers::kinds; ++k) {
+      if (!zero_.opt[k]) continue;
+      for (size_t b = 0; b < static_cast<size_t>(zero_.opt[k]->num_buckets()); ++b) {
+        if (reported_.count({k, b})) continue;
+        const auto [first, end] = zero_.opt[k]->bucket_params(b);
+        bool resident = true;
+        for (size_t j = first; j < end; ++j) resident = resident && gpt_.params()[zero_.idx[k][j]].grad.resident();
+        if (resident) zero_.opt[k]->reduce_bucket(b);
+      }
+    }
+    zero_.each([](optim::DistributedAdamW& o, const auto&) { o.finish_main_grads(); });
+  }
+  void scale_grads(float s) override { zero_.scale_grads(s); }
+  std::string first_nonfinite_grad() override { return zero_.first_nonfinite_grad(); }
+  optim::StepStats step(float lr) override {
+    optim::StepStats st;
+    {
+      const TimerScope t(timers_, TimerName::optimizer_clip_main_grad);
+      st.grad_norm = zero_.grad_norm();
+      st.clip_scale = optim::clip_scale_for(st.grad_norm, cfg_.clip_grad);
+    }
+    if (shard_params_)
+      for (size_t u = 0; u < units_.size(); ++u) release_params(u);
+    {
+      const TimerScope t(timers_, TimerName::optimizer_inner_step);
+      zero_.update(lr, st.clip_scale);
+    }
+    {
+      const TimerScope t(timers_, TimerName::params_all_gather);
+      zero_.gather_params(/*later=*/false);  // (shard_params: the parameters outside the units)
+    }
+    const TimerScope t(timers_, TimerName::optimizer_copy_main_to_model_params);
+    gpt_.refresh_compute_weights();
+    return st;
+  }
+  int64_t count_zeros_in_grad(float clip_scale) override { return zero_.grad_zeros(clip_scale); }
+  double params_norm() override { return zero_.params_norm(); }
+  void params_needed(size_t first, size_t end) override {
+    if (!shard_params_ || unit_of_[first] < 0) return;
+    const auto u = static_cast<size_t>(unit_of_[first]);
+    for (size_t v = 0; v < units_.size(); ++v)
+      if (v != u && done_[v] && resident_[v]) release_params(v);
+    done_[u] = 0;
+    if (last_needed_ >= 0 && u != static_cast<size_t>(last_needed_)) forward_ = u > static_cast<size_t>(last_needed_);
+    last_needed_ = static_cast<int64_t>(u);
+    gather(u);
+    const size_t next = forward_ ? u + 1 : u - 1;  // (u - 1 wraps past 0 to SIZE_MAX: none)
+    if (next < units_.size() && !resident_[next])
+      for (const auto& [k, b] : unit_buckets_[next]) zero_.opt[k]->post_gather(b);
+  }
+  void params_released(size_t first, size_t) override {
+    if (shard_params_ && unit_of_[first] >= 0) done_[static_cast<size_t>(unit_of_[first])] = 1;
+  }
+  void grads_needed(size_t first, size_t end) override {
+    for (size_t i = first; i < end; ++i) {
+      const Tensor& grad = gpt_.params()[i].grad;
+      if (grad.resident()) continue;
+      grad.reacquire_storage();
+      Tensor(grad).zero_();
+    }
+  }
+  // Every unit whole and current, left as done (released when the next pass needs another unit).
+  void settle() override {
+    if (!shard_params_) return;
+    for (size_t u = 0; u < units_.size(); ++u) {
+      gather(u);
+      done_[u] = 1;
+    }
+  }
+  void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
+            const CheckpointSaveOptions& parts, AsyncCheckpointSaver* async) override {
+    settle();  // (the checkpoint holds whole parameters: any layout loads them)
+    const OptimizerState st = parts.save_optim ? zero_.gather(gpt_.params().size()) : OptimizerState{};
+    if (async)
+      async->save(root, gpt_, st, progress, seed, keep_last, &g_, parts);
+    else
+      save_training_checkpoint(root, gpt_, st, progress, seed, keep_last, &g_, parts);
+  }
+  LoadedTrainingState load(const std::string& dir, uint64_t seed, const CheckpointLoadOptions& parts) override {
+    settle();
+    OptimizerState st = OptimizerState::adam({}, {}, 0);
+    if (parts.load_optim && !parts.finetune)
+      for (const auto& p : gpt_.params())
+        for (OptimizerState::Slot& s : st.slots)
+          s.per_param.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::workspace));
+    LoadedTrainingState loaded = load_training_state(dir, gpt_, st, seed, parts);
+    if (loaded.optimizer_loaded) zero_.load(st);
+    zero_.each([](optim::DistributedAdamW& o, const auto&) { o.take_masters_from_values(); });
+    return loaded;
+  }
+  int64_t state_bytes() const override { return zero_.state_bytes(); }
+
+ private:
+  // The (instance, bucket) pairs of params()[first, end), in order; the buckets must lie inside the range.
+  std::vector<std::pair<size_t, size_t>> buckets_of(size_t first, size_t end) const {
+    std::vector<std::pair<size_t, size_t>> out;
+    for (size_t i = first; i < end; ++i) {
+      const auto k = static_cast<size_t>(zero_.where[i].first);
+      const size_t b = zero_.opt[k]->bucket_of(zero_.where[i].second);
+      if (!out.empty() && out.back() == std::pair<size_t, size_t>{k, b}) continue;
+      if (std::find(out.begin(), out.end(), std::pair<size_t, size_t>{k, b}) != out.end()) continue;
+      const auto [bf, be] = zero_.opt[k]->bucket_params(b);
+      MOECORE_CHECK(zero_.idx[k][bf] >= first && zero_.idx[k][be - 1] < end, "fsdp: parameters [", first, ", ", end,
+                    ") cut a bucket of ", gpt_.params()[i].name);
+      out.emplace_back(k, b);
+    }
+    return out;
+  }
+  void release_grads(size_t u) {
+    for (size_t i = units_[u].first; i < units_[u].second; ++i) gpt_.params()[i].grad.release_storage();
+  }
+  void release_params(size_t u) {
+    for (size_t i = units_[u].first; i < units_[u].second; ++i) {
+      const Param& p = gpt_.params()[i];
+      p.value.release_storage();
+      p.compute.release_storage();
+    }
+    resident_[u] = 0;
+    done_[u] = 0;
+  }
+  // Unit u whole: its storages taken, its buckets' gathers completed into them, its compute copies refreshed.
+  void gather(size_t u) {
+    if (resident_[u]) return;
+    for (size_t i = units_[u].first; i < units_[u].second; ++i) {
+      const Param& p = gpt_.params()[i];
+      p.value.reacquire_storage();
+      p.compute.reacquire_storage();
+    }
+    for (const auto& [k, b] : unit_buckets_[u]) zero_.opt[k]->wait_gather(b);
+    resident_[u] = 1;
+    gpt_.refresh_compute_weights(units_[u].first, units_[u].second);
+  }
+
+  model::GptModel& gpt_;
+  optim::AdamWConfig cfg_;
+  std::vector<std::pair<size_t, size_t>> units_;
+  std::vector<int> unit_of_;  // per parameter: its unit, or -1
+  ZeroOptimizers zero_;
+  const TrainGroups& g_;
+  Timers* timers_;
+  bool shard_params_;
+  std::vector<std::vector<std::pair<size_t, size_t>>> unit_buckets_;  // per unit: its (instance, bucket) pairs
+  std::set<std::pair<size_t, size_t>> reported_;                      // (instance, bucket) reduced this step
+  std::vector<char> resident_, done_;  // per unit (shard_params): values whole and current; the pass is past it
+  int64_t last_needed_ = -1;
+  bool forward_ = true;  // the direction of the running pass (the next unit to prefetch)
+};
 }  // namespace
 
 model::GptModel::StateBytesPerElement optimizer_state_bytes(const TrainConfig& cfg, const optim::AdamWConfig& adam) {
@@ -582,6 +809,72 @@ model::GptModel::StateBytesPerElement optimizer_state_bytes(const TrainConfig& c
     return optim::muon_managed(p.name, p.value.dim(), p.expert_parallel) ? optim::Muon::muon_bytes_per_param()
                                                                          : moments;
   };
+}
+
+model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan plan, const TrainConfig& cfg,
+                                   const optim::AdamWConfig& adam, int dense_ranks, int expert_ranks, int etp_ranks) {
+  if (cfg.fsdp != FsdpStrategy::optim_grads && cfg.fsdp != FsdpStrategy::optim_grads_params) return plan;
+  const bool params = cfg.fsdp == FsdpStrategy::optim_grads_params;
+  auto at = [&](MemCategory c) -> int64_t& { return plan.bytes[static_cast<int>(c)]; };
+  const auto units = gpt.fsdp_units();
+  const std::vector<int> unit_of = fsdp_unit_of(gpt);
+  const auto param_bytes = [](const Param& p) {
+    return p.value.nbytes() + (p.compute.same_data(p.value) ? 0 : p.compute.nbytes());
+  };
+  // Whole: the gradients (and, sharded parameters, the values) of the parameters outside the units, and of one unit.
+  int64_t unit_grads = 0, unit_params = 0;
+  for (const auto& [first, end] : units) {
+    int64_t g = 0, v = 0;
+    for (size_t i = first; i < end; ++i) {
+      g += gpt.params()[i].grad.nbytes();
+      v += param_bytes(gpt.params()[i]);
+    }
+    unit_grads = std::max(unit_grads, g);
+    unit_params = std::max(unit_params, v);
+  }
+  for (size_t i = 0; i < gpt.params().size(); ++i) {
+    if (unit_of[i] < 0) continue;
+    at(MemCategory::gradients) -= gpt.params()[i].grad.nbytes();
+    if (params) at(MemCategory::parameters) -= param_bytes(gpt.params()[i]);
+  }
+  at(MemCategory::gradients) += unit_grads;
+  if (params) at(MemCategory::parameters) += unit_params;
+  // The shards of each distributed-optimizer instance (ZeroOptimizers' kinds and buckets): moments, summed gradients,
+  // masters, and the staging buffers of the largest bucket.
+  at(MemCategory::optimizer_state) = 0;
+  const int64_t moment = static_cast<int64_t>(dtype_size(adam.state_dtype));
+  for (int k = 0; k < ZeroOptimizers::kinds; ++k) {
+    const int64_t P = ZeroOptimizers::expert_kind(k) ? expert_ranks : dense_ranks;
+    int64_t shard = 0, widest = 0, bucket = 0;
+    int last_unit = -1;
+    bool any = false;
+    const auto close = [&] {
+      if (!any) return;
+      const int64_t s = (bucket + P - 1) / P;
+      shard += s;
+      widest = std::max(widest, s * P);
+      bucket = 0;
+      any = false;
+    };
+    for (size_t i = 0; i < gpt.params().size(); ++i) {
+      const Param& p = gpt.params()[i];
+      if (ZeroOptimizers::kind_of(p, etp_ranks) != k) continue;
+      if (any && (unit_of[i] < 0 || unit_of[i] != last_unit)) close();
+      bucket += p.value.numel();
+      any = true;
+      last_unit = unit_of[i];
+    }
+    close();
+    at(MemCategory::optimizer_state) += 2 * shard * moment;
+    const auto bytes = [](DType t) { return static_cast<int64_t>(dtype_size(t)); };
+    at(MemCategory::gradients) += 4 * shard;  // (the f32 shard the update reads)
+    if (cfg.fsdp_main_grads_dtype != DType::f32) at(MemCategory::gradients) += bytes(cfg.fsdp_main_grads_dtype) * shard;
+    if (params) at(MemCategory::parameters) += 4 * shard;
+    at(MemCategory::workspace) += 4 * (widest + widest / P + (params ? 2 * widest : 0));
+    if (cfg.fsdp_grad_comm_dtype != DType::f32)
+      at(MemCategory::workspace) += bytes(cfg.fsdp_grad_comm_dtype) * (widest + widest / P);
+  }
+  return plan;
 }
 
 std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& cfg,
@@ -596,12 +889,17 @@ std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& ad
     return std::make_unique<AllReduceOptimizer<optim::Muon>>(gpt, m, std::move(muon), groups, cfg.ddp_bucket_size,
                                                              cfg.overlap_grad_reduce, timers);
   }
-  if (cfg.use_distributed_optimizer)
+  if (cfg.fsdp == FsdpStrategy::optim_grads || cfg.fsdp == FsdpStrategy::optim_grads_params)
+    return std::make_unique<FsdpOptimizer>(gpt, adamw.config(), groups,
+                                           /*shard_params=*/cfg.fsdp == FsdpStrategy::optim_grads_params,
+                                           cfg.fsdp_main_grads_dtype, cfg.fsdp_grad_comm_dtype, timers);
+  if (cfg.shards_optimizer_state())
     return std::make_unique<DistributedOptimizer>(gpt, adamw.config(), groups, cfg.ddp_bucket_size,
                                                   cfg.overlap_grad_reduce, cfg.overlap_param_gather,
                                                   cfg.num_distributed_optimizer_instances, timers);
   if (!adamw.has_state())
-    MOECORE_FAIL("training: the optimizer holds no state; build it with state or set use_distributed_optimizer");
+    MOECORE_FAIL("training: the optimizer holds no state; build it with state or set use_distributed_optimizer (",
+                 "Megatron-FSDP's no_shard keeps it on every rank)");
   return std::make_unique<AllReduceOptimizer<optim::AdamW>>(gpt, adamw, nullptr, groups, cfg.ddp_bucket_size,
                                                             cfg.overlap_grad_reduce, timers);
 }

@@ -5,7 +5,9 @@
 // rank, or Muon (optim/muon.h) with its state on every rank or, with --use-distributed-optimizer, each parameter's on
 // the rank that owns it (Megatron's layer-wise distributed optimizer); and AdamW's distributed optimizer
 // (--use-distributed-optimizer: ZeRO-1, gradients reduce-scattered, masters all-gathered, with --overlap-param-gather
-// just before forward reads them). Not here: the LR schedule (trainer.h).
+// just before forward reads them); and Megatron-FSDP's optim_grads and optim_grads_params (ZeRO-2 and ZeRO-3: the
+// distributed optimizer's shards with the gradients, and the parameters, sharded per decoder layer; its no_shard and
+// optim are the all-reduce and the distributed optimizer). Not here: the LR schedule (trainer.h).
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -61,6 +63,14 @@ class Optimizer {
   virtual bool gathers_params_later() const { return false; }
   virtual void params_needed(size_t first, size_t end) {}
   virtual void settle() {}
+  // Megatron-FSDP (optim_grads, optim_grads_params): the gradients are reduced after every micro-batch's passes, so the
+  // step installs the model's grad_ready hook for every micro-batch, not only the last; the model's unit hooks
+  // (GptModel::set_params_needed, set_params_released, set_grads_needed) drive the gathers and releases. settle()
+  // leaves every parameter whole and current (a checkpoint's or the caller's model after training).
+  virtual bool reduces_every_micro_batch() const { return false; }
+  virtual bool follows_units() const { return false; }
+  virtual void params_released(size_t first, size_t end) {}
+  virtual void grads_needed(size_t first, size_t end) {}
   // Checkpoints (checkpointing.h): the moments of every parameter this rank holds, gathered where sharded. Collective.
   // With `async` (--async-save) the save is handed to it (async_save.h) instead of written before returning.
   virtual void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
@@ -74,7 +84,16 @@ class Optimizer {
 // plan's (GptModel::memory_plan), before the optimizer or the model exists.
 model::GptModel::StateBytesPerElement optimizer_state_bytes(const TrainConfig& cfg, const optim::AdamWConfig& adam);
 
-// The optimizer cfg selects (optimizer, muon, use_distributed_optimizer, num_distributed_optimizer_instances,
+// Megatron-FSDP's optim_grads and optim_grads_params: `plan`, gpt's plan with every gradient and parameter whole and
+// the optimizer state unsharded (GptModel::memory_plan), as this rank holds it while training -- the optimizer state,
+// the summed gradients and (optim_grads_params) the f32 masters sharded over dense_ranks (dp x cp; experts:
+// expert_ranks, edp), the gradients of one decoder layer whole at a time (and of the embeddings, final norm and
+// output layer), the values of one layer gathered at a time (and of the others), and the staging buffers. A checkpoint
+// save and the end of training gather every parameter for their while (Optimizer::settle). Other strategies: plan.
+model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan plan, const TrainConfig& cfg,
+                                   const optim::AdamWConfig& adam, int dense_ranks, int expert_ranks, int etp_ranks);
+
+// The optimizer cfg selects (optimizer, muon, use_distributed_optimizer, fsdp, num_distributed_optimizer_instances,
 // overlap_grad_reduce, overlap_param_gather, ddp_bucket_size) over gpt's parameters, with adamw's hyperparameters (and,
 // for AdamW without the distributed optimizer, its state: adamw must hold it; Muon makes its own, for the scalar
 // parameters too). Its step's phases run under `timers` (timers.h; null:

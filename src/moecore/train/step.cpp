@@ -216,9 +216,10 @@ StepResult TrainStep::pass(int64_t it) {
     const int64_t mb = op.micro_batch;
     const bool forward = op.kind == ScheduleOp::forward;
     // With overlap, each chunk's last micro-batch reports its gradients final as they are: the loss heads' from that
-    // micro-batch's forward through the last chunk, the rest from its backwards.
-    const bool final =
-        opt_.overlaps_grad_reduction() && mb + 1 == micro_local_ && (!forward || gpt_.post_process(op.chunk));
+    // micro-batch's forward through the last chunk, the rest from its backwards (Megatron-FSDP's optim_grads*: every
+    // micro-batch reports its contribution).
+    const bool final = opt_.overlaps_grad_reduction() && (mb + 1 == micro_local_ || opt_.reduces_every_micro_batch()) &&
+                       (!forward || gpt_.post_process(op.chunk));
     if (final) gpt_.set_grad_ready(hook);
     if (forward) {
       {

@@ -41,6 +41,28 @@ void TrainConfig::validate() const {
       MOECORE_FAIL("training: --overlap-param-gather with --optimizer muon is not supported yet (the layer-wise ",
                    "distributed optimizer's parameter broadcasts run after the step); leave it out");
   }
+  if (fsdp != FsdpStrategy::off) {  // (Megatron's validate_args for Megatron-FSDP v1)
+    if (!use_distributed_optimizer)
+      MOECORE_FAIL("training: Megatron-FSDP v1 is only compatible with --use-distributed-optimizer (set with ",
+                   "--use-megatron-fsdp)");
+    if (optimizer != optim::OptimizerKind::adam)
+      MOECORE_FAIL("training: Megatron-FSDP does not support the ", enum_name(optimizer),
+                   " optimizer yet (--use-megatron-fsdp needs --optimizer adam)");
+    if (num_distributed_optimizer_instances != 1)
+      MOECORE_FAIL("training: --use-megatron-fsdp with --num-distributed-optimizer-instances ",
+                   num_distributed_optimizer_instances, " (Megatron's hybrid sharding, HSDP) is not supported yet; ",
+                   "use --num-distributed-optimizer-instances 1");
+    for (DType t : {fsdp_main_grads_dtype, fsdp_grad_comm_dtype})
+      if ((t != DType::f32 && t != DType::bf16) ||
+          (t == DType::bf16 && fsdp != FsdpStrategy::optim_grads && fsdp != FsdpStrategy::optim_grads_params))
+        MOECORE_FAIL("training: Megatron-FSDP's gradients in ", dtype_name(t), " are not supported with ",
+                     "--data-parallel-sharding-strategy ", enum_name(fsdp),
+                     " (its no_shard and optim reduce f32 gradients, optim_grads and optim_grads_params f32 or bf16); ",
+                     "pass --megatron-fsdp-main-grads-dtype fp32 --megatron-fsdp-grad-comm-dtype fp32");
+    if (fsdp == FsdpStrategy::optim_grads_params && check_weight_hash_interval > 0)
+      MOECORE_FAIL("training: --check-weight-hash-across-dp-replicas-interval is not supported with ",
+                   "--data-parallel-sharding-strategy optim_grads_params (the parameters are sharded, as in Megatron)");
+  }
   if (num_distributed_optimizer_instances < 1)
     MOECORE_FAIL("training: --num-distributed-optimizer-instances (", num_distributed_optimizer_instances,
                  ") must be >= 1");
@@ -397,18 +419,29 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
         m.fp32_matmul_prec == optim::MuonMatmulPrecision::medium ? "bf16" : "f32", enum_name(m.scale_mode),
         m.extra_scale_factor, enum_name(m.tp_mode));
   }
-  if (cfg.use_distributed_optimizer && log && cfg.logs_at(TrainConfig::kLogInfo)) {
+  if (cfg.shards_optimizer_state() && log && cfg.logs_at(TrainConfig::kLogInfo)) {
     const auto per_element = optimizer_state_bytes(cfg, adamw.config());
     int64_t unsharded = 0;
     for (const Param& p : gpt.params()) unsharded += per_element(p) * p.value.numel();
     std::fprintf(log, " distributed optimizer: %s of optimizer state on this rank (%s unsharded)\n",
                  memory_format_bytes(opt->state_bytes()).c_str(), memory_format_bytes(unsharded).c_str());
   }
-  struct HookGuard {  // --overlap-param-gather: forward waits for the parameters it reads (never left behind)
+  // --overlap-param-gather: forward waits for the parameters it reads; Megatron-FSDP: the passes gather and release
+  // the units' parameters and gradients. The hooks are never left behind, and the model is left whole.
+  struct HookGuard {
     model::GptModel& m;
-    ~HookGuard() { m.set_params_needed({}); }
+    ~HookGuard() {
+      m.set_params_needed({});
+      m.set_params_released({});
+      m.set_grads_needed({});
+    }
   } hook_guard{gpt};
-  if (opt->gathers_params_later()) gpt.set_params_needed([&](size_t a, size_t b) { opt->params_needed(a, b); });
+  if (opt->gathers_params_later() || opt->follows_units())
+    gpt.set_params_needed([&](size_t a, size_t b) { opt->params_needed(a, b); });
+  if (opt->follows_units()) {
+    gpt.set_params_released([&](size_t a, size_t b) { opt->params_released(a, b); });
+    gpt.set_grads_needed([&](size_t a, size_t b) { opt->grads_needed(a, b); });
+  }
   GradScaler scaler(cfg.grad_scaler);
   TrainStep step(gpt, *opt, cfg, groups, batches, scaler, &timers);
   if (!cfg.save.empty() && !cfg.allow_other_models_in_save) check_save_directory(cfg.save, gpt.config());
@@ -424,6 +457,10 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
   const auto save = [&] {  // the LR schedule's and the loss scaler's state go into the checkpoint with the optimizer's
     saves.save(progress, opt_param_scheduler_of(cfg, progress.iteration - start.schedule_start),
                scaler.dynamic() ? std::optional<GradScalerState>(scaler.state()) : std::nullopt);
+  };
+  const auto finish = [&] {  // the last save committed; the model left whole (Megatron-FSDP's parameters gathered)
+    saves.finish(progress.iteration);
+    opt->settle();
   };
   const auto t_start = std::chrono::steady_clock::now();  // (--exit-duration-in-mins)
   for (int64_t it = progress.iteration; it < cfg.train_iters; ++it) {
@@ -484,7 +521,7 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
         std::fprintf(log, " exiting after %.2f minutes at iteration %lld (--exit-duration-in-mins %g)\n", minutes,
                      static_cast<long long>(it + 1), cfg.exit_duration_mins);
       save();
-      saves.finish(progress.iteration);
+      finish();
       out.stopped_by_signal = stop.signal;
       out.stopped_by_time = !stop.signal;
       return out;
@@ -492,13 +529,13 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     if (!last && cfg.exit_interval > 0 && (it + 1) % cfg.exit_interval == 0) {
       if (log) std::fprintf(log, " exiting at iteration %lld (--exit-interval)\n", static_cast<long long>(it + 1));
       save();
-      saves.finish(progress.iteration);
+      finish();
       return out;
     }
     if (!last && cfg.save_interval > 0 && (it + 1) % cfg.save_interval == 0) save();
   }
   save();
-  saves.finish(progress.iteration);  // Megatron's maybe_finalize_async_save(blocking=True) at the end
+  finish();  // (Megatron's maybe_finalize_async_save(blocking=True) at the end)
   return out;
 }
 

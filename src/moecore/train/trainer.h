@@ -33,6 +33,8 @@ enum class LrDecayStyle : uint8_t { constant, linear, cosine, wsd };            
 enum class WsdDecayStyle : uint8_t { exponential, linear, cosine, minus_sqrt };  // --lr-wsd-decay-style
 enum class NanAction : uint8_t { stop, skip };                                   // --nan-action
 enum class AsyncStrategy : uint8_t { nvrx, mcore };                              // --async-strategy
+// --data-parallel-sharding-strategy under --use-megatron-fsdp (off: no --use-megatron-fsdp)
+enum class FsdpStrategy : uint8_t { off, no_shard, optim, optim_grads, optim_grads_params };
 inline constexpr EnumName<LrDecayStyle> kLrDecayStyleNames[] = {{LrDecayStyle::constant, "constant"},
                                                                 {LrDecayStyle::linear, "linear"},
                                                                 {LrDecayStyle::cosine, "cosine"},
@@ -55,6 +57,15 @@ constexpr std::span<const EnumName<NanAction>> enum_names(NanAction) {
 }
 constexpr std::span<const EnumName<AsyncStrategy>> enum_names(AsyncStrategy) {
   return kAsyncStrategyNames;
+}
+inline constexpr EnumName<FsdpStrategy> kFsdpStrategyNames[] = {
+    {FsdpStrategy::off, "off"},
+    {FsdpStrategy::no_shard, "no_shard"},
+    {FsdpStrategy::optim, "optim"},
+    {FsdpStrategy::optim_grads, "optim_grads"},
+    {FsdpStrategy::optim_grads_params, "optim_grads_params"}};
+constexpr std::span<const EnumName<FsdpStrategy>> enum_names(FsdpStrategy) {
+  return kFsdpStrategyNames;
 }
 
 // The defaults are Megatron's (megatron/training/arguments.py); where Megatron has none (a required flag), they are
@@ -166,8 +177,24 @@ struct TrainConfig {
                                                 // optimizer's state, each sharded over 1/N of dp x cp (experts: edp),
                                                 // gradients all-reduced across them; N > 1 needs
                                                 // use_distributed_optimizer and groups built with the same N
-  int64_t ddp_bucket_size = 40'000'000;         // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
-                                                // bucket
+  // --use-megatron-fsdp with --data-parallel-sharding-strategy (Megatron-FSDP v1, which needs
+  // use_distributed_optimizer; the flag sets it, as Megatron does): what is sharded over dp x cp (experts: edp) --
+  // nothing (no_shard: plain data parallelism), the optimizer state (optim: the distributed optimizer), and the
+  // gradients (optim_grads: reduce-scattered after each decoder layer's backward, every micro-batch), and the
+  // parameters (optim_grads_params: each decoder layer's gathered before its forward and its backward, the next one's
+  // prefetched). The embeddings, the final norm and the output layer stay whole (Megatron's non-unit parameters). off:
+  // no FSDP.
+  FsdpStrategy fsdp = FsdpStrategy::off;
+  // --megatron-fsdp-main-grads-dtype and --megatron-fsdp-grad-comm-dtype (auto: the parameters' dtype, so bf16 under
+  // --bf16, as Megatron): with optim_grads and optim_grads_params the gradients are reduce-scattered in the comm dtype
+  // and accumulated in the main one over the micro-batches, then cast to f32 for the update. f32 or bf16; the other
+  // strategies reduce f32.
+  DType fsdp_main_grads_dtype = DType::f32;
+  DType fsdp_grad_comm_dtype = DType::f32;
+  // The optimizer state sharded over the data-parallel ranks: the distributed optimizer, but for FSDP's no_shard.
+  bool shards_optimizer_state() const { return use_distributed_optimizer && fsdp != FsdpStrategy::no_shard; }
+  int64_t ddp_bucket_size = 40'000'000;  // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
+                                         // bucket
   int64_t microbatch_group_size_per_vp_stage = 0;  // --microbatch-group-size-per-virtual-pipeline-stage: the
                                                    // interleaved schedule's micro-batches in a row per model chunk
                                                    // (0: the pipeline size, Megatron's default)
