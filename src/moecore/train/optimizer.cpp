@@ -359,6 +359,41 @@ struct ZeroOptimizers {
       o.set_steps_taken(st.steps);
     });
   }
+  // The step's global norm, clip scale and update of every shard, timed as Megatron's phases.
+  optim::StepStats norm_and_update(float lr, float clip_grad, Timers* timers) {
+    optim::StepStats st;
+    {
+      const TimerScope t(timers, TimerName::optimizer_clip_main_grad);
+      st.grad_norm = grad_norm();
+      st.clip_scale = optim::clip_scale_for(st.grad_norm, clip_grad);
+    }
+    const TimerScope t(timers, TimerName::optimizer_inner_step);
+    update(lr, st.clip_scale);
+    return st;
+  }
+  // A checkpoint of gpt's parameters (whole on this rank) with the gathered moments. Collective (every rank skips the
+  // gather alike: same flags).
+  void save(const model::GptModel& gpt, const std::string& root, const TrainProgress& progress, uint64_t seed,
+            int keep_last, const CheckpointSaveOptions& parts, AsyncCheckpointSaver* async) const {
+    const OptimizerState st = parts.save_optim ? gather(gpt.params().size()) : OptimizerState{};
+    if (async)
+      async->save(root, gpt, st, progress, seed, keep_last, &g, parts);
+    else
+      save_training_checkpoint(root, gpt, st, progress, seed, keep_last, &g, parts);
+  }
+  // A checkpoint into gpt's (whole) parameters and, when it holds them and parts ask, the moments into the shards;
+  // without them the fresh shards stay as they are.
+  LoadedTrainingState load(model::GptModel& gpt, const std::string& dir, uint64_t seed,
+                           const CheckpointLoadOptions& parts, DType state_dtype) {
+    OptimizerState st = OptimizerState::adam({}, {}, 0);
+    if (parts.load_optim && !parts.finetune)
+      for (const auto& p : gpt.params())
+        for (OptimizerState::Slot& s : st.slots)
+          s.per_param.push_back(Tensor::zeros(p.value.shape(), state_dtype, MemCategory::workspace));
+    LoadedTrainingState loaded = load_training_state(dir, gpt, st, seed, parts);
+    if (loaded.optimizer_loaded) load(st);
+    return loaded;
+  }
 };
 
 // The state of an update as a checkpoint holds it: handles, so a load writes through them. Distributed Muon: the
@@ -518,16 +553,7 @@ class DistributedOptimizer final : public Optimizer {
   void scale_grads(float s) override { zero_.scale_grads(s); }
   std::string first_nonfinite_grad() override { return zero_.first_nonfinite_grad(); }
   optim::StepStats step(float lr) override {
-    optim::StepStats st;
-    {
-      const TimerScope t(timers_, TimerName::optimizer_clip_main_grad);
-      st.grad_norm = zero_.grad_norm();
-      st.clip_scale = optim::clip_scale_for(st.grad_norm, cfg_.clip_grad);
-    }
-    {
-      const TimerScope t(timers_, TimerName::optimizer_inner_step);
-      zero_.update(lr, st.clip_scale);
-    }
+    const optim::StepStats st = zero_.norm_and_update(lr, cfg_.clip_grad, timers_);
     {
       const TimerScope t(timers_, TimerName::params_all_gather);
       zero_.gather_params(gather_later_);
@@ -561,24 +587,10 @@ class DistributedOptimizer final : public Optimizer {
   }
   void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
             const CheckpointSaveOptions& parts, AsyncCheckpointSaver* async) override {
-    // the gather is collective: every rank skips it alike (same flags)
-    const OptimizerState st = parts.save_optim ? zero_.gather(gpt_.params().size()) : OptimizerState{};
-    if (async)
-      async->save(root, gpt_, st, progress, seed, keep_last, &g_, parts);
-    else
-      save_training_checkpoint(root, gpt_, st, progress, seed, keep_last, &g_, parts);
+    zero_.save(gpt_, root, progress, seed, keep_last, parts, async);
   }
   LoadedTrainingState load(const std::string& dir, uint64_t seed, const CheckpointLoadOptions& parts) override {
-    // Without the optimizer state it stays empty: the fresh shards are kept as they are.
-    OptimizerState st = OptimizerState::adam({}, {}, 0);
-    if (parts.load_optim && !parts.finetune) {
-      for (const auto& p : gpt_.params())
-        for (OptimizerState::Slot& s : st.slots)
-          s.per_param.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::workspace));
-    }
-    LoadedTrainingState loaded = load_training_state(dir, gpt_, st, seed, parts);
-    if (loaded.optimizer_loaded) zero_.load(st);
-    return loaded;
+    return zero_.load(gpt_, dir, seed, parts, cfg_.state_dtype);
   }
   int64_t state_bytes() const override { return zero_.state_bytes(); }
 
@@ -668,18 +680,9 @@ class FsdpOptimizer final : public Optimizer {
   void scale_grads(float s) override { zero_.scale_grads(s); }
   std::string first_nonfinite_grad() override { return zero_.first_nonfinite_grad(); }
   optim::StepStats step(float lr) override {
-    optim::StepStats st;
-    {
-      const TimerScope t(timers_, TimerName::optimizer_clip_main_grad);
-      st.grad_norm = zero_.grad_norm();
-      st.clip_scale = optim::clip_scale_for(st.grad_norm, cfg_.clip_grad);
-    }
-    if (shard_params_)
+    if (shard_params_)  // (no pass reads them before the next gathers)
       for (size_t u = 0; u < units_.size(); ++u) release_params(u);
-    {
-      const TimerScope t(timers_, TimerName::optimizer_inner_step);
-      zero_.update(lr, st.clip_scale);
-    }
+    const optim::StepStats st = zero_.norm_and_update(lr, cfg_.clip_grad, timers_);
     {
       const TimerScope t(timers_, TimerName::params_all_gather);
       zero_.gather_params(/*later=*/false);  // (shard_params: the parameters outside the units)
@@ -725,21 +728,11 @@ class FsdpOptimizer final : public Optimizer {
   void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
             const CheckpointSaveOptions& parts, AsyncCheckpointSaver* async) override {
     settle();  // (the checkpoint holds whole parameters: any layout loads them)
-    const OptimizerState st = parts.save_optim ? zero_.gather(gpt_.params().size()) : OptimizerState{};
-    if (async)
-      async->save(root, gpt_, st, progress, seed, keep_last, &g_, parts);
-    else
-      save_training_checkpoint(root, gpt_, st, progress, seed, keep_last, &g_, parts);
+    zero_.save(gpt_, root, progress, seed, keep_last, parts, async);
   }
   LoadedTrainingState load(const std::string& dir, uint64_t seed, const CheckpointLoadOptions& parts) override {
     settle();
-    OptimizerState st = OptimizerState::adam({}, {}, 0);
-    if (parts.load_optim && !parts.finetune)
-      for (const auto& p : gpt_.params())
-        for (OptimizerState::Slot& s : st.slots)
-          s.per_param.push_back(Tensor::zeros(p.value.shape(), cfg_.state_dtype, MemCategory::workspace));
-    LoadedTrainingState loaded = load_training_state(dir, gpt_, st, seed, parts);
-    if (loaded.optimizer_loaded) zero_.load(st);
+    const LoadedTrainingState loaded = zero_.load(gpt_, dir, seed, parts, cfg_.state_dtype);
     zero_.each([](optim::DistributedAdamW& o, const auto&) { o.take_masters_from_values(); });
     return loaded;
   }
