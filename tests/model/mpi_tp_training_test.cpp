@@ -782,6 +782,16 @@ TEST_F(Mpi, MegatronFsdpMatchesDataParallel) {
         EXPECT_EQ(std::memcmp(v.raw(), got.values.at(name).raw(), static_cast<size_t>(v.nbytes())), 0) << name;
     }
   }
+  {  // optim_grads with --overlap-param-gather: the updated parameters gathered while the next forward runs, bitwise
+    const Result now =
+        run(world, moe_model(false), Layout{1, false, 2}, 6, "", "", 0, false, false, false, fsdp(S::optim_grads));
+    const Result later =
+        run(world, moe_model(false), Layout{1, false, 2}, 6, "", "", 0, false, true, true, fsdp(S::optim_grads));
+    for (size_t i = 0; i < 6; ++i)
+      EXPECT_EQ(std::memcmp(&later.loss[i], &now.loss[i], sizeof(double)), 0) << "step " << i + 1;
+    for (const auto& [name, v] : now.values)
+      EXPECT_EQ(std::memcmp(v.raw(), later.values.at(name).raw(), static_cast<size_t>(v.nbytes())), 0) << name;
+  }
   {  // bf16 main gradients and communication (Megatron's auto under --bf16): the run tracks the f32 one, not bitwise
     const Result f32 =
         run(world, llama_like(), Layout{1}, 20, "", "", 0, false, false, false, fsdp(S::optim_grads_params));
@@ -811,8 +821,8 @@ TEST_F(Mpi, MegatronFsdpMatchesDataParallel) {
 }
 
 // Megatron-FSDP's memory plan (train::fsdp_memory_plan) is what a rank allocates while it trains: the peak parameter,
-// gradient and optimizer-state bytes of steps 2 and 3 equal the plan's, for optim_grads and optim_grads_params (f32
-// and bf16 main gradients), dense
+// gradient and optimizer-state bytes of steps 2 and 3 equal the plan's, for optim_grads (also with
+// --overlap-param-gather) and optim_grads_params (f32 and bf16 main gradients), dense
 // at DP P and MoE with the experts over EP 2. (Which strategy holds least depends on the model's shape: test_fsdp_plan
 // shows the ordering on a full-size one; these two-layer models gather half their layers at once.)
 TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
@@ -822,10 +832,17 @@ TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
   };
   for (const Case& c : {Case{llama_like(), {1}}, Case{moe_model(false), {1, false, 2}}}) {
     using S = train::FsdpStrategy;
-    for (const auto& [s, t] : {std::pair{S::optim_grads, DType::f32}, std::pair{S::optim_grads_params, DType::f32},
-                               std::pair{S::optim_grads_params, DType::bf16}}) {
+    struct Run {
+      S s;
+      DType t;
+      bool gather_later;
+    };
+    for (const Run& x :
+         {Run{S::optim_grads, DType::f32, false}, Run{S::optim_grads, DType::f32, true},
+          Run{S::optim_grads_params, DType::f32, false}, Run{S::optim_grads_params, DType::bf16, false}}) {
+      const auto [s, t, gather_later] = x;
       SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : "") + ", strategy " + enum_name(s) + ", gradients " +
-                   std::string(dtype_name(t)));
+                   std::string(dtype_name(t)) + (gather_later ? ", --overlap-param-gather" : ""));
       const Built b = build(world, c.l, c.mc.moe.num_experts);
       model::GptModel gpt(c.mc, 2, 42, b.par, testing::test_device());
       optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/false);
@@ -834,6 +851,7 @@ TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
       tc.use_distributed_optimizer = true;
       tc.fsdp = s;
       tc.fsdp_main_grads_dtype = tc.fsdp_grad_comm_dtype = t;
+      tc.overlap_grad_reduce = tc.overlap_param_gather = gather_later;
       const model::MemoryPlan plan =
           train::fsdp_memory_plan(gpt, gpt.memory_plan(train::optimizer_state_bytes(tc, {})), tc, {},
                                   b.groups.dense_grads().size(), b.groups.edp.size(), b.groups.etp.size());

@@ -359,6 +359,40 @@ struct ZeroOptimizers {
       o.set_steps_taken(st.steps);
     });
   }
+  // After update(): the updated masters gathered into every Param::value and the compute copies refreshed, or with
+  // `later` (--overlap-param-gather) the gathers posted and left in flight: current(first, end) completes those of
+  // params()[first, end) and refreshes their copies before forward reads them, settle_gathers() all of them.
+  void publish(model::GptModel& gpt, bool later, Timers* timers) {
+    {
+      const TimerScope t(timers, TimerName::params_all_gather);
+      gather_params(later);
+    }
+    if (later) {
+      stale.assign(gpt.params().size(), 1);
+      pending = true;
+      return;
+    }
+    const TimerScope t(timers, TimerName::optimizer_copy_main_to_model_params);
+    gpt.refresh_compute_weights();
+  }
+  void current(model::GptModel& gpt, size_t first, size_t end) {
+    if (!pending) return;
+    wait_params(first, end);
+    for (size_t i = first; i < end; ++i)
+      if (stale[i]) {
+        gpt.refresh_compute_weights(i, i + 1);
+        stale[i] = 0;
+      }
+  }
+  void settle_gathers(model::GptModel& gpt) {
+    if (!pending) return;
+    finish_param_gather();
+    current(gpt, 0, stale.size());
+    pending = false;
+  }
+  std::vector<char> stale;  // per parameter: its compute copy predates the last step (publish with `later`)
+  bool pending = false;     // gathers posted by the last step and not all waited for
+
   // The step's global norm, clip scale and update of every shard, timed as Megatron's phases.
   optim::StepStats norm_and_update(float lr, float clip_grad, Timers* timers) {
     optim::StepStats st;
@@ -554,37 +588,14 @@ class DistributedOptimizer final : public Optimizer {
   std::string first_nonfinite_grad() override { return zero_.first_nonfinite_grad(); }
   optim::StepStats step(float lr) override {
     const optim::StepStats st = zero_.norm_and_update(lr, cfg_.clip_grad, timers_);
-    {
-      const TimerScope t(timers_, TimerName::params_all_gather);
-      zero_.gather_params(gather_later_);
-    }
-    if (!gather_later_) {
-      const TimerScope t(timers_, TimerName::optimizer_copy_main_to_model_params);
-      gpt_.refresh_compute_weights();
-      return st;
-    }
-    stale_.assign(gpt_.params().size(), 1);
-    pending_ = true;
+    zero_.publish(gpt_, gather_later_, timers_);
     return st;
   }
   int64_t count_zeros_in_grad(float clip_scale) override { return zero_.grad_zeros(clip_scale); }
   double params_norm() override { return zero_.params_norm(); }
   bool gathers_params_later() const override { return gather_later_; }
-  void params_needed(size_t first, size_t end) override {
-    if (!pending_) return;
-    zero_.wait_params(first, end);
-    for (size_t i = first; i < end; ++i)
-      if (stale_[i]) {
-        gpt_.refresh_compute_weights(i, i + 1);
-        stale_[i] = 0;
-      }
-  }
-  void settle() override {
-    if (!pending_) return;
-    zero_.finish_param_gather();
-    params_needed(0, stale_.size());
-    pending_ = false;
-  }
+  void params_needed(size_t first, size_t end) override { zero_.current(gpt_, first, end); }
+  void settle() override { zero_.settle_gathers(gpt_); }
   void save(const std::string& root, const TrainProgress& progress, uint64_t seed, int keep_last,
             const CheckpointSaveOptions& parts, AsyncCheckpointSaver* async) override {
     zero_.save(gpt_, root, progress, seed, keep_last, parts, async);
@@ -601,8 +612,6 @@ class DistributedOptimizer final : public Optimizer {
   const TrainGroups& g_;
   Timers* timers_;
   bool overlap_, gather_later_;
-  std::vector<char> stale_;  // per parameter: its compute copy predates the last step
-  bool pending_ = false;     // gathers posted by the last step and not all waited for
 };
 
 // Megatron-FSDP: each parameter's unit (GptModel::fsdp_units), -1 outside them.
@@ -626,16 +635,20 @@ std::vector<int> fsdp_unit_of(const model::GptModel& gpt) {
 // the distributed optimizer's sum, and AdamW updates the same elements alike.
 class FsdpOptimizer final : public Optimizer {
  public:
+  // gather_later (--overlap-param-gather, optim_grads): the updated parameters' gathers left in flight until forward
+  // reads them, as the distributed optimizer's (optim_grads_params gathers every layer on demand anyway).
   FsdpOptimizer(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& g, bool shard_params,
-                DType grad_dtype, DType comm_dtype, Timers* timers)
+                bool gather_later, DType grad_dtype, DType comm_dtype, Timers* timers)
       : gpt_(gpt),
         cfg_(cfg),
         units_(gpt.fsdp_units()),
         unit_of_(fsdp_unit_of(gpt)),
-        zero_(gpt, cfg, g, /*bucket=*/1, /*overlap=*/false, /*n=*/1, &unit_of_, shard_params, grad_dtype, comm_dtype),
+        zero_(gpt, cfg, g, /*bucket=*/1, /*overlap=*/gather_later && !shard_params, /*n=*/1, &unit_of_, shard_params,
+              grad_dtype, comm_dtype),
         g_(g),
         timers_(timers),
-        shard_params_(shard_params) {
+        shard_params_(shard_params),
+        gather_later_(gather_later && !shard_params) {
     for (const auto& u : units_) unit_buckets_.push_back(buckets_of(u.first, u.second));
     resident_.assign(units_.size(), 0);
     done_.assign(units_.size(), 0);
@@ -683,17 +696,13 @@ class FsdpOptimizer final : public Optimizer {
     if (shard_params_)  // (no pass reads them before the next gathers)
       for (size_t u = 0; u < units_.size(); ++u) release_params(u);
     const optim::StepStats st = zero_.norm_and_update(lr, cfg_.clip_grad, timers_);
-    {
-      const TimerScope t(timers_, TimerName::params_all_gather);
-      zero_.gather_params(/*later=*/false);  // (shard_params: the parameters outside the units)
-    }
-    const TimerScope t(timers_, TimerName::optimizer_copy_main_to_model_params);
-    gpt_.refresh_compute_weights();
+    zero_.publish(gpt_, gather_later_, timers_);  // (shard_params: the parameters outside the units)
     return st;
   }
   int64_t count_zeros_in_grad(float clip_scale) override { return zero_.grad_zeros(clip_scale); }
   double params_norm() override { return zero_.params_norm(); }
   void params_needed(size_t first, size_t end) override {
+    zero_.current(gpt_, first, end);  // (gather_later)
     if (!shard_params_ || unit_of_[first] < 0) return;
     const auto u = static_cast<size_t>(unit_of_[first]);
     for (size_t v = 0; v < units_.size(); ++v)
@@ -719,6 +728,7 @@ class FsdpOptimizer final : public Optimizer {
   }
   // Every unit whole and current, left as done (released when the next pass needs another unit).
   void settle() override {
+    zero_.settle_gathers(gpt_);
     if (!shard_params_) return;
     for (size_t u = 0; u < units_.size(); ++u) {
       gather(u);
@@ -786,7 +796,7 @@ class FsdpOptimizer final : public Optimizer {
   ZeroOptimizers zero_;
   const TrainGroups& g_;
   Timers* timers_;
-  bool shard_params_;
+  bool shard_params_, gather_later_;
   std::vector<std::vector<std::pair<size_t, size_t>>> unit_buckets_;  // per unit: its (instance, bucket) pairs
   std::set<std::pair<size_t, size_t>> reported_;                      // (instance, bucket) reduced this step
   std::vector<char> resident_, done_;  // per unit (shard_params): values whole and current; the pass is past it
@@ -866,6 +876,7 @@ model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan
     at(MemCategory::workspace) += 4 * (widest + widest / P + (params ? 2 * widest : 0));
     if (cfg.fsdp_grad_comm_dtype != DType::f32)
       at(MemCategory::workspace) += bytes(cfg.fsdp_grad_comm_dtype) * (widest + widest / P);
+    if (!params && cfg.overlap_param_gather) at(MemCategory::workspace) += 4 * (shard * P + shard);  // (gathers later)
   }
   return plan;
 }
@@ -885,7 +896,8 @@ std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& ad
   if (cfg.fsdp == FsdpStrategy::optim_grads || cfg.fsdp == FsdpStrategy::optim_grads_params)
     return std::make_unique<FsdpOptimizer>(gpt, adamw.config(), groups,
                                            /*shard_params=*/cfg.fsdp == FsdpStrategy::optim_grads_params,
-                                           cfg.fsdp_main_grads_dtype, cfg.fsdp_grad_comm_dtype, timers);
+                                           cfg.overlap_param_gather, cfg.fsdp_main_grads_dtype,
+                                           cfg.fsdp_grad_comm_dtype, timers);
   if (cfg.shards_optimizer_state())
     return std::make_unique<DistributedOptimizer>(gpt, adamw.config(), groups, cfg.ddp_bucket_size,
                                                   cfg.overlap_grad_reduce, cfg.overlap_param_gather,
