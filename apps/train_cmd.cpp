@@ -537,9 +537,12 @@ model::MemoryPlan run_memory_plan(const RunFlags& r, const RunGroups& g, const t
   if (!schedule.in_flight.empty()) meta.set_micro_batch_slots(schedule.in_flight);
   model::MemoryPlan plan = meta.memory_plan(train::optimizer_state_bytes(tcfg, r.ocfg));
   int64_t& state_bytes = plan.bytes[static_cast<int>(MemCategory::optimizer_state)];
-  state_bytes = (state_bytes + state_shards - 1) / state_shards;  // the distributed optimizer's shard
-  plan = train::fsdp_memory_plan(meta, plan, tcfg, r.ocfg, g.groups.dense_grads().size(), g.groups.edp.size(),
-                                 g.groups.etp.size());  // (Megatron-FSDP's optim_grads*: its own shards)
+  state_bytes = (state_bytes + state_shards - 1) / state_shards;     // the distributed optimizer's shard
+  const bool hybrid = tcfg.num_distributed_optimizer_instances > 1;  // (sharded within one instance)
+  plan =
+      train::fsdp_memory_plan(meta, plan, tcfg, r.ocfg, (hybrid ? g.groups.intra_dp_cp : g.groups.dense_grads()).size(),
+                              (hybrid ? g.groups.intra_edp : g.groups.edp).size(),
+                              g.groups.etp.size());  // (Megatron-FSDP's optim_grads*: its own shards)
   if (r.device != Device::cuda)
     plan.bytes[static_cast<int>(MemCategory::workspace)] +=
         attention_scratch_bytes(r.mcfg, tcfg.micro_batch_size, g.par);

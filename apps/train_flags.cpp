@@ -262,10 +262,9 @@ void fsdp_flags(const Args& a, const char*, TrainConfig& t) {
     if (t.fsdp != train::FsdpStrategy::optim_grads_params)
       MOECORE_FAIL("--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params ",
                    "(Megatron's check), got ", s);
-    MOECORE_FAIL(
-        "--outer-dp-sharding-strategy optim shards across the data-parallel replicas of hybrid sharding ",
-        "(--num-distributed-optimizer-instances > 1), which moecore's Megatron-FSDP does not support yet; use ",
-        "no_shard, the default");
+    MOECORE_FAIL("--outer-dp-sharding-strategy optim (Megatron's HFSDP: the optimizer state sharded across the ",
+                 "instances of hybrid sharding too) is not supported yet; use no_shard, the default (hybrid sharding ",
+                 "with --num-distributed-optimizer-instances N: sharded within an instance, reduced across them)");
   }
   if (a.str("--megatron-fsdp-main-params-dtype") != "fp32")
     MOECORE_FAIL("--megatron-fsdp-main-params-dtype ", a.str("--megatron-fsdp-main-params-dtype"),
@@ -474,7 +473,9 @@ const TrainFlag kTrainFlags[] = {
    "prefetched)",
    D::one_of({"no_shard", "optim", "optim_grads", "optim_grads_params"})},
   {"--outer-dp-sharding-strategy", V, kNone, "no_shard",
-   "with --use-megatron-fsdp and hybrid sharding: no_shard (optim, sharding across the replicas, is not supported yet)",
+   "with --use-megatron-fsdp and --num-distributed-optimizer-instances N > 1 (hybrid sharding): no_shard, each "
+   "instance shards alone and the gradients are all-reduced across them (optim, Megatron's HFSDP, is not supported "
+   "yet)",
    D::one_of({"no_shard", "optim"})},
   {"--megatron-fsdp-version", V, kNone, "1", "Megatron-FSDP's implementation: 1 (2, Megatron's experimental one, is "
    "not supported)", D::one_of({"1", "2"})},

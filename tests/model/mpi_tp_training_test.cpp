@@ -709,7 +709,8 @@ TEST_F(Mpi, PartialDistributedOptimizerMatchesOneProcess) {
 // for the same N.
 // Megatron-FSDP (--use-megatron-fsdp): every sharding strategy trains as plain data parallelism at the same layout --
 // DP alone (dense), the MoE model with its experts over EP 2 (sharded over EDP), TP 2 (each TP rank's FSDP over its
-// slice), the MoE model under TP 2 + SP, CP 2 (the shards over DP x CP), MTP with full recompute -- with 20-step losses
+// slice), the MoE model under TP 2 + SP, CP 2 (the shards over DP x CP), MTP with full recompute, and at 4 ranks hybrid
+// sharding (--num-distributed-optimizer-instances 2: dense and MoE with EP 2) -- with 20-step losses
 // within 1e-5 and every parameter close at the end (bf16 main gradients and communication: within 1e-2, and not the f32
 // run's bits); no_shard and optim are the all-reduce and the distributed optimizer themselves. With one micro-batch per
 // rank and no clipping, optim_grads and optim_grads_params are bitwise the distributed optimizer (each micro-batch's
@@ -739,9 +740,18 @@ TEST_F(Mpi, MegatronFsdpMatchesDataParallel) {
                              {moe_model(false), {2, true}},     // TP 2 + SP (the experts over ETP 2)
                              {llama_like(), {1, false, 1, 2}},  // CP 2: the shards over DP x CP
                              {mtp, {1}}};
+  if (P == 4) {  // hybrid sharding: two instances of DP 2, the shards' sums all-reduced across them
+    Layout hybrid{1};
+    hybrid.instances = 2;
+    cases.push_back({llama_like(), hybrid});
+    hybrid.ep = 2;
+    cases.push_back({moe_model(false), hybrid});
+  }
   for (const Case& c : cases) {
     SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : "") + (c.mc.mtp_num_layers ? ", MTP, recompute" : ""));
-    const Result plain = run(world, c.mc, c.l, 20);
+    Layout replicated = c.l;  // (the reference: plain DP, one instance)
+    replicated.instances = 1;
+    const Result plain = run(world, c.mc, replicated, 20);
     for (S s : {S::no_shard, S::optim, S::optim_grads, S::optim_grads_params}) {
       SCOPED_TRACE("strategy " + std::to_string(static_cast<int>(s)));
       const Result got = run(world, c.mc, c.l, 20, "", "", 0, false, false, false, fsdp(s));

@@ -227,12 +227,13 @@ void DistributedAdamW::reduce_bucket(size_t b) {
   // (the scratch of one bucket's shard)
   const Tensor part = range(comm_part_.defined() ? comm_part_ : shard_param_, 0, k.shard);
   reduce_scatter_sum(part, range(staging, 0, padded), group_);
-  if (instances_.size() > 1) all_reduce_sum(part, instances_);
   Tensor shard = range(main_grad_.defined() ? main_grad_ : shard_grad_, k.shard_offset, k.shard);
   ops::add(shard, shard, part, ctx());  // (in f32, rounded to the accumulator's dtype)
 }
 
 void DistributedAdamW::finish_main_grads() {
+  const Tensor& acc = main_grad_.defined() ? main_grad_ : shard_grad_;
+  if (instances_.size() > 1) all_reduce_sum(acc, instances_);
   if (main_grad_.defined()) shard_grad_.copy_from(main_grad_);
 }
 

@@ -84,12 +84,13 @@ class DistributedAdamW {
   // Megatron-FSDP's reduction every micro-batch (optim_grads, optim_grads_params): zero_shard_grads() before a step's
   // first micro-batch, then reduce_bucket(b) whenever bucket b's gradients hold a micro-batch's contribution: they are
   // reduce-scattered and this rank's part added into its shard (shard += sum over the group), in call order (the
-  // same on every rank). The params' .grad tensors are read, not changed. Collective over the group (and instances).
+  // same on every rank). The params' .grad tensors are read, not changed. Collective over the group.
   void zero_shard_grads();
   void reduce_bucket(size_t b);
-  // After the step's last reduce_bucket: the accumulated main gradients (options' grad_dtype) cast to f32 into the
-  // shard the update, the norm and the checks read (Megatron-FSDP's gradients cast to the main parameters' dtype).
-  // Local; nothing when grad_dtype is f32 (the shard accumulated in place).
+  // After the step's last reduce_bucket: with instances (hybrid sharding, HSDP) the accumulated shard all-reduced over
+  // them (Megatron-FSDP's outer reduction, once per step), then the main gradients (options' grad_dtype) cast to f32
+  // into the shard the update, the norm and the checks read (Megatron-FSDP's gradients cast to the main parameters'
+  // dtype). Collective over the instances.
   void finish_main_grads();
   // shard_params: bucket b's masters all-gathered into Param::value of its parameters (resident, Tensor::resident):
   // post_gather(b) posts it into one of two staging areas (at most two in flight: a third waits for the oldest);

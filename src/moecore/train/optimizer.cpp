@@ -637,13 +637,15 @@ class FsdpOptimizer final : public Optimizer {
  public:
   // gather_later (--overlap-param-gather, optim_grads): the updated parameters' gathers left in flight until forward
   // reads them, as the distributed optimizer's (optim_grads_params gathers every layer on demand anyway).
+  // instances: hybrid sharding (HSDP, --num-distributed-optimizer-instances N > 1 with the outer strategy no_shard):
+  // everything sharded within one instance, the summed shards all-reduced across the instances once per step.
   FsdpOptimizer(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& g, bool shard_params,
-                bool gather_later, DType grad_dtype, DType comm_dtype, Timers* timers)
+                bool gather_later, int instances, DType grad_dtype, DType comm_dtype, Timers* timers)
       : gpt_(gpt),
         cfg_(cfg),
         units_(gpt.fsdp_units()),
         unit_of_(fsdp_unit_of(gpt)),
-        zero_(gpt, cfg, g, /*bucket=*/1, /*overlap=*/gather_later && !shard_params, /*n=*/1, &unit_of_, shard_params,
+        zero_(gpt, cfg, g, /*bucket=*/1, /*overlap=*/gather_later && !shard_params, instances, &unit_of_, shard_params,
               grad_dtype, comm_dtype),
         g_(g),
         timers_(timers),
@@ -896,8 +898,8 @@ std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& ad
   if (cfg.fsdp == FsdpStrategy::optim_grads || cfg.fsdp == FsdpStrategy::optim_grads_params)
     return std::make_unique<FsdpOptimizer>(gpt, adamw.config(), groups,
                                            /*shard_params=*/cfg.fsdp == FsdpStrategy::optim_grads_params,
-                                           cfg.overlap_param_gather, cfg.fsdp_main_grads_dtype,
-                                           cfg.fsdp_grad_comm_dtype, timers);
+                                           cfg.overlap_param_gather, cfg.num_distributed_optimizer_instances,
+                                           cfg.fsdp_main_grads_dtype, cfg.fsdp_grad_comm_dtype, timers);
   if (cfg.shards_optimizer_state())
     return std::make_unique<DistributedOptimizer>(gpt, adamw.config(), groups, cfg.ddp_bucket_size,
                                                   cfg.overlap_grad_reduce, cfg.overlap_param_gather,

@@ -86,10 +86,11 @@ model::GptModel::StateBytesPerElement optimizer_state_bytes(const TrainConfig& c
 
 // Megatron-FSDP's optim_grads and optim_grads_params: `plan`, gpt's plan with every gradient and parameter whole and
 // the optimizer state unsharded (GptModel::memory_plan), as this rank holds it while training -- the optimizer state,
-// the summed gradients and (optim_grads_params) the f32 masters sharded over dense_ranks (dp x cp; experts:
-// expert_ranks, edp), the gradients of one decoder layer whole at a time (and of the embeddings, final norm and
-// output layer), the values of one layer gathered at a time (and of the others), and the staging buffers. A checkpoint
-// save and the end of training gather every parameter for their while (Optimizer::settle). Other strategies: plan.
+// the summed gradients and (optim_grads_params) the f32 masters sharded over dense_ranks (dp x cp, or one instance of
+// it with hybrid sharding; experts: expert_ranks, edp or its instance), the gradients of one decoder layer whole at a
+// time (and of the embeddings, final norm and output layer), the values of one layer gathered at a time (and of the
+// others), and the staging buffers. A checkpoint save and the end of training gather every parameter for their while
+// (Optimizer::settle). Other strategies: plan.
 model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan plan, const TrainConfig& cfg,
                                    const optim::AdamWConfig& adam, int dense_ranks, int expert_ranks, int etp_ranks);
 

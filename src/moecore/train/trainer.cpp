@@ -48,10 +48,6 @@ void TrainConfig::validate() const {
     if (optimizer != optim::OptimizerKind::adam)
       MOECORE_FAIL("training: Megatron-FSDP does not support the ", enum_name(optimizer),
                    " optimizer yet (--use-megatron-fsdp needs --optimizer adam)");
-    if (num_distributed_optimizer_instances != 1)
-      MOECORE_FAIL("training: --use-megatron-fsdp with --num-distributed-optimizer-instances ",
-                   num_distributed_optimizer_instances, " (Megatron's hybrid sharding, HSDP) is not supported yet; ",
-                   "use --num-distributed-optimizer-instances 1");
     for (DType t : {fsdp_main_grads_dtype, fsdp_grad_comm_dtype})
       if ((t != DType::f32 && t != DType::bf16) ||
           (t == DType::bf16 && fsdp != FsdpStrategy::optim_grads && fsdp != FsdpStrategy::optim_grads_params))
