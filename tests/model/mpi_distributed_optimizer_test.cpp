@@ -273,7 +273,6 @@ TEST_F(Mpi, FsdpBucketReductionsAccumulateEachMicroBatch) {
       }
       opt.zero_shard_grads();
       for (size_t b = 0; b < o.bucket_ends.size(); ++b) opt.reduce_bucket(b);
-      opt.finish_main_grads();
       std::vector<double> sq = {opt.shard_grad_sq()};
       all_reduce_sum(sq, world);
       for (size_t i = 2; i < 5; ++i) dist[i].value.release_storage();  // the "unit", released

@@ -79,10 +79,8 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
   plan_layout(opt.bucket_elems, opt.bucket_ends);
   int64_t max_padded = 0;
   for (const Bucket& b : buckets_) max_padded = std::max(max_padded, b.shard * group_.size());
-  if (!opt.shard_params) {  // (the whole-parameter paths: reduce_scatter_grads and gather_params' staging)
-    staging_ = Tensor::zeros(Shape{max_padded}, DType::f32, MemCategory::workspace, device_);
-    shard_param_ = Tensor::zeros(Shape{max_padded / group_.size()}, DType::f32, MemCategory::workspace, device_);
-  }
+  staging_ = Tensor::zeros(Shape{max_padded}, DType::f32, MemCategory::workspace, device_);
+  shard_param_ = Tensor::zeros(Shape{max_padded / group_.size()}, DType::f32, MemCategory::workspace, device_);
   shard_grad_ = Tensor::zeros(Shape{shard_elems_}, DType::f32, MemCategory::gradients, device_);
   exp_avg_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
   exp_avg_sq_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
@@ -92,12 +90,10 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
                              MemCategory::workspace, device_);
   overlap_ = opt.overlap;
   shard_params_ = opt.shard_params;
-  if (!opt.bucket_ends.empty())  // Megatron-FSDP: two reductions in flight at most
-    for (int k = 0; k < 2; ++k) {
-      reduce_staging_[k] = Tensor::zeros(Shape{max_padded}, opt.comm_dtype, MemCategory::workspace, device_);
-      reduce_part_[k] =
-          Tensor::zeros(Shape{max_padded / group_.size()}, opt.comm_dtype, MemCategory::workspace, device_);
-    }
+  if (opt.comm_dtype != DType::f32) {
+    comm_staging_ = Tensor::zeros(Shape{max_padded}, opt.comm_dtype, MemCategory::workspace, device_);
+    comm_part_ = Tensor::zeros(Shape{max_padded / group_.size()}, opt.comm_dtype, MemCategory::workspace, device_);
+  }
   if (opt.grad_dtype != DType::f32)
     main_grad_ = Tensor::zeros(Shape{shard_elems_}, opt.grad_dtype, MemCategory::gradients, device_);
   if (shard_params_) {
@@ -215,47 +211,27 @@ bool DistributedAdamW::bucket_resident(size_t b) const {
 }
 
 void DistributedAdamW::zero_shard_grads() {
-  check_reductions_done("zero_shard_grads");
   shard_grad_.zero_();
   if (main_grad_.defined()) main_grad_.zero_();
 }
 
-void DistributedAdamW::check_reductions_done(const char* what) const {
-  if (!reductions_.empty())
-    MOECORE_FAIL("distributed optimizer: ", what, " with ", reductions_.size(),
-                 " bucket reductions in flight; finish_main_grads completes them");
-}
-
 void DistributedAdamW::reduce_bucket(size_t b) {
-  if (!reduce_staging_[0].defined())
-    MOECORE_FAIL("distributed optimizer: reduce_bucket needs Megatron-FSDP's buckets (options' bucket_ends)");
   const Bucket& k = buckets_.at(b);
   const int64_t padded = k.shard * group_.size();
-  if (reductions_.size() == 2) complete_reduction();
-  const int slot = reductions_.empty() ? 0 : 1 - reductions_.front().slot;
-  const Tensor& staging = reduce_staging_[slot];
+  const Tensor& staging = comm_staging_.defined() ? comm_staging_ : staging_;
   for (size_t i = k.first_param; i < k.end_param; ++i) {
     check_grad(i);
     range(staging, param_offsets_[i], param_elems_[i]).copy_from(flat(params_[i]->grad));
   }
   range(staging, k.elems, padded - k.elems).zero_();
-  reductions_.push_back(
-      {b, slot, reduce_scatter_sum_async(range(reduce_part_[slot], 0, k.shard), range(staging, 0, padded), group_)});
-}
-
-// The oldest reduction in flight: waited for, its shard added into the accumulated one (in posting order: the sums of
-// synchronous reductions, bit for bit).
-void DistributedAdamW::complete_reduction() {
-  Reduction& r = reductions_.front();
-  r.handle.wait();
-  const Bucket& k = buckets_[r.bucket];
+  // (the scratch of one bucket's shard)
+  const Tensor part = range(comm_part_.defined() ? comm_part_ : shard_param_, 0, k.shard);
+  reduce_scatter_sum(part, range(staging, 0, padded), group_);
   Tensor shard = range(main_grad_.defined() ? main_grad_ : shard_grad_, k.shard_offset, k.shard);
-  ops::add(shard, shard, range(reduce_part_[r.slot], 0, k.shard), ctx());  // (in f32, rounded to the accumulator's)
-  reductions_.pop_front();
+  ops::add(shard, shard, part, ctx());  // (in f32, rounded to the accumulator's dtype)
 }
 
 void DistributedAdamW::finish_main_grads() {
-  while (!reductions_.empty()) complete_reduction();
   const Tensor& acc = main_grad_.defined() ? main_grad_ : shard_grad_;
   if (instances_.size() > 1) all_reduce_sum(acc, instances_);
   if (main_grad_.defined()) shard_grad_.copy_from(main_grad_);
@@ -416,7 +392,6 @@ int64_t DistributedAdamW::shard_grad_zeros(float clip_scale) const {
 }
 
 double DistributedAdamW::shard_grad_sq() const {
-  check_reductions_done("shard_grad_sq");
   Tensor acc = sq_acc_;
   acc.zero_();
   for (const Segment& g : segments_) ops::sum_squares(acc, range(shard_grad_, g.shard_offset, g.elems), ctx());
@@ -471,7 +446,6 @@ void DistributedAdamW::step(float lr, float clip_scale, bool gather_later) {
 
 void DistributedAdamW::update(float lr, float clip_scale) {
   if (reducing_) MOECORE_FAIL("distributed optimizer: step inside an open gradient reduction");
-  check_reductions_done("update");
   finish_param_gather();
   while (!gather_order_.empty()) wait_gather(gather_order_.front());  // (their inputs are the master shard)
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -9,7 +9,6 @@
 // (Param::compute is left to the caller).
 #pragma once
 #include <cstdint>
-#include <deque>
 #include <string>
 #include <vector>
 
@@ -84,10 +83,8 @@ class DistributedAdamW {
   void finish_grad_reduction();
   // Megatron-FSDP's reduction every micro-batch (optim_grads, optim_grads_params): zero_shard_grads() before a step's
   // first micro-batch, then reduce_bucket(b) whenever bucket b's gradients hold a micro-batch's contribution: they are
-  // copied into a staging area (the params' .grad tensors may change or be released on return) and reduce-scattered
-  // nonblocking (two in flight at most: a third waits for the oldest); each completed reduction adds this rank's part
-  // into its shard (shard += sum over the group) in call order, the same on every rank; finish_main_grads() completes
-  // them all, before anything reads the shard. Collective over the group.
+  // reduce-scattered and this rank's part added into its shard (shard += sum over the group), in call order (the
+  // same on every rank). The params' .grad tensors are read, not changed. Collective over the group.
   void zero_shard_grads();
   void reduce_bucket(size_t b);
   // After the step's last reduce_bucket: with instances (hybrid sharding, HSDP) the accumulated shard all-reduced over
@@ -226,18 +223,9 @@ class DistributedAdamW {
   // shard_params: the masters of this rank's shard, and two staging areas of the largest padded bucket for gathers.
   bool shard_params_ = false;
   Tensor master_;  // [shard_elems] f32 (padding zero)
-  // reduce_bucket with grad_dtype other than f32: the accumulated main gradients (undefined with f32: shard_grad_).
-  Tensor main_grad_;
-  // reduce_bucket's reductions in flight, oldest first, each in one of two staging areas (comm_dtype).
-  struct Reduction {
-    size_t bucket = 0;
-    int slot = 0;
-    CommHandle handle;
-  };
-  std::deque<Reduction> reductions_;
-  Tensor reduce_staging_[2], reduce_part_[2];  // [max N_b], [max N_b / P]
-  void complete_reduction();
-  void check_reductions_done(const char* what) const;
+  // reduce_bucket with comm_dtype or grad_dtype other than f32: the staging and scratch in comm_dtype, the
+  // accumulated main gradients in grad_dtype (undefined when f32: staging_, shard_param_ and shard_grad_ serve).
+  Tensor comm_staging_, comm_part_, main_grad_;
   Tensor gather_staging_[2];                // [max N_b] f32
   std::vector<int> gather_slot_;            // per bucket: its staging area while posted, else -1
   std::vector<size_t> gather_order_;        // buckets posted, oldest first

@@ -875,9 +875,9 @@ model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan
     at(MemCategory::gradients) += 4 * shard;  // (the f32 shard the update reads)
     if (cfg.fsdp_main_grads_dtype != DType::f32) at(MemCategory::gradients) += bytes(cfg.fsdp_main_grads_dtype) * shard;
     if (params) at(MemCategory::parameters) += 4 * shard;
-    // (the whole-parameter staging, or with sharded parameters two gather areas; two reductions in flight)
-    at(MemCategory::workspace) += params ? 4 * 2 * widest : 4 * (widest + widest / P);
-    at(MemCategory::workspace) += 2 * bytes(cfg.fsdp_grad_comm_dtype) * (widest + widest / P);
+    at(MemCategory::workspace) += 4 * (widest + widest / P + (params ? 2 * widest : 0));
+    if (cfg.fsdp_grad_comm_dtype != DType::f32)
+      at(MemCategory::workspace) += bytes(cfg.fsdp_grad_comm_dtype) * (widest + widest / P);
     if (!params && cfg.overlap_param_gather) at(MemCategory::workspace) += 4 * (shard * P + shard);  // (gathers later)
   }
   return plan;
