@@ -355,7 +355,7 @@ const MegatronFlag kMegatronFlags[] = {
   {"--inference-wandb-logging", S, "", "False", "", R, "not supported: this model family / inference / RL path; moecore train covers GPT decoder MoE pre-training (moecore generate for sampling)"},
   {"--init-method-std", V, "float", "0.02", "", I, ""},
   {"--init-method-xavier-uniform", S, "", "False", "", R, "not supported yet: xavier init"},
-  {"--init-model-with-meta-device", S, "", "False", "", A, "where the Python model is materialised before init (memory only)"},
+  {"--init-model-with-meta-device", S, "", "False", "", I, ""},
   {"--initial-loss-scale", V, "float", "4294967296", "", I, ""},
   {"--inprocess-active-world-size", V, "int", "1", "", R, "not supported: Megatron's Python fault-tolerance / ops tooling; moecore has --exit-signal-handler, crash-safe commits and collective timeouts"},
   {"--inprocess-barrier-timeout", V, "float", "120", "", R, "not supported: Megatron's Python fault-tolerance / ops tooling; moecore has --exit-signal-handler, crash-safe commits and collective timeouts"},

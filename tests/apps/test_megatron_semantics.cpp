@@ -117,6 +117,9 @@ TEST_F(MegatronSemantics, MegatronFsdpFlags) {
   expect_error("--data-parallel-sharding-strategy optim", "sets Megatron-FSDP: add --use-megatron-fsdp");
   expect_error(fsdp + "--use-torch-fsdp2", "--use-megatron-fsdp and --use-torch-fsdp2 exclude each other");
   expect_error("--use-torch-fsdp2", "--use-torch-fsdp2 needs --no-gradient-accumulation-fusion");
+  expect_error(fsdp + "--init-model-with-meta-device", "--init-model-with-meta-device with FSDP");
+  expect_error(fsdp + "--init-model-with-meta-device --data-parallel-sharding-strategy no_shard",
+               "--init-model-with-meta-device is not supported with --data-parallel-sharding-strategy no_shard");
 }
 
 TEST_F(MegatronSemantics, ValidationPerplexityToTensorBoard) {
