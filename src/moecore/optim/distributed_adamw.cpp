@@ -237,10 +237,6 @@ void DistributedAdamW::finish_main_grads() {
   if (main_grad_.defined()) shard_grad_.copy_from(main_grad_);
 }
 
-bool DistributedAdamW::gather_posted(size_t b) const {
-  return shard_params_ && gather_slot_.at(b) >= 0;
-}
-
 void DistributedAdamW::post_gather(size_t b) {
   if (!shard_params_) MOECORE_FAIL("distributed optimizer: post_gather needs shard_params");
   if (gather_slot_.at(b) >= 0) return;

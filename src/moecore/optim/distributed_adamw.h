@@ -28,8 +28,8 @@ struct DistributedAdamWOptions {
   // bucket k holds params [bucket_ends[k - 1], bucket_ends[k]) (bucket_ends[-1] = 0), ascending, the last
   // params.size(). One bucket per FSDP unit, one per parameter outside the units.
   std::vector<size_t> bucket_ends = {};
-  // optim_grads_params: the f32 masters live in this rank's shard (master_shard), not in Param::value, which the caller
-  // may release between uses (Tensor::release_storage) and fills by wait_gather.
+  // optim_grads_params: the f32 masters live in this rank's shard of them, not in Param::value, which the caller may
+  // release between uses (Tensor::release_storage) and fills by wait_gather.
   bool shard_params = false;
   // Megatron-FSDP's --megatron-fsdp-main-grads-dtype and --megatron-fsdp-grad-comm-dtype (f32 or bf16), for
   // reduce_bucket: the gradients are reduce-scattered in comm_dtype and accumulated in grad_dtype; finish_main_grads
@@ -95,18 +95,14 @@ class DistributedAdamW {
   // shard_params: bucket b's masters all-gathered into Param::value of its parameters (resident, Tensor::resident):
   // post_gather(b) posts it into one of two staging areas (at most two in flight: a third waits for the oldest);
   // wait_gather(b) completes it (posting it first when it was not); values released meanwhile get nothing (the gathered
-  // data is dropped). Collective over the group, in the same order
-  // on every rank.
+  // data is dropped). Collective over the group, in the same order on every rank.
   void post_gather(size_t b);
   void wait_gather(size_t b);
-  bool gather_posted(size_t b) const;
   // shard_params: this rank's owned ranges of Param::value copied into its master shard (after a checkpoint load wrote
   // the values). Local.
   void take_masters_from_values();
   size_t bucket_of(size_t i) const { return bucket_of_param_.at(i); }
   std::pair<size_t, size_t> bucket_params(size_t b) const { return {buckets_[b].first_param, buckets_[b].end_param}; }
-  // Elements of bucket b padded to a multiple of the group size (what a gather or a reduction moves).
-  int64_t bucket_padded_elems(size_t b) const { return buckets_[b].shard * group_.size(); }
   // Sum of squares of this rank's reduced-gradient shard, in double. All-reduced over the group (and
   // over other groups' shares) it is the squared global gradient norm.
   double shard_grad_sq() const;
