@@ -291,6 +291,37 @@ TEST(Tensor, MetaDeviceHasShapesWithoutMemory) {
   EXPECT_THROW(parse_device("meta"), Error);
 }
 
+// Megatron-FSDP's release and reacquire: the storage's memory given back under live handles (a view and a copy of the
+// handle see it alike), its accounting dropped and restored; addressing its data in between raises naming the tensor;
+// taken again it is writable, and releasing twice or taking a held storage again changes nothing.
+TEST(Tensor, ReleasedStorageKeepsItsHandles) {
+  const MemoryStats before = memory_stats();
+  Tensor t = Tensor::zeros({4, 8}, DType::f32, MemCategory::gradients);
+  const Tensor view = t.slice(0, 1, 3), copy = t;
+  const auto held = [&] { return memory_stats().current[static_cast<size_t>(MemCategory::gradients)]; };
+  const int64_t with = held();
+  EXPECT_EQ(with - before.current[static_cast<size_t>(MemCategory::gradients)], t.nbytes());
+  copy.release_storage();
+  copy.release_storage();
+  EXPECT_FALSE(t.resident());
+  EXPECT_FALSE(view.resident());
+  EXPECT_EQ(held(), with - t.nbytes());
+  try {
+    (void)view.data<float>();
+    ADD_FAILURE() << "read a released tensor";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[2, 8] f32 is released"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(t.zero_(), Error);
+  view.reacquire_storage();
+  t.reacquire_storage();
+  EXPECT_TRUE(copy.resident());
+  EXPECT_EQ(held(), with);
+  t.fill_(2.0f);
+  EXPECT_EQ(view.data<float>()[3], 2.0f);
+  EXPECT_FALSE(Tensor().resident());
+}
+
 TEST(Tensor, SimulatedDeviceRefusesHostAccessOutsideTransfers) {
   Tensor h = Tensor::empty({3, 4}, DType::f32, MemCategory::other);
   for (int i = 0; i < 12; ++i) h.data<float>()[i] = static_cast<float>(i);
