@@ -4,7 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <set>
+#include <map>
 #include <span>
 
 #include "moecore/optim/distributed_adamw.h"
@@ -652,6 +652,8 @@ class FsdpOptimizer final : public Optimizer {
         shard_params_(shard_params),
         gather_later_(gather_later && !shard_params) {
     for (const auto& u : units_) unit_buckets_.push_back(buckets_of(u.first, u.second));
+    for (size_t k = 0; k < ZeroOptimizers::kinds; ++k)
+      if (zero_.opt[k]) reported_[k].assign(static_cast<size_t>(zero_.opt[k]->num_buckets()), 0);
     resident_.assign(units_.size(), 0);
     done_.assign(units_.size(), 0);
     for (size_t u = 0; u < units_.size(); ++u) {
@@ -664,15 +666,17 @@ class FsdpOptimizer final : public Optimizer {
   bool follows_units() const override { return true; }
   void begin_grad_reduction() override {
     zero_.each([](optim::DistributedAdamW& o, const auto&) { o.zero_shard_grads(); });
-    reported_.clear();
+    for (std::vector<char>& r : reported_) std::fill(r.begin(), r.end(), 0);
   }
   // A range's gradients hold this micro-batch's contribution: its tensor-parallel sums, its buckets' reductions, then
   // a unit's gradients released and the others zeroed for the next micro-batch.
   void grad_ready(size_t first, size_t end) override {
     gpt_.sum_tensor_parallel_grads(first, end);
-    for (const auto& [k, b] : buckets_of(first, end)) {
+    auto it = range_buckets_.find({first, end});  // (the model reports the same ranges every micro-batch)
+    if (it == range_buckets_.end()) it = range_buckets_.emplace(std::pair{first, end}, buckets_of(first, end)).first;
+    for (const auto& [k, b] : it->second) {
       zero_.opt[k]->reduce_bucket(b);
-      reported_.insert({k, b});
+      reported_[k][b] = 1;
     }
     const int u = unit_of_[first];
     if (u >= 0 && units_[static_cast<size_t>(u)] == std::pair{first, end}) return release_grads(static_cast<size_t>(u));
@@ -683,7 +687,7 @@ class FsdpOptimizer final : public Optimizer {
     for (size_t k = 0; k < ZeroOptimizers::kinds; ++k) {
       if (!zero_.opt[k]) continue;
       for (size_t b = 0; b < static_cast<size_t>(zero_.opt[k]->num_buckets()); ++b) {
-        if (reported_.count({k, b})) continue;
+        if (reported_[k][b]) continue;
         const auto [first, end] = zero_.opt[k]->bucket_params(b);
         bool resident = true;
         for (size_t j = first; j < end; ++j) resident = resident && gpt_.params()[zero_.idx[k][j]].grad.resident();
@@ -800,7 +804,10 @@ class FsdpOptimizer final : public Optimizer {
   Timers* timers_;
   bool shard_params_, gather_later_;
   std::vector<std::vector<std::pair<size_t, size_t>>> unit_buckets_;  // per unit: its (instance, bucket) pairs
-  std::set<std::pair<size_t, size_t>> reported_;                      // (instance, bucket) reduced this step
+  // The (instance, bucket) pairs of each range grad_ready has been given, and per instance the buckets reduced this
+  // step (filled once: the step allocates nothing).
+  std::map<std::pair<size_t, size_t>, std::vector<std::pair<size_t, size_t>>> range_buckets_;
+  std::vector<char> reported_[ZeroOptimizers::kinds];
   std::vector<char> resident_, done_;  // per unit (shard_params): values whole and current; the pass is past it
   int64_t last_needed_ = -1;
   bool forward_ = true;  // the direction of the running pass (the next unit to prefetch)
