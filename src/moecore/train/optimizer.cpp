@@ -201,6 +201,26 @@ double grad_norm_over_groups(const model::GptModel& gpt, const TrainGroups& g, G
   return std::sqrt(sum_over_groups<double>(gpt, g, c.sq,
                                            [&](Tensor& part, const Param& p) { ops::sum_squares(part, p.grad, ctx); }));
 }
+// Megatron-FSDP's buckets over the parameters idx (model indices, in order) of one distributed-optimizer instance: one
+// per unit (unit_of, fsdp_unit_of), one per parameter outside the units (DistributedAdamWOptions::bucket_ends).
+std::vector<size_t> fsdp_bucket_ends(const std::vector<size_t>& idx, const std::vector<int>& unit_of) {
+  std::vector<size_t> ends;
+  for (size_t j = 0; j < idx.size(); ++j) {
+    const int u = unit_of[idx[j]];
+    if (u < 0 || j + 1 == idx.size() || unit_of[idx[j + 1]] != u) ends.push_back(j + 1);
+  }
+  return ends;
+}
+
+// Megatron-FSDP: each parameter's unit (GptModel::fsdp_units), -1 outside them.
+std::vector<int> fsdp_unit_of(const model::GptModel& gpt) {
+  std::vector<int> of(gpt.params().size(), -1);
+  const auto units = gpt.fsdp_units();
+  for (size_t u = 0; u < units.size(); ++u)
+    for (size_t i = units[u].first; i < units[u].second; ++i) of[i] = static_cast<int>(u);
+  return of;
+}
+
 // The distributed optimizer (ZeRO-1) of a run: non-expert parameters sharded over dp, expert parameters
 // over edp. Gradients are reduce-scattered in buckets; the masters are all-gathered after each step. Under TP the
 // tensor-parallel shards get an instance of their own (over dp as well), so the grad norm counts the replicated
@@ -248,11 +268,8 @@ struct ZeroOptimizers {
       optim::DistributedAdamWOptions o;
       o.bucket_elems = bucket;
       o.overlap = overlap;
-      if (unit_of) {  // a bucket ends after a parameter outside the units and before another unit's
-        for (size_t j = 0; j < idx[k].size(); ++j) {
-          const int u = (*unit_of)[idx[k][j]];
-          if (u < 0 || j + 1 == idx[k].size() || (*unit_of)[idx[k][j + 1]] != u) o.bucket_ends.push_back(j + 1);
-        }
+      if (unit_of) {
+        o.bucket_ends = fsdp_bucket_ends(idx[k], *unit_of);
         o.shard_params = shard_params;
         o.grad_dtype = grad_dtype;
         o.comm_dtype = comm_dtype;
@@ -614,15 +631,6 @@ class DistributedOptimizer final : public Optimizer {
   bool overlap_, gather_later_;
 };
 
-// Megatron-FSDP: each parameter's unit (GptModel::fsdp_units), -1 outside them.
-std::vector<int> fsdp_unit_of(const model::GptModel& gpt) {
-  std::vector<int> of(gpt.params().size(), -1);
-  const auto units = gpt.fsdp_units();
-  for (size_t u = 0; u < units.size(); ++u)
-    for (size_t i = units[u].first; i < units[u].second; ++i) of[i] = static_cast<int>(u);
-  return of;
-}
-
 // Megatron-FSDP's optim_grads and optim_grads_params over the distributed optimizer's shards (ZeroOptimizers), with
 // one bucket per FSDP unit (a decoder layer or an MTP depth, GptModel::fsdp_units) and one per parameter outside them.
 // Gradients: a unit's are taken (zeroed) before its backward, reduce-scattered and added into this rank's shard once it
@@ -857,26 +865,19 @@ model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan
   const int64_t moment = static_cast<int64_t>(dtype_size(adam.state_dtype));
   for (int k = 0; k < ZeroOptimizers::kinds; ++k) {
     const int64_t P = ZeroOptimizers::expert_kind(k) ? expert_ranks : dense_ranks;
-    int64_t shard = 0, widest = 0, bucket = 0;
-    int last_unit = -1;
-    bool any = false;
-    const auto close = [&] {
-      if (!any) return;
-      const int64_t s = (bucket + P - 1) / P;
+    std::vector<size_t> idx;  // the instance's parameters, and its buckets padded to the group as DistributedAdamW's
+    for (size_t i = 0; i < gpt.params().size(); ++i)
+      if (ZeroOptimizers::kind_of(gpt.params()[i], etp_ranks) == k) idx.push_back(i);
+    int64_t shard = 0, widest = 0;
+    size_t first = 0;
+    for (size_t end : fsdp_bucket_ends(idx, unit_of)) {
+      int64_t n = 0;
+      for (size_t j = first; j < end; ++j) n += gpt.params()[idx[j]].value.numel();
+      const int64_t s = (n + P - 1) / P;
       shard += s;
       widest = std::max(widest, s * P);
-      bucket = 0;
-      any = false;
-    };
-    for (size_t i = 0; i < gpt.params().size(); ++i) {
-      const Param& p = gpt.params()[i];
-      if (ZeroOptimizers::kind_of(p, etp_ranks) != k) continue;
-      if (any && (unit_of[i] < 0 || unit_of[i] != last_unit)) close();
-      bucket += p.value.numel();
-      any = true;
-      last_unit = unit_of[i];
+      first = end;
     }
-    close();
     at(MemCategory::optimizer_state) += 2 * shard * moment;
     const auto bytes = [](DType t) { return static_cast<int64_t>(dtype_size(t)); };
     at(MemCategory::gradients) += 4 * shard;  // (the f32 shard the update reads)
