@@ -117,6 +117,14 @@ TEST_F(MegatronSemantics, MegatronFsdpFlags) {
   expect_error("--data-parallel-sharding-strategy optim", "sets Megatron-FSDP: add --use-megatron-fsdp");
   expect_error(fsdp + "--use-torch-fsdp2", "--use-megatron-fsdp and --use-torch-fsdp2 exclude each other");
   expect_error("--use-torch-fsdp2", "--use-torch-fsdp2 needs --no-gradient-accumulation-fusion");
+  {  // torch FSDP2 under its restrictions: the optim_grads_params algorithm
+    const CmdResult r = run_moecore(train_args() +
+                                    "--use-torch-fsdp2 --no-gradient-accumulation-fusion "
+                                    "--untie-embeddings-and-output-weights --ckpt-format torch_dcp --save " +
+                                    p("fsdp2"));
+    EXPECT_EQ(r.status, 0) << r.output;
+    EXPECT_TRUE(std::filesystem::exists(p("fsdp2/iter_0000002/COMMIT")));
+  }
   expect_error(fsdp + "--init-model-with-meta-device", "--init-model-with-meta-device with FSDP");
   expect_error(fsdp + "--init-model-with-meta-device --data-parallel-sharding-strategy no_shard",
                "--init-model-with-meta-device is not supported with --data-parallel-sharding-strategy no_shard");
