@@ -4,7 +4,7 @@
 // with both token dispatchers. Checked: step-1 loss (1e-6 rel), the global grad norm (1e-6 rel), every
 // parameter's reduced gradient after step 1 (expert shards against their slice of the reference; element-wise
 // rtol 1e-5 with an absolute floor of 1e-7 x the tensor's largest value for near-zero elements), 20-step
-// losses (rtol 1e-5), the final validation loss, and bitwise-identical losses across two identical
+// losses (rtol 1e-5), the final validation loss (1e-4), and bitwise-identical losses across two identical
 // multi-rank runs; checkpoints reshard across layouts, and --async-save writes the synchronous saves' files. Every
 // model lives on testing::test_device(); results are kept as host copies.
 #include <gtest/gtest.h>
@@ -164,7 +164,11 @@ void check_layout(const ProcessGroup& world, int ep_size, moe::DispatcherKind ki
     EXPECT_LE(rel(got.loss[i], ref.loss[i]), 1e-5) << "step " << i + 1 << ": " << got.loss[i] << " vs " << ref.loss[i];
     EXPECT_EQ(std::memcmp(&got.loss[i], &again.loss[i], sizeof(double)), 0) << "step " << i + 1 << " not bitwise";
   }
-  EXPECT_LE(rel(got.valid, ref.valid), 1e-5) << "validation loss " << got.valid << " vs " << ref.valid;
+  // The validation loss is one forward, where a top-k boundary is a jump: a token whose k-th and (k+1)-th experts
+  // are as close as the layouts' ~1e-8 differences may take the other one. With expert bias after 20 steps one token
+  // does so under oneDNN's AVX-512 kernels (measured 2.5e-5; after 16 to 24 steps otherwise 1e-9 to 1e-8), so 1e-4:
+  // an evaluation of 2 batches instead of 3 moves it by 9e-3.
+  EXPECT_LE(rel(got.valid, ref.valid), 1e-4) << "validation loss " << got.valid << " vs " << ref.valid;
 }
 
 TEST_F(Mpi, DataParallelMatchesOneProcess) {

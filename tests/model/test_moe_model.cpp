@@ -240,18 +240,29 @@ TEST(MoeModel, F16ComputeTrainsLikeF32) {
     return m;
   };
   std::vector<double> l32, l16;
-  model::GptModel m32 = run(DType::f32, l32);
+  run(DType::f32, l32);
   model::GptModel m16 = run(DType::f16, l16);
   for (int step = 0; step < 8; ++step) EXPECT_NEAR(l16[step], l32[step], 1.5e-4 * l32[step]) << "step " << step;
   EXPECT_LT(l16.back(), l16.front() - 0.3);  // it does train (f32: 4.17 -> 3.63)
-  for (size_t i = 0; i < m32.params().size(); ++i) m32.params()[i].value.copy_from(m16.params()[i].value);
-  m32.refresh_compute_weights();
+  // The logits compare with every expert taken (top-4 of 4): in top-2 a token whose second and third experts are a
+  // near tie in f32 may take the other one in f16 (one token of 32 here on an AVX512-FP16 Xeon, its logits 6e-3
+  // off), a jump that says nothing of the kernels' precision. With all experts routed the output is continuous.
+  auto all_experts = [&](DType dt) {
+    model::ModelConfig c = tiny_moe();
+    c.compute_dtype = dt;
+    c.moe.router_topk = c.moe.num_experts;
+    model::GptModel m = make_model(c, 2, 5);
+    for (size_t i = 0; i < m.params().size(); ++i) m.params()[i].value.copy_from(m16.params()[i].value);
+    m.refresh_compute_weights();
+    return m;
+  };
+  model::GptModel f16 = all_experts(DType::f16), f32 = all_experts(DType::f32);
   Tensor tok = Tensor::empty({2, 16}, DType::i32), lab = Tensor::empty({2, 16}, DType::i32);
   testing::synthetic_batch(tok, lab, true, 0);
   Tensor a = Tensor::empty({32, 64}, DType::f32, MemCategory::other, testing::test_device());
   Tensor b = Tensor::empty({32, 64}, DType::f32, MemCategory::other, testing::test_device());
-  m16.forward_logits(a, tok);
-  m32.forward_logits(b, tok);
+  f16.forward_logits(a, tok);
+  f32.forward_logits(b, tok);
   EXPECT_TRUE(testing::all_finite(a));
   const double scale = std::sqrt(testing::sum_squares(b) / static_cast<double>(b.numel()));
   EXPECT_TENSOR_NEAR(a, b, 5e-3, 5e-3 * scale);

@@ -581,7 +581,6 @@ class DistributedOptimizer final : public Optimizer {
       : gpt_(gpt),
         cfg_(cfg),
         zero_(gpt, cfg, g, bucket, overlap_grads, instances),
-        g_(g),
         timers_(timers),
         overlap_(overlap_grads),
         gather_later_(gather_later) {}
@@ -626,7 +625,6 @@ class DistributedOptimizer final : public Optimizer {
   model::GptModel& gpt_;
   optim::AdamWConfig cfg_;
   ZeroOptimizers zero_;
-  const TrainGroups& g_;
   Timers* timers_;
   bool overlap_, gather_later_;
 };
@@ -655,7 +653,6 @@ class FsdpOptimizer final : public Optimizer {
         unit_of_(fsdp_unit_of(gpt)),
         zero_(gpt, cfg, g, /*bucket=*/1, /*overlap=*/gather_later && !shard_params, instances, &unit_of_, shard_params,
               grad_dtype, comm_dtype),
-        g_(g),
         timers_(timers),
         shard_params_(shard_params),
         gather_later_(gather_later && !shard_params) {
@@ -808,7 +805,6 @@ class FsdpOptimizer final : public Optimizer {
   std::vector<std::pair<size_t, size_t>> units_;
   std::vector<int> unit_of_;  // per parameter: its unit, or -1
   ZeroOptimizers zero_;
-  const TrainGroups& g_;
   Timers* timers_;
   bool shard_params_, gather_later_;
   std::vector<std::vector<std::pair<size_t, size_t>>> unit_buckets_;  // per unit: its (instance, bucket) pairs
