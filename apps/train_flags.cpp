@@ -275,14 +275,16 @@ void fsdp_flags(const Args& a, const char*, TrainConfig& t) {
                  "instances of hybrid sharding too) is not supported yet; use no_shard, the default (hybrid sharding ",
                  "with --num-distributed-optimizer-instances N: sharded within an instance, reduced across them)");
   }
-  if (a.str("--megatron-fsdp-main-params-dtype") != "fp32")
-    MOECORE_FAIL("--megatron-fsdp-main-params-dtype ", a.str("--megatron-fsdp-main-params-dtype"),
-                 " is not supported: moecore keeps f32 main parameters (fp32, the default)");
   // auto: the parameters' dtype (the main gradients'), as Megatron's mixed-precision policy
   const DType params = a.on("--bf16") ? DType::bf16 : a.on("--fp16") ? DType::f16 : DType::f32;
+  const auto dtype_of = [&](const char* f, DType auto_dtype) {
+    const std::string v = a.str(f);
+    return v == "auto" ? auto_dtype : v == "bf16" ? DType::bf16 : v == "fp16" ? DType::f16 : DType::f32;
+  };
+  t.fsdp_main_params_dtype = dtype_of("--megatron-fsdp-main-params-dtype", params);
   const auto dtype = [&](const char* f, DType auto_dtype) {
     const std::string v = a.str(f);
-    const DType t = v == "auto" ? auto_dtype : v == "bf16" ? DType::bf16 : v == "fp16" ? DType::f16 : DType::f32;
+    const DType t = dtype_of(f, auto_dtype);
     if (t == DType::f16)
       MOECORE_FAIL(f, " ", v, v == "auto" ? " (fp16 under --fp16)" : "", " is not supported: moecore reduces and ",
                    "accumulates Megatron-FSDP's gradients in fp32 or bf16; pass ", f, " fp32");
@@ -488,7 +490,10 @@ const TrainFlag kTrainFlags[] = {
    D::one_of({"no_shard", "optim"})},
   {"--megatron-fsdp-version", V, kNone, "1", "Megatron-FSDP's implementation: 1 (2, Megatron's experimental one, is "
    "not supported)", D::one_of({"1", "2"})},
-  {"--megatron-fsdp-main-params-dtype", V, kNone, "fp32", "with --use-megatron-fsdp: fp32 (the main parameters)",
+  {"--megatron-fsdp-main-params-dtype", V, kNone, "fp32",
+   "with --use-megatron-fsdp: the dtype of the main parameters AdamW updates, kept in each rank's shard under "
+   "optim_grads and optim_grads_params and gathered in it: fp32 | bf16 | fp16 | auto (the parameters': bf16 under "
+   "--bf16); no_shard and optim take fp32",
    D::one_of({"fp32", "bf16", "fp16", "auto"})},
   {"--megatron-fsdp-main-grads-dtype", V, kNone, "auto",
    "with --use-megatron-fsdp: the dtype optim_grads and optim_grads_params accumulate the reduced gradients in over "

@@ -110,7 +110,16 @@ TEST_F(MegatronSemantics, MegatronFsdpFlags) {
                "pass --megatron-fsdp-main-grads-dtype fp32 --megatron-fsdp-grad-comm-dtype fp32");
   expect_error(fsdp + "--megatron-fsdp-main-grads-dtype fp16",
                "--megatron-fsdp-main-grads-dtype fp16 is not supported");
-  expect_error(fsdp + "--megatron-fsdp-main-params-dtype bf16", "moecore keeps f32 main parameters");
+  {  // bf16 main parameters too (auto under --bf16), in the shards of optim_grads
+    const CmdResult r = run_moecore(train_args() + fsdp +
+                                    "--bf16 --megatron-fsdp-main-params-dtype auto --data-parallel-sharding-strategy "
+                                    "optim_grads --save " +
+                                    p("bf16_main"));
+    EXPECT_EQ(r.status, 0) << r.output;
+    EXPECT_TRUE(std::filesystem::exists(p("bf16_main/iter_0000002/COMMIT")));
+  }
+  expect_error(fsdp + "--megatron-fsdp-main-params-dtype bf16 --data-parallel-sharding-strategy optim",
+               "pass --megatron-fsdp-main-params-dtype fp32");
   expect_error(fsdp + "--megatron-fsdp-version 2", "--megatron-fsdp-version 2");
   expect_error(fsdp + "--outer-dp-sharding-strategy optim --data-parallel-sharding-strategy optim",
                "--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params");

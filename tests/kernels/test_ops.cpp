@@ -638,6 +638,29 @@ TEST(AdamW, Bf16StatesTrackF32States) {
   EXPECT_TENSOR_NEAR(m16, m32, 0.0, 1e-2);
 }
 
+// bf16 and f16 parameters (Megatron-FSDP's --megatron-fsdp-main-params-dtype): each step is the f32 update of the
+// stored value, rounded to the nearest even of the type -- bitwise an f32 step from the same value, then a cast.
+TEST(AdamW, HalfParametersAreTheF32UpdateRounded) {
+  const int64_t n = 4096;
+  for (DType dt : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor half = randn(Shape{n}, "param").to(dt);
+    Tensor m = zeros(Shape{n}), v = zeros(Shape{n}), m32 = zeros(Shape{n}), v32 = zeros(Shape{n});
+    ops::AdamWParams hp;
+    hp.lr = 1e-2f;
+    hp.weight_decay = 0.1f;
+    for (int step = 1; step <= 3; ++step) {
+      hp.step = step;
+      const Tensor g = randn(Shape{n}, "grad", 1.0f, 200 + step);
+      Tensor wide = half.to(DType::f32);
+      ops::adamw_step(wide, g, m32, v32, hp, kCpu);
+      ops::adamw_step(half, g, m, v, hp, kCpu);
+      EXPECT_TRUE(bitwise_equal(half, wide.to(dt))) << "step " << step;
+      EXPECT_TRUE(bitwise_equal(m, m32)) << "step " << step;
+    }
+  }
+}
+
 TEST(AdamW, RejectsBadStep) {
   Tensor p = zeros(Shape{2}), g = zeros(Shape{2}), m = zeros(Shape{2}), v = zeros(Shape{2});
   ops::AdamWParams hp;

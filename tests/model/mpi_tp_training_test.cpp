@@ -807,6 +807,33 @@ TEST_F(Mpi, MegatronFsdpMatchesDataParallel) {
     for (size_t i = 0; i < 20; ++i) EXPECT_LE(rel(bf16.loss[i], f32.loss[i]), 1e-2) << "step " << i + 1;
     EXPECT_NE(bf16.grad_norm[0], f32.grad_norm[0]);
   }
+  {  // bf16 main parameters (--megatron-fsdp-main-params-dtype bf16, auto under --bf16): every value stays a bf16
+     // number -- the masters' updates rounded, the gathers exact -- and the run tracks the f32 one; optim_grads (the
+     // masters in the shards, the values whole) and optim_grads_params run the same arithmetic, bitwise.
+    const auto bf16_masters = [&](S s) {
+      return TrainTweak([=](train::TrainConfig& t) {
+        fsdp(s)(t);
+        t.fsdp_main_params_dtype = DType::bf16;
+      });
+    };
+    const Layout moe{1, false, 2};
+    const Result f32 = run(world, moe_model(false), moe, 20, "", "", 0, false, false, false, fsdp(S::optim_grads));
+    const Result grads =
+        run(world, moe_model(false), moe, 20, "", "", 0, false, false, false, bf16_masters(S::optim_grads));
+    const Result params =
+        run(world, moe_model(false), moe, 20, "", "", 0, false, false, false, bf16_masters(S::optim_grads_params));
+    ASSERT_EQ(params.loss.size(), 20u);
+    for (size_t i = 0; i < 20; ++i) {
+      EXPECT_LE(rel(params.loss[i], f32.loss[i]), 1e-2) << "step " << i + 1;
+      EXPECT_EQ(std::memcmp(&params.loss[i], &grads.loss[i], sizeof(double)), 0) << "step " << i + 1;
+    }
+    EXPECT_NE(params.loss.back(), f32.loss.back());
+    for (const auto& [name, v] : params.values) {
+      EXPECT_EQ(std::memcmp(v.raw(), grads.values.at(name).raw(), static_cast<size_t>(v.nbytes())), 0) << name;
+      const Tensor rounded = v.to(DType::bf16).to(DType::f32);
+      EXPECT_EQ(std::memcmp(v.raw(), rounded.raw(), static_cast<size_t>(v.nbytes())), 0) << name << ": not bf16";
+    }
+  }
   const std::string dir = shared_dir(world, "moecore_mpi_tp_", "fsdp");
   const Result straight = run(world, moe_model(false), Layout{0, false}, 8);
   for (S s : {S::optim_grads_params, S::optim_grads}) {
@@ -825,7 +852,8 @@ TEST_F(Mpi, MegatronFsdpMatchesDataParallel) {
 
 // Megatron-FSDP's memory plan (train::fsdp_memory_plan) is what a rank allocates while it trains: the peak parameter,
 // gradient and optimizer-state bytes of steps 2 and 3 equal the plan's, for optim_grads (also with
-// --overlap-param-gather) and optim_grads_params (f32 and bf16 main gradients), dense
+// --overlap-param-gather, and with bf16 main parameters) and optim_grads_params (f32 and bf16 main gradients, bf16 main
+// parameters), dense
 // at DP P and MoE with the experts over EP 2. (Which strategy holds least depends on the model's shape: test_fsdp_plan
 // shows the ordering on a full-size one; these two-layer models gather half their layers at once.)
 TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
@@ -839,13 +867,16 @@ TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
       S s;
       DType t;
       bool gather_later;
+      DType masters = DType::f32;
     };
-    for (const Run& x :
-         {Run{S::optim_grads, DType::f32, false}, Run{S::optim_grads, DType::f32, true},
-          Run{S::optim_grads_params, DType::f32, false}, Run{S::optim_grads_params, DType::bf16, false}}) {
-      const auto [s, t, gather_later] = x;
+    for (const Run& x : {Run{S::optim_grads, DType::f32, false}, Run{S::optim_grads, DType::f32, true},
+                         Run{S::optim_grads, DType::f32, false, DType::bf16},
+                         Run{S::optim_grads_params, DType::f32, false}, Run{S::optim_grads_params, DType::bf16, false},
+                         Run{S::optim_grads_params, DType::bf16, false, DType::bf16}}) {
+      const auto [s, t, gather_later, masters] = x;
       SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : "") + ", strategy " + enum_name(s) + ", gradients " +
-                   std::string(dtype_name(t)) + (gather_later ? ", --overlap-param-gather" : ""));
+                   std::string(dtype_name(t)) + ", main parameters " + std::string(dtype_name(masters)) +
+                   (gather_later ? ", --overlap-param-gather" : ""));
       const Built b = build(world, c.l, c.mc.moe.num_experts);
       model::GptModel gpt(c.mc, 2, 42, b.par, testing::test_device());
       optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/false);
@@ -854,6 +885,7 @@ TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
       tc.use_distributed_optimizer = true;
       tc.fsdp = s;
       tc.fsdp_main_grads_dtype = tc.fsdp_grad_comm_dtype = t;
+      tc.fsdp_main_params_dtype = masters;
       tc.overlap_grad_reduce = tc.overlap_param_gather = gather_later;
       const model::MemoryPlan plan =
           train::fsdp_memory_plan(gpt, gpt.memory_plan(train::optimizer_state_bytes(tc, {})), tc, {},

@@ -74,6 +74,9 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
   for (DType t : {opt.grad_dtype, opt.comm_dtype})
     if (t != DType::f32 && t != DType::bf16)
       MOECORE_FAIL("distributed optimizer: gradients are reduced and accumulated in f32 or bf16, not ", dtype_name(t));
+  if (opt.master_dtype != DType::f32 && (!opt.shard_params || !dtype_is_float(opt.master_dtype)))
+    MOECORE_FAIL("distributed optimizer: masters in ", dtype_name(opt.master_dtype),
+                 " need shard_params and a float dtype (f32, bf16 or f16)");
   if (opt.shard_params && opt.overlap)
     MOECORE_FAIL("distributed optimizer: shard_params gathers bucket by bucket (post_gather); it excludes overlap");
   plan_layout(opt.bucket_elems, opt.bucket_ends);
@@ -97,9 +100,10 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
   if (opt.grad_dtype != DType::f32)
     main_grad_ = Tensor::zeros(Shape{shard_elems_}, opt.grad_dtype, MemCategory::gradients, device_);
   if (shard_params_) {
-    master_ = Tensor::zeros(Shape{shard_elems_}, DType::f32, MemCategory::parameters, device_);
+    master_ = Tensor::zeros(Shape{shard_elems_}, opt.master_dtype, MemCategory::parameters, device_);
     take_masters_from_values();
-    for (Tensor& t : gather_staging_) t = Tensor::empty(Shape{max_padded}, DType::f32, MemCategory::workspace, device_);
+    for (Tensor& t : gather_staging_)
+      t = Tensor::empty(Shape{max_padded}, opt.master_dtype, MemCategory::workspace, device_);
     gather_slot_.assign(buckets_.size(), -1);
     bucket_gathers_.resize(buckets_.size());
   }
@@ -263,6 +267,9 @@ void DistributedAdamW::wait_gather(size_t b) {
 
 void DistributedAdamW::take_masters_from_values() {
   if (!shard_params_) return;
+  if (master_.dtype() != DType::f32)
+    for (Param* p : params_)
+      if (p->value.resident()) p->value.copy_from(p->value.to(master_.dtype()));
   for (const Segment& s : segments_)
     range(master_, s.shard_offset, s.elems).copy_from(range(flat(params_[s.param]->value), s.param_offset, s.elems));
 }

@@ -36,6 +36,10 @@ struct DistributedAdamWOptions {
   // turns the sum into the f32 shard the update reads.
   DType grad_dtype = DType::f32;
   DType comm_dtype = DType::f32;
+  // Megatron-FSDP's --megatron-fsdp-main-params-dtype, with shard_params: the masters kept and updated in f32, bf16 or
+  // f16 (each update computed in f32 and rounded to nearest even, ops::adamw_step) and gathered in that dtype;
+  // Param::value receives them widened, exactly.
+  DType master_dtype = DType::f32;
 };
 
 // Layout. The parameters sit in one flat index space in `params` order, cut into buckets of whole
@@ -99,7 +103,8 @@ class DistributedAdamW {
   void post_gather(size_t b);
   void wait_gather(size_t b);
   // shard_params: this rank's owned ranges of Param::value copied into its master shard (after a checkpoint load wrote
-  // the values). Local.
+  // the values). With a master dtype narrower than f32 every resident value is first rounded to it in place, so that
+  // each rank holds what the gathers bring. Local.
   void take_masters_from_values();
   size_t bucket_of(size_t i) const { return bucket_of_param_.at(i); }
   std::pair<size_t, size_t> bucket_params(size_t b) const { return {buckets_[b].first_param, buckets_[b].end_param}; }
@@ -167,7 +172,7 @@ class DistributedAdamW {
   };
   void check_same_params_across_ranks(const ProcessGroup& g) const;
   void plan_layout(int64_t bucket_elems, const std::vector<size_t>& bucket_ends);
-  Tensor master(const Segment& s) const;  // the segment's f32 masters: in master_ (shard_params) or Param::value
+  Tensor master(const Segment& s) const;  // the segment's masters: in master_ (shard_params) or Param::value (f32)
   bool bucket_resident(size_t b) const;   // every parameter's value of bucket b resident
   void apply_segment(const Segment& s, float lr, float clip_scale);
 
@@ -218,11 +223,11 @@ class DistributedAdamW {
   Tensor exp_avg_sq_;                            // [shard_elems] state_dtype
   // shard_params: the masters of this rank's shard, and two staging areas of the largest padded bucket for gathers.
   bool shard_params_ = false;
-  Tensor master_;  // [shard_elems] f32 (padding zero)
+  Tensor master_;  // [shard_elems] master_dtype (padding zero)
   // reduce_bucket with comm_dtype or grad_dtype other than f32: the staging and scratch in comm_dtype, the
   // accumulated main gradients in grad_dtype (undefined when f32: staging_, shard_param_ and shard_grad_ serve).
   Tensor comm_staging_, comm_part_, main_grad_;
-  Tensor gather_staging_[2];                // [max N_b] f32
+  Tensor gather_staging_[2];                // [max N_b] master_dtype
   std::vector<int> gather_slot_;            // per bucket: its staging area while posted, else -1
   std::vector<size_t> gather_order_;        // buckets posted, oldest first
   std::vector<CommHandle> bucket_gathers_;  // per bucket

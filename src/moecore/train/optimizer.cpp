@@ -248,11 +248,11 @@ struct ZeroOptimizers {
 
   // overlap: the instances can reduce during backward and gather during the next forward (--overlap-*). n: the
   // distributed-optimizer instances. Megatron-FSDP: unit_of gives each model parameter's FSDP unit (-1: none), and
-  // every instance's buckets follow them -- one per unit, one per parameter outside the units; shard_params keeps the
-  // masters in the shards (optim_grads_params).
+  // every instance's buckets follow them -- one per unit, one per parameter outside the units; `fsdp` gives the
+  // instances' shard_params and dtypes.
   ZeroOptimizers(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& groups, int64_t bucket,
-                 bool overlap, int n, const std::vector<int>* unit_of = nullptr, bool shard_params = false,
-                 DType grad_dtype = DType::f32, DType comm_dtype = DType::f32)
+                 bool overlap, int n, const std::vector<int>* unit_of = nullptr,
+                 const optim::DistributedAdamWOptions& fsdp = {})
       : g(groups), dense(n > 1 ? g.intra_dp_cp : g.dense_grads()), experts(n > 1 ? g.intra_edp : g.edp) {
     std::vector<Param*> p[kinds];
     auto& params = gpt.params();
@@ -265,15 +265,10 @@ struct ZeroOptimizers {
     const ProcessGroup across = n > 1 ? g.inter_dist_opt : ProcessGroup();
     for (int k = 0; k < kinds; ++k) {
       if (k != replicated && p[k].empty()) continue;
-      optim::DistributedAdamWOptions o;
+      optim::DistributedAdamWOptions o = unit_of ? fsdp : optim::DistributedAdamWOptions{};
       o.bucket_elems = bucket;
       o.overlap = overlap;
-      if (unit_of) {
-        o.bucket_ends = fsdp_bucket_ends(idx[k], *unit_of);
-        o.shard_params = shard_params;
-        o.grad_dtype = grad_dtype;
-        o.comm_dtype = comm_dtype;
-      }
+      if (unit_of) o.bucket_ends = fsdp_bucket_ends(idx[k], *unit_of);
       opt[k] = std::make_unique<optim::DistributedAdamW>(p[k], cfg, expert_kind(k) ? experts : dense, o, across);
     }
   }
@@ -645,17 +640,19 @@ class FsdpOptimizer final : public Optimizer {
   // reads them, as the distributed optimizer's (optim_grads_params gathers every layer on demand anyway).
   // instances: hybrid sharding (HSDP, --num-distributed-optimizer-instances N > 1 with the outer strategy no_shard):
   // everything sharded within one instance, the summed shards all-reduced across the instances once per step.
+  // shard_params: the units' values released between uses (optim_grads_params). `fsdp`: the shards' options (whether
+  // the masters live in them -- with shard_params, or when narrower than f32 -- and the dtypes); masters in the shards
+  // are gathered after each step, not later.
   FsdpOptimizer(model::GptModel& gpt, const optim::AdamWConfig& cfg, const TrainGroups& g, bool shard_params,
-                bool gather_later, int instances, DType grad_dtype, DType comm_dtype, Timers* timers)
+                bool gather_later, int instances, const optim::DistributedAdamWOptions& fsdp, Timers* timers)
       : gpt_(gpt),
         cfg_(cfg),
         units_(gpt.fsdp_units()),
         unit_of_(fsdp_unit_of(gpt)),
-        zero_(gpt, cfg, g, /*bucket=*/1, /*overlap=*/gather_later && !shard_params, instances, &unit_of_, shard_params,
-              grad_dtype, comm_dtype),
+        zero_(gpt, cfg, g, /*bucket=*/1, /*overlap=*/gather_later && !fsdp.shard_params, instances, &unit_of_, fsdp),
         timers_(timers),
         shard_params_(shard_params),
-        gather_later_(gather_later && !shard_params) {
+        gather_later_(gather_later && !fsdp.shard_params) {
     for (const auto& u : units_) unit_buckets_.push_back(buckets_of(u.first, u.second));
     for (size_t k = 0; k < ZeroOptimizers::kinds; ++k)
       if (zero_.opt[k]) reported_[k].assign(static_cast<size_t>(zero_.opt[k]->num_buckets()), 0);
@@ -831,6 +828,9 @@ model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan
                                    const optim::AdamWConfig& adam, int dense_ranks, int expert_ranks, int etp_ranks) {
   if (cfg.fsdp != FsdpStrategy::optim_grads && cfg.fsdp != FsdpStrategy::optim_grads_params) return plan;
   const bool params = cfg.fsdp == FsdpStrategy::optim_grads_params;
+  // The masters in the shards (FsdpOptimizer's rule), with the two gather staging areas.
+  const bool masters = params || cfg.fsdp_main_params_dtype != DType::f32;
+  const auto master = static_cast<int64_t>(dtype_size(cfg.fsdp_main_params_dtype));
   auto at = [&](MemCategory c) -> int64_t& { return plan.bytes[static_cast<int>(c)]; };
   const auto units = gpt.fsdp_units();
   const std::vector<int> unit_of = fsdp_unit_of(gpt);
@@ -878,11 +878,11 @@ model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan
     const auto bytes = [](DType t) { return static_cast<int64_t>(dtype_size(t)); };
     at(MemCategory::gradients) += 4 * shard;  // (the f32 shard the update reads)
     if (cfg.fsdp_main_grads_dtype != DType::f32) at(MemCategory::gradients) += bytes(cfg.fsdp_main_grads_dtype) * shard;
-    if (params) at(MemCategory::parameters) += 4 * shard;
-    at(MemCategory::workspace) += 4 * (widest + widest / P + (params ? 2 * widest : 0));
+    if (masters) at(MemCategory::parameters) += master * shard;
+    at(MemCategory::workspace) += 4 * (widest + widest / P) + (masters ? 2 * widest * master : 0);
     if (cfg.fsdp_grad_comm_dtype != DType::f32)
       at(MemCategory::workspace) += bytes(cfg.fsdp_grad_comm_dtype) * (widest + widest / P);
-    if (!params && cfg.overlap_param_gather) at(MemCategory::workspace) += 4 * (shard * P + shard);  // (gathers later)
+    if (!masters && cfg.overlap_param_gather) at(MemCategory::workspace) += 4 * (shard * P + shard);  // (gathers later)
   }
   return plan;
 }
@@ -899,11 +899,16 @@ std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& ad
     return std::make_unique<AllReduceOptimizer<optim::Muon>>(gpt, m, std::move(muon), groups, cfg.ddp_bucket_size,
                                                              cfg.overlap_grad_reduce, timers);
   }
-  if (cfg.fsdp == FsdpStrategy::optim_grads || cfg.fsdp == FsdpStrategy::optim_grads_params)
-    return std::make_unique<FsdpOptimizer>(gpt, adamw.config(), groups,
-                                           /*shard_params=*/cfg.fsdp == FsdpStrategy::optim_grads_params,
-                                           cfg.overlap_param_gather, cfg.num_distributed_optimizer_instances,
-                                           cfg.fsdp_main_grads_dtype, cfg.fsdp_grad_comm_dtype, timers);
+  if (cfg.fsdp == FsdpStrategy::optim_grads || cfg.fsdp == FsdpStrategy::optim_grads_params) {
+    const bool params = cfg.fsdp == FsdpStrategy::optim_grads_params;
+    optim::DistributedAdamWOptions o;
+    o.shard_params = params || cfg.fsdp_main_params_dtype != DType::f32;
+    o.grad_dtype = cfg.fsdp_main_grads_dtype;
+    o.comm_dtype = cfg.fsdp_grad_comm_dtype;
+    o.master_dtype = cfg.fsdp_main_params_dtype;
+    return std::make_unique<FsdpOptimizer>(gpt, adamw.config(), groups, params, cfg.overlap_param_gather,
+                                           cfg.num_distributed_optimizer_instances, o, timers);
+  }
   if (cfg.shards_optimizer_state())
     return std::make_unique<DistributedOptimizer>(gpt, adamw.config(), groups, cfg.ddp_bucket_size,
                                                   cfg.overlap_grad_reduce, cfg.overlap_param_gather,

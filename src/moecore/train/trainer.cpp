@@ -55,6 +55,14 @@ void TrainConfig::validate() const {
                      "--data-parallel-sharding-strategy ", enum_name(fsdp),
                      " (its no_shard and optim reduce f32 gradients, optim_grads and optim_grads_params f32 or bf16); ",
                      "pass --megatron-fsdp-main-grads-dtype fp32 --megatron-fsdp-grad-comm-dtype fp32");
+    if (fsdp_main_params_dtype != DType::f32 &&
+        ((fsdp != FsdpStrategy::optim_grads && fsdp != FsdpStrategy::optim_grads_params) ||
+         !dtype_is_float(fsdp_main_params_dtype)))
+      MOECORE_FAIL("training: Megatron-FSDP's main parameters in ", dtype_name(fsdp_main_params_dtype),
+                   " are not supported with --data-parallel-sharding-strategy ", enum_name(fsdp),
+                   " (moecore's no_shard and optim update the f32 parameters themselves; optim_grads and ",
+                   "optim_grads_params keep fp32, bf16 or fp16 main parameters in the shards); pass ",
+                   "--megatron-fsdp-main-params-dtype fp32");
     if (fsdp == FsdpStrategy::optim_grads_params && check_weight_hash_interval > 0)
       MOECORE_FAIL("training: --check-weight-hash-across-dp-replicas-interval is not supported with ",
                    "--data-parallel-sharding-strategy optim_grads_params (the parameters are sharded, as in Megatron)");

@@ -191,6 +191,10 @@ struct TrainConfig {
   // strategies reduce f32.
   DType fsdp_main_grads_dtype = DType::f32;
   DType fsdp_grad_comm_dtype = DType::f32;
+  // --megatron-fsdp-main-params-dtype (auto: the parameters' dtype, so bf16 under --bf16): with optim_grads and
+  // optim_grads_params the main parameters AdamW updates live in each rank's shard in this dtype (f32, bf16 or f16;
+  // each update computed in f32 and rounded) and are gathered in it; the model's values are them widened.
+  DType fsdp_main_params_dtype = DType::f32;
   // The optimizer state sharded over the data-parallel ranks: the distributed optimizer, but for FSDP's no_shard.
   bool shards_optimizer_state() const { return use_distributed_optimizer && fsdp != FsdpStrategy::no_shard; }
   int64_t ddp_bucket_size = 40'000'000;  // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter

@@ -13,8 +13,8 @@ using cpu::st;
 
 using AdamWConsts = adamw::Consts;  // (kernels/common/adamw.h, shared with the CUDA kernel)
 
-template <class TM, class TV>
-void adamw_kernel(float* param, const float* grad, TM* exp_avg, TV* exp_avg_sq, const AdamWConsts& k, int64_t n) {
+template <class TP, class TM, class TV>
+void adamw_kernel(TP* param, const float* grad, TM* exp_avg, TV* exp_avg_sq, const AdamWConsts& k, int64_t n) {
 #pragma omp parallel for simd schedule(static) if (n > cpu::kParallelWork)
   for (int64_t i = 0; i < n; ++i) {
     const float g = adamw::scaled_grad(grad[i], k);
@@ -22,7 +22,7 @@ void adamw_kernel(float* param, const float* grad, TM* exp_avg, TV* exp_avg_sq, 
     const float v = adamw::second_moment(ld(exp_avg_sq[i]), g, k);
     st(exp_avg[i], m);
     st(exp_avg_sq[i], v);
-    param[i] = adamw::param(param[i], m, v, k);
+    st(param[i], adamw::param(ld(param[i]), m, v, k));
   }
 }
 
@@ -33,7 +33,7 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   const cpu::Checker c("adamw_step", ctx,
                        {{"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}},
                        cpu::Backends::cpu_and_cuda);
-  c.dtype("param", DType::f32);
+  c.float_dtype("param");  // (f32 masters; bf16 or f16 ones, each update rounded to nearest even)
   c.dtype("grad", DType::f32);
   c.float_dtype("exp_avg");
   c.float_dtype("exp_avg_sq");
@@ -47,10 +47,13 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   if constexpr (cpu::kCudaKernels)
     if (ctx.device == Device::cuda) return cuda::adamw_step(param, grad, exp_avg, exp_avg_sq, p, ctx);
   const AdamWConsts k(p);
-  cpu::with_float_type(exp_avg.dtype(), [&](auto tm) {
-    cpu::with_float_type(exp_avg_sq.dtype(), [&](auto tv) {
-      adamw_kernel(param.data<float>(), grad.data<float>(), static_cast<decltype(tm)*>(exp_avg.raw()),
-                   static_cast<decltype(tv)*>(exp_avg_sq.raw()), k, param.numel());
+  cpu::with_float_type(param.dtype(), [&](auto tp) {
+    cpu::with_float_type(exp_avg.dtype(), [&](auto tm) {
+      cpu::with_float_type(exp_avg_sq.dtype(), [&](auto tv) {
+        adamw_kernel(static_cast<decltype(tp)*>(param.raw()), grad.data<float>(),
+                     static_cast<decltype(tm)*>(exp_avg.raw()), static_cast<decltype(tv)*>(exp_avg_sq.raw()), k,
+                     param.numel());
+      });
     });
   });
 }

@@ -168,15 +168,15 @@ __global__ void rope_kernel(T* qkv, const float* rope, int64_t B, int64_t S, int
 
 using AdamWConsts = adamw::Consts;  // the CPU's (kernels/common/adamw.h), computed in double on the host
 
-template <class TM, class TV>
-__global__ void adamw_kernel(float* param, const float* grad, TM* exp_avg, TV* exp_avg_sq, AdamWConsts k, int64_t n) {
+template <class TP, class TM, class TV>
+__global__ void adamw_kernel(TP* param, const float* grad, TM* exp_avg, TV* exp_avg_sq, AdamWConsts k, int64_t n) {
   MOECORE_GRID_STRIDE(i, n) {
     const float g = adamw::scaled_grad(grad[i], k);
     const float m = adamw::first_moment(ld(exp_avg[i]), g, k);
     const float v = adamw::second_moment(ld(exp_avg_sq[i]), g, k);
     st(exp_avg[i], m);
     st(exp_avg_sq[i], v);
-    param[i] = adamw::param(param[i], m, v, k);
+    st(param[i], adamw::param(ld(param[i]), m, v, k));
   }
 }
 
@@ -400,13 +400,16 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   const int64_t n = param.numel();
   if (n == 0) return;
   const AdamWConsts k(p);
-  with_float_type(exp_avg.dtype(), [&](auto tm) {
-    with_float_type(exp_avg_sq.dtype(), [&](auto tv) {
-      using TM = decltype(tm);
-      using TV = decltype(tv);
-      adamw_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(Launch::ptr<float>(param), Launch::ptr<const float>(grad),
-                                                             Launch::ptr<TM>(exp_avg), Launch::ptr<TV>(exp_avg_sq), k,
-                                                             n);
+  with_float_type(param.dtype(), [&](auto tp) {
+    with_float_type(exp_avg.dtype(), [&](auto tm) {
+      with_float_type(exp_avg_sq.dtype(), [&](auto tv) {
+        using TP = decltype(tp);
+        using TM = decltype(tm);
+        using TV = decltype(tv);
+        adamw_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(Launch::ptr<TP>(param), Launch::ptr<const float>(grad),
+                                                               Launch::ptr<TM>(exp_avg), Launch::ptr<TV>(exp_avg_sq), k,
+                                                               n);
+      });
     });
   });
   l.launched("adamw_kernel");
