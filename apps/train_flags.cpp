@@ -271,9 +271,7 @@ void fsdp_flags(const Args& a, const char*, TrainConfig& t) {
     if (t.fsdp != train::FsdpStrategy::optim_grads_params)
       MOECORE_FAIL("--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params ",
                    "(Megatron's check), got ", s);
-    MOECORE_FAIL("--outer-dp-sharding-strategy optim (Megatron's HFSDP: the optimizer state sharded across the ",
-                 "instances of hybrid sharding too) is not supported yet; use no_shard, the default (hybrid sharding ",
-                 "with --num-distributed-optimizer-instances N: sharded within an instance, reduced across them)");
+    t.fsdp_outer = train::FsdpStrategy::optim;
   }
   // auto: the parameters' dtype (the main gradients'), as Megatron's mixed-precision policy
   const DType params = a.on("--bf16") ? DType::bf16 : a.on("--fp16") ? DType::f16 : DType::f32;
@@ -484,9 +482,9 @@ const TrainFlag kTrainFlags[] = {
    "prefetched)",
    D::one_of({"no_shard", "optim", "optim_grads", "optim_grads_params"})},
   {"--outer-dp-sharding-strategy", V, kNone, "no_shard",
-   "with --use-megatron-fsdp and --num-distributed-optimizer-instances N > 1 (hybrid sharding): no_shard, each "
-   "instance shards alone and the gradients are all-reduced across them (optim, Megatron's HFSDP, is not supported "
-   "yet)",
+   "with --use-megatron-fsdp and --num-distributed-optimizer-instances N > 1 (hybrid sharding): no_shard (HSDP), "
+   "each instance shards alone and the gradients are all-reduced across them; optim (HFSDP, with optim_grads_params), "
+   "the optimizer state and its update sharded across the instances too",
    D::one_of({"no_shard", "optim"})},
   {"--megatron-fsdp-version", V, kNone, "1", "Megatron-FSDP's implementation: 1 (2, Megatron's experimental one, is "
    "not supported)", D::one_of({"1", "2"})},

@@ -121,6 +121,23 @@ TEST_F(MegatronSemantics, MegatronFsdpFlags) {
   expect_error(fsdp + "--megatron-fsdp-main-params-dtype bf16 --data-parallel-sharding-strategy optim",
                "pass --megatron-fsdp-main-params-dtype fp32");
   expect_error(fsdp + "--megatron-fsdp-version 2", "--megatron-fsdp-version 2");
+#ifdef MOECORE_HAVE_MPI
+  {  // HFSDP at 4 ranks (2 instances of 2): the optimizer state of a rank is half HSDP's
+    const auto state = [&](const char* outer) {
+      const std::string cmd = testing::mpirun_command(4) + MOECORE_BINARY + " " + train_args() + fsdp +
+                              "--global-batch-size 8 --num-distributed-optimizer-instances 2 "
+                              "--outer-dp-sharding-strategy " +
+                              outer;
+      const CmdResult r = testing::run_shell(cmd);
+      EXPECT_EQ(r.status, 0) << outer << "\n" << r.output;
+      const size_t at = r.output.find("distributed optimizer: ");
+      return at == std::string::npos ? -1.0 : std::stod(r.output.substr(at + 23));
+    };
+    const double hsdp = state("no_shard"), hfsdp = state("optim");
+    EXPECT_GT(hsdp, 0);
+    EXPECT_NEAR(hfsdp, hsdp / 2, 0.05 * hsdp) << hfsdp << " vs HSDP's " << hsdp;
+  }
+#endif
   expect_error(fsdp + "--outer-dp-sharding-strategy optim --data-parallel-sharding-strategy optim",
                "--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params");
   expect_error("--data-parallel-sharding-strategy optim", "sets Megatron-FSDP: add --use-megatron-fsdp");

@@ -710,12 +710,13 @@ TEST_F(Mpi, PartialDistributedOptimizerMatchesOneProcess) {
 // Megatron-FSDP (--use-megatron-fsdp): every sharding strategy trains as plain data parallelism at the same layout --
 // DP alone (dense), the MoE model with its experts over EP 2 (sharded over EDP), TP 2 (each TP rank's FSDP over its
 // slice), the MoE model under TP 2 + SP, CP 2 (the shards over DP x CP), MTP with full recompute, and at 4 ranks hybrid
-// sharding (--num-distributed-optimizer-instances 2: dense and MoE with EP 2) -- with 20-step losses
-// within 1e-5 and every parameter close at the end (bf16 main gradients and communication: within 1e-2, and not the f32
-// run's bits); no_shard and optim are the all-reduce and the distributed optimizer themselves. With one micro-batch per
-// rank and no clipping, optim_grads and optim_grads_params are bitwise the distributed optimizer (each micro-batch's
-// reduction is then the step's). A checkpoint saved under optim_grads_params resumes at one process, and under
-// optim_grads at another layout, with the uninterrupted run's losses.
+// sharding (--num-distributed-optimizer-instances 2: dense and MoE with EP 2), also as HFSDP (the state sharded over
+// the instances too; its checkpoint resumed at one process) -- with 20-step losses within 1e-5 and every parameter
+// close at the end (bf16 main gradients and communication: within 1e-2, and not the f32 run's bits); no_shard and optim
+// are the all-reduce and the distributed optimizer themselves. With one micro-batch per rank and no clipping,
+// optim_grads and optim_grads_params are bitwise the distributed optimizer (each micro-batch's reduction is then the
+// step's). A checkpoint saved under optim_grads_params resumes at one process, and under optim_grads at another layout,
+// with the uninterrupted run's losses.
 TEST_F(Mpi, MegatronFsdpMatchesDataParallel) {
   using S = train::FsdpStrategy;
   const auto fsdp = [](S s, int64_t global_batch = 8) {
@@ -834,6 +835,40 @@ TEST_F(Mpi, MegatronFsdpMatchesDataParallel) {
       EXPECT_EQ(std::memcmp(v.raw(), rounded.raw(), static_cast<size_t>(v.nbytes())), 0) << name << ": not bf16";
     }
   }
+  if (P ==
+      4) {  // HFSDP (--outer-dp-sharding-strategy optim): the state and its update sharded over the 2 instances too
+    const auto hfsdp = TrainTweak([&](train::TrainConfig& t) {
+      fsdp(S::optim_grads_params)(t);
+      t.fsdp_outer = S::optim;
+    });
+    Layout hybrid{1};
+    hybrid.instances = 2;
+    Layout experts = hybrid;
+    experts.ep = 2;
+    for (const Case& c : {Case{llama_like(), hybrid}, Case{moe_model(false), experts}}) {
+      SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : "") + ", HFSDP");
+      Layout replicated = c.l;
+      replicated.instances = 1;
+      const Result plain = run(world, c.mc, replicated, 20);
+      const Result got = run(world, c.mc, c.l, 20, "", "", 0, false, false, false, hfsdp);
+      ASSERT_EQ(got.loss.size(), 20u);
+      EXPECT_LE(rel(got.grad_norm[0], plain.grad_norm[0]), 1e-6) << got.grad_norm[0] << " vs " << plain.grad_norm[0];
+      for (size_t i = 0; i < 20; ++i) EXPECT_LE(rel(got.loss[i], plain.loss[i]), 1e-5) << "step " << i + 1;
+      std::map<std::string, Tensor> values = got.values;
+      std::erase_if(values, [](const auto& v) { return v.first.ends_with("k_layernorm.bias"); });
+      expect_close(values, plain.values, 5e-3, 1e-5);
+    }
+    // Saved under HFSDP (the moments gathered from the instances' pieces), resumed at one process.
+    const std::string dir = shared_dir(world, "moecore_mpi_tp_", "hfsdp");
+    const Result straight = run(world, moe_model(false), Layout{0, false}, 8);
+    run(world, moe_model(false), experts, 8, dir, "", 4, false, false, false, hfsdp);
+    const Result resumed = run(world, moe_model(false), Layout{0, false}, 8, "", dir);
+    ASSERT_EQ(resumed.loss.size(), 4u);
+    for (size_t i = 0; i < 4; ++i) EXPECT_LE(rel(resumed.loss[i], straight.loss[4 + i]), 1e-4) << "step " << 5 + i;
+    barrier(world);
+    if (world.rank() == 0) std::filesystem::remove_all(dir);
+    barrier(world);
+  }
   const std::string dir = shared_dir(world, "moecore_mpi_tp_", "fsdp");
   const Result straight = run(world, moe_model(false), Layout{0, false}, 8);
   for (S s : {S::optim_grads_params, S::optim_grads}) {
@@ -861,8 +896,15 @@ TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
     model::ModelConfig mc;
     Layout l;
   };
-  for (const Case& c : {Case{llama_like(), {1}}, Case{moe_model(false), {1, false, 2}}}) {
+  std::vector<Case> cases = {{llama_like(), {1}}, {moe_model(false), {1, false, 2}}};
+  if (P == 4) {  // and HFSDP over 2 instances (optim_grads_params runs only: the moments a half of the shards)
+    Layout hybrid{1, false, 2};
+    hybrid.instances = 2;
+    cases.push_back({moe_model(false), hybrid});
+  }
+  for (const Case& c : cases) {
     using S = train::FsdpStrategy;
+    const bool hfsdp = c.l.instances > 1;
     struct Run {
       S s;
       DType t;
@@ -874,6 +916,7 @@ TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
                          Run{S::optim_grads_params, DType::f32, false}, Run{S::optim_grads_params, DType::bf16, false},
                          Run{S::optim_grads_params, DType::bf16, false, DType::bf16}}) {
       const auto [s, t, gather_later, masters] = x;
+      if (hfsdp && s != S::optim_grads_params) continue;
       SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : "") + ", strategy " + enum_name(s) + ", gradients " +
                    std::string(dtype_name(t)) + ", main parameters " + std::string(dtype_name(masters)) +
                    (gather_later ? ", --overlap-param-gather" : ""));
@@ -886,10 +929,13 @@ TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
       tc.fsdp = s;
       tc.fsdp_main_grads_dtype = tc.fsdp_grad_comm_dtype = t;
       tc.fsdp_main_params_dtype = masters;
+      tc.num_distributed_optimizer_instances = c.l.instances;
+      if (hfsdp) tc.fsdp_outer = S::optim;
       tc.overlap_grad_reduce = tc.overlap_param_gather = gather_later;
       const model::MemoryPlan plan =
           train::fsdp_memory_plan(gpt, gpt.memory_plan(train::optimizer_state_bytes(tc, {})), tc, {},
-                                  b.groups.dense_grads().size(), b.groups.edp.size(), b.groups.etp.size());
+                                  (hfsdp ? b.groups.intra_dp_cp : b.groups.dense_grads()).size(),
+                                  (hfsdp ? b.groups.intra_edp : b.groups.edp).size(), b.groups.etp.size());
       MemoryStats seen;
       const auto observe = [&](int64_t it, double, bool) {
         if (it == 0) memory_reset_peaks();

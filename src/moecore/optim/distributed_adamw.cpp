@@ -77,19 +77,23 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
   if (opt.master_dtype != DType::f32 && (!opt.shard_params || !dtype_is_float(opt.master_dtype)))
     MOECORE_FAIL("distributed optimizer: masters in ", dtype_name(opt.master_dtype),
                  " need shard_params and a float dtype (f32, bf16 or f16)");
+  if (opt.shard_over_instances && (!opt.shard_params || instances_.size() < 2))
+    MOECORE_FAIL("distributed optimizer: shard_over_instances needs shard_params and more than one instance");
+  over_instances_ = opt.shard_over_instances;
   if (opt.shard_params && opt.overlap)
     MOECORE_FAIL("distributed optimizer: shard_params gathers bucket by bucket (post_gather); it excludes overlap");
   plan_layout(opt.bucket_elems, opt.bucket_ends);
+  plan_owned();
   int64_t max_padded = 0;
   for (const Bucket& b : buckets_) max_padded = std::max(max_padded, b.shard * group_.size());
   staging_ = Tensor::zeros(Shape{max_padded}, DType::f32, MemCategory::workspace, device_);
   shard_param_ = Tensor::zeros(Shape{max_padded / group_.size()}, DType::f32, MemCategory::workspace, device_);
   shard_grad_ = Tensor::zeros(Shape{shard_elems_}, DType::f32, MemCategory::gradients, device_);
-  exp_avg_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
-  exp_avg_sq_ = Tensor::zeros(Shape{shard_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
+  exp_avg_ = Tensor::zeros(Shape{state_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
+  exp_avg_sq_ = Tensor::zeros(Shape{state_elems_}, cfg_.state_dtype, MemCategory::optimizer_state, device_);
   sq_acc_ = Tensor::zeros(Shape{1}, DType::f64, MemCategory::workspace, device_);
   zeros_acc_ = Tensor::zeros(Shape{1}, DType::i64, MemCategory::workspace, device_);
-  nonfinite_ = Tensor::zeros(Shape{std::max<int64_t>(1, static_cast<int64_t>(segments_.size()))}, DType::i32,
+  nonfinite_ = Tensor::zeros(Shape{std::max<int64_t>(1, static_cast<int64_t>(owned_.size()))}, DType::i32,
                              MemCategory::workspace, device_);
   overlap_ = opt.overlap;
   shard_params_ = opt.shard_params;
@@ -104,6 +108,11 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
     take_masters_from_values();
     for (Tensor& t : gather_staging_)
       t = Tensor::empty(Shape{max_padded}, opt.master_dtype, MemCategory::workspace, device_);
+    if (over_instances_) {
+      const Shape piece{max_padded / group_.size() / instances_.size()};
+      piece_grad_ = Tensor::empty(piece, opt.grad_dtype, MemCategory::workspace, device_);
+      piece_master_ = Tensor::empty(piece, opt.master_dtype, MemCategory::workspace, device_);
+    }
     gather_slot_.assign(buckets_.size(), -1);
     bucket_gathers_.resize(buckets_.size());
   }
@@ -166,13 +175,13 @@ void DistributedAdamW::check_same_params_across_ranks(const ProcessGroup& g) con
 }
 
 void DistributedAdamW::plan_layout(int64_t bucket_elems, const std::vector<size_t>& bucket_ends) {
-  const int64_t P = group_.size(), r = group_.rank();
+  const int64_t P = group_.size(), r = group_.rank(), N = over_instances_ ? instances_.size() : 1;
   param_offsets_.assign(params_.size(), 0);
   param_elems_.clear();
   for (const Param* p : params_) param_elems_.push_back(p->value.numel());
   auto close = [&](Bucket& b, size_t end) {
     b.end_param = end;
-    b.shard = (b.elems + P - 1) / P;
+    b.shard = (b.elems + P * N - 1) / (P * N) * N;  // (shard_over_instances: N pieces)
     b.shard_offset = shard_elems_;
     b.first_segment = segments_.size();
     const int64_t lo = r * b.shard, hi = lo + b.shard;  // this rank's owned range, bucket-local
@@ -201,6 +210,30 @@ void DistributedAdamW::plan_layout(int64_t bucket_elems, const std::vector<size_
     cur.elems += n;
   }
   if (cur.elems > 0 || (!bucket_ends.empty() && !params_.empty())) close(cur, params_.size());
+}
+
+// The moments follow the shard (state_offset = shard_offset), or under shard_over_instances this rank's piece of each
+// bucket: elements [o * n, (o + 1) * n) of the bucket's shard for instance rank o and pieces of n, at offset
+// shard_offset / N in the moments.
+void DistributedAdamW::plan_owned() {
+  if (!over_instances_) {
+    owned_ = segments_;
+    for (Segment& s : owned_) s.state_offset = s.shard_offset;
+    state_elems_ = shard_elems_;
+    return;
+  }
+  const int64_t N = instances_.size(), o = instances_.rank();
+  for (const Bucket& b : buckets_) {
+    const int64_t n = piece_elems(b), lo = b.shard_offset + o * n, hi = lo + n;
+    for (size_t k = b.first_segment; k < b.end_segment; ++k) {
+      const Segment& s = segments_[k];
+      const int64_t start = std::max(lo, s.shard_offset), end = std::min(hi, s.shard_offset + s.elems);
+      if (start < end)
+        owned_.push_back({s.param, s.param_offset + (start - s.shard_offset), start, end - start,
+                          b.shard_offset / N + (start - lo)});
+    }
+  }
+  state_elems_ = shard_elems_ / N;
 }
 
 Tensor DistributedAdamW::master(const Segment& s) const {
@@ -237,8 +270,27 @@ void DistributedAdamW::reduce_bucket(size_t b) {
 
 void DistributedAdamW::finish_main_grads() {
   const Tensor& acc = main_grad_.defined() ? main_grad_ : shard_grad_;
+  if (over_instances_) {  // each bucket's shard summed over the instances into this rank's piece (in f32 after)
+    for (const Bucket& b : buckets_) {
+      const int64_t n = piece_elems(b), at = b.shard_offset + instances_.rank() * n;
+      const Tensor piece = range(piece_grad_, 0, n);
+      reduce_scatter_sum(piece, range(acc, b.shard_offset, b.shard), instances_);
+      range(shard_grad_, at, n).copy_from(piece);
+    }
+    return;
+  }
   if (instances_.size() > 1) all_reduce_sum(acc, instances_);
   if (main_grad_.defined()) shard_grad_.copy_from(main_grad_);
+}
+
+// shard_over_instances: every instance's updated piece of each bucket's masters gathered into the whole shard.
+void DistributedAdamW::gather_pieces() {
+  for (const Bucket& b : buckets_) {
+    const int64_t n = piece_elems(b);
+    Tensor piece = range(piece_master_, 0, n);
+    piece.copy_from(range(master_, b.shard_offset + instances_.rank() * n, n));
+    all_gather(range(master_, b.shard_offset, b.shard), piece, instances_);
+  }
 }
 
 void DistributedAdamW::post_gather(size_t b) {
@@ -378,7 +430,7 @@ void DistributedAdamW::finish_grad_reduction() {
 double DistributedAdamW::shard_param_sq() const {
   Tensor acc = sq_acc_;
   acc.zero_();
-  for (const Segment& g : segments_) ops::sum_squares(acc, master(g), ctx());
+  for (const Segment& g : owned_) ops::sum_squares(acc, master(g), ctx());
   double s = 0;
   acc.copy_to_host(&s, 1);
   return s;
@@ -387,8 +439,7 @@ double DistributedAdamW::shard_param_sq() const {
 int64_t DistributedAdamW::shard_grad_zeros(float clip_scale) const {
   Tensor acc = zeros_acc_;
   acc.zero_();
-  for (const Segment& g : segments_)
-    ops::count_zeros(acc, range(shard_grad_, g.shard_offset, g.elems), clip_scale, ctx());
+  for (const Segment& g : owned_) ops::count_zeros(acc, range(shard_grad_, g.shard_offset, g.elems), clip_scale, ctx());
   int64_t n = 0;
   acc.copy_to_host(&n, 1);
   return n;
@@ -397,14 +448,14 @@ int64_t DistributedAdamW::shard_grad_zeros(float clip_scale) const {
 double DistributedAdamW::shard_grad_sq() const {
   Tensor acc = sq_acc_;
   acc.zero_();
-  for (const Segment& g : segments_) ops::sum_squares(acc, range(shard_grad_, g.shard_offset, g.elems), ctx());
+  for (const Segment& g : owned_) ops::sum_squares(acc, range(shard_grad_, g.shard_offset, g.elems), ctx());
   double s = 0;
   acc.copy_to_host(&s, 1);
   return s;
 }
 
 void DistributedAdamW::scale_shard_grads(float s) {
-  for (const Segment& g : segments_) {
+  for (const Segment& g : owned_) {
     Tensor part = range(shard_grad_, g.shard_offset, g.elems);
     ops::scale(part, s, ctx());
   }
@@ -413,14 +464,14 @@ void DistributedAdamW::scale_shard_grads(float s) {
 std::string DistributedAdamW::first_nonfinite_grad() const {
   Tensor flags = nonfinite_;
   flags.zero_();
-  for (size_t i = 0; i < segments_.size(); ++i) {
+  for (size_t i = 0; i < owned_.size(); ++i) {
     Tensor flag = range(flags, static_cast<int64_t>(i), 1);
-    ops::flag_nonfinite(flag, range(shard_grad_, segments_[i].shard_offset, segments_[i].elems), ctx());
+    ops::flag_nonfinite(flag, range(shard_grad_, owned_[i].shard_offset, owned_[i].elems), ctx());
   }
   nonfinite_host_.resize(static_cast<size_t>(flags.numel()));
   flags.copy_to_host(nonfinite_host_.data(), flags.numel());
-  for (size_t i = 0; i < segments_.size(); ++i)
-    if (nonfinite_host_[i]) return params_[segments_[i].param]->name;
+  for (size_t i = 0; i < owned_.size(); ++i)
+    if (nonfinite_host_[i]) return params_[owned_[i].param]->name;
   return "";
 }
 
@@ -436,8 +487,8 @@ void DistributedAdamW::apply_segment(const Segment& s, float lr, float clip_scal
   ap.grad_scale = clip_scale;
   Tensor value = master(s);
   const Tensor grad = shard_grad_.slice(0, s.shard_offset, s.shard_offset + s.elems);
-  Tensor m = exp_avg_.slice(0, s.shard_offset, s.shard_offset + s.elems);
-  Tensor v = exp_avg_sq_.slice(0, s.shard_offset, s.shard_offset + s.elems);
+  Tensor m = range(exp_avg_, s.state_offset, s.elems);
+  Tensor v = range(exp_avg_sq_, s.state_offset, s.elems);
   ops::adamw_step(value, grad, m, v, ap, ctx());
 }
 
@@ -459,7 +510,8 @@ void DistributedAdamW::update(float lr, float clip_scale) {
                    "; it needs a contiguous f32 ", device_name(device_), " tensor of ", param_elems_[i], " elements");
   }
   ++step_;
-  for (const Segment& s : segments_) apply_segment(s, lr, clip_scale);
+  for (const Segment& s : owned_) apply_segment(s, lr, clip_scale);
+  if (over_instances_) gather_pieces();
 }
 
 void DistributedAdamW::gather_params(bool gather_later) {
@@ -524,13 +576,22 @@ void DistributedAdamW::gather_state(std::vector<Tensor>& exp_avg, std::vector<Te
   int64_t max_padded = 0;
   for (const Bucket& b : buckets_) max_padded = std::max(max_padded, b.shard * P);
   const Tensor buf = Tensor::empty(Shape{max_padded}, cfg_.state_dtype, MemCategory::workspace, device_);
+  // (shard_over_instances: each bucket's shard of the moments first gathered from the instances' pieces)
+  const Tensor whole =
+      over_instances_ ? Tensor::empty(Shape{max_padded / P}, cfg_.state_dtype, MemCategory::workspace, device_) : buf;
+  const int64_t N = over_instances_ ? instances_.size() : 1;
   for (std::vector<Tensor>* out : {&exp_avg, &exp_avg_sq}) {
-    const Tensor& shard = out == &exp_avg ? exp_avg_ : exp_avg_sq_;
+    const Tensor& state = out == &exp_avg ? exp_avg_ : exp_avg_sq_;
     out->clear();
     for (const Param* p : params_)
       out->push_back(Tensor::empty(p->value.shape(), cfg_.state_dtype, MemCategory::other));
     for (const Bucket& b : buckets_) {
-      all_gather(buf.slice(0, 0, b.shard * P), shard.slice(0, b.shard_offset, b.shard_offset + b.shard), group_);
+      Tensor shard = range(state, b.shard_offset / N, b.shard / N);
+      if (over_instances_) {
+        all_gather(range(whole, 0, b.shard), shard, instances_);
+        shard = range(whole, 0, b.shard);
+      }
+      all_gather(buf.slice(0, 0, b.shard * P), shard, group_);
       for (size_t i = b.first_param; i < b.end_param; ++i) {
         const int64_t n = param_elems_[i];
         flat((*out)[i]).copy_from(buf.slice(0, param_offsets_[i], param_offsets_[i] + n));
@@ -550,19 +611,18 @@ void DistributedAdamW::load_state(const std::vector<Tensor>& exp_avg, const std:
                      (*in)[i].defined() ? (*in)[i].str() : std::string("undefined"), " but the parameter is ",
                      params_[i]->value.str());
   }
-  for (const Segment& s : segments_) {
+  for (const Segment& s : owned_) {
     for (int k = 0; k < 2; ++k) {
       const Tensor& full = (k == 0 ? exp_avg : exp_avg_sq)[s.param];
       const Tensor src = full.is_contiguous() ? full : full.clone();
-      (k == 0 ? exp_avg_ : exp_avg_sq_)
-          .slice(0, s.shard_offset, s.shard_offset + s.elems)
+      range(k == 0 ? exp_avg_ : exp_avg_sq_, s.state_offset, s.elems)
           .copy_from(flat(src).slice(0, s.param_offset, s.param_offset + s.elems));
     }
   }
 }
 
 int64_t DistributedAdamW::state_bytes() const {
-  return 2 * shard_elems_ * static_cast<int64_t>(dtype_size(cfg_.state_dtype));
+  return 2 * state_elems_ * static_cast<int64_t>(dtype_size(cfg_.state_dtype));
 }
 
 }  // namespace moecore::optim

@@ -40,6 +40,12 @@ struct DistributedAdamWOptions {
   // f16 (each update computed in f32 and rounded to nearest even, ops::adamw_step) and gathered in that dtype;
   // Param::value receives them widened, exactly.
   DType master_dtype = DType::f32;
+  // Megatron-FSDP's HFSDP (--outer-dp-sharding-strategy optim), with shard_params and instances: the moments and the
+  // update sharded over the instances too. Each bucket's shard (the bucket padded to group x instances) splits into
+  // one piece per instance, this rank's the instances' rank-th; finish_main_grads reduce-scatters the accumulated shard
+  // over the instances into its piece (HSDP all-reduces it), update() steps the piece and all-gathers the pieces back
+  // into the master shard. The masters stay whole over the group's shard (Megatron's inner-layout helper buffer).
+  bool shard_over_instances = false;
 };
 
 // Layout. The parameters sit in one flat index space in `params` order, cut into buckets of whole
@@ -92,9 +98,9 @@ class DistributedAdamW {
   void zero_shard_grads();
   void reduce_bucket(size_t b);
   // After the step's last reduce_bucket: with instances (hybrid sharding, HSDP) the accumulated shard all-reduced over
-  // them (Megatron-FSDP's outer reduction, once per step), then the main gradients (options' grad_dtype) cast to f32
-  // into the shard the update, the norm and the checks read (Megatron-FSDP's gradients cast to the main parameters'
-  // dtype). Collective over the instances.
+  // them (Megatron-FSDP's outer reduction, once per step; shard_over_instances: reduce-scattered into this rank's
+  // piece), then the main gradients (options' grad_dtype) cast to f32 into the shard the update, the norm and the
+  // checks read (Megatron-FSDP's gradients cast to the main parameters' dtype). Collective over the instances.
   void finish_main_grads();
   // shard_params: bucket b's masters all-gathered into Param::value of its parameters (resident, Tensor::resident):
   // post_gather(b) posts it into one of two staging areas (at most two in flight: a third waits for the oldest);
@@ -108,6 +114,9 @@ class DistributedAdamW {
   void take_masters_from_values();
   size_t bucket_of(size_t i) const { return bucket_of_param_.at(i); }
   std::pair<size_t, size_t> bucket_params(size_t b) const { return {buckets_[b].first_param, buckets_[b].end_param}; }
+  // The norms, counts and checks below read the part of the shard this rank updates: the whole shard, or under
+  // shard_over_instances its piece (then summed over the instances too).
+  bool shards_over_instances() const { return over_instances_; }
   // Sum of squares of this rank's reduced-gradient shard, in double. All-reduced over the group (and
   // over other groups' shares) it is the squared global gradient norm.
   double shard_grad_sq() const;
@@ -122,12 +131,13 @@ class DistributedAdamW {
   void scale_shard_grads(float s);
   // Name of the first parameter with a non-finite element in this rank's shard, "" if none. Local.
   std::string first_nonfinite_grad() const;
-  // Collective. One AdamW update of this rank's shard (shard_params: of its master shard, gathered back only into
-  // the resident Param::value of each bucket; the others wait for wait_gather) (learning rate lr, gradients times
-  // clip_scale, weight decay for params with weight_decay, bias correction with the step count), then all-gather of the
-  // updated f32 masters into every param's .value, bucket by bucket. Does not refresh Param::compute. With gather_later
-  // (options.overlap) the all-gathers are posted and left in flight: until wait_param(i) (its bucket) or
-  // finish_param_gather() (all) a Param::value may hold old values. Values end bitwise the same.
+  // Collective. One AdamW update of this rank's shard (shard_over_instances: of its piece, the pieces then gathered
+  // over the instances; shard_params: of its master shard, gathered back only into the resident Param::value of each
+  // bucket; the others wait for wait_gather) (learning rate lr, gradients times clip_scale, weight decay for params
+  // with weight_decay, bias correction with the step count), then all-gather of the updated f32 masters into every
+  // param's .value, bucket by bucket. Does not refresh Param::compute. With gather_later (options.overlap) the
+  // all-gathers are posted and left in flight: until wait_param(i) (its bucket) or finish_param_gather() (all) a
+  // Param::value may hold old values. Values end bitwise the same.
   void step(float lr, float clip_scale, bool gather_later = false);
   // step() in its two parts (timed apart by the trainer): update() is the local AdamW update of this rank's shard into
   // its owned ranges of Param::value (gathers still in flight are completed first); gather_params() then all-gathers
@@ -148,7 +158,8 @@ class DistributedAdamW {
   // cfg.state_dtype), each rank keeps its own shard.
   void load_state(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq);
 
-  int64_t shard_elems() const { return shard_elems_; }  // optimizer-state elements on this rank, per moment
+  int64_t shard_elems() const { return shard_elems_; }  // elements of this rank's shard (its gradients, its masters)
+  int64_t state_elems() const { return state_elems_; }  // optimizer-state elements on this rank, per moment
   int64_t state_bytes() const;                          // bytes of both moments on this rank
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
   const ProcessGroup& group() const { return group_; }
@@ -169,6 +180,7 @@ class DistributedAdamW {
     int64_t param_offset = 0;  // first element within the parameter
     int64_t shard_offset = 0;  // first element within this rank's shard
     int64_t elems = 0;
+    int64_t state_offset = 0;  // first element within the moments (owned_ only)
   };
   void check_same_params_across_ranks(const ProcessGroup& g) const;
   void plan_layout(int64_t bucket_elems, const std::vector<size_t>& bucket_ends);
@@ -187,6 +199,15 @@ class DistributedAdamW {
   }  // where the parameters live (and so the shards and staging buffers)
   std::vector<Bucket> buckets_;
   std::vector<Segment> segments_;  // in parameter order
+  // The segments this rank updates, in order: segments_, or under shard_over_instances their parts in its pieces.
+  std::vector<Segment> owned_;
+  bool over_instances_ = false;
+  int64_t state_elems_ = 0;
+  Tensor piece_grad_, piece_master_;  // shard_over_instances: one bucket's piece, in the accumulated gradients' and
+                                      // in the masters' dtype
+  int64_t piece_elems(const Bucket& b) const { return b.shard / instances_.size(); }
+  void plan_owned();
+  void gather_pieces();
   // Overlap (options.overlap): bucket b stages in bucket_staging_[b, b + N_b) of overlap_staging_; its owned
   // range is packed at its shard offset in overlap_shard_.
   bool overlap_ = false;

@@ -309,7 +309,8 @@ struct ZeroOptimizers {
   }
   // A sum over every shard once of shard(instance): replicated shards sum over dp (x cp); tensor-parallel shards over
   // dp (x cp) x tp; expert shards over edp x ep x etp, which is tp x dp x cp (every rank), those whole on every ETP
-  // rank from ETP rank 0. With instances, over one instance's part of each (the others hold the same shards).
+  // rank from ETP rank 0. With instances, over one instance's part of each (the others hold the same shards), or under
+  // HFSDP over every instance's pieces.
   template <class T, class Shard>
   T sum_shards(Shard&& shard) const {
     const T rep = shard(*opt[replicated]);
@@ -319,12 +320,18 @@ struct ZeroOptimizers {
     if (g.tp.size() == 1) {  // one sum over dp (the layout before TP: unchanged bits)
       T v = rep + rest;
       if (dp.size() > 1) all_reduce_sum(std::span<T>(&v, 1), dp);
-      return over_pipeline(v, g);
+      return over_pipeline(over_instances(v), g);
     }
     T v[2] = {rep, rest};
     all_reduce_sum(std::span<T>(v, 2), dp);
     all_reduce_sum(std::span<T>(&v[1], 1), g.tp);
-    return over_pipeline(v[0] + v[1], g);
+    return over_pipeline(over_instances(v[0] + v[1]), g);
+  }
+  // HFSDP: each instance updates its own pieces of the shards, so their sums add up.
+  template <class T>
+  T over_instances(T v) const {
+    if (opt[replicated]->shards_over_instances()) all_reduce_sum(std::span<T>(&v, 1), g.inter_dist_opt);
+    return v;
   }
   double grad_norm() const {
     return std::sqrt(sum_shards<double>([](const optim::DistributedAdamW& o) { return o.shard_grad_sq(); }));
@@ -831,6 +838,9 @@ model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan
   // The masters in the shards (FsdpOptimizer's rule), with the two gather staging areas.
   const bool masters = params || cfg.fsdp_main_params_dtype != DType::f32;
   const auto master = static_cast<int64_t>(dtype_size(cfg.fsdp_main_params_dtype));
+  // HFSDP: every shard padded to N pieces, the moments one piece of each, and a piece of scratch per dtype.
+  const int64_t N =
+      cfg.fsdp_outer == FsdpStrategy::optim ? std::max<int64_t>(1, cfg.num_distributed_optimizer_instances) : 1;
   auto at = [&](MemCategory c) -> int64_t& { return plan.bytes[static_cast<int>(c)]; };
   const auto units = gpt.fsdp_units();
   const std::vector<int> unit_of = fsdp_unit_of(gpt);
@@ -869,12 +879,12 @@ model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan
     for (size_t end : fsdp_bucket_ends(idx, unit_of)) {
       int64_t n = 0;
       for (size_t j = first; j < end; ++j) n += gpt.params()[idx[j]].value.numel();
-      const int64_t s = (n + P - 1) / P;
+      const int64_t s = (n + P * N - 1) / (P * N) * N;
       shard += s;
       widest = std::max(widest, s * P);
       first = end;
     }
-    at(MemCategory::optimizer_state) += 2 * shard * moment;
+    at(MemCategory::optimizer_state) += 2 * shard / N * moment;
     const auto bytes = [](DType t) { return static_cast<int64_t>(dtype_size(t)); };
     at(MemCategory::gradients) += 4 * shard;  // (the f32 shard the update reads)
     if (cfg.fsdp_main_grads_dtype != DType::f32) at(MemCategory::gradients) += bytes(cfg.fsdp_main_grads_dtype) * shard;
@@ -882,6 +892,7 @@ model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan
     at(MemCategory::workspace) += 4 * (widest + widest / P) + (masters ? 2 * widest * master : 0);
     if (cfg.fsdp_grad_comm_dtype != DType::f32)
       at(MemCategory::workspace) += bytes(cfg.fsdp_grad_comm_dtype) * (widest + widest / P);
+    if (N > 1) at(MemCategory::workspace) += widest / P / N * (master + bytes(cfg.fsdp_main_grads_dtype));
     if (!masters && cfg.overlap_param_gather) at(MemCategory::workspace) += 4 * (shard * P + shard);  // (gathers later)
   }
   return plan;
@@ -906,6 +917,7 @@ std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& ad
     o.grad_dtype = cfg.fsdp_main_grads_dtype;
     o.comm_dtype = cfg.fsdp_grad_comm_dtype;
     o.master_dtype = cfg.fsdp_main_params_dtype;
+    o.shard_over_instances = cfg.fsdp_outer == FsdpStrategy::optim && cfg.num_distributed_optimizer_instances > 1;
     return std::make_unique<FsdpOptimizer>(gpt, adamw.config(), groups, params, cfg.overlap_param_gather,
                                            cfg.num_distributed_optimizer_instances, o, timers);
   }

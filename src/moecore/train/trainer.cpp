@@ -63,6 +63,11 @@ void TrainConfig::validate() const {
                    " (moecore's no_shard and optim update the f32 parameters themselves; optim_grads and ",
                    "optim_grads_params keep fp32, bf16 or fp16 main parameters in the shards); pass ",
                    "--megatron-fsdp-main-params-dtype fp32");
+    if (fsdp_outer != FsdpStrategy::no_shard &&
+        (fsdp_outer != FsdpStrategy::optim || fsdp != FsdpStrategy::optim_grads_params))
+      MOECORE_FAIL("training: --outer-dp-sharding-strategy ", enum_name(fsdp_outer), " with ",
+                   "--data-parallel-sharding-strategy ", enum_name(fsdp),
+                   ": the outer strategy is no_shard, or optim with optim_grads_params (Megatron's check)");
     if (fsdp == FsdpStrategy::optim_grads_params && check_weight_hash_interval > 0)
       MOECORE_FAIL("training: --check-weight-hash-across-dp-replicas-interval is not supported with ",
                    "--data-parallel-sharding-strategy optim_grads_params (the parameters are sharded, as in Megatron)");

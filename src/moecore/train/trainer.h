@@ -195,6 +195,11 @@ struct TrainConfig {
   // optim_grads_params the main parameters AdamW updates live in each rank's shard in this dtype (f32, bf16 or f16;
   // each update computed in f32 and rounded) and are gathered in it; the model's values are them widened.
   DType fsdp_main_params_dtype = DType::f32;
+  // --outer-dp-sharding-strategy, for hybrid sharding (num_distributed_optimizer_instances > 1): no_shard (HSDP: the
+  // instances hold the same shards, their gradients all-reduced across them once per step) or optim (HFSDP, with
+  // optim_grads_params only: the optimizer state and the update sharded over the instances too, the gradients
+  // reduce-scattered across them and the updated masters gathered back).
+  FsdpStrategy fsdp_outer = FsdpStrategy::no_shard;
   // The optimizer state sharded over the data-parallel ranks: the distributed optimizer, but for FSDP's no_shard.
   bool shards_optimizer_state() const { return use_distributed_optimizer && fsdp != FsdpStrategy::no_shard; }
   int64_t ddp_bucket_size = 40'000'000;  // --ddp-bucket-size: gradient elements per all-reduce / reduce-scatter
