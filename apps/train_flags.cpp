@@ -342,6 +342,12 @@ void optimizer_choice(const Args& a, const char* f, TrainConfig& t) {
                           "--muon-coefficient-type", "--muon-scale-mode", "--muon-extra-scale-factor", "--muon-tp-mode",
                           "--muon-fp32-matmul-prec", "--muon-scalar-optimizer"})
       if (a.given(m)) MOECORE_FAIL(m, " sets the Muon optimizer, but --optimizer is ", v, ": add --optimizer muon");
+  if (t.optimizer != optim::OptimizerKind::muon || a.str("--muon-scalar-optimizer") != "lion")
+    for (const char* l : {"--lion-beta1", "--lion-beta2"})
+      if (a.given(l) && !megatron_is_default(*megatron_flag(l), a.str(l)))
+        MOECORE_FAIL(l, " ", a.str(l),
+                     " sets Lion, which only --optimizer muon --muon-scalar-optimizer lion uses here ",
+                     "(--optimizer lion is not supported yet)");
 }
 
 // Megatron's get_megatron_optimizer: --loss-scale is the constant scaler (with --fp16 or --bf16), --fp16 without it the
@@ -458,8 +464,13 @@ const TrainFlag kTrainFlags[] = {
   {"--muon-fp32-matmul-prec", V, value<&M::fp32_matmul_prec>(), nullptr,
    "the orthogonalisation's products: medium (bf16, Megatron's default) | high (f32) | low (PyTorch ignores it: f32)"},
   {"--muon-scalar-optimizer", V, value<&M::scalar_optimizer>(), nullptr,
-   "the optimizer of the parameters Muon leaves (embeddings, output layer, norms, biases): adam (lion is not "
-   "supported yet)"},
+   "the optimizer of the parameters Muon leaves (embeddings, output layer, norms, biases): adam (AdamW with the "
+   "--adam-* settings) | lion (Lion with --lion-beta1/--lion-beta2; the run's --lr, --weight-decay, --clip-grad)"},
+  {"--lion-beta1", V, value<&M::lion_beta1>(), nullptr,
+   "Lion's interpolation of momentum and gradient whose sign is the step (with --muon-scalar-optimizer lion)",
+   D::fraction()},
+  {"--lion-beta2", V, value<&M::lion_beta2>(), nullptr,
+   "Lion's momentum decay (with --muon-scalar-optimizer lion)", D::fraction()},
   {"--use-precision-aware-optimizer", S, kNone, "", "allow reduced-precision optimizer states (--exp-avg-dtype)"},
   {"--exp-avg-dtype", V, kNone, "fp32", "fp32 | bf16 (with --use-precision-aware-optimizer)",
    D::one_of({"fp32", "bf16"})},

@@ -121,7 +121,8 @@ TEST(TrainFlags, AliasesFillOneField) {
 }
 
 // Muon's flags fill TrainConfig::muon with Megatron's defaults; they need --optimizer muon; dist_muon is muon with the
-// layer-wise distributed optimizer; an unknown coefficient set is refused at start-up.
+// layer-wise distributed optimizer; an unknown coefficient set is refused at start-up; Lion's betas apply to Lion's
+// scalars only.
 TEST(TrainFlags, MuonFlags) {
   const train::TrainConfig d = apps::train_config_from(parsed({}), 1);
   EXPECT_EQ(d.optimizer, optim::OptimizerKind::adam);
@@ -166,7 +167,16 @@ TEST(TrainFlags, MuonFlags) {
   std::vector<char*> argv = {w[0].data(), w[1].data(), w[2].data()};
   apps::Args a = train_args();
   testing::expect_error([&] { a.parse(3, argv.data()); }, {"--muon-coefficient-type", "custom", "quintic", "cans"});
-  EXPECT_NE(error({"--optimizer", "muon", "--muon-scalar-optimizer", "lion"}).find("lion is not supported yet"),
+  EXPECT_FLOAT_EQ(d.muon.lion_beta1, 0.95f);
+  EXPECT_FLOAT_EQ(d.muon.lion_beta2, 0.98f);
+  const train::TrainConfig lion = apps::train_config_from(
+      parsed({"--optimizer", "muon", "--muon-scalar-optimizer", "lion", "--lion-beta1", "0.9", "--lion-beta2", "0.99"}),
+      1);
+  EXPECT_EQ(lion.muon.scalar_optimizer, optim::ScalarOptimizer::lion);
+  EXPECT_FLOAT_EQ(lion.muon.lion_beta1, 0.9f);
+  EXPECT_FLOAT_EQ(lion.muon.lion_beta2, 0.99f);
+  EXPECT_NE(error({"--optimizer", "muon", "--lion-beta1", "0.9"})
+                .find("--lion-beta1 0.9 sets Lion, which only --optimizer muon --muon-scalar-optimizer lion uses"),
             std::string::npos);
 }
 

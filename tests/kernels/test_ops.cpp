@@ -661,6 +661,37 @@ TEST(AdamW, HalfParametersAreTheF32UpdateRounded) {
   }
 }
 
+// Lion (Chen et al. 2023, emerging_optimizers' update): the decoupled decay, the sign of beta1 m + (1 - beta1) g (0 at
+// 0), the momentum moved towards g by 1 - beta2 -- against the formula in double over two steps, with a clip scale, a
+// zero gradient and weight decay; bad betas are named.
+TEST(Lion, StepIsTheFormula) {
+  const std::vector<float> p0 = {1.0f, -2.0f, 0.5f, 0.25f}, g1 = {0.3f, -0.1f, 0.0f, 2.0f},
+                           g2 = {-0.5f, 0.2f, 0.0f, 1e-3f};
+  Tensor p = from(Shape{4}, p0), m = zeros(Shape{4});
+  ops::LionParams hp;
+  hp.lr = 0.1f;
+  hp.beta1 = 0.9f;
+  hp.beta2 = 0.99f;
+  hp.weight_decay = 0.5f;
+  hp.grad_scale = 0.5f;
+  std::vector<double> pw(p0.begin(), p0.end()), mw(4, 0.0);
+  for (const auto* g : {&g1, &g2}) {
+    ops::lion_step(p, from(Shape{4}, *g), m, hp, kCpu);
+    for (size_t i = 0; i < 4; ++i) {
+      const double gs = 0.5 * (*g)[i], c = 0.9 * mw[i] + 0.1 * gs;
+      pw[i] = pw[i] * (1 - 0.1 * 0.5) - 0.1 * (c > 0 ? 1 : c < 0 ? -1 : 0);
+      mw[i] = mw[i] + 0.01 * (gs - mw[i]);
+    }
+  }
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_NEAR(p.data<float>()[i], pw[i], 1e-6) << i;
+    EXPECT_NEAR(m.data<float>()[i], mw[i], 1e-8) << i;
+  }
+  EXPECT_FLOAT_EQ(p.data<float>()[2], static_cast<float>(0.5 * 0.95 * 0.95));  // (no gradient: the decay alone)
+  hp.beta2 = 1.0f;
+  expect_error([&] { ops::lion_step(p, from(Shape{4}, g1), m, hp, kCpu); }, {"lion_step", "betas"});
+}
+
 TEST(AdamW, RejectsBadStep) {
   Tensor p = zeros(Shape{2}), g = zeros(Shape{2}), m = zeros(Shape{2}), v = zeros(Shape{2});
   ops::AdamWParams hp;

@@ -381,28 +381,31 @@ TEST_F(Mpi, MuonUnderTensorParallelismMatchesOneProcess) {
 // Distributed Muon (--use-distributed-optimizer with --optimizer muon: Megatron's layer-wise deal) is bitwise the
 // replicated Muon at the same layout -- each owner steps its parameters from the same reduced gradients and broadcasts
 // them -- dense under DP, MoE with TP 2 + SP and the experts over ETP 2 (its owners' TP peers orthogonalising their
-// shards together); each rank holds its owned parameters' state (about 1/DP); a checkpoint it saves holds every
-// parameter's state and resumes at other layouts with the uninterrupted run's losses.
+// shards together), with Adam's and with Lion's scalar optimizer; each rank holds its owned parameters' state (about
+// 1/DP); a checkpoint it saves holds every parameter's state and resumes at other layouts with the uninterrupted run's
+// losses (Lion's too).
 TEST_F(Mpi, DistributedMuonIsBitwiseReplicatedMuon) {
-  const auto muon = [](bool distributed) {
-    return TrainTweak([distributed](train::TrainConfig& t) {
+  const auto muon = [](bool distributed, optim::ScalarOptimizer scalar = optim::ScalarOptimizer::adam) {
+    return TrainTweak([distributed, scalar](train::TrainConfig& t) {
       t.optimizer = optim::OptimizerKind::muon;
       t.muon.extra_scale_factor = 0.2f;
+      t.muon.scalar_optimizer = scalar;
       t.use_distributed_optimizer = distributed;
     });
   };
   std::vector<std::pair<model::ModelConfig, Layout>> cases = {{moe_model(false), Layout{2, true, P / 2, 1, 2}}};
   if (P == 2) cases.push_back({llama_like(), Layout{1}});  // (DP alone; at 4 ranks the MoE case has DP 2)
-  for (const auto& [mc, l] : cases) {
-    SCOPED_TRACE(l.name() + (mc.moe.enabled() ? ", MoE" : ""));
-    const Result plain = run(world, mc, l, 6, "", "", 0, false, false, false, muon(false));
-    const Result dist = run(world, mc, l, 6, "", "", 0, false, false, false, muon(true));
-    ASSERT_EQ(dist.loss.size(), 6u);
-    for (size_t i = 0; i < 6; ++i)
-      EXPECT_EQ(std::memcmp(&dist.loss[i], &plain.loss[i], sizeof(double)), 0) << "step " << i + 1;
-    for (const auto& [name, v] : plain.values)
-      EXPECT_EQ(std::memcmp(v.raw(), dist.values.at(name).raw(), static_cast<size_t>(v.nbytes())), 0) << name;
-  }
+  for (const auto& [mc, l] : cases)
+    for (const auto scalar : {optim::ScalarOptimizer::adam, optim::ScalarOptimizer::lion}) {  // (and Lion's scalars)
+      SCOPED_TRACE(l.name() + (mc.moe.enabled() ? ", MoE" : "") + ", " + std::string(enum_name(scalar)));
+      const Result plain = run(world, mc, l, 6, "", "", 0, false, false, false, muon(false, scalar));
+      const Result dist = run(world, mc, l, 6, "", "", 0, false, false, false, muon(true, scalar));
+      ASSERT_EQ(dist.loss.size(), 6u);
+      for (size_t i = 0; i < 6; ++i)
+        EXPECT_EQ(std::memcmp(&dist.loss[i], &plain.loss[i], sizeof(double)), 0) << "step " << i + 1;
+      for (const auto& [name, v] : plain.values)
+        EXPECT_EQ(std::memcmp(v.raw(), dist.values.at(name).raw(), static_cast<size_t>(v.nbytes())), 0) << name;
+    }
   {  // the state each rank holds
     const Built b = build(world, Layout{1});
     model::GptModel gpt(llama_like(), 2, 42, b.par, testing::test_device());
@@ -433,6 +436,19 @@ TEST_F(Mpi, DistributedMuonIsBitwiseReplicatedMuon) {
   }
   barrier(world);
   if (world.rank() == 0) std::filesystem::remove_all(dir);
+  barrier(world);
+  {  // Lion's scalars: a distributed save (each owner's momentum broadcast) resumed at one process
+    const auto lion = optim::ScalarOptimizer::lion;
+    const Result whole =
+        run(world, moe_model(false), Layout{0, false}, 8, "", "", 0, false, false, false, muon(false, lion));
+    run(world, moe_model(false), Layout{2, true, P / 2, 1, 2}, 8, dir, "", 4, false, false, false, muon(true, lion));
+    const Result resumed =
+        run(world, moe_model(false), Layout{0, false}, 8, "", dir, 0, false, false, false, muon(false, lion));
+    ASSERT_EQ(resumed.loss.size(), 4u);
+    for (size_t i = 0; i < 4; ++i) EXPECT_LE(rel(resumed.loss[i], whole.loss[4 + i]), 1e-4) << "Lion, step " << 5 + i;
+    barrier(world);
+    if (world.rank() == 0) std::filesystem::remove_all(dir);
+  }
 }
 
 // The distributed optimizer (ZeRO-1) under TP: the moments sharded over DP (experts over EDP), the tensor-parallel

@@ -3,7 +3,8 @@
 // matrices, the QKV weight cut into Q, K and V, the router under Muon, embeddings, output layer, norms and a bias under
 // AdamW, the global clip. Which parameters Muon takes; bad settings named. Training with --optimizer muon: the loss
 // falls, a resume is bitwise the uninterrupted run (momentum and moments in the checkpoint), a checkpoint of the other
-// optimizer is refused naming both, and the memory plan counts Muon's state.
+// optimizer is refused naming both, and the memory plan counts Muon's state. Lion as the scalar optimizer
+// (--muon-scalar-optimizer lion): its step, resume, checkpoint and plan.
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -137,7 +138,8 @@ TEST(Muon, BadSettingsAreNamed) {
   EXPECT_NE(error_of([&] { c.validate(); }).find("--muon-num-ns-steps"), std::string::npos);
   c = {};
   c.scalar_optimizer = optim::ScalarOptimizer::lion;
-  EXPECT_NE(error_of([&] { c.validate(); }).find("lion"), std::string::npos);
+  c.lion_beta2 = 1.0f;
+  EXPECT_NE(error_of([&] { c.validate(); }).find("--lion-beta2 (1) must lie in [0, 1)"), std::string::npos);
   // A QKV weight whose rows are no whole number of query groups.
   std::vector<Param> params(1);
   params[0].name = "decoder.layers.0.self_attention.linear_qkv.weight";
@@ -166,10 +168,12 @@ struct RunResult {
   std::string error;
 };
 
-RunResult run(train::TrainConfig t, optim::OptimizerKind kind, const fs::path& save = {}, const fs::path& load = {}) {
+RunResult run(train::TrainConfig t, optim::OptimizerKind kind, const fs::path& save = {}, const fs::path& load = {},
+              optim::ScalarOptimizer scalar = optim::ScalarOptimizer::adam) {
   model::GptModel m(testing::small_moe_model(4), t.micro_batch_size, 77, {}, testing::test_device());
   optim::AdamW opt(m.params(), optim::AdamWConfig{}, kind == optim::OptimizerKind::adam);
   t.optimizer = kind;
+  t.muon.scalar_optimizer = scalar;
   t.muon.extra_scale_factor = 0.2f;
   t.save = save.string();
   t.load = load.string();
@@ -212,6 +216,92 @@ TEST(Muon, TrainsAndResumesBitIdentical) {
   const RunResult adam = run(testing::small_train_config(8), optim::OptimizerKind::adam, {}, dir);
   EXPECT_NE(adam.error.find("--optimizer muon but this run uses --optimizer adam"), std::string::npos) << adam.error;
   fs::remove_all(dir);
+}
+
+// --muon-scalar-optimizer lion: the parameters Muon leaves take Lion (emerging_optimizers' update: decoupled decay,
+// then the sign of beta1 m + (1 - beta1) g, then m moved towards g by 1 - beta2). From zero momentum the first step
+// moves each such element by exactly -lr * sign(g) after the decay, and leaves m = (1 - beta2) g; Muon's matrices are
+// untouched by the choice. Training with it falls, resumes bitwise (Lion's one moment in the checkpoint, which names
+// it), a resume with Adam's scalars is refused naming both, and the plan counts 4 bytes per Lion element.
+TEST(Muon, LionScalarsStepAsLionAndResume) {
+  model::GptModel m(testing::small_moe_model(4), 2, 5, {}, testing::test_device());
+  Tensor tok = Tensor::empty({2, 16}, DType::i32), lab = Tensor::empty({2, 16}, DType::i32);
+  testing::synthetic_batch(tok, lab, false, 0);
+  m.zero_grad();
+  m.forward_backward(tok, lab, 1.0f);
+  std::vector<optim::MuonParam> kinds;
+  for (const Param& p : m.params())
+    kinds.push_back({optim::muon_managed(p.name, p.value.dim(), p.expert_parallel), {}});
+  optim::MuonConfig mc;
+  mc.scalar_optimizer = optim::ScalarOptimizer::lion;
+  mc.lion_beta1 = 0.9f;
+  mc.lion_beta2 = 0.99f;
+  optim::AdamWConfig run_cfg;
+  run_cfg.weight_decay = 0.1f;
+  run_cfg.clip_grad = 0;  // (clip scale 1)
+  std::vector<Tensor> before, grads;
+  for (const Param& p : m.params()) {
+    before.push_back(testing::host(p.value).clone());
+    grads.push_back(testing::host(p.grad).clone());
+  }
+  optim::Muon muon(m.params(), kinds, mc, run_cfg, {});
+  const float lr = 1e-2f;
+  muon.step(lr, 1.0);
+  const std::vector<Tensor> exp_avg = muon.exp_avg(), exp_avg_sq = muon.exp_avg_sq();
+  int checked = 0;
+  for (size_t i = 0; i < m.params().size(); ++i) {
+    const Param& p = m.params()[i];
+    if (kinds[i].managed) {
+      EXPECT_TRUE(muon.momentum()[i].defined()) << p.name;
+      continue;
+    }
+    ASSERT_TRUE(exp_avg[i].defined()) << p.name;
+    EXPECT_FALSE(exp_avg_sq[i].defined()) << p.name << ": Lion keeps one moment";
+    const Tensor v = testing::host(p.value), m1 = testing::host(exp_avg[i]);
+    const double decay = 1.0 - static_cast<double>(lr) * (p.weight_decay ? 0.1 : 0.0);
+    for (int64_t j = 0; j < v.numel(); ++j) {
+      const double g = grads[i].data<float>()[j], p0 = before[i].data<float>()[j];
+      const double want = p0 * decay - lr * (g > 0 ? 1.0 : g < 0 ? -1.0 : 0.0);
+      ASSERT_NEAR(v.data<float>()[j], want, 1e-7 * std::max(1.0, std::fabs(want))) << p.name << " element " << j;
+      ASSERT_NEAR(m1.data<float>()[j], (1 - 0.99) * g, 1e-6 * std::fabs(g) + 1e-12) << p.name << " element " << j;
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 3);
+  // Training: the loss falls, a resume is bitwise, the checkpoint holds and names Lion's state.
+  const fs::path dir = fresh_dir("lion");
+  const auto lion = optim::ScalarOptimizer::lion;
+  const RunResult straight = run(testing::small_train_config(8), optim::OptimizerKind::muon, {}, {}, lion);
+  ASSERT_EQ(straight.error, "");
+  EXPECT_LT(straight.losses.back(), straight.losses.front() - 0.3) << "the loss does not fall";
+  const RunResult adam_scalars = run(testing::small_train_config(8), optim::OptimizerKind::muon);
+  EXPECT_NE(adam_scalars.losses.back(), straight.losses.back());
+  train::TrainConfig half = testing::small_train_config(8);
+  half.exit_interval = 4;
+  run(half, optim::OptimizerKind::muon, dir, {}, lion);
+  const RunResult second = run(testing::small_train_config(8), optim::OptimizerKind::muon, dir, dir, lion);
+  ASSERT_EQ(second.losses.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(second.losses[i], straight.losses[i + 4]) << i + 4;
+  EXPECT_EQ(second.hash, straight.hash);
+  const auto ck = io::checkpoint_load(*io::checkpoint_find_latest(dir.string()));
+  const auto& optim = ck.files.at("optimizer.safetensors").tensors;
+  EXPECT_TRUE(optim.count("exp_avg.embedding.word_embeddings.weight"));
+  EXPECT_FALSE(optim.count("exp_avg_sq.embedding.word_embeddings.weight"));
+  EXPECT_TRUE(optim.count("momentum_buffer.decoder.layers.0.self_attention.linear_qkv.weight"));
+  EXPECT_NE(ck.state_json.find("\"muon_scalar_optimizer\": \"lion\""), std::string::npos);
+  const RunResult adam = run(testing::small_train_config(8), optim::OptimizerKind::muon, {}, dir);
+  EXPECT_NE(adam.error.find("--muon-scalar-optimizer lion but this run uses --muon-scalar-optimizer adam"),
+            std::string::npos)
+      << adam.error;
+  fs::remove_all(dir);
+  // The plan's bytes: Muon's momentum and Lion's, 4 per element each.
+  train::TrainConfig t = testing::small_train_config(2);
+  t.optimizer = optim::OptimizerKind::muon;
+  t.muon = mc;
+  const model::MemoryPlan plan =
+      model::GptModel::plan_memory(testing::small_moe_model(4), 2, {}, {}, train::optimizer_state_bytes(t, {}));
+  EXPECT_EQ(plan.bytes[static_cast<int>(MemCategory::optimizer_state)], muon.state_bytes());
+  EXPECT_EQ(muon.state_bytes(), 4 * m.num_parameters());
 }
 
 // The plan before the model exists counts 4 bytes of momentum per Muon element and AdamW's 8 per other element, and

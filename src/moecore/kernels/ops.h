@@ -404,11 +404,24 @@ struct AdamWParams {
   int64_t step = 1;           // 1-based step for bias correction
   float grad_scale = 1.0f;    // multiplies the gradient first (gradient clipping, loss scaling)
 };
-// param, grad [*] f32; exp_avg, exp_avg_sq [*] f32 or bf16 (bf16 optimizer states).
+// param [*] f32 (bf16 or f16 main parameters: the f32 update rounded to nearest even), grad [*] f32; exp_avg,
+// exp_avg_sq [*] f32 or bf16 (bf16 optimizer states).
 // param -= lr*wd*param; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
 // param -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps).
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWParams& p,
                 const Context& ctx);
+
+// Lion (Chen et al. 2023; emerging_optimizers' Lion, Megatron's --muon-scalar-optimizer lion). param, grad, exp_avg
+// [*] f32, contiguous, one shape; with g = grad * grad_scale:
+// param *= 1 - lr*wd; c = b1*m + (1-b1)*g; m += (1-b2)*(g - m); param -= lr * sign(c).
+struct LionParams {
+  float lr = 1e-4f;
+  float beta1 = 0.95f;        // --lion-beta1 (the sign's interpolation)
+  float beta2 = 0.98f;        // --lion-beta2 (the momentum's decay)
+  float weight_decay = 0.0f;  // decoupled decay (0 for norms and biases)
+  float grad_scale = 1.0f;    // multiplies the gradient first (gradient clipping)
+};
+void lion_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, const LionParams& p, const Context& ctx);
 
 // Muon (docs/muon-spec.md §3; optim/muon.h decides which matrices and how they are cut and scaled).
 // momentum [*] f32 <- beta * momentum + (1 - beta) * grad * grad_scale; u [*] f32 <- the matrix to orthogonalise:

@@ -10,8 +10,7 @@ void MuonConfig::validate() const {
   if (num_ns_steps < 1) MOECORE_FAIL("optimizer: --muon-num-ns-steps (", num_ns_steps, ") must be at least 1");
   if (!std::isfinite(extra_scale_factor))
     MOECORE_FAIL("optimizer: --muon-extra-scale-factor (", extra_scale_factor, ") must be finite");
-  if (scalar_optimizer == ScalarOptimizer::lion)
-    MOECORE_FAIL("optimizer: --muon-scalar-optimizer lion is not supported yet (Lion is not implemented); use adam");
+  lion().validate();
 }
 
 ops::NewtonSchulz MuonConfig::newton_schulz() const {
@@ -74,7 +73,10 @@ Muon::Muon(std::vector<Param>& params, const std::vector<MuonParam>& kinds, cons
       owner_(deal_owners(params, groups)),
       scalar_index_(),
       scalar_params_(scalar_subset(params, kinds, owner_, groups, &scalar_index_)),
-      scalar_(scalar_params_, adam) {
+      adam_(adam),
+      scalar_(cfg.scalar_optimizer == ScalarOptimizer::lion
+                  ? std::variant<AdamW, Lion>(std::in_place_type<Lion>, scalar_params_, cfg.lion(), adam)
+                  : std::variant<AdamW, Lion>(std::in_place_type<AdamW>, scalar_params_, adam)) {
   cfg_.validate();
   momentum_.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {  // (every rank checks every matrix: an owner alone must not fail)
@@ -102,11 +104,28 @@ std::vector<Tensor> Muon::spread(const std::vector<Tensor>& scalar_state) const 
   return out;
 }
 
+int64_t Muon::steps_taken() const {
+  return std::visit([](const auto& s) { return s.steps_taken(); }, scalar_);
+}
+
+void Muon::set_steps_taken(int64_t n) {
+  std::visit([n](auto& s) { s.set_steps_taken(n); }, scalar_);
+}
+
+std::vector<Tensor> Muon::exp_avg() const {
+  return spread(std::visit([](const auto& s) { return s.exp_avg(); }, scalar_));
+}
+
+std::vector<Tensor> Muon::exp_avg_sq() const {
+  if (const auto* adam = std::get_if<AdamW>(&scalar_)) return spread(adam->exp_avg_sq());
+  return std::vector<Tensor>(params_.size());  // (Lion keeps one moment)
+}
+
 int64_t Muon::state_bytes() const {
   int64_t n = 0;
   for (const Tensor& m : momentum_)
     if (m.defined()) n += m.nbytes();
-  for (const Param& p : scalar_params_) n += scalar_.state_bytes_per_param() * p.value.numel();
+  for (const Param& p : scalar_params_) n += scalar_bytes_per_param(cfg_, adam_) * p.value.numel();
   return n;
 }
 
@@ -128,7 +147,7 @@ double Muon::scale(int64_t rows, int64_t cols) const {
 }
 
 StepStats Muon::step(float lr, double grad_norm) {
-  const StepStats st = scalar_.step(lr, grad_norm);
+  const StepStats st = std::visit([&](auto& s) { return s.step(lr, grad_norm); }, scalar_);
   for (size_t i = 0; i < params_.size(); ++i)
     if (kinds_[i].managed && owned(i)) step_matrix(i, lr, st.clip_scale);
   if (groups_.distributed)  // the owners' new values to every replica
@@ -140,11 +159,13 @@ StepStats Muon::step(float lr, double grad_norm) {
 std::array<std::vector<Tensor>, 3> Muon::checkpoint_state(bool gather) const {
   std::array<std::vector<Tensor>, 3> st = {momentum_, exp_avg(), exp_avg_sq()};
   if (!groups_.distributed) return st;
-  const DType moments = scalar_.config().state_dtype;
+  const bool lion = cfg_.scalar_optimizer == ScalarOptimizer::lion;
+  const DType moments = lion ? DType::f32 : adam_.state_dtype;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     for (int k = 0; k < 3; ++k) {
       if ((k == 0) != kinds_[i].managed) continue;  // Muon's matrices have a momentum, the others two moments
+      if (k == 2 && lion) continue;                 // (or Lion's one)
       Tensor& t = st[static_cast<size_t>(k)][i];
       if (!owned(i))
         t = Tensor::zeros(p.value.shape(), k == 0 ? DType::f32 : moments, MemCategory::workspace, p.value.device());
@@ -227,7 +248,7 @@ void Muon::step_matrix(size_t i, float lr, float clip_scale) {
       at += r;
     }
   }
-  ops::muon_update(p.value, u, lr, p.weight_decay ? scalar_.config().weight_decay : 0.0f, ctx);
+  ops::muon_update(p.value, u, lr, p.weight_decay ? adam_.weight_decay : 0.0f, ctx);
 }
 
 }  // namespace moecore::optim

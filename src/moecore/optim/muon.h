@@ -16,10 +16,13 @@
 #include <string>
 #include <vector>
 
+#include <variant>
 #include "moecore/core/enum_names.h"
+
 #include "moecore/core/param.h"
 #include "moecore/kernels/ops.h"
 #include "moecore/optim/adamw.h"
+#include "moecore/optim/lion.h"
 #include "moecore/parallel/comm.h"
 
 namespace moecore::optim {
@@ -82,6 +85,9 @@ struct MuonConfig {
   MuonTpMode tp_mode = MuonTpMode::duplicated;                          // --muon-tp-mode
   MuonMatmulPrecision fp32_matmul_prec = MuonMatmulPrecision::medium;   // --muon-fp32-matmul-prec
   ScalarOptimizer scalar_optimizer = ScalarOptimizer::adam;             // --muon-scalar-optimizer
+  float lion_beta1 = 0.95f;                                             // --lion-beta1 (lion scalars)
+  float lion_beta2 = 0.98f;                                             // --lion-beta2
+  LionConfig lion() const { return {lion_beta1, lion_beta2}; }
   void validate() const;
   ops::NewtonSchulz newton_schulz() const;  // the op's settings (orientation by shape)
 };
@@ -116,18 +122,18 @@ class Muon {
   Muon(std::vector<Param>& params, const std::vector<MuonParam>& kinds, const MuonConfig& cfg, const AdamWConfig& adam,
        const MuonGroups& groups);
   const MuonConfig& config() const { return cfg_; }
-  const AdamWConfig& adam_config() const { return scalar_.config(); }
+  const AdamWConfig& adam_config() const { return adam_; }  // (the run's, which Lion reads too)
   // One update with learning rate lr and the global gradient norm (the clip scale: clip_scale_for(norm, clip_grad)):
   // the scalar optimizer's step, then each Muon matrix's. Collective over the groups' shards (TP modes other than
   // blockwise).
   StepStats step(float lr, double grad_norm);
-  int64_t steps_taken() const { return scalar_.steps_taken(); }
-  void set_steps_taken(int64_t s) { scalar_.set_steps_taken(s); }
-  // Per parameter: Muon's momentum (undefined for the scalar optimizer's), Adam's moments (undefined for Muon's); with
-  // `distributed`, undefined too where another rank owns the parameter.
+  int64_t steps_taken() const;
+  void set_steps_taken(int64_t s);
+  // Per parameter: Muon's momentum (undefined for the scalar optimizer's), Adam's moments or Lion's momentum (exp_avg;
+  // no exp_avg_sq) (undefined for Muon's); with `distributed`, undefined too where another rank owns the parameter.
   const std::vector<Tensor>& momentum() const { return momentum_; }
-  std::vector<Tensor> exp_avg() const { return spread(scalar_.exp_avg()); }
-  std::vector<Tensor> exp_avg_sq() const { return spread(scalar_.exp_avg_sq()); }
+  std::vector<Tensor> exp_avg() const;
+  std::vector<Tensor> exp_avg_sq() const;
   // The state of every parameter, as a checkpoint holds it: these handles where this rank owns the parameter (all, when
   // not distributed), else fresh tensors -- with `gather`, filled by a broadcast from the owner over the parameter's
   // data-parallel group (collective), else zeros (for a load to write into and drop). [0] momentum, [1] exp_avg,
@@ -135,8 +141,13 @@ class Muon {
   std::array<std::vector<Tensor>, 3> checkpoint_state(bool gather) const;
   // The data-parallel rank that owns parameter i (0 when not distributed).
   int owner(size_t i) const { return owner_[i]; }
-  // Bytes of state per parameter of each kind (the memory plan's, before an optimizer exists).
+  // Bytes of state per parameter of each kind (the memory plan's, before an optimizer exists): Muon's, and the scalar
+  // optimizer's.
   static int64_t muon_bytes_per_param() { return 4; }
+  static int64_t scalar_bytes_per_param(const MuonConfig& cfg, const AdamWConfig& adam) {
+    return cfg.scalar_optimizer == ScalarOptimizer::lion ? Lion::state_bytes_per_param()
+                                                         : AdamW::state_bytes_per_param(adam);
+  }
   int64_t state_bytes() const;
   // The shape scale times --muon-extra-scale-factor for a rows x cols matrix.
   double scale(int64_t rows, int64_t cols) const;
@@ -155,7 +166,8 @@ class Muon {
   std::vector<int> owner_;            // per parameter: its owner's rank in data_parallel(i)
   std::vector<size_t> scalar_index_;  // the scalar optimizer's parameters' indices in params_ (filled before ...)
   std::vector<Param> scalar_params_;  // ... their handles, which the scalar optimizer holds
-  AdamW scalar_;
+  AdamWConfig adam_;
+  std::variant<AdamW, Lion> scalar_;
   std::vector<Tensor> momentum_;
 };
 

@@ -402,6 +402,15 @@ TrainStateJson train_state_parse(std::string_view state_json, const std::string&
       bad_field(dir, "optimizer", e.what());
     }
   }
+  if (state.contains("muon_scalar_optimizer")) {
+    if (!state["muon_scalar_optimizer"].is_string()) bad_field(dir, "muon_scalar_optimizer", "is not a string");
+    try {
+      t.scalar = enum_parse<optim::ScalarOptimizer>(state["muon_scalar_optimizer"].get<std::string>(),
+                                                    "muon_scalar_optimizer");
+    } catch (const Error& e) {
+      bad_field(dir, "muon_scalar_optimizer", e.what());
+    }
+  }
   if (state.contains("opt_param_scheduler")) t.scheduler = scheduler_from_json(state["opt_param_scheduler"], dir);
   if (state.contains("grad_scaler")) t.grad_scaler = grad_scaler_from_json(state["grad_scaler"], dir);
   if (state.contains("router_calls")) {
@@ -509,10 +518,11 @@ OptimizerState::Slot* OptimizerState::slot(std::string_view key) {
   return nullptr;
 }
 
-std::vector<std::string> optimizer_state_keys(optim::OptimizerKind optimizer, const std::string& name, int ndim,
-                                              bool expert_parallel) {
-  if (optimizer == optim::OptimizerKind::muon && optim::muon_managed(name, ndim, expert_parallel))
-    return {"momentum_buffer"};
+std::vector<std::string> optimizer_state_keys(optim::OptimizerKind optimizer, optim::ScalarOptimizer scalar,
+                                              const std::string& name, int ndim, bool expert_parallel) {
+  if (optimizer != optim::OptimizerKind::muon) return {"exp_avg", "exp_avg_sq"};
+  if (optim::muon_managed(name, ndim, expert_parallel)) return {"momentum_buffer"};
+  if (scalar == optim::ScalarOptimizer::lion) return {"exp_avg"};
   return {"exp_avg", "exp_avg_sq"};
 }
 
@@ -578,6 +588,7 @@ CheckpointSaveInFlight checkpoint_save_begin(const std::string& root, const mode
   if (options.save_optim) {
     state["optimizer_steps"] = opt.steps;
     if (opt.optimizer != optim::OptimizerKind::adam) state["optimizer"] = enum_name(opt.optimizer);
+    if (opt.scalar != optim::ScalarOptimizer::adam) state["muon_scalar_optimizer"] = enum_name(opt.scalar);
     if (options.scheduler) state["opt_param_scheduler"] = scheduler_to_json(*options.scheduler);
     if (options.grad_scaler) state["grad_scaler"] = grad_scaler_to_json(*options.grad_scaler);
   }
@@ -696,12 +707,12 @@ namespace {
 // Error names them; in the other modes one warning line does. Tensors the model needs that the checkpoint lacks are
 // found by the loads themselves (need, load_expert_rows).
 void check_no_unexpected_tensors(const io::LoadedCheckpoint& ck, const model::ModelConfig& cfg, bool optimizer,
-                                 optim::OptimizerKind kind, CkptStrictness strictness) {
+                                 optim::OptimizerKind kind, optim::ScalarOptimizer scalar, CkptStrictness strictness) {
   std::set<std::string> expected;
   for (const model::ParamSpec& p : model::parameter_specs(cfg)) {
     expected.insert(p.name);
     if (!optimizer) continue;
-    for (const std::string& key : optimizer_state_keys(kind, p.name, p.shape.ndim, p.expert))
+    for (const std::string& key : optimizer_state_keys(kind, scalar, p.name, p.shape.ndim, p.expert))
       expected.insert(key + "." + p.name);
   }
   const std::vector<model::LayerSpec> layers = model::layer_specs(cfg);
@@ -918,6 +929,10 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
     MOECORE_FAIL("checkpoint: ", ck.dir, " holds the state of --optimizer ", enum_name(state.optimizer),
                  " but this run uses --optimizer ", enum_name(opt.optimizer),
                  "; specify --no-load-optim to load the weights and start the optimizer afresh");
+  if (load_optim && state.scalar != opt.scalar)
+    MOECORE_FAIL("checkpoint: ", ck.dir, " holds the state of --muon-scalar-optimizer ", enum_name(state.scalar),
+                 " but this run uses --muon-scalar-optimizer ", enum_name(opt.scalar),
+                 "; specify --no-load-optim to load the weights and start the optimizer afresh");
   const int64_t saved_ep = state.expert_model_parallel_size;
   const int64_t E = gpt.config().moe.num_experts;
   if (E > 0 && E % saved_ep != 0)
@@ -926,7 +941,7 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
   CheckpointTensors tensors(ck, gpt, opt, load_optim, saved_ep, options.strictness);
   try {
     tensors.load(false);
-    check_no_unexpected_tensors(ck, gpt.config(), load_optim, opt.optimizer, options.strictness);
+    check_no_unexpected_tensors(ck, gpt.config(), load_optim, opt.optimizer, opt.scalar, options.strictness);
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
   }

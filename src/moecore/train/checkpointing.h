@@ -35,6 +35,8 @@ struct OptimizerState {
     std::vector<Tensor> per_param;
   };
   optim::OptimizerKind optimizer = optim::OptimizerKind::adam;  // state.json "optimizer"
+  // Muon's other parameters' optimizer (state.json "muon_scalar_optimizer" when lion: their one moment, exp_avg).
+  optim::ScalarOptimizer scalar = optim::ScalarOptimizer::adam;
   std::vector<Slot> slots;
   int64_t steps = 0;
   // AdamW's state: the two moments of every parameter.
@@ -42,10 +44,10 @@ struct OptimizerState {
   // The slot under key (null when absent).
   Slot* slot(std::string_view key);
 };
-// The state keys that `optimizer` keeps for a parameter (name, dimensions, routed expert stack): what a checkpoint
-// of such a run holds for it.
-std::vector<std::string> optimizer_state_keys(optim::OptimizerKind optimizer, const std::string& name, int ndim,
-                                              bool expert_parallel);
+// The state keys that `optimizer` (with Muon's scalar optimizer) keeps for a parameter (name, dimensions, routed expert
+// stack): what a checkpoint of such a run holds for it.
+std::vector<std::string> optimizer_state_keys(optim::OptimizerKind optimizer, optim::ScalarOptimizer scalar,
+                                              const std::string& name, int ndim, bool expert_parallel);
 
 // Megatron's OptimizerParamScheduler state (its state_dict keys, in state.json "opt_param_scheduler"), counted
 // in optimizer steps where Megatron counts samples. Weight decay has no schedule here (AdamWConfig holds it).
@@ -240,10 +242,11 @@ struct TrainStateJson {
   uint64_t seed = 0;                       // --seed of the run that saved it
   int64_t expert_model_parallel_size = 1;  // >= 1
   std::optional<int64_t> optimizer_steps;  // >= 0; absent: saved with --no-save-optim
-  optim::OptimizerKind optimizer = optim::OptimizerKind::adam;  // "optimizer" (absent: adam, as before Muon)
-  std::optional<OptParamSchedulerState> scheduler;              // "opt_param_scheduler", when saved
-  std::optional<GradScalerState> grad_scaler;                   // "grad_scaler" (the dynamic loss scaler's), when saved
-  std::optional<std::vector<int64_t>> router_calls;             // per layer, >= 0; absent: saved with --no-save-rng
+  optim::OptimizerKind optimizer = optim::OptimizerKind::adam;   // "optimizer" (absent: adam, as before Muon)
+  optim::ScalarOptimizer scalar = optim::ScalarOptimizer::adam;  // "muon_scalar_optimizer" (absent: adam)
+  std::optional<OptParamSchedulerState> scheduler;               // "opt_param_scheduler", when saved
+  std::optional<GradScalerState> grad_scaler;        // "grad_scaler" (the dynamic loss scaler's), when saved
+  std::optional<std::vector<int64_t>> router_calls;  // per layer, >= 0; absent: saved with --no-save-rng
 };
 TrainStateJson train_state_parse(std::string_view state_json, const std::string& dir);
 

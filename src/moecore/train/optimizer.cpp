@@ -459,6 +459,7 @@ OptimizerState state_of(optim::Muon& m, bool gather) {
   auto [momentum, exp_avg, exp_avg_sq] = m.checkpoint_state(gather);
   OptimizerState st;
   st.optimizer = optim::OptimizerKind::muon;
+  st.scalar = m.config().scalar_optimizer;
   st.slots = {
       {"exp_avg", std::move(exp_avg)}, {"exp_avg_sq", std::move(exp_avg_sq)}, {"momentum_buffer", std::move(momentum)}};
   st.steps = m.steps_taken();
@@ -825,9 +826,9 @@ class FsdpOptimizer final : public Optimizer {
 model::GptModel::StateBytesPerElement optimizer_state_bytes(const TrainConfig& cfg, const optim::AdamWConfig& adam) {
   const int64_t moments = optim::AdamW::state_bytes_per_param(adam);
   if (cfg.optimizer != optim::OptimizerKind::muon) return [=](const Param&) { return moments; };
+  const int64_t scalar = optim::Muon::scalar_bytes_per_param(cfg.muon, adam);
   return [=](const Param& p) {
-    return optim::muon_managed(p.name, p.value.dim(), p.expert_parallel) ? optim::Muon::muon_bytes_per_param()
-                                                                         : moments;
+    return optim::muon_managed(p.name, p.value.dim(), p.expert_parallel) ? optim::Muon::muon_bytes_per_param() : scalar;
   };
 }
 

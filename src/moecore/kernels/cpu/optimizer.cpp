@@ -1,8 +1,9 @@
-// CPU AdamW step: one fused pass over param, grad and both moments (f32 or bf16 moments; math in f32,
-// bf16 moments rounded to nearest even on store). Elementwise, so any thread split gives the same bits.
+// CPU AdamW and Lion steps: one fused pass over param, grad and the moments (AdamW: f32 or bf16 moments; math in f32,
+// bf16 values rounded to nearest even on store). Elementwise, so any thread split gives the same bits.
 // Not here: gradient clipping, loss-scale bookkeeping or the distributed optimizer (optim/ owns them and
 // passes the result in through AdamWParams::grad_scale).
 #include "moecore/kernels/common/adamw.h"
+#include "moecore/kernels/common/lion.h"
 #include "moecore/kernels/cpu/cpu_util.h"
 
 namespace moecore::ops {
@@ -26,7 +27,32 @@ void adamw_kernel(TP* param, const float* grad, TM* exp_avg, TV* exp_avg_sq, con
   }
 }
 
+void lion_kernel(float* param, const float* grad, float* exp_avg, const lion::Consts& k, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (n > cpu::kParallelWork)
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = grad[i] * k.grad_scale;
+    const float d = lion::direction(exp_avg[i], g, k);
+    exp_avg[i] = lion::momentum(exp_avg[i], g, k);
+    param[i] = lion::param(param[i], d, k);
+  }
+}
+
 }  // namespace
+
+void lion_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, const LionParams& p, const Context& ctx) {
+  const cpu::Checker c("lion_step", ctx, {{"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}},
+                       cpu::Backends::cpu_and_cuda);
+  for (const char* name : {"param", "grad", "exp_avg"}) {
+    c.dtype(name, DType::f32);
+    c.same_shape(name, "param");
+    c.contiguous(name);
+  }
+  if (!(p.beta1 >= 0.0f && p.beta1 < 1.0f && p.beta2 >= 0.0f && p.beta2 < 1.0f))
+    c.fail("betas must lie in [0, 1), got beta1 = ", p.beta1, ", beta2 = ", p.beta2);
+  if constexpr (cpu::kCudaKernels)
+    if (ctx.device == Device::cuda) return cuda::lion_step(param, grad, exp_avg, p, ctx);
+  lion_kernel(param.data<float>(), grad.data<float>(), exp_avg.data<float>(), lion::Consts(p), param.numel());
+}
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWParams& p,
                 const Context& ctx) {

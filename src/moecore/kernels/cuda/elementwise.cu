@@ -8,6 +8,7 @@
 
 #include "moecore/kernels/common/adamw.h"
 #include "moecore/kernels/common/glu.h"
+#include "moecore/kernels/common/lion.h"
 #include "moecore/kernels/common/muon.h"
 #include "moecore/kernels/cuda/cuda_util.cuh"
 
@@ -177,6 +178,15 @@ __global__ void adamw_kernel(TP* param, const float* grad, TM* exp_avg, TV* exp_
     st(exp_avg[i], m);
     st(exp_avg_sq[i], v);
     st(param[i], adamw::param(ld(param[i]), m, v, k));
+  }
+}
+
+__global__ void lion_kernel(float* param, const float* grad, float* exp_avg, lion::Consts k, int64_t n) {
+  MOECORE_GRID_STRIDE(i, n) {
+    const float g = grad[i] * k.grad_scale;
+    const float d = lion::direction(exp_avg[i], g, k);
+    exp_avg[i] = lion::momentum(exp_avg[i], g, k);
+    param[i] = lion::param(param[i], d, k);
   }
 }
 
@@ -413,6 +423,15 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
     });
   });
   l.launched("adamw_kernel");
+}
+
+void lion_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, const LionParams& p, const Context& ctx) {
+  const Launch l("lion_step", ctx, {{"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}});
+  const int64_t n = param.numel();
+  if (n == 0) return;
+  lion_kernel<<<grid_for(n), kThreads, 0, l.stream()>>>(Launch::ptr<float>(param), Launch::ptr<const float>(grad),
+                                                        Launch::ptr<float>(exp_avg), lion::Consts(p), n);
+  l.launched("lion_kernel");
 }
 
 void muon_momentum(Tensor& u, Tensor& momentum, const Tensor& grad, const MuonMomentumParams& p, const Context& ctx) {

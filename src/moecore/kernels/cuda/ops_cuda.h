@@ -60,6 +60,7 @@ void rope_forward(Tensor& qkv, const Tensor& rope, const QkvDims& dims, const Co
 void rope_backward(Tensor& dqkv, const Tensor& rope, const QkvDims& dims, const Context& ctx);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWParams& p,
                 const Context& ctx);
+void lion_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, const LionParams& p, const Context& ctx);
 void muon_momentum(Tensor& u, Tensor& momentum, const Tensor& grad, const MuonMomentumParams& p, const Context& ctx);
 void muon_update(Tensor& param, const Tensor& o, float lr, float weight_decay, const Context& ctx);
 
