@@ -190,17 +190,24 @@ std::string memory_hint(bool activations) {
 // Before the model is built (its constructor writes every parameter, gradient and optimizer moment): the parts
 // sized by the parameters alone, from the configuration.
 void check_model_fits(const model::ModelConfig& mc, const model::ModelParallel& par, DType state_dtype,
-                      int64_t state_shards, const MemoryLimit& limit) {
+                      int64_t state_shards, train::FsdpStrategy fsdp, const MemoryLimit& limit) {
   const int64_t params = model::parameters_per_rank(
       mc, std::max(1, par.ep.size()), std::max(1, par.tp.size()), std::max(1, par.etp.size()),
       [&](const std::string& name) { return model::pipeline_stage_holds(name, mc, par); });
   // f32 value and gradient, the compute-dtype copy of the weights (bf16), the two AdamW moments (sharded over the
-  // data-parallel ranks by the distributed optimizer)
+  // data-parallel ranks by the distributed optimizer; Megatron-FSDP shards the gradients too, and optim_grads_params
+  // the values and copies: the plan then counts the one layer gathered at a time)
   const int64_t compute = mc.compute_dtype == DType::f32 ? 0 : static_cast<int64_t>(dtype_size(mc.compute_dtype));
-  const int64_t per_param = 8 + compute, state = 2 * static_cast<int64_t>(dtype_size(state_dtype));
-  int64_t need = 0, state_need = 0;
-  const bool overflow = __builtin_mul_overflow(params, per_param, &need) ||
+  const bool zero3 = fsdp == train::FsdpStrategy::optim_grads_params;
+  const int64_t weight_shards = zero3 ? state_shards : 1,
+                grad_shards = zero3 || fsdp == train::FsdpStrategy::optim_grads ? state_shards : 1;
+  const int64_t state = 2 * static_cast<int64_t>(dtype_size(state_dtype));
+  const auto share = [&](int64_t shards) { return shards == 1 ? params : params / shards + 1; };
+  int64_t need = 0, grad_need = 0, state_need = 0;
+  const bool overflow = __builtin_mul_overflow(share(weight_shards), 4 + compute, &need) ||
+                        __builtin_mul_overflow(share(grad_shards), 4, &grad_need) ||
                         __builtin_mul_overflow(params / state_shards + 1, state, &state_need) ||
+                        __builtin_add_overflow(need, grad_need, &need) ||
                         __builtin_add_overflow(need, state_need, &need);
   if (overflow || (limit.known() && need > limit.room - memory_margin(need)))
     MOECORE_FAIL("train: the model has ", params, " parameters per rank (", mc.summary(), "); their fp32 values and ",
@@ -654,9 +661,13 @@ int train_main(int argc, char** argv) {
   const int64_t state_shards = optimizer_state_shards(tcfg, layout.sizes);
   const MemoryLimit limit =
       r.device == Device::cuda ? device_memory_limit() : node_memory_limit();  // (before the model exists)
-  check_model_fits(r.mcfg, g.par, r.ocfg.state_dtype, state_shards, limit);
+  check_model_fits(r.mcfg, g.par, r.ocfg.state_dtype, state_shards, tcfg.fsdp, limit);
   const model::MemoryPlan plan = run_memory_plan(r, g, tcfg, state_shards, limit);
-  model::GptModel gpt(r.mcfg, tcfg.micro_batch_size, tcfg.seed, g.par, r.device);
+  // Megatron-FSDP's layers are born in their shards (their values unless --load-hf or --moe-use-upcycling write whole
+  // weights into them first): no rank holds the whole model.
+  model::ModelParallel par = train::fsdp_model_parallel(g.par, tcfg);
+  if (!a.str("--load-hf").empty() || a.on("--moe-use-upcycling")) par.fsdp_params = false;
+  model::GptModel gpt(r.mcfg, tcfg.micro_batch_size, tcfg.seed, par, r.device);
   // (the distributed optimizer and Muon hold their own state)
   optim::AdamW opt(gpt.params(), r.ocfg,
                    /*allocate_state=*/!tcfg.shards_optimizer_state() && tcfg.optimizer == optim::OptimizerKind::adam);

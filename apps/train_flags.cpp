@@ -220,15 +220,9 @@ void fsdp_flags(const Args& a, const char*, TrainConfig& t) {
   if (!torch && a.on("--torch-fsdp2-no-reshard-after-forward"))
     MOECORE_FAIL("--torch-fsdp2-no-reshard-after-forward sets torch FSDP2: add --use-torch-fsdp2");
   const auto above_one = [&](const char* f) { return a.given(f) && a.i64(f) > 1; };
-  if (a.on("--init-model-with-meta-device") && (megatron || torch)) {
-    if (megatron && a.str("--data-parallel-sharding-strategy") == "no_shard")  // (Megatron's check)
-      MOECORE_FAIL("--init-model-with-meta-device is not supported with --data-parallel-sharding-strategy no_shard ",
-                   "(Megatron's check)");
-    MOECORE_FAIL(
-        "--init-model-with-meta-device with FSDP (each layer initialised into its shard, so that no rank ever ",
-        "holds the whole model) is not supported yet: moecore builds the model whole, then shards it; leave ",
-        "the flag out");
-  }
+  if (a.on("--init-model-with-meta-device") && megatron && a.str("--data-parallel-sharding-strategy") == "no_shard")
+    MOECORE_FAIL("--init-model-with-meta-device is not supported with --data-parallel-sharding-strategy no_shard ",
+                 "(Megatron's check)");
   if (megatron && torch)
     MOECORE_FAIL("--use-megatron-fsdp and --use-torch-fsdp2 exclude each other (Megatron's check): give one");
   if (torch) {  // (Megatron's validate_args for torch FSDP2)
@@ -516,8 +510,10 @@ const TrainFlag kTrainFlags[] = {
    "the optim_grads_params algorithm, gradients in the parameters' dtype, under Megatron's restrictions (PP 1, EP 1, untied "
    "embeddings, --no-gradient-accumulation-fusion, no --use-distributed-optimizer)"},
   {"--init-model-with-meta-device", S, kNone, "",
-   "build the model on the meta device and initialise it module by module into FSDP's shards: with FSDP not "
-   "supported yet (refused); without it moecore allocates and initialises each tensor once anyway (nothing to do)"},
+   "build the model on the meta device and initialise it module by module into FSDP's shards: what moecore always "
+   "does (Megatron-FSDP's optim_grads_params draws each layer's initial values into its shards, its gradients and "
+   "optim_grads' are born released; no rank holds the whole model), so the flag changes nothing; without FSDP each "
+   "tensor is allocated and initialised once anyway"},
   {"--torch-fsdp2-no-reshard-after-forward", S, kNone, "",
    "with --use-torch-fsdp2: keep the layers gathered from forward to backward (not supported)"},
   // ---- Loss scaling and non-finite values

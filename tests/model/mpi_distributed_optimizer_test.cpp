@@ -187,7 +187,7 @@ class Harness {
   std::unique_ptr<DistributedAdamW> opt_;
 };
 
-constexpr int64_t kDefaultBucket = DistributedAdamWOptions{}.bucket_elems;
+const int64_t kDefaultBucket = DistributedAdamWOptions{}.bucket_elems;
 
 AdamWConfig clipped_config() {
   AdamWConfig c;

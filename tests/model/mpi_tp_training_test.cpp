@@ -133,6 +133,9 @@ struct Layout {
   int etp = 1;  // expert tensor parallel
   moe::DispatcherKind dispatcher = moe::DispatcherKind::alltoall;
   int instances = 1;  // --num-distributed-optimizer-instances
+  // Megatron-FSDP: the model built whole (its layers' memory then given back by the optimizer), not born in the shards
+  // as `moecore train` builds it (train::fsdp_model_parallel)
+  bool built_whole = false;
   std::string name() const {
     return "TP " + std::to_string(tp) + (sp ? " + SP" : "") + (cp > 1 ? " x CP " + std::to_string(cp) : "") +
            (etp > 1 ? ", ETP " + std::to_string(etp) : "") + (ep > 1 ? ", EP " + std::to_string(ep) : "") +
@@ -175,12 +178,6 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
            bool overlap = false, bool gather = false, const TrainTweak& tweak = {},
            const optim::AdamWConfig& ocfg = {}) {
   const Built b = build(world, l, mc.moe.num_experts);
-  model::GptModel gpt(mc, 2, 42, b.par, testing::test_device());
-  // The start-up memory check's count (apps: check_model_fits) is what this rank allocates.
-  EXPECT_EQ(model::parameters_per_rank(mc, static_cast<int>(gpt.ep_size()), static_cast<int>(gpt.tp_size()),
-                                       static_cast<int>(gpt.etp_size())),
-            gpt.num_parameters());
-  optim::AdamW opt(gpt.params(), ocfg, /*allocate_state=*/!zero);
   train::TrainConfig tc = train_config(iters);
   tc.use_distributed_optimizer = zero;
   tc.num_distributed_optimizer_instances = l.instances;
@@ -191,6 +188,12 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   tc.load = load;
   tc.exit_interval = exit_at;
   if (tweak) tweak(tc);
+  model::GptModel gpt(mc, 2, 42, l.built_whole ? b.par : train::fsdp_model_parallel(b.par, tc), testing::test_device());
+  // The start-up memory check's count (apps: check_model_fits) is what this rank allocates.
+  EXPECT_EQ(model::parameters_per_rank(mc, static_cast<int>(gpt.ep_size()), static_cast<int>(gpt.tp_size()),
+                                       static_cast<int>(gpt.etp_size())),
+            gpt.num_parameters());
+  optim::AdamW opt(gpt.params(), ocfg, /*allocate_state=*/!zero);
   const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, {}, l.tp ? &b.groups : nullptr);
   Result r;
   r.loss = log.train_loss;
@@ -937,8 +940,6 @@ TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
                    std::string(dtype_name(t)) + ", main parameters " + std::string(dtype_name(masters)) +
                    (gather_later ? ", --overlap-param-gather" : ""));
       const Built b = build(world, c.l, c.mc.moe.num_experts);
-      model::GptModel gpt(c.mc, 2, 42, b.par, testing::test_device());
-      optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/false);
       train::TrainConfig tc = train_config(3);
       tc.has_validation = false;
       tc.use_distributed_optimizer = true;
@@ -948,6 +949,8 @@ TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
       tc.num_distributed_optimizer_instances = c.l.instances;
       if (hfsdp) tc.fsdp_outer = S::optim;
       tc.overlap_grad_reduce = tc.overlap_param_gather = gather_later;
+      model::GptModel gpt(c.mc, 2, 42, train::fsdp_model_parallel(b.par, tc), testing::test_device());
+      optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/false);
       const model::MemoryPlan plan =
           train::fsdp_memory_plan(gpt, gpt.memory_plan(train::optimizer_state_bytes(tc, {})), tc, {},
                                   (hfsdp ? b.groups.intra_dp_cp : b.groups.dense_grads()).size(),
@@ -962,6 +965,63 @@ TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
         const auto k = static_cast<size_t>(m);
         EXPECT_EQ(seen.peak[k], plan.bytes[k]) << mem_category_name(m);
       }
+    }
+  }
+}
+
+// Megatron-FSDP's layers born in their shards (train::fsdp_model_parallel, as `moecore train` builds the model): the
+// masters drawn from the initial values are the ones a whole-built model gives, so 6 steps are bitwise the whole-built
+// run's (dense, MoE with EP 2, TP 2); and from before the model exists until the optimizer holds its shards a rank's
+// parameter and gradient bytes never exceed its training plan (a whole-built 6-layer model holds far more).
+TEST_F(Mpi, MegatronFsdpBuildsTheLayersInTheirShards) {
+  using S = train::FsdpStrategy;
+  const auto fsdp = [](S s) {
+    return TrainTweak([=](train::TrainConfig& t) {
+      t.fsdp = s;
+      t.use_distributed_optimizer = true;
+    });
+  };
+  struct Case {
+    model::ModelConfig mc;
+    Layout l;
+  };
+  for (const Case& c : {Case{llama_like(), {1}}, Case{moe_model(false), {1, false, 2}}, Case{gpt2_like(), {2, false}}})
+    for (S s : {S::optim_grads, S::optim_grads_params}) {
+      SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : "") + ", strategy " + enum_name(s));
+      Layout whole = c.l;
+      whole.built_whole = true;
+      const Result born = run(world, c.mc, c.l, 6, "", "", 0, false, false, false, fsdp(s));
+      const Result built = run(world, c.mc, whole, 6, "", "", 0, false, false, false, fsdp(s));
+      ASSERT_EQ(born.loss.size(), 6u);
+      for (size_t i = 0; i < 6; ++i)
+        EXPECT_EQ(std::memcmp(&born.loss[i], &built.loss[i], sizeof(double)), 0) << "step " << i + 1;
+      for (const auto& [name, v] : built.values)
+        EXPECT_EQ(std::memcmp(v.raw(), born.values.at(name).raw(), static_cast<size_t>(v.nbytes())), 0) << name;
+    }
+  model::ModelConfig deep = llama_like();
+  deep.num_layers = 6;
+  for (bool born : {true, false}) {
+    const Built b = build(world, Layout{1});
+    train::TrainConfig tc = train_config(1);
+    fsdp(S::optim_grads_params)(tc);
+    const auto at = [](const MemoryStats& m, MemCategory c) { return m.current[static_cast<size_t>(c)]; };
+    const auto peak = [](const MemoryStats& m, MemCategory c) { return m.peak[static_cast<size_t>(c)]; };
+    memory_reset_peaks();
+    const MemoryStats before = memory_stats();
+    model::GptModel gpt(deep, 2, 42, born ? train::fsdp_model_parallel(b.par, tc) : b.par, testing::test_device());
+    optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/false);
+    const auto o = train::make_optimizer(gpt, opt, tc, b.groups);
+    const MemoryStats after = memory_stats();
+    const model::MemoryPlan plan =
+        train::fsdp_memory_plan(gpt, gpt.memory_plan(train::optimizer_state_bytes(tc, {})), tc, {},
+                                b.groups.dense_grads().size(), b.groups.edp.size(), b.groups.etp.size());
+    for (MemCategory m : {MemCategory::parameters, MemCategory::gradients}) {
+      const int64_t most = peak(after, m) - at(before, m);
+      SCOPED_TRACE(std::string(born ? "born in the shards, " : "built whole, ") + mem_category_name(m));
+      if (born)
+        EXPECT_LE(most, plan.bytes[static_cast<size_t>(m)]);
+      else
+        EXPECT_GT(most, plan.bytes[static_cast<size_t>(m)]);  // (what the bound above rules out)
     }
   }
 }

@@ -104,6 +104,9 @@ class GptModel {
   const std::vector<Param>& params() const { return store_.params(); }
   Param& param(const std::string& name);  // throws Error when absent
   int64_t num_parameters() const;
+  // The initial values of elements [lo, lo + dst.numel()) of params()[i] (flattened), as the constructor draws them:
+  // Megatron-FSDP's shards of the parameters born without memory (ModelParallel::fsdp_params).
+  void initial_values(size_t i, int64_t lo, Tensor& dst) const { store_.initial_values(i, lo, dst); }
 
   void zero_grad();  // (released gradients, set_grads_needed, are zeroed when taken again)
   // Sums the gradients of the Param::tp_grad_sum parameters among params()[first, end) (default: all) over the

@@ -47,6 +47,11 @@ struct ModelParallel {
   ProcessGroup pp = comm_single("pp");
   int64_t virtual_stages = 1;
   std::vector<int64_t> pipeline_layers;
+  // Megatron-FSDP: the decoder layers' and MTP depths' gradients (fsdp_grads: optim_grads), and also their values and
+  // compute copies (fsdp_params: optim_grads_params), are born without memory (Tensor::release_storage) for the FSDP
+  // optimizer to take and give back as the passes need them; fsdp_params' initial values are drawn into the
+  // optimizer's shards (GptModel::initial_values), so that no rank ever holds the whole model.
+  bool fsdp_grads = false, fsdp_params = false;
 };
 
 // Megatron's split of num_layers decoder layers over pp stages of vpp model chunks each, by virtual stage

@@ -9,14 +9,55 @@ namespace moecore::model {
 
 namespace {
 
+// This rank's part of a parameter before the tensor-parallel split: [E/EP, ...] of the routed experts, else the global
+// shape; and the global index of its first element (this rank's first expert's).
+Shape block_of(const ParamSpec& s, int ep_size) {
+  Shape shape = s.shape;
+  if (s.expert) shape[0] /= ep_size;
+  return shape;
+}
+uint64_t first_of(const ParamSpec& s, int ep_rank, int ep_size) {
+  return s.expert ? static_cast<uint64_t>(ep_rank * block_of(s, ep_size).numel()) : 0;
+}
+
+// Megatron-FSDP's units (a decoder layer's or an MTP depth's parameters), whose storage the FSDP optimizer manages.
+bool fsdp_unit(const ParamSpec& s) {
+  return s.layer >= 0;
+}
+
+// The initial values of elements [lo, lo + dst.numel()) of a parameter's local (flattened) tensor: N(0, std^2) by
+// (seed, name, global element index) -- run by run of a tensor-parallel shard (into a host buffer, then one upload) --,
+// or ones, or zeros.
+void fill_initial(Tensor& dst, const Param& p, const ParamSpec& s, const Shape& block, uint64_t first, uint64_t seed,
+                  int64_t lo) {
+  if (s.init != ParamInit::normal) {
+    dst.fill_(s.init == ParamInit::ones ? 1.0f : 0.0f);
+    return;
+  }
+  if (!p.tp.sharded()) {
+    rng_fill_normal(dst, seed, p.name, 0.0f, s.std, first + static_cast<uint64_t>(lo));
+    return;
+  }
+  const int64_t hi = lo + dst.numel();
+  Tensor host = Tensor::empty({dst.numel()}, DType::f32, MemCategory::workspace);
+  p.tp.for_each_run(block, [&](int64_t l, int64_t go, int64_t n) {
+    const int64_t a = std::max(lo, l), b = std::min(hi, l + n);
+    if (a >= b) return;
+    Tensor run = host.slice(0, a - lo, b - lo);
+    rng_fill_normal(run, seed, p.name, 0.0f, s.std, first + static_cast<uint64_t>(go + (a - l)));
+  });
+  dst.copy_from(host);
+}
+
 // One parameter of the table on this rank: its shard, its initial values, its compute copy.
 // Expert weights are [E/EP, ...] shards of the global [E, ...] tensor, and under TP the split weights are this rank's
-// TensorShard; both are filled with the values the global tensor has at those positions.
+// TensorShard; both are filled with the values the global tensor has at those positions. Megatron-FSDP's units are
+// born without memory where ModelParallel says so: their gradients (fsdp_grads), and their values and compute copies,
+// whose initial values the optimizer's shards draw (fsdp_params).
 void alloc_param(Param& p, const ParamSpec& s, const ModelConfig& cfg, const ModelParallel& par, uint64_t seed,
                  Device device) {
   p.name = s.name;
-  Shape shape = s.shape;
-  if (s.expert) shape[0] /= par.ep.size();
+  Shape shape = block_of(s, par.ep.size());
   // The tensor-parallel split: over tp, or for the routed experts' weights over etp (within this rank's experts).
   const ProcessGroup& split = s.expert ? par.etp : par.tp;
   if (split.size() > 1 && s.tp_dim >= 0) p.tp = {s.tp_dim, s.tp_parts, split.rank(), split.size()};
@@ -26,33 +67,38 @@ void alloc_param(Param& p, const ParamSpec& s, const ModelConfig& cfg, const Mod
   p.tp_grad_sum = par.tp.size() > 1 && !p.tp.sharded() && !s.expert &&
                   (s.tp_grad == ParamSpec::TpGrad::head_partial ||
                    (s.tp_grad == ParamSpec::TpGrad::sequence_partial && par.sequence_parallel));
+  const bool released_grad = fsdp_unit(s) && (par.fsdp_grads || par.fsdp_params);
+  const bool released_value = fsdp_unit(s) && par.fsdp_params;
   p.value = Tensor::empty(shape, DType::f32, MemCategory::parameters, device);
-  p.grad = Tensor::zeros(shape, DType::f32, MemCategory::gradients, device);
+  p.grad = released_grad ? Tensor::empty(shape, DType::f32, MemCategory::gradients, device)
+                         : Tensor::zeros(shape, DType::f32, MemCategory::gradients, device);
+  if (released_grad) p.grad.release_storage();
   // Megatron decays weights only: norms and biases (of any rank, e.g. experts' [E, W]) are not decayed.
   p.weight_decay = shape.ndim >= 2 && !p.name.ends_with(".bias");
   p.expert_parallel = s.expert;
   const DType c = cfg.compute_dtype;
   p.compute = (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters, device);
-  if (device == Device::meta) return;  // (a memory plan's model: no values)
-  const uint64_t first = s.expert ? static_cast<uint64_t>(par.ep.rank() * block.numel()) : 0;
-  if (s.init == ParamInit::normal && p.tp.sharded()) {  // run by run of the shard, then one upload
-    Tensor host = Tensor::empty(shape, DType::f32, MemCategory::workspace);
-    Tensor flat = host.view({host.numel()});
-    p.tp.for_each_run(block, [&](int64_t lo, int64_t go, int64_t n) {
-      Tensor run = flat.slice(0, lo, lo + n);
-      rng_fill_normal(run, seed, p.name, 0.0f, s.std, first + static_cast<uint64_t>(go));
-    });
-    p.value.copy_from(host);
-  } else if (s.init == ParamInit::normal) {
-    rng_fill_normal(p.value, seed, p.name, 0.0f, s.std, first);
-  } else {
-    p.value.fill_(s.init == ParamInit::ones ? 1.0f : 0.0f);
+  if (released_value) {
+    p.value.release_storage();
+    p.compute.release_storage();
+    return;
   }
+  if (device == Device::meta) return;  // (a memory plan's model: no values)
+  Tensor all = p.value.view({p.value.numel()});
+  fill_initial(all, p, s, block, first_of(s, par.ep.rank(), par.ep.size()), seed, 0);
 }
 
 }  // namespace
 
-ParamStore::ParamStore(const ModelConfig& cfg, const ModelParallel& par, uint64_t seed, Device device) {
+void ParamStore::initial_values(size_t i, int64_t lo, Tensor& dst) const {
+  MOECORE_CHECK(i < params_.size() && lo >= 0 && lo + dst.numel() <= params_[i].value.numel(),
+                "model: initial values of elements [", lo, ", ", lo + dst.numel(), ") of parameter ", i);
+  fill_initial(dst, params_[i], specs_[i], block_of(specs_[i], ep_size_), first_of(specs_[i], ep_rank_, ep_size_),
+               seed_, lo);
+}
+
+ParamStore::ParamStore(const ModelConfig& cfg, const ModelParallel& par, uint64_t seed, Device device)
+    : seed_(seed), ep_rank_(par.ep.rank()), ep_size_(par.ep.size()) {
   for (const ParamSpec& s : parameter_specs(cfg))
     if (pipeline_stage_holds(s.name, cfg, par)) specs_.push_back(s);
   params_.resize(specs_.size());

@@ -33,11 +33,16 @@ class ParamStore {
   // The word embeddings' index when both the first and the last pipeline stage hold them (their gradient is the sum
   // of both stages'), else -1.
   int64_t pipeline_shared() const { return pipeline_shared_; }
+  // The initial values of elements [lo, lo + dst.numel()) of params()[i]'s (flattened) tensor, as the constructor draws
+  // them: for a parameter born without memory (Megatron-FSDP's units, ModelParallel::fsdp_params), its shards'.
+  void initial_values(size_t i, int64_t lo, Tensor& dst) const;
 
  private:
   std::vector<ParamSpec> specs_;
   std::vector<Param> params_;
   int64_t pipeline_shared_ = -1;
+  uint64_t seed_ = 0;
+  int ep_rank_ = 0, ep_size_ = 1;
 };
 
 }  // namespace moecore::model

@@ -105,7 +105,7 @@ DistributedAdamW::DistributedAdamW(std::vector<Param*> params, const AdamWConfig
     main_grad_ = Tensor::zeros(Shape{shard_elems_}, opt.grad_dtype, MemCategory::gradients, device_);
   if (shard_params_) {
     master_ = Tensor::zeros(Shape{shard_elems_}, opt.master_dtype, MemCategory::parameters, device_);
-    take_masters_from_values();
+    take_masters_from_values(opt.initial_values);
     for (Tensor& t : gather_staging_)
       t = Tensor::empty(Shape{max_padded}, opt.master_dtype, MemCategory::workspace, device_);
     if (over_instances_) {
@@ -317,13 +317,27 @@ void DistributedAdamW::wait_gather(size_t b) {
     flat(params_[i]->value).copy_from(range(staging, param_offsets_[i], param_elems_[i]));
 }
 
-void DistributedAdamW::take_masters_from_values() {
+void DistributedAdamW::take_masters_from_values(
+    const std::function<void(size_t i, int64_t first, Tensor& dst)>& initial_values) {
   if (!shard_params_) return;
   if (master_.dtype() != DType::f32)
     for (Param* p : params_)
       if (p->value.resident()) p->value.copy_from(p->value.to(master_.dtype()));
-  for (const Segment& s : segments_)
-    range(master_, s.shard_offset, s.elems).copy_from(range(flat(params_[s.param]->value), s.param_offset, s.elems));
+  for (const Segment& s : segments_) {
+    Tensor master = range(master_, s.shard_offset, s.elems);
+    if (params_[s.param]->value.resident()) {
+      master.copy_from(range(flat(params_[s.param]->value), s.param_offset, s.elems));
+      continue;
+    }
+    if (!initial_values)
+      MOECORE_FAIL("distributed optimizer: parameter '", params_[s.param]->name,
+                   "' is released and no initial values were given for its masters");
+    Tensor drawn = master.dtype() == DType::f32
+                       ? master
+                       : Tensor::empty(Shape{s.elems}, DType::f32, MemCategory::workspace, device_);
+    initial_values(s.param, s.param_offset, drawn);
+    if (!drawn.same_data(master)) master.copy_from(drawn);  // (rounded to the masters' dtype)
+  }
 }
 
 void DistributedAdamW::check_grad(size_t i) const {

@@ -9,6 +9,7 @@
 // (Param::compute is left to the caller).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,10 @@ struct DistributedAdamWOptions {
   // over the instances into its piece (HSDP all-reduces it), update() steps the piece and all-gathers the pieces back
   // into the master shard. The masters stay whole over the group's shard (Megatron's inner-layout helper buffer).
   bool shard_over_instances = false;
+  // shard_params: the initial values of elements [first, first + dst.numel()) of parameter i (an index into the
+  // constructor's vector), for the parameters whose value is released when the masters are taken at construction
+  // (born in the shards: no rank holds them whole); dst f32.
+  std::function<void(size_t i, int64_t first, Tensor& dst)> initial_values = {};
 };
 
 // Layout. The parameters sit in one flat index space in `params` order, cut into buckets of whole
@@ -109,9 +114,9 @@ class DistributedAdamW {
   void post_gather(size_t b);
   void wait_gather(size_t b);
   // shard_params: this rank's owned ranges of Param::value copied into its master shard (after a checkpoint load wrote
-  // the values). With a master dtype narrower than f32 every resident value is first rounded to it in place, so that
-  // each rank holds what the gathers bring. Local.
-  void take_masters_from_values();
+  // the values; at construction a released value's from options' initial_values). With a master dtype narrower than
+  // f32 every resident value is first rounded to it in place, so that each rank holds what the gathers bring. Local.
+  void take_masters_from_values(const std::function<void(size_t i, int64_t first, Tensor& dst)>& initial_values = {});
   size_t bucket_of(size_t i) const { return bucket_of_param_.at(i); }
   std::pair<size_t, size_t> bucket_params(size_t b) const { return {buckets_[b].first_param, buckets_[b].end_param}; }
   // The norms, counts and checks below read the part of the shard this rank updates: the whole shard, or under

@@ -268,7 +268,12 @@ struct ZeroOptimizers {
       optim::DistributedAdamWOptions o = unit_of ? fsdp : optim::DistributedAdamWOptions{};
       o.bucket_elems = bucket;
       o.overlap = overlap;
-      if (unit_of) o.bucket_ends = fsdp_bucket_ends(idx[k], *unit_of);
+      if (unit_of) {
+        o.bucket_ends = fsdp_bucket_ends(idx[k], *unit_of);
+        o.initial_values = [&gpt, &ix = idx[k]](size_t i, int64_t first, Tensor& dst) {
+          gpt.initial_values(ix[i], first, dst);
+        };
+      }
       opt[k] = std::make_unique<optim::DistributedAdamW>(p[k], cfg, expert_kind(k) ? experts : dense, o, across);
     }
   }
@@ -897,6 +902,12 @@ model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan
     if (!masters && cfg.overlap_param_gather) at(MemCategory::workspace) += 4 * (shard * P + shard);  // (gathers later)
   }
   return plan;
+}
+
+model::ModelParallel fsdp_model_parallel(model::ModelParallel par, const TrainConfig& cfg) {
+  par.fsdp_params = cfg.fsdp == FsdpStrategy::optim_grads_params;
+  par.fsdp_grads = par.fsdp_params || cfg.fsdp == FsdpStrategy::optim_grads;
+  return par;
 }
 
 std::unique_ptr<Optimizer> make_optimizer(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& cfg,

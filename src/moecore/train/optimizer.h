@@ -94,6 +94,12 @@ model::GptModel::StateBytesPerElement optimizer_state_bytes(const TrainConfig& c
 model::MemoryPlan fsdp_memory_plan(const model::GptModel& gpt, model::MemoryPlan plan, const TrainConfig& cfg,
                                    const optim::AdamWConfig& adam, int dense_ranks, int expert_ranks, int etp_ranks);
 
+// How Megatron-FSDP wants the model built (par with ModelParallel::fsdp_grads and fsdp_params set): its layers'
+// gradients, and under optim_grads_params their values, born without memory, the values' initial values drawn into the
+// optimizer's shards -- no rank ever holds the whole model. (A model built whole trains alike: FsdpOptimizer gives its
+// layers' memory back; `moecore train` does so when --load-hf or --moe-use-upcycling writes whole weights first.)
+model::ModelParallel fsdp_model_parallel(model::ModelParallel par, const TrainConfig& cfg);
+
 // The optimizer cfg selects (optimizer, muon, use_distributed_optimizer, fsdp, num_distributed_optimizer_instances,
 // overlap_grad_reduce, overlap_param_gather, ddp_bucket_size) over gpt's parameters, with adamw's hyperparameters (and,
 // for AdamW without the distributed optimizer, its state: adamw must hold it; Muon makes its own, for the scalar
