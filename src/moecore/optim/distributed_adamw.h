@@ -55,9 +55,9 @@ struct DistributedAdamWOptions {
 
 // Layout. The parameters sit in one flat index space in `params` order, cut into buckets of whole
 // parameters holding about bucket_elems elements. Bucket b of n_b elements is padded to
-// N_b = ceil(n_b / P) * P and rank r owns its elements [r * N_b / P, (r + 1) * N_b / P). A rank's
-// shard is the concatenation of its owned ranges over the buckets (shard_elems() in all); padding is
-// never updated and never reaches a parameter.
+// N_b = ceil(n_b / P) * P (shard_over_instances: to a multiple of P x instances) and rank r owns its elements
+// [r * N_b / P, (r + 1) * N_b / P). A rank's shard is the concatenation of its owned ranges over the buckets
+// (shard_elems() in all); padding is never updated and never reaches a parameter.
 //
 // Bitwise contract: step(lr, s) leaves every Param::value bitwise equal to optim::AdamW::step on the
 // group-summed gradients ((g_0 + g_1) + g_2) + ... with clip scale s, provided every rank starts from
