@@ -1,7 +1,7 @@
 // Muon (Megatron's --optimizer muon, on emerging_optimizers v0.3.0; docs/muon-spec.md): the weight matrices are
 // updated by the orthogonalised momentum, every other parameter by a scalar optimizer (AdamW with the run's Adam
-// hyperparameters), as Megatron's chained Muon + Adam optimizer. For a Muon matrix W with gradient g (clipped),
-// learning rate lr and decay wd:
+// hyperparameters, or Lion: --muon-scalar-optimizer), as Megatron's chained Muon + Adam optimizer. For a Muon matrix W
+// with gradient g (clipped), learning rate lr and decay wd:
 //   W <- (1 - lr wd) W;  M <- beta M + (1 - beta) g;  U = nesterov ? (1 - beta) g + beta M : M;
 //   W <- W - lr * s(rows, cols) * extra_scale_factor * NS(U)
 // with NS the Newton-Schulz orthogonalisation (ops::newton_schulz) and s the --muon-scale-mode's shape scale of the

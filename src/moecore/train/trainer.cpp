@@ -422,11 +422,12 @@ TrainLog train(model::GptModel& gpt, optim::AdamW& adamw, const TrainConfig& con
     std::fprintf(
         log,
         " optimizer: Muon for %.1f%% of the parameters (momentum %g%s, %s x %d Newton-Schulz steps in %s, "
-        "%s scale x %g, TP %s), AdamW for the rest\n",
+        "%s scale x %g, TP %s), %s for the rest\n",
         100.0 * static_cast<double>(matrices) / static_cast<double>(std::max<int64_t>(1, gpt.num_parameters())),
         m.momentum, m.nesterov ? " Nesterov" : "", enum_name(m.coefficient_type), m.num_ns_steps,
         m.fp32_matmul_prec == optim::MuonMatmulPrecision::medium ? "bf16" : "f32", enum_name(m.scale_mode),
-        m.extra_scale_factor, enum_name(m.tp_mode));
+        m.extra_scale_factor, enum_name(m.tp_mode),
+        m.scalar_optimizer == optim::ScalarOptimizer::lion ? "Lion" : "AdamW");
   }
   if (cfg.shards_optimizer_state() && log && cfg.logs_at(TrainConfig::kLogInfo)) {
     const auto per_element = optimizer_state_bytes(cfg, adamw.config());
