@@ -322,6 +322,50 @@ TEST(Tensor, ReleasedStorageKeepsItsHandles) {
   EXPECT_FALSE(Tensor().resident());
 }
 
+// A tensor born released holds and records no memory until taken; take_storage_of passes a resident storage's memory
+// (and contents) to a released one of the same bytes, device and category without the allocator: the accounting and
+// the count of memory taken stay as they were, the giver is left released, and mismatched storages are refused.
+TEST(Tensor, TakeStorageOfPassesTheMemoryOn) {
+  const auto held = [] { return memory_stats().current[static_cast<size_t>(MemCategory::parameters)]; };
+  const int64_t before = held();
+  const DeviceMemoryStats cpu_before = memory_device_stats(Device::cpu);
+  const Tensor shell = Tensor::released({2, 8}, DType::f32, MemCategory::parameters);
+  EXPECT_FALSE(shell.resident());
+  EXPECT_EQ(held(), before);
+  EXPECT_EQ(memory_device_stats(Device::cpu).taken, cpu_before.taken);
+  Tensor from = Tensor::empty({4, 4}, DType::f32, MemCategory::parameters);
+  from.fill_(3.0f);
+  const int64_t taken = memory_device_stats(Device::cpu).taken;
+  EXPECT_EQ(taken, cpu_before.taken + 1);
+  const Tensor view = shell.slice(0, 1, 2);
+  shell.take_storage_of(from);
+  EXPECT_TRUE(view.resident());
+  EXPECT_FALSE(from.resident());
+  EXPECT_EQ(view.data<float>()[7], 3.0f);  // (the contents carried)
+  EXPECT_EQ(held(), before + from.nbytes());
+  EXPECT_EQ(memory_device_stats(Device::cpu).taken, taken);
+  from.take_storage_of(shell);  // and back
+  EXPECT_FALSE(shell.resident());
+  EXPECT_EQ(from.data<float>()[15], 3.0f);
+  EXPECT_THROW(shell.take_storage_of(shell), Error);  // (not resident)
+  EXPECT_THROW(from.take_storage_of(from), Error);    // (not released)
+  for (const Tensor& other : {Tensor::released({3, 4}, DType::f32, MemCategory::parameters),
+                              Tensor::released({4, 4}, DType::f32, MemCategory::gradients)}) {
+    try {
+      other.take_storage_of(from);
+      ADD_FAILURE() << "took a storage of another size or category";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("differ"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(from.resident());
+  }
+  shell.reacquire_storage();  // (from the allocator: counted)
+  EXPECT_EQ(memory_device_stats(Device::cpu).taken, taken + 1);
+  EXPECT_EQ(held(), before + 2 * from.nbytes());
+  const Tensor meta = Tensor::released({2}, DType::f32, MemCategory::parameters, Device::meta);
+  EXPECT_EQ(meta.device(), Device::meta);
+}
+
 TEST(Tensor, SimulatedDeviceRefusesHostAccessOutsideTransfers) {
   Tensor h = Tensor::empty({3, 4}, DType::f32, MemCategory::other);
   for (int i = 0; i < 12; ++i) h.data<float>()[i] = static_cast<float>(i);

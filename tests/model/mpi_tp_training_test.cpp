@@ -969,6 +969,51 @@ TEST_F(Mpi, MegatronFsdpMemoryPlanEqualsAllocation) {
   }
 }
 
+// Megatron-FSDP's units pass their memory on (train::FsdpOptimizer's spare unit memory): once training runs, a step
+// takes no more memory from the allocator than the distributed optimizer's step does, although optim_grads takes each
+// unit's gradients for every micro-batch's backward and optim_grads_params its values too, twice per micro-batch --
+// fresh pages would fault in on every write (docs/performance.md). Dense at DP P and MoE (3 layers, all MoE: alike
+// units) with the experts over EP 2, 2 micro-batches per step.
+TEST_F(Mpi, MegatronFsdpStepsTakeNoMemoryFromTheAllocator) {
+  using S = train::FsdpStrategy;
+  struct Case {
+    model::ModelConfig mc;
+    Layout l;
+  };
+  model::ModelConfig moe = moe_model(false);
+  moe.num_layers = 3;
+  moe.moe_layer_freq = "[1,1,1]";
+  for (const Case& c : {Case{llama_like(), {1}}, Case{moe, {1, false, 2}}}) {
+    std::map<S, int64_t> taken;
+    for (S s : {S::off, S::optim_grads, S::optim_grads_params}) {
+      SCOPED_TRACE(c.l.name() + (c.mc.moe.enabled() ? ", MoE" : "") + ", strategy " + enum_name(s));
+      const Built b = build(world, c.l, c.mc.moe.num_experts);
+      train::TrainConfig tc = train_config(5);
+      tc.has_validation = false;
+      tc.use_distributed_optimizer = true;
+      tc.global_batch_size = 2 * tc.micro_batch_size * b.groups.dp.size();
+      tc.fsdp = s;  // (off: the distributed optimizer)
+      model::GptModel gpt(c.mc, 2, 42, train::fsdp_model_parallel(b.par, tc), testing::test_device());
+      optim::AdamW opt(gpt.params(), {}, /*allocate_state=*/false);
+      int64_t after_two = 0;
+      const auto observe = [&](int64_t it, double, bool) {
+        if (it == 1) after_two = memory_device_stats(testing::test_device()).taken;
+        if (it == 4) taken[s] = memory_device_stats(testing::test_device()).taken - after_two;
+      };
+      const train::TrainLog log = train::train(gpt, opt, tc, synthetic_batch, nullptr, observe, &b.groups);
+      ASSERT_EQ(log.train_loss.size(), 5u);
+    }
+    EXPECT_EQ(taken[S::optim_grads], taken[S::off]);
+    EXPECT_EQ(taken[S::optim_grads_params], taken[S::off]);
+    if (world.rank() == 0)
+      std::printf(
+          "memory taken from the allocator in steps 3-5: distributed optimizer %lld, optim_grads %lld, "
+          "optim_grads_params %lld\n",
+          static_cast<long long>(taken[S::off]), static_cast<long long>(taken[S::optim_grads]),
+          static_cast<long long>(taken[S::optim_grads_params]));
+  }
+}
+
 // Megatron-FSDP's layers born in their shards (train::fsdp_model_parallel, as `moecore train` builds the model): the
 // masters drawn from the initial values are the ones a whole-built model gives, so 6 steps are bitwise the whole-built
 // run's (dense, MoE with EP 2, TP 2); and from before the model exists until the optimizer holds its shards a rank's

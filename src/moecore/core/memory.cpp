@@ -22,6 +22,7 @@ constexpr int kNumDevices = 3;  // Device: cpu, cuda, sim
 std::atomic<int64_t> g_device_current[kNumDevices];
 std::atomic<int64_t> g_device_peak[kNumDevices];
 std::atomic<int64_t> g_device_count[kNumDevices];
+std::atomic<int64_t> g_device_taken[kNumDevices];
 int device_index(Device d) {
   const int i = static_cast<int>(d);
   return i < kNumDevices ? i : 0;
@@ -55,6 +56,7 @@ void memory_record_alloc(MemCategory c, int64_t bytes, Device device) {
   raise_peak(g_total_peak, g_total.fetch_add(bytes, std::memory_order_relaxed) + bytes);
   raise_peak(g_device_peak[d], g_device_current[d].fetch_add(bytes, std::memory_order_relaxed) + bytes);
   g_device_count[d].fetch_add(1, std::memory_order_relaxed);
+  g_device_taken[d].fetch_add(1, std::memory_order_relaxed);
 }
 
 void memory_record_free(MemCategory c, int64_t bytes, Device device) {
@@ -67,7 +69,7 @@ void memory_record_free(MemCategory c, int64_t bytes, Device device) {
 
 DeviceMemoryStats memory_device_stats(Device device) {
   const int d = device_index(device);
-  return {g_device_current[d].load(), g_device_peak[d].load(), g_device_count[d].load()};
+  return {g_device_current[d].load(), g_device_peak[d].load(), g_device_count[d].load(), g_device_taken[d].load()};
 }
 
 MemoryStats memory_stats() {

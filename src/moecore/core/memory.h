@@ -29,6 +29,7 @@ struct DeviceMemoryStats {
   int64_t current = 0;  // bytes live now
   int64_t peak = 0;     // highest value of current so far
   int64_t count = 0;    // storages live now
+  int64_t taken = 0;    // memory taken from the allocator so far (Tensor::reacquire_storage included)
 };
 DeviceMemoryStats memory_device_stats(Device device);
 

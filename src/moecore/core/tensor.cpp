@@ -10,6 +10,7 @@
 #include <cstring>
 #include <new>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "moecore/core/backend_hooks.h"
@@ -153,11 +154,12 @@ void Tensor::check_device_access() const {
                "(Tensor::to_device) only");
 }
 
-Storage::Storage(int64_t nbytes, Device dev, MemCategory cat) : bytes(nbytes), device(dev), category(cat) {
+Storage::Storage(int64_t nbytes, Device dev, MemCategory cat, bool allocate)
+    : bytes(nbytes), device(dev), category(cat) {
   MOECORE_CHECK(nbytes >= 0, "negative allocation ", nbytes);
   if (dev == Device::meta) return;  // (no memory, nothing recorded)
   released = true;
-  acquire();
+  if (allocate) acquire();
 }
 
 void Storage::acquire() {
@@ -204,17 +206,40 @@ void Tensor::reacquire_storage() const {
   storage_->acquire();
 }
 
+void Tensor::take_storage_of(const Tensor& from) const {
+  MOECORE_CHECK(storage_ && from.storage_, "tensor.take_storage_of: undefined tensor");
+  Storage &to = *storage_, &src = *from.storage_;
+  if (to.device == Device::meta && src.device == Device::meta) return;  // (no memory)
+  MOECORE_CHECK(to.released && !src.released, "tensor.take_storage_of: ", str(), " must be released and ", from.str(),
+                " resident");
+  MOECORE_CHECK(to.bytes == src.bytes && to.device == src.device && to.category == src.category,
+                "tensor.take_storage_of: storages of ", to.bytes, " bytes (", device_name(to.device), ", ",
+                mem_category_name(to.category), ") and ", src.bytes, " bytes (", device_name(src.device), ", ",
+                mem_category_name(src.category), ") differ");
+  to.data = std::exchange(src.data, nullptr);
+  to.released = false;
+  src.released = true;
+}
+
 void Tensor::released_error() const {
   MOECORE_FAIL("tensor ", str(), " is released (its memory given back between uses, Megatron-FSDP): its data was ",
                "addressed before the storage was taken again");
 }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, MemCategory category, Device device) {
+  return make(shape, dtype, category, device, /*allocate=*/true);
+}
+
+Tensor Tensor::released(const Shape& shape, DType dtype, MemCategory category, Device device) {
+  return make(shape, dtype, category, device, /*allocate=*/false);
+}
+
+Tensor Tensor::make(const Shape& shape, DType dtype, MemCategory category, Device device, bool allocate) {
   for (int i = 0; i < shape.ndim; ++i)
     MOECORE_CHECK(shape[i] >= 0, "tensor: negative dimension in shape ", shape.str());
   Tensor t;
   try {
-    t.storage_ = std::make_shared<Storage>(shape.bytes(dtype), device, category);
+    t.storage_ = std::make_shared<Storage>(shape.bytes(dtype), device, category, allocate);
   } catch (const Error& e) {  // (out of memory) which tensor
     MOECORE_FAIL("tensor ", shape.str(), " ", dtype_name(dtype), ": ", e.what());
   } catch (const std::bad_alloc&) {  // (the shared_ptr's control block: the heap is exhausted)

@@ -65,7 +65,8 @@ struct Storage {
   Device device = Device::cpu;
   MemCategory category = MemCategory::other;
   bool released = false;
-  Storage(int64_t bytes, Device device, MemCategory category);
+  // allocate false: born released (no memory until acquire()).
+  Storage(int64_t bytes, Device device, MemCategory category, bool allocate = true);
   ~Storage();
   void release();
   void acquire();
@@ -80,6 +81,9 @@ class Tensor {
                       Device device = Device::cpu);
   static Tensor zeros(const Shape& shape, DType dtype, MemCategory category = MemCategory::activations,
                       Device device = Device::cpu);
+  // A tensor whose storage is born released (release_storage): no memory until reacquire_storage or
+  // take_storage_of. (On meta, a meta tensor.)
+  static Tensor released(const Shape& shape, DType dtype, MemCategory category, Device device = Device::cpu);
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }
@@ -152,8 +156,13 @@ class Tensor {
   void release_storage() const;
   void reacquire_storage() const;
   bool resident() const { return storage_ && !storage_->released; }
+  // This tensor's released storage takes the memory of `from`'s resident one (equal bytes, device and category;
+  // contents carried, the accounting unchanged), which is left released: memory passed on without the allocator,
+  // whose fresh pages fault in again on first touch (Megatron-FSDP's units, FsdpOptimizer). Local.
+  void take_storage_of(const Tensor& from) const;
 
  private:
+  static Tensor make(const Shape& shape, DType dtype, MemCategory category, Device device, bool allocate);
   [[noreturn]] void released_error() const;
   void set_contiguous_shape(const Shape& shape);  // shape with row-major strides
   DeviceView device_view() const;                 // a cuda tensor as the device kernels see it

@@ -69,20 +69,18 @@ void alloc_param(Param& p, const ParamSpec& s, const ModelConfig& cfg, const Mod
                    (s.tp_grad == ParamSpec::TpGrad::sequence_partial && par.sequence_parallel));
   const bool released_grad = fsdp_unit(s) && (par.fsdp_grads || par.fsdp_params);
   const bool released_value = fsdp_unit(s) && par.fsdp_params;
-  p.value = Tensor::empty(shape, DType::f32, MemCategory::parameters, device);
-  p.grad = released_grad ? Tensor::empty(shape, DType::f32, MemCategory::gradients, device)
-                         : Tensor::zeros(shape, DType::f32, MemCategory::gradients, device);
-  if (released_grad) p.grad.release_storage();
+  const auto make = [&](bool released, DType dtype, MemCategory category) {
+    return released ? Tensor::released(shape, dtype, category, device) : Tensor::empty(shape, dtype, category, device);
+  };
+  p.value = make(released_value, DType::f32, MemCategory::parameters);
+  p.grad = make(released_grad, DType::f32, MemCategory::gradients);
+  if (!released_grad) p.grad.zero_();
   // Megatron decays weights only: norms and biases (of any rank, e.g. experts' [E, W]) are not decayed.
   p.weight_decay = shape.ndim >= 2 && !p.name.ends_with(".bias");
   p.expert_parallel = s.expert;
   const DType c = cfg.compute_dtype;
-  p.compute = (c == DType::f32 || !p.weight_decay) ? p.value : Tensor::empty(shape, c, MemCategory::parameters, device);
-  if (released_value) {
-    p.value.release_storage();
-    p.compute.release_storage();
-    return;
-  }
+  p.compute = (c == DType::f32 || !p.weight_decay) ? p.value : make(released_value, c, MemCategory::parameters);
+  if (released_value) return;
   if (device == Device::meta) return;  // (a memory plan's model: no values)
   Tensor all = p.value.view({p.value.numel()});
   fill_initial(all, p, s, block, first_of(s, par.ep.rank(), par.ep.size()), seed, 0);

@@ -637,6 +637,70 @@ class DistributedOptimizer final : public Optimizer {
   bool overlap_, gather_later_;
 };
 
+// The memory of the last FSDP unit given back (its values, or its gradients), kept for the next unit to take: the
+// decoder layers are alike, so the next one's tensors find storages of their sizes, and a gather or a backward writes
+// pages already mapped. The allocator hands back fresh pages, which fault in on first touch: a 51 MB tensor is written
+// in 32 ms then against 9 ms again (docs/performance.md), and optim_grads_params takes a unit's memory twice per
+// micro-batch. What the next unit does not take is given back to the allocator before it allocates the rest, so at
+// any time the kept memory and the units' hold no more than releasing and taking anew would (the memory plan stands).
+// (Where consecutive units differ -- a dense layer before the MoE ones -- the tensors the other lacks are allocated.)
+class SpareUnitMemory {
+ public:
+  // Shells for a unit's tensors: per (bytes, category), as many as the unit holding the most of them has.
+  explicit SpareUnitMemory(const std::vector<std::vector<const Tensor*>>& units) {
+    std::map<std::pair<int64_t, MemCategory>, std::pair<size_t, Tensor>> most;  // (count, an example)
+    for (const std::vector<const Tensor*>& unit : units) {
+      std::map<std::pair<int64_t, MemCategory>, size_t> n;
+      for (const Tensor* t : unit) {
+        auto& [count, example] = most[{t->nbytes(), t->category()}];
+        count = std::max(count, ++n[{t->nbytes(), t->category()}]);
+        example = *t;
+      }
+    }
+    for (const auto& [key, m] : most)
+      for (size_t i = 0; i < m.first; ++i)
+        shells_.push_back(Tensor::released(m.second.shape(), m.second.dtype(), key.second, m.second.device()));
+  }
+  // A unit's tensors given back: when it holds memory, what was kept before goes to the allocator and its memory is
+  // kept (a tensor sharing a storage given back before is skipped).
+  void keep(const std::vector<const Tensor*>& unit) {
+    if (std::none_of(unit.begin(), unit.end(), [](const Tensor* t) { return t->resident(); })) return;
+    give_back();
+    for (const Tensor* t : unit) {
+      if (!t->resident()) continue;
+      Tensor* shell = find(*t, /*resident=*/false);
+      if (shell)
+        shell->take_storage_of(*t);
+      else
+        t->release_storage();
+    }
+  }
+  // A unit's released tensors made resident, the kept memory first (contents undefined); returns which were given
+  // memory.
+  std::vector<char> take(const std::vector<const Tensor*>& unit) {
+    std::vector<char> taken(unit.size(), 0);
+    for (size_t i = 0; i < unit.size(); ++i) {
+      if (unit[i]->resident()) continue;
+      taken[i] = 1;
+      if (Tensor* shell = find(*unit[i], /*resident=*/true)) unit[i]->take_storage_of(*shell);
+    }
+    give_back();
+    for (const Tensor* t : unit) t->reacquire_storage();
+    return taken;
+  }
+  void give_back() {
+    for (const Tensor& s : shells_) s.release_storage();
+  }
+
+ private:
+  Tensor* find(const Tensor& t, bool resident) {
+    for (Tensor& s : shells_)
+      if (s.resident() == resident && s.nbytes() == t.nbytes() && s.category() == t.category()) return &s;
+    return nullptr;
+  }
+  std::vector<Tensor> shells_;
+};
+
 // Megatron-FSDP's optim_grads and optim_grads_params over the distributed optimizer's shards (ZeroOptimizers), with
 // one bucket per FSDP unit (a decoder layer or an MTP depth, GptModel::fsdp_units) and one per parameter outside them.
 // Gradients: a unit's are taken (zeroed) before its backward, reduce-scattered and added into this rank's shard once it
@@ -665,7 +729,11 @@ class FsdpOptimizer final : public Optimizer {
         zero_(gpt, cfg, g, /*bucket=*/1, /*overlap=*/gather_later && !fsdp.shard_params, instances, &unit_of_, fsdp),
         timers_(timers),
         shard_params_(shard_params),
-        gather_later_(gather_later && !fsdp.shard_params) {
+        gather_later_(gather_later && !fsdp.shard_params),
+        unit_values_(unit_tensors(gpt, units_, &Param::value, &Param::compute)),
+        unit_grads_(unit_tensors(gpt, units_, &Param::grad)),
+        spare_values_(shard_params ? unit_values_ : std::vector<std::vector<const Tensor*>>{}),
+        spare_grads_(unit_grads_) {
     for (const auto& u : units_) unit_buckets_.push_back(buckets_of(u.first, u.second));
     for (size_t k = 0; k < ZeroOptimizers::kinds; ++k)
       if (zero_.opt[k]) reported_[k].assign(static_cast<size_t>(zero_.opt[k]->num_buckets()), 0);
@@ -675,6 +743,8 @@ class FsdpOptimizer final : public Optimizer {
       release_grads(u);
       if (shard_params_) release_params(u);
     }
+    spare_grads_.give_back();
+    spare_values_.give_back();
   }
   bool overlaps_grad_reduction() const override { return true; }
   bool reduces_every_micro_batch() const override { return true; }
@@ -740,12 +810,17 @@ class FsdpOptimizer final : public Optimizer {
     if (shard_params_ && unit_of_[first] >= 0) done_[static_cast<size_t>(unit_of_[first])] = 1;
   }
   void grads_needed(size_t first, size_t end) override {
-    for (size_t i = first; i < end; ++i) {
-      const Tensor& grad = gpt_.params()[i].grad;
-      if (grad.resident()) continue;
-      grad.reacquire_storage();
-      Tensor(grad).zero_();
+    const int u = unit_of_[first];
+    if (u < 0 || units_[static_cast<size_t>(u)] != std::pair{first, end}) {  // (outside the units: always resident)
+      for (size_t i = first; i < end; ++i)
+        MOECORE_CHECK(gpt_.params()[i].grad.resident(), "fsdp: the gradient of ", gpt_.params()[i].name,
+                      " is released outside its unit");
+      return;
     }
+    const std::vector<const Tensor*>& grads = unit_grads_[static_cast<size_t>(u)];
+    const std::vector<char> taken = spare_grads_.take(grads);
+    for (size_t i = 0; i < grads.size(); ++i)
+      if (taken[i]) Tensor(*grads[i]).zero_();
   }
   // Every unit whole and current, left as done (released when the next pass needs another unit).
   void settle() override {
@@ -785,26 +860,30 @@ class FsdpOptimizer final : public Optimizer {
     }
     return out;
   }
-  void release_grads(size_t u) {
-    for (size_t i = units_[u].first; i < units_[u].second; ++i) gpt_.params()[i].grad.release_storage();
-  }
-  void release_params(size_t u) {
-    for (size_t i = units_[u].first; i < units_[u].second; ++i) {
-      const Param& p = gpt_.params()[i];
-      p.value.release_storage();
-      p.compute.release_storage();
+  // Per unit: its parameters' tensors of the given members (a compute copy that is the value counted once).
+  template <class... Member>
+  static std::vector<std::vector<const Tensor*>> unit_tensors(const model::GptModel& gpt,
+                                                              const std::vector<std::pair<size_t, size_t>>& units,
+                                                              Member... member) {
+    std::vector<std::vector<const Tensor*>> out;
+    for (const auto& [first, end] : units) {
+      std::vector<const Tensor*>& ts = out.emplace_back();
+      for (size_t i = first; i < end; ++i)
+        for (const Tensor* t : {&(gpt.params()[i].*member)...})
+          if (std::none_of(ts.begin(), ts.end(), [&](const Tensor* o) { return o->same_data(*t); })) ts.push_back(t);
     }
+    return out;
+  }
+  void release_grads(size_t u) { spare_grads_.keep(unit_grads_[u]); }
+  void release_params(size_t u) {
+    spare_values_.keep(unit_values_[u]);
     resident_[u] = 0;
     done_[u] = 0;
   }
   // Unit u whole: its storages taken, its buckets' gathers completed into them, its compute copies refreshed.
   void gather(size_t u) {
     if (resident_[u]) return;
-    for (size_t i = units_[u].first; i < units_[u].second; ++i) {
-      const Param& p = gpt_.params()[i];
-      p.value.reacquire_storage();
-      p.compute.reacquire_storage();
-    }
+    spare_values_.take(unit_values_[u]);
     for (const auto& [k, b] : unit_buckets_[u]) zero_.opt[k]->wait_gather(b);
     resident_[u] = 1;
     gpt_.refresh_compute_weights(units_[u].first, units_[u].second);
@@ -823,6 +902,8 @@ class FsdpOptimizer final : public Optimizer {
   std::map<std::pair<size_t, size_t>, std::vector<std::pair<size_t, size_t>>> range_buckets_;
   std::vector<char> reported_[ZeroOptimizers::kinds];
   std::vector<char> resident_, done_;  // per unit (shard_params): values whole and current; the pass is past it
+  std::vector<std::vector<const Tensor*>> unit_values_, unit_grads_;  // per unit: its values (and compute copies)...
+  SpareUnitMemory spare_values_, spare_grads_;                        // ...and gradients, and their spare memory
   int64_t last_needed_ = -1;
   bool forward_ = true;  // the direction of the running pass (the next unit to prefetch)
 };
