@@ -326,10 +326,13 @@ def train(p, tokens, labels, var):
 def save_safetensors(path, tensors, metadata):
     header, chunks, off = {"__metadata__": metadata}, [], 0
     for name in sorted(tensors):
-        a = np.asarray(tensors[name])  # (not ascontiguousarray: it turns shape () into (1,))
-        assert a.dtype in (np.float32, np.int32)
+        t = tensors[name]  # an array, or (an FP8 dtype name, its bytes as a uint8 array)
+        tag, a = (t[0], np.asarray(t[1])) if isinstance(t, tuple) else (None, np.asarray(t))
+        # (not ascontiguousarray: it turns shape () into (1,))
+        assert (a.dtype == np.uint8 and tag in ("F8_E4M3", "F8_E5M2")) or (tag is None and a.dtype in (np.float32,
+                                                                                                       np.int32))
         raw = a.astype(a.dtype.newbyteorder("<")).tobytes(order="C")
-        header[name] = {"dtype": "F32" if a.dtype == np.float32 else "I32",
+        header[name] = {"dtype": tag or ("F32" if a.dtype == np.float32 else "I32"),
                         "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
         chunks.append(raw)
         off += len(raw)
@@ -348,7 +351,7 @@ def load_safetensors(path):
     for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"]):
         b, e = info["data_offsets"]
         assert b == end, f"gap/overlap at {name}"
-        dt = {"F32": "<f4", "I32": "<i4"}[info["dtype"]]
+        dt = {"F32": "<f4", "I32": "<i4", "F8_E4M3": "u1", "F8_E5M2": "u1"}[info["dtype"]]
         out[name] = np.frombuffer(data[b:e], dtype=dt).reshape(info["shape"])
         end = e
     assert end == len(data), "tensors do not tile the data buffer"

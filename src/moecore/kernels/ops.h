@@ -457,4 +457,31 @@ struct NewtonSchulz {
 void newton_schulz(Tensor& x, const NewtonSchulz& p, const std::function<void(Tensor&)>& sum_over_shards,
                    const Context& ctx);
 
+// ---- FP8 quantisation (docs/fp8-spec.md §3-4; the arithmetic: common/fp8.h) ---------------------------------
+// x [M, K] (f32 or bf16) cut into blocks of block_rows x block_cols (0: the whole dimension; edge blocks partial), each
+// block quantised with its scale: q [M, K] (f8e4m3 or f8e5m2) = fp8(fp32(x * scale)), rounded to nearest even,
+// saturating to +-max (infinities too; NaN the canonical 0x7F), as Transformer Engine's kernels cast; scale_inv
+// [ceil(M / block_rows), ceil(K / block_cols)] f32 = each block's 1 / scale (rounded to f32), which dequantises it.
+// A block's scale from its amax = max |x| (NaN skipped):
+//   given        `scale` for every block (delayed scaling: the slot's stored scale)
+//   current      TE's compute_scale_from_amax: fp8_max / amax (amax 0, inf or NaN: 1; an infinite quotient:
+//                inf_scale) -- per-tensor current scaling with one block
+//   current_pow2 the same rounded down to a power of two (the blockwise recipe: 1 x 128 activations and gradients,
+//                128 x 1 for the wgrad copies, 128 x 128 weights; inf_scale the input dtype's largest finite value)
+//   mx           MXFP8's E8M0: scale_inv = 2^ceil(log2(fp32(amax * fp32(1 / fp8_max)))) (1 x 32 rows, 32 x 1 columns)
+// amax_out (optional, [1] f32): max |x| over the whole tensor, NaN skipped (delayed scaling's row 0, maxed into: the
+// value it holds is kept when larger). Elementwise within blocks: any thread split gives the same bits.
+enum class Fp8ScaleRule : uint8_t { given, current, current_pow2, mx };
+struct Fp8Quantize {
+  int64_t block_rows = 0, block_cols = 0;  // 0: the whole dimension
+  Fp8ScaleRule rule = Fp8ScaleRule::current;
+  float scale = 1.0f;                  // given
+  float inf_scale = 3.4028234664e38f;  // current, current_pow2: the scale of an infinite quotient (FLT_MAX)
+};
+void fp8_quantize(const Tensor& x, Tensor& q, Tensor& scale_inv, Tensor* amax_out, const Fp8Quantize& p,
+                  const Context& ctx);
+// x [M, K] (f32 or bf16) <- fp32(q * scale_inv of its block), q and scale_inv as fp8_quantize wrote them.
+void fp8_dequantize(const Tensor& q, const Tensor& scale_inv, Tensor& x, int64_t block_rows, int64_t block_cols,
+                    const Context& ctx);
+
 }  // namespace moecore::ops
