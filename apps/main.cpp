@@ -11,6 +11,7 @@
 #include "moecore/core/error.h"
 #include "moecore/core/memory.h"
 #include "moecore/core/memory_limit.h"
+#include "moecore/kernels/cpu_isa.h"
 #include "moecore/parallel/comm.h"
 
 namespace {
@@ -60,6 +61,7 @@ int main(int argc, char** argv) {
     // moecore's environment variables are checked like flags, whether or not this run uses them (core/env.h).
     (void)moecore::comm_options_from_env();
     (void)moecore::device_sync_each_launch();
+    (void)moecore::ops::cpu_kernel_isa();  // (MOECORE_CPU_ISA)
     if (under_mpirun && moecore::comm_available()) {
       moecore::comm_init(argc, argv);
       comm.on = true;

@@ -3,12 +3,15 @@
 // p = 0, forward/backward adjointness, scalar reference loops, thread-count independence and errors.
 #include <omp.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "moecore/kernels/cpu_isa.h"
 #include "moecore/kernels/ops.h"
 #include "test_util.h"
 
@@ -94,6 +97,47 @@ TEST(Dropout, MaskMatchesPhiloxUniformAndScalesExactly) {
       EXPECT_EQ(badh, 0) << "f16, p " << p << " n " << n;
     }
   }
+}
+
+// The masks' AVX-512 variant (kernels/cpu_isa.h) gives the AVX2 variant's bits, for runs of every length and offset
+// and in attention's dropout; skipped, saying so, where the CPU has no AVX-512 (the test above pins the variant the
+// machine runs to philox_uniform). Prints the two variants' times for 2^22 elements (not asserted).
+TEST(Dropout, Avx512MasksAreTheAvx2Masks) {
+  if (!ops::cpu_has_isa(ops::CpuIsa::avx512))
+    GTEST_SKIP() << "this CPU has no AVX-512 (F, BW, DQ, VL): only the AVX2 variant runs here";
+  const auto under = [](ops::CpuIsa isa, const std::function<void()>& fn) {
+    ops::cap_cpu_kernel_isa(isa);
+    const bool took = ops::cpu_kernel_isa() == isa;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (took) fn();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ops::cap_cpu_kernel_isa(ops::CpuIsa::avx512);
+    return took ? s : -1.0;
+  };
+  if (under(ops::CpuIsa::avx512, [] {}) < 0) GTEST_SKIP() << "MOECORE_CPU_ISA caps the kernels below AVX-512";
+  for (const float p : {0.1f, 0.5f})
+    for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{255}, int64_t{70001}, int64_t{1} << 22}) {
+      const ops::Dropout d = dropout(p);
+      const Tensor x = randn({n}, "x");
+      Tensor y2 = empty({n}), y5 = empty({n});
+      double t2 = 0, t5 = 0;
+      for (int pass = 0; pass < 2; ++pass) {  // (timed the second time: the outputs' pages faulted in by the first)
+        t2 = under(ops::CpuIsa::avx2, [&] { ops::dropout_forward(y2, x, d, kCpu); });
+        t5 = under(ops::CpuIsa::avx512, [&] { ops::dropout_forward(y5, x, d, kCpu); });
+      }
+      EXPECT_TRUE(bitwise_equal(y2, y5)) << "p " << p << " n " << n;
+      if (n == int64_t{1} << 22 && p == 0.5f)
+        std::printf("dropout_forward over 2^22 elements: AVX2 %.2f ms, AVX-512 %.2f ms\n", 1e3 * t2, 1e3 * t5);
+    }
+  // attention's dropout on P regenerates the masks by block (cpu/attention.cpp)
+  const ops::QkvDims dims{1, 130, 2, 2, 16};
+  const Tensor qkv = randn({dims.B, dims.S, dims.width()}, "qkv");
+  const ops::Dropout pd = dropout(0.3f, "attention");
+  Tensor out2 = empty({dims.B, dims.S, dims.q_heads() * dims.D}), out5 = empty(out2.shape());
+  Tensor lse2 = empty({dims.B, dims.q_heads(), dims.S}), lse5 = empty(lse2.shape());
+  under(ops::CpuIsa::avx2, [&] { ops::attention_forward(out2, lse2, qkv, dims, pd, kCpu); });
+  under(ops::CpuIsa::avx512, [&] { ops::attention_forward(out5, lse5, qkv, dims, pd, kCpu); });
+  EXPECT_TRUE(bitwise_equal(out2, out5));
 }
 
 // Binomial keep count over 1e6 elements: within 4 standard deviations of n (1 - p).

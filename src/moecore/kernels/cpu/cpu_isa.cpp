@@ -1,0 +1,58 @@
+// The CPU kernels' instruction set (kernels/cpu_isa.h).
+#include "moecore/kernels/cpu_isa.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+#include "moecore/core/error.h"
+
+namespace moecore::ops {
+namespace {
+
+CpuIsa widest() {
+  return cpu_has_isa(CpuIsa::avx512) ? CpuIsa::avx512 : CpuIsa::avx2;
+}
+
+// The environment's cap (MOECORE_CPU_ISA), checked once.
+CpuIsa environment_cap() {
+  static const CpuIsa cap = [] {
+    const char* v = std::getenv("MOECORE_CPU_ISA");
+    if (!v || !*v) return widest();
+    const std::string s(v);
+    if (s == "avx2") return CpuIsa::avx2;
+    if (s == "avx512") {
+      MOECORE_CHECK(cpu_has_isa(CpuIsa::avx512), "MOECORE_CPU_ISA=avx512, but this CPU has no AVX-512 (F, BW, DQ, VL)");
+      return CpuIsa::avx512;
+    }
+    MOECORE_FAIL("MOECORE_CPU_ISA must be avx2 or avx512, got '", s, "'");
+  }();
+  return cap;
+}
+
+std::atomic<int> g_cap{-1};  // cap_cpu_kernel_isa's, -1: none
+
+}  // namespace
+
+std::string_view cpu_isa_name(CpuIsa isa) {
+  return isa == CpuIsa::avx512 ? "avx512" : "avx2";
+}
+
+bool cpu_has_isa(CpuIsa isa) {
+  if (isa == CpuIsa::avx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
+CpuIsa cpu_kernel_isa() {
+  const int cap = g_cap.load(std::memory_order_relaxed);
+  const CpuIsa env = environment_cap();
+  return cap >= 0 && static_cast<CpuIsa>(cap) < env ? static_cast<CpuIsa>(cap) : env;
+}
+
+void cap_cpu_kernel_isa(CpuIsa isa) {
+  MOECORE_CHECK(cpu_has_isa(isa), "cap_cpu_kernel_isa: this CPU has no ", cpu_isa_name(isa));
+  g_cap.store(static_cast<int>(isa), std::memory_order_relaxed);
+}
+
+}  // namespace moecore::ops
