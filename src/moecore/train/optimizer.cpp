@@ -676,17 +676,17 @@ class SpareUnitMemory {
     }
   }
   // A unit's released tensors made resident, the kept memory first (contents undefined); returns which were given
-  // memory.
-  std::vector<char> take(const std::vector<const Tensor*>& unit) {
-    std::vector<char> taken(unit.size(), 0);
+  // memory (a buffer reused by the next call: the step allocates nothing).
+  const std::vector<char>& take(const std::vector<const Tensor*>& unit) {
+    taken_.assign(unit.size(), 0);
     for (size_t i = 0; i < unit.size(); ++i) {
       if (unit[i]->resident()) continue;
-      taken[i] = 1;
+      taken_[i] = 1;
       if (Tensor* shell = find(*unit[i], /*resident=*/true)) unit[i]->take_storage_of(*shell);
     }
     give_back();
     for (const Tensor* t : unit) t->reacquire_storage();
-    return taken;
+    return taken_;
   }
   void give_back() {
     for (const Tensor& s : shells_) s.release_storage();
@@ -699,6 +699,7 @@ class SpareUnitMemory {
     return nullptr;
   }
   std::vector<Tensor> shells_;
+  std::vector<char> taken_;
 };
 
 // Megatron-FSDP's optim_grads and optim_grads_params over the distributed optimizer's shards (ZeroOptimizers), with
@@ -818,7 +819,7 @@ class FsdpOptimizer final : public Optimizer {
       return;
     }
     const std::vector<const Tensor*>& grads = unit_grads_[static_cast<size_t>(u)];
-    const std::vector<char> taken = spare_grads_.take(grads);
+    const std::vector<char>& taken = spare_grads_.take(grads);
     for (size_t i = 0; i < grads.size(); ++i)
       if (taken[i]) Tensor(*grads[i]).zero_();
   }
