@@ -781,6 +781,30 @@ TEST(Env, SwitchReadsBooleansAndRefusesAnythingElse) {
   }
 }
 
+TEST(Env, ChoiceReadsOneOfItsValuesAndRefusesAnythingElse) {
+  {
+    ScopedEnv env("MOECORE_TEST_ENV_CHOICE", nullptr);
+    EXPECT_FALSE(env_choice("MOECORE_TEST_ENV_CHOICE", {"a", "bb", "c"}, "x").has_value());
+  }
+  for (const char* good : {"a", "bb", "c"}) {
+    ScopedEnv env("MOECORE_TEST_ENV_CHOICE", good);
+    EXPECT_EQ(env_choice("MOECORE_TEST_ENV_CHOICE", {"a", "bb", "c"}, "x"), good);
+  }
+  for (const char* bad : {"", "b", "A", "a ", "d"}) {
+    ScopedEnv env("MOECORE_TEST_ENV_CHOICE", bad);
+    try {
+      (void)env_choice("MOECORE_TEST_ENV_CHOICE", {"a", "bb", "c"}, "what it picks");
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("MOECORE_TEST_ENV_CHOICE='" + std::string(bad) +
+                                           "' is not a, bb or c "
+                                           "(what it picks)"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 // Without CUDA nothing is launched, but MOECORE_CUDA_SYNC is still checked rather than ignored.
 TEST(Env, CudaSyncIsCheckedInEveryBuild) {
   ScopedEnv env("MOECORE_CUDA_SYNC", "sometimes");

@@ -9,8 +9,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "moecore/core/error.h"
 
@@ -46,6 +48,23 @@ inline bool env_switch(const char* name, bool unset, const char* meaning) {
   if (s.empty() || s == "0" || s == "false" || s == "off" || s == "no") return false;
   MOECORE_FAIL("environment variable ", name, "='", v, "' is not a switch: set 1 (", meaning,
                ") or 0; hint: fix or unset it");
+}
+
+// The value of `name` when it is one of `choices`, nullopt when unset. Anything else (the empty value too) raises
+// naming the variable, the choices and `meaning`.
+inline std::optional<std::string> env_choice(const char* name, std::initializer_list<const char*> choices,
+                                             const char* meaning) {
+  const char* v = std::getenv(name);
+  if (!v) return std::nullopt;
+  std::string listed;
+  size_t i = 0;
+  for (const char* c : choices) {
+    if (std::string_view(v) == c) return std::string(v);
+    if (i > 0) listed += i + 1 == choices.size() ? " or " : ", ";
+    listed += c;
+    ++i;
+  }
+  MOECORE_FAIL("environment variable ", name, "='", v, "' is not ", listed, " (", meaning, "); hint: fix or unset it");
 }
 
 }  // namespace moecore

@@ -2,9 +2,10 @@
 #include "moecore/kernels/cpu_isa.h"
 
 #include <atomic>
-#include <cstdlib>
+#include <optional>
 #include <string>
 
+#include "moecore/core/env.h"
 #include "moecore/core/error.h"
 
 namespace moecore::ops {
@@ -17,15 +18,12 @@ CpuIsa widest() {
 // The environment's cap (MOECORE_CPU_ISA), checked once.
 CpuIsa environment_cap() {
   static const CpuIsa cap = [] {
-    const char* v = std::getenv("MOECORE_CPU_ISA");
-    if (!v || !*v) return widest();
-    const std::string s(v);
-    if (s == "avx2") return CpuIsa::avx2;
-    if (s == "avx512") {
-      MOECORE_CHECK(cpu_has_isa(CpuIsa::avx512), "MOECORE_CPU_ISA=avx512, but this CPU has no AVX-512 (F, BW, DQ, VL)");
-      return CpuIsa::avx512;
-    }
-    MOECORE_FAIL("MOECORE_CPU_ISA must be avx2 or avx512, got '", s, "'");
+    const std::optional<std::string> v =
+        env_choice("MOECORE_CPU_ISA", {"avx2", "avx512"}, "the widest instruction set of moecore's CPU kernels");
+    if (!v) return widest();
+    if (*v == "avx2") return CpuIsa::avx2;
+    MOECORE_CHECK(cpu_has_isa(CpuIsa::avx512), "MOECORE_CPU_ISA=avx512, but this CPU has no AVX-512 (F, BW, DQ, VL)");
+    return CpuIsa::avx512;
   }();
   return cap;
 }
