@@ -454,8 +454,14 @@ const ModelFlag kModelFlags[] = {
   {"--moe-token-drop-policy", Kind::value, "probs", "probs | position", drop_policy},
   {"--moe-pad-expert-input-to-capacity", Kind::flag, "", "pad every expert to its capacity",
    moe_on<&moe::MoeConfig::pad_expert_input_to_capacity>},
-  {"--moe-router-padding-for-fp8", Kind::flag, "", "pad per-expert token counts to multiples of 16 (needs FP8)",
-   [](const Args& a, const char* f, ModelConfig& c) { c.moe.router_padding_alignment = a.on(f) ? 16 : 0; }},
+  {"--moe-router-padding-for-quantization", Kind::flag, "",
+   "pad each expert's routed tokens to the FP8 recipe's alignment (16; 32 for mxfp8) with unrouted tokens of "
+   "probability 0 (needs --fp8-format)",
+   [](const Args& a, const char* f, ModelConfig& c) {
+     c.moe.router_padding_alignment = a.on(f) || a.on("--moe-router-padding-for-fp8") ? 16 : 0;
+   }},
+  {"--moe-router-padding-for-fp8", Kind::flag, "", "Megatron's older spelling of --moe-router-padding-for-quantization",
+   nullptr},
   {"--no-moe-grouped-gemm", Kind::flag, "",
    "sequential per-expert reference instead of the grouped GEMM (moecore only)",
    [](const Args& a, const char* f, ModelConfig& c) {
@@ -466,6 +472,51 @@ const ModelFlag kModelFlags[] = {
    moe_i64_or_unset<&moe::MoeConfig::shared_expert_intermediate_size>},
   {"--moe-shared-expert-gate", Kind::flag, "", "sigmoid gate on the shared expert output",
    moe_on<&moe::MoeConfig::shared_expert_gate>},
+  // FP8 training (nn/fp8.h, docs/fp8-spec.md).
+  {"--fp8-format", Kind::value, "",
+   "FP8 training: e4m3 (every GEMM operand E4M3) | hybrid (gradients E5M2); the linear layers' GEMMs quantise their "
+   "operands with --fp8-recipe (unset: off)",
+   [](const Args& a, const char* f, ModelConfig& c) {
+     c.fp8.on = !a.str(f).empty();
+     if (c.fp8.on) c.fp8.format = a.str(f) == "hybrid" ? nn::Fp8Format::hybrid : nn::Fp8Format::e4m3;
+   }},
+  {"--fp8-recipe", Kind::value, "delayed",
+   "with --fp8-format: tensorwise (a current scale per tensor) | blockwise (power-of-two scales per 1x128 activation "
+   "and 128x128 weight block) | mxfp8 (E8M0 scales per 32 values); delayed (Megatron's default) and custom are not "
+   "built yet",
+   [](const Args& a, const char* f, ModelConfig& c) {
+     const std::string r = a.str(f);
+     if (a.given(f) && !a.given("--fp8-format"))
+       MOECORE_FAIL("--fp8-recipe ", r, " needs --fp8-format e4m3 or hybrid (FP8 training is off without it)");
+     if (!c.fp8.on) return;
+     if (r == "tensorwise")
+       c.fp8.recipe = nn::Fp8Recipe::tensorwise;
+     else if (r == "blockwise")
+       c.fp8.recipe = nn::Fp8Recipe::blockwise;
+     else if (r == "mxfp8")
+       c.fp8.recipe = nn::Fp8Recipe::mxfp8;
+     else if (r == "delayed")
+       MOECORE_FAIL(
+           "--fp8-format with --fp8-recipe delayed (Megatron's default recipe): delayed scaling (per-quantizer amax "
+           "histories reduced across ranks) is not built yet; give --fp8-recipe tensorwise, blockwise or mxfp8");
+     else
+       MOECORE_FAIL("--fp8-recipe custom needs a Python quantizer factory (--fp8-quantizer-factory), which moecore "
+                    "cannot load; give --fp8-recipe tensorwise, blockwise or mxfp8");
+   }},
+  {"--first-last-layers-bf16", Kind::flag, "",
+   "with --fp8-format: the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 decoder layers "
+   "run their GEMMs without FP8",
+   [](const Args& a, const char* f, ModelConfig& c) {
+     c.fp8.first_last_layers_bf16 = a.on(f);
+     if (a.on(f) && !a.given("--fp8-format"))
+       MOECORE_FAIL("--first-last-layers-bf16 needs --fp8-format (without FP8 every layer runs in --bf16 already)");
+     for (const char* n : {"--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"})
+       if (a.given(n) && !a.on(f)) MOECORE_FAIL(n, " needs --first-last-layers-bf16");
+   }},
+  {"--num-layers-at-start-in-bf16", Kind::value, "1", "with --first-last-layers-bf16: decoder layers at the start",
+   [](const Args& a, const char* f, ModelConfig& c) { c.fp8.num_layers_at_start_in_bf16 = a.i64(f); }},
+  {"--num-layers-at-end-in-bf16", Kind::value, "1", "with --first-last-layers-bf16: decoder layers at the end",
+   [](const Args& a, const char* f, ModelConfig& c) { c.fp8.num_layers_at_end_in_bf16 = a.i64(f); }},
   // Attention sinks and sliding windows (gpt-oss).
   {"--softmax-type", Kind::value, "vanilla",
    "vanilla | off-by-one (a fixed exp(0) in every softmax denominator) | learnable (a learned sink logit per head: "
@@ -516,6 +567,10 @@ const ModelFlag kModelFlags[] = {
 const std::pair<const char*, FlagDomain> kModelFlagDomains[] = {
     {"--num-layers", FlagDomain::integer(1, 1e5)},
     {"--attention-backend", FlagDomain::one_of({"flash", "fused", "unfused", "local", "auto"})},
+    {"--fp8-format", FlagDomain::one_of({"e4m3", "hybrid"})},
+    {"--fp8-recipe", FlagDomain::one_of({"tensorwise", "delayed", "mxfp8", "blockwise", "custom"})},
+    {"--num-layers-at-start-in-bf16", FlagDomain::integer(0, 1e9)},
+    {"--num-layers-at-end-in-bf16", FlagDomain::integer(0, 1e9)},
     {"--recompute-granularity", FlagDomain::one_of({"full", "selective"})},
     {"--softmax-type", FlagDomain::one_of({"vanilla", "off-by-one", "learnable"})},
     {"--recompute-method", FlagDomain::one_of({"uniform", "block"})},
@@ -612,7 +667,8 @@ model::ModelConfig model_config_from(const Args& a, int64_t tokenizer_vocab, int
     MOECORE_FAIL(
         "--moe-shared-expert-intermediate-size with linear biases: shared experts carry no biases (as in "
         "Megatron); pass --disable-bias-linear");
-  c.moe.validate(/*fp8=*/false);
+  if (c.fp8.on && c.fp8.recipe == nn::Fp8Recipe::mxfp8 && c.moe.router_padding_alignment > 0)
+    c.moe.router_padding_alignment = 32;  // MXFP8's block (Megatron's get_fp8_align_size)
   c.validate();
   return c;
 }

@@ -387,6 +387,14 @@ RunFlags read_run_flags(const Args& a) {
   r.tp_size = a.i64("--tensor-model-parallel-size");
   // An explicit --vocab-size (an HF config's) needs to cover the tokenizer's ids, not its padding to 128 x TP.
   r.mcfg = model_config_from(a, padded_vocab_size(*r.tok, a, r.tp_size), r.tok->vocab_size());
+  if (r.mcfg.moe.router_padding_alignment > 0 && r.dispatcher == moe::DispatcherKind::allgather)
+    MOECORE_FAIL(
+        "train: --moe-router-padding-for-quantization with --moe-token-dispatcher-type allgather (Megatron refuses "
+        "the pair too): use alltoall");
+  if (r.mcfg.fp8.on && r.device == Device::cuda)
+    MOECORE_FAIL(
+        "train: --fp8-format on --device cuda: the CUDA FP8 GEMMs (cuBLASLt, CUTLASS) are not built yet; FP8 "
+        "training runs on --device cpu (the reference emulation)");
   return r;
 }
 

@@ -117,7 +117,7 @@ TEST(MegatronFlags, TheTableIsMegatronsParser) {
 
 TEST(MegatronFlags, RefusedFlagsNameWhatIsMissing) {
   for (const std::string& f : {std::string("--moe-shared-expert-overlap"), std::string("--qk-l2-norm"),
-                               std::string("--tp-comm-overlap"), std::string("--fp8-format e4m3"),
+                               std::string("--tp-comm-overlap"), std::string("--fp8-param-gather"),
                                std::string("--optimizer-cpu-offload"), std::string("--fsdp-double-buffer")}) {
     const CmdResult r = run_cmd("train --data-path x " + f);
     EXPECT_NE(r.status, 0) << f;

@@ -874,8 +874,8 @@ SharedResult run_shared(const SharedCase& c, bool swiglu, DType dt) {
                  {dev_zeros(c.w.fc1.shape(), DType::f32), dev_zeros(c.w.fc2.shape(), DType::f32),
                   gate ? dev_zeros({1, H}, DType::f32) : Tensor()}};
   const Tensor x = on_test_device(c.x.to(dt)), dy = on_test_device(c.dy);
-  moe::shared_expert_forward(r.y, x, w, cache, ops::MlpActivation{swiglu, {}}, ctx);
-  moe::shared_expert_backward(r.dx, r.g, dy, x, w, cache, ops::MlpActivation{swiglu, {}}, ctx);
+  moe::shared_expert_forward(r.y, x, w, cache, moe::SharedExpertDims{ops::MlpActivation{swiglu, {}}}, ctx);
+  moe::shared_expert_backward(r.dx, r.g, dy, x, w, cache, moe::SharedExpertDims{ops::MlpActivation{swiglu, {}}}, ctx);
   return r;
 }
 
@@ -892,7 +892,7 @@ TEST(SharedExpert, FiniteDifferencesWithAndWithoutGate) {
       auto loss = [&] {
         y.copy_from(c.y0);
         moe::shared_expert_forward(y, on_test_device(c.x), shared_device_weights(c.w, DType::f32), cache,
-                                   ops::MlpActivation{swiglu, {}}, ctx);
+                                   moe::SharedExpertDims{ops::MlpActivation{swiglu, {}}}, ctx);
         return testing::weighted_sum(y, c.dy);
       };
       EXPECT_NEAR(loss(), testing::weighted_sum(r.y, c.dy), 1e-5);

@@ -132,8 +132,9 @@ void ModelConfig::validate() const {
     MOECORE_FAIL(
         "model config: --mtp-num-layers with learned absolute positions is not supported yet; pass "
         "--position-embedding-type rope");
+  validate_fp8();
   (void)window_layers();  // validates --window-attn-skip-freq against num_layers
-  moe.validate();
+  moe.validate(fp8.on);
   recompute.validate();
   if (recompute.selects("mla_up_proj") && !multi_latent_attention)
     MOECORE_FAIL("--recompute-modules mla_up_proj needs --multi-latent-attention (as in Megatron)");
@@ -204,6 +205,18 @@ std::string ModelConfig::summary() const {
       window_size >= 0 ? detail::str_cat(", window ", window_size,
                                          window_attn_skip_freq.empty() ? "" : " skip-freq " + window_attn_skip_freq)
                        : std::string());
+}
+
+// Megatron's FP8 rules (transformer_config.py) and what moecore's FP8 does not cover yet.
+void ModelConfig::validate_fp8() const {
+  if (!fp8.on) return;
+  const int64_t start = fp8.num_layers_at_start_in_bf16, end = fp8.num_layers_at_end_in_bf16;
+  if (fp8.first_last_layers_bf16 && (start < 0 || start > num_layers || end < 0 || end > num_layers))
+    MOECORE_FAIL("model config: --num-layers-at-start-in-bf16 (", start, ") and --num-layers-at-end-in-bf16 (", end,
+                 ") must lie in [0, --num-layers (", num_layers, ")]");
+  if (compute_dtype == DType::f16)
+    MOECORE_FAIL(
+        "model config: --fp8-format with --fp16: FP8 quantises from bf16 or fp32 here; give --bf16 or neither");
 }
 
 }  // namespace moecore::model

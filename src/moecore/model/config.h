@@ -10,6 +10,7 @@
 
 #include "moecore/core/dtype.h"
 #include "moecore/moe/config.h"
+#include "moecore/nn/fp8.h"
 
 namespace moecore::model {
 
@@ -117,6 +118,7 @@ struct ModelConfig {
   // is windowed when layer_number % N != 0) or a list expression of 0/1 per layer ("([1]*3+[0]*1)*2", 1 = windowed).
   std::string window_attn_skip_freq;
   RecomputeConfig recompute;  // --recompute-*: which activations backward recomputes
+  nn::Fp8Config fp8;          // --fp8-*: FP8 training (off unless --fp8-format)
 
   int64_t query_groups() const { return num_query_groups ? num_query_groups : num_attention_heads; }
   int64_t head_dim() const { return kv_channels ? kv_channels : hidden_size / num_attention_heads; }
@@ -139,7 +141,8 @@ struct ModelConfig {
   int64_t num_transformer_layers() const { return num_layers + mtp_num_layers; }
   void validate() const;            // throws Error naming the offending fields and values
   void validate_sizes() const;      // (validate's parts: sizes, positions, dropouts, dtype, norm;
-  void validate_attention() const;  // QK-norm, MLA, YaRN, sinks, windows)
+  void validate_attention() const;  // QK-norm, MLA, YaRN, sinks, windows;
+  void validate_fp8() const;        // FP8 training)
   std::string summary() const;
 };
 

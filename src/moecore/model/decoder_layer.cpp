@@ -108,33 +108,35 @@ void DecoderLayer::init_router(const moe::MoeConfig& cfg, Device device, uint64_
 
 void DecoderLayer::forward(const Tensor& x, Tensor& y, LayerCache& c, LayerShared& sh, bool training,
                            const ops::Context& ctx, bool recompute) {
+  const nn::DenseLayerDims d = dims(sh);
   if (mla())
-    nn::mla_block_forward(x, w_, mla_w_, c.dense, c.mla, sh.ws, sh.mla_ws, sh.rope, sh.dims, sh.mla_dims, c.drops, ctx);
+    nn::mla_block_forward(x, w_, mla_w_, c.dense, c.mla, sh.ws, sh.mla_ws, sh.rope, d, sh.mla_dims, c.drops, ctx);
   else
-    nn::attention_block_forward(x, w_, c.dense, sh.ws, sh.rope, attention_dims(sh), c.drops, ctx);
+    nn::attention_block_forward(x, w_, c.dense, sh.ws, sh.rope, d, c.drops, ctx);
   if (moe())
     moe_forward(y, c, sh, training, ctx, recompute);
   else
-    nn::mlp_block_forward(y, w_, c.dense, sh.ws, sh.dims, c.drops, ctx);
+    nn::mlp_block_forward(y, w_, c.dense, sh.ws, d, c.drops, ctx);
 }
 
 void DecoderLayer::backward(const Tensor& x, LayerCache& c, LayerShared& sh, const Refill& refill, float aux_scale,
                             const ops::Context& ctx) {
-  if (refill.norms || refill.mlp) nn::mlp_norm_refill(w_, c.dense, sh.ws, sh.dims, /*dense_mlp=*/!moe(), ctx);
-  if (refill.mlp) nn::mlp_refill(w_, c.dense, sh.dims, ctx);
+  const nn::DenseLayerDims d = dims(sh);
+  if (refill.norms || refill.mlp) nn::mlp_norm_refill(w_, c.dense, sh.ws, d, /*dense_mlp=*/!moe(), ctx);
+  if (refill.mlp) nn::mlp_refill(w_, c.dense, d, ctx);
   if (moe())
     moe_backward(c, sh, refill, aux_scale, ctx);
   else
-    nn::mlp_block_backward(sh.dres, g_, w_, c.dense, sh.ws, sh.dims, c.drops, ctx);
+    nn::mlp_block_backward(sh.dres, g_, w_, c.dense, sh.ws, d, c.drops, ctx);
   // sh.dres is dL/dx_mid here.
-  if (refill.norms) nn::attention_norm_refill(x, w_, c.dense, sh.ws, sh.dims, ctx);
-  if (refill.attention) nn::core_attention_refill(w_, c.dense, sh.ws, attention_dims(sh), c.drops, ctx);
-  if (refill.mla_up) nn::mla_up_refill(c.dense.h1, mla_w_, c.mla, sh.mla_ws, sh.rope, sh.mla_dims, ctx);
+  if (refill.norms) nn::attention_norm_refill(x, w_, c.dense, sh.ws, d, ctx);
+  if (refill.attention) nn::core_attention_refill(w_, c.dense, sh.ws, d, c.drops, ctx);
+  if (refill.mla_up) nn::mla_up_refill(c.dense.h1, mla_w_, c.mla, sh.mla_ws, sh.rope, d, sh.mla_dims, ctx);
   if (mla())
-    nn::mla_block_backward(sh.dres, g_, mla_g_, x, w_, mla_w_, c.dense, c.mla, sh.ws, sh.mla_ws, sh.rope, sh.dims,
+    nn::mla_block_backward(sh.dres, g_, mla_g_, x, w_, mla_w_, c.dense, c.mla, sh.ws, sh.mla_ws, sh.rope, d,
                            sh.mla_dims, c.drops, ctx);
   else
-    nn::attention_block_backward(sh.dres, g_, x, w_, c.dense, sh.ws, sh.rope, attention_dims(sh), c.drops, ctx);
+    nn::attention_block_backward(sh.dres, g_, x, w_, c.dense, sh.ws, sh.rope, d, c.drops, ctx);
 }
 
 // The MoE half: y = x_mid + dropout(moe(norm2(x_mid))). The MoE layer takes Megatron's sequence-major token order
@@ -147,7 +149,7 @@ void DecoderLayer::moe_forward(Tensor& y, LayerCache& c, LayerShared& sh, bool t
   Tensor x_sb = sh.moe_x.view({S, B, H}), out_sb = sh.moe_out.view({S, B, H});
   Tensor out_bs = sh.ws.dh.slice(0, 0, N).view({B, S, H});
   ops::transpose_01(x_sb, c.dense.h2.view({B, S, H}), ctx);
-  moe::moe_layer_forward(sh.moe_out, sh.moe_x, Tensor(), moe_w_, router_, c.moe, *sh.dispatcher, sh.moe_dims, *sh.moe,
+  moe::moe_layer_forward(sh.moe_out, sh.moe_x, Tensor(), moe_w_, router_, c.moe, *sh.dispatcher, moe_dims(sh), *sh.moe,
                          training, ctx, /*route=*/!recompute);
   ops::transpose_01(out_bs, out_sb, ctx);
   ops::bias_dropout_add(y, c.dense.x_mid, sh.ws.dh.slice(0, 0, N), Tensor(), c.drops.mlp_out, ctx);
@@ -162,14 +164,15 @@ void DecoderLayer::moe_backward(LayerCache& c, LayerShared& sh, const Refill& re
   Tensor dout_sb = sh.moe_out.view({S, B, H}), dx_sb = dx.view({S, B, H}), dh2 = dh2_flat.view({B, S, H});
   Tensor x_sb = sh.moe_x.view({S, B, H}), no_bias;
   ops::transpose_01(x_sb, c.dense.h2.view({B, S, H}), ctx);
+  const moe::MoeLayerDims md = moe_dims(sh);
   if (refill.moe)  // the layer again from its routing (its output, in moe_out, is not needed)
-    moe::moe_layer_forward(sh.moe_out, sh.moe_x, Tensor(), moe_w_, router_, c.moe, *sh.dispatcher, sh.moe_dims, *sh.moe,
+    moe::moe_layer_forward(sh.moe_out, sh.moe_x, Tensor(), moe_w_, router_, c.moe, *sh.dispatcher, md, *sh.moe,
                            /*training=*/true, ctx, /*route=*/false);
-  if (refill.shared_expert) moe::shared_expert_refill(sh.moe_x, moe_w_.shared, c.moe.shared, sh.moe->activation(), ctx);
+  if (refill.shared_expert)
+    moe::shared_expert_refill(sh.moe_x, moe_w_.shared, c.moe.shared, moe::shared_expert_dims(md, *sh.moe), ctx);
   ops::bias_dropout_add_backward(dh2_flat, no_bias, sh.dres, c.drops.mlp_out, ctx);
   ops::transpose_01(dout_sb, dh2, ctx);
-  moe::moe_layer_backward(dx, moe_g_, sh.moe_out, sh.moe_x, moe_w_, c.moe, *sh.dispatcher, sh.moe_dims, *sh.moe,
-                          aux_scale, ctx);
+  moe::moe_layer_backward(dx, moe_g_, sh.moe_out, sh.moe_x, moe_w_, c.moe, *sh.dispatcher, md, *sh.moe, aux_scale, ctx);
   ops::transpose_01(dh2, dx_sb, ctx);
   nn::mlp_norm_backward(sh.dres, g_, dh2_flat, w_, c.dense, sh.dims, ctx);
 }

@@ -35,6 +35,7 @@ struct LayerShared {
   nn::MlaDims mla_dims;  // (MLA layers only)
   moe::MoeLayerDims moe_dims;
   const moe::MoeConfig* moe = nullptr;
+  const nn::Fp8Config* fp8 = nullptr;  // FP8 training's recipe (the layers whose spec says fp8 run their linears in it)
   nn::DenseLayerWorkspace ws;
   nn::MlaWorkspace mla_ws;
   Tensor rope;  // [S, Dr] f32 (RoPE only): row s the rotation of this rank's position s
@@ -57,10 +58,18 @@ class DecoderLayer {
  public:
   explicit DecoderLayer(LayerSpec spec) : spec_(std::move(spec)) {}
   const LayerSpec& spec() const { return spec_; }
-  // The shared dims with this layer's sliding window (the only per-layer attention setting).
-  nn::DenseLayerDims attention_dims(const LayerShared& sh) const {
+  // The shared dims with this layer's own settings: its sliding window, whether its linears run FP8, its name.
+  nn::DenseLayerDims dims(const LayerShared& sh) const {
     nn::DenseLayerDims d = sh.dims;
     d.attention_window = spec_.window;
+    d.fp8 = spec_.fp8 ? sh.fp8 : nullptr;
+    d.layer = spec_.prefix;
+    return d;
+  }
+  moe::MoeLayerDims moe_dims(const LayerShared& sh) const {
+    moe::MoeLayerDims d = sh.moe_dims;
+    d.fp8 = spec_.fp8 ? sh.fp8 : nullptr;
+    d.layer = spec_.prefix;
     return d;
   }
   bool moe() const { return spec_.mlp == MlpKind::moe; }

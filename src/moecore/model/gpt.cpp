@@ -94,6 +94,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
 // a move of the model.
 void GptModel::point_shared_at_this() {
   sh_.moe = &cfg_.moe;
+  sh_.fp8 = cfg_.fp8.on ? &cfg_.fp8 : nullptr;
   sh_.moe_dims.global_aux_group = &par_.dp;
   sh_.moe_dims.sequence_group = moe_sequence_group(par_);
   if (sh_.moe_dims.echo.group) sh_.moe_dims.echo.group = &par_.ep;

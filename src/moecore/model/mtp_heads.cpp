@@ -18,7 +18,7 @@ void roll_left(Tensor& out, const Tensor& in, int32_t fill, int64_t B, int64_t S
 }  // namespace
 
 MtpHeads::MtpHeads(ParamStore& store, const ModelConfig& cfg, const nn::DenseLayerDims& dims, int64_t B, Device device)
-    : B_(B), S_(cfg.seq_length), H_(cfg.hidden_size), eps_(cfg.norm_epsilon) {
+    : B_(B), S_(cfg.seq_length), H_(cfg.hidden_size), eps_(cfg.norm_epsilon), fp8_(cfg.fp8) {
   const int64_t H = H_, N = dims.N, T = dims.tokens();
   const DType c = cfg.compute_dtype;
   auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations, device); };
@@ -26,6 +26,7 @@ MtpHeads::MtpHeads(ParamStore& store, const ModelConfig& cfg, const nn::DenseLay
   for (int64_t k = 0; k < cfg.mtp_num_layers; ++k) {
     const int64_t l = cfg.num_layers + k;
     MtpDepth& d = depths_.emplace_back();
+    d.prefix = "mtp.layers." + std::to_string(k) + ".";
     d.enorm = store.find(mtp_enorm, l);
     d.enorm_b = store.find(mtp_enorm_bias, l);
     d.hnorm = store.find(mtp_hnorm, l);
@@ -39,7 +40,8 @@ MtpHeads::MtpHeads(ParamStore& store, const ModelConfig& cfg, const nn::DenseLay
     d.ids_h = Tensor::empty({B * S_}, DType::i32, MemCategory::workspace);
     d.labels_h = Tensor::empty({B * S_}, DType::i32, MemCategory::workspace);
     for (Tensor* t : {&d.e, &d.hin, &d.x, &d.y}) *t = act({N, H}, DType::f32);
-    for (Tensor* t : {&d.en, &d.hn, &d.h}) *t = act({N, H}, c);
+    d.eh_in = act({N, 2 * H}, c);
+    d.h = act({N, H}, c);
     for (Tensor* t : {&d.e_rstd, &d.h_rstd, &d.f_rstd}) *t = act({N}, DType::f32);
     if (dims.layernorm)
       for (Tensor* t : {&d.e_mean, &d.h_mean, &d.f_mean}) *t = act({N}, DType::f32);
@@ -47,6 +49,8 @@ MtpHeads::MtpHeads(ParamStore& store, const ModelConfig& cfg, const nn::DenseLay
   if (depths_.empty()) return;
   if (dims.sequence_parallel) h_full_ = Tensor::empty({T, H}, c, MemCategory::workspace, device);
   dx_c_ = Tensor::empty({N, H}, c, MemCategory::workspace, device);
+  norm_out_ = Tensor::empty({N, H}, c, MemCategory::workspace, device);
+  deh_in_ = Tensor::empty({N, 2 * H}, DType::f32, MemCategory::workspace, device);
   for (Tensor* t : {&carry_, &dn_, &dfn_}) *t = Tensor::empty({N, H}, DType::f32, MemCategory::workspace, device);
 }
 
@@ -59,11 +63,16 @@ void MtpHeads::roll(size_t j, const Tensor& tokens_h, const Tensor& labels_h, bo
 void MtpHeads::input_forward(size_t j, const Tensor& h_prev, const ops::Context& ctx) {
   MtpDepth& d = depths_[j];
   if (d.drop.active()) ops::dropout_forward(d.e, d.e, d.drop, ctx);
-  nn::norm_forward(d.en, d.e_mean, d.e_rstd, d.e, d.enorm->value, value_of(d.enorm_b), eps_, ctx);
+  nn::norm_forward(norm_out_, d.e_mean, d.e_rstd, d.e, d.enorm->value, value_of(d.enorm_b), eps_, ctx);
+  d.eh_in.slice(1, 0, H_).copy_from(norm_out_);
   d.hin.copy_from(h_prev);
-  nn::norm_forward(d.hn, d.h_mean, d.h_rstd, d.hin, d.hnorm->value, value_of(d.hnorm_b), eps_, ctx);
-  ops::gemm(d.x, d.en, false, d.eh->compute.slice(1, 0, H_), true, 1.0f, 0.0f, ctx);
-  ops::gemm(d.x, d.hn, false, d.eh->compute.slice(1, H_, 2 * H_), true, 1.0f, 1.0f, ctx);
+  nn::norm_forward(norm_out_, d.h_mean, d.h_rstd, d.hin, d.hnorm->value, value_of(d.hnorm_b), eps_, ctx);
+  d.eh_in.slice(1, H_, 2 * H_).copy_from(norm_out_);
+  nn::linear_fprop(d.x, d.eh_in, d.eh->compute, 1.0f, 0.0f, eh_proj(d), ctx);
+}
+
+nn::Linear MtpHeads::eh_proj(const MtpDepth& d) const {
+  return {fp8_.on ? &fp8_ : nullptr, d.prefix, "eh_proj"};
 }
 
 void MtpHeads::output_forward(size_t j, const ops::Context& ctx) {
@@ -83,10 +92,9 @@ void MtpHeads::input_backward(size_t j, Tensor& dx, const ops::Context& ctx) {
   MtpDepth& d = depths_[j];
   Tensor no_grad;
   dx_c_.copy_from(dx);
-  Tensor g_e = d.eh->grad.slice(1, 0, H_), g_h = d.eh->grad.slice(1, H_, 2 * H_);
-  ops::gemm(g_e, dx_c_, true, d.en, false, 1.0f, 1.0f, ctx);
-  ops::gemm(g_h, dx_c_, true, d.hn, false, 1.0f, 1.0f, ctx);
-  ops::gemm(dn_, dx_c_, false, d.eh->compute.slice(1, 0, H_), false, 1.0f, 0.0f, ctx);
+  nn::linear_wgrad(d.eh->grad, dx_c_, d.eh_in, 1.0f, 1.0f, eh_proj(d), ctx);
+  nn::linear_dgrad(deh_in_, dx_c_, d.eh->compute, 1.0f, 0.0f, eh_proj(d), ctx);
+  dn_.copy_from(deh_in_.slice(1, 0, H_));
   nn::norm_backward(dx, d.enorm->grad, d.enorm_b ? d.enorm_b->grad : no_grad, dn_, d.e, d.enorm->value,
                     value_of(d.enorm_b), d.e_mean, d.e_rstd, false, ctx);
   if (d.drop.active()) ops::dropout_backward(dx, dx, d.drop, ctx);
@@ -95,7 +103,7 @@ void MtpHeads::input_backward(size_t j, Tensor& dx, const ops::Context& ctx) {
 void MtpHeads::hnorm_backward(size_t j, const ops::Context& ctx) {
   MtpDepth& d = depths_[j];
   Tensor no_grad;
-  ops::gemm(dn_, dx_c_, false, d.eh->compute.slice(1, H_, 2 * H_), false, 1.0f, 0.0f, ctx);
+  dn_.copy_from(deh_in_.slice(1, H_, 2 * H_));
   nn::norm_backward(carry_, d.hnorm->grad, d.hnorm_b ? d.hnorm_b->grad : no_grad, dn_, d.hin, d.hnorm->value,
                     value_of(d.hnorm_b), d.h_mean, d.h_rstd, false, ctx);
 }
@@ -108,11 +116,11 @@ int64_t MtpHeads::bytes(MemCategory c) const {
   };
   if (c == MemCategory::activations)
     for (const MtpDepth& d : depths_)
-      count({&d.ids, &d.labels, &d.e, &d.hin, &d.x, &d.y, &d.en, &d.hn, &d.h, &d.e_mean, &d.e_rstd, &d.h_mean,
-             &d.h_rstd, &d.f_mean, &d.f_rstd});
+      count({&d.ids, &d.labels, &d.e, &d.hin, &d.x, &d.y, &d.eh_in, &d.h, &d.e_mean, &d.e_rstd, &d.h_mean, &d.h_rstd,
+             &d.f_mean, &d.f_rstd});
   if (c != MemCategory::workspace) return n;
   for (const MtpDepth& d : depths_) count({&d.ids_h, &d.labels_h});  // host: the rolled batch before its upload
-  count({&dx_c_, &carry_, &dn_, &dfn_, &h_full_});
+  count({&dx_c_, &norm_out_, &deh_in_, &carry_, &dn_, &dfn_, &h_full_});
   return n;
 }
 

@@ -23,9 +23,11 @@ struct MtpDepth {
   Tensor ids, labels;                          // [T] i32: rolled input ids and labels (this rank's positions)
   Tensor ids_h, labels_h;                      // [B * seq_length] i32 host: the whole batch's, rolled on the host
   Tensor e, hin, x, y;  // [N, H] f32: embedding, h_{k-1}, layer input (eh_proj output), layer output
-  Tensor en, hn, h;     // [N, H] compute: enorm(e), hnorm(h_{k-1}), final_norm(y) = h_k
+  Tensor eh_in;         // [N, 2H] compute: [enorm(e) | hnorm(h_{k-1})], eh_proj's input (one linear, as Megatron's)
+  Tensor h;             // [N, H] compute: final_norm(y) = h_k
   Tensor e_mean, e_rstd, h_mean, h_rstd, f_mean, f_rstd;  // [N] f32 norm statistics (means: LayerNorm only)
-  ops::Dropout drop;  // the embedding's dropout (Megatron's embedding applies hidden dropout)
+  ops::Dropout drop;   // the embedding's dropout (Megatron's embedding applies hidden dropout)
+  std::string prefix;  // "mtp.layers.k." (names eh_proj in FP8 errors)
 };
 
 class MtpHeads {
@@ -55,10 +57,15 @@ class MtpHeads {
   int64_t bytes(MemCategory c) const;                      // the buffers' (activations, workspace)
 
  private:
+  nn::Linear eh_proj(const MtpDepth& d) const;  // eh_proj's GEMMs: FP8 under the model's recipe
+
   int64_t B_ = 0, S_ = 0, H_ = 0;
   float eps_ = 0;
+  nn::Fp8Config fp8_;  // FP8 training's recipe (eh_proj runs FP8 when on, as Megatron's MTP layers)
   std::vector<MtpDepth> depths_;
   Tensor dx_c_;              // [N, H] compute: a depth's layer-input gradient for the eh_proj GEMMs
+  Tensor norm_out_;          // [N, H] compute: enorm's or hnorm's output before it joins eh_in
+  Tensor deh_in_;            // [N, 2H] f32: eh_proj's input gradient [d enorm | d hnorm]
   Tensor carry_, dn_, dfn_;  // [N, H] f32: dL/dh_{k-1}, a norm-output gradient, dL/dh_k
   Tensor h_full_;            // [T, H] compute: a depth's h_k all-gathered (sequence parallelism only)
 };

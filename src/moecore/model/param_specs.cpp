@@ -11,10 +11,11 @@ std::vector<LayerSpec> layer_specs(const ModelConfig& cfg) {
   for (int64_t l = 0; l < cfg.num_layers; ++l)
     out.push_back({"decoder.layers." + std::to_string(l) + ".", attention, cfg.qk_layernorm,
                    windowed[static_cast<size_t>(l)] ? cfg.window_size : -1,
-                   moe[static_cast<size_t>(l)] ? MlpKind::moe : MlpKind::dense, false});
+                   moe[static_cast<size_t>(l)] ? MlpKind::moe : MlpKind::dense, false,
+                   cfg.fp8.layer_runs_fp8(l, cfg.num_layers)});
   for (int64_t k = 0; k < cfg.mtp_num_layers; ++k)
     out.push_back({"mtp.layers." + std::to_string(k) + ".transformer_layer.", attention, cfg.qk_layernorm, -1,
-                   moe.back() ? MlpKind::moe : MlpKind::dense, true});
+                   moe.back() ? MlpKind::moe : MlpKind::dense, true, cfg.fp8.on});
   return out;
 }
 

@@ -24,6 +24,7 @@ struct LayerSpec {
   int64_t window = -1;   // the sliding window of its attention (ModelConfig::window_size), -1: none
   MlpKind mlp = MlpKind::dense;
   bool mtp = false;  // the transformer layer of a multi-token-prediction depth (its kind: the last decoder layer's)
+  bool fp8 = false;  // its linears run FP8 (nn/fp8.h; ModelConfig::fp8, --first-last-layers-bf16)
 };
 // The decoder's layers, then one per MTP depth: index l of every per-layer array of the model.
 std::vector<LayerSpec> layer_specs(const ModelConfig& cfg);

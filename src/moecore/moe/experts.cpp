@@ -103,11 +103,12 @@ void experts_forward(Tensor& y, const Tensor& x, const Tensor& probs, const Tens
   check_forward_out("experts_forward", y, x, d);
   RowViews v = row_views(cache, ws, x.size(0), false);
   const bool bias = w.fc1_bias.defined();
-  ops::gemm_grouped(v.h, x, w.fc1, true, tokens_per_expert, 0.0f, ctx);
+  const nn::Linear fc1 = d.linear("mlp.experts.linear_fc1"), fc2 = d.linear("mlp.experts.linear_fc2");
+  nn::grouped_fprop(v.h, x, w.fc1, tokens_per_expert, fc1, ctx);
   if (bias) ops::bias_add_grouped(v.h, w.fc1_bias, tokens_per_expert, ctx);
   ops::mlp_activation_forward(v.act, v.h, d.act, ctx);
   ops::moe_scale_rows(v.a, v.act, probs, tokens_per_expert, ctx);
-  ops::gemm_grouped(y, v.a, w.fc2, true, tokens_per_expert, 0.0f, ctx);
+  nn::grouped_fprop(y, v.a, w.fc2, tokens_per_expert, fc2, ctx);
   if (bias && d.adds_fc2_bias) ops::bias_add_grouped_scaled(y, w.fc2_bias, probs, tokens_per_expert, ctx);
 }
 
@@ -118,7 +119,8 @@ void experts_backward(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& 
   check_backward_io("experts_backward", dx, dprobs, g, w, dy, x, d);
   RowViews v = row_views(cache, ws, x.size(0), true);
   const bool bias = w.fc1_bias.defined();
-  ops::gemm_grouped(v.da, dy, w.fc2, false, tokens_per_expert, 0.0f, ctx);
+  const nn::Linear fc1 = d.linear("mlp.experts.linear_fc1"), fc2 = d.linear("mlp.experts.linear_fc2");
+  nn::grouped_dgrad(v.da, dy, w.fc2, tokens_per_expert, fc2, ctx);
   // dprobs = dy . b2 first (written), then the activation term is added to it.
   const bool b2_term = bias && d.adds_fc2_bias;
   Tensor no_term;
@@ -127,11 +129,11 @@ void experts_backward(Tensor& dx, Tensor& dprobs, ExpertGrads& g, const Tensor& 
                                   ctx);
   if (d.recompute_act) ops::mlp_activation_forward(v.act, v.h, d.act, ctx);  // (the same bits as forward's)
   ops::moe_scale_rows_backward(dprobs, v.da, v.a, v.act, probs, tokens_per_expert, b2_term, ctx);
-  ops::gemm_grouped_wgrad(g.fc2, dy, v.a, tokens_per_expert, 1.0f, ctx);
+  nn::grouped_wgrad(g.fc2, dy, v.a, tokens_per_expert, fc2, ctx);
   ops::mlp_activation_backward(v.dh, v.da, v.h, d.act, ctx);
   if (bias) ops::bias_grad_grouped(g.fc1_bias, v.dh, tokens_per_expert, ctx);
-  ops::gemm_grouped_wgrad(g.fc1, v.dh, x, tokens_per_expert, 1.0f, ctx);
-  ops::gemm_grouped(dx, v.dh, w.fc1, false, tokens_per_expert, 0.0f, ctx);
+  nn::grouped_wgrad(g.fc1, v.dh, x, tokens_per_expert, fc1, ctx);
+  nn::grouped_dgrad(dx, v.dh, w.fc1, tokens_per_expert, fc1, ctx);
 }
 
 // The counts on the host (Megatron's SequentialMLP does tokens_per_expert.tolist()): plain GEMMs per expert need
@@ -157,11 +159,12 @@ void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs,
   const std::vector<int64_t>& n = host_counts("experts_forward_sequential", tokens_per_expert, x.size(0));
   RowViews v = row_views(cache, ws, x.size(0), false);
   const bool bias = w.fc1_bias.defined();
+  const nn::Linear fc1 = d.linear("mlp.experts.linear_fc1"), fc2 = d.linear("mlp.experts.linear_fc2");
   int64_t o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
     if (n[e] == 0) continue;
     Tensor h = v.h.slice(0, o, o + n[e]);
-    ops::gemm(h, x.slice(0, o, o + n[e]), false, w.fc1.select(0, e), true, 1.0f, 0.0f, ctx);
+    nn::linear_fprop(h, x.slice(0, o, o + n[e]), w.fc1.select(0, e), 1.0f, 0.0f, fc1, ctx);
     if (bias) ops::bias_add(h, w.fc1_bias.select(0, e), ctx);
     o += n[e];
   }
@@ -174,7 +177,7 @@ void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs,
   for (int64_t e = 0; e < d.E; ++e) {
     if (n[e] == 0) continue;
     Tensor ye = y.slice(0, o, o + n[e]);
-    ops::gemm(ye, v.a.slice(0, o, o + n[e]), false, w.fc2.select(0, e), true, 1.0f, 0.0f, ctx);
+    nn::linear_fprop(ye, v.a.slice(0, o, o + n[e]), w.fc2.select(0, e), 1.0f, 0.0f, fc2, ctx);
     o += n[e];
   }
   if (bias && d.adds_fc2_bias) ops::bias_add_grouped_scaled(y, w.fc2_bias, probs, tokens_per_expert, ctx);
@@ -193,11 +196,12 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
   if (bias)
     ops::bias_grad_grouped_scaled(g.fc2_bias, b2_term ? dprobs : no_term, dy, w.fc2_bias, probs, tokens_per_expert,
                                   ctx);
+  const nn::Linear fc1 = d.linear("mlp.experts.linear_fc1"), fc2 = d.linear("mlp.experts.linear_fc2");
   int64_t o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
     if (n[e] == 0) continue;
     Tensor da = v.da.slice(0, o, o + n[e]);
-    ops::gemm(da, dy.slice(0, o, o + n[e]), false, w.fc2.select(0, e), false, 1.0f, 0.0f, ctx);
+    nn::linear_dgrad(da, dy.slice(0, o, o + n[e]), w.fc2.select(0, e), 1.0f, 0.0f, fc2, ctx);
     o += n[e];
   }
   // Row-wise again: dprobs, dL/dact and the recomputed a for all experts' rows in one pass.
@@ -214,13 +218,13 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
     const Tensor xe = x.slice(0, o, o + n[e]), dye = dy.slice(0, o, o + n[e]), a = v.a.slice(0, o, o + n[e]);
     Tensor dhe = v.dh.slice(0, o, o + n[e]), dxe = dx.slice(0, o, o + n[e]);
     Tensor g1 = g.fc1.select(0, e), g2 = g.fc2.select(0, e);
-    ops::gemm(g2, dye, true, a, false, 1.0f, 1.0f, ctx);
+    nn::linear_wgrad(g2, dye, a, 1.0f, 1.0f, fc2, ctx);
     if (bias) {
       Tensor gb1 = g.fc1_bias.select(0, e);
       ops::bias_grad(gb1, dhe, ctx);
     }
-    ops::gemm(g1, dhe, true, xe, false, 1.0f, 1.0f, ctx);
-    ops::gemm(dxe, dhe, false, w.fc1.select(0, e), false, 1.0f, 0.0f, ctx);
+    nn::linear_wgrad(g1, dhe, xe, 1.0f, 1.0f, fc1, ctx);
+    nn::linear_dgrad(dxe, dhe, w.fc1.select(0, e), 1.0f, 0.0f, fc1, ctx);
     o += n[e];
   }
 }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "moecore/kernels/ops.h"
+#include "moecore/nn/fp8.h"
 
 namespace moecore::moe {
 
@@ -32,8 +33,11 @@ struct ExpertDims {
   // output before it reads the cache's act, so that buffer may be shared (by every layer of a model).
   bool recompute_act = false;
   DType compute = DType::f32;
-  Device device = Device::cpu;  // where the caches live
+  Device device = Device::cpu;         // where the caches live
+  const nn::Fp8Config* fp8 = nullptr;  // the experts' GEMMs run FP8 under this recipe (nn/fp8.h); null: not
+  std::string_view layer{};            // the layer's parameter prefix, naming the GEMMs in errors
   int64_t fc1_rows() const { return act.fc1_width(F); }
+  nn::Linear linear(const char* name) const { return {fp8, layer, name}; }
 };
 
 // Biases are optional (undefined: none, bitwise the bias-free layer); give both or neither.
@@ -82,6 +86,13 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
 
 // Shared expert (spec §8): a dense MLP on every token, optionally scaled per token by sigmoid(x . gate).
 // No biases: Megatron's SharedExpertMLP asserts add_bias_linear == False, and its gate is bias-free.
+// The shared expert's activation and, with FP8, its linears' recipe and layer prefix (as ExpertDims's).
+struct SharedExpertDims {
+  ops::MlpActivation act;
+  const nn::Fp8Config* fp8 = nullptr;
+  std::string_view layer{};
+  nn::Linear linear(const char* name) const { return {fp8, layer, name}; }
+};
 struct SharedExpertWeights {
   Tensor fc1;   // [fc1_rows(Fs), H] compute
   Tensor fc2;   // [H, Fs] compute
@@ -101,13 +112,13 @@ SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bo
                                             Device device = Device::cpu);
 // y [T, H] f32 += shared expert output of x [T, H] compute.
 void shared_expert_forward(Tensor& y, const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache,
-                           const ops::MlpActivation& act, const ops::Context& ctx);
+                           const SharedExpertDims& d, const ops::Context& ctx);
 // Selective recompute (shared_experts): cache.h and cache.act again from x, as forward computes them.
 void shared_expert_refill(const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache,
-                          const ops::MlpActivation& act, const ops::Context& ctx);
+                          const SharedExpertDims& d, const ops::Context& ctx);
 // dy [T, H] f32; dx [T, H] f32 +=; grads +=.
 void shared_expert_backward(Tensor& dx, SharedExpertGrads& g, const Tensor& dy, const Tensor& x,
-                            const SharedExpertWeights& w, SharedExpertCache& cache, const ops::MlpActivation& act,
+                            const SharedExpertWeights& w, SharedExpertCache& cache, const SharedExpertDims& d,
                             const ops::Context& ctx);
 
 }  // namespace moecore::moe

@@ -22,6 +22,8 @@ ExpertDims expert_dims(const MoeLayerDims& d, const MoeConfig& cfg, int64_t max_
   e.max_rows = max_rows;
   e.compute = d.compute;
   e.device = d.device;
+  e.fp8 = d.fp8;
+  e.layer = d.layer;
   return e;
 }
 
@@ -145,6 +147,10 @@ MoeLayerCache moe_layer_cache_alloc(const MoeLayerDims& d, const MoeConfig& cfg,
     }
   }
   return c;
+}
+
+SharedExpertDims shared_expert_dims(const MoeLayerDims& d, const MoeConfig& cfg) {
+  return {cfg.activation(), d.fp8, d.layer};
 }
 
 int64_t moe_layer_received_rows(const MoeLayerDims& d, const MoeConfig& cfg) {
@@ -286,7 +292,7 @@ void moe_layer_forward(Tensor& y, const Tensor& x, const Tensor& padding_mask, c
   dispatcher.combine_prepare(b, ctx);
   dispatcher.combine(b, y, ctx);
   dispatcher.combine_finish(b, y, ctx);
-  if (d.Fs > 0) shared_expert_forward(y, x, w.shared, c.shared, cfg.activation(), ctx);
+  if (d.Fs > 0) shared_expert_forward(y, x, w.shared, c.shared, shared_expert_dims(d, cfg), ctx);
 }
 
 void moe_layer_backward(Tensor& dx, MoeLayerGrads& g, const Tensor& dy, const Tensor& x, const MoeLayerWeights& w,
@@ -320,7 +326,7 @@ void moe_layer_backward(Tensor& dx, MoeLayerGrads& g, const Tensor& dy, const Te
   // route, in reverse
   router_backward(dx, g.router, g.router_bias, c.dprobs, x, w.router, c.router, router_dims(d, cfg), cfg,
                   aux_grad_scale, ctx);
-  if (d.Fs > 0) shared_expert_backward(dx, g.shared, dy, x, w.shared, c.shared, cfg.activation(), ctx);
+  if (d.Fs > 0) shared_expert_backward(dx, g.shared, dy, x, w.shared, c.shared, shared_expert_dims(d, cfg), ctx);
 }
 
 }  // namespace moecore::moe

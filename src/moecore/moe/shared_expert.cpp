@@ -46,30 +46,31 @@ SharedExpertCache shared_expert_cache_alloc(int64_t T, int64_t H, int64_t Fs, bo
 }
 
 void shared_expert_forward(Tensor& y, const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache,
-                           const ops::MlpActivation& act, const ops::Context& ctx) {
-  check_shared("shared_expert_forward", x, w, cache, act.glu);
+                           const SharedExpertDims& d, const ops::Context& ctx) {
+  check_shared("shared_expert_forward", x, w, cache, d.act.glu);
   if (!(y.shape() == x.shape()) || y.dtype() != DType::f32 || !y.is_contiguous())
     MOECORE_FAIL("shared_expert_forward: y must be a contiguous ", x.shape().str(), " f32 tensor, got ", y.str());
-  shared_expert_refill(x, w, cache, act, ctx);
+  shared_expert_refill(x, w, cache, d, ctx);
+  const nn::Linear fc2 = d.linear("mlp.shared_experts.linear_fc2");
   if (!w.gate.defined()) {
-    ops::gemm(y, cache.act, false, w.fc2, true, 1.0f, 1.0f, ctx);
+    nn::linear_fprop(y, cache.act, w.fc2, 1.0f, 1.0f, fc2, ctx);
     return;
   }
-  ops::gemm(cache.out, cache.act, false, w.fc2, true, 1.0f, 0.0f, ctx);
+  nn::linear_fprop(cache.out, cache.act, w.fc2, 1.0f, 0.0f, fc2, ctx);
   Tensor gate = w.gate.view({x.size(1)});
   ops::moe_shared_gate_forward(y, cache.gate_s, x, gate, cache.out, ctx);
 }
 
 void shared_expert_refill(const Tensor& x, const SharedExpertWeights& w, SharedExpertCache& cache,
-                          const ops::MlpActivation& act, const ops::Context& ctx) {
-  ops::gemm(cache.h, x, false, w.fc1, true, 1.0f, 0.0f, ctx);
-  ops::mlp_activation_forward(cache.act, cache.h, act, ctx);
+                          const SharedExpertDims& d, const ops::Context& ctx) {
+  nn::linear_fprop(cache.h, x, w.fc1, 1.0f, 0.0f, d.linear("mlp.shared_experts.linear_fc1"), ctx);
+  ops::mlp_activation_forward(cache.act, cache.h, d.act, ctx);
 }
 
 void shared_expert_backward(Tensor& dx, SharedExpertGrads& g, const Tensor& dy, const Tensor& x,
-                            const SharedExpertWeights& w, SharedExpertCache& cache, const ops::MlpActivation& act,
+                            const SharedExpertWeights& w, SharedExpertCache& cache, const SharedExpertDims& d,
                             const ops::Context& ctx) {
-  check_shared("shared_expert_backward", x, w, cache, act.glu);
+  check_shared("shared_expert_backward", x, w, cache, d.act.glu);
   const int64_t H = x.size(1);
   if (!(dy.shape() == x.shape()) || dy.dtype() != DType::f32 || !dy.is_contiguous() || !(dx.shape() == x.shape()) ||
       dx.dtype() != DType::f32 || !dx.is_contiguous())
@@ -87,11 +88,12 @@ void shared_expert_backward(Tensor& dx, SharedExpertGrads& g, const Tensor& dy, 
     cache.dout_c.copy_from(dy);
     dout = &cache.dout_c;
   }
-  ops::gemm(cache.dact, *dout, false, w.fc2, false, 1.0f, 0.0f, ctx);
-  ops::gemm(g.fc2, *dout, true, cache.act, false, 1.0f, 1.0f, ctx);
-  ops::mlp_activation_backward(cache.dh, cache.dact, cache.h, act, ctx);
-  ops::gemm(g.fc1, cache.dh, true, x, false, 1.0f, 1.0f, ctx);
-  ops::gemm(dx, cache.dh, false, w.fc1, false, 1.0f, 1.0f, ctx);
+  const nn::Linear fc1 = d.linear("mlp.shared_experts.linear_fc1"), fc2 = d.linear("mlp.shared_experts.linear_fc2");
+  nn::linear_dgrad(cache.dact, *dout, w.fc2, 1.0f, 0.0f, fc2, ctx);
+  nn::linear_wgrad(g.fc2, *dout, cache.act, 1.0f, 1.0f, fc2, ctx);
+  ops::mlp_activation_backward(cache.dh, cache.dact, cache.h, d.act, ctx);
+  nn::linear_wgrad(g.fc1, cache.dh, x, 1.0f, 1.0f, fc1, ctx);
+  nn::linear_dgrad(dx, cache.dh, w.fc1, 1.0f, 1.0f, fc1, ctx);
 }
 
 }  // namespace moecore::moe

@@ -108,19 +108,19 @@ int64_t dense_layer_workspace_bytes(const DenseLayerDims& d, bool with_attention
 }
 
 void linear_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight, const Tensor& bias,
-                             Tensor& out_f32, const ops::Dropout& drop, const ops::Context& ctx) {
+                             Tensor& out_f32, const Linear& l, const ops::Dropout& drop, const ops::Context& ctx) {
   if (drop.active()) {
-    ops::gemm(out_f32, a, false, weight, true, 1.0f, 0.0f, ctx);
+    linear_fprop(out_f32, a, weight, 1.0f, 0.0f, l, ctx);
     ops::bias_dropout_add(y, x, out_f32, bias, drop, ctx);
     return;
   }
   if (!y.same_data(x)) y.copy_from(x);
   if (bias.defined()) ops::bias_add(y, bias, ctx);
-  ops::gemm(y, a, false, weight, true, 1.0f, 1.0f, ctx);
+  linear_fprop(y, a, weight, 1.0f, 1.0f, l, ctx);
 }
 
 void linear_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const Tensor& dy, Tensor& dy_c,
-                              const Tensor& a, const Tensor& weight, const ops::Dropout& drop,
+                              const Tensor& a, const Tensor& weight, const Linear& l, const ops::Dropout& drop,
                               const ops::Context& ctx) {
   const Tensor* g = &dy;
   if (drop.active()) {
@@ -133,8 +133,8 @@ void linear_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const 
       g = &dy_c;
     }
   }
-  ops::gemm(da, *g, false, weight, false, 1.0f, 0.0f, ctx);
-  ops::gemm(dweight, *g, true, a, false, 1.0f, 1.0f, ctx);
+  linear_dgrad(da, *g, weight, 1.0f, 0.0f, l, ctx);
+  linear_wgrad(dweight, *g, a, 1.0f, 1.0f, l, ctx);
 }
 
 namespace {
@@ -175,20 +175,20 @@ Tensor reduce_partial(DenseLayerWorkspace& ws, const DenseLayerDims& d) {
 
 void row_parallel_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight,
                                    const Tensor& bias, DenseLayerWorkspace& ws, const DenseLayerDims& d,
-                                   const ops::Dropout& drop, const ops::Context& ctx) {
+                                   const Linear& l, const ops::Dropout& drop, const ops::Context& ctx) {
   if (!tensor_parallel(d)) {
-    linear_residual_forward(y, x, a, weight, bias, ws.dh, drop, ctx);
+    linear_residual_forward(y, x, a, weight, bias, ws.dh, l, drop, ctx);
     return;
   }
-  ops::gemm(ws.dh, a, false, weight, true, 1.0f, 0.0f, ctx);
+  linear_fprop(ws.dh, a, weight, 1.0f, 0.0f, l, ctx);
   ops::bias_dropout_add(y, x, reduce_partial(ws, d), bias, drop, ctx);
 }
 
 void row_parallel_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const Tensor& dy, const Tensor& a,
                                     const Tensor& weight, DenseLayerWorkspace& ws, const DenseLayerDims& d,
-                                    const ops::Dropout& drop, const ops::Context& ctx) {
+                                    const Linear& l, const ops::Dropout& drop, const ops::Context& ctx) {
   if (!tensor_parallel(d)) {
-    linear_residual_backward(da, dweight, dbias, dy, ws.dres_c, a, weight, drop, ctx);
+    linear_residual_backward(da, dweight, dbias, dy, ws.dres_c, a, weight, l, drop, ctx);
     return;
   }
   ops::bias_dropout_add_backward(ws.dres_c, dbias, dy, drop, ctx);
@@ -197,18 +197,18 @@ void row_parallel_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, 
     all_gather_into(by_sequence(ws.dres_full, d), by_sequence(ws.dres_c, d), 1, *d.tp);
     g = &ws.dres_full;
   }
-  ops::gemm(da, *g, false, weight, false, 1.0f, 0.0f, ctx);
-  ops::gemm(dweight, *g, true, a, false, 1.0f, 1.0f, ctx);
+  linear_dgrad(da, *g, weight, 1.0f, 0.0f, l, ctx);
+  linear_wgrad(dweight, *g, a, 1.0f, 1.0f, l, ctx);
 }
 
 namespace {
 // The input gradient of column-parallel GEMMs fed by a norm (dres += norm'(reduce(g @ W))): g [T, out] compute,
 // weight [out, H]; the partial product is reduced over the group first.
 void column_parallel_norm_backward(Tensor& dres, Tensor& dw_norm, Tensor& db_norm, const Tensor& g,
-                                   const Tensor& weight, const Tensor& x, const Tensor& w_norm, const Tensor& b_norm,
-                                   const Tensor& mean, const Tensor& rstd, DenseLayerWorkspace& ws,
-                                   const DenseLayerDims& d, const ops::Context& ctx) {
-  ops::gemm(ws.dh, g, false, weight, false, 1.0f, 0.0f, ctx);
+                                   const Tensor& weight, const Linear& l, const Tensor& x, const Tensor& w_norm,
+                                   const Tensor& b_norm, const Tensor& mean, const Tensor& rstd,
+                                   DenseLayerWorkspace& ws, const DenseLayerDims& d, const ops::Context& ctx) {
+  linear_dgrad(ws.dh, g, weight, 1.0f, 0.0f, l, ctx);
   const Tensor dnorm = reduce_partial(ws, d);
   norm_backward(dres, dw_norm, db_norm, dnorm, x, w_norm, b_norm, mean, rstd, true, ctx);
 }
@@ -305,13 +305,14 @@ void attention_block_forward(const Tensor& x, const DenseLayerWeights& w, DenseL
                              const Tensor& rope, const DenseLayerDims& d, const LayerDropout& drop,
                              const ops::Context& ctx) {
   norm_to_gemm_input(k.h1, k.mean1, k.rstd1, x, w.input_norm, w.input_norm_bias, ws, d, ctx);
-  ops::gemm(k.qkv, k.h1, false, w.qkv, true, 1.0f, 0.0f, ctx);
+  linear_fprop(k.qkv, k.h1, w.qkv, 1.0f, 0.0f, d.linear("self_attention.linear_qkv"), ctx);
   if (w.qkv_bias.defined()) ops::bias_add(k.qkv, w.qkv_bias, ctx);
   if (d.qk_norm) qk_norm_forward(k, w, ws, d, ctx);
   Tensor qkv = bsw(k.qkv, d), attn = bsw(k.attn, d);
   if (d.rope) ops::rope_forward(qkv, rope, d.qkv, ctx);
   attention_forward(attn, k.lse, qkv, d.qkv, drop.attention, attention_options(w, d), d.cp, ws.cp, ctx);
-  row_parallel_residual_forward(k.x_mid, x, k.attn, w.proj, w.proj_bias, ws, d, drop.attn_out, ctx);
+  row_parallel_residual_forward(k.x_mid, x, k.attn, w.proj, w.proj_bias, ws, d, d.linear("self_attention.linear_proj"),
+                                drop.attn_out, ctx);
 }
 
 void mlp_norm_forward(const DenseLayerWeights& w, DenseLayerCache& k, const DenseLayerDims& d,
@@ -339,7 +340,7 @@ void core_attention_refill(const DenseLayerWeights& w, DenseLayerCache& k, Dense
 }
 
 void mlp_refill(const DenseLayerWeights& w, DenseLayerCache& k, const DenseLayerDims& d, const ops::Context& ctx) {
-  ops::gemm(k.fc1, k.h2, false, w.fc1, true, 1.0f, 0.0f, ctx);
+  linear_fprop(k.fc1, k.h2, w.fc1, 1.0f, 0.0f, d.linear("mlp.linear_fc1"), ctx);
   if (w.fc1_bias.defined()) ops::bias_add(k.fc1, w.fc1_bias, ctx);
   ops::mlp_activation_forward(k.act, k.fc1, d.act, ctx);
 }
@@ -355,7 +356,8 @@ void mlp_block_forward(Tensor& y, const DenseLayerWeights& w, DenseLayerCache& k
                        const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
   norm_to_gemm_input(k.h2, k.mean2, k.rstd2, k.x_mid, w.mlp_norm, w.mlp_norm_bias, ws, d, ctx);
   mlp_refill(w, k, d, ctx);  // fc1 and its activation
-  row_parallel_residual_forward(y, k.x_mid, k.act, w.fc2, w.fc2_bias, ws, d, drop.mlp_out, ctx);
+  row_parallel_residual_forward(y, k.x_mid, k.act, w.fc2, w.fc2_bias, ws, d, d.linear("mlp.linear_fc2"), drop.mlp_out,
+                                ctx);
 }
 
 void mlp_norm_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& dh2, const DenseLayerWeights& w,
@@ -367,15 +369,17 @@ void mlp_norm_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& dh2, cons
 void attention_block_backward(Tensor& dres, DenseLayerGrads& g, const Tensor& x, const DenseLayerWeights& w,
                               const DenseLayerCache& k, DenseLayerWorkspace& ws, const Tensor& rope,
                               const DenseLayerDims& d, const LayerDropout& drop, const ops::Context& ctx) {
-  row_parallel_residual_backward(ws.dattn, g.proj, g.proj_bias, dres, k.attn, w.proj, ws, d, drop.attn_out, ctx);
+  row_parallel_residual_backward(ws.dattn, g.proj, g.proj_bias, dres, k.attn, w.proj, ws, d,
+                                 d.linear("self_attention.linear_proj"), drop.attn_out, ctx);
   Tensor dqkv = bsw(ws.dqkv, d);
   attention_backward(dqkv, g.softmax_offset.defined() ? &g.softmax_offset : nullptr, bsw(ws.dattn, d), bsw(k.qkv, d),
                      bsw(k.attn, d), k.lse, d.qkv, drop.attention, attention_options(w, d), d.cp, ws.cp, ctx);
   if (d.rope) ops::rope_backward(dqkv, rope, d.qkv, ctx);
   if (d.qk_norm) qk_norm_backward(ws.dqkv, g, k, w, ws, d, ctx);
   if (g.qkv_bias.defined()) ops::bias_grad(g.qkv_bias, ws.dqkv, ctx);
-  ops::gemm(g.qkv, ws.dqkv, true, k.h1, false, 1.0f, 1.0f, ctx);
-  column_parallel_norm_backward(dres, g.input_norm, g.input_norm_bias, ws.dqkv, w.qkv, x, w.input_norm,
+  const Linear qkv = d.linear("self_attention.linear_qkv");
+  linear_wgrad(g.qkv, ws.dqkv, k.h1, 1.0f, 1.0f, qkv, ctx);
+  column_parallel_norm_backward(dres, g.input_norm, g.input_norm_bias, ws.dqkv, w.qkv, qkv, x, w.input_norm,
                                 w.input_norm_bias, k.mean1, k.rstd1, ws, d, ctx);
 }
 
@@ -391,12 +395,14 @@ void mlp_block_backward(Tensor& dres, DenseLayerGrads& g, const DenseLayerWeight
                         DenseLayerWorkspace& ws, const DenseLayerDims& d, const LayerDropout& drop,
                         const ops::Context& ctx) {
   // MLP block, in reverse: dres is dL/dy here.
-  row_parallel_residual_backward(ws.dact, g.fc2, g.fc2_bias, dres, k.act, w.fc2, ws, d, drop.mlp_out, ctx);
+  row_parallel_residual_backward(ws.dact, g.fc2, g.fc2_bias, dres, k.act, w.fc2, ws, d, d.linear("mlp.linear_fc2"),
+                                 drop.mlp_out, ctx);
   ops::mlp_activation_backward(ws.dfc1, ws.dact, k.fc1, d.act, ctx);
   if (g.fc1_bias.defined()) ops::bias_grad(g.fc1_bias, ws.dfc1, ctx);
-  ops::gemm(g.fc1, ws.dfc1, true, k.h2, false, 1.0f, 1.0f, ctx);
-  column_parallel_norm_backward(dres, g.mlp_norm, g.mlp_norm_bias, ws.dfc1, w.fc1, k.x_mid, w.mlp_norm, w.mlp_norm_bias,
-                                k.mean2, k.rstd2, ws, d, ctx);
+  const Linear fc1 = d.linear("mlp.linear_fc1");
+  linear_wgrad(g.fc1, ws.dfc1, k.h2, 1.0f, 1.0f, fc1, ctx);
+  column_parallel_norm_backward(dres, g.mlp_norm, g.mlp_norm_bias, ws.dfc1, w.fc1, fc1, k.x_mid, w.mlp_norm,
+                                w.mlp_norm_bias, k.mean2, k.rstd2, ws, d, ctx);
 }
 
 }  // namespace moecore::nn

@@ -23,6 +23,7 @@
 #pragma once
 #include "moecore/kernels/ops.h"
 #include "moecore/nn/context_parallel.h"
+#include "moecore/nn/fp8.h"
 #include "moecore/parallel/comm.h"
 
 namespace moecore::nn {
@@ -48,6 +49,9 @@ struct DenseLayerDims {
   bool sequence_parallel = false;    // --sequence-parallel (needs tp)
   const ProcessGroup* cp = nullptr;  // the context-parallel group (nn/context_parallel.h; null or one rank: none):
                                      // qkv.S is then this rank's S / CP positions of each sequence
+  const Fp8Config* fp8 = nullptr;    // this layer's linears run FP8 under this recipe (nn/fp8.h); null: not
+  std::string_view layer{};          // the layer's parameter prefix ("decoder.layers.3."): names its linears
+  Linear linear(const char* name) const { return {fp8, layer, name}; }
   int64_t fc1_rows() const { return act.fc1_width(F); }
   int64_t tokens() const { return qkv.B * qkv.S; }  // rows of the GEMMs' activations (the whole micro-batch)
   int tp_size() const { return tp ? tp->size() : 1; }
@@ -202,17 +206,18 @@ Tensor reduce_partial(DenseLayerWorkspace& ws, const DenseLayerDims& d);
 // under sequence parallelism); dbias += the column sums of this rank's rows of g (the caller sums it over the group).
 void row_parallel_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight,
                                    const Tensor& bias, DenseLayerWorkspace& ws, const DenseLayerDims& d,
-                                   const ops::Dropout& drop, const ops::Context& ctx);
+                                   const Linear& l, const ops::Dropout& drop, const ops::Context& ctx);
 void row_parallel_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const Tensor& dy, const Tensor& a,
                                     const Tensor& weight, DenseLayerWorkspace& ws, const DenseLayerDims& d,
-                                    const ops::Dropout& drop, const ops::Context& ctx);
+                                    const Linear& l, const ops::Dropout& drop, const ops::Context& ctx);
 
 // The residual update of a block, Megatron's bias-dropout-add: y = x + dropout(a @ W^T + b). out_f32 [N, H]
 // is scratch (used only with dropout). Backward: dW += da_in^T a, da = da_in @ W, db += sums of da_in, with
 // da_in = dropout'(dy) in the compute dtype (written into dy_c, or dy itself when no cast is needed).
 void linear_residual_forward(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& weight, const Tensor& bias,
-                             Tensor& out_f32, const ops::Dropout& drop, const ops::Context& ctx);
+                             Tensor& out_f32, const Linear& l, const ops::Dropout& drop, const ops::Context& ctx);
 void linear_residual_backward(Tensor& da, Tensor& dweight, Tensor& dbias, const Tensor& dy, Tensor& dy_c,
-                              const Tensor& a, const Tensor& weight, const ops::Dropout& drop, const ops::Context& ctx);
+                              const Tensor& a, const Tensor& weight, const Linear& l, const ops::Dropout& drop,
+                              const ops::Context& ctx);
 
 }  // namespace moecore::nn

@@ -1,7 +1,7 @@
 // Multi-head latent attention (MLA, DeepSeek-V2/V3; Megatron's MLASelfAttention): explicit forward and backward of
 // the attention half of a layer, x_mid = x + dropout(proj(attention(q, k, v))) with h = norm1(x) and
 //   q  = h Wq^T                        or  q = norm_q(h Wq_down^T) Wq_up^T        (q_lora_rank > 0)   [T, nh(dn+dr)]
-//   c  = norm_kv(h Wkv_down[:kvr]^T),  k_pe = h Wkv_down[kvr:]^T                                    [T, kvr], [T, dr]
+//   [c' | k_pe] = h Wkv_down^T, c = norm_kv(c')  (one linear, as Megatron's linear_kv_down_proj)  [T, kvr], [T, dr]
 //   kv = c Wkv_up^T                                                                                 [T, nh(dn+dv)]
 // per head: q = [q_nope | q_pe], k = [k_nope | k_pe] (k_pe shared by the heads), v; RoPE on q_pe and k_pe;
 // softmax scale softmax_scale_mult / sqrt(dn + dr). norm_q / norm_kv are the model's norm over the latent (Megatron:
@@ -58,7 +58,8 @@ struct MlaCache {
   Tensor qa;                // [T, q_lora] f32: q down-projection (norm input)
   Tensor qa_mean, qa_rstd;  // [T] f32
   Tensor qa_n;              // [T, q_lora] compute: its norm
-  Tensor c;                 // [T, kvr] f32: kv down-projection (norm input)
+  Tensor c;                 // [T, kvr] f32: kv down-projection's latent columns (norm input)
+  Tensor k_pe;              // [T, dr] compute: its RoPE columns, before RoPE
   Tensor c_mean, c_rstd;    // [T] f32
   Tensor c_n;               // [T, kvr] compute: its norm
   Tensor qkv;               // [T, nh * 3 * D] compute: the kernel's input after RoPE (v padded)
@@ -70,7 +71,9 @@ struct MlaCache {
 struct MlaWorkspace {
   Tensor q;                     // [T, nh(dn+dr)] compute: q (forward), dq (backward)
   Tensor kv;                    // [T, nh(dn+dv)] compute: kv, dkv
-  Tensor k_pe;                  // [T, dr] compute: k_pe, dk_pe (before RoPE)
+  Tensor kv_down;               // [T, kvr + dr] f32: the kv down-projection's output (forward)
+  Tensor dkv_down;              // [T, kvr + dr] compute: its gradient [dc | dk_pe] (backward)
+  Tensor k_pe;                  // [T, dr] compute: dk_pe
   Tensor dqkv;                  // [T, nh * 3 * D] compute
   Tensor dattn;                 // [T, nh * D] compute (pad columns stay 0)
   Tensor dattn_v;               // [T, nh * dv] compute
@@ -88,9 +91,10 @@ int64_t mla_workspace_bytes(const MlaDims& d, DType compute);
 
 // The up projections (Megatron's mla_up_proj): mc.qkv, the attention kernel's input after RoPE, from h1 (the input
 // norm's output) and the kept latents -- forward computes it with this function, and selective recompute of
-// mla_up_proj again before the backward (so mc.qkv may be shared by the layers). Uses mw.q, mw.kv, mw.k_pe.
+// mla_up_proj again before the backward (so mc.qkv may be shared by the layers). Uses mw.q and mw.kv; k_pe comes from
+// the cache (the down-projection's). d: the layer's (its linears' FP8 recipe and name).
 void mla_up_refill(const Tensor& h1, const MlaWeights& m, MlaCache& mc, MlaWorkspace& mw, const Tensor& rope,
-                   const MlaDims& md, const ops::Context& ctx);
+                   const DenseLayerDims& d, const MlaDims& md, const ops::Context& ctx);
 // x [N, H] f32 -> k.x_mid (dense cache: h1 and its norm statistics, x_mid). w: the layer's input norm, proj
 // (+bias); m: the MLA weights. rope [S, dr] f32 (the rotary table, YaRN-scaled when configured).
 void mla_block_forward(const Tensor& x, const DenseLayerWeights& w, const MlaWeights& m, DenseLayerCache& k,

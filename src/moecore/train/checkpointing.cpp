@@ -383,6 +383,15 @@ json parse_state(std::string_view state_json, const std::string& dir) {
 }
 }  // namespace
 
+namespace {
+// The FP8 flags of a config, as state.json records them ("" without FP8).
+std::string fp8_flags(const model::ModelConfig& c) {
+  if (!c.fp8.on) return "";
+  return std::string("--fp8-format ") + nn::fp8_format_name(c.fp8.format) + " --fp8-recipe " +
+         nn::fp8_recipe_name(c.fp8.recipe);
+}
+}  // namespace
+
 TrainStateJson train_state_parse(std::string_view state_json, const std::string& dir) {
   const json state = parse_state(state_json, dir);
   TrainStateJson t;
@@ -401,6 +410,10 @@ TrainStateJson train_state_parse(std::string_view state_json, const std::string&
     } catch (const Error& e) {
       bad_field(dir, "optimizer", e.what());
     }
+  }
+  if (state.contains("fp8")) {
+    if (!state["fp8"].is_string()) bad_field(dir, "fp8", "is not a string");
+    t.fp8 = state["fp8"].get<std::string>();
   }
   if (state.contains("muon_scalar_optimizer")) {
     if (!state["muon_scalar_optimizer"].is_string()) bad_field(dir, "muon_scalar_optimizer", "is not a string");
@@ -592,6 +605,7 @@ CheckpointSaveInFlight checkpoint_save_begin(const std::string& root, const mode
     if (options.scheduler) state["opt_param_scheduler"] = scheduler_to_json(*options.scheduler);
     if (options.grad_scaler) state["grad_scaler"] = grad_scaler_to_json(*options.grad_scaler);
   }
+  if (!fp8_flags(gpt.config()).empty()) state["fp8"] = fp8_flags(gpt.config());
   if (options.save_rng) state["router_calls"] = calls;
   if (g.pp.size() > 1) state["pipeline_model_parallel_size"] = g.pp.size();
   if (!options.hf_config_json.empty()) state["hf_config_json"] = options.hf_config_json;
@@ -925,6 +939,10 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
       if (s.per_param.size() != params)
         MOECORE_FAIL("checkpoint: the optimizer state has ", s.per_param.size(), " ", s.key, " tensors for ", params,
                      " parameters");
+  const std::string fp8 = fp8_flags(gpt.config());
+  if (!state.fp8.empty() && !fp8.empty() && state.fp8 != fp8)
+    MOECORE_FAIL("checkpoint: ", ck.dir, " was trained with ", state.fp8, " but this run uses ", fp8,
+                 "; give the checkpoint's FP8 flags (a run may switch FP8 on or off, not change its recipe)");
   if (load_optim && state.optimizer != opt.optimizer)
     MOECORE_FAIL("checkpoint: ", ck.dir, " holds the state of --optimizer ", enum_name(state.optimizer),
                  " but this run uses --optimizer ", enum_name(opt.optimizer),

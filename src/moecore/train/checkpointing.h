@@ -247,6 +247,7 @@ struct TrainStateJson {
   std::optional<OptParamSchedulerState> scheduler;               // "opt_param_scheduler", when saved
   std::optional<GradScalerState> grad_scaler;        // "grad_scaler" (the dynamic loss scaler's), when saved
   std::optional<std::vector<int64_t>> router_calls;  // per layer, >= 0; absent: saved with --no-save-rng
+  std::string fp8;  // "fp8": "--fp8-format F --fp8-recipe R" of an FP8 run (absent: "", trained without FP8)
 };
 TrainStateJson train_state_parse(std::string_view state_json, const std::string& dir);
 

@@ -30,6 +30,26 @@ MOECORE_HD_FORCEINLINE float value_of(uint8_t q, bool e5m2) {
   return e5m2 ? dc::f8e5m2_to_float(q) : dc::f8e4m3_to_float(q);
 }
 
+// value_of(cast(x, e5m2)) without the byte: x rounded to the nearest FP8 value (ties to even, subnormals included),
+// saturating to +-max (infinities too), NaN kept -- branch-light, so that loops over it vectorise.
+MOECORE_HD_FORCEINLINE float round_to(float x, bool e5m2) {
+  const float max = max_of(e5m2);
+  const float a = x < 0.0f ? -x : x;
+  float r;
+  if (!(a < max)) {
+    r = dc::is_nan(a) ? a : max;
+  } else if (a >= (e5m2 ? 0x1p-14f : 0x1p-6f)) {  // normal: round the f32 mantissa to 2 or 3 bits
+    const int shift = e5m2 ? 21 : 20;
+    uint32_t bits = dc::bits_of(a);
+    bits += (1u << (shift - 1)) - 1u + ((bits >> shift) & 1u);
+    r = dc::float_of(bits & ~((1u << shift) - 1u));
+  } else {  // subnormal: an addend whose f32 ulp is the FP8 quantum (2^-16, 2^-9) makes the FPU round
+    const float magic = e5m2 ? 0x1p7f : 0x1p14f;
+    r = (a + magic) - magic;
+  }
+  return (dc::bits_of(x) >> 31) ? -r : r;
+}
+
 // TE's compute_scale_from_amax (common/recipe/recipe_common.cuh): amax below eps becomes eps; an amax of 0, infinity
 // or NaN gives 1; else fp8_max / amax rounded to f32, an infinite quotient replaced by inf_scale; pow2 keeps the
 // exponent only (rounds down to a power of two). (The blockwise recipe: pow2, inf_scale the input dtype's largest

@@ -1,0 +1,248 @@
+// CPU FP8 GEMMs (ops_fp8.h): each operand quantised and dequantised into a scratch copy in its own dtype -- the FP8
+// values themselves for a per-tensor scale (which then multiplies alpha), the values times their block's power-of-two
+// scale_inv otherwise, both exact in f32 and bf16 -- then the plain GEMM on the copies. Blocks are computed whole by
+// one thread (a per-tensor amax is a max, which no thread split changes), so any thread count gives the same bits.
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <vector>
+
+#include "moecore/kernels/common/fp8.h"
+#include "moecore/kernels/cpu/cpu_util.h"
+#include "moecore/kernels/ops_fp8.h"
+
+namespace moecore::ops {
+namespace {
+
+using cpu::ld;
+using cpu::st;
+
+// What quantising one operand found: its scale_inv when the operand is one block (else 1: the copy carries the
+// scales), its amax, and whether every element was finite.
+struct Quantized {
+  float scale_inv = 1.0f;
+  float amax = 0.0f;
+  bool finite = true;
+};
+
+struct BlockScale {
+  float scale, inv;
+};
+
+BlockScale scale_of(float amax, bool e5m2, const Fp8Operand& p) {
+  switch (p.rule) {
+    case Fp8ScaleRule::given:
+      return {p.scale, 1.0f / p.scale};
+    case Fp8ScaleRule::current:
+    case Fp8ScaleRule::current_pow2: {
+      const float s =
+          fp8::scale_from_amax(amax, fp8::max_of(e5m2), p.rule == Fp8ScaleRule::current_pow2, 0.0f, p.inf_scale);
+      return {s, 1.0f / s};
+    }
+    case Fp8ScaleRule::mx: {
+      const uint8_t e = fp8::e8m0_of_amax(amax, e5m2);
+      return {fp8::e8m0_scale(e), fp8::e8m0_value(e)};
+    }
+  }
+  return {1.0f, 1.0f};
+}
+
+// x [R, C] (row stride ldx, unit last stride) quantised in blocks br x bc of this stored layout into out [R, C]
+// (contiguous, x's dtype).
+template <class T>
+Quantized quantize_into(const T* x, int64_t ldx, int64_t R, int64_t C, T* out, int64_t br, int64_t bc, bool e5m2,
+                        const Fp8Operand& p) {
+  Quantized res;
+  if (R == 0 || C == 0) return res;
+  br = br > 0 ? std::min(br, R) : R;
+  bc = bc > 0 ? std::min(bc, C) : C;
+  const bool whole = br == R && bc == C;
+  float total = 0.0f;
+  int bad = 0;
+  if (whole) {  // one scale: a parallel amax, then a parallel cast of the FP8 values
+#pragma omp parallel for schedule(static) reduction(max : total) reduction(| : bad) if (R * C > cpu::kParallelWork)
+    for (int64_t r = 0; r < R; ++r) {
+      const T* xr = x + r * ldx;
+      float m = 0.0f;
+      int b = 0;
+      for (int64_t c = 0; c < C; ++c) {
+        const float v = std::fabs(ld(xr[c]));
+        b |= !(v <= FLT_MAX);
+        m = fp8::fmax_skip_nan(m, v);
+      }
+      total = std::max(total, m);
+      bad |= b;
+    }
+    const BlockScale s = scale_of(total, e5m2, p);
+#pragma omp parallel for schedule(static) if (R * C > cpu::kParallelWork)
+    for (int64_t r = 0; r < R; ++r) {
+      const T* xr = x + r * ldx;
+      T* o = out + r * C;
+      for (int64_t c = 0; c < C; ++c) st(o[c], fp8::round_to(ld(xr[c]) * s.scale, e5m2));
+    }
+    res.scale_inv = s.inv;
+  } else {  // bands of br rows, each band's column blocks: amaxes row by row, then the cast
+    const int64_t bands = (R + br - 1) / br, nb = (C + bc - 1) / bc;
+#pragma omp parallel reduction(max : total) reduction(| : bad) if (R * C > cpu::kParallelWork)
+    {
+      std::vector<float> amax(nb);
+      std::vector<BlockScale> s(nb);
+#pragma omp for schedule(static)
+      for (int64_t band = 0; band < bands; ++band) {
+        const int64_t r0 = band * br, r1 = std::min(R, r0 + br);
+        std::fill(amax.begin(), amax.end(), 0.0f);
+        int b = 0;
+        for (int64_t r = r0; r < r1; ++r) {
+          const T* xr = x + r * ldx;
+          for (int64_t c = 0; c < C; ++c) {
+            const float v = std::fabs(ld(xr[c]));
+            b |= !(v <= FLT_MAX);
+            amax[c / bc] = fp8::fmax_skip_nan(amax[c / bc], v);
+          }
+        }
+        for (int64_t j = 0; j < nb; ++j) {
+          s[j] = scale_of(amax[j], e5m2, p);
+          total = std::max(total, amax[j]);
+        }
+        bad |= b;
+        for (int64_t r = r0; r < r1; ++r) {
+          const T* xr = x + r * ldx;
+          T* o = out + r * C;
+          for (int64_t c = 0; c < C; ++c) {
+            const BlockScale& sc = s[c / bc];
+            st(o[c], fp8::round_to(ld(xr[c]) * sc.scale, e5m2) * sc.inv);
+          }
+        }
+      }
+    }
+  }
+  res.amax = total;
+  res.finite = bad == 0;
+  return res;
+}
+
+// A grow-only contiguous scratch of the calling thread per operand slot and dtype (f32, bf16), on the op's device,
+// shaped [rows, cols].
+Tensor scratch(int slot, int64_t rows, int64_t cols, DType dtype, Device device) {
+  static thread_local Tensor bufs[2][2];
+  Tensor& t = bufs[slot][dtype == DType::bf16 ? 1 : 0];
+  const int64_t n = rows * cols;
+  if (!t.defined() || t.numel() < n || t.device() != device)
+    t = Tensor::empty({std::max<int64_t>(n, 1)}, dtype, MemCategory::workspace, device);
+  return t.slice(0, 0, n).view({rows, cols});
+}
+
+// The operand view x (stored [R, C]) quantised into dst (its rows [R, C] starting at dst's row row0).
+// reduction_along_rows: the stored layout is [reduction, rows] (a transposed operand), so the operand's blocks
+// [rows, reduction] are (bc, br) here.
+Quantized quantize_operand(const Tensor& x, Tensor& dst, bool reduction_along_rows, const Fp8Operand& p,
+                           std::string_view what, const char* name) {
+  const bool e5m2 = p.format == DType::f8e5m2;
+  const int64_t br = reduction_along_rows ? p.block_cols : p.block_rows;
+  const int64_t bc = reduction_along_rows ? p.block_rows : p.block_cols;
+  Quantized q;
+  cpu::with_float_type(x.dtype(), [&](auto t) {
+    using T = decltype(t);
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
+      q = quantize_into(static_cast<const T*>(x.raw()), x.stride(0), x.size(0), x.size(1), static_cast<T*>(dst.raw()),
+                        br, bc, e5m2, p);
+    } else {
+      MOECORE_FAIL("gemm (fp8): ", what, ": operands must be f32 or bf16, got ", dtype_name(x.dtype()));
+    }
+  });
+  if (!q.finite)
+    MOECORE_FAIL("FP8 training stops: ", what, ": the ", name,
+                 " holds an infinity or a NaN (its amax is not finite), so it has no FP8 scale; the numbers broke "
+                 "in or before this layer");
+  return q;
+}
+
+void check_fp8(const cpu::Checker& chk, const Tensor& a, const Fp8Gemm& fp8) {
+  if (a.dtype() != DType::f32 && a.dtype() != DType::bf16)
+    chk.fail("FP8 operands are quantised from f32 or bf16, got ", dtype_name(a.dtype()));
+  for (const Fp8Operand* o : {&fp8.a, &fp8.b}) {
+    if (o->format != DType::f8e4m3 && o->format != DType::f8e5m2)
+      chk.fail("an FP8 operand's format must be f8e4m3 or f8e5m2, got ", dtype_name(o->format));
+    if (o->block_rows < 0 || o->block_cols < 0)
+      chk.fail("FP8 block sizes must be >= 0 (0: the whole dimension), got ", o->block_rows, " x ", o->block_cols);
+    if (o->rule == Fp8ScaleRule::given && !(o->scale > 0.0f && o->scale <= FLT_MAX))
+      chk.fail("a given FP8 scale must be finite and > 0, got ", o->scale);
+  }
+}
+
+}  // namespace
+
+void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
+          const Fp8Gemm& fp8, const Context& ctx) {
+  const cpu::Checker chk("gemm (fp8)", ctx, {{"c", &c}, {"a", &a}, {"b", &b}});
+  chk.rank("a", 2);
+  chk.rank("b", 2);
+  chk.same_dtype("b", "a");
+  check_fp8(chk, a, fp8);
+  if (a.stride(-1) != 1 || b.stride(-1) != 1) chk.fail("a and b need a unit last stride");
+  Tensor qa = scratch(0, a.size(0), a.size(1), a.dtype(), ctx.device);
+  Tensor qb = scratch(1, b.size(0), b.size(1), b.dtype(), ctx.device);
+  const Quantized ra = quantize_operand(a, qa, trans_a, fp8.a, fp8.what, trans_a ? "operand a^T" : "operand a");
+  const Quantized rb = quantize_operand(b, qb, !trans_b, fp8.b, fp8.what, trans_b ? "operand b^T" : "operand b");
+  gemm(c, qa, trans_a, qb, trans_b, alpha * ra.scale_inv * rb.scale_inv, beta, ctx);
+}
+
+void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, const Tensor& group_rows, float beta,
+                  const Fp8Gemm& fp8, const Context& ctx) {
+  const cpu::Checker chk("gemm_grouped (fp8)", ctx, {{"c", &c}, {"a", &a}, {"b", &b}, {"group_rows", &group_rows}});
+  chk.rank("c", 2);
+  chk.rank("a", 2);
+  chk.rank("b", 3);
+  chk.same_dtype("b", "a");
+  check_fp8(chk, a, fp8);
+  if (a.stride(-1) != 1 || !b.is_contiguous()) chk.fail("a needs a unit last stride and b to be contiguous");
+  const int64_t R = a.size(0), K = a.size(1), G = b.size(0);
+  const std::vector<int64_t> rows = cpu::group_counts(chk, G, R);
+  Tensor qa = scratch(0, R, K, a.dtype(), ctx.device);
+  Tensor qb = scratch(1, G * b.size(1), b.size(2), b.dtype(), ctx.device);
+  std::vector<float> alpha(G, 1.0f);
+  bool scaled = false;
+  for (int64_t g = 0, o = 0; g < G; o += rows[g], ++g) {
+    Tensor bq = qb.slice(0, g * b.size(1), (g + 1) * b.size(1));
+    const Quantized rb = quantize_operand(b.select(0, g), bq, !trans_b, fp8.b, fp8.what, "expert weight");
+    if (rows[g] == 0) continue;
+    Tensor aq = qa.slice(0, o, o + rows[g]);
+    const Quantized ra = quantize_operand(a.slice(0, o, o + rows[g]), aq, false, fp8.a, fp8.what, "expert input");
+    alpha[g] = ra.scale_inv * rb.scale_inv;
+    scaled |= alpha[g] != 1.0f;
+  }
+  const Tensor qb3 = qb.view(b.shape());
+  if (!scaled) return gemm_grouped(c, qa, qb3, trans_b, group_rows, beta, ctx);
+  for (int64_t g = 0, o = 0; g < G; o += rows[g], ++g) {
+    if (rows[g] == 0) continue;
+    Tensor cg = c.slice(0, o, o + rows[g]);
+    gemm(cg, qa.slice(0, o, o + rows[g]), false, qb3.select(0, g), trans_b, alpha[g], beta, ctx);
+  }
+}
+
+void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tensor& group_rows, float beta,
+                        const Fp8Gemm& fp8, const Context& ctx) {
+  const cpu::Checker chk("gemm_grouped_wgrad (fp8)", ctx,
+                         {{"c", &c}, {"a", &a}, {"b", &b}, {"group_rows", &group_rows}});
+  chk.rank("c", 3);
+  chk.rank("a", 2);
+  chk.rank("b", 2);
+  chk.same_dtype("b", "a");
+  check_fp8(chk, a, fp8);
+  if (a.stride(-1) != 1 || b.stride(-1) != 1) chk.fail("a and b need a unit last stride");
+  const int64_t R = a.size(0), G = c.size(0);
+  if (b.size(0) != R) chk.fail("a and b must have the same rows");
+  const std::vector<int64_t> rows = cpu::group_counts(chk, G, R);
+  Tensor qa = scratch(0, R, a.size(1), a.dtype(), ctx.device);
+  Tensor qb = scratch(1, R, b.size(1), b.dtype(), ctx.device);
+  for (int64_t g = 0, o = 0; g < G; o += rows[g], ++g) {
+    Tensor cg = c.select(0, g);
+    Tensor aq = qa.slice(0, o, o + rows[g]), bq = qb.slice(0, o, o + rows[g]);
+    // the reduction runs over the group's rows: both operands' blocks lie along them
+    const Quantized ra = quantize_operand(a.slice(0, o, o + rows[g]), aq, true, fp8.a, fp8.what, "output gradient");
+    const Quantized rb = quantize_operand(b.slice(0, o, o + rows[g]), bq, true, fp8.b, fp8.what, "expert input");
+    gemm(cg, aq, true, bq, false, ra.scale_inv * rb.scale_inv, beta, ctx);
+  }
+}
+
+}  // namespace moecore::ops

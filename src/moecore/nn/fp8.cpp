@@ -1,0 +1,119 @@
+#include "moecore/nn/fp8.h"
+
+#include <cfloat>
+#include <string>
+
+namespace moecore::nn {
+
+const char* fp8_format_name(Fp8Format f) {
+  return f == Fp8Format::hybrid ? "hybrid" : "e4m3";
+}
+
+const char* fp8_recipe_name(Fp8Recipe r) {
+  switch (r) {
+    case Fp8Recipe::delayed:
+      return "delayed";
+    case Fp8Recipe::tensorwise:
+      return "tensorwise";
+    case Fp8Recipe::blockwise:
+      return "blockwise";
+    case Fp8Recipe::mxfp8:
+      return "mxfp8";
+  }
+  return "?";
+}
+
+bool Fp8Config::layer_runs_fp8(int64_t l, int64_t num_layers) const {
+  if (!on) return false;
+  if (l >= num_layers) return true;  // an MTP depth's layer
+  return !(first_last_layers_bf16 && (l < num_layers_at_start_in_bf16 || l >= num_layers - num_layers_at_end_in_bf16));
+}
+
+namespace {
+
+enum class Operand : uint8_t { activation, weight, gradient };
+
+ops::Fp8Operand operand(const Fp8Config& c, Operand kind, DType input) {
+  ops::Fp8Operand o;
+  o.format = kind == Operand::gradient && c.format == Fp8Format::hybrid ? DType::f8e5m2 : DType::f8e4m3;
+  switch (c.recipe) {
+    case Fp8Recipe::delayed:  // (refused by the flags; no state to give the scale)
+    case Fp8Recipe::tensorwise:
+      o.rule = ops::Fp8ScaleRule::current;
+      break;
+    case Fp8Recipe::blockwise:
+      o.rule = ops::Fp8ScaleRule::current_pow2;
+      o.block_rows = kind == Operand::weight ? 128 : 1;
+      o.block_cols = 128;
+      o.inf_scale = input == DType::bf16 ? 0x1.fep127f : FLT_MAX;  // bf16's largest finite value, 0x7F7F
+      break;
+    case Fp8Recipe::mxfp8:
+      o.rule = ops::Fp8ScaleRule::mx;
+      o.block_rows = 1;
+      o.block_cols = 32;
+      break;
+  }
+  return o;
+}
+
+}  // namespace
+
+ops::Fp8Gemm fp8_fprop(const Fp8Config& c, DType input, std::string_view what) {
+  return {operand(c, Operand::activation, input), operand(c, Operand::weight, input), what};
+}
+ops::Fp8Gemm fp8_dgrad(const Fp8Config& c, DType input, std::string_view what) {
+  return {operand(c, Operand::gradient, input), operand(c, Operand::weight, input), what};
+}
+ops::Fp8Gemm fp8_wgrad(const Fp8Config& c, DType input, std::string_view what) {
+  return {operand(c, Operand::gradient, input), operand(c, Operand::activation, input), what};
+}
+
+namespace {
+std::string what_of(const Linear& l, const char* pass) {
+  return std::string(l.layer) + l.name + " " + pass;
+}
+}  // namespace
+
+void linear_fprop(Tensor& y, const Tensor& x, const Tensor& w, float alpha, float beta, const Linear& l,
+                  const ops::Context& ctx) {
+  if (!l.fp8) return ops::gemm(y, x, false, w, true, alpha, beta, ctx);
+  const std::string what = what_of(l, "fprop");
+  ops::gemm(y, x, false, w, true, alpha, beta, fp8_fprop(*l.fp8, x.dtype(), what), ctx);
+}
+
+void linear_dgrad(Tensor& dx, const Tensor& dy, const Tensor& w, float alpha, float beta, const Linear& l,
+                  const ops::Context& ctx) {
+  if (!l.fp8) return ops::gemm(dx, dy, false, w, false, alpha, beta, ctx);
+  const std::string what = what_of(l, "dgrad");
+  ops::gemm(dx, dy, false, w, false, alpha, beta, fp8_dgrad(*l.fp8, dy.dtype(), what), ctx);
+}
+
+void linear_wgrad(Tensor& dw, const Tensor& dy, const Tensor& x, float alpha, float beta, const Linear& l,
+                  const ops::Context& ctx) {
+  if (!l.fp8) return ops::gemm(dw, dy, true, x, false, alpha, beta, ctx);
+  const std::string what = what_of(l, "wgrad");
+  ops::gemm(dw, dy, true, x, false, alpha, beta, fp8_wgrad(*l.fp8, x.dtype(), what), ctx);
+}
+
+void grouped_fprop(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& group_rows, const Linear& l,
+                   const ops::Context& ctx) {
+  if (!l.fp8) return ops::gemm_grouped(y, x, w, true, group_rows, 0.0f, ctx);
+  const std::string what = what_of(l, "fprop");
+  ops::gemm_grouped(y, x, w, true, group_rows, 0.0f, fp8_fprop(*l.fp8, x.dtype(), what), ctx);
+}
+
+void grouped_dgrad(Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& group_rows, const Linear& l,
+                   const ops::Context& ctx) {
+  if (!l.fp8) return ops::gemm_grouped(dx, dy, w, false, group_rows, 0.0f, ctx);
+  const std::string what = what_of(l, "dgrad");
+  ops::gemm_grouped(dx, dy, w, false, group_rows, 0.0f, fp8_dgrad(*l.fp8, dy.dtype(), what), ctx);
+}
+
+void grouped_wgrad(Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& group_rows, const Linear& l,
+                   const ops::Context& ctx) {
+  if (!l.fp8) return ops::gemm_grouped_wgrad(dw, dy, x, group_rows, 1.0f, ctx);
+  const std::string what = what_of(l, "wgrad");
+  ops::gemm_grouped_wgrad(dw, dy, x, group_rows, 1.0f, fp8_wgrad(*l.fp8, x.dtype(), what), ctx);
+}
+
+}  // namespace moecore::nn

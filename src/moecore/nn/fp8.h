@@ -1,0 +1,71 @@
+// FP8 training's linear layers (Megatron's --fp8-format / --fp8-recipe with Transformer Engine's modules;
+// docs/fp8-spec.md §2-3): which operand of which GEMM a recipe quantises how, and the three GEMMs of a linear layer
+// -- fprop, dgrad, wgrad -- that every module (nn/, moe/) runs through, plain or FP8 (kernels/ops_fp8.h).
+//
+// Per GEMM (operands in the GEMM's [rows, reduction] layout, blocks along the reduction):
+//   fprop  y = x W^T    x: the input quantizer       W: the weight quantizer
+//   dgrad  dx = dy W    dy: the grad-output quantizer W: the weight quantizer (its columnwise copy)
+//   wgrad  dW = dy^T x  dy: the grad-output quantizer x: the input quantizer (its columnwise copy)
+// Recipes: tensorwise -- one current scale per tensor (per expert in grouped GEMMs); blockwise -- power-of-two scales
+// per 1 x 128 of activations and gradients, per 128 x 128 of weights; mxfp8 -- E8M0 scales per 1 x 32 of every
+// operand. Format e4m3: every operand E4M3; hybrid: the gradients E5M2. (delayed: its state per quantizer slot and the
+// amax reductions are not built; the flag refuses it.)
+// Not here: the flags and their validation (apps/), which layers run FP8 (model/: --first-last-layers-bf16).
+#pragma once
+#include <cstdint>
+#include <string_view>
+
+#include "moecore/kernels/ops_fp8.h"
+
+namespace moecore::nn {
+
+enum class Fp8Format : uint8_t { e4m3, hybrid };
+enum class Fp8Recipe : uint8_t { delayed, tensorwise, blockwise, mxfp8 };
+const char* fp8_format_name(Fp8Format f);
+const char* fp8_recipe_name(Fp8Recipe r);
+
+// A model's FP8 settings (Megatron's flags and defaults). Off unless --fp8-format is given.
+struct Fp8Config {
+  bool on = false;                          // --fp8-format given
+  Fp8Format format = Fp8Format::e4m3;       // --fp8-format e4m3 | hybrid
+  Fp8Recipe recipe = Fp8Recipe::delayed;    // --fp8-recipe (Megatron's default: delayed)
+  bool first_last_layers_bf16 = false;      // --first-last-layers-bf16
+  int64_t num_layers_at_start_in_bf16 = 1;  // --num-layers-at-start-in-bf16
+  int64_t num_layers_at_end_in_bf16 = 1;    // --num-layers-at-end-in-bf16
+  bool output_proj = false;                 // --fp8-output-proj (mxfp8): the output layer's GEMMs in FP8 too
+  // Whether decoder layer l (0-based) of num_layers runs FP8 (Megatron's is_first_last_bf16_layer; MTP layers always
+  // do, as Megatron gives them the model's FP8 context).
+  bool layer_runs_fp8(int64_t l, int64_t num_layers) const;
+};
+
+// The operands of each GEMM under the recipe; `input` the dtype the operands are quantised from (the blockwise
+// recipe's scale of an infinite quotient is its largest finite value).
+ops::Fp8Gemm fp8_fprop(const Fp8Config& c, DType input, std::string_view what);
+ops::Fp8Gemm fp8_dgrad(const Fp8Config& c, DType input, std::string_view what);
+ops::Fp8Gemm fp8_wgrad(const Fp8Config& c, DType input, std::string_view what);
+
+// One linear layer: its name for errors (the parameter prefix of its layer, "decoder.layers.3.", and Megatron's module
+// name, "mlp.linear_fc1") and its recipe (null: plain GEMMs).
+struct Linear {
+  const Fp8Config* fp8 = nullptr;
+  std::string_view layer{};
+  const char* name = "";
+};
+
+// y = alpha x W^T + beta y; dx = alpha dy W + beta dx; dW = alpha dy^T x + beta dW. x [T, in], W [out, in], y [T, out].
+void linear_fprop(Tensor& y, const Tensor& x, const Tensor& w, float alpha, float beta, const Linear& l,
+                  const ops::Context& ctx);
+void linear_dgrad(Tensor& dx, const Tensor& dy, const Tensor& w, float alpha, float beta, const Linear& l,
+                  const ops::Context& ctx);
+void linear_wgrad(Tensor& dw, const Tensor& dy, const Tensor& x, float alpha, float beta, const Linear& l,
+                  const ops::Context& ctx);
+// The grouped ones (experts: group g owns group_rows[g] consecutive rows, W [G, out, in]; ops::gemm_grouped):
+// y = x W[g]^T, dx = dy W[g] (both written), dW[g] += dy^T x.
+void grouped_fprop(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& group_rows, const Linear& l,
+                   const ops::Context& ctx);
+void grouped_dgrad(Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& group_rows, const Linear& l,
+                   const ops::Context& ctx);
+void grouped_wgrad(Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& group_rows, const Linear& l,
+                   const ops::Context& ctx);
+
+}  // namespace moecore::nn

@@ -1,0 +1,224 @@
+// FP8 GEMMs (kernels/ops_fp8.h) against a reference built from the quantisation ops: each operand written out in its
+// GEMM's [rows, reduction] layout (explicit transposes), quantised there by ops::fp8_quantize with the recipe's blocks
+// and dequantised by ops::fp8_dequantize, then multiplied in double. Every recipe's operands (per-tensor current
+// scales, blockwise powers of two with 128 x 128 weights, MXFP8), both formats, all four transpose combinations, f32
+// and bf16 operands, partial edge blocks, alpha and beta; the grouped GEMMs per group (zero-row groups, a scale per
+// expert, wgrad's blocks along each group's rows); fp8::round_to equal to the cast's value for every kind of input;
+// a non-finite operand stops with the GEMM's name; bad operands named.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "moecore/kernels/common/fp8.h"
+#include "moecore/kernels/ops_fp8.h"
+#include "test_util.h"
+
+namespace moecore {
+namespace {
+
+using testing::expect_error;
+using testing::mix;
+const ops::Context cpu{Device::cpu};
+
+// round_to is the value of the saturating cast, bit for bit: specials, every FP8 value and the midpoints between
+// neighbours (the ties), and a million inputs of random bits.
+TEST(Fp8Gemm, RoundToIsTheValueOfTheCast) {
+  for (bool e5m2 : {false, true}) {
+    std::vector<float> xs = {0.0f,
+                             -0.0f,
+                             448.0f,
+                             464.0f,
+                             470.0f,
+                             57344.0f,
+                             61440.0f,
+                             1e30f,
+                             std::numeric_limits<float>::infinity(),
+                             -std::numeric_limits<float>::infinity(),
+                             std::numeric_limits<float>::quiet_NaN(),
+                             1e-30f,
+                             -1e-45f};
+    for (int b = 0; b < 256; ++b) {
+      const float v = ops::fp8::value_of(static_cast<uint8_t>(b), e5m2);
+      const float w = ops::fp8::value_of(static_cast<uint8_t>(b + 1 < 256 ? b + 1 : b), e5m2);
+      xs.push_back(v);
+      xs.push_back(0.5f * (v + w));
+      xs.push_back(std::nextafter(0.5f * (v + w), 0.0f));
+    }
+    for (uint64_t i = 0; i < 1000000; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(mix(i));
+      float f;
+      std::memcpy(&f, &bits, 4);
+      xs.push_back(f);
+      xs.push_back(std::ldexp(static_cast<float>(bits % 100000) / 1000.0f, static_cast<int>(bits % 40) - 30));
+    }
+    for (float x : xs) {
+      const float want = ops::fp8::value_of(ops::fp8::cast(x, e5m2), e5m2), got = ops::fp8::round_to(x, e5m2);
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(got)) << x;
+      } else {
+        uint32_t a, b;
+        std::memcpy(&a, &want, 4);
+        std::memcpy(&b, &got, 4);
+        ASSERT_EQ(a, b) << "x " << x << " e5m2 " << e5m2 << ": cast " << want << ", round_to " << got;
+      }
+    }
+  }
+}
+
+// x [rows, cols] (any strides) as a contiguous f32 copy, transposed when `t`.
+Tensor dense_f32(const Tensor& x, bool t) {
+  const Tensor xf = x.to(DType::f32);
+  if (!t) return xf.clone();
+  Tensor out = Tensor::empty({x.size(1), x.size(0)}, DType::f32);
+  for (int64_t i = 0; i < x.size(0); ++i)
+    for (int64_t j = 0; j < x.size(1); ++j) out.data<float>()[j * x.size(0) + i] = xf.data<float>()[i * x.size(1) + j];
+  return out;
+}
+
+// The operand as the GEMM sees it ([rows, reduction], f32), quantised and dequantised by the quantisation ops.
+Tensor reference_operand(const Tensor& op_layout, const ops::Fp8Operand& o) {
+  ops::Fp8Quantize p;
+  p.block_rows = o.block_rows;
+  p.block_cols = o.block_cols;
+  p.rule = o.rule;
+  p.scale = o.scale;
+  p.inf_scale = o.inf_scale;
+  const int64_t R = op_layout.size(0), C = op_layout.size(1);
+  const int64_t br = p.block_rows > 0 ? p.block_rows : R, bc = p.block_cols > 0 ? p.block_cols : C;
+  Tensor q = Tensor::empty({R, C}, o.format);
+  Tensor s = Tensor::empty({(R + br - 1) / br, (C + bc - 1) / bc}, DType::f32);
+  ops::fp8_quantize(op_layout, q, s, nullptr, p, cpu);
+  Tensor out = Tensor::empty({R, C}, DType::f32);
+  ops::fp8_dequantize(q, s, out, p.block_rows, p.block_cols, cpu);
+  return out;
+}
+
+// c [M, N] f32 = alpha * A [M, K] B [N, K]^T + beta * c0, in double.
+Tensor reference_product(const Tensor& A, const Tensor& B, float alpha, float beta, const Tensor& c0) {
+  const int64_t M = A.size(0), K = A.size(1), N = B.size(0);
+  Tensor c = Tensor::empty({M, N}, DType::f32);
+  const Tensor c0f = c0.to(DType::f32);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += double(A.data<float>()[i * K + k]) * double(B.data<float>()[j * K + k]);
+      c.data<float>()[i * N + j] = static_cast<float>(alpha * acc + beta * double(c0f.data<float>()[i * N + j]));
+    }
+  return c;
+}
+
+struct Recipe {
+  const char* name;
+  ops::Fp8Operand act, weight;
+};
+std::vector<Recipe> recipes(DType input) {
+  ops::Fp8Operand tw;  // tensorwise: current scale, whole tensor
+  ops::Fp8Operand bw_act{DType::f8e4m3,
+                         ops::Fp8ScaleRule::current_pow2,
+                         1,
+                         128,
+                         1.0f,
+                         input == DType::bf16 ? 0x1.fep127f : 3.4028234664e38f};
+  ops::Fp8Operand bw_w = bw_act;
+  bw_w.block_rows = 128;
+  ops::Fp8Operand mx{DType::f8e4m3, ops::Fp8ScaleRule::mx, 1, 32};
+  ops::Fp8Operand given{DType::f8e4m3, ops::Fp8ScaleRule::given, 0, 0, 3.0f};
+  return {{"tensorwise", tw, tw}, {"blockwise", bw_act, bw_w}, {"mxfp8", mx, mx}, {"given", given, given}};
+}
+
+TEST(Fp8Gemm, EveryRecipeMatchesTheQuantisationReference) {
+  const int64_t M = 37, K = 300, N = 45;
+  for (DType dt : {DType::f32, DType::bf16})
+    for (const Recipe& r : recipes(dt))
+      for (bool e5m2_a : {false, true})
+        for (int t = 0; t < 4; ++t) {
+          const bool ta = t & 1, tb = t & 2;
+          SCOPED_TRACE(std::string(r.name) + " " + std::string(dtype_name(dt)) + (e5m2_a ? " hybrid" : " e4m3") +
+                       (ta ? " a^T" : " a") + (tb ? " b^T" : " b"));
+          // a with a wide row stride (a view), values over several binades, one large outlier
+          Tensor a_wide = testing::randn({ta ? K : M, (ta ? M : K) + 5}, "fp8 gemm a", 3.0f).to(dt);
+          Tensor a = a_wide.slice(1, 0, ta ? M : K);
+          Tensor b = testing::randn(tb ? Shape{N, K} : Shape{K, N}, "fp8 gemm b", 0.05f).to(dt);
+          ops::Fp8Gemm g{r.act, r.weight, "test gemm"};
+          if (e5m2_a) g.a.format = DType::f8e5m2;
+          Tensor c0 = testing::randn({M, N}, "fp8 gemm c");
+          Tensor c = c0.clone();
+          ops::gemm(c, a, ta, b, tb, 0.75f, 0.5f, g, cpu);
+          const Tensor A = reference_operand(dense_f32(a, ta), g.a), B = reference_operand(dense_f32(b, !tb), g.b);
+          EXPECT_TENSOR_NEAR(c, reference_product(A, B, 0.75f, 0.5f, c0), 1e-5, 1e-4);
+          // and the quantisation changed the product (the test would see a plain GEMM)
+          Tensor plain = c0.clone();
+          ops::gemm(plain, a, ta, b, tb, 0.75f, 0.5f, cpu);
+          EXPECT_GT(testing::tolerance_ratio(c, plain, 1e-5, 1e-4), 1.0);
+        }
+}
+
+TEST(Fp8Gemm, GroupedGemmsQuantiseEachGroupOnItsOwn) {
+  const int64_t K = 160, N = 24, G = 4;
+  const std::vector<int64_t> rows = {50, 0, 3, 140};  // sums to 193 of R = 200 rows (the rest untouched)
+  const int64_t R = 200;
+  for (DType dt : {DType::f32, DType::bf16})
+    for (const Recipe& r : recipes(dt)) {
+      SCOPED_TRACE(std::string(r.name) + " " + std::string(dtype_name(dt)));
+      ops::Fp8Gemm g{r.act, r.weight, "experts"};
+      const Tensor counts = testing::counts_tensor(rows, Device::cpu);
+      Tensor x32 = testing::randn({R, K}, "grouped x", 2.0f);
+      for (int64_t i = 53 * K; i < 193 * K; ++i) x32.data<float>()[i] *= 10.0f;  // group 3: a scale of its own
+      const Tensor x = x32.to(dt);
+      Tensor w = testing::randn({G, N, K}, "grouped w", 0.1f).to(dt);
+      for (bool trans_b : {true, false}) {
+        Tensor wb = trans_b ? w : testing::randn({G, K, N}, "grouped w kn", 0.1f).to(dt);
+        Tensor y = Tensor::zeros({R, N}, DType::f32);
+        ops::gemm_grouped(y, x, wb, trans_b, counts, 0.0f, g, cpu);
+        int64_t o = 0;
+        for (int64_t e = 0; e < G; o += rows[e], ++e) {
+          if (rows[e] == 0) continue;
+          const Tensor A = reference_operand(dense_f32(x.slice(0, o, o + rows[e]), false), g.a);
+          const Tensor B = reference_operand(dense_f32(wb.select(0, e), !trans_b), g.b);
+          const Tensor zero = Tensor::zeros({rows[e], N}, DType::f32);
+          EXPECT_TENSOR_NEAR(y.slice(0, o, o + rows[e]).clone(), reference_product(A, B, 1.0f, 0.0f, zero), 1e-5, 1e-4);
+        }
+      }
+      // wgrad: dw[g] = dy[seg]^T x[seg] + dw[g], both operands blocked along the group's rows
+      Tensor dy = testing::randn({R, N}, "grouped dy", 0.01f).to(dt);
+      ops::Fp8Gemm gw{r.act, r.act, "experts wgrad"};
+      gw.a.format = DType::f8e5m2;
+      Tensor dw0 = testing::randn({G, N, K}, "grouped dw0");
+      Tensor dw = dw0.clone();
+      ops::gemm_grouped_wgrad(dw, dy, x, counts, 1.0f, gw, cpu);
+      int64_t o = 0;
+      for (int64_t e = 0; e < G; o += rows[e], ++e) {
+        const Tensor A = rows[e] ? reference_operand(dense_f32(dy.slice(0, o, o + rows[e]), true), gw.a)
+                                 : Tensor::zeros({N, 0}, DType::f32);
+        const Tensor B = rows[e] ? reference_operand(dense_f32(x.slice(0, o, o + rows[e]), true), gw.b)
+                                 : Tensor::zeros({K, 0}, DType::f32);
+        EXPECT_TENSOR_NEAR(dw.select(0, e).clone(), reference_product(A, B, 1.0f, 1.0f, dw0.select(0, e).clone()), 1e-5,
+                           1e-4);
+      }
+    }
+}
+
+TEST(Fp8Gemm, ANonFiniteOperandStopsNamingTheGemm) {
+  Tensor a = testing::randn({8, 16}, "nan a"), b = testing::randn({4, 16}, "nan b"),
+         c = Tensor::zeros({8, 4}, DType::f32);
+  ops::Fp8Gemm g{{}, {}, "decoder.layers.3.mlp.linear_fc1 fprop"};
+  a.data<float>()[17] = std::numeric_limits<float>::quiet_NaN();
+  expect_error([&] { ops::gemm(c, a, false, b, true, 1.0f, 0.0f, g, cpu); },
+               {"FP8 training stops", "decoder.layers.3.mlp.linear_fc1 fprop", "operand a", "NaN"});
+  a.data<float>()[17] = 1.0f;
+  b.data<float>()[5] = -std::numeric_limits<float>::infinity();
+  expect_error([&] { ops::gemm(c, a, false, b, true, 1.0f, 0.0f, g, cpu); }, {"FP8 training stops", "operand b^T"});
+  // bad operands are named
+  ops::Fp8Gemm bad = g;
+  bad.b.format = DType::bf16;
+  b.data<float>()[5] = 1.0f;
+  expect_error([&] { ops::gemm(c, a, false, b, true, 1.0f, 0.0f, bad, cpu); }, {"gemm (fp8)", "format"});
+  Tensor a16 = a.to(DType::f16), b16 = b.to(DType::f16);
+  expect_error([&] { ops::gemm(c, a16, false, b16, true, 1.0f, 0.0f, g, cpu); }, {"gemm (fp8)", "f32 or bf16"});
+}
+
+}  // namespace
+}  // namespace moecore
