@@ -110,6 +110,48 @@ Tensor reference_product(const Tensor& A, const Tensor& B, float alpha, float be
   return c;
 }
 
+// The size of each entry's terms, sum_k |A_ik B_jk| (A [M, K], B [N, K]): entries of very different sizes are each
+// checked against their own (a block of the wrong orientation flushes small entries to zero, which a tolerance on
+// the largest would not see).
+Tensor term_sizes(const Tensor& A, const Tensor& B) {
+  const Tensor a = A.to(DType::f32), b = B.to(DType::f32);
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
+  Tensor t = Tensor::empty({M, N}, DType::f32);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += std::fabs(double(a.data<float>()[i * K + k]) * b.data<float>()[j * K + k]);
+      t.data<float>()[i * N + j] = static_cast<float>(acc);
+    }
+  return t;
+}
+// The worst |got - want| / (rtol * size) over the entries.
+double relative_to_sizes(const Tensor& got, const Tensor& want, const Tensor& size, double rtol) {
+  double worst = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double r =
+        std::fabs(double(got.data<float>()[i]) - want.data<float>()[i]) / (rtol * size.data<float>()[i] + 1e-35);
+    worst = std::isnan(r) ? INFINITY : std::max(worst, r);
+  }
+  return worst;
+}
+// [rows, cols] N(0, std^2) with row r scaled by 2^(-3 (r % 8)): magnitudes 2^21 apart along the rows, uniform along
+// the columns (the reduction), so that the blocks' orientation decides which values FP8 keeps.
+Tensor graded(int64_t rows, int64_t cols, const char* name, float std) {
+  Tensor t = testing::randn({rows, cols}, name, std);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t.data<float>()[r * cols + c] *= std::ldexp(1.0f, -3 * static_cast<int>(r % 8));
+  return t;
+}
+// x [rows, cols] stored transposed when `t` (and, for `wide`, as a view of a wider tensor), in dtype dt.
+Tensor stored(const Tensor& x, bool t, DType dt, bool wide) {
+  const Tensor s = dense_f32(x, t);
+  if (!wide) return s.to(dt);
+  Tensor w = Tensor::zeros({s.size(0), s.size(1) + 5}, DType::f32);
+  w.slice(1, 0, s.size(1)).copy_from(s);
+  return w.to(dt).slice(1, 0, s.size(1));
+}
+
 struct Recipe {
   const char* name;
   ops::Fp8Operand act, weight;
@@ -138,21 +180,22 @@ TEST(Fp8Gemm, EveryRecipeMatchesTheQuantisationReference) {
           const bool ta = t & 1, tb = t & 2;
           SCOPED_TRACE(std::string(r.name) + " " + std::string(dtype_name(dt)) + (e5m2_a ? " hybrid" : " e4m3") +
                        (ta ? " a^T" : " a") + (tb ? " b^T" : " b"));
-          // a with a wide row stride (a view), values over several binades, one large outlier
-          Tensor a_wide = testing::randn({ta ? K : M, (ta ? M : K) + 5}, "fp8 gemm a", 3.0f).to(dt);
-          Tensor a = a_wide.slice(1, 0, ta ? M : K);
-          Tensor b = testing::randn(tb ? Shape{N, K} : Shape{K, N}, "fp8 gemm b", 0.05f).to(dt);
+          // op(a) [M, K] and op(b)^T [N, K] graded along their rows; a stored with a wide row stride (a view)
+          const Tensor A0 = graded(M, K, "fp8 gemm a", 3.0f), B0 = graded(N, K, "fp8 gemm b", 0.05f);
+          const Tensor a = stored(A0, ta, dt, true), b = stored(B0, !tb, dt, false);
           ops::Fp8Gemm g{r.act, r.weight, "test gemm"};
           if (e5m2_a) g.a.format = DType::f8e5m2;
+          const Tensor sizes = term_sizes(A0, B0);
           Tensor c0 = testing::randn({M, N}, "fp8 gemm c");
+          for (int64_t i = 0; i < M * N; ++i) c0.data<float>()[i] *= sizes.data<float>()[i];
           Tensor c = c0.clone();
           ops::gemm(c, a, ta, b, tb, 0.75f, 0.5f, g, cpu);
           const Tensor A = reference_operand(dense_f32(a, ta), g.a), B = reference_operand(dense_f32(b, !tb), g.b);
-          EXPECT_TENSOR_NEAR(c, reference_product(A, B, 0.75f, 0.5f, c0), 1e-5, 1e-4);
+          EXPECT_LE(relative_to_sizes(c, reference_product(A, B, 0.75f, 0.5f, c0), sizes, 1e-5), 1.0);
           // and the quantisation changed the product (the test would see a plain GEMM)
           Tensor plain = c0.clone();
           ops::gemm(plain, a, ta, b, tb, 0.75f, 0.5f, cpu);
-          EXPECT_GT(testing::tolerance_ratio(c, plain, 1e-5, 1e-4), 1.0);
+          EXPECT_GT(relative_to_sizes(c, plain, sizes, 1e-5), 1.0);
         }
 }
 
@@ -160,43 +203,65 @@ TEST(Fp8Gemm, GroupedGemmsQuantiseEachGroupOnItsOwn) {
   const int64_t K = 160, N = 24, G = 4;
   const std::vector<int64_t> rows = {50, 0, 3, 140};  // sums to 193 of R = 200 rows (the rest untouched)
   const int64_t R = 200;
+  const Tensor counts = testing::counts_tensor(rows, Device::cpu);
   for (DType dt : {DType::f32, DType::bf16})
     for (const Recipe& r : recipes(dt)) {
       SCOPED_TRACE(std::string(r.name) + " " + std::string(dtype_name(dt)));
       ops::Fp8Gemm g{r.act, r.weight, "experts"};
-      const Tensor counts = testing::counts_tensor(rows, Device::cpu);
-      Tensor x32 = testing::randn({R, K}, "grouped x", 2.0f);
+      Tensor x32 = graded(R, K, "grouped x", 2.0f);
       for (int64_t i = 53 * K; i < 193 * K; ++i) x32.data<float>()[i] *= 10.0f;  // group 3: a scale of its own
       const Tensor x = x32.to(dt);
-      Tensor w = testing::randn({G, N, K}, "grouped w", 0.1f).to(dt);
       for (bool trans_b : {true, false}) {
-        Tensor wb = trans_b ? w : testing::randn({G, K, N}, "grouped w kn", 0.1f).to(dt);
+        // w[g] as op(b)^T [N, K], graded along N; stored [N, K] (trans_b) or [K, N]
+        Tensor w = Tensor::empty(trans_b ? Shape{G, N, K} : Shape{G, K, N}, dt);
+        std::vector<Tensor> w_op;
+        for (int64_t e = 0; e < G; ++e) {
+          w_op.push_back(graded(N, K, "grouped w", 0.1f + 0.1f * static_cast<float>(e)));
+          w.select(0, e).copy_from(stored(w_op.back(), !trans_b, dt, false));
+        }
         Tensor y = Tensor::zeros({R, N}, DType::f32);
-        ops::gemm_grouped(y, x, wb, trans_b, counts, 0.0f, g, cpu);
+        ops::gemm_grouped(y, x, w, trans_b, counts, 0.0f, g, cpu);
         int64_t o = 0;
         for (int64_t e = 0; e < G; o += rows[e], ++e) {
           if (rows[e] == 0) continue;
-          const Tensor A = reference_operand(dense_f32(x.slice(0, o, o + rows[e]), false), g.a);
-          const Tensor B = reference_operand(dense_f32(wb.select(0, e), !trans_b), g.b);
+          const Tensor xe = dense_f32(x.slice(0, o, o + rows[e]), false);
+          const Tensor A = reference_operand(xe, g.a), B = reference_operand(dense_f32(w.select(0, e), !trans_b), g.b);
           const Tensor zero = Tensor::zeros({rows[e], N}, DType::f32);
-          EXPECT_TENSOR_NEAR(y.slice(0, o, o + rows[e]).clone(), reference_product(A, B, 1.0f, 0.0f, zero), 1e-5, 1e-4);
+          EXPECT_LE(relative_to_sizes(y.slice(0, o, o + rows[e]).clone(), reference_product(A, B, 1.0f, 0.0f, zero),
+                                      term_sizes(xe, w_op[e]), 1e-5),
+                    1.0)
+              << "fprop, expert " << e << (trans_b ? ", b^T" : ", b");
         }
       }
-      // wgrad: dw[g] = dy[seg]^T x[seg] + dw[g], both operands blocked along the group's rows
-      Tensor dy = testing::randn({R, N}, "grouped dy", 0.01f).to(dt);
+      // wgrad: dw[g] = dy[seg]^T x[seg] + dw[g], both operands blocked along the group's rows: dy graded along its
+      // columns (the rows of dw), x along its columns (the columns of dw)
+      const Tensor dy = dense_f32(graded(N, R, "grouped dy", 0.01f), true).to(dt);
+      const Tensor xw = dense_f32(graded(K, R, "grouped xw", 1.0f), true).to(dt);
       ops::Fp8Gemm gw{r.act, r.act, "experts wgrad"};
       gw.a.format = DType::f8e5m2;
       Tensor dw0 = testing::randn({G, N, K}, "grouped dw0");
-      Tensor dw = dw0.clone();
-      ops::gemm_grouped_wgrad(dw, dy, x, counts, 1.0f, gw, cpu);
+      std::vector<Tensor> sizes;
       int64_t o = 0;
+      for (int64_t e = 0; e < G; o += rows[e], ++e) {
+        sizes.push_back(rows[e] ? term_sizes(dense_f32(dy.slice(0, o, o + rows[e]), true),
+                                             dense_f32(xw.slice(0, o, o + rows[e]), true))
+                                : Tensor::zeros({N, K}, DType::f32));
+        for (int64_t i = 0; i < N * K; ++i) dw0.select(0, e).data<float>()[i] *= sizes.back().data<float>()[i];
+      }
+      Tensor dw = dw0.clone();
+      ops::gemm_grouped_wgrad(dw, dy, xw, counts, 1.0f, gw, cpu);
+      o = 0;
       for (int64_t e = 0; e < G; o += rows[e], ++e) {
         const Tensor A = rows[e] ? reference_operand(dense_f32(dy.slice(0, o, o + rows[e]), true), gw.a)
                                  : Tensor::zeros({N, 0}, DType::f32);
-        const Tensor B = rows[e] ? reference_operand(dense_f32(x.slice(0, o, o + rows[e]), true), gw.b)
+        const Tensor B = rows[e] ? reference_operand(dense_f32(xw.slice(0, o, o + rows[e]), true), gw.b)
                                  : Tensor::zeros({K, 0}, DType::f32);
-        EXPECT_TENSOR_NEAR(dw.select(0, e).clone(), reference_product(A, B, 1.0f, 1.0f, dw0.select(0, e).clone()), 1e-5,
-                           1e-4);
+        Tensor size = sizes[e].clone();  // (plus the accumulated dw0's own size)
+        for (int64_t i = 0; i < N * K; ++i) size.data<float>()[i] += std::fabs(dw0.select(0, e).data<float>()[i]);
+        EXPECT_LE(relative_to_sizes(dw.select(0, e).clone(),
+                                    reference_product(A, B, 1.0f, 1.0f, dw0.select(0, e).clone()), size, 1e-5),
+                  1.0)
+            << "wgrad, expert " << e;
       }
     }
 }
