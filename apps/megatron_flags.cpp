@@ -263,7 +263,7 @@ const MegatronFlag kMegatronFlags[] = {
   {"--fp8-format", V, "str", "None", "e4m3|hybrid", I, ""},
   {"--fp8-interval", V, "int", "1", "", A, "deprecated: Megatron passes it only to Transformer Engine below 1.8 and otherwise warns and ignores it"},
   {"--fp8-margin", V, "int", "0", "", R, "not supported yet: delayed scaling (--fp8-recipe delayed), the only recipe it applies to"},
-  {"--fp8-output-proj", S, "", "False", "", R, "not supported yet: the output layer in FP8 (MXFP8); the output layer runs in --bf16 as Megatron's default"},
+  {"--fp8-output-proj", S, "", "False", "", I, ""},
   {"--fp8-param-gather", S, "", "False", "", R, "not supported yet: FP8 compute weights gathered in FP8 (FP8 training quantises the bf16/fp32 compute weights per GEMM here)"},
   {"--fp8-quantizer-factory", V, "str", "None", "", R, "not supported yet: FP8/FP4 training; use --bf16"},
   {"--fp8-recipe", V, "str", "'delayed'", "tensorwise|delayed|mxfp8|blockwise|custom", I, ""},

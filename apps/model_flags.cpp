@@ -513,6 +513,10 @@ const ModelFlag kModelFlags[] = {
      for (const char* n : {"--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"})
        if (a.given(n) && !a.on(f)) MOECORE_FAIL(n, " needs --first-last-layers-bf16");
    }},
+  {"--fp8-output-proj", Kind::flag, "",
+   "with --fp8-recipe mxfp8: the output layer's GEMMs in FP8 too (Megatron's TE LM head; otherwise it stays in "
+   "--bf16)",
+   [](const Args& a, const char* f, ModelConfig& c) { c.fp8.output_proj = a.on(f); }},
   {"--num-layers-at-start-in-bf16", Kind::value, "1", "with --first-last-layers-bf16: decoder layers at the start",
    [](const Args& a, const char* f, ModelConfig& c) { c.fp8.num_layers_at_start_in_bf16 = a.i64(f); }},
   {"--num-layers-at-end-in-bf16", Kind::value, "1", "with --first-last-layers-bf16: decoder layers at the end",

@@ -25,7 +25,7 @@ TEST_F(Fp8Flags, RecipesTrainAndBadCombinationsAreNamed) {
                          "--fp8-format e4m3 --fp8-recipe blockwise --first-last-layers-bf16 "
                          "--num-layers-at-start-in-bf16 0 --fp8-interval 4 --no-fp8-wgrad",
                          "--fp8-format hybrid --fp8-recipe mxfp8 --moe-router-padding-for-quantization "
-                         "--moe-token-dispatcher-type alltoall"}) {
+                         "--moe-token-dispatcher-type alltoall --fp8-output-proj"}) {
     const CmdResult r = run_moecore(moe + ok);
     EXPECT_EQ(r.status, 0) << ok << ":\n" << r.output;
   }
@@ -40,7 +40,8 @@ TEST_F(Fp8Flags, RecipesTrainAndBadCombinationsAreNamed) {
       {"--fp8-format e4m3 --fp8-recipe tensorwise --fp8-margin 1", "--fp8-margin"},
       {"--fp8-format e4m3 --fp8-recipe tensorwise --fp8-amax-history-len 16", "--fp8-amax-history-len"},
       {"--fp8-format e4m3 --fp8-recipe tensorwise --fp8-param-gather", "--fp8-param-gather"},
-      {"--fp8-format e4m3 --fp8-recipe mxfp8 --fp8-output-proj", "--fp8-output-proj"},
+      {"--fp8-format e4m3 --fp8-recipe tensorwise --fp8-output-proj", "--fp8-output-proj needs"},
+      {"--fp8-output-proj", "--fp8-output-proj needs"},
       {"--fp8-format e5m2 --fp8-recipe tensorwise", "--fp8-format"},
       {"--moe-router-padding-for-fp8", "--moe-router-padding-for-fp8"},
       {"--fp8-format e4m3 --fp8-recipe tensorwise --moe-router-padding-for-fp8 --moe-token-dispatcher-type allgather",

@@ -1,9 +1,9 @@
 // FP8 training (Megatron's --fp8-format / --fp8-recipe; nn/fp8.h) on the synthetic training tests' small model (a
 // dense layer, then an MoE layer with a shared expert): every recipe and both formats train and track the bf16 run
-// within a stated band while differing from it (the GEMMs really quantise), with grouped and sequential experts and
-// with MLA and MTP; --first-last-layers-bf16 keeps exactly the layers it names out of FP8 (all of them: bitwise the
-// bf16 run); a run resumes bitwise and its checkpoint refuses another recipe; a NaN in a weight stops the run naming
-// the layer and GEMM that met it.
+// within a stated band while differing from it (the GEMMs really quantise), with grouped and sequential experts, with
+// MLA and MTP, and with the output layer under --fp8-output-proj; --first-last-layers-bf16 keeps exactly the layers
+// it names out of FP8 (all of them: bitwise the bf16 run); a run resumes bitwise and its checkpoint refuses another
+// recipe; a NaN in a weight stops the run naming the layer and GEMM that met it.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -104,6 +104,23 @@ TEST(Fp8Training, MultiLatentAttentionAndMtpTrackBf16) {
   EXPECT_LE(worst, kBand);
   EXPECT_GT(worst, 0.0);
   EXPECT_LT(fp8.losses.back(), fp8.losses.front() - 0.5);
+}
+
+// --fp8-output-proj (MXFP8): the output layer's GEMMs in FP8 as well -- the run differs from the one without and still
+// tracks bf16.
+TEST(Fp8Training, OutputProjectionInMxfp8) {
+  model::ModelConfig c = fp8_model(nn::Fp8Recipe::mxfp8, nn::Fp8Format::hybrid);
+  const train::TrainConfig t = testing::small_train_config(20);
+  const Fp8Run bf16 = train_run(bf16_of(c), t), layers = train_run(c, t);
+  c.fp8.output_proj = true;
+  const Fp8Run head = train_run(c, t);
+  ASSERT_EQ(head.error, "");
+  EXPECT_NE(head.hash, layers.hash);
+  double worst = 0;
+  for (size_t i = 0; i < head.losses.size(); ++i) worst = std::max(worst, std::fabs(head.losses[i] - bf16.losses[i]));
+  EXPECT_LE(worst, kBand);
+  c.fp8.recipe = nn::Fp8Recipe::tensorwise;
+  EXPECT_NE(testing::error_of([&] { c.validate(); }).find("--fp8-output-proj needs"), std::string::npos);
 }
 
 TEST(Fp8Training, FirstLastLayersBf16KeepsTheLayersItNames) {

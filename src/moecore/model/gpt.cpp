@@ -480,11 +480,12 @@ void GptModel::mtp_backward(LossResult& r, float grad_scale, const ops::Context&
     const float per = per_token_loss_ ? static_cast<float>(r.tokens) : 1.0f;
     const float scale = r.mtp_tokens[j] ? grad_scale * weight * per / static_cast<float>(r.mtp_tokens[j]) : 0.0f;
     if (!par_.sequence_parallel) {
-      nn::lm_head_loss(&mtp_.dh(), &output_->grad, d.h, output_->compute, d.labels, scale, head_ws_, ctx, head_group());
+      nn::lm_head_loss(&mtp_.dh(), &output_->grad, d.h, output_->compute, d.labels, scale, head_ws_, ctx, head_group(),
+                       /*reduce_dh=*/true, output_linear());
     } else {  // every token's h into the vocabulary-parallel head; its partial gradient reduce-scattered back
       all_gather_into(by_sequence(mtp_.h_full()), by_sequence(d.h), 1, par_.tp);
       nn::lm_head_loss(&sh_.dh, &output_->grad, mtp_.h_full(), output_->compute, d.labels, scale, head_ws_, ctx,
-                       head_group(), /*reduce_dh=*/false);
+                       head_group(), /*reduce_dh=*/false, output_linear());
       reduce_scatter_from(by_sequence(mtp_.dh()), by_sequence(sh_.dh), 1, par_.tp);
     }
     r.mtp_loss_sum[j] = read_loss_sum();
@@ -554,7 +555,7 @@ LossResult GptModel::forward(Slot slot, const Tensor& tokens, const Tensor& labe
   const bool sp = par_.sequence_parallel;
   // (under SP the head's partial input gradients of every token, reduce-scattered to this rank's rows)
   nn::lm_head_loss(sp ? &sh_.dh : &a.dfinal, &output_->grad, head_input(), output_->compute, labels_, token_scale,
-                   head_ws_, ctx, head_group(), /*reduce_dh=*/!sp);
+                   head_ws_, ctx, head_group(), /*reduce_dh=*/!sp, output_linear());
   r.loss_sum = read_loss_sum();
   if (par_.cp.size() > 1) all_reduce_sum(std::span<double>(&r.loss_sum, 1), par_.cp);
   if (output_ != embedding_) grad_ready(output_params_);
@@ -624,7 +625,8 @@ LossResult GptModel::evaluate(const Tensor& tokens, const Tensor& labels) {
   labels_.copy_from(local_positions(labels_h, cp_labels_h_));
   LossResult r;
   r.tokens = counted_labels(labels_h);
-  nn::lm_head_loss(nullptr, nullptr, head_input(), output_->compute, labels_, 1.0f, head_ws_, ctx, head_group());
+  nn::lm_head_loss(nullptr, nullptr, head_input(), output_->compute, labels_, 1.0f, head_ws_, ctx, head_group(),
+                   /*reduce_dh=*/true, output_linear());
   r.loss_sum = read_loss_sum();
   if (par_.cp.size() > 1) all_reduce_sum(std::span<double>(&r.loss_sum, 1), par_.cp);
   return r;
@@ -648,13 +650,17 @@ void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
     nn::context_parallel_to_positions(h, gathered, B_, S, CP);
   }
   if (!tensor_parallel()) {
-    ops::gemm(logits, h, false, output_->compute, true, 1.0f, 0.0f, ctx);
+    nn::linear_fprop(logits, h, output_->compute, 1.0f, 0.0f, output_linear(), ctx);
     return;
   }
   // Each rank's vocabulary columns, gathered along the vocabulary (generation and tests: not the step loop).
   Tensor part = Tensor::empty({logits.size(0), output_->compute.size(0)}, DType::f32, MemCategory::workspace, device_);
-  ops::gemm(part, h, false, output_->compute, true, 1.0f, 0.0f, ctx);
+  nn::linear_fprop(part, h, output_->compute, 1.0f, 0.0f, output_linear(), ctx);
   all_gather_into(logits, part, 1, par_.tp);
+}
+
+nn::Linear GptModel::output_linear() const {
+  return {cfg_.fp8.on && cfg_.fp8.output_proj ? &cfg_.fp8 : nullptr, "", "output_layer"};
 }
 
 MemoryPlan GptModel::memory_plan(const StateBytesPerElement& optimizer_state) const {

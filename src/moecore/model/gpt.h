@@ -244,6 +244,7 @@ class GptModel {
   void embed_backward(const Tensor& dx, const Tensor& ids, const ops::Context& ctx);
   const Tensor& head_input() const { return par_.sequence_parallel ? final_full_ : final_h_; }
   const ProcessGroup* head_group() const { return tensor_parallel() ? &par_.tp : nullptr; }  // vocab-parallel head
+  nn::Linear output_linear() const;           // the output layer's GEMMs: FP8 (MXFP8) with --fp8-output-proj
   Tensor by_sequence(const Tensor& t) const;  // [rows, H] as [B, rows / B, H]
   void forward_trunk(const Tensor& tokens, bool training);
   void forward_stages(const Tensor& tokens);  // forward_trunk of every chunk in pipeline order, without gradients

@@ -8,7 +8,8 @@ namespace moecore::nn {
 
 namespace {
 int64_t chunk_tokens(int64_t N, int64_t V) {
-  return std::clamp<int64_t>((int64_t{16} << 20) / std::max<int64_t>(V, 1), 1, std::max<int64_t>(N, 1));
+  const int64_t want = std::max<int64_t>((int64_t{16} << 20) / std::max<int64_t>(V, 1) / 32 * 32, 32);
+  return std::clamp<int64_t>(want, 1, std::max<int64_t>(N, 1));
 }
 }  // namespace
 
@@ -38,7 +39,8 @@ int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute, int64_t tp)
 }
 
 void lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels, float grad_scale,
-                  LmHeadWorkspace& ws, const ops::Context& ctx, const ProcessGroup* tp, bool reduce_dh) {
+                  LmHeadWorkspace& ws, const ops::Context& ctx, const ProcessGroup* tp, bool reduce_dh,
+                  const Linear& output) {
   const int64_t N = h.size(0), P = tp ? tp->size() : 1, Vl = w.size(0);
   const int64_t ws_tp = ws.stats.defined() ? ws.gathered.size(0) / ws.stats.size(0) : 1;
   if (ws_tp != P)
@@ -50,7 +52,7 @@ void lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, cons
     const int64_t n = std::min(ws.chunk, N - t0);
     const Tensor hc = h.slice(0, t0, t0 + n), lc = labels.slice(0, t0, t0 + n);
     Tensor logits = ws.logits.slice(0, 0, n), loss = ws.loss.slice(0, 0, n);
-    ops::gemm(logits, hc, false, w, true, 1.0f, 0.0f, ctx);
+    linear_fprop(logits, hc, w, 1.0f, 0.0f, output, ctx);
     if (P == 1) {
       ops::softmax_cross_entropy(loss, logits, lc, grad_scale, dh != nullptr, ctx);
     } else {
@@ -68,8 +70,8 @@ void lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, cons
       dlogits.copy_from(logits);
     }
     Tensor dhc = dh->slice(0, t0, t0 + n);
-    ops::gemm(dhc, dlogits, false, w, false, 1.0f, 0.0f, ctx);
-    ops::gemm(*dw, dlogits, true, hc, false, 1.0f, 1.0f, ctx);
+    linear_dgrad(dhc, dlogits, w, 1.0f, 0.0f, output, ctx);
+    linear_wgrad(*dw, dlogits, hc, 1.0f, 1.0f, output, ctx);
   }
   // Each rank's dh is the product with its vocabulary rows only: the sum over the group (rank order) is the whole.
   if (dh && P > 1 && reduce_dh) all_reduce_sum(*dh, *tp);

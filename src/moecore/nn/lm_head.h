@@ -7,6 +7,7 @@
 // Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include "moecore/kernels/ops.h"
+#include "moecore/nn/fp8.h"
 #include "moecore/parallel/comm.h"
 
 namespace moecore::nn {
@@ -35,8 +36,10 @@ int64_t lm_head_workspace_bytes(int64_t N, int64_t V, DType compute, int64_t tp 
 // tp (null or size 1: one rank holds the whole vocabulary): w and dw are this rank's [V / P, H] rows, labels are
 // global ids, and the loss totals and dh come out equal on every rank of the group (collective over tp); with
 // reduce_dh = false dh holds this rank's partial sum instead (the caller reduce-scatters it: sequence parallelism).
+// output: the output layer's GEMMs (FP8 with --fp8-output-proj; chunks are multiples of 32 tokens, so MXFP8's blocks
+// along the tokens in wgrad are the whole tensor's).
 void lm_head_loss(Tensor* dh, Tensor* dw, const Tensor& h, const Tensor& w, const Tensor& labels, float grad_scale,
-                  LmHeadWorkspace& ws, const ops::Context& ctx, const ProcessGroup* tp = nullptr,
-                  bool reduce_dh = true);
+                  LmHeadWorkspace& ws, const ops::Context& ctx, const ProcessGroup* tp = nullptr, bool reduce_dh = true,
+                  const Linear& output = {});
 
 }  // namespace moecore::nn
