@@ -478,7 +478,7 @@ const ModelFlag kModelFlags[] = {
    "operands with --fp8-recipe (unset: off)",
    [](const Args& a, const char* f, ModelConfig& c) {
      c.fp8.on = !a.str(f).empty();
-     if (c.fp8.on) c.fp8.format = a.str(f) == "hybrid" ? nn::Fp8Format::hybrid : nn::Fp8Format::e4m3;
+     if (c.fp8.on) c.fp8.format = enum_parse<nn::Fp8Format>(a.str(f), f);
    }},
   {"--fp8-recipe", Kind::value, "delayed",
    "with --fp8-format: tensorwise (a current scale per tensor) | blockwise (power-of-two scales per 1x128 activation "
@@ -489,19 +489,10 @@ const ModelFlag kModelFlags[] = {
      if (a.given(f) && !a.given("--fp8-format"))
        MOECORE_FAIL("--fp8-recipe ", r, " needs --fp8-format e4m3 or hybrid (FP8 training is off without it)");
      if (!c.fp8.on) return;
-     if (r == "tensorwise")
-       c.fp8.recipe = nn::Fp8Recipe::tensorwise;
-     else if (r == "blockwise")
-       c.fp8.recipe = nn::Fp8Recipe::blockwise;
-     else if (r == "mxfp8")
-       c.fp8.recipe = nn::Fp8Recipe::mxfp8;
-     else if (r == "delayed")
-       MOECORE_FAIL(
-           "--fp8-format with --fp8-recipe delayed (Megatron's default recipe): delayed scaling (per-quantizer amax "
-           "histories reduced across ranks) is not built yet; give --fp8-recipe tensorwise, blockwise or mxfp8");
-     else
+     if (r == "custom")
        MOECORE_FAIL("--fp8-recipe custom needs a Python quantizer factory (--fp8-quantizer-factory), which moecore "
                     "cannot load; give --fp8-recipe tensorwise, blockwise or mxfp8");
+     c.fp8.recipe = enum_parse<nn::Fp8Recipe>(r, f);  // (delayed: ModelConfig::validate refuses it)
    }},
   {"--first-last-layers-bf16", Kind::flag, "",
    "with --fp8-format: the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 decoder layers "

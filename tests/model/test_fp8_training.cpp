@@ -71,8 +71,7 @@ TEST(Fp8Training, EveryRecipeTracksBf16AndDiffersFromIt) {
     for (nn::Fp8Format format : {nn::Fp8Format::e4m3, nn::Fp8Format::hybrid})
       for (bool grouped : {true, false}) {
         if (!grouped && format == nn::Fp8Format::e4m3) continue;  // sequential experts: one format is enough
-        SCOPED_TRACE(std::string(nn::fp8_recipe_name(recipe)) + " " + nn::fp8_format_name(format) +
-                     (grouped ? " grouped" : " sequential"));
+        SCOPED_TRACE(std::string(enum_name(recipe)) + " " + enum_name(format) + (grouped ? " grouped" : " sequential"));
         const Fp8Run r = train_run(fp8_model(recipe, format, grouped), testing::small_train_config(30));
         ASSERT_EQ(r.error, "");
         ASSERT_EQ(r.losses.size(), bf16.losses.size());

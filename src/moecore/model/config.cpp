@@ -214,8 +214,9 @@ void ModelConfig::validate_fp8() const {
   if (!fp8.on) return;
   if (fp8.recipe == nn::Fp8Recipe::delayed)
     MOECORE_FAIL(
-        "model config: FP8 with the delayed recipe (Megatron's default --fp8-recipe) is not built yet; use tensorwise, "
-        "blockwise or mxfp8");
+        "model config: --fp8-format with --fp8-recipe delayed (Megatron's default recipe): delayed scaling "
+        "(per-quantizer amax histories reduced across ranks) is not built yet; give --fp8-recipe tensorwise, blockwise "
+        "or mxfp8");
   const int64_t start = fp8.num_layers_at_start_in_bf16, end = fp8.num_layers_at_end_in_bf16;
   if (fp8.first_last_layers_bf16 && (start < 0 || start > num_layers || end < 0 || end > num_layers))
     MOECORE_FAIL("model config: --num-layers-at-start-in-bf16 (", start, ") and --num-layers-at-end-in-bf16 (", end,

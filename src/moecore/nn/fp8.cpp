@@ -7,24 +7,6 @@
 
 namespace moecore::nn {
 
-const char* fp8_format_name(Fp8Format f) {
-  return f == Fp8Format::hybrid ? "hybrid" : "e4m3";
-}
-
-const char* fp8_recipe_name(Fp8Recipe r) {
-  switch (r) {
-    case Fp8Recipe::delayed:
-      return "delayed";
-    case Fp8Recipe::tensorwise:
-      return "tensorwise";
-    case Fp8Recipe::blockwise:
-      return "blockwise";
-    case Fp8Recipe::mxfp8:
-      return "mxfp8";
-  }
-  return "?";
-}
-
 bool Fp8Config::layer_runs_fp8(int64_t l, int64_t num_layers) const {
   if (!on) return false;
   if (l >= num_layers) return true;  // an MTP depth's layer

@@ -15,14 +15,24 @@
 #include <cstdint>
 #include <string_view>
 
+#include "moecore/core/enum_names.h"
 #include "moecore/kernels/ops_fp8.h"
 
 namespace moecore::nn {
 
 enum class Fp8Format : uint8_t { e4m3, hybrid };
+inline constexpr EnumName<Fp8Format> kFp8FormatNames[] = {{Fp8Format::e4m3, "e4m3"}, {Fp8Format::hybrid, "hybrid"}};
+constexpr std::span<const EnumName<Fp8Format>> enum_names(Fp8Format) {
+  return kFp8FormatNames;
+}
 enum class Fp8Recipe : uint8_t { delayed, tensorwise, blockwise, mxfp8 };
-const char* fp8_format_name(Fp8Format f);
-const char* fp8_recipe_name(Fp8Recipe r);
+inline constexpr EnumName<Fp8Recipe> kFp8RecipeNames[] = {{Fp8Recipe::delayed, "delayed"},
+                                                          {Fp8Recipe::tensorwise, "tensorwise"},
+                                                          {Fp8Recipe::blockwise, "blockwise"},
+                                                          {Fp8Recipe::mxfp8, "mxfp8"}};
+constexpr std::span<const EnumName<Fp8Recipe>> enum_names(Fp8Recipe) {
+  return kFp8RecipeNames;
+}
 
 // A model's FP8 settings (Megatron's flags and defaults). Off unless --fp8-format is given.
 struct Fp8Config {

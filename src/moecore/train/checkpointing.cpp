@@ -387,8 +387,7 @@ namespace {
 // The FP8 flags of a config, as state.json records them ("" without FP8).
 std::string fp8_flags(const model::ModelConfig& c) {
   if (!c.fp8.on) return "";
-  return std::string("--fp8-format ") + nn::fp8_format_name(c.fp8.format) + " --fp8-recipe " +
-         nn::fp8_recipe_name(c.fp8.recipe);
+  return std::string("--fp8-format ") + enum_name(c.fp8.format) + " --fp8-recipe " + enum_name(c.fp8.recipe);
 }
 }  // namespace
 
