@@ -32,9 +32,13 @@ struct Fp8Operand {
   float inf_scale = FLT_MAX;               // as Fp8Quantize::inf_scale
 };
 
+// The GEMM is named in errors by its parts, joined only when one is raised: layer + linear + " " + pass
+// ("decoder.layers.3." "mlp.linear_fc1" "fprop").
 struct Fp8Gemm {
   Fp8Operand a, b;
-  std::string_view what;  // names the GEMM in errors ("decoder.layers.3.mlp.linear_fc1 fprop")
+  std::string_view layer{};
+  const char* linear = "";
+  const char* pass = "";
 };
 
 // gemm (ops.h) with FP8 operands.

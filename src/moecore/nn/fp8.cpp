@@ -1,7 +1,6 @@
 #include "moecore/nn/fp8.h"
 
 #include <cfloat>
-#include <string>
 
 #include "moecore/core/error.h"
 
@@ -43,62 +42,50 @@ ops::Fp8Operand operand(const Fp8Config& c, Operand kind, DType input) {
 
 }  // namespace
 
-ops::Fp8Gemm fp8_fprop(const Fp8Config& c, DType input, std::string_view what) {
-  return {operand(c, Operand::activation, input), operand(c, Operand::weight, input), what};
+ops::Fp8Gemm fp8_fprop(const Fp8Config& c, DType input, const Linear& l) {
+  return {operand(c, Operand::activation, input), operand(c, Operand::weight, input), l.layer, l.name, "fprop"};
 }
-ops::Fp8Gemm fp8_dgrad(const Fp8Config& c, DType input, std::string_view what) {
-  return {operand(c, Operand::gradient, input), operand(c, Operand::weight, input), what};
+ops::Fp8Gemm fp8_dgrad(const Fp8Config& c, DType input, const Linear& l) {
+  return {operand(c, Operand::gradient, input), operand(c, Operand::weight, input), l.layer, l.name, "dgrad"};
 }
-ops::Fp8Gemm fp8_wgrad(const Fp8Config& c, DType input, std::string_view what) {
-  return {operand(c, Operand::gradient, input), operand(c, Operand::activation, input), what};
+ops::Fp8Gemm fp8_wgrad(const Fp8Config& c, DType input, const Linear& l) {
+  return {operand(c, Operand::gradient, input), operand(c, Operand::activation, input), l.layer, l.name, "wgrad"};
 }
-
-namespace {
-std::string what_of(const Linear& l, const char* pass) {
-  return std::string(l.layer) + l.name + " " + pass;
-}
-}  // namespace
 
 void linear_fprop(Tensor& y, const Tensor& x, const Tensor& w, float alpha, float beta, const Linear& l,
                   const ops::Context& ctx) {
   if (!l.fp8) return ops::gemm(y, x, false, w, true, alpha, beta, ctx);
-  const std::string what = what_of(l, "fprop");
-  ops::gemm(y, x, false, w, true, alpha, beta, fp8_fprop(*l.fp8, x.dtype(), what), ctx);
+  ops::gemm(y, x, false, w, true, alpha, beta, fp8_fprop(*l.fp8, x.dtype(), l), ctx);
 }
 
 void linear_dgrad(Tensor& dx, const Tensor& dy, const Tensor& w, float alpha, float beta, const Linear& l,
                   const ops::Context& ctx) {
   if (!l.fp8) return ops::gemm(dx, dy, false, w, false, alpha, beta, ctx);
-  const std::string what = what_of(l, "dgrad");
-  ops::gemm(dx, dy, false, w, false, alpha, beta, fp8_dgrad(*l.fp8, dy.dtype(), what), ctx);
+  ops::gemm(dx, dy, false, w, false, alpha, beta, fp8_dgrad(*l.fp8, dy.dtype(), l), ctx);
 }
 
 void linear_wgrad(Tensor& dw, const Tensor& dy, const Tensor& x, float alpha, float beta, const Linear& l,
                   const ops::Context& ctx) {
   if (!l.fp8) return ops::gemm(dw, dy, true, x, false, alpha, beta, ctx);
-  const std::string what = what_of(l, "wgrad");
-  ops::gemm(dw, dy, true, x, false, alpha, beta, fp8_wgrad(*l.fp8, x.dtype(), what), ctx);
+  ops::gemm(dw, dy, true, x, false, alpha, beta, fp8_wgrad(*l.fp8, x.dtype(), l), ctx);
 }
 
 void grouped_fprop(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& group_rows, const Linear& l,
                    const ops::Context& ctx) {
   if (!l.fp8) return ops::gemm_grouped(y, x, w, true, group_rows, 0.0f, ctx);
-  const std::string what = what_of(l, "fprop");
-  ops::gemm_grouped(y, x, w, true, group_rows, 0.0f, fp8_fprop(*l.fp8, x.dtype(), what), ctx);
+  ops::gemm_grouped(y, x, w, true, group_rows, 0.0f, fp8_fprop(*l.fp8, x.dtype(), l), ctx);
 }
 
 void grouped_dgrad(Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& group_rows, const Linear& l,
                    const ops::Context& ctx) {
   if (!l.fp8) return ops::gemm_grouped(dx, dy, w, false, group_rows, 0.0f, ctx);
-  const std::string what = what_of(l, "dgrad");
-  ops::gemm_grouped(dx, dy, w, false, group_rows, 0.0f, fp8_dgrad(*l.fp8, dy.dtype(), what), ctx);
+  ops::gemm_grouped(dx, dy, w, false, group_rows, 0.0f, fp8_dgrad(*l.fp8, dy.dtype(), l), ctx);
 }
 
 void grouped_wgrad(Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& group_rows, const Linear& l,
                    const ops::Context& ctx) {
   if (!l.fp8) return ops::gemm_grouped_wgrad(dw, dy, x, group_rows, 1.0f, ctx);
-  const std::string what = what_of(l, "wgrad");
-  ops::gemm_grouped_wgrad(dw, dy, x, group_rows, 1.0f, fp8_wgrad(*l.fp8, x.dtype(), what), ctx);
+  ops::gemm_grouped_wgrad(dw, dy, x, group_rows, 1.0f, fp8_wgrad(*l.fp8, x.dtype(), l), ctx);
 }
 
 }  // namespace moecore::nn

@@ -48,12 +48,6 @@ struct Fp8Config {
   bool layer_runs_fp8(int64_t l, int64_t num_layers) const;
 };
 
-// The operands of each GEMM under the recipe; `input` the dtype the operands are quantised from (the blockwise
-// recipe's scale of an infinite quotient is its largest finite value).
-ops::Fp8Gemm fp8_fprop(const Fp8Config& c, DType input, std::string_view what);
-ops::Fp8Gemm fp8_dgrad(const Fp8Config& c, DType input, std::string_view what);
-ops::Fp8Gemm fp8_wgrad(const Fp8Config& c, DType input, std::string_view what);
-
 // One linear layer: its name for errors (the parameter prefix of its layer, "decoder.layers.3.", and Megatron's module
 // name, "mlp.linear_fc1") and its recipe (null: plain GEMMs).
 struct Linear {
@@ -61,6 +55,12 @@ struct Linear {
   std::string_view layer{};
   const char* name = "";
 };
+
+// The operands of each GEMM of linear l under the recipe; `input` the dtype the operands are quantised from (the
+// blockwise recipe's scale of an infinite quotient is its largest finite value).
+ops::Fp8Gemm fp8_fprop(const Fp8Config& c, DType input, const Linear& l);
+ops::Fp8Gemm fp8_dgrad(const Fp8Config& c, DType input, const Linear& l);
+ops::Fp8Gemm fp8_wgrad(const Fp8Config& c, DType input, const Linear& l);
 
 // y = alpha x W^T + beta y; dx = alpha dy W + beta dx; dW = alpha dy^T x + beta dW. x [T, in], W [out, in], y [T, out].
 void linear_fprop(Tensor& y, const Tensor& x, const Tensor& w, float alpha, float beta, const Linear& l,

@@ -136,7 +136,7 @@ Tensor scratch(int slot, int64_t rows, int64_t cols, DType dtype, Device device)
 // reduction_along_rows: the stored layout is [reduction, rows] (a transposed operand), so the operand's blocks
 // [rows, reduction] are (bc, br) here.
 Quantized quantize_operand(const Tensor& x, Tensor& dst, bool reduction_along_rows, const Fp8Operand& p,
-                           std::string_view what, const char* name) {
+                           const Fp8Gemm& g, const char* name) {
   const bool e5m2 = p.format == DType::f8e5m2;
   const int64_t br = reduction_along_rows ? p.block_cols : p.block_rows;
   const int64_t bc = reduction_along_rows ? p.block_rows : p.block_cols;
@@ -147,11 +147,12 @@ Quantized quantize_operand(const Tensor& x, Tensor& dst, bool reduction_along_ro
       q = quantize_into(static_cast<const T*>(x.raw()), x.stride(0), x.size(0), x.size(1), static_cast<T*>(dst.raw()),
                         br, bc, e5m2, p);
     } else {
-      MOECORE_FAIL("gemm (fp8): ", what, ": operands must be f32 or bf16, got ", dtype_name(x.dtype()));
+      MOECORE_FAIL("gemm (fp8): ", g.layer, g.linear, " ", g.pass, ": operands must be f32 or bf16, got ",
+                   dtype_name(x.dtype()));
     }
   });
   if (!q.finite)
-    MOECORE_FAIL("FP8 training stops: ", what, ": the ", name,
+    MOECORE_FAIL("FP8 training stops: ", g.layer, g.linear, " ", g.pass, ": the ", name,
                  " holds an infinity or a NaN (its amax is not finite), so it has no FP8 scale; the numbers broke "
                  "in or before this layer");
   return q;
@@ -182,8 +183,8 @@ void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_
   if (a.stride(-1) != 1 || b.stride(-1) != 1) chk.fail("a and b need a unit last stride");
   Tensor qa = scratch(0, a.size(0), a.size(1), a.dtype(), ctx.device);
   Tensor qb = scratch(1, b.size(0), b.size(1), b.dtype(), ctx.device);
-  const Quantized ra = quantize_operand(a, qa, trans_a, fp8.a, fp8.what, trans_a ? "operand a^T" : "operand a");
-  const Quantized rb = quantize_operand(b, qb, !trans_b, fp8.b, fp8.what, trans_b ? "operand b^T" : "operand b");
+  const Quantized ra = quantize_operand(a, qa, trans_a, fp8.a, fp8, trans_a ? "operand a^T" : "operand a");
+  const Quantized rb = quantize_operand(b, qb, !trans_b, fp8.b, fp8, trans_b ? "operand b^T" : "operand b");
   gemm(c, qa, trans_a, qb, trans_b, alpha * ra.scale_inv * rb.scale_inv, beta, ctx);
 }
 
@@ -204,10 +205,10 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
   bool scaled = false;
   for (int64_t g = 0, o = 0; g < G; o += rows[g], ++g) {
     Tensor bq = qb.slice(0, g * b.size(1), (g + 1) * b.size(1));
-    const Quantized rb = quantize_operand(b.select(0, g), bq, !trans_b, fp8.b, fp8.what, "expert weight");
+    const Quantized rb = quantize_operand(b.select(0, g), bq, !trans_b, fp8.b, fp8, "expert weight");
     if (rows[g] == 0) continue;
     Tensor aq = qa.slice(0, o, o + rows[g]);
-    const Quantized ra = quantize_operand(a.slice(0, o, o + rows[g]), aq, false, fp8.a, fp8.what, "expert input");
+    const Quantized ra = quantize_operand(a.slice(0, o, o + rows[g]), aq, false, fp8.a, fp8, "expert input");
     alpha[g] = ra.scale_inv * rb.scale_inv;
     scaled |= alpha[g] != 1.0f;
   }
@@ -239,8 +240,8 @@ void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tenso
     Tensor cg = c.select(0, g);
     Tensor aq = qa.slice(0, o, o + rows[g]), bq = qb.slice(0, o, o + rows[g]);
     // the reduction runs over the group's rows: both operands' blocks lie along them
-    const Quantized ra = quantize_operand(a.slice(0, o, o + rows[g]), aq, true, fp8.a, fp8.what, "output gradient");
-    const Quantized rb = quantize_operand(b.slice(0, o, o + rows[g]), bq, true, fp8.b, fp8.what, "expert input");
+    const Quantized ra = quantize_operand(a.slice(0, o, o + rows[g]), aq, true, fp8.a, fp8, "output gradient");
+    const Quantized rb = quantize_operand(b.slice(0, o, o + rows[g]), bq, true, fp8.b, fp8, "expert input");
     gemm(cg, aq, true, bq, false, ra.scale_inv * rb.scale_inv, beta, ctx);
   }
 }
