@@ -40,9 +40,20 @@ fi
 
 bash scripts/build.sh
 status=0
-(cd build && ctest --output-on-failure -j "$(nproc)" -LE long --timeout 900) || status=$?
+suite=0
+(cd build && ctest --output-on-failure -j "$(nproc)" -LE long --timeout 900) || suite=$?
+status=$suite
 # The hardening half: the unit, module and command-line tests again under AddressSanitizer + UBSan, and every
 # reader's libFuzzer harness for a short fixed budget (scripts/sanitize.sh, its own build in build-san/).
 bash scripts/sanitize.sh || status=$?
+# A failure of the default suite is named again at the end (a CI log is read from its tail), with the failed tests'
+# output from one more run of each; the exit status stays the first run's.
+failed=build/Testing/Temporary/LastTestsFailed.log
+if [ "$suite" -ne 0 ] && [ -s "$failed" ]; then
+  echo "test.sh: the default suite FAILED (ctest exit $suite): these tests, run once more for their output:"
+  sed 's/^/test.sh:   /' "$failed"
+  (cd build && ctest --rerun-failed --output-on-failure --timeout 300) || true
+  echo "test.sh: the default suite FAILED (above: its failed tests, run once more)"
+fi
 [ -z "$no_pypi" ] || echo "$no_pypi" >&2
 exit $status
