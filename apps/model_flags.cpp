@@ -481,18 +481,32 @@ const ModelFlag kModelFlags[] = {
      if (c.fp8.on) c.fp8.format = enum_parse<nn::Fp8Format>(a.str(f), f);
    }},
   {"--fp8-recipe", Kind::value, "delayed",
-   "with --fp8-format: tensorwise (a current scale per tensor) | blockwise (power-of-two scales per 1x128 activation "
-   "and 128x128 weight block) | mxfp8 (E8M0 scales per 32 values); delayed (Megatron's default) and custom are not "
-   "built yet",
+   "with --fp8-format: delayed (a scale per quantizer from the amax history of earlier steps, reduced over TP x DP x "
+   "CP) | tensorwise (a current scale per tensor) | blockwise (power-of-two scales per 1x128 activation and 128x128 "
+   "weight block) | mxfp8 (E8M0 scales per 32 values); custom is not supported",
    [](const Args& a, const char* f, ModelConfig& c) {
      const std::string r = a.str(f);
      if (a.given(f) && !a.given("--fp8-format"))
        MOECORE_FAIL("--fp8-recipe ", r, " needs --fp8-format e4m3 or hybrid (FP8 training is off without it)");
+     for (const char* d : {"--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo"})
+       if (a.given(d) && !(c.fp8.on && r == "delayed"))
+         MOECORE_FAIL(d, " applies to --fp8-format with --fp8-recipe delayed only (Megatron ignores it otherwise); "
+                      "drop it or give --fp8-recipe delayed");
      if (!c.fp8.on) return;
      if (r == "custom")
        MOECORE_FAIL("--fp8-recipe custom needs a Python quantizer factory (--fp8-quantizer-factory), which moecore "
-                    "cannot load; give --fp8-recipe tensorwise, blockwise or mxfp8");
-     c.fp8.recipe = enum_parse<nn::Fp8Recipe>(r, f);  // (delayed: ModelConfig::validate refuses it)
+                    "cannot load; give --fp8-recipe delayed, tensorwise, blockwise or mxfp8");
+     c.fp8.recipe = enum_parse<nn::Fp8Recipe>(r, f);
+   }},
+  {"--fp8-margin", Kind::value, "0", "with --fp8-recipe delayed: scale = fp8_max * 2^-margin / amax",
+   [](const Args& a, const char* f, ModelConfig& c) { c.fp8.margin = a.i64(f); }},
+  {"--fp8-amax-history-len", Kind::value, "1",
+   "with --fp8-recipe delayed: the amaxes of how many past steps each quantizer keeps (Megatron's default 1)",
+   [](const Args& a, const char* f, ModelConfig& c) { c.fp8.amax_history_len = a.i64(f); }},
+  {"--fp8-amax-compute-algo", Kind::value, "most_recent",
+   "with --fp8-recipe delayed: most_recent (the newest amax) | max (the largest in the history) sets the scale",
+   [](const Args& a, const char* f, ModelConfig& c) {
+     c.fp8.amax_compute_algo = enum_parse<nn::Fp8AmaxAlgo>(a.str(f), f);
    }},
   {"--first-last-layers-bf16", Kind::flag, "",
    "with --fp8-format: the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 decoder layers "
@@ -564,6 +578,9 @@ const std::pair<const char*, FlagDomain> kModelFlagDomains[] = {
     {"--attention-backend", FlagDomain::one_of({"flash", "fused", "unfused", "local", "auto"})},
     {"--fp8-format", FlagDomain::one_of({"e4m3", "hybrid"})},
     {"--fp8-recipe", FlagDomain::one_of({"tensorwise", "delayed", "mxfp8", "blockwise", "custom"})},
+    {"--fp8-margin", FlagDomain::integer(0, 64)},
+    {"--fp8-amax-history-len", FlagDomain::integer(1, 1 << 20)},
+    {"--fp8-amax-compute-algo", FlagDomain::one_of({"most_recent", "max"})},
     {"--num-layers-at-start-in-bf16", FlagDomain::integer(0, 1e9)},
     {"--num-layers-at-end-in-bf16", FlagDomain::integer(0, 1e9)},
     {"--recompute-granularity", FlagDomain::one_of({"full", "selective"})},

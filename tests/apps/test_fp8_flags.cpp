@@ -1,7 +1,8 @@
-// FP8 training's flags as a user meets them (Megatron's names, defaults and rules; docs/fp8-spec.md §1-2): the recipes
-// moecore has train from the command line, router padding with them; Megatron's default recipe (delayed), flags that
-// need --fp8-format, the delayed-only flags, --fp16 and an out-of-range --num-layers-at-end-in-bf16 are refused naming
-// the flag; MLA and MTP train in FP8.
+// FP8 training's flags as a user meets them (Megatron's names, defaults and rules; docs/fp8-spec.md §1-2): every
+// recipe trains from the command line (delayed, Megatron's default, with its margin, history and algorithm, under full
+// recompute), router padding with them; flags that need --fp8-format, the delayed-only flags with another recipe,
+// --first-last-layers-bf16 with delayed, --fp16 and out-of-range values are refused naming the flag; MLA and MTP train
+// in FP8.
 #include <gtest/gtest.h>
 
 #include "cli_support.h"
@@ -20,17 +21,26 @@ class Fp8Flags : public testing::CliScratch {
 TEST_F(Fp8Flags, RecipesTrainAndBadCombinationsAreNamed) {
   byte_corpus();
   const std::string moe = train_args() + "--bf16 --num-experts 4 --moe-router-topk 2 ";
-  for (const char* ok : {"--fp8-format hybrid --fp8-recipe tensorwise --moe-router-padding-for-fp8 "
-                         "--moe-token-dispatcher-type alltoall",
-                         "--fp8-format e4m3 --fp8-recipe blockwise --first-last-layers-bf16 "
-                         "--num-layers-at-start-in-bf16 0 --fp8-interval 4 --no-fp8-wgrad",
-                         "--fp8-format hybrid --fp8-recipe mxfp8 --moe-router-padding-for-quantization "
-                         "--moe-token-dispatcher-type alltoall --fp8-output-proj"}) {
+  for (const char* ok :
+       {"--fp8-format hybrid --fp8-recipe tensorwise --moe-router-padding-for-fp8 "
+        "--moe-token-dispatcher-type alltoall",
+        "--fp8-format e4m3 --fp8-recipe blockwise --first-last-layers-bf16 "
+        "--num-layers-at-start-in-bf16 0 --fp8-interval 4 --no-fp8-wgrad",
+        "--fp8-format hybrid --fp8-recipe mxfp8 --moe-router-padding-for-quantization "
+        "--moe-token-dispatcher-type alltoall --fp8-output-proj",
+        "--fp8-format e4m3",  // Megatron's default recipe, delayed
+        "--fp8-format hybrid --fp8-recipe delayed --fp8-margin 1 --fp8-amax-history-len 4 "
+        "--fp8-amax-compute-algo max --moe-router-padding-for-fp8 --moe-token-dispatcher-type alltoall "
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"}) {
     const CmdResult r = run_moecore(moe + ok);
     EXPECT_EQ(r.status, 0) << ok << ":\n" << r.output;
   }
   const std::vector<std::pair<std::string, std::string>> bad = {
-      {"--fp8-format e4m3", "--fp8-recipe delayed"},
+      {"--fp8-format e4m3 --first-last-layers-bf16", "not supported with --fp8-recipe delayed"},
+      {"--fp8-margin 2", "--fp8-margin applies to --fp8-format with --fp8-recipe delayed"},
+      {"--fp8-format e4m3 --fp8-amax-compute-algo mean", "--fp8-amax-compute-algo"},
+      {"--fp8-format e4m3 --fp8-amax-history-len 0", "--fp8-amax-history-len"},
+      {"--fp8-format e4m3 --fp8-margin 65", "--fp8-margin"},
       {"--fp8-recipe blockwise", "needs --fp8-format"},
       {"--fp8-format e4m3 --fp8-recipe custom", "--fp8-recipe custom"},
       {"--first-last-layers-bf16", "--first-last-layers-bf16 needs --fp8-format"},
@@ -60,8 +70,8 @@ TEST_F(Fp8Flags, RecipesTrainAndBadCombinationsAreNamed) {
                                     "--q-lora-rank 8 --kv-lora-rank 8 --qk-head-dim 8 "
                                     "--qk-pos-emb-head-dim 4 --v-head-dim 8 --fp8-format e4m3 --fp8-recipe tensorwise");
   EXPECT_EQ(mla.status, 0) << mla.output;
-  const CmdResult mtp = run_moecore(
-      train_args() + "--position-embedding-type rope --mtp-num-layers 1 --fp8-format e4m3 --fp8-recipe tensorwise");
+  const CmdResult mtp =
+      run_moecore(train_args() + "--position-embedding-type rope --mtp-num-layers 1 --fp8-format e4m3");  // (delayed)
   EXPECT_EQ(mtp.status, 0) << mtp.output;
 }
 

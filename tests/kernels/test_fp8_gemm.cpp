@@ -84,7 +84,7 @@ Tensor reference_operand(const Tensor& op_layout, const ops::Fp8Operand& o) {
   p.block_rows = o.block_rows;
   p.block_cols = o.block_cols;
   p.rule = o.rule;
-  p.scale = o.scale;
+  if (!o.scale.empty()) p.scale = o.scale[0];
   p.inf_scale = o.inf_scale;
   const int64_t R = op_layout.size(0), C = op_layout.size(1);
   const int64_t br = p.block_rows > 0 ? p.block_rows : R, bc = p.block_cols > 0 ? p.block_cols : C;
@@ -162,12 +162,13 @@ std::vector<Recipe> recipes(DType input) {
                          ops::Fp8ScaleRule::current_pow2,
                          1,
                          128,
-                         1.0f,
+                         {},
                          input == DType::bf16 ? 0x1.fep127f : 3.4028234664e38f};
   ops::Fp8Operand bw_w = bw_act;
   bw_w.block_rows = 128;
   ops::Fp8Operand mx{DType::f8e4m3, ops::Fp8ScaleRule::mx, 1, 32};
-  ops::Fp8Operand given{DType::f8e4m3, ops::Fp8ScaleRule::given, 0, 0, 3.0f};
+  static const float kGiven[] = {3.0f};
+  ops::Fp8Operand given{DType::f8e4m3, ops::Fp8ScaleRule::given, 0, 0, kGiven};
   return {{"tensorwise", tw, tw}, {"blockwise", bw_act, bw_w}, {"mxfp8", mx, mx}, {"given", given, given}};
 }
 
@@ -199,15 +200,36 @@ TEST(Fp8Gemm, EveryRecipeMatchesTheQuantisationReference) {
         }
 }
 
+// Group e's operand of a grouped GEMM: its own given scale.
+ops::Fp8Operand of_group(ops::Fp8Operand o, int64_t e) {
+  if (o.scale.size() > 1) o.scale = o.scale.subspan(static_cast<size_t>(e), 1);
+  return o;
+}
+
+// max |x| over a tensor's values (as f32)
+float max_abs(const Tensor& x) {
+  const Tensor f = dense_f32(x, false);
+  float m = 0.0f;
+  for (int64_t i = 0; i < f.numel(); ++i) m = std::max(m, std::fabs(f.data<float>()[i]));
+  return m;
+}
+
 TEST(Fp8Gemm, GroupedGemmsQuantiseEachGroupOnItsOwn) {
   const int64_t K = 160, N = 24, G = 4;
   const std::vector<int64_t> rows = {50, 0, 3, 140};  // sums to 193 of R = 200 rows (the rest untouched)
   const int64_t R = 200;
   const Tensor counts = testing::counts_tensor(rows, Device::cpu);
+  static const float kGroupScales[] = {3.0f, 0.5f, 7.0f, 0.25f};  // the given recipe: a scale per group
   for (DType dt : {DType::f32, DType::bf16})
     for (const Recipe& r : recipes(dt)) {
       SCOPED_TRACE(std::string(r.name) + " " + std::string(dtype_name(dt)));
       ops::Fp8Gemm g{r.act, r.weight, "experts"};
+      if (r.act.rule == ops::Fp8ScaleRule::given) g.a.scale = g.b.scale = kGroupScales;
+      // each group's amax is maxed into its entry (a larger value already there is kept)
+      std::vector<float> amax_a(G, 0.0f), amax_b(G, 0.0f);
+      amax_b[1] = 1e6f;
+      g.a.amax = amax_a;
+      g.b.amax = amax_b;
       Tensor x32 = graded(R, K, "grouped x", 2.0f);
       for (int64_t i = 53 * K; i < 193 * K; ++i) x32.data<float>()[i] *= 10.0f;  // group 3: a scale of its own
       const Tensor x = x32.to(dt);
@@ -225,13 +247,17 @@ TEST(Fp8Gemm, GroupedGemmsQuantiseEachGroupOnItsOwn) {
         for (int64_t e = 0; e < G; o += rows[e], ++e) {
           if (rows[e] == 0) continue;
           const Tensor xe = dense_f32(x.slice(0, o, o + rows[e]), false);
-          const Tensor A = reference_operand(xe, g.a), B = reference_operand(dense_f32(w.select(0, e), !trans_b), g.b);
+          const Tensor A = reference_operand(xe, of_group(g.a, e)),
+                       B = reference_operand(dense_f32(w.select(0, e), !trans_b), of_group(g.b, e));
           const Tensor zero = Tensor::zeros({rows[e], N}, DType::f32);
           EXPECT_LE(relative_to_sizes(y.slice(0, o, o + rows[e]).clone(), reference_product(A, B, 1.0f, 0.0f, zero),
                                       term_sizes(xe, w_op[e]), 1e-5),
                     1.0)
               << "fprop, expert " << e << (trans_b ? ", b^T" : ", b");
+          EXPECT_EQ(amax_a[e], max_abs(x.slice(0, o, o + rows[e]))) << "expert " << e;
         }
+        for (int64_t e = 0; e < G; ++e) EXPECT_EQ(amax_b[e], e == 1 ? 1e6f : max_abs(w.select(0, e))) << "expert " << e;
+        EXPECT_EQ(amax_a[1], 0.0f);  // no rows: nothing quantised
       }
       // wgrad: dw[g] = dy[seg]^T x[seg] + dw[g], both operands blocked along the group's rows: dy graded along its
       // columns (the rows of dw), x along its columns (the columns of dw)
@@ -239,6 +265,7 @@ TEST(Fp8Gemm, GroupedGemmsQuantiseEachGroupOnItsOwn) {
       const Tensor xw = dense_f32(graded(K, R, "grouped xw", 1.0f), true).to(dt);
       ops::Fp8Gemm gw{r.act, r.act, "experts wgrad"};
       gw.a.format = DType::f8e5m2;
+      if (r.act.rule == ops::Fp8ScaleRule::given) gw.a.scale = gw.b.scale = kGroupScales;
       Tensor dw0 = testing::randn({G, N, K}, "grouped dw0");
       std::vector<Tensor> sizes;
       int64_t o = 0;
@@ -252,9 +279,9 @@ TEST(Fp8Gemm, GroupedGemmsQuantiseEachGroupOnItsOwn) {
       ops::gemm_grouped_wgrad(dw, dy, xw, counts, 1.0f, gw, cpu);
       o = 0;
       for (int64_t e = 0; e < G; o += rows[e], ++e) {
-        const Tensor A = rows[e] ? reference_operand(dense_f32(dy.slice(0, o, o + rows[e]), true), gw.a)
+        const Tensor A = rows[e] ? reference_operand(dense_f32(dy.slice(0, o, o + rows[e]), true), of_group(gw.a, e))
                                  : Tensor::zeros({N, 0}, DType::f32);
-        const Tensor B = rows[e] ? reference_operand(dense_f32(xw.slice(0, o, o + rows[e]), true), gw.b)
+        const Tensor B = rows[e] ? reference_operand(dense_f32(xw.slice(0, o, o + rows[e]), true), of_group(gw.b, e))
                                  : Tensor::zeros({K, 0}, DType::f32);
         Tensor size = sizes[e].clone();  // (plus the accumulated dw0's own size)
         for (int64_t i = 0; i < N * K; ++i) size.data<float>()[i] += std::fabs(dw0.select(0, e).data<float>()[i]);
@@ -281,6 +308,12 @@ TEST(Fp8Gemm, ANonFiniteOperandStopsNamingTheGemm) {
   bad.b.format = DType::bf16;
   b.data<float>()[5] = 1.0f;
   expect_error([&] { ops::gemm(c, a, false, b, true, 1.0f, 0.0f, bad, cpu); }, {"gemm (fp8)", "format"});
+  ops::Fp8Gemm two = g;
+  static const float kTwo[] = {1.0f, 2.0f};
+  two.a.rule = ops::Fp8ScaleRule::given;
+  two.a.scale = kTwo;
+  expect_error([&] { ops::gemm(c, a, false, b, true, 1.0f, 0.0f, two, cpu); },
+               {"gemm (fp8)", "one entry per group (1), got 2"});
   Tensor a16 = a.to(DType::f16), b16 = b.to(DType::f16);
   expect_error([&] { ops::gemm(c, a16, false, b16, true, 1.0f, 0.0f, g, cpu); }, {"gemm (fp8)", "f32 or bf16"});
 }

@@ -13,7 +13,8 @@
 // matches too; checkpoints saved under TP (MoE: with EP) with it load at one process with bitwise-identical parameters
 // and resume with the uninterrupted run's losses at 1 process, under TP and under CP; the partial distributed optimizer
 // (--num-distributed-optimizer-instances 2 and 4 at DP 4, dense and MoE) matches too, its checkpoints resume at N 1;
-// bad layouts fail at construction naming the values. Every model lives on testing::test_device().
+// bad layouts fail at construction naming the values; FP8 delayed scaling leaves the same quantizer state on every
+// rank (its amax reduction over TP x DP x CP). Every model lives on testing::test_device().
 #include <gtest/gtest.h>
 
 #include "model/mpi_training_support.h"
@@ -29,6 +30,7 @@
 #include <map>
 
 #include "moecore/core/error.h"
+#include "moecore/nn/fp8_delayed.h"
 #include "moecore/optim/muon.h"
 #include "moecore/parallel/process_groups.h"
 #include "moecore/parallel/shards.h"
@@ -150,6 +152,7 @@ struct Result {
   double valid = 0;
   std::map<std::string, Tensor> grads;   // whole tensors (tensor-parallel shards gathered), after the last step
   std::map<std::string, Tensor> values;  // whole parameters at the end
+  std::vector<float> fp8_state;          // FP8 delayed scaling's records on this rank, in name order
 };
 
 // The model and groups of a layout over `world` (tp 0: one process, no communication at all).
@@ -201,6 +204,9 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   r.params_norm = log.params_norm;
   r.num_zeros = log.num_zeros;
   if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
+  if (const nn::Fp8Delayed* d = gpt.fp8_delayed())
+    for (const auto& [name, rec] : d->records())
+      r.fp8_state.insert(r.fp8_state.end(), rec.slots.data<float>(), rec.slots.data<float>() + rec.slots.numel());
   for (const auto& p : gpt.params()) {
     if (p.expert_parallel) {  // expert shards: the whole [E, ...] tensor over the ETP and EP groups
       const TensorShard ep{0, 1, static_cast<int>(gpt.ep_rank()), static_cast<int>(gpt.ep_size())};
@@ -603,6 +609,36 @@ TEST_F(Mpi, EightRanksMatchOneProcess) {
   Layout instances{2, true, 2};
   instances.instances = 2;
   check_layout(world, moe_model(false), instances, /*zero=*/true);
+}
+
+// FP8 delayed scaling (Megatron's default recipe) under DP x EP and TP + SP (x DP x EP): the amaxes are MAX-reduced
+// over TP x DP x CP after every pass, so every rank ends with the same quantizer state, an expert slot by its local
+// index as Megatron reduces it (without the reduction the DP ranks, which see other micro-batches, would differ);
+// the runs track one process within FP8's band (the scales follow other micro-batches' amaxes, so not closer).
+TEST_F(Mpi, Fp8DelayedScalingStateIsTheSameOnEveryRank) {
+  if (P > 4) GTEST_SKIP() << "covered at 2 and 4 ranks (TP 2 x DP 2 x EP 2)";
+  model::ModelConfig c = moe_model(false);
+  c.compute_dtype = DType::bf16;
+  c.fp8.on = true;
+  c.fp8.format = nn::Fp8Format::hybrid;
+  c.fp8.recipe = nn::Fp8Recipe::delayed;
+  c.fp8.amax_history_len = 2;
+  // (no validation: an evaluation's amaxes wait in row 0 for the next update, each rank's its own)
+  const TrainTweak no_eval = [](train::TrainConfig& t) { t.has_validation = false; };
+  const Result ref = run(world, c, Layout{0, false}, 4, "", "", 0, false, false, false, no_eval);
+  for (const Layout& l : {Layout{1, false, 2}, Layout{2, true, P >= 4 ? 2 : 1}}) {
+    SCOPED_TRACE(l.name());
+    const Result got = run(world, c, l, 4, "", "", 0, false, false, false, no_eval);
+    ASSERT_FALSE(got.fp8_state.empty());
+    std::vector<float> all(got.fp8_state.size() * static_cast<size_t>(P));
+    all_gather(std::span<float>(all), std::span<const float>(got.fp8_state), world);
+    for (int r = 1; r < P; ++r)
+      EXPECT_EQ(std::memcmp(all.data() + r * got.fp8_state.size(), all.data(), got.fp8_state.size() * sizeof(float)), 0)
+          << "rank " << r << "'s FP8 state differs from rank 0's";
+    ASSERT_EQ(got.loss.size(), ref.loss.size());
+    for (size_t i = 0; i < got.loss.size(); ++i)
+      EXPECT_LE(std::fabs(got.loss[i] - ref.loss[i]), 0.05) << "step " << i + 1;
+  }
 }
 
 // Generation's forward under CP (and TP 2 x CP 2): every position's logits, gathered over the group, equal one

@@ -3,13 +3,18 @@
 // within a stated band while differing from it (the GEMMs really quantise), with grouped and sequential experts, with
 // MLA and MTP, and with the output layer under --fp8-output-proj; --first-last-layers-bf16 keeps exactly the layers
 // it names out of FP8 (all of them: bitwise the bf16 run); a run resumes bitwise and its checkpoint refuses another
-// recipe; a NaN in a weight stops the run naming the layer and GEMM that met it.
+// recipe; a NaN in a weight stops the run naming the layer and GEMM that met it. Delayed scaling (Megatron's default
+// recipe): each GEMM of a linear uses the scales of its pass (the step's weight scale, the forward's input scale in
+// wgrad and recompute) and records the amaxes Transformer Engine records, histories roll and restore at any length;
+// recompute is bitwise the run without; its state resumes bitwise.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 
+#include "moecore/nn/fp8_delayed.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/trainer.h"
 #include "synthetic_training.h"
@@ -67,7 +72,8 @@ TEST(Fp8Training, EveryRecipeTracksBf16AndDiffersFromIt) {
   const Fp8Run bf16 =
       train_run(bf16_of(fp8_model(nn::Fp8Recipe::tensorwise, nn::Fp8Format::e4m3)), testing::small_train_config(30));
   ASSERT_EQ(bf16.error, "");
-  for (nn::Fp8Recipe recipe : {nn::Fp8Recipe::tensorwise, nn::Fp8Recipe::blockwise, nn::Fp8Recipe::mxfp8})
+  for (nn::Fp8Recipe recipe :
+       {nn::Fp8Recipe::delayed, nn::Fp8Recipe::tensorwise, nn::Fp8Recipe::blockwise, nn::Fp8Recipe::mxfp8})
     for (nn::Fp8Format format : {nn::Fp8Format::e4m3, nn::Fp8Format::hybrid})
       for (bool grouped : {true, false}) {
         if (!grouped && format == nn::Fp8Format::e4m3) continue;  // sequential experts: one format is enough
@@ -86,23 +92,26 @@ TEST(Fp8Training, EveryRecipeTracksBf16AndDiffersFromIt) {
 
 // MLA's six linears (q down/up, kv down/up, the output projection) in FP8, and an MTP depth (its eh_proj too).
 TEST(Fp8Training, MultiLatentAttentionAndMtpTrackBf16) {
-  model::ModelConfig c = fp8_model(nn::Fp8Recipe::blockwise, nn::Fp8Format::hybrid);
-  c.multi_latent_attention = true;
-  c.q_lora_rank = 16;
-  c.kv_lora_rank = 16;
-  c.qk_head_dim = 8;
-  c.qk_pos_emb_head_dim = 8;
-  c.v_head_dim = 8;
-  c.qk_layernorm = true;
-  c.mtp_num_layers = 1;
-  const train::TrainConfig t = testing::small_train_config(20);
-  const Fp8Run bf16 = train_run(bf16_of(c), t), fp8 = train_run(c, t);
-  ASSERT_EQ(fp8.error, "");
-  double worst = 0;
-  for (size_t i = 0; i < fp8.losses.size(); ++i) worst = std::max(worst, std::fabs(fp8.losses[i] - bf16.losses[i]));
-  EXPECT_LE(worst, kBand);
-  EXPECT_GT(worst, 0.0);
-  EXPECT_LT(fp8.losses.back(), fp8.losses.front() - 0.5);
+  for (nn::Fp8Recipe recipe : {nn::Fp8Recipe::blockwise, nn::Fp8Recipe::delayed}) {
+    SCOPED_TRACE(enum_name(recipe));
+    model::ModelConfig c = fp8_model(recipe, nn::Fp8Format::hybrid);
+    c.multi_latent_attention = true;
+    c.q_lora_rank = 16;
+    c.kv_lora_rank = 16;
+    c.qk_head_dim = 8;
+    c.qk_pos_emb_head_dim = 8;
+    c.v_head_dim = 8;
+    c.qk_layernorm = true;
+    c.mtp_num_layers = 1;
+    const train::TrainConfig t = testing::small_train_config(20);
+    const Fp8Run bf16 = train_run(bf16_of(c), t), fp8 = train_run(c, t);
+    ASSERT_EQ(fp8.error, "");
+    double worst = 0;
+    for (size_t i = 0; i < fp8.losses.size(); ++i) worst = std::max(worst, std::fabs(fp8.losses[i] - bf16.losses[i]));
+    EXPECT_LE(worst, kBand);
+    EXPECT_GT(worst, 0.0);
+    EXPECT_LT(fp8.losses.back(), fp8.losses.front() - 0.5);
+  }
 }
 
 // --fp8-output-proj (MXFP8): the output layer's GEMMs in FP8 as well -- the run differs from the one without and still
@@ -140,31 +149,227 @@ TEST(Fp8Training, FirstLastLayersBf16KeepsTheLayersItNames) {
 }
 
 TEST(Fp8Training, ResumesBitwise) {
-  const model::ModelConfig c = fp8_model(nn::Fp8Recipe::blockwise, nn::Fp8Format::hybrid);
-  const fs::path dir = fs::temp_directory_path() / ("moecore_fp8_resume_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  const Fp8Run straight = train_run(c, testing::small_train_config(8));
-  train::TrainConfig half = testing::small_train_config(8);
-  half.exit_interval = 4;
-  const Fp8Run first = train_run(c, half, dir);
-  const Fp8Run second = train_run(c, testing::small_train_config(8), dir, dir);
-  ASSERT_EQ(second.error, "");
-  ASSERT_EQ(second.losses.size(), 4u);
-  for (size_t i = 0; i < 4; ++i) {
-    EXPECT_EQ(first.losses[i], straight.losses[i]) << i;
-    EXPECT_EQ(second.losses[i], straight.losses[i + 4]) << i + 4;
+  model::ModelConfig delayed = fp8_model(nn::Fp8Recipe::delayed, nn::Fp8Format::hybrid);
+  delayed.fp8.amax_history_len = 4;  // (a history that outlives a step, and max over it)
+  delayed.fp8.amax_compute_algo = nn::Fp8AmaxAlgo::max;
+  for (const model::ModelConfig& c : {fp8_model(nn::Fp8Recipe::blockwise, nn::Fp8Format::hybrid), delayed}) {
+    SCOPED_TRACE(enum_name(c.fp8.recipe));
+    const fs::path dir = fs::temp_directory_path() / ("moecore_fp8_resume_" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    const Fp8Run straight = train_run(c, testing::small_train_config(8));
+    train::TrainConfig half = testing::small_train_config(8);
+    half.exit_interval = 4;
+    const Fp8Run first = train_run(c, half, dir);
+    const Fp8Run second = train_run(c, testing::small_train_config(8), dir, dir);
+    ASSERT_EQ(second.error, "");
+    ASSERT_EQ(second.losses.size(), 4u);
+    for (size_t i = 0; i < 4; ++i) {
+      EXPECT_EQ(first.losses[i], straight.losses[i]) << i;
+      EXPECT_EQ(second.losses[i], straight.losses[i + 4]) << i + 4;
+    }
+    EXPECT_EQ(second.hash, straight.hash);
+    // The checkpoint records its recipe: another recipe is refused naming both, bf16 may resume it.
+    const Fp8Run other =
+        train_run(fp8_model(nn::Fp8Recipe::tensorwise, nn::Fp8Format::hybrid), testing::small_train_config(8), {}, dir);
+    EXPECT_NE(
+        other.error.find(std::string("was trained with --fp8-format hybrid --fp8-recipe ") + enum_name(c.fp8.recipe) +
+                         " but this run uses --fp8-format hybrid --fp8-recipe tensorwise"),
+        std::string::npos)
+        << other.error;
+    const Fp8Run bf16 = train_run(bf16_of(c), testing::small_train_config(8), {}, dir);  // (at its last step: none run)
+    EXPECT_EQ(bf16.error, "");
+    if (c.fp8.recipe == nn::Fp8Recipe::delayed) {  // another history length resumes too (Transformer Engine's resize)
+      model::ModelConfig shorter = c;
+      shorter.fp8.amax_history_len = 2;
+      train::TrainConfig more = testing::small_train_config(10);
+      more.use_checkpoint_opt_param_scheduler = true;
+      const Fp8Run resized = train_run(shorter, more, {}, dir);
+      EXPECT_EQ(resized.error, "");
+      EXPECT_EQ(resized.losses.size(), 2u);
+    }
+    fs::remove_all(dir);
   }
-  EXPECT_EQ(second.hash, straight.hash);
-  // The checkpoint records its recipe: another recipe is refused naming both, bf16 may resume it.
-  const Fp8Run other =
-      train_run(fp8_model(nn::Fp8Recipe::tensorwise, nn::Fp8Format::hybrid), testing::small_train_config(8), {}, dir);
-  EXPECT_NE(other.error.find("was trained with --fp8-format hybrid --fp8-recipe blockwise but this run uses "
-                             "--fp8-format hybrid --fp8-recipe tensorwise"),
-            std::string::npos)
-      << other.error;
-  const Fp8Run bf16 = train_run(bf16_of(c), testing::small_train_config(8), {}, dir);  // (at its last step: none run)
-  EXPECT_EQ(bf16.error, "");
-  fs::remove_all(dir);
+}
+
+// Recompute (full, and selective of every module) quantises with the scales its forward used and records nothing:
+// bitwise the run without, under delayed scaling, with grouped and sequential experts and with MLA.
+TEST(Fp8Training, DelayedScalingRecomputeIsBitwiseTheRunWithout) {
+  for (int variant = 0; variant < 3; ++variant) {
+    model::ModelConfig c = fp8_model(nn::Fp8Recipe::delayed, nn::Fp8Format::hybrid, variant != 1);
+    if (variant == 2) {
+      c.multi_latent_attention = true;
+      c.q_lora_rank = 16;
+      c.kv_lora_rank = 16;
+      c.qk_head_dim = 8;
+      c.qk_pos_emb_head_dim = 8;
+      c.v_head_dim = 8;
+    }
+    SCOPED_TRACE(variant);
+    const train::TrainConfig t = testing::small_train_config(4);
+    const Fp8Run plain = train_run(c, t);
+    ASSERT_EQ(plain.error, "");
+    model::ModelConfig full = c;
+    full.recompute.granularity = "full";
+    full.recompute.method = "uniform";
+    full.recompute.num_layers = 1;
+    model::ModelConfig selective = c;
+    selective.recompute.granularity = "selective";
+    selective.recompute.modules = {"core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts"};
+    if (variant == 2) selective.recompute.modules.push_back("mla_up_proj");
+    for (const model::ModelConfig& r : {full, selective}) {
+      const Fp8Run again = train_run(r, t);
+      ASSERT_EQ(again.error, "") << r.recompute.granularity;
+      EXPECT_EQ(again.losses, plain.losses) << r.recompute.granularity;
+      EXPECT_EQ(again.hash, plain.hash) << r.recompute.granularity;
+    }
+  }
+}
+
+// One linear's GEMMs under delayed scaling, pass by pass: the scales each uses (checked bitwise against the FP8 GEMM
+// with those scales given) and the amaxes it records.
+class Fp8DelayedLinear : public ::testing::Test {
+ protected:
+  Fp8DelayedLinear() : f_(config()), d_(*f_.delayed()) {}
+  static nn::Fp8Config config() {
+    nn::Fp8Config c;
+    c.on = true;
+    c.recipe = nn::Fp8Recipe::delayed;
+    c.format = nn::Fp8Format::hybrid;
+    c.amax_history_len = 3;
+    return c;
+  }
+  static float max_abs(const Tensor& t) {
+    float m = 0;
+    for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::fabs(t.data<float>()[i]));
+    return m;
+  }
+  // The GEMM of `pass` with the given scales of its operands a and b.
+  static Tensor reference(const char* pass, const Tensor& a, const Tensor& b, float sa, float sb) {
+    const bool wgrad = std::string(pass) == "wgrad", dgrad = std::string(pass) == "dgrad";
+    const float scales[2] = {sa, sb};
+    ops::Fp8Gemm g;
+    g.a = {wgrad || dgrad ? DType::f8e5m2 : DType::f8e4m3, ops::Fp8ScaleRule::given, 0, 0, {scales, 1}};
+    g.b = {DType::f8e4m3, ops::Fp8ScaleRule::given, 0, 0, {scales + 1, 1}};
+    const int64_t M = wgrad ? a.size(1) : a.size(0), N = wgrad ? b.size(1) : dgrad ? b.size(1) : b.size(0);
+    Tensor c = Tensor::zeros({M, N}, DType::f32);
+    ops::gemm(c, a, wgrad, b, !(wgrad || dgrad), 1.0f, 0.0f, g, ops::Context{Device::cpu});
+    return c;
+  }
+  static bool same(const Tensor& x, const Tensor& y) {
+    return x.numel() == y.numel() && std::memcmp(x.raw(), y.raw(), static_cast<size_t>(x.numel()) * 4) == 0;
+  }
+  nn::Fp8Training f_;
+  nn::Fp8Delayed& d_;
+  const nn::Linear l_{&f_, "decoder.layers.0.", "mlp.linear_fc1"};
+  const ops::Context cpu_{Device::cpu};
+};
+
+TEST_F(Fp8DelayedLinear, EachGemmUsesItsPassesScalesAndRecordsTheAmaxes) {
+  using Pass = nn::Fp8Delayed::Pass;
+  const Tensor x0 = testing::randn({8, 32}, "delayed x0"), x1 = testing::randn({8, 32}, "delayed x1");
+  const Tensor w = testing::randn({16, 32}, "delayed w"), dy = testing::randn({8, 16}, "delayed dy");
+  for (int64_t i = 0; i < dy.numel(); ++i) dy.data<float>()[i] *= 1e-3f;  // (gradients: small)
+  Tensor y = Tensor::zeros({8, 16}, DType::f32), dx = Tensor::zeros({8, 32}, DType::f32);
+  Tensor dw = Tensor::zeros({16, 32}, DType::f32);
+  const float ax0 = max_abs(x0), ax1 = max_abs(x1), aw = max_abs(w), ady = max_abs(dy);
+  // micro-batch 0's forward: every scale 1 (nothing seen yet), the input and weight amaxes into row 0
+  d_.begin(Pass::forward, 0);
+  nn::linear_fprop(y, x0, w, 1.0f, 0.0f, l_, cpu_);
+  EXPECT_TRUE(same(y, reference("fprop", x0, w, 1.0f, 1.0f)));
+  EXPECT_FALSE(same(y, reference("fprop", x0, w, 448.0f / ax0, 1.0f)));  // (the scale matters)
+  EXPECT_EQ(d_.amaxes(true), (std::vector<float>{ax0, aw}));
+  EXPECT_EQ(d_.amaxes(false), (std::vector<float>{0.0f}));
+  d_.update(true, std::vector<float>{2 * ax0, aw});  // as if another rank had seen twice the input
+  EXPECT_EQ(d_.amaxes(true), (std::vector<float>{0.0f, 0.0f}));
+  // micro-batch 1's forward: the input scale from the reduced amax; the weight keeps the step's scale (1), no amax
+  d_.begin(Pass::forward, 1);
+  nn::linear_fprop(y, x1, w, 1.0f, 0.0f, l_, cpu_);
+  EXPECT_TRUE(same(y, reference("fprop", x1, w, 448.0f / (2 * ax0), 1.0f)));
+  EXPECT_EQ(d_.amaxes(true), (std::vector<float>{ax1, 0.0f}));
+  d_.update(true, d_.amaxes(true));
+  // micro-batch 0's backward: dy with the gradient scale (1, E5M2), W with the step's, x with its forward's (1); a
+  // recompute uses the forward's scales and records nothing
+  d_.begin(Pass::backward, 0);
+  nn::linear_fprop(y, x0, w, 1.0f, 0.0f, l_, cpu_);
+  EXPECT_TRUE(same(y, reference("fprop", x0, w, 1.0f, 1.0f)));
+  EXPECT_EQ(d_.amaxes(true), (std::vector<float>{0.0f, 0.0f}));
+  nn::linear_dgrad(dx, dy, w, 1.0f, 0.0f, l_, cpu_);
+  EXPECT_TRUE(same(dx, reference("dgrad", dy, w, 1.0f, 1.0f)));
+  nn::linear_wgrad(dw, dy, x0, 1.0f, 0.0f, l_, cpu_);
+  EXPECT_TRUE(same(dw, reference("wgrad", dy, x0, 1.0f, 1.0f)));
+  EXPECT_EQ(d_.amaxes(false), (std::vector<float>{ady}));
+  d_.update(false, d_.amaxes(false));
+  // micro-batch 1's backward: the new gradient scale (E5M2's max over the amax), its forward's input scale
+  d_.begin(Pass::backward, 1);
+  nn::linear_wgrad(dw, dy, x1, 1.0f, 0.0f, l_, cpu_);
+  EXPECT_TRUE(same(dw, reference("wgrad", dy, x1, 57344.0f / ady, 448.0f / (2 * ax0))));
+  nn::linear_fprop(y, x1, w, 1.0f, 0.0f, l_, cpu_);  // (a recompute)
+  EXPECT_TRUE(same(y, reference("fprop", x1, w, 448.0f / (2 * ax0), 1.0f)));
+  // the next step quantises the weight again, with the scale its amax gave, and records it
+  d_.new_step();
+  d_.begin(Pass::forward, 0);
+  nn::linear_fprop(y, x0, w, 1.0f, 0.0f, l_, cpu_);
+  EXPECT_TRUE(same(y, reference("fprop", x0, w, 448.0f / ax1, 448.0f / aw)));
+  EXPECT_EQ(d_.amaxes(true), (std::vector<float>{ax0, aw}));
+  // an evaluation: the current scales, amaxes recorded (kept for the next update), nothing saved; no gradients
+  d_.begin(Pass::eval);
+  nn::linear_fprop(y, x1, w, 1.0f, 0.0f, l_, cpu_);
+  EXPECT_TRUE(same(y, reference("fprop", x1, w, 448.0f / ax1, 448.0f / aw)));
+  EXPECT_EQ(d_.amaxes(true), (std::vector<float>{std::max(ax0, ax1), aw}));
+  EXPECT_NE(testing::error_of([&] { nn::linear_dgrad(dx, dy, w, 1.0f, 0.0f, l_, cpu_); }).find("an evaluation"),
+            std::string::npos);
+  // a backward without its forward is named
+  d_.begin(Pass::backward, 5);
+  EXPECT_NE(testing::error_of([&] {
+              nn::linear_wgrad(dw, dy, x0, 1.0f, 0.0f, l_, cpu_);
+            }).find("decoder.layers.0.mlp.linear_fc1 wgrad in activation slot 5 without its forward's input scales"),
+            std::string::npos);
+}
+
+// The history (3 rows: row 0 the accumulator, then the past amaxes oldest first) rolls on each update with a non-zero
+// amax; most_recent takes the newest, max the largest, margin divides by 2^margin; checkpoints restore it at any
+// length.
+TEST_F(Fp8DelayedLinear, HistoriesRollAndRestoreAtAnyLength) {
+  using Pass = nn::Fp8Delayed::Pass;
+  const Tensor x = testing::randn({4, 32}, "history x"), w = testing::randn({16, 32}, "history w");
+  Tensor y = Tensor::zeros({4, 16}, DType::f32);
+  d_.begin(Pass::forward, 0);
+  nn::linear_fprop(y, x, w, 1.0f, 0.0f, l_, cpu_);  // (registers the linear)
+  for (float a : {4.0f, 8.0f, 0.0f, 2.0f}) d_.update(true, std::vector<float>{a, 1.0f});
+  const auto rec = d_.records();
+  ASSERT_EQ(rec.size(), 1u);
+  const Tensor& t = rec.at("decoder.layers.0.mlp.linear_fc1").slots;  // [1, 3, 1 + 3]
+  ASSERT_EQ(t.shape(), (Shape{1, 3, 4}));
+  const float* in = t.data<float>();
+  EXPECT_EQ(std::vector<float>(in, in + 4), (std::vector<float>{448.0f / 2, 0.0f, 8.0f, 2.0f}));  // (0: no roll)
+  // max with a margin: the largest of the history and the new amax, times 2^-margin
+  nn::Fp8Config mc = config();
+  mc.amax_compute_algo = nn::Fp8AmaxAlgo::max;
+  mc.margin = 2;
+  nn::Fp8Training g(mc);
+  nn::Fp8Delayed& gd = *g.delayed();
+  const nn::Linear gl{&g, "decoder.layers.0.", "mlp.linear_fc1"};
+  gd.begin(Pass::forward, 0);
+  nn::linear_fprop(y, x, w, 1.0f, 0.0f, gl, cpu_);
+  for (float a : {4.0f, 8.0f, 2.0f}) gd.update(true, std::vector<float>{a, 1.0f});
+  EXPECT_EQ(gd.records().at("decoder.layers.0.mlp.linear_fc1").slots.data<float>()[0], 448.0f / 4 / 8);
+  // restore at a shorter history keeps rows [0, 2), at a longer one pads zeros; the scale comes along
+  for (int64_t L : {2, 5}) {
+    nn::Fp8Config rc = config();
+    rc.amax_history_len = L;
+    nn::Fp8Training r(rc);
+    r.delayed()->restore(d_.records());
+    const nn::Linear rl{&r, "decoder.layers.0.", "mlp.linear_fc1"};
+    r.delayed()->begin(Pass::eval);
+    nn::linear_fprop(y, x, w, 1.0f, 0.0f, rl, cpu_);
+    EXPECT_TRUE(same(y, reference("fprop", x, w, 448.0f / 2, 448.0f)));
+    const Tensor got = r.delayed()->records().at("decoder.layers.0.mlp.linear_fc1").slots;
+    ASSERT_EQ(got.shape(), (Shape{1, 3, 1 + L}));
+    // (row 0: the evaluation's amax)
+    const std::vector<float> want = L == 2 ? std::vector<float>{448.0f / 2, max_abs(x), 8.0f}
+                                           : std::vector<float>{448.0f / 2, max_abs(x), 8.0f, 2.0f, 0.0f, 0.0f};
+    EXPECT_EQ(std::vector<float>(got.data<float>(), got.data<float>() + 1 + L), want) << L;
+  }
 }
 
 TEST(Fp8Training, ANanStopsTheRunNamingTheLayer) {

@@ -18,18 +18,22 @@
 // Dimensions (B, S, N, T, H, F, E, K, ...): core/dims.h.
 #pragma once
 #include <cfloat>
+#include <span>
 #include <string_view>
 
 #include "moecore/kernels/ops.h"
 
 namespace moecore::ops {
 
+// given scales and amax outputs have one entry per group of a grouped GEMM (one for a plain GEMM); delayed scaling
+// passes its slots' scales and row-0 amaxes.
 struct Fp8Operand {
   DType format = DType::f8e4m3;  // f8e4m3 or f8e5m2
   Fp8ScaleRule rule = Fp8ScaleRule::current;
   int64_t block_rows = 0, block_cols = 0;  // in [rows, reduction]; 0: the whole dimension
-  float scale = 1.0f;                      // Fp8ScaleRule::given
+  std::span<const float> scale{};          // Fp8ScaleRule::given: each group's scale (finite, > 0)
   float inf_scale = FLT_MAX;               // as Fp8Quantize::inf_scale
+  std::span<float> amax{};  // optional: each group's max |x| (NaN skipped) maxed into its entry (kept when larger)
 };
 
 // The GEMM is named in errors by its parts, joined only when one is raised: layer + linear + " " + pass

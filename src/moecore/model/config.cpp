@@ -212,11 +212,15 @@ void ModelConfig::validate_fp8() const {
   if (fp8.output_proj && !(fp8.on && fp8.recipe == nn::Fp8Recipe::mxfp8))
     MOECORE_FAIL("model config: --fp8-output-proj needs --fp8-format with --fp8-recipe mxfp8 (Megatron's rule)");
   if (!fp8.on) return;
-  if (fp8.recipe == nn::Fp8Recipe::delayed)
+  if (fp8.recipe == nn::Fp8Recipe::delayed && fp8.first_last_layers_bf16)
     MOECORE_FAIL(
-        "model config: --fp8-format with --fp8-recipe delayed (Megatron's default recipe): delayed scaling "
-        "(per-quantizer amax histories reduced across ranks) is not built yet; give --fp8-recipe tensorwise, blockwise "
-        "or mxfp8");
+        "model config: --first-last-layers-bf16 is not supported with --fp8-recipe delayed (Megatron's rule: layers "
+        "outside the FP8 context break the delayed amax reduction); give --fp8-recipe tensorwise, blockwise or mxfp8");
+  if (fp8.amax_history_len < 1)
+    MOECORE_FAIL("model config: --fp8-amax-history-len must be >= 1, got ", fp8.amax_history_len);
+  if (fp8.margin < 0 || fp8.margin > 64)
+    MOECORE_FAIL("model config: --fp8-margin must lie in [0, 64] (the scale is fp8_max * 2^-margin / amax), got ",
+                 fp8.margin);
   const int64_t start = fp8.num_layers_at_start_in_bf16, end = fp8.num_layers_at_end_in_bf16;
   if (fp8.first_last_layers_bf16 && (start < 0 || start > num_layers || end < 0 || end > num_layers))
     MOECORE_FAIL("model config: --num-layers-at-start-in-bf16 (", start, ") and --num-layers-at-end-in-bf16 (", end,

@@ -35,7 +35,7 @@ struct LayerShared {
   nn::MlaDims mla_dims;  // (MLA layers only)
   moe::MoeLayerDims moe_dims;
   const moe::MoeConfig* moe = nullptr;
-  const nn::Fp8Config* fp8 = nullptr;  // FP8 training's recipe (the layers whose spec says fp8 run their linears in it)
+  nn::Fp8Training* fp8 = nullptr;  // FP8 training's recipe (the layers whose spec says fp8 run their linears in it)
   nn::DenseLayerWorkspace ws;
   nn::MlaWorkspace mla_ws;
   Tensor rope;  // [S, Dr] f32 (RoPE only): row s the rotation of this rank's position s

@@ -9,6 +9,7 @@
 #include <map>
 
 #include "moecore/core/rng.h"
+#include "moecore/kernels/common/fp8.h"
 #include "moecore/model/model_dims.h"
 #include "moecore/model/mtp_heads.h"
 #include "moecore/model/param_specs.h"
@@ -68,6 +69,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
                    Device device)
     : cfg_(cfg), B_(micro_batch_size), device_(device), seed_(seed), par_(parallel) {
   cfg_.validate();
+  if (cfg_.fp8.on) fp8_ = std::make_unique<nn::Fp8Training>(cfg_.fp8);
   if (B_ <= 0) MOECORE_FAIL("model: micro_batch_size (", B_, ") must be positive");
   stage_ = check_layout(cfg_, par_);
   slot_.assign(stage_.chunks.size(), 0);
@@ -81,7 +83,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
   for (const LayerSpec& spec : layer_specs(cfg_)) layers_.emplace_back(spec);
   standard_attention_ = std::any_of(layers_.begin(), layers_.end(), [](const DecoderLayer& l) { return !l.mla(); });
   bind_parameters();
-  if (holds_loss_heads()) mtp_ = MtpHeads(store_, cfg_, sh_.dims, B_, device_);
+  if (holds_loss_heads()) mtp_ = MtpHeads(store_, cfg_, sh_.dims, B_, device_, fp8_.get());
   plan_ = RecomputePlan(cfg_, sh_, layers_, stage_);
   slots_.resize(stage_.chunks.size());
   for (size_t c = 0; c < stage_.chunks.size(); ++c) slots_[c].push_back(alloc_activations(static_cast<int64_t>(c)));
@@ -94,7 +96,7 @@ GptModel::GptModel(const ModelConfig& cfg, int64_t micro_batch_size, uint64_t se
 // a move of the model.
 void GptModel::point_shared_at_this() {
   sh_.moe = &cfg_.moe;
-  sh_.fp8 = cfg_.fp8.on ? &cfg_.fp8 : nullptr;
+  sh_.fp8 = fp8_.get();
   sh_.moe_dims.global_aux_group = &par_.dp;
   sh_.moe_dims.sequence_group = moe_sequence_group(par_);
   if (sh_.moe_dims.echo.group) sh_.moe_dims.echo.group = &par_.ep;
@@ -262,6 +264,7 @@ const char* GptModel::dispatcher_name() const {
 }
 
 void GptModel::finish_step(bool update) {
+  if (nn::Fp8Delayed* d = fp8_delayed()) d->new_step();
   for (size_t l = 0; l < layers_.size(); ++l)
     if (local_moe(l)) moe::router_finish_step(*layers_[l].router_state(), cfg_.moe, update, ops::Context{device_});
 }
@@ -542,8 +545,12 @@ LossResult GptModel::forward(Slot slot, const Tensor& tokens, const Tensor& labe
   const ops::Context ctx{device_};
   const int64_t S = cfg_.seq_length;
   const Tensor tokens_h = host_batch(tokens, "tokens", B_, S), labels_h = host_batch(labels, "labels", B_, S);
+  fp8_begin(nn::Fp8Delayed::Pass::forward, slot.index);
   forward_trunk(local_positions(tokens_h, cp_tokens_h_), true);
-  if (!post_process(slot.chunk)) return {};  // (before the last virtual stage: its output is in stage_output)
+  if (!post_process(slot.chunk)) {  // (before the last virtual stage: its output is in stage_output)
+    fp8_update(true);
+    return {};
+  }
   labels_.copy_from(local_positions(labels_h, cp_labels_h_));
   LossResult r;
   r.tokens = counted_labels(labels_h);  // the whole batch's (every CP rank holds it)
@@ -561,11 +568,13 @@ LossResult GptModel::forward(Slot slot, const Tensor& tokens, const Tensor& labe
   if (output_ != embedding_) grad_ready(output_params_);
   if (sp) reduce_scatter_from(by_sequence(a.dfinal), by_sequence(sh_.dh), 1, par_.tp);
   if (!mtp_.empty()) ops::add(a.dfinal, a.dfinal, mtp_.carry(), ctx);  // h_0 also fed the first MTP depth
+  fp8_update(true);
   return r;
 }
 
 void GptModel::backward(Slot slot, float grad_scale) {
   use_slot(slot);
+  fp8_begin(nn::Fp8Delayed::Pass::backward, slot.index);
   Activations& a = act();
   const ops::Context ctx{device_};
   Tensor no_grad;
@@ -602,11 +611,41 @@ void GptModel::backward(Slot slot, float grad_scale) {
   }
   // (the output layer too when tied: it is the embedding, or on the last stage its copy)
   if (pre_process(slot.chunk) || post_process(slot.chunk)) grad_ready(embedding_params_);
+  fp8_update(false);
+}
+
+bool GptModel::holds_linear(std::string_view name) const {
+  if (holds_loss_heads() && name.starts_with("mtp.")) return true;  // (the MTP depths' eh_proj and layers)
+  for (size_t l = 0; l < layers_.size(); ++l)
+    if (local_layer(l) && name.starts_with(layers_[l].spec().prefix)) return true;
+  return false;
+}
+
+void GptModel::fp8_begin(nn::Fp8Delayed::Pass pass, int64_t slot) {
+  if (nn::Fp8Delayed* d = fp8_delayed()) d->begin(pass, slot);
+}
+
+// Megatron's amax reduction group, TP x DP x CP (every rank of the stage), as three MAX-reductions in turn: each an
+// all-gather and an fmaxf over the ranks (NaN skipped), the same bits on every rank.
+void GptModel::fp8_update(bool forward) {
+  nn::Fp8Delayed* d = fp8_delayed();
+  if (!d) return;
+  std::vector<float> v = d->amaxes(forward);
+  for (const ProcessGroup* g : {&par_.tp, &par_.dp, &par_.cp}) {
+    if (g->size() <= 1 || v.empty()) continue;
+    std::vector<float> all(v.size() * static_cast<size_t>(g->size()));
+    all_gather(std::span<float>(all), std::span<const float>(v), *g);
+    for (size_t r = 1; r < static_cast<size_t>(g->size()); ++r)
+      for (size_t i = 0; i < v.size(); ++i) all[i] = ops::fp8::fmax_skip_nan(all[i], all[r * v.size() + i]);
+    std::copy_n(all.begin(), v.size(), v.begin());
+  }
+  d->update(forward, v);
 }
 
 // Through every virtual stage in turn, without gradients (slot 0 of each chunk): a chain, so plain sends and receives
 // cannot deadlock. tokens: this rank's positions.
 void GptModel::forward_stages(const Tensor& tokens) {
+  fp8_begin(nn::Fp8Delayed::Pass::eval);
   const int p = par_.pp.size(), up = (par_.pp.rank() + 1) % p, down = (par_.pp.rank() + p - 1) % p;
   for (int64_t c = 0; c < num_chunks(); ++c) {
     use_slot({0, c});
@@ -660,7 +699,7 @@ void GptModel::forward_logits(Tensor& logits, const Tensor& tokens) {
 }
 
 nn::Linear GptModel::output_linear() const {
-  return {cfg_.fp8.on && cfg_.fp8.output_proj ? &cfg_.fp8 : nullptr, "", "output_layer"};
+  return {cfg_.fp8.output_proj ? fp8_.get() : nullptr, "", "output_layer"};
 }
 
 MemoryPlan GptModel::memory_plan(const StateBytesPerElement& optimizer_state) const {

@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moecore/core/param.h"
@@ -30,6 +31,7 @@
 #include "moecore/model/recompute_plan.h"
 #include "moecore/moe/moe_layer.h"
 #include "moecore/nn/dense_layer.h"
+#include "moecore/nn/fp8_delayed.h"
 #include "moecore/nn/lm_head.h"
 #include "moecore/nn/mla.h"
 #include "moecore/parallel/comm.h"
@@ -156,7 +158,12 @@ class GptModel {
   bool is_moe_layer(int64_t layer) const { return local_moe(static_cast<size_t>(layer)); }  // (this stage's)
   int64_t chunk_of_layer(int64_t layer) const {
     return stage_.layer_chunk.at(static_cast<size_t>(layer));
-  }                                               // -1: not here
+  }  // -1: not here
+  // Delayed scaling's state of the FP8 quantizers (nn/fp8_delayed.h; checkpoints); null unless --fp8-recipe delayed.
+  nn::Fp8Delayed* fp8_delayed() { return fp8_ ? fp8_->delayed() : nullptr; }
+  const nn::Fp8Delayed* fp8_delayed() const { return fp8_ ? fp8_->delayed() : nullptr; }
+  // Whether the linear named `name` (its layer's parameter prefix + module name) is on this pipeline stage.
+  bool holds_linear(std::string_view name) const;
   moe::RouterState* router_state(int64_t layer);  // nullptr for dense layers
   const moe::RouterState* router_state(int64_t layer) const;
   // After the masters change (optimizer step, loading): the compute copies of params()[first, end) (default: all);
@@ -253,6 +260,10 @@ class GptModel {
   void layer_forward(size_t layer, const Tensor& x, Tensor& y, bool training, const ops::Context& ctx,
                      bool recompute = false);
   void layer_backward(size_t layer, const Tensor& x, float grad_scale, const ops::Context& ctx);
+  // Delayed scaling: the pass that runs (slot: its activation slot), and after a training pass the amax reduction over
+  // TP x DP x CP and the update of its slots.
+  void fp8_begin(nn::Fp8Delayed::Pass pass, int64_t slot = 0);
+  void fp8_update(bool forward);
   void point_shared_at_this();
   void bind_parameters();  // every module's views of its parameters, by role
   void alloc_tables();     // the RoPE table and positions of this rank's rows
@@ -262,6 +273,7 @@ class GptModel {
   void mtp_backward(LossResult& r, float grad_scale, const ops::Context& ctx);
 
   ModelConfig cfg_;
+  std::unique_ptr<nn::Fp8Training> fp8_;  // FP8 training (null: off), what the FP8 linears point at
   int64_t B_;
   Device device_ = Device::cpu;
   LayerShared sh_;                    // what every layer reads: dims, workspaces, the dispatcher

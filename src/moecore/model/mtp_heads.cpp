@@ -17,8 +17,9 @@ void roll_left(Tensor& out, const Tensor& in, int32_t fill, int64_t B, int64_t S
 }
 }  // namespace
 
-MtpHeads::MtpHeads(ParamStore& store, const ModelConfig& cfg, const nn::DenseLayerDims& dims, int64_t B, Device device)
-    : B_(B), S_(cfg.seq_length), H_(cfg.hidden_size), eps_(cfg.norm_epsilon), fp8_(cfg.fp8) {
+MtpHeads::MtpHeads(ParamStore& store, const ModelConfig& cfg, const nn::DenseLayerDims& dims, int64_t B, Device device,
+                   nn::Fp8Training* fp8)
+    : B_(B), S_(cfg.seq_length), H_(cfg.hidden_size), eps_(cfg.norm_epsilon), fp8_(fp8) {
   const int64_t H = H_, N = dims.N, T = dims.tokens();
   const DType c = cfg.compute_dtype;
   auto act = [&](Shape shape, DType t) { return Tensor::empty(shape, t, MemCategory::activations, device); };
@@ -72,7 +73,7 @@ void MtpHeads::input_forward(size_t j, const Tensor& h_prev, const ops::Context&
 }
 
 nn::Linear MtpHeads::eh_proj(const MtpDepth& d) const {
-  return {fp8_.on ? &fp8_ : nullptr, d.prefix, "eh_proj"};
+  return {fp8_, d.prefix, "eh_proj"};
 }
 
 void MtpHeads::output_forward(size_t j, const ops::Context& ctx) {

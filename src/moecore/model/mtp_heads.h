@@ -35,7 +35,9 @@ class MtpHeads {
   MtpHeads() = default;
   // cfg.mtp_num_layers depths over the store's parameters, buffers for dims (N rows, T tokens) of micro-batches of B
   // sequences of cfg.seq_length.
-  MtpHeads(ParamStore& store, const ModelConfig& cfg, const nn::DenseLayerDims& dims, int64_t B, Device device);
+  // fp8: the model's FP8 training (null: off), which eh_proj runs under
+  MtpHeads(ParamStore& store, const ModelConfig& cfg, const nn::DenseLayerDims& dims, int64_t B, Device device,
+           nn::Fp8Training* fp8);
   size_t size() const { return depths_.size(); }
   bool empty() const { return depths_.empty(); }
   MtpDepth& depth(size_t j) { return depths_[j]; }
@@ -61,7 +63,7 @@ class MtpHeads {
 
   int64_t B_ = 0, S_ = 0, H_ = 0;
   float eps_ = 0;
-  nn::Fp8Config fp8_;  // FP8 training's recipe (eh_proj runs FP8 when on, as Megatron's MTP layers)
+  nn::Fp8Training* fp8_ = nullptr;  // FP8 training (eh_proj runs FP8 when on, as Megatron's MTP layers)
   std::vector<MtpDepth> depths_;
   Tensor dx_c_;              // [N, H] compute: a depth's layer-input gradient for the eh_proj GEMMs
   Tensor norm_out_;          // [N, H] compute: enorm's or hnorm's output before it joins eh_in

@@ -164,7 +164,7 @@ void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs,
   for (int64_t e = 0; e < d.E; ++e) {
     if (n[e] == 0) continue;
     Tensor h = v.h.slice(0, o, o + n[e]);
-    nn::linear_fprop(h, x.slice(0, o, o + n[e]), w.fc1.select(0, e), 1.0f, 0.0f, fc1, ctx);
+    nn::linear_fprop(h, x.slice(0, o, o + n[e]), w.fc1.select(0, e), 1.0f, 0.0f, fc1.of_expert(e), ctx);
     if (bias) ops::bias_add(h, w.fc1_bias.select(0, e), ctx);
     o += n[e];
   }
@@ -177,7 +177,7 @@ void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs,
   for (int64_t e = 0; e < d.E; ++e) {
     if (n[e] == 0) continue;
     Tensor ye = y.slice(0, o, o + n[e]);
-    nn::linear_fprop(ye, v.a.slice(0, o, o + n[e]), w.fc2.select(0, e), 1.0f, 0.0f, fc2, ctx);
+    nn::linear_fprop(ye, v.a.slice(0, o, o + n[e]), w.fc2.select(0, e), 1.0f, 0.0f, fc2.of_expert(e), ctx);
     o += n[e];
   }
   if (bias && d.adds_fc2_bias) ops::bias_add_grouped_scaled(y, w.fc2_bias, probs, tokens_per_expert, ctx);
@@ -201,7 +201,7 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
   for (int64_t e = 0; e < d.E; ++e) {
     if (n[e] == 0) continue;
     Tensor da = v.da.slice(0, o, o + n[e]);
-    nn::linear_dgrad(da, dy.slice(0, o, o + n[e]), w.fc2.select(0, e), 1.0f, 0.0f, fc2, ctx);
+    nn::linear_dgrad(da, dy.slice(0, o, o + n[e]), w.fc2.select(0, e), 1.0f, 0.0f, fc2.of_expert(e), ctx);
     o += n[e];
   }
   // Row-wise again: dprobs, dL/dact and the recomputed a for all experts' rows in one pass.
@@ -218,13 +218,13 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
     const Tensor xe = x.slice(0, o, o + n[e]), dye = dy.slice(0, o, o + n[e]), a = v.a.slice(0, o, o + n[e]);
     Tensor dhe = v.dh.slice(0, o, o + n[e]), dxe = dx.slice(0, o, o + n[e]);
     Tensor g1 = g.fc1.select(0, e), g2 = g.fc2.select(0, e);
-    nn::linear_wgrad(g2, dye, a, 1.0f, 1.0f, fc2, ctx);
+    nn::linear_wgrad(g2, dye, a, 1.0f, 1.0f, fc2.of_expert(e), ctx);
     if (bias) {
       Tensor gb1 = g.fc1_bias.select(0, e);
       ops::bias_grad(gb1, dhe, ctx);
     }
-    nn::linear_wgrad(g1, dhe, xe, 1.0f, 1.0f, fc1, ctx);
-    nn::linear_dgrad(dxe, dhe, w.fc1.select(0, e), 1.0f, 0.0f, fc1, ctx);
+    nn::linear_wgrad(g1, dhe, xe, 1.0f, 1.0f, fc1.of_expert(e), ctx);
+    nn::linear_dgrad(dxe, dhe, w.fc1.select(0, e), 1.0f, 0.0f, fc1.of_expert(e), ctx);
     o += n[e];
   }
 }

@@ -33,11 +33,11 @@ struct ExpertDims {
   // output before it reads the cache's act, so that buffer may be shared (by every layer of a model).
   bool recompute_act = false;
   DType compute = DType::f32;
-  Device device = Device::cpu;         // where the caches live
-  const nn::Fp8Config* fp8 = nullptr;  // the experts' GEMMs run FP8 under this recipe (nn/fp8.h); null: not
-  std::string_view layer{};            // the layer's parameter prefix, naming the GEMMs in errors
+  Device device = Device::cpu;     // where the caches live
+  nn::Fp8Training* fp8 = nullptr;  // the experts' GEMMs run FP8 under this recipe (nn/fp8.h); null: not
+  std::string_view layer{};        // the layer's parameter prefix, naming the GEMMs in errors
   int64_t fc1_rows() const { return act.fc1_width(F); }
-  nn::Linear linear(const char* name) const { return {fp8, layer, name}; }
+  nn::Linear linear(const char* name) const { return {fp8, layer, name, E}; }
 };
 
 // Biases are optional (undefined: none, bitwise the bias-free layer); give both or neither.
@@ -89,7 +89,7 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
 // The shared expert's activation and, with FP8, its linears' recipe and layer prefix (as ExpertDims's).
 struct SharedExpertDims {
   ops::MlpActivation act;
-  const nn::Fp8Config* fp8 = nullptr;
+  nn::Fp8Training* fp8 = nullptr;
   std::string_view layer{};
   nn::Linear linear(const char* name) const { return {fp8, layer, name}; }
 };

@@ -40,8 +40,8 @@ struct MoeLayerDims {
   // average's multiple); more set the dispatcher's overflow flag (dispatcher.h). 0: sized for every row (synced
   // dropless). Needs the alltoall dispatcher and ETP 1.
   float received_capacity = 0.0f;
-  const nn::Fp8Config* fp8 = nullptr;  // the experts' and shared expert's GEMMs run FP8 (nn/fp8.h; the router never)
-  std::string_view layer{};            // the layer's parameter prefix, naming its GEMMs in errors
+  nn::Fp8Training* fp8 = nullptr;  // the experts' and shared expert's GEMMs run FP8 (nn/fp8.h; the router never)
+  std::string_view layer{};        // the layer's parameter prefix, naming its GEMMs in errors
 };
 // The received rows the saved buffers hold: ceil(capacity x T x K), at most the dropless bound (0: that bound).
 int64_t moe_layer_received_rows(const MoeLayerDims& d, const MoeConfig& cfg);

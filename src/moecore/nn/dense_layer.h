@@ -49,7 +49,7 @@ struct DenseLayerDims {
   bool sequence_parallel = false;    // --sequence-parallel (needs tp)
   const ProcessGroup* cp = nullptr;  // the context-parallel group (nn/context_parallel.h; null or one rank: none):
                                      // qkv.S is then this rank's S / CP positions of each sequence
-  const Fp8Config* fp8 = nullptr;    // this layer's linears run FP8 under this recipe (nn/fp8.h); null: not
+  Fp8Training* fp8 = nullptr;        // this layer's linears run FP8 under this recipe (nn/fp8.h); null: not
   std::string_view layer{};          // the layer's parameter prefix ("decoder.layers.3."): names its linears
   Linear linear(const char* name) const { return {fp8, layer, name}; }
   int64_t fc1_rows() const { return act.fc1_width(F); }

@@ -3,6 +3,7 @@
 #include <cfloat>
 
 #include "moecore/core/error.h"
+#include "moecore/nn/fp8_delayed.h"
 
 namespace moecore::nn {
 
@@ -12,16 +13,21 @@ bool Fp8Config::layer_runs_fp8(int64_t l, int64_t num_layers) const {
   return !(first_last_layers_bf16 && (l < num_layers_at_start_in_bf16 || l >= num_layers - num_layers_at_end_in_bf16));
 }
 
+Fp8Training::Fp8Training(const Fp8Config& c)
+    : cfg_(c), delayed_(c.recipe == Fp8Recipe::delayed ? std::make_unique<Fp8Delayed>(c) : nullptr) {}
+Fp8Training::~Fp8Training() = default;
+
 namespace {
 
 enum class Operand : uint8_t { activation, weight, gradient };
 
+// A stateless recipe's operand.
 ops::Fp8Operand operand(const Fp8Config& c, Operand kind, DType input) {
   ops::Fp8Operand o;
   o.format = kind == Operand::gradient && c.format == Fp8Format::hybrid ? DType::f8e5m2 : DType::f8e4m3;
   switch (c.recipe) {
     case Fp8Recipe::delayed:
-      MOECORE_FAIL("FP8: the delayed recipe is not built yet (ModelConfig::validate refuses it)");
+      MOECORE_FAIL("FP8: the delayed recipe's operands come from its state (Fp8Delayed)");
     case Fp8Recipe::tensorwise:
       o.rule = ops::Fp8ScaleRule::current;
       break;
@@ -40,52 +46,57 @@ ops::Fp8Operand operand(const Fp8Config& c, Operand kind, DType input) {
   return o;
 }
 
-}  // namespace
+// The operands of one GEMM of linear l (groups: the GEMMs of a grouped call, else 1).
+ops::Fp8Gemm operands(Fp8Delayed::Gemm g, const Linear& l, DType input, int64_t groups) {
+  if (Fp8Delayed* d = l.fp8->delayed()) return d->operands(g, l, groups);
+  const Fp8Config& c = l.fp8->config();
+  using enum Fp8Delayed::Gemm;
+  const Operand a = g == fprop ? Operand::activation : Operand::gradient;
+  const Operand b = g == wgrad ? Operand::activation : Operand::weight;
+  return {operand(c, a, input), operand(c, b, input), l.layer, l.name,
+          g == fprop   ? "fprop"
+          : g == dgrad ? "dgrad"
+                       : "wgrad"};
+}
 
-ops::Fp8Gemm fp8_fprop(const Fp8Config& c, DType input, const Linear& l) {
-  return {operand(c, Operand::activation, input), operand(c, Operand::weight, input), l.layer, l.name, "fprop"};
-}
-ops::Fp8Gemm fp8_dgrad(const Fp8Config& c, DType input, const Linear& l) {
-  return {operand(c, Operand::gradient, input), operand(c, Operand::weight, input), l.layer, l.name, "dgrad"};
-}
-ops::Fp8Gemm fp8_wgrad(const Fp8Config& c, DType input, const Linear& l) {
-  return {operand(c, Operand::gradient, input), operand(c, Operand::activation, input), l.layer, l.name, "wgrad"};
-}
+}  // namespace
 
 void linear_fprop(Tensor& y, const Tensor& x, const Tensor& w, float alpha, float beta, const Linear& l,
                   const ops::Context& ctx) {
   if (!l.fp8) return ops::gemm(y, x, false, w, true, alpha, beta, ctx);
-  ops::gemm(y, x, false, w, true, alpha, beta, fp8_fprop(*l.fp8, x.dtype(), l), ctx);
+  ops::gemm(y, x, false, w, true, alpha, beta, operands(Fp8Delayed::Gemm::fprop, l, x.dtype(), 1), ctx);
 }
 
 void linear_dgrad(Tensor& dx, const Tensor& dy, const Tensor& w, float alpha, float beta, const Linear& l,
                   const ops::Context& ctx) {
   if (!l.fp8) return ops::gemm(dx, dy, false, w, false, alpha, beta, ctx);
-  ops::gemm(dx, dy, false, w, false, alpha, beta, fp8_dgrad(*l.fp8, dy.dtype(), l), ctx);
+  ops::gemm(dx, dy, false, w, false, alpha, beta, operands(Fp8Delayed::Gemm::dgrad, l, dy.dtype(), 1), ctx);
 }
 
 void linear_wgrad(Tensor& dw, const Tensor& dy, const Tensor& x, float alpha, float beta, const Linear& l,
                   const ops::Context& ctx) {
   if (!l.fp8) return ops::gemm(dw, dy, true, x, false, alpha, beta, ctx);
-  ops::gemm(dw, dy, true, x, false, alpha, beta, fp8_wgrad(*l.fp8, x.dtype(), l), ctx);
+  ops::gemm(dw, dy, true, x, false, alpha, beta, operands(Fp8Delayed::Gemm::wgrad, l, x.dtype(), 1), ctx);
 }
 
 void grouped_fprop(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& group_rows, const Linear& l,
                    const ops::Context& ctx) {
   if (!l.fp8) return ops::gemm_grouped(y, x, w, true, group_rows, 0.0f, ctx);
-  ops::gemm_grouped(y, x, w, true, group_rows, 0.0f, fp8_fprop(*l.fp8, x.dtype(), l), ctx);
+  ops::gemm_grouped(y, x, w, true, group_rows, 0.0f, operands(Fp8Delayed::Gemm::fprop, l, x.dtype(), w.size(0)), ctx);
 }
 
 void grouped_dgrad(Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& group_rows, const Linear& l,
                    const ops::Context& ctx) {
   if (!l.fp8) return ops::gemm_grouped(dx, dy, w, false, group_rows, 0.0f, ctx);
-  ops::gemm_grouped(dx, dy, w, false, group_rows, 0.0f, fp8_dgrad(*l.fp8, dy.dtype(), l), ctx);
+  ops::gemm_grouped(dx, dy, w, false, group_rows, 0.0f, operands(Fp8Delayed::Gemm::dgrad, l, dy.dtype(), w.size(0)),
+                    ctx);
 }
 
 void grouped_wgrad(Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& group_rows, const Linear& l,
                    const ops::Context& ctx) {
   if (!l.fp8) return ops::gemm_grouped_wgrad(dw, dy, x, group_rows, 1.0f, ctx);
-  ops::gemm_grouped_wgrad(dw, dy, x, group_rows, 1.0f, fp8_wgrad(*l.fp8, x.dtype(), l), ctx);
+  ops::gemm_grouped_wgrad(dw, dy, x, group_rows, 1.0f, operands(Fp8Delayed::Gemm::wgrad, l, x.dtype(), dw.size(0)),
+                          ctx);
 }
 
 }  // namespace moecore::nn

@@ -6,13 +6,14 @@
 //   fprop  y = x W^T    x: the input quantizer       W: the weight quantizer
 //   dgrad  dx = dy W    dy: the grad-output quantizer W: the weight quantizer (its columnwise copy)
 //   wgrad  dW = dy^T x  dy: the grad-output quantizer x: the input quantizer (its columnwise copy)
-// Recipes: tensorwise -- one current scale per tensor (per expert in grouped GEMMs); blockwise -- power-of-two scales
-// per 1 x 128 of activations and gradients, per 128 x 128 of weights; mxfp8 -- E8M0 scales per 1 x 32 of every
-// operand. Format e4m3: every operand E4M3; hybrid: the gradients E5M2. (delayed: its state per quantizer slot and the
-// amax reductions are not built; the flag refuses it.)
+// Recipes: delayed -- a scale per quantizer slot from the amax history of earlier steps (the state: nn/fp8_delayed.h);
+// tensorwise -- one current scale per tensor (per expert in grouped GEMMs); blockwise -- power-of-two scales per 1 x
+// 128 of activations and gradients, per 128 x 128 of weights; mxfp8 -- E8M0 scales per 1 x 32 of every operand. Format
+// e4m3: every operand E4M3; hybrid: the gradients E5M2.
 // Not here: the flags and their validation (apps/), which layers run FP8 (model/: --first-last-layers-bf16).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string_view>
 
 #include "moecore/core/enum_names.h"
@@ -34,6 +35,13 @@ constexpr std::span<const EnumName<Fp8Recipe>> enum_names(Fp8Recipe) {
   return kFp8RecipeNames;
 }
 
+enum class Fp8AmaxAlgo : uint8_t { most_recent, max };
+inline constexpr EnumName<Fp8AmaxAlgo> kFp8AmaxAlgoNames[] = {{Fp8AmaxAlgo::most_recent, "most_recent"},
+                                                              {Fp8AmaxAlgo::max, "max"}};
+constexpr std::span<const EnumName<Fp8AmaxAlgo>> enum_names(Fp8AmaxAlgo) {
+  return kFp8AmaxAlgoNames;
+}
+
 // A model's FP8 settings (Megatron's flags and defaults). Off unless --fp8-format is given.
 struct Fp8Config {
   bool on = false;                          // --fp8-format given
@@ -43,24 +51,48 @@ struct Fp8Config {
   int64_t num_layers_at_start_in_bf16 = 1;  // --num-layers-at-start-in-bf16
   int64_t num_layers_at_end_in_bf16 = 1;    // --num-layers-at-end-in-bf16
   bool output_proj = false;                 // --fp8-output-proj (mxfp8): the output layer's GEMMs in FP8 too
+  // Delayed scaling's (Megatron's defaults; Transformer Engine's own are a history of 1024 and max):
+  int64_t margin = 0;                                        // --fp8-margin: scale = fp8_max * 2^-margin / amax
+  int64_t amax_history_len = 1;                              // --fp8-amax-history-len
+  Fp8AmaxAlgo amax_compute_algo = Fp8AmaxAlgo::most_recent;  // --fp8-amax-compute-algo: the newest amax, or the max
   // Whether decoder layer l (0-based) of num_layers runs FP8 (Megatron's is_first_last_bf16_layer; MTP layers always
   // do, as Megatron gives them the model's FP8 context).
   bool layer_runs_fp8(int64_t l, int64_t num_layers) const;
 };
 
-// One linear layer: its name for errors (the parameter prefix of its layer, "decoder.layers.3.", and Megatron's module
-// name, "mlp.linear_fc1") and its recipe (null: plain GEMMs).
-struct Linear {
-  const Fp8Config* fp8 = nullptr;
-  std::string_view layer{};
-  const char* name = "";
+class Fp8Delayed;  // nn/fp8_delayed.h
+
+// A model's FP8 training, what its linears point at: the recipe and, with delayed scaling, every quantizer's state.
+class Fp8Training {
+ public:
+  explicit Fp8Training(const Fp8Config& c);
+  ~Fp8Training();
+  Fp8Training(const Fp8Training&) = delete;
+  Fp8Training& operator=(const Fp8Training&) = delete;
+  const Fp8Config& config() const { return cfg_; }
+  Fp8Delayed* delayed() { return delayed_.get(); }  // null unless --fp8-recipe delayed
+  const Fp8Delayed* delayed() const { return delayed_.get(); }
+
+ private:
+  Fp8Config cfg_;
+  std::unique_ptr<Fp8Delayed> delayed_;
 };
 
-// The operands of each GEMM of linear l under the recipe; `input` the dtype the operands are quantised from (the
-// blockwise recipe's scale of an infinite quotient is its largest finite value).
-ops::Fp8Gemm fp8_fprop(const Fp8Config& c, DType input, const Linear& l);
-ops::Fp8Gemm fp8_dgrad(const Fp8Config& c, DType input, const Linear& l);
-ops::Fp8Gemm fp8_wgrad(const Fp8Config& c, DType input, const Linear& l);
+// One linear layer: its name (the parameter prefix of its layer, "decoder.layers.3.", and Megatron's module name,
+// "mlp.linear_fc1"; it names errors and delayed scaling's state) and its FP8 training (null: plain GEMMs). An expert
+// linear names the local experts that share it (their GEMMs are grouped, or one per expert: `expert` says which).
+struct Linear {
+  Fp8Training* fp8 = nullptr;
+  std::string_view layer{};
+  const char* name = "";
+  int64_t experts = 0;  // the local experts of an expert linear (0: not one)
+  int64_t expert = 0;   // the expert of one sequential expert GEMM
+  Linear of_expert(int64_t e) const {
+    Linear l = *this;
+    l.expert = e;
+    return l;
+  }
+};
 
 // y = alpha x W^T + beta y; dx = alpha dy W + beta dx; dW = alpha dy^T x + beta dW. x [T, in], W [out, in], y [T, out].
 void linear_fprop(Tensor& y, const Tensor& x, const Tensor& w, float alpha, float beta, const Linear& l,

@@ -350,6 +350,10 @@ std::string checkpoint_expert_bias_name(int64_t layer) {
   return "router_state." + std::to_string(layer) + ".expert_bias";
 }
 
+std::string checkpoint_fp8_state_name(const std::string& linear) {
+  return std::string(kFp8StatePrefix) + linear;
+}
+
 std::string checkpoint_expert_file(int64_t ep_rank, int64_t ep) {
   char b[96];
   std::snprintf(b, sizeof b, "experts-ep%03lld-of-%03lld.safetensors", static_cast<long long>(ep_rank),
@@ -584,6 +588,18 @@ CheckpointSaveInFlight checkpoint_save_begin(const std::string& root, const mode
     if (st && st->expert_bias.defined()) model[checkpoint_expert_bias_name(l)] = st->expert_bias.to_device(Device::cpu);
   }
   if (g.pp.size() > 1) all_reduce_sum(std::span<int64_t>(layer_calls), g.pp);  // each stage counts its layers
+  // Delayed scaling's quantizer state, the same on every rank of a stage (reduced over TP x DP x CP; an expert slot by
+  // its local index): an expert linear's as one row per global expert, expert e holding local expert e mod E/EP's.
+  if (const nn::Fp8Delayed* d = gpt.fp8_delayed())
+    for (const auto& [name, r] : d->records()) {
+      Tensor t = r.slots;
+      if (r.experts > 0) {
+        const int64_t E = gpt.config().moe.num_experts;
+        t = Tensor::empty({E, r.slots.size(1), r.slots.size(2)}, DType::f32, MemCategory::workspace);
+        for (int64_t e = 0; e < E; ++e) t.select(0, e).copy_from(r.slots.select(0, e % r.experts));
+      }
+      model[checkpoint_fp8_state_name(name)] = t;
+    }
   const json calls = layer_calls;
   // A part saved without (--no-save-optim, --no-save-rng) is an absent key, so old checkpoints read as complete.
   json state = {{"format", "moecore-train-state"},
@@ -735,8 +751,8 @@ void check_no_unexpected_tensors(const io::LoadedCheckpoint& ck, const model::Mo
   std::vector<std::string> unexpected;
   for (const auto& [file, f] : ck.files) {
     if (file == kOptimizerFile && !optimizer) continue;  // not read
-    for (const auto& [name, t] : f.tensors)
-      if (!expected.count(name)) unexpected.push_back(file + ": " + name);
+    for (const auto& [name, t] : f.tensors)  // (FP8 delayed-scaling state: read by a delayed run, else dropped)
+      if (!expected.count(name) && !name.starts_with(kFp8StatePrefix)) unexpected.push_back(file + ": " + name);
   }
   if (unexpected.empty()) return;
   std::string list;
@@ -911,6 +927,29 @@ class CheckpointTensors {
   std::vector<std::string> absent_;
 };
 
+// Delayed scaling's state of this rank's linears from a checkpoint (none: every quantizer starts afresh, as from a
+// checkpoint saved with another recipe or without FP8): each linear's of this stage, [gemms, 3, 1 + L], an expert
+// linear's rows of this rank's experts. Checked whole before anything is loaded.
+std::map<std::string, nn::Fp8Delayed::Record> fp8_delayed_records(const io::LoadedCheckpoint& ck,
+                                                                  const model::GptModel& gpt) {
+  std::map<std::string, nn::Fp8Delayed::Record> out;
+  if (!gpt.fp8_delayed()) return out;
+  const int64_t E = gpt.config().moe.num_experts, local = E / gpt.ep_size();
+  for (const auto& [name, t] : ck.files.at(kModelFile).tensors) {
+    if (!name.starts_with(kFp8StatePrefix)) continue;
+    const std::string linear = name.substr(std::strlen(kFp8StatePrefix));
+    if (!gpt.holds_linear(linear)) continue;  // (another pipeline stage's)
+    const bool experts = linear.find(".mlp.experts.") != std::string::npos;
+    const int64_t rows = experts ? E : 1;
+    if (t.dtype() != DType::f32 || t.dim() != 3 || t.size(0) != rows || t.size(1) != 3 || t.size(2) < 2)
+      MOECORE_FAIL("checkpoint: '", ck.dir, "/", kModelFile, "' tensor '", name, "' is ", t.str(), ", expected [", rows,
+                   ", 3, 1 + amax history] f32 (FP8 delayed scaling's slots", experts ? ", per expert" : "", ")");
+    Tensor mine = experts ? t.slice(0, gpt.ep_rank() * local, (gpt.ep_rank() + 1) * local) : t;
+    out[linear] = {experts ? local : 0, mine.clone()};
+  }
+  return out;
+}
+
 // One warning names the tensors that the loading modes of --dist-ckpt-strictness left at their initial values.
 void warn_absent_tensors(const std::string& dir, const std::vector<std::string>& absent, CkptStrictness strictness) {
   if (absent.empty()) return;
@@ -963,7 +1002,9 @@ LoadedTrainingState load_training_state(const std::string& dir, model::GptModel&
     throw Error(std::string(e.what()) + "." + io::checkpoint_recovery_hint(ck.dir));
   }
   warn_absent_tensors(ck.dir, tensors.absent(), options.strictness);
+  std::map<std::string, nn::Fp8Delayed::Record> fp8_state = fp8_delayed_records(ck, gpt);
   tensors.load(true);
+  if (nn::Fp8Delayed* d = gpt.fp8_delayed()) d->restore(std::move(fp8_state));
   if (!load_optim) {  // a fresh optimizer, whatever the tensors held before
     for (OptimizerState::Slot& s : opt.slots)
       for (Tensor& t : s.per_param)

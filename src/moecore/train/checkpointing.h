@@ -207,6 +207,11 @@ TrainProgress load_training_checkpoint(const std::string& dir, model::GptModel& 
 inline constexpr const char* kCheckpointModelFile = "model.safetensors";
 // The name of layer l's router expert bias in model.safetensors.
 std::string checkpoint_expert_bias_name(int64_t layer);
+// FP8 delayed scaling's quantizer state of a linear ("decoder.layers.3.mlp.linear_fc1") in model.safetensors:
+// [gemms, 3, 1 + amax history] f32 (nn/fp8_delayed.h; an expert linear: one row per global expert), named
+// kFp8StatePrefix + the linear's name.
+inline constexpr const char* kFp8StatePrefix = "fp8_state.";
+std::string checkpoint_fp8_state_name(const std::string& linear);
 // The file of EP rank r's routed experts in a checkpoint saved at expert-parallel size ep > 1.
 std::string checkpoint_expert_file(int64_t ep_rank, int64_t ep);
 // state.json of a weights-only checkpoint at iteration 0 (as saved with --no-save-optim --no-save-rng: it loads

@@ -29,10 +29,12 @@ struct BlockScale {
   float scale, inv;
 };
 
-BlockScale scale_of(float amax, bool e5m2, const Fp8Operand& p) {
+BlockScale scale_of(float amax, bool e5m2, const Fp8Operand& p, int64_t group) {
   switch (p.rule) {
-    case Fp8ScaleRule::given:
-      return {p.scale, 1.0f / p.scale};
+    case Fp8ScaleRule::given: {
+      const float s = p.scale[static_cast<size_t>(group)];
+      return {s, 1.0f / s};
+    }
     case Fp8ScaleRule::current:
     case Fp8ScaleRule::current_pow2: {
       const float s =
@@ -51,7 +53,7 @@ BlockScale scale_of(float amax, bool e5m2, const Fp8Operand& p) {
 // (contiguous, x's dtype).
 template <class T>
 Quantized quantize_into(const T* x, int64_t ldx, int64_t R, int64_t C, T* out, int64_t br, int64_t bc, bool e5m2,
-                        const Fp8Operand& p) {
+                        const Fp8Operand& p, int64_t group) {
   Quantized res;
   if (R == 0 || C == 0) return res;
   br = br > 0 ? std::min(br, R) : R;
@@ -73,7 +75,7 @@ Quantized quantize_into(const T* x, int64_t ldx, int64_t R, int64_t C, T* out, i
       total = std::max(total, m);
       bad |= b;
     }
-    const BlockScale s = scale_of(total, e5m2, p);
+    const BlockScale s = scale_of(total, e5m2, p, group);
 #pragma omp parallel for schedule(static) if (R * C > cpu::kParallelWork)
     for (int64_t r = 0; r < R; ++r) {
       const T* xr = x + r * ldx;
@@ -101,7 +103,7 @@ Quantized quantize_into(const T* x, int64_t ldx, int64_t R, int64_t C, T* out, i
           }
         }
         for (int64_t j = 0; j < nb; ++j) {
-          s[j] = scale_of(amax[j], e5m2, p);
+          s[j] = scale_of(amax[j], e5m2, p, group);
           total = std::max(total, amax[j]);
         }
         bad |= b;
@@ -132,11 +134,11 @@ Tensor scratch(int slot, int64_t rows, int64_t cols, DType dtype, Device device)
   return t.slice(0, 0, n).view({rows, cols});
 }
 
-// The operand view x (stored [R, C]) quantised into dst (its rows [R, C] starting at dst's row row0).
-// reduction_along_rows: the stored layout is [reduction, rows] (a transposed operand), so the operand's blocks
-// [rows, reduction] are (bc, br) here.
+// The operand view x (stored [R, C]; group `group` of a grouped GEMM, else 0) quantised into dst (its rows [R, C]
+// starting at dst's row row0), its amax maxed into p.amax[group] when given. reduction_along_rows: the stored layout is
+// [reduction, rows] (a transposed operand), so the operand's blocks [rows, reduction] are (bc, br) here.
 Quantized quantize_operand(const Tensor& x, Tensor& dst, bool reduction_along_rows, const Fp8Operand& p,
-                           const Fp8Gemm& g, const char* name) {
+                           const Fp8Gemm& g, const char* name, int64_t group = 0) {
   const bool e5m2 = p.format == DType::f8e5m2;
   const int64_t br = reduction_along_rows ? p.block_cols : p.block_rows;
   const int64_t bc = reduction_along_rows ? p.block_rows : p.block_cols;
@@ -145,7 +147,7 @@ Quantized quantize_operand(const Tensor& x, Tensor& dst, bool reduction_along_ro
     using T = decltype(t);
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
       q = quantize_into(static_cast<const T*>(x.raw()), x.stride(0), x.size(0), x.size(1), static_cast<T*>(dst.raw()),
-                        br, bc, e5m2, p);
+                        br, bc, e5m2, p, group);
     } else {
       MOECORE_FAIL("gemm (fp8): ", g.layer, g.linear, " ", g.pass, ": operands must be f32 or bf16, got ",
                    dtype_name(x.dtype()));
@@ -155,10 +157,15 @@ Quantized quantize_operand(const Tensor& x, Tensor& dst, bool reduction_along_ro
     MOECORE_FAIL("FP8 training stops: ", g.layer, g.linear, " ", g.pass, ": the ", name,
                  " holds an infinity or a NaN (its amax is not finite), so it has no FP8 scale; the numbers broke "
                  "in or before this layer");
+  if (!p.amax.empty()) {
+    float& a = p.amax[static_cast<size_t>(group)];
+    a = fp8::fmax_skip_nan(a, q.amax);
+  }
   return q;
 }
 
-void check_fp8(const cpu::Checker& chk, const Tensor& a, const Fp8Gemm& fp8) {
+// groups: the GEMM's groups (1 for a plain GEMM), the entries given scales and amax outputs must have.
+void check_fp8(const cpu::Checker& chk, const Tensor& a, const Fp8Gemm& fp8, int64_t groups) {
   if (a.dtype() != DType::f32 && a.dtype() != DType::bf16)
     chk.fail("FP8 operands are quantised from f32 or bf16, got ", dtype_name(a.dtype()));
   for (const Fp8Operand* o : {&fp8.a, &fp8.b}) {
@@ -166,8 +173,15 @@ void check_fp8(const cpu::Checker& chk, const Tensor& a, const Fp8Gemm& fp8) {
       chk.fail("an FP8 operand's format must be f8e4m3 or f8e5m2, got ", dtype_name(o->format));
     if (o->block_rows < 0 || o->block_cols < 0)
       chk.fail("FP8 block sizes must be >= 0 (0: the whole dimension), got ", o->block_rows, " x ", o->block_cols);
-    if (o->rule == Fp8ScaleRule::given && !(o->scale > 0.0f && o->scale <= FLT_MAX))
-      chk.fail("a given FP8 scale must be finite and > 0, got ", o->scale);
+    const auto n = static_cast<size_t>(groups);
+    if (o->rule == Fp8ScaleRule::given) {
+      if (o->scale.size() != n)
+        chk.fail("a given FP8 scale needs one entry per group (", n, "), got ", o->scale.size());
+      for (const float s : o->scale)
+        if (!(s > 0.0f && s <= FLT_MAX)) chk.fail("a given FP8 scale must be finite and > 0, got ", s);
+    }
+    if (!o->amax.empty() && o->amax.size() != n)
+      chk.fail("FP8 amax outputs need one entry per group (", n, "), got ", o->amax.size());
   }
 }
 
@@ -179,7 +193,7 @@ void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_
   chk.rank("a", 2);
   chk.rank("b", 2);
   chk.same_dtype("b", "a");
-  check_fp8(chk, a, fp8);
+  check_fp8(chk, a, fp8, 1);
   if (a.stride(-1) != 1 || b.stride(-1) != 1) chk.fail("a and b need a unit last stride");
   Tensor qa = scratch(0, a.size(0), a.size(1), a.dtype(), ctx.device);
   Tensor qb = scratch(1, b.size(0), b.size(1), b.dtype(), ctx.device);
@@ -195,7 +209,7 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
   chk.rank("a", 2);
   chk.rank("b", 3);
   chk.same_dtype("b", "a");
-  check_fp8(chk, a, fp8);
+  check_fp8(chk, a, fp8, b.size(0));
   if (a.stride(-1) != 1 || !b.is_contiguous()) chk.fail("a needs a unit last stride and b to be contiguous");
   const int64_t R = a.size(0), K = a.size(1), G = b.size(0);
   const std::vector<int64_t> rows = cpu::group_counts(chk, G, R);
@@ -205,10 +219,10 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
   bool scaled = false;
   for (int64_t g = 0, o = 0; g < G; o += rows[g], ++g) {
     Tensor bq = qb.slice(0, g * b.size(1), (g + 1) * b.size(1));
-    const Quantized rb = quantize_operand(b.select(0, g), bq, !trans_b, fp8.b, fp8, "expert weight");
+    const Quantized rb = quantize_operand(b.select(0, g), bq, !trans_b, fp8.b, fp8, "expert weight", g);
     if (rows[g] == 0) continue;
     Tensor aq = qa.slice(0, o, o + rows[g]);
-    const Quantized ra = quantize_operand(a.slice(0, o, o + rows[g]), aq, false, fp8.a, fp8, "expert input");
+    const Quantized ra = quantize_operand(a.slice(0, o, o + rows[g]), aq, false, fp8.a, fp8, "expert input", g);
     alpha[g] = ra.scale_inv * rb.scale_inv;
     scaled |= alpha[g] != 1.0f;
   }
@@ -229,7 +243,7 @@ void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tenso
   chk.rank("a", 2);
   chk.rank("b", 2);
   chk.same_dtype("b", "a");
-  check_fp8(chk, a, fp8);
+  check_fp8(chk, a, fp8, c.size(0));
   if (a.stride(-1) != 1 || b.stride(-1) != 1) chk.fail("a and b need a unit last stride");
   const int64_t R = a.size(0), G = c.size(0);
   if (b.size(0) != R) chk.fail("a and b must have the same rows");
@@ -240,8 +254,8 @@ void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tenso
     Tensor cg = c.select(0, g);
     Tensor aq = qa.slice(0, o, o + rows[g]), bq = qb.slice(0, o, o + rows[g]);
     // the reduction runs over the group's rows: both operands' blocks lie along them
-    const Quantized ra = quantize_operand(a.slice(0, o, o + rows[g]), aq, true, fp8.a, fp8, "output gradient");
-    const Quantized rb = quantize_operand(b.slice(0, o, o + rows[g]), bq, true, fp8.b, fp8, "expert input");
+    const Quantized ra = quantize_operand(a.slice(0, o, o + rows[g]), aq, true, fp8.a, fp8, "output gradient", g);
+    const Quantized rb = quantize_operand(b.slice(0, o, o + rows[g]), bq, true, fp8.b, fp8, "expert input", g);
     gemm(cg, aq, true, bq, false, ra.scale_inv * rb.scale_inv, beta, ctx);
   }
 }
