@@ -5,8 +5,9 @@
 // it names out of FP8 (all of them: bitwise the bf16 run); a run resumes bitwise and its checkpoint refuses another
 // recipe; a NaN in a weight stops the run naming the layer and GEMM that met it. Delayed scaling (Megatron's default
 // recipe): each GEMM of a linear uses the scales of its pass (the step's weight scale, the forward's input scale in
-// wgrad and recompute) and records the amaxes Transformer Engine records, histories roll and restore at any length;
-// recompute is bitwise the run without; its state resumes bitwise.
+// wgrad and recompute) and records the amaxes Transformer Engine records, histories roll and restore at any length,
+// and a linear over two steps matches the PyTorch reference (tools/fp8_delayed_reference.py); recompute is bitwise the
+// run without; its state resumes bitwise.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <limits>
 
+#include "moecore/io/safetensors.h"
 #include "moecore/nn/fp8_delayed.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/trainer.h"
@@ -385,6 +387,91 @@ TEST(Fp8Training, ANanStopsTheRunNamingTheLayer) {
   });
   EXPECT_NE(r.error.find("FP8 training stops: decoder.layers.1.mlp.shared_experts.linear_fc2 fprop"), std::string::npos)
       << r.error;
+}
+
+// The same linear against tools/fp8_delayed_reference.py's PyTorch golden (Transformer Engine's DelayedScaling from its
+// published definition): two steps of two micro-batches, both forwards of a step before their backwards, an evaluation
+// between the steps, W changed between them; hybrid, a history of 3, max, margin 1. Every slot's scale and history
+// bitwise after each step and after the evaluation; y, dx and dw within 1e-5 of the sizes of their terms (the
+// reference multiplies the dequantised operands in float64).
+TEST(Fp8DelayedGolden, ALinearOverTwoStepsMatchesThePyTorchReference) {
+  using Pass = nn::Fp8Delayed::Pass;
+  const io::SafetensorsFile g =
+      io::safetensors_load(std::string(MOECORE_SOURCE_DIR) + "/tests/golden/fp8_delayed_linear.safetensors");
+  auto at = [&](const std::string& name) -> const Tensor& { return g.tensors.at(name); };
+  nn::Fp8Config c;
+  c.on = true;
+  c.recipe = nn::Fp8Recipe::delayed;
+  c.format = nn::Fp8Format::hybrid;
+  c.amax_history_len = 3;
+  c.amax_compute_algo = nn::Fp8AmaxAlgo::max;
+  c.margin = 1;
+  nn::Fp8Training f(c);
+  nn::Fp8Delayed& d = *f.delayed();
+  const nn::Linear l{&f, "decoder.layers.0.", "mlp.linear_fc1"};
+  const ops::Context cpu{Device::cpu};
+  // |got - want| <= 1e-5 * sum_k |a_ik| |b_kj| (op(a) [M, R], op(b) [R, N], given as [M, R] and [N, R])
+  auto expect_close = [](const Tensor& got, const Tensor& want, const Tensor& a, const Tensor& b, const char* what) {
+    const int64_t M = a.size(0), R = a.size(1), Nn = b.size(0);
+    ASSERT_EQ(got.shape(), (Shape{M, Nn})) << what;
+    double worst = 0;
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < Nn; ++j) {
+        double size = 0;
+        for (int64_t k = 0; k < R; ++k)
+          size += std::fabs(a.data<float>()[i * R + k]) * std::fabs(b.data<float>()[j * R + k]);
+        const double diff =
+            std::fabs(static_cast<double>(got.data<float>()[i * Nn + j]) - want.data<float>()[i * Nn + j]);
+        worst = std::max(worst, diff / std::max(size, 1e-30));
+      }
+    EXPECT_LE(worst, 1e-5) << what;
+  };
+  auto transposed = [](const Tensor& t) {
+    Tensor o = Tensor::empty({t.size(1), t.size(0)}, DType::f32);
+    for (int64_t i = 0; i < t.size(0); ++i)
+      for (int64_t j = 0; j < t.size(1); ++j) o.data<float>()[j * t.size(0) + i] = t.data<float>()[i * t.size(1) + j];
+    return o;
+  };
+  auto expect_state = [&](const std::string& name) {
+    const Tensor got = d.records().at("decoder.layers.0.mlp.linear_fc1").slots;  // [1, 3, 4]
+    const Tensor& want = at(name);                                               // [3, 4]
+    ASSERT_EQ(got.numel(), want.numel()) << name;
+    EXPECT_EQ(std::memcmp(got.data<float>(), want.data<float>(), 12 * sizeof(float)), 0)
+        << name << ": scale and history differ (input scale " << got.data<float>()[0] << " vs " << want.data<float>()[0]
+        << ")";
+  };
+  const int64_t T = at("x.s0.m0").size(0), K = at("x.s0.m0").size(1), N = at("w.s0").size(0);
+  Tensor y = Tensor::zeros({T, N}, DType::f32), dx = Tensor::zeros({T, K}, DType::f32);
+  Tensor dw = Tensor::zeros({N, K}, DType::f32);
+  for (int s = 0; s < 2; ++s) {
+    const std::string st = ".s" + std::to_string(s);
+    const Tensor& w = at("w" + st);
+    for (int m = 0; m < 2; ++m) {
+      const std::string sm = st + ".m" + std::to_string(m);
+      d.begin(Pass::forward, m);
+      nn::linear_fprop(y, at("x" + sm), w, 1.0f, 0.0f, l, cpu);
+      expect_close(y, at("y" + sm), at("x" + sm), w, ("y" + sm).c_str());
+      d.update(true, d.amaxes(true));
+    }
+    for (int m = 0; m < 2; ++m) {
+      const std::string sm = st + ".m" + std::to_string(m);
+      const Tensor &x = at("x" + sm), &dy = at("dy" + sm);
+      d.begin(Pass::backward, m);
+      nn::linear_dgrad(dx, dy, w, 1.0f, 0.0f, l, cpu);
+      nn::linear_wgrad(dw, dy, x, 1.0f, 0.0f, l, cpu);
+      expect_close(dx, at("dx" + sm), dy, transposed(w), ("dx" + sm).c_str());
+      expect_close(dw, at("dw" + sm), transposed(dy), transposed(x), ("dw" + sm).c_str());
+      d.update(false, d.amaxes(false));
+    }
+    expect_state("state" + st);
+    d.new_step();
+    if (s == 0) {
+      d.begin(Pass::eval);
+      nn::linear_fprop(y, at("x.eval"), w, 1.0f, 0.0f, l, cpu);
+      expect_close(y, at("y.eval"), at("x.eval"), w, "y.eval");
+      expect_state("state.eval");
+    }
+  }
 }
 
 }  // namespace
