@@ -98,6 +98,13 @@ not (readers default them: no qkv bias, P = S, 1.0, 0, 0), so they regenerate
 byte for byte. The qk variants add the key qk_layernorm = "true"; the files
 before them lack it (readers default it to false).
 
+[fp8_tensorwise] (gpt_tiny_fp8_tensorwise.safetensors): the untied RMSNorm + SwiGLU + RoPE model with FP8
+training, Megatron's --fp8-format hybrid --fp8-recipe tensorwise: every linear layer (linear_qkv, linear_proj,
+linear_fc1, linear_fc2; not the output layer) quantises its input and weight per tensor to E4M3 and, in backward, its
+output gradient to E5M2, each from its float32 value with TE's current scale fp32(fp8_max / amax) (saturating casts,
+PyTorch's float8 dtypes rounding); dgrad and wgrad use the forward's FP8 x and W; the products run in float64 on the
+dequantised values. Metadata fp8_format = "hybrid", fp8_recipe = "tensorwise".
+
 Then 10 AdamW steps on the same batch (explicit float64 implementation): global
 L2 grad-norm clipping (grads *= clip/(norm+1e-6) when that factor is < 1, as in
 torch clip_grad_norm_ / Megatron), decoupled weight decay on 2-D weights only
@@ -148,8 +155,12 @@ VARIANTS = {
                    rotary_percent=1.0, qk=True),
     "qknorm_ln": dict(file="gpt_tiny_qknorm_ln.safetensors", tied=False, norm="LayerNorm", act="gelu", bias="qkv",
                       pos="rope", qk=True),
+    "fp8_tensorwise": dict(file="gpt_tiny_fp8_tensorwise.safetensors", tied=False, norm="RMSNorm", act="swiglu",
+                           pos="rope", fp8="tensorwise"),
 }
-EXTENDED = ("bias", "pos", "rotary_percent", "max_pos", "qk")  # keys only the later variants set
+EXTENDED = ("bias", "pos", "rotary_percent", "max_pos", "qk", "fp8")  # keys only the later variants set
+FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+linear_fp8 = None  # the FP8 recipe of the linear layers of the variant being run (None: float64 GEMMs)
 
 
 def feat(var):
@@ -226,8 +237,41 @@ def norm(p, prefix, x):
     return rms_norm(x, p[prefix + ".weight"])
 
 
+def fp8_tensorwise(x, fmt):
+    """x held in float32 (as an fp32 implementation holds it), quantised with one current scale for the whole tensor
+    (TE's compute_scale_from_amax: scale = fp32(fp8_max / amax), 1 when amax is 0) and dequantised, in float64."""
+    dtype, fp8_max = FP8_FORMATS[fmt]
+    xf = x.detach().float()
+    amax = xf.abs().amax()
+    one = torch.tensor(1.0, dtype=torch.float32)
+    scale = one if amax == 0 else torch.tensor(fp8_max, dtype=torch.float32) / amax
+    q = torch.clamp((xf * scale).float(), -fp8_max, fp8_max).to(dtype)
+    return q.double() * (one / scale).double()
+
+
+class Fp8TensorwiseLinear(torch.autograd.Function):
+    """y = x W^T with both operands quantised per tensor (E4M3), the backward's output gradient too (E5M2: the hybrid
+    format); dgrad and wgrad reuse the forward's FP8 W and x (their columnwise copies hold the same bytes)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        xq, wq = fp8_tensorwise(x, "e4m3"), fp8_tensorwise(w, "e4m3")
+        ctx.save_for_backward(xq, wq)
+        return xq @ wq.T
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, wq = ctx.saved_tensors
+        dyq = fp8_tensorwise(dy, "e5m2")
+        dw = dyq.reshape(-1, dyq.shape[-1]).T @ xq.reshape(-1, xq.shape[-1])
+        return dyq @ wq, dw
+
+
 def linear(p, name, x):  # x @ W^T (+ b when the variant has this bias)
-    y = x @ p[name + ".weight"].T
+    if linear_fp8 == "tensorwise":
+        y = Fp8TensorwiseLinear.apply(x, p[name + ".weight"])
+    else:
+        y = x @ p[name + ".weight"].T
     return y + p[name + ".bias"] if name + ".bias" in p else y
 
 
@@ -273,7 +317,9 @@ def attention(p, pre, h, f):
 
 def forward(p, tokens, labels, var):
     """Norm biases, linear biases, fc1 rows, output_layer and the position table follow from the parameter
-    names/shapes; the variant gives the position embedding type and rotary_percent."""
+    names/shapes; the variant gives the position embedding type, rotary_percent and the linears' FP8 recipe."""
+    global linear_fp8
+    linear_fp8 = var.get("fp8")
     f = feat(var)
     x = p["embedding.word_embeddings.weight"][tokens]
     if f["pos"] == "learned_absolute":
@@ -389,6 +435,8 @@ def generate(name):
                     rotary_percent=str(f["rotary_percent"]), hidden_dropout="0", attention_dropout="0")
     if f["qk"]:
         meta["qk_layernorm"] = "true"
+    if var.get("fp8"):
+        meta.update(fp8_format="hybrid", fp8_recipe=var["fp8"])
     os.makedirs(GOLDEN_DIR, exist_ok=True)
     save_safetensors(golden_path(name), out, meta)
     return out
