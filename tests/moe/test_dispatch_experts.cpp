@@ -17,6 +17,7 @@
 #include "moecore/core/rng.h"
 #include "moecore/moe/dispatcher.h"
 #include "moecore/moe/experts.h"
+#include "moecore/nn/fp8_delayed.h"
 #include "test_util.h"
 
 namespace moecore {
@@ -664,6 +665,47 @@ TEST(Experts, GroupedEqualsSequentialWithZeroTokenExperts) {
         EXPECT_EQ(sum_squares(r->g.fc2.select(0, 1)), 0.0);
       }
     }
+}
+
+// FP8 delayed scaling (nn/fp8_delayed.h): sequential experts run an expert without tokens on zero rows, so its weights
+// are quantised and their amaxes recorded as grouped GEMMs record them (Megatron's SequentialMLP calls every expert);
+// every slot of both ends the same (the output gradients' amaxes to the GEMMs' rounding; with biases the empty expert's
+// bias gradients stay zero), and the outputs agree as without FP8.
+TEST(Experts, Fp8DelayedStateIsTheSameGroupedAndSequential) {
+  nn::Fp8Config fc;
+  fc.on = true;
+  fc.recipe = nn::Fp8Recipe::delayed;
+  fc.format = nn::Fp8Format::hybrid;
+  for (bool bias : {false, true}) {
+    SCOPED_TRACE(bias ? "biases" : "no biases");
+    ExpertCase c = make_case(true, DType::f32, {7, 0, 13, 1, 9}, 32, 24, bias);
+    c.d.layer = "decoder.layers.1.";
+    ExpertResult r[2];
+    std::map<std::string, nn::Fp8Delayed::Record> state[2];
+    for (int grouped : {1, 0}) {
+      nn::Fp8Training f(fc);
+      c.d.fp8 = &f;
+      f.delayed()->begin(nn::Fp8Delayed::Pass::forward, 0);  // (its gradients taken in the same pass, as MTP's)
+      r[grouped] = run_experts(c, grouped);
+      state[grouped] = f.delayed()->records();
+    }
+    for (const char* linear : {"decoder.layers.1.mlp.experts.linear_fc1", "decoder.layers.1.mlp.experts.linear_fc2"}) {
+      const Tensor &a = state[1].at(linear).slots, &b = state[0].at(linear).slots;  // [5, 3, 2]
+      ASSERT_EQ(a.shape(), (Shape{5, 3, 2})) << linear;
+      for (int64_t e = 0; e < 5; ++e) {  // per expert: (scale, amax) of the input, weight and output-gradient slots
+        const float *pa = a.data<float>() + e * 6, *pb = b.data<float>() + e * 6;
+        EXPECT_EQ(std::memcmp(pa, pb, 4 * sizeof(float)), 0) << linear << " expert " << e;  // the same x and W
+        EXPECT_NEAR(pa[5], pb[5], 1e-5 * pa[5]) << linear << " expert " << e;               // (dh: the GEMMs' rounding)
+        EXPECT_GT(pb[3], 0.0f) << linear << " expert " << e << ": its weight amax";
+      }
+      EXPECT_EQ(b.data<float>()[1 * 6 + 1], 0.0f) << linear << ": the empty expert's input amax";
+    }
+    EXPECT_TENSOR_NEAR(r[1].y, r[0].y, 1e-5, 1e-5);
+    EXPECT_TENSOR_NEAR(r[1].g.fc1, r[0].g.fc1, 1e-5, 2.5e-5);
+    if (bias) {
+      EXPECT_EQ(sum_squares(r[0].g.fc1_bias.select(0, 1)), 0.0);
+    }
+  }
 }
 
 // With Megatron's add_bias_linear: h = x W1^T + b1, y = p (act(h) W2^T + b2). Grouped equals sequential (same

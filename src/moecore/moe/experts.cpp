@@ -151,6 +151,9 @@ const std::vector<int64_t>& host_counts(const char* op, const Tensor& tokens_per
   return n;
 }
 
+// Under FP8 an expert without tokens runs its GEMMs too, on zero rows (as Megatron's SequentialMLP calls every expert):
+// its linears quantise their weights (and, with delayed scaling, keep their state) whatever the routing, as grouped
+// GEMMs do. Its bias ops are skipped (a bias gradient over no rows would overwrite the accumulated one).
 void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs, const Tensor& tokens_per_expert,
                                 const ExpertWeights& w, ExpertCache& cache, ExpertWorkspace& ws, const ExpertDims& d,
                                 const ops::Context& ctx) {
@@ -162,10 +165,10 @@ void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs,
   const nn::Linear fc1 = d.linear("mlp.experts.linear_fc1"), fc2 = d.linear("mlp.experts.linear_fc2");
   int64_t o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
-    if (n[e] == 0) continue;
+    if (n[e] == 0 && !d.fp8) continue;
     Tensor h = v.h.slice(0, o, o + n[e]);
     nn::linear_fprop(h, x.slice(0, o, o + n[e]), w.fc1.select(0, e), 1.0f, 0.0f, fc1.of_expert(e), ctx);
-    if (bias) ops::bias_add(h, w.fc1_bias.select(0, e), ctx);
+    if (bias && n[e] > 0) ops::bias_add(h, w.fc1_bias.select(0, e), ctx);
     o += n[e];
   }
   // The activation and the probability scaling are row-wise, so one pass over all experts' rows equals a pass
@@ -175,7 +178,7 @@ void experts_forward_sequential(Tensor& y, const Tensor& x, const Tensor& probs,
   ops::moe_scale_rows(v.a, v.act, probs, tokens_per_expert, ctx);
   o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
-    if (n[e] == 0) continue;
+    if (n[e] == 0 && !d.fp8) continue;
     Tensor ye = y.slice(0, o, o + n[e]);
     nn::linear_fprop(ye, v.a.slice(0, o, o + n[e]), w.fc2.select(0, e), 1.0f, 0.0f, fc2.of_expert(e), ctx);
     o += n[e];
@@ -199,7 +202,7 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
   const nn::Linear fc1 = d.linear("mlp.experts.linear_fc1"), fc2 = d.linear("mlp.experts.linear_fc2");
   int64_t o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
-    if (n[e] == 0) continue;
+    if (n[e] == 0 && !d.fp8) continue;
     Tensor da = v.da.slice(0, o, o + n[e]);
     nn::linear_dgrad(da, dy.slice(0, o, o + n[e]), w.fc2.select(0, e), 1.0f, 0.0f, fc2.of_expert(e), ctx);
     o += n[e];
@@ -214,12 +217,12 @@ void experts_backward_sequential(Tensor& dx, Tensor& dprobs, ExpertGrads& g, con
   ops::mlp_activation_backward(dh, da, h, d.act, ctx);
   o = 0;
   for (int64_t e = 0; e < d.E; ++e) {
-    if (n[e] == 0) continue;
+    if (n[e] == 0 && !d.fp8) continue;
     const Tensor xe = x.slice(0, o, o + n[e]), dye = dy.slice(0, o, o + n[e]), a = v.a.slice(0, o, o + n[e]);
     Tensor dhe = v.dh.slice(0, o, o + n[e]), dxe = dx.slice(0, o, o + n[e]);
     Tensor g1 = g.fc1.select(0, e), g2 = g.fc2.select(0, e);
     nn::linear_wgrad(g2, dye, a, 1.0f, 1.0f, fc2.of_expert(e), ctx);
-    if (bias) {
+    if (bias && n[e] > 0) {
       Tensor gb1 = g.fc1_bias.select(0, e);
       ops::bias_grad(gb1, dhe, ctx);
     }

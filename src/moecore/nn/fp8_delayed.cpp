@@ -10,6 +10,10 @@ namespace moecore::nn {
 namespace {
 
 constexpr int kInput = 0, kWeight = 1, kGrad = 2;
+constexpr int kForwardSlots[] = {kInput, kWeight}, kBackwardSlots[] = {kGrad};
+std::span<const int> slots_of(bool forward) {
+  return forward ? std::span<const int>(kForwardSlots) : std::span<const int>(kBackwardSlots);
+}
 
 const char* gemm_name(Fp8Delayed::Gemm g) {
   return g == Fp8Delayed::Gemm::fprop ? "fprop" : g == Fp8Delayed::Gemm::dgrad ? "dgrad" : "wgrad";
@@ -120,9 +124,7 @@ ops::Fp8Gemm Fp8Delayed::operands(Gemm g, const Linear& l, int64_t groups) {
     return o;
   };
   if (pass_ == Pass::eval && g != Gemm::fprop)
-    MOECORE_FAIL("FP8 delayed scaling: ", l.layer, l.name, " ", gemm_name(g),
-                 " in an evaluation (a pass without "
-                 "gradients)");
+    MOECORE_FAIL("FP8 delayed scaling: ", l.layer, l.name, " ", gemm_name(g), " in an evaluation (no gradients)");
   ops::Fp8Gemm out;
   out.layer = l.layer;
   out.linear = l.name;
@@ -163,8 +165,7 @@ ops::Fp8Gemm Fp8Delayed::operands(Gemm g, const Linear& l, int64_t groups) {
 std::vector<float> Fp8Delayed::amaxes(bool forward) const {
   std::vector<float> v;
   for (const auto& [name, q] : linears_)
-    for (int k : forward ? std::vector<int>{kInput, kWeight} : std::vector<int>{kGrad})
-      v.insert(v.end(), q.history[k].begin(), q.history[k].begin() + q.gemms);
+    for (int k : slots_of(forward)) v.insert(v.end(), q.history[k].begin(), q.history[k].begin() + q.gemms);
   return v;
 }
 
@@ -174,7 +175,7 @@ void Fp8Delayed::update(bool forward, std::span<const float> reduced) {
   std::vector<float> h(static_cast<size_t>(L_));
   size_t at = 0;
   for (auto& [name, q] : linears_)
-    for (int k : forward ? std::vector<int>{kInput, kWeight} : std::vector<int>{kGrad}) {
+    for (int k : slots_of(forward)) {
       const float scaled_max = ops::fp8::max_of(k == kGrad && cfg_.format == Fp8Format::hybrid) * down;
       for (int64_t g = 0; g < q.gemms; ++g, ++at) {
         MOECORE_CHECK(at < reduced.size(), "FP8 delayed scaling: ", reduced.size(), " reduced amaxes for more slots");
