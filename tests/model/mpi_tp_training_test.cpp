@@ -206,7 +206,7 @@ Result run(const ProcessGroup& world, const model::ModelConfig& mc, const Layout
   if (!log.valid_loss.empty()) r.valid = log.valid_loss.back().second;
   if (const nn::Fp8Delayed* d = gpt.fp8_delayed())
     for (const auto& [name, rec] : d->records())
-      r.fp8_state.insert(r.fp8_state.end(), rec.slots.data<float>(), rec.slots.data<float>() + rec.slots.numel());
+      r.fp8_state.insert(r.fp8_state.end(), rec.slots.begin(), rec.slots.end());
   for (const auto& p : gpt.params()) {
     if (p.expert_parallel) {  // expert shards: the whole [E, ...] tensor over the ETP and EP groups
       const TensorShard ep{0, 1, static_cast<int>(gpt.ep_rank()), static_cast<int>(gpt.ep_size())};

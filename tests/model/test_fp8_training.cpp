@@ -340,10 +340,12 @@ TEST_F(Fp8DelayedLinear, HistoriesRollAndRestoreAtAnyLength) {
   for (float a : {4.0f, 8.0f, 0.0f, 2.0f}) d_.update(true, std::vector<float>{a, 1.0f});
   const auto rec = d_.records();
   ASSERT_EQ(rec.size(), 1u);
-  const Tensor& t = rec.at("decoder.layers.0.mlp.linear_fc1").slots;  // [1, 3, 1 + 3]
-  ASSERT_EQ(t.shape(), (Shape{1, 3, 4}));
-  const float* in = t.data<float>();
-  EXPECT_EQ(std::vector<float>(in, in + 4), (std::vector<float>{448.0f / 2, 0.0f, 8.0f, 2.0f}));  // (0: no roll)
+  const nn::Fp8Delayed::Record& t = rec.at("decoder.layers.0.mlp.linear_fc1");  // [1, 3, 1 + 3]
+  ASSERT_EQ(t.gemms, 1);
+  ASSERT_EQ(t.history, 3);
+  ASSERT_EQ(t.slots.size(), 12u);
+  EXPECT_EQ(std::vector<float>(t.slots.begin(), t.slots.begin() + 4),
+            (std::vector<float>{448.0f / 2, 0.0f, 8.0f, 2.0f}));  // (0: no roll)
   // max with a margin: the largest of the history and the new amax, times 2^-margin
   nn::Fp8Config mc = config();
   mc.amax_compute_algo = nn::Fp8AmaxAlgo::max;
@@ -354,7 +356,7 @@ TEST_F(Fp8DelayedLinear, HistoriesRollAndRestoreAtAnyLength) {
   gd.begin(Pass::forward, 0);
   nn::linear_fprop(y, x, w, 1.0f, 0.0f, gl, cpu_);
   for (float a : {4.0f, 8.0f, 2.0f}) gd.update(true, std::vector<float>{a, 1.0f});
-  EXPECT_EQ(gd.records().at("decoder.layers.0.mlp.linear_fc1").slots.data<float>()[0], 448.0f / 4 / 8);
+  EXPECT_EQ(gd.records().at("decoder.layers.0.mlp.linear_fc1").slots[0], 448.0f / 4 / 8);
   // restore at a shorter history keeps rows [0, 2), at a longer one pads zeros; the scale comes along
   for (int64_t L : {2, 5}) {
     nn::Fp8Config rc = config();
@@ -365,12 +367,12 @@ TEST_F(Fp8DelayedLinear, HistoriesRollAndRestoreAtAnyLength) {
     r.delayed()->begin(Pass::eval);
     nn::linear_fprop(y, x, w, 1.0f, 0.0f, rl, cpu_);
     EXPECT_TRUE(same(y, reference("fprop", x, w, 448.0f / 2, 448.0f)));
-    const Tensor got = r.delayed()->records().at("decoder.layers.0.mlp.linear_fc1").slots;
-    ASSERT_EQ(got.shape(), (Shape{1, 3, 1 + L}));
+    const std::vector<float> got = r.delayed()->records().at("decoder.layers.0.mlp.linear_fc1").slots;
+    ASSERT_EQ(got.size(), static_cast<size_t>(3 * (1 + L)));
     // (row 0: the evaluation's amax)
     const std::vector<float> want = L == 2 ? std::vector<float>{448.0f / 2, max_abs(x), 8.0f}
                                            : std::vector<float>{448.0f / 2, max_abs(x), 8.0f, 2.0f, 0.0f, 0.0f};
-    EXPECT_EQ(std::vector<float>(got.data<float>(), got.data<float>() + 1 + L), want) << L;
+    EXPECT_EQ(std::vector<float>(got.begin(), got.begin() + 1 + L), want) << L;
   }
 }
 
@@ -433,12 +435,11 @@ TEST(Fp8DelayedGolden, ALinearOverTwoStepsMatchesThePyTorchReference) {
     return o;
   };
   auto expect_state = [&](const std::string& name) {
-    const Tensor got = d.records().at("decoder.layers.0.mlp.linear_fc1").slots;  // [1, 3, 4]
-    const Tensor& want = at(name);                                               // [3, 4]
-    ASSERT_EQ(got.numel(), want.numel()) << name;
-    EXPECT_EQ(std::memcmp(got.data<float>(), want.data<float>(), 12 * sizeof(float)), 0)
-        << name << ": scale and history differ (input scale " << got.data<float>()[0] << " vs " << want.data<float>()[0]
-        << ")";
+    const std::vector<float> got = d.records().at("decoder.layers.0.mlp.linear_fc1").slots;  // [1, 3, 4]
+    const Tensor& want = at(name);                                                           // [3, 4]
+    ASSERT_EQ(static_cast<int64_t>(got.size()), want.numel()) << name;
+    EXPECT_EQ(std::memcmp(got.data(), want.data<float>(), 12 * sizeof(float)), 0)
+        << name << ": scale and history differ (input scale " << got[0] << " vs " << want.data<float>()[0] << ")";
   };
   const int64_t T = at("x.s0.m0").size(0), K = at("x.s0.m0").size(1), N = at("w.s0").size(0);
   Tensor y = Tensor::zeros({T, N}, DType::f32), dx = Tensor::zeros({T, K}, DType::f32);

@@ -65,7 +65,7 @@ Fp8Delayed::Quantizers& Fp8Delayed::find(const Linear& l, int64_t groups) {
     q.weight.assign(static_cast<size_t>(q.gemms), 1.0f);
     q.weight_set.assign(static_cast<size_t>(q.gemms), 0);
     if (auto r = restored_.find(name); r != restored_.end()) {
-      fill(q, r->second.slots, name);
+      fill(q, r->second, name);
       restored_.erase(r);
     }
     it = linears_.emplace(std::move(name), std::move(q)).first;
@@ -193,15 +193,14 @@ std::map<std::string, Fp8Delayed::Record> Fp8Delayed::records() const {
   std::map<std::string, Record> out;
   for (const auto& [name, r] : restored_) out[name] = r;
   for (const auto& [name, q] : linears_) {
-    Tensor t = Tensor::empty({q.gemms, 3, 1 + L_}, DType::f32, MemCategory::workspace);
-    float* p = t.data<float>();
+    Record r{q.experts, q.gemms, L_, std::vector<float>(static_cast<size_t>(q.gemms * 3 * (1 + L_)))};
     for (int64_t g = 0; g < q.gemms; ++g)
       for (int k = 0; k < 3; ++k) {
-        float* row = p + (g * 3 + k) * (1 + L_);
+        float* row = r.slots.data() + (g * 3 + k) * (1 + L_);
         row[0] = q.scale[k][static_cast<size_t>(g)];
-        for (int64_t r = 0; r < L_; ++r) row[1 + r] = q.history[k][static_cast<size_t>(r * q.gemms + g)];
+        for (int64_t h = 0; h < L_; ++h) row[1 + h] = q.history[k][static_cast<size_t>(h * q.gemms + g)];
       }
-    out[name] = {q.experts, t};
+    out[name] = std::move(r);
   }
   return out;
 }
@@ -211,17 +210,16 @@ void Fp8Delayed::restore(std::map<std::string, Record> slots) {
   restored_ = std::move(slots);
 }
 
-void Fp8Delayed::fill(Quantizers& q, const Tensor& record, const std::string& name) const {
-  const bool ok = record.dtype() == DType::f32 && record.dim() == 3 && record.size(0) == q.gemms &&
-                  record.size(1) == 3 && record.size(2) >= 2;
-  MOECORE_CHECK(ok, "checkpoint: the FP8 delayed-scaling state of ", name, " is ", record.str(), ", expected [",
-                q.gemms, ", 3, 1 + history] f32 (one row of 3 slots per GEMM)");
-  const int64_t Ls = record.size(2) - 1;
-  const Tensor c = record.is_contiguous() ? record : record.clone();
-  const float* p = c.data<float>();
+void Fp8Delayed::fill(Quantizers& q, const Record& record, const std::string& name) const {
+  const int64_t Ls = record.history;
+  const bool ok =
+      record.gemms == q.gemms && Ls >= 1 && static_cast<int64_t>(record.slots.size()) == record.gemms * 3 * (1 + Ls);
+  MOECORE_CHECK(ok, "checkpoint: the FP8 delayed-scaling state of ", name, " holds ", record.slots.size(),
+                " values for ", record.gemms, " GEMMs and a history of ", Ls, "; this model's linear has ", q.gemms,
+                " GEMMs");
   for (int64_t g = 0; g < q.gemms; ++g)
     for (int k = 0; k < 3; ++k) {
-      const float* row = p + (g * 3 + k) * (1 + Ls);
+      const float* row = record.slots.data() + (g * 3 + k) * (1 + Ls);
       q.scale[k][static_cast<size_t>(g)] = row[0];
       for (int64_t r = 0; r < L_; ++r) q.history[k][static_cast<size_t>(r * q.gemms + g)] = r < Ls ? row[1 + r] : 0.0f;
     }

@@ -23,7 +23,6 @@
 #include <string_view>
 #include <vector>
 
-#include "moecore/core/tensor.h"
 #include "moecore/kernels/ops_fp8.h"
 #include "moecore/nn/fp8.h"
 
@@ -53,12 +52,13 @@ class Fp8Delayed {
   // Sets those rows to `reduced` (amaxes' layout) and updates every such slot.
   void update(bool forward, std::span<const float> reduced);
 
-  // Checkpoints: per linear (the full name), its slots as [gemms, 3, 1 + L] f32 -- input, weight, output gradient;
-  // each the scale, then history rows 0 .. L-1 -- and its local experts (0: not an expert linear). Linears restored
-  // but not run yet are included as restored.
+  // Checkpoints: per linear (the full name), its slots as [gemms, 3, 1 + history] floats -- input, weight, output
+  // gradient; each the scale, then history rows 0 .. history-1 -- and its local experts (0: not an expert linear).
+  // Linears restored but not run yet are included as restored. (Host values: train/ makes the checkpoint's tensors.)
   struct Record {
     int64_t experts = 0;
-    Tensor slots;
+    int64_t gemms = 1, history = 1;
+    std::vector<float> slots;
   };
   std::map<std::string, Record> records() const;
   // Replaces the whole state by a checkpoint's records (this rank's GEMMs: an expert linear's local experts), each
@@ -87,7 +87,7 @@ class Fp8Delayed {
     static int compare(std::string_view s, const Key& k);  // s against layer + name
   };
   Quantizers& find(const Linear& l, int64_t groups);
-  void fill(Quantizers& q, const Tensor& record, const std::string& name) const;
+  void fill(Quantizers& q, const Record& record, const std::string& name) const;
 
   Fp8Config cfg_;
   int64_t L_;

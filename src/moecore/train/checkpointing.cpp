@@ -592,12 +592,10 @@ CheckpointSaveInFlight checkpoint_save_begin(const std::string& root, const mode
   // its local index): an expert linear's as one row per global expert, expert e holding local expert e mod E/EP's.
   if (const nn::Fp8Delayed* d = gpt.fp8_delayed())
     for (const auto& [name, r] : d->records()) {
-      Tensor t = r.slots;
-      if (r.experts > 0) {
-        const int64_t E = gpt.config().moe.num_experts;
-        t = Tensor::empty({E, r.slots.size(1), r.slots.size(2)}, DType::f32, MemCategory::workspace);
-        for (int64_t e = 0; e < E; ++e) t.select(0, e).copy_from(r.slots.select(0, e % r.experts));
-      }
+      const int64_t rows = r.experts > 0 ? gpt.config().moe.num_experts : r.gemms, row = 3 * (1 + r.history);
+      Tensor t = Tensor::empty({rows, 3, 1 + r.history}, DType::f32, MemCategory::workspace);
+      for (int64_t e = 0; e < rows; ++e)
+        std::copy_n(r.slots.data() + (e % r.gemms) * row, row, t.data<float>() + e * row);
       model[checkpoint_fp8_state_name(name)] = t;
     }
   const json calls = layer_calls;
@@ -944,8 +942,10 @@ std::map<std::string, nn::Fp8Delayed::Record> fp8_delayed_records(const io::Load
     if (t.dtype() != DType::f32 || t.dim() != 3 || t.size(0) != rows || t.size(1) != 3 || t.size(2) < 2)
       MOECORE_FAIL("checkpoint: '", ck.dir, "/", kModelFile, "' tensor '", name, "' is ", t.str(), ", expected [", rows,
                    ", 3, 1 + amax history] f32 (FP8 delayed scaling's slots", experts ? ", per expert" : "", ")");
-    Tensor mine = experts ? t.slice(0, gpt.ep_rank() * local, (gpt.ep_rank() + 1) * local) : t;
-    out[linear] = {experts ? local : 0, mine.clone()};
+    const int64_t first = experts ? gpt.ep_rank() * local : 0, gemms = experts ? local : 1;
+    const Tensor mine = t.slice(0, first, first + gemms).clone();  // (contiguous)
+    out[linear] = {experts ? local : 0, gemms, t.size(2) - 1,
+                   std::vector<float>(mine.data<float>(), mine.data<float>() + mine.numel())};
   }
   return out;
 }
