@@ -61,6 +61,16 @@ Fp8Run train_run(const model::ModelConfig& cfg, train::TrainConfig t, const fs::
   return r;
 }
 
+// MLA with q LoRA in place of the standard attention (small widths).
+void with_mla(model::ModelConfig& c) {
+  c.multi_latent_attention = true;
+  c.q_lora_rank = 16;
+  c.kv_lora_rank = 16;
+  c.qk_head_dim = 8;
+  c.qk_pos_emb_head_dim = 8;
+  c.v_head_dim = 8;
+}
+
 model::ModelConfig bf16_of(model::ModelConfig c) {
   c.fp8 = {};
   return c;
@@ -97,12 +107,7 @@ TEST(Fp8Training, MultiLatentAttentionAndMtpTrackBf16) {
   for (nn::Fp8Recipe recipe : {nn::Fp8Recipe::blockwise, nn::Fp8Recipe::delayed}) {
     SCOPED_TRACE(enum_name(recipe));
     model::ModelConfig c = fp8_model(recipe, nn::Fp8Format::hybrid);
-    c.multi_latent_attention = true;
-    c.q_lora_rank = 16;
-    c.kv_lora_rank = 16;
-    c.qk_head_dim = 8;
-    c.qk_pos_emb_head_dim = 8;
-    c.v_head_dim = 8;
+    with_mla(c);
     c.qk_layernorm = true;
     c.mtp_num_layers = 1;
     const train::TrainConfig t = testing::small_train_config(20);
@@ -198,14 +203,7 @@ TEST(Fp8Training, ResumesBitwise) {
 TEST(Fp8Training, DelayedScalingRecomputeIsBitwiseTheRunWithout) {
   for (int variant = 0; variant < 3; ++variant) {
     model::ModelConfig c = fp8_model(nn::Fp8Recipe::delayed, nn::Fp8Format::hybrid, variant != 1);
-    if (variant == 2) {
-      c.multi_latent_attention = true;
-      c.q_lora_rank = 16;
-      c.kv_lora_rank = 16;
-      c.qk_head_dim = 8;
-      c.qk_pos_emb_head_dim = 8;
-      c.v_head_dim = 8;
-    }
+    if (variant == 2) with_mla(c);
     SCOPED_TRACE(variant);
     const train::TrainConfig t = testing::small_train_config(4);
     const Fp8Run plain = train_run(c, t);
