@@ -61,7 +61,9 @@ int main(int argc, char** argv) {
     // moecore's environment variables are checked like flags, whether or not this run uses them (core/env.h).
     (void)moecore::comm_options_from_env();
     (void)moecore::device_sync_each_launch();
-    (void)moecore::ops::cpu_kernel_isa();  // (MOECORE_CPU_ISA)
+    (void)moecore::ops::cpu_kernel_isa();                                     // (MOECORE_CPU_ISA)
+    if (moecore::ops::cpu_bf16_gemm_env() == moecore::ops::Bf16Gemm::native)  // (MOECORE_CPU_BF16_GEMM)
+      (void)moecore::ops::cpu_bf16_gemm();  // refused here where oneDNN has no bf16 matmul
     if (under_mpirun && moecore::comm_available()) {
       moecore::comm_init(argc, argv);
       comm.on = true;

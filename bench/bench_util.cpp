@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdio>
 
+#include "moecore/kernels/cpu_isa.h"
+
 namespace moecore::bench {
 
 void JsonLine::key(const char* k) {
@@ -46,6 +48,12 @@ JsonLine moe_line_head(const char* name, DType dtype, int64_t N, int64_t H, int6
       .add("E", E)
       .add("K", K);
   return line;
+}
+
+JsonLine& add_bf16_gemm(JsonLine& line, DType dtype) {
+  if (dtype != DType::bf16) return line;
+  return line.add("bf16_gemm", std::string(ops::bf16_gemm_name(ops::cpu_bf16_gemm())))
+      .add("bf16_dot_flop_ratio", ops::cpu_bf16_dot_flop_ratio());
 }
 
 }  // namespace moecore::bench

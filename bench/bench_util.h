@@ -36,4 +36,9 @@ class JsonLine {
 // H, F, E, K.
 JsonLine moe_line_head(const char* name, DType dtype, int64_t N, int64_t H, int64_t F, int64_t E, int64_t K);
 
+// For a bf16 line: how the CPU GEMMs multiply bf16 ("bf16_gemm": native or widened, kernels/cpu_isa.h) and the
+// core's bf16 dot-product rate over its f32 FMA rate behind that choice ("bf16_dot_flop_ratio"; 0 without
+// AVX512-BF16). Other dtypes add nothing.
+JsonLine& add_bf16_gemm(JsonLine& line, DType dtype);
+
 }  // namespace moecore::bench

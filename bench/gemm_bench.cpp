@@ -38,16 +38,16 @@ std::vector<std::string> bench_gemm_lines(const std::vector<GemmShape>& shapes) 
     const double peak = gemm_peak_gflops(dt);
     for (const auto& [m, n, k] : shapes) {
       const double g = gemm_gflops(dt, m, n, k, 3);
-      out.push_back(JsonLine()
-                        .add("name", "gemm")
-                        .add("dtype", std::string(dtype_name(dt)))
-                        .add("M", m)
-                        .add("N", n)
-                        .add("K", k)
-                        .add("gflops", g)
-                        .add("peak_gflops", peak)
-                        .add("ratio", g / peak)
-                        .str());
+      JsonLine line;
+      line.add("name", "gemm")
+          .add("dtype", std::string(dtype_name(dt)))
+          .add("M", m)
+          .add("N", n)
+          .add("K", k)
+          .add("gflops", g)
+          .add("peak_gflops", peak)
+          .add("ratio", g / peak);
+      out.push_back(add_bf16_gemm(line, dt).str());
     }
   }
   return out;

@@ -167,8 +167,8 @@ std::vector<std::string> bench_train_step(const model::ModelConfig& cfg, int64_t
     total += dt;
   }
   const double flops = gpt.flops_per_step();
-  // The peak of the compute dtype through ops::gemm; for bf16 also the f32 peak, since hosts without a bf16
-  // matmul widen bf16 operands to f32 (then the two are close and the f32 one is the stricter reference).
+  // The peak of the compute dtype through ops::gemm; for bf16 also the f32 peak, since where the bf16 GEMMs are
+  // widened to f32 (kernels/cpu_isa.h) the two are close and the f32 one is the stricter reference.
   const double peak = gemm_peak_gflops(cfg.compute_dtype);
   const double f32_peak = cfg.compute_dtype == DType::f32 ? peak : gemm_peak_gflops(DType::f32);
   const double achieved = flops / best / 1e9;
@@ -189,6 +189,7 @@ std::vector<std::string> bench_train_step(const model::ModelConfig& cfg, int64_t
       .add("rss_peak_bytes", hwm)
       .add("rss_before_model_bytes", rss_before)
       .add("rss_peak_over_plan", static_cast<double>(hwm) / static_cast<double>(plan.total()));
+  add_bf16_gemm(line, cfg.compute_dtype);
   // The writer at Megatron's default nice value, then at the training thread's (-1: unchanged).
   return {line.str(), async_save_line(s, cfg, micro_batch, std::max(steps, 1), 10).str(),
           async_save_line(s, cfg, micro_batch, std::max(steps, 1), -1).str()};

@@ -59,11 +59,18 @@ CmdResult run_bounded(const std::string& args, const std::string& env = "") {
 TEST_F(UserInputErrors, EnvironmentVariablesAreCheckedLikeFlags) {
   byte_corpus();
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"MOECORE_COMM_TIMEOUT_S=-5", "[0, 60000000]"},    {"MOECORE_COMM_TIMEOUT_S=nan", "[0, 60000000]"},
-      {"MOECORE_COMM_TIMEOUT_S=inf", "[0, 60000000]"},   {"MOECORE_COMM_TIMEOUT_S=1e999", "[0, 60000000]"},
-      {"MOECORE_COMM_TIMEOUT_S=10min", "[0, 60000000]"}, {"MOECORE_COMM_TIMEOUT_S=", "[0, 60000000]"},
-      {"MOECORE_COMM_PROGRESS_THREAD=2", "set 1"},       {"MOECORE_COMM_DEBUG=maybe", "set 1"},
-      {"MOECORE_CUDA_SYNC=yes-please", "set 1"},         {"MOECORE_CPU_ISA=avx3", "avx2 or avx512"}};
+      {"MOECORE_COMM_TIMEOUT_S=-5", "[0, 60000000]"},
+      {"MOECORE_COMM_TIMEOUT_S=nan", "[0, 60000000]"},
+      {"MOECORE_COMM_TIMEOUT_S=inf", "[0, 60000000]"},
+      {"MOECORE_COMM_TIMEOUT_S=1e999", "[0, 60000000]"},
+      {"MOECORE_COMM_TIMEOUT_S=10min", "[0, 60000000]"},
+      {"MOECORE_COMM_TIMEOUT_S=", "[0, 60000000]"},
+      {"MOECORE_COMM_PROGRESS_THREAD=2", "set 1"},
+      {"MOECORE_COMM_DEBUG=maybe", "set 1"},
+      {"MOECORE_CUDA_SYNC=yes-please", "set 1"},
+      {"MOECORE_CPU_ISA=avx3", "avx2 or avx512"},
+      {"MOECORE_CPU_BF16_GEMM=amx", "native or widened"},
+      {"MOECORE_CPU_BF16_GEMM=native ONEDNN_MAX_CPU_ISA=AVX2", "lacks"}};
   for (const auto& [env, accepted] : cases) {
     const CmdResult r = run_bounded(train_args(), env);
     const std::string name = env.substr(0, env.find('='));
@@ -73,7 +80,7 @@ TEST_F(UserInputErrors, EnvironmentVariablesAreCheckedLikeFlags) {
   }
   // 0 keeps its documented meaning (wait forever); a plain number of seconds is fine.
   for (const char* env : {"MOECORE_COMM_TIMEOUT_S=0", "MOECORE_COMM_TIMEOUT_S=30.5", "MOECORE_COMM_PROGRESS_THREAD=0",
-                          "MOECORE_CPU_ISA=avx2"}) {
+                          "MOECORE_CPU_ISA=avx2", "MOECORE_CPU_BF16_GEMM=widened"}) {
     const CmdResult r = run_bounded(train_args(), env);
     EXPECT_EQ(r.status, 0) << env << ":\n" << r.output;
   }

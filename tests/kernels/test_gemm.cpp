@@ -2,8 +2,11 @@
 // outputs, alpha/beta, row-strided views, batches, the tiled widened path, f16 overflow to inf, and bad shapes.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
+#include <string>
 
+#include "moecore/kernels/cpu_isa.h"
 #include "moecore/kernels/ops.h"
 #include "test_util.h"
 
@@ -33,23 +36,67 @@ double output_rtol(DType out) {
   return out == DType::bf16 ? 8e-3 : out == DType::f16 ? 1e-3 : 1e-4;
 }
 
+// Runs `body` once per bf16 GEMM path this CPU has (widened always; native where oneDNN has a bf16 matmul, else
+// said), the path in use restored after.
+template <class F>
+void for_each_bf16_gemm(F&& body) {
+  const ops::Bf16Gemm was = ops::cpu_bf16_gemm();
+  for (ops::Bf16Gemm path : {ops::Bf16Gemm::native, ops::Bf16Gemm::widened}) {
+    try {
+      ops::set_cpu_bf16_gemm(path);
+    } catch (const Error& e) {
+      std::printf("[ skipped  ] bf16 GEMM path %s: %s\n", std::string(ops::bf16_gemm_name(path)).c_str(), e.what());
+      continue;
+    }
+    SCOPED_TRACE(std::string("bf16 GEMM path ") + std::string(ops::bf16_gemm_name(path)));
+    body();
+  }
+  ops::set_cpu_bf16_gemm(was);
+}
+
 TEST(Gemm, AllTransposesDtypesAlphaBeta) {
-  const int64_t M = 37, N = 29, K = 45;
-  for (DType in : {DType::f32, DType::bf16, DType::f16})
-    for (DType out : {DType::f32, DType::bf16, DType::f16})
-      for (int ta = 0; ta < 2; ++ta)
-        for (int tb = 0; tb < 2; ++tb)
-          for (float beta : {0.0f, 1.0f, 0.5f}) {
-            const Tensor a = testing::randn(ta ? Shape{K, M} : Shape{M, K}, "a").to(in);
-            const Tensor b = testing::randn(tb ? Shape{N, K} : Shape{K, N}, "b").to(in);
-            const Tensor c0 = testing::randn({M, N}, "c").to(out);
-            Tensor c = c0.clone();
-            ops::gemm(c, a, ta, b, tb, 0.75f, beta, {});
-            const double rtol = output_rtol(out);
-            EXPECT_LE(testing::tolerance_ratio(c, reference(a, ta, b, tb, 0.75f, beta, c0), rtol, 1e-4 * std::sqrt(K)),
-                      1.0)
-                << dtype_name(in) << "->" << dtype_name(out) << " ta " << ta << " tb " << tb << " beta " << beta;
-          }
+  for_each_bf16_gemm([] {
+    const int64_t M = 37, N = 29, K = 45;
+    for (DType in : {DType::f32, DType::bf16, DType::f16})
+      for (DType out : {DType::f32, DType::bf16, DType::f16})
+        for (int ta = 0; ta < 2; ++ta)
+          for (int tb = 0; tb < 2; ++tb)
+            for (float beta : {0.0f, 1.0f, 0.5f}) {
+              const Tensor a = testing::randn(ta ? Shape{K, M} : Shape{M, K}, "a").to(in);
+              const Tensor b = testing::randn(tb ? Shape{N, K} : Shape{K, N}, "b").to(in);
+              const Tensor c0 = testing::randn({M, N}, "c").to(out);
+              Tensor c = c0.clone();
+              ops::gemm(c, a, ta, b, tb, 0.75f, beta, {});
+              const double rtol = output_rtol(out);
+              EXPECT_LE(
+                  testing::tolerance_ratio(c, reference(a, ta, b, tb, 0.75f, beta, c0), rtol, 1e-4 * std::sqrt(K)), 1.0)
+                  << dtype_name(in) << "->" << dtype_name(out) << " ta " << ta << " tb " << tb << " beta " << beta;
+            }
+  });
+}
+
+// Widened, a bf16 GEMM is the f32 GEMM of the bf16 values, bit for bit (each product of two bf16 values is exact in
+// f32), for both operand layouts, a beta and a batch.
+TEST(Gemm, WidenedBf16IsTheF32GemmOfTheBf16Values) {
+  const ops::Bf16Gemm was = ops::cpu_bf16_gemm();
+  ops::set_cpu_bf16_gemm(ops::Bf16Gemm::widened);
+  const int64_t M = 48, N = 40, K = 96;
+  for (int tb = 0; tb < 2; ++tb) {
+    const Tensor a = testing::randn({M, K}, "wa").to(DType::bf16);
+    const Tensor b = testing::randn(tb ? Shape{N, K} : Shape{K, N}, "wb").to(DType::bf16);
+    const Tensor c0 = testing::randn({M, N}, "wc");
+    Tensor c = c0.clone(), c32 = c0.clone();
+    ops::gemm(c, a, false, b, tb, 0.5f, 1.0f, {});
+    ops::gemm(c32, a.to(DType::f32), false, b.to(DType::f32), tb, 0.5f, 1.0f, {});
+    EXPECT_EQ(testing::to_vector(c), testing::to_vector(c32)) << "tb " << tb;
+  }
+  const Tensor a = testing::randn({3, M, K}, "wba").to(DType::bf16),
+               b = testing::randn({3, N, K}, "wbb").to(DType::bf16);
+  Tensor c = Tensor::zeros({3, M, N}, DType::f32), c32 = Tensor::zeros({3, M, N}, DType::f32);
+  ops::gemm_batched(c, a, false, b, true, 1.0f, 0.0f, {});
+  ops::gemm_batched(c32, a.to(DType::f32), false, b.to(DType::f32), true, 1.0f, 0.0f, {});
+  EXPECT_EQ(testing::to_vector(c), testing::to_vector(c32));
+  ops::set_cpu_bf16_gemm(was);
 }
 
 TEST(Gemm, RowStridedViews) {
@@ -67,20 +114,43 @@ TEST(Gemm, RowStridedViews) {
 }
 
 TEST(Gemm, BatchedMatchesPerBatch) {
-  for (DType in : {DType::f32, DType::bf16, DType::f16}) {
-    const Tensor a = testing::randn({3, 8, 12}, "ba").to(in), b = testing::randn({3, 10, 12}, "bb").to(in);
-    Tensor c = Tensor::zeros({3, 8, 10}, DType::f32);
-    ops::gemm_batched(c, a, false, b, true, 1.0f, 0.0f, {});
-    for (int g = 0; g < 3; ++g) {
-      Tensor cg = Tensor::zeros({8, 10}, DType::f32);
-      EXPECT_TENSOR_NEAR(c.select(0, g).clone(), reference(a.select(0, g), false, b.select(0, g), true, 1, 0, cg), 1e-4,
-                         1e-4);
+  for_each_bf16_gemm([] {
+    for (DType in : {DType::f32, DType::bf16, DType::f16}) {
+      const Tensor a = testing::randn({3, 8, 12}, "ba").to(in), b = testing::randn({3, 10, 12}, "bb").to(in);
+      Tensor c = Tensor::zeros({3, 8, 10}, DType::f32);
+      ops::gemm_batched(c, a, false, b, true, 1.0f, 0.0f, {});
+      for (int g = 0; g < 3; ++g) {
+        Tensor cg = Tensor::zeros({8, 10}, DType::f32);
+        EXPECT_TENSOR_NEAR(c.select(0, g).clone(), reference(a.select(0, g), false, b.select(0, g), true, 1, 0, cg),
+                           1e-4, 1e-4);
+      }
     }
-  }
+  });
 }
 
-// K = 16384 makes the widened bf16 / f16 path split both M and N into tiles (4M-element budget per operand).
+// The bf16 path follows the CPU: the dot-product probe runs where the CPU has AVX512-BF16 (and says 0 elsewhere), and
+// native is taken only where oneDNN has a bf16 matmul.
+TEST(Gemm, Bf16PathFollowsTheCpu) {
+  const double ratio = ops::cpu_bf16_dot_flop_ratio();
+  const ops::Bf16Gemm path = ops::cpu_bf16_gemm();
+  std::printf("bf16 dot-product flops / f32 FMA flops: %.3f; bf16 GEMMs: %s\n", ratio,
+              std::string(ops::bf16_gemm_name(path)).c_str());
+  const bool has_bf16 = ops::cpu_has_isa(ops::CpuIsa::avx512) && __builtin_cpu_supports("avx512bf16");
+  EXPECT_EQ(ratio > 0, has_bf16);
+  EXPECT_TRUE(std::isfinite(ratio));
+  const std::string native = testing::error_of([] { ops::set_cpu_bf16_gemm(ops::Bf16Gemm::native); });
+  if (native != "(no error)") {
+    EXPECT_EQ(path, ops::Bf16Gemm::widened);
+    EXPECT_NE(native.find("lacks"), std::string::npos) << native;
+  }
+  ops::set_cpu_bf16_gemm(path);
+}
+
+// K = 16384 makes the widened path (bf16 set to it; f16 always) split both M and N into tiles (4M-element budget per
+// operand).
 TEST(Gemm, WidenedTiledPathMatchesReference) {
+  const ops::Bf16Gemm was = ops::cpu_bf16_gemm();
+  ops::set_cpu_bf16_gemm(ops::Bf16Gemm::widened);
   const int64_t M = 260, N = 300, K = 16384;
   for (DType in : {DType::bf16, DType::f16}) {
     const Tensor a = testing::randn({M, K}, "ta").to(in), b = testing::randn({N, K}, "tb").to(in);
@@ -94,6 +164,7 @@ TEST(Gemm, WidenedTiledPathMatchesReference) {
           << dtype_name(in) << "->" << dtype_name(out);
     }
   }
+  ops::set_cpu_bf16_gemm(was);
 }
 
 // An f16 output beyond 65504 is ±inf (IEEE overflow, no saturation: loss scaling watches for it), whatever the

@@ -1,17 +1,22 @@
 // CPU GEMM on oneDNN matmul primitives (f32, bf16 or f16 inputs, f32 accumulation, f32, bf16 or f16 output).
 // Primitive creation costs far more than a small matmul, so primitives are cached per (shape, strides,
 // dtypes, alpha, beta) and reused; model shapes are fixed after the first step, so the cache stays small.
-// bf16 operands run natively where oneDNN has a bf16 matmul (AVX-512 bf16 / AMX). Elsewhere (e.g. AVX2-only
-// hosts) they are widened to f32 in reused scratch buffers and multiplied in f32: bf16 then saves memory,
-// not time, and the result is the exact f32 product of the bf16 values. f16 operands and f16 outputs are always
-// widened this way: oneDNN 2.6 has an f16 matmul only on AVX-512 FP16 CPUs, where nothing here could test it.
+// bf16 operands run natively where oneDNN has a bf16 matmul and the CPU's bf16 arithmetic is the faster
+// (cpu_bf16_gemm: AMX, or AVX512-BF16 dot products that outrun the f32 FMAs). Elsewhere (AVX2-only hosts, and
+// AVX512-BF16 CPUs whose VDPBF16PS is the slower) they are widened to f32 in reused scratch buffers and multiplied
+// in f32: bf16 then saves memory, not time, and the result is the exact f32 product of the bf16 values. f16 operands
+// and f16 outputs are always widened this way: oneDNN 2.6 has an f16 matmul only on AVX-512 FP16 CPUs, where nothing
+// here could test it.
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <string>
 #include <tuple>
 
 #include "moecore/kernels/cpu/cpu_util.h"
+#include "moecore/kernels/cpu_isa.h"
 #include "moecore/kernels/ops.h"
 
 namespace moecore::ops {
@@ -153,18 +158,32 @@ Tensor& scratch(int slot, int64_t elems, Device device) {
   return t;
 }
 
-bool native_bf16() {
-  static const bool ok = [] {
+// oneDNN's bf16 matmul implementation ("brg:avx512_core_bf16", "brg:avx512_core_amx", ...), empty where it has none.
+const std::string& onednn_bf16_impl() {
+  static const std::string impl = [] {
     try {
       const memory::desc md({16, 16}, memory::data_type::bf16, {16, 1});
       const memory::desc out({16, 16}, memory::data_type::f32, {16, 1});
-      dnnl::matmul::primitive_desc(dnnl::matmul::desc(md, md, out), cpu_engine());
-      return true;
+      return std::string(dnnl::matmul::primitive_desc(dnnl::matmul::desc(md, md, out), cpu_engine()).impl_info_str());
     } catch (const dnnl::error&) {
-      return false;
+      return std::string();
     }
   }();
-  return ok;
+  return impl;
+}
+
+Bf16Gemm native_or_error(const char* who) {
+  if (onednn_bf16_impl().empty())
+    MOECORE_FAIL(who,
+                 ": native bf16 GEMMs need oneDNN's bf16 matmul, which this CPU lacks (AVX512-BF16 or AMX, within "
+                 "ONEDNN_MAX_CPU_ISA); hint: use widened");
+  return Bf16Gemm::native;
+}
+
+std::atomic<int> g_bf16_gemm{-1};  // set_cpu_bf16_gemm's, -1: none
+
+bool native_bf16() {
+  return cpu_bf16_gemm() == Bf16Gemm::native;
 }
 
 // A contiguous f32 copy of a bf16 or f16 2-D or 3-D operand, in its stored (untransposed) layout.
@@ -234,6 +253,25 @@ void dispatch(Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, flo
 }
 
 }  // namespace
+
+Bf16Gemm cpu_bf16_gemm() {
+  const int set = g_bf16_gemm.load(std::memory_order_relaxed);
+  if (set >= 0) return static_cast<Bf16Gemm>(set);
+  static const Bf16Gemm chosen = [] {
+    if (const std::optional<Bf16Gemm> env = cpu_bf16_gemm_env())
+      return *env == Bf16Gemm::native ? native_or_error("MOECORE_CPU_BF16_GEMM=native") : Bf16Gemm::widened;
+    const std::string& impl = onednn_bf16_impl();
+    if (impl.empty()) return Bf16Gemm::widened;
+    const bool faster = impl.find("amx") != std::string::npos || cpu_bf16_dot_flop_ratio() >= kNativeBf16MinRatio;
+    return faster ? Bf16Gemm::native : Bf16Gemm::widened;
+  }();
+  return chosen;
+}
+
+void set_cpu_bf16_gemm(Bf16Gemm path) {
+  if (path == Bf16Gemm::native) native_or_error("set_cpu_bf16_gemm");
+  g_bf16_gemm.store(static_cast<int>(path), std::memory_order_relaxed);
+}
 
 void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, float alpha, float beta,
           const Context& ctx) {
