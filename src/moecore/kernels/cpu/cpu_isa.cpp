@@ -95,7 +95,7 @@ double cpu_bf16_dot_flop_ratio() {
     if (!cpu_has_isa(CpuIsa::avx512) || !__builtin_cpu_supports("avx512bf16")) return 0.0;
     constexpr int64_t kRounds = 1 << 16;  // 2^20 instructions: about 0.2-1 ms each
     double bf16 = 1e30, fma = 1e30;
-    for (int r = 0; r < 5; ++r) {
+    for (int r = 0; r < 7; ++r) {
       fma = std::min(fma, zmm_loop_seconds(false, kRounds));
       bf16 = std::min(bf16, zmm_loop_seconds(true, kRounds));
     }
