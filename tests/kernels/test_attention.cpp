@@ -2,7 +2,8 @@
 // attention_backward (with and without dropout) on the CPU: against naive references in double (full S x S
 // softmax, the dropout mask from philox_uniform), central finite differences, the bf16 path against f32,
 // determinism across thread counts, and entry checks; queries as the last S of Sk keys (from separate q and kv
-// tensors, kv a slice) against the rows of the full problem. No timing here (see bench/).
+// tensors, kv a slice) against the rows of the full problem; the AVX-512 tiles against the AVX2 ones. No timing here
+// (see bench/).
 #include <omp.h>
 
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/kernels/cpu_isa.h"
 #include "moecore/kernels/ops.h"
 #include "test_util.h"
 
@@ -240,6 +242,35 @@ TEST(AttentionDropout, MatchesNaiveReference) {
     EXPECT_TENSOR_NEAR(f.lse, from_doubles(lse_shape(d), ref.lse), 2e-5, 2e-6);
     EXPECT_TENSOR_NEAR(run_backward(dout, qkv, f, d, drop), from_doubles(qkv_shape(d), ref.dqkv), 2e-4, 2e-5);
   }
+}
+
+// The tile GEMM's AVX-512 variant (cpu/attention_blocks.h, taken where cpu_kernel_isa() is avx512) gives the AVX2
+// variant's bits: out, lse and dqkv of every shape above and a head dim of 80 (32-column panels, then a 16-column
+// one), without and with dropout. Skipped, saying so, where the CPU has no AVX-512.
+TEST(AttentionForward, Avx512TilesGiveTheAvx2Bits) {
+  if (!ops::cpu_has_isa(ops::CpuIsa::avx512))
+    GTEST_SKIP() << "this CPU has no AVX-512 (F, BW, DQ, VL): only the AVX2 tiles run here";
+  ops::cap_cpu_kernel_isa(ops::CpuIsa::avx512);
+  if (ops::cpu_kernel_isa() != ops::CpuIsa::avx512) GTEST_SKIP() << "MOECORE_CPU_ISA caps the kernels below AVX-512";
+  std::vector<QkvDims> shapes(std::begin(kShapes), std::end(kShapes));
+  shapes.push_back({1, 150, 1, 2, 80});
+  for (const QkvDims& d : shapes)
+    for (const Dropout& drop : {Dropout{}, attn_dropout(0.2f)}) {
+      SCOPED_TRACE(name_of(d) + (drop.active() ? " dropout" : ""));
+      const Tensor qkv = randn(qkv_shape(d), "qkv"), dout = randn(out_shape(d), "dout");
+      std::vector<float> runs[2];
+      for (const ops::CpuIsa isa : {ops::CpuIsa::avx2, ops::CpuIsa::avx512}) {
+        ops::cap_cpu_kernel_isa(isa);
+        const Fwd f = run_forward(qkv, d, drop);
+        std::vector<float>& all = runs[isa == ops::CpuIsa::avx512];
+        all = to_vector(f.out);
+        for (float v : to_vector(f.lse)) all.push_back(v);
+        for (float v : to_vector(run_backward(dout, qkv, f, d, drop))) all.push_back(v);
+      }
+      ops::cap_cpu_kernel_isa(ops::CpuIsa::avx512);
+      ASSERT_EQ(runs[0].size(), runs[1].size());
+      EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)));
+    }
 }
 
 // lse is that of the undropped scores: bitwise the lse without dropout. Dropout changes out.

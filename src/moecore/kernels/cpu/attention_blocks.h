@@ -1,12 +1,16 @@
 // Private building blocks of the CPU flash attention (attention.cpp): a register-tiled f32 GEMM for the
 // small dense blocks (scores, P @ V and the five backward products), a row max, and the block sizes they
 // assume. Operands are packed f32 tiles padded with zeros to whole micro-tiles, so the kernel has no
-// column tails. No softmax logic and no tensor code here; AVX2+FMA intrinsics with a scalar fallback.
+// column tails. No softmax logic and no tensor code here; AVX2+FMA intrinsics with a scalar fallback, and an AVX-512
+// variant of the GEMM taken where cpu_kernel_isa() says so (the same FMAs per element in the same order: same bits).
 #pragma once
 #include <cstdint>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#include "moecore/kernels/cpu_isa.h"
+
+#if defined(__x86_64__)
 #include <immintrin.h>
+#define MOECORE_ATTN_AVX512 1
 #endif
 
 namespace moecore::ops::cpu::attn {
@@ -62,6 +66,80 @@ inline void micro_tile(int64_t K, const float* A, int64_t lda, const float* B, i
 #endif
 }
 
+#if MOECORE_ATTN_AVX512
+// The AVX-512 micro-tile: C[MR, 16 NV] (+)= op(A) B with NV zmm vectors per row (2: 32 columns, 12 accumulators as
+// the AVX2 tile's; 1: a 16-column tail). Every element gets the AVX2 tile's FMAs in the same order.
+template <int MR, int NV, bool TA>
+MOECORE_TARGET_AVX512 inline void micro_tile_avx512(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                                                    float* C, int64_t ldc, bool accumulate) {
+  __m512 c[MR][NV];
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) c[r][v] = accumulate ? _mm512_loadu_ps(C + r * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 b[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_ps(B + k * ldb + 16 * v);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(TA ? A[k * lda + r] : A[r * lda + k]);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) c[r][v] = _mm512_fmadd_ps(a, b[v], c[r][v]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, c[r][v]);
+}
+
+template <int NV, bool TA>
+MOECORE_TARGET_AVX512 inline void micro_rows_avx512(int64_t rows, int64_t K, const float* A, int64_t lda,
+                                                    const float* B, int64_t ldb, float* C, int64_t ldc,
+                                                    bool accumulate) {
+  switch (rows) {
+    case 6:
+      micro_tile_avx512<6, NV, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
+      break;
+    case 5:
+      micro_tile_avx512<5, NV, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
+      break;
+    case 4:
+      micro_tile_avx512<4, NV, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
+      break;
+    case 3:
+      micro_tile_avx512<3, NV, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
+      break;
+    case 2:
+      micro_tile_avx512<2, NV, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
+      break;
+    default:
+      micro_tile_avx512<1, NV, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
+      break;
+  }
+}
+
+// block_gemm's AVX-512 variant: 32-column panels, a 16-column one last where N % 32 == 16.
+template <bool TA>
+MOECORE_TARGET_AVX512 inline void block_gemm_avx512(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                                                    const float* B, int64_t ldb, float* C, int64_t ldc,
+                                                    bool accumulate) {
+  for (int64_t n0 = 0; n0 < N;) {
+    const bool wide = N - n0 >= 2 * kNR;
+    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+      const int64_t rows = M - m0 < kMR ? M - m0 : kMR;
+      const float* a = TA ? A + m0 : A + m0 * lda;
+      if (wide)
+        micro_rows_avx512<2, TA>(rows, K, a, lda, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
+      else
+        micro_rows_avx512<1, TA>(rows, K, a, lda, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
+    }
+    n0 += wide ? 2 * kNR : kNR;
+  }
+}
+#endif
+
 template <bool TA>
 inline void micro_rows(int64_t rows, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                        int64_t ldc, bool accumulate) {
@@ -93,6 +171,9 @@ inline void micro_rows(int64_t rows, int64_t K, const float* A, int64_t lda, con
 template <bool TA>
 inline void block_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
                        float* C, int64_t ldc, bool accumulate) {
+#if MOECORE_ATTN_AVX512
+  if (cpu_kernel_isa() == CpuIsa::avx512) return block_gemm_avx512<TA>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+#endif
   for (int64_t n0 = 0; n0 < N; n0 += kNR) {
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       const int64_t rows = M - m0 < kMR ? M - m0 : kMR;

@@ -1,7 +1,8 @@
-// CPU FP8 GEMMs (ops_fp8.h): each operand quantised and dequantised into a scratch copy in its own dtype -- the FP8
-// values themselves for a per-tensor scale (which then multiplies alpha), the values times their block's power-of-two
-// scale_inv otherwise, both exact in f32 and bf16 -- then the plain GEMM on the copies. Blocks are computed whole by
-// one thread (a per-tensor amax is a max, which no thread split changes), so any thread count gives the same bits.
+// CPU FP8 GEMMs (ops_fp8.h): each operand quantised and dequantised into a scratch copy (f32, or bf16 for a bf16
+// operand where the bf16 GEMM runs native: cpu_isa.h) -- the FP8 values themselves for a per-tensor scale (which then
+// multiplies alpha), the values times their block's power-of-two scale_inv otherwise, both exact in f32 and bf16 --
+// then the plain GEMM on the copies. Blocks are computed whole by one thread (a per-tensor amax is a max, which no
+// thread split changes), so any thread count gives the same bits.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -9,6 +10,7 @@
 
 #include "moecore/kernels/common/fp8.h"
 #include "moecore/kernels/cpu/cpu_util.h"
+#include "moecore/kernels/cpu_isa.h"
 #include "moecore/kernels/ops_fp8.h"
 
 namespace moecore::ops {
@@ -50,9 +52,9 @@ BlockScale scale_of(float amax, bool e5m2, const Fp8Operand& p, int64_t group) {
 }
 
 // x [R, C] (row stride ldx, unit last stride) quantised in blocks br x bc of this stored layout into out [R, C]
-// (contiguous, x's dtype).
-template <class T>
-Quantized quantize_into(const T* x, int64_t ldx, int64_t R, int64_t C, T* out, int64_t br, int64_t bc, bool e5m2,
+// (contiguous, f32 or x's dtype: the values are exact in both).
+template <class T, class O>
+Quantized quantize_into(const T* x, int64_t ldx, int64_t R, int64_t C, O* out, int64_t br, int64_t bc, bool e5m2,
                         const Fp8Operand& p, int64_t group) {
   Quantized res;
   if (R == 0 || C == 0) return res;
@@ -79,7 +81,7 @@ Quantized quantize_into(const T* x, int64_t ldx, int64_t R, int64_t C, T* out, i
 #pragma omp parallel for schedule(static) if (R * C > cpu::kParallelWork)
     for (int64_t r = 0; r < R; ++r) {
       const T* xr = x + r * ldx;
-      T* o = out + r * C;
+      O* o = out + r * C;
       for (int64_t c = 0; c < C; ++c) st(o[c], fp8::round_to(ld(xr[c]) * s.scale, e5m2));
     }
     res.scale_inv = s.inv;
@@ -109,7 +111,7 @@ Quantized quantize_into(const T* x, int64_t ldx, int64_t R, int64_t C, T* out, i
         bad |= b;
         for (int64_t r = r0; r < r1; ++r) {
           const T* xr = x + r * ldx;
-          T* o = out + r * C;
+          O* o = out + r * C;
           for (int64_t c = 0; c < C; ++c) {
             const BlockScale& sc = s[c / bc];
             st(o[c], fp8::round_to(ld(xr[c]) * sc.scale, e5m2) * sc.inv);
@@ -121,6 +123,13 @@ Quantized quantize_into(const T* x, int64_t ldx, int64_t R, int64_t C, T* out, i
   res.amax = total;
   res.finite = bad == 0;
   return res;
+}
+
+// The dtype of the quantised copies of `operands` (f32 or bf16): f32 where the GEMM on them would widen bf16 to f32
+// anyway (the grouped GEMMs always; the plain ones where cpu_bf16_gemm() is widened), which saves that pass.
+DType copy_dtype(DType operands, bool grouped) {
+  const bool native = operands == DType::bf16 && !grouped && cpu_bf16_gemm() == Bf16Gemm::native;
+  return native ? DType::bf16 : DType::f32;
 }
 
 // A grow-only contiguous scratch of the calling thread per operand slot and dtype (f32, bf16), on the op's device,
@@ -146,8 +155,15 @@ Quantized quantize_operand(const Tensor& x, Tensor& dst, bool reduction_along_ro
   cpu::with_float_type(x.dtype(), [&](auto t) {
     using T = decltype(t);
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
-      q = quantize_into(static_cast<const T*>(x.raw()), x.stride(0), x.size(0), x.size(1), static_cast<T*>(dst.raw()),
-                        br, bc, e5m2, p, group);
+      const T* src = static_cast<const T*>(x.raw());
+      if (dst.dtype() == DType::f32)
+        q = quantize_into(src, x.stride(0), x.size(0), x.size(1), static_cast<float*>(dst.raw()), br, bc, e5m2, p,
+                          group);
+      else if (dst.dtype() == x.dtype())
+        q = quantize_into(src, x.stride(0), x.size(0), x.size(1), static_cast<T*>(dst.raw()), br, bc, e5m2, p, group);
+      else
+        MOECORE_FAIL("gemm (fp8): ", g.layer, g.linear, " ", g.pass, ": a ", dtype_name(x.dtype()),
+                     " operand quantised into ", dtype_name(dst.dtype()));
     } else {
       MOECORE_FAIL("gemm (fp8): ", g.layer, g.linear, " ", g.pass, ": operands must be f32 or bf16, got ",
                    dtype_name(x.dtype()));
@@ -195,8 +211,9 @@ void gemm(Tensor& c, const Tensor& a, bool trans_a, const Tensor& b, bool trans_
   chk.same_dtype("b", "a");
   check_fp8(chk, a, fp8, 1);
   if (a.stride(-1) != 1 || b.stride(-1) != 1) chk.fail("a and b need a unit last stride");
-  Tensor qa = scratch(0, a.size(0), a.size(1), a.dtype(), ctx.device);
-  Tensor qb = scratch(1, b.size(0), b.size(1), b.dtype(), ctx.device);
+  const DType qt = copy_dtype(a.dtype(), false);
+  Tensor qa = scratch(0, a.size(0), a.size(1), qt, ctx.device);
+  Tensor qb = scratch(1, b.size(0), b.size(1), qt, ctx.device);
   const Quantized ra = quantize_operand(a, qa, trans_a, fp8.a, fp8, trans_a ? "operand a^T" : "operand a");
   const Quantized rb = quantize_operand(b, qb, !trans_b, fp8.b, fp8, trans_b ? "operand b^T" : "operand b");
   gemm(c, qa, trans_a, qb, trans_b, alpha * ra.scale_inv * rb.scale_inv, beta, ctx);
@@ -213,8 +230,9 @@ void gemm_grouped(Tensor& c, const Tensor& a, const Tensor& b, bool trans_b, con
   if (a.stride(-1) != 1 || !b.is_contiguous()) chk.fail("a needs a unit last stride and b to be contiguous");
   const int64_t R = a.size(0), K = a.size(1), G = b.size(0);
   const std::vector<int64_t> rows = cpu::group_counts(chk, G, R);
-  Tensor qa = scratch(0, R, K, a.dtype(), ctx.device);
-  Tensor qb = scratch(1, G * b.size(1), b.size(2), b.dtype(), ctx.device);
+  const DType qt = copy_dtype(a.dtype(), true);
+  Tensor qa = scratch(0, R, K, qt, ctx.device);
+  Tensor qb = scratch(1, G * b.size(1), b.size(2), qt, ctx.device);
   std::vector<float> alpha(G, 1.0f);
   bool scaled = false;
   for (int64_t g = 0, o = 0; g < G; o += rows[g], ++g) {
@@ -248,8 +266,9 @@ void gemm_grouped_wgrad(Tensor& c, const Tensor& a, const Tensor& b, const Tenso
   const int64_t R = a.size(0), G = c.size(0);
   if (b.size(0) != R) chk.fail("a and b must have the same rows");
   const std::vector<int64_t> rows = cpu::group_counts(chk, G, R);
-  Tensor qa = scratch(0, R, a.size(1), a.dtype(), ctx.device);
-  Tensor qb = scratch(1, R, b.size(1), b.dtype(), ctx.device);
+  const DType qt = copy_dtype(a.dtype(), false);
+  Tensor qa = scratch(0, R, a.size(1), qt, ctx.device);
+  Tensor qb = scratch(1, R, b.size(1), qt, ctx.device);
   for (int64_t g = 0, o = 0; g < G; o += rows[g], ++g) {
     Tensor cg = c.select(0, g);
     Tensor aq = qa.slice(0, o, o + rows[g]), bq = qb.slice(0, o, o + rows[g]);
