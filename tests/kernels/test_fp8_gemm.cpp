@@ -200,6 +200,39 @@ TEST(Fp8Gemm, EveryRecipeMatchesTheQuantisationReference) {
         }
 }
 
+// The quantised copies a GEMM multiplies are, value for value, the quantisation ops' (fp8_quantize + dequantize, bit
+// for bit the PyTorch golden): with op(b) the identity, which every recipe below quantises exactly, c = q(a). Rows of
+// 300 values (the copies' 8-lane loops with tails, 1x128 and 1x32 blocks cut short) spanning FP8's subnormals, exact
+// ties, signed zeros and, under a given scale of 8, values past the largest FP8 number.
+TEST(Fp8Gemm, QuantisedCopiesAreTheQuantisationOpsValues) {
+  const int64_t M = 37, K = 300;
+  Tensor a32 = graded(M, K, "fp8 copies a", 4.0f);
+  float* pa = a32.data<float>();
+  for (int64_t i = 0; i < M * K; i += 7) pa[i] = (i % 2 ? -1.0f : 1.0f) * std::ldexp(1.5f, -10 - int(i % 9));
+  for (int64_t i = 3; i < M * K; i += 11) pa[i] = (i % 2 ? -0.0f : 0.0f);
+  for (int64_t i = 5; i < M * K; i += 13) pa[i] = std::ldexp(1.0f + 0.0625f * float(i % 16), int(i % 7) - 3);
+  Tensor eye = Tensor::zeros({K, K}, DType::f32);
+  for (int64_t k = 0; k < K; ++k) eye.data<float>()[k * K + k] = 1.0f;
+  static const float kEight[] = {8.0f}, kOne[] = {1.0f};
+  for (DType dt : {DType::f32, DType::bf16})
+    for (const Recipe& r : recipes(dt)) {
+      ops::Fp8Gemm g{r.act, r.weight, "copies"};
+      if (std::string(r.name) == "tensorwise") continue;  // a scale that is no power of two: c is not q(a) exactly
+      if (r.act.rule == ops::Fp8ScaleRule::given) {
+        g.a.scale = kEight;
+        g.b.scale = kOne;
+      }
+      for (bool e5m2 : {false, true}) {
+        SCOPED_TRACE(std::string(r.name) + " " + std::string(dtype_name(dt)) + (e5m2 ? " e5m2" : " e4m3"));
+        g.a.format = e5m2 ? DType::f8e5m2 : DType::f8e4m3;
+        const Tensor a = a32.to(dt), b = eye.to(dt);
+        Tensor c = Tensor::zeros({M, K}, DType::f32);
+        ops::gemm(c, a, false, b, true, 1.0f, 0.0f, g, cpu);
+        EXPECT_EQ(testing::to_vector(c), testing::to_vector(reference_operand(dense_f32(a, false), g.a)));
+      }
+    }
+}
+
 // Group e's operand of a grouped GEMM: its own given scale.
 ops::Fp8Operand of_group(ops::Fp8Operand o, int64_t e) {
   if (o.scale.size() > 1) o.scale = o.scale.subspan(static_cast<size_t>(e), 1);

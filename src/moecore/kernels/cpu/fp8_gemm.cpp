@@ -13,11 +13,103 @@
 #include "moecore/kernels/cpu_isa.h"
 #include "moecore/kernels/ops_fp8.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MOECORE_FP8_AVX2 1
+#endif
+
 namespace moecore::ops {
 namespace {
 
 using cpu::ld;
 using cpu::st;
+
+// The quantisation's two passes over a run of n elements of one row: the largest |x| (NaN skipped, as
+// fp8::fmax_skip_nan; `bad` set by a NaN or an infinity) and the cast out[i] = round_to(x[i] * scale) * inv. AVX2 for
+// f32 outputs (8 lanes, the scalar loop for the tail): the same bits as the scalar loop for every finite input (a
+// max is a max; the cast is round_to's arithmetic lane by lane); a NaN or infinite input stops the run anyway.
+template <class T>
+float run_amax(const T* x, int64_t n, int& bad) {
+  float m = 0.0f;
+  int64_t i = 0;
+#if MOECORE_FP8_AVX2
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), fmax = _mm256_set1_ps(FLT_MAX);
+    __m256 mv = _mm256_setzero_ps(), badv = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      __m256 v;
+      if constexpr (std::is_same_v<T, float>)
+        v = _mm256_loadu_ps(x + i);
+      else
+        v = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))), 16));
+      v = _mm256_and_ps(v, abs_mask);
+      badv = _mm256_or_ps(badv, _mm256_cmp_ps(v, fmax, _CMP_NLE_UQ));  // !(v <= FLT_MAX): NaN or infinity
+      mv = _mm256_max_ps(v, mv);                                       // a NaN v leaves mv (the second operand)
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    m = _mm_cvtss_f32(h);
+    bad |= _mm256_movemask_ps(badv) != 0;
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = std::fabs(ld(x[i]));
+    bad |= !(v <= FLT_MAX);
+    m = fp8::fmax_skip_nan(m, v);
+  }
+  return m;
+}
+
+#if MOECORE_FP8_AVX2
+// fp8::round_to on 8 lanes (finite inputs; an infinity saturates as there, a NaN gives +-max here).
+template <bool E5M2>
+inline __m256 round_to8(__m256 y) {
+  constexpr int kShift = E5M2 ? 21 : 20;
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_andnot_ps(sign_mask, y);
+  const __m256i bits = _mm256_castps_si256(a);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, kShift), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32((1 << (kShift - 1)) - 1), odd));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(~((1 << kShift) - 1))));
+  const __m256 magic = _mm256_set1_ps(E5M2 ? 0x1p7f : 0x1p14f);
+  const __m256 subnormal = _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
+  const __m256 max = _mm256_set1_ps(fp8::max_of(E5M2));
+  __m256 r =
+      _mm256_blendv_ps(normal, subnormal, _mm256_cmp_ps(a, _mm256_set1_ps(E5M2 ? 0x1p-14f : 0x1p-6f), _CMP_LT_OQ));
+  r = _mm256_blendv_ps(max, r, _mm256_cmp_ps(a, max, _CMP_LT_OQ));
+  return _mm256_or_ps(r, _mm256_and_ps(y, sign_mask));
+}
+
+template <bool E5M2, class T>
+void run_cast8(const T* x, int64_t& i, int64_t n, float* out, float scale, float inv) {
+  const __m256 sv = _mm256_set1_ps(scale), iv = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8) {
+    __m256 v;
+    if constexpr (std::is_same_v<T, float>)
+      v = _mm256_loadu_ps(x + i);
+    else
+      v = _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))), 16));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(round_to8<E5M2>(_mm256_mul_ps(v, sv)), iv));
+  }
+}
+#endif
+
+template <class T, class O>
+void run_cast(const T* x, int64_t n, O* out, float scale, float inv, bool e5m2) {
+  int64_t i = 0;
+#if MOECORE_FP8_AVX2
+  if constexpr (std::is_same_v<O, float> && (std::is_same_v<T, float> || std::is_same_v<T, bf16>)) {
+    if (e5m2)
+      run_cast8<true>(x, i, n, out, scale, inv);
+    else
+      run_cast8<false>(x, i, n, out, scale, inv);
+  }
+#endif
+  for (; i < n; ++i) st(out[i], fp8::round_to(ld(x[i]) * scale, e5m2) * inv);
+}
 
 // What quantising one operand found: its scale_inv when the operand is one block (else 1: the copy carries the
 // scales), its amax, and whether every element was finite.
@@ -66,24 +158,13 @@ Quantized quantize_into(const T* x, int64_t ldx, int64_t R, int64_t C, O* out, i
   if (whole) {  // one scale: a parallel amax, then a parallel cast of the FP8 values
 #pragma omp parallel for schedule(static) reduction(max : total) reduction(| : bad) if (R * C > cpu::kParallelWork)
     for (int64_t r = 0; r < R; ++r) {
-      const T* xr = x + r * ldx;
-      float m = 0.0f;
       int b = 0;
-      for (int64_t c = 0; c < C; ++c) {
-        const float v = std::fabs(ld(xr[c]));
-        b |= !(v <= FLT_MAX);
-        m = fp8::fmax_skip_nan(m, v);
-      }
-      total = std::max(total, m);
+      total = std::max(total, run_amax(x + r * ldx, C, b));
       bad |= b;
     }
     const BlockScale s = scale_of(total, e5m2, p, group);
 #pragma omp parallel for schedule(static) if (R * C > cpu::kParallelWork)
-    for (int64_t r = 0; r < R; ++r) {
-      const T* xr = x + r * ldx;
-      O* o = out + r * C;
-      for (int64_t c = 0; c < C; ++c) st(o[c], fp8::round_to(ld(xr[c]) * s.scale, e5m2));
-    }
+    for (int64_t r = 0; r < R; ++r) run_cast(x + r * ldx, C, out + r * C, s.scale, 1.0f, e5m2);
     res.scale_inv = s.inv;
   } else {  // bands of br rows, each band's column blocks: amaxes row by row, then the cast
     const int64_t bands = (R + br - 1) / br, nb = (C + bc - 1) / bc;
@@ -96,27 +177,21 @@ Quantized quantize_into(const T* x, int64_t ldx, int64_t R, int64_t C, O* out, i
         const int64_t r0 = band * br, r1 = std::min(R, r0 + br);
         std::fill(amax.begin(), amax.end(), 0.0f);
         int b = 0;
-        for (int64_t r = r0; r < r1; ++r) {
-          const T* xr = x + r * ldx;
-          for (int64_t c = 0; c < C; ++c) {
-            const float v = std::fabs(ld(xr[c]));
-            b |= !(v <= FLT_MAX);
-            amax[c / bc] = fp8::fmax_skip_nan(amax[c / bc], v);
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t j = 0; j < nb; ++j) {
+            const int64_t c0 = j * bc, n = std::min(C, c0 + bc) - c0;
+            amax[j] = fp8::fmax_skip_nan(amax[j], run_amax(x + r * ldx + c0, n, b));
           }
-        }
         for (int64_t j = 0; j < nb; ++j) {
           s[j] = scale_of(amax[j], e5m2, p, group);
           total = std::max(total, amax[j]);
         }
         bad |= b;
-        for (int64_t r = r0; r < r1; ++r) {
-          const T* xr = x + r * ldx;
-          O* o = out + r * C;
-          for (int64_t c = 0; c < C; ++c) {
-            const BlockScale& sc = s[c / bc];
-            st(o[c], fp8::round_to(ld(xr[c]) * sc.scale, e5m2) * sc.inv);
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t j = 0; j < nb; ++j) {
+            const int64_t c0 = j * bc, n = std::min(C, c0 + bc) - c0;
+            run_cast(x + r * ldx + c0, n, out + r * C + c0, s[j].scale, s[j].inv, e5m2);
           }
-        }
       }
     }
   }
