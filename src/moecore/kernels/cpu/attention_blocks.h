@@ -5,6 +5,7 @@
 // variant of the GEMM taken where cpu_kernel_isa() says so (the same FMAs per element in the same order: same bits).
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include "moecore/kernels/cpu_isa.h"
 
@@ -93,93 +94,55 @@ MOECORE_TARGET_AVX512 inline void micro_tile_avx512(int64_t K, const float* A, i
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, c[r][v]);
 }
-
-template <int NV, bool TA>
-MOECORE_TARGET_AVX512 inline void micro_rows_avx512(int64_t rows, int64_t K, const float* A, int64_t lda,
-                                                    const float* B, int64_t ldb, float* C, int64_t ldc,
-                                                    bool accumulate) {
-  switch (rows) {
-    case 6:
-      micro_tile_avx512<6, NV, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
-      break;
-    case 5:
-      micro_tile_avx512<5, NV, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
-      break;
-    case 4:
-      micro_tile_avx512<4, NV, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
-      break;
-    case 3:
-      micro_tile_avx512<3, NV, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
-      break;
-    case 2:
-      micro_tile_avx512<2, NV, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
-      break;
-    default:
-      micro_tile_avx512<1, NV, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
-      break;
-  }
-}
-
-// block_gemm's AVX-512 variant: 32-column panels, a 16-column one last where N % 32 == 16.
-template <bool TA>
-MOECORE_TARGET_AVX512 inline void block_gemm_avx512(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-                                                    const float* B, int64_t ldb, float* C, int64_t ldc,
-                                                    bool accumulate) {
-  for (int64_t n0 = 0; n0 < N;) {
-    const bool wide = N - n0 >= 2 * kNR;
-    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
-      const int64_t rows = M - m0 < kMR ? M - m0 : kMR;
-      const float* a = TA ? A + m0 : A + m0 * lda;
-      if (wide)
-        micro_rows_avx512<2, TA>(rows, K, a, lda, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
-      else
-        micro_rows_avx512<1, TA>(rows, K, a, lda, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
-    }
-    n0 += wide ? 2 * kNR : kNR;
-  }
-}
 #endif
 
-template <bool TA>
-inline void micro_rows(int64_t rows, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-                       int64_t ldc, bool accumulate) {
+// Calls f(std::integral_constant<int, MR>{}) with MR = rows, 1..kMR: a micro-tile's row count as a constant.
+template <class F>
+inline void with_tile_rows(int64_t rows, F&& f) {
   switch (rows) {
     case 6:
-      micro_tile<6, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
-      break;
+      return f(std::integral_constant<int, 6>{});
     case 5:
-      micro_tile<5, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
-      break;
+      return f(std::integral_constant<int, 5>{});
     case 4:
-      micro_tile<4, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
-      break;
+      return f(std::integral_constant<int, 4>{});
     case 3:
-      micro_tile<3, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
-      break;
+      return f(std::integral_constant<int, 3>{});
     case 2:
-      micro_tile<2, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
-      break;
+      return f(std::integral_constant<int, 2>{});
     default:
-      micro_tile<1, TA>(K, A, lda, B, ldb, C, ldc, accumulate);
-      break;
+      return f(std::integral_constant<int, 1>{});
   }
 }
 
 // C[M, N] = (accumulate ? C : 0) + op(A) @ B in f32. op(A) is A [M, K] with row stride lda, or with
 // trans_a the transpose of A stored [K, M] (row stride lda). B [K, N], row stride ldb. N % kNR == 0.
-// Column panels outermost: a K x 16 panel of B stays in L1 while every row tile of A streams past it.
+// Column panels outermost: a K x 16 panel of B (K x 32 for the AVX-512 tiles, a 16-wide one last where N % 32 == 16)
+// stays in L1 while every row tile of A streams past it.
 template <bool TA>
 inline void block_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
                        float* C, int64_t ldc, bool accumulate) {
 #if MOECORE_ATTN_AVX512
-  if (cpu_kernel_isa() == CpuIsa::avx512) return block_gemm_avx512<TA>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  const bool avx512 = cpu_kernel_isa() == CpuIsa::avx512;
+#else
+  const bool avx512 = false;
 #endif
-  for (int64_t n0 = 0; n0 < N; n0 += kNR) {
+  for (int64_t n0 = 0; n0 < N;) {
+    const bool wide = avx512 && N - n0 >= 2 * kNR;
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
-      const int64_t rows = M - m0 < kMR ? M - m0 : kMR;
       const float* a = TA ? A + m0 : A + m0 * lda;
-      micro_rows<TA>(rows, K, a, lda, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
+      const float* b = B + n0;
+      float* c = C + m0 * ldc + n0;
+      with_tile_rows(M - m0 < kMR ? M - m0 : kMR, [&](auto rows) {
+        constexpr int MR = decltype(rows)::value;
+#if MOECORE_ATTN_AVX512
+        if (wide) return micro_tile_avx512<MR, 2, TA>(K, a, lda, b, ldb, c, ldc, accumulate);
+        if (avx512) return micro_tile_avx512<MR, 1, TA>(K, a, lda, b, ldb, c, ldc, accumulate);
+#endif
+        micro_tile<MR, TA>(K, a, lda, b, ldb, c, ldc, accumulate);
+      });
     }
+    n0 += wide ? 2 * kNR : kNR;
   }
 }
 

@@ -24,6 +24,18 @@ namespace {
 using cpu::ld;
 using cpu::st;
 
+#if MOECORE_FP8_AVX2
+// 8 consecutive f32 or bf16 values as f32 (a bf16 is the top half of its f32).
+template <class T>
+inline __m256 load8(const T* x) {
+  if constexpr (std::is_same_v<T, float>)
+    return _mm256_loadu_ps(x);
+  else
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+#endif
+
 // The quantisation's two passes over a run of n elements of one row: the largest |x| (NaN skipped, as
 // fp8::fmax_skip_nan; `bad` set by a NaN or an infinity) and the cast out[i] = round_to(x[i] * scale) * inv. AVX2 for
 // f32 outputs (8 lanes, the scalar loop for the tail): the same bits as the scalar loop for every finite input (a
@@ -37,13 +49,7 @@ float run_amax(const T* x, int64_t n, int& bad) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), fmax = _mm256_set1_ps(FLT_MAX);
     __m256 mv = _mm256_setzero_ps(), badv = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
-      __m256 v;
-      if constexpr (std::is_same_v<T, float>)
-        v = _mm256_loadu_ps(x + i);
-      else
-        v = _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))), 16));
-      v = _mm256_and_ps(v, abs_mask);
+      const __m256 v = _mm256_and_ps(load8(x + i), abs_mask);
       badv = _mm256_or_ps(badv, _mm256_cmp_ps(v, fmax, _CMP_NLE_UQ));  // !(v <= FLT_MAX): NaN or infinity
       mv = _mm256_max_ps(v, mv);                                       // a NaN v leaves mv (the second operand)
     }
@@ -86,12 +92,7 @@ template <bool E5M2, class T>
 void run_cast8(const T* x, int64_t& i, int64_t n, float* out, float scale, float inv) {
   const __m256 sv = _mm256_set1_ps(scale), iv = _mm256_set1_ps(inv);
   for (; i + 8 <= n; i += 8) {
-    __m256 v;
-    if constexpr (std::is_same_v<T, float>)
-      v = _mm256_loadu_ps(x + i);
-    else
-      v = _mm256_castsi256_ps(
-          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))), 16));
+    const __m256 v = load8(x + i);
     _mm256_storeu_ps(out + i, _mm256_mul_ps(round_to8<E5M2>(_mm256_mul_ps(v, sv)), iv));
   }
 }
